@@ -1,0 +1,90 @@
+"""The ``foxhunt`` command: ``info``, ``train``, ``conformance``.
+
+Each subcommand is a small function taking the parsed arguments and returning an exit code;
+errors a user can fix (a missing CSV, a bad preset) print one clear line and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+from importlib import metadata
+
+from .config import PRESETS, DQNConfig
+from .layout import ParamLayout
+
+
+def _version(dist: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def cuda_status() -> tuple[bool, str]:
+    """(available, reason) from the fast path's own check; never raises."""
+    try:
+        fast = importlib.import_module("foxhunt.fast")
+        return fast.cuda_available()
+    except Exception as exc:  # the fast package itself failing to import is also "no CUDA"
+        return False, f"foxhunt.fast unavailable: {exc}"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    print(f"foxhunt {_version('foxhunt')} on Python {platform.python_version()} ({platform.machine()})")
+    for dist in ("numpy", "torch", "safetensors", "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc",
+                 "nvmath-python"):
+        print(f"  {dist:<18} {_version(dist)}")
+    ok, reason = cuda_status()
+    print(f"CUDA device: {'yes, ' + reason if ok else 'none (' + reason + ')'}")
+    print("presets:")
+    for name in PRESETS:
+        cfg = DQNConfig.preset(name)
+        lay = ParamLayout(cfg)
+        print(f"  {name:<6} params={lay.total_params:,} (padded {lay.num_elements:,}) "
+              f"B={cfg.batch_size} SD={cfg.state_dim} trunk={cfg.shared_h1}/{cfg.shared_h2} "
+              f"heads={cfg.value_h}/{cfg.adv_h} atoms={cfg.num_atoms} branches={cfg.branches} "
+              f"weight matrices={len(lay.weight_matrices)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="foxhunt", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_info = sub.add_parser("info", help="versions, CUDA visibility, presets and parameter counts")
+    p_info.set_defaults(func=cmd_info)
+    for register in _EXTRA_COMMANDS:
+        register(sub)
+    return parser
+
+
+#: Modules that add subcommands: each has ``register(subparsers)``.
+_EXTRA_COMMANDS: list = []
+
+
+def _load_extra_commands() -> None:
+    for mod in ("foxhunt.reference.train_cli", "foxhunt.conformance.cli"):
+        try:
+            module = importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise
+            continue
+        if hasattr(module, "register"):
+            _EXTRA_COMMANDS.append(module.register)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _load_extra_commands()
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

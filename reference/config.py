@@ -1,0 +1,267 @@
+"""`DQNConfig`: every size, rate and safety multiplier of the network and the step (SPEC 3, 6).
+
+A frozen dataclass validated at construction: each bad value raises ``ValueError`` naming the
+field, the value, and what is allowed. ``DQNConfig.preset("seed")`` is the production size
+(289,611 parameters); ``DQNConfig.preset("tiny")`` is the size the fast tests use.
+
+JSON round trip: ``DQNConfig.from_dict(cfg.to_dict()) == cfg``; unknown keys are rejected by
+name so that a checkpoint written by a different version fails loudly instead of silently
+dropping a field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PRECISIONS = ("f32", "bf16")
+
+#: The four gradient sources of the budget pipeline (SPEC 4 step 5), in pipeline order.
+BUDGET_SOURCES = ("c51", "cql", "iqn", "ens")
+
+#: Tolerance on ``sum(budgets) == 1``.
+BUDGET_SUM_TOL = 1e-6
+
+
+def _budgets_default() -> tuple[float, float, float, float]:
+    return (0.70, 0.15, 0.10, 0.05)
+
+
+@dataclass(frozen=True)
+class DQNConfig:
+    """Configuration of the branching dueling C51 DQN and its training step.
+
+    Sizes (SPEC 3): ``batch_size`` B, ``state_dim`` SD, trunk widths ``shared_h1`` / ``shared_h2``,
+    head widths ``value_h`` / ``adv_h``, ``num_atoms`` NA on ``[v_min, v_max]``, ``branches`` (actions
+    per branch), ``gamma`` (one float, or one per branch).
+
+    Safety multipliers (SPEC 6; each bound is ``multiplier * max(isv_signal, 1)``, the floor is
+    on the signal, never on the bound): ``target_q_clip_mult`` (Mech 1), ``atom_growth_mult``
+    (Mech 2), ``adam_m_diag_mult`` / ``adam_v_diag_mult`` / ``weight_diag_mult`` (Mech 5 sentinel
+    thresholds), ``grad_clip_anchor_mult`` and ``grad_slow_ema_alpha`` (Mech 6),
+    ``weight_clamp_mult`` (Mech 9), ``h2_clamp_mult`` / ``h2_diag_mult`` (Mech 10),
+    ``aux_guard_mult`` (input range guard around auxiliary trunk backwards).
+    """
+
+    batch_size: int = 256
+    state_dim: int = 128
+    shared_h1: int = 256
+    shared_h2: int = 256
+    value_h: int = 128
+    adv_h: int = 128
+    num_atoms: int = 51
+    v_min: float = -10.0
+    v_max: float = 10.0
+    branches: tuple[int, ...] = (3, 3, 2)
+    gamma: float | tuple[float, ...] = 0.99
+    max_grad_norm: float = 10.0
+    budgets: tuple[float, float, float, float] = field(default_factory=_budgets_default)
+    sigma_max: float = 3.0
+    lr: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    tau: float = 0.005
+    cql_alpha: float = 1.0
+    readback_interval: int = 100
+    precision: str = "bf16"
+    # Safety multipliers (SPEC 6; values from the NaN-audit seed).
+    target_q_clip_mult: float = 100.0
+    atom_growth_mult: float = 100.0
+    adam_m_diag_mult: float = 100.0
+    adam_v_diag_mult: float = 1e6
+    weight_diag_mult: float = 1e3
+    grad_clip_anchor_mult: float = 100.0
+    grad_slow_ema_alpha: float = 0.001
+    weight_clamp_mult: float = 100.0
+    h2_clamp_mult: float = 100.0
+    h2_diag_mult: float = 1e3
+    aux_guard_mult: float = 1e6
+    # Auxiliary-source weights (SPEC 4, second wave); 0 disables a source.
+    lambda_iqn: float = 0.0
+    ens_weight: float = 0.0
+    c51_warmup_epochs: int = 0
+
+    # ------------------------------------------------------------------ validation
+    def __post_init__(self) -> None:
+        # Normalise sequences given as lists (e.g. from JSON) to tuples before checking.
+        for name in ("branches", "budgets"):
+            value = getattr(self, name)
+            if isinstance(value, list):
+                object.__setattr__(self, name, tuple(value))
+        if isinstance(self.gamma, list):
+            object.__setattr__(self, "gamma", tuple(self.gamma))
+        self._validate()
+
+    def _validate(self) -> None:
+        for name in ("batch_size", "state_dim", "shared_h1", "shared_h2", "value_h", "adv_h",
+                     "readback_interval"):
+            _require_int(name, getattr(self, name), minimum=1)
+        _require_int("num_atoms", self.num_atoms, minimum=2)
+        _require_int("c51_warmup_epochs", self.c51_warmup_epochs, minimum=0)
+        _require_finite("v_min", self.v_min)
+        _require_finite("v_max", self.v_max)
+        if not self.v_min < self.v_max:
+            raise ValueError(
+                f"v_min={self.v_min!r} must be < v_max={self.v_max!r} (the C51 support is [v_min, v_max])"
+            )
+        if not isinstance(self.branches, tuple) or len(self.branches) == 0:
+            raise ValueError(
+                f"branches={self.branches!r}: need a non-empty tuple of action counts, e.g. (3, 3, 2)"
+            )
+        for i, n in enumerate(self.branches):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 2:
+                raise ValueError(
+                    f"branches={self.branches!r}: branches[{i}]={n!r}, each branch needs an "
+                    "integer number of actions >= 2"
+                )
+        gammas = self.gammas
+        if isinstance(self.gamma, tuple) and len(self.gamma) != len(self.branches):
+            raise ValueError(
+                f"gamma={self.gamma!r}: a per-branch gamma needs {len(self.branches)} values "
+                f"(one per branch), got {len(self.gamma)}"
+            )
+        for i, g in enumerate(gammas):
+            _require_range(f"gamma[{i}]" if isinstance(self.gamma, tuple) else "gamma", g, 0.0, 1.0)
+        _require_positive("max_grad_norm", self.max_grad_norm)
+        if not isinstance(self.budgets, tuple) or len(self.budgets) != len(BUDGET_SOURCES):
+            raise ValueError(
+                f"budgets={self.budgets!r}: need {len(BUDGET_SOURCES)} fractions "
+                f"({', '.join(BUDGET_SOURCES)})"
+            )
+        for src, b in zip(BUDGET_SOURCES, self.budgets):
+            _require_range(f"budgets[{src}]", b, 0.0, 1.0)
+        total = math.fsum(self.budgets)
+        if abs(total - 1.0) > BUDGET_SUM_TOL:
+            raise ValueError(
+                f"budgets={self.budgets!r} sum to {total!r}; they must sum to 1 within "
+                f"{BUDGET_SUM_TOL} so that the budgets add up to max_grad_norm exactly"
+            )
+        _require_positive("sigma_max", self.sigma_max)
+        _require_positive("lr", self.lr)
+        _require_range("beta1", self.beta1, 0.0, 1.0, hi_open=True)
+        _require_range("beta2", self.beta2, 0.0, 1.0, hi_open=True)
+        _require_positive("adam_eps", self.adam_eps)
+        _require_range("weight_decay", self.weight_decay, 0.0, math.inf)
+        _require_range("tau", self.tau, 0.0, 1.0)
+        _require_range("cql_alpha", self.cql_alpha, 0.0, math.inf)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision={self.precision!r}: allowed values are {PRECISIONS}")
+        for name in ("target_q_clip_mult", "atom_growth_mult", "adam_m_diag_mult",
+                     "adam_v_diag_mult", "weight_diag_mult", "grad_clip_anchor_mult",
+                     "weight_clamp_mult", "h2_clamp_mult", "h2_diag_mult", "aux_guard_mult"):
+            _require_positive(name, getattr(self, name))
+        _require_range("grad_slow_ema_alpha", self.grad_slow_ema_alpha, 0.0, 1.0, lo_open=True)
+        _require_range("lambda_iqn", self.lambda_iqn, 0.0, math.inf)
+        _require_range("ens_weight", self.ens_weight, 0.0, math.inf)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def gammas(self) -> tuple[float, ...]:
+        """Discount per branch (a scalar ``gamma`` is broadcast)."""
+        if isinstance(self.gamma, tuple):
+            return tuple(float(g) for g in self.gamma)
+        return (float(self.gamma),) * len(self.branches)
+
+    @property
+    def n_branches(self) -> int:
+        return len(self.branches)
+
+    @property
+    def delta_z(self) -> float:
+        """Atom spacing ``dz = (v_max - v_min) / (NA - 1)``."""
+        return (self.v_max - self.v_min) / (self.num_atoms - 1)
+
+    def budget(self, source: str) -> float:
+        """Absolute norm budget of one gradient source: ``fraction * max_grad_norm``."""
+        try:
+            i = BUDGET_SOURCES.index(source)
+        except ValueError:
+            raise ValueError(f"source={source!r}: allowed values are {BUDGET_SOURCES}") from None
+        return self.budgets[i] * self.max_grad_norm
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "DQNConfig":
+        """``"seed"`` (production, 289,611 parameters) or ``"tiny"`` (fast tests)."""
+        try:
+            base = PRESETS[name]
+        except KeyError:
+            raise ValueError(f"preset={name!r}: allowed values are {tuple(PRESETS)}") from None
+        return cls(**{**base, **overrides})
+
+    def replace(self, **changes: Any) -> "DQNConfig":
+        """A copy with some fields changed (validated like any construction)."""
+        unknown = sorted(set(changes) - _field_names())
+        if unknown:
+            raise ValueError(f"unknown DQNConfig field(s) {unknown}; known: {sorted(_field_names())}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for k, v in out.items():
+            if isinstance(v, tuple):
+                out[k] = list(v)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "DQNConfig":
+        unknown = sorted(set(data) - _field_names())
+        if unknown:
+            raise ValueError(f"unknown DQNConfig key(s) {unknown}; known: {sorted(_field_names())}")
+        return cls(**dict(data))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "DQNConfig":
+        return cls.from_dict(json.loads(text))
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "seed": {},
+    "tiny": dict(
+        batch_size=32, state_dim=16, shared_h1=32, shared_h2=32, value_h=16, adv_h=16,
+        num_atoms=11, branches=(3, 2),
+    ),
+}
+
+
+def _field_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(DQNConfig)}
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _require_int(name: str, value: Any, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
+
+
+def _require_finite(name: str, value: Any) -> None:
+    if not _is_real(value) or not math.isfinite(value):
+        raise ValueError(f"{name}={value!r}: must be a finite number")
+
+
+def _require_positive(name: str, value: Any) -> None:
+    if not _is_real(value) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}={value!r}: must be a finite number > 0")
+
+
+def _require_range(name: str, value: Any, lo: float, hi: float, *,
+                   lo_open: bool = False, hi_open: bool = False) -> None:
+    ok = _is_real(value) and not math.isnan(value)
+    if ok:
+        ok = (value > lo if lo_open else value >= lo) and (value < hi if hi_open else value <= hi)
+        ok = ok and (math.isfinite(value) or hi == math.inf and value != math.inf)
+    if not ok:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open or hi == math.inf else "]"
+        raise ValueError(f"{name}={value!r}: allowed range is {left}{lo}, {hi}{right}")

@@ -1,0 +1,88 @@
+"""DQNConfig: presets, validation messages that name the field, JSON round trip."""
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from foxhunt.reference.config import BUDGET_SOURCES, DQNConfig
+
+
+def test_seed_preset_matches_spec_table():
+    c = DQNConfig.preset("seed")
+    assert (c.batch_size, c.state_dim, c.shared_h1, c.shared_h2, c.value_h, c.adv_h) == (256, 128, 256, 256, 128, 128)
+    assert (c.num_atoms, c.v_min, c.v_max, c.branches) == (51, -10.0, 10.0, (3, 3, 2))
+    assert c.gammas == (0.99, 0.99, 0.99)
+    assert c.budgets == (0.70, 0.15, 0.10, 0.05)
+    assert (c.max_grad_norm, c.sigma_max, c.lr, c.beta1, c.beta2, c.adam_eps) == (10.0, 3.0, 1e-4, 0.9, 0.999, 1e-8)
+    assert (c.tau, c.cql_alpha, c.readback_interval, c.precision) == (0.005, 1.0, 100, "bf16")
+    assert math.isclose(sum(c.budget(s) for s in BUDGET_SOURCES), c.max_grad_norm, rel_tol=1e-12)
+
+
+def test_tiny_preset():
+    c = DQNConfig.preset("tiny")
+    assert (c.state_dim, c.shared_h1, c.shared_h2, c.value_h, c.adv_h, c.num_atoms, c.branches) == (16, 32, 32, 16, 16, 11, (3, 2))
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_atoms", 1), ("num_atoms", 0), ("batch_size", 0), ("batch_size", -4), ("state_dim", 2.5),
+        ("shared_h1", True), ("v_min", float("nan")), ("branches", ()), ("branches", (3, 1)),
+        ("gamma", 1.5), ("gamma", (0.9, 0.9)), ("max_grad_norm", 0.0), ("sigma_max", -1.0),
+        ("lr", float("inf")), ("beta1", 1.0), ("beta2", -0.1), ("tau", 2.0), ("precision", "fp16"),
+        ("budgets", (0.7, 0.15, 0.1, 0.1)), ("budgets", (0.7, 0.3)), ("readback_interval", 0),
+        ("weight_clamp_mult", 0.0), ("grad_slow_ema_alpha", 0.0), ("adam_eps", 0.0),
+    ],
+)
+def test_bad_value_names_the_field(field, value):
+    with pytest.raises(ValueError) as err:
+        DQNConfig.preset("seed").replace(**{field: value})
+    assert field in str(err.value)
+    assert repr(value) in str(err.value) or str(value) in str(err.value)
+
+
+def test_v_min_must_be_below_v_max():
+    with pytest.raises(ValueError, match="v_min"):
+        DQNConfig(v_min=1.0, v_max=1.0)
+
+
+def test_unknown_preset_and_field():
+    with pytest.raises(ValueError, match="preset='huge'"):
+        DQNConfig.preset("huge")
+    with pytest.raises(ValueError, match="num_atom"):
+        DQNConfig().replace(num_atom=3)
+
+
+def test_json_round_trip_and_unknown_keys():
+    c = DQNConfig.preset("tiny", gamma=(0.9, 0.95), precision="f32")
+    assert DQNConfig.from_json(c.to_json()) == c
+    d = c.to_dict()
+    d["bogus_field"] = 1
+    with pytest.raises(ValueError, match="bogus_field"):
+        DQNConfig.from_dict(d)
+
+
+@given(
+    b=st.floats(allow_nan=True, allow_infinity=True, width=32),
+    which=st.integers(0, 3),
+)
+def test_budget_validation_property(b, which):
+    budgets = list(DQNConfig().budgets)
+    budgets[which] = b
+    ok = math.isfinite(b) and 0 <= b <= 1 and abs(math.fsum(budgets) - 1) <= 1e-6
+    if ok:
+        assert DQNConfig(budgets=tuple(budgets)).budgets[which] == b
+    else:
+        with pytest.raises(ValueError, match="budgets"):
+            DQNConfig(budgets=tuple(budgets))
+
+
+@given(n=st.integers(-5, 300))
+def test_num_atoms_property(n):
+    if n >= 2:
+        assert DQNConfig(num_atoms=n).num_atoms == n
+    else:
+        with pytest.raises(ValueError, match="num_atoms"):
+            DQNConfig(num_atoms=n)
