@@ -1,0 +1,65 @@
+"""`Batch`: one training batch (s, a, r, s2, done, isw), validated against a config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import DQNConfig
+
+
+@dataclass(frozen=True)
+class Batch:
+    """States ``s``/``s2`` f32 ``[B, SD]``, actions ``a`` int32 ``[B, n_branches]``, rewards ``r``
+    f32 ``[B]``, ``done`` f32 ``[B]`` (0 or 1), importance weights ``isw`` f32 ``[B]``."""
+
+    s: np.ndarray
+    a: np.ndarray
+    r: np.ndarray
+    s2: np.ndarray
+    done: np.ndarray
+    isw: np.ndarray
+
+    def validate(self, config: DQNConfig) -> "Batch":
+        """Check shapes, dtypes and action ranges; returns ``self`` or raises ``ValueError``."""
+        B, SD, nb = config.batch_size, config.state_dim, config.n_branches
+        expect = {
+            "s": ((B, SD), np.float32), "s2": ((B, SD), np.float32), "a": ((B, nb), np.int32),
+            "r": ((B,), np.float32), "done": ((B,), np.float32), "isw": ((B,), np.float32),
+        }
+        for name, (shape, dtype) in expect.items():
+            arr = getattr(self, name)
+            if not isinstance(arr, np.ndarray):
+                raise ValueError(f"batch.{name}: expected a numpy array, got {type(arr).__name__}")
+            if arr.shape != shape:
+                raise ValueError(f"batch.{name}: shape {arr.shape}, expected {shape} for this config")
+            if arr.dtype != dtype:
+                raise ValueError(f"batch.{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
+        for d, n in enumerate(config.branches):
+            col = self.a[:, d]
+            bad = np.flatnonzero((col < 0) | (col >= n))
+            if bad.size:
+                i = int(bad[0])
+                raise ValueError(
+                    f"batch.a[{i}, {d}]={int(col[i])}: branch {d} has {n} actions, allowed range [0, {n - 1}]"
+                )
+        bad = np.flatnonzero((self.done != 0) & (self.done != 1))
+        if bad.size:
+            i = int(bad[0])
+            raise ValueError(f"batch.done[{i}]={self.done[i]!r}: allowed values are 0 and 1")
+        return self
+
+    @classmethod
+    def random(cls, config: DQNConfig, rng: np.random.Generator) -> "Batch":
+        """A valid random batch: normal states, uniform actions, normal rewards, 10% done."""
+        B, SD = config.batch_size, config.state_dim
+        a = np.stack([rng.integers(0, n, size=B) for n in config.branches], axis=1).astype(np.int32)
+        return cls(
+            s=rng.standard_normal((B, SD)).astype(np.float32),
+            a=a,
+            r=rng.standard_normal(B).astype(np.float32),
+            s2=rng.standard_normal((B, SD)).astype(np.float32),
+            done=(rng.random(B) < 0.1).astype(np.float32),
+            isw=rng.uniform(0.5, 1.0, size=B).astype(np.float32),
+        ).validate(config)

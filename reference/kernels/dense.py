@@ -1,0 +1,293 @@
+"""Reference dense-layer kernels: bias+ReLU epilogues, ReLU backward, bias gradients, and the
+BF16 / TF32 rounding the GEMMs see.
+
+Every kernel here is plain NumPy in float32 (uint16 for BF16 bit patterns), never mutates its
+inputs, and is listed in ``KERNELS`` under the CUDA kernel's name. The GEMMs themselves are
+cuBLAS calls on the fast path, not our kernels: ``round_for`` and ``gemm`` emulate them (inputs
+rounded per precision mode, float32 accumulation) for the reference step and the conformance
+bounds, and are deliberately absent from ``KERNELS``.
+
+ReLU NaN contract (shared by ``add_bias_relu``, ``add_bias_relu_bf16`` and ``relu_mask``): the
+activation is the select ``t <= 0 ? 0 : t``, so a NaN pre-activation stays NaN in ``h`` (the
+sentinel slots that watch h1/h2, e.g. slot 12 before the Mech 10 clamp, must see it; ``fmaxf(t,
+0)`` or ``t > 0 ? t : 0`` would silently turn it into 0). The backward mask is the matching
+select ``h <= 0 ? 0 : dy``. Both agree with ``torch.relu`` and its autograd
+(``threshold_backward``).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+F32 = np.dtype(np.float32)
+U16 = np.dtype(np.uint16)
+U32 = np.dtype(np.uint32)
+
+# IEEE binary32 field masks (on the uint32 view).
+_SIGN_MASK = np.uint32(0x8000_0000)
+_ABS_MASK = np.uint32(0x7FFF_FFFF)
+_EXP_MASK = np.uint32(0x7F80_0000)  # also the bit pattern of +Inf
+_F32_QUIET_BIT = np.uint32(0x0040_0000)
+
+# BF16 = the high 16 bits of a binary32. Round-to-nearest-even adds 0x7FFF plus the lowest kept
+# bit, then truncates.
+_BF16_SHIFT = np.uint32(16)
+_BF16_HALF_ULP_MINUS_ONE = np.uint32(0x7FFF)
+_BF16_QUIET_BIT = np.uint32(0x0040)  # the f32 quiet bit, seen in the high half
+
+# TF32 keeps 10 explicit mantissa bits: the low 13 bits of the binary32 are dropped.
+_TF32_DROPPED_BITS = 13
+_TF32_HALF_ULP = np.uint32(1 << (_TF32_DROPPED_BITS - 1))  # 0x1000
+_TF32_KEEP_MASK = np.uint32(0xFFFF_FFFF ^ ((1 << _TF32_DROPPED_BITS) - 1))  # 0xFFFFE000
+
+GEMM_MODES = ("f32", "bf16", "tf32")
+
+
+# --------------------------------------------------------------------------------------------
+# Argument checks (shared with the other reference kernel modules).
+# --------------------------------------------------------------------------------------------
+
+
+def _require_array(name: str, x, dtype, ndim: int | None = None) -> np.ndarray:
+    """Return ``x`` if it is an ndarray of exactly ``dtype`` (and ``ndim`` dims), else raise."""
+    want = np.dtype(dtype)
+    if not isinstance(x, np.ndarray):
+        raise ValueError(
+            f"{name}: expected a numpy.ndarray of dtype {want}, got {type(x).__name__}"
+        )
+    if x.dtype != want:
+        raise ValueError(f"{name}: dtype {x.dtype} is not allowed; expected {want}")
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(
+            f"{name}: shape {x.shape} has {x.ndim} dimension(s); expected {ndim}"
+        )
+    return x
+
+
+def _require_shape(name: str, x: np.ndarray, shape: tuple, meaning: str) -> None:
+    """Raise unless ``x.shape == shape``; ``meaning`` spells the expected shape symbolically."""
+    if x.shape != tuple(shape):
+        raise ValueError(f"{name}: shape {x.shape} is not allowed; expected {meaning} = {shape}")
+
+
+def _f32_scalar(name: str, value) -> np.float32:
+    """A real scalar argument as float32 (what the CUDA launch receives). Non-finite allowed."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
+        raise ValueError(
+            f"{name}: expected a real scalar (int, float or numpy floating), "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return np.float32(value)
+
+
+# Kernels follow IEEE arithmetic on purpose (NaN/Inf propagate per their contracts), so
+# NumPy's floating-point warnings are noise: silenced for the kernel bodies.
+_ieee = np.errstate(all="ignore")
+
+
+def _check_bias_operands(y, b) -> None:
+    _require_array("y", y, F32, ndim=2)
+    _require_array("b", b, F32, ndim=1)
+    _require_shape("b", b, (y.shape[1],), "[N] with N = y.shape[1]")
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels.
+# --------------------------------------------------------------------------------------------
+
+
+@_ieee
+def add_bias_relu(y: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Bias + ReLU epilogue: ``out[i, n] = relu(y[i, n] + b[n])``.
+
+    Shapes: ``y [M, N]`` float32 (the GEMM output), ``b [N]`` float32; returns ``[M, N]`` float32.
+    The sum is one correctly rounded f32 add; the ReLU is the select ``t <= 0 ? 0 : t``
+    (CUDA: ``out = (t <= 0.0f) ? 0.0f : t``, exact).
+
+    NaN/Inf contract: NaN in ``y`` or ``b`` (or ``Inf + -Inf``) gives NaN (propagated, visible to
+    the sentinels); ``+Inf`` stays ``+Inf``; ``-Inf`` and every ``t <= 0`` (``-0.0`` included)
+    give ``+0.0``. Do not use ``fmaxf(t, 0)``: it maps NaN to 0.
+    """
+    _check_bias_operands(y, b)
+    pre = y + b[np.newaxis, :]
+    return np.where(pre <= 0, np.float32(0), pre).astype(F32, copy=False)
+
+
+class BiasReluBf16(NamedTuple):
+    """Outputs of ``add_bias_relu_bf16``: the f32 activation (kept for the backward ReLU mask)
+    and its BF16 copy (uint16 bit patterns) that feeds the next BF16 GEMM."""
+
+    out: np.ndarray
+    out_bf16: np.ndarray
+
+
+def add_bias_relu_bf16(y: np.ndarray, b: np.ndarray) -> BiasReluBf16:
+    """``add_bias_relu`` fused with the BF16 cast: returns ``BiasReluBf16(out, out_bf16)``.
+
+    ``out = add_bias_relu(y, b)`` (``[M, N]`` float32) and ``out_bf16 = f32_to_bf16(out)``
+    (``[M, N]`` uint16, round-to-nearest-even). NaN/Inf: as ``add_bias_relu``, then as
+    ``f32_to_bf16`` (a NaN stays a quiet NaN with its sign; ``+Inf`` stays ``+Inf``).
+    """
+    out = add_bias_relu(y, b)
+    return BiasReluBf16(out=out, out_bf16=f32_to_bf16(out))
+
+
+@_ieee
+def relu_mask(dy: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """Backward through ReLU from the post-ReLU activation: ``dx = h <= 0 ? 0 : dy``.
+
+    Shapes: ``dy [M, N]`` and ``h [M, N]`` float32; returns ``[M, N]`` float32. This is
+    ``dy * (h > 0)`` for finite inputs, written as a select (exact; CUDA:
+    ``dx = (h <= 0.0f) ? 0.0f : dy``) so that it matches the forward's NaN rule.
+
+    NaN/Inf contract: where ``h <= 0`` the result is ``+0.0`` whatever ``dy`` holds (a NaN or Inf
+    ``dy`` there is dropped, as in torch's ``threshold_backward``; a multiply would give NaN).
+    Where ``h > 0`` or ``h`` is NaN, ``dy`` passes unchanged (NaN and Inf included).
+    """
+    _require_array("dy", dy, F32, ndim=2)
+    _require_array("h", h, F32, ndim=2)
+    _require_shape("h", h, dy.shape, "dy.shape [M, N]")
+    return np.where(h <= 0, np.float32(0), dy).astype(F32, copy=False)
+
+
+@_ieee
+def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
+    """Bias gradient: column sums ``db[n] = sum_i dy[i, n]`` with float32 accumulation.
+
+    Shapes: ``dy [M, N]`` float32; returns ``[N]`` float32. The summation order is not part of
+    the contract (the fast kernel reduces in a tree); conformance uses the reduction tolerance.
+    NaN/Inf contract: plain IEEE sums, no guard: a NaN in a column makes that column's sum NaN;
+    ``+Inf`` and ``-Inf`` in one column give NaN.
+    """
+    _require_array("dy", dy, F32, ndim=2)
+    return np.sum(dy, axis=0, dtype=F32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to BF16 (round to nearest, ties to even), returned as uint16 bit patterns.
+
+    Shapes: ``x`` float32, any shape; returns uint16 of the same shape. Bit exact on the uint32
+    view ``u``: ``(u + 0x7FFF + ((u >> 16) & 1)) >> 16``. Subnormals are rounded like any other
+    value (no flush to zero); finite values at or above ``0x1.FFp127`` + half a BF16 ulp round to
+    ``+/-Inf``, as round-to-nearest requires.
+
+    NaN/Inf contract: ``+/-Inf`` stay ``+/-Inf``. A NaN stays NaN with its sign and the high
+    payload bits kept and the quiet bit set: ``(u >> 16) | 0x0040`` (setting the bit also keeps
+    a NaN whose payload sat only in the dropped low half from becoming Inf). Deliberate
+    divergence: torch and CUDA's ``__float2bfloat16_rn`` return a canonical NaN (sign dropped);
+    the fast kernel implements this bit formula instead, and NaN positions agree either way.
+    """
+    _require_array("x", x, F32)
+    u = x.view(U32)
+    is_nan = (u & _ABS_MASK) > _EXP_MASK
+    lowest_kept_bit = (u >> _BF16_SHIFT) & np.uint32(1)
+    # uint32 wraps only for NaN patterns near 0xFFFFFFFF, which the select below discards.
+    rounded = (u + _BF16_HALF_ULP_MINUS_ONE + lowest_kept_bit) >> _BF16_SHIFT
+    quiet_nan = (u >> _BF16_SHIFT) | _BF16_QUIET_BIT
+    return np.where(is_nan, quiet_nan, rounded).astype(U16)
+
+
+def bf16_to_f32(u: np.ndarray) -> np.ndarray:
+    """Widen BF16 bit patterns to float32 exactly: the pattern becomes the high half of the f32.
+
+    Shapes: ``u`` uint16, any shape; returns float32 of the same shape. Exact for every pattern
+    (NaN payloads and signs, Inf, subnormals, signed zeros).
+    """
+    _require_array("u", u, U16)
+    return (u.astype(U32) << _BF16_SHIFT).view(F32)
+
+
+def tf32_round(x: np.ndarray) -> np.ndarray:
+    """Round float32 to TF32 (10 explicit mantissa bits) as PTX ``cvt.rna.tf32.f32`` does.
+
+    Shapes: ``x`` float32, any shape; returns float32 of the same shape whose low 13 bits are 0.
+    Round to nearest, ties away from zero, on the uint32 view of a finite ``u``:
+    ``(u + 0x1000) & 0xFFFFE000`` (the add on the magnitude bits rounds a tie up in magnitude;
+    a carry moves into the exponent correctly; values within half a TF32 ulp of ``FLT_MAX``
+    round to ``+/-Inf``). Subnormals are rounded on the same bit grid.
+
+    NaN/Inf contract: ``+/-Inf`` unchanged; a NaN stays a quiet NaN with its sign and high
+    payload bits, low 13 bits cleared: ``(u & 0xFFFFE000) | 0x00400000``.
+
+    Note: cuBLAS's TF32 tensor-core path may truncate the low 13 bits instead of rounding;
+    the conformance GEMM bound uses ``u_in = 2**-10`` for TF32 inputs, which covers both.
+    """
+    _require_array("x", x, F32)
+    u = x.view(U32)
+    is_finite = (u & _EXP_MASK) != _EXP_MASK
+    is_nan = (u & _ABS_MASK) > _EXP_MASK
+    # uint32 wraps only for NaN patterns, which the selects below discard.
+    rounded = (u + _TF32_HALF_ULP) & _TF32_KEEP_MASK
+    quiet_nan = (u & _TF32_KEEP_MASK) | _F32_QUIET_BIT
+    bits = np.where(is_finite, rounded, np.where(is_nan, quiet_nan, u))
+    return bits.astype(U32).view(F32)
+
+
+# --------------------------------------------------------------------------------------------
+# GEMM emulation (cuBLAS does these on the fast path; not in KERNELS).
+# --------------------------------------------------------------------------------------------
+
+
+def round_for(x: np.ndarray, mode: str) -> np.ndarray:
+    """The float32 values a GEMM in precision ``mode`` actually multiplies.
+
+    ``"f32"``: ``x`` unchanged (a copy); ``"bf16"``: ``bf16_to_f32(f32_to_bf16(x))`` (RNE);
+    ``"tf32"``: ``tf32_round(x)`` (ties away from zero). ``x`` float32, any shape.
+    """
+    _require_array("x", x, F32)
+    if mode == "f32":
+        return x.copy()
+    if mode == "bf16":
+        return bf16_to_f32(f32_to_bf16(x))
+    if mode == "tf32":
+        return tf32_round(x)
+    raise ValueError(f"mode: {mode!r} is not allowed; expected one of {GEMM_MODES}")
+
+
+@_ieee
+def gemm(
+    a: np.ndarray,
+    b: np.ndarray,
+    *,
+    trans_a: bool = False,
+    trans_b: bool = False,
+    mode: str = "f32",
+) -> np.ndarray:
+    """``C = op(a) @ op(b)`` on inputs rounded per ``mode``, float32 accumulation.
+
+    ``op(x)`` is ``x.T`` when the matching ``trans_*`` flag is set. Shapes: ``op(a) [M, K]``,
+    ``op(b) [K, N]`` float32; returns ``C [M, N]`` float32. Inputs are rounded with
+    ``round_for(., mode)`` and multiplied with ``np.matmul`` on float32 (BLAS SGEMM: float32
+    products and sums; the order differs from cuBLAS, which the conformance bound covers).
+    NaN/Inf contract: IEEE, as SGEMM computes (a NaN input poisons its row of C / column of C;
+    ``Inf * 0`` gives NaN); rounding keeps NaN and Inf (see ``f32_to_bf16``, ``tf32_round``).
+    """
+    _require_array("a", a, F32, ndim=2)
+    _require_array("b", b, F32, ndim=2)
+    if mode not in GEMM_MODES:
+        raise ValueError(f"mode: {mode!r} is not allowed; expected one of {GEMM_MODES}")
+    op_a = a.T if trans_a else a
+    op_b = b.T if trans_b else b
+    if op_a.shape[1] != op_b.shape[0]:
+        raise ValueError(
+            f"b: op(b) has shape {op_b.shape} but op(a) has shape {op_a.shape}; "
+            f"the inner dimensions (K) must match"
+        )
+    out = np.matmul(round_for(np.ascontiguousarray(op_a), mode),
+                    round_for(np.ascontiguousarray(op_b), mode))
+    return out.astype(F32, copy=False)
+
+
+KERNELS = {
+    "add_bias_relu": add_bias_relu,
+    "add_bias_relu_bf16": add_bias_relu_bf16,
+    "relu_mask": relu_mask,
+    "bias_grad_reduce": bias_grad_reduce,
+    "f32_to_bf16": f32_to_bf16,
+    "bf16_to_f32": bf16_to_f32,
+    "tf32_round": tf32_round,
+}

@@ -1,0 +1,400 @@
+"""Reference distributional (C51) kernels: dueling combination, log-softmax over atoms, expected
+Q, double-DQN action choice, the dense triangular C51 projection, the C51 loss and gradient,
+and the CQL logit gradient (SPEC sections 3 and 4).
+
+Shapes, per branch d: ``B`` samples, ``A = n_d`` actions, ``NA`` atoms, ``z [NA]`` the support
+(``support(v_min, v_max, NA)``), ``dz = (v_max - v_min) / (NA - 1)``. Everything is float32
+(int32 action indices); no kernel mutates its inputs.
+
+NaN policy: a NaN in the data is never silently turned into a number here. It propagates to the
+outputs named in each docstring, where the sentinel slots (SPEC section 6: 7 save_current_lp,
+8 save_projected, 24/25 d_value/d_adv logits) can see it. The only masking is structural:
+outputs that do not read a value (other actions' gradient rows, a row's unused logp) do not
+inherit its NaN. Scalars that the device reads from the ISV bus (``gamma``, ``alpha``,
+``scale``) may be non-finite and then propagate like data; support bounds are configuration
+and are validated.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from foxhunt.reference.kernels.dense import (
+    F32,
+    _f32_scalar,
+    _ieee,
+    _require_array,
+    _require_shape,
+)
+
+I32 = np.dtype(np.int32)
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers (not kernels).
+# --------------------------------------------------------------------------------------------
+
+
+def _check_support_bounds(v_min, v_max, num_atoms: int) -> tuple[np.float32, np.float32]:
+    lo = _f32_scalar("v_min", v_min)
+    hi = _f32_scalar("v_max", v_max)
+    if not (np.isfinite(lo) and np.isfinite(hi) and lo < hi):
+        raise ValueError(
+            f"v_min, v_max: ({v_min!r}, {v_max!r}) is not allowed; "
+            f"expected finite float32 values with v_min < v_max"
+        )
+    if num_atoms < 2:
+        raise ValueError(f"num_atoms: {num_atoms!r} is not allowed; expected an int >= 2")
+    return lo, hi
+
+
+def _atom_spacing(lo: np.float32, hi: np.float32, num_atoms: int) -> np.float32:
+    """``dz = (v_max - v_min) / (NA - 1)``, each operation rounded to float32."""
+    return (hi - lo) / np.float32(num_atoms - 1)
+
+
+def support(v_min, v_max, num_atoms: int) -> np.ndarray:
+    """The C51 support ``z_j = v_min + j * dz`` for ``j = 0..NA-1``, float32 ``[NA]``.
+
+    ``dz = (v_max - v_min) / (NA - 1)``; the product and the sum are each rounded to float32
+    (no fused multiply-add), so ``z[-1]`` may differ from ``v_max`` by rounding. The device
+    receives this array; kernels never recompute ``z``. Raises ValueError unless
+    ``v_min < v_max`` are finite and ``num_atoms >= 2``.
+    """
+    if isinstance(num_atoms, bool) or not isinstance(num_atoms, (int, np.integer)):
+        raise ValueError(f"num_atoms: {num_atoms!r} is not allowed; expected an int >= 2")
+    lo, hi = _check_support_bounds(v_min, v_max, int(num_atoms))
+    dz = _atom_spacing(lo, hi, int(num_atoms))
+    return (lo + np.arange(num_atoms, dtype=F32) * dz).astype(F32, copy=False)
+
+
+def _require_actions(actions, batch: int, num_actions: int) -> np.ndarray:
+    _require_array("actions", actions, I32, ndim=1)
+    _require_shape("actions", actions, (batch,), "[B]")
+    if actions.size and (actions.min() < 0 or actions.max() >= num_actions):
+        bad = actions[(actions < 0) | (actions >= num_actions)]
+        raise ValueError(
+            f"actions: value(s) {bad[:8].tolist()} out of range; expected 0 <= a < A = "
+            f"{num_actions}"
+        )
+    return actions
+
+
+def _require_logp(logp) -> np.ndarray:
+    _require_array("logp", logp, F32, ndim=3)
+    return logp
+
+
+def _require_vector(name: str, x, length: int, meaning: str) -> np.ndarray:
+    _require_array(name, x, F32, ndim=1)
+    _require_shape(name, x, (length,), meaning)
+    return x
+
+
+def _sum_over_actions(x: np.ndarray) -> np.ndarray:
+    """``sum_a x[:, a, :]`` accumulated in action order (as the kernel's loop does)."""
+    acc = x[:, 0, :].copy()
+    for a in range(1, x.shape[1]):
+        acc = acc + x[:, a, :]
+    return acc
+
+
+def _taken(x: np.ndarray, actions: np.ndarray) -> np.ndarray:
+    """``x[b, actions[b], ...]`` for every b."""
+    return x[np.arange(x.shape[0]), actions]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels.
+# --------------------------------------------------------------------------------------------
+
+
+@_ieee
+def dueling_combine(v: np.ndarray, adv: np.ndarray) -> np.ndarray:
+    """Dueling combination: ``logits[b, a, j] = v[b, j] + (adv[b, a, j] - mean_a adv[b, :, j])``.
+
+    Shapes: ``v [B, NA]``, ``adv [B, A, NA]`` float32; returns ``logits [B, A, NA]`` float32.
+    ``mean_a = (sum over a in order) / A``; evaluation order as written (the centred advantage
+    first, then ``+ v``).
+    NaN/Inf contract: IEEE, unguarded. A NaN in ``adv[b, a, j]`` makes the mean NaN, so
+    ``logits[b, :, j]`` is NaN for every action; a NaN in ``v[b, j]`` makes ``logits[b, :, j]``
+    NaN; an Inf advantage gives ``Inf - Inf = NaN`` at its own action.
+    """
+    _require_array("v", v, F32, ndim=2)
+    _require_array("adv", adv, F32, ndim=3)
+    _require_shape("adv", adv, (v.shape[0], adv.shape[1], v.shape[1]), "[B, A, NA] (v is [B, NA])")
+    if adv.shape[1] < 1:
+        raise ValueError(f"adv: shape {adv.shape} has no actions; expected A >= 1")
+    mean = _sum_over_actions(adv) / np.float32(adv.shape[1])
+    return (v[:, np.newaxis, :] + (adv - mean[:, np.newaxis, :])).astype(F32, copy=False)
+
+
+class DuelingGrads(NamedTuple):
+    """Outputs of ``dueling_combine_backward``: ``dv [B, NA]`` and ``dadv [B, A, NA]``."""
+
+    dv: np.ndarray
+    dadv: np.ndarray
+
+
+@_ieee
+def dueling_combine_backward(dlogits: np.ndarray) -> DuelingGrads:
+    """Backward of ``dueling_combine``: ``dv = sum_a dlogits``, ``dadv = dlogits - mean_a dlogits``.
+
+    Shapes: ``dlogits [B, A, NA]`` float32; returns ``DuelingGrads(dv [B, NA], dadv [B, A, NA])``
+    float32. Sums run in action order; ``mean_a = dv / A``. The caller sums ``dv`` over branches.
+    NaN/Inf contract: IEEE, unguarded: a NaN in ``dlogits[b, a, j]`` makes ``dv[b, j]`` and
+    ``dadv[b, :, j]`` (every action) NaN.
+    """
+    _require_array("dlogits", dlogits, F32, ndim=3)
+    if dlogits.shape[1] < 1:
+        raise ValueError(f"dlogits: shape {dlogits.shape} has no actions; expected A >= 1")
+    dv = _sum_over_actions(dlogits)
+    mean = dv / np.float32(dlogits.shape[1])
+    dadv = (dlogits - mean[:, np.newaxis, :]).astype(F32, copy=False)
+    return DuelingGrads(dv=dv.astype(F32, copy=False), dadv=dadv)
+
+
+@_ieee
+def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
+    """Max-subtracted log-softmax over the last (atom) axis.
+
+    ``logp_j = (x_j - m) - log(sum_k exp(x_k - m))`` with ``m = max_k x_k``. Shapes:
+    ``logits [..., NA]`` float32 (NA >= 1); returns float32 of the same shape. Finite rows give
+    ``logp <= 0`` up to rounding, so ``exp(logp) <= 1`` downstream (seed audit, c51_grad).
+    NaN/Inf contract, per row: a NaN anywhere, a ``+Inf`` anywhere (``Inf - Inf``), or every
+    entry ``-Inf`` makes the whole row NaN; otherwise a ``-Inf`` entry gives ``logp = -Inf``
+    (probability 0) and the other entries are finite. The fast kernel may take the max with
+    ``fmaxf`` (skipping NaN): the NaN then reaches the sum through ``exp(NaN - m)``, so the
+    outcome is the same. No epsilon is needed: the shifted sum is ``>= 1``.
+    """
+    _require_array("logits", logits, F32)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits: shape {logits.shape} is not allowed; expected [..., NA], NA >= 1")
+    m = np.max(logits, axis=-1, keepdims=True)
+    shifted = logits - m
+    log_sum = np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True, dtype=F32))
+    return (shifted - log_sum).astype(F32, copy=False)
+
+
+@_ieee
+def expected_q(logp: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """Expected Q per action: ``q[b, a] = sum_j exp(logp[b, a, j]) * z_j``.
+
+    Shapes: ``logp [B, A, NA]`` float32, ``z [NA]`` float32; returns ``q [B, A]`` float32.
+    NaN/Inf contract: IEEE, unguarded: a NaN in ``logp[b, a]`` (or in ``z``) makes ``q[b, a]``
+    NaN; ``logp = -Inf`` contributes exactly 0.
+    """
+    _require_logp(logp)
+    _require_vector("z", z, logp.shape[2], "[NA] with NA = logp.shape[2]")
+    return np.sum(np.exp(logp) * z, axis=-1, dtype=F32)
+
+
+def double_dqn_select(q: np.ndarray) -> np.ndarray:
+    """Double-DQN action choice: ``a*[b] = argmax_a q[b, a]``, lowest index on ties.
+
+    Shapes: ``q [B, A]`` float32 (A >= 1); returns ``int32 [B]``. Exact. Scan in action order,
+    replacing the incumbent when ``q[a] > best`` or the incumbent is NaN and ``q[a]`` is not.
+    NaN contract: NaN entries never win; a row of all NaN selects action 0. ``+Inf`` wins like
+    any value (the first ``+Inf`` on ties); ``-0.0 == +0.0`` is a tie.
+    """
+    _require_array("q", q, F32, ndim=2)
+    if q.shape[1] < 1:
+        raise ValueError(f"q: shape {q.shape} has no actions; expected A >= 1")
+    best_index = np.zeros(q.shape[0], dtype=I32)
+    best = q[:, 0].copy()
+    for a in range(1, q.shape[1]):
+        candidate = q[:, a]
+        take = (candidate > best) | (np.isnan(best) & ~np.isnan(candidate))
+        best = np.where(take, candidate, best)
+        best_index = np.where(take, np.int32(a), best_index)
+    return best_index.astype(I32, copy=False)
+
+
+@_ieee
+def c51_project(
+    p_next: np.ndarray,
+    r: np.ndarray,
+    done: np.ndarray,
+    gamma,
+    z: np.ndarray,
+    v_min,
+    v_max,
+) -> np.ndarray:
+    """C51 Bellman projection, dense triangular form (SPEC section 4).
+
+    ``g_b = gamma * (1 - done_b)``; ``Tz_bj = clip(r_b + g_b * z_j, v_min, v_max)``;
+    ``m_bi = sum_j p_next_bj * clip(1 - |Tz_bj - z_i| / dz, 0, 1)``,
+    ``dz = (v_max - v_min) / (NA - 1)`` (float32). Each operation is rounded to float32 in the
+    order written (the kernel uses ``__fmul_rn``/``__fadd_rn``, no fused multiply-add); the sum
+    over j is the reduction. No floor/ceil, no atomics. Mass preserving up to the rounding of
+    the positions (a weight moves by about ``ulp(max|z|) / dz``); a ``Tz`` exactly on an atom
+    puts weight 1 there (neighbours get at most that rounding leak).
+
+    Shapes: ``p_next [B, NA]``, ``r [B]``, ``done [B]``, ``z [NA]`` float32; ``gamma`` a real
+    scalar (any value; it may come from the ISV bus); ``v_min < v_max`` finite scalars (else
+    ValueError); returns ``m [B, NA]`` float32.
+
+    NaN/Inf contract: the clips propagate NaN (``isnan(t) ? t : fminf(fmaxf(t, lo), hi)``, not a
+    bare ``fminf(fmaxf())`` that would map a NaN target to ``v_min``): a NaN in ``r_b``,
+    ``done_b``, ``gamma`` or anywhere in ``p_next[b]`` makes the whole row ``m[b]`` NaN (a NaN
+    ``p_j`` times a zero weight is still NaN). ``r_b = +/-Inf`` is clipped to ``v_max``/``v_min``
+    (a finite, mass-preserving row); ``gamma = +/-Inf`` with ``done_b = 1`` gives ``Inf * 0 =
+    NaN``.
+    """
+    _require_array("p_next", p_next, F32, ndim=2)
+    batch, num_atoms = p_next.shape
+    _require_vector("r", r, batch, "[B] with B = p_next.shape[0]")
+    _require_vector("done", done, batch, "[B] with B = p_next.shape[0]")
+    _require_vector("z", z, num_atoms, "[NA] with NA = p_next.shape[1]")
+    g = _f32_scalar("gamma", gamma)
+    lo, hi = _check_support_bounds(v_min, v_max, num_atoms)
+    dz = _atom_spacing(lo, hi, num_atoms)
+    discount = g * (np.float32(1) - done)  # [B]
+    target = r[:, np.newaxis] + discount[:, np.newaxis] * z[np.newaxis, :]  # [B, NA_j]
+    target = np.minimum(np.maximum(target, lo), hi)  # NaN-propagating clip
+    distance = np.abs(target[:, :, np.newaxis] - z[np.newaxis, np.newaxis, :])  # [B, j, i]
+    weight = np.minimum(np.maximum(np.float32(1) - distance / dz, np.float32(0)), np.float32(1))
+    m = np.sum(p_next[:, :, np.newaxis] * weight, axis=1, dtype=F32)
+    return m.astype(F32, copy=False)
+
+
+class C51Loss(NamedTuple):
+    """Outputs of ``c51_loss``: per-sample cross-entropy ``ce [B]`` and the weighted total."""
+
+    ce: np.ndarray
+    total: np.float32
+
+
+@_ieee
+def c51_loss(
+    logp: np.ndarray,
+    actions: np.ndarray,
+    m: np.ndarray,
+    isw: np.ndarray,
+    scale,
+) -> C51Loss:
+    """C51 cross-entropy at the taken actions.
+
+    ``ce_b = -sum_j m[b, j] * logp[b, a_b, j]``; ``total = scale * sum_b (isw_b * ce_b)`` (the
+    sum first, then one multiply). The caller passes ``scale = 1 / (B * n_branches)`` so that
+    summing the branch totals gives SPEC's mean over branches of the isw-weighted batch mean.
+
+    Shapes: ``logp [B, A, NA]`` float32, ``actions [B]`` int32 in ``[0, A)`` (else ValueError),
+    ``m [B, NA]``, ``isw [B]`` float32, ``scale`` a real scalar; returns
+    ``C51Loss(ce [B] float32, total float32 scalar)``.
+    NaN/Inf contract: IEEE, unguarded; only the taken action's row of ``logp`` is read (NaN in
+    other actions does not matter). NaN in ``m[b]`` or the taken ``logp`` row makes ``ce_b``
+    NaN; ``m = 0`` against ``logp = -Inf`` gives ``0 * -Inf = NaN`` (as torch's soft-target
+    cross-entropy). Any NaN ``ce_b``, ``isw_b`` or ``scale`` makes ``total`` NaN.
+    """
+    _require_logp(logp)
+    batch, num_actions, num_atoms = logp.shape
+    _require_actions(actions, batch, num_actions)
+    _require_array("m", m, F32, ndim=2)
+    _require_shape("m", m, (batch, num_atoms), "[B, NA] (logp is [B, A, NA])")
+    _require_vector("isw", isw, batch, "[B] with B = logp.shape[0]")
+    s = _f32_scalar("scale", scale)
+    ce = -np.sum(m * _taken(logp, actions), axis=-1, dtype=F32)
+    total = s * np.sum(isw * ce, dtype=F32)
+    return C51Loss(ce=ce.astype(F32, copy=False), total=np.float32(total))
+
+
+@_ieee
+def c51_grad(
+    logp: np.ndarray,
+    actions: np.ndarray,
+    m: np.ndarray,
+    isw: np.ndarray,
+    scale,
+) -> np.ndarray:
+    """Gradient of ``c51_loss``'s total w.r.t. the logits (through the log-softmax).
+
+    ``dlogits[b, a_b, j] = (isw_b * scale) * (exp(logp[b, a_b, j]) - m[b, j])``; exactly ``+0.0``
+    for every other action (assuming ``sum_j m[b, j] = 1``, which ``c51_project`` gives).
+
+    Shapes: as ``c51_loss``; returns ``dlogits [B, A, NA]`` float32.
+    NaN/Inf contract: IEEE at the taken action (NaN in the taken ``logp`` row, ``m[b]``,
+    ``isw_b`` or ``scale`` gives NaN there); other actions are written 0 regardless of their
+    ``logp``. ``logp <= 0`` keeps ``exp`` from overflowing (seed audit).
+    """
+    _require_logp(logp)
+    batch, num_actions, num_atoms = logp.shape
+    _require_actions(actions, batch, num_actions)
+    _require_array("m", m, F32, ndim=2)
+    _require_shape("m", m, (batch, num_atoms), "[B, NA] (logp is [B, A, NA])")
+    _require_vector("isw", isw, batch, "[B] with B = logp.shape[0]")
+    s = _f32_scalar("scale", scale)
+    weight = isw * s  # [B]
+    taken_grad = weight[:, np.newaxis] * (np.exp(_taken(logp, actions)) - m)
+    dlogits = np.zeros(logp.shape, dtype=F32)
+    dlogits[np.arange(batch), actions] = taken_grad
+    return dlogits
+
+
+class CqlGrad(NamedTuple):
+    """Outputs of ``cql_logit_grad``: ``dlogits [B, A, NA]`` and ``terms [B]``."""
+
+    dlogits: np.ndarray
+    terms: np.ndarray
+
+
+@_ieee
+def cql_logit_grad(
+    logp: np.ndarray,
+    actions: np.ndarray,
+    z: np.ndarray,
+    alpha,
+    scale,
+) -> CqlGrad:
+    """CQL penalty per sample and its gradient w.r.t. the logits, for one branch.
+
+    ``Q = expected_q(logp, z)`` ``[B, A]``; ``mQ_b = max_a Q[b, a]``;
+    ``e = exp(Q - mQ)``, ``s_b = sum_a e`` (action order; ``s >= 1``, so no epsilon);
+    ``terms_b = (mQ_b + log s_b) - Q[b, a_b]`` (logsumexp minus the taken action's Q);
+    ``dQ[b, a] = (alpha * scale) * (e[b, a] / s_b - 1[a = a_b])``;
+    ``dlogits[b, a, j] = dQ[b, a] * (p[b, a, j] * (z_j - Q[b, a]))`` with ``p = exp(logp)``.
+    The caller passes ``scale = 1 / (B * n_branches)``; the branch loss is
+    ``alpha * mean_b terms`` (caller).
+
+    Shapes: ``logp [B, A, NA]`` float32, ``actions [B]`` int32 in ``[0, A)`` (else ValueError),
+    ``z [NA]`` float32, ``alpha`` and ``scale`` real scalars (may be non-finite, ISV slot 48);
+    returns ``CqlGrad(dlogits [B, A, NA] float32, terms [B] float32)``.
+    NaN/Inf contract: per sample, IEEE, unguarded. A NaN anywhere in ``logp[b]`` (any action)
+    makes ``Q[b, .]`` partly NaN, hence ``s_b``, ``terms_b`` and all of ``dlogits[b]`` NaN
+    (the max is NaN-propagating; an ``fmaxf`` max gives the same result through ``exp(NaN)``).
+    A NaN ``alpha``/``scale`` makes ``dlogits`` NaN but leaves ``terms`` finite.
+    """
+    _require_logp(logp)
+    batch, num_actions, num_atoms = logp.shape
+    _require_actions(actions, batch, num_actions)
+    _require_vector("z", z, num_atoms, "[NA] with NA = logp.shape[2]")
+    a_ = _f32_scalar("alpha", alpha)
+    s_ = _f32_scalar("scale", scale)
+    q = expected_q(logp, z)  # [B, A]
+    q_max = np.max(q, axis=1)  # [B], NaN-propagating
+    e = np.exp(q - q_max[:, np.newaxis])
+    s = e[:, 0].copy()
+    for a in range(1, num_actions):
+        s = s + e[:, a]
+    terms = (q_max + np.log(s)) - _taken(q, actions)
+    one_hot = np.zeros((batch, num_actions), dtype=F32)
+    one_hot[np.arange(batch), actions] = np.float32(1)
+    d_q = (a_ * s_) * (e / s[:, np.newaxis] - one_hot)  # [B, A]
+    p = np.exp(logp)
+    dlogits = d_q[:, :, np.newaxis] * (p * (z[np.newaxis, np.newaxis, :] - q[:, :, np.newaxis]))
+    return CqlGrad(dlogits=dlogits.astype(F32, copy=False), terms=terms.astype(F32, copy=False))
+
+
+KERNELS = {
+    "dueling_combine": dueling_combine,
+    "dueling_combine_backward": dueling_combine_backward,
+    "log_softmax_atoms": log_softmax_atoms,
+    "expected_q": expected_q,
+    "double_dqn_select": double_dqn_select,
+    "c51_project": c51_project,
+    "c51_loss": c51_loss,
+    "c51_grad": c51_grad,
+    "cql_logit_grad": cql_logit_grad,
+}

@@ -1,0 +1,333 @@
+"""Optimiser kernels (SPEC 4 steps 5, 6, 9; seeds: gradient-stability plan, NaN audit).
+
+The budget pipeline of step 5 and the Adam of step 6 are built from these kernels::
+
+    grad  = clip_grad_inplace(grad, 0.70*mgn, grad_norm_sq(grad))
+    grad  = clipped_saxpy(grad, cql, 1, 0.15*mgn, grad_norm_sq(cql))
+    ...
+    scale = safety_clip_scale(grad_norm_sq(grad), mgn)
+    param, m, v = adam_update(param, grad, m, v, grad_scale=scale, ...)
+
+Norms skip non-finite elements: Adam's per-element guard discards a non-finite gradient, so it
+must not poison the clip scale of the finite ones. Every SAXPY skips non-finite ``x_i``.
+All arithmetic is float32, in the order written in each docstring (products rounded before
+sums: a CUDA twin that wants bitwise equality compiles these with ``--fmad=false`` or
+``__fmul_rn``/``__fadd_rn``; with FMA contraction it differs by rounding). Subnormals are not
+flushed to zero.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from foxhunt.reference.kernels.safety import (
+    check_f32_array,
+    check_f32_scalar,
+    check_int,
+    check_same_shape,
+    clamp_finite,
+    data_f32,
+)
+
+_ZERO = np.float32(0.0)
+_ONE = np.float32(1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient norms
+# ---------------------------------------------------------------------------------------------
+
+
+def _finite_sq_sum(x: np.ndarray) -> np.float32:
+    with np.errstate(over="ignore", invalid="ignore"):
+        sq = np.where(np.isfinite(x), x * x, _ZERO)
+    # float32 accumulation in NumPy's pairwise order.
+    return np.float32(np.sum(sq, dtype=np.float32))
+
+
+def grad_norm_sq(x: np.ndarray) -> np.float32:
+    """Squared L2 norm over the finite elements: ``sum_{i: isfinite(x_i)} x_i^2`` in float32.
+
+    Shapes: ``x`` float32, any shape (a flat gradient buffer; empty gives 0). Returns a float32
+    scalar; the norm is ``norm_from_sq(result) = sqrt(max(result, 0))``.
+
+    NaN contract: NaN and +/-Inf elements are skipped (Adam's per-element guard discards them;
+    they must not poison the clip scale of the finite elements). A finite ``|x_i| >~ 1.8e19``
+    squares to +Inf, so the sum is +Inf and every clip scale built on it is 0.
+
+    Accumulation: squares rounded to float32, summed in float32 in NumPy's pairwise order. The
+    fast path (a block tree reduction) and the two-phase twins (``grad_norm_partial`` then
+    ``grad_norm_final``) sum in other orders; for non-negative terms every order is within
+    ``gamma_{N-1} * sum`` (``gamma_k = k u / (1 - k u)``, ``u = 2^-24``) of the exact sum.
+    """
+    check_f32_array("x", x)
+    return _finite_sq_sum(x)
+
+
+def grad_norm_partial(x: np.ndarray, block_size: int) -> np.ndarray:
+    """Phase 1 of the two-phase norm: per-block sums of finite squares.
+
+    ``partials[k] = grad_norm_sq(x[k*block_size : (k+1)*block_size])``.
+
+    Shapes: ``x`` float32[N] (1-D); ``block_size`` an int >= 1. Returns float32[ceil(N /
+    block_size)] (empty for N = 0). Same NaN contract as ``grad_norm_sq``: non-finite elements
+    are skipped; a partial is +Inf only if a finite square overflowed. Partials are never NaN.
+    """
+    check_f32_array("x", x, ndim=1)
+    bs = check_int("block_size", block_size, minimum=1)
+    n_blocks = -(-x.shape[0] // bs)
+    return np.array([_finite_sq_sum(x[k * bs:(k + 1) * bs]) for k in range(n_blocks)],
+                    dtype=np.float32)
+
+
+def grad_norm_final(partials: np.ndarray) -> np.float32:
+    """Phase 2 of the two-phase norm: ``sum_k partials[k]`` in float32 (NumPy pairwise order).
+
+    ``grad_norm_final(grad_norm_partial(x, bs))`` equals ``grad_norm_sq(x)`` up to f32
+    rounding of the different summation order (both within ``gamma_{N-1} * sum`` of the exact
+    sum, so they differ by at most ``2 gamma_{N-1} * sum``).
+
+    Shapes: ``partials`` float32[P] (empty gives 0). Returns a float32 scalar. NaN contract:
+    plain sum, nothing skipped: a +Inf partial (overflow) gives +Inf, exactly as the one-shot
+    norm does; a NaN partial (never produced by phase 1) would propagate.
+    """
+    check_f32_array("partials", partials, ndim=1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.float32(np.sum(partials, dtype=np.float32))
+
+
+def norm_from_sq(norm_sq: float) -> np.float32:
+    """Helper: ``sqrtf(fmaxf(norm_sq, 0))``; NaN or negative ``norm_sq`` give 0 (fmaxf rule)."""
+    return np.float32(np.sqrt(np.fmax(data_f32("norm_sq", norm_sq), _ZERO)))
+
+
+def clip_scale(norm_sq: float, max_norm: float) -> np.float32:
+    """Helper: the clip factor ``s = max_norm / n if n > max_norm and n > 0 else 1``.
+
+    ``n = norm_from_sq(norm_sq)``; float32 division. ``norm_sq`` is data: NaN gives ``n = 0``
+    and ``s = 1`` (``fmaxf`` rule; ``grad_norm_sq`` never returns NaN), +Inf gives ``s = 0``
+    (the component is discarded for this step). ``max_norm`` must be finite and >= 0.
+    Always returns a finite value in ``[0, 1]``.
+    """
+    mn = check_f32_scalar("max_norm", max_norm, lo=0.0)
+    n = norm_from_sq(norm_sq)
+    if n > mn and n > _ZERO:
+        return np.float32(mn / n)
+    return _ONE
+
+
+#: Adam's global-norm safety clip factor (SPEC 4 step 6): the same rule as the budget clips,
+#: at ``max_grad_norm``. The caller passes it to ``adam_update`` as ``grad_scale``.
+safety_clip_scale = clip_scale
+
+
+# ---------------------------------------------------------------------------------------------
+# Clip and SAXPY (the budget pipeline)
+# ---------------------------------------------------------------------------------------------
+
+
+def clip_grad_inplace(x: np.ndarray, max_norm: float, norm_sq: float) -> np.ndarray:
+    """Budget clip of a gradient buffer: ``x * s``, ``s = clip_scale(norm_sq, max_norm)``.
+
+    Shapes: ``x`` float32, any shape; ``max_norm`` finite >= 0; ``norm_sq`` the float32 value
+    of ``grad_norm_sq(x)`` (data). Returns the new value of ``x`` (float32, same shape).
+
+    Guarantee: the finite part of the result has norm ``<= max_norm`` up to f32 rounding
+    (relative ``~1e-6``) and up to squares that underflow in ``grad_norm_sq`` (elements below
+    ``~2^-75`` count as 0: at most ``sqrt(N * 2^-149)`` absolute).
+
+    NaN contract: a plain multiply by the finite scalar ``s``; NaN stays NaN, +/-Inf stays
+    +/-Inf when ``s > 0`` and becomes NaN when ``s = 0``. Non-finite gradient elements are
+    skipped later by the SAXPYs and by Adam, not here.
+    """
+    check_f32_array("x", x)
+    s = clip_scale(norm_sq, max_norm)
+    with np.errstate(invalid="ignore"):
+        return (x * s).astype(np.float32, copy=False)
+
+
+def _guarded_axpy(y: np.ndarray, x: np.ndarray, a: np.float32) -> np.ndarray:
+    finite = np.isfinite(x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        updated = y + a * x
+    return np.where(finite, updated, y).astype(np.float32, copy=False)
+
+
+def saxpy(y: np.ndarray, x: np.ndarray, a: float) -> np.ndarray:
+    """Guarded SAXPY: ``y_i + a * x_i`` if ``isfinite(x_i)`` else ``y_i``.
+
+    Order: the product ``a * x_i`` is rounded to float32, then the sum (no FMA).
+
+    Shapes: ``y``, ``x`` float32 of the same shape; ``a`` a finite float32 scalar. Returns the
+    new value of ``y``.
+
+    NaN contract: a non-finite ``x_i`` never reaches ``y`` (``y_i`` kept bit for bit); a
+    non-finite ``y_i`` propagates; a finite ``x_i`` whose product or sum overflows gives +/-Inf.
+    """
+    check_f32_array("y", y)
+    check_f32_array("x", x)
+    check_same_shape(y=y, x=x)
+    return _guarded_axpy(y, x, check_f32_scalar("a", a))
+
+
+def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
+                  norm_sq: float) -> np.ndarray:
+    """Budget injection: ``saxpy(y, clip_grad_inplace(x, max_norm, norm_sq), a)``.
+
+    Per element: ``y_i + a * (x_i * s)`` if ``isfinite(x_i)`` else ``y_i`` with
+    ``s = clip_scale(norm_sq, max_norm)``; roundings in that order (``x_i * s``, then ``a *``,
+    then ``+``). ``x`` itself is not modified (the scratch buffer keeps the raw component).
+
+    Shapes and NaN contract as ``saxpy`` and ``clip_grad_inplace``: non-finite ``x_i`` are
+    skipped (tested on ``x_i`` before scaling; ``s`` is finite and ``<= 1``, so a finite
+    ``x_i`` stays finite after scaling).
+    """
+    check_f32_array("y", y)
+    check_f32_array("x", x)
+    check_same_shape(y=y, x=x)
+    a32 = check_f32_scalar("a", a)
+    s = clip_scale(norm_sq, max_norm)
+    with np.errstate(invalid="ignore"):
+        xs = x * s
+    # s is finite and in [0, 1], so isfinite(x_i * s) == isfinite(x_i).
+    return _guarded_axpy(y, xs, a32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Adam
+# ---------------------------------------------------------------------------------------------
+
+
+class AdamState(NamedTuple):
+    """``adam_update`` outputs: the new parameter, first and second moment buffers."""
+
+    param: np.ndarray
+    m: np.ndarray
+    v: np.ndarray
+
+
+def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, *,
+                step: int, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, grad_scale: float, weight_clamp: float) -> AdamState:
+    """Adam (decoupled weight decay) with per-element guard and Mech 9 weight clamp, float32.
+
+    Per element, in this order (every operation rounded to float32)::
+
+        g = grad * grad_scale
+        if !isfinite(g): param, m, v unchanged            # gradient zeroed, element skipped
+        m = beta1 * m + (1 - beta1) * g
+        v = beta2 * v + (1 - beta2) * (g * g)
+        mhat = m / (1 - powf(beta1, t));  vhat = v / (1 - powf(beta2, t))
+        param = param - lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * param)
+        param = clamp_finite(param, weight_clamp)                                 # Mech 9
+
+    Weight decay is decoupled (AdamW, Loshchilov & Hutter): it acts on the parameter, not
+    through the moments; ``param - lr*(... + wd*param)`` equals torch AdamW's
+    ``param*(1 - lr*wd) - lr*adam_step`` in exact arithmetic. With ``weight_decay = 0`` this is
+    torch.optim.Adam.
+
+    Shapes: ``param``, ``grad``, ``m``, ``v`` float32 of one shape (the flat buffers).
+    Scalars: ``step`` t, an int >= 1 (bias corrections need it; raise otherwise; ``powf`` sees
+    ``float(t)``); ``lr``, ``weight_decay`` finite >= 0; ``beta1``, ``beta2`` in [0, 1);
+    ``eps`` finite > 0; ``grad_scale`` (data) the global safety-clip factor from
+    ``safety_clip_scale(grad_norm_sq(grad), max_grad_norm)``; ``weight_clamp`` the Mech 9 bound
+    ``isv_bound(weight_clamp_mult, ISV[Q_ABS_REF])``, > 0 (``+inf`` allowed: no magnitude
+    clamp; there is no "0 disables" convention, because the clamp is also the guarantee that no
+    non-finite parameter is ever written).
+
+    NaN contract: an element whose scaled gradient is NaN/+-Inf (including a NaN or Inf
+    ``grad_scale``, or ``Inf * 0``) is skipped: its ``param``, ``m``, ``v`` are returned bit for
+    bit. Otherwise the new parameter passes ``clamp_finite``: a non-finite result (e.g. from a
+    non-finite input ``param``, or ``m`` and ``v`` both overflowed) becomes 0, a finite one is
+    clamped to ``[-weight_clamp, weight_clamp]``. ``m`` and ``v`` are stored as computed: they can
+    saturate to +/-Inf (never NaN from finite inputs); the Mech 5 sentinel slots watch them and
+    Mech 4 resets them at the fold boundary. The gradient buffer is not an output: the next
+    backward pass overwrites it.
+
+    Returns ``AdamState(param, m, v)``, new float32 arrays.
+    """
+    for name, arr in (("param", param), ("grad", grad), ("m", m), ("v", v)):
+        check_f32_array(name, arr)
+    check_same_shape(param=param, grad=grad, m=m, v=v)
+    t = check_int("step", step, minimum=1)
+    lr32 = check_f32_scalar("lr", lr, lo=0.0)
+    b1 = check_f32_scalar("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
+    b2 = check_f32_scalar("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
+    eps32 = check_f32_scalar("eps", eps, lo=0.0, lo_open=True)
+    wd = check_f32_scalar("weight_decay", weight_decay, lo=0.0)
+    scale = data_f32("grad_scale", grad_scale)
+    clamp = check_f32_scalar("weight_clamp", weight_clamp, lo=0.0, lo_open=True, allow_inf=True)
+
+    t32 = np.float32(t)
+    bc1 = _ONE - np.power(b1, t32)
+    bc2 = _ONE - np.power(b2, t32)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
+        g = grad * scale
+        ok = np.isfinite(g)
+        m_new = b1 * m + (_ONE - b1) * g
+        v_new = b2 * v + (_ONE - b2) * (g * g)
+        mhat = m_new / bc1
+        vhat = v_new / bc2
+        update = mhat / (np.sqrt(vhat) + eps32) + wd * param
+        p_new = param - lr32 * update
+    p_new = clamp_finite(p_new.astype(np.float32, copy=False), clamp)
+    return AdamState(
+        np.where(ok, p_new, param).astype(np.float32, copy=False),
+        np.where(ok, m_new, m).astype(np.float32, copy=False),
+        np.where(ok, v_new, v).astype(np.float32, copy=False),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Target network
+# ---------------------------------------------------------------------------------------------
+
+
+def polyak_update(target: np.ndarray, online: np.ndarray, tau: float) -> np.ndarray:
+    """Polyak target update: ``(1 - tau) * target + tau * online`` in float32.
+
+    Order: ``1 - tau`` rounded once; the two products rounded, then their sum (no FMA).
+
+    Shapes: ``target``, ``online`` float32 of one shape; ``tau`` in [0, 1]. Returns the new
+    target. NaN contract: plain arithmetic, NaN/Inf in either input propagate (Adam's Mech 9
+    clamp keeps the online parameters finite; the target is only ever a blend of them).
+    """
+    check_f32_array("target", target)
+    check_f32_array("online", online)
+    check_same_shape(target=target, online=online)
+    tau32 = check_f32_scalar("tau", tau, lo=0.0, hi=1.0)
+    keep = _ONE - tau32
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (keep * target + tau32 * online).astype(np.float32, copy=False)
+
+
+def hard_sync(target: np.ndarray, online: np.ndarray) -> np.ndarray:
+    """Hard target sync at a fold boundary (Mech 3): the new target is a copy of ``online``.
+
+    Not a kernel (the fast path issues a device-to-device copy), hence not in ``KERNELS``.
+    Shapes: both float32 of one shape. Bit-exact, NaN included.
+    """
+    check_f32_array("target", target)
+    check_f32_array("online", online)
+    check_same_shape(target=target, online=online)
+    return online.copy()
+
+
+KERNELS = {
+    "grad_norm_sq": grad_norm_sq,
+    "grad_norm_partial": grad_norm_partial,
+    "grad_norm_final": grad_norm_final,
+    "clip_grad_inplace": clip_grad_inplace,
+    "saxpy": saxpy,
+    "clipped_saxpy": clipped_saxpy,
+    "adam_update": adam_update,
+    "polyak_update": polyak_update,
+}
+
+__all__ = [
+    "AdamState", "KERNELS", "adam_update", "clip_grad_inplace", "clip_scale", "clipped_saxpy",
+    "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "hard_sync", "norm_from_sq",
+    "polyak_update", "safety_clip_scale", "saxpy",
+]

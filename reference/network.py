@@ -1,0 +1,129 @@
+"""The branching dueling C51 network, forward and backward, composed from the reference kernels.
+
+Forward (SPEC 3), for states ``x [N, SD]`` and weights row-major ``[out, in]``::
+
+    h1 = relu(x W_s1^T + b_s1);  h2 = relu(h1 W_s2^T + b_s2)   (then Mech 10 clamp_finite)
+    hv = relu(h2 W_v1^T + b_v1); v = hv W_v2^T + b_v2
+    ha_d = relu(h2 W_d1^T + b_d1); adv_d = ha_d W_d2^T + b_d2            [N, n_d, NA]
+    logits_d = dueling_combine(v, adv_d); logp_d = log_softmax_atoms(logits_d)
+
+GEMM precision (SPEC 9): ``f32`` runs every GEMM in f32; ``bf16`` runs the forward GEMMs on
+BF16-rounded inputs (the BF16 mirror of the weights and the BF16 copy of the activations) with
+f32 accumulation, and the backward GEMMs on TF32-rounded f32 inputs. The bias adds of the layers
+without ReLU (``v``, ``adv_d``) are GEMM epilogues in the fast path; here they are a plain f32 add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import DQNConfig
+from .kernels import dense, distributional, safety
+from .layout import ParamLayout, branch_name
+
+FORWARD_MODE = {"f32": "f32", "bf16": "bf16"}
+BACKWARD_MODE = {"f32": "f32", "bf16": "tf32"}
+
+
+@dataclass
+class Activations:
+    """Everything the backward pass needs from one forward pass."""
+
+    x: np.ndarray
+    h1: np.ndarray
+    h2_pre_clamp: np.ndarray
+    h2: np.ndarray
+    hv: np.ndarray
+    v: np.ndarray
+    adv: list[np.ndarray] = field(default_factory=list)
+    ha: list[np.ndarray] = field(default_factory=list)
+    logits: list[np.ndarray] = field(default_factory=list)
+    logp: list[np.ndarray] = field(default_factory=list)
+
+
+def _linear(x: np.ndarray, w: np.ndarray, mode: str) -> np.ndarray:
+    return dense.gemm(x, w, trans_b=True, mode=mode)
+
+
+def forward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, x: np.ndarray,
+            *, h2_bound: float | None = None) -> Activations:
+    """One forward pass of the network with parameters ``params`` (flat f32) on ``x [N, SD]``.
+
+    ``h2_bound`` is the Mech 10 bound (``h2_clamp_mult * max(ISV[H_S2_RMS_EMA], 1)``); ``None``
+    skips the clamp (for debugging a pure forward).
+    """
+    mode = FORWARD_MODE[config.precision]
+    p = layout.views(params)
+    h1 = dense.add_bias_relu(_linear(x, p["w_s1"], mode), p["b_s1"])
+    h2_pre = dense.add_bias_relu(_linear(h1, p["w_s2"], mode), p["b_s2"])
+    h2 = h2_pre if h2_bound is None else safety.clamp_finite(h2_pre, np.float32(h2_bound))
+    hv = dense.add_bias_relu(_linear(h2, p["w_v1"], mode), p["b_v1"])
+    v = _linear(hv, p["w_v2"], mode) + p["b_v2"]
+    act = Activations(x=x, h1=h1, h2_pre_clamp=h2_pre, h2=h2, hv=hv, v=v)
+    n_rows = x.shape[0]
+    for d, n in enumerate(config.branches):
+        br = branch_name(d)
+        ha = dense.add_bias_relu(_linear(h2, p[f"w_{br}1"], mode), p[f"b_{br}1"])
+        adv = (_linear(ha, p[f"w_{br}2"], mode) + p[f"b_{br}2"]).reshape(n_rows, n, config.num_atoms)
+        logits = distributional.dueling_combine(v, adv)
+        act.ha.append(ha)
+        act.adv.append(adv)
+        act.logits.append(logits)
+        act.logp.append(distributional.log_softmax_atoms(logits))
+    return act
+
+
+def backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Activations,
+             dlogits: list[np.ndarray], *, h2_bound: float | None = None,
+             trace: dict | None = None) -> np.ndarray:
+    """Gradient (flat f32, layout order, padding zero) of a loss whose gradient w.r.t. each
+    branch's logits is ``dlogits[d] [N, n_d, NA]``.
+
+    Chain: dueling backward (``dv`` summed over branches), head GEMMs with ReLU masks and bias
+    reductions, ``dh2`` summed over the value head and every branch, through the Mech 10 clamp
+    (zero gradient where the clamp changed the value), then the trunk.
+
+    ``trace``, if given, receives the intermediate gradients the sentinels watch:
+    ``d_value_logits`` (``dv``), ``d_adv_logits`` (every branch's ``dadv``, flattened) and
+    ``d_h2`` (after the heads, before the trunk).
+    """
+    mode = BACKWARD_MODE[config.precision]
+    p = layout.views(params)
+    grad = layout.zeros()
+    g = layout.views(grad)
+    n_rows = act.x.shape[0]
+
+    def dense_backward(dy, x_in, w_name, b_name):
+        g[w_name][...] = dense.gemm(dy, x_in, trans_a=True, mode=mode)
+        g[b_name][...] = dense.bias_grad_reduce(dy)
+        return dense.gemm(dy, p[w_name], mode=mode)
+
+    dv = np.zeros_like(act.v)
+    dh2 = np.zeros_like(act.h2)
+    dadvs = []
+    for d, n in enumerate(config.branches):
+        br = branch_name(d)
+        dv_d, dadv = distributional.dueling_combine_backward(dlogits[d])
+        dv = dv + dv_d
+        dadvs.append(dadv.ravel())
+        dha = dense_backward(dadv.reshape(n_rows, n * config.num_atoms), act.ha[d], f"w_{br}2", f"b_{br}2")
+        dha = dense.relu_mask(dha, act.ha[d])
+        dh2 = dh2 + dense_backward(dha, act.h2, f"w_{br}1", f"b_{br}1")
+    dhv = dense.relu_mask(dense_backward(dv, act.hv, "w_v2", "b_v2"), act.hv)
+    dh2 = dh2 + dense_backward(dhv, act.h2, "w_v1", "b_v1")
+    if trace is not None:
+        trace.update(d_value_logits=dv, d_adv_logits=np.concatenate(dadvs), d_h2=dh2)
+    if h2_bound is not None:
+        # clamp_finite passes a value through unchanged only where it was finite and in range.
+        dh2 = np.where(act.h2 == act.h2_pre_clamp, dh2, np.float32(0))
+    dh2 = dense.relu_mask(dh2, act.h2_pre_clamp)
+    dh1 = dense.relu_mask(dense_backward(dh2, act.h1, "w_s2", "b_s2"), act.h1)
+    dense_backward(dh1, act.x, "w_s1", "b_s1")
+    return grad
+
+
+def q_values(config: DQNConfig, act: Activations, z: np.ndarray) -> list[np.ndarray]:
+    """Expected Q per branch, ``[N, n_d]`` each."""
+    return [distributional.expected_q(logp, z) for logp in act.logp]

@@ -1,0 +1,77 @@
+"""Prioritised replay: a ring buffer with proportional sampling and importance weights.
+
+Sampling uses the replay kernels (``prefix_sum``, ``sample_proportional``,
+``importance_weights``): ``P(i) = p_i / sum_j p_j`` with ``p_i = (|td_i| + eps)^alpha``, and
+``w_i = (N P(i))^-beta`` normalised by the batch maximum. New transitions enter with the current
+maximum priority so that each is seen at least once with high probability.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .batch import Batch
+from .config import DQNConfig
+from .kernels import replay as replay_kernels
+
+
+class ReplayBuffer:
+    """Ring buffer of ``capacity`` transitions for ``config``'s state and action shapes."""
+
+    def __init__(self, config: DQNConfig, capacity: int, *, alpha: float = 0.6, beta: float = 0.4,
+                 priority_eps: float = 1e-3):
+        if not isinstance(capacity, int) or capacity < config.batch_size:
+            raise ValueError(f"capacity={capacity!r}: must be an integer >= batch_size={config.batch_size}")
+        for name, value, lo, hi in (("alpha", alpha, 0.0, 1.0), ("beta", beta, 0.0, 1.0)):
+            if not lo <= value <= hi:
+                raise ValueError(f"{name}={value!r}: allowed range is [{lo}, {hi}]")
+        if not priority_eps > 0:
+            raise ValueError(f"priority_eps={priority_eps!r}: must be > 0")
+        self.config = config
+        self.capacity = capacity
+        self.alpha, self.beta, self.priority_eps = np.float32(alpha), np.float32(beta), np.float32(priority_eps)
+        sd, nb = config.state_dim, config.n_branches
+        self.s = np.zeros((capacity, sd), np.float32)
+        self.s2 = np.zeros((capacity, sd), np.float32)
+        self.a = np.zeros((capacity, nb), np.int32)
+        self.r = np.zeros(capacity, np.float32)
+        self.done = np.zeros(capacity, np.float32)
+        self.priority = np.zeros(capacity, np.float32)
+        self.size = 0
+        self.cursor = 0
+        self.max_priority = np.float32(1.0)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def add(self, s, a, r, s2, done) -> None:
+        """Append ``n`` transitions (arrays with a leading batch dimension)."""
+        n = len(r)
+        idx = (self.cursor + np.arange(n)) % self.capacity
+        self.s[idx], self.a[idx], self.r[idx] = s, a, r
+        self.s2[idx], self.done[idx] = s2, done
+        self.priority[idx] = self.max_priority
+        self.cursor = int((self.cursor + n) % self.capacity)
+        self.size = int(min(self.size + n, self.capacity))
+
+    def sample(self, rng: np.random.Generator) -> tuple[Batch, np.ndarray]:
+        """A batch of ``config.batch_size`` by proportional priority, and the sampled indices."""
+        if self.size < self.config.batch_size:
+            raise ValueError(f"replay holds {self.size} transitions, fewer than batch_size={self.config.batch_size}")
+        prio = self.priority[: self.size]
+        prefix = replay_kernels.prefix_sum(prio)
+        u = rng.random(self.config.batch_size, dtype=np.float32)
+        idx = replay_kernels.sample_proportional(prefix, u)
+        isw = replay_kernels.importance_weights(prio, idx, self.beta, self.size)
+        batch = Batch(s=self.s[idx], a=self.a[idx], r=self.r[idx], s2=self.s2[idx],
+                      done=self.done[idx], isw=isw.astype(np.float32))
+        return batch, idx
+
+    def update_priorities(self, idx: np.ndarray, td_errors: np.ndarray) -> None:
+        """``p_i = (|td_i| + eps)^alpha``; non-finite td errors keep the old priority."""
+        td = np.asarray(td_errors, np.float32)
+        ok = np.isfinite(td)
+        new = np.power(np.abs(td) + self.priority_eps, self.alpha, dtype=np.float32)
+        self.priority[idx[ok]] = new[ok]
+        if ok.any():
+            self.max_priority = np.float32(max(self.max_priority, new[ok].max()))

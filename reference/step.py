@@ -1,0 +1,109 @@
+"""`loss_and_grads`: the losses and per-component gradients of one batch (SPEC 4, steps 1-4).
+
+A pure function: nothing is clipped, nothing is updated. It is what a user calls to debug a
+gradient, and what `Trainer.step` builds the budget pipeline on.
+
+1. Three forward passes: online(s), online(s2) (double-DQN choice ``a*_d = argmax_a Q_d(s2)``,
+   lowest index on ties), target(s2).
+2. C51 per branch: ``p'`` = target distribution at ``a*_d``; ``m = c51_project(p', r, done,
+   gamma_d)``; ``ce_b = -sum_j m_j logp_d[b, a_d, j]``; the loss is the mean over branches of
+   ``sum_b isw_b ce_b / B``; ``td_errors[b]`` = mean over branches of ``ce_b``.
+3. CQL per branch: ``alpha * mean_b [logsumexp_a Q_d(s,a) - Q_d(s,a_d)]``, averaged over branches.
+4. Backward of each loss separately into its own flat gradient buffer (layout order).
+
+Mech 1 (target-Q clip): the scalar target ``r + gamma_d (1-done) E_{p'}[z]`` is formed once here,
+clipped to ``target_q_clip_mult * max(ISV[Q_ABS_REF], 1)``, and reported (``target_q``); the C51
+distributional target itself is bounded by the support clip inside ``c51_project``.
+Mech 2 (atom growth bound) has nothing to bound here: the support is fixed at ``[v_min, v_max]``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .batch import Batch
+from .config import DQNConfig
+from .kernels import distributional, safety
+from .layout import ParamLayout
+from .network import Activations, backward, forward
+
+
+def support(config: DQNConfig) -> np.ndarray:
+    return distributional.support(config.v_min, config.v_max, config.num_atoms)
+
+
+def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndarray, batch: Batch,
+                   *, q_abs_ref: float = 0.0, h2_bound: float | None = None,
+                   layout: ParamLayout | None = None) -> dict:
+    """Losses and per-component gradients of ``batch`` (SPEC 4 steps 1-4).
+
+    Returns a dict with ``c51_loss`` and ``cql_loss`` (f32 scalars), ``td_errors`` ``[B]``,
+    ``grad_c51`` and ``grad_cql`` (flat f32, layout order, padding zero), ``target_q``
+    ``[B, n_branches]`` (Mech 1-clipped scalar targets), ``q_taken`` ``[B, n_branches]``,
+    ``a_star`` ``[B, n_branches]``, the activations of the three passes (``online``,
+    ``online_next``, ``target_next``), per-branch ``logp``, ``m``, ``dlogits_c51``,
+    ``dlogits_cql``, and each backward's intermediate gradients (``trace_c51``, ``trace_cql``:
+    ``d_value_logits``, ``d_adv_logits``, ``d_h2``).
+    """
+    layout = layout or ParamLayout(config)
+    batch.validate(config)
+    B, nb = config.batch_size, config.n_branches
+    z = support(config)
+    scale = np.float32(1.0 / (B * nb))
+    alpha = np.float32(config.cql_alpha)
+    q_bound_mult = np.float32(config.target_q_clip_mult)
+
+    online: Activations = forward(config, layout, params, batch.s, h2_bound=h2_bound)
+    online_next = forward(config, layout, params, batch.s2, h2_bound=h2_bound)
+    target_next = forward(config, layout, target_params, batch.s2, h2_bound=h2_bound)
+
+    c51_total = np.float32(0)
+    cql_total = np.float32(0)
+    td = np.zeros(B, np.float32)
+    out: dict = {"m": [], "dlogits_c51": [], "dlogits_cql": []}
+    a_star = np.zeros((B, nb), np.int32)
+    target_q = np.zeros((B, nb), np.float32)
+    q_taken = np.zeros((B, nb), np.float32)
+    rows = np.arange(B)
+    for d, gamma in enumerate(config.gammas):
+        actions = batch.a[:, d]
+        q_next = distributional.expected_q(online_next.logp[d], z)
+        a_star[:, d] = distributional.double_dqn_select(q_next)
+        p_next = np.exp(target_next.logp[d][rows, a_star[:, d]]).astype(np.float32)
+        m = distributional.c51_project(p_next, batch.r, batch.done, np.float32(gamma), z,
+                                       np.float32(config.v_min), np.float32(config.v_max))
+        ce, total = distributional.c51_loss(online.logp[d], actions, m, batch.isw, scale)
+        dl_c51 = distributional.c51_grad(online.logp[d], actions, m, batch.isw, scale)
+        dl_cql, terms = distributional.cql_logit_grad(online.logp[d], actions, z, alpha, scale)
+        c51_total = np.float32(c51_total + total)
+        cql_total = np.float32(cql_total + alpha * np.mean(terms, dtype=np.float32) / np.float32(nb))
+        td = td + ce / np.float32(nb)
+        scalar_target = (batch.r + np.float32(gamma) * (np.float32(1) - batch.done)
+                         * (p_next @ z).astype(np.float32)).astype(np.float32)
+        target_q[:, d] = safety.target_q_clip(scalar_target, q_bound_mult, np.float32(q_abs_ref))
+        q_taken[:, d] = distributional.expected_q(online.logp[d], z)[rows, actions]
+        out["m"].append(m)
+        out["dlogits_c51"].append(dl_c51)
+        out["dlogits_cql"].append(dl_cql)
+
+    trace_c51: dict = {}
+    trace_cql: dict = {}
+    out.update(
+        c51_loss=np.float32(c51_total),
+        cql_loss=np.float32(cql_total),
+        td_errors=td.astype(np.float32),
+        grad_c51=backward(config, layout, params, online, out["dlogits_c51"], h2_bound=h2_bound,
+                          trace=trace_c51),
+        grad_cql=backward(config, layout, params, online, out["dlogits_cql"], h2_bound=h2_bound,
+                          trace=trace_cql),
+        trace_c51=trace_c51,
+        trace_cql=trace_cql,
+        target_q=target_q,
+        q_taken=q_taken,
+        a_star=a_star,
+        online=online,
+        online_next=online_next,
+        target_next=target_next,
+        logp=online.logp,
+    )
+    return out

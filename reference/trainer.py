@@ -1,0 +1,280 @@
+"""The reference `Trainer`: SPEC 4 on the CPU, step by step, with every safety mechanism.
+
+One ``step(batch)``, in order:
+
+1. ``loss_and_grads``: three forward passes (Mech 10 clamps ``h2`` to
+   ``h2_clamp_mult * max(ISV[H_S2_RMS_EMA], 1)``, its NaN check runs *before* the clamp), C51 and
+   CQL losses (Mech 1 clips the scalar target Q), backward of each into its own buffer.
+2. Budget pipeline: ``grad = clip(grad_c51, 0.70 mgn)``; ``grad += clipped(grad_cql, 0.15 mgn)``
+   (guarded, clipped SAXPY). IQN (0.10) and ensemble (0.05) sources are not implemented yet:
+   their budgets stay unused (``lambda_iqn = ens_weight = 0``).
+3. Adam: global safety clip at Mech 6's anchored bound ``min(mgn, 100 * max(slow_ema, 1))``
+   (the slow EMA, alpha 0.001, is updated after the clip and persists across folds), per-element
+   isfinite guard, bias correction, Mech 9 weight clamp ``100 * max(ISV[Q_ABS_REF], 1)``.
+4. Spectral norm on every weight matrix (one batched power iteration).
+5. BF16 mirror of the params; Polyak target update and its mirror.
+6. ISV producers (Q_ABS_REF from the taken-action Q, H_S2_RMS_EMA from h2); the fused sentinel
+   check (Mech 5 thresholds relative to ``max(ISV[Q_ABS_REF], 1)``); deferred readback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from . import isv as isv_mod
+from . import sentinels
+from .backend import StepScalars, TrainerBackend
+from .batch import Batch
+from .budgets import budget_pipeline, safety_clip_bound, slow_ema_update
+from .config import DQNConfig
+from .kernels import dense, optim, safety, spectral
+from .kernels import isv as isv_kernels
+from .layout import ParamLayout, init_params
+from .network import forward, q_values
+from .step import loss_and_grads, support
+
+#: The Mech 6 slow grad-norm EMA lives in this ISV slot (CrossFold: kept at fold boundaries).
+SLOW_EMA = "GRAD_NORM_SLOW_EMA"
+
+#: Rate of the Q_ABS_REF and H_S2_RMS_EMA producers.
+ISV_PRODUCER_ALPHA = 0.01
+
+
+def _zero_scalars(n_flags: int) -> StepScalars:
+    zero = 0.0
+    return StepScalars(step=0, read_at=0, fresh=False, loss=zero, c51_loss=zero, cql_loss=zero,
+                       grad_norm=zero, c51_norm_pre=zero, c51_norm_post=zero, cql_norm_pre=zero,
+                       cql_norm_post=zero, clip_bound=zero, safety_clip_fired=False, mean_q=zero,
+                       mean_target_q=zero, flags=(0,) * n_flags)
+
+
+class Trainer(TrainerBackend):
+    """Reference (NumPy, CPU) trainer; see the module docstring for the step."""
+
+    backend_name = "reference"
+
+    def __init__(self, config: DQNConfig, seed: int = 0):
+        self.config = config
+        self.seed = int(seed)
+        self.layout = ParamLayout(config)
+        self.z = support(config)
+        self.params = init_params(self.layout, seed)
+        self.target = self.params.copy()
+        self.adam_m = self.layout.zeros()
+        self.adam_v = self.layout.zeros()
+        self.adam_t = 0
+        self.sn_u: list[np.ndarray] = []
+        self.sn_v: list[np.ndarray] = []
+        for i, w in enumerate(self.layout.weight_matrices):
+            u, v = spectral.init_spectral_vectors(w.shape, seed * 1000 + i)
+            self.sn_u.append(u)
+            self.sn_v.append(v)
+        self.isv = isv_mod.ISVBus()
+        self._flags = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
+        self.step_count = 0
+        self._refresh_mirrors()
+        self._last = _zero_scalars(len(self._flags))
+        self._current: StepScalars | None = None
+        self._force_fresh = False
+
+    # ------------------------------------------------------------------ helpers
+    def _refresh_mirrors(self) -> None:
+        self.params_bf16 = dense.f32_to_bf16(self.params)
+        self.target_bf16 = dense.f32_to_bf16(self.target)
+
+    def _bound(self, mult: float, slot: str) -> np.float32:
+        return np.float32(safety.isv_bound(np.float32(mult), self.isv.get(slot)))
+
+    @property
+    def flags(self) -> np.ndarray:
+        return self._flags
+
+    def _inline_check(self, slot: str, buffer: np.ndarray) -> None:
+        i = sentinels.index(slot)
+        self._flags[i] = safety.nan_check(buffer, self._flags[i])
+
+    # ------------------------------------------------------------------ the step
+    def step(self, batch: Batch) -> StepScalars:
+        c = self.config
+        batch.validate(c)
+        self.step_count += 1
+        isv_at_start = self.isv.to_array()
+        q_abs_ref = np.float32(self.isv.get("Q_ABS_REF"))
+        h2_bound = self._bound(c.h2_clamp_mult, "H_S2_RMS_EMA")
+        out = loss_and_grads(c, self.params, self.target, batch, q_abs_ref=q_abs_ref,
+                             h2_bound=h2_bound, layout=self.layout)
+        # Inline checks: Mech 10's h2 check sees the buffer before the clamp sanitises it;
+        # d_h2 is snapshotted right after the main (C51) backward.
+        self._inline_check("h2", out["online"].h2_pre_clamp)
+        self._inline_check("d_h2_post_main", out["trace_c51"]["d_h2"])
+
+        # Budget pipeline (SPEC 4 step 5), then Adam with Mech 6's anchored safety clip and
+        # Mech 9's weight clamp.
+        grad, norms = budget_pipeline(c, out["grad_c51"], out["grad_cql"])
+        clip_bound = safety_clip_bound(c, self.isv.get(SLOW_EMA))
+        total_sq = optim.grad_norm_sq(grad)
+        total_norm = optim.norm_from_sq(total_sq)
+        self.adam_t += 1
+        self.params, self.adam_m, self.adam_v = optim.adam_update(
+            self.params, grad, self.adam_m, self.adam_v, step=self.adam_t, lr=np.float32(c.lr),
+            beta1=np.float32(c.beta1), beta2=np.float32(c.beta2), eps=np.float32(c.adam_eps),
+            weight_decay=np.float32(c.weight_decay),
+            grad_scale=optim.safety_clip_scale(total_sq, clip_bound),
+            weight_clamp=self._bound(c.weight_clamp_mult, "Q_ABS_REF"))
+        self.isv.set(SLOW_EMA, slow_ema_update(c, self.isv.get(SLOW_EMA), total_norm))
+
+        # Spectral norm on every weight matrix (one batched launch in the fast path).
+        views = self.layout.views(self.params)
+        ws = [views[t.name] for t in self.layout.weight_matrices]
+        ws, self.sn_u, self.sn_v, _ = spectral.batched_spectral_norm(ws, self.sn_u, self.sn_v, np.float32(c.sigma_max))
+        for t, w in zip(self.layout.weight_matrices, ws):
+            views[t.name][...] = w
+
+        # Mirrors and the Polyak target update.
+        self.target = optim.polyak_update(self.target, self.params, np.float32(c.tau))
+        self._refresh_mirrors()
+
+        # ISV producers.
+        vec = self.isv.to_array()
+        vec = isv_kernels.isv_q_abs_ref_update(vec, out["q_taken"], np.float32(ISV_PRODUCER_ALPHA))
+        vec = isv_kernels.isv_h2_rms_update(vec, out["online"].h2, np.float32(ISV_PRODUCER_ALPHA))
+        self.isv.from_array(vec)
+
+        self._fused_checks(self._sentinel_buffers(batch, out, grad), isv_at_start)
+
+        self._current = StepScalars(
+            step=self.step_count, read_at=self.step_count, fresh=True,
+            loss=float(out["c51_loss"] + out["cql_loss"]), c51_loss=float(out["c51_loss"]),
+            cql_loss=float(out["cql_loss"]), grad_norm=float(total_norm),
+            c51_norm_pre=float(norms.c51_pre), c51_norm_post=float(norms.c51_post),
+            cql_norm_pre=float(norms.cql_pre), cql_norm_post=float(norms.cql_post),
+            clip_bound=float(clip_bound), safety_clip_fired=bool(total_norm > clip_bound),
+            mean_q=float(np.mean(out["q_taken"])), mean_target_q=float(np.mean(out["target_q"])),
+            flags=tuple(int(f) for f in self._flags),
+        )
+        return self._readback()
+
+    def _sentinel_buffers(self, batch: Batch, out: dict, grad: np.ndarray) -> dict[str, np.ndarray]:
+        """The buffer each fused (non-inline) sentinel slot watches, by slot name.
+
+        Slots whose buffers this step does not have (IQN, ensemble, auxiliary heads, MSE
+        warmup) are absent and never fire.
+        """
+        lay = self.layout
+        group = {g: np.concatenate([np.arange(t.offset, t.end) for t in lay.tensors if t.group == g])
+                 for g in ("trunk", "value", "branch")}
+        heads = np.concatenate([group["value"], group["branch"]])
+        flat = lambda xs: np.concatenate([x.ravel() for x in xs])  # noqa: E731
+        return {
+            "states": batch.s, "next_states": batch.s2, "rewards": batch.r,
+            "importance_weights": batch.isw,
+            "online_value_logits": out["online"].v, "online_adv_logits": flat(out["online"].adv),
+            "online_next_logits": flat(out["online_next"].logits),
+            "target_next_logits": flat(out["target_next"].logits),
+            "h1": out["online"].h1,
+            "current_logp": flat(out["logp"]), "projected_dist": flat(out["m"]),
+            "td_errors": out["td_errors"],
+            "c51_loss": np.atleast_1d(out["c51_loss"]), "cql_loss": np.atleast_1d(out["cql_loss"]),
+            "d_value_logits": out["trace_c51"]["d_value_logits"],
+            "d_adv_logits": out["trace_c51"]["d_adv_logits"],
+            "cql_d_value_logits": out["trace_cql"]["d_value_logits"],
+            "cql_d_adv_logits": out["trace_cql"]["d_adv_logits"],
+            "grad_c51": out["grad_c51"], "grad_cql": out["grad_cql"], "grad_buf": grad,
+            "params": self.params, "target_params": self.target,
+            "trunk_adam_m_max": self.adam_m[group["trunk"]],
+            "value_adam_m_max": self.adam_m[group["value"]],
+            "branch_adam_m_max": self.adam_m[group["branch"]],
+            "trunk_adam_v_max": self.adam_v[group["trunk"]],
+            "value_adam_v_max": self.adam_v[group["value"]],
+            "branch_adam_v_max": self.adam_v[group["branch"]],
+            "trunk_weight_max": self.params[group["trunk"]],
+            "heads_weight_max": self.params[heads],
+            "target_q_post_clip": out["target_q"],
+            "atom_span_max": self.z,
+            "h2_max_abs": out["online"].h2,
+        }
+
+    def _fused_checks(self, buffers: dict[str, np.ndarray], isv_at_start: np.ndarray) -> None:
+        """Every per-step, non-inline sentinel slot in one fused check (one launch in the fast
+        path); thresholds from the ISV values at the start of the step."""
+        slots = [s for s in sentinels.SENTINELS if not s.inline and s.name in buffers]
+        idx = np.array([s.index for s in slots])
+        thresholds = sentinels.sentinel_thresholds(isv_at_start, self.config)[idx]
+        self._flags[idx] = safety.nan_check_fused([buffers[s.name] for s in slots], self._flags[idx], thresholds)
+
+    # ------------------------------------------------------------------ readback
+    def _readback(self) -> StepScalars:
+        """Deferred readback (SPEC 9): fresh every ``readback_interval`` steps and on the step
+        after a non-finite read; otherwise the last values read."""
+        assert self._current is not None
+        due = self.step_count % self.config.readback_interval == 0 or self._force_fresh
+        if due:
+            self._last = self._current
+            self._force_fresh = not self._last.all_finite()
+            return self._last
+        return self._last.as_stale(self.step_count)
+
+    def end_epoch(self) -> StepScalars:
+        if self._current is not None:
+            self._last = self._current
+            self._force_fresh = not self._last.all_finite()
+        return dataclasses.replace(self._last, step=self.step_count, fresh=self._current is not None)
+
+    # ------------------------------------------------------------------ folds and evaluation
+    def fold_boundary(self) -> None:
+        """Mech 3 hard target sync, Mech 4 Adam reset, ISV fold reset, sentinel flags reset."""
+        self.target = optim.hard_sync(self.target, self.params)
+        self.adam_m = self.layout.zeros()
+        self.adam_v = self.layout.zeros()
+        self.adam_t = 0
+        self.isv.fold_reset()
+        self._flags[:] = 0
+        self._refresh_mirrors()
+        # The Mech 6 slow EMA is deliberately kept (the seeds' Mech 8 revert).
+
+    def q_values(self, states: np.ndarray) -> list[np.ndarray]:
+        states = np.ascontiguousarray(states, dtype=np.float32)
+        h2_bound = self._bound(self.config.h2_clamp_mult, "H_S2_RMS_EMA")
+        act = forward(self.config, self.layout, self.params, states, h2_bound=h2_bound)
+        return q_values(self.config, act, self.z)
+
+    # ------------------------------------------------------------------ state exchange
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state = {
+            "params": self.params, "target": self.target,
+            "adam_m": self.adam_m, "adam_v": self.adam_v,
+            "adam_t": np.array([self.adam_t], np.int64),
+            "isv": self.isv.to_array(), "flags": self._flags,
+            "step": np.array([self.step_count], np.int64),
+        }
+        for t, u, v in zip(self.layout.weight_matrices, self.sn_u, self.sn_v):
+            state[f"sn_u.{t.name}"] = u
+            state[f"sn_v.{t.name}"] = v
+        return {k: np.array(v, copy=True) for k, v in state.items()}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        expected = self.state_dict()
+        missing = sorted(set(expected) - set(state))
+        extra = sorted(set(state) - set(expected))
+        if missing or extra:
+            raise ValueError(f"state mismatch: missing {missing}, unexpected {extra}")
+        for k, ref in expected.items():
+            if state[k].shape != ref.shape or state[k].dtype != ref.dtype:
+                raise ValueError(f"state[{k!r}]: shape {state[k].shape} dtype {state[k].dtype}, "
+                                 f"expected shape {ref.shape} dtype {ref.dtype}")
+        self.params = state["params"].copy()
+        self.target = state["target"].copy()
+        self.adam_m = state["adam_m"].copy()
+        self.adam_v = state["adam_v"].copy()
+        self.adam_t = int(state["adam_t"][0])
+        self.isv.from_array(state["isv"].copy())
+        self._flags = state["flags"].copy()
+        self.step_count = int(state["step"][0])
+        self.sn_u = [state[f"sn_u.{t.name}"].copy() for t in self.layout.weight_matrices]
+        self.sn_v = [state[f"sn_v.{t.name}"].copy() for t in self.layout.weight_matrices]
+        self._refresh_mirrors()
+        self._current = None
+        self._force_fresh = False
+        self._last = _zero_scalars(len(self._flags))
