@@ -72,6 +72,7 @@ class TrainerBackend(abc.ABC):
     - ``fold_boundary()`` does Mech 3 (hard target sync), Mech 4 (Adam m, v, t reset), ISV
       FoldReset/SoftReset, and resets the sentinel flags; it keeps the Mech 6 slow EMA.
     - ``q_values(states)`` is the greedy evaluation: expected Q per branch ``[N, n_d]``.
+    - ``last_td_errors()`` gives the last step's per-sample TD errors (for replay priorities).
     - ``state_dict()`` / ``load_state_dict()`` exchange the full state as NumPy arrays.
     - ``save(path)`` writes a checkpoint atomically; ``load(path)`` (classmethod) reads one
       written by either backend, failing on a fingerprint or shape mismatch.
@@ -91,6 +92,10 @@ class TrainerBackend(abc.ABC):
 
     @abc.abstractmethod
     def q_values(self, states: np.ndarray) -> list[np.ndarray]: ...
+
+    @abc.abstractmethod
+    def last_td_errors(self) -> np.ndarray:
+        """Per-sample TD errors ``[B]`` of the last step (the replay priorities' source)."""
 
     @abc.abstractmethod
     def state_dict(self) -> dict[str, np.ndarray]: ...

@@ -143,6 +143,7 @@ class Trainer(TrainerBackend):
         self.isv.from_array(vec)
 
         self._fused_checks(self._sentinel_buffers(batch, out, grad), isv_at_start)
+        self._td_errors = out["td_errors"]
 
         self._current = StepScalars(
             step=self.step_count, read_at=self.step_count, fresh=True,
@@ -234,6 +235,11 @@ class Trainer(TrainerBackend):
         self._refresh_mirrors()
         # The Mech 6 slow EMA is deliberately kept (the seeds' Mech 8 revert).
 
+    def last_td_errors(self) -> np.ndarray:
+        if self._td_errors is None:
+            raise RuntimeError("last_td_errors(): no step has run yet")
+        return self._td_errors.copy()
+
     def q_values(self, states: np.ndarray) -> list[np.ndarray]:
         states = np.ascontiguousarray(states, dtype=np.float32)
         h2_bound = self._bound(self.config.h2_clamp_mult, "H_S2_RMS_EMA")
@@ -277,4 +283,5 @@ class Trainer(TrainerBackend):
         self._refresh_mirrors()
         self._current = None
         self._force_fresh = False
+        self._td_errors = None
         self._last = _zero_scalars(len(self._flags))

@@ -381,7 +381,7 @@ def test_c51_project_nan_inf_contract(data, batch, atoms):
             assert m[b_idx, -1] == pytest.approx(1.0, abs=1e-6)
         if kind == "-inf_r" and done[b_idx] == 1.0:
             assert m[b_idx, 0] == pytest.approx(1.0, abs=1e-6)
-    all_nan_gamma = dist.c51_project(p, r, done, np.nan, z, -10.0, 10.0)
+    all_nan_gamma = dist.c51_project(p, r, done, np.array(np.nan, np.float32), z, -10.0, 10.0)
     assert np.isnan(all_nan_gamma).all()
 
 
@@ -536,6 +536,8 @@ _Z = dist.support(-2.0, 2.0, 5)
         (lambda: dist.c51_grad(_LOGP, _ACT, _M, _ISW, None), "scale"),
         (lambda: dist.cql_logit_grad(_LOGP, _ACT, _Z, [1.0], 0.5), "alpha"),
         (lambda: dist.cql_logit_grad(_LOGP[0], _ACT, _Z, 1.0, 0.5), "logp"),
+        (lambda: dist.cql_logit_grad(_LOGP, _ACT, _Z, np.ones(1, np.float32), 0.5), "alpha"),
+        (lambda: dist.c51_project(_M[:, :1], _ISW, _ISW, 0.9, _Z[:1], -2.0, 2.0), "p_next"),
     ],
 )
 def test_bad_arguments_raise_value_error_naming_the_argument(call, argument):

@@ -73,7 +73,10 @@ def _require_shape(name: str, x: np.ndarray, shape: tuple, meaning: str) -> None
 
 
 def _f32_scalar(name: str, value) -> np.float32:
-    """A real scalar argument as float32 (what the CUDA launch receives). Non-finite allowed."""
+    """A real scalar argument (Python or NumPy number, or a 0-d real array) as float32, what the
+    CUDA launch receives. Non-finite values are allowed (contracts say how they propagate)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]
     if isinstance(value, (bool, np.bool_)) or not isinstance(
         value, (int, float, np.integer, np.floating)
     ):

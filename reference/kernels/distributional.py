@@ -162,7 +162,8 @@ def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
 
     ``logp_j = (x_j - m) - log(sum_k exp(x_k - m))`` with ``m = max_k x_k``. Shapes:
     ``logits [..., NA]`` float32 (NA >= 1); returns float32 of the same shape. Finite rows give
-    ``logp <= 0`` up to rounding, so ``exp(logp) <= 1`` downstream (seed audit, c51_grad).
+    ``logp <= 0`` exactly (``x - m <= 0`` and ``log(sum) >= 0``), so ``exp(logp) <= 1``
+    downstream (seed audit, c51_grad).
     NaN/Inf contract, per row: a NaN anywhere, a ``+Inf`` anywhere (``Inf - Inf``), or every
     entry ``-Inf`` makes the whole row NaN; otherwise a ``-Inf`` entry gives ``logp = -Inf``
     (probability 0) and the other entries are finite. The fast kernel may take the max with
@@ -171,7 +172,9 @@ def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
     """
     _require_array("logits", logits, F32)
     if logits.ndim < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits: shape {logits.shape} is not allowed; expected [..., NA], NA >= 1")
+        raise ValueError(
+            f"logits: shape {logits.shape} is not allowed; expected [..., NA] with NA >= 1"
+        )
     m = np.max(logits, axis=-1, keepdims=True)
     shifted = logits - m
     log_sum = np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True, dtype=F32))
@@ -247,6 +250,8 @@ def c51_project(
     batch, num_atoms = p_next.shape
     _require_vector("r", r, batch, "[B] with B = p_next.shape[0]")
     _require_vector("done", done, batch, "[B] with B = p_next.shape[0]")
+    if num_atoms < 2:
+        raise ValueError(f"p_next: shape {p_next.shape} is not allowed; expected [B, NA], NA >= 2")
     _require_vector("z", z, num_atoms, "[NA] with NA = p_next.shape[1]")
     g = _f32_scalar("gamma", gamma)
     lo, hi = _check_support_bounds(v_min, v_max, num_atoms)

@@ -1,0 +1,683 @@
+"""GPU tests of the fast path's plumbing: device arena round trips, pinned readback, NVRTC
+kernel launches, cuBLASLt GEMMs in every precision and epilogue against a float64 NumPy
+reference on exactly representable inputs, and CUDA-graph replay == eager, bitwise.
+
+Every test skips (with the reason) where no CUDA driver/device is usable; GEMM tests also
+skip where nvmath-python is missing. ``python tests/test_fast_gpu.py`` prints a short report
+(error-bound ratios, epilogue NaN behaviour, graph timings) for the record.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from foxhunt.fast.device import cuda_available
+
+_OK, _REASON = cuda_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no CUDA device/driver: {_REASON}")]
+
+U = np.float64(2.0**-24)  # unit roundoff of float32 (round to nearest)
+# Per-element GEMM bound safety factor: tensor-core adders may truncate (error up to 2u per
+# add instead of u), and the accumulation order is unknown; 4 leaves a further 2x margin.
+GEMM_SAFETY = 4.0
+SHAPES = [(256, 256, 256), (257, 259, 131)]  # (m, n, k): regular and odd tails
+BLOCK = 256
+
+
+@pytest.fixture(scope="module")
+def device():
+    from foxhunt.fast.device import Device
+
+    return Device()
+
+
+@pytest.fixture(scope="module")
+def kernels(device, tmp_path_factory):
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    # Only the self-test file (plus headers): these tests must not depend on other kernels.
+    files = source_files()
+    sources = {n: b for n, b in files.items() if n == "_selftest.cu" or n.endswith(HEADER_SUFFIXES)}
+    module = compile_sources(device.arch, "cubin", cache_root=tmp_path_factory.mktemp("nvrtc"),
+                             sources=sources)
+    return device.load_module(module)
+
+
+@pytest.fixture(scope="module")
+def lt():
+    from foxhunt.fast.gemm import CublasUnavailableError, _cublaslt
+
+    try:
+        return _cublaslt()
+    except CublasUnavailableError as exc:
+        pytest.skip(str(exc))
+
+
+def _bits(x: np.ndarray) -> np.ndarray:
+    return x.view(np.uint32) if x.dtype == np.float32 else x
+
+
+# --------------------------------------------------------------------------------------------
+# Device, arena, pinned memory
+# --------------------------------------------------------------------------------------------
+
+
+def test_device_describes_itself(device):
+    major, minor = device.compute_capability
+    assert major >= 8 and device.arch == f"sm_{major}{minor}"
+    assert device.multiprocessor_count > 0 and device.name
+
+
+def _specials_f32(n: int, rng) -> np.ndarray:
+    x = rng.standard_normal(n).astype(np.float32)
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-45, -1e-40, 3.4e38], dtype=np.float32)
+    x[: len(specials)] = specials
+    x.view(np.uint32)[len(specials)] = 0x7FC0_1234  # a NaN with a payload survives the copy
+    return x
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.int32, np.uint16, np.uint8, np.float64])
+def test_arena_round_trip_is_bitwise(device, dtype):
+    from foxhunt.fast.device import ALIGNMENT, Arena
+
+    rng = np.random.default_rng(3)
+    shapes = {"a": (257, 3), "b": (1,), "c": (1000,)}
+    arena = Arena.from_specs(device, {name: (shape, dtype) for name, shape in shapes.items()})
+    try:
+        hosts = {}
+        for name, shape in shapes.items():
+            assert arena.ptr(name) % ALIGNMENT == 0
+            if dtype == np.float32:
+                host = _specials_f32(int(np.prod(shape)), rng).reshape(shape)
+            else:
+                host = rng.integers(0, 200, size=shape).astype(dtype)
+            hosts[name] = host
+        assert np.all(arena.download("b") == 0), "a new arena must be zero-filled"
+        for name, host in hosts.items():
+            arena.upload(name, host)
+        for name, host in hosts.items():
+            out = arena.download(name)
+            assert out.dtype == host.dtype and out.shape == host.shape
+            assert np.array_equal(_bits(out), _bits(host))
+        arena.zero("a")
+        assert np.all(arena.download("a") == 0)
+        assert np.array_equal(_bits(arena.download("c")), _bits(hosts["c"])), "zero() spilled over"
+    finally:
+        arena.close()
+
+
+def test_arena_async_copies_through_pinned_memory(device):
+    from foxhunt.fast.device import Arena
+
+    arena = Arena(device, 1 << 20)
+    try:
+        arena.add("x", (4099,), np.float32)
+        staged = device.pinned_empty((4099,), np.float32)
+        staged[...] = np.arange(4099, dtype=np.float32) * np.float32(0.5)
+        back = device.pinned_empty((4099,), np.float32)
+        back[...] = -1
+        arena.upload_async("x", staged, device.stream)
+        arena.download_async("x", back, device.stream)
+        device.stream.synchronize()
+        assert np.array_equal(back, staged)
+    finally:
+        arena.close()
+
+
+def test_arena_rejects_mismatched_host_arrays(device):
+    from foxhunt.fast.device import Arena
+
+    arena = Arena(device, 4096)
+    try:
+        arena.add("x", (8,), np.float32)
+        with pytest.raises(ValueError, match="holds"):
+            arena.upload("x", np.zeros(8, np.float64))
+        with pytest.raises(ValueError, match="holds"):
+            arena.upload("x", np.zeros(9, np.float32))
+        with pytest.raises(KeyError, match="no buffer"):
+            arena.ptr("y")
+        with pytest.raises(ValueError, match="does not fit"):
+            arena.add("big", (4096,), np.float32)
+    finally:
+        arena.close()
+
+
+def test_pinned_scalars_are_written_by_a_kernel_and_read_without_a_copy(device, kernels):
+    from foxhunt.fast.device import PinnedScalars
+
+    slots = PinnedScalars(device, {"loss": np.float32, "count": np.int64, "flags": (np.int32, 64)})
+    assert slots.device_ptr("count") % 8 == 0
+    kernels.kernel("selftest_write_scalars").launch(
+        1, 32, slots.device_ptr("loss"), slots.device_ptr("count"), np.float32(-2.75), (1 << 40) + 3,
+        stream=device.stream)
+    device.stream.synchronize()
+    assert slots.read("loss")[0] == np.float32(-2.75)
+    assert slots.read("count")[0] == (1 << 40) + 3
+    assert np.all(slots.read("flags") == 0)
+    slots.clear()
+    assert slots.read("loss")[0] == 0
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel launches
+# --------------------------------------------------------------------------------------------
+
+
+def test_axpy_kernel_rounds_product_and_sum_separately(device, kernels):
+    from foxhunt.fast.device import Arena, grid_for
+
+    rng = np.random.default_rng(7)
+    n = 100_003
+    x = rng.standard_normal(n).astype(np.float32)
+    y = rng.standard_normal(n).astype(np.float32)
+    a = np.float32(1.0 / 3.0)
+    expected = (a * x + y).astype(np.float32)  # NumPy float32: two roundings
+    fused = (np.float64(a) * x.astype(np.float64) + y).astype(np.float32)  # ~ one rounding (FMA)
+    assert np.any(fused != expected), "test data cannot tell FMA from mul+add"
+    arena = Arena.from_specs(device, {"x": ((n,), np.float32), "y": ((n,), np.float32)})
+    try:
+        arena.upload("x", x)
+        arena.upload("y", y)
+        kernels.kernel("selftest_axpy").launch(grid_for(n, BLOCK), BLOCK, arena.ptr("y"),
+                                               arena.ptr("x"), a, n, stream=device.stream)
+        assert np.array_equal(_bits(arena.download("y")), _bits(expected))
+    finally:
+        arena.close()
+
+
+def test_bf16_kernel_matches_reference_rounding(device, kernels):
+    from foxhunt.fast.device import Arena, grid_for
+    from foxhunt.reference.kernels.dense import f32_to_bf16
+
+    rng = np.random.default_rng(11)
+    x = (rng.standard_normal(5000) * 1e3).astype(np.float32)
+    ties = np.array([0x3F80_8000, 0x3F81_8000, 0x0000_8000, 0x7F7F_FFFF, 0x0001_0000],
+                    dtype=np.uint32).view(np.float32)  # ties to even both ways, subnormal, overflow
+    x[: len(ties)] = ties
+    x[len(ties): len(ties) + 3] = [np.inf, -np.inf, -0.0]
+    arena = Arena.from_specs(device, {"x": (x.shape, np.float32), "o": (x.shape, np.uint16)})
+    try:
+        arena.upload("x", x)
+        kernels.kernel("selftest_bf16_round").launch(grid_for(x.size, BLOCK), BLOCK, arena.ptr("o"),
+                                                     arena.ptr("x"), x.size, stream=device.stream)
+        assert np.array_equal(arena.download("o"), f32_to_bf16(x))
+    finally:
+        arena.close()
+
+
+def test_kernel_lookup_and_launch_errors(device, kernels):
+    with pytest.raises(KeyError, match="no kernel 'nope'"):
+        kernels.kernel("nope")
+    axpy = kernels.kernel("selftest_axpy")
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        axpy.launch(1, 32, 0, 0, np.float32(1), stream=device.stream)
+    with pytest.raises(TypeError, match="expected an int"):
+        axpy.launch(1, 32, 0, 0, np.float32(1), 2.0, stream=device.stream)
+    with pytest.raises(ValueError, match="stream"):
+        axpy.launch(1, 32, 0, 0, np.float32(1), 0)
+    with pytest.raises(ValueError, match="block"):
+        axpy.launch(1, 0, 0, 0, np.float32(1), 0, stream=device.stream)
+
+
+# --------------------------------------------------------------------------------------------
+# GEMMs
+# --------------------------------------------------------------------------------------------
+
+
+def _representable(rng, shape, precision) -> np.ndarray:
+    """float32 values that the precision's inputs hold exactly (so input rounding is moot)."""
+    x = rng.standard_normal(shape).astype(np.float32)
+    drop = {"f32": 0, "tf32": 13, "bf16": 16}[precision]
+    x.view(np.uint32)[...] &= np.uint32((0xFFFF_FFFF >> drop) << drop)
+    return x
+
+
+def _to_device_layout(x: np.ndarray, precision: str) -> np.ndarray:
+    return (x.view(np.uint32) >> 16).astype(np.uint16) if precision == "bf16" else x
+
+
+def _gemm_bound(a_op, b_op, k, extra=0.0):
+    """Per-element bound: safety * gamma_K * (|A| @ |B|) + 2u * |extra terms|, float64."""
+    gamma = k * U / (1 - k * U)
+    return GEMM_SAFETY * gamma * (np.abs(a_op) @ np.abs(b_op)) + 2 * U * np.abs(extra)
+
+
+class _Gemm:
+    """Allocate operands for a plan, run it, return C (and bias/aux) as NumPy."""
+
+    def __init__(self, device, plan):
+        from foxhunt.fast.device import Arena
+
+        s = plan.spec
+        specs = {"a": (s.a_shape, s.input_dtype), "b": (s.b_shape, s.input_dtype),
+                 "c": (s.c_shape, np.float32)}
+        if s.bias_len is not None:
+            specs["bias"] = ((s.bias_len,), np.float32)
+        if s.aux_nbytes is not None:
+            specs["aux"] = ((s.aux_nbytes,), np.uint8)
+        self.device, self.plan, self.arena = device, plan, Arena.from_specs(device, specs)
+
+    def run(self, a, b, *, bias=None, aux=None, c=None):
+        s, arena = self.plan.spec, self.arena
+        arena.upload("a", _to_device_layout(a, s.precision))
+        arena.upload("b", _to_device_layout(b, s.precision))
+        if c is not None:
+            arena.upload("c", c)
+        if bias is not None:
+            arena.upload("bias", bias)
+        if aux is not None:
+            arena.upload("aux", aux)
+        self.plan.run(arena.ptr("a"), arena.ptr("b"), arena.ptr("c"),
+                      bias_ptr=arena.ptr("bias") if "bias" in arena else None,
+                      aux_ptr=arena.ptr("aux") if "aux" in arena else None,
+                      stream=self.device.stream)
+        self.device.stream.synchronize()
+        out = {"c": arena.download("c")}
+        for name in ("bias", "aux"):
+            if name in arena:
+                out[name] = arena.download(name)
+        return out
+
+    def close(self):
+        self.arena.close()
+        self.plan.close()
+
+
+def _plan(device, *args, **kwargs):
+    from foxhunt.fast.gemm import GemmPlan
+
+    return GemmPlan(device, *args, **kwargs)
+
+
+def _operands(rng, m, n, k, trans_a, trans_b, precision):
+    a = _representable(rng, (k, m) if trans_a else (m, k), precision)
+    b = _representable(rng, (n, k) if trans_b else (k, n), precision)
+    a_op = (a.T if trans_a else a).astype(np.float64)
+    b_op = (b.T if trans_b else b).astype(np.float64)
+    return a, b, a_op, b_op
+
+
+def _assert_within(got, want, bound, what):
+    err = np.abs(got.astype(np.float64) - want)
+    bad = ~(err <= bound)
+    if bad.any():
+        idx = np.unravel_index(np.argmax(np.where(bad, err / np.maximum(bound, 1e-300), 0)), err.shape)
+        raise AssertionError(
+            f"{what}: {bad.sum()} of {bad.size} elements ({100 * bad.mean():.3f}%) exceed the bound; "
+            f"worst at {idx}: got {got[idx]!r}, want {want[idx]!r}, |err| {err[idx]:.3e}, "
+            f"bound {bound[idx]:.3e}")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("trans_a, trans_b", [(False, False), (True, False), (False, True), (True, True)])
+@pytest.mark.parametrize("precision", ["f32", "tf32", "bf16"])
+def test_gemm_matches_float64_on_representable_inputs(device, lt, precision, trans_a, trans_b, shape):
+    m, n, k = shape
+    rng = np.random.default_rng(zlib.crc32(repr((precision, trans_a, trans_b, shape)).encode()))
+    a, b, a_op, b_op = _operands(rng, m, n, k, trans_a, trans_b, precision)
+    gemm = _Gemm(device, _plan(device, m, n, k, trans_a=trans_a, trans_b=trans_b, precision=precision))
+    try:
+        out = gemm.run(a, b)["c"]
+    finally:
+        gemm.close()
+    want = a_op @ b_op
+    assert out.dtype == np.float32 and out.shape == (m, n)
+    _assert_within(out, want, _gemm_bound(a_op, b_op, k, want), f"{precision} GEMM")
+
+
+def test_f32_gemm_does_not_use_tf32(device, lt):
+    """An f32 GEMM on inputs with low mantissa bits must beat TF32's input rounding by far."""
+    m, n, k = 256, 256, 16  # short sums: TF32's input rounding cannot average out
+    rng = np.random.default_rng(5)
+    a = (1 + rng.random((m, k))).astype(np.float32)  # [1, 2): every mantissa bit in play
+    b = (1 + rng.random((k, n))).astype(np.float32)
+    gemm = _Gemm(device, _plan(device, m, n, k, precision="f32"))
+    try:
+        out = gemm.run(a, b)["c"]
+    finally:
+        gemm.close()
+    want = a.astype(np.float64) @ b.astype(np.float64)
+    rel = np.max(np.abs(out - want) / want)
+    assert rel < 2.0**-14, f"relative error {rel:.2e} looks like TF32 (2^-11 per input)"
+
+
+def test_gemm_accumulates_into_c_with_beta(device, lt):
+    m, n, k = 64, 96, 32
+    rng = np.random.default_rng(9)
+    a, b, a_op, b_op = _operands(rng, m, n, k, False, False, "f32")
+    c0 = _representable(rng, (m, n), "f32")
+    gemm = _Gemm(device, _plan(device, m, n, k, alpha=0.5, beta=-2.0))
+    try:
+        out = gemm.run(a, b, c=c0)["c"]
+    finally:
+        gemm.close()
+    want = 0.5 * (a_op @ b_op) - 2.0 * c0
+    _assert_within(out, want, _gemm_bound(a_op, b_op, k, np.abs(want) + 2 * np.abs(c0)), "beta GEMM")
+
+
+def _aux_bits(aux: np.ndarray, m: int, n: int) -> np.ndarray:
+    """ReLU bitmask -> bool [m, n]: one padded bit-row per row of C, least significant bit first."""
+    rows = aux.reshape(m, -1)
+    return np.unpackbits(rows, axis=1, bitorder="little")[:, :n].astype(bool)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("epilogue", ["bias", "relu_bias", "relu_aux_bias"])
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_forward_epilogues(device, lt, precision, epilogue, shape):
+    m, n, k = shape
+    rng = np.random.default_rng(17)
+    a, b, a_op, b_op = _operands(rng, m, n, k, False, True, precision)
+    bias = rng.standard_normal(n).astype(np.float32)
+    gemm = _Gemm(device, _plan(device, m, n, k, trans_b=True, precision=precision, epilogue=epilogue))
+    try:
+        out = gemm.run(a, b, bias=bias)
+    finally:
+        gemm.close()
+    pre = a_op @ b_op + bias.astype(np.float64)[None, :]
+    bound = _gemm_bound(a_op, b_op, k, np.abs(pre) + np.abs(bias)[None, :])
+    want = pre if epilogue == "bias" else np.maximum(pre, 0)
+    _assert_within(out["c"], want, bound, f"{precision} {epilogue}")
+    assert np.array_equal(out["bias"], bias), "the bias input must not be modified"
+    if epilogue == "relu_aux_bias":
+        mask = _aux_bits(out["aux"], m, n)
+        clear = np.abs(pre) > bound  # away from 0, the sign of the pre-activation is certain
+        assert np.array_equal(mask[clear], (pre > 0)[clear])
+        assert np.array_equal(mask, out["c"] > 0), "aux bit set exactly where the output is > 0"
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_drelu_bgrad_masks_with_the_forward_aux_and_sums_rows(device, lt, precision, shape):
+    m, n, k = shape
+    rng = np.random.default_rng(23)
+    # Forward: H = relu(X W.T + b) with the aux bitmask.
+    x, w, x_op, w_op = _operands(rng, m, n, k, False, True, precision)
+    forward = _Gemm(device, _plan(device, m, n, k, trans_b=True, precision=precision,
+                                  epilogue="relu_aux_bias"))
+    backward = _Gemm(device, _plan(device, m, n, k, precision=precision, epilogue="drelu_bgrad"))
+    try:
+        fwd = forward.run(x, w, bias=rng.standard_normal(n).astype(np.float32))
+        dy, v, dy_op, v_op = _operands(rng, m, n, k, False, False, precision)
+        bwd = backward.run(dy, v, aux=fwd["aux"])
+    finally:
+        forward.close()
+        backward.close()
+    mask = _aux_bits(fwd["aux"], m, n)
+    assert np.array_equal(mask, fwd["c"] > 0)
+    want = np.where(mask, dy_op @ v_op, 0.0)
+    _assert_within(bwd["c"], want, np.where(mask, _gemm_bound(dy_op, v_op, k, want), 0.0),
+                   f"{precision} drelu_bgrad")
+    column_sums = bwd["c"].astype(np.float64).sum(axis=0)
+    bound = 2 * m * U * np.abs(bwd["c"]).astype(np.float64).sum(axis=0) + 1e-30
+    _assert_within(bwd["bias"], column_sums, bound, "drelu_bgrad bias gradient")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("precision", ["f32", "tf32", "bf16"])
+@pytest.mark.parametrize("epilogue, trans_a, trans_b, required", [
+    ("bgradb", True, False, True),    # dW[in, out] = X.T @ dZ, db = column sums of dZ
+    ("bgrada", True, False, True),    # dW[out, in] = dZ.T @ X, db = column sums of dZ
+    ("bgradb", False, False, False),
+    ("bgradb", False, True, False),
+    ("bgrada", False, False, False),
+    ("bgrada", True, True, False),
+])
+def test_bias_gradient_epilogues(device, lt, epilogue, trans_a, trans_b, required, precision, shape):
+    from foxhunt.fast.gemm import GemmPlanError
+
+    m, n, k = shape
+    rng = np.random.default_rng(29)
+    a, b, a_op, b_op = _operands(rng, m, n, k, trans_a, trans_b, precision)
+    try:
+        plan = _plan(device, m, n, k, trans_a=trans_a, trans_b=trans_b, precision=precision,
+                     epilogue=epilogue)
+    except GemmPlanError as exc:
+        if required:
+            raise
+        pytest.skip(f"cuBLASLt does not support this configuration: {exc}")
+    gemm = _Gemm(device, plan)
+    try:
+        out = gemm.run(a, b)
+    finally:
+        gemm.close()
+    want = a_op @ b_op
+    _assert_within(out["c"], want, _gemm_bound(a_op, b_op, k, want), f"{precision} {epilogue} product")
+    reduced = b_op if epilogue == "bgradb" else a_op.T  # sum over k of op(B) or of op(A)
+    sums = reduced.sum(axis=0)
+    bound = 2 * k * U * np.abs(reduced).sum(axis=0) + 1e-30
+    _assert_within(out["bias"], sums, bound, f"{precision} {epilogue} bias gradient")
+
+
+def test_plan_checks_pointers(device, lt):
+    plan = _plan(device, 16, 16, 16, epilogue="bias")
+    try:
+        with pytest.raises(ValueError, match="bias_ptr"):
+            plan.run(256, 512, 768, stream=device.stream)
+        with pytest.raises(ValueError, match="aligned"):
+            plan.run(256 + 4, 512, 768, bias_ptr=1024, stream=device.stream)
+        with pytest.raises(ValueError, match="aux_ptr"):
+            plan.run(256, 512, 768, bias_ptr=1024, aux_ptr=2048, stream=device.stream)
+        with pytest.raises(ValueError, match="stream"):
+            plan.run(256, 512, 768, bias_ptr=1024)
+    finally:
+        plan.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Graphs
+# --------------------------------------------------------------------------------------------
+
+
+class _Pipeline:
+    """A small step: a relu_bias GEMM (bf16), a kernel rounding its output to BF16, a second
+    GEMM (tf32) on the first's output, and an independent GEMM on a parallel branch."""
+
+    m = n = k = 192
+
+    def __init__(self, device, kernels):
+        from foxhunt.fast.device import Arena
+
+        m, n, k = self.m, self.n, self.k
+        rng = np.random.default_rng(31)
+        self.device = device
+        self.arena = Arena.from_specs(device, {
+            "x": ((m, k), np.uint16), "w": ((n, k), np.uint16), "b": ((n,), np.float32),
+            "h": ((m, n), np.float32), "h16": ((m, n), np.uint16), "v": ((n, n), np.float32),
+            "out": ((m, n), np.float32), "side_in": ((m, k), np.float32), "side_out": ((m, m), np.float32),
+        })
+        self.arena.upload("x", _to_device_layout(_representable(rng, (m, k), "bf16"), "bf16"))
+        self.arena.upload("w", _to_device_layout(_representable(rng, (n, k), "bf16"), "bf16"))
+        self.arena.upload("b", rng.standard_normal(n).astype(np.float32))
+        self.arena.upload("v", rng.standard_normal((n, n)).astype(np.float32))
+        self.arena.upload("side_in", rng.standard_normal((m, k)).astype(np.float32))
+        self.first = _plan(device, m, n, k, trans_b=True, precision="bf16", epilogue="relu_bias")
+        self.second = _plan(device, m, n, n, precision="tf32")
+        self.side = _plan(device, m, m, k, trans_b=True, precision="f32")
+        self.round = kernels.kernel("selftest_bf16_round")
+
+    def enqueue(self, stream, branch=None):
+        p = self.arena.ptr
+        self.first.run(p("x"), p("w"), p("h"), bias_ptr=p("b"), stream=stream)
+        self.round.launch(grid_for_all(self.m * self.n), BLOCK, p("h16"), p("h"), self.m * self.n,
+                          stream=stream)
+        self.second.run(p("h"), p("v"), p("out"), stream=stream)
+        if branch is None:
+            self.side.run(p("side_in"), p("side_in"), p("side_out"), stream=stream)
+        else:
+            with branch() as side:
+                self.side.run(p("side_in"), p("side_in"), p("side_out"), stream=side)
+
+    def outputs(self):
+        return {name: self.arena.download(name) for name in ("h", "h16", "out", "side_out")}
+
+    def clear_outputs(self):
+        for name in ("h", "h16", "out", "side_out"):
+            self.arena.zero(name)
+        self.device.stream.synchronize()
+
+    def close(self):
+        for plan in (self.first, self.second, self.side):
+            plan.close()
+        self.arena.close()
+
+
+def grid_for_all(n):
+    from foxhunt.fast.device import grid_for
+
+    return grid_for(n, BLOCK)
+
+
+def test_graph_replay_equals_eager_bitwise(device, kernels, lt):
+    from foxhunt.fast.graphs import GraphCapture
+
+    pipe = _Pipeline(device, kernels)
+    try:
+        pipe.enqueue(device.stream)
+        device.stream.synchronize()
+        eager = pipe.outputs()
+        assert np.any(eager["out"] != 0) and np.any(eager["side_out"] != 0)
+        pipe.clear_outputs()
+
+        graph = GraphCapture(device.stream)
+        with graph:
+            pipe.enqueue(device.stream, branch=graph.branch)
+        assert np.all(pipe.outputs()["out"] == 0), "capture must not execute the work"
+        assert graph.node_count >= 4 and graph.node_types()["KERNEL"] >= 4
+        for _ in range(2):
+            graph.replay()
+            device.stream.synchronize()
+            replayed = pipe.outputs()
+            for name, value in eager.items():
+                assert np.array_equal(_bits(replayed[name]), _bits(value)), name
+            pipe.clear_outputs()
+        graph.close()
+    finally:
+        pipe.close()
+
+
+def test_capture_failure_is_discarded_and_the_stream_stays_usable(device, kernels, lt):
+    from foxhunt.fast.device import Arena, CudaError
+    from foxhunt.fast.graphs import GraphCapture
+
+    arena = Arena.from_specs(device, {"x": ((4,), np.float32)})
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            with GraphCapture(device.stream):
+                raise RuntimeError("boom")
+        assert not device.stream.is_capturing()
+        # A synchronous upload syncs the stream: illegal during capture, so it must fail loudly.
+        graph = GraphCapture(device.stream)
+        with pytest.raises(CudaError):
+            with graph:
+                arena.upload("x", np.ones(4, np.float32))
+        assert graph.graph is None and not device.stream.is_capturing()
+        arena.upload("x", np.full(4, 2, np.float32))
+        assert np.all(arena.download("x") == 2)
+    finally:
+        arena.close()
+
+
+# --------------------------------------------------------------------------------------------
+# Report (python tests/test_fast_gpu.py): numbers for the record, not assertions
+# --------------------------------------------------------------------------------------------
+
+
+def _report() -> None:  # pragma: no cover - run by hand on a GPU machine
+    import time
+
+    from foxhunt.fast._build import compile_sources
+    from foxhunt.fast.device import Arena, Device
+    from foxhunt.fast.graphs import GraphCapture
+
+    device = Device()
+    print(f"device: {device}, {_REASON}")
+    t0 = time.perf_counter()
+    try:
+        module = compile_sources(device.arch, cache=False)
+        print(f"nvrtc {module.nvrtc_version}: compiled {len(module.images)} file(s) in "
+              f"{time.perf_counter() - t0:.3f} s; {len(module.kernels)} kernels")
+        loaded = device.load_module(module)
+        print(f"loaded all into the context: {len(loaded.names)} kernels")
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        print(f"compiling all of cuda_src failed: {type(exc).__name__}: {exc}")
+
+    rng = np.random.default_rng(0)
+    for precision in ("f32", "tf32", "bf16"):
+        for m, n, k in SHAPES:
+            a, b, a_op, b_op = _operands(rng, m, n, k, True, False, precision)
+            plan = _plan(device, m, n, k, trans_a=True, precision=precision)
+            gemm = _Gemm(device, plan)
+            out = gemm.run(a, b)["c"]
+            want = a_op @ b_op
+            err = np.abs(out - want)
+            ratio = np.max(err / (_gemm_bound(a_op, b_op, k, want) / GEMM_SAFETY))
+            print(f"{precision} {m}x{n}x{k}: max |err| / (gamma_K |A||B| + 2u|C|) = {ratio:.3f}; "
+                  f"rms err / rms C = {np.sqrt(np.mean(err**2) / np.mean(want**2)):.2e}; "
+                  f"workspace {plan.workspace_nbytes} B")
+            gemm.close()
+
+    # NaN behaviour of the fused ReLU epilogues (the reference keeps NaN through ReLU).
+    m, n, k = 8, 16, 8
+    a = np.ones((m, k), np.float32)
+    a[1, 0] = np.nan
+    a[2, :] = -1.0
+    w = np.ones((n, k), np.float32)
+    fwd = _Gemm(device, _plan(device, m, n, k, trans_b=True, epilogue="relu_aux_bias"))
+    out = fwd.run(a, w, bias=np.zeros(n, np.float32))
+    mask = _aux_bits(out["aux"], m, n)
+    print(f"relu_aux_bias: NaN pre-activation -> out {out['c'][1, 0]!r}, aux bit {mask[1, 0]}; "
+          f"negative -> out {out['c'][2, 0]!r}, aux bit {mask[2, 0]}")
+    relu = _Gemm(device, _plan(device, m, n, k, trans_b=True, epilogue="relu_bias"))
+    print(f"relu_bias: NaN pre-activation -> out {relu.run(a, w, bias=np.zeros(n, np.float32))['c'][1, 0]!r}")
+    dy = np.ones((m, k), np.float32)
+    dy[2, 0] = np.nan  # row 2 is masked off by the forward
+    bwd = _Gemm(device, _plan(device, m, n, k, precision="f32", epilogue="drelu_bgrad"))
+    res = bwd.run(dy, np.ones((k, n), np.float32), aux=out["aux"])
+    print(f"drelu_bgrad: NaN gradient where the mask is 0 -> {res['c'][2, 0]!r}; where the forward "
+          f"was NaN (mask {mask[1, 0]}) -> {res['c'][1, 0]!r}; bias grad[0] {res['bias'][0]!r}")
+    for g in (fwd, relu, bwd):
+        g.close()
+
+    # Graph of 27 GEMMs (256^3 bf16 relu_bias) vs the same enqueued eagerly.
+    size, count, reps = 256, 27, 200
+    arena = Arena.from_specs(device, {"x": ((size, size), np.uint16), "w": ((size, size), np.uint16),
+                                      "b": ((size,), np.float32), "y": ((count, size, size), np.float32)})
+    plan = _plan(device, size, size, size, trans_b=True, precision="bf16", epilogue="relu_bias")
+    ys = [arena.ptr("y") + i * size * size * 4 for i in range(count)]
+
+    def enqueue():
+        for y in ys:
+            plan.run(arena.ptr("x"), arena.ptr("w"), y, bias_ptr=arena.ptr("b"), stream=device.stream)
+
+    enqueue()
+    device.stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        enqueue()
+    device.stream.synchronize()
+    eager_us = (time.perf_counter() - t0) / 20 * 1e6
+    graph = GraphCapture(device.stream)
+    with graph:
+        enqueue()
+    graph.replay()
+    device.stream.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        graph.replay()
+    device.stream.synchronize()
+    graph_us = (time.perf_counter() - t0) / reps * 1e6
+    print(f"{count} GEMMs {size}^3 bf16 relu_bias: eager {eager_us:.1f} us/step (host-bound), "
+          f"graph {graph_us:.1f} us/replay, {graph.node_count} nodes {dict(graph.node_types())}")
+    graph.close()
+    plan.close()
+    arena.close()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if not _OK:
+        raise SystemExit(f"no CUDA device/driver: {_REASON}")
+    _report()
