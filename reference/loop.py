@@ -55,6 +55,8 @@ class LoopSettings:
     eps_start: float = 1.0
     eps_end: float = 0.05
     explore_frac: float = 0.6
+    #: Rewards are per-bar fractional returns (~1e-4); they are scaled into the C51 support.
+    reward_scale: float = 1000.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -64,6 +66,8 @@ class LoopSettings:
                 raise ValueError(f"{name}={v!r}: must be an integer >= 1")
         if not 0.1 <= self.train_frac <= 0.95:
             raise ValueError(f"train_frac={self.train_frac!r}: allowed range is [0.1, 0.95]")
+        if not (math.isfinite(self.reward_scale) and self.reward_scale > 0):
+            raise ValueError(f"reward_scale={self.reward_scale!r}: must be a finite number > 0")
         for name in ("eps_start", "eps_end", "explore_frac"):
             v = getattr(self, name)
             if not 0.0 <= v <= 1.0:
@@ -190,7 +194,7 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
             while len(replay) < max(settings.warmup_transitions, config.batch_size):
                 actions = _act(trainer, states, 1.0, config.branches, rng)
                 s2, r, done, _ = env.step(actions)
-                replay.add(states, actions, r, s2, done.astype(np.float32))
+                replay.add(states, actions, r * np.float32(settings.reward_scale), s2, done.astype(np.float32))
                 states = env.observe()
             for epoch in range(settings.epochs):
                 if on_epoch_start:
@@ -202,7 +206,8 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                 for i in range(settings.steps_per_epoch):
                     actions = _act(trainer, states, eps, config.branches, rng)
                     s2, r, done, _ = env.step(actions)
-                    replay.add(states, actions, r, s2, done.astype(np.float32))
+                    replay.add(states, actions, r * np.float32(settings.reward_scale), s2,
+                               done.astype(np.float32))
                     states = env.observe()
                     batch, idx = replay.sample(rng)
                     scalars = trainer.step(batch)
