@@ -40,11 +40,16 @@ def budget_pipeline(config: DQNConfig, grad_c51: np.ndarray, grad_cql: np.ndarra
     grad = optim.clip_grad_inplace(grad_c51, b_c51, c51_sq)
     grad = optim.clipped_saxpy(grad, grad_cql, np.float32(1), b_cql, cql_sq)
     n_c51, n_cql = optim.norm_from_sq(c51_sq), optim.norm_from_sq(cql_sq)
-    norms = BudgetNorms(
-        c51_pre=n_c51, c51_post=np.float32(n_c51 * optim.clip_scale(c51_sq, b_c51)),
-        cql_pre=n_cql, cql_post=np.float32(n_cql * optim.clip_scale(cql_sq, b_cql)),
-    )
+    norms = BudgetNorms(c51_pre=n_c51, c51_post=_post_clip_norm(n_c51, c51_sq, b_c51),
+                        cql_pre=n_cql, cql_post=_post_clip_norm(n_cql, cql_sq, b_cql))
     return grad, norms
+
+
+def _post_clip_norm(norm: np.float32, norm_sq: np.float32, budget: np.float32) -> np.float32:
+    """``norm * scale``; a component whose norm overflowed is discarded (scale 0): its post-clip
+    norm is 0, not ``inf * 0``."""
+    scale = optim.clip_scale(norm_sq, budget)
+    return np.float32(0) if scale == 0 else np.float32(norm * scale)
 
 
 def safety_clip_bound(config: DQNConfig, slow_ema: float) -> np.float32:

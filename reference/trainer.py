@@ -72,6 +72,10 @@ class Trainer(TrainerBackend):
             self.sn_u.append(u)
             self.sn_v.append(v)
         self.isv = isv_mod.ISVBus()
+        # The per-branch gamma and CQL alpha slots describe this config (the step reads the config).
+        for d, gamma in enumerate(config.gammas[: len(isv_mod.GAMMA_INDICES)]):
+            self.isv.set(isv_mod.slot_at(isv_mod.GAMMA_INDICES[d]).name, np.float32(gamma))
+        self.isv.set("CQL_ALPHA", np.float32(config.cql_alpha))
         self._flags = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
         self.step_count = 0
         self._refresh_mirrors()

@@ -13,7 +13,6 @@ import zlib
 
 import numpy as np
 import pytest
-
 from foxhunt.fast.device import cuda_available
 
 _OK, _REASON = cuda_available()
@@ -108,6 +107,24 @@ def test_arena_round_trip_is_bitwise(device, dtype):
         assert np.array_equal(_bits(arena.download("c")), _bits(hosts["c"])), "zero() spilled over"
     finally:
         arena.close()
+
+
+def test_raw_pointer_copies_are_stream_ordered(device, kernels):
+    from foxhunt.fast.device import grid_for
+
+    n = 3001
+    x = np.arange(n, dtype=np.float32)
+    buf = device.alloc(2 * n * 4)
+    try:
+        device.memset(buf.ptr, 0xFF, 2 * n * 4)  # NaN bytes, then overwritten in stream order
+        device.copy_to_device(buf.ptr, x, wait=False)
+        device.memset(buf.ptr + n * 4, 0, n * 4)
+        kernels.kernel("selftest_axpy").launch(grid_for(n, BLOCK), BLOCK, buf.ptr + n * 4, buf.ptr,
+                                               np.float32(3.0), n, stream=device.stream)
+        out = device.copy_to_host(np.empty(2 * n, np.float32), buf.ptr)
+        assert np.array_equal(out[:n], x) and np.array_equal(out[n:], 3 * x)
+    finally:
+        buf.free()
 
 
 def test_arena_async_copies_through_pinned_memory(device):
@@ -396,7 +413,7 @@ def test_drelu_bgrad_masks_with_the_forward_aux_and_sums_rows(device, lt, precis
     m, n, k = shape
     rng = np.random.default_rng(23)
     # Forward: H = relu(X W.T + b) with the aux bitmask.
-    x, w, x_op, w_op = _operands(rng, m, n, k, False, True, precision)
+    x, w, _, _ = _operands(rng, m, n, k, False, True, precision)
     forward = _Gemm(device, _plan(device, m, n, k, trans_b=True, precision=precision,
                                   epilogue="relu_aux_bias"))
     backward = _Gemm(device, _plan(device, m, n, k, precision=precision, epilogue="drelu_bgrad"))
@@ -609,15 +626,13 @@ def test_capture_failure_is_discarded_and_the_stream_stays_usable(device, kernel
 
     arena = Arena.from_specs(device, {"x": ((4,), np.float32)})
     try:
-        with pytest.raises(RuntimeError, match="boom"):
-            with GraphCapture(device.stream):
-                raise RuntimeError("boom")
+        with pytest.raises(RuntimeError, match="boom"), GraphCapture(device.stream):
+            raise RuntimeError("boom")
         assert not device.stream.is_capturing()
         # A synchronous upload syncs the stream: illegal during capture, so it must fail loudly.
         graph = GraphCapture(device.stream)
-        with pytest.raises(CudaError):
-            with graph:
-                arena.upload("x", np.ones(4, np.float32))
+        with pytest.raises(CudaError), graph:
+            arena.upload("x", np.ones(4, np.float32))
         assert graph.graph is None and not device.stream.is_capturing()
         arena.upload("x", np.full(4, 2, np.float32))
         assert np.all(arena.download("x") == 2)

@@ -1,0 +1,208 @@
+"""Find the ``extern "C" __global__`` kernels in ``cuda_src/`` and their parameter lists.
+
+A small purpose-built scanner, not a C++ parser: comments are stripped (string and character
+literals respected), then every ``__global__`` function whose declaration is ``extern "C"``
+(directly, ``extern "C" __global__ void k(...)``, or inside an ``extern "C" { ... }`` block)
+is recorded with its parameters. ``__launch_bounds__(...)`` (with nested parentheses) may
+stand before or after ``void``. Parameters are split at top-level commas; each becomes
+``(type, name)`` with whitespace normalised (``"const float* __restrict__"``, ``"x"``).
+A kernel defined twice (two files, or one file twice) is an error: with C linkage the
+names would clash when the sources are linked into one module.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Source suffixes scanned for kernels.
+SUFFIXES = (".cu", ".cuh")
+
+_IDENT = re.compile(r"[A-Za-z_]\w*")
+
+
+@dataclass(frozen=True)
+class KernelDecl:
+    """One ``extern "C" __global__`` kernel: name, parameters, and where it is defined."""
+
+    name: str
+    params: tuple[tuple[str, str], ...]
+    file: str
+    line: int
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+class CudaParseError(ValueError):
+    """A kernel declaration the scanner cannot read, or a kernel name defined twice."""
+
+
+def strip_comments(source: str) -> str:
+    """Remove ``//`` and ``/* */`` comments, keeping string/char literals and line numbers."""
+    out: list[str] = []
+    i, n = 0, len(source)
+    while i < n:
+        c = source[i]
+        nxt = source[i + 1] if i + 1 < n else ""
+        if c == "/" and nxt == "/":
+            j = source.find("\n", i)
+            i = n if j < 0 else j  # keep the newline itself
+        elif c == "/" and nxt == "*":
+            j = source.find("*/", i + 2)
+            if j < 0:
+                raise CudaParseError("unterminated /* comment")
+            out.append("\n" * source.count("\n", i, j + 2) or " ")
+            i = j + 2
+        elif c in "\"'":
+            j = i + 1
+            while j < n and source[j] != c:
+                j += 2 if source[j] == "\\" else 1
+            out.append(source[i:j + 1])
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _skip_ws(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _balanced(text: str, i: int, open_ch: str = "(", close_ch: str = ")") -> int:
+    """Index just past the bracket matching ``text[i] == open_ch``."""
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == open_ch:
+            depth += 1
+        elif text[j] == close_ch:
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    raise CudaParseError(f"unbalanced {open_ch!r} starting at offset {i}")
+
+
+def _extern_c_ranges(text: str) -> list[tuple[int, int]]:
+    """Spans of ``extern "C" { ... }`` blocks."""
+    ranges = []
+    for m in re.finditer(r'extern\s*"C"\s*\{', text):
+        start = m.end() - 1
+        ranges.append((start, _balanced(text, start, "{", "}")))
+    return ranges
+
+
+def split_params(param_text: str) -> tuple[tuple[str, str], ...]:
+    """``"const float* __restrict__ x, int n"`` -> ``(("const float* __restrict__", "x"), ("int", "n"))``."""
+    text = param_text.strip()
+    if text in ("", "void"):
+        return ()
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "(<[":
+            depth += 1
+        elif ch in ")>]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    parts.append("".join(cur))
+    params = []
+    for raw in parts:
+        decl = raw.split("=", 1)[0].strip()  # drop a default argument
+        array = ""
+        if decl.endswith("]"):
+            decl, array = decl[:decl.rindex("[")].rstrip(), "*"
+        names = list(_IDENT.finditer(decl))
+        if len(names) < 2:
+            raise CudaParseError(f"cannot read parameter {raw.strip()!r} (need a type and a name)")
+        last = names[-1]
+        ptype = " ".join(decl[:last.start()].split()) + array
+        ptype = re.sub(r"\s*\*\s*", "* ", ptype)  # "float *x" and "float* x" read alike
+        ptype = re.sub(r"\*\s+(?=\*)", "*", ptype).strip()
+        params.append((ptype, last.group()))
+    return tuple(params)
+
+
+_GLOBAL = re.compile(r"\b__global__\b")
+_QUALIFIER = re.compile(r"(?:static|inline|__forceinline__|__noinline__|__launch_bounds__|__maxnreg__)\b")
+
+
+def _read_kernel(text: str, i: int) -> tuple[str, str, int] | None:
+    """From just after ``__global__``: ``(name, param_text, end)`` of a ``void`` kernel, or None."""
+    seen_void = False
+    while True:
+        i = _skip_ws(text, i)
+        m = _IDENT.match(text, i)
+        if not m:
+            return None
+        word = m.group()
+        i = m.end()
+        if word in ("__launch_bounds__", "__maxnreg__"):
+            i = _skip_ws(text, i)
+            if i >= len(text) or text[i] != "(":
+                raise CudaParseError(f"{word} without arguments at offset {i}")
+            i = _balanced(text, i)
+        elif _QUALIFIER.fullmatch(word):
+            continue
+        elif word == "void" and not seen_void:
+            seen_void = True
+        elif seen_void:
+            j = _skip_ws(text, i)
+            if j < len(text) and text[j] == "<":  # template specialisation: not a C kernel
+                return None
+            if j >= len(text) or text[j] != "(":
+                return None
+            end = _balanced(text, j)
+            return word, text[j + 1:end - 1], end
+        else:
+            return None
+
+
+def parse_kernels(source: str, file: str = "<string>") -> dict[str, KernelDecl]:
+    """``{name: KernelDecl}`` for every ``extern "C" __global__`` kernel in ``source``."""
+    text = strip_comments(source)
+    blocks = _extern_c_ranges(text)
+    found: dict[str, KernelDecl] = {}
+    for m in _GLOBAL.finditer(text):
+        prefix = text[:m.start()].rstrip()
+        # Directly `extern "C"` (possibly with qualifiers such as __launch_bounds__ between).
+        head = re.search(r'extern\s*"C"\s*((?:(?:__launch_bounds__|__maxnreg__)\s*\([^;{}]*?\)\s*|'
+                         r'(?:static|inline)\s+)*)$', prefix)
+        inside_block = any(a < m.start() < b for a, b in blocks)
+        if not (head or inside_block):
+            continue
+        parsed = _read_kernel(text, m.end())
+        if parsed is None:
+            continue
+        name, param_text, _ = parsed
+        line = text.count("\n", 0, m.start()) + 1
+        decl = KernelDecl(name, split_params(param_text), file, line)
+        if name in found:
+            raise CudaParseError(f"kernel {name!r} defined twice: {found[name].where} and {decl.where}")
+        found[name] = decl
+    return found
+
+
+def parse_cuda_dir(cuda_dir: str | Path, exclude: frozenset[str] | set[str] = frozenset()
+                   ) -> dict[str, KernelDecl]:
+    """All kernels of ``cuda_dir/*.cu`` and ``*.cuh`` (sorted by file name), skipping the file
+    names in ``exclude``; a name defined in two files raises :class:`CudaParseError`."""
+    cuda_dir = Path(cuda_dir)
+    if not cuda_dir.is_dir():
+        raise FileNotFoundError(f"CUDA source directory {cuda_dir} does not exist")
+    found: dict[str, KernelDecl] = {}
+    for path in sorted(p for p in cuda_dir.iterdir() if p.suffix in SUFFIXES and p.is_file()):
+        if path.name in exclude:
+            continue
+        for name, decl in parse_kernels(path.read_text(encoding="utf-8"), path.name).items():
+            if name in found:
+                raise CudaParseError(f"kernel {name!r} defined twice: {found[name].where} and {decl.where}")
+            found[name] = decl
+    return found

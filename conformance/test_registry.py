@@ -1,0 +1,393 @@
+"""The registry: CUDA source parsing, the consistency check (on the real tree and on doctored
+copies), the structure of every KernelSpec, and the comparison plumbing run reference vs
+reference (so that every output's tolerance and bound inputs are exercised without a GPU)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import shutil
+import sys
+import types
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from foxhunt.conformance import registry
+from foxhunt.conformance.cuda_parse import CudaParseError, parse_cuda_dir, parse_kernels, split_params
+from foxhunt.conformance.registry import (
+    SPEC_TABLE,
+    SPECS,
+    build_specs,
+    case_dims,
+    check_consistency,
+    cuda_availability,
+    default_cuda_dir,
+    load_fast_kernels,
+)
+from foxhunt.conformance.tolerance import TOLERANCES, compare, tolerance_for
+
+REF = registry.REF_KERNELS
+KERNEL_IDS = [pytest.param(spec, id=name) for name, spec in SPECS.items()]
+
+
+def _rng(*key: str) -> np.random.Generator:
+    return np.random.default_rng(zlib.crc32("/".join(key).encode()))
+
+
+# ------------------------------------------------------------------------------ CUDA parsing
+PARSE_SOURCE = r'''
+#include <cuda_bf16.h>
+// extern "C" __global__ void commented_out(float* x) {}
+/* extern "C" __global__ void block_commented(float* x) {} */
+extern "C" __global__ void plain(const float* __restrict__ y, const float *b, float * out,
+                                 int M, int N) { const char* s = "// not a comment"; }
+extern "C" __global__ __launch_bounds__(256) void bounds_before(float* x, int n) {}
+extern "C" __global__ void __launch_bounds__(MAX_THREADS(2), 4) bounds_after(float** ptrs,
+        const int lens[], unsigned long long n) {}
+__global__ void not_extern_c(float* x) {}
+template <int B> __global__ void templated(float* x) {}
+extern "C" {
+__global__ void in_block(float x, float y) {}
+__device__ float helper(float x) { return x; }
+}
+extern "C" __global__ void no_params(void) {}
+'''
+
+
+def test_parse_kernels_finds_exactly_the_extern_c_kernels() -> None:
+    found = parse_kernels(PARSE_SOURCE, "t.cu")
+    assert sorted(found) == ["bounds_after", "bounds_before", "in_block", "no_params", "plain"]
+    assert found["plain"].params == (("const float* __restrict__", "y"), ("const float*", "b"),
+                                     ("float*", "out"), ("int", "M"), ("int", "N"))
+    assert found["bounds_after"].params == (("float**", "ptrs"), ("const int*", "lens"),
+                                            ("unsigned long long", "n"))
+    assert found["bounds_before"].params == (("float*", "x"), ("int", "n"))
+    assert found["no_params"].params == ()
+    assert found["plain"].where == "t.cu:5"  # comments keep line numbers
+
+
+def test_split_params_rejects_a_nameless_parameter() -> None:
+    with pytest.raises(CudaParseError, match="float"):
+        split_params("float")
+
+
+def test_parse_rejects_a_kernel_defined_twice(tmp_path: Path) -> None:
+    (tmp_path / "a.cu").write_text('extern "C" __global__ void k(float* x) {}\n')
+    (tmp_path / "b.cu").write_text('extern "C" __global__ void k(float* y) {}\n')
+    with pytest.raises(CudaParseError, match="'k' defined twice: a.cu:1 and b.cu:1"):
+        parse_cuda_dir(tmp_path)
+
+
+# ------------------------------------------------------------------------------ consistency
+def test_consistency_on_the_real_tree() -> None:
+    assert registry.FAST_LOAD_PROBLEM is None, registry.FAST_LOAD_PROBLEM
+    problems = check_consistency(default_cuda_dir(), REF, registry.FAST_KERNELS, SPECS)
+    assert problems == []
+
+
+def test_port_is_complete() -> None:
+    """Every reference kernel has a CUDA kernel and a fast entry. Required on a GPU; on a CPU
+    (the fast path may still be being written) the gaps are listed as the skip reason."""
+    missing = registry.missing_ports(default_cuda_dir(), REF, registry.FAST_KERNELS)
+    if missing and not cuda_availability()[0]:
+        no_cuda = sum("has no CUDA kernel" in m for m in missing)
+        no_fast = sum("has no fast test entry" in m for m in missing)
+        pytest.skip(f"fast path incomplete (a failure on a GPU): {no_cuda} reference kernel(s) "
+                    f"without a CUDA kernel, {no_fast} without a fast entry; first gap: {missing[0]}")
+    assert missing == []
+
+
+@pytest.mark.gpu
+def test_consistency_on_the_device(cuda_device) -> None:
+    """With a GPU the fast side must be whole: every kernel in CUDA, reference and fast."""
+    problems = check_consistency(default_cuda_dir(), REF, registry.FAST_KERNELS, SPECS,
+                                 require_complete=True)
+    assert problems == []
+
+
+def _copy_cuda_src(tmp_path: Path) -> Path:
+    target = tmp_path / "cuda_src"
+    shutil.copytree(default_cuda_dir(), target, ignore=shutil.ignore_patterns("__pycache__"))
+    return target
+
+
+def test_fake_cuda_kernel_is_reported_missing_its_reference_twin(tmp_path: Path) -> None:
+    cuda_dir = _copy_cuda_src(tmp_path)
+    (cuda_dir / "fake.cu").write_text('extern "C" __global__ void fake_kernel(float* x) {}\n')
+    problems = check_consistency(cuda_dir, REF, registry.FAST_KERNELS, SPECS)
+    fake = [p for p in problems if "fake_kernel" in p]
+    assert len(fake) == 1 and "no reference twin" in fake[0] and "fake.cu:1" in fake[0]
+    # ... and the unmodified copy is clean, so the fake kernel is what the check saw.
+    (cuda_dir / "fake.cu").unlink()
+    assert check_consistency(cuda_dir, REF, registry.FAST_KERNELS, SPECS) == []
+
+
+def _write_kernels(cuda_dir: Path, names) -> None:
+    cuda_dir.mkdir()
+    (cuda_dir / "k.cu").write_text("".join(
+        f'extern "C" __global__ void {n}(float* x, int n) {{}}\n' for n in names))
+
+
+def test_reference_kernel_without_cuda_kernel_unless_divergence(tmp_path: Path) -> None:
+    cuda_dir = tmp_path / "cuda_src"
+    present = sorted(REF)[:-1]
+    missing = sorted(REF)[-1]
+    _write_kernels(cuda_dir, present)
+    fast = dict(REF)
+    assert check_consistency(cuda_dir, REF, fast, SPECS) == []  # a port in progress is not an error
+    gap = (f"reference kernel {missing!r} has no CUDA kernel in cuda_src/ "
+           "(add it, or list it in DIVERGENCES with a reason)")
+    assert check_consistency(cuda_dir, REF, fast, SPECS, require_complete=True) == [gap]
+    assert registry.missing_ports(cuda_dir, REF, fast) == [gap]
+    assert check_consistency(cuda_dir, REF, fast, SPECS, {missing: "a host-side copy"},
+                             require_complete=True) == []
+    del fast[missing]
+    assert registry.missing_ports(cuda_dir, REF, fast, {}) == [
+        gap, f"reference kernel {missing!r} has no fast test entry in foxhunt.fast.kernels.KERNELS"]
+
+
+def test_stale_divergences_are_reported(tmp_path: Path) -> None:
+    cuda_dir = tmp_path / "cuda_src"
+    _write_kernels(cuda_dir, sorted(REF))
+    name = sorted(REF)[0]
+    problems = check_consistency(cuda_dir, REF, {}, SPECS, {name: "x", "no_such_kernel": "y"})
+    assert any("stale" in p and repr(name) in p for p in problems)
+    assert any("'no_such_kernel', which is not a reference kernel" in p for p in problems)
+
+
+def test_infrastructure_sources_are_not_paired(tmp_path: Path) -> None:
+    cuda_dir = tmp_path / "cuda_src"
+    cuda_dir.mkdir()
+    (cuda_dir / "_selftest.cu").write_text('extern "C" __global__ void selftest_axpy(float* y) {}\n')
+    assert registry.infrastructure_sources(cuda_dir) == ("_selftest.cu",)
+    assert registry.cuda_kernels(cuda_dir) == {}
+    assert check_consistency(cuda_dir, REF, {}, SPECS) == []
+    assert check_consistency(cuda_dir, REF, {}, SPECS, require_complete=True)[:2] == [
+        'cuda_src/ declares no extern "C" __global__ kernels',
+        "foxhunt.fast.kernels.KERNELS is empty or missing"]
+
+
+def test_fast_names_and_signatures_must_match_the_reference() -> None:
+    name = sorted(REF)[0]
+    ref_fn = REF[name]
+
+    def other_signature(*args, bogus=1):  # noqa: ARG001
+        raise AssertionError("never called")
+
+    fast = {n: REF[n] for n in REF}
+    fast[name] = other_signature
+    fast["only_fast"] = ref_fn
+    del fast[sorted(REF)[1]]
+    problems = check_consistency(None, REF, fast, SPECS)
+    assert "fast kernel 'only_fast' has no reference twin" in problems
+    mismatch = [p for p in problems if p.startswith(f"signature mismatch for {name!r}")]
+    assert len(mismatch) == 1 and str(inspect.signature(ref_fn)) in mismatch[0]
+    assert len(problems) == 2
+    assert any(f"reference kernel {sorted(REF)[1]!r} has no fast test entry" in p
+               for p in registry.missing_ports(None, REF, fast))
+
+
+def test_kernel_without_spec_is_reported() -> None:
+    name = next(iter(REF))
+    table = {k: v for k, v in SPEC_TABLE.items() if k != name}
+    specs = build_specs(REF, {}, table)
+    assert check_consistency(None, REF, {}, specs) == [
+        f"reference kernel {name!r} has no KernelSpec (add it to "
+        "foxhunt.conformance.registry.SPEC_TABLE)"]
+
+
+def test_spec_entries_wait_for_their_reference_function() -> None:
+    partial = {k: REF[k] for k in list(REF)[:3]}
+    specs = build_specs(partial, {}, SPEC_TABLE)
+    assert list(specs) == list(partial)
+    assert check_consistency(None, partial, {}, specs) == []
+
+
+# ------------------------------------------------------------------------------ fast access
+def test_cuda_availability_without_a_check_function(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "foxhunt.fast", types.ModuleType("foxhunt.fast"))
+    assert cuda_availability() == (False, "foxhunt.fast has no cuda_available() yet")
+
+
+def test_cuda_availability_when_the_check_raises(monkeypatch) -> None:
+    fake = types.ModuleType("foxhunt.fast")
+
+    def broken():
+        raise OSError("driver exploded")
+
+    fake.cuda_available = broken
+    monkeypatch.setitem(sys.modules, "foxhunt.fast", fake)
+    ok, reason = cuda_availability()
+    assert not ok and "OSError: driver exploded" in reason
+
+
+def test_fast_kernels_module_without_kernels_gives_an_empty_mapping(monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "foxhunt.fast.kernels", types.ModuleType("foxhunt.fast.kernels"))
+    assert load_fast_kernels() == ({}, None)
+
+
+# ------------------------------------------------------------------------------ spec structure
+def test_every_table_entry_has_tolerances_for_exactly_its_outputs() -> None:
+    for name, entry in SPEC_TABLE.items():
+        assert set(tolerance_for(name, "f32")) == set(entry.outputs) == set(entry.dtypes), name
+
+
+def test_tolerance_table_has_no_orphans() -> None:
+    orphans = {k for (k, _) in TOLERANCES} - set(SPEC_TABLE) - {"gemm"}
+    assert orphans == set()
+
+
+def test_every_reference_kernel_has_a_spec() -> None:
+    assert set(SPECS) == set(REF)
+
+
+@pytest.mark.parametrize("spec", KERNEL_IDS)
+def test_spec_inputs_bind_to_the_reference_signature(spec) -> None:
+    sig = inspect.signature(spec.ref)
+    for case in spec.shape_cases:
+        sig.bind(**spec.sample_inputs(case, _rng(spec.name, case)))
+    labels = spec.extremal_labels()
+    assert labels, f"{spec.name}: no extremal cases"
+    for label in labels:
+        sig.bind(**spec.extremal_case(label, _rng(spec.name, label)))
+    errors = spec.error_inputs(_rng(spec.name))
+    assert errors, f"{spec.name}: no error inputs"
+    for kwargs, exc in errors:
+        sig.bind(**kwargs)
+        assert issubclass(exc, Exception)
+
+
+def test_case_dims_cross_the_block_boundary() -> None:
+    odd = case_dims("odd")
+    assert (odd.batch, odd.hidden) == (257, 259) and odd.flat > 256
+    assert case_dims("seed").flat == 289_611
+    with pytest.raises(ValueError, match="shape case 'huge' is unknown"):
+        case_dims("huge")
+
+
+# ----------------------------------------------------- comparison plumbing, reference vs itself
+def _outputs(spec, kwargs):
+    with np.errstate(all="ignore"):
+        return spec.split_outputs(spec.ref(**{k: (v.copy() if isinstance(v, np.ndarray) else v)
+                                              for k, v in kwargs.items()}))
+
+
+def _cases(spec):
+    yield "tiny", spec.sample_inputs("tiny", _rng(spec.name, "tiny"))
+    for label in spec.extremal_labels():
+        yield label, spec.extremal_case(label, _rng(spec.name, label))
+
+
+@pytest.mark.parametrize("spec", KERNEL_IDS)
+def test_reference_conforms_to_itself(spec) -> None:
+    """Every output has a usable tolerance and bound inputs; identical results pass."""
+    for label, kwargs in _cases(spec):
+        expected = _outputs(spec, kwargs)
+        inputs = spec.compare_inputs(kwargs, expected)
+        for out, value in expected.items():
+            result = compare(f"{spec.name}[{label}].{out}", value.copy(), value, spec.tolerance_of(out),
+                             inputs[out])
+            assert result.passed, result.message
+            assert result.worst_ratio == 0.0
+
+
+def _perturb(value: np.ndarray) -> np.ndarray | None:
+    """``value`` with its largest finite element moved by 0.1% (an integer by 1)."""
+    out = value.copy()
+    if out.dtype.kind == "f":
+        finite = np.where(np.isfinite(out), np.abs(out), -1)
+        i = np.unravel_index(int(np.argmax(finite)), out.shape) if out.ndim else ()
+        if finite[i] <= 0:
+            return None
+        out[i] = out[i] * out.dtype.type(1.001)
+    else:
+        out.reshape(-1)[0] += 1
+    return out
+
+
+@pytest.mark.parametrize("spec", KERNEL_IDS)
+def test_a_wrong_result_fails_every_tolerance(spec) -> None:
+    """Mutation check: a 0.1% error in the largest element of any output is caught."""
+    kwargs = spec.sample_inputs("tiny", _rng(spec.name, "tiny"))
+    expected = _outputs(spec, kwargs)
+    inputs = spec.compare_inputs(kwargs, expected)
+    checked = 0
+    for out, value in expected.items():
+        wrong = _perturb(value)
+        if wrong is None:
+            continue
+        result = compare(f"{spec.name}.{out}", wrong, value, spec.tolerance_of(out), inputs[out])
+        assert not result.passed, (
+            f"{spec.name}.{out}: a 0.1% error passed {spec.tolerance_of(out).describe()}")
+        assert result.mismatches >= 1
+        checked += 1
+    assert checked, f"{spec.name}: no output could be perturbed"
+
+
+# ------------------------------------------------------------------------------ report and CLI
+def _record(kernel, check, outcome, ratio=None, nan_equal=True, reason=""):
+    from foxhunt.conformance.report import TestRecord
+
+    comps = [] if ratio is None else [{"name": f"{kernel}.out", "worst_ratio": ratio,
+                                       "tolerance": "<= 2 ULP", "nan_map_equal": nan_equal}]
+    return TestRecord(f"t::{kernel}-{check}-{outcome}", outcome, kernel, check, "tiny", comps, reason)
+
+
+def test_report_rows_and_json_list_every_kernel() -> None:
+    from foxhunt.conformance.report import aggregate, build_report, format_table
+
+    records = [
+        _record("saxpy", "fast vs reference: samples", "passed", 0.25),
+        _record("saxpy", "fast vs reference: samples", "passed", 0.5),
+        _record("saxpy", "fast vs reference: extremal", "failed", "inf", nan_equal=False,
+                reason="AssertionError: saxpy[nan:x].out: Tensor-likes are not close!"),
+        _record("clamp_finite", "fast vs reference: samples", "skipped", reason="no CUDA device: none"),
+    ]
+    rows = {(r.kernel, r.check): r for r in aggregate(records)}
+    samples = rows[("saxpy", "fast vs reference: samples")]
+    assert (samples.cases, samples.passed, samples.worst_ratio, samples.result) == (2, 2, 0.5, "pass")
+    extremal = rows[("saxpy", "fast vs reference: extremal")]
+    assert extremal.result == "FAIL" and extremal.nan_map_equal is False and extremal.worst_ratio == math.inf
+    assert rows[("clamp_finite", "fast vs reference: samples")].result == "skip"
+    table = format_table(aggregate(records), {"available": False, "reason": "none", "nvrtc": "13.0"})
+    assert "saxpy / fast vs reference: extremal" in table and "NO" in table and "inf x bound" in table
+    assert "0.5 x bound" in table
+    assert "skipped: 1 cases in 1 rows (fast vs reference: samples): no CUDA device: none" in table
+    assert "device: no GPU (none); NVRTC 13.0" in table
+    report = build_report(records, mode="quick", exit_code=1, device={"gpu": "no GPU"},
+                          kernels=["saxpy", "clamp_finite", "relu_mask"], problems=["p"])
+    assert report["kernels"]["saxpy"]["result"] == "FAIL"
+    assert report["kernels"]["clamp_finite"]["result"] == "skip"
+    assert report["kernels"]["relu_mask"] == {"result": "not run", "checks": {}}
+    assert report["summary"] == {"passed": 2, "failed": 1, "skipped": 1}
+    json.dumps(report)  # serialisable as written
+
+
+def test_cli_arguments() -> None:
+    import argparse
+
+    from foxhunt.conformance.cli import register, run_conformance
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["conformance"])
+    assert (args.mode, args.json) == ("full", None)
+    args = parser.parse_args(["conformance", "--quick", "--json", "out.json"])
+    assert (args.mode, args.json) == ("quick", "out.json")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["conformance", "--quick", "--full"])
+    with pytest.raises(ValueError, match="mode: 'medium' is not allowed"):
+        run_conformance("medium")
+
+
+def test_device_info_without_a_gpu_names_the_reason(monkeypatch) -> None:
+    from foxhunt.conformance import report
+
+    monkeypatch.setattr(report, "cuda_availability", lambda: (False, "no driver here"))
+    info = report.device_info()
+    assert info["gpu"] == "no GPU" and info["reason"] == "no driver here" and not info["available"]
+    assert report.describe_device(info).startswith("device: no GPU (no driver here)")

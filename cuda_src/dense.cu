@@ -1,0 +1,178 @@
+// Dense-layer kernels (reference: foxhunt.reference.kernels.dense): bias+ReLU epilogues, the
+// ReLU backward mask, bias-gradient column sums, and the BF16 / TF32 roundings the GEMMs see.
+//
+// Layouts are row-major [M, N] float32 (uint16 for BF16 bit patterns). Every elementwise kernel
+// is one correctly rounded operation or a select/bit manipulation per element, so it matches the
+// NumPy reference bit for bit (built with -fmad=false; no intrinsics). Same-typed outputs may
+// alias their input (in-place epilogues on the GEMM output): those pairs take no __restrict__.
+//
+// ReLU NaN contract (shared by add_bias_relu, add_bias_relu_bf16 and relu_mask): the activation
+// is the select `t <= 0 ? 0 : t`, so a NaN pre-activation stays NaN for the sentinels; the
+// backward is the matching select `h <= 0 ? 0 : dy`. Never fmaxf(t, 0), which maps NaN to 0.
+
+#include "ha_common.cuh"
+
+#define DENSE_F32_SIGN_CLEAR 0x7fffffffu
+#define DENSE_F32_QUIET_BIT 0x00400000u
+// BF16 = the high 16 bits of a binary32; RNE adds 0x7FFF plus the lowest kept bit.
+#define DENSE_BF16_SHIFT 16
+#define DENSE_BF16_HALF_ULP_MINUS_ONE 0x7fffu
+#define DENSE_BF16_QUIET_BIT 0x0040u
+// TF32 keeps 10 explicit mantissa bits: the low 13 bits are dropped (ties away from zero).
+#define DENSE_TF32_HALF_ULP 0x00001000u
+#define DENSE_TF32_KEEP_MASK 0xffffe000u
+
+// Grid-stride loop over a flat range of n elements (n may exceed 2^31).
+#define DENSE_FLAT_LOOP(i, n)                                                              \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
+         i += (long long)gridDim.x * blockDim.x)
+
+static __device__ __forceinline__ float relu_select(float t) { return (t <= 0.0f) ? 0.0f : t; }
+
+// BF16 round-to-nearest-even on the bit pattern, with the reference's NaN rule: a NaN keeps its
+// sign and high payload and gets the quiet bit (NOT __float2bfloat16_rn's canonical NaN).
+static __device__ __forceinline__ unsigned short f32_to_bf16_bits(float x) {
+    const unsigned int u = __float_as_uint(x);
+    if ((u & DENSE_F32_SIGN_CLEAR) > HA_F32_EXP_MASK) {
+        return (unsigned short)((u >> DENSE_BF16_SHIFT) | DENSE_BF16_QUIET_BIT);
+    }
+    // No uint32 wrap for non-NaN patterns: the largest, -Inf 0xFF800000, stays below 2^32.
+    const unsigned int lowest_kept_bit = (u >> DENSE_BF16_SHIFT) & 1u;
+    return (unsigned short)((u + DENSE_BF16_HALF_ULP_MINUS_ONE + lowest_kept_bit) >> DENSE_BF16_SHIFT);
+}
+
+// ------------------------------------------------------------------------------------------
+// Bias + ReLU epilogues. Grid: x covers columns (blockDim.x threads each), y strides rows, so
+// a block reads one contiguous row segment and the column index needs no division.
+// ------------------------------------------------------------------------------------------
+
+// out[i, n] = relu(y[i, n] + b[n]);  y, out [M, N], b [N].
+extern "C" __global__ void add_bias_relu(const float* y, const float* __restrict__ b, float* out,
+                                         int rows, int cols) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= cols) {
+        return;
+    }
+    const float bias = b[col];
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const long long i = (long long)row * cols + col;
+        out[i] = relu_select(y[i] + bias);
+    }
+}
+
+// add_bias_relu plus its BF16 copy (uint16 bit patterns) for the next BF16 GEMM.
+extern "C" __global__ void add_bias_relu_bf16(const float* y, const float* __restrict__ b,
+                                              float* out,
+                                              unsigned short* __restrict__ out_bf16, int rows,
+                                              int cols) {
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
+    if (col >= cols) {
+        return;
+    }
+    const float bias = b[col];
+    for (int row = blockIdx.y; row < rows; row += gridDim.y) {
+        const long long i = (long long)row * cols + col;
+        const float h = relu_select(y[i] + bias);
+        out[i] = h;
+        out_bf16[i] = f32_to_bf16_bits(h);
+    }
+}
+
+// ReLU backward from the post-ReLU activation: dx = h <= 0 ? 0 : dy (flat, n elements).
+extern "C" __global__ void relu_mask(const float* dy, const float* h, float* dx, long long n) {
+    DENSE_FLAT_LOOP(i, n) { dx[i] = (h[i] <= 0.0f) ? 0.0f : dy[i]; }
+}
+
+// ------------------------------------------------------------------------------------------
+// Bias gradient: db[n] = sum_i dy[i, n], float32, deterministic, no atomics.
+//
+// Block (32, G): threadIdx.x picks one of 32 consecutive columns (a warp reads 128 contiguous
+// bytes of a row), threadIdx.y one of G contiguous row chunks of ceil(M / G) rows. Each thread
+// sums its chunk sequentially, top to bottom; thread y == 0 then adds the G chunk sums in chunk
+// order. So the sum is ((chunk_0 + chunk_1) + chunk_2) + ..., each chunk summed row by row:
+// the reference's own order (rows in sequence) whenever M <= G (one row per chunk), a
+// reassociation otherwise (conformance: reduction tolerance). Empty chunks contribute -0.0,
+// the exact additive identity (x + -0.0 == x for every x, -0.0 and NaN included).
+// A column holding a NaN, an Inf or a value >= 2^90 in magnitude is summed again by thread
+// y == 0 sequentially, row by row, as the reference does: its non-finite result (and value) is
+// then the reference's exactly, whatever overflow the chunked order would have met
+// (ha_common.cuh, HA_SUM_SAFE_MAGNITUDE). A slow path for poisoned gradients only.
+// ------------------------------------------------------------------------------------------
+
+#define BIAS_GRAD_COLS 32
+#define BIAS_GRAD_MAX_CHUNKS 32
+
+extern "C" __global__ void bias_grad_reduce(const float* __restrict__ dy, float* __restrict__ db,
+                                            int rows, int cols) {
+    __shared__ float chunk_sums[BIAS_GRAD_MAX_CHUNKS][BIAS_GRAD_COLS + 1];  // +1: no bank conflicts
+    __shared__ int chunk_irregular[BIAS_GRAD_MAX_CHUNKS][BIAS_GRAD_COLS + 1];
+    const int col = blockIdx.x * BIAS_GRAD_COLS + threadIdx.x;
+    const int chunks = blockDim.y;
+    const int chunk_rows = (rows + chunks - 1) / chunks;
+    const int first = threadIdx.y * chunk_rows;
+    const int last = min(first + chunk_rows, rows);
+    float acc = -0.0f;
+    bool irregular = false;
+    if (col < cols) {
+        for (int row = first; row < last; ++row) {
+            const float v = dy[(long long)row * cols + col];
+            irregular |= !ha_is_regular_term(v);
+            acc = acc + v;
+        }
+    }
+    chunk_sums[threadIdx.y][threadIdx.x] = acc;
+    chunk_irregular[threadIdx.y][threadIdx.x] = irregular;
+    __syncthreads();
+    if (threadIdx.y == 0 && col < cols) {
+        bool column_irregular = false;
+        float total = chunk_sums[0][threadIdx.x];
+        for (int c = 0; c < chunks; ++c) {
+            column_irregular |= chunk_irregular[c][threadIdx.x] != 0;
+        }
+        if (column_irregular) {  // rows >= 1 here; the reference's order, row by row
+            total = dy[col];
+            for (int row = 1; row < rows; ++row) {
+                total = total + dy[(long long)row * cols + col];
+            }
+        } else {
+            for (int c = 1; c < chunks; ++c) {
+                total = total + chunk_sums[c][threadIdx.x];
+            }
+        }
+        db[col] = (rows > 0) ? total : 0.0f;  // an empty sum is +0.0, as in NumPy
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// Casts (flat, n elements): exact bit manipulations.
+// ------------------------------------------------------------------------------------------
+
+// float32 -> BF16 bit patterns, RNE; NaN: (u >> 16) | 0x0040 (sign and high payload kept).
+extern "C" __global__ void f32_to_bf16(const float* __restrict__ x,
+                                       unsigned short* __restrict__ out, long long n) {
+    DENSE_FLAT_LOOP(i, n) { out[i] = f32_to_bf16_bits(x[i]); }
+}
+
+// BF16 bit patterns -> float32, exact: the pattern becomes the high half.
+extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ u,
+                                       float* __restrict__ out, long long n) {
+    DENSE_FLAT_LOOP(i, n) { out[i] = __uint_as_float((unsigned int)u[i] << DENSE_BF16_SHIFT); }
+}
+
+// float32 -> TF32 (as float32 with the low 13 bits 0), ties away from zero, like
+// cvt.rna.tf32.f32 on finite values; Inf unchanged; NaN keeps sign and high payload, quiet bit
+// set. Written with bit operations so the NaN rule is the reference's, whatever the PTX does.
+extern "C" __global__ void tf32_round(const float* x, float* out, long long n) {
+    DENSE_FLAT_LOOP(i, n) {
+        const unsigned int u = __float_as_uint(x[i]);
+        unsigned int bits;
+        if ((u & HA_F32_EXP_MASK) != HA_F32_EXP_MASK) {
+            bits = (u + DENSE_TF32_HALF_ULP) & DENSE_TF32_KEEP_MASK;  // a carry rounds into the exponent
+        } else if ((u & DENSE_F32_SIGN_CLEAR) > HA_F32_EXP_MASK) {
+            bits = (u & DENSE_TF32_KEEP_MASK) | DENSE_F32_QUIET_BIT;
+        } else {
+            bits = u;  // +/-Inf
+        }
+        out[i] = __uint_as_float(bits);
+    }
+}

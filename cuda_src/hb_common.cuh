@@ -1,0 +1,107 @@
+// Shared device helpers of optim.cu, spectral.cu and isv.cu (helper HB).
+//
+// Deterministic reductions: every sum has a fixed tree that depends only on the launch shape
+// (blockDim.x) and the data length, never on timing: no atomics. Arithmetic is spelled with
+// the round-to-nearest intrinsics (__fadd_rn, __fmul_rn, __fdiv_rn), which the compiler never
+// contracts into an FMA or reorders, so the kernels round exactly where the reference does,
+// independently of the -fmad setting.
+#pragma once
+
+// Width of a warp; block sizes of every kernel using these helpers are multiples of it.
+#define HB_WARP 32
+// Largest block of threads (CUDA limit): a block has at most HB_WARP warps.
+#define HB_MAX_THREADS 1024
+
+// The additive identity of IEEE float addition: -0.0f + x == x for every x (+0.0f included),
+// so padding a reduction with it changes no bit of the result.
+#define HB_SUM_IDENTITY (-0.0f)
+
+// Sum over the 32 lanes of a warp with an xor butterfly (offsets 16, 8, 4, 2, 1). Every lane
+// ends with the same value (float addition is commutative). All 32 lanes must be active.
+__device__ __forceinline__ float hb_warp_sum(float v) {
+#pragma unroll
+    for (int offset = HB_WARP / 2; offset > 0; offset >>= 1) {
+        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    return v;
+}
+
+__device__ __forceinline__ long long hb_warp_sum(long long v) {
+#pragma unroll
+    for (int offset = HB_WARP / 2; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, offset);
+    }
+    return v;
+}
+
+// Sum of one value per thread over the whole block; every thread gets the result.
+// Tree: each warp's butterfly, then warp 0 sums the per-warp results (in warp order, padded
+// with the identity) with the same butterfly. Requires blockDim.x % 32 == 0 and every thread of
+// the block to call it (it synchronises). `scratch` holds HB_WARP + 1 elements of shared memory;
+// consecutive calls may share it (the leading barrier protects the previous result).
+template <typename T>
+__device__ __forceinline__ T hb_block_sum(T v, T identity, T* scratch) {
+    const int lane = threadIdx.x % HB_WARP;
+    const int warp = threadIdx.x / HB_WARP;
+    const int warps = blockDim.x / HB_WARP;
+    v = hb_warp_sum(v);
+    __syncthreads();
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        T s = lane < warps ? scratch[lane] : identity;
+        s = hb_warp_sum(s);
+        if (lane == 0) {
+            scratch[HB_WARP] = s;
+        }
+    }
+    __syncthreads();
+    return scratch[HB_WARP];
+}
+
+__device__ __forceinline__ float hb_block_sum(float v, float* scratch) {
+    return hb_block_sum<float>(v, HB_SUM_IDENTITY, scratch);
+}
+
+__device__ __forceinline__ long long hb_block_sum(long long v, long long* scratch) {
+    return hb_block_sum<long long>(v, 0LL, scratch);
+}
+
+// x * x if x is finite, else the identity (the finite-square rule of the gradient norms).
+struct HbFiniteSquare {
+    __device__ __forceinline__ float operator()(float x) const {
+        return isfinite(x) ? __fmul_rn(x, x) : HB_SUM_IDENTITY;
+    }
+};
+
+// Per-thread partial of sum_{begin <= i < end} f(x[i]) for a block striding over [begin, end):
+// thread t takes i = begin + t + k * blockDim.x. Four interleaved accumulators (elements
+// k = 0, 1, 2, 3 mod 4 of the thread's sequence) keep four loads in flight; they are combined
+// as (a0 + a1) + (a2 + a3). The order depends only on blockDim.x and the range. `f` may keep
+// state (e.g. a count of the terms it kept); it sees the thread's elements in index order.
+template <typename F>
+__device__ __forceinline__ float hb_thread_partial(const float* x, long long begin, long long end,
+                                                   F&& f) {
+    const long long stride = blockDim.x;
+    float a0 = HB_SUM_IDENTITY, a1 = HB_SUM_IDENTITY, a2 = HB_SUM_IDENTITY, a3 = HB_SUM_IDENTITY;
+    long long i = begin + threadIdx.x;
+    for (; i + 3 * stride < end; i += 4 * stride) {
+        const float x0 = x[i], x1 = x[i + stride], x2 = x[i + 2 * stride], x3 = x[i + 3 * stride];
+        a0 = __fadd_rn(a0, f(x0));
+        a1 = __fadd_rn(a1, f(x1));
+        a2 = __fadd_rn(a2, f(x2));
+        a3 = __fadd_rn(a3, f(x3));
+    }
+    if (i < end) {
+        a0 = __fadd_rn(a0, f(x[i]));
+    }
+    if (i + stride < end) {
+        a1 = __fadd_rn(a1, f(x[i + stride]));
+    }
+    if (i + 2 * stride < end) {
+        a2 = __fadd_rn(a2, f(x[i + 2 * stride]));
+    }
+    return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
+}

@@ -1,0 +1,199 @@
+// Optimiser kernels (SPEC 4 steps 5, 6, 9): gradient norms, budget clip and SAXPYs, Adam,
+// Polyak. Twins of foxhunt.reference.kernels.optim; each kernel's contract (formula, order of
+// roundings, NaN rules) is the reference docstring of the same name.
+//
+// Scalars that change inside a captured step (a norm computed on the device, Adam's step
+// counter, the safety-clip factor, the ISV-driven weight clamp) are read through device
+// pointers, so a graph replays with the current values; configuration constants are passed by
+// value. Elementwise kernels use grid-stride loops and give the same bits for any launch
+// shape; reductions use the fixed trees of hb_common.cuh (their bits depend on blockDim.x, which
+// the launch plans in fast/kernels/optim.py fix).
+#include "hb_common.cuh"
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+// Budget clip factor (reference clip_scale): n = sqrtf(fmaxf(norm_sq, 0)) (NaN -> 0);
+// s = max_norm / n if n > max_norm and n > 0, else 1. Finite and in [0, 1] for max_norm >= 0.
+__device__ __forceinline__ float hb_clip_scale(float norm_sq, float max_norm) {
+    const float n = __fsqrt_rn(fmaxf(norm_sq, 0.0f));
+    return (n > max_norm && n > 0.0f) ? __fdiv_rn(max_norm, n) : 1.0f;
+}
+
+// Guarded SAXPY element: y + a * x if x is finite, else y (product rounded, then the sum).
+__device__ __forceinline__ float hb_guarded_axpy(float y, float x, float a) {
+    return isfinite(x) ? __fadd_rn(y, __fmul_rn(a, x)) : y;
+}
+
+// Grid-stride loop bounds: thread's first index and the stride.
+__device__ __forceinline__ long long hb_first_index() {
+    return (long long)blockIdx.x * blockDim.x + threadIdx.x;
+}
+
+__device__ __forceinline__ long long hb_grid_stride() {
+    return (long long)gridDim.x * blockDim.x;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gradient norms
+// ---------------------------------------------------------------------------------------------
+
+// grad_norm_sq: out[0] = sum of x_i^2 over the finite x_i (float32). One block strides over the
+// whole buffer (hb_thread_partial, then hb_block_sum). The trainer's large buffers use the
+// two-phase pair below, which spreads the reads over many blocks.
+// Launch: grid 1, block a multiple of 32 (plan_grad_norm_sq).
+extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+grad_norm_sq(const float* __restrict__ x, long long n, float* __restrict__ out) {
+    __shared__ float scratch[HB_WARP + 1];
+    const float partial = hb_thread_partial(x, 0, n, HbFiniteSquare());
+    const float total = hb_block_sum(partial, scratch);
+    if (threadIdx.x == 0) {
+        out[0] = __fadd_rn(total, 0.0f);  // an empty sum (-0.0) reads +0.0, as in the reference
+    }
+}
+
+// grad_norm_partial: partials[k] = sum of finite x_i^2 for i in [k*block_size, (k+1)*block_size)
+// (clipped to n). Block k reduces segment k with a fixed tree. Never NaN; +Inf only if a
+// finite square overflowed.
+// Launch: grid ceil(n / block_size) (at least 1), block a multiple of 32 (plan_grad_norm_partial).
+extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+grad_norm_partial(const float* __restrict__ x, long long n, long long block_size,
+                  float* __restrict__ partials) {
+    __shared__ float scratch[HB_WARP + 1];
+    const long long begin = (long long)blockIdx.x * block_size;
+    if (begin >= n) {
+        return;  // only for n == 0 (grid 1): no partial to write; uniform across the block
+    }
+    const long long end = min(begin + block_size, n);
+    const float partial = hb_thread_partial(x, begin, end, HbFiniteSquare());
+    const float total = hb_block_sum(partial, scratch);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
+    }
+}
+
+// Identity map for the plain (unguarded) sum of the final phase.
+struct HbIdentity {
+    __device__ __forceinline__ float operator()(float x) const { return x; }
+};
+
+// grad_norm_final: out[0] = sum_k partials[k], plain float32 sum (nothing skipped: a +Inf
+// partial gives +Inf, a NaN would propagate). Empty gives 0.
+// Launch: grid 1, block a multiple of 32 (plan_grad_norm_final).
+extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+grad_norm_final(const float* __restrict__ partials, long long count, float* __restrict__ out) {
+    __shared__ float scratch[HB_WARP + 1];
+    const float partial = hb_thread_partial(partials, 0, count, HbIdentity());
+    const float total = hb_block_sum(partial, scratch);
+    if (threadIdx.x == 0) {
+        // An empty sum is the identity -0.0; the reference's empty sum is +0.0.
+        out[0] = count > 0 ? total : 0.0f;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Budget clip and SAXPYs
+// ---------------------------------------------------------------------------------------------
+
+// clip_grad_inplace: x_i *= s, s = clip_scale(*norm_sq, max_norm). Plain multiply: NaN stays
+// NaN, +/-Inf stays +/-Inf for s > 0 and becomes NaN for s = 0.
+extern "C" __global__ void clip_grad_inplace(float* __restrict__ x, long long n, float max_norm,
+                                             const float* __restrict__ norm_sq) {
+    const float s = hb_clip_scale(*norm_sq, max_norm);
+    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
+        x[i] = __fmul_rn(x[i], s);
+    }
+}
+
+// saxpy: y_i = y_i + a * x_i where x_i is finite; y_i kept bit for bit otherwise.
+extern "C" __global__ void saxpy(float* __restrict__ y, const float* __restrict__ x, long long n,
+                                 float a) {
+    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
+        y[i] = hb_guarded_axpy(y[i], x[i], a);
+    }
+}
+
+// clipped_saxpy: y_i = y_i + a * (x_i * s) where x_i * s is finite (s = clip_scale(*norm_sq,
+// max_norm), finite in [0, 1], so that is where x_i is finite). x is not modified.
+extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __restrict__ x,
+                                         long long n, float a, float max_norm,
+                                         const float* __restrict__ norm_sq) {
+    const float s = hb_clip_scale(*norm_sq, max_norm);
+    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
+        y[i] = hb_guarded_axpy(y[i], __fmul_rn(x[i], s), a);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adam
+// ---------------------------------------------------------------------------------------------
+
+// 1 - beta^t with t rounded to float32 first (the reference's float(t)). The power is taken in
+// double and rounded once to float32: the correctly rounded float32 power except in cases of
+// probability ~2^-28 (CUDA's pow is within 2 double ulp). See fast/kernels/optim.py on how the
+// reference's own float32 power is computed.
+__device__ __forceinline__ float hb_bias_correction(float beta, long long step) {
+    const float t = __ll2float_rn(step);
+    const float power = __double2float_rn(pow((double)beta, (double)t));
+    return __fsub_rn(1.0f, power);
+}
+
+// adam_update: AdamW with the per-element guard and the Mech 9 clamp, in the reference's order:
+//   g = grad * grad_scale;  if !isfinite(g): param, m, v unchanged
+//   m = beta1*m + (1-beta1)*g;  v = beta2*v + (1-beta2)*(g*g)
+//   mhat = m / bc1;  vhat = v / bc2;  bc_k = 1 - beta_k^t
+//   param = param - lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * param)
+//   param = isfinite(param) ? clamp(param, -weight_clamp, weight_clamp) : 0
+// Device scalars: *step (int64, >= 1), *grad_scale, *weight_clamp (> 0, +inf allowed).
+// Thread 0 of each block computes the per-step scalars once (two double pows) and shares them.
+extern "C" __global__ void adam_update(float* __restrict__ param, const float* __restrict__ grad,
+                                       float* __restrict__ m, float* __restrict__ v, long long n,
+                                       const long long* __restrict__ step, float lr, float beta1,
+                                       float beta2, float eps, float weight_decay,
+                                       const float* __restrict__ grad_scale,
+                                       const float* __restrict__ weight_clamp) {
+    __shared__ float shared[4];  // bc1, bc2, grad_scale, weight_clamp
+    if (threadIdx.x == 0) {
+        const long long t = *step;
+        shared[0] = hb_bias_correction(beta1, t);
+        shared[1] = hb_bias_correction(beta2, t);
+        shared[2] = *grad_scale;
+        shared[3] = *weight_clamp;
+    }
+    __syncthreads();
+    const float bc1 = shared[0], bc2 = shared[1], scale = shared[2], clamp = shared[3];
+    const float keep1 = __fsub_rn(1.0f, beta1);
+    const float keep2 = __fsub_rn(1.0f, beta2);
+    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
+        const float g = __fmul_rn(grad[i], scale);
+        if (!isfinite(g)) {
+            continue;  // gradient zeroed, element skipped: param, m, v keep their bits
+        }
+        const float p = param[i];
+        const float m_new = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(keep1, g));
+        const float v_new = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(keep2, __fmul_rn(g, g)));
+        const float mhat = __fdiv_rn(m_new, bc1);
+        const float vhat = __fdiv_rn(v_new, bc2);
+        const float step_dir = __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps));
+        const float update = __fadd_rn(step_dir, __fmul_rn(weight_decay, p));
+        const float p_new = __fsub_rn(p, __fmul_rn(lr, update));
+        param[i] = isfinite(p_new) ? fminf(fmaxf(p_new, -clamp), clamp) : 0.0f;
+        m[i] = m_new;
+        v[i] = v_new;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Target network
+// ---------------------------------------------------------------------------------------------
+
+// polyak_update: target = (1 - tau) * target + tau * online (two products rounded, then the
+// sum; 1 - tau rounded once). NaN/Inf propagate.
+extern "C" __global__ void polyak_update(float* __restrict__ target,
+                                         const float* __restrict__ online, long long n, float tau) {
+    const float keep = __fsub_rn(1.0f, tau);
+    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
+        target[i] = __fadd_rn(__fmul_rn(keep, target[i]), __fmul_rn(tau, online[i]));
+    }
+}

@@ -1,0 +1,451 @@
+"""cuBLASLt GEMMs, planned once and run many times (graph-capturable).
+
+Convention: every matrix is a row-major C array. A plan computes
+
+    C = alpha * op(A) @ op(B) + beta * C        (then the epilogue)
+
+with ``op(X) = X.T`` when ``trans_x``: ``op(A)`` is ``[m, k]``, ``op(B)`` is ``[k, n]``, ``C`` is
+``[m, n]``. A is stored ``[m, k]`` (``[k, m]`` when ``trans_a``), B ``[k, n]`` (``[n, k]`` when
+``trans_b``); ``lda``/``ldb``/``ldc`` are the row strides in elements (default: dense).
+
+cuBLAS is column-major. A row-major ``[r, c]`` array with row stride ``ld`` *is* the
+column-major ``[c, r]`` array with leading dimension ``ld``, i.e. its transpose. So we ask
+cuBLAS for ``C.T = op(B).T @ op(A).T``: cuBLAS's "A" is our B and cuBLAS's "B" is our A, its
+``m`` is our ``n`` and its ``n`` our ``m`` (``colmajor_problem`` does the mapping; it is pure and
+tested on the CPU). The epilogues are named in *our* row-major terms:
+
+=================  ============================================================  ===============
+epilogue           effect (row-major)                                            cuBLASLt
+=================  ============================================================  ===============
+None               ``C = alpha op(A) op(B) + beta C``                            DEFAULT
+"bias"             ``C[i, j] += bias[j]`` (bias ``[n]`` f32)                       BIAS
+"relu_bias"        ``C = relu(op(A) op(B) + bias)``                                RELU_BIAS
+"relu_aux_bias"    as relu_bias, and writes the ReLU bitmask ``aux``                RELU_AUX_BIAS
+"drelu_bgrad"      ``C = (op(A) op(B)) * mask(aux)``; ``bias[j] = sum_i C[i, j]``   DRELU_BGRAD
+"bgradb"           plain product; ``bias[j] = sum_k op(B)[k, j]`` (``[n]``)        BGRADA (swap)
+"bgrada"           plain product; ``bias[i] = sum_k op(A)[i, k]`` (``[m]``)        BGRADB (swap)
+=================  ============================================================  ===============
+
+For "bias"-like epilogues ``bias_ptr`` is an input; for the ``*grad*`` ones it is the output
+(f32). The ReLU ``aux`` bitmask holds one bit per element of C, one padded bit-row per row of
+C: ``aux_ld = round_up(ceil(n / 8), 16) * 8`` bits, ``aux_nbytes = aux_ld / 8 * m`` bytes
+(``GemmSpec.aux_nbytes``); "drelu_bgrad" reads the mask a "relu_aux_bias" plan of the same
+``(m, n)`` wrote. Weight-gradient GEMMs: ``dW[in, out] = X.T @ dZ`` with ``db`` is
+``trans_a=True`` + "bgradb"; ``dW[out, in] = dZ.T @ X`` with ``db`` is ``trans_a=True`` +
+"bgrada" (cuBLASLt's BGRADB with transposed B, the configuration nvmath and
+TransformerEngine use). The reduced operand must be stored ``[k, *]``: "bgradb" needs
+``trans_b=False``, "bgrada" needs ``trans_a=True`` (cuBLASLt 13.0 on sm_90 supports no other
+layout; ``GemmSpec`` rejects them).
+
+NaN behaviour of the fused ReLU epilogues (seen on an H200, cuBLAS 13.0): a NaN pre-activation
+stays NaN in C and sets its aux bit; DRELU_BGRAD is a select (a NaN gradient under a clear bit
+gives 0, a set bit passes the gradient). That is the reference's ``add_bias_relu`` /
+``relu_mask`` contract (``t <= 0 ? 0 : t``, ``h <= 0 ? 0 : dy``).
+
+Precisions (scale type and C/D are always f32):
+
+- ``"f32"``: A, B f32, ``CUBLAS_COMPUTE_32F``: SGEMM-equivalent, no TF32.
+- ``"tf32"``: A, B f32, ``CUBLAS_COMPUTE_32F_FAST_TF32``: inputs rounded to TF32 on the tensor
+  cores, f32 accumulation (the "bf16" step's backward: cuBLAS has no f32 x bf16 GEMM).
+- ``"bf16"``: A, B BF16 (uint16 bit patterns on the host), ``CUBLAS_COMPUTE_32F``: BF16
+  tensor-core products, f32 accumulation, f32 C.
+
+A plan fixes the algorithm (cuBLASLt's top heuristic, so a run is bitwise repeatable) and owns
+a workspace of exactly the size that algorithm asks for, allocated once. ``run`` only sets the
+bias/aux pointers when they change and calls ``cublasLtMatmul``: no allocation, no sync, so it
+can be captured in a CUDA graph. Operands must be ``min_alignment``-byte aligned (default
+256, what arena buffers are); ``run`` checks.
+
+Requires ``nvmath-python`` (``nvmath.bindings.cublasLt``), imported lazily.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+PRECISIONS = ("f32", "bf16", "tf32")
+EPILOGUES = (None, "bias", "relu_bias", "relu_aux_bias", "drelu_bgrad", "bgrada", "bgradb")
+
+# Row-major epilogue name -> cuBLASLt epilogue name (operands are swapped: see the docstring).
+_CUBLAS_EPILOGUE = {
+    None: "DEFAULT",
+    "bias": "BIAS",
+    "relu_bias": "RELU_BIAS",
+    "relu_aux_bias": "RELU_AUX_BIAS",
+    "drelu_bgrad": "DRELU_BGRAD",
+    "bgradb": "BGRADA",
+    "bgrada": "BGRADB",
+}
+_NEEDS_BIAS = frozenset({"bias", "relu_bias", "relu_aux_bias", "drelu_bgrad", "bgrada", "bgradb"})
+_NEEDS_AUX = frozenset({"relu_aux_bias", "drelu_bgrad"})
+
+# cudaDataType_t and cublasComputeType_t values (library/cuda headers; stable ABI).
+CUDA_R_32F = 0
+CUDA_R_16BF = 14
+CUBLAS_COMPUTE_32F = 68
+CUBLAS_COMPUTE_32F_FAST_TF32 = 77
+
+DEFAULT_WORKSPACE_LIMIT = 32 << 20  # bytes cuBLASLt may ask for; the plan allocates only what it uses
+AUX_ROW_ALIGN_BYTES = 16  # cuBLASLt's ReLU bitmask rows are padded to 128 bits
+
+
+class GemmPlanError(RuntimeError):
+    """cuBLASLt offers no algorithm for this GEMM configuration."""
+
+
+class CublasUnavailableError(RuntimeError):
+    """nvmath-python (the cuBLASLt binding) is not installed or cuBLASLt cannot be loaded."""
+
+
+def _round_up(value: int, base: int) -> int:
+    return (value + base - 1) // base * base
+
+
+def _positive_int(name: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name}: {value!r} is not a positive int")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """A validated GEMM description (pure, no GPU). See the module docstring."""
+
+    m: int
+    n: int
+    k: int
+    trans_a: bool = False
+    trans_b: bool = False
+    precision: str = "f32"
+    epilogue: str | None = None
+    lda: int | None = None
+    ldb: int | None = None
+    ldc: int | None = None
+    alpha: float = 1.0
+    beta: float = 0.0
+
+    def __post_init__(self):
+        for name in ("m", "n", "k"):
+            object.__setattr__(self, name, _positive_int(name, getattr(self, name)))
+        for name in ("trans_a", "trans_b"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not a bool")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: {self.precision!r} is not allowed; expected one of {PRECISIONS}")
+        if self.epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue: {self.epilogue!r} is not allowed; expected one of {EPILOGUES}")
+        if self.epilogue == "drelu_bgrad" and self.k < 2:
+            raise ValueError("k: 1 is not supported by cuBLASLt's DRELU_BGRAD epilogue; need k >= 2")
+        # cuBLASLt only reduces an operand stored with k as its row index (observed: cuBLAS 13.0
+        # on sm_90 answers CUBLAS_STATUS_NOT_SUPPORTED for the other layout, every precision).
+        if self.epilogue == "bgradb" and self.trans_b:
+            raise ValueError("trans_b: epilogue 'bgradb' needs B stored [k, n] (trans_b=False); "
+                             "cuBLASLt does not reduce a transposed B")
+        if self.epilogue == "bgrada" and not self.trans_a:
+            raise ValueError("trans_a: epilogue 'bgrada' needs A stored [k, m] (trans_a=True); "
+                             "cuBLASLt does not reduce an untransposed A")
+        for name, rows_cols in (("lda", self.a_shape), ("ldb", self.b_shape), ("ldc", self.c_shape)):
+            value = getattr(self, name)
+            if value is None:
+                object.__setattr__(self, name, rows_cols[1])
+            elif _positive_int(name, value) < rows_cols[1]:
+                raise ValueError(
+                    f"{name}: {value} is smaller than the stored row length {rows_cols[1]}"
+                )
+        for name in ("alpha", "beta"):
+            value = getattr(self, name)
+            if not np.isfinite(np.float32(value)):
+                raise ValueError(f"{name}: {value!r} is not a finite float32")
+
+    @property
+    def a_shape(self) -> tuple[int, int]:
+        """Stored (row-major) shape of A."""
+        return (self.k, self.m) if self.trans_a else (self.m, self.k)
+
+    @property
+    def b_shape(self) -> tuple[int, int]:
+        return (self.n, self.k) if self.trans_b else (self.k, self.n)
+
+    @property
+    def c_shape(self) -> tuple[int, int]:
+        return (self.m, self.n)
+
+    @property
+    def input_dtype(self) -> np.dtype:
+        """Host dtype of A and B: uint16 BF16 bit patterns for "bf16", else float32."""
+        return np.dtype(np.uint16 if self.precision == "bf16" else np.float32)
+
+    @property
+    def bias_len(self) -> int | None:
+        """Length of the f32 bias (input) or bias-gradient (output) vector, if any."""
+        if self.epilogue not in _NEEDS_BIAS:
+            return None
+        return self.m if self.epilogue == "bgrada" else self.n
+
+    @property
+    def aux_ld(self) -> int | None:
+        """ReLU bitmask leading dimension in bits (a multiple of 128), if any."""
+        if self.epilogue not in _NEEDS_AUX:
+            return None
+        return _round_up(-(-self.n // 8), AUX_ROW_ALIGN_BYTES) * 8
+
+    @property
+    def aux_nbytes(self) -> int | None:
+        return None if self.aux_ld is None else self.aux_ld // 8 * self.m
+
+
+@dataclass(frozen=True)
+class ColMajorProblem:
+    """The column-major cuBLAS problem equivalent to a row-major ``GemmSpec``.
+
+    ``D (m x n, ld_d) = op_a(A_cm) @ op_b(B_cm)`` where ``A_cm`` is our B viewed column-major
+    (``a_rows x a_cols``, ``ld_a``) and ``B_cm`` our A; ``D`` is our C.
+    """
+
+    m: int
+    n: int
+    k: int
+    transa: bool
+    transb: bool
+    a_rows: int
+    a_cols: int
+    ld_a: int
+    b_rows: int
+    b_cols: int
+    ld_b: int
+    d_rows: int
+    d_cols: int
+    ld_d: int
+    epilogue: str
+
+
+def colmajor_problem(spec: GemmSpec) -> ColMajorProblem:
+    """Map a row-major spec to cuBLAS's column-major problem (operands swapped)."""
+    b_rows_stored, b_cols_stored = spec.b_shape
+    a_rows_stored, a_cols_stored = spec.a_shape
+    return ColMajorProblem(
+        m=spec.n,
+        n=spec.m,
+        k=spec.k,
+        # our B stored [k, n] is, column-major, [n, k] = op(B).T already; stored [n, k] needs T.
+        transa=bool(spec.trans_b),
+        transb=bool(spec.trans_a),
+        a_rows=b_cols_stored,
+        a_cols=b_rows_stored,
+        ld_a=spec.ldb,
+        b_rows=a_cols_stored,
+        b_cols=a_rows_stored,
+        ld_b=spec.lda,
+        d_rows=spec.n,
+        d_cols=spec.m,
+        ld_d=spec.ldc,
+        epilogue=_CUBLAS_EPILOGUE[spec.epilogue],
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# cuBLASLt
+# --------------------------------------------------------------------------------------------
+
+
+def _cublaslt():
+    try:
+        from nvmath.bindings import cublasLt
+    except Exception as exc:
+        raise CublasUnavailableError(
+            "GEMMs need nvmath-python (nvmath.bindings.cublasLt) and cuBLAS: "
+            f"pip install 'foxhunt[gpu]' ({type(exc).__name__}: {exc})"
+        ) from exc
+    return cublasLt
+
+
+def cublaslt_handle(device) -> int:
+    """The device's cuBLASLt handle (created once, kept on the device)."""
+    handle = device._extras.get("cublaslt")
+    if handle is None:
+        lt = _cublaslt()
+        device.make_current()
+        handle = lt.create()
+        device._extras["cublaslt"] = handle
+    return handle
+
+
+def _set_attr(setter, dtype_of, obj, attr, value) -> None:
+    buf = np.array([value], dtype=dtype_of(attr))
+    setter(obj, attr, buf.ctypes.data, buf.itemsize)
+
+
+class GemmPlan:
+    """A planned cuBLASLt GEMM (see the module docstring for the convention and epilogues).
+
+    ``GemmPlan(device, m, n, k, trans_a=, trans_b=, precision=, epilogue=, lda=, ldb=, ldc=,
+    alpha=, beta=, min_alignment=256, workspace_limit=32 MiB)``; then
+    ``plan.run(a_ptr, b_ptr, c_ptr, bias_ptr=, aux_ptr=, stream=)`` any number of times.
+    Raises ``GemmPlanError`` when cuBLASLt has no algorithm for the configuration.
+    """
+
+    def __init__(self, device, m, n, k, *, trans_a=False, trans_b=False, precision="f32",
+                 epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
+                 min_alignment: int = 256, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT):
+        self._objects: list[tuple] = []  # (destroy function, handle) for close()
+        self._workspace = None
+        self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
+                             alpha, beta)
+        if min_alignment not in (4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"min_alignment: {min_alignment!r} is not a power of two in [4, 256]")
+        self.min_alignment = min_alignment
+        self.device = device
+        self.problem = colmajor_problem(self.spec)
+        lt = _cublaslt()
+        self._lt = lt
+        self._handle = cublaslt_handle(device)
+        try:
+            self._plan(lt, workspace_limit)
+        except BaseException:
+            self.close()
+            raise
+
+    def _plan(self, lt, workspace_limit: int) -> None:
+        spec, prob = self.spec, self.problem
+        compute = CUBLAS_COMPUTE_32F_FAST_TF32 if spec.precision == "tf32" else CUBLAS_COMPUTE_32F
+        in_type = CUDA_R_16BF if spec.precision == "bf16" else CUDA_R_32F
+        desc_attr = lt.MatmulDescAttribute
+
+        def set_desc(attr, value):
+            _set_attr(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype,
+                      self._desc, attr, value)
+
+        self._desc = lt.matmul_desc_create(compute, CUDA_R_32F)
+        self._objects.append((lt.matmul_desc_destroy, self._desc))
+        set_desc(desc_attr.TRANSA, 1 if prob.transa else 0)  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
+        set_desc(desc_attr.TRANSB, 1 if prob.transb else 0)
+        set_desc(desc_attr.EPILOGUE, int(lt.Epilogue[prob.epilogue]))
+        # Placeholder (aligned, never dereferenced) pointers so the heuristic sees a complete
+        # epilogue; run() sets the real ones.
+        self._bias_ptr = self._aux_ptr = None
+        if spec.bias_len is not None:
+            set_desc(desc_attr.BIAS_POINTER, 256)
+        if spec.aux_ld is not None:
+            set_desc(desc_attr.EPILOGUE_AUX_LD, spec.aux_ld)
+            set_desc(desc_attr.EPILOGUE_AUX_POINTER, 256)
+
+        def layout(dtype, rows, cols, ld):
+            handle = lt.matrix_layout_create(dtype, rows, cols, ld)
+            self._objects.append((lt.matrix_layout_destroy, handle))
+            return handle
+
+        self._layout_a = layout(in_type, prob.a_rows, prob.a_cols, prob.ld_a)
+        self._layout_b = layout(in_type, prob.b_rows, prob.b_cols, prob.ld_b)
+        self._layout_c = layout(CUDA_R_32F, prob.d_rows, prob.d_cols, prob.ld_d)
+
+        pref = lt.matmul_preference_create()
+        self._objects.append((lt.matmul_preference_destroy, pref))
+        pref_attr = lt.MatmulPreferenceAttribute
+
+        def set_pref(attr, value):
+            _set_attr(lt.matmul_preference_set_attribute,
+                      lt.get_matmul_preference_attribute_dtype, pref, attr, value)
+        set_pref(pref_attr.MAX_WORKSPACE_BYTES, int(workspace_limit))
+        for attr in (pref_attr.MIN_ALIGNMENT_A_BYTES, pref_attr.MIN_ALIGNMENT_B_BYTES,
+                     pref_attr.MIN_ALIGNMENT_C_BYTES, pref_attr.MIN_ALIGNMENT_D_BYTES):
+            set_pref(attr, self.min_alignment)
+
+        self._heuristic = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+        found = np.zeros(1, dtype=np.int32)
+        self.device.make_current()
+        try:
+            lt.matmul_algo_get_heuristic(
+                self._handle, self._desc, self._layout_a, self._layout_b, self._layout_c,
+                self._layout_c, pref, 1, self._heuristic.ctypes.data, found.ctypes.data)
+        except Exception as exc:
+            raise GemmPlanError(f"cuBLASLt has no algorithm for {self.describe()}: {exc}") from exc
+        if found[0] < 1 or int(self._heuristic["state"][0]) != 0:
+            raise GemmPlanError(f"cuBLASLt has no algorithm for {self.describe()}")
+        self._algo_ptr = self._heuristic.ctypes.data + self._heuristic.dtype.fields["algo"][1]
+        self.workspace_nbytes = int(self._heuristic["workspace_size"][0])
+        if self.workspace_nbytes:
+            self._workspace = self.device.alloc(_round_up(self.workspace_nbytes, 256))
+        self._workspace_ptr = self._workspace.ptr if self._workspace is not None else 0
+        self._alpha = np.array([self.spec.alpha], dtype=np.float32)
+        self._beta = np.array([self.spec.beta], dtype=np.float32)
+
+    def describe(self) -> str:
+        s = self.spec
+        return (f"GEMM m={s.m} n={s.n} k={s.k} trans_a={s.trans_a} trans_b={s.trans_b} "
+                f"precision={s.precision} epilogue={s.epilogue} lda={s.lda} ldb={s.ldb} "
+                f"ldc={s.ldc} alignment={self.min_alignment}")
+
+    def _check_ptr(self, name: str, ptr, alignment: int) -> int:
+        if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)) or ptr <= 0:
+            raise ValueError(f"{name}: {ptr!r} is not a device pointer (a positive int)")
+        if ptr % alignment:
+            raise ValueError(f"{name}: {ptr:#x} is not {alignment}-byte aligned as this plan requires")
+        return int(ptr)
+
+    def run(self, a_ptr: int, b_ptr: int, c_ptr: int, *, bias_ptr: int | None = None,
+            aux_ptr: int | None = None, stream=None) -> None:
+        """Enqueue the GEMM on ``stream`` (required): C (``c_ptr``, in place when beta != 0)
+        from A and B; ``bias_ptr`` / ``aux_ptr`` as the epilogue needs (module docstring)."""
+        lt, spec = self._lt, self.spec
+        a_ptr = self._check_ptr("a_ptr", a_ptr, self.min_alignment)
+        b_ptr = self._check_ptr("b_ptr", b_ptr, self.min_alignment)
+        c_ptr = self._check_ptr("c_ptr", c_ptr, self.min_alignment)
+        if stream is None:
+            raise ValueError("stream: a GEMM needs an explicit stream (device.stream)")
+        attr = lt.MatmulDescAttribute
+        if spec.bias_len is not None:
+            bias_ptr = self._check_ptr("bias_ptr", bias_ptr, 16)
+            if bias_ptr != self._bias_ptr:
+                _set_attr(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype,
+                          self._desc, attr.BIAS_POINTER, bias_ptr)
+                self._bias_ptr = bias_ptr
+        elif bias_ptr is not None:
+            raise ValueError(f"bias_ptr: epilogue {spec.epilogue!r} takes no bias")
+        if spec.aux_ld is not None:
+            aux_ptr = self._check_ptr("aux_ptr", aux_ptr, 16)
+            if aux_ptr != self._aux_ptr:
+                _set_attr(lt.matmul_desc_set_attribute, lt.get_matmul_desc_attribute_dtype,
+                          self._desc, attr.EPILOGUE_AUX_POINTER, aux_ptr)
+                self._aux_ptr = aux_ptr
+        elif aux_ptr is not None:
+            raise ValueError(f"aux_ptr: epilogue {spec.epilogue!r} takes no aux bitmask")
+        stream_ptr = stream.ptr if hasattr(stream, "ptr") else int(stream)
+        # Operands swapped: cuBLAS "A" is our B, cuBLAS "B" is our A (module docstring).
+        lt.matmul(self._handle, self._desc, self._alpha.ctypes.data,
+                  b_ptr, self._layout_a, a_ptr, self._layout_b,
+                  self._beta.ctypes.data, c_ptr, self._layout_c, c_ptr, self._layout_c,
+                  self._algo_ptr, self._workspace_ptr, self.workspace_nbytes, stream_ptr)
+
+    def close(self) -> None:
+        """Destroy the descriptors and free the workspace (the plan is unusable after)."""
+        while self._objects:
+            destroy, handle = self._objects.pop()
+            try:
+                destroy(handle)
+            except Exception:  # noqa: BLE001
+                pass
+        workspace = getattr(self, "_workspace", None)
+        if workspace is not None:
+            workspace.free()
+            self._workspace = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+__all__ = [
+    "EPILOGUES",
+    "PRECISIONS",
+    "ColMajorProblem",
+    "CublasUnavailableError",
+    "GemmPlan",
+    "GemmPlanError",
+    "GemmSpec",
+    "colmajor_problem",
+    "cublaslt_handle",
+]

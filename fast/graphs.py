@@ -1,0 +1,152 @@
+"""CUDA graphs by stream capture: capture once, instantiate, upload, replay every step.
+
+    with GraphCapture(device.stream) as graph:
+        kernel.launch(grid, block, ..., stream=device.stream)
+        plan.run(a, b, c, stream=device.stream)
+        with graph.branch() as side:          # a parallel branch (fork/join by events)
+            other.launch(grid, block, ..., stream=side)
+    graph.replay()                            # one cuGraphLaunch; no host round trip
+
+Everything enqueued on the capture stream between enter and exit becomes a node (kernel
+launches, cuBLASLt matmuls, async copies from pinned memory, memsets); nothing runs during
+capture. Capture mode is thread-local: a call that is illegal during capture on this thread
+(``cuMemAlloc``, a synchronous copy, a stream sync) fails instead of silently breaking the
+graph, which is how "no allocation, no sync inside a step" is enforced. If the ``with`` body
+raises, the capture is ended and discarded and the exception propagates; the stream is usable
+again. Pointers and scalars are baked in at capture: replay reads the same buffers every time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+from foxhunt.fast.device import CudaError, Stream, _driver, _error_text, as_stream_handle, call
+
+
+def graph_nodes(graph) -> list:
+    """The nodes of a ``CUgraph``."""
+    drv = _driver()
+    _, count = call(drv.cuGraphGetNodes, graph, 0)
+    if not count:
+        return []
+    nodes, _ = call(drv.cuGraphGetNodes, graph, count)
+    return list(nodes)
+
+
+def count_nodes(graph) -> int:
+    """Number of nodes in a ``CUgraph``."""
+    return len(graph_nodes(graph))
+
+
+def node_types(graph) -> Counter:
+    """``Counter`` of node kinds (``"KERNEL"``, ``"MEMCPY"``, ``"MEMSET"``, ...) in a graph."""
+    drv = _driver()
+    kinds = Counter()
+    for node in graph_nodes(graph):
+        kind = call(drv.cuGraphNodeGetType, node)
+        kinds[kind.name.removeprefix("CU_GRAPH_NODE_TYPE_")] += 1
+    return kinds
+
+
+class GraphCapture:
+    """Context manager capturing the work enqueued on ``stream`` into a CUDA graph.
+
+    After a clean exit: ``graph`` (``CUgraph``), ``exec`` (``CUgraphExec``, already uploaded),
+    ``node_count``, ``node_types()``; ``replay(stream=None)`` launches it (on the capture
+    stream by default). ``branch()`` forks a side stream off the capture stream and joins it
+    back, making parallel graph branches; ``max_branches`` side streams are created up front.
+    """
+
+    def __init__(self, stream, *, max_branches: int = 4):
+        drv = _driver()
+        self.stream = stream if isinstance(stream, Stream) else Stream(as_stream_handle(stream), owned=False)
+        self.graph = None
+        self.exec = None
+        flags = drv.CUstream_flags.CU_STREAM_NON_BLOCKING.value
+        self._side = [Stream(call(drv.cuStreamCreate, flags)) for _ in range(max_branches)]
+        no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
+        self._events = [(call(drv.cuEventCreate, no_timing), call(drv.cuEventCreate, no_timing))
+                        for _ in range(max_branches)]
+        self._free = list(range(max_branches))
+        self._capturing = False
+
+    def __enter__(self) -> GraphCapture:
+        if self.graph is not None:
+            raise RuntimeError("this GraphCapture already holds a graph; make a new one")
+        drv = _driver()
+        call(drv.cuStreamBeginCapture, self.stream.handle,
+             drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+        self._capturing = True
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        drv = _driver()
+        self._capturing = False
+        result = drv.cuStreamEndCapture(self.stream.handle)
+        err, graph = result[0], result[1]
+        if exc_type is not None:
+            if err == drv.CUresult.CUDA_SUCCESS and graph is not None:
+                drv.cuGraphDestroy(graph)
+            return False  # propagate the body's exception
+        if err != drv.CUresult.CUDA_SUCCESS:
+            raise CudaError(f"cuStreamEndCapture failed with {_error_text(drv, err)} (an operation "
+                            "illegal during capture, e.g. an allocation or a sync, was called)")
+        self.graph = graph
+        self.exec = call(drv.cuGraphInstantiate, graph, 0)
+        call(drv.cuGraphUpload, self.exec, self.stream.handle)
+        return False
+
+    @contextlib.contextmanager
+    def branch(self):
+        """Yield a side ``Stream`` that depends on everything enqueued on the capture stream
+        so far; on exit the capture stream waits for it (fork/join). Works eagerly too."""
+        if not self._free:
+            raise RuntimeError(f"all {len(self._side)} branch streams are in use; raise max_branches")
+        index = self._free.pop()
+        side, (fork, join) = self._side[index], self._events[index]
+        drv = _driver()
+        try:
+            call(drv.cuEventRecord, fork, self.stream.handle)
+            call(drv.cuStreamWaitEvent, side.handle, fork, 0)
+            yield side
+            call(drv.cuEventRecord, join, side.handle)
+            call(drv.cuStreamWaitEvent, self.stream.handle, join, 0)
+        finally:
+            self._free.append(index)
+
+    def replay(self, stream=None) -> None:
+        if self.exec is None:
+            raise RuntimeError("nothing to replay: the capture has not completed")
+        handle = self.stream.handle if stream is None else as_stream_handle(stream)
+        call(_driver().cuGraphLaunch, self.exec, handle)
+
+    @property
+    def node_count(self) -> int:
+        if self.graph is None:
+            raise RuntimeError("no graph: the capture has not completed")
+        return count_nodes(self.graph)
+
+    def node_types(self) -> Counter:
+        if self.graph is None:
+            raise RuntimeError("no graph: the capture has not completed")
+        return node_types(self.graph)
+
+    def close(self) -> None:
+        """Destroy the graph, its executable, the branch streams and events."""
+        drv = _driver()
+        if self.exec is not None:
+            drv.cuGraphExecDestroy(self.exec)
+            self.exec = None
+        if self.graph is not None:
+            drv.cuGraphDestroy(self.graph)
+            self.graph = None
+        for side in self._side:
+            side.close()
+        for fork, join in self._events:
+            drv.cuEventDestroy(fork)
+            drv.cuEventDestroy(join)
+        self._side, self._events, self._free = [], [], []
+
+
+__all__ = ["GraphCapture", "count_nodes", "graph_nodes", "node_types"]

@@ -1,0 +1,105 @@
+"""Shared plumbing of the fast kernels' numpy-in/numpy-out test entries.
+
+A test entry has the same name and signature as its reference twin; it copies its NumPy inputs
+to the device, launches the kernel once on the runtime's stream, waits, and returns NumPy
+outputs shaped like the reference's. Test entries are for conformance and debugging only: the
+trainer launches kernels on arena pointers inside CUDA graphs and never goes through here.
+
+``call(name, grid, block, *args)`` takes, per kernel parameter, one of:
+
+- ``In(array)``: copied to a fresh device buffer, passed as its pointer;
+- ``Out(shape, dtype)``: a fresh device buffer poisoned with 0xFF bytes (a NaN pattern for
+  floats, so an element the kernel forgets to write shows up), read back after the launch;
+- ``InOut(array)``: copied in, passed as a pointer, read back after the launch;
+- a Python/NumPy scalar: passed by value (packed by the kernel's PTX parameter type).
+
+It returns the read-back arrays of the ``Out``/``InOut`` arguments, in argument order.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class In:
+    array: np.ndarray
+
+
+@dataclass(frozen=True)
+class Out:
+    shape: tuple
+    dtype: object
+
+
+@dataclass(frozen=True)
+class InOut:
+    array: np.ndarray
+
+
+class Runtime:
+    """Device 0, its stream, and every ``cuda_src`` kernel compiled for its architecture."""
+
+    def __init__(self) -> None:
+        from foxhunt.fast._build import compile_sources
+        from foxhunt.fast.device import Device
+
+        self.device = Device(0)
+        self.module = self.device.load_module(compile_sources(self.device.arch))
+        self.stream = self.device.stream
+
+
+_runtime: Runtime | None = None
+_lock = threading.Lock()
+
+
+def runtime() -> Runtime:
+    """The process-wide runtime, created on first use (raises ``NoCudaDeviceError`` without a GPU)."""
+    global _runtime
+    with _lock:
+        if _runtime is None:
+            _runtime = Runtime()
+        return _runtime
+
+
+def call(name: str, grid, block, *args, shared_mem: int = 0) -> tuple[np.ndarray, ...]:
+    rt = runtime()
+    dev = rt.device
+    keep = []  # device allocations and host sources alive until the read-back
+    launch_args = []
+    reads = []
+    for arg in args:
+        if isinstance(arg, (In, InOut)):
+            host = np.ascontiguousarray(arg.array)
+            alloc = dev.alloc(max(host.nbytes, 4))
+            dev.copy_to_device(alloc.ptr, host, wait=False)
+            keep.extend((alloc, host))
+            launch_args.append(alloc.ptr)
+            if isinstance(arg, InOut):
+                reads.append((alloc, host.shape, host.dtype))
+        elif isinstance(arg, Out):
+            dtype = np.dtype(arg.dtype)
+            shape = tuple(int(s) for s in np.atleast_1d(arg.shape)) if arg.shape != () else ()
+            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            alloc = dev.alloc(max(nbytes, 4))
+            dev.memset(alloc.ptr, 0xFF, max(nbytes, 4))
+            keep.append(alloc)
+            launch_args.append(alloc.ptr)
+            reads.append((alloc, shape, dtype))
+        else:
+            launch_args.append(arg)
+    # Copies, poison and launch are all ordered on the runtime's stream; the read-backs wait.
+    rt.module.kernel(name).launch(grid, block, *launch_args, stream=rt.stream, shared_mem=shared_mem)
+    outputs = [dev.copy_to_host(np.empty(shape, dtype), alloc.ptr) for alloc, shape, dtype in reads]
+    for item in keep:
+        if hasattr(item, "free"):
+            item.free()
+    return tuple(outputs)
+
+
+def blocks(n: int, threads: int) -> int:
+    """Blocks of ``threads`` covering ``n`` items (at least 1)."""
+    return max(1, -(-int(n) // threads))

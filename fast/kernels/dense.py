@@ -1,0 +1,161 @@
+"""Fast-path launchers of the dense kernels (``cuda_src/dense.cu``; reference:
+``foxhunt.reference.kernels.dense``).
+
+Each public function has the reference's name and signature, validates like the reference
+(with the reference's own checks, so bad input raises the same ``ValueError``), runs the CUDA
+kernel once through :func:`foxhunt.fast.kernels._runtime.call` and returns the reference's
+structure, shapes and dtypes. ``plan_<name>(...)`` gives ``(grid, block, shared_mem)`` for a
+launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
+
+- ``add_bias_relu(y, b, out, rows, cols)``; ``add_bias_relu_bf16(y, b, out, out_bf16, rows,
+  cols)``: 2-D grid, x over columns, y striding rows; ``out`` may alias ``y``.
+- ``relu_mask(dy, h, dx, n)``, ``f32_to_bf16(x, out, n)``, ``bf16_to_f32(u, out, n)``,
+  ``tf32_round(x, out, n)``: flat grid-stride loops, ``n`` an int64 element count.
+- ``bias_grad_reduce(dy, db, rows, cols)``: blocks of (32 columns x ``BIAS_GRAD_CHUNKS`` row
+  chunks); deterministic, no atomics; equal to the reference bit for bit when
+  ``rows <= BIAS_GRAD_CHUNKS``, a reassociated sum otherwise (see the kernel's comment).
+
+Numerics: every elementwise kernel is exact (bitwise equal to the reference);
+``bias_grad_reduce`` is a float32 reduction (conformance: reduction tolerance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.fast.kernels._runtime import In, Out, blocks, call
+from foxhunt.reference.kernels.dense import (
+    F32,
+    U16,
+    BiasReluBf16,
+    _check_bias_operands,
+    _require_array,
+    _require_shape,
+)
+
+#: Threads per block of the flat elementwise kernels.
+FLAT_THREADS = 256
+#: Grid cap of the flat kernels (grid-stride loops cover the rest): ~8 waves of 256-thread
+#: blocks on a 132-SM H200, so a launch never pays for idle blocks.
+FLAT_MAX_BLOCKS = 4096
+#: Largest column block of the bias epilogues; narrower rows (e.g. 51 atoms) get a block of
+#: their width rounded up to a warp.
+BIAS_MAX_THREADS = 256
+WARP = 32
+#: CUDA's limit on gridDim.y; the bias epilogues stride rows beyond it.
+MAX_GRID_Y = 65535
+#: bias_grad_reduce: columns per block (one warp wide) and row chunks per block (blockDim.y,
+#: at most 32, the kernel's shared-memory array).
+BIAS_GRAD_COLS = 32
+BIAS_GRAD_CHUNKS = 16
+
+Plan = tuple  # (grid, block, shared_mem)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch plans
+# --------------------------------------------------------------------------------------------
+
+
+def plan_flat(n: int) -> Plan:
+    """A flat grid-stride launch over ``n`` elements."""
+    return (min(blocks(n, FLAT_THREADS), FLAT_MAX_BLOCKS),), (FLAT_THREADS,), 0
+
+
+def plan_add_bias_relu(rows: int, cols: int) -> Plan:
+    """x covers the ``cols`` columns (blocks of up to 256 threads), y one row per block."""
+    threads = min(BIAS_MAX_THREADS, WARP * blocks(cols, WARP))
+    return (blocks(cols, threads), max(1, min(rows, MAX_GRID_Y))), (threads,), 0
+
+
+plan_add_bias_relu_bf16 = plan_add_bias_relu
+plan_relu_mask = plan_flat
+plan_f32_to_bf16 = plan_flat
+plan_bf16_to_f32 = plan_flat
+plan_tf32_round = plan_flat
+
+
+def plan_bias_grad_reduce(rows: int, cols: int) -> Plan:
+    """One block per 32 columns; ``BIAS_GRAD_CHUNKS`` row chunks per block."""
+    del rows  # the kernel splits any number of rows into blockDim.y chunks
+    return (blocks(cols, BIAS_GRAD_COLS),), (BIAS_GRAD_COLS, BIAS_GRAD_CHUNKS), 0
+
+
+def _launch(name: str, plan: Plan, *args):
+    grid, block, shared_mem = plan
+    return call(name, grid, block, *args, shared_mem=shared_mem)
+
+
+# --------------------------------------------------------------------------------------------
+# Test entries (reference signatures)
+# --------------------------------------------------------------------------------------------
+
+
+def add_bias_relu(y: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``relu(y + b)`` on the GPU: see ``foxhunt.reference.kernels.dense.add_bias_relu``."""
+    _check_bias_operands(y, b)
+    rows, cols = y.shape
+    (out,) = _launch("add_bias_relu", plan_add_bias_relu(rows, cols),
+                     In(y), In(b), Out((rows, cols), F32), rows, cols)
+    return out
+
+
+def add_bias_relu_bf16(y: np.ndarray, b: np.ndarray) -> BiasReluBf16:
+    """``add_bias_relu`` fused with the BF16 cast: returns ``BiasReluBf16(out, out_bf16)``."""
+    _check_bias_operands(y, b)
+    rows, cols = y.shape
+    out, out_bf16 = _launch("add_bias_relu_bf16", plan_add_bias_relu_bf16(rows, cols),
+                            In(y), In(b), Out((rows, cols), F32), Out((rows, cols), U16),
+                            rows, cols)
+    return BiasReluBf16(out=out, out_bf16=out_bf16)
+
+
+def relu_mask(dy: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """``h <= 0 ? 0 : dy`` on the GPU: see ``foxhunt.reference.kernels.dense.relu_mask``."""
+    _require_array("dy", dy, F32, ndim=2)
+    _require_array("h", h, F32, ndim=2)
+    _require_shape("h", h, dy.shape, "dy.shape [M, N]")
+    (dx,) = _launch("relu_mask", plan_relu_mask(dy.size), In(dy), In(h), Out(dy.shape, F32),
+                    dy.size)
+    return dx
+
+
+def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
+    """Column sums ``db[n] = sum_i dy[i, n]`` on the GPU (float32, deterministic)."""
+    _require_array("dy", dy, F32, ndim=2)
+    rows, cols = dy.shape
+    (db,) = _launch("bias_grad_reduce", plan_bias_grad_reduce(rows, cols),
+                    In(dy), Out((cols,), F32), rows, cols)
+    return db
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> BF16 bit patterns (RNE; the reference's NaN rule), any shape."""
+    _require_array("x", x, F32)
+    (out,) = _launch("f32_to_bf16", plan_f32_to_bf16(x.size), In(x), Out(x.shape, U16), x.size)
+    return out
+
+
+def bf16_to_f32(u: np.ndarray) -> np.ndarray:
+    """BF16 bit patterns -> float32 (exact), any shape."""
+    _require_array("u", u, U16)
+    (out,) = _launch("bf16_to_f32", plan_bf16_to_f32(u.size), In(u), Out(u.shape, F32), u.size)
+    return out
+
+
+def tf32_round(x: np.ndarray) -> np.ndarray:
+    """float32 -> TF32 (ties away from zero; the reference's NaN rule), any shape."""
+    _require_array("x", x, F32)
+    (out,) = _launch("tf32_round", plan_tf32_round(x.size), In(x), Out(x.shape, F32), x.size)
+    return out
+
+
+KERNELS = {
+    "add_bias_relu": add_bias_relu,
+    "add_bias_relu_bf16": add_bias_relu_bf16,
+    "relu_mask": relu_mask,
+    "bias_grad_reduce": bias_grad_reduce,
+    "f32_to_bf16": f32_to_bf16,
+    "bf16_to_f32": bf16_to_f32,
+    "tf32_round": tf32_round,
+}

@@ -1,0 +1,350 @@
+"""Fast distributional (C51) kernels: launch plans and numpy-in/numpy-out test entries.
+
+One test entry per CUDA kernel of ``cuda_src/distributional.cu``, each with the name, signature,
+validation (the reference's own helpers, so bad input raises the same ``ValueError``) and
+return structure of its twin in :mod:`foxhunt.reference.kernels.distributional`. Each
+``plan_NAME(sizes...) -> (grid, block, shared_mem)`` is the launch configuration; the trainer
+reuses it with arena pointers (kernel parameter order: inputs, outputs, sizes, configuration;
+see the ``.cu`` file's header).
+
+Device scalars: ``gamma`` (c51_project), ``alpha`` and ``scale`` (cql_logit_grad) and ``scale``
+(c51_loss, c51_grad) are read by the kernels through a pointer to one float (the ISV bus or an
+arena slot), so a captured graph sees their current value; the test entries upload them.
+
+Numerics (conformance/tolerance.py entries, all ``REDUCTION`` except the exact
+``double_dqn_select``): sums over actions (dueling_combine, its backward, the CQL logsumexp)
+run in action order and c51_project's sum over source atoms in source order, as the reference
+does, so those agree with it bit for bit on the same inputs (CUDA's IEEE ``/`` and ``-fmad=false``);
+sums over atoms elsewhere use a per-lane order plus a fixed warp butterfly (the reference uses
+NumPy's pairwise order) and ``expf``/``logf`` are within 2 / 1 ULP, not correctly rounded.
+Every reduction has a fixed order: outputs are bitwise repeatable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.fast.kernels._runtime import In, Out, blocks, call
+from foxhunt.reference.kernels.dense import _f32_scalar, _require_array, _require_shape
+from foxhunt.reference.kernels.distributional import (
+    F32,
+    I32,
+    C51Loss,
+    CqlGrad,
+    DuelingGrads,
+    _atom_spacing,
+    _check_support_bounds,
+    _require_actions,
+    _require_logp,
+    _require_vector,
+)
+
+Plan = tuple[int, int, int]  # (grid, block, dynamic shared-memory bytes)
+
+WARP = 32
+#: Block size of the elementwise and warp-per-row kernels.
+THREADS = 256
+#: Rows per block of the warp-per-row kernels (log_softmax_atoms, expected_q).
+WARPS_PER_BLOCK = THREADS // WARP
+#: c51_project: at most this many threads per block (its shared tiles; ``kProjectMaxThreads``).
+PROJECT_MAX_THREADS = 256
+#: c51_loss runs as one block of this many threads (``kLossMaxThreads``).
+LOSS_THREADS = 1024
+#: cql_logit_grad: at most this many warps per block (``kCqlMaxWarps``).
+CQL_MAX_WARPS = 8
+#: Dynamic shared memory available without an opt-in.
+SHARED_LIMIT = 48 * 1024
+#: The kernels index with 32-bit ints (grid-stride steps included): arrays stay below this.
+MAX_ELEMENTS = 2**30
+
+F32_BYTES = 4
+
+
+def _check_elements(name: str, x: np.ndarray) -> None:
+    if x.size >= MAX_ELEMENTS:
+        raise ValueError(
+            f"{name}: {x.size} elements is not allowed; the fast kernels index with 32-bit ints "
+            f"(expected fewer than {MAX_ELEMENTS})"
+        )
+
+
+def _device_scalar(value: np.float32) -> In:
+    """A scalar the kernel reads through a pointer (one float32 on the device)."""
+    return In(np.array([value], dtype=F32))
+
+
+def _flat_plan(n: int) -> Plan:
+    """One thread per item, blocks of ``THREADS``."""
+    return blocks(n, THREADS), THREADS, 0
+
+
+def _warp_rows_plan(rows: int) -> Plan:
+    """One warp per row, ``WARPS_PER_BLOCK`` rows per block."""
+    return blocks(rows, WARPS_PER_BLOCK), THREADS, 0
+
+
+# --------------------------------------------------------------------------------------------
+# Plans.
+# --------------------------------------------------------------------------------------------
+
+
+def plan_dueling_combine(batch: int, num_actions: int, num_atoms: int) -> Plan:
+    """One thread per ``(b, j)`` cell."""
+    return _flat_plan(batch * num_atoms)
+
+
+def plan_dueling_combine_backward(batch: int, num_actions: int, num_atoms: int) -> Plan:
+    """One thread per ``(b, j)`` cell."""
+    return _flat_plan(batch * num_atoms)
+
+
+def plan_log_softmax_atoms(rows: int, num_atoms: int) -> Plan:
+    """One warp per row of atoms."""
+    return _warp_rows_plan(rows)
+
+
+def plan_expected_q(batch: int, num_actions: int, num_atoms: int) -> Plan:
+    """One warp per ``(b, a)`` row."""
+    return _warp_rows_plan(batch * num_actions)
+
+
+def plan_double_dqn_select(batch: int, num_actions: int) -> Plan:
+    """One thread per sample."""
+    return _flat_plan(batch)
+
+
+def plan_c51_project(batch: int, num_atoms: int) -> Plan:
+    """One block per sample; one thread per target atom (whole warps, at most 256)."""
+    threads = min(PROJECT_MAX_THREADS, WARP * blocks(num_atoms, WARP))
+    return max(1, batch), threads, 0
+
+
+def plan_c51_loss(batch: int, num_actions: int, num_atoms: int) -> Plan:
+    """One block (the total is reduced in a fixed order inside it)."""
+    return 1, LOSS_THREADS, 0
+
+
+def cql_tile_samples(num_actions: int, warps: int) -> int:
+    """Samples per block of ``cql_logit_grad`` for a block of ``warps`` warps (the kernel's
+    formula: ``max(1, warps / A)``)."""
+    return max(1, warps // num_actions)
+
+
+def plan_cql_logit_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
+    """Tiles of samples, one warp per ``(sample, action)`` row (at most 8 warps per block);
+    shared memory holds Q and exp(Q - max) per row and the max and sum per sample."""
+    tile = cql_tile_samples(num_actions, CQL_MAX_WARPS)
+    warps = min(CQL_MAX_WARPS, tile * num_actions)
+    shared = (2 * tile * num_actions + 2 * tile) * F32_BYTES
+    if shared > SHARED_LIMIT:
+        raise ValueError(
+            f"num_actions: {num_actions} needs {shared} bytes of shared memory in cql_logit_grad; "
+            f"expected at most {SHARED_LIMIT} (A <= {SHARED_LIMIT // (2 * F32_BYTES) - 1})"
+        )
+    return blocks(batch, tile), WARP * warps, shared
+
+
+def plan_c51_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
+    """One thread per element of ``dlogits``."""
+    return _flat_plan(batch * num_actions * num_atoms)
+
+
+# --------------------------------------------------------------------------------------------
+# Test entries (reference signatures).
+# --------------------------------------------------------------------------------------------
+
+
+def dueling_combine(v: np.ndarray, adv: np.ndarray) -> np.ndarray:
+    """Fast ``dueling_combine``: ``logits [B, A, NA]`` (see the reference)."""
+    _require_array("v", v, F32, ndim=2)
+    _require_array("adv", adv, F32, ndim=3)
+    _require_shape("adv", adv, (v.shape[0], adv.shape[1], v.shape[1]), "[B, A, NA] (v is [B, NA])")
+    if adv.shape[1] < 1:
+        raise ValueError(f"adv: shape {adv.shape} has no actions; expected A >= 1")
+    _check_elements("adv", adv)
+    batch, num_actions, num_atoms = adv.shape
+    if adv.size == 0:
+        return np.zeros(adv.shape, dtype=F32)
+    grid, block, shared = plan_dueling_combine(batch, num_actions, num_atoms)
+    (logits,) = call("dueling_combine", grid, block, In(v), In(adv), Out(adv.shape, F32),
+                     batch, num_actions, num_atoms, shared_mem=shared)
+    return logits
+
+
+def dueling_combine_backward(dlogits: np.ndarray) -> DuelingGrads:
+    """Fast ``dueling_combine_backward``: ``DuelingGrads(dv [B, NA], dadv [B, A, NA])``."""
+    _require_array("dlogits", dlogits, F32, ndim=3)
+    if dlogits.shape[1] < 1:
+        raise ValueError(f"dlogits: shape {dlogits.shape} has no actions; expected A >= 1")
+    _check_elements("dlogits", dlogits)
+    batch, num_actions, num_atoms = dlogits.shape
+    if dlogits.size == 0:
+        return DuelingGrads(dv=np.zeros((batch, num_atoms), dtype=F32),
+                            dadv=np.zeros(dlogits.shape, dtype=F32))
+    grid, block, shared = plan_dueling_combine_backward(batch, num_actions, num_atoms)
+    dv, dadv = call("dueling_combine_backward", grid, block, In(dlogits),
+                    Out((batch, num_atoms), F32), Out(dlogits.shape, F32),
+                    batch, num_actions, num_atoms, shared_mem=shared)
+    return DuelingGrads(dv=dv, dadv=dadv)
+
+
+def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
+    """Fast ``log_softmax_atoms`` over the last axis: float32 of ``logits``' shape."""
+    _require_array("logits", logits, F32)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"logits: shape {logits.shape} is not allowed; expected [..., NA] with NA >= 1"
+        )
+    _check_elements("logits", logits)
+    num_atoms = logits.shape[-1]
+    rows = logits.size // num_atoms
+    if rows == 0:
+        return np.zeros(logits.shape, dtype=F32)
+    grid, block, shared = plan_log_softmax_atoms(rows, num_atoms)
+    (logp,) = call("log_softmax_atoms", grid, block, In(logits), Out(logits.shape, F32),
+                   rows, num_atoms, shared_mem=shared)
+    return logp
+
+
+def expected_q(logp: np.ndarray, z: np.ndarray) -> np.ndarray:
+    """Fast ``expected_q``: ``q [B, A]``."""
+    _require_logp(logp)
+    _require_vector("z", z, logp.shape[2], "[NA] with NA = logp.shape[2]")
+    _check_elements("logp", logp)
+    batch, num_actions, num_atoms = logp.shape
+    if batch * num_actions == 0:
+        return np.zeros((batch, num_actions), dtype=F32)
+    grid, block, shared = plan_expected_q(batch, num_actions, num_atoms)
+    (q,) = call("expected_q", grid, block, In(logp), In(z), Out((batch, num_actions), F32),
+                batch * num_actions, num_atoms, shared_mem=shared)
+    return q
+
+
+def double_dqn_select(q: np.ndarray) -> np.ndarray:
+    """Fast ``double_dqn_select``: ``int32 [B]`` (exact)."""
+    _require_array("q", q, F32, ndim=2)
+    if q.shape[1] < 1:
+        raise ValueError(f"q: shape {q.shape} has no actions; expected A >= 1")
+    _check_elements("q", q)
+    batch, num_actions = q.shape
+    if batch == 0:
+        return np.zeros(0, dtype=I32)
+    grid, block, shared = plan_double_dqn_select(batch, num_actions)
+    (best,) = call("double_dqn_select", grid, block, In(q), Out((batch,), I32),
+                   batch, num_actions, shared_mem=shared)
+    return best
+
+
+def c51_project(
+    p_next: np.ndarray,
+    r: np.ndarray,
+    done: np.ndarray,
+    gamma,
+    z: np.ndarray,
+    v_min,
+    v_max,
+) -> np.ndarray:
+    """Fast ``c51_project`` (dense triangular form): ``m [B, NA]``."""
+    _require_array("p_next", p_next, F32, ndim=2)
+    batch, num_atoms = p_next.shape
+    _require_vector("r", r, batch, "[B] with B = p_next.shape[0]")
+    _require_vector("done", done, batch, "[B] with B = p_next.shape[0]")
+    if num_atoms < 2:
+        raise ValueError(f"p_next: shape {p_next.shape} is not allowed; expected [B, NA], NA >= 2")
+    _require_vector("z", z, num_atoms, "[NA] with NA = p_next.shape[1]")
+    g = _f32_scalar("gamma", gamma)
+    lo, hi = _check_support_bounds(v_min, v_max, num_atoms)
+    dz = _atom_spacing(lo, hi, num_atoms)
+    _check_elements("p_next", p_next)
+    if batch == 0:
+        return np.zeros((0, num_atoms), dtype=F32)
+    grid, block, shared = plan_c51_project(batch, num_atoms)
+    (m,) = call("c51_project", grid, block, In(p_next), In(r), In(done), _device_scalar(g), In(z),
+                Out((batch, num_atoms), F32), batch, num_atoms, lo, hi, dz, shared_mem=shared)
+    return m
+
+
+def _check_c51_operands(logp, actions, m, isw, scale) -> np.float32:
+    """The reference's checks of ``c51_loss`` / ``c51_grad``, in its order; returns ``scale``."""
+    _require_logp(logp)
+    batch, num_actions, num_atoms = logp.shape
+    _require_actions(actions, batch, num_actions)
+    _require_array("m", m, F32, ndim=2)
+    _require_shape("m", m, (batch, num_atoms), "[B, NA] (logp is [B, A, NA])")
+    _require_vector("isw", isw, batch, "[B] with B = logp.shape[0]")
+    s = _f32_scalar("scale", scale)
+    _check_elements("logp", logp)
+    return s
+
+
+def c51_loss(
+    logp: np.ndarray,
+    actions: np.ndarray,
+    m: np.ndarray,
+    isw: np.ndarray,
+    scale,
+) -> C51Loss:
+    """Fast ``c51_loss``: ``C51Loss(ce [B], total)`` (one block; fixed-order total)."""
+    s = _check_c51_operands(logp, actions, m, isw, scale)
+    batch, num_actions, num_atoms = logp.shape
+    grid, block, shared = plan_c51_loss(batch, num_actions, num_atoms)
+    ce, total = call("c51_loss", grid, block, In(logp), In(actions), In(m), In(isw),
+                     _device_scalar(s), Out((batch,), F32), Out((1,), F32),
+                     batch, num_actions, num_atoms, shared_mem=shared)
+    return C51Loss(ce=ce, total=np.float32(total[0]))
+
+
+def c51_grad(
+    logp: np.ndarray,
+    actions: np.ndarray,
+    m: np.ndarray,
+    isw: np.ndarray,
+    scale,
+) -> np.ndarray:
+    """Fast ``c51_grad``: ``dlogits [B, A, NA]``, ``+0.0`` at the actions not taken."""
+    s = _check_c51_operands(logp, actions, m, isw, scale)
+    batch, num_actions, num_atoms = logp.shape
+    if logp.size == 0:
+        return np.zeros(logp.shape, dtype=F32)
+    grid, block, shared = plan_c51_grad(batch, num_actions, num_atoms)
+    (dlogits,) = call("c51_grad", grid, block, In(logp), In(actions), In(m), In(isw),
+                      _device_scalar(s), Out(logp.shape, F32),
+                      batch, num_actions, num_atoms, shared_mem=shared)
+    return dlogits
+
+
+def cql_logit_grad(
+    logp: np.ndarray,
+    actions: np.ndarray,
+    z: np.ndarray,
+    alpha,
+    scale,
+) -> CqlGrad:
+    """Fast ``cql_logit_grad``: ``CqlGrad(dlogits [B, A, NA], terms [B])``."""
+    _require_logp(logp)
+    batch, num_actions, num_atoms = logp.shape
+    _require_actions(actions, batch, num_actions)
+    _require_vector("z", z, num_atoms, "[NA] with NA = logp.shape[2]")
+    a_ = _f32_scalar("alpha", alpha)
+    s_ = _f32_scalar("scale", scale)
+    _check_elements("logp", logp)
+    if batch == 0:
+        return CqlGrad(dlogits=np.zeros(logp.shape, dtype=F32), terms=np.zeros(0, dtype=F32))
+    grid, block, shared = plan_cql_logit_grad(batch, num_actions, num_atoms)
+    dlogits, terms = call("cql_logit_grad", grid, block, In(logp), In(actions), In(z),
+                          _device_scalar(a_), _device_scalar(s_), Out(logp.shape, F32),
+                          Out((batch,), F32), batch, num_actions, num_atoms, shared_mem=shared)
+    return CqlGrad(dlogits=dlogits, terms=terms)
+
+
+KERNELS = {
+    "dueling_combine": dueling_combine,
+    "dueling_combine_backward": dueling_combine_backward,
+    "log_softmax_atoms": log_softmax_atoms,
+    "expected_q": expected_q,
+    "double_dqn_select": double_dqn_select,
+    "c51_project": c51_project,
+    "c51_loss": c51_loss,
+    "c51_grad": c51_grad,
+    "cql_logit_grad": cql_logit_grad,
+}

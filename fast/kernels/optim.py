@@ -1,0 +1,261 @@
+"""Fast-path launchers of the optimiser kernels (``cuda_src/optim.cu``), twins of
+``foxhunt.reference.kernels.optim`` under the same names and signatures.
+
+Each public function is a numpy-in/numpy-out test entry (conformance and debugging): it
+validates like the reference (same ``ValueError`` cases), launches the CUDA kernel once through
+``_runtime.call`` and returns what the reference returns, with the same dtypes and shapes. The
+trainer launches the same kernels on arena pointers inside CUDA graphs, with the ``plan_*``
+launch shapes below.
+
+Kernel arguments (the trainer passes the same, with arena pointers):
+
+- flat buffers as pointers plus their length ``n`` (int64); in-place kernels update their first
+  buffer (``x``, ``y``, ``param``/``m``/``v``, ``target``);
+- **device scalars**: values produced on the device within a step are read through pointers,
+  so a captured graph always sees the current value: ``norm_sq`` (float32, from
+  ``grad_norm_sq`` / ``grad_norm_final``) of the clips, and Adam's ``step`` (int64),
+  ``grad_scale`` and ``weight_clamp`` (float32). A test entry uploads its scalar argument into
+  a one-element buffer;
+- configuration constants by value (float32): ``max_norm``, ``a``, ``lr``, ``beta1``,
+  ``beta2``, ``eps``, ``weight_decay``, ``tau``.
+
+Numerics: elementwise kernels round exactly where the reference does (``__fmul_rn``,
+``__fadd_rn``, correctly rounded ``/`` and ``sqrtf``): bitwise equal to the reference. Adam's
+bias corrections ``1 - beta^t`` take the power in double and round it once to float32; the
+reference's ``np.power`` on float32 is NumPy's SIMD power where the CPU has AVX-512 (not
+correctly rounded, it differs from glibc's ``powf`` for about 1 step in 7 at beta 0.9), so the
+two can differ by one float32 ulp in a bias correction for some steps (not for the
+conformance samples' ``step=3``). Norms are fixed-tree float32 reductions (deterministic, no
+atomics); they differ from NumPy's pairwise order by rounding, within the reduction tolerance.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call
+from foxhunt.reference.kernels.optim import AdamState
+from foxhunt.reference.kernels.safety import (
+    check_f32_array,
+    check_f32_scalar,
+    check_int,
+    check_same_shape,
+    data_f32,
+)
+
+F32 = np.float32
+
+#: Threads per block of the elementwise kernels (grid-stride loops: any grid is correct).
+ELEMENTWISE_THREADS = 256
+#: Grid cap of the elementwise kernels: enough blocks to fill an H200, the loops cover the rest.
+ELEMENTWISE_MAX_BLOCKS = 4096
+#: Threads of the one-block reductions (``grad_norm_sq``, ``grad_norm_final``), at most.
+REDUCTION_MAX_THREADS = 1024
+#: Threads per block of ``grad_norm_partial``, at most (one block per ``block_size`` segment).
+PARTIAL_MAX_THREADS = 256
+#: Block sizes of the reductions are multiples of a warp (the block trees need whole warps).
+WARP = 32
+
+Plan = tuple[int, int, int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans: (grid, block, dynamic shared memory bytes)
+# ---------------------------------------------------------------------------------------------
+
+
+def _warp_multiple(count: int, cap: int) -> int:
+    """Threads for ``count`` items: ``count`` rounded up to whole warps, within ``[32, cap]``."""
+    return min(cap, max(WARP, -(-int(count) // WARP) * WARP))
+
+
+def plan_elementwise(n: int) -> Plan:
+    """Grid-stride launch over ``n`` elements (``clip_grad_inplace``, the SAXPYs, Adam, Polyak)."""
+    return min(blocks(n, ELEMENTWISE_THREADS), ELEMENTWISE_MAX_BLOCKS), ELEMENTWISE_THREADS, 0
+
+
+def plan_grad_norm_sq(n: int) -> Plan:
+    """One block; its size (which fixes the reduction tree) depends on ``n`` only."""
+    return 1, _warp_multiple(n, REDUCTION_MAX_THREADS), 0
+
+
+def plan_grad_norm_partial(n: int, block_size: int) -> Plan:
+    """One block per ``block_size`` segment (at least one block, which writes nothing if n = 0)."""
+    return blocks(n, block_size), _warp_multiple(block_size, PARTIAL_MAX_THREADS), 0
+
+
+def plan_grad_norm_final(count: int) -> Plan:
+    """One block over the ``count`` partials."""
+    return 1, _warp_multiple(count, REDUCTION_MAX_THREADS), 0
+
+
+plan_clip_grad_inplace = plan_elementwise
+plan_saxpy = plan_elementwise
+plan_clipped_saxpy = plan_elementwise
+plan_adam_update = plan_elementwise
+plan_polyak_update = plan_elementwise
+
+
+def _device_scalar(value, dtype) -> In:
+    """A scalar the kernel reads through a pointer, as a one-element input buffer."""
+    return In(np.array([value], dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient norms
+# ---------------------------------------------------------------------------------------------
+
+
+def grad_norm_sq(x: np.ndarray) -> np.float32:
+    """Test entry of the CUDA ``grad_norm_sq``: ``sum x_i^2`` over the finite ``x_i`` (float32).
+
+    Contract as ``reference.kernels.optim.grad_norm_sq``; one block, fixed reduction tree.
+    """
+    check_f32_array("x", x)
+    grid, block, smem = plan_grad_norm_sq(x.size)
+    (out,) = call("grad_norm_sq", grid, block, In(x), x.size, Out((1,), F32), shared_mem=smem)
+    return F32(out[0])
+
+
+def grad_norm_partial(x: np.ndarray, block_size: int) -> np.ndarray:
+    """Test entry of the CUDA ``grad_norm_partial``: float32[ceil(N / block_size)] sums of finite
+    squares, one CUDA block per segment. Contract as the reference twin."""
+    check_f32_array("x", x, ndim=1)
+    bs = check_int("block_size", block_size, minimum=1)
+    n = x.shape[0]
+    bs = min(bs, max(n, 1))  # same partials; keeps the kernel's int64 arithmetic in range
+    grid, block, smem = plan_grad_norm_partial(n, bs)
+    (partials,) = call("grad_norm_partial", grid, block, In(x), n, bs,
+                       Out((-(-n // bs),), F32), shared_mem=smem)
+    return partials
+
+
+def grad_norm_final(partials: np.ndarray) -> np.float32:
+    """Test entry of the CUDA ``grad_norm_final``: the plain float32 sum of the partials (NaN and
+    Inf propagate). Contract as the reference twin."""
+    check_f32_array("partials", partials, ndim=1)
+    count = partials.shape[0]
+    grid, block, smem = plan_grad_norm_final(count)
+    (out,) = call("grad_norm_final", grid, block, In(partials), count, Out((1,), F32),
+                  shared_mem=smem)
+    return F32(out[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Clip and SAXPY
+# ---------------------------------------------------------------------------------------------
+
+
+def clip_grad_inplace(x: np.ndarray, max_norm: float, norm_sq: float) -> np.ndarray:
+    """Test entry of the CUDA ``clip_grad_inplace``: ``x * clip_scale(norm_sq, max_norm)``.
+
+    The kernel reads ``norm_sq`` from device memory. Contract as the reference twin (bitwise).
+    """
+    check_f32_array("x", x)
+    mn = check_f32_scalar("max_norm", max_norm, lo=0.0)
+    ns = data_f32("norm_sq", norm_sq)
+    grid, block, smem = plan_clip_grad_inplace(x.size)
+    (out,) = call("clip_grad_inplace", grid, block, InOut(x), x.size, mn, _device_scalar(ns, F32),
+                  shared_mem=smem)
+    return out
+
+
+def saxpy(y: np.ndarray, x: np.ndarray, a: float) -> np.ndarray:
+    """Test entry of the CUDA ``saxpy``: ``y_i + a * x_i`` where ``x_i`` is finite, else ``y_i``.
+    Contract as the reference twin (bitwise)."""
+    check_f32_array("y", y)
+    check_f32_array("x", x)
+    check_same_shape(y=y, x=x)
+    a32 = check_f32_scalar("a", a)
+    grid, block, smem = plan_saxpy(y.size)
+    (out,) = call("saxpy", grid, block, InOut(y), In(x), y.size, a32, shared_mem=smem)
+    return out
+
+
+def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
+                  norm_sq: float) -> np.ndarray:
+    """Test entry of the CUDA ``clipped_saxpy``: ``y_i + a * (x_i * s)`` where ``x_i`` is finite,
+    ``s = clip_scale(norm_sq, max_norm)`` (``norm_sq`` read from device memory). Contract as
+    the reference twin (bitwise)."""
+    check_f32_array("y", y)
+    check_f32_array("x", x)
+    check_same_shape(y=y, x=x)
+    a32 = check_f32_scalar("a", a)
+    mn = check_f32_scalar("max_norm", max_norm, lo=0.0)
+    ns = data_f32("norm_sq", norm_sq)
+    grid, block, smem = plan_clipped_saxpy(y.size)
+    (out,) = call("clipped_saxpy", grid, block, InOut(y), In(x), y.size, a32, mn,
+                  _device_scalar(ns, F32), shared_mem=smem)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Adam
+# ---------------------------------------------------------------------------------------------
+
+
+def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, *,
+                step: int, lr: float, beta1: float, beta2: float, eps: float,
+                weight_decay: float, grad_scale: float, weight_clamp: float) -> AdamState:
+    """Test entry of the CUDA ``adam_update`` (AdamW, per-element guard, Mech 9 clamp).
+
+    ``step``, ``grad_scale`` and ``weight_clamp`` are read from device memory by the kernel.
+    Contract and order of roundings as the reference twin; bitwise equal except where the
+    bias correction's power differs (module docstring). Returns ``AdamState(param, m, v)``.
+    """
+    for name, arr in (("param", param), ("grad", grad), ("m", m), ("v", v)):
+        check_f32_array(name, arr)
+    check_same_shape(param=param, grad=grad, m=m, v=v)
+    t = check_int("step", step, minimum=1)
+    lr32 = check_f32_scalar("lr", lr, lo=0.0)
+    b1 = check_f32_scalar("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
+    b2 = check_f32_scalar("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
+    eps32 = check_f32_scalar("eps", eps, lo=0.0, lo_open=True)
+    wd = check_f32_scalar("weight_decay", weight_decay, lo=0.0)
+    scale = data_f32("grad_scale", grad_scale)
+    clamp = check_f32_scalar("weight_clamp", weight_clamp, lo=0.0, lo_open=True, allow_inf=True)
+    if t >= 2**63:
+        raise ValueError(f"step={step!r}: must be an integer >= 1 and < 2**63 (int64 on the device)")
+    grid, block, smem = plan_adam_update(param.size)
+    new_param, new_m, new_v = call(
+        "adam_update", grid, block, InOut(param), In(grad), InOut(m), InOut(v), param.size,
+        _device_scalar(t, np.int64), lr32, b1, b2, eps32, wd, _device_scalar(scale, F32),
+        _device_scalar(clamp, F32), shared_mem=smem)
+    return AdamState(new_param, new_m, new_v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Target network
+# ---------------------------------------------------------------------------------------------
+
+
+def polyak_update(target: np.ndarray, online: np.ndarray, tau: float) -> np.ndarray:
+    """Test entry of the CUDA ``polyak_update``: ``(1 - tau) * target + tau * online``.
+    Contract as the reference twin (bitwise)."""
+    check_f32_array("target", target)
+    check_f32_array("online", online)
+    check_same_shape(target=target, online=online)
+    tau32 = check_f32_scalar("tau", tau, lo=0.0, hi=1.0)
+    grid, block, smem = plan_polyak_update(target.size)
+    (out,) = call("polyak_update", grid, block, InOut(target), In(online), target.size, tau32,
+                  shared_mem=smem)
+    return out
+
+
+KERNELS = {
+    "grad_norm_sq": grad_norm_sq,
+    "grad_norm_partial": grad_norm_partial,
+    "grad_norm_final": grad_norm_final,
+    "clip_grad_inplace": clip_grad_inplace,
+    "saxpy": saxpy,
+    "clipped_saxpy": clipped_saxpy,
+    "adam_update": adam_update,
+    "polyak_update": polyak_update,
+}
+
+__all__ = [
+    "KERNELS", "adam_update", "clip_grad_inplace", "clipped_saxpy", "grad_norm_final",
+    "grad_norm_partial", "grad_norm_sq", "plan_adam_update", "plan_clip_grad_inplace",
+    "plan_clipped_saxpy", "plan_elementwise", "plan_grad_norm_final", "plan_grad_norm_partial",
+    "plan_grad_norm_sq", "plan_polyak_update", "plan_saxpy", "polyak_update",
+]

@@ -1,0 +1,186 @@
+"""Fast-path launchers of the safety kernels (``cuda_src/safety.cu``; reference:
+``foxhunt.reference.kernels.safety``).
+
+Each public function has the reference's name and signature, validates with the reference's
+checks (same ``ValueError``), runs the CUDA kernel once and returns the reference's structure
+and dtypes. ``plan_<name>(...)`` gives ``(grid, block, shared_mem)``. Kernel parameters (C order):
+
+- ``clamp_finite(x, out, m, n)``: flat grid-stride; ``out`` may alias ``x`` (Mech 9/10 in place).
+- ``nan_check(x, n, flag)``: any grid; stores 1 into ``*flag`` if ``x`` holds a non-finite value.
+- ``nan_check_fused(buffers, lengths, thresholds, flags, n_slots)``: device arrays of
+  ``n_slots`` buffer addresses (uint64, 0 = deferred slot), element counts (int64) and
+  thresholds (float32); ``flags`` int32[n_slots] updated in place (sticky). Grid
+  ``(n_slots, stripes)``: one block per slot (SPEC 6), optionally ``stripes`` blocks sharing a
+  long slot (:func:`plan_nan_check_fused`).
+- ``max_abs(x, n, out)``: ONE block; ``out`` a single float32.
+- ``target_q_clip(q, out, n, k1, q_abs_ref)``: ``q_abs_ref`` is a device pointer to the ISV
+  slot ``Q_ABS_REF`` (read on the device); ``out`` may alias ``q``.
+
+Numerics: all five are exact (selects, comparisons, fmaxf): bitwise equal to the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call, runtime
+from foxhunt.reference.kernels.safety import (
+    check_array,
+    check_f32_array,
+    check_f32_scalar,
+    check_flag,
+    data_f32,
+    isv_bound,
+)
+
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+
+#: Threads per block of the flat kernels, and their grid cap (grid-stride loops cover the rest).
+FLAT_THREADS = 256
+FLAT_MAX_BLOCKS = 4096
+#: Threads of the single-block reduction (max_abs).
+REDUCE_THREADS = 1024
+#: nan_check_fused: threads per block, and the most blocks that share one slot. A slot gets one
+#: block per SLOT_STRIPE_ELEMS elements of the longest slot (capped), so the fused launch is not
+#: bound by one block streaming the whole gradient buffer.
+FUSED_THREADS = 512
+FUSED_MAX_STRIPES = 16
+SLOT_STRIPE_ELEMS = 16 * FUSED_THREADS
+
+Plan = tuple  # (grid, block, shared_mem)
+
+
+# --------------------------------------------------------------------------------------------
+# Launch plans
+# --------------------------------------------------------------------------------------------
+
+
+def plan_flat(n: int) -> Plan:
+    """A flat grid-stride launch over ``n`` elements."""
+    return (min(blocks(n, FLAT_THREADS), FLAT_MAX_BLOCKS),), (FLAT_THREADS,), 0
+
+
+plan_clamp_finite = plan_flat
+plan_nan_check = plan_flat
+plan_target_q_clip = plan_flat
+
+
+def plan_nan_check_fused(lengths: Sequence[int]) -> Plan:
+    """Grid ``(n_slots, stripes)``: ``stripes`` blocks per slot, from the longest slot."""
+    longest = max((int(n) for n in lengths), default=0)
+    stripes = max(1, min(FUSED_MAX_STRIPES, -(-longest // SLOT_STRIPE_ELEMS)))
+    return (max(1, len(lengths)), stripes), (FUSED_THREADS,), 0
+
+
+def plan_max_abs(n: int) -> Plan:
+    """One block (the reduction tree is fixed, no second kernel, no atomics)."""
+    del n
+    return (1,), (REDUCE_THREADS,), 0
+
+
+def _launch(name: str, plan: Plan, *args):
+    grid, block, shared_mem = plan
+    return call(name, grid, block, *args, shared_mem=shared_mem)
+
+
+# --------------------------------------------------------------------------------------------
+# Test entries (reference signatures)
+# --------------------------------------------------------------------------------------------
+
+
+def clamp_finite(x: np.ndarray, m: float) -> np.ndarray:
+    """``isfinite(x) ? clip(x, -m, m) : 0`` on the GPU (see the reference's contract)."""
+    check_f32_array("x", x)
+    bound = check_f32_scalar("m", m, lo=0.0, allow_inf=True)
+    (out,) = _launch("clamp_finite", plan_clamp_finite(x.size), In(x), Out(x.shape, F32),
+                     np.float32(bound), x.size)
+    return out
+
+
+def nan_check(x: np.ndarray, flag: int) -> np.int32:
+    """Sticky sentinel check of one buffer: the slot's new int32 flag."""
+    check_f32_array("x", x)
+    current = check_flag("flag", flag)
+    (new_flag,) = _launch("nan_check", plan_nan_check(x.size), In(x), x.size,
+                          InOut(np.array([current], dtype=I32)))
+    return np.int32(new_flag[0])
+
+
+def _check_fused(buffers, flags, thresholds) -> None:
+    """The reference's argument checks of ``nan_check_fused``, in its order."""
+    check_array("flags", flags, np.int32, ndim=1)
+    check_f32_array("thresholds", thresholds, ndim=1)
+    n = len(buffers)
+    if flags.shape != (n,) or thresholds.shape != (n,):
+        raise ValueError(f"flags shape {flags.shape} and thresholds shape {thresholds.shape} "
+                         f"must both be ({n},), one entry per buffer")
+    if np.any((flags != 0) & (flags != 1)):
+        raise ValueError(f"flags={flags!r}: every flag must be 0 or 1")
+    for k, buf in enumerate(buffers):
+        if buf is not None:
+            check_f32_array(f"buffers[{k}]", buf)
+
+
+def nan_check_fused(buffers: Sequence[np.ndarray | None], flags: np.ndarray,
+                    thresholds: np.ndarray) -> np.ndarray:
+    """All sentinel slots in one launch: the new int32[n] flags.
+
+    The test entry copies each buffer to its own device allocation and builds the kernel's
+    device arrays of addresses (0 for a ``None`` or empty buffer) and lengths from the list.
+    """
+    _check_fused(buffers, flags, thresholds)
+    from foxhunt.fast.device import call as cu
+    from cuda.bindings import driver
+
+    device = runtime().device
+    keep = []  # the slot buffers stay allocated until the launch has finished
+    addresses = np.zeros(len(buffers), dtype=np.uint64)
+    lengths = np.zeros(len(buffers), dtype=np.int64)
+    try:
+        for k, buf in enumerate(buffers):
+            if buf is None or buf.size == 0:
+                continue  # deferred or empty slot: never fires
+            host = np.ascontiguousarray(buf)
+            alloc = device.alloc(host.nbytes)
+            keep.append(alloc)
+            cu(driver.cuMemcpyHtoD, alloc.ptr, host.ctypes.data, host.nbytes)
+            addresses[k] = alloc.ptr
+            lengths[k] = host.size
+        (new_flags,) = _launch("nan_check_fused", plan_nan_check_fused(lengths.tolist()),
+                               In(addresses), In(lengths), In(thresholds), InOut(flags),
+                               len(buffers))
+    finally:
+        for alloc in keep:
+            alloc.free()
+    return new_flags
+
+
+def max_abs(x: np.ndarray) -> np.float32:
+    """``max_i |x_i|`` (fmaxf from 0: NaN ignored, empty or all-NaN gives 0) on the GPU."""
+    check_f32_array("x", x)
+    (out,) = _launch("max_abs", plan_max_abs(x.size), In(x), x.size, Out((1,), F32))
+    return np.float32(out[0])
+
+
+def target_q_clip(q: np.ndarray, k1: float, q_abs_ref: float) -> np.ndarray:
+    """Mech 1 target-Q clip on the GPU; the bound ``k1 * fmaxf(q_abs_ref, 1)`` is formed on
+    the device from a pointer to the ISV value, as in the trainer."""
+    check_f32_array("q", q)
+    isv_bound(k1, q_abs_ref)  # the reference's checks of k1 and q_abs_ref (same errors)
+    multiplier = data_f32("k1", k1)
+    isv_value = np.array([data_f32("q_abs_ref", q_abs_ref)], dtype=F32)
+    (out,) = _launch("target_q_clip", plan_target_q_clip(q.size), In(q), Out(q.shape, F32),
+                     q.size, multiplier, In(isv_value))
+    return out
+
+
+KERNELS = {
+    "clamp_finite": clamp_finite,
+    "nan_check": nan_check,
+    "nan_check_fused": nan_check_fused,
+    "max_abs": max_abs,
+    "target_q_clip": target_q_clip,
+}

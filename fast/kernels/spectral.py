@@ -1,0 +1,166 @@
+"""Fast-path launchers of the spectral-norm kernels (``cuda_src/spectral.cu``), twins of
+``foxhunt.reference.kernels.spectral`` under the same names and signatures.
+
+Both CUDA kernels run one device function (``hb_spectral_norm_block``: one power iteration and
+the ``sigma_max`` bound on one matrix, by one block of ``SPECTRAL_THREADS`` threads), so the
+batched launch and individual launches give bitwise identical ``W``, ``u``, ``v`` and ``sigma``
+(SPEC 7/8) as long as both use these plans. Against the reference they agree within the
+reduction tolerance (SPEC 8: rtol 1e-5): ``W^T u`` is summed row by row as in NumPy, ``W v``,
+the norms and ``sigma`` in fixed block trees instead of NumPy's pairwise order.
+
+Kernel arguments:
+
+- ``spectral_norm(w, u, v, rows, cols, sigma_max, eps, sigma_out)``: ``w`` [rows, cols]
+  row-major, ``u`` [rows], ``v`` [cols], all updated in place; ``sigma_out`` one float32.
+- ``batched_spectral_norm(mats, count, sigma_max, eps, sigmas)``: ``mats`` a device array of
+  ``count`` descriptors laid out as :data:`SPECTRAL_MATRIX_DTYPE` (``w``, ``u``, ``v`` device
+  pointers, ``rows``, ``cols``), one block per matrix; ``sigmas`` float32[count].
+
+``eps`` is the reference's ``SPECTRAL_EPS`` (passed, not redefined in CUDA). The batched test
+entry copies every matrix and vector into one device pool, builds the descriptors pointing
+into it, launches once and reads the pool back; the trainer builds the descriptors once from
+its arena pointers (:func:`spectral_descriptors`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from foxhunt.fast.kernels._runtime import In, InOut, Out, call, runtime
+from foxhunt.reference.kernels.safety import check_f32_scalar, check_int
+from foxhunt.reference.kernels.spectral import (
+    SPECTRAL_EPS,
+    BatchedSpectralNormResult,
+    SpectralNormResult,
+    _check_matrix,
+)
+
+F32 = np.float32
+
+#: Threads of the block that handles one matrix (a multiple of 32). Both kernels use it: the
+#: reduction trees, hence the bits, depend on it.
+SPECTRAL_THREADS = 512
+
+#: One descriptor of ``batched_spectral_norm`` (``struct SpectralMatrix`` in spectral.cu).
+SPECTRAL_MATRIX_DTYPE = np.dtype([("w", "<u8"), ("u", "<u8"), ("v", "<u8"),
+                                  ("rows", "<i4"), ("cols", "<i4")])
+
+#: Byte alignment of each array in the batched test entry's device pool.
+POOL_ALIGNMENT = 256
+
+_INT32_MAX = 2**31 - 1
+
+Plan = tuple[int, int, int]
+
+
+def plan_spectral_norm() -> Plan:
+    """One block for one matrix."""
+    return 1, SPECTRAL_THREADS, 0
+
+
+def plan_batched_spectral_norm(count: int) -> Plan:
+    """One block per matrix, the same block as :func:`plan_spectral_norm`."""
+    return check_int("count", count, minimum=1), SPECTRAL_THREADS, 0
+
+
+def _dims(name: str, w: np.ndarray) -> tuple[int, int]:
+    rows, cols = w.shape
+    if rows > _INT32_MAX or cols > _INT32_MAX:
+        raise ValueError(f"{name}: shape {w.shape} has a dimension above {_INT32_MAX} (int32 on the device)")
+    return rows, cols
+
+
+def spectral_descriptors(matrices: Sequence[tuple[int, int, int, int, int]]) -> np.ndarray:
+    """Descriptors ``(w_ptr, u_ptr, v_ptr, rows, cols)`` as the kernel reads them (upload the
+    returned array to the device and pass its pointer as ``mats``)."""
+    desc = np.zeros(len(matrices), dtype=SPECTRAL_MATRIX_DTYPE)
+    for k, (w_ptr, u_ptr, v_ptr, rows, cols) in enumerate(matrices):
+        desc[k] = (w_ptr, u_ptr, v_ptr, rows, cols)
+    return desc
+
+
+def spectral_norm(w: np.ndarray, u: np.ndarray, v: np.ndarray,
+                  sigma_max: float) -> SpectralNormResult:
+    """Test entry of the CUDA ``spectral_norm``: one power iteration and the bound on one matrix.
+
+    Contract as ``reference.kernels.spectral.spectral_norm``. Returns
+    ``SpectralNormResult(w, u, v, sigma)`` (float32 arrays and a float32 scalar).
+    """
+    _check_matrix("w", w, "u", u, "v", v)
+    bound = check_f32_scalar("sigma_max", sigma_max, lo=0.0, lo_open=True)
+    rows, cols = _dims("w", w)
+    grid, block, smem = plan_spectral_norm()
+    w_new, u_new, v_new, sigma = call(
+        "spectral_norm", grid, block, InOut(w), InOut(u), InOut(v), rows, cols, bound,
+        SPECTRAL_EPS, Out((1,), F32), shared_mem=smem)
+    return SpectralNormResult(w_new, u_new, v_new, F32(sigma[0]))
+
+
+def batched_spectral_norm(ws: Sequence[np.ndarray], us: Sequence[np.ndarray],
+                          vs: Sequence[np.ndarray],
+                          sigma_max: float) -> BatchedSpectralNormResult:
+    """Test entry of the CUDA ``batched_spectral_norm``: one launch, one block per matrix.
+
+    Same arguments, validation and result lists as the reference twin; every entry is bitwise
+    equal to :func:`spectral_norm` on that matrix.
+    """
+    n = len(ws)
+    check_int("len(ws)", n, minimum=1)
+    if len(us) != n or len(vs) != n:
+        raise ValueError(f"len(us)={len(us)}, len(vs)={len(vs)}: must equal len(ws)={n}")
+    for k in range(n):
+        _check_matrix(f"ws[{k}]", ws[k], f"us[{k}]", us[k], f"vs[{k}]", vs[k])
+    bound = check_f32_scalar("sigma_max", sigma_max, lo=0.0, lo_open=True)
+    dims = [_dims(f"ws[{k}]", ws[k]) for k in range(n)]
+
+    hosts = [np.ascontiguousarray(a) for k in range(n) for a in (ws[k], us[k], vs[k])]
+    offsets, total = [], 0
+    for host in hosts:
+        offsets.append(total)
+        total += -(-host.nbytes // POOL_ALIGNMENT) * POOL_ALIGNMENT
+    rt = runtime()
+    drv, cu = _driver()
+    stream = rt.stream.handle
+    pool = rt.device.alloc(total)
+    try:
+        for host, off in zip(hosts, offsets):
+            cu(drv.cuMemcpyHtoDAsync, pool.ptr + off, host.ctypes.data, host.nbytes, stream)
+        ptrs = [pool.ptr + off for off in offsets]
+        desc = spectral_descriptors([(ptrs[3 * k], ptrs[3 * k + 1], ptrs[3 * k + 2], *dims[k])
+                                     for k in range(n)])
+        grid, block, smem = plan_batched_spectral_norm(n)
+        # call() launches on rt.stream after the copies above and synchronises the stream.
+        (sigmas,) = call("batched_spectral_norm", grid, block, In(desc), n, bound, SPECTRAL_EPS,
+                         Out((n,), F32), shared_mem=smem)
+        outs = [np.empty_like(host) for host in hosts]
+        for out, off in zip(outs, offsets):
+            cu(drv.cuMemcpyDtoHAsync, out.ctypes.data, pool.ptr + off, out.nbytes, stream)
+        rt.stream.synchronize()
+    finally:
+        pool.free()
+    return BatchedSpectralNormResult(
+        [outs[3 * k] for k in range(n)], [outs[3 * k + 1] for k in range(n)],
+        [outs[3 * k + 2] for k in range(n)], [F32(s) for s in sigmas],
+    )
+
+
+def _driver():
+    from cuda.bindings import driver
+
+    from foxhunt.fast.device import call as cu
+
+    return driver, cu
+
+
+KERNELS = {
+    "spectral_norm": spectral_norm,
+    "batched_spectral_norm": batched_spectral_norm,
+}
+
+__all__ = [
+    "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_MATRIX_DTYPE", "SPECTRAL_THREADS",
+    "batched_spectral_norm", "plan_batched_spectral_norm", "plan_spectral_norm",
+    "spectral_descriptors", "spectral_norm",
+]
