@@ -21,9 +21,15 @@ static __device__ __forceinline__ float clip_symmetric(float x, float bound) {
     return (x > bound) ? bound : ((x < -bound) ? -bound : x);
 }
 
-// out = isfinite(x) ? clip(x, -m, m) : 0  (NaN and +/-Inf become +0.0; m >= 0, +Inf allowed).
-// out may alias x (in-place clamp).
-extern "C" __global__ void clamp_finite(const float* x, float* out, float m, long long n) {
+// out = isfinite(x) ? clip(x, -m, m) : 0  (NaN and +/-Inf become +0.0), the sanitiser of
+// Mech 9/10 and the auxiliary guards. Their bounds are ISV-driven, so the kernel forms
+// m = multiplier * fmaxf(*signal, 1) on the device from a pointer to the ISV slot (as
+// target_q_clip does; no host round trip inside a graph). A fixed bound m is multiplier = m with
+// *signal = 1 (then m * 1 == m exactly, +Inf included): that is how the reference's
+// clamp_finite(x, m) is run. m >= 0. out may alias x (in-place clamp).
+extern "C" __global__ void clamp_finite(const float* x, float* out, long long n, float multiplier,
+                                        const float* __restrict__ signal) {
+    const float m = multiplier * fmaxf(*signal, ISV_FLOOR);
     SAFETY_FLAT_LOOP(i, n) {
         const float v = x[i];
         out[i] = ha_is_finite(v) ? clip_symmetric(v, m) : 0.0f;

@@ -438,6 +438,44 @@ class GemmPlan:
             pass
 
 
+def gemm(a: np.ndarray, b: np.ndarray, *, trans_a: bool = False, trans_b: bool = False,
+         mode: str = "f32") -> np.ndarray:
+    """Numpy-in/numpy-out test entry of the cuBLASLt GEMM, with the signature of the reference
+    ``foxhunt.reference.kernels.dense.gemm`` (``op(a) @ op(b)``, f32 result).
+
+    ``mode="bf16"`` rounds ``a`` and ``b`` to BF16 on the host (the reference's bit-exact
+    ``f32_to_bf16``, as the trainer's mirrors are) and runs the BF16 tensor-core GEMM; ``"tf32"``
+    and ``"f32"`` pass f32 operands. For conformance and debugging only (plans and buffers are
+    made per call; the trainer plans once).
+    """
+    from foxhunt.fast.kernels._runtime import runtime
+    from foxhunt.reference.kernels import dense as ref_dense
+
+    ref_dense.gemm(np.zeros((1, 1), np.float32), np.zeros((1, 1), np.float32), mode=mode)  # validates mode
+    a = np.ascontiguousarray(a, np.float32)
+    b = np.ascontiguousarray(b, np.float32)
+    m, k = (a.shape[1], a.shape[0]) if trans_a else a.shape
+    k2, n = (b.shape[1], b.shape[0]) if trans_b else b.shape
+    if k != k2:
+        raise ValueError(f"gemm: inner dimensions differ: op(a) is {m}x{k}, op(b) is {k2}x{n}")
+    if mode == "bf16":
+        a, b = ref_dense.f32_to_bf16(a), ref_dense.f32_to_bf16(b)
+    rt = runtime()
+    dev = rt.device
+    plan = GemmPlan(dev, m, n, k, trans_a=trans_a, trans_b=trans_b, precision=mode)
+    bufs = [dev.alloc(max(x.nbytes, 256)) for x in (a, b)]
+    c = np.empty((m, n), np.float32)
+    c_buf = dev.alloc(max(c.nbytes, 256))
+    try:
+        for buf, host in zip(bufs, (a, b)):
+            dev.copy_to_device(buf.ptr, host, wait=False)
+        plan.run(bufs[0].ptr, bufs[1].ptr, c_buf.ptr, stream=rt.stream)
+        return dev.copy_to_host(c, c_buf.ptr)
+    finally:
+        for buf in (*bufs, c_buf):
+            buf.free()
+
+
 __all__ = [
     "EPILOGUES",
     "PRECISIONS",
@@ -448,4 +486,5 @@ __all__ = [
     "GemmSpec",
     "colmajor_problem",
     "cublaslt_handle",
+    "gemm",
 ]

@@ -5,7 +5,11 @@ Each public function has the reference's name and signature, validates with the 
 checks (same ``ValueError``), runs the CUDA kernel once and returns the reference's structure
 and dtypes. ``plan_<name>(...)`` gives ``(grid, block, shared_mem)``. Kernel parameters (C order):
 
-- ``clamp_finite(x, out, m, n)``: flat grid-stride; ``out`` may alias ``x`` (Mech 9/10 in place).
+- ``clamp_finite(x, out, n, multiplier, signal)``: flat grid-stride; the bound is formed on the
+  device, ``m = multiplier * fmaxf(*signal, 1)`` (``signal`` points at the ISV slot that drives
+  it, e.g. ``H_S2_RMS_EMA`` for Mech 10); a fixed bound ``m`` is ``multiplier = m`` with
+  ``*signal = 1``, which is how the test entry runs ``clamp_finite(x, m)``. ``out`` may alias
+  ``x`` (Mech 9/10 in place).
 - ``nan_check(x, n, flag)``: any grid; stores 1 into ``*flag`` if ``x`` holds a non-finite value.
 - ``nan_check_fused(buffers, lengths, thresholds, flags, n_slots)``: device arrays of
   ``n_slots`` buffer addresses (uint64, 0 = deferred slot), element counts (int64) and
@@ -13,8 +17,8 @@ and dtypes. ``plan_<name>(...)`` gives ``(grid, block, shared_mem)``. Kernel par
   ``(n_slots, stripes)``: one block per slot (SPEC 6), optionally ``stripes`` blocks sharing a
   long slot (:func:`plan_nan_check_fused`).
 - ``max_abs(x, n, out)``: ONE block; ``out`` a single float32.
-- ``target_q_clip(q, out, n, k1, q_abs_ref)``: ``q_abs_ref`` is a device pointer to the ISV
-  slot ``Q_ABS_REF`` (read on the device); ``out`` may alias ``q``.
+- ``target_q_clip(q, out, n, k1, q_abs_ref)``: the same form, bound ``k1 * fmaxf(*q_abs_ref,
+  1)`` with ``q_abs_ref`` a device pointer to the ISV slot ``Q_ABS_REF``; ``out`` may alias ``q``.
 
 Numerics: all five are exact (selects, comparisons, fmaxf): bitwise equal to the reference.
 """
@@ -27,6 +31,7 @@ import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call, runtime
 from foxhunt.reference.kernels.safety import (
+    ISV_FLOOR,
     check_array,
     check_f32_array,
     check_f32_scalar,
@@ -95,8 +100,10 @@ def clamp_finite(x: np.ndarray, m: float) -> np.ndarray:
     """``isfinite(x) ? clip(x, -m, m) : 0`` on the GPU (see the reference's contract)."""
     check_f32_array("x", x)
     bound = check_f32_scalar("m", m, lo=0.0, allow_inf=True)
+    # A signal at the floor makes the device bound multiplier * fmaxf(1, 1) == bound exactly.
+    signal = np.array([ISV_FLOOR], dtype=F32)
     (out,) = _launch("clamp_finite", plan_clamp_finite(x.size), In(x), Out(x.shape, F32),
-                     np.float32(bound), x.size)
+                     x.size, bound, In(signal))
     return out
 
 
