@@ -38,7 +38,8 @@ static __device__ __forceinline__ unsigned short f32_to_bf16_bits(float x) {
     }
     // No uint32 wrap for non-NaN patterns: the largest, -Inf 0xFF800000, stays below 2^32.
     const unsigned int lowest_kept_bit = (u >> DENSE_BF16_SHIFT) & 1u;
-    return (unsigned short)((u + DENSE_BF16_HALF_ULP_MINUS_ONE + lowest_kept_bit) >> DENSE_BF16_SHIFT);
+    const unsigned int rounded = u + DENSE_BF16_HALF_ULP_MINUS_ONE + lowest_kept_bit;
+    return (unsigned short)(rounded >> DENSE_BF16_SHIFT);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -166,8 +167,8 @@ extern "C" __global__ void tf32_round(const float* x, float* out, long long n) {
     DENSE_FLAT_LOOP(i, n) {
         const unsigned int u = __float_as_uint(x[i]);
         unsigned int bits;
-        if ((u & HA_F32_EXP_MASK) != HA_F32_EXP_MASK) {
-            bits = (u + DENSE_TF32_HALF_ULP) & DENSE_TF32_KEEP_MASK;  // a carry rounds into the exponent
+        if ((u & HA_F32_EXP_MASK) != HA_F32_EXP_MASK) {  // finite: a carry rounds into the exponent
+            bits = (u + DENSE_TF32_HALF_ULP) & DENSE_TF32_KEEP_MASK;
         } else if ((u & DENSE_F32_SIGN_CLEAR) > HA_F32_EXP_MASK) {
             bits = (u & DENSE_TF32_KEEP_MASK) | DENSE_F32_QUIET_BIT;
         } else {

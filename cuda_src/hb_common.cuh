@@ -16,11 +16,13 @@
 // so padding a reduction with it changes no bit of the result.
 #define HB_SUM_IDENTITY (-0.0f)
 
-// Sum over the 32 lanes of a warp with an xor butterfly (offsets 16, 8, 4, 2, 1). Every lane
-// ends with the same value (float addition is commutative). All 32 lanes must be active.
+// Sum over the 32 lanes of a warp with an xor butterfly, offsets 1, 2, 4, 8, 16: a pairwise
+// tree over consecutive lanes, ((v0 + v1) + (v2 + v3)) + ... (neighbours first, like NumPy's
+// pairwise sums; it also keeps a sum of up to three values sequential). Every lane ends with the
+// same value (float addition is commutative). All 32 lanes must be active.
 __device__ __forceinline__ float hb_warp_sum(float v) {
 #pragma unroll
-    for (int offset = HB_WARP / 2; offset > 0; offset >>= 1) {
+    for (int offset = 1; offset < HB_WARP; offset <<= 1) {
         v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, offset));
     }
     return v;
@@ -28,7 +30,7 @@ __device__ __forceinline__ float hb_warp_sum(float v) {
 
 __device__ __forceinline__ long long hb_warp_sum(long long v) {
 #pragma unroll
-    for (int offset = HB_WARP / 2; offset > 0; offset >>= 1) {
+    for (int offset = 1; offset < HB_WARP; offset <<= 1) {
         v += __shfl_xor_sync(0xffffffffu, v, offset);
     }
     return v;
@@ -36,9 +38,10 @@ __device__ __forceinline__ long long hb_warp_sum(long long v) {
 
 // Sum of one value per thread over the whole block; every thread gets the result.
 // Tree: each warp's butterfly, then warp 0 sums the per-warp results (in warp order, padded
-// with the identity) with the same butterfly. Requires blockDim.x % 32 == 0 and every thread of
-// the block to call it (it synchronises). `scratch` holds HB_WARP + 1 elements of shared memory;
-// consecutive calls may share it (the leading barrier protects the previous result).
+// with the identity) with the same butterfly: a pairwise tree over consecutive threads.
+// Requires blockDim.x % 32 == 0 and every thread of the block to call it (it synchronises).
+// `scratch` holds HB_WARP + 1 elements of shared memory; consecutive calls may share it (the
+// leading barrier protects the previous result).
 template <typename T>
 __device__ __forceinline__ T hb_block_sum(T v, T identity, T* scratch) {
     const int lane = threadIdx.x % HB_WARP;
@@ -76,32 +79,50 @@ struct HbFiniteSquare {
     }
 };
 
-// Per-thread partial of sum_{begin <= i < end} f(x[i]) for a block striding over [begin, end):
-// thread t takes i = begin + t + k * blockDim.x. Four interleaved accumulators (elements
-// k = 0, 1, 2, 3 mod 4 of the thread's sequence) keep four loads in flight; they are combined
-// as (a0 + a1) + (a2 + a3). The order depends only on blockDim.x and the range. `f` may keep
-// state (e.g. a count of the terms it kept); it sees the thread's elements in index order.
+// Per-thread partial of sum_{begin <= i < end} f(x[i]) for a block striding over [begin, end).
+// The range is cut into chunks of 4 consecutive elements; thread t takes chunks t, t + T, ...
+// (T = blockDim.x) and accumulator j sums element j of each of its chunks in order; the last,
+// partial chunk goes to the thread whose turn it is. The partial is (a0 + a1) + (a2 + a3).
+// The chunks are read as float4 where the range starts 16-byte aligned and element by element
+// otherwise: the same sums in the same order, so the bits depend only on T and the range.
+// `f` may keep state (e.g. a count of the terms it kept); each element is passed to it once.
 template <typename F>
 __device__ __forceinline__ float hb_thread_partial(const float* x, long long begin, long long end,
                                                    F&& f) {
-    const long long stride = blockDim.x;
+    const float* base = x + begin;
+    const long long len = end - begin;
+    const long long chunks = len / 4;
     float a0 = HB_SUM_IDENTITY, a1 = HB_SUM_IDENTITY, a2 = HB_SUM_IDENTITY, a3 = HB_SUM_IDENTITY;
-    long long i = begin + threadIdx.x;
-    for (; i + 3 * stride < end; i += 4 * stride) {
-        const float x0 = x[i], x1 = x[i + stride], x2 = x[i + 2 * stride], x3 = x[i + 3 * stride];
-        a0 = __fadd_rn(a0, f(x0));
-        a1 = __fadd_rn(a1, f(x1));
-        a2 = __fadd_rn(a2, f(x2));
-        a3 = __fadd_rn(a3, f(x3));
+    if ((reinterpret_cast<unsigned long long>(base) & 15) == 0) {
+        const float4* base4 = reinterpret_cast<const float4*>(base);
+#pragma unroll 4
+        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const float4 q = base4[c];
+            a0 = __fadd_rn(a0, f(q.x));
+            a1 = __fadd_rn(a1, f(q.y));
+            a2 = __fadd_rn(a2, f(q.z));
+            a3 = __fadd_rn(a3, f(q.w));
+        }
+    } else {
+#pragma unroll 4
+        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const float* q = base + 4 * c;
+            const float q0 = q[0], q1 = q[1], q2 = q[2], q3 = q[3];
+            a0 = __fadd_rn(a0, f(q0));
+            a1 = __fadd_rn(a1, f(q1));
+            a2 = __fadd_rn(a2, f(q2));
+            a3 = __fadd_rn(a3, f(q3));
+        }
     }
-    if (i < end) {
-        a0 = __fadd_rn(a0, f(x[i]));
-    }
-    if (i + stride < end) {
-        a1 = __fadd_rn(a1, f(x[i + stride]));
-    }
-    if (i + 2 * stride < end) {
-        a2 = __fadd_rn(a2, f(x[i + 2 * stride]));
+    const long long tail = 4 * chunks;  // 0 to 3 elements left, the next chunk in turn
+    if (tail < len && threadIdx.x == chunks % blockDim.x) {
+        a0 = __fadd_rn(a0, f(base[tail]));
+        if (tail + 1 < len) {
+            a1 = __fadd_rn(a1, f(base[tail + 1]));
+        }
+        if (tail + 2 < len) {
+            a2 = __fadd_rn(a2, f(base[tail + 2]));
+        }
     }
     return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
 }

@@ -87,8 +87,7 @@ grad_norm_final(const float* __restrict__ partials, long long count, float* __re
     const float partial = hb_thread_partial(partials, 0, count, HbIdentity());
     const float total = hb_block_sum(partial, scratch);
     if (threadIdx.x == 0) {
-        // An empty sum is the identity -0.0; the reference's empty sum is +0.0.
-        out[0] = count > 0 ? total : 0.0f;
+        out[0] = __fadd_rn(total, 0.0f);  // NumPy's sums start at +0.0: never -0.0
     }
 }
 

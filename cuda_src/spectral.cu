@@ -37,7 +37,8 @@ __device__ __forceinline__ float hb_row_dot(const float* w, long long row_start,
 // One power iteration and the bound on one matrix, by the whole calling block. u, v and w are
 // updated in place: the old u is never read (PyTorch's order), the old v only in phase 1.
 // Requires blockDim.x % 32 == 0 and every thread of the block to call it. Writes *sigma_out.
-__device__ void hb_spectral_norm_block(float* w, float* u, float* v, int rows, int cols,
+// Not inlined: both kernels call the one compiled body, so their arithmetic is the same code.
+__device__ __noinline__ void hb_spectral_norm_block(float* w, float* u, float* v, int rows, int cols,
                                        float sigma_max, float eps, float* sigma_out) {
     __shared__ float scratch[HB_WARP + 1];
     const int lane = threadIdx.x % HB_WARP;

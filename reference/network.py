@@ -43,8 +43,13 @@ class Activations:
     logp: list[np.ndarray] = field(default_factory=list)
 
 
-def _linear(x: np.ndarray, w: np.ndarray, mode: str) -> np.ndarray:
-    return dense.gemm(x, w, trans_b=True, mode=mode)
+def _rounded(x: np.ndarray, mode: str) -> np.ndarray:
+    """The values a GEMM in ``mode`` multiplies (rounded once, reused by every GEMM of ``x``)."""
+    return x if mode == "f32" else dense.round_for(x, mode)
+
+
+def _linear(x_rounded: np.ndarray, w_rounded: np.ndarray, mode: str) -> np.ndarray:
+    return dense.gemm(x_rounded, w_rounded, trans_b=True, mode=mode, rounded=True)
 
 
 def forward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, x: np.ndarray,
@@ -56,17 +61,20 @@ def forward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, x: np.nd
     """
     mode = FORWARD_MODE[config.precision]
     p = layout.views(params)
-    h1 = dense.add_bias_relu(_linear(x, p["w_s1"], mode), p["b_s1"])
-    h2_pre = dense.add_bias_relu(_linear(h1, p["w_s2"], mode), p["b_s2"])
+    w = {t.name: _rounded(p[t.name], mode) for t in layout.weight_matrices}
+    h1 = dense.add_bias_relu(_linear(_rounded(x, mode), w["w_s1"], mode), p["b_s1"])
+    h2_pre = dense.add_bias_relu(_linear(_rounded(h1, mode), w["w_s2"], mode), p["b_s2"])
     h2 = h2_pre if h2_bound is None else safety.clamp_finite(h2_pre, np.float32(h2_bound))
-    hv = dense.add_bias_relu(_linear(h2, p["w_v1"], mode), p["b_v1"])
-    v = _linear(hv, p["w_v2"], mode) + p["b_v2"]
+    h2_r = _rounded(h2, mode)
+    hv = dense.add_bias_relu(_linear(h2_r, w["w_v1"], mode), p["b_v1"])
+    v = _linear(_rounded(hv, mode), w["w_v2"], mode) + p["b_v2"]
     act = Activations(x=x, h1=h1, h2_pre_clamp=h2_pre, h2=h2, hv=hv, v=v)
     n_rows = x.shape[0]
     for d, n in enumerate(config.branches):
         br = branch_name(d)
-        ha = dense.add_bias_relu(_linear(h2, p[f"w_{br}1"], mode), p[f"b_{br}1"])
-        adv = (_linear(ha, p[f"w_{br}2"], mode) + p[f"b_{br}2"]).reshape(n_rows, n, config.num_atoms)
+        ha = dense.add_bias_relu(_linear(h2_r, w[f"w_{br}1"], mode), p[f"b_{br}1"])
+        adv = (_linear(_rounded(ha, mode), w[f"w_{br}2"], mode) + p[f"b_{br}2"]).reshape(
+            n_rows, n, config.num_atoms)
         logits = distributional.dueling_combine(v, adv)
         act.ha.append(ha)
         act.adv.append(adv)
@@ -95,10 +103,19 @@ def backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Ac
     g = layout.views(grad)
     n_rows = act.x.shape[0]
 
+    rounded: dict[int, np.ndarray] = {}
+
+    def rnd(x):  # activations and weights are reused by several GEMMs: round each once
+        key = id(x)
+        if key not in rounded:
+            rounded[key] = (x, _rounded(x, mode))
+        return rounded[key][1]
+
     def dense_backward(dy, x_in, w_name, b_name):
-        g[w_name][...] = dense.gemm(dy, x_in, trans_a=True, mode=mode)
+        dy_r = _rounded(dy, mode)
+        g[w_name][...] = dense.gemm(dy_r, rnd(x_in), trans_a=True, mode=mode, rounded=True)
         g[b_name][...] = dense.bias_grad_reduce(dy)
-        return dense.gemm(dy, p[w_name], mode=mode)
+        return dense.gemm(dy_r, rnd(p[w_name]), mode=mode, rounded=True)
 
     dv = np.zeros_like(act.v)
     dh2 = np.zeros_like(act.h2)

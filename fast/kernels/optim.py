@@ -21,12 +21,16 @@ Kernel arguments (the trainer passes the same, with arena pointers):
 
 Numerics: elementwise kernels round exactly where the reference does (``__fmul_rn``,
 ``__fadd_rn``, correctly rounded ``/`` and ``sqrtf``): bitwise equal to the reference. Adam's
-bias corrections ``1 - beta^t`` take the power in double and round it once to float32; the
-reference's ``np.power`` on float32 is NumPy's SIMD power where the CPU has AVX-512 (not
-correctly rounded, it differs from glibc's ``powf`` for about 1 step in 7 at beta 0.9), so the
-two can differ by one float32 ulp in a bias correction for some steps (not for the
-conformance samples' ``step=3``). Norms are fixed-tree float32 reductions (deterministic, no
-atomics); they differ from NumPy's pairwise order by rounding, within the reduction tolerance.
+bias corrections ``1 - beta^t`` take the power in double and round it once to float32 (the
+correctly rounded float32 power but for cases of probability ~2^-28). The reference's
+``np.power`` on float32 scalars is not correctly rounded and depends on the CPU (NumPy's SVML
+power where the CPU has AVX-512, glibc's ``powf`` otherwise); on an AVX-512 machine it differs
+by one ulp for some steps (e.g. ``t = 4`` at ``beta1 = 0.9``; not the conformance samples'
+``step = 3``), and then ``param`` differs by several ulp (8 seen) where the update nearly
+cancels it (beyond the 4-ulp tolerance). The reference should take the power the same way,
+``np.float32(float(beta) ** float(np.float32(t)))`` (portable and correctly rounded).
+Norms are fixed-tree float32 reductions (deterministic, no atomics); they differ from NumPy's
+pairwise order by rounding, within the reduction tolerance.
 """
 
 from __future__ import annotations
@@ -215,7 +219,8 @@ def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarra
     scale = data_f32("grad_scale", grad_scale)
     clamp = check_f32_scalar("weight_clamp", weight_clamp, lo=0.0, lo_open=True, allow_inf=True)
     if t >= 2**63:
-        raise ValueError(f"step={step!r}: must be an integer >= 1 and < 2**63 (int64 on the device)")
+        raise ValueError(f"step={step!r}: must be an integer >= 1 and < 2**63 "
+                         "(int64 on the device)")
     grid, block, smem = plan_adam_update(param.size)
     new_param, new_m, new_v = call(
         "adam_update", grid, block, InOut(param), In(grad), InOut(m), InOut(v), param.size,

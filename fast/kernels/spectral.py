@@ -68,7 +68,8 @@ def plan_batched_spectral_norm(count: int) -> Plan:
 def _dims(name: str, w: np.ndarray) -> tuple[int, int]:
     rows, cols = w.shape
     if rows > _INT32_MAX or cols > _INT32_MAX:
-        raise ValueError(f"{name}: shape {w.shape} has a dimension above {_INT32_MAX} (int32 on the device)")
+        raise ValueError(f"{name}: shape {w.shape} has a dimension above {_INT32_MAX} "
+                         "(int32 on the device)")
     return rows, cols
 
 

@@ -259,8 +259,13 @@ def gemm(
     trans_a: bool = False,
     trans_b: bool = False,
     mode: str = "f32",
+    rounded: bool = False,
 ) -> np.ndarray:
     """``C = op(a) @ op(b)`` on inputs rounded per ``mode``, float32 accumulation.
+
+    ``rounded=True`` promises that ``a`` and ``b`` already are ``round_for(., mode)`` values
+    (rounding is idempotent, so the result is the same; callers that reuse an operand in
+    several GEMMs round it once).
 
     ``op(x)`` is ``x.T`` when the matching ``trans_*`` flag is set. Shapes: ``op(a) [M, K]``,
     ``op(b) [K, N]`` float32; returns ``C [M, N]`` float32. Inputs are rounded with
@@ -280,8 +285,11 @@ def gemm(
             f"b: op(b) has shape {op_b.shape} but op(a) has shape {op_a.shape}; "
             f"the inner dimensions (K) must match"
         )
-    out = np.matmul(round_for(np.ascontiguousarray(op_a), mode),
-                    round_for(np.ascontiguousarray(op_b), mode))
+    if rounded:
+        out = np.matmul(op_a, op_b)
+    else:
+        out = np.matmul(round_for(np.ascontiguousarray(op_a), mode),
+                        round_for(np.ascontiguousarray(op_b), mode))
     return out.astype(F32, copy=False)
 
 

@@ -1,0 +1,319 @@
+// Glue kernels of the fast Trainer (foxhunt.fast.trainer): the few steps of the reference
+// Trainer.step / loss_and_grads that are not reference kernels (scalar bookkeeping, gathers and
+// branch sums the reference writes inline in NumPy), in the exact float32 order the reference
+// uses. Infrastructure: the file name starts with '_', so the kernel registry skips it, and every
+// kernel is named glue_*; each is checked end to end by tests/test_fast_trainer.py (one step of
+// the fast Trainer against one step of the reference Trainer from the same state).
+//
+// Why they exist: the two step graphs are captured once, so values that change on the device
+// from step to step (ISV-driven bounds, norms, Adam's step counter) must be read through
+// pointers inside the graph; a reference kernel whose CUDA twin takes such a value by value
+// (clamp_finite's bound) gets a pointer-reading glue twin here.
+//
+// Arithmetic: -fmad=false (fast/_build.py) plus explicit __fmul_rn/__fadd_rn/__fdiv_rn where
+// the order matters; selects and comparisons exactly as the reference writes them.
+
+#define GLUE_WARP 32
+#define GLUE_THREADS 256
+#define GLUE_F32_EXP_MASK 0x7f800000u
+#define GLUE_F32_SIGN_CLEAR 0x7fffffffu
+#define GLUE_BF16_QUIET_BIT 0x0040u
+
+#define GLUE_FLAT_LOOP(i, n)                                                               \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
+         i += (long long)gridDim.x * blockDim.x)
+
+static __device__ __forceinline__ bool glue_is_finite(float x) {
+    return (__float_as_uint(x) & GLUE_F32_EXP_MASK) != GLUE_F32_EXP_MASK;
+}
+
+// safety.isv_bound: multiplier * fmaxf(isv, 1) (the floor on the signal; NaN counts as 1).
+static __device__ __forceinline__ float glue_isv_bound(float multiplier, float isv_value) {
+    return __fmul_rn(multiplier, fmaxf(isv_value, 1.0f));
+}
+
+// optim.clip_scale: n = sqrtf(fmaxf(norm_sq, 0)); max_norm / n if n > max_norm and n > 0, else 1.
+static __device__ __forceinline__ float glue_clip_scale(float norm_sq, float max_norm) {
+    const float n = __fsqrt_rn(fmaxf(norm_sq, 0.0f));
+    return (n > max_norm && n > 0.0f) ? __fdiv_rn(max_norm, n) : 1.0f;
+}
+
+// dense.f32_to_bf16's bit formula (RNE; NaN keeps sign and high payload, quiet bit set).
+static __device__ __forceinline__ unsigned short glue_bf16_bits(float x) {
+    const unsigned int u = __float_as_uint(x);
+    if ((u & GLUE_F32_SIGN_CLEAR) > GLUE_F32_EXP_MASK) {
+        return (unsigned short)((u >> 16) | GLUE_BF16_QUIET_BIT);
+    }
+    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Sum of one value per thread over a block of GLUE_THREADS threads (fixed tree: warp butterflies,
+// then warp 0 over the warp sums in warp order). Every thread gets the result.
+static __device__ __forceinline__ float glue_block_sum(float v) {
+    __shared__ float warp_sums[GLUE_THREADS / GLUE_WARP];
+    __shared__ float result;
+    for (int offset = GLUE_WARP / 2; offset > 0; offset >>= 1) {
+        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    }
+    __syncthreads();
+    if (threadIdx.x % GLUE_WARP == 0) {
+        warp_sums[threadIdx.x / GLUE_WARP] = v;
+    }
+    __syncthreads();
+    if (threadIdx.x < GLUE_WARP) {
+        float s = threadIdx.x < GLUE_THREADS / GLUE_WARP ? warp_sums[threadIdx.x] : -0.0f;
+        for (int offset = GLUE_WARP / 2; offset > 0; offset >>= 1) {
+            s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
+        }
+        if (threadIdx.x == 0) {
+            result = s;
+        }
+    }
+    __syncthreads();
+    return result;
+}
+
+// float32 sum of x[0..n) by the whole block (thread-strided partials, then glue_block_sum).
+static __device__ __forceinline__ float glue_block_total(const float* x, int n) {
+    float acc = -0.0f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        acc = __fadd_rn(acc, x[i]);
+    }
+    return __fadd_rn(glue_block_sum(acc), 0.0f);  // an empty sum reads +0.0
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step prologue (graph 1, first kernel), ONE block of GLUE_THREADS threads. From the ISV at the
+// start of the step (Trainer.step reads these before anything changes the bus):
+//   weight_clamp = weight_clamp_mult * max(ISV[Q_ABS_REF], 1)                          (Mech 9)
+//   clip_bound   = min(max_grad_norm, anchor_mult * max(ISV[GRAD_NORM_SLOW_EMA], 1))   (Mech 6)
+//   thresholds[k] = mult[k] * e (power 1) or mult[k] * (e * e) (power 2), e = max(ISV[idx[k]], 1);
+//                   0 where idx[k] < 0 (sentinels.sentinel_thresholds; 0 = non-finite test only)
+//   *adam_t += 1                                            (Trainer.step: self.adam_t += 1)
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void glue_step_prologue(const float* __restrict__ isv,
+                                              long long* __restrict__ adam_t,
+                                              float* __restrict__ weight_clamp,
+                                              float* __restrict__ clip_bound,
+                                              const float* __restrict__ thr_mult,
+                                              const int* __restrict__ thr_isv_index,
+                                              const int* __restrict__ thr_power,
+                                              float* __restrict__ thresholds, int n_thresholds,
+                                              int q_abs_ref_index, int slow_ema_index,
+                                              float weight_clamp_mult, float max_grad_norm,
+                                              float anchor_mult) {
+    for (int k = threadIdx.x; k < n_thresholds; k += blockDim.x) {
+        const int index = thr_isv_index[k];
+        float value = 0.0f;
+        if (index >= 0) {
+            const float e = fmaxf(isv[index], 1.0f);
+            const float base = thr_power[k] == 2 ? __fmul_rn(e, e) : e;
+            value = __fmul_rn(thr_mult[k], base);
+        }
+        thresholds[k] = value;
+    }
+    if (threadIdx.x == 0) {
+        *weight_clamp = glue_isv_bound(weight_clamp_mult, isv[q_abs_ref_index]);
+        *clip_bound = fminf(max_grad_norm, glue_isv_bound(anchor_mult, isv[slow_ema_index]));
+        *adam_t = *adam_t + 1;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mech 10 on the device bound: out = clamp_finite(x, mult * max(isv[index], 1)) (safety.clamp_finite
+// with the bound read from the ISV slot H_S2_RMS_EMA inside the graph), and, when out_bf16 is not
+// null, its BF16 copy (dense.f32_to_bf16) for the next BF16 GEMM. out may alias x. Flat.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void glue_clamp_isv(const float* x, float* out,
+                                          unsigned short* __restrict__ out_bf16, long long n,
+                                          const float* __restrict__ isv, int index, float mult) {
+    const float bound = glue_isv_bound(mult, isv[index]);
+    GLUE_FLAT_LOOP(i, n) {
+        const float v = x[i];
+        const float c = glue_is_finite(v) ? ((v > bound) ? bound : ((v < -bound) ? -bound : v))
+                                          : 0.0f;
+        out[i] = c;
+        if (out_bf16 != nullptr) {
+            out_bf16[i] = glue_bf16_bits(c);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Gathers of loss_and_grads, every branch in one launch. Per branch d (n_actions[d] actions,
+// action_offset[d] = sum of n_actions[e] for e < d):
+//   p_next[d, b, j] = expf(logp_target[d][b, a_star[d, b], j])     (np.exp of the target's logp)
+//   q_taken[d, b]   = q_online[d][b, actions[d, b]]        (expected_q(online.logp)[rows, a])
+// logp_target[d] is [batch, A_d, NA] at element offset batch * NA * action_offset[d];
+// q_online[d] is [q_rows, A_d] at offset q_rows * action_offset[d] (its first `batch` rows are
+// online(s)); a_star and actions are [n_branches, batch]; p_next [n_branches, batch, NA];
+// q_taken [n_branches, batch].
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void glue_gather_taken(const float* __restrict__ logp_target,
+                                             const int* __restrict__ a_star,
+                                             const float* __restrict__ q_online,
+                                             const int* __restrict__ actions,
+                                             const int* __restrict__ n_actions,
+                                             const int* __restrict__ action_offset,
+                                             float* __restrict__ p_next,
+                                             float* __restrict__ q_taken, int n_branches,
+                                             int batch, int num_atoms, int q_rows) {
+    const long long n_p = (long long)n_branches * batch * num_atoms;
+    GLUE_FLAT_LOOP(i, n_p) {
+        const int j = (int)(i % num_atoms);
+        const long long row = i / num_atoms;
+        const int b = (int)(row % batch);
+        const int d = (int)(row / batch);
+        const int a = a_star[(long long)d * batch + b];
+        const long long src = ((long long)batch * action_offset[d] + (long long)b * n_actions[d] + a)
+                              * num_atoms + j;
+        p_next[i] = expf(logp_target[src]);
+    }
+    const long long n_q = (long long)n_branches * batch;
+    GLUE_FLAT_LOOP(i, n_q) {
+        const int b = (int)(i % batch);
+        const int d = (int)(i / batch);
+        const int a = actions[i];
+        q_taken[i] = q_online[(long long)q_rows * action_offset[d] + (long long)b * n_actions[d] + a];
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar targets of loss_and_grads (before Mech 1, which target_q_clip applies in place next):
+//   target_q[d, b] = r[b] + (gamma[d] * (1 - done[b])) * e,  e = sum_j p_next[d, b, j] * z[j]
+// (the reference's `r + gamma * (1 - done) * (p_next @ z)`, left to right; the dot in atom
+// order). One thread per (d, b).
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void glue_scalar_targets(const float* __restrict__ p_next,
+                                               const float* __restrict__ z,
+                                               const float* __restrict__ r,
+                                               const float* __restrict__ done,
+                                               const float* __restrict__ gamma,
+                                               float* __restrict__ target_q, int n_branches,
+                                               int batch, int num_atoms) {
+    const long long n = (long long)n_branches * batch;
+    GLUE_FLAT_LOOP(i, n) {
+        const int b = (int)(i % batch);
+        const int d = (int)(i / batch);
+        const float* p = p_next + i * num_atoms;
+        float e = 0.0f;
+        for (int j = 0; j < num_atoms; ++j) {
+            e = __fadd_rn(e, __fmul_rn(p[j], z[j]));
+        }
+        const float discount = __fmul_rn(gamma[d], __fsub_rn(1.0f, done[b]));
+        target_q[i] = __fadd_rn(r[b], __fmul_rn(discount, e));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sum over branches: out[i] = ((0 + parts[0][i] / divisor) + parts[1][i] / divisor) + ...
+// (the reference's `td = td + ce / nb` from zeros, divisor = n_branches; and the dueling
+// backward's `dv = dv + dv_d` from zeros, divisor = 1: x / 1 is exact). parts[d] at
+// d * part_stride. Flat.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void glue_branch_sum(const float* __restrict__ parts,
+                                           float* __restrict__ out, long long n, int n_branches,
+                                           long long part_stride, float divisor) {
+    GLUE_FLAT_LOOP(i, n) {
+        float acc = 0.0f;
+        for (int d = 0; d < n_branches; ++d) {
+            acc = __fadd_rn(acc, __fdiv_rn(parts[d * part_stride + i], divisor));
+        }
+        out[i] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward through Mech 10's clamp and the trunk ReLU (network.backward):
+//   dh2 = (h2 == h2_pre) ? dh2 : 0        (the clamp passed the value through unchanged)
+//   out = (h2_pre <= 0) ? 0 : dh2         (dense.relu_mask with the pre-clamp activation)
+// Flat, [B, SH2].
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void glue_h2_grad_mask(const float* __restrict__ dh2,
+                                             const float* __restrict__ h2,
+                                             const float* __restrict__ h2_pre,
+                                             float* __restrict__ out, long long n) {
+    GLUE_FLAT_LOOP(i, n) {
+        const float pre = h2_pre[i];
+        const float passed = (h2[i] == pre) ? dh2[i] : 0.0f;
+        out[i] = (pre <= 0.0f) ? 0.0f : passed;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Step scalars (graph 1, last kernel), ONE block of GLUE_THREADS threads. In the reference's
+// float32 order (trainer.py, step.py, budgets.py):
+//   c51_loss = ((0 + c51_total[0]) + c51_total[1]) + ...
+//   cql_loss = ((0 + (alpha * mean(terms[0])) / nb) + (alpha * mean(terms[1])) / nb) + ...
+//   loss = c51_loss + cql_loss
+//   c51_pre = sqrtf(max(c51_sq, 0)), c51_post = c51_pre * clip_scale(c51_sq, budget_c51); cql alike
+//   grad_norm = sqrtf(max(total_sq, 0)); safety_scale = clip_scale(total_sq, clip_bound)
+//   fired = grad_norm > clip_bound
+//   mean_q = sum(q_taken) / count, mean_target_q = sum(target_q) / count
+//   ISV[slow] = isfinite(grad_norm) ? (1 - a) * slow + a * grad_norm : slow  (budgets.slow_ema_update)
+// readback[] receives (loss, c51_loss, cql_loss, grad_norm, c51_pre, c51_post, cql_pre, cql_post,
+// clip_bound, fired, mean_q, mean_target_q) in that order (foxhunt.fast.step_plan.READBACK_FIELDS).
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
+glue_step_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
+                  const float* __restrict__ q_taken, const float* __restrict__ target_q,
+                  const float* __restrict__ c51_sq, const float* __restrict__ cql_sq,
+                  const float* __restrict__ total_sq, const float* __restrict__ clip_bound,
+                  float* __restrict__ isv, float* __restrict__ safety_scale,
+                  float* __restrict__ readback, int n_branches, int batch, float alpha,
+                  float budget_c51, float budget_cql, int slow_ema_index, float slow_alpha) {
+    float cql = 0.0f;
+    for (int d = 0; d < n_branches; ++d) {
+        const float sum = glue_block_total(terms + (long long)d * batch, batch);
+        const float mean = __fdiv_rn(sum, (float)batch);
+        cql = __fadd_rn(cql, __fdiv_rn(__fmul_rn(alpha, mean), (float)n_branches));
+    }
+    const int count = n_branches * batch;
+    const float mean_q = __fdiv_rn(glue_block_total(q_taken, count), (float)count);
+    const float mean_target_q = __fdiv_rn(glue_block_total(target_q, count), (float)count);
+    if (threadIdx.x != 0) {
+        return;
+    }
+    float c51 = 0.0f;
+    for (int d = 0; d < n_branches; ++d) {
+        c51 = __fadd_rn(c51, c51_total[d]);
+    }
+    const float n_c51 = __fsqrt_rn(fmaxf(*c51_sq, 0.0f));
+    const float n_cql = __fsqrt_rn(fmaxf(*cql_sq, 0.0f));
+    const float grad_norm = __fsqrt_rn(fmaxf(*total_sq, 0.0f));
+    const float bound = *clip_bound;
+    *safety_scale = glue_clip_scale(*total_sq, bound);
+    readback[0] = __fadd_rn(c51, cql);
+    readback[1] = c51;
+    readback[2] = cql;
+    readback[3] = grad_norm;
+    readback[4] = n_c51;
+    readback[5] = __fmul_rn(n_c51, glue_clip_scale(*c51_sq, budget_c51));
+    readback[6] = n_cql;
+    readback[7] = __fmul_rn(n_cql, glue_clip_scale(*cql_sq, budget_cql));
+    readback[8] = bound;
+    readback[9] = grad_norm > bound ? 1.0f : 0.0f;
+    readback[10] = mean_q;
+    readback[11] = mean_target_q;
+    if (glue_is_finite(grad_norm)) {
+        const float slow = isv[slow_ema_index];
+        isv[slow_ema_index] = __fadd_rn(__fmul_rn(__fsub_rn(1.0f, slow_alpha), slow),
+                                        __fmul_rn(slow_alpha, grad_norm));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Sentinel pieces: a slot whose buffer is not one contiguous range (e.g. online(s)'s advantage
+// logits of every branch) is checked as several entries of nan_check_fused's descriptor arrays;
+// entries past the slot table (index >= n_slots) are the extra pieces, and this ORs each one's
+// flag into its slot's flag: flags[piece_slot[k]] |= flags[n_slots + k]. One thread per piece.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void glue_merge_flags(int* __restrict__ flags,
+                                            const int* __restrict__ piece_slot, int n_slots,
+                                            int n_pieces) {
+    for (int k = threadIdx.x; k < n_pieces; k += blockDim.x) {
+        if (flags[n_slots + k] != 0) {
+            flags[piece_slot[k]] = 1;
+        }
+    }
+}
