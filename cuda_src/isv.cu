@@ -24,8 +24,9 @@ __device__ __forceinline__ float hb_guarded_ema(float old, float x, float alpha)
 
 // isv_signal_update: isv[i] = ema(isv[i], signals[i], alpha) for i < num_signals, with the
 // adaptive rate alpha = alpha_base * (1 + gain * |clamp(sharpe, -clamp, clamp)|), NaN Sharpe
-// counted as 0 (isv.adaptive_ema_rate). *sharpe is read on the device (the bus's Sharpe slot in
-// the trainer). Launch: grid 1, block >= num_signals (plan_isv_signal_update).
+// counted as 0 (isv.adaptive_ema_rate). *sharpe is read on the device; in the trainer it may
+// point into isv itself (the Sharpe slot, which this kernel does not write). Launch: grid 1,
+// block >= num_signals (plan_isv_signal_update).
 extern "C" __global__ void isv_signal_update(float* __restrict__ isv,
                                              const float* __restrict__ signals, int num_signals,
                                              const float* __restrict__ sharpe, float alpha_base,

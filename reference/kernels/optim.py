@@ -208,6 +208,12 @@ class AdamState(NamedTuple):
     v: np.ndarray
 
 
+def _pow_rounded_once(beta: np.float32, t: int) -> np.float32:
+    """``beta ** float32(t)`` computed in double, rounded once to float32 (portable: libm's
+    float32 ``powf`` differs between platforms; CUDA's double ``pow`` is within 2 ulp of double)."""
+    return np.float32(float(beta) ** float(np.float32(t)))
+
+
 def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray, *,
                 step: int, lr: float, beta1: float, beta2: float, eps: float,
                 weight_decay: float, grad_scale: float, weight_clamp: float) -> AdamState:
@@ -229,8 +235,9 @@ def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarra
     torch.optim.Adam.
 
     Shapes: ``param``, ``grad``, ``m``, ``v`` float32 of one shape (the flat buffers).
-    Scalars: ``step`` t, an int >= 1 (bias corrections need it; raise otherwise; ``powf`` sees
-    ``float(t)``); ``lr``, ``weight_decay`` finite >= 0; ``beta1``, ``beta2`` in [0, 1);
+    Scalars: ``step`` t, an int >= 1 (bias corrections need it; raise otherwise); the bias
+    corrections are ``1 - beta^t`` with ``beta^t`` taken in double and rounded once to float32
+    (float32 ``powf`` is not correctly rounded and differs between libms; the kernel does the same); ``lr``, ``weight_decay`` finite >= 0; ``beta1``, ``beta2`` in [0, 1);
     ``eps`` finite > 0; ``grad_scale`` (data) the global safety-clip factor from
     ``safety_clip_scale(grad_norm_sq(grad), max_grad_norm)``; ``weight_clamp`` the Mech 9 bound
     ``isv_bound(weight_clamp_mult, ISV[Q_ABS_REF])``, > 0 (``+inf`` allowed: no magnitude
@@ -260,9 +267,8 @@ def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarra
     scale = data_f32("grad_scale", grad_scale)
     clamp = check_f32_scalar("weight_clamp", weight_clamp, lo=0.0, lo_open=True, allow_inf=True)
 
-    t32 = np.float32(t)
-    bc1 = _ONE - np.power(b1, t32)
-    bc2 = _ONE - np.power(b2, t32)
+    bc1 = _ONE - _pow_rounded_once(b1, t)
+    bc2 = _ONE - _pow_rounded_once(b2, t)
     with np.errstate(over="ignore", invalid="ignore", divide="ignore", under="ignore"):
         g = grad * scale
         ok = np.isfinite(g)
