@@ -369,3 +369,22 @@ def test_special_values_cover_the_contract() -> None:
     zeros = vals[vals == 0]
     assert sorted(np.signbit(zeros).tolist()) == [False, True]
     assert math.isclose(float(F32_SMALLEST_SUBNORMAL), 2.0**-149)
+
+
+def test_bitwise_nan_payload_insensitive_only_for_nans():
+    from foxhunt.conformance.tolerance import Tolerance, compare
+
+    tol = Tolerance.exact(bitwise=True, nan_payload=False)
+    canonical, quiet = np.uint16(0x7FFF), np.uint16(0x7FC0)
+    a = np.array([canonical, 0x3F80, 0xFF80], np.uint16)
+    b = np.array([quiet, 0x3F80, 0xFF80], np.uint16)
+    assert compare("bf16", a, b, tol).mismatches == 0
+    b2 = b.copy()
+    b2[1] = 0x3F81  # a finite pattern still has to match bit for bit
+    assert compare("bf16", a, b2, tol).mismatches == 1
+    b3 = b.copy()
+    b3[0] = 0x7F80  # +Inf is not NaN
+    assert compare("bf16", a, b3, tol).mismatches == 1
+    assert compare("bf16", a, b, Tolerance.exact(bitwise=True)).mismatches == 1
+    with pytest.raises(ValueError, match="nan_payload"):
+        Tolerance.exact(nan_payload=False)

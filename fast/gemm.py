@@ -439,14 +439,15 @@ class GemmPlan:
 
 
 def gemm(a: np.ndarray, b: np.ndarray, *, trans_a: bool = False, trans_b: bool = False,
-         mode: str = "f32") -> np.ndarray:
+         mode: str = "f32", rounded: bool = False) -> np.ndarray:
     """Numpy-in/numpy-out test entry of the cuBLASLt GEMM, with the signature of the reference
     ``foxhunt.reference.kernels.dense.gemm`` (``op(a) @ op(b)``, f32 result).
 
     ``mode="bf16"`` rounds ``a`` and ``b`` to BF16 on the host (the reference's bit-exact
     ``f32_to_bf16``, as the trainer's mirrors are) and runs the BF16 tensor-core GEMM; ``"tf32"``
     and ``"f32"`` pass f32 operands. For conformance and debugging only (plans and buffers are
-    made per call; the trainer plans once).
+    made per call; the trainer plans once). ``rounded`` is accepted for signature parity and
+    changes nothing (rounding is idempotent; cuBLAS rounds on the tensor cores anyway).
     """
     from foxhunt.fast.kernels._runtime import runtime
     from foxhunt.reference.kernels import dense as ref_dense
