@@ -30,6 +30,7 @@ _EXPORTS = {
     "GemmSpec": "gemm",
     "GemmPlanError": "gemm",
     "GraphCapture": "graphs",
+    "Trainer": "trainer",
 }
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "Module",
     "NoCudaDeviceError",
     "PinnedScalars",
+    "Trainer",
     "compile_sources",
     "cuda_available",
 ]

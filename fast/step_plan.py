@@ -11,7 +11,7 @@ Three layers, each usable on its own:
   async copies, and parallel sections) that ``enqueue``s onto a stream, eagerly or inside a
   ``GraphCapture`` (parallel sections become graph branches).
 - ``StepProgram(device, module, config, arena, layout)``: builds the launch lists of graph 1
-  (``graph1_ops(staging_ptr)``: batch copy, prologue, three forward passes, losses, both
+  (``graph1_ops(staging_ptrs)``: batch copy, prologue, three forward passes, losses, both
   backward passes, budget pipeline, inline sentinel checks, step scalars) and graph 2
   (``graph2_ops()``: Adam with the safety clip and Mech 9, batched spectral norm, Polyak, the
   BF16 mirrors of params and target, ISV producers, the fused sentinel check), and the eager
@@ -752,12 +752,24 @@ class StepProgram:
                    self.lay.n_partials, self.ptr(f"sq_{which}"))
 
     # -- graph 1
-    def graph1_ops(self, staging_ptr: int) -> Ops:
+    def graph1_ops(self, staging_ptrs) -> list[Ops]:
+        """Graph 1 once per pinned staging buffer: the captured batch copy from that buffer,
+        then the same body (one set of GEMM plans; the graphs never run concurrently)."""
+        body = self.graph1_body()
+        out = []
+        for staging in staging_ptrs:
+            ops = Ops(self.module)
+            ops.copy(self.ptr("batch"), staging, self.lay.batch_nbytes, "htod")
+            ops.extend(body)
+            out.append(ops)
+        return out
+
+    def graph1_body(self) -> Ops:
+        """Graph 1 after the batch copy (module docstring)."""
         lay, c = self.lay, self.config
         B, NA, nb = lay.B, lay.NA, lay.nb
         dist, safety = self.k["dist"], self.k["safety"]
         ops = Ops(self.module)
-        ops.copy(self.ptr("batch"), staging_ptr, lay.batch_nbytes, "htod")
         sp = lay.sentinel
         ops.kernel("glue_step_prologue", (1, GLUE_THREADS, 0), self.ptr("isv"), self.ptr("adam_t"),
                    self.ptr("weight_clamp"), self.ptr("clip_bound"), self.ptr("thr_mult"),

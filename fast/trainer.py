@@ -90,8 +90,8 @@ class Trainer(TrainerBackend):
         self._event_used = [False] * STAGING_RING
         # Capture: graph 1 once per staging buffer (only the first copy differs), graph 2 once.
         self._graph1 = []
-        for buf in self._staging:
-            ops = prog.graph1_ops(buf.ctypes.data)
+        ops1 = prog.graph1_ops([buf.ctypes.data for buf in self._staging])
+        for ops in ops1:
             graph = GraphCapture(self._stream)
             with graph:
                 ops.enqueue(self._stream, graph)
@@ -100,8 +100,9 @@ class Trainer(TrainerBackend):
         self._graph2 = GraphCapture(self._stream)
         with self._graph2:
             ops2.enqueue(self._stream, self._graph2)
-        self.expected_nodes = (prog.graph1_ops(self._staging[0].ctypes.data).node_count(),
-                               ops2.node_count())
+        #: Launches per step as planned (graph 1, graph 2); the graphs' own node counts are
+        #: ``graph_node_counts``.
+        self.planned_launches = (ops1[0].node_count(), ops2.node_count())
         # Host mirrors of the readback block and the flags (pinned: the async copies are real).
         self._readback_host = dev.pinned_empty(len(READBACK_FIELDS), np.float32)
         self._flags_host = dev.pinned_empty(lay.sentinel.n_desc, np.int32)

@@ -117,3 +117,29 @@ def test_train_cli_bad_csv_names_the_row(tmp_path):
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()
     assert len(err) == 1 and "row" in err[0]
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "foxhunt.reference.cli", "train", "--preset", "tiny", "--epochs", "200",
+         "--folds", "1", "--steps-per-epoch", "20", "--bars", "3000", "--out", str(out)],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr
+    assert "interrupted" in stdout
+    lines = metrics.read_text().splitlines()
+    assert 2 <= len(lines) < 200
+    assert all(json.loads(line)["fold"] == 0 for line in lines)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["epochs_completed"] == len(lines)
+    assert (out / "loss.png").exists() and (out / "checkpoints" / "fold0_best.safetensors").exists()
+    Trainer.load(out / "checkpoints" / "fold0_best.safetensors")
