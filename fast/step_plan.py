@@ -198,6 +198,16 @@ class StepLayout:
 
     def _build(self) -> None:
         B, SD, NA, nb, NP = self.B, self.SD, self.NA, self.nb, self.NP
+        # Batch (mirrored byte for byte by the pinned staging buffers): x = [s; s2] (one
+        # stacked online pass), actions transposed to [n_branches, B] (one row per branch).
+        self.batch_fields: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
+        offset = 0
+        for name, shape, dtype in (("x", (2 * B, SD), F32), ("a", (nb, B), I32), ("r", (B,), F32),
+                                   ("done", (B,), F32), ("isw", (B,), F32)):
+            offset = -(-offset // 256) * 256
+            self.batch_fields[name] = (offset, shape, dtype)
+            offset += int(np.prod(shape)) * dtype.itemsize
+        self.batch_nbytes = offset
         # State: params and target adjacent (one BF16 mirror launch for both), the mirrors
         # likewise; Adam; spectral-norm vectors; ISV; flags (slot table plus extra pieces).
         self._add("params2", (2, NP), F32)
@@ -222,15 +232,6 @@ class StepLayout:
         for norm in NORMS:
             self._add(f"partials_{norm}", self.n_partials, F32)
             self._add(f"sq_{norm}", 1, F32)
-        # Batch (mirrored by the pinned staging buffers): x = [s; s2], actions transposed.
-        self.batch_fields: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
-        offset = 0
-        for name, shape, dtype in (("x", (2 * B, SD), F32), ("a", (nb, B), I32), ("r", (B,), F32),
-                                   ("done", (B,), F32), ("isw", (B,), F32)):
-            offset = -(-offset // 256) * 256
-            self.batch_fields[name] = (offset, shape, dtype)
-            offset += int(np.prod(shape)) * dtype.itemsize
-        self.batch_nbytes = offset
         self._add("batch", self.batch_nbytes, U8)
         if self.bf16:
             self._add("xb", (2 * B, SD), U16)
@@ -299,6 +300,8 @@ class StepLayout:
             self._add(f"dh2_{loss}", (B, self.H2), F32)
             self._add(f"dh2m_{loss}", (B, self.H2), F32)
             self._add(f"dh1_{loss}", (B, self.H1), F32)
+            # Unmasked input gradient of a ReLU layer, used only if cuBLASLt refuses DRELU_BGRAD.
+            self._add(f"dpre_{loss}", (B, max([self.H1] + [h.hidden for h in self.heads])), F32)
 
     # -- evaluation (q_values) buffers for ``rows`` rows
     def eval_specs(self, rows: int) -> tuple[dict, dict]:
@@ -340,7 +343,8 @@ class StepLayout:
 @dataclass(frozen=True)
 class Piece:
     """One contiguous range checked for sentinel slot ``slot``: ``(buffer, packed key or None,
-    element offset, count)`` (resolved to a pointer once the arena exists)."""
+    offset in units of the buffer's dtype (bytes for ``batch``), float32 count)`` (resolved to
+    a pointer once the arena exists)."""
 
     slot: int
     buffer: str
@@ -386,13 +390,13 @@ def sentinel_pieces(lay: StepLayout) -> dict[str, list[Piece]]:
     value = lay.group_range("value")
     branch = lay.group_range("branch")
     heads = lay.group_range("value", "branch")
-    x_off = lay.batch_fields["x"][0] // 4
+    x_off = lay.batch_fields["x"][0]  # "batch" is a byte buffer: offsets in bytes
     rb = READBACK_INDEX
     out = {
         "states": one("states", "batch", x_off, B * SD),
-        "next_states": one("next_states", "batch", x_off + B * SD, B * SD),
-        "rewards": one("rewards", "batch", lay.batch_fields["r"][0] // 4, B),
-        "importance_weights": one("importance_weights", "batch", lay.batch_fields["isw"][0] // 4, B),
+        "next_states": one("next_states", "batch", x_off + B * SD * 4, B * SD),
+        "rewards": one("rewards", "batch", lay.batch_fields["r"][0], B),
+        "importance_weights": one("importance_weights", "batch", lay.batch_fields["isw"][0], B),
         "online_value_logits": one("online_value_logits", "vo", 0, B * NA),
         "online_adv_logits": per_branch("online_adv_logits",
                                         lambda d, n: (f"advo{d}", None, 0, B * n * NA)),
@@ -577,6 +581,10 @@ class StepProgram:
             offset += packed[name].offsets[key]
         return arena.ptr(name) + offset * arena.spec(name).dtype.itemsize
 
+    def batch_ptr(self, name: str) -> int:
+        """Device address of batch field ``name`` (``x``, ``a``, ``r``, ``done``, ``isw``)."""
+        return self.ptr("batch", offset=self.lay.batch_fields[name][0])
+
     def weight(self, name: str, which: int, *, bf16: bool) -> int:
         """Pointer to tensor ``name`` of params (which=0) or target (which=1), f32 or BF16."""
         off = which * self.lay.NP + self.lay.tensor_offset(name)
@@ -600,8 +608,10 @@ class StepProgram:
         ops.gemm(plan, x, w, c, bias=bias, aux=aux)
 
     def weight_grad(self, ops: Ops, *, dy, x, rows, n_out, n_in, dw, db=None) -> None:
-        """``dW [n_out, n_in] = dy[rows, n_out]^T @ x[rows, n_in]`` (and ``db = colsum(dy)``
-        through the BGRADB epilogue when ``db`` is given), backward precision."""
+        """``dW [n_out, n_in] = dy[rows, n_out]^T @ x[rows, n_in]`` and, when ``db`` is given,
+        ``db = colsum(dy)`` through the bias-gradient epilogue (``"bgrada"`` in fast.gemm's
+        row-major naming; a plain GEMM plus ``bias_grad_reduce`` if cuBLASLt refuses it), in
+        the backward precision."""
         from foxhunt.fast.gemm import GemmPlanError
 
         if db is not None:
@@ -622,12 +632,13 @@ class StepProgram:
 
     def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, beta=0.0, relu=None) -> None:
         """``dx [rows, n_in] (+)= dy [rows, n_out] @ W [n_out, n_in]``; with ``relu=(aux, h,
-        db)`` the result is masked by the forward ReLU (``h <= 0 ? 0 : dx``) and ``db =
-        colsum(masked dx)`` (DRELU_BGRAD, or plain GEMM + relu_mask + bias_grad_reduce)."""
+        db, scratch)`` the result is masked by the forward ReLU (``h <= 0 ? 0 : dx``) and ``db =
+        colsum(masked dx)`` (DRELU_BGRAD; or, if cuBLASLt refuses it, a plain GEMM into
+        ``scratch``, then ``relu_mask`` and ``bias_grad_reduce``)."""
         from foxhunt.fast.gemm import GemmPlanError
 
         if relu is not None:
-            aux, h, db = relu
+            aux, h, db, scratch = relu
             try:
                 plan = self._plan(rows, n_in, n_out, ptrs=(dy, w, dx), precision=self.bwd_mode,
                                   epilogue="drelu_bgrad")
@@ -635,10 +646,10 @@ class StepProgram:
                 return
             except (GemmPlanError, ValueError) as exc:
                 self.fallbacks.append(f"drelu_bgrad {rows}x{n_in}x{n_out}: {exc}")
-            plan = self._plan(rows, n_in, n_out, ptrs=(dy, w, dx), precision=self.bwd_mode)
-            ops.gemm(plan, dy, w, dx)
+            plan = self._plan(rows, n_in, n_out, ptrs=(dy, w, scratch), precision=self.bwd_mode)
+            ops.gemm(plan, dy, w, scratch)
             n = rows * n_in
-            ops.kernel("relu_mask", self.k["dense"].plan_relu_mask(n), dx, h, dx, n)
+            ops.kernel("relu_mask", self.k["dense"].plan_relu_mask(n), scratch, h, dx, n)
             self.bias_grad(ops, dx, db, rows, n_in)
             return
         plan = self._plan(rows, n_in, n_out, ptrs=(dy, w, dx), precision=self.bwd_mode, beta=beta)
@@ -722,7 +733,8 @@ class StepProgram:
             self.weight_grad(ops, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
                              dw=self.grad_ptr(g, h.w2), db=self.grad_ptr(g, h.b2))
             self.input_grad(ops, dy=dy, w=P(h.w2), dx=dhid, rows=B, n_out=h.out, n_in=h.hidden,
-                            relu=(self.ptr(f"auxho_{h.key}"), hid, self.grad_ptr(g, h.b1)))
+                            relu=(self.ptr(f"auxho_{h.key}"), hid, self.grad_ptr(g, h.b1),
+                                  self.ptr(f"dpre_{loss}")))
             self.weight_grad(ops, dy=dhid, x=h2, rows=B, n_out=h.hidden, n_in=H2,
                              dw=self.grad_ptr(g, h.w1))
             self.input_grad(ops, dy=dhid, w=P(h.w1), dx=dh2, rows=B, n_out=h.hidden, n_in=H2,
@@ -736,8 +748,9 @@ class StepProgram:
                          dw=self.grad_ptr(g, "w_s2"), db=self.grad_ptr(g, "b_s2"))
         dh1 = self.ptr(f"dh1_{loss}")
         self.input_grad(ops, dy=dh2m, w=P("w_s2"), dx=dh1, rows=B, n_out=H2, n_in=H1,
-                        relu=(self.ptr("aux1o"), self.ptr("h1o"), self.grad_ptr(g, "b_s1")))
-        x = self.ptr("batch", offset=lay.batch_fields["x"][0] // 4)
+                        relu=(self.ptr("aux1o"), self.ptr("h1o"), self.grad_ptr(g, "b_s1"),
+                              self.ptr(f"dpre_{loss}")))
+        x = self.batch_ptr("x")
         self.weight_grad(ops, dy=dh1, x=x, rows=B, n_out=H1, n_in=lay.SD,
                          dw=self.grad_ptr(g, "w_s1"))
 
@@ -777,7 +790,7 @@ class StepProgram:
                    sp.n_desc, isv_mod.Q_ABS_REF_INDEX, isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
                    np.float32(c.weight_clamp_mult), np.float32(c.max_grad_norm),
                    np.float32(c.grad_clip_anchor_mult))
-        x = self.ptr("batch", offset=lay.batch_fields["x"][0] // 4)
+        x = self.batch_ptr("x")
         x2 = x + B * lay.SD * 4
         xb = xb2 = None
         if lay.bf16:
@@ -802,10 +815,8 @@ class StepProgram:
         for d, n in enumerate(lay.branches):
             ops.kernel("double_dqn_select", dist.plan_double_dqn_select(B, n),
                        self.ptr("q_o", d, B * n), self.ptr("a_star", offset=d * B), B, n)
-        a_ptr = self.ptr("batch", offset=lay.batch_fields["a"][0] // 4)
-        r_ptr = self.ptr("batch", offset=lay.batch_fields["r"][0] // 4)
-        done_ptr = self.ptr("batch", offset=lay.batch_fields["done"][0] // 4)
-        isw_ptr = self.ptr("batch", offset=lay.batch_fields["isw"][0] // 4)
+        a_ptr, r_ptr = self.batch_ptr("a"), self.batch_ptr("r")
+        done_ptr, isw_ptr = self.batch_ptr("done"), self.batch_ptr("isw")
         ops.kernel("glue_gather_taken", flat_plan(nb * B * NA), self.ptr("logp", ("t", 0)),
                    self.ptr("a_star"), self.ptr("q_o"), a_ptr, self.ptr("n_actions"),
                    self.ptr("action_offset"), self.ptr("p_next"), self.ptr("q_taken"), nb, B, NA,

@@ -125,6 +125,12 @@ class Trainer(TrainerBackend):
     def graph_node_counts(self) -> tuple[int, int]:
         return self._graph1[0].node_count, self._graph2.node_count
 
+    def debug_buffer(self, name: str) -> np.ndarray:
+        """A copy of arena buffer ``name`` (``foxhunt.fast.step_plan.StepLayout.specs``), for
+        tests and debugging (e.g. ``grad_c51``, ``td``, ``target_q [n_branches, B]``);
+        synchronises."""
+        return self.arena.download(name)
+
     @property
     def gemm_fallbacks(self) -> tuple[str, ...]:
         """GEMM epilogues cuBLASLt refused on this device (done as plain GEMM + kernels)."""
@@ -313,7 +319,9 @@ class Trainer(TrainerBackend):
         self._event_used = [False] * STAGING_RING
 
     def close(self) -> None:
-        """Release the graphs, GEMM plans and device memory (the trainer is unusable after)."""
+        """Release the graphs, GEMM plans, events and device memory (unusable afterwards)."""
+        from foxhunt.fast.device import _driver
+
         if self._closed:
             return
         self._closed = True
@@ -324,6 +332,8 @@ class Trainer(TrainerBackend):
                 g.close()
             for plan in self.program.plans:
                 plan.close()
+            for event in self._events:
+                _driver().cuEventDestroy(event)
             for arena, _, _ in self._eval_cache.values():
                 arena.close()
             self.arena.close()
