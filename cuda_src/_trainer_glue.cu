@@ -224,18 +224,28 @@ extern "C" __global__ void glue_branch_sum(const float* __restrict__ parts,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Backward through Mech 10's clamp and the trunk ReLU (network.backward):
-//   dh2 = (h2 == h2_pre) ? dh2 : 0        (the clamp passed the value through unchanged)
-//   out = (h2_pre <= 0) ? 0 : dh2         (dense.relu_mask with the pre-clamp activation)
+// Backward through Mech 10's clamp and the trunk ReLU (network.backward), after summing the
+// heads' parts of dh2 in the reference's order (`dh2 = dh2 + part` from zeros):
+//   sum = ((0 + parts[0][i]) + parts[1][i]) + ...   (parts[k] at k * part_stride)
+//   dh2_out[i] = sum                      (the trunk gradient the sentinel slot 33 checks)
+//   passed = (h2 == h2_pre) ? sum : 0     (the clamp passed the value through unchanged)
+//   out = (h2_pre <= 0) ? 0 : passed      (dense.relu_mask with the pre-clamp activation)
 // Flat, [B, SH2].
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_h2_grad_mask(const float* __restrict__ dh2,
+extern "C" __global__ void glue_h2_grad_mask(const float* __restrict__ parts, int n_parts,
+                                             long long part_stride,
                                              const float* __restrict__ h2,
                                              const float* __restrict__ h2_pre,
+                                             float* __restrict__ dh2_out,
                                              float* __restrict__ out, long long n) {
     GLUE_FLAT_LOOP(i, n) {
+        float sum = 0.0f;
+        for (int k = 0; k < n_parts; ++k) {
+            sum = __fadd_rn(sum, parts[k * part_stride + i]);
+        }
+        dh2_out[i] = sum;
         const float pre = h2_pre[i];
-        const float passed = (h2[i] == pre) ? dh2[i] : 0.0f;
+        const float passed = (h2[i] == pre) ? sum : 0.0f;
         out[i] = (pre <= 0.0f) ? 0.0f : passed;
     }
 }

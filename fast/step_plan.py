@@ -8,8 +8,9 @@ Three layers, each usable on its own:
   ``Arena.from_specs``, plus the packed sub-buffers inside some of them (``Packed``), and the
   sentinel plan (which buffer range each fused slot checks; ``sentinel_plan``).
 - ``Ops``: a launch list (kernel launches with arguments packed once, planned cuBLASLt GEMMs,
-  async copies, and parallel sections) that ``enqueue``s onto a stream, eagerly or inside a
-  ``GraphCapture`` (parallel sections become graph branches).
+  async copies, parallel sections and named events) that ``enqueue``s onto a stream with a
+  ``BranchPool``, eagerly or inside a ``GraphCapture`` (parallel sections become graph
+  branches).
 - ``StepProgram(device, module, config, arena, layout)``: builds the launch lists of graph 1
   (``graph1_ops(staging_ptrs)``: batch copy, prologue, three forward passes, losses, both
   backward passes, budget pipeline, inline sentinel checks, step scalars) and graph 2
@@ -31,10 +32,17 @@ bias gradient (DRELU_BGRAD) and the output layers' bias gradient (BGRADB, our "b
 configuration cuBLASLt refuses falls back to a plain GEMM plus ``relu_mask`` /
 ``bias_grad_reduce``.
 
-Fusion plan (SPEC 11): online(s) and online(s2) share one pass over the stacked batch [s; s2];
-the target pass and the online pass are parallel graph branches, and so are the C51 and CQL
-backward passes. Everything else is op for op (the structure leaves room for the issue's fused
-plan: concatenated head weights, stacked C51/CQL backward).
+Fusion plan (SPEC 11): online(s) and online(s2) share one pass over the stacked batch [s; s2].
+The step is a dependency graph, not a chain (``Ops.parallel`` / ``record`` / ``wait``: side
+streams and events from a ``BranchPool``, which stream capture turns into graph edges): the
+target and online passes run in parallel, and inside each pass the four heads; the C51 and CQL
+chains run in parallel, each split per branch (its loss kernels, dueling backward and head
+GEMMs), with the value head after every branch's dueling backward and the trunk after every
+head's ``dh2`` part (summed in the reference's order by ``glue_h2_grad_mask``); the heads'
+weight gradients overlap the trunk. GEMMs are planned without a workspace where cuBLASLt allows
+(``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes). Everything else is op for op
+(the structure leaves room for the issue's fused plan: concatenated head weights, stacked
+C51/CQL backward, fused loss kernels).
 """
 
 from __future__ import annotations
@@ -70,6 +78,16 @@ NORM_SEGMENT = 4096
 GLUE_THREADS = 256
 #: Grid cap of the flat glue kernels (grid-stride loops cover the rest).
 GLUE_MAX_BLOCKS = 1024
+#: Workspace bytes a GEMM plan is first planned with (None: fast.gemm's default only); where
+#: cuBLASLt has no algorithm within it, the plan takes the default limit. Measured on the H200
+#: (seed preset): the algorithms that use a workspace add memset and split-K reduction nodes
+#: to the graph (17 nodes) and make the step slower (bf16 251 us vs 219 us with none).
+GEMM_WORKSPACE_LIMIT: int | None = 0
+#: Where no algorithm fits GEMM_WORKSPACE_LIMIT: True plans with the default limit (6 DRELU_BGRAD
+#: plans of the heads then bring 10 memsets back: bf16 232 us, f32 280 us on the H200); False
+#: raises, so those epilogues take the plain GEMM + relu_mask + bias_grad_reduce fallback
+#: (measured 219 us / 257 us, but that configuration has not been through the GPU tests yet).
+GEMM_WORKSPACE_RETRY = True
 #: Alignment (elements) of the sub-buffers that are GEMM operands: 256 bytes of float32.
 OPERAND_ALIGN = 64
 
@@ -297,11 +315,21 @@ class StepLayout:
             for h in self.heads:
                 dhid.add(h.key, B * h.hidden)
             self._add_packed(dhid)
+            # Each head's part of dh2 (branches, then value: the order they are summed in).
+            parts = Packed(f"dh2p_{loss}", F32, OPERAND_ALIGN)
+            for h in self.heads[1:] + self.heads[:1]:
+                parts.add(h.key, B * self.H2)
+            self._add_packed(parts)
             self._add(f"dh2_{loss}", (B, self.H2), F32)
             self._add(f"dh2m_{loss}", (B, self.H2), F32)
             self._add(f"dh1_{loss}", (B, self.H1), F32)
-            # Unmasked input gradient of a ReLU layer, used only if cuBLASLt refuses DRELU_BGRAD.
-            self._add(f"dpre_{loss}", (B, max([self.H1] + [h.hidden for h in self.heads])), F32)
+            # Unmasked input gradients of the ReLU layers (one per parallel branch), used only
+            # if cuBLASLt refuses DRELU_BGRAD.
+            dpre = Packed(f"dpre_{loss}", F32, OPERAND_ALIGN)
+            for h in self.heads:
+                dpre.add(h.key, B * h.hidden)
+            dpre.add("trunk", B * self.H1)
+            self._add_packed(dpre)
 
     # -- evaluation (q_values) buffers for ``rows`` rows
     def eval_specs(self, rows: int) -> tuple[dict, dict]:
@@ -464,11 +492,72 @@ def sentinel_plan(lay: StepLayout) -> SentinelPlan:
 # --------------------------------------------------------------------------------------------
 
 
-class Ops:
-    """A launch list: kernels (arguments packed once), GEMMs, copies and parallel sections.
+class BranchPool:
+    """Side streams and events for the fork/join sections of ``Ops`` (created on demand,
+    reused by every enqueue; ``reset()`` before each top-level enqueue).
 
-    ``enqueue(stream, graph=None)`` issues everything on ``stream``; inside a ``GraphCapture``
-    pass it as ``graph`` and each ``parallel`` section becomes a fork/join pair of branches.
+    A stream is never handed out twice within one enqueue: a reused stream would order its
+    new work after its old work, a false dependency between branches that are meant to run
+    concurrently. Events are reused freely (a wait binds to the event's latest record)."""
+
+    def __init__(self):
+        self.streams: list = []
+        self.events: list = []
+        self._s = self._e = 0
+
+    def reset(self) -> None:
+        self._s = self._e = 0
+
+    def reserve(self, ops: Ops) -> None:
+        """Create what enqueueing ``ops`` takes, up front (not during a graph capture)."""
+        streams, events = ops.branch_resources()
+        self.reset()
+        for _ in range(streams):
+            self.stream()
+        for _ in range(events):
+            self.event()
+        self.reset()
+
+    def stream(self):
+        from foxhunt.fast.device import Stream, _driver, call
+
+        if self._s == len(self.streams):
+            drv = _driver()
+            self.streams.append(Stream(call(drv.cuStreamCreate,
+                                            drv.CUstream_flags.CU_STREAM_NON_BLOCKING.value)))
+        self._s += 1
+        return self.streams[self._s - 1]
+
+    def event(self):
+        from foxhunt.fast.device import _driver, call
+
+        if self._e == len(self.events):
+            drv = _driver()
+            self.events.append(call(drv.cuEventCreate, drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value))
+        self._e += 1
+        return self.events[self._e - 1]
+
+    def close(self) -> None:
+        from foxhunt.fast.device import _driver
+
+        for s in self.streams:
+            s.close()
+        for e in self.events:
+            _driver().cuEventDestroy(e)
+        self.streams, self.events = [], []
+
+
+class Ops:
+    """A launch list: kernels (arguments packed once), GEMMs, copies, fork/join sections and
+    named events.
+
+    ``parallel(*sides, main)``: each ``side`` runs on its own stream, forked from the current
+    point; ``main`` continues on the current stream; everything is joined afterwards.
+    ``record(name)`` / ``wait(name)``: a cross-branch dependency (the waiting branch's later
+    work runs after the recording branch's earlier work; a side must record before a later
+    sibling or ``main`` waits: enqueue order is sides first, then main).
+    ``enqueue(stream, pool)`` issues everything on ``stream`` (eagerly, or inside a graph
+    capture, where the sections become graph branches: the events only add edges).
     """
 
     def __init__(self, module):
@@ -491,21 +580,54 @@ class Ops:
             raise ValueError(f"kind: {kind!r}; expected 'htod' or 'dtod'")
         self.items.append(("copy", kind, int(dst), int(src), int(nbytes)))
 
-    def parallel(self, side: Ops, main: Ops) -> None:
-        """``side`` and ``main`` run concurrently (``side`` on a branch), joined afterwards."""
-        self.items.append(("parallel", side, main))
+    def parallel(self, *branches: Ops) -> None:
+        """All but the last of ``branches`` on forked side streams, the last on this stream;
+        joined afterwards (class docstring)."""
+        if len(branches) < 2:
+            raise ValueError(f"parallel: {len(branches)} branches; need at least 2")
+        self.items.append(("parallel", branches[:-1], branches[-1]))
+
+    def record(self, name: str) -> None:
+        self.items.append(("record", name))
+
+    def wait(self, name: str) -> None:
+        self.items.append(("wait", name))
 
     def extend(self, other: Ops) -> None:
         self.items.extend(other.items)
 
     def node_count(self) -> int:
-        return sum(it[1].node_count() + it[2].node_count() if it[0] == "parallel" else 1
-                   for it in self.items)
+        count = 0
+        for it in self.items:
+            if it[0] == "parallel":
+                count += sum(b.node_count() for b in it[1]) + it[2].node_count()
+            elif it[0] not in ("record", "wait"):
+                count += 1
+        return count
 
-    def enqueue(self, stream, graph=None) -> None:
+    def branch_resources(self) -> tuple[int, int]:
+        """``(side streams, events)`` one enqueue takes (``BranchPool.reserve``)."""
+        streams = events = 0
+        for it in self.items:
+            if it[0] == "parallel":
+                streams += len(it[1])
+                events += 1 + len(it[1])
+                for branch in (*it[1], it[2]):
+                    s, e = branch.branch_resources()
+                    streams, events = streams + s, events + e
+            elif it[0] == "record":
+                events += 1
+        return streams, events
+
+    def enqueue(self, stream, pool: BranchPool | None = None, _events: dict | None = None) -> None:
         from foxhunt.fast.device import _driver, as_stream_handle, call
 
         drv = _driver()
+        if _events is None:
+            _events = {}
+            if pool is not None:
+                pool.reset()
+        handle = as_stream_handle(stream)
         for it in self.items:
             kind = it[0]
             if kind == "kernel":
@@ -517,16 +639,35 @@ class Ops:
             elif kind == "copy":
                 _, how, dst, src, nbytes = it
                 fn = drv.cuMemcpyHtoDAsync if how == "htod" else drv.cuMemcpyDtoDAsync
-                call(fn, dst, src, nbytes, as_stream_handle(stream))
+                call(fn, dst, src, nbytes, handle)
             elif kind == "parallel":
-                _, side, main = it
-                if graph is None:
-                    side.enqueue(stream)
-                    main.enqueue(stream)
-                else:
-                    with graph.branch() as side_stream:
-                        side.enqueue(side_stream)
-                        main.enqueue(stream)
+                _, sides, main = it
+                if pool is None:
+                    raise ValueError("Ops.enqueue: a parallel section needs a BranchPool")
+                fork = pool.event()
+                call(drv.cuEventRecord, fork, handle)
+                joins = []
+                for side in sides:
+                    side_stream = pool.stream()
+                    call(drv.cuStreamWaitEvent, side_stream.handle, fork, 0)
+                    side.enqueue(side_stream, pool, _events)
+                    join = pool.event()
+                    call(drv.cuEventRecord, join, side_stream.handle)
+                    joins.append(join)
+                main.enqueue(stream, pool, _events)
+                for join in joins:
+                    call(drv.cuStreamWaitEvent, handle, join, 0)
+            elif kind == "record":
+                if it[1] in _events:
+                    raise ValueError(f"event {it[1]!r} recorded twice")
+                if pool is None:
+                    raise ValueError("Ops.enqueue: events need a BranchPool")
+                _events[it[1]] = ev = pool.event()
+                call(drv.cuEventRecord, ev, handle)
+            elif kind == "wait":
+                if it[1] not in _events:
+                    raise ValueError(f"wait on event {it[1]!r} before it is recorded")
+                call(drv.cuStreamWaitEvent, handle, _events[it[1]], 0)
             else:  # pragma: no cover - internal
                 raise AssertionError(kind)
 
@@ -560,6 +701,7 @@ class StepProgram:
         self.fwd_mode = "bf16" if layout.bf16 else "f32"
         self.bwd_mode = "tf32" if layout.bf16 else "f32"
         self.fallbacks: list[str] = []  # GEMM epilogues cuBLASLt refused (plain GEMM + kernels)
+        self.pool = BranchPool()  # side streams and events of the parallel sections
         self._eval = None  # (arena, packed) of the evaluation forward being built
 
     # -- pointers
@@ -597,7 +739,20 @@ class StepProgram:
     def _plan(self, m, n, k, *, ptrs, **kw):
         from foxhunt.fast.gemm import GemmPlan
 
-        plan = GemmPlan(self.device, m, n, k, min_alignment=common_alignment(*ptrs), **kw)
+        from foxhunt.fast.gemm import GemmPlanError
+
+        align = common_alignment(*ptrs)
+        plan = None
+        if GEMM_WORKSPACE_LIMIT is not None:
+            try:
+                plan = GemmPlan(self.device, m, n, k, min_alignment=align,
+                                workspace_limit=GEMM_WORKSPACE_LIMIT, **kw)
+            except GemmPlanError:
+                if not GEMM_WORKSPACE_RETRY:
+                    raise  # an epilogue plan then takes the plain GEMM + kernels fallback
+                plan = None  # no algorithm within the limit: take the default's
+        if plan is None:
+            plan = GemmPlan(self.device, m, n, k, min_alignment=align, **kw)
         self.plans.append(plan)
         return plan
 
@@ -661,10 +816,12 @@ class StepProgram:
 
     # -- forward
     def forward(self, ops: Ops, *, tag: str, rows: int, which: int, x: int, xb: int | None,
-                aux: bool, logits_key) -> None:
+                aux: bool, logits_key, extra: Ops | None = None) -> None:
         """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
         Mech 10 clamp (bound from ISV[H_S2_RMS_EMA] on the device), heads, dueling combine
-        into the packed ``logits`` buffer at ``logits_key(d)``."""
+        into the packed ``logits`` buffer at ``logits_key(d)``. The heads' GEMMs run as
+        parallel branches (first layers, then second layers; each branch's dueling combine
+        waits for the value head only); ``extra`` runs alongside the first layers."""
         lay, c = self.lay, self.config
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
@@ -688,71 +845,113 @@ class StepProgram:
                    isv_mod.H_S2_RMS_EMA_INDEX, np.float32(c.h2_clamp_mult))
         h2_in = h2b if bf16 else h2
         hid = self.packed(f"hid{tag}")
+        firsts = [] if extra is None else [extra]
         for h in lay.heads:
-            self.linear(ops, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
+            branch = Ops(self.module)
+            self.linear(branch, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
                         c=self.ptr(f"hid{tag}", h.key), bias=p32(h.b1), epilogue=relu_ep,
                         aux=self.ptr(f"auxh{tag}_{h.key}") if aux else None)
+            firsts.append(branch)
+        ops.parallel(*firsts)
         hid_in = lambda key: self.ptr(f"hid{tag}", key)  # noqa: E731
         if bf16:
             self.to_bf16(ops, self.ptr(f"hid{tag}"), self.ptr(f"hid{tag}_bf16"), hid.total)
             hid_in = lambda key: self.ptr(f"hid{tag}_bf16", offset=hid.offsets[key])  # noqa: E731
         v = self.ptr(f"v{tag}")
+        seconds = []  # the value head first: the branches wait on its event
         for d, h in enumerate(lay.heads):
+            branch = Ops(self.module)
             out = v if d == 0 else self.ptr(f"adv{tag}{d - 1}")
-            self.linear(ops, rows=rows, n=h.out, k=h.hidden, x=hid_in(h.key), w=wfwd(h.w2),
+            self.linear(branch, rows=rows, n=h.out, k=h.hidden, x=hid_in(h.key), w=wfwd(h.w2),
                         c=out, bias=p32(h.b2), epilogue="bias")
-        for d, n in enumerate(lay.branches):
-            ops.kernel("dueling_combine", self.k["dist"].plan_dueling_combine(rows, n, lay.NA),
-                       v, self.ptr(f"adv{tag}{d}"), self.ptr("logits", logits_key(d)), rows, n,
-                       lay.NA)
+            if d == 0:
+                branch.record(f"v{tag}")
+            else:
+                branch.wait(f"v{tag}")
+                n = lay.branches[d - 1]
+                branch.kernel("dueling_combine", self.k["dist"].plan_dueling_combine(rows, n, lay.NA),
+                              v, self.ptr(f"adv{tag}{d - 1}"), self.ptr("logits", logits_key(d - 1)),
+                              rows, n, lay.NA)
+            seconds.append(branch)
+        ops.parallel(*seconds)
 
     # -- backward of one loss
-    def backward(self, ops: Ops, loss: str) -> None:
+    def backward(self, ops: Ops, loss: str, head_pre) -> None:
         """network.backward for the logit gradients in ``dlogits_<loss>``, into ``grad_<loss>``
-        (every tensor written, padding untouched); online(s) activations are rows 0..B."""
+        (every tensor written, padding untouched); online(s) activations are rows 0..B.
+
+        Parallel branches: one per advantage head (``head_pre(d)``: the Ops that produce
+        ``dlogits_<loss>`` of branch d, then the dueling backward and the head's GEMMs), the
+        value head (after every branch's dueling backward), and the trunk (after every head's
+        ``dh2`` part; the parts are summed in the reference's order: branches, then value).
+        Each head computes its ``dh2`` part before its weight gradients, so those overlap the
+        trunk."""
         lay = self.lay
         B, NA, H1, H2 = lay.B, lay.NA, lay.H1, lay.H2
         g = f"grad_{loss}"
         P = lambda name: self.weight(name, 0, bf16=False)  # noqa: E731 - f32 master weights
-        for d, n in enumerate(lay.branches):
-            ops.kernel("dueling_combine_backward",
-                       self.k["dist"].plan_dueling_combine_backward(B, n, NA),
-                       self.ptr(f"dlogits_{loss}", d), self.ptr(f"dv_parts_{loss}", offset=d * B * NA),
-                       self.ptr(f"dadv_{loss}{d}"), B, n, NA)
-        ops.kernel("glue_branch_sum", flat_plan(B * NA), self.ptr(f"dv_parts_{loss}"),
-                   self.ptr(f"dv_{loss}"), B * NA, lay.nb, B * NA, np.float32(1.0))
-        dh2 = self.ptr(f"dh2_{loss}")
         h2 = self.ptr("h2o")
-        # Heads in the reference's order: every branch, then the value head; dh2 accumulates.
-        order = list(range(1, len(lay.heads))) + [0]
-        for i, hi in enumerate(order):
+        parts = self.packed(f"dh2p_{loss}")
+
+        def head(branch: Ops, hi: int, dy: int) -> None:
             h = lay.heads[hi]
-            dy = self.ptr(f"dv_{loss}") if hi == 0 else self.ptr(f"dadv_{loss}{hi - 1}")
             hid = self.ptr("hido", h.key)
             dhid = self.ptr(f"dhid_{loss}", h.key)
-            self.weight_grad(ops, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
-                             dw=self.grad_ptr(g, h.w2), db=self.grad_ptr(g, h.b2))
-            self.input_grad(ops, dy=dy, w=P(h.w2), dx=dhid, rows=B, n_out=h.out, n_in=h.hidden,
+            self.input_grad(branch, dy=dy, w=P(h.w2), dx=dhid, rows=B, n_out=h.out, n_in=h.hidden,
                             relu=(self.ptr(f"auxho_{h.key}"), hid, self.grad_ptr(g, h.b1),
-                                  self.ptr(f"dpre_{loss}")))
-            self.weight_grad(ops, dy=dhid, x=h2, rows=B, n_out=h.hidden, n_in=H2,
+                                  self.ptr(f"dpre_{loss}", h.key)))
+            self.input_grad(branch, dy=dhid, w=P(h.w1), dx=self.ptr(f"dh2p_{loss}", h.key),
+                            rows=B, n_out=h.hidden, n_in=H2)
+            branch.record(f"dh2p_{loss}_{h.key}")
+            self.weight_grad(branch, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
+                             dw=self.grad_ptr(g, h.w2), db=self.grad_ptr(g, h.b2))
+            self.weight_grad(branch, dy=dhid, x=h2, rows=B, n_out=h.hidden, n_in=H2,
                              dw=self.grad_ptr(g, h.w1))
-            self.input_grad(ops, dy=dhid, w=P(h.w1), dx=dh2, rows=B, n_out=h.hidden, n_in=H2,
-                            beta=0.0 if i == 0 else 1.0)
-        if loss == "c51":  # slot 33: the trunk-gradient buffer right after the main backward
-            ops.kernel("nan_check", self.k["safety"].plan_nan_check(B * H2), dh2, B * H2,
-                       self.ptr("flags", offset=sentinels.index("d_h2_post_main")))
+
+        chains = []
+        for d, n in enumerate(lay.branches):
+            branch = Ops(self.module)
+            branch.extend(head_pre(d))
+            branch.kernel("dueling_combine_backward",
+                          self.k["dist"].plan_dueling_combine_backward(B, n, NA),
+                          self.ptr(f"dlogits_{loss}", d), self.ptr(f"dv_parts_{loss}", offset=d * B * NA),
+                          self.ptr(f"dadv_{loss}{d}"), B, n, NA)
+            branch.record(f"dvp_{loss}{d}")
+            head(branch, d + 1, self.ptr(f"dadv_{loss}{d}"))
+            chains.append(branch)
+        value = Ops(self.module)
+        for d in range(lay.nb):
+            value.wait(f"dvp_{loss}{d}")
+        value.kernel("glue_branch_sum", flat_plan(B * NA), self.ptr(f"dv_parts_{loss}"),
+                     self.ptr(f"dv_{loss}"), B * NA, lay.nb, B * NA, np.float32(1.0))
+        head(value, 0, self.ptr(f"dv_{loss}"))
+        chains.append(value)
+        trunk = Ops(self.module)
+        for h in lay.heads:
+            trunk.wait(f"dh2p_{loss}_{h.key}")
+        dh2 = self.ptr(f"dh2_{loss}")
         dh2m = self.ptr(f"dh2m_{loss}")
-        ops.kernel("glue_h2_grad_mask", flat_plan(B * H2), dh2, h2, self.ptr("h2preo"), dh2m, B * H2)
-        self.weight_grad(ops, dy=dh2m, x=self.ptr("h1o"), rows=B, n_out=H2, n_in=H1,
+        order = [h.key for h in lay.heads[1:]] + [lay.heads[0].key]
+        stride = _blocks(B * H2, OPERAND_ALIGN) * OPERAND_ALIGN
+        assert [parts.offsets[k] for k in order] == [i * stride for i in range(len(order))]
+        trunk.kernel("glue_h2_grad_mask", flat_plan(B * H2), self.ptr(f"dh2p_{loss}"),
+                     len(order), stride, h2, self.ptr("h2preo"), dh2, dh2m, B * H2)
+        if loss == "c51":  # slot 33: the trunk-gradient buffer right after the main backward
+            trunk.kernel("nan_check", self.k["safety"].plan_nan_check(B * H2), dh2, B * H2,
+                         self.ptr("flags", offset=sentinels.index("d_h2_post_main")))
+        dw2 = Ops(self.module)
+        self.weight_grad(dw2, dy=dh2m, x=self.ptr("h1o"), rows=B, n_out=H2, n_in=H1,
                          dw=self.grad_ptr(g, "w_s2"), db=self.grad_ptr(g, "b_s2"))
+        rest = Ops(self.module)
         dh1 = self.ptr(f"dh1_{loss}")
-        self.input_grad(ops, dy=dh2m, w=P("w_s2"), dx=dh1, rows=B, n_out=H2, n_in=H1,
+        self.input_grad(rest, dy=dh2m, w=P("w_s2"), dx=dh1, rows=B, n_out=H2, n_in=H1,
                         relu=(self.ptr("aux1o"), self.ptr("h1o"), self.grad_ptr(g, "b_s1"),
-                              self.ptr(f"dpre_{loss}")))
-        x = self.batch_ptr("x")
-        self.weight_grad(ops, dy=dh1, x=x, rows=B, n_out=H1, n_in=lay.SD,
+                              self.ptr(f"dpre_{loss}", "trunk")))
+        self.weight_grad(rest, dy=dh1, x=self.batch_ptr("x"), rows=B, n_out=H1, n_in=lay.SD,
                          dw=self.grad_ptr(g, "w_s1"))
+        trunk.parallel(dw2, rest)
+        chains.append(trunk)
+        ops.parallel(*chains)
 
     def norm(self, ops: Ops, src: str, which: str) -> None:
         """``sq_<which> = grad_norm_sq(src)`` in two phases (fixed trees, no atomics)."""
@@ -778,18 +977,30 @@ class StepProgram:
         return out
 
     def graph1_body(self) -> Ops:
-        """Graph 1 after the batch copy (module docstring)."""
+        """Graph 1 after the batch copy (module docstring). Branch structure:
+
+        - the step prologue alongside everything up to the step scalars;
+        - the target pass alongside the online pass (heads parallel inside each);
+        - after log-softmax and expected Q: the CQL chain (per branch: CQL logit gradient, then
+          its heads' backward; value head; trunk; norm), the C51 chain (per branch: double-DQN
+          choice, gather, projection, C51 gradient, then the heads' backward; value head; trunk;
+          norm; copy and budget clip into ``grad``) and the C51 bookkeeping (scalar targets,
+          Mech 1, per-branch C51 losses, td errors) run in parallel;
+        - then the CQL budget SAXPY, the total norm and the step scalars.
+        """
         lay, c = self.lay, self.config
         B, NA, nb = lay.B, lay.NA, lay.nb
-        dist, safety = self.k["dist"], self.k["safety"]
-        ops = Ops(self.module)
+        dist, safety, opt = self.k["dist"], self.k["safety"], self.k["optim"]
+        NP = lay.NP
         sp = lay.sentinel
-        ops.kernel("glue_step_prologue", (1, GLUE_THREADS, 0), self.ptr("isv"), self.ptr("adam_t"),
-                   self.ptr("weight_clamp"), self.ptr("clip_bound"), self.ptr("thr_mult"),
-                   self.ptr("thr_isv_index"), self.ptr("thr_power"), self.ptr("thresholds"),
-                   sp.n_desc, isv_mod.Q_ABS_REF_INDEX, isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
-                   np.float32(c.weight_clamp_mult), np.float32(c.max_grad_norm),
-                   np.float32(c.grad_clip_anchor_mult))
+        prologue = Ops(self.module)
+        prologue.kernel("glue_step_prologue", (1, GLUE_THREADS, 0), self.ptr("isv"),
+                        self.ptr("adam_t"), self.ptr("weight_clamp"), self.ptr("clip_bound"),
+                        self.ptr("thr_mult"), self.ptr("thr_isv_index"), self.ptr("thr_power"),
+                        self.ptr("thresholds"), sp.n_desc, isv_mod.Q_ABS_REF_INDEX,
+                        isv_mod.GRAD_NORM_SLOW_EMA_INDEX, np.float32(c.weight_clamp_mult),
+                        np.float32(c.max_grad_norm), np.float32(c.grad_clip_anchor_mult))
+        ops = Ops(self.module)
         x = self.batch_ptr("x")
         x2 = x + B * lay.SD * 4
         xb = xb2 = None
@@ -798,11 +1009,12 @@ class StepProgram:
             xb2 = xb + B * lay.SD * 2
             self.to_bf16(ops, x, xb, 2 * B * lay.SD)
         online, target = Ops(self.module), Ops(self.module)
-        self.forward(online, tag="o", rows=2 * B, which=0, x=x, xb=xb, aux=True,
-                     logits_key=lambda d: ("o", d))
         # Slot 12: online(s)'s h2 before the Mech 10 clamp (the clamp writes another buffer).
-        online.kernel("nan_check", safety.plan_nan_check(B * lay.H2), self.ptr("h2preo"),
-                      B * lay.H2, self.ptr("flags", offset=sentinels.index("h2")))
+        check_h2 = Ops(self.module)
+        check_h2.kernel("nan_check", safety.plan_nan_check(B * lay.H2), self.ptr("h2preo"),
+                        B * lay.H2, self.ptr("flags", offset=sentinels.index("h2")))
+        self.forward(online, tag="o", rows=2 * B, which=0, x=x, xb=xb, aux=True,
+                     logits_key=lambda d: ("o", d), extra=check_h2)
         self.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2, aux=False,
                      logits_key=lambda d: ("t", d))
         ops.parallel(target, online)
@@ -812,65 +1024,81 @@ class StepProgram:
         q_rows = 2 * B * lay.A_total
         ops.kernel("expected_q", dist.plan_expected_q(q_rows, 1, NA), self.ptr("logp"),
                    self.ptr("z"), self.ptr("q_o"), q_rows, NA)
-        for d, n in enumerate(lay.branches):
-            ops.kernel("double_dqn_select", dist.plan_double_dqn_select(B, n),
-                       self.ptr("q_o", d, B * n), self.ptr("a_star", offset=d * B), B, n)
         a_ptr, r_ptr = self.batch_ptr("a"), self.batch_ptr("r")
         done_ptr, isw_ptr = self.batch_ptr("done"), self.batch_ptr("isw")
-        ops.kernel("glue_gather_taken", flat_plan(nb * B * NA), self.ptr("logp", ("t", 0)),
-                   self.ptr("a_star"), self.ptr("q_o"), a_ptr, self.ptr("n_actions"),
-                   self.ptr("action_offset"), self.ptr("p_next"), self.ptr("q_taken"), nb, B, NA,
-                   2 * B)
         lo, hi = np.float32(c.v_min), np.float32(c.v_max)
         dz = _atom_spacing(lo, hi, NA)
-        for d in range(nb):
-            ops.kernel("c51_project", dist.plan_c51_project(B, NA),
-                       self.ptr("p_next", offset=d * B * NA), r_ptr, done_ptr,
-                       self.ptr("gamma", offset=d), self.ptr("z"), self.ptr("m", offset=d * B * NA),
-                       B, NA, lo, hi, dz)
-        ops.kernel("glue_scalar_targets", flat_plan(nb * B), self.ptr("p_next"), self.ptr("z"),
-                   r_ptr, done_ptr, self.ptr("gamma"), self.ptr("target_q"), nb, B, NA)
-        ops.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), self.ptr("target_q"),
-                   self.ptr("target_q"), nb * B, np.float32(c.target_q_clip_mult),
-                   self.ptr("isv", offset=isv_mod.Q_ABS_REF_INDEX))
-        for d, n in enumerate(lay.branches):
-            logp = self.ptr("logp", ("o", d))
-            act = a_ptr + d * B * 4
+
+        def c51_pre(d: int) -> Ops:
+            n = lay.branches[d]
+            pre = Ops(self.module)
+            pre.kernel("double_dqn_select", dist.plan_double_dqn_select(B, n),
+                       self.ptr("q_o", d, B * n), self.ptr("a_star", offset=d * B), B, n)
+            # The gather for branch d alone: every per-branch table and output shifted by d.
+            pre.kernel("glue_gather_taken", flat_plan(B * NA), self.ptr("logp", ("t", 0)),
+                       self.ptr("a_star", offset=d * B), self.ptr("q_o"), a_ptr + d * B * 4,
+                       self.ptr("n_actions", offset=d), self.ptr("action_offset", offset=d),
+                       self.ptr("p_next", offset=d * B * NA), self.ptr("q_taken", offset=d * B),
+                       1, B, NA, 2 * B)
             m = self.ptr("m", offset=d * B * NA)
-            ops.kernel("c51_loss", dist.plan_c51_loss(B, n, NA), logp, act, m, isw_ptr,
-                       self.ptr("scale"), self.ptr("ce", offset=d * B),
-                       self.ptr("c51_total", offset=d), B, n, NA)
-            ops.kernel("c51_grad", dist.plan_c51_grad(B, n, NA), logp, act, m, isw_ptr,
-                       self.ptr("scale"), self.ptr("dlogits_c51", d), B, n, NA)
-            ops.kernel("cql_logit_grad", dist.plan_cql_logit_grad(B, n, NA), logp, act,
-                       self.ptr("z"), self.ptr("alpha"), self.ptr("scale"),
-                       self.ptr("dlogits_cql", d), self.ptr("terms", offset=d * B), B, n, NA)
-        ops.kernel("glue_branch_sum", flat_plan(B), self.ptr("ce"), self.ptr("td"), B, nb, B,
-                   np.float32(nb))
-        c51_side, cql_side = Ops(self.module), Ops(self.module)
-        self.backward(cql_side, "cql")
+            pre.kernel("c51_project", dist.plan_c51_project(B, NA),
+                       self.ptr("p_next", offset=d * B * NA), r_ptr, done_ptr,
+                       self.ptr("gamma", offset=d), self.ptr("z"), m, B, NA, lo, hi, dz)
+            pre.record(f"m{d}")
+            pre.kernel("c51_grad", dist.plan_c51_grad(B, n, NA), self.ptr("logp", ("o", d)),
+                       a_ptr + d * B * 4, m, isw_ptr, self.ptr("scale"),
+                       self.ptr("dlogits_c51", d), B, n, NA)
+            return pre
+
+        def cql_pre(d: int) -> Ops:
+            n = lay.branches[d]
+            pre = Ops(self.module)
+            pre.kernel("cql_logit_grad", dist.plan_cql_logit_grad(B, n, NA),
+                       self.ptr("logp", ("o", d)), a_ptr + d * B * 4, self.ptr("z"),
+                       self.ptr("alpha"), self.ptr("scale"), self.ptr("dlogits_cql", d),
+                       self.ptr("terms", offset=d * B), B, n, NA)
+            return pre
+
+        cql_side = Ops(self.module)
+        self.backward(cql_side, "cql", cql_pre)
         self.norm(cql_side, "grad_cql", "cql")
-        self.backward(c51_side, "c51")
+        c51_side = Ops(self.module)
+        self.backward(c51_side, "c51", c51_pre)
         self.norm(c51_side, "grad_c51", "c51")
-        ops.parallel(cql_side, c51_side)
         # Budget pipeline: grad = clip(grad_c51, 0.70 mgn); grad += clipped(grad_cql, 0.15 mgn).
-        opt = self.k["optim"]
-        NP = lay.NP
-        ops.copy(self.ptr("grad"), self.ptr("grad_c51"), NP * 4, "dtod")
-        ops.kernel("clip_grad_inplace", opt.plan_clip_grad_inplace(NP), self.ptr("grad"), NP,
-                   np.float32(c.budget("c51")), self.ptr("sq_c51"))
+        c51_side.copy(self.ptr("grad"), self.ptr("grad_c51"), NP * 4, "dtod")
+        c51_side.kernel("clip_grad_inplace", opt.plan_clip_grad_inplace(NP), self.ptr("grad"), NP,
+                        np.float32(c.budget("c51")), self.ptr("sq_c51"))
+        books = Ops(self.module)  # C51 bookkeeping, after every branch's projection
+        for d in range(nb):
+            books.wait(f"m{d}")
+        books.kernel("glue_scalar_targets", flat_plan(nb * B), self.ptr("p_next"), self.ptr("z"),
+                     r_ptr, done_ptr, self.ptr("gamma"), self.ptr("target_q"), nb, B, NA)
+        books.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), self.ptr("target_q"),
+                     self.ptr("target_q"), nb * B, np.float32(c.target_q_clip_mult),
+                     self.ptr("isv", offset=isv_mod.Q_ABS_REF_INDEX))
+        for d, n in enumerate(lay.branches):
+            books.kernel("c51_loss", dist.plan_c51_loss(B, n, NA), self.ptr("logp", ("o", d)),
+                         a_ptr + d * B * 4, self.ptr("m", offset=d * B * NA), isw_ptr,
+                         self.ptr("scale"), self.ptr("ce", offset=d * B),
+                         self.ptr("c51_total", offset=d), B, n, NA)
+        books.kernel("glue_branch_sum", flat_plan(B), self.ptr("ce"), self.ptr("td"), B, nb, B,
+                     np.float32(nb))
+        ops.parallel(cql_side, c51_side, books)
         ops.kernel("clipped_saxpy", opt.plan_clipped_saxpy(NP), self.ptr("grad"),
                    self.ptr("grad_cql"), NP, np.float32(1.0), np.float32(c.budget("cql")),
                    self.ptr("sq_cql"))
         self.norm(ops, "grad", "total")
-        ops.kernel("glue_step_scalars", (1, GLUE_THREADS, 0), self.ptr("c51_total"),
-                   self.ptr("terms"), self.ptr("q_taken"), self.ptr("target_q"),
-                   self.ptr("sq_c51"), self.ptr("sq_cql"), self.ptr("sq_total"),
-                   self.ptr("clip_bound"), self.ptr("isv"), self.ptr("safety_scale"),
-                   self.ptr("readback"), nb, B, np.float32(c.cql_alpha),
-                   np.float32(c.budget("c51")), np.float32(c.budget("cql")),
-                   isv_mod.GRAD_NORM_SLOW_EMA_INDEX, np.float32(c.grad_slow_ema_alpha))
-        return ops
+        body = Ops(self.module)
+        body.parallel(prologue, ops)
+        body.kernel("glue_step_scalars", (1, GLUE_THREADS, 0), self.ptr("c51_total"),
+                    self.ptr("terms"), self.ptr("q_taken"), self.ptr("target_q"),
+                    self.ptr("sq_c51"), self.ptr("sq_cql"), self.ptr("sq_total"),
+                    self.ptr("clip_bound"), self.ptr("isv"), self.ptr("safety_scale"),
+                    self.ptr("readback"), nb, B, np.float32(c.cql_alpha),
+                    np.float32(c.budget("c51")), np.float32(c.budget("cql")),
+                    isv_mod.GRAD_NORM_SLOW_EMA_INDEX, np.float32(c.grad_slow_ema_alpha))
+        return body
 
     # -- graph 2
     def graph2_ops(self) -> Ops:

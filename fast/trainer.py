@@ -91,15 +91,17 @@ class Trainer(TrainerBackend):
         # Capture: graph 1 once per staging buffer (only the first copy differs), graph 2 once.
         self._graph1 = []
         ops1 = prog.graph1_ops([buf.ctypes.data for buf in self._staging])
+        ops2 = prog.graph2_ops()
+        for ops in (*ops1, ops2):
+            prog.pool.reserve(ops)
         for ops in ops1:
             graph = GraphCapture(self._stream)
             with graph:
-                ops.enqueue(self._stream, graph)
+                ops.enqueue(self._stream, prog.pool)
             self._graph1.append(graph)
-        ops2 = prog.graph2_ops()
         self._graph2 = GraphCapture(self._stream)
         with self._graph2:
-            ops2.enqueue(self._stream, self._graph2)
+            ops2.enqueue(self._stream, prog.pool)
         #: Launches per step as planned (graph 1, graph 2); the graphs' own node counts are
         #: ``graph_node_counts``.
         self.planned_launches = (ops1[0].node_count(), ops2.node_count())
@@ -231,10 +233,11 @@ class Trainer(TrainerBackend):
             specs, packed = self.layout.eval_specs(rows)
             arena = Arena.from_specs(self.device, specs)
             cached = (arena, packed, self.program.eval_ops(arena, packed, rows))
+            self.program.pool.reserve(cached[2])
             self._eval_cache[rows] = cached
         arena, packed, ops = cached
         arena.upload_async("x", states, self._stream)
-        ops.enqueue(self._stream)
+        ops.enqueue(self._stream, self.program.pool)
         q = arena.download("q")  # synchronises the stream
         out, q_packed = [], packed["q"]
         for d, n in enumerate(self.config.branches):
@@ -332,6 +335,7 @@ class Trainer(TrainerBackend):
                 g.close()
             for plan in self.program.plans:
                 plan.close()
+            self.program.pool.close()
             for event in self._events:
                 _driver().cuEventDestroy(event)
             for arena, _, _ in self._eval_cache.values():

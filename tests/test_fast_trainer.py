@@ -12,8 +12,10 @@ Every test runs on two backends of the fast Trainer:
   memory, each CUDA kernel runs its reference twin, each cuBLASLt GEMM the reference GEMM
   emulation plus its epilogue, graphs record and replay. It checks the Trainer's wiring on any
   machine with NVRTC; it cannot check the CUDA code itself (the conformance suite and the
-  ``gpu`` backend do). Parallel graph sections replay with the main branch first or the side
-  branch first, so an ordering bug between them shows.
+  ``gpu`` backend do). A captured graph is a dependency graph (stream order plus event
+  waits); it replays in capture order or "latest ready node first", so a dependency missing
+  between parallel branches shows; a capture must fork every side stream from the capture
+  stream and join it back.
 
 Tolerances (relative to the largest magnitude in each compared buffer; integers, flags and NaN
 maps exact): ``emulated`` 1e-5 (the same reference kernels, different GEMM shapes and sum
@@ -86,7 +88,10 @@ def _scalar(ptr, dtype=F):
 
 class _Emulator:
     """Record-or-run dispatch: outside a capture a launch runs at once; inside, it is recorded
-    (per stream inside a parallel section) and runs at replay."""
+    as a node of the capture's dependency graph (stream order plus event waits) and runs at
+    replay, in ``branch_order``: ``"capture_order"`` (the order of capture) or
+    ``"latest_first"`` (always the most recently captured node whose dependencies have run:
+    a dependency missing between parallel branches makes the result differ)."""
 
     def __init__(self, branch_order: str):
         self.branch_order = branch_order
@@ -99,21 +104,43 @@ class _Emulator:
             self.capture.record(thunk, stream)
 
 
-EMU = _Emulator("side_first")
+EMU = _Emulator("latest_first")
 
 
 class _Stream:
     def __init__(self, side: bool = False):
         self.side = side
         self.handle = self
-        self.ptr = 1
+        self.ptr = id(self)
+
+    def __int__(self):
+        return self.ptr
 
     def synchronize(self):
         assert EMU.capture is None, "stream synchronisation inside a graph capture"
 
 
+class _Event:
+    deps: frozenset = frozenset()
+
+
 class _Driver:
     CUevent_flags = types.SimpleNamespace(CU_EVENT_DISABLE_TIMING=types.SimpleNamespace(value=2))
+    CUstream_flags = types.SimpleNamespace(CU_STREAM_NON_BLOCKING=types.SimpleNamespace(value=1))
+
+    @staticmethod
+    def cuStreamCreate(flags):  # noqa: N802
+        assert EMU.capture is None, "stream creation inside a graph capture"
+        return _Stream(side=True)
+
+    @staticmethod
+    def cuStreamDestroy(stream):  # noqa: N802
+        pass
+
+    @staticmethod
+    def cuStreamWaitEvent(stream, event, flags):  # noqa: N802
+        if EMU.capture is not None:
+            EMU.capture.stream_wait(stream, event)
 
     @staticmethod
     def cuMemsetD8Async(ptr, byte, n, stream):  # noqa: N802 - driver API names
@@ -131,11 +158,13 @@ class _Driver:
 
     @staticmethod
     def cuEventCreate(flags):  # noqa: N802
-        return object()
+        assert EMU.capture is None, "event creation inside a graph capture"
+        return _Event()
 
     @staticmethod
     def cuEventRecord(event, stream):  # noqa: N802
-        pass
+        if EMU.capture is not None:
+            EMU.capture.event_record(event, stream)
 
     @staticmethod
     def cuEventSynchronize(event):  # noqa: N802
@@ -421,9 +450,13 @@ def g_branch_sum(parts, out, n, nb, stride, divisor):
     _view(out, n, F)[:] = acc
 
 
-def g_h2_grad_mask(dh2, h2, h2_pre, out, n):
+def g_h2_grad_mask(parts, n_parts, stride, h2, h2_pre, dh2, out, n):
+    acc = np.zeros(n, F)
+    for k in range(n_parts):
+        acc = acc + _view(parts + k * stride * 4, n, F)
+    _view(dh2, n, F)[:] = acc
     pre = _view(h2_pre, n, F).copy()
-    masked = np.where(_view(h2, n, F) == pre, _view(dh2, n, F), F(0)).astype(F)
+    masked = np.where(_view(h2, n, F) == pre, acc, F(0)).astype(F)
     _view(out, n, F)[:] = dense.relu_mask(masked.reshape(1, -1), pre.reshape(1, -1)).ravel()
 
 
@@ -530,12 +563,20 @@ class _GemmPlan:
 
 
 class _Graph:
-    """GraphCapture stand-in: records launches; parallel sections replay in EMU.branch_order."""
+    """GraphCapture stand-in: records a dependency graph (each node after the previous node of
+    its stream and after the nodes its stream waited for through events), checks that every
+    side stream was forked from the capture and joined back, and replays in EMU.branch_order."""
 
     def __init__(self, stream, *, max_branches=4):
         self.stream = stream
-        self.thunks = []
-        self._section = None
+        self.thunks: list = []
+        self.deps: list[set] = []
+        self._last: dict[int, int] = {}
+        self._pending: dict[int, set] = {}
+
+    @staticmethod
+    def _key(stream) -> int:
+        return id(getattr(stream, "handle", stream))
 
     def __enter__(self):
         assert EMU.capture is None
@@ -544,28 +585,69 @@ class _Graph:
 
     def __exit__(self, *exc):
         EMU.capture = None
+        if exc[0] is None:
+            main = self._key(self.stream)
+            frontier = set(self._pending.get(main, ()))
+            if main in self._last:
+                frontier.add(self._last[main])
+            seen, todo = set(), list(frontier)
+            while todo:
+                i = todo.pop()
+                if i not in seen:
+                    seen.add(i)
+                    todo.extend(self.deps[i])
+            unjoined = sorted(set(range(len(self.thunks))) - seen)
+            assert not unjoined, f"capture ended with unjoined nodes {unjoined}"
         return False
 
     def record(self, thunk, stream):
-        if self._section is None:
-            self.thunks.append(thunk)
-        else:
-            side, main = self._section
-            (side if getattr(stream, "side", False) else main).append(thunk)
+        key = self._key(stream)
+        deps = set(self._pending.pop(key, ()))
+        if key in self._last:
+            deps.add(self._last[key])
+        assert deps or key == self._key(self.stream) or key in self._last, \
+            "work on a stream that was not forked from the capture stream"
+        self.thunks.append(thunk)
+        self.deps.append(deps)
+        self._last[key] = len(self.thunks) - 1
 
-    @contextlib.contextmanager
-    def branch(self):
-        assert self._section is None, "nested parallel sections"
-        self._section = ([], [])
-        yield _Stream(side=True)
-        side, main = self._section
-        self._section = None
-        self.thunks += (side + main) if EMU.branch_order == "side_first" else (main + side)
+    def event_record(self, event, stream):
+        key = self._key(stream)
+        deps = set(self._pending.get(key, ()))
+        if key in self._last:
+            deps.add(self._last[key])
+        event.deps = frozenset(deps)
+
+    def stream_wait(self, stream, event):
+        self._pending.setdefault(self._key(stream), set()).update(event.deps)
+
+    def order(self) -> list[int]:
+        import heapq
+
+        n = len(self.thunks)
+        children = [[] for _ in range(n)]
+        missing = [len(d) for d in self.deps]
+        for i, deps in enumerate(self.deps):
+            for j in deps:
+                children[j].append(i)
+        sign = -1 if EMU.branch_order == "latest_first" else 1
+        heap = [sign * i for i in range(n) if missing[i] == 0]
+        heapq.heapify(heap)
+        out = []
+        while heap:
+            i = sign * heapq.heappop(heap)
+            out.append(i)
+            for c in children[i]:
+                missing[c] -= 1
+                if missing[c] == 0:
+                    heapq.heappush(heap, sign * c)
+        assert len(out) == n, "dependency cycle"
+        return out
 
     def replay(self, stream=None):
         assert EMU.capture is None
-        for thunk in self.thunks:
-            thunk()
+        for i in self.order():
+            self.thunks[i]()
 
     @property
     def node_count(self):
@@ -623,7 +705,7 @@ def backend(request, monkeypatch, _nvrtc):
     if name == "emulated":
         if _nvrtc is not None:
             pytest.skip(_nvrtc)
-        _install_emulator(monkeypatch, "side_first")
+        _install_emulator(monkeypatch, "latest_first")
     from foxhunt.fast.trainer import Trainer
 
     made = []
@@ -826,7 +908,7 @@ def test_one_step_from_a_shared_state_matches_the_reference(backend, precision, 
     config = DQNConfig.preset(preset, precision=precision, readback_interval=1)
     tol = TOL[(name, precision)]
     ref, rng = _warm_reference(config, seed=11)
-    orders = ("side_first", "main_first") if name == "emulated" else (None,)
+    orders = ("latest_first", "capture_order") if name == "emulated" else (None,)
     for order in orders:
         if order is not None:
             EMU.branch_order = order
@@ -1016,7 +1098,7 @@ def test_gemm_epilogue_fallbacks_give_the_same_step(monkeypatch, _nvrtc, precisi
 
     if _nvrtc is not None:
         pytest.skip(_nvrtc)
-    _install_emulator(monkeypatch, "side_first")
+    _install_emulator(monkeypatch, "latest_first")
 
     class Refusing(_GemmPlan):
         def __init__(self, *args, epilogue=None, **kwargs):
@@ -1061,3 +1143,47 @@ def test_graph_node_counts_are_reported(backend):
             print(f"[{name} {preset} {precision}] graph nodes {g1} + {g2} = {fast.node_count} "
                   f"(planned launches {fast.planned_launches}); GEMM fallbacks: "
                   f"{list(fast.gemm_fallbacks) or 'none'}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
+@pytest.mark.parametrize("workspace", [None, 0], ids=["workspace-default", "workspace-0"])
+def test_graph_replay_timing(monkeypatch, workspace):
+    """Prints TIMING lines: the seed step's graph replays (graph 1 + graph 2) per step, node
+    counts and kinds, for both precisions (a benchmark print; asserts only that it ran)."""
+    from cuda.bindings import driver as drv
+
+    from foxhunt.fast import step_plan
+    from foxhunt.fast.device import call
+    from foxhunt.fast.trainer import Trainer
+
+    monkeypatch.setattr(step_plan, "GEMM_WORKSPACE_LIMIT", workspace, raising=False)
+    for precision in ("bf16", "f32"):
+        config = DQNConfig.preset("seed", precision=precision)
+        fast = Trainer(config)
+        try:
+            rng = np.random.default_rng(0)
+            for _ in range(3):
+                fast.step(Batch.random(config, rng))
+            stream = fast._stream
+            g1, g2 = fast._graph1[0], fast._graph2
+            start, end = call(drv.cuEventCreate, 0), call(drv.cuEventCreate, 0)
+            times = []
+            for _ in range(5):
+                call(drv.cuEventRecord, start, stream.handle)
+                for _ in range(200):
+                    g1.replay()
+                    g2.replay()
+                call(drv.cuEventRecord, end, stream.handle)
+                call(drv.cuEventSynchronize, end)
+                times.append(call(drv.cuEventElapsedTime, start, end) * 1e3 / 200)
+            drv.cuEventDestroy(start)
+            drv.cuEventDestroy(end)
+            kinds = g1.node_types() + g2.node_types()
+            print(f"TIMING seed {precision} workspace={workspace}: {np.median(times):.1f} us/step "
+                  f"(graph replays, median of 5x200; min {min(times):.1f}), nodes "
+                  f"{g1.node_count} + {g2.node_count} = {fast.node_count} {dict(kinds)}, "
+                  f"fallbacks {list(fast.gemm_fallbacks) or 'none'}")
+            assert np.isfinite(np.median(times))
+        finally:
+            fast.close()
