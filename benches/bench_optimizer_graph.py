@@ -7,20 +7,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import batch_pool, driver_event_time, shapes
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.batch import Batch
 
 REPLAYS = 200
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["bf16", "f32"])
-def test_optimizer_graph_replay(benchmark, fast_trainer_cls, precision):
-    config = DQNConfig.preset("seed", precision=precision)
+def test_optimizer_graph_replay(benchmark, harness, fast_trainer_cls, precision):
+    config = harness.config("seed", precision)
     trainer = fast_trainer_cls(config)
     try:
-        for batch in batch_pool(config)[:3]:
-            trainer.step(batch)
+        rng = np.random.default_rng(0)
+        for _ in range(3):
+            trainer.step(Batch.random(config, rng))
         trainer.end_epoch()
         graph = trainer._graph2  # the optimiser graph of the step (SPEC 9: graph 2)
         stream = trainer._stream
@@ -31,9 +31,9 @@ def test_optimizer_graph_replay(benchmark, fast_trainer_cls, precision):
             stream.synchronize()
 
         benchmark.group = f"optimizer-graph-seed-{precision}"
-        gpu_s = np.median([driver_event_time(stream, graph.replay, REPLAYS) for _ in range(5)])
+        gpu_s = np.median([harness.driver_event_time(stream, graph.replay, REPLAYS) for _ in range(5)])
         benchmark.extra_info.update(impl="fast", precision=precision, device="gpu",
-                                    shapes=shapes(config), nodes=graph.node_count,
+                                    batch=config.batch_size, nodes=graph.node_count,
                                     gpu_us=gpu_s * 1e6, per="graph replay")
         benchmark.pedantic(replays, rounds=5, iterations=1, warmup_rounds=1)
         print(f"OPTIMIZER GRAPH seed {precision}: {gpu_s * 1e6:.1f} us per replay (CUDA events, "
