@@ -441,6 +441,49 @@ def _sc_cql(kwargs, expected):
     return {"dlogits": _red(length, dmag), "terms": _red(length, zmax + math.log(logp.shape[1]) + 1)}
 
 
+# -- fused (every branch in one launch; branch-packed [R * A_total, NA] buffers) --------------
+def _branches(d: Dims) -> tuple[int, ...]:
+    """Three branches, two of them as wide as the case's largest (the seed's (3, 3, 2))."""
+    return (d.actions, d.actions, max(1, d.actions - 1))
+
+
+def _s_dueling_branches(d: Dims, rng) -> Kwargs:
+    br = _branches(d)
+    return {"v": _normal(rng, (d.batch, d.atoms)),
+            "adv": _normal(rng, (d.batch * sum(br), d.atoms)), "branches": br}
+
+
+def _s_dlogits_branches(d: Dims, rng) -> Kwargs:
+    br = _branches(d)
+    return {"dlogits": _normal(rng, (d.batch * sum(br), d.atoms), 1e-2), "branches": br}
+
+
+def _s_cql_branches(d: Dims, rng) -> Kwargs:
+    br = _branches(d)
+    rows = 2 * d.batch  # the online pass over [s; s2]: the first B samples of each block
+    return {"logp": _log_softmax(rng, (rows * sum(br), d.atoms)),
+            "actions": np.stack([rng.integers(0, n, d.batch) for n in br]).astype(I32),
+            "z": _support(d.atoms), "alpha": F32(1.0), "scale": F32(1.0 / (d.batch * len(br))),
+            "branches": br}
+
+
+def _sc_dueling_branches(kwargs, expected):
+    a = max(kwargs["branches"])
+    return {"out": _red(a, _maxabs(kwargs["v"]) + 2 * _maxabs(kwargs["adv"]))}
+
+
+def _sc_dueling_bwd_branches(kwargs, expected):
+    a, mag = max(kwargs["branches"]), _maxabs(kwargs["dlogits"])
+    return {"dv": _red(a, mag), "dadv": _red(a, 2 * mag)}
+
+
+def _sc_cql_branches(kwargs, expected):
+    logp, zmax, a = kwargs["logp"], _maxabs(kwargs["z"]), max(kwargs["branches"])
+    length = logp.shape[-1] + a
+    dmag = _maxabs(kwargs["alpha"]) * _maxabs(kwargs["scale"]) * 2 * zmax
+    return {"dlogits": _red(length, dmag), "terms": _red(length, zmax + math.log(a) + 1)}
+
+
 # -- optim -----------------------------------------------------------------------------------
 def _norm_sq(x: np.ndarray) -> np.float32:
     x64 = x.astype(np.float64)
@@ -742,6 +785,26 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
         _errors(_s_cql, lambda k: _replace(k, actions=np.full_like(k["actions"], k["logp"].shape[1])),
                 lambda k: _replace(k, z=k["z"][:-1])),
         scales=_sc_cql),
+    # fused
+    "dueling_combine_branches": SpecEntry(
+        ("out",), {"out": _F}, _s_dueling_branches, ("v", "adv"),
+        _errors(_s_dueling_branches, lambda k: _replace(k, v=k["v"][:, :-1]),
+                lambda k: _wrong_dtype(k, "adv"), lambda k: _replace(k, branches=(3, 0))),
+        scales=_sc_dueling_branches),
+    "dueling_combine_backward_branches": SpecEntry(
+        ("dv", "dadv"), {"dv": _F, "dadv": _F}, _s_dlogits_branches, ("dlogits",),
+        _errors(_s_dlogits_branches, lambda k: _wrong_dtype(k, "dlogits"),
+                lambda k: _replace(k, dlogits=k["dlogits"][:-1]),
+                lambda k: _replace(k, branches=())),
+        scales=_sc_dueling_bwd_branches),
+    "cql_logit_grad_branches": SpecEntry(
+        ("dlogits", "terms"), {"dlogits": _F, "terms": _F}, _s_cql_branches,
+        ("logp", "z", "alpha", "scale"),
+        _errors(_s_cql_branches,
+                lambda k: _replace(k, actions=np.full_like(k["actions"], max(k["branches"]))),
+                lambda k: _replace(k, actions=k["actions"][:-1]),
+                lambda k: _replace(k, z=k["z"][:-1])),
+        scales=_sc_cql_branches),
     # optim
     "grad_norm_sq": SpecEntry(
         ("out",), {"out": _F}, _s_vec, ("x",),

@@ -42,6 +42,19 @@ CHECK_NAMES = {
     "test_fast_injection": "fast vs reference: injected specials",
     "test_fast_gemm": "cuBLAS GEMM",
     "test_fast_batched_spectral_norm_equals_individual": "fast: batched == individual (bitwise)",
+    # test_step.py, test_graphs.py, test_longrun.py
+    "test_bounds_accept_a_legitimate_reimplementation": "step bounds accept a legitimate variant",
+    "test_fast_step_matches_reference": "fast vs reference: one step",
+    "test_fast_step_with_injected_non_finite_values": "fast vs reference: one step, NaN/Inf injected",
+    "test_fast_readback_sequence_matches_reference": "fast vs reference: readback sequence",
+    "test_fast_checkpoint_interchange": "checkpoint interchange (both ways)",
+    "test_kernel_graph_replay_equals_eager": "fast: graph replay == eager (bitwise)",
+    "test_gemm_plan_graph_replay_equals_eager": "fast: graph replay == eager (bitwise)",
+    "test_fused_nan_check_graph_replay_equals_eager": "fast: graph replay == eager (bitwise)",
+    "test_batched_spectral_norm_on_the_seed_matrices": "fast: seed matrices, batched == individual == graph",
+    "test_fingerprint_bits_survive_arena_round_trips": "fingerprint bits: device round trip",
+    "test_fingerprint_bits_survive_isv_kernels": "fingerprint bits: isv kernels",
+    "test_bf16_matches_f32_over_50_epochs": "long-run parity, BF16 vs F32 (50 epochs)",
 }
 SUITE = "(suite)"
 

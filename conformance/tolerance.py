@@ -566,6 +566,10 @@ TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType
     ("c51_loss", "f32"): {"ce": REDUCTION, "total": REDUCTION},
     ("c51_grad", "f32"): {"out": REDUCTION},
     ("cql_logit_grad", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
+    # fused: the per-branch kernels in one launch (their tolerances)
+    ("dueling_combine_branches", "f32"): {"out": REDUCTION},
+    ("dueling_combine_backward_branches", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
+    ("cql_logit_grad_branches", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
     # optim: norms are reductions; elementwise updates allow re-associated roundings
     ("grad_norm_sq", "f32"): {"out": REDUCTION},
     ("grad_norm_partial", "f32"): {"out": REDUCTION},

@@ -40,7 +40,9 @@ chains run in parallel, each split per branch (its loss kernels, dueling backwar
 GEMMs), with the value head after every branch's dueling backward and the trunk after every
 head's ``dh2`` part (summed in the reference's order by ``glue_h2_grad_mask``); the heads'
 weight gradients overlap the trunk. GEMMs are planned without a workspace where cuBLASLt allows
-(``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes). Everything else is op for op
+(``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes). The dueling combine, its
+backward and the CQL logit gradient run once over every branch (``cuda_src/fused.cu``:
+branch-packed buffers, ``blockIdx.y`` = branch). Everything else is op for op
 (the structure leaves room for the issue's fused plan: concatenated head weights, stacked
 C51/CQL backward, fused loss kernels).
 """
@@ -86,8 +88,11 @@ GEMM_WORKSPACE_LIMIT: int | None = 0
 #: Where no algorithm fits GEMM_WORKSPACE_LIMIT: True plans with the default limit (6 DRELU_BGRAD
 #: plans of the heads then bring 10 memsets back: bf16 232 us, f32 280 us on the H200); False
 #: raises, so those epilogues take the plain GEMM + relu_mask + bias_grad_reduce fallback
-#: (measured 219 us / 257 us, but that configuration has not been through the GPU tests yet).
-GEMM_WORKSPACE_RETRY = True
+#: (measured 219 us / 257 us; the fallback is the same math, checked by the GPU step tests).
+GEMM_WORKSPACE_RETRY = False
+#: The epilogues GEMM_WORKSPACE_RETRY = False applies to (those with a plain GEMM + kernels
+#: fallback); every other plan still retries with the default workspace limit.
+FALLBACK_EPILOGUES = ("drelu_bgrad", "bgrada")
 #: Alignment (elements) of the sub-buffers that are GEMM operands: 256 bytes of float32.
 OPERAND_ALIGN = 64
 
@@ -202,8 +207,11 @@ class StepLayout:
             hid.add(h.key, rows * h.hidden)
         self._add_packed(hid)
         self._add(f"v{tag}", (rows, self.NA), F32)
+        # Advantage logits of every branch, branch-packed (one fused dueling launch).
+        adv = Packed(f"adv{tag}", F32)
         for d, n in enumerate(self.branches):
-            self._add(f"adv{tag}{d}", (rows, n * self.NA), F32)
+            adv.add(d, rows * n * self.NA)
+        self._add_packed(adv)
         if self.bf16:
             self._add(f"h1{tag}_bf16", (rows, self.H1), U16)
             self._add(f"h2{tag}_bf16", (rows, self.H2), U16)
@@ -309,8 +317,10 @@ class StepLayout:
             self._add_packed(p)
             self._add(f"dv_parts_{loss}", (nb, B, NA), F32)
             self._add(f"dv_{loss}", (B, NA), F32)
+            dadv = Packed(f"dadv_{loss}", F32)  # branch-packed (one fused dueling backward)
             for d, n in enumerate(self.branches):
-                self._add(f"dadv_{loss}{d}", (B, n * NA), F32)
+                dadv.add(d, B * n * NA)
+            self._add_packed(dadv)
             dhid = Packed(f"dhid_{loss}", F32, OPERAND_ALIGN)
             for h in self.heads:
                 dhid.add(h.key, B * h.hidden)
@@ -427,7 +437,7 @@ def sentinel_pieces(lay: StepLayout) -> dict[str, list[Piece]]:
         "importance_weights": one("importance_weights", "batch", lay.batch_fields["isw"][0], B),
         "online_value_logits": one("online_value_logits", "vo", 0, B * NA),
         "online_adv_logits": per_branch("online_adv_logits",
-                                        lambda d, n: (f"advo{d}", None, 0, B * n * NA)),
+                                        lambda d, n: ("advo", d, 0, B * n * NA)),
         "online_next_logits": per_branch("online_next_logits",
                                          lambda d, n: ("logits", ("o", d), B * n * NA, B * n * NA)),
         "target_next_logits": per_branch("target_next_logits",
@@ -439,10 +449,10 @@ def sentinel_pieces(lay: StepLayout) -> dict[str, list[Piece]]:
         "c51_loss": one("c51_loss", "readback", rb["c51_loss"], 1),
         "cql_loss": one("cql_loss", "readback", rb["cql_loss"], 1),
         "d_value_logits": one("d_value_logits", "dv_c51", 0, B * NA),
-        "d_adv_logits": per_branch("d_adv_logits", lambda d, n: (f"dadv_c51{d}", None, 0, B * n * NA)),
+        "d_adv_logits": per_branch("d_adv_logits", lambda d, n: ("dadv_c51", d, 0, B * n * NA)),
         "cql_d_value_logits": one("cql_d_value_logits", "dv_cql", 0, B * NA),
         "cql_d_adv_logits": per_branch("cql_d_adv_logits",
-                                       lambda d, n: (f"dadv_cql{d}", None, 0, B * n * NA)),
+                                       lambda d, n: ("dadv_cql", d, 0, B * n * NA)),
         "grad_c51": one("grad_c51", "grad_c51", 0, NP),
         "grad_cql": one("grad_cql", "grad_cql", 0, NP),
         "grad_buf": one("grad_buf", "grad", 0, NP),
@@ -688,10 +698,10 @@ class StepProgram:
     """GEMM plans and launch lists of the fast step (module docstring). Owns its GEMM plans."""
 
     def __init__(self, device, module, config: DQNConfig, arena, layout: StepLayout):
-        from foxhunt.fast.kernels import dense, distributional, isv, optim, safety, spectral
+        from foxhunt.fast.kernels import dense, distributional, fused, isv, optim, safety, spectral
 
         self.k = {"dense": dense, "dist": distributional, "isv": isv, "optim": optim,
-                  "safety": safety, "spectral": spectral}
+                  "safety": safety, "spectral": spectral, "fused": fused}
         self.device = device
         self.module = module
         self.config = config
@@ -748,8 +758,8 @@ class StepProgram:
                 plan = GemmPlan(self.device, m, n, k, min_alignment=align,
                                 workspace_limit=GEMM_WORKSPACE_LIMIT, **kw)
             except GemmPlanError:
-                if not GEMM_WORKSPACE_RETRY:
-                    raise  # an epilogue plan then takes the plain GEMM + kernels fallback
+                if not GEMM_WORKSPACE_RETRY and kw.get("epilogue") in FALLBACK_EPILOGUES:
+                    raise  # the epilogue plan then takes the plain GEMM + kernels fallback
                 plan = None  # no algorithm within the limit: take the default's
         if plan is None:
             plan = GemmPlan(self.device, m, n, k, min_alignment=align, **kw)
@@ -858,32 +868,29 @@ class StepProgram:
             self.to_bf16(ops, self.ptr(f"hid{tag}"), self.ptr(f"hid{tag}_bf16"), hid.total)
             hid_in = lambda key: self.ptr(f"hid{tag}_bf16", offset=hid.offsets[key])  # noqa: E731
         v = self.ptr(f"v{tag}")
-        seconds = []  # the value head first: the branches wait on its event
+        seconds = []
         for d, h in enumerate(lay.heads):
             branch = Ops(self.module)
-            out = v if d == 0 else self.ptr(f"adv{tag}{d - 1}")
+            out = v if d == 0 else self.ptr(f"adv{tag}", d - 1)
             self.linear(branch, rows=rows, n=h.out, k=h.hidden, x=hid_in(h.key), w=wfwd(h.w2),
                         c=out, bias=p32(h.b2), epilogue="bias")
-            if d == 0:
-                branch.record(f"v{tag}")
-            else:
-                branch.wait(f"v{tag}")
-                n = lay.branches[d - 1]
-                branch.kernel("dueling_combine", self.k["dist"].plan_dueling_combine(rows, n, lay.NA),
-                              v, self.ptr(f"adv{tag}{d - 1}"), self.ptr("logits", logits_key(d - 1)),
-                              rows, n, lay.NA)
             seconds.append(branch)
         ops.parallel(*seconds)
+        # Every branch's dueling combine in one launch (branch-packed adv and logits).
+        ops.kernel("dueling_combine_branches",
+                   self.k["fused"].plan_dueling_combine_branches(rows, lay.branches, lay.NA),
+                   v, self.ptr(f"adv{tag}"), self.ptr("n_actions"), self.ptr("action_offset"),
+                   self.ptr("logits", logits_key(0)), rows, lay.NA)
 
     # -- backward of one loss
-    def backward(self, ops: Ops, loss: str, head_pre) -> None:
+    def backward(self, ops: Ops, loss: str, pre: Ops) -> None:
         """network.backward for the logit gradients in ``dlogits_<loss>``, into ``grad_<loss>``
         (every tensor written, padding untouched); online(s) activations are rows 0..B.
 
-        Parallel branches: one per advantage head (``head_pre(d)``: the Ops that produce
-        ``dlogits_<loss>`` of branch d, then the dueling backward and the head's GEMMs), the
-        value head (after every branch's dueling backward), and the trunk (after every head's
-        ``dh2`` part; the parts are summed in the reference's order: branches, then value).
+        ``pre`` produces ``dlogits_<loss>`` of every branch; one fused dueling backward
+        (``dueling_combine_backward_branches``) follows. Then parallel branches: one per
+        advantage head (its GEMMs), the value head, and the trunk (after every head's ``dh2``
+        part; the parts are summed in the reference's order: branches, then value).
         Each head computes its ``dh2`` part before its weight gradients, so those overlap the
         trunk."""
         lay = self.lay
@@ -908,20 +915,17 @@ class StepProgram:
             self.weight_grad(branch, dy=dhid, x=h2, rows=B, n_out=h.hidden, n_in=H2,
                              dw=self.grad_ptr(g, h.w1))
 
+        ops.extend(pre)
+        ops.kernel("dueling_combine_backward_branches",
+                   self.k["fused"].plan_dueling_combine_backward_branches(B, lay.branches, NA),
+                   self.ptr(f"dlogits_{loss}"), self.ptr("n_actions"), self.ptr("action_offset"),
+                   self.ptr(f"dv_parts_{loss}"), self.ptr(f"dadv_{loss}"), B, NA)
         chains = []
         for d, n in enumerate(lay.branches):
             branch = Ops(self.module)
-            branch.extend(head_pre(d))
-            branch.kernel("dueling_combine_backward",
-                          self.k["dist"].plan_dueling_combine_backward(B, n, NA),
-                          self.ptr(f"dlogits_{loss}", d), self.ptr(f"dv_parts_{loss}", offset=d * B * NA),
-                          self.ptr(f"dadv_{loss}{d}"), B, n, NA)
-            branch.record(f"dvp_{loss}{d}")
-            head(branch, d + 1, self.ptr(f"dadv_{loss}{d}"))
+            head(branch, d + 1, self.ptr(f"dadv_{loss}", d))
             chains.append(branch)
         value = Ops(self.module)
-        for d in range(lay.nb):
-            value.wait(f"dvp_{loss}{d}")
         value.kernel("glue_branch_sum", flat_plan(B * NA), self.ptr(f"dv_parts_{loss}"),
                      self.ptr(f"dv_{loss}"), B * NA, lay.nb, B * NA, np.float32(1.0))
         head(value, 0, self.ptr(f"dv_{loss}"))
@@ -1029,36 +1033,40 @@ class StepProgram:
         lo, hi = np.float32(c.v_min), np.float32(c.v_max)
         dz = _atom_spacing(lo, hi, NA)
 
-        def c51_pre(d: int) -> Ops:
-            n = lay.branches[d]
-            pre = Ops(self.module)
-            pre.kernel("double_dqn_select", dist.plan_double_dqn_select(B, n),
+        # C51 logit gradients: per-branch double-DQN choices (parallel), one gather of every
+        # branch, then per branch (parallel) the projection and the C51 gradient.
+        selects = []
+        for d, n in enumerate(lay.branches):
+            sel = Ops(self.module)
+            sel.kernel("double_dqn_select", dist.plan_double_dqn_select(B, n),
                        self.ptr("q_o", d, B * n), self.ptr("a_star", offset=d * B), B, n)
-            # The gather for branch d alone: every per-branch table and output shifted by d.
-            pre.kernel("glue_gather_taken", flat_plan(B * NA), self.ptr("logp", ("t", 0)),
-                       self.ptr("a_star", offset=d * B), self.ptr("q_o"), a_ptr + d * B * 4,
-                       self.ptr("n_actions", offset=d), self.ptr("action_offset", offset=d),
-                       self.ptr("p_next", offset=d * B * NA), self.ptr("q_taken", offset=d * B),
-                       1, B, NA, 2 * B)
+            selects.append(sel)
+        c51_pre = Ops(self.module)
+        c51_pre.parallel(*selects)
+        c51_pre.kernel("glue_gather_taken", flat_plan(nb * B * NA), self.ptr("logp", ("t", 0)),
+                       self.ptr("a_star"), self.ptr("q_o"), a_ptr, self.ptr("n_actions"),
+                       self.ptr("action_offset"), self.ptr("p_next"), self.ptr("q_taken"),
+                       nb, B, NA, 2 * B)
+        projections = []
+        for d, n in enumerate(lay.branches):
+            proj = Ops(self.module)
             m = self.ptr("m", offset=d * B * NA)
-            pre.kernel("c51_project", dist.plan_c51_project(B, NA),
-                       self.ptr("p_next", offset=d * B * NA), r_ptr, done_ptr,
-                       self.ptr("gamma", offset=d), self.ptr("z"), m, B, NA, lo, hi, dz)
-            pre.record(f"m{d}")
-            pre.kernel("c51_grad", dist.plan_c51_grad(B, n, NA), self.ptr("logp", ("o", d)),
-                       a_ptr + d * B * 4, m, isw_ptr, self.ptr("scale"),
-                       self.ptr("dlogits_c51", d), B, n, NA)
-            return pre
-
-        def cql_pre(d: int) -> Ops:
-            n = lay.branches[d]
-            pre = Ops(self.module)
-            pre.kernel("cql_logit_grad", dist.plan_cql_logit_grad(B, n, NA),
-                       self.ptr("logp", ("o", d)), a_ptr + d * B * 4, self.ptr("z"),
-                       self.ptr("alpha"), self.ptr("scale"), self.ptr("dlogits_cql", d),
-                       self.ptr("terms", offset=d * B), B, n, NA)
-            return pre
-
+            proj.kernel("c51_project", dist.plan_c51_project(B, NA),
+                        self.ptr("p_next", offset=d * B * NA), r_ptr, done_ptr,
+                        self.ptr("gamma", offset=d), self.ptr("z"), m, B, NA, lo, hi, dz)
+            proj.record(f"m{d}")
+            proj.kernel("c51_grad", dist.plan_c51_grad(B, n, NA), self.ptr("logp", ("o", d)),
+                        a_ptr + d * B * 4, m, isw_ptr, self.ptr("scale"),
+                        self.ptr("dlogits_c51", d), B, n, NA)
+            projections.append(proj)
+        c51_pre.parallel(*projections)
+        # CQL logit gradients of every branch in one launch (first B samples of each block).
+        cql_pre = Ops(self.module)
+        cql_pre.kernel("cql_logit_grad_branches",
+                       self.k["fused"].plan_cql_logit_grad_branches(B, lay.branches, NA),
+                       self.ptr("logp", ("o", 0)), a_ptr, self.ptr("z"), self.ptr("alpha"),
+                       self.ptr("scale"), self.ptr("n_actions"), self.ptr("action_offset"),
+                       self.ptr("dlogits_cql"), self.ptr("terms"), B, 2 * B, NA)
         cql_side = Ops(self.module)
         self.backward(cql_side, "cql", cql_pre)
         self.norm(cql_side, "grad_cql", "cql")

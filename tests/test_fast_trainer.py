@@ -50,6 +50,7 @@ from foxhunt.reference.budgets import budget_pipeline
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense, optim, safety, spectral
 from foxhunt.reference.kernels import distributional as dist
+from foxhunt.reference.kernels import fused
 from foxhunt.reference.kernels import isv as risv
 from foxhunt.reference.step import loss_and_grads
 from foxhunt.reference.trainer import Trainer as RefTrainer
@@ -243,6 +244,10 @@ class _Kernel:
         fdev._dim3(grid, "grid")
         fdev._dim3(block, "block")
         fn = EMULATED_KERNELS[self.name]
+        if self.name.endswith("_branches"):  # fused kernels: gridDim.y is the branch count
+            n_branches = grid[1]
+            EMU.dispatch(lambda: fn(*packed.args, n_branches=n_branches), stream)
+            return
         EMU.dispatch(lambda: fn(*packed.args), stream)
 
     def set_max_dynamic_shared(self, nbytes):
@@ -326,6 +331,40 @@ def k_cql_logit_grad(logp, act, z, alpha, scale, dl, terms, b, a, na):
                             _scalar(scale))
     _view(dl, b * a * na, F)[:] = r.dlogits.ravel()
     _view(terms, b, F)[:] = r.terms
+
+
+def _branch_tables(n_actions, action_offset, nb):
+    br = tuple(int(n) for n in _view(n_actions, nb, I))
+    assert tuple(int(o) for o in _view(action_offset, nb, I)) == fused.branch_offsets(br)
+    return br
+
+
+def k_dueling_combine_branches(v, adv, n_actions, action_offset, logits, b, na, *, n_branches):
+    br = _branch_tables(n_actions, action_offset, n_branches)
+    rows = b * sum(br)
+    r = fused.dueling_combine_branches(_view(v, b * na, F).reshape(b, na).copy(),
+                                       _view(adv, rows * na, F).reshape(rows, na).copy(), br)
+    _view(logits, rows * na, F)[:] = r.ravel()
+
+
+def k_dueling_combine_backward_branches(dl, n_actions, action_offset, dv, dadv, b, na, *,
+                                        n_branches):
+    br = _branch_tables(n_actions, action_offset, n_branches)
+    rows = b * sum(br)
+    r = fused.dueling_combine_backward_branches(_view(dl, rows * na, F).reshape(rows, na).copy(), br)
+    _view(dv, n_branches * b * na, F)[:] = r.dv.ravel()
+    _view(dadv, rows * na, F)[:] = r.dadv.ravel()
+
+
+def k_cql_logit_grad_branches(logp, act, z, alpha, scale, n_actions, action_offset, dl, terms, b,
+                              block_rows, na, *, n_branches):
+    br = _branch_tables(n_actions, action_offset, n_branches)
+    r = fused.cql_logit_grad_branches(
+        _view(logp, block_rows * sum(br) * na, F).reshape(-1, na).copy(),
+        _view(act, n_branches * b, I).reshape(n_branches, b).copy(), _view(z, na, F).copy(),
+        _scalar(alpha), _scalar(scale), br)
+    _view(dl, b * sum(br) * na, F)[:] = r.dlogits.ravel()
+    _view(terms, n_branches * b, F)[:] = r.terms.ravel()
 
 
 def k_nan_check(x, n, flag):

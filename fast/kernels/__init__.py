@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from types import MappingProxyType
 
-AREAS = ("dense", "distributional", "optim", "spectral", "safety", "replay", "isv")
+AREAS = ("dense", "distributional", "optim", "spectral", "safety", "replay", "isv", "fused")
 
 
 def _collect() -> tuple[dict, tuple[str, ...]]:

@@ -1,8 +1,8 @@
 """Fast-path launchers of the dense kernels (``cuda_src/dense.cu``; reference:
 ``foxhunt.reference.kernels.dense``).
 
-Each public function has the reference's name and signature, validates like the reference
-(with the reference's own checks, so bad input raises the same ``ValueError``), runs the CUDA
+Each public function has the reference's name and signature, validates with the reference's
+own ``validate_<name>`` (or check), so bad input raises the same ``ValueError``, runs the CUDA
 kernel once through :func:`foxhunt.fast.kernels._runtime.call` and returns the reference's
 structure, shapes and dtypes. ``plan_<name>(...)`` gives ``(grid, block, shared_mem)`` for a
 launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
@@ -24,13 +24,14 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, call
+from foxhunt.reference.kernels._checks import require_array
 from foxhunt.reference.kernels.dense import (
     F32,
     U16,
     BiasReluBf16,
-    _check_bias_operands,
-    _require_array,
-    _require_shape,
+    validate_add_bias_relu,
+    validate_add_bias_relu_bf16,
+    validate_relu_mask,
 )
 
 #: Threads per block of the flat elementwise kernels.
@@ -93,7 +94,7 @@ def _launch(name: str, plan: Plan, *args):
 
 def add_bias_relu(y: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``relu(y + b)`` on the GPU: see ``foxhunt.reference.kernels.dense.add_bias_relu``."""
-    _check_bias_operands(y, b)
+    validate_add_bias_relu(y, b)
     rows, cols = y.shape
     (out,) = _launch("add_bias_relu", plan_add_bias_relu(rows, cols),
                      In(y), In(b), Out((rows, cols), F32), rows, cols)
@@ -102,7 +103,7 @@ def add_bias_relu(y: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def add_bias_relu_bf16(y: np.ndarray, b: np.ndarray) -> BiasReluBf16:
     """``add_bias_relu`` fused with the BF16 cast: returns ``BiasReluBf16(out, out_bf16)``."""
-    _check_bias_operands(y, b)
+    validate_add_bias_relu_bf16(y, b)
     rows, cols = y.shape
     out, out_bf16 = _launch("add_bias_relu_bf16", plan_add_bias_relu_bf16(rows, cols),
                             In(y), In(b), Out((rows, cols), F32), Out((rows, cols), U16),
@@ -112,9 +113,7 @@ def add_bias_relu_bf16(y: np.ndarray, b: np.ndarray) -> BiasReluBf16:
 
 def relu_mask(dy: np.ndarray, h: np.ndarray) -> np.ndarray:
     """``h <= 0 ? 0 : dy`` on the GPU: see ``foxhunt.reference.kernels.dense.relu_mask``."""
-    _require_array("dy", dy, F32, ndim=2)
-    _require_array("h", h, F32, ndim=2)
-    _require_shape("h", h, dy.shape, "dy.shape [M, N]")
+    validate_relu_mask(dy, h)
     (dx,) = _launch("relu_mask", plan_relu_mask(dy.size), In(dy), In(h), Out(dy.shape, F32),
                     dy.size)
     return dx
@@ -122,7 +121,7 @@ def relu_mask(dy: np.ndarray, h: np.ndarray) -> np.ndarray:
 
 def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
     """Column sums ``db[n] = sum_i dy[i, n]`` on the GPU (float32, deterministic)."""
-    _require_array("dy", dy, F32, ndim=2)
+    require_array("dy", dy, F32, ndim=2)
     rows, cols = dy.shape
     (db,) = _launch("bias_grad_reduce", plan_bias_grad_reduce(rows, cols),
                     In(dy), Out((cols,), F32), rows, cols)
@@ -131,21 +130,21 @@ def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> BF16 bit patterns (RNE; the reference's NaN rule), any shape."""
-    _require_array("x", x, F32)
+    require_array("x", x, F32)
     (out,) = _launch("f32_to_bf16", plan_f32_to_bf16(x.size), In(x), Out(x.shape, U16), x.size)
     return out
 
 
 def bf16_to_f32(u: np.ndarray) -> np.ndarray:
     """BF16 bit patterns -> float32 (exact), any shape."""
-    _require_array("u", u, U16)
+    require_array("u", u, U16)
     (out,) = _launch("bf16_to_f32", plan_bf16_to_f32(u.size), In(u), Out(u.shape, F32), u.size)
     return out
 
 
 def tf32_round(x: np.ndarray) -> np.ndarray:
     """float32 -> TF32 (ties away from zero; the reference's NaN rule), any shape."""
-    _require_array("x", x, F32)
+    require_array("x", x, F32)
     (out,) = _launch("tf32_round", plan_tf32_round(x.size), In(x), Out(x.shape, F32), x.size)
     return out
 

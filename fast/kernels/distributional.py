@@ -1,7 +1,8 @@
 """Fast distributional (C51) kernels: launch plans and numpy-in/numpy-out test entries.
 
 One test entry per CUDA kernel of ``cuda_src/distributional.cu``, each with the name, signature,
-validation (the reference's own helpers, so bad input raises the same ``ValueError``) and
+validation (the reference's own ``validate_<name>``, so bad input raises the same
+``ValueError``; then the fast path's own 32-bit index limit) and
 return structure of its twin in :mod:`foxhunt.reference.kernels.distributional`. Each
 ``plan_NAME(sizes...) -> (grid, block, shared_mem)`` is the launch configuration; the trainer
 reuses it with arena pointers (kernel parameter order: inputs, outputs, sizes, configuration;
@@ -25,18 +26,21 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, call
-from foxhunt.reference.kernels.dense import _f32_scalar, _require_array, _require_shape
 from foxhunt.reference.kernels.distributional import (
     F32,
     I32,
     C51Loss,
     CqlGrad,
     DuelingGrads,
-    _atom_spacing,
-    _check_support_bounds,
-    _require_actions,
-    _require_logp,
-    _require_vector,
+    validate_c51_grad,
+    validate_c51_loss,
+    validate_c51_project,
+    validate_cql_logit_grad,
+    validate_double_dqn_select,
+    validate_dueling_combine,
+    validate_dueling_combine_backward,
+    validate_expected_q,
+    validate_log_softmax_atoms,
 )
 
 Plan = tuple[int, int, int]  # (grid, block, dynamic shared-memory bytes)
@@ -156,11 +160,7 @@ def plan_c51_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
 
 def dueling_combine(v: np.ndarray, adv: np.ndarray) -> np.ndarray:
     """Fast ``dueling_combine``: ``logits [B, A, NA]`` (see the reference)."""
-    _require_array("v", v, F32, ndim=2)
-    _require_array("adv", adv, F32, ndim=3)
-    _require_shape("adv", adv, (v.shape[0], adv.shape[1], v.shape[1]), "[B, A, NA] (v is [B, NA])")
-    if adv.shape[1] < 1:
-        raise ValueError(f"adv: shape {adv.shape} has no actions; expected A >= 1")
+    validate_dueling_combine(v, adv)
     _check_elements("adv", adv)
     batch, num_actions, num_atoms = adv.shape
     if adv.size == 0:
@@ -173,9 +173,7 @@ def dueling_combine(v: np.ndarray, adv: np.ndarray) -> np.ndarray:
 
 def dueling_combine_backward(dlogits: np.ndarray) -> DuelingGrads:
     """Fast ``dueling_combine_backward``: ``DuelingGrads(dv [B, NA], dadv [B, A, NA])``."""
-    _require_array("dlogits", dlogits, F32, ndim=3)
-    if dlogits.shape[1] < 1:
-        raise ValueError(f"dlogits: shape {dlogits.shape} has no actions; expected A >= 1")
+    validate_dueling_combine_backward(dlogits)
     _check_elements("dlogits", dlogits)
     batch, num_actions, num_atoms = dlogits.shape
     if dlogits.size == 0:
@@ -190,11 +188,7 @@ def dueling_combine_backward(dlogits: np.ndarray) -> DuelingGrads:
 
 def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
     """Fast ``log_softmax_atoms`` over the last axis: float32 of ``logits``' shape."""
-    _require_array("logits", logits, F32)
-    if logits.ndim < 1 or logits.shape[-1] < 1:
-        raise ValueError(
-            f"logits: shape {logits.shape} is not allowed; expected [..., NA] with NA >= 1"
-        )
+    validate_log_softmax_atoms(logits)
     _check_elements("logits", logits)
     num_atoms = logits.shape[-1]
     rows = logits.size // num_atoms
@@ -208,8 +202,7 @@ def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
 
 def expected_q(logp: np.ndarray, z: np.ndarray) -> np.ndarray:
     """Fast ``expected_q``: ``q [B, A]``."""
-    _require_logp(logp)
-    _require_vector("z", z, logp.shape[2], "[NA] with NA = logp.shape[2]")
+    validate_expected_q(logp, z)
     _check_elements("logp", logp)
     batch, num_actions, num_atoms = logp.shape
     if batch * num_actions == 0:
@@ -222,9 +215,7 @@ def expected_q(logp: np.ndarray, z: np.ndarray) -> np.ndarray:
 
 def double_dqn_select(q: np.ndarray) -> np.ndarray:
     """Fast ``double_dqn_select``: ``int32 [B]`` (exact)."""
-    _require_array("q", q, F32, ndim=2)
-    if q.shape[1] < 1:
-        raise ValueError(f"q: shape {q.shape} has no actions; expected A >= 1")
+    validate_double_dqn_select(q)
     _check_elements("q", q)
     batch, num_actions = q.shape
     if batch == 0:
@@ -245,36 +236,15 @@ def c51_project(
     v_max,
 ) -> np.ndarray:
     """Fast ``c51_project`` (dense triangular form): ``m [B, NA]``."""
-    _require_array("p_next", p_next, F32, ndim=2)
-    batch, num_atoms = p_next.shape
-    _require_vector("r", r, batch, "[B] with B = p_next.shape[0]")
-    _require_vector("done", done, batch, "[B] with B = p_next.shape[0]")
-    if num_atoms < 2:
-        raise ValueError(f"p_next: shape {p_next.shape} is not allowed; expected [B, NA], NA >= 2")
-    _require_vector("z", z, num_atoms, "[NA] with NA = p_next.shape[1]")
-    g = _f32_scalar("gamma", gamma)
-    lo, hi = _check_support_bounds(v_min, v_max, num_atoms)
-    dz = _atom_spacing(lo, hi, num_atoms)
+    g, lo, hi, dz = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max)
     _check_elements("p_next", p_next)
+    batch, num_atoms = p_next.shape
     if batch == 0:
         return np.zeros((0, num_atoms), dtype=F32)
     grid, block, shared = plan_c51_project(batch, num_atoms)
     (m,) = call("c51_project", grid, block, In(p_next), In(r), In(done), _device_scalar(g), In(z),
                 Out((batch, num_atoms), F32), batch, num_atoms, lo, hi, dz, shared_mem=shared)
     return m
-
-
-def _check_c51_operands(logp, actions, m, isw, scale) -> np.float32:
-    """The reference's checks of ``c51_loss`` / ``c51_grad``, in its order; returns ``scale``."""
-    _require_logp(logp)
-    batch, num_actions, num_atoms = logp.shape
-    _require_actions(actions, batch, num_actions)
-    _require_array("m", m, F32, ndim=2)
-    _require_shape("m", m, (batch, num_atoms), "[B, NA] (logp is [B, A, NA])")
-    _require_vector("isw", isw, batch, "[B] with B = logp.shape[0]")
-    s = _f32_scalar("scale", scale)
-    _check_elements("logp", logp)
-    return s
 
 
 def c51_loss(
@@ -285,7 +255,8 @@ def c51_loss(
     scale,
 ) -> C51Loss:
     """Fast ``c51_loss``: ``C51Loss(ce [B], total)`` (one block; fixed-order total)."""
-    s = _check_c51_operands(logp, actions, m, isw, scale)
+    s = validate_c51_loss(logp, actions, m, isw, scale)
+    _check_elements("logp", logp)
     batch, num_actions, num_atoms = logp.shape
     grid, block, shared = plan_c51_loss(batch, num_actions, num_atoms)
     ce, total = call("c51_loss", grid, block, In(logp), In(actions), In(m), In(isw),
@@ -302,7 +273,8 @@ def c51_grad(
     scale,
 ) -> np.ndarray:
     """Fast ``c51_grad``: ``dlogits [B, A, NA]``, ``+0.0`` at the actions not taken."""
-    s = _check_c51_operands(logp, actions, m, isw, scale)
+    s = validate_c51_grad(logp, actions, m, isw, scale)
+    _check_elements("logp", logp)
     batch, num_actions, num_atoms = logp.shape
     if logp.size == 0:
         return np.zeros(logp.shape, dtype=F32)
@@ -321,13 +293,9 @@ def cql_logit_grad(
     scale,
 ) -> CqlGrad:
     """Fast ``cql_logit_grad``: ``CqlGrad(dlogits [B, A, NA], terms [B])``."""
-    _require_logp(logp)
-    batch, num_actions, num_atoms = logp.shape
-    _require_actions(actions, batch, num_actions)
-    _require_vector("z", z, num_atoms, "[NA] with NA = logp.shape[2]")
-    a_ = _f32_scalar("alpha", alpha)
-    s_ = _f32_scalar("scale", scale)
+    a_, s_ = validate_cql_logit_grad(logp, actions, z, alpha, scale)
     _check_elements("logp", logp)
+    batch, num_actions, num_atoms = logp.shape
     if batch == 0:
         return CqlGrad(dlogits=np.zeros(logp.shape, dtype=F32), terms=np.zeros(0, dtype=F32))
     grid, block, shared = plan_cql_logit_grad(batch, num_actions, num_atoms)

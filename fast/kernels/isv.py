@@ -30,10 +30,9 @@ from foxhunt.reference.isv import (
     SHARPE_GAIN,
 )
 from foxhunt.reference.kernels.isv import (
-    _check_f32_array,
-    _check_isv,
-    _check_scalar,
-    _check_sharpe,
+    validate_isv_h2_rms_update,
+    validate_isv_q_abs_ref_update,
+    validate_isv_signal_update,
 )
 
 F32 = np.float32
@@ -69,10 +68,7 @@ def isv_signal_update(isv: np.ndarray, signals: np.ndarray, sharpe: float,
                       alpha_base: float) -> np.ndarray:
     """Test entry of the CUDA ``isv_signal_update``: guarded EMA of the 13 signal slots at the
     Sharpe-adaptive rate. Contract as the reference twin (bitwise); returns the new ``isv``."""
-    _check_isv(isv)
-    _check_f32_array("signals", signals, (NUM_SIGNALS,))
-    _check_sharpe(sharpe)
-    ab = _check_scalar("alpha_base", alpha_base, 0.0, 0.5)
+    ab = validate_isv_signal_update(isv, signals, sharpe, alpha_base)
     with np.errstate(over="ignore"):  # a huge float64 Sharpe becomes +/-inf, as in the reference
         sharpe32 = F32(sharpe)
     grid, block, smem = plan_isv_signal_update(NUM_SIGNALS)
@@ -85,9 +81,7 @@ def isv_signal_update(isv: np.ndarray, signals: np.ndarray, sharpe: float,
 def isv_q_abs_ref_update(isv: np.ndarray, q: np.ndarray, alpha: float) -> np.ndarray:
     """Test entry of the CUDA ``isv_q_abs_ref_update``: guarded EMA of the mean ``|q|`` over the
     finite ``q`` into ``ISV[Q_ABS_REF]``. Contract as the reference twin."""
-    _check_isv(isv)
-    _check_f32_array("q", q)
-    a = _check_scalar("alpha", alpha, 0.0, 1.0)
+    a = validate_isv_q_abs_ref_update(isv, q, alpha)
     grid, block, smem = plan_isv_q_abs_ref_update(q.size)
     (out,) = call("isv_q_abs_ref_update", grid, block, InOut(isv), Q_ABS_REF_INDEX, In(q), q.size,
                   a, shared_mem=smem)
@@ -97,9 +91,7 @@ def isv_q_abs_ref_update(isv: np.ndarray, q: np.ndarray, alpha: float) -> np.nda
 def isv_h2_rms_update(isv: np.ndarray, h2: np.ndarray, alpha: float) -> np.ndarray:
     """Test entry of the CUDA ``isv_h2_rms_update``: guarded EMA of ``RMS(h2)`` over the finite
     ``h2`` into ``ISV[H_S2_RMS_EMA]``. Contract as the reference twin."""
-    _check_isv(isv)
-    _check_f32_array("h2", h2)
-    a = _check_scalar("alpha", alpha, 0.0, 1.0)
+    a = validate_isv_h2_rms_update(isv, h2, alpha)
     grid, block, smem = plan_isv_h2_rms_update(h2.size)
     (out,) = call("isv_h2_rms_update", grid, block, InOut(isv), H_S2_RMS_EMA_INDEX, In(h2),
                   h2.size, a, shared_mem=smem)

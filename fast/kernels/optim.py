@@ -2,8 +2,8 @@
 ``foxhunt.reference.kernels.optim`` under the same names and signatures.
 
 Each public function is a numpy-in/numpy-out test entry (conformance and debugging): it
-validates like the reference (same ``ValueError`` cases), launches the CUDA kernel once through
-``_runtime.call`` and returns what the reference returns, with the same dtypes and shapes. The
+validates with the reference's ``validate_<name>`` (or check; same ``ValueError``), launches
+the CUDA kernel once through ``_runtime.call`` and returns what the reference returns, with the same dtypes and shapes. The
 trainer launches the same kernels on arena pointers inside CUDA graphs, with the ``plan_*``
 launch shapes below.
 
@@ -38,13 +38,15 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call
-from foxhunt.reference.kernels.optim import AdamState
-from foxhunt.reference.kernels.safety import (
-    check_f32_array,
-    check_f32_scalar,
-    check_int,
-    check_same_shape,
-    data_f32,
+from foxhunt.reference.kernels._checks import check_f32_array
+from foxhunt.reference.kernels.optim import (
+    AdamState,
+    validate_adam_update,
+    validate_clip_grad_inplace,
+    validate_clipped_saxpy,
+    validate_grad_norm_partial,
+    validate_polyak_update,
+    validate_saxpy,
 )
 
 F32 = np.float32
@@ -124,8 +126,7 @@ def grad_norm_sq(x: np.ndarray) -> np.float32:
 def grad_norm_partial(x: np.ndarray, block_size: int) -> np.ndarray:
     """Test entry of the CUDA ``grad_norm_partial``: float32[ceil(N / block_size)] sums of finite
     squares, one CUDA block per segment. Contract as the reference twin."""
-    check_f32_array("x", x, ndim=1)
-    bs = check_int("block_size", block_size, minimum=1)
+    bs = validate_grad_norm_partial(x, block_size)
     n = x.shape[0]
     bs = min(bs, max(n, 1))  # same partials; keeps the kernel's int64 arithmetic in range
     grid, block, smem = plan_grad_norm_partial(n, bs)
@@ -155,9 +156,7 @@ def clip_grad_inplace(x: np.ndarray, max_norm: float, norm_sq: float) -> np.ndar
 
     The kernel reads ``norm_sq`` from device memory. Contract as the reference twin (bitwise).
     """
-    check_f32_array("x", x)
-    mn = check_f32_scalar("max_norm", max_norm, lo=0.0)
-    ns = data_f32("norm_sq", norm_sq)
+    mn, ns = validate_clip_grad_inplace(x, max_norm, norm_sq)
     grid, block, smem = plan_clip_grad_inplace(x.size)
     (out,) = call("clip_grad_inplace", grid, block, InOut(x), x.size, mn, _device_scalar(ns, F32),
                   shared_mem=smem)
@@ -167,10 +166,7 @@ def clip_grad_inplace(x: np.ndarray, max_norm: float, norm_sq: float) -> np.ndar
 def saxpy(y: np.ndarray, x: np.ndarray, a: float) -> np.ndarray:
     """Test entry of the CUDA ``saxpy``: ``y_i + a * x_i`` where ``x_i`` is finite, else ``y_i``.
     Contract as the reference twin (bitwise)."""
-    check_f32_array("y", y)
-    check_f32_array("x", x)
-    check_same_shape(y=y, x=x)
-    a32 = check_f32_scalar("a", a)
+    a32 = validate_saxpy(y, x, a)
     grid, block, smem = plan_saxpy(y.size)
     (out,) = call("saxpy", grid, block, InOut(y), In(x), y.size, a32, shared_mem=smem)
     return out
@@ -181,12 +177,7 @@ def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
     """Test entry of the CUDA ``clipped_saxpy``: ``y_i + a * (x_i * s)`` where ``x_i`` is finite,
     ``s = clip_scale(norm_sq, max_norm)`` (``norm_sq`` read from device memory). Contract as
     the reference twin (bitwise)."""
-    check_f32_array("y", y)
-    check_f32_array("x", x)
-    check_same_shape(y=y, x=x)
-    a32 = check_f32_scalar("a", a)
-    mn = check_f32_scalar("max_norm", max_norm, lo=0.0)
-    ns = data_f32("norm_sq", norm_sq)
+    a32, mn, ns = validate_clipped_saxpy(y, x, a, max_norm, norm_sq)
     grid, block, smem = plan_clipped_saxpy(y.size)
     (out,) = call("clipped_saxpy", grid, block, InOut(y), In(x), y.size, a32, mn,
                   _device_scalar(ns, F32), shared_mem=smem)
@@ -207,17 +198,9 @@ def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarra
     Contract and order of roundings as the reference twin; bitwise equal except where the
     bias correction's power differs (module docstring). Returns ``AdamState(param, m, v)``.
     """
-    for name, arr in (("param", param), ("grad", grad), ("m", m), ("v", v)):
-        check_f32_array(name, arr)
-    check_same_shape(param=param, grad=grad, m=m, v=v)
-    t = check_int("step", step, minimum=1)
-    lr32 = check_f32_scalar("lr", lr, lo=0.0)
-    b1 = check_f32_scalar("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
-    b2 = check_f32_scalar("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
-    eps32 = check_f32_scalar("eps", eps, lo=0.0, lo_open=True)
-    wd = check_f32_scalar("weight_decay", weight_decay, lo=0.0)
-    scale = data_f32("grad_scale", grad_scale)
-    clamp = check_f32_scalar("weight_clamp", weight_clamp, lo=0.0, lo_open=True, allow_inf=True)
+    t, lr32, b1, b2, eps32, wd, scale, clamp = validate_adam_update(
+        param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, grad_scale=grad_scale, weight_clamp=weight_clamp)
     if t >= 2**63:
         raise ValueError(f"step={step!r}: must be an integer >= 1 and < 2**63 "
                          "(int64 on the device)")
@@ -237,10 +220,7 @@ def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarra
 def polyak_update(target: np.ndarray, online: np.ndarray, tau: float) -> np.ndarray:
     """Test entry of the CUDA ``polyak_update``: ``(1 - tau) * target + tau * online``.
     Contract as the reference twin (bitwise)."""
-    check_f32_array("target", target)
-    check_f32_array("online", online)
-    check_same_shape(target=target, online=online)
-    tau32 = check_f32_scalar("tau", tau, lo=0.0, hi=1.0)
+    tau32 = validate_polyak_update(target, online, tau)
     grid, block, smem = plan_polyak_update(target.size)
     (out,) = call("polyak_update", grid, block, InOut(target), In(online), target.size, tau32,
                   shared_mem=smem)

@@ -1,9 +1,10 @@
 """Fast-path launchers of the prioritised-replay kernels (``cuda_src/replay.cu``; reference:
 ``foxhunt.reference.kernels.replay``).
 
-Each public function has the reference's name and signature, validates like the reference
-(same ``ValueError``), runs the CUDA kernel once and returns the reference's shapes and dtypes.
-``plan_<name>(...)`` gives ``(grid, block, shared_mem)``. Kernel parameters (C order):
+Each public function has the reference's name and signature, validates with the reference's
+``validate_<name>`` (or check; same ``ValueError``), runs the CUDA kernel once and returns the
+reference's shapes and dtypes. ``plan_<name>(...)`` gives ``(grid, block, shared_mem)``.
+Kernel parameters (C order):
 
 - ``prefix_sum(p, s, n)``: ONE block of ``SCAN_THREADS`` threads (the kernel's launch bound)
   scanning tiles of ``SCAN_THREADS * 8`` elements in order, chained by a carry.
@@ -24,11 +25,10 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, call
-from foxhunt.reference.kernels.safety import (
-    check_array,
-    check_f32_array,
-    check_f32_scalar,
-    check_int,
+from foxhunt.reference.kernels._checks import check_f32_array
+from foxhunt.reference.kernels.replay import (
+    validate_importance_weights,
+    validate_sample_proportional,
 )
 
 F32 = np.dtype(np.float32)
@@ -88,11 +88,7 @@ def prefix_sum(p: np.ndarray) -> np.ndarray:
 
 def sample_proportional(prefix: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Proportional sampling by binary search on ``prefix`` (int32[n]), exactly the reference's."""
-    check_f32_array("prefix", prefix, ndim=1)
-    check_f32_array("u", u, ndim=1)
-    n_items = prefix.shape[0]
-    if n_items == 0:
-        raise ValueError("prefix: shape (0,) is empty; need at least one item to sample")
+    n_items = validate_sample_proportional(prefix, u)
     (out,) = _launch("sample_proportional", plan_sample_proportional(u.size), In(prefix), n_items,
                      In(u), Out(u.shape, I32), u.size)
     return out
@@ -101,16 +97,7 @@ def sample_proportional(prefix: np.ndarray, u: np.ndarray) -> np.ndarray:
 def importance_weights(priorities: np.ndarray, idx: np.ndarray, beta: float,
                        n_valid: int) -> np.ndarray:
     """PER importance weights ``(p_min / p_{idx_k}) ** beta`` (float32[n]) on the GPU."""
-    check_f32_array("priorities", priorities, ndim=1)
-    check_array("idx", idx, np.int32, ndim=1)
-    capacity = priorities.shape[0]
-    if capacity == 0:
-        raise ValueError("priorities: shape (0,) is empty; need at least one item")
-    n = check_int("n_valid", n_valid, minimum=1, maximum=capacity)
-    beta32 = check_f32_scalar("beta", beta, lo=0.0, hi=1.0)
-    if idx.size and (idx.min() < 0 or idx.max() >= n):
-        raise ValueError(f"idx: values in [{idx.min()}, {idx.max()}] not allowed; every index "
-                         f"must lie in [0, n_valid={n})")
+    beta32, _ = validate_importance_weights(priorities, idx, beta, n_valid)
     (w,) = _launch("importance_weights", plan_importance_weights(idx.size), In(priorities),
                    In(idx), Out(idx.shape, F32), idx.size, beta32)
     return w

@@ -2,8 +2,9 @@
 ``foxhunt.reference.kernels.safety``).
 
 Each public function has the reference's name and signature, validates with the reference's
-checks (same ``ValueError``), runs the CUDA kernel once and returns the reference's structure
-and dtypes. ``plan_<name>(...)`` gives ``(grid, block, shared_mem)``. Kernel parameters (C order):
+``validate_<name>`` (or check; same ``ValueError``), runs the CUDA kernel once and returns the
+reference's structure and dtypes. ``plan_<name>(...)`` gives ``(grid, block, shared_mem)``.
+Kernel parameters (C order):
 
 - ``clamp_finite(x, out, n, multiplier, signal)``: flat grid-stride; the bound is formed on the
   device, ``m = multiplier * fmaxf(*signal, 1)`` (``signal`` points at the ISV slot that drives
@@ -30,14 +31,13 @@ from typing import Sequence
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call, runtime
+from foxhunt.reference.kernels._checks import check_f32_array
 from foxhunt.reference.kernels.safety import (
     ISV_FLOOR,
-    check_array,
-    check_f32_array,
-    check_f32_scalar,
-    check_flag,
-    data_f32,
-    isv_bound,
+    validate_clamp_finite,
+    validate_nan_check,
+    validate_nan_check_fused,
+    validate_target_q_clip,
 )
 
 F32 = np.dtype(np.float32)
@@ -98,8 +98,7 @@ def _launch(name: str, plan: Plan, *args):
 
 def clamp_finite(x: np.ndarray, m: float) -> np.ndarray:
     """``isfinite(x) ? clip(x, -m, m) : 0`` on the GPU (see the reference's contract)."""
-    check_f32_array("x", x)
-    bound = check_f32_scalar("m", m, lo=0.0, allow_inf=True)
+    bound = validate_clamp_finite(x, m)
     # A signal at the floor makes the device bound multiplier * fmaxf(1, 1) == bound exactly.
     signal = np.array([ISV_FLOOR], dtype=F32)
     (out,) = _launch("clamp_finite", plan_clamp_finite(x.size), In(x), Out(x.shape, F32),
@@ -109,26 +108,10 @@ def clamp_finite(x: np.ndarray, m: float) -> np.ndarray:
 
 def nan_check(x: np.ndarray, flag: int) -> np.int32:
     """Sticky sentinel check of one buffer: the slot's new int32 flag."""
-    check_f32_array("x", x)
-    current = check_flag("flag", flag)
+    current = validate_nan_check(x, flag)
     (new_flag,) = _launch("nan_check", plan_nan_check(x.size), In(x), x.size,
                           InOut(np.array([current], dtype=I32)))
     return np.int32(new_flag[0])
-
-
-def _check_fused(buffers, flags, thresholds) -> None:
-    """The reference's argument checks of ``nan_check_fused``, in its order."""
-    check_array("flags", flags, np.int32, ndim=1)
-    check_f32_array("thresholds", thresholds, ndim=1)
-    n = len(buffers)
-    if flags.shape != (n,) or thresholds.shape != (n,):
-        raise ValueError(f"flags shape {flags.shape} and thresholds shape {thresholds.shape} "
-                         f"must both be ({n},), one entry per buffer")
-    if np.any((flags != 0) & (flags != 1)):
-        raise ValueError(f"flags={flags!r}: every flag must be 0 or 1")
-    for k, buf in enumerate(buffers):
-        if buf is not None:
-            check_f32_array(f"buffers[{k}]", buf)
 
 
 def nan_check_fused(buffers: Sequence[np.ndarray | None], flags: np.ndarray,
@@ -138,7 +121,7 @@ def nan_check_fused(buffers: Sequence[np.ndarray | None], flags: np.ndarray,
     The test entry copies each buffer to its own device allocation and builds the kernel's
     device arrays of addresses (0 for a ``None`` or empty buffer) and lengths from the list.
     """
-    _check_fused(buffers, flags, thresholds)
+    validate_nan_check_fused(buffers, flags, thresholds)
     from foxhunt.fast.device import call as cu
     from cuda.bindings import driver
 
@@ -175,10 +158,8 @@ def max_abs(x: np.ndarray) -> np.float32:
 def target_q_clip(q: np.ndarray, k1: float, q_abs_ref: float) -> np.ndarray:
     """Mech 1 target-Q clip on the GPU; the bound ``k1 * fmaxf(q_abs_ref, 1)`` is formed on
     the device from a pointer to the ISV value, as in the trainer."""
-    check_f32_array("q", q)
-    isv_bound(k1, q_abs_ref)  # the reference's checks of k1 and q_abs_ref (same errors)
-    multiplier = data_f32("k1", k1)
-    isv_value = np.array([data_f32("q_abs_ref", q_abs_ref)], dtype=F32)
+    multiplier, q_abs_ref32 = validate_target_q_clip(q, k1, q_abs_ref)
+    isv_value = np.array([q_abs_ref32], dtype=F32)
     (out,) = _launch("target_q_clip", plan_target_q_clip(q.size), In(q), Out(q.shape, F32),
                      q.size, multiplier, In(isv_value))
     return out

@@ -29,12 +29,13 @@ from typing import Sequence
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, InOut, Out, call, runtime
-from foxhunt.reference.kernels.safety import check_f32_scalar, check_int
+from foxhunt.reference.kernels._checks import check_int
 from foxhunt.reference.kernels.spectral import (
     SPECTRAL_EPS,
     BatchedSpectralNormResult,
     SpectralNormResult,
-    _check_matrix,
+    validate_batched_spectral_norm,
+    validate_spectral_norm,
 )
 
 F32 = np.float32
@@ -89,8 +90,7 @@ def spectral_norm(w: np.ndarray, u: np.ndarray, v: np.ndarray,
     Contract as ``reference.kernels.spectral.spectral_norm``. Returns
     ``SpectralNormResult(w, u, v, sigma)`` (float32 arrays and a float32 scalar).
     """
-    _check_matrix("w", w, "u", u, "v", v)
-    bound = check_f32_scalar("sigma_max", sigma_max, lo=0.0, lo_open=True)
+    bound = validate_spectral_norm(w, u, v, sigma_max)
     rows, cols = _dims("w", w)
     grid, block, smem = plan_spectral_norm()
     w_new, u_new, v_new, sigma = call(
@@ -107,13 +107,8 @@ def batched_spectral_norm(ws: Sequence[np.ndarray], us: Sequence[np.ndarray],
     Same arguments, validation and result lists as the reference twin; every entry is bitwise
     equal to :func:`spectral_norm` on that matrix.
     """
+    bound = validate_batched_spectral_norm(ws, us, vs, sigma_max)
     n = len(ws)
-    check_int("len(ws)", n, minimum=1)
-    if len(us) != n or len(vs) != n:
-        raise ValueError(f"len(us)={len(us)}, len(vs)={len(vs)}: must equal len(ws)={n}")
-    for k in range(n):
-        _check_matrix(f"ws[{k}]", ws[k], f"us[{k}]", us[k], f"vs[{k}]", vs[k])
-    bound = check_f32_scalar("sigma_max", sigma_max, lo=0.0, lo_open=True)
     dims = [_dims(f"ws[{k}]", ws[k]) for k in range(n)]
 
     hosts = [np.ascontiguousarray(a) for k in range(n) for a in (ws[k], us[k], vs[k])]

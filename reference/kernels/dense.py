@@ -21,6 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from foxhunt.reference.kernels._checks import ieee, require_array, require_shape
+
 F32 = np.dtype(np.float32)
 U16 = np.dtype(np.uint16)
 U32 = np.dtype(np.uint32)
@@ -46,56 +48,25 @@ GEMM_MODES = ("f32", "bf16", "tf32")
 
 
 # --------------------------------------------------------------------------------------------
-# Argument checks (shared with the other reference kernel modules).
+# Validation shared with the fast test entries (foxhunt.fast.kernels.dense).
 # --------------------------------------------------------------------------------------------
 
 
-def _require_array(name: str, x, dtype, ndim: int | None = None) -> np.ndarray:
-    """Return ``x`` if it is an ndarray of exactly ``dtype`` (and ``ndim`` dims), else raise."""
-    want = np.dtype(dtype)
-    if not isinstance(x, np.ndarray):
-        raise ValueError(
-            f"{name}: expected a numpy.ndarray of dtype {want}, got {type(x).__name__}"
-        )
-    if x.dtype != want:
-        raise ValueError(f"{name}: dtype {x.dtype} is not allowed; expected {want}")
-    if ndim is not None and x.ndim != ndim:
-        raise ValueError(
-            f"{name}: shape {x.shape} has {x.ndim} dimension(s); expected {ndim}"
-        )
-    return x
+def validate_add_bias_relu(y, b) -> None:
+    """The argument checks of ``add_bias_relu`` and ``add_bias_relu_bf16``."""
+    require_array("y", y, F32, ndim=2)
+    require_array("b", b, F32, ndim=1)
+    require_shape("b", b, (y.shape[1],), "[N] with N = y.shape[1]")
 
 
-def _require_shape(name: str, x: np.ndarray, shape: tuple, meaning: str) -> None:
-    """Raise unless ``x.shape == shape``; ``meaning`` spells the expected shape symbolically."""
-    if x.shape != tuple(shape):
-        raise ValueError(f"{name}: shape {x.shape} is not allowed; expected {meaning} = {shape}")
+validate_add_bias_relu_bf16 = validate_add_bias_relu
 
 
-def _f32_scalar(name: str, value) -> np.float32:
-    """A real scalar argument (Python or NumPy number, or a 0-d real array) as float32, what the
-    CUDA launch receives. Non-finite values are allowed (contracts say how they propagate)."""
-    if isinstance(value, np.ndarray) and value.ndim == 0:
-        value = value[()]
-    if isinstance(value, (bool, np.bool_)) or not isinstance(
-        value, (int, float, np.integer, np.floating)
-    ):
-        raise ValueError(
-            f"{name}: expected a real scalar (int, float or numpy floating), "
-            f"got {type(value).__name__} {value!r}"
-        )
-    return np.float32(value)
-
-
-# Kernels follow IEEE arithmetic on purpose (NaN/Inf propagate per their contracts), so
-# NumPy's floating-point warnings are noise: silenced for the kernel bodies.
-_ieee = np.errstate(all="ignore")
-
-
-def _check_bias_operands(y, b) -> None:
-    _require_array("y", y, F32, ndim=2)
-    _require_array("b", b, F32, ndim=1)
-    _require_shape("b", b, (y.shape[1],), "[N] with N = y.shape[1]")
+def validate_relu_mask(dy, h) -> None:
+    """The argument checks of ``relu_mask``."""
+    require_array("dy", dy, F32, ndim=2)
+    require_array("h", h, F32, ndim=2)
+    require_shape("h", h, dy.shape, "dy.shape [M, N]")
 
 
 # --------------------------------------------------------------------------------------------
@@ -103,7 +74,7 @@ def _check_bias_operands(y, b) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@_ieee
+@ieee
 def add_bias_relu(y: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Bias + ReLU epilogue: ``out[i, n] = relu(y[i, n] + b[n])``.
 
@@ -115,7 +86,7 @@ def add_bias_relu(y: np.ndarray, b: np.ndarray) -> np.ndarray:
     the sentinels); ``+Inf`` stays ``+Inf``; ``-Inf`` and every ``t <= 0`` (``-0.0`` included)
     give ``+0.0``. Do not use ``fmaxf(t, 0)``: it maps NaN to 0.
     """
-    _check_bias_operands(y, b)
+    validate_add_bias_relu(y, b)
     pre = y + b[np.newaxis, :]
     return np.where(pre <= 0, np.float32(0), pre).astype(F32, copy=False)
 
@@ -139,7 +110,7 @@ def add_bias_relu_bf16(y: np.ndarray, b: np.ndarray) -> BiasReluBf16:
     return BiasReluBf16(out=out, out_bf16=f32_to_bf16(out))
 
 
-@_ieee
+@ieee
 def relu_mask(dy: np.ndarray, h: np.ndarray) -> np.ndarray:
     """Backward through ReLU from the post-ReLU activation: ``dx = h <= 0 ? 0 : dy``.
 
@@ -151,13 +122,11 @@ def relu_mask(dy: np.ndarray, h: np.ndarray) -> np.ndarray:
     ``dy`` there is dropped, as in torch's ``threshold_backward``; a multiply would give NaN).
     Where ``h > 0`` or ``h`` is NaN, ``dy`` passes unchanged (NaN and Inf included).
     """
-    _require_array("dy", dy, F32, ndim=2)
-    _require_array("h", h, F32, ndim=2)
-    _require_shape("h", h, dy.shape, "dy.shape [M, N]")
+    validate_relu_mask(dy, h)
     return np.where(h <= 0, np.float32(0), dy).astype(F32, copy=False)
 
 
-@_ieee
+@ieee
 def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
     """Bias gradient: column sums ``db[n] = sum_i dy[i, n]`` with float32 accumulation.
 
@@ -166,7 +135,7 @@ def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
     NaN/Inf contract: plain IEEE sums, no guard: a NaN in a column makes that column's sum NaN;
     ``+Inf`` and ``-Inf`` in one column give NaN.
     """
-    _require_array("dy", dy, F32, ndim=2)
+    require_array("dy", dy, F32, ndim=2)
     return np.sum(dy, axis=0, dtype=F32)
 
 
@@ -184,7 +153,7 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     divergence: torch and CUDA's ``__float2bfloat16_rn`` return a canonical NaN (sign dropped);
     the fast kernel implements this bit formula instead, and NaN positions agree either way.
     """
-    _require_array("x", x, F32)
+    require_array("x", x, F32)
     u = x.view(U32)
     is_nan = (u & _ABS_MASK) > _EXP_MASK
     lowest_kept_bit = (u >> _BF16_SHIFT) & np.uint32(1)
@@ -200,7 +169,7 @@ def bf16_to_f32(u: np.ndarray) -> np.ndarray:
     Shapes: ``u`` uint16, any shape; returns float32 of the same shape. Exact for every pattern
     (NaN payloads and signs, Inf, subnormals, signed zeros).
     """
-    _require_array("u", u, U16)
+    require_array("u", u, U16)
     return (u.astype(U32) << _BF16_SHIFT).view(F32)
 
 
@@ -219,7 +188,7 @@ def tf32_round(x: np.ndarray) -> np.ndarray:
     Note: cuBLAS's TF32 tensor-core path may truncate the low 13 bits instead of rounding;
     the conformance GEMM bound uses ``u_in = 2**-10`` for TF32 inputs, which covers both.
     """
-    _require_array("x", x, F32)
+    require_array("x", x, F32)
     u = x.view(U32)
     is_finite = (u & _EXP_MASK) != _EXP_MASK
     is_nan = (u & _ABS_MASK) > _EXP_MASK
@@ -241,7 +210,7 @@ def round_for(x: np.ndarray, mode: str) -> np.ndarray:
     ``"f32"``: ``x`` unchanged (a copy); ``"bf16"``: ``bf16_to_f32(f32_to_bf16(x))`` (RNE);
     ``"tf32"``: ``tf32_round(x)`` (ties away from zero). ``x`` float32, any shape.
     """
-    _require_array("x", x, F32)
+    require_array("x", x, F32)
     if mode == "f32":
         return x.copy()
     if mode == "bf16":
@@ -251,7 +220,7 @@ def round_for(x: np.ndarray, mode: str) -> np.ndarray:
     raise ValueError(f"mode: {mode!r} is not allowed; expected one of {GEMM_MODES}")
 
 
-@_ieee
+@ieee
 def gemm(
     a: np.ndarray,
     b: np.ndarray,
@@ -274,8 +243,8 @@ def gemm(
     NaN/Inf contract: IEEE, as SGEMM computes (a NaN input poisons its row of C / column of C;
     ``Inf * 0`` gives NaN); rounding keeps NaN and Inf (see ``f32_to_bf16``, ``tf32_round``).
     """
-    _require_array("a", a, F32, ndim=2)
-    _require_array("b", b, F32, ndim=2)
+    require_array("a", a, F32, ndim=2)
+    require_array("b", b, F32, ndim=2)
     if mode not in GEMM_MODES:
         raise ValueError(f"mode: {mode!r} is not allowed; expected one of {GEMM_MODES}")
     op_a = a.T if trans_a else a

@@ -21,13 +21,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from foxhunt.reference.kernels.dense import (
-    F32,
-    _f32_scalar,
-    _ieee,
-    _require_array,
-    _require_shape,
-)
+from foxhunt.reference.kernels._checks import f32_scalar, ieee, require_array, require_shape
+from foxhunt.reference.kernels.dense import F32
 
 I32 = np.dtype(np.int32)
 
@@ -38,8 +33,8 @@ I32 = np.dtype(np.int32)
 
 
 def _check_support_bounds(v_min, v_max, num_atoms: int) -> tuple[np.float32, np.float32]:
-    lo = _f32_scalar("v_min", v_min)
-    hi = _f32_scalar("v_max", v_max)
+    lo = f32_scalar("v_min", v_min)
+    hi = f32_scalar("v_max", v_max)
     if not (np.isfinite(lo) and np.isfinite(hi) and lo < hi):
         raise ValueError(
             f"v_min, v_max: ({v_min!r}, {v_max!r}) is not allowed; "
@@ -71,8 +66,8 @@ def support(v_min, v_max, num_atoms: int) -> np.ndarray:
 
 
 def _require_actions(actions, batch: int, num_actions: int) -> np.ndarray:
-    _require_array("actions", actions, I32, ndim=1)
-    _require_shape("actions", actions, (batch,), "[B]")
+    require_array("actions", actions, I32, ndim=1)
+    require_shape("actions", actions, (batch,), "[B]")
     if actions.size and (actions.min() < 0 or actions.max() >= num_actions):
         bad = actions[(actions < 0) | (actions >= num_actions)]
         raise ValueError(
@@ -83,13 +78,13 @@ def _require_actions(actions, batch: int, num_actions: int) -> np.ndarray:
 
 
 def _require_logp(logp) -> np.ndarray:
-    _require_array("logp", logp, F32, ndim=3)
+    require_array("logp", logp, F32, ndim=3)
     return logp
 
 
 def _require_vector(name: str, x, length: int, meaning: str) -> np.ndarray:
-    _require_array(name, x, F32, ndim=1)
-    _require_shape(name, x, (length,), meaning)
+    require_array(name, x, F32, ndim=1)
+    require_shape(name, x, (length,), meaning)
     return x
 
 
@@ -107,11 +102,101 @@ def _taken(x: np.ndarray, actions: np.ndarray) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------------------------
+# Validation shared with the fast test entries (foxhunt.fast.kernels.distributional).
+# --------------------------------------------------------------------------------------------
+
+
+def validate_dueling_combine(v, adv) -> None:
+    """The argument checks of ``dueling_combine``."""
+    require_array("v", v, F32, ndim=2)
+    require_array("adv", adv, F32, ndim=3)
+    require_shape("adv", adv, (v.shape[0], adv.shape[1], v.shape[1]), "[B, A, NA] (v is [B, NA])")
+    if adv.shape[1] < 1:
+        raise ValueError(f"adv: shape {adv.shape} has no actions; expected A >= 1")
+
+
+def validate_dueling_combine_backward(dlogits) -> None:
+    """The argument checks of ``dueling_combine_backward``."""
+    require_array("dlogits", dlogits, F32, ndim=3)
+    if dlogits.shape[1] < 1:
+        raise ValueError(f"dlogits: shape {dlogits.shape} has no actions; expected A >= 1")
+
+
+def validate_log_softmax_atoms(logits) -> None:
+    """The argument checks of ``log_softmax_atoms``."""
+    require_array("logits", logits, F32)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"logits: shape {logits.shape} is not allowed; expected [..., NA] with NA >= 1"
+        )
+
+
+def validate_expected_q(logp, z) -> None:
+    """The argument checks of ``expected_q``."""
+    _require_logp(logp)
+    _require_vector("z", z, logp.shape[2], "[NA] with NA = logp.shape[2]")
+
+
+def validate_double_dqn_select(q) -> None:
+    """The argument checks of ``double_dqn_select``."""
+    require_array("q", q, F32, ndim=2)
+    if q.shape[1] < 1:
+        raise ValueError(f"q: shape {q.shape} has no actions; expected A >= 1")
+
+
+class ProjectArgs(NamedTuple):
+    """``c51_project``'s checked scalars as the kernel receives them: ``gamma``, ``v_min``,
+    ``v_max`` in float32 and the atom spacing ``dz`` (``_atom_spacing``)."""
+
+    gamma: np.float32
+    v_min: np.float32
+    v_max: np.float32
+    dz: np.float32
+
+
+def validate_c51_project(p_next, r, done, gamma, z, v_min, v_max) -> ProjectArgs:
+    """The argument checks of ``c51_project``; returns its scalars (``ProjectArgs``)."""
+    require_array("p_next", p_next, F32, ndim=2)
+    batch, num_atoms = p_next.shape
+    _require_vector("r", r, batch, "[B] with B = p_next.shape[0]")
+    _require_vector("done", done, batch, "[B] with B = p_next.shape[0]")
+    if num_atoms < 2:
+        raise ValueError(f"p_next: shape {p_next.shape} is not allowed; expected [B, NA], NA >= 2")
+    _require_vector("z", z, num_atoms, "[NA] with NA = p_next.shape[1]")
+    g = f32_scalar("gamma", gamma)
+    lo, hi = _check_support_bounds(v_min, v_max, num_atoms)
+    return ProjectArgs(gamma=g, v_min=lo, v_max=hi, dz=_atom_spacing(lo, hi, num_atoms))
+
+
+def validate_c51_loss(logp, actions, m, isw, scale) -> np.float32:
+    """The argument checks of ``c51_loss`` (and ``c51_grad``); returns ``scale`` in float32."""
+    _require_logp(logp)
+    batch, num_actions, num_atoms = logp.shape
+    _require_actions(actions, batch, num_actions)
+    require_array("m", m, F32, ndim=2)
+    require_shape("m", m, (batch, num_atoms), "[B, NA] (logp is [B, A, NA])")
+    _require_vector("isw", isw, batch, "[B] with B = logp.shape[0]")
+    return f32_scalar("scale", scale)
+
+
+validate_c51_grad = validate_c51_loss
+
+
+def validate_cql_logit_grad(logp, actions, z, alpha, scale) -> tuple[np.float32, np.float32]:
+    """The argument checks of ``cql_logit_grad``; returns ``(alpha, scale)`` in float32."""
+    _require_logp(logp)
+    batch, num_actions, num_atoms = logp.shape
+    _require_actions(actions, batch, num_actions)
+    _require_vector("z", z, num_atoms, "[NA] with NA = logp.shape[2]")
+    return f32_scalar("alpha", alpha), f32_scalar("scale", scale)
+
+
+# --------------------------------------------------------------------------------------------
 # Kernels.
 # --------------------------------------------------------------------------------------------
 
 
-@_ieee
+@ieee
 def dueling_combine(v: np.ndarray, adv: np.ndarray) -> np.ndarray:
     """Dueling combination: ``logits[b, a, j] = v[b, j] + (adv[b, a, j] - mean_a adv[b, :, j])``.
 
@@ -122,11 +207,7 @@ def dueling_combine(v: np.ndarray, adv: np.ndarray) -> np.ndarray:
     ``logits[b, :, j]`` is NaN for every action; a NaN in ``v[b, j]`` makes ``logits[b, :, j]``
     NaN; an Inf advantage gives ``Inf - Inf = NaN`` at its own action.
     """
-    _require_array("v", v, F32, ndim=2)
-    _require_array("adv", adv, F32, ndim=3)
-    _require_shape("adv", adv, (v.shape[0], adv.shape[1], v.shape[1]), "[B, A, NA] (v is [B, NA])")
-    if adv.shape[1] < 1:
-        raise ValueError(f"adv: shape {adv.shape} has no actions; expected A >= 1")
+    validate_dueling_combine(v, adv)
     mean = _sum_over_actions(adv) / np.float32(adv.shape[1])
     return (v[:, np.newaxis, :] + (adv - mean[:, np.newaxis, :])).astype(F32, copy=False)
 
@@ -138,7 +219,7 @@ class DuelingGrads(NamedTuple):
     dadv: np.ndarray
 
 
-@_ieee
+@ieee
 def dueling_combine_backward(dlogits: np.ndarray) -> DuelingGrads:
     """Backward of ``dueling_combine``: ``dv = sum_a dlogits``, ``dadv = dlogits - mean_a dlogits``.
 
@@ -147,16 +228,14 @@ def dueling_combine_backward(dlogits: np.ndarray) -> DuelingGrads:
     NaN/Inf contract: IEEE, unguarded: a NaN in ``dlogits[b, a, j]`` makes ``dv[b, j]`` and
     ``dadv[b, :, j]`` (every action) NaN.
     """
-    _require_array("dlogits", dlogits, F32, ndim=3)
-    if dlogits.shape[1] < 1:
-        raise ValueError(f"dlogits: shape {dlogits.shape} has no actions; expected A >= 1")
+    validate_dueling_combine_backward(dlogits)
     dv = _sum_over_actions(dlogits)
     mean = dv / np.float32(dlogits.shape[1])
     dadv = (dlogits - mean[:, np.newaxis, :]).astype(F32, copy=False)
     return DuelingGrads(dv=dv.astype(F32, copy=False), dadv=dadv)
 
 
-@_ieee
+@ieee
 def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
     """Max-subtracted log-softmax over the last (atom) axis.
 
@@ -170,18 +249,14 @@ def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
     ``fmaxf`` (skipping NaN): the NaN then reaches the sum through ``exp(NaN - m)``, so the
     outcome is the same. No epsilon is needed: the shifted sum is ``>= 1``.
     """
-    _require_array("logits", logits, F32)
-    if logits.ndim < 1 or logits.shape[-1] < 1:
-        raise ValueError(
-            f"logits: shape {logits.shape} is not allowed; expected [..., NA] with NA >= 1"
-        )
+    validate_log_softmax_atoms(logits)
     m = np.max(logits, axis=-1, keepdims=True)
     shifted = logits - m
     log_sum = np.log(np.sum(np.exp(shifted), axis=-1, keepdims=True, dtype=F32))
     return (shifted - log_sum).astype(F32, copy=False)
 
 
-@_ieee
+@ieee
 def expected_q(logp: np.ndarray, z: np.ndarray) -> np.ndarray:
     """Expected Q per action: ``q[b, a] = sum_j exp(logp[b, a, j]) * z_j``.
 
@@ -189,8 +264,7 @@ def expected_q(logp: np.ndarray, z: np.ndarray) -> np.ndarray:
     NaN/Inf contract: IEEE, unguarded: a NaN in ``logp[b, a]`` (or in ``z``) makes ``q[b, a]``
     NaN; ``logp = -Inf`` contributes exactly 0.
     """
-    _require_logp(logp)
-    _require_vector("z", z, logp.shape[2], "[NA] with NA = logp.shape[2]")
+    validate_expected_q(logp, z)
     return np.sum(np.exp(logp) * z, axis=-1, dtype=F32)
 
 
@@ -202,9 +276,7 @@ def double_dqn_select(q: np.ndarray) -> np.ndarray:
     NaN contract: NaN entries never win; a row of all NaN selects action 0. ``+Inf`` wins like
     any value (the first ``+Inf`` on ties); ``-0.0 == +0.0`` is a tie.
     """
-    _require_array("q", q, F32, ndim=2)
-    if q.shape[1] < 1:
-        raise ValueError(f"q: shape {q.shape} has no actions; expected A >= 1")
+    validate_double_dqn_select(q)
     best_index = np.zeros(q.shape[0], dtype=I32)
     best = q[:, 0].copy()
     for a in range(1, q.shape[1]):
@@ -215,7 +287,7 @@ def double_dqn_select(q: np.ndarray) -> np.ndarray:
     return best_index.astype(I32, copy=False)
 
 
-@_ieee
+@ieee
 def c51_project(
     p_next: np.ndarray,
     r: np.ndarray,
@@ -246,16 +318,7 @@ def c51_project(
     (a finite, mass-preserving row); ``gamma = +/-Inf`` with ``done_b = 1`` gives ``Inf * 0 =
     NaN``.
     """
-    _require_array("p_next", p_next, F32, ndim=2)
-    batch, num_atoms = p_next.shape
-    _require_vector("r", r, batch, "[B] with B = p_next.shape[0]")
-    _require_vector("done", done, batch, "[B] with B = p_next.shape[0]")
-    if num_atoms < 2:
-        raise ValueError(f"p_next: shape {p_next.shape} is not allowed; expected [B, NA], NA >= 2")
-    _require_vector("z", z, num_atoms, "[NA] with NA = p_next.shape[1]")
-    g = _f32_scalar("gamma", gamma)
-    lo, hi = _check_support_bounds(v_min, v_max, num_atoms)
-    dz = _atom_spacing(lo, hi, num_atoms)
+    g, lo, hi, dz = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max)
     discount = g * (np.float32(1) - done)  # [B]
     target = r[:, np.newaxis] + discount[:, np.newaxis] * z[np.newaxis, :]  # [B, NA_j]
     target = np.minimum(np.maximum(target, lo), hi)  # NaN-propagating clip
@@ -272,7 +335,7 @@ class C51Loss(NamedTuple):
     total: np.float32
 
 
-@_ieee
+@ieee
 def c51_loss(
     logp: np.ndarray,
     actions: np.ndarray,
@@ -294,19 +357,13 @@ def c51_loss(
     NaN; ``m = 0`` against ``logp = -Inf`` gives ``0 * -Inf = NaN`` (as torch's soft-target
     cross-entropy). Any NaN ``ce_b``, ``isw_b`` or ``scale`` makes ``total`` NaN.
     """
-    _require_logp(logp)
-    batch, num_actions, num_atoms = logp.shape
-    _require_actions(actions, batch, num_actions)
-    _require_array("m", m, F32, ndim=2)
-    _require_shape("m", m, (batch, num_atoms), "[B, NA] (logp is [B, A, NA])")
-    _require_vector("isw", isw, batch, "[B] with B = logp.shape[0]")
-    s = _f32_scalar("scale", scale)
+    s = validate_c51_loss(logp, actions, m, isw, scale)
     ce = -np.sum(m * _taken(logp, actions), axis=-1, dtype=F32)
     total = s * np.sum(isw * ce, dtype=F32)
     return C51Loss(ce=ce.astype(F32, copy=False), total=np.float32(total))
 
 
-@_ieee
+@ieee
 def c51_grad(
     logp: np.ndarray,
     actions: np.ndarray,
@@ -324,13 +381,8 @@ def c51_grad(
     ``isw_b`` or ``scale`` gives NaN there); other actions are written 0 regardless of their
     ``logp``. ``logp <= 0`` keeps ``exp`` from overflowing (seed audit).
     """
-    _require_logp(logp)
-    batch, num_actions, num_atoms = logp.shape
-    _require_actions(actions, batch, num_actions)
-    _require_array("m", m, F32, ndim=2)
-    _require_shape("m", m, (batch, num_atoms), "[B, NA] (logp is [B, A, NA])")
-    _require_vector("isw", isw, batch, "[B] with B = logp.shape[0]")
-    s = _f32_scalar("scale", scale)
+    s = validate_c51_grad(logp, actions, m, isw, scale)
+    batch = logp.shape[0]
     weight = isw * s  # [B]
     taken_grad = weight[:, np.newaxis] * (np.exp(_taken(logp, actions)) - m)
     dlogits = np.zeros(logp.shape, dtype=F32)
@@ -345,7 +397,7 @@ class CqlGrad(NamedTuple):
     terms: np.ndarray
 
 
-@_ieee
+@ieee
 def cql_logit_grad(
     logp: np.ndarray,
     actions: np.ndarray,
@@ -371,12 +423,8 @@ def cql_logit_grad(
     (the max is NaN-propagating; an ``fmaxf`` max gives the same result through ``exp(NaN)``).
     A NaN ``alpha``/``scale`` makes ``dlogits`` NaN but leaves ``terms`` finite.
     """
-    _require_logp(logp)
-    batch, num_actions, num_atoms = logp.shape
-    _require_actions(actions, batch, num_actions)
-    _require_vector("z", z, num_atoms, "[NA] with NA = logp.shape[2]")
-    a_ = _f32_scalar("alpha", alpha)
-    s_ = _f32_scalar("scale", scale)
+    a_, s_ = validate_cql_logit_grad(logp, actions, z, alpha, scale)
+    batch, num_actions = logp.shape[:2]
     q = expected_q(logp, z)  # [B, A]
     q_max = np.max(q, axis=1)  # [B], NaN-propagating
     e = np.exp(q - q_max[:, np.newaxis])

@@ -65,6 +65,32 @@ def _check_sharpe(sharpe: float) -> None:
         raise ValueError(f"sharpe={sharpe!r}: need a real scalar (NaN allowed)")
 
 
+# --------------------------------------------------------------------------- validation
+# Shared with the fast test entries (foxhunt.fast.kernels.isv).
+def validate_isv_signal_update(isv, signals, sharpe, alpha_base) -> np.float32:
+    """The argument checks of ``isv_signal_update``; returns ``alpha_base`` in float32."""
+    _check_isv(isv)
+    _check_f32_array("signals", signals, (NUM_SIGNALS,))
+    _check_sharpe(sharpe)
+    return _check_scalar("alpha_base", alpha_base, 0.0, 0.5)
+
+
+def _validate_mean_ema(isv, name: str, x, alpha) -> np.float32:
+    _check_isv(isv)
+    _check_f32_array(name, x)
+    return _check_scalar("alpha", alpha, 0.0, 1.0)
+
+
+def validate_isv_q_abs_ref_update(isv, q, alpha) -> np.float32:
+    """The argument checks of ``isv_q_abs_ref_update``; returns ``alpha`` in float32."""
+    return _validate_mean_ema(isv, "q", q, alpha)
+
+
+def validate_isv_h2_rms_update(isv, h2, alpha) -> np.float32:
+    """The argument checks of ``isv_h2_rms_update``; returns ``alpha`` in float32."""
+    return _validate_mean_ema(isv, "h2", h2, alpha)
+
+
 # --------------------------------------------------------------------------- the EMA rule
 def _ema(old: np.ndarray, x: np.ndarray, alpha: np.float32) -> np.ndarray:
     """The guarded float32 EMA of the module docstring, elementwise."""
@@ -99,10 +125,7 @@ def isv_signal_update(isv: np.ndarray, signals: np.ndarray, sharpe: float,
     ``alpha_base`` scalars (passed to the kernel as float32); ``alpha_base`` in ``[0, 0.5]``.
     Returns the new ``isv`` (float32 ``[ISV_LEN]``); slots >= 13 are copied bit-exactly.
     """
-    _check_isv(isv)
-    _check_f32_array("signals", signals, (NUM_SIGNALS,))
-    _check_sharpe(sharpe)
-    alpha_base = _check_scalar("alpha_base", alpha_base, 0.0, 0.5)
+    alpha_base = validate_isv_signal_update(isv, signals, sharpe, alpha_base)
     alpha = adaptive_ema_rate(sharpe, alpha_base)
     out = isv.copy()
     out[:NUM_SIGNALS] = _ema(isv[:NUM_SIGNALS], signals, alpha)
@@ -121,9 +144,7 @@ def isv_q_abs_ref_update(isv: np.ndarray, q: np.ndarray, alpha: float) -> np.nda
     Shapes/dtypes: ``isv`` float32 ``[ISV_LEN]``; ``q`` float32, any shape (e.g. ``[B, n_actions]``
     expected Q values); ``alpha`` scalar in ``[0, 1]``. Returns the new ``isv``.
     """
-    _check_isv(isv)
-    _check_f32_array("q", q)
-    alpha = _check_scalar("alpha", alpha, 0.0, 1.0)
+    alpha = validate_isv_q_abs_ref_update(isv, q, alpha)
     finite = q[np.isfinite(q)]
     if finite.size == 0:
         return isv.copy()
@@ -146,9 +167,7 @@ def isv_h2_rms_update(isv: np.ndarray, h2: np.ndarray, alpha: float) -> np.ndarr
     accepted; the caller decides whether it is taken before or after the Mech 10 clamp);
     ``alpha`` scalar in ``[0, 1]``. Returns the new ``isv``.
     """
-    _check_isv(isv)
-    _check_f32_array("h2", h2)
-    alpha = _check_scalar("alpha", alpha, 0.0, 1.0)
+    alpha = validate_isv_h2_rms_update(isv, h2, alpha)
     finite = h2[np.isfinite(h2)]
     if finite.size == 0:
         return isv.copy()

@@ -22,17 +22,92 @@ from typing import NamedTuple
 
 import numpy as np
 
-from foxhunt.reference.kernels.safety import (
+from foxhunt.reference.kernels._checks import (
     check_f32_array,
     check_f32_scalar,
     check_int,
     check_same_shape,
-    clamp_finite,
     data_f32,
 )
+from foxhunt.reference.kernels.safety import clamp_finite
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation shared with the fast test entries (foxhunt.fast.kernels.optim)
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_grad_norm_partial(x, block_size) -> int:
+    """The argument checks of ``grad_norm_partial``; returns ``block_size`` as an int."""
+    check_f32_array("x", x, ndim=1)
+    return check_int("block_size", block_size, minimum=1)
+
+
+def validate_clip_grad_inplace(x, max_norm, norm_sq) -> tuple[np.float32, np.float32]:
+    """The argument checks of ``clip_grad_inplace`` (``clip_scale``'s for the scalars);
+    returns ``(max_norm, norm_sq)`` in float32."""
+    check_f32_array("x", x)
+    return _clip_scale_args(norm_sq, max_norm)
+
+
+def _check_f32_same_shape(**arrays: np.ndarray) -> None:
+    """Each keyword array float32 (in order), then all of one shape."""
+    for name, arr in arrays.items():
+        check_f32_array(name, arr)
+    check_same_shape(**arrays)
+
+
+def validate_saxpy(y, x, a) -> np.float32:
+    """The argument checks of ``saxpy``; returns ``a`` in float32."""
+    _check_f32_same_shape(y=y, x=x)
+    return check_f32_scalar("a", a)
+
+
+def validate_clipped_saxpy(y, x, a, max_norm,
+                           norm_sq) -> tuple[np.float32, np.float32, np.float32]:
+    """The argument checks of ``clipped_saxpy``; returns ``(a, max_norm, norm_sq)`` in float32."""
+    a32 = validate_saxpy(y, x, a)
+    return (a32, *_clip_scale_args(norm_sq, max_norm))
+
+
+class AdamArgs(NamedTuple):
+    """``adam_update``'s checked scalars, as the kernel receives them."""
+
+    step: int
+    lr: np.float32
+    beta1: np.float32
+    beta2: np.float32
+    eps: np.float32
+    weight_decay: np.float32
+    grad_scale: np.float32
+    weight_clamp: np.float32
+
+
+def validate_adam_update(param, grad, m, v, *, step, lr, beta1, beta2, eps, weight_decay,
+                         grad_scale, weight_clamp) -> AdamArgs:
+    """The argument checks of ``adam_update`` (its docstring has the ranges); returns the
+    scalars (``AdamArgs``)."""
+    _check_f32_same_shape(param=param, grad=grad, m=m, v=v)
+    return AdamArgs(
+        step=check_int("step", step, minimum=1),
+        lr=check_f32_scalar("lr", lr, lo=0.0),
+        beta1=check_f32_scalar("beta1", beta1, lo=0.0, hi=1.0, hi_open=True),
+        beta2=check_f32_scalar("beta2", beta2, lo=0.0, hi=1.0, hi_open=True),
+        eps=check_f32_scalar("eps", eps, lo=0.0, lo_open=True),
+        weight_decay=check_f32_scalar("weight_decay", weight_decay, lo=0.0),
+        grad_scale=data_f32("grad_scale", grad_scale),
+        weight_clamp=check_f32_scalar("weight_clamp", weight_clamp, lo=0.0, lo_open=True,
+                                      allow_inf=True),
+    )
+
+
+def validate_polyak_update(target, online, tau) -> np.float32:
+    """The argument checks of ``polyak_update``; returns ``tau`` in float32."""
+    _check_f32_same_shape(target=target, online=online)
+    return check_f32_scalar("tau", tau, lo=0.0, hi=1.0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -75,8 +150,7 @@ def grad_norm_partial(x: np.ndarray, block_size: int) -> np.ndarray:
     block_size)] (empty for N = 0). Same NaN contract as ``grad_norm_sq``: non-finite elements
     are skipped; a partial is +Inf only if a finite square overflowed. Partials are never NaN.
     """
-    check_f32_array("x", x, ndim=1)
-    bs = check_int("block_size", block_size, minimum=1)
+    bs = validate_grad_norm_partial(x, block_size)
     n_blocks = -(-x.shape[0] // bs)
     return np.array([_finite_sq_sum(x[k * bs:(k + 1) * bs]) for k in range(n_blocks)],
                     dtype=np.float32)
@@ -103,6 +177,18 @@ def norm_from_sq(norm_sq: float) -> np.float32:
     return np.float32(np.sqrt(np.fmax(data_f32("norm_sq", norm_sq), _ZERO)))
 
 
+def _clip_scale_args(norm_sq: float, max_norm: float) -> tuple[np.float32, np.float32]:
+    """``clip_scale``'s checks, in its order: ``(max_norm, norm_sq)`` in float32."""
+    return check_f32_scalar("max_norm", max_norm, lo=0.0), data_f32("norm_sq", norm_sq)
+
+
+def _clip_scale_f32(mn: np.float32, norm_sq: np.float32) -> np.float32:
+    n = norm_from_sq(norm_sq)
+    if n > mn and n > _ZERO:
+        return np.float32(mn / n)
+    return _ONE
+
+
 def clip_scale(norm_sq: float, max_norm: float) -> np.float32:
     """Helper: the clip factor ``s = max_norm / n if n > max_norm and n > 0 else 1``.
 
@@ -111,11 +197,7 @@ def clip_scale(norm_sq: float, max_norm: float) -> np.float32:
     (the component is discarded for this step). ``max_norm`` must be finite and >= 0.
     Always returns a finite value in ``[0, 1]``.
     """
-    mn = check_f32_scalar("max_norm", max_norm, lo=0.0)
-    n = norm_from_sq(norm_sq)
-    if n > mn and n > _ZERO:
-        return np.float32(mn / n)
-    return _ONE
+    return _clip_scale_f32(*_clip_scale_args(norm_sq, max_norm))
 
 
 #: Adam's global-norm safety clip factor (SPEC 4 step 6): the same rule as the budget clips,
@@ -142,8 +224,7 @@ def clip_grad_inplace(x: np.ndarray, max_norm: float, norm_sq: float) -> np.ndar
     +/-Inf when ``s > 0`` and becomes NaN when ``s = 0``. Non-finite gradient elements are
     skipped later by the SAXPYs and by Adam, not here.
     """
-    check_f32_array("x", x)
-    s = clip_scale(norm_sq, max_norm)
+    s = _clip_scale_f32(*validate_clip_grad_inplace(x, max_norm, norm_sq))
     with np.errstate(invalid="ignore"):
         return (x * s).astype(np.float32, copy=False)
 
@@ -166,10 +247,7 @@ def saxpy(y: np.ndarray, x: np.ndarray, a: float) -> np.ndarray:
     NaN contract: a non-finite ``x_i`` never reaches ``y`` (``y_i`` kept bit for bit); a
     non-finite ``y_i`` propagates; a finite ``x_i`` whose product or sum overflows gives +/-Inf.
     """
-    check_f32_array("y", y)
-    check_f32_array("x", x)
-    check_same_shape(y=y, x=x)
-    return _guarded_axpy(y, x, check_f32_scalar("a", a))
+    return _guarded_axpy(y, x, validate_saxpy(y, x, a))
 
 
 def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
@@ -184,11 +262,8 @@ def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
     skipped (tested on ``x_i`` before scaling; ``s`` is finite and ``<= 1``, so a finite
     ``x_i`` stays finite after scaling).
     """
-    check_f32_array("y", y)
-    check_f32_array("x", x)
-    check_same_shape(y=y, x=x)
-    a32 = check_f32_scalar("a", a)
-    s = clip_scale(norm_sq, max_norm)
+    a32, mn, ns = validate_clipped_saxpy(y, x, a, max_norm, norm_sq)
+    s = _clip_scale_f32(mn, ns)
     with np.errstate(invalid="ignore"):
         xs = x * s
     # s is finite and in [0, 1], so isfinite(x_i * s) == isfinite(x_i).
@@ -255,17 +330,9 @@ def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarra
 
     Returns ``AdamState(param, m, v)``, new float32 arrays.
     """
-    for name, arr in (("param", param), ("grad", grad), ("m", m), ("v", v)):
-        check_f32_array(name, arr)
-    check_same_shape(param=param, grad=grad, m=m, v=v)
-    t = check_int("step", step, minimum=1)
-    lr32 = check_f32_scalar("lr", lr, lo=0.0)
-    b1 = check_f32_scalar("beta1", beta1, lo=0.0, hi=1.0, hi_open=True)
-    b2 = check_f32_scalar("beta2", beta2, lo=0.0, hi=1.0, hi_open=True)
-    eps32 = check_f32_scalar("eps", eps, lo=0.0, lo_open=True)
-    wd = check_f32_scalar("weight_decay", weight_decay, lo=0.0)
-    scale = data_f32("grad_scale", grad_scale)
-    clamp = check_f32_scalar("weight_clamp", weight_clamp, lo=0.0, lo_open=True, allow_inf=True)
+    t, lr32, b1, b2, eps32, wd, scale, clamp = validate_adam_update(
+        param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+        weight_decay=weight_decay, grad_scale=grad_scale, weight_clamp=weight_clamp)
 
     bc1 = _ONE - _pow_rounded_once(b1, t)
     bc2 = _ONE - _pow_rounded_once(b2, t)
@@ -300,10 +367,7 @@ def polyak_update(target: np.ndarray, online: np.ndarray, tau: float) -> np.ndar
     target. NaN contract: plain arithmetic, NaN/Inf in either input propagate (Adam's Mech 9
     clamp keeps the online parameters finite; the target is only ever a blend of them).
     """
-    check_f32_array("target", target)
-    check_f32_array("online", online)
-    check_same_shape(target=target, online=online)
-    tau32 = check_f32_scalar("tau", tau, lo=0.0, hi=1.0)
+    tau32 = validate_polyak_update(target, online, tau)
     keep = _ONE - tau32
     with np.errstate(over="ignore", invalid="ignore"):
         return (keep * target + tau32 * online).astype(np.float32, copy=False)
@@ -315,9 +379,7 @@ def hard_sync(target: np.ndarray, online: np.ndarray) -> np.ndarray:
     Not a kernel (the fast path issues a device-to-device copy), hence not in ``KERNELS``.
     Shapes: both float32 of one shape. Bit-exact, NaN included.
     """
-    check_f32_array("target", target)
-    check_f32_array("online", online)
-    check_same_shape(target=target, online=online)
+    _check_f32_same_shape(target=target, online=online)
     return online.copy()
 
 
@@ -333,7 +395,10 @@ KERNELS = {
 }
 
 __all__ = [
-    "AdamState", "KERNELS", "adam_update", "clip_grad_inplace", "clip_scale", "clipped_saxpy",
+    "AdamArgs", "AdamState", "KERNELS", "adam_update", "clip_grad_inplace", "clip_scale",
+    "clipped_saxpy",
     "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "hard_sync", "norm_from_sq",
-    "polyak_update", "safety_clip_scale", "saxpy",
+    "polyak_update", "safety_clip_scale", "saxpy", "validate_adam_update",
+    "validate_clip_grad_inplace", "validate_clipped_saxpy", "validate_grad_norm_partial",
+    "validate_polyak_update", "validate_saxpy",
 ]

@@ -10,12 +10,48 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.reference.kernels.safety import (
+from foxhunt.reference.kernels._checks import (
     check_array,
     check_f32_array,
     check_f32_scalar,
     check_int,
 )
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation shared with the fast test entries (foxhunt.fast.kernels.replay)
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_sample_proportional(prefix, u) -> int:
+    """The argument checks of ``sample_proportional``; returns the item count N."""
+    check_f32_array("prefix", prefix, ndim=1)
+    check_f32_array("u", u, ndim=1)
+    n_items = prefix.shape[0]
+    if n_items == 0:
+        raise ValueError("prefix: shape (0,) is empty; need at least one item to sample")
+    return n_items
+
+
+def validate_importance_weights(priorities, idx, beta, n_valid) -> tuple[np.float32, int]:
+    """The argument checks of ``importance_weights``; returns ``(beta, n_valid)`` as float32 and
+    int."""
+    check_f32_array("priorities", priorities, ndim=1)
+    check_array("idx", idx, np.int32, ndim=1)
+    capacity = priorities.shape[0]
+    if capacity == 0:
+        raise ValueError("priorities: shape (0,) is empty; need at least one item")
+    n = check_int("n_valid", n_valid, minimum=1, maximum=capacity)
+    beta32 = check_f32_scalar("beta", beta, lo=0.0, hi=1.0)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise ValueError(f"idx: values in [{idx.min()}, {idx.max()}] not allowed; every index "
+                         f"must lie in [0, n_valid={n})")
+    return beta32, n
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernels
+# ---------------------------------------------------------------------------------------------
 
 
 def prefix_sum(p: np.ndarray) -> np.ndarray:
@@ -59,11 +95,7 @@ def sample_proportional(prefix: np.ndarray, u: np.ndarray) -> np.ndarray:
     comparison with NaN is false); ``u < 0`` gives the first index whose prefix exceeds the
     negative target (0 for non-negative priorities).
     """
-    check_f32_array("prefix", prefix, ndim=1)
-    check_f32_array("u", u, ndim=1)
-    n_items = prefix.shape[0]
-    if n_items == 0:
-        raise ValueError("prefix: shape (0,) is empty; need at least one item to sample")
+    n_items = validate_sample_proportional(prefix, u)
     with np.errstate(over="ignore", invalid="ignore"):
         target = u * prefix[-1]
     lo = np.zeros(u.shape, dtype=np.int64)
@@ -103,16 +135,7 @@ def importance_weights(priorities: np.ndarray, idx: np.ndarray, beta: float,
     priority (only when the whole buffer has total 0) gives ``0/0 = NaN`` for itself and weight
     0 for the others, as the unsimplified formula does (Inf / Inf and x / Inf).
     """
-    check_f32_array("priorities", priorities, ndim=1)
-    check_array("idx", idx, np.int32, ndim=1)
-    capacity = priorities.shape[0]
-    if capacity == 0:
-        raise ValueError("priorities: shape (0,) is empty; need at least one item")
-    n = check_int("n_valid", n_valid, minimum=1, maximum=capacity)
-    beta32 = check_f32_scalar("beta", beta, lo=0.0, hi=1.0)
-    if idx.size and (idx.min() < 0 or idx.max() >= n):
-        raise ValueError(f"idx: values in [{idx.min()}, {idx.max()}] not allowed; every index "
-                         f"must lie in [0, n_valid={n})")
+    beta32, _ = validate_importance_weights(priorities, idx, beta, n_valid)
     p = priorities[idx]
     if p.size == 0:
         return np.zeros(0, dtype=np.float32)
@@ -127,4 +150,7 @@ KERNELS = {
     "importance_weights": importance_weights,
 }
 
-__all__ = ["KERNELS", "importance_weights", "prefix_sum", "sample_proportional"]
+__all__ = [
+    "KERNELS", "importance_weights", "prefix_sum", "sample_proportional",
+    "validate_importance_weights", "validate_sample_proportional",
+]

@@ -11,101 +11,27 @@ NaN conventions used here (each kernel's docstring states its own contract):
 - ``target_q_clip`` clips with comparisons, so a NaN target stays NaN (visible to the sentinel
   and the loss readback) instead of being turned into a bound by ``fmaxf``/``fminf``.
 
-This module also holds the argument checks shared by the reference kernels
-(``check_f32_array`` and friends): bad arguments raise ``ValueError`` naming the argument, the
-bad value or shape, and what is allowed. Data values (NaN, Inf in arrays or data scalars) are
-never errors: they follow each kernel's NaN contract.
+The argument checks shared by the reference kernels (``check_f32_array`` and friends) live in
+``foxhunt.reference.kernels._checks`` and are re-exported here. Each kernel's
+``validate_<name>`` is shared with its fast test entry (``foxhunt.fast.kernels.safety``).
 """
 
 from __future__ import annotations
 
-import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-# ---------------------------------------------------------------------------------------------
-# Argument checks shared by the reference kernels
-# ---------------------------------------------------------------------------------------------
-
-
-def _is_number(value: Any) -> bool:
-    if isinstance(value, np.ndarray):
-        return value.ndim == 0 and value.dtype.kind in "fiu"
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
-        value, (bool, np.bool_)
-    )
-
-
-def check_array(name: str, x: Any, dtype: type, *, ndim: int | None = None) -> np.ndarray:
-    """Return ``x`` if it is an ndarray of ``dtype`` (and ``ndim`` dimensions), else raise."""
-    if not isinstance(x, np.ndarray):
-        raise ValueError(f"{name}: expected a numpy.ndarray of {np.dtype(dtype).name}, "
-                         f"got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise ValueError(f"{name}: dtype {x.dtype} not allowed; expected {np.dtype(dtype).name}")
-    if ndim is not None and x.ndim != ndim:
-        raise ValueError(f"{name}: shape {x.shape} has {x.ndim} dimensions; expected {ndim}")
-    return x
-
-
-def check_f32_array(name: str, x: Any, *, ndim: int | None = None) -> np.ndarray:
-    """Return ``x`` if it is a float32 ndarray (with ``ndim`` dimensions if given), else raise."""
-    return check_array(name, x, np.float32, ndim=ndim)
-
-
-def check_same_shape(**arrays: np.ndarray) -> None:
-    """Raise unless all keyword arrays have the same shape (the first one is the reference)."""
-    items = list(arrays.items())
-    ref_name, ref = items[0]
-    for name, arr in items[1:]:
-        if arr.shape != ref.shape:
-            raise ValueError(f"{name}: shape {arr.shape} differs from {ref_name} shape "
-                             f"{ref.shape}; they must be equal")
-
-
-def data_f32(name: str, value: Any) -> np.float32:
-    """A data scalar (any float32 value, NaN and Inf included) rounded to float32."""
-    if not _is_number(value):
-        raise ValueError(f"{name}={value!r}: expected a real scalar")
-    with np.errstate(over="ignore"):
-        return np.float32(value)
-
-
-def check_f32_scalar(name: str, value: Any, *, lo: float = -math.inf, hi: float = math.inf,
-                     lo_open: bool = False, hi_open: bool = False,
-                     allow_inf: bool = False) -> np.float32:
-    """A configuration scalar rounded to float32; raise unless it lies in the given range.
-
-    NaN is always rejected; +/-Inf only with ``allow_inf`` (and if inside the range). The range
-    is checked on the float32-rounded value, the one the kernel sees.
-    """
-    v = data_f32(name, value)
-    ok = not math.isnan(v) and (allow_inf or math.isfinite(v))
-    ok = ok and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-    if not ok:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
-        inf_note = "" if allow_inf else ", finite"
-        raise ValueError(f"{name}={value!r}: allowed range is {left}{lo}, {hi}{right}{inf_note}"
-                         f" (after rounding to float32: {v!r})")
-    return v
-
-
-def check_int(name: str, value: Any, *, minimum: int, maximum: int | None = None) -> int:
-    """An integer argument (Python or NumPy integer, not bool) in ``[minimum, maximum]``."""
-    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
-    ok = ok and value >= minimum and (maximum is None or value <= maximum)
-    if not ok:
-        hi = "" if maximum is None else f" and <= {maximum}"
-        raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}{hi}")
-    return int(value)
-
-
-def check_flag(name: str, value: Any) -> np.int32:
-    """A sentinel flag: the integer 0 or 1."""
-    return np.int32(check_int(name, value, minimum=0, maximum=1))
-
+# The shared argument checks live in ``_checks``; re-exported here, where they used to be.
+from foxhunt.reference.kernels._checks import (
+    check_array,
+    check_f32_array,
+    check_f32_scalar,
+    check_flag,
+    check_int,
+    check_same_shape,
+    data_f32,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Helpers (not kernels)
@@ -113,6 +39,17 @@ def check_flag(name: str, value: Any) -> np.int32:
 
 #: The floor of every ISV-driven bound: ``multiplier * max(isv, ISV_FLOOR)`` (SPEC 5).
 ISV_FLOOR = np.float32(1.0)
+
+
+def _isv_bound_args(multiplier: float, isv_value: float) -> tuple[np.float32, np.float32]:
+    """``isv_bound``'s checks: ``(multiplier, isv_value)`` as float32."""
+    return (check_f32_scalar("multiplier", multiplier, lo=0.0, lo_open=True),
+            data_f32("isv_value", isv_value))
+
+
+def _isv_bound_f32(m: np.float32, isv: np.float32) -> np.float32:
+    with np.errstate(over="ignore"):
+        return np.float32(m * np.fmax(isv, ISV_FLOOR))
 
 
 def isv_bound(multiplier: float, isv_value: float) -> np.float32:
@@ -124,10 +61,46 @@ def isv_bound(multiplier: float, isv_value: float) -> np.float32:
     operand), +Inf gives +Inf (no bound), a huge value may overflow to +Inf.
     ``multiplier`` must be finite and > 0.
     """
-    m = check_f32_scalar("multiplier", multiplier, lo=0.0, lo_open=True)
-    isv = data_f32("isv_value", isv_value)
-    with np.errstate(over="ignore"):
-        return np.float32(m * np.fmax(isv, ISV_FLOOR))
+    return _isv_bound_f32(*_isv_bound_args(multiplier, isv_value))
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation shared with the fast test entries
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_clamp_finite(x, m) -> np.float32:
+    """The argument checks of ``clamp_finite``; returns the bound ``m`` in float32."""
+    check_f32_array("x", x)
+    return check_f32_scalar("m", m, lo=0.0, allow_inf=True)
+
+
+def validate_nan_check(x, flag) -> np.int32:
+    """The argument checks of ``nan_check``; returns ``flag`` as int32."""
+    check_f32_array("x", x)
+    return check_flag("flag", flag)
+
+
+def validate_nan_check_fused(buffers, flags, thresholds) -> None:
+    """The argument checks of ``nan_check_fused``: flags, thresholds, then every buffer."""
+    check_array("flags", flags, np.int32, ndim=1)
+    check_f32_array("thresholds", thresholds, ndim=1)
+    n = len(buffers)
+    if flags.shape != (n,) or thresholds.shape != (n,):
+        raise ValueError(f"flags shape {flags.shape} and thresholds shape {thresholds.shape} "
+                         f"must both be ({n},), one entry per buffer")
+    if np.any((flags != 0) & (flags != 1)):
+        raise ValueError(f"flags={flags!r}: every flag must be 0 or 1")
+    for k, buf in enumerate(buffers):
+        if buf is not None:
+            check_f32_array(f"buffers[{k}]", buf)
+
+
+def validate_target_q_clip(q, k1, q_abs_ref) -> tuple[np.float32, np.float32]:
+    """The argument checks of ``target_q_clip`` (``isv_bound``'s for ``k1``, ``q_abs_ref``);
+    returns ``(k1, q_abs_ref)`` in float32."""
+    check_f32_array("q", q)
+    return _isv_bound_args(k1, q_abs_ref)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,8 +117,7 @@ def clamp_finite(x: np.ndarray, m: float) -> np.ndarray:
     NaN contract: exact. NaN, +Inf and -Inf become +0.0; finite values are clamped to
     ``[-m, m]`` (``-0.0`` stays ``-0.0``). The output is never non-finite.
     """
-    check_f32_array("x", x)
-    bound = check_f32_scalar("m", m, lo=0.0, allow_inf=True)
+    bound = validate_clamp_finite(x, m)
     return np.where(np.isfinite(x), np.clip(x, -bound, bound), np.float32(0.0)).astype(
         np.float32, copy=False)
 
@@ -159,8 +131,7 @@ def nan_check(x: np.ndarray, flag: int) -> np.int32:
     NaN contract: fires exactly when ``x`` holds a NaN, +Inf or -Inf; large finite values and
     subnormals do not fire. Never clears a set flag.
     """
-    check_f32_array("x", x)
-    f = check_flag("flag", flag)
+    f = validate_nan_check(x, flag)
     return np.int32(1) if f or not np.all(np.isfinite(x)) else np.int32(0)
 
 
@@ -179,20 +150,10 @@ def nan_check_fused(buffers: Sequence[np.ndarray | None], flags: np.ndarray,
     comparison ``threshold > 0`` is false); the non-finite test always runs. A ``+inf``
     threshold can only be met by an Inf element, which fires anyway.
     """
-    check_array("flags", flags, np.int32, ndim=1)
-    check_f32_array("thresholds", thresholds, ndim=1)
-    n = len(buffers)
-    if flags.shape != (n,) or thresholds.shape != (n,):
-        raise ValueError(f"flags shape {flags.shape} and thresholds shape {thresholds.shape} "
-                         f"must both be ({n},), one entry per buffer")
-    if np.any((flags != 0) & (flags != 1)):
-        raise ValueError(f"flags={flags!r}: every flag must be 0 or 1")
+    validate_nan_check_fused(buffers, flags, thresholds)
     out = flags.copy()
     for k, buf in enumerate(buffers):
-        if buf is None:
-            continue
-        check_f32_array(f"buffers[{k}]", buf)
-        if buf.size == 0:
+        if buf is None or buf.size == 0:
             continue
         fires = not np.all(np.isfinite(buf))
         threshold = thresholds[k]
@@ -228,8 +189,7 @@ def target_q_clip(q: np.ndarray, k1: float, q_abs_ref: float) -> np.ndarray:
     visible to the sentinels and the loss readback; +/-Inf become +/-b. (An ``fminf(fmaxf(..))``
     clip would instead turn NaN into a bound, silently and order-dependently.)
     """
-    check_f32_array("q", q)
-    bound = isv_bound(k1, q_abs_ref)
+    bound = _isv_bound_f32(*validate_target_q_clip(q, k1, q_abs_ref))
     return np.clip(q, -bound, bound).astype(np.float32, copy=False)
 
 
@@ -244,5 +204,6 @@ KERNELS = {
 __all__ = [
     "ISV_FLOOR", "KERNELS", "check_array", "check_f32_array", "check_f32_scalar", "check_flag",
     "check_int", "check_same_shape", "clamp_finite", "data_f32", "isv_bound", "max_abs",
-    "nan_check", "nan_check_fused", "target_q_clip",
+    "nan_check", "nan_check_fused", "target_q_clip", "validate_clamp_finite", "validate_nan_check",
+    "validate_nan_check_fused", "validate_target_q_clip",
 ]

@@ -27,11 +27,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from foxhunt.reference.kernels.safety import (
-    check_f32_array,
-    check_f32_scalar,
-    check_int,
-)
+from foxhunt.reference.kernels._checks import check_f32_array, check_f32_scalar, check_int
 
 #: Normalisation floor ``max(||x||, SPECTRAL_EPS)`` (PyTorch's default ``eps``).
 SPECTRAL_EPS = np.float32(1e-12)
@@ -84,6 +80,27 @@ def _check_matrix(name: str, w: np.ndarray, u_name: str, u: np.ndarray, v_name: 
                          f"{name} shape {w.shape}; expected ({out_dim},) and ({in_dim},)")
 
 
+def _check_sigma_max(sigma_max) -> np.float32:
+    return check_f32_scalar("sigma_max", sigma_max, lo=0.0, lo_open=True)
+
+
+def validate_spectral_norm(w, u, v, sigma_max) -> np.float32:
+    """The argument checks of ``spectral_norm``; returns ``sigma_max`` in float32."""
+    _check_matrix("w", w, "u", u, "v", v)
+    return _check_sigma_max(sigma_max)
+
+
+def validate_batched_spectral_norm(ws, us, vs, sigma_max) -> np.float32:
+    """The argument checks of ``batched_spectral_norm``; returns ``sigma_max`` in float32."""
+    n = len(ws)
+    check_int("len(ws)", n, minimum=1)
+    if len(us) != n or len(vs) != n:
+        raise ValueError(f"len(us)={len(us)}, len(vs)={len(vs)}: must equal len(ws)={n}")
+    for k in range(n):
+        _check_matrix(f"ws[{k}]", ws[k], f"us[{k}]", us[k], f"vs[{k}]", vs[k])
+    return _check_sigma_max(sigma_max)
+
+
 def _power_iteration(w: np.ndarray, u: np.ndarray, v: np.ndarray,
                      sigma_max: np.float32) -> SpectralNormResult:
     u_new = _normalize(_matvec(w, v))
@@ -114,9 +131,7 @@ def spectral_norm(w: np.ndarray, u: np.ndarray, v: np.ndarray,
     hold NaN: ``fmaxf(NaN, 1e-12)`` is ``1e-12``, so a NaN norm divides the finite entries of
     ``W v`` by ``1e-12`` and leaves its NaN entries NaN; they spread to all of ``v``.
     """
-    _check_matrix("w", w, "u", u, "v", v)
-    bound = check_f32_scalar("sigma_max", sigma_max, lo=0.0, lo_open=True)
-    return _power_iteration(w, u, v, bound)
+    return _power_iteration(w, u, v, validate_spectral_norm(w, u, v, sigma_max))
 
 
 def batched_spectral_norm(ws: Sequence[np.ndarray], us: Sequence[np.ndarray],
@@ -130,14 +145,8 @@ def batched_spectral_norm(ws: Sequence[np.ndarray], us: Sequence[np.ndarray],
     Returns ``BatchedSpectralNormResult(ws, us, vs, sigmas)``, lists of length n, bit for bit
     equal to mapping ``spectral_norm`` over the matrices. Same NaN contract, per matrix.
     """
-    n = len(ws)
-    check_int("len(ws)", n, minimum=1)
-    if len(us) != n or len(vs) != n:
-        raise ValueError(f"len(us)={len(us)}, len(vs)={len(vs)}: must equal len(ws)={n}")
-    for k in range(n):
-        _check_matrix(f"ws[{k}]", ws[k], f"us[{k}]", us[k], f"vs[{k}]", vs[k])
-    bound = check_f32_scalar("sigma_max", sigma_max, lo=0.0, lo_open=True)
-    results = [_power_iteration(ws[k], us[k], vs[k], bound) for k in range(n)]
+    bound = validate_batched_spectral_norm(ws, us, vs, sigma_max)
+    results = [_power_iteration(w, u, v, bound) for w, u, v in zip(ws, us, vs)]
     return BatchedSpectralNormResult(
         [r.w for r in results], [r.u for r in results], [r.v for r in results],
         [r.sigma for r in results],
@@ -172,4 +181,5 @@ KERNELS = {
 __all__ = [
     "BatchedSpectralNormResult", "KERNELS", "SPECTRAL_EPS", "SpectralNormResult",
     "batched_spectral_norm", "init_spectral_vectors", "spectral_norm",
+    "validate_batched_spectral_norm", "validate_spectral_norm",
 ]

@@ -1,0 +1,146 @@
+"""Reference fused kernels: one launch over every action branch (the fast step's fusion plan,
+SPEC 11). Each is the composition of the per-branch reference kernels of
+:mod:`foxhunt.reference.kernels.distributional`, under the fused kernel's name; the numerics,
+shapes per branch and NaN/Inf contracts are exactly those of the per-branch kernel.
+
+Branch-packed layout: ``branches = (n_0, ..., n_{D-1})`` (actions per branch, each >= 1,
+``A_total = sum_d n_d``); an array ``x [R * A_total, NA]`` holds branch d's ``[R, n_d, NA]``
+block in rows ``[R * off_d, R * (off_d + n_d))`` with ``off_d = n_0 + ... + n_{d-1}`` (the
+trainer's packed logits / log-probabilities / logit gradients). ``R`` (samples per block) is
+``x.shape[0] / A_total``. The CUDA kernels take the tables ``n_actions [D]`` and
+``action_offset [D]`` (int32) and run branch d as ``blockIdx.y = d``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.reference.kernels.distributional import (
+    CqlGrad,
+    DuelingGrads,
+    cql_logit_grad,
+    dueling_combine,
+    dueling_combine_backward,
+)
+
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+_ieee = np.errstate(all="ignore")
+
+
+def _require_array(name: str, x, dtype, ndim: int) -> np.ndarray:
+    if not isinstance(x, np.ndarray) or x.dtype != dtype or x.ndim != ndim:
+        got = (f"{type(x).__name__} {getattr(x, 'dtype', '')} shape {getattr(x, 'shape', '')}"
+               if isinstance(x, np.ndarray) else type(x).__name__)
+        raise ValueError(f"{name}: {got} is not allowed; expected a {ndim}-d {dtype} ndarray")
+    return x
+
+
+def _require_shape(name: str, x: np.ndarray, shape: tuple, meaning: str) -> None:
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name}: shape {x.shape} is not allowed; expected {shape}, {meaning}")
+
+
+def _require_branches(branches) -> tuple[int, ...]:
+    ok = isinstance(branches, (tuple, list)) and len(branches) > 0 and all(
+        isinstance(n, (int, np.integer)) and not isinstance(n, bool) and int(n) >= 1 for n in branches)
+    if not ok:
+        raise ValueError(f"branches: {branches!r} is not allowed; expected a non-empty tuple of "
+                         "action counts >= 1, e.g. (3, 3, 2)")
+    return tuple(int(n) for n in branches)
+
+
+def branch_offsets(branches) -> tuple[int, ...]:
+    """``off_d = n_0 + ... + n_{d-1}`` for every branch d."""
+    branches = _require_branches(branches)
+    return tuple(int(sum(branches[:d])) for d in range(len(branches)))
+
+
+def _require_packed(name: str, x, branches: tuple[int, ...]) -> int:
+    """Check a branch-packed ``[R * A_total, NA]`` float32 array; return ``R``."""
+    _require_array(name, x, F32, ndim=2)
+    total = sum(branches)
+    if x.shape[0] % total or x.shape[1] < 1:
+        raise ValueError(f"{name}: shape {x.shape} is not allowed; expected [R * A_total, NA] with "
+                         f"A_total = {total} (branches {branches}) and NA >= 1")
+    return x.shape[0] // total
+
+
+def split_branches(x: np.ndarray, branches) -> list[np.ndarray]:
+    """The per-branch ``[R, n_d, NA]`` blocks of a branch-packed array (views)."""
+    branches = _require_branches(branches)
+    rows = _require_packed("x", x, branches)
+    na = x.shape[1]
+    return [x[rows * off:rows * (off + n)].reshape(rows, n, na)
+            for off, n in zip(branch_offsets(branches), branches)]
+
+
+def _pack(blocks: list[np.ndarray], num_atoms: int) -> np.ndarray:
+    return np.concatenate([b.reshape(-1, num_atoms) for b in blocks], axis=0).astype(F32, copy=False)
+
+
+@_ieee
+def dueling_combine_branches(v: np.ndarray, adv: np.ndarray, branches) -> np.ndarray:
+    """``dueling_combine(v, adv_d)`` for every branch d, in one launch.
+
+    Shapes: ``v [B, NA]`` float32 (shared by every branch), ``adv [B * A_total, NA]``
+    branch-packed (module docstring) float32; returns ``logits [B * A_total, NA]`` float32,
+    branch-packed the same way. NaN/Inf contract: ``dueling_combine``'s, per branch.
+    """
+    branches = _require_branches(branches)
+    _require_array("v", v, F32, ndim=2)
+    rows = _require_packed("adv", adv, branches)
+    _require_shape("adv", adv, (v.shape[0] * sum(branches), v.shape[1]),
+                   "[B * A_total, NA] (v is [B, NA])")
+    blocks = [dueling_combine(v, a) for a in split_branches(adv, branches)]
+    assert all(b.shape[0] == rows for b in blocks)
+    return _pack(blocks, v.shape[1])
+
+
+@_ieee
+def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingGrads:
+    """``dueling_combine_backward(dlogits_d)`` for every branch d, in one launch.
+
+    Shapes: ``dlogits [B * A_total, NA]`` branch-packed float32; returns
+    ``DuelingGrads(dv [D, B, NA], dadv [B * A_total, NA] branch-packed)`` float32 (``dv[d]`` is
+    branch d's ``dv``; the caller sums them over branches). NaN/Inf contract:
+    ``dueling_combine_backward``'s, per branch.
+    """
+    branches = _require_branches(branches)
+    _require_packed("dlogits", dlogits, branches)
+    grads = [dueling_combine_backward(x) for x in split_branches(dlogits, branches)]
+    dv = np.stack([g.dv for g in grads]).astype(F32, copy=False)
+    return DuelingGrads(dv=dv, dadv=_pack([g.dadv for g in grads], dlogits.shape[1]))
+
+
+@_ieee
+def cql_logit_grad_branches(logp: np.ndarray, actions: np.ndarray, z: np.ndarray, alpha, scale,
+                            branches) -> CqlGrad:
+    """``cql_logit_grad(logp_d[:B], actions[d], z, alpha, scale)`` for every branch d, in one
+    launch.
+
+    Shapes: ``logp [R * A_total, NA]`` branch-packed float32 with ``R >= B`` samples per block
+    (the online pass over ``[s; s2]`` has ``R = 2B``; samples ``0..B`` of each block are used),
+    ``actions [D, B]`` int32 (row d in ``[0, n_d)``), ``z [NA]``, ``alpha``, ``scale`` as
+    ``cql_logit_grad``; returns ``CqlGrad(dlogits [B * A_total, NA] branch-packed, terms [D, B])``
+    float32. NaN/Inf contract: ``cql_logit_grad``'s, per branch (samples past ``B`` of each
+    block are not read).
+    """
+    branches = _require_branches(branches)
+    rows = _require_packed("logp", logp, branches)
+    _require_array("actions", actions, I32, ndim=2)
+    if actions.shape[0] != len(branches) or actions.shape[1] > rows:
+        raise ValueError(f"actions: shape {actions.shape} is not allowed; expected [D, B] with "
+                         f"D = {len(branches)} branches and B <= R = {rows}")
+    batch = actions.shape[1]
+    grads = [cql_logit_grad(np.ascontiguousarray(x[:batch]), actions[d], z, alpha, scale)
+             for d, x in enumerate(split_branches(logp, branches))]
+    terms = np.stack([g.terms for g in grads]).reshape(len(branches), batch).astype(F32, copy=False)
+    return CqlGrad(dlogits=_pack([g.dlogits for g in grads], logp.shape[1]), terms=terms)
+
+
+KERNELS = {
+    "dueling_combine_branches": dueling_combine_branches,
+    "dueling_combine_backward_branches": dueling_combine_backward_branches,
+    "cql_logit_grad_branches": cql_logit_grad_branches,
+}
