@@ -19,43 +19,19 @@
 // - Index arithmetic is 32-bit: the launchers (fast/kernels/distributional.py) refuse arrays
 //   of 2^30 elements or more.
 
-namespace {
+#include "distributional.cuh"  // kWarp, warp_sum/warp_max, the shared kernel bodies
 
-constexpr int kWarp = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
+namespace {
 
 // c51_loss: one block; each warp reduces kLossGroup samples at once, so their loads are in
 // flight together (the loads of one sample do not wait for the previous sample's shuffles).
 constexpr int kLossGroup = 8;
 constexpr int kLossMaxThreads = 1024;
 
-// cql_logit_grad: at most this many warps per block (one warp per (sample, action) row).
-constexpr int kCqlMaxWarps = 8;
-
 // c51_project: source atoms are staged through shared memory in tiles of the block size.
 constexpr int kProjectMaxThreads = 256;
 
 }  // namespace
-
-// Sum over the 32 lanes; every lane gets the same value (a + b == b + a in IEEE arithmetic, so
-// the partner lanes of the butterfly compute identical sums).
-static __device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-        x = x + __shfl_xor_sync(kFullMask, x, offset);
-    }
-    return x;
-}
-
-// fmaxf over the 32 lanes (skips NaN; log_softmax_atoms' contract allows it: a NaN entry still
-// reaches the sum through expf(NaN - m)).
-static __device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-        x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
-    }
-    return x;
-}
 
 static __device__ __forceinline__ float negative_infinity() {
     return __int_as_float(0xff800000);
@@ -66,24 +42,10 @@ static __device__ __forceinline__ float clip_keep_nan(float t, float lo, float h
     return isnan(t) ? t : fminf(fmaxf(t, lo), hi);
 }
 
-// np.max's pairwise step: NaN wins (either operand).
-static __device__ __forceinline__ float max_keep_nan(float best, float x) {
-    if (isnan(best)) {
-        return best;
-    }
-    return (isnan(x) || x > best) ? x : best;
-}
-
-// sum_j exp(logp_row[j]) * z[j] by one warp (all lanes get the result). Shared by expected_q and
-// cql_logit_grad, so the CQL penalty sees exactly the Q that expected_q computes.
-static __device__ __forceinline__ float warp_expected_q(const float* __restrict__ logp_row,
-                                                        const float* __restrict__ z,
-                                                        int num_atoms, int lane) {
-    float acc = 0.0f;
-    for (int j = lane; j < num_atoms; j += kWarp) {
-        acc = acc + expf(logp_row[j]) * z[j];
-    }
-    return warp_sum(acc);
+// The row of this thread's warp in the warp-per-row kernels (grid-stride: add
+// gridDim.x * (blockDim.x / kWarp) for the next).
+static __device__ __forceinline__ int first_warp_row() {
+    return blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp;
 }
 
 // --------------------------------------------------------------------------------------------
@@ -94,23 +56,7 @@ extern "C" __global__ void dueling_combine(const float* __restrict__ v,
                                            const float* __restrict__ adv,
                                            float* __restrict__ logits,
                                            int batch, int num_actions, int num_atoms) {
-    const int cells = batch * num_atoms;
-    const int stride = gridDim.x * blockDim.x;
-    for (int cell = blockIdx.x * blockDim.x + threadIdx.x; cell < cells; cell += stride) {
-        const int b = cell / num_atoms;
-        const int j = cell - b * num_atoms;
-        const int base = b * num_actions * num_atoms + j;
-        float sum = adv[base];
-        for (int a = 1; a < num_actions; ++a) {
-            sum = sum + adv[base + a * num_atoms];
-        }
-        const float mean = sum / static_cast<float>(num_actions);
-        const float value = v[cell];
-        for (int a = 0; a < num_actions; ++a) {
-            const int k = base + a * num_atoms;
-            logits[k] = value + (adv[k] - mean);
-        }
-    }
+    dueling_combine_body(v, adv, logits, batch, num_actions, num_atoms);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -121,23 +67,7 @@ extern "C" __global__ void dueling_combine_backward(const float* __restrict__ dl
                                                     float* __restrict__ dv,
                                                     float* __restrict__ dadv,
                                                     int batch, int num_actions, int num_atoms) {
-    const int cells = batch * num_atoms;
-    const int stride = gridDim.x * blockDim.x;
-    for (int cell = blockIdx.x * blockDim.x + threadIdx.x; cell < cells; cell += stride) {
-        const int b = cell / num_atoms;
-        const int j = cell - b * num_atoms;
-        const int base = b * num_actions * num_atoms + j;
-        float sum = dlogits[base];
-        for (int a = 1; a < num_actions; ++a) {
-            sum = sum + dlogits[base + a * num_atoms];
-        }
-        dv[cell] = sum;
-        const float mean = sum / static_cast<float>(num_actions);
-        for (int a = 0; a < num_actions; ++a) {
-            const int k = base + a * num_atoms;
-            dadv[k] = dlogits[k] - mean;
-        }
-    }
+    dueling_combine_backward_body(dlogits, dv, dadv, batch, num_actions, num_atoms);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -149,10 +79,8 @@ extern "C" __global__ void log_softmax_atoms(const float* __restrict__ logits,
                                              float* __restrict__ logp,
                                              int rows, int num_atoms) {
     const int lane = threadIdx.x % kWarp;
-    const int warps_per_block = blockDim.x / kWarp;
-    const int warp_stride = gridDim.x * warps_per_block;
-    for (int row = blockIdx.x * warps_per_block + threadIdx.x / kWarp; row < rows;
-         row += warp_stride) {
+    const int warp_stride = gridDim.x * (blockDim.x / kWarp);
+    for (int row = first_warp_row(); row < rows; row += warp_stride) {
         const float* x = logits + row * num_atoms;
         float m = negative_infinity();
         for (int j = lane; j < num_atoms; j += kWarp) {
@@ -179,10 +107,8 @@ extern "C" __global__ void expected_q(const float* __restrict__ logp,
                                       float* __restrict__ q,
                                       int rows, int num_atoms) {
     const int lane = threadIdx.x % kWarp;
-    const int warps_per_block = blockDim.x / kWarp;
-    const int warp_stride = gridDim.x * warps_per_block;
-    for (int row = blockIdx.x * warps_per_block + threadIdx.x / kWarp; row < rows;
-         row += warp_stride) {
+    const int warp_stride = gridDim.x * (blockDim.x / kWarp);
+    for (int row = first_warp_row(); row < rows; row += warp_stride) {
         const float value = warp_expected_q(logp + row * num_atoms, z, num_atoms, lane);
         if (lane == 0) {
             q[row] = value;
@@ -384,61 +310,6 @@ cql_logit_grad(const float* __restrict__ logp, const int* __restrict__ actions,
                const float* __restrict__ scale, float* __restrict__ dlogits,
                float* __restrict__ terms, int batch, int num_actions, int num_atoms) {
     extern __shared__ float cql_shared[];
-    const int lane = threadIdx.x % kWarp;
-    const int warp = threadIdx.x / kWarp;
-    const int warps = blockDim.x / kWarp;
-    const int tile_samples = max(1, warps / num_actions);
-    float* q_tile = cql_shared;                          // [S * A]
-    float* e_tile = q_tile + tile_samples * num_actions;  // [S * A]
-    float* qmax_tile = e_tile + tile_samples * num_actions;  // [S]
-    float* sum_tile = qmax_tile + tile_samples;           // [S]
-    const float dq_scale = alpha[0] * scale[0];
-    const int row_len = num_actions * num_atoms;
-
-    for (int b0 = blockIdx.x * tile_samples; b0 < batch; b0 += gridDim.x * tile_samples) {
-        const int samples = min(tile_samples, batch - b0);
-        const int rows = samples * num_actions;
-        const float* tile_logp = logp + b0 * row_len;
-
-        for (int row = warp; row < rows; row += warps) {
-            const float q = warp_expected_q(tile_logp + row * num_atoms, z, num_atoms, lane);
-            if (lane == 0) {
-                q_tile[row] = q;
-            }
-        }
-        __syncthreads();
-
-        for (int s = threadIdx.x; s < samples; s += blockDim.x) {
-            const float* q = q_tile + s * num_actions;
-            float* e = e_tile + s * num_actions;
-            float q_max = q[0];
-            for (int a = 1; a < num_actions; ++a) {
-                q_max = max_keep_nan(q_max, q[a]);
-            }
-            e[0] = expf(q[0] - q_max);
-            float sum = e[0];
-            for (int a = 1; a < num_actions; ++a) {
-                e[a] = expf(q[a] - q_max);
-                sum = sum + e[a];
-            }
-            qmax_tile[s] = q_max;
-            sum_tile[s] = sum;
-            terms[b0 + s] = (q_max + logf(sum)) - q[actions[b0 + s]];
-        }
-        __syncthreads();
-
-        float* tile_dlogits = dlogits + b0 * row_len;
-        const int elements = rows * num_atoms;
-        for (int k = threadIdx.x; k < elements; k += blockDim.x) {
-            const int row = k / num_atoms;
-            const int j = k - row * num_atoms;
-            const int s = row / num_actions;
-            const int a = row - s * num_actions;
-            const float q = q_tile[row];
-            const float one_hot = (a == actions[b0 + s]) ? 1.0f : 0.0f;
-            const float dq = dq_scale * (e_tile[row] / sum_tile[s] - one_hot);
-            tile_dlogits[k] = dq * (expf(tile_logp[k]) * (z[j] - q));
-        }
-        __syncthreads();  // the next tile overwrites the shared arrays
-    }
+    cql_logit_grad_body(logp, actions, z, alpha, scale, dlogits, terms, batch, num_actions,
+                        num_atoms, cql_shared);
 }

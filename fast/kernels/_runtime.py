@@ -14,6 +14,11 @@ trainer launches kernels on arena pointers inside CUDA graphs and never goes thr
 - a Python/NumPy scalar: passed by value (packed by the kernel's PTX parameter type).
 
 It returns the read-back arrays of the ``Out``/``InOut`` arguments, in argument order.
+
+Also here, shared by the area modules: the flat grid-stride launch plan (``plan_flat``), the
+launch of a ``(grid, block, shared_mem)`` plan (``launch``), the 32-bit index limit
+(``check_elements``) and the upload of a scalar a kernel reads through a pointer
+(``device_scalar``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,14 @@ import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+#: Threads per block of the flat grid-stride kernels, and their grid cap (grid-stride loops
+#: cover the rest): ~8 waves of 256-thread blocks on a 132-SM H200, so a launch never pays for
+#: idle blocks.
+FLAT_THREADS = 256
+FLAT_MAX_BLOCKS = 4096
+#: The kernels index with 32-bit ints (grid-stride steps included): arrays stay below this.
+MAX_ELEMENTS = 2**30
 
 
 @dataclass(frozen=True)
@@ -103,3 +116,28 @@ def call(name: str, grid, block, *args, shared_mem: int = 0) -> tuple[np.ndarray
 def blocks(n: int, threads: int) -> int:
     """Blocks of ``threads`` covering ``n`` items (at least 1)."""
     return max(1, -(-int(n) // threads))
+
+
+def plan_flat(n: int) -> tuple:
+    """A flat grid-stride launch over ``n`` elements: ``((grid,), (FLAT_THREADS,), 0)``."""
+    return (min(blocks(n, FLAT_THREADS), FLAT_MAX_BLOCKS),), (FLAT_THREADS,), 0
+
+
+def launch(name: str, plan: tuple, *args) -> tuple[np.ndarray, ...]:
+    """``call`` with a ``(grid, block, shared_mem)`` plan."""
+    grid, block, shared_mem = plan
+    return call(name, grid, block, *args, shared_mem=shared_mem)
+
+
+def check_elements(name: str, x: np.ndarray) -> None:
+    """Raise unless ``x`` has fewer than ``MAX_ELEMENTS`` elements (the kernels' 32-bit indices)."""
+    if x.size >= MAX_ELEMENTS:
+        raise ValueError(
+            f"{name}: {x.size} elements is not allowed; the fast kernels index with 32-bit ints "
+            f"(expected fewer than {MAX_ELEMENTS})"
+        )
+
+
+def device_scalar(value, dtype=np.float32) -> In:
+    """A scalar the kernel reads through a pointer (one ``dtype`` element on the device)."""
+    return In(np.array([value], dtype=dtype))

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, call
+from foxhunt.fast.kernels._runtime import In, Out, blocks, launch, plan_flat
 from foxhunt.reference.kernels._checks import require_array
 from foxhunt.reference.kernels.dense import (
     F32,
@@ -34,11 +34,6 @@ from foxhunt.reference.kernels.dense import (
     validate_relu_mask,
 )
 
-#: Threads per block of the flat elementwise kernels.
-FLAT_THREADS = 256
-#: Grid cap of the flat kernels (grid-stride loops cover the rest): ~8 waves of 256-thread
-#: blocks on a 132-SM H200, so a launch never pays for idle blocks.
-FLAT_MAX_BLOCKS = 4096
 #: Largest column block of the bias epilogues; narrower rows (e.g. 51 atoms) get a block of
 #: their width rounded up to a warp.
 BIAS_MAX_THREADS = 256
@@ -56,11 +51,6 @@ Plan = tuple  # (grid, block, shared_mem)
 # --------------------------------------------------------------------------------------------
 # Launch plans
 # --------------------------------------------------------------------------------------------
-
-
-def plan_flat(n: int) -> Plan:
-    """A flat grid-stride launch over ``n`` elements."""
-    return (min(blocks(n, FLAT_THREADS), FLAT_MAX_BLOCKS),), (FLAT_THREADS,), 0
 
 
 def plan_add_bias_relu(rows: int, cols: int) -> Plan:
@@ -82,11 +72,6 @@ def plan_bias_grad_reduce(rows: int, cols: int) -> Plan:
     return (blocks(cols, BIAS_GRAD_COLS),), (BIAS_GRAD_COLS, BIAS_GRAD_CHUNKS), 0
 
 
-def _launch(name: str, plan: Plan, *args):
-    grid, block, shared_mem = plan
-    return call(name, grid, block, *args, shared_mem=shared_mem)
-
-
 # --------------------------------------------------------------------------------------------
 # Test entries (reference signatures)
 # --------------------------------------------------------------------------------------------
@@ -96,7 +81,7 @@ def add_bias_relu(y: np.ndarray, b: np.ndarray) -> np.ndarray:
     """``relu(y + b)`` on the GPU: see ``foxhunt.reference.kernels.dense.add_bias_relu``."""
     validate_add_bias_relu(y, b)
     rows, cols = y.shape
-    (out,) = _launch("add_bias_relu", plan_add_bias_relu(rows, cols),
+    (out,) = launch("add_bias_relu", plan_add_bias_relu(rows, cols),
                      In(y), In(b), Out((rows, cols), F32), rows, cols)
     return out
 
@@ -105,7 +90,7 @@ def add_bias_relu_bf16(y: np.ndarray, b: np.ndarray) -> BiasReluBf16:
     """``add_bias_relu`` fused with the BF16 cast: returns ``BiasReluBf16(out, out_bf16)``."""
     validate_add_bias_relu_bf16(y, b)
     rows, cols = y.shape
-    out, out_bf16 = _launch("add_bias_relu_bf16", plan_add_bias_relu_bf16(rows, cols),
+    out, out_bf16 = launch("add_bias_relu_bf16", plan_add_bias_relu_bf16(rows, cols),
                             In(y), In(b), Out((rows, cols), F32), Out((rows, cols), U16),
                             rows, cols)
     return BiasReluBf16(out=out, out_bf16=out_bf16)
@@ -114,7 +99,7 @@ def add_bias_relu_bf16(y: np.ndarray, b: np.ndarray) -> BiasReluBf16:
 def relu_mask(dy: np.ndarray, h: np.ndarray) -> np.ndarray:
     """``h <= 0 ? 0 : dy`` on the GPU: see ``foxhunt.reference.kernels.dense.relu_mask``."""
     validate_relu_mask(dy, h)
-    (dx,) = _launch("relu_mask", plan_relu_mask(dy.size), In(dy), In(h), Out(dy.shape, F32),
+    (dx,) = launch("relu_mask", plan_relu_mask(dy.size), In(dy), In(h), Out(dy.shape, F32),
                     dy.size)
     return dx
 
@@ -123,7 +108,7 @@ def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
     """Column sums ``db[n] = sum_i dy[i, n]`` on the GPU (float32, deterministic)."""
     require_array("dy", dy, F32, ndim=2)
     rows, cols = dy.shape
-    (db,) = _launch("bias_grad_reduce", plan_bias_grad_reduce(rows, cols),
+    (db,) = launch("bias_grad_reduce", plan_bias_grad_reduce(rows, cols),
                     In(dy), Out((cols,), F32), rows, cols)
     return db
 
@@ -131,21 +116,21 @@ def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> BF16 bit patterns (RNE; the reference's NaN rule), any shape."""
     require_array("x", x, F32)
-    (out,) = _launch("f32_to_bf16", plan_f32_to_bf16(x.size), In(x), Out(x.shape, U16), x.size)
+    (out,) = launch("f32_to_bf16", plan_f32_to_bf16(x.size), In(x), Out(x.shape, U16), x.size)
     return out
 
 
 def bf16_to_f32(u: np.ndarray) -> np.ndarray:
     """BF16 bit patterns -> float32 (exact), any shape."""
     require_array("u", u, U16)
-    (out,) = _launch("bf16_to_f32", plan_bf16_to_f32(u.size), In(u), Out(u.shape, F32), u.size)
+    (out,) = launch("bf16_to_f32", plan_bf16_to_f32(u.size), In(u), Out(u.shape, F32), u.size)
     return out
 
 
 def tf32_round(x: np.ndarray) -> np.ndarray:
     """float32 -> TF32 (ties away from zero; the reference's NaN rule), any shape."""
     require_array("x", x, F32)
-    (out,) = _launch("tf32_round", plan_tf32_round(x.size), In(x), Out(x.shape, F32), x.size)
+    (out,) = launch("tf32_round", plan_tf32_round(x.size), In(x), Out(x.shape, F32), x.size)
     return out
 
 

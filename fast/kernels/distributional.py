@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, call
+from foxhunt.fast.kernels._runtime import In, Out, blocks, call, check_elements, device_scalar
 from foxhunt.reference.kernels.distributional import (
     F32,
     I32,
@@ -58,23 +58,7 @@ LOSS_THREADS = 1024
 CQL_MAX_WARPS = 8
 #: Dynamic shared memory available without an opt-in.
 SHARED_LIMIT = 48 * 1024
-#: The kernels index with 32-bit ints (grid-stride steps included): arrays stay below this.
-MAX_ELEMENTS = 2**30
-
 F32_BYTES = 4
-
-
-def _check_elements(name: str, x: np.ndarray) -> None:
-    if x.size >= MAX_ELEMENTS:
-        raise ValueError(
-            f"{name}: {x.size} elements is not allowed; the fast kernels index with 32-bit ints "
-            f"(expected fewer than {MAX_ELEMENTS})"
-        )
-
-
-def _device_scalar(value: np.float32) -> In:
-    """A scalar the kernel reads through a pointer (one float32 on the device)."""
-    return In(np.array([value], dtype=F32))
 
 
 def _flat_plan(n: int) -> Plan:
@@ -161,7 +145,7 @@ def plan_c51_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
 def dueling_combine(v: np.ndarray, adv: np.ndarray) -> np.ndarray:
     """Fast ``dueling_combine``: ``logits [B, A, NA]`` (see the reference)."""
     validate_dueling_combine(v, adv)
-    _check_elements("adv", adv)
+    check_elements("adv", adv)
     batch, num_actions, num_atoms = adv.shape
     if adv.size == 0:
         return np.zeros(adv.shape, dtype=F32)
@@ -174,7 +158,7 @@ def dueling_combine(v: np.ndarray, adv: np.ndarray) -> np.ndarray:
 def dueling_combine_backward(dlogits: np.ndarray) -> DuelingGrads:
     """Fast ``dueling_combine_backward``: ``DuelingGrads(dv [B, NA], dadv [B, A, NA])``."""
     validate_dueling_combine_backward(dlogits)
-    _check_elements("dlogits", dlogits)
+    check_elements("dlogits", dlogits)
     batch, num_actions, num_atoms = dlogits.shape
     if dlogits.size == 0:
         return DuelingGrads(dv=np.zeros((batch, num_atoms), dtype=F32),
@@ -189,7 +173,7 @@ def dueling_combine_backward(dlogits: np.ndarray) -> DuelingGrads:
 def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
     """Fast ``log_softmax_atoms`` over the last axis: float32 of ``logits``' shape."""
     validate_log_softmax_atoms(logits)
-    _check_elements("logits", logits)
+    check_elements("logits", logits)
     num_atoms = logits.shape[-1]
     rows = logits.size // num_atoms
     if rows == 0:
@@ -203,7 +187,7 @@ def log_softmax_atoms(logits: np.ndarray) -> np.ndarray:
 def expected_q(logp: np.ndarray, z: np.ndarray) -> np.ndarray:
     """Fast ``expected_q``: ``q [B, A]``."""
     validate_expected_q(logp, z)
-    _check_elements("logp", logp)
+    check_elements("logp", logp)
     batch, num_actions, num_atoms = logp.shape
     if batch * num_actions == 0:
         return np.zeros((batch, num_actions), dtype=F32)
@@ -216,7 +200,7 @@ def expected_q(logp: np.ndarray, z: np.ndarray) -> np.ndarray:
 def double_dqn_select(q: np.ndarray) -> np.ndarray:
     """Fast ``double_dqn_select``: ``int32 [B]`` (exact)."""
     validate_double_dqn_select(q)
-    _check_elements("q", q)
+    check_elements("q", q)
     batch, num_actions = q.shape
     if batch == 0:
         return np.zeros(0, dtype=I32)
@@ -237,12 +221,12 @@ def c51_project(
 ) -> np.ndarray:
     """Fast ``c51_project`` (dense triangular form): ``m [B, NA]``."""
     g, lo, hi, dz = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max)
-    _check_elements("p_next", p_next)
+    check_elements("p_next", p_next)
     batch, num_atoms = p_next.shape
     if batch == 0:
         return np.zeros((0, num_atoms), dtype=F32)
     grid, block, shared = plan_c51_project(batch, num_atoms)
-    (m,) = call("c51_project", grid, block, In(p_next), In(r), In(done), _device_scalar(g), In(z),
+    (m,) = call("c51_project", grid, block, In(p_next), In(r), In(done), device_scalar(g), In(z),
                 Out((batch, num_atoms), F32), batch, num_atoms, lo, hi, dz, shared_mem=shared)
     return m
 
@@ -256,11 +240,11 @@ def c51_loss(
 ) -> C51Loss:
     """Fast ``c51_loss``: ``C51Loss(ce [B], total)`` (one block; fixed-order total)."""
     s = validate_c51_loss(logp, actions, m, isw, scale)
-    _check_elements("logp", logp)
+    check_elements("logp", logp)
     batch, num_actions, num_atoms = logp.shape
     grid, block, shared = plan_c51_loss(batch, num_actions, num_atoms)
     ce, total = call("c51_loss", grid, block, In(logp), In(actions), In(m), In(isw),
-                     _device_scalar(s), Out((batch,), F32), Out((1,), F32),
+                     device_scalar(s), Out((batch,), F32), Out((1,), F32),
                      batch, num_actions, num_atoms, shared_mem=shared)
     return C51Loss(ce=ce, total=np.float32(total[0]))
 
@@ -274,13 +258,13 @@ def c51_grad(
 ) -> np.ndarray:
     """Fast ``c51_grad``: ``dlogits [B, A, NA]``, ``+0.0`` at the actions not taken."""
     s = validate_c51_grad(logp, actions, m, isw, scale)
-    _check_elements("logp", logp)
+    check_elements("logp", logp)
     batch, num_actions, num_atoms = logp.shape
     if logp.size == 0:
         return np.zeros(logp.shape, dtype=F32)
     grid, block, shared = plan_c51_grad(batch, num_actions, num_atoms)
     (dlogits,) = call("c51_grad", grid, block, In(logp), In(actions), In(m), In(isw),
-                      _device_scalar(s), Out(logp.shape, F32),
+                      device_scalar(s), Out(logp.shape, F32),
                       batch, num_actions, num_atoms, shared_mem=shared)
     return dlogits
 
@@ -294,13 +278,13 @@ def cql_logit_grad(
 ) -> CqlGrad:
     """Fast ``cql_logit_grad``: ``CqlGrad(dlogits [B, A, NA], terms [B])``."""
     a_, s_ = validate_cql_logit_grad(logp, actions, z, alpha, scale)
-    _check_elements("logp", logp)
+    check_elements("logp", logp)
     batch, num_actions, num_atoms = logp.shape
     if batch == 0:
         return CqlGrad(dlogits=np.zeros(logp.shape, dtype=F32), terms=np.zeros(0, dtype=F32))
     grid, block, shared = plan_cql_logit_grad(batch, num_actions, num_atoms)
     dlogits, terms = call("cql_logit_grad", grid, block, In(logp), In(actions), In(z),
-                          _device_scalar(a_), _device_scalar(s_), Out(logp.shape, F32),
+                          device_scalar(a_), device_scalar(s_), Out(logp.shape, F32),
                           Out((batch,), F32), batch, num_actions, num_atoms, shared_mem=shared)
     return CqlGrad(dlogits=dlogits, terms=terms)
 

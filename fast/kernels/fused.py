@@ -12,52 +12,28 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, call
+from foxhunt.fast.kernels._runtime import In, Out, blocks, call, check_elements, device_scalar
+from foxhunt.fast.kernels.distributional import (
+    CQL_MAX_WARPS,
+    F32_BYTES,
+    SHARED_LIMIT,
+    THREADS,
+    WARP,
+    cql_tile_samples,
+)
 from foxhunt.reference.kernels.distributional import CqlGrad, DuelingGrads
 from foxhunt.reference.kernels.fused import (
     F32,
     I32,
-    _require_array,
     _require_branches,
     _require_packed,
-    _require_shape,
     branch_offsets,
+    split_branches,
+    validate_cql_logit_grad_branches,
+    validate_dueling_combine_branches,
 )
 
-WARP = 32
-#: Block size of the elementwise kernels.
-THREADS = 256
-#: cql_logit_grad_branches: warps per block (``kCqlMaxWarps``).
-CQL_MAX_WARPS = 8
-#: Dynamic shared memory available without an opt-in.
-SHARED_LIMIT = 48 * 1024
-#: The kernels index with 32-bit ints: arrays stay below this.
-MAX_ELEMENTS = 2**30
-F32_BYTES = 4
-
-
-def _check_elements(name: str, x: np.ndarray) -> None:
-    if x.size >= MAX_ELEMENTS:
-        raise ValueError(f"{name}: {x.size} elements is not allowed; the fast kernels index with "
-                         f"32-bit ints (expected fewer than {MAX_ELEMENTS})")
-
-
-def cql_tile_samples(num_actions: int, warps: int) -> int:
-    """Samples per block tile for ``num_actions`` actions (the kernel's ``max(1, warps / A)``)."""
-    return max(1, warps // num_actions)
-
 Plan = tuple[tuple[int, int, int], int, int]  # ((grid x, D, 1), block, dynamic shared bytes)
-
-
-def _device_scalar(value) -> In:
-    """A scalar the kernel reads through a pointer (one float32 on the device)."""
-    return In(np.array([value], dtype=F32))
-
-
-def _blocks(x: np.ndarray, branches: tuple[int, ...]) -> list[np.ndarray]:
-    from foxhunt.reference.kernels.fused import split_branches
-
-    return split_branches(x, branches)
 
 
 def _tables(branches: tuple[int, ...]) -> tuple[In, In]:
@@ -69,9 +45,7 @@ def plan_dueling_combine_branches(batch: int, branches, num_atoms: int) -> Plan:
     return (blocks(batch * num_atoms, THREADS), len(branches), 1), THREADS, 0
 
 
-def plan_dueling_combine_backward_branches(batch: int, branches, num_atoms: int) -> Plan:
-    """One thread per ``(b, j)`` cell of each branch (``blockIdx.y`` = branch)."""
-    return (blocks(batch * num_atoms, THREADS), len(branches), 1), THREADS, 0
+plan_dueling_combine_backward_branches = plan_dueling_combine_branches
 
 
 def plan_cql_logit_grad_branches(batch: int, branches, num_atoms: int) -> Plan:
@@ -88,12 +62,8 @@ def plan_cql_logit_grad_branches(batch: int, branches, num_atoms: int) -> Plan:
 
 def dueling_combine_branches(v: np.ndarray, adv: np.ndarray, branches) -> np.ndarray:
     """Fast ``dueling_combine_branches``: branch-packed ``logits [B * A_total, NA]``."""
-    branches = _require_branches(branches)
-    _require_array("v", v, F32, ndim=2)
-    _require_packed("adv", adv, branches)
-    _require_shape("adv", adv, (v.shape[0] * sum(branches), v.shape[1]),
-                   "[B * A_total, NA] (v is [B, NA])")
-    _check_elements("adv", adv)
+    branches = validate_dueling_combine_branches(v, adv, branches)
+    check_elements("adv", adv)
     batch, num_atoms = v.shape
     if adv.size == 0:
         return np.zeros(adv.shape, dtype=F32)
@@ -107,7 +77,7 @@ def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingG
     """Fast ``dueling_combine_backward_branches``: ``DuelingGrads(dv [D, B, NA], dadv packed)``."""
     branches = _require_branches(branches)
     batch = _require_packed("dlogits", dlogits, branches)
-    _check_elements("dlogits", dlogits)
+    check_elements("dlogits", dlogits)
     num_atoms = dlogits.shape[1]
     if dlogits.size == 0:
         return DuelingGrads(dv=np.zeros((len(branches), batch, num_atoms), dtype=F32),
@@ -124,33 +94,29 @@ def cql_logit_grad_branches(logp: np.ndarray, actions: np.ndarray, z: np.ndarray
     """Fast ``cql_logit_grad_branches``: ``CqlGrad(dlogits packed [B * A_total, NA], terms [D, B])``."""
     from foxhunt.reference.kernels.fused import cql_logit_grad_branches as reference
 
-    branches = _require_branches(branches)
-    rows = _require_packed("logp", logp, branches)
-    _require_array("actions", actions, I32, ndim=2)
-    if actions.shape[0] != len(branches) or actions.shape[1] > rows:
-        raise ValueError(f"actions: shape {actions.shape} is not allowed; expected [D, B] with "
-                         f"D = {len(branches)} branches and B <= R = {rows}")
+    branches, rows = validate_cql_logit_grad_branches(logp, actions, branches)
     batch, num_atoms = actions.shape[1], logp.shape[1]
     # The reference's own checks (actions in range per branch, z, alpha, scale) on one sample.
     reference(np.ascontiguousarray(np.concatenate([x[:1].reshape(-1, num_atoms) for x in
-                                                   _blocks(logp, branches)])),
+                                                   split_branches(logp, branches)])),
               np.ascontiguousarray(actions[:, :1]), z, alpha, scale, branches)
     for d, n in enumerate(branches):
         if actions[d].size and (actions[d].min() < 0 or actions[d].max() >= n):
             raise ValueError(f"actions: row {d} holds values outside [0, {n})")
     a_, s_ = F32.type(alpha), F32.type(scale)
-    _check_elements("logp", logp)
+    check_elements("logp", logp)
     total = sum(branches)
     if batch == 0:
         return CqlGrad(dlogits=np.zeros((0, num_atoms), dtype=F32),
                        terms=np.zeros((len(branches), 0), dtype=F32))
     grid, block, shared = plan_cql_logit_grad_branches(batch, branches, num_atoms)
     dlogits, terms = call("cql_logit_grad_branches", grid, block, In(logp),
-                          In(np.ascontiguousarray(actions)), In(z), _device_scalar(a_),
-                          _device_scalar(s_), *_tables(branches),
+                          In(np.ascontiguousarray(actions)), In(z), device_scalar(a_),
+                          device_scalar(s_), *_tables(branches),
                           Out((batch * total, num_atoms), F32), Out((len(branches), batch), F32),
                           batch, rows, num_atoms, shared_mem=shared)
     return CqlGrad(dlogits=dlogits, terms=terms)
+
 
 KERNELS = {
     "dueling_combine_branches": dueling_combine_branches,

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, call
+from foxhunt.fast.kernels._runtime import In, Out, blocks, launch, plan_flat
 from foxhunt.reference.kernels._checks import check_f32_array
 from foxhunt.reference.kernels.replay import (
     validate_importance_weights,
@@ -37,9 +37,6 @@ I32 = np.dtype(np.int32)
 #: prefix_sum's block size: fixed by the kernel (__launch_bounds__, 32 warps for the warp-total
 #: scan); do not change one without the other.
 SCAN_THREADS = 1024
-#: Threads per block of sample_proportional (grid-stride over the uniforms).
-SAMPLE_THREADS = 256
-SAMPLE_MAX_BLOCKS = 4096
 #: importance_weights: one block, up to this many threads, a multiple of the warp size.
 WEIGHTS_MAX_THREADS = 1024
 WARP = 32
@@ -58,20 +55,14 @@ def plan_prefix_sum(n: int) -> Plan:
     return (1,), (SCAN_THREADS,), 0
 
 
-def plan_sample_proportional(n: int) -> Plan:
-    """One thread per uniform."""
-    return (min(blocks(n, SAMPLE_THREADS), SAMPLE_MAX_BLOCKS),), (SAMPLE_THREADS,), 0
+#: One thread per uniform (grid-stride).
+plan_sample_proportional = plan_flat
 
 
 def plan_importance_weights(n: int) -> Plan:
     """One block: one thread per sample up to ``WEIGHTS_MAX_THREADS``, in whole warps."""
     threads = min(WEIGHTS_MAX_THREADS, WARP * blocks(n, WARP))
     return (1,), (threads,), 0
-
-
-def _launch(name: str, plan: Plan, *args):
-    grid, block, shared_mem = plan
-    return call(name, grid, block, *args, shared_mem=shared_mem)
 
 
 # --------------------------------------------------------------------------------------------
@@ -82,14 +73,14 @@ def _launch(name: str, plan: Plan, *args):
 def prefix_sum(p: np.ndarray) -> np.ndarray:
     """Inclusive prefix sums of ``p`` (float32[N]) on the GPU (single-block scan)."""
     check_f32_array("p", p, ndim=1)
-    (s,) = _launch("prefix_sum", plan_prefix_sum(p.size), In(p), Out(p.shape, F32), p.size)
+    (s,) = launch("prefix_sum", plan_prefix_sum(p.size), In(p), Out(p.shape, F32), p.size)
     return s
 
 
 def sample_proportional(prefix: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Proportional sampling by binary search on ``prefix`` (int32[n]), exactly the reference's."""
     n_items = validate_sample_proportional(prefix, u)
-    (out,) = _launch("sample_proportional", plan_sample_proportional(u.size), In(prefix), n_items,
+    (out,) = launch("sample_proportional", plan_sample_proportional(u.size), In(prefix), n_items,
                      In(u), Out(u.shape, I32), u.size)
     return out
 
@@ -98,7 +89,7 @@ def importance_weights(priorities: np.ndarray, idx: np.ndarray, beta: float,
                        n_valid: int) -> np.ndarray:
     """PER importance weights ``(p_min / p_{idx_k}) ** beta`` (float32[n]) on the GPU."""
     beta32, _ = validate_importance_weights(priorities, idx, beta, n_valid)
-    (w,) = _launch("importance_weights", plan_importance_weights(idx.size), In(priorities),
+    (w,) = launch("importance_weights", plan_importance_weights(idx.size), In(priorities),
                    In(idx), Out(idx.shape, F32), idx.size, beta32)
     return w
 

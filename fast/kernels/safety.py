@@ -30,7 +30,7 @@ from typing import Sequence
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call, runtime
+from foxhunt.fast.kernels._runtime import In, InOut, Out, launch, plan_flat, runtime
 from foxhunt.reference.kernels._checks import check_f32_array
 from foxhunt.reference.kernels.safety import (
     ISV_FLOOR,
@@ -43,9 +43,6 @@ from foxhunt.reference.kernels.safety import (
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
 
-#: Threads per block of the flat kernels, and their grid cap (grid-stride loops cover the rest).
-FLAT_THREADS = 256
-FLAT_MAX_BLOCKS = 4096
 #: Threads of the single-block reduction (max_abs).
 REDUCE_THREADS = 1024
 #: nan_check_fused: threads per block, and the most blocks that share one slot. A slot gets one
@@ -61,11 +58,6 @@ Plan = tuple  # (grid, block, shared_mem)
 # --------------------------------------------------------------------------------------------
 # Launch plans
 # --------------------------------------------------------------------------------------------
-
-
-def plan_flat(n: int) -> Plan:
-    """A flat grid-stride launch over ``n`` elements."""
-    return (min(blocks(n, FLAT_THREADS), FLAT_MAX_BLOCKS),), (FLAT_THREADS,), 0
 
 
 plan_clamp_finite = plan_flat
@@ -86,11 +78,6 @@ def plan_max_abs(n: int) -> Plan:
     return (1,), (REDUCE_THREADS,), 0
 
 
-def _launch(name: str, plan: Plan, *args):
-    grid, block, shared_mem = plan
-    return call(name, grid, block, *args, shared_mem=shared_mem)
-
-
 # --------------------------------------------------------------------------------------------
 # Test entries (reference signatures)
 # --------------------------------------------------------------------------------------------
@@ -101,7 +88,7 @@ def clamp_finite(x: np.ndarray, m: float) -> np.ndarray:
     bound = validate_clamp_finite(x, m)
     # A signal at the floor makes the device bound multiplier * fmaxf(1, 1) == bound exactly.
     signal = np.array([ISV_FLOOR], dtype=F32)
-    (out,) = _launch("clamp_finite", plan_clamp_finite(x.size), In(x), Out(x.shape, F32),
+    (out,) = launch("clamp_finite", plan_clamp_finite(x.size), In(x), Out(x.shape, F32),
                      x.size, bound, In(signal))
     return out
 
@@ -109,7 +96,7 @@ def clamp_finite(x: np.ndarray, m: float) -> np.ndarray:
 def nan_check(x: np.ndarray, flag: int) -> np.int32:
     """Sticky sentinel check of one buffer: the slot's new int32 flag."""
     current = validate_nan_check(x, flag)
-    (new_flag,) = _launch("nan_check", plan_nan_check(x.size), In(x), x.size,
+    (new_flag,) = launch("nan_check", plan_nan_check(x.size), In(x), x.size,
                           InOut(np.array([current], dtype=I32)))
     return np.int32(new_flag[0])
 
@@ -139,7 +126,7 @@ def nan_check_fused(buffers: Sequence[np.ndarray | None], flags: np.ndarray,
             cu(driver.cuMemcpyHtoD, alloc.ptr, host.ctypes.data, host.nbytes)
             addresses[k] = alloc.ptr
             lengths[k] = host.size
-        (new_flags,) = _launch("nan_check_fused", plan_nan_check_fused(lengths.tolist()),
+        (new_flags,) = launch("nan_check_fused", plan_nan_check_fused(lengths.tolist()),
                                In(addresses), In(lengths), In(thresholds), InOut(flags),
                                len(buffers))
     finally:
@@ -151,7 +138,7 @@ def nan_check_fused(buffers: Sequence[np.ndarray | None], flags: np.ndarray,
 def max_abs(x: np.ndarray) -> np.float32:
     """``max_i |x_i|`` (fmaxf from 0: NaN ignored, empty or all-NaN gives 0) on the GPU."""
     check_f32_array("x", x)
-    (out,) = _launch("max_abs", plan_max_abs(x.size), In(x), x.size, Out((1,), F32))
+    (out,) = launch("max_abs", plan_max_abs(x.size), In(x), x.size, Out((1,), F32))
     return np.float32(out[0])
 
 
@@ -160,7 +147,7 @@ def target_q_clip(q: np.ndarray, k1: float, q_abs_ref: float) -> np.ndarray:
     the device from a pointer to the ISV value, as in the trainer."""
     multiplier, q_abs_ref32 = validate_target_q_clip(q, k1, q_abs_ref)
     isv_value = np.array([q_abs_ref32], dtype=F32)
-    (out,) = _launch("target_q_clip", plan_target_q_clip(q.size), In(q), Out(q.shape, F32),
+    (out,) = launch("target_q_clip", plan_target_q_clip(q.size), In(q), Out(q.shape, F32),
                      q.size, multiplier, In(isv_value))
     return out
 

@@ -15,30 +15,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from foxhunt.reference.kernels._checks import ieee, require_array, require_shape
 from foxhunt.reference.kernels.distributional import (
+    F32,
+    I32,
     CqlGrad,
     DuelingGrads,
     cql_logit_grad,
     dueling_combine,
     dueling_combine_backward,
 )
-
-F32 = np.dtype(np.float32)
-I32 = np.dtype(np.int32)
-_ieee = np.errstate(all="ignore")
-
-
-def _require_array(name: str, x, dtype, ndim: int) -> np.ndarray:
-    if not isinstance(x, np.ndarray) or x.dtype != dtype or x.ndim != ndim:
-        got = (f"{type(x).__name__} {getattr(x, 'dtype', '')} shape {getattr(x, 'shape', '')}"
-               if isinstance(x, np.ndarray) else type(x).__name__)
-        raise ValueError(f"{name}: {got} is not allowed; expected a {ndim}-d {dtype} ndarray")
-    return x
-
-
-def _require_shape(name: str, x: np.ndarray, shape: tuple, meaning: str) -> None:
-    if tuple(x.shape) != tuple(shape):
-        raise ValueError(f"{name}: shape {x.shape} is not allowed; expected {shape}, {meaning}")
 
 
 def _require_branches(branches) -> tuple[int, ...]:
@@ -58,7 +44,7 @@ def branch_offsets(branches) -> tuple[int, ...]:
 
 def _require_packed(name: str, x, branches: tuple[int, ...]) -> int:
     """Check a branch-packed ``[R * A_total, NA]`` float32 array; return ``R``."""
-    _require_array(name, x, F32, ndim=2)
+    require_array(name, x, F32, ndim=2)
     total = sum(branches)
     if x.shape[0] % total or x.shape[1] < 1:
         raise ValueError(f"{name}: shape {x.shape} is not allowed; expected [R * A_total, NA] with "
@@ -75,11 +61,33 @@ def split_branches(x: np.ndarray, branches) -> list[np.ndarray]:
             for off, n in zip(branch_offsets(branches), branches)]
 
 
+def validate_dueling_combine_branches(v, adv, branches) -> tuple[int, ...]:
+    """The argument checks of ``dueling_combine_branches``; returns ``branches`` as a tuple."""
+    branches = _require_branches(branches)
+    require_array("v", v, F32, ndim=2)
+    _require_packed("adv", adv, branches)
+    require_shape("adv", adv, (v.shape[0] * sum(branches), v.shape[1]),
+                  "[v.shape[0] * A_total, v.shape[1]]")
+    return branches
+
+
+def validate_cql_logit_grad_branches(logp, actions, branches) -> tuple[tuple[int, ...], int]:
+    """The layout checks of ``cql_logit_grad_branches`` (``z``, ``alpha``, ``scale`` and the
+    action ranges are ``cql_logit_grad``'s per branch); returns ``(branches, R)``."""
+    branches = _require_branches(branches)
+    rows = _require_packed("logp", logp, branches)
+    require_array("actions", actions, I32, ndim=2)
+    if actions.shape[0] != len(branches) or actions.shape[1] > rows:
+        raise ValueError(f"actions: shape {actions.shape} is not allowed; expected [D, B] with "
+                         f"D = {len(branches)} branches and B <= R = {rows}")
+    return branches, rows
+
+
 def _pack(blocks: list[np.ndarray], num_atoms: int) -> np.ndarray:
     return np.concatenate([b.reshape(-1, num_atoms) for b in blocks], axis=0).astype(F32, copy=False)
 
 
-@_ieee
+@ieee
 def dueling_combine_branches(v: np.ndarray, adv: np.ndarray, branches) -> np.ndarray:
     """``dueling_combine(v, adv_d)`` for every branch d, in one launch.
 
@@ -87,17 +95,12 @@ def dueling_combine_branches(v: np.ndarray, adv: np.ndarray, branches) -> np.nda
     branch-packed (module docstring) float32; returns ``logits [B * A_total, NA]`` float32,
     branch-packed the same way. NaN/Inf contract: ``dueling_combine``'s, per branch.
     """
-    branches = _require_branches(branches)
-    _require_array("v", v, F32, ndim=2)
-    rows = _require_packed("adv", adv, branches)
-    _require_shape("adv", adv, (v.shape[0] * sum(branches), v.shape[1]),
-                   "[B * A_total, NA] (v is [B, NA])")
+    branches = validate_dueling_combine_branches(v, adv, branches)
     blocks = [dueling_combine(v, a) for a in split_branches(adv, branches)]
-    assert all(b.shape[0] == rows for b in blocks)
     return _pack(blocks, v.shape[1])
 
 
-@_ieee
+@ieee
 def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingGrads:
     """``dueling_combine_backward(dlogits_d)`` for every branch d, in one launch.
 
@@ -113,7 +116,7 @@ def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingG
     return DuelingGrads(dv=dv, dadv=_pack([g.dadv for g in grads], dlogits.shape[1]))
 
 
-@_ieee
+@ieee
 def cql_logit_grad_branches(logp: np.ndarray, actions: np.ndarray, z: np.ndarray, alpha, scale,
                             branches) -> CqlGrad:
     """``cql_logit_grad(logp_d[:B], actions[d], z, alpha, scale)`` for every branch d, in one
@@ -126,12 +129,7 @@ def cql_logit_grad_branches(logp: np.ndarray, actions: np.ndarray, z: np.ndarray
     float32. NaN/Inf contract: ``cql_logit_grad``'s, per branch (samples past ``B`` of each
     block are not read).
     """
-    branches = _require_branches(branches)
-    rows = _require_packed("logp", logp, branches)
-    _require_array("actions", actions, I32, ndim=2)
-    if actions.shape[0] != len(branches) or actions.shape[1] > rows:
-        raise ValueError(f"actions: shape {actions.shape} is not allowed; expected [D, B] with "
-                         f"D = {len(branches)} branches and B <= R = {rows}")
+    branches, _ = validate_cql_logit_grad_branches(logp, actions, branches)
     batch = actions.shape[1]
     grads = [cql_logit_grad(np.ascontiguousarray(x[:batch]), actions[d], z, alpha, scale)
              for d, x in enumerate(split_branches(logp, branches))]

@@ -1,0 +1,189 @@
+// Shared device code of cuda_src/distributional.cu (per-branch kernels) and cuda_src/fused.cu
+// (the same kernels run over every action branch, blockIdx.y = branch): warp reductions, the
+// NaN-keeping max, and the bodies of dueling_combine, its backward and cql_logit_grad written
+// once, on the branch's pointers and sizes. The per-branch and fused kernels run these bodies
+// unchanged, so they are bitwise equal on the same inputs.
+//
+// No __global__ functions here: kernels live in the .cu files under their reference names.
+// Every helper is `static __device__ __forceinline__`, so each translation unit gets its own copy
+// and nothing clashes. Operation order is that of the reference (see distributional.cu's header);
+// built with -fmad=false (fast/_build.py).
+#pragma once
+
+namespace {
+
+constexpr int kWarp = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// cql_logit_grad (and its fused form): at most this many warps per block (one warp per
+// (sample, action) row).
+constexpr int kCqlMaxWarps = 8;
+
+}  // namespace
+
+// Sum over the 32 lanes; every lane gets the same value (a + b == b + a in IEEE arithmetic, so
+// the partner lanes of the butterfly compute identical sums).
+static __device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+        x = x + __shfl_xor_sync(kFullMask, x, offset);
+    }
+    return x;
+}
+
+// fmaxf over the 32 lanes (skips NaN; log_softmax_atoms' contract allows it: a NaN entry still
+// reaches the sum through expf(NaN - m)).
+static __device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
+        x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
+    }
+    return x;
+}
+
+// np.max's pairwise step: NaN wins (either operand).
+static __device__ __forceinline__ float max_keep_nan(float best, float x) {
+    if (isnan(best)) {
+        return best;
+    }
+    return (isnan(x) || x > best) ? x : best;
+}
+
+// sum_j exp(logp_row[j]) * z[j] by one warp (all lanes get the result). Shared by expected_q and
+// cql_logit_grad, so the CQL penalty sees exactly the Q that expected_q computes.
+static __device__ __forceinline__ float warp_expected_q(const float* __restrict__ logp_row,
+                                                        const float* __restrict__ z,
+                                                        int num_atoms, int lane) {
+    float acc = 0.0f;
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        acc = acc + expf(logp_row[j]) * z[j];
+    }
+    return warp_sum(acc);
+}
+
+// sum_a x[base + a * num_atoms] over the actions, in action order (the reference's order).
+static __device__ __forceinline__ float action_sum(const float* __restrict__ x, int base,
+                                                   int num_actions, int num_atoms) {
+    float sum = x[base];
+    for (int a = 1; a < num_actions; ++a) {
+        sum = sum + x[base + a * num_atoms];
+    }
+    return sum;
+}
+
+// The flat index of element (b, 0, j) of a [B, A, NA] block, for the (b, j) cell
+// cell = b * NA + j of its [B, NA] plane.
+static __device__ __forceinline__ int cell_base(int cell, int num_actions, int num_atoms) {
+    const int b = cell / num_atoms;
+    const int j = cell - b * num_atoms;
+    return b * num_actions * num_atoms + j;
+}
+
+// dueling_combine on one [B, A, NA] block: logits[b, a, j] = v[b, j] + (adv[b, a, j] - mean),
+// mean = (action-order sum) / A. One thread per (b, j) cell, grid-stride over blockIdx.x.
+static __device__ __forceinline__ void dueling_combine_body(const float* __restrict__ v,
+                                                            const float* __restrict__ adv,
+                                                            float* __restrict__ logits,
+                                                            int batch, int num_actions,
+                                                            int num_atoms) {
+    const int cells = batch * num_atoms;
+    const int stride = gridDim.x * blockDim.x;
+    for (int cell = blockIdx.x * blockDim.x + threadIdx.x; cell < cells; cell += stride) {
+        const int base = cell_base(cell, num_actions, num_atoms);
+        const float mean = action_sum(adv, base, num_actions, num_atoms) /
+                           static_cast<float>(num_actions);
+        const float value = v[cell];
+        for (int a = 0; a < num_actions; ++a) {
+            const int k = base + a * num_atoms;
+            logits[k] = value + (adv[k] - mean);
+        }
+    }
+}
+
+// dueling_combine_backward on one [B, A, NA] block: dv[b, j] = sum_a dlogits[b, a, j] (action
+// order); dadv[b, a, j] = dlogits[b, a, j] - dv[b, j] / A. One thread per (b, j) cell.
+static __device__ __forceinline__ void dueling_combine_backward_body(
+    const float* __restrict__ dlogits, float* __restrict__ dv, float* __restrict__ dadv,
+    int batch, int num_actions, int num_atoms) {
+    const int cells = batch * num_atoms;
+    const int stride = gridDim.x * blockDim.x;
+    for (int cell = blockIdx.x * blockDim.x + threadIdx.x; cell < cells; cell += stride) {
+        const int base = cell_base(cell, num_actions, num_atoms);
+        const float sum = action_sum(dlogits, base, num_actions, num_atoms);
+        dv[cell] = sum;
+        const float mean = sum / static_cast<float>(num_actions);
+        for (int a = 0; a < num_actions; ++a) {
+            const int k = base + a * num_atoms;
+            dadv[k] = dlogits[k] - mean;
+        }
+    }
+}
+
+// cql_logit_grad on one branch: logp [B, A, NA] (samples 0..batch), actions [B], terms [B],
+// dlogits [B, A, NA]. Tiles of S = max(1, (blockDim / 32) / A) samples (grid-stride over
+// blockIdx.x): phase 1, one warp per (sample, action) row computes Q into shared memory;
+// phase 2, one thread per sample does the action-order max/sum and writes terms; phase 3, the
+// tile's dlogits elements, flat and coalesced. `shared` holds (2 * S * A + 2 * S) floats.
+static __device__ __forceinline__ void cql_logit_grad_body(
+    const float* __restrict__ logp, const int* __restrict__ actions, const float* __restrict__ z,
+    const float* __restrict__ alpha, const float* __restrict__ scale,
+    float* __restrict__ dlogits, float* __restrict__ terms, int batch, int num_actions,
+    int num_atoms, float* shared) {
+    const int lane = threadIdx.x % kWarp;
+    const int warp = threadIdx.x / kWarp;
+    const int warps = blockDim.x / kWarp;
+    const int tile_samples = max(1, warps / num_actions);
+    float* q_tile = shared;                                  // [S * A]
+    float* e_tile = q_tile + tile_samples * num_actions;     // [S * A]
+    float* qmax_tile = e_tile + tile_samples * num_actions;  // [S]
+    float* sum_tile = qmax_tile + tile_samples;              // [S]
+    const float dq_scale = alpha[0] * scale[0];
+    const int row_len = num_actions * num_atoms;
+
+    for (int b0 = blockIdx.x * tile_samples; b0 < batch; b0 += gridDim.x * tile_samples) {
+        const int samples = min(tile_samples, batch - b0);
+        const int rows = samples * num_actions;
+        const float* tile_logp = logp + b0 * row_len;
+
+        for (int row = warp; row < rows; row += warps) {
+            const float q = warp_expected_q(tile_logp + row * num_atoms, z, num_atoms, lane);
+            if (lane == 0) {
+                q_tile[row] = q;
+            }
+        }
+        __syncthreads();
+
+        for (int s = threadIdx.x; s < samples; s += blockDim.x) {
+            const float* q = q_tile + s * num_actions;
+            float* e = e_tile + s * num_actions;
+            float q_max = q[0];
+            for (int a = 1; a < num_actions; ++a) {
+                q_max = max_keep_nan(q_max, q[a]);
+            }
+            e[0] = expf(q[0] - q_max);
+            float sum = e[0];
+            for (int a = 1; a < num_actions; ++a) {
+                e[a] = expf(q[a] - q_max);
+                sum = sum + e[a];
+            }
+            qmax_tile[s] = q_max;
+            sum_tile[s] = sum;
+            terms[b0 + s] = (q_max + logf(sum)) - q[actions[b0 + s]];
+        }
+        __syncthreads();
+
+        float* tile_dlogits = dlogits + b0 * row_len;
+        const int elements = rows * num_atoms;
+        for (int k = threadIdx.x; k < elements; k += blockDim.x) {
+            const int row = k / num_atoms;
+            const int j = k - row * num_atoms;
+            const int s = row / num_actions;
+            const int a = row - s * num_actions;
+            const float q = q_tile[row];
+            const float one_hot = (a == actions[b0 + s]) ? 1.0f : 0.0f;
+            const float dq = dq_scale * (e_tile[row] / sum_tile[s] - one_hot);
+            tile_dlogits[k] = dq * (expf(tile_logp[k]) * (z[j] - q));
+        }
+        __syncthreads();  // the next tile overwrites the shared arrays
+    }
+}
