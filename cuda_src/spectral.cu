@@ -3,7 +3,7 @@
 //
 //     u = W v   / fmaxf(||W v||,   eps)
 //     v = W^T u / fmaxf(||W^T u||, eps)
-//     sigma = u . (W v)                      (with the new v)
+//     sigma = u . (W v)                      (with the new v; computed as (W^T u) . v_new)
 //     if sigma > sigma_max: W = W * (sigma_max / sigma)
 //
 // Both kernels run the same device function, hb_spectral_norm_block, with the same block size
@@ -23,37 +23,113 @@ struct SpectralMatrix {
 };
 static_assert(sizeof(SpectralMatrix) == 32, "descriptor layout shared with the Python side");
 
-// Dot product of row i of W with x, summed by one warp: lane l takes the columns l, l + 32, ...
-// (products rounded, summed in column order), then the warp's butterfly. Every lane returns it.
-__device__ __forceinline__ float hb_row_dot(const float* w, long long row_start, int cols,
-                                            const float* x, int lane) {
-    float acc = HB_SUM_IDENTITY;
-    for (int j = lane; j < cols; j += HB_WARP) {
-        acc = __fadd_rn(acc, __fmul_rn(w[row_start + j], x[j]));
+// Rows of W that one warp dots with v at the same time in phase 1 (independent loads in flight).
+#define SPECTRAL_ROW_GROUP 4
+// The most row slices that split the column sums of phase 2 (their partials are summed in
+// shared memory, in slice order).
+#define SPECTRAL_MAX_SLICES 32
+
+// Chunk c of a vector or matrix row: the 4 consecutive floats at p[4c .. 4c + 3], all in range.
+// One float4 load where p is 16-byte aligned (`vec`), else four scalar loads: the same values,
+// so the arithmetic and its bits do not depend on the alignment.
+__device__ __forceinline__ float4 hb_chunk(const float* __restrict__ p, long long c, bool vec) {
+    if (vec) {
+        return reinterpret_cast<const float4*>(p)[c];
     }
-    return hb_warp_sum(acc);
+    const float* q = p + 4 * c;
+    return make_float4(q[0], q[1], q[2], q[3]);
+}
+
+// acc[k] += q[k] * x[k] for the 4 elements of a chunk (product rounded, then the sum).
+__device__ __forceinline__ void hb_chunk_fma(float* acc, float4 q, float4 x) {
+    acc[0] = __fadd_rn(acc[0], __fmul_rn(q.x, x.x));
+    acc[1] = __fadd_rn(acc[1], __fmul_rn(q.y, x.y));
+    acc[2] = __fadd_rn(acc[2], __fmul_rn(q.z, x.z));
+    acc[3] = __fadd_rn(acc[3], __fmul_rn(q.w, x.w));
 }
 
 // One power iteration and the bound on one matrix, by the whole calling block. u, v and w are
 // updated in place: the old u is never read (PyTorch's order), the old v only in phase 1.
 // Requires blockDim.x % 32 == 0 and every thread of the block to call it. Writes *sigma_out.
 // Not inlined: both kernels call the one compiled body, so their arithmetic is the same code.
-__device__ __noinline__ void hb_spectral_norm_block(float* w, float* u, float* v, int rows, int cols,
-                                       float sigma_max, float eps, float* sigma_out) {
+//
+// Every sum has a fixed order that depends only on (rows, cols, blockDim.x), never on the
+// alignment of the pointers (float4 loads where aligned, scalar loads otherwise, same sums):
+// columns are cut into chunks of 4 (the last one partial when cols % 4 != 0).
+// - W v, row i: lane l of the row's warp keeps 4 accumulators (element k of its chunks
+//   l, l + 32, ... in order; the partial chunk goes to the lane whose turn it is), combined as
+//   (a0 + a1) + (a2 + a3), then the warp butterfly.
+// - W^T u, column j: slice p of P sums rows p, p + P, ... in order; the P slice partials are
+//   summed in slice order.
+// - ||W v||^2, ||W^T u||^2, sigma: per-thread sums in a fixed order, then the block tree.
+// sigma = (W^T u) . v_new, the dot of phase 2's unnormalised column sums with the new v:
+// mathematically u . (W v_new), without a third pass over W.
+__device__ __noinline__ void hb_spectral_norm_block(float* __restrict__ w, float* __restrict__ u,
+                                                    float* __restrict__ v, int rows, int cols,
+                                                    float sigma_max, float eps,
+                                                    float* __restrict__ sigma_out) {
     __shared__ float scratch[HB_WARP + 1];
+    __shared__ float partial[4 * HB_MAX_THREADS];  // phase 2: slices x columns
     const int lane = threadIdx.x % HB_WARP;
     const int warp = threadIdx.x / HB_WARP;
     const int warps = blockDim.x / HB_WARP;
+    const int full = cols / 4;                   // full chunks of a row
+    const int rest = cols - 4 * full;            // 0 to 3 columns of the partial chunk
+    const int chunks = full + (rest > 0 ? 1 : 0);
+    const bool w_vec = rest == 0 && (reinterpret_cast<unsigned long long>(w) & 15) == 0;
+    const bool v_vec = (reinterpret_cast<unsigned long long>(v) & 15) == 0;
 
-    // Phase 1: u = W v (one warp per row, rows dealt round-robin), and ||W v||^2 (each warp's
-    // rows in order, then the block tree over warps).
+    // Phase 1: s = W v, SPECTRAL_ROW_GROUP rows per warp at a time (warp `warp` takes rows
+    // warp, warp + warps, ...), s_i into u[i]; ||s||^2 over each warp's rows in order, then
+    // the block tree.
     float sq = HB_SUM_IDENTITY;
-    for (int i = warp; i < rows; i += warps) {
-        const float s = hb_row_dot(w, (long long)i * cols, cols, v, lane);
-        if (lane == 0) {
-            u[i] = s;
+    for (int base = warp; base < rows; base += SPECTRAL_ROW_GROUP * warps) {
+        float acc[SPECTRAL_ROW_GROUP][4];
+#pragma unroll
+        for (int r = 0; r < SPECTRAL_ROW_GROUP; ++r) {
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                acc[r][k] = HB_SUM_IDENTITY;
+            }
         }
-        sq = __fadd_rn(sq, __fmul_rn(s, s));
+#pragma unroll 2
+        for (int c = lane; c < full; c += HB_WARP) {
+            const float4 x = hb_chunk(v, c, v_vec);
+#pragma unroll
+            for (int r = 0; r < SPECTRAL_ROW_GROUP; ++r) {
+                const int i = base + r * warps;
+                if (i < rows) {
+                    hb_chunk_fma(acc[r], hb_chunk(w + (long long)i * cols, c, w_vec), x);
+                }
+            }
+        }
+        if (rest > 0 && lane == full % HB_WARP) {  // the partial chunk, scalar
+#pragma unroll
+            for (int r = 0; r < SPECTRAL_ROW_GROUP; ++r) {
+                const int i = base + r * warps;
+                if (i < rows) {
+                    const float* row = w + (long long)i * cols + 4 * full;
+#pragma unroll
+                    for (int k = 0; k < 3; ++k) {  // constant indices: acc stays in registers
+                        if (k < rest) {
+                            acc[r][k] = __fadd_rn(acc[r][k], __fmul_rn(row[k], v[4 * full + k]));
+                        }
+                    }
+                }
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < SPECTRAL_ROW_GROUP; ++r) {
+            const int i = base + r * warps;  // warp-uniform
+            if (i < rows) {
+                const float s = hb_warp_sum(__fadd_rn(__fadd_rn(acc[r][0], acc[r][1]),
+                                                      __fadd_rn(acc[r][2], acc[r][3])));
+                if (lane == 0) {
+                    u[i] = s;
+                }
+                sq = __fadd_rn(sq, __fmul_rn(s, s));
+            }
+        }
     }
     const float u_denom = fmaxf(__fsqrt_rn(hb_block_sum(lane == 0 ? sq : HB_SUM_IDENTITY, scratch)),
                                 eps);
@@ -62,37 +138,117 @@ __device__ __noinline__ void hb_spectral_norm_block(float* w, float* u, float* v
     }
     __syncthreads();
 
-    // Phase 2: v = W^T u, one thread per column summing the rows in order (the reference's
-    // row-by-row order), and ||W^T u||^2 (each thread's columns in order, then the block tree).
-    sq = HB_SUM_IDENTITY;
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        float acc = HB_SUM_IDENTITY;
-        for (int i = 0; i < rows; ++i) {
-            acc = __fadd_rn(acc, __fmul_rn(w[(long long)i * cols + j], u[i]));
+    // Phase 2: x = W^T u. Threads form `slices` row slices of `width` threads; thread c of
+    // slice p sums chunks c, c + width, ... of the rows p, p + slices, ... (4 column sums per
+    // chunk, rows in order). One slice: the sums are final and go to v; several: to
+    // `partial`, then summed in slice order. Only the v written here is read back below, by
+    // the thread that wrote it, so no barrier is needed between the two.
+    const int width = min(chunks, (int)blockDim.x);
+    const int slices = max(1, min(min((int)blockDim.x / width, rows), SPECTRAL_MAX_SLICES));
+    const int p = threadIdx.x / width;
+    if (p < slices) {
+        for (int c = threadIdx.x % width; c < chunks; c += width) {
+            float acc[4] = {HB_SUM_IDENTITY, HB_SUM_IDENTITY, HB_SUM_IDENTITY, HB_SUM_IDENTITY};
+            if (c < full) {
+#pragma unroll 4
+                for (int i = p; i < rows; i += slices) {
+                    const float ui = u[i];
+                    hb_chunk_fma(acc, hb_chunk(w + (long long)i * cols, c, w_vec),
+                                 make_float4(ui, ui, ui, ui));
+                }
+            } else {  // the partial chunk
+                for (int i = p; i < rows; i += slices) {
+                    const float* row = w + (long long)i * cols + 4 * full;
+#pragma unroll
+                    for (int k = 0; k < 3; ++k) {
+                        if (k < rest) {
+                            acc[k] = __fadd_rn(acc[k], __fmul_rn(row[k], u[i]));
+                        }
+                    }
+                }
+            }
+            float* dst = slices == 1 ? v : partial + p * cols;
+            const int n = c < full ? 4 : rest;
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                if (k < n) {
+                    dst[4 * c + k] = acc[k];
+                }
+            }
         }
-        v[j] = acc;
-        sq = __fadd_rn(sq, __fmul_rn(acc, acc));
+    }
+    if (slices > 1) {
+        __syncthreads();
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+            float x = partial[j];
+            for (int q = 1; q < slices; ++q) {
+                x = __fadd_rn(x, partial[q * cols + j]);
+            }
+            v[j] = x;
+        }
+    }
+    // Each thread now owns the columns j it summed last: (slices == 1) the columns of its
+    // chunks, else j = threadIdx.x, + blockDim.x, ...
+    sq = HB_SUM_IDENTITY;
+    if (slices == 1) {
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const int n = c < full ? 4 : rest;
+            for (int k = 0; k < n; ++k) {
+                const float x = v[4 * c + k];
+                sq = __fadd_rn(sq, __fmul_rn(x, x));
+            }
+        }
+    } else {
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+            const float x = v[j];
+            sq = __fadd_rn(sq, __fmul_rn(x, x));
+        }
     }
     const float v_denom = fmaxf(__fsqrt_rn(hb_block_sum(sq, scratch)), eps);
-    for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-        v[j] = __fdiv_rn(v[j], v_denom);  // this thread's own columns from phase 2
-    }
-    __syncthreads();
 
-    // Phase 3: sigma = u . (W v) with the new v (rows as in phase 1).
+    // Phase 3: v = x / ||x|| on the same columns, and sigma = x . v (mathematically
+    // u . (W v_new)), per thread in column order, then the block tree.
     float dot = HB_SUM_IDENTITY;
-    for (int i = warp; i < rows; i += warps) {
-        const float s = hb_row_dot(w, (long long)i * cols, cols, v, lane);
-        dot = __fadd_rn(dot, __fmul_rn(u[i], s));
+    if (slices == 1) {
+        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const int n = c < full ? 4 : rest;
+            for (int k = 0; k < n; ++k) {
+                const float x = v[4 * c + k];
+                const float vn = __fdiv_rn(x, v_denom);
+                v[4 * c + k] = vn;
+                dot = __fadd_rn(dot, __fmul_rn(x, vn));
+            }
+        }
+    } else {
+        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+            const float x = v[j];
+            const float vn = __fdiv_rn(x, v_denom);
+            v[j] = vn;
+            dot = __fadd_rn(dot, __fmul_rn(x, vn));
+        }
     }
-    const float sigma = hb_block_sum(lane == 0 ? dot : HB_SUM_IDENTITY, scratch);
+    const float sigma = hb_block_sum(dot, scratch);
 
     // Phase 4: the bound. A NaN sigma compares false: W is left unchanged. hb_block_sum ended
-    // with a barrier, so every read of W above is done.
+    // with a barrier, so every read of W above is done. Elementwise: float4 where aligned.
     if (sigma > sigma_max) {
         const float scale = __fdiv_rn(sigma_max, sigma);
         const long long size = (long long)rows * cols;
-        for (long long k = threadIdx.x; k < size; k += blockDim.x) {
+        long long k0 = 0;
+        if ((reinterpret_cast<unsigned long long>(w) & 15) == 0) {
+            float4* w4 = reinterpret_cast<float4*>(w);
+            const long long n4 = size / 4;
+            for (long long k = threadIdx.x; k < n4; k += blockDim.x) {
+                float4 q = w4[k];
+                q.x = __fmul_rn(q.x, scale);
+                q.y = __fmul_rn(q.y, scale);
+                q.z = __fmul_rn(q.z, scale);
+                q.w = __fmul_rn(q.w, scale);
+                w4[k] = q;
+            }
+            k0 = 4 * n4;
+        }
+        for (long long k = k0 + threadIdx.x; k < size; k += blockDim.x) {
             w[k] = __fmul_rn(w[k], scale);
         }
     }

@@ -15,7 +15,8 @@ Three layers, each usable on its own:
   (``graph1_ops(staging_ptrs)``: batch copy, prologue, three forward passes, losses, both
   backward passes, budget pipeline, inline sentinel checks, step scalars) and graph 2
   (``graph2_ops()``: Adam with the safety clip and Mech 9, batched spectral norm, Polyak, the
-  BF16 mirrors of params and target, ISV producers, the fused sentinel check), and the eager
+  BF16 mirrors of params and target, ISV producers, the fused sentinel check; the producers and
+  the check of the buffers graph 2 does not write run as branches beside the optimiser), and the eager
   greedy forward of ``q_values`` (``eval_forward(rows)``).
 
 Kernels are the reference kernels' CUDA twins (``cuda_src/<area>.cu``, launch shapes from
@@ -80,6 +81,9 @@ NORM_SEGMENT = 4096
 GLUE_THREADS = 256
 #: Grid cap of the flat glue kernels (grid-stride loops cover the rest).
 GLUE_MAX_BLOCKS = 1024
+#: Arena buffers that graph 2 writes and the fused sentinel check reads (params and target,
+#: Adam moments): their slots are checked after the optimiser chain, the others beside it.
+GRAPH2_WRITTEN = frozenset({"params2", "adam_m", "adam_v"})
 #: Workspace bytes a GEMM plan is first planned with (None: fast.gemm's default only); where
 #: cuBLASLt has no algorithm within it, the plan takes the default limit. Measured on the H200
 #: (seed preset): the algorithms that use a workspace add memset and split-K reduction nodes
@@ -272,7 +276,10 @@ class StepLayout:
         self._add("thr_isv_index", n_desc, I32)
         self._add("thr_power", n_desc, I32)
         self._add("desc_ptrs", n_desc, U64)
-        self._add("desc_lens", n_desc, I64)
+        # Lengths of the fused check's slots, split by whether graph 2 writes the buffer (a
+        # zero length disables a slot): "pre" slots run beside the optimiser, "post" after it.
+        self._add("desc_lens_pre", n_desc, I64)
+        self._add("desc_lens_post", n_desc, I64)
         self._add("piece_slot", max(1, self.sentinel.n_pieces), I32)
         self._add("spectral_desc", (len(self.weights), 32), U8)
         # Device scalars.
@@ -1113,34 +1120,53 @@ class StepProgram:
         lay, c = self.lay, self.config
         NP = lay.NP
         opt, spec, isvk, safety = self.k["optim"], self.k["spectral"], self.k["isv"], self.k["safety"]
-        ops = Ops(self.module)
+        body, ops = Ops(self.module), Ops(self.module)
         params, target = self.ptr("params2"), self.ptr("params2", offset=NP)
-        ops.kernel("adam_update", opt.plan_adam_update(NP), params, self.ptr("grad"),
-                   self.ptr("adam_m"), self.ptr("adam_v"), NP, self.ptr("adam_t"),
-                   np.float32(c.lr), np.float32(c.beta1), np.float32(c.beta2),
-                   np.float32(c.adam_eps), np.float32(c.weight_decay), self.ptr("safety_scale"),
-                   self.ptr("weight_clamp"))
+        # Adam first, on the capture stream: the branches below fork from it.
+        body.kernel("adam_update", opt.plan_adam_update(NP), params, self.ptr("grad"),
+                    self.ptr("adam_m"), self.ptr("adam_v"), NP, self.ptr("adam_t"),
+                    np.float32(c.lr), np.float32(c.beta1), np.float32(c.beta2),
+                    np.float32(c.adam_eps), np.float32(c.weight_decay), self.ptr("safety_scale"),
+                    self.ptr("weight_clamp"))
         n_w = len(lay.weights)
         ops.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w),
                    self.ptr("spectral_desc"), n_w, np.float32(c.sigma_max), SPECTRAL_EPS,
                    self.ptr("sigmas"))
         ops.kernel("polyak_update", opt.plan_polyak_update(NP), target, params, NP,
                    np.float32(c.tau))
-        self.to_bf16(ops, params, self.ptr("mirror2"), 2 * NP)
-        nq = lay.nb * lay.B
-        ops.kernel("isv_q_abs_ref_update", isvk.plan_isv_q_abs_ref_update(nq), self.ptr("isv"),
-                   isv_mod.Q_ABS_REF_INDEX, self.ptr("q_taken"), nq, np.float32(ISV_PRODUCER_ALPHA))
-        nh = lay.B * lay.H2
-        ops.kernel("isv_h2_rms_update", isvk.plan_isv_h2_rms_update(nh), self.ptr("isv"),
-                   isv_mod.H_S2_RMS_EMA_INDEX, self.ptr("h2o"), nh, np.float32(ISV_PRODUCER_ALPHA))
+        # Side branches beside the rest of the optimiser chain: the ISV producers (they read
+        # graph 1's q_taken and h2 and write their own ISV slots, which nothing in graph 2
+        # reads: the bounds of this step were formed in graph 1) and the fused check of the
+        # slots whose buffers graph 2 does not write. The slots of params/target/Adam moments are checked
+        # after Polyak, beside the BF16 mirror; the sticky flags are merged after the join.
         sp = lay.sentinel
-        ops.kernel("nan_check_fused", safety.plan_nan_check_fused(self.desc_lengths()),
-                   self.ptr("desc_ptrs"), self.ptr("desc_lens"), self.ptr("thresholds"),
-                   self.ptr("flags"), sp.n_desc)
+        producers = Ops(self.module)
+        nq = lay.nb * lay.B
+        producers.kernel("isv_q_abs_ref_update", isvk.plan_isv_q_abs_ref_update(nq),
+                         self.ptr("isv"), isv_mod.Q_ABS_REF_INDEX, self.ptr("q_taken"), nq,
+                         np.float32(ISV_PRODUCER_ALPHA))
+        nh = lay.B * lay.H2
+        producers.kernel("isv_h2_rms_update", isvk.plan_isv_h2_rms_update(nh), self.ptr("isv"),
+                         isv_mod.H_S2_RMS_EMA_INDEX, self.ptr("h2o"), nh,
+                         np.float32(ISV_PRODUCER_ALPHA))
+        pre_lens, post_lens = self.desc_lengths_split()
+
+        def fused_check(branch: Ops, lens_key: str, lens: list[int]) -> None:
+            branch.kernel("nan_check_fused", safety.plan_nan_check_fused(lens),
+                          self.ptr("desc_ptrs"), self.ptr(lens_key), self.ptr("thresholds"),
+                          self.ptr("flags"), sp.n_desc)
+
+        checks_pre = Ops(self.module)
+        fused_check(checks_pre, "desc_lens_pre", pre_lens)
+        checks_post, mirror = Ops(self.module), Ops(self.module)
+        fused_check(checks_post, "desc_lens_post", post_lens)
+        self.to_bf16(mirror, params, self.ptr("mirror2"), 2 * NP)
+        ops.parallel(checks_post, mirror)
+        body.parallel(producers, checks_pre, ops)
         if sp.n_pieces:
-            ops.kernel("glue_merge_flags", (1, GLUE_THREADS, 0), self.ptr("flags"),
-                       self.ptr("piece_slot"), sp.n_slots, sp.n_pieces)
-        return ops
+            body.kernel("glue_merge_flags", (1, GLUE_THREADS, 0), self.ptr("flags"),
+                        self.ptr("piece_slot"), sp.n_slots, sp.n_pieces)
+        return body
 
     # -- constants the graphs read
     def desc_lengths(self) -> list[int]:
@@ -1152,6 +1178,19 @@ class StepProgram:
             lens[sp.n_slots + j] = piece.count
         return lens
 
+    def desc_lengths_split(self) -> tuple[list[int], list[int]]:
+        """``desc_lengths()`` split in two complementary lists: the slots whose buffers graph 2
+        does not write (checked beside the optimiser) and those it writes
+        (``GRAPH2_WRITTEN``: checked after Polyak); the other list has 0 there."""
+        sp = self.lay.sentinel
+        pieces = dict(sp.first)
+        pieces.update({sp.n_slots + j: piece for j, piece in enumerate(sp.extras)})
+        pre, post = self.desc_lengths(), [0] * sp.n_desc
+        for k, piece in pieces.items():
+            if piece.buffer in GRAPH2_WRITTEN:
+                pre[k], post[k] = 0, pre[k]
+        return pre, post
+
     def constants(self) -> dict[str, np.ndarray]:
         """Host values of the constant buffers (uploaded once, before capture)."""
         from foxhunt.fast.kernels.spectral import spectral_descriptors
@@ -1160,7 +1199,7 @@ class StepProgram:
         lay, c = self.lay, self.config
         sp = lay.sentinel
         ptrs = np.zeros(sp.n_desc, np.uint64)
-        lens = np.array(self.desc_lengths(), np.int64)
+        pre_lens, post_lens = (np.array(x, np.int64) for x in self.desc_lengths_split())
         mult = np.zeros(sp.n_desc, np.float32)
         index = np.full(sp.n_desc, -1, np.int32)
         power = np.ones(sp.n_desc, np.int32)
@@ -1186,7 +1225,7 @@ class StepProgram:
             "n_actions": np.array(lay.branches, np.int32),
             "action_offset": np.array(lay.action_offset, np.int32),
             "thr_mult": mult, "thr_isv_index": index, "thr_power": power,
-            "desc_ptrs": ptrs, "desc_lens": lens,
+            "desc_ptrs": ptrs, "desc_lens_pre": pre_lens, "desc_lens_post": post_lens,
             "piece_slot": np.array([p.slot for p in sp.extras] or [0], np.int32),
             "spectral_desc": spectral_descriptors(mats).view(np.uint8).reshape(len(mats), 32),
         }
