@@ -16,8 +16,9 @@ Three layers, each usable on its own:
   backward passes, budget pipeline, inline sentinel checks, step scalars) and graph 2
   (``graph2_ops()``: Adam with the safety clip and Mech 9, batched spectral norm, Polyak, the
   BF16 mirrors of params and target, ISV producers, the fused sentinel check; the producers and
-  the check of the buffers graph 2 does not write run as branches beside the optimiser), and the eager
-  greedy forward of ``q_values`` (``eval_forward(rows)``).
+  the check of the buffers graph 2 does not write run as branches beside the whole optimiser
+  chain, forked at the graph's start), and the eager greedy forward of ``q_values``
+  (``eval_forward(rows)``).
 
 Kernels are the reference kernels' CUDA twins (``cuda_src/<area>.cu``, launch shapes from
 ``foxhunt.fast.kernels.<area>.plan_*``) plus the trainer's glue kernels
@@ -1122,23 +1123,26 @@ class StepProgram:
         opt, spec, isvk, safety = self.k["optim"], self.k["spectral"], self.k["isv"], self.k["safety"]
         body, ops = Ops(self.module), Ops(self.module)
         params, target = self.ptr("params2"), self.ptr("params2", offset=NP)
-        # Adam first, on the capture stream: the branches below fork from it.
-        body.kernel("adam_update", opt.plan_adam_update(NP), params, self.ptr("grad"),
-                    self.ptr("adam_m"), self.ptr("adam_v"), NP, self.ptr("adam_t"),
-                    np.float32(c.lr), np.float32(c.beta1), np.float32(c.beta2),
-                    np.float32(c.adam_eps), np.float32(c.weight_decay), self.ptr("safety_scale"),
-                    self.ptr("weight_clamp"))
+        # The optimiser chain on the capture stream: Adam, spectral norm, Polyak, then the
+        # post-Adam check beside the BF16 mirror. The side branches below fork at the start of
+        # the graph (root nodes beside Adam): none of them reads what the chain writes.
+        ops.kernel("adam_update", opt.plan_adam_update(NP), params, self.ptr("grad"),
+                   self.ptr("adam_m"), self.ptr("adam_v"), NP, self.ptr("adam_t"),
+                   np.float32(c.lr), np.float32(c.beta1), np.float32(c.beta2),
+                   np.float32(c.adam_eps), np.float32(c.weight_decay), self.ptr("safety_scale"),
+                   self.ptr("weight_clamp"))
         n_w = len(lay.weights)
         ops.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w),
                    self.ptr("spectral_desc"), n_w, np.float32(c.sigma_max), SPECTRAL_EPS,
                    self.ptr("sigmas"))
         ops.kernel("polyak_update", opt.plan_polyak_update(NP), target, params, NP,
                    np.float32(c.tau))
-        # Side branches beside the rest of the optimiser chain: the ISV producers (they read
-        # graph 1's q_taken and h2 and write their own ISV slots, which nothing in graph 2
-        # reads: the bounds of this step were formed in graph 1) and the fused check of the
-        # slots whose buffers graph 2 does not write. The slots of params/target/Adam moments are checked
-        # after Polyak, beside the BF16 mirror; the sticky flags are merged after the join.
+        # Side branches beside the whole optimiser chain, from the start of the graph: the ISV
+        # producers (they read graph 1's q_taken and h2 and write their own ISV slots, which
+        # nothing in graph 2 reads: the bounds of this step were formed in graph 1) and the
+        # fused check of the slots whose buffers graph 2 does not write. The slots of
+        # params/target/Adam moments are checked after Polyak, beside the BF16 mirror; the
+        # sticky flags are merged after the join.
         sp = lay.sentinel
         producers = Ops(self.module)
         nq = lay.nb * lay.B

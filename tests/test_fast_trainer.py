@@ -123,6 +123,7 @@ class _Stream:
 
 class _Event:
     deps: frozenset = frozenset()
+    graph = None  # the _Graph whose capture recorded it last
 
 
 class _Driver:
@@ -604,7 +605,11 @@ class _GemmPlan:
 class _Graph:
     """GraphCapture stand-in: records a dependency graph (each node after the previous node of
     its stream and after the nodes its stream waited for through events), checks that every
-    side stream was forked from the capture and joined back, and replays in EMU.branch_order."""
+    side stream was forked from the capture and joined back, and replays in EMU.branch_order.
+
+    As in CUDA, a stream joins the capture by waiting on an event recorded in it, also one
+    recorded before any work (an empty dependency set: the side stream's first node is then a
+    root of the graph, beside the capture stream's first node)."""
 
     def __init__(self, stream, *, max_branches=4):
         self.stream = stream
@@ -612,6 +617,7 @@ class _Graph:
         self.deps: list[set] = []
         self._last: dict[int, int] = {}
         self._pending: dict[int, set] = {}
+        self._members: set[int] = {self._key(stream)}  # streams taking part in the capture
 
     @staticmethod
     def _key(stream) -> int:
@@ -644,21 +650,25 @@ class _Graph:
         deps = set(self._pending.pop(key, ()))
         if key in self._last:
             deps.add(self._last[key])
-        assert deps or key == self._key(self.stream) or key in self._last, \
-            "work on a stream that was not forked from the capture stream"
+        assert key in self._members, "work on a stream that was not forked from the capture stream"
         self.thunks.append(thunk)
         self.deps.append(deps)
         self._last[key] = len(self.thunks) - 1
 
     def event_record(self, event, stream):
         key = self._key(stream)
+        assert key in self._members, "event recorded on a stream outside the capture"
         deps = set(self._pending.get(key, ()))
         if key in self._last:
             deps.add(self._last[key])
         event.deps = frozenset(deps)
+        event.graph = self
 
     def stream_wait(self, stream, event):
-        self._pending.setdefault(self._key(stream), set()).update(event.deps)
+        assert event.graph is self, "wait on an event not recorded in this capture"
+        key = self._key(stream)
+        self._members.add(key)
+        self._pending.setdefault(key, set()).update(event.deps)
 
     def order(self) -> list[int]:
         import heapq
@@ -1168,6 +1178,46 @@ def test_step_rejects_an_invalid_batch(backend):
     with pytest.raises(ValueError, match="batch.a"):
         fast.step(bad)
     assert fast.step_count == 0
+
+
+@pytest.mark.parametrize("order", ["latest_first", "capture_order"])
+def test_emulated_capture_forks_at_the_start_and_keeps_its_checks(monkeypatch, order):
+    """The emulated capture behind every ``emulated`` test: a side stream forked before any
+    work on the capture stream starts with a root node (as in CUDA) and replay keeps every edge
+    in both orders; work on a stream not forked from the capture, a branch not joined back and
+    a wait on an event of another capture are rejected."""
+    monkeypatch.setattr(EMU, "branch_order", order)
+    main, side = _Stream(), _Stream(side=True)
+    fork, join = _Event(), _Event()
+    log = []
+
+    def node(name, stream):
+        EMU.dispatch(lambda: log.append(name), stream)
+
+    with _Graph(main) as graph:
+        _Driver.cuEventRecord(fork, main)  # nothing on the capture stream yet
+        _Driver.cuStreamWaitEvent(side, fork, 0)
+        node("s1", side)
+        node("s2", side)
+        node("m1", main)
+        _Driver.cuEventRecord(join, side)
+        _Driver.cuStreamWaitEvent(main, join, 0)
+        node("m2", main)
+    assert graph.deps == [set(), {0}, set(), {1, 2}]  # two roots: s1 (side stream) and m1
+    graph.replay()
+    want = ["m1", "s1", "s2", "m2"] if order == "latest_first" else ["s1", "s2", "m1", "m2"]
+    assert log == want
+
+    with pytest.raises(AssertionError, match="not forked"), _Graph(main):
+        node("x", _Stream(side=True))
+    with pytest.raises(AssertionError, match="unjoined nodes \\[0\\]"), _Graph(main):
+        _Driver.cuEventRecord(fork, main)
+        _Driver.cuStreamWaitEvent(side, fork, 0)
+        node("s", side)
+        node("m", main)
+    with pytest.raises(AssertionError, match="not recorded in this capture"), _Graph(main):
+        _Driver.cuStreamWaitEvent(side, join, 0)  # join was recorded in an earlier capture
+    assert EMU.capture is None
 
 
 def test_graph_node_counts_are_reported(backend):
