@@ -14,19 +14,10 @@ from __future__ import annotations
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
-
 from foxhunt.conformance.registry import cuda_availability
+from foxhunt.conformance.strategies import load_hypothesis_profile
 
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    max_examples=60,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile("dev", deadline=None, max_examples=200)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+load_hypothesis_profile()
 
 MODES = ("quick", "full")
 #: Shape cases left out by ``--conformance-mode quick``.

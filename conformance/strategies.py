@@ -123,3 +123,25 @@ def tail_sizes(block: int = BLOCK) -> st.SearchStrategy[int]:
     """Lengths around block multiples (1, block +- 1, 2*block + 1, ...) and small odd ones."""
     near = [k * block + d for k in (1, 2, 4) for d in (-1, 0, 1)]
     return st.one_of(st.sampled_from([1, 2, 3, 31, 33, *near]), st.integers(1, 4 * block + 3))
+
+
+def load_hypothesis_profile() -> str:
+    """Register the ``ci`` (derandomised, no deadline, 60 examples) and ``dev`` (random, 200
+    examples) hypothesis profiles and load ``$HYPOTHESIS_PROFILE`` (default ``ci``). Both test
+    trees' conftests call this, so the profiles are defined once."""
+    import os
+
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile(
+        "ci",
+        derandomize=True,
+        deadline=None,
+        max_examples=60,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
+    settings.register_profile("dev", deadline=None, max_examples=200)
+    name = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    settings.load_profile(name)
+    return name
+

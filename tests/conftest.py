@@ -1,15 +1,6 @@
-"""Shared pytest configuration: hypothesis profiles (``ci`` derandomised, ``dev`` random)."""
+"""Shared pytest configuration: the hypothesis profiles (``ci`` derandomised, ``dev`` random),
+defined once in ``foxhunt.conformance.strategies``."""
 
-import os
+from foxhunt.conformance.strategies import load_hypothesis_profile
 
-from hypothesis import HealthCheck, settings
-
-settings.register_profile(
-    "ci",
-    derandomize=True,
-    deadline=None,
-    max_examples=60,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
-settings.register_profile("dev", deadline=None, max_examples=200)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+load_hypothesis_profile()
