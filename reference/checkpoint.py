@@ -14,7 +14,6 @@ the layout before returning anything; there are no migrations.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path

@@ -33,7 +33,6 @@ a swapped operand or a missing term gives (order 1).
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import ctypes
 import dataclasses
