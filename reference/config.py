@@ -100,11 +100,11 @@ class DQNConfig:
     def _validate(self) -> None:
         for name in ("batch_size", "state_dim", "shared_h1", "shared_h2", "value_h", "adv_h",
                      "readback_interval"):
-            _require_int(name, getattr(self, name), minimum=1)
-        _require_int("num_atoms", self.num_atoms, minimum=2)
-        _require_int("c51_warmup_epochs", self.c51_warmup_epochs, minimum=0)
-        _require_finite("v_min", self.v_min)
-        _require_finite("v_max", self.v_max)
+            require_int(name, getattr(self, name), minimum=1)
+        require_int("num_atoms", self.num_atoms, minimum=2)
+        require_int("c51_warmup_epochs", self.c51_warmup_epochs, minimum=0)
+        require_finite("v_min", self.v_min)
+        require_finite("v_max", self.v_max)
         if not self.v_min < self.v_max:
             raise ValueError(
                 f"v_min={self.v_min!r} must be < v_max={self.v_max!r} (the C51 support is [v_min, v_max])"
@@ -126,38 +126,38 @@ class DQNConfig:
                 f"(one per branch), got {len(self.gamma)}"
             )
         for i, g in enumerate(gammas):
-            _require_range(f"gamma[{i}]" if isinstance(self.gamma, tuple) else "gamma", g, 0.0, 1.0)
-        _require_positive("max_grad_norm", self.max_grad_norm)
+            require_range(f"gamma[{i}]" if isinstance(self.gamma, tuple) else "gamma", g, 0.0, 1.0)
+        require_positive("max_grad_norm", self.max_grad_norm)
         if not isinstance(self.budgets, tuple) or len(self.budgets) != len(BUDGET_SOURCES):
             raise ValueError(
                 f"budgets={self.budgets!r}: need {len(BUDGET_SOURCES)} fractions "
                 f"({', '.join(BUDGET_SOURCES)})"
             )
         for src, b in zip(BUDGET_SOURCES, self.budgets):
-            _require_range(f"budgets[{src}]", b, 0.0, 1.0)
+            require_range(f"budgets[{src}]", b, 0.0, 1.0)
         total = math.fsum(self.budgets)
         if abs(total - 1.0) > BUDGET_SUM_TOL:
             raise ValueError(
                 f"budgets={self.budgets!r} sum to {total!r}; they must sum to 1 within "
                 f"{BUDGET_SUM_TOL} so that the budgets add up to max_grad_norm exactly"
             )
-        _require_positive("sigma_max", self.sigma_max)
-        _require_positive("lr", self.lr)
-        _require_range("beta1", self.beta1, 0.0, 1.0, hi_open=True)
-        _require_range("beta2", self.beta2, 0.0, 1.0, hi_open=True)
-        _require_positive("adam_eps", self.adam_eps)
-        _require_range("weight_decay", self.weight_decay, 0.0, math.inf)
-        _require_range("tau", self.tau, 0.0, 1.0)
-        _require_range("cql_alpha", self.cql_alpha, 0.0, math.inf)
+        require_positive("sigma_max", self.sigma_max)
+        require_positive("lr", self.lr)
+        require_range("beta1", self.beta1, 0.0, 1.0, hi_open=True)
+        require_range("beta2", self.beta2, 0.0, 1.0, hi_open=True)
+        require_positive("adam_eps", self.adam_eps)
+        require_range("weight_decay", self.weight_decay, 0.0, math.inf)
+        require_range("tau", self.tau, 0.0, 1.0)
+        require_range("cql_alpha", self.cql_alpha, 0.0, math.inf)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision={self.precision!r}: allowed values are {PRECISIONS}")
         for name in ("target_q_clip_mult", "atom_growth_mult", "adam_m_diag_mult",
                      "adam_v_diag_mult", "weight_diag_mult", "grad_clip_anchor_mult",
                      "weight_clamp_mult", "h2_clamp_mult", "h2_diag_mult", "aux_guard_mult"):
-            _require_positive(name, getattr(self, name))
-        _require_range("grad_slow_ema_alpha", self.grad_slow_ema_alpha, 0.0, 1.0, lo_open=True)
-        _require_range("lambda_iqn", self.lambda_iqn, 0.0, math.inf)
-        _require_range("ens_weight", self.ens_weight, 0.0, math.inf)
+            require_positive(name, getattr(self, name))
+        require_range("grad_slow_ema_alpha", self.grad_slow_ema_alpha, 0.0, 1.0, lo_open=True)
+        require_range("lambda_iqn", self.lambda_iqn, 0.0, math.inf)
+        require_range("ens_weight", self.ens_weight, 0.0, math.inf)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -240,22 +240,22 @@ def _is_real(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _require_int(name: str, value: Any, *, minimum: int) -> None:
+def require_int(name: str, value: Any, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r}: must be an integer >= {minimum}")
 
 
-def _require_finite(name: str, value: Any) -> None:
+def require_finite(name: str, value: Any) -> None:
     if not _is_real(value) or not math.isfinite(value):
         raise ValueError(f"{name}={value!r}: must be a finite number")
 
 
-def _require_positive(name: str, value: Any) -> None:
+def require_positive(name: str, value: Any) -> None:
     if not _is_real(value) or not math.isfinite(value) or value <= 0:
         raise ValueError(f"{name}={value!r}: must be a finite number > 0")
 
 
-def _require_range(name: str, value: Any, lo: float, hi: float, *,
+def require_range(name: str, value: Any, lo: float, hi: float, *,
                    lo_open: bool = False, hi_open: bool = False) -> None:
     ok = _is_real(value) and not math.isnan(value)
     if ok:

@@ -31,7 +31,7 @@ import numpy as np
 
 from . import sentinels
 from .backend import StepScalars, TrainerBackend, get_backend
-from .config import DQNConfig
+from .config import DQNConfig, require_int, require_positive, require_range
 from .env import BranchingEnv, annualised_sharpe, equity_curve
 from .market import (DEFAULT_WINDOWS, N_POSITION_FEATURES, Bars, feature_warmup,
                      market_features, n_market_features)
@@ -61,17 +61,17 @@ class LoopSettings:
 
     def __post_init__(self) -> None:
         for name in ("folds", "epochs", "steps_per_epoch", "n_envs", "replay_capacity"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r}: must be an integer >= 1")
-        if not 0.1 <= self.train_frac <= 0.95:
-            raise ValueError(f"train_frac={self.train_frac!r}: allowed range is [0.1, 0.95]")
-        if not (math.isfinite(self.reward_scale) and self.reward_scale > 0):
-            raise ValueError(f"reward_scale={self.reward_scale!r}: must be a finite number > 0")
+            require_int(name, getattr(self, name), minimum=1)
+        require_int("warmup_transitions", self.warmup_transitions, minimum=0)
+        require_range("train_frac", self.train_frac, 0.1, 0.95)
+        require_positive("reward_scale", self.reward_scale)
         for name in ("eps_start", "eps_end", "explore_frac"):
-            v = getattr(self, name)
-            if not 0.0 <= v <= 1.0:
-                raise ValueError(f"{name}={v!r}: allowed range is [0, 1]")
+            require_range(name, getattr(self, name), 0.0, 1.0)
+
+
+#: The ``StepScalars`` fields an epoch record carries over (the epoch-end readback).
+STEP_FIELDS = ("loss", "c51_loss", "cql_loss", "grad_norm", "c51_norm_pre", "c51_norm_post",
+               "cql_norm_pre", "cql_norm_post", "mean_q")
 
 
 @dataclass
@@ -223,10 +223,7 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                 flagged = sentinels.flagged_names(np.asarray(scalars.flags, np.int32))
                 rec = EpochRecord(
                     fold=fold, epoch=epoch, global_epoch=g, steps=scalars.step,
-                    loss=scalars.loss, c51_loss=scalars.c51_loss, cql_loss=scalars.cql_loss,
-                    grad_norm=scalars.grad_norm, c51_norm_pre=scalars.c51_norm_pre,
-                    c51_norm_post=scalars.c51_norm_post, cql_norm_pre=scalars.cql_norm_pre,
-                    cql_norm_post=scalars.cql_norm_post, mean_q=scalars.mean_q, epsilon=eps,
+                    **{name: getattr(scalars, name) for name in STEP_FIELDS}, epsilon=eps,
                     sharpe=sharpe, eval_return=float(rewards.sum()), epoch_time_s=elapsed,
                     steps_per_s=settings.steps_per_epoch / max(elapsed, 1e-9), flagged=flagged,
                 )
