@@ -11,13 +11,9 @@
 // backward is the matching select `h <= 0 ? 0 : dy`. Never fmaxf(t, 0), which maps NaN to 0.
 
 #include "ha_common.cuh"
+#include "bf16_bits.cuh"  // f32_to_bf16_bits (shared with optim.cu)
 
-#define DENSE_F32_SIGN_CLEAR 0x7fffffffu
 #define DENSE_F32_QUIET_BIT 0x00400000u
-// BF16 = the high 16 bits of a binary32; RNE adds 0x7FFF plus the lowest kept bit.
-#define DENSE_BF16_SHIFT 16
-#define DENSE_BF16_HALF_ULP_MINUS_ONE 0x7fffu
-#define DENSE_BF16_QUIET_BIT 0x0040u
 // TF32 keeps 10 explicit mantissa bits: the low 13 bits are dropped (ties away from zero).
 #define DENSE_TF32_HALF_ULP 0x00001000u
 #define DENSE_TF32_KEEP_MASK 0xffffe000u
@@ -28,19 +24,6 @@
          i += (long long)gridDim.x * blockDim.x)
 
 static __device__ __forceinline__ float relu_select(float t) { return (t <= 0.0f) ? 0.0f : t; }
-
-// BF16 round-to-nearest-even on the bit pattern, with the reference's NaN rule: a NaN keeps its
-// sign and high payload and gets the quiet bit (NOT __float2bfloat16_rn's canonical NaN).
-static __device__ __forceinline__ unsigned short f32_to_bf16_bits(float x) {
-    const unsigned int u = __float_as_uint(x);
-    if ((u & DENSE_F32_SIGN_CLEAR) > HA_F32_EXP_MASK) {
-        return (unsigned short)((u >> DENSE_BF16_SHIFT) | DENSE_BF16_QUIET_BIT);
-    }
-    // No uint32 wrap for non-NaN patterns: the largest, -Inf 0xFF800000, stays below 2^32.
-    const unsigned int lowest_kept_bit = (u >> DENSE_BF16_SHIFT) & 1u;
-    const unsigned int rounded = u + DENSE_BF16_HALF_ULP_MINUS_ONE + lowest_kept_bit;
-    return (unsigned short)(rounded >> DENSE_BF16_SHIFT);
-}
 
 // ------------------------------------------------------------------------------------------
 // Bias + ReLU epilogues. Grid: x covers columns (blockDim.x threads each), y strides rows, so
@@ -157,7 +140,7 @@ extern "C" __global__ void f32_to_bf16(const float* __restrict__ x,
 // BF16 bit patterns -> float32, exact: the pattern becomes the high half.
 extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ u,
                                        float* __restrict__ out, long long n) {
-    DENSE_FLAT_LOOP(i, n) { out[i] = __uint_as_float((unsigned int)u[i] << DENSE_BF16_SHIFT); }
+    DENSE_FLAT_LOOP(i, n) { out[i] = __uint_as_float((unsigned int)u[i] << BF16_SHIFT); }
 }
 
 // float32 -> TF32 (as float32 with the low 13 bits 0), ties away from zero, like
@@ -169,7 +152,7 @@ extern "C" __global__ void tf32_round(const float* x, float* out, long long n) {
         unsigned int bits;
         if ((u & HA_F32_EXP_MASK) != HA_F32_EXP_MASK) {  // finite: a carry rounds into the exponent
             bits = (u + DENSE_TF32_HALF_ULP) & DENSE_TF32_KEEP_MASK;
-        } else if ((u & DENSE_F32_SIGN_CLEAR) > HA_F32_EXP_MASK) {
+        } else if ((u & BF16_F32_SIGN_CLEAR) > HA_F32_EXP_MASK) {
             bits = (u & DENSE_TF32_KEEP_MASK) | DENSE_F32_QUIET_BIT;
         } else {
             bits = u;  // +/-Inf
