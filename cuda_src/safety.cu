@@ -47,30 +47,79 @@ extern "C" __global__ void nan_check(const float* __restrict__ x, long long n,
     }
 }
 
-// Every per-step sentinel slot in one launch. Slot k (blockIdx.x, grid-stride over slots)
-// checks buffers[k] (lengths[k] floats; a null pointer is a deferred slot that never fires):
-// it fires if an element is non-finite, or if thresholds[k] > 0 and some |x| >= thresholds[k]
-// (for all-finite data that is max|x| >= threshold; a threshold that is 0, negative or NaN
-// disables the magnitude test). gridDim.y blocks share one slot, each taking a stripe of it
-// (1 = one block per slot); a block that fires stores flags[k] = 1 (sticky).
+// Every per-step sentinel slot in one launch. Slot k checks buffers[k] (lengths[k] floats; a null
+// pointer is a deferred slot that never fires): it fires if an element is non-finite, or if
+// thresholds[k] > 0 and some |x| >= thresholds[k] (for all-finite data that is max|x| >=
+// threshold; a threshold that is 0, negative or NaN disables the magnitude test); a block that
+// finds such an element stores flags[k] = 1 (sticky).
+//
+// Work distribution (latency, not bandwidth, bounds this kernel: ~1.5M floats in ~70 slots of
+// very different lengths): every slot is cut into chunks of NAN_CHECK_PER_THREAD * blockDim.x
+// elements, the chunks of all slots are numbered in slot order, and block b takes chunks b,
+// b + gridDim.x, ... (any grid covers everything; plan_nan_check_fused sizes it to one chunk
+// per block). The blocks read the lengths a tile of blockDim.x slots at a time and number the
+// chunks with a block-wide inclusive scan in shared memory; each thread then issues its
+// NAN_CHECK_PER_THREAD loads of a chunk independently (unrolled), so they are in flight together.
+// blockDim.x must be a power of two, at most NAN_CHECK_MAX_THREADS.
+#define NAN_CHECK_PER_THREAD 8
+#define NAN_CHECK_MAX_THREADS 1024
+
 extern "C" __global__ void nan_check_fused(const unsigned long long* __restrict__ buffers,
                                            const long long* __restrict__ lengths,
                                            const float* __restrict__ thresholds,
                                            int* __restrict__ flags, int n_slots) {
-    const long long stride = (long long)gridDim.y * blockDim.x;
-    for (int slot = blockIdx.x; slot < n_slots; slot += gridDim.x) {  // block-uniform loop
-        const float* x = reinterpret_cast<const float*>(buffers[slot]);
-        const long long n = (x == nullptr) ? 0 : lengths[slot];
-        const float threshold = thresholds[slot];
-        const bool magnitude_test = threshold > 0.0f;  // false for NaN
-        bool fires = false;
-        for (long long i = (long long)blockIdx.y * blockDim.x + threadIdx.x; i < n; i += stride) {
-            const float v = x[i];
-            fires |= !ha_is_finite(v) || (magnitude_test && fabsf(v) >= threshold);
+    __shared__ long long chunk_end[NAN_CHECK_MAX_THREADS];  // inclusive scan of chunk counts
+    const long long chunk = (long long)NAN_CHECK_PER_THREAD * blockDim.x;
+    long long tile_first = 0;  // number of the first chunk of the current tile of slots
+    for (int tile = 0; tile < n_slots; tile += blockDim.x) {  // block-uniform loop
+        const int own = tile + threadIdx.x;
+        long long count = 0;
+        if (own < n_slots && buffers[own] != 0ull) {
+            count = (lengths[own] + chunk - 1) / chunk;  // lengths >= 0 (validated on the host)
         }
-        if (__syncthreads_or(fires) && threadIdx.x == 0) {
-            flags[slot] = 1;
+        chunk_end[threadIdx.x] = count;
+        __syncthreads();
+        for (int offset = 1; offset < blockDim.x; offset <<= 1) {  // Hillis-Steele scan
+            const long long add = threadIdx.x >= offset ? chunk_end[threadIdx.x - offset] : 0;
+            __syncthreads();
+            chunk_end[threadIdx.x] += add;
+            __syncthreads();
         }
+        const int tile_slots = min((int)blockDim.x, n_slots - tile);
+        const long long tile_chunks = chunk_end[tile_slots - 1];
+        // This block's first chunk number >= tile_first (chunk numbers b mod gridDim.x).
+        long long w = tile_first + ((long long)blockIdx.x - tile_first % gridDim.x + gridDim.x) %
+                                       gridDim.x;
+        int slot_in_tile = 0;
+        for (; w < tile_first + tile_chunks; w += gridDim.x) {  // block-uniform loop
+            const long long local = w - tile_first;
+            while (chunk_end[slot_in_tile] <= local) {  // w only grows: the search resumes
+                ++slot_in_tile;
+            }
+            const int slot = tile + slot_in_tile;
+            const long long first_of_slot = slot_in_tile ? chunk_end[slot_in_tile - 1] : 0;
+            const float* x = reinterpret_cast<const float*>(buffers[slot]);
+            const long long n = lengths[slot];
+            const long long begin = (local - first_of_slot) * chunk + threadIdx.x;
+            const float threshold = thresholds[slot];
+            const bool magnitude_test = threshold > 0.0f;  // false for NaN
+            float v[NAN_CHECK_PER_THREAD];
+#pragma unroll
+            for (int k = 0; k < NAN_CHECK_PER_THREAD; ++k) {
+                const long long i = begin + (long long)k * blockDim.x;
+                v[k] = i < n ? x[i] : 0.0f;
+            }
+            bool fires = false;
+#pragma unroll
+            for (int k = 0; k < NAN_CHECK_PER_THREAD; ++k) {
+                fires |= !ha_is_finite(v[k]) || (magnitude_test && fabsf(v[k]) >= threshold);
+            }
+            if (__syncthreads_or(fires) && threadIdx.x == 0) {
+                flags[slot] = 1;
+            }
+        }
+        tile_first += tile_chunks;
+        __syncthreads();  // chunk_end is rewritten by the next tile
     }
 }
 
