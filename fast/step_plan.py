@@ -948,8 +948,11 @@ class StepProgram:
         assert [parts.offsets[k] for k in order] == [i * stride for i in range(len(order))]
         trunk.kernel("glue_h2_grad_mask", flat_plan(B * H2), self.ptr(f"dh2p_{loss}"),
                      len(order), stride, h2, self.ptr("h2preo"), dh2, dh2m, B * H2)
-        if loss == "c51":  # slot 33: the trunk-gradient buffer right after the main backward
-            trunk.kernel("nan_check", self.k["safety"].plan_nan_check(B * H2), dh2, B * H2,
+        # Slot 33 (C51 pass): the trunk-gradient buffer right after the main backward; nothing
+        # writes dh2 afterwards, so the check is a branch beside the trunk's GEMMs.
+        check = Ops(self.module)
+        if loss == "c51":
+            check.kernel("nan_check", self.k["safety"].plan_nan_check(B * H2), dh2, B * H2,
                          self.ptr("flags", offset=sentinels.index("d_h2_post_main")))
         dw2 = Ops(self.module)
         self.weight_grad(dw2, dy=dh2m, x=self.ptr("h1o"), rows=B, n_out=H2, n_in=H1,
@@ -961,7 +964,7 @@ class StepProgram:
                               self.ptr(f"dpre_{loss}", "trunk")))
         self.weight_grad(rest, dy=dh1, x=self.batch_ptr("x"), rows=B, n_out=H1, n_in=lay.SD,
                          dw=self.grad_ptr(g, "w_s1"))
-        trunk.parallel(dw2, rest)
+        trunk.parallel(*([check] if loss == "c51" else []), dw2, rest)
         chains.append(trunk)
         ops.parallel(*chains)
 
