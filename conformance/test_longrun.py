@@ -82,6 +82,17 @@ def relative_difference(bf16: float, f32: float) -> float:
     return diff / abs(f32) if f32 != 0 else math.inf
 
 
+def sharpe_noise(run_: RunSummary, last: int = 5) -> str:
+    """How much the run's own held-out Sharpe moves over its last ``last`` epochs (the largest
+    relative change from the final value), to read a final-Sharpe miss against."""
+    tail = run_.sharpes[-last:]
+    if len(tail) < 2 or not tail[-1]:
+        return f"{run_.precision}: too few epochs to compare"
+    spread = max(abs(x - tail[-1]) for x in tail) / abs(tail[-1])
+    return (f"{run_.precision} Sharpe over its last {len(tail)} epochs "
+            f"{', '.join(f'{x:.3g}' for x in tail)} (up to {spread:.0%} from its final value)")
+
+
 def parity_problems(bf16: RunSummary, f32: RunSummary) -> list[str]:
     """Every criterion the BF16 run misses, with both values (empty when it is within all)."""
     problems = []
@@ -123,6 +134,9 @@ def test_parity_criteria_are_relative_to_f32() -> None:
         RunSummary("bf16", 7, "halt_nan at fold 0 epoch 6", 2.0, 1.0, 4.0, 9.0, 20, []), base)
     assert any("7 of 50 epochs" in p for p in halted)
     assert relative_difference(0.0, 0.0) == 0.0 and relative_difference(1e-9, 0.0) == math.inf
+    noisy = RunSummary("f32", EPOCHS, None, 2.0, 1.0, 4.0, 9.0, 150, [9.0, 3.0, 1.0, 1.5, 2.0])
+    assert sharpe_noise(noisy) == ("f32 Sharpe over its last 5 epochs 9, 3, 1, 1.5, 2 "
+                                   "(up to 350% from its final value)")
 
 
 # ------------------------------------------------------------------------------ the run
@@ -141,4 +155,5 @@ def test_bf16_matches_f32_over_50_epochs(cuda_device, record_property) -> None:
     record_property("longrun", json.dumps(summary))
     print(json.dumps(summary, indent=2))
     problems = parity_problems(bf16, f32)
-    assert not problems, "BF16 vs F32 long-run parity failed:\n" + "\n".join(problems)
+    assert not problems, ("BF16 vs F32 long-run parity failed:\n" + "\n".join(problems)
+                          + "\nfor scale: " + sharpe_noise(f32) + "; " + sharpe_noise(bf16))
