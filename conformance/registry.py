@@ -352,6 +352,11 @@ def _sc_bias_grad(kwargs, expected):
     return {"out": _red(dy.shape[0], np.max(np.where(np.isfinite(dy), np.abs(dy), 0), axis=0))}
 
 
+def _sc_relu_mask_bias_grad(kwargs, expected):
+    """db sums the masked gradient (the exact output dx): bias_grad_reduce's scales on dx."""
+    return {"db": _sc_bias_grad({"dy": expected["dx"]}, None)["out"]}
+
+
 # -- distributional --------------------------------------------------------------------------
 def _s_dueling(d: Dims, rng) -> Kwargs:
     return {"v": _normal(rng, (d.batch, d.atoms)), "adv": _normal(rng, (d.batch, d.actions, d.atoms))}
@@ -393,6 +398,20 @@ def _s_cql(d: Dims, rng) -> Kwargs:
             "z": _support(d.atoms), "alpha": F32(1.0), "scale": F32(1.0 / (d.batch * 2))}
 
 
+def _s_log_softmax_q(d: Dims, rng) -> Kwargs:
+    """The step's packed rows: online (2B) then target (B) samples, each of A action rows;
+    Q over the online rows."""
+    rows = d.batch * d.actions
+    return {"logits": _normal(rng, (3 * rows, d.atoms), 3.0), "z": _support(d.atoms),
+            "q_rows": 2 * rows}
+
+
+def _s_project_grad(d: Dims, rng) -> Kwargs:
+    c51 = _s_c51(d, rng)
+    del c51["m"]  # the fused kernel's output
+    return {**_s_project(d, rng), **c51}
+
+
 def _sc_dueling(kwargs, expected):
     return {"out": _red(kwargs["adv"].shape[1], _maxabs(kwargs["v"]) + 2 * _maxabs(kwargs["adv"]))}
 
@@ -432,6 +451,20 @@ def _sc_c51_grad(kwargs, expected):
     isw_scale = _maxabs(kwargs["isw"]) * _maxabs(kwargs["scale"])
     return {"out": {**_red(kwargs["logp"].shape[-1], isw_scale * max(_maxabs(kwargs["m"]), 1.0)),
                     "exact": _not_taken(kwargs)}}
+
+
+def _sc_log_softmax_q(kwargs, expected):
+    x = kwargs["logits"]
+    return {"logp": _red(x.shape[-1], 1.0 + 2 * _maxabs(x)),
+            "q": _red(x.shape[-1], _maxabs(kwargs["z"]))}
+
+
+def _sc_project_grad(kwargs, expected):
+    isw_scale = _maxabs(kwargs["isw"]) * _maxabs(kwargs["scale"])
+    return {"m": _red(kwargs["p_next"].shape[-1], 1.0),
+            "dlogits": {**_red(kwargs["logp"].shape[-1],
+                               isw_scale * max(_maxabs(expected["m"]), 1.0)),
+                        "exact": _not_taken(kwargs)}}
 
 
 def _sc_cql(kwargs, expected):
@@ -530,6 +563,17 @@ def _s_polyak(d: Dims, rng) -> Kwargs:
     return {"target": _normal(rng, d.flat, 0.1), "online": _normal(rng, d.flat, 0.1), "tau": F32(0.005)}
 
 
+def _s_clip_saxpy_partial(d: Dims, rng) -> Kwargs:
+    """The step's budget tail: both components over their budgets (both clips act); the seed
+    case uses the step's 4096-element norm segments, the others 256 (many segments, tails)."""
+    base, inject = _normal(rng, d.flat, 0.1), _normal(rng, d.flat, 0.1)
+    base_sq, inject_sq = _norm_sq(base), _norm_sq(inject)
+    return {"base": base, "inject": inject, "base_max_norm": F32(0.7 * math.sqrt(base_sq)),
+            "base_norm_sq": base_sq, "a": F32(1.0),
+            "inject_max_norm": F32(0.15 * math.sqrt(inject_sq)), "inject_norm_sq": inject_sq,
+            "block_size": 4096 if d.case == "seed" else 256}
+
+
 def _sq_mag(x: np.ndarray) -> float:
     return _maxabs(x) ** 2
 
@@ -556,6 +600,14 @@ def _sc_partial(kwargs, expected):
 
 def _sc_final(kwargs, expected):
     return {"out": _red(kwargs["partials"].size, _maxabs(kwargs["partials"]))}
+
+
+def _sc_clip_saxpy_partial(kwargs, expected):
+    """``out`` is the clipped base bit for bit where ``inject`` is non-finite (where that is
+    finite: NaN payloads of GPU arithmetic differ); ``partials`` sum ``block_size`` squares."""
+    kept = ~np.isfinite(kwargs["inject"]) & np.isfinite(expected["out"])
+    return {"out": {"exact": kept},
+            "partials": _red(kwargs["block_size"], _sq_mag(expected["out"]))}
 
 
 # -- spectral --------------------------------------------------------------------------------
@@ -734,6 +786,11 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
         ("out",), {"out": _F}, _s_dy, ("dy",),
         _errors(_s_dy, lambda k: _wrong_dtype(k, "dy"), lambda k: _replace(k, dy=k["dy"][0])),
         scales=_sc_bias_grad),
+    "relu_mask_bias_grad": SpecEntry(
+        ("dx", "db"), {"dx": _F, "db": _F}, _s_relu_mask, ("dy", "h"),
+        _errors(_s_relu_mask, lambda k: _replace(k, h=k["h"][:, :-1]), lambda k: _wrong_dtype(k, "dy"),
+                lambda k: _replace(k, dy=k["dy"][0], h=k["h"][0])),
+        scales=_sc_relu_mask_bias_grad),
     "f32_to_bf16": SpecEntry(
         ("out",), {"out": _U16}, _s_bits, ("x",),
         _errors(_s_bits, lambda k: _wrong_dtype(k, "x")), finite_sample=False),
@@ -761,6 +818,13 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
         ("out",), {"out": _F}, _s_expected_q, ("logp", "z"),
         _errors(_s_expected_q, lambda k: _replace(k, z=k["z"][:-1]), lambda k: _wrong_dtype(k, "logp")),
         scales=_sc_expected_q),
+    "log_softmax_expected_q": SpecEntry(
+        ("logp", "q"), {"logp": _F, "q": _F}, _s_log_softmax_q, ("logits", "z"),
+        _errors(_s_log_softmax_q, lambda k: _replace(k, z=k["z"][:-1]),
+                lambda k: _replace(k, q_rows=k["logits"].shape[0] + 1),
+                lambda k: _replace(k, q_rows=-1), lambda k: _wrong_dtype(k, "logits"),
+                lambda k: _replace(k, logits=k["logits"].reshape(1, *k["logits"].shape))),
+        scales=_sc_log_softmax_q),
     "double_dqn_select": SpecEntry(
         ("out",), {"out": _I}, _s_select, ("q",),
         _errors(_s_select, lambda k: _wrong_dtype(k, "q"), lambda k: _replace(k, q=k["q"][0]))),
@@ -780,6 +844,15 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
         _errors(_s_c51, lambda k: _replace(k, actions=np.full_like(k["actions"], -1)),
                 lambda k: _replace(k, m=k["m"][:, :-1])),
         scales=_sc_c51_grad),
+    "c51_project_grad": SpecEntry(
+        ("m", "dlogits"), {"m": _F, "dlogits": _F}, _s_project_grad,
+        ("p_next", "r", "done", "gamma", "logp", "isw", "scale"),
+        _errors(_s_project_grad, lambda k: _replace(k, r=k["r"][:-1]),
+                lambda k: _replace(k, v_min=20.0), lambda k: _wrong_dtype(k, "p_next"),
+                lambda k: _replace(k, actions=np.full_like(k["actions"], k["logp"].shape[1])),
+                lambda k: _replace(k, logp=k["logp"][:, :, :-1]),
+                lambda k: _replace(k, isw=k["isw"][:-1])),
+        scales=_sc_project_grad),
     "cql_logit_grad": SpecEntry(
         ("dlogits", "terms"), {"dlogits": _F, "terms": _F}, _s_cql, ("logp", "z", "alpha", "scale"),
         _errors(_s_cql, lambda k: _replace(k, actions=np.full_like(k["actions"], k["logp"].shape[1])),
@@ -830,6 +903,15 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
         _errors(_s_clipped_saxpy, lambda k: _replace(k, x=k["x"][:-1]),
                 lambda k: _replace(k, max_norm=-1.0)),
         scales=_sc_guarded_saxpy, contract=_unchanged_where_nonfinite("out", "x", "y")),
+    "clip_saxpy_norm_partial": SpecEntry(
+        ("out", "partials"), {"out": _F, "partials": _F}, _s_clip_saxpy_partial,
+        ("base", "inject", "base_norm_sq", "inject_norm_sq"),
+        _errors(_s_clip_saxpy_partial, lambda k: _replace(k, inject=k["inject"][:-1]),
+                lambda k: _replace(k, base_max_norm=-1.0), lambda k: _replace(k, block_size=0),
+                lambda k: _wrong_dtype(k, "base"),
+                lambda k: _replace(k, base=k["base"].reshape(5, -1),
+                                   inject=k["inject"].reshape(5, -1))),
+        scales=_sc_clip_saxpy_partial, contract=_finite_outputs("partials", when=_no_overflow)),
     "adam_update": SpecEntry(
         ("param", "m", "v"), {"param": _F, "m": _F, "v": _F}, _s_adam,
         ("param", "grad", "m", "v", "grad_scale"),
@@ -840,6 +922,11 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
     "polyak_update": SpecEntry(
         ("out",), {"out": _F}, _s_polyak, ("target", "online"),
         _errors(_s_polyak, lambda k: _replace(k, tau=1.5), lambda k: _replace(k, online=k["online"][:-1]))),
+    "polyak_update_mirror": SpecEntry(
+        ("target", "online_bf16", "target_bf16"),
+        {"target": _F, "online_bf16": _U16, "target_bf16": _U16}, _s_polyak, ("target", "online"),
+        _errors(_s_polyak, lambda k: _replace(k, tau=1.5),
+                lambda k: _replace(k, online=k["online"][:-1]), lambda k: _wrong_dtype(k, "target"))),
     # spectral
     "spectral_norm": SpecEntry(
         ("w", "u", "v", "sigma"), {"w": _F, "u": _F, "v": _F, "sigma": _F}, _s_spectral, ("w", "u", "v"),

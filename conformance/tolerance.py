@@ -553,6 +553,8 @@ TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType
                                     "out_bf16": Tolerance.exact(bitwise=True, nan_payload=False)},
     ("relu_mask", "f32"): {"out": EXACT},
     ("bias_grad_reduce", "f32"): {"out": REDUCTION},
+    # fused relu_mask + bias_grad_reduce: their tolerances per output
+    ("relu_mask_bias_grad", "f32"): {"dx": EXACT, "db": REDUCTION},
     ("f32_to_bf16", "f32"): {"out": Tolerance.exact(bitwise=True)},
     ("bf16_to_f32", "f32"): {"out": Tolerance.exact(bitwise=True)},
     ("tf32_round", "f32"): {"out": Tolerance.exact(bitwise=True)},
@@ -561,10 +563,14 @@ TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType
     ("dueling_combine_backward", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
     ("log_softmax_atoms", "f32"): {"out": REDUCTION},
     ("expected_q", "f32"): {"out": REDUCTION},
+    # fused log_softmax_atoms + expected_q: their tolerances, per output
+    ("log_softmax_expected_q", "f32"): {"logp": REDUCTION, "q": REDUCTION},
     ("double_dqn_select", "f32"): {"out": EXACT},
     ("c51_project", "f32"): {"out": REDUCTION},
     ("c51_loss", "f32"): {"ce": REDUCTION, "total": REDUCTION},
     ("c51_grad", "f32"): {"out": REDUCTION},
+    # fused c51_project + c51_grad: their tolerances, per output
+    ("c51_project_grad", "f32"): {"m": REDUCTION, "dlogits": REDUCTION},
     ("cql_logit_grad", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
     # fused: the per-branch kernels in one launch (their tolerances)
     ("dueling_combine_branches", "f32"): {"out": REDUCTION},
@@ -577,8 +583,14 @@ TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType
     ("clip_grad_inplace", "f32"): {"out": Tolerance.ulp(2)},
     ("saxpy", "f32"): {"out": Tolerance.ulp(1)},
     ("clipped_saxpy", "f32"): {"out": Tolerance.ulp(2)},
+    # fused budget tail: clipped_saxpy's out, grad_norm_partial's partials
+    ("clip_saxpy_norm_partial", "f32"): {"out": Tolerance.ulp(2), "partials": REDUCTION},
     ("adam_update", "f32"): {"param": Tolerance.ulp(4), "m": Tolerance.ulp(2), "v": Tolerance.ulp(2)},
     ("polyak_update", "f32"): {"out": Tolerance.ulp(2)},
+    # fused Polyak + BF16 mirrors: the mirror of a NaN blend carries the GPU's canonical NaN
+    ("polyak_update_mirror", "f32"): {"target": Tolerance.ulp(2),
+                                      "online_bf16": Tolerance.exact(bitwise=True),
+                                      "target_bf16": Tolerance.exact(bitwise=True, nan_payload=False)},
     # spectral: SPEC 8, rtol 1e-5 on sigma, u, v, W
     ("spectral_norm", "f32"): {"w": REDUCTION, "u": REDUCTION, "v": REDUCTION, "sigma": REDUCTION},
     ("batched_spectral_norm", "f32"): {"ws": REDUCTION, "us": REDUCTION, "vs": REDUCTION,

@@ -86,6 +86,34 @@ extern "C" __global__ void relu_mask(const float* dy, const float* h, float* dx,
 #define BIAS_GRAD_COLS 32
 #define BIAS_GRAD_MAX_CHUNKS 32
 
+// The combination step of a bias-gradient column (shared by bias_grad_reduce and
+// relu_mask_bias_grad, so both give the same bits): `sums[c * stride]` and
+// `irregular[c * stride]` are the column's `chunks` chunk sums and flags (chunk order), `column`
+// points at the column's row-0 element of the summed matrix (row stride `cols`; read only for an
+// irregular column, so it must then hold the final values). Returns ((chunk_0 + chunk_1) + ...),
+// or the row-by-row sum of `column` when any chunk met an irregular term, or +0.0 if rows == 0.
+static __device__ __forceinline__ float bias_grad_finish(const float* sums, const int* irregular,
+                                                         int stride, int chunks,
+                                                         const float* column, int rows,
+                                                         int cols) {
+    bool column_irregular = false;
+    float total = sums[0];
+    for (int c = 0; c < chunks; ++c) {
+        column_irregular |= irregular[c * stride] != 0;
+    }
+    if (column_irregular) {  // rows >= 1 here; the reference's order, row by row
+        total = column[0];
+        for (int row = 1; row < rows; ++row) {
+            total = total + column[(long long)row * cols];
+        }
+    } else {
+        for (int c = 1; c < chunks; ++c) {
+            total = total + sums[c * stride];
+        }
+    }
+    return (rows > 0) ? total : 0.0f;  // an empty sum is +0.0, as in NumPy
+}
+
 extern "C" __global__ void bias_grad_reduce(const float* __restrict__ dy, float* __restrict__ db,
                                             int rows, int cols) {
     __shared__ float chunk_sums[BIAS_GRAD_MAX_CHUNKS][BIAS_GRAD_COLS + 1];  // +1: no bank conflicts
@@ -108,22 +136,70 @@ extern "C" __global__ void bias_grad_reduce(const float* __restrict__ dy, float*
     chunk_irregular[threadIdx.y][threadIdx.x] = irregular;
     __syncthreads();
     if (threadIdx.y == 0 && col < cols) {
-        bool column_irregular = false;
-        float total = chunk_sums[0][threadIdx.x];
-        for (int c = 0; c < chunks; ++c) {
-            column_irregular |= chunk_irregular[c][threadIdx.x] != 0;
-        }
-        if (column_irregular) {  // rows >= 1 here; the reference's order, row by row
-            total = dy[col];
-            for (int row = 1; row < rows; ++row) {
-                total = total + dy[(long long)row * cols + col];
+        db[col] = bias_grad_finish(&chunk_sums[0][threadIdx.x], &chunk_irregular[0][threadIdx.x],
+                                   BIAS_GRAD_COLS + 1, chunks, dy + col, rows, cols);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// relu_mask fused with bias_grad_reduce: dx = h <= 0 ? 0 : dy, db[n] = sum_i dx[i, n].
+//
+// Same bits as relu_mask then bias_grad_reduce launched with the same blockDim.y (row chunks):
+// the same chunking (ceil(M / G) rows per chunk, G = blockDim.y <= 32), each chunk summed row by
+// row from -0.0, chunk sums combined in chunk order, the same irregular-column re-sum
+// (bias_grad_finish). Only the column block is narrower: RMBG_COLS = 8 columns per block (a
+// warp covers 4 chunks x one 32-byte row segment each), so cols = 128 / 256 give 16 / 32 blocks.
+// Each thread loads RMBG_BATCH rows of dy and h before it stores any dx (independent loads in
+// flight; for M = 256, G = 16 one batch covers the whole chunk).
+//
+// Aliasing: dx may be dy itself (in place: each element is read, then written, by one thread,
+// and the irregular re-sum reads dx after the barrier); h and db must not overlap dx or dy.
+// ------------------------------------------------------------------------------------------
+
+#define RMBG_COLS 8
+#define RMBG_BATCH 16
+
+extern "C" __global__ void relu_mask_bias_grad(const float* dy, const float* __restrict__ h,
+                                               float* dx, float* __restrict__ db, int rows,
+                                               int cols) {
+    __shared__ float chunk_sums[BIAS_GRAD_MAX_CHUNKS][RMBG_COLS];  // row stride 8: a warp's
+    __shared__ int chunk_irregular[BIAS_GRAD_MAX_CHUNKS][RMBG_COLS];  // 32 slots are distinct
+    const int col = blockIdx.x * RMBG_COLS + threadIdx.x;
+    const int chunks = blockDim.y;
+    const int chunk_rows = (rows + chunks - 1) / chunks;
+    const int first = threadIdx.y * chunk_rows;
+    const int last = min(first + chunk_rows, rows);
+    float acc = -0.0f;
+    bool irregular = false;
+    if (col < cols) {
+        for (int base = first; base < last; base += RMBG_BATCH) {
+            float d[RMBG_BATCH];
+            float a[RMBG_BATCH];
+#pragma unroll
+            for (int j = 0; j < RMBG_BATCH; ++j) {
+                if (base + j < last) {
+                    const long long i = (long long)(base + j) * cols + col;
+                    d[j] = dy[i];
+                    a[j] = h[i];
+                }
             }
-        } else {
-            for (int c = 1; c < chunks; ++c) {
-                total = total + chunk_sums[c][threadIdx.x];
+#pragma unroll
+            for (int j = 0; j < RMBG_BATCH; ++j) {
+                if (base + j < last) {
+                    const float v = (a[j] <= 0.0f) ? 0.0f : d[j];  // relu_mask's select
+                    dx[(long long)(base + j) * cols + col] = v;
+                    irregular |= !ha_is_regular_term(v);
+                    acc = acc + v;
+                }
             }
         }
-        db[col] = (rows > 0) ? total : 0.0f;  // an empty sum is +0.0, as in NumPy
+    }
+    chunk_sums[threadIdx.y][threadIdx.x] = acc;
+    chunk_irregular[threadIdx.y][threadIdx.x] = irregular;
+    __syncthreads();  // also makes this block's dx stores visible to the irregular re-sum
+    if (threadIdx.y == 0 && col < cols) {
+        db[col] = bias_grad_finish(&chunk_sums[0][threadIdx.x], &chunk_irregular[0][threadIdx.x],
+                                   RMBG_COLS, chunks, dx + col, rows, cols);
     }
 }
 

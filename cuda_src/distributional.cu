@@ -1,6 +1,8 @@
 // Distributional (C51) kernels: dueling combination and its backward, log-softmax over atoms,
 // expected Q, double-DQN action choice, the dense triangular C51 projection, the C51 loss and
-// gradient, and the CQL logit gradient (SPEC sections 3 and 4).
+// gradient, and the CQL logit gradient (SPEC sections 3 and 4); and two fused kernels, each the
+// composition of two of them in one launch (log_softmax_expected_q, c51_project_grad), built
+// from the same device bodies so they are bitwise equal to the separate launches.
 //
 // The specification is foxhunt/reference/kernels/distributional.py: each kernel here has the
 // reference function's name, formula, operation order and NaN/Inf contract. Shapes per branch:
@@ -70,6 +72,35 @@ extern "C" __global__ void dueling_combine_backward(const float* __restrict__ dl
     dueling_combine_backward_body(dlogits, dv, dadv, batch, num_actions, num_atoms);
 }
 
+// log_softmax_atoms on one row x [NA] by one warp, written to out [NA]. With `with_q` (warp-
+// uniform), also returns expected_q of the written row, sum_j exp(out[j]) * z[j], accumulated
+// exactly as warp_expected_q does (lane j's terms in j order from +0.0, then the butterfly) on
+// the values just written, so it equals an expected_q launch on `out` bit for bit; 0.0f else.
+static __device__ __forceinline__ float log_softmax_row(const float* __restrict__ x,
+                                                        float* __restrict__ out,
+                                                        const float* __restrict__ z,
+                                                        bool with_q, int num_atoms, int lane) {
+    float m = negative_infinity();
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        m = fmaxf(m, x[j]);
+    }
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        sum = sum + expf(x[j] - m);
+    }
+    const float log_sum = logf(warp_sum(sum));
+    float q = 0.0f;
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        const float value = (x[j] - m) - log_sum;
+        out[j] = value;
+        if (with_q) {
+            q = q + expf(value) * z[j];
+        }
+    }
+    return with_q ? warp_sum(q) : 0.0f;
+}
+
 // --------------------------------------------------------------------------------------------
 // Log-softmax over the atoms of each row: logp_j = (x_j - m) - log(sum_k exp(x_k - m)),
 // m = max_k x_k. One warp per row (rows = prod of the leading dimensions; grid-stride).
@@ -81,21 +112,8 @@ extern "C" __global__ void log_softmax_atoms(const float* __restrict__ logits,
     const int lane = threadIdx.x % kWarp;
     const int warp_stride = gridDim.x * (blockDim.x / kWarp);
     for (int row = first_warp_row(); row < rows; row += warp_stride) {
-        const float* x = logits + row * num_atoms;
-        float m = negative_infinity();
-        for (int j = lane; j < num_atoms; j += kWarp) {
-            m = fmaxf(m, x[j]);
-        }
-        m = warp_max(m);
-        float sum = 0.0f;
-        for (int j = lane; j < num_atoms; j += kWarp) {
-            sum = sum + expf(x[j] - m);
-        }
-        const float log_sum = logf(warp_sum(sum));
-        float* out = logp + row * num_atoms;
-        for (int j = lane; j < num_atoms; j += kWarp) {
-            out[j] = (x[j] - m) - log_sum;
-        }
+        log_softmax_row(logits + row * num_atoms, logp + row * num_atoms, nullptr, false,
+                        num_atoms, lane);
     }
 }
 
@@ -111,6 +129,29 @@ extern "C" __global__ void expected_q(const float* __restrict__ logp,
     for (int row = first_warp_row(); row < rows; row += warp_stride) {
         const float value = warp_expected_q(logp + row * num_atoms, z, num_atoms, lane);
         if (lane == 0) {
+            q[row] = value;
+        }
+    }
+}
+
+// --------------------------------------------------------------------------------------------
+// log_softmax_atoms then expected_q on its first q_rows rows, in one launch:
+//   logp[r, :] = log_softmax(logits[r, :]) for r < rows; q[r] = sum_j exp(logp[r, j]) * z[j]
+//   for r < q_rows (<= rows). One warp per row (grid-stride), as both kernels; the warp sums Q
+// from the logp values it has just written (log_softmax_row), in expected_q's order.
+// --------------------------------------------------------------------------------------------
+extern "C" __global__ void log_softmax_expected_q(const float* __restrict__ logits,
+                                                  const float* __restrict__ z,
+                                                  float* __restrict__ logp,
+                                                  float* __restrict__ q,
+                                                  int rows, int q_rows, int num_atoms) {
+    const int lane = threadIdx.x % kWarp;
+    const int warp_stride = gridDim.x * (blockDim.x / kWarp);
+    for (int row = first_warp_row(); row < rows; row += warp_stride) {
+        const bool with_q = row < q_rows;
+        const float value = log_softmax_row(logits + row * num_atoms, logp + row * num_atoms, z,
+                                            with_q, num_atoms, lane);
+        if (with_q && lane == 0) {
             q[row] = value;
         }
     }
@@ -140,6 +181,54 @@ extern "C" __global__ void double_dqn_select(const float* __restrict__ q,
     }
 }
 
+// c51_project's work on one sample b (all threads of the block): p = p_next[b], m_row = m[b].
+// Thread i owns target atom i (i = i0 + threadIdx.x for each tile i0 of blockDim atoms); source
+// atoms j are staged through shared memory (tile_target, tile_p: blockDim floats each), one tile
+// at a time; the sum over j runs in source order from +0.0.
+// With dlogits_taken != nullptr (block-uniform), thread i also writes c51_grad's element of the
+// taken row, dlogits_taken[i] = grad_weight * (expf(logp_taken[i]) - m[b, i]), from the value of
+// m[b, i] it has just computed (c51_grad's operations; it reads m[b, i] from memory, the same
+// float); its logp load is issued before the projection's loop so that it overlaps it.
+static __device__ __forceinline__ void c51_project_sample(
+    const float* __restrict__ p, float reward, float discount, const float* __restrict__ z,
+    float* __restrict__ m_row, const float* __restrict__ logp_taken, float grad_weight,
+    float* __restrict__ dlogits_taken, int num_atoms, float v_min, float v_max, float dz,
+    float* tile_target, float* tile_p) {
+    const int tile = blockDim.x;
+    for (int i0 = 0; i0 < num_atoms; i0 += tile) {
+        const int i = i0 + threadIdx.x;
+        const float z_i = i < num_atoms ? z[i] : 0.0f;
+        const float p_taken =
+            (dlogits_taken != nullptr && i < num_atoms) ? expf(logp_taken[i]) : 0.0f;
+        float acc = 0.0f;
+        for (int j0 = 0; j0 < num_atoms; j0 += tile) {
+            const int j = j0 + threadIdx.x;
+            if (j < num_atoms) {
+                tile_target[threadIdx.x] =
+                    clip_keep_nan(__fadd_rn(reward, __fmul_rn(discount, z[j])), v_min, v_max);
+                tile_p[threadIdx.x] = p[j];
+            }
+            __syncthreads();
+            const int count = min(tile, num_atoms - j0);
+            if (i < num_atoms) {
+                for (int k = 0; k < count; ++k) {
+                    const float distance = fabsf(__fsub_rn(tile_target[k], z_i));
+                    const float weight =
+                        clip_keep_nan(__fsub_rn(1.0f, __fdiv_rn(distance, dz)), 0.0f, 1.0f);
+                    acc = __fadd_rn(acc, __fmul_rn(tile_p[k], weight));
+                }
+            }
+            __syncthreads();  // the tile is overwritten next
+        }
+        if (i < num_atoms) {
+            m_row[i] = acc;
+            if (dlogits_taken != nullptr) {
+                dlogits_taken[i] = grad_weight * (p_taken - acc);
+            }
+        }
+    }
+}
+
 // --------------------------------------------------------------------------------------------
 // C51 projection, dense triangular form:
 //   g = gamma * (1 - done_b); Tz_j = clip(r_b + g * z_j, v_min, v_max)  (NaN kept);
@@ -147,8 +236,8 @@ extern "C" __global__ void double_dqn_select(const float* __restrict__ q,
 // every operation rounded to float32 in that order (__fmul_rn/__fadd_rn: never fused), the sum
 // over j in source order starting from +0.0 (as NumPy's reduction; bitwise equal to it).
 // One block per sample (grid-stride over samples); thread i owns target atom i (looping when
-// NA > blockDim); Tz_j and p_j are staged in shared memory, one tile of blockDim atoms at a time.
-// blockDim.x must be at most kProjectMaxThreads.
+// NA > blockDim); Tz_j and p_j are staged in shared memory, one tile of blockDim atoms at a time
+// (c51_project_sample). blockDim.x must be at most kProjectMaxThreads.
 // --------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
 c51_project(const float* __restrict__ p_next, const float* __restrict__ r,
@@ -157,38 +246,52 @@ c51_project(const float* __restrict__ p_next, const float* __restrict__ r,
             int batch, int num_atoms, float v_min, float v_max, float dz) {
     __shared__ float tile_target[kProjectMaxThreads];
     __shared__ float tile_p[kProjectMaxThreads];
-    const int tile = blockDim.x;
     for (int b = blockIdx.x; b < batch; b += gridDim.x) {
         const float discount = __fmul_rn(gamma[0], __fsub_rn(1.0f, done[b]));
-        const float reward = r[b];
-        const float* p = p_next + b * num_atoms;
-        for (int i0 = 0; i0 < num_atoms; i0 += tile) {
-            const int i = i0 + threadIdx.x;
-            const float z_i = i < num_atoms ? z[i] : 0.0f;
-            float acc = 0.0f;
-            for (int j0 = 0; j0 < num_atoms; j0 += tile) {
-                const int j = j0 + threadIdx.x;
-                if (j < num_atoms) {
-                    tile_target[threadIdx.x] =
-                        clip_keep_nan(__fadd_rn(reward, __fmul_rn(discount, z[j])), v_min, v_max);
-                    tile_p[threadIdx.x] = p[j];
-                }
-                __syncthreads();
-                const int count = min(tile, num_atoms - j0);
-                if (i < num_atoms) {
-                    for (int k = 0; k < count; ++k) {
-                        const float distance = fabsf(__fsub_rn(tile_target[k], z_i));
-                        const float weight =
-                            clip_keep_nan(__fsub_rn(1.0f, __fdiv_rn(distance, dz)), 0.0f, 1.0f);
-                        acc = __fadd_rn(acc, __fmul_rn(tile_p[k], weight));
-                    }
-                }
-                __syncthreads();  // the tile is overwritten next
-            }
-            if (i < num_atoms) {
-                m[b * num_atoms + i] = acc;
+        c51_project_sample(p_next + b * num_atoms, r[b], discount, z, m + b * num_atoms, nullptr,
+                           0.0f, nullptr, num_atoms, v_min, v_max, dz, tile_target, tile_p);
+    }
+}
+
+// --------------------------------------------------------------------------------------------
+// c51_project then c51_grad on its m, in one launch:
+//   m[b, :] = c51_project(p_next, r, done, gamma, z)[b, :];
+//   dlogits[b, a_b, j] = (isw[b] * scale) * (exp(logp[b, a_b, j]) - m[b, j]); +0.0 elsewhere.
+// One block per sample (grid-stride over samples), as c51_project (same plan, same body:
+// c51_project_sample). The block first writes the +0.0 rows of the actions not taken (c51_grad
+// writes every element of a sample whose action is out of [0, A) as +0.0: so does this), then
+// projects; thread i writes m[b, i] and the taken row's element i from its own register, so no
+// block-wide barrier or re-read of m is needed between the two. Bitwise equal to c51_project
+// followed by c51_grad. blockDim.x must be at most kProjectMaxThreads.
+// --------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
+c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
+                 const float* __restrict__ done, const float* __restrict__ gamma,
+                 const float* __restrict__ z, const float* __restrict__ logp,
+                 const int* __restrict__ actions, const float* __restrict__ isw,
+                 const float* __restrict__ scale, float* __restrict__ m,
+                 float* __restrict__ dlogits, int batch, int num_actions, int num_atoms,
+                 float v_min, float v_max, float dz) {
+    __shared__ float tile_target[kProjectMaxThreads];
+    __shared__ float tile_p[kProjectMaxThreads];
+    const int row_len = num_actions * num_atoms;
+    for (int b = blockIdx.x; b < batch; b += gridDim.x) {
+        const int action = actions[b];
+        const bool taken = action >= 0 && action < num_actions;
+        const int taken_lo = taken ? action * num_atoms : row_len;  // the taken row's elements
+        const int taken_hi = taken ? taken_lo + num_atoms : row_len;
+        float* sample_dlogits = dlogits + b * row_len;
+        for (int k = threadIdx.x; k < row_len; k += blockDim.x) {
+            if (k < taken_lo || k >= taken_hi) {
+                sample_dlogits[k] = 0.0f;
             }
         }
+        const float discount = __fmul_rn(gamma[0], __fsub_rn(1.0f, done[b]));
+        const float grad_weight = isw[b] * scale[0];
+        c51_project_sample(p_next + b * num_atoms, r[b], discount, z, m + b * num_atoms,
+                           logp + b * row_len + taken_lo, grad_weight,
+                           taken ? sample_dlogits + taken_lo : nullptr, num_atoms, v_min, v_max,
+                           dz, tile_target, tile_p);
     }
 }
 

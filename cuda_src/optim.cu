@@ -9,6 +9,7 @@
 // shape; reductions use the fixed trees of hb_common.cuh (their bits depend on blockDim.x, which
 // the launch plans in fast/kernels/optim.py fix).
 #include "hb_common.cuh"
+#include "bf16_bits.cuh"  // f32_to_bf16_bits (shared with dense.cu)
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -24,6 +25,20 @@ __device__ __forceinline__ float hb_clip_scale(float norm_sq, float max_norm) {
 // Guarded SAXPY element: y + a * x if x is finite, else y (product rounded, then the sum).
 __device__ __forceinline__ float hb_guarded_axpy(float y, float x, float a) {
     return isfinite(x) ? __fadd_rn(y, __fmul_rn(a, x)) : y;
+}
+
+// Budget tail element (clip_grad_inplace, then clipped_saxpy): c = base * s_base, then
+// c + a * (inject * s_inject) where inject * s_inject is finite, else c. The very expressions of
+// the two unfused kernels, so the fused kernel gives their bits.
+__device__ __forceinline__ float hb_clip_saxpy(float base, float inject, float s_base, float a,
+                                               float s_inject) {
+    return hb_guarded_axpy(__fmul_rn(base, s_base), __fmul_rn(inject, s_inject), a);
+}
+
+// Polyak blend element: keep * target + tau * online (keep = 1 - tau; products rounded, then
+// the sum).
+__device__ __forceinline__ float hb_polyak(float keep, float target, float tau, float online) {
+    return __fadd_rn(__fmul_rn(keep, target), __fmul_rn(tau, online));
 }
 
 // Grid-stride loop bounds: thread's first index and the stride.
@@ -124,6 +139,116 @@ extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __r
     }
 }
 
+// The budget tail (clip_saxpy_norm_partial): out_i = hb_clip_saxpy(base_i, inject_i) and the
+// finite-square partial of each block_size segment of out, in one pass over the segment.
+//
+// The per-thread partial reproduces hb_thread_partial's order term for term (chunks of 4
+// consecutive elements; thread t takes chunks t, t + T, ...; accumulator j sums element j of
+// its chunks in order; the last, partial chunk goes to thread chunks % T; the partial is
+// (a0 + a1) + (a2 + a3)), on the values it stores; the block then sums with hb_block_sum. So,
+// launched with grad_norm_partial's block size, the partials are grad_norm_partial(out)'s bit
+// for bit, and out is clip_grad_inplace + clipped_saxpy's. float4 accesses where the three
+// segment starts are 16-byte aligned, element accesses otherwise (the same sums).
+struct HbClipSaxpyOp {
+    float s_base, a, s_inject;
+    __device__ __forceinline__ float operator()(float base, float inject) const {
+        return hb_clip_saxpy(base, inject, s_base, a, s_inject);
+    }
+};
+
+__device__ __forceinline__ float hb_clip_saxpy_thread_partial(
+        const float* __restrict__ base, const float* __restrict__ inject, float* __restrict__ out,
+        long long begin, long long end, const HbClipSaxpyOp op) {
+    const HbFiniteSquare sq;
+    const float* b = base + begin;
+    const float* y = inject + begin;
+    float* o = out + begin;
+    const long long len = end - begin;
+    const long long chunks = len / 4;
+    float a0 = HB_SUM_IDENTITY, a1 = HB_SUM_IDENTITY, a2 = HB_SUM_IDENTITY, a3 = HB_SUM_IDENTITY;
+    const unsigned long long addresses = reinterpret_cast<unsigned long long>(b) |
+                                         reinterpret_cast<unsigned long long>(y) |
+                                         reinterpret_cast<unsigned long long>(o);
+    if ((addresses & 15) == 0) {
+        const float4* b4 = reinterpret_cast<const float4*>(b);
+        const float4* y4 = reinterpret_cast<const float4*>(y);
+        float4* o4 = reinterpret_cast<float4*>(o);
+#pragma unroll 4
+        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const float4 qb = b4[c];
+            const float4 qy = y4[c];
+            float4 r;
+            r.x = op(qb.x, qy.x);
+            r.y = op(qb.y, qy.y);
+            r.z = op(qb.z, qy.z);
+            r.w = op(qb.w, qy.w);
+            o4[c] = r;
+            a0 = __fadd_rn(a0, sq(r.x));
+            a1 = __fadd_rn(a1, sq(r.y));
+            a2 = __fadd_rn(a2, sq(r.z));
+            a3 = __fadd_rn(a3, sq(r.w));
+        }
+    } else {
+#pragma unroll 4
+        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const long long i = 4 * c;
+            const float b0 = b[i], b1 = b[i + 1], b2 = b[i + 2], b3 = b[i + 3];
+            const float y0 = y[i], y1 = y[i + 1], y2 = y[i + 2], y3 = y[i + 3];
+            const float r0 = op(b0, y0), r1 = op(b1, y1), r2 = op(b2, y2), r3 = op(b3, y3);
+            o[i] = r0;
+            o[i + 1] = r1;
+            o[i + 2] = r2;
+            o[i + 3] = r3;
+            a0 = __fadd_rn(a0, sq(r0));
+            a1 = __fadd_rn(a1, sq(r1));
+            a2 = __fadd_rn(a2, sq(r2));
+            a3 = __fadd_rn(a3, sq(r3));
+        }
+    }
+    const long long tail = 4 * chunks;  // 0 to 3 elements left, the next chunk in turn
+    if (tail < len && threadIdx.x == chunks % blockDim.x) {
+        for (long long i = tail; i < len; ++i) {
+            const float r = op(b[i], y[i]);
+            o[i] = r;
+            const float term = sq(r);
+            if (i == tail) {
+                a0 = __fadd_rn(a0, term);
+            } else if (i == tail + 1) {
+                a1 = __fadd_rn(a1, term);
+            } else {
+                a2 = __fadd_rn(a2, term);
+            }
+        }
+    }
+    return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
+}
+
+// clip_saxpy_norm_partial: out = clipped_saxpy(clip_grad_inplace(base, base_max_norm,
+// *base_norm_sq), inject, a, inject_max_norm, *inject_norm_sq); partials[k] = the finite-square
+// sum of out's segment k (grad_norm_partial). base and inject are read only; out is a separate
+// buffer. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial): grid ceil(n / block_size)
+// (at least 1), block a multiple of 32.
+extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict__ inject,
+                        long long n, float base_max_norm, const float* __restrict__ base_norm_sq,
+                        float a, float inject_max_norm, const float* __restrict__ inject_norm_sq,
+                        long long block_size, float* __restrict__ out,
+                        float* __restrict__ partials) {
+    __shared__ float scratch[HB_WARP + 1];
+    const long long begin = (long long)blockIdx.x * block_size;
+    if (begin >= n) {
+        return;  // only for n == 0 (grid 1): nothing to write; uniform across the block
+    }
+    const long long end = min(begin + block_size, n);
+    const HbClipSaxpyOp op{hb_clip_scale(*base_norm_sq, base_max_norm), a,
+                           hb_clip_scale(*inject_norm_sq, inject_max_norm)};
+    const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
+    const float total = hb_block_sum(partial, scratch);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Adam
 // ---------------------------------------------------------------------------------------------
@@ -193,6 +318,24 @@ extern "C" __global__ void polyak_update(float* __restrict__ target,
                                          const float* __restrict__ online, long long n, float tau) {
     const float keep = __fsub_rn(1.0f, tau);
     for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
-        target[i] = __fadd_rn(__fmul_rn(keep, target[i]), __fmul_rn(tau, online[i]));
+        target[i] = hb_polyak(keep, target[i], tau, online[i]);
+    }
+}
+
+// polyak_update_mirror: polyak_update, then the BF16 mirrors (f32_to_bf16's bit rounding) of
+// the online parameters and of the NEW target: target_i = (1 - tau) * target_i + tau *
+// online_i; online_bf16_i = bf16(online_i); target_bf16_i = bf16(target_i). NaN/Inf propagate
+// through the blend; the mirrors keep a NaN's sign and high payload (quiet bit set).
+extern "C" __global__ void polyak_update_mirror(float* __restrict__ target,
+                                                const float* __restrict__ online, long long n,
+                                                float tau, unsigned short* __restrict__ online_bf16,
+                                                unsigned short* __restrict__ target_bf16) {
+    const float keep = __fsub_rn(1.0f, tau);
+    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
+        const float o = online[i];
+        const float t = hb_polyak(keep, target[i], tau, o);
+        target[i] = t;
+        online_bf16[i] = f32_to_bf16_bits(o);
+        target_bf16[i] = f32_to_bf16_bits(t);
     }
 }

@@ -324,6 +324,74 @@ def test_bias_grad_reduce_vs_float64_with_error_bound_and_specials():
 
 
 # ---------------------------------------------------------------------------------------------
+# relu_mask_bias_grad: the fused twin of relu_mask then bias_grad_reduce
+# ---------------------------------------------------------------------------------------------
+
+
+def assert_same_bits(actual: np.ndarray, expected: np.ndarray, what: str) -> None:
+    assert actual.dtype == np.float32 and actual.shape == expected.shape, what
+    assert np.array_equal(bits32(actual), bits32(expected)), f"{what}: bits differ"
+
+
+def post_relu(rng: np.random.Generator, shape) -> np.ndarray:
+    """A post-ReLU activation: about half exact zeros, the rest positive."""
+    h = rng.uniform(0.01, 2.0, shape).astype(np.float32)
+    h[rng.random(shape) < 0.5] = 0.0
+    return h
+
+
+@pytest.mark.parametrize("shape", [(256, 128), (256, 256), (257, 259), (1, 3)])
+def test_relu_mask_bias_grad_is_the_composition_bitwise(shape):
+    rng = np.random.default_rng(11)
+    dy = rng.standard_normal(shape).astype(np.float32)
+    h = post_relu(rng, shape)
+    dy_before, h_before = dy.copy(), h.copy()
+    result = dense.relu_mask_bias_grad(dy, h)
+    assert isinstance(result, dense.ReluBiasGrad) and result._fields == ("dx", "db")
+    dx = dense.relu_mask(dy, h)
+    assert_same_bits(result.dx, dx, "dx")
+    assert_same_bits(result.db, dense.bias_grad_reduce(dx), "db")
+    assert_same_bits(dy, dy_before, "dy not mutated")
+    assert_same_bits(h, h_before, "h not mutated")
+    # Independent oracle: float64 column sums of torch's threshold_backward.
+    masked = torch.ops.aten.threshold_backward(
+        torch.from_numpy(dy).double(), torch.from_numpy(h).double(), 0.0
+    ).numpy()
+    bound = gamma_k(shape[0]) * np.abs(masked).sum(axis=0)
+    assert_within(result.db, masked.sum(axis=0), bound, "relu_mask_bias_grad db")
+
+
+@settings(max_examples=40)
+@given(data=st.data(), m=st.integers(1, 6), n=st.integers(1, 7))
+def test_relu_mask_bias_grad_is_the_composition_with_specials(data, m, n):
+    dy = data.draw(matrix_with_specials((m, n)))
+    h = data.draw(matrix_with_specials((m, n)))  # any sign: the contract covers every h
+    h[data.draw(hnp.arrays(np.bool_, (m, n)))] = 0.0
+    dx, db = dense.relu_mask_bias_grad(dy, h)
+    expected_dx = dense.relu_mask(dy, h)
+    assert_same_bits(dx, expected_dx, "dx")
+    assert_same_bits(db, dense.bias_grad_reduce(expected_dx), "db")
+    # The contract, restated: specials under h <= 0 are dropped; passed NaN / mixed Inf poison.
+    passes = ~(h <= 0)
+    passed = np.where(passes, dy, np.float32(0))
+    poisoned = np.isnan(passed).any(axis=0) | (
+        (passed == np.inf).any(axis=0) & (passed == -np.inf).any(axis=0))
+    assert np.isnan(db[poisoned]).all()
+    clean = ~np.isfinite(dy) & ~passes
+    assert not np.isnan(dx[clean]).any() and np.all(dx[~passes] == 0)
+
+
+def test_relu_mask_bias_grad_drops_specials_where_h_is_not_positive():
+    dy = np.array([[np.nan, np.inf, 1.0], [2.0, -np.inf, np.nan]], np.float32)
+    h = np.array([[0.0, -0.0, 1.0], [3.0, 0.0, np.nan]], np.float32)
+    dx, db = dense.relu_mask_bias_grad(dy, h)
+    assert np.array_equal(dx, np.array([[0.0, 0.0, 1.0], [2.0, 0.0, np.nan]], np.float32),
+                          equal_nan=True)
+    assert not np.signbit(dx[:, :2][h[:, :2] <= 0]).any()
+    assert db[0] == 2.0 and db[1] == 0.0 and not np.signbit(db[1]) and np.isnan(db[2])
+
+
+# ---------------------------------------------------------------------------------------------
 # Linear + ReLU backward vs torch autograd (float64 oracle)
 # ---------------------------------------------------------------------------------------------
 
@@ -449,6 +517,10 @@ _B = np.zeros(4, dtype=np.float32)
         (lambda: dense.relu_mask(_Y, np.zeros((4, 3), np.float32)), "h"),
         (lambda: dense.relu_mask(_Y.tolist(), _Y), "dy"),
         (lambda: dense.bias_grad_reduce(_B), "dy"),
+        (lambda: dense.relu_mask_bias_grad(_Y, np.zeros((4, 3), np.float32)), "h"),
+        (lambda: dense.relu_mask_bias_grad(_Y.astype(np.float64), _Y), "dy"),
+        (lambda: dense.relu_mask_bias_grad(_Y, _Y.astype(np.float16)), "h"),
+        (lambda: dense.relu_mask_bias_grad(_B, _B), "dy"),
         (lambda: dense.f32_to_bf16(_Y.astype(np.float64)), "x"),
         (lambda: dense.bf16_to_f32(_Y), "u"),
         (lambda: dense.tf32_round(_Y.view(np.int32)), "x"),
@@ -465,8 +537,38 @@ def test_bad_arguments_raise_value_error_naming_the_argument(call, argument):
 def test_kernels_registry_lists_kernels_but_not_gemm_helpers():
     assert set(dense.KERNELS) == {
         "add_bias_relu", "add_bias_relu_bf16", "relu_mask", "bias_grad_reduce",
-        "f32_to_bf16", "bf16_to_f32", "tf32_round",
+        "relu_mask_bias_grad", "f32_to_bf16", "bf16_to_f32", "tf32_round",
     }
     for name, fn in dense.KERNELS.items():
         assert fn.__name__ == name and fn is getattr(dense, name)
     assert "gemm" not in dense.KERNELS and "round_for" not in dense.KERNELS
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused CUDA kernel: NVRTC build (no GPU needed) and its launch plan
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_relu_mask_bias_grad_cuda_source_compiles(arch, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
+    from foxhunt.fast import _build
+
+    sources = _build.source_files()
+    unit = {n: b for n, b in sources.items()
+            if n == "dense.cu" or n.endswith(_build.HEADER_SUFFIXES)}
+    module = _build.compile_sources(arch, "ptx", cache_root=tmp_path, sources=unit)
+    assert {"relu_mask", "bias_grad_reduce", "relu_mask_bias_grad"} <= set(module.kernels)
+    params = [p.ptx_type for p in module.params["relu_mask_bias_grad"]]
+    assert params == ["u64", "u64", "u64", "u64", "u32", "u32"]  # dy, h, dx, db, rows, cols
+
+
+def test_relu_mask_bias_grad_plan_keeps_bias_grad_chunks_and_spreads_columns():
+    from foxhunt.fast.kernels import dense as fast_dense
+
+    for cols, want_blocks in [(128, 16), (256, 32), (51, 7), (0, 1)]:
+        grid, block, shared = fast_dense.plan_relu_mask_bias_grad(256, cols)
+        assert grid == (want_blocks,) and shared == 0
+        # db's bits equal bias_grad_reduce's only with the same row chunking (blockDim.y).
+        assert block[1] == fast_dense.plan_bias_grad_reduce(256, cols)[1][1]
+        assert block[0] * 4 == 32  # one 32-byte row segment of float32 per block row

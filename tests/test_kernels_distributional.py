@@ -504,6 +504,153 @@ def test_cql_nan_contract():
 
 
 # ---------------------------------------------------------------------------------------------
+# Fused kernels: log_softmax_expected_q, c51_project_grad
+# ---------------------------------------------------------------------------------------------
+
+
+def same_bits(a, b) -> bool:
+    """Equal dtype, shape and bit patterns (NaN payloads and signed zeros included)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(
+        a.view(np.uint32), b.view(np.uint32))
+
+
+def composed_log_softmax_q(logits, z, q_rows):
+    logp = dist.log_softmax_atoms(logits)
+    na = logits.shape[1]
+    return logp, dist.expected_q(logp[:q_rows].reshape(q_rows, 1, na), z).reshape(q_rows)
+
+
+def composed_project_grad(p_next, r, done, gamma, z, v_min, v_max, logp, actions, isw, scale):
+    m = dist.c51_project(p_next, r, done, gamma, z, v_min, v_max)
+    return m, dist.c51_grad(logp, actions, m, isw, scale)
+
+
+def project_grad_case(batch, actions_n, atoms, seed):
+    rng = np.random.default_rng(seed)
+    p, r, done = random_projection_inputs(batch, atoms, seed=seed)
+    logits = (2.0 * rng.standard_normal((batch, actions_n, atoms))).astype(np.float32)
+    logp = dist.log_softmax_atoms(logits)
+    actions = rng.integers(0, actions_n, batch).astype(np.int32)
+    isw = rng.uniform(0.2, 1.8, batch).astype(np.float32)
+    return {"p_next": p, "r": r, "done": done, "gamma": np.float32(0.99),
+            "z": dist.support(-10.0, 10.0, atoms), "v_min": -10.0, "v_max": 10.0,
+            "logp": logp, "actions": actions, "isw": isw, "scale": np.float32(1.0 / (3 * batch))}
+
+
+@pytest.mark.parametrize(("rows", "atoms", "q_rows"),
+                         [(6 * 256 + 3, 51, 4 * 256 + 2), (12, 11, 0), (12, 11, 12), (7, 1, 3)])
+def test_log_softmax_expected_q_is_the_composition(rows, atoms, q_rows):
+    rng = np.random.default_rng(rows + atoms)
+    logits = (3.0 * rng.standard_normal((rows, atoms))).astype(np.float32)
+    z = dist.support(-10.0, 10.0, atoms) if atoms > 1 else np.array([2.5], np.float32)
+    out = dist.log_softmax_expected_q(logits, z, q_rows)
+    assert isinstance(out, dist.LogSoftmaxQ)
+    logp, q = composed_log_softmax_q(logits, z, q_rows)
+    assert same_bits(out.logp, logp) and same_bits(out.q, q)
+    assert out.q.shape == (q_rows,)
+    # Independent oracle: Q of the first q_rows rows from torch's softmax in float64.
+    q_ref = (torch.softmax(t64(logits[:q_rows]), dim=-1).numpy() * z.astype(np.float64)).sum(-1)
+    assert_close(out.q, q_ref, rtol=0, atol=1e-5 * float(np.abs(z).max()), what="q")
+
+
+@st.composite
+def logits_z_with_specials(draw):
+    rows = draw(st.integers(1, 6))
+    atoms = draw(st.integers(1, 9))
+    x = draw(hnp.arrays(np.float32, (rows, atoms), elements=st.floats(-30, 30, width=32))).copy()
+    z = draw(hnp.arrays(np.float32, atoms, elements=st.floats(-10, 10, width=32))).copy()
+    specials = st.sampled_from([np.nan, np.inf, -np.inf, -0.0, 3.4028235e38])
+    for _ in range(draw(st.integers(0, rows * atoms))):
+        x.flat[draw(st.integers(0, x.size - 1))] = draw(specials)
+    for _ in range(draw(st.integers(0, 2))):
+        z[draw(st.integers(0, atoms - 1))] = draw(specials)
+    return x, z, draw(st.integers(0, rows))
+
+
+@settings(max_examples=60)
+@given(case=logits_z_with_specials())
+def test_log_softmax_expected_q_is_the_composition_with_specials(case):
+    logits, z, q_rows = case
+    out = dist.log_softmax_expected_q(logits, z, q_rows)
+    logp, q = composed_log_softmax_q(logits, z, q_rows)
+    assert same_bits(out.logp, logp) and same_bits(out.q, q)
+    poisoned = (np.isnan(logits).any(axis=1) | np.isposinf(logits).any(axis=1)
+                | np.isneginf(logits).all(axis=1))
+    assert np.isnan(out.logp[poisoned]).all()
+    if np.isnan(z).any():
+        assert np.isnan(out.q).all()
+    elif np.isfinite(z).all():
+        assert np.array_equal(np.isnan(out.q), poisoned[:q_rows])
+
+
+def test_log_softmax_expected_q_nan_contract():
+    logits = np.zeros((4, 5), np.float32)
+    logits[1, 2] = np.nan  # a q row
+    logits[3, 0] = np.inf  # a row past q_rows: logp only
+    logits[2, 4] = -np.inf  # probability 0, finite elsewhere
+    z = dist.support(-2.0, 2.0, 5)
+    logp, q = dist.log_softmax_expected_q(logits, z, 3)
+    assert np.isnan(logp[1]).all() and np.isnan(logp[3]).all()
+    assert np.isneginf(logp[2, 4]) and np.isfinite(logp[2, :4]).all()
+    assert np.isnan(q).tolist() == [False, True, False]
+    assert q[0] == pytest.approx(0.0, abs=1e-6) and q[2] == pytest.approx(-0.5, abs=1e-6)
+
+
+@pytest.mark.parametrize(("batch", "actions_n", "atoms"), [(256, 3, 51), (5, 2, 11), (3, 1, 2),
+                                                             (4, 4, 300)])
+def test_c51_project_grad_is_the_composition(batch, actions_n, atoms):
+    kw = project_grad_case(batch, actions_n, atoms, seed=batch + atoms)
+    out = dist.c51_project_grad(**kw)
+    assert isinstance(out, dist.C51ProjectGrad)
+    m, dlogits = composed_project_grad(**kw)
+    assert same_bits(out.m, m) and same_bits(out.dlogits, dlogits)
+    assert out.m.shape == (batch, atoms) and out.dlogits.shape == (batch, actions_n, atoms)
+    # Independent oracle: the classic floor/ceil projection for m, torch autograd of the C51
+    # loss (from the logits that give logp, with m as the target) for dlogits.
+    m_ref = classic_projection(kw["p_next"], kw["r"], kw["done"], 0.99, -10.0, 10.0, atoms)
+    assert_close(out.m, m_ref, rtol=0, atol=atoms * 1e-5, what="m")
+    _, _, grad_ref = c51_oracle(kw["logp"], kw["actions"], out.m, kw["isw"], float(kw["scale"]))
+    atol = 2e-6 * float(np.max(kw["isw"])) * float(kw["scale"])
+    assert_close(out.dlogits, grad_ref, rtol=1e-5, atol=atol, what="dlogits")
+
+
+@settings(max_examples=40)
+@given(data=st.data(), batch=st.integers(1, 5), actions_n=st.integers(1, 4),
+       atoms=st.integers(2, 9))
+def test_c51_project_grad_is_the_composition_with_specials(data, batch, actions_n, atoms):
+    kw = project_grad_case(batch, actions_n, atoms, seed=data.draw(st.integers(0, 2**16)))
+    specials = st.sampled_from([np.nan, np.inf, -np.inf, -0.0, 3.4028235e38])
+    for name in ("p_next", "r", "done", "logp", "isw"):
+        arr = kw[name]
+        for _ in range(data.draw(st.integers(0, 2))):
+            arr.flat[data.draw(st.integers(0, arr.size - 1))] = data.draw(specials)
+    for name in ("gamma", "scale"):
+        if data.draw(st.booleans()):
+            kw[name] = np.float32(data.draw(specials))
+    out = dist.c51_project_grad(**kw)
+    m, dlogits = composed_project_grad(**kw)
+    assert same_bits(out.m, m) and same_bits(out.dlogits, dlogits)
+    not_taken = np.ones((batch, actions_n), bool)
+    not_taken[np.arange(batch), kw["actions"]] = False
+    assert same_bits(out.dlogits[not_taken], np.zeros_like(out.dlogits[not_taken]))
+
+
+def test_c51_project_grad_nan_contract():
+    kw = project_grad_case(4, 3, 11, seed=5)
+    a = kw["actions"]
+    kw["r"][0] = np.nan  # m[0] NaN, so sample 0's taken row
+    kw["logp"][1, (a[1] + 1) % 3, :] = np.nan  # an action not taken: no effect
+    kw["logp"][2, a[2], 3] = np.nan  # one element of the taken row
+    kw["r"][3] = np.inf  # clipped to v_max: finite
+    m, dlogits = dist.c51_project_grad(**kw)
+    assert np.isnan(m[0]).all() and np.isfinite(m[1:]).all()
+    assert np.isnan(dlogits[0, a[0]]).all() and np.isnan(dlogits[0]).sum() == 11
+    assert np.isfinite(dlogits[1]).all() and np.isfinite(dlogits[3]).all()
+    assert np.isnan(dlogits[2, a[2], 3]) and np.isnan(dlogits).sum() == 12
+
+
+# ---------------------------------------------------------------------------------------------
 # Errors, immutability and registry
 # ---------------------------------------------------------------------------------------------
 
@@ -512,6 +659,37 @@ _ACT = np.array([0, 2], np.int32)
 _M = np.full((2, 5), 0.2, np.float32)
 _ISW = np.ones(2, np.float32)
 _Z = dist.support(-2.0, 2.0, 5)
+
+
+def fused_bad_calls(module):
+    """Bad calls of the fused kernels of ``module`` (the reference or the fast test entries)."""
+    good = {"p_next": _M, "r": _ISW, "done": _ISW, "gamma": 0.99, "z": _Z, "v_min": -2.0,
+            "v_max": 2.0, "logp": _LOGP, "actions": _ACT, "isw": _ISW, "scale": 0.5}
+
+    def project_grad(**bad):
+        return lambda: module.c51_project_grad(**{**good, **bad})
+
+    logits = _LOGP.reshape(6, 5)
+    return [
+        (lambda: module.log_softmax_expected_q(_LOGP, _Z, 2), "logits"),
+        (lambda: module.log_softmax_expected_q(logits.astype(np.float64), _Z, 2), "logits"),
+        (lambda: module.log_softmax_expected_q(logits, _Z[:4], 2), "z"),
+        (lambda: module.log_softmax_expected_q(logits, _Z, 7), "q_rows"),
+        (lambda: module.log_softmax_expected_q(logits, _Z, -1), "q_rows"),
+        (lambda: module.log_softmax_expected_q(logits, _Z, 2.0), "q_rows"),
+        (lambda: module.log_softmax_expected_q(logits, _Z, True), "q_rows"),
+        (project_grad(r=_ISW[:1]), "r"),
+        (project_grad(v_min=3.0), "v_min, v_max"),
+        (project_grad(gamma="0.99"), "gamma"),
+        (project_grad(z=_Z[:4]), "z"),
+        (project_grad(logp=_LOGP[:, :, :4]), "logp"),
+        (project_grad(logp=_LOGP[:1]), "logp"),
+        (project_grad(logp=_LOGP[0]), "logp"),
+        (project_grad(actions=np.array([0, 3], np.int32)), "actions"),
+        (project_grad(actions=_ACT.astype(np.int64)), "actions"),
+        (project_grad(isw=_ISW[:1]), "isw"),
+        (project_grad(scale=None), "scale"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -538,11 +716,26 @@ _Z = dist.support(-2.0, 2.0, 5)
         (lambda: dist.cql_logit_grad(_LOGP[0], _ACT, _Z, 1.0, 0.5), "logp"),
         (lambda: dist.cql_logit_grad(_LOGP, _ACT, _Z, np.ones(1, np.float32), 0.5), "alpha"),
         (lambda: dist.c51_project(_M[:, :1], _ISW, _ISW, 0.9, _Z[:1], -2.0, 2.0), "p_next"),
-    ],
+    ] + fused_bad_calls(dist),
 )
 def test_bad_arguments_raise_value_error_naming_the_argument(call, argument):
     with pytest.raises(ValueError, match=rf"^{argument}:"):
         call()
+
+
+@pytest.mark.parametrize(("index", "argument"),
+                         list(enumerate(arg for _, arg in fused_bad_calls(dist))))
+def test_fast_fused_entries_raise_the_reference_errors(index, argument):
+    """The fast test entries validate before touching a device: same class, same message."""
+    from foxhunt.fast.kernels import distributional as fast_dist
+
+    ref_call, _ = fused_bad_calls(dist)[index]
+    fast_call, _ = fused_bad_calls(fast_dist)[index]
+    with pytest.raises(ValueError, match=rf"^{argument}:") as ref_error:
+        ref_call()
+    with pytest.raises(ValueError) as fast_error:
+        fast_call()
+    assert str(fast_error.value) == str(ref_error.value)
 
 
 def test_kernels_do_not_mutate_inputs():
@@ -560,6 +753,8 @@ def test_kernels_do_not_mutate_inputs():
     dist.c51_loss(logp, actions, m, isw, 0.1)
     dist.c51_grad(logp, actions, m, isw, 0.1)
     dist.cql_logit_grad(logp, actions, z, 1.0, 0.1)
+    dist.log_softmax_expected_q(logits.reshape(-1, 11), z, 5)
+    dist.c51_project_grad(p, r, done, 0.99, z, -10.0, 10.0, logp, actions, isw, 0.1)
     for x, x0 in zip(inputs, before):
         assert equal_with_nan(x, x0)
 
@@ -568,7 +763,35 @@ def test_kernels_registry():
     assert set(dist.KERNELS) == {
         "dueling_combine", "dueling_combine_backward", "log_softmax_atoms", "expected_q",
         "double_dqn_select", "c51_project", "c51_loss", "c51_grad", "cql_logit_grad",
+        "log_softmax_expected_q", "c51_project_grad",
     }
     for name, fn in dist.KERNELS.items():
         assert fn.__name__ == name and fn is getattr(dist, name)
     assert "support" not in dist.KERNELS
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused CUDA kernels compile (NVRTC, no GPU needed) with the documented parameter lists
+# ---------------------------------------------------------------------------------------------
+
+#: PTX parameter types in order: pointers (u64), then ints (u32 in PTX), then float configuration.
+FUSED_PTX_PARAMS = {
+    "log_softmax_expected_q": ("u64",) * 4 + ("u32",) * 3,
+    "c51_project_grad": ("u64",) * 11 + ("u32",) * 3 + ("f32",) * 3,
+}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fused_cuda_kernels_compile_with_their_parameter_lists(arch, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    sources = source_files()
+    headers = {n: b for n, b in sources.items() if n.endswith(HEADER_SUFFIXES)}
+    module = compile_sources(arch, "ptx", cache_root=tmp_path,
+                             sources={"distributional.cu": sources["distributional.cu"], **headers})
+    assert module.logs["distributional.cu"] == ""
+    for name, types in FUSED_PTX_PARAMS.items():
+        assert module.kernels[name] == "distributional.cu"
+        assert tuple(p.ptx_type for p in module.params[name]) == types, name
+    assert "atom." not in module.ptx["distributional.cu"]  # no atomics anywhere in the file

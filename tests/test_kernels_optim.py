@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from foxhunt.reference.kernels import KERNELS, optim
+from foxhunt.reference.kernels import KERNELS, dense, optim
 
 U32 = 2.0 ** -24
 F32_MAX = float(np.finfo(np.float32).max)
@@ -390,3 +390,266 @@ def test_hard_sync_copies_bits():
 def test_kernels_registered_under_their_names():
     for name, fn in optim.KERNELS.items():
         assert fn.__name__ == name and KERNELS[name] is fn
+
+
+# --- fused kernels: the budget tail and Polyak + BF16 mirrors ------------------------------
+
+
+def clip_saxpy_contract(base: float, inject: float, s_base: float, a: float,
+                        s_inject: float) -> float:
+    """One element of the budget tail from Python doubles, each float32 rounding spelled out:
+    c = fl(base * s_base); fl(c + fl(a * fl(inject * s_inject))) if inject is finite, else c."""
+    def f(v: float) -> float:  # round a double (an exact f32 product) to float32
+        return float(np.float32(v))
+
+    c = f(base * s_base)
+    if not math.isfinite(inject):
+        return c
+    return f(c + f(a * f(inject * s_inject)))
+
+
+def budget_tail_args(data, n_max: int = 300):
+    base = data.draw(f32_with_specials(max_size=n_max))
+    inject = data.draw(f32_with_specials(size=base.size))
+    base_max = data.draw(st.sampled_from([0.0, 0.7, 7.0, 1e4]))
+    inject_max = data.draw(st.sampled_from([0.0, 0.15, 1.5, 1e4]))
+    a = data.draw(st.sampled_from([1.0, 0.5, -2.0]))
+    block = data.draw(st.sampled_from([1, 3, 32, 256, 4096]))
+    # the norms are data: usually the inputs' own, sometimes NaN / Inf / unrelated
+    norm = st.sampled_from(["own", math.nan, math.inf, 0.0, 25.0])
+    base_sq, inject_sq = data.draw(norm), data.draw(norm)
+    base_sq = optim.grad_norm_sq(base) if base_sq == "own" else base_sq
+    inject_sq = optim.grad_norm_sq(inject) if inject_sq == "own" else inject_sq
+    return {"base": base, "inject": inject, "base_max_norm": base_max, "base_norm_sq": base_sq,
+            "a": a, "inject_max_norm": inject_max, "inject_norm_sq": inject_sq,
+            "block_size": block}
+
+
+@given(data=st.data())
+def test_clip_saxpy_norm_partial_is_the_composition_bitwise(data):
+    kw = budget_tail_args(data)
+    before = {k: v.copy() for k, v in kw.items() if isinstance(v, np.ndarray)}
+    got = optim.clip_saxpy_norm_partial(**kw)
+    for k, v in before.items():
+        assert np.array_equal(kw[k].view(np.uint32), v.view(np.uint32))  # inputs untouched
+    assert isinstance(got, optim.ClipSaxpyPartial)
+    clipped = optim.clip_grad_inplace(kw["base"], kw["base_max_norm"], kw["base_norm_sq"])
+    out = optim.clipped_saxpy(clipped, kw["inject"], kw["a"], kw["inject_max_norm"],
+                              kw["inject_norm_sq"])
+    partials = optim.grad_norm_partial(out, kw["block_size"])
+    assert got.out.dtype == got.partials.dtype == np.float32
+    assert np.array_equal(got.out.view(np.uint32), out.view(np.uint32))
+    assert np.array_equal(got.partials.view(np.uint32), partials.view(np.uint32))
+
+
+@given(data=st.data())
+def test_clip_saxpy_norm_partial_elementwise_contract(data):
+    kw = budget_tail_args(data, n_max=120)
+    got = optim.clip_saxpy_norm_partial(**kw)
+    s_base = float(optim.clip_scale(kw["base_norm_sq"], kw["base_max_norm"]))
+    s_inject = float(optim.clip_scale(kw["inject_norm_sq"], kw["inject_max_norm"]))
+    a = float(np.float32(kw["a"]))
+    for b, y, o in zip(kw["base"].tolist(), kw["inject"].tolist(), got.out.tolist()):
+        expected = clip_saxpy_contract(b, y, s_base, a, s_inject)
+        assert o == expected or (math.isnan(o) and math.isnan(expected))
+    bs = kw["block_size"]
+    assert got.partials.shape == (math.ceil(kw["base"].size / bs),)
+    assert not np.any(np.isnan(got.partials))  # partials skip non-finite out_i: never NaN
+    for k, part in enumerate(got.partials.tolist()):
+        chunk = got.out[k * bs:(k + 1) * bs]
+        exact = exact_finite_sq(chunk)
+        if math.isinf(part):  # only a finite square that overflowed
+            assert any(math.isfinite(v) and v * v > F32_MAX for v in chunk.tolist())
+        else:
+            assert abs(part - exact) <= gamma(chunk.size + 1) * exact + 1e-45
+
+
+def test_clip_saxpy_norm_partial_step_budgets():
+    # The step's use: C51 base over 0.70 mgn, CQL inject over 0.15 mgn, a = 1: the clipped
+    # components are on their budgets, so the total is within their sum (triangle inequality).
+    rng = np.random.default_rng(11)
+    base = rng.standard_normal(10_007).astype(np.float32)
+    inject = (rng.standard_normal(10_007) * 3).astype(np.float32)
+    mgn = 2.0
+    got = optim.clip_saxpy_norm_partial(base, inject, 0.7 * mgn, optim.grad_norm_sq(base), 1.0,
+                                        0.15 * mgn, optim.grad_norm_sq(inject), 4096)
+    assert got.partials.shape == (3,)
+    total = math.sqrt(math.fsum(float(p) for p in got.partials))
+    assert total <= 0.85 * mgn * (1 + 1e-5)
+    assert total == pytest.approx(finite_norm64(got.out), rel=1e-5)
+
+
+def test_clip_saxpy_norm_partial_skips_nonfinite_inject_and_keeps_base_nan():
+    base = np.array([3.0, np.nan, 4.0, np.inf], np.float32)
+    inject = np.array([np.nan, 1.0, np.inf, 1.0], np.float32)
+    # base norm 5 (finite part) clipped to 2.5: s_b = 0.5; inject unclipped (huge budget)
+    got = optim.clip_saxpy_norm_partial(base, inject, 2.5, 25.0, 1.0, 1e6, 2.0, 2)
+    assert got.out[[0, 2]].tolist() == [1.5, 2.0]  # the clipped base alone
+    assert math.isnan(got.out[1]) and got.out[3] == np.inf
+    assert got.partials.tolist() == [2.25, 4.0]  # non-finite out skipped
+    # A +Inf base norm discards the base (scale 0): Inf * 0 is NaN, finite values become 0.
+    zero = optim.clip_saxpy_norm_partial(base, inject, 2.5, math.inf, 1.0, 1e6, 2.0, 4)
+    assert zero.out[0] == 0.0 and zero.out[2] == 0.0 and math.isnan(zero.out[3])
+
+
+def test_clip_saxpy_norm_partial_empty():
+    z = np.zeros(0, np.float32)
+    got = optim.clip_saxpy_norm_partial(z, z, 1.0, 0.0, 1.0, 1.0, 0.0, 4096)
+    assert got.out.shape == (0,) and got.partials.shape == (0,)
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("base", np.zeros((2, 3), np.float32)), ("base", np.zeros(6)), ("base", [0.0] * 6),
+     ("inject", np.zeros(5, np.float32)), ("inject", np.zeros(6)),
+     ("base_max_norm", -1.0), ("base_max_norm", math.inf), ("base_norm_sq", "1"),
+     ("a", math.nan), ("inject_max_norm", math.nan), ("inject_norm_sq", None),
+     ("block_size", 0), ("block_size", 2.0), ("block_size", True)],
+)
+def test_clip_saxpy_norm_partial_rejects_bad_input(name, value):
+    kw = {"base": np.ones(6, np.float32), "inject": np.ones(6, np.float32), "base_max_norm": 1.0,
+          "base_norm_sq": 6.0, "a": 1.0, "inject_max_norm": 1.0, "inject_norm_sq": 6.0,
+          "block_size": 4}
+    kw[name] = value
+    with pytest.raises(ValueError, match=rf"^{name}[:=]"):
+        optim.clip_saxpy_norm_partial(**kw)
+
+
+def bf16_contract(v: float) -> int:
+    """BF16 RNE of a float32 on its bit pattern, from Python ints (NaN: quiet, sign and high
+    payload kept): the f32_to_bf16 formula written independently."""
+    u = int(np.array([v], np.float32).view(np.uint32)[0])
+    if (u & 0x7FFFFFFF) > 0x7F800000:
+        return (u >> 16) | 0x0040
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+
+@given(data=st.data(), tau=st.sampled_from([0.0, 0.005, 0.5, 1.0]))
+def test_polyak_update_mirror_is_the_composition_bitwise(data, tau):
+    specials = tuple(SPECIALS + HUGE + [3.3895314e38])  # rounds to +Inf in BF16
+    target = data.draw(f32_with_specials(specials=specials, max_size=100))
+    online = data.draw(f32_with_specials(specials=specials, size=target.size))
+    before = (target.copy(), online.copy())
+    got = optim.polyak_update_mirror(target, online, tau)
+    assert np.array_equal(target.view(np.uint32), before[0].view(np.uint32))
+    assert np.array_equal(online.view(np.uint32), before[1].view(np.uint32))
+    assert isinstance(got, optim.PolyakMirror)
+    new_target = optim.polyak_update(target, online, tau)
+    assert got.target.dtype == np.float32
+    assert got.online_bf16.dtype == got.target_bf16.dtype == np.uint16
+    assert np.array_equal(got.target.view(np.uint32), new_target.view(np.uint32))
+    assert np.array_equal(got.online_bf16, dense.f32_to_bf16(online))
+    assert np.array_equal(got.target_bf16, dense.f32_to_bf16(new_target))
+    # and the mirrors against the bit formula written out, element by element
+    assert got.online_bf16.tolist() == [bf16_contract(v) for v in online.tolist()]
+    assert got.target_bf16.tolist() == [bf16_contract(v) for v in got.target.tolist()]
+
+
+def test_polyak_update_mirror_mirrors_the_new_target():
+    target = np.array([1.0, -2.0, 0.0], np.float32)
+    online = np.array([3.0, np.nan, -np.inf], np.float32)
+    got = optim.polyak_update_mirror(target, online, 0.5)
+    assert got.target[0] == 2.0 and math.isnan(got.target[1]) and got.target[2] == -np.inf
+    widened = dense.bf16_to_f32(got.target_bf16)
+    assert widened[0] == 2.0 and math.isnan(widened[1]) and widened[2] == -np.inf
+    assert dense.bf16_to_f32(got.online_bf16)[0] == 3.0  # the online value, not the blend
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("target", np.zeros(4)), ("online", np.zeros(3, np.float32)), ("online", np.zeros(4)),
+     ("tau", 1.5), ("tau", -0.1), ("tau", math.nan)],
+)
+def test_polyak_update_mirror_rejects_bad_input(name, value):
+    kw = {"target": np.zeros(4, np.float32), "online": np.ones(4, np.float32), "tau": 0.005}
+    kw[name] = value
+    with pytest.raises(ValueError, match=rf"^{name}[:=]"):
+        optim.polyak_update_mirror(**kw)
+
+
+# --- the fused CUDA sources: NVRTC builds (CPU) and fused == unfused launches (GPU) --------
+
+
+FUSED = ("clip_saxpy_norm_partial", "polyak_update_mirror")
+#: PTX parameter types the launchers pack: pointers u64, n / block_size s64, scalars f32.
+FUSED_PARAMS = {
+    "clip_saxpy_norm_partial": ("u64", "u64", "s64", "f32", "u64", "f32", "f32", "u64", "s64",
+                                "u64", "u64"),
+    "polyak_update_mirror": ("u64", "u64", "s64", "f32", "u64", "u64"),
+}
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_fused_optim_kernels_compile_with_nvrtc(arch, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings is not installed")
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    files = source_files()
+    sources = {n: b for n, b in files.items() if n == "optim.cu" or n.endswith(HEADER_SUFFIXES)}
+    module = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources)
+    assert module.logs["optim.cu"] == ""
+    for name in FUSED:
+        assert module.kernels[name] == "optim.cu"
+        types = tuple(p.ptx_type for p in module.params[name])
+        # PTX spells long long as .u64 or .s64 depending on the NVRTC version
+        assert len(types) == len(FUSED_PARAMS[name])
+        for got, want in zip(types, FUSED_PARAMS[name]):
+            assert got == want or {got, want} <= {"u64", "s64"}, (name, types)
+
+
+def _gpu_or_skip():
+    from foxhunt.fast.device import cuda_available
+
+    ok, reason = cuda_available()
+    if not ok:
+        pytest.skip(f"no CUDA device/driver: {reason}")
+
+
+def _with_specials(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    x = x.copy()
+    pos = rng.choice(x.size, size=min(x.size, 24), replace=False)
+    x[pos] = np.array([np.nan, np.inf, -np.inf, -0.0, 1e-45, 0.0] * 4, np.float32)[:pos.size]
+    return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("n", "block_size"),
+                         [(289_611, 4096), (257 * 259, 256), (515, 256), (1001, 3), (1000, 6)])
+@pytest.mark.parametrize("specials", [False, True])
+def test_gpu_fused_budget_tail_equals_unfused_launches_bitwise(n, block_size, specials):
+    # The step's claim: replacing clip_grad_inplace -> clipped_saxpy -> grad_norm_partial by the
+    # fused launch changes no bit (odd block sizes take the unaligned element path).
+    _gpu_or_skip()
+    from foxhunt.fast.kernels import optim as fast
+
+    rng = np.random.default_rng(n)
+    base = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    inject = (rng.standard_normal(n) * 0.3).astype(np.float32)
+    if specials:
+        base, inject = _with_specials(base, rng), _with_specials(inject, rng)
+    base_sq, inject_sq = optim.grad_norm_sq(base), optim.grad_norm_sq(inject)
+    base_max, inject_max = 0.7 * math.sqrt(base_sq), 0.15 * math.sqrt(inject_sq)
+    got = fast.clip_saxpy_norm_partial(base, inject, base_max, base_sq, 1.0, inject_max,
+                                       inject_sq, block_size)
+    clipped = fast.clip_grad_inplace(base, base_max, base_sq)
+    out = fast.clipped_saxpy(clipped, inject, 1.0, inject_max, inject_sq)
+    partials = fast.grad_norm_partial(out, block_size)
+    assert np.array_equal(got.out.view(np.uint32), out.view(np.uint32))
+    assert np.array_equal(got.partials.view(np.uint32), partials.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [289_611, 515])
+def test_gpu_fused_polyak_mirror_equals_unfused_launches_bitwise(n):
+    _gpu_or_skip()
+    from foxhunt.fast.kernels import dense as fast_dense
+    from foxhunt.fast.kernels import optim as fast
+
+    rng = np.random.default_rng(n)
+    target = _with_specials((rng.standard_normal(n) * 0.1).astype(np.float32), rng)
+    online = _with_specials((rng.standard_normal(n) * 0.1).astype(np.float32), rng)
+    got = fast.polyak_update_mirror(target, online, 0.005)
+    new_target = fast.polyak_update(target, online, 0.005)
+    assert np.array_equal(got.target.view(np.uint32), new_target.view(np.uint32))
+    assert np.array_equal(got.online_bf16, fast_dense.f32_to_bf16(online))
+    assert np.array_equal(got.target_bf16, fast_dense.f32_to_bf16(new_target))

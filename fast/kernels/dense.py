@@ -14,6 +14,10 @@ launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
 - ``bias_grad_reduce(dy, db, rows, cols)``: blocks of (32 columns x ``BIAS_GRAD_CHUNKS`` row
   chunks); deterministic, no atomics; equal to the reference bit for bit when
   ``rows <= BIAS_GRAD_CHUNKS``, a reassociated sum otherwise (see the kernel's comment).
+- ``relu_mask_bias_grad(dy, h, dx, db, rows, cols)``: ``relu_mask`` then ``bias_grad_reduce``
+  in one launch, blocks of (8 columns x ``BIAS_GRAD_CHUNKS`` row chunks); ``dx`` and ``db`` are
+  bit for bit those of the two separate launches; ``dx`` may be ``dy`` itself (in place), ``h``
+  and ``db`` must not overlap ``dx``/``dy``.
 
 Numerics: every elementwise kernel is exact (bitwise equal to the reference);
 ``bias_grad_reduce`` is a float32 reduction (conformance: reduction tolerance).
@@ -29,9 +33,11 @@ from foxhunt.reference.kernels.dense import (
     F32,
     U16,
     BiasReluBf16,
+    ReluBiasGrad,
     validate_add_bias_relu,
     validate_add_bias_relu_bf16,
     validate_relu_mask,
+    validate_relu_mask_bias_grad,
 )
 
 #: Largest column block of the bias epilogues; narrower rows (e.g. 51 atoms) get a block of
@@ -44,6 +50,9 @@ MAX_GRID_Y = 65535
 #: at most 32, the kernel's shared-memory array).
 BIAS_GRAD_COLS = 32
 BIAS_GRAD_CHUNKS = 16
+#: relu_mask_bias_grad: columns per block (one 32-byte row segment; cols = 128 / 256 give 16 / 32
+#: blocks). Its row chunks are BIAS_GRAD_CHUNKS, so its db has bias_grad_reduce's bits.
+RELU_BIAS_GRAD_COLS = 8
 
 Plan = tuple  # (grid, block, shared_mem)
 
@@ -70,6 +79,13 @@ def plan_bias_grad_reduce(rows: int, cols: int) -> Plan:
     """One block per 32 columns; ``BIAS_GRAD_CHUNKS`` row chunks per block."""
     del rows  # the kernel splits any number of rows into blockDim.y chunks
     return (blocks(cols, BIAS_GRAD_COLS),), (BIAS_GRAD_COLS, BIAS_GRAD_CHUNKS), 0
+
+
+def plan_relu_mask_bias_grad(rows: int, cols: int) -> Plan:
+    """One block per 8 columns; ``BIAS_GRAD_CHUNKS`` row chunks per block (the chunking of
+    ``plan_bias_grad_reduce``, which the bitwise equality with it relies on)."""
+    del rows  # the kernel splits any number of rows into blockDim.y chunks
+    return ((blocks(cols, RELU_BIAS_GRAD_COLS),), (RELU_BIAS_GRAD_COLS, BIAS_GRAD_CHUNKS), 0)
 
 
 # --------------------------------------------------------------------------------------------
@@ -113,6 +129,16 @@ def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
     return db
 
 
+def relu_mask_bias_grad(dy: np.ndarray, h: np.ndarray) -> ReluBiasGrad:
+    """``relu_mask`` fused with ``bias_grad_reduce`` on the GPU: returns ``ReluBiasGrad(dx, db)``;
+    see ``foxhunt.reference.kernels.dense.relu_mask_bias_grad``."""
+    validate_relu_mask_bias_grad(dy, h)
+    rows, cols = dy.shape
+    dx, db = launch("relu_mask_bias_grad", plan_relu_mask_bias_grad(rows, cols),
+                    In(dy), In(h), Out((rows, cols), F32), Out((cols,), F32), rows, cols)
+    return ReluBiasGrad(dx=dx, db=db)
+
+
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     """float32 -> BF16 bit patterns (RNE; the reference's NaN rule), any shape."""
     require_array("x", x, F32)
@@ -139,6 +165,7 @@ KERNELS = {
     "add_bias_relu_bf16": add_bias_relu_bf16,
     "relu_mask": relu_mask,
     "bias_grad_reduce": bias_grad_reduce,
+    "relu_mask_bias_grad": relu_mask_bias_grad,
     "f32_to_bf16": f32_to_bf16,
     "bf16_to_f32": bf16_to_f32,
     "tf32_round": tf32_round,

@@ -8,8 +8,8 @@ return structure of its twin in :mod:`foxhunt.reference.kernels.distributional`.
 reuses it with arena pointers (kernel parameter order: inputs, outputs, sizes, configuration;
 see the ``.cu`` file's header).
 
-Device scalars: ``gamma`` (c51_project), ``alpha`` and ``scale`` (cql_logit_grad) and ``scale``
-(c51_loss, c51_grad) are read by the kernels through a pointer to one float (the ISV bus or an
+Device scalars: ``gamma`` (c51_project, c51_project_grad), ``alpha`` and ``scale``
+(cql_logit_grad) and ``scale`` (c51_loss, c51_grad, c51_project_grad) are read by the kernels through a pointer to one float (the ISV bus or an
 arena slot), so a captured graph sees their current value; the test entries upload them.
 
 Numerics (conformance/tolerance.py entries, all ``REDUCTION`` except the exact
@@ -19,6 +19,10 @@ does, so those agree with it bit for bit on the same inputs (CUDA's IEEE ``/`` a
 sums over atoms elsewhere use a per-lane order plus a fixed warp butterfly (the reference uses
 NumPy's pairwise order) and ``expf``/``logf`` are within 2 / 1 ULP, not correctly rounded.
 Every reduction has a fixed order: outputs are bitwise repeatable.
+
+Fused kernels (``log_softmax_expected_q``, ``c51_project_grad``): each runs the device bodies of
+the two kernels it replaces, in their operation order, so its outputs are bitwise equal to the
+two separate launches (their tolerances apply against the reference).
 """
 
 from __future__ import annotations
@@ -30,17 +34,21 @@ from foxhunt.reference.kernels.distributional import (
     F32,
     I32,
     C51Loss,
+    C51ProjectGrad,
     CqlGrad,
     DuelingGrads,
+    LogSoftmaxQ,
     validate_c51_grad,
     validate_c51_loss,
     validate_c51_project,
+    validate_c51_project_grad,
     validate_cql_logit_grad,
     validate_double_dqn_select,
     validate_dueling_combine,
     validate_dueling_combine_backward,
     validate_expected_q,
     validate_log_softmax_atoms,
+    validate_log_softmax_expected_q,
 )
 
 Plan = tuple[int, int, int]  # (grid, block, dynamic shared-memory bytes)
@@ -135,6 +143,18 @@ def plan_cql_logit_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
 def plan_c51_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
     """One thread per element of ``dlogits``."""
     return _flat_plan(batch * num_actions * num_atoms)
+
+
+def plan_log_softmax_expected_q(rows: int, num_atoms: int) -> Plan:
+    """One warp per row of atoms (``log_softmax_atoms``' plan; the first ``q_rows`` warps also
+    sum their row's Q)."""
+    return _warp_rows_plan(rows)
+
+
+def plan_c51_project_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
+    """``c51_project``'s plan: one block per sample, one thread per target atom (whole warps,
+    at most 256); the block also writes the sample's ``A * NA`` gradient elements."""
+    return plan_c51_project(batch, num_atoms)
 
 
 # --------------------------------------------------------------------------------------------
@@ -289,6 +309,52 @@ def cql_logit_grad(
     return CqlGrad(dlogits=dlogits, terms=terms)
 
 
+def log_softmax_expected_q(logits: np.ndarray, z: np.ndarray, q_rows) -> LogSoftmaxQ:
+    """Fast ``log_softmax_expected_q``: ``LogSoftmaxQ(logp [R, NA], q [q_rows])`` (bitwise
+    equal to ``log_softmax_atoms`` then ``expected_q`` on the first ``q_rows`` rows)."""
+    q_rows = validate_log_softmax_expected_q(logits, z, q_rows)
+    check_elements("logits", logits)
+    rows, num_atoms = logits.shape
+    if rows == 0:
+        return LogSoftmaxQ(logp=np.zeros(logits.shape, dtype=F32), q=np.zeros(0, dtype=F32))
+    grid, block, shared = plan_log_softmax_expected_q(rows, num_atoms)
+    logp, q = call("log_softmax_expected_q", grid, block, In(logits), In(z),
+                   Out(logits.shape, F32), Out((q_rows,), F32), rows, q_rows, num_atoms,
+                   shared_mem=shared)
+    return LogSoftmaxQ(logp=logp, q=q)
+
+
+def c51_project_grad(
+    p_next: np.ndarray,
+    r: np.ndarray,
+    done: np.ndarray,
+    gamma,
+    z: np.ndarray,
+    v_min,
+    v_max,
+    logp: np.ndarray,
+    actions: np.ndarray,
+    isw: np.ndarray,
+    scale,
+) -> C51ProjectGrad:
+    """Fast ``c51_project_grad``: ``C51ProjectGrad(m [B, NA], dlogits [B, A, NA])`` (bitwise
+    equal to ``c51_project`` then ``c51_grad``)."""
+    (g, lo, hi, dz), s = validate_c51_project_grad(p_next, r, done, gamma, z, v_min, v_max,
+                                                   logp, actions, isw, scale)
+    check_elements("p_next", p_next)
+    check_elements("logp", logp)
+    batch, num_actions, num_atoms = logp.shape
+    if batch == 0:
+        return C51ProjectGrad(m=np.zeros((0, num_atoms), dtype=F32),
+                              dlogits=np.zeros(logp.shape, dtype=F32))
+    grid, block, shared = plan_c51_project_grad(batch, num_actions, num_atoms)
+    m, dlogits = call("c51_project_grad", grid, block, In(p_next), In(r), In(done),
+                      device_scalar(g), In(z), In(logp), In(actions), In(isw), device_scalar(s),
+                      Out((batch, num_atoms), F32), Out(logp.shape, F32),
+                      batch, num_actions, num_atoms, lo, hi, dz, shared_mem=shared)
+    return C51ProjectGrad(m=m, dlogits=dlogits)
+
+
 KERNELS = {
     "dueling_combine": dueling_combine,
     "dueling_combine_backward": dueling_combine_backward,
@@ -299,4 +365,6 @@ KERNELS = {
     "c51_loss": c51_loss,
     "c51_grad": c51_grad,
     "cql_logit_grad": cql_logit_grad,
+    "log_softmax_expected_q": log_softmax_expected_q,
+    "c51_project_grad": c51_project_grad,
 }

@@ -10,7 +10,10 @@ launch shapes below.
 Kernel arguments (the trainer passes the same, with arena pointers):
 
 - flat buffers as pointers plus their length ``n`` (int64); in-place kernels update their first
-  buffer (``x``, ``y``, ``param``/``m``/``v``, ``target``);
+  buffer (``x``, ``y``, ``param``/``m``/``v``, ``target``); the fused budget tail
+  ``clip_saxpy_norm_partial`` reads ``base``/``inject`` and writes the separate ``out`` and
+  ``partials`` (after its inputs); ``polyak_update_mirror`` updates ``target`` and writes the
+  two BF16 mirrors (uint16 bit patterns);
 - **device scalars**: values produced on the device within a step are read through pointers,
   so a captured graph always sees the current value: ``norm_sq`` (float32, from
   ``grad_norm_sq`` / ``grad_norm_final``) of the clips, and Adam's ``step`` (int64),
@@ -41,8 +44,11 @@ from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call
 from foxhunt.reference.kernels._checks import check_f32_array
 from foxhunt.reference.kernels.optim import (
     AdamState,
+    ClipSaxpyPartial,
+    PolyakMirror,
     validate_adam_update,
     validate_clip_grad_inplace,
+    validate_clip_saxpy_norm_partial,
     validate_clipped_saxpy,
     validate_grad_norm_partial,
     validate_polyak_update,
@@ -95,11 +101,18 @@ def plan_grad_norm_final(count: int) -> Plan:
     return 1, _warp_multiple(count, REDUCTION_MAX_THREADS), 0
 
 
+def plan_clip_saxpy_norm_partial(n: int, block_size: int) -> Plan:
+    """``grad_norm_partial``'s launch (one block per ``block_size`` segment, the same block
+    size): the fused partials then follow grad_norm_partial's tree and equal its bits."""
+    return plan_grad_norm_partial(n, block_size)
+
+
 plan_clip_grad_inplace = plan_elementwise
 plan_saxpy = plan_elementwise
 plan_clipped_saxpy = plan_elementwise
 plan_adam_update = plan_elementwise
 plan_polyak_update = plan_elementwise
+plan_polyak_update_mirror = plan_elementwise
 
 
 def _device_scalar(value, dtype) -> In:
@@ -184,6 +197,27 @@ def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
     return out
 
 
+def clip_saxpy_norm_partial(base: np.ndarray, inject: np.ndarray, base_max_norm: float,
+                            base_norm_sq: float, a: float, inject_max_norm: float,
+                            inject_norm_sq: float, block_size: int) -> ClipSaxpyPartial:
+    """Test entry of the CUDA ``clip_saxpy_norm_partial``: ``out = clipped_saxpy(
+    clip_grad_inplace(base, ...), inject, a, ...)`` and ``partials = grad_norm_partial(out,
+    block_size)`` in one launch (both norms read from device memory). Contract as the
+    reference twin; ``out`` bitwise, ``partials`` the fixed tree of ``grad_norm_partial``.
+    Returns ``ClipSaxpyPartial(out, partials)``."""
+    args = validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_norm_sq, a,
+                                            inject_max_norm, inject_norm_sq, block_size)
+    n = base.shape[0]
+    bs = min(args.block_size, max(n, 1))  # as grad_norm_partial's entry: same segments
+    grid, block, smem = plan_clip_saxpy_norm_partial(n, bs)
+    out, partials = call(
+        "clip_saxpy_norm_partial", grid, block, In(base), In(inject), n, args.base_max_norm,
+        _device_scalar(args.base_norm_sq, F32), args.a, args.inject_max_norm,
+        _device_scalar(args.inject_norm_sq, F32), bs, Out((n,), F32), Out((-(-n // bs),), F32),
+        shared_mem=smem)
+    return ClipSaxpyPartial(out=out, partials=partials)
+
+
 # ---------------------------------------------------------------------------------------------
 # Adam
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +261,18 @@ def polyak_update(target: np.ndarray, online: np.ndarray, tau: float) -> np.ndar
     return out
 
 
+def polyak_update_mirror(target: np.ndarray, online: np.ndarray, tau: float) -> PolyakMirror:
+    """Test entry of the CUDA ``polyak_update_mirror``: ``polyak_update`` and the BF16 mirrors
+    of ``online`` and of the new target in one launch. Contract as the reference twin
+    (bitwise). Returns ``PolyakMirror(target, online_bf16, target_bf16)``."""
+    tau32 = validate_polyak_update(target, online, tau)
+    grid, block, smem = plan_polyak_update_mirror(target.size)
+    new_target, online_bf16, target_bf16 = call(
+        "polyak_update_mirror", grid, block, InOut(target), In(online), target.size, tau32,
+        Out(target.shape, np.uint16), Out(target.shape, np.uint16), shared_mem=smem)
+    return PolyakMirror(target=new_target, online_bf16=online_bf16, target_bf16=target_bf16)
+
+
 KERNELS = {
     "grad_norm_sq": grad_norm_sq,
     "grad_norm_partial": grad_norm_partial,
@@ -236,11 +282,15 @@ KERNELS = {
     "clipped_saxpy": clipped_saxpy,
     "adam_update": adam_update,
     "polyak_update": polyak_update,
+    "clip_saxpy_norm_partial": clip_saxpy_norm_partial,
+    "polyak_update_mirror": polyak_update_mirror,
 }
 
 __all__ = [
-    "KERNELS", "adam_update", "clip_grad_inplace", "clipped_saxpy", "grad_norm_final",
-    "grad_norm_partial", "grad_norm_sq", "plan_adam_update", "plan_clip_grad_inplace",
-    "plan_clipped_saxpy", "plan_elementwise", "plan_grad_norm_final", "plan_grad_norm_partial",
-    "plan_grad_norm_sq", "plan_polyak_update", "plan_saxpy", "polyak_update",
+    "KERNELS", "adam_update", "clip_grad_inplace", "clip_saxpy_norm_partial", "clipped_saxpy",
+    "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "plan_adam_update",
+    "plan_clip_grad_inplace", "plan_clip_saxpy_norm_partial", "plan_clipped_saxpy",
+    "plan_elementwise", "plan_grad_norm_final", "plan_grad_norm_partial", "plan_grad_norm_sq",
+    "plan_polyak_update", "plan_polyak_update_mirror", "plan_saxpy", "polyak_update",
+    "polyak_update_mirror",
 ]

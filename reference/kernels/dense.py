@@ -69,6 +69,11 @@ def validate_relu_mask(dy, h) -> None:
     require_shape("h", h, dy.shape, "dy.shape [M, N]")
 
 
+#: ``relu_mask_bias_grad`` takes ``relu_mask``'s arguments (``bias_grad_reduce`` then checks
+#: nothing more: ``dx`` is a float32 matrix by construction).
+validate_relu_mask_bias_grad = validate_relu_mask
+
+
 # --------------------------------------------------------------------------------------------
 # Kernels.
 # --------------------------------------------------------------------------------------------
@@ -137,6 +142,35 @@ def bias_grad_reduce(dy: np.ndarray) -> np.ndarray:
     """
     require_array("dy", dy, F32, ndim=2)
     return np.sum(dy, axis=0, dtype=F32)
+
+
+class ReluBiasGrad(NamedTuple):
+    """Outputs of ``relu_mask_bias_grad``: the ReLU-masked gradient and its column sums."""
+
+    dx: np.ndarray
+    db: np.ndarray
+
+
+def relu_mask_bias_grad(dy: np.ndarray, h: np.ndarray) -> ReluBiasGrad:
+    """``relu_mask`` fused with ``bias_grad_reduce``: returns ``ReluBiasGrad(dx, db)`` with
+    ``dx = relu_mask(dy, h)`` (``dx[i, n] = h[i, n] <= 0 ? 0 : dy[i, n]``) and
+    ``db = bias_grad_reduce(dx)`` (``db[n] = sum_i dx[i, n]``, float32 accumulation).
+
+    Shapes: ``dy [M, N]`` and ``h [M, N]`` float32; returns ``dx [M, N]`` and ``db [N]``
+    float32. ``dx`` is exact (a select); ``db`` is a float32 reduction whose order is not part of
+    the contract (conformance: reduction tolerance, as ``bias_grad_reduce``).
+
+    NaN/Inf contract (the two kernels' contracts, composed): where ``h <= 0``, ``dx`` is ``+0.0``
+    whatever ``dy`` holds (a NaN or Inf ``dy`` there is dropped and does not reach ``db``); where
+    ``h > 0`` or ``h`` is NaN, ``dy`` passes unchanged into ``dx`` (NaN and Inf included). ``db``
+    sums ``dx`` with plain IEEE adds, no guard: a NaN that passed the mask makes its column's sum
+    NaN; a passed ``+Inf`` and ``-Inf`` in one column give NaN. (The fast kernel re-sums a column
+    holding a non-finite or huge term row by row, as the reference does, so such columns get the
+    reference's result exactly; see ``bias_grad_reduce``'s CUDA kernel.)
+    """
+    validate_relu_mask_bias_grad(dy, h)
+    dx = relu_mask(dy, h)
+    return ReluBiasGrad(dx=dx, db=bias_grad_reduce(dx))
 
 
 def f32_to_bf16(x: np.ndarray) -> np.ndarray:
@@ -267,6 +301,7 @@ KERNELS = {
     "add_bias_relu_bf16": add_bias_relu_bf16,
     "relu_mask": relu_mask,
     "bias_grad_reduce": bias_grad_reduce,
+    "relu_mask_bias_grad": relu_mask_bias_grad,
     "f32_to_bf16": f32_to_bf16,
     "bf16_to_f32": bf16_to_f32,
     "tf32_round": tf32_round,

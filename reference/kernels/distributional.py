@@ -182,6 +182,37 @@ def validate_c51_loss(logp, actions, m, isw, scale) -> np.float32:
 validate_c51_grad = validate_c51_loss
 
 
+def validate_log_softmax_expected_q(logits, z, q_rows) -> int:
+    """The argument checks of ``log_softmax_expected_q``; returns ``q_rows`` as an int."""
+    require_array("logits", logits, F32, ndim=2)
+    rows, num_atoms = logits.shape
+    if num_atoms < 1:
+        raise ValueError(
+            f"logits: shape {logits.shape} is not allowed; expected [R, NA] with NA >= 1"
+        )
+    _require_vector("z", z, num_atoms, "[NA] with NA = logits.shape[1]")
+    if (isinstance(q_rows, (bool, np.bool_)) or not isinstance(q_rows, (int, np.integer))
+            or not 0 <= q_rows <= rows):
+        raise ValueError(
+            f"q_rows: {q_rows!r} is not allowed; expected an int with 0 <= q_rows <= R = {rows}"
+        )
+    return int(q_rows)
+
+
+def validate_c51_project_grad(
+    p_next, r, done, gamma, z, v_min, v_max, logp, actions, isw, scale
+) -> tuple[ProjectArgs, np.float32]:
+    """The argument checks of ``c51_project_grad`` (``c51_project``'s, then ``c51_grad``'s with
+    ``B``, ``NA`` taken from ``p_next``); returns ``(ProjectArgs, scale)``."""
+    args = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max)
+    batch, num_atoms = p_next.shape
+    _require_logp(logp)
+    require_shape("logp", logp, (batch, logp.shape[1], num_atoms), "[B, A, NA] (p_next is [B, NA])")
+    _require_actions(actions, batch, logp.shape[1])
+    _require_vector("isw", isw, batch, "[B] with B = p_next.shape[0]")
+    return args, f32_scalar("scale", scale)
+
+
 def validate_cql_logit_grad(logp, actions, z, alpha, scale) -> tuple[np.float32, np.float32]:
     """The argument checks of ``cql_logit_grad``; returns ``(alpha, scale)`` in float32."""
     _require_logp(logp)
@@ -440,6 +471,88 @@ def cql_logit_grad(
     return CqlGrad(dlogits=dlogits.astype(F32, copy=False), terms=terms.astype(F32, copy=False))
 
 
+# --------------------------------------------------------------------------------------------
+# Fused kernels: compositions of the kernels above, one launch each on the device.
+# --------------------------------------------------------------------------------------------
+
+
+class LogSoftmaxQ(NamedTuple):
+    """Outputs of ``log_softmax_expected_q``: ``logp [R, NA]`` and ``q [q_rows]``."""
+
+    logp: np.ndarray
+    q: np.ndarray
+
+
+@ieee
+def log_softmax_expected_q(logits: np.ndarray, z: np.ndarray, q_rows) -> LogSoftmaxQ:
+    """``log_softmax_atoms`` over every row, then ``expected_q`` over the first ``q_rows`` rows.
+
+    ``logp = log_softmax_atoms(logits)``;
+    ``q[r] = expected_q(logp[:q_rows] as [q_rows, 1, NA], z)[r, 0] = sum_j exp(logp[r, j]) * z_j``
+    for ``r < q_rows``. One row is one (sample, action) atom vector of the packed logits (the
+    step's online rows come first, so ``q`` is the online Q of every action).
+
+    Shapes: ``logits [R, NA]`` float32 (NA >= 1), ``z [NA]`` float32, ``q_rows`` an int with
+    ``0 <= q_rows <= R`` (else ValueError); returns ``LogSoftmaxQ(logp [R, NA], q [q_rows])``
+    float32.
+    NaN/Inf contract: the two kernels' contracts composed. Per row, a NaN or ``+Inf`` logit
+    anywhere, or a row of all ``-Inf``, makes the whole ``logp`` row NaN, hence its ``q`` NaN;
+    otherwise a ``-Inf`` logit gives ``logp = -Inf`` and contributes exactly 0 to ``q``. A NaN in
+    ``z`` makes every ``q`` NaN (``logp`` does not read ``z``); rows ``>= q_rows`` reach ``logp``
+    only.
+    """
+    rows = validate_log_softmax_expected_q(logits, z, q_rows)
+    logp = log_softmax_atoms(logits)
+    num_atoms = logits.shape[1]
+    q = expected_q(np.ascontiguousarray(logp[:rows]).reshape(rows, 1, num_atoms), z)
+    return LogSoftmaxQ(logp=logp, q=q.reshape(rows).astype(F32, copy=False))
+
+
+class C51ProjectGrad(NamedTuple):
+    """Outputs of ``c51_project_grad``: ``m [B, NA]`` and ``dlogits [B, A, NA]``."""
+
+    m: np.ndarray
+    dlogits: np.ndarray
+
+
+@ieee
+def c51_project_grad(
+    p_next: np.ndarray,
+    r: np.ndarray,
+    done: np.ndarray,
+    gamma,
+    z: np.ndarray,
+    v_min,
+    v_max,
+    logp: np.ndarray,
+    actions: np.ndarray,
+    isw: np.ndarray,
+    scale,
+) -> C51ProjectGrad:
+    """``c51_project`` followed by ``c51_grad`` on the projected target, in one launch.
+
+    ``m = c51_project(p_next, r, done, gamma, z, v_min, v_max)``;
+    ``dlogits = c51_grad(logp, actions, m, isw, scale)``, i.e.
+    ``dlogits[b, a_b, j] = (isw_b * scale) * (exp(logp[b, a_b, j]) - m[b, j])`` and ``+0.0``
+    at every other action. Formulas and rounding order are the two kernels' (see them).
+
+    Shapes: ``p_next [B, NA]`` (NA >= 2), ``r [B]``, ``done [B]``, ``z [NA]``, ``isw [B]``
+    float32; ``logp [B, A, NA]`` float32; ``actions [B]`` int32 in ``[0, A)``; ``gamma``,
+    ``scale`` real scalars (any value; ISV bus / arena); ``v_min < v_max`` finite (else
+    ValueError, as every shape or dtype mismatch); returns ``C51ProjectGrad(m [B, NA],
+    dlogits [B, A, NA])`` float32.
+    NaN/Inf contract: the two kernels' contracts composed. A NaN in ``r_b``, ``done_b``,
+    ``gamma`` or anywhere in ``p_next[b]`` (or ``gamma = +/-Inf`` with ``done_b = 1``) makes
+    ``m[b]`` NaN, hence the taken row ``dlogits[b, a_b]`` NaN; ``r_b = +/-Inf`` is clipped (a
+    finite row). A NaN in the taken ``logp`` row (elementwise), ``isw_b`` or ``scale`` makes the
+    taken gradient NaN there; the other actions' rows are ``+0.0`` whatever ``logp``, ``m`` or
+    the scalars hold.
+    """
+    validate_c51_project_grad(p_next, r, done, gamma, z, v_min, v_max, logp, actions, isw, scale)
+    m = c51_project(p_next, r, done, gamma, z, v_min, v_max)
+    return C51ProjectGrad(m=m, dlogits=c51_grad(logp, actions, m, isw, scale))
+
+
 KERNELS = {
     "dueling_combine": dueling_combine,
     "dueling_combine_backward": dueling_combine_backward,
@@ -450,4 +563,6 @@ KERNELS = {
     "c51_loss": c51_loss,
     "c51_grad": c51_grad,
     "cql_logit_grad": cql_logit_grad,
+    "log_softmax_expected_q": log_softmax_expected_q,
+    "c51_project_grad": c51_project_grad,
 }

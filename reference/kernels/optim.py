@@ -8,6 +8,10 @@ The budget pipeline of step 5 and the Adam of step 6 are built from these kernel
     scale = safety_clip_scale(grad_norm_sq(grad), mgn)
     param, m, v = adam_update(param, grad, m, v, grad_scale=scale, ...)
 
+Two fused kernels of the fast step are compositions of these, under their own names:
+``clip_saxpy_norm_partial`` (the budget clip, the clipped injection and phase 1 of the total
+norm) and ``polyak_update_mirror`` (the Polyak update and the BF16 mirrors of both networks).
+
 Norms skip non-finite elements: Adam's per-element guard discards a non-finite gradient, so it
 must not poison the clip scale of the finite ones. Every SAXPY skips non-finite ``x_i``.
 All arithmetic is float32, in the order written in each docstring (products rounded before
@@ -29,6 +33,7 @@ from foxhunt.reference.kernels._checks import (
     check_same_shape,
     data_f32,
 )
+from foxhunt.reference.kernels.dense import f32_to_bf16
 from foxhunt.reference.kernels.safety import clamp_finite
 
 _ZERO = np.float32(0.0)
@@ -108,6 +113,35 @@ def validate_polyak_update(target, online, tau) -> np.float32:
     """The argument checks of ``polyak_update``; returns ``tau`` in float32."""
     _check_f32_same_shape(target=target, online=online)
     return check_f32_scalar("tau", tau, lo=0.0, hi=1.0)
+
+
+class ClipSaxpyArgs(NamedTuple):
+    """``clip_saxpy_norm_partial``'s checked scalars, as the kernel receives them."""
+
+    base_max_norm: np.float32
+    base_norm_sq: np.float32
+    a: np.float32
+    inject_max_norm: np.float32
+    inject_norm_sq: np.float32
+    block_size: int
+
+
+def validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_norm_sq, a,
+                                     inject_max_norm, inject_norm_sq,
+                                     block_size) -> ClipSaxpyArgs:
+    """The argument checks of ``clip_saxpy_norm_partial`` (those of the three kernels it fuses,
+    under the fused names); returns the scalars (``ClipSaxpyArgs``)."""
+    check_f32_array("base", base, ndim=1)
+    check_f32_array("inject", inject)
+    check_same_shape(base=base, inject=inject)
+    return ClipSaxpyArgs(
+        base_max_norm=check_f32_scalar("base_max_norm", base_max_norm, lo=0.0),
+        base_norm_sq=data_f32("base_norm_sq", base_norm_sq),
+        a=check_f32_scalar("a", a),
+        inject_max_norm=check_f32_scalar("inject_max_norm", inject_max_norm, lo=0.0),
+        inject_norm_sq=data_f32("inject_norm_sq", inject_norm_sq),
+        block_size=check_int("block_size", block_size, minimum=1),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -270,6 +304,54 @@ def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
     return _guarded_axpy(y, xs, a32)
 
 
+class ClipSaxpyPartial(NamedTuple):
+    """``clip_saxpy_norm_partial`` outputs: the budgeted gradient and its norm partials."""
+
+    out: np.ndarray
+    partials: np.ndarray
+
+
+def clip_saxpy_norm_partial(base: np.ndarray, inject: np.ndarray, base_max_norm: float,
+                            base_norm_sq: float, a: float, inject_max_norm: float,
+                            inject_norm_sq: float, block_size: int) -> ClipSaxpyPartial:
+    """The budget pipeline's tail in one kernel: clip ``base``, inject the clipped ``inject``,
+    and phase 1 of the new buffer's norm. The composition::
+
+        out      = clipped_saxpy(clip_grad_inplace(base, base_max_norm, base_norm_sq),
+                                 inject, a, inject_max_norm, inject_norm_sq)
+        partials = grad_norm_partial(out, block_size)
+
+    In the step: ``base`` the C51 gradient (budget ``0.70 mgn``), ``inject`` the CQL gradient
+    (budget ``0.15 mgn``, ``a = 1``), ``*_norm_sq`` their ``grad_norm_sq``; ``out`` is the
+    gradient Adam reads and ``partials`` feed ``grad_norm_final`` (the total norm).
+
+    Per element, rounded in this order (``s_b = clip_scale(base_norm_sq, base_max_norm)``,
+    ``s_i = clip_scale(inject_norm_sq, inject_max_norm)``, both finite in ``[0, 1]``)::
+
+        c     = base_i * s_b
+        out_i = c + a * (inject_i * s_i)   if isfinite(inject_i)   else c
+
+    and ``partials[k] = sum of out_i^2 over the finite out_i of segment k`` (``grad_norm_partial``).
+
+    Shapes: ``base``, ``inject`` float32[N] (1-D, one shape); ``base_max_norm``,
+    ``inject_max_norm`` finite >= 0; ``a`` finite; ``base_norm_sq``, ``inject_norm_sq`` data
+    (any float32, as ``clip_scale``); ``block_size`` an int >= 1. Returns
+    ``ClipSaxpyPartial(out float32[N], partials float32[ceil(N / block_size)])``; the inputs
+    are not modified.
+
+    NaN contract (the fused kernels'): a NaN ``base_i`` gives a NaN ``out_i``; a +/-Inf
+    ``base_i`` stays +/-Inf when ``s_b > 0`` and becomes NaN when ``s_b = 0``; a non-finite
+    ``inject_i`` is skipped (``out_i = base_i * s_b`` bit for bit); a finite sum or product
+    that overflows gives +/-Inf. A NaN norm gives scale 1, a +Inf norm scale 0. ``partials``
+    skip the non-finite ``out_i``: never NaN, +Inf only if a finite square overflowed.
+    """
+    validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_norm_sq, a,
+                                     inject_max_norm, inject_norm_sq, block_size)
+    clipped = clip_grad_inplace(base, base_max_norm, base_norm_sq)
+    out = clipped_saxpy(clipped, inject, a, inject_max_norm, inject_norm_sq)
+    return ClipSaxpyPartial(out=out, partials=grad_norm_partial(out, block_size))
+
+
 # ---------------------------------------------------------------------------------------------
 # Adam
 # ---------------------------------------------------------------------------------------------
@@ -373,6 +455,41 @@ def polyak_update(target: np.ndarray, online: np.ndarray, tau: float) -> np.ndar
         return (keep * target + tau32 * online).astype(np.float32, copy=False)
 
 
+class PolyakMirror(NamedTuple):
+    """``polyak_update_mirror`` outputs: the new target and the BF16 mirrors of both networks."""
+
+    target: np.ndarray
+    online_bf16: np.ndarray
+    target_bf16: np.ndarray
+
+
+def polyak_update_mirror(target: np.ndarray, online: np.ndarray, tau: float) -> PolyakMirror:
+    """Polyak update and the BF16 mirrors of the online and new target parameters, in one
+    kernel (graph 2's tail). The composition::
+
+        target      = polyak_update(target, online, tau)
+        online_bf16 = f32_to_bf16(online)
+        target_bf16 = f32_to_bf16(target)          # of the NEW target
+
+    Per element: ``t = (1 - tau) * target_i + tau * online_i`` (``1 - tau`` rounded once, the
+    two products rounded, then the sum; no FMA), then BF16 round-to-nearest-even of
+    ``online_i`` and of ``t`` on the bit pattern (``dense.f32_to_bf16``).
+
+    Shapes: ``target``, ``online`` float32 of one shape (the flat parameter buffers); ``tau``
+    in [0, 1]. Returns ``PolyakMirror(target float32, online_bf16 uint16, target_bf16
+    uint16)``, all of the inputs' shape; the inputs are not modified.
+
+    NaN contract: the blend is plain arithmetic, NaN/Inf in either input propagate to the new
+    target (``polyak_update``); the mirrors follow ``f32_to_bf16``: +/-Inf stay +/-Inf, a NaN
+    stays a quiet NaN with its sign and high payload bits, and finite values at or above
+    ``0x1.FFp127`` plus half a BF16 ulp round to +/-Inf.
+    """
+    validate_polyak_update(target, online, tau)
+    new_target = polyak_update(target, online, tau)
+    return PolyakMirror(target=new_target, online_bf16=f32_to_bf16(online),
+                        target_bf16=f32_to_bf16(new_target))
+
+
 def hard_sync(target: np.ndarray, online: np.ndarray) -> np.ndarray:
     """Hard target sync at a fold boundary (Mech 3): the new target is a copy of ``online``.
 
@@ -392,13 +509,17 @@ KERNELS = {
     "clipped_saxpy": clipped_saxpy,
     "adam_update": adam_update,
     "polyak_update": polyak_update,
+    "clip_saxpy_norm_partial": clip_saxpy_norm_partial,
+    "polyak_update_mirror": polyak_update_mirror,
 }
 
 __all__ = [
-    "AdamArgs", "AdamState", "KERNELS", "adam_update", "clip_grad_inplace", "clip_scale",
+    "AdamArgs", "AdamState", "ClipSaxpyArgs", "ClipSaxpyPartial", "KERNELS", "PolyakMirror",
+    "adam_update", "clip_grad_inplace", "clip_saxpy_norm_partial", "clip_scale",
     "clipped_saxpy",
     "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "hard_sync", "norm_from_sq",
-    "polyak_update", "safety_clip_scale", "saxpy", "validate_adam_update",
-    "validate_clip_grad_inplace", "validate_clipped_saxpy", "validate_grad_norm_partial",
-    "validate_polyak_update", "validate_saxpy",
+    "polyak_update", "polyak_update_mirror", "safety_clip_scale", "saxpy",
+    "validate_adam_update", "validate_clip_grad_inplace", "validate_clip_saxpy_norm_partial",
+    "validate_clipped_saxpy", "validate_grad_norm_partial", "validate_polyak_update",
+    "validate_saxpy",
 ]
