@@ -31,8 +31,8 @@ converted by ``f32_to_bf16`` / the clamp glue) with f32 accumulation, and the ba
 TF32 on the f32 activations and f32 master weights. Bias adds and ReLUs of the forward are
 cuBLASLt epilogues (RELU_BIAS / RELU_AUX_BIAS / BIAS); the backward fuses the ReLU mask and the
 bias gradient (DRELU_BGRAD) and the output layers' bias gradient (BGRADB, our "bgrada"); a
-configuration cuBLASLt refuses falls back to a plain GEMM plus ``relu_mask`` /
-``bias_grad_reduce``.
+configuration cuBLASLt refuses (DRELU_BGRAD for every backward shape of the seed preset) falls
+back to a plain GEMM plus ``relu_mask_bias_grad`` (the mask and the column sums in one launch).
 
 Fusion plan (SPEC 11): online(s) and online(s2) share one pass over the stacked batch [s; s2].
 The step is a dependency graph, not a chain (``Ops.parallel`` / ``record`` / ``wait``: side
@@ -44,9 +44,11 @@ head's ``dh2`` part (summed in the reference's order by ``glue_h2_grad_mask``); 
 weight gradients overlap the trunk. GEMMs are planned without a workspace where cuBLASLt allows
 (``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes). The dueling combine, its
 backward and the CQL logit gradient run once over every branch (``cuda_src/fused.cu``:
-branch-packed buffers, ``blockIdx.y`` = branch). Everything else is op for op
-(the structure leaves room for the issue's fused plan: concatenated head weights, stacked
-C51/CQL backward, fused loss kernels).
+branch-packed buffers, ``blockIdx.y`` = branch). Fused launches on the critical path, each the
+composition of its reference kernels: ``log_softmax_expected_q``, ``c51_project_grad`` (per
+branch), ``relu_mask_bias_grad``, ``clip_saxpy_norm_partial`` (the budget tail: clip, SAXPY and
+the total norm's partials) and, in graph 2, ``polyak_update_mirror``. Not done: the issue's
+concatenated head weights and stacked C51/CQL backward GEMMs.
 """
 
 from __future__ import annotations
@@ -807,7 +809,7 @@ class StepProgram:
         """``dx [rows, n_in] (+)= dy [rows, n_out] @ W [n_out, n_in]``; with ``relu=(aux, h,
         db, scratch)`` the result is masked by the forward ReLU (``h <= 0 ? 0 : dx``) and ``db =
         colsum(masked dx)`` (DRELU_BGRAD; or, if cuBLASLt refuses it, a plain GEMM into
-        ``scratch``, then ``relu_mask`` and ``bias_grad_reduce``)."""
+        ``scratch``, then ``relu_mask_bias_grad``: relu_mask and bias_grad_reduce in one launch)."""
         from foxhunt.fast.gemm import GemmPlanError
 
         if relu is not None:
@@ -821,9 +823,9 @@ class StepProgram:
                 self.fallbacks.append(f"drelu_bgrad {rows}x{n_in}x{n_out}: {exc}")
             plan = self._plan(rows, n_in, n_out, ptrs=(dy, w, scratch), precision=self.bwd_mode)
             ops.gemm(plan, dy, w, scratch)
-            n = rows * n_in
-            ops.kernel("relu_mask", self.k["dense"].plan_relu_mask(n), scratch, h, dx, n)
-            self.bias_grad(ops, dx, db, rows, n_in)
+            ops.kernel("relu_mask_bias_grad",
+                       self.k["dense"].plan_relu_mask_bias_grad(rows, n_in), scratch, h, dx, db,
+                       rows, n_in)
             return
         plan = self._plan(rows, n_in, n_out, ptrs=(dy, w, dx), precision=self.bwd_mode, beta=beta)
         ops.gemm(plan, dy, w, dx)
@@ -1033,12 +1035,12 @@ class StepProgram:
         self.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2, aux=False,
                      logits_key=lambda d: ("t", d))
         ops.parallel(target, online)
-        rows = 3 * B * lay.A_total
-        ops.kernel("log_softmax_atoms", dist.plan_log_softmax_atoms(rows, NA), self.ptr("logits"),
-                   self.ptr("logp"), rows, NA)
-        q_rows = 2 * B * lay.A_total
-        ops.kernel("expected_q", dist.plan_expected_q(q_rows, 1, NA), self.ptr("logp"),
-                   self.ptr("z"), self.ptr("q_o"), q_rows, NA)
+        # Log-softmax of every branch of both passes, with expected Q of the online rows (the
+        # first 2B * A_total rows of the packed buffer), in one launch.
+        rows, q_rows = 3 * B * lay.A_total, 2 * B * lay.A_total
+        ops.kernel("log_softmax_expected_q", dist.plan_log_softmax_expected_q(rows, NA),
+                   self.ptr("logits"), self.ptr("z"), self.ptr("logp"), self.ptr("q_o"), rows,
+                   q_rows, NA)
         a_ptr, r_ptr = self.batch_ptr("a"), self.batch_ptr("r")
         done_ptr, isw_ptr = self.batch_ptr("done"), self.batch_ptr("isw")
         lo, hi = np.float32(c.v_min), np.float32(c.v_max)
@@ -1062,13 +1064,12 @@ class StepProgram:
         for d, n in enumerate(lay.branches):
             proj = Ops(self.module)
             m = self.ptr("m", offset=d * B * NA)
-            proj.kernel("c51_project", dist.plan_c51_project(B, NA),
+            proj.kernel("c51_project_grad", dist.plan_c51_project_grad(B, n, NA),
                         self.ptr("p_next", offset=d * B * NA), r_ptr, done_ptr,
-                        self.ptr("gamma", offset=d), self.ptr("z"), m, B, NA, lo, hi, dz)
+                        self.ptr("gamma", offset=d), self.ptr("z"), self.ptr("logp", ("o", d)),
+                        a_ptr + d * B * 4, isw_ptr, self.ptr("scale"), m,
+                        self.ptr("dlogits_c51", d), B, n, NA, lo, hi, dz)
             proj.record(f"m{d}")
-            proj.kernel("c51_grad", dist.plan_c51_grad(B, n, NA), self.ptr("logp", ("o", d)),
-                        a_ptr + d * B * 4, m, isw_ptr, self.ptr("scale"),
-                        self.ptr("dlogits_c51", d), B, n, NA)
             projections.append(proj)
         c51_pre.parallel(*projections)
         # CQL logit gradients of every branch in one launch (first B samples of each block).
@@ -1084,10 +1085,6 @@ class StepProgram:
         c51_side = Ops(self.module)
         self.backward(c51_side, "c51", c51_pre)
         self.norm(c51_side, "grad_c51", "c51")
-        # Budget pipeline: grad = clip(grad_c51, 0.70 mgn); grad += clipped(grad_cql, 0.15 mgn).
-        c51_side.copy(self.ptr("grad"), self.ptr("grad_c51"), NP * 4, "dtod")
-        c51_side.kernel("clip_grad_inplace", opt.plan_clip_grad_inplace(NP), self.ptr("grad"), NP,
-                        np.float32(c.budget("c51")), self.ptr("sq_c51"))
         books = Ops(self.module)  # C51 bookkeeping, after every branch's projection
         for d in range(nb):
             books.wait(f"m{d}")
@@ -1104,10 +1101,14 @@ class StepProgram:
         books.kernel("glue_branch_sum", flat_plan(B), self.ptr("ce"), self.ptr("td"), B, nb, B,
                      np.float32(nb))
         ops.parallel(cql_side, c51_side, books)
-        ops.kernel("clipped_saxpy", opt.plan_clipped_saxpy(NP), self.ptr("grad"),
-                   self.ptr("grad_cql"), NP, np.float32(1.0), np.float32(c.budget("cql")),
-                   self.ptr("sq_cql"))
-        self.norm(ops, "grad", "total")
+        # Budget pipeline, one launch: grad = clip(grad_c51, 0.70 mgn) + clipped(grad_cql,
+        # 0.15 mgn), with the total norm's phase-1 partials; then phase 2.
+        ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
+                   self.ptr("grad_c51"), self.ptr("grad_cql"), NP, np.float32(c.budget("c51")),
+                   self.ptr("sq_c51"), np.float32(1.0), np.float32(c.budget("cql")),
+                   self.ptr("sq_cql"), NORM_SEGMENT, self.ptr("grad"), self.ptr("partials_total"))
+        ops.kernel("grad_norm_final", opt.plan_grad_norm_final(lay.n_partials),
+                   self.ptr("partials_total"), lay.n_partials, self.ptr("sq_total"))
         body = Ops(self.module)
         body.parallel(prologue, ops)
         body.kernel("glue_step_scalars", (1, GLUE_THREADS, 0), self.ptr("c51_total"),
@@ -1126,8 +1127,8 @@ class StepProgram:
         opt, spec, isvk, safety = self.k["optim"], self.k["spectral"], self.k["isv"], self.k["safety"]
         body, ops = Ops(self.module), Ops(self.module)
         params, target = self.ptr("params2"), self.ptr("params2", offset=NP)
-        # The optimiser chain on the capture stream: Adam, spectral norm, Polyak, then the
-        # post-Adam check beside the BF16 mirror. The side branches below fork at the start of
+        # The optimiser chain on the capture stream: Adam, spectral norm, Polyak with the BF16
+        # mirrors, then the post-Adam check. The side branches below fork at the start of
         # the graph (root nodes beside Adam): none of them reads what the chain writes.
         ops.kernel("adam_update", opt.plan_adam_update(NP), params, self.ptr("grad"),
                    self.ptr("adam_m"), self.ptr("adam_v"), NP, self.ptr("adam_t"),
@@ -1138,14 +1139,16 @@ class StepProgram:
         ops.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w),
                    self.ptr("spectral_desc"), n_w, np.float32(c.sigma_max), SPECTRAL_EPS,
                    self.ptr("sigmas"))
-        ops.kernel("polyak_update", opt.plan_polyak_update(NP), target, params, NP,
-                   np.float32(c.tau))
+        # Polyak, then the BF16 mirrors of params and target ([params; target] in mirror2), in
+        # one launch.
+        ops.kernel("polyak_update_mirror", opt.plan_polyak_update_mirror(NP), target, params, NP,
+                   np.float32(c.tau), self.ptr("mirror2"), self.ptr("mirror2", offset=NP))
         # Side branches beside the whole optimiser chain, from the start of the graph: the ISV
         # producers (they read graph 1's q_taken and h2 and write their own ISV slots, which
         # nothing in graph 2 reads: the bounds of this step were formed in graph 1) and the
         # fused check of the slots whose buffers graph 2 does not write. The slots of
-        # params/target/Adam moments are checked after Polyak, beside the BF16 mirror; the
-        # sticky flags are merged after the join.
+        # params/target/Adam moments are checked after Polyak and the mirrors; the sticky
+        # flags are merged after the join.
         sp = lay.sentinel
         producers = Ops(self.module)
         nq = lay.nb * lay.B
@@ -1165,10 +1168,7 @@ class StepProgram:
 
         checks_pre = Ops(self.module)
         fused_check(checks_pre, "desc_lens_pre", pre_lens)
-        checks_post, mirror = Ops(self.module), Ops(self.module)
-        fused_check(checks_post, "desc_lens_post", post_lens)
-        self.to_bf16(mirror, params, self.ptr("mirror2"), 2 * NP)
-        ops.parallel(checks_post, mirror)
+        fused_check(ops, "desc_lens_post", post_lens)
         body.parallel(producers, checks_pre, ops)
         if sp.n_pieces:
             body.kernel("glue_merge_flags", (1, GLUE_THREADS, 0), self.ptr("flags"),
@@ -1255,10 +1255,9 @@ class StepProgram:
             self.forward(ops, tag="e", rows=rows, which=0, x=x, xb=xb, aux=False,
                          logits_key=lambda d: ("e", d))
             n_rows = rows * lay.A_total
-            ops.kernel("log_softmax_atoms", dist.plan_log_softmax_atoms(n_rows, lay.NA),
-                       self.ptr("logits"), self.ptr("logp"), n_rows, lay.NA)
-            ops.kernel("expected_q", dist.plan_expected_q(n_rows, 1, lay.NA), self.ptr("logp"),
-                       self.ptr("z"), self.ptr("q"), n_rows, lay.NA)
+            ops.kernel("log_softmax_expected_q",
+                       dist.plan_log_softmax_expected_q(n_rows, lay.NA), self.ptr("logits"),
+                       self.ptr("z"), self.ptr("logp"), self.ptr("q"), n_rows, n_rows, lay.NA)
             return ops
         finally:
             self._eval = None

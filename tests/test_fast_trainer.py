@@ -276,6 +276,14 @@ def k_bias_grad_reduce(dy, db, rows, cols):
     _view(db, cols, F)[:] = dense.bias_grad_reduce(_view(dy, rows * cols, F).reshape(rows, cols).copy())
 
 
+def k_relu_mask_bias_grad(dy, h, dx, db, rows, cols):
+    n = rows * cols
+    r = dense.relu_mask_bias_grad(_view(dy, n, F).reshape(rows, cols).copy(),
+                                  _view(h, n, F).reshape(rows, cols).copy())
+    _view(dx, n, F)[:] = r.dx.ravel()
+    _view(db, cols, F)[:] = r.db
+
+
 def k_dueling_combine(v, adv, logits, b, a, na):
     r = dist.dueling_combine(_view(v, b * na, F).reshape(b, na).copy(),
                              _view(adv, b * a * na, F).reshape(b, a, na).copy())
@@ -312,6 +320,18 @@ def k_c51_project(p, r, done, gamma, z, m, b, na, lo, hi, dz):
 def _c51_args(logp, act, m, isw, b, a, na):
     return (_view(logp, b * a * na, F).reshape(b, a, na).copy(), _view(act, b, I).copy(),
             _view(m, b * na, F).reshape(b, na).copy(), _view(isw, b, F).copy())
+
+
+def k_c51_project_grad(p, r, done, gamma, z, logp, act, isw, scale, m, dl, b, a, na, lo, hi, dz):
+    k_c51_project(p, r, done, gamma, z, m, b, na, lo, hi, dz)
+    k_c51_grad(logp, act, m, isw, scale, dl, b, a, na)
+
+
+def k_log_softmax_expected_q(logits, z, logp, q, rows, q_rows, na):
+    r = dist.log_softmax_expected_q(_view(logits, rows * na, F).reshape(rows, na).copy(),
+                                    _view(z, na, F).copy(), q_rows)
+    _view(logp, rows * na, F)[:] = r.logp.ravel()
+    _view(q, q_rows, F)[:] = r.q
 
 
 def k_c51_loss(logp, act, m, isw, scale, ce, total, b, a, na):
@@ -401,6 +421,15 @@ def k_clipped_saxpy(y, x, n, a, max_norm, norm_sq):
     yv[:] = optim.clipped_saxpy(yv.copy(), _view(x, n, F).copy(), a, max_norm, _scalar(norm_sq))
 
 
+def k_clip_saxpy_norm_partial(base, inject, n, base_max_norm, base_norm_sq, a, inject_max_norm,
+                              inject_norm_sq, block_size, out, partials):
+    r = optim.clip_saxpy_norm_partial(_view(base, n, F).copy(), _view(inject, n, F).copy(),
+                                      base_max_norm, _scalar(base_norm_sq), a, inject_max_norm,
+                                      _scalar(inject_norm_sq), block_size)
+    _view(out, n, F)[:] = r.out
+    _view(partials, -(-n // block_size), F)[:] = r.partials
+
+
 def k_adam_update(param, grad, m, v, n, step, lr, beta1, beta2, eps, wd, grad_scale, clamp):
     pv, mv, vv = _view(param, n, F), _view(m, n, F), _view(v, n, F)
     r = optim.adam_update(pv.copy(), _view(grad, n, F).copy(), mv.copy(), vv.copy(),
@@ -413,6 +442,14 @@ def k_adam_update(param, grad, m, v, n, step, lr, beta1, beta2, eps, wd, grad_sc
 def k_polyak_update(target, online, n, tau):
     tv = _view(target, n, F)
     tv[:] = optim.polyak_update(tv.copy(), _view(online, n, F).copy(), tau)
+
+
+def k_polyak_update_mirror(target, online, n, tau, online_bf16, target_bf16):
+    tv = _view(target, n, F)
+    r = optim.polyak_update_mirror(tv.copy(), _view(online, n, F).copy(), tau)
+    tv[:] = r.target
+    _view(online_bf16, n, np.uint16)[:] = r.online_bf16
+    _view(target_bf16, n, np.uint16)[:] = r.target_bf16
 
 
 def k_batched_spectral_norm(mats, count, sigma_max, eps, sigmas):
