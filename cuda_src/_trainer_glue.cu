@@ -197,6 +197,7 @@ extern "C" __global__ void glue_scalar_targets(const float* __restrict__ p_next,
         const int d = (int)(i / batch);
         const float* p = p_next + i * num_atoms;
         float e = 0.0f;
+#pragma unroll 8  // loads in flight together; the sum stays in atom order
         for (int j = 0; j < num_atoms; ++j) {
             e = __fadd_rn(e, __fmul_rn(p[j], z[j]));
         }
@@ -251,8 +252,8 @@ extern "C" __global__ void glue_h2_grad_mask(const float* __restrict__ parts, in
 }
 
 // ---------------------------------------------------------------------------------------------
-// Step scalars (graph 1, last kernel), ONE block of GLUE_THREADS threads. In the reference's
-// float32 order (trainer.py, step.py, budgets.py):
+// Step scalars, in two kernels so that the block reductions are off the critical path. In the
+// reference's float32 order (trainer.py, step.py, budgets.py):
 //   c51_loss = ((0 + c51_total[0]) + c51_total[1]) + ...
 //   cql_loss = ((0 + (alpha * mean(terms[0])) / nb) + (alpha * mean(terms[1])) / nb) + ...
 //   loss = c51_loss + cql_loss
@@ -263,15 +264,15 @@ extern "C" __global__ void glue_h2_grad_mask(const float* __restrict__ parts, in
 //   ISV[slow] = isfinite(grad_norm) ? (1 - a) * slow + a * grad_norm : slow  (budgets.slow_ema_update)
 // readback[] receives (loss, c51_loss, cql_loss, grad_norm, c51_pre, c51_post, cql_pre, cql_post,
 // clip_bound, fired, mean_q, mean_target_q) in that order (foxhunt.fast.step_plan.READBACK_FIELDS).
+//
+// glue_loss_scalars (ONE block of GLUE_THREADS threads; as soon as the losses, CQL terms and
+// scalar targets exist) writes readback[1], [2], [10], [11]; glue_step_scalars (graph 1's last
+// kernel, one thread does the work) reads readback[1] and [2] and writes the rest.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
-glue_step_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
+glue_loss_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
                   const float* __restrict__ q_taken, const float* __restrict__ target_q,
-                  const float* __restrict__ c51_sq, const float* __restrict__ cql_sq,
-                  const float* __restrict__ total_sq, const float* __restrict__ clip_bound,
-                  float* __restrict__ isv, float* __restrict__ safety_scale,
-                  float* __restrict__ readback, int n_branches, int batch, float alpha,
-                  float budget_c51, float budget_cql, int slow_ema_index, float slow_alpha) {
+                  float* __restrict__ readback, int n_branches, int batch, float alpha) {
     float cql = 0.0f;
     for (int d = 0; d < n_branches; ++d) {
         const float sum = glue_block_total(terms + (long long)d * batch, batch);
@@ -288,14 +289,30 @@ glue_step_scalars(const float* __restrict__ c51_total, const float* __restrict__
     for (int d = 0; d < n_branches; ++d) {
         c51 = __fadd_rn(c51, c51_total[d]);
     }
+    readback[1] = c51;
+    readback[2] = cql;
+    readback[10] = mean_q;
+    readback[11] = mean_target_q;
+}
+
+extern "C" __global__ void glue_step_scalars(const float* __restrict__ c51_sq,
+                                             const float* __restrict__ cql_sq,
+                                             const float* __restrict__ total_sq,
+                                             const float* __restrict__ clip_bound,
+                                             float* __restrict__ isv,
+                                             float* __restrict__ safety_scale,
+                                             float* __restrict__ readback, float budget_c51,
+                                             float budget_cql, int slow_ema_index,
+                                             float slow_alpha) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) {
+        return;
+    }
     const float n_c51 = __fsqrt_rn(fmaxf(*c51_sq, 0.0f));
     const float n_cql = __fsqrt_rn(fmaxf(*cql_sq, 0.0f));
     const float grad_norm = __fsqrt_rn(fmaxf(*total_sq, 0.0f));
     const float bound = *clip_bound;
     *safety_scale = glue_clip_scale(*total_sq, bound);
-    readback[0] = __fadd_rn(c51, cql);
-    readback[1] = c51;
-    readback[2] = cql;
+    readback[0] = __fadd_rn(readback[1], readback[2]);
     readback[3] = grad_norm;
     readback[4] = n_c51;
     readback[5] = __fmul_rn(n_c51, glue_clip_scale(*c51_sq, budget_c51));
@@ -303,8 +320,6 @@ glue_step_scalars(const float* __restrict__ c51_total, const float* __restrict__
     readback[7] = __fmul_rn(n_cql, glue_clip_scale(*cql_sq, budget_cql));
     readback[8] = bound;
     readback[9] = grad_norm > bound ? 1.0f : 0.0f;
-    readback[10] = mean_q;
-    readback[11] = mean_target_q;
     if (glue_is_finite(grad_norm)) {
         const float slow = isv[slow_ema_index];
         isv[slow_ema_index] = __fadd_rn(__fmul_rn(__fsub_rn(1.0f, slow_alpha), slow),

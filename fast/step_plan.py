@@ -72,7 +72,8 @@ I64 = np.dtype(np.int64)
 U64 = np.dtype(np.uint64)
 U8 = np.dtype(np.uint8)
 
-#: Order of the step scalars in the device ``readback`` block (glue_step_scalars writes them).
+#: Order of the step scalars in the device ``readback`` block (glue_loss_scalars and
+#: glue_step_scalars write them).
 READBACK_FIELDS = ("loss", "c51_loss", "cql_loss", "grad_norm", "c51_norm_pre", "c51_norm_post",
                    "cql_norm_pre", "cql_norm_post", "clip_bound", "safety_clip_fired", "mean_q",
                    "mean_target_q")
@@ -1079,6 +1080,7 @@ class StepProgram:
                        self.ptr("logp", ("o", 0)), a_ptr, self.ptr("z"), self.ptr("alpha"),
                        self.ptr("scale"), self.ptr("n_actions"), self.ptr("action_offset"),
                        self.ptr("dlogits_cql"), self.ptr("terms"), B, 2 * B, NA)
+        cql_pre.record("cql_terms")
         cql_side = Ops(self.module)
         self.backward(cql_side, "cql", cql_pre)
         self.norm(cql_side, "grad_cql", "cql")
@@ -1100,6 +1102,12 @@ class StepProgram:
                          self.ptr("c51_total", offset=d), B, n, NA)
         books.kernel("glue_branch_sum", flat_plan(B), self.ptr("ce"), self.ptr("td"), B, nb, B,
                      np.float32(nb))
+        # The loss scalars and means of the readback (the block reductions of the step
+        # scalars), beside the backward passes: they need the C51 totals, Q's and the CQL terms.
+        books.wait("cql_terms")
+        books.kernel("glue_loss_scalars", (1, GLUE_THREADS, 0), self.ptr("c51_total"),
+                     self.ptr("terms"), self.ptr("q_taken"), self.ptr("target_q"),
+                     self.ptr("readback"), nb, B, np.float32(c.cql_alpha))
         ops.parallel(cql_side, c51_side, books)
         # Budget pipeline, one launch: grad = clip(grad_c51, 0.70 mgn) + clipped(grad_cql,
         # 0.15 mgn), with the total norm's phase-1 partials; then phase 2.
@@ -1111,13 +1119,11 @@ class StepProgram:
                    self.ptr("partials_total"), lay.n_partials, self.ptr("sq_total"))
         body = Ops(self.module)
         body.parallel(prologue, ops)
-        body.kernel("glue_step_scalars", (1, GLUE_THREADS, 0), self.ptr("c51_total"),
-                    self.ptr("terms"), self.ptr("q_taken"), self.ptr("target_q"),
-                    self.ptr("sq_c51"), self.ptr("sq_cql"), self.ptr("sq_total"),
-                    self.ptr("clip_bound"), self.ptr("isv"), self.ptr("safety_scale"),
-                    self.ptr("readback"), nb, B, np.float32(c.cql_alpha),
-                    np.float32(c.budget("c51")), np.float32(c.budget("cql")),
-                    isv_mod.GRAD_NORM_SLOW_EMA_INDEX, np.float32(c.grad_slow_ema_alpha))
+        body.kernel("glue_step_scalars", (1, 32, 0), self.ptr("sq_c51"), self.ptr("sq_cql"),
+                    self.ptr("sq_total"), self.ptr("clip_bound"), self.ptr("isv"),
+                    self.ptr("safety_scale"), self.ptr("readback"), np.float32(c.budget("c51")),
+                    np.float32(c.budget("cql")), isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
+                    np.float32(c.grad_slow_ema_alpha))
         return body
 
     # -- graph 2
@@ -1169,10 +1175,19 @@ class StepProgram:
         checks_pre = Ops(self.module)
         fused_check(checks_pre, "desc_lens_pre", pre_lens)
         fused_check(ops, "desc_lens_post", post_lens)
-        body.parallel(producers, checks_pre, ops)
+        # The extra pieces' flags are ORed into their slots' flags once every piece has been
+        # checked: right after the "pre" check when all pieces are there (the seed preset's
+        # are: packed per-branch buffers that graph 2 does not write), else after the join.
+        merge = Ops(self.module)
         if sp.n_pieces:
-            body.kernel("glue_merge_flags", (1, GLUE_THREADS, 0), self.ptr("flags"),
-                        self.ptr("piece_slot"), sp.n_slots, sp.n_pieces)
+            merge.kernel("glue_merge_flags", (1, GLUE_THREADS, 0), self.ptr("flags"),
+                         self.ptr("piece_slot"), sp.n_slots, sp.n_pieces)
+        if all(piece.buffer not in GRAPH2_WRITTEN for piece in sp.extras):
+            checks_pre.extend(merge)
+            body.parallel(producers, checks_pre, ops)
+        else:
+            body.parallel(producers, checks_pre, ops)
+            body.extend(merge)
         return body
 
     # -- constants the graphs read

@@ -536,22 +536,28 @@ def g_h2_grad_mask(parts, n_parts, stride, h2, h2_pre, dh2, out, n):
     _view(out, n, F)[:] = dense.relu_mask(masked.reshape(1, -1), pre.reshape(1, -1)).ravel()
 
 
-def g_step_scalars(c51_total, terms, q_taken, target_q, c51_sq, cql_sq, total_sq, clip_bound, isv,
-                   safety_scale, readback, nb, b, alpha, budget_c51, budget_cql, slow_index,
-                   slow_alpha):
+def g_loss_scalars(c51_total, terms, q_taken, target_q, readback, nb, b, alpha):
     tr = _view(terms, nb * b, F).reshape(nb, b)
     cql = c51 = F(0)
     for d in range(nb):
         cql = F(cql + F(alpha) * np.mean(tr[d], dtype=F) / F(nb))
         c51 = F(c51 + _view(c51_total, nb, F)[d])
+    rb = _view(readback, 12, F)
+    rb[1], rb[2] = c51, cql
+    rb[10] = np.mean(_view(q_taken, nb * b, F))
+    rb[11] = np.mean(_view(target_q, nb * b, F))
+
+
+def g_step_scalars(c51_sq, cql_sq, total_sq, clip_bound, isv, safety_scale, readback, budget_c51,
+                   budget_cql, slow_index, slow_alpha):
     sq = [_scalar(c51_sq), _scalar(cql_sq), _scalar(total_sq)]
     n_c51, n_cql, norm = (optim.norm_from_sq(s) for s in sq)
     bound = _scalar(clip_bound)
     _view(safety_scale, 1, F)[0] = optim.clip_scale(sq[2], bound)
-    _view(readback, 12, F)[:] = [
-        c51 + cql, c51, cql, norm, n_c51, F(n_c51 * optim.clip_scale(sq[0], budget_c51)),
-        n_cql, F(n_cql * optim.clip_scale(sq[1], budget_cql)), bound, F(norm > bound),
-        np.mean(_view(q_taken, nb * b, F)), np.mean(_view(target_q, nb * b, F))]
+    rb = _view(readback, 12, F)
+    rb[0] = rb[1] + rb[2]
+    rb[3:10] = [norm, n_c51, F(n_c51 * optim.clip_scale(sq[0], budget_c51)), n_cql,
+                F(n_cql * optim.clip_scale(sq[1], budget_cql)), bound, F(norm > bound)]
     iv = _view(isv, isv_mod.ISV_LEN, F)
     if np.isfinite(norm):
         iv[slow_index] = F((F(1) - F(slow_alpha)) * iv[slow_index] + F(slow_alpha) * norm)
