@@ -517,6 +517,24 @@ def _sc_cql_branches(kwargs, expected):
     return {"dlogits": _red(length, dmag), "terms": _red(length, zmax + math.log(a) + 1)}
 
 
+def _s_c51_branches(d: Dims, rng) -> Kwargs:
+    br = _branches(d)
+    rows = 2 * d.batch  # the online pass over [s; s2]: the first B samples of each block
+    return {"logp": _log_softmax(rng, (rows * sum(br), d.atoms)),
+            "actions": np.stack([rng.integers(0, n, d.batch) for n in br]).astype(I32),
+            "m": _softmax(rng, (len(br), d.batch, d.atoms)),
+            "isw": _uniform(rng, d.batch, 0.1, 1.0), "scale": F32(1.0 / (d.batch * len(br))),
+            "branches": br}
+
+
+def _sc_c51_loss_branches(kwargs, expected):
+    """c51_loss's scales per branch (global maxima over the branches)."""
+    logp, m = kwargs["logp"], kwargs["m"]
+    isw_scale = _maxabs(kwargs["isw"]) * _maxabs(kwargs["scale"])
+    return {"ce": _red(logp.shape[-1], _maxabs(logp) * max(_maxabs(m), 1.0)),
+            "total": _red(m.shape[1], isw_scale * max(_maxabs(expected["ce"]), 1.0))}
+
+
 # -- optim -----------------------------------------------------------------------------------
 def _norm_sq(x: np.ndarray) -> np.float32:
     x64 = x.astype(np.float64)
@@ -878,6 +896,15 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
                 lambda k: _replace(k, actions=k["actions"][:-1]),
                 lambda k: _replace(k, z=k["z"][:-1])),
         scales=_sc_cql_branches),
+    "c51_loss_branches": SpecEntry(
+        ("ce", "total"), {"ce": _F, "total": _F}, _s_c51_branches, ("logp", "m", "isw", "scale"),
+        _errors(_s_c51_branches,
+                lambda k: _replace(k, actions=np.full_like(k["actions"], max(k["branches"]))),
+                lambda k: _replace(k, actions=k["actions"].astype(np.int64)),
+                lambda k: _replace(k, m=k["m"][:, :, :-1]),
+                lambda k: _replace(k, isw=k["isw"][:-1]),
+                lambda k: _replace(k, branches=(3, 0))),
+        scales=_sc_c51_loss_branches),
     # optim
     "grad_norm_sq": SpecEntry(
         ("out",), {"out": _F}, _s_vec, ("x",),

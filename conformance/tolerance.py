@@ -576,6 +576,7 @@ TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType
     ("dueling_combine_branches", "f32"): {"out": REDUCTION},
     ("dueling_combine_backward_branches", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
     ("cql_logit_grad_branches", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
+    ("c51_loss_branches", "f32"): {"ce": REDUCTION, "total": REDUCTION},
     # optim: norms are reductions; elementwise updates allow re-associated roundings
     ("grad_norm_sq", "f32"): {"out": REDUCTION},
     ("grad_norm_partial", "f32"): {"out": REDUCTION},

@@ -25,10 +25,7 @@
 
 namespace {
 
-// c51_loss: one block; each warp reduces kLossGroup samples at once, so their loads are in
-// flight together (the loads of one sample do not wait for the previous sample's shuffles).
-constexpr int kLossGroup = 8;
-constexpr int kLossMaxThreads = 1024;
+// c51_loss: kLossGroup / kLossMaxThreads are in distributional.cuh (shared with its fused form).
 
 // c51_project: source atoms are staged through shared memory in tiles of the block size.
 constexpr int kProjectMaxThreads = 256;
@@ -313,58 +310,8 @@ c51_loss(const float* __restrict__ logp, const int* __restrict__ actions,
     if (blockIdx.x != 0) {
         return;  // launched with grid = 1; any other block would race on `total`
     }
-    const int lane = threadIdx.x % kWarp;
-    const int warp = threadIdx.x / kWarp;
-    const int warps = blockDim.x / kWarp;
-    float acc = 0.0f;
-    for (int b0 = warp * kLossGroup; b0 < batch; b0 += warps * kLossGroup) {
-        int row_offset[kLossGroup];
-        float weight[kLossGroup];
-        float sum[kLossGroup];
-#pragma unroll
-        for (int g = 0; g < kLossGroup; ++g) {
-            const int b = b0 + g;
-            const bool valid = b < batch;
-            row_offset[g] = valid ? (b * num_actions + actions[b]) * num_atoms : 0;
-            weight[g] = valid ? isw[b] : 0.0f;
-            sum[g] = 0.0f;
-        }
-        for (int j = lane; j < num_atoms; j += kWarp) {
-#pragma unroll
-            for (int g = 0; g < kLossGroup; ++g) {
-                const int b = b0 + g;
-                if (b < batch) {
-                    sum[g] = sum[g] + m[b * num_atoms + j] * logp[row_offset[g] + j];
-                }
-            }
-        }
-#pragma unroll
-        for (int g = 0; g < kLossGroup; ++g) {
-            sum[g] = warp_sum(sum[g]);
-        }
-#pragma unroll
-        for (int g = 0; g < kLossGroup; ++g) {
-            const int b = b0 + g;
-            if (b < batch) {
-                const float ce_b = -sum[g];
-                if (lane == 0) {
-                    ce[b] = ce_b;
-                }
-                acc = acc + weight[g] * ce_b;
-            }
-        }
-    }
-    if (lane == 0) {
-        warp_partial[warp] = acc;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        const float partial = lane < warps ? warp_partial[lane] : 0.0f;
-        const float sum_all = warp_sum(partial);
-        if (lane == 0) {
-            total[0] = scale[0] * sum_all;
-        }
-    }
+    c51_loss_body(logp, actions, m, isw, scale, ce, total, batch, num_actions, num_atoms,
+                  warp_partial);
 }
 
 // --------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 // Shared device code of cuda_src/distributional.cu (per-branch kernels) and cuda_src/fused.cu
 // (the same kernels run over every action branch, blockIdx.y = branch): warp reductions, the
-// NaN-keeping max, and the bodies of dueling_combine, its backward and cql_logit_grad written
-// once, on the branch's pointers and sizes. The per-branch and fused kernels run these bodies
-// unchanged, so they are bitwise equal on the same inputs.
+// NaN-keeping max, and the bodies of dueling_combine, its backward, cql_logit_grad and c51_loss
+// written once, on the branch's pointers and sizes. The per-branch and fused kernels run these
+// bodies unchanged, so they are bitwise equal on the same inputs.
 //
 // No __global__ functions here: kernels live in the .cu files under their reference names.
 // Every helper is `static __device__ __forceinline__`, so each translation unit gets its own copy
@@ -18,6 +18,12 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // cql_logit_grad (and its fused form): at most this many warps per block (one warp per
 // (sample, action) row).
 constexpr int kCqlMaxWarps = 8;
+
+// c51_loss (and its fused form): one block per branch of at most kLossMaxThreads threads; each
+// warp reduces kLossGroup samples at once, so their loads are in flight together (the loads of
+// one sample do not wait for the previous sample's shuffles).
+constexpr int kLossGroup = 8;
+constexpr int kLossMaxThreads = 1024;
 
 }  // namespace
 
@@ -185,5 +191,72 @@ static __device__ __forceinline__ void cql_logit_grad_body(
             tile_dlogits[k] = dq * (expf(tile_logp[k]) * (z[j] - q));
         }
         __syncthreads();  // the next tile overwrites the shared arrays
+    }
+}
+
+// c51_loss on one branch, by the whole (single) block: logp [B, A, NA] (samples 0..batch; the
+// caller points at the branch's block), actions [B], m [B, NA], isw [B], ce [B], total [1]:
+// ce[b] = -sum_j m[b, j] * logp[b, a_b, j]; total = scale * sum_b (isw[b] * ce[b]).
+// Warp w takes samples in groups of kLossGroup (w * kLossGroup + k * warps * kLossGroup + g),
+// each sample's atoms as a per-lane sum plus the warp butterfly; lane 0's accumulator sums
+// isw * ce over its samples in that order; the block then sums the per-warp partials with one
+// more butterfly (missing warps count +0.0). The order is fixed by blockDim, so the total is
+// deterministic. `warp_partial` is shared memory of kLossMaxThreads / kWarp floats.
+static __device__ __forceinline__ void c51_loss_body(
+    const float* __restrict__ logp, const int* __restrict__ actions,
+    const float* __restrict__ m, const float* __restrict__ isw,
+    const float* __restrict__ scale, float* __restrict__ ce, float* __restrict__ total,
+    int batch, int num_actions, int num_atoms, float* warp_partial) {
+    const int lane = threadIdx.x % kWarp;
+    const int warp = threadIdx.x / kWarp;
+    const int warps = blockDim.x / kWarp;
+    float acc = 0.0f;
+    for (int b0 = warp * kLossGroup; b0 < batch; b0 += warps * kLossGroup) {
+        int row_offset[kLossGroup];
+        float weight[kLossGroup];
+        float sum[kLossGroup];
+#pragma unroll
+        for (int g = 0; g < kLossGroup; ++g) {
+            const int b = b0 + g;
+            const bool valid = b < batch;
+            row_offset[g] = valid ? (b * num_actions + actions[b]) * num_atoms : 0;
+            weight[g] = valid ? isw[b] : 0.0f;
+            sum[g] = 0.0f;
+        }
+        for (int j = lane; j < num_atoms; j += kWarp) {
+#pragma unroll
+            for (int g = 0; g < kLossGroup; ++g) {
+                const int b = b0 + g;
+                if (b < batch) {
+                    sum[g] = sum[g] + m[b * num_atoms + j] * logp[row_offset[g] + j];
+                }
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < kLossGroup; ++g) {
+            sum[g] = warp_sum(sum[g]);
+        }
+#pragma unroll
+        for (int g = 0; g < kLossGroup; ++g) {
+            const int b = b0 + g;
+            if (b < batch) {
+                const float ce_b = -sum[g];
+                if (lane == 0) {
+                    ce[b] = ce_b;
+                }
+                acc = acc + weight[g] * ce_b;
+            }
+        }
+    }
+    if (lane == 0) {
+        warp_partial[warp] = acc;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const float partial = lane < warps ? warp_partial[lane] : 0.0f;
+        const float sum_all = warp_sum(partial);
+        if (lane == 0) {
+            total[0] = scale[0] * sum_all;
+        }
     }
 }

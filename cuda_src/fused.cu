@@ -68,3 +68,28 @@ cql_logit_grad_branches(const float* __restrict__ logp, const int* __restrict__ 
     cql_logit_grad_body(logp_d, actions + d * batch, z, alpha, scale, dlogits_d, terms + d * batch,
                         batch, num_actions, num_atoms, cql_shared);
 }
+
+// --------------------------------------------------------------------------------------------
+// c51_loss per branch on samples 0..B of branch d's block of logp (R = block_rows >= B samples
+// per block): ce[d, b] = -sum_j m[d, b, j] * logp_d[b, a_{d,b}, j];
+// total[d] = scale * sum_b (isw[b] * ce[d, b]). Grid (1, D): block d runs c51_loss's body
+// (c51_loss_body in distributional.cuh) on branch d's pointers, so ce[d] and total[d] are
+// bitwise those of a c51_loss launch on branch d with the same blockDim. actions [D, B] int32,
+// m [D, B, NA], isw [B] and scale (one device float) shared, ce [D, B], total [D].
+// --------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kLossMaxThreads)
+c51_loss_branches(const float* __restrict__ logp, const int* __restrict__ actions,
+                  const float* __restrict__ m, const float* __restrict__ isw,
+                  const float* __restrict__ scale, const int* __restrict__ n_actions,
+                  const int* __restrict__ action_offset, float* __restrict__ ce,
+                  float* __restrict__ total, int batch, int block_rows, int num_atoms) {
+    __shared__ float warp_partial[kLossMaxThreads / kWarp];
+    if (blockIdx.x != 0) {
+        return;  // launched with grid (1, D); another block in x would race on total[d]
+    }
+    const int d = blockIdx.y;
+    const int num_actions = n_actions[d];
+    const float* logp_d = logp + block_rows * action_offset[d] * num_atoms;
+    c51_loss_body(logp_d, actions + d * batch, m + d * batch * num_atoms, isw, scale,
+                  ce + d * batch, total + d, batch, num_actions, num_atoms, warp_partial);
+}

@@ -16,6 +16,7 @@ from foxhunt.fast.kernels._runtime import In, Out, blocks, call, check_elements,
 from foxhunt.fast.kernels.distributional import (
     CQL_MAX_WARPS,
     F32_BYTES,
+    LOSS_THREADS,
     SHARED_LIMIT,
     THREADS,
     WARP,
@@ -25,10 +26,12 @@ from foxhunt.reference.kernels.distributional import CqlGrad, DuelingGrads
 from foxhunt.reference.kernels.fused import (
     F32,
     I32,
+    C51LossBranches,
     _require_branches,
     _require_packed,
     branch_offsets,
     split_branches,
+    validate_c51_loss_branches,
     validate_cql_logit_grad_branches,
     validate_dueling_combine_branches,
 )
@@ -58,6 +61,12 @@ def plan_cql_logit_grad_branches(batch: int, branches, num_atoms: int) -> Plan:
                          f"cql_logit_grad_branches; expected at most {SHARED_LIMIT}")
     grid = max(blocks(batch, s) for s in tiles)
     return (grid, len(branches), 1), WARP * CQL_MAX_WARPS, shared
+
+
+def plan_c51_loss_branches(batch: int, branches, num_atoms: int) -> Plan:
+    """One block per branch (grid ``(1, D)``) of ``c51_loss``'s block size, so each branch's
+    fixed reduction order, hence its ``ce``/``total`` bits, are those of ``plan_c51_loss``."""
+    return (1, len(branches), 1), LOSS_THREADS, 0
 
 
 def dueling_combine_branches(v: np.ndarray, adv: np.ndarray, branches) -> np.ndarray:
@@ -118,8 +127,24 @@ def cql_logit_grad_branches(logp: np.ndarray, actions: np.ndarray, z: np.ndarray
     return CqlGrad(dlogits=dlogits, terms=terms)
 
 
+def c51_loss_branches(logp: np.ndarray, actions: np.ndarray, m: np.ndarray, isw: np.ndarray,
+                      scale, branches) -> C51LossBranches:
+    """Fast ``c51_loss_branches``: ``C51LossBranches(ce [D, B], total [D])`` (one block per
+    branch; each branch's total in c51_loss's fixed order)."""
+    branches, rows, s = validate_c51_loss_branches(logp, actions, m, isw, scale, branches)
+    check_elements("logp", logp)
+    batch, num_atoms = actions.shape[1], logp.shape[1]
+    grid, block, shared = plan_c51_loss_branches(batch, branches, num_atoms)
+    ce, total = call("c51_loss_branches", grid, block, In(logp), In(np.ascontiguousarray(actions)),
+                     In(m), In(isw), device_scalar(s), *_tables(branches),
+                     Out((len(branches), batch), F32), Out((len(branches),), F32),
+                     batch, rows, num_atoms, shared_mem=shared)
+    return C51LossBranches(ce=ce, total=total)
+
+
 KERNELS = {
     "dueling_combine_branches": dueling_combine_branches,
     "dueling_combine_backward_branches": dueling_combine_backward_branches,
     "cql_logit_grad_branches": cql_logit_grad_branches,
+    "c51_loss_branches": c51_loss_branches,
 }

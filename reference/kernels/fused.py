@@ -13,6 +13,8 @@ trainer's packed logits / log-probabilities / logit gradients). ``R`` (samples p
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from foxhunt.reference.kernels._checks import ieee, require_array, require_shape
@@ -21,10 +23,19 @@ from foxhunt.reference.kernels.distributional import (
     I32,
     CqlGrad,
     DuelingGrads,
+    c51_loss,
     cql_logit_grad,
     dueling_combine,
     dueling_combine_backward,
+    validate_c51_loss,
 )
+
+
+class C51LossBranches(NamedTuple):
+    """Outputs of ``c51_loss_branches``: ``ce [D, B]`` and the per-branch totals ``total [D]``."""
+
+    ce: np.ndarray
+    total: np.ndarray
 
 
 def _require_branches(branches) -> tuple[int, ...]:
@@ -83,6 +94,21 @@ def validate_cql_logit_grad_branches(logp, actions, branches) -> tuple[tuple[int
     return branches, rows
 
 
+def validate_c51_loss_branches(logp, actions, m, isw, scale,
+                               branches) -> tuple[tuple[int, ...], int, np.float32]:
+    """The argument checks of ``c51_loss_branches``: the layout (``logp`` branch-packed,
+    ``actions [D, B]`` with ``B <= R``, ``m [D, B, NA]``), then ``c51_loss``'s checks on every
+    branch (actions in ``[0, n_d)``, ``isw [B]``, ``scale``); returns ``(branches, R, scale)``."""
+    branches, rows = validate_cql_logit_grad_branches(logp, actions, branches)
+    batch, num_atoms = actions.shape[1], logp.shape[1]
+    require_array("m", m, F32, ndim=3)
+    require_shape("m", m, (len(branches), batch, num_atoms), "[D, B, NA] (actions is [D, B])")
+    s = scale
+    for d, x in enumerate(split_branches(logp, branches)):
+        s = validate_c51_loss(x[:batch], actions[d], m[d], isw, scale)
+    return branches, rows, s
+
+
 def _pack(blocks: list[np.ndarray], num_atoms: int) -> np.ndarray:
     return np.concatenate([b.reshape(-1, num_atoms) for b in blocks], axis=0).astype(F32, copy=False)
 
@@ -137,8 +163,37 @@ def cql_logit_grad_branches(logp: np.ndarray, actions: np.ndarray, z: np.ndarray
     return CqlGrad(dlogits=_pack([g.dlogits for g in grads], logp.shape[1]), terms=terms)
 
 
+@ieee
+def c51_loss_branches(logp: np.ndarray, actions: np.ndarray, m: np.ndarray, isw: np.ndarray,
+                      scale, branches) -> C51LossBranches:
+    """``c51_loss(logp_d[:B], actions[d], m[d], isw, scale)`` for every branch d, in one launch.
+
+    ``ce[d, b] = -sum_j m[d, b, j] * logp_d[b, a_{d,b}, j]``;
+    ``total[d] = scale * sum_b (isw_b * ce[d, b])`` (the sum first, then one multiply).
+
+    Shapes: ``logp [R * A_total, NA]`` branch-packed float32 with ``R >= B`` samples per block
+    (the online pass over ``[s; s2]`` has ``R = 2B``; samples ``0..B`` of each block are used),
+    ``actions [D, B]`` int32 (row d in ``[0, n_d)``, else ValueError), ``m [D, B, NA]`` float32
+    (branch d's projected target), ``isw [B]`` float32 (shared by every branch), ``scale`` a
+    real scalar; returns ``C51LossBranches(ce [D, B] float32, total [D] float32)``.
+    NaN/Inf contract: ``c51_loss``'s, per branch: IEEE, unguarded; only the taken action's row
+    of each block is read (NaN in other actions, and in samples past ``B``, does not matter);
+    NaN in ``m[d, b]`` or the taken row makes ``ce[d, b]`` NaN; ``m = 0`` against
+    ``logp = -Inf`` gives NaN; any NaN ``ce[d, b]``, ``isw_b`` or ``scale`` makes ``total[d]``
+    NaN.
+    """
+    branches, _, _ = validate_c51_loss_branches(logp, actions, m, isw, scale, branches)
+    batch = actions.shape[1]
+    losses = [c51_loss(np.ascontiguousarray(x[:batch]), actions[d], m[d], isw, scale)
+              for d, x in enumerate(split_branches(logp, branches))]
+    ce = np.stack([r.ce for r in losses]).reshape(len(branches), batch).astype(F32, copy=False)
+    total = np.array([r.total for r in losses], dtype=F32)
+    return C51LossBranches(ce=ce, total=total)
+
+
 KERNELS = {
     "dueling_combine_branches": dueling_combine_branches,
     "dueling_combine_backward_branches": dueling_combine_backward_branches,
     "cql_logit_grad_branches": cql_logit_grad_branches,
+    "c51_loss_branches": c51_loss_branches,
 }

@@ -1,0 +1,269 @@
+"""Tests for foxhunt.reference.kernels.fused's c51_loss_branches (the per-branch c51_loss of
+every action branch in one launch) and its CUDA kernel's build.
+
+Oracles: the composition of per-branch ``c51_loss`` calls on the branch-packed layout, rebuilt
+here from plain slicing (bitwise), and a float64 evaluation of the loss formula (values).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from foxhunt.reference.kernels import distributional as dist
+from foxhunt.reference.kernels import fused
+
+F32 = np.float32
+SPECIALS = (np.nan, np.inf, -np.inf, -0.0)
+
+
+def log_softmax(rng, shape) -> np.ndarray:
+    x = rng.standard_normal(shape) * 2.0
+    m = x.max(axis=-1, keepdims=True)
+    return (x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))).astype(F32)
+
+
+def make_case(branches, batch, atoms, rows=None, seed=0):
+    """Branch-packed logp with ``rows`` samples per block (default 2B, the step's online pass),
+    actions [D, B], targets m [D, B, NA] (rows sum to ~1), isw [B], scale 1 / (B * D)."""
+    rng = np.random.default_rng(seed)
+    rows = 2 * batch if rows is None else rows
+    logp = log_softmax(rng, (rows * sum(branches), atoms))
+    actions = np.stack([rng.integers(0, n, batch) for n in branches]).astype(np.int32)
+    m = rng.dirichlet(np.full(atoms, 0.5), (len(branches), batch)).astype(F32)
+    isw = rng.uniform(0.1, 1.0, batch).astype(F32)
+    return logp, actions, m, isw, F32(1.0 / (batch * len(branches)))
+
+
+def block(logp, branches, d, batch):
+    """Branch d's first ``batch`` samples ``[B, n_d, NA]``, sliced by hand from the layout."""
+    rows = logp.shape[0] // sum(branches)
+    off = sum(branches[:d])
+    return logp[rows * off:rows * (off + branches[d])].reshape(rows, branches[d], -1)[:batch].copy()
+
+
+def composition(logp, actions, m, isw, scale, branches):
+    """Per-branch c51_loss calls: ce [D, B], total [D]."""
+    batch = actions.shape[1]
+    out = [dist.c51_loss(block(logp, branches, d, batch), actions[d].copy(), m[d].copy(), isw,
+                         scale) for d in range(len(branches))]
+    return np.stack([r.ce for r in out]), np.array([r.total for r in out], dtype=F32)
+
+
+def bits_equal(a, b) -> bool:
+    """Bit for bit (NaN payloads aside: every NaN counts as equal; signs of zero must agree)."""
+    a, b = np.asarray(a, F32), np.asarray(b, F32)
+    if a.shape != b.shape:
+        return False
+    nan = np.isnan(a)
+    return bool(np.array_equal(nan, np.isnan(b))
+                and np.array_equal(a[~nan].view(np.uint32), b[~nan].view(np.uint32)))
+
+
+CASES = {
+    "seed": ((3, 3, 2), 256, 51, None),
+    "tiny": ((3, 2), 4, 11, None),
+    "odd": ((3, 3, 2), 257, 51, None),
+    "R=B": ((2, 1, 4), 5, 7, 5),
+    "one-branch": ((1,), 9, 3, 12),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_c51_loss_branches_is_the_per_branch_composition(case):
+    branches, batch, atoms, rows = CASES[case]
+    args = make_case(branches, batch, atoms, rows)
+    got = fused.c51_loss_branches(*args, branches)
+    assert isinstance(got, fused.C51LossBranches)
+    assert got.ce.dtype == F32 and got.total.dtype == F32
+    assert got.ce.shape == (len(branches), batch) and got.total.shape == (len(branches),)
+    ce, total = composition(*args, branches)
+    assert bits_equal(got.ce, ce) and bits_equal(got.total, total)
+
+
+@pytest.mark.parametrize("case", ["seed", "odd", "R=B"])
+def test_c51_loss_branches_values_vs_float64_formula(case):
+    branches, batch, atoms, rows = CASES[case]
+    logp, actions, m, isw, scale = make_case(branches, batch, atoms, rows, seed=3)
+    got = fused.c51_loss_branches(logp, actions, m, isw, scale, branches)
+    for d, n in enumerate(branches):
+        taken = block(logp, branches, d, batch).astype(np.float64)[np.arange(batch), actions[d]]
+        ce64 = -(m[d].astype(np.float64) * taken).sum(axis=-1)
+        total64 = float(scale) * float((isw.astype(np.float64) * ce64).sum())
+        np.testing.assert_allclose(got.ce[d], ce64, rtol=1e-5, atol=1e-6 * atoms)
+        np.testing.assert_allclose(got.total[d], total64, rtol=1e-5, atol=1e-7)
+    # sanity: the branches' losses differ (each reads its own block, targets and actions)
+    assert len(set(got.total.tolist())) == len(branches)
+
+
+def test_c51_loss_branches_reads_only_the_first_b_samples_and_taken_rows():
+    branches, batch, atoms = (3, 3, 2), 6, 5
+    logp, actions, m, isw, scale = make_case(branches, batch, atoms)
+    clean = fused.c51_loss_branches(logp, actions, m, isw, scale, branches)
+    poisoned = logp.copy()
+    rows = 2 * batch
+    for d, (off, n) in enumerate(zip(fused.branch_offsets(branches), branches)):
+        blk = poisoned[rows * off:rows * (off + n)].reshape(rows, n, atoms)
+        blk[batch:] = np.nan  # samples past B
+        for b in range(batch):
+            for a in range(n):
+                if a != actions[d, b]:
+                    blk[b, a] = np.inf  # actions not taken
+    got = fused.c51_loss_branches(poisoned, actions, m, isw, scale, branches)
+    assert bits_equal(got.ce, clean.ce) and bits_equal(got.total, clean.total)
+    assert np.all(np.isfinite(got.ce)) and np.all(np.isfinite(got.total))
+
+
+@settings(max_examples=40)
+@given(data=st.data(), branches=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       batch=st.integers(1, 6), atoms=st.integers(1, 6), extra=st.integers(0, 3))
+def test_c51_loss_branches_specials_match_composition(data, branches, batch, atoms, extra):
+    branches = tuple(branches)
+    logp, actions, m, isw, scale = make_case(branches, batch, atoms, batch + extra,
+                                             seed=data.draw(st.integers(0, 2**16)))
+    for arr in (logp, m, isw):
+        for _ in range(data.draw(st.integers(0, 3))):
+            arr.flat[data.draw(st.integers(0, arr.size - 1))] = data.draw(st.sampled_from(SPECIALS))
+    if data.draw(st.booleans()):
+        scale = F32(data.draw(st.sampled_from(SPECIALS)))
+    got = fused.c51_loss_branches(logp, actions, m, isw, scale, branches)
+    ce, total = composition(logp, actions, m, isw, scale, branches)
+    assert bits_equal(got.ce, ce) and bits_equal(got.total, total)
+    # The contract, checked directly: ce[d, b] is NaN iff the float64 formula is NaN there, and
+    # a NaN ce, isw or scale makes the branch total NaN.
+    for d in range(len(branches)):
+        taken = block(logp, branches, d, batch).astype(np.float64)[np.arange(batch), actions[d]]
+        with np.errstate(all="ignore"):
+            ce64 = -(m[d].astype(np.float64) * taken).sum(axis=-1)
+        assert np.array_equal(np.isnan(got.ce[d]), np.isnan(ce64))
+        if np.isnan(got.ce[d]).any() or np.isnan(isw).any() or np.isnan(scale):
+            assert np.isnan(got.total[d])
+
+
+def _bad(name, edit):
+    return pytest.param(name, edit, id=name + ":" + edit.__name__)
+
+
+def wrong_branches(k):
+    k["branches"] = (3, 0)
+
+
+def branches_not_matching_logp(k):
+    k["branches"] = (3, 3, 3)
+
+
+def logp_1d(k):
+    k["logp"] = k["logp"].ravel()
+
+
+def logp_f64(k):
+    k["logp"] = k["logp"].astype(np.float64)
+
+
+def actions_int64(k):
+    k["actions"] = k["actions"].astype(np.int64)
+
+
+def actions_too_many_rows(k):
+    k["actions"] = np.concatenate([k["actions"], k["actions"][:1]])
+
+
+def actions_more_than_r(k):
+    k["actions"] = np.zeros((3, 2 * 4 + 1), np.int32)
+
+
+def action_out_of_its_branch(k):
+    k["actions"] = k["actions"].copy()
+    k["actions"][2, 1] = 2  # branch 2 has n = 2 actions (valid in branches 0 and 1)
+
+
+def action_negative(k):
+    k["actions"] = k["actions"].copy()
+    k["actions"][0, 0] = -1
+
+
+def m_2d(k):
+    k["m"] = k["m"][0]
+
+
+def m_short_atoms(k):
+    k["m"] = k["m"][:, :, :-1].copy()
+
+
+def isw_short(k):
+    k["isw"] = k["isw"][:-1]
+
+
+def scale_array(k):
+    k["scale"] = np.ones(2, F32)
+
+
+@pytest.mark.parametrize("name,edit", [
+    _bad("branches", wrong_branches), _bad("logp", branches_not_matching_logp),
+    _bad("logp", logp_1d), _bad("logp", logp_f64), _bad("actions", actions_int64),
+    _bad("actions", actions_too_many_rows), _bad("actions", actions_more_than_r),
+    _bad("actions", action_out_of_its_branch), _bad("actions", action_negative),
+    _bad("m", m_2d), _bad("m", m_short_atoms), _bad("isw", isw_short), _bad("scale", scale_array),
+])
+def test_c51_loss_branches_bad_input_names_the_argument(name, edit):
+    branches = (3, 3, 2)
+    logp, actions, m, isw, scale = make_case(branches, 4, 5)
+    kwargs = dict(logp=logp, actions=actions, m=m, isw=isw, scale=scale, branches=branches)
+    edit(kwargs)
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        fused.c51_loss_branches(**kwargs)
+
+
+def test_c51_loss_branches_is_listed_and_fast_twin_matches_signature():
+    import inspect
+
+    from foxhunt.fast.kernels import distributional as fast_dist
+    from foxhunt.fast.kernels import fused as fast_fused
+
+    assert fused.KERNELS["c51_loss_branches"] is fused.c51_loss_branches
+    assert (inspect.signature(fast_fused.c51_loss_branches)
+            == inspect.signature(fused.c51_loss_branches))
+    grid, threads, shared = fast_fused.plan_c51_loss_branches(256, (3, 3, 2), 51)
+    assert grid == (1, 3, 1) and shared == 0
+    assert threads == fast_dist.plan_c51_loss(256, 3, 51)[1]  # same reduction order per branch
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernel compiles (NVRTC, no GPU needed) with its parameter list and c51_loss's body
+# ---------------------------------------------------------------------------------------------
+
+
+def _entry(ptx: str, name: str) -> str:
+    start = ptx.index(f".entry {name}(")
+    return ptx[start:ptx.index("\n}\n", start)]
+
+
+def _float_ops(body: str) -> Counter:
+    ops = (line.split()[0] for line in body.splitlines() if re.match(r"\s+[a-z]", line))
+    return Counter(op for op in ops if ".f32" in op or op.startswith("shfl"))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_c51_loss_branches_compiles_with_c51_loss_body(arch, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    sources = source_files()
+    headers = {n: b for n, b in sources.items() if n.endswith(HEADER_SUFFIXES)}
+    module = compile_sources(arch, "ptx", cache_root=tmp_path,
+                             sources={"fused.cu": sources["fused.cu"],
+                                      "distributional.cu": sources["distributional.cu"], **headers})
+    assert module.logs["fused.cu"] == ""
+    assert module.kernels["c51_loss_branches"] == "fused.cu"
+    # logp, actions, m, isw, scale, n_actions, action_offset, ce, total; batch, block_rows, NA
+    assert tuple(p.ptx_type for p in module.params["c51_loss_branches"]) == ("u64",) * 9 + ("u32",) * 3
+    assert "atom." not in module.ptx["fused.cu"]
+    # The same float arithmetic and shuffles as c51_loss (one shared body, same rounding order).
+    fused_ops = _float_ops(_entry(module.ptx["fused.cu"], "c51_loss_branches"))
+    loss_ops = _float_ops(_entry(module.ptx["distributional.cu"], "c51_loss"))
+    assert fused_ops == loss_ops and fused_ops["add.rn.f32"] > 0
