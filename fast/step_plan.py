@@ -43,8 +43,8 @@ GEMMs), with the value head after every branch's dueling backward and the trunk 
 head's ``dh2`` part (summed in the reference's order by ``glue_h2_grad_mask``); the heads'
 weight gradients overlap the trunk. GEMMs are planned without a workspace where cuBLASLt allows
 (``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes). The dueling combine, its
-backward and the CQL logit gradient run once over every branch (``cuda_src/fused.cu``:
-branch-packed buffers, ``blockIdx.y`` = branch). Fused launches on the critical path, each the
+backward, the CQL logit gradient and the C51 loss run once over every branch
+(``cuda_src/fused.cu``: branch-packed buffers, ``blockIdx.y`` = branch). Fused launches on the critical path, each the
 composition of its reference kernels: ``log_softmax_expected_q``, ``c51_project_grad`` (per
 branch), ``relu_mask_bias_grad``, ``clip_saxpy_norm_partial`` (the budget tail: clip, SAXPY and
 the total norm's partials) and, in graph 2, ``polyak_update_mirror``. Not done: the issue's
@@ -1095,11 +1095,11 @@ class StepProgram:
         books.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), self.ptr("target_q"),
                      self.ptr("target_q"), nb * B, np.float32(c.target_q_clip_mult),
                      self.ptr("isv", offset=isv_mod.Q_ABS_REF_INDEX))
-        for d, n in enumerate(lay.branches):
-            books.kernel("c51_loss", dist.plan_c51_loss(B, n, NA), self.ptr("logp", ("o", d)),
-                         a_ptr + d * B * 4, self.ptr("m", offset=d * B * NA), isw_ptr,
-                         self.ptr("scale"), self.ptr("ce", offset=d * B),
-                         self.ptr("c51_total", offset=d), B, n, NA)
+        books.kernel("c51_loss_branches",
+                     self.k["fused"].plan_c51_loss_branches(B, lay.branches, NA),
+                     self.ptr("logp", ("o", 0)), a_ptr, self.ptr("m"), isw_ptr, self.ptr("scale"),
+                     self.ptr("n_actions"), self.ptr("action_offset"), self.ptr("ce"),
+                     self.ptr("c51_total"), B, 2 * B, NA)
         books.kernel("glue_branch_sum", flat_plan(B), self.ptr("ce"), self.ptr("td"), B, nb, B,
                      np.float32(nb))
         # The loss scalars and means of the readback (the block reductions of the step

@@ -387,6 +387,18 @@ def k_cql_logit_grad_branches(logp, act, z, alpha, scale, n_actions, action_offs
     _view(terms, n_branches * b, F)[:] = r.terms.ravel()
 
 
+def k_c51_loss_branches(logp, act, m, isw, scale, n_actions, action_offset, ce, total, b,
+                        block_rows, na, *, n_branches):
+    br = _branch_tables(n_actions, action_offset, n_branches)
+    r = fused.c51_loss_branches(
+        _view(logp, block_rows * sum(br) * na, F).reshape(-1, na).copy(),
+        _view(act, n_branches * b, I).reshape(n_branches, b).copy(),
+        _view(m, n_branches * b * na, F).reshape(n_branches, b, na).copy(),
+        _view(isw, b, F).copy(), _scalar(scale), br)
+    _view(ce, n_branches * b, F)[:] = r.ce.ravel()
+    _view(total, n_branches, F)[:] = r.total
+
+
 def k_nan_check(x, n, flag):
     f = _view(flag, 1, I)
     f[0] = safety.nan_check(_view(x, n, F).copy(), int(f[0]))
