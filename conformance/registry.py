@@ -505,6 +505,21 @@ def _sc_dueling_branches(kwargs, expected):
     return {"out": _red(a, _maxabs(kwargs["v"]) + 2 * _maxabs(kwargs["adv"]))}
 
 
+def _s_dueling_log_softmax_q_branches(d: Dims, rng) -> Kwargs:
+    """One forward pass's heads (``dueling_combine_branches``' sample) and the support: with Q
+    (the online pass) except in ``odd``, which runs the target pass's no-Q path (``q`` empty;
+    ``tiny`` keeps Q: the registry's mutation check perturbs every output of ``tiny``)."""
+    return {**_s_dueling_branches(d, rng), "z": _support(d.atoms), "with_q": d.case != "odd"}
+
+
+def _sc_dueling_log_softmax_q_branches(kwargs, expected):
+    """dueling_combine_branches' scale for ``logits``, log_softmax_expected_q's for the rest."""
+    a, na = max(kwargs["branches"]), kwargs["v"].shape[1]
+    return {"logits": _red(a, _maxabs(kwargs["v"]) + 2 * _maxabs(kwargs["adv"])),
+            "logp": _red(na, 1.0 + 2 * _maxabs(expected["logits"])),
+            "q": _red(na, _maxabs(kwargs["z"]))}
+
+
 def _sc_dueling_bwd_branches(kwargs, expected):
     a, mag = max(kwargs["branches"]), _maxabs(kwargs["dlogits"])
     return {"dv": _red(a, mag), "dadv": _red(a, 2 * mag)}
@@ -581,15 +596,22 @@ def _s_polyak(d: Dims, rng) -> Kwargs:
     return {"target": _normal(rng, d.flat, 0.1), "online": _normal(rng, d.flat, 0.1), "tau": F32(0.005)}
 
 
+def _norm_partials(x: np.ndarray, segment: int) -> np.ndarray:
+    """Phase-1 norm partials of ``x`` (finite squares per ``segment``, float64 sums)."""
+    return np.array([_norm_sq(x[k:k + segment]) for k in range(0, x.size, segment)], dtype=F32)
+
+
 def _s_clip_saxpy_partial(d: Dims, rng) -> Kwargs:
-    """The step's budget tail: both components over their budgets (both clips act); the seed
-    case uses the step's 4096-element norm segments, the others 256 (many segments, tails)."""
+    """The step's budget tail: both components over their budgets (both clips act), their
+    norms given as phase-1 partials; the seed case uses the step's 4096-element norm segments,
+    the others 256 (many segments, tails)."""
+    seg = 4096 if d.case == "seed" else 256
     base, inject = _normal(rng, d.flat, 0.1), _normal(rng, d.flat, 0.1)
     base_sq, inject_sq = _norm_sq(base), _norm_sq(inject)
     return {"base": base, "inject": inject, "base_max_norm": F32(0.7 * math.sqrt(base_sq)),
-            "base_norm_sq": base_sq, "a": F32(1.0),
-            "inject_max_norm": F32(0.15 * math.sqrt(inject_sq)), "inject_norm_sq": inject_sq,
-            "block_size": 4096 if d.case == "seed" else 256}
+            "base_partials": _norm_partials(base, seg), "a": F32(1.0),
+            "inject_max_norm": F32(0.15 * math.sqrt(inject_sq)),
+            "inject_partials": _norm_partials(inject, seg), "block_size": seg}
 
 
 def _sq_mag(x: np.ndarray) -> float:
@@ -620,12 +642,28 @@ def _sc_final(kwargs, expected):
     return {"out": _red(kwargs["partials"].size, _maxabs(kwargs["partials"]))}
 
 
+def _clip_factor64(norm_sq: float, max_norm: float) -> float:
+    """``clip_scale`` in float64 (for bounds): NaN norm 1, +Inf norm 0."""
+    n = math.sqrt(max(float(norm_sq), 0.0)) if not math.isnan(norm_sq) else 0.0
+    return float(max_norm) / n if n > max_norm and n > 0 else 1.0
+
+
 def _sc_clip_saxpy_partial(kwargs, expected):
-    """``out`` is the clipped base bit for bit where ``inject`` is non-finite (where that is
-    finite: NaN payloads of GPU arithmetic differ); ``partials`` sum ``block_size`` squares."""
-    kept = ~np.isfinite(kwargs["inject"]) & np.isfinite(expected["out"])
-    return {"out": {"exact": kept},
-            "partials": _red(kwargs["block_size"], _sq_mag(expected["out"]))}
+    """The norms sum ``P`` partials (``grad_norm_final``); ``out_i = c_i + a y_i s_i`` with
+    clip factors from those norms, which the two sides round differently: each factor is off
+    by up to ~``P`` roundings, so ``out_i`` by that much of its terms ``|c_i| + |a y_i s_i|``
+    (finite ones); ``partials`` sum ``block_size`` squares."""
+    count = kwargs["base_partials"].size
+    s_b = _clip_factor64(expected["base_norm_sq"], kwargs["base_max_norm"])
+    s_i = _clip_factor64(expected["inject_norm_sq"], kwargs["inject_max_norm"])
+    base64 = np.abs(kwargs["base"].astype(np.float64)) * s_b
+    inject64 = np.abs(kwargs["inject"].astype(np.float64) * float(kwargs["a"])) * s_i
+    terms = (np.where(np.isfinite(base64), base64, 0.0)
+             + np.where(np.isfinite(inject64), inject64, 0.0))
+    return {"out": _red(count + 2, terms),
+            "partials": _red(kwargs["block_size"], _sq_mag(expected["out"])),
+            "base_norm_sq": _red(count, _maxabs(kwargs["base_partials"])),
+            "inject_norm_sq": _red(count, _maxabs(kwargs["inject_partials"]))}
 
 
 # -- spectral --------------------------------------------------------------------------------
@@ -882,6 +920,14 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
         _errors(_s_dueling_branches, lambda k: _replace(k, v=k["v"][:, :-1]),
                 lambda k: _wrong_dtype(k, "adv"), lambda k: _replace(k, branches=(3, 0))),
         scales=_sc_dueling_branches),
+    "dueling_log_softmax_q_branches": SpecEntry(
+        ("logits", "logp", "q"), {"logits": _F, "logp": _F, "q": _F},
+        _s_dueling_log_softmax_q_branches, ("v", "adv", "z"),
+        _errors(_s_dueling_log_softmax_q_branches, lambda k: _replace(k, v=k["v"][:, :-1]),
+                lambda k: _wrong_dtype(k, "adv"), lambda k: _replace(k, z=k["z"][:-1]),
+                lambda k: _wrong_dtype(k, "z"), lambda k: _replace(k, branches=(3, 0)),
+                lambda k: _replace(k, with_q=1)),
+        scales=_sc_dueling_log_softmax_q_branches),
     "dueling_combine_backward_branches": SpecEntry(
         ("dv", "dadv"), {"dv": _F, "dadv": _F}, _s_dlogits_branches, ("dlogits",),
         _errors(_s_dlogits_branches, lambda k: _wrong_dtype(k, "dlogits"),
@@ -931,13 +977,17 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
                 lambda k: _replace(k, max_norm=-1.0)),
         scales=_sc_guarded_saxpy, contract=_unchanged_where_nonfinite("out", "x", "y")),
     "clip_saxpy_norm_partial": SpecEntry(
-        ("out", "partials"), {"out": _F, "partials": _F}, _s_clip_saxpy_partial,
-        ("base", "inject", "base_norm_sq", "inject_norm_sq"),
+        ("out", "partials", "base_norm_sq", "inject_norm_sq"),
+        {"out": _F, "partials": _F, "base_norm_sq": _F, "inject_norm_sq": _F},
+        _s_clip_saxpy_partial, ("base", "inject", "base_partials", "inject_partials"),
         _errors(_s_clip_saxpy_partial, lambda k: _replace(k, inject=k["inject"][:-1]),
                 lambda k: _replace(k, base_max_norm=-1.0), lambda k: _replace(k, block_size=0),
                 lambda k: _wrong_dtype(k, "base"),
                 lambda k: _replace(k, base=k["base"].reshape(5, -1),
-                                   inject=k["inject"].reshape(5, -1))),
+                                   inject=k["inject"].reshape(5, -1)),
+                lambda k: _wrong_dtype(k, "base_partials"),
+                lambda k: _replace(k, inject_partials=k["inject_partials"][:-1]),
+                lambda k: _replace(k, base_partials=k["base_partials"][None, :])),
         scales=_sc_clip_saxpy_partial, contract=_finite_outputs("partials", when=_no_overflow)),
     "adam_update": SpecEntry(
         ("param", "m", "v"), {"param": _F, "m": _F, "v": _F}, _s_adam,

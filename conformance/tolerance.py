@@ -574,6 +574,9 @@ TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType
     ("cql_logit_grad", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
     # fused: the per-branch kernels in one launch (their tolerances)
     ("dueling_combine_branches", "f32"): {"out": REDUCTION},
+    # fused dueling_combine_branches + log_softmax_expected_q: their tolerances, per output
+    ("dueling_log_softmax_q_branches", "f32"): {"logits": REDUCTION, "logp": REDUCTION,
+                                                "q": REDUCTION},
     ("dueling_combine_backward_branches", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
     ("cql_logit_grad_branches", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
     ("c51_loss_branches", "f32"): {"ce": REDUCTION, "total": REDUCTION},
@@ -584,8 +587,11 @@ TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType
     ("clip_grad_inplace", "f32"): {"out": Tolerance.ulp(2)},
     ("saxpy", "f32"): {"out": Tolerance.ulp(1)},
     ("clipped_saxpy", "f32"): {"out": Tolerance.ulp(2)},
-    # fused budget tail: clipped_saxpy's out, grad_norm_partial's partials
-    ("clip_saxpy_norm_partial", "f32"): {"out": Tolerance.ulp(2), "partials": REDUCTION},
+    # fused budget tail: grad_norm_final's norms; out is clipped_saxpy's given the norms, but
+    # its clip factors come from norms summed in another order (reduction over the partials);
+    # grad_norm_partial's partials
+    ("clip_saxpy_norm_partial", "f32"): {"out": REDUCTION, "partials": REDUCTION,
+                                         "base_norm_sq": REDUCTION, "inject_norm_sq": REDUCTION},
     ("adam_update", "f32"): {"param": Tolerance.ulp(4), "m": Tolerance.ulp(2), "v": Tolerance.ulp(2)},
     ("polyak_update", "f32"): {"out": Tolerance.ulp(2)},
     # fused Polyak + BF16 mirrors: the mirror of a NaN blend carries the GPU's canonical NaN

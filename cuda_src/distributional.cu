@@ -21,7 +21,7 @@
 // - Index arithmetic is 32-bit: the launchers (fast/kernels/distributional.py) refuse arrays
 //   of 2^30 elements or more.
 
-#include "distributional.cuh"  // kWarp, warp_sum/warp_max, the shared kernel bodies
+#include "distributional.cuh"  // kWarp, warp reductions, log_softmax_row, the kernel bodies
 
 namespace {
 
@@ -31,10 +31,6 @@ namespace {
 constexpr int kProjectMaxThreads = 256;
 
 }  // namespace
-
-static __device__ __forceinline__ float negative_infinity() {
-    return __int_as_float(0xff800000);
-}
 
 // np.minimum(np.maximum(t, lo), hi): a NaN t stays NaN (a bare fminf(fmaxf()) would map it to lo).
 static __device__ __forceinline__ float clip_keep_nan(float t, float lo, float hi) {
@@ -67,35 +63,6 @@ extern "C" __global__ void dueling_combine_backward(const float* __restrict__ dl
                                                     float* __restrict__ dadv,
                                                     int batch, int num_actions, int num_atoms) {
     dueling_combine_backward_body(dlogits, dv, dadv, batch, num_actions, num_atoms);
-}
-
-// log_softmax_atoms on one row x [NA] by one warp, written to out [NA]. With `with_q` (warp-
-// uniform), also returns expected_q of the written row, sum_j exp(out[j]) * z[j], accumulated
-// exactly as warp_expected_q does (lane j's terms in j order from +0.0, then the butterfly) on
-// the values just written, so it equals an expected_q launch on `out` bit for bit; 0.0f else.
-static __device__ __forceinline__ float log_softmax_row(const float* __restrict__ x,
-                                                        float* __restrict__ out,
-                                                        const float* __restrict__ z,
-                                                        bool with_q, int num_atoms, int lane) {
-    float m = negative_infinity();
-    for (int j = lane; j < num_atoms; j += kWarp) {
-        m = fmaxf(m, x[j]);
-    }
-    m = warp_max(m);
-    float sum = 0.0f;
-    for (int j = lane; j < num_atoms; j += kWarp) {
-        sum = sum + expf(x[j] - m);
-    }
-    const float log_sum = logf(warp_sum(sum));
-    float q = 0.0f;
-    for (int j = lane; j < num_atoms; j += kWarp) {
-        const float value = (x[j] - m) - log_sum;
-        out[j] = value;
-        if (with_q) {
-            q = q + expf(value) * z[j];
-        }
-    }
-    return with_q ? warp_sum(q) : 0.0f;
 }
 
 // --------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 // Shared device code of cuda_src/distributional.cu (per-branch kernels) and cuda_src/fused.cu
 // (the same kernels run over every action branch, blockIdx.y = branch): warp reductions, the
-// NaN-keeping max, and the bodies of dueling_combine, its backward, cql_logit_grad and c51_loss
-// written once, on the branch's pointers and sizes. The per-branch and fused kernels run these
-// bodies unchanged, so they are bitwise equal on the same inputs.
+// NaN-keeping max, one warp's log-softmax row (log_softmax_row), dueling_combine's mean, and
+// the bodies of dueling_combine, its backward, cql_logit_grad and c51_loss written once, on the
+// branch's pointers and sizes. The per-branch and fused kernels run these bodies unchanged, so
+// they are bitwise equal on the same inputs.
 //
 // No __global__ functions here: kernels live in the .cu files under their reference names.
 // Every helper is `static __device__ __forceinline__`, so each translation unit gets its own copy
@@ -67,6 +68,41 @@ static __device__ __forceinline__ float warp_expected_q(const float* __restrict_
     return warp_sum(acc);
 }
 
+// -Inf as a float (the log-softmax max's start).
+static __device__ __forceinline__ float negative_infinity() {
+    return __int_as_float(0xff800000);
+}
+
+// log_softmax_atoms on one row x [NA] by one warp, written to out [NA] (x in global or shared
+// memory; lane l reads only x[l + 32 k]). With `with_q` (warp-uniform), also returns
+// expected_q of the written row, sum_j exp(out[j]) * z[j], accumulated exactly as
+// warp_expected_q does (lane j's terms in j order from +0.0, then the butterfly) on
+// the values just written, so it equals an expected_q launch on `out` bit for bit; 0.0f else.
+static __device__ __forceinline__ float log_softmax_row(const float* __restrict__ x,
+                                                        float* __restrict__ out,
+                                                        const float* __restrict__ z,
+                                                        bool with_q, int num_atoms, int lane) {
+    float m = negative_infinity();
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        m = fmaxf(m, x[j]);
+    }
+    m = warp_max(m);
+    float sum = 0.0f;
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        sum = sum + expf(x[j] - m);
+    }
+    const float log_sum = logf(warp_sum(sum));
+    float q = 0.0f;
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        const float value = (x[j] - m) - log_sum;
+        out[j] = value;
+        if (with_q) {
+            q = q + expf(value) * z[j];
+        }
+    }
+    return with_q ? warp_sum(q) : 0.0f;
+}
+
 // sum_a x[base + a * num_atoms] over the actions, in action order (the reference's order).
 static __device__ __forceinline__ float action_sum(const float* __restrict__ x, int base,
                                                    int num_actions, int num_atoms) {
@@ -75,6 +111,12 @@ static __device__ __forceinline__ float action_sum(const float* __restrict__ x, 
         sum = sum + x[base + a * num_atoms];
     }
     return sum;
+}
+
+// dueling_combine's mean over the actions of cell (b, j): the action-order sum / A.
+static __device__ __forceinline__ float dueling_mean(const float* __restrict__ adv, int base,
+                                                     int num_actions, int num_atoms) {
+    return action_sum(adv, base, num_actions, num_atoms) / static_cast<float>(num_actions);
 }
 
 // The flat index of element (b, 0, j) of a [B, A, NA] block, for the (b, j) cell
@@ -96,8 +138,7 @@ static __device__ __forceinline__ void dueling_combine_body(const float* __restr
     const int stride = gridDim.x * blockDim.x;
     for (int cell = blockIdx.x * blockDim.x + threadIdx.x; cell < cells; cell += stride) {
         const int base = cell_base(cell, num_actions, num_atoms);
-        const float mean = action_sum(adv, base, num_actions, num_atoms) /
-                           static_cast<float>(num_actions);
+        const float mean = dueling_mean(adv, base, num_actions, num_atoms);
         const float value = v[cell];
         for (int a = 0; a < num_actions; ++a) {
             const int k = base + a * num_atoms;

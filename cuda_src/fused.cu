@@ -1,5 +1,6 @@
 // Fused kernels: one launch over every action branch (blockIdx.y = branch d), each the per-branch
-// kernel of distributional.cu applied to branch d's block of a branch-packed buffer.
+// kernel of distributional.cu applied to branch d's block of a branch-packed buffer
+// (dueling_log_softmax_q_branches: two of them, dueling_combine then log_softmax_expected_q).
 //
 // The specification is foxhunt/reference/kernels/fused.py (the composition of the per-branch
 // reference kernels): same formulas, operation order and NaN/Inf contracts as the per-branch
@@ -27,6 +28,61 @@ extern "C" __global__ void dueling_combine_branches(const float* __restrict__ v,
     const int num_actions = n_actions[d];
     const int block_start = batch * action_offset[d] * num_atoms;
     dueling_combine_body(v, adv + block_start, logits + block_start, batch, num_actions, num_atoms);
+}
+
+// --------------------------------------------------------------------------------------------
+// dueling_combine_branches then log_softmax_expected_q on its rows, in one launch (one forward
+// pass: the online pass with Q, the target pass without):
+//   logits[r, j] = v[b, j] + (adv[r, j] - mean_a adv_d[b, :, j])   (dueling_combine_body's ops);
+//   logp[r, :] = log_softmax(logits[r, :]); q[r] = sum_j exp(logp[r, j]) * z[j] if with_q,
+// for every packed row r = batch * action_offset[d] + b * n_d + a of branch d (blockIdx.y = d).
+// One warp per row (grid-stride over branch d's batch * n_d rows): lane l computes the logits
+// of atoms j = l + 32 k as dueling_combine does (dueling_mean: the action-order sum / n_d,
+// then v + (adv - mean)), writes them to `logits` and to its warp's row of shared memory, then
+// the warp runs log_softmax_row (log_softmax_expected_q's body) on that shared row: every
+// value is bitwise that of dueling_combine_branches followed by log_softmax_expected_q. Lane l
+// reads back only the entries it wrote, so no barrier is needed. with_q (0 or 1) is uniform;
+// with with_q = 0, z and q are not read or written (may be null). Dynamic shared memory:
+// (blockDim.x / 32) * num_atoms floats.
+// --------------------------------------------------------------------------------------------
+extern "C" __global__ void dueling_log_softmax_q_branches(const float* __restrict__ v,
+                                                          const float* __restrict__ adv,
+                                                          const float* __restrict__ z,
+                                                          const int* __restrict__ n_actions,
+                                                          const int* __restrict__ action_offset,
+                                                          float* __restrict__ logits,
+                                                          float* __restrict__ logp,
+                                                          float* __restrict__ q, int batch,
+                                                          int num_atoms, int with_q) {
+    extern __shared__ float dueling_rows[];  // [blockDim.x / 32, num_atoms]
+    const int d = blockIdx.y;
+    const int num_actions = n_actions[d];
+    const int first_row = batch * action_offset[d];  // branch d's first packed row
+    const int lane = threadIdx.x % kWarp;
+    const int warp = threadIdx.x / kWarp;
+    const int warps = blockDim.x / kWarp;
+    const bool want_q = with_q != 0;
+    float* row_values = dueling_rows + warp * num_atoms;
+    const float* adv_d = adv + first_row * num_atoms;
+    const int rows = batch * num_actions;
+    for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
+        const int b = r / num_actions;
+        const int a = r - b * num_actions;
+        const int row = first_row + r;
+        float* logits_row = logits + row * num_atoms;
+        for (int j = lane; j < num_atoms; j += kWarp) {
+            const int base = b * num_actions * num_atoms + j;  // cell_base of cell (b, j)
+            const float mean = dueling_mean(adv_d, base, num_actions, num_atoms);
+            const float value = v[b * num_atoms + j] + (adv_d[base + a * num_atoms] - mean);
+            row_values[j] = value;
+            logits_row[j] = value;
+        }
+        const float row_q = log_softmax_row(row_values, logp + row * num_atoms, z, want_q,
+                                            num_atoms, lane);
+        if (want_q && lane == 0) {
+            q[row] = row_q;
+        }
+    }
 }
 
 // --------------------------------------------------------------------------------------------

@@ -79,16 +79,19 @@ struct HbFiniteSquare {
     }
 };
 
-// Per-thread partial of sum_{begin <= i < end} f(x[i]) for a block striding over [begin, end).
+// Per-thread partial of sum_{begin <= i < end} f(x[i]) for thread `thread` of a block of
+// `threads` threads striding over [begin, end) (hb_thread_partial's tree for any thread of any
+// block size: hb_block_sum_as uses it to replay a block of another size).
 // The range is cut into chunks of 4 consecutive elements; thread t takes chunks t, t + T, ...
-// (T = blockDim.x) and accumulator j sums element j of each of its chunks in order; the last,
+// (T = threads) and accumulator j sums element j of each of its chunks in order; the last,
 // partial chunk goes to the thread whose turn it is. The partial is (a0 + a1) + (a2 + a3).
 // The chunks are read as float4 where the range starts 16-byte aligned and element by element
 // otherwise: the same sums in the same order, so the bits depend only on T and the range.
 // `f` may keep state (e.g. a count of the terms it kept); each element is passed to it once.
 template <typename F>
-__device__ __forceinline__ float hb_thread_partial(const float* x, long long begin, long long end,
-                                                   F&& f) {
+__device__ __forceinline__ float hb_thread_partial_as(const float* x, long long begin,
+                                                      long long end, F&& f, long long thread,
+                                                      long long threads) {
     const float* base = x + begin;
     const long long len = end - begin;
     const long long chunks = len / 4;
@@ -96,7 +99,7 @@ __device__ __forceinline__ float hb_thread_partial(const float* x, long long beg
     if ((reinterpret_cast<unsigned long long>(base) & 15) == 0) {
         const float4* base4 = reinterpret_cast<const float4*>(base);
 #pragma unroll 4
-        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
+        for (long long c = thread; c < chunks; c += threads) {
             const float4 q = base4[c];
             a0 = __fadd_rn(a0, f(q.x));
             a1 = __fadd_rn(a1, f(q.y));
@@ -105,7 +108,7 @@ __device__ __forceinline__ float hb_thread_partial(const float* x, long long beg
         }
     } else {
 #pragma unroll 4
-        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
+        for (long long c = thread; c < chunks; c += threads) {
             const float* q = base + 4 * c;
             const float q0 = q[0], q1 = q[1], q2 = q[2], q3 = q[3];
             a0 = __fadd_rn(a0, f(q0));
@@ -115,7 +118,7 @@ __device__ __forceinline__ float hb_thread_partial(const float* x, long long beg
         }
     }
     const long long tail = 4 * chunks;  // 0 to 3 elements left, the next chunk in turn
-    if (tail < len && threadIdx.x == chunks % blockDim.x) {
+    if (tail < len && thread == chunks % threads) {
         a0 = __fadd_rn(a0, f(base[tail]));
         if (tail + 1 < len) {
             a1 = __fadd_rn(a1, f(base[tail + 1]));
@@ -125,4 +128,50 @@ __device__ __forceinline__ float hb_thread_partial(const float* x, long long beg
         }
     }
     return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
+}
+
+// Per-thread partial of sum_{begin <= i < end} f(x[i]) for the calling block striding over
+// [begin, end): hb_thread_partial_as for this thread of this block (tree described there).
+template <typename F>
+__device__ __forceinline__ float hb_thread_partial(const float* x, long long begin, long long end,
+                                                   F&& f) {
+    return hb_thread_partial_as(x, begin, end, f, (long long)threadIdx.x,
+                                (long long)blockDim.x);
+}
+
+// sum_{begin <= i < end} f(x[i]) with the bits a block of `threads` threads gets from
+// hb_thread_partial + hb_block_sum (e.g. grad_norm_final's launch), computed by the calling
+// block, of any size: its warp w plays the virtual warps w, w + W, w + 2W, ... (W = the calling
+// block's warps; a virtual warp's lanes are the real warp's lanes, so the butterflies are the
+// same), writes each virtual warp's sum to scratch, and warp 0 sums the `threads` / 32 of them
+// padded with the identity, as hb_block_sum's warp 0 does. Every thread gets the result.
+// Requires threads % 32 == 0, 32 <= threads <= HB_MAX_THREADS, blockDim.x % 32 == 0, every
+// thread of the block to call it (it synchronises; the trip counts are warp-uniform) and f to
+// be stateless (a virtual thread's elements go to one real thread, but several virtual threads
+// may share it). `scratch` holds HB_WARP + 1 elements of shared memory, as hb_block_sum's.
+template <typename F>
+__device__ __forceinline__ float hb_block_sum_as(const float* x, long long begin, long long end,
+                                                 F f, int threads, float* scratch) {
+    const int lane = threadIdx.x % HB_WARP;
+    const int warp = threadIdx.x / HB_WARP;
+    const int warps = blockDim.x / HB_WARP;
+    const int virtual_warps = threads / HB_WARP;
+    __syncthreads();  // the previous user of scratch has read its result
+    for (int vw = warp; vw < virtual_warps; vw += warps) {
+        const float v = hb_warp_sum(
+            hb_thread_partial_as(x, begin, end, f, (long long)(vw * HB_WARP + lane), threads));
+        if (lane == 0) {
+            scratch[vw] = v;
+        }
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float s = lane < virtual_warps ? scratch[lane] : HB_SUM_IDENTITY;
+        s = hb_warp_sum(s);
+        if (lane == 0) {
+            scratch[HB_WARP] = s;
+        }
+    }
+    __syncthreads();
+    return scratch[HB_WARP];
 }

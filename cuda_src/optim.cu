@@ -223,25 +223,45 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
     return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
 }
 
-// clip_saxpy_norm_partial: out = clipped_saxpy(clip_grad_inplace(base, base_max_norm,
-// *base_norm_sq), inject, a, inject_max_norm, *inject_norm_sq); partials[k] = the finite-square
-// sum of out's segment k (grad_norm_partial). base and inject are read only; out is a separate
-// buffer. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial): grid ceil(n / block_size)
-// (at least 1), block a multiple of 32.
+// clip_saxpy_norm_partial: the two loss norms' phase 2, the budget tail and phase 1 of the
+// total norm, in one launch:
+//   base_norm_sq   = grad_norm_final(base_partials[0:count])
+//   inject_norm_sq = grad_norm_final(inject_partials[0:count])
+//   out = clipped_saxpy(clip_grad_inplace(base, base_max_norm, base_norm_sq), inject, a,
+//                       inject_max_norm, inject_norm_sq)
+//   partials[k] = the finite-square sum of out's segment k (grad_norm_partial)
+// Every block computes both norms itself with grad_norm_final's tree as launched with
+// final_threads threads (hb_block_sum_as; the launcher passes plan_grad_norm_final(count)'s
+// block), so they are grad_norm_final's bits; block 0 writes them to base_norm_sq_out and
+// inject_norm_sq_out (the step's readback needs them). base, inject and the partials are read
+// only; out is a separate buffer. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial):
+// grid ceil(n / block_size) (at least 1), block a multiple of 32.
 extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
 clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict__ inject,
-                        long long n, float base_max_norm, const float* __restrict__ base_norm_sq,
-                        float a, float inject_max_norm, const float* __restrict__ inject_norm_sq,
-                        long long block_size, float* __restrict__ out,
-                        float* __restrict__ partials) {
+                        long long n, float base_max_norm, const float* __restrict__ base_partials,
+                        float a, float inject_max_norm,
+                        const float* __restrict__ inject_partials, long long count,
+                        long long final_threads, long long block_size, float* __restrict__ out,
+                        float* __restrict__ partials, float* __restrict__ base_norm_sq_out,
+                        float* __restrict__ inject_norm_sq_out) {
     __shared__ float scratch[HB_WARP + 1];
+    const int threads = (int)final_threads;
+    // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms.
+    const float base_norm_sq =
+        __fadd_rn(hb_block_sum_as(base_partials, 0, count, HbIdentity(), threads, scratch), 0.0f);
+    const float inject_norm_sq = __fadd_rn(
+        hb_block_sum_as(inject_partials, 0, count, HbIdentity(), threads, scratch), 0.0f);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        base_norm_sq_out[0] = base_norm_sq;
+        inject_norm_sq_out[0] = inject_norm_sq;
+    }
     const long long begin = (long long)blockIdx.x * block_size;
     if (begin >= n) {
-        return;  // only for n == 0 (grid 1): nothing to write; uniform across the block
+        return;  // only for n == 0 (grid 1): no segment; uniform across the block
     }
     const long long end = min(begin + block_size, n);
-    const HbClipSaxpyOp op{hb_clip_scale(*base_norm_sq, base_max_norm), a,
-                           hb_clip_scale(*inject_norm_sq, inject_max_norm)};
+    const HbClipSaxpyOp op{hb_clip_scale(base_norm_sq, base_max_norm), a,
+                           hb_clip_scale(inject_norm_sq, inject_max_norm)};
     const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
     const float total = hb_block_sum(partial, scratch);
     if (threadIdx.x == 0) {

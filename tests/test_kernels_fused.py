@@ -267,3 +267,209 @@ def test_c51_loss_branches_compiles_with_c51_loss_body(arch, tmp_path):
     fused_ops = _float_ops(_entry(module.ptx["fused.cu"], "c51_loss_branches"))
     loss_ops = _float_ops(_entry(module.ptx["distributional.cu"], "c51_loss"))
     assert fused_ops == loss_ops and fused_ops["add.rn.f32"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# dueling_log_softmax_q_branches: dueling_combine_branches then log_softmax_expected_q
+# ---------------------------------------------------------------------------------------------
+
+
+def make_dueling_case(branches, batch, atoms, seed=0):
+    """``v [B, NA]``, branch-packed ``adv [B * A_total, NA]`` (logits of scale ~3), ``z``."""
+    rng = np.random.default_rng(seed)
+    v = (rng.standard_normal((batch, atoms)) * 2.0).astype(F32)
+    adv = (rng.standard_normal((batch * sum(branches), atoms)) * 2.0).astype(F32)
+    z = np.linspace(-10.0, 10.0, atoms).astype(F32)
+    return v, adv, z
+
+
+def dueling_composition(v, adv, z, branches, with_q):
+    """Per-branch dueling_combine on hand-sliced blocks, packed by hand, then log_softmax_atoms
+    over every row and expected_q over every row (with_q) or none: logits, logp, q."""
+    batch, atoms = v.shape
+    logits = np.empty_like(adv)
+    for d, n in enumerate(branches):
+        lo = batch * sum(branches[:d])
+        blk = adv[lo:lo + batch * n].reshape(batch, n, atoms).copy()
+        logits[lo:lo + batch * n] = dist.dueling_combine(v, blk).reshape(batch * n, atoms)
+    logp = dist.log_softmax_atoms(logits)
+    rows = logits.shape[0] if with_q else 0
+    q = dist.expected_q(logp[:rows].reshape(rows, 1, atoms).copy(), z).reshape(rows)
+    return logits, logp, q
+
+
+@pytest.mark.parametrize("with_q", [True, False], ids=["with_q", "no_q"])
+@pytest.mark.parametrize("case", list(CASES), ids=list(CASES))
+def test_dueling_log_softmax_q_branches_is_the_composition(case, with_q):
+    branches, batch, atoms, _ = CASES[case]
+    v, adv, z = make_dueling_case(branches, batch, atoms)
+    got = fused.dueling_log_softmax_q_branches(v, adv, z, branches, with_q)
+    assert isinstance(got, fused.DuelingLogSoftmaxQ)
+    rows = batch * sum(branches)
+    assert got.logits.shape == got.logp.shape == (rows, atoms)
+    assert got.q.shape == ((rows,) if with_q else (0,))
+    assert all(x.dtype == F32 for x in got)
+    logits, logp, q = dueling_composition(v, adv, z, branches, with_q)
+    assert bits_equal(got.logits, logits) and bits_equal(got.logp, logp) and bits_equal(got.q, q)
+    # and it is literally the two fused reference kernels in a row
+    lq = dist.log_softmax_expected_q(fused.dueling_combine_branches(v, adv, branches), z,
+                                     rows if with_q else 0)
+    assert bits_equal(got.logp, lq.logp) and bits_equal(got.q, lq.q)
+
+
+@pytest.mark.parametrize("case", ["seed", "odd", "R=B"])
+def test_dueling_log_softmax_q_branches_values_vs_float64_formula(case):
+    branches, batch, atoms, _ = CASES[case]
+    v, adv, z = make_dueling_case(branches, batch, atoms, seed=5)
+    got = fused.dueling_log_softmax_q_branches(v, adv, z, branches, True)
+    v64, z64 = v.astype(np.float64), z.astype(np.float64)
+    for d, n in enumerate(branches):
+        lo = batch * sum(branches[:d])
+        a64 = adv[lo:lo + batch * n].astype(np.float64).reshape(batch, n, atoms)
+        logits64 = v64[:, None, :] + a64 - a64.mean(axis=1, keepdims=True)
+        m = logits64.max(axis=-1, keepdims=True)
+        logp64 = logits64 - m - np.log(np.exp(logits64 - m).sum(axis=-1, keepdims=True))
+        q64 = (np.exp(logp64) * z64).sum(axis=-1)
+        sl = slice(lo, lo + batch * n)
+        np.testing.assert_allclose(got.logits[sl], logits64.reshape(-1, atoms), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(got.logp[sl], logp64.reshape(-1, atoms), rtol=1e-5, atol=2e-5)
+        np.testing.assert_allclose(got.q[sl], q64.reshape(-1), rtol=1e-5, atol=1e-4)
+    # rows are probability vectors and Q lies within the support
+    np.testing.assert_allclose(np.exp(got.logp.astype(np.float64)).sum(axis=-1), 1.0, atol=1e-5)
+    assert np.all(got.q >= z[0] - 1e-4) and np.all(got.q <= z[-1] + 1e-4)
+
+
+@settings(max_examples=40)
+@given(data=st.data(), branches=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       batch=st.integers(1, 5), atoms=st.integers(1, 6), with_q=st.booleans())
+def test_dueling_log_softmax_q_branches_specials_match_composition(data, branches, batch, atoms,
+                                                                     with_q):
+    branches = tuple(branches)
+    v, adv, z = make_dueling_case(branches, batch, atoms, seed=data.draw(st.integers(0, 2**16)))
+    for arr in (v, adv, z):
+        for _ in range(data.draw(st.integers(0, 3))):
+            arr.flat[data.draw(st.integers(0, arr.size - 1))] = data.draw(st.sampled_from(SPECIALS))
+    got = fused.dueling_log_softmax_q_branches(v, adv, z, branches, with_q)
+    logits, logp, q = dueling_composition(v, adv, z, branches, with_q)
+    assert bits_equal(got.logits, logits) and bits_equal(got.logp, logp) and bits_equal(got.q, q)
+    # The contract, checked directly: a logp row is NaN iff its logits row holds NaN or +Inf or
+    # is all -Inf (the float64 logits: v + (adv - mean), mean in float64), else finite where
+    # the logit is; a NaN logp row or a NaN in z makes that row's q NaN.
+    with np.errstate(all="ignore"):
+        logits64 = np.empty(adv.shape)
+        for d, n in enumerate(branches):
+            lo = batch * sum(branches[:d])
+            a64 = adv[lo:lo + batch * n].astype(np.float64).reshape(batch, n, atoms)
+            mean = a64.sum(axis=1, keepdims=True) / n
+            logits64[lo:lo + batch * n] = (v.astype(np.float64)[:, None, :]
+                                           + (a64 - mean)).reshape(-1, atoms)
+    nan_row = (np.isnan(logits64).any(axis=1) | np.isposinf(logits64).any(axis=1)
+               | np.isneginf(logits64).all(axis=1))
+    assert np.array_equal(np.isnan(got.logp).all(axis=1), nan_row)
+    assert np.array_equal(np.isnan(got.logp).any(axis=1), nan_row)
+    ok = ~nan_row
+    assert np.array_equal(np.isneginf(got.logp[ok]), np.isneginf(logits64[ok]))
+    if with_q:
+        assert np.all(np.isnan(got.q[nan_row]))
+        if np.isnan(z).any():
+            assert np.all(np.isnan(got.q))
+
+
+def v_1d(k):
+    k["v"] = k["v"].ravel()
+
+
+def v_f64(k):
+    k["v"] = k["v"].astype(np.float64)
+
+
+def adv_not_packed(k):
+    k["adv"] = k["adv"][:-1]
+
+
+def adv_atoms_differ(k):
+    k["adv"] = k["adv"][:, :-1].copy()
+
+
+def branches_not_matching_adv(k):
+    k["branches"] = (3, 3, 3)
+
+
+def z_short(k):
+    k["z"] = k["z"][:-1]
+
+
+def z_f64(k):
+    k["z"] = k["z"].astype(np.float64)
+
+
+def z_2d(k):
+    k["z"] = k["z"][None, :]
+
+
+def with_q_int(k):
+    k["with_q"] = 1
+
+
+def with_q_none(k):
+    k["with_q"] = None
+
+
+@pytest.mark.parametrize("name,edit", [
+    _bad("v", v_1d), _bad("v", v_f64), _bad("adv", adv_not_packed),
+    _bad("adv", adv_atoms_differ), _bad("adv", branches_not_matching_adv),
+    _bad("branches", wrong_branches), _bad("z", z_short), _bad("z", z_f64), _bad("z", z_2d),
+    _bad("with_q", with_q_int), _bad("with_q", with_q_none),
+])
+def test_dueling_log_softmax_q_branches_bad_input_names_the_argument(name, edit):
+    branches = (3, 3, 2)
+    v, adv, z = make_dueling_case(branches, 4, 5)
+    kwargs = {"v": v, "adv": adv, "z": z, "branches": branches, "with_q": True}
+    edit(kwargs)
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        fused.dueling_log_softmax_q_branches(**kwargs)
+
+
+def test_dueling_log_softmax_q_branches_is_listed_and_plans_the_seed_passes():
+    import inspect
+
+    from foxhunt.fast.kernels import fused as fast_fused
+
+    assert fused.KERNELS["dueling_log_softmax_q_branches"] is fused.dueling_log_softmax_q_branches
+    assert (fast_fused.KERNELS["dueling_log_softmax_q_branches"]
+            is fast_fused.dueling_log_softmax_q_branches)
+    assert (inspect.signature(fast_fused.dueling_log_softmax_q_branches)
+            == inspect.signature(fused.dueling_log_softmax_q_branches))
+    plan = fast_fused.plan_dueling_log_softmax_q_branches
+    # a warp per row: the largest branch's rows / 8 warps per block; one row of NA per warp
+    assert plan(512, (3, 3, 2), 51) == ((192, 3, 1), 256, 8 * 51 * 4)  # online pass
+    assert plan(256, (3, 3, 2), 51) == ((96, 3, 1), 256, 8 * 51 * 4)   # target pass
+    assert plan(5, (1, 4), 7) == ((3, 2, 1), 256, 8 * 7 * 4)
+    with pytest.raises(ValueError, match="^num_atoms:"):
+        plan(4, (3,), 100_000)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_dueling_log_softmax_q_branches_compiles(arch, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    sources = source_files()
+    headers = {n: b for n, b in sources.items() if n.endswith(HEADER_SUFFIXES)}
+    module = compile_sources(arch, "ptx", cache_root=tmp_path,
+                             sources={"fused.cu": sources["fused.cu"],
+                                      "distributional.cu": sources["distributional.cu"], **headers})
+    assert module.logs["fused.cu"] == "" and module.logs["distributional.cu"] == ""
+    name = "dueling_log_softmax_q_branches"
+    assert module.kernels[name] == "fused.cu"
+    # v, adv, z, n_actions, action_offset, logits, logp, q; batch, num_atoms, with_q
+    assert tuple(p.ptx_type for p in module.params[name]) == ("u64",) * 8 + ("u32",) * 3
+    body = _entry(module.ptx["fused.cu"], name)
+    assert "atom." not in body and "bar.sync" not in body  # no atomics, no block barrier
+    assert "ld.shared.f32" in body and "st.shared.f32" in body  # the staged logits row
+    ops = _float_ops(body)
+    # dueling's mean (one IEEE division), log-softmax's and Q's warp butterflies, never fused
+    assert ops["div.rn.f32"] > 0 and ops["shfl.sync.bfly.b32"] > 0 and ops["max.f32"] > 0
+    # the log-softmax/Q row is log_softmax_expected_q's: same float operation kinds
+    lsq = _float_ops(_entry(module.ptx["distributional.cu"], "log_softmax_expected_q"))
+    assert set(lsq) <= set(ops)

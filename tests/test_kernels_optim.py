@@ -408,6 +408,23 @@ def clip_saxpy_contract(base: float, inject: float, s_base: float, a: float,
     return f(c + f(a * f(inject * s_inject)))
 
 
+#: Specials of the partial arrays: NaN, +/-Inf and values whose sum overflows.
+PARTIAL_SPECIALS = (math.nan, math.inf, -math.inf, F32_MAX, 3.0e38, -F32_MAX, 0.0, -0.0, 1e-45)
+
+
+def norm_partials(data, x: np.ndarray, specials: bool):
+    """Phase-1 partials of ``x``'s norm over a drawn segment size, with specials injected at
+    drawn positions when ``specials`` (NaN, Inf, overflowing values: the phase-2 contract)."""
+    segment = data.draw(st.sampled_from([1, 5, 64, 4096]))
+    partials = optim.grad_norm_partial(x, segment)
+    if specials and partials.size:
+        positions = data.draw(st.lists(st.integers(0, partials.size - 1), min_size=1,
+                                       max_size=min(partials.size, 4), unique=True))
+        for pos in positions:
+            partials[pos] = data.draw(st.sampled_from(PARTIAL_SPECIALS))
+    return partials
+
+
 def budget_tail_args(data, n_max: int = 300):
     base = data.draw(f32_with_specials(max_size=n_max))
     inject = data.draw(f32_with_specials(size=base.size))
@@ -415,14 +432,32 @@ def budget_tail_args(data, n_max: int = 300):
     inject_max = data.draw(st.sampled_from([0.0, 0.15, 1.5, 1e4]))
     a = data.draw(st.sampled_from([1.0, 0.5, -2.0]))
     block = data.draw(st.sampled_from([1, 3, 32, 256, 4096]))
-    # the norms are data: usually the inputs' own, sometimes NaN / Inf / unrelated
-    norm = st.sampled_from(["own", math.nan, math.inf, 0.0, 25.0])
-    base_sq, inject_sq = data.draw(norm), data.draw(norm)
-    base_sq = optim.grad_norm_sq(base) if base_sq == "own" else base_sq
-    inject_sq = optim.grad_norm_sq(inject) if inject_sq == "own" else inject_sq
-    return {"base": base, "inject": inject, "base_max_norm": base_max, "base_norm_sq": base_sq,
-            "a": a, "inject_max_norm": inject_max, "inject_norm_sq": inject_sq,
-            "block_size": block}
+    # the partials are data: usually the inputs' own, sometimes with NaN / Inf / huge values;
+    # both arrays have one length (the kernel takes one count)
+    base_partials = norm_partials(data, base, data.draw(st.booleans()))
+    inject_partials = optim.grad_norm_partial(inject, max(1, -(-inject.size // max(
+        base_partials.size, 1))))
+    if inject_partials.size != base_partials.size:  # pad/trim to base's count: still data
+        inject_partials = np.resize(inject_partials, base_partials.shape).astype(np.float32)
+    if data.draw(st.booleans()) and inject_partials.size:
+        pos = data.draw(st.integers(0, inject_partials.size - 1))
+        inject_partials[pos] = data.draw(st.sampled_from(PARTIAL_SPECIALS))
+    return {"base": base, "inject": inject, "base_max_norm": base_max,
+            "base_partials": base_partials, "a": a, "inject_max_norm": inject_max,
+            "inject_partials": inject_partials, "block_size": block}
+
+
+def composition(kw) -> tuple:
+    """The fused kernel's twin written as the separate reference launches of the step."""
+    base_sq = optim.grad_norm_final(kw["base_partials"])
+    inject_sq = optim.grad_norm_final(kw["inject_partials"])
+    clipped = optim.clip_grad_inplace(kw["base"], kw["base_max_norm"], base_sq)
+    out = optim.clipped_saxpy(clipped, kw["inject"], kw["a"], kw["inject_max_norm"], inject_sq)
+    return out, optim.grad_norm_partial(out, kw["block_size"]), base_sq, inject_sq
+
+
+def bits(x) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32).view(np.uint32)
 
 
 @given(data=st.data())
@@ -433,21 +468,38 @@ def test_clip_saxpy_norm_partial_is_the_composition_bitwise(data):
     for k, v in before.items():
         assert np.array_equal(kw[k].view(np.uint32), v.view(np.uint32))  # inputs untouched
     assert isinstance(got, optim.ClipSaxpyPartial)
-    clipped = optim.clip_grad_inplace(kw["base"], kw["base_max_norm"], kw["base_norm_sq"])
-    out = optim.clipped_saxpy(clipped, kw["inject"], kw["a"], kw["inject_max_norm"],
-                              kw["inject_norm_sq"])
-    partials = optim.grad_norm_partial(out, kw["block_size"])
+    out, partials, base_sq, inject_sq = composition(kw)
     assert got.out.dtype == got.partials.dtype == np.float32
-    assert np.array_equal(got.out.view(np.uint32), out.view(np.uint32))
-    assert np.array_equal(got.partials.view(np.uint32), partials.view(np.uint32))
+    assert isinstance(got.base_norm_sq, np.float32) and isinstance(got.inject_norm_sq, np.float32)
+    assert np.array_equal(bits(got.out), bits(out))
+    assert np.array_equal(bits(got.partials), bits(partials))
+    assert bits(got.base_norm_sq) == bits(base_sq) and bits(got.inject_norm_sq) == bits(inject_sq)
 
 
 @given(data=st.data())
 def test_clip_saxpy_norm_partial_elementwise_contract(data):
     kw = budget_tail_args(data, n_max=120)
     got = optim.clip_saxpy_norm_partial(**kw)
-    s_base = float(optim.clip_scale(kw["base_norm_sq"], kw["base_max_norm"]))
-    s_inject = float(optim.clip_scale(kw["inject_norm_sq"], kw["inject_max_norm"]))
+    # the norms: plain sums of the partials (NaN if a NaN or both infinities, else +/-Inf if
+    # any infinity or the exact sum is beyond float32, else within rounding of the exact sum)
+    for name in ("base", "inject"):
+        parts = [float(p) for p in kw[f"{name}_partials"]]
+        norm = float(getattr(got, f"{name}_norm_sq"))
+        if any(math.isnan(p) for p in parts) or {math.inf, -math.inf} <= set(parts):
+            assert math.isnan(norm)
+        elif math.inf in parts:
+            assert norm == math.inf
+        elif -math.inf in parts:
+            assert norm == -math.inf
+        elif not math.isfinite(norm):  # only an overflowing sum of huge partials
+            assert max(abs(p) for p in parts) >= 1e38
+        else:
+            exact = math.fsum(parts)
+            bound = gamma(len(parts) + 1) * math.fsum(abs(p) for p in parts)
+            assert abs(norm - exact) <= bound
+            assert norm != 0.0 or math.copysign(1.0, norm) > 0  # never -0.0
+    s_base = float(optim.clip_scale(got.base_norm_sq, kw["base_max_norm"]))
+    s_inject = float(optim.clip_scale(got.inject_norm_sq, kw["inject_max_norm"]))
     a = float(np.float32(kw["a"]))
     for b, y, o in zip(kw["base"].tolist(), kw["inject"].tolist(), got.out.tolist()):
         expected = clip_saxpy_contract(b, y, s_base, a, s_inject)
@@ -464,6 +516,27 @@ def test_clip_saxpy_norm_partial_elementwise_contract(data):
             assert abs(part - exact) <= gamma(chunk.size + 1) * exact + 1e-45
 
 
+@pytest.mark.parametrize(("partials", "scale"), [
+    ([1.0, math.nan, 2.0], 1.0),           # NaN norm: scale 1 (fmaxf rule)
+    ([1.0, math.inf, 2.0], 0.0),           # +Inf partial: +Inf norm, component discarded
+    ([F32_MAX, F32_MAX], 0.0),             # finite partials whose sum overflows: +Inf
+    ([math.inf, -math.inf], 1.0),          # Inf - Inf: NaN norm, scale 1
+    ([-4.0, 1.0], 1.0),                    # a negative norm (not produced by phase 1): n = 0
+])
+def test_clip_saxpy_norm_partial_special_partials(partials, scale):
+    base = np.array([3.0, -4.0, np.inf], np.float32)
+    inject = np.array([2.0, np.nan, 1.0], np.float32)
+    p = np.array(partials, np.float32)
+    ok = np.array([4.0] * p.size, np.float32) / p.size  # inject norm 4: n = 2, scale 1 at 2.5
+    got = optim.clip_saxpy_norm_partial(base, inject, 1.0, p, 1.0, 2.5, ok, 2)
+    assert got.inject_norm_sq == 4.0
+    with np.errstate(invalid="ignore"):
+        expected_base = np.float32(scale) * base
+    want = expected_base + np.array([2.0, 0.0, 1.0], np.float32)
+    assert np.array_equal(got.out, want, equal_nan=True)
+    assert got.partials.dtype == np.float32 and not np.any(np.isnan(got.partials))
+
+
 def test_clip_saxpy_norm_partial_step_budgets():
     # The step's use: C51 base over 0.70 mgn, CQL inject over 0.15 mgn, a = 1: the clipped
     # components are on their budgets, so the total is within their sum (triangle inequality).
@@ -471,9 +544,12 @@ def test_clip_saxpy_norm_partial_step_budgets():
     base = rng.standard_normal(10_007).astype(np.float32)
     inject = (rng.standard_normal(10_007) * 3).astype(np.float32)
     mgn = 2.0
-    got = optim.clip_saxpy_norm_partial(base, inject, 0.7 * mgn, optim.grad_norm_sq(base), 1.0,
-                                        0.15 * mgn, optim.grad_norm_sq(inject), 4096)
+    got = optim.clip_saxpy_norm_partial(base, inject, 0.7 * mgn,
+                                        optim.grad_norm_partial(base, 4096), 1.0, 0.15 * mgn,
+                                        optim.grad_norm_partial(inject, 4096), 4096)
     assert got.partials.shape == (3,)
+    assert float(got.base_norm_sq) == pytest.approx(exact_finite_sq(base), rel=1e-6)
+    assert float(got.inject_norm_sq) == pytest.approx(exact_finite_sq(inject), rel=1e-6)
     total = math.sqrt(math.fsum(float(p) for p in got.partials))
     assert total <= 0.85 * mgn * (1 + 1e-5)
     assert total == pytest.approx(finite_norm64(got.out), rel=1e-5)
@@ -482,34 +558,47 @@ def test_clip_saxpy_norm_partial_step_budgets():
 def test_clip_saxpy_norm_partial_skips_nonfinite_inject_and_keeps_base_nan():
     base = np.array([3.0, np.nan, 4.0, np.inf], np.float32)
     inject = np.array([np.nan, 1.0, np.inf, 1.0], np.float32)
-    # base norm 5 (finite part) clipped to 2.5: s_b = 0.5; inject unclipped (huge budget)
-    got = optim.clip_saxpy_norm_partial(base, inject, 2.5, 25.0, 1.0, 1e6, 2.0, 2)
+    # base norm 5 (finite part: partials 9 + 16) clipped to 2.5: s_b = 0.5; inject unclipped
+    parts = np.array([9.0, 16.0], np.float32)
+    inject_parts = np.array([1.0, 1.0], np.float32)
+    got = optim.clip_saxpy_norm_partial(base, inject, 2.5, parts, 1.0, 1e6, inject_parts, 2)
+    assert got.base_norm_sq == 25.0 and got.inject_norm_sq == 2.0
     assert got.out[[0, 2]].tolist() == [1.5, 2.0]  # the clipped base alone
     assert math.isnan(got.out[1]) and got.out[3] == np.inf
     assert got.partials.tolist() == [2.25, 4.0]  # non-finite out skipped
     # A +Inf base norm discards the base (scale 0): Inf * 0 is NaN, finite values become 0.
-    zero = optim.clip_saxpy_norm_partial(base, inject, 2.5, math.inf, 1.0, 1e6, 2.0, 4)
+    inf_parts = np.array([9.0, np.inf], np.float32)
+    zero = optim.clip_saxpy_norm_partial(base, inject, 2.5, inf_parts, 1.0, 1e6, inject_parts, 4)
+    assert zero.base_norm_sq == np.inf
     assert zero.out[0] == 0.0 and zero.out[2] == 0.0 and math.isnan(zero.out[3])
 
 
 def test_clip_saxpy_norm_partial_empty():
     z = np.zeros(0, np.float32)
-    got = optim.clip_saxpy_norm_partial(z, z, 1.0, 0.0, 1.0, 1.0, 0.0, 4096)
+    got = optim.clip_saxpy_norm_partial(z, z, 1.0, z, 1.0, 1.0, z, 4096)
     assert got.out.shape == (0,) and got.partials.shape == (0,)
+    assert bits(got.base_norm_sq) == bits(got.inject_norm_sq) == 0  # +0.0
+    # empty partials with data: norms 0, no clip
+    x = np.array([3.0, 4.0], np.float32)
+    got = optim.clip_saxpy_norm_partial(x, x, 1.0, z, 1.0, 1.0, z, 1)
+    assert got.out.tolist() == [6.0, 8.0] and got.partials.tolist() == [36.0, 64.0]
 
 
 @pytest.mark.parametrize(
     ("name", "value"),
     [("base", np.zeros((2, 3), np.float32)), ("base", np.zeros(6)), ("base", [0.0] * 6),
      ("inject", np.zeros(5, np.float32)), ("inject", np.zeros(6)),
-     ("base_max_norm", -1.0), ("base_max_norm", math.inf), ("base_norm_sq", "1"),
-     ("a", math.nan), ("inject_max_norm", math.nan), ("inject_norm_sq", None),
+     ("base_max_norm", -1.0), ("base_max_norm", math.inf),
+     ("base_partials", np.zeros(2)), ("base_partials", np.zeros((1, 2), np.float32)),
+     ("base_partials", 6.0), ("a", math.nan), ("inject_max_norm", math.nan),
+     ("inject_partials", None), ("inject_partials", np.zeros(3, np.float32)),
+     ("inject_partials", np.zeros(2, np.float16)),
      ("block_size", 0), ("block_size", 2.0), ("block_size", True)],
 )
 def test_clip_saxpy_norm_partial_rejects_bad_input(name, value):
     kw = {"base": np.ones(6, np.float32), "inject": np.ones(6, np.float32), "base_max_norm": 1.0,
-          "base_norm_sq": 6.0, "a": 1.0, "inject_max_norm": 1.0, "inject_norm_sq": 6.0,
-          "block_size": 4}
+          "base_partials": np.full(2, 3.0, np.float32), "a": 1.0, "inject_max_norm": 1.0,
+          "inject_partials": np.full(2, 3.0, np.float32), "block_size": 4}
     kw[name] = value
     with pytest.raises(ValueError, match=rf"^{name}[:=]"):
         optim.clip_saxpy_norm_partial(**kw)
@@ -574,7 +663,7 @@ FUSED = ("clip_saxpy_norm_partial", "polyak_update_mirror")
 #: PTX parameter types the launchers pack: pointers u64, n / block_size s64, scalars f32.
 FUSED_PARAMS = {
     "clip_saxpy_norm_partial": ("u64", "u64", "s64", "f32", "u64", "f32", "f32", "u64", "s64",
-                                "u64", "u64"),
+                                "s64", "s64", "u64", "u64", "u64", "u64"),
     "polyak_update_mirror": ("u64", "u64", "s64", "f32", "u64", "u64"),
 }
 
@@ -613,29 +702,59 @@ def _with_specials(x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("n", "block_size"),
-                         [(289_611, 4096), (257 * 259, 256), (515, 256), (1001, 3), (1000, 6)])
+@pytest.mark.parametrize(("n", "block_size", "segment"),
+                         [(289_611, 4096, 4096), (257 * 259, 256, 256), (515, 256, 7),
+                          (1001, 3, 3), (1000, 6, 1), (0, 4096, 4096)])
 @pytest.mark.parametrize("specials", [False, True])
-def test_gpu_fused_budget_tail_equals_unfused_launches_bitwise(n, block_size, specials):
-    # The step's claim: replacing clip_grad_inplace -> clipped_saxpy -> grad_norm_partial by the
-    # fused launch changes no bit (odd block sizes take the unaligned element path).
+def test_gpu_fused_budget_tail_equals_unfused_launches_bitwise(n, block_size, segment, specials):
+    # The step's claim: replacing grad_norm_final x 2 -> clip_grad_inplace -> clipped_saxpy ->
+    # grad_norm_partial by the fused launch changes no bit. The norms' partials come from
+    # `segment`-element segments: 71 (the step: a 96-thread final tree inside 256-thread
+    # blocks), 74, 334 and 1000 partials (final trees of 96 to 1024 threads replayed by
+    # 32-thread blocks); odd block sizes take the unaligned element path.
     _gpu_or_skip()
     from foxhunt.fast.kernels import optim as fast
 
     rng = np.random.default_rng(n)
     base = (rng.standard_normal(n) * 0.1).astype(np.float32)
     inject = (rng.standard_normal(n) * 0.3).astype(np.float32)
-    if specials:
+    if specials and n:
         base, inject = _with_specials(base, rng), _with_specials(inject, rng)
-    base_sq, inject_sq = optim.grad_norm_sq(base), optim.grad_norm_sq(inject)
+    base_parts = fast.grad_norm_partial(base, segment)
+    inject_parts = fast.grad_norm_partial(inject, segment)
+    base_sq, inject_sq = fast.grad_norm_final(base_parts), fast.grad_norm_final(inject_parts)
     base_max, inject_max = 0.7 * math.sqrt(base_sq), 0.15 * math.sqrt(inject_sq)
-    got = fast.clip_saxpy_norm_partial(base, inject, base_max, base_sq, 1.0, inject_max,
-                                       inject_sq, block_size)
+    got = fast.clip_saxpy_norm_partial(base, inject, base_max, base_parts, 1.0, inject_max,
+                                       inject_parts, block_size)
     clipped = fast.clip_grad_inplace(base, base_max, base_sq)
     out = fast.clipped_saxpy(clipped, inject, 1.0, inject_max, inject_sq)
     partials = fast.grad_norm_partial(out, block_size)
+    assert bits(got.base_norm_sq) == bits(base_sq)
+    assert bits(got.inject_norm_sq) == bits(inject_sq)
     assert np.array_equal(got.out.view(np.uint32), out.view(np.uint32))
     assert np.array_equal(got.partials.view(np.uint32), partials.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [0, 1, 3, 71, 200, 1500, 5000])
+def test_gpu_fused_budget_tail_norms_equal_grad_norm_final_bitwise(count):
+    # Partials with specials and mixed magnitudes (order-sensitive sums), any count: the fused
+    # norms are grad_norm_final's launch bits, whatever the fused block size.
+    _gpu_or_skip()
+    from foxhunt.fast.kernels import optim as fast
+
+    rng = np.random.default_rng(count)
+    parts = (rng.uniform(0, 1, count) * 10.0 ** rng.integers(-8, 8, count)).astype(np.float32)
+    spiked = parts.copy()
+    if count >= 3:
+        spiked[[0, count // 2, count - 1]] = [F32_MAX, 1e-45, F32_MAX / 2]
+    x = np.ones(700, np.float32)
+    for base_parts, inject_parts in ((parts, spiked), (spiked, parts)):
+        for block_size in (3, 256, 4096):
+            got = fast.clip_saxpy_norm_partial(x, x, 1.0, base_parts, 1.0, 1.0, inject_parts,
+                                               block_size)
+            assert bits(got.base_norm_sq) == bits(fast.grad_norm_final(base_parts))
+            assert bits(got.inject_norm_sq) == bits(fast.grad_norm_final(inject_parts))
 
 
 @pytest.mark.gpu

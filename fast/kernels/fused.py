@@ -20,6 +20,7 @@ from foxhunt.fast.kernels.distributional import (
     SHARED_LIMIT,
     THREADS,
     WARP,
+    WARPS_PER_BLOCK,
     cql_tile_samples,
 )
 from foxhunt.reference.kernels.distributional import CqlGrad, DuelingGrads
@@ -27,6 +28,7 @@ from foxhunt.reference.kernels.fused import (
     F32,
     I32,
     C51LossBranches,
+    DuelingLogSoftmaxQ,
     _require_branches,
     _require_packed,
     branch_offsets,
@@ -34,6 +36,7 @@ from foxhunt.reference.kernels.fused import (
     validate_c51_loss_branches,
     validate_cql_logit_grad_branches,
     validate_dueling_combine_branches,
+    validate_dueling_log_softmax_q_branches,
 )
 
 Plan = tuple[tuple[int, int, int], int, int]  # ((grid x, D, 1), block, dynamic shared bytes)
@@ -49,6 +52,22 @@ def plan_dueling_combine_branches(batch: int, branches, num_atoms: int) -> Plan:
 
 
 plan_dueling_combine_backward_branches = plan_dueling_combine_branches
+
+
+def plan_dueling_log_softmax_q_branches(batch: int, branches, num_atoms: int) -> Plan:
+    """One warp per packed row (``log_softmax_expected_q``'s warp per row), blocks of
+    ``THREADS``; grid x covers the largest branch's ``batch * n_d`` rows (blocks of smaller
+    branches past their rows exit), ``blockIdx.y`` = branch; dynamic shared memory: one row of
+    ``num_atoms`` floats per warp (``num_atoms <= SHARED_LIMIT / (4 * WARPS_PER_BLOCK)``, 1536).
+    Seed shapes (branches (3, 3, 2)): online ``batch = 512`` -> grid (192, 3), target
+    ``batch = 256`` -> grid (96, 3); 256 threads, 1632 bytes."""
+    shared = WARPS_PER_BLOCK * int(num_atoms) * F32_BYTES
+    if shared > SHARED_LIMIT:
+        raise ValueError(f"num_atoms: {num_atoms} needs {shared} bytes of shared memory in "
+                         f"dueling_log_softmax_q_branches; expected at most "
+                         f"{SHARED_LIMIT // (WARPS_PER_BLOCK * F32_BYTES)} atoms")
+    grid = blocks(int(batch) * max(branches), WARPS_PER_BLOCK)
+    return (grid, len(branches), 1), THREADS, shared
 
 
 def plan_cql_logit_grad_branches(batch: int, branches, num_atoms: int) -> Plan:
@@ -80,6 +99,26 @@ def dueling_combine_branches(v: np.ndarray, adv: np.ndarray, branches) -> np.nda
     (logits,) = call("dueling_combine_branches", grid, block, In(v), In(adv), *_tables(branches),
                      Out(adv.shape, F32), batch, num_atoms, shared_mem=shared)
     return logits
+
+
+def dueling_log_softmax_q_branches(v: np.ndarray, adv: np.ndarray, z: np.ndarray, branches,
+                                   with_q) -> DuelingLogSoftmaxQ:
+    """Fast ``dueling_log_softmax_q_branches``: ``DuelingLogSoftmaxQ(logits, logp`` (both
+    branch-packed ``[B * A_total, NA]``), ``q [B * A_total]`` with ``with_q``, else ``q [0]``)."""
+    branches, with_q = validate_dueling_log_softmax_q_branches(v, adv, z, branches, with_q)
+    check_elements("adv", adv)
+    batch, num_atoms = v.shape
+    q_rows = adv.shape[0] if with_q else 0
+    if adv.size == 0:
+        return DuelingLogSoftmaxQ(logits=np.zeros(adv.shape, dtype=F32),
+                                  logp=np.zeros(adv.shape, dtype=F32),
+                                  q=np.zeros(q_rows, dtype=F32))
+    grid, block, shared = plan_dueling_log_softmax_q_branches(batch, branches, num_atoms)
+    logits, logp, q = call("dueling_log_softmax_q_branches", grid, block, In(v), In(adv), In(z),
+                           *_tables(branches), Out(adv.shape, F32), Out(adv.shape, F32),
+                           Out((q_rows,), F32), batch, num_atoms, int(with_q),
+                           shared_mem=shared)
+    return DuelingLogSoftmaxQ(logits=logits, logp=logp, q=q)
 
 
 def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingGrads:
@@ -144,6 +183,7 @@ def c51_loss_branches(logp: np.ndarray, actions: np.ndarray, m: np.ndarray, isw:
 
 KERNELS = {
     "dueling_combine_branches": dueling_combine_branches,
+    "dueling_log_softmax_q_branches": dueling_log_softmax_q_branches,
     "dueling_combine_backward_branches": dueling_combine_backward_branches,
     "cql_logit_grad_branches": cql_logit_grad_branches,
     "c51_loss_branches": c51_loss_branches,

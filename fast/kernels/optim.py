@@ -11,8 +11,9 @@ Kernel arguments (the trainer passes the same, with arena pointers):
 
 - flat buffers as pointers plus their length ``n`` (int64); in-place kernels update their first
   buffer (``x``, ``y``, ``param``/``m``/``v``, ``target``); the fused budget tail
-  ``clip_saxpy_norm_partial`` reads ``base``/``inject`` and writes the separate ``out`` and
-  ``partials`` (after its inputs); ``polyak_update_mirror`` updates ``target`` and writes the
+  ``clip_saxpy_norm_partial`` reads ``base``/``inject`` and the two loss norms' phase-1
+  partials and writes the separate ``out``, ``partials`` and the two norms (after its inputs);
+  ``polyak_update_mirror`` updates ``target`` and writes the
   two BF16 mirrors (uint16 bit patterns);
 - **device scalars**: values produced on the device within a step are read through pointers,
   so a captured graph always sees the current value: ``norm_sq`` (float32, from
@@ -107,6 +108,13 @@ def plan_clip_saxpy_norm_partial(n: int, block_size: int) -> Plan:
     return plan_grad_norm_partial(n, block_size)
 
 
+def final_threads_clip_saxpy_norm_partial(count: int) -> int:
+    """The kernel's ``final_threads`` argument for ``count`` partials per norm: the block of
+    ``plan_grad_norm_final(count)``, whose tree the fused kernel replays for both norms (so
+    they are ``grad_norm_final``'s bits)."""
+    return plan_grad_norm_final(count)[1]
+
+
 plan_clip_grad_inplace = plan_elementwise
 plan_saxpy = plan_elementwise
 plan_clipped_saxpy = plan_elementwise
@@ -198,24 +206,28 @@ def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
 
 
 def clip_saxpy_norm_partial(base: np.ndarray, inject: np.ndarray, base_max_norm: float,
-                            base_norm_sq: float, a: float, inject_max_norm: float,
-                            inject_norm_sq: float, block_size: int) -> ClipSaxpyPartial:
-    """Test entry of the CUDA ``clip_saxpy_norm_partial``: ``out = clipped_saxpy(
-    clip_grad_inplace(base, ...), inject, a, ...)`` and ``partials = grad_norm_partial(out,
-    block_size)`` in one launch (both norms read from device memory). Contract as the
-    reference twin; ``out`` bitwise, ``partials`` the fixed tree of ``grad_norm_partial``.
-    Returns ``ClipSaxpyPartial(out, partials)``."""
-    args = validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_norm_sq, a,
-                                            inject_max_norm, inject_norm_sq, block_size)
+                            base_partials: np.ndarray, a: float, inject_max_norm: float,
+                            inject_partials: np.ndarray, block_size: int) -> ClipSaxpyPartial:
+    """Test entry of the CUDA ``clip_saxpy_norm_partial``: ``base_norm_sq = grad_norm_final(
+    base_partials)``, ``inject_norm_sq = grad_norm_final(inject_partials)``, ``out =
+    clipped_saxpy(clip_grad_inplace(base, ...), inject, a, ...)`` and ``partials =
+    grad_norm_partial(out, block_size)`` in one launch. Contract as the reference twin; the
+    norms are ``grad_norm_final``'s fixed tree (bitwise equal to its launch), ``out`` bitwise
+    given the norms, ``partials`` the fixed tree of ``grad_norm_partial``. Returns
+    ``ClipSaxpyPartial(out, partials, base_norm_sq, inject_norm_sq)``."""
+    args = validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_partials, a,
+                                            inject_max_norm, inject_partials, block_size)
     n = base.shape[0]
+    count = base_partials.shape[0]
     bs = min(args.block_size, max(n, 1))  # as grad_norm_partial's entry: same segments
     grid, block, smem = plan_clip_saxpy_norm_partial(n, bs)
-    out, partials = call(
+    out, partials, base_sq, inject_sq = call(
         "clip_saxpy_norm_partial", grid, block, In(base), In(inject), n, args.base_max_norm,
-        _device_scalar(args.base_norm_sq, F32), args.a, args.inject_max_norm,
-        _device_scalar(args.inject_norm_sq, F32), bs, Out((n,), F32), Out((-(-n // bs),), F32),
-        shared_mem=smem)
-    return ClipSaxpyPartial(out=out, partials=partials)
+        In(base_partials), args.a, args.inject_max_norm, In(inject_partials), count,
+        final_threads_clip_saxpy_norm_partial(count), bs, Out((n,), F32),
+        Out((-(-n // bs),), F32), Out((1,), F32), Out((1,), F32), shared_mem=smem)
+    return ClipSaxpyPartial(out=out, partials=partials, base_norm_sq=F32(base_sq[0]),
+                            inject_norm_sq=F32(inject_sq[0]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -288,9 +300,9 @@ KERNELS = {
 
 __all__ = [
     "KERNELS", "adam_update", "clip_grad_inplace", "clip_saxpy_norm_partial", "clipped_saxpy",
-    "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "plan_adam_update",
-    "plan_clip_grad_inplace", "plan_clip_saxpy_norm_partial", "plan_clipped_saxpy",
-    "plan_elementwise", "plan_grad_norm_final", "plan_grad_norm_partial", "plan_grad_norm_sq",
-    "plan_polyak_update", "plan_polyak_update_mirror", "plan_saxpy", "polyak_update",
-    "polyak_update_mirror",
+    "final_threads_clip_saxpy_norm_partial", "grad_norm_final", "grad_norm_partial",
+    "grad_norm_sq", "plan_adam_update", "plan_clip_grad_inplace", "plan_clip_saxpy_norm_partial",
+    "plan_clipped_saxpy", "plan_elementwise", "plan_grad_norm_final", "plan_grad_norm_partial",
+    "plan_grad_norm_sq", "plan_polyak_update", "plan_polyak_update_mirror", "plan_saxpy",
+    "polyak_update", "polyak_update_mirror",
 ]

@@ -1,7 +1,9 @@
 """Reference fused kernels: one launch over every action branch (the fast step's fusion plan,
 SPEC 11). Each is the composition of the per-branch reference kernels of
 :mod:`foxhunt.reference.kernels.distributional`, under the fused kernel's name; the numerics,
-shapes per branch and NaN/Inf contracts are exactly those of the per-branch kernel.
+shapes per branch and NaN/Inf contracts are exactly those of the per-branch kernel
+(``dueling_log_softmax_q_branches`` also composes ``log_softmax_expected_q`` over the combined
+rows).
 
 Branch-packed layout: ``branches = (n_0, ..., n_{D-1})`` (actions per branch, each >= 1,
 ``A_total = sum_d n_d``); an array ``x [R * A_total, NA]`` holds branch d's ``[R, n_d, NA]``
@@ -23,12 +25,24 @@ from foxhunt.reference.kernels.distributional import (
     I32,
     CqlGrad,
     DuelingGrads,
+    LogSoftmaxQ,
     c51_loss,
     cql_logit_grad,
     dueling_combine,
     dueling_combine_backward,
+    log_softmax_expected_q,
     validate_c51_loss,
 )
+
+
+class DuelingLogSoftmaxQ(NamedTuple):
+    """Outputs of ``dueling_log_softmax_q_branches``: branch-packed ``logits [R * A_total, NA]``
+    and ``logp [R * A_total, NA]``, and ``q [R * A_total]`` (one Q per packed row) with
+    ``with_q``, else an empty ``q [0]``."""
+
+    logits: np.ndarray
+    logp: np.ndarray
+    q: np.ndarray
 
 
 class C51LossBranches(NamedTuple):
@@ -82,6 +96,19 @@ def validate_dueling_combine_branches(v, adv, branches) -> tuple[int, ...]:
     return branches
 
 
+def validate_dueling_log_softmax_q_branches(v, adv, z, branches,
+                                            with_q) -> tuple[tuple[int, ...], bool]:
+    """The argument checks of ``dueling_log_softmax_q_branches``: ``dueling_combine_branches``'
+    (``v``, ``adv``, ``branches``), ``z [NA]`` float32, ``with_q`` a bool; returns
+    ``(branches, with_q)``."""
+    branches = validate_dueling_combine_branches(v, adv, branches)
+    require_array("z", z, F32, ndim=1)
+    require_shape("z", z, (v.shape[1],), "[NA] with NA = v.shape[1]")
+    if not isinstance(with_q, (bool, np.bool_)):
+        raise ValueError(f"with_q: {with_q!r} is not allowed; expected True or False")
+    return branches, bool(with_q)
+
+
 def validate_cql_logit_grad_branches(logp, actions, branches) -> tuple[tuple[int, ...], int]:
     """The layout checks of ``cql_logit_grad_branches`` (``z``, ``alpha``, ``scale`` and the
     action ranges are ``cql_logit_grad``'s per branch); returns ``(branches, R)``."""
@@ -124,6 +151,43 @@ def dueling_combine_branches(v: np.ndarray, adv: np.ndarray, branches) -> np.nda
     branches = validate_dueling_combine_branches(v, adv, branches)
     blocks = [dueling_combine(v, a) for a in split_branches(adv, branches)]
     return _pack(blocks, v.shape[1])
+
+
+@ieee
+def dueling_log_softmax_q_branches(v: np.ndarray, adv: np.ndarray, z: np.ndarray, branches,
+                                   with_q) -> DuelingLogSoftmaxQ:
+    """``dueling_combine_branches`` then ``log_softmax_expected_q`` on its rows, in one launch.
+
+    ``logits = dueling_combine_branches(v, adv, branches)``;
+    ``logp, q = log_softmax_expected_q(logits, z, q_rows)`` with ``q_rows = R * A_total`` (every
+    packed row) if ``with_q``, else ``q_rows = 0`` (``q`` is empty; the kernel writes no Q).
+    Per packed row r = (branch d, sample b, action a):
+    ``logits[r, j] = v[b, j] + (adv[r, j] - mean_a adv_d[b, :, j])``,
+    ``logp[r, :] = log_softmax(logits[r, :])``, ``q[r] = sum_j exp(logp[r, j]) * z_j``.
+    The step calls it once per forward pass: the online pass (``R = 2B``, ``with_q=True``: the
+    online Q of every branch and action, packed like ``logits``) and the target pass (``R = B``,
+    ``with_q=False``).
+
+    Shapes: ``v [R, NA]`` float32 (shared by every branch), ``adv [R * A_total, NA]``
+    branch-packed (module docstring) float32, ``z [NA]`` float32, ``branches`` a non-empty tuple
+    of action counts >= 1, ``with_q`` a bool (else ValueError); returns
+    ``DuelingLogSoftmaxQ(logits [R * A_total, NA], logp [R * A_total, NA], q [R * A_total] or
+    [0])`` float32, ``logits`` and ``logp`` branch-packed, ``q`` in the same row order.
+    NaN/Inf contract: the two kernels' contracts composed, per branch. A NaN in
+    ``adv[b, a, j]`` (branch d) makes ``logits_d[b, :, j]`` NaN for every action of that branch,
+    hence those rows' ``logp`` and ``q`` NaN; a NaN in ``v[b, j]`` makes ``logits[b, :, j]`` NaN
+    in every branch (and their rows' ``logp``, ``q``); an Inf advantage makes the mean that Inf:
+    ``Inf - Inf = NaN`` at its own action (a NaN row) and the opposite Inf at the branch's other
+    actions; an Inf ``v[b, j]`` makes ``logits[b, :, j]`` that Inf. Then, per row, a ``+Inf``
+    logit makes the ``logp`` row (and its ``q``) NaN, a ``-Inf`` logit gives ``logp = -Inf``
+    there and contributes exactly 0 to ``q`` (a row of all ``-Inf`` is NaN). A NaN in ``z``
+    makes every ``q`` NaN; ``logits`` and ``logp`` do not read ``z``.
+    """
+    branches, with_q = validate_dueling_log_softmax_q_branches(v, adv, z, branches, with_q)
+    logits = dueling_combine_branches(v, adv, branches)
+    q_rows = logits.shape[0] if with_q else 0
+    lq: LogSoftmaxQ = log_softmax_expected_q(logits, z, q_rows)
+    return DuelingLogSoftmaxQ(logits=logits, logp=lq.logp, q=lq.q)
 
 
 @ieee
@@ -193,6 +257,7 @@ def c51_loss_branches(logp: np.ndarray, actions: np.ndarray, m: np.ndarray, isw:
 
 KERNELS = {
     "dueling_combine_branches": dueling_combine_branches,
+    "dueling_log_softmax_q_branches": dueling_log_softmax_q_branches,
     "dueling_combine_backward_branches": dueling_combine_backward_branches,
     "cql_logit_grad_branches": cql_logit_grad_branches,
     "c51_loss_branches": c51_loss_branches,

@@ -9,8 +9,9 @@ The budget pipeline of step 5 and the Adam of step 6 are built from these kernel
     param, m, v = adam_update(param, grad, m, v, grad_scale=scale, ...)
 
 Two fused kernels of the fast step are compositions of these, under their own names:
-``clip_saxpy_norm_partial`` (the budget clip, the clipped injection and phase 1 of the total
-norm) and ``polyak_update_mirror`` (the Polyak update and the BF16 mirrors of both networks).
+``clip_saxpy_norm_partial`` (phase 2 of both loss norms, the budget clip, the clipped injection
+and phase 1 of the total norm) and ``polyak_update_mirror`` (the Polyak update and the BF16
+mirrors of both networks).
 
 Norms skip non-finite elements: Adam's per-element guard discards a non-finite gradient, so it
 must not poison the clip scale of the finite ones. Every SAXPY skips non-finite ``x_i``.
@@ -119,27 +120,30 @@ class ClipSaxpyArgs(NamedTuple):
     """``clip_saxpy_norm_partial``'s checked scalars, as the kernel receives them."""
 
     base_max_norm: np.float32
-    base_norm_sq: np.float32
     a: np.float32
     inject_max_norm: np.float32
-    inject_norm_sq: np.float32
     block_size: int
 
 
-def validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_norm_sq, a,
-                                     inject_max_norm, inject_norm_sq,
+def validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_partials, a,
+                                     inject_max_norm, inject_partials,
                                      block_size) -> ClipSaxpyArgs:
-    """The argument checks of ``clip_saxpy_norm_partial`` (those of the three kernels it fuses,
-    under the fused names); returns the scalars (``ClipSaxpyArgs``)."""
+    """The argument checks of ``clip_saxpy_norm_partial`` (those of the kernels it fuses, under
+    the fused names, plus one length for both partial arrays); returns the scalars
+    (``ClipSaxpyArgs``)."""
     check_f32_array("base", base, ndim=1)
     check_f32_array("inject", inject)
     check_same_shape(base=base, inject=inject)
+    base_max_norm32 = check_f32_scalar("base_max_norm", base_max_norm, lo=0.0)
+    check_f32_array("base_partials", base_partials, ndim=1)
+    a32 = check_f32_scalar("a", a)
+    inject_max_norm32 = check_f32_scalar("inject_max_norm", inject_max_norm, lo=0.0)
+    check_f32_array("inject_partials", inject_partials, ndim=1)
+    check_same_shape(base_partials=base_partials, inject_partials=inject_partials)
     return ClipSaxpyArgs(
-        base_max_norm=check_f32_scalar("base_max_norm", base_max_norm, lo=0.0),
-        base_norm_sq=data_f32("base_norm_sq", base_norm_sq),
-        a=check_f32_scalar("a", a),
-        inject_max_norm=check_f32_scalar("inject_max_norm", inject_max_norm, lo=0.0),
-        inject_norm_sq=data_f32("inject_norm_sq", inject_norm_sq),
+        base_max_norm=base_max_norm32,
+        a=a32,
+        inject_max_norm=inject_max_norm32,
         block_size=check_int("block_size", block_size, minimum=1),
     )
 
@@ -305,25 +309,31 @@ def clipped_saxpy(y: np.ndarray, x: np.ndarray, a: float, max_norm: float,
 
 
 class ClipSaxpyPartial(NamedTuple):
-    """``clip_saxpy_norm_partial`` outputs: the budgeted gradient and its norm partials."""
+    """``clip_saxpy_norm_partial`` outputs: the budgeted gradient, its norm partials and the
+    two component norms the clips used."""
 
     out: np.ndarray
     partials: np.ndarray
+    base_norm_sq: np.float32
+    inject_norm_sq: np.float32
 
 
 def clip_saxpy_norm_partial(base: np.ndarray, inject: np.ndarray, base_max_norm: float,
-                            base_norm_sq: float, a: float, inject_max_norm: float,
-                            inject_norm_sq: float, block_size: int) -> ClipSaxpyPartial:
-    """The budget pipeline's tail in one kernel: clip ``base``, inject the clipped ``inject``,
-    and phase 1 of the new buffer's norm. The composition::
+                            base_partials: np.ndarray, a: float, inject_max_norm: float,
+                            inject_partials: np.ndarray, block_size: int) -> ClipSaxpyPartial:
+    """The budget pipeline's tail in one kernel: phase 2 of both component norms, clip ``base``,
+    inject the clipped ``inject``, and phase 1 of the new buffer's norm. The composition::
 
+        base_norm_sq   = grad_norm_final(base_partials)
+        inject_norm_sq = grad_norm_final(inject_partials)
         out      = clipped_saxpy(clip_grad_inplace(base, base_max_norm, base_norm_sq),
                                  inject, a, inject_max_norm, inject_norm_sq)
         partials = grad_norm_partial(out, block_size)
 
     In the step: ``base`` the C51 gradient (budget ``0.70 mgn``), ``inject`` the CQL gradient
-    (budget ``0.15 mgn``, ``a = 1``), ``*_norm_sq`` their ``grad_norm_sq``; ``out`` is the
-    gradient Adam reads and ``partials`` feed ``grad_norm_final`` (the total norm).
+    (budget ``0.15 mgn``, ``a = 1``), ``*_partials`` their ``grad_norm_partial`` (phase 1 of
+    their norms); ``out`` is the gradient Adam reads, ``partials`` feed ``grad_norm_final``
+    (the total norm) and the two norms go to the step's readback.
 
     Per element, rounded in this order (``s_b = clip_scale(base_norm_sq, base_max_norm)``,
     ``s_i = clip_scale(inject_norm_sq, inject_max_norm)``, both finite in ``[0, 1]``)::
@@ -333,23 +343,28 @@ def clip_saxpy_norm_partial(base: np.ndarray, inject: np.ndarray, base_max_norm:
 
     and ``partials[k] = sum of out_i^2 over the finite out_i of segment k`` (``grad_norm_partial``).
 
-    Shapes: ``base``, ``inject`` float32[N] (1-D, one shape); ``base_max_norm``,
-    ``inject_max_norm`` finite >= 0; ``a`` finite; ``base_norm_sq``, ``inject_norm_sq`` data
-    (any float32, as ``clip_scale``); ``block_size`` an int >= 1. Returns
-    ``ClipSaxpyPartial(out float32[N], partials float32[ceil(N / block_size)])``; the inputs
-    are not modified.
+    Shapes: ``base``, ``inject`` float32[N] (1-D, one shape); ``base_partials``,
+    ``inject_partials`` float32[P] (1-D, one shape; P = 0 gives norms 0); ``base_max_norm``,
+    ``inject_max_norm`` finite >= 0; ``a`` finite; ``block_size`` an int >= 1. Returns
+    ``ClipSaxpyPartial(out float32[N], partials float32[ceil(N / block_size)], base_norm_sq
+    float32, inject_norm_sq float32)``; the inputs are not modified.
 
-    NaN contract (the fused kernels'): a NaN ``base_i`` gives a NaN ``out_i``; a +/-Inf
-    ``base_i`` stays +/-Inf when ``s_b > 0`` and becomes NaN when ``s_b = 0``; a non-finite
-    ``inject_i`` is skipped (``out_i = base_i * s_b`` bit for bit); a finite sum or product
-    that overflows gives +/-Inf. A NaN norm gives scale 1, a +Inf norm scale 0. ``partials``
-    skip the non-finite ``out_i``: never NaN, +Inf only if a finite square overflowed.
+    NaN contract (the fused kernels'): the norms are plain sums of the partials
+    (``grad_norm_final``: a NaN partial gives a NaN norm, a +Inf partial or an overflowing sum
+    +Inf; never -0.0); a NaN norm gives scale 1, a +Inf norm scale 0. A NaN ``base_i`` gives a
+    NaN ``out_i``; a +/-Inf ``base_i`` stays +/-Inf when ``s_b > 0`` and becomes NaN when
+    ``s_b = 0``; a non-finite ``inject_i`` is skipped (``out_i = base_i * s_b`` bit for bit); a
+    finite sum or product that overflows gives +/-Inf. ``partials`` skip the non-finite
+    ``out_i``: never NaN, +Inf only if a finite square overflowed.
     """
-    validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_norm_sq, a,
-                                     inject_max_norm, inject_norm_sq, block_size)
+    validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_partials, a,
+                                     inject_max_norm, inject_partials, block_size)
+    base_norm_sq = grad_norm_final(base_partials)
+    inject_norm_sq = grad_norm_final(inject_partials)
     clipped = clip_grad_inplace(base, base_max_norm, base_norm_sq)
     out = clipped_saxpy(clipped, inject, a, inject_max_norm, inject_norm_sq)
-    return ClipSaxpyPartial(out=out, partials=grad_norm_partial(out, block_size))
+    return ClipSaxpyPartial(out=out, partials=grad_norm_partial(out, block_size),
+                            base_norm_sq=base_norm_sq, inject_norm_sq=inject_norm_sq)
 
 
 # ---------------------------------------------------------------------------------------------
