@@ -13,6 +13,8 @@
 // Arithmetic: -fmad=false (fast/_build.py) plus explicit __fmul_rn/__fadd_rn/__fdiv_rn where
 // the order matters; selects and comparisons exactly as the reference writes them.
 
+#include "hb_common.cuh"  // grad_norm_final's summation tree (the total norm, folded in)
+
 #define GLUE_WARP 32
 #define GLUE_THREADS 256
 #define GLUE_F32_EXP_MASK 0x7f800000u
@@ -267,7 +269,9 @@ extern "C" __global__ void glue_h2_grad_mask(const float* __restrict__ parts, in
 //
 // glue_loss_scalars (ONE block of GLUE_THREADS threads; as soon as the losses, CQL terms and
 // scalar targets exist) writes readback[1], [2], [10], [11]; glue_step_scalars (graph 1's last
-// kernel, one thread does the work) reads readback[1] and [2] and writes the rest.
+// kernel) first sums the total norm's phase-1 partials into *total_sq exactly as grad_norm_final
+// does (same code, launched with grad_norm_final's block size, so the same bits), then one
+// thread reads readback[1] and [2] and writes the rest.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
 glue_loss_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
@@ -295,23 +299,33 @@ glue_loss_scalars(const float* __restrict__ c51_total, const float* __restrict__
     readback[11] = mean_target_q;
 }
 
-extern "C" __global__ void glue_step_scalars(const float* __restrict__ c51_sq,
+struct GlueIdentity {
+    __device__ __forceinline__ float operator()(float x) const { return x; }
+};
+
+extern "C" __global__ void glue_step_scalars(const float* __restrict__ total_partials,
+                                             long long n_partials, float* __restrict__ total_sq,
+                                             const float* __restrict__ c51_sq,
                                              const float* __restrict__ cql_sq,
-                                             const float* __restrict__ total_sq,
                                              const float* __restrict__ clip_bound,
                                              float* __restrict__ isv,
                                              float* __restrict__ safety_scale,
                                              float* __restrict__ readback, float budget_c51,
                                              float budget_cql, int slow_ema_index,
                                              float slow_alpha) {
+    __shared__ float scratch[HB_WARP + 1];
+    const float partial = hb_thread_partial(total_partials, 0, n_partials, GlueIdentity());
+    const float sum = hb_block_sum(partial, scratch);
     if (blockIdx.x != 0 || threadIdx.x != 0) {
         return;
     }
+    const float sq = __fadd_rn(sum, 0.0f);  // NumPy's sums start at +0.0: never -0.0
+    *total_sq = sq;
     const float n_c51 = __fsqrt_rn(fmaxf(*c51_sq, 0.0f));
     const float n_cql = __fsqrt_rn(fmaxf(*cql_sq, 0.0f));
-    const float grad_norm = __fsqrt_rn(fmaxf(*total_sq, 0.0f));
+    const float grad_norm = __fsqrt_rn(fmaxf(sq, 0.0f));
     const float bound = *clip_bound;
-    *safety_scale = glue_clip_scale(*total_sq, bound);
+    *safety_scale = glue_clip_scale(sq, bound);
     readback[0] = __fadd_rn(readback[1], readback[2]);
     readback[3] = grad_norm;
     readback[4] = n_c51;

@@ -837,7 +837,7 @@ class StepProgram:
 
     # -- forward
     def forward(self, ops: Ops, *, tag: str, rows: int, which: int, x: int, xb: int | None,
-                aux: bool, logits_key, extra: Ops | None = None) -> None:
+                aux: bool, logits_key, extra: Ops | None = None, q_ptr: int = 0) -> None:
         """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
         Mech 10 clamp (bound from ISV[H_S2_RMS_EMA] on the device), heads, dueling combine
         into the packed ``logits`` buffer at ``logits_key(d)``. The heads' GEMMs run as
@@ -847,51 +847,106 @@ class StepProgram:
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
         wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
-        relu_ep = "relu_aux_bias" if aux else "relu_bias"
         h1, h2pre, h2 = self.ptr(f"h1{tag}"), self.ptr(f"h2pre{tag}"), self.ptr(f"h2{tag}")
+        # The f32 activations the backward reads (online pass: ``aux``) are computed by GEMMs
+        # in ``keep``, a branch beside the chain when the chain reads BF16 copies written
+        # directly by the GEMMs (relu_layer); joined at the end of the pass.
+        keep = Ops(self.module)
+        chain = Ops(self.module)
         x_in = xb if bf16 else x
-        self.linear(ops, rows=rows, n=lay.H1, k=lay.SD, x=x_in, w=wfwd("w_s1"), c=h1,
-                    bias=p32("b_s1"), epilogue=relu_ep,
-                    aux=self.ptr(f"aux1{tag}") if aux else None)
-        h1_in = h1
-        if bf16:
-            h1_in = self.ptr(f"h1{tag}_bf16")
-            self.to_bf16(ops, h1, h1_in, rows * lay.H1)
-        self.linear(ops, rows=rows, n=lay.H2, k=lay.H1, x=h1_in, w=wfwd("w_s2"), c=h2pre,
-                    bias=p32("b_s2"), epilogue=relu_ep,
+        h1_in = self.relu_layer(chain, keep, rows=rows, n=lay.H1, k=lay.SD, x=x_in,
+                                w=wfwd("w_s1"), bias=p32("b_s1"), c=h1,
+                                c_bf16=self.ptr(f"h1{tag}_bf16") if bf16 else None,
+                                aux=self.ptr(f"aux1{tag}") if aux else None)
+        self.linear(chain, rows=rows, n=lay.H2, k=lay.H1, x=h1_in, w=wfwd("w_s2"), c=h2pre,
+                    bias=p32("b_s2"), epilogue="relu_aux_bias" if aux else "relu_bias",
                     aux=self.ptr(f"aux2{tag}") if aux else None)
         h2b = self.ptr(f"h2{tag}_bf16") if bf16 else 0
         n2 = rows * lay.H2
-        ops.kernel("glue_clamp_isv", flat_plan(n2), h2pre, h2, h2b, n2, self.ptr("isv"),
-                   isv_mod.H_S2_RMS_EMA_INDEX, np.float32(c.h2_clamp_mult))
+        chain.kernel("glue_clamp_isv", flat_plan(n2), h2pre, h2, h2b, n2, self.ptr("isv"),
+                     isv_mod.H_S2_RMS_EMA_INDEX, np.float32(c.h2_clamp_mult))
+        chain.record(f"h2_{tag}")
+        keep.wait(f"h2_{tag}")
         h2_in = h2b if bf16 else h2
         hid = self.packed(f"hid{tag}")
         firsts = [] if extra is None else [extra]
+        keeps = []
+        hid_in = {}
         for h in lay.heads:
-            branch = Ops(self.module)
-            self.linear(branch, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
-                        c=self.ptr(f"hid{tag}", h.key), bias=p32(h.b1), epilogue=relu_ep,
-                        aux=self.ptr(f"auxh{tag}_{h.key}") if aux else None)
+            branch, keep_h = Ops(self.module), Ops(self.module)
+            hid_in[h.key] = self.relu_layer(
+                branch, keep_h, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
+                bias=p32(h.b1), c=self.ptr(f"hid{tag}", h.key),
+                c_bf16=self.ptr(f"hid{tag}_bf16", offset=hid.offsets[h.key]) if bf16 else None,
+                aux=self.ptr(f"auxh{tag}_{h.key}") if aux else None)
             firsts.append(branch)
-        ops.parallel(*firsts)
-        hid_in = lambda key: self.ptr(f"hid{tag}", key)  # noqa: E731
-        if bf16:
-            self.to_bf16(ops, self.ptr(f"hid{tag}"), self.ptr(f"hid{tag}_bf16"), hid.total)
-            hid_in = lambda key: self.ptr(f"hid{tag}_bf16", offset=hid.offsets[key])  # noqa: E731
+            if keep_h.items:
+                keeps.append(keep_h)
+        chain.parallel(*firsts)
+        if len(keeps) > 1:
+            keep.parallel(*keeps)
+        elif keeps:
+            keep.extend(keeps[0])
+        self.forward_tail(chain, tag=tag, rows=rows, which=which, hid_in=hid_in,
+                          logits_key=logits_key, q_ptr=q_ptr)
+        if any(it[0] not in ("record", "wait") for it in keep.items):
+            ops.parallel(chain, keep)  # the chain records h2_<tag> before keep waits for it
+        else:
+            ops.items.extend(it for it in chain.items if it != ("record", f"h2_{tag}"))
+
+    def relu_layer(self, ops: Ops, keep: Ops, *, rows, n, k, x, w, bias, c, c_bf16, aux) -> int:
+        """A hidden layer ``relu(x [rows, k] @ W[n, k]^T + bias)``; returns the pointer the
+        next layer reads. f32 mode (``c_bf16`` None): one GEMM into ``c``. bf16 mode: the GEMM
+        writes the BF16 copy ``c_bf16`` directly (``out="bf16"``: one rounding of the f32
+        result, no ``f32_to_bf16`` node on the chain) and, when the backward needs the f32
+        activation and its ReLU bitmask (``aux`` given), a second GEMM in ``keep`` writes
+        ``c``. If cuBLASLt has no BF16-output algorithm: f32 GEMM, then ``f32_to_bf16``."""
+        from foxhunt.fast.gemm import GemmPlanError
+
+        epilogue = "relu_aux_bias" if aux is not None else "relu_bias"
+        if c_bf16 is None:
+            self.linear(ops, rows=rows, n=n, k=k, x=x, w=w, c=c, bias=bias, epilogue=epilogue,
+                        aux=aux)
+            return c
+        try:
+            plan = self._plan(rows, n, k, ptrs=(x, w, c_bf16), trans_b=True, precision="bf16",
+                              epilogue="relu_bias", out="bf16")
+        except (GemmPlanError, ValueError) as exc:
+            self.fallbacks.append(f"bf16-out relu_bias {rows}x{n}x{k}: {exc}")
+            self.linear(ops, rows=rows, n=n, k=k, x=x, w=w, c=c, bias=bias, epilogue=epilogue,
+                        aux=aux)
+            self.to_bf16(ops, c, c_bf16, rows * n)
+            return c_bf16
+        ops.gemm(plan, x, w, c_bf16, bias=bias)
+        if aux is not None:
+            self.linear(keep, rows=rows, n=n, k=k, x=x, w=w, c=c, bias=bias, epilogue=epilogue,
+                        aux=aux)
+        return c_bf16
+
+    def forward_tail(self, ops: Ops, *, tag: str, rows: int, which: int, hid_in: dict,
+                     logits_key, q_ptr: int = 0) -> None:
+        """The heads' second layers (parallel), then one launch over every branch: dueling
+        combine, log-softmax and (``q_ptr`` given) expected Q."""
+        lay = self.lay
+        bf16 = lay.bf16
+        p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
+        wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
         v = self.ptr(f"v{tag}")
         seconds = []
         for d, h in enumerate(lay.heads):
             branch = Ops(self.module)
             out = v if d == 0 else self.ptr(f"adv{tag}", d - 1)
-            self.linear(branch, rows=rows, n=h.out, k=h.hidden, x=hid_in(h.key), w=wfwd(h.w2),
+            self.linear(branch, rows=rows, n=h.out, k=h.hidden, x=hid_in[h.key], w=wfwd(h.w2),
                         c=out, bias=p32(h.b2), epilogue="bias")
             seconds.append(branch)
         ops.parallel(*seconds)
-        # Every branch's dueling combine in one launch (branch-packed adv and logits).
-        ops.kernel("dueling_combine_branches",
-                   self.k["fused"].plan_dueling_combine_branches(rows, lay.branches, lay.NA),
-                   v, self.ptr(f"adv{tag}"), self.ptr("n_actions"), self.ptr("action_offset"),
-                   self.ptr("logits", logits_key(0)), rows, lay.NA)
+        # Every branch's dueling combine, log-softmax and expected Q in one launch
+        # (branch-packed adv, logits, logp; Q of branch d at rows * off_d of q).
+        ops.kernel("dueling_log_softmax_q_branches",
+                   self.k["fused"].plan_dueling_log_softmax_q_branches(rows, lay.branches, lay.NA),
+                   v, self.ptr(f"adv{tag}"), self.ptr("z"), self.ptr("n_actions"),
+                   self.ptr("action_offset"), self.ptr("logits", logits_key(0)),
+                   self.ptr("logp", logits_key(0)), q_ptr, rows, lay.NA, 1 if q_ptr else 0)
 
     # -- backward of one loss
     def backward(self, ops: Ops, loss: str, pre: Ops) -> None:
@@ -972,14 +1027,12 @@ class StepProgram:
         ops.parallel(*chains)
 
     def norm(self, ops: Ops, src: str, which: str) -> None:
-        """``sq_<which> = grad_norm_sq(src)`` in two phases (fixed trees, no atomics)."""
+        """Phase 1 of ``grad_norm_sq(src)``: ``partials_<which>`` (fixed trees, no atomics);
+        ``clip_saxpy_norm_partial`` sums them (phase 2) for the budget clip."""
         opt = self.k["optim"]
         n = self.lay.NP
-        partials = self.ptr(f"partials_{which}")
         ops.kernel("grad_norm_partial", opt.plan_grad_norm_partial(n, NORM_SEGMENT),
-                   self.ptr(src), n, NORM_SEGMENT, partials)
-        ops.kernel("grad_norm_final", opt.plan_grad_norm_final(self.lay.n_partials), partials,
-                   self.lay.n_partials, self.ptr(f"sq_{which}"))
+                   self.ptr(src), n, NORM_SEGMENT, self.ptr(f"partials_{which}"))
 
     # -- graph 1
     def graph1_ops(self, staging_ptrs) -> list[Ops]:
@@ -1032,16 +1085,10 @@ class StepProgram:
         check_h2.kernel("nan_check", safety.plan_nan_check(B * lay.H2), self.ptr("h2preo"),
                         B * lay.H2, self.ptr("flags", offset=sentinels.index("h2")))
         self.forward(online, tag="o", rows=2 * B, which=0, x=x, xb=xb, aux=True,
-                     logits_key=lambda d: ("o", d), extra=check_h2)
+                     logits_key=lambda d: ("o", d), extra=check_h2, q_ptr=self.ptr("q_o"))
         self.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2, aux=False,
                      logits_key=lambda d: ("t", d))
         ops.parallel(target, online)
-        # Log-softmax of every branch of both passes, with expected Q of the online rows (the
-        # first 2B * A_total rows of the packed buffer), in one launch.
-        rows, q_rows = 3 * B * lay.A_total, 2 * B * lay.A_total
-        ops.kernel("log_softmax_expected_q", dist.plan_log_softmax_expected_q(rows, NA),
-                   self.ptr("logits"), self.ptr("z"), self.ptr("logp"), self.ptr("q_o"), rows,
-                   q_rows, NA)
         a_ptr, r_ptr = self.batch_ptr("a"), self.batch_ptr("r")
         done_ptr, isw_ptr = self.batch_ptr("done"), self.batch_ptr("isw")
         lo, hi = np.float32(c.v_min), np.float32(c.v_max)
@@ -1109,21 +1156,26 @@ class StepProgram:
                      self.ptr("terms"), self.ptr("q_taken"), self.ptr("target_q"),
                      self.ptr("readback"), nb, B, np.float32(c.cql_alpha))
         ops.parallel(cql_side, c51_side, books)
-        # Budget pipeline, one launch: grad = clip(grad_c51, 0.70 mgn) + clipped(grad_cql,
-        # 0.15 mgn), with the total norm's phase-1 partials; then phase 2.
+        # Budget pipeline, one launch: the per-loss norms from their partials, grad =
+        # clip(grad_c51, 0.70 mgn) + clipped(grad_cql, 0.15 mgn), and the total norm's phase-1
+        # partials (phase 2 is in the step scalars).
         ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
                    self.ptr("grad_c51"), self.ptr("grad_cql"), NP, np.float32(c.budget("c51")),
-                   self.ptr("sq_c51"), np.float32(1.0), np.float32(c.budget("cql")),
-                   self.ptr("sq_cql"), NORM_SEGMENT, self.ptr("grad"), self.ptr("partials_total"))
-        ops.kernel("grad_norm_final", opt.plan_grad_norm_final(lay.n_partials),
-                   self.ptr("partials_total"), lay.n_partials, self.ptr("sq_total"))
+                   self.ptr("partials_c51"), np.float32(1.0), np.float32(c.budget("cql")),
+                   self.ptr("partials_cql"), lay.n_partials,
+                   opt.final_threads_clip_saxpy_norm_partial(lay.n_partials), NORM_SEGMENT,
+                   self.ptr("grad"), self.ptr("partials_total"), self.ptr("sq_c51"),
+                   self.ptr("sq_cql"))
         body = Ops(self.module)
         body.parallel(prologue, ops)
-        body.kernel("glue_step_scalars", (1, 32, 0), self.ptr("sq_c51"), self.ptr("sq_cql"),
-                    self.ptr("sq_total"), self.ptr("clip_bound"), self.ptr("isv"),
-                    self.ptr("safety_scale"), self.ptr("readback"), np.float32(c.budget("c51")),
-                    np.float32(c.budget("cql")), isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
-                    np.float32(c.grad_slow_ema_alpha))
+        # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so
+        # its summation tree and bits).
+        body.kernel("glue_step_scalars", opt.plan_grad_norm_final(lay.n_partials),
+                    self.ptr("partials_total"), lay.n_partials, self.ptr("sq_total"),
+                    self.ptr("sq_c51"), self.ptr("sq_cql"), self.ptr("clip_bound"),
+                    self.ptr("isv"), self.ptr("safety_scale"), self.ptr("readback"),
+                    np.float32(c.budget("c51")), np.float32(c.budget("cql")),
+                    isv_mod.GRAD_NORM_SLOW_EMA_INDEX, np.float32(c.grad_slow_ema_alpha))
         return body
 
     # -- graph 2
@@ -1260,7 +1312,6 @@ class StepProgram:
         self._eval = (arena, packed)
         try:
             lay = self.lay
-            dist = self.k["dist"]
             ops = Ops(self.module)
             x = self.ptr("x")
             xb = None
@@ -1268,11 +1319,7 @@ class StepProgram:
                 xb = self.ptr("xb")
                 self.to_bf16(ops, x, xb, rows * lay.SD)
             self.forward(ops, tag="e", rows=rows, which=0, x=x, xb=xb, aux=False,
-                         logits_key=lambda d: ("e", d))
-            n_rows = rows * lay.A_total
-            ops.kernel("log_softmax_expected_q",
-                       dist.plan_log_softmax_expected_q(n_rows, lay.NA), self.ptr("logits"),
-                       self.ptr("z"), self.ptr("logp"), self.ptr("q"), n_rows, n_rows, lay.NA)
+                         logits_key=lambda d: ("e", d), q_ptr=self.ptr("q"))
             return ops
         finally:
             self._eval = None

@@ -399,6 +399,20 @@ def k_c51_loss_branches(logp, act, m, isw, scale, n_actions, action_offset, ce, 
     _view(total, n_branches, F)[:] = r.total
 
 
+def k_dueling_log_softmax_q_branches(v, adv, z, n_actions, action_offset, logits, logp, q, b, na,
+                                     with_q, *, n_branches):
+    br = _branch_tables(n_actions, action_offset, n_branches)
+    rows = b * sum(br)
+    r = fused.dueling_log_softmax_q_branches(
+        _view(v, b * na, F).reshape(b, na).copy(),
+        _view(adv, rows * na, F).reshape(rows, na).copy(), _view(z, na, F).copy(), br,
+        bool(with_q))
+    _view(logits, rows * na, F)[:] = r.logits.ravel()
+    _view(logp, rows * na, F)[:] = r.logp.ravel()
+    if with_q:
+        _view(q, rows, F)[:] = r.q
+
+
 def k_nan_check(x, n, flag):
     f = _view(flag, 1, I)
     f[0] = safety.nan_check(_view(x, n, F).copy(), int(f[0]))
@@ -433,13 +447,17 @@ def k_clipped_saxpy(y, x, n, a, max_norm, norm_sq):
     yv[:] = optim.clipped_saxpy(yv.copy(), _view(x, n, F).copy(), a, max_norm, _scalar(norm_sq))
 
 
-def k_clip_saxpy_norm_partial(base, inject, n, base_max_norm, base_norm_sq, a, inject_max_norm,
-                              inject_norm_sq, block_size, out, partials):
+def k_clip_saxpy_norm_partial(base, inject, n, base_max_norm, base_partials, a, inject_max_norm,
+                              inject_partials, count, final_threads, block_size, out, partials,
+                              base_norm_sq, inject_norm_sq):
     r = optim.clip_saxpy_norm_partial(_view(base, n, F).copy(), _view(inject, n, F).copy(),
-                                      base_max_norm, _scalar(base_norm_sq), a, inject_max_norm,
-                                      _scalar(inject_norm_sq), block_size)
+                                      base_max_norm, _view(base_partials, count, F).copy(), a,
+                                      inject_max_norm, _view(inject_partials, count, F).copy(),
+                                      block_size)
     _view(out, n, F)[:] = r.out
     _view(partials, -(-n // block_size), F)[:] = r.partials
+    _view(base_norm_sq, 1, F)[0] = r.base_norm_sq
+    _view(inject_norm_sq, 1, F)[0] = r.inject_norm_sq
 
 
 def k_adam_update(param, grad, m, v, n, step, lr, beta1, beta2, eps, wd, grad_scale, clamp):
@@ -560,8 +578,9 @@ def g_loss_scalars(c51_total, terms, q_taken, target_q, readback, nb, b, alpha):
     rb[11] = np.mean(_view(target_q, nb * b, F))
 
 
-def g_step_scalars(c51_sq, cql_sq, total_sq, clip_bound, isv, safety_scale, readback, budget_c51,
-                   budget_cql, slow_index, slow_alpha):
+def g_step_scalars(total_partials, n_partials, total_sq, c51_sq, cql_sq, clip_bound, isv,
+                   safety_scale, readback, budget_c51, budget_cql, slow_index, slow_alpha):
+    _view(total_sq, 1, F)[0] = optim.grad_norm_final(_view(total_partials, n_partials, F).copy())
     sq = [_scalar(c51_sq), _scalar(cql_sq), _scalar(total_sq)]
     n_c51, n_cql, norm = (optim.norm_from_sq(s) for s in sq)
     bound = _scalar(clip_bound)
@@ -592,12 +611,12 @@ class _GemmPlan:
     reference GEMM emulation (``dense.gemm``) with the epilogue applied in float32."""
 
     def __init__(self, device, m, n, k, *, trans_a=False, trans_b=False, precision="f32",
-                 epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
+                 epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0, out="f32",
                  min_alignment=256, workspace_limit=0):
         from foxhunt.fast.gemm import GemmSpec
 
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
-                             alpha, beta)
+                             alpha, beta, out)
         assert min_alignment in (4, 8, 16, 32, 64, 128, 256)
         self.min_alignment = min_alignment
 
@@ -622,7 +641,7 @@ class _GemmPlan:
             mode = s.precision
             if mode == "bf16":
                 a, b, mode = dense.bf16_to_f32(a), dense.bf16_to_f32(b), "f32"
-            c = self._stored(c_ptr, s.c_shape, s.ldc, F)
+            c = self._stored(c_ptr, s.c_shape, s.ldc, s.output_dtype)
             out = dense.gemm(a, b, trans_a=s.trans_a, trans_b=s.trans_b, mode=mode)
             if s.alpha != 1.0:
                 out = (F(s.alpha) * out).astype(F)
@@ -648,7 +667,7 @@ class _GemmPlan:
                 _view(bias_ptr, s.m, F)[:] = np.sum(op_a, axis=1, dtype=F)
             elif ep == "bgradb":
                 _view(bias_ptr, s.n, F)[:] = np.sum(b.T if s.trans_b else b, axis=0, dtype=F)
-            c[...] = out
+            c[...] = dense.f32_to_bf16(out) if s.out == "bf16" else out
 
         EMU.dispatch(thunk, stream)
 
