@@ -42,13 +42,7 @@ stays NaN in C and sets its aux bit; DRELU_BGRAD is a select (a NaN gradient und
 gives 0, a set bit passes the gradient). That is the reference's ``add_bias_relu`` /
 ``relu_mask`` contract (``t <= 0 ? 0 : t``, ``h <= 0 ? 0 : dy``).
 
-Output type (``out``): ``"f32"`` (default), or ``"bf16"`` for a "bf16"-precision GEMM whose C/D
-is written as BF16 (beta = 0; epilogues None, "bias", "relu_bias"): the epilogue runs in f32 and
-cuBLASLt rounds each result to BF16 (round to nearest even; a NaN comes out as a NaN, its payload
-not kept). The step uses it where the next layer only needs the BF16 copy of an activation; the
-bias stays f32 (``BIAS_DATA_TYPE`` set to f32).
-
-Precisions (scale type is always f32; C/D f32 unless ``out="bf16"``):
+Precisions (scale type and C/D are always f32):
 
 - ``"f32"``: A, B f32, ``CUBLAS_COMPUTE_32F``: SGEMM-equivalent, no TF32.
 - ``"tf32"``: A, B f32, ``CUBLAS_COMPUTE_32F_FAST_TF32``: inputs rounded to TF32 on the tensor
@@ -72,8 +66,6 @@ from dataclasses import dataclass
 import numpy as np
 
 PRECISIONS = ("f32", "bf16", "tf32")
-OUTPUTS = ("f32", "bf16")
-_BF16_OUT_EPILOGUES = (None, "bias", "relu_bias")
 EPILOGUES = (None, "bias", "relu_bias", "relu_aux_bias", "drelu_bgrad", "bgrada", "bgradb")
 
 # Row-major epilogue name -> cuBLASLt epilogue name (operands are swapped: see the docstring).
@@ -133,7 +125,6 @@ class GemmSpec:
     ldc: int | None = None
     alpha: float = 1.0
     beta: float = 0.0
-    out: str = "f32"
 
     def __post_init__(self):
         for name in ("m", "n", "k"):
@@ -145,17 +136,6 @@ class GemmSpec:
             raise ValueError(f"precision: {self.precision!r} is not allowed; expected one of {PRECISIONS}")
         if self.epilogue not in EPILOGUES:
             raise ValueError(f"epilogue: {self.epilogue!r} is not allowed; expected one of {EPILOGUES}")
-        if self.out not in OUTPUTS:
-            raise ValueError(f"out: {self.out!r} is not allowed; expected one of {OUTPUTS}")
-        if self.out == "bf16":
-            if self.precision != "bf16":
-                raise ValueError(f"out: 'bf16' needs precision 'bf16', not {self.precision!r}")
-            if self.epilogue not in _BF16_OUT_EPILOGUES:
-                raise ValueError(f"out: 'bf16' is not supported with epilogue {self.epilogue!r}; "
-                                 f"expected one of {_BF16_OUT_EPILOGUES}")
-            if float(self.beta) != 0.0:
-                raise ValueError(f"beta: {self.beta!r} with out='bf16'; a BF16 output is "
-                                 "written, never accumulated (beta must be 0)")
         if self.epilogue == "drelu_bgrad" and self.k < 2:
             raise ValueError("k: 1 is not supported by cuBLASLt's DRELU_BGRAD epilogue; need k >= 2")
         # cuBLASLt only reduces an operand stored with k as its row index (observed: cuBLAS 13.0
@@ -196,11 +176,6 @@ class GemmSpec:
     def input_dtype(self) -> np.dtype:
         """Host dtype of A and B: uint16 BF16 bit patterns for "bf16", else float32."""
         return np.dtype(np.uint16 if self.precision == "bf16" else np.float32)
-
-    @property
-    def output_dtype(self) -> np.dtype:
-        """Host dtype of C: uint16 BF16 bit patterns for ``out="bf16"``, else float32."""
-        return np.dtype(np.uint16 if self.out == "bf16" else np.float32)
 
     @property
     def bias_len(self) -> int | None:
@@ -312,12 +287,12 @@ class GemmPlan:
     """
 
     def __init__(self, device, m, n, k, *, trans_a=False, trans_b=False, precision="f32",
-                 epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0, out="f32",
+                 epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
                  min_alignment: int = 256, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT):
         self._objects: list[tuple] = []  # (destroy function, handle) for close()
         self._workspace = None
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
-                             alpha, beta, out)
+                             alpha, beta)
         if min_alignment not in (4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"min_alignment: {min_alignment!r} is not a power of two in [4, 256]")
         self.min_alignment = min_alignment
@@ -352,8 +327,6 @@ class GemmPlan:
         self._bias_ptr = self._aux_ptr = None
         if spec.bias_len is not None:
             set_desc(desc_attr.BIAS_POINTER, 256)
-            if spec.out == "bf16":  # the default bias type follows D; ours are f32
-                set_desc(desc_attr.BIAS_DATA_TYPE, CUDA_R_32F)
         if spec.aux_ld is not None:
             set_desc(desc_attr.EPILOGUE_AUX_LD, spec.aux_ld)
             set_desc(desc_attr.EPILOGUE_AUX_POINTER, 256)
@@ -365,8 +338,7 @@ class GemmPlan:
 
         self._layout_a = layout(in_type, prob.a_rows, prob.a_cols, prob.ld_a)
         self._layout_b = layout(in_type, prob.b_rows, prob.b_cols, prob.ld_b)
-        out_type = CUDA_R_16BF if spec.out == "bf16" else CUDA_R_32F
-        self._layout_c = layout(out_type, prob.d_rows, prob.d_cols, prob.ld_d)
+        self._layout_c = layout(CUDA_R_32F, prob.d_rows, prob.d_cols, prob.ld_d)
 
         pref = lt.matmul_preference_create()
         self._objects.append((lt.matmul_preference_destroy, pref))
@@ -402,8 +374,8 @@ class GemmPlan:
     def describe(self) -> str:
         s = self.spec
         return (f"GEMM m={s.m} n={s.n} k={s.k} trans_a={s.trans_a} trans_b={s.trans_b} "
-                f"precision={s.precision} out={s.out} epilogue={s.epilogue} lda={s.lda} "
-                f"ldb={s.ldb} ldc={s.ldc} alignment={self.min_alignment}")
+                f"precision={s.precision} epilogue={s.epilogue} lda={s.lda} ldb={s.ldb} "
+                f"ldc={s.ldc} alignment={self.min_alignment}")
 
     def _check_ptr(self, name: str, ptr, alignment: int) -> int:
         if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)) or ptr <= 0:
@@ -507,7 +479,6 @@ def gemm(a: np.ndarray, b: np.ndarray, *, trans_a: bool = False, trans_b: bool =
 
 __all__ = [
     "EPILOGUES",
-    "OUTPUTS",
     "PRECISIONS",
     "ColMajorProblem",
     "CublasUnavailableError",
