@@ -847,81 +847,40 @@ class StepProgram:
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
         wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
+        relu_ep = "relu_aux_bias" if aux else "relu_bias"
         h1, h2pre, h2 = self.ptr(f"h1{tag}"), self.ptr(f"h2pre{tag}"), self.ptr(f"h2{tag}")
-        # The f32 activations the backward reads (online pass: ``aux``) are computed by GEMMs
-        # in ``keep``, a branch beside the chain when the chain reads BF16 copies written
-        # directly by the GEMMs (relu_layer); joined at the end of the pass.
-        keep = Ops(self.module)
-        chain = Ops(self.module)
         x_in = xb if bf16 else x
-        h1_in = self.relu_layer(chain, keep, rows=rows, n=lay.H1, k=lay.SD, x=x_in,
-                                w=wfwd("w_s1"), bias=p32("b_s1"), c=h1,
-                                c_bf16=self.ptr(f"h1{tag}_bf16") if bf16 else None,
-                                aux=self.ptr(f"aux1{tag}") if aux else None)
-        self.linear(chain, rows=rows, n=lay.H2, k=lay.H1, x=h1_in, w=wfwd("w_s2"), c=h2pre,
-                    bias=p32("b_s2"), epilogue="relu_aux_bias" if aux else "relu_bias",
+        self.linear(ops, rows=rows, n=lay.H1, k=lay.SD, x=x_in, w=wfwd("w_s1"), c=h1,
+                    bias=p32("b_s1"), epilogue=relu_ep,
+                    aux=self.ptr(f"aux1{tag}") if aux else None)
+        h1_in = h1
+        if bf16:
+            h1_in = self.ptr(f"h1{tag}_bf16")
+            self.to_bf16(ops, h1, h1_in, rows * lay.H1)
+        self.linear(ops, rows=rows, n=lay.H2, k=lay.H1, x=h1_in, w=wfwd("w_s2"), c=h2pre,
+                    bias=p32("b_s2"), epilogue=relu_ep,
                     aux=self.ptr(f"aux2{tag}") if aux else None)
         h2b = self.ptr(f"h2{tag}_bf16") if bf16 else 0
         n2 = rows * lay.H2
-        chain.kernel("glue_clamp_isv", flat_plan(n2), h2pre, h2, h2b, n2, self.ptr("isv"),
-                     isv_mod.H_S2_RMS_EMA_INDEX, np.float32(c.h2_clamp_mult))
-        chain.record(f"h2_{tag}")
-        keep.wait(f"h2_{tag}")
+        ops.kernel("glue_clamp_isv", flat_plan(n2), h2pre, h2, h2b, n2, self.ptr("isv"),
+                   isv_mod.H_S2_RMS_EMA_INDEX, np.float32(c.h2_clamp_mult))
         h2_in = h2b if bf16 else h2
         hid = self.packed(f"hid{tag}")
         firsts = [] if extra is None else [extra]
-        keeps = []
-        hid_in = {}
         for h in lay.heads:
-            branch, keep_h = Ops(self.module), Ops(self.module)
-            hid_in[h.key] = self.relu_layer(
-                branch, keep_h, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
-                bias=p32(h.b1), c=self.ptr(f"hid{tag}", h.key),
-                c_bf16=self.ptr(f"hid{tag}_bf16", offset=hid.offsets[h.key]) if bf16 else None,
-                aux=self.ptr(f"auxh{tag}_{h.key}") if aux else None)
+            branch = Ops(self.module)
+            self.linear(branch, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
+                        c=self.ptr(f"hid{tag}", h.key), bias=p32(h.b1), epilogue=relu_ep,
+                        aux=self.ptr(f"auxh{tag}_{h.key}") if aux else None)
             firsts.append(branch)
-            if keep_h.items:
-                keeps.append(keep_h)
-        chain.parallel(*firsts)
-        if len(keeps) > 1:
-            keep.parallel(*keeps)
-        elif keeps:
-            keep.extend(keeps[0])
-        self.forward_tail(chain, tag=tag, rows=rows, which=which, hid_in=hid_in,
+        ops.parallel(*firsts)
+        hid_in = {h.key: self.ptr(f"hid{tag}", h.key) for h in lay.heads}
+        if bf16:
+            self.to_bf16(ops, self.ptr(f"hid{tag}"), self.ptr(f"hid{tag}_bf16"), hid.total)
+            hid_in = {h.key: self.ptr(f"hid{tag}_bf16", offset=hid.offsets[h.key])
+                      for h in lay.heads}
+        self.forward_tail(ops, tag=tag, rows=rows, which=which, hid_in=hid_in,
                           logits_key=logits_key, q_ptr=q_ptr)
-        if any(it[0] not in ("record", "wait") for it in keep.items):
-            ops.parallel(chain, keep)  # the chain records h2_<tag> before keep waits for it
-        else:
-            ops.items.extend(it for it in chain.items if it != ("record", f"h2_{tag}"))
-
-    def relu_layer(self, ops: Ops, keep: Ops, *, rows, n, k, x, w, bias, c, c_bf16, aux) -> int:
-        """A hidden layer ``relu(x [rows, k] @ W[n, k]^T + bias)``; returns the pointer the
-        next layer reads. f32 mode (``c_bf16`` None): one GEMM into ``c``. bf16 mode: the GEMM
-        writes the BF16 copy ``c_bf16`` directly (``out="bf16"``: one rounding of the f32
-        result, no ``f32_to_bf16`` node on the chain) and, when the backward needs the f32
-        activation and its ReLU bitmask (``aux`` given), a second GEMM in ``keep`` writes
-        ``c``. If cuBLASLt has no BF16-output algorithm: f32 GEMM, then ``f32_to_bf16``."""
-        from foxhunt.fast.gemm import GemmPlanError
-
-        epilogue = "relu_aux_bias" if aux is not None else "relu_bias"
-        if c_bf16 is None:
-            self.linear(ops, rows=rows, n=n, k=k, x=x, w=w, c=c, bias=bias, epilogue=epilogue,
-                        aux=aux)
-            return c
-        try:
-            plan = self._plan(rows, n, k, ptrs=(x, w, c_bf16), trans_b=True, precision="bf16",
-                              epilogue="relu_bias", out="bf16")
-        except (GemmPlanError, ValueError) as exc:
-            self.fallbacks.append(f"bf16-out relu_bias {rows}x{n}x{k}: {exc}")
-            self.linear(ops, rows=rows, n=n, k=k, x=x, w=w, c=c, bias=bias, epilogue=epilogue,
-                        aux=aux)
-            self.to_bf16(ops, c, c_bf16, rows * n)
-            return c_bf16
-        ops.gemm(plan, x, w, c_bf16, bias=bias)
-        if aux is not None:
-            self.linear(keep, rows=rows, n=n, k=k, x=x, w=w, c=c, bias=bias, epilogue=epilogue,
-                        aux=aux)
-        return c_bf16
 
     def forward_tail(self, ops: Ops, *, tag: str, rows: int, which: int, hid_in: dict,
                      logits_key, q_ptr: int = 0) -> None:

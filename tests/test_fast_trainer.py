@@ -611,12 +611,12 @@ class _GemmPlan:
     reference GEMM emulation (``dense.gemm``) with the epilogue applied in float32."""
 
     def __init__(self, device, m, n, k, *, trans_a=False, trans_b=False, precision="f32",
-                 epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0, out="f32",
+                 epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
                  min_alignment=256, workspace_limit=0):
         from foxhunt.fast.gemm import GemmSpec
 
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
-                             alpha, beta, out)
+                             alpha, beta)
         assert min_alignment in (4, 8, 16, 32, 64, 128, 256)
         self.min_alignment = min_alignment
 
@@ -641,7 +641,7 @@ class _GemmPlan:
             mode = s.precision
             if mode == "bf16":
                 a, b, mode = dense.bf16_to_f32(a), dense.bf16_to_f32(b), "f32"
-            c = self._stored(c_ptr, s.c_shape, s.ldc, s.output_dtype)
+            c = self._stored(c_ptr, s.c_shape, s.ldc, F)
             out = dense.gemm(a, b, trans_a=s.trans_a, trans_b=s.trans_b, mode=mode)
             if s.alpha != 1.0:
                 out = (F(s.alpha) * out).astype(F)
@@ -667,7 +667,7 @@ class _GemmPlan:
                 _view(bias_ptr, s.m, F)[:] = np.sum(op_a, axis=1, dtype=F)
             elif ep == "bgradb":
                 _view(bias_ptr, s.n, F)[:] = np.sum(b.T if s.trans_b else b, axis=0, dtype=F)
-            c[...] = dense.f32_to_bf16(out) if s.out == "bf16" else out
+            c[...] = out
 
         EMU.dispatch(thunk, stream)
 
