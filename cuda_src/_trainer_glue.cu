@@ -14,6 +14,7 @@
 // the order matters; selects and comparisons exactly as the reference writes them.
 
 #include "hb_common.cuh"  // grad_norm_final's summation tree (the total norm, folded in)
+#include "distributional.cuh"  // double_dqn_argmax (the double-DQN choice, shared)
 
 #define GLUE_WARP 32
 #define GLUE_THREADS 256
@@ -142,32 +143,41 @@ extern "C" __global__ void glue_clamp_isv(const float* x, float* out,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Gathers of loss_and_grads, every branch in one launch. Per branch d (n_actions[d] actions,
-// action_offset[d] = sum of n_actions[e] for e < d):
+// Double-DQN choices and the gathers of loss_and_grads, every branch in one launch. Per branch d
+// (n_actions[d] actions, action_offset[d] = sum of n_actions[e] for e < d):
+//   a_star[d, b]    = double_dqn_select(q_online[d][batch + b, :])      (online(s2)'s Q rows)
 //   p_next[d, b, j] = expf(logp_target[d][b, a_star[d, b], j])     (np.exp of the target's logp)
 //   q_taken[d, b]   = q_online[d][b, actions[d, b]]        (expected_q(online.logp)[rows, a])
 // logp_target[d] is [batch, A_d, NA] at element offset batch * NA * action_offset[d];
-// q_online[d] is [q_rows, A_d] at offset q_rows * action_offset[d] (its first `batch` rows are
-// online(s)); a_star and actions are [n_branches, batch]; p_next [n_branches, batch, NA];
-// q_taken [n_branches, batch].
+// q_online[d] is [q_rows, A_d] at offset q_rows * action_offset[d] (rows 0..batch online(s),
+// batch..2 batch online(s2)); a_star and actions are [n_branches, batch]; p_next [n_branches,
+// batch, NA]; q_taken [n_branches, batch]. The choice is double_dqn_select's own scan
+// (double_dqn_argmax), recomputed by every thread of the row (a few compares), written once.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_gather_taken(const float* __restrict__ logp_target,
-                                             const int* __restrict__ a_star,
-                                             const float* __restrict__ q_online,
-                                             const int* __restrict__ actions,
-                                             const int* __restrict__ n_actions,
-                                             const int* __restrict__ action_offset,
-                                             float* __restrict__ p_next,
-                                             float* __restrict__ q_taken, int n_branches,
-                                             int batch, int num_atoms, int q_rows) {
+extern "C" __global__ void glue_select_gather_taken(const float* __restrict__ logp_target,
+                                                    int* __restrict__ a_star,
+                                                    const float* __restrict__ q_online,
+                                                    const int* __restrict__ actions,
+                                                    const int* __restrict__ n_actions,
+                                                    const int* __restrict__ action_offset,
+                                                    float* __restrict__ p_next,
+                                                    float* __restrict__ q_taken,
+                                                    int n_branches, int batch, int num_atoms,
+                                                    int q_rows) {
     const long long n_p = (long long)n_branches * batch * num_atoms;
     GLUE_FLAT_LOOP(i, n_p) {
         const int j = (int)(i % num_atoms);
         const long long row = i / num_atoms;
         const int b = (int)(row % batch);
         const int d = (int)(row / batch);
-        const int a = a_star[(long long)d * batch + b];
-        const long long src = ((long long)batch * action_offset[d] + (long long)b * n_actions[d] + a)
+        const int na = n_actions[d];
+        const float* q_next = q_online + (long long)q_rows * action_offset[d] +
+                              (long long)(batch + b) * na;
+        const int a = double_dqn_argmax(q_next, na);
+        if (j == 0) {
+            a_star[row] = a;
+        }
+        const long long src = ((long long)batch * action_offset[d] + (long long)b * na + a)
                               * num_atoms + j;
         p_next[i] = expf(logp_target[src]);
     }

@@ -131,17 +131,7 @@ extern "C" __global__ void double_dqn_select(const float* __restrict__ q,
                                              int batch, int num_actions) {
     const int stride = gridDim.x * blockDim.x;
     for (int b = blockIdx.x * blockDim.x + threadIdx.x; b < batch; b += stride) {
-        const float* row = q + b * num_actions;
-        float best = row[0];
-        int best_index = 0;
-        for (int a = 1; a < num_actions; ++a) {
-            const float candidate = row[a];
-            if (candidate > best || (isnan(best) && !isnan(candidate))) {
-                best = candidate;
-                best_index = a;
-            }
-        }
-        best_action[b] = best_index;
+        best_action[b] = double_dqn_argmax(q + b * num_actions, num_actions);
     }
 }
 

@@ -28,6 +28,24 @@ constexpr int kLossMaxThreads = 1024;
 
 }  // namespace
 
+// Double-DQN action choice on one row of q (num_actions >= 1): argmax, lowest index on ties;
+// scan in action order, replacing the incumbent when q[a] > best or the incumbent is NaN and q[a]
+// is not (NaN never wins; an all-NaN row selects 0). Shared by double_dqn_select and the
+// trainer's glue_select_gather_taken.
+static __device__ __forceinline__ int double_dqn_argmax(const float* __restrict__ row,
+                                                        int num_actions) {
+    float best = row[0];
+    int best_index = 0;
+    for (int a = 1; a < num_actions; ++a) {
+        const float candidate = row[a];
+        if (candidate > best || (isnan(best) && !isnan(candidate))) {
+            best = candidate;
+            best_index = a;
+        }
+    }
+    return best_index;
+}
+
 // Sum over the 32 lanes; every lane gets the same value (a + b == b + a in IEEE arithmetic, so
 // the partner lanes of the butterfly compute identical sums).
 static __device__ __forceinline__ float warp_sum(float x) {

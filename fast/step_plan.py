@@ -1053,20 +1053,13 @@ class StepProgram:
         lo, hi = np.float32(c.v_min), np.float32(c.v_max)
         dz = _atom_spacing(lo, hi, NA)
 
-        # C51 logit gradients: per-branch double-DQN choices (parallel), one gather of every
-        # branch, then per branch (parallel) the projection and the C51 gradient.
-        selects = []
-        for d, n in enumerate(lay.branches):
-            sel = Ops(self.module)
-            sel.kernel("double_dqn_select", dist.plan_double_dqn_select(B, n),
-                       self.ptr("q_o", d, B * n), self.ptr("a_star", offset=d * B), B, n)
-            selects.append(sel)
+        # C51 logit gradients: one launch for every branch's double-DQN choice and gathers,
+        # then per branch (parallel) the projection with the C51 gradient.
         c51_pre = Ops(self.module)
-        c51_pre.parallel(*selects)
-        c51_pre.kernel("glue_gather_taken", flat_plan(nb * B * NA), self.ptr("logp", ("t", 0)),
-                       self.ptr("a_star"), self.ptr("q_o"), a_ptr, self.ptr("n_actions"),
-                       self.ptr("action_offset"), self.ptr("p_next"), self.ptr("q_taken"),
-                       nb, B, NA, 2 * B)
+        c51_pre.kernel("glue_select_gather_taken", flat_plan(nb * B * NA),
+                       self.ptr("logp", ("t", 0)), self.ptr("a_star"), self.ptr("q_o"), a_ptr,
+                       self.ptr("n_actions"), self.ptr("action_offset"), self.ptr("p_next"),
+                       self.ptr("q_taken"), nb, B, NA, 2 * B)
         projections = []
         for d, n in enumerate(lay.branches):
             proj = Ops(self.module)

@@ -529,15 +529,16 @@ def g_clamp_isv(x, out, out_bf16, n, isv, index, mult):
         _view(out_bf16, n, np.uint16)[:] = dense.f32_to_bf16(h2)
 
 
-def g_gather_taken(logp_t, a_star, q_o, actions, n_actions, action_offset, p_next, q_taken, nb,
-                   b, na, q_rows):
+def g_select_gather_taken(logp_t, a_star, q_o, actions, n_actions, action_offset, p_next,
+                          q_taken, nb, b, na, q_rows):
     rows = np.arange(b)
     for d in range(nb):
         n_d, off = int(_view(n_actions, nb, I)[d]), int(_view(action_offset, nb, I)[d])
-        logp = _view(logp_t + b * na * off * 4, b * n_d * na, F).reshape(b, n_d, na)
-        best = _view(a_star + d * b * 4, b, I)
-        _view(p_next + d * b * na * 4, b * na, F)[:] = np.exp(logp[rows, best]).ravel()
         q = _view(q_o + q_rows * off * 4, q_rows * n_d, F).reshape(q_rows, n_d)
+        best = _view(a_star + d * b * 4, b, I)
+        best[:] = dist.double_dqn_select(q[b:2 * b].copy())
+        logp = _view(logp_t + b * na * off * 4, b * n_d * na, F).reshape(b, n_d, na)
+        _view(p_next + d * b * na * 4, b * na, F)[:] = np.exp(logp[rows, best]).ravel()
         _view(q_taken + d * b * 4, b, F)[:] = q[rows, _view(actions + d * b * 4, b, I)]
 
 
