@@ -525,6 +525,11 @@ def _sc_dueling_bwd_branches(kwargs, expected):
     return {"dv": _red(a, mag), "dadv": _red(a, 2 * mag)}
 
 
+def _sc_dueling_bwd_sum_branches(kwargs, expected):
+    br, mag = kwargs["branches"], _maxabs(kwargs["dlogits"])
+    return {"dv": _red(sum(br) + len(br), mag), "dadv": _red(max(br), 2 * mag)}
+
+
 def _sc_cql_branches(kwargs, expected):
     logp, zmax, a = kwargs["logp"], _maxabs(kwargs["z"]), max(kwargs["branches"])
     length = logp.shape[-1] + a
@@ -934,6 +939,12 @@ SPEC_TABLE: Mapping[str, SpecEntry] = MappingProxyType({
                 lambda k: _replace(k, dlogits=k["dlogits"][:-1]),
                 lambda k: _replace(k, branches=())),
         scales=_sc_dueling_bwd_branches),
+    "dueling_combine_backward_sum_branches": SpecEntry(
+        ("dv", "dadv"), {"dv": _F, "dadv": _F}, _s_dlogits_branches, ("dlogits",),
+        _errors(_s_dlogits_branches, lambda k: _wrong_dtype(k, "dlogits"),
+                lambda k: _replace(k, dlogits=k["dlogits"][:-1]),
+                lambda k: _replace(k, branches=())),
+        scales=_sc_dueling_bwd_sum_branches),
     "cql_logit_grad_branches": SpecEntry(
         ("dlogits", "terms"), {"dlogits": _F, "terms": _F}, _s_cql_branches,
         ("logp", "z", "alpha", "scale"),

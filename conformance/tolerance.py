@@ -578,6 +578,8 @@ TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType
     ("dueling_log_softmax_q_branches", "f32"): {"logits": REDUCTION, "logp": REDUCTION,
                                                 "q": REDUCTION},
     ("dueling_combine_backward_branches", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
+    # fused dueling_combine_backward_branches + the branch sum of dv: their tolerances
+    ("dueling_combine_backward_sum_branches", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
     ("cql_logit_grad_branches", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
     ("c51_loss_branches", "f32"): {"ce": REDUCTION, "total": REDUCTION},
     # optim: norms are reductions; elementwise updates allow re-associated roundings

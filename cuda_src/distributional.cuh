@@ -165,6 +165,21 @@ static __device__ __forceinline__ void dueling_combine_body(const float* __restr
     }
 }
 
+// dueling_combine_backward on the (b, j) cell at `base` (cell_base) of one [B, A, NA] block:
+// writes dadv[b, a, j] = dlogits[b, a, j] - dv / A for every action and returns
+// dv = sum_a dlogits[b, a, j] (action order). Shared by the per-branch and fused kernels.
+static __device__ __forceinline__ float dueling_backward_cell(const float* __restrict__ dlogits,
+                                                              float* __restrict__ dadv, int base,
+                                                              int num_actions, int num_atoms) {
+    const float sum = action_sum(dlogits, base, num_actions, num_atoms);
+    const float mean = sum / static_cast<float>(num_actions);
+    for (int a = 0; a < num_actions; ++a) {
+        const int k = base + a * num_atoms;
+        dadv[k] = dlogits[k] - mean;
+    }
+    return sum;
+}
+
 // dueling_combine_backward on one [B, A, NA] block: dv[b, j] = sum_a dlogits[b, a, j] (action
 // order); dadv[b, a, j] = dlogits[b, a, j] - dv[b, j] / A. One thread per (b, j) cell.
 static __device__ __forceinline__ void dueling_combine_backward_body(
@@ -174,13 +189,7 @@ static __device__ __forceinline__ void dueling_combine_backward_body(
     const int stride = gridDim.x * blockDim.x;
     for (int cell = blockIdx.x * blockDim.x + threadIdx.x; cell < cells; cell += stride) {
         const int base = cell_base(cell, num_actions, num_atoms);
-        const float sum = action_sum(dlogits, base, num_actions, num_atoms);
-        dv[cell] = sum;
-        const float mean = sum / static_cast<float>(num_actions);
-        for (int a = 0; a < num_actions; ++a) {
-            const int k = base + a * num_atoms;
-            dadv[k] = dlogits[k] - mean;
-        }
+        dv[cell] = dueling_backward_cell(dlogits, dadv, base, num_actions, num_atoms);
     }
 }
 

@@ -103,6 +103,34 @@ extern "C" __global__ void dueling_combine_backward_branches(const float* __rest
 }
 
 // --------------------------------------------------------------------------------------------
+// dueling_combine_backward_branches with dv summed over the branches (the network backward's
+// dv = dv + dv_d from zeros), in one launch: for every (b, j) cell, in branch order d = 0..D-1,
+//   dv_d = sum_a dlogits_d[b, a, j] (action order), dadv_d[b, a, j] = dlogits_d[b, a, j] - dv_d / n_d
+// (dueling_backward_cell, the per-branch body's ops), acc = acc + dv_d from acc = +0.0f;
+// dv[b, j] = acc. Bitwise dueling_combine_backward_branches followed by glue_branch_sum with
+// divisor 1 (x / 1 is exact). dlogits and dadv branch-packed (R = B), dv [B, NA]. One thread per
+// cell looping over the branches (gridDim.y = 1), grid-stride over blockIdx.x; no atomics.
+// --------------------------------------------------------------------------------------------
+extern "C" __global__ void dueling_combine_backward_sum_branches(
+    const float* __restrict__ dlogits, const int* __restrict__ n_actions,
+    const int* __restrict__ action_offset, float* __restrict__ dv, float* __restrict__ dadv,
+    int batch, int num_atoms, int n_branches) {
+    const int cells = batch * num_atoms;
+    const int stride = gridDim.x * blockDim.x;
+    for (int cell = blockIdx.x * blockDim.x + threadIdx.x; cell < cells; cell += stride) {
+        float acc = 0.0f;
+        for (int d = 0; d < n_branches; ++d) {
+            const int num_actions = n_actions[d];
+            const int block_start = batch * action_offset[d] * num_atoms;
+            const int base = cell_base(cell, num_actions, num_atoms);
+            acc = __fadd_rn(acc, dueling_backward_cell(dlogits + block_start, dadv + block_start,
+                                                       base, num_actions, num_atoms));
+        }
+        dv[cell] = acc;
+    }
+}
+
+// --------------------------------------------------------------------------------------------
 // cql_logit_grad per branch on samples 0..B of branch d's block of logp (R = block_rows >= B
 // samples per block): dlogits (branch-packed, R = B) and terms [D, B]. The body is
 // cql_logit_grad's (cql_logit_grad_body in distributional.cuh: tiles of S_d = max(1, warps / n_d)

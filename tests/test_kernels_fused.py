@@ -473,3 +473,204 @@ def test_dueling_log_softmax_q_branches_compiles(arch, tmp_path):
     # the log-softmax/Q row is log_softmax_expected_q's: same float operation kinds
     lsq = _float_ops(_entry(module.ptx["distributional.cu"], "log_softmax_expected_q"))
     assert set(lsq) <= set(ops)
+
+
+# ---------------------------------------------------------------------------------------------
+# dueling_combine_backward_sum_branches: the per-branch dueling backward, dv summed over branches
+# ---------------------------------------------------------------------------------------------
+
+
+def make_dlogits(branches, batch, atoms, seed=0) -> np.ndarray:
+    """Branch-packed ``dlogits [B * A_total, NA]`` of scale ~1e-2 (the step's logit gradients)."""
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((batch * sum(branches), atoms)) * 1e-2).astype(F32)
+
+
+def backward_sum_composition(dlogits, branches):
+    """network.backward's loop on hand-sliced blocks: ``dv = dv + dv_d`` from zeros (branch
+    order) over per-branch ``dueling_combine_backward`` calls; dadv packed by hand."""
+    batch, atoms = dlogits.shape[0] // sum(branches), dlogits.shape[1]
+    dv = np.zeros((batch, atoms), F32)
+    dadv = np.empty_like(dlogits)
+    for d, n in enumerate(branches):
+        lo = batch * sum(branches[:d])
+        g = dist.dueling_combine_backward(dlogits[lo:lo + batch * n].reshape(batch, n, atoms).copy())
+        dv = dv + g.dv
+        dadv[lo:lo + batch * n] = g.dadv.reshape(batch * n, atoms)
+    return dv, dadv
+
+
+def unfused_glue(dlogits, branches):
+    """What the step ran before: dueling_combine_backward_branches, then glue_branch_sum's
+    ``((0 + parts[0] / 1) + parts[1] / 1) + ...`` on its dv parts."""
+    g = fused.dueling_combine_backward_branches(dlogits, branches)
+    acc = np.zeros(g.dv.shape[1:], F32)
+    for part in g.dv:
+        acc = (acc + part / F32(1.0)).astype(F32)
+    return acc, g.dadv
+
+
+BWD_CASES = {
+    "seed": ((3, 3, 2), 256, 51),
+    "tiny": ((3, 2), 4, 11),
+    "odd": ((3, 3, 2), 257, 53),
+    "mixed": ((2, 1, 4), 5, 7),
+    "one-branch": ((1,), 9, 3),
+}
+
+
+@pytest.mark.parametrize("case", list(BWD_CASES), ids=list(BWD_CASES))
+def test_dueling_combine_backward_sum_branches_is_the_composition(case):
+    branches, batch, atoms = BWD_CASES[case]
+    dlogits = make_dlogits(branches, batch, atoms)
+    got = fused.dueling_combine_backward_sum_branches(dlogits, branches)
+    assert isinstance(got, fused.DuelingGradsSum)
+    assert got.dv.shape == (batch, atoms) and got.dadv.shape == dlogits.shape
+    assert got.dv.dtype == F32 and got.dadv.dtype == F32
+    dv, dadv = backward_sum_composition(dlogits, branches)
+    assert bits_equal(got.dv, dv) and bits_equal(got.dadv, dadv)
+    glue_dv, glue_dadv = unfused_glue(dlogits, branches)
+    assert bits_equal(got.dv, glue_dv) and bits_equal(got.dadv, glue_dadv)
+
+
+@pytest.mark.parametrize("case", ["tiny", "mixed", "one-branch"])
+def test_dueling_combine_backward_sum_branches_vs_torch_autograd(case):
+    torch = pytest.importorskip("torch")
+    branches, batch, atoms = BWD_CASES[case]
+    dlogits = make_dlogits(branches, batch, atoms, seed=3)
+    rng = np.random.default_rng(4)
+    v = torch.tensor(rng.standard_normal((batch, atoms)), dtype=torch.float64, requires_grad=True)
+    advs, loss = [], 0.0
+    for d, n in enumerate(branches):
+        lo = batch * sum(branches[:d])
+        adv = torch.tensor(rng.standard_normal((batch, n, atoms)), dtype=torch.float64,
+                           requires_grad=True)
+        logits = v[:, None, :] + (adv - adv.mean(dim=1, keepdim=True))
+        dl = torch.tensor(dlogits[lo:lo + batch * n].astype(np.float64).reshape(batch, n, atoms))
+        loss = loss + (logits * dl).sum()
+        advs.append(adv)
+    loss.backward()
+    got = fused.dueling_combine_backward_sum_branches(dlogits, branches)
+    np.testing.assert_allclose(got.dv, v.grad.numpy(), rtol=1e-5, atol=1e-8)
+    dadv64 = np.concatenate([a.grad.numpy().reshape(-1, atoms) for a in advs])
+    np.testing.assert_allclose(got.dadv, dadv64, rtol=1e-5, atol=1e-8)
+
+
+def test_dueling_combine_backward_sum_branches_negative_zero_sums_to_positive_zero():
+    # (+0 + -0) + -0 = +0: the sum starts from +0.0, as the reference step's zeros do.
+    dlogits = np.full((2 * 5, 3), -0.0, F32)
+    got = fused.dueling_combine_backward_sum_branches(dlogits, (2, 3))
+    assert np.all(got.dv == 0) and not np.signbit(got.dv).any()
+    assert np.signbit(fused.dueling_combine_backward_branches(dlogits, (2, 3)).dv).all()
+
+
+@settings(max_examples=40)
+@given(data=st.data(), branches=st.lists(st.integers(1, 4), min_size=1, max_size=3),
+       batch=st.integers(1, 5), atoms=st.integers(1, 6))
+def test_dueling_combine_backward_sum_branches_specials_match_composition(data, branches, batch,
+                                                                          atoms):
+    branches = tuple(branches)
+    dlogits = make_dlogits(branches, batch, atoms, seed=data.draw(st.integers(0, 2**16)))
+    for _ in range(data.draw(st.integers(0, 4))):
+        dlogits.flat[data.draw(st.integers(0, dlogits.size - 1))] = data.draw(
+            st.sampled_from(SPECIALS))
+    got = fused.dueling_combine_backward_sum_branches(dlogits, branches)
+    dv, dadv = backward_sum_composition(dlogits, branches)
+    assert bits_equal(got.dv, dv) and bits_equal(got.dadv, dadv)
+    glue_dv, glue_dadv = unfused_glue(dlogits, branches)
+    assert bits_equal(got.dv, glue_dv) and bits_equal(got.dadv, glue_dadv)
+    # The contract, checked directly in float64: dv[b, j] is NaN iff the sum over every branch's
+    # actions is NaN (a NaN entry, or opposite Infs anywhere in the cell), else that Inf or finite;
+    # dadv_d[b, :, j] is all NaN where branch d's cell holds a NaN.
+    with np.errstate(all="ignore"):
+        dv64 = np.zeros((batch, atoms))
+        for d, n in enumerate(branches):
+            lo = batch * sum(branches[:d])
+            blk = dlogits[lo:lo + batch * n].astype(np.float64).reshape(batch, n, atoms)
+            dv64 = dv64 + blk.sum(axis=1)
+            nan_cell = np.isnan(blk).any(axis=1)
+            got_blk = got.dadv[lo:lo + batch * n].reshape(batch, n, atoms)
+            assert np.all(np.isnan(got_blk).all(axis=1)[nan_cell])
+    assert np.array_equal(np.isnan(got.dv), np.isnan(dv64))
+    assert np.array_equal(np.isposinf(got.dv), np.isposinf(dv64))
+    assert np.array_equal(np.isneginf(got.dv), np.isneginf(dv64))
+
+
+def dlogits_not_packed(k):
+    k["dlogits"] = k["dlogits"][:-1]
+
+
+def dlogits_f64(k):
+    k["dlogits"] = k["dlogits"].astype(np.float64)
+
+
+def dlogits_1d(k):
+    k["dlogits"] = k["dlogits"].ravel()
+
+
+def dlogits_no_atoms(k):
+    k["dlogits"] = np.zeros((k["dlogits"].shape[0], 0), F32)
+
+
+def branches_empty(k):
+    k["branches"] = ()
+
+
+def branches_bool(k):
+    k["branches"] = (True, 2)
+
+
+@pytest.mark.parametrize("name,edit", [
+    _bad("dlogits", dlogits_not_packed), _bad("dlogits", dlogits_f64), _bad("dlogits", dlogits_1d),
+    _bad("dlogits", dlogits_no_atoms), _bad("branches", wrong_branches),
+    _bad("branches", branches_empty), _bad("branches", branches_bool),
+])
+def test_dueling_combine_backward_sum_branches_bad_input_names_the_argument(name, edit):
+    kwargs = {"dlogits": make_dlogits((3, 3, 2), 4, 5), "branches": (3, 3, 2)}
+    edit(kwargs)
+    with pytest.raises(ValueError, match=rf"^{name}:"):
+        fused.dueling_combine_backward_sum_branches(**kwargs)
+
+
+def test_dueling_combine_backward_sum_branches_is_listed_and_plans_the_seed():
+    import inspect
+
+    from foxhunt.fast.kernels import fused as fast_fused
+
+    name = "dueling_combine_backward_sum_branches"
+    assert fused.KERNELS[name] is fused.dueling_combine_backward_sum_branches
+    assert fast_fused.KERNELS[name] is fast_fused.dueling_combine_backward_sum_branches
+    assert (inspect.signature(fast_fused.dueling_combine_backward_sum_branches)
+            == inspect.signature(fused.dueling_combine_backward_sum_branches))
+    plan = fast_fused.plan_dueling_combine_backward_sum_branches
+    # one thread per (b, j) cell over every branch: 256 * 51 cells in blocks of 128
+    assert plan(256, (3, 3, 2), 51) == ((102, 1, 1), 128, 0)
+    assert plan(1, (2,), 1) == ((1, 1, 1), 128, 0)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_dueling_combine_backward_sum_branches_compiles(arch, tmp_path):
+    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    sources = source_files()
+    headers = {n: b for n, b in sources.items() if n.endswith(HEADER_SUFFIXES)}
+    module = compile_sources(arch, "ptx", cache_root=tmp_path,
+                             sources={"fused.cu": sources["fused.cu"],
+                                      "distributional.cu": sources["distributional.cu"], **headers})
+    assert module.logs["fused.cu"] == "" and module.logs["distributional.cu"] == ""
+    name = "dueling_combine_backward_sum_branches"
+    assert module.kernels[name] == "fused.cu"
+    # dlogits, n_actions, action_offset, dv, dadv; batch, num_atoms, n_branches
+    assert tuple(p.ptx_type for p in module.params[name]) == ("u64",) * 5 + ("u32",) * 3
+    body = _entry(module.ptx["fused.cu"], name)
+    assert "atom." not in body and "bar.sync" not in body
+    def arith(ptx_body):
+        return {op for op in _float_ops(ptx_body) if op.split(".")[0] in
+                ("add", "sub", "mul", "div", "fma", "max", "min", "neg", "abs")}
+
+    ops = _float_ops(body)
+    # the per-branch body's IEEE arithmetic (action sum, one division, subtraction), never fused
+    per_branch = _entry(module.ptx["fused.cu"], "dueling_combine_backward_branches")
+    assert arith(body) == arith(per_branch) == {"add.rn.f32", "div.rn.f32", "sub.rn.f32"}
+    assert ops["div.rn.f32"] > 0 and ops["add.rn.f32"] > 0 and ops["sub.rn.f32"] > 0

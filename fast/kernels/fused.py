@@ -28,6 +28,7 @@ from foxhunt.reference.kernels.fused import (
     F32,
     I32,
     C51LossBranches,
+    DuelingGradsSum,
     DuelingLogSoftmaxQ,
     _require_branches,
     _require_packed,
@@ -40,6 +41,10 @@ from foxhunt.reference.kernels.fused import (
 )
 
 Plan = tuple[tuple[int, int, int], int, int]  # ((grid x, D, 1), block, dynamic shared bytes)
+
+#: dueling_combine_backward_sum_branches: threads per block (one thread per (b, j) cell looping
+#: over the branches; small blocks so the seed's B * NA = 13,056 cells spread over 102 blocks).
+SUM_THREADS = 128
 
 
 def _tables(branches: tuple[int, ...]) -> tuple[In, In]:
@@ -68,6 +73,12 @@ def plan_dueling_log_softmax_q_branches(batch: int, branches, num_atoms: int) ->
                          f"{SHARED_LIMIT // (WARPS_PER_BLOCK * F32_BYTES)} atoms")
     grid = blocks(int(batch) * max(branches), WARPS_PER_BLOCK)
     return (grid, len(branches), 1), THREADS, shared
+
+
+def plan_dueling_combine_backward_sum_branches(batch: int, branches, num_atoms: int) -> Plan:
+    """One thread per ``(b, j)`` cell looping over every branch (grid y = 1), blocks of
+    ``SUM_THREADS``. Seed shapes (``batch = 256``, 51 atoms): grid (102, 1), 128 threads."""
+    return (blocks(int(batch) * int(num_atoms), SUM_THREADS), 1, 1), SUM_THREADS, 0
 
 
 def plan_cql_logit_grad_branches(batch: int, branches, num_atoms: int) -> Plan:
@@ -137,6 +148,23 @@ def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingG
     return DuelingGrads(dv=dv, dadv=dadv)
 
 
+def dueling_combine_backward_sum_branches(dlogits: np.ndarray, branches) -> DuelingGradsSum:
+    """Fast ``dueling_combine_backward_sum_branches``: ``DuelingGradsSum(dv [B, NA]`` summed over
+    the branches from +0.0 in branch order, ``dadv`` branch-packed ``[B * A_total, NA])``."""
+    branches = _require_branches(branches)
+    batch = _require_packed("dlogits", dlogits, branches)
+    check_elements("dlogits", dlogits)
+    num_atoms = dlogits.shape[1]
+    if dlogits.size == 0:
+        return DuelingGradsSum(dv=np.zeros((batch, num_atoms), dtype=F32),
+                               dadv=np.zeros(dlogits.shape, dtype=F32))
+    grid, block, shared = plan_dueling_combine_backward_sum_branches(batch, branches, num_atoms)
+    dv, dadv = call("dueling_combine_backward_sum_branches", grid, block, In(dlogits),
+                    *_tables(branches), Out((batch, num_atoms), F32), Out(dlogits.shape, F32),
+                    batch, num_atoms, len(branches), shared_mem=shared)
+    return DuelingGradsSum(dv=dv, dadv=dadv)
+
+
 def cql_logit_grad_branches(logp: np.ndarray, actions: np.ndarray, z: np.ndarray, alpha, scale,
                             branches) -> CqlGrad:
     """Fast ``cql_logit_grad_branches``: ``CqlGrad(dlogits packed [B * A_total, NA], terms [D, B])``."""
@@ -185,6 +213,7 @@ KERNELS = {
     "dueling_combine_branches": dueling_combine_branches,
     "dueling_log_softmax_q_branches": dueling_log_softmax_q_branches,
     "dueling_combine_backward_branches": dueling_combine_backward_branches,
+    "dueling_combine_backward_sum_branches": dueling_combine_backward_sum_branches,
     "cql_logit_grad_branches": cql_logit_grad_branches,
     "c51_loss_branches": c51_loss_branches,
 }

@@ -45,6 +45,14 @@ class DuelingLogSoftmaxQ(NamedTuple):
     q: np.ndarray
 
 
+class DuelingGradsSum(NamedTuple):
+    """Outputs of ``dueling_combine_backward_sum_branches``: ``dv [B, NA]`` (summed over the
+    branches) and the branch-packed ``dadv [B * A_total, NA]``."""
+
+    dv: np.ndarray
+    dadv: np.ndarray
+
+
 class C51LossBranches(NamedTuple):
     """Outputs of ``c51_loss_branches``: ``ce [D, B]`` and the per-branch totals ``total [D]``."""
 
@@ -207,6 +215,38 @@ def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingG
 
 
 @ieee
+def dueling_combine_backward_sum_branches(dlogits: np.ndarray, branches) -> DuelingGradsSum:
+    """``dueling_combine_backward_branches`` with its ``dv`` summed over the branches, in one
+    launch (the network backward's ``dv = dv + dv_d`` from zeros, before the value head).
+
+    Per branch d (``dueling_combine_backward(dlogits_d)``):
+    ``dv_d[b, j] = sum_a dlogits_d[b, a, j]`` (action order),
+    ``dadv_d[b, a, j] = dlogits_d[b, a, j] - dv_d[b, j] / n_d``; then
+    ``dv[b, j] = ((+0.0 + dv_0[b, j]) + dv_1[b, j]) + ... + dv_{D-1}[b, j]`` in branch order
+    (``+0.0 + -0.0 = +0.0``: an all-``-0`` cell gives ``+0``).
+
+    Shapes: ``dlogits [B * A_total, NA]`` branch-packed (module docstring) float32,
+    ``branches`` a non-empty tuple of action counts >= 1 (else ValueError); returns
+    ``DuelingGradsSum(dv [B, NA], dadv [B * A_total, NA] branch-packed)`` float32.
+    NaN/Inf contract: IEEE, unguarded, ``dueling_combine_backward``'s per branch: a NaN in
+    ``dlogits_d[b, a, j]`` makes ``dadv_d[b, :, j]`` (every action of that branch) and
+    ``dv[b, j]`` NaN; an Inf makes ``dv_d[b, j]`` that Inf (``+Inf`` and ``-Inf`` in one cell
+    of a branch: NaN), hence ``dadv_d[b, a, j] = NaN`` at its own action (``Inf - Inf``) and the
+    opposite Inf at the branch's other actions; ``dv[b, j]`` is NaN where the branches' ``dv_d``
+    hold opposite Infs, else that Inf.
+    """
+    branches = _require_branches(branches)
+    batch = _require_packed("dlogits", dlogits, branches)
+    dv = np.zeros((batch, dlogits.shape[1]), dtype=F32)
+    dadvs = []
+    for x in split_branches(dlogits, branches):
+        dv_d, dadv = dueling_combine_backward(x)
+        dv = dv + dv_d
+        dadvs.append(dadv)
+    return DuelingGradsSum(dv=dv.astype(F32, copy=False), dadv=_pack(dadvs, dlogits.shape[1]))
+
+
+@ieee
 def cql_logit_grad_branches(logp: np.ndarray, actions: np.ndarray, z: np.ndarray, alpha, scale,
                             branches) -> CqlGrad:
     """``cql_logit_grad(logp_d[:B], actions[d], z, alpha, scale)`` for every branch d, in one
@@ -259,6 +299,7 @@ KERNELS = {
     "dueling_combine_branches": dueling_combine_branches,
     "dueling_log_softmax_q_branches": dueling_log_softmax_q_branches,
     "dueling_combine_backward_branches": dueling_combine_backward_branches,
+    "dueling_combine_backward_sum_branches": dueling_combine_backward_sum_branches,
     "cql_logit_grad_branches": cql_logit_grad_branches,
     "c51_loss_branches": c51_loss_branches,
 }
