@@ -42,12 +42,17 @@ chains run in parallel, each split per branch (its loss kernels, dueling backwar
 GEMMs), with the value head after every branch's dueling backward and the trunk after every
 head's ``dh2`` part (summed in the reference's order by ``glue_h2_grad_mask``); the heads'
 weight gradients overlap the trunk. GEMMs are planned without a workspace where cuBLASLt allows
-(``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes). The dueling combine, its
-backward, the CQL logit gradient and the C51 loss run once over every branch
-(``cuda_src/fused.cu``: branch-packed buffers, ``blockIdx.y`` = branch). Fused launches on the critical path, each the
-composition of its reference kernels: ``log_softmax_expected_q``, ``c51_project_grad`` (per
-branch), ``relu_mask_bias_grad``, ``clip_saxpy_norm_partial`` (the budget tail: clip, SAXPY and
-the total norm's partials) and, in graph 2, ``polyak_update_mirror``. Not done: the issue's
+(``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes).
+
+Fused launches (each the composition of its reference kernels, paired and conformance-tested
+under its own name), chosen to shorten the critical path: per forward pass
+``dueling_log_softmax_q_branches`` (dueling combine, log-softmax, expected Q of every branch);
+``glue_select_gather_taken`` (every branch's double-DQN choice and the gathers); per branch
+``c51_project_grad``; ``dueling_combine_backward_sum_branches`` (with the value gradient summed
+over branches); ``relu_mask_bias_grad`` (the DRELU_BGRAD fallback); ``cql_logit_grad_branches``
+and ``c51_loss_branches``; ``clip_saxpy_norm_partial`` (the budget tail: both per-loss norms
+from their partials, the clips, the SAXPY and the total norm's partials, whose sum
+``glue_step_scalars`` finishes); in graph 2 ``polyak_update_mirror``. Not done: the issue's
 concatenated head weights and stacked C51/CQL backward GEMMs.
 """
 
@@ -326,7 +331,6 @@ class StepLayout:
             for d, n in enumerate(self.branches):
                 p.add(d, B * n * NA)
             self._add_packed(p)
-            self._add(f"dv_parts_{loss}", (nb, B, NA), F32)
             self._add(f"dv_{loss}", (B, NA), F32)
             dadv = Packed(f"dadv_{loss}", F32)  # branch-packed (one fused dueling backward)
             for d, n in enumerate(self.branches):
@@ -941,18 +945,18 @@ class StepProgram:
                              dw=self.grad_ptr(g, h.w1))
 
         ops.extend(pre)
-        ops.kernel("dueling_combine_backward_branches",
-                   self.k["fused"].plan_dueling_combine_backward_branches(B, lay.branches, NA),
+        # Every branch's dueling backward in one launch, with the value gradient summed over
+        # the branches (the reference's order), so the value head starts at once.
+        ops.kernel("dueling_combine_backward_sum_branches",
+                   self.k["fused"].plan_dueling_combine_backward_sum_branches(B, lay.branches, NA),
                    self.ptr(f"dlogits_{loss}"), self.ptr("n_actions"), self.ptr("action_offset"),
-                   self.ptr(f"dv_parts_{loss}"), self.ptr(f"dadv_{loss}"), B, NA)
+                   self.ptr(f"dv_{loss}"), self.ptr(f"dadv_{loss}"), B, NA, lay.nb)
         chains = []
         for d, n in enumerate(lay.branches):
             branch = Ops(self.module)
             head(branch, d + 1, self.ptr(f"dadv_{loss}", d))
             chains.append(branch)
         value = Ops(self.module)
-        value.kernel("glue_branch_sum", flat_plan(B * NA), self.ptr(f"dv_parts_{loss}"),
-                     self.ptr(f"dv_{loss}"), B * NA, lay.nb, B * NA, np.float32(1.0))
         head(value, 0, self.ptr(f"dv_{loss}"))
         chains.append(value)
         trunk = Ops(self.module)

@@ -413,6 +413,17 @@ def k_dueling_log_softmax_q_branches(v, adv, z, n_actions, action_offset, logits
         _view(q, rows, F)[:] = r.q
 
 
+def k_dueling_combine_backward_sum_branches(dl, n_actions, action_offset, dv, dadv, b, na, nb, *,
+                                            n_branches):
+    del n_branches  # grid y is 1: the kernel loops over the branches (count: the last scalar)
+    br = _branch_tables(n_actions, action_offset, nb)
+    rows = b * sum(br)
+    r = fused.dueling_combine_backward_sum_branches(
+        _view(dl, rows * na, F).reshape(rows, na).copy(), br)
+    _view(dv, b * na, F)[:] = r.dv.ravel()
+    _view(dadv, rows * na, F)[:] = r.dadv.ravel()
+
+
 def k_nan_check(x, n, flag):
     f = _view(flag, 1, I)
     f[0] = safety.nan_check(_view(x, n, F).copy(), int(f[0]))
