@@ -1064,6 +1064,7 @@ class StepProgram:
                        self.ptr("logp", ("t", 0)), self.ptr("a_star"), self.ptr("q_o"), a_ptr,
                        self.ptr("n_actions"), self.ptr("action_offset"), self.ptr("p_next"),
                        self.ptr("q_taken"), nb, B, NA, 2 * B)
+        c51_pre.record("gathered")
         projections = []
         for d, n in enumerate(lay.branches):
             proj = Ops(self.module)
@@ -1090,21 +1091,28 @@ class StepProgram:
         c51_side = Ops(self.module)
         self.backward(c51_side, "c51", c51_pre)
         self.norm(c51_side, "grad_c51", "c51")
-        books = Ops(self.module)  # C51 bookkeeping, after every branch's projection
+        # C51 bookkeeping, beside the backward passes, in two parallel chains: the scalar
+        # targets and Mech 1 (they need the gathered p_next only), and the C51 losses and td
+        # errors (after every branch's projection).
+        targets, losses = Ops(self.module), Ops(self.module)
+        targets.wait("gathered")
+        targets.kernel("glue_scalar_targets", flat_plan(nb * B), self.ptr("p_next"),
+                       self.ptr("z"), r_ptr, done_ptr, self.ptr("gamma"), self.ptr("target_q"),
+                       nb, B, NA)
+        targets.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), self.ptr("target_q"),
+                       self.ptr("target_q"), nb * B, np.float32(c.target_q_clip_mult),
+                       self.ptr("isv", offset=isv_mod.Q_ABS_REF_INDEX))
         for d in range(nb):
-            books.wait(f"m{d}")
-        books.kernel("glue_scalar_targets", flat_plan(nb * B), self.ptr("p_next"), self.ptr("z"),
-                     r_ptr, done_ptr, self.ptr("gamma"), self.ptr("target_q"), nb, B, NA)
-        books.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), self.ptr("target_q"),
-                     self.ptr("target_q"), nb * B, np.float32(c.target_q_clip_mult),
-                     self.ptr("isv", offset=isv_mod.Q_ABS_REF_INDEX))
-        books.kernel("c51_loss_branches",
-                     self.k["fused"].plan_c51_loss_branches(B, lay.branches, NA),
-                     self.ptr("logp", ("o", 0)), a_ptr, self.ptr("m"), isw_ptr, self.ptr("scale"),
-                     self.ptr("n_actions"), self.ptr("action_offset"), self.ptr("ce"),
-                     self.ptr("c51_total"), B, 2 * B, NA)
-        books.kernel("glue_branch_sum", flat_plan(B), self.ptr("ce"), self.ptr("td"), B, nb, B,
-                     np.float32(nb))
+            losses.wait(f"m{d}")
+        losses.kernel("c51_loss_branches",
+                      self.k["fused"].plan_c51_loss_branches(B, lay.branches, NA),
+                      self.ptr("logp", ("o", 0)), a_ptr, self.ptr("m"), isw_ptr,
+                      self.ptr("scale"), self.ptr("n_actions"), self.ptr("action_offset"),
+                      self.ptr("ce"), self.ptr("c51_total"), B, 2 * B, NA)
+        losses.kernel("glue_branch_sum", flat_plan(B), self.ptr("ce"), self.ptr("td"), B, nb,
+                      B, np.float32(nb))
+        books = Ops(self.module)
+        books.parallel(targets, losses)
         # The loss scalars and means of the readback (the block reductions of the step
         # scalars), beside the backward passes: they need the C51 totals, Q's and the CQL terms.
         books.wait("cql_terms")
