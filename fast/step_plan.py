@@ -844,9 +844,10 @@ class StepProgram:
                 aux: bool, logits_key, extra: Ops | None = None, q_ptr: int = 0) -> None:
         """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
         Mech 10 clamp (bound from ISV[H_S2_RMS_EMA] on the device), heads, dueling combine
-        into the packed ``logits`` buffer at ``logits_key(d)``. The heads' GEMMs run as
-        parallel branches (first layers, then second layers; each branch's dueling combine
-        waits for the value head only); ``extra`` runs alongside the first layers."""
+        into the packed ``logits`` buffer at ``logits_key(d)`` with the log-softmax (``logp``,
+        same key) and, when ``q_ptr`` is given, expected Q (one launch over every branch). The
+        heads' GEMMs run as parallel branches (first layers, then second layers); ``extra``
+        runs alongside the first layers."""
         lay, c = self.lay, self.config
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
@@ -883,17 +884,6 @@ class StepProgram:
             self.to_bf16(ops, self.ptr(f"hid{tag}"), self.ptr(f"hid{tag}_bf16"), hid.total)
             hid_in = {h.key: self.ptr(f"hid{tag}_bf16", offset=hid.offsets[h.key])
                       for h in lay.heads}
-        self.forward_tail(ops, tag=tag, rows=rows, which=which, hid_in=hid_in,
-                          logits_key=logits_key, q_ptr=q_ptr)
-
-    def forward_tail(self, ops: Ops, *, tag: str, rows: int, which: int, hid_in: dict,
-                     logits_key, q_ptr: int = 0) -> None:
-        """The heads' second layers (parallel), then one launch over every branch: dueling
-        combine, log-softmax and (``q_ptr`` given) expected Q."""
-        lay = self.lay
-        bf16 = lay.bf16
-        p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
-        wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
         v = self.ptr(f"v{tag}")
         seconds = []
         for d, h in enumerate(lay.heads):
