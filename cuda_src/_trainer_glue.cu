@@ -220,9 +220,8 @@ extern "C" __global__ void glue_scalar_targets(const float* __restrict__ p_next,
 
 // ---------------------------------------------------------------------------------------------
 // Sum over branches: out[i] = ((0 + parts[0][i] / divisor) + parts[1][i] / divisor) + ...
-// (the reference's `td = td + ce / nb` from zeros, divisor = n_branches; and the dueling
-// backward's `dv = dv + dv_d` from zeros, divisor = 1: x / 1 is exact). parts[d] at
-// d * part_stride. Flat.
+// (the reference's `td = td + ce / nb` from zeros, divisor = n_branches; a divisor of 1 is
+// exact, x / 1 == x). parts[d] at d * part_stride. Flat.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void glue_branch_sum(const float* __restrict__ parts,
                                            float* __restrict__ out, long long n, int n_branches,
@@ -309,10 +308,6 @@ glue_loss_scalars(const float* __restrict__ c51_total, const float* __restrict__
     readback[11] = mean_target_q;
 }
 
-struct GlueIdentity {
-    __device__ __forceinline__ float operator()(float x) const { return x; }
-};
-
 extern "C" __global__ void glue_step_scalars(const float* __restrict__ total_partials,
                                              long long n_partials, float* __restrict__ total_sq,
                                              const float* __restrict__ c51_sq,
@@ -324,7 +319,7 @@ extern "C" __global__ void glue_step_scalars(const float* __restrict__ total_par
                                              float budget_cql, int slow_ema_index,
                                              float slow_alpha) {
     __shared__ float scratch[HB_WARP + 1];
-    const float partial = hb_thread_partial(total_partials, 0, n_partials, GlueIdentity());
+    const float partial = hb_thread_partial(total_partials, 0, n_partials, HbIdentity());
     const float sum = hb_block_sum(partial, scratch);
     if (blockIdx.x != 0 || threadIdx.x != 0) {
         return;

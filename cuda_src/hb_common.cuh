@@ -72,6 +72,11 @@ __device__ __forceinline__ long long hb_block_sum(long long v, long long* scratc
     return hb_block_sum<long long>(v, 0LL, scratch);
 }
 
+// Identity map: the plain (unguarded) sums (grad_norm_final's phase 2 and its replays).
+struct HbIdentity {
+    __device__ __forceinline__ float operator()(float x) const { return x; }
+};
+
 // x * x if x is finite, else the identity (the finite-square rule of the gradient norms).
 struct HbFiniteSquare {
     __device__ __forceinline__ float operator()(float x) const {

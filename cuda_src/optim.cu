@@ -88,11 +88,6 @@ grad_norm_partial(const float* __restrict__ x, long long n, long long block_size
     }
 }
 
-// Identity map for the plain (unguarded) sum of the final phase.
-struct HbIdentity {
-    __device__ __forceinline__ float operator()(float x) const { return x; }
-};
-
 // grad_norm_final: out[0] = sum_k partials[k], plain float32 sum (nothing skipped: a +Inf
 // partial gives +Inf, a NaN would propagate). Empty gives 0.
 // Launch: grid 1, block a multiple of 32 (plan_grad_norm_final).
