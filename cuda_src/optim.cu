@@ -285,7 +285,38 @@ __device__ __forceinline__ float hb_bias_correction(float beta, long long step) 
 //   param = param - lr * (mhat / (sqrtf(vhat) + eps) + weight_decay * param)
 //   param = isfinite(param) ? clamp(param, -weight_clamp, weight_clamp) : 0
 // Device scalars: *step (int64, >= 1), *grad_scale, *weight_clamp (> 0, +inf allowed).
-// Thread 0 of each block computes the per-step scalars once (two double pows) and shares them.
+//
+// Latency, not bandwidth, bounds this kernel in the step (one pass over ~0.3M elements): each
+// thread takes ADAM_UNROLL elements per grid-stride round (i, i + stride, ...), issues their
+// loads together, and loads its first round BEFORE the barrier that publishes the per-step
+// scalars, so those loads overlap the two double pows (thread 0 computes bc1, the first thread
+// of the second warp bc2, in parallel). plan_adam_update sizes the grid to one round where it
+// can. The arithmetic per element is the same whatever the grid: the bits do not depend on it.
+#define ADAM_UNROLL 4
+
+struct AdamLoad {
+    float g[ADAM_UNROLL], p[ADAM_UNROLL], m[ADAM_UNROLL], v[ADAM_UNROLL];
+};
+
+__device__ __forceinline__ void hb_adam_load(AdamLoad& x, const float* __restrict__ param,
+                                             const float* __restrict__ grad,
+                                             const float* __restrict__ m,
+                                             const float* __restrict__ v, long long first,
+                                             long long stride, long long n) {
+#pragma unroll
+    for (int k = 0; k < ADAM_UNROLL; ++k) {
+        const long long i = first + k * stride;
+        if (i < n) {
+            x.g[k] = grad[i];
+            x.p[k] = param[i];
+            x.m[k] = m[i];
+            x.v[k] = v[i];
+        } else {
+            x.g[k] = x.p[k] = x.m[k] = x.v[k] = 0.0f;  // never stored
+        }
+    }
+}
+
 extern "C" __global__ void adam_update(float* __restrict__ param, const float* __restrict__ grad,
                                        float* __restrict__ m, float* __restrict__ v, long long n,
                                        const long long* __restrict__ step, float lr, float beta1,
@@ -293,33 +324,46 @@ extern "C" __global__ void adam_update(float* __restrict__ param, const float* _
                                        const float* __restrict__ grad_scale,
                                        const float* __restrict__ weight_clamp) {
     __shared__ float shared[4];  // bc1, bc2, grad_scale, weight_clamp
+    const int second = blockDim.x > HB_WARP ? HB_WARP : 0;  // thread of bc2 (0: thread 0 too)
     if (threadIdx.x == 0) {
-        const long long t = *step;
-        shared[0] = hb_bias_correction(beta1, t);
-        shared[1] = hb_bias_correction(beta2, t);
+        shared[0] = hb_bias_correction(beta1, *step);
         shared[2] = *grad_scale;
         shared[3] = *weight_clamp;
     }
+    if (threadIdx.x == second) {
+        shared[1] = hb_bias_correction(beta2, *step);
+    }
+    const long long stride = hb_grid_stride();
+    long long first = hb_first_index();
+    AdamLoad x;
+    hb_adam_load(x, param, grad, m, v, first, stride, n);
     __syncthreads();
     const float bc1 = shared[0], bc2 = shared[1], scale = shared[2], clamp = shared[3];
     const float keep1 = __fsub_rn(1.0f, beta1);
     const float keep2 = __fsub_rn(1.0f, beta2);
-    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
-        const float g = __fmul_rn(grad[i], scale);
-        if (!isfinite(g)) {
-            continue;  // gradient zeroed, element skipped: param, m, v keep their bits
+    while (first < n) {
+#pragma unroll
+        for (int k = 0; k < ADAM_UNROLL; ++k) {
+            const long long i = first + k * stride;
+            const float g = __fmul_rn(x.g[k], scale);
+            if (i >= n || !isfinite(g)) {
+                continue;  // past the end; or gradient zeroed: param, m, v keep their bits
+            }
+            const float p = x.p[k];
+            const float m_new = __fadd_rn(__fmul_rn(beta1, x.m[k]), __fmul_rn(keep1, g));
+            const float v_new = __fadd_rn(__fmul_rn(beta2, x.v[k]),
+                                          __fmul_rn(keep2, __fmul_rn(g, g)));
+            const float mhat = __fdiv_rn(m_new, bc1);
+            const float vhat = __fdiv_rn(v_new, bc2);
+            const float step_dir = __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps));
+            const float update = __fadd_rn(step_dir, __fmul_rn(weight_decay, p));
+            const float p_new = __fsub_rn(p, __fmul_rn(lr, update));
+            param[i] = isfinite(p_new) ? fminf(fmaxf(p_new, -clamp), clamp) : 0.0f;
+            m[i] = m_new;
+            v[i] = v_new;
         }
-        const float p = param[i];
-        const float m_new = __fadd_rn(__fmul_rn(beta1, m[i]), __fmul_rn(keep1, g));
-        const float v_new = __fadd_rn(__fmul_rn(beta2, v[i]), __fmul_rn(keep2, __fmul_rn(g, g)));
-        const float mhat = __fdiv_rn(m_new, bc1);
-        const float vhat = __fdiv_rn(v_new, bc2);
-        const float step_dir = __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps));
-        const float update = __fadd_rn(step_dir, __fmul_rn(weight_decay, p));
-        const float p_new = __fsub_rn(p, __fmul_rn(lr, update));
-        param[i] = isfinite(p_new) ? fminf(fmaxf(p_new, -clamp), clamp) : 0.0f;
-        m[i] = m_new;
-        v[i] = v_new;
+        first += ADAM_UNROLL * stride;
+        hb_adam_load(x, param, grad, m, v, first, stride, n);
     }
 }
 

@@ -28,6 +28,8 @@ static_assert(sizeof(SpectralMatrix) == 32, "descriptor layout shared with the P
 // The most row slices that split the column sums of phase 2 (their partials are summed in
 // shared memory, in slice order).
 #define SPECTRAL_MAX_SLICES 32
+// float4 chunks of W one thread rescales per round of phase 4 (loads in flight together).
+#define SPECTRAL_SCALE_UNROLL 8
 
 // Chunk c of a vector or matrix row: the 4 consecutive floats at p[4c .. 4c + 3], all in range.
 // One float4 load where p is 16-byte aligned (`vec`), else four scalar loads: the same values,
@@ -150,7 +152,7 @@ __device__ __noinline__ void hb_spectral_norm_block(float* __restrict__ w, float
         for (int c = threadIdx.x % width; c < chunks; c += width) {
             float acc[4] = {HB_SUM_IDENTITY, HB_SUM_IDENTITY, HB_SUM_IDENTITY, HB_SUM_IDENTITY};
             if (c < full) {
-#pragma unroll 4
+#pragma unroll 8
                 for (int i = p; i < rows; i += slices) {
                     const float ui = u[i];
                     hb_chunk_fma(acc, hb_chunk(w + (long long)i * cols, c, w_vec),
@@ -238,13 +240,28 @@ __device__ __noinline__ void hb_spectral_norm_block(float* __restrict__ w, float
         if ((reinterpret_cast<unsigned long long>(w) & 15) == 0) {
             float4* w4 = reinterpret_cast<float4*>(w);
             const long long n4 = size / 4;
-            for (long long k = threadIdx.x; k < n4; k += blockDim.x) {
-                float4 q = w4[k];
-                q.x = __fmul_rn(q.x, scale);
-                q.y = __fmul_rn(q.y, scale);
-                q.z = __fmul_rn(q.z, scale);
-                q.w = __fmul_rn(q.w, scale);
-                w4[k] = q;
+            // SPECTRAL_SCALE_UNROLL float4 loads in flight per thread, then their stores.
+            for (long long base = threadIdx.x; base < n4;
+                 base += SPECTRAL_SCALE_UNROLL * blockDim.x) {
+                float4 q[SPECTRAL_SCALE_UNROLL];
+#pragma unroll
+                for (int j = 0; j < SPECTRAL_SCALE_UNROLL; ++j) {
+                    const long long k = base + (long long)j * blockDim.x;
+                    if (k < n4) {
+                        q[j] = w4[k];
+                    }
+                }
+#pragma unroll
+                for (int j = 0; j < SPECTRAL_SCALE_UNROLL; ++j) {
+                    const long long k = base + (long long)j * blockDim.x;
+                    if (k < n4) {
+                        q[j].x = __fmul_rn(q[j].x, scale);
+                        q[j].y = __fmul_rn(q[j].y, scale);
+                        q[j].z = __fmul_rn(q[j].z, scale);
+                        q[j].w = __fmul_rn(q[j].w, scale);
+                        w4[k] = q[j];
+                    }
+                }
             }
             k0 = 4 * n4;
         }

@@ -11,13 +11,17 @@ Three layers, each usable on its own:
   async copies, parallel sections and named events) that ``enqueue``s onto a stream with a
   ``BranchPool``, eagerly or inside a ``GraphCapture`` (parallel sections become graph
   branches).
-- ``StepProgram(device, module, config, arena, layout)``: builds the launch lists of graph 1
-  (``graph1_ops(staging_ptrs)``: batch copy, prologue, three forward passes, losses, both
-  backward passes, budget pipeline, inline sentinel checks, step scalars) and graph 2
+- ``StepProgram(device, module, config, arena, layout)``: builds the launch lists of the
+  upload graph (``upload_ops(staging_ptrs)``: the batch copy from each pinned staging buffer
+  and, in bf16, the states' BF16 copy; the trainer runs it on a second stream, off the critical
+  path), graph 1 (``graph1_ops()``: prologue, the batch's sentinel check, three forward
+  passes, losses, both backward passes, budget pipeline, inline sentinel checks, step scalars)
+  and graph 2
   (``graph2_ops()``: Adam with the safety clip and Mech 9, batched spectral norm, Polyak, the
-  BF16 mirrors of params and target, ISV producers, the fused sentinel check; the producers and
+  BF16 mirrors of params and target, ISV producers, the fused sentinel checks; the producers and
   the check of the buffers graph 2 does not write run as branches beside the whole optimiser
-  chain, forked at the graph's start), and the eager greedy forward of ``q_values``
+  chain, forked at the graph's start, the check of the Adam moments beside the chain after
+  Adam), and the eager greedy forward of ``q_values``
   (``eval_forward(rows)``).
 
 Kernels are the reference kernels' CUDA twins (``cuda_src/<area>.cu``, launch shapes from
@@ -93,6 +97,10 @@ GLUE_MAX_BLOCKS = 1024
 #: Arena buffers that graph 2 writes and the fused sentinel check reads (params and target,
 #: Adam moments): their slots are checked after the optimiser chain, the others beside it.
 GRAPH2_WRITTEN = frozenset({"params2", "adam_m", "adam_v"})
+#: Of those, the Adam moments: final after Adam, checked beside the rest of the chain.
+ADAM_MOMENTS = frozenset({"adam_m", "adam_v"})
+#: The length arrays of the fused sentinel checks (``StepProgram.desc_lengths_split``).
+DESC_LENGTH_KEYS = ("desc_lens_batch", "desc_lens_pre", "desc_lens_moments", "desc_lens_post")
 #: Workspace bytes a GEMM plan is first planned with (None: fast.gemm's default only); where
 #: cuBLASLt has no algorithm within it, the plan takes the default limit. Measured on the H200
 #: (seed preset): the algorithms that use a workspace add memset and split-K reduction nodes
@@ -287,8 +295,8 @@ class StepLayout:
         self._add("desc_ptrs", n_desc, U64)
         # Lengths of the fused check's slots, split by whether graph 2 writes the buffer (a
         # zero length disables a slot): "pre" slots run beside the optimiser, "post" after it.
-        self._add("desc_lens_pre", n_desc, I64)
-        self._add("desc_lens_post", n_desc, I64)
+        for key in DESC_LENGTH_KEYS:
+            self._add(key, n_desc, I64)
         self._add("piece_slot", max(1, self.sentinel.n_pieces), I32)
         self._add("spectral_desc", (len(self.weights), 32), U8)
         # Device scalars.
@@ -988,22 +996,28 @@ class StepProgram:
                    self.ptr(src), n, NORM_SEGMENT, self.ptr(f"partials_{which}"))
 
     # -- graph 1
-    def graph1_ops(self, staging_ptrs) -> list[Ops]:
-        """Graph 1 once per pinned staging buffer: the captured batch copy from that buffer,
-        then the same body (one set of GEMM plans; the graphs never run concurrently)."""
-        body = self.graph1_body()
+    def upload_ops(self, staging_ptrs) -> list[Ops]:
+        """The upload graph, once per pinned staging buffer: the batch copy from that buffer into
+        the arena's ``batch`` and (bf16) the BF16 copy ``xb`` of the stacked states [s; s2]. The
+        trainer replays it on its upload stream, after the previous step's graph 1 (the last
+        reader of ``batch`` and ``xb``) and before this step's graph 1, so the copy overlaps
+        the previous step's graph 2 instead of heading this step's critical path."""
+        lay = self.lay
         out = []
         for staging in staging_ptrs:
             ops = Ops(self.module)
-            ops.copy(self.ptr("batch"), staging, self.lay.batch_nbytes, "htod")
-            ops.extend(body)
+            ops.copy(self.ptr("batch"), staging, lay.batch_nbytes, "htod")
+            if lay.bf16:
+                self.to_bf16(ops, self.batch_ptr("x"), self.ptr("xb"), 2 * lay.B * lay.SD)
             out.append(ops)
         return out
 
-    def graph1_body(self) -> Ops:
-        """Graph 1 after the batch copy (module docstring). Branch structure:
+    def graph1_ops(self) -> Ops:
+        """Graph 1, after the upload graph (module docstring). Branch structure:
 
-        - the step prologue alongside everything up to the step scalars;
+        - the step prologue, then the fused check of the sentinel slots of the batch (they are
+          checked here, not in graph 2, because the next step's upload overwrites the batch
+          once this graph is done), alongside everything up to the step scalars;
         - the target pass alongside the online pass (heads parallel inside each);
         - after log-softmax and expected Q: the CQL chain (per branch: CQL logit gradient, then
           its heads' backward; value head; trunk; norm), the C51 chain (per branch: double-DQN
@@ -1024,14 +1038,14 @@ class StepProgram:
                         self.ptr("thresholds"), sp.n_desc, isv_mod.Q_ABS_REF_INDEX,
                         isv_mod.GRAD_NORM_SLOW_EMA_INDEX, np.float32(c.weight_clamp_mult),
                         np.float32(c.max_grad_norm), np.float32(c.grad_clip_anchor_mult))
+        self.fused_check(prologue, "desc_lens_batch")
         ops = Ops(self.module)
         x = self.batch_ptr("x")
         x2 = x + B * lay.SD * 4
         xb = xb2 = None
-        if lay.bf16:
+        if lay.bf16:  # written by the upload graph
             xb = self.ptr("xb")
             xb2 = xb + B * lay.SD * 2
-            self.to_bf16(ops, x, xb, 2 * B * lay.SD)
         online, target = Ops(self.module), Ops(self.module)
         # Slot 12: online(s)'s h2 before the Mech 10 clamp (the clamp writes another buffer).
         check_h2 = Ops(self.module)
@@ -1147,20 +1161,28 @@ class StepProgram:
                    np.float32(c.lr), np.float32(c.beta1), np.float32(c.beta2),
                    np.float32(c.adam_eps), np.float32(c.weight_decay), self.ptr("safety_scale"),
                    self.ptr("weight_clamp"))
+        # After Adam, in parallel: the check of the Adam moments (final once Adam is done), and
+        # the chain spectral norm, Polyak with the BF16 mirrors of params and target
+        # ([params; target] in mirror2, one launch), the check of params and target.
+        moments, chain = Ops(self.module), Ops(self.module)
+        self.fused_check(moments, "desc_lens_moments")
         n_w = len(lay.weights)
-        ops.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w),
-                   self.ptr("spectral_desc"), n_w, np.float32(c.sigma_max), SPECTRAL_EPS,
-                   self.ptr("sigmas"))
-        # Polyak, then the BF16 mirrors of params and target ([params; target] in mirror2), in
-        # one launch.
-        ops.kernel("polyak_update_mirror", opt.plan_polyak_update_mirror(NP), target, params, NP,
-                   np.float32(c.tau), self.ptr("mirror2"), self.ptr("mirror2", offset=NP))
+        chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w),
+                     self.ptr("spectral_desc"), n_w, np.float32(c.sigma_max), SPECTRAL_EPS,
+                     self.ptr("sigmas"))
+        chain.kernel("polyak_update_mirror", opt.plan_polyak_update_mirror(NP), target, params,
+                     NP, np.float32(c.tau), self.ptr("mirror2"), self.ptr("mirror2", offset=NP))
+        self.fused_check(chain, "desc_lens_post")
+        if moments.items:
+            ops.parallel(moments, chain)
+        else:
+            ops.extend(chain)
         # Side branches beside the whole optimiser chain, from the start of the graph: the ISV
         # producers (they read graph 1's q_taken and h2 and write their own ISV slots, which
         # nothing in graph 2 reads: the bounds of this step were formed in graph 1) and the
-        # fused check of the slots whose buffers graph 2 does not write. The slots of
-        # params/target/Adam moments are checked after Polyak and the mirrors; the sticky
-        # flags are merged after the join.
+        # fused check of the slots whose buffers graph 2 does not write. The slots of the Adam
+        # moments are checked after Adam, those of params/target after Polyak and the mirrors;
+        # the sticky flags are merged after the join.
         sp = lay.sentinel
         producers = Ops(self.module)
         nq = lay.nb * lay.B
@@ -1171,16 +1193,8 @@ class StepProgram:
         producers.kernel("isv_h2_rms_update", isvk.plan_isv_h2_rms_update(nh), self.ptr("isv"),
                          isv_mod.H_S2_RMS_EMA_INDEX, self.ptr("h2o"), nh,
                          np.float32(ISV_PRODUCER_ALPHA))
-        pre_lens, post_lens = self.desc_lengths_split()
-
-        def fused_check(branch: Ops, lens_key: str, lens: list[int]) -> None:
-            branch.kernel("nan_check_fused", safety.plan_nan_check_fused(lens),
-                          self.ptr("desc_ptrs"), self.ptr(lens_key), self.ptr("thresholds"),
-                          self.ptr("flags"), sp.n_desc)
-
         checks_pre = Ops(self.module)
-        fused_check(checks_pre, "desc_lens_pre", pre_lens)
-        fused_check(ops, "desc_lens_post", post_lens)
+        self.fused_check(checks_pre, "desc_lens_pre")
         # The extra pieces' flags are ORed into their slots' flags once every piece has been
         # checked: right after the "pre" check when all pieces are there (the seed preset's
         # are: packed per-branch buffers that graph 2 does not write), else after the join.
@@ -1206,18 +1220,33 @@ class StepProgram:
             lens[sp.n_slots + j] = piece.count
         return lens
 
-    def desc_lengths_split(self) -> tuple[list[int], list[int]]:
-        """``desc_lengths()`` split in two complementary lists: the slots whose buffers graph 2
-        does not write (checked beside the optimiser) and those it writes
-        (``GRAPH2_WRITTEN``: checked after Polyak); the other list has 0 there."""
+    def desc_lengths_split(self) -> dict[str, list[int]]:
+        """``desc_lengths()`` split in four complementary lists (0 where another list has the
+        slot), by the arena buffer a slot checks: ``desc_lens_batch`` the batch (checked in
+        graph 1, before the next upload overwrites it), ``desc_lens_moments`` the Adam moments
+        (checked after Adam), ``desc_lens_post`` params and target (checked after Polyak),
+        ``desc_lens_pre`` the rest (checked beside the optimiser chain)."""
         sp = self.lay.sentinel
         pieces = dict(sp.first)
         pieces.update({sp.n_slots + j: piece for j, piece in enumerate(sp.extras)})
-        pre, post = self.desc_lengths(), [0] * sp.n_desc
+        lens = self.desc_lengths()
+        split = {key: [0] * sp.n_desc for key in DESC_LENGTH_KEYS}
         for k, piece in pieces.items():
-            if piece.buffer in GRAPH2_WRITTEN:
-                pre[k], post[k] = 0, pre[k]
-        return pre, post
+            key = ("desc_lens_batch" if piece.buffer == "batch" else
+                   "desc_lens_moments" if piece.buffer in ADAM_MOMENTS else
+                   "desc_lens_post" if piece.buffer in GRAPH2_WRITTEN else "desc_lens_pre")
+            split[key][k] = lens[k]
+        return split
+
+    def fused_check(self, ops: Ops, lens_key: str) -> None:
+        """``nan_check_fused`` over the slots of ``desc_lengths_split()[lens_key]`` (no launch
+        when that list is empty)."""
+        lens = self.desc_lengths_split()[lens_key]
+        if not any(lens):
+            return
+        ops.kernel("nan_check_fused", self.k["safety"].plan_nan_check_fused(lens),
+                   self.ptr("desc_ptrs"), self.ptr(lens_key), self.ptr("thresholds"),
+                   self.ptr("flags"), self.lay.sentinel.n_desc)
 
     def constants(self) -> dict[str, np.ndarray]:
         """Host values of the constant buffers (uploaded once, before capture)."""
@@ -1227,7 +1256,7 @@ class StepProgram:
         lay, c = self.lay, self.config
         sp = lay.sentinel
         ptrs = np.zeros(sp.n_desc, np.uint64)
-        pre_lens, post_lens = (np.array(x, np.int64) for x in self.desc_lengths_split())
+        lens = {key: np.array(x, np.int64) for key, x in self.desc_lengths_split().items()}
         mult = np.zeros(sp.n_desc, np.float32)
         index = np.full(sp.n_desc, -1, np.int32)
         power = np.ones(sp.n_desc, np.int32)
@@ -1253,7 +1282,7 @@ class StepProgram:
             "n_actions": np.array(lay.branches, np.int32),
             "action_offset": np.array(lay.action_offset, np.int32),
             "thr_mult": mult, "thr_isv_index": index, "thr_power": power,
-            "desc_ptrs": ptrs, "desc_lens_pre": pre_lens, "desc_lens_post": post_lens,
+            "desc_ptrs": ptrs, **lens,
             "piece_slot": np.array([p.slot for p in sp.extras] or [0], np.int32),
             "spectral_desc": spectral_descriptors(mats).view(np.uint8).reshape(len(mats), 32),
         }

@@ -10,14 +10,18 @@ lists) is ``foxhunt.fast.step_plan``.
   state of ``reference.Trainer(config, seed)`` (params, target, Adam m/v/t, spectral-norm u/v,
   ISV, flags; identical bits), plans every GEMM once, and captures the two step graphs.
 - ``step(batch)``: validates the batch on the host, writes it into a pinned staging buffer (a
-  ring of two, so the host never overwrites a buffer a queued graph has not copied yet: before
-  reusing one it waits on the event recorded after the graph that read it, which only blocks
-  when the GPU is two steps behind), then replays graph 1 (captured copy from that staging
-  buffer, three forward passes, C51 + CQL losses, both backward passes, budget pipeline, inline
-  sentinel checks, step scalars) and graph 2 (Adam with the Mech 6 safety clip and Mech 9 clamp,
-  batched spectral norm, Polyak, BF16 mirrors, ISV producers, fused sentinel check). Every value
-  that changes from step to step (ISV-driven bounds, norms, Adam's step) is read on the device:
-  no allocation, no synchronisation, no host round trip.
+  ring of two, so the host never overwrites a buffer a queued upload has not copied yet: before
+  reusing one it waits on the event recorded after the upload that read it, which only blocks
+  when the GPU is two steps behind), then replays three graphs. The upload graph (captured copy
+  from that staging buffer into the arena, and in bf16 the BF16 copy of the states) runs on a
+  second stream, ordered by device-side events after the previous step's graph 1 (the last
+  reader of the batch) and before this step's graph 1: it overlaps the previous step's graph 2
+  instead of heading the step's critical path. Graph 1 (three forward passes, C51 + CQL losses,
+  both backward passes, budget pipeline, inline sentinel checks, step scalars) and graph 2 (Adam
+  with the Mech 6 safety clip and Mech 9 clamp, batched spectral norm, Polyak, BF16 mirrors, ISV
+  producers, fused sentinel check) run on the step stream. Every value that changes from step
+  to step (ISV-driven bounds, norms, Adam's step) is read on the device: no allocation, no
+  synchronisation, no host round trip.
 - Deferred readback exactly as the reference (SPEC 9): at a step that is a multiple of
   ``readback_interval``, after a non-finite fresh read, and at ``end_epoch()``, the host
   synchronises the stream and downloads the device ``readback`` block and the flags (the only
@@ -86,25 +90,32 @@ class Trainer(TrainerBackend):
         self._staging_views = [self._batch_views(buf) for buf in self._staging]
         drv = _driver()
         no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
-        self._events = [call(drv.cuEventCreate, no_timing) for _ in range(STAGING_RING)]
+        # The upload stream and its events: uploaded[slot] (after the upload graph that read
+        # staging buffer slot) and graph1_done (after the last graph 1).
+        self._upload_stream = dev.new_stream()
+        self._uploaded = [call(drv.cuEventCreate, no_timing) for _ in range(STAGING_RING)]
         self._event_used = [False] * STAGING_RING
-        # Capture: graph 1 once per staging buffer (only the first copy differs), graph 2 once.
-        self._graph1 = []
-        ops1 = prog.graph1_ops([buf.ctypes.data for buf in self._staging])
-        ops2 = prog.graph2_ops()
-        for ops in (*ops1, ops2):
+        self._graph1_done = call(drv.cuEventCreate, no_timing)
+        # Capture: the upload graph once per staging buffer, graph 1 and graph 2 once.
+        ops_up = prog.upload_ops([buf.ctypes.data for buf in self._staging])
+        ops1, ops2 = prog.graph1_ops(), prog.graph2_ops()
+        for ops in (*ops_up, ops1, ops2):
             prog.pool.reserve(ops)
-        for ops in ops1:
-            graph = GraphCapture(self._stream)
+        self._upload = []
+        for ops in ops_up:
+            graph = GraphCapture(self._upload_stream)
             with graph:
-                ops.enqueue(self._stream, prog.pool)
-            self._graph1.append(graph)
+                ops.enqueue(self._upload_stream, prog.pool)
+            self._upload.append(graph)
+        self._graph1 = GraphCapture(self._stream)
+        with self._graph1:
+            ops1.enqueue(self._stream, prog.pool)
         self._graph2 = GraphCapture(self._stream)
         with self._graph2:
             ops2.enqueue(self._stream, prog.pool)
-        #: Launches per step as planned (graph 1, graph 2); the graphs' own node counts are
-        #: ``graph_node_counts``.
-        self.planned_launches = (ops1[0].node_count(), ops2.node_count())
+        #: Launches per step as planned (upload, graph 1, graph 2); the graphs' own node counts
+        #: are ``graph_node_counts``.
+        self.planned_launches = (ops_up[0].node_count(), ops1.node_count(), ops2.node_count())
         # Host mirrors of the readback block and the flags (pinned: the async copies are real).
         self._readback_host = dev.pinned_empty(len(READBACK_FIELDS), np.float32)
         self._flags_host = dev.pinned_empty(lay.sentinel.n_desc, np.int32)
@@ -120,12 +131,13 @@ class Trainer(TrainerBackend):
     # ------------------------------------------------------------------ diagnostics
     @property
     def node_count(self) -> int:
-        """Nodes of the two captured graphs (graph 1 + graph 2) replayed per step."""
-        return self._graph1[0].node_count + self._graph2.node_count
+        """Nodes of the graphs replayed per step (upload + graph 1 + graph 2)."""
+        return sum(self.graph_node_counts)
 
     @property
-    def graph_node_counts(self) -> tuple[int, int]:
-        return self._graph1[0].node_count, self._graph2.node_count
+    def graph_node_counts(self) -> tuple[int, int, int]:
+        """Nodes of the upload graph, graph 1 and graph 2."""
+        return self._upload[0].node_count, self._graph1.node_count, self._graph2.node_count
 
     def debug_buffer(self, name: str) -> np.ndarray:
         """A copy of arena buffer ``name`` (``foxhunt.fast.step_plan.StepLayout.specs``), for
@@ -144,9 +156,8 @@ class Trainer(TrainerBackend):
 
         batch.validate(self.config)
         slot = self.step_count % STAGING_RING
-        drv = _driver()
-        if self._event_used[slot]:
-            call(drv.cuEventSynchronize, self._events[slot])  # staging reuse (see module doc)
+        if self._event_used[slot]:  # staging reuse (see module doc)
+            call(_driver().cuEventSynchronize, self._uploaded[slot])
         B = self.config.batch_size
         views = self._staging_views[slot]
         views["x"][:B] = batch.s
@@ -155,10 +166,7 @@ class Trainer(TrainerBackend):
         views["r"][...] = batch.r
         views["done"][...] = batch.done
         views["isw"][...] = batch.isw
-        self._graph1[slot].replay()
-        call(drv.cuEventRecord, self._events[slot], self._stream.handle)
-        self._event_used[slot] = True
-        self._graph2.replay()
+        self._launch(slot)
         self.step_count += 1
         self._stepped = True
         due = self.step_count % self.config.readback_interval == 0 or self._force_fresh
@@ -167,6 +175,23 @@ class Trainer(TrainerBackend):
             self._force_fresh = not self._last.all_finite()
             return self._last
         return self._last.as_stale(self.step_count)
+
+    def _launch(self, slot: int) -> None:
+        """Enqueue one step from staging buffer ``slot``: the upload graph on the upload stream
+        (after the previous graph 1, the last reader of the batch), then graph 1 (after the
+        upload) and graph 2 on the step stream. Only device-side event waits: no host sync."""
+        from foxhunt.fast.device import _driver, call
+
+        drv = _driver()
+        up, main = self._upload_stream.handle, self._stream.handle
+        call(drv.cuStreamWaitEvent, up, self._graph1_done, 0)
+        self._upload[slot].replay(up)
+        call(drv.cuEventRecord, self._uploaded[slot], up)
+        self._event_used[slot] = True
+        call(drv.cuStreamWaitEvent, main, self._uploaded[slot], 0)
+        self._graph1.replay()
+        call(drv.cuEventRecord, self._graph1_done, main)
+        self._graph2.replay()
 
     def _read_scalars(self) -> StepScalars:
         """Synchronise and read the last step's scalars and flags (a fresh ``StepScalars``)."""
@@ -329,15 +354,17 @@ class Trainer(TrainerBackend):
             return
         self._closed = True
         try:
+            self._upload_stream.synchronize()
             self._stream.synchronize()
         finally:
-            for g in [*self._graph1, self._graph2]:
+            for g in [*self._upload, self._graph1, self._graph2]:
                 g.close()
             for plan in self.program.plans:
                 plan.close()
             self.program.pool.close()
-            for event in self._events:
+            for event in [*self._uploaded, self._graph1_done]:
                 _driver().cuEventDestroy(event)
+            self._upload_stream.close()
             for arena, _, _ in self._eval_cache.values():
                 arena.close()
             self.arena.close()

@@ -118,7 +118,17 @@ def final_threads_clip_saxpy_norm_partial(count: int) -> int:
 plan_clip_grad_inplace = plan_elementwise
 plan_saxpy = plan_elementwise
 plan_clipped_saxpy = plan_elementwise
-plan_adam_update = plan_elementwise
+#: Elements per thread and grid-stride round of ``adam_update`` (ADAM_UNROLL in optim.cu).
+ADAM_UNROLL = 4
+
+
+def plan_adam_update(n: int) -> Plan:
+    """``plan_elementwise`` with ``ADAM_UNROLL`` elements per thread: one grid-stride round
+    (the kernel's loads then overlap its per-step scalars; see optim.cu)."""
+    grid = min(blocks(n, ELEMENTWISE_THREADS * ADAM_UNROLL), ELEMENTWISE_MAX_BLOCKS)
+    return grid, ELEMENTWISE_THREADS, 0
+
+
 plan_polyak_update = plan_elementwise
 plan_polyak_update_mirror = plan_elementwise
 
