@@ -97,6 +97,8 @@ GLUE_MAX_BLOCKS = 1024
 #: Arena buffers that graph 2 writes and the fused sentinel check reads (params and target,
 #: Adam moments): their slots are checked after the optimiser chain, the others beside it.
 GRAPH2_WRITTEN = frozenset({"params2", "adam_m", "adam_v"})
+#: bf16: the upload graph also writes the states' BF16 copy ``xb`` (False: graph 1's first node).
+UPLOAD_BF16_STATES = True
 #: Of those, the Adam moments: final after Adam, checked beside the rest of the chain.
 ADAM_MOMENTS = frozenset({"adam_m", "adam_v"})
 #: The length arrays of the fused sentinel checks (``StepProgram.desc_lengths_split``).
@@ -1007,7 +1009,7 @@ class StepProgram:
         for staging in staging_ptrs:
             ops = Ops(self.module)
             ops.copy(self.ptr("batch"), staging, lay.batch_nbytes, "htod")
-            if lay.bf16:
+            if lay.bf16 and UPLOAD_BF16_STATES:
                 self.to_bf16(ops, self.batch_ptr("x"), self.ptr("xb"), 2 * lay.B * lay.SD)
             out.append(ops)
         return out
@@ -1043,9 +1045,11 @@ class StepProgram:
         x = self.batch_ptr("x")
         x2 = x + B * lay.SD * 4
         xb = xb2 = None
-        if lay.bf16:  # written by the upload graph
+        if lay.bf16:
             xb = self.ptr("xb")
             xb2 = xb + B * lay.SD * 2
+            if not UPLOAD_BF16_STATES:  # else written by the upload graph
+                self.to_bf16(ops, x, xb, 2 * B * lay.SD)
         online, target = Ops(self.module), Ops(self.module)
         # Slot 12: online(s)'s h2 before the Mech 10 clamp (the clamp writes another buffer).
         check_h2 = Ops(self.module)
