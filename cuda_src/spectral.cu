@@ -1,16 +1,39 @@
 // Spectral-norm kernels (SPEC 4 step 7): one power iteration and the sigma_max bound per weight
-// matrix, one block per matrix. Twins of foxhunt.reference.kernels.spectral:
+// matrix. Twins of foxhunt.reference.kernels.spectral:
 //
 //     u = W v   / fmaxf(||W v||,   eps)
 //     v = W^T u / fmaxf(||W^T u||, eps)
 //     sigma = u . (W v)                      (with the new v; computed as (W^T u) . v_new)
 //     if sigma > sigma_max: W = W * (sigma_max / sigma)
 //
-// Both kernels run the same device function, hb_spectral_norm_block, with the same block size
-// (the launch plans in fast/kernels/spectral.py), so spectral_norm and batched_spectral_norm
-// give bitwise identical results by construction (SPEC 7/8). Reductions are fixed trees: no
-// atomics, the same bits on every run.
+// One matrix per thread-block cluster of SPECTRAL_CLUSTER blocks: 8 on sm_90 and newer, whose
+// blocks exchange their partial sums through distributed shared memory, 1 before sm_90 (then
+// the "cluster" is the block and its barrier __syncthreads). Block rank r of the cluster takes
+// the rows [r R, (r + 1) R), R = ceil(rows / C): W v on them, their part of the column sums of
+// W^T u, and their rescale (a block only ever reads and writes its own rows of W, so the
+// blocks meet only at the cluster barriers). Both kernels run the same device function with the
+// same cluster and block size (the launch plans in fast/kernels/spectral.py), so spectral_norm
+// and batched_spectral_norm are bitwise identical by construction (SPEC 7/8).
+//
+// Every sum has a fixed order that depends only on (rows, cols, blockDim.x, C), never on
+// timing or pointer alignment (no atomics), so the bits are the same on every run:
+// - (W v)_i: lane l of the row's warp sums the columns l, l + 32, ... in order, then the warp
+//   butterfly.
+// - (W^T u)_j: each block sums its rows in order; the C block partials are added in rank order
+//   by the block that owns column j (columns are dealt out per tile of SPECTRAL_COL_TILE).
+// - ||W v||^2, ||W^T u||^2, sigma: per-thread sums in a fixed order, the block tree, then the C
+//   block sums in rank order (every block adds them itself: all get the same value).
+// sigma = (W^T u) . v_new, the dot of the unnormalised column sums with the new v:
+// mathematically u . (W v_new), without a third pass over W.
 #include "hb_common.cuh"
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define SPECTRAL_CLUSTER 8
+#define SPECTRAL_CLUSTER_DIMS __cluster_dims__(SPECTRAL_CLUSTER, 1, 1)
+#else
+#define SPECTRAL_CLUSTER 1
+#define SPECTRAL_CLUSTER_DIMS
+#endif
 
 // One matrix of a batched launch: W [rows, cols] row-major, u [rows], v [cols] (all updated in
 // place). 32 bytes; fast/kernels/spectral.py builds the same layout (SPECTRAL_MATRIX_DTYPE).
@@ -23,273 +46,215 @@ struct SpectralMatrix {
 };
 static_assert(sizeof(SpectralMatrix) == 32, "descriptor layout shared with the Python side");
 
-// Rows of W that one warp dots with v at the same time in phase 1 (independent loads in flight).
-#define SPECTRAL_ROW_GROUP 4
-// The most row slices that split the column sums of phase 2 (their partials are summed in
-// shared memory, in slice order).
-#define SPECTRAL_MAX_SLICES 32
-// float4 chunks of W one thread rescales per round of phase 4 (loads in flight together).
+// Columns per tile of the W^T u partials (one float each in shared memory).
+#define SPECTRAL_COL_TILE 4096
+// Elements of W one thread rescales per round (loads in flight together).
 #define SPECTRAL_SCALE_UNROLL 8
 
-// Chunk c of a vector or matrix row: the 4 consecutive floats at p[4c .. 4c + 3], all in range.
-// One float4 load where p is 16-byte aligned (`vec`), else four scalar loads: the same values,
-// so the arithmetic and its bits do not depend on the alignment.
-__device__ __forceinline__ float4 hb_chunk(const float* __restrict__ p, long long c, bool vec) {
-    if (vec) {
-        return reinterpret_cast<const float4*>(p)[c];
+// The cluster (PTX ISA 7.8, sm_90): rank of this block, barrier (release/acquire: the shared
+// and global writes before it are visible to every block of the cluster after it), and a
+// float of another block's shared memory (distributed shared memory).
+struct SpectralCluster {
+    static __device__ __forceinline__ int rank() {
+#if SPECTRAL_CLUSTER > 1
+        unsigned int r;
+        asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+        return (int)r;
+#else
+        return 0;
+#endif
     }
-    const float* q = p + 4 * c;
-    return make_float4(q[0], q[1], q[2], q[3]);
+    static __device__ __forceinline__ void sync() {
+#if SPECTRAL_CLUSTER > 1
+        asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                     "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+        __syncthreads();
+#endif
+    }
+    static __device__ __forceinline__ float read(float* local, int block_rank) {
+#if SPECTRAL_CLUSTER > 1
+        const unsigned int addr = (unsigned int)__cvta_generic_to_shared(local);
+        unsigned int remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                     : "=r"(remote) : "r"(addr), "r"(block_rank));
+        float x;
+        asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(x) : "r"(remote) : "memory");
+        return x;
+#else
+        return *local;
+#endif
+    }
+};
+
+// The cluster's sum of one value per block: the block publishes `mine` in its shared `slot`,
+// and after the cluster barrier every block adds the C slots in rank order (the same value in
+// all of them), broadcast to its threads through `total`. A slot is written once per call site:
+// the next barrier (the last one is at the end of the kernel) keeps it alive for the readers.
+__device__ __forceinline__ float spectral_cluster_sum(float mine, float* slot, float* total) {
+    if (threadIdx.x == 0) {
+        *slot = mine;
+    }
+    SpectralCluster::sync();
+    if (threadIdx.x == 0) {
+        float s = SpectralCluster::read(slot, 0);
+        for (int r = 1; r < SPECTRAL_CLUSTER; ++r) {
+            s = __fadd_rn(s, SpectralCluster::read(slot, r));
+        }
+        *total = s;
+    }
+    __syncthreads();
+    return *total;
 }
 
-// acc[k] += q[k] * x[k] for the 4 elements of a chunk (product rounded, then the sum).
-__device__ __forceinline__ void hb_chunk_fma(float* acc, float4 q, float4 x) {
-    acc[0] = __fadd_rn(acc[0], __fmul_rn(q.x, x.x));
-    acc[1] = __fadd_rn(acc[1], __fmul_rn(q.y, x.y));
-    acc[2] = __fadd_rn(acc[2], __fmul_rn(q.z, x.z));
-    acc[3] = __fadd_rn(acc[3], __fmul_rn(q.w, x.w));
+// The columns [o0, o1) of a tile of `width` columns that block `rank` owns.
+__device__ __forceinline__ void spectral_owned(int width, int rank, int& o0, int& o1) {
+    const int q = (width + SPECTRAL_CLUSTER - 1) / SPECTRAL_CLUSTER;
+    o0 = min(width, rank * q);
+    o1 = min(width, o0 + q);
 }
 
-// One power iteration and the bound on one matrix, by the whole calling block. u, v and w are
-// updated in place: the old u is never read (PyTorch's order), the old v only in phase 1.
-// Requires blockDim.x % 32 == 0 and every thread of the block to call it. Writes *sigma_out.
-// Not inlined: both kernels call the one compiled body, so their arithmetic is the same code.
-//
-// Every sum has a fixed order that depends only on (rows, cols, blockDim.x), never on the
-// alignment of the pointers (float4 loads where aligned, scalar loads otherwise, same sums):
-// columns are cut into chunks of 4 (the last one partial when cols % 4 != 0).
-// - W v, row i: lane l of the row's warp keeps 4 accumulators (element k of its chunks
-//   l, l + 32, ... in order; the partial chunk goes to the lane whose turn it is), combined as
-//   (a0 + a1) + (a2 + a3), then the warp butterfly.
-// - W^T u, column j: slice p of P sums rows p, p + P, ... in order; the P slice partials are
-//   summed in slice order.
-// - ||W v||^2, ||W^T u||^2, sigma: per-thread sums in a fixed order, then the block tree.
-// sigma = (W^T u) . v_new, the dot of phase 2's unnormalised column sums with the new v:
-// mathematically u . (W v_new), without a third pass over W.
-__device__ __noinline__ void hb_spectral_norm_block(float* __restrict__ w, float* __restrict__ u,
-                                                    float* __restrict__ v, int rows, int cols,
-                                                    float sigma_max, float eps,
-                                                    float* __restrict__ sigma_out) {
+// One power iteration and the bound on one matrix, by the calling cluster (every thread of its
+// SPECTRAL_CLUSTER blocks calls it; blockDim.x % 32 == 0). u, v and w are updated in place: the
+// old u is never read (PyTorch's order), the old v only in phase 1. Block rank 0 writes
+// *sigma_out. Not inlined: both kernels call the one compiled body.
+__device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, float* __restrict__ u,
+                                                      float* __restrict__ v, int rows, int cols,
+                                                      float sigma_max, float eps,
+                                                      float* __restrict__ sigma_out) {
     __shared__ float scratch[HB_WARP + 1];
-    __shared__ float partial[4 * HB_MAX_THREADS];  // phase 2: slices x columns
+    __shared__ float slots[3];  // this block's ||W v||^2, ||W^T u||^2 and sigma partials
+    __shared__ float total;
+    __shared__ float partial[SPECTRAL_COL_TILE];  // this block's column sums of one tile
+    const int rank = SpectralCluster::rank();
     const int lane = threadIdx.x % HB_WARP;
     const int warp = threadIdx.x / HB_WARP;
     const int warps = blockDim.x / HB_WARP;
-    const int full = cols / 4;                   // full chunks of a row
-    const int rest = cols - 4 * full;            // 0 to 3 columns of the partial chunk
-    const int chunks = full + (rest > 0 ? 1 : 0);
-    const bool w_vec = rest == 0 && (reinterpret_cast<unsigned long long>(w) & 15) == 0;
-    const bool v_vec = (reinterpret_cast<unsigned long long>(v) & 15) == 0;
+    const int per = (rows + SPECTRAL_CLUSTER - 1) / SPECTRAL_CLUSTER;
+    const int r0 = min(rows, rank * per);
+    const int r1 = min(rows, r0 + per);
 
-    // Phase 1: s = W v, SPECTRAL_ROW_GROUP rows per warp at a time (warp `warp` takes rows
-    // warp, warp + warps, ...), s_i into u[i]; ||s||^2 over each warp's rows in order, then
-    // the block tree.
+    // Phase 1: s_i = (W v)_i for the block's rows (warp `warp` takes rows r0 + warp,
+    // + warps, ...), into u[i]; lane 0 sums its rows' s_i^2 in order.
     float sq = HB_SUM_IDENTITY;
-    for (int base = warp; base < rows; base += SPECTRAL_ROW_GROUP * warps) {
-        float acc[SPECTRAL_ROW_GROUP][4];
-#pragma unroll
-        for (int r = 0; r < SPECTRAL_ROW_GROUP; ++r) {
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                acc[r][k] = HB_SUM_IDENTITY;
-            }
+    for (int i = r0 + warp; i < r1; i += warps) {
+        const float* row = w + (long long)i * cols;
+        float acc = HB_SUM_IDENTITY;
+#pragma unroll 8
+        for (int j = lane; j < cols; j += HB_WARP) {
+            acc = __fadd_rn(acc, __fmul_rn(row[j], v[j]));
         }
-#pragma unroll 2
-        for (int c = lane; c < full; c += HB_WARP) {
-            const float4 x = hb_chunk(v, c, v_vec);
-#pragma unroll
-            for (int r = 0; r < SPECTRAL_ROW_GROUP; ++r) {
-                const int i = base + r * warps;
-                if (i < rows) {
-                    hb_chunk_fma(acc[r], hb_chunk(w + (long long)i * cols, c, w_vec), x);
-                }
-            }
-        }
-        if (rest > 0 && lane == full % HB_WARP) {  // the partial chunk, scalar
-#pragma unroll
-            for (int r = 0; r < SPECTRAL_ROW_GROUP; ++r) {
-                const int i = base + r * warps;
-                if (i < rows) {
-                    const float* row = w + (long long)i * cols + 4 * full;
-#pragma unroll
-                    for (int k = 0; k < 3; ++k) {  // constant indices: acc stays in registers
-                        if (k < rest) {
-                            acc[r][k] = __fadd_rn(acc[r][k], __fmul_rn(row[k], v[4 * full + k]));
-                        }
-                    }
-                }
-            }
-        }
-#pragma unroll
-        for (int r = 0; r < SPECTRAL_ROW_GROUP; ++r) {
-            const int i = base + r * warps;  // warp-uniform
-            if (i < rows) {
-                const float s = hb_warp_sum(__fadd_rn(__fadd_rn(acc[r][0], acc[r][1]),
-                                                      __fadd_rn(acc[r][2], acc[r][3])));
-                if (lane == 0) {
-                    u[i] = s;
-                }
-                sq = __fadd_rn(sq, __fmul_rn(s, s));
-            }
+        const float s = hb_warp_sum(acc);
+        if (lane == 0) {
+            u[i] = s;
+            sq = __fadd_rn(sq, __fmul_rn(s, s));
         }
     }
-    const float u_denom = fmaxf(__fsqrt_rn(hb_block_sum(lane == 0 ? sq : HB_SUM_IDENTITY, scratch)),
-                                eps);
-    for (int i = threadIdx.x; i < rows; i += blockDim.x) {
+    // The cluster barrier inside also orders every block's phase-1 reads of the old v before
+    // any block writes the new v below.
+    const float u_sq = spectral_cluster_sum(
+        hb_block_sum(lane == 0 ? sq : HB_SUM_IDENTITY, scratch), &slots[0], &total);
+    const float u_denom = fmaxf(__fsqrt_rn(u_sq), eps);
+    for (int i = r0 + threadIdx.x; i < r1; i += blockDim.x) {
         u[i] = __fdiv_rn(u[i], u_denom);
     }
     __syncthreads();
 
-    // Phase 2: x = W^T u. Threads form `slices` row slices of `width` threads; thread c of
-    // slice p sums chunks c, c + width, ... of the rows p, p + slices, ... (4 column sums per
-    // chunk, rows in order). One slice: the sums are final and go to v; several: to
-    // `partial`, then summed in slice order. Only the v written here is read back below, by
-    // the thread that wrote it, so no barrier is needed between the two.
-    const int width = min(chunks, (int)blockDim.x);
-    const int slices = max(1, min(min((int)blockDim.x / width, rows), SPECTRAL_MAX_SLICES));
-    const int p = threadIdx.x / width;
-    if (p < slices) {
-        for (int c = threadIdx.x % width; c < chunks; c += width) {
-            float acc[4] = {HB_SUM_IDENTITY, HB_SUM_IDENTITY, HB_SUM_IDENTITY, HB_SUM_IDENTITY};
-            if (c < full) {
+    // Phase 2: x = W^T u, one tile of columns at a time: thread t sums the tile's columns t,
+    // t + blockDim.x, ... over the block's rows in order into `partial`; after the barrier the
+    // owner of each column adds the C partials in rank order and stores x_j in v[j]; a second
+    // barrier lets the next tile reuse `partial`. Each thread sums its owned x_j^2 in order.
+    float sqx = HB_SUM_IDENTITY;
+    for (int c0 = 0; c0 < cols; c0 += SPECTRAL_COL_TILE) {
+        const int width = min(SPECTRAL_COL_TILE, cols - c0);
+        for (int j = threadIdx.x; j < width; j += blockDim.x) {
+            const float* col = w + c0 + j;
+            float acc = HB_SUM_IDENTITY;
 #pragma unroll 8
-                for (int i = p; i < rows; i += slices) {
-                    const float ui = u[i];
-                    hb_chunk_fma(acc, hb_chunk(w + (long long)i * cols, c, w_vec),
-                                 make_float4(ui, ui, ui, ui));
-                }
-            } else {  // the partial chunk
-                for (int i = p; i < rows; i += slices) {
-                    const float* row = w + (long long)i * cols + 4 * full;
-#pragma unroll
-                    for (int k = 0; k < 3; ++k) {
-                        if (k < rest) {
-                            acc[k] = __fadd_rn(acc[k], __fmul_rn(row[k], u[i]));
-                        }
-                    }
-                }
+            for (int i = r0; i < r1; ++i) {
+                acc = __fadd_rn(acc, __fmul_rn(col[(long long)i * cols], u[i]));
             }
-            float* dst = slices == 1 ? v : partial + p * cols;
-            const int n = c < full ? 4 : rest;
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                if (k < n) {
-                    dst[4 * c + k] = acc[k];
-                }
-            }
+            partial[j] = acc;
         }
+        SpectralCluster::sync();
+        int o0, o1;
+        spectral_owned(width, rank, o0, o1);
+        for (int j = o0 + threadIdx.x; j < o1; j += blockDim.x) {
+            float x = SpectralCluster::read(&partial[j], 0);
+            for (int r = 1; r < SPECTRAL_CLUSTER; ++r) {
+                x = __fadd_rn(x, SpectralCluster::read(&partial[j], r));
+            }
+            v[c0 + j] = x;
+            sqx = __fadd_rn(sqx, __fmul_rn(x, x));
+        }
+        SpectralCluster::sync();
     }
-    if (slices > 1) {
-        __syncthreads();
-        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-            float x = partial[j];
-            for (int q = 1; q < slices; ++q) {
-                x = __fadd_rn(x, partial[q * cols + j]);
-            }
-            v[j] = x;
-        }
-    }
-    // Each thread now owns the columns j it summed last: (slices == 1) the columns of its
-    // chunks, else j = threadIdx.x, + blockDim.x, ...
-    sq = HB_SUM_IDENTITY;
-    if (slices == 1) {
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            const int n = c < full ? 4 : rest;
-            for (int k = 0; k < n; ++k) {
-                const float x = v[4 * c + k];
-                sq = __fadd_rn(sq, __fmul_rn(x, x));
-            }
-        }
-    } else {
-        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-            const float x = v[j];
-            sq = __fadd_rn(sq, __fmul_rn(x, x));
-        }
-    }
-    const float v_denom = fmaxf(__fsqrt_rn(hb_block_sum(sq, scratch)), eps);
+    const float v_sq = spectral_cluster_sum(hb_block_sum(sqx, scratch), &slots[1], &total);
+    const float v_denom = fmaxf(__fsqrt_rn(v_sq), eps);
 
-    // Phase 3: v = x / ||x|| on the same columns, and sigma = x . v (mathematically
-    // u . (W v_new)), per thread in column order, then the block tree.
+    // Phase 3: v = x / ||x|| on the owned columns (the same threads and order as phase 2), and
+    // sigma = x . v_new (mathematically u . (W v_new)).
     float dot = HB_SUM_IDENTITY;
-    if (slices == 1) {
-        for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
-            const int n = c < full ? 4 : rest;
-            for (int k = 0; k < n; ++k) {
-                const float x = v[4 * c + k];
-                const float vn = __fdiv_rn(x, v_denom);
-                v[4 * c + k] = vn;
-                dot = __fadd_rn(dot, __fmul_rn(x, vn));
-            }
-        }
-    } else {
-        for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-            const float x = v[j];
+    for (int c0 = 0; c0 < cols; c0 += SPECTRAL_COL_TILE) {
+        int o0, o1;
+        spectral_owned(min(SPECTRAL_COL_TILE, cols - c0), rank, o0, o1);
+        for (int j = o0 + threadIdx.x; j < o1; j += blockDim.x) {
+            const float x = v[c0 + j];
             const float vn = __fdiv_rn(x, v_denom);
-            v[j] = vn;
+            v[c0 + j] = vn;
             dot = __fadd_rn(dot, __fmul_rn(x, vn));
         }
     }
-    const float sigma = hb_block_sum(dot, scratch);
+    const float sigma = spectral_cluster_sum(hb_block_sum(dot, scratch), &slots[2], &total);
 
-    // Phase 4: the bound. A NaN sigma compares false: W is left unchanged. hb_block_sum ended
-    // with a barrier, so every read of W above is done. Elementwise: float4 where aligned.
+    // Phase 4: the bound, on the block's rows. A NaN sigma compares false: W is left unchanged.
     if (sigma > sigma_max) {
         const float scale = __fdiv_rn(sigma_max, sigma);
-        const long long size = (long long)rows * cols;
-        long long k0 = 0;
-        if ((reinterpret_cast<unsigned long long>(w) & 15) == 0) {
-            float4* w4 = reinterpret_cast<float4*>(w);
-            const long long n4 = size / 4;
-            // SPECTRAL_SCALE_UNROLL float4 loads in flight per thread, then their stores.
-            for (long long base = threadIdx.x; base < n4;
-                 base += SPECTRAL_SCALE_UNROLL * blockDim.x) {
-                float4 q[SPECTRAL_SCALE_UNROLL];
+        float* mine = w + (long long)r0 * cols;
+        const long long size = (long long)(r1 - r0) * cols;
+        for (long long base = threadIdx.x; base < size;
+             base += (long long)SPECTRAL_SCALE_UNROLL * blockDim.x) {
+            float x[SPECTRAL_SCALE_UNROLL];
 #pragma unroll
-                for (int j = 0; j < SPECTRAL_SCALE_UNROLL; ++j) {
-                    const long long k = base + (long long)j * blockDim.x;
-                    if (k < n4) {
-                        q[j] = w4[k];
-                    }
-                }
+            for (int k = 0; k < SPECTRAL_SCALE_UNROLL; ++k) {
+                const long long e = base + (long long)k * blockDim.x;
+                x[k] = e < size ? mine[e] : 0.0f;
+            }
 #pragma unroll
-                for (int j = 0; j < SPECTRAL_SCALE_UNROLL; ++j) {
-                    const long long k = base + (long long)j * blockDim.x;
-                    if (k < n4) {
-                        q[j].x = __fmul_rn(q[j].x, scale);
-                        q[j].y = __fmul_rn(q[j].y, scale);
-                        q[j].z = __fmul_rn(q[j].z, scale);
-                        q[j].w = __fmul_rn(q[j].w, scale);
-                        w4[k] = q[j];
-                    }
+            for (int k = 0; k < SPECTRAL_SCALE_UNROLL; ++k) {
+                const long long e = base + (long long)k * blockDim.x;
+                if (e < size) {
+                    mine[e] = __fmul_rn(x[k], scale);
                 }
             }
-            k0 = 4 * n4;
-        }
-        for (long long k = k0 + threadIdx.x; k < size; k += blockDim.x) {
-            w[k] = __fmul_rn(w[k], scale);
         }
     }
-    if (threadIdx.x == 0) {
+    if (rank == 0 && threadIdx.x == 0) {
         *sigma_out = sigma;
     }
+    // No block leaves while another may still read its shared slots.
+    SpectralCluster::sync();
 }
 
-// spectral_norm: one matrix, grid 1, block SPECTRAL_THREADS (plan_spectral_norm).
-extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+// spectral_norm: one matrix, grid SPECTRAL_CLUSTER (one cluster), block SPECTRAL_THREADS
+// (plan_spectral_norm).
+extern "C" __global__ void SPECTRAL_CLUSTER_DIMS __launch_bounds__(HB_MAX_THREADS)
 spectral_norm(float* w, float* u, float* v, int rows, int cols, float sigma_max, float eps,
               float* sigma_out) {
-    hb_spectral_norm_block(w, u, v, rows, cols, sigma_max, eps, sigma_out);
+    hb_spectral_norm_cluster(w, u, v, rows, cols, sigma_max, eps, sigma_out);
 }
 
-// batched_spectral_norm: matrix k of the descriptor array by block k; sigmas[k] its estimate.
-// Grid count, block SPECTRAL_THREADS (plan_batched_spectral_norm).
-extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+// batched_spectral_norm: matrix k of the descriptor array by cluster k (blocks
+// k C .. k C + C - 1); sigmas[k] its estimate. Grid count * SPECTRAL_CLUSTER, block
+// SPECTRAL_THREADS (plan_batched_spectral_norm).
+extern "C" __global__ void SPECTRAL_CLUSTER_DIMS __launch_bounds__(HB_MAX_THREADS)
 batched_spectral_norm(const SpectralMatrix* __restrict__ mats, int count, float sigma_max,
                       float eps, float* __restrict__ sigmas) {
-    const int k = blockIdx.x;
+    const int k = blockIdx.x / SPECTRAL_CLUSTER;
     if (k >= count) {
-        return;  // uniform across the block
+        return;  // uniform across the cluster
     }
     const SpectralMatrix mat = mats[k];
-    hb_spectral_norm_block(mat.w, mat.u, mat.v, mat.rows, mat.cols, sigma_max, eps, &sigmas[k]);
+    hb_spectral_norm_cluster(mat.w, mat.u, mat.v, mat.rows, mat.cols, sigma_max, eps,
+                             &sigmas[k]);
 }

@@ -12,9 +12,8 @@ Three layers, each usable on its own:
   ``BranchPool``, eagerly or inside a ``GraphCapture`` (parallel sections become graph
   branches).
 - ``StepProgram(device, module, config, arena, layout)``: builds the launch lists of the
-  upload graph (``upload_ops(staging_ptrs)``: the batch copy from each pinned staging buffer
-  and, in bf16, the states' BF16 copy; the trainer runs it on a second stream, off the critical
-  path), graph 1 (``graph1_ops()``: prologue, the batch's sentinel check, three forward
+  upload graph (``upload_ops(staging_ptrs)``: the batch copy from each pinned staging buffer;
+  the trainer runs it on a second stream, off the critical path), graph 1 (``graph1_ops()``: prologue, the batch's sentinel check, three forward
   passes, losses, both backward passes, budget pipeline, inline sentinel checks, step scalars)
   and graph 2
   (``graph2_ops()``: Adam with the safety clip and Mech 9, batched spectral norm, Polyak, the
@@ -97,8 +96,11 @@ GLUE_MAX_BLOCKS = 1024
 #: Arena buffers that graph 2 writes and the fused sentinel check reads (params and target,
 #: Adam moments): their slots are checked after the optimiser chain, the others beside it.
 GRAPH2_WRITTEN = frozenset({"params2", "adam_m", "adam_v"})
-#: bf16: the upload graph also writes the states' BF16 copy ``xb`` (False: graph 1's first node).
-UPLOAD_BF16_STATES = True
+#: bf16: the upload graph also writes the states' BF16 copy ``xb`` (False: graph 1's first
+#: node). Measured on the H200 (seed preset, step as ``Trainer.step`` enqueues it): 162.0 us with
+#: the conversion in the upload graph, 154.5 us with it in graph 1 (the upload graph with a
+#: kernel node takes 16 us on its stream against 8 us for the copy alone).
+UPLOAD_BF16_STATES = False
 #: Of those, the Adam moments: final after Adam, checked beside the rest of the chain.
 ADAM_MOMENTS = frozenset({"adam_m", "adam_v"})
 #: The length arrays of the fused sentinel checks (``StepProgram.desc_lengths_split``).
@@ -1000,7 +1002,8 @@ class StepProgram:
     # -- graph 1
     def upload_ops(self, staging_ptrs) -> list[Ops]:
         """The upload graph, once per pinned staging buffer: the batch copy from that buffer into
-        the arena's ``batch`` and (bf16) the BF16 copy ``xb`` of the stacked states [s; s2]. The
+        the arena's ``batch`` (and, with ``UPLOAD_BF16_STATES``, the BF16 copy ``xb`` of the
+        stacked states [s; s2]). The
         trainer replays it on its upload stream, after the previous step's graph 1 (the last
         reader of ``batch`` and ``xb``) and before this step's graph 1, so the copy overlaps
         the previous step's graph 2 instead of heading this step's critical path."""
@@ -1171,7 +1174,7 @@ class StepProgram:
         moments, chain = Ops(self.module), Ops(self.module)
         self.fused_check(moments, "desc_lens_moments")
         n_w = len(lay.weights)
-        chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w),
+        chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w, self.device.arch),
                      self.ptr("spectral_desc"), n_w, np.float32(c.sigma_max), SPECTRAL_EPS,
                      self.ptr("sigmas"))
         chain.kernel("polyak_update_mirror", opt.plan_polyak_update_mirror(NP), target, params,

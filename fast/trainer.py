@@ -13,7 +13,7 @@ lists) is ``foxhunt.fast.step_plan``.
   ring of two, so the host never overwrites a buffer a queued upload has not copied yet: before
   reusing one it waits on the event recorded after the upload that read it, which only blocks
   when the GPU is two steps behind), then replays three graphs. The upload graph (captured copy
-  from that staging buffer into the arena, and in bf16 the BF16 copy of the states) runs on a
+  from that staging buffer into the arena) runs on a
   second stream, ordered by device-side events after the previous step's graph 1 (the last
   reader of the batch) and before this step's graph 1: it overlaps the previous step's graph 2
   instead of heading the step's critical path. Graph 1 (three forward passes, C51 + CQL losses,

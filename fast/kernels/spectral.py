@@ -1,14 +1,18 @@
 """Fast-path launchers of the spectral-norm kernels (``cuda_src/spectral.cu``), twins of
 ``foxhunt.reference.kernels.spectral`` under the same names and signatures.
 
-Both CUDA kernels run one device function (``hb_spectral_norm_block``: one power iteration and
-the ``sigma_max`` bound on one matrix, by one block of ``SPECTRAL_THREADS`` threads), so the
-batched launch and individual launches give bitwise identical ``W``, ``u``, ``v`` and ``sigma``
-(SPEC 7/8) as long as both use these plans. Against the reference they agree within the
-reduction tolerance (SPEC 8: rtol 1e-5): ``W v``, ``W^T u`` (row slices summed in order, then
-the slices), the norms and ``sigma`` are fixed block orders instead of NumPy's, and ``sigma``
-is ``(W^T u) . v_new`` (mathematically the reference's ``u . (W v_new)``, without a third pass
-over ``W``; a NaN/Inf ``W`` gives the same NaN/zero cases).
+Both CUDA kernels run one device function (``hb_spectral_norm_cluster``: one power iteration
+and the ``sigma_max`` bound on one matrix, by one thread-block cluster of
+:func:`spectral_cluster` blocks of ``SPECTRAL_THREADS`` threads: 8 blocks on sm_90 and newer,
+which split the matrix's rows and exchange partial sums through distributed shared memory, 1
+before), so the batched launch and individual launches give bitwise identical ``W``, ``u``,
+``v`` and ``sigma`` (SPEC 7/8) as long as both use these plans. Against the reference they agree
+within the reduction tolerance (SPEC 8: rtol 1e-5): ``W v``, ``W^T u`` (each block's rows in
+order, then the blocks in rank order), the norms and ``sigma`` are fixed orders instead of
+NumPy's, and ``sigma`` is ``(W^T u) . v_new`` (mathematically the reference's
+``u . (W v_new)``, without a third pass over ``W``; a NaN/Inf ``W`` gives the same NaN/zero
+cases). The cluster size is compiled in (``__cluster_dims__``): a plan for another
+architecture than the module's fails at launch, it never runs with a wrong split.
 
 Kernel arguments:
 
@@ -16,7 +20,7 @@ Kernel arguments:
   row-major, ``u`` [rows], ``v`` [cols], all updated in place; ``sigma_out`` one float32.
 - ``batched_spectral_norm(mats, count, sigma_max, eps, sigmas)``: ``mats`` a device array of
   ``count`` descriptors laid out as :data:`SPECTRAL_MATRIX_DTYPE` (``w``, ``u``, ``v`` device
-  pointers, ``rows``, ``cols``), one block per matrix; ``sigmas`` float32[count].
+  pointers, ``rows``, ``cols``), one cluster per matrix; ``sigmas`` float32[count].
 
 ``eps`` is the reference's ``SPECTRAL_EPS`` (passed, not redefined in CUDA). The batched test
 entry copies every matrix and vector into one device pool, builds the descriptors pointing
@@ -42,9 +46,13 @@ from foxhunt.reference.kernels.spectral import (
 
 F32 = np.float32
 
-#: Threads of the block that handles one matrix (a multiple of 32). Both kernels use it: the
+#: Threads of each block of a matrix's cluster (a multiple of 32). Both kernels use it: the
 #: reduction trees, hence the bits, depend on it.
-SPECTRAL_THREADS = 1024
+SPECTRAL_THREADS = 512
+
+#: Blocks per matrix (thread-block cluster) on sm_90 and newer (SPECTRAL_CLUSTER in
+#: spectral.cu); 1 before sm_90, which has no clusters.
+SPECTRAL_CLUSTER_SM90 = 8
 
 #: One descriptor of ``batched_spectral_norm`` (``struct SpectralMatrix`` in spectral.cu).
 SPECTRAL_MATRIX_DTYPE = np.dtype([("w", "<u8"), ("u", "<u8"), ("v", "<u8"),
@@ -58,14 +66,24 @@ _INT32_MAX = 2**31 - 1
 Plan = tuple[int, int, int]
 
 
-def plan_spectral_norm() -> Plan:
-    """One block for one matrix."""
-    return 1, SPECTRAL_THREADS, 0
+def spectral_cluster(arch=None) -> int:
+    """Blocks per matrix for ``arch`` (default: the test runtime's device): 8 from sm_90, else 1
+    (the value spectral.cu compiles in for that architecture)."""
+    from foxhunt.fast._build import normalize_arch
+
+    if arch is None:
+        arch = runtime().device.arch
+    return SPECTRAL_CLUSTER_SM90 if normalize_arch(arch) >= 90 else 1
 
 
-def plan_batched_spectral_norm(count: int) -> Plan:
-    """One block per matrix, the same block as :func:`plan_spectral_norm`."""
-    return check_int("count", count, minimum=1), SPECTRAL_THREADS, 0
+def plan_spectral_norm(arch=None) -> Plan:
+    """One cluster for one matrix (``arch`` as :func:`spectral_cluster`)."""
+    return spectral_cluster(arch), SPECTRAL_THREADS, 0
+
+
+def plan_batched_spectral_norm(count: int, arch=None) -> Plan:
+    """One cluster per matrix, the same blocks as :func:`plan_spectral_norm`."""
+    return check_int("count", count, minimum=1) * spectral_cluster(arch), SPECTRAL_THREADS, 0
 
 
 def _dims(name: str, w: np.ndarray) -> tuple[int, int]:
@@ -104,7 +122,7 @@ def spectral_norm(w: np.ndarray, u: np.ndarray, v: np.ndarray,
 def batched_spectral_norm(ws: Sequence[np.ndarray], us: Sequence[np.ndarray],
                           vs: Sequence[np.ndarray],
                           sigma_max: float) -> BatchedSpectralNormResult:
-    """Test entry of the CUDA ``batched_spectral_norm``: one launch, one block per matrix.
+    """Test entry of the CUDA ``batched_spectral_norm``: one launch, one cluster per matrix.
 
     Same arguments, validation and result lists as the reference twin; every entry is bitwise
     equal to :func:`spectral_norm` on that matrix.
@@ -158,7 +176,7 @@ KERNELS = {
 }
 
 __all__ = [
-    "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_MATRIX_DTYPE", "SPECTRAL_THREADS",
-    "batched_spectral_norm", "plan_batched_spectral_norm", "plan_spectral_norm",
-    "spectral_descriptors", "spectral_norm",
+    "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_CLUSTER_SM90", "SPECTRAL_MATRIX_DTYPE",
+    "SPECTRAL_THREADS", "batched_spectral_norm", "plan_batched_spectral_norm",
+    "plan_spectral_norm", "spectral_cluster", "spectral_descriptors", "spectral_norm",
 ]

@@ -16,7 +16,7 @@ rescaled when its estimated spectral norm exceeds ``sigma_max``.
 
 Arithmetic is float32: products rounded to float32 and summed in float32, in NumPy's order
 (pairwise along each row for ``W v``, row by row for ``W^T u``, pairwise for the dots). The
-fast kernel (one block per matrix, tree reductions) matches within ``rtol 1e-5`` (SPEC 8); its
+fast kernel (one block cluster per matrix, tree reductions) matches within ``rtol 1e-5`` (SPEC 8); its
 batched and individual launches must agree bit for bit, as ``batched_spectral_norm`` and
 ``spectral_norm`` do here.
 """
