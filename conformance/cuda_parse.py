@@ -3,8 +3,8 @@
 A small purpose-built scanner, not a C++ parser: comments are stripped (string and character
 literals respected), then every ``__global__`` function whose declaration is ``extern "C"``
 (directly, ``extern "C" __global__ void k(...)``, or inside an ``extern "C" { ... }`` block)
-is recorded with its parameters. ``__launch_bounds__(...)`` (with nested parentheses) may
-stand before or after ``void``. Parameters are split at top-level commas; each becomes
+is recorded with its parameters. ``__launch_bounds__(...)``, ``__maxnreg__(...)`` and
+``__cluster_dims__(...)`` (with nested parentheses) may stand before or after ``void``. Parameters are split at top-level commas; each becomes
 ``(type, name)`` with whitespace normalised (``"const float* __restrict__"``, ``"x"``).
 A kernel defined twice (two files, or one file twice) is an error: with C linkage the
 names would clash when the sources are linked into one module.
@@ -131,7 +131,8 @@ def split_params(param_text: str) -> tuple[tuple[str, str], ...]:
 
 
 _GLOBAL = re.compile(r"\b__global__\b")
-_QUALIFIER = re.compile(r"(?:static|inline|__forceinline__|__noinline__|__launch_bounds__|__maxnreg__)\b")
+_QUALIFIER = re.compile(r"(?:static|inline|__forceinline__|__noinline__|__launch_bounds__|__maxnreg__|"
+                        r"__cluster_dims__)\b")
 
 
 def _read_kernel(text: str, i: int) -> tuple[str, str, int] | None:
@@ -144,7 +145,7 @@ def _read_kernel(text: str, i: int) -> tuple[str, str, int] | None:
             return None
         word = m.group()
         i = m.end()
-        if word in ("__launch_bounds__", "__maxnreg__"):
+        if word in ("__launch_bounds__", "__maxnreg__", "__cluster_dims__"):
             i = _skip_ws(text, i)
             if i >= len(text) or text[i] != "(":
                 raise CudaParseError(f"{word} without arguments at offset {i}")
@@ -173,7 +174,7 @@ def parse_kernels(source: str, file: str = "<string>") -> dict[str, KernelDecl]:
     for m in _GLOBAL.finditer(text):
         prefix = text[:m.start()].rstrip()
         # Directly `extern "C"` (possibly with qualifiers such as __launch_bounds__ between).
-        head = re.search(r'extern\s*"C"\s*((?:(?:__launch_bounds__|__maxnreg__)\s*\([^;{}]*?\)\s*|'
+        head = re.search(r'extern\s*"C"\s*((?:(?:__launch_bounds__|__maxnreg__|__cluster_dims__)\s*\([^;{}]*?\)\s*|'
                          r'(?:static|inline)\s+)*)$', prefix)
         inside_block = any(a < m.start() < b for a, b in blocks)
         if not (head or inside_block):

@@ -29,10 +29,12 @@
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define SPECTRAL_CLUSTER 8
-#define SPECTRAL_CLUSTER_DIMS __cluster_dims__(SPECTRAL_CLUSTER, 1, 1)
 #else
 #define SPECTRAL_CLUSTER 1
-#define SPECTRAL_CLUSTER_DIMS
+// No clusters before sm_90 (the attribute is an error there): the kernels below keep their
+// __cluster_dims__ spelling (conformance/cuda_parse.py reads it) and it expands to nothing.
+#undef __cluster_dims__
+#define __cluster_dims__(...)
 #endif
 
 // One matrix of a batched launch: W [rows, cols] row-major, u [rows], v [cols] (all updated in
@@ -238,7 +240,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
 
 // spectral_norm: one matrix, grid SPECTRAL_CLUSTER (one cluster), block SPECTRAL_THREADS
 // (plan_spectral_norm).
-extern "C" __global__ void SPECTRAL_CLUSTER_DIMS __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1) __launch_bounds__(HB_MAX_THREADS)
 spectral_norm(float* w, float* u, float* v, int rows, int cols, float sigma_max, float eps,
               float* sigma_out) {
     hb_spectral_norm_cluster(w, u, v, rows, cols, sigma_max, eps, sigma_out);
@@ -247,7 +249,7 @@ spectral_norm(float* w, float* u, float* v, int rows, int cols, float sigma_max,
 // batched_spectral_norm: matrix k of the descriptor array by cluster k (blocks
 // k C .. k C + C - 1); sigmas[k] its estimate. Grid count * SPECTRAL_CLUSTER, block
 // SPECTRAL_THREADS (plan_batched_spectral_norm).
-extern "C" __global__ void SPECTRAL_CLUSTER_DIMS __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1) __launch_bounds__(HB_MAX_THREADS)
 batched_spectral_norm(const SpectralMatrix* __restrict__ mats, int count, float sigma_max,
                       float eps, float* __restrict__ sigmas) {
     const int k = blockIdx.x / SPECTRAL_CLUSTER;
