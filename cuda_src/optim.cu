@@ -292,7 +292,7 @@ __device__ __forceinline__ float hb_bias_correction(float beta, long long step) 
 // scalars, so those loads overlap the two double pows (thread 0 computes bc1, the first thread
 // of the second warp bc2, in parallel). plan_adam_update sizes the grid to one round where it
 // can. The arithmetic per element is the same whatever the grid: the bits do not depend on it.
-#define ADAM_UNROLL 4
+#define ADAM_UNROLL 2
 
 struct AdamLoad {
     float g[ADAM_UNROLL], p[ADAM_UNROLL], m[ADAM_UNROLL], v[ADAM_UNROLL];

@@ -119,7 +119,9 @@ plan_clip_grad_inplace = plan_elementwise
 plan_saxpy = plan_elementwise
 plan_clipped_saxpy = plan_elementwise
 #: Elements per thread and grid-stride round of ``adam_update`` (ADAM_UNROLL in optim.cu).
-ADAM_UNROLL = 4
+#: Measured on the H200 (seed preset, 0.29M elements, a chain of 20 launches in one graph):
+#: 2 per thread (568 blocks) 6.1 us per launch, 4 per thread 6.5 us, 1 per thread 6.6 us.
+ADAM_UNROLL = 2
 
 
 def plan_adam_update(n: int) -> Plan:
