@@ -1,4 +1,4 @@
-"""The fast ``Trainer``: SPEC 4 on the GPU, each step two CUDA graph replays.
+"""The fast ``Trainer``: SPEC 4 on the GPU, each step the two step graphs and a captured upload.
 
 Same interface, state and numerics contract as ``foxhunt.reference.trainer.Trainer`` (the
 ``TrainerBackend`` of ``foxhunt.reference.backend``); the step's plan (buffers, GEMMs, launch
