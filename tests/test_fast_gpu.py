@@ -764,3 +764,31 @@ if __name__ == "__main__":  # pragma: no cover
     if not _OK:
         raise SystemExit(f"no CUDA device/driver: {_REASON}")
     _report()
+
+
+# ---------------------------------------------------------------------- spectral norm tiles
+def test_spectral_norm_wide_matrix_crosses_column_tiles():
+    """9000 columns: more than two of spectral.cu's SPECTRAL_COL_TILE (4096) tiles of W^T u
+    partials, and 12 rows over a cluster of 8 blocks (two blocks without rows). Fast vs the
+    reference within the SPEC's rtol 1e-5 (with the reduction's absolute floor), the bound
+    applied (sigma above sigma_max), and batched == individual bitwise."""
+    from foxhunt.fast.kernels import spectral as fast_spectral
+    from foxhunt.reference.kernels import spectral as ref_spectral
+
+    rng = np.random.default_rng(zlib.crc32(b"spectral-tiles"))
+    rows, cols = 12, 9000
+    w = (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32)
+    u, v = ref_spectral.init_spectral_vectors((rows, cols), seed=3)
+    sigma_max = np.float32(0.5)
+    want = ref_spectral.spectral_norm(w, u, v, sigma_max)
+    got = fast_spectral.spectral_norm(w, u, v, sigma_max)
+    assert want.sigma > sigma_max  # the rescale runs
+    np.testing.assert_allclose(got.sigma, want.sigma, rtol=1e-5)
+    for name in ("w", "u", "v"):
+        a, b = getattr(got, name), getattr(want, name)
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(np.abs(b).max()), err_msg=name)
+    small = [np.ascontiguousarray(a) for a in (w[:5, :300], u[:5], v[:300])]
+    batched = fast_spectral.batched_spectral_norm([w, small[0]], [u, small[1]], [v, small[2]],
+                                                  sigma_max)
+    assert np.array_equal(batched.ws[0], got.w) and np.array_equal(batched.us[0], got.u)
+    assert np.array_equal(batched.vs[0], got.v) and batched.sigmas[0] == got.sigma

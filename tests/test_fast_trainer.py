@@ -1373,3 +1373,40 @@ def test_graph_replay_timing(monkeypatch, workspace):
             assert np.isfinite(np.median(times))
         finally:
             fast.close()
+
+
+def test_step_orders_the_upload_by_device_events(monkeypatch, _nvrtc):
+    """``step`` enqueues, in this order: the upload stream waits for the last graph 1 (the
+    last reader of the batch), the upload graph of the step's staging slot, ``uploaded[slot]``
+    recorded on the upload stream, the step stream waits for it, graph 1, ``graph1_done``
+    recorded on the step stream, graph 2: device-side ordering only (no host sync)."""
+    if _nvrtc is not None:
+        pytest.skip(_nvrtc)
+    _install_emulator(monkeypatch, "capture_order")
+    from foxhunt.fast.trainer import Trainer
+
+    config = DQNConfig.preset("tiny")
+    fast = Trainer(config)
+    try:
+        log = []
+        monkeypatch.setattr(_Driver, "cuStreamWaitEvent",
+                            staticmethod(lambda stream, event, flags: log.append(("wait", stream, event))))
+        monkeypatch.setattr(_Driver, "cuEventRecord",
+                            staticmethod(lambda event, stream: log.append(("record", event, stream))))
+        graphs = {"upload0": fast._upload[0], "upload1": fast._upload[1], "graph1": fast._graph1,
+                  "graph2": fast._graph2}
+        for name, graph in graphs.items():
+            def replay(stream=None, _run=graph.replay, _name=name):
+                log.append((_name, stream))
+                _run(stream)
+            monkeypatch.setattr(graph, "replay", replay)
+        rng = np.random.default_rng(0)
+        up, main = fast._upload_stream.handle, fast._stream.handle
+        for slot in (0, 1):
+            log.clear()
+            fast.step(Batch.random(config, rng))
+            assert log == [("wait", up, fast._graph1_done), (f"upload{slot}", up),
+                           ("record", fast._uploaded[slot], up), ("wait", main, fast._uploaded[slot]),
+                           ("graph1", None), ("record", fast._graph1_done, main), ("graph2", None)]
+    finally:
+        fast.close()
