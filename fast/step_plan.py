@@ -13,14 +13,14 @@ Three layers, each usable on its own:
   branches).
 - ``StepProgram(device, module, config, arena, layout)``: builds the launch lists of the
   upload graph (``upload_ops(staging_ptrs)``: the batch copy from each pinned staging buffer;
-  the trainer runs it on a second stream, off the critical path), graph 1 (``graph1_ops()``: prologue, the batch's sentinel check, three forward
-  passes, losses, both backward passes, budget pipeline, inline sentinel checks, step scalars)
-  and graph 2
-  (``graph2_ops()``: Adam with the safety clip and Mech 9, batched spectral norm, Polyak, the
-  BF16 mirrors of params and target, ISV producers, the fused sentinel checks; the producers and
-  the check of the buffers graph 2 does not write run as branches beside the whole optimiser
-  chain, forked at the graph's start, the check of the Adam moments beside the chain after
-  Adam), and the eager greedy forward of ``q_values``
+  the trainer runs it on a second stream, off the critical path), graph 1 (``graph1_ops()``:
+  prologue, the batch's sentinel check, three forward passes, losses, both backward passes,
+  budget pipeline, inline sentinel checks, step scalars) and graph 2 (``graph2_ops()``: Adam
+  with the safety clip and Mech 9, batched spectral norm, Polyak, the BF16 mirrors of params
+  and target, ISV producers, the fused sentinel checks; the producers and the check of the
+  buffers graph 2 does not write run as branches beside the whole optimiser chain, forked at
+  the graph's start, the check of the Adam moments beside the chain after Adam), and the eager
+  greedy forward of ``q_values``
   (``eval_forward(rows)``).
 
 Kernels are the reference kernels' CUDA twins (``cuda_src/<area>.cu``, launch shapes from
@@ -94,17 +94,18 @@ GLUE_THREADS = 256
 #: Grid cap of the flat glue kernels (grid-stride loops cover the rest).
 GLUE_MAX_BLOCKS = 1024
 #: Arena buffers that graph 2 writes and the fused sentinel check reads (params and target,
-#: Adam moments): their slots are checked after the optimiser chain, the others beside it.
+#: Adam moments): their slots are checked inside the optimiser chain, the others beside it.
 GRAPH2_WRITTEN = frozenset({"params2", "adam_m", "adam_v"})
+#: Of those, the Adam moments: final after Adam, checked beside the rest of the chain (params
+#: and target are checked after Polyak).
+ADAM_MOMENTS = frozenset({"adam_m", "adam_v"})
+#: The length arrays of the fused sentinel checks (``StepProgram.desc_lengths_split``).
+DESC_LENGTH_KEYS = ("desc_lens_batch", "desc_lens_pre", "desc_lens_moments", "desc_lens_post")
 #: bf16: the upload graph also writes the states' BF16 copy ``xb`` (False: graph 1's first
 #: node). Measured on the H200 (seed preset, step as ``Trainer.step`` enqueues it): 162.0 us with
 #: the conversion in the upload graph, 154.5 us with it in graph 1 (the upload graph with a
 #: kernel node takes 16 us on its stream against 8 us for the copy alone).
 UPLOAD_BF16_STATES = False
-#: Of those, the Adam moments: final after Adam, checked beside the rest of the chain.
-ADAM_MOMENTS = frozenset({"adam_m", "adam_v"})
-#: The length arrays of the fused sentinel checks (``StepProgram.desc_lengths_split``).
-DESC_LENGTH_KEYS = ("desc_lens_batch", "desc_lens_pre", "desc_lens_moments", "desc_lens_post")
 #: Workspace bytes a GEMM plan is first planned with (None: fast.gemm's default only); where
 #: cuBLASLt has no algorithm within it, the plan takes the default limit. Measured on the H200
 #: (seed preset): the algorithms that use a workspace add memset and split-K reduction nodes
@@ -297,8 +298,9 @@ class StepLayout:
         self._add("thr_isv_index", n_desc, I32)
         self._add("thr_power", n_desc, I32)
         self._add("desc_ptrs", n_desc, U64)
-        # Lengths of the fused check's slots, split by whether graph 2 writes the buffer (a
-        # zero length disables a slot): "pre" slots run beside the optimiser, "post" after it.
+        # Lengths of the fused checks' slots (a zero length disables a slot), one array per
+        # check (StepProgram.desc_lengths_split): the batch in graph 1; in graph 2 the others
+        # beside the optimiser, the Adam moments after Adam, params and target after Polyak.
         for key in DESC_LENGTH_KEYS:
             self._add(key, n_desc, I64)
         self._add("piece_slot", max(1, self.sentinel.n_pieces), I32)
@@ -1003,10 +1005,10 @@ class StepProgram:
     def upload_ops(self, staging_ptrs) -> list[Ops]:
         """The upload graph, once per pinned staging buffer: the batch copy from that buffer into
         the arena's ``batch`` (and, with ``UPLOAD_BF16_STATES``, the BF16 copy ``xb`` of the
-        stacked states [s; s2]). The
-        trainer replays it on its upload stream, after the previous step's graph 1 (the last
-        reader of ``batch`` and ``xb``) and before this step's graph 1, so the copy overlaps
-        the previous step's graph 2 instead of heading this step's critical path."""
+        stacked states [s; s2]). The trainer replays it on its upload stream, after the previous
+        step's graph 1 (the last reader of ``batch`` and ``xb``) and before this step's graph 1,
+        so the copy overlaps the previous step's graph 2 instead of heading this step's critical
+        path."""
         lay = self.lay
         out = []
         for staging in staging_ptrs:
@@ -1174,7 +1176,8 @@ class StepProgram:
         moments, chain = Ops(self.module), Ops(self.module)
         self.fused_check(moments, "desc_lens_moments")
         n_w = len(lay.weights)
-        chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w, self.device.arch),
+        chain.kernel("batched_spectral_norm",
+                     spec.plan_batched_spectral_norm(n_w, self.device.arch),
                      self.ptr("spectral_desc"), n_w, np.float32(c.sigma_max), SPECTRAL_EPS,
                      self.ptr("sigmas"))
         chain.kernel("polyak_update_mirror", opt.plan_polyak_update_mirror(NP), target, params,

@@ -13,10 +13,10 @@ lists) is ``foxhunt.fast.step_plan``.
   ring of two, so the host never overwrites a buffer a queued upload has not copied yet: before
   reusing one it waits on the event recorded after the upload that read it, which only blocks
   when the GPU is two steps behind), then replays three graphs. The upload graph (captured copy
-  from that staging buffer into the arena) runs on a
-  second stream, ordered by device-side events after the previous step's graph 1 (the last
-  reader of the batch) and before this step's graph 1: it overlaps the previous step's graph 2
-  instead of heading the step's critical path. Graph 1 (three forward passes, C51 + CQL losses,
+  from that staging buffer into the arena) runs on a second stream, ordered by device-side
+  events after the previous step's graph 1 (the last reader of the batch) and before this
+  step's graph 1: it overlaps the previous step's graph 2 instead of heading the step's
+  critical path. Graph 1 (three forward passes, C51 + CQL losses,
   both backward passes, budget pipeline, inline sentinel checks, step scalars) and graph 2 (Adam
   with the Mech 6 safety clip and Mech 9 clamp, batched spectral norm, Polyak, BF16 mirrors, ISV
   producers, fused sentinel check) run on the step stream. Every value that changes from step
