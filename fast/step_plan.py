@@ -101,11 +101,6 @@ GRAPH2_WRITTEN = frozenset({"params2", "adam_m", "adam_v"})
 ADAM_MOMENTS = frozenset({"adam_m", "adam_v"})
 #: The length arrays of the fused sentinel checks (``StepProgram.desc_lengths_split``).
 DESC_LENGTH_KEYS = ("desc_lens_batch", "desc_lens_pre", "desc_lens_moments", "desc_lens_post")
-#: bf16: the upload graph also writes the states' BF16 copy ``xb`` (False: graph 1's first
-#: node). Measured on the H200 (seed preset, step as ``Trainer.step`` enqueues it): 162.0 us with
-#: the conversion in the upload graph, 154.5 us with it in graph 1 (the upload graph with a
-#: kernel node takes 16 us on its stream against 8 us for the copy alone).
-UPLOAD_BF16_STATES = False
 #: Workspace bytes a GEMM plan is first planned with (None: fast.gemm's default only); where
 #: cuBLASLt has no algorithm within it, the plan takes the default limit. Measured on the H200
 #: (seed preset): the algorithms that use a workspace add memset and split-K reduction nodes
@@ -1004,18 +999,18 @@ class StepProgram:
     # -- graph 1
     def upload_ops(self, staging_ptrs) -> list[Ops]:
         """The upload graph, once per pinned staging buffer: the batch copy from that buffer into
-        the arena's ``batch`` (and, with ``UPLOAD_BF16_STATES``, the BF16 copy ``xb`` of the
-        stacked states [s; s2]). The trainer replays it on its upload stream, after the previous
-        step's graph 1 (the last reader of ``batch`` and ``xb``) and before this step's graph 1,
-        so the copy overlaps the previous step's graph 2 instead of heading this step's critical
-        path."""
-        lay = self.lay
+        the arena's ``batch``. The trainer replays it on its upload stream, after the previous
+        step's graph 1 (the last reader of ``batch``) and before this step's graph 1, so the copy
+        overlaps the previous step's graph 2 instead of heading this step's critical path.
+
+        The bf16 states' BF16 copy stays graph 1's first node: measured on the H200 (seed
+        preset, the step as ``Trainer.step`` enqueues it), 154.5 us per step with it there
+        against 162.0 us with it in the upload graph (which then takes 16 us on its stream
+        instead of 8 us)."""
         out = []
         for staging in staging_ptrs:
             ops = Ops(self.module)
-            ops.copy(self.ptr("batch"), staging, lay.batch_nbytes, "htod")
-            if lay.bf16 and UPLOAD_BF16_STATES:
-                self.to_bf16(ops, self.batch_ptr("x"), self.ptr("xb"), 2 * lay.B * lay.SD)
+            ops.copy(self.ptr("batch"), staging, self.lay.batch_nbytes, "htod")
             out.append(ops)
         return out
 
@@ -1053,8 +1048,7 @@ class StepProgram:
         if lay.bf16:
             xb = self.ptr("xb")
             xb2 = xb + B * lay.SD * 2
-            if not UPLOAD_BF16_STATES:  # else written by the upload graph
-                self.to_bf16(ops, x, xb, 2 * B * lay.SD)
+            self.to_bf16(ops, x, xb, 2 * B * lay.SD)
         online, target = Ops(self.module), Ops(self.module)
         # Slot 12: online(s)'s h2 before the Mech 10 clamp (the clamp writes another buffer).
         check_h2 = Ops(self.module)
