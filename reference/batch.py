@@ -9,6 +9,11 @@ import numpy as np
 from .config import DQNConfig
 
 
+def _branch_sizes(config: DQNConfig) -> np.ndarray:
+    """``config.branches`` as a uint32 array (the upper bounds of ``a``'s columns)."""
+    return np.asarray(config.branches, dtype=np.uint32)
+
+
 @dataclass(frozen=True)
 class Batch:
     """States ``s``/``s2`` f32 ``[B, SD]``, actions ``a`` int32 ``[B, n_branches]``, rewards ``r``
@@ -36,18 +41,21 @@ class Batch:
                 raise ValueError(f"batch.{name}: shape {arr.shape}, expected {shape} for this config")
             if arr.dtype != dtype:
                 raise ValueError(f"batch.{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
-        for d, n in enumerate(config.branches):
-            col = self.a[:, d]
-            bad = np.flatnonzero((col < 0) | (col >= n))
-            if bad.size:
-                i = int(bad[0])
-                raise ValueError(
-                    f"batch.a[{i}, {d}]={int(col[i])}: branch {d} has {n} actions, allowed range [0, {n - 1}]"
-                )
-        bad = np.flatnonzero((self.done != 0) & (self.done != 1))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"batch.done[{i}]={self.done[i]!r}: allowed values are 0 and 1")
+        # One vectorised pass for a valid batch (this runs on the fast trainer's hot path): viewed
+        # as uint32 a negative action is >= 2**31, so one comparison checks both bounds. The
+        # per-branch scan only runs to name the first bad entry.
+        if not (self.a.view(np.uint32) < _branch_sizes(config)).all():
+            for d, n in enumerate(config.branches):
+                col = self.a[:, d]
+                bad = np.flatnonzero((col < 0) | (col >= n))
+                if bad.size:
+                    i = int(bad[0])
+                    raise ValueError(f"batch.a[{i}, {d}]={int(col[i])}: branch {d} has {n} actions, "
+                                     f"allowed range [0, {n - 1}]")
+        done = self.done
+        if not np.all((done == 0) | (done == 1)):  # NaN fails both comparisons
+            i = int(np.flatnonzero((done != 0) & (done != 1))[0])
+            raise ValueError(f"batch.done[{i}]={done[i]!r}: allowed values are 0 and 1")
         return self
 
     @classmethod

@@ -129,3 +129,31 @@ def test_batch_validation_names_the_field():
         Batch(b.s, b.a, b.r, b.s2[:, :-1], b.done, b.isw).validate(config)
     with pytest.raises(ValueError, match=r"batch\.done\[0\]"):
         Batch(b.s, b.a, b.r, b.s2, np.full_like(b.done, 0.5), b.isw).validate(config)
+
+
+@pytest.mark.parametrize("value", [-1, -(2**31), 2**31 - 1])
+@pytest.mark.parametrize("branch", [0, 1, 2])
+def test_batch_validation_catches_every_out_of_range_action(branch, value):
+    """Negative and too-large actions in any branch, at any row; valid edge values pass."""
+    config = DQNConfig.preset("seed")
+    b = Batch.random(config, np.random.default_rng(1))
+    edge = b.a.copy()
+    edge[:, branch] = config.branches[branch] - 1
+    edge[0, branch] = 0
+    Batch(b.s, edge, b.r, b.s2, b.done, b.isw).validate(config)  # the bounds themselves are valid
+    bad_a = edge.copy()
+    bad_a[-1, branch] = value
+    with pytest.raises(ValueError, match=rf"batch\.a\[{len(bad_a) - 1}, {branch}\]={value}: "):
+        Batch(b.s, bad_a, b.r, b.s2, b.done, b.isw).validate(config)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -1.0, 2.0, 1e-30])
+def test_batch_validation_rejects_done_values_other_than_0_and_1(value):
+    config = DQNConfig.preset("tiny")
+    b = Batch.random(config, np.random.default_rng(2))
+    done = b.done.copy()
+    done[5] = value
+    with pytest.raises(ValueError, match=r"batch\.done\[5\]="):
+        Batch(b.s, b.a, b.r, b.s2, done, b.isw).validate(config)
+    done[5] = -0.0  # == 0
+    Batch(b.s, b.a, b.r, b.s2, done, b.isw).validate(config)
