@@ -792,3 +792,50 @@ def test_spectral_norm_wide_matrix_crosses_column_tiles():
                                                   sigma_max)
     assert np.array_equal(batched.ws[0], got.w) and np.array_equal(batched.us[0], got.u)
     assert np.array_equal(batched.vs[0], got.v) and batched.sigmas[0] == got.sigma
+
+
+# ------------------------------------------------------------- padded head outputs (bf16 step)
+@pytest.mark.parametrize("with_q", [True, False])
+def test_dueling_log_softmax_q_branches_padded_rows_give_the_dense_results(with_q):
+    """``ld_align = 2`` (the bf16 step's head outputs: rows of 51 -> 52 and 153 -> 154 floats,
+    102 unpadded): logits, logp and q bitwise those of the dense launch, the padding (NaN here:
+    the GEMM's scratch column) never read and left +0.0, the real inputs untouched."""
+    from foxhunt.fast.kernels import fused as fast_fused
+    from foxhunt.fast.kernels._runtime import In, InOut, Out, call
+    from foxhunt.reference.kernels.fused import branch_offsets
+
+    rng = np.random.default_rng(zlib.crc32(b"padded-dueling"))
+    branches, batch, na = (3, 3, 2), 64, 51
+    f32 = np.float32
+    v = rng.standard_normal((batch, na)).astype(f32)
+    adv = rng.standard_normal((batch * sum(branches), na)).astype(f32)
+    z = np.linspace(-2.0, 2.0, na, dtype=f32)
+    dense = fast_fused.dueling_log_softmax_q_branches(v, adv, z, branches, with_q)
+
+    def ld(n):
+        return n + n % 2
+
+    v_pad = np.full((batch, ld(na)), np.nan, f32)
+    v_pad[:, :na] = v
+    blocks = []
+    for n, off in zip(branches, branch_offsets(branches)):
+        block = np.full((batch, ld(n * na)), np.nan, f32)
+        block[:, :n * na] = adv[batch * off:batch * (off + n)].reshape(batch, n * na)
+        blocks.append(block)
+    adv_pad = np.concatenate([b.ravel() for b in blocks])
+    rows = batch * sum(branches)
+    grid, block, shared = fast_fused.plan_dueling_log_softmax_q_branches(batch, branches, na)
+    v_out, adv_out, logits, logp, q = call(
+        "dueling_log_softmax_q_branches", grid, block, InOut(v_pad), InOut(adv_pad), In(z),
+        In(np.array(branches, np.int32)), In(np.array(branch_offsets(branches), np.int32)),
+        Out((rows, na), f32), Out((rows, na), f32), Out((rows if with_q else 0,), f32),
+        batch, na, int(with_q), 2, shared_mem=shared)
+    assert np.array_equal(logits, dense.logits) and np.array_equal(logp, dense.logp)
+    assert np.array_equal(q, dense.q)
+    assert np.array_equal(v_out[:, :na], v) and np.all(v_out[:, na:] == 0)
+    start = 0
+    for n, want in zip(branches, blocks):
+        got = adv_out[start:start + want.size].reshape(want.shape)
+        start += want.size
+        assert np.array_equal(got[:, :n * na], want[:, :n * na])
+        assert np.all(got[:, n * na:] == 0) and got.shape[1] - n * na == (n * na) % 2
