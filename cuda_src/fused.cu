@@ -44,27 +44,16 @@ extern "C" __global__ void dueling_combine_branches(const float* __restrict__ v,
 // reads back only the entries it wrote, so no barrier is needed. with_q (0 or 1) is uniform;
 // with with_q = 0, z and q are not read or written (may be null). Dynamic shared memory:
 // (blockDim.x / 32) * num_atoms floats.
-//
-// Input row strides (logits, logp and q stay dense): with ld(n) = n rounded up to a multiple
-// of ld_align (>= 1), v is [batch, ld(NA)] and branch d's block of adv is [batch, ld(n_d NA)]
-// (sample b's n_d x NA values, then padding), the blocks back to back in branch order. The
-// trainer's bf16 step uses ld_align = 2: the heads' output GEMMs then compute an even number
-// of columns (cuBLASLt's bf16 kernels for an odd n take twice as long on the H200), the extra
-// column being scratch. The padding is never read; the kernel sets it to +0.0 (the warp of
-// action 0 of sample b: adv_d's padding of row b, and, in branch 0, v's), so a NaN check over
-// whole padded rows sees exactly the values the reference has. ld_align = 1 is the dense
-// layout (no padding, nothing written to v or adv).
 // --------------------------------------------------------------------------------------------
-extern "C" __global__ void dueling_log_softmax_q_branches(float* __restrict__ v,
-                                                          float* __restrict__ adv,
+extern "C" __global__ void dueling_log_softmax_q_branches(const float* __restrict__ v,
+                                                          const float* __restrict__ adv,
                                                           const float* __restrict__ z,
                                                           const int* __restrict__ n_actions,
                                                           const int* __restrict__ action_offset,
                                                           float* __restrict__ logits,
                                                           float* __restrict__ logp,
                                                           float* __restrict__ q, int batch,
-                                                          int num_atoms, int with_q,
-                                                          int ld_align) {
+                                                          int num_atoms, int with_q) {
     extern __shared__ float dueling_rows[];  // [blockDim.x / 32, num_atoms]
     const int d = blockIdx.y;
     const int num_actions = n_actions[d];
@@ -73,15 +62,8 @@ extern "C" __global__ void dueling_log_softmax_q_branches(float* __restrict__ v,
     const int warp = threadIdx.x / kWarp;
     const int warps = blockDim.x / kWarp;
     const bool want_q = with_q != 0;
-    const int v_ld = (num_atoms + ld_align - 1) / ld_align * ld_align;
-    const int width = num_actions * num_atoms;  // branch d's values per sample
-    const int adv_ld = (width + ld_align - 1) / ld_align * ld_align;
-    int adv_start = 0;  // branch d's block: after the padded blocks of branches 0..d-1
-    for (int e = 0; e < d; ++e) {
-        adv_start += batch * ((n_actions[e] * num_atoms + ld_align - 1) / ld_align * ld_align);
-    }
     float* row_values = dueling_rows + warp * num_atoms;
-    float* adv_d = adv + adv_start;
+    const float* adv_d = adv + first_row * num_atoms;
     const int rows = batch * num_actions;
     for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
         const int b = r / num_actions;
@@ -89,21 +71,11 @@ extern "C" __global__ void dueling_log_softmax_q_branches(float* __restrict__ v,
         const int row = first_row + r;
         float* logits_row = logits + row * num_atoms;
         for (int j = lane; j < num_atoms; j += kWarp) {
-            const int base = b * adv_ld + j;  // adv_d's (b, 0, j)
+            const int base = b * num_actions * num_atoms + j;  // cell_base of cell (b, j)
             const float mean = dueling_mean(adv_d, base, num_actions, num_atoms);
-            const float value = v[b * v_ld + j] + (adv_d[base + a * num_atoms] - mean);
+            const float value = v[b * num_atoms + j] + (adv_d[base + a * num_atoms] - mean);
             row_values[j] = value;
             logits_row[j] = value;
-        }
-        if (a == 0) {  // the padding of sample b's rows (never read)
-            for (int j = width + lane; j < adv_ld; j += kWarp) {
-                adv_d[b * adv_ld + j] = 0.0f;
-            }
-            if (d == 0) {
-                for (int j = num_atoms + lane; j < v_ld; j += kWarp) {
-                    v[b * v_ld + j] = 0.0f;
-                }
-            }
         }
         const float row_q = log_softmax_row(row_values, logp + row * num_atoms, z, want_q,
                                             num_atoms, lane);

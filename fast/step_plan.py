@@ -45,9 +45,7 @@ chains run in parallel, each split per branch (its loss kernels, dueling backwar
 GEMMs), with the value head after every branch's dueling backward and the trunk after every
 head's ``dh2`` part (summed in the reference's order by ``glue_h2_grad_mask``); the heads'
 weight gradients overlap the trunk. GEMMs are planned without a workspace where cuBLASLt allows
-(``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes). In bf16 the heads' output
-rows are padded to an even length (``BF16_HEAD_ALIGN``): an odd-width output GEMM computes
-one scratch column, which the dueling kernel skips and zeroes.
+(``GEMM_WORKSPACE_LIMIT``: no memset or split-K reduction nodes).
 
 Fused launches (each the composition of its reference kernels, paired and conformance-tested
 under its own name), chosen to shorten the critical path: per forward pass
@@ -118,14 +116,6 @@ GEMM_WORKSPACE_RETRY = False
 FALLBACK_EPILOGUES = ("drelu_bgrad", "bgrada")
 #: Alignment (elements) of the sub-buffers that are GEMM operands: 256 bytes of float32.
 OPERAND_ALIGN = 64
-#: Row-stride multiple (elements) of the heads' output buffers ``v``/``adv`` in bf16: each
-#: head's output GEMM then computes an even number of columns, the last one scratch when the
-#: head's width is odd (its weights' next row and its bias' next element are the memory after
-#: them in the arena; ``dueling_log_softmax_q_branches`` skips the padding and zeroes it).
-#: cuBLASLt's bf16 kernels for an odd n take twice as long (H200, k = 128, bias epilogue:
-#: n = 153 6.7 us, 154 3.2 us; n = 51 6.2 us, 52 3.1 us; f32 4.5 us for every n, so f32 keeps
-#: dense rows).
-BF16_HEAD_ALIGN = 2
 
 NORMS = ("c51", "cql", "total")
 LOSSES = ("c51", "cql")
@@ -206,8 +196,6 @@ class StepLayout:
         self.A_total = sum(self.branches)
         self.action_offset = tuple(int(sum(self.branches[:d])) for d in range(self.nb))
         self.bf16 = c.precision == "bf16"
-        #: Row-stride multiple of the heads' outputs (``BF16_HEAD_ALIGN`` in bf16, else 1).
-        self.head_align = BF16_HEAD_ALIGN if self.bf16 else 1
         self.heads = (Head("value", c.value_h, "w_v1", "b_v1", "w_v2", "b_v2", c.num_atoms),) + tuple(
             Head(branch_name(d), c.adv_h, f"w_{branch_name(d)}1", f"b_{branch_name(d)}1",
                  f"w_{branch_name(d)}2", f"b_{branch_name(d)}2", n * c.num_atoms)
@@ -218,11 +206,6 @@ class StepLayout:
         self._build()
 
     # -- helpers
-    def head_ld(self, width: int) -> int:
-        """Row stride of a head output of ``width`` columns: ``width`` rounded up to
-        ``head_align`` (the GEMM computes that many columns; the rest of a row is padding)."""
-        return -(-int(width) // self.head_align) * self.head_align
-
     def _add(self, name: str, shape, dtype) -> None:
         shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
         if name in self.specs:
@@ -244,12 +227,11 @@ class StepLayout:
         for h in self.heads:
             hid.add(h.key, rows * h.hidden)
         self._add_packed(hid)
-        # The heads' outputs, rows padded to head_ld: value logits, and the advantage logits of
-        # every branch, branch-packed (one fused dueling launch).
-        self._add(f"v{tag}", (rows, self.head_ld(self.NA)), F32)
+        self._add(f"v{tag}", (rows, self.NA), F32)
+        # Advantage logits of every branch, branch-packed (one fused dueling launch).
         adv = Packed(f"adv{tag}", F32)
         for d, n in enumerate(self.branches):
-            adv.add(d, rows * self.head_ld(n * self.NA))
+            adv.add(d, rows * n * self.NA)
         self._add_packed(adv)
         if self.bf16:
             self._add(f"h1{tag}_bf16", (rows, self.H1), U16)
@@ -477,10 +459,9 @@ def sentinel_pieces(lay: StepLayout) -> dict[str, list[Piece]]:
         "next_states": one("next_states", "batch", x_off + B * SD * 4, B * SD),
         "rewards": one("rewards", "batch", lay.batch_fields["r"][0], B),
         "importance_weights": one("importance_weights", "batch", lay.batch_fields["isw"][0], B),
-        # Whole padded rows: the dueling kernel zeroes the padding before the check.
-        "online_value_logits": one("online_value_logits", "vo", 0, B * lay.head_ld(NA)),
+        "online_value_logits": one("online_value_logits", "vo", 0, B * NA),
         "online_adv_logits": per_branch("online_adv_logits",
-                                        lambda d, n: ("advo", d, 0, B * lay.head_ld(n * NA))),
+                                        lambda d, n: ("advo", d, 0, B * n * NA)),
         "online_next_logits": per_branch("online_next_logits",
                                          lambda d, n: ("logits", ("o", d), B * n * NA, B * n * NA)),
         "target_next_logits": per_branch("target_next_logits",
@@ -917,9 +898,7 @@ class StepProgram:
         for d, h in enumerate(lay.heads):
             branch = Ops(self.module)
             out = v if d == 0 else self.ptr(f"adv{tag}", d - 1)
-            n = lay.head_ld(h.out)  # the padded row: columns past h.out are scratch
-            self._check_over_read(h, n, which)
-            self.linear(branch, rows=rows, n=n, k=h.hidden, x=hid_in[h.key], w=wfwd(h.w2),
+            self.linear(branch, rows=rows, n=h.out, k=h.hidden, x=hid_in[h.key], w=wfwd(h.w2),
                         c=out, bias=p32(h.b2), epilogue="bias")
             seconds.append(branch)
         ops.parallel(*seconds)
@@ -929,28 +908,7 @@ class StepProgram:
                    self.k["fused"].plan_dueling_log_softmax_q_branches(rows, lay.branches, lay.NA),
                    v, self.ptr(f"adv{tag}"), self.ptr("z"), self.ptr("n_actions"),
                    self.ptr("action_offset"), self.ptr("logits", logits_key(0)),
-                   self.ptr("logp", logits_key(0)), q_ptr, rows, lay.NA, 1 if q_ptr else 0,
-                   lay.head_align)
-
-    def _check_over_read(self, head: Head, n: int, which: int) -> None:
-        """A head output GEMM of ``n > head.out`` columns reads ``n - head.out`` rows past its
-        weight matrix and elements past its bias (``BF16_HEAD_ALIGN``): they must lie in the
-        step arena (they do for every layout: the bias follows the weights, and more buffers
-        follow the parameters), else ValueError."""
-        extra = n - head.out
-        if extra == 0:
-            return
-        lay, arena = self.lay, self.arena
-        end = arena.base + arena.layout.capacity
-        w_item = (U16 if lay.bf16 else F32).itemsize
-        reads = {
-            head.w2: self.weight(head.w2, which, bf16=lay.bf16) + n * head.hidden * w_item,
-            head.b2: self.weight(head.b2, which, bf16=False) + n * F32.itemsize,
-        }
-        for name, last in reads.items():
-            if last > end:
-                raise ValueError(f"{name}: the padded head GEMM ({n} columns for {head.out}) "
-                                 f"would read {last - end} bytes past the step arena")
+                   self.ptr("logp", logits_key(0)), q_ptr, rows, lay.NA, 1 if q_ptr else 0)
 
     # -- backward of one loss
     def backward(self, ops: Ops, loss: str, pre: Ops) -> None:

@@ -462,8 +462,8 @@ def test_dueling_log_softmax_q_branches_compiles(arch, tmp_path):
     assert module.logs["fused.cu"] == "" and module.logs["distributional.cu"] == ""
     name = "dueling_log_softmax_q_branches"
     assert module.kernels[name] == "fused.cu"
-    # v, adv, z, n_actions, action_offset, logits, logp, q; batch, num_atoms, with_q, ld_align
-    assert tuple(p.ptx_type for p in module.params[name]) == ("u64",) * 8 + ("u32",) * 4
+    # v, adv, z, n_actions, action_offset, logits, logp, q; batch, num_atoms, with_q
+    assert tuple(p.ptx_type for p in module.params[name]) == ("u64",) * 8 + ("u32",) * 3
     body = _entry(module.ptx["fused.cu"], name)
     assert "atom." not in body and "bar.sync" not in body  # no atomics, no block barrier
     assert "ld.shared.f32" in body and "st.shared.f32" in body  # the staged logits row

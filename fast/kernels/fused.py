@@ -127,7 +127,7 @@ def dueling_log_softmax_q_branches(v: np.ndarray, adv: np.ndarray, z: np.ndarray
     grid, block, shared = plan_dueling_log_softmax_q_branches(batch, branches, num_atoms)
     logits, logp, q = call("dueling_log_softmax_q_branches", grid, block, In(v), In(adv), In(z),
                            *_tables(branches), Out(adv.shape, F32), Out(adv.shape, F32),
-                           Out((q_rows,), F32), batch, num_atoms, int(with_q), 1,
+                           Out((q_rows,), F32), batch, num_atoms, int(with_q),
                            shared_mem=shared)
     return DuelingLogSoftmaxQ(logits=logits, logp=logp, q=q)
 
