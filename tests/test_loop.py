@@ -6,12 +6,15 @@ import sys
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.kernels import replay as replay_kernels
 from foxhunt.reference.loop import LoopSettings, choose_windows, fold_segments, run
 from foxhunt.reference.market import SyntheticMarket
-from foxhunt.reference.replay import ReplayBuffer
+from foxhunt.reference.replay import ReplayBuffer, sample_sorted
 from foxhunt.reference.trainer import Trainer
 
 
@@ -143,3 +146,33 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path):
     assert summary["interrupted"] is True and summary["epochs_completed"] == len(lines)
     assert (out / "loss.png").exists() and (out / "checkpoints" / "fold0_best.safetensors").exists()
     Trainer.load(out / "checkpoints" / "fold0_best.safetensors")
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_replay_buffer_search_is_the_sampling_kernel(data):
+    """ReplayBuffer samples with numpy's binary search (``sample_sorted``); on the prefix sums of
+    priorities like the buffer's (finite, > 0; ties and tiny values included) it returns exactly
+    ``sample_proportional``'s indices, for any uniforms in [0, 1) (0 and the largest float32
+    below 1 included)."""
+    n = data.draw(st.integers(1, 300))
+    levels = data.draw(st.lists(st.floats(float(np.float32(1e-6)), 1e3, width=32), min_size=1, max_size=5))
+    prio = np.asarray(data.draw(st.lists(st.sampled_from(levels), min_size=n, max_size=n)),
+                      np.float32)
+    u = np.asarray(data.draw(st.lists(
+        st.one_of(st.floats(0.0, 1.0, width=32, exclude_max=True),
+                  st.sampled_from([0.0, float(np.nextafter(np.float32(1), np.float32(0)))])),
+        min_size=1, max_size=64)), np.float32)
+    prefix = replay_kernels.prefix_sum(prio)
+    want = replay_kernels.sample_proportional(prefix, u)
+    got = sample_sorted(prefix, u)
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+
+
+def test_replay_buffer_search_breaks_exact_ties_like_the_kernel():
+    """A target equal to a prefix sum takes the next item (the first prefix strictly above)."""
+    prefix = replay_kernels.prefix_sum(np.ones(4, np.float32))  # 1 2 3 4
+    u = np.array([0.0, 0.25, 0.5, 0.75], np.float32)  # targets 0 1 2 3, exact
+    want = replay_kernels.sample_proportional(prefix, u)
+    assert want.tolist() == [0, 1, 2, 3]
+    assert np.array_equal(sample_sorted(prefix, u), want)
