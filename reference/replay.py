@@ -2,8 +2,9 @@
 
 Sampling uses the replay kernels (``prefix_sum``; ``sample_proportional``, as its equal on the
 buffer's sorted prefix sums ``sample_sorted``; ``importance_weights``): ``P(i) = p_i / sum_j p_j``
-with ``p_i = (|td_i| + eps)^alpha``, and ``w_i = (N P(i))^-beta`` normalised by the batch maximum. New transitions enter with the current
-maximum priority so that each is seen at least once with high probability.
+with ``p_i = (|td_i| + eps)^alpha``, and ``w_i = (N P(i))^-beta`` normalised by the batch maximum.
+New transitions enter with the current maximum priority so that each is seen at least once with
+high probability.
 """
 
 from __future__ import annotations
