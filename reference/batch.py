@@ -9,11 +9,6 @@ import numpy as np
 from .config import DQNConfig
 
 
-def _branch_sizes(config: DQNConfig) -> np.ndarray:
-    """``config.branches`` as a uint32 array (the upper bounds of ``a``'s columns)."""
-    return np.asarray(config.branches, dtype=np.uint32)
-
-
 @dataclass(frozen=True)
 class Batch:
     """States ``s``/``s2`` f32 ``[B, SD]``, actions ``a`` int32 ``[B, n_branches]``, rewards ``r``
@@ -44,7 +39,7 @@ class Batch:
         # One vectorised pass for a valid batch (this runs on the fast trainer's hot path): viewed
         # as uint32 a negative action is >= 2**31, so one comparison checks both bounds. The
         # per-branch scan only runs to name the first bad entry.
-        if not (self.a.view(np.uint32) < _branch_sizes(config)).all():
+        if not (self.a.view(np.uint32) < np.asarray(config.branches, np.uint32)).all():
             for d, n in enumerate(config.branches):
                 col = self.a[:, d]
                 bad = np.flatnonzero((col < 0) | (col >= n))

@@ -248,16 +248,22 @@ def _float_ops(body: str) -> Counter:
     return Counter(op for op in ops if ".f32" in op or op.startswith("shfl"))
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_c51_loss_branches_compiles_with_c51_loss_body(arch, tmp_path):
+def _compile_fused_ptx(arch: str, tmp_path):
+    """fused.cu and distributional.cu (with the headers) compiled to PTX for ``arch`` by NVRTC;
+    skips where cuda-bindings is missing."""
     pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
     from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
 
     sources = source_files()
     headers = {n: b for n, b in sources.items() if n.endswith(HEADER_SUFFIXES)}
-    module = compile_sources(arch, "ptx", cache_root=tmp_path,
-                             sources={"fused.cu": sources["fused.cu"],
-                                      "distributional.cu": sources["distributional.cu"], **headers})
+    return compile_sources(arch, "ptx", cache_root=tmp_path,
+                           sources={"fused.cu": sources["fused.cu"],
+                                    "distributional.cu": sources["distributional.cu"], **headers})
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_c51_loss_branches_compiles_with_c51_loss_body(arch, tmp_path):
+    module = _compile_fused_ptx(arch, tmp_path)
     assert module.logs["fused.cu"] == ""
     assert module.kernels["c51_loss_branches"] == "fused.cu"
     # logp, actions, m, isw, scale, n_actions, action_offset, ce, total; batch, block_rows, NA
@@ -451,14 +457,7 @@ def test_dueling_log_softmax_q_branches_is_listed_and_plans_the_seed_passes():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_dueling_log_softmax_q_branches_compiles(arch, tmp_path):
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
-    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
-
-    sources = source_files()
-    headers = {n: b for n, b in sources.items() if n.endswith(HEADER_SUFFIXES)}
-    module = compile_sources(arch, "ptx", cache_root=tmp_path,
-                             sources={"fused.cu": sources["fused.cu"],
-                                      "distributional.cu": sources["distributional.cu"], **headers})
+    module = _compile_fused_ptx(arch, tmp_path)
     assert module.logs["fused.cu"] == "" and module.logs["distributional.cu"] == ""
     name = "dueling_log_softmax_q_branches"
     assert module.kernels[name] == "fused.cu"
@@ -650,14 +649,7 @@ def test_dueling_combine_backward_sum_branches_is_listed_and_plans_the_seed():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_dueling_combine_backward_sum_branches_compiles(arch, tmp_path):
-    pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
-    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
-
-    sources = source_files()
-    headers = {n: b for n, b in sources.items() if n.endswith(HEADER_SUFFIXES)}
-    module = compile_sources(arch, "ptx", cache_root=tmp_path,
-                             sources={"fused.cu": sources["fused.cu"],
-                                      "distributional.cu": sources["distributional.cu"], **headers})
+    module = _compile_fused_ptx(arch, tmp_path)
     assert module.logs["fused.cu"] == "" and module.logs["distributional.cu"] == ""
     name = "dueling_combine_backward_sum_branches"
     assert module.kernels[name] == "fused.cu"
