@@ -117,6 +117,9 @@ FALLBACK_EPILOGUES = ("drelu_bgrad", "bgrada")
 #: Alignment (elements) of the sub-buffers that are GEMM operands: 256 bytes of float32.
 OPERAND_ALIGN = 64
 
+#: ``Ops.copy`` kinds and the driver call each enqueues.
+COPY_FUNCTIONS = {"htod": "cuMemcpyHtoDAsync", "dtod": "cuMemcpyDtoDAsync", "dtoh": "cuMemcpyDtoHAsync"}
+
 NORMS = ("c51", "cql", "total")
 LOSSES = ("c51", "cql")
 
@@ -610,8 +613,9 @@ class Ops:
         self.items.append(("gemm", plan, a, b, c, bias, aux))
 
     def copy(self, dst: int, src: int, nbytes: int, kind: str) -> None:
-        if kind not in ("htod", "dtod"):
-            raise ValueError(f"kind: {kind!r}; expected 'htod' or 'dtod'")
+        """An async copy of ``nbytes`` bytes; a host side must be pinned memory (a graph node)."""
+        if kind not in COPY_FUNCTIONS:
+            raise ValueError(f"kind: {kind!r}; expected one of {', '.join(map(repr, COPY_FUNCTIONS))}")
         self.items.append(("copy", kind, int(dst), int(src), int(nbytes)))
 
     def parallel(self, *branches: Ops) -> None:
@@ -672,8 +676,7 @@ class Ops:
                 plan.run(a, b, c, bias_ptr=bias, aux_ptr=aux, stream=stream)
             elif kind == "copy":
                 _, how, dst, src, nbytes = it
-                fn = drv.cuMemcpyHtoDAsync if how == "htod" else drv.cuMemcpyDtoDAsync
-                call(fn, dst, src, nbytes, handle)
+                call(getattr(drv, COPY_FUNCTIONS[how]), dst, src, nbytes, handle)
             elif kind == "parallel":
                 _, sides, main = it
                 if pool is None:
@@ -1292,21 +1295,28 @@ class StepProgram:
         }
 
     # -- evaluation forward (eager)
-    def eval_ops(self, arena, packed: dict, rows: int) -> Ops:
+    def eval_ops(self, arena, packed: dict, rows: int, *, x_host: int | None = None,
+                 q_host: int | None = None) -> Ops:
         """Greedy forward on ``rows`` states in ``arena`` (buffers of ``StepLayout.eval_specs``):
         online params, Mech 10 clamp (the trainer's ISV), log-softmax, expected Q into ``q``
-        (packed per branch)."""
+        (packed per branch). With ``x_host`` / ``q_host`` (pinned host addresses), the states are
+        first copied in from ``x_host`` and ``q`` is copied out to ``q_host`` at the end, so the
+        whole evaluation is one captured graph (``Trainer.q_values``)."""
         self._eval = (arena, packed)
         try:
             lay = self.lay
             ops = Ops(self.module)
             x = self.ptr("x")
+            if x_host is not None:
+                ops.copy(x, x_host, rows * lay.SD * 4, "htod")
             xb = None
             if lay.bf16:
                 xb = self.ptr("xb")
                 self.to_bf16(ops, x, xb, rows * lay.SD)
             self.forward(ops, tag="e", rows=rows, which=0, x=x, xb=xb, aux=False,
                          logits_key=lambda d: ("e", d), q_ptr=self.ptr("q"))
+            if q_host is not None:
+                ops.copy(q_host, self.ptr("q"), arena.spec("q").nbytes, "dtoh")
             return ops
         finally:
             self._eval = None

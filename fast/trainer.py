@@ -246,29 +246,46 @@ class Trainer(TrainerBackend):
         return self.arena.download("td")
 
     def q_values(self, states: np.ndarray) -> list[np.ndarray]:
-        from foxhunt.fast.device import Arena
+        """Expected Q of every branch for ``states`` ``[N, state_dim]`` under the online params
+        (``list`` of ``[N, n_d]`` float32 arrays, fresh copies); synchronises.
 
-        states = np.ascontiguousarray(states, dtype=np.float32)
+        Per row count ``N``, the first call captures one graph (copy in from a pinned buffer,
+        the greedy forward of ``StepProgram.eval_ops`` on its own small arena, copy out to a
+        pinned buffer); every call is a host copy into the pinned input, one graph launch on the
+        step stream (so after every step enqueued before it) and one synchronisation."""
+        states = np.asarray(states)
         SD = self.config.state_dim
         if states.ndim != 2 or states.shape[1] != SD or states.shape[0] < 1:
             raise ValueError(f"states: shape {states.shape}; expected [N, {SD}] with N >= 1")
         rows = states.shape[0]
         cached = self._eval_cache.get(rows)
         if cached is None:
-            specs, packed = self.layout.eval_specs(rows)
-            arena = Arena.from_specs(self.device, specs)
-            cached = (arena, packed, self.program.eval_ops(arena, packed, rows))
-            self.program.pool.reserve(cached[2])
-            self._eval_cache[rows] = cached
-        arena, packed, ops = cached
-        arena.upload_async("x", states, self._stream)
-        ops.enqueue(self._stream, self.program.pool)
-        q = arena.download("q")  # synchronises the stream
-        out, q_packed = [], packed["q"]
-        for d, n in enumerate(self.config.branches):
-            start = q_packed.offsets[d]
-            out.append(q[start:start + rows * n].reshape(rows, n).copy())
-        return out
+            cached = self._eval_cache[rows] = self._build_eval(rows)
+        graph, _, x_host, q_host, q_offsets = cached
+        x_host[...] = states  # casts to float32
+        graph.replay()
+        self._stream.synchronize()
+        return [q_host[start:start + rows * n].reshape(rows, n).copy()
+                for start, n in zip(q_offsets, self.config.branches)]
+
+    def _build_eval(self, rows: int) -> tuple:
+        """The ``q_values`` graph for ``rows`` states and what it uses: ``(graph, arena, x_host,
+        q_host, q_offsets)``."""
+        from foxhunt.fast.device import Arena
+        from foxhunt.fast.graphs import GraphCapture
+
+        specs, packed = self.layout.eval_specs(rows)
+        arena = Arena.from_specs(self.device, specs)
+        x_host = self.device.pinned_empty(specs["x"][0], np.float32)
+        q_host = self.device.pinned_empty(arena.spec("q").shape, np.float32)
+        ops = self.program.eval_ops(arena, packed, rows, x_host=x_host.ctypes.data,
+                                    q_host=q_host.ctypes.data)
+        self.program.pool.reserve(ops)
+        graph = GraphCapture(self._stream)
+        with graph:
+            ops.enqueue(self._stream, self.program.pool)
+        offsets = packed["q"].offsets
+        return graph, arena, x_host, q_host, tuple(offsets[d] for d in range(len(self.config.branches)))
 
     # ------------------------------------------------------------------ state exchange
     @property
@@ -365,7 +382,8 @@ class Trainer(TrainerBackend):
             for event in [*self._uploaded, self._graph1_done]:
                 _driver().cuEventDestroy(event)
             self._upload_stream.close()
-            for arena, _, _ in self._eval_cache.values():
+            for graph, arena, *_ in self._eval_cache.values():
+                graph.close()
                 arena.close()
             self.arena.close()
 

@@ -1228,6 +1228,17 @@ def test_q_values_and_td_errors_match_the_reference(backend, precision):
     fast.step(batch)
     want, got = ref.last_td_errors(), fast.last_td_errors()
     assert got.shape == (config.batch_size,) and _rel_diff(want, got) <= tol
+    # The q_values graph of 7 rows is replayed: it reads the weights after the step and the new
+    # states (float64 input is cast), and earlier results are copies, not the pinned output.
+    before = fast.q_values(states)
+    kept = [q.copy() for q in before]
+    other = rng.standard_normal((7, config.state_dim))
+    for want, got in zip(ref.q_values(other.astype(np.float32)), fast.q_values(other)):
+        assert _rel_diff(want, got) <= tol
+    for q, k in zip(before, kept):
+        assert np.array_equal(q, k)
+    for want, got in zip(ref.q_values(states[:1]), fast.q_values(states[:1])):
+        assert got.shape == want.shape and _rel_diff(want, got) <= tol
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
