@@ -19,9 +19,9 @@ Three layers, each usable on its own:
   with the safety clip and Mech 9, batched spectral norm, Polyak, the BF16 mirrors of params
   and target, ISV producers, the fused sentinel checks; the producers and the check of the
   buffers graph 2 does not write run as branches beside the whole optimiser chain, forked at
-  the graph's start, the check of the Adam moments beside the chain after Adam), and the eager
-  greedy forward of ``q_values``
-  (``eval_forward(rows)``).
+  the graph's start, the check of the Adam moments beside the chain after Adam), and the greedy
+  forward of ``q_values`` (``eval_ops(arena, packed, rows)``, which the trainer captures as one
+  graph per row count with the copies in and out of pinned memory).
 
 Kernels are the reference kernels' CUDA twins (``cuda_src/<area>.cu``, launch shapes from
 ``foxhunt.fast.kernels.<area>.plan_*``) plus the trainer's glue kernels
