@@ -16,6 +16,9 @@ statistically, each criterion relative to the F32 run (``|bf16 - f32| <= tol * |
   Adam, after the budget pipeline).
 
 Both runs must finish all 50 epochs without a halt (``halt_nan`` / ``halt_grad_collapse``).
+``foxhunt.conformance.longrun_seeds`` runs the same 50 epochs over other seeds and variants (two
+F32 runs that differ only in their GEMM algorithms, the NumPy reference) to measure how often
+runs that differ only in the order of their sums meet each criterion (README: the noise floor).
 One fold of ``LONGRUN_BARS`` bars (75% training, 25% held out), 300 steps per epoch.
 
 The run is marked ``slow`` and ``gpu``; it is skipped unless ``FOXHUNT_LONGRUN=1`` (two runs of
@@ -110,17 +113,19 @@ def parity_problems(bf16: RunSummary, f32: RunSummary) -> list[str]:
     return problems
 
 
-def train(precision: str) -> RunSummary:
+def train(precision: str, seed: int = LONGRUN_SEED, backend: str = "fast") -> RunSummary:
+    """The long run in ``precision``: the market is always ``LONGRUN_SEED``'s, ``seed`` seeds the
+    trainer's initial state, exploration, replay sampling and environments (``LoopSettings``)."""
     config = DQNConfig.preset("seed", precision=precision)
     bars = SyntheticMarket.preset(MARKET, seed=LONGRUN_SEED, n_bars=LONGRUN_BARS).generate()
-    settings = LoopSettings(folds=1, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, seed=LONGRUN_SEED)
+    settings = LoopSettings(folds=1, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, seed=seed)
     grad_norms: list[float] = []
 
     def on_step(_, scalars) -> None:
         if scalars.fresh:
             grad_norms.append(float(scalars.grad_norm))
 
-    result = run(config, bars, settings, backend="fast", on_step=on_step)
+    result = run(config, bars, settings, backend=backend, on_step=on_step)
     return summarise(precision, result, grad_norms)
 
 
