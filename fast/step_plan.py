@@ -1294,7 +1294,7 @@ class StepProgram:
             "spectral_desc": spectral_descriptors(mats).view(np.uint8).reshape(len(mats), 32),
         }
 
-    # -- evaluation forward (eager)
+    # -- evaluation forward (captured per row count by Trainer.q_values)
     def eval_ops(self, arena, packed: dict, rows: int, *, x_host: int | None = None,
                  q_host: int | None = None) -> Ops:
         """Greedy forward on ``rows`` states in ``arena`` (buffers of ``StepLayout.eval_specs``):

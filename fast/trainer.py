@@ -50,6 +50,8 @@ from .step_plan import READBACK_FIELDS, READBACK_INDEX, StepLayout, StepProgram
 
 #: Pinned staging buffers (and graph-1 instances) the host cycles through.
 STAGING_RING = 2
+#: Row counts whose ``q_values`` graph is kept (least recently used evicted beyond it).
+EVAL_CACHE_SIZE = 8
 
 
 class Trainer(TrainerBackend):
@@ -258,9 +260,12 @@ class Trainer(TrainerBackend):
         if states.ndim != 2 or states.shape[1] != SD or states.shape[0] < 1:
             raise ValueError(f"states: shape {states.shape}; expected [N, {SD}] with N >= 1")
         rows = states.shape[0]
-        cached = self._eval_cache.get(rows)
+        cached = self._eval_cache.pop(rows, None)
         if cached is None:
-            cached = self._eval_cache[rows] = self._build_eval(rows)
+            if len(self._eval_cache) >= EVAL_CACHE_SIZE:  # evict the least recently used
+                self._close_eval(self._eval_cache.pop(next(iter(self._eval_cache))))
+            cached = self._build_eval(rows)
+        self._eval_cache[rows] = cached  # most recently used last
         graph, _, x_host, q_host, q_offsets = cached
         x_host[...] = states  # casts to float32
         graph.replay()
@@ -281,11 +286,18 @@ class Trainer(TrainerBackend):
         ops = self.program.eval_ops(arena, packed, rows, x_host=x_host.ctypes.data,
                                     q_host=q_host.ctypes.data)
         self.program.pool.reserve(ops)
-        graph = GraphCapture(self._stream)
+        graph = GraphCapture(self._stream, max_branches=0)  # branches come from the pool
         with graph:
             ops.enqueue(self._stream, self.program.pool)
         offsets = packed["q"].offsets
         return graph, arena, x_host, q_host, tuple(offsets[d] for d in range(len(self.config.branches)))
+
+    @staticmethod
+    def _close_eval(cached: tuple) -> None:
+        """Release one ``q_values`` graph and its arena (the stream is idle: each call syncs)."""
+        graph, arena, *_ = cached
+        graph.close()
+        arena.close()
 
     # ------------------------------------------------------------------ state exchange
     @property
@@ -382,9 +394,8 @@ class Trainer(TrainerBackend):
             for event in [*self._uploaded, self._graph1_done]:
                 _driver().cuEventDestroy(event)
             self._upload_stream.close()
-            for graph, arena, *_ in self._eval_cache.values():
-                graph.close()
-                arena.close()
+            for cached in self._eval_cache.values():
+                self._close_eval(cached)
             self.arena.close()
 
 

@@ -1241,6 +1241,28 @@ def test_q_values_and_td_errors_match_the_reference(backend, precision):
         assert got.shape == want.shape and _rel_diff(want, got) <= tol
 
 
+def test_q_values_keeps_a_bounded_cache_of_graphs(backend):
+    """One graph per row count, at most EVAL_CACHE_SIZE of them (least recently used evicted);
+    an evicted size is rebuilt on its next call and still gives the reference's values."""
+    from foxhunt.fast import trainer as fast_trainer
+
+    name, make = backend
+    config = DQNConfig.preset("tiny", precision="f32")
+    ref, rng = _warm_reference(config, seed=3)
+    fast = make(config)
+    fast.load_state_dict(ref.state_dict())
+    size = fast_trainer.EVAL_CACHE_SIZE
+    states = rng.standard_normal((size + 3, config.state_dim)).astype(np.float32)
+    for rows in range(1, size + 3):
+        fast.q_values(states[:rows])
+        fast.q_values(states[:1])  # 1 row stays the most recently used
+    assert sorted(fast._eval_cache) == [1, *range(4, size + 3)]  # 1 and the 7 latest
+    for rows in (2, size + 2, 1):  # rebuilt after its eviction, kept, kept
+        for want, got in zip(ref.q_values(states[:rows]), fast.q_values(states[:rows])):
+            assert got.shape == want.shape and _rel_diff(want, got) <= TOL[(name, "f32")]
+    assert len(fast._eval_cache) == size and list(fast._eval_cache)[-3:] == [2, size + 2, 1]
+
+
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_gemm_epilogue_fallbacks_give_the_same_step(monkeypatch, _nvrtc, precision):
     """Where cuBLASLt refuses DRELU_BGRAD or the bias-gradient epilogue, the step runs a plain
