@@ -120,7 +120,7 @@ class _Stream:
         assert EMU.capture is None, "stream synchronisation inside a graph capture"
 
     def close(self):
-        pass
+        """Nothing to release: an emulated stream owns no driver resource."""
 
 
 class _Event:
