@@ -12,7 +12,8 @@ from .config import DQNConfig
 @dataclass(frozen=True)
 class Batch:
     """States ``s``/``s2`` f32 ``[B, SD]``, actions ``a`` int32 ``[B, n_branches]``, rewards ``r``
-    f32 ``[B]``, ``done`` f32 ``[B]`` (0 or 1), importance weights ``isw`` f32 ``[B]``."""
+    f32 ``[B]``, ``done`` f32 ``[B]`` (0 or 1), importance weights ``isw`` f32 ``[B]`` (finite,
+    > 0)."""
 
     s: np.ndarray
     a: np.ndarray
@@ -22,7 +23,10 @@ class Batch:
     isw: np.ndarray
 
     def validate(self, config: DQNConfig) -> "Batch":
-        """Check shapes, dtypes and action ranges; returns ``self`` or raises ``ValueError``."""
+        """Check shapes, dtypes, action ranges, ``done`` in {0, 1} and ``isw`` finite and > 0;
+        returns ``self`` or raises ``ValueError`` naming the field, the first bad index and value.
+        A valid batch costs one vectorised pass per check. ``s``, ``s2`` and ``r`` may hold
+        NaN/Inf (market data): the sentinels flag those."""
         B, SD, nb = config.batch_size, config.state_dim, config.n_branches
         expect = {
             "s": ((B, SD), np.float32), "s2": ((B, SD), np.float32), "a": ((B, nb), np.int32),
@@ -51,6 +55,13 @@ class Batch:
         if not np.all((done == 0) | (done == 1)):  # NaN fails both comparisons
             i = int(np.flatnonzero((done != 0) & (done != 1))[0])
             raise ValueError(f"batch.done[{i}]={done[i]!r}: allowed values are 0 and 1")
+        # Importance weights scale each sample's loss: a non-finite or non-positive one is a bug
+        # upstream (replay gives (0, 1]), not data, so it is refused here rather than flagged.
+        ok = (self.isw > 0) & (self.isw < np.inf)  # NaN fails both comparisons
+        if not ok.all():
+            i = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"batch.isw[{i}]={float(self.isw[i])!r}: importance weights must be "
+                             "finite and > 0 (allowed range (0, inf))")
         return self
 
     @classmethod
