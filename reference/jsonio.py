@@ -1,0 +1,102 @@
+"""JSON output that is always valid JSON: every file foxhunt writes goes through here.
+
+``json.dumps`` writes ``NaN`` and ``Infinity`` by default, which are not JSON (RFC 8259) and
+which strict readers (``jq``, JavaScript's ``JSON.parse``, Go) reject. Here a non-finite float
+becomes ``null``; NumPy scalars and arrays become Python numbers and lists; tuples become
+lists; dataclasses become dicts; ``Path`` becomes a string. Anything else is a ``TypeError``.
+
+- ``dumps(obj, indent=None)``: the text (``allow_nan=False`` after the conversion, so a
+  non-finite value that slipped through fails loudly instead of writing bad JSON).
+- ``write_json(path, obj)``: atomic (a temporary file in the same directory, flushed and
+  fsynced, then ``os.replace``): a reader never sees a half-written file, a failed write
+  leaves the old file as it was.
+- ``append_jsonl(path, obj)``: one line, flushed, for metrics streams.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from pathlib import Path, PurePath
+from typing import Any
+
+import numpy as np
+
+# The process umask, read once at import (os.umask can only be read by setting it, which is
+# not thread-safe: the Prometheus server thread may be creating files at the time).
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def to_jsonable(obj: Any) -> Any:
+    """``obj`` with non-finite floats as ``None`` and NumPy / tuple / dataclass / path values
+    converted to plain JSON types (recursively). Dict keys become strings."""
+    if obj is None or isinstance(obj, (bool, str)):
+        return obj
+    if isinstance(obj, (int, np.integer)) and not isinstance(obj, np.bool_):
+        return int(obj)
+    if isinstance(obj, (float, np.floating)):
+        value = float(obj)
+        return value if math.isfinite(value) else None
+    if isinstance(obj, np.bool_):
+        return bool(obj)
+    if isinstance(obj, np.ndarray):
+        return to_jsonable(obj.tolist())
+    if isinstance(obj, dict):
+        return {str(k): to_jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [to_jsonable(v) for v in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return to_jsonable(dataclasses.asdict(obj))
+    if isinstance(obj, PurePath):
+        return str(obj)
+    raise TypeError(f"cannot write a {type(obj).__name__} as JSON: {obj!r}")
+
+
+def dumps(obj: Any, *, indent: int | None = None) -> str:
+    """JSON text of ``obj`` (see ``to_jsonable``); keys keep their order."""
+    return json.dumps(to_jsonable(obj), indent=indent, allow_nan=False)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same directory and
+    ``os.replace``; on any error the temporary file is removed and ``path`` is unchanged."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        # mkstemp creates 0600; give the file the permissions a plain open() would.
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """Write ``obj`` as indented JSON to ``path`` atomically (``write_text_atomic``)."""
+    return write_text_atomic(path, dumps(obj, indent=2) + "\n")
+
+
+def append_jsonl(path: str | Path, obj: Any) -> None:
+    """Append ``obj`` as one JSON line to ``path`` and flush it."""
+    line = dumps(obj) + "\n"
+    with open(path, "a", encoding="utf-8") as fh:
+        fh.write(line)
+        fh.flush()
+
+
+def read_jsonl(path: str | Path) -> list[Any]:
+    """The records of a JSON-lines file (blank lines skipped)."""
+    with open(path, encoding="utf-8") as fh:
+        return [json.loads(line) for line in fh if line.strip()]
