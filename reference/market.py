@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import bisect
 import csv
+import gzip
+import io
 import math
+import zlib
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -436,9 +439,15 @@ def load_csv(path: str | Path) -> Bars:
     row"), a non-positive open/high/low/close, a negative volume, ``high < max(open, close)``
     or ``low > min(open, close)``, a timestamp not strictly greater than the previous one,
     or a file with no data rows. Blank lines are skipped (line numbers still count them).
+
+    Encoding: UTF-8, with or without a byte-order mark (stripped). A gzip-compressed file
+    (recognised by its magic bytes, whatever its name, e.g. ``bars.csv.gz``) is decompressed
+    first. Anything else that is not UTF-8 (e.g. Latin-1 or Windows-1252 text) raises
+    ``ValueError`` naming the file, the offending byte, its byte offset and line, rather than
+    being guessed at: a wrong guess would silently change values or column names.
     """
     path = Path(path)
-    with path.open(newline="") as fh:
+    with io.StringIO(_read_csv_text(path), newline="") as fh:
         reader = csv.reader(fh)
         header = next(reader, None)
         if header is None:
@@ -525,6 +534,32 @@ def load_csv(path: str | Path) -> Bars:
     else:
         ts_arr = np.asarray(timestamps, dtype=np.float64)
     return Bars(ts_arr, *(np.asarray(values[c], dtype=np.float32) for c in CSV_COLUMNS[1:]))
+
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _read_csv_text(path: Path) -> str:
+    """The text of a CSV file for ``load_csv``: gunzipped if gzip, UTF-8 with any BOM removed."""
+    raw = path.read_bytes()
+    where = ""
+    if raw[:2] == _GZIP_MAGIC:
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as exc:
+            raise ValueError(f"{path}: starts like a gzip file but cannot be decompressed ({exc})") from None
+        where = " of the decompressed data"
+    skip = len(_UTF8_BOM) if raw.startswith(_UTF8_BOM) else 0
+    try:
+        return raw[skip:].decode("utf-8")
+    except UnicodeDecodeError as exc:
+        offset = skip + exc.start
+        line = raw.count(b"\n", 0, offset) + 1
+        raise ValueError(
+            f"{path}: not UTF-8 text: byte 0x{raw[offset]:02x} at byte offset {offset}{where} "
+            f"(line {line}); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)"
+        ) from None
 
 
 # --------------------------------------------------------------------------------------------

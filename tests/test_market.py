@@ -348,6 +348,57 @@ def test_load_csv_row_numbers_skip_blank_lines(tmp_path):
         load_csv(_write(tmp_path, text))
 
 
+def _assert_same_bars(a, b):
+    for name in ("timestamp", "open", "high", "low", "close", "volume"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_load_csv_strips_a_utf8_byte_order_mark(tmp_path):
+    # Excel's "CSV UTF-8" starts with a BOM; without stripping, the first column would be
+    # named "\ufefftimestamp" and the file refused as missing its timestamp column.
+    plain = load_csv(_write(tmp_path, HEADER + "".join(GOOD_ROWS)))
+    path = tmp_path / "bom.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + (HEADER + "".join(GOOD_ROWS)).encode())
+    _assert_same_bars(load_csv(path), plain)
+
+
+@pytest.mark.parametrize("name", ["bars.csv.gz", "bars_gzipped.csv"])
+def test_load_csv_reads_gzip_by_its_magic_bytes(tmp_path, name):
+    import gzip
+
+    plain = load_csv(_write(tmp_path, HEADER + "".join(GOOD_ROWS)))
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(b"\xef\xbb\xbf" + (HEADER + "".join(GOOD_ROWS)).encode()))
+    _assert_same_bars(load_csv(path), plain)
+
+
+def test_load_csv_truncated_gzip_is_one_clear_error(tmp_path):
+    import gzip
+
+    path = tmp_path / "bars.csv.gz"
+    path.write_bytes(gzip.compress((HEADER + "".join(GOOD_ROWS)).encode())[:20])
+    with pytest.raises(ValueError, match="gzip") as excinfo:
+        load_csv(path)
+    assert str(path) in str(excinfo.value)
+
+
+@pytest.mark.parametrize("bom", [b"", b"\xef\xbb\xbf"])
+def test_load_csv_latin1_names_the_file_byte_offset_and_line(tmp_path, bom):
+    # 'symbol' column value "Zürich" in Latin-1: the ü is the single byte 0xfc.
+    text = "timestamp,open,high,low,close,volume,symbol\n1000,100,101,99,100.5,10,Z\xfcrich\n"
+    raw = bom + text.encode("latin-1")
+    path = tmp_path / "latin1.csv"
+    path.write_bytes(raw)
+    expected_offset = raw.index(b"\xfc")  # counted by hand: BOM + header (44) + "1000,100,101,99,100.5,10,Z" (26)
+    assert expected_offset == len(bom) + 44 + 26
+    with pytest.raises(ValueError) as excinfo:
+        load_csv(path)
+    message = str(excinfo.value)
+    assert str(path) in message and "not UTF-8" in message
+    assert f"byte offset {expected_offset} " in message and "0xfc" in message
+    assert "(line 2)" in message
+
+
 # ------------------------------------------------------------------------------------------
 # Market features
 # ------------------------------------------------------------------------------------------
