@@ -119,6 +119,12 @@ class DQNConfig:
                     f"branches={self.branches!r}: branches[{i}]={n!r}, each branch needs an "
                     "integer number of actions >= 2"
                 )
+        if not (_is_real(self.gamma) or isinstance(self.gamma, tuple)):
+            raise ValueError(f"gamma={self.gamma!r}: must be a number in [0.0, 1.0] or a tuple "
+                             "of them, one per branch")
+        if isinstance(self.gamma, tuple):
+            for i, g in enumerate(self.gamma):
+                require_range(f"gamma[{i}]", g, 0.0, 1.0)  # before gammas' float() hides a str
         gammas = self.gammas
         if isinstance(self.gamma, tuple) and len(self.gamma) != len(self.branches):
             raise ValueError(

@@ -86,3 +86,56 @@ def test_num_atoms_property(n):
     else:
         with pytest.raises(ValueError, match="num_atoms"):
             DQNConfig(num_atoms=n)
+
+
+# ------------------------------------------------------------------ strict types, every field
+def _fields_of(kind):
+    """The DQNConfig fields whose annotation is ``kind`` (read from the annotations, not from
+    the validation code under test)."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(DQNConfig)
+    return [f.name for f in dataclasses.fields(DQNConfig) if hints[f.name] == kind]
+
+
+FLOAT_FIELDS = _fields_of(float) + ["gamma"]  # gamma: float | tuple[float, ...]
+INT_FIELDS = _fields_of(int)
+
+
+def test_field_lists_cover_the_config():
+    assert "lr" in FLOAT_FIELDS and "batch_size" in INT_FIELDS
+    assert len(FLOAT_FIELDS) >= 20 and len(INT_FIELDS) >= 8
+
+
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+@pytest.mark.parametrize("bad", ["0.9", "1", True, False, None, b"1"])
+def test_float_fields_reject_strings_booleans_and_none(field, bad):
+    with pytest.raises(ValueError) as err:
+        DQNConfig.preset("seed").replace(**{field: bad})
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize("field", INT_FIELDS)
+@pytest.mark.parametrize("bad", ["64", 64.0, True, None])
+def test_int_fields_reject_strings_floats_booleans_and_none(field, bad):
+    with pytest.raises(ValueError) as err:
+        DQNConfig.preset("seed").replace(**{field: bad})
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize("field,bad", [
+    ("branches", "3,3,2"), ("branches", (3, "3", 2)), ("branches", (3, 3.0, 2)),
+    ("budgets", "0.7,0.15,0.1,0.05"), ("budgets", (0.7, "0.15", 0.1, 0.05)),
+    ("gamma", (0.99, "0.99", 0.99)), ("gamma", (0.99, True, 0.99)),
+    ("precision", 32), ("precision", None),
+])
+def test_sequence_and_string_fields_reject_wrong_element_types(field, bad):
+    with pytest.raises(ValueError) as err:
+        DQNConfig.preset("seed").replace(**{field: bad})
+    assert field in str(err.value)
+
+
+def test_float_fields_accept_integers():
+    c = DQNConfig.preset("seed").replace(lr=1, gamma=1, cql_alpha=0)
+    assert (c.lr, c.gammas[0], c.cql_alpha) == (1, 1.0, 0)
