@@ -156,15 +156,15 @@ def _read_bytes(path: Path) -> bytes:
 def _parse_header(path: Path, data: bytes) -> dict[str, str]:
     """The metadata of the safetensors file ``data``, after checking that its header is valid
     JSON and that its length and the tensors' data offsets account for every byte."""
-    damaged = f"{_where(path)} is damaged or not a safetensors checkpoint"
+    short = f"{_where(path)} is truncated or not a safetensors checkpoint"
     if len(data) < _LENGTH_BYTES:
-        raise CheckpointError(f"{damaged}: {len(data)} bytes, shorter than the "
-                              f"{_LENGTH_BYTES}-byte header length")
+        raise CheckpointError(f"{short}: {len(data)} bytes, fewer than the {_LENGTH_BYTES}-byte "
+                              "header length")
     n = int.from_bytes(data[:_LENGTH_BYTES], "little")
     body = len(data) - _LENGTH_BYTES
     if n > body:
-        raise CheckpointError(f"{damaged} (or truncated): its header length field says {n} bytes, "
-                              f"only {body} follow")
+        raise CheckpointError(f"{short}: its header length field says {n} bytes, only {body} "
+                              "follow")
     try:
         header = json.loads(data[_LENGTH_BYTES:_LENGTH_BYTES + n].decode("utf-8"))
         meta = header.pop("__metadata__", {})
@@ -172,13 +172,15 @@ def _parse_header(path: Path, data: bytes) -> dict[str, str]:
         if not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
             raise ValueError("__metadata__ is not a map of strings")
     except (ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
-        raise CheckpointError(f"{damaged}: its header is not valid ({exc})") from None
+        raise CheckpointError(f"{_where(path)} is damaged or not a safetensors checkpoint: its "
+                              f"header is not valid ({exc})") from None
     want = _LENGTH_BYTES + n + end
     if want > len(data):
         raise CheckpointError(f"{_where(path)} is truncated: {len(data)} bytes, its header "
                               f"describes {want}")
     if want < len(data):
-        raise CheckpointError(f"{damaged}: {len(data) - want} bytes after the last tensor")
+        raise CheckpointError(f"{_where(path)} is damaged: {len(data) - want} bytes after its "
+                              "last tensor")
     return meta
 
 

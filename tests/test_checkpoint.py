@@ -1,7 +1,13 @@
-"""Checkpoints: bit-exact round trip, fingerprint and layout mismatches, interrupted saves."""
+"""Checkpoints: bit-exact round trip, fingerprint and layout mismatches, interrupted saves,
+file modes, integrity (damaged, truncated, random files) and the format before hashes."""
 
+import errno
+import hashlib
 import json
+import logging
 import math
+import os
+import stat
 
 import numpy as np
 import pytest
@@ -10,7 +16,8 @@ import safetensors.numpy as st_numpy
 from foxhunt.reference import checkpoint
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.checkpoint import (CheckpointError, check_compatible, load_checkpoint,
+from foxhunt.reference.checkpoint import (CheckpointError, CheckpointFingerprintMismatch,
+                                          CheckpointNotFound, check_compatible, load_checkpoint,
                                           read_metadata, save_checkpoint)
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.trainer import Trainer
@@ -102,30 +109,36 @@ def test_fingerprint_mismatch_in_metadata_names_both(trained, monkeypatch):
         trainer.save(path)
     ours = f"{isv_mod.LAYOUT_FINGERPRINT:016x}"
     for load in (load_checkpoint, Trainer.load):
-        with pytest.raises(isv_mod.FingerprintMismatch) as err:
+        with pytest.raises(CheckpointFingerprintMismatch) as err:
             load(path)
-        msg = str(err.value).lower()
-        assert f"{FAKE_FINGERPRINT:016x}" in msg and ours in msg
+        assert isinstance(err.value, isv_mod.FingerprintMismatch)  # either class catches it
+        msg = str(err.value)
+        assert f"{FAKE_FINGERPRINT:016x}" in msg.lower() and ours in msg.lower()
+        assert str(path) in msg
+
+
+def _rewrite(path, tensors=None, **changes):
+    """Rewrite checkpoint ``path`` with ``tensors`` (default: its own) and metadata ``changes``,
+    under a valid integrity hash: the later checks (format, fingerprint, layout) are reached."""
+    meta = read_metadata(path)
+    meta.update(changes)
+    tensors = st_numpy.load_file(str(path)) if tensors is None else tensors
+    meta[checkpoint.HASH_KEY] = checkpoint.integrity_hash(meta, tensors)
+    st_numpy.save_file(tensors, str(path), metadata=meta)
 
 
 def test_fingerprint_mismatch_in_isv_slots_names_both(trained):
     """Metadata intact, but the ISV vector's fingerprint slots hand-edited in the file."""
     trainer, _, path = trained
     trainer.save(path)
-    meta = read_metadata(path)
     tensors = st_numpy.load_file(str(path))
     isv_mod.write_fingerprint(tensors["isv"], FAKE_FINGERPRINT)
-    st_numpy.save_file(tensors, str(path), metadata=meta)
-    with pytest.raises(isv_mod.FingerprintMismatch) as err:
+    _rewrite(path, tensors)
+    with pytest.raises(CheckpointFingerprintMismatch) as err:
         Trainer.load(path)
-    msg = str(err.value).lower()
-    assert f"{FAKE_FINGERPRINT:016x}" in msg and f"{isv_mod.LAYOUT_FINGERPRINT:016x}" in msg
-
-
-def _resave_with_metadata(path, **changes):
-    meta = read_metadata(path)
-    meta.update(changes)
-    st_numpy.save_file(st_numpy.load_file(str(path)), str(path), metadata=meta)
+    msg = str(err.value)
+    assert f"{FAKE_FINGERPRINT:016x}" in msg.lower()
+    assert f"{isv_mod.LAYOUT_FINGERPRINT:016x}" in msg.lower() and str(path) in msg
 
 
 def test_layout_mismatch_names_both_shapes(trained):
@@ -143,7 +156,7 @@ def test_layout_mismatch_names_both_shapes(trained):
 def test_param_layout_edited_in_metadata_is_rejected(trained):
     trainer, _, path = trained
     trainer.save(path)
-    _resave_with_metadata(path, param_layout="0|w_s1|16x16|0")
+    _rewrite(path, param_layout="0|w_s1|16x16|0")
     with pytest.raises(CheckpointError, match="layout"):
         Trainer.load(path)
 
@@ -151,44 +164,76 @@ def test_param_layout_edited_in_metadata_is_rejected(trained):
 def test_unknown_format_is_rejected(trained):
     trainer, _, path = trained
     trainer.save(path)
-    _resave_with_metadata(path, format="foxhunt-checkpoint-0")
-    with pytest.raises(CheckpointError, match="foxhunt-checkpoint-0"):
+    _rewrite(path, format="foxhunt-checkpoint-0")
+    with pytest.raises(CheckpointError, match="foxhunt-checkpoint-0") as err:
         Trainer.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_config_of_another_version_is_a_checkpoint_error(trained):
+    trainer, _, path = trained
+    trainer.save(path)
+    config = json.loads(read_metadata(path)["config"])
+    _rewrite(path, config=json.dumps({**config, "warp_factor": 9}))
+    with pytest.raises(CheckpointError, match="warp_factor") as err:
+        Trainer.load(path)
+    assert str(path) in str(err.value)
 
 
 def test_missing_checkpoint(tmp_path):
-    with pytest.raises(FileNotFoundError):
-        Trainer.load(tmp_path / "nope.safetensors")
+    path = tmp_path / "nope.safetensors"
+    for load in (load_checkpoint, Trainer.load, read_metadata):
+        with pytest.raises(CheckpointNotFound) as err:
+            load(path)
+        assert isinstance(err.value, CheckpointError) and isinstance(err.value, FileNotFoundError)
+        assert str(path) in str(err.value) and "does not exist" in str(err.value)
 
 
-def _broken_save_file(calls: list, exc: BaseException):
-    """A ``save_file`` that writes half of the real serialisation, then raises ``exc``."""
-    def broken(tensors, filename, metadata=None):
-        data = st_numpy.save(tensors, metadata=metadata)
-        with open(filename, "wb") as fh:
-            fh.write(data[: len(data) // 2])
-        calls.append(str(filename))
+ENOSPC = OSError(errno.ENOSPC, "No space left on device")
+
+
+def _failing_save(monkeypatch, path, where: str, exc: BaseException) -> list:
+    """Patch the ``os`` function ``where`` (``write``, ``fsync`` or ``replace``) so that the next
+    save fails there with ``exc``; ``write`` first writes half of what it is given (a disk that
+    fills up mid-write). Returns the directory listings seen at the failure."""
+    seen: list = []
+    real = getattr(os, where)
+
+    def failing(*args, **kwargs):
+        seen.append(sorted(os.listdir(path.parent)))
+        if where == "write" and len(seen) == 1:
+            fd, data = args
+            return real(fd, bytes(data[: len(data) // 2]))
         raise exc
-    return broken
+    monkeypatch.setattr(os, where, failing)
+    return seen
 
 
-@pytest.mark.parametrize("exc", [OSError(28, "No space left on device"), KeyboardInterrupt()],
-                         ids=["oserror", "keyboardinterrupt"])
-def test_interrupted_save_keeps_the_previous_checkpoint(trained, monkeypatch, exc):
+FAILURES = {  # id: (os function that fails, exception)
+    "write_oserror": ("write", ENOSPC),
+    "write_keyboardinterrupt": ("write", KeyboardInterrupt()),
+    "fsync_oserror": ("fsync", ENOSPC),
+    "replace_oserror": ("replace", OSError(errno.EACCES, "Permission denied")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAILURES))
+def test_interrupted_save_keeps_the_previous_checkpoint(trained, monkeypatch, case):
+    where, exc = FAILURES[case]
     trainer, batch, path = trained
     trainer.save(path)
     good = path.read_bytes()
     good_state = trainer.state_dict()
     trainer.step(batch)  # the state now differs from the file
 
-    calls: list[str] = []
     with monkeypatch.context() as m:
-        m.setattr(st_numpy, "save_file", _broken_save_file(calls, exc))
+        seen = _failing_save(m, path, where, exc)
         with pytest.raises(type(exc)):
             trainer.save(path)
-    assert len(calls) == 1  # the patched writer was the one used
-    assert calls[0] != str(path)  # it wrote a temporary file, not over the checkpoint
-
+    assert seen  # the patched function was reached
+    # ... while a temporary file beside the intact checkpoint was being written:
+    tmp = [n for n in seen[0] if n != path.name]
+    assert len(tmp) == 1 and tmp[0].startswith(f".{path.name}.") and tmp[0].endswith(".tmp")
     assert path.read_bytes() == good
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no temp files left
     loaded = Trainer.load(path)
@@ -196,15 +241,176 @@ def test_interrupted_save_keeps_the_previous_checkpoint(trained, monkeypatch, ex
 
 
 def test_interrupted_first_save_leaves_nothing(tmp_path, monkeypatch):
-    config = DQNConfig.preset("tiny")
-    trainer = Trainer(config)
+    trainer = Trainer(DQNConfig.preset("tiny"))
     path = tmp_path / "first.safetensors"
-    calls: list[str] = []
-    monkeypatch.setattr(st_numpy, "save_file", _broken_save_file(calls, OSError("disk gone")))
+    seen = _failing_save(monkeypatch, path, "write", OSError("disk gone"))
     with pytest.raises(OSError, match="disk gone"):
         trainer.save(path)
-    assert len(calls) == 1
+    monkeypatch.undo()
+    assert len(seen) == 2
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes and umask")
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o002, 0o664), (0o077, 0o600)],
+                         ids=["umask022", "umask002", "umask077"])
+def test_checkpoint_mode_follows_the_umask(tmp_path, umask, mode):
+    trainer = Trainer(DQNConfig.preset("tiny"))
+    path = tmp_path / "mode.safetensors"
+    path.write_bytes(b"an older file of mode 0600")
+    path.chmod(0o600)  # replaced by the save, so its mode does not carry over
+    old = os.umask(umask)
+    try:
+        trainer.save(path)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(path.stat().st_mode) == mode
+    Trainer.load(path)
+
+
+def test_extra_metadata_may_not_replace_the_hash(trained):
+    trainer, _, path = trained
+    with pytest.raises(ValueError, match="sha256"):
+        save_checkpoint(path, trainer.config, trainer.state_dict(), backend="reference",
+                        extra={"sha256": "0" * 64})
+
+
+# ------------------------------------------------------------------ integrity
+def test_integrity_hash_is_the_documented_recipe(trained):
+    """Recomputed here from the module docstring's recipe with hashlib, from the tensors as
+    safetensors decodes them: any tool can verify a checkpoint without foxhunt."""
+    trainer, _, path = trained
+    trainer.save(path)
+    meta = read_metadata(path)
+    tensors = st_numpy.load_file(str(path))
+    names = sorted(tensors)
+    described = {"metadata": {k: v for k, v in meta.items() if k != "sha256"},
+                 "tensors": [[n, tensors[n].dtype.str, list(tensors[n].shape)] for n in names]}
+    digest = hashlib.sha256(json.dumps(described, sort_keys=True, separators=(",", ":"))
+                            .encode("utf-8"))
+    for n in names:
+        digest.update(tensors[n].tobytes())
+    assert meta["sha256"] == digest.hexdigest()
+    assert len(names) == len(trainer.state_dict()) and "params" in names
+
+
+def _safetensors_layout(data: bytes) -> tuple[int, dict]:
+    """``(n, header)``: the header length and JSON header of safetensors bytes, read from the
+    format's definition (u64 little-endian length, JSON header, then the data)."""
+    n = int.from_bytes(data[:8], "little")
+    return n, json.loads(data[8:8 + n])
+
+
+def _flip(data: bytes, i: int, bit: int = 0) -> bytes:
+    out = bytearray(data)
+    out[i] ^= 1 << bit
+    return bytes(out)
+
+
+def _damaged(good: bytes) -> dict[str, tuple[bytes, str]]:
+    """id: (file contents, a phrase the error must hold)."""
+    n, header = _safetensors_layout(good)
+    start, end = header["params"]["data_offsets"]
+    in_params = 8 + n + (start + end) // 2
+    in_config = good.index(b'"config":') + 40  # inside the config JSON string
+    assert in_config < 8 + n
+    random = np.random.default_rng(0).integers(0, 256, len(good), dtype=np.uint8).tobytes()
+    return {
+        "empty": (b"", "empty (0 bytes)"),
+        "truncated_in_length": (good[:5], "truncated"),
+        "truncated_in_header": (good[: 8 + n // 2], "truncated"),
+        "truncated_in_data": (good[:-7], "truncated"),
+        "random": (random, "not a safetensors checkpoint"),
+        "bytes_appended": (good + bytes(8), "after its last tensor"),
+        "flip_in_tensor_data": (_flip(good, in_params), "integrity hash"),
+        "flip_in_metadata": (_flip(good, in_config), "integrity hash"),
+        "flip_in_header_length": (_flip(good, 0), "damaged"),
+    }
+
+
+DAMAGES = ("empty", "truncated_in_length", "truncated_in_header", "truncated_in_data", "random",
+           "bytes_appended", "flip_in_tensor_data", "flip_in_metadata", "flip_in_header_length")
+
+
+@pytest.mark.parametrize("case", DAMAGES)
+def test_damaged_checkpoint_raises_checkpoint_error_naming_the_file(trained, case):
+    trainer, _, path = trained
+    trainer.save(path)
+    damages = _damaged(path.read_bytes())
+    assert sorted(damages) == sorted(DAMAGES)
+    contents, phrase = damages[case]
+    path.write_bytes(contents)
+    for load in (load_checkpoint, Trainer.load):
+        with pytest.raises(CheckpointError) as err:  # not safetensors' own error class
+            load(path)
+        msg = str(err.value)
+        assert str(path) in msg and phrase in msg, msg
+        assert "\n" not in msg
+
+
+def test_every_single_bit_flip_is_caught(trained):
+    """One bit flipped at each byte of the header (length field, JSON, padding) and at 512
+    places spread over the tensor data: every one raises CheckpointError naming the file."""
+    trainer, _, path = trained
+    trainer.save(path)
+    good = path.read_bytes()
+    n, _ = _safetensors_layout(good)
+    places = list(range(8 + n)) + list(np.linspace(8 + n, len(good) - 1, 512).astype(int))
+    missed = []
+    for k, i in enumerate(places):
+        path.write_bytes(_flip(good, i, bit=k % 8))
+        try:
+            load_checkpoint(path)
+            missed.append((i, "loaded"))
+        except CheckpointError as exc:
+            if str(path) not in str(exc):
+                missed.append((i, str(exc)))
+    assert missed == [], missed[:5]
+
+
+def test_a_hashed_format_without_its_hash_is_damaged(trained):
+    trainer, _, path = trained
+    trainer.save(path)
+    meta = read_metadata(path)
+    del meta["sha256"]
+    st_numpy.save_file(st_numpy.load_file(str(path)), str(path), metadata=meta)
+    with pytest.raises(CheckpointError, match="integrity hash is missing") as err:
+        Trainer.load(path)
+    assert str(path) in str(err.value)
+
+
+def test_checkpoint_from_before_integrity_hashes_loads_with_a_warning(trained, caplog,
+                                                                      monkeypatch):
+    """Decision: format-1 files (no hash) still load, fingerprint and layout checked, with one
+    warning naming the file; saving again writes the current, hashed format."""
+    trainer, _, path = trained
+    trainer.save(path)
+    meta = read_metadata(path)
+    del meta["sha256"]
+    meta["format"] = "foxhunt-checkpoint-1"
+    st_numpy.save_file(st_numpy.load_file(str(path)), str(path), metadata=meta)
+    monkeypatch.setattr(logging.getLogger("foxhunt"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="foxhunt"):
+        loaded = Trainer.load(path)
+    assert_state_bitwise_equal(loaded.state_dict(), trainer.state_dict())
+    [record] = [r for r in caplog.records if r.name == "foxhunt"]
+    assert record.levelno == logging.WARNING
+    assert str(path) in record.getMessage() and "predates integrity hashes" in record.getMessage()
+
+    loaded.save(path)
+    assert read_metadata(path)["format"] == checkpoint.FORMAT != "foxhunt-checkpoint-1"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="foxhunt"):
+        Trainer.load(path)
+    assert [r for r in caplog.records if r.name == "foxhunt"] == []
+
+
+def test_read_metadata_of_a_damaged_header(tmp_path):
+    path = tmp_path / "junk.safetensors"
+    path.write_bytes((4).to_bytes(8, "little") + b"{no}")
+    with pytest.raises(CheckpointError, match="header is not valid") as err:
+        read_metadata(path)
+    assert str(path) in str(err.value)
 
 
 def test_round_trip_of_a_fresh_trainer_then_training(tmp_path):
