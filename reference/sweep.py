@@ -1,0 +1,508 @@
+"""``foxhunt sweep``: many independent trainings (seeds x configurations) on Ray (SPEC 12).
+
+A sweep is a ``SweepSpec``: a command (``train``: one ``foxhunt train`` run per trial;
+``longrun``: one 50-epoch parity run of ``foxhunt.conformance.longrun_seeds``, SPEC 8), the
+seeds, the configurations (the cartesian product of ``grid`` times the explicit ``configs``,
+each plus the ``common`` overrides) and the resources of one trial. ``expand`` turns it into
+``Trial`` s (configuration-major, then seed), each with a stable id that names its directories.
+
+Each trial runs as one Ray task (``num_cpus=threads``; with ``--backend fast`` also
+``num_gpus=1/trials_per_gpu``) that starts the command as a subprocess of the same Python, so
+a crash or a signal in a trial cannot take the sweep down and Ray's ``CUDA_VISIBLE_DEVICES``
+reaches it; BLAS threads are pinned per trial (``BLAS_THREAD_VARS``, and ``foxhunt train
+--threads``). A failed trial is retried once (``MAX_ATTEMPTS``); ``halted`` (a NaN or
+collapsed-gradient halt) is the configuration's own outcome, deterministic, and not retried.
+
+The sweep directory::
+
+    sweep.json          the plan (``--resume`` reads it back: the same trials, the same ids)
+    trials/<id>/        each trial's run directory (``foxhunt train --out``)
+    logs/<id>.log       each trial's output, every attempt
+    results.jsonl       one line per finished trial, rewritten whole (atomically) as each ends
+    results.png         the metric by configuration: every seed a point, mean +- std over seeds
+
+A trial is done when its run directory's ``summary.json`` says ``"completed"`` (or
+``"halted"``), or its results line says ``"early_stopped"``; ``--resume`` runs the rest.
+
+This module needs no Ray: the plan, one trial (``run_trial``, what each Ray task runs) and the
+results. ``sweep_cli`` drives Ray (tasks, or Tune trials with ``--early-stop``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping
+
+from . import jsonio
+
+#: How many times a trial is started before it counts as failed (a failure is retried once).
+MAX_ATTEMPTS = 2
+#: Seconds a stopped trial (Ctrl-C, a cancelled task) gets to write its summary after SIGTERM.
+STOP_GRACE_S = 60.0
+#: Seconds between checks of a running trial (its exit, new lines of its metrics).
+POLL_S = 0.5
+#: Pinned to the trial's ``threads`` in every trial's environment, so parallel trials do not
+#: oversubscribe the CPU (read by the BLAS libraries when NumPy loads).
+BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+#: Statuses after which a trial is not run again (``completed`` and ``halted`` come from the
+#: run's summary.json; ``early_stopped`` from the sweep's own record).
+DONE_STATUSES = ("completed", "halted", "early_stopped")
+#: The per-epoch metric that ``--early-stop`` (Tune's ASHA) maximises, a ``metrics.jsonl`` field.
+EARLY_STOP_METRIC = "val_sharpe"
+BACKENDS = ("reference", "fast")
+SUMMARY_NAME = "summary.json"
+
+
+class SweepError(ValueError):
+    """A mistake the user can fix: one line naming the field, the value and what is allowed."""
+
+
+# ------------------------------------------------------------------------------ commands
+@dataclass(frozen=True)
+class Command:
+    """How one trial of a kind of sweep runs: ``python -m module argv(...)`` writing into the
+    trial's run directory, the settings a configuration may give, and how the outcome is read."""
+
+    name: str
+    module: str
+    #: The metric a sweep of this command reports by default (a key of ``overall``).
+    default_metric: str
+    #: ``(trial, spec, run_dir, resume) -> [arguments after "python -m module"]``.
+    argv: Callable[..., list[str]]
+    #: ``(key, value, text) -> typed value``: a setting of a configuration, checked and typed
+    #: (``text``: as written on the command line); ``SweepError`` naming the key otherwise.
+    typed: Callable[[str, Any, bool], Any]
+    #: ``(run_dir) -> bool``: whether a stopped earlier attempt can be continued.
+    resumable: Callable[[Path], bool] = lambda run_dir: False
+    #: ``(run_dir, returncode) -> None``: writes ``summary.json`` for commands that do not.
+    finish: Callable[[Path, int], None] | None = None
+
+
+def _train_typed(key: str, value: Any, text: bool) -> Any:
+    from .settings_io import resolve, typed_value
+
+    try:
+        setting = resolve(key)
+        if setting.name == "seed":
+            raise SweepError(f"{key}: the sweep's seeds set it (--seeds, or 'seeds' in a sweep file)")
+        return typed_value(setting, value, text=text, origin="sweep")
+    except SweepError:
+        raise
+    except ValueError as exc:
+        raise SweepError(str(exc)) from None
+
+
+def _train_argv(trial: "Trial", spec: "SweepSpec", run_dir: Path, resume: bool) -> list[str]:
+    common = ["--threads", str(spec.threads), "--no-progress"]
+    if resume:  # the run's own config.json holds its configuration
+        return ["train", "--resume", str(run_dir), *common]
+    out = ["train", "--out", str(run_dir), "--backend", spec.backend, "--seed", str(trial.seed), *common]
+    if run_dir.is_dir() and any(run_dir.iterdir()):
+        out.append("--overwrite")  # a failed attempt's files: start again from nothing
+    out += list(spec.args)
+    for key, value in trial.overrides:
+        out += ["--set", f"{key}={format_value(value)}"]
+    return out
+
+
+def _train_resumable(run_dir: Path) -> bool:
+    from .loop import resume_epochs
+
+    try:
+        return resume_epochs(run_dir) > 0
+    except (ValueError, OSError):
+        return False
+
+
+def _longrun_typed(key: str, value: Any, text: bool) -> Any:
+    from foxhunt.conformance.longrun_seeds import VARIANTS
+
+    if key != "variant":
+        raise SweepError(f"{key}: a longrun sweep sets only 'variant' ({', '.join(VARIANTS)})")
+    if value not in VARIANTS:
+        raise SweepError(f"variant={value!r}: allowed values are {', '.join(VARIANTS)}")
+    return value
+
+
+def _longrun_argv(trial: "Trial", spec: "SweepSpec", run_dir: Path, resume: bool) -> list[str]:
+    variant = dict(trial.overrides).get("variant", "f32")
+    return ["one", "--variant", variant, "--seed", str(trial.seed), "--backend", spec.backend,
+            "--record", str(run_dir / LONGRUN_RECORD), *spec.args]
+
+
+#: What ``longrun_seeds one --record`` writes in the trial's run directory.
+LONGRUN_RECORD = "record.json"
+
+
+def _longrun_finish(run_dir: Path, returncode: int) -> None:
+    """``longrun_seeds one`` writes ``record.json``; the sweep writes ``summary.json`` from it:
+    ``status`` completed, ``overall`` its numbers, ``record`` the record itself."""
+    record_path = run_dir / LONGRUN_RECORD
+    if returncode != 0 or not record_path.is_file():
+        return
+    record = json.loads(record_path.read_text())
+    overall = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    jsonio.write_json(run_dir / SUMMARY_NAME, {"status": "completed", "overall": overall, "record": record})
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command("train", "foxhunt.reference.cli", "test_sharpe", _train_argv, _train_typed,
+                     resumable=_train_resumable),
+    "longrun": Command("longrun", "foxhunt.conformance.longrun_seeds", "final_sharpe", _longrun_argv,
+                       _longrun_typed, finish=_longrun_finish),
+}
+
+
+# ------------------------------------------------------------------------------ the plan
+@dataclass(frozen=True)
+class Trial:
+    """One run: a seed and a configuration (``overrides``: the ``common`` ones, then the
+    configuration's own, each ``(key, value)``); ``label`` names the configuration."""
+
+    index: int
+    seed: int
+    overrides: tuple[tuple[str, Any], ...]
+    label: str
+
+    @property
+    def trial_id(self) -> str:
+        slug = re.sub(r"[^A-Za-z0-9._=+-]+", "_", self.label)[:80]
+        return f"{self.index:03d}-{slug}-seed{self.seed}"
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    command: str = "train"
+    backend: str = "reference"
+    seeds: tuple[int, ...] = (0,)
+    #: ``((key, (v1, v2, ...)), ...)``: the cartesian product, in this order.
+    grid: tuple[tuple[str, tuple], ...] = ()
+    #: Explicit configurations (each a ``((key, value), ...)``), crossed with the grid.
+    configs: tuple[tuple[tuple[str, Any], ...], ...] = ()
+    #: Overrides every trial gets (``--set``).
+    common: tuple[tuple[str, Any], ...] = ()
+    #: Arguments given to every trial's command as they are (e.g. ``--preset tiny``).
+    args: tuple[str, ...] = ()
+    #: BLAS threads and Ray CPUs of one trial.
+    threads: int = 1
+    #: Trials sharing one GPU (``--backend fast`` only; ``None``: 1).
+    trials_per_gpu: int | None = None
+    #: The ``overall`` key the table and plot report (``None``: the command's default).
+    metric: str | None = None
+    early_stop: bool = False
+    #: The directory trials run in (relative paths in ``args`` are read from there); ``None``:
+    #: the Ray worker's. ``foxhunt sweep`` records the directory it was started in.
+    workdir: str | None = None
+
+    FIELDS = ("command", "backend", "seeds", "grid", "configs", "set", "args", "threads",
+              "trials_per_gpu", "metric", "early_stop", "workdir")
+
+    def __post_init__(self) -> None:
+        if self.command not in COMMANDS:
+            raise SweepError(f"command={self.command!r}: allowed values are {', '.join(COMMANDS)}")
+        if self.backend not in BACKENDS:
+            raise SweepError(f"backend={self.backend!r}: allowed values are {', '.join(BACKENDS)}")
+        if not self.seeds or any(not _is_int(s) or s < 0 for s in self.seeds):
+            raise SweepError(f"seeds={list(self.seeds)!r}: need at least one seed, each an integer >= 0")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise SweepError(f"seeds={list(self.seeds)!r}: a seed is listed twice")
+        if not _is_int(self.threads) or self.threads < 1:
+            raise SweepError(f"threads={self.threads!r}: must be an integer >= 1")
+        if self.trials_per_gpu is not None:
+            if self.backend != "fast":
+                raise SweepError(f"trials_per_gpu={self.trials_per_gpu!r}: only with backend 'fast' "
+                                 f"(the {self.backend} backend runs on CPUs: use threads)")
+            if not _is_int(self.trials_per_gpu) or self.trials_per_gpu < 1:
+                raise SweepError(f"trials_per_gpu={self.trials_per_gpu!r}: must be an integer >= 1")
+        if self.early_stop and self.command != "train":
+            raise SweepError(f"early_stop: only for command 'train' (it reads metrics.jsonl), not {self.command!r}")
+        # Every setting checked and typed by the command (e.g. lr=1 becomes 1.0), once, here.
+        typed = lambda key, value: COMMANDS[self.command].typed(key, value, False)  # noqa: E731
+        common = tuple((k, typed(k, v)) for k, v in self.common)
+        grid = tuple((k, tuple(typed(k, v) for v in values)) for k, values in self.grid)
+        configs = tuple(tuple((k, typed(k, v)) for k, v in config) for config in self.configs)
+        for key, values in grid:
+            if not values:
+                raise SweepError(f"grid {key}: needs at least one value")
+            if len(set(map(format_value, values))) != len(values):
+                raise SweepError(f"grid {key}: a value is listed twice ({format_value(values)})")
+        owners = [("set", k) for k, _ in common] + [("grid", k) for k, _ in grid]
+        owners += [("configs", k) for config in configs for k, _ in config]
+        for i, (where, key) in enumerate(owners):
+            for other, key2 in owners[:i]:
+                if key2 == key and (where, other) != ("configs", "configs"):
+                    raise SweepError(f"{key}: given in both {other} and {where}; keep one")
+        object.__setattr__(self, "common", common)
+        object.__setattr__(self, "grid", grid)
+        object.__setattr__(self, "configs", configs)
+
+    @property
+    def metric_name(self) -> str:
+        return self.metric or COMMANDS[self.command].default_metric
+
+    @property
+    def gpus_per_trial(self) -> float:
+        return 1.0 / (self.trials_per_gpu or 1) if self.backend == "fast" else 0.0
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The sweep-file form (``from_mapping`` reads it back)."""
+        return {"command": self.command, "backend": self.backend, "seeds": list(self.seeds),
+                "grid": {k: list(v) for k, v in self.grid}, "configs": [dict(c) for c in self.configs],
+                "set": dict(self.common), "args": list(self.args), "threads": self.threads,
+                "trials_per_gpu": self.trials_per_gpu, "metric": self.metric, "early_stop": self.early_stop,
+                "workdir": self.workdir}
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], source: str = "sweep file") -> "SweepSpec":
+        """A spec from a sweep file's (or ``sweep.json``'s) top-level table; every key optional."""
+        unknown = [k for k in data if k not in cls.FIELDS]
+        if unknown:
+            raise SweepError(f"{source}: unknown key {unknown[0]!r}; allowed keys are {', '.join(cls.FIELDS)}")
+        kw: dict[str, Any] = {}
+        for key in ("command", "backend", "metric", "workdir"):
+            if data.get(key) is not None:
+                kw[key] = _expect(data[key], str, key, source)
+        if "seeds" in data:
+            kw["seeds"] = parse_seeds(data["seeds"], source)
+        if "grid" in data:
+            grid = _expect(data["grid"], dict, "grid", source)
+            kw["grid"] = tuple((k, tuple(_expect(v, list, f"grid.{k}", source))) for k, v in grid.items())
+        if "configs" in data:
+            configs = _expect(data["configs"], list, "configs", source)
+            kw["configs"] = tuple(tuple(_expect(c, dict, "configs[]", source).items()) for c in configs)
+        if "set" in data:
+            kw["common"] = tuple(_expect(data["set"], dict, "set", source).items())
+        if "args" in data:
+            args = _expect(data["args"], list, "args", source)
+            kw["args"] = tuple(_expect(a, str, "args[]", source) for a in args)
+        for key in ("threads", "trials_per_gpu"):
+            if key in data and data[key] is not None:
+                kw[key] = _expect(data[key], int, key, source)
+        if "early_stop" in data:
+            kw["early_stop"] = _expect(data["early_stop"], bool, "early_stop", source)
+        return cls(**kw)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _expect(value: Any, kind: type, key: str, source: str) -> Any:
+    ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise SweepError(f"{source}: {key}={value!r}: expected {'an' if kind is int else 'a'} "
+                         f"{ {str: 'string', int: 'integer', bool: 'boolean', list: 'array', dict: 'table'}[kind] }")
+    return value
+
+
+def parse_seeds(value: Any, source: str = "--seeds") -> tuple[int, ...]:
+    """``"0-3"``, ``"0,2,5-6"``, ``3`` or ``[0, 1]`` -> the seeds in order."""
+    if _is_int(value):
+        return (value,)
+    if isinstance(value, list) and all(_is_int(v) for v in value):
+        return tuple(value)
+    if not isinstance(value, str):
+        raise SweepError(f"{source}: seeds={value!r}: expected a range like '0-3', a list of integers or an integer")
+    seeds: list[int] = []
+    for part in value.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            first, last = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            raise SweepError(f"{source}: seeds={value!r}: expected integers and ranges like '0-3' or '0,3'") from None
+        if first < 0 or last < first:
+            raise SweepError(f"{source}: seeds={value!r}: range {part.strip()!r} must run from an "
+                             "integer >= 0 up to one at least as large")
+        seeds.extend(range(first, last + 1))
+    return tuple(seeds)
+
+
+def format_value(value: Any) -> str:
+    """A value as ``--set key=value`` spells it: booleans ``true``/``false``, arrays
+    comma-separated (``branches=3,3,2``), numbers as Python prints them."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(format_value(v) for v in value)
+    return str(value)
+
+
+def configurations(spec: SweepSpec) -> list[tuple[tuple[str, Any], ...]]:
+    """The configurations' own overrides: every grid point crossed with every ``configs`` entry
+    (grid keys first, in order); one empty configuration when there are neither."""
+    keys = [k for k, _ in spec.grid]
+    points = [tuple(zip(keys, values)) for values in itertools.product(*(v for _, v in spec.grid))]
+    return [point + tuple(extra) for point in points for extra in (spec.configs or ((),))]
+
+
+def expand(spec: SweepSpec) -> list[Trial]:
+    """Every trial of the sweep: configuration-major, then seed (so the first results cover
+    every seed of one configuration)."""
+    trials = []
+    for config in configurations(spec):
+        label = " ".join(f"{k}={format_value(v)}" for k, v in config) or "defaults"
+        for seed in spec.seeds:
+            trials.append(Trial(len(trials), seed, tuple(spec.common) + config, label))
+    return trials
+
+
+# ------------------------------------------------------------------------------ one trial
+def run_dir_of(sweep_dir: Path, trial: Trial) -> Path:
+    return Path(sweep_dir) / "trials" / trial.trial_id
+
+
+def log_of(sweep_dir: Path, trial: Trial) -> Path:
+    return Path(sweep_dir) / "logs" / f"{trial.trial_id}.log"
+
+
+def read_summary(run_dir: Path) -> dict | None:
+    """The run's ``summary.json``, or None when it is missing or not valid JSON."""
+    try:
+        summary = json.loads((Path(run_dir) / SUMMARY_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+    return summary if isinstance(summary, dict) else None
+
+
+def trial_record(trial: Trial, run_dir: Path, **fields: Any) -> dict:
+    """A results line: the trial's identity, then ``fields`` (status, overall, timing, ...)."""
+    return {"trial": trial.trial_id, "config": trial.label, "seed": trial.seed,
+            "overrides": {k: v for k, v in trial.overrides}, "run_dir": str(run_dir), **fields}
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM (the run writes its summary and plots and exits), then SIGKILL after the grace."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+class MetricsTail:
+    """New complete lines of a growing JSON-lines file (a running trial's ``metrics.jsonl``)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset = Path(path), 0
+
+    def new(self) -> Iterator[dict]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return
+        end = chunk.rfind(b"\n") + 1  # a line still being written waits for the next call
+        self.offset += end
+        for line in chunk[:end].decode("utf-8").splitlines():
+            if line.strip():
+                yield json.loads(line)
+
+
+def run_trial(trial: Trial, spec: SweepSpec, sweep_dir: Path, *, attempt: int = 1,
+              on_epoch: Callable[[dict], None] | None = None) -> dict:
+    """Run one trial as a subprocess of this Python and return its results line.
+
+    The command's output goes to ``logs/<id>.log``; ``on_epoch`` gets each new line of the run's
+    ``metrics.jsonl`` while it runs. Any exception here (KeyboardInterrupt from a cancelled Ray
+    task among them) stops the subprocess with SIGTERM first. Status: ``completed`` or
+    ``halted`` from the run's ``summary.json`` (written by this attempt), otherwise ``failed``
+    with an ``error`` line (exit code, status, the log's last line).
+    """
+    command = COMMANDS[spec.command]
+    run_dir, log = run_dir_of(sweep_dir, trial), log_of(sweep_dir, trial)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    resume = command.resumable(run_dir)
+    (run_dir / SUMMARY_NAME).unlink(missing_ok=True)  # the outcome read below must be this attempt's
+    argv = [sys.executable, "-m", command.module, *command.argv(trial, spec, run_dir, resume)]
+    env = {**os.environ, **dict.fromkeys(BLAS_THREAD_VARS, str(spec.threads))}
+    tic = time.perf_counter()
+    with open(log, "a", encoding="utf-8") as out:
+        out.write(f"# attempt {attempt}{' (resumed)' if resume else ''}: {shlex.join(argv)}\n")
+        out.flush()
+        cwd = spec.workdir if spec.workdir and Path(spec.workdir).is_dir() else None
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=cwd)
+        tail = MetricsTail(run_dir / "metrics.jsonl") if on_epoch else None
+        try:
+            while True:
+                try:
+                    returncode = proc.wait(timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                for record in tail.new() if tail else ():
+                    on_epoch(record)
+            for record in tail.new() if tail else ():
+                on_epoch(record)
+        except BaseException:
+            _stop(proc)
+            raise
+    if command.finish is not None:
+        command.finish(run_dir, returncode)
+    summary = read_summary(run_dir) or {}
+    status = summary.get("status")
+    fields: dict[str, Any] = {"status": status if status in ("completed", "halted") else "failed",
+                              "returncode": returncode, "attempts": attempt,
+                              "wall_time_s": time.perf_counter() - tic, "overall": summary.get("overall")}
+    if status == "completed" and returncode != 0:
+        fields["status"] = "failed"
+    if fields["status"] == "failed":
+        lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+        fields["error"] = (f"exit code {returncode}, summary status {status or 'missing'}"
+                           + (f": {lines[-1].strip()[:200]}" if lines else ""))
+    return trial_record(trial, run_dir, **fields)
+
+
+def is_done(sweep_dir: Path, trial: Trial, record: Mapping | None) -> bool:
+    """Whether ``--resume`` skips ``trial``: its run says completed/halted, or its results
+    line says it was stopped early."""
+    summary = read_summary(run_dir_of(sweep_dir, trial))
+    if summary is not None and summary.get("status") in ("completed", "halted"):
+        return True
+    return record is not None and record.get("status") == "early_stopped"
+
+
+# ------------------------------------------------------------------------------ the sweep
+def results_path(sweep_dir: Path) -> Path:
+    return Path(sweep_dir) / "results.jsonl"
+
+
+def load_results(sweep_dir: Path) -> dict[str, dict]:
+    """The results lines of an earlier invocation, by trial id (empty when there are none)."""
+    path = results_path(sweep_dir)
+    return {r["trial"]: r for r in jsonio.read_jsonl(path)} if path.is_file() else {}
+
+
+@dataclass
+class SweepOutcome:
+    trials: list[Trial]
+    #: Trial id -> its results line, for every trial that finished (this time or before).
+    records: dict[str, dict]
+    #: Trials done before this invocation (``--resume``).
+    skipped: int = 0
+    interrupted: bool = False
+
+    @property
+    def missing(self) -> list[Trial]:
+        return [t for t in self.trials if t.trial_id not in self.records]
+
+    @property
+    def failed(self) -> list[dict]:
+        return [self.records[t.trial_id] for t in self.trials
+                if self.records.get(t.trial_id, {}).get("status") == "failed"]
+
