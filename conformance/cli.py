@@ -77,7 +77,22 @@ def run_conformance(mode: str = "full", json_path: str | Path | None = None, *,
     return exit_code
 
 
+#: What the suite imports beyond foxhunt's own dependencies (the `conformance` extra).
+SUITE_MODULES = ("pytest", "hypothesis")
+
+
+def missing_suite_modules() -> list[str]:
+    import importlib.util
+
+    return [m for m in SUITE_MODULES if importlib.util.find_spec(m) is None]
+
+
 def _command(args: argparse.Namespace) -> int:
+    missing = missing_suite_modules()
+    if missing:
+        print(f"foxhunt conformance needs {', '.join(missing)}: pip install 'foxhunt[gpu]' "
+              "(or 'foxhunt[conformance]' for the suite alone)", file=sys.stderr)
+        return 2
     return run_conformance(args.mode, args.json)
 
 

@@ -1,7 +1,8 @@
-"""The ``foxhunt`` command: ``info``, ``train``, ``conformance``.
+"""The ``foxhunt`` command: ``info``, ``train``, ``eval``, ``sweep``, ``conformance``.
 
 Each subcommand is a small function taking the parsed arguments and returning an exit code;
-errors a user can fix (a missing CSV, a bad preset) print one clear line and exit non-zero.
+errors a user can fix (a missing CSV, a bad preset) print one clear line and exit with status
+2, as argparse does for a bad option.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def cuda_status() -> tuple[bool, str]:
 
 def cmd_info(args: argparse.Namespace) -> int:
     print(f"foxhunt {_version('foxhunt')} on Python {platform.python_version()} ({platform.machine()})")
-    for dist in ("numpy", "torch", "safetensors", "cuda-bindings", "cuda-core", "nvidia-cuda-nvrtc",
+    for dist in ("numpy", "torch", "safetensors", "cuda-bindings", "nvidia-cuda-nvrtc",
                  "nvmath-python"):
         print(f"  {dist:<18} {_version(dist)}")
     ok, reason = cuda_status()
@@ -50,9 +51,23 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+class FoxhuntParser(argparse.ArgumentParser):
+    """The parser of ``foxhunt`` and (as its subparsers' class) of every subcommand: no
+    abbreviated options (``--epoch`` must not silently mean ``--epochs``), and a usage error is
+    one line on stderr with exit status 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="foxhunt", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = FoxhuntParser(prog="foxhunt", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"foxhunt {_version('foxhunt')}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=FoxhuntParser)
     p_info = sub.add_parser("info", help="versions, CUDA visibility, presets and parameter counts")
     p_info.set_defaults(func=cmd_info)
     for register in _EXTRA_COMMANDS:
@@ -60,12 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: Modules that add subcommands: each has ``register(subparsers)``.
+#: Modules that add subcommands: each has ``register(subparsers)``; a module that is not
+#: there (not written yet, or left out of an install) adds nothing.
+EXTRA_COMMAND_MODULES = ("foxhunt.reference.train_cli", "foxhunt.reference.eval_cli",
+                         "foxhunt.reference.sweep_cli", "foxhunt.conformance.cli")
 _EXTRA_COMMANDS: list = []
 
 
 def _load_extra_commands() -> None:
-    for mod in ("foxhunt.reference.train_cli", "foxhunt.conformance.cli"):
+    if _EXTRA_COMMANDS:
+        return  # main() may run more than once in a process (tests)
+    for mod in EXTRA_COMMAND_MODULES:
         try:
             module = importlib.import_module(mod)
         except ModuleNotFoundError as exc:
