@@ -125,6 +125,10 @@ def load_runs(path: Path, variant: str | None = None, backend: str = "fast") -> 
         missing = [k for k in ("seed", *VARIANT_KEYS, *METRICS) if k not in record]
         if missing:
             raise ValueError(f"{path}:{n}: not a longrun_seeds record (missing {', '.join(missing)})")
+        wrong = [f"{k}={record[k]!r}" for k in ("seed", *METRICS)
+                 if isinstance(record[k], bool) or not isinstance(record[k], int if k == "seed" else (int, float))]
+        if wrong:
+            raise ValueError(f"{path}:{n}: {', '.join(wrong)}: the seed must be an integer, a metric a number")
         fields = {k: record[k] for k in VARIANT_KEYS}
         want = expected or {k: next(iter(runs.values()), record)[k] for k in VARIANT_KEYS}
         if fields != want:
@@ -301,8 +305,10 @@ def run_in_subprocess(variant: str, seed: int, backend: str) -> dict:
         proc = subprocess.run(child_command(variant, seed, backend, record), env=env,
                               capture_output=True, text=True)
         if proc.returncode != 0 or not record.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-15:])
-            raise RunFailed(f"{variant} seed {seed}: the worker exited with {proc.returncode}:\n{tail}")
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:] or ["(no output)"]
+            # the first line (the summary of ``run``) ends with the last line of the output
+            raise RunFailed(f"{variant} seed {seed}: the worker exited with {proc.returncode}: "
+                            f"{tail[-1]}\n" + "\n".join(tail))
         return json.loads(record.read_text())
 
 

@@ -170,6 +170,8 @@ def test_load_runs_rejects_bad_files(tmp_path):
         ls.load_runs(_write(tmp_path / "mixed.jsonl", [_record("f32", 0, 1.0), _record("f32_alt", 1, 1.0)]))
     with pytest.raises(ValueError, match="twice.jsonl:2: seed 0 appears twice"):
         ls.load_runs(_write(tmp_path / "twice.jsonl", [_record("f32", 0, 1.0), _record("f32", 0, 2.0)]), "f32")
+    with pytest.raises(ValueError, match=r"typed.jsonl:1: seed='0', mean_q=None: the seed must be an integer"):
+        ls.load_runs(_write(tmp_path / "typed.jsonl", [_record("f32", "0", 1.0, mean_q=None)]), "f32")
     (tmp_path / "torn.jsonl").write_text('{"seed": 0, "back\n')
     with pytest.raises(ValueError, match="torn.jsonl:1: not JSON"):
         ls.load_runs(tmp_path / "torn.jsonl", "f32")
@@ -297,7 +299,7 @@ def test_run_skips_what_is_present_and_completes_what_is_missing(tmp_path, monke
     def fake(variant, seed, backend):
         calls.append((variant, seed))
         if (variant, seed) in failing:
-            raise ls.RunFailed(f"{variant} seed {seed}: the worker exited with 1:\nboom")
+            raise ls.RunFailed(f"{variant} seed {seed}: the worker exited with 1: boom\nboom")
         return _fake_record(variant, seed, backend)
 
     monkeypatch.setattr(ls, "run_in_subprocess", fake)
@@ -305,7 +307,7 @@ def test_run_skips_what_is_present_and_completes_what_is_missing(tmp_path, monke
     log = []
     failures = ls.run_variants([0, 1], tmp_path, jobs=3, log=log.append)
     assert sorted(calls) == [("bf16", 0), ("bf16", 1), ("f32", 1), ("f32_alt", 0), ("f32_alt", 1)]
-    assert failures == ["bf16 seed 1: the worker exited with 1:"]
+    assert failures == ["bf16 seed 1: the worker exited with 1: boom"]
     assert log[0] == f"5 runs to do, 1 already in {tmp_path}, 3 at a time"
     assert {v: sorted(ls.load_runs(tmp_path / f"{v}.jsonl", v)) for v in ls.VARIANTS} == \
         {"f32": [0, 1], "f32_alt": [0, 1], "bf16": [0]}
@@ -320,11 +322,11 @@ def test_run_skips_what_is_present_and_completes_what_is_missing(tmp_path, monke
 
 def test_cli_run_exit_status_1_when_a_run_fails(tmp_path, monkeypatch, capsys):
     def fake(variant, seed, backend):
-        raise ls.RunFailed(f"{variant} seed {seed}: the worker exited with 1:\nno CUDA device")
+        raise ls.RunFailed(f"{variant} seed {seed}: the worker exited with 1: no CUDA device\n...")
 
     monkeypatch.setattr(ls, "run_in_subprocess", fake)
     assert ls.main(["run", "--seeds", "0", "--variants", "f32", "--out-dir", str(tmp_path)]) == 1
-    assert "1 runs failed:\nf32 seed 0: the worker exited with 1:" in capsys.readouterr().err
+    assert "1 runs failed:\nf32 seed 0: the worker exited with 1: no CUDA device\n" in capsys.readouterr().err
     assert not (tmp_path / "f32.jsonl").exists()
 
 
@@ -342,7 +344,7 @@ def test_workers_run_with_one_blas_thread_and_report_their_failures(monkeypatch)
                         lambda variant, seed, backend, record: [sys.executable, "-c", CHILD, str(record), variant])
     monkeypatch.setenv("OMP_NUM_THREADS", "8")
     assert ls.run_in_subprocess("ok", 0, "fast") == dict.fromkeys(ls.BLAS_THREAD_VARS, "1")
-    with pytest.raises(ls.RunFailed, match="fail seed 4: the worker exited with 3:\nboom"):
+    with pytest.raises(ls.RunFailed, match="fail seed 4: the worker exited with 3: boom\nboom"):
         ls.run_in_subprocess("fail", 4, "fast")
 
 
