@@ -48,21 +48,14 @@ def run_conformance(mode: str = "full", json_path: str | Path | None = None, *,
               "Running the reference self-checks only; every GPU case is skipped.", file=out)
     else:
         print(f"foxhunt conformance ({mode}) on {describe_device(device)}", file=out)
-    problems = registry.check_consistency(registry.default_cuda_dir(), registry.REF_KERNELS,
-                                          registry.FAST_KERNELS, registry.SPECS,
-                                          require_complete=bool(device["available"]))
-    missing = registry.missing_ports(registry.default_cuda_dir(), registry.REF_KERNELS,
-                                     registry.FAST_KERNELS)
-    if missing and not device["available"]:
-        print(f"The fast path is incomplete here ({len(missing)} gap(s)); on a GPU each is a "
-              "failure.", file=out)
+    problems = registry.consistency_problems()
     collector = ResultsCollector()
     # This process imported hypothesis (the registry) before pytest could rewrite it: harmless.
     args = [str(conformance_dir()), "-q", "-p", "no:cacheprovider", f"--conformance-mode={mode}",
             "-W", "ignore::pytest.PytestAssertRewriteWarning", *pytest_args]
     exit_code = int(pytest.main(args, plugins=[collector]))
     report = build_report(collector.records, mode=mode, exit_code=exit_code, device=device,
-                          kernels=list(registry.SPECS), problems=problems, missing=missing)
+                          kernels=list(registry.SPECS), problems=problems)
     print("", file=out)
     print(format_table(aggregate(collector.records), device), file=out)
     if problems:

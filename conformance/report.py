@@ -313,8 +313,7 @@ def _version() -> str:
 
 
 def build_report(records: list[TestRecord], *, mode: str, exit_code: int, device: dict,
-                 kernels: Iterable[str], problems: Iterable[str] = (),
-                 missing: Iterable[str] = ()) -> dict:
+                 kernels: Iterable[str], problems: Iterable[str] = ()) -> dict:
     """The JSON document: every kernel (with all its checks, even if all were skipped)."""
     rows = aggregate(records)
     per_kernel: dict[str, dict] = {name: {"result": "not run", "checks": {}} for name in kernels}
@@ -334,7 +333,7 @@ def build_report(records: list[TestRecord], *, mode: str, exit_code: int, device
         counts[rec.outcome] += 1
     return {
         "foxhunt": _version(), "mode": mode, "exit_code": int(exit_code), "device": device,
-        "consistency_problems": list(problems), "missing_ports": list(missing),
+        "consistency_problems": list(problems),
         "summary": {k: counts[k] for k in ("passed", "failed", "skipped")},
         "kernels": per_kernel,
         "tests": [asdict(r) for r in records],

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from foxhunt.conformance import registry
 from foxhunt.conformance.registry import KernelSpec, case_dims
 from foxhunt.conformance.strategies import inject, injections
-from foxhunt.conformance.tolerance import Tolerance, compare, tolerance_for
+from foxhunt.conformance.tolerance import Tolerance, compare, gemm_tolerance
 
 SPECS = registry.SPECS
 
@@ -275,7 +275,7 @@ def test_fast_gemm(mode: str, case: str, trans_a: bool, trans_b: bool, cuda_devi
     actual = _call(fast, {"a": a, "b": b, **flags})
     op_a = round_for(np.ascontiguousarray(a.T if trans_a else a), mode)
     op_b = round_for(np.ascontiguousarray(b.T if trans_b else b), mode)
-    result = compare(f"gemm[{mode},{case}]", actual, expected, tolerance_for("gemm", mode)["out"],
+    result = compare(f"gemm[{mode},{case}]", actual, expected, gemm_tolerance(mode),
                      {"a": op_a, "b": op_b})
     _record_comparisons(record_property, [result])
     assert result.passed, result.message

@@ -18,6 +18,7 @@ import pytest
 
 from foxhunt.conformance import registry
 from foxhunt.conformance.cuda_parse import CudaParseError, parse_cuda_dir, parse_kernels, split_params
+from foxhunt.conformance.kernel_spec import Output, SpecEntry
 from foxhunt.conformance.registry import (
     SPEC_TABLE,
     SPECS,
@@ -28,7 +29,8 @@ from foxhunt.conformance.registry import (
     default_cuda_dir,
     load_fast_kernels,
 )
-from foxhunt.conformance.tolerance import TOLERANCES, compare, tolerance_for
+from foxhunt.conformance.specs.inputs import f32
+from foxhunt.conformance.tolerance import EXACT, REDUCTION, compare
 
 REF = registry.REF_KERNELS
 KERNEL_IDS = [pytest.param(spec, id=name) for name, spec in SPECS.items()]
@@ -87,25 +89,39 @@ def test_parse_rejects_a_kernel_defined_twice(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ consistency
+#: Issue 17, pending: the step launches the ``glue_*`` kernels of ``cuda_src/_trainer_glue.cu``,
+#: which have no reference twin or fast entry yet (they are being turned into named kernels with
+#: twins). Until then their problems are the only ones on the real tree; the strict xfail below
+#: fails the moment they are twinned, so this set and that marker go together.
+PENDING_TWINS = frozenset({
+    "glue_branch_sum", "glue_clamp_isv", "glue_h2_grad_mask", "glue_loss_scalars",
+    "glue_merge_flags", "glue_scalar_targets", "glue_select_gather_taken", "glue_step_prologue",
+    "glue_step_scalars",
+})
+
+
+def _about_pending(problem: str) -> bool:
+    return any(repr(name) in problem for name in PENDING_TWINS)
+
+
 def test_consistency_on_the_real_tree() -> None:
     assert registry.FAST_LOAD_PROBLEM is None, registry.FAST_LOAD_PROBLEM
-    problems = check_consistency(default_cuda_dir(), REF, registry.FAST_KERNELS, SPECS)
-    assert problems == []
+    problems = registry.consistency_problems()
+    assert [p for p in problems if not _about_pending(p)] == []
 
 
-def test_port_is_complete() -> None:
-    """Every reference kernel has a CUDA kernel (found by the source scanner) and a fast entry.
-    The port is complete, so this holds on a CPU too: a kernel declaration the scanner cannot
-    read fails here, in CI, not first on a GPU."""
-    assert registry.missing_ports(default_cuda_dir(), REF, registry.FAST_KERNELS) == []
+@pytest.mark.xfail(strict=True, reason="issue 17: the glue_* kernels the step launches await "
+                                       "their reference twins and fast entries")
+def test_every_launched_kernel_has_its_twins() -> None:
+    assert [p for p in registry.consistency_problems() if _about_pending(p)] == []
 
 
-@pytest.mark.gpu
-def test_consistency_on_the_device(cuda_device) -> None:
-    """With a GPU the fast side must be whole: every kernel in CUDA, reference and fast."""
-    problems = check_consistency(default_cuda_dir(), REF, registry.FAST_KERNELS, SPECS,
-                                 require_complete=True)
-    assert problems == []
+def test_the_fast_package_names_the_kernels_it_launches() -> None:
+    every = parse_cuda_dir(default_cuda_dir())
+    launched = registry.kernels_named_by(registry.default_fast_dir(), every)
+    assert {"relu_mask_bias_grad", "batched_spectral_norm", "nan_check_fused"} <= launched
+    assert not launched & {"selftest_axpy", "selftest_bf16_round", "selftest_write_scalars"}
+    assert PENDING_TWINS & set(every) <= launched  # the pending kernels are launched ones
 
 
 def _copy_cuda_src(tmp_path: Path) -> Path:
@@ -119,15 +135,19 @@ def test_fake_cuda_kernel_is_reported_missing_its_reference_twin(tmp_path: Path)
     (cuda_dir / "fake.cu").write_text('extern "C" __global__ void fake_kernel(float* x) {}\n')
     problems = check_consistency(cuda_dir, REF, registry.FAST_KERNELS, SPECS)
     fake = [p for p in problems if "fake_kernel" in p]
-    assert len(fake) == 1 and "no reference twin" in fake[0] and "fake.cu:1" in fake[0]
+    assert fake == [
+        "CUDA kernel 'fake_kernel' (fake.cu:1) has no reference twin in "
+        "foxhunt.reference.kernels.KERNELS",
+        "CUDA kernel 'fake_kernel' (fake.cu:1) has no fast test entry in "
+        "foxhunt.fast.kernels.KERNELS"]
     # ... and the unmodified copy is clean, so the fake kernel is what the check saw.
     (cuda_dir / "fake.cu").unlink()
     assert check_consistency(cuda_dir, REF, registry.FAST_KERNELS, SPECS) == []
 
 
-def _write_kernels(cuda_dir: Path, names) -> None:
-    cuda_dir.mkdir()
-    (cuda_dir / "k.cu").write_text("".join(
+def _write_kernels(cuda_dir: Path, names, file_name: str = "k.cu") -> None:
+    cuda_dir.mkdir(exist_ok=True)
+    (cuda_dir / file_name).write_text("".join(
         f'extern "C" __global__ void {n}(float* x, int n) {{}}\n' for n in names))
 
 
@@ -137,15 +157,12 @@ def test_reference_kernel_without_cuda_kernel_unless_divergence(tmp_path: Path) 
     missing = sorted(REF)[-1]
     _write_kernels(cuda_dir, present)
     fast = dict(REF)
-    assert check_consistency(cuda_dir, REF, fast, SPECS) == []  # a port in progress is not an error
     gap = (f"reference kernel {missing!r} has no CUDA kernel in cuda_src/ "
            "(add it, or list it in DIVERGENCES with a reason)")
-    assert check_consistency(cuda_dir, REF, fast, SPECS, require_complete=True) == [gap]
-    assert registry.missing_ports(cuda_dir, REF, fast) == [gap]
-    assert check_consistency(cuda_dir, REF, fast, SPECS, {missing: "a host-side copy"},
-                             require_complete=True) == []
+    assert check_consistency(cuda_dir, REF, fast, SPECS) == [gap]
+    assert check_consistency(cuda_dir, REF, fast, SPECS, {missing: "a host-side copy"}) == []
     del fast[missing]
-    assert registry.missing_ports(cuda_dir, REF, fast, {}) == [
+    assert check_consistency(cuda_dir, REF, fast, SPECS, {}) == [
         gap, f"reference kernel {missing!r} has no fast test entry in foxhunt.fast.kernels.KERNELS"]
 
 
@@ -160,14 +177,36 @@ def test_stale_divergences_are_reported(tmp_path: Path) -> None:
 
 def test_infrastructure_sources_are_not_paired(tmp_path: Path) -> None:
     cuda_dir = tmp_path / "cuda_src"
-    cuda_dir.mkdir()
+    _write_kernels(cuda_dir, sorted(REF))
     (cuda_dir / "_selftest.cu").write_text('extern "C" __global__ void selftest_axpy(float* y) {}\n')
     assert registry.infrastructure_sources(cuda_dir) == ("_selftest.cu",)
-    assert registry.cuda_kernels(cuda_dir) == {}
-    assert check_consistency(cuda_dir, REF, {}, SPECS) == []
-    assert check_consistency(cuda_dir, REF, {}, SPECS, require_complete=True)[:2] == [
-        'cuda_src/ declares no extern "C" __global__ kernels',
-        "foxhunt.fast.kernels.KERNELS is empty or missing"]
+    assert "selftest_axpy" not in registry.cuda_kernels(cuda_dir)
+    assert check_consistency(cuda_dir, REF, REF, SPECS) == []
+
+
+def test_a_launched_kernel_of_an_infrastructure_source_needs_its_twins(tmp_path: Path) -> None:
+    cuda_dir = tmp_path / "cuda_src"
+    _write_kernels(cuda_dir, sorted(REF))
+    _write_kernels(cuda_dir, ["step_helper", "selftest_axpy"], "_glue.cu")
+    assert set(registry.cuda_kernels(cuda_dir, launched={"step_helper"})) == set(REF) | {"step_helper"}
+    assert check_consistency(cuda_dir, REF, REF, SPECS, launched={"step_helper"}) == [
+        "CUDA kernel 'step_helper' (_glue.cu:1) has no reference twin in "
+        "foxhunt.reference.kernels.KERNELS",
+        "CUDA kernel 'step_helper' (_glue.cu:1) has no fast test entry in "
+        "foxhunt.fast.kernels.KERNELS"]
+
+
+def test_kernels_named_by_reads_string_literals_only(tmp_path: Path) -> None:
+    package = tmp_path / "fast"
+    (package / "plan").mkdir(parents=True)
+    (package / "plan" / "graph.py").write_text(
+        '"""Launches k_doc."""\n'
+        'ops.kernel("k_launched", grid=1)\n'
+        '# ops.kernel("k_comment")\n'
+        'note = "k_partial is mentioned"\n'
+        'k_name_only = 1\n')
+    names = {"k_launched", "k_doc", "k_comment", "k_partial", "k_name_only"}
+    assert registry.kernels_named_by(package, names) == {"k_launched"}
 
 
 def test_fast_names_and_signatures_must_match_the_reference() -> None:
@@ -185,31 +224,35 @@ def test_fast_names_and_signatures_must_match_the_reference() -> None:
     assert "fast kernel 'only_fast' has no reference twin" in problems
     mismatch = [p for p in problems if p.startswith(f"signature mismatch for {name!r}")]
     assert len(mismatch) == 1 and str(inspect.signature(ref_fn)) in mismatch[0]
-    assert len(problems) == 2
-    assert any(f"reference kernel {sorted(REF)[1]!r} has no fast test entry" in p
-               for p in registry.missing_ports(None, REF, fast))
+    assert (f"reference kernel {sorted(REF)[1]!r} has no fast test entry in "
+            "foxhunt.fast.kernels.KERNELS") in problems
+    assert len(problems) == 3
 
 
 def test_kernel_without_spec_is_reported() -> None:
     name = next(iter(REF))
     table = {k: v for k, v in SPEC_TABLE.items() if k != name}
-    specs = build_specs(REF, {}, table)
-    assert check_consistency(None, REF, {}, specs) == [
-        f"reference kernel {name!r} has no KernelSpec (add it to "
-        "foxhunt.conformance.registry.SPEC_TABLE)"]
+    specs = build_specs(REF, REF, table)
+    assert name not in specs and len(specs) == len(REF) - 1
+    assert check_consistency(None, REF, REF, specs) == [
+        f"reference kernel {name!r} has no conformance entry (add a SpecEntry to its area's "
+        "ENTRIES in foxhunt.conformance.specs)"]
 
 
-def test_spec_entries_wait_for_their_reference_function() -> None:
+def test_an_entry_without_a_reference_kernel_raises() -> None:
     partial = {k: REF[k] for k in list(REF)[:3]}
-    specs = build_specs(partial, {}, SPEC_TABLE)
-    assert list(specs) == list(partial)
-    assert check_consistency(None, partial, {}, specs) == []
+    with pytest.raises(KeyError, match="name no reference kernel"):
+        build_specs(partial, {}, SPEC_TABLE)
+    assert check_consistency(None, partial, partial, {**{k: SPEC_TABLE[k] for k in partial},
+                                                      "ghost": None}) == [
+        "conformance entry 'ghost' has no reference kernel"]
 
 
 # ------------------------------------------------------------------------------ fast access
 def test_cuda_availability_without_a_check_function(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "foxhunt.fast", types.ModuleType("foxhunt.fast"))
-    assert cuda_availability() == (False, "foxhunt.fast has no cuda_available() yet")
+    ok, reason = cuda_availability()
+    assert not ok and "AttributeError" in reason and "cuda_available" in reason
 
 
 def test_cuda_availability_when_the_check_raises(monkeypatch) -> None:
@@ -226,18 +269,51 @@ def test_cuda_availability_when_the_check_raises(monkeypatch) -> None:
 
 def test_fast_kernels_module_without_kernels_gives_an_empty_mapping(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "foxhunt.fast.kernels", types.ModuleType("foxhunt.fast.kernels"))
-    assert load_fast_kernels() == ({}, None)
+    kernels, problem = load_fast_kernels()
+    assert kernels == {} and problem.startswith("loading foxhunt.fast.kernels.KERNELS failed: "
+                                                "AttributeError")
 
 
 # ------------------------------------------------------------------------------ spec structure
-def test_every_table_entry_has_tolerances_for_exactly_its_outputs() -> None:
-    for name, entry in SPEC_TABLE.items():
-        assert set(tolerance_for(name, "f32")) == set(entry.outputs) == set(entry.dtypes), name
+def _entry(**changes):
+    base = dict(name="k", outputs={"out": f32(EXACT)}, sample=lambda d, rng: {},
+                targets=("x",), errors=lambda rng: [])
+    return SpecEntry(**{**base, **changes})
 
 
-def test_tolerance_table_has_no_orphans() -> None:
-    orphans = {k for (k, _) in TOLERANCES} - set(SPEC_TABLE) - {"gemm"}
-    assert orphans == set()
+@pytest.mark.parametrize("changes, match", [
+    ({"name": "not a name"}, "SpecEntry.name"),
+    ({"outputs": {}}, "outputs is empty"),
+    ({"outputs": {"out": EXACT}}, r"outputs\['out'\] must be an Output"),
+    ({"outputs": {"out": Output("float64", EXACT)}}, r"dtype 'float64' is not one of"),
+    ({"outputs": {"out": f32(REDUCTION)}}, "scales .* must be given"),
+    ({"targets": ()}, "targets must name at least one argument"),
+    ({"cases": ("tiny", "huge")}, "cases"),
+    ({"cases": ()}, "cases"),
+], ids=["name", "no-outputs", "bare-tolerance", "dtype", "reduction-without-scales", "targets",
+        "unknown-case", "no-cases"])
+def test_spec_entry_rejects_a_bad_field(changes, match) -> None:
+    with pytest.raises((ValueError, TypeError), match=match):
+        _entry(**changes)
+
+
+def test_spec_entry_is_built_by_keyword_only() -> None:
+    entry = _entry()
+    with pytest.raises(TypeError):
+        SpecEntry("k", entry.outputs, entry.sample, entry.targets, entry.errors)  # noqa
+    assert entry.scales is None and entry.contract is None  # unset is None, not a falsy stand-in
+    assert dict(entry.tolerance) == {"out": EXACT} and dict(entry.dtypes) == {"out": "float32"}
+
+
+def test_every_entry_sits_in_its_reference_kernels_area() -> None:
+    import importlib
+
+    from foxhunt.reference.kernels import AREAS
+
+    for area in AREAS:
+        module = importlib.import_module(f"foxhunt.conformance.specs.{area}")
+        for entry in module.ENTRIES:
+            assert REF[entry.name].__module__ == f"foxhunt.reference.kernels.{area}", entry.name
 
 
 def test_every_reference_kernel_has_a_spec() -> None:

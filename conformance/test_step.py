@@ -63,6 +63,7 @@ from typing import Any, Callable, Iterator, Mapping
 import numpy as np
 import pytest
 
+from foxhunt.conformance.registry import SPECS
 from foxhunt.conformance.tolerance import (
     F32_UNIT_ROUNDOFF,
     INPUT_MISMATCH,
@@ -71,7 +72,6 @@ from foxhunt.conformance.tolerance import (
     Tolerance,
     compare,
     gamma,
-    tolerance_for,
 )
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.backend import StepScalars, TrainerBackend, get_backend
@@ -111,8 +111,8 @@ MAX_CONDITION_ROUNDS = 200
 #: update's chain (division, sqrt, add, division, product) and the bias corrections' power.
 ADAM_ROUNDINGS = 8
 #: Polyak's and the spectral norm's conditional checks use the kernels' own tolerances.
-POLYAK_TOL = tolerance_for("polyak_update", "f32")["out"]
-SPECTRAL_TOL = tolerance_for("batched_spectral_norm", "f32")["us"]
+POLYAK_TOL = SPECS["polyak_update"].tolerance_of("out")
+SPECTRAL_TOL = SPECS["batched_spectral_norm"].tolerance_of("us")
 EXACT = Tolerance.exact()
 
 #: The readback-sequence tests: steps, and the steps whose batch carries a NaN reward.

@@ -34,7 +34,7 @@ from foxhunt.conformance.tolerance import (
     compare,
     gamma,
     gemm_bound,
-    tolerance_for,
+    gemm_tolerance,
     ulp_distance,
 )
 from foxhunt.reference.kernels.dense import gemm, round_for
@@ -105,13 +105,12 @@ def test_zero_tolerances_are_not_unset() -> None:
     assert compare("zero ulp", a.copy(), a, Tolerance.ulp(0)).passed
 
 
-def test_tolerance_for_raises_for_unknown_pairs() -> None:
-    assert tolerance_for("clamp_finite", "f32")["out"] == Tolerance.exact()
-    assert tolerance_for("gemm", "bf16")["out"] == Tolerance.gemm("bf16")
-    with pytest.raises(KeyError, match="no tolerance for kernel 'no_such_kernel'"):
-        tolerance_for("no_such_kernel", "f32")
-    with pytest.raises(KeyError, match=r"known dtypes for 'clamp_finite': \['f32'\]"):
-        tolerance_for("clamp_finite", "bf16")
+def test_gemm_tolerance_raises_for_unknown_modes() -> None:
+    assert gemm_tolerance("bf16") == Tolerance.gemm("bf16")
+    assert gemm_tolerance("tf32") == Tolerance.gemm("tf32")
+    with pytest.raises(KeyError, match=r"no GEMM tolerance for mode 'fp16'; known modes: "
+                                       r"\('f32', 'bf16', 'tf32'\)"):
+        gemm_tolerance("fp16")
 
 
 # ------------------------------------------------------------------------------ exact

@@ -43,10 +43,10 @@ Four kinds of criterion, one :class:`Tolerance` record each:
 :func:`assert_conforms` applies one tolerance and raises ``AssertionError`` with the message
 style of ``torch.testing.assert_close`` (mismatch count and %, greatest absolute / relative /
 ULP difference and its index); :func:`compare` returns the same facts as a
-:class:`Comparison` without raising (the report uses it). :func:`tolerance_for` looks a
-kernel's per-output tolerances up in :data:`TOLERANCES` and raises ``KeyError`` for an
-unknown ``(kernel, dtype)``: there are no defaults, and ``None`` (never a falsy value) means
-"unset".
+:class:`Comparison` without raising (the report uses it). Each kernel's per-output
+tolerances sit in its conformance entry (``foxhunt.conformance.specs``); the cuBLAS GEMM's,
+per precision mode, in :data:`GEMM_TOLERANCES` (:func:`gemm_tolerance` raises ``KeyError`` for
+an unknown mode). There are no defaults, and ``None`` (never a falsy value) means "unset".
 """
 
 from __future__ import annotations
@@ -538,99 +538,20 @@ def assert_conforms(name: str, actual: Any, expected: Any, tol: Tolerance,
     return result
 
 
-# ------------------------------------------------------------------------------ the table
+# ------------------------------------------------------------------------ shared criteria
 EXACT = Tolerance.exact()
 REDUCTION = Tolerance.reduction(REDUCTION_RTOL, REDUCTION_ATOL_PER_ELEM)
 
-#: ``(kernel, dtype) -> {output name: Tolerance}``. Output names are the kernel's documented
-#: outputs (``"out"`` for a single array). dtype is the compute precision the fast kernel is
-#: tested in; GEMM (cuBLAS, not one of our kernels) is listed under ``"gemm"``.
-TOLERANCES: Mapping[tuple[str, str], Mapping[str, Tolerance]] = MappingProxyType({
-    # dense: one correctly rounded add / select / cast per element -> exact
-    ("add_bias_relu", "f32"): {"out": EXACT},
-    # The BF16 copy of a NaN sum carries the GPU's canonical NaN payload: positions must match.
-    ("add_bias_relu_bf16", "f32"): {"out": EXACT,
-                                    "out_bf16": Tolerance.exact(bitwise=True, nan_payload=False)},
-    ("relu_mask", "f32"): {"out": EXACT},
-    ("bias_grad_reduce", "f32"): {"out": REDUCTION},
-    # fused relu_mask + bias_grad_reduce: their tolerances per output
-    ("relu_mask_bias_grad", "f32"): {"dx": EXACT, "db": REDUCTION},
-    ("f32_to_bf16", "f32"): {"out": Tolerance.exact(bitwise=True)},
-    ("bf16_to_f32", "f32"): {"out": Tolerance.exact(bitwise=True)},
-    ("tf32_round", "f32"): {"out": Tolerance.exact(bitwise=True)},
-    # distributional: short reductions (over actions or atoms) and exp/log
-    ("dueling_combine", "f32"): {"out": REDUCTION},
-    ("dueling_combine_backward", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
-    ("log_softmax_atoms", "f32"): {"out": REDUCTION},
-    ("expected_q", "f32"): {"out": REDUCTION},
-    # fused log_softmax_atoms + expected_q: their tolerances, per output
-    ("log_softmax_expected_q", "f32"): {"logp": REDUCTION, "q": REDUCTION},
-    ("double_dqn_select", "f32"): {"out": EXACT},
-    ("c51_project", "f32"): {"out": REDUCTION},
-    ("c51_loss", "f32"): {"ce": REDUCTION, "total": REDUCTION},
-    ("c51_grad", "f32"): {"out": REDUCTION},
-    # fused c51_project + c51_grad: their tolerances, per output
-    ("c51_project_grad", "f32"): {"m": REDUCTION, "dlogits": REDUCTION},
-    ("cql_logit_grad", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
-    # fused: the per-branch kernels in one launch (their tolerances)
-    ("dueling_combine_branches", "f32"): {"out": REDUCTION},
-    # fused dueling_combine_branches + log_softmax_expected_q: their tolerances, per output
-    ("dueling_log_softmax_q_branches", "f32"): {"logits": REDUCTION, "logp": REDUCTION,
-                                                "q": REDUCTION},
-    ("dueling_combine_backward_branches", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
-    # fused dueling_combine_backward_branches + the branch sum of dv: their tolerances
-    ("dueling_combine_backward_sum_branches", "f32"): {"dv": REDUCTION, "dadv": REDUCTION},
-    ("cql_logit_grad_branches", "f32"): {"dlogits": REDUCTION, "terms": REDUCTION},
-    ("c51_loss_branches", "f32"): {"ce": REDUCTION, "total": REDUCTION},
-    # optim: norms are reductions; elementwise updates allow re-associated roundings
-    ("grad_norm_sq", "f32"): {"out": REDUCTION},
-    ("grad_norm_partial", "f32"): {"out": REDUCTION},
-    ("grad_norm_final", "f32"): {"out": REDUCTION},
-    ("clip_grad_inplace", "f32"): {"out": Tolerance.ulp(2)},
-    ("saxpy", "f32"): {"out": Tolerance.ulp(1)},
-    ("clipped_saxpy", "f32"): {"out": Tolerance.ulp(2)},
-    # fused budget tail: grad_norm_final's norms; out is clipped_saxpy's given the norms, but
-    # its clip factors come from norms summed in another order (reduction over the partials);
-    # grad_norm_partial's partials
-    ("clip_saxpy_norm_partial", "f32"): {"out": REDUCTION, "partials": REDUCTION,
-                                         "base_norm_sq": REDUCTION, "inject_norm_sq": REDUCTION},
-    ("adam_update", "f32"): {"param": Tolerance.ulp(4), "m": Tolerance.ulp(2), "v": Tolerance.ulp(2)},
-    ("polyak_update", "f32"): {"out": Tolerance.ulp(2)},
-    # fused Polyak + BF16 mirrors: the mirror of a NaN blend carries the GPU's canonical NaN
-    ("polyak_update_mirror", "f32"): {"target": Tolerance.ulp(2),
-                                      "online_bf16": Tolerance.exact(bitwise=True),
-                                      "target_bf16": Tolerance.exact(bitwise=True, nan_payload=False)},
-    # spectral: SPEC 8, rtol 1e-5 on sigma, u, v, W
-    ("spectral_norm", "f32"): {"w": REDUCTION, "u": REDUCTION, "v": REDUCTION, "sigma": REDUCTION},
-    ("batched_spectral_norm", "f32"): {"ws": REDUCTION, "us": REDUCTION, "vs": REDUCTION,
-                                       "sigmas": REDUCTION},
-    # safety: clamps, flags and max are exact
-    ("clamp_finite", "f32"): {"out": EXACT},
-    ("nan_check", "f32"): {"out": EXACT},
-    ("nan_check_fused", "f32"): {"out": EXACT},
-    ("max_abs", "f32"): {"out": EXACT},
-    ("target_q_clip", "f32"): {"out": EXACT},
-    # replay: scans are reductions; the binary search on a given prefix is exact
-    ("prefix_sum", "f32"): {"out": REDUCTION},
-    ("sample_proportional", "f32"): {"out": EXACT},
-    ("importance_weights", "f32"): {"out": REDUCTION},
-    # isv: EMA updates (a mean/RMS reduction, then one blend)
-    ("isv_signal_update", "f32"): {"out": Tolerance.ulp(4)},
-    ("isv_q_abs_ref_update", "f32"): {"out": REDUCTION},
-    ("isv_h2_rms_update", "f32"): {"out": REDUCTION},
-    # cuBLAS GEMMs (SPEC 9 precision modes)
-    ("gemm", "f32"): {"out": Tolerance.gemm("f32")},
-    ("gemm", "bf16"): {"out": Tolerance.gemm("bf16")},
-    ("gemm", "tf32"): {"out": Tolerance.gemm("tf32")},
-})
+#: The cuBLAS GEMM's tolerance per precision mode (SPEC 9); the kernels' tolerances sit in their
+#: conformance entries (``foxhunt.conformance.specs``).
+GEMM_TOLERANCES: Mapping[str, Tolerance] = MappingProxyType(
+    {mode: Tolerance.gemm(mode) for mode in U_IN})
 
 
-def tolerance_for(kernel: str, dtype: str) -> Mapping[str, Tolerance]:
-    """Per-output tolerances of ``kernel`` in ``dtype``; ``KeyError`` if the pair is unknown."""
+def gemm_tolerance(mode: str) -> Tolerance:
+    """The GEMM tolerance of precision ``mode``; ``KeyError`` naming the known modes."""
     try:
-        return MappingProxyType(dict(TOLERANCES[(kernel, dtype)]))
+        return GEMM_TOLERANCES[mode]
     except KeyError:
-        known = sorted(d for (k, d) in TOLERANCES if k == kernel)
-        hint = f"known dtypes for {kernel!r}: {known}" if known else f"no tolerance for kernel {kernel!r}"
-        raise KeyError(f"no tolerance for ({kernel!r}, {dtype!r}); {hint} "
-                       "(add it to foxhunt.conformance.tolerance.TOLERANCES)") from None
+        raise KeyError(f"no GEMM tolerance for mode {mode!r}; known modes: "
+                       f"{tuple(GEMM_TOLERANCES)}") from None

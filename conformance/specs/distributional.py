@@ -1,0 +1,294 @@
+"""Entries of the distributional (C51) kernels of one branch: the dueling combine and its
+backward, log-softmax over atoms, expected Q, the double-DQN choice, the C51 projection, loss
+and gradient, and the CQL logit gradient.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from foxhunt.conformance.kernel_spec import Dims, Kwargs, SpecEntry
+from foxhunt.conformance.specs.inputs import (
+    F32,
+    I32,
+    V_MIN,
+    V_MAX,
+    error_cases,
+    f32,
+    i32,
+    log_softmax,
+    maxabs,
+    normal,
+    reduction,
+    replace,
+    softmax,
+    support,
+    uniform,
+    wrong_dtype,
+)
+from foxhunt.conformance.tolerance import EXACT, REDUCTION
+
+
+def _s_dueling(d: Dims, rng) -> Kwargs:
+    return {"v": normal(rng, (d.batch, d.atoms)), "adv": normal(rng, (d.batch, d.actions, d.atoms))}
+
+
+def _s_dlogits(d: Dims, rng) -> Kwargs:
+    return {"dlogits": normal(rng, (d.batch, d.actions, d.atoms), 1e-2)}
+
+
+def _s_logits(d: Dims, rng) -> Kwargs:
+    return {"logits": normal(rng, (d.batch, d.actions, d.atoms), 3.0)}
+
+
+def _s_expected_q(d: Dims, rng) -> Kwargs:
+    return {"logp": log_softmax(rng, (d.batch, d.actions, d.atoms)), "z": support(d.atoms)}
+
+
+def _s_select(d: Dims, rng) -> Kwargs:
+    q = np.round(rng.standard_normal((d.batch, d.actions)) * 2) / 2  # half steps: ties occur
+    return {"q": q.astype(F32)}
+
+
+def _s_project(d: Dims, rng) -> Kwargs:
+    return {"p_next": softmax(rng, (d.batch, d.atoms)), "r": normal(rng, d.batch, 3.0),
+            "done": (rng.random(d.batch) < 0.2).astype(F32), "gamma": F32(0.99),
+            "z": support(d.atoms), "v_min": V_MIN, "v_max": V_MAX}
+
+
+def _s_c51(d: Dims, rng) -> Kwargs:
+    return {"logp": log_softmax(rng, (d.batch, d.actions, d.atoms)),
+            "actions": rng.integers(0, d.actions, d.batch).astype(I32),
+            "m": softmax(rng, (d.batch, d.atoms)), "isw": uniform(rng, d.batch, 0.1, 1.0),
+            "scale": F32(1.0 / (d.batch * 2))}
+
+
+def _s_cql(d: Dims, rng) -> Kwargs:
+    return {"logp": log_softmax(rng, (d.batch, d.actions, d.atoms)),
+            "actions": rng.integers(0, d.actions, d.batch).astype(I32),
+            "z": support(d.atoms), "alpha": F32(1.0), "scale": F32(1.0 / (d.batch * 2))}
+
+
+def _s_log_softmax_q(d: Dims, rng) -> Kwargs:
+    """The step's packed rows: online (2B) then target (B) samples, each of A action rows;
+    Q over the online rows."""
+    rows = d.batch * d.actions
+    return {"logits": normal(rng, (3 * rows, d.atoms), 3.0), "z": support(d.atoms),
+            "q_rows": 2 * rows}
+
+
+def _s_project_grad(d: Dims, rng) -> Kwargs:
+    c51 = _s_c51(d, rng)
+    del c51["m"]  # the fused kernel's output
+    return {**_s_project(d, rng), **c51}
+
+
+def _sc_dueling(kwargs, expected):
+    return {"out": reduction(kwargs["adv"].shape[1], maxabs(kwargs["v"]) + 2 * maxabs(kwargs["adv"]))}
+
+
+def _sc_dueling_bwd(kwargs, expected):
+    a, mag = kwargs["dlogits"].shape[1], maxabs(kwargs["dlogits"])
+    return {"dv": reduction(a, mag), "dadv": reduction(a, 2 * mag)}
+
+
+def _sc_log_softmax(kwargs, expected):
+    x = kwargs["logits"]
+    return {"out": reduction(x.shape[-1], 1.0 + 2 * maxabs(x))}
+
+
+def _sc_expected_q(kwargs, expected):
+    return {"out": reduction(kwargs["logp"].shape[-1], maxabs(kwargs["z"]))}
+
+
+def _sc_project(kwargs, expected):
+    return {"out": reduction(kwargs["p_next"].shape[-1], 1.0)}
+
+
+def _sc_c51_loss(kwargs, expected):
+    logp, m = kwargs["logp"], kwargs["m"]
+    isw_scale = maxabs(kwargs["isw"]) * maxabs(kwargs["scale"])
+    return {"ce": reduction(logp.shape[-1], maxabs(logp) * max(maxabs(m), 1.0)),
+            "total": reduction(logp.shape[0], isw_scale * max(maxabs(expected["ce"]), 1.0))}
+
+
+def _not_taken(kwargs) -> np.ndarray:
+    """``[B, A, 1]`` mask of the actions not taken (their gradient rows are written 0)."""
+    logp, actions = kwargs["logp"], kwargs["actions"]
+    return (np.arange(logp.shape[1])[None, :] != actions[:, None])[..., None]
+
+
+def _sc_c51_grad(kwargs, expected):
+    isw_scale = maxabs(kwargs["isw"]) * maxabs(kwargs["scale"])
+    return {"out": {**reduction(kwargs["logp"].shape[-1], isw_scale * max(maxabs(kwargs["m"]), 1.0)),
+                    "exact": _not_taken(kwargs)}}
+
+
+def _sc_log_softmax_q(kwargs, expected):
+    x = kwargs["logits"]
+    return {"logp": reduction(x.shape[-1], 1.0 + 2 * maxabs(x)),
+            "q": reduction(x.shape[-1], maxabs(kwargs["z"]))}
+
+
+def _sc_project_grad(kwargs, expected):
+    isw_scale = maxabs(kwargs["isw"]) * maxabs(kwargs["scale"])
+    return {"m": reduction(kwargs["p_next"].shape[-1], 1.0),
+            "dlogits": {**reduction(kwargs["logp"].shape[-1],
+                               isw_scale * max(maxabs(expected["m"]), 1.0)),
+                        "exact": _not_taken(kwargs)}}
+
+
+def _sc_cql(kwargs, expected):
+    logp, zmax = kwargs["logp"], maxabs(kwargs["z"])
+    length = logp.shape[-1] + logp.shape[1]
+    dmag = maxabs(kwargs["alpha"]) * maxabs(kwargs["scale"]) * 2 * zmax
+    return {"dlogits": reduction(length, dmag), "terms": reduction(length, zmax + math.log(logp.shape[1]) + 1)}
+
+
+ENTRIES: tuple[SpecEntry, ...] = (
+    # distributional: short reductions (over actions or atoms) and exp/log
+    SpecEntry(
+        name="dueling_combine",
+        outputs={"out": f32(REDUCTION)},
+        sample=_s_dueling,
+        targets=("v", "adv"),
+        errors=error_cases(
+            _s_dueling,
+            lambda k: replace(k, v=k["v"][:, :-1]),
+            lambda k: wrong_dtype(k, "adv"),
+        ),
+        scales=_sc_dueling,
+    ),
+    SpecEntry(
+        name="dueling_combine_backward",
+        outputs={"dv": f32(REDUCTION), "dadv": f32(REDUCTION)},
+        sample=_s_dlogits,
+        targets=("dlogits",),
+        errors=error_cases(
+            _s_dlogits,
+            lambda k: wrong_dtype(k, "dlogits"),
+            lambda k: replace(k, dlogits=k["dlogits"][0]),
+        ),
+        scales=_sc_dueling_bwd,
+    ),
+    SpecEntry(
+        name="log_softmax_atoms",
+        outputs={"out": f32(REDUCTION)},
+        sample=_s_logits,
+        targets=("logits",),
+        errors=error_cases(
+            _s_logits,
+            lambda k: wrong_dtype(k, "logits"),
+        ),
+        scales=_sc_log_softmax,
+    ),
+    SpecEntry(
+        name="expected_q",
+        outputs={"out": f32(REDUCTION)},
+        sample=_s_expected_q,
+        targets=("logp", "z"),
+        errors=error_cases(
+            _s_expected_q,
+            lambda k: replace(k, z=k["z"][:-1]),
+            lambda k: wrong_dtype(k, "logp"),
+        ),
+        scales=_sc_expected_q,
+    ),
+    # fused log_softmax_atoms + expected_q: their tolerances, per output
+    SpecEntry(
+        name="log_softmax_expected_q",
+        outputs={"logp": f32(REDUCTION), "q": f32(REDUCTION)},
+        sample=_s_log_softmax_q,
+        targets=("logits", "z"),
+        errors=error_cases(
+            _s_log_softmax_q,
+            lambda k: replace(k, z=k["z"][:-1]),
+            lambda k: replace(k, q_rows=k["logits"].shape[0] + 1),
+            lambda k: replace(k, q_rows=-1),
+            lambda k: wrong_dtype(k, "logits"),
+            lambda k: replace(k, logits=k["logits"].reshape(1, *k["logits"].shape)),
+        ),
+        scales=_sc_log_softmax_q,
+    ),
+    SpecEntry(
+        name="double_dqn_select",
+        outputs={"out": i32(EXACT)},
+        sample=_s_select,
+        targets=("q",),
+        errors=error_cases(
+            _s_select,
+            lambda k: wrong_dtype(k, "q"),
+            lambda k: replace(k, q=k["q"][0]),
+        ),
+    ),
+    SpecEntry(
+        name="c51_project",
+        outputs={"out": f32(REDUCTION)},
+        sample=_s_project,
+        targets=("p_next", "r", "done", "gamma"),
+        errors=error_cases(
+            _s_project,
+            lambda k: replace(k, r=k["r"][:-1]),
+            lambda k: replace(k, v_min=20.0),
+            lambda k: replace(k, z=k["z"][:-1]),
+            lambda k: wrong_dtype(k, "p_next"),
+        ),
+        scales=_sc_project,
+    ),
+    SpecEntry(
+        name="c51_loss",
+        outputs={"ce": f32(REDUCTION), "total": f32(REDUCTION)},
+        sample=_s_c51,
+        targets=("logp", "m", "isw", "scale"),
+        errors=error_cases(
+            _s_c51,
+            lambda k: replace(k, actions=np.full_like(k["actions"], k["logp"].shape[1])),
+            lambda k: replace(k, actions=k["actions"].astype(np.int64)),
+            lambda k: replace(k, isw=k["isw"][:-1]),
+        ),
+        scales=_sc_c51_loss,
+    ),
+    SpecEntry(
+        name="c51_grad",
+        outputs={"out": f32(REDUCTION)},
+        sample=_s_c51,
+        targets=("logp", "m", "isw", "scale"),
+        errors=error_cases(
+            _s_c51,
+            lambda k: replace(k, actions=np.full_like(k["actions"], -1)),
+            lambda k: replace(k, m=k["m"][:, :-1]),
+        ),
+        scales=_sc_c51_grad,
+    ),
+    # fused c51_project + c51_grad: their tolerances, per output
+    SpecEntry(
+        name="c51_project_grad",
+        outputs={"m": f32(REDUCTION), "dlogits": f32(REDUCTION)},
+        sample=_s_project_grad,
+        targets=("p_next", "r", "done", "gamma", "logp", "isw", "scale"),
+        errors=error_cases(
+            _s_project_grad,
+            lambda k: replace(k, r=k["r"][:-1]),
+            lambda k: replace(k, v_min=20.0),
+            lambda k: wrong_dtype(k, "p_next"),
+            lambda k: replace(k, actions=np.full_like(k["actions"], k["logp"].shape[1])),
+            lambda k: replace(k, logp=k["logp"][:, :, :-1]),
+            lambda k: replace(k, isw=k["isw"][:-1]),
+        ),
+        scales=_sc_project_grad,
+    ),
+    SpecEntry(
+        name="cql_logit_grad",
+        outputs={"dlogits": f32(REDUCTION), "terms": f32(REDUCTION)},
+        sample=_s_cql,
+        targets=("logp", "z", "alpha", "scale"),
+        errors=error_cases(
+            _s_cql,
+            lambda k: replace(k, actions=np.full_like(k["actions"], k["logp"].shape[1])),
+            lambda k: replace(k, z=k["z"][:-1]),
+        ),
+        scales=_sc_cql,
+    ),
+)
