@@ -36,6 +36,7 @@ import dataclasses
 import difflib
 import json
 import re
+import textwrap
 import types
 import typing
 from dataclasses import dataclass
@@ -280,5 +281,6 @@ def settings_help() -> str:
             value = getattr(obj, f.name)
             shown = ",".join(map(str, value)) if isinstance(value, tuple) else value
             parts.append(f"{f.name}={shown}")
-        lines.append(f"  {section}: " + " ".join(parts))
+        lines.append(textwrap.fill(" ".join(parts), width=92, initial_indent=f"  {section}: ",
+                                   subsequent_indent="    ", break_on_hyphens=False))
     return "\n".join(lines)

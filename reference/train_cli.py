@@ -1,108 +1,355 @@
 """``foxhunt train``: the main job (SPEC 10).
 
 Trains on the bundled synthetic futures market (or ``--data CSV``), prints a progress bar per
-epoch and a per-epoch table, and writes ``metrics.jsonl``, PNG plots, checkpoints and
-``summary.json`` under ``--out``. Ctrl-C stops cleanly: what was written stays, the plots and
-summary are still produced from the epochs that finished.
+epoch and a per-epoch table, and writes into a run directory (``runs/<UTC time>-seed<N>`` with
+``runs/latest`` pointing at it, or ``--out``): ``config.json`` (everything needed to rebuild
+the run), ``metrics.jsonl``, checkpoints (the last epoch's with the loop state, for
+``--resume``, and each fold's best), PNG plots and ``summary.json``.
+
+SIGINT (Ctrl-C), SIGTERM and SIGHUP stop the run after the training step in progress: the
+epochs that finished stay, the plots and summary are written, and the exit status is
+128 + the signal number (130, 143, 129). A second such signal stops at once (the files
+written so far are whole: every write is atomic). Exit status 2 is a usage error (one line
+on stderr), 1 a run halted by a safety check.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import os
 import signal
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from .config import PRESETS, DQNConfig
-from .loop import EpochRecord, LoopSettings, run, sharpe_summary, write_jsonl
+from . import jsonio, runs, settings_io
+from .config import PRESETS
+from .loop import EpochRecord, LoopSettings, resume_epochs, run
+from .report import TABLE_HEADER, format_row, run_summary, summary_text
+from .run_outputs import DEFAULT_METRICS_HOST, PrometheusGauges, TensorBoardScalars
+from .runs import UsageError
 
-TABLE_HEADER = (f"{'fold':>4} {'epoch':>5} {'loss':>9} {'c51|g|':>8} {'cql|g|':>8} {'|g|':>8} "
-                f"{'mean Q':>8} {'Sharpe':>8} {'time s':>7}  flagged")
+#: Flags that set a setting (flag dest -> setting key); they override --config, --set wins.
+FLAG_SETTINGS = {"epochs": "loop.epochs", "folds": "loop.folds",
+                 "steps_per_epoch": "loop.steps_per_epoch", "seed": "loop.seed",
+                 "precision": "config.precision"}
+#: Flags that choose the data; with --data only --data applies.
+SYNTHETIC_FLAGS = {"bars": 20_000, "market": "default"}
+#: Flags that make no sense with --resume (the run's config.json decides).
+NOT_WITH_RESUME = ("config", "set", "preset", "out", "overwrite", "bars", "market",
+                   *FLAG_SETTINGS)
+DEFAULT_PRESET = "seed"
+DEFAULT_BACKEND = "reference"
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP")
+                     if hasattr(signal, name))
 
 
-def _row(r: EpochRecord) -> str:
-    return (f"{r.fold:>4} {r.epoch:>5} {r.loss:>9.4f} {r.c51_norm_pre:>8.4f} {r.cql_norm_pre:>8.4f} "
-            f"{r.grad_norm:>8.4f} {r.mean_q:>8.3f} {r.sharpe:>8.2f} {r.epoch_time_s:>7.1f}  "
-            f"{', '.join(r.flagged) or '-'}")
+# ---------------------------------------------------------------------------------- arguments
+def int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not allowed; must be an integer >= {minimum}")
+        return value
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _port(text: str) -> int:
+    value = int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port; allowed 0..65535 (0: any free port)")
+    return value
+
+
+EPILOG = f"""\
+Settings are applied in this order, a later one winning: the preset (--preset), the
+--config file (TOML or JSON), the flags (--epochs, --folds, --steps-per-epoch, --seed,
+--precision), then each --set in order. A --set or config-file key is a field name, or
+config.<name> / loop.<name>. Every setting, with its default (the seed preset's):
+{settings_io.settings_help()}
+
+Exit status: 0 done, 1 halted by a safety check, 2 usage error, 128 + signal number when
+stopped by SIGINT (130), SIGTERM (143) or SIGHUP (129)."""
 
 
 def register(sub) -> None:
+    loop_defaults = LoopSettings()
     p = sub.add_parser("train", help="train on the synthetic market or your CSV bars",
-                       description=__doc__.splitlines()[0])
-    p.add_argument("--backend", choices=("reference", "fast"), default="reference")
-    p.add_argument("--preset", choices=tuple(PRESETS), default="seed")
-    p.add_argument("--precision", choices=("f32", "bf16"), default=None,
+                       description=__doc__.split("\n\n")[1].replace("``", ""), epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("what to train")
+    g.add_argument("--backend", choices=("reference", "fast"), default=None,
+                   help=f"reference: NumPy on the CPU; fast: CUDA (default: {DEFAULT_BACKEND}, "
+                        "or the run's with --resume)")
+    g.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                   help=f"network size (default: {DEFAULT_PRESET})")
+    g.add_argument("--config", type=Path, metavar="FILE", default=None,
+                   help="settings from a TOML or JSON file (default: none)")
+    g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="set one setting, e.g. --set lr=3e-4 --set branches=3,3,2 (repeatable)")
+    g.add_argument("--precision", choices=("f32", "bf16"), default=None,
                    help="GEMM precision (default: the preset's, bf16)")
-    p.add_argument("--epochs", type=int, default=3, help="epochs per fold (default 3)")
-    p.add_argument("--folds", type=int, default=2, help="walk-forward folds (default 2)")
-    p.add_argument("--steps-per-epoch", type=int, default=300)
-    p.add_argument("--bars", type=int, default=20_000, help="synthetic bars (default 20000)")
-    p.add_argument("--market", choices=("default", "strong_trend"), default="default")
-    p.add_argument("--data", type=Path, default=None, help="OHLCV CSV instead of the synthetic market")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", type=Path, default=Path("runs/latest"))
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics (per-component gradient norms) on this port")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--epochs", metavar="N", type=int_at_least(1), default=None,
+                   help=f"epochs per fold (default: {loop_defaults.epochs})")
+    g.add_argument("--folds", metavar="N", type=int_at_least(1), default=None,
+                   help=f"walk-forward folds (default: {loop_defaults.folds})")
+    g.add_argument("--steps-per-epoch", metavar="N", type=int_at_least(1), default=None,
+                   help=f"training steps per epoch (default: {loop_defaults.steps_per_epoch})")
+    g.add_argument("--seed", metavar="N", type=int_at_least(0), default=None,
+                   help=f"seed of the network, exploration and synthetic market "
+                        f"(default: {loop_defaults.seed})")
+    g = p.add_argument_group("data")
+    g.add_argument("--data", type=Path, default=None, metavar="CSV",
+                   help="OHLCV CSV (UTF-8, optionally gzipped) instead of the synthetic market")
+    g.add_argument("--bars", metavar="N", type=int_at_least(2), default=None,
+                   help=f"synthetic bars (default: {SYNTHETIC_FLAGS['bars']}; not with --data)")
+    g.add_argument("--market", choices=runs.MARKETS, default=None,
+                   help=f"synthetic market (default: {SYNTHETIC_FLAGS['market']}; not with --data)")
+    g = p.add_argument_group("run directory")
+    g.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help=f"run directory (default: a new {runs.RUNS_ROOT}/<UTC time>-seed<N>, "
+                        f"with {runs.RUNS_ROOT}/{runs.LATEST} pointing at it); must be new or empty")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run in a non-empty --out (its files are deleted first)")
+    g.add_argument("--resume", type=Path, default=None, metavar="RUN_DIR",
+                   help="continue the run in RUN_DIR from its last finished epoch")
+    g = p.add_argument_group("outputs")
+    g.add_argument("--threads", metavar="N", type=int_at_least(1), default=1,
+                   help="BLAS threads of this run's NumPy (default: %(default)s)")
+    g.add_argument("--metrics-port", type=_port, default=None, metavar="PORT",
+                   help="serve Prometheus metrics on this port (default: off; needs foxhunt[metrics])")
+    g.add_argument("--metrics-host", default=None, metavar="HOST",
+                   help=f"address the metrics server binds (default: {DEFAULT_METRICS_HOST}: "
+                        "this machine only; 0.0.0.0: every interface)")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="also write TensorBoard scalars to RUN_DIR/tensorboard "
+                        "(needs foxhunt[tensorboard])")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
 
 
-def _load_bars(args):
-    from .market import SyntheticMarket, load_csv
+def _given(args, dest: str) -> bool:
+    value = getattr(args, dest)
+    return value not in (None, False, [])
 
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+# ---------------------------------------------------------------------------------- the plan
+class Plan:
+    """Everything resolved before anything is written: run config, bars, where to write."""
+
+    def __init__(self, run: runs.RunConfig, bars, resume_dir: Path | None):
+        self.run, self.bars, self.resume_dir = run, bars, resume_dir
+
+
+def _check_flags(args) -> None:
+    if args.metrics_host is not None and args.metrics_port is None:
+        raise UsageError("--metrics-host applies only with --metrics-port")
+    if args.resume is not None:
+        bad = [_flag(d) for d in NOT_WITH_RESUME if _given(args, d)]
+        if bad:
+            raise UsageError(f"--resume: {', '.join(bad)} {'does' if len(bad) == 1 else 'do'} "
+                             f"not apply: the run's {runs.CONFIG_NAME} decides its settings and data")
+    elif args.data is not None:
+        bad = [_flag(d) for d in SYNTHETIC_FLAGS if _given(args, d)]
+        if bad:
+            raise UsageError(f"--data: {', '.join(bad)} {'applies' if len(bad) == 1 else 'apply'} "
+                             "only to the synthetic market; drop it or drop --data")
+    if args.overwrite and args.out is None:
+        raise UsageError("--overwrite applies only with --out (a new run directory is always new)")
+
+
+def _plan_new(args) -> Plan:
+    layers = []
+    preset = None
+    if args.config is not None:
+        file = settings_io.read_config_file(args.config)
+        preset = file.preset
+        layers.append(file.values)
+    table = settings_io.all_settings()
+    layers.append([(table[key], getattr(args, dest)) for dest, key in FLAG_SETTINGS.items()
+                   if getattr(args, dest) is not None])
+    layers.append(settings_io.parse_set(args.set))
+    preset = args.preset or preset or DEFAULT_PRESET
+    config, settings = settings_io.build(preset, layers)
     if args.data is not None:
-        if not args.data.is_file():
-            raise SystemExit(f"foxhunt train: --data {args.data}: no such file")
-        try:
-            return load_csv(args.data), f"CSV {args.data}"
-        except ValueError as exc:
-            raise SystemExit(f"foxhunt train: --data {args.data}: {exc}") from None
-    return (SyntheticMarket.preset(args.market, seed=args.seed, n_bars=args.bars).generate(),
-            f"synthetic market '{args.market}', {args.bars} bars, seed {args.seed}")
+        source = runs.csv_source(args.data)
+    else:
+        source = runs.synthetic_source(args.market or SYNTHETIC_FLAGS["market"],
+                                       args.bars or SYNTHETIC_FLAGS["bars"], settings.seed)
+    bars = runs.load_bars(source)
+    source["sha256"] = runs.bars_sha256(bars)
+    _check_folds(config, settings, bars)
+    run_config = runs.RunConfig(config=config, settings=settings, data=source,
+                                backend=args.backend or DEFAULT_BACKEND, preset=preset,
+                                threads=args.threads)
+    return Plan(run_config, bars, None)
 
 
-def _metrics_server(port: int | None):
-    if port is None:
-        return None
+def _plan_resume(args) -> Plan:
+    run_dir = args.resume
+    if not run_dir.is_dir():
+        raise UsageError(f"--resume {run_dir}: no such run directory")
+    recorded = runs.read_run_config(run_dir)
+    source = dict(recorded.data)
+    if args.data is not None:
+        if source["kind"] != "csv":
+            raise UsageError(f"--resume {run_dir} --data: the run trained on "
+                             f"{runs.describe_source(source)}, not a CSV")
+        source["path"] = str(args.data.resolve())
+    bars = runs.load_bars(source)
+    run_config = runs.RunConfig(config=recorded.config, settings=recorded.settings, data=source,
+                                backend=args.backend or recorded.backend, preset=recorded.preset,
+                                threads=args.threads)
+    return Plan(run_config, bars, run_dir)
+
+
+def _check_folds(config, settings, bars) -> None:
+    """Too few bars for the folds is a usage error before any file is written."""
+    from .loop import choose_windows, fold_segments
+    from .market import feature_warmup
+
     try:
-        import prometheus_client as prom
-    except ImportError:
-        raise SystemExit("foxhunt train: --metrics-port needs prometheus-client "
-                         "(pip install 'foxhunt[metrics]')") from None
-    registry = prom.CollectorRegistry()
-    gauges = {
-        "grad_norm": prom.Gauge("foxhunt_grad_norm", "gradient L2 norm by component and stage",
-                                ["component", "stage"], registry=registry),
-        "loss": prom.Gauge("foxhunt_loss", "training loss by component", ["component"], registry=registry),
-        "sharpe": prom.Gauge("foxhunt_eval_sharpe", "evaluation Sharpe of the last epoch", registry=registry),
-    }
-    prom.start_http_server(port, registry=registry)
-    return gauges
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from .plots import write_plots
-
-    try:
-        config = DQNConfig.preset(args.preset, **({"precision": args.precision} if args.precision else {}))
-        settings = LoopSettings(folds=args.folds, epochs=args.epochs,
-                                steps_per_epoch=args.steps_per_epoch, seed=args.seed)
+        fold_segments(len(bars), feature_warmup(choose_windows(config.state_dim)), settings.folds,
+                      settings.val_frac, settings.test_frac)
     except ValueError as exc:
+        raise UsageError(f"--folds {settings.folds}: {exc}") from None
+
+
+def _check_backend(name: str) -> None:
+    if name == "fast":
+        from .cli import cuda_status
+
+        ok, reason = cuda_status()
+        if not ok:
+            raise UsageError(f"--backend fast needs an NVIDIA GPU with CUDA, and this machine has "
+                             f"none usable ({reason}); use --backend reference")
+
+
+def _open_run_dir(args, plan: Plan):
+    """(run dir, its lock): created, checked, cleared for --overwrite; UsageError otherwise."""
+    if plan.resume_dir is not None:
+        run_dir = plan.resume_dir
+        lock = runs.lock_run_dir(run_dir)
+        return run_dir, lock
+    if args.out is None:
+        run_dir = runs.new_run_dir(runs.RUNS_ROOT, plan.run.settings.seed)
+        lock = runs.lock_run_dir(run_dir)
+        if not runs.point_latest(runs.RUNS_ROOT, run_dir):
+            print(f"foxhunt train: note: {runs.RUNS_ROOT / runs.LATEST} is not a symlink "
+                  "(an older foxhunt's run?); left as it is", file=sys.stderr)
+        return run_dir, lock
+    run_dir = runs.check_out_dir(args.out, overwrite=args.overwrite, resume=False)
+    lock = runs.lock_run_dir(run_dir)
+    if args.overwrite:
+        runs.clear_run_dir(run_dir)
+    return run_dir, lock
+
+
+# ---------------------------------------------------------------------------------- signals
+class StopRequest:
+    """``should_stop`` for the loop: set by SIGINT / SIGTERM / SIGHUP. The handler only records
+    the signal (printing from a handler can re-enter a half-written stderr); a second signal
+    restores the default action and re-sends itself, stopping the process at once."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._announced = False
+
+    def handle(self, signum, frame) -> None:
+        if self.signum is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        self.signum = signum
+
+    def __call__(self) -> bool:
+        if self.signum is not None and not self._announced:
+            self._announced = True
+            print(f"\nfoxhunt train: {signal.Signals(self.signum).name}: stopping; writing the "
+                  "summary and plots (send it again to stop at once)", file=sys.stderr, flush=True)
+        return self.signum is not None
+
+    @contextlib.contextmanager
+    def installed(self):
+        previous = {s: signal.signal(s, self.handle) for s in STOP_SIGNALS}
+        try:
+            yield self
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+# ---------------------------------------------------------------------------------- the command
+def cmd_train(args: argparse.Namespace) -> int:
+    sinks: list = []
+    lock = None
+    try:
+        _check_flags(args)
+        plan = _plan_resume(args) if args.resume is not None else _plan_new(args)
+        _check_backend(plan.run.backend)
+        if args.metrics_port is not None:
+            sinks.append(PrometheusGauges(args.metrics_port, args.metrics_host or DEFAULT_METRICS_HOST))
+        run_dir, lock = _open_run_dir(args, plan)
+        done_epochs = 0
+        if plan.resume_dir is not None:
+            done_epochs = _prepare_resume(run_dir)
+        else:
+            runs.write_run_config(run_dir, plan.run)
+        if args.tensorboard:
+            sinks.append(TensorBoardScalars(run_dir / "tensorboard"))
+    except ValueError as exc:  # UsageError, and the settings' own one-line validation errors
+        for sink in sinks:
+            sink.close()
+        if lock is not None:
+            lock.release()
         print(f"foxhunt train: {exc}", file=sys.stderr)
         return 2
-    bars, source = _load_bars(args)
-    gauges = _metrics_server(args.metrics_port)
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    metrics_path = out / "metrics.jsonl"
-    metrics_path.write_text("")
-    (out / "config.json").write_text(config.to_json())
-    print(f"foxhunt train: backend={args.backend} preset={args.preset} precision={config.precision} "
+    try:
+        return _train(args, plan, run_dir, done_epochs, sinks)
+    finally:
+        for sink in sinks:
+            sink.close()
+        lock.release()
+
+
+def _prepare_resume(run_dir: Path) -> int:
+    """Cut ``metrics.jsonl`` back to the epochs the resume state holds; returns that count."""
+    try:
+        n = resume_epochs(run_dir)
+    except (ValueError, OSError) as exc:
+        raise UsageError(f"--resume {run_dir}: {exc}") from None
+    runs.truncate_lines(run_dir / runs.METRICS_NAME, n)
+    return n
+
+
+def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> int:
+    from threadpoolctl import threadpool_limits
+
+    from .plots import write_plots
+
+    rc, settings, config = plan.run, plan.run.settings, plan.run.config
+    metrics_path = run_dir / runs.METRICS_NAME
+    metrics_path.touch()
+    print(f"foxhunt train: backend={rc.backend} preset={rc.preset} precision={config.precision} "
           f"B={config.batch_size} folds={settings.folds} epochs/fold={settings.epochs} "
-          f"steps/epoch={settings.steps_per_epoch}\n  data: {source}\n  output: {out}")
+          f"steps/epoch={settings.steps_per_epoch} threads={args.threads}\n"
+          f"  data: {runs.describe_source(rc.data)}\n  run directory: {run_dir}")
+    for sink in sinks:
+        if isinstance(sink, PrometheusGauges):
+            host, port = sink.address
+            print(f"  metrics: http://{host}:{port}/metrics")
+    if done_epochs:
+        print(f"  resuming after {done_epochs} finished epoch(s)")
 
     progress = None
     show = not args.no_progress and sys.stderr.isatty()
@@ -120,6 +367,9 @@ def cmd_train(args: argparse.Namespace) -> int:
             progress.update(1)
             if scalars.fresh or i == 0:
                 progress.set_postfix(loss=f"{scalars.loss:.4f}", grad=f"{scalars.grad_norm:.3f}")
+        if scalars.fresh:
+            for sink in sinks:
+                sink.step(scalars)
 
     header_printed = False
 
@@ -131,44 +381,45 @@ def cmd_train(args: argparse.Namespace) -> int:
         if not header_printed:
             print(TABLE_HEADER)
             header_printed = True
-        print(_row(rec), flush=True)
-        write_jsonl(metrics_path, rec)
-        if gauges:
-            for comp in ("c51", "cql"):
-                gauges["grad_norm"].labels(comp, "pre").set(getattr(rec, f"{comp}_norm_pre"))
-                gauges["grad_norm"].labels(comp, "post").set(getattr(rec, f"{comp}_norm_post"))
-                gauges["loss"].labels(comp).set(getattr(rec, f"{comp}_loss"))
-            gauges["grad_norm"].labels("total", "adam").set(rec.grad_norm)
-            gauges["sharpe"].set(rec.sharpe)
+        print(format_row(rec), flush=True)
+        jsonio.append_jsonl(metrics_path, asdict(rec))
+        for sink in sinks:
+            sink.epoch(rec)
 
-    # A second Ctrl-C during the wrap-up should not corrupt what is being written.
+    stop = StopRequest()
     tic = time.perf_counter()
-    result = run(config, bars, settings, backend=args.backend, out_dir=out, on_step=on_step,
-                 on_epoch=on_epoch, on_epoch_start=on_epoch_start)
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
+    with stop.installed(), threadpool_limits(limits=args.threads, user_api="blas"):
+        result = run(config, plan.bars, settings, backend=rc.backend, out_dir=run_dir,
+                     on_step=on_step, on_epoch=on_epoch, on_epoch_start=on_epoch_start,
+                     should_stop=stop, resume=plan.resume_dir is not None)
         if progress is not None:
             progress.close()
-        plots = write_plots(out, result)
-        summary = {
-            "backend": args.backend, "preset": args.preset, "precision": config.precision,
-            "epochs_completed": len(result.records), "interrupted": result.interrupted,
-            "halted": result.halted, "wall_time_s": time.perf_counter() - tic,
-            "best": {str(k): {kk: vv for kk, vv in v.items() if kk != "equity"} for k, v in result.best.items()},
-            "flat_sharpe": {str(k): v for k, v in result.flat_sharpe.items()},
-            "plots": [str(p) for p in plots],
-            "last_epoch": asdict(result.records[-1]) if result.records else None,
-        }
-        (out / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=True))
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    print(f"\n{sharpe_summary(result)}")
+        plots = write_plots(run_dir, result)
+        summary = _summary(rc, result, plots, time.perf_counter() - tic, stop.signum)
+        jsonio.write_json(run_dir / runs.SUMMARY_NAME, summary)
+    print(f"\n{summary_text(result)}")
     if result.halted:
         print(f"HALTED: {result.halted}")
     if result.interrupted:
         print("interrupted: kept the epochs that finished")
-    print(f"wrote {metrics_path}, {len(plots)} plots, checkpoints in {out / 'checkpoints'}, "
-          f"{out / 'summary.json'} ({summary['wall_time_s']:.0f} s)")
+    print(f"wrote {metrics_path}, {len(plots)} plots, checkpoints in {run_dir / 'checkpoints'}, "
+          f"{run_dir / runs.SUMMARY_NAME} ({summary['wall_time_s']:.0f} s)")
     if result.interrupted:
-        return 130
+        return 128 + (stop.signum or signal.SIGINT)
     return 1 if result.halted else 0
+
+
+def _summary(rc: runs.RunConfig, result, plots, wall_time_s: float, signum: int | None) -> dict:
+    """``summary.json``: the run's provenance and settings, then ``report.run_summary``
+    (status, per-fold and overall metrics at the validation-chosen epochs)."""
+    return {
+        "foxhunt_version": runs.foxhunt_version(),
+        "git": runs.git_commit(),
+        "backend": rc.backend, "preset": rc.preset, "seed": rc.settings.seed,
+        "threads": rc.threads,
+        "config": rc.config.to_dict(), "loop": asdict(rc.settings), "data": rc.data,
+        "stopped_by": signal.Signals(signum).name if signum else None,
+        "wall_time_s": wall_time_s,
+        "plots": [str(p) for p in plots],
+        **run_summary(result),
+    }

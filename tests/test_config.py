@@ -139,3 +139,64 @@ def test_sequence_and_string_fields_reject_wrong_element_types(field, bad):
 def test_float_fields_accept_integers():
     c = DQNConfig.preset("seed").replace(lr=1, gamma=1, cql_alpha=0)
     assert (c.lr, c.gammas[0], c.cql_alpha) == (1, 1.0, 0)
+
+
+# ------------------------------------------------------------------ settings_io: typing rules
+from foxhunt.reference import settings_io  # noqa: E402
+
+
+@pytest.mark.parametrize("tp,text,expected", [
+    (int, "12", 12), (int, "-3", -3), (float, "3e-4", 3e-4), (float, "2", 2.0),
+    (str, "f32", "f32"), (bool, "true", True), (tuple[int, ...], "3,3,2", (3, 3, 2)),
+    (tuple[float, float], "0.5,0.25", (0.5, 0.25)), (float | tuple[float, ...], "0.9", 0.9),
+    (float | tuple[float, ...], "0.9,0.8", (0.9, 0.8)), (int | None, "none", None),
+])
+def test_coerce_from_set_text(tp, text, expected):
+    value = settings_io.coerce(tp, text, text=True)
+    assert value == expected and type(value) is type(expected)
+
+
+@pytest.mark.parametrize("tp,text", [
+    (int, "3.0"), (int, "1e3"), (int, "true"), (float, "abc"), (float, "true"), (bool, "1"),
+    (tuple[float, float], "0.5"), (tuple[int, ...], "3,x"),
+])
+def test_coerce_rejects_bad_text(tp, text):
+    with pytest.raises(TypeError):
+        settings_io.coerce(tp, text, text=True)
+
+
+@pytest.mark.parametrize("tp,value,expected", [
+    (int, 3, 3), (float, 3, 3.0), (float, 0.5, 0.5), (str, "x", "x"),
+    (tuple[int, ...], [3, 2], (3, 2)), (float | tuple[float, ...], [0.9, 0.8], (0.9, 0.8)),
+])
+def test_coerce_file_values(tp, value, expected):
+    got = settings_io.coerce(tp, value, text=False)
+    assert got == expected and type(got) is type(expected)
+
+
+@pytest.mark.parametrize("tp,value", [
+    (int, 3.0), (int, True), (int, "3"), (float, "0.9"), (float, True), (float, None),
+    (str, 1), (tuple[int, ...], "3,3"), (tuple[int, ...], [3, 2.0]), (bool, 1),
+])
+def test_coerce_rejects_wrong_file_types(tp, value):
+    with pytest.raises(TypeError):
+        settings_io.coerce(tp, value, text=False)
+
+
+def test_an_ambiguous_name_needs_its_section(monkeypatch):
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class A:
+        seed: int = 0
+        lr: float = 0.1
+
+    @dataclasses.dataclass(frozen=True)
+    class B:
+        seed: int = 1
+
+    monkeypatch.setattr(settings_io, "SECTIONS", {"config": A, "loop": B})
+    with pytest.raises(ValueError, match="'seed' is ambiguous: write one of config.seed, loop.seed"):
+        settings_io.resolve("seed")
+    assert settings_io.resolve("loop.seed").section == "loop"
+    assert settings_io.resolve("lr").key == "config.lr"
