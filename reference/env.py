@@ -71,6 +71,13 @@ from foxhunt.reference.market import (
     market_features,
     state_features,
 )
+# The Sharpe and equity helpers live in ``metrics`` (one definition); re-exported here.
+from foxhunt.reference.metrics import (
+    DEFAULT_BARS_PER_YEAR,
+    annualised_sharpe,
+    bars_per_year,
+    equity_curve,
+)
 
 __all__ = [
     "EXPOSURE_VALUES",
@@ -100,11 +107,6 @@ _BRANCH_NAMES = ("exposure", "order type", "urgency")
 # Route codes reported in info["route"].
 ROUTE_NONE, ROUTE_MARKET, ROUTE_LIMIT, ROUTE_PASSIVE, ROUTE_FALLBACK = 0, 1, 2, 3, 4
 
-# Annualisation: CME-style futures trade about 23 hours a day on 252 days a year; the
-# synthetic market's bars are 1 minute apart, so one year is 252 * 23 * 60 = 347,760 bars.
-TRADING_DAYS_PER_YEAR = 252
-TRADING_HOURS_PER_DAY = 23.0
-DEFAULT_BARS_PER_YEAR = TRADING_DAYS_PER_YEAR * 23 * 60
 
 
 @dataclass(frozen=True)
@@ -348,6 +350,33 @@ class BranchingEnv:
         self._started = True
         return self.observe()
 
+    # -- resume --------------------------------------------------------------------------
+
+    #: The per-env arrays ``state()`` saves, with their dtypes.
+    STATE_ARRAYS = {"t": np.int64, "position": np.float32, "entry_price": np.float32,
+                    "time_in_position": np.int64, "steps": np.int64}
+
+    def state(self) -> dict:
+        """Everything that moves as the env steps: the per-env arrays (``STATE_ARRAYS``,
+        copies), ``started`` and ``rng`` (the generator's ``bit_generator.state``, a
+        JSON-ready dict). ``load_state(state())`` on an env built with the same arguments
+        continues bitwise where this one stands."""
+        out = {name: getattr(self, name).copy() for name in self.STATE_ARRAYS}
+        out["started"] = bool(self._started)
+        out["rng"] = self._rng.bit_generator.state
+        return out
+
+    def load_state(self, state: dict) -> None:
+        """Restore ``state()``; raises ``ValueError`` naming an array of the wrong shape."""
+        for name, dtype in self.STATE_ARRAYS.items():
+            arr = np.asarray(state[name])
+            if arr.shape != (self.n_envs,):
+                raise ValueError(f"env state {name}: shape {arr.shape} is not allowed; "
+                                 f"need ({self.n_envs},)")
+            setattr(self, name, arr.astype(dtype, copy=True))
+        self._started = bool(state["started"])
+        self._rng.bit_generator.state = state["rng"]
+
     # -- dynamics ------------------------------------------------------------------------
 
     def _split_actions(self, actions) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -500,60 +529,3 @@ def rollout(
             break
         states = env.observe()
     return out
-
-
-def _check_returns(returns) -> np.ndarray:
-    r = np.asarray(returns, dtype=np.float64)
-    if r.ndim != 1:
-        raise ValueError(f"returns: shape {r.shape} is not allowed; need 1-D per-bar returns")
-    if not np.all(np.isfinite(r)):
-        i = int(np.argmax(~np.isfinite(r)))
-        raise ValueError(f"returns: non-finite value {r[i]!r} at index {i}; returns must be finite")
-    return r
-
-
-def equity_curve(returns, initial: float = 1.0) -> np.ndarray:
-    """Compounded equity ``initial * cumprod(1 + r)``, float64 ``[len(returns)]`` (value after
-    each bar). Raises ``ValueError`` for non-1-D or non-finite returns, or a return <= -1."""
-    r = _check_returns(returns)
-    if np.any(r <= -1):
-        i = int(np.argmax(r <= -1))
-        raise ValueError(
-            f"returns: {r[i]!r} at index {i} is not allowed; a return <= -1 wipes out equity"
-        )
-    return float(initial) * np.cumprod(1.0 + r)
-
-
-def bars_per_year(
-    bar_seconds: float,
-    trading_days: int = TRADING_DAYS_PER_YEAR,
-    hours_per_day: float = TRADING_HOURS_PER_DAY,
-) -> float:
-    """Bars in a trading year: ``trading_days * hours_per_day * 3600 / bar_seconds``
-    (defaults: 252 days of 23 hours, CME-style futures sessions)."""
-    if not bar_seconds > 0:
-        raise ValueError(f"bar_seconds: {bar_seconds!r} is not allowed; must be > 0")
-    return trading_days * hours_per_day * 3600.0 / bar_seconds
-
-
-def annualised_sharpe(returns, bars_per_year: float = DEFAULT_BARS_PER_YEAR) -> float:
-    """``mean(r) / std(r, ddof=1) * sqrt(bars_per_year)`` over per-bar returns ``r``.
-
-    ``DEFAULT_BARS_PER_YEAR = 252 * 23 * 60 = 347,760`` (1-minute bars, 23-hour futures
-    sessions, 252 days). No risk-free rate. Returns 0.0 for fewer than two returns or zero
-    variance (e.g. a flat policy); computed in float64; raises ``ValueError`` for
-    non-finite returns or a non-positive ``bars_per_year``.
-    """
-    r = _check_returns(returns)
-    if not (math.isfinite(bars_per_year) and bars_per_year > 0):
-        raise ValueError(
-            f"bars_per_year: {bars_per_year!r} is not allowed; need a finite value > 0"
-        )
-    if r.size < 2:
-        return 0.0
-    if np.all(r == r[0]):
-        return 0.0
-    std = float(np.std(r, ddof=1))
-    if std == 0.0:
-        return 0.0
-    return float(np.mean(r) / std * math.sqrt(bars_per_year))

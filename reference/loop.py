@@ -1,27 +1,39 @@
-"""The backend-agnostic training loop: walk-forward folds, experience, epochs, evaluation.
+"""The backend-agnostic training loop: walk-forward folds, experience, epochs, evaluation, resume.
 
-For each fold ``F0..Fk`` (contiguous, non-overlapping windows of the bar series, in time
-order), the first ``train_frac`` of the window is the training segment and the rest is the
-held-out evaluation segment. Within a fold:
+The bar series after the feature warm-up is cut into ``folds`` contiguous, non-overlapping
+windows ``F0..Fk`` in time order; each window is cut, in time order, into a **training**
+segment, a **validation** segment (``val_frac`` of the window: chooses the best epoch) and a
+**test** segment (``test_frac``: reported, never used to choose) (SPEC 10). Within a fold:
 
 - ``n_envs`` parallel walks over the training segment collect experience with epsilon-greedy
   exploration, independently per branch (epsilon decays linearly over the first
   ``explore_frac`` of all epochs), into a prioritised replay buffer;
 - each epoch runs ``steps_per_epoch`` training steps (300, the seeds' epoch), one environment
   step of every walk per training step, priorities updated from the step's TD errors;
-- at epoch end the greedy policy is evaluated on the held-out segment: annualised Sharpe of
-  its per-bar rewards; the best epoch of the fold is checkpointed;
+- at epoch end the greedy policy is evaluated on the validation and the test segment
+  (``metrics.segment_metrics``: Sharpe annualised from the data's own bar spacing, total
+  return, max drawdown, turnover, costs); the epoch with the best **validation** Sharpe is
+  the fold's best (checkpointed as ``fold{k}_best.safetensors``), and its test metrics are the
+  fold's result; the flat and buy-and-hold baselines are evaluated once per fold on the same
+  segments;
 - ``halt_nan`` stops the run at a non-finite loss readback, ``halt_grad_collapse`` when the
   gradient norm stays below 1e-8 for 5 consecutive epochs; both name the flagged sentinel slots.
 
 At each fold boundary the trainer's ``fold_boundary()`` runs (Mech 3/4, ISV fold reset,
 sentinel flags reset) and the replay buffer is emptied (a new market window).
+
+Stopping and resuming: ``should_stop()`` is checked before every epoch and after every
+training step; when it returns True the loop stops at once (the epoch in progress is not
+recorded) and returns with ``interrupted=True``. With ``out_dir`` the loop writes the resume
+state at the end of every epoch (``loop_state``); ``resume=True`` continues from it and ends
+bitwise where the uninterrupted run ends. A failed checkpoint write logs a warning through
+``logging.getLogger("foxhunt")`` and the run goes on.
 """
 
 from __future__ import annotations
 
-import json
-import math
+import dataclasses
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,16 +41,25 @@ from typing import Callable
 
 import numpy as np
 
-from . import sentinels
+from . import loop_state, sentinels
 from .backend import StepScalars, TrainerBackend, get_backend
 from .config import DQNConfig, require_int, require_positive, require_range
-from .env import BranchingEnv, annualised_sharpe, equity_curve
+from .env import BranchingEnv, rollout
 from .market import (DEFAULT_WINDOWS, N_POSITION_FEATURES, Bars, feature_warmup,
                      market_features, n_market_features)
+from .metrics import (METRIC_NAMES, SegmentMetrics, bar_seconds, bars_per_year, equity_curve,
+                      segment_metrics)
 from .replay import ReplayBuffer
+
+LOG = logging.getLogger("foxhunt")
 
 GRAD_COLLAPSE_NORM = 1e-8
 GRAD_COLLAPSE_EPOCHS = 5
+#: The smallest fold, and the smallest validation and test segments, in bars.
+MIN_FOLD_BARS = 64
+MIN_EVAL_BARS = 16
+#: The segments every fold is evaluated on, in time order after training.
+EVAL_SEGMENTS = ("val", "test")
 
 
 @dataclass(frozen=True)
@@ -49,7 +70,9 @@ class LoopSettings:
     epochs: int = 3
     steps_per_epoch: int = 300
     n_envs: int = 16
-    train_frac: float = 0.75
+    #: Shares of each fold's window: validation (chooses the best epoch), then test (reported).
+    val_frac: float = 0.125
+    test_frac: float = 0.125
     replay_capacity: int = 50_000
     warmup_transitions: int = 1024
     eps_start: float = 1.0
@@ -63,7 +86,10 @@ class LoopSettings:
         for name in ("folds", "epochs", "steps_per_epoch", "n_envs", "replay_capacity"):
             require_int(name, getattr(self, name), minimum=1)
         require_int("warmup_transitions", self.warmup_transitions, minimum=0)
-        require_range("train_frac", self.train_frac, 0.1, 0.95)
+        require_int("seed", self.seed, minimum=0)
+        # Each at most 0.45: the training segment keeps at least 10% of the fold.
+        for name in ("val_frac", "test_frac"):
+            require_range(name, getattr(self, name), 0.05, 0.45)
         require_positive("reward_scale", self.reward_scale)
         for name in ("eps_start", "eps_end", "explore_frac"):
             require_range(name, getattr(self, name), 0.0, 1.0)
@@ -72,10 +98,15 @@ class LoopSettings:
 #: The ``StepScalars`` fields an epoch record carries over (the epoch-end readback).
 STEP_FIELDS = ("loss", "c51_loss", "cql_loss", "grad_norm", "c51_norm_pre", "c51_norm_post",
                "cql_norm_pre", "cql_norm_post", "mean_q")
+#: Wall-clock fields of a record: the only ones that differ between identical runs.
+TIMING_FIELDS = ("epoch_time_s", "steps_per_s")
 
 
 @dataclass
 class EpochRecord:
+    """One finished epoch: the epoch-end readback, then the greedy policy's metrics on the
+    fold's validation (``val_*``) and test (``test_*``) segments (``metrics.METRIC_NAMES``)."""
+
     fold: int
     epoch: int
     global_epoch: int
@@ -90,11 +121,49 @@ class EpochRecord:
     cql_norm_post: float
     mean_q: float
     epsilon: float
-    sharpe: float
-    eval_return: float
+    val_sharpe: float
+    val_total_return: float
+    val_max_drawdown: float
+    val_turnover: float
+    val_costs: float
+    test_sharpe: float
+    test_total_return: float
+    test_max_drawdown: float
+    test_turnover: float
+    test_costs: float
     epoch_time_s: float
     steps_per_s: float
     flagged: list[str] = field(default_factory=list)
+
+    @property
+    def sharpe(self) -> float:
+        """Compatibility name (until callers move): the test-segment Sharpe ``test_sharpe``."""
+        return self.test_sharpe
+
+
+@dataclass(frozen=True)
+class FoldSegments:
+    """A fold's bar ranges ``[start, stop)``: training, then validation, then test."""
+
+    train: tuple[int, int]
+    val: tuple[int, int]
+    test: tuple[int, int]
+
+
+@dataclass
+class FoldResult:
+    """A fold's baselines (flat, buy-and-hold: per segment name) and its best epoch, chosen on
+    the validation Sharpe, with that epoch's metrics and test-segment equity curve."""
+
+    fold: int
+    segments: FoldSegments
+    flat: dict[str, SegmentMetrics]
+    buy_hold: dict[str, SegmentMetrics]
+    buy_hold_equity: list[float]
+    best_epoch: int | None = None
+    best: dict[str, SegmentMetrics] = field(default_factory=dict)
+    best_equity: list[float] = field(default_factory=list)
+    checkpoint: str | None = None
 
 
 @dataclass
@@ -102,8 +171,27 @@ class RunResult:
     records: list[EpochRecord]
     halted: str | None
     interrupted: bool
-    best: dict  # fold -> {"epoch", "sharpe", "checkpoint", "equity"}
-    flat_sharpe: dict
+    folds: list[FoldResult]
+    bar_seconds: float
+    bars_per_year: float
+
+    @property
+    def status(self) -> str:
+        """``"halted"``, ``"interrupted"`` or ``"completed"``."""
+        return "halted" if self.halted else "interrupted" if self.interrupted else "completed"
+
+    @property
+    def best(self) -> dict:
+        """Compatibility view (until callers move to ``folds``): fold -> {"epoch", "sharpe"
+        (test, at the validation-chosen epoch), "checkpoint", "equity"}."""
+        return {f.fold: {"epoch": f.best_epoch, "sharpe": f.best["test"].sharpe,
+                         "checkpoint": f.checkpoint, "equity": f.best_equity}
+                for f in self.folds if f.best_epoch is not None}
+
+    @property
+    def flat_sharpe(self) -> dict:
+        """Compatibility view: fold -> the flat policy's test Sharpe (0.0: no trades)."""
+        return {f.fold: f.flat["test"].sharpe for f in self.folds}
 
 
 def choose_windows(state_dim: int) -> tuple[int, ...]:
@@ -118,18 +206,25 @@ def choose_windows(state_dim: int) -> tuple[int, ...]:
     )
 
 
-def fold_segments(n_bars: int, warmup: int, folds: int, train_frac: float) -> list[tuple[int, int, int]]:
-    """``(train_start, eval_start, eval_stop)`` per fold over bars ``[warmup, n_bars)``."""
-    usable = n_bars - warmup
-    width = usable // folds
-    if width < 64:
-        raise ValueError(f"{n_bars} bars give folds of {width} bars after the {warmup}-bar feature "
-                         f"warm-up; need at least 64 per fold (use fewer folds or more data)")
+def fold_segments(n_bars: int, warmup: int, folds: int, val_frac: float,
+                  test_frac: float) -> list[FoldSegments]:
+    """Per fold over bars ``[warmup, n_bars)``: ``width = (n_bars - warmup) // folds`` bars,
+    ``int(width * val_frac)`` validation and ``int(width * test_frac)`` test bars at its end,
+    training before them."""
+    width = (n_bars - warmup) // folds
+    n_val, n_test = int(width * val_frac), int(width * test_frac)
+    if width < MIN_FOLD_BARS or min(n_val, n_test) < MIN_EVAL_BARS:
+        raise ValueError(
+            f"{n_bars} bars give {folds} folds of {max(width, 0)} bars after the {warmup}-bar "
+            f"feature warm-up ({n_val} validation, {n_test} test); need at least {MIN_FOLD_BARS} "
+            f"per fold and {MIN_EVAL_BARS} per validation and test segment (use fewer folds, "
+            f"more bars or larger val_frac/test_frac)")
     out = []
     for f in range(folds):
         start = warmup + f * width
-        split = start + int(width * train_frac)
-        out.append((start, split, start + width))
+        stop = start + width
+        val, test = stop - n_test - n_val, stop - n_test
+        out.append(FoldSegments(train=(start, val), val=(val, test), test=(test, stop)))
     return out
 
 
@@ -144,64 +239,119 @@ def _act(trainer, states, eps, branches, rng) -> np.ndarray:
     return np.where(explore, random_actions, actions).astype(np.int32)
 
 
-def evaluate(trainer: TrainerBackend, bars: Bars, feats: np.ndarray, state_dim: int,
-             branches, start: int, stop: int, policy: str = "greedy") -> np.ndarray:
-    """Per-bar rewards of the greedy (or ``flat``) policy over bars ``[start, stop)``."""
+#: Fixed actions of the baselines per branch (exposure, order type, urgency): a market order
+#: placed now, flat (exposure 1) or long (exposure 2); cut to the config's branches.
+BASELINE_ACTIONS = {"flat": (1, 0, 0), "buy_hold": (2, 0, 0)}
+
+
+def evaluate(trainer: TrainerBackend | None, bars: Bars, feats: np.ndarray, state_dim: int,
+             branches, start: int, stop: int, policy: str = "greedy") -> dict[str, np.ndarray]:
+    """One walk over bars ``[start, stop)`` (``stop - start - 1`` steps, starting flat) by the
+    ``greedy`` policy of ``trainer`` or a baseline of ``BASELINE_ACTIONS`` (``trainer`` unused).
+    Returns ``{"rewards", "positions", "costs"}``: float64 ``[stop - start - 1]`` each (the
+    position is the one held during each bar)."""
     env = BranchingEnv(bars.slice(0, stop), feats[:stop], state_dim=state_dim, n_envs=1,
                        branches=branches, auto_reset=False, min_start=0)
-    states = env.reset(np.array([start]))
-    rewards = []
-    flat = np.array([[1] + [0] * (len(branches) - 1)], np.int32)
-    while True:
-        action = flat if policy == "flat" else _greedy(trainer, states)
-        states, r, done, _ = env.step(action)
-        rewards.append(float(r[0]))
-        if done[0]:
-            break
-        states = env.observe()
-    return np.asarray(rewards, np.float64)
+    if policy == "greedy":
+        act = lambda states: _greedy(trainer, states)  # noqa: E731
+    elif policy in BASELINE_ACTIONS:
+        fixed = np.array([BASELINE_ACTIONS[policy][: len(branches)]], np.int32)
+        act = lambda states: fixed  # noqa: E731
+    else:
+        raise ValueError(f"policy={policy!r}: allowed values are 'greedy', "
+                         f"{', '.join(repr(p) for p in BASELINE_ACTIONS)}")
+    out = rollout(env, act, stop - start - 1, start_idx=start)
+    return {"rewards": out["rewards"][:, 0].astype(np.float64),
+            "positions": out["positions"][:, 0].astype(np.float64),
+            "costs": out["costs"][:, 0].astype(np.float64)}
+
+
+def evaluate_segment(trainer, bars, feats, config: DQNConfig, segment: tuple[int, int], policy: str,
+                     per_year: float) -> tuple[SegmentMetrics, np.ndarray]:
+    """``(metrics, equity curve)`` of ``policy`` on bars ``segment``."""
+    walk = evaluate(trainer, bars, feats, config.state_dim, config.branches, *segment, policy)
+    return (segment_metrics(walk["rewards"], walk["positions"], walk["costs"], per_year),
+            equity_curve(walk["rewards"]))
+
+
+def _epsilon(settings: LoopSettings, global_epoch: int) -> float:
+    total = settings.folds * settings.epochs
+    return settings.eps_end + (settings.eps_start - settings.eps_end) * max(
+        0.0, 1.0 - global_epoch / max(1.0, settings.explore_frac * total))
+
+
+def _flags_text(scalars: StepScalars) -> str:
+    return sentinels.format_flags(np.asarray(scalars.flags, np.int32))
 
 
 def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str = "reference",
         out_dir: Path | None = None, on_step: Callable[[int, StepScalars], None] | None = None,
         on_epoch: Callable[[EpochRecord], None] | None = None,
-        on_epoch_start: Callable[[int, int], None] | None = None) -> RunResult:
-    """Train ``config`` on ``bars`` with ``settings``; see the module docstring."""
-    trainer_cls = get_backend(backend)
-    trainer = trainer_cls(config, seed=settings.seed)
-    rng = np.random.default_rng(settings.seed)
+        on_epoch_start: Callable[[int, int], None] | None = None,
+        should_stop: Callable[[], bool] | None = None, resume: bool = False) -> RunResult:
+    """Train ``config`` on ``bars`` with ``settings``; see the module docstring.
+
+    ``resume=True`` continues the run whose resume state is in ``out_dir`` (same config,
+    settings and bars, else ``loop_state.ResumeError``); its records are in the result, and
+    ``on_epoch`` is called for new epochs only.
+    """
+    if resume and out_dir is None:
+        raise ValueError("resume=True needs out_dir (the run directory holding the resume state)")
+    trainer = get_backend(backend)(config, seed=settings.seed)
     windows = choose_windows(config.state_dim)
     feats = market_features(bars, windows)
-    segments = fold_segments(len(bars), feature_warmup(windows), settings.folds, settings.train_frac)
-    total_epochs = settings.folds * settings.epochs
-    records: list[EpochRecord] = []
-    best: dict = {}
-    flat_sharpe: dict = {}
-    halted = None
-    low_grad_epochs = 0
-    ckpt_dir = (out_dir / "checkpoints") if out_dir else None
+    segments = fold_segments(len(bars), feature_warmup(windows), settings.folds, settings.val_frac,
+                             settings.test_frac)
+    spacing = bar_seconds(bars.timestamp)
+    per_year = bars_per_year(spacing)
+    store = loop_state.CheckpointStore(Path(out_dir)) if out_dir is not None else None
+    if store is not None:
+        store.remove_stale_temporaries()
+    rng = np.random.default_rng(settings.seed)
+    st = loop_state.Progress()
+    if resume:
+        st = store.load(trainer, config, settings, bars)
+        rng.bit_generator.state = st.rng
+    result = lambda interrupted: RunResult(st.records, st.halted, interrupted, st.folds,  # noqa: E731
+                                           spacing, per_year)
+    if st.done:
+        return result(False)
+    held = st.last_scalars  # what the trainer's stale readback held before an interruption
+    resumed_at = trainer.step_count if resume else None
+    stop = should_stop or (lambda: False)
     try:
-        for fold, (t0, t_eval, t_stop) in enumerate(segments):
-            if fold > 0:
-                trainer.fold_boundary()
-            replay = ReplayBuffer(config, settings.replay_capacity)
-            env = BranchingEnv(bars.slice(0, t_eval), feats[:t_eval], state_dim=config.state_dim,
+        for fold in range(st.fold, settings.folds):
+            seg = segments[fold]
+            t0, t_val = seg.train
+            env = BranchingEnv(bars.slice(0, t_val), feats[:t_val], state_dim=config.state_dim,
                                n_envs=settings.n_envs, branches=config.branches, min_start=t0,
-                               episode_len=min(1000, t_eval - t0 - 1), seed=settings.seed + fold)
-            states = env.reset()
-            flat_sharpe[fold] = annualised_sharpe(evaluate(trainer, bars, feats, config.state_dim,
-                                                           config.branches, t_eval, t_stop, "flat"))
-            while len(replay) < max(settings.warmup_transitions, config.batch_size):
-                actions = _act(trainer, states, 1.0, config.branches, rng)
-                s2, r, done, _ = env.step(actions)
-                replay.add(states, actions, r * np.float32(settings.reward_scale), s2, done.astype(np.float32))
+                               episode_len=min(1000, t_val - t0 - 1), seed=settings.seed + fold)
+            replay = ReplayBuffer(config, settings.replay_capacity)
+            if st.epoch > 0:  # resuming inside a fold: its replay and walks come back as saved
+                replay.load_state(st.replay)
+                env.load_state(st.env)
                 states = env.observe()
-            for epoch in range(settings.epochs):
+            else:
+                if stop():
+                    return result(True)
+                if fold > 0:
+                    trainer.fold_boundary()
+                st.folds.append(_baselines(fold, seg, bars, feats, config, per_year))
+                states = env.reset()
+                while len(replay) < max(settings.warmup_transitions, config.batch_size):
+                    actions = _act(trainer, states, 1.0, config.branches, rng)
+                    s2, r, done, _ = env.step(actions)
+                    replay.add(states, actions, r * np.float32(settings.reward_scale), s2,
+                               done.astype(np.float32))
+                    states = env.observe()
+            fold_result = st.folds[fold]
+            for epoch in range(st.epoch, settings.epochs):
+                if stop():
+                    return result(True)
                 if on_epoch_start:
                     on_epoch_start(fold, epoch)
                 g = fold * settings.epochs + epoch
-                eps = settings.eps_end + (settings.eps_start - settings.eps_end) * max(
-                    0.0, 1.0 - g / max(1.0, settings.explore_frac * total_epochs))
+                eps = _epsilon(settings, g)
                 tic = time.perf_counter()
                 for i in range(settings.steps_per_epoch):
                     actions = _act(trainer, states, eps, config.branches, rng)
@@ -212,56 +362,83 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                     batch, idx = replay.sample(rng)
                     scalars = trainer.step(batch)
                     replay.update_priorities(idx, trainer.last_td_errors())
+                    if held is not None and not scalars.fresh and scalars.read_at < resumed_at:
+                        scalars = dataclasses.replace(held, step=scalars.step, fresh=False)
                     if on_step:
                         on_step(i, scalars)
+                    if stop():
+                        return result(True)
                     if scalars.fresh and not scalars.all_finite():
                         break
                 scalars = trainer.end_epoch()
+                held = None
                 elapsed = time.perf_counter() - tic
-                rewards = evaluate(trainer, bars, feats, config.state_dim, config.branches, t_eval, t_stop)
-                sharpe = annualised_sharpe(rewards)
-                flagged = sentinels.flagged_names(np.asarray(scalars.flags, np.int32))
+                metrics, equity = {}, {}
+                for name in EVAL_SEGMENTS:
+                    metrics[name], equity[name] = evaluate_segment(
+                        trainer, bars, feats, config, getattr(seg, name), "greedy", per_year)
                 rec = EpochRecord(
                     fold=fold, epoch=epoch, global_epoch=g, steps=scalars.step,
                     **{name: getattr(scalars, name) for name in STEP_FIELDS}, epsilon=eps,
-                    sharpe=sharpe, eval_return=float(rewards.sum()), epoch_time_s=elapsed,
-                    steps_per_s=settings.steps_per_epoch / max(elapsed, 1e-9), flagged=flagged,
+                    **{f"{s}_{m}": getattr(metrics[s], m) for s in EVAL_SEGMENTS
+                       for m in METRIC_NAMES},
+                    epoch_time_s=elapsed, steps_per_s=settings.steps_per_epoch / max(elapsed, 1e-9),
+                    flagged=sentinels.flagged_names(np.asarray(scalars.flags, np.int32)),
                 )
-                records.append(rec)
+                st.records.append(rec)
                 if on_epoch:
                     on_epoch(rec)
-                if fold not in best or sharpe > best[fold]["sharpe"]:
-                    path = None
-                    if ckpt_dir is not None:
-                        path = ckpt_dir / f"fold{fold}_best.safetensors"
-                        trainer.save(path)
-                    best[fold] = {"epoch": epoch, "sharpe": sharpe, "checkpoint": str(path) if path else None,
-                                  "equity": equity_curve(rewards).tolist()}
+                if fold_result.best_epoch is None or rec.val_sharpe > fold_result.best["val"].sharpe:
+                    fold_result.best_epoch, fold_result.best = epoch, metrics
+                    fold_result.best_equity = equity["test"].tolist()
+                    if store is not None:
+                        fold_result.checkpoint = store.save_best(trainer, fold)
                 if not scalars.all_finite():
-                    halted = f"halt_nan at fold {fold} epoch {epoch}: flagged slots {sentinels.format_flags(np.asarray(scalars.flags, np.int32))}"
-                    break
-                low_grad_epochs = low_grad_epochs + 1 if scalars.grad_norm < GRAD_COLLAPSE_NORM else 0
-                if low_grad_epochs >= GRAD_COLLAPSE_EPOCHS:
-                    halted = (f"halt_grad_collapse at fold {fold} epoch {epoch}: gradient norm < "
-                              f"{GRAD_COLLAPSE_NORM} for {GRAD_COLLAPSE_EPOCHS} epochs; flagged slots "
-                              f"{sentinels.format_flags(np.asarray(scalars.flags, np.int32))}")
-                    break
-            if halted:
-                break
-    except KeyboardInterrupt:
-        return RunResult(records, halted, True, best, flat_sharpe)
-    return RunResult(records, halted, False, best, flat_sharpe)
+                    st.halted = f"halt_nan at fold {fold} epoch {epoch}: flagged slots {_flags_text(scalars)}"
+                st.low_grad_epochs = st.low_grad_epochs + 1 if scalars.grad_norm < GRAD_COLLAPSE_NORM else 0
+                if not st.halted and st.low_grad_epochs >= GRAD_COLLAPSE_EPOCHS:
+                    st.halted = (f"halt_grad_collapse at fold {fold} epoch {epoch}: gradient norm < "
+                                 f"{GRAD_COLLAPSE_NORM} for {GRAD_COLLAPSE_EPOCHS} epochs; flagged "
+                                 f"slots {_flags_text(scalars)}")
+                st.advance(fold, epoch, settings)
+                if store is not None:
+                    st.rng, st.last_scalars = rng.bit_generator.state, scalars
+                    store.save_resume(trainer, st, config, settings, bars, replay, env)
+                if st.halted:
+                    return result(False)
+            st.epoch = 0
+    except KeyboardInterrupt:  # fallback: the CLI's signal handlers normally set should_stop
+        return result(True)
+    return result(False)
 
 
+def _baselines(fold: int, seg: FoldSegments, bars, feats, config, per_year) -> FoldResult:
+    """The fold's flat and buy-and-hold metrics on its validation and test segments."""
+    flat, buy_hold, bh_equity = {}, {}, None
+    for name in EVAL_SEGMENTS:
+        flat[name], _ = evaluate_segment(None, bars, feats, config, getattr(seg, name), "flat", per_year)
+        buy_hold[name], eq = evaluate_segment(None, bars, feats, config, getattr(seg, name),
+                                              "buy_hold", per_year)
+        if name == "test":
+            bh_equity = eq.tolist()
+    return FoldResult(fold=fold, segments=seg, flat=flat, buy_hold=buy_hold, buy_hold_equity=bh_equity)
+
+
+def resume_epochs(out_dir) -> int:
+    """How many epoch records the resume state in ``out_dir`` holds (``ResumeError`` if none)."""
+    return loop_state.saved_epochs(Path(out_dir))
+
+
+# ---------------------------------------------------------------- compatibility (train_cli)
 def write_jsonl(path: Path, record: EpochRecord) -> None:
-    with open(path, "a") as fh:
-        fh.write(json.dumps(asdict(record), allow_nan=True) + "\n")
-        fh.flush()
+    """Compatibility name: one record as a JSON line (``jsonio``: non-finite values as null)."""
+    from .jsonio import append_jsonl
+
+    append_jsonl(path, asdict(record))
 
 
 def sharpe_summary(result: RunResult) -> str:
-    lines = []
-    for fold, info in sorted(result.best.items()):
-        lines.append(f"fold {fold}: best Sharpe {info['sharpe']:+.2f} at epoch {info['epoch']} "
-                     f"(flat policy {result.flat_sharpe.get(fold, math.nan):+.2f})")
-    return "\n".join(lines)
+    """Compatibility name: ``report.summary_text(result)``."""
+    from .report import summary_text
+
+    return summary_text(result)

@@ -1,4 +1,8 @@
-"""PNG plots of a run: loss, per-component gradient norms, Sharpe per epoch and fold, equity."""
+"""PNG plots of a run: loss, per-component gradient norms, validation/test Sharpe, test equity.
+
+Every plot marks the fold boundaries (dotted vertical lines); the Sharpe and equity plots
+draw the flat and buy-and-hold baselines of each fold's test segment next to the policy.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +11,15 @@ from pathlib import Path
 import numpy as np
 
 
-def write_plots(out: Path, result) -> list[Path]:
-    """Write the four plots for ``result`` (a ``loop.RunResult``) under ``out``; returns the paths.
+def _fold_starts(records) -> list[int]:
+    """The global epoch at which each fold after the first begins (a boundary line there)."""
+    return [b.global_epoch for a, b in zip(records, records[1:]) if b.fold != a.fold]
 
-    Nothing is written for a run with no finished epoch.
-    """
+
+def write_plots(out: Path, result) -> list[Path]:
+    """Write ``loss.png``, ``grad_norms.png``, ``sharpe.png`` and ``equity.png`` for ``result``
+    (a ``loop.RunResult``) under ``out``; returns the paths. Nothing is written for a run with
+    no finished epoch."""
     if not result.records:
         return []
     import matplotlib
@@ -21,20 +29,26 @@ def write_plots(out: Path, result) -> list[Path]:
 
     recs = result.records
     x = np.array([r.global_epoch for r in recs])
-    folds = sorted({r.fold for r in recs})
     paths = []
 
+    def boundaries(ax, at, label="fold boundary"):
+        for i, b in enumerate(at):
+            ax.axvline(b, ls=":", color="0.4", lw=1, label=label if i == 0 else None)
+
     def save(fig, name):
-        path = out / name
+        path = Path(out) / name
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
 
+    epoch_bounds = [g - 0.5 for g in _fold_starts(recs)]
+
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(x, [r.loss for r in recs], "o-", label="total")
     ax.plot(x, [r.c51_loss for r in recs], "s--", label="C51")
     ax.plot(x, [r.cql_loss for r in recs], "^--", label="CQL")
+    boundaries(ax, epoch_bounds)
     ax.set(xlabel="epoch (all folds)", ylabel="loss (last step of epoch)", title="Loss")
     ax.legend()
     save(fig, "loss.png")
@@ -44,26 +58,47 @@ def write_plots(out: Path, result) -> list[Path]:
                               ("cql_norm_pre", "CQL before clip", "s-"), ("cql_norm_post", "CQL after clip", "s:"),
                               ("grad_norm", "into Adam", "k^-")):
         ax.plot(x, [getattr(r, key) for r in recs], style, label=label)
+    boundaries(ax, epoch_bounds)
     ax.set(xlabel="epoch (all folds)", ylabel="L2 norm", title="Per-component gradient norms", yscale="log")
     ax.legend(fontsize=8)
     save(fig, "grad_norms.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for f in folds:
-        fr = [r for r in recs if r.fold == f]
-        ax.plot([r.epoch for r in fr], [r.sharpe for r in fr], "o-", label=f"fold {f}")
-        if f in result.flat_sharpe:
-            ax.axhline(result.flat_sharpe[f], ls=":", color="gray")
-    ax.set(xlabel="epoch in fold", ylabel="annualised Sharpe (held-out)", title="Evaluation Sharpe")
-    ax.legend()
+    ax.plot(x, [r.val_sharpe for r in recs], "o-", color="C0", label="policy, validation")
+    ax.plot(x, [r.test_sharpe for r in recs], "s--", color="C1", label="policy, test")
+    for i, f in enumerate(result.folds):
+        span = [r.global_epoch for r in recs if r.fold == f.fold]
+        if not span:
+            continue
+        lo, hi = min(span) - 0.4, max(span) + 0.4
+        ax.hlines(f.flat["test"].sharpe, lo, hi, colors="0.5", linestyles=":",
+                  label="flat, test" if i == 0 else None)
+        ax.hlines(f.buy_hold["test"].sharpe, lo, hi, colors="C2", linestyles="-.",
+                  label="buy-and-hold, test" if i == 0 else None)
+        if f.best_epoch is not None:
+            g = next(r.global_epoch for r in recs if r.fold == f.fold and r.epoch == f.best_epoch)
+            ax.plot([g], [f.best["test"].sharpe], "*", color="C3", ms=12,
+                    label="best on validation" if i == 0 else None)
+    boundaries(ax, epoch_bounds)
+    ax.set(xlabel="epoch (all folds)", ylabel=f"annualised Sharpe ({result.bars_per_year:,.0f} bars/yr)",
+           title="Greedy policy: validation and test Sharpe")
+    ax.legend(fontsize=8)
     save(fig, "sharpe.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for f, info in sorted(result.best.items()):
-        eq = np.asarray(info["equity"])
-        ax.plot(np.arange(len(eq)), eq, label=f"fold {f} (epoch {info['epoch']}, Sharpe {info['sharpe']:+.2f})")
-    ax.axhline(1.0, ls=":", color="gray")
-    ax.set(xlabel="bar of the held-out segment", ylabel="equity", title="Best policy, evaluation segment")
-    ax.legend(fontsize=8)
+    for i, f in enumerate(result.folds):
+        start = f.segments.test[0]
+        if f.best_epoch is not None:
+            eq = np.asarray(f.best_equity)
+            ax.plot(start + 1 + np.arange(len(eq)), eq, color=f"C{i % 10}",
+                    label=f"fold {f.fold}: epoch {f.best_epoch}, Sharpe {f.best['test'].sharpe:+.2f}")
+        bh = np.asarray(f.buy_hold_equity)
+        ax.plot(start + 1 + np.arange(len(bh)), bh, "--", color=f"C{i % 10}", alpha=0.6,
+                label=f"fold {f.fold}: buy-and-hold, Sharpe {f.buy_hold['test'].sharpe:+.2f}")
+    ax.axhline(1.0, ls=":", color="gray", label="flat")
+    boundaries(ax, [f.segments.train[0] for f in result.folds[1:]])
+    ax.set(xlabel="bar", ylabel="equity (1 at each test segment's start)",
+           title="Test segments: policy at the validation-chosen epoch vs buy-and-hold")
+    ax.legend(fontsize=7)
     save(fig, "equity.png")
     return paths

@@ -56,6 +56,35 @@ class ReplayBuffer:
     def __len__(self) -> int:
         return self.size
 
+    #: The arrays ``state()`` saves (their first ``size`` rows: the rest is never read).
+    STATE_ARRAYS = ("s", "s2", "a", "r", "done", "priority")
+
+    def state(self) -> dict:
+        """The buffer's contents and position: ``STATE_ARRAYS`` cut to ``size`` rows (copies),
+        ``size``, ``cursor``, ``max_priority`` (a Python float: float32 values round-trip
+        exactly through it). ``load_state(state())`` on a buffer of the same config and
+        capacity samples bitwise as this one does."""
+        out = {name: getattr(self, name)[: self.size].copy() for name in self.STATE_ARRAYS}
+        out.update(size=self.size, cursor=self.cursor, max_priority=float(self.max_priority))
+        return out
+
+    def load_state(self, state: dict) -> None:
+        """Restore ``state()``; raises ``ValueError`` naming a field that does not fit."""
+        size, cursor = int(state["size"]), int(state["cursor"])
+        if not (0 <= size <= self.capacity and 0 <= cursor < self.capacity):
+            raise ValueError(f"replay state: size={size}, cursor={cursor} is not allowed; need "
+                             f"0 <= size <= capacity={self.capacity} and 0 <= cursor < capacity")
+        for name in self.STATE_ARRAYS:
+            dest = getattr(self, name)
+            arr = np.asarray(state[name])
+            if arr.shape != (size, *dest.shape[1:]) or arr.dtype != dest.dtype:
+                raise ValueError(f"replay state {name}: {arr.dtype} {arr.shape} is not allowed; "
+                                 f"need {dest.dtype} {(size, *dest.shape[1:])}")
+            dest[:size] = arr
+            dest[size:] = 0
+        self.size, self.cursor = size, cursor
+        self.max_priority = np.float32(state["max_priority"])
+
     def add(self, s, a, r, s2, done) -> None:
         """Append ``n`` transitions (arrays with a leading batch dimension)."""
         n = len(r)

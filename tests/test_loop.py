@@ -1,6 +1,8 @@
 """The training loop and `foxhunt train`: folds, outputs, checkpoints, learning, CLI errors."""
 
 import json
+import math
+import statistics
 import subprocess
 import sys
 
@@ -18,16 +20,23 @@ from foxhunt.reference.replay import ReplayBuffer, sample_sorted
 from foxhunt.reference.trainer import Trainer
 
 
-def test_fold_segments_are_contiguous_and_in_time_order():
-    segs = fold_segments(10_000, 480, 3, 0.75)
+def test_fold_segments_are_train_then_validation_then_test_in_time_order():
+    segs = fold_segments(10_000, 480, 3, 0.125, 0.25)
     assert len(segs) == 3
-    for (a, b, c), nxt in zip(segs, segs[1:] + [None]):
-        assert 480 <= a < b < c
-        assert b - a == int((c - a) * 0.75)
-        if nxt:
-            assert c == nxt[0]
-    with pytest.raises(ValueError, match="need at least 64"):
-        fold_segments(600, 480, 3, 0.75)
+    width = (10_000 - 480) // 3
+    for f, seg in enumerate(segs):
+        assert seg.train[0] == 480 + f * width
+        assert seg.train[1] == seg.val[0] and seg.val[1] == seg.test[0]
+        assert seg.test[1] == seg.train[0] + width
+        assert seg.val[1] - seg.val[0] == int(width * 0.125)
+        assert seg.test[1] - seg.test[0] == int(width * 0.25)
+        if f + 1 < len(segs):
+            assert seg.test[1] == segs[f + 1].train[0]
+    with pytest.raises(ValueError, match="need at least 64 per fold"):
+        fold_segments(600, 480, 3, 0.125, 0.125)
+    # 200-bar folds, but 10-bar validation segments: too short to measure anything.
+    with pytest.raises(ValueError, match=r"\(10 validation, 50 test\); need .* 16 per validation"):
+        fold_segments(1080, 480, 3, 0.05, 0.25)
 
 
 def test_choose_windows_fits_state_dim():
@@ -40,10 +49,17 @@ def test_choose_windows_fits_state_dim():
 def test_loop_settings_validation_names_the_field():
     with pytest.raises(ValueError, match="folds=0"):
         LoopSettings(folds=0)
-    with pytest.raises(ValueError, match="train_frac=0.99"):
-        LoopSettings(train_frac=0.99)
+    with pytest.raises(ValueError, match=r"val_frac=0.5: allowed range is \[0.05, 0.45\]"):
+        LoopSettings(val_frac=0.5)
+    with pytest.raises(ValueError, match="test_frac=0.01"):
+        LoopSettings(test_frac=0.01)
+    assert LoopSettings(val_frac=0.45, test_frac=0.45).val_frac == 0.45  # training keeps 10%
+    with pytest.raises(ValueError, match="seed=-1"):
+        LoopSettings(seed=-1)
     with pytest.raises(ValueError, match="reward_scale"):
         LoopSettings(reward_scale=-1.0)
+    with pytest.raises(ValueError, match="val_frac='0.1'"):
+        LoopSettings(val_frac="0.1")
 
 
 def test_replay_priorities_drive_sampling():
@@ -76,10 +92,13 @@ def test_trained_policy_beats_flat_on_a_learnable_market():
     bars = SyntheticMarket.strong_trend(seed=1, n_bars=4000).generate()
     cfg = DQNConfig.preset("tiny", lr=1e-3, gamma=0.9, cql_alpha=0.1)
     res = run(cfg, bars, LoopSettings(folds=1, epochs=3, steps_per_epoch=150, seed=1))
-    assert not res.halted and not res.interrupted
+    assert res.status == "completed"
     assert len(res.records) == 3
-    assert res.flat_sharpe[0] == 0.0
-    assert res.best[0]["sharpe"] > res.flat_sharpe[0] + 10.0
+    fold = res.folds[0]
+    assert fold.flat["test"].sharpe == 0.0 and fold.flat["test"].turnover == 0.0
+    # Reported on the test segment, at the epoch chosen on validation.
+    assert fold.best["test"].sharpe > fold.flat["test"].sharpe + 10.0
+    assert fold.best["test"].total_return > 0
 
 
 def _foxhunt(*args, cwd):
@@ -92,7 +111,7 @@ def test_train_cli_end_to_end_writes_metrics_plots_and_a_loadable_checkpoint(tmp
     proc = _foxhunt("train", "--preset", "tiny", "--epochs", "1", "--folds", "1",
                     "--steps-per-epoch", "30", "--bars", "3000", "--out", str(out), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
-    assert "fold epoch" in proc.stdout and "best Sharpe" in proc.stdout
+    assert "fold epoch" in proc.stdout and "best epoch" in proc.stdout
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 1
     rec = json.loads(lines[0])
@@ -176,3 +195,115 @@ def test_replay_buffer_search_breaks_exact_ties_like_the_kernel():
     want = replay_kernels.sample_proportional(prefix, u)
     assert want.tolist() == [0, 1, 2, 3]
     assert np.array_equal(sample_sorted(prefix, u), want)
+
+
+# ------------------------------------------------------------------ validation / test / report
+from foxhunt.reference import loop as loop_mod  # noqa: E402
+from foxhunt.reference import report  # noqa: E402
+from foxhunt.reference.market import Bars  # noqa: E402
+from foxhunt.reference.metrics import SegmentMetrics  # noqa: E402
+
+TINY = DQNConfig.preset("tiny")
+SHORT = LoopSettings(folds=2, epochs=3, steps_per_epoch=4, n_envs=2, warmup_transitions=32,
+                     replay_capacity=128, seed=2)
+
+
+def _scripted_run(monkeypatch):
+    """A short run whose greedy evaluations return scripted Sharpes: validation 1, 3, 2 then
+    4, 2, 0; test 5, 1, 9 then 7, 8, 6 (baselines evaluated for real)."""
+    val, test = iter([1.0, 3.0, 2.0, 4.0, 2.0, 0.0]), iter([5.0, 1.0, 9.0, 7.0, 8.0, 6.0])
+    real = loop_mod.evaluate_segment
+    order = []
+
+    def fake(trainer, bars, feats, config, segment, policy, per_year):
+        if policy != "greedy":
+            return real(trainer, bars, feats, config, segment, policy, per_year)
+        kind = "val" if len(order) % 2 == 0 else "test"
+        order.append((kind, segment))
+        s = next(val if kind == "val" else test)
+        return SegmentMetrics(s, s / 100, s / 1000, 2 * s, s / 10_000, 7), np.full(3, 1 + s)
+
+    monkeypatch.setattr(loop_mod, "evaluate_segment", fake)
+    bars = SyntheticMarket.preset("default", seed=3, n_bars=1200).generate()
+    return run(TINY, bars, SHORT), order
+
+
+def test_best_epoch_is_chosen_on_validation_and_reported_on_test(monkeypatch):
+    res, order = _scripted_run(monkeypatch)
+    # Each epoch evaluates the fold's validation segment, then its test segment.
+    assert [k for k, _ in order] == ["val", "test"] * 6
+    assert [seg for _, seg in order[:2]] == [res.folds[0].segments.val, res.folds[0].segments.test]
+    f0, f1 = res.folds
+    assert (f0.best_epoch, f0.best["val"].sharpe, f0.best["test"].sharpe) == (1, 3.0, 1.0)
+    assert (f1.best_epoch, f1.best["val"].sharpe, f1.best["test"].sharpe) == (0, 4.0, 7.0)
+    assert f0.best_equity == [2.0, 2.0, 2.0]  # the chosen epoch's test equity (1 + its Sharpe)
+    summary = report.run_summary(res)
+    assert summary["status"] == "completed" and summary["epochs_completed"] == 6
+    assert [f["best_epoch"] for f in summary["folds"]] == [1, 0]
+    o = summary["overall"]
+    assert o["test_sharpe"] == (1.0 + 7.0) / 2 and o["val_sharpe"] == (3.0 + 4.0) / 2
+    assert o["test_total_return"] == pytest.approx((0.01 + 0.07) / 2)
+    assert o["test_turnover"] == (2.0 + 14.0) / 2
+    assert o["flat_test_sharpe"] == 0.0
+    bh = [f.buy_hold["test"].sharpe for f in res.folds]
+    assert o["buy_hold_test_sharpe"] == pytest.approx(np.mean(bh), rel=1e-12)
+    json.dumps(summary, allow_nan=False)
+    text = report.summary_text(res)
+    assert "fold 0 (bars: train" in text and "best epoch 1 on validation (Sharpe +3.00)" in text
+    assert "test: Sharpe +1.00, return +1.00%" in text and "overall (mean of 2 folds" in text
+    assert "347,760 bars a year (bars 60 s apart)" in text
+
+
+def test_table_row_lines_up_with_its_header(monkeypatch):
+    res, _ = _scripted_run(monkeypatch)
+    rec = res.records[1]
+    head, row = report.TABLE_HEADER, report.format_row(rec)
+    # Every numeric column ends where its header ends.
+    for name, value in (("epoch", rec.epoch), ("val Sh", rec.val_sharpe), ("test Sh", rec.test_sharpe)):
+        end = head.index(name) + len(name)
+        assert row[:end].split()[-1] == (f"{value:.2f}" if isinstance(value, float) else str(value))
+
+
+def test_run_summary_turns_non_finite_values_into_null(monkeypatch):
+    res, _ = _scripted_run(monkeypatch)
+    res.folds[0].best["test"] = SegmentMetrics(float("nan"), 0.0, 0.0, 0.0, 0.0, 7)
+    summary = report.run_summary(res)
+    assert summary["folds"][0]["test"]["sharpe"] is None
+    assert summary["overall"]["test_sharpe"] is None
+    json.dumps(summary, allow_nan=False)
+
+
+def test_interrupted_run_reports_the_folds_it_reached():
+    bars = SyntheticMarket.preset("default", seed=3, n_bars=1200).generate()
+    steps = []
+    res = run(TINY, bars, SHORT, on_step=lambda i, s: steps.append(i),
+              should_stop=lambda: len(steps) >= SHORT.epochs * SHORT.steps_per_epoch + 1)
+    assert res.status == "interrupted" and len(res.records) == SHORT.epochs
+    assert [f.best_epoch is None for f in res.folds] == [False, True]
+    summary = report.run_summary(res)
+    assert summary["status"] == "interrupted" and summary["folds"][1]["test"] is None
+    text = report.summary_text(res)
+    assert "fold 1 (bars" in text and "no finished epoch" in text
+
+
+def test_daily_bars_report_the_textbook_buy_and_hold_sharpe():
+    """The issue's case: daily bars. The buy-and-hold baseline's test Sharpe against one computed
+    here from the closes (one market entry at the segment's first bar) with sqrt(252)."""
+    syn = SyntheticMarket.preset("default", seed=3, n_bars=1200).generate()
+    day = 86_400
+    bars = Bars(1_600_000_000 + day * np.arange(len(syn)), syn.open, syn.high, syn.low, syn.close,
+                syn.volume)
+    res = run(TINY, bars, LoopSettings(folds=1, epochs=1, steps_per_epoch=2, n_envs=2,
+                                       warmup_transitions=32, replay_capacity=64))
+    assert res.bar_seconds == day and res.bars_per_year == 252
+    a, b = res.folds[0].segments.test
+    close = bars.close.astype(np.float64)
+    r = (close[a + 1:b] - close[a:b - 1]) / close[a:b - 1]
+    # One market order at bar a: fee + half spread + slippage coefficient x the bar's range.
+    r[0] -= 1e-4 + 1e-4 + 0.1 * (float(bars.high[a]) - float(bars.low[a])) / close[a]
+    want = statistics.mean(r) / statistics.stdev(r) * math.sqrt(252)
+    got = res.folds[0].buy_hold["test"]
+    assert got.sharpe == pytest.approx(want, rel=1e-5)
+    assert got.total_return == pytest.approx(np.prod(1 + r) - 1, rel=1e-5, abs=1e-9)
+    assert got.turnover == 1.0 and got.bars == b - a - 1
+    assert res.records[0].test_sharpe == res.folds[0].best["test"].sharpe

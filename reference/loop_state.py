@@ -1,0 +1,253 @@
+"""The training loop's files under ``out_dir/checkpoints``: best checkpoints and the resume state.
+
+- ``fold{k}_best.safetensors``: the trainer at fold ``k``'s best epoch (chosen on validation).
+- ``last.safetensors`` (the trainer, ``trainer.save``) and ``last.loop.npz`` beside it (the
+  loop: position, RNG state, records, fold results, halt counters, and within a fold the
+  replay buffer and the environments), written at the end of every epoch. The pair is
+  committed together: both are written to temporary files first, then renamed into place one
+  right after the other, and ``last.loop.npz`` names the trainer step it belongs to, so a
+  torn pair is detected on resume instead of resuming from a mix.
+- ``last.loop.npz`` holds the arrays by name and ``meta``: JSON text written with Python's
+  ``json`` (``NaN`` tokens allowed: this file is read only by the loop, and a NaN loss must
+  come back as NaN, not as null, for a resumed run to equal the uninterrupted one).
+
+Every file is written to a temporary name (``.<name>.*.tmp``) in the same directory and then
+``os.replace``d; ``remove_stale_temporaries`` deletes those an earlier crash left. A failed
+write (``OSError``: disk full, permissions) logs one warning through
+``logging.getLogger("foxhunt")`` naming the file and the error; the run goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .backend import StepScalars
+from .config import DQNConfig
+from .market import Bars
+
+LOG = logging.getLogger("foxhunt")
+
+FORMAT = "foxhunt-loop-state-1"
+CHECKPOINTS = "checkpoints"
+LAST_TRAINER = "last.safetensors"
+LAST_LOOP = "last.loop.npz"
+TMP_SUFFIX = ".tmp"
+
+
+class ResumeError(ValueError):
+    """No resume state, or one that does not belong to this run (config, settings, data)."""
+
+
+def best_name(fold: int) -> str:
+    return f"fold{fold}_best.safetensors"
+
+
+def data_hash(bars: Bars) -> str:
+    """``runs.bars_sha256(bars)``: the hash ``config.json`` records for the run's data."""
+    from .runs import bars_sha256  # runs imports the loop: imported when first needed
+
+    return bars_sha256(bars)
+
+
+@dataclass
+class Progress:
+    """Where a run stands: the next epoch to run (``fold``, ``epoch``), whether it is ``done``
+    (completed or halted), its records and fold results so far, the grad-collapse counter,
+    and (as saved) the loop RNG state, the last readback, the replay and env states."""
+
+    fold: int = 0
+    epoch: int = 0
+    done: bool = False
+    halted: str | None = None
+    records: list = field(default_factory=list)
+    folds: list = field(default_factory=list)
+    low_grad_epochs: int = 0
+    rng: dict | None = None
+    last_scalars: StepScalars | None = None
+    replay: dict | None = None
+    env: dict | None = None
+
+    def advance(self, fold: int, epoch: int, settings) -> None:
+        """Epoch ``epoch`` of fold ``fold`` has finished: move to the next one."""
+        self.fold, self.epoch = (fold, epoch + 1) if epoch + 1 < settings.epochs else (fold + 1, 0)
+        self.done = bool(self.halted) or self.fold >= settings.folds
+
+
+def _umask_mode() -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def _remove_quietly(path) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # already gone, or not removable: nothing more to do about it
+        pass
+
+
+class CheckpointStore:
+    """The ``checkpoints`` directory of a run (see the module docstring)."""
+
+    def __init__(self, out_dir: Path):
+        self.dir = Path(out_dir) / CHECKPOINTS
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Delete the temporary files (``.*.tmp``) an interrupted write left; returns them."""
+        removed = []
+        if self.dir.is_dir():
+            for path in sorted(self.dir.glob(f".*{TMP_SUFFIX}")):
+                try:
+                    path.unlink()
+                    removed.append(path)
+                except OSError as exc:
+                    LOG.warning("could not remove the stale temporary file %s: %s", path, exc)
+        return removed
+
+    def _guarded(self, what: str, write) -> bool:
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            write()
+            return True
+        except OSError as exc:
+            LOG.warning("could not write %s: %s; the run goes on without it", what, exc)
+            return False
+
+    def save_best(self, trainer, fold: int) -> str | None:
+        """``trainer`` as fold ``fold``'s best checkpoint; its path, or None if the write failed
+        (an older ``fold{k}_best`` is then removed: it is not the best epoch any more)."""
+        path = self.dir / best_name(fold)
+        if self._guarded(str(path), lambda: trainer.save(path)):
+            return str(path)
+        _remove_quietly(path)
+        return None
+
+    def save_resume(self, trainer, progress: Progress, config: DQNConfig, settings, bars: Bars,
+                    replay, env) -> bool:
+        """Write the resume pair for ``progress`` (after ``advance``); False if it failed."""
+        meta = {
+            "format": FORMAT, "config": config.to_dict(), "settings": dataclasses.asdict(settings),
+            "data_sha256": data_hash(bars), "trainer_step": int(trainer.step_count),
+            "fold": progress.fold, "epoch": progress.epoch, "done": progress.done,
+            "halted": progress.halted, "low_grad_epochs": progress.low_grad_epochs,
+            "rng": progress.rng, "last_scalars": dataclasses.asdict(progress.last_scalars),
+            "records": [dataclasses.asdict(r) for r in progress.records],
+            "folds": [dataclasses.asdict(f) for f in progress.folds],
+        }
+        arrays = {}
+        if not progress.done and progress.epoch > 0:  # the next epoch continues this fold
+            rs, es = replay.state(), env.state()
+            arrays.update({f"replay.{k}": rs.pop(k) for k in replay.STATE_ARRAYS})
+            arrays.update({f"env.{k}": es.pop(k) for k in env.STATE_ARRAYS})
+            meta["replay"], meta["env"] = rs, es
+        loop_path, trainer_path = self.dir / LAST_LOOP, self.dir / LAST_TRAINER
+        pending = self.dir / f".{LAST_TRAINER}.pending{TMP_SUFFIX}"
+        temporaries = [pending]
+
+        def write() -> None:
+            fd, tmp = tempfile.mkstemp(prefix=f".{LAST_LOOP}.", suffix=TMP_SUFFIX, dir=self.dir)
+            temporaries.append(tmp)
+            with os.fdopen(fd, "wb") as fh:
+                np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, _umask_mode())
+            trainer.save(pending)
+            # The commit: two renames, back to back (meta["trainer_step"] detects a tear).
+            os.replace(pending, trainer_path)
+            os.replace(tmp, loop_path)
+
+        try:
+            return self._guarded(f"the resume state {trainer_path} + {loop_path.name}", write)
+        finally:
+            for tmp in temporaries:
+                _remove_quietly(tmp)
+
+    def read(self) -> tuple[dict, dict[str, np.ndarray]]:
+        """``(meta, arrays)`` of ``last.loop.npz``; ``ResumeError`` if there is none."""
+        path = self.dir / LAST_LOOP
+        if not path.is_file():
+            raise ResumeError(f"{path}: no resume state (the run finished no epoch, or this is "
+                              "not a run directory)")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in z.files}
+            meta = json.loads(str(arrays.pop("meta")[()]))
+        except (OSError, ValueError, KeyError) as exc:
+            raise ResumeError(f"{path}: unreadable resume state ({exc})") from None
+        if meta.get("format") != FORMAT:
+            raise ResumeError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
+        return meta, arrays
+
+    def load(self, trainer, config: DQNConfig, settings, bars: Bars) -> Progress:
+        """Restore ``trainer`` from ``last.safetensors`` and return the saved ``Progress``;
+        ``ResumeError`` if the saved run had another config, settings or data, or if the pair
+        is torn."""
+        from .checkpoint import load_checkpoint
+        from .loop import LoopSettings
+
+        meta, arrays = self.read()
+        where = self.dir / LAST_LOOP
+        _same("config", DQNConfig.from_dict(meta["config"]), config, where)
+        _same("loop setting", LoopSettings(**meta["settings"]), settings, where)
+        if meta["data_sha256"] != data_hash(bars):
+            raise ResumeError(f"{where}: the run was trained on other bars (data SHA-256 "
+                              f"{meta['data_sha256'][:12]}..., these {data_hash(bars)[:12]}...)")
+        trainer_path = self.dir / LAST_TRAINER
+        _, state = load_checkpoint(trainer_path)
+        trainer.load_state_dict(state)
+        if trainer.step_count != meta["trainer_step"]:
+            raise ResumeError(f"{trainer_path} is at step {trainer.step_count} but {where} at step "
+                              f"{meta['trainer_step']} (a write was interrupted between the two); "
+                              "cannot resume")
+        progress = Progress(
+            fold=meta["fold"], epoch=meta["epoch"], done=meta["done"], halted=meta["halted"],
+            records=records_from_dicts(meta["records"]), folds=folds_from_dicts(meta["folds"]),
+            low_grad_epochs=meta["low_grad_epochs"], rng=meta["rng"],
+            last_scalars=StepScalars(**{**meta["last_scalars"],
+                                        "flags": tuple(meta["last_scalars"]["flags"])}))
+        if meta.get("replay") is not None:
+            progress.replay = {**meta["replay"], **{k.split(".", 1)[1]: v for k, v in arrays.items()
+                                                    if k.startswith("replay.")}}
+            progress.env = {**meta["env"], **{k.split(".", 1)[1]: v for k, v in arrays.items()
+                                              if k.startswith("env.")}}
+        return progress
+
+
+def _same(what: str, saved, current, where: Path) -> None:
+    if saved != current:
+        diff = [f"{f.name}={getattr(current, f.name)!r} (saved {getattr(saved, f.name)!r})"
+                for f in dataclasses.fields(current) if getattr(saved, f.name) != getattr(current, f.name)]
+        raise ResumeError(f"{where}: {what} differs from the saved run's: {', '.join(diff)}")
+
+
+def records_from_dicts(items: list[dict]) -> list:
+    from .loop import EpochRecord
+
+    return [EpochRecord(**d) for d in items]
+
+
+def folds_from_dicts(items: list[dict]) -> list:
+    from .loop import FoldResult, FoldSegments
+    from .metrics import SegmentMetrics
+
+    def metrics(d: dict) -> dict:
+        return {k: SegmentMetrics(**v) for k, v in d.items()}
+
+    return [FoldResult(**{**d, "segments": FoldSegments(**{k: tuple(v) for k, v in d["segments"].items()}),
+                          "flat": metrics(d["flat"]), "buy_hold": metrics(d["buy_hold"]),
+                          "best": metrics(d["best"])}) for d in items]
+
+
+def saved_epochs(out_dir: Path) -> int:
+    """How many epoch records the resume state in ``out_dir`` holds."""
+    meta, _ = CheckpointStore(out_dir).read()
+    return len(meta["records"])
