@@ -354,8 +354,11 @@ def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> in
     progress = None
     show = not args.no_progress and sys.stderr.isatty()
 
+    started = False
+
     def on_epoch_start(fold, epoch):
-        nonlocal progress
+        nonlocal progress, started
+        started = True
         if show:
             from tqdm import tqdm
 
@@ -389,9 +392,17 @@ def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> in
     stop = StopRequest()
     tic = time.perf_counter()
     with stop.installed(), threadpool_limits(limits=args.threads, user_api="blas"):
-        result = run(config, plan.bars, settings, backend=rc.backend, out_dir=run_dir,
-                     on_step=on_step, on_epoch=on_epoch, on_epoch_start=on_epoch_start,
-                     should_stop=stop, resume=plan.resume_dir is not None)
+        try:
+            result = run(config, plan.bars, settings, backend=rc.backend, out_dir=run_dir,
+                         on_step=on_step, on_epoch=on_epoch, on_epoch_start=on_epoch_start,
+                         should_stop=stop, resume=plan.resume_dir is not None)
+        except ValueError as exc:
+            if started:  # a ValueError once training runs is a bug: keep its traceback
+                raise
+            # What the loop refuses before it starts (e.g. a resume state that is not this
+            # run's) is the user's to fix, like any other usage error.
+            print(f"foxhunt train: {exc}", file=sys.stderr)
+            return 2
         if progress is not None:
             progress.close()
         plots = write_plots(run_dir, result)

@@ -467,3 +467,22 @@ def test_threads_pin_the_blas_pool_inside_the_run(in_tmp, capsys, monkeypatch):
         assert rc == 0, err
     assert seen == [[1], [3]]
     assert blas_threads() == outside  # restored after the run
+
+
+def test_resume_without_a_resume_state_is_a_usage_error(in_tmp, capsys):
+    rc, _, err = foxhunt(["train", *TINY, "--out", "run"], capsys)
+    assert rc == 0, err
+    for path in sorted((in_tmp / "run" / "checkpoints").iterdir()):
+        path.unlink()  # as if the run died before its first epoch ended
+    rc, _, err = foxhunt(["train", "--resume", "run"], capsys)
+    assert_usage_error(rc, err, "--resume run")
+
+
+def test_conformance_without_its_test_modules_prints_an_install_hint(capsys, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "hypothesis" else real(name, *a))
+    rc, _, err = foxhunt(["conformance", "--quick"], capsys)
+    assert_usage_error(rc, err, "needs hypothesis", "pip install 'foxhunt[gpu]'")
