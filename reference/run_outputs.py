@@ -85,14 +85,19 @@ class PrometheusGauges:
 
 
 class TensorBoardScalars:
-    def __init__(self, log_dir: Path):
+    @staticmethod
+    def writer_class():
+        """``tensorboard.summary.Writer``; ``UsageError`` with the install hint if missing."""
         try:
             from tensorboard.summary import Writer
         except ImportError:
             raise UsageError("--tensorboard needs the tensorboard package: "
                              "pip install 'foxhunt[tensorboard]'") from None
+        return Writer
+
+    def __init__(self, log_dir: Path):
         self.log_dir = Path(log_dir)
-        self.writer = Writer(str(self.log_dir))
+        self.writer = self.writer_class()(str(self.log_dir))
 
     def epoch(self, rec) -> None:
         for name, value in numeric_fields(rec).items():

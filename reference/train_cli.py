@@ -299,6 +299,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         _check_backend(plan.run.backend)
         if args.metrics_port is not None:
             sinks.append(PrometheusGauges(args.metrics_port, args.metrics_host or DEFAULT_METRICS_HOST))
+        if args.tensorboard:
+            TensorBoardScalars.writer_class()  # missing: say so before a run directory exists
         run_dir, lock = _open_run_dir(args, plan)
         done_epochs = 0
         if plan.resume_dir is not None:

@@ -486,3 +486,10 @@ def test_conformance_without_its_test_modules_prints_an_install_hint(capsys, mon
                         lambda name, *a: None if name == "hypothesis" else real(name, *a))
     rc, _, err = foxhunt(["conformance", "--quick"], capsys)
     assert_usage_error(rc, err, "needs hypothesis", "pip install 'foxhunt[gpu]'")
+
+
+def test_tensorboard_missing_is_an_install_hint_before_any_run_dir(in_tmp, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorboard.summary", None)  # import fails
+    rc, _, err = foxhunt(["train", *TINY, "--tensorboard"], capsys)
+    assert_usage_error(rc, err, "--tensorboard", "pip install 'foxhunt[tensorboard]'")
+    assert not (in_tmp / "runs").exists()
