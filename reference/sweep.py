@@ -30,7 +30,6 @@ results. ``sweep_cli`` drives Ray (tasks, or Tune trials with ``--early-stop``).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import os
@@ -40,7 +39,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
@@ -71,14 +70,14 @@ class SweepError(ValueError):
 # ------------------------------------------------------------------------------ commands
 @dataclass(frozen=True)
 class Command:
-    """How one trial of a kind of sweep runs: ``python -m module argv(...)`` writing into the
-    trial's run directory, the settings a configuration may give, and how the outcome is read."""
+    """How one trial of a kind of sweep runs: ``python argv(...)`` (this Python) writing into
+    the trial's run directory, the settings a configuration may give, and how the outcome is
+    read."""
 
     name: str
-    module: str
     #: The metric a sweep of this command reports by default (a key of ``overall``).
     default_metric: str
-    #: ``(trial, spec, run_dir, resume) -> [arguments after "python -m module"]``.
+    #: ``(trial, spec, run_dir, resume) -> [the arguments after "python"]``.
     argv: Callable[..., list[str]]
     #: ``(key, value, text) -> typed value``: a setting of a configuration, checked and typed
     #: (``text``: as written on the command line); ``SweepError`` naming the key otherwise.
@@ -87,6 +86,8 @@ class Command:
     resumable: Callable[[Path], bool] = lambda run_dir: False
     #: ``(run_dir, returncode) -> None``: writes ``summary.json`` for commands that do not.
     finish: Callable[[Path, int], None] | None = None
+    #: ``(sweep_dir, trials) -> [paths]``: files gathered from the trials after the sweep.
+    gather: Callable[[Path, list], list[Path]] | None = None
 
 
 def _train_typed(key: str, value: Any, text: bool) -> Any:
@@ -106,8 +107,8 @@ def _train_typed(key: str, value: Any, text: bool) -> Any:
 def _train_argv(trial: "Trial", spec: "SweepSpec", run_dir: Path, resume: bool) -> list[str]:
     common = ["--threads", str(spec.threads), "--no-progress"]
     if resume:  # the run's own config.json holds its configuration
-        return ["train", "--resume", str(run_dir), *common]
-    out = ["train", "--out", str(run_dir), "--backend", spec.backend, "--seed", str(trial.seed), *common]
+        return ["-m", "foxhunt.reference.cli", "train", "--resume", str(run_dir), *common]
+    out = ["-m", "foxhunt.reference.cli", "train", "--out", str(run_dir), "--backend", spec.backend, "--seed", str(trial.seed), *common]
     if run_dir.is_dir() and any(run_dir.iterdir()):
         out.append("--overwrite")  # a failed attempt's files: start again from nothing
     out += list(spec.args)
@@ -137,11 +138,12 @@ def _longrun_typed(key: str, value: Any, text: bool) -> Any:
 
 def _longrun_argv(trial: "Trial", spec: "SweepSpec", run_dir: Path, resume: bool) -> list[str]:
     variant = dict(trial.overrides).get("variant", "f32")
-    return ["one", "--variant", variant, "--seed", str(trial.seed), "--backend", spec.backend,
+    return ["-m", LONGRUN_MODULE, "one", "--variant", variant, "--seed", str(trial.seed), "--backend", spec.backend,
             "--record", str(run_dir / LONGRUN_RECORD), *spec.args]
 
 
-#: What ``longrun_seeds one --record`` writes in the trial's run directory.
+#: The long-run tool (SPEC 8) and what its ``one --record`` writes in the trial's run directory.
+LONGRUN_MODULE = "foxhunt.conformance.longrun_seeds"
 LONGRUN_RECORD = "record.json"
 
 
@@ -156,11 +158,29 @@ def _longrun_finish(run_dir: Path, returncode: int) -> None:
     jsonio.write_json(run_dir / SUMMARY_NAME, {"status": "completed", "overall": overall, "record": record})
 
 
+def _longrun_gather(sweep_dir: Path, trials: list["Trial"]) -> list[Path]:
+    """``SWEEP_DIR/longrun/<variant>.jsonl``: the completed trials' records by variant, in seed
+    order, the files ``python -m foxhunt.conformance.longrun_seeds compare`` reads."""
+    from foxhunt.conformance.longrun_seeds import variant_file
+
+    by_file: dict[Path, list[dict]] = {}
+    for trial in sorted(trials, key=lambda t: t.seed):
+        summary = read_summary(run_dir_of(sweep_dir, trial))
+        if summary and summary.get("status") == "completed" and "record" in summary:
+            record = summary["record"]
+            path = variant_file(Path(sweep_dir) / "longrun", dict(trial.overrides).get("variant", "f32"),
+                                record.get("backend", "fast"))
+            by_file.setdefault(path, []).append(record)
+    for path, records in by_file.items():
+        path.parent.mkdir(exist_ok=True)
+        jsonio.write_text_atomic(path, "".join(jsonio.dumps(r) + "\n" for r in records))
+    return sorted(by_file)
+
+
 COMMANDS: dict[str, Command] = {
-    "train": Command("train", "foxhunt.reference.cli", "test_sharpe", _train_argv, _train_typed,
-                     resumable=_train_resumable),
-    "longrun": Command("longrun", "foxhunt.conformance.longrun_seeds", "final_sharpe", _longrun_argv,
-                       _longrun_typed, finish=_longrun_finish),
+    "train": Command("train", "test_sharpe", _train_argv, _train_typed, resumable=_train_resumable),
+    "longrun": Command("longrun", "final_sharpe", _longrun_argv, _longrun_typed,
+                       finish=_longrun_finish, gather=_longrun_gather),
 }
 
 
@@ -428,7 +448,7 @@ def run_trial(trial: Trial, spec: SweepSpec, sweep_dir: Path, *, attempt: int = 
     log.parent.mkdir(parents=True, exist_ok=True)
     resume = command.resumable(run_dir)
     (run_dir / SUMMARY_NAME).unlink(missing_ok=True)  # the outcome read below must be this attempt's
-    argv = [sys.executable, "-m", command.module, *command.argv(trial, spec, run_dir, resume)]
+    argv = [sys.executable, *command.argv(trial, spec, run_dir, resume)]
     env = {**os.environ, **dict.fromkeys(BLAS_THREAD_VARS, str(spec.threads))}
     tic = time.perf_counter()
     with open(log, "a", encoding="utf-8") as out:

@@ -1,0 +1,368 @@
+"""``foxhunt sweep`` (reference/sweep.py, reference/sweep_cli.py): the plan, sweep files and their
+errors, and sweeps on one local Ray instance shared by the module (fake trials: a small script
+run as each trial's subprocess; and one real sweep of ``foxhunt train`` runs)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import textwrap
+import threading
+import _thread
+import time
+from pathlib import Path
+
+import pytest
+
+from foxhunt.reference import sweep, sweep_cli
+from foxhunt.reference.cli import main
+from foxhunt.reference.sweep import SweepError, SweepSpec
+
+# ------------------------------------------------------------------------------ the plan
+
+
+def test_expand_is_seeds_times_grid_times_configs_with_common_settings():
+    spec = SweepSpec(seeds=(3, 5), grid=(("lr", (1e-3, 3e-4)), ("gamma", (0.9, 0.99))),
+                     configs=((("tau", 0.01),), (("tau", 0.02),)), common=(("epochs", 2),))
+    trials = sweep.expand(spec)
+    # By hand: 2 lr x 2 gamma x 2 configs = 8 configurations, grid keys first, then the configs
+    # entry; each with both seeds; every trial also gets epochs=2 (first).
+    expected_configs = [(lr, g, tau) for lr in (1e-3, 3e-4) for g in (0.9, 0.99) for tau in (0.01, 0.02)]
+    assert len(trials) == 16
+    for i, t in enumerate(trials):
+        lr, g, tau = expected_configs[i // 2]
+        assert t.index == i
+        assert t.seed == (3, 5)[i % 2]
+        assert t.overrides == (("epochs", 2), ("lr", lr), ("gamma", g), ("tau", tau))
+        assert t.label == f"lr={lr} gamma={g} tau={tau}"
+    assert len({t.trial_id for t in trials}) == 16
+    assert trials[0].trial_id == "000-lr=0.001_gamma=0.9_tau=0.01-seed3"
+
+
+def test_expand_without_grid_is_one_configuration_per_seed():
+    trials = sweep.expand(SweepSpec(seeds=(0, 1, 2)))
+    assert [(t.seed, t.overrides, t.label) for t in trials] == [(s, (), "defaults") for s in (0, 1, 2)]
+
+
+def test_settings_are_typed_through_settings_io():
+    spec = SweepSpec(grid=(("lr", (1, 2)),), common=(("branches", [3, 3, 2]),))
+    assert spec.grid == (("lr", (1.0, 2.0)),) and all(type(v) is float for v in spec.grid[0][1])
+    assert spec.common == (("branches", (3, 3, 2)),)
+
+
+def test_train_argv_passes_seed_overrides_and_trial_args(tmp_path):
+    spec = SweepSpec(seeds=(7,), grid=(("lr", (3e-4,)),), common=(("branches", (3, 3, 2)),),
+                     args=("--preset", "tiny"), threads=2)
+    trial = sweep.expand(spec)[0]
+    argv = sweep.COMMANDS["train"].argv(trial, spec, tmp_path / "run", False)
+    assert argv == ["-m", "foxhunt.reference.cli", "train", "--out", str(tmp_path / "run"),
+                    "--backend", "reference", "--seed", "7", "--threads", "2", "--no-progress",
+                    "--preset", "tiny", "--set", "branches=3,3,2", "--set", "lr=0.0003"]
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")  # a failed attempt's files
+    again = sweep.COMMANDS["train"].argv(trial, spec, tmp_path / "run", False)
+    assert again == argv[:12] + ["--overwrite"] + argv[12:]
+    assert sweep.COMMANDS["train"].argv(trial, spec, tmp_path / "run", True) == [
+        "-m", "foxhunt.reference.cli", "train", "--resume", str(tmp_path / "run"), "--threads", "2",
+        "--no-progress"]
+
+
+def test_spec_round_trips_through_its_mapping():
+    spec = SweepSpec(command="longrun", backend="fast", seeds=(0, 1, 2), grid=(("variant", ("f32", "bf16")),),
+                     threads=1, trials_per_gpu=4, metric="mean_q", workdir="/tmp")
+    assert SweepSpec.from_mapping(json.loads(json.dumps(spec.to_mapping()))) == spec
+
+
+SWEEP_TOML = """\
+backend = "reference"
+seeds = "0-1"
+args = ["--preset", "tiny"]
+threads = 2
+[set]
+epochs = 2
+[grid]
+lr = [1e-3, 3e-4]
+branches = [[3, 3, 2], [2, 2, 2]]
+"""
+
+
+def _args(argv):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    sub = parser.add_subparsers()
+    sweep_cli.register(sub)
+    return parser.parse_args(["sweep", *argv])
+
+
+def test_sweep_file_toml_json_and_flags_give_the_same_spec(tmp_path):
+    toml_file = tmp_path / "s.toml"
+    toml_file.write_text(SWEEP_TOML)
+    json_file = tmp_path / "s.json"
+    json_file.write_text(json.dumps({"backend": "reference", "seeds": [0, 1], "args": ["--preset", "tiny"],
+                                     "threads": 2, "set": {"epochs": 2},
+                                     "grid": {"lr": [1e-3, 3e-4], "branches": [[3, 3, 2], [2, 2, 2]]}}))
+    flags = ["--seeds", "0-1", "--threads", "2", "--set", "epochs=2", "--grid", "lr=1e-3,3e-4",
+             "--grid", "branches=3,3,2;2,2,2", "--", "--preset", "tiny"]
+    specs = [sweep_cli.spec_from_args(_args(a)) for a in (["--file", str(toml_file)], ["--file", str(json_file)], flags)]
+    assert specs[0] == specs[1] == specs[2]
+    assert specs[0].grid == (("lr", (1e-3, 3e-4)), ("branches", ((3, 3, 2), (2, 2, 2))))
+    assert specs[0].common == (("epochs", 2),) and specs[0].seeds == (0, 1)
+    # Flags override the file; --set adds to its [set].
+    over = sweep_cli.spec_from_args(_args(["--file", str(toml_file), "--seeds", "4", "--set", "tau=0.01"]))
+    assert over.seeds == (4,) and over.common == (("epochs", 2), ("tau", 0.01))
+
+
+BAD_FILES = {
+    "unknown_key.toml": ('seed = 3\n', "unknown key 'seed'"),
+    "bad_toml.toml": ('seeds = [0,\n', "not valid TOML"),
+    "bad_json.json": ('{"seeds": }', "not valid JSON"),
+    "string_float.toml": ('[set]\nlr = "0.1"\n', "lr=\"0.1\": expected a number"),
+    "unknown_setting.toml": ('[grid]\nlrr = [1, 2]\n', "unknown setting 'lrr'"),
+    "seed_setting.toml": ('[set]\nseed = 1\n', "the sweep's seeds set it"),
+    "bad_seeds.toml": ('seeds = "3-1"\n', "range '3-1'"),
+    "dup_seeds.toml": ('seeds = [1, 1]\n', "a seed is listed twice"),
+    "tpg_reference.toml": ('trials_per_gpu = 2\n', "only with backend 'fast'"),
+    "empty_grid.toml": ('[grid]\nlr = []\n', "needs at least one value"),
+    "dup_grid.toml": ('[grid]\nlr = [0.1, 0.1]\n', "a value is listed twice"),
+    "both.toml": ('[set]\nlr = 0.1\n[grid]\nlr = [0.2]\n', "given in both set and grid"),
+    "threads.toml": ('threads = 0\n', "threads=0: must be an integer >= 1"),
+    "grid_type.toml": ('grid = [1]\n', "grid=[1]: expected a table"),
+    "command.toml": ('command = "eval"\n', "command='eval': allowed values are train, longrun"),
+    "variant.toml": ('command = "longrun"\n[grid]\nvariant = ["f64"]\n', "variant='f64'"),
+    "early_longrun.toml": ('command = "longrun"\nearly_stop = true\n', "early_stop: only for command 'train'"),
+    "sweep.yaml": ('seeds = 1\n', "must end in .toml or .json"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_FILES))
+def test_sweep_file_errors_are_one_line(tmp_path, capsys, name):
+    text, expected = BAD_FILES[name]
+    path = tmp_path / name
+    path.write_text(text)
+    assert main(["sweep", "--file", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("foxhunt sweep: ") and expected in err, err
+    assert not (tmp_path / "out").exists()  # nothing created for a plan that was refused
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--grid", "lr"], "--grid 'lr': expected key=value"),
+    (["--set", "epochs=two"], "epochs=two: expected an integer"),
+    (["--seeds", "a"], "expected integers and ranges"),
+    (["--", "--out", "x"], "trial argument --out: the sweep sets --out itself"),
+    (["--", "--set=lr=1"], "trial argument --set=lr=1"),
+    (["--file", "tiny.toml", "--resume", "x"], "--resume x: the plan comes from its sweep.json; drop --out, --file"),
+])
+def test_flag_errors_are_one_line(tmp_path, capsys, argv, expected):
+    argv = [a.replace("tiny.toml", str(tmp_path / "tiny.toml")) for a in argv]
+    (tmp_path / "tiny.toml").write_text("")
+    assert main(["sweep", "--out", str(tmp_path / "out"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+
+
+def test_out_must_be_new_or_empty_and_resume_needs_a_sweep(tmp_path, capsys):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "x").write_text("")
+    assert main(["sweep", "--out", str(tmp_path / "used")]) == 2
+    assert "exists and is not an empty directory" in capsys.readouterr().err
+    assert main(["sweep", "--resume", str(tmp_path / "used")]) == 2
+    assert "no sweep.json there" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ fake trials
+FAKE_TRIAL = '''\
+"""A fake trial: writes what foxhunt train would (metrics.jsonl, summary.json), per its settings."""
+import json, os, signal, sys, time
+from pathlib import Path
+
+run_dir, seed = Path(sys.argv[1]), int(sys.argv[2])
+kv = dict(a.split("=", 1) for a in sys.argv[3:])
+mode, x = kv.get("mode", "ok"), float(kv.get("x", "0"))
+sweep_dir = run_dir.parent.parent
+with open(sweep_dir / "calls.log", "a") as fh:
+    fh.write(run_dir.name + "\\n")
+(run_dir / "pid").write_text(str(os.getpid()))
+
+
+def summary(status):
+    (run_dir / "summary.json").write_text(json.dumps({
+        "status": status, "overall": {"test_sharpe": x + seed / 10},
+        "omp_threads": os.environ.get("OMP_NUM_THREADS"), "cwd": os.getcwd()}))
+
+
+if mode == "flaky" and not (run_dir / "failed_once").exists():
+    (run_dir / "failed_once").write_text("")
+    print("flaky: the first attempt fails")
+    sys.exit(3)
+if mode == "crash" and not (sweep_dir / "fixed").exists():
+    print("boom: the fake trial crashed")
+    sys.exit(1)
+if mode == "halt":
+    summary("halted")
+    sys.exit(1)
+if mode == "slow":
+    signal.signal(signal.SIGTERM, lambda *a: (summary("interrupted"), sys.exit(143)))
+    (run_dir / "started").write_text("")
+    if not (sweep_dir / "fixed").exists():
+        time.sleep(120)
+for epoch in range(int(kv.get("epochs", "0"))):
+    with open(run_dir / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"epoch": epoch, "val_sharpe": x}) + "\\n")
+    time.sleep(float(kv.get("pause", "0")))
+summary("completed")
+'''
+
+
+def make_fake_command(script: Path) -> sweep.Command:
+    """A command running ``script RUN_DIR SEED key=value...``; its settings are x (a number),
+    mode, epochs (an integer) and pause (a number)."""
+    kinds = {"x": float, "mode": str, "epochs": int, "pause": float}
+
+    def typed(key, value, text):
+        if key not in kinds:
+            raise SweepError(f"{key}: the fake trial's settings are {', '.join(kinds)}")
+        return kinds[key](value)
+
+    def argv(trial, spec, run_dir, resume):
+        return [str(script), str(run_dir), str(trial.seed), *(f"{k}={v}" for k, v in trial.overrides)]
+
+    return sweep.Command("fake", "test_sharpe", argv, typed)
+
+
+def with_command(command: sweep.Command):
+    """A trial function for the Ray tasks: ``run_trial`` with ``command`` registered in the
+    worker process too (the closure travels to it by value)."""
+
+    def trial_fn(trial, spec, sweep_dir, *, attempt=1, on_epoch=None):
+        sweep.COMMANDS[command.name] = command
+        return sweep.run_trial(trial, spec, sweep_dir, attempt=attempt, on_epoch=on_epoch)
+
+    return trial_fn
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray", reason="foxhunt sweep needs the distributed extra (Ray)")
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def fake(tmp_path, monkeypatch):
+    script = tmp_path / "fake_trial.py"
+    script.write_text(FAKE_TRIAL)
+    command = make_fake_command(script)
+    monkeypatch.setitem(sweep.COMMANDS, "fake", command)
+    return with_command(command)
+
+
+def _calls(sweep_dir: Path) -> list[str]:
+    path = sweep_dir / "calls.log"
+    return path.read_text().split() if path.exists() else []
+
+
+def _results(sweep_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (sweep_dir / "results.jsonl").read_text().splitlines()]
+
+
+def test_retry_once_and_failure_isolation(ray_local, fake, tmp_path):
+    spec = SweepSpec(command="fake", seeds=(0, 1), configs=(
+        (("mode", "ok"), ("x", 1.0)), (("mode", "flaky"), ("x", 2.0)),
+        (("mode", "crash"), ("x", 3.0)), (("mode", "halt"), ("x", 4.0))), threads=1)
+    logs: list[str] = []
+    out = tmp_path / "s"
+    trials, records, interrupted = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=logs.append)
+    assert not interrupted
+    status = {t.trial_id: (records[t.trial_id]["status"], records[t.trial_id]["attempts"]) for t in trials}
+    # ok: once; flaky: failed, retried, completed; crash: failed twice; halt: not retried.
+    assert [status[t.trial_id] for t in trials] == [
+        ("completed", 1), ("completed", 1), ("completed", 2), ("completed", 2),
+        ("failed", 2), ("failed", 2), ("halted", 1), ("halted", 1)]
+    calls = _calls(out)
+    assert sorted(calls) == sorted([t.trial_id for t in trials] + [t.trial_id for t in trials[2:6]])
+    lines = _results(out)
+    assert [r["trial"] for r in lines] == [t.trial_id for t in trials]
+    crash = lines[4]
+    assert crash["error"].startswith("exit code 1, summary status missing: boom: the fake trial crashed")
+    assert crash["overrides"] == {"mode": "crash", "x": 3.0} and crash["seed"] == 0
+    # The completed trials' metric is what each run wrote (x + seed / 10), with placement.
+    assert [r["overall"]["test_sharpe"] for r in lines[:4]] == [1.0, 1.1, 2.0, 2.1]
+    assert all(r["gpu_ids"] == [] and r["node_id"] and r["hostname"] for r in lines)
+    assert all(r["wall_time_s"] > 0 for r in lines)
+    assert sum("retrying (attempt 2 of 2)" in line for line in logs) == 4
+    # BLAS threads pinned to the trial's threads; the log keeps both attempts.
+    assert sweep.read_summary(out / "trials" / trials[0].trial_id)["omp_threads"] == "1"
+    assert (out / "logs" / f"{trials[2].trial_id}.log").read_text().count("# attempt") == 2
+    table = sweep_cli.results_table(trials, records, "test_sharpe").splitlines()
+    assert table[1].split() == ["mode=ok", "x=1.0", "2/2", "1.05", f"{0.1 / 2 ** 0.5:.4g}", "1", "1.1"]
+    assert table[3].split() == ["mode=crash", "x=3.0", "0/2", "-", "-", "-", "-"]
+    assert table[5].startswith("  004-mode=crash_x=3.0-seed0: failed")  # the failures, listed
+
+
+def test_resume_runs_only_what_is_missing(ray_local, fake, tmp_path):
+    spec = SweepSpec(command="fake", seeds=(0, 1), grid=(("mode", ("ok", "crash")),))
+    out = tmp_path / "s"
+    trials, records, _ = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=lambda s: None)
+    assert [records[t.trial_id]["status"] for t in trials] == ["completed", "completed", "failed", "failed"]
+    # A results line lost (a crash between a trial's end and the write): the run dir says done.
+    lines = (out / "results.jsonl").read_text().splitlines()
+    (out / "results.jsonl").write_text("\n".join(lines[1:]) + "\n")
+    (out / "fixed").write_text("")
+    before = len(_calls(out))
+    trials, records, _ = sweep_cli.run_sweep(spec, out, resume=True, trial_fn=fake, log=lambda s: None)
+    assert sorted(_calls(out)[before:]) == sorted([trials[2].trial_id, trials[3].trial_id])
+    assert [r["status"] for r in _results(out)] == ["completed"] * 4
+    assert _results(out)[0]["overall"] == {"test_sharpe": 0.0}  # rebuilt from its summary.json
+
+
+def test_ctrl_c_stops_trials_cleanly_and_resume_finishes_them(ray_local, fake, tmp_path):
+    spec = SweepSpec(command="fake", seeds=(0,), configs=(
+        (("mode", "ok"),), (("mode", "slow"), ("x", 1.0)), (("mode", "slow"), ("x", 2.0))))
+    out = tmp_path / "s"
+    trials = sweep.expand(spec)
+    ok_dir, slow_dirs = sweep.run_dir_of(out, trials[0]), [sweep.run_dir_of(out, t) for t in trials[1:]]
+
+    def interrupt_when_started():  # Ctrl-C once the fast trial is done and a slow one runs
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (
+                (ok_dir / "summary.json").exists() and any((d / "started").exists() for d in slow_dirs)):
+            time.sleep(0.1)
+        _thread.interrupt_main()
+
+    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    _, records, interrupted = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=lambda s: None)
+    assert interrupted
+    assert [r["status"] for r in _results(out)] == ["completed"]
+    started = [d for d in slow_dirs if (d / "started").exists()]
+    assert started
+    for d in started:  # SIGTERM reached the run: it wrote its summary, and it is gone
+        assert sweep.read_summary(d)["status"] == "interrupted"
+        with pytest.raises(ProcessLookupError):
+            os.kill(int((d / "pid").read_text()), 0)
+    (out / "fixed").write_text("")
+    _, records, interrupted = sweep_cli.run_sweep(spec, out, resume=True, trial_fn=fake, log=lambda s: None)
+    assert not interrupted and [r["status"] for r in _results(out)] == ["completed"] * 3
+    assert _calls(out).count(trials[0].trial_id) == 1
+
+
+def test_plot_and_cli_exit_status(ray_local, fake, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sweep_cli, "run_trial", fake)  # what run_sweep's tasks run by default
+    out = tmp_path / "s"
+    monkeypatch.chdir(tmp_path)
+    code = main(["sweep", "--command", "fake", "--out", str(out), "--seeds", "0-2", "--grid", "x=1,2"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert (out / "results.png").stat().st_size > 1000
+    table = text[text.index("configuration"):].splitlines()
+    # By hand: x + seed / 10 over seeds 0-2 -> mean x + 0.1, sample std 0.1, min x, max x + 0.2.
+    assert table[1].split() == ["x=1.0", "3/3", "1.1", "0.1", "1", "1.2"]
+    assert table[2].split() == ["x=2.0", "3/3", "2.1", "0.1", "2", "2.2"]
+    plan = json.loads((out / "sweep.json").read_text())
+    assert plan["grid"] == {"x": [1.0, 2.0]} and plan["workdir"] == str(tmp_path)
+    assert sweep.read_summary(out / "trials" / "000-x=1.0-seed0")["cwd"] == str(tmp_path)
