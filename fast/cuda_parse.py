@@ -12,6 +12,7 @@ names would clash when the sources are linked into one module.
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -206,4 +207,21 @@ def parse_cuda_dir(cuda_dir: str | Path, exclude: frozenset[str] | set[str] = fr
             if name in found:
                 raise CudaParseError(f"kernel {name!r} defined twice: {found[name].where} and {decl.where}")
             found[name] = decl
+    return found
+
+
+@functools.lru_cache(maxsize=1)
+def package_kernels() -> dict[str, KernelDecl]:
+    """Every kernel of the installed ``foxhunt.cuda_src`` (read as ``fast._build`` reads it, so a
+    checkout, an editable install and a wheel agree); a name defined twice raises."""
+    from foxhunt.fast._build import source_files
+
+    found: dict[str, KernelDecl] = {}
+    for name, data in source_files().items():
+        if not name.endswith(SUFFIXES):
+            continue
+        for kernel, decl in parse_kernels(data.decode("utf-8"), name).items():
+            if kernel in found:
+                raise CudaParseError(f"kernel {kernel!r} defined twice: {found[kernel].where} and {decl.where}")
+            found[kernel] = decl
     return found
