@@ -79,7 +79,9 @@ from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense, optim, safety, spectral
 from foxhunt.reference.layout import ParamLayout, branch_name
-from foxhunt.reference.network import BACKWARD_MODE, FORWARD_MODE, forward
+from foxhunt.reference.backend import BACKWARD_GEMM_MODE as BACKWARD_MODE
+from foxhunt.reference.backend import FORWARD_GEMM_MODE as FORWARD_MODE
+from foxhunt.reference.network import forward
 from foxhunt.reference.step import support
 from foxhunt.reference.trainer import ISV_PRODUCER_ALPHA, SLOW_EMA, Trainer
 

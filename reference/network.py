@@ -19,12 +19,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .backend import BACKWARD_GEMM_MODE, FORWARD_GEMM_MODE
 from .config import DQNConfig
 from .kernels import dense, distributional, safety
 from .layout import ParamLayout, branch_name
-
-FORWARD_MODE = {"f32": "f32", "bf16": "bf16"}
-BACKWARD_MODE = {"f32": "f32", "bf16": "tf32"}
 
 
 @dataclass
@@ -59,7 +57,7 @@ def forward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, x: np.nd
     ``h2_bound`` is the Mech 10 bound (``h2_clamp_mult * max(ISV[H_S2_RMS_EMA], 1)``); ``None``
     skips the clamp (for debugging a pure forward).
     """
-    mode = FORWARD_MODE[config.precision]
+    mode = FORWARD_GEMM_MODE[config.precision]
     p = layout.views(params)
     w = {t.name: _rounded(p[t.name], mode) for t in layout.weight_matrices}
     h1 = dense.add_bias_relu(_linear(_rounded(x, mode), w["w_s1"], mode), p["b_s1"])
@@ -97,7 +95,7 @@ def backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Ac
     ``d_value_logits`` (``dv``), ``d_adv_logits`` (every branch's ``dadv``, flattened) and
     ``d_h2`` (after the heads, before the trunk).
     """
-    mode = BACKWARD_MODE[config.precision]
+    mode = BACKWARD_GEMM_MODE[config.precision]
     p = layout.views(params)
     grad = layout.zeros()
     g = layout.views(grad)

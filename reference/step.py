@@ -35,7 +35,8 @@ def support(config: DQNConfig) -> np.ndarray:
 def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndarray, batch: Batch,
                    *, q_abs_ref: float = 0.0, h2_bound: float | None = None,
                    layout: ParamLayout | None = None) -> dict:
-    """Losses and per-component gradients of ``batch`` (SPEC 4 steps 1-4).
+    """Losses and per-component gradients of ``batch`` (SPEC 4 steps 1-4). ``batch`` is validated
+    first (``ValueError`` naming the field); ``Trainer.step`` relies on that single check.
 
     Returns a dict with ``c51_loss`` and ``cql_loss`` (f32 scalars), ``td_errors`` ``[B]``,
     ``grad_c51`` and ``grad_cql`` (flat f32, layout order, padding zero), ``target_q``

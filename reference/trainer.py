@@ -19,13 +19,11 @@ One ``step(batch)``, in order:
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
 from . import isv as isv_mod
 from . import sentinels
-from .backend import StepScalars, TrainerBackend
+from .backend import DeferredReadback, StepScalars, TrainerBackend, validate_state_dict
 from .batch import Batch
 from .budgets import budget_pipeline, safety_clip_bound, slow_ema_update
 from .config import DQNConfig
@@ -43,11 +41,8 @@ ISV_PRODUCER_ALPHA = 0.01
 
 
 def _zero_scalars(n_flags: int) -> StepScalars:
-    zero = 0.0
-    return StepScalars(step=0, read_at=0, fresh=False, loss=zero, c51_loss=zero, cql_loss=zero,
-                       grad_norm=zero, c51_norm_pre=zero, c51_norm_post=zero, cql_norm_pre=zero,
-                       cql_norm_post=zero, clip_bound=zero, safety_clip_fired=False, mean_q=zero,
-                       mean_target_q=zero, flags=(0,) * n_flags)
+    """Kept only while ``fast/trainer.py`` imports it: use ``StepScalars.zero``."""
+    return StepScalars.zero(n_flags)
 
 
 class Trainer(TrainerBackend):
@@ -79,9 +74,9 @@ class Trainer(TrainerBackend):
         self._flags = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
         self.step_count = 0
         self._refresh_mirrors()
-        self._last = _zero_scalars(len(self._flags))
+        self._readback = DeferredReadback(config.readback_interval, len(self._flags))
         self._current: StepScalars | None = None
-        self._force_fresh = False
+        self._td_errors: np.ndarray | None = None
 
     # ------------------------------------------------------------------ helpers
     def _refresh_mirrors(self) -> None:
@@ -102,13 +97,14 @@ class Trainer(TrainerBackend):
     # ------------------------------------------------------------------ the step
     def step(self, batch: Batch) -> StepScalars:
         c = self.config
-        batch.validate(c)
-        self.step_count += 1
         isv_at_start = self.isv.to_array()
         q_abs_ref = np.float32(self.isv.get("Q_ABS_REF"))
         h2_bound = self._bound(c.h2_clamp_mult, "H_S2_RMS_EMA")
+        # loss_and_grads validates the batch (its only validation in the step), before any
+        # state of this trainer changes.
         out = loss_and_grads(c, self.params, self.target, batch, q_abs_ref=q_abs_ref,
                              h2_bound=h2_bound, layout=self.layout)
+        self.step_count += 1
         # Inline checks: Mech 10's h2 check sees the buffer before the clamp sanitises it;
         # d_h2 is snapshotted right after the main (C51) backward.
         self._inline_check("h2", out["online"].h2_pre_clamp)
@@ -159,7 +155,7 @@ class Trainer(TrainerBackend):
             mean_q=float(np.mean(out["q_taken"])), mean_target_q=float(np.mean(out["target_q"])),
             flags=tuple(int(f) for f in self._flags),
         )
-        return self._readback()
+        return self._readback.after_step(self.step_count, lambda: self._current)
 
     def _sentinel_buffers(self, batch: Batch, out: dict, grad: np.ndarray) -> dict[str, np.ndarray]:
         """The buffer each fused (non-inline) sentinel slot watches, by slot name.
@@ -210,22 +206,8 @@ class Trainer(TrainerBackend):
         self._flags[idx] = safety.nan_check_fused([buffers[s.name] for s in slots], self._flags[idx], thresholds)
 
     # ------------------------------------------------------------------ readback
-    def _readback(self) -> StepScalars:
-        """Deferred readback (SPEC 9): fresh every ``readback_interval`` steps and on the step
-        after a non-finite read; otherwise the last values read."""
-        assert self._current is not None
-        due = self.step_count % self.config.readback_interval == 0 or self._force_fresh
-        if due:
-            self._last = self._current
-            self._force_fresh = not self._last.all_finite()
-            return self._last
-        return self._last.as_stale(self.step_count)
-
     def end_epoch(self) -> StepScalars:
-        if self._current is not None:
-            self._last = self._current
-            self._force_fresh = not self._last.all_finite()
-        return dataclasses.replace(self._last, step=self.step_count, fresh=self._current is not None)
+        return self._readback.end_epoch(self.step_count, lambda: self._current)
 
     # ------------------------------------------------------------------ folds and evaluation
     def fold_boundary(self) -> None:
@@ -265,15 +247,7 @@ class Trainer(TrainerBackend):
         return {k: np.array(v, copy=True) for k, v in state.items()}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        expected = self.state_dict()
-        missing = sorted(set(expected) - set(state))
-        extra = sorted(set(state) - set(expected))
-        if missing or extra:
-            raise ValueError(f"state mismatch: missing {missing}, unexpected {extra}")
-        for k, ref in expected.items():
-            if state[k].shape != ref.shape or state[k].dtype != ref.dtype:
-                raise ValueError(f"state[{k!r}]: shape {state[k].shape} dtype {state[k].dtype}, "
-                                 f"expected shape {ref.shape} dtype {ref.dtype}")
+        validate_state_dict(self.config, state)  # everything checked before anything is loaded
         self.params = state["params"].copy()
         self.target = state["target"].copy()
         self.adam_m = state["adam_m"].copy()
@@ -286,6 +260,5 @@ class Trainer(TrainerBackend):
         self.sn_v = [state[f"sn_v.{t.name}"].copy() for t in self.layout.weight_matrices]
         self._refresh_mirrors()
         self._current = None
-        self._force_fresh = False
         self._td_errors = None
-        self._last = _zero_scalars(len(self._flags))
+        self._readback.reset()

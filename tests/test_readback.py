@@ -12,14 +12,12 @@ import numpy as np
 import pytest
 
 from foxhunt.reference import sentinels
-from foxhunt.reference.backend import StepScalars
+from foxhunt.reference.backend import READBACK_FIELDS, DeferredReadback, StepScalars
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.trainer import Trainer
 
-VALUE_FIELDS = ("loss", "c51_loss", "cql_loss", "grad_norm", "c51_norm_pre", "c51_norm_post",
-                "cql_norm_pre", "cql_norm_post", "clip_bound", "safety_clip_fired", "mean_q",
-                "mean_target_q", "flags")
+VALUE_FIELDS = (*READBACK_FIELDS, "flags")
 
 
 def values(s: StepScalars) -> tuple:
@@ -174,3 +172,64 @@ def test_small_intervals(interval):
             last = ref
         else:
             assert not got.fresh and got.read_at == (last.read_at if last else 0)
+
+
+# ------------------------------------------------------------------ the rule and the block, alone
+def test_readback_fields_are_the_step_scalars_values_in_declaration_order():
+    names = [f.name for f in dataclasses.fields(StepScalars)]
+    assert names[:3] == ["step", "read_at", "fresh"] and names[-1] == "flags"
+    assert READBACK_FIELDS == tuple(names[3:-1])
+    assert READBACK_FIELDS[0] == "loss" and READBACK_FIELDS[-1] == "mean_target_q"
+
+
+def test_from_readback_reads_a_block_in_field_order():
+    block = np.arange(1, len(READBACK_FIELDS) + 1, dtype=np.float32)
+    got = StepScalars.from_readback(7, block, np.array([0, 3], np.int32))
+    assert (got.step, got.read_at, got.fresh, got.flags) == (7, 7, True, (0, 3))
+    for i, name in enumerate(READBACK_FIELDS):
+        want = True if name == "safety_clip_fired" else float(i + 1)
+        assert getattr(got, name) == want and type(getattr(got, name)) is type(want), name
+    block[READBACK_FIELDS.index("safety_clip_fired")] = 0.0
+    assert StepScalars.from_readback(7, block, []).safety_clip_fired is False
+    with pytest.raises(ValueError, match=f"readback block: 3 values, expected {len(READBACK_FIELDS)}"):
+        StepScalars.from_readback(7, block[:3], [])
+
+
+def test_zero_scalars_before_any_read():
+    zero = StepScalars.zero(3)
+    assert (zero.step, zero.read_at, zero.fresh, zero.flags) == (0, 0, False, (0, 0, 0))
+    assert all(getattr(zero, f) == 0 for f in READBACK_FIELDS) and zero.all_finite()
+    assert zero.safety_clip_fired is False
+
+
+def _block(finite: bool) -> list[float]:
+    values = [1.0] * len(READBACK_FIELDS)
+    if not finite:
+        values[READBACK_FIELDS.index("loss")] = float("nan")
+    return values
+
+
+def test_deferred_readback_reads_only_when_due():
+    """Interval 3, the read of step 3 non-finite: reads at 3, 4 (forced), 6 and at end_epoch;
+    stale scalars keep the last read's step in read_at."""
+    rule = DeferredReadback(3, 1)
+    reads = []
+
+    def reader(step: int):
+        def read():
+            reads.append(step)
+            return StepScalars.from_readback(step, _block(step != 3), [0])
+        return read
+
+    got = [rule.after_step(k, reader(k)) for k in range(1, 8)]
+    assert reads == [3, 4, 6]
+    assert [(s.step, s.fresh, s.read_at) for s in got] == [
+        (1, False, 0), (2, False, 0), (3, True, 3), (4, True, 4), (5, False, 4), (6, True, 6),
+        (7, False, 6)]
+    end = rule.end_epoch(7, reader(7))
+    assert reads[-1] == 7 and (end.step, end.fresh, end.read_at) == (7, True, 7)
+    rule.reset()
+    again = rule.end_epoch(7, reader(99))
+    assert reads[-1] == 7 and (again.step, again.fresh, again.read_at) == (7, False, 0)
+    with pytest.raises(ValueError, match="readback_interval: 0; expected an int >= 1"):
+        DeferredReadback(0, 1)

@@ -133,9 +133,8 @@ BATCH_CASES = {
     # r[b] = +Inf: the projection clips it to v_max (a finite row) and Mech 1 clips the scalar
     # target to 100 * max(Q_ABS_REF, 1), which is above the 95x diagnostic threshold of slot 46.
     ("r", np.inf): {"rewards", "target_q_post_clip"},
-    # isw[b] NaN: it scales the C51 loss and the C51 logit gradient of row b only (td_errors
-    # are the unweighted per-sample losses; CQL is unweighted).
-    ("isw", np.nan): {"importance_weights", "c51_loss"} | C51_BACKWARD,
+    # A non-finite importance weight never reaches the step: Batch.validate rejects it (a user
+    # error, test_an_invalid_batch_leaves_the_trainer_unchanged).
 }
 
 
@@ -377,3 +376,83 @@ def test_seed_preset_20_steps_from_outside_the_repo(tmp_path):
         assert 0 < cql_post <= min(cql_pre, config.budget("cql")) * (1 + 1e-6)
         assert 0 < grad_norm <= (c51_post + cql_post) * (1 + 1e-6)
         assert loss > 0
+
+
+# ------------------------------------------------------------------ issue 17: contract details
+def test_last_td_errors_before_any_step_raises_the_documented_error():
+    config = DQNConfig.preset("tiny")
+    trainer = Trainer(config, seed=2)
+    with pytest.raises(RuntimeError, match=r"last_td_errors\(\): no step has run yet"):
+        trainer.last_td_errors()
+    trainer.step(Batch.random(config, np.random.default_rng(2)))
+    assert trainer.last_td_errors().shape == (config.batch_size,)
+    trainer.load_state_dict(trainer.state_dict())  # a loaded state has no last step
+    with pytest.raises(RuntimeError, match="no step has run yet"):
+        trainer.last_td_errors()
+
+
+def test_the_batch_is_validated_once_per_step(monkeypatch):
+    config = DQNConfig.preset("tiny")
+    trainer = Trainer(config, seed=3)
+    batch = Batch.random(config, np.random.default_rng(3))
+    calls = []
+    validate = Batch.validate
+
+    def counted(self, cfg):
+        calls.append(self)
+        return validate(self, cfg)
+
+    monkeypatch.setattr(Batch, "validate", counted)
+    trainer.step(batch)
+    trainer.step(batch)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("done", 0.5, r"batch\.done\[5\]=.*allowed values are 0 and 1"),
+    ("isw", np.nan, r"batch\.isw\[5\]=nan")], ids=["done", "isw"])
+def test_an_invalid_batch_leaves_the_trainer_unchanged(field, value, match):
+    config = DQNConfig.preset("tiny")
+    trainer = Trainer(config, seed=5)
+    before = trainer.state_dict()
+    bad = poisoned(Batch.random(config, np.random.default_rng(5)), field, value)
+    with pytest.raises(ValueError, match=match):
+        trainer.step(bad)
+    after = trainer.state_dict()
+    assert trainer.step_count == 0
+    assert all(np.array_equal(after[k], before[k]) for k in before)
+
+
+def test_load_state_dict_checks_everything_before_loading_anything():
+    config = DQNConfig.preset("tiny")
+    trainer = Trainer(config, seed=0)
+    before = trainer.state_dict()
+    other = Trainer(config, seed=1).state_dict()
+    foreign = dict(other, isv=other["isv"].copy())
+    foreign["isv"].view(np.uint32)[isv_mod.FINGERPRINT_LO_INDEX] ^= 1  # another registry's vector
+    with pytest.raises(isv_mod.FingerprintMismatch):
+        trainer.load_state_dict(foreign)
+    assert all(np.array_equal(trainer.state_dict()[k], before[k]) for k in before)  # nothing loaded
+    for change, match in (
+        ({"adam_t": other["adam_t"].astype(np.int32)}, r"state\['adam_t'\]: shape \(1,\) dtype int32"),
+        ({"params": other["params"][:-1]}, r"state\['params'\]: shape"),
+        ({"step": 3}, r"state\['step'\]: expected a numpy array, got int"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            trainer.load_state_dict({**other, **change})
+    with pytest.raises(ValueError, match=r"state mismatch: missing \['step'\], unexpected \['extra'\]"):
+        trainer.load_state_dict({**{k: v for k, v in other.items() if k != "step"}, "extra": other["step"]})
+    assert all(np.array_equal(trainer.state_dict()[k], before[k]) for k in before)
+
+
+def test_the_backend_interface_imports_no_trainer():
+    """backend.py names the trainers by module path; importing it loads neither (no import cycle)."""
+    code = ("import sys, foxhunt.reference.backend as b; "
+            "print(sorted(m for m in sys.modules if m.endswith('.trainer') or m.startswith('foxhunt.fast')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    from foxhunt.reference.backend import get_backend
+
+    assert get_backend("reference") is Trainer
+    with pytest.raises(ValueError, match="backend='gpu': allowed values are 'reference' and 'fast'"):
+        get_backend("gpu")
