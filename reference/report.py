@@ -82,12 +82,27 @@ def run_summary(result) -> dict:
     }
 
 
-def _pct(x) -> str:
-    return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:+.2f}%"
+def _pct(x, sign: str = "+") -> str:
+    """``x`` as a percentage; ``sign="+"`` for returns, ``""`` for losses shown as magnitudes
+    (drawdown, costs)."""
+    return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:{sign}.2f}%"
 
 
 def _num(x, fmt: str = "+.2f") -> str:
     return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
+
+
+def metrics_header() -> str:
+    """The header of a per-policy metrics table (``format_metrics_row``)."""
+    return (f"{'':<14} {'Sharpe':>8} {'return':>9} {'max DD':>8} {'turnover':>9} {'costs':>9} "
+            f"{'bars':>6}")
+
+
+def format_metrics_row(label: str, m: dict) -> str:
+    """One row of a metrics table: ``m`` is a ``SegmentMetrics`` as a dict."""
+    return (f"{label:<14} {_num(m['sharpe']):>8} {_pct(m['total_return']):>9} "
+            f"{_pct(m['max_drawdown'], ''):>8} {_num(m['turnover'], '.1f'):>9} {_pct(m['costs'], ''):>9} "
+            f"{m['bars']:>6}")
 
 
 def summary_text(result) -> str:
@@ -108,7 +123,7 @@ def summary_text(result) -> str:
         lines += [
             f"{head}: best epoch {f.best_epoch} on validation (Sharpe {_num(val.sharpe)})",
             f"  test: Sharpe {_num(test.sharpe)}, return {_pct(test.total_return)}, max drawdown "
-            f"{_pct(-test.max_drawdown)}, turnover {_num(test.turnover, '.1f')}, costs {_pct(-test.costs)}",
+            f"{_pct(test.max_drawdown, '')}, turnover {_num(test.turnover, '.1f')}, costs {_pct(test.costs, '')}",
             base,
         ]
     o = overall(result)
@@ -117,8 +132,8 @@ def summary_text(result) -> str:
         lines.append(
             f"overall (mean of {n} fold{'s' if n > 1 else ''} at the validation-chosen epoch): test "
             f"Sharpe {_num(o['test_sharpe'])}, return {_pct(o['test_total_return'])}, max drawdown "
-            f"{_pct(-o['test_max_drawdown'])}, turnover {_num(o['test_turnover'], '.1f')}, costs "
-            f"{_pct(-o['test_costs'])}; validation Sharpe {_num(o['val_sharpe'])}; flat "
+            f"{_pct(o['test_max_drawdown'], '')}, turnover {_num(o['test_turnover'], '.1f')}, costs "
+            f"{_pct(o['test_costs'], '')}; validation Sharpe {_num(o['val_sharpe'])}; flat "
             f"{_num(o['flat_test_sharpe'])}, buy-and-hold {_num(o['buy_hold_test_sharpe'])}")
     else:
         lines.append("overall: no finished epoch")

@@ -307,3 +307,25 @@ def test_daily_bars_report_the_textbook_buy_and_hold_sharpe():
     assert got.total_return == pytest.approx(np.prod(1 + r) - 1, rel=1e-5, abs=1e-9)
     assert got.turnover == 1.0 and got.bars == b - a - 1
     assert res.records[0].test_sharpe == res.folds[0].best["test"].sharpe
+
+
+def test_plots_mark_fold_boundaries_and_draw_the_baselines(monkeypatch, tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.axes import Axes
+
+    from foxhunt.reference.plots import write_plots
+
+    res, _ = _scripted_run(monkeypatch)
+    vlines, hlines = [], []
+    real_axvline, real_hlines = Axes.axvline, Axes.hlines
+    monkeypatch.setattr(Axes, "axvline", lambda ax, x=0, *a, **k: vlines.append(x) or real_axvline(ax, x, *a, **k))
+    monkeypatch.setattr(Axes, "hlines", lambda ax, y, *a, **k: hlines.append(y) or real_hlines(ax, y, *a, **k))
+    paths = write_plots(tmp_path, res)
+    assert [p.name for p in paths] == ["loss.png", "grad_norms.png", "sharpe.png", "equity.png"]
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in paths)
+    # Fold 1 starts at global epoch 3: a boundary at 2.5 on the three per-epoch plots, and at
+    # fold 1's first bar on the equity plot.
+    assert vlines == [2.5, 2.5, 2.5, res.folds[1].segments.train[0]]
+    assert hlines == [v for f in res.folds for v in (f.flat["test"].sharpe, f.buy_hold["test"].sharpe)]
