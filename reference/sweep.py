@@ -88,6 +88,8 @@ class Command:
     finish: Callable[[Path, int], None] | None = None
     #: ``(sweep_dir, trials) -> [paths]``: files gathered from the trials after the sweep.
     gather: Callable[[Path, list], list[Path]] | None = None
+    #: Whether a run writes ``metrics.jsonl`` epoch by epoch (what ``--early-stop`` reads).
+    epoch_metrics: bool = False
 
 
 def _train_typed(key: str, value: Any, text: bool) -> Any:
@@ -178,7 +180,8 @@ def _longrun_gather(sweep_dir: Path, trials: list["Trial"]) -> list[Path]:
 
 
 COMMANDS: dict[str, Command] = {
-    "train": Command("train", "test_sharpe", _train_argv, _train_typed, resumable=_train_resumable),
+    "train": Command("train", "test_sharpe", _train_argv, _train_typed, resumable=_train_resumable,
+                     epoch_metrics=True),
     "longrun": Command("longrun", "final_sharpe", _longrun_argv, _longrun_typed,
                        finish=_longrun_finish, gather=_longrun_gather),
 }
@@ -245,8 +248,9 @@ class SweepSpec:
                                  f"(the {self.backend} backend runs on CPUs: use threads)")
             if not _is_int(self.trials_per_gpu) or self.trials_per_gpu < 1:
                 raise SweepError(f"trials_per_gpu={self.trials_per_gpu!r}: must be an integer >= 1")
-        if self.early_stop and self.command != "train":
-            raise SweepError(f"early_stop: only for command 'train' (it reads metrics.jsonl), not {self.command!r}")
+        if self.early_stop and not COMMANDS[self.command].epoch_metrics:
+            raise SweepError(f"early_stop: not for command {self.command!r} (its runs report no "
+                             "per-epoch metrics.jsonl); use it with 'train'")
         # Every setting checked and typed by the command (e.g. lr=1 becomes 1.0), once, here.
         typed = lambda key, value: COMMANDS[self.command].typed(key, value, False)  # noqa: E731
         common = tuple((k, typed(k, v)) for k, v in self.common)

@@ -133,7 +133,7 @@ BAD_FILES = {
     "grid_type.toml": ('grid = [1]\n', "grid=[1]: expected a table"),
     "command.toml": ('command = "eval"\n', "command='eval': allowed values are train, longrun"),
     "variant.toml": ('command = "longrun"\n[grid]\nvariant = ["f64"]\n', "variant='f64'"),
-    "early_longrun.toml": ('command = "longrun"\nearly_stop = true\n', "early_stop: only for command 'train'"),
+    "early_longrun.toml": ('command = "longrun"\nearly_stop = true\n', "early_stop: not for command 'longrun'"),
     "sweep.yaml": ('seeds = 1\n', "must end in .toml or .json"),
 }
 
@@ -231,7 +231,7 @@ def make_fake_command(script: Path) -> sweep.Command:
     def argv(trial, spec, run_dir, resume):
         return [str(script), str(run_dir), str(trial.seed), *(f"{k}={v}" for k, v in trial.overrides)]
 
-    return sweep.Command("fake", "test_sharpe", argv, typed)
+    return sweep.Command("fake", "test_sharpe", argv, typed, epoch_metrics=True)
 
 
 def with_command(command: sweep.Command):
@@ -366,3 +366,38 @@ def test_plot_and_cli_exit_status(ray_local, fake, tmp_path, capsys, monkeypatch
     plan = json.loads((out / "sweep.json").read_text())
     assert plan["grid"] == {"x": [1.0, 2.0]} and plan["workdir"] == str(tmp_path)
     assert sweep.read_summary(out / "trials" / "000-x=1.0-seed0")["cwd"] == str(tmp_path)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+def test_early_stop_stops_the_hopeless_trial(ray_local, fake, tmp_path):
+    # threads=2 on the 2-CPU instance: one trial at a time, in order. ASHA's first rung is epoch
+    # 2 (EARLY_STOP_GRACE_EPOCHS): the first trial reaches it alone and goes on; the second's
+    # validation Sharpe (-5) is below the first's (1) there, so it is stopped.
+    spec = SweepSpec(command="fake", seeds=(0,), threads=2, early_stop=True, common=(
+        ("epochs", 6), ("pause", 0.3)), configs=((("x", 1.0),), (("x", -5.0),)))
+    out = tmp_path / "s"
+    trials, records, interrupted = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=lambda s: None)
+    assert not interrupted
+    good, bad = (records[t.trial_id] for t in trials)
+    assert good["status"] == "completed" and good["overall"] == {"test_sharpe": 1.0}
+    assert good["hostname"] and good["attempts"] == 1
+    assert bad["status"] == "early_stopped" and bad["val_sharpe"] == -5.0
+    assert sweep_cli.EARLY_STOP_GRACE_EPOCHS <= bad["epochs"] < 6
+    assert [r["status"] for r in _results(out)] == ["completed", "early_stopped"]
+    # The stopped trial's run does not go on without its trial.
+    pid = int((sweep.run_dir_of(out, trials[1]) / "pid").read_text())
+    deadline = time.monotonic() + 20
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(pid)
+    # --resume does not run an early-stopped trial again.
+    before = len(_calls(out))
+    sweep_cli.run_sweep(spec, out, resume=True, trial_fn=fake, log=lambda s: None)
+    assert len(_calls(out)) == before
