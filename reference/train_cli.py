@@ -21,12 +21,13 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import jsonio, runs, settings_io
 from .config import PRESETS
 from .loop import EpochRecord, LoopSettings, resume_epochs, run
+from .market import Bars
 from .report import TABLE_HEADER, format_row, run_summary, summary_text
 from .run_outputs import DEFAULT_METRICS_HOST, PrometheusGauges, TensorBoardScalars
 from .runs import UsageError
@@ -144,11 +145,14 @@ def _flag(dest: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
 class Plan:
-    """Everything resolved before anything is written: run config, bars, where to write."""
+    """Everything resolved before anything is written: the run's config, its bars, and the
+    run directory to resume (None for a new run)."""
 
-    def __init__(self, run: runs.RunConfig, bars, resume_dir: Path | None):
-        self.run, self.bars, self.resume_dir = run, bars, resume_dir
+    run: runs.RunConfig
+    bars: Bars
+    resume_dir: Path | None
 
 
 def _check_flags(args) -> None:
