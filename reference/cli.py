@@ -65,7 +65,7 @@ class FoxhuntParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = FoxhuntParser(prog="foxhunt", description=__doc__.splitlines()[0])
+    parser = FoxhuntParser(prog="foxhunt", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("--version", action="version", version=f"foxhunt {_version('foxhunt')}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=FoxhuntParser)
     p_info = sub.add_parser("info", help="versions, CUDA visibility, presets and parameter counts")
