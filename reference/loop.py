@@ -394,8 +394,10 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                     if store is not None:
                         fold_result.checkpoint = store.save_best(trainer, fold)
                 if not scalars.all_finite():
-                    st.halted = f"halt_nan at fold {fold} epoch {epoch}: flagged slots {_flags_text(scalars)}"
-                st.low_grad_epochs = st.low_grad_epochs + 1 if scalars.grad_norm < GRAD_COLLAPSE_NORM else 0
+                    st.halted = (f"halt_nan at fold {fold} epoch {epoch}: flagged slots "
+                                 f"{_flags_text(scalars)}")
+                collapsed = scalars.grad_norm < GRAD_COLLAPSE_NORM
+                st.low_grad_epochs = st.low_grad_epochs + 1 if collapsed else 0
                 if not st.halted and st.low_grad_epochs >= GRAD_COLLAPSE_EPOCHS:
                     st.halted = (f"halt_grad_collapse at fold {fold} epoch {epoch}: gradient norm < "
                                  f"{GRAD_COLLAPSE_NORM} for {GRAD_COLLAPSE_EPOCHS} epochs; flagged "
@@ -406,7 +408,6 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                     store.save_resume(trainer, st, config, settings, bars, replay, env)
                 if st.halted:
                     return result(False)
-            st.epoch = 0
     except KeyboardInterrupt:  # fallback: the CLI's signal handlers normally set should_stop
         return result(True)
     return result(False)

@@ -72,14 +72,14 @@ class ReplayBuffer:
         """Restore ``state()``; raises ``ValueError`` naming a field that does not fit."""
         size, cursor = int(state["size"]), int(state["cursor"])
         if not (0 <= size <= self.capacity and 0 <= cursor < self.capacity):
-            raise ValueError(f"replay state: size={size}, cursor={cursor} is not allowed; need "
-                             f"0 <= size <= capacity={self.capacity} and 0 <= cursor < capacity")
+            raise ValueError(f"replay state: size={size}, cursor={cursor} is not allowed; need 0 "
+                             f"<= size <= capacity={self.capacity} and 0 <= cursor < capacity")
         for name in self.STATE_ARRAYS:
             dest = getattr(self, name)
             arr = np.asarray(state[name])
             if arr.shape != (size, *dest.shape[1:]) or arr.dtype != dest.dtype:
-                raise ValueError(f"replay state {name}: {arr.dtype} {arr.shape} is not allowed; "
-                                 f"need {dest.dtype} {(size, *dest.shape[1:])}")
+                raise ValueError(f"replay state {name}: {arr.dtype} {arr.shape} is not "
+                                 f"allowed; need {dest.dtype} {(size, *dest.shape[1:])}")
             dest[:size] = arr
             dest[size:] = 0
         self.size, self.cursor = size, cursor

@@ -123,7 +123,8 @@ def summary_text(result) -> str:
         lines += [
             f"{head}: best epoch {f.best_epoch} on validation (Sharpe {_num(val.sharpe)})",
             f"  test: Sharpe {_num(test.sharpe)}, return {_pct(test.total_return)}, max drawdown "
-            f"{_pct(test.max_drawdown, '')}, turnover {_num(test.turnover, '.1f')}, costs {_pct(test.costs, '')}",
+            f"{_pct(test.max_drawdown, '')}, turnover {_num(test.turnover, '.1f')}, "
+            f"costs {_pct(test.costs, '')}",
             base,
         ]
     o = overall(result)

@@ -162,7 +162,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_what_was_written(tmp_path):
     assert 2 <= len(lines) < 200
     assert all(json.loads(line)["fold"] == 0 for line in lines)
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["interrupted"] is True and summary["epochs_completed"] == len(lines)
+    assert summary["status"] == "interrupted" and summary["epochs_completed"] == len(lines)
     assert (out / "loss.png").exists() and (out / "checkpoints" / "fold0_best.safetensors").exists()
     Trainer.load(out / "checkpoints" / "fold0_best.safetensors")
 

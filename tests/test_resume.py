@@ -77,7 +77,8 @@ def _assert_same_end(out, result, reference):
         assert state[k].dtype == ref_state[k].dtype
         assert np.array_equal(state[k], ref_state[k]), k
     assert _untimed(result.records) == _untimed(ref_result.records)
-    assert _folds(result.folds, out) == _folds(ref_result.folds, ref_result.folds[0].checkpoint.rsplit("/checkpoints/")[0])
+    ref_dir = ref_result.folds[0].checkpoint.rsplit("/checkpoints/")[0]
+    assert _folds(result.folds, out) == _folds(ref_result.folds, ref_dir)
 
 
 def _folds(folds, out_dir):
