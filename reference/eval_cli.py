@@ -106,6 +106,13 @@ def _load(args) -> tuple:
     from .backend import get_backend
     from .loop import fold_segments
 
+    if args.backend == "fast":
+        from .cli import cuda_status
+
+        ok, reason = cuda_status()
+        if not ok:
+            raise ValueError(f"--backend fast needs an NVIDIA GPU with CUDA, and this machine has "
+                             f"none usable ({reason}); use --backend reference")
     trainer = get_backend(args.backend).load(args.checkpoint)
     if args.data is not None:
         if args.fold is not None:

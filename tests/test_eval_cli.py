@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from foxhunt.reference import runs
-from foxhunt.reference.cli import main
+from foxhunt.reference.cli import cuda_status, main
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.loop import LoopSettings, choose_windows, run
 from foxhunt.reference.market import SyntheticMarket, feature_warmup
@@ -77,7 +77,8 @@ def test_eval_on_a_daily_csv_annualises_with_sqrt_252(trained, tmp_path, capsys)
     assert report["segments"]["data"]["flat"]["sharpe"] == 0.0
 
 
-@pytest.mark.parametrize("case", ["missing", "garbage", "outside-run", "bad-fold"])
+@pytest.mark.parametrize("case", ["missing", "garbage", "outside-run", "bad-fold", "fold-with-data",
+                                  "fast-without-gpu"])
 def test_eval_usage_errors_are_one_line(trained, tmp_path, capsys, case):
     out, _ = trained
     ckpt = out / "checkpoints" / "fold0_best.safetensors"
@@ -86,7 +87,12 @@ def test_eval_usage_errors_are_one_line(trained, tmp_path, capsys, case):
         "garbage": (["--checkpoint", tmp_path / "junk.safetensors"], "junk.safetensors"),
         "outside-run": (["--checkpoint", tmp_path / "copy.safetensors"], "pass --data CSV"),
         "bad-fold": (["--checkpoint", ckpt, "--fold", "5"], "--fold 5: the run has folds 0..1"),
+        "fold-with-data": (["--checkpoint", ckpt, "--fold", "0", "--data", tmp_path / "x.csv"],
+                           "--fold applies to the run's own data"),
+        "fast-without-gpu": (["--checkpoint", ckpt, "--backend", "fast"], "--backend fast needs"),
     }[case]
+    if case == "fast-without-gpu" and cuda_status()[0]:
+        pytest.skip("this machine has a usable GPU: --backend fast is no error here")
     if case == "garbage":
         (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 64)
     if case == "outside-run":
