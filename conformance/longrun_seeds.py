@@ -5,10 +5,11 @@ The variants (``VARIANTS``), each run once per seed:
 
 - ``f32``: ``precision="f32"``, GEMMs planned without workspace (the default);
 - ``f32_alt``: the same F32 step with every GEMM planned with cuBLASLt's default workspace
-  limit (``use_gemm_workspace``): cuBLASLt then picks other algorithms (split-K among them) and
-  the head backward GEMMs take the DRELU_BGRAD epilogue instead of the plain GEMM plus
-  ``relu_mask_bias_grad``: the same math within its conformance bounds, summed in another
-  order. Its distance from ``f32`` is the reordering noise of one 50-epoch run;
+  limit (the fast ``Trainer``'s ``gemm_workspace="default"``): cuBLASLt then picks other
+  algorithms (split-K among them) and the head backward GEMMs take the DRELU_BGRAD epilogue
+  instead of the plain GEMM plus ``relu_mask_bias_grad``: the same math within its conformance
+  bounds, summed in another order. Its distance from ``f32`` is the reordering noise of one
+  50-epoch run;
 - ``bf16``: ``precision="bf16"``, GEMMs as in ``f32``.
 
 For each metric m of ``METRICS``, with ``dp_k = m(bf16)_k - m(f32)_k`` and
@@ -268,24 +269,21 @@ def compare(paths: Mapping[str, Path]) -> tuple[str, bool]:
 
 
 # ------------------------------------------------------------------------------ the runs
-def use_gemm_workspace(workspace: str) -> None:
-    """Plan the fast backend's GEMMs of this process with workspace ``"none"`` (the default,
-    ``GEMM_WORKSPACE_LIMIT = 0``) or cuBLASLt's ``"default"`` limit (``None``)."""
-    from foxhunt.fast import step_plan
-
-    step_plan.GEMM_WORKSPACE_LIMIT = {"none": 0, "default": None}[workspace]
-
-
 def run_one(variant: str, seed: int, backend: str = "fast") -> dict:
     """One 50-epoch run in this process: ``test_longrun.train``'s summary plus ``seed``,
     ``VARIANT_KEYS`` and ``wall_s`` (seconds of the run itself)."""
     from foxhunt.conformance.test_longrun import train  # the test module imports this one
 
     fields = variant_fields(variant, backend)
-    if backend == "fast":
-        use_gemm_workspace(fields["gemm_workspace"])
+    trainer = backend
+    if backend == "fast":  # the fast Trainer with the variant's GEMM workspace policy
+        import functools
+
+        from foxhunt.fast import Trainer as FastTrainer
+
+        trainer = functools.partial(FastTrainer, gemm_workspace=fields["gemm_workspace"])
     start = time.perf_counter()
-    record = train(fields["precision"], seed=seed, backend=backend).__dict__
+    record = train(fields["precision"], seed=seed, backend=trainer).__dict__
     record.update(seed=seed, **fields, wall_s=time.perf_counter() - start)
     return record
 

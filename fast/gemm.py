@@ -22,20 +22,22 @@ None               ``C = alpha op(A) op(B) + beta C``                           
 "relu_bias"        ``C = relu(op(A) op(B) + bias)``                                RELU_BIAS
 "relu_aux_bias"    as relu_bias, and writes the ReLU bitmask ``aux``                RELU_AUX_BIAS
 "drelu_bgrad"      ``C = (op(A) op(B)) * mask(aux)``; ``bias[j] = sum_i C[i, j]``   DRELU_BGRAD
-"bgradb"           plain product; ``bias[j] = sum_k op(B)[k, j]`` (``[n]``)        BGRADA (swap)
-"bgrada"           plain product; ``bias[i] = sum_k op(A)[i, k]`` (``[m]``)        BGRADB (swap)
+"bgradb"           plain product; ``bias[i] = sum_k op(A)[i, k]`` (``[m]``)        BGRADB
+"bgrada"           plain product; ``bias[j] = sum_k op(B)[k, j]`` (``[n]``)        BGRADA
 =================  ============================================================  ===============
 
-For "bias"-like epilogues ``bias_ptr`` is an input; for the ``*grad*`` ones it is the output
-(f32). The ReLU ``aux`` bitmask holds one bit per element of C, one padded bit-row per row of
-C: ``aux_ld = round_up(ceil(n / 8), 16) * 8`` bits, ``aux_nbytes = aux_ld / 8 * m`` bytes
-(``GemmSpec.aux_nbytes``); "drelu_bgrad" reads the mask a "relu_aux_bias" plan of the same
-``(m, n)`` wrote. Weight-gradient GEMMs: ``dW[in, out] = X.T @ dZ`` with ``db`` is
-``trans_a=True`` + "bgradb"; ``dW[out, in] = dZ.T @ X`` with ``db`` is ``trans_a=True`` +
-"bgrada" (cuBLASLt's BGRADB with transposed B, the configuration nvmath and
-TransformerEngine use). The reduced operand must be stored ``[k, *]``: "bgradb" needs
-``trans_b=False``, "bgrada" needs ``trans_a=True`` (cuBLASLt 13.0 on sm_90 supports no other
-layout; ``GemmSpec`` rejects them).
+Every epilogue is named as cuBLASLt names it. The bias-gradient ones reduce a *cuBLAS*
+operand: cuBLAS's B is our row-major A (so "bgradb" reduces our A) and cuBLAS's A is our B
+("bgrada" reduces our B). For "bias"-like epilogues ``bias_ptr`` is an input; for the
+``*grad*`` ones it is the output (f32). The ReLU ``aux`` bitmask holds one bit per element of
+C, one padded bit-row per row of C: ``aux_ld = round_up(ceil(n / 8), 16) * 8`` bits,
+``aux_nbytes = aux_ld / 8 * m`` bytes (``GemmSpec.aux_nbytes``); "drelu_bgrad" reads the mask
+a "relu_aux_bias" plan of the same ``(m, n)`` wrote. Weight-gradient GEMMs: ``dW[in, out] =
+X.T @ dZ`` with ``db`` is ``trans_a=True`` + "bgrada"; ``dW[out, in] = dZ.T @ X`` with ``db``
+is ``trans_a=True`` + "bgradb" (cuBLASLt's BGRADB with transposed B in its terms, the
+configuration nvmath and TransformerEngine use). The reduced operand must be stored
+``[k, *]``: "bgrada" needs ``trans_b=False``, "bgradb" needs ``trans_a=True`` (cuBLASLt 13.0
+on sm_90 supports no other layout; ``GemmSpec`` rejects them).
 
 NaN behaviour of the fused ReLU epilogues (seen on an H200, cuBLAS 13.0): a NaN pre-activation
 stays NaN in C and sets its aux bit; DRELU_BGRAD is a select (a NaN gradient under a clear bit
@@ -68,16 +70,8 @@ import numpy as np
 PRECISIONS = ("f32", "bf16", "tf32")
 EPILOGUES = (None, "bias", "relu_bias", "relu_aux_bias", "drelu_bgrad", "bgrada", "bgradb")
 
-# Row-major epilogue name -> cuBLASLt epilogue name (operands are swapped: see the docstring).
-_CUBLAS_EPILOGUE = {
-    None: "DEFAULT",
-    "bias": "BIAS",
-    "relu_bias": "RELU_BIAS",
-    "relu_aux_bias": "RELU_AUX_BIAS",
-    "drelu_bgrad": "DRELU_BGRAD",
-    "bgradb": "BGRADA",
-    "bgrada": "BGRADB",
-}
+# Epilogue name -> cuBLASLt epilogue name (the same name: see the docstring).
+_CUBLAS_EPILOGUE = {ep: "DEFAULT" if ep is None else ep.upper() for ep in EPILOGUES}
 _NEEDS_BIAS = frozenset({"bias", "relu_bias", "relu_aux_bias", "drelu_bgrad", "bgrada", "bgradb"})
 _NEEDS_AUX = frozenset({"relu_aux_bias", "drelu_bgrad"})
 
@@ -140,11 +134,11 @@ class GemmSpec:
             raise ValueError("k: 1 is not supported by cuBLASLt's DRELU_BGRAD epilogue; need k >= 2")
         # cuBLASLt only reduces an operand stored with k as its row index (observed: cuBLAS 13.0
         # on sm_90 answers CUBLAS_STATUS_NOT_SUPPORTED for the other layout, every precision).
-        if self.epilogue == "bgradb" and self.trans_b:
-            raise ValueError("trans_b: epilogue 'bgradb' needs B stored [k, n] (trans_b=False); "
+        if self.epilogue == "bgrada" and self.trans_b:
+            raise ValueError("trans_b: epilogue 'bgrada' needs B stored [k, n] (trans_b=False); "
                              "cuBLASLt does not reduce a transposed B")
-        if self.epilogue == "bgrada" and not self.trans_a:
-            raise ValueError("trans_a: epilogue 'bgrada' needs A stored [k, m] (trans_a=True); "
+        if self.epilogue == "bgradb" and not self.trans_a:
+            raise ValueError("trans_a: epilogue 'bgradb' needs A stored [k, m] (trans_a=True); "
                              "cuBLASLt does not reduce an untransposed A")
         for name, rows_cols in (("lda", self.a_shape), ("ldb", self.b_shape), ("ldc", self.c_shape)):
             value = getattr(self, name)
@@ -182,7 +176,7 @@ class GemmSpec:
         """Length of the f32 bias (input) or bias-gradient (output) vector, if any."""
         if self.epilogue not in _NEEDS_BIAS:
             return None
-        return self.m if self.epilogue == "bgrada" else self.n
+        return self.m if self.epilogue == "bgradb" else self.n
 
     @property
     def aux_ld(self) -> int | None:

@@ -1,31 +1,29 @@
 """The fast ``Trainer``: SPEC 4 on the GPU, each step the two step graphs and a captured upload.
 
 Same interface, state and numerics contract as ``foxhunt.reference.trainer.Trainer`` (the
-``TrainerBackend`` of ``foxhunt.reference.backend``); the step's plan (buffers, GEMMs, launch
-lists) is ``foxhunt.fast.step_plan``.
+``TrainerBackend`` of ``foxhunt.reference.backend``). The step's plan is data: the buffers
+(``step_layout``) and the launch records of each graph (``step_program``, ``graph1_plan``,
+``graph2_plan``, ``eval_plan``); the device side (arena, capture, replay) is
+``gpu_engine.GpuEngine``. This class is the host side, shared with ``cpu_executor.CpuTrainer``
+(the same plan run on the CPU by the reference kernels).
 
-- Construction: ``Trainer(config, seed=0)`` raises ``NoCudaDeviceError`` (with the reason)
-  where no CUDA device/driver is usable. Otherwise it compiles ``cuda_src`` with NVRTC for the
-  device (disk cache), allocates ONE arena holding every buffer of the step, uploads the initial
-  state of ``reference.Trainer(config, seed)`` (params, target, Adam m/v/t, spectral-norm u/v,
-  ISV, flags; identical bits), plans every GEMM once, and captures the two step graphs.
+- Construction: ``Trainer(config, seed=0, *, device=None, gemm_workspace="none")`` raises
+  ``NoCudaDeviceError`` (with the reason) where no CUDA device/driver is usable. Otherwise the
+  engine compiles, allocates, plans and captures, and the initial state of
+  ``reference.Trainer(config, seed)`` is uploaded (params, target, Adam m/v/t, spectral-norm
+  u/v, ISV, flags; identical bits). ``gemm_workspace`` (``"none"`` or ``"default"``): the GEMM
+  plans' workspace policy (``step_program``).
 - ``step(batch)``: validates the batch on the host, writes it into a pinned staging buffer (a
-  ring of two, so the host never overwrites a buffer a queued upload has not copied yet: before
-  reusing one it waits on the event recorded after the upload that read it, which only blocks
-  when the GPU is two steps behind), then replays three graphs. The upload graph (captured copy
-  from that staging buffer into the arena) runs on a second stream, ordered by device-side
-  events after the previous step's graph 1 (the last reader of the batch) and before this
-  step's graph 1: it overlaps the previous step's graph 2 instead of heading the step's
-  critical path. Graph 1 (three forward passes, C51 + CQL losses,
-  both backward passes, budget pipeline, inline sentinel checks, step scalars) and graph 2 (Adam
-  with the Mech 6 safety clip and Mech 9 clamp, batched spectral norm, Polyak, BF16 mirrors, ISV
-  producers, fused sentinel check) run on the step stream. Every value that changes from step
-  to step (ISV-driven bounds, norms, Adam's step) is read on the device: no allocation, no
-  synchronisation, no host round trip.
+  ring of ``STAGING_RING``, so the host never overwrites a buffer a queued upload has not
+  copied yet: the engine waits on the event recorded after the upload that read it, which only
+  blocks when the GPU is a whole ring behind), then the engine enqueues the upload graph (on a
+  second stream, after the previous step's graph 1), graph 1 and graph 2. Every value that
+  changes from step to step (ISV-driven bounds, norms, Adam's step) is read on the device: no
+  allocation, no synchronisation, no host round trip.
 - Deferred readback exactly as the reference (SPEC 9): at a step that is a multiple of
   ``readback_interval``, after a non-finite fresh read, and at ``end_epoch()``, the host
-  synchronises the stream and downloads the device ``readback`` block and the flags (the only
-  syncs of the hot path); otherwise ``step`` returns the last values read, marked stale.
+  synchronises and reads the device ``readback`` block and the flags (the only syncs of the
+  hot path); otherwise ``step`` returns the last values read, marked stale.
 - ``q_values``, ``last_td_errors``, ``state_dict``/``load_state_dict``, ``fold_boundary`` and
   the ``flags`` property synchronise (they are not in the hot path). Checkpoints use the
   reference's keys, dtypes and shapes: a checkpoint loads into either backend.
@@ -43,12 +41,11 @@ from foxhunt.reference.backend import StepScalars, TrainerBackend
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense as ref_dense
+from foxhunt.reference.kernels.step import READBACK_INDEX
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 from foxhunt.reference.trainer import _zero_scalars
 
-from .step_plan import READBACK_FIELDS, READBACK_INDEX, StepLayout, StepProgram
-
-#: Pinned staging buffers (and graph-1 instances) the host cycles through.
+#: Pinned staging buffers (and upload graphs) the host cycles through.
 STAGING_RING = 2
 #: Row counts whose ``q_values`` graph is kept (least recently used evicted beyond it).
 EVAL_CACHE_SIZE = 8
@@ -59,78 +56,45 @@ class Trainer(TrainerBackend):
 
     backend_name = "fast"
 
-    def __init__(self, config: DQNConfig, seed: int = 0, *, device=None):
-        from foxhunt.fast.device import Device, _require_cuda
-
-        _require_cuda()  # NoCudaDeviceError with the reason, before any other work
-        if not isinstance(config, DQNConfig):
-            raise ValueError(f"config: expected a DQNConfig, got {type(config).__name__}")
+    def __init__(self, config: DQNConfig, seed: int = 0, *, device=None, gemm_workspace: str = "none"):
+        self._closed = True  # until the engine exists
+        self._engine = self._make_engine(config, device=device, gemm_workspace=gemm_workspace)
+        self._closed = False
         self.config = config
         self.seed = int(seed)
-        self.device = Device(0) if device is None else device
-        self._closed = False
-        self._build()
+        self._eval_cache: dict[int, object] = {}
         self.load_state_dict(ReferenceTrainer(config, seed=self.seed).state_dict())
 
-    # ------------------------------------------------------------------ construction
-    def _build(self) -> None:
-        from foxhunt.fast._build import compile_sources
-        from foxhunt.fast.device import Arena, _driver, call
-        from foxhunt.fast.graphs import GraphCapture
+    @staticmethod
+    def _check_config(config) -> None:
+        if not isinstance(config, DQNConfig):
+            raise ValueError(f"config: expected a DQNConfig, got {type(config).__name__}")
 
-        dev = self.device
-        dev.make_current()
-        self.module = dev.load_module(compile_sources(dev.arch))
-        self.layout = lay = StepLayout(self.config)
-        self.arena = Arena.from_specs(dev, lay.specs)
-        self.program = prog = StepProgram(dev, self.module, self.config, self.arena, lay)
-        for name, value in prog.constants().items():
-            self.arena.upload(name, value.reshape(self.arena.spec(name).shape))
-        self._stream = dev.stream
-        # Pinned staging ring (byte mirrors of the arena's batch buffer) and its views.
-        self._staging = [dev.pinned_empty(lay.batch_nbytes, np.uint8) for _ in range(STAGING_RING)]
-        self._staging_views = [self._batch_views(buf) for buf in self._staging]
-        drv = _driver()
-        no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
-        # The upload stream and its events: uploaded[slot] (after the upload graph that read
-        # staging buffer slot) and graph1_done (after the last graph 1).
-        self._upload_stream = dev.new_stream()
-        self._uploaded = [call(drv.cuEventCreate, no_timing) for _ in range(STAGING_RING)]
-        self._event_used = [False] * STAGING_RING
-        self._graph1_done = call(drv.cuEventCreate, no_timing)
-        # Capture: the upload graph once per staging buffer, graph 1 and graph 2 once.
-        ops_up = prog.upload_ops([buf.ctypes.data for buf in self._staging])
-        ops1, ops2 = prog.graph1_ops(), prog.graph2_ops()
-        for ops in (*ops_up, ops1, ops2):
-            prog.pool.reserve(ops)
-        self._upload = []
-        for ops in ops_up:
-            graph = GraphCapture(self._upload_stream)
-            with graph:
-                ops.enqueue(self._upload_stream, prog.pool)
-            self._upload.append(graph)
-        self._graph1 = GraphCapture(self._stream)
-        with self._graph1:
-            ops1.enqueue(self._stream, prog.pool)
-        self._graph2 = GraphCapture(self._stream)
-        with self._graph2:
-            ops2.enqueue(self._stream, prog.pool)
-        #: Launches per step as planned (upload, graph 1, graph 2); the graphs' own node counts
-        #: are ``graph_node_counts``.
-        self.planned_launches = (ops_up[0].node_count(), ops1.node_count(), ops2.node_count())
-        # Host mirrors of the readback block and the flags (pinned: the async copies are real).
-        self._readback_host = dev.pinned_empty(len(READBACK_FIELDS), np.float32)
-        self._flags_host = dev.pinned_empty(lay.sentinel.n_desc, np.int32)
-        self._eval_cache: dict[int, tuple] = {}
+    def _make_engine(self, config: DQNConfig, *, device, gemm_workspace: str):
+        from foxhunt.fast.device import _require_cuda
+        from foxhunt.fast.gpu_engine import GpuEngine
 
-    def _batch_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
-        views = {}
-        for name, (offset, shape, dtype) in self.layout.batch_fields.items():
-            nbytes = int(np.prod(shape)) * dtype.itemsize
-            views[name] = buf[offset:offset + nbytes].view(dtype).reshape(shape)
-        return views
+        _require_cuda()  # NoCudaDeviceError with the reason, before any other work
+        self._check_config(config)
+        return GpuEngine(config, device=device, gemm_workspace=gemm_workspace,
+                         staging_slots=STAGING_RING)
 
     # ------------------------------------------------------------------ diagnostics
+    @property
+    def layout(self):
+        """The step's buffers (``foxhunt.fast.step_layout.StepLayout``)."""
+        return self._engine.layout
+
+    @property
+    def program(self):
+        """The plan builder (``foxhunt.fast.step_program.StepProgram``)."""
+        return self._engine.program
+
+    @property
+    def plans(self) -> dict:
+        """The step's records: ``{"upload": [Ops per staging slot], "graph1": Ops, "graph2": Ops}``."""
+        return self._engine.plans
+
     @property
     def node_count(self) -> int:
         """Nodes of the graphs replayed per step (upload + graph 1 + graph 2)."""
@@ -139,36 +103,36 @@ class Trainer(TrainerBackend):
     @property
     def graph_node_counts(self) -> tuple[int, int, int]:
         """Nodes of the upload graph, graph 1 and graph 2."""
-        return self._upload[0].node_count, self._graph1.node_count, self._graph2.node_count
+        return self._engine.graph_node_counts
+
+    @property
+    def planned_launches(self) -> tuple[int, int, int]:
+        """Kernel, GEMM and copy records per step as planned (upload, graph 1, graph 2)."""
+        return self._engine.planned_launches
 
     def debug_buffer(self, name: str) -> np.ndarray:
-        """A copy of arena buffer ``name`` (``foxhunt.fast.step_plan.StepLayout.specs``), for
-        tests and debugging (e.g. ``grad_c51``, ``td``, ``target_q [n_branches, B]``);
-        synchronises."""
-        return self.arena.download(name)
+        """A copy of buffer ``name`` of the step layout (e.g. ``grad_c51``, ``td``,
+        ``target_q [n_branches, B]``), for tests and debugging; synchronises."""
+        return self._engine.arena.download(name)
 
     @property
     def gemm_fallbacks(self) -> tuple[str, ...]:
-        """GEMM epilogues cuBLASLt refused on this device (done as plain GEMM + kernels)."""
-        return tuple(self.program.fallbacks)
+        """GEMM epilogues the planner refused (done as plain GEMM + kernels)."""
+        return tuple(self._engine.program.fallbacks)
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: Batch) -> StepScalars:
-        from foxhunt.fast.device import _driver, call
-
         batch.validate(self.config)
         slot = self.step_count % STAGING_RING
-        if self._event_used[slot]:  # staging reuse (see module doc)
-            call(_driver().cuEventSynchronize, self._uploaded[slot])
+        views = self._engine.staging(slot)
         B = self.config.batch_size
-        views = self._staging_views[slot]
         views["x"][:B] = batch.s
         views["x"][B:] = batch.s2
         views["a"][...] = batch.a.T
         views["r"][...] = batch.r
         views["done"][...] = batch.done
         views["isw"][...] = batch.isw
-        self._launch(slot)
+        self._engine.launch(slot)
         self.step_count += 1
         self._stepped = True
         due = self.step_count % self.config.readback_interval == 0 or self._force_fresh
@@ -178,32 +142,10 @@ class Trainer(TrainerBackend):
             return self._last
         return self._last.as_stale(self.step_count)
 
-    def _launch(self, slot: int) -> None:
-        """Enqueue one step from staging buffer ``slot``: the upload graph on the upload stream
-        (after the previous graph 1, the last reader of the batch), then graph 1 (after the
-        upload) and graph 2 on the step stream. Only device-side event waits: no host sync."""
-        from foxhunt.fast.device import _driver, call
-
-        drv = _driver()
-        up, main = self._upload_stream.handle, self._stream.handle
-        call(drv.cuStreamWaitEvent, up, self._graph1_done, 0)
-        self._upload[slot].replay(up)
-        call(drv.cuEventRecord, self._uploaded[slot], up)
-        self._event_used[slot] = True
-        call(drv.cuStreamWaitEvent, main, self._uploaded[slot], 0)
-        self._graph1.replay()
-        call(drv.cuEventRecord, self._graph1_done, main)
-        self._graph2.replay()
-
     def _read_scalars(self) -> StepScalars:
         """Synchronise and read the last step's scalars and flags (a fresh ``StepScalars``)."""
-        dev = self.device
-        dev.copy_to_host(self._readback_host, self.arena.ptr("readback"), wait=False)
-        dev.copy_to_host(self._flags_host, self.arena.ptr("flags"), wait=False)
-        self._stream.synchronize()
-        vals = self._readback_host
+        vals, flags = self._engine.read()
         get = lambda name: float(vals[READBACK_INDEX[name]])  # noqa: E731
-        n_slots = sentinels.NUM_SENTINEL_SLOTS
         return StepScalars(
             step=self.step_count, read_at=self.step_count, fresh=True,
             loss=get("loss"), c51_loss=get("c51_loss"), cql_loss=get("cql_loss"),
@@ -212,7 +154,7 @@ class Trainer(TrainerBackend):
             cql_norm_post=get("cql_norm_post"), clip_bound=get("clip_bound"),
             safety_clip_fired=bool(get("safety_clip_fired") != 0.0), mean_q=get("mean_q"),
             mean_target_q=get("mean_target_q"),
-            flags=tuple(int(f) for f in self._flags_host[:n_slots]),
+            flags=tuple(int(f) for f in flags[:sentinels.NUM_SENTINEL_SLOTS]),
         )
 
     def end_epoch(self) -> StepScalars:
@@ -223,38 +165,36 @@ class Trainer(TrainerBackend):
 
     # ------------------------------------------------------------------ folds and evaluation
     def fold_boundary(self) -> None:
-        """Mech 3 hard target sync, Mech 4 Adam reset, ISV fold reset, sentinel flags reset
-        (the Mech 6 slow EMA is a CrossFold ISV slot: kept)."""
-        from foxhunt.fast.device import _driver, call
-
-        lay, arena, dev = self.layout, self.arena, self.device
-        stream = self._stream
-        drv = _driver()
-        NP = lay.NP
-        params, mirror = arena.ptr("params2"), arena.ptr("mirror2")
-        call(drv.cuMemcpyDtoDAsync, params + NP * 4, params, NP * 4, stream.handle)
-        call(drv.cuMemcpyDtoDAsync, mirror + NP * 2, mirror, NP * 2, stream.handle)
+        """Mech 3 hard target sync (params and their BF16 mirror copied to the target's), Mech
+        4 Adam reset, ISV fold reset, sentinel flags reset (the Mech 6 slow EMA is a CrossFold
+        ISV slot: kept)."""
+        arena = self._engine.arena
+        self._engine.synchronize()
+        for name in ("params2", "mirror2"):
+            both = arena.download(name)
+            both[1] = both[0]
+            arena.upload(name, both)
         for name in ("adam_m", "adam_v", "adam_t", "flags"):
-            arena.zero(name, stream)
+            arena.upload(name, np.zeros(arena.spec(name).shape, arena.spec(name).dtype))
         bus = isv_mod.ISVBus()
-        bus.from_array(arena.download("isv"))  # synchronises the stream first
+        bus.from_array(arena.download("isv"))
         bus.fold_reset()
         arena.upload("isv", bus.to_array())
-        dev.make_current()
 
     def last_td_errors(self) -> np.ndarray:
         if not self._stepped:
             raise RuntimeError("last_td_errors(): no step has run yet")
-        return self.arena.download("td")
+        return self._engine.arena.download("td")
 
     def q_values(self, states: np.ndarray) -> list[np.ndarray]:
         """Expected Q of every branch for ``states`` ``[N, state_dim]`` under the online params
         (``list`` of ``[N, n_d]`` float32 arrays, fresh copies); synchronises.
 
-        Per row count ``N``, the first call captures one graph (copy in from a pinned buffer,
-        the greedy forward of ``StepProgram.eval_ops`` on its own small arena, copy out to a
-        pinned buffer); every call is a host copy into the pinned input, one graph launch on the
-        step stream (so after every step enqueued before it) and one synchronisation."""
+        Per row count ``N``, the first call builds one evaluation graph (``eval_plan``: copy
+        in, the greedy forward on its own small arena, copy out); every call is a host copy
+        into its input, one graph replay after every step enqueued before it, and one
+        synchronisation. At most ``EVAL_CACHE_SIZE`` graphs are kept (least recently used
+        evicted)."""
         states = np.asarray(states)
         SD = self.config.state_dim
         if states.ndim != 2 or states.shape[1] != SD or states.shape[0] < 1:
@@ -263,50 +203,19 @@ class Trainer(TrainerBackend):
         cached = self._eval_cache.pop(rows, None)
         if cached is None:
             if len(self._eval_cache) >= EVAL_CACHE_SIZE:  # evict the least recently used
-                self._close_eval(self._eval_cache.pop(next(iter(self._eval_cache))))
-            cached = self._build_eval(rows)
+                self._eval_cache.pop(next(iter(self._eval_cache))).close()
+            cached = self._engine.build_eval(rows)
         self._eval_cache[rows] = cached  # most recently used last
-        graph, _, x_host, q_host, q_offsets = cached
-        x_host[...] = states  # casts to float32
-        graph.replay()
-        self._stream.synchronize()
-        return [q_host[start:start + rows * n].reshape(rows, n).copy()
-                for start, n in zip(q_offsets, self.config.branches)]
-
-    def _build_eval(self, rows: int) -> tuple:
-        """The ``q_values`` graph for ``rows`` states and what it uses: ``(graph, arena, x_host,
-        q_host, q_offsets)``."""
-        from foxhunt.fast.device import Arena
-        from foxhunt.fast.graphs import GraphCapture
-
-        specs, packed = self.layout.eval_specs(rows)
-        arena = Arena.from_specs(self.device, specs)
-        x_host = self.device.pinned_empty(specs["x"][0], np.float32)
-        q_host = self.device.pinned_empty(arena.spec("q").shape, np.float32)
-        ops = self.program.eval_ops(arena, packed, rows, x_host=x_host.ctypes.data,
-                                    q_host=q_host.ctypes.data)
-        self.program.pool.reserve(ops)
-        graph = GraphCapture(self._stream, max_branches=0)  # branches come from the pool
-        with graph:
-            ops.enqueue(self._stream, self.program.pool)
-        offsets = packed["q"].offsets
-        return graph, arena, x_host, q_host, tuple(offsets[d] for d in range(len(self.config.branches)))
-
-    @staticmethod
-    def _close_eval(cached: tuple) -> None:
-        """Release one ``q_values`` graph and its arena (the stream is idle: each call syncs)."""
-        graph, arena, *_ = cached
-        graph.close()
-        arena.close()
+        return cached.run(states)
 
     # ------------------------------------------------------------------ state exchange
     @property
     def flags(self) -> np.ndarray:
         """A copy of the sentinel flags (int32 ``[NUM_SENTINEL_SLOTS]``); synchronises."""
-        return self.arena.download("flags")[:sentinels.NUM_SENTINEL_SLOTS].copy()
+        return self._engine.arena.download("flags")[:sentinels.NUM_SENTINEL_SLOTS].copy()
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        lay, arena = self.layout, self.arena
+        lay, arena = self.layout, self._engine.arena
         params2 = arena.download("params2")
         state = {
             "params": params2[0].copy(), "target": params2[1].copy(),
@@ -350,8 +259,8 @@ class Trainer(TrainerBackend):
                 raise ValueError(f"state[{k!r}]: shape {state[k].shape} dtype {state[k].dtype}, "
                                  f"expected shape {shape} dtype {dtype}")
         isv_mod.ISVBus().from_array(state["isv"])  # raises FingerprintMismatch, as the reference
-        lay, arena = self.layout, self.arena
-        self._stream.synchronize()
+        lay, arena = self.layout, self._engine.arena
+        self._engine.synchronize()
         params2 = np.stack([state["params"], state["target"]]).astype(np.float32)
         arena.upload("params2", params2)
         arena.upload("mirror2", ref_dense.f32_to_bf16(params2))
@@ -373,30 +282,19 @@ class Trainer(TrainerBackend):
         self._stepped = False
         self._force_fresh = False
         self._last = _zero_scalars(sentinels.NUM_SENTINEL_SLOTS)
-        self._event_used = [False] * STAGING_RING
+        self._engine.forget_uploads()
 
     def close(self) -> None:
         """Release the graphs, GEMM plans, events and device memory (unusable afterwards)."""
-        from foxhunt.fast.device import _driver
-
         if self._closed:
             return
         self._closed = True
         try:
-            self._upload_stream.synchronize()
-            self._stream.synchronize()
+            self._engine.synchronize()
         finally:
-            for g in [*self._upload, self._graph1, self._graph2]:
-                g.close()
-            for plan in self.program.plans:
-                plan.close()
-            self.program.pool.close()
-            for event in [*self._uploaded, self._graph1_done]:
-                _driver().cuEventDestroy(event)
-            self._upload_stream.close()
             for cached in self._eval_cache.values():
-                self._close_eval(cached)
-            self.arena.close()
+                cached.close()
+            self._engine.close()
 
 
-__all__ = ["STAGING_RING", "Trainer"]
+__all__ = ["EVAL_CACHE_SIZE", "STAGING_RING", "Trainer"]

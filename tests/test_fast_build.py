@@ -410,14 +410,16 @@ def test_colmajor_problem_computes_the_row_major_product(trans_a, trans_b, pad):
     for epilogue in ("bias", "relu_bias", "relu_aux_bias", "drelu_bgrad"):
         assert GemmSpec(m, n, k, trans_a, trans_b, epilogue=epilogue).bias_len == prob.m
     op_a, op_b = (a.T if trans_a else a), (b.T if trans_b else b)
+    # Our epilogue names are cuBLASLt's: "bgrada" reduces cuBLAS's A (our B), "bgradb" cuBLAS's B
+    # (our A).
     if not trans_b:  # the only layout cuBLASLt reduces (GemmSpec rejects the other)
-        spec_b = GemmSpec(m, n, k, trans_a, trans_b, epilogue="bgradb")
+        spec_b = GemmSpec(m, n, k, trans_a, trans_b, epilogue="bgrada")
         assert spec_b.bias_len == prob.m and colmajor_problem(spec_b).epilogue == "BGRADA"
-        np.testing.assert_allclose(op_x.sum(axis=1), op_b.sum(axis=0), rtol=1e-12)  # BGRADA == bgradb
+        np.testing.assert_allclose(op_x.sum(axis=1), op_b.sum(axis=0), rtol=1e-12)  # BGRADA reduces our B
     if trans_a:
-        spec_a = GemmSpec(m, n, k, trans_a, trans_b, epilogue="bgrada")
+        spec_a = GemmSpec(m, n, k, trans_a, trans_b, epilogue="bgradb")
         assert spec_a.bias_len == prob.n and colmajor_problem(spec_a).epilogue == "BGRADB"
-        np.testing.assert_allclose(op_y.sum(axis=0), op_a.sum(axis=1), rtol=1e-12)  # BGRADB == bgrada
+        np.testing.assert_allclose(op_y.sum(axis=0), op_a.sum(axis=1), rtol=1e-12)  # BGRADB reduces our A
 
 
 def test_gemm_spec_shapes_and_aux_layout():
@@ -443,8 +445,8 @@ def test_gemm_spec_shapes_and_aux_layout():
     (dict(m=4, n=8, k=2, ldc=7), "ldc"),
     (dict(m=4, n=8, k=2, trans_a=1), "trans_a"),
     (dict(m=4, n=8, k=2, alpha=float("nan")), "alpha"),
-    (dict(m=4, n=8, k=2, trans_b=True, epilogue="bgradb"), "trans_b"),
-    (dict(m=4, n=8, k=2, epilogue="bgrada"), "trans_a"),
+    (dict(m=4, n=8, k=2, trans_b=True, epilogue="bgrada"), "trans_b"),
+    (dict(m=4, n=8, k=2, epilogue="bgradb"), "trans_a"),
 ])
 def test_gemm_spec_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -437,10 +437,10 @@ def test_drelu_bgrad_masks_with_the_forward_aux_and_sums_rows(device, lt, precis
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("precision", ["f32", "tf32", "bf16"])
 @pytest.mark.parametrize("epilogue, trans_a, trans_b", [
-    ("bgradb", True, False),    # dW[in, out] = X.T @ dZ, db = column sums of dZ
-    ("bgrada", True, False),    # dW[out, in] = dZ.T @ X, db = column sums of dZ
-    ("bgradb", False, False),
-    ("bgrada", True, True),
+    ("bgrada", True, False),    # dW[in, out] = X.T @ dZ, db = column sums of dZ
+    ("bgradb", True, False),    # dW[out, in] = dZ.T @ X, db = column sums of dZ
+    ("bgrada", False, False),
+    ("bgradb", True, True),
 ])
 def test_bias_gradient_epilogues(device, lt, epilogue, trans_a, trans_b, precision, shape):
     m, n, k = shape
@@ -455,7 +455,7 @@ def test_bias_gradient_epilogues(device, lt, epilogue, trans_a, trans_b, precisi
         gemm.close()
     want = a_op @ b_op
     _assert_within(out["c"], want, _gemm_bound(a_op, b_op, k, want), f"{precision} {epilogue} product")
-    reduced = b_op if epilogue == "bgradb" else a_op.T  # sum over k of op(B) or of op(A)
+    reduced = b_op if epilogue == "bgrada" else a_op.T  # sum over k of op(B) or of op(A)
     sums = reduced.sum(axis=0)
     bound = 2 * k * U * np.abs(reduced).sum(axis=0) + 1e-30
     _assert_within(out["bias"], sums, bound, f"{precision} {epilogue} bias gradient")

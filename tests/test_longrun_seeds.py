@@ -355,20 +355,19 @@ def test_child_command_runs_one():
 
 
 def test_one_records_the_variant_and_sets_its_gemm_workspace(tmp_path, monkeypatch):
-    from foxhunt.fast import step_plan
+    from foxhunt.fast import Trainer as FastTrainer
 
     seen = []
 
     def fake_train(precision, seed, backend):
-        seen.append((precision, seed, backend, step_plan.GEMM_WORKSPACE_LIMIT))
+        seen.append((precision, seed, backend.func, backend.keywords))
         return test_longrun.RunSummary(precision, 50, None, 1.0, 2.0, 3.0, 4.0, 150, [1.0])
 
     monkeypatch.setattr(test_longrun, "train", fake_train)
-    monkeypatch.setattr(step_plan, "GEMM_WORKSPACE_LIMIT", step_plan.GEMM_WORKSPACE_LIMIT)
-    for variant, limit in (("f32_alt", None), ("bf16", 0)):
+    for variant, workspace in (("f32_alt", "default"), ("bf16", "none")):
         out = tmp_path / f"{variant}.json"
         assert ls.main(["one", "--variant", variant, "--seed", "3", "--record", str(out)]) == 0
         record = json.loads(out.read_text())
-        assert seen[-1] == (ls.VARIANTS[variant][0], 3, "fast", limit)
+        assert seen[-1] == (ls.VARIANTS[variant][0], 3, FastTrainer, {"gemm_workspace": workspace})
         assert {k: record[k] for k in ("seed", *ls.VARIANT_KEYS)} == {"seed": 3, **ls.variant_fields(variant)}
         assert (record["final_sharpe"], record["grad_norm_max"]) == (1.0, 4.0) and record["wall_s"] >= 0

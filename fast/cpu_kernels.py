@@ -1,0 +1,390 @@
+"""The reference twin of every kernel the fast step launches, as the CPU executor calls it.
+
+One ``Twin`` per launched kernel, under the kernel's name:
+
+- ``extents``: for each pointer parameter, the shape of the region the kernel reads or writes,
+  from the launch's scalar arguments (a parameter name stands for its value), its grid
+  (``a.grid``) or a constant table it reads (``a.table(param, count)``). The plan builder
+  checks every bound region against it (``foxhunt.fast.records.Binder``); the executor shapes
+  its NumPy views with it.
+- ``run(a)``: calls the same-name reference kernel (``foxhunt.reference.kernels``) on copies
+  of the input views (``a.<param>``; scalars likewise) and returns ``{param: new value}`` for
+  every parameter it writes; the executor stores them. A kernel that reads through a pointer
+  table (``nan_check_fused``, ``batched_spectral_norm``) reaches the pointed-to memory with
+  ``a.at(address, count, dtype)``.
+- ``nullable``: pointer parameters that may be null (the kernel then skips that output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import numpy as np
+
+from foxhunt.reference.isv import H_S2_RMS_EMA_INDEX, ISV_LEN, Q_ABS_REF_INDEX
+from foxhunt.reference.kernels import dense, optim, safety, spectral
+from foxhunt.reference.kernels import distributional as dist
+from foxhunt.reference.kernels import fused
+from foxhunt.reference.kernels import isv as risv
+from foxhunt.reference.kernels import step as rstep
+
+F32, I32, I64, U16, U8, U64 = (np.dtype(t) for t in (np.float32, np.int32, np.int64, np.uint16,
+                                                      np.uint8, np.uint64))
+#: Bytes of one ``SpectralMatrix`` descriptor (``foxhunt.fast.kernels.spectral``).
+SPECTRAL_MATRIX_BYTES = 32
+
+
+class Args:
+    """A launch's arguments as a twin sees them: scalars by name, pointer parameters as copies
+    of their views (``None`` for a null pointer), ``grid``, ``table(param, count, dtype)`` (the
+    first values a pointer parameter points at), ``view(param)`` (the writable view) and
+    ``at(address, count, dtype)`` (memory a pointer table names)."""
+
+    def __init__(self, scalars: Mapping, shape, *, table: Callable, views: Mapping | None = None,
+                 at: Callable | None = None):
+        self._scalars = scalars
+        self._shape = shape
+        self._table = table
+        self._views = views or {}
+        self._at = at
+        self._copies: dict[str, np.ndarray] = {}
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if name in self._scalars:
+            return self._scalars[name]
+        if name in self._views:
+            view = self._views[name]
+            if view is None:
+                return None
+            if name not in self._copies:
+                self._copies[name] = view.copy()
+            return self._copies[name]
+        raise AttributeError(f"no argument {name!r} (or it is not available when the plan is built)")
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        return self._shape.grid
+
+    def table(self, name: str, count: int, dtype=I32) -> np.ndarray:
+        return self._table(name, int(count), np.dtype(dtype))
+
+    def view(self, name: str) -> np.ndarray:
+        return self._views[name]
+
+    def at(self, address: int, count: int, dtype) -> np.ndarray:
+        return self._at(int(address), int(count), np.dtype(dtype))
+
+
+@dataclass(frozen=True)
+class Twin:
+    name: str
+    extents: Mapping[str, object]
+    run: Callable[[Args], Mapping[str, np.ndarray]]
+    nullable: frozenset
+
+
+TWINS: dict[str, Twin] = {}
+
+
+def twin(name: str, *, nullable=(), **extents):
+    """Register ``run`` as the twin of kernel ``name`` with the given parameter extents."""
+    def register(run):
+        if name in TWINS:
+            raise ImportError(f"twin {name!r} defined twice")
+        TWINS[name] = Twin(name, MappingProxyType(extents), run, frozenset(nullable))
+        return run
+    return register
+
+
+def shape_of(spec, a: Args) -> tuple[int, ...]:
+    """An extent: an int, a parameter name, a callable of ``a``, or a tuple of those."""
+    if callable(spec):
+        spec = spec(a)
+    if isinstance(spec, (int, str, np.integer)):
+        spec = (spec,)
+    return tuple(int(getattr(a, s)) if isinstance(s, str) else int(s(a)) if callable(s) else int(s)
+                 for s in spec)
+
+
+def branches(a: Args, count: int) -> tuple[int, ...]:
+    """The branch table of a ``*_branches`` kernel: ``n_actions[:count]``, checked against
+    ``action_offset`` (the packed layout's offsets)."""
+    n = tuple(int(x) for x in a.table("n_actions", count))
+    offsets = tuple(int(x) for x in a.table("action_offset", count))
+    if offsets != fused.branch_offsets(n):
+        raise ValueError(f"action_offset {offsets} does not match n_actions {n}")
+    return n
+
+
+def _nb(a: Args) -> int:
+    return a.grid[1]  # the *_branches kernels run branch d as blockIdx.y = d
+
+
+def _packed_rows(a: Args, per_block: str = "batch") -> int:
+    return getattr(a, per_block) * sum(branches(a, _nb(a)))
+
+
+def _stacked(flat: np.ndarray, count: int, stride: int, n: int) -> np.ndarray:
+    """``count`` parts of ``n`` elements, part k at ``k * stride`` of ``flat``: ``[count, n]``."""
+    return np.stack([flat[k * stride:k * stride + n] for k in range(count)]) if count else np.zeros((0, n), flat.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# dense
+# --------------------------------------------------------------------------------------------
+
+
+@twin("f32_to_bf16", x="n", out="n")
+def _f32_to_bf16(a):
+    return {"out": dense.f32_to_bf16(a.x)}
+
+
+@twin("bias_grad_reduce", dy=("rows", "cols"), db="cols")
+def _bias_grad_reduce(a):
+    return {"db": dense.bias_grad_reduce(a.dy)}
+
+
+@twin("relu_mask_bias_grad", dy=("rows", "cols"), h=("rows", "cols"), dx=("rows", "cols"), db="cols")
+def _relu_mask_bias_grad(a):
+    r = dense.relu_mask_bias_grad(a.dy, a.h)
+    return {"dx": r.dx, "db": r.db}
+
+
+# --------------------------------------------------------------------------------------------
+# distributional and fused
+# --------------------------------------------------------------------------------------------
+
+_ROWS_NA = (_packed_rows, "num_atoms")
+
+
+@twin("dueling_log_softmax_q_branches", nullable=("q",), v=("batch", "num_atoms"), adv=_ROWS_NA,
+      z="num_atoms", n_actions=_nb, action_offset=_nb, logits=_ROWS_NA, logp=_ROWS_NA,
+      q=_packed_rows)
+def _dueling_log_softmax_q_branches(a):
+    r = fused.dueling_log_softmax_q_branches(a.v, a.adv, a.z, branches(a, _nb(a)), bool(a.with_q))
+    out = {"logits": r.logits, "logp": r.logp}
+    if a.with_q and a.view("q") is not None:
+        out["q"] = r.q
+    return out
+
+
+def _sum_rows(a):
+    return a.batch * sum(branches(a, a.n_branches))
+
+
+@twin("dueling_combine_backward_sum_branches", dlogits=(_sum_rows, "num_atoms"),
+      n_actions="n_branches", action_offset="n_branches", dv=("batch", "num_atoms"),
+      dadv=(_sum_rows, "num_atoms"))
+def _dueling_combine_backward_sum_branches(a):
+    r = fused.dueling_combine_backward_sum_branches(a.dlogits, branches(a, a.n_branches))
+    return {"dv": r.dv, "dadv": r.dadv}
+
+
+@twin("c51_project_grad", p_next=("batch", "num_atoms"), r="batch", done="batch", gamma=1,
+      z="num_atoms", logp=("batch", "num_actions", "num_atoms"), actions="batch", isw="batch",
+      scale=1, m=("batch", "num_atoms"), dlogits=("batch", "num_actions", "num_atoms"))
+def _c51_project_grad(a):
+    if F32.type(a.dz) != dist._atom_spacing(a.v_min, a.v_max, a.num_atoms):
+        raise ValueError(f"c51_project_grad: dz {a.dz} is not the support's spacing")
+    r = dist.c51_project_grad(a.p_next, a.r, a.done, a.gamma[0], a.z, a.v_min, a.v_max, a.logp,
+                              a.actions, a.isw, a.scale[0])
+    return {"m": r.m, "dlogits": r.dlogits}
+
+
+def _block_logp(a):
+    return (_packed_rows(a, "block_rows"), "num_atoms")
+
+
+@twin("cql_logit_grad_branches", logp=_block_logp, actions=(_nb, "batch"), z="num_atoms", alpha=1,
+      scale=1, n_actions=_nb, action_offset=_nb, dlogits=_ROWS_NA, terms=(_nb, "batch"))
+def _cql_logit_grad_branches(a):
+    r = fused.cql_logit_grad_branches(a.logp, a.actions, a.z, a.alpha[0], a.scale[0],
+                                      branches(a, _nb(a)))
+    return {"dlogits": r.dlogits, "terms": r.terms}
+
+
+@twin("c51_loss_branches", logp=_block_logp, actions=(_nb, "batch"),
+      m=(_nb, "batch", "num_atoms"), isw="batch", scale=1, n_actions=_nb, action_offset=_nb,
+      ce=(_nb, "batch"), total=_nb)
+def _c51_loss_branches(a):
+    r = fused.c51_loss_branches(a.logp, a.actions, a.m, a.isw, a.scale[0], branches(a, _nb(a)))
+    return {"ce": r.ce, "total": r.total}
+
+
+# --------------------------------------------------------------------------------------------
+# safety
+# --------------------------------------------------------------------------------------------
+
+
+@twin("nan_check", x="n", flag=1)
+def _nan_check(a):
+    return {"flag": np.array([safety.nan_check(a.x, a.flag[0])], I32)}
+
+
+@twin("nan_check_fused", buffers="n_slots", lengths="n_slots", thresholds="n_slots", flags="n_slots")
+def _nan_check_fused(a):
+    bufs = [None if ptr == 0 else a.at(ptr, length, F32).copy()
+            for ptr, length in zip(a.buffers, a.lengths)]
+    return {"flags": safety.nan_check_fused(bufs, a.flags, a.thresholds)}
+
+
+@twin("target_q_clip", q="n", out="n", q_abs_ref=1)
+def _target_q_clip(a):
+    return {"out": safety.target_q_clip(a.q, a.k1, a.q_abs_ref[0])}
+
+
+# --------------------------------------------------------------------------------------------
+# optim and spectral
+# --------------------------------------------------------------------------------------------
+
+
+@twin("grad_norm_partial", x="n", partials=lambda a: -(-a.n // a.block_size))
+def _grad_norm_partial(a):
+    return {"partials": optim.grad_norm_partial(a.x, a.block_size)}
+
+
+@twin("clip_saxpy_norm_partial", base="n", inject="n", base_partials="count",
+      inject_partials="count", out="n", partials=lambda a: -(-a.n // a.block_size),
+      base_norm_sq_out=1, inject_norm_sq_out=1)
+def _clip_saxpy_norm_partial(a):
+    r = optim.clip_saxpy_norm_partial(a.base, a.inject, a.base_max_norm, a.base_partials, a.a,
+                                      a.inject_max_norm, a.inject_partials, a.block_size)
+    return {"out": r.out, "partials": r.partials, "base_norm_sq_out": [r.base_norm_sq],
+            "inject_norm_sq_out": [r.inject_norm_sq]}
+
+
+@twin("adam_update", param="n", grad="n", m="n", v="n", step=1, grad_scale=1, weight_clamp=1)
+def _adam_update(a):
+    r = optim.adam_update(a.param, a.grad, a.m, a.v, step=int(a.step[0]), lr=a.lr, beta1=a.beta1,
+                          beta2=a.beta2, eps=a.eps, weight_decay=a.weight_decay,
+                          grad_scale=a.grad_scale[0], weight_clamp=a.weight_clamp[0])
+    return {"param": r.param, "m": r.m, "v": r.v}
+
+
+@twin("polyak_update_mirror", target="n", online="n", online_bf16="n", target_bf16="n")
+def _polyak_update_mirror(a):
+    r = optim.polyak_update_mirror(a.target, a.online, a.tau)
+    return {"target": r.target, "online_bf16": r.online_bf16, "target_bf16": r.target_bf16}
+
+
+@twin("batched_spectral_norm", mats=("count", SPECTRAL_MATRIX_BYTES), sigmas="count")
+def _batched_spectral_norm(a):
+    from foxhunt.fast.kernels.spectral import SPECTRAL_MATRIX_DTYPE
+
+    if F32.type(a.eps) != spectral.SPECTRAL_EPS:
+        raise ValueError(f"batched_spectral_norm: eps {a.eps} is not SPECTRAL_EPS")
+    sigmas = np.zeros(a.count, np.float32)
+    for k, d in enumerate(np.ascontiguousarray(a.mats).view(SPECTRAL_MATRIX_DTYPE).reshape(-1)):
+        rows, cols = int(d["rows"]), int(d["cols"])
+        w, u, v = a.at(d["w"], rows * cols, F32), a.at(d["u"], rows, F32), a.at(d["v"], cols, F32)
+        r = spectral.spectral_norm(w.reshape(rows, cols).copy(), u.copy(), v.copy(), a.sigma_max)
+        w[:], u[:], v[:] = r.w.ravel(), r.u, r.v
+        sigmas[k] = r.sigma
+    return {"sigmas": sigmas}
+
+
+# --------------------------------------------------------------------------------------------
+# ISV producers
+# --------------------------------------------------------------------------------------------
+
+
+def _isv_producer(update, slot: int, source: str):
+    def run(a):
+        if a.slot != slot:
+            raise ValueError(f"{update.__name__}: slot {a.slot}; the reference writes slot {slot}")
+        return {"isv": update(a.isv, getattr(a, source), a.alpha)}
+    return run
+
+
+twin("isv_q_abs_ref_update", isv=ISV_LEN, q="n")(
+    _isv_producer(risv.isv_q_abs_ref_update, Q_ABS_REF_INDEX, "q"))
+twin("isv_h2_rms_update", isv=ISV_LEN, h2="n")(
+    _isv_producer(risv.isv_h2_rms_update, H_S2_RMS_EMA_INDEX, "h2"))
+
+
+# --------------------------------------------------------------------------------------------
+# The step's own kernels (reference/kernels/step.py)
+# --------------------------------------------------------------------------------------------
+
+
+@twin("glue_step_prologue", isv=ISV_LEN, adam_t=1, weight_clamp=1, clip_bound=1,
+      thr_mult="n_thresholds", thr_isv_index="n_thresholds", thr_power="n_thresholds",
+      thresholds="n_thresholds")
+def _step_bounds(a):
+    r = rstep.step_bounds(a.isv, a.adam_t, a.thr_mult, a.thr_isv_index, a.thr_power,
+                          a.q_abs_ref_index, a.slow_ema_index, a.weight_clamp_mult,
+                          a.max_grad_norm, a.anchor_mult)
+    return r._asdict()
+
+
+@twin("glue_clamp_isv", nullable=("out_bf16",), x="n", out="n", out_bf16="n", isv=ISV_LEN)
+def _clamp_finite_isv(a):
+    with_bf16 = a.view("out_bf16") is not None
+    r = rstep.clamp_finite_isv(a.x, a.isv, a.index, a.mult, with_bf16)
+    return {"out": r.out, "out_bf16": r.out_bf16} if with_bf16 else {"out": r.out}
+
+
+def _gather_branches(a):
+    return branches(a, a.n_branches)
+
+
+@twin("glue_select_gather_taken",
+      logp_target=lambda a: (a.batch * sum(_gather_branches(a)), a.num_atoms),
+      a_star=("n_branches", "batch"), q_online=lambda a: a.q_rows * sum(_gather_branches(a)),
+      actions=("n_branches", "batch"), n_actions="n_branches", action_offset="n_branches",
+      p_next=("n_branches", "batch", "num_atoms"), q_taken=("n_branches", "batch"))
+def _double_dqn_gather_branches(a):
+    return rstep.double_dqn_gather_branches(a.logp_target, a.q_online, a.actions,
+                                            _gather_branches(a), a.batch)._asdict()
+
+
+@twin("glue_scalar_targets", p_next=("n_branches", "batch", "num_atoms"), z="num_atoms", r="batch",
+      done="batch", gamma="n_branches", target_q=("n_branches", "batch"))
+def _scalar_target_q_branches(a):
+    return {"target_q": rstep.scalar_target_q_branches(a.p_next, a.z, a.r, a.done, a.gamma)}
+
+
+@twin("glue_branch_sum", parts=lambda a: (a.n_branches - 1) * a.part_stride + a.n, out="n")
+def _branch_mean(a):
+    return {"out": rstep.branch_mean(_stacked(a.parts, a.n_branches, a.part_stride, a.n), a.divisor)}
+
+
+@twin("glue_h2_grad_mask", parts=lambda a: (a.n_parts - 1) * a.part_stride + a.n, h2="n", h2_pre="n",
+      dh2_out="n", out="n")
+def _h2_grad_sum_mask(a):
+    r = rstep.h2_grad_sum_mask(_stacked(a.parts, a.n_parts, a.part_stride, a.n), a.h2, a.h2_pre)
+    return {"dh2_out": r.dh2, "out": r.out}
+
+
+_READBACK = len(rstep.READBACK_FIELDS)
+
+
+@twin("glue_loss_scalars", c51_total="n_branches", terms=("n_branches", "batch"),
+      q_taken=("n_branches", "batch"), target_q=("n_branches", "batch"), readback=_READBACK)
+def _loss_scalars(a):
+    r = rstep.loss_scalars(a.c51_total, a.terms, a.q_taken, a.target_q, a.alpha)
+    readback = a.readback
+    for name, value in r._asdict().items():
+        readback[rstep.READBACK_INDEX[name]] = value
+    return {"readback": readback}
+
+
+@twin("glue_step_scalars", total_partials="n_partials", total_sq=1, c51_sq=1, cql_sq=1,
+      clip_bound=1, isv=ISV_LEN, safety_scale=1, readback=_READBACK)
+def _step_scalars(a):
+    r = rstep.step_scalars(a.total_partials, a.c51_sq[0], a.cql_sq[0], a.clip_bound[0], a.isv,
+                           a.readback, a.budget_c51, a.budget_cql, a.slow_ema_index, a.slow_alpha)
+    return {"total_sq": [r.total_sq], "safety_scale": [r.safety_scale], "readback": r.readback,
+            "isv": r.isv}
+
+
+@twin("glue_merge_flags", flags=lambda a: a.n_slots + a.n_pieces, piece_slot="n_pieces")
+def _merge_piece_flags(a):
+    return {"flags": rstep.merge_piece_flags(a.flags, a.piece_slot, a.n_slots)}
+
+
+__all__ = ["Args", "TWINS", "Twin", "branches", "shape_of", "twin"]

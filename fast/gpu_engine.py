@@ -1,0 +1,209 @@
+"""The fast Trainer's device side: one arena, the step's graphs captured once, replayed per step.
+
+``GpuEngine(config, device=, gemm_workspace=, staging_slots=)`` compiles ``cuda_src`` with NVRTC
+for the device (disk cache), allocates ONE arena holding every buffer of the step
+(``StepLayout``), uploads the constants, builds the plan (``StepProgram``: every GEMM planned
+once; the records checked, ``records.check_dataflow``) and captures, through
+``graph_lowering.Lowering``: the upload graph once per pinned staging buffer (on a second
+stream), graph 1 and graph 2 (on the step stream). ``launch(slot)`` enqueues one step with
+device-side event waits only (no host sync, no allocation). ``build_eval(rows)`` captures the
+``q_values`` graph for ``rows`` states (``eval_plan``) on its own small arena.
+
+The CPU executor's ``CpuEngine`` offers the same methods (``foxhunt.fast.cpu_executor``).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_ops
+from foxhunt.fast.graph1_plan import graph1_ops
+from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
+from foxhunt.fast.graph_lowering import BranchPool, Lowering
+from foxhunt.fast.records import Buf, check_dataflow
+from foxhunt.fast.step_layout import READBACK_FIELDS, EvalLayout, StepLayout
+from foxhunt.fast.step_program import StepProgram, step_constants
+from foxhunt.reference.config import DQNConfig
+
+
+def _address(table, arena, buf: Buf) -> int:
+    region = table.region(buf)
+    return arena.ptr(region.buffer) + region.byte_start
+
+
+class GpuEngine:
+    """See the module docstring."""
+
+    def __init__(self, config: DQNConfig, *, device=None, gemm_workspace: str = "none",
+                 staging_slots: int = 2):
+        from foxhunt.fast._build import compile_sources
+        from foxhunt.fast.device import Arena, Device, _driver, call
+        from foxhunt.fast.gemm import GemmPlan
+        from foxhunt.fast.graphs import GraphCapture
+
+        dev = Device(0) if device is None else device
+        dev.make_current()
+        self.device = dev
+        self.module = dev.load_module(compile_sources(dev.arch))
+        self.layout = lay = StepLayout(config)
+        self.arena = Arena.from_specs(dev, lay.specs)
+        self.address = functools.partial(_address, lay, self.arena)
+        constants = step_constants(lay, self.address)
+        for name, value in constants.items():
+            self.arena.upload(name, value.reshape(self.arena.spec(name).shape))
+        self.stream = dev.stream
+        # Pinned staging ring (byte mirrors of the arena's batch buffer) and its views.
+        self._staging = [dev.pinned_empty(lay.batch_nbytes, np.uint8) for _ in range(staging_slots)]
+        self._staging_views = [lay.batch_views(buf) for buf in self._staging]
+        host = {staging_name(s): buf for s, buf in enumerate(self._staging)}
+        self.program = prog = StepProgram(
+            lay, planner=functools.partial(GemmPlan, dev), constants=constants,
+            host_nbytes={name: buf.nbytes for name, buf in host.items()}, arch=dev.arch,
+            gemm_workspace=gemm_workspace)
+        drv = _driver()
+        no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
+        # The upload stream and its events: uploaded[slot] (after the upload graph that read
+        # staging buffer slot) and graph1_done (after the last graph 1).
+        self._upload_stream = dev.new_stream()
+        self._uploaded = [call(drv.cuEventCreate, no_timing) for _ in range(staging_slots)]
+        self._event_used = [False] * staging_slots
+        self._graph1_done = call(drv.cuEventCreate, no_timing)
+        ops_up = upload_ops(prog, staging_slots)
+        ops1, ops2 = graph1_ops(prog), graph2_ops(prog)
+        check_dataflow([ops_up[0], ops1, ops2], lay.role, lay.zero_padding())
+        self.pool = BranchPool()  # side streams and events of the parallel sections
+        self.lowering = Lowering(self.module, self.address, host)
+        for ops in (*ops_up, ops1, ops2):
+            self.pool.reserve(ops)
+            self.lowering.prepare(ops)
+        self._upload = []
+        for ops in ops_up:
+            graph = GraphCapture(self._upload_stream)
+            with graph:
+                self.lowering.enqueue(ops, self._upload_stream, self.pool)
+            self._upload.append(graph)
+        self._graph1 = GraphCapture(self.stream)
+        with self._graph1:
+            self.lowering.enqueue(ops1, self.stream, self.pool)
+        self._graph2 = GraphCapture(self.stream)
+        with self._graph2:
+            self.lowering.enqueue(ops2, self.stream, self.pool)
+        self.plans = {"upload": ops_up, "graph1": ops1, "graph2": ops2}
+        #: Launches per step as planned (upload, graph 1, graph 2).
+        self.planned_launches = (ops_up[0].node_count(), ops1.node_count(), ops2.node_count())
+        # Host mirrors of the readback block and the flags (pinned: the async copies are real).
+        self._readback_host = dev.pinned_empty(len(READBACK_FIELDS), np.float32)
+        self._flags_host = dev.pinned_empty(lay.sentinel.n_desc, np.int32)
+
+    @property
+    def graph_node_counts(self) -> tuple[int, int, int]:
+        """Nodes of the upload graph, graph 1 and graph 2."""
+        return self._upload[0].node_count, self._graph1.node_count, self._graph2.node_count
+
+    def staging(self, slot: int) -> dict[str, np.ndarray]:
+        """Views of staging buffer ``slot``, once the upload that last read it is done (blocks
+        only when the GPU is a whole ring behind)."""
+        from foxhunt.fast.device import _driver, call
+
+        if self._event_used[slot]:
+            call(_driver().cuEventSynchronize, self._uploaded[slot])
+        return self._staging_views[slot]
+
+    def launch(self, slot: int) -> None:
+        """Enqueue one step from staging buffer ``slot``: the upload graph on the upload stream
+        (after the previous graph 1, the last reader of the batch), then graph 1 (after the
+        upload) and graph 2 on the step stream. Only device-side event waits: no host sync."""
+        from foxhunt.fast.device import _driver, call
+
+        drv = _driver()
+        up, main = self._upload_stream.handle, self.stream.handle
+        call(drv.cuStreamWaitEvent, up, self._graph1_done, 0)
+        self._upload[slot].replay(up)
+        call(drv.cuEventRecord, self._uploaded[slot], up)
+        self._event_used[slot] = True
+        call(drv.cuStreamWaitEvent, main, self._uploaded[slot], 0)
+        self._graph1.replay()
+        call(drv.cuEventRecord, self._graph1_done, main)
+        self._graph2.replay()
+
+    def read(self) -> tuple[np.ndarray, np.ndarray]:
+        """Synchronise, then the readback block and the flags (copies)."""
+        self.device.copy_to_host(self._readback_host, self.arena.ptr("readback"), wait=False)
+        self.device.copy_to_host(self._flags_host, self.arena.ptr("flags"), wait=False)
+        self.stream.synchronize()
+        return self._readback_host.copy(), self._flags_host.copy()
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def forget_uploads(self) -> None:
+        """After a synchronisation no upload is in flight: the staging ring is free."""
+        self._event_used = [False] * len(self._event_used)
+
+    def build_eval(self, rows: int) -> GpuEval:
+        return GpuEval(self, rows)
+
+    def close(self) -> None:
+        """Release the graphs, GEMM plans, events and device memory (unusable afterwards)."""
+        from foxhunt.fast.device import _driver
+
+        try:
+            self._upload_stream.synchronize()
+            self.stream.synchronize()
+        finally:
+            for g in [*self._upload, self._graph1, self._graph2]:
+                g.close()
+            for plan in self.program.plans:
+                plan.close()
+            self.pool.close()
+            for event in [*self._uploaded, self._graph1_done]:
+                _driver().cuEventDestroy(event)
+            self._upload_stream.close()
+            self.arena.close()
+
+
+class GpuEval:
+    """The ``q_values`` graph for ``rows`` states: copy in from a pinned buffer, the greedy
+    forward on its own arena, copy out to a pinned buffer; replayed on the step stream."""
+
+    def __init__(self, engine: GpuEngine, rows: int):
+        from foxhunt.fast.device import Arena
+        from foxhunt.fast.graphs import GraphCapture
+
+        dev = engine.device
+        self.engine = engine
+        self.evl = evl = EvalLayout(engine.layout, rows)
+        self.arena = Arena.from_specs(dev, evl.specs)
+        self.x_host = dev.pinned_empty(evl.specs["x_e"][0], np.float32)
+        self.q_host = dev.pinned_empty(evl.specs["q_e"][0], np.float32)
+
+        def address(buf: Buf) -> int:
+            if buf.name in evl:
+                return _address(evl, self.arena, buf)
+            return engine.address(buf)
+
+        ops = eval_ops(engine.program, evl)
+        check_dataflow([ops], lambda name: evl.role(name) if name in evl else engine.layout.role(name),
+                       evl.zero_padding())
+        lowering = Lowering(engine.module, address, {X_HOST: self.x_host, Q_HOST: self.q_host})
+        engine.pool.reserve(ops)
+        lowering.prepare(ops)
+        self.graph = GraphCapture(engine.stream, max_branches=0)  # branches come from the pool
+        with self.graph:
+            lowering.enqueue(ops, engine.stream, engine.pool)
+
+    def run(self, states: np.ndarray) -> list[np.ndarray]:
+        self.x_host[...] = states  # casts to float32
+        self.graph.replay()
+        self.engine.stream.synchronize()
+        return self.evl.split_q(self.q_host)
+
+    def close(self) -> None:
+        """Release the graph and its arena (the stream is idle: each run synchronises)."""
+        self.graph.close()
+        self.arena.close()
+
+
+__all__ = ["GpuEngine", "GpuEval"]

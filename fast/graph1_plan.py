@@ -1,0 +1,153 @@
+"""Graph 1 of the fast step, as records: forward passes, losses, backward passes, budgets.
+
+Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
+
+- the step prologue (the step's ISV-driven bounds), then the fused check of the sentinel slots
+  of the batch (checked here, not in graph 2, because the next step's upload overwrites the
+  batch once this graph is done), alongside everything up to the step scalars;
+- the target pass alongside the online pass over ``[s; s2]`` (one stacked pass; the heads in
+  parallel inside each);
+- after log-softmax and expected Q, in parallel: the CQL chain (every branch's CQL logit
+  gradient in one launch, then the heads' backward, value head, trunk, norm), the C51 chain
+  (every branch's double-DQN choice and gathers in one launch, per branch the projection with
+  the C51 gradient, then the backward and norm) and the C51 bookkeeping (scalar targets with
+  Mech 1; the C51 losses and TD errors; the loss scalars of the readback);
+- then the budget pipeline in one launch (both per-loss norms from their partials, ``grad =
+  clip(grad_c51, 0.70 mgn) + clipped(grad_cql, 0.15 mgn)``, the total norm's partials) and the
+  step scalars (the total norm's phase 2, Mech 6's clip factor, the readback, the slow EMA).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.fast.records import Buf, Ops
+from foxhunt.fast.step_layout import NORM_SEGMENT
+from foxhunt.fast.step_program import StepProgram, flat_plan, one_block
+from foxhunt.reference import isv as isv_mod
+from foxhunt.reference import sentinels
+from foxhunt.reference.kernels.distributional import _atom_spacing
+
+
+def graph1_ops(prog: StepProgram) -> Ops:
+    lay, c = prog.lay, prog.config
+    B, NA, nb, NP = lay.B, lay.NA, lay.nb, lay.NP
+    dist, safety, opt, fused = (prog.kernels(a) for a in ("distributional", "safety", "optim", "fused"))
+    sp = lay.sentinel
+    prologue = prog.ops()
+    prologue.kernel("glue_step_prologue", one_block(), isv="isv", adam_t="adam_t",
+                    weight_clamp="weight_clamp", clip_bound="clip_bound", thr_mult="thr_mult",
+                    thr_isv_index="thr_isv_index", thr_power="thr_power", thresholds="thresholds",
+                    n_thresholds=sp.n_desc, q_abs_ref_index=isv_mod.Q_ABS_REF_INDEX,
+                    slow_ema_index=isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
+                    weight_clamp_mult=np.float32(c.weight_clamp_mult),
+                    max_grad_norm=np.float32(c.max_grad_norm),
+                    anchor_mult=np.float32(c.grad_clip_anchor_mult))
+    prog.fused_check(prologue, "desc_lens_batch")
+
+    ops = prog.ops()
+    x, x2 = Buf("batch.x"), Buf("batch.x", offset=B * lay.SD)
+    xb = xb2 = None
+    if lay.bf16:
+        xb, xb2 = Buf("xb"), Buf("xb", offset=B * lay.SD)
+        prog.to_bf16(ops, x, xb, 2 * B * lay.SD)
+    online, target = prog.ops(), prog.ops()
+    # Slot 12: online(s)'s h2 before the Mech 10 clamp (the clamp writes another buffer).
+    check_h2 = prog.ops()
+    check_h2.kernel("nan_check", safety.plan_nan_check(B * lay.H2), x="h2preo", n=B * lay.H2,
+                    flag=Buf("flags", offset=sentinels.index("h2")))
+    prog.forward(online, tag="o", rows=2 * B, which=0, x=x, xb=xb, aux=True,
+                 logits=Buf("logits", ("o", 0)), logp=Buf("logp", ("o", 0)), q=Buf("q_o"),
+                 extra=check_h2)
+    prog.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2, aux=False,
+                 logits=Buf("logits", ("t", 0)), logp=Buf("logp", ("t", 0)))
+    ops.parallel(target, online)
+    lo, hi = np.float32(c.v_min), np.float32(c.v_max)
+
+    # C51 logit gradients: one launch for every branch's double-DQN choice and gathers, then
+    # per branch (parallel) the projection with the C51 gradient.
+    c51_pre = prog.ops()
+    c51_pre.kernel("glue_select_gather_taken", flat_plan(nb * B * NA),
+                   logp_target=Buf("logp", ("t", 0)), a_star="a_star", q_online="q_o",
+                   actions="batch.a", n_actions="n_actions", action_offset="action_offset",
+                   p_next="p_next", q_taken="q_taken", n_branches=nb, batch=B, num_atoms=NA,
+                   q_rows=2 * B)
+    c51_pre.record("gathered")
+    projections = []
+    for d, n in enumerate(lay.branches):
+        proj = prog.ops()
+        proj.kernel("c51_project_grad", dist.plan_c51_project_grad(B, n, NA),
+                    p_next=Buf("p_next", offset=d * B * NA), r="batch.r", done="batch.done",
+                    gamma=Buf("gamma", offset=d), z="z", logp=Buf("logp", ("o", d)),
+                    actions=Buf("batch.a", offset=d * B), isw="batch.isw", scale="scale",
+                    m=Buf("m", offset=d * B * NA), dlogits=Buf("dlogits_c51", d), batch=B,
+                    num_actions=n, num_atoms=NA, v_min=lo, v_max=hi, dz=_atom_spacing(lo, hi, NA))
+        proj.record(f"m{d}")
+        projections.append(proj)
+    c51_pre.parallel(*projections)
+    # CQL logit gradients of every branch in one launch (first B samples of each block).
+    cql_pre = prog.ops()
+    cql_pre.kernel("cql_logit_grad_branches", fused.plan_cql_logit_grad_branches(B, lay.branches, NA),
+                   logp=Buf("logp", ("o", 0)), actions="batch.a", z="z", alpha="alpha",
+                   scale="scale", n_actions="n_actions", action_offset="action_offset",
+                   dlogits="dlogits_cql", terms="terms", batch=B, block_rows=2 * B, num_atoms=NA)
+    cql_pre.record("cql_terms")
+    cql_side = prog.ops()
+    prog.backward(cql_side, "cql", cql_pre)
+    prog.norm(cql_side, "grad_cql", "cql")
+    c51_side = prog.ops()
+    prog.backward(c51_side, "c51", c51_pre)
+    prog.norm(c51_side, "grad_c51", "c51")
+    # C51 bookkeeping, beside the backward passes, in two parallel chains: the scalar targets
+    # and Mech 1 (they need the gathered p_next only), and the C51 losses and TD errors (after
+    # every branch's projection).
+    targets, losses = prog.ops(), prog.ops()
+    targets.wait("gathered")
+    targets.kernel("glue_scalar_targets", flat_plan(nb * B), p_next="p_next", z="z", r="batch.r",
+                   done="batch.done", gamma="gamma", target_q="target_q", n_branches=nb, batch=B,
+                   num_atoms=NA)
+    targets.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), q="target_q",
+                   out="target_q", n=nb * B, k1=np.float32(c.target_q_clip_mult),
+                   q_abs_ref=Buf("isv", offset=isv_mod.Q_ABS_REF_INDEX))
+    for d in range(nb):
+        losses.wait(f"m{d}")
+    losses.kernel("c51_loss_branches", fused.plan_c51_loss_branches(B, lay.branches, NA),
+                  logp=Buf("logp", ("o", 0)), actions="batch.a", m="m", isw="batch.isw",
+                  scale="scale", n_actions="n_actions", action_offset="action_offset", ce="ce",
+                  total="c51_total", batch=B, block_rows=2 * B, num_atoms=NA)
+    losses.kernel("glue_branch_sum", flat_plan(B), parts="ce", out="td", n=B, n_branches=nb,
+                  part_stride=B, divisor=np.float32(nb))
+    books = prog.ops()
+    books.parallel(targets, losses)
+    # The loss scalars and means of the readback (block reductions), beside the backward
+    # passes: they need the C51 totals, the Q's and the CQL terms.
+    books.wait("cql_terms")
+    books.kernel("glue_loss_scalars", one_block(), c51_total="c51_total", terms="terms",
+                 q_taken="q_taken", target_q="target_q", readback="readback", n_branches=nb,
+                 batch=B, alpha=np.float32(c.cql_alpha))
+    ops.parallel(cql_side, c51_side, books)
+    # Budget pipeline, one launch: the per-loss norms from their partials, the clips, the SAXPY
+    # and the total norm's phase-1 partials (phase 2 is in the step scalars).
+    ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
+               base="grad_c51", inject="grad_cql", n=NP, base_max_norm=np.float32(c.budget("c51")),
+               base_partials="partials_c51", a=np.float32(1.0),
+               inject_max_norm=np.float32(c.budget("cql")), inject_partials="partials_cql",
+               count=lay.n_partials,
+               final_threads=opt.final_threads_clip_saxpy_norm_partial(lay.n_partials),
+               block_size=NORM_SEGMENT, out="grad", partials="partials_total",
+               base_norm_sq_out="sq_c51", inject_norm_sq_out="sq_cql")
+    body = prog.ops()
+    body.parallel(prologue, ops)
+    # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its
+    # summation tree and bits).
+    body.kernel("glue_step_scalars", opt.plan_grad_norm_final(lay.n_partials),
+                total_partials="partials_total", n_partials=lay.n_partials, total_sq="sq_total",
+                c51_sq="sq_c51", cql_sq="sq_cql", clip_bound="clip_bound", isv="isv",
+                safety_scale="safety_scale", readback="readback",
+                budget_c51=np.float32(c.budget("c51")), budget_cql=np.float32(c.budget("cql")),
+                slow_ema_index=isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
+                slow_alpha=np.float32(c.grad_slow_ema_alpha))
+    return body
+
+
+__all__ = ["graph1_ops"]

@@ -1,0 +1,104 @@
+"""Graph 2 of the fast step (the optimiser tail) and the upload graph, as records.
+
+Graph 2: on the step stream the optimiser chain (Adam with Mech 6's clip factor and Mech 9's
+clamp; then, in parallel, the check of the Adam moments and the chain batched spectral norm,
+Polyak with the BF16 mirrors of params and target, the check of params and target); beside the
+whole chain, forked at the graph's start, the ISV producers (they read graph 1's ``q_taken``
+and ``h2`` and write their own ISV slots, which nothing in graph 2 reads: this step's bounds
+were formed in graph 1) and the fused check of the slots whose buffers graph 2 does not write;
+the sentinel pieces' flags are merged once every piece is checked.
+
+The upload graph, once per pinned staging buffer: the batch copy from that buffer into the
+arena's ``batch``. The trainer replays it on its upload stream, after the previous step's
+graph 1 (the last reader of ``batch``) and before this step's graph 1, so the copy overlaps the
+previous step's graph 2 instead of heading this step's critical path. (The bf16 states' BF16
+copy stays graph 1's first node: measured on the H200, seed preset, 154.5 us per step with it
+there against 162.0 us with it in the upload graph.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.fast.records import Buf, Host, Ops
+from foxhunt.fast.sentinel_plan import GRAPH2_WRITTEN
+from foxhunt.fast.step_program import StepProgram, one_block
+from foxhunt.reference import isv as isv_mod
+from foxhunt.reference.kernels.spectral import SPECTRAL_EPS
+from foxhunt.reference.trainer import ISV_PRODUCER_ALPHA
+
+#: Host buffer names of the pinned staging ring (``staging_name(slot)``).
+STAGING_PREFIX = "staging"
+
+
+def staging_name(slot: int) -> str:
+    return f"{STAGING_PREFIX}{slot}"
+
+
+def upload_ops(prog: StepProgram, slots: int) -> list[Ops]:
+    """The upload graph of each staging slot: ``batch`` from host buffer ``staging<slot>``."""
+    out = []
+    for slot in range(slots):
+        ops = prog.ops()
+        ops.copy("batch", Host(staging_name(slot)), prog.lay.batch_nbytes, "htod")
+        out.append(ops)
+    return out
+
+
+def graph2_ops(prog: StepProgram) -> Ops:
+    lay, c = prog.lay, prog.config
+    NP = lay.NP
+    opt, spec, isvk = prog.kernels("optim"), prog.kernels("spectral"), prog.kernels("isv")
+    body, ops = prog.ops(), prog.ops()
+    target = Buf("params2", offset=NP)
+    ops.kernel("adam_update", opt.plan_adam_update(NP), param="params2", grad="grad", m="adam_m",
+               v="adam_v", n=NP, step="adam_t", lr=np.float32(c.lr), beta1=np.float32(c.beta1),
+               beta2=np.float32(c.beta2), eps=np.float32(c.adam_eps),
+               weight_decay=np.float32(c.weight_decay), grad_scale="safety_scale",
+               weight_clamp="weight_clamp")
+    # After Adam, in parallel: the check of the Adam moments (final once Adam is done), and the
+    # chain spectral norm, Polyak with the BF16 mirrors of params and target ([params; target]
+    # in mirror2, one launch), the check of params and target.
+    moments, chain = prog.ops(), prog.ops()
+    prog.fused_check(moments, "desc_lens_moments")
+    n_w = len(lay.weights)
+    chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w, prog.arch),
+                 mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
+                 eps=SPECTRAL_EPS, sigmas="sigmas")
+    chain.kernel("polyak_update_mirror", opt.plan_polyak_update_mirror(NP), target=target,
+                 online="params2", n=NP, tau=np.float32(c.tau), online_bf16="mirror2",
+                 target_bf16=Buf("mirror2", offset=NP))
+    prog.fused_check(chain, "desc_lens_post")
+    if moments.items:
+        ops.parallel(moments, chain)
+    else:
+        ops.extend(chain)
+    sp = lay.sentinel
+    producers = prog.ops()
+    nq = lay.nb * lay.B
+    producers.kernel("isv_q_abs_ref_update", isvk.plan_isv_q_abs_ref_update(nq), isv="isv",
+                     slot=isv_mod.Q_ABS_REF_INDEX, q="q_taken", n=nq,
+                     alpha=np.float32(ISV_PRODUCER_ALPHA))
+    nh = lay.B * lay.H2
+    producers.kernel("isv_h2_rms_update", isvk.plan_isv_h2_rms_update(nh), isv="isv",
+                     slot=isv_mod.H_S2_RMS_EMA_INDEX, h2="h2o", n=nh,
+                     alpha=np.float32(ISV_PRODUCER_ALPHA))
+    checks_pre = prog.ops()
+    prog.fused_check(checks_pre, "desc_lens_pre")
+    # The extra pieces' flags are ORed into their slots' flags once every piece has been
+    # checked: right after the "pre" check when all pieces are there (the seed preset's are:
+    # packed per-branch buffers that graph 2 does not write), else after the join.
+    merge = prog.ops()
+    if sp.n_pieces:
+        merge.kernel("glue_merge_flags", one_block(), flags="flags", piece_slot="piece_slot",
+                     n_slots=sp.n_slots, n_pieces=sp.n_pieces)
+    if all(piece.buffer not in GRAPH2_WRITTEN for piece in sp.extras):
+        checks_pre.extend(merge)
+        body.parallel(producers, checks_pre, ops)
+    else:
+        body.parallel(producers, checks_pre, ops)
+        body.extend(merge)
+    return body
+
+
+__all__ = ["STAGING_PREFIX", "graph2_ops", "staging_name", "upload_ops"]

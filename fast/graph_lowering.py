@@ -1,0 +1,166 @@
+"""Records to CUDA work: resolve a plan's names to device addresses and enqueue it on a stream.
+
+``Lowering(module, address, host)``: ``address(buf)`` is a region's device address,
+``host[name]`` a pinned host buffer. ``enqueue(ops, stream, pool)`` issues the records in walk
+order on ``stream``, eagerly or inside a ``GraphCapture`` (where they become graph nodes):
+a kernel record is packed once (its arguments in the kernel's parameter order) and launched, a
+GEMM record runs its plan on the resolved operands, a copy is the matching driver copy;
+``parallel`` forks side streams from ``pool`` off an event and joins them back, ``record`` /
+``wait`` become events (edges, in a capture). The CPU executor builds the same edges
+(``records.dependency_graph``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from foxhunt.fast.records import Buf, Copy, Gemm, Host, Launch, Ops, Parallel, Record, Wait, kernel_params
+
+#: ``Copy`` kinds and the driver call each enqueues.
+COPY_FUNCTIONS = {"htod": "cuMemcpyHtoDAsync", "dtod": "cuMemcpyDtoDAsync", "dtoh": "cuMemcpyDtoHAsync"}
+#: Dynamic shared memory above this needs the kernel's opt-in attribute.
+DEFAULT_SHARED_LIMIT = 48 * 1024
+
+
+class BranchPool:
+    """Side streams and events for the fork/join sections of a plan (created on demand,
+    reused by every enqueue; ``reset()`` before each top-level enqueue).
+
+    A stream is never handed out twice within one enqueue: a reused stream would order its
+    new work after its old work, a false dependency between branches that are meant to run
+    concurrently. Events are reused freely (a wait binds to the event's latest record)."""
+
+    def __init__(self):
+        self.streams: list = []
+        self.events: list = []
+        self._s = self._e = 0
+
+    def reset(self) -> None:
+        self._s = self._e = 0
+
+    def reserve(self, ops: Ops) -> None:
+        """Create what enqueueing ``ops`` takes, up front (not during a graph capture)."""
+        streams, events = ops.branch_resources()
+        self.reset()
+        for _ in range(streams):
+            self.stream()
+        for _ in range(events):
+            self.event()
+        self.reset()
+
+    def stream(self):
+        from foxhunt.fast.device import Stream, _driver, call
+
+        if self._s == len(self.streams):
+            drv = _driver()
+            self.streams.append(Stream(call(drv.cuStreamCreate,
+                                            drv.CUstream_flags.CU_STREAM_NON_BLOCKING.value)))
+        self._s += 1
+        return self.streams[self._s - 1]
+
+    def event(self):
+        from foxhunt.fast.device import _driver, call
+
+        if self._e == len(self.events):
+            drv = _driver()
+            self.events.append(call(drv.cuEventCreate, drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value))
+        self._e += 1
+        return self.events[self._e - 1]
+
+    def close(self) -> None:
+        from foxhunt.fast.device import _driver
+
+        for s in self.streams:
+            s.close()
+        for e in self.events:
+            _driver().cuEventDestroy(e)
+        self.streams, self.events = [], []
+
+
+class Lowering:
+    """Resolves and enqueues records (module docstring)."""
+
+    def __init__(self, module, address: Callable[[Buf], int], host: Mapping[str, np.ndarray]):
+        self.module = module
+        self.address = address
+        self.host = host
+        self._packed: dict[int, tuple] = {}  # id(Launch) -> (kernel, PackedArgs, record)
+
+    def _end(self, end) -> int:
+        return self.host[end.name].ctypes.data if isinstance(end, Host) else self.address(end)
+
+    def packed(self, node: Launch):
+        """``(kernel, packed arguments)`` of a launch record (packed once)."""
+        cached = self._packed.get(id(node))
+        if cached is None:
+            kernel = self.module.kernel(node.kernel)
+            if node.shape.shared_mem > DEFAULT_SHARED_LIMIT:
+                kernel.set_max_dynamic_shared(node.shape.shared_mem)
+            values = []
+            for p in kernel_params()[node.kernel]:
+                value = node.args[p.name]
+                values.append((0 if value is None else self.address(value)) if p.pointer else value)
+            cached = self._packed[id(node)] = (kernel, kernel.pack(*values), node)
+        return cached[0], cached[1]
+
+    def prepare(self, ops: Ops) -> None:
+        """Pack every launch of ``ops`` now (kernel lookups and attributes outside a capture)."""
+        for node in ops.nodes():
+            if isinstance(node, Launch):
+                self.packed(node)
+
+    def enqueue(self, ops: Ops, stream, pool: BranchPool | None = None, _events: dict | None = None) -> None:
+        from foxhunt.fast.device import _driver, as_stream_handle, call
+
+        drv = _driver()
+        if _events is None:
+            _events = {}
+            if pool is not None:
+                pool.reset()
+        handle = as_stream_handle(stream)
+        for it in ops.items:
+            if isinstance(it, Launch):
+                kernel, packed = self.packed(it)
+                kernel.launch(it.shape.grid, it.shape.block, packed, stream=stream,
+                              shared_mem=it.shape.shared_mem)
+            elif isinstance(it, Gemm):
+                it.plan.run(self.address(it.a), self.address(it.b), self.address(it.c),
+                            bias_ptr=None if it.bias is None else self.address(it.bias),
+                            aux_ptr=None if it.aux is None else self.address(it.aux), stream=stream)
+            elif isinstance(it, Copy):
+                call(getattr(drv, COPY_FUNCTIONS[it.kind]), self._end(it.dst), self._end(it.src),
+                     it.nbytes, handle)
+            elif isinstance(it, Parallel):
+                if pool is None:
+                    raise ValueError("enqueue: a parallel section needs a BranchPool")
+                fork = pool.event()
+                call(drv.cuEventRecord, fork, handle)
+                joins = []
+                for side in it.sides:
+                    side_stream = pool.stream()
+                    call(drv.cuStreamWaitEvent, side_stream.handle, fork, 0)
+                    self.enqueue(side, side_stream, pool, _events)
+                    join = pool.event()
+                    call(drv.cuEventRecord, join, side_stream.handle)
+                    joins.append(join)
+                self.enqueue(it.main, stream, pool, _events)
+                for join in joins:
+                    call(drv.cuStreamWaitEvent, handle, join, 0)
+            elif isinstance(it, Record):
+                if it.event in _events:
+                    raise ValueError(f"event {it.event!r} recorded twice")
+                if pool is None:
+                    raise ValueError("enqueue: events need a BranchPool")
+                _events[it.event] = ev = pool.event()
+                call(drv.cuEventRecord, ev, handle)
+            elif isinstance(it, Wait):
+                if it.event not in _events:
+                    raise ValueError(f"wait on event {it.event!r} before it is recorded")
+                call(drv.cuStreamWaitEvent, handle, _events[it.event], 0)
+            else:  # pragma: no cover - records.Ops holds only the kinds above
+                raise AssertionError(type(it))
+
+
+__all__ = ["BranchPool", "COPY_FUNCTIONS", "Lowering"]

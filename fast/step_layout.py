@@ -1,0 +1,396 @@
+"""The fast step's buffers: every buffer of one training step in one arena, by name (pure: no GPU).
+
+``StepLayout(config)``: ``specs`` (``{name: (shape, dtype)}`` for ``Arena.from_specs``, in
+allocation order), ``packed`` (sub-buffers packed into one buffer: ``Packed``), the batch
+fields (``batch_fields``: byte mirrors of the pinned staging buffers; records name them
+``batch.x``, ``batch.a``, ...), each buffer's role (``role(name)``: ``state`` persists across
+steps, ``batch`` is written only by the upload, ``constant`` is uploaded once, ``scratch`` is
+rewritten every step) and the sentinel plan (``foxhunt.fast.sentinel_plan``).
+``EvalLayout(layout, rows)``: the buffers of the greedy forward on ``rows`` states (their own
+small arena; names end in ``e`` / ``_e`` so they never shadow a step buffer).
+
+``region(buf)`` resolves a record's ``Buf`` (name, packed key, element offset) to its buffer,
+dtype, first element, the elements up to the end of the buffer (of the batch field, for
+``batch.*``) and role: what ``foxhunt.fast.records.Binder`` checks records against and what
+both executors resolve to addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from foxhunt.fast.records import F32, I32, I64, U8, U16, U64, Buf, Region
+from foxhunt.reference import isv as isv_mod
+from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.kernels.step import READBACK_FIELDS, READBACK_INDEX
+from foxhunt.reference.layout import ParamLayout, branch_name
+
+#: Elements per block of the two-phase gradient norms (grad_norm_partial's block_size).
+NORM_SEGMENT = 4096
+#: Alignment (elements) of the sub-buffers that are GEMM operands: 256 bytes of float32.
+OPERAND_ALIGN = 64
+#: The length arrays of the fused sentinel checks (``sentinel_plan.desc_lengths_split``).
+DESC_LENGTH_KEYS = ("desc_lens_batch", "desc_lens_pre", "desc_lens_moments", "desc_lens_post")
+#: Alignment (bytes) of the batch fields in the staging buffers and the arena's ``batch``.
+BATCH_FIELD_ALIGN = 256
+
+NORMS = ("c51", "cql", "total")
+LOSSES = ("c51", "cql")
+
+
+def blocks(n: int, threads: int) -> int:
+    return max(1, -(-int(n) // threads))
+
+
+def aux_nbytes(rows: int, cols: int) -> int:
+    """Bytes of cuBLASLt's ReLU bitmask for a ``[rows, cols]`` output (``GemmSpec.aux_nbytes``)."""
+    aux_ld_bits = -(-(-(-cols // 8)) // 16) * 16 * 8
+    return aux_ld_bits // 8 * rows
+
+
+@dataclass
+class Packed:
+    """Sub-buffers packed into one arena buffer ``buffer`` of ``dtype``: ``offsets[key]`` in
+    elements (each start rounded up to ``align`` elements), ``counts[key]``; ``total``."""
+
+    buffer: str
+    dtype: np.dtype
+    align: int = 1
+    offsets: dict = field(default_factory=dict)
+    counts: dict = field(default_factory=dict)
+    total: int = 0
+
+    def add(self, key, count: int) -> int:
+        start = -(-self.total // self.align) * self.align
+        self.offsets[key] = start
+        self.counts[key] = int(count)
+        self.total = start + int(count)
+        return start
+
+
+@dataclass(frozen=True)
+class Head:
+    """One head of the network: ``key`` (``"value"`` or a branch name), hidden width, the
+    tensors of its two layers, and its output width (NA, or n_d * NA)."""
+
+    key: str
+    hidden: int
+    w1: str
+    b1: str
+    w2: str
+    b2: str
+    out: int
+
+
+class BufferTable:
+    """Named buffers (``specs``), packed sub-buffers (``packed``), typed views into a byte
+    buffer (``views``: ``{name: (buffer, byte offset, shape, dtype)}``) and roles."""
+
+    def __init__(self):
+        self.specs: dict[str, tuple[tuple[int, ...], np.dtype]] = {}
+        self.packed: dict[str, Packed] = {}
+        self.views: dict[str, tuple[str, int, tuple[int, ...], np.dtype]] = {}
+        self.roles: dict[str, str] = {}
+
+    def _add(self, name: str, shape, dtype, role: str = "scratch") -> None:
+        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        if name in self.specs:
+            raise ValueError(f"buffer {name!r} defined twice")
+        self.specs[name] = (shape, np.dtype(dtype))
+        self.roles[name] = role
+
+    def _add_packed(self, packed: Packed) -> Packed:
+        self.packed[packed.buffer] = packed
+        self._add(packed.buffer, max(packed.total, 1), packed.dtype)
+        return packed
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.specs or name in self.views
+
+    def role(self, name: str) -> str:
+        return self.roles[self.views[name][0] if name in self.views else name]
+
+    def region(self, buf: Buf) -> Region:
+        """Where ``buf`` points (module docstring); ``KeyError`` names an unknown buffer or key."""
+        name = buf.name
+        if name in self.views:
+            base, byte_offset, shape, dtype = self.views[name]
+            if buf.key is not None:
+                raise KeyError(f"{buf}: batch field {name!r} has no packed keys")
+            count = int(np.prod(shape))
+            return Region(base, dtype, byte_offset // dtype.itemsize + buf.offset,
+                          count - buf.offset, self.roles[base])
+        if name not in self.specs:
+            raise KeyError(f"no buffer {name!r} in the step layout")
+        shape, dtype = self.specs[name]
+        start = buf.offset
+        if buf.key is not None:
+            packed = self.packed.get(name)
+            if packed is None or buf.key not in packed.offsets:
+                raise KeyError(f"{buf}: buffer {name!r} has no packed key {buf.key!r}")
+            start += packed.offsets[buf.key]
+        return Region(name, dtype, start, int(np.prod(shape)) - start, self.roles[name])
+
+    def zero_padding(self) -> dict[str, list[tuple[int, int]]]:
+        """The alignment gaps between packed sub-buffers (bytes; never written: zero)."""
+        out = {}
+        for name, packed in self.packed.items():
+            spans = sorted((packed.offsets[k], packed.offsets[k] + packed.counts[k]) for k in packed.offsets)
+            size = packed.dtype.itemsize
+            gaps = [(hi * size, lo * size) for (_, hi), (lo, _) in zip(spans, spans[1:]) if lo > hi]
+            if gaps:
+                out[name] = gaps
+        return out
+
+    def _pass_buffers(self, tag: str, rows: int, *, aux: bool) -> None:
+        """Activations of one forward pass of ``rows`` rows (tag ``o`` online, ``t`` target,
+        ``e`` evaluation)."""
+        self._add(f"h1{tag}", (rows, self.H1), F32)
+        self._add(f"h2pre{tag}", (rows, self.H2), F32)
+        self._add(f"h2{tag}", (rows, self.H2), F32)
+        hid = Packed(f"hid{tag}", F32, OPERAND_ALIGN)
+        for h in self.heads:
+            hid.add(h.key, rows * h.hidden)
+        self._add_packed(hid)
+        self._add(f"v{tag}", (rows, self.NA), F32)
+        # Advantage logits of every branch, branch-packed (one fused dueling launch).
+        adv = Packed(f"adv{tag}", F32)
+        for d, n in enumerate(self.branches):
+            adv.add(d, rows * n * self.NA)
+        self._add_packed(adv)
+        if self.bf16:
+            self._add(f"h1{tag}_bf16", (rows, self.H1), U16)
+            self._add(f"h2{tag}_bf16", (rows, self.H2), U16)
+            self._add(f"hid{tag}_bf16", (max(hid.total, 1),), U16)
+        if aux:
+            self._add(f"aux1{tag}", aux_nbytes(rows, self.H1), U8)
+            self._add(f"aux2{tag}", aux_nbytes(rows, self.H2), U8)
+            for h in self.heads:
+                self._add(f"auxh{tag}_{h.key}", aux_nbytes(rows, h.hidden), U8)
+
+
+class StepLayout(BufferTable):
+    """Every buffer of one fast training step for ``config`` (module docstring)."""
+
+    def __init__(self, config: DQNConfig):
+        from foxhunt.fast.sentinel_plan import sentinel_plan
+
+        super().__init__()
+        c = config
+        self.config = c
+        self.param_layout = lay = ParamLayout(c)
+        self.B, self.SD, self.H1, self.H2 = c.batch_size, c.state_dim, c.shared_h1, c.shared_h2
+        self.NA, self.nb, self.branches = c.num_atoms, c.n_branches, tuple(c.branches)
+        self.NP = lay.num_elements
+        self.A_total = sum(self.branches)
+        self.action_offset = tuple(int(sum(self.branches[:d])) for d in range(self.nb))
+        self.bf16 = c.precision == "bf16"
+        self.heads = (Head("value", c.value_h, "w_v1", "b_v1", "w_v2", "b_v2", c.num_atoms),) + tuple(
+            Head(branch_name(d), c.adv_h, f"w_{branch_name(d)}1", f"b_{branch_name(d)}1",
+                 f"w_{branch_name(d)}2", f"b_{branch_name(d)}2", n * c.num_atoms)
+            for d, n in enumerate(self.branches))
+        self.weights = lay.weight_matrices
+        self.n_partials = blocks(self.NP, NORM_SEGMENT)
+        self._build_batch()
+        self._build_state()
+        self.sentinel = sentinel_plan(self)
+        self._build_step()
+
+    def _build_batch(self) -> None:
+        B, SD, nb = self.B, self.SD, self.nb
+        self.batch_fields: dict[str, tuple[int, tuple[int, ...], np.dtype]] = {}
+        offset = 0
+        # x = [s; s2] (one stacked online pass), actions transposed to [n_branches, B] (one row
+        # per branch).
+        for name, shape, dtype in (("x", (2 * B, SD), F32), ("a", (nb, B), I32), ("r", (B,), F32),
+                                   ("done", (B,), F32), ("isw", (B,), F32)):
+            offset = -(-offset // BATCH_FIELD_ALIGN) * BATCH_FIELD_ALIGN
+            self.batch_fields[name] = (offset, shape, dtype)
+            self.views[f"batch.{name}"] = ("batch", offset, shape, dtype)
+            offset += int(np.prod(shape)) * dtype.itemsize
+        self.batch_nbytes = offset
+
+    def _build_state(self) -> None:
+        # Params and target adjacent (one BF16 mirror launch for both), the mirrors likewise;
+        # Adam; spectral-norm vectors; ISV.
+        NP = self.NP
+        self._add("params2", (2, NP), F32, "state")
+        self._add("mirror2", (2, NP), U16, "state")
+        self._add("adam_m", NP, F32, "state")
+        self._add("adam_v", NP, F32, "state")
+        self._add("adam_t", 1, I64, "state")
+        sn_u, sn_v = Packed("sn_u", F32), Packed("sn_v", F32)
+        for t in self.weights:
+            sn_u.add(t.name, t.shape[0])
+            sn_v.add(t.name, t.shape[1])
+        self._add_packed(sn_u)
+        self._add_packed(sn_v)
+        self.roles["sn_u"] = self.roles["sn_v"] = "state"
+        self._add("isv", isv_mod.ISV_LEN, F32, "state")
+
+    def _build_step(self) -> None:
+        B, SD, NA, nb, NP = self.B, self.SD, self.NA, self.nb, self.NP
+        n_desc = self.sentinel.n_desc
+        self._add("flags", n_desc, I32, "state")
+        # Gradients and norms.
+        for name in ("grad_c51", "grad_cql", "grad"):
+            self._add(name, NP, F32)
+        for norm in NORMS:
+            self._add(f"partials_{norm}", self.n_partials, F32)
+            self._add(f"sq_{norm}", 1, F32)
+        self._add("batch", self.batch_nbytes, U8, "batch")
+        if self.bf16:
+            self._add("xb", (2 * B, SD), U16)
+        # Constants.
+        for name, shape, dtype in (("z", NA, F32), ("gamma", nb, F32), ("alpha", 1, F32),
+                                   ("scale", 1, F32), ("n_actions", nb, I32),
+                                   ("action_offset", nb, I32), ("thr_mult", n_desc, F32),
+                                   ("thr_isv_index", n_desc, I32), ("thr_power", n_desc, I32),
+                                   ("desc_ptrs", n_desc, U64)):
+            self._add(name, shape, dtype, "constant")
+        # Lengths of the fused checks' slots (a zero length disables a slot), one array per
+        # check: the batch in graph 1; in graph 2 the others beside the optimiser, the Adam
+        # moments after Adam, params and target after Polyak.
+        for key in DESC_LENGTH_KEYS:
+            self._add(key, n_desc, I64, "constant")
+        self._add("piece_slot", max(1, self.sentinel.n_pieces), I32, "constant")
+        self._add("spectral_desc", (len(self.weights), 32), U8, "constant")
+        # Device scalars.
+        self._add("thresholds", n_desc, F32)
+        self._add("weight_clamp", 1, F32)
+        self._add("clip_bound", 1, F32)
+        self._add("safety_scale", 1, F32)
+        self._add("c51_total", nb, F32)
+        self._add("readback", len(READBACK_FIELDS), F32)
+        self._add("sigmas", len(self.weights), F32)
+        # Forward passes: online over 2B rows (with ReLU bitmasks for the backward), target
+        # over B rows.
+        self._pass_buffers("o", 2 * B, aux=True)
+        self._pass_buffers("t", B, aux=False)
+        # Logits and log-probabilities of every branch of both passes, packed (one
+        # log_softmax launch), then expected Q of the online pass, packed (one launch).
+        for name in ("logits", "logp"):
+            p = Packed(name, F32)
+            for d, n in enumerate(self.branches):
+                p.add(("o", d), 2 * B * n * NA)
+            for d, n in enumerate(self.branches):
+                p.add(("t", d), B * n * NA)
+            self._add_packed(p)
+        q = Packed("q_o", F32)
+        for d, n in enumerate(self.branches):
+            q.add(d, 2 * B * n)
+        self._add_packed(q)
+        # Losses.
+        self._add("a_star", (nb, B), I32)
+        self._add("p_next", (nb, B, NA), F32)
+        self._add("m", (nb, B, NA), F32)
+        self._add("ce", (nb, B), F32)
+        self._add("terms", (nb, B), F32)
+        self._add("td", B, F32)
+        self._add("q_taken", (nb, B), F32)
+        self._add("target_q", (nb, B), F32)
+        # Backward scratch, one set per loss (the two run in parallel graph branches).
+        for loss in LOSSES:
+            p = Packed(f"dlogits_{loss}", F32)
+            for d, n in enumerate(self.branches):
+                p.add(d, B * n * NA)
+            self._add_packed(p)
+            self._add(f"dv_{loss}", (B, NA), F32)
+            dadv = Packed(f"dadv_{loss}", F32)  # branch-packed (one fused dueling backward)
+            for d, n in enumerate(self.branches):
+                dadv.add(d, B * n * NA)
+            self._add_packed(dadv)
+            dhid = Packed(f"dhid_{loss}", F32, OPERAND_ALIGN)
+            for h in self.heads:
+                dhid.add(h.key, B * h.hidden)
+            self._add_packed(dhid)
+            # Each head's part of dh2 (branches, then value: the order they are summed in).
+            parts = Packed(f"dh2p_{loss}", F32, OPERAND_ALIGN)
+            for h in self.heads[1:] + self.heads[:1]:
+                parts.add(h.key, B * self.H2)
+            self._add_packed(parts)
+            self._add(f"dh2_{loss}", (B, self.H2), F32)
+            self._add(f"dh2m_{loss}", (B, self.H2), F32)
+            self._add(f"dh1_{loss}", (B, self.H1), F32)
+            # Unmasked input gradients of the ReLU layers (one per parallel branch), used only
+            # if cuBLASLt refuses DRELU_BGRAD.
+            dpre = Packed(f"dpre_{loss}", F32, OPERAND_ALIGN)
+            for h in self.heads:
+                dpre.add(h.key, B * h.hidden)
+            dpre.add("trunk", B * self.H1)
+            self._add_packed(dpre)
+
+    def batch_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
+        """Typed views of the batch fields inside a byte buffer that mirrors ``batch``."""
+        views = {}
+        for name, (offset, shape, dtype) in self.batch_fields.items():
+            nbytes = int(np.prod(shape)) * dtype.itemsize
+            views[name] = buf[offset:offset + nbytes].view(dtype).reshape(shape)
+        return views
+
+    def zero_padding(self) -> dict[str, list[tuple[int, int]]]:
+        """Byte ranges that no record writes, zero since the arena was made (``records.
+        check_dataflow``'s ``preset``): the alignment gaps between packed sub-buffers, and in
+        the per-loss gradient buffers the padding between the parameter tensors."""
+        out = BufferTable.zero_padding(self)
+        spans, end = [], 0
+        for t in sorted(self.param_layout.tensors, key=lambda t: t.offset):
+            if t.offset > end:
+                spans.append((end * 4, t.offset * 4))
+            end = max(end, t.end)
+        if self.NP > end:
+            spans.append((end * 4, self.NP * 4))
+        for name in ("grad_c51", "grad_cql"):
+            out[name] = out.get(name, []) + spans
+        return out
+
+    # -- parameter ranges
+    def tensor_offset(self, name: str) -> int:
+        return self.param_layout[name].offset
+
+    def group_range(self, *groups: str) -> tuple[int, int]:
+        """Element range ``[lo, hi)`` covering the tensors of ``groups`` (contiguous in the
+        layout; the padding inside is always zero, which no sentinel test can flag)."""
+        ts = [t for t in self.param_layout.tensors if t.group in groups]
+        return min(t.offset for t in ts), max(t.end for t in ts)
+
+
+class EvalLayout(BufferTable):
+    """The greedy forward's buffers for ``rows`` states (``Trainer.q_values``): the input
+    ``x_e`` (role ``batch``: written only by the copy in), its BF16 copy, one forward pass
+    (tag ``e``), ``logits_e`` / ``logp_e`` and ``q_e`` (packed per branch)."""
+
+    def __init__(self, layout: StepLayout, rows: int):
+        super().__init__()
+        for name in ("H1", "H2", "NA", "SD", "branches", "heads", "bf16"):
+            setattr(self, name, getattr(layout, name))
+        self.rows = rows = int(rows)
+        self._add("x_e", (rows, self.SD), F32, "batch")
+        if self.bf16:
+            self._add("xb_e", (rows, self.SD), U16)
+        self._pass_buffers("e", rows, aux=False)
+        for name in ("logits_e", "logp_e"):
+            p = Packed(name, F32)
+            for d, n in enumerate(self.branches):
+                p.add(d, rows * n * self.NA)
+            self._add_packed(p)
+        q = Packed("q_e", F32)
+        for d, n in enumerate(self.branches):
+            q.add(d, rows * n)
+        self._add_packed(q)
+        clash = sorted(set(self.specs) & set(layout.specs))
+        if clash:
+            raise AssertionError(f"evaluation buffers {clash} shadow step buffers")
+
+    def split_q(self, q: np.ndarray) -> list[np.ndarray]:
+        """The packed ``q_e`` values as one ``[rows, n_d]`` array per branch (copies)."""
+        offsets = self.packed["q_e"].offsets
+        return [q[offsets[d]:offsets[d] + self.rows * n].reshape(self.rows, n).copy()
+                for d, n in enumerate(self.branches)]
+
+
+__all__ = ["BufferTable", "DESC_LENGTH_KEYS", "EvalLayout", "Head",
+           "NORM_SEGMENT", "OPERAND_ALIGN", "Packed", "READBACK_FIELDS", "READBACK_INDEX",
+           "StepLayout", "aux_nbytes", "blocks"]

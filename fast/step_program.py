@@ -1,0 +1,394 @@
+"""The fast step's plan builder: GEMM plans and the pieces every graph is made of, as records.
+
+``StepProgram(layout, *, planner, constants, host_nbytes, arch, gemm_workspace)`` makes the
+launch records (``foxhunt.fast.records``) of the step; the graphs themselves are written in
+``graph1_plan``, ``graph2_plan`` (with the upload graph) and ``eval_plan``. Records name
+buffers of ``layout`` (and, while an evaluation forward is built, of its ``EvalLayout``); the
+GPU engine turns them into graph nodes, the CPU executor into reference-kernel calls.
+
+GEMM precisions follow ``foxhunt.reference.network``: ``f32`` runs every GEMM in f32;
+``bf16`` runs the forward GEMMs on BF16 operands (weights from the BF16 mirror, activations
+converted by ``f32_to_bf16`` / the clamp's BF16 output) with f32 accumulation, and the backward
+GEMMs in TF32 on the f32 activations and f32 master weights. Bias adds and ReLUs of the forward
+are cuBLASLt epilogues (RELU_BIAS / RELU_AUX_BIAS / BIAS); the backward fuses the ReLU mask and
+the bias gradient (DRELU_BGRAD) and the output layers' bias gradient (BGRADB); a configuration
+the planner refuses falls back to a plain GEMM plus ``relu_mask_bias_grad`` or
+``bias_grad_reduce`` (the same math in one extra launch).
+
+GEMM workspace (``gemm_workspace``): ``"none"`` plans every GEMM without a workspace where
+cuBLASLt has an algorithm for it (no memset or split-K reduction nodes in the graphs; measured
+on the H200, seed preset: bf16 219 us vs 251 us per step with the default limit); where it has
+none, an epilogue with a kernel fallback (DRELU_BGRAD, BGRADB) takes the fallback and any other
+GEMM the default limit. ``"default"`` plans every GEMM with cuBLASLt's default limit (other
+algorithms, split-K among them: the long-run tool's "F32 with another summation order").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import numpy as np
+
+from foxhunt.fast.records import Binder, Buf, Ops
+from foxhunt.fast.sentinel_plan import desc_entries, desc_lengths_split
+from foxhunt.fast.step_layout import (
+    DESC_LENGTH_KEYS,
+    NORM_SEGMENT,
+    OPERAND_ALIGN,
+    EvalLayout,
+    StepLayout,
+    blocks,
+)
+from foxhunt.reference import isv as isv_mod
+from foxhunt.reference import sentinels
+
+#: ``gemm_workspace`` values (module docstring).
+GEMM_WORKSPACES = ("none", "default")
+#: Epilogues with a kernel fallback (relu_mask_bias_grad, bias_grad_reduce).
+FALLBACK_EPILOGUES = ("drelu_bgrad", "bgradb")
+#: Threads of the one-block step kernels and the flat ones' block; grid cap of the flat ones
+#: (grid-stride loops cover the rest).
+STEP_THREADS = 256
+STEP_MAX_BLOCKS = 1024
+
+#: ``planner(m, n, k, *, trans_a, trans_b, precision, epilogue, beta, min_alignment,
+#: workspace_limit)`` -> a plan with ``.spec``; raises ``GemmPlanError`` where it has none.
+Planner = Callable[..., object]
+
+
+def flat_plan(n: int) -> tuple[int, int, int]:
+    """Flat grid-stride launch of a step kernel over ``n`` elements."""
+    return min(blocks(n, STEP_THREADS), STEP_MAX_BLOCKS), STEP_THREADS, 0
+
+
+def one_block() -> tuple[int, int, int]:
+    return 1, STEP_THREADS, 0
+
+
+def alignment(byte_offsets) -> int:
+    """Largest power of two in [4, 256] dividing every byte offset from a 256-byte aligned
+    buffer start (cuBLASLt's ``min_alignment``)."""
+    align = 256
+    while align > 4 and any(off % align for off in byte_offsets):
+        align //= 2
+    bad = [off for off in byte_offsets if off % align]
+    if bad:
+        raise ValueError(f"GEMM operands at byte offsets {bad} are not 4-byte aligned; cuBLASLt "
+                         "plans need 4 (bf16 precision with an odd batch_size * state_dim?)")
+    return align
+
+
+class StepProgram:
+    """Records of the fast step (module docstring). ``plans``: every GEMM plan made (the GPU
+    engine closes them); ``fallbacks``: the epilogues that took the kernel fallback."""
+
+    def __init__(self, layout: StepLayout, *, planner: Planner, constants: Mapping[str, np.ndarray],
+                 host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none"):
+        from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
+
+        if gemm_workspace not in GEMM_WORKSPACES:
+            raise ValueError(f"gemm_workspace: {gemm_workspace!r} is not allowed; expected one of "
+                             f"{', '.join(map(repr, GEMM_WORKSPACES))}")
+        self.lay = layout
+        self.config = layout.config
+        self.planner = planner
+        self.arch = arch
+        self.gemm_workspace = gemm_workspace
+        self.default_workspace = DEFAULT_WORKSPACE_LIMIT
+        self.constants = constants
+        self.binder = Binder(layout.region, constants=constants, host_nbytes=host_nbytes)
+        self.plans: list = []
+        self.fallbacks: list[str] = []
+        self.fwd_mode = "bf16" if layout.bf16 else "f32"
+        self.bwd_mode = "tf32" if layout.bf16 else "f32"
+
+    def ops(self) -> Ops:
+        return Ops(self.binder)
+
+    def eval_binder(self, evl: EvalLayout, host_nbytes: Mapping[str, int]) -> Binder:
+        """A binder over the step buffers and ``evl``'s (names are disjoint)."""
+        def region(buf: Buf):
+            return evl.region(buf) if buf.name in evl else self.lay.region(buf)
+        return Binder(region, constants=self.constants, host_nbytes=host_nbytes)
+
+    # -- names
+    def weight(self, name: str, which: int, *, bf16: bool) -> Buf:
+        """Tensor ``name`` of params (which=0) or target (which=1), f32 or BF16."""
+        return Buf("mirror2" if bf16 else "params2",
+                   offset=which * self.lay.NP + self.lay.tensor_offset(name))
+
+    def grad(self, grad: str, name: str) -> Buf:
+        return Buf(grad, offset=self.lay.tensor_offset(name))
+
+    # -- GEMMs
+    def _plan(self, ops: Ops, m: int, n: int, k: int, *, operands, fallback: bool = False, **kw):
+        """A GEMM plan; ``fallback``: a refusal raises (the caller takes the kernel fallback)
+        where the workspace policy is ``"none"``."""
+        from foxhunt.fast.gemm import GemmPlanError
+
+        align = alignment([ops.binder.region(b, "GEMM operand").byte_start for b in operands])
+        plan = None
+        if self.gemm_workspace == "none":
+            try:
+                plan = self.planner(m, n, k, min_alignment=align, workspace_limit=0, **kw)
+            except GemmPlanError:
+                if fallback:
+                    raise
+        if plan is None:
+            plan = self.planner(m, n, k, min_alignment=align,
+                                workspace_limit=self.default_workspace, **kw)
+        self.plans.append(plan)
+        return plan
+
+    def linear(self, ops: Ops, *, rows, n, k, x, w, c, bias, epilogue, aux=None) -> None:
+        """``c = epilogue(x [rows, k] @ W[n, k]^T + bias)`` in the forward precision."""
+        plan = self._plan(ops, rows, n, k, operands=(x, w, c), trans_b=True,
+                          precision=self.fwd_mode, epilogue=epilogue)
+        ops.gemm(plan, a=x, b=w, c=c, bias=bias, aux=aux)
+
+    def weight_grad(self, ops: Ops, *, dy, x, rows, n_out, n_in, dw, db=None) -> None:
+        """``dW [n_out, n_in] = dy[rows, n_out]^T @ x[rows, n_in]`` and, with ``db``, ``db =
+        colsum(dy)`` through the BGRADB epilogue (or a plain GEMM plus ``bias_grad_reduce``
+        where the planner refuses it), in the backward precision."""
+        from foxhunt.fast.gemm import GemmPlanError
+
+        if db is not None:
+            try:
+                plan = self._plan(ops, n_out, n_in, rows, operands=(dy, x, dw), fallback=True,
+                                  trans_a=True, precision=self.bwd_mode, epilogue="bgradb")
+                ops.gemm(plan, a=dy, b=x, c=dw, bias=db)
+                return
+            except (GemmPlanError, ValueError) as exc:
+                self.fallbacks.append(f"bgradb {n_out}x{n_in}x{rows}: {exc}")
+            ops.kernel("bias_grad_reduce", self.kernels("dense").plan_bias_grad_reduce(rows, n_out),
+                       dy=dy, db=db, rows=rows, cols=n_out)
+        plan = self._plan(ops, n_out, n_in, rows, operands=(dy, x, dw), trans_a=True,
+                          precision=self.bwd_mode)
+        ops.gemm(plan, a=dy, b=x, c=dw)
+
+    def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, relu=None) -> None:
+        """``dx [rows, n_in] = dy [rows, n_out] @ W [n_out, n_in]``; with ``relu=(aux, h, db,
+        scratch)`` the result is masked by the forward ReLU (``h <= 0 ? 0 : dx``) and ``db =
+        colsum(masked dx)`` (DRELU_BGRAD; or, where the planner refuses it, a plain GEMM into
+        ``scratch``, then ``relu_mask_bias_grad``)."""
+        from foxhunt.fast.gemm import GemmPlanError
+
+        if relu is not None:
+            aux, h, db, scratch = relu
+            try:
+                plan = self._plan(ops, rows, n_in, n_out, operands=(dy, w, dx), fallback=True,
+                                  precision=self.bwd_mode, epilogue="drelu_bgrad")
+                ops.gemm(plan, a=dy, b=w, c=dx, bias=db, aux=aux)
+                return
+            except (GemmPlanError, ValueError) as exc:
+                self.fallbacks.append(f"drelu_bgrad {rows}x{n_in}x{n_out}: {exc}")
+            plan = self._plan(ops, rows, n_in, n_out, operands=(dy, w, scratch),
+                              precision=self.bwd_mode)
+            ops.gemm(plan, a=dy, b=w, c=scratch)
+            ops.kernel("relu_mask_bias_grad",
+                       self.kernels("dense").plan_relu_mask_bias_grad(rows, n_in),
+                       dy=scratch, h=h, dx=dx, db=db, rows=rows, cols=n_in)
+            return
+        plan = self._plan(ops, rows, n_in, n_out, operands=(dy, w, dx), precision=self.bwd_mode)
+        ops.gemm(plan, a=dy, b=w, c=dx)
+
+    # -- kernels used in several places
+    @staticmethod
+    def kernels(area: str):
+        """``foxhunt.fast.kernels.<area>`` (the launch shapes ``plan_*``)."""
+        import importlib
+
+        return importlib.import_module(f"foxhunt.fast.kernels.{area}")
+
+    def to_bf16(self, ops: Ops, src: Buf, dst: Buf, n: int) -> None:
+        ops.kernel("f32_to_bf16", self.kernels("dense").plan_f32_to_bf16(n), x=src, out=dst, n=n)
+
+    def norm(self, ops: Ops, src: str, which: str) -> None:
+        """Phase 1 of ``grad_norm_sq(src)``: ``partials_<which>`` (fixed trees, no atomics);
+        ``clip_saxpy_norm_partial`` sums them (phase 2) for the budget clip."""
+        n = self.lay.NP
+        ops.kernel("grad_norm_partial", self.kernels("optim").plan_grad_norm_partial(n, NORM_SEGMENT),
+                   x=src, n=n, block_size=NORM_SEGMENT, partials=f"partials_{which}")
+
+    def fused_check(self, ops: Ops, lens_key: str) -> None:
+        """``nan_check_fused`` over the entries of ``desc_lengths_split()[lens_key]`` (no launch
+        when that list is empty)."""
+        lens = desc_lengths_split(self.lay.sentinel)[lens_key]
+        if not any(lens):
+            return
+        ops.kernel("nan_check_fused", self.kernels("safety").plan_nan_check_fused(lens),
+                   buffers="desc_ptrs", lengths=lens_key, thresholds="thresholds", flags="flags",
+                   n_slots=self.lay.sentinel.n_desc)
+
+    # -- forward
+    def forward(self, ops: Ops, *, tag: str, rows: int, which: int, x: Buf, xb: Buf | None,
+                aux: bool, logits: Buf, logp: Buf, q: Buf | None = None,
+                extra: Ops | None = None) -> None:
+        """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
+        Mech 10 clamp (bound from ISV[H_S2_RMS_EMA] on the device), heads, then every branch's
+        dueling combine, log-softmax into ``logits`` / ``logp`` (branch-packed from there) and,
+        with ``q``, expected Q, in one launch. The heads' GEMMs run as parallel branches (first
+        layers, then second layers); ``extra`` runs alongside the first layers."""
+        lay, c = self.lay, self.config
+        bf16 = lay.bf16
+        p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
+        wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
+        relu_ep = "relu_aux_bias" if aux else "relu_bias"
+        h1, h2pre, h2 = Buf(f"h1{tag}"), Buf(f"h2pre{tag}"), Buf(f"h2{tag}")
+        self.linear(ops, rows=rows, n=lay.H1, k=lay.SD, x=xb if bf16 else x, w=wfwd("w_s1"),
+                    c=h1, bias=p32("b_s1"), epilogue=relu_ep,
+                    aux=Buf(f"aux1{tag}") if aux else None)
+        h1_in = h1
+        if bf16:
+            h1_in = Buf(f"h1{tag}_bf16")
+            self.to_bf16(ops, h1, h1_in, rows * lay.H1)
+        self.linear(ops, rows=rows, n=lay.H2, k=lay.H1, x=h1_in, w=wfwd("w_s2"), c=h2pre,
+                    bias=p32("b_s2"), epilogue=relu_ep, aux=Buf(f"aux2{tag}") if aux else None)
+        h2b = Buf(f"h2{tag}_bf16") if bf16 else None
+        n2 = rows * lay.H2
+        ops.kernel("glue_clamp_isv", flat_plan(n2), x=h2pre, out=h2, out_bf16=h2b, n=n2,
+                   isv="isv", index=isv_mod.H_S2_RMS_EMA_INDEX, mult=np.float32(c.h2_clamp_mult))
+        h2_in = h2b if bf16 else h2
+        firsts = [] if extra is None else [extra]
+        for h in lay.heads:
+            branch = ops.branch()
+            self.linear(branch, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
+                        c=Buf(f"hid{tag}", h.key), bias=p32(h.b1), epilogue=relu_ep,
+                        aux=Buf(f"auxh{tag}_{h.key}") if aux else None)
+            firsts.append(branch)
+        ops.parallel(*firsts)
+        hid_in = {h.key: Buf(f"hid{tag}", h.key) for h in lay.heads}
+        if bf16:
+            hid_total = ops.binder.region(Buf(f"hid{tag}"), "hid").available
+            self.to_bf16(ops, Buf(f"hid{tag}"), Buf(f"hid{tag}_bf16"), hid_total)
+            offsets = {h.key: ops.binder.region(hid_in[h.key], "hid").start for h in lay.heads}
+            hid_in = {key: Buf(f"hid{tag}_bf16", offset=off) for key, off in offsets.items()}
+        seconds = []
+        for d, h in enumerate(lay.heads):
+            branch = ops.branch()
+            out = Buf(f"v{tag}") if d == 0 else Buf(f"adv{tag}", d - 1)
+            self.linear(branch, rows=rows, n=h.out, k=h.hidden, x=hid_in[h.key], w=wfwd(h.w2),
+                        c=out, bias=p32(h.b2), epilogue="bias")
+            seconds.append(branch)
+        ops.parallel(*seconds)
+        ops.kernel("dueling_log_softmax_q_branches",
+                   self.kernels("fused").plan_dueling_log_softmax_q_branches(rows, lay.branches, lay.NA),
+                   v=f"v{tag}", adv=f"adv{tag}", z="z", n_actions="n_actions",
+                   action_offset="action_offset", logits=logits, logp=logp, q=q, batch=rows,
+                   num_atoms=lay.NA, with_q=1 if q is not None else 0)
+
+    # -- backward of one loss
+    def backward(self, ops: Ops, loss: str, pre: Ops) -> None:
+        """network.backward for the logit gradients in ``dlogits_<loss>``, into ``grad_<loss>``
+        (every tensor written, padding untouched); online(s) activations are rows 0..B.
+
+        ``pre`` produces ``dlogits_<loss>`` of every branch; one fused dueling backward (with
+        the value gradient summed over the branches in the reference's order) follows. Then
+        parallel branches: one per advantage head (its GEMMs), the value head, and the trunk
+        (after every head's ``dh2`` part; the parts are summed in the reference's order:
+        branches, then value). Each head computes its ``dh2`` part before its weight
+        gradients, so those overlap the trunk."""
+        lay = self.lay
+        B, NA, H1, H2 = lay.B, lay.NA, lay.H1, lay.H2
+        g = f"grad_{loss}"
+        P = lambda name: self.weight(name, 0, bf16=False)  # noqa: E731 - f32 master weights
+
+        def head(branch: Ops, hi: int, dy: Buf) -> None:
+            h = lay.heads[hi]
+            hid = Buf("hido", h.key)
+            dhid = Buf(f"dhid_{loss}", h.key)
+            self.input_grad(branch, dy=dy, w=P(h.w2), dx=dhid, rows=B, n_out=h.out, n_in=h.hidden,
+                            relu=(Buf(f"auxho_{h.key}"), hid, self.grad(g, h.b1),
+                                  Buf(f"dpre_{loss}", h.key)))
+            self.input_grad(branch, dy=dhid, w=P(h.w1), dx=Buf(f"dh2p_{loss}", h.key),
+                            rows=B, n_out=h.hidden, n_in=H2)
+            branch.record(f"dh2p_{loss}_{h.key}")
+            self.weight_grad(branch, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
+                             dw=self.grad(g, h.w2), db=self.grad(g, h.b2))
+            self.weight_grad(branch, dy=dhid, x=Buf("h2o"), rows=B, n_out=h.hidden, n_in=H2,
+                             dw=self.grad(g, h.w1))
+
+        ops.extend(pre)
+        ops.kernel("dueling_combine_backward_sum_branches",
+                   self.kernels("fused").plan_dueling_combine_backward_sum_branches(B, lay.branches, NA),
+                   dlogits=f"dlogits_{loss}", n_actions="n_actions", action_offset="action_offset",
+                   dv=f"dv_{loss}", dadv=f"dadv_{loss}", batch=B, num_atoms=NA, n_branches=lay.nb)
+        chains = []
+        for d in range(lay.nb):
+            branch = ops.branch()
+            head(branch, d + 1, Buf(f"dadv_{loss}", d))
+            chains.append(branch)
+        value = ops.branch()
+        head(value, 0, Buf(f"dv_{loss}"))
+        chains.append(value)
+        trunk = ops.branch()
+        for h in lay.heads:
+            trunk.wait(f"dh2p_{loss}_{h.key}")
+        parts = lay.packed[f"dh2p_{loss}"]
+        order = [h.key for h in lay.heads[1:]] + [lay.heads[0].key]
+        stride = blocks(B * H2, OPERAND_ALIGN) * OPERAND_ALIGN
+        assert [parts.offsets[k] for k in order] == [i * stride for i in range(len(order))]
+        trunk.kernel("glue_h2_grad_mask", flat_plan(B * H2), parts=f"dh2p_{loss}",
+                     n_parts=len(order), part_stride=stride, h2="h2o", h2_pre="h2preo",
+                     dh2_out=f"dh2_{loss}", out=f"dh2m_{loss}", n=B * H2)
+        # Slot 33 (C51 pass): the trunk gradient right after the main backward; nothing writes
+        # dh2 afterwards, so the check is a branch beside the trunk's GEMMs.
+        checks = []
+        if loss == "c51":
+            check = ops.branch()
+            check.kernel("nan_check", self.kernels("safety").plan_nan_check(B * H2),
+                         x=f"dh2_{loss}", n=B * H2,
+                         flag=Buf("flags", offset=sentinels.index("d_h2_post_main")))
+            checks.append(check)
+        dw2 = ops.branch()
+        dh2m = Buf(f"dh2m_{loss}")
+        self.weight_grad(dw2, dy=dh2m, x=Buf("h1o"), rows=B, n_out=H2, n_in=H1,
+                         dw=self.grad(g, "w_s2"), db=self.grad(g, "b_s2"))
+        rest = ops.branch()
+        dh1 = Buf(f"dh1_{loss}")
+        self.input_grad(rest, dy=dh2m, w=P("w_s2"), dx=dh1, rows=B, n_out=H2, n_in=H1,
+                        relu=(Buf("aux1o"), Buf("h1o"), self.grad(g, "b_s1"),
+                              Buf(f"dpre_{loss}", "trunk")))
+        self.weight_grad(rest, dy=dh1, x=Buf("batch.x"), rows=B, n_out=H1, n_in=lay.SD,
+                         dw=self.grad(g, "w_s1"))
+        trunk.parallel(*checks, dw2, rest)
+        chains.append(trunk)
+        ops.parallel(*chains)
+
+
+def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[str, np.ndarray]:
+    """Host values of the constant buffers (uploaded once, before the graphs are built);
+    ``address(buf)`` is the arena address of a region (the sentinel and spectral descriptors
+    hold pointers)."""
+    from foxhunt.fast.kernels.spectral import spectral_descriptors
+    from foxhunt.reference.step import support
+
+    lay, c = layout, layout.config
+    sp = lay.sentinel
+    ptrs = np.zeros(sp.n_desc, np.uint64)
+    mult = np.zeros(sp.n_desc, np.float32)
+    index = np.full(sp.n_desc, -1, np.int32)
+    power = np.ones(sp.n_desc, np.int32)
+    for k, piece in desc_entries(sp):
+        ptrs[k] = address(Buf(piece.buffer, piece.key, piece.offset))
+        if piece.slot in sp.rules:
+            mult[k], index[k], power[k] = sp.rules[piece.slot]
+    mats = [(address(Buf("params2", offset=lay.tensor_offset(t.name))), address(Buf("sn_u", t.name)),
+             address(Buf("sn_v", t.name)), t.shape[0], t.shape[1]) for t in lay.weights]
+    lens = desc_lengths_split(sp)
+    return {
+        "z": support(c),
+        "gamma": np.array(c.gammas, np.float32),
+        "alpha": np.array([c.cql_alpha], np.float32),
+        "scale": np.array([1.0 / (lay.B * lay.nb)], np.float32),
+        "n_actions": np.array(lay.branches, np.int32),
+        "action_offset": np.array(lay.action_offset, np.int32),
+        "thr_mult": mult, "thr_isv_index": index, "thr_power": power, "desc_ptrs": ptrs,
+        **{key: np.array(lens[key], np.int64) for key in DESC_LENGTH_KEYS},
+        "piece_slot": np.array([p.slot for p in sp.extras] or [0], np.int32),
+        "spectral_desc": spectral_descriptors(mats).view(np.uint8).reshape(len(mats), 32),
+    }
+
+
+__all__ = ["FALLBACK_EPILOGUES", "GEMM_WORKSPACES", "StepProgram", "alignment", "flat_plan",
+           "one_block", "step_constants"]

@@ -1,0 +1,404 @@
+"""Reference kernels of the training step's own bookkeeping (``cuda_src/step.cu``): the step's
+ISV-driven bounds, the Mech 10 clamp with its bound read from the ISV, the double-DQN choice
+with its gathers, the scalar targets, the TD errors' branch mean, the trunk gradient's sum and
+masks, the step scalars, and the merge of sentinel pieces. Each is the plain-NumPy twin of the
+CUDA kernel of the same name, in the kernel's float32 order (``-fmad=false``: every product
+and sum rounded on its own), which is also the order of the reference ``Trainer`` /
+``loss_and_grads`` where they compute the same values inline.
+
+Branch-packed arrays follow ``foxhunt.reference.kernels.fused``: branch ``d`` of an array with
+``R`` samples per block sits at element ``R * off_d * inner`` (``off_d`` the actions of the
+branches before it, ``inner`` the per-action width: ``NA`` for log-probabilities, 1 for Q).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from foxhunt.reference.kernels import dense, distributional, optim, safety
+from foxhunt.reference.kernels._checks import check_f32_array, check_int, require_array
+from foxhunt.reference.kernels.fused import _require_branches, branch_offsets
+
+F32 = np.float32
+I32 = np.int32
+
+#: The step scalars in the device ``readback`` block, in order (``loss_scalars`` and
+#: ``step_scalars`` write them; ``safety_clip_fired`` is 1.0 or 0.0).
+READBACK_FIELDS = ("loss", "c51_loss", "cql_loss", "grad_norm", "c51_norm_pre", "c51_norm_post",
+                   "cql_norm_pre", "cql_norm_post", "clip_bound", "safety_clip_fired", "mean_q",
+                   "mean_target_q")
+READBACK_INDEX = {name: i for i, name in enumerate(READBACK_FIELDS)}
+
+
+def _f32(name: str, value) -> np.float32:
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise ValueError(f"{name}: {value!r} is not a real scalar")
+    return F32(value)
+
+
+def _isv_bound(mult: np.float32, value: np.float32) -> np.float32:
+    """``mult * fmaxf(value, 1)`` (``safety.isv_bound`` without its argument checks: the
+    kernels take any float32 multiplier)."""
+    with np.errstate(all="ignore"):
+        return F32(mult * np.fmax(F32(value), F32(1)))
+
+
+# --------------------------------------------------------------------------------------------
+# Step bounds (graph 1's first kernel)
+# --------------------------------------------------------------------------------------------
+
+
+class StepBounds(NamedTuple):
+    """Outputs of ``step_bounds``: ``adam_t`` (int64 [1], advanced), ``weight_clamp``,
+    ``clip_bound`` (float32 [1] each) and ``thresholds`` (float32 [K])."""
+
+    adam_t: np.ndarray
+    weight_clamp: np.ndarray
+    clip_bound: np.ndarray
+    thresholds: np.ndarray
+
+
+def step_bounds(isv: np.ndarray, adam_t: np.ndarray, thr_mult: np.ndarray,
+                thr_isv_index: np.ndarray, thr_power: np.ndarray, q_abs_ref_index: int,
+                slow_ema_index: int, weight_clamp_mult, max_grad_norm, anchor_mult) -> StepBounds:
+    """The step's ISV-driven bounds, from the ISV at the start of the step:
+
+    - ``weight_clamp = weight_clamp_mult * fmaxf(isv[q_abs_ref_index], 1)`` (Mech 9);
+    - ``clip_bound = fminf(max_grad_norm, anchor_mult * fmaxf(isv[slow_ema_index], 1))``
+      (Mech 6's anchored safety clip);
+    - ``thresholds[k] = thr_mult[k] * e`` (``thr_power[k] == 1``) or ``thr_mult[k] * (e * e)``
+      (power 2) with ``e = fmaxf(isv[thr_isv_index[k]], 1)``, and 0 where ``thr_isv_index[k] <
+      0`` (``sentinels.sentinel_thresholds``; 0 means "non-finite test only");
+    - ``adam_t + 1`` (Adam's step counter).
+
+    Shapes: ``isv`` float32 [L]; ``adam_t`` int64 [1]; ``thr_*`` [K] (float32, int32, int32).
+    NaN contract: ``fmaxf`` takes the non-NaN operand, so a NaN ISV slot gives the bare
+    multiplier; ``fminf`` likewise; +Inf gives +Inf (no bound).
+    """
+    check_f32_array("isv", isv, ndim=1)
+    require_array("adam_t", adam_t, np.int64, ndim=1)
+    check_f32_array("thr_mult", thr_mult, ndim=1)
+    require_array("thr_isv_index", thr_isv_index, I32, ndim=1)
+    require_array("thr_power", thr_power, I32, ndim=1)
+    n = isv.shape[0]
+    q_index = check_int("q_abs_ref_index", q_abs_ref_index, minimum=0, maximum=n - 1)
+    slow_index = check_int("slow_ema_index", slow_ema_index, minimum=0, maximum=n - 1)
+    if thr_isv_index.shape != thr_mult.shape or thr_power.shape != thr_mult.shape:
+        raise ValueError(f"thr_isv_index, thr_power: shapes {thr_isv_index.shape}, "
+                         f"{thr_power.shape}; expected {thr_mult.shape} (one per threshold)")
+    if np.any(thr_isv_index >= n):
+        raise ValueError(f"thr_isv_index: {thr_isv_index.max()} is not an ISV slot (ISV length {n})")
+    with np.errstate(all="ignore"):
+        e = np.fmax(isv[np.maximum(thr_isv_index, 0)], F32(1))
+        base = np.where(thr_power == 2, e * e, e).astype(F32)
+        thresholds = np.where(thr_isv_index >= 0, thr_mult * base, F32(0)).astype(F32)
+    weight_clamp = _isv_bound(_f32("weight_clamp_mult", weight_clamp_mult), isv[q_index])
+    anchored = _isv_bound(_f32("anchor_mult", anchor_mult), isv[slow_index])
+    clip_bound = F32(np.fmin(_f32("max_grad_norm", max_grad_norm), anchored))
+    return StepBounds(adam_t + 1, np.array([weight_clamp], F32), np.array([clip_bound], F32),
+                      thresholds)
+
+
+# --------------------------------------------------------------------------------------------
+# Mech 10's clamp with its bound from the ISV
+# --------------------------------------------------------------------------------------------
+
+
+class ClampMirror(NamedTuple):
+    """Outputs of ``clamp_finite_isv``: ``out`` (float32) and its BF16 bits ``out_bf16``
+    (uint16, same shape; ``None`` unless asked for)."""
+
+    out: np.ndarray
+    out_bf16: np.ndarray | None
+
+
+def clamp_finite_isv(x: np.ndarray, isv: np.ndarray, index: int, mult, with_bf16: bool = False
+                     ) -> ClampMirror:
+    """``out = clamp_finite(x, mult * fmaxf(isv[index], 1))`` and, with ``with_bf16``, its BF16
+    mirror ``f32_to_bf16(out)`` (the next BF16 GEMM's operand). Mech 10 with the bound read
+    from the ISV slot inside the step graph.
+
+    Shapes: ``x`` float32, any shape; ``isv`` float32 [L]. NaN contract: ``clamp_finite``'s
+    (NaN and +/-Inf become +0.0); a NaN ISV value gives the bound ``mult``.
+    """
+    check_f32_array("x", x)
+    check_f32_array("isv", isv, ndim=1)
+    index = check_int("index", index, minimum=0, maximum=isv.shape[0] - 1)
+    bound = _isv_bound(_f32("mult", mult), isv[index])
+    out = safety.clamp_finite(x, bound)
+    return ClampMirror(out, dense.f32_to_bf16(out) if with_bf16 else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Double-DQN choice, gathers, scalar targets, TD errors
+# --------------------------------------------------------------------------------------------
+
+
+class DoubleDqnGather(NamedTuple):
+    """Outputs of ``double_dqn_gather_branches``: ``a_star`` int32 [D, B], ``p_next`` float32
+    [D, B, NA], ``q_taken`` float32 [D, B]."""
+
+    a_star: np.ndarray
+    p_next: np.ndarray
+    q_taken: np.ndarray
+
+
+def double_dqn_gather_branches(logp_target: np.ndarray, q_online: np.ndarray, actions: np.ndarray,
+                               branches, batch: int) -> DoubleDqnGather:
+    """Every branch's double-DQN choice and the gathers of ``loss_and_grads``:
+
+    - ``a_star[d, b] = double_dqn_select(Q_d(s2))[b]``, ``Q_d(s2)`` the rows ``batch..2 batch``
+      of branch d's block of ``q_online`` (lowest index on ties);
+    - ``p_next[d, b, :] = exp(logp_target_d[b, a_star[d, b], :])`` (float32 ``np.exp``);
+    - ``q_taken[d, b] = Q_d(s)[b, actions[d, b]]`` (rows ``0..batch``).
+
+    Shapes: ``logp_target`` float32 [batch * A_total, NA] (branch-packed, ``batch`` samples per
+    block); ``q_online`` float32 [q_rows * A_total] (branch-packed, ``q_rows >= 2 batch``
+    samples per block); ``actions`` int32 [D, batch], each in ``[0, n_d)``. NaN contract:
+    ``double_dqn_select``'s (a NaN Q never wins a comparison); ``exp`` propagates NaN.
+    """
+    branches = _require_branches(branches)
+    batch = check_int("batch", batch, minimum=1)
+    a_total = sum(branches)
+    require_array("logp_target", logp_target, F32, ndim=2)
+    if logp_target.shape[0] != batch * a_total:
+        raise ValueError(f"logp_target: shape {logp_target.shape}; expected [batch * A_total = "
+                         f"{batch * a_total}, NA]")
+    require_array("q_online", q_online, F32, ndim=1)
+    if q_online.shape[0] % a_total or q_online.shape[0] // a_total < 2 * batch:
+        raise ValueError(f"q_online: shape {q_online.shape}; expected [q_rows * A_total] with "
+                         f"q_rows >= 2 batch = {2 * batch}")
+    q_rows = q_online.shape[0] // a_total
+    require_array("actions", actions, I32, ndim=2)
+    if actions.shape != (len(branches), batch):
+        raise ValueError(f"actions: shape {actions.shape}; expected [D, batch] = {(len(branches), batch)}")
+    na = logp_target.shape[1]
+    rows = np.arange(batch)
+    a_star = np.zeros((len(branches), batch), I32)
+    p_next = np.zeros((len(branches), batch, na), F32)
+    q_taken = np.zeros((len(branches), batch), F32)
+    for d, (n, off) in enumerate(zip(branches, branch_offsets(branches))):
+        if np.any((actions[d] < 0) | (actions[d] >= n)):
+            raise ValueError(f"actions: row {d} holds an action outside [0, {n})")
+        q = q_online[q_rows * off:q_rows * (off + n)].reshape(q_rows, n)
+        a_star[d] = distributional.double_dqn_select(q[batch:2 * batch].copy())
+        logp = logp_target[batch * off:batch * (off + n)].reshape(batch, n, na)
+        with np.errstate(all="ignore"):
+            p_next[d] = np.exp(logp[rows, a_star[d]])
+        q_taken[d] = q[rows, actions[d]]
+    return DoubleDqnGather(a_star, p_next, q_taken)
+
+
+def scalar_target_q_branches(p_next: np.ndarray, z: np.ndarray, r: np.ndarray, done: np.ndarray,
+                             gamma: np.ndarray) -> np.ndarray:
+    """Scalar targets before Mech 1: ``target_q[d, b] = r[b] + (gamma[d] * (1 - done[b])) * e``,
+    ``e = sum_j p_next[d, b, j] * z[j]`` accumulated from 0 in atom order (each product and sum
+    rounded to float32: the kernel's loop).
+
+    Shapes: ``p_next`` float32 [D, B, NA]; ``z`` [NA]; ``r``, ``done`` [B]; ``gamma`` [D].
+    Returns float32 [D, B]. NaN contract: IEEE; NaN and Inf propagate through the sum.
+    """
+    require_array("p_next", p_next, F32, ndim=3)
+    n_d, b, na = p_next.shape
+    for name, x, n in (("z", z, na), ("r", r, b), ("done", done, b), ("gamma", gamma, n_d)):
+        require_array(name, x, F32, ndim=1)
+        if x.shape[0] != n:
+            raise ValueError(f"{name}: shape {x.shape}; expected [{n}]")
+    with np.errstate(all="ignore"):
+        e = np.zeros((n_d, b), F32)
+        for j in range(na):
+            e = (e + p_next[:, :, j] * z[j]).astype(F32)
+        discount = (gamma[:, None] * (F32(1) - done[None, :])).astype(F32)
+        return (r[None, :] + discount * e).astype(F32)
+
+
+def branch_mean(parts: np.ndarray, divisor) -> np.ndarray:
+    """``out[i] = ((0 + parts[0, i] / divisor) + parts[1, i] / divisor) + ...`` (float32,
+    left to right): the TD errors ``td = td + ce / nb`` of ``loss_and_grads`` with ``divisor``
+    the branch count (a divisor of 1 is exact).
+
+    Shapes: ``parts`` float32 [D, N]. Returns float32 [N]. NaN contract: IEEE.
+    """
+    require_array("parts", parts, F32, ndim=2)
+    div = _f32("divisor", divisor)
+    with np.errstate(all="ignore"):
+        acc = np.zeros(parts.shape[1], F32)
+        for d in range(parts.shape[0]):
+            acc = (acc + parts[d] / div).astype(F32)
+    return acc
+
+
+class TrunkGrad(NamedTuple):
+    """Outputs of ``h2_grad_sum_mask``: ``dh2`` (the summed trunk gradient) and ``out`` (masked
+    by the clamp and the ReLU), float32 of ``h2``'s shape."""
+
+    dh2: np.ndarray
+    out: np.ndarray
+
+
+def h2_grad_sum_mask(parts: np.ndarray, h2: np.ndarray, h2_pre: np.ndarray) -> TrunkGrad:
+    """The heads' parts of ``dh2`` summed in the reference's order (``dh2 = dh2 + part`` from
+    zeros, parts in order), then the backward through Mech 10's clamp and the trunk ReLU:
+    ``passed = (h2 == h2_pre) ? dh2 : 0`` (the clamp left the value unchanged) and ``out =
+    (h2_pre <= 0) ? 0 : passed`` (``dense.relu_mask`` on the pre-clamp activation).
+
+    Shapes: ``parts`` float32 [K, *S]; ``h2`` and ``h2_pre`` float32 [*S]. NaN contract: the
+    sum is IEEE; a NaN ``h2_pre`` fails both comparisons (passed 0, then not ``<= 0``: 0 out).
+    """
+    require_array("parts", parts, F32)
+    check_f32_array("h2", h2)
+    check_f32_array("h2_pre", h2_pre)
+    if parts.shape[1:] != h2.shape or h2_pre.shape != h2.shape:
+        raise ValueError(f"parts, h2, h2_pre: shapes {parts.shape}, {h2.shape}, {h2_pre.shape}; "
+                         "expected [K, *S], [*S], [*S]")
+    with np.errstate(all="ignore"):
+        total = np.zeros(h2.shape, F32)
+        for part in parts:
+            total = (total + part).astype(F32)
+    passed = np.where(h2 == h2_pre, total, F32(0)).astype(F32)
+    return TrunkGrad(total, np.where(h2_pre <= 0, F32(0), passed).astype(F32))
+
+
+# --------------------------------------------------------------------------------------------
+# Step scalars
+# --------------------------------------------------------------------------------------------
+
+
+class LossScalars(NamedTuple):
+    c51_loss: np.float32
+    cql_loss: np.float32
+    mean_q: np.float32
+    mean_target_q: np.float32
+
+
+def loss_scalars(c51_total: np.ndarray, terms: np.ndarray, q_taken: np.ndarray,
+                 target_q: np.ndarray, alpha) -> LossScalars:
+    """The loss scalars and means of the readback, in ``loss_and_grads``' order:
+    ``c51_loss = ((0 + c51_total[0]) + c51_total[1]) + ...``; ``cql_loss = ((0 + (alpha *
+    mean(terms[0])) / D) + (alpha * mean(terms[1])) / D) + ...``; ``mean_q = mean(q_taken)``,
+    ``mean_target_q = mean(target_q)``.
+
+    The means are float32 sums divided by the count; the kernel sums in a fixed block tree,
+    NumPy pairwise (a reduction: within the reduction tolerance, not bitwise).
+    Shapes: ``c51_total`` [D]; ``terms``, ``q_taken``, ``target_q`` [D, B]; all float32.
+    NaN contract: IEEE; a NaN anywhere in an input makes that scalar NaN.
+    """
+    require_array("c51_total", c51_total, F32, ndim=1)
+    for name, x in (("terms", terms), ("q_taken", q_taken), ("target_q", target_q)):
+        require_array(name, x, F32, ndim=2)
+        if x.shape[0] != c51_total.shape[0]:
+            raise ValueError(f"{name}: shape {x.shape}; expected [D = {c51_total.shape[0]}, B]")
+    n_d = F32(c51_total.shape[0])
+    a = _f32("alpha", alpha)
+    with np.errstate(all="ignore"):
+        c51 = cql = F32(0)
+        for d in range(c51_total.shape[0]):
+            c51 = F32(c51 + c51_total[d])
+            cql = F32(cql + F32(a * np.mean(terms[d], dtype=F32)) / n_d)
+        return LossScalars(c51, cql, F32(np.mean(q_taken, dtype=F32)),
+                           F32(np.mean(target_q, dtype=F32)))
+
+
+class StepScalarsOut(NamedTuple):
+    """Outputs of ``step_scalars``: ``total_sq``, ``safety_scale`` (float32), the ``readback``
+    block (float32 [len(READBACK_FIELDS)]) and the ``isv`` with its slow EMA updated."""
+
+    total_sq: np.float32
+    safety_scale: np.float32
+    readback: np.ndarray
+    isv: np.ndarray
+
+
+def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np.ndarray,
+                 readback: np.ndarray, budget_c51, budget_cql, slow_ema_index: int,
+                 slow_alpha) -> StepScalarsOut:
+    """The end of graph 1: ``total_sq = grad_norm_final(total_partials)``, then (norms ``n(sq) =
+    sqrtf(fmaxf(sq, 0))``; ``clip_scale`` as ``optim.clip_scale``):
+
+    - ``safety_scale = clip_scale(total_sq, clip_bound)`` (Adam's Mech 6 clip factor);
+    - ``readback`` (``READBACK_FIELDS``): ``loss = c51_loss + cql_loss`` (the two entries
+      ``loss_scalars`` wrote), ``grad_norm = n(total_sq)``, each loss's norm before its budget
+      clip and after it (``n(sq) * clip_scale(sq, budget)``: an overflowed norm gives
+      ``inf * 0 = NaN``), ``clip_bound``, ``safety_clip_fired = grad_norm > clip_bound``;
+      the other entries are kept;
+    - ``isv[slow_ema_index] = (1 - a) * slow + a * grad_norm`` where ``grad_norm`` is finite
+      (``budgets.slow_ema_update``).
+
+    Shapes: ``total_partials`` float32 [P]; ``isv`` float32 [L]; ``readback`` float32 [12].
+    NaN contract: the norms take ``fmaxf(sq, 0)`` (NaN gives 0); a NaN ``clip_bound`` never
+    fires the clip.
+    """
+    check_f32_array("total_partials", total_partials, ndim=1)
+    check_f32_array("isv", isv, ndim=1)
+    check_f32_array("readback", readback, ndim=1)
+    if readback.shape[0] != len(READBACK_FIELDS):
+        raise ValueError(f"readback: shape {readback.shape}; expected [{len(READBACK_FIELDS)}]")
+    slow = check_int("slow_ema_index", slow_ema_index, minimum=0, maximum=isv.shape[0] - 1)
+    c51_sq, cql_sq, bound = _f32("c51_sq", c51_sq), _f32("cql_sq", cql_sq), _f32("clip_bound", clip_bound)
+    b_c51, b_cql, a = _f32("budget_c51", budget_c51), _f32("budget_cql", budget_cql), _f32("slow_alpha", slow_alpha)
+    total_sq = optim.grad_norm_final(total_partials)
+    rb, ix = readback.copy(), READBACK_INDEX
+    with np.errstate(all="ignore"):
+        norm = optim.norm_from_sq(total_sq)
+        n_c51, n_cql = optim.norm_from_sq(c51_sq), optim.norm_from_sq(cql_sq)
+        rb[ix["loss"]] = F32(rb[ix["c51_loss"]] + rb[ix["cql_loss"]])
+        rb[ix["grad_norm"]] = norm
+        rb[ix["c51_norm_pre"]] = n_c51
+        rb[ix["c51_norm_post"]] = F32(n_c51 * _clip_scale(c51_sq, b_c51))
+        rb[ix["cql_norm_pre"]] = n_cql
+        rb[ix["cql_norm_post"]] = F32(n_cql * _clip_scale(cql_sq, b_cql))
+        rb[ix["clip_bound"]] = bound
+        rb[ix["safety_clip_fired"]] = F32(1) if norm > bound else F32(0)
+        out_isv = isv.copy()
+        if np.isfinite(norm):
+            out_isv[slow] = F32(F32(F32(1) - a) * isv[slow] + F32(a * norm))
+    return StepScalarsOut(total_sq, _clip_scale(total_sq, bound), rb, out_isv)
+
+
+def _clip_scale(norm_sq: np.float32, max_norm: np.float32) -> np.float32:
+    """``optim.clip_scale`` without its range check on ``max_norm`` (the kernel takes any)."""
+    n = optim.norm_from_sq(norm_sq)
+    with np.errstate(all="ignore"):
+        return F32(max_norm / n) if (n > max_norm and n > F32(0)) else F32(1)
+
+
+# --------------------------------------------------------------------------------------------
+# Sentinel pieces
+# --------------------------------------------------------------------------------------------
+
+
+def merge_piece_flags(flags: np.ndarray, piece_slot: np.ndarray, n_slots: int) -> np.ndarray:
+    """A sentinel slot checked as several pieces: ``flags[piece_slot[k]] = 1`` where the extra
+    piece's flag ``flags[n_slots + k]`` is set (sticky OR into the slot's flag).
+
+    Shapes: ``flags`` int32 [n_slots + P]; ``piece_slot`` int32 [P], each in ``[0, n_slots)``.
+    Returns the new flags (int32, same shape); the pieces' own flags are kept.
+    """
+    require_array("flags", flags, I32, ndim=1)
+    require_array("piece_slot", piece_slot, I32, ndim=1)
+    n_slots = check_int("n_slots", n_slots, minimum=0, maximum=flags.shape[0])
+    if n_slots + piece_slot.shape[0] != flags.shape[0]:
+        raise ValueError(f"flags: shape {flags.shape}; expected [n_slots + pieces = "
+                         f"{n_slots + piece_slot.shape[0]}]")
+    if np.any((piece_slot < 0) | (piece_slot >= n_slots)):
+        raise ValueError(f"piece_slot: {piece_slot.tolist()} holds a slot outside [0, {n_slots})")
+    out = flags.copy()
+    for k, slot in enumerate(piece_slot):
+        if flags[n_slots + k] != 0:
+            out[slot] = 1
+    return out
+
+
+KERNELS = {
+    "step_bounds": step_bounds,
+    "clamp_finite_isv": clamp_finite_isv,
+    "double_dqn_gather_branches": double_dqn_gather_branches,
+    "scalar_target_q_branches": scalar_target_q_branches,
+    "branch_mean": branch_mean,
+    "h2_grad_sum_mask": h2_grad_sum_mask,
+    "loss_scalars": loss_scalars,
+    "step_scalars": step_scalars,
+    "merge_piece_flags": merge_piece_flags,
+}
