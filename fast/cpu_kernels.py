@@ -113,10 +113,14 @@ def shape_of(spec, a: Args) -> tuple[int, ...]:
 def branches(a: Args, count: int) -> tuple[int, ...]:
     """The branch table of a ``*_branches`` kernel: ``n_actions[:count]``, checked against
     ``action_offset`` (the packed layout's offsets)."""
+    from foxhunt.fast.records import PlanError
+
     n = tuple(int(x) for x in a.table("n_actions", count))
     offsets = tuple(int(x) for x in a.table("action_offset", count))
+    if not n or min(n) < 1:
+        raise PlanError(f"n_actions {n}: a branch table holds action counts >= 1")
     if offsets != fused.branch_offsets(n):
-        raise ValueError(f"action_offset {offsets} does not match n_actions {n}")
+        raise PlanError(f"action_offset {offsets} does not match n_actions {n}")
     return n
 
 

@@ -1,0 +1,239 @@
+"""The fast step's plan as data (``foxhunt.fast.records``): launches bound by parameter name and
+checked when the plan is built, on the CPU; the dependency graph both executors share."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from foxhunt.fast.cpu_executor import CpuEngine, topological_order
+from foxhunt.fast.cpu_kernels import TWINS
+from foxhunt.fast.records import (
+    Buf,
+    Launch,
+    Ops,
+    Parallel,
+    PlanError,
+    check_dataflow,
+    dependency_graph,
+    kernel_params,
+)
+from foxhunt.reference.config import DQNConfig
+
+CONFIGS = [("tiny", "f32"), ("tiny", "bf16"), ("seed", "f32"), ("seed", "bf16")]
+
+
+def _engine(preset="tiny", precision="f32", **options) -> CpuEngine:
+    return CpuEngine(DQNConfig.preset(preset, precision=precision), **options)
+
+
+def _launches(ops: Ops, kernel: str) -> list[Launch]:
+    return [n for n in ops.nodes() if isinstance(n, Launch) and n.kernel == kernel]
+
+
+def _replace(ops: Ops, old, new) -> bool:
+    """Replace record ``old`` by ``new`` wherever it sits in ``ops`` (branches included)."""
+    for i, it in enumerate(ops.items):
+        if it is old:
+            ops.items[i] = new
+            return True
+        if isinstance(it, Parallel) and any(_replace(b, old, new) for b in (*it.sides, it.main)):
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------ the twins
+def test_every_twin_declares_the_extent_of_each_pointer_parameter():
+    params = kernel_params()
+    for name, twin in TWINS.items():
+        assert name in params, f"twin {name!r} names no kernel of cuda_src"
+        pointers = {p.name for p in params[name] if p.pointer}
+        assert set(twin.extents) == pointers, name
+        assert twin.nullable <= pointers, name
+
+
+@pytest.mark.parametrize("preset, precision", CONFIGS)
+def test_the_plan_launches_only_kernels_with_a_twin_and_checks_clean(preset, precision):
+    engine = _engine(preset, precision)
+    plans = engine.plans
+    kernels = {n.kernel for ops in (*plans["upload"], plans["graph1"], plans["graph2"])
+               for n in ops.nodes() if isinstance(n, Launch)}
+    assert kernels <= set(TWINS) and len(kernels) >= 20
+    # Every record's arguments are its kernel's parameters, in the kernel's order.
+    for ops in (plans["graph1"], plans["graph2"]):
+        for node in ops.nodes():
+            if isinstance(node, Launch):
+                assert list(node.args) == [p.name for p in kernel_params()[node.kernel]]
+
+
+# ------------------------------------------------------------------------------ one record
+def _c51_record(engine: CpuEngine) -> Launch:
+    return _launches(engine.plans["graph1"], "c51_project_grad")[0]
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda a: a.pop("isw"), r"kernel c51_project_grad: parameter 'isw' is not bound"),
+    (lambda a: a.update(weights="batch.isw"), r"kernel c51_project_grad: no parameter 'weights'"),
+    (lambda a: a.update(iws=a.pop("isw")), r"kernel c51_project_grad: no parameter 'iws'"),
+    (lambda a: a.update(isw=1.0), r"parameter 'isw' \(const float\* __restrict__\): expected a buffer"),
+    (lambda a: a.update(batch=Buf("td")), r"parameter 'batch' \(int\): a scalar parameter"),
+    (lambda a: a.update(batch=4.0), r"parameter 'batch' \(int\): expected an int"),
+    (lambda a: a.update(v_min=np.float64(-10)), r"parameter 'v_min' \(float\): expected a float32"),
+    (lambda a: a.update(actions=Buf("batch.r")), r"parameter 'actions' .*dtype float32; expected int32"),
+    (lambda a: a.update(m=Buf("batch.r")), r"parameter 'm' .*writes, but batch.r is a read-only batch"),
+    (lambda a: a.update(dlogits=Buf("z")), r"parameter 'dlogits' .*writes, but z is a read-only constant"),
+    (lambda a: a.update(p_next=Buf("td")), r"parameter 'p_next' needs \d+ elements; td holds"),
+    (lambda a: a.update(r=Buf("reward")), r"parameter 'r' .*no buffer 'reward'"),
+    (lambda a: a.update(logp=Buf("logp", ("x", 0))), r"parameter 'logp' .*no packed key"),
+    (lambda a: a.update(r=None), r"parameter 'r' .*a null pointer is not allowed"),
+])
+def test_a_wrong_argument_fails_naming_the_kernel_and_the_parameter(change, match):
+    engine = _engine()
+    record = _c51_record(engine)
+    args = dict(record.args)
+    engine.program.binder.launch(record.kernel, record.shape, args)  # the real record binds
+    change(args)
+    with pytest.raises(PlanError, match=match):
+        engine.program.binder.launch(record.kernel, record.shape, args)
+
+
+def test_an_unknown_kernel_fails():
+    engine = _engine()
+    record = _c51_record(engine)
+    with pytest.raises(PlanError, match="kernel c51_projekt_grad: no such kernel in cuda_src"):
+        engine.program.binder.launch("c51_projekt_grad", record.shape, dict(record.args))
+
+
+def test_a_swapped_pair_of_same_typed_pointers_fails_when_the_plan_is_built(monkeypatch):
+    """``c51_loss_branches`` with its outputs ``ce`` [D, B] and ``total`` [D] (both ``float*
+    __restrict__``) swapped: the region bound to ``ce`` is shorter than the twin's extent, so
+    building the plan (``CpuTrainer`` / ``GpuEngine`` construction) fails naming both."""
+    original = Ops.kernel
+
+    def swapping(self, name, plan, **args):
+        if name == "c51_loss_branches":
+            args["ce"], args["total"] = args["total"], args["ce"]
+        return original(self, name, plan, **args)
+
+    monkeypatch.setattr(Ops, "kernel", swapping)
+    c = DQNConfig.preset("tiny")
+    with pytest.raises(PlanError, match=rf"kernel c51_loss_branches: parameter 'ce' needs "
+                                        rf"{c.n_branches * c.batch_size} elements; c51_total holds "
+                                        rf"{c.n_branches}"):
+        _engine()
+
+
+def test_swapped_same_typed_pointers_are_caught_across_the_plan():
+    """Every pair of pointer parameters of one C type, swapped in every record of graph 1 and
+    graph 2 (seed preset, f32): the binder (dtype, read-only buffers, extents) and the data
+    flow check (reads of what no dependency wrote) catch most; the rest are pairs the plan
+    cannot tell apart (same type, role and size, both written before: e.g. ``base`` and
+    ``inject`` of the budget tail), which the CPU step comparison catches instead."""
+    engine = _engine("seed")
+    lay, binder = engine.layout, engine.program.binder
+    graphs = [engine.plans["upload"][0], engine.plans["graph1"], engine.plans["graph2"]]
+    caught, missed = 0, []
+    for ops in graphs[1:]:
+        for node in ops.nodes():
+            if not isinstance(node, Launch):
+                continue
+            pointers = [p for p in kernel_params()[node.kernel]
+                        if p.pointer and node.args[p.name] is not None]
+            for p, q in itertools.combinations(pointers, 2):
+                if p.ctype != q.ctype or node.args[p.name] == node.args[q.name]:
+                    continue
+                args = dict(node.args)
+                args[p.name], args[q.name] = args[q.name], args[p.name]
+                try:
+                    swapped = binder.launch(node.kernel, node.shape, args)
+                    assert _replace(ops, node, swapped)
+                    try:
+                        check_dataflow(graphs, lay.role, lay.zero_padding())
+                    finally:
+                        assert _replace(ops, swapped, node)
+                    missed.append(f"{node.kernel}: {p.name} <-> {q.name}")
+                except PlanError:
+                    caught += 1
+    print(f"swapped same-typed pointer pairs: {caught} caught at plan build, {len(missed)} not: "
+          + "; ".join(missed))
+    assert caught > len(missed)
+    assert not any(m.startswith(("c51_loss_branches", "dueling_combine_backward_sum_branches"))
+                   for m in missed)
+
+
+# ------------------------------------------------------------------------------ data flow
+def test_a_missing_dependency_between_branches_fails_the_data_flow_check(monkeypatch):
+    """Without the C51 losses' wait for branch 0's projection, ``c51_loss_branches`` would read
+    ``m`` while it may still be written: the data flow check fails when the plan is built."""
+    original = Ops.wait
+    monkeypatch.setattr(Ops, "wait", lambda self, event: None if event == "m0" else original(self, event))
+    with pytest.raises(PlanError, match=r"kernel c51_loss_branches parameter 'm' reads bytes .* of 'm'"):
+        _engine()
+
+
+def _toy(*items) -> Ops:
+    ops = Ops(binder=None)
+    ops.items.extend(items)
+    return ops
+
+
+@pytest.mark.parametrize("order, want", [("latest_first", ["m1", "s1", "s2", "m2"]),
+                                         ("capture_order", ["s1", "s2", "m1", "m2"])])
+def test_dependency_graph_forks_joins_and_orders_like_stream_capture(order, want):
+    """A side forked before any work on the main stream starts with a root node (as in CUDA);
+    the join makes the next node depend on both ends; both orders keep every edge."""
+    ops = _toy()
+    ops.parallel(_toy("s1", "s2"), _toy("m1"))
+    ops.items.append("m2")
+    nodes, deps = dependency_graph([ops])
+    assert nodes == ["s1", "s2", "m1", "m2"]
+    assert deps == [frozenset(), {0}, frozenset(), {1, 2}]
+    assert [nodes[i] for i in topological_order(deps, order)] == want
+    # A second graph depends on every node of the first.
+    nodes, deps = dependency_graph([ops, _toy("g2")])
+    assert deps[-1] == {0, 1, 2, 3}
+
+
+def test_dependency_graph_events():
+    side = _toy("a")
+    side.record("e")
+    main = _toy("b")
+    main.wait("e")
+    main.items.append("c")
+    ops = _toy()
+    ops.parallel(side, main)
+    nodes, deps = dependency_graph([ops])
+    assert nodes == ["a", "b", "c"] and deps[2] == {0, 1}
+    bad = _toy()
+    bad.wait("never")
+    with pytest.raises(PlanError, match="wait on event 'never' before it is recorded"):
+        dependency_graph([bad])
+    twice = _toy()
+    twice.record("e")
+    twice.record("e")
+    with pytest.raises(PlanError, match="event 'e' recorded twice"):
+        dependency_graph([twice])
+
+
+# ------------------------------------------------------------------------------ switches
+def test_gemm_workspace_is_a_parameter_with_two_values():
+    from foxhunt.fast.cpu_executor import CpuTrainer
+
+    config = DQNConfig.preset("tiny")
+    assert CpuTrainer(config, gemm_workspace="default").program.gemm_workspace == "default"
+    with pytest.raises(ValueError, match=r"gemm_workspace: 'some' is not allowed; expected one of "
+                                         r"'none', 'default'"):
+        CpuTrainer(config, gemm_workspace="some")
+
+
+def test_the_workspace_policy_decides_the_fallbacks():
+    """``"none"``: a refused epilogue with a kernel fallback takes it; ``"default"``: the
+    planner is asked again with the default workspace (here it refuses again: fallback)."""
+    refused = ("drelu_bgrad", "bgradb")
+    for workspace in ("none", "default"):
+        engine = _engine(gemm_workspace=workspace, refused_epilogues=refused)
+        assert len(engine.program.fallbacks) == 2 * (2 * 2 + 4)
+        epilogues = {n.spec.epilogue for n in engine.plans["graph1"].nodes() if hasattr(n, "spec")}
+        assert not epilogues & set(refused)
