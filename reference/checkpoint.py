@@ -73,14 +73,14 @@ def integrity_hash(metadata: dict[str, str], tensors: dict[str, np.ndarray]) -> 
     ``tensors``, by the recipe in the module docstring."""
     names = sorted(tensors)
     arrays = [np.asarray(tensors[n]) for n in names]
-    arrays = [np.ascontiguousarray(a, dtype=a.dtype.newbyteorder("<")) for a in arrays]
+    arrays = [a.astype(a.dtype.newbyteorder("<"), copy=False) for a in arrays]
     described = {
         "metadata": {k: v for k, v in metadata.items() if k != HASH_KEY},
         "tensors": [[n, a.dtype.str, list(a.shape)] for n, a in zip(names, arrays)],
     }
     digest = hashlib.sha256(json.dumps(described, sort_keys=True, separators=(",", ":")).encode())
     for a in arrays:
-        digest.update(a.view(np.uint8))  # a's bytes in C order, without a copy
+        digest.update(np.ascontiguousarray(a).view(np.uint8))  # C-order bytes, copied only if needed
     return digest.hexdigest()
 
 
