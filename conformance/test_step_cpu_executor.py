@@ -1,0 +1,101 @@
+"""Step conformance of the fast step's own plan on the CPU (SPEC 9, "The plan is data"): the
+fast Trainer's records run by ``foxhunt.fast.cpu_executor.CpuTrainer`` (the same-name
+reference twins, a reference GEMM per GEMM record) against the reference ``Trainer``, under
+the step-conformance bounds and harnesses of the GPU tests (``step_harness``, ``step_compare``).
+
+What this checks without a GPU: the plan's buffers, argument bindings, GEMM shapes, epilogues
+and their kernel fallbacks, launch order and branch dependencies (branches run "latest ready
+record first": an edge missing between parallel branches changes the result; and in capture
+order), readback, state exchange and checkpoints. What it cannot check is the CUDA code of the
+kernels and cuBLASLt (the kernel conformance tests and ``test_step``'s GPU cases do).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from foxhunt.conformance.step_compare import compare_step, run_step
+from foxhunt.conformance.step_conditioning import condition_batch
+from foxhunt.conformance.step_harness import (
+    INJECTIONS,
+    PRECISIONS,
+    PRESETS,
+    STARTS,
+    assert_all,
+    check_checkpoint_interchange,
+    check_injection,
+    check_readback_sequence,
+    one_step,
+    shared_case,
+)
+from foxhunt.fast.cpu_executor import BRANCH_ORDERS, CpuTrainer
+from foxhunt.reference.batch import Batch
+from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.trainer import Trainer
+
+CASES = [pytest.param(p, q, s, id=f"{p}-{q}-{s}") for p in PRESETS for q in PRECISIONS for s in STARTS]
+#: The GEMM epilogues a cuBLASLt may refuse, each with a kernel fallback.
+FALLBACK_EPILOGUES = ("drelu_bgrad", "bgradb")
+
+
+@pytest.mark.parametrize("case, precision, start", CASES)
+def test_cpu_executor_step_matches_reference(case, precision, start) -> None:
+    assert_all(one_step(CpuTrainer, shared_case(case, precision, start))[0])
+
+
+@pytest.mark.parametrize("order", BRANCH_ORDERS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cpu_executor_step_in_either_branch_order(precision, order) -> None:
+    """Parallel branches run latest-ready-first or in capture order: the same step (a missing
+    dependency between branches would make one order read stale data)."""
+    factory = functools.partial(CpuTrainer, branch_order=order)
+    assert_all(one_step(factory, shared_case("tiny", precision, "warm"))[0])
+
+
+@pytest.mark.parametrize("case", PRESETS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cpu_executor_fallback_step_matches_reference(case, precision) -> None:
+    """Every DRELU_BGRAD / BGRADB GEMM refused: the plain GEMM + relu_mask_bias_grad /
+    bias_grad_reduce plan gives the same step."""
+    factory = functools.partial(CpuTrainer, refused_epilogues=FALLBACK_EPILOGUES)
+    assert_all(one_step(factory, shared_case(case, precision, "warm"))[0])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cpu_executor_three_steps_resynchronised_each_step(precision) -> None:
+    """Three consecutive steps, both trainers loading the reference's state before each: every
+    step within the bounds (the executor keeps no hidden state between steps)."""
+    config = DQNConfig.preset("tiny", precision=precision)
+    case = shared_case("tiny", precision, "warm")
+    ref = Trainer(config)
+    ref.load_state_dict(case.fresh_state())
+    fast = CpuTrainer(config)
+    rng = np.random.default_rng(3)
+    for _ in range(3):
+        before = ref.state_dict()
+        for trainer in (ref, fast):  # both start the step with the same readback bookkeeping
+            trainer.load_state_dict({k: v.copy() for k, v in before.items()})
+        batch = condition_batch(config, before, Batch.random(config, rng), rng)
+        assert_all(compare_step(config, before, run_step(ref, batch), run_step(fast, batch)))
+
+
+@pytest.mark.parametrize("case", PRESETS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kind", INJECTIONS)
+def test_cpu_executor_step_with_injected_non_finite_values(kind, precision, case) -> None:
+    assert_all(check_injection(CpuTrainer, shared_case(case, precision, "warm"), kind))
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("resync", [True, False], ids=["resync", "free"])
+def test_cpu_executor_readback_sequence_matches_reference(resync, precision) -> None:
+    check_readback_sequence(CpuTrainer, DQNConfig.preset("tiny", precision=precision), resync)
+
+
+@pytest.mark.parametrize("case", PRESETS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cpu_executor_checkpoint_interchange(precision, case, tmp_path) -> None:
+    assert_all(check_checkpoint_interchange(CpuTrainer, shared_case(case, precision, "warm"), tmp_path))
