@@ -133,15 +133,18 @@ BATCH_CASES = {
     # r[b] = +Inf: the projection clips it to v_max (a finite row) and Mech 1 clips the scalar
     # target to 100 * max(Q_ABS_REF, 1), which is above the 95x diagnostic threshold of slot 46.
     ("r", np.inf): {"rewards", "target_q_post_clip"},
-    # A non-finite importance weight never reaches the step: Batch.validate rejects it (a user
-    # error, test_an_invalid_batch_leaves_the_trainer_unchanged).
+    # isw[b] NaN: it scales the C51 loss and the C51 logit gradient of row b only (td_errors
+    # are the unweighted per-sample losses; CQL is unweighted). A host batch never carries one
+    # (Batch.validate refuses it: test_an_invalid_batch_leaves_the_trainer_unchanged); the
+    # case bypasses validation because slot 23 guards weights that reach the step otherwise.
+    ("isw", np.nan): {"importance_weights", "c51_loss"} | C51_BACKWARD,
 }
 
 
 @pytest.mark.parametrize("field, value", list(BATCH_CASES), ids=lambda x: str(x))
 def test_batch_injection_fires_the_right_slots(field, value, monkeypatch):
     trainer, rng = warm_trainer()
-    if field == "isw":  # Batch.validate refuses it; slot 23 guards batches built on the device
+    if field == "isw":  # see BATCH_CASES: Batch.validate would refuse it
         monkeypatch.setattr(Batch, "validate", lambda self, config: self)
     batch = poisoned(Batch.random(trainer.config, rng), field, value)
     with np.errstate(all="ignore"):
