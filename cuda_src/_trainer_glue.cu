@@ -13,10 +13,9 @@
 // Arithmetic: -fmad=false (fast/_build.py) plus explicit __fmul_rn/__fadd_rn/__fdiv_rn where
 // the order matters; selects and comparisons exactly as the reference writes them.
 
-#include "hb_common.cuh"  // grad_norm_final's summation tree (the total norm, folded in)
+#include "reduce.cuh"  // grad_norm_final's summation tree (the total norm), block_sum_halving
 #include "distributional.cuh"  // double_dqn_argmax (the double-DQN choice, shared)
 
-#define GLUE_WARP 32
 #define GLUE_THREADS 256
 #define GLUE_F32_EXP_MASK 0x7f800000u
 #define GLUE_F32_SIGN_CLEAR 0x7fffffffu
@@ -50,39 +49,13 @@ static __device__ __forceinline__ unsigned short glue_bf16_bits(float x) {
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// Sum of one value per thread over a block of GLUE_THREADS threads (fixed tree: warp butterflies,
-// then warp 0 over the warp sums in warp order). Every thread gets the result.
-static __device__ __forceinline__ float glue_block_sum(float v) {
-    __shared__ float warp_sums[GLUE_THREADS / GLUE_WARP];
-    __shared__ float result;
-    for (int offset = GLUE_WARP / 2; offset > 0; offset >>= 1) {
-        v = __fadd_rn(v, __shfl_xor_sync(0xffffffffu, v, offset));
-    }
-    __syncthreads();
-    if (threadIdx.x % GLUE_WARP == 0) {
-        warp_sums[threadIdx.x / GLUE_WARP] = v;
-    }
-    __syncthreads();
-    if (threadIdx.x < GLUE_WARP) {
-        float s = threadIdx.x < GLUE_THREADS / GLUE_WARP ? warp_sums[threadIdx.x] : -0.0f;
-        for (int offset = GLUE_WARP / 2; offset > 0; offset >>= 1) {
-            s = __fadd_rn(s, __shfl_xor_sync(0xffffffffu, s, offset));
-        }
-        if (threadIdx.x == 0) {
-            result = s;
-        }
-    }
-    __syncthreads();
-    return result;
-}
-
-// float32 sum of x[0..n) by the whole block (thread-strided partials, then glue_block_sum).
+// float32 sum of x[0..n) by the whole block (thread-strided partials, then block_sum_halving).
 static __device__ __forceinline__ float glue_block_total(const float* x, int n) {
     float acc = -0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         acc = __fadd_rn(acc, x[i]);
     }
-    return __fadd_rn(glue_block_sum(acc), 0.0f);  // an empty sum reads +0.0
+    return __fadd_rn(block_sum_halving(acc), 0.0f);  // an empty sum reads +0.0
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -318,9 +291,9 @@ extern "C" __global__ void glue_step_scalars(const float* __restrict__ total_par
                                              float* __restrict__ readback, float budget_c51,
                                              float budget_cql, int slow_ema_index,
                                              float slow_alpha) {
-    __shared__ float scratch[HB_WARP + 1];
-    const float partial = hb_thread_partial(total_partials, 0, n_partials, HbIdentity());
-    const float sum = hb_block_sum(partial, scratch);
+    __shared__ float scratch[REDUCE_WARP + 1];
+    const float partial = thread_partial(total_partials, 0, n_partials, SumIdentity());
+    const float sum = block_sum(partial, scratch);
     if (blockIdx.x != 0 || threadIdx.x != 0) {
         return;
     }

@@ -11,6 +11,8 @@
 // built with -fmad=false (fast/_build.py).
 #pragma once
 
+#include "reduce.cuh"  // warp_sum_halving, warp_max_halving (this file's butterflies)
+
 namespace {
 
 constexpr int kWarp = 32;
@@ -46,26 +48,6 @@ static __device__ __forceinline__ int double_dqn_argmax(const float* __restrict_
     return best_index;
 }
 
-// Sum over the 32 lanes; every lane gets the same value (a + b == b + a in IEEE arithmetic, so
-// the partner lanes of the butterfly compute identical sums).
-static __device__ __forceinline__ float warp_sum(float x) {
-#pragma unroll
-    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-        x = x + __shfl_xor_sync(kFullMask, x, offset);
-    }
-    return x;
-}
-
-// fmaxf over the 32 lanes (skips NaN; log_softmax_atoms' contract allows it: a NaN entry still
-// reaches the sum through expf(NaN - m)).
-static __device__ __forceinline__ float warp_max(float x) {
-#pragma unroll
-    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {
-        x = fmaxf(x, __shfl_xor_sync(kFullMask, x, offset));
-    }
-    return x;
-}
-
 // np.max's pairwise step: NaN wins (either operand).
 static __device__ __forceinline__ float max_keep_nan(float best, float x) {
     if (isnan(best)) {
@@ -83,7 +65,7 @@ static __device__ __forceinline__ float warp_expected_q(const float* __restrict_
     for (int j = lane; j < num_atoms; j += kWarp) {
         acc = acc + expf(logp_row[j]) * z[j];
     }
-    return warp_sum(acc);
+    return warp_sum_halving(acc);
 }
 
 // -Inf as a float (the log-softmax max's start).
@@ -104,12 +86,12 @@ static __device__ __forceinline__ float log_softmax_row(const float* __restrict_
     for (int j = lane; j < num_atoms; j += kWarp) {
         m = fmaxf(m, x[j]);
     }
-    m = warp_max(m);
+    m = warp_max_halving(m);
     float sum = 0.0f;
     for (int j = lane; j < num_atoms; j += kWarp) {
         sum = sum + expf(x[j] - m);
     }
-    const float log_sum = logf(warp_sum(sum));
+    const float log_sum = logf(warp_sum_halving(sum));
     float q = 0.0f;
     for (int j = lane; j < num_atoms; j += kWarp) {
         const float value = (x[j] - m) - log_sum;
@@ -118,7 +100,7 @@ static __device__ __forceinline__ float log_softmax_row(const float* __restrict_
             q = q + expf(value) * z[j];
         }
     }
-    return with_q ? warp_sum(q) : 0.0f;
+    return with_q ? warp_sum_halving(q) : 0.0f;
 }
 
 // sum_a x[base + a * num_atoms] over the actions, in action order (the reference's order).
@@ -302,7 +284,7 @@ static __device__ __forceinline__ void c51_loss_body(
         }
 #pragma unroll
         for (int g = 0; g < kLossGroup; ++g) {
-            sum[g] = warp_sum(sum[g]);
+            sum[g] = warp_sum_halving(sum[g]);
         }
 #pragma unroll
         for (int g = 0; g < kLossGroup; ++g) {
@@ -322,7 +304,7 @@ static __device__ __forceinline__ void c51_loss_body(
     __syncthreads();
     if (warp == 0) {
         const float partial = lane < warps ? warp_partial[lane] : 0.0f;
-        const float sum_all = warp_sum(partial);
+        const float sum_all = warp_sum_halving(partial);
         if (lane == 0) {
             total[0] = scale[0] * sum_all;
         }

@@ -8,7 +8,6 @@
 // A full warp takes part in every shuffle below.
 #define HA_FULL_MASK 0xffffffffu
 #define HA_WARP_SIZE 32
-#define HA_MAX_WARPS 32  // 1024 threads: the largest block
 
 // IEEE binary32 exponent field: all ones means Inf or NaN.
 #define HA_F32_EXP_MASK 0x7f800000u
@@ -44,37 +43,3 @@ struct HaFmin {
 struct HaFmax {
     __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
-
-// Tree reduction of one value per lane; lane 0 gets the result (fixed shape: deterministic).
-template <class Op>
-static __device__ __forceinline__ float ha_warp_reduce(float v, Op op) {
-    for (int offset = HA_WARP_SIZE / 2; offset > 0; offset >>= 1) {
-        v = op(v, __shfl_down_sync(HA_FULL_MASK, v, offset));
-    }
-    return v;
-}
-
-// Block-wide reduction of one value per thread; every thread gets the result. blockDim.x must
-// be a multiple of 32 (at most 1024); `identity` fills the lanes of the second stage that have
-// no warp. Two __syncthreads: safe to call repeatedly in a loop.
-template <class Op>
-static __device__ __forceinline__ float ha_block_reduce(float v, Op op, float identity) {
-    __shared__ float warp_values[HA_MAX_WARPS];
-    __shared__ float result;
-    const int lane = threadIdx.x % HA_WARP_SIZE;
-    const int warp = threadIdx.x / HA_WARP_SIZE;
-    const int n_warps = blockDim.x / HA_WARP_SIZE;
-    v = ha_warp_reduce(v, op);
-    if (lane == 0) {
-        warp_values[warp] = v;
-    }
-    __syncthreads();
-    if (warp == 0) {
-        v = ha_warp_reduce(lane < n_warps ? warp_values[lane] : identity, op);
-        if (lane == 0) {
-            result = v;
-        }
-    }
-    __syncthreads();
-    return result;
-}

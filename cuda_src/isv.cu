@@ -4,8 +4,8 @@
 //
 // Slot indices, the signal count and the adaptive-rate constants are kernel arguments taken
 // from the ISV registry (foxhunt.reference.isv) by the launchers, so they are defined once.
-// Reductions are one block with the fixed trees of hb_common.cuh: no atomics.
-#include "hb_common.cuh"
+// Reductions are one block with the fixed trees of reduce.cuh: no atomics.
+#include "reduce.cuh"
 
 // The guarded float32 EMA of the reference (_ema): new = (1 - alpha) * old + alpha * x, each
 // product and the sum rounded; a non-finite x keeps old, a non-finite old takes x, an
@@ -51,7 +51,7 @@ struct HbFiniteTerm {
     long long count = 0;
     __device__ __forceinline__ float operator()(float x) {
         if (!isfinite(x)) {
-            return HB_SUM_IDENTITY;
+            return REDUCE_SUM_IDENTITY;
         }
         ++count;
         return square ? __fmul_rn(x, x) : fabsf(x);
@@ -64,11 +64,11 @@ struct HbFiniteTerm {
 template <bool square, typename Value>
 __device__ __forceinline__ void hb_finite_mean_ema(float* isv, int slot, const float* x,
                                                    long long n, float alpha, Value value) {
-    __shared__ float scratch[HB_WARP + 1];
-    __shared__ long long count_scratch[HB_WARP + 1];
+    __shared__ float scratch[REDUCE_WARP + 1];
+    __shared__ long long count_scratch[REDUCE_WARP + 1];
     HbFiniteTerm<square> term;
-    const float total = hb_block_sum(hb_thread_partial(x, 0, n, term), scratch);
-    const long long count = hb_block_sum(term.count, count_scratch);
+    const float total = block_sum(thread_partial(x, 0, n, term), scratch);
+    const long long count = block_sum(term.count, count_scratch);
     if (threadIdx.x == 0 && count > 0) {
         isv[slot] = hb_guarded_ema(isv[slot], value(total, __ll2float_rn(count)), alpha);
     }
@@ -89,7 +89,7 @@ struct HbRootMean {
 // isv_q_abs_ref_update: isv[slot] = ema(isv[slot], mean |q_i| over the finite q_i, alpha);
 // mean = sum / float(count). No finite q (or an empty q): unchanged; an overflowing sum gives a
 // non-finite mean, which the EMA guard ignores. Launch: grid 1, block a multiple of 32.
-extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 isv_q_abs_ref_update(float* __restrict__ isv, int slot, const float* __restrict__ q, long long n,
                      float alpha) {
     hb_finite_mean_ema<false>(isv, slot, q, n, alpha, HbMean());
@@ -98,7 +98,7 @@ isv_q_abs_ref_update(float* __restrict__ isv, int slot, const float* __restrict_
 // isv_h2_rms_update: isv[slot] = ema(isv[slot], rms, alpha), rms = sqrtf(fmaxf(sum h_i^2 /
 // float(count), 0)) over the finite h_i. No finite h: unchanged; overflowing squares give a
 // non-finite rms, which the EMA guard ignores. Launch: grid 1, block a multiple of 32.
-extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 isv_h2_rms_update(float* __restrict__ isv, int slot, const float* __restrict__ h2, long long n,
                   float alpha) {
     hb_finite_mean_ema<true>(isv, slot, h2, n, alpha, HbRootMean());

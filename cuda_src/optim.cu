@@ -6,9 +6,9 @@
 // counter, the safety-clip factor, the ISV-driven weight clamp) are read through device
 // pointers, so a graph replays with the current values; configuration constants are passed by
 // value. Elementwise kernels use grid-stride loops and give the same bits for any launch
-// shape; reductions use the fixed trees of hb_common.cuh (their bits depend on blockDim.x, which
+// shape; reductions use the fixed trees of reduce.cuh (their bits depend on blockDim.x, which
 // the launch plans in fast/kernels/optim.py fix).
-#include "hb_common.cuh"
+#include "reduce.cuh"
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (shared with dense.cu)
 
 // ---------------------------------------------------------------------------------------------
@@ -55,14 +55,14 @@ __device__ __forceinline__ long long hb_grid_stride() {
 // ---------------------------------------------------------------------------------------------
 
 // grad_norm_sq: out[0] = sum of x_i^2 over the finite x_i (float32). One block strides over the
-// whole buffer (hb_thread_partial, then hb_block_sum). The trainer's large buffers use the
+// whole buffer (thread_partial, then block_sum). The trainer's large buffers use the
 // two-phase pair below, which spreads the reads over many blocks.
 // Launch: grid 1, block a multiple of 32 (plan_grad_norm_sq).
-extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 grad_norm_sq(const float* __restrict__ x, long long n, float* __restrict__ out) {
-    __shared__ float scratch[HB_WARP + 1];
-    const float partial = hb_thread_partial(x, 0, n, HbFiniteSquare());
-    const float total = hb_block_sum(partial, scratch);
+    __shared__ float scratch[REDUCE_WARP + 1];
+    const float partial = thread_partial(x, 0, n, FiniteSquare());
+    const float total = block_sum(partial, scratch);
     if (threadIdx.x == 0) {
         out[0] = __fadd_rn(total, 0.0f);  // an empty sum (-0.0) reads +0.0, as in the reference
     }
@@ -72,17 +72,17 @@ grad_norm_sq(const float* __restrict__ x, long long n, float* __restrict__ out) 
 // (clipped to n). Block k reduces segment k with a fixed tree. Never NaN; +Inf only if a
 // finite square overflowed.
 // Launch: grid ceil(n / block_size) (at least 1), block a multiple of 32 (plan_grad_norm_partial).
-extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 grad_norm_partial(const float* __restrict__ x, long long n, long long block_size,
                   float* __restrict__ partials) {
-    __shared__ float scratch[HB_WARP + 1];
+    __shared__ float scratch[REDUCE_WARP + 1];
     const long long begin = (long long)blockIdx.x * block_size;
     if (begin >= n) {
         return;  // only for n == 0 (grid 1): no partial to write; uniform across the block
     }
     const long long end = min(begin + block_size, n);
-    const float partial = hb_thread_partial(x, begin, end, HbFiniteSquare());
-    const float total = hb_block_sum(partial, scratch);
+    const float partial = thread_partial(x, begin, end, FiniteSquare());
+    const float total = block_sum(partial, scratch);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
     }
@@ -91,11 +91,11 @@ grad_norm_partial(const float* __restrict__ x, long long n, long long block_size
 // grad_norm_final: out[0] = sum_k partials[k], plain float32 sum (nothing skipped: a +Inf
 // partial gives +Inf, a NaN would propagate). Empty gives 0.
 // Launch: grid 1, block a multiple of 32 (plan_grad_norm_final).
-extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 grad_norm_final(const float* __restrict__ partials, long long count, float* __restrict__ out) {
-    __shared__ float scratch[HB_WARP + 1];
-    const float partial = hb_thread_partial(partials, 0, count, HbIdentity());
-    const float total = hb_block_sum(partial, scratch);
+    __shared__ float scratch[REDUCE_WARP + 1];
+    const float partial = thread_partial(partials, 0, count, SumIdentity());
+    const float total = block_sum(partial, scratch);
     if (threadIdx.x == 0) {
         out[0] = __fadd_rn(total, 0.0f);  // NumPy's sums start at +0.0: never -0.0
     }
@@ -137,10 +137,10 @@ extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __r
 // The budget tail (clip_saxpy_norm_partial): out_i = hb_clip_saxpy(base_i, inject_i) and the
 // finite-square partial of each block_size segment of out, in one pass over the segment.
 //
-// The per-thread partial reproduces hb_thread_partial's order term for term (chunks of 4
+// The per-thread partial reproduces thread_partial's order term for term (chunks of 4
 // consecutive elements; thread t takes chunks t, t + T, ...; accumulator j sums element j of
 // its chunks in order; the last, partial chunk goes to thread chunks % T; the partial is
-// (a0 + a1) + (a2 + a3)), on the values it stores; the block then sums with hb_block_sum. So,
+// (a0 + a1) + (a2 + a3)), on the values it stores; the block then sums with block_sum. So,
 // launched with grad_norm_partial's block size, the partials are grad_norm_partial(out)'s bit
 // for bit, and out is clip_grad_inplace + clipped_saxpy's. float4 accesses where the three
 // segment starts are 16-byte aligned, element accesses otherwise (the same sums).
@@ -154,13 +154,13 @@ struct HbClipSaxpyOp {
 __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
         const float* __restrict__ base, const float* __restrict__ inject, float* __restrict__ out,
         long long begin, long long end, const HbClipSaxpyOp op) {
-    const HbFiniteSquare sq;
+    const FiniteSquare sq;
     const float* b = base + begin;
     const float* y = inject + begin;
     float* o = out + begin;
     const long long len = end - begin;
     const long long chunks = len / 4;
-    float a0 = HB_SUM_IDENTITY, a1 = HB_SUM_IDENTITY, a2 = HB_SUM_IDENTITY, a3 = HB_SUM_IDENTITY;
+    float a0 = REDUCE_SUM_IDENTITY, a1 = REDUCE_SUM_IDENTITY, a2 = REDUCE_SUM_IDENTITY, a3 = REDUCE_SUM_IDENTITY;
     const unsigned long long addresses = reinterpret_cast<unsigned long long>(b) |
                                          reinterpret_cast<unsigned long long>(y) |
                                          reinterpret_cast<unsigned long long>(o);
@@ -226,12 +226,12 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
 //                       inject_max_norm, inject_norm_sq)
 //   partials[k] = the finite-square sum of out's segment k (grad_norm_partial)
 // Every block computes both norms itself with grad_norm_final's tree as launched with
-// final_threads threads (hb_block_sum_as; the launcher passes plan_grad_norm_final(count)'s
+// final_threads threads (block_sum_as; the launcher passes plan_grad_norm_final(count)'s
 // block), so they are grad_norm_final's bits; block 0 writes them to base_norm_sq_out and
 // inject_norm_sq_out (the step's readback needs them). base, inject and the partials are read
 // only; out is a separate buffer. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial):
 // grid ceil(n / block_size) (at least 1), block a multiple of 32.
-extern "C" __global__ void __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict__ inject,
                         long long n, float base_max_norm, const float* __restrict__ base_partials,
                         float a, float inject_max_norm,
@@ -239,13 +239,13 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
                         long long final_threads, long long block_size, float* __restrict__ out,
                         float* __restrict__ partials, float* __restrict__ base_norm_sq_out,
                         float* __restrict__ inject_norm_sq_out) {
-    __shared__ float scratch[HB_WARP + 1];
+    __shared__ float scratch[REDUCE_WARP + 1];
     const int threads = (int)final_threads;
     // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms.
     const float base_norm_sq =
-        __fadd_rn(hb_block_sum_as(base_partials, 0, count, HbIdentity(), threads, scratch), 0.0f);
+        __fadd_rn(block_sum_as(base_partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
     const float inject_norm_sq = __fadd_rn(
-        hb_block_sum_as(inject_partials, 0, count, HbIdentity(), threads, scratch), 0.0f);
+        block_sum_as(inject_partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         base_norm_sq_out[0] = base_norm_sq;
         inject_norm_sq_out[0] = inject_norm_sq;
@@ -258,7 +258,7 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
     const HbClipSaxpyOp op{hb_clip_scale(base_norm_sq, base_max_norm), a,
                            hb_clip_scale(inject_norm_sq, inject_max_norm)};
     const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
-    const float total = hb_block_sum(partial, scratch);
+    const float total = block_sum(partial, scratch);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
     }
@@ -324,7 +324,7 @@ extern "C" __global__ void adam_update(float* __restrict__ param, const float* _
                                        const float* __restrict__ grad_scale,
                                        const float* __restrict__ weight_clamp) {
     __shared__ float shared[4];  // bc1, bc2, grad_scale, weight_clamp
-    const int second = blockDim.x > HB_WARP ? HB_WARP : 0;  // thread of bc2 (0: thread 0 too)
+    const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
     if (threadIdx.x == 0) {
         shared[0] = hb_bias_correction(beta1, *step);
         shared[2] = *grad_scale;

@@ -3,6 +3,7 @@
 // importance weights of the sampled batch. Deterministic, no atomics; everything stays on the
 // device (the sampling total is read from the prefix array, not from the host).
 #include "ha_common.cuh"
+#include "reduce.cuh"  // block_reduce_down
 
 // ------------------------------------------------------------------------------------------
 // prefix_sum: s_i = p_0 + ... + p_i in float32, ONE block of SCAN_THREADS threads.
@@ -173,7 +174,7 @@ extern "C" __global__ void importance_weights(const float* __restrict__ prioriti
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
         p_min = fminf(p_min, priorities[idx[k]]);
     }
-    p_min = ha_block_reduce(p_min, HaFmin(), ha_nan());
+    p_min = block_reduce_down(p_min, HaFmin(), ha_nan());
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
         w[k] = powf(p_min / priorities[idx[k]], beta);
     }

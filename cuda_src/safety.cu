@@ -6,6 +6,7 @@
 // are sticky: nothing here writes 0). Kernels whose output may alias their input (the in-place
 // clamps the trainer runs on h2 and on targets) take no __restrict__ on that pair.
 #include "ha_common.cuh"
+#include "reduce.cuh"  // block_reduce_down
 
 // The floor of every ISV-driven bound: multiplier * fmaxf(isv, ISV_FLOOR) (SPEC 5).
 #define ISV_FLOOR 1.0f
@@ -132,7 +133,7 @@ extern "C" __global__ void max_abs(const float* __restrict__ x, long long n,
     for (long long i = threadIdx.x; i < n; i += blockDim.x) {
         m = fmaxf(m, fabsf(x[i]));
     }
-    m = ha_block_reduce(m, HaFmax(), 0.0f);
+    m = block_reduce_down(m, HaFmax(), 0.0f);
     if (threadIdx.x == 0) {
         *out = m;
     }

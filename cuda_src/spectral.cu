@@ -25,7 +25,7 @@
 //   block sums in rank order (every block adds them itself: all get the same value).
 // sigma = (W^T u) . v_new, the dot of the unnormalised column sums with the new v:
 // mathematically u . (W v_new), without a third pass over W.
-#include "hb_common.cuh"
+#include "reduce.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define SPECTRAL_CLUSTER 8
@@ -124,29 +124,29 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
                                                       float* __restrict__ v, int rows, int cols,
                                                       float sigma_max, float eps,
                                                       float* __restrict__ sigma_out) {
-    __shared__ float scratch[HB_WARP + 1];
+    __shared__ float scratch[REDUCE_WARP + 1];
     __shared__ float slots[3];  // this block's ||W v||^2, ||W^T u||^2 and sigma partials
     __shared__ float total;
     __shared__ float partial[SPECTRAL_COL_TILE];  // this block's column sums of one tile
     const int rank = SpectralCluster::rank();
-    const int lane = threadIdx.x % HB_WARP;
-    const int warp = threadIdx.x / HB_WARP;
-    const int warps = blockDim.x / HB_WARP;
+    const int lane = threadIdx.x % REDUCE_WARP;
+    const int warp = threadIdx.x / REDUCE_WARP;
+    const int warps = blockDim.x / REDUCE_WARP;
     const int per = (rows + SPECTRAL_CLUSTER - 1) / SPECTRAL_CLUSTER;
     const int r0 = min(rows, rank * per);
     const int r1 = min(rows, r0 + per);
 
     // Phase 1: s_i = (W v)_i for the block's rows (warp `warp` takes rows r0 + warp,
     // + warps, ...), into u[i]; lane 0 sums its rows' s_i^2 in order.
-    float sq = HB_SUM_IDENTITY;
+    float sq = REDUCE_SUM_IDENTITY;
     for (int i = r0 + warp; i < r1; i += warps) {
         const float* row = w + (long long)i * cols;
-        float acc = HB_SUM_IDENTITY;
+        float acc = REDUCE_SUM_IDENTITY;
 #pragma unroll 8
-        for (int j = lane; j < cols; j += HB_WARP) {
+        for (int j = lane; j < cols; j += REDUCE_WARP) {
             acc = __fadd_rn(acc, __fmul_rn(row[j], v[j]));
         }
-        const float s = hb_warp_sum(acc);
+        const float s = warp_sum(acc);
         if (lane == 0) {
             u[i] = s;
             sq = __fadd_rn(sq, __fmul_rn(s, s));
@@ -155,7 +155,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
     // The cluster barrier inside also orders every block's phase-1 reads of the old v before
     // any block writes the new v below.
     const float u_sq = spectral_cluster_sum(
-        hb_block_sum(lane == 0 ? sq : HB_SUM_IDENTITY, scratch), &slots[0], &total);
+        block_sum(lane == 0 ? sq : REDUCE_SUM_IDENTITY, scratch), &slots[0], &total);
     const float u_denom = fmaxf(__fsqrt_rn(u_sq), eps);
     for (int i = r0 + threadIdx.x; i < r1; i += blockDim.x) {
         u[i] = __fdiv_rn(u[i], u_denom);
@@ -166,12 +166,12 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
     // t + blockDim.x, ... over the block's rows in order into `partial`; after the barrier the
     // owner of each column adds the C partials in rank order and stores x_j in v[j]; a second
     // barrier lets the next tile reuse `partial`. Each thread sums its owned x_j^2 in order.
-    float sqx = HB_SUM_IDENTITY;
+    float sqx = REDUCE_SUM_IDENTITY;
     for (int c0 = 0; c0 < cols; c0 += SPECTRAL_COL_TILE) {
         const int width = min(SPECTRAL_COL_TILE, cols - c0);
         for (int j = threadIdx.x; j < width; j += blockDim.x) {
             const float* col = w + c0 + j;
-            float acc = HB_SUM_IDENTITY;
+            float acc = REDUCE_SUM_IDENTITY;
 #pragma unroll 8
             for (int i = r0; i < r1; ++i) {
                 acc = __fadd_rn(acc, __fmul_rn(col[(long long)i * cols], u[i]));
@@ -191,12 +191,12 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
         }
         SpectralCluster::sync();
     }
-    const float v_sq = spectral_cluster_sum(hb_block_sum(sqx, scratch), &slots[1], &total);
+    const float v_sq = spectral_cluster_sum(block_sum(sqx, scratch), &slots[1], &total);
     const float v_denom = fmaxf(__fsqrt_rn(v_sq), eps);
 
     // Phase 3: v = x / ||x|| on the owned columns (the same threads and order as phase 2), and
     // sigma = x . v_new (mathematically u . (W v_new)).
-    float dot = HB_SUM_IDENTITY;
+    float dot = REDUCE_SUM_IDENTITY;
     for (int c0 = 0; c0 < cols; c0 += SPECTRAL_COL_TILE) {
         int o0, o1;
         spectral_owned(min(SPECTRAL_COL_TILE, cols - c0), rank, o0, o1);
@@ -207,7 +207,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
             dot = __fadd_rn(dot, __fmul_rn(x, vn));
         }
     }
-    const float sigma = spectral_cluster_sum(hb_block_sum(dot, scratch), &slots[2], &total);
+    const float sigma = spectral_cluster_sum(block_sum(dot, scratch), &slots[2], &total);
 
     // Phase 4: the bound, on the block's rows. A NaN sigma compares false: W is left unchanged.
     if (sigma > sigma_max) {
@@ -240,7 +240,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
 
 // spectral_norm: one matrix, grid SPECTRAL_CLUSTER (one cluster), block SPECTRAL_THREADS
 // (plan_spectral_norm).
-extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1) __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1) __launch_bounds__(REDUCE_MAX_THREADS)
 spectral_norm(float* w, float* u, float* v, int rows, int cols, float sigma_max, float eps,
               float* sigma_out) {
     hb_spectral_norm_cluster(w, u, v, rows, cols, sigma_max, eps, sigma_out);
@@ -249,7 +249,7 @@ spectral_norm(float* w, float* u, float* v, int rows, int cols, float sigma_max,
 // batched_spectral_norm: matrix k of the descriptor array by cluster k (blocks
 // k C .. k C + C - 1); sigmas[k] its estimate. Grid count * SPECTRAL_CLUSTER, block
 // SPECTRAL_THREADS (plan_batched_spectral_norm).
-extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1) __launch_bounds__(HB_MAX_THREADS)
+extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1) __launch_bounds__(REDUCE_MAX_THREADS)
 batched_spectral_norm(const SpectralMatrix* __restrict__ mats, int count, float sigma_max,
                       float eps, float* __restrict__ sigmas) {
     const int k = blockIdx.x / SPECTRAL_CLUSTER;
