@@ -401,3 +401,79 @@ def test_early_stop_stops_the_hopeless_trial(ray_local, fake, tmp_path):
     before = len(_calls(out))
     sweep_cli.run_sweep(spec, out, resume=True, trial_fn=fake, log=lambda s: None)
     assert len(_calls(out)) == before
+
+
+# ------------------------------------------------------------------------------ long runs
+FAKE_LONGRUN = '''\
+"""A fake ``longrun_seeds one``: the record of a 50-epoch run, made up from the seed."""
+import json, sys
+a = dict(zip(sys.argv[2::2], sys.argv[3::2]))  # argv[1] is "one"
+assert sys.argv[1] == "one", sys.argv
+precision, workspace = {"f32": ("f32", "none"), "f32_alt": ("f32", "default"), "bf16": ("bf16", "none")}[a["--variant"]]
+seed = int(a["--seed"])
+shift = {"f32": 0.0, "f32_alt": 0.01, "bf16": 0.02}[a["--variant"]] * (1 + seed % 2)
+with open(a["--record"], "w") as fh:
+    json.dump({"final_sharpe": 1.0 + shift + seed, "mean_q": 2.0 + shift, "grad_norm_mean": 3.0 + shift,
+               "grad_norm_max": 4.0 + shift, "seed": seed, "backend": a["--backend"],
+               "precision": precision, "gemm_workspace": workspace, "wall_s": 0.1}, fh)
+'''
+
+
+def test_longrun_sweep_gathers_the_files_longrun_seeds_compare_reads(ray_local, tmp_path):
+    from foxhunt.conformance import longrun_seeds
+
+    (tmp_path / "fake_longrun.py").write_text(FAKE_LONGRUN)
+    path = str(tmp_path)
+
+    def trial_fn(trial, spec, sweep_dir, *, attempt=1, on_epoch=None):
+        # In the worker: the sweep's real longrun command, with the tool replaced by the fake.
+        sweep.LONGRUN_MODULE = "fake_longrun"
+        os.environ["PYTHONPATH"] = path
+        return sweep.run_trial(trial, spec, sweep_dir, attempt=attempt, on_epoch=on_epoch)
+
+    spec = SweepSpec(command="longrun", backend="fast", seeds=(0, 1, 2),
+                     grid=(("variant", ("f32", "f32_alt", "bf16")),))
+    out = tmp_path / "s"
+    trials, records, _ = sweep_cli.run_sweep(spec, out, trial_fn=trial_fn, log=lambda s: None)
+    assert [records[t.trial_id]["status"] for t in trials] == ["completed"] * 9
+    assert records[trials[4].trial_id]["overall"]["final_sharpe"] == pytest.approx(1.0 + 0.01 * 2 + 1)
+    files = {v: out / "longrun" / f"{v}.jsonl" for v in ("f32", "f32_alt", "bf16")}
+    for variant, file in files.items():
+        runs = longrun_seeds.load_runs(file, variant)  # the tool's own reader accepts them
+        assert sorted(runs) == [0, 1, 2]
+    table, _ = longrun_seeds.compare(files)
+    assert "final held-out Sharpe" in table
+
+
+def test_longrun_argv_is_longrun_seeds_one(tmp_path):
+    spec = SweepSpec(command="longrun", backend="reference", seeds=(4,), grid=(("variant", ("bf16",)),))
+    trial = sweep.expand(spec)[0]
+    assert sweep.COMMANDS["longrun"].argv(trial, spec, tmp_path, False) == [
+        "-m", "foxhunt.conformance.longrun_seeds", "one", "--variant", "bf16", "--seed", "4",
+        "--backend", "reference", "--record", str(tmp_path / "record.json")]
+
+
+# ------------------------------------------------------------------------------ foxhunt train
+def test_tiny_sweep_of_foxhunt_train_end_to_end(ray_local, tmp_path, capsys):
+    """2 seeds x 2 learning rates of the tiny preset, 5 steps, on the local Ray instance."""
+    out = tmp_path / "sweep"
+    code = main(["sweep", "--out", str(out), "--seeds", "0-1", "--grid", "lr=1e-3,3e-4",
+                 "--set", "folds=1", "--set", "epochs=1", "--set", "steps_per_epoch=5",
+                 "--", "--preset", "tiny", "--bars", "3000"])
+    text = capsys.readouterr().out
+    assert code == 0, text
+    lines = _results(out)
+    common = {"folds": 1, "epochs": 1, "steps_per_epoch": 5}
+    assert [(r["status"], r["seed"], r["overrides"]) for r in lines] == [
+        ("completed", 0, {**common, "lr": 1e-3}), ("completed", 1, {**common, "lr": 1e-3}),
+        ("completed", 0, {**common, "lr": 3e-4}), ("completed", 1, {**common, "lr": 3e-4})]
+    for r in lines:
+        config = json.loads((Path(r["run_dir"]) / "config.json").read_text())
+        assert config["config"]["lr"] == r["overrides"]["lr"] and config["loop"]["seed"] == r["seed"]
+        assert config["loop"]["folds"] == 1 and config["loop"]["steps_per_epoch"] == 5
+        assert config["preset"] == "tiny" and config["threads"] == 1
+        assert set(r["overall"]) >= {"test_sharpe", "val_sharpe"} and r["wall_time_s"] > 0
+        assert sweep.COMMANDS["train"].resumable(Path(r["run_dir"]))  # its checkpoint is there
+    table = text[text.index("configuration"):].splitlines()
+    assert [row.split()[:2] for row in table[1:3]] == [["lr=0.001", "2/2"], ["lr=0.0003", "2/2"]]
+    assert (out / "results.png").is_file() and not sweep.COMMANDS["train"].resumable(out)
