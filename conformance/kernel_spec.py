@@ -54,7 +54,7 @@ FLAT_LENGTHS = MappingProxyType({"tiny": 2 * 256 + 3, "seed": 289_611})
 REPLAY_ITEMS = MappingProxyType({"tiny": 2 * 256 + 3, "seed": 100_003})
 
 #: Output dtypes a kernel may return.
-OUTPUT_DTYPES = ("float32", "int32", "uint16")
+OUTPUT_DTYPES = ("float32", "int32", "int64", "uint16")
 
 #: Label prefix of ad-hoc injections (hypothesis) whose finite values are all small.
 OVERFLOW_FREE_INJECTION = "injected-small"
@@ -215,8 +215,9 @@ class SpecEntry:
                 raise ValueError(f"{where}: outputs[{out!r}] has a reduction tolerance, so "
                                  "scales (its length and magnitude) must be given")
         object.__setattr__(self, "outputs", MappingProxyType(dict(self.outputs)))
-        if not self.targets or not all(isinstance(t, str) for t in self.targets):
-            raise ValueError(f"{where}: targets must name at least one argument, got {self.targets!r}")
+        if not isinstance(self.targets, tuple) or not all(isinstance(t, str) for t in self.targets):
+            raise ValueError(f"{where}: targets must be a tuple of argument names (empty only for "
+                             f"a kernel without float input), got {self.targets!r}")
         unknown = [c for c in self.cases if c not in SHAPE_CASES]
         if not self.cases or unknown:
             raise ValueError(f"{where}: cases {self.cases!r}; allowed: a non-empty subset of "

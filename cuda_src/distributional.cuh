@@ -33,7 +33,7 @@ constexpr int kLossMaxThreads = 1024;
 // Double-DQN action choice on one row of q (num_actions >= 1): argmax, lowest index on ties;
 // scan in action order, replacing the incumbent when q[a] > best or the incumbent is NaN and q[a]
 // is not (NaN never wins; an all-NaN row selects 0). Shared by double_dqn_select and the
-// trainer's glue_select_gather_taken.
+// step's double_dqn_gather_branches.
 static __device__ __forceinline__ int double_dqn_argmax(const float* __restrict__ row,
                                                         int num_actions) {
     float best = row[0];

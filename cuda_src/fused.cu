@@ -107,7 +107,7 @@ extern "C" __global__ void dueling_combine_backward_branches(const float* __rest
 // dv = dv + dv_d from zeros), in one launch: for every (b, j) cell, in branch order d = 0..D-1,
 //   dv_d = sum_a dlogits_d[b, a, j] (action order), dadv_d[b, a, j] = dlogits_d[b, a, j] - dv_d / n_d
 // (dueling_backward_cell, the per-branch body's ops), acc = acc + dv_d from acc = +0.0f;
-// dv[b, j] = acc. Bitwise dueling_combine_backward_branches followed by glue_branch_sum with
+// dv[b, j] = acc. Bitwise dueling_combine_backward_branches followed by branch_mean with
 // divisor 1 (x / 1 is exact). dlogits and dadv branch-packed (R = B), dv [B, NA]. One thread per
 // cell looping over the branches (gridDim.y = 1), grid-stride over blockIdx.x; no atomics.
 // --------------------------------------------------------------------------------------------

@@ -110,7 +110,8 @@ __device__ __forceinline__ float thread_partial_as(const float* x, long long beg
     const float* base = x + begin;
     const long long len = end - begin;
     const long long chunks = len / 4;
-    float a0 = REDUCE_SUM_IDENTITY, a1 = REDUCE_SUM_IDENTITY, a2 = REDUCE_SUM_IDENTITY, a3 = REDUCE_SUM_IDENTITY;
+    float a0 = REDUCE_SUM_IDENTITY, a1 = REDUCE_SUM_IDENTITY;
+    float a2 = REDUCE_SUM_IDENTITY, a3 = REDUCE_SUM_IDENTITY;
     if ((reinterpret_cast<unsigned long long>(base) & 15) == 0) {
         const float4* base4 = reinterpret_cast<const float4*>(base);
 #pragma unroll 4

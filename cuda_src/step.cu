@@ -1,14 +1,16 @@
-// Glue kernels of the fast Trainer (foxhunt.fast.trainer): the few steps of the reference
-// Trainer.step / loss_and_grads that are not reference kernels (scalar bookkeeping, gathers and
-// branch sums the reference writes inline in NumPy), in the exact float32 order the reference
-// uses. Infrastructure: the file name starts with '_', so the kernel registry skips it, and every
-// kernel is named glue_*; each is checked end to end by tests/test_fast_trainer.py (one step of
-// the fast Trainer against one step of the reference Trainer from the same state).
+// The training step's own kernels (foxhunt.fast: graph1_plan, graph2_plan, step_program), twins
+// of foxhunt.reference.kernels.step under the same names: the step's ISV-driven bounds
+// (step_bounds), Mech 10's clamp with its bound read from the ISV and its BF16 mirror
+// (clamp_finite_isv), every branch's double-DQN choice and gathers (double_dqn_gather_branches),
+// the scalar targets (scalar_target_q_branches), the TD errors' branch mean (branch_mean), the
+// trunk gradient's sum and masks (h2_grad_sum_mask), the step scalars (loss_scalars,
+// step_scalars) and the merge of multi-range sentinel slots (merge_piece_flags). They do what the
+// reference Trainer / loss_and_grads compute between kernels, in the same float32 order.
 //
 // Why they exist: the two step graphs are captured once, so values that change on the device
 // from step to step (ISV-driven bounds, norms, Adam's step counter) must be read through
-// pointers inside the graph; a reference kernel whose CUDA twin takes such a value by value
-// (clamp_finite's bound) gets a pointer-reading glue twin here.
+// pointers inside the graph; a kernel whose other twin takes such a value by value
+// (clamp_finite's bound) gets a pointer-reading variant here.
 //
 // Arithmetic: -fmad=false (fast/_build.py) plus explicit __fmul_rn/__fadd_rn/__fdiv_rn where
 // the order matters; selects and comparisons exactly as the reference writes them.
@@ -16,41 +18,41 @@
 #include "reduce.cuh"  // grad_norm_final's summation tree (the total norm), block_sum_halving
 #include "distributional.cuh"  // double_dqn_argmax (the double-DQN choice, shared)
 
-#define GLUE_THREADS 256
-#define GLUE_F32_EXP_MASK 0x7f800000u
-#define GLUE_F32_SIGN_CLEAR 0x7fffffffu
-#define GLUE_BF16_QUIET_BIT 0x0040u
+#define STEP_THREADS 256
+#define STEP_F32_EXP_MASK 0x7f800000u
+#define STEP_F32_SIGN_CLEAR 0x7fffffffu
+#define STEP_BF16_QUIET_BIT 0x0040u
 
-#define GLUE_FLAT_LOOP(i, n)                                                               \
+#define STEP_FLAT_LOOP(i, n)                                                               \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
          i += (long long)gridDim.x * blockDim.x)
 
-static __device__ __forceinline__ bool glue_is_finite(float x) {
-    return (__float_as_uint(x) & GLUE_F32_EXP_MASK) != GLUE_F32_EXP_MASK;
+static __device__ __forceinline__ bool step_is_finite(float x) {
+    return (__float_as_uint(x) & STEP_F32_EXP_MASK) != STEP_F32_EXP_MASK;
 }
 
 // safety.isv_bound: multiplier * fmaxf(isv, 1) (the floor on the signal; NaN counts as 1).
-static __device__ __forceinline__ float glue_isv_bound(float multiplier, float isv_value) {
+static __device__ __forceinline__ float step_isv_bound(float multiplier, float isv_value) {
     return __fmul_rn(multiplier, fmaxf(isv_value, 1.0f));
 }
 
 // optim.clip_scale: n = sqrtf(fmaxf(norm_sq, 0)); max_norm / n if n > max_norm and n > 0, else 1.
-static __device__ __forceinline__ float glue_clip_scale(float norm_sq, float max_norm) {
+static __device__ __forceinline__ float step_clip_scale(float norm_sq, float max_norm) {
     const float n = __fsqrt_rn(fmaxf(norm_sq, 0.0f));
     return (n > max_norm && n > 0.0f) ? __fdiv_rn(max_norm, n) : 1.0f;
 }
 
 // dense.f32_to_bf16's bit formula (RNE; NaN keeps sign and high payload, quiet bit set).
-static __device__ __forceinline__ unsigned short glue_bf16_bits(float x) {
+static __device__ __forceinline__ unsigned short step_bf16_bits(float x) {
     const unsigned int u = __float_as_uint(x);
-    if ((u & GLUE_F32_SIGN_CLEAR) > GLUE_F32_EXP_MASK) {
-        return (unsigned short)((u >> 16) | GLUE_BF16_QUIET_BIT);
+    if ((u & STEP_F32_SIGN_CLEAR) > STEP_F32_EXP_MASK) {
+        return (unsigned short)((u >> 16) | STEP_BF16_QUIET_BIT);
     }
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 // float32 sum of x[0..n) by the whole block (thread-strided partials, then block_sum_halving).
-static __device__ __forceinline__ float glue_block_total(const float* x, int n) {
+static __device__ __forceinline__ float step_block_total(const float* x, int n) {
     float acc = -0.0f;
     for (int i = threadIdx.x; i < n; i += blockDim.x) {
         acc = __fadd_rn(acc, x[i]);
@@ -59,7 +61,7 @@ static __device__ __forceinline__ float glue_block_total(const float* x, int n) 
 }
 
 // ---------------------------------------------------------------------------------------------
-// Step prologue (graph 1, first kernel), ONE block of GLUE_THREADS threads. From the ISV at the
+// step_bounds (graph 1, first kernel), ONE block of STEP_THREADS threads. From the ISV at the
 // start of the step (Trainer.step reads these before anything changes the bus):
 //   weight_clamp = weight_clamp_mult * max(ISV[Q_ABS_REF], 1)                          (Mech 9)
 //   clip_bound   = min(max_grad_norm, anchor_mult * max(ISV[GRAD_NORM_SLOW_EMA], 1))   (Mech 6)
@@ -67,7 +69,7 @@ static __device__ __forceinline__ float glue_block_total(const float* x, int n) 
 //                   0 where idx[k] < 0 (sentinels.sentinel_thresholds; 0 = non-finite test only)
 //   *adam_t += 1                                            (Trainer.step: self.adam_t += 1)
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_step_prologue(const float* __restrict__ isv,
+extern "C" __global__ void step_bounds(const float* __restrict__ isv,
                                               long long* __restrict__ adam_t,
                                               float* __restrict__ weight_clamp,
                                               float* __restrict__ clip_bound,
@@ -89,8 +91,8 @@ extern "C" __global__ void glue_step_prologue(const float* __restrict__ isv,
         thresholds[k] = value;
     }
     if (threadIdx.x == 0) {
-        *weight_clamp = glue_isv_bound(weight_clamp_mult, isv[q_abs_ref_index]);
-        *clip_bound = fminf(max_grad_norm, glue_isv_bound(anchor_mult, isv[slow_ema_index]));
+        *weight_clamp = step_isv_bound(weight_clamp_mult, isv[q_abs_ref_index]);
+        *clip_bound = fminf(max_grad_norm, step_isv_bound(anchor_mult, isv[slow_ema_index]));
         *adam_t = *adam_t + 1;
     }
 }
@@ -100,17 +102,17 @@ extern "C" __global__ void glue_step_prologue(const float* __restrict__ isv,
 // with the bound read from the ISV slot H_S2_RMS_EMA inside the graph), and, when out_bf16 is not
 // null, its BF16 copy (dense.f32_to_bf16) for the next BF16 GEMM. out may alias x. Flat.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_clamp_isv(const float* x, float* out,
+extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
                                           unsigned short* __restrict__ out_bf16, long long n,
                                           const float* __restrict__ isv, int index, float mult) {
-    const float bound = glue_isv_bound(mult, isv[index]);
-    GLUE_FLAT_LOOP(i, n) {
+    const float bound = step_isv_bound(mult, isv[index]);
+    STEP_FLAT_LOOP(i, n) {
         const float v = x[i];
-        const float c = glue_is_finite(v) ? ((v > bound) ? bound : ((v < -bound) ? -bound : v))
+        const float c = step_is_finite(v) ? ((v > bound) ? bound : ((v < -bound) ? -bound : v))
                                           : 0.0f;
         out[i] = c;
         if (out_bf16 != nullptr) {
-            out_bf16[i] = glue_bf16_bits(c);
+            out_bf16[i] = step_bf16_bits(c);
         }
     }
 }
@@ -127,7 +129,7 @@ extern "C" __global__ void glue_clamp_isv(const float* x, float* out,
 // batch, NA]; q_taken [n_branches, batch]. The choice is double_dqn_select's own scan
 // (double_dqn_argmax), recomputed by every thread of the row (a few compares), written once.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_select_gather_taken(const float* __restrict__ logp_target,
+extern "C" __global__ void double_dqn_gather_branches(const float* __restrict__ logp_target,
                                                     int* __restrict__ a_star,
                                                     const float* __restrict__ q_online,
                                                     const int* __restrict__ actions,
@@ -138,7 +140,7 @@ extern "C" __global__ void glue_select_gather_taken(const float* __restrict__ lo
                                                     int n_branches, int batch, int num_atoms,
                                                     int q_rows) {
     const long long n_p = (long long)n_branches * batch * num_atoms;
-    GLUE_FLAT_LOOP(i, n_p) {
+    STEP_FLAT_LOOP(i, n_p) {
         const int j = (int)(i % num_atoms);
         const long long row = i / num_atoms;
         const int b = (int)(row % batch);
@@ -155,7 +157,7 @@ extern "C" __global__ void glue_select_gather_taken(const float* __restrict__ lo
         p_next[i] = expf(logp_target[src]);
     }
     const long long n_q = (long long)n_branches * batch;
-    GLUE_FLAT_LOOP(i, n_q) {
+    STEP_FLAT_LOOP(i, n_q) {
         const int b = (int)(i % batch);
         const int d = (int)(i / batch);
         const int a = actions[i];
@@ -169,7 +171,7 @@ extern "C" __global__ void glue_select_gather_taken(const float* __restrict__ lo
 // (the reference's `r + gamma * (1 - done) * (p_next @ z)`, left to right; the dot in atom
 // order). One thread per (d, b).
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_scalar_targets(const float* __restrict__ p_next,
+extern "C" __global__ void scalar_target_q_branches(const float* __restrict__ p_next,
                                                const float* __restrict__ z,
                                                const float* __restrict__ r,
                                                const float* __restrict__ done,
@@ -177,7 +179,7 @@ extern "C" __global__ void glue_scalar_targets(const float* __restrict__ p_next,
                                                float* __restrict__ target_q, int n_branches,
                                                int batch, int num_atoms) {
     const long long n = (long long)n_branches * batch;
-    GLUE_FLAT_LOOP(i, n) {
+    STEP_FLAT_LOOP(i, n) {
         const int b = (int)(i % batch);
         const int d = (int)(i / batch);
         const float* p = p_next + i * num_atoms;
@@ -196,10 +198,10 @@ extern "C" __global__ void glue_scalar_targets(const float* __restrict__ p_next,
 // (the reference's `td = td + ce / nb` from zeros, divisor = n_branches; a divisor of 1 is
 // exact, x / 1 == x). parts[d] at d * part_stride. Flat.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_branch_sum(const float* __restrict__ parts,
+extern "C" __global__ void branch_mean(const float* __restrict__ parts,
                                            float* __restrict__ out, long long n, int n_branches,
                                            long long part_stride, float divisor) {
-    GLUE_FLAT_LOOP(i, n) {
+    STEP_FLAT_LOOP(i, n) {
         float acc = 0.0f;
         for (int d = 0; d < n_branches; ++d) {
             acc = __fadd_rn(acc, __fdiv_rn(parts[d * part_stride + i], divisor));
@@ -217,13 +219,13 @@ extern "C" __global__ void glue_branch_sum(const float* __restrict__ parts,
 //   out = (h2_pre <= 0) ? 0 : passed      (dense.relu_mask with the pre-clamp activation)
 // Flat, [B, SH2].
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_h2_grad_mask(const float* __restrict__ parts, int n_parts,
+extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int n_parts,
                                              long long part_stride,
                                              const float* __restrict__ h2,
                                              const float* __restrict__ h2_pre,
                                              float* __restrict__ dh2_out,
                                              float* __restrict__ out, long long n) {
-    GLUE_FLAT_LOOP(i, n) {
+    STEP_FLAT_LOOP(i, n) {
         float sum = 0.0f;
         for (int k = 0; k < n_parts; ++k) {
             sum = __fadd_rn(sum, parts[k * part_stride + i]);
@@ -247,27 +249,27 @@ extern "C" __global__ void glue_h2_grad_mask(const float* __restrict__ parts, in
 //   mean_q = sum(q_taken) / count, mean_target_q = sum(target_q) / count
 //   ISV[slow] = isfinite(grad_norm) ? (1 - a) * slow + a * grad_norm : slow  (budgets.slow_ema_update)
 // readback[] receives (loss, c51_loss, cql_loss, grad_norm, c51_pre, c51_post, cql_pre, cql_post,
-// clip_bound, fired, mean_q, mean_target_q) in that order (foxhunt.fast.step_plan.READBACK_FIELDS).
+// clip_bound, fired, mean_q, mean_target_q) in that order (foxhunt.reference.kernels.step.READBACK_FIELDS).
 //
-// glue_loss_scalars (ONE block of GLUE_THREADS threads; as soon as the losses, CQL terms and
-// scalar targets exist) writes readback[1], [2], [10], [11]; glue_step_scalars (graph 1's last
+// loss_scalars (ONE block of STEP_THREADS threads; as soon as the losses, CQL terms and
+// scalar targets exist) writes readback[1], [2], [10], [11]; step_scalars (graph 1's last
 // kernel) first sums the total norm's phase-1 partials into *total_sq exactly as grad_norm_final
 // does (same code, launched with grad_norm_final's block size, so the same bits), then one
 // thread reads readback[1] and [2] and writes the rest.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(GLUE_THREADS)
-glue_loss_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
+extern "C" __global__ void __launch_bounds__(STEP_THREADS)
+loss_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
                   const float* __restrict__ q_taken, const float* __restrict__ target_q,
                   float* __restrict__ readback, int n_branches, int batch, float alpha) {
     float cql = 0.0f;
     for (int d = 0; d < n_branches; ++d) {
-        const float sum = glue_block_total(terms + (long long)d * batch, batch);
+        const float sum = step_block_total(terms + (long long)d * batch, batch);
         const float mean = __fdiv_rn(sum, (float)batch);
         cql = __fadd_rn(cql, __fdiv_rn(__fmul_rn(alpha, mean), (float)n_branches));
     }
     const int count = n_branches * batch;
-    const float mean_q = __fdiv_rn(glue_block_total(q_taken, count), (float)count);
-    const float mean_target_q = __fdiv_rn(glue_block_total(target_q, count), (float)count);
+    const float mean_q = __fdiv_rn(step_block_total(q_taken, count), (float)count);
+    const float mean_target_q = __fdiv_rn(step_block_total(target_q, count), (float)count);
     if (threadIdx.x != 0) {
         return;
     }
@@ -281,7 +283,7 @@ glue_loss_scalars(const float* __restrict__ c51_total, const float* __restrict__
     readback[11] = mean_target_q;
 }
 
-extern "C" __global__ void glue_step_scalars(const float* __restrict__ total_partials,
+extern "C" __global__ void step_scalars(const float* __restrict__ total_partials,
                                              long long n_partials, float* __restrict__ total_sq,
                                              const float* __restrict__ c51_sq,
                                              const float* __restrict__ cql_sq,
@@ -303,16 +305,16 @@ extern "C" __global__ void glue_step_scalars(const float* __restrict__ total_par
     const float n_cql = __fsqrt_rn(fmaxf(*cql_sq, 0.0f));
     const float grad_norm = __fsqrt_rn(fmaxf(sq, 0.0f));
     const float bound = *clip_bound;
-    *safety_scale = glue_clip_scale(sq, bound);
+    *safety_scale = step_clip_scale(sq, bound);
     readback[0] = __fadd_rn(readback[1], readback[2]);
     readback[3] = grad_norm;
     readback[4] = n_c51;
-    readback[5] = __fmul_rn(n_c51, glue_clip_scale(*c51_sq, budget_c51));
+    readback[5] = __fmul_rn(n_c51, step_clip_scale(*c51_sq, budget_c51));
     readback[6] = n_cql;
-    readback[7] = __fmul_rn(n_cql, glue_clip_scale(*cql_sq, budget_cql));
+    readback[7] = __fmul_rn(n_cql, step_clip_scale(*cql_sq, budget_cql));
     readback[8] = bound;
     readback[9] = grad_norm > bound ? 1.0f : 0.0f;
-    if (glue_is_finite(grad_norm)) {
+    if (step_is_finite(grad_norm)) {
         const float slow = isv[slow_ema_index];
         isv[slow_ema_index] = __fadd_rn(__fmul_rn(__fsub_rn(1.0f, slow_alpha), slow),
                                         __fmul_rn(slow_alpha, grad_norm));
@@ -325,7 +327,7 @@ extern "C" __global__ void glue_step_scalars(const float* __restrict__ total_par
 // entries past the slot table (index >= n_slots) are the extra pieces, and this ORs each one's
 // flag into its slot's flag: flags[piece_slot[k]] |= flags[n_slots + k]. One thread per piece.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void glue_merge_flags(int* __restrict__ flags,
+extern "C" __global__ void merge_piece_flags(int* __restrict__ flags,
                                             const int* __restrict__ piece_slot, int n_slots,
                                             int n_pieces) {
     for (int k = threadIdx.x; k < n_pieces; k += blockDim.x) {

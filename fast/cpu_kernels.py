@@ -134,7 +134,9 @@ def _packed_rows(a: Args, per_block: str = "batch") -> int:
 
 def _stacked(flat: np.ndarray, count: int, stride: int, n: int) -> np.ndarray:
     """``count`` parts of ``n`` elements, part k at ``k * stride`` of ``flat``: ``[count, n]``."""
-    return np.stack([flat[k * stride:k * stride + n] for k in range(count)]) if count else np.zeros((0, n), flat.dtype)
+    if not count:
+        return np.zeros((0, n), flat.dtype)
+    return np.stack([flat[k * stride:k * stride + n] for k in range(count)])
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,7 +317,7 @@ twin("isv_h2_rms_update", isv=ISV_LEN, h2="n")(
 # --------------------------------------------------------------------------------------------
 
 
-@twin("glue_step_prologue", isv=ISV_LEN, adam_t=1, weight_clamp=1, clip_bound=1,
+@twin("step_bounds", isv=ISV_LEN, adam_t=1, weight_clamp=1, clip_bound=1,
       thr_mult="n_thresholds", thr_isv_index="n_thresholds", thr_power="n_thresholds",
       thresholds="n_thresholds")
 def _step_bounds(a):
@@ -325,7 +327,7 @@ def _step_bounds(a):
     return r._asdict()
 
 
-@twin("glue_clamp_isv", nullable=("out_bf16",), x="n", out="n", out_bf16="n", isv=ISV_LEN)
+@twin("clamp_finite_isv", nullable=("out_bf16",), x="n", out="n", out_bf16="n", isv=ISV_LEN)
 def _clamp_finite_isv(a):
     with_bf16 = a.view("out_bf16") is not None
     r = rstep.clamp_finite_isv(a.x, a.isv, a.index, a.mult, with_bf16)
@@ -336,7 +338,7 @@ def _gather_branches(a):
     return branches(a, a.n_branches)
 
 
-@twin("glue_select_gather_taken",
+@twin("double_dqn_gather_branches",
       logp_target=lambda a: (a.batch * sum(_gather_branches(a)), a.num_atoms),
       a_star=("n_branches", "batch"), q_online=lambda a: a.q_rows * sum(_gather_branches(a)),
       actions=("n_branches", "batch"), n_actions="n_branches", action_offset="n_branches",
@@ -346,18 +348,18 @@ def _double_dqn_gather_branches(a):
                                             _gather_branches(a), a.batch)._asdict()
 
 
-@twin("glue_scalar_targets", p_next=("n_branches", "batch", "num_atoms"), z="num_atoms", r="batch",
+@twin("scalar_target_q_branches", p_next=("n_branches", "batch", "num_atoms"), z="num_atoms", r="batch",
       done="batch", gamma="n_branches", target_q=("n_branches", "batch"))
 def _scalar_target_q_branches(a):
     return {"target_q": rstep.scalar_target_q_branches(a.p_next, a.z, a.r, a.done, a.gamma)}
 
 
-@twin("glue_branch_sum", parts=lambda a: (a.n_branches - 1) * a.part_stride + a.n, out="n")
+@twin("branch_mean", parts=lambda a: (a.n_branches - 1) * a.part_stride + a.n, out="n")
 def _branch_mean(a):
     return {"out": rstep.branch_mean(_stacked(a.parts, a.n_branches, a.part_stride, a.n), a.divisor)}
 
 
-@twin("glue_h2_grad_mask", parts=lambda a: (a.n_parts - 1) * a.part_stride + a.n, h2="n", h2_pre="n",
+@twin("h2_grad_sum_mask", parts=lambda a: (a.n_parts - 1) * a.part_stride + a.n, h2="n", h2_pre="n",
       dh2_out="n", out="n")
 def _h2_grad_sum_mask(a):
     r = rstep.h2_grad_sum_mask(_stacked(a.parts, a.n_parts, a.part_stride, a.n), a.h2, a.h2_pre)
@@ -367,7 +369,7 @@ def _h2_grad_sum_mask(a):
 _READBACK = len(rstep.READBACK_FIELDS)
 
 
-@twin("glue_loss_scalars", c51_total="n_branches", terms=("n_branches", "batch"),
+@twin("loss_scalars", c51_total="n_branches", terms=("n_branches", "batch"),
       q_taken=("n_branches", "batch"), target_q=("n_branches", "batch"), readback=_READBACK)
 def _loss_scalars(a):
     r = rstep.loss_scalars(a.c51_total, a.terms, a.q_taken, a.target_q, a.alpha)
@@ -377,7 +379,7 @@ def _loss_scalars(a):
     return {"readback": readback}
 
 
-@twin("glue_step_scalars", total_partials="n_partials", total_sq=1, c51_sq=1, cql_sq=1,
+@twin("step_scalars", total_partials="n_partials", total_sq=1, c51_sq=1, cql_sq=1,
       clip_bound=1, isv=ISV_LEN, safety_scale=1, readback=_READBACK)
 def _step_scalars(a):
     r = rstep.step_scalars(a.total_partials, a.c51_sq[0], a.cql_sq[0], a.clip_bound[0], a.isv,
@@ -386,7 +388,7 @@ def _step_scalars(a):
             "isv": r.isv}
 
 
-@twin("glue_merge_flags", flags=lambda a: a.n_slots + a.n_pieces, piece_slot="n_pieces")
+@twin("merge_piece_flags", flags=lambda a: a.n_slots + a.n_pieces, piece_slot="n_pieces")
 def _merge_piece_flags(a):
     return {"flags": rstep.merge_piece_flags(a.flags, a.piece_slot, a.n_slots)}
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.step_layout import NORM_SEGMENT
-from foxhunt.fast.step_program import StepProgram, flat_plan, one_block
+from foxhunt.fast.step_program import StepProgram
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
 from foxhunt.reference.kernels.distributional import _atom_spacing
@@ -32,10 +32,11 @@ from foxhunt.reference.kernels.distributional import _atom_spacing
 def graph1_ops(prog: StepProgram) -> Ops:
     lay, c = prog.lay, prog.config
     B, NA, nb, NP = lay.B, lay.NA, lay.nb, lay.NP
-    dist, safety, opt, fused = (prog.kernels(a) for a in ("distributional", "safety", "optim", "fused"))
+    dist, safety, opt, fused, step = (prog.kernels(a) for a in
+                                      ("distributional", "safety", "optim", "fused", "step"))
     sp = lay.sentinel
     prologue = prog.ops()
-    prologue.kernel("glue_step_prologue", one_block(), isv="isv", adam_t="adam_t",
+    prologue.kernel("step_bounds", step.plan_step_bounds(), isv="isv", adam_t="adam_t",
                     weight_clamp="weight_clamp", clip_bound="clip_bound", thr_mult="thr_mult",
                     thr_isv_index="thr_isv_index", thr_power="thr_power", thresholds="thresholds",
                     n_thresholds=sp.n_desc, q_abs_ref_index=isv_mod.Q_ABS_REF_INDEX,
@@ -67,7 +68,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
     # C51 logit gradients: one launch for every branch's double-DQN choice and gathers, then
     # per branch (parallel) the projection with the C51 gradient.
     c51_pre = prog.ops()
-    c51_pre.kernel("glue_select_gather_taken", flat_plan(nb * B * NA),
+    c51_pre.kernel("double_dqn_gather_branches", step.plan_double_dqn_gather_branches(nb, B, NA),
                    logp_target=Buf("logp", ("t", 0)), a_star="a_star", q_online="q_o",
                    actions="batch.a", n_actions="n_actions", action_offset="action_offset",
                    p_next="p_next", q_taken="q_taken", n_branches=nb, batch=B, num_atoms=NA,
@@ -103,9 +104,9 @@ def graph1_ops(prog: StepProgram) -> Ops:
     # every branch's projection).
     targets, losses = prog.ops(), prog.ops()
     targets.wait("gathered")
-    targets.kernel("glue_scalar_targets", flat_plan(nb * B), p_next="p_next", z="z", r="batch.r",
-                   done="batch.done", gamma="gamma", target_q="target_q", n_branches=nb, batch=B,
-                   num_atoms=NA)
+    targets.kernel("scalar_target_q_branches", step.plan_scalar_target_q_branches(nb, B),
+                   p_next="p_next", z="z", r="batch.r", done="batch.done", gamma="gamma",
+                   target_q="target_q", n_branches=nb, batch=B, num_atoms=NA)
     targets.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), q="target_q",
                    out="target_q", n=nb * B, k1=np.float32(c.target_q_clip_mult),
                    q_abs_ref=Buf("isv", offset=isv_mod.Q_ABS_REF_INDEX))
@@ -115,14 +116,14 @@ def graph1_ops(prog: StepProgram) -> Ops:
                   logp=Buf("logp", ("o", 0)), actions="batch.a", m="m", isw="batch.isw",
                   scale="scale", n_actions="n_actions", action_offset="action_offset", ce="ce",
                   total="c51_total", batch=B, block_rows=2 * B, num_atoms=NA)
-    losses.kernel("glue_branch_sum", flat_plan(B), parts="ce", out="td", n=B, n_branches=nb,
+    losses.kernel("branch_mean", step.plan_branch_mean(B), parts="ce", out="td", n=B, n_branches=nb,
                   part_stride=B, divisor=np.float32(nb))
     books = prog.ops()
     books.parallel(targets, losses)
     # The loss scalars and means of the readback (block reductions), beside the backward
     # passes: they need the C51 totals, the Q's and the CQL terms.
     books.wait("cql_terms")
-    books.kernel("glue_loss_scalars", one_block(), c51_total="c51_total", terms="terms",
+    books.kernel("loss_scalars", step.plan_loss_scalars(), c51_total="c51_total", terms="terms",
                  q_taken="q_taken", target_q="target_q", readback="readback", n_branches=nb,
                  batch=B, alpha=np.float32(c.cql_alpha))
     ops.parallel(cql_side, c51_side, books)
@@ -140,7 +141,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
     body.parallel(prologue, ops)
     # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its
     # summation tree and bits).
-    body.kernel("glue_step_scalars", opt.plan_grad_norm_final(lay.n_partials),
+    body.kernel("step_scalars", step.plan_step_scalars(lay.n_partials),
                 total_partials="partials_total", n_partials=lay.n_partials, total_sq="sq_total",
                 c51_sq="sq_c51", cql_sq="sq_cql", clip_bound="clip_bound", isv="isv",
                 safety_scale="safety_scale", readback="readback",

@@ -22,7 +22,7 @@ import numpy as np
 
 from foxhunt.fast.records import Buf, Host, Ops
 from foxhunt.fast.sentinel_plan import GRAPH2_WRITTEN
-from foxhunt.fast.step_program import StepProgram, one_block
+from foxhunt.fast.step_program import StepProgram
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.kernels.spectral import SPECTRAL_EPS
 from foxhunt.reference.trainer import ISV_PRODUCER_ALPHA
@@ -90,8 +90,9 @@ def graph2_ops(prog: StepProgram) -> Ops:
     # packed per-branch buffers that graph 2 does not write), else after the join.
     merge = prog.ops()
     if sp.n_pieces:
-        merge.kernel("glue_merge_flags", one_block(), flags="flags", piece_slot="piece_slot",
-                     n_slots=sp.n_slots, n_pieces=sp.n_pieces)
+        merge.kernel("merge_piece_flags", prog.kernels("step").plan_merge_piece_flags(),
+                     flags="flags", piece_slot="piece_slot", n_slots=sp.n_slots,
+                     n_pieces=sp.n_pieces)
     if all(piece.buffer not in GRAPH2_WRITTEN for piece in sp.extras):
         checks_pre.extend(merge)
         body.parallel(producers, checks_pre, ops)

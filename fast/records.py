@@ -576,11 +576,11 @@ def _covered(spans: list[tuple[int, int]], start: int, end: int) -> bool:
 def check_dataflow(graphs: list[Ops], role: Callable[[str], str],
                    preset: Mapping[str, list[tuple[int, int]]] = MappingProxyType({})) -> None:
     """Every scratch region a record of ``graphs`` (run in order) reads was written by a record
-    it depends on (``dependency_graph``; state, batch and constant buffers hold values before
+    it depends on (``dependency_graph``). State, batch and constant buffers hold values before
     the step, and so do the ``preset`` byte ranges ``{buffer: [(start, end), ...]}`` of scratch
-    buffers: bytes no record writes, zero since the arena was made). Raises ``PlanError`` naming the record that reads what none of its
-    dependencies wrote: an input bound to the wrong buffer, or a missing dependency between
-    parallel branches."""
+    buffers (bytes no record writes, zero since the arena was made). Raises ``PlanError``
+    naming the record that reads what none of its dependencies wrote: an input bound to the
+    wrong buffer, or a missing dependency between parallel branches."""
     nodes, deps = dependency_graph(graphs)
     ancestors: list[int] = []
     writes: dict[str, list[tuple[int, int, int]]] = {}

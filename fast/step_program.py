@@ -46,23 +46,9 @@ from foxhunt.reference import sentinels
 GEMM_WORKSPACES = ("none", "default")
 #: Epilogues with a kernel fallback (relu_mask_bias_grad, bias_grad_reduce).
 FALLBACK_EPILOGUES = ("drelu_bgrad", "bgradb")
-#: Threads of the one-block step kernels and the flat ones' block; grid cap of the flat ones
-#: (grid-stride loops cover the rest).
-STEP_THREADS = 256
-STEP_MAX_BLOCKS = 1024
-
 #: ``planner(m, n, k, *, trans_a, trans_b, precision, epilogue, beta, min_alignment,
 #: workspace_limit)`` -> a plan with ``.spec``; raises ``GemmPlanError`` where it has none.
 Planner = Callable[..., object]
-
-
-def flat_plan(n: int) -> tuple[int, int, int]:
-    """Flat grid-stride launch of a step kernel over ``n`` elements."""
-    return min(blocks(n, STEP_THREADS), STEP_MAX_BLOCKS), STEP_THREADS, 0
-
-
-def one_block() -> tuple[int, int, int]:
-    return 1, STEP_THREADS, 0
 
 
 def alignment(byte_offsets) -> int:
@@ -246,8 +232,9 @@ class StepProgram:
                     bias=p32("b_s2"), epilogue=relu_ep, aux=Buf(f"aux2{tag}") if aux else None)
         h2b = Buf(f"h2{tag}_bf16") if bf16 else None
         n2 = rows * lay.H2
-        ops.kernel("glue_clamp_isv", flat_plan(n2), x=h2pre, out=h2, out_bf16=h2b, n=n2,
-                   isv="isv", index=isv_mod.H_S2_RMS_EMA_INDEX, mult=np.float32(c.h2_clamp_mult))
+        ops.kernel("clamp_finite_isv", self.kernels("step").plan_clamp_finite_isv(n2), x=h2pre,
+                   out=h2, out_bf16=h2b, n=n2, isv="isv", index=isv_mod.H_S2_RMS_EMA_INDEX,
+                   mult=np.float32(c.h2_clamp_mult))
         h2_in = h2b if bf16 else h2
         firsts = [] if extra is None else [extra]
         for h in lay.heads:
@@ -328,7 +315,8 @@ class StepProgram:
         order = [h.key for h in lay.heads[1:]] + [lay.heads[0].key]
         stride = blocks(B * H2, OPERAND_ALIGN) * OPERAND_ALIGN
         assert [parts.offsets[k] for k in order] == [i * stride for i in range(len(order))]
-        trunk.kernel("glue_h2_grad_mask", flat_plan(B * H2), parts=f"dh2p_{loss}",
+        trunk.kernel("h2_grad_sum_mask", self.kernels("step").plan_h2_grad_sum_mask(B * H2),
+                     parts=f"dh2p_{loss}",
                      n_parts=len(order), part_stride=stride, h2="h2o", h2_pre="h2preo",
                      dh2_out=f"dh2_{loss}", out=f"dh2m_{loss}", n=B * H2)
         # Slot 33 (C51 pass): the trunk gradient right after the main backward; nothing writes
@@ -390,5 +378,4 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["FALLBACK_EPILOGUES", "GEMM_WORKSPACES", "StepProgram", "alignment", "flat_plan",
-           "one_block", "step_constants"]
+__all__ = ["FALLBACK_EPILOGUES", "GEMM_WORKSPACES", "StepProgram", "alignment", "step_constants"]

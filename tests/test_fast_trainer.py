@@ -445,7 +445,8 @@ def test_step_orders_the_upload_by_device_events(monkeypatch):
             log.append((self.name, stream))
 
     engine = GpuEngine.__new__(GpuEngine)
-    engine._upload_stream, engine.stream = types.SimpleNamespace(handle="up"), types.SimpleNamespace(handle="main")
+    engine._upload_stream = types.SimpleNamespace(handle="up")
+    engine.stream = types.SimpleNamespace(handle="main")
     engine._upload = [Graph("upload0"), Graph("upload1")]
     engine._graph1, engine._graph2 = Graph("graph1"), Graph("graph2")
     engine._uploaded, engine._graph1_done = ["uploaded0", "uploaded1"], "graph1_done"

@@ -56,11 +56,19 @@ def test_every_twin_declares_the_extent_of_each_pointer_parameter():
 
 @pytest.mark.parametrize("preset, precision", CONFIGS)
 def test_the_plan_launches_only_kernels_with_a_twin_and_checks_clean(preset, precision):
+    """Every launched kernel has its CPU twin, a same-name reference kernel and a same-name
+    fast test entry, and lives in a kernel (not ``_`` infrastructure) file of cuda_src."""
+    from foxhunt.fast.cuda_parse import package_kernels
+    from foxhunt.fast.kernels import KERNELS as FAST
+    from foxhunt.reference.kernels import KERNELS as REFERENCE
+
     engine = _engine(preset, precision)
     plans = engine.plans
     kernels = {n.kernel for ops in (*plans["upload"], plans["graph1"], plans["graph2"])
                for n in ops.nodes() if isinstance(n, Launch)}
     assert kernels <= set(TWINS) and len(kernels) >= 20
+    assert kernels <= set(REFERENCE) and kernels <= set(FAST), sorted(kernels - set(REFERENCE))
+    assert not [k for k in kernels if package_kernels()[k].file.startswith("_")]
     # Every record's arguments are its kernel's parameters, in the kernel's order.
     for ops in (plans["graph1"], plans["graph2"]):
         for node in ops.nodes():

@@ -2,9 +2,7 @@
 the kernel's name (mirroring ``foxhunt.reference.kernels``).
 
 Each area module defines ``KERNELS = {name: launcher}``; this package merges them into one
-registry. A name defined twice is an error at import. An area whose module does not exist yet
-is listed in ``MISSING_AREAS`` (the conformance registry turns that into failures); any other
-import error propagates. Importing this package needs no GPU.
+registry. A name defined twice is an error at import. Importing this package needs no GPU.
 """
 
 from __future__ import annotations
@@ -12,21 +10,13 @@ from __future__ import annotations
 import importlib
 from types import MappingProxyType
 
-AREAS = ("dense", "distributional", "optim", "spectral", "safety", "replay", "isv", "fused")
+AREAS = ("dense", "distributional", "optim", "spectral", "safety", "replay", "isv", "fused", "step")
 
 
-def _collect() -> tuple[dict, tuple[str, ...]]:
+def _collect() -> dict:
     merged: dict = {}
-    missing = []
     for area in AREAS:
-        qualified = f"{__name__}.{area}"
-        try:
-            module = importlib.import_module(qualified)
-        except ModuleNotFoundError as exc:
-            if exc.name != qualified:
-                raise  # the area exists but something it imports is missing
-            missing.append(area)
-            continue
+        module = importlib.import_module(f"{__name__}.{area}")
         for name, fn in module.KERNELS.items():
             if name in merged:
                 raise ImportError(
@@ -34,10 +24,9 @@ def _collect() -> tuple[dict, tuple[str, ...]]:
                     f"{merged[name].__module__} and {fn.__module__}"
                 )
             merged[name] = fn
-    return merged, tuple(missing)
+    return merged
 
 
-_kernels, MISSING_AREAS = _collect()
-KERNELS = MappingProxyType(_kernels)
+KERNELS = MappingProxyType(_collect())
 
-__all__ = ["AREAS", "KERNELS", "MISSING_AREAS"]
+__all__ = ["AREAS", "KERNELS"]

@@ -60,6 +60,31 @@ class StepBounds(NamedTuple):
     thresholds: np.ndarray
 
 
+def validate_step_bounds(isv, adam_t, thr_mult, thr_isv_index, thr_power, q_abs_ref_index,
+                         slow_ema_index, weight_clamp_mult, max_grad_norm, anchor_mult):
+    """The argument checks of ``step_bounds``; returns ``(q_abs_ref_index, slow_ema_index,
+    weight_clamp_mult, max_grad_norm, anchor_mult)`` as the kernel receives them."""
+    check_f32_array("isv", isv, ndim=1)
+    require_array("adam_t", adam_t, np.int64, ndim=1)
+    if adam_t.shape != (1,):
+        raise ValueError(f"adam_t: shape {adam_t.shape}; expected [1] (Adam's step counter)")
+    check_f32_array("thr_mult", thr_mult, ndim=1)
+    require_array("thr_isv_index", thr_isv_index, I32, ndim=1)
+    require_array("thr_power", thr_power, I32, ndim=1)
+    n = isv.shape[0]
+    if thr_isv_index.shape != thr_mult.shape or thr_power.shape != thr_mult.shape:
+        raise ValueError(f"thr_isv_index, thr_power: shapes {thr_isv_index.shape}, "
+                         f"{thr_power.shape}; expected {thr_mult.shape} (one per threshold)")
+    if np.any(thr_isv_index >= n):
+        raise ValueError(f"thr_isv_index: {thr_isv_index.max()} is not an ISV slot (ISV length {n})")
+    if np.any((thr_power != 1) & (thr_power != 2)):
+        raise ValueError(f"thr_power: {sorted(set(thr_power.tolist()))}; allowed powers are 1 and 2")
+    return (check_int("q_abs_ref_index", q_abs_ref_index, minimum=0, maximum=n - 1),
+            check_int("slow_ema_index", slow_ema_index, minimum=0, maximum=n - 1),
+            _f32("weight_clamp_mult", weight_clamp_mult), _f32("max_grad_norm", max_grad_norm),
+            _f32("anchor_mult", anchor_mult))
+
+
 def step_bounds(isv: np.ndarray, adam_t: np.ndarray, thr_mult: np.ndarray,
                 thr_isv_index: np.ndarray, thr_power: np.ndarray, q_abs_ref_index: int,
                 slow_ema_index: int, weight_clamp_mult, max_grad_norm, anchor_mult) -> StepBounds:
@@ -77,26 +102,15 @@ def step_bounds(isv: np.ndarray, adam_t: np.ndarray, thr_mult: np.ndarray,
     NaN contract: ``fmaxf`` takes the non-NaN operand, so a NaN ISV slot gives the bare
     multiplier; ``fminf`` likewise; +Inf gives +Inf (no bound).
     """
-    check_f32_array("isv", isv, ndim=1)
-    require_array("adam_t", adam_t, np.int64, ndim=1)
-    check_f32_array("thr_mult", thr_mult, ndim=1)
-    require_array("thr_isv_index", thr_isv_index, I32, ndim=1)
-    require_array("thr_power", thr_power, I32, ndim=1)
-    n = isv.shape[0]
-    q_index = check_int("q_abs_ref_index", q_abs_ref_index, minimum=0, maximum=n - 1)
-    slow_index = check_int("slow_ema_index", slow_ema_index, minimum=0, maximum=n - 1)
-    if thr_isv_index.shape != thr_mult.shape or thr_power.shape != thr_mult.shape:
-        raise ValueError(f"thr_isv_index, thr_power: shapes {thr_isv_index.shape}, "
-                         f"{thr_power.shape}; expected {thr_mult.shape} (one per threshold)")
-    if np.any(thr_isv_index >= n):
-        raise ValueError(f"thr_isv_index: {thr_isv_index.max()} is not an ISV slot (ISV length {n})")
+    q_index, slow_index, wc_mult, mgn, anchor = validate_step_bounds(
+        isv, adam_t, thr_mult, thr_isv_index, thr_power, q_abs_ref_index, slow_ema_index,
+        weight_clamp_mult, max_grad_norm, anchor_mult)
     with np.errstate(all="ignore"):
         e = np.fmax(isv[np.maximum(thr_isv_index, 0)], F32(1))
         base = np.where(thr_power == 2, e * e, e).astype(F32)
         thresholds = np.where(thr_isv_index >= 0, thr_mult * base, F32(0)).astype(F32)
-    weight_clamp = _isv_bound(_f32("weight_clamp_mult", weight_clamp_mult), isv[q_index])
-    anchored = _isv_bound(_f32("anchor_mult", anchor_mult), isv[slow_index])
-    clip_bound = F32(np.fmin(_f32("max_grad_norm", max_grad_norm), anchored))
+    weight_clamp = _isv_bound(wc_mult, isv[q_index])
+    clip_bound = F32(np.fmin(mgn, _isv_bound(anchor, isv[slow_index])))
     return StepBounds(adam_t + 1, np.array([weight_clamp], F32), np.array([clip_bound], F32),
                       thresholds)
 
@@ -108,10 +122,17 @@ def step_bounds(isv: np.ndarray, adam_t: np.ndarray, thr_mult: np.ndarray,
 
 class ClampMirror(NamedTuple):
     """Outputs of ``clamp_finite_isv``: ``out`` (float32) and its BF16 bits ``out_bf16``
-    (uint16, same shape; ``None`` unless asked for)."""
+    (uint16, same shape; empty unless asked for: the kernel skips a null mirror pointer)."""
 
     out: np.ndarray
-    out_bf16: np.ndarray | None
+    out_bf16: np.ndarray
+
+
+def validate_clamp_finite_isv(x, isv, index, mult) -> tuple[int, np.float32]:
+    """The argument checks of ``clamp_finite_isv``; returns ``(index, mult)``."""
+    check_f32_array("x", x)
+    check_f32_array("isv", isv, ndim=1)
+    return check_int("index", index, minimum=0, maximum=isv.shape[0] - 1), _f32("mult", mult)
 
 
 def clamp_finite_isv(x: np.ndarray, isv: np.ndarray, index: int, mult, with_bf16: bool = False
@@ -123,12 +144,10 @@ def clamp_finite_isv(x: np.ndarray, isv: np.ndarray, index: int, mult, with_bf16
     Shapes: ``x`` float32, any shape; ``isv`` float32 [L]. NaN contract: ``clamp_finite``'s
     (NaN and +/-Inf become +0.0); a NaN ISV value gives the bound ``mult``.
     """
-    check_f32_array("x", x)
-    check_f32_array("isv", isv, ndim=1)
-    index = check_int("index", index, minimum=0, maximum=isv.shape[0] - 1)
-    bound = _isv_bound(_f32("mult", mult), isv[index])
+    index, mult = validate_clamp_finite_isv(x, isv, index, mult)
+    bound = _isv_bound(mult, isv[index])
     out = safety.clamp_finite(x, bound)
-    return ClampMirror(out, dense.f32_to_bf16(out) if with_bf16 else None)
+    return ClampMirror(out, dense.f32_to_bf16(out) if with_bf16 else np.zeros(0, np.uint16))
 
 
 # --------------------------------------------------------------------------------------------
@@ -145,20 +164,9 @@ class DoubleDqnGather(NamedTuple):
     q_taken: np.ndarray
 
 
-def double_dqn_gather_branches(logp_target: np.ndarray, q_online: np.ndarray, actions: np.ndarray,
-                               branches, batch: int) -> DoubleDqnGather:
-    """Every branch's double-DQN choice and the gathers of ``loss_and_grads``:
-
-    - ``a_star[d, b] = double_dqn_select(Q_d(s2))[b]``, ``Q_d(s2)`` the rows ``batch..2 batch``
-      of branch d's block of ``q_online`` (lowest index on ties);
-    - ``p_next[d, b, :] = exp(logp_target_d[b, a_star[d, b], :])`` (float32 ``np.exp``);
-    - ``q_taken[d, b] = Q_d(s)[b, actions[d, b]]`` (rows ``0..batch``).
-
-    Shapes: ``logp_target`` float32 [batch * A_total, NA] (branch-packed, ``batch`` samples per
-    block); ``q_online`` float32 [q_rows * A_total] (branch-packed, ``q_rows >= 2 batch``
-    samples per block); ``actions`` int32 [D, batch], each in ``[0, n_d)``. NaN contract:
-    ``double_dqn_select``'s (a NaN Q never wins a comparison); ``exp`` propagates NaN.
-    """
+def validate_double_dqn_gather_branches(logp_target, q_online, actions, branches, batch):
+    """The argument checks of ``double_dqn_gather_branches``; returns ``(branches, batch,
+    q_rows)``."""
     branches = _require_branches(branches)
     batch = check_int("batch", batch, minimum=1)
     a_total = sum(branches)
@@ -174,14 +182,34 @@ def double_dqn_gather_branches(logp_target: np.ndarray, q_online: np.ndarray, ac
     require_array("actions", actions, I32, ndim=2)
     if actions.shape != (len(branches), batch):
         raise ValueError(f"actions: shape {actions.shape}; expected [D, batch] = {(len(branches), batch)}")
+    for d, n in enumerate(branches):
+        if np.any((actions[d] < 0) | (actions[d] >= n)):
+            raise ValueError(f"actions: row {d} holds an action outside [0, {n})")
+    return branches, batch, q_rows
+
+
+def double_dqn_gather_branches(logp_target: np.ndarray, q_online: np.ndarray, actions: np.ndarray,
+                               branches, batch: int) -> DoubleDqnGather:
+    """Every branch's double-DQN choice and the gathers of ``loss_and_grads``:
+
+    - ``a_star[d, b] = double_dqn_select(Q_d(s2))[b]``, ``Q_d(s2)`` the rows ``batch..2 batch``
+      of branch d's block of ``q_online`` (lowest index on ties);
+    - ``p_next[d, b, :] = exp(logp_target_d[b, a_star[d, b], :])`` (float32 ``np.exp``);
+    - ``q_taken[d, b] = Q_d(s)[b, actions[d, b]]`` (rows ``0..batch``).
+
+    Shapes: ``logp_target`` float32 [batch * A_total, NA] (branch-packed, ``batch`` samples per
+    block); ``q_online`` float32 [q_rows * A_total] (branch-packed, ``q_rows >= 2 batch``
+    samples per block); ``actions`` int32 [D, batch], each in ``[0, n_d)``. NaN contract:
+    ``double_dqn_select``'s (a NaN Q never wins a comparison); ``exp`` propagates NaN.
+    """
+    branches, batch, q_rows = validate_double_dqn_gather_branches(logp_target, q_online, actions,
+                                                                  branches, batch)
     na = logp_target.shape[1]
     rows = np.arange(batch)
     a_star = np.zeros((len(branches), batch), I32)
     p_next = np.zeros((len(branches), batch, na), F32)
     q_taken = np.zeros((len(branches), batch), F32)
     for d, (n, off) in enumerate(zip(branches, branch_offsets(branches))):
-        if np.any((actions[d] < 0) | (actions[d] >= n)):
-            raise ValueError(f"actions: row {d} holds an action outside [0, {n})")
         q = q_online[q_rows * off:q_rows * (off + n)].reshape(q_rows, n)
         a_star[d] = distributional.double_dqn_select(q[batch:2 * batch].copy())
         logp = logp_target[batch * off:batch * (off + n)].reshape(batch, n, na)
@@ -189,6 +217,16 @@ def double_dqn_gather_branches(logp_target: np.ndarray, q_online: np.ndarray, ac
             p_next[d] = np.exp(logp[rows, a_star[d]])
         q_taken[d] = q[rows, actions[d]]
     return DoubleDqnGather(a_star, p_next, q_taken)
+
+
+def validate_scalar_target_q_branches(p_next, z, r, done, gamma) -> None:
+    """The argument checks of ``scalar_target_q_branches``."""
+    require_array("p_next", p_next, F32, ndim=3)
+    n_d, b, na = p_next.shape
+    for name, x, n in (("z", z, na), ("r", r, b), ("done", done, b), ("gamma", gamma, n_d)):
+        require_array(name, x, F32, ndim=1)
+        if x.shape[0] != n:
+            raise ValueError(f"{name}: shape {x.shape}; expected [{n}]")
 
 
 def scalar_target_q_branches(p_next: np.ndarray, z: np.ndarray, r: np.ndarray, done: np.ndarray,
@@ -200,18 +238,22 @@ def scalar_target_q_branches(p_next: np.ndarray, z: np.ndarray, r: np.ndarray, d
     Shapes: ``p_next`` float32 [D, B, NA]; ``z`` [NA]; ``r``, ``done`` [B]; ``gamma`` [D].
     Returns float32 [D, B]. NaN contract: IEEE; NaN and Inf propagate through the sum.
     """
-    require_array("p_next", p_next, F32, ndim=3)
+    validate_scalar_target_q_branches(p_next, z, r, done, gamma)
     n_d, b, na = p_next.shape
-    for name, x, n in (("z", z, na), ("r", r, b), ("done", done, b), ("gamma", gamma, n_d)):
-        require_array(name, x, F32, ndim=1)
-        if x.shape[0] != n:
-            raise ValueError(f"{name}: shape {x.shape}; expected [{n}]")
     with np.errstate(all="ignore"):
         e = np.zeros((n_d, b), F32)
         for j in range(na):
             e = (e + p_next[:, :, j] * z[j]).astype(F32)
         discount = (gamma[:, None] * (F32(1) - done[None, :])).astype(F32)
         return (r[None, :] + discount * e).astype(F32)
+
+
+def validate_branch_mean(parts, divisor) -> np.float32:
+    """The argument checks of ``branch_mean``; returns ``divisor`` as float32."""
+    require_array("parts", parts, F32, ndim=2)
+    if parts.shape[0] < 1:
+        raise ValueError(f"parts: shape {parts.shape}; expected at least one part")
+    return _f32("divisor", divisor)
 
 
 def branch_mean(parts: np.ndarray, divisor) -> np.ndarray:
@@ -221,8 +263,7 @@ def branch_mean(parts: np.ndarray, divisor) -> np.ndarray:
 
     Shapes: ``parts`` float32 [D, N]. Returns float32 [N]. NaN contract: IEEE.
     """
-    require_array("parts", parts, F32, ndim=2)
-    div = _f32("divisor", divisor)
+    div = validate_branch_mean(parts, divisor)
     with np.errstate(all="ignore"):
         acc = np.zeros(parts.shape[1], F32)
         for d in range(parts.shape[0]):
@@ -238,6 +279,16 @@ class TrunkGrad(NamedTuple):
     out: np.ndarray
 
 
+def validate_h2_grad_sum_mask(parts, h2, h2_pre) -> None:
+    """The argument checks of ``h2_grad_sum_mask``."""
+    require_array("parts", parts, F32)
+    check_f32_array("h2", h2)
+    check_f32_array("h2_pre", h2_pre)
+    if parts.ndim < 1 or parts.shape[1:] != h2.shape or h2_pre.shape != h2.shape:
+        raise ValueError(f"parts, h2, h2_pre: shapes {parts.shape}, {h2.shape}, {h2_pre.shape}; "
+                         "expected [K, *S], [*S], [*S]")
+
+
 def h2_grad_sum_mask(parts: np.ndarray, h2: np.ndarray, h2_pre: np.ndarray) -> TrunkGrad:
     """The heads' parts of ``dh2`` summed in the reference's order (``dh2 = dh2 + part`` from
     zeros, parts in order), then the backward through Mech 10's clamp and the trunk ReLU:
@@ -247,12 +298,7 @@ def h2_grad_sum_mask(parts: np.ndarray, h2: np.ndarray, h2_pre: np.ndarray) -> T
     Shapes: ``parts`` float32 [K, *S]; ``h2`` and ``h2_pre`` float32 [*S]. NaN contract: the
     sum is IEEE; a NaN ``h2_pre`` fails both comparisons (passed 0, then not ``<= 0``: 0 out).
     """
-    require_array("parts", parts, F32)
-    check_f32_array("h2", h2)
-    check_f32_array("h2_pre", h2_pre)
-    if parts.shape[1:] != h2.shape or h2_pre.shape != h2.shape:
-        raise ValueError(f"parts, h2, h2_pre: shapes {parts.shape}, {h2.shape}, {h2_pre.shape}; "
-                         "expected [K, *S], [*S], [*S]")
+    validate_h2_grad_sum_mask(parts, h2, h2_pre)
     with np.errstate(all="ignore"):
         total = np.zeros(h2.shape, F32)
         for part in parts:
@@ -273,6 +319,19 @@ class LossScalars(NamedTuple):
     mean_target_q: np.float32
 
 
+def validate_loss_scalars(c51_total, terms, q_taken, target_q, alpha) -> np.float32:
+    """The argument checks of ``loss_scalars``; returns ``alpha`` as float32."""
+    require_array("c51_total", c51_total, F32, ndim=1)
+    shape = (c51_total.shape[0], None)
+    for name, x in (("terms", terms), ("q_taken", q_taken), ("target_q", target_q)):
+        require_array(name, x, F32, ndim=2)
+        if x.shape[0] != shape[0] or (shape[1] is not None and x.shape[1] != shape[1]) or x.shape[1] < 1:
+            raise ValueError(f"{name}: shape {x.shape}; expected [D = {shape[0]}, B] with B >= 1 "
+                             "shared by terms, q_taken and target_q")
+        shape = x.shape
+    return _f32("alpha", alpha)
+
+
 def loss_scalars(c51_total: np.ndarray, terms: np.ndarray, q_taken: np.ndarray,
                  target_q: np.ndarray, alpha) -> LossScalars:
     """The loss scalars and means of the readback, in ``loss_and_grads``' order:
@@ -285,13 +344,8 @@ def loss_scalars(c51_total: np.ndarray, terms: np.ndarray, q_taken: np.ndarray,
     Shapes: ``c51_total`` [D]; ``terms``, ``q_taken``, ``target_q`` [D, B]; all float32.
     NaN contract: IEEE; a NaN anywhere in an input makes that scalar NaN.
     """
-    require_array("c51_total", c51_total, F32, ndim=1)
-    for name, x in (("terms", terms), ("q_taken", q_taken), ("target_q", target_q)):
-        require_array(name, x, F32, ndim=2)
-        if x.shape[0] != c51_total.shape[0]:
-            raise ValueError(f"{name}: shape {x.shape}; expected [D = {c51_total.shape[0]}, B]")
+    a = validate_loss_scalars(c51_total, terms, q_taken, target_q, alpha)
     n_d = F32(c51_total.shape[0])
-    a = _f32("alpha", alpha)
     with np.errstate(all="ignore"):
         c51 = cql = F32(0)
         for d in range(c51_total.shape[0]):
@@ -309,6 +363,21 @@ class StepScalarsOut(NamedTuple):
     safety_scale: np.float32
     readback: np.ndarray
     isv: np.ndarray
+
+
+def validate_step_scalars(total_partials, c51_sq, cql_sq, clip_bound, isv, readback, budget_c51,
+                          budget_cql, slow_ema_index, slow_alpha):
+    """The argument checks of ``step_scalars``; returns ``(c51_sq, cql_sq, clip_bound,
+    budget_c51, budget_cql, slow_ema_index, slow_alpha)`` as the kernel receives them."""
+    check_f32_array("total_partials", total_partials, ndim=1)
+    check_f32_array("isv", isv, ndim=1)
+    check_f32_array("readback", readback, ndim=1)
+    if readback.shape[0] != len(READBACK_FIELDS):
+        raise ValueError(f"readback: shape {readback.shape}; expected [{len(READBACK_FIELDS)}]")
+    return (_f32("c51_sq", c51_sq), _f32("cql_sq", cql_sq), _f32("clip_bound", clip_bound),
+            _f32("budget_c51", budget_c51), _f32("budget_cql", budget_cql),
+            check_int("slow_ema_index", slow_ema_index, minimum=0, maximum=isv.shape[0] - 1),
+            _f32("slow_alpha", slow_alpha))
 
 
 def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np.ndarray,
@@ -330,14 +399,9 @@ def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np
     NaN contract: the norms take ``fmaxf(sq, 0)`` (NaN gives 0); a NaN ``clip_bound`` never
     fires the clip.
     """
-    check_f32_array("total_partials", total_partials, ndim=1)
-    check_f32_array("isv", isv, ndim=1)
-    check_f32_array("readback", readback, ndim=1)
-    if readback.shape[0] != len(READBACK_FIELDS):
-        raise ValueError(f"readback: shape {readback.shape}; expected [{len(READBACK_FIELDS)}]")
-    slow = check_int("slow_ema_index", slow_ema_index, minimum=0, maximum=isv.shape[0] - 1)
-    c51_sq, cql_sq, bound = _f32("c51_sq", c51_sq), _f32("cql_sq", cql_sq), _f32("clip_bound", clip_bound)
-    b_c51, b_cql, a = _f32("budget_c51", budget_c51), _f32("budget_cql", budget_cql), _f32("slow_alpha", slow_alpha)
+    c51_sq, cql_sq, bound, b_c51, b_cql, slow, a = validate_step_scalars(
+        total_partials, c51_sq, cql_sq, clip_bound, isv, readback, budget_c51, budget_cql,
+        slow_ema_index, slow_alpha)
     total_sq = optim.grad_norm_final(total_partials)
     rb, ix = readback.copy(), READBACK_INDEX
     with np.errstate(all="ignore"):
@@ -369,13 +433,8 @@ def _clip_scale(norm_sq: np.float32, max_norm: np.float32) -> np.float32:
 # --------------------------------------------------------------------------------------------
 
 
-def merge_piece_flags(flags: np.ndarray, piece_slot: np.ndarray, n_slots: int) -> np.ndarray:
-    """A sentinel slot checked as several pieces: ``flags[piece_slot[k]] = 1`` where the extra
-    piece's flag ``flags[n_slots + k]`` is set (sticky OR into the slot's flag).
-
-    Shapes: ``flags`` int32 [n_slots + P]; ``piece_slot`` int32 [P], each in ``[0, n_slots)``.
-    Returns the new flags (int32, same shape); the pieces' own flags are kept.
-    """
+def validate_merge_piece_flags(flags, piece_slot, n_slots) -> int:
+    """The argument checks of ``merge_piece_flags``; returns ``n_slots``."""
     require_array("flags", flags, I32, ndim=1)
     require_array("piece_slot", piece_slot, I32, ndim=1)
     n_slots = check_int("n_slots", n_slots, minimum=0, maximum=flags.shape[0])
@@ -384,6 +443,17 @@ def merge_piece_flags(flags: np.ndarray, piece_slot: np.ndarray, n_slots: int) -
                          f"{n_slots + piece_slot.shape[0]}]")
     if np.any((piece_slot < 0) | (piece_slot >= n_slots)):
         raise ValueError(f"piece_slot: {piece_slot.tolist()} holds a slot outside [0, {n_slots})")
+    return n_slots
+
+
+def merge_piece_flags(flags: np.ndarray, piece_slot: np.ndarray, n_slots: int) -> np.ndarray:
+    """A sentinel slot checked as several pieces: ``flags[piece_slot[k]] = 1`` where the extra
+    piece's flag ``flags[n_slots + k]`` is set (sticky OR into the slot's flag).
+
+    Shapes: ``flags`` int32 [n_slots + P]; ``piece_slot`` int32 [P], each in ``[0, n_slots)``.
+    Returns the new flags (int32, same shape); the pieces' own flags are kept.
+    """
+    n_slots = validate_merge_piece_flags(flags, piece_slot, n_slots)
     out = flags.copy()
     for k, slot in enumerate(piece_slot):
         if flags[n_slots + k] != 0:

@@ -1,0 +1,206 @@
+"""Fast launchers of the training step's own kernels (``cuda_src/step.cu``), twins of
+``foxhunt.reference.kernels.step`` under the same names and signatures.
+
+Each public function is a numpy-in/numpy-out test entry (conformance and debugging): it
+validates with the reference's ``validate_<name>`` (same ``ValueError``), launches the CUDA
+kernel once through ``_runtime.call`` and returns what the reference returns. The step plan
+launches the same kernels on arena pointers with the ``plan_*`` launch shapes below.
+
+Kernel arguments: arrays as pointers plus their sizes; values that change on the device from
+step to step (norms, the clip bound, Adam's step, the ISV) are read through pointers (a test
+entry uploads them); branch-packed arrays take the tables ``n_actions`` / ``action_offset``
+(``foxhunt.reference.kernels.fused``); ``clamp_finite_isv``'s BF16 output is skipped when its
+pointer is null. Numerics: each kernel rounds where its reference does (``__fadd_rn`` and
+friends, ``-fmad=false``): exact, but for ``expf`` (a few ulp) and the block-tree means of
+``loss_scalars`` and the total norm of ``step_scalars`` (reductions).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, launch
+from foxhunt.fast.kernels.optim import plan_grad_norm_final
+from foxhunt.reference.kernels.fused import branch_offsets
+from foxhunt.reference.kernels.step import (
+    READBACK_FIELDS,
+    READBACK_INDEX,
+    ClampMirror,
+    DoubleDqnGather,
+    LossScalars,
+    StepBounds,
+    StepScalarsOut,
+    TrunkGrad,
+    validate_branch_mean,
+    validate_clamp_finite_isv,
+    validate_double_dqn_gather_branches,
+    validate_h2_grad_sum_mask,
+    validate_loss_scalars,
+    validate_merge_piece_flags,
+    validate_scalar_target_q_branches,
+    validate_step_bounds,
+    validate_step_scalars,
+)
+
+F32, I32, U16 = np.float32, np.int32, np.uint16
+
+#: Threads of the one-block step kernels and the flat ones' block (STEP_THREADS in step.cu).
+STEP_THREADS = 256
+#: Grid cap of the flat step kernels (grid-stride loops cover the rest).
+STEP_MAX_BLOCKS = 1024
+
+Plan = tuple[int, int, int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Launch plans
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_flat(n: int) -> Plan:
+    """A flat grid-stride launch over ``n`` elements."""
+    return min(blocks(n, STEP_THREADS), STEP_MAX_BLOCKS), STEP_THREADS, 0
+
+
+def plan_one_block() -> Plan:
+    """ONE block of ``STEP_THREADS`` (the kernels' block reductions assume it)."""
+    return 1, STEP_THREADS, 0
+
+
+plan_step_bounds = plan_one_block
+plan_clamp_finite_isv = plan_flat
+plan_branch_mean = plan_flat
+plan_h2_grad_sum_mask = plan_flat
+plan_loss_scalars = plan_one_block
+plan_merge_piece_flags = plan_one_block
+
+
+def plan_double_dqn_gather_branches(n_branches: int, batch: int, num_atoms: int) -> Plan:
+    """Flat over the ``n_branches * batch * num_atoms`` gathered probabilities."""
+    return plan_flat(n_branches * batch * num_atoms)
+
+
+def plan_scalar_target_q_branches(n_branches: int, batch: int) -> Plan:
+    """Flat, one thread per ``(branch, sample)``."""
+    return plan_flat(n_branches * batch)
+
+
+def plan_step_scalars(n_partials: int) -> Plan:
+    """``grad_norm_final``'s launch over the partials: the total norm is its tree and bits."""
+    return plan_grad_norm_final(n_partials)
+
+
+def _scalar(value, dtype=F32) -> In:
+    return In(np.array([value], dtype=dtype))
+
+
+# ---------------------------------------------------------------------------------------------
+# Test entries (reference signatures)
+# ---------------------------------------------------------------------------------------------
+
+
+def step_bounds(isv, adam_t, thr_mult, thr_isv_index, thr_power, q_abs_ref_index, slow_ema_index,
+                weight_clamp_mult, max_grad_norm, anchor_mult) -> StepBounds:
+    """Test entry of the CUDA ``step_bounds`` (contract as the reference twin)."""
+    q, slow, wc, mgn, anchor = validate_step_bounds(
+        isv, adam_t, thr_mult, thr_isv_index, thr_power, q_abs_ref_index, slow_ema_index,
+        weight_clamp_mult, max_grad_norm, anchor_mult)
+    k = thr_mult.shape[0]
+    adam, weight_clamp, clip_bound, thresholds = launch(
+        "step_bounds", plan_step_bounds(), In(isv), InOut(adam_t), Out((1,), F32), Out((1,), F32),
+        In(thr_mult), In(thr_isv_index), In(thr_power), Out((k,), F32), k, q, slow, wc, mgn, anchor)
+    return StepBounds(adam, weight_clamp, clip_bound, thresholds)
+
+
+def clamp_finite_isv(x, isv, index, mult, with_bf16: bool = False) -> ClampMirror:
+    """Test entry of the CUDA ``clamp_finite_isv`` (contract as the reference twin); without
+    ``with_bf16`` the kernel gets a null BF16 pointer."""
+    index, mult = validate_clamp_finite_isv(x, isv, index, mult)
+    mirror = Out(x.shape, U16) if with_bf16 else 0
+    outs = launch("clamp_finite_isv", plan_clamp_finite_isv(x.size), In(x), Out(x.shape, F32),
+                  mirror, x.size, In(isv), index, mult)
+    return ClampMirror(outs[0], outs[1] if with_bf16 else np.zeros(0, U16))
+
+
+def double_dqn_gather_branches(logp_target, q_online, actions, branches, batch) -> DoubleDqnGather:
+    """Test entry of the CUDA ``double_dqn_gather_branches`` (contract as the reference twin)."""
+    branches, batch, q_rows = validate_double_dqn_gather_branches(logp_target, q_online, actions,
+                                                                  branches, batch)
+    nb, na = len(branches), logp_target.shape[1]
+    a_star, p_next, q_taken = launch(
+        "double_dqn_gather_branches", plan_double_dqn_gather_branches(nb, batch, na),
+        In(logp_target), Out((nb, batch), I32), In(q_online), In(actions),
+        In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)),
+        Out((nb, batch, na), F32), Out((nb, batch), F32), nb, batch, na, q_rows)
+    return DoubleDqnGather(a_star, p_next, q_taken)
+
+
+def scalar_target_q_branches(p_next, z, r, done, gamma) -> np.ndarray:
+    """Test entry of the CUDA ``scalar_target_q_branches`` (contract as the reference twin)."""
+    validate_scalar_target_q_branches(p_next, z, r, done, gamma)
+    nb, b, na = p_next.shape
+    (out,) = launch("scalar_target_q_branches", plan_scalar_target_q_branches(nb, b), In(p_next),
+                    In(z), In(r), In(done), In(gamma), Out((nb, b), F32), nb, b, na)
+    return out
+
+
+def branch_mean(parts, divisor) -> np.ndarray:
+    """Test entry of the CUDA ``branch_mean`` (contract as the reference twin)."""
+    div = validate_branch_mean(parts, divisor)
+    d, n = parts.shape
+    (out,) = launch("branch_mean", plan_branch_mean(n), In(parts), Out((n,), F32), n, d, n, div)
+    return out
+
+
+def h2_grad_sum_mask(parts, h2, h2_pre) -> TrunkGrad:
+    """Test entry of the CUDA ``h2_grad_sum_mask`` (contract as the reference twin)."""
+    validate_h2_grad_sum_mask(parts, h2, h2_pre)
+    n = h2.size
+    dh2, out = launch("h2_grad_sum_mask", plan_h2_grad_sum_mask(n), In(parts), parts.shape[0], n,
+                      In(h2), In(h2_pre), Out(h2.shape, F32), Out(h2.shape, F32), n)
+    return TrunkGrad(dh2, out)
+
+
+def loss_scalars(c51_total, terms, q_taken, target_q, alpha) -> LossScalars:
+    """Test entry of the CUDA ``loss_scalars`` (contract as the reference twin): the four
+    entries it writes of the readback block."""
+    a = validate_loss_scalars(c51_total, terms, q_taken, target_q, alpha)
+    nb, b = terms.shape
+    (readback,) = launch("loss_scalars", plan_loss_scalars(), In(c51_total), In(terms), In(q_taken),
+                         In(target_q), Out((len(READBACK_FIELDS),), F32), nb, b, a)
+    return LossScalars(*(F32(readback[READBACK_INDEX[f]]) for f in LossScalars._fields))
+
+
+def step_scalars(total_partials, c51_sq, cql_sq, clip_bound, isv, readback, budget_c51, budget_cql,
+                 slow_ema_index, slow_alpha) -> StepScalarsOut:
+    """Test entry of the CUDA ``step_scalars`` (contract as the reference twin)."""
+    c51, cql, bound, b_c51, b_cql, slow, a = validate_step_scalars(
+        total_partials, c51_sq, cql_sq, clip_bound, isv, readback, budget_c51, budget_cql,
+        slow_ema_index, slow_alpha)
+    count = total_partials.shape[0]
+    total_sq, isv_out, scale, rb = launch(
+        "step_scalars", plan_step_scalars(count), In(total_partials), count, Out((1,), F32),
+        _scalar(c51), _scalar(cql), _scalar(bound), InOut(isv), Out((1,), F32), InOut(readback),
+        b_c51, b_cql, slow, a)
+    return StepScalarsOut(F32(total_sq[0]), F32(scale[0]), rb, isv_out)
+
+
+def merge_piece_flags(flags, piece_slot, n_slots) -> np.ndarray:
+    """Test entry of the CUDA ``merge_piece_flags`` (contract as the reference twin)."""
+    n_slots = validate_merge_piece_flags(flags, piece_slot, n_slots)
+    (out,) = launch("merge_piece_flags", plan_merge_piece_flags(), InOut(flags), In(piece_slot),
+                    n_slots, piece_slot.shape[0])
+    return out
+
+
+KERNELS = {
+    "step_bounds": step_bounds,
+    "clamp_finite_isv": clamp_finite_isv,
+    "double_dqn_gather_branches": double_dqn_gather_branches,
+    "scalar_target_q_branches": scalar_target_q_branches,
+    "branch_mean": branch_mean,
+    "h2_grad_sum_mask": h2_grad_sum_mask,
+    "loss_scalars": loss_scalars,
+    "step_scalars": step_scalars,
+    "merge_piece_flags": merge_piece_flags,
+}
