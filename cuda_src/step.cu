@@ -249,7 +249,7 @@ extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int
 //   mean_q = sum(q_taken) / count, mean_target_q = sum(target_q) / count
 //   ISV[slow] = isfinite(grad_norm) ? (1 - a) * slow + a * grad_norm : slow  (budgets.slow_ema_update)
 // readback[] receives (loss, c51_loss, cql_loss, grad_norm, c51_pre, c51_post, cql_pre, cql_post,
-// clip_bound, fired, mean_q, mean_target_q) in that order (foxhunt.reference.kernels.step.READBACK_FIELDS).
+// clip_bound, fired, mean_q, mean_target_q) in that order (foxhunt.reference.backend.READBACK_FIELDS).
 //
 // loss_scalars (ONE block of STEP_THREADS threads; as soon as the losses, CQL terms and
 // scalar targets exist) writes readback[1], [2], [10], [11]; step_scalars (graph 1's last

@@ -24,7 +24,8 @@ import numpy as np
 from foxhunt.fast.records import F32, I32, I64, U8, U16, U64, Buf, Region
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import DQNConfig
-from foxhunt.reference.kernels.step import READBACK_FIELDS, READBACK_INDEX
+from foxhunt.reference.backend import READBACK_FIELDS
+from foxhunt.reference.kernels.step import READBACK_INDEX
 from foxhunt.reference.layout import ParamLayout, branch_name
 
 #: Elements per block of the two-phase gradient norms (grad_norm_partial's block_size).

@@ -41,6 +41,7 @@ from foxhunt.fast.step_layout import (
 )
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
+from foxhunt.reference.backend import BACKWARD_GEMM_MODE, FORWARD_GEMM_MODE
 
 #: ``gemm_workspace`` values (module docstring).
 GEMM_WORKSPACES = ("none", "default")
@@ -85,8 +86,8 @@ class StepProgram:
         self.binder = Binder(layout.region, constants=constants, host_nbytes=host_nbytes)
         self.plans: list = []
         self.fallbacks: list[str] = []
-        self.fwd_mode = "bf16" if layout.bf16 else "f32"
-        self.bwd_mode = "tf32" if layout.bf16 else "f32"
+        self.fwd_mode = FORWARD_GEMM_MODE[self.config.precision]
+        self.bwd_mode = BACKWARD_GEMM_MODE[self.config.precision]
 
     def ops(self) -> Ops:
         return Ops(self.binder)

@@ -31,19 +31,21 @@ Same interface, state and numerics contract as ``foxhunt.reference.trainer.Train
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
-from foxhunt.reference.backend import StepScalars, TrainerBackend
+from foxhunt.reference.backend import (
+    DeferredReadback,
+    StepScalars,
+    TrainerBackend,
+    validate_state_dict,
+)
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense as ref_dense
-from foxhunt.reference.kernels.step import READBACK_INDEX
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
-from foxhunt.reference.trainer import _zero_scalars
 
 #: Pinned staging buffers (and upload graphs) the host cycles through.
 STAGING_RING = 2
@@ -63,6 +65,7 @@ class Trainer(TrainerBackend):
         self.config = config
         self.seed = int(seed)
         self._eval_cache: dict[int, object] = {}
+        self._readback = DeferredReadback(config.readback_interval, sentinels.NUM_SENTINEL_SLOTS)
         self.load_state_dict(ReferenceTrainer(config, seed=self.seed).state_dict())
 
     @staticmethod
@@ -134,34 +137,16 @@ class Trainer(TrainerBackend):
         views["isw"][...] = batch.isw
         self._engine.launch(slot)
         self.step_count += 1
-        self._stepped = True
-        due = self.step_count % self.config.readback_interval == 0 or self._force_fresh
-        if due:
-            self._last = self._read_scalars()
-            self._force_fresh = not self._last.all_finite()
-            return self._last
-        return self._last.as_stale(self.step_count)
+        return self._readback.after_step(self.step_count, self._read_scalars)
 
     def _read_scalars(self) -> StepScalars:
         """Synchronise and read the last step's scalars and flags (a fresh ``StepScalars``)."""
-        vals, flags = self._engine.read()
-        get = lambda name: float(vals[READBACK_INDEX[name]])  # noqa: E731
-        return StepScalars(
-            step=self.step_count, read_at=self.step_count, fresh=True,
-            loss=get("loss"), c51_loss=get("c51_loss"), cql_loss=get("cql_loss"),
-            grad_norm=get("grad_norm"), c51_norm_pre=get("c51_norm_pre"),
-            c51_norm_post=get("c51_norm_post"), cql_norm_pre=get("cql_norm_pre"),
-            cql_norm_post=get("cql_norm_post"), clip_bound=get("clip_bound"),
-            safety_clip_fired=bool(get("safety_clip_fired") != 0.0), mean_q=get("mean_q"),
-            mean_target_q=get("mean_target_q"),
-            flags=tuple(int(f) for f in flags[:sentinels.NUM_SENTINEL_SLOTS]),
-        )
+        values, flags = self._engine.read()
+        return StepScalars.from_readback(self.step_count, values,
+                                         flags[:sentinels.NUM_SENTINEL_SLOTS])
 
     def end_epoch(self) -> StepScalars:
-        if self._stepped:
-            self._last = self._read_scalars()
-            self._force_fresh = not self._last.all_finite()
-        return dataclasses.replace(self._last, step=self.step_count, fresh=self._stepped)
+        return self._readback.end_epoch(self.step_count, self._read_scalars)
 
     # ------------------------------------------------------------------ folds and evaluation
     def fold_boundary(self) -> None:
@@ -182,7 +167,7 @@ class Trainer(TrainerBackend):
         arena.upload("isv", bus.to_array())
 
     def last_td_errors(self) -> np.ndarray:
-        if not self._stepped:
+        if not self._readback.stepped:
             raise RuntimeError("last_td_errors(): no step has run yet")
         return self._engine.arena.download("td")
 
@@ -232,33 +217,8 @@ class Trainer(TrainerBackend):
             state[f"sn_v.{t.name}"] = sn_v[pv.offsets[t.name]:pv.offsets[t.name] + t.shape[1]].copy()
         return state
 
-    def _expected_state(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-        lay = self.layout
-        NP = lay.NP
-        exp = {
-            "params": ((NP,), np.dtype(np.float32)), "target": ((NP,), np.dtype(np.float32)),
-            "adam_m": ((NP,), np.dtype(np.float32)), "adam_v": ((NP,), np.dtype(np.float32)),
-            "adam_t": ((1,), np.dtype(np.int64)),
-            "isv": ((isv_mod.ISV_LEN,), np.dtype(np.float32)),
-            "flags": ((sentinels.NUM_SENTINEL_SLOTS,), np.dtype(np.int32)),
-            "step": ((1,), np.dtype(np.int64)),
-        }
-        for t in lay.weights:
-            exp[f"sn_u.{t.name}"] = ((t.shape[0],), np.dtype(np.float32))
-            exp[f"sn_v.{t.name}"] = ((t.shape[1],), np.dtype(np.float32))
-        return exp
-
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
-        expected = self._expected_state()
-        missing = sorted(set(expected) - set(state))
-        extra = sorted(set(state) - set(expected))
-        if missing or extra:
-            raise ValueError(f"state mismatch: missing {missing}, unexpected {extra}")
-        for k, (shape, dtype) in expected.items():
-            if state[k].shape != shape or state[k].dtype != dtype:
-                raise ValueError(f"state[{k!r}]: shape {state[k].shape} dtype {state[k].dtype}, "
-                                 f"expected shape {shape} dtype {dtype}")
-        isv_mod.ISVBus().from_array(state["isv"])  # raises FingerprintMismatch, as the reference
+        validate_state_dict(self.config, state)  # everything checked before anything is loaded
         lay, arena = self.layout, self._engine.arena
         self._engine.synchronize()
         params2 = np.stack([state["params"], state["target"]]).astype(np.float32)
@@ -279,9 +239,7 @@ class Trainer(TrainerBackend):
                 buf[start:start + packed.counts[t.name]] = state[f"{name}.{t.name}"]
             arena.upload(name, buf)
         self.step_count = int(state["step"][0])
-        self._stepped = False
-        self._force_fresh = False
-        self._last = _zero_scalars(sentinels.NUM_SENTINEL_SLOTS)
+        self._readback.reset()
         self._engine.forget_uploads()
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from foxhunt.reference.backend import READBACK_FIELDS
 from foxhunt.reference.kernels import dense, distributional, optim, safety
 from foxhunt.reference.kernels._checks import check_f32_array, check_int, require_array
 from foxhunt.reference.kernels.fused import _require_branches, branch_offsets
@@ -24,11 +25,8 @@ from foxhunt.reference.kernels.fused import _require_branches, branch_offsets
 F32 = np.float32
 I32 = np.int32
 
-#: The step scalars in the device ``readback`` block, in order (``loss_scalars`` and
-#: ``step_scalars`` write them; ``safety_clip_fired`` is 1.0 or 0.0).
-READBACK_FIELDS = ("loss", "c51_loss", "cql_loss", "grad_norm", "c51_norm_pre", "c51_norm_post",
-                   "cql_norm_pre", "cql_norm_post", "clip_bound", "safety_clip_fired", "mean_q",
-                   "mean_target_q")
+#: Position of each step scalar in the device ``readback`` block (``backend.READBACK_FIELDS``'s
+#: order; ``loss_scalars`` and ``step_scalars`` write them; ``safety_clip_fired`` is 1.0 or 0.0).
 READBACK_INDEX = {name: i for i, name in enumerate(READBACK_FIELDS)}
 
 
