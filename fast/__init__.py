@@ -8,8 +8,9 @@ constructing a ``Device`` without one raises ``NoCudaDeviceError``.
 Submodules: ``_build`` (NVRTC compile + disk cache), ``device`` (context, stream, arena,
 pinned memory, kernel launches), ``gemm`` (planned cuBLASLt GEMMs), ``graphs`` (stream
 capture), ``kernels`` (one launcher per CUDA kernel, by area). The step's plan as data:
-``cuda_parse`` (the kernels' parameters), ``records`` (launch records bound by parameter name,
-checked when made), ``step_layout`` / ``sentinel_plan`` (the buffers), ``step_program``,
+``cuda_parse`` (the kernels' parameters), ``records`` (launch records bound by parameter name),
+``binder`` (each record checked when made), ``dataflow`` (the dependency graph and its data-flow
+check), ``step_layout`` / ``sentinel_plan`` (the buffers), ``step_program``,
 ``graph1_plan``, ``graph2_plan``, ``eval_plan`` (the records of each graph); run by
 ``gpu_engine`` (through ``graph_lowering``) or, on the CPU, ``cpu_executor`` (the reference
 twins of ``cpu_kernels``); ``trainer`` (the host side of both).

@@ -12,7 +12,7 @@ offsets from a fake base, so descriptor tables holding pointers resolve to it). 
   NumPy) with its epilogue in float32 (bias, ReLU with the bitmask cuBLASLt writes, the ReLU
   gradient with the bias gradient, the bias gradient of an operand);
 - a copy moves bytes between a region and a named host buffer;
-- a graph is its dependency graph (``records.dependency_graph``), run in a topological order:
+- a graph is its dependency graph (``dataflow.dependency_graph``), run in a topological order:
   ``"latest_first"`` (always the most recently made record whose dependencies have run: a
   dependency missing between parallel branches changes the result) or ``"capture_order"``.
 
@@ -34,17 +34,8 @@ from foxhunt.fast.cpu_kernels import TWINS, Args, shape_of
 from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_host_nbytes, eval_ops
 from foxhunt.fast.graph1_plan import graph1_ops
 from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
-from foxhunt.fast.records import (
-    Buf,
-    Copy,
-    Gemm,
-    Host,
-    Launch,
-    Ops,
-    check_dataflow,
-    dependency_graph,
-    kernel_params,
-)
+from foxhunt.fast.dataflow import check_dataflow, dependency_graph
+from foxhunt.fast.records import Buf, Copy, Gemm, Host, Launch, Ops, kernel_params
 from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram, step_constants
 from foxhunt.fast.trainer import STAGING_RING, Trainer

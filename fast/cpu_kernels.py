@@ -5,7 +5,7 @@ One ``Twin`` per launched kernel, under the kernel's name:
 - ``extents``: for each pointer parameter, the shape of the region the kernel reads or writes,
   from the launch's scalar arguments (a parameter name stands for its value), its grid
   (``a.grid``) or a constant table it reads (``a.table(param, count)``). The plan builder
-  checks every bound region against it (``foxhunt.fast.records.Binder``); the executor shapes
+  checks every bound region against it (``foxhunt.fast.binder.Binder``); the executor shapes
   its NumPy views with it.
 - ``run(a)``: calls the same-name reference kernel (``foxhunt.reference.kernels``) on copies
   of the input views (``a.<param>``; scalars likewise) and returns ``{param: new value}`` for

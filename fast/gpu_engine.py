@@ -3,7 +3,7 @@
 ``GpuEngine(config, device=, gemm_workspace=, staging_slots=)`` compiles ``cuda_src`` with NVRTC
 for the device (disk cache), allocates ONE arena holding every buffer of the step
 (``StepLayout``), uploads the constants, builds the plan (``StepProgram``: every GEMM planned
-once; the records checked, ``records.check_dataflow``) and captures, through
+once; the records checked, ``dataflow.check_dataflow``) and captures, through
 ``graph_lowering.Lowering``: the upload graph once per pinned staging buffer (on a second
 stream), graph 1 and graph 2 (on the step stream). ``launch(slot)`` enqueues one step with
 device-side event waits only (no host sync, no allocation). ``build_eval(rows)`` captures the
@@ -22,7 +22,8 @@ from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_ops
 from foxhunt.fast.graph1_plan import graph1_ops
 from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
 from foxhunt.fast.graph_lowering import BranchPool, Lowering
-from foxhunt.fast.records import Buf, check_dataflow
+from foxhunt.fast.dataflow import check_dataflow
+from foxhunt.fast.records import Buf
 from foxhunt.fast.step_layout import READBACK_FIELDS, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram, step_constants
 from foxhunt.reference.config import DQNConfig

@@ -7,7 +7,7 @@ a kernel record is packed once (its arguments in the kernel's parameter order) a
 GEMM record runs its plan on the resolved operands, a copy is the matching driver copy;
 ``parallel`` forks side streams from ``pool`` off an event and joins them back, ``record`` /
 ``wait`` become events (edges, in a capture). The CPU executor builds the same edges
-(``records.dependency_graph``).
+(``dataflow.dependency_graph``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,18 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from foxhunt.fast.records import Buf, Copy, Gemm, Host, Launch, Ops, Parallel, Record, Wait, kernel_params
+from foxhunt.fast.records import (
+    Buf,
+    Copy,
+    Gemm,
+    Host,
+    Launch,
+    Ops,
+    Parallel,
+    Record,
+    Wait,
+    kernel_params,
+)
 
 #: ``Copy`` kinds and the driver call each enqueues.
 COPY_FUNCTIONS = {"htod": "cuMemcpyHtoDAsync", "dtod": "cuMemcpyDtoDAsync", "dtoh": "cuMemcpyDtoHAsync"}

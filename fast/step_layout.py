@@ -11,7 +11,7 @@ small arena; names end in ``e`` / ``_e`` so they never shadow a step buffer).
 
 ``region(buf)`` resolves a record's ``Buf`` (name, packed key, element offset) to its buffer,
 dtype, first element, the elements up to the end of the buffer (of the batch field, for
-``batch.*``) and role: what ``foxhunt.fast.records.Binder`` checks records against and what
+``batch.*``) and role: what ``foxhunt.fast.binder.Binder`` checks records against and what
 both executors resolve to addresses.
 """
 
@@ -332,7 +332,7 @@ class StepLayout(BufferTable):
         return views
 
     def zero_padding(self) -> dict[str, list[tuple[int, int]]]:
-        """Byte ranges that no record writes, zero since the arena was made (``records.
+        """Byte ranges that no record writes, zero since the arena was made (``dataflow.
         check_dataflow``'s ``preset``): the alignment gaps between packed sub-buffers, and in
         the per-loss gradient buffers the padding between the parameter tensors."""
         out = BufferTable.zero_padding(self)

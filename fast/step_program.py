@@ -29,7 +29,8 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from foxhunt.fast.records import Binder, Buf, Ops
+from foxhunt.fast.binder import Binder
+from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.sentinel_plan import desc_entries, desc_lengths_split
 from foxhunt.fast.step_layout import (
     DESC_LENGTH_KEYS,

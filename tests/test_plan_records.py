@@ -10,16 +10,8 @@ import pytest
 
 from foxhunt.fast.cpu_executor import CpuEngine, topological_order
 from foxhunt.fast.cpu_kernels import TWINS
-from foxhunt.fast.records import (
-    Buf,
-    Launch,
-    Ops,
-    Parallel,
-    PlanError,
-    check_dataflow,
-    dependency_graph,
-    kernel_params,
-)
+from foxhunt.fast.dataflow import check_dataflow, dependency_graph
+from foxhunt.fast.records import Buf, Launch, Ops, Parallel, PlanError, kernel_params
 from foxhunt.reference.config import DQNConfig
 
 CONFIGS = [("tiny", "f32"), ("tiny", "bf16"), ("seed", "f32"), ("seed", "bf16")]
