@@ -5,8 +5,10 @@ Importing this package needs neither a GPU nor cuda-python: the submodules impor
 libraries only when used. ``cuda_available()`` says whether a GPU can be used (and why not);
 constructing a ``Device`` without one raises ``NoCudaDeviceError``.
 
-Submodules: ``_build`` (NVRTC compile + disk cache), ``device`` (context, stream, arena,
-pinned memory, kernel launches), ``gemm`` (planned cuBLASLt GEMMs), ``graphs`` (stream
+Submodules: ``_build`` (NVRTC compile + disk cache; ``ptx_params`` reads the kernels'
+parameter types), ``device`` (context, streams, pinned memory), ``arena`` (one allocation,
+named buffers), ``kernel_launch`` (loaded modules, argument packing), ``gemm`` (planned
+cuBLASLt GEMMs), ``graphs`` (stream
 capture), ``kernels`` (one launcher per CUDA kernel, by area). The step's plan as data:
 ``cuda_parse`` (the kernels' parameters), ``records`` (launch records bound by parameter name),
 ``binder`` (each record checked when made), ``dataflow`` (the dependency graph and its data-flow

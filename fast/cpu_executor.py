@@ -55,7 +55,7 @@ class HostArena:
     ``Arena`` (``ptr``, ``spec``, ``upload``, ``download``, ``zero``, ``close``)."""
 
     def __init__(self, specs: Mapping[str, tuple]):
-        from foxhunt.fast.device import ArenaLayout
+        from foxhunt.fast.arena import ArenaLayout
 
         self.layout = ArenaLayout()
         for name, (shape, dtype) in specs.items():

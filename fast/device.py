@@ -6,18 +6,12 @@ cuda-python; constructing a ``Device`` there raises ``NoCudaDeviceError`` saying
 
 - ``Device(ordinal)``: the device's primary context (shared with cuBLAS and any other runtime
   API user in the process), made current, and one non-blocking stream ``device.stream``.
-- ``Arena(device, nbytes)``: ONE device allocation carved into named sub-buffers, each
-  256-byte aligned; ``arena.ptr(name)`` is a plain int resolved once, to be baked into launches
-  and graphs (the seeds' cached-pointer idea). ``upload``/``download`` (synchronous) and
-  ``upload_async``/``download_async``/``zero`` (ordered on a stream) move data. A host array
-  given to an ``*_async`` call must stay alive and unchanged until the stream reaches the
-  copy, and must be page-locked (``pinned_empty``) for the copy to be truly asynchronous and
-  capturable in a graph.
+- ``Arena`` (``foxhunt.fast.arena``, re-exported here): ONE device allocation carved into
+  named, 256-byte aligned sub-buffers.
 - ``PinnedScalars(device, slots)``: page-locked, device-mapped host memory: kernels write
   through ``device_ptr(name)``, the host reads ``read(name)`` after a stream sync, with no copy.
-- ``LoadedModule`` / ``Kernel``: a compiled ``foxhunt.fast._build.Module`` loaded into the
-  context; ``kernel.launch(grid, block, *args, stream=...)`` packs the arguments by the
-  kernel's PTX parameter types (a pointer is a plain int), checking their number and kinds.
+- ``LoadedModule`` / ``Kernel`` (``foxhunt.fast.kernel_launch``, re-exported here): a compiled
+  ``foxhunt.fast._build.Module`` loaded into the context, and its kernels' launches.
 """
 
 from __future__ import annotations
@@ -25,8 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -240,7 +233,11 @@ class Device:
             call(_driver().cuMemsetD8Async, int(ptr), int(byte) & 0xFF, int(nbytes),
                  as_stream_handle(stream))
 
-    def load_module(self, module) -> LoadedModule:
+    def load_module(self, module):
+        """``module`` (a ``foxhunt.fast._build.Module``) loaded into this context
+        (``kernel_launch.LoadedModule``)."""
+        from foxhunt.fast.kernel_launch import LoadedModule
+
         return LoadedModule(self, module)
 
     def pinned_empty(self, shape, dtype) -> np.ndarray:
@@ -280,7 +277,7 @@ class DeviceAllocation:
 
 
 # --------------------------------------------------------------------------------------------
-# Arena
+# Shapes (shared with the arena)
 # --------------------------------------------------------------------------------------------
 
 
@@ -304,176 +301,6 @@ def _check_shape_dtype(what: str, shape, dtype):
     if dtype.hasobject:
         raise ValueError(f"dtype: {dtype} holds Python objects; only plain numbers can live on the GPU")
     return shape, dtype
-
-
-@dataclass(frozen=True)
-class BufferSpec:
-    """A named sub-buffer: byte ``offset`` into its arena, ``shape``, ``dtype``, ``nbytes``."""
-
-    name: str
-    offset: int
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
-
-
-class ArenaLayout:
-    """Pure bookkeeping of named buffers at ``ALIGNMENT``-byte offsets (no GPU needed).
-
-    ``add(name, shape, dtype)`` returns the new ``BufferSpec``; ``nbytes`` is the total
-    size the arena needs.
-    """
-
-    def __init__(self, capacity: int | None = None):
-        self.capacity = capacity
-        self.specs: dict[str, BufferSpec] = {}
-        self.nbytes = 0
-
-    def add(self, name: str, shape, dtype) -> BufferSpec:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name: {name!r} is not a non-empty string")
-        if name in self.specs:
-            raise ValueError(f"name: buffer {name!r} already exists in this arena")
-        shape, dtype = _check_shape_dtype("shape", shape, dtype)
-        offset = _round_up(self.nbytes, ALIGNMENT)
-        spec = BufferSpec(name, offset, shape, dtype)
-        end = offset + max(spec.nbytes, 1)
-        if self.capacity is not None and end > self.capacity:
-            raise ValueError(
-                f"shape: buffer {name!r} ({spec.nbytes} bytes at offset {offset}) does not fit "
-                f"in the arena's {self.capacity} bytes"
-            )
-        self.specs[name] = spec
-        self.nbytes = end
-        return spec
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.specs
-
-    def __getitem__(self, name: str) -> BufferSpec:
-        try:
-            return self.specs[name]
-        except KeyError:
-            raise KeyError(f"no buffer {name!r}; buffers: {sorted(self.specs)}") from None
-
-
-class Arena:
-    """One device allocation of ``nbytes`` (zero-filled) carved into named sub-buffers.
-
-    ``add(name, shape, dtype) -> ptr`` carves a buffer; ``Arena.from_specs(device, {name:
-    (shape, dtype)})`` sizes and carves in one go. ``ptr(name)`` is the buffer's device
-    address (int), fixed for the arena's life.
-    """
-
-    def __init__(self, device: Device, nbytes: int):
-        if not isinstance(nbytes, int) or nbytes <= 0:
-            raise ValueError(f"nbytes: {nbytes!r} is not a positive int")
-        self.device = device
-        self.layout = ArenaLayout(capacity=_round_up(nbytes, ALIGNMENT))
-        self._allocation = device.alloc(self.layout.capacity)
-        self.base = self._allocation.ptr
-        self._ptrs: dict[str, int] = {}
-        call(_driver().cuMemsetD8Async, self.base, 0, self.layout.capacity, device.stream.handle)
-        device.stream.synchronize()
-
-    @classmethod
-    def from_specs(cls, device: Device, specs: Mapping[str, tuple]) -> Arena:
-        layout = ArenaLayout()
-        for name, (shape, dtype) in specs.items():
-            layout.add(name, shape, dtype)
-        arena = cls(device, max(layout.nbytes, 1))
-        for name, (shape, dtype) in specs.items():
-            arena.add(name, shape, dtype)
-        return arena
-
-    @property
-    def nbytes(self) -> int:
-        return self.layout.capacity
-
-    def add(self, name: str, shape, dtype) -> int:
-        spec = self.layout.add(name, shape, dtype)
-        self._ptrs[name] = self.base + spec.offset
-        return self._ptrs[name]
-
-    def ptr(self, name: str) -> int:
-        try:
-            return self._ptrs[name]
-        except KeyError:
-            raise KeyError(f"no buffer {name!r} in this arena; buffers: {sorted(self._ptrs)}") from None
-
-    def spec(self, name: str) -> BufferSpec:
-        return self.layout[name]
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._ptrs
-
-    def _checked_host(self, name: str, array, what: str) -> np.ndarray:
-        spec = self.spec(name)
-        if not isinstance(array, np.ndarray):
-            raise ValueError(f"{what}: expected a NumPy array for buffer {name!r}, got {type(array).__name__}")
-        if array.dtype != spec.dtype or array.shape != spec.shape:
-            raise ValueError(
-                f"{what}: buffer {name!r} holds {spec.shape} {spec.dtype}, "
-                f"got {array.shape} {array.dtype}"
-            )
-        if not array.flags.c_contiguous:
-            raise ValueError(f"{what}: the host array for {name!r} must be C-contiguous")
-        return array
-
-    def upload_async(self, name: str, array: np.ndarray, stream=None) -> None:
-        """Copy ``array`` (exact shape and dtype of the buffer) to the device, on ``stream``."""
-        array = self._checked_host(name, array, "array")
-        if array.nbytes:
-            stream = self.device.stream if stream is None else stream
-            call(_driver().cuMemcpyHtoDAsync, self.ptr(name), array.ctypes.data, array.nbytes,
-                 as_stream_handle(stream))
-
-    def download_async(self, name: str, out: np.ndarray, stream=None) -> np.ndarray:
-        """Copy the buffer into the host array ``out`` (exact shape and dtype), on ``stream``."""
-        out = self._checked_host(name, out, "out")
-        if not out.flags.writeable:
-            raise ValueError(f"out: the host array for {name!r} is read-only")
-        if out.nbytes:
-            stream = self.device.stream if stream is None else stream
-            call(_driver().cuMemcpyDtoHAsync, out.ctypes.data, self.ptr(name), out.nbytes,
-                 as_stream_handle(stream))
-        return out
-
-    def upload(self, name: str, array: np.ndarray) -> None:
-        """Synchronous upload, ordered after the work already on ``device.stream``."""
-        self.upload_async(name, np.ascontiguousarray(array), self.device.stream)
-        self.device.stream.synchronize()
-
-    def download(self, name: str) -> np.ndarray:
-        """Synchronous download (a fresh array), ordered after the work on ``device.stream``."""
-        spec = self.spec(name)
-        out = np.empty(spec.shape, spec.dtype)
-        self.download_async(name, out, self.device.stream)
-        self.device.stream.synchronize()
-        return out
-
-    def zero(self, name: str | None = None, stream=None) -> None:
-        """Set one buffer (or the whole arena) to zero bytes, on ``stream``."""
-        stream = self.device.stream if stream is None else stream
-        if name is None:
-            ptr, nbytes = self.base, self.layout.capacity
-        else:
-            ptr, nbytes = self.ptr(name), self.spec(name).nbytes
-        if nbytes:
-            call(_driver().cuMemsetD8Async, ptr, 0, nbytes, as_stream_handle(stream))
-
-    def close(self) -> None:
-        self._allocation.free()
-        self._ptrs.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 # --------------------------------------------------------------------------------------------
@@ -552,147 +379,15 @@ class PinnedScalars:
         ctypes.memset(self._memory.host_ptr, 0, self._memory.nbytes)
 
 
-# --------------------------------------------------------------------------------------------
-# Modules and kernel launches
-# --------------------------------------------------------------------------------------------
-
-_INT_RANGES = {1: (-(1 << 7), 1 << 8), 2: (-(1 << 15), 1 << 16),
-               4: (-(1 << 31), 1 << 32), 8: (-(1 << 63), 1 << 64)}
-_FLOAT_DTYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
-
-
-def _pack_arg(kernel: str, index: int, ptype, value) -> bytes:
-    """One argument as the bytes the kernel parameter ``ptype`` holds."""
-    where = f"{kernel} argument {index}"
-    if ptype.count > 1:  # by-value aggregate: raw bytes of exactly its size
-        raw = value.tobytes() if isinstance(value, (np.ndarray, np.generic)) else value
-        if not isinstance(raw, (bytes, bytearray)) or len(raw) != ptype.nbytes:
-            raise TypeError(f"{where}: expected {ptype.nbytes} raw bytes for a by-value aggregate")
-        return bytes(raw)
-    kind, size = ptype.ptx_type[0], ptype.nbytes
-    if kind == "f":
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (float, int, np.floating, np.integer)):
-            raise TypeError(f"{where}: expected a float for a .{ptype.ptx_type} parameter, got {value!r}")
-        if isinstance(value, np.floating) and value.dtype.itemsize != size:
-            raise TypeError(f"{where}: expected a {size}-byte float, got {value.dtype}")
-        return np.asarray(value, dtype=_FLOAT_DTYPES[ptype.ptx_type]).tobytes()
-    # Integer or pointer parameter (PTX does not say which: a pointer is a plain int).
-    if isinstance(value, (float, np.floating)):
-        raise TypeError(f"{where}: expected an int for a .{ptype.ptx_type} parameter, got {value!r}")
-    if isinstance(value, np.integer) and value.dtype.itemsize > size:
-        raise TypeError(f"{where}: a {value.dtype} does not fit a {size}-byte parameter")
-    if not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{where}: expected an int (or pointer) for .{ptype.ptx_type}, got {value!r}")
-    value = int(value)
-    low, high = _INT_RANGES[size]
-    if not low <= value < high:
-        raise ValueError(f"{where}: {value} does not fit a {size}-byte parameter")
-    return (value % high).to_bytes(size, "little")
-
-
-def _dim3(value, what: str) -> tuple[int, int, int]:
-    dims = (value,) if isinstance(value, (int, np.integer)) else tuple(value)
-    if not 1 <= len(dims) <= 3 or any(int(d) < 1 for d in dims):
-        raise ValueError(f"{what}: {value!r} is not 1 to 3 positive ints")
-    return tuple(int(d) for d in dims) + (1,) * (3 - len(dims))
-
-
-class Kernel:
-    """One ``__global__`` function of a loaded module. ``params`` are its PTX parameter
-    types; ``launch`` checks and packs the arguments against them."""
-
-    def __init__(self, name: str, function, params: Sequence):
-        self.name = name
-        self.function = function
-        self.params = tuple(params)
-
-    def pack(self, *args) -> PackedArgs:
-        if len(args) != len(self.params):
-            raise TypeError(f"{self.name} takes {len(self.params)} arguments, got {len(args)}")
-        return PackedArgs([_pack_arg(self.name, i, p, a)
-                           for i, (p, a) in enumerate(zip(self.params, args))])
-
-    def launch(self, grid, block, *args, stream=None, shared_mem: int = 0) -> None:
-        """Launch on ``stream`` (a ``Stream``, ``CUstream`` or int; required) with ``grid`` and
-        ``block`` (int or up to 3 ints) and ``shared_mem`` bytes of dynamic shared memory."""
-        packed = args[0] if len(args) == 1 and isinstance(args[0], PackedArgs) else self.pack(*args)
-        if stream is None:
-            raise ValueError("stream: a kernel launch needs an explicit stream (device.stream)")
-        gx, gy, gz = _dim3(grid, "grid")
-        bx, by, bz = _dim3(block, "block")
-        call(_driver().cuLaunchKernel, self.function, gx, gy, gz, bx, by, bz, int(shared_mem),
-             as_stream_handle(stream), packed.address, 0)
-
-    def set_max_dynamic_shared(self, nbytes: int) -> None:
-        """Allow more than 48 KiB of dynamic shared memory for this kernel."""
-        drv = _driver()
-        call(drv.cuFuncSetAttribute, self.function,
-             drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
-
-    def __repr__(self) -> str:
-        return f"Kernel({self.name}, {[p.ptx_type for p in self.params]})"
-
-
-class PackedArgs:
-    """Kernel arguments packed once (reusable across launches): the driver's ``void**``."""
-
-    def __init__(self, blobs: Sequence[bytes]):
-        offsets, total = [], 0
-        for blob in blobs:
-            total = _round_up(total, 8)
-            offsets.append(total)
-            total += len(blob)
-        self._storage = np.zeros(max(total, 8), dtype=np.uint8)
-        for off, blob in zip(offsets, blobs):
-            self._storage[off:off + len(blob)] = np.frombuffer(blob, dtype=np.uint8)
-        base = self._storage.ctypes.data
-        self._pointers = np.array([base + off for off in offsets] or [0], dtype=np.uint64)
-        self.address = int(self._pointers.ctypes.data) if blobs else 0
-
-
-class LoadedModule:
-    """A ``foxhunt.fast._build.Module`` loaded into a device's context (one driver module per
-    source file). ``kernel(name)`` looks a kernel up by name; ``names`` lists them all."""
-
-    def __init__(self, device: Device, module):
-        drv = _driver()
-        device.make_current()
-        self.device = device
-        self.module = module
-        self._handles = {}
-        for name, image in module.images.items():
-            buffer = np.frombuffer(image, dtype=np.uint8)
-            self._handles[name] = call(drv.cuModuleLoadData, buffer.ctypes.data)
-        self._kernels: dict[str, Kernel] = {}
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(sorted(self.module.kernels))
-
-    def kernel(self, name: str) -> Kernel:
-        cached = self._kernels.get(name)
-        if cached is not None:
-            return cached
-        try:
-            file = self.module.kernels[name]
-        except KeyError:
-            raise KeyError(f"no kernel {name!r} in cuda_src; kernels: {list(self.names)}") from None
-        function = call(_driver().cuModuleGetFunction, self._handles[file], name.encode())
-        kernel = Kernel(name, function, self.module.params[name])
-        self._kernels[name] = kernel
-        return kernel
-
-    def close(self) -> None:
-        for handle in self._handles.values():
-            call(_driver().cuModuleUnload, handle)
-        self._handles.clear()
-        self._kernels.clear()
-
-
 def grid_for(n: int, block: int) -> int:
     """Blocks needed to cover ``n`` items with ``block`` threads each (at least 1)."""
     return max(1, math.ceil(n / block))
 
+
+# The arena and the kernel launches live in their own modules; their names stay importable from
+# here (where callers have always found them).
+from foxhunt.fast.arena import Arena, ArenaLayout, BufferSpec  # noqa: E402
+from foxhunt.fast.kernel_launch import Kernel, LoadedModule, PackedArgs  # noqa: E402
 
 __all__ = [
     "ALIGNMENT",
