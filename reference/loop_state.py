@@ -196,8 +196,13 @@ class CheckpointStore:
 
         meta, arrays = self.read()
         where = self.dir / LAST_LOOP
-        _same("config", DQNConfig.from_dict(meta["config"]), config, where)
-        _same("loop setting", LoopSettings(**meta["settings"]), settings, where)
+        try:
+            saved_config, saved_settings = DQNConfig.from_dict(meta["config"]), LoopSettings(**meta["settings"])
+        except (TypeError, ValueError) as exc:  # written by a version with other fields
+            raise ResumeError(f"{where}: the saved config or loop settings do not fit this "
+                              f"version ({exc})") from None
+        _same("config", saved_config, config, where)
+        _same("loop setting", saved_settings, settings, where)
         if meta["data_sha256"] != data_hash(bars):
             raise ResumeError(f"{where}: the run was trained on other bars (data SHA-256 "
                               f"{meta['data_sha256'][:12]}..., these {data_hash(bars)[:12]}...)")
