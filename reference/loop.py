@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -179,19 +179,6 @@ class RunResult:
     def status(self) -> str:
         """``"halted"``, ``"interrupted"`` or ``"completed"``."""
         return "halted" if self.halted else "interrupted" if self.interrupted else "completed"
-
-    @property
-    def best(self) -> dict:
-        """Compatibility view (until callers move to ``folds``): fold -> {"epoch", "sharpe"
-        (test, at the validation-chosen epoch), "checkpoint", "equity"}."""
-        return {f.fold: {"epoch": f.best_epoch, "sharpe": f.best["test"].sharpe,
-                         "checkpoint": f.checkpoint, "equity": f.best_equity}
-                for f in self.folds if f.best_epoch is not None}
-
-    @property
-    def flat_sharpe(self) -> dict:
-        """Compatibility view: fold -> the flat policy's test Sharpe (0.0: no trades)."""
-        return {f.fold: f.flat["test"].sharpe for f in self.folds}
 
 
 def choose_windows(state_dim: int) -> tuple[int, ...]:
@@ -428,18 +415,3 @@ def _baselines(fold: int, seg: FoldSegments, bars, feats, config, per_year) -> F
 def resume_epochs(out_dir) -> int:
     """How many epoch records the resume state in ``out_dir`` holds (``ResumeError`` if none)."""
     return loop_state.saved_epochs(Path(out_dir))
-
-
-# ---------------------------------------------------------------- compatibility (train_cli)
-def write_jsonl(path: Path, record: EpochRecord) -> None:
-    """Compatibility name: one record as a JSON line (``jsonio``: non-finite values as null)."""
-    from .jsonio import append_jsonl
-
-    append_jsonl(path, asdict(record))
-
-
-def sharpe_summary(result: RunResult) -> str:
-    """Compatibility name: ``report.summary_text(result)``."""
-    from .report import summary_text
-
-    return summary_text(result)
