@@ -190,6 +190,21 @@ def run_tune(todo: list[Trial], spec: SweepSpec, sweep_dir: Path, trial_fn, on_r
     return len(finished) < len(by_id)
 
 
+def check_fits(spec: SweepSpec) -> None:
+    """``SweepError`` when no node of the Ray cluster can hold one trial (Ray would queue its
+    tasks forever as infeasible)."""
+    import ray
+
+    have = ray.cluster_resources()
+    if have.get("CPU", 0) < spec.threads:
+        raise SweepError(f"threads={spec.threads}: a trial asks for {spec.threads} CPUs and the Ray "
+                         f"cluster has {have.get('CPU', 0):g}; lower --threads (or raise --num-cpus)")
+    if have.get("GPU", 0) < spec.gpus_per_trial:
+        raise SweepError(f"backend=fast: a trial asks for {spec.gpus_per_trial:g} GPU and the Ray cluster "
+                         f"has {have.get('GPU', 0):g} (none that Ray sees); run on a GPU machine or "
+                         "cluster, or use --backend reference")
+
+
 def init_ray(address: str | None, num_cpus: int | None) -> bool:
     """Start a local Ray instance (or connect to ``address``) unless this process already has
     one; returns whether it started one (to shut down after the sweep)."""
@@ -265,6 +280,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, *, resume: bool = False, address
     if todo:
         started = init_ray(address, num_cpus)
         try:
+            check_fits(spec)
             engine = run_tune if spec.early_stop else run_tasks
             interrupted = engine(todo, spec, sweep_dir, trial_fn, on_record, log)
         finally:
@@ -516,6 +532,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         trials, records, interrupted = run_sweep(spec, sweep_dir, resume=args.resume is not None,
                                                  address=args.address, num_cpus=args.num_cpus)
+    except SweepError as exc:
+        print(f"foxhunt sweep: {exc}", file=sys.stderr)
+        return 2
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

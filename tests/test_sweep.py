@@ -192,7 +192,16 @@ with open(sweep_dir / "calls.log", "a") as fh:
 def summary(status):
     (run_dir / "summary.json").write_text(json.dumps({
         "status": status, "overall": {"test_sharpe": x + seed / 10},
-        "omp_threads": os.environ.get("OMP_NUM_THREADS"), "cwd": os.getcwd()}))
+        "omp_threads": os.environ.get("OMP_NUM_THREADS"), "cwd": os.getcwd(),
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}))
+
+
+if mode == "barrier":  # wait (at most 30 s) until n trials of the sweep run at once
+    (sweep_dir / "barrier").mkdir(exist_ok=True)
+    (sweep_dir / "barrier" / run_dir.name).write_text("")
+    deadline = time.monotonic() + 30
+    while len(os.listdir(sweep_dir / "barrier")) < int(kv["n"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 if mode == "flaky" and not (run_dir / "failed_once").exists():
@@ -221,7 +230,7 @@ summary("completed")
 def make_fake_command(script: Path) -> sweep.Command:
     """A command running ``script RUN_DIR SEED key=value...``; its settings are x (a number),
     mode, epochs (an integer) and pause (a number)."""
-    kinds = {"x": float, "mode": str, "epochs": int, "pause": float}
+    kinds = {"x": float, "mode": str, "epochs": int, "pause": float, "n": int}
 
     def typed(key, value, text):
         if key not in kinds:
@@ -248,7 +257,9 @@ def with_command(command: sweep.Command):
 @pytest.fixture(scope="module")
 def ray_local():
     ray = pytest.importorskip("ray", reason="foxhunt sweep needs the distributed extra (Ray)")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    # 4 logical CPUs and 2 logical GPUs (none physical): Ray's accounting places trials on them
+    # and sets each trial's CUDA_VISIBLE_DEVICES as it would on a machine with two GPUs.
+    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, logging_level=logging.WARNING)
     yield ray
     ray.shutdown()
 
@@ -377,10 +388,10 @@ def _alive(pid: int) -> bool:
 
 
 def test_early_stop_stops_the_hopeless_trial(ray_local, fake, tmp_path):
-    # threads=2 on the 2-CPU instance: one trial at a time, in order. ASHA's first rung is epoch
+    # threads=4 on the 4-CPU instance: one trial at a time, in order. ASHA's first rung is epoch
     # 2 (EARLY_STOP_GRACE_EPOCHS): the first trial reaches it alone and goes on; the second's
     # validation Sharpe (-5) is below the first's (1) there, so it is stopped.
-    spec = SweepSpec(command="fake", seeds=(0,), threads=2, early_stop=True, common=(
+    spec = SweepSpec(command="fake", seeds=(0,), threads=4, early_stop=True, common=(
         ("epochs", 6), ("pause", 0.3)), configs=((("x", 1.0),), (("x", -5.0),)))
     out = tmp_path / "s"
     trials, records, interrupted = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=lambda s: None)
@@ -477,3 +488,27 @@ def test_tiny_sweep_of_foxhunt_train_end_to_end(ray_local, tmp_path, capsys):
     table = text[text.index("configuration"):].splitlines()
     assert [row.split()[:2] for row in table[1:3]] == [["lr=0.001", "2/2"], ["lr=0.0003", "2/2"]]
     assert (out / "results.png").is_file() and not sweep.COMMANDS["train"].resumable(out)
+
+
+def test_fast_trials_share_gpus_by_fractional_requests(ray_local, fake, tmp_path):
+    # 4 trials of 1/2 GPU each, all running at once (a barrier in the fake trial): Ray's
+    # accounting puts two on each of the instance's two GPUs, and each trial's process sees its
+    # own GPU in CUDA_VISIBLE_DEVICES.
+    spec = SweepSpec(command="fake", backend="fast", trials_per_gpu=2, seeds=(0, 1, 2, 3),
+                     common=(("mode", "barrier"), ("n", 4)))
+    out = tmp_path / "s"
+    trials, records, _ = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=lambda s: None)
+    gpus = [records[t.trial_id]["gpu_ids"] for t in trials]
+    assert sorted(g for ids in gpus for g in ids) == ["0", "0", "1", "1"]
+    for t in trials:
+        seen = sweep.read_summary(sweep.run_dir_of(out, t))["cuda_visible_devices"]
+        assert [seen] == records[t.trial_id]["gpu_ids"] == [records[t.trial_id]["cuda_visible_devices"]]
+
+
+def test_a_trial_the_cluster_cannot_hold_is_a_usage_error(ray_local, fake, tmp_path, monkeypatch):
+    with pytest.raises(SweepError, match=r"^threads=5: a trial asks for 5 CPUs and the Ray cluster has 4;"):
+        sweep_cli.run_sweep(SweepSpec(command="fake", threads=5), tmp_path / "a", trial_fn=fake)
+    sweep_cli.check_fits(SweepSpec(command="fake", backend="fast"))  # 1 GPU of 2: fits
+    monkeypatch.setattr(ray_local, "cluster_resources", lambda: {"CPU": 4.0})  # a cluster without GPUs
+    with pytest.raises(SweepError, match=r"^backend=fast: a trial asks for 0.25 GPU and the Ray cluster has 0 "):
+        sweep_cli.check_fits(SweepSpec(command="fake", backend="fast", trials_per_gpu=4))
