@@ -54,9 +54,10 @@ POLL_S = 0.5
 #: Pinned to the trial's ``threads`` in every trial's environment, so parallel trials do not
 #: oversubscribe the CPU (read by the BLAS libraries when NumPy loads).
 BLAS_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-#: Statuses after which a trial is not run again (``completed`` and ``halted`` come from the
-#: run's summary.json; ``early_stopped`` from the sweep's own record).
-DONE_STATUSES = ("completed", "halted", "early_stopped")
+#: A run's ``summary.json`` statuses after which its trial is not run again (``halted``: a NaN
+#: or collapsed-gradient halt, the configuration's own deterministic outcome). A trial that
+#: ``--early-stop`` stopped is not run again either (its results line says ``early_stopped``).
+RUN_DONE_STATUSES = ("completed", "halted")
 #: The per-epoch metric that ``--early-stop`` (Tune's ASHA) maximises, a ``metrics.jsonl`` field.
 EARLY_STOP_METRIC = "val_sharpe"
 BACKENDS = ("reference", "fast")
@@ -110,7 +111,8 @@ def _train_argv(trial: "Trial", spec: "SweepSpec", run_dir: Path, resume: bool) 
     common = ["--threads", str(spec.threads), "--no-progress"]
     if resume:  # the run's own config.json holds its configuration
         return ["-m", "foxhunt.reference.cli", "train", "--resume", str(run_dir), *common]
-    out = ["-m", "foxhunt.reference.cli", "train", "--out", str(run_dir), "--backend", spec.backend, "--seed", str(trial.seed), *common]
+    out = ["-m", "foxhunt.reference.cli", "train", "--out", str(run_dir), "--backend", spec.backend,
+           "--seed", str(trial.seed), *common]
     if run_dir.is_dir() and any(run_dir.iterdir()):
         out.append("--overwrite")  # a failed attempt's files: start again from nothing
     out += list(spec.args)
@@ -140,7 +142,8 @@ def _longrun_typed(key: str, value: Any, text: bool) -> Any:
 
 def _longrun_argv(trial: "Trial", spec: "SweepSpec", run_dir: Path, resume: bool) -> list[str]:
     variant = dict(trial.overrides).get("variant", "f32")
-    return ["-m", LONGRUN_MODULE, "one", "--variant", variant, "--seed", str(trial.seed), "--backend", spec.backend,
+    return ["-m", LONGRUN_MODULE, "one", "--variant", variant, "--seed", str(trial.seed),
+            "--backend", spec.backend,
             "--record", str(run_dir / LONGRUN_RECORD), *spec.args]
 
 
@@ -337,14 +340,16 @@ def parse_seeds(value: Any, source: str = "--seeds") -> tuple[int, ...]:
     if isinstance(value, list) and all(_is_int(v) for v in value):
         return tuple(value)
     if not isinstance(value, str):
-        raise SweepError(f"{source}: seeds={value!r}: expected a range like '0-3', a list of integers or an integer")
+        raise SweepError(f"{source}: seeds={value!r}: expected a range like '0-3', a list of "
+                         "integers or an integer")
     seeds: list[int] = []
     for part in value.split(","):
         lo, sep, hi = part.strip().partition("-")
         try:
             first, last = int(lo), int(hi) if sep else int(lo)
         except ValueError:
-            raise SweepError(f"{source}: seeds={value!r}: expected integers and ranges like '0-3' or '0,3'") from None
+            raise SweepError(f"{source}: seeds={value!r}: expected integers and ranges like '0-3' "
+                             "or '0,3'") from None
         if first < 0 or last < first:
             raise SweepError(f"{source}: seeds={value!r}: range {part.strip()!r} must run from an "
                              "integer >= 0 up to one at least as large")
@@ -480,7 +485,7 @@ def run_trial(trial: Trial, spec: SweepSpec, sweep_dir: Path, *, attempt: int = 
         command.finish(run_dir, returncode)
     summary = read_summary(run_dir) or {}
     status = summary.get("status")
-    fields: dict[str, Any] = {"status": status if status in ("completed", "halted") else "failed",
+    fields: dict[str, Any] = {"status": status if status in RUN_DONE_STATUSES else "failed",
                               "returncode": returncode, "attempts": attempt,
                               "wall_time_s": time.perf_counter() - tic, "overall": summary.get("overall")}
     if status == "completed" and returncode != 0:
@@ -496,12 +501,12 @@ def is_done(sweep_dir: Path, trial: Trial, record: Mapping | None) -> bool:
     """Whether ``--resume`` skips ``trial``: its run says completed/halted, or its results
     line says it was stopped early."""
     summary = read_summary(run_dir_of(sweep_dir, trial))
-    if summary is not None and summary.get("status") in ("completed", "halted"):
+    if summary is not None and summary.get("status") in RUN_DONE_STATUSES:
         return True
     return record is not None and record.get("status") == "early_stopped"
 
 
-# ------------------------------------------------------------------------------ the sweep
+# ------------------------------------------------------------------------------ results
 def results_path(sweep_dir: Path) -> Path:
     return Path(sweep_dir) / "results.jsonl"
 
@@ -510,23 +515,4 @@ def load_results(sweep_dir: Path) -> dict[str, dict]:
     """The results lines of an earlier invocation, by trial id (empty when there are none)."""
     path = results_path(sweep_dir)
     return {r["trial"]: r for r in jsonio.read_jsonl(path)} if path.is_file() else {}
-
-
-@dataclass
-class SweepOutcome:
-    trials: list[Trial]
-    #: Trial id -> its results line, for every trial that finished (this time or before).
-    records: dict[str, dict]
-    #: Trials done before this invocation (``--resume``).
-    skipped: int = 0
-    interrupted: bool = False
-
-    @property
-    def missing(self) -> list[Trial]:
-        return [t for t in self.trials if t.trial_id not in self.records]
-
-    @property
-    def failed(self) -> list[dict]:
-        return [self.records[t.trial_id] for t in self.trials
-                if self.records.get(t.trial_id, {}).get("status") == "failed"]
 

@@ -30,9 +30,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import jsonio
-from .sweep import (COMMANDS, EARLY_STOP_METRIC, MAX_ATTEMPTS, POLL_S, STOP_GRACE_S, SweepError,
-                    SweepSpec, Trial, expand, is_done, load_results,
-                    read_summary, results_path, run_dir_of, run_trial, trial_record)
+from .sweep import (COMMANDS, EARLY_STOP_METRIC, MAX_ATTEMPTS, POLL_S, RUN_DONE_STATUSES, STOP_GRACE_S,
+                    SweepError, SweepSpec, Trial, expand, is_done, load_results, read_summary,
+                    results_path, run_dir_of, run_trial, trial_record)
 
 PLAN_NAME = "sweep.json"
 PLOT_NAME = "results.png"
@@ -173,7 +173,8 @@ def run_tune(todo: list[Trial], spec: SweepSpec, sweep_dir: Path, trial_fn, on_r
         def on_trial_error(self, iteration, trials, trial, **info):
             tid = trial.config["trial"]
             finished.add(tid)
-            on_record(_failure(by_id[tid], sweep_dir, MAX_ATTEMPTS, f"the Tune trial failed: {trial.error_file}"))
+            on_record(_failure(by_id[tid], sweep_dir, MAX_ATTEMPTS,
+                               f"the Tune trial failed: {trial.error_file}"))
 
     os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
     scheduler = ASHAScheduler(time_attr="epoch", metric=EARLY_STOP_METRIC, mode="max",
@@ -305,7 +306,7 @@ def trial_line(record: dict, metric: str) -> str:
         record.get("hostname") or "") if x)
     value = (record.get("overall") or {}).get(metric)
     text = f"{record['trial']}: {record['status']}"
-    if record["status"] in ("completed", "halted"):
+    if record["status"] in RUN_DONE_STATUSES:
         text += f", {metric} {_number(value)}"
     if record.get("wall_time_s") is not None:
         text += f" ({record['wall_time_s']:.3g} s{', ' + where if where else ''})"
@@ -336,11 +337,12 @@ def config_stats(trials: list[Trial], records: dict[str, dict], metric: str) -> 
 def results_table(trials: list[Trial], records: dict[str, dict], metric: str) -> str:
     stats = config_stats(trials, records, metric)
     width = max([len("configuration")] + [len(r["config"]) for r in stats])
-    lines = [f"{'configuration':<{width}}  {'done':>7}  {metric + ' mean':>16}  {'std':>8}  {'min':>8}  {'max':>8}"]
-    for r in stats:
-        lines.append(f"{r['config']:<{width}}  {str(r['completed']) + '/' + str(r['trials']):>7}  {_number(r['mean']):>16}  "
-                     f"{_number(r['std']):>8}  {_number(r['min']):>8}  {_number(r['max']):>8}")
-    bad = [records[t.trial_id] for t in trials if records.get(t.trial_id, {}).get("status") not in (None, "completed")]
+    cells = [("configuration", "done", f"{metric} mean", "std", "min", "max")] + [
+        (r["config"], f"{r['completed']}/{r['trials']}", *map(_number, (r["mean"], r["std"], r["min"], r["max"])))
+        for r in stats]
+    lines = [f"{c[0]:<{width}}  {c[1]:>7}  {c[2]:>16}  " + "  ".join(f"{x:>8}" for x in c[3:]) for c in cells]
+    bad = [records[t.trial_id] for t in trials
+           if records.get(t.trial_id, {}).get("status") not in (None, "completed")]
     lines += [f"  {trial_line(r, metric)}" for r in bad]
     return "\n".join(lines)
 
