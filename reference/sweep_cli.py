@@ -25,6 +25,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -57,6 +58,11 @@ def placement() -> dict:
 
 def _trial_task(trial_fn, trial: Trial, spec: SweepSpec, sweep_dir: str, attempt: int) -> dict:
     """The body of one trial's Ray task."""
+    # ray.cancel stops a running task through _thread.interrupt_main, which does nothing while
+    # SIGINT is ignored, as it is in a sweep started in the background (``nohup ... &``) and so
+    # in its Ray workers: let Python handle SIGINT (a KeyboardInterrupt) in the task.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     return {**trial_fn(trial, spec, Path(sweep_dir), attempt=attempt), **placement()}
 
 
@@ -224,6 +230,18 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
 
 
 # ------------------------------------------------------------------------------ the sweep
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _stop_signals_interrupt() -> dict:
+    """SIGTERM and SIGHUP stop the sweep as Ctrl-C does (in the main thread; elsewhere nothing
+    changes). Returns the handlers they replace."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+
+
 def write_plan(sweep_dir: Path, spec: SweepSpec) -> None:
     jsonio.write_json(sweep_dir / PLAN_NAME, spec.to_mapping())
 
@@ -280,11 +298,15 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, *, resume: bool = False, address
     interrupted = False
     if todo:
         started = init_ray(address, num_cpus)
+        # After ray.init, which installs its own SIGTERM handler (a stack dump, then exit).
+        previous = _stop_signals_interrupt()
         try:
             check_fits(spec)
             engine = run_tune if spec.early_stop else run_tasks
             interrupted = engine(todo, spec, sweep_dir, trial_fn, on_record, log)
         finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             if started:
                 import ray
 
@@ -499,10 +521,6 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     return spec
 
 
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     try:
         import ray  # noqa: F401
@@ -530,16 +548,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     except SweepError as exc:
         print(f"foxhunt sweep: {exc}", file=sys.stderr)
         return 2
-    previous = {s: signal.signal(s, _raise_interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         trials, records, interrupted = run_sweep(spec, sweep_dir, resume=args.resume is not None,
                                                  address=args.address, num_cpus=args.num_cpus)
     except SweepError as exc:
         print(f"foxhunt sweep: {exc}", file=sys.stderr)
         return 2
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     metric = spec.metric_name
     print("\n" + results_table(trials, records, metric))
     plot = write_plot(Path(sweep_dir) / PLOT_NAME, trials, records, metric)

@@ -259,7 +259,13 @@ def ray_local():
     ray = pytest.importorskip("ray", reason="foxhunt sweep needs the distributed extra (Ray)")
     # 4 logical CPUs and 2 logical GPUs (none physical): Ray's accounting places trials on them
     # and sets each trial's CUDA_VISIBLE_DEVICES as it would on a machine with two GPUs.
-    ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    # Started with SIGINT ignored, as a sweep started in the background (nohup ... &) is: its
+    # workers inherit that, and ray.cancel must still stop a running trial (the Ctrl-C test).
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ray.init(num_cpus=4, num_gpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     yield ray
     ray.shutdown()
 
