@@ -528,6 +528,9 @@ def cmd_sweep(args: argparse.Namespace) -> int:
         print("foxhunt sweep: needs Ray: pip install 'foxhunt[distributed]'", file=sys.stderr)
         return 2
     try:
+        if args.address is not None and args.num_cpus is not None:
+            raise SweepError(f"--num-cpus {args.num_cpus}: sizes the local Ray instance; with "
+                             f"--address {args.address} the cluster has its own CPUs")
         if args.resume is not None:
             given = [f"--{k.replace('_', '-')}" for k in ("command", "backend", "seeds", "threads",
                                                           "trials_per_gpu", "metric", "early_stop", "out")

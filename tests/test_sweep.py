@@ -155,6 +155,7 @@ def test_sweep_file_errors_are_one_line(tmp_path, capsys, name):
     (["--seeds", "a"], "expected integers and ranges"),
     (["--", "--out", "x"], "trial argument --out: the sweep sets --out itself"),
     (["--", "--set=lr=1"], "trial argument --set=lr=1"),
+    (["--address", "ray://head:10001", "--num-cpus", "4"], "--num-cpus 4: sizes the local Ray instance"),
     (["--file", "tiny.toml", "--resume", "x"], "--resume x: the plan comes from its sweep.json; drop --out, --file"),
 ])
 def test_flag_errors_are_one_line(tmp_path, capsys, argv, expected):
