@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from . import jsonio
+from .runs import METRICS_NAME, SUMMARY_NAME
 
 #: How many times a trial is started before it counts as failed (a failure is retried once).
 MAX_ATTEMPTS = 2
@@ -61,7 +62,6 @@ RUN_DONE_STATUSES = ("completed", "halted")
 #: The per-epoch metric that ``--early-stop`` (Tune's ASHA) maximises, a ``metrics.jsonl`` field.
 EARLY_STOP_METRIC = "val_sharpe"
 BACKENDS = ("reference", "fast")
-SUMMARY_NAME = "summary.json"
 
 
 class SweepError(ValueError):
@@ -466,7 +466,7 @@ def run_trial(trial: Trial, spec: SweepSpec, sweep_dir: Path, *, attempt: int = 
         cwd = spec.workdir if spec.workdir and Path(spec.workdir).is_dir() else None
         proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 env=env, cwd=cwd)
-        tail = MetricsTail(run_dir / "metrics.jsonl") if on_epoch else None
+        tail = MetricsTail(run_dir / METRICS_NAME) if on_epoch else None
         try:
             while True:
                 try:
