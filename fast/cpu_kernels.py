@@ -194,7 +194,7 @@ def _dueling_combine_backward_sum_branches(a):
       z="num_atoms", logp=("batch", "num_actions", "num_atoms"), actions="batch", isw="batch",
       scale=1, m=("batch", "num_atoms"), dlogits=("batch", "num_actions", "num_atoms"))
 def _c51_project_grad(a):
-    if F32.type(a.dz) != dist._atom_spacing(a.v_min, a.v_max, a.num_atoms):
+    if F32.type(a.dz) != dist.atom_spacing(a.v_min, a.v_max, a.num_atoms):
         raise ValueError(f"c51_project_grad: dz {a.dz} is not the support's spacing")
     r = dist.c51_project_grad(a.p_next, a.r, a.done, a.gamma[0], a.z, a.v_min, a.v_max, a.logp,
                               a.actions, a.isw, a.scale[0])

@@ -384,10 +384,19 @@ def grid_for(n: int, block: int) -> int:
     return max(1, math.ceil(n / block))
 
 
-# The arena and the kernel launches live in their own modules; their names stay importable from
-# here (where callers have always found them).
-from foxhunt.fast.arena import Arena, ArenaLayout, BufferSpec  # noqa: E402
-from foxhunt.fast.kernel_launch import Kernel, LoadedModule, PackedArgs  # noqa: E402
+# The arena and the kernel launches live in their own modules, which import this one; their names
+# stay importable from here (where callers have always found them), resolved on first use so that
+# importing either module first works.
+_MOVED = {"Arena": "arena", "ArenaLayout": "arena", "BufferSpec": "arena",
+          "Kernel": "kernel_launch", "LoadedModule": "kernel_launch", "PackedArgs": "kernel_launch"}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        import importlib
+
+        return getattr(importlib.import_module(f"foxhunt.fast.{_MOVED[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "ALIGNMENT",

@@ -26,7 +26,7 @@ from foxhunt.fast.step_layout import NORM_SEGMENT
 from foxhunt.fast.step_program import StepProgram
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
-from foxhunt.reference.kernels.distributional import _atom_spacing
+from foxhunt.reference.kernels.distributional import atom_spacing
 
 
 def graph1_ops(prog: StepProgram) -> Ops:
@@ -82,7 +82,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
                     gamma=Buf("gamma", offset=d), z="z", logp=Buf("logp", ("o", d)),
                     actions=Buf("batch.a", offset=d * B), isw="batch.isw", scale="scale",
                     m=Buf("m", offset=d * B * NA), dlogits=Buf("dlogits_c51", d), batch=B,
-                    num_actions=n, num_atoms=NA, v_min=lo, v_max=hi, dz=_atom_spacing(lo, hi, NA))
+                    num_actions=n, num_atoms=NA, v_min=lo, v_max=hi, dz=atom_spacing(lo, hi, NA))
         proj.record(f"m{d}")
         projections.append(proj)
     c51_pre.parallel(*projections)

@@ -264,8 +264,12 @@ BACKENDS: Mapping[str, str] = MappingProxyType({
 })
 
 
-def get_backend(name: str) -> type[TrainerBackend]:
-    """The trainer class of backend ``name`` (``reference`` or ``fast``)."""
+def get_backend(name) -> type[TrainerBackend]:
+    """The trainer class of backend ``name`` (``reference`` or ``fast``); a callable that builds
+    a trainer (e.g. ``functools.partial(fast.Trainer, gemm_workspace="default")``) is returned
+    as it is."""
+    if callable(name):
+        return name
     if name not in BACKENDS:
         raise ValueError(f"backend={name!r}: allowed values are 'reference' and 'fast'")
     module, attr = BACKENDS[name].split(":")

@@ -461,3 +461,16 @@ def test_the_backend_interface_imports_no_trainer():
     assert get_backend("reference") is Trainer
     with pytest.raises(ValueError, match="backend='gpu': allowed values are 'reference' and 'fast'"):
         get_backend("gpu")
+
+
+def test_get_backend_passes_a_trainer_factory_through():
+    """longrun_seeds' F32-alt variant hands the loop ``partial(fast.Trainer, gemm_workspace=...)``."""
+    import functools
+
+    from foxhunt.reference.backend import get_backend
+
+    factory = functools.partial(Trainer, seed=3)
+    assert get_backend(factory) is factory
+    trainer = get_backend(factory)(DQNConfig.preset("tiny"))
+    reference = Trainer(DQNConfig.preset("tiny"), seed=3)
+    assert all(np.array_equal(v, reference.state_dict()[k]) for k, v in trainer.state_dict().items())

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, launch, plan_flat
-from foxhunt.reference.kernels._checks import require_array
+from foxhunt.reference.kernels.argcheck import require_array
 from foxhunt.reference.kernels.dense import (
     F32,
     U16,

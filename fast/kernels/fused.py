@@ -30,8 +30,8 @@ from foxhunt.reference.kernels.fused import (
     C51LossBranches,
     DuelingGradsSum,
     DuelingLogSoftmaxQ,
-    _require_branches,
-    _require_packed,
+    require_branches,
+    require_packed,
     branch_offsets,
     split_branches,
     validate_c51_loss_branches,
@@ -134,8 +134,8 @@ def dueling_log_softmax_q_branches(v: np.ndarray, adv: np.ndarray, z: np.ndarray
 
 def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingGrads:
     """Fast ``dueling_combine_backward_branches``: ``DuelingGrads(dv [D, B, NA], dadv packed)``."""
-    branches = _require_branches(branches)
-    batch = _require_packed("dlogits", dlogits, branches)
+    branches = require_branches(branches)
+    batch = require_packed("dlogits", dlogits, branches)
     check_elements("dlogits", dlogits)
     num_atoms = dlogits.shape[1]
     if dlogits.size == 0:
@@ -151,8 +151,8 @@ def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingG
 def dueling_combine_backward_sum_branches(dlogits: np.ndarray, branches) -> DuelingGradsSum:
     """Fast ``dueling_combine_backward_sum_branches``: ``DuelingGradsSum(dv [B, NA]`` summed over
     the branches from +0.0 in branch order, ``dadv`` branch-packed ``[B * A_total, NA])``."""
-    branches = _require_branches(branches)
-    batch = _require_packed("dlogits", dlogits, branches)
+    branches = require_branches(branches)
+    batch = require_packed("dlogits", dlogits, branches)
     check_elements("dlogits", dlogits)
     num_atoms = dlogits.shape[1]
     if dlogits.size == 0:

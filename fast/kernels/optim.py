@@ -42,7 +42,7 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call
-from foxhunt.reference.kernels._checks import check_f32_array
+from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.optim import (
     AdamState,
     ClipSaxpyPartial,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, launch, plan_flat
-from foxhunt.reference.kernels._checks import check_f32_array
+from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.replay import (
     validate_importance_weights,
     validate_sample_proportional,

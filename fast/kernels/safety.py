@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, InOut, Out, launch, plan_flat, runtime
-from foxhunt.reference.kernels._checks import check_f32_array
+from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.safety import (
     ISV_FLOOR,
     validate_clamp_finite,

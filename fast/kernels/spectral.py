@@ -35,7 +35,7 @@ from typing import Sequence
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, InOut, Out, call, runtime
-from foxhunt.reference.kernels._checks import check_int
+from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.spectral import (
     SPECTRAL_EPS,
     BatchedSpectralNormResult,

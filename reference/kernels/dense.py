@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from foxhunt.reference.kernels._checks import ieee, require_array, require_shape
+from foxhunt.reference.kernels.argcheck import ieee, require_array, require_shape
 
 F32 = np.dtype(np.float32)
 U16 = np.dtype(np.uint16)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from foxhunt.reference.kernels._checks import f32_scalar, ieee, require_array, require_shape
+from foxhunt.reference.kernels.argcheck import f32_scalar, ieee, require_array, require_shape
 from foxhunt.reference.kernels.dense import F32
 
 I32 = np.dtype(np.int32)
@@ -45,7 +45,7 @@ def _check_support_bounds(v_min, v_max, num_atoms: int) -> tuple[np.float32, np.
     return lo, hi
 
 
-def _atom_spacing(lo: np.float32, hi: np.float32, num_atoms: int) -> np.float32:
+def atom_spacing(lo: np.float32, hi: np.float32, num_atoms: int) -> np.float32:
     """``dz = (v_max - v_min) / (NA - 1)``, each operation rounded to float32."""
     return (hi - lo) / np.float32(num_atoms - 1)
 
@@ -61,7 +61,7 @@ def support(v_min, v_max, num_atoms: int) -> np.ndarray:
     if isinstance(num_atoms, bool) or not isinstance(num_atoms, (int, np.integer)):
         raise ValueError(f"num_atoms: {num_atoms!r} is not allowed; expected an int >= 2")
     lo, hi = _check_support_bounds(v_min, v_max, int(num_atoms))
-    dz = _atom_spacing(lo, hi, int(num_atoms))
+    dz = atom_spacing(lo, hi, int(num_atoms))
     return (lo + np.arange(num_atoms, dtype=F32) * dz).astype(F32, copy=False)
 
 
@@ -146,7 +146,7 @@ def validate_double_dqn_select(q) -> None:
 
 class ProjectArgs(NamedTuple):
     """``c51_project``'s checked scalars as the kernel receives them: ``gamma``, ``v_min``,
-    ``v_max`` in float32 and the atom spacing ``dz`` (``_atom_spacing``)."""
+    ``v_max`` in float32 and the atom spacing ``dz`` (``atom_spacing``)."""
 
     gamma: np.float32
     v_min: np.float32
@@ -165,7 +165,7 @@ def validate_c51_project(p_next, r, done, gamma, z, v_min, v_max) -> ProjectArgs
     _require_vector("z", z, num_atoms, "[NA] with NA = p_next.shape[1]")
     g = f32_scalar("gamma", gamma)
     lo, hi = _check_support_bounds(v_min, v_max, num_atoms)
-    return ProjectArgs(gamma=g, v_min=lo, v_max=hi, dz=_atom_spacing(lo, hi, num_atoms))
+    return ProjectArgs(gamma=g, v_min=lo, v_max=hi, dz=atom_spacing(lo, hi, num_atoms))
 
 
 def validate_c51_loss(logp, actions, m, isw, scale) -> np.float32:

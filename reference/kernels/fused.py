@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from foxhunt.reference.kernels._checks import ieee, require_array, require_shape
+from foxhunt.reference.kernels.argcheck import ieee, require_array, require_shape
 from foxhunt.reference.kernels.distributional import (
     F32,
     I32,
@@ -60,7 +60,7 @@ class C51LossBranches(NamedTuple):
     total: np.ndarray
 
 
-def _require_branches(branches) -> tuple[int, ...]:
+def require_branches(branches) -> tuple[int, ...]:
     ok = isinstance(branches, (tuple, list)) and len(branches) > 0 and all(
         isinstance(n, (int, np.integer)) and not isinstance(n, bool) and int(n) >= 1 for n in branches)
     if not ok:
@@ -71,11 +71,11 @@ def _require_branches(branches) -> tuple[int, ...]:
 
 def branch_offsets(branches) -> tuple[int, ...]:
     """``off_d = n_0 + ... + n_{d-1}`` for every branch d."""
-    branches = _require_branches(branches)
+    branches = require_branches(branches)
     return tuple(int(sum(branches[:d])) for d in range(len(branches)))
 
 
-def _require_packed(name: str, x, branches: tuple[int, ...]) -> int:
+def require_packed(name: str, x, branches: tuple[int, ...]) -> int:
     """Check a branch-packed ``[R * A_total, NA]`` float32 array; return ``R``."""
     require_array(name, x, F32, ndim=2)
     total = sum(branches)
@@ -87,8 +87,8 @@ def _require_packed(name: str, x, branches: tuple[int, ...]) -> int:
 
 def split_branches(x: np.ndarray, branches) -> list[np.ndarray]:
     """The per-branch ``[R, n_d, NA]`` blocks of a branch-packed array (views)."""
-    branches = _require_branches(branches)
-    rows = _require_packed("x", x, branches)
+    branches = require_branches(branches)
+    rows = require_packed("x", x, branches)
     na = x.shape[1]
     return [x[rows * off:rows * (off + n)].reshape(rows, n, na)
             for off, n in zip(branch_offsets(branches), branches)]
@@ -96,9 +96,9 @@ def split_branches(x: np.ndarray, branches) -> list[np.ndarray]:
 
 def validate_dueling_combine_branches(v, adv, branches) -> tuple[int, ...]:
     """The argument checks of ``dueling_combine_branches``; returns ``branches`` as a tuple."""
-    branches = _require_branches(branches)
+    branches = require_branches(branches)
     require_array("v", v, F32, ndim=2)
-    _require_packed("adv", adv, branches)
+    require_packed("adv", adv, branches)
     require_shape("adv", adv, (v.shape[0] * sum(branches), v.shape[1]),
                   "[v.shape[0] * A_total, v.shape[1]]")
     return branches
@@ -120,8 +120,8 @@ def validate_dueling_log_softmax_q_branches(v, adv, z, branches,
 def validate_cql_logit_grad_branches(logp, actions, branches) -> tuple[tuple[int, ...], int]:
     """The layout checks of ``cql_logit_grad_branches`` (``z``, ``alpha``, ``scale`` and the
     action ranges are ``cql_logit_grad``'s per branch); returns ``(branches, R)``."""
-    branches = _require_branches(branches)
-    rows = _require_packed("logp", logp, branches)
+    branches = require_branches(branches)
+    rows = require_packed("logp", logp, branches)
     require_array("actions", actions, I32, ndim=2)
     if actions.shape[0] != len(branches) or actions.shape[1] > rows:
         raise ValueError(f"actions: shape {actions.shape} is not allowed; expected [D, B] with "
@@ -207,8 +207,8 @@ def dueling_combine_backward_branches(dlogits: np.ndarray, branches) -> DuelingG
     branch d's ``dv``; the caller sums them over branches). NaN/Inf contract:
     ``dueling_combine_backward``'s, per branch.
     """
-    branches = _require_branches(branches)
-    _require_packed("dlogits", dlogits, branches)
+    branches = require_branches(branches)
+    require_packed("dlogits", dlogits, branches)
     grads = [dueling_combine_backward(x) for x in split_branches(dlogits, branches)]
     dv = np.stack([g.dv for g in grads]).astype(F32, copy=False)
     return DuelingGrads(dv=dv, dadv=_pack([g.dadv for g in grads], dlogits.shape[1]))
@@ -235,8 +235,8 @@ def dueling_combine_backward_sum_branches(dlogits: np.ndarray, branches) -> Duel
     opposite Inf at the branch's other actions; ``dv[b, j]`` is NaN where the branches' ``dv_d``
     hold opposite Infs, else that Inf.
     """
-    branches = _require_branches(branches)
-    batch = _require_packed("dlogits", dlogits, branches)
+    branches = require_branches(branches)
+    batch = require_packed("dlogits", dlogits, branches)
     dv = np.zeros((batch, dlogits.shape[1]), dtype=F32)
     dadvs = []
     for x in split_branches(dlogits, branches):

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from foxhunt.reference.kernels._checks import (
+from foxhunt.reference.kernels.argcheck import (
     check_f32_array,
     check_f32_scalar,
     check_int,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.reference.kernels._checks import (
+from foxhunt.reference.kernels.argcheck import (
     check_array,
     check_f32_array,
     check_f32_scalar,

@@ -12,7 +12,7 @@ NaN conventions used here (each kernel's docstring states its own contract):
   and the loss readback) instead of being turned into a bound by ``fmaxf``/``fminf``.
 
 The argument checks shared by the reference kernels (``check_f32_array`` and friends) live in
-``foxhunt.reference.kernels._checks`` and are re-exported here. Each kernel's
+``foxhunt.reference.kernels.argcheck`` and are re-exported here. Each kernel's
 ``validate_<name>`` is shared with its fast test entry (``foxhunt.fast.kernels.safety``).
 """
 
@@ -23,7 +23,7 @@ from typing import Sequence
 import numpy as np
 
 # The shared argument checks live in ``_checks``; re-exported here, where they used to be.
-from foxhunt.reference.kernels._checks import (
+from foxhunt.reference.kernels.argcheck import (
     check_array,
     check_f32_array,
     check_f32_scalar,

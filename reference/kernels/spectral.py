@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from foxhunt.reference.kernels._checks import check_f32_array, check_f32_scalar, check_int
+from foxhunt.reference.kernels.argcheck import check_f32_array, check_f32_scalar, check_int
 
 #: Normalisation floor ``max(||x||, SPECTRAL_EPS)`` (PyTorch's default ``eps``).
 SPECTRAL_EPS = np.float32(1e-12)

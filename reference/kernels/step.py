@@ -19,8 +19,8 @@ import numpy as np
 
 from foxhunt.reference.backend import READBACK_FIELDS
 from foxhunt.reference.kernels import dense, distributional, optim, safety
-from foxhunt.reference.kernels._checks import check_f32_array, check_int, require_array
-from foxhunt.reference.kernels.fused import _require_branches, branch_offsets
+from foxhunt.reference.kernels.argcheck import check_f32_array, check_int, require_array
+from foxhunt.reference.kernels.fused import require_branches, branch_offsets
 
 F32 = np.float32
 I32 = np.int32
@@ -165,7 +165,7 @@ class DoubleDqnGather(NamedTuple):
 def validate_double_dqn_gather_branches(logp_target, q_online, actions, branches, batch):
     """The argument checks of ``double_dqn_gather_branches``; returns ``(branches, batch,
     q_rows)``."""
-    branches = _require_branches(branches)
+    branches = require_branches(branches)
     batch = check_int("batch", batch, minimum=1)
     a_total = sum(branches)
     require_array("logp_target", logp_target, F32, ndim=2)
