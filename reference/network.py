@@ -22,6 +22,7 @@ import numpy as np
 from .backend import BACKWARD_GEMM_MODE, FORWARD_GEMM_MODE
 from .config import DQNConfig
 from .kernels import dense, distributional, safety
+from .kernels import step as step_kernels
 from .layout import ParamLayout, branch_name
 
 
@@ -88,8 +89,9 @@ def backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Ac
     branch's logits is ``dlogits[d] [N, n_d, NA]``.
 
     Chain: dueling backward (``dv`` summed over branches), head GEMMs with ReLU masks and bias
-    reductions, ``dh2`` summed over the value head and every branch, through the Mech 10 clamp
-    (zero gradient where the clamp changed the value), then the trunk.
+    reductions, ``dh2`` summed over every branch then the value head and masked by the Mech 10
+    clamp (zero gradient where the clamp changed the value) and the trunk ReLU
+    (``step.h2_grad_sum_mask``), then the trunk.
 
     ``trace``, if given, receives the intermediate gradients the sentinels watch:
     ``d_value_logits`` (``dv``), ``d_adv_logits`` (every branch's ``dadv``, flattened) and
@@ -116,7 +118,7 @@ def backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Ac
         return dense.gemm(dy_r, rnd(p[w_name]), mode=mode, rounded=True)
 
     dv = np.zeros_like(act.v)
-    dh2 = np.zeros_like(act.h2)
+    dh2_parts = []  # each head's part of d h2: the branches in order, then the value head
     dadvs = []
     for d, n in enumerate(config.branches):
         br = branch_name(d)
@@ -125,15 +127,17 @@ def backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Ac
         dadvs.append(dadv.ravel())
         dha = dense_backward(dadv.reshape(n_rows, n * config.num_atoms), act.ha[d], f"w_{br}2", f"b_{br}2")
         dha = dense.relu_mask(dha, act.ha[d])
-        dh2 = dh2 + dense_backward(dha, act.h2, f"w_{br}1", f"b_{br}1")
+        dh2_parts.append(dense_backward(dha, act.h2, f"w_{br}1", f"b_{br}1"))
     dhv = dense.relu_mask(dense_backward(dv, act.hv, "w_v2", "b_v2"), act.hv)
-    dh2 = dh2 + dense_backward(dhv, act.h2, "w_v1", "b_v1")
+    dh2_parts.append(dense_backward(dhv, act.h2, "w_v1", "b_v1"))
+    # The sum of the parts, then the backward through Mech 10's clamp (clamp_finite passes a
+    # value through unchanged only where it was finite and in range) and the trunk ReLU.
+    trunk = step_kernels.h2_grad_sum_mask(np.stack(dh2_parts), act.h2, act.h2_pre_clamp)
     if trace is not None:
-        trace.update(d_value_logits=dv, d_adv_logits=np.concatenate(dadvs), d_h2=dh2)
-    if h2_bound is not None:
-        # clamp_finite passes a value through unchanged only where it was finite and in range.
-        dh2 = np.where(act.h2 == act.h2_pre_clamp, dh2, np.float32(0))
-    dh2 = dense.relu_mask(dh2, act.h2_pre_clamp)
+        trace.update(d_value_logits=dv, d_adv_logits=np.concatenate(dadvs), d_h2=trunk.dh2)
+    # Without the clamp only the ReLU applies: the kernel's "the clamp left it unchanged" test
+    # would also zero the gradient of a NaN h2, which relu_mask passes.
+    dh2 = trunk.out if h2_bound is not None else dense.relu_mask(trunk.dh2, act.h2_pre_clamp)
     dh1 = dense.relu_mask(dense_backward(dh2, act.h1, "w_s2", "b_s2"), act.h1)
     dense_backward(dh1, act.x, "w_s1", "b_s1")
     return grad
