@@ -23,12 +23,15 @@ from .kernels import optim, safety
 
 @dataclass(frozen=True)
 class BudgetNorms:
-    """L2 norms of each source before and after its budget clip (float32)."""
+    """L2 norms of each source before and after its budget clip, and the squared norms the
+    clips used (``optim.grad_norm_sq``), all float32."""
 
     c51_pre: np.float32
     c51_post: np.float32
     cql_pre: np.float32
     cql_post: np.float32
+    c51_sq: np.float32
+    cql_sq: np.float32
 
 
 def budget_pipeline(config: DQNConfig, grad_c51: np.ndarray, grad_cql: np.ndarray
@@ -41,13 +44,15 @@ def budget_pipeline(config: DQNConfig, grad_c51: np.ndarray, grad_cql: np.ndarra
     grad = optim.clipped_saxpy(grad, grad_cql, np.float32(1), b_cql, cql_sq)
     n_c51, n_cql = optim.norm_from_sq(c51_sq), optim.norm_from_sq(cql_sq)
     norms = BudgetNorms(c51_pre=n_c51, c51_post=_post_clip_norm(n_c51, c51_sq, b_c51),
-                        cql_pre=n_cql, cql_post=_post_clip_norm(n_cql, cql_sq, b_cql))
+                        cql_pre=n_cql, cql_post=_post_clip_norm(n_cql, cql_sq, b_cql),
+                        c51_sq=c51_sq, cql_sq=cql_sq)
     return grad, norms
 
 
 def _post_clip_norm(norm: np.float32, norm_sq: np.float32, budget: np.float32) -> np.float32:
     """``norm * scale``; a component whose norm overflowed is discarded (scale 0): its post-clip
-    norm is 0, not ``inf * 0``."""
+    norm is 0, not ``inf * 0`` (``kernels.step.step_scalars`` reports ``inf * 0 = NaN`` there,
+    so the reference ``Trainer`` reports these two values from here)."""
     scale = optim.clip_scale(norm_sq, budget)
     return np.float32(0) if scale == 0 else np.float32(norm * scale)
 

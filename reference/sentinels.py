@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 
@@ -282,6 +282,38 @@ def fused_slots(graph: int) -> tuple[SentinelSlot, ...]:
     return tuple(s for s in SENTINELS if not s.inline and POINT_GRAPH[s.point] == graph)
 
 
+class ThresholdTable(NamedTuple):
+    """Every slot's threshold rule as the arrays of ``kernels.step.step_bounds``, each
+    ``[NUM_SENTINEL_SLOTS]``: ``mult`` (float32, 0 for a non-threshold slot), ``isv_index``
+    (int32 ISV index, -1 for a non-threshold slot: threshold 0) and ``power`` (int32, 1 or 2)."""
+
+    mult: np.ndarray
+    isv_index: np.ndarray
+    power: np.ndarray
+
+
+def _multiplier(rule: ThresholdRule, config: Any | None) -> float:
+    """The rule's multiplier: its ``config_field`` of ``config`` where both are given."""
+    if config is not None and rule.config_field is not None:
+        return getattr(config, rule.config_field)
+    return rule.multiplier
+
+
+def threshold_table(config: Any | None = None) -> ThresholdTable:
+    """The threshold rules of every slot as arrays (``config`` overrides the seed multipliers as
+    in ``sentinel_thresholds``); ``step_bounds(isv, ..., *threshold_table(config), ...)`` gives
+    ``sentinel_thresholds(isv, config)``."""
+    mult = np.zeros(NUM_SENTINEL_SLOTS, np.float32)
+    isv_index = np.full(NUM_SENTINEL_SLOTS, -1, np.int32)
+    power = np.ones(NUM_SENTINEL_SLOTS, np.int32)
+    for s in SENTINELS:
+        if s.threshold is not None:
+            mult[s.index] = _multiplier(s.threshold, config)
+            isv_index[s.index] = isv_mod.slot(s.threshold.isv_slot).index
+            power[s.index] = s.threshold.power
+    return ThresholdTable(mult, isv_index, power)
+
+
 def sentinel_thresholds(isv: np.ndarray, config: Any | None = None) -> np.ndarray:
     """float32 ``[NUM_SENTINEL_SLOTS]``: each threshold slot's threshold, 0 elsewhere.
 
@@ -299,10 +331,7 @@ def sentinel_thresholds(isv: np.ndarray, config: Any | None = None) -> np.ndarra
         rule = s.threshold
         if rule is None:
             continue
-        mult = None
-        if config is not None and rule.config_field is not None:
-            mult = getattr(config, rule.config_field)
-        out[s.index] = rule.value(isv[isv_mod.slot(rule.isv_slot).index], mult)
+        out[s.index] = rule.value(isv[isv_mod.slot(rule.isv_slot).index], _multiplier(rule, config))
     return out
 
 
@@ -337,7 +366,7 @@ def format_flags(flags: np.ndarray) -> str:
 
 __all__ = [
     "ATOM_SPAN_DIAG_MULT", "KINDS", "NUM_SENTINEL_SLOTS", "POINT_GRAPH", "SENTINELS",
-    "STEP_POINTS", "SentinelSlot", "TARGET_Q_DIAG_MULT", "ThresholdRule", "flagged_names",
-    "format_flags", "fused_slots", "index", "sentinel_thresholds", "slot_by_index", "slot_by_name",
-    "validate_sentinels",
+    "STEP_POINTS", "SentinelSlot", "TARGET_Q_DIAG_MULT", "ThresholdRule", "ThresholdTable",
+    "flagged_names", "format_flags", "fused_slots", "index", "sentinel_thresholds", "slot_by_index",
+    "slot_by_name", "threshold_table", "validate_sentinels",
 ]

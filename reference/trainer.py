@@ -15,6 +15,10 @@ One ``step(batch)``, in order:
 5. BF16 mirror of the params; Polyak target update and its mirror.
 6. ISV producers (Q_ABS_REF from the taken-action Q, H_S2_RMS_EMA from h2); the fused sentinel
    check (Mech 5 thresholds relative to ``max(ISV[Q_ABS_REF], 1)``); deferred readback.
+
+The step's own bookkeeping is the fast step's kernels' reference twins (``kernels.step``):
+``step_bounds`` (the ISV-driven bounds, the thresholds, Adam's counter) and ``step_scalars``
+(the total norm, the safety-clip factor, the readback block, the slow EMA).
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ import numpy as np
 
 from . import isv as isv_mod
 from . import sentinels
-from .backend import DeferredReadback, StepScalars, TrainerBackend, validate_state_dict
+from .backend import READBACK_FIELDS, DeferredReadback, StepScalars, TrainerBackend, validate_state_dict
 from .batch import Batch
-from .budgets import budget_pipeline, safety_clip_bound, slow_ema_update
+from .budgets import budget_pipeline
 from .config import DQNConfig
 from .kernels import dense, optim, safety, spectral
 from .kernels import isv as isv_kernels
+from .kernels import step as step_kernels
 from .layout import ParamLayout, init_params
 from .network import forward, q_values
 from .step import loss_and_grads, support
@@ -38,6 +43,9 @@ SLOW_EMA = "GRAD_NORM_SLOW_EMA"
 
 #: Rate of the Q_ABS_REF and H_S2_RMS_EMA producers.
 ISV_PRODUCER_ALPHA = 0.01
+
+#: The readback entries ``loss_and_grads`` gives (``step_kernels.loss_scalars``' outputs).
+LOSS_SCALARS = step_kernels.LossScalars._fields
 
 
 def _zero_scalars(n_flags: int) -> StepScalars:
@@ -72,6 +80,7 @@ class Trainer(TrainerBackend):
             self.isv.set(isv_mod.slot_at(isv_mod.GAMMA_INDICES[d]).name, np.float32(gamma))
         self.isv.set("CQL_ALPHA", np.float32(config.cql_alpha))
         self._flags = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
+        self._thresholds = sentinels.threshold_table(config)
         self.step_count = 0
         self._refresh_mirrors()
         self._readback = DeferredReadback(config.readback_interval, len(self._flags))
@@ -98,6 +107,13 @@ class Trainer(TrainerBackend):
     def step(self, batch: Batch) -> StepScalars:
         c = self.config
         isv_at_start = self.isv.to_array()
+        slow = isv_mod.GRAD_NORM_SLOW_EMA_INDEX
+        # The step's ISV-driven bounds (Mech 9's weight clamp, Mech 6's anchored safety clip, the
+        # Mech 5 sentinel thresholds) and Adam's step counter, from the ISV at the start.
+        bounds = step_kernels.step_bounds(
+            isv_at_start, np.array([self.adam_t], np.int64), *self._thresholds,
+            isv_mod.Q_ABS_REF_INDEX, slow, c.weight_clamp_mult, c.max_grad_norm,
+            c.grad_clip_anchor_mult)
         q_abs_ref = np.float32(self.isv.get("Q_ABS_REF"))
         h2_bound = self._bound(c.h2_clamp_mult, "H_S2_RMS_EMA")
         # loss_and_grads validates the batch (its only validation in the step), before any
@@ -110,20 +126,27 @@ class Trainer(TrainerBackend):
         self._inline_check("h2", out["online"].h2_pre_clamp)
         self._inline_check("d_h2_post_main", out["trace_c51"]["d_h2"])
 
-        # Budget pipeline (SPEC 4 step 5), then Adam with Mech 6's anchored safety clip and
-        # Mech 9's weight clamp.
+        # Budget pipeline (SPEC 4 step 5); then the step scalars: the total norm (one partial,
+        # the whole buffer), Adam's Mech 6 safety-clip factor, the readback block and the slow
+        # EMA; then Adam with that clip and Mech 9's weight clamp.
         grad, norms = budget_pipeline(c, out["grad_c51"], out["grad_cql"])
-        clip_bound = safety_clip_bound(c, self.isv.get(SLOW_EMA))
-        total_sq = optim.grad_norm_sq(grad)
-        total_norm = optim.norm_from_sq(total_sq)
-        self.adam_t += 1
+        readback = np.zeros(len(READBACK_FIELDS), np.float32)
+        for name in LOSS_SCALARS:
+            readback[step_kernels.READBACK_INDEX[name]] = out[name]
+        end = step_kernels.step_scalars(
+            np.array([optim.grad_norm_sq(grad)]), norms.c51_sq, norms.cql_sq, bounds.clip_bound[0],
+            isv_at_start, readback, c.budget("c51"), c.budget("cql"), slow, c.grad_slow_ema_alpha)
+        # The post-clip norms of the budget pipeline: an overflowed component reads 0 there,
+        # where the kernel's product gives inf * 0 = NaN.
+        for name, value in (("c51_norm_post", norms.c51_post), ("cql_norm_post", norms.cql_post)):
+            end.readback[step_kernels.READBACK_INDEX[name]] = value
+        self.adam_t = int(bounds.adam_t[0])
         self.params, self.adam_m, self.adam_v = optim.adam_update(
             self.params, grad, self.adam_m, self.adam_v, step=self.adam_t, lr=np.float32(c.lr),
             beta1=np.float32(c.beta1), beta2=np.float32(c.beta2), eps=np.float32(c.adam_eps),
-            weight_decay=np.float32(c.weight_decay),
-            grad_scale=optim.safety_clip_scale(total_sq, clip_bound),
-            weight_clamp=self._bound(c.weight_clamp_mult, "Q_ABS_REF"))
-        self.isv.set(SLOW_EMA, slow_ema_update(c, self.isv.get(SLOW_EMA), total_norm))
+            weight_decay=np.float32(c.weight_decay), grad_scale=end.safety_scale,
+            weight_clamp=bounds.weight_clamp[0])
+        self.isv.set(SLOW_EMA, end.isv[slow])
 
         # Spectral norm on every weight matrix (one batched launch in the fast path).
         views = self.layout.views(self.params)
@@ -142,19 +165,9 @@ class Trainer(TrainerBackend):
         vec = isv_kernels.isv_h2_rms_update(vec, out["online"].h2, np.float32(ISV_PRODUCER_ALPHA))
         self.isv.from_array(vec)
 
-        self._fused_checks(self._sentinel_buffers(batch, out, grad), isv_at_start)
+        self._fused_checks(self._sentinel_buffers(batch, out, grad), bounds.thresholds)
         self._td_errors = out["td_errors"]
-
-        self._current = StepScalars(
-            step=self.step_count, read_at=self.step_count, fresh=True,
-            loss=float(out["c51_loss"] + out["cql_loss"]), c51_loss=float(out["c51_loss"]),
-            cql_loss=float(out["cql_loss"]), grad_norm=float(total_norm),
-            c51_norm_pre=float(norms.c51_pre), c51_norm_post=float(norms.c51_post),
-            cql_norm_pre=float(norms.cql_pre), cql_norm_post=float(norms.cql_post),
-            clip_bound=float(clip_bound), safety_clip_fired=bool(total_norm > clip_bound),
-            mean_q=float(np.mean(out["q_taken"])), mean_target_q=float(np.mean(out["target_q"])),
-            flags=tuple(int(f) for f in self._flags),
-        )
+        self._current = StepScalars.from_readback(self.step_count, end.readback, self._flags)
         return self._readback.after_step(self.step_count, lambda: self._current)
 
     def _sentinel_buffers(self, batch: Batch, out: dict, grad: np.ndarray) -> dict[str, np.ndarray]:
@@ -197,13 +210,13 @@ class Trainer(TrainerBackend):
             "h2_max_abs": out["online"].h2,
         }
 
-    def _fused_checks(self, buffers: dict[str, np.ndarray], isv_at_start: np.ndarray) -> None:
+    def _fused_checks(self, buffers: dict[str, np.ndarray], thresholds: np.ndarray) -> None:
         """Every per-step, non-inline sentinel slot in one fused check (one launch in the fast
-        path); thresholds from the ISV values at the start of the step."""
+        path); ``thresholds`` (``[NUM_SENTINEL_SLOTS]``) from the ISV at the start of the step."""
         slots = [s for s in sentinels.SENTINELS if not s.inline and s.name in buffers]
         idx = np.array([s.index for s in slots])
-        thresholds = sentinels.sentinel_thresholds(isv_at_start, self.config)[idx]
-        self._flags[idx] = safety.nan_check_fused([buffers[s.name] for s in slots], self._flags[idx], thresholds)
+        self._flags[idx] = safety.nan_check_fused([buffers[s.name] for s in slots], self._flags[idx],
+                                                  thresholds[idx])
 
     # ------------------------------------------------------------------ readback
     def end_epoch(self) -> StepScalars:
