@@ -42,7 +42,7 @@ from typing import Callable
 import numpy as np
 
 from . import loop_state, sentinels
-from .backend import StepScalars, TrainerBackend, get_backend
+from .backend import READBACK_FIELDS, StepScalars, TrainerBackend, get_backend
 from .config import DQNConfig, require_int, require_positive, require_range
 from .env import BranchingEnv, rollout
 from .market import (DEFAULT_WINDOWS, N_POSITION_FEATURES, Bars, feature_warmup,
@@ -95,9 +95,10 @@ class LoopSettings:
             require_range(name, getattr(self, name), 0.0, 1.0)
 
 
-#: The ``StepScalars`` fields an epoch record carries over (the epoch-end readback).
-STEP_FIELDS = ("loss", "c51_loss", "cql_loss", "grad_norm", "c51_norm_pre", "c51_norm_post",
-               "cql_norm_pre", "cql_norm_post", "mean_q")
+#: The ``StepScalars`` fields an epoch record carries over (the epoch-end readback): every
+#: read-back field but the per-step clip diagnostics and the target mean.
+STEP_FIELDS = tuple(name for name in READBACK_FIELDS
+                    if name not in ("clip_bound", "safety_clip_fired", "mean_target_q"))
 #: Wall-clock fields of a record: the only ones that differ between identical runs.
 TIMING_FIELDS = ("epoch_time_s", "steps_per_s")
 
