@@ -6,9 +6,10 @@ and masks, the step scalars and the merge of sentinel pieces.
 All but three outputs are exact (the kernels round where the reference does, in its order):
 ``double_dqn_gather_branches``' ``p_next`` is ``expf`` against NumPy's float32 ``exp`` (CUDA's
 ``expf`` is within 2 ulp, NumPy's SIMD float32 ``exp`` within 2.52 ulp: 5 ulp apart at most);
-``loss_scalars``' means and ``step_scalars``' total norm are block-tree sums against NumPy's
-pairwise ones (reductions; ``step_scalars``' other outputs follow the norm, their other
-elements are copied or exact).
+``step_scalars``' total norm is a block-tree sum against NumPy's pairwise one (a reduction;
+its other outputs follow the norm, their other elements are copied or exact). ``loss_scalars``'
+means keep the reduction tolerance although the reference now sums in the kernel's order
+(``reference.kernels.step.block_total``: a sum of +-f32 max overflows in both or neither).
 """
 
 from __future__ import annotations

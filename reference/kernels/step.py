@@ -330,6 +330,38 @@ def validate_loss_scalars(c51_total, terms, q_taken, target_q, alpha) -> np.floa
     return _f32("alpha", alpha)
 
 
+#: Threads of the one block ``loss_scalars`` runs on (``STEP_THREADS`` in ``cuda_src/step.cu``).
+LOSS_SCALARS_THREADS = 256
+_WARP = 32
+
+
+def _warp_sum_halving(v: np.ndarray) -> np.ndarray:
+    """``reduce.cuh``'s ``warp_sum_halving`` on rows of 32 lanes: ``v[l] += v[l ^ off]`` for
+    ``off`` = 16, 8, 4, 2, 1 (float32, each sum rounded); returns lane 0 of every row."""
+    lanes = np.arange(_WARP)
+    for off in (16, 8, 4, 2, 1):
+        v = (v + v[..., lanes ^ off]).astype(F32)
+    return v[..., 0]
+
+
+def block_total(x: np.ndarray, threads: int = LOSS_SCALARS_THREADS) -> np.float32:
+    """The float32 sum of ``x`` in ``step_block_total``'s order: thread ``t`` adds ``x[t],
+    x[t + threads], ...`` in turn from -0.0; each warp's partials are summed by
+    ``_warp_sum_halving``, then the warp sums (padded to 32 with -0.0) by it again; finally
+    ``+ 0.0`` (an empty sum is +0.0). The same order as the kernel, so an overflow (a sum of
+    huge values of both signs) happens in both or in neither."""
+    flat = np.ravel(x).astype(F32)
+    rows = np.full((-(-flat.size // threads), threads), F32(-0.0), F32)
+    rows.reshape(-1)[:flat.size] = flat
+    acc = np.full(threads, F32(-0.0), F32)
+    with np.errstate(over="ignore", invalid="ignore"):  # IEEE: overflow gives +-Inf, as on the GPU
+        for row in rows:  # each thread's partial, sequential over its strided elements
+            acc = (acc + row).astype(F32)
+        warps = np.full(_WARP, F32(-0.0), F32)
+        warps[:threads // _WARP] = _warp_sum_halving(acc.reshape(-1, _WARP))
+        return F32(_warp_sum_halving(warps) + F32(0.0))
+
+
 def loss_scalars(c51_total: np.ndarray, terms: np.ndarray, q_taken: np.ndarray,
                  target_q: np.ndarray, alpha) -> LossScalars:
     """The loss scalars and means of the readback, in ``loss_and_grads``' order:
@@ -337,10 +369,11 @@ def loss_scalars(c51_total: np.ndarray, terms: np.ndarray, q_taken: np.ndarray,
     mean(terms[0])) / D) + (alpha * mean(terms[1])) / D) + ...``; ``mean_q = mean(q_taken)``,
     ``mean_target_q = mean(target_q)``.
 
-    The means are float32 sums divided by the count; the kernel sums in a fixed block tree,
-    NumPy pairwise (a reduction: within the reduction tolerance, not bitwise).
+    Each mean is ``block_total`` (the kernel's summation order, so bitwise the kernel's sums,
+    overflow included) divided by the count in float32.
     Shapes: ``c51_total`` [D]; ``terms``, ``q_taken``, ``target_q`` [D, B]; all float32.
-    NaN contract: IEEE; a NaN anywhere in an input makes that scalar NaN.
+    NaN contract: IEEE; a NaN anywhere in an input makes that scalar NaN; a sum that overflows
+    in the kernel's order is +-Inf here too.
     """
     a = validate_loss_scalars(c51_total, terms, q_taken, target_q, alpha)
     n_d = F32(c51_total.shape[0])
@@ -348,9 +381,11 @@ def loss_scalars(c51_total: np.ndarray, terms: np.ndarray, q_taken: np.ndarray,
         c51 = cql = F32(0)
         for d in range(c51_total.shape[0]):
             c51 = F32(c51 + c51_total[d])
-            cql = F32(cql + F32(a * np.mean(terms[d], dtype=F32)) / n_d)
-        return LossScalars(c51, cql, F32(np.mean(q_taken, dtype=F32)),
-                           F32(np.mean(target_q, dtype=F32)))
+            mean = F32(block_total(terms[d]) / F32(terms.shape[1]))
+            cql = F32(cql + F32(a * mean) / n_d)
+        count = F32(q_taken.size)
+        return LossScalars(c51, cql, F32(block_total(q_taken) / count),
+                           F32(block_total(target_q) / count))
 
 
 class StepScalarsOut(NamedTuple):
