@@ -17,8 +17,8 @@ distributional target itself is bounded by the support clip inside ``c51_project
 Mech 2 (atom growth bound) has nothing to bound here: the support is fixed at ``[v_min, v_max]``.
 
 The step kernels' reference twins (``kernels.step``) do the jobs they share with the fast step:
-the double-DQN choice and gathers, the TD errors' branch mean, the loss scalars and means (and,
-in ``network.backward``, the trunk gradient's sum and masks).
+the double-DQN choice and gathers, the TD errors' branch mean (and, in ``network.backward``, the
+trunk gradient's sum and masks).
 """
 
 from __future__ import annotations
@@ -46,7 +46,6 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     Returns a dict with ``c51_loss`` and ``cql_loss`` (f32 scalars), ``td_errors`` ``[B]``,
     ``grad_c51`` and ``grad_cql`` (flat f32, layout order, padding zero), ``target_q``
     ``[B, n_branches]`` (Mech 1-clipped scalar targets), ``q_taken`` ``[B, n_branches]``,
-    ``mean_q`` and ``mean_target_q`` (f32 means of ``q_taken`` and ``target_q``),
     ``a_star`` ``[B, n_branches]``, the activations of the three passes (``online``,
     ``online_next``, ``target_next``), per-branch ``logp``, ``m``, ``dlogits_c51``,
     ``dlogits_cql``, and each backward's intermediate gradients (``trace_c51``, ``trace_cql``:
@@ -75,19 +74,22 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         logp_target, q_online, np.ascontiguousarray(batch.a.T), config.branches, B)
 
     out: dict = {"m": [], "dlogits_c51": [], "dlogits_cql": []}
-    c51_totals = np.zeros(nb, np.float32)
+    c51_total = np.float32(0)
+    cql_total = np.float32(0)
     ce_parts = np.zeros((nb, B), np.float32)
-    cql_terms = np.zeros((nb, B), np.float32)
     target_q = np.zeros((B, nb), np.float32)
     for d, gamma in enumerate(config.gammas):
         actions = batch.a[:, d]
         p_next = gather.p_next[d]
         m = distributional.c51_project(p_next, batch.r, batch.done, np.float32(gamma), z,
                                        np.float32(config.v_min), np.float32(config.v_max))
-        ce_parts[d], c51_totals[d] = distributional.c51_loss(online.logp[d], actions, m, batch.isw,
-                                                             scale)
+        ce_parts[d], total = distributional.c51_loss(online.logp[d], actions, m, batch.isw, scale)
         dl_c51 = distributional.c51_grad(online.logp[d], actions, m, batch.isw, scale)
-        dl_cql, cql_terms[d] = distributional.cql_logit_grad(online.logp[d], actions, z, alpha, scale)
+        dl_cql, terms = distributional.cql_logit_grad(online.logp[d], actions, z, alpha, scale)
+        # Not step_kernels.loss_scalars: its means add in the kernel's block order, this one is
+        # NumPy's pairwise mean (the bits differ).
+        c51_total = np.float32(c51_total + total)
+        cql_total = np.float32(cql_total + alpha * np.mean(terms, dtype=np.float32) / np.float32(nb))
         # Not step_kernels.scalar_target_q_branches: its expectation sums atom by atom, where
         # this one is NumPy's matmul (another f32 order; the bits differ).
         scalar_target = (batch.r + np.float32(gamma) * (np.float32(1) - batch.done)
@@ -96,18 +98,12 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         out["m"].append(m)
         out["dlogits_c51"].append(dl_c51)
         out["dlogits_cql"].append(dl_cql)
-    q_taken = np.ascontiguousarray(gather.q_taken.T)
-    # The [D, B] views of the [B, nb] arrays: a full-array mean sums in memory order, so the
-    # means are those of the reported [B, nb] arrays.
-    scalars = step_kernels.loss_scalars(c51_totals, cql_terms, q_taken.T, target_q.T, alpha)
 
     trace_c51: dict = {}
     trace_cql: dict = {}
     out.update(
-        c51_loss=scalars.c51_loss,
-        cql_loss=scalars.cql_loss,
-        mean_q=scalars.mean_q,
-        mean_target_q=scalars.mean_target_q,
+        c51_loss=np.float32(c51_total),
+        cql_loss=np.float32(cql_total),
         td_errors=step_kernels.branch_mean(ce_parts, nb),
         grad_c51=backward(config, layout, params, online, out["dlogits_c51"], h2_bound=h2_bound,
                           trace=trace_c51),
@@ -116,7 +112,7 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         trace_c51=trace_c51,
         trace_cql=trace_cql,
         target_q=target_q,
-        q_taken=q_taken,
+        q_taken=np.ascontiguousarray(gather.q_taken.T),
         a_star=np.ascontiguousarray(gather.a_star.T),
         online=online,
         online_next=online_next,

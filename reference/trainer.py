@@ -44,9 +44,6 @@ SLOW_EMA = "GRAD_NORM_SLOW_EMA"
 #: Rate of the Q_ABS_REF and H_S2_RMS_EMA producers.
 ISV_PRODUCER_ALPHA = 0.01
 
-#: The readback entries ``loss_and_grads`` gives (``step_kernels.loss_scalars``' outputs).
-LOSS_SCALARS = step_kernels.LossScalars._fields
-
 
 def _zero_scalars(n_flags: int) -> StepScalars:
     """Kept only while ``fast/trainer.py`` imports it: use ``StepScalars.zero``."""
@@ -130,9 +127,13 @@ class Trainer(TrainerBackend):
         # the whole buffer), Adam's Mech 6 safety-clip factor, the readback block and the slow
         # EMA; then Adam with that clip and Mech 9's weight clamp.
         grad, norms = budget_pipeline(c, out["grad_c51"], out["grad_cql"])
+        # The loss scalars and means (not step_kernels.loss_scalars: its means add in the
+        # kernel's block order, NumPy's mean pairwise; the bits differ).
         readback = np.zeros(len(READBACK_FIELDS), np.float32)
-        for name in LOSS_SCALARS:
-            readback[step_kernels.READBACK_INDEX[name]] = out[name]
+        for name, value in (("c51_loss", out["c51_loss"]), ("cql_loss", out["cql_loss"]),
+                            ("mean_q", np.mean(out["q_taken"])),
+                            ("mean_target_q", np.mean(out["target_q"]))):
+            readback[step_kernels.READBACK_INDEX[name]] = value
         end = step_kernels.step_scalars(
             np.array([optim.grad_norm_sq(grad)]), norms.c51_sq, norms.cql_sq, bounds.clip_bound[0],
             isv_at_start, readback, c.budget("c51"), c.budget("cql"), slow, c.grad_slow_ema_alpha)
