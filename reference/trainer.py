@@ -45,11 +45,6 @@ SLOW_EMA = "GRAD_NORM_SLOW_EMA"
 ISV_PRODUCER_ALPHA = 0.01
 
 
-def _zero_scalars(n_flags: int) -> StepScalars:
-    """Kept only while ``fast/trainer.py`` imports it: use ``StepScalars.zero``."""
-    return StepScalars.zero(n_flags)
-
-
 class Trainer(TrainerBackend):
     """Reference (NumPy, CPU) trainer; see the module docstring for the step."""
 

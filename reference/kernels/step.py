@@ -3,8 +3,11 @@ ISV-driven bounds, the Mech 10 clamp with its bound read from the ISV, the doubl
 with its gathers, the scalar targets, the TD errors' branch mean, the trunk gradient's sum and
 masks, the step scalars, and the merge of sentinel pieces. Each is the plain-NumPy twin of the
 CUDA kernel of the same name, in the kernel's float32 order (``-fmad=false``: every product
-and sum rounded on its own), which is also the order of the reference ``Trainer`` /
-``loss_and_grads`` where they compute the same values inline.
+and sum rounded on its own). The reference ``Trainer`` / ``loss_and_grads`` call these twins
+where the orders agree; two compute the same values in another order and keep it (their
+results are reductions within the step-conformance bounds): the scalar targets' expectation
+(``p_next @ z`` there, atom by atom in ``scalar_target_q_branches``) and the loss scalars'
+means (NumPy's pairwise ``mean`` there, ``block_total`` in ``loss_scalars``).
 
 Branch-packed arrays follow ``foxhunt.reference.kernels.fused``: branch ``d`` of an array with
 ``R`` samples per block sits at element ``R * off_d * inner`` (``off_d`` the actions of the
