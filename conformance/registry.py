@@ -27,7 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Callable, Collection, Mapping
 
-from foxhunt.conformance.cuda_parse import KernelDecl, parse_cuda_dir
+from foxhunt.fast.cuda_parse import KernelDecl, parse_cuda_dir
 from foxhunt.conformance.kernel_spec import (
     EXTREMAL_SETS,
     OVERFLOW_FREE_INJECTION,

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from foxhunt.conformance import registry
-from foxhunt.conformance.cuda_parse import CudaParseError, parse_cuda_dir, parse_kernels, split_params
+from foxhunt.fast.cuda_parse import CudaParseError, parse_cuda_dir, parse_kernels, split_params
 from foxhunt.conformance.kernel_spec import Output, SpecEntry
 from foxhunt.conformance.registry import (
     SPEC_TABLE,

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .config import DQNConfig
-from .kernels import optim, safety
+from .kernels import optim
 
 
 @dataclass(frozen=True)
@@ -55,17 +55,3 @@ def _post_clip_norm(norm: np.float32, norm_sq: np.float32, budget: np.float32) -
     so the reference ``Trainer`` reports these two values from here)."""
     scale = optim.clip_scale(norm_sq, budget)
     return np.float32(0) if scale == 0 else np.float32(norm * scale)
-
-
-def safety_clip_bound(config: DQNConfig, slow_ema: float) -> np.float32:
-    """Mech 6: ``min(max_grad_norm, anchor_mult * max(slow_ema, 1))`` (the floor on the signal)."""
-    anchored = safety.isv_bound(np.float32(config.grad_clip_anchor_mult), np.float32(slow_ema))
-    return np.float32(min(np.float32(config.max_grad_norm), anchored))
-
-
-def slow_ema_update(config: DQNConfig, slow_ema: float, norm: float) -> np.float32:
-    """Mech 6's slow EMA ``(1 - a) ema + a norm`` (a = 0.001); a non-finite norm keeps the EMA."""
-    if not np.isfinite(norm):
-        return np.float32(slow_ema)
-    a = np.float32(config.grad_slow_ema_alpha)
-    return np.float32((np.float32(1) - a) * np.float32(slow_ema) + a * np.float32(norm))

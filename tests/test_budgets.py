@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.backend import StepScalars
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.budgets import budget_pipeline, safety_clip_bound, slow_ema_update
+from foxhunt.reference.backend import READBACK_FIELDS
+from foxhunt.reference.budgets import budget_pipeline
+from foxhunt.reference.kernels.step import step_bounds, step_scalars
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.step import loss_and_grads
 from foxhunt.reference.trainer import Trainer
@@ -138,19 +140,38 @@ def test_budget_pipeline_overflowing_component_is_discarded_and_reported_as_zero
     (1e3, np.nan, 100.0),    # NaN signal counts as 1 (fmaxf)
 ])
 def test_safety_clip_bound_is_min_of_mgn_and_anchored_ema(mgn, slow_ema, expected):
+    """Mech 6's bound as the step computes it (``step_bounds``, from the ISV at step start)."""
     config = DQNConfig.preset("tiny", max_grad_norm=mgn)
-    bound = safety_clip_bound(config, np.float32(slow_ema))
-    assert isinstance(bound, np.float32)
-    assert bound == np.float32(expected)
+    isv = np.zeros(8, np.float32)
+    isv[3] = slow_ema
+    out = step_bounds(isv, np.zeros(1, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int32),
+                      np.zeros(0, np.int32), q_abs_ref_index=0, slow_ema_index=3,
+                      weight_clamp_mult=np.float32(100), max_grad_norm=np.float32(mgn),
+                      anchor_mult=np.float32(config.grad_clip_anchor_mult))
+    assert out.clip_bound.dtype == np.float32 and out.clip_bound[0] == np.float32(expected)
+
+
+def _slow_ema_after(slow: float, grad_norm: float, alpha: float) -> np.float32:
+    """The slow EMA slot after ``step_scalars`` sees a total gradient norm of ``grad_norm``."""
+    isv = np.zeros(4, np.float32)
+    isv[2] = slow
+    partials = np.array([np.float32(grad_norm) ** 2], np.float32)
+    with np.errstate(all="ignore"):
+        out = step_scalars(partials, np.float32(0), np.float32(0), np.float32(10), isv,
+                           np.zeros(len(READBACK_FIELDS), np.float32), np.float32(7),
+                           np.float32(1.5), slow_ema_index=2, slow_alpha=np.float32(alpha))
+    return out.isv[2]
 
 
 def test_slow_ema_update_rate_and_nonfinite_guard():
-    config = DQNConfig.preset("tiny")  # alpha 0.001
-    got = slow_ema_update(config, np.float32(2.0), np.float32(12.0))
+    alpha = DQNConfig.preset("tiny").grad_slow_ema_alpha  # 0.001
+    got = _slow_ema_after(2.0, 12.0, alpha)
     assert isinstance(got, np.float32)
     np.testing.assert_allclose(got, 0.999 * 2.0 + 0.001 * 12.0, rtol=1e-6)
-    for bad in (np.nan, np.inf, -np.inf):
-        assert slow_ema_update(config, np.float32(2.0), np.float32(bad)) == np.float32(2.0)
+    assert _slow_ema_after(2.0, np.inf, alpha) == np.float32(2.0)  # a non-finite norm keeps it
+    # a NaN sum of squares is a norm of 0 (sqrtf(fmaxf(sq, 0)): the norms' NaN contract), which
+    # is finite: the EMA decays by (1 - a)
+    assert _slow_ema_after(2.0, np.nan, alpha) == np.float32(np.float32(0.999) * np.float32(2.0))
 
 
 # ------------------------------------------------------------------ the trainer's step

@@ -8,8 +8,6 @@ import json
 import logging
 import os
 import signal
-import sys
-import textwrap
 import threading
 import _thread
 import time

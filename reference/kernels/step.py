@@ -429,7 +429,7 @@ def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np
       ``inf * 0 = NaN``), ``clip_bound``, ``safety_clip_fired = grad_norm > clip_bound``;
       the other entries are kept;
     - ``isv[slow_ema_index] = (1 - a) * slow + a * grad_norm`` where ``grad_norm`` is finite
-      (``budgets.slow_ema_update``).
+      (Mech 6's slow EMA, rate ``grad_slow_ema_alpha``).
 
     Shapes: ``total_partials`` float32 [P]; ``isv`` float32 [L]; ``readback`` float32 [12].
     NaN contract: the norms take ``fmaxf(sq, 0)`` (NaN gives 0); a NaN ``clip_bound`` never
