@@ -161,7 +161,7 @@ class Trainer(TrainerBackend):
             arena.upload(name, both)
         for name in ("adam_m", "adam_v", "adam_t", "flags"):
             arena.upload(name, np.zeros(arena.spec(name).shape, arena.spec(name).dtype))
-        bus = isv_mod.ISVBus()
+        bus = isv_mod.bus_for(self.config)
         bus.from_array(arena.download("isv"))
         bus.fold_reset()
         arena.upload("isv", bus.to_array())

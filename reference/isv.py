@@ -401,6 +401,21 @@ def adaptive_ema_rate(sharpe: float, alpha_base: float = ALPHA_BASE_DEFAULT) -> 
     return np.float32(np.float32(ab) * gain)
 
 
+def config_cold_starts(config) -> dict[str, float]:
+    """This run's cold-start values of the slots that describe its ``DQNConfig`` (the per-branch
+    gammas ``GAMMA_*_EFF`` and ``CQL_ALPHA``): the bus starts from them and a fold reset
+    returns to them, not to the registry's defaults (0.99 and 1.0)."""
+    out = {slot_at(GAMMA_INDICES[d]).name: float(np.float32(g))
+           for d, g in enumerate(config.gammas[: len(GAMMA_INDICES)])}
+    out["CQL_ALPHA"] = float(np.float32(config.cql_alpha))
+    return out
+
+
+def bus_for(config) -> "ISVBus":
+    """The ISV bus of a trainer of ``config`` (``ISVBus`` with ``config_cold_starts``)."""
+    return ISVBus(cold_start_overrides=config_cold_starts(config))
+
+
 # --------------------------------------------------------------------------- the bus
 class ISVBus:
     """The float32 ISV vector with registry-driven access and fold-boundary resets.
@@ -554,7 +569,7 @@ __all__ = [
     "ISVSlot", "ISV_LEN", "LAYOUT_FINGERPRINT", "MAX_ISV_BRANCHES", "NUM_SIGNALS",
     "PER_BRANCH_ORDER", "Q_ABS_REF_INDEX", "REGISTRY", "ResetCategory", "SHARPE_EMA_INDEX",
     "SIGNAL_INDICES", "SIGNAL_NAMES", "SLOT_TYPES", "SchemaContract", "SoftReset",
-    "TOTAL_EPOCHS_INDEX", "adaptive_ema_rate", "branch_slot", "canonical_layout",
-    "check_fingerprint", "fnv1a_64", "layout_fingerprint", "read_fingerprint", "slot", "slot_at",
+    "TOTAL_EPOCHS_INDEX", "adaptive_ema_rate", "branch_slot", "bus_for", "canonical_layout",
+    "check_fingerprint", "config_cold_starts", "fnv1a_64", "layout_fingerprint", "read_fingerprint", "slot", "slot_at",
     "validate_registry", "write_fingerprint",
 ]

@@ -66,11 +66,9 @@ class Trainer(TrainerBackend):
             u, v = spectral.init_spectral_vectors(w.shape, seed * 1000 + i)
             self.sn_u.append(u)
             self.sn_v.append(v)
-        self.isv = isv_mod.ISVBus()
-        # The per-branch gamma and CQL alpha slots describe this config (the step reads the config).
-        for d, gamma in enumerate(config.gammas[: len(isv_mod.GAMMA_INDICES)]):
-            self.isv.set(isv_mod.slot_at(isv_mod.GAMMA_INDICES[d]).name, np.float32(gamma))
-        self.isv.set("CQL_ALPHA", np.float32(config.cql_alpha))
+        # The per-branch gamma and CQL alpha slots describe this config (the step reads the
+        # config); their cold starts are the config's, so a fold reset keeps them.
+        self.isv = isv_mod.bus_for(config)
         self._flags = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
         self._thresholds = sentinels.threshold_table(config)
         self.step_count = 0

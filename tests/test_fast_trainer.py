@@ -293,6 +293,27 @@ def test_fold_boundary_matches_the_reference_exactly(backend):
     assert np.array_equal(got["target"], got["params"])
 
 
+def test_fold_boundary_resets_gamma_and_cql_alpha_to_the_configured_values(backend):
+    """The per-branch gamma and CQL-alpha slots are FoldReset with this config's cold starts
+    (``isv.config_cold_starts``), not the registry's 0.99 and 1.0 (a bug until 2026-12)."""
+    name, make = backend
+    gammas, alpha = (0.95, 0.9), 0.25  # tiny has two branches
+    config = DQNConfig.preset("tiny", precision="f32", gamma=gammas, cql_alpha=alpha)
+    ref, fast = RefTrainer(config, seed=2), make(config, seed=2)
+    for trainer in (ref, fast):
+        isv = trainer.state_dict()["isv"]
+        state = trainer.state_dict()
+        isv[list(isv_mod.GAMMA_INDICES[:2])] = 0.5  # anything a fold reset must undo
+        isv[isv_mod.CQL_ALPHA_INDEX] = 9.0
+        state["isv"] = isv
+        trainer.load_state_dict(state)
+        trainer.fold_boundary()
+        got = trainer.state_dict()["isv"]
+        assert [got[i] for i in isv_mod.GAMMA_INDICES[:2]] == [np.float32(g) for g in gammas]
+        assert got[isv_mod.CQL_ALPHA_INDEX] == np.float32(alpha)
+    assert np.array_equal(ref.state_dict()["isv"].view(np.uint32), fast.state_dict()["isv"].view(np.uint32))
+
+
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 def test_q_values_and_td_errors_match_the_reference(backend, precision):
     """Greedy Q values before and after a step, and the step's TD errors, within the step
