@@ -18,3 +18,15 @@ def test_pytorch_cuda_cases_come_after_every_other_case(request):
     # ... and the fast path's cases are among the earlier ones
     fast = [i for i, n in enumerate(names) if "_fast[" in n or n.endswith("_fast")]
     assert fast and max(fast) < first
+
+
+def test_fast_trainer_exposes_its_step_stream():
+    """The GPU event time (``gpu_us``) is measured on ``trainer.stream`` (``conftest._fast_stream``):
+    after the plan-as-data split the fast Trainer had no such attribute and the benches
+    silently reported none."""
+    from foxhunt.fast.cpu_executor import CpuTrainer
+    from foxhunt.fast.trainer import Trainer
+    from foxhunt.reference.config import DQNConfig
+
+    assert isinstance(Trainer.__dict__.get("stream"), property)
+    assert CpuTrainer(DQNConfig.preset("tiny")).stream is None  # no device stream on the CPU

@@ -89,6 +89,12 @@ class Trainer(TrainerBackend):
         return self._engine.layout
 
     @property
+    def stream(self):
+        """The stream graphs 1 and 2 run on (``None`` on the CPU executor): the benches time
+        steps with CUDA events recorded on it."""
+        return getattr(self._engine, "stream", None)
+
+    @property
     def program(self):
         """The plan builder (``foxhunt.fast.step_program.StepProgram``)."""
         return self._engine.program
