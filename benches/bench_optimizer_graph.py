@@ -22,8 +22,8 @@ def test_optimizer_graph_replay(benchmark, harness, fast_trainer_cls, precision)
         for _ in range(3):
             trainer.step(Batch.random(config, rng))
         trainer.end_epoch()
-        graph = trainer._graph2  # the optimiser graph of the step (SPEC 9: graph 2)
-        stream = trainer._stream
+        graph = trainer._engine._graph2  # the optimiser graph of the step (SPEC 9: graph 2)
+        stream = trainer.stream
 
         def replays():
             for _ in range(REPLAYS):
