@@ -35,13 +35,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import secrets
 from pathlib import Path
 
 import numpy as np
 
 from . import isv as isv_mod
+from .atomic import write_bytes_atomic
 from .config import DQNConfig
 from .layout import ParamLayout
 
@@ -107,34 +106,8 @@ def save_checkpoint(path, config: DQNConfig, state: dict[str, np.ndarray], *, ba
         metadata[k] = str(v)
     tensors = {k: np.ascontiguousarray(v) for k, v in state.items()}
     metadata[HASH_KEY] = integrity_hash(metadata, tensors)
-    _write_atomically(path, save(tensors, metadata=metadata))
+    write_bytes_atomic(path, save(tensors, metadata=metadata))
     return path
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    """Write ``data`` to a new temporary file beside ``path``, fsync, rename it over ``path``."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    # Mode 0o666 through the umask (mkstemp's 0o600 would hide checkpoints from the group).
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-        raise
-    if hasattr(os, "O_DIRECTORY"):  # make the rename itself durable (POSIX)
-        dir_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
 
 
 # --------------------------------------------------------------------------- reading

@@ -7,9 +7,8 @@ lists; dataclasses become dicts; ``Path`` becomes a string. Anything else is a `
 
 - ``dumps(obj, indent=None)``: the text (``allow_nan=False`` after the conversion, so a
   non-finite value that slipped through fails loudly instead of writing bad JSON).
-- ``write_json(path, obj)``: atomic (a temporary file in the same directory, flushed and
-  fsynced, then ``os.replace``): a reader never sees a half-written file, a failed write
-  leaves the old file as it was.
+- ``write_json(path, obj)``: atomic (``atomic.write_bytes_atomic``): a reader never sees a
+  half-written file, a failed write leaves the old file as it was.
 - ``append_jsonl(path, obj)``: one line, flushed, for metrics streams.
 """
 
@@ -18,18 +17,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import tempfile
 from pathlib import Path, PurePath
 from typing import Any
 
 import numpy as np
 
-# The process umask, read once at import (os.umask can only be read by setting it, which is
-# not thread-safe: the Prometheus server thread may be creating files at the time).
-_UMASK = os.umask(0o022)
-os.umask(_UMASK)
-
+from .atomic import write_bytes_atomic
 
 def to_jsonable(obj: Any) -> Any:
     """``obj`` with non-finite floats as ``None`` and NumPy / tuple / dataclass / path values
@@ -62,25 +55,9 @@ def dumps(obj: Any, *, indent: int | None = None) -> str:
 
 
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same directory and
-    ``os.replace``; on any error the temporary file is removed and ``path`` is unchanged."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        # mkstemp creates 0600; give the file the permissions a plain open() would.
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
-    return path
+    """Write ``text`` (UTF-8) to ``path`` atomically (``atomic.write_bytes_atomic``): on any
+    error the temporary file is removed and ``path`` is unchanged."""
+    return write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def write_json(path: str | Path, obj: Any) -> Path:

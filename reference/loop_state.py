@@ -19,16 +19,17 @@ write (``OSError``: disk full, permissions) logs one warning through
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from .atomic import TMP_SUFFIX, fsync_directory, open_temporary
 from .backend import StepScalars
 from .config import DQNConfig
 from .market import Bars
@@ -39,7 +40,6 @@ FORMAT = "foxhunt-loop-state-1"
 CHECKPOINTS = "checkpoints"
 LAST_TRAINER = "last.safetensors"
 LAST_LOOP = "last.loop.npz"
-TMP_SUFFIX = ".tmp"
 
 
 class ResumeError(ValueError):
@@ -81,17 +81,10 @@ class Progress:
         self.done = bool(self.halted) or self.fold >= settings.folds
 
 
-def _umask_mode() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
 def _remove_quietly(path) -> None:
-    try:
+    # already gone, or not removable: nothing more to do about it
+    with contextlib.suppress(OSError):
         os.unlink(path)
-    except OSError:  # already gone, or not removable: nothing more to do about it
-        pass
 
 
 class CheckpointStore:
@@ -153,17 +146,17 @@ class CheckpointStore:
         temporaries = [pending]
 
         def write() -> None:
-            fd, tmp = tempfile.mkstemp(prefix=f".{LAST_LOOP}.", suffix=TMP_SUFFIX, dir=self.dir)
+            fd, tmp = open_temporary(loop_path)
             temporaries.append(tmp)
             with os.fdopen(fd, "wb") as fh:
                 np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
                 fh.flush()
                 os.fsync(fh.fileno())
-            os.chmod(tmp, _umask_mode())
             trainer.save(pending)
             # The commit: two renames, back to back (meta["trainer_step"] detects a tear).
             os.replace(pending, trainer_path)
             os.replace(tmp, loop_path)
+            fsync_directory(self.dir)
 
         try:
             return self._guarded(f"the resume state {trainer_path} + {loop_path.name}", write)

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import jsonio
+from .atomic import open_temporary
 from .sweep import (COMMANDS, EARLY_STOP_METRIC, MAX_ATTEMPTS, POLL_S, RUN_DONE_STATUSES, STOP_GRACE_S,
                     SweepError, SweepSpec, Trial, expand, is_done, load_results, read_summary,
                     results_path, run_dir_of, run_trial, trial_record)
@@ -390,9 +391,10 @@ def write_plot(path: Path, trials: list[Trial], records: dict[str, dict], metric
     ax.set_ylabel(metric)
     ax.set_title(f"{metric} by configuration (points: seeds; bars: mean +- std)")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")
+    fd, tmp = open_temporary(path)
     try:
-        fig.savefig(tmp, format="png", dpi=110)
+        with os.fdopen(fd, "wb") as fh:
+            fig.savefig(fh, format="png", dpi=110)
         os.replace(tmp, path)
     finally:
         plt.close(fig)

@@ -53,16 +53,21 @@ def test_write_json_failing_midway_leaves_no_temporary(tmp_path, monkeypatch):
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(jsonio.os, "replace", disk_full)
+    monkeypatch.setattr(os, "replace", disk_full)
     with pytest.raises(OSError, match="No space"):
         jsonio.write_json(path, {"v": 2})
     assert strict_loads(path.read_text()) == {"v": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]
 
 
-def test_write_json_honours_the_umask_not_0600(tmp_path):
-    path = jsonio.write_json(tmp_path / "a.json", {})
-    assert path.stat().st_mode & 0o777 == 0o666 & ~jsonio._UMASK
+@pytest.mark.parametrize("umask", [0o022, 0o002])
+def test_write_json_honours_the_umask_not_0600(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        path = jsonio.write_json(tmp_path / "a.json", {})
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_append_jsonl_one_valid_line_per_record(tmp_path):
