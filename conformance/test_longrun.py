@@ -9,8 +9,8 @@ nothing; the test is a statistic over seeds against the reordering noise (F32-al
 |F32-alt - F32|; bias: the mean differences within three standard errors), for each metric of a
 run (``RunSummary``):
 
-- **final Sharpe**: the annualised Sharpe of the greedy policy on the fold's held-out segment,
-  evaluated after the last (50th) epoch (``EpochRecord.sharpe`` of the last record);
+- **final Sharpe**: the annualised Sharpe of the greedy policy on the fold's test segment,
+  evaluated after the last (50th) epoch (``EpochRecord.test_sharpe`` of the last record);
 - **mean Q**: the mean over the 50 epochs of ``EpochRecord.mean_q`` (each the fresh
   end-of-epoch readback: mean expected Q of the taken actions on the epoch's last batch);
 - **gradient-norm mean and max**: over every fresh readback of the run (the steps that are
@@ -19,7 +19,8 @@ run (``RunSummary``):
   budget pipeline).
 
 A run that halts (``halt_nan`` / ``halt_grad_collapse``) or ends with a non-finite metric fails
-the test. One fold of ``LONGRUN_BARS`` bars (75% training, 25% held out), 300 steps per epoch.
+the test. One fold of ``LONGRUN_BARS`` bars (the loop's split: 75% training, 12.5% validation,
+12.5% test), 300 steps per epoch.
 
 The run is marked ``slow`` and ``gpu``; it is skipped unless ``FOXHUNT_LONGRUN=1`` and without a
 GPU. K is ``FOXHUNT_LONGRUN_SEEDS`` (default 16: 48 runs, ``longrun_seeds.DEFAULT_JOBS`` worker
@@ -85,11 +86,11 @@ def summarise(precision: str, result, grad_norms: list[float]) -> RunSummary:
     norms = np.asarray(grad_norms, np.float64)
     return RunSummary(
         precision=precision, epochs=len(records), halted=result.halted,
-        final_sharpe=float(records[-1].sharpe) if records else math.nan,
+        final_sharpe=float(records[-1].test_sharpe) if records else math.nan,
         mean_q=float(np.mean([r.mean_q for r in records])) if records else math.nan,
         grad_norm_mean=float(norms.mean()) if norms.size else math.nan,
         grad_norm_max=float(norms.max()) if norms.size else math.nan,
-        grad_norm_reads=int(norms.size), sharpes=[float(r.sharpe) for r in records])
+        grad_norm_reads=int(norms.size), sharpes=[float(r.test_sharpe) for r in records])
 
 
 def train(precision: str, seed: int = LONGRUN_SEED, backend: str = "fast") -> RunSummary:

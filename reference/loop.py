@@ -136,11 +136,6 @@ class EpochRecord:
     steps_per_s: float
     flagged: list[str] = field(default_factory=list)
 
-    @property
-    def sharpe(self) -> float:
-        """Compatibility name (until callers move): the test-segment Sharpe ``test_sharpe``."""
-        return self.test_sharpe
-
 
 @dataclass(frozen=True)
 class FoldSegments:
