@@ -24,8 +24,11 @@ import re
 import sys
 from pathlib import Path
 
+from threadpoolctl import threadpool_limits
+
 from .market import Bars, feature_warmup, market_features
 from .metrics import METRIC_NAMES, bar_seconds, bars_per_year
+from .train_cli import int_at_least
 
 #: The policies of the report, in order: the checkpoint's greedy policy, then the baselines.
 POLICIES = (("policy", "greedy"), ("flat", "flat"), ("buy-and-hold", "buy_hold"))
@@ -47,6 +50,8 @@ def register(sub) -> None:
                    help="backend that runs the policy (default: reference)")
     p.add_argument("--out", type=Path, default=None, metavar="DIR",
                    help="also write the report to DIR/eval.json")
+    p.add_argument("--threads", metavar="N", type=int_at_least(1), default=1,
+                   help="BLAS threads of the evaluation's NumPy, as for train (default: %(default)s)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -152,7 +157,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"foxhunt eval: {exc}", file=sys.stderr)
         return 2
     print(f"foxhunt eval: {args.checkpoint} on {source}")
-    evaluation = evaluate_checkpoint(trainer, bars, segments)
+    with threadpool_limits(limits=args.threads, user_api="blas"):
+        evaluation = evaluate_checkpoint(trainer, bars, segments)
     print(evaluation_text(evaluation))
     if args.out is not None:
         try:

@@ -101,3 +101,27 @@ def test_eval_usage_errors_are_one_line(trained, tmp_path, capsys, case):
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and expect in lines[0], err
     assert lines[0].startswith("foxhunt eval: ")
+
+
+def test_eval_pins_the_blas_threads(trained, capsys, monkeypatch):
+    from threadpoolctl import threadpool_info
+
+    from foxhunt.reference import eval_cli
+
+    def blas_threads():
+        return sorted({p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"})
+    assert blas_threads(), "numpy has no BLAS pool threadpoolctl can see"
+    real, seen = eval_cli.evaluate_checkpoint, []
+
+    def spy(*args, **kwargs):
+        seen.append(blas_threads())
+        return real(*args, **kwargs)
+    monkeypatch.setattr(eval_cli, "evaluate_checkpoint", spy)
+    checkpoint = trained[0] / "checkpoints" / "fold0_best.safetensors"
+    for n in (1, 2):
+        code, _, err = _eval(capsys, "--checkpoint", checkpoint, "--threads", n)
+        assert code == 0, err
+    assert seen == [[1], [2]]
+    with pytest.raises(SystemExit) as exit_:
+        _eval(capsys, "--checkpoint", checkpoint, "--threads", 0)
+    assert exit_.value.code == 2 and "--threads: 0 is not allowed" in capsys.readouterr().err
