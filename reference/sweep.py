@@ -410,6 +410,14 @@ def trial_record(trial: Trial, run_dir: Path, **fields: Any) -> dict:
             "overrides": {k: v for k, v in trial.overrides}, "run_dir": str(run_dir), **fields}
 
 
+def _wait(proc: subprocess.Popen, timeout: float) -> int | None:
+    """``proc``'s exit code, or None if it is still running after ``timeout`` seconds."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def _stop(proc: subprocess.Popen) -> None:
     """SIGTERM (the run writes its summary and plots and exits), then SIGKILL after the grace."""
     if proc.poll() is None:
@@ -468,12 +476,7 @@ def run_trial(trial: Trial, spec: SweepSpec, sweep_dir: Path, *, attempt: int = 
                                 env=env, cwd=cwd)
         tail = MetricsTail(run_dir / METRICS_NAME) if on_epoch else None
         try:
-            while True:
-                try:
-                    returncode = proc.wait(timeout=POLL_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    pass
+            while (returncode := _wait(proc, POLL_S)) is None:
                 for record in tail.new() if tail else ():
                     on_epoch(record)
             for record in tail.new() if tail else ():

@@ -107,6 +107,15 @@ def _sc_c51_loss_branches(kwargs, expected):
             "total": reduction(m.shape[1], isw_scale * max(maxabs(expected["ce"]), 1.0))}
 
 
+#: The argument errors of the two dueling-backward entries (same arguments).
+_dlogits_branch_errors = error_cases(
+    _s_dlogits_branches,
+    lambda k: wrong_dtype(k, "dlogits"),
+    lambda k: replace(k, dlogits=k["dlogits"][:-1]),
+    lambda k: replace(k, branches=()),
+)
+
+
 ENTRIES: tuple[SpecEntry, ...] = (
     # fused: the per-branch kernels in one launch (their tolerances)
     SpecEntry(
@@ -144,12 +153,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
         outputs={"dv": f32(REDUCTION), "dadv": f32(REDUCTION)},
         sample=_s_dlogits_branches,
         targets=("dlogits",),
-        errors=error_cases(
-            _s_dlogits_branches,
-            lambda k: wrong_dtype(k, "dlogits"),
-            lambda k: replace(k, dlogits=k["dlogits"][:-1]),
-            lambda k: replace(k, branches=()),
-        ),
+        errors=_dlogits_branch_errors,
         scales=_sc_dueling_bwd_branches,
     ),
     # fused dueling_combine_backward_branches + the branch sum of dv: their tolerances
@@ -158,12 +162,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
         outputs={"dv": f32(REDUCTION), "dadv": f32(REDUCTION)},
         sample=_s_dlogits_branches,
         targets=("dlogits",),
-        errors=error_cases(
-            _s_dlogits_branches,
-            lambda k: wrong_dtype(k, "dlogits"),
-            lambda k: replace(k, dlogits=k["dlogits"][:-1]),
-            lambda k: replace(k, branches=()),
-        ),
+        errors=_dlogits_branch_errors,
         scales=_sc_dueling_bwd_sum_branches,
     ),
     SpecEntry(
