@@ -1,4 +1,5 @@
-"""`Batch`: one training batch (s, a, r, s2, done, isw), validated against a config."""
+"""`Batch`: one training batch (s, a, r, s2, done, isw, and the auxiliary heads' labels
+next_ret, regime), validated against a config."""
 
 from __future__ import annotations
 
@@ -9,11 +10,22 @@ import numpy as np
 from .config import DQNConfig
 
 
+#: The label fields (optional while their head is off), in ``Batch`` order.
+LABEL_FIELDS = ("next_ret", "regime")
+
+
 @dataclass(frozen=True)
 class Batch:
     """States ``s``/``s2`` f32 ``[B, SD]``, actions ``a`` int32 ``[B, n_branches]``, rewards ``r``
     f32 ``[B]``, ``done`` f32 ``[B]`` (0 or 1), importance weights ``isw`` f32 ``[B]`` (finite,
-    > 0)."""
+    > 0).
+
+    The auxiliary heads' labels (SPEC 4 second wave): ``next_ret`` f32 ``[B]``, the return
+    ``(C' - P) / P`` of the transition's bar t -> t+1 (may hold NaN/Inf like ``r``: such a
+    sample is masked out of the next-bar loss), and ``regime`` int32 ``[B]``, the market's
+    regime id of bar t (``market.regime_labels``), in ``[0, n_regimes)``. Both come from the
+    environment (``info["ret"]``, ``info["regime"]``) through the replay buffer. ``None``
+    means "not supplied", allowed only while the head that reads the label is off."""
 
     s: np.ndarray
     a: np.ndarray
@@ -21,19 +33,33 @@ class Batch:
     s2: np.ndarray
     done: np.ndarray
     isw: np.ndarray
+    next_ret: np.ndarray | None = None
+    regime: np.ndarray | None = None
 
     def validate(self, config: DQNConfig) -> "Batch":
         """Check shapes, dtypes, action ranges, ``done`` in {0, 1} and ``isw`` finite and > 0;
         returns ``self`` or raises ``ValueError`` naming the field, the first bad index and value.
         A valid batch costs one vectorised pass per check. ``s``, ``s2`` and ``r`` may hold
-        NaN/Inf (market data): the sentinels flag those."""
+        NaN/Inf (market data): the sentinels flag those; so may ``next_ret``.
+
+        Labels: ``next_ret`` / ``regime`` must be present when ``aux_next_bar_weight`` /
+        ``aux_regime_weight`` is > 0; when present they are checked for shape and dtype, and
+        ``regime`` (when the regime head is on, its only reader) for the range
+        ``[0, n_regimes)``."""
         B, SD, nb = config.batch_size, config.state_dim, config.n_branches
         expect = {
             "s": ((B, SD), np.float32), "s2": ((B, SD), np.float32), "a": ((B, nb), np.int32),
             "r": ((B,), np.float32), "done": ((B,), np.float32), "isw": ((B,), np.float32),
+            "next_ret": ((B,), np.float32), "regime": ((B,), np.int32),
         }
+        for label, weight in (("next_ret", "aux_next_bar_weight"), ("regime", "aux_regime_weight")):
+            if getattr(self, label) is None and getattr(config, weight) > 0:
+                raise ValueError(f"batch.{label}: missing; {weight}={getattr(config, weight)!r} "
+                                 f"needs the {label} labels (allowed: None only when {weight}=0)")
         for name, (shape, dtype) in expect.items():
             arr = getattr(self, name)
+            if arr is None and name in LABEL_FIELDS:
+                continue
             if not isinstance(arr, np.ndarray):
                 raise ValueError(f"batch.{name}: expected a numpy array, got {type(arr).__name__}")
             if arr.shape != shape:
@@ -62,11 +88,17 @@ class Batch:
             i = int(np.flatnonzero(~ok)[0])
             raise ValueError(f"batch.isw[{i}]={float(self.isw[i])!r}: importance weights must be "
                              "finite and > 0 (allowed range (0, inf))")
+        if config.aux_regime_on and not (self.regime.view(np.uint32) < config.n_regimes).all():
+            i = int(np.flatnonzero((self.regime < 0) | (self.regime >= config.n_regimes))[0])
+            raise ValueError(f"batch.regime[{i}]={int(self.regime[i])}: regime ids must be in "
+                             f"[0, {config.n_regimes - 1}] (n_regimes={config.n_regimes})")
         return self
 
     @classmethod
     def random(cls, config: DQNConfig, rng: np.random.Generator) -> "Batch":
-        """A valid random batch: normal states, uniform actions, normal rewards, 10% done."""
+        """A valid random batch: normal states, uniform actions, normal rewards, 10% done,
+        labels ``next_ret ~ 0.01 N(0, 1)`` (a bar return's size) and uniform ``regime`` ids in
+        ``[0, n_regimes)`` (drawn after the other fields)."""
         B, SD = config.batch_size, config.state_dim
         a = np.stack([rng.integers(0, n, size=B) for n in config.branches], axis=1).astype(np.int32)
         return cls(
@@ -76,4 +108,6 @@ class Batch:
             s2=rng.standard_normal((B, SD)).astype(np.float32),
             done=(rng.random(B) < 0.1).astype(np.float32),
             isw=rng.uniform(0.5, 1.0, size=B).astype(np.float32),
+            next_ret=(0.01 * rng.standard_normal(B)).astype(np.float32),
+            regime=rng.integers(0, config.n_regimes, size=B).astype(np.int32),
         ).validate(config)

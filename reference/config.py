@@ -22,6 +22,10 @@ PRECISIONS = ("f32", "bf16")
 #: The four gradient sources of the budget pipeline (SPEC 4 step 5), in pipeline order.
 BUDGET_SOURCES = ("c51", "cql", "iqn", "ens")
 
+#: The second-wave source weights (0 = the source is off), in layout order of their tensors
+#: where they have any (SPEC 4; issue 18 contract).
+SOURCE_WEIGHTS = ("aux_next_bar_weight", "aux_regime_weight", "lambda_iqn", "ens_weight")
+
 #: Tolerance on ``sum(budgets) == 1``.
 BUDGET_SUM_TOL = 1e-6
 
@@ -44,6 +48,22 @@ class DQNConfig:
     thresholds), ``grad_clip_anchor_mult`` and ``grad_slow_ema_alpha`` (Mech 6),
     ``weight_clamp_mult`` (Mech 9), ``h2_clamp_mult`` / ``h2_diag_mult`` (Mech 10),
     ``aux_guard_mult`` (input range guard around auxiliary trunk backwards).
+
+    Second wave (SPEC 4; issue 18 contract). Each source has a weight; weight 0 removes it
+    (no tensors, no work) and the step is then bitwise the core step:
+
+    * IQN head: ``lambda_iqn``; ``iqn_quantiles`` N quantile fractions per sample (online and
+      target; the seeds' IQN_NUM_QUANTILES = 5), ``iqn_embed`` cosine features
+      ``k = 0 .. iqn_embed - 1``.
+    * Ensemble diversity: ``ens_weight``; ``ens_heads`` K (head 0 is the value stream, heads
+      1 .. K-1 are frozen randomized priors).
+    * Auxiliary heads: ``aux_next_bar_weight`` (next-bar return regression) and
+      ``aux_regime_weight`` (regime classification over ``n_regimes`` classes), each an ELU
+      hidden layer of ``aux_hidden`` units on h2.
+    * MSE warm-up: ``c51_warmup_epochs`` W; blend weight ``w = max(0, 1 - epoch / W)``.
+
+    The shape fields of a source (``iqn_quantiles``, ``ens_heads``, ``aux_hidden``, ...)
+    only act when the source's weight is > 0.
     """
 
     batch_size: int = 256
@@ -85,6 +105,13 @@ class DQNConfig:
     lambda_iqn: float = 0.0
     ens_weight: float = 0.0
     c51_warmup_epochs: int = 0
+    iqn_quantiles: int = 5
+    iqn_embed: int = 64
+    ens_heads: int = 3
+    aux_next_bar_weight: float = 0.0
+    aux_regime_weight: float = 0.0
+    aux_hidden: int = 32
+    n_regimes: int = 3
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -162,8 +189,11 @@ class DQNConfig:
                      "weight_clamp_mult", "h2_clamp_mult", "h2_diag_mult", "aux_guard_mult"):
             require_positive(name, getattr(self, name))
         require_range("grad_slow_ema_alpha", self.grad_slow_ema_alpha, 0.0, 1.0, lo_open=True)
-        require_range("lambda_iqn", self.lambda_iqn, 0.0, math.inf)
-        require_range("ens_weight", self.ens_weight, 0.0, math.inf)
+        for name in SOURCE_WEIGHTS:
+            require_range(name, getattr(self, name), 0.0, math.inf)
+        for name, minimum in (("iqn_quantiles", 1), ("iqn_embed", 1), ("ens_heads", 2),
+                              ("aux_hidden", 1), ("n_regimes", 2)):
+            require_int(name, getattr(self, name), minimum=minimum)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -181,6 +211,37 @@ class DQNConfig:
     def delta_z(self) -> float:
         """Atom spacing ``dz = (v_max - v_min) / (NA - 1)``."""
         return (self.v_max - self.v_min) / (self.num_atoms - 1)
+
+    @property
+    def iqn_on(self) -> bool:
+        return self.lambda_iqn > 0
+
+    @property
+    def ens_on(self) -> bool:
+        return self.ens_weight > 0
+
+    @property
+    def aux_next_bar_on(self) -> bool:
+        return self.aux_next_bar_weight > 0
+
+    @property
+    def aux_regime_on(self) -> bool:
+        return self.aux_regime_weight > 0
+
+    @property
+    def aux_on(self) -> bool:
+        return self.aux_next_bar_on or self.aux_regime_on
+
+    @property
+    def mse_on(self) -> bool:
+        return self.c51_warmup_epochs > 0
+
+    @property
+    def second_wave_on(self) -> tuple[str, ...]:
+        """The second-wave switches that are on, as ``"field=value"`` strings (empty: the
+        core step)."""
+        names = (*SOURCE_WEIGHTS, "c51_warmup_epochs")
+        return tuple(f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) > 0)
 
     def budget(self, source: str) -> float:
         """Absolute norm budget of one gradient source: ``fraction * max_grad_norm``."""

@@ -69,6 +69,7 @@ from foxhunt.reference.market import (
     Bars,
     feature_warmup,
     market_features,
+    regime_labels,
     state_features,
 )
 # The Sharpe and equity helpers live in ``metrics`` (one definition); re-exported here.
@@ -194,7 +195,10 @@ class BranchingEnv:
     ``info`` holds per-env arrays: ``ret`` (next-bar return), ``cost``, ``held`` (position
     during the bar), ``position`` (after the step), ``route`` (0 none, 1 market, 2 limit,
     3 passive, 4 fallback market), ``filled`` (an order executed at t), ``t`` (bar index
-    of next_states), ``regime`` (regime label of bar t, -1 without labels).
+    of next_states), ``regime`` (int8, regime label of bar t: the synthetic market's regime
+    path, or for bars without labels (a user's CSV) ``market.causal_regime_labels``, the
+    causal rule of the README). ``ret`` and ``regime`` are the auxiliary heads' labels
+    (``Batch.next_ret``, ``Batch.regime``).
     """
 
     def __init__(
@@ -266,6 +270,7 @@ class BranchingEnv:
         self._rng = np.random.default_rng(seed)
         self._n_bars = n
         self._range = ((bars.high - bars.low) / bars.close).astype(np.float32)
+        self.regime = regime_labels(bars)  # int8[n]: the auxiliary regime head's labels
         f32 = np.float32
         self._fee = f32(costs.fee)
         self._passive_fee = f32(costs.passive_fee)
@@ -479,11 +484,7 @@ class BranchingEnv:
         if self.episode_len is not None:
             done |= self.steps >= self.episode_len
         next_states = self.observe()
-        regime = (
-            bars.regime[t].astype(np.int8)
-            if bars.regime is not None
-            else np.full(self.n_envs, -1, np.int8)
-        )
+        regime = self.regime[t]
         info = {
             "ret": ret,
             "cost": cost,

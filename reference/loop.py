@@ -46,7 +46,7 @@ from .backend import READBACK_FIELDS, StepScalars, TrainerBackend, get_backend
 from .config import DQNConfig, require_int, require_positive, require_range
 from .env import BranchingEnv, rollout
 from .market import (DEFAULT_WINDOWS, N_POSITION_FEATURES, Bars, feature_warmup,
-                     market_features, n_market_features)
+                     market_features, n_market_features, regime_labels)
 from .metrics import (METRIC_NAMES, SegmentMetrics, bar_seconds, bars_per_year, equity_curve,
                       segment_metrics)
 from .replay import ReplayBuffer
@@ -280,6 +280,11 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
     """
     if resume and out_dir is None:
         raise ValueError("resume=True needs out_dir (the run directory holding the resume state)")
+    if config.aux_regime_on:  # the regime head's classes must cover the market's labels
+        top = int(regime_labels(bars).max(initial=0))
+        if top >= config.n_regimes:
+            raise ValueError(f"n_regimes={config.n_regimes}: the market's regime labels reach {top}; "
+                             f"need n_regimes >= {top + 1} for aux_regime_weight > 0")
     trainer = get_backend(backend)(config, seed=settings.seed)
     windows = choose_windows(config.state_dim)
     feats = market_features(bars, windows)
@@ -323,9 +328,10 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                 states = env.reset()
                 while len(replay) < max(settings.warmup_transitions, config.batch_size):
                     actions = _act(trainer, states, 1.0, config.branches, rng)
-                    s2, r, done, _ = env.step(actions)
+                    s2, r, done, info = env.step(actions)
                     replay.add(states, actions, r * np.float32(settings.reward_scale), s2,
-                               done.astype(np.float32))
+                               done.astype(np.float32), next_ret=info["ret"],
+                               regime=info["regime"])
                     states = env.observe()
             fold_result = st.folds[fold]
             for epoch in range(st.epoch, settings.epochs):
@@ -338,9 +344,10 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                 tic = time.perf_counter()
                 for i in range(settings.steps_per_epoch):
                     actions = _act(trainer, states, eps, config.branches, rng)
-                    s2, r, done, _ = env.step(actions)
+                    s2, r, done, info = env.step(actions)
                     replay.add(states, actions, r * np.float32(settings.reward_scale), s2,
-                               done.astype(np.float32))
+                               done.astype(np.float32), next_ret=info["ret"],
+                               regime=info["regime"])
                     states = env.observe()
                     batch, idx = replay.sample(rng)
                     scalars = trainer.step(batch)

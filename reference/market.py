@@ -43,6 +43,10 @@ __all__ = [
     "DEFAULT_TRANSITION",
     "CSV_COLUMNS",
     "load_csv",
+    "REGIME_LABEL_WINDOW",
+    "REGIME_LABEL_LOOKBACK",
+    "causal_regime_labels",
+    "regime_labels",
     "DEFAULT_WINDOWS",
     "FEATURE_CLIP",
     "N_GLOBAL_FEATURES",
@@ -397,6 +401,64 @@ class SyntheticMarket:
         object.__setattr__(bars, "high", hi)
         object.__setattr__(bars, "low", lo)
         return bars
+
+
+# --------------------------------------------------------------------------------------------
+# Regime labels for bars without them (a user's CSV)
+# --------------------------------------------------------------------------------------------
+
+REGIME_LABEL_WINDOW = 20     # bars in the trailing return and volatility
+REGIME_LABEL_LOOKBACK = 500  # bars whose volatilities rank bar t's (its own included)
+_REGIME_LABEL_CHUNK = 4096   # rows ranked at once (bounds the memory to CHUNK x LOOKBACK)
+
+
+def causal_regime_labels(bars: Bars, window: int = REGIME_LABEL_WINDOW,
+                         lookback: int = REGIME_LABEL_LOOKBACK) -> np.ndarray:
+    """Regime labels ``int8[len(bars)]`` computed causally (bar t's label uses bars ``<= t``
+    only), in the synthetic market's ids, for data that has none (a user's CSV):
+
+    * ``r_t = c_t / c_{t-1} - 1`` (``r_0 = 0``); over the last ``window`` bars (fewer at the
+      start): ``trend_t = sum r``, ``vol_t = sqrt(mean r^2)``;
+    * ``REGIME_MEAN_REVERT`` (2, "high volatility") if ``vol_t`` is in the top tercile of
+      the last ``lookback`` volatilities, its own included: ``#{s in (t-lookback, t] :
+      vol_s < vol_t} >= 2/3 * #{s in (t-lookback, t], s >= 0}``;
+    * else ``REGIME_TREND_UP`` (0) if ``trend_t >= 0``, ``REGIME_TREND_DOWN`` (1) if not.
+
+    Computed in float64; the labels are data for the regime head's cross-entropy, not a
+    kernel's output. Bar 0 (no history) is ``REGIME_TREND_UP``."""
+    for name, value in (("window", window), ("lookback", lookback)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}: {value!r} is not allowed; need an integer >= 1")
+    close = bars.close.astype(np.float64)
+    n = close.shape[0]
+    r = np.zeros(n)
+    if n > 1:
+        r[1:] = close[1:] / close[:-1] - 1.0
+    count = np.minimum(np.arange(1, n + 1), window)
+    trend = np.convolve(r, np.ones(window))[:n]
+    vol = np.sqrt(np.convolve(r * r, np.ones(window))[:n] / count)
+    # Rank vol_t among the trailing `lookback` values: NaN padding before bar 0 compares
+    # False and is not counted.
+    padded = np.concatenate([np.full(lookback - 1, np.nan), vol])
+    high = np.zeros(n, dtype=bool)
+    for start in range(0, n, _REGIME_LABEL_CHUNK):
+        stop = min(start + _REGIME_LABEL_CHUNK, n)
+        win = sliding_window_view(padded[start : stop + lookback - 1], lookback)
+        below = (win < vol[start:stop, None]).sum(axis=1)
+        seen = np.minimum(np.arange(start + 1, stop + 1), lookback)
+        high[start:stop] = 3 * below >= 2 * seen
+    labels = np.where(high, REGIME_MEAN_REVERT,
+                      np.where(trend >= 0, REGIME_TREND_UP, REGIME_TREND_DOWN))
+    return labels.astype(np.int8)
+
+
+def regime_labels(bars: Bars) -> np.ndarray:
+    """The regime label of every bar, ``int8[len(bars)]``: ``bars.regime`` where the data
+    has them (the synthetic market's regime path), else :func:`causal_regime_labels` (a
+    user's CSV). The one place the environment, the loop and the device env get them."""
+    if bars.regime is not None:
+        return bars.regime
+    return causal_regime_labels(bars)
 
 
 # --------------------------------------------------------------------------------------------

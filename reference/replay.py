@@ -5,6 +5,9 @@ buffer's sorted prefix sums ``sample_sorted``; ``importance_weights``): ``P(i) =
 with ``p_i = (|td_i| + eps)^alpha``, and ``w_i = (N P(i))^-beta`` normalised by the batch maximum.
 New transitions enter with the current maximum priority so that each is seen at least once with
 high probability.
+
+Each transition also stores the auxiliary heads' labels (``next_ret`` f32, ``regime`` int32;
+see ``Batch``), so every sampled batch carries them whether or not a head reads them.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class ReplayBuffer:
         self.a = np.zeros((capacity, nb), np.int32)
         self.r = np.zeros(capacity, np.float32)
         self.done = np.zeros(capacity, np.float32)
+        self.next_ret = np.zeros(capacity, np.float32)
+        self.regime = np.zeros(capacity, np.int32)
         self.priority = np.zeros(capacity, np.float32)
         self.size = 0
         self.cursor = 0
@@ -57,7 +62,7 @@ class ReplayBuffer:
         return self.size
 
     #: The arrays ``state()`` saves (their first ``size`` rows: the rest is never read).
-    STATE_ARRAYS = ("s", "s2", "a", "r", "done", "priority")
+    STATE_ARRAYS = ("s", "s2", "a", "r", "done", "next_ret", "regime", "priority")
 
     def state(self) -> dict:
         """The buffer's contents and position: ``STATE_ARRAYS`` cut to ``size`` rows (copies),
@@ -85,12 +90,14 @@ class ReplayBuffer:
         self.size, self.cursor = size, cursor
         self.max_priority = np.float32(state["max_priority"])
 
-    def add(self, s, a, r, s2, done) -> None:
-        """Append ``n`` transitions (arrays with a leading batch dimension)."""
+    def add(self, s, a, r, s2, done, *, next_ret, regime) -> None:
+        """Append ``n`` transitions (arrays with a leading batch dimension); ``next_ret`` and
+        ``regime`` are the env's ``info["ret"]`` and ``info["regime"]`` of the same step."""
         n = len(r)
         idx = (self.cursor + np.arange(n)) % self.capacity
         self.s[idx], self.a[idx], self.r[idx] = s, a, r
         self.s2[idx], self.done[idx] = s2, done
+        self.next_ret[idx], self.regime[idx] = next_ret, regime
         self.priority[idx] = self.max_priority
         self.cursor = int((self.cursor + n) % self.capacity)
         self.size = int(min(self.size + n, self.capacity))
@@ -105,7 +112,8 @@ class ReplayBuffer:
         idx = sample_sorted(prefix, u)
         isw = replay_kernels.importance_weights(prio, idx, self.beta, self.size)
         batch = Batch(s=self.s[idx], a=self.a[idx], r=self.r[idx], s2=self.s2[idx],
-                      done=self.done[idx], isw=isw.astype(np.float32))
+                      done=self.done[idx], isw=isw.astype(np.float32),
+                      next_ret=self.next_ret[idx], regime=self.regime[idx])
         return batch, idx
 
     def update_priorities(self, idx: np.ndarray, td_errors: np.ndarray) -> None:

@@ -67,7 +67,7 @@ def test_replay_priorities_drive_sampling():
     buf = ReplayBuffer(cfg, 64)
     rng = np.random.default_rng(0)
     b = Batch.random(cfg.replace(batch_size=64), rng)
-    buf.add(b.s, b.a, b.r, b.s2, b.done)
+    buf.add(b.s, b.a, b.r, b.s2, b.done, next_ret=b.next_ret, regime=b.regime)
     assert len(buf) == 64 and np.all(buf.priority == 1.0)
     td = np.zeros(64, np.float32)
     td[5] = 100.0
@@ -84,7 +84,8 @@ def test_replay_priorities_drive_sampling():
     buf.update_priorities(np.array([1, 2]), np.array([np.nan, np.inf], np.float32))
     assert np.array_equal(buf.priority, old)
     # Ring overwrite keeps the size at capacity.
-    buf.add(b.s[:10], b.a[:10], b.r[:10], b.s2[:10], b.done[:10])
+    buf.add(b.s[:10], b.a[:10], b.r[:10], b.s2[:10], b.done[:10], next_ret=b.next_ret[:10],
+            regime=b.regime[:10])
     assert len(buf) == 64 and buf.cursor == 10
 
 
