@@ -1,9 +1,14 @@
 // Prioritised-replay kernels (reference: foxhunt.reference.kernels.replay; SPEC 10):
-// inclusive prefix sums of the priorities, proportional sampling by binary search, and the
-// importance weights of the sampled batch. Deterministic, no atomics; everything stays on the
-// device (the sampling total is read from the prefix array, not from the host).
+// inclusive prefix sums of the priorities, proportional sampling by binary search, the
+// importance weights of the sampled batch, and the device-resident ring (issue 20): adding
+// transitions at the device cursor, sampling with the counter-based generator over the filled
+// rows, gathering the sampled rows into the step's batch buffers and updating the priorities
+// from the step's TD errors. Deterministic, no atomics; everything stays on the device (the
+// sampling total, the ring's cursor and size and the cycle counter are read from device memory,
+// not from the host).
 #include "ha_common.cuh"
 #include "reduce.cuh"  // block_reduce_down
+#include "rng.cuh"     // rng_uniform
 
 // ------------------------------------------------------------------------------------------
 // prefix_sum: s_i = p_0 + ... + p_i in float32, ONE block of SCAN_THREADS threads.
@@ -139,23 +144,28 @@ prefix_sum(const float* __restrict__ p, float* __restrict__ s, long long n) {
 // u >= 1). Exact: same float32 target, same comparisons. One thread per uniform, any grid.
 // ------------------------------------------------------------------------------------------
 
+// The first i in [0, n_items) with prefix[i] > target; n_items - 1 when there is none.
+static __device__ __forceinline__ int proportional_search(const float* __restrict__ prefix,
+                                                          int n_items, float target) {
+    int lo = 0;
+    int hi = n_items - 1;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;  // == (lo + hi) // 2, without int overflow
+        if (prefix[mid] > target) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    return lo;
+}
+
 extern "C" __global__ void sample_proportional(const float* __restrict__ prefix, int n_items,
                                                const float* __restrict__ u,
                                                int* __restrict__ out, int n) {
     const float total = prefix[n_items - 1];
     for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += gridDim.x * blockDim.x) {
-        const float target = u[k] * total;
-        int lo = 0;
-        int hi = n_items - 1;
-        while (lo < hi) {
-            const int mid = lo + (hi - lo) / 2;  // == (lo + hi) // 2, without int overflow
-            if (prefix[mid] > target) {
-                hi = mid;
-            } else {
-                lo = mid + 1;
-            }
-        }
-        out[k] = lo;
+        out[k] = proportional_search(prefix, n_items, u[k] * total);
     }
 }
 
@@ -177,5 +187,147 @@ extern "C" __global__ void importance_weights(const float* __restrict__ prioriti
     p_min = block_reduce_down(p_min, HaFmin(), ha_nan());
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
         w[k] = powf(p_min / priorities[idx[k]], beta);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// The device-resident ring. Its arrays: ring_s, ring_s2 [capacity, state_dim], ring_a
+// [capacity, n_branches] (int), ring_r, ring_done, ring_next_ret [capacity], ring_regime
+// [capacity] (int), priority [capacity] (already raised to alpha; zero beyond the filled rows),
+// ring_pos [2] = (cursor, size) (int), max_priority [1] (the running maximum).
+// ------------------------------------------------------------------------------------------
+
+// replay_add: transition k (k < n <= capacity) goes to row (cursor + k) % capacity of every
+// ring array with priority max_priority[0]; then cursor <- (cursor + n) % capacity and
+// size <- min(size + n, capacity). ONE block (any multiple of 32 threads): every thread reads
+// (cursor, size) first, and thread 0 writes them back after the barrier that ends the copies.
+// Exact (copies).
+extern "C" __global__ void replay_add(const float* __restrict__ s, const int* __restrict__ a,
+                                      const float* __restrict__ r, const float* __restrict__ s2,
+                                      const float* __restrict__ done,
+                                      const float* __restrict__ next_ret,
+                                      const int* __restrict__ regime, int n, int state_dim,
+                                      int n_branches, float* __restrict__ ring_s,
+                                      int* __restrict__ ring_a, float* __restrict__ ring_r,
+                                      float* __restrict__ ring_s2, float* __restrict__ ring_done,
+                                      float* __restrict__ ring_next_ret,
+                                      int* __restrict__ ring_regime, float* __restrict__ priority,
+                                      int* __restrict__ ring_pos,
+                                      const float* __restrict__ max_priority, int capacity) {
+    const int cursor = ring_pos[0];
+    const int size = ring_pos[1];
+    const float p = max_priority[0];
+    const long long n_state = (long long)n * state_dim;
+    for (long long e = threadIdx.x; e < n_state; e += blockDim.x) {
+        const long long k = e / state_dim;
+        const long long dst = ((cursor + k) % capacity) * state_dim + e % state_dim;
+        ring_s[dst] = s[e];
+        ring_s2[dst] = s2[e];
+    }
+    for (int e = threadIdx.x; e < n * n_branches; e += blockDim.x) {
+        const int k = e / n_branches;
+        ring_a[(long long)((cursor + k) % capacity) * n_branches + e % n_branches] = a[e];
+    }
+    for (int k = threadIdx.x; k < n; k += blockDim.x) {
+        const int row = (cursor + k) % capacity;
+        ring_r[row] = r[k];
+        ring_done[row] = done[k];
+        ring_next_ret[row] = next_ret[k];
+        ring_regime[row] = regime[k];
+        priority[row] = p;
+    }
+    __syncthreads();  // every thread has read (cursor, size)
+    if (threadIdx.x == 0) {
+        ring_pos[0] = (cursor + n) % capacity;
+        ring_pos[1] = min(size + n, capacity);
+    }
+}
+
+// replay_sample: idx[k] = proportional_search(prefix, m, u_k * prefix[m - 1]) with
+// m = max(size, 1) (the filled rows) and u_k = rng_uniform(key, stream, cycle[0], k), stream
+// the replay_sample id of reference/kernels/rng.py (passed in: the ids live there only).
+// Exact. One thread per sample, any grid.
+extern "C" __global__ void replay_sample(const float* __restrict__ prefix,
+                                         const int* __restrict__ ring_pos, unsigned key_lo,
+                                         unsigned key_hi, unsigned stream,
+                                         const unsigned long long* __restrict__ cycle,
+                                         int* __restrict__ idx, int n) {
+    const int n_items = max(ring_pos[1], 1);
+    const float total = prefix[n_items - 1];
+    const unsigned long long offset = cycle[0];
+    for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += gridDim.x * blockDim.x) {
+        const float u = rng_uniform(key_lo, key_hi, stream, offset, (unsigned)k);
+        idx[k] = proportional_search(prefix, n_items, u * total);
+    }
+}
+
+// replay_gather: the sampled rows in the step's batch layout: x [2n, state_dim] (s rows, then
+// s2 rows), a [n_branches, n] (transposed), r, done [n], and, where not null, next_ret and
+// regime [n]. Exact (copies). Grid-stride over the state elements, any grid.
+extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int state_dim,
+                                         int n_branches, const float* __restrict__ ring_s,
+                                         const int* __restrict__ ring_a,
+                                         const float* __restrict__ ring_r,
+                                         const float* __restrict__ ring_s2,
+                                         const float* __restrict__ ring_done,
+                                         const float* __restrict__ ring_next_ret,
+                                         const int* __restrict__ ring_regime,
+                                         float* __restrict__ x, int* __restrict__ a,
+                                         float* __restrict__ r, float* __restrict__ done,
+                                         float* __restrict__ next_ret, int* __restrict__ regime) {
+    const long long n_state = (long long)n * state_dim;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long e = first; e < n_state; e += stride) {
+        const long long src = (long long)idx[e / state_dim] * state_dim + e % state_dim;
+        x[e] = ring_s[src];
+        x[n_state + e] = ring_s2[src];
+    }
+    for (long long e = first; e < (long long)n * n_branches; e += stride) {
+        const int d = (int)(e / n);
+        a[e] = ring_a[(long long)idx[e % n] * n_branches + d];
+    }
+    for (long long k = first; k < n; k += stride) {
+        const int row = idx[k];
+        r[k] = ring_r[row];
+        done[k] = ring_done[row];
+        if (next_ret != nullptr) {
+            next_ret[k] = ring_next_ret[row];
+        }
+        if (regime != nullptr) {
+            regime[k] = ring_regime[row];
+        }
+    }
+}
+
+// replay_update_priorities: p_k = powf(fabsf(td_k) + eps, alpha) for a finite td_k, else m0 =
+// max_priority[0] at entry; priority[idx_k] = p_k from the LAST k that names each row (a thread
+// skips k when a later sample names the same row: no race, the reference's order);
+// max_priority = fmaxf-reduce(m0, p_0, ..., p_{n-1}). ONE block (a multiple of 32 threads):
+// every thread reads m0 before the reduction's barriers, thread 0 writes the new maximum after
+// them. powf is not correctly rounded (a few ulp against NumPy's).
+extern "C" __global__ void replay_update_priorities(const float* __restrict__ td,
+                                                    const int* __restrict__ idx, int n,
+                                                    float* __restrict__ priority,
+                                                    float* __restrict__ max_priority,
+                                                    float alpha, float eps) {
+    const float m0 = max_priority[0];
+    float top = m0;
+    for (int k = threadIdx.x; k < n; k += blockDim.x) {
+        const float t = td[k];
+        const float p = ha_is_finite(t) ? powf(__fadd_rn(fabsf(t), eps), alpha) : m0;
+        top = fmaxf(top, p);
+        const int row = idx[k];
+        bool last = true;
+        for (int j = k + 1; j < n && last; ++j) {
+            last = idx[j] != row;
+        }
+        if (last) {
+            priority[row] = p;
+        }
+    }
+    top = block_reduce_down(top, HaFmax(), ha_nan());
+    if (threadIdx.x == 0) {
+        max_priority[0] = top;
     }
 }

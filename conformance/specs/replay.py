@@ -1,5 +1,6 @@
 """Entries of the replay kernels: the priorities' prefix sum, proportional sampling on it,
-and the importance weights.
+the importance weights, and the device-resident ring (adding transitions at the device cursor,
+sampling with the Philox draws, gathering into the batch layout, priority updates).
 """
 
 from __future__ import annotations
@@ -14,12 +15,17 @@ from foxhunt.conformance.specs.inputs import (
     f32,
     i32,
     maxabs,
+    normal,
     reduction,
     replace,
     uniform,
     wrong_dtype,
 )
-from foxhunt.conformance.tolerance import EXACT, REDUCTION
+from foxhunt.conformance.tolerance import EXACT, REDUCTION, Tolerance
+
+#: CUDA ``powf`` (a few ulp, not correctly rounded) against NumPy's float32 ``power`` (glibc
+#: ``powf``, within 1 ulp) on the same float32 argument.
+POW_ULP = Tolerance.ulp(5)
 
 
 def _s_prefix(d: Dims, rng) -> Kwargs:
@@ -36,6 +42,58 @@ def _s_sample(d: Dims, rng) -> Kwargs:
 def _s_weights(d: Dims, rng) -> Kwargs:
     return {"priorities": uniform(rng, d.items, 0.01, 1.0),
             "idx": rng.integers(0, d.items, d.batch).astype(I32), "beta": 0.4, "n_valid": d.items}
+
+
+def _state_dim(d: Dims) -> int:
+    """The ring's row width: the preset's state_dim, or the case's 259 / 7 (block tails)."""
+    if d.case in ("tiny", "seed"):
+        from foxhunt.reference.config import DQNConfig
+
+        return DQNConfig.preset(d.case).state_dim
+    return d.hidden if d.case == "odd" else d.w_out
+
+
+def _ring(d: Dims, rng) -> Kwargs:
+    """A ring of ``d.items`` rows and 3 branches, a random share filled (priorities zero beyond
+    the filled rows), the cursor a few rows before the end (an add wraps around)."""
+    cap, sd = d.items, _state_dim(d)
+    size = int(rng.integers(d.batch, cap + 1))
+    prio = np.zeros(cap, F32)
+    prio[:size] = uniform(rng, size, 0.05, 2.0)
+    return {"ring_s": normal(rng, (cap, sd)), "ring_a": rng.integers(0, 3, (cap, 3)).astype(I32),
+            "ring_r": normal(rng, cap), "ring_s2": normal(rng, (cap, sd)),
+            "ring_done": (rng.random(cap) < 0.1).astype(F32), "ring_next_ret": normal(rng, cap, 0.01),
+            "ring_regime": rng.integers(0, 3, cap).astype(I32), "priority": prio,
+            "ring_pos": np.array([cap - min(cap, 3), size], I32)}
+
+
+def _s_add(d: Dims, rng) -> Kwargs:
+    ring = _ring(d, rng)
+    n, sd = min(d.batch, d.items), ring["ring_s"].shape[1]
+    return {"s": normal(rng, (n, sd)), "a": rng.integers(0, 3, (n, 3)).astype(I32),
+            "r": normal(rng, n), "s2": normal(rng, (n, sd)), "done": (rng.random(n) < 0.1).astype(F32),
+            "next_ret": normal(rng, n, 0.01), "regime": rng.integers(0, 3, n).astype(I32),
+            **ring, "max_priority": np.array([2.5], F32)}
+
+
+def _s_ring_sample(d: Dims, rng) -> Kwargs:
+    ring = _ring(d, rng)
+    return {"prefix": np.cumsum(ring["priority"], dtype=F32), "ring_pos": ring["ring_pos"],
+            "key": int(rng.integers(0, 2**63)) * 2 + 1,  # both key words in use
+            "cycle": np.array([int(rng.integers(0, 2**40))], np.uint64), "n": d.batch}
+
+
+def _s_gather(d: Dims, rng) -> Kwargs:
+    ring = {k: v for k, v in _ring(d, rng).items() if k not in ("priority", "ring_pos")}
+    return {"idx": rng.integers(0, d.items, d.batch).astype(I32), **ring}
+
+
+def _s_update(d: Dims, rng) -> Kwargs:
+    """TD errors of several magnitudes (a few repeated rows: the last write wins)."""
+    td = normal(rng, d.batch, 3.0)
+    return {"td": td, "idx": rng.integers(0, min(d.items, 4 * d.batch), d.batch).astype(I32),
+            "priority": uniform(rng, d.items, 0.05, 2.0), "max_priority": np.array([2.0], F32),
+            "alpha": 0.6, "eps": 1e-3}
 
 
 def _sc_prefix(kwargs, expected):
@@ -83,5 +141,58 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: replace(k, n_valid=0),
         ),
         scales=_sc_weights,
+    ),
+    # the ring: copies and the Philox draws are exact; new priorities are one powf each
+    SpecEntry(
+        name="replay_add",
+        outputs={f"ring_{name}": (f32 if dtype == F32 else i32)(EXACT)
+                 for name, dtype in (("s", F32), ("a", I32), ("r", F32), ("s2", F32),
+                                     ("done", F32), ("next_ret", F32), ("regime", I32))}
+        | {"priority": f32(EXACT), "ring_pos": i32(EXACT)},
+        sample=_s_add,
+        targets=("s", "r", "max_priority"),
+        errors=error_cases(
+            _s_add,
+            lambda k: wrong_dtype(k, "s"),
+            lambda k: replace(k, ring_pos=np.array([k["priority"].size, 0], I32)),
+            lambda k: replace(k, a=k["a"][:, :2]),
+        ),
+    ),
+    SpecEntry(
+        name="replay_sample",
+        outputs={"out": i32(EXACT)},
+        sample=_s_ring_sample,
+        targets=("prefix",),
+        errors=error_cases(
+            _s_ring_sample,
+            lambda k: replace(k, ring_pos=np.array([0, k["prefix"].size + 1], I32)),
+            lambda k: replace(k, cycle=k["cycle"].astype(np.int64)),
+            lambda k: replace(k, key=-1),
+        ),
+    ),
+    SpecEntry(
+        name="replay_gather",
+        outputs={"x": f32(EXACT), "a": i32(EXACT), "r": f32(EXACT), "done": f32(EXACT),
+                 "next_ret": f32(EXACT), "regime": i32(EXACT)},
+        sample=_s_gather,
+        targets=("ring_s", "ring_r"),
+        errors=error_cases(
+            _s_gather,
+            lambda k: replace(k, idx=np.full_like(k["idx"], k["ring_r"].size)),
+            lambda k: replace(k, ring_s2=k["ring_s2"][:-1]),
+        ),
+    ),
+    SpecEntry(
+        name="replay_update_priorities",
+        outputs={"priority": f32(POW_ULP), "max_priority": f32(POW_ULP)},
+        sample=_s_update,
+        targets=("td", "max_priority"),
+        errors=error_cases(
+            _s_update,
+            lambda k: replace(k, idx=np.full_like(k["idx"], k["priority"].size)),
+            lambda k: replace(k, alpha=1.5),
+            lambda k: replace(k, eps=0.0),
+            lambda k: wrong_dtype(k, "td"),
+        ),
     ),
 )

@@ -12,24 +12,43 @@ Kernel parameters (C order):
   total is ``prefix[n_items - 1]``, read on the device.
 - ``importance_weights(priorities, idx, w, n, beta)``: ONE block (fminf tree, then a division
   and a ``powf`` per weight); the caller guarantees ``0 <= idx < n_valid``.
+- ``replay_add(s, a, r, s2, done, next_ret, regime, n, state_dim, n_branches, ring_s, ring_a,
+  ring_r, ring_s2, ring_done, ring_next_ret, ring_regime, priority, ring_pos, max_priority,
+  capacity)``: ONE block (its thread 0 advances ``ring_pos`` after the barrier).
+- ``replay_sample(prefix, ring_pos, key_lo, key_hi, stream, cycle, idx, n)``: one thread per
+  sample, any grid; ``stream`` is ``rng.STREAMS["replay_sample"]``.
+- ``replay_gather(idx, n, state_dim, n_branches, ring_s, ..., ring_regime, x, a, r, done,
+  next_ret, regime)``: grid-stride over the ``n * state_dim`` state elements; ``next_ret`` and
+  ``regime`` may be null (not gathered).
+- ``replay_update_priorities(td, idx, n, priority, max_priority, alpha, eps)``: ONE block.
 
-Numerics: ``sample_proportional`` is exact. ``prefix_sum`` associates differently from the
+Numerics: ``sample_proportional``, ``replay_sample``, ``replay_add`` and ``replay_gather`` are
+exact. ``prefix_sum`` associates differently from the
 reference's sequential sum: results differ by rounding (conformance: reduction tolerance, with
 length ``n`` and magnitude ``max|p|``). ``importance_weights`` uses CUDA ``powf`` (not correctly
 rounded, a few ULP; glibc's ``powf`` on the reference side is within 1 ULP), compared under the
-reduction tolerance (relative 1e-5).
+reduction tolerance (relative 1e-5); so is ``replay_update_priorities``' ``powf`` (its maximum
+follows the priorities).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, launch, plan_flat
+from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, launch, plan_flat
 from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.replay import (
+    Gathered,
+    Priorities,
+    RingAdd,
     validate_importance_weights,
+    validate_replay_add,
+    validate_replay_gather,
+    validate_replay_sample,
+    validate_replay_update_priorities,
     validate_sample_proportional,
 )
+from foxhunt.reference.kernels.rng import STREAMS, split_u64
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
@@ -65,6 +84,24 @@ def plan_importance_weights(n: int) -> Plan:
     return (1,), (threads,), 0
 
 
+#: The one-block ring kernels: one thread per sample (or transition) up to this many.
+plan_replay_update_priorities = plan_importance_weights
+
+
+def plan_replay_add(n: int, state_dim: int) -> Plan:
+    """ONE block, one thread per state element up to ``WEIGHTS_MAX_THREADS``, whole warps."""
+    return plan_importance_weights(n * state_dim)
+
+
+#: One thread per sample (grid-stride).
+plan_replay_sample = plan_flat
+
+
+def plan_replay_gather(n: int, state_dim: int) -> Plan:
+    """Flat over the ``n * state_dim`` gathered state elements (the other fields are fewer)."""
+    return plan_flat(n * state_dim)
+
+
 # --------------------------------------------------------------------------------------------
 # Test entries (reference signatures)
 # --------------------------------------------------------------------------------------------
@@ -94,8 +131,57 @@ def importance_weights(priorities: np.ndarray, idx: np.ndarray, beta: float,
     return w
 
 
+def replay_add(s, a, r, s2, done, next_ret, regime, ring_s, ring_a, ring_r, ring_s2, ring_done,
+               ring_next_ret, ring_regime, priority, ring_pos, max_priority) -> RingAdd:
+    """``n`` transitions into the ring at its device cursor (``RingAdd``), on the GPU."""
+    ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
+                ring_next_ret=ring_next_ret, ring_regime=ring_regime)
+    n, _ = validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, ring_pos,
+                               max_priority)
+    capacity, state_dim = ring_s.shape
+    out = launch("replay_add", plan_replay_add(n, state_dim), In(s), In(a), In(r), In(s2),
+                 In(done), In(next_ret), In(regime), n, state_dim, ring_a.shape[1],
+                 *(InOut(x) for x in ring.values()), InOut(priority), InOut(ring_pos),
+                 In(max_priority), capacity)
+    return RingAdd(*out)
+
+
+def replay_sample(prefix, ring_pos, key, cycle, n) -> np.ndarray:
+    """Proportional sampling of ``n`` filled ring rows with the Philox draws (int32[n])."""
+    n, key, _ = validate_replay_sample(prefix, ring_pos, key, cycle, n)
+    key_lo, key_hi = split_u64("key", key)
+    (idx,) = launch("replay_sample", plan_replay_sample(n), In(prefix), In(ring_pos), key_lo,
+                    key_hi, STREAMS["replay_sample"], In(cycle), Out((n,), I32), n)
+    return idx
+
+
+def replay_gather(idx, ring_s, ring_a, ring_r, ring_s2, ring_done, ring_next_ret,
+                  ring_regime) -> Gathered:
+    """The sampled ring rows in the step's batch layout (``Gathered``), on the GPU."""
+    ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
+                ring_next_ret=ring_next_ret, ring_regime=ring_regime)
+    n, state_dim, n_branches = validate_replay_gather(idx, ring)
+    out = launch("replay_gather", plan_replay_gather(n, state_dim), In(idx), n, state_dim,
+                 n_branches, *(In(x) for x in ring.values()), Out((2 * n, state_dim), F32),
+                 Out((n_branches, n), I32), Out((n,), F32), Out((n,), F32), Out((n,), F32),
+                 Out((n,), I32))
+    return Gathered(*out)
+
+
+def replay_update_priorities(td, idx, priority, max_priority, alpha, eps) -> Priorities:
+    """The sampled rows' new priorities and the running maximum (``Priorities``), on the GPU."""
+    alpha32, eps32 = validate_replay_update_priorities(td, idx, priority, max_priority, alpha, eps)
+    out = launch("replay_update_priorities", plan_replay_update_priorities(td.size), In(td),
+                 In(idx), td.size, InOut(priority), InOut(max_priority), alpha32, eps32)
+    return Priorities(*out)
+
+
 KERNELS = {
     "prefix_sum": prefix_sum,
     "sample_proportional": sample_proportional,
     "importance_weights": importance_weights,
+    "replay_add": replay_add,
+    "replay_sample": replay_sample,
+    "replay_gather": replay_gather,
+    "replay_update_priorities": replay_update_priorities,
 }

@@ -1,21 +1,43 @@
 """Prioritised-replay kernels (SPEC 10: proportional sampling by prefix sums and binary search,
-importance weights; Schaul et al. 2016).
+importance weights; Schaul et al. 2016), and the device-resident ring they work on.
 
 Priorities are data: the kernels define what happens for zero, NaN or Inf priorities and for
 out-of-range uniforms instead of raising; only shapes, dtypes, configuration scalars and indices
 that would read outside the buffer raise ``ValueError``.
+
+The ring (issue 20: the replay buffer lives on the device, in the trainer's arena): one array
+per stored field (``RING_FIELDS``: ``s``, ``s2`` f32 ``[capacity, state_dim]``, ``a`` int32
+``[capacity, n_branches]``, ``r``, ``done``, ``next_ret`` f32 ``[capacity]``, ``regime`` int32
+``[capacity]``), ``priority`` f32 ``[capacity]`` (stored already raised to ``alpha``; zero
+beyond the filled rows), ``ring_pos`` int32 ``[2]`` = ``(cursor, size)`` and ``max_priority``
+f32 ``[1]`` (the running maximum, 1 at the start). ``replay_add`` writes ``N`` transitions at
+the cursor; ``prefix_sum`` + ``replay_sample`` + ``importance_weights`` + ``replay_gather`` make
+a batch; ``replay_update_priorities`` writes the step's new priorities. Every position and
+count is read on the device: nothing in a cycle needs the host.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from foxhunt.reference.kernels import rng
 from foxhunt.reference.kernels.argcheck import (
     check_array,
     check_f32_array,
     check_f32_scalar,
     check_int,
 )
+
+F32 = np.dtype(np.float32)
+I32 = np.dtype(np.int32)
+U64 = np.dtype(np.uint64)
+
+#: The ring's stored fields in kernel-parameter order: (name, dtype, True for a row of
+#: ``state_dim`` / ``n_branches`` values, False for one value per transition).
+RING_FIELDS = (("s", F32, True), ("a", I32, True), ("r", F32, False), ("s2", F32, True),
+               ("done", F32, False), ("next_ret", F32, False), ("regime", I32, False))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -144,13 +166,271 @@ def importance_weights(priorities: np.ndarray, idx: np.ndarray, beta: float,
         return np.power(p_min / p, beta32).astype(np.float32, copy=False)
 
 
+# ---------------------------------------------------------------------------------------------
+# The device-resident ring
+# ---------------------------------------------------------------------------------------------
+
+
+class RingAdd(NamedTuple):
+    """Outputs of ``replay_add``: the ring's arrays after the write (``RING_FIELDS`` order, each
+    ``ring_<field>``), ``priority`` and the advanced ``ring_pos``."""
+
+    ring_s: np.ndarray
+    ring_a: np.ndarray
+    ring_r: np.ndarray
+    ring_s2: np.ndarray
+    ring_done: np.ndarray
+    ring_next_ret: np.ndarray
+    ring_regime: np.ndarray
+    priority: np.ndarray
+    ring_pos: np.ndarray
+
+
+class Gathered(NamedTuple):
+    """Outputs of ``replay_gather``, laid out as the step's batch buffers: ``x`` f32
+    ``[2n, state_dim]`` (``s`` rows, then ``s2`` rows), ``a`` int32 ``[n_branches, n]``
+    (transposed: one row per branch), ``r``, ``done``, ``next_ret`` f32 ``[n]``, ``regime``
+    int32 ``[n]``."""
+
+    x: np.ndarray
+    a: np.ndarray
+    r: np.ndarray
+    done: np.ndarray
+    next_ret: np.ndarray
+    regime: np.ndarray
+
+
+class Priorities(NamedTuple):
+    """Outputs of ``replay_update_priorities``: ``priority`` f32 ``[capacity]`` and
+    ``max_priority`` f32 ``[1]``."""
+
+    priority: np.ndarray
+    max_priority: np.ndarray
+
+
+def validate_ring(**ring) -> tuple[int, int, int]:
+    """The ring arrays given as ``ring_<field>=array`` (every field of ``RING_FIELDS``): dtypes
+    and shapes agree; returns ``(capacity, state_dim, n_branches)``."""
+    for name, dtype, row in RING_FIELDS:
+        check_array(f"ring_{name}", ring[f"ring_{name}"], dtype, ndim=2 if row else 1)
+    capacity, state_dim = ring["ring_s"].shape
+    n_branches = ring["ring_a"].shape[1]
+    if capacity == 0 or state_dim == 0 or n_branches == 0:
+        raise ValueError(f"ring_s, ring_a: shapes {ring['ring_s'].shape}, {ring['ring_a'].shape}"
+                         " are empty; need capacity, state_dim and n_branches >= 1")
+    for name, _, row in RING_FIELDS:
+        want = (capacity, {"s": state_dim, "s2": state_dim, "a": n_branches}[name]) if row else (capacity,)
+        got = ring[f"ring_{name}"].shape
+        if got != want:
+            raise ValueError(f"ring_{name}: shape {got} not allowed; expected {want} (the ring's "
+                             "capacity, state_dim and n_branches)")
+    return capacity, state_dim, n_branches
+
+
+def validate_ring_pos(ring_pos, capacity: int) -> tuple[int, int]:
+    """``ring_pos`` int32 ``[2]`` = ``(cursor, size)`` with ``0 <= cursor < capacity`` and
+    ``0 <= size <= capacity`` (raise otherwise: a kernel would write or read outside the ring);
+    returns them."""
+    check_array("ring_pos", ring_pos, I32, ndim=1)
+    if ring_pos.shape != (2,):
+        raise ValueError(f"ring_pos: shape {ring_pos.shape} not allowed; expected (2,) = (cursor, size)")
+    cursor, size = int(ring_pos[0]), int(ring_pos[1])
+    if not (0 <= cursor < capacity and 0 <= size <= capacity):
+        raise ValueError(f"ring_pos: (cursor, size) = ({cursor}, {size}) not allowed; need 0 <= "
+                         f"cursor < capacity = {capacity} and 0 <= size <= capacity")
+    return cursor, size
+
+
+def _check_items(name: str, x, dtype, shape: tuple) -> None:
+    check_array(name, x, dtype, ndim=len(shape))
+    if x.shape != shape:
+        raise ValueError(f"{name}: shape {x.shape} not allowed; expected {shape}")
+
+
+def validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, ring_pos,
+                        max_priority) -> tuple[int, int]:
+    """The argument checks of ``replay_add`` (``ring``: the ring arrays by parameter name);
+    returns ``(n, cursor)``."""
+    capacity, state_dim, n_branches = validate_ring(**ring)
+    check_f32_array("s", s, ndim=2)
+    n = s.shape[0]
+    if not 1 <= n <= capacity:
+        raise ValueError(f"s: {n} transitions not allowed; expected 1 to capacity = {capacity}")
+    for name, x, dtype, shape in (("s", s, F32, (n, state_dim)), ("a", a, I32, (n, n_branches)),
+                                  ("r", r, F32, (n,)), ("s2", s2, F32, (n, state_dim)),
+                                  ("done", done, F32, (n,)), ("next_ret", next_ret, F32, (n,)),
+                                  ("regime", regime, I32, (n,)), ("priority", priority, F32, (capacity,)),
+                                  ("max_priority", max_priority, F32, (1,))):
+        _check_items(name, x, dtype, shape)
+    cursor, _ = validate_ring_pos(ring_pos, capacity)
+    return n, cursor
+
+
+def replay_add(s: np.ndarray, a: np.ndarray, r: np.ndarray, s2: np.ndarray, done: np.ndarray,
+               next_ret: np.ndarray, regime: np.ndarray, ring_s: np.ndarray, ring_a: np.ndarray,
+               ring_r: np.ndarray, ring_s2: np.ndarray, ring_done: np.ndarray,
+               ring_next_ret: np.ndarray, ring_regime: np.ndarray, priority: np.ndarray,
+               ring_pos: np.ndarray, max_priority: np.ndarray) -> RingAdd:
+    """Write ``n`` transitions into the ring at its cursor.
+
+    Transition ``k`` goes to row ``(cursor + k) % capacity`` of every ``ring_<field>``, with
+    priority ``max_priority[0]`` (the running maximum: a new transition is sampled with high
+    probability before its TD error is known); then ``cursor <- (cursor + n) % capacity``,
+    ``size <- min(size + n, capacity)``. A full ring overwrites its oldest rows.
+
+    Shapes: ``s``, ``s2`` f32 ``[n, state_dim]``, ``a`` int32 ``[n, n_branches]``, ``r``,
+    ``done``, ``next_ret`` f32 ``[n]``, ``regime`` int32 ``[n]`` with ``1 <= n <= capacity``;
+    the ring as in the module docstring. Returns ``RingAdd`` (new arrays; inputs unchanged).
+    Exact: copies only. NaN contract: values are stored as given (NaN/Inf states and rewards
+    included: the step's sentinels flag them); ``ring_pos`` outside its range raises.
+    """
+    ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
+                ring_next_ret=ring_next_ret, ring_regime=ring_regime)
+    n, cursor = validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, ring_pos,
+                                    max_priority)
+    capacity = ring_s.shape[0]
+    rows = (cursor + np.arange(n)) % capacity
+    new = {key: arr.copy() for key, arr in ring.items()}
+    for (name, _, _), value in zip(RING_FIELDS, (s, a, r, s2, done, next_ret, regime)):
+        new[f"ring_{name}"][rows] = value
+    prio = priority.copy()
+    prio[rows] = max_priority[0]
+    pos = np.array([(cursor + n) % capacity, min(int(ring_pos[1]) + n, capacity)], I32)
+    return RingAdd(**new, priority=prio, ring_pos=pos)
+
+
+def validate_replay_sample(prefix, ring_pos, key, cycle, n) -> tuple[int, int, int]:
+    """The argument checks of ``replay_sample``; returns ``(n, key, cycle)``."""
+    check_f32_array("prefix", prefix, ndim=1)
+    if prefix.shape[0] == 0:
+        raise ValueError("prefix: shape (0,) is empty; need the ring's prefix sums")
+    validate_ring_pos(ring_pos, prefix.shape[0])
+    key = check_int("key", key, minimum=0, maximum=rng.MAX_U64 - 1)
+    _check_items("cycle", cycle, U64, (1,))
+    n = check_int("n", n, minimum=0, maximum=2**31 - 1)
+    return n, key, int(cycle[0])
+
+
+def replay_sample(prefix: np.ndarray, ring_pos: np.ndarray, key: int, cycle: np.ndarray,
+                  n: int) -> np.ndarray:
+    """Proportional sampling of ``n`` ring rows with the counter-based generator.
+
+    ``u_k = rng.uniform(key, STREAMS["replay_sample"], cycle[0], k)`` and
+    ``idx = sample_proportional(prefix[:max(size, 1)], u)`` with ``size = ring_pos[1]``: the
+    search runs over the filled rows only, so the clamp of ``sample_proportional`` (a NaN
+    total, or every priority zero) lands on a filled row. ``prefix`` is ``prefix_sum`` of the
+    whole ring's priorities (zero beyond ``size``, so ``prefix[size - 1]`` is the total).
+
+    Shapes: ``prefix`` f32 ``[capacity]``, ``ring_pos`` int32 ``[2]``, ``key`` the run's seed
+    (an integer in ``[0, 2**64)``), ``cycle`` uint64 ``[1]`` (the collector's cycle counter, read
+    on the device). Returns int32 ``[n]``. Exact (the draws are exact; the search is
+    ``sample_proportional``'s). NaN contract: ``sample_proportional``'s.
+    """
+    n, key, offset = validate_replay_sample(prefix, ring_pos, key, cycle, n)
+    u = rng.uniform(key, rng.STREAMS["replay_sample"], offset, np.arange(n, dtype=np.int64))
+    return sample_proportional(prefix[:max(int(ring_pos[1]), 1)], u)
+
+
+def validate_replay_gather(idx, ring) -> tuple[int, int, int]:
+    """The argument checks of ``replay_gather``; returns ``(n, state_dim, n_branches)``."""
+    capacity, state_dim, n_branches = validate_ring(**ring)
+    check_array("idx", idx, I32, ndim=1)
+    if idx.size and (idx.min() < 0 or idx.max() >= capacity):
+        raise ValueError(f"idx: values in [{idx.min()}, {idx.max()}] not allowed; every index "
+                         f"must lie in [0, capacity={capacity})")
+    return idx.shape[0], state_dim, n_branches
+
+
+def replay_gather(idx: np.ndarray, ring_s: np.ndarray, ring_a: np.ndarray, ring_r: np.ndarray,
+                  ring_s2: np.ndarray, ring_done: np.ndarray, ring_next_ret: np.ndarray,
+                  ring_regime: np.ndarray) -> Gathered:
+    """The sampled rows ``idx`` of the ring, in the step's batch layout (``Gathered``):
+    ``x = [ring_s[idx]; ring_s2[idx]]``, ``a = ring_a[idx]^T``, ``r``, ``done``, ``next_ret``,
+    ``regime`` gathered.
+
+    Shapes: ``idx`` int32 ``[n]`` in ``[0, capacity)`` (raise otherwise: the kernel would read
+    outside the ring). Exact: copies only; values (NaN included) are copied as stored.
+    """
+    ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
+                ring_next_ret=ring_next_ret, ring_regime=ring_regime)
+    validate_replay_gather(idx, ring)
+    return Gathered(x=np.concatenate([ring_s[idx], ring_s2[idx]]),
+                    a=np.ascontiguousarray(ring_a[idx].T), r=ring_r[idx], done=ring_done[idx],
+                    next_ret=ring_next_ret[idx], regime=ring_regime[idx])
+
+
+def validate_replay_update_priorities(td, idx, priority, max_priority, alpha,
+                                      eps) -> tuple[np.float32, np.float32]:
+    """The argument checks of ``replay_update_priorities``; returns ``(alpha, eps)`` as
+    float32."""
+    check_f32_array("td", td, ndim=1)
+    check_f32_array("priority", priority, ndim=1)
+    capacity = priority.shape[0]
+    if capacity == 0:
+        raise ValueError("priority: shape (0,) is empty; need the ring's priorities")
+    _check_items("idx", idx, I32, td.shape)
+    _check_items("max_priority", max_priority, F32, (1,))
+    if idx.size and (idx.min() < 0 or idx.max() >= capacity):
+        raise ValueError(f"idx: values in [{idx.min()}, {idx.max()}] not allowed; every index "
+                         f"must lie in [0, capacity={capacity})")
+    alpha32 = check_f32_scalar("alpha", alpha, lo=0.0, hi=1.0)
+    eps32 = check_f32_scalar("eps", eps, lo=0.0, lo_open=True)
+    return alpha32, eps32
+
+
+def last_occurrence(idx: np.ndarray) -> np.ndarray:
+    """Boolean mask of the positions ``k`` whose ``idx[k]`` does not occur again after ``k``
+    (the write that lands when a batch samples one row several times)."""
+    later = np.zeros(idx.shape, bool)
+    _, first_from_end = np.unique(idx[::-1], return_index=True)
+    later[idx.shape[0] - 1 - first_from_end] = True
+    return later
+
+
+def replay_update_priorities(td: np.ndarray, idx: np.ndarray, priority: np.ndarray,
+                             max_priority: np.ndarray, alpha: float, eps: float) -> Priorities:
+    """New priorities of the sampled rows from the step's TD errors.
+
+    ``p_k = (|td_k| + eps)^alpha`` in float32 (one rounding for the sum, one ``powf``) for a
+    finite ``td_k``; a non-finite ``td_k`` gives ``p_k = m0``, the running maximum before this
+    update (the row stays likely to be sampled again, instead of keeping a stale priority).
+    ``priority[idx_k] = p_k``, where a row sampled several times takes the value of its last
+    occurrence in the batch (``last_occurrence``); ``max_priority = fmax(m0, max_k p_k)``
+    (``fmaxf`` reduction: a NaN ``m0`` is replaced).
+
+    Shapes: ``td`` f32 ``[n]`` (the step's TD errors), ``idx`` int32 ``[n]`` in
+    ``[0, capacity)``, ``priority`` f32 ``[capacity]``, ``max_priority`` f32 ``[1]``, ``alpha``
+    in ``[0, 1]``, ``eps > 0``. Returns ``Priorities`` (new arrays).
+    Numerics: the kernel's ``powf`` is within a few ulp of NumPy's; the maximum and the writes
+    are exact.
+    """
+    alpha32, eps32 = validate_replay_update_priorities(td, idx, priority, max_priority, alpha, eps)
+    m0 = max_priority[0]
+    with np.errstate(over="ignore", invalid="ignore"):
+        new = np.power(np.abs(td) + eps32, alpha32, dtype=F32)
+    new = np.where(np.isfinite(td), new, m0).astype(F32)
+    out = priority.copy()
+    last = last_occurrence(idx)
+    out[idx[last]] = new[last]
+    top = np.fmax.reduce(np.concatenate([max_priority, new]))
+    return Priorities(priority=out, max_priority=np.array([top], F32))
+
+
 KERNELS = {
     "prefix_sum": prefix_sum,
     "sample_proportional": sample_proportional,
     "importance_weights": importance_weights,
+    "replay_add": replay_add,
+    "replay_sample": replay_sample,
+    "replay_gather": replay_gather,
+    "replay_update_priorities": replay_update_priorities,
 }
 
 __all__ = [
-    "KERNELS", "importance_weights", "prefix_sum", "sample_proportional",
-    "validate_importance_weights", "validate_sample_proportional",
+    "Gathered", "KERNELS", "Priorities", "RING_FIELDS", "RingAdd", "importance_weights",
+    "last_occurrence", "prefix_sum", "replay_add", "replay_gather", "replay_sample",
+    "replay_update_priorities", "sample_proportional", "validate_importance_weights",
+    "validate_replay_add", "validate_replay_gather", "validate_replay_sample",
+    "validate_replay_update_priorities", "validate_ring", "validate_ring_pos",
+    "validate_sample_proportional",
 ]
