@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.conformance.kernel_spec import Dims, Kwargs, SpecEntry
+from foxhunt.conformance.kernel_spec import Dims, Kwargs, Output, SpecEntry
 from foxhunt.conformance.specs.inputs import (
     F32,
     I32,
@@ -80,7 +80,7 @@ def _s_ring_sample(d: Dims, rng) -> Kwargs:
     ring = _ring(d, rng)
     return {"prefix": np.cumsum(ring["priority"], dtype=F32), "ring_pos": ring["ring_pos"],
             "key": int(rng.integers(0, 2**63)) * 2 + 1,  # both key words in use
-            "cycle": np.array([int(rng.integers(0, 2**40))], np.uint64), "n": d.batch}
+            "cycle": np.array([int(rng.integers(0, 2**40))], np.int64), "n": d.batch}
 
 
 def _s_gather(d: Dims, rng) -> Kwargs:
@@ -94,6 +94,10 @@ def _s_update(d: Dims, rng) -> Kwargs:
     return {"td": td, "idx": rng.integers(0, min(d.items, 4 * d.batch), d.batch).astype(I32),
             "priority": uniform(rng, d.items, 0.05, 2.0), "max_priority": np.array([2.0], F32),
             "alpha": 0.6, "eps": 1e-3}
+
+
+def _s_cycle(d: Dims, rng) -> Kwargs:
+    return {"cycle": np.array([int(rng.integers(0, 2**62))], np.int64)}
 
 
 def _sc_prefix(kwargs, expected):
@@ -166,7 +170,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
         errors=error_cases(
             _s_ring_sample,
             lambda k: replace(k, ring_pos=np.array([0, k["prefix"].size + 1], I32)),
-            lambda k: replace(k, cycle=k["cycle"].astype(np.int64)),
+            lambda k: replace(k, cycle=k["cycle"].astype(np.uint64)),
             lambda k: replace(k, key=-1),
         ),
     ),
@@ -193,6 +197,17 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: replace(k, alpha=1.5),
             lambda k: replace(k, eps=0.0),
             lambda k: wrong_dtype(k, "td"),
+        ),
+    ),
+    SpecEntry(
+        name="cycle_advance",
+        outputs={"out": Output("int64", EXACT)},
+        sample=_s_cycle,
+        targets=(),  # an int64 counter only: no float to poison
+        errors=error_cases(
+            _s_cycle,
+            lambda k: replace(k, cycle=np.array([-1], np.int64)),
+            lambda k: replace(k, cycle=k["cycle"].astype(np.uint64)),
         ),
     ),
 )

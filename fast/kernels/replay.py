@@ -21,6 +21,7 @@ Kernel parameters (C order):
   next_ret, regime)``: grid-stride over the ``n * state_dim`` state elements; ``next_ret`` and
   ``regime`` may be null (not gathered).
 - ``replay_update_priorities(td, idx, n, priority, max_priority, alpha, eps)``: ONE block.
+- ``cycle_advance(cycle)``: one thread (the collector's int64 counter plus one).
 
 Numerics: ``sample_proportional``, ``replay_sample``, ``replay_add`` and ``replay_gather`` are
 exact. ``prefix_sum`` associates differently from the
@@ -41,6 +42,7 @@ from foxhunt.reference.kernels.replay import (
     Gathered,
     Priorities,
     RingAdd,
+    validate_cycle,
     validate_importance_weights,
     validate_replay_add,
     validate_replay_gather,
@@ -176,6 +178,18 @@ def replay_update_priorities(td, idx, priority, max_priority, alpha, eps) -> Pri
     return Priorities(*out)
 
 
+def plan_cycle_advance() -> Plan:
+    """One thread."""
+    return (1,), (WARP,), 0
+
+
+def cycle_advance(cycle) -> np.ndarray:
+    """The collector's counter plus one (int64[1]), on the GPU."""
+    validate_cycle(cycle)
+    (out,) = launch("cycle_advance", plan_cycle_advance(), InOut(cycle))
+    return out
+
+
 KERNELS = {
     "prefix_sum": prefix_sum,
     "sample_proportional": sample_proportional,
@@ -184,4 +198,5 @@ KERNELS = {
     "replay_sample": replay_sample,
     "replay_gather": replay_gather,
     "replay_update_priorities": replay_update_priorities,
+    "cycle_advance": cycle_advance,
 }

@@ -32,7 +32,7 @@ from foxhunt.reference.kernels.argcheck import (
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
-U64 = np.dtype(np.uint64)
+I64 = np.dtype(np.int64)
 
 #: The ring's stored fields in kernel-parameter order: (name, dtype, True for a row of
 #: ``state_dim`` / ``n_branches`` values, False for one value per transition).
@@ -286,17 +286,43 @@ def replay_add(s: np.ndarray, a: np.ndarray, r: np.ndarray, s2: np.ndarray, done
     """
     ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
                 ring_next_ret=ring_next_ret, ring_regime=ring_regime)
-    n, cursor = validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, ring_pos,
-                                    max_priority)
-    capacity = ring_s.shape[0]
-    rows = (cursor + np.arange(n)) % capacity
+    validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, ring_pos, max_priority)
     new = {key: arr.copy() for key, arr in ring.items()}
-    for (name, _, _), value in zip(RING_FIELDS, (s, a, r, s2, done, next_ret, regime)):
-        new[f"ring_{name}"][rows] = value
-    prio = priority.copy()
-    prio[rows] = max_priority[0]
-    pos = np.array([(cursor + n) % capacity, min(int(ring_pos[1]) + n, capacity)], I32)
+    prio, pos = priority.copy(), ring_pos.copy()
+    write_transitions({name: new[f"ring_{name}"] for name, _, _ in RING_FIELDS}, prio, pos,
+                      max_priority, dict(s=s, a=a, r=r, s2=s2, done=done, next_ret=next_ret,
+                                         regime=regime))
     return RingAdd(**new, priority=prio, ring_pos=pos)
+
+
+def write_transitions(ring: dict, priority: np.ndarray, ring_pos: np.ndarray,
+                      max_priority: np.ndarray, transitions: dict) -> None:
+    """``replay_add`` in place, on checked arguments: ``ring`` and ``transitions`` keyed by the
+    ``RING_FIELDS`` names (the host ring of ``foxhunt.reference.collector`` writes through this,
+    without copying the whole ring per cycle)."""
+    capacity = priority.shape[0]
+    cursor, size = int(ring_pos[0]), int(ring_pos[1])
+    n = transitions["r"].shape[0]
+    rows = (cursor + np.arange(n)) % capacity
+    for name, _, _ in RING_FIELDS:
+        ring[name][rows] = transitions[name]
+    priority[rows] = max_priority[0]
+    ring_pos[:] = (cursor + n) % capacity, min(size + n, capacity)
+
+
+def validate_cycle(cycle) -> int:
+    """The collector's cycle counter: int64 ``[1]``, non-negative (the draws' offset); returns
+    it."""
+    _check_items("cycle", cycle, I64, (1,))
+    if cycle[0] < 0:
+        raise ValueError(f"cycle: {int(cycle[0])} not allowed; the counter is >= 0")
+    return int(cycle[0])
+
+
+def cycle_advance(cycle: np.ndarray) -> np.ndarray:
+    """``cycle + 1`` (int64 ``[1]``): the collector's counter, advanced at the end of every
+    collection cycle. Exact (the counter never gets near 2**63)."""
+    return np.array([validate_cycle(cycle) + 1], I64)
 
 
 def validate_replay_sample(prefix, ring_pos, key, cycle, n) -> tuple[int, int, int]:
@@ -306,9 +332,9 @@ def validate_replay_sample(prefix, ring_pos, key, cycle, n) -> tuple[int, int, i
         raise ValueError("prefix: shape (0,) is empty; need the ring's prefix sums")
     validate_ring_pos(ring_pos, prefix.shape[0])
     key = check_int("key", key, minimum=0, maximum=rng.MAX_U64 - 1)
-    _check_items("cycle", cycle, U64, (1,))
+    offset = validate_cycle(cycle)
     n = check_int("n", n, minimum=0, maximum=2**31 - 1)
-    return n, key, int(cycle[0])
+    return n, key, offset
 
 
 def replay_sample(prefix: np.ndarray, ring_pos: np.ndarray, key: int, cycle: np.ndarray,
@@ -322,8 +348,8 @@ def replay_sample(prefix: np.ndarray, ring_pos: np.ndarray, key: int, cycle: np.
     whole ring's priorities (zero beyond ``size``, so ``prefix[size - 1]`` is the total).
 
     Shapes: ``prefix`` f32 ``[capacity]``, ``ring_pos`` int32 ``[2]``, ``key`` the run's seed
-    (an integer in ``[0, 2**64)``), ``cycle`` uint64 ``[1]`` (the collector's cycle counter, read
-    on the device). Returns int32 ``[n]``. Exact (the draws are exact; the search is
+    (an integer in ``[0, 2**64)``), ``cycle`` int64 ``[1]`` (the collector's cycle counter, read
+    on the device; ``validate_cycle``). Returns int32 ``[n]``. Exact (the draws are exact; the search is
     ``sample_proportional``'s). NaN contract: ``sample_proportional``'s.
     """
     n, key, offset = validate_replay_sample(prefix, ring_pos, key, cycle, n)
@@ -405,15 +431,21 @@ def replay_update_priorities(td: np.ndarray, idx: np.ndarray, priority: np.ndarr
     are exact.
     """
     alpha32, eps32 = validate_replay_update_priorities(td, idx, priority, max_priority, alpha, eps)
+    out, top = priority.copy(), max_priority.copy()
+    write_priorities(td, idx, out, top, alpha32, eps32)
+    return Priorities(priority=out, max_priority=top)
+
+
+def write_priorities(td: np.ndarray, idx: np.ndarray, priority: np.ndarray,
+                     max_priority: np.ndarray, alpha: np.float32, eps: np.float32) -> None:
+    """``replay_update_priorities`` in place, on checked arguments (float32 ``alpha``, ``eps``)."""
     m0 = max_priority[0]
     with np.errstate(over="ignore", invalid="ignore"):
-        new = np.power(np.abs(td) + eps32, alpha32, dtype=F32)
+        new = np.power(np.abs(td) + eps, alpha, dtype=F32)
     new = np.where(np.isfinite(td), new, m0).astype(F32)
-    out = priority.copy()
     last = last_occurrence(idx)
-    out[idx[last]] = new[last]
-    top = np.fmax.reduce(np.concatenate([max_priority, new]))
-    return Priorities(priority=out, max_priority=np.array([top], F32))
+    priority[idx[last]] = new[last]
+    max_priority[0] = np.fmax.reduce(np.concatenate([max_priority, new]))
 
 
 KERNELS = {
@@ -424,13 +456,15 @@ KERNELS = {
     "replay_sample": replay_sample,
     "replay_gather": replay_gather,
     "replay_update_priorities": replay_update_priorities,
+    "cycle_advance": cycle_advance,
 }
 
 __all__ = [
-    "Gathered", "KERNELS", "Priorities", "RING_FIELDS", "RingAdd", "importance_weights",
+    "Gathered", "KERNELS", "Priorities", "RING_FIELDS", "RingAdd", "cycle_advance",
+    "importance_weights",
     "last_occurrence", "prefix_sum", "replay_add", "replay_gather", "replay_sample",
     "replay_update_priorities", "sample_proportional", "validate_importance_weights",
-    "validate_replay_add", "validate_replay_gather", "validate_replay_sample",
+    "validate_cycle", "validate_replay_add", "validate_replay_gather", "validate_replay_sample",
     "validate_replay_update_priorities", "validate_ring", "validate_ring_pos",
-    "validate_sample_proportional",
+    "validate_sample_proportional", "write_priorities", "write_transitions",
 ]
