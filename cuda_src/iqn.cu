@@ -1,0 +1,177 @@
+// The IQN head's kernels (SPEC 4, second wave), twins of foxhunt.reference.kernels.iqn under the
+// same names: quantile fractions and cosine features (iqn_tau_cos), the modulation
+// e = h2 * phi (iqn_modulate), the quantile Huber loss and its gradient (iqn_quantile_huber) and
+// the modulation's backward (iqn_modulate_backward). The head's GEMMs and bias/ReLU epilogues
+// are the dense kernels' and cuBLAS's.
+//
+// Rows: m = b * n_quantiles + i (sample b, quantile fraction i). q / q_target are [rows, a_total]
+// with branch d's actions at columns action_offset[d] .. action_offset[d] + n_actions[d].
+// Arithmetic: -fmad=false (fast/_build.py) plus explicit __fmul_rn/__fadd_rn where the order
+// matters, in the reference's order; the cosine in double, rounded once to float.
+
+#include "bf16_bits.cuh"  // f32_to_bf16_bits (the BF16 operand of the next GEMM)
+#include "reduce.cuh"     // block_sum_halving (the loss total: step.block_total's tree)
+#include "rng.cuh"        // rng_uniform (the quantile fractions)
+
+// Threads of iqn_quantile_huber's one block (reference IQN_LOSS_THREADS): the loss total's tree.
+#define IQN_LOSS_THREADS 256
+#define IQN_PI 3.141592653589793  // numpy.pi, a double
+#define IQN_F32_EXP_MASK 0x7f800000u
+
+#define IQN_FLAT_LOOP(i, n)                                                                \
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
+         i += (long long)gridDim.x * blockDim.x)
+
+static __device__ __forceinline__ bool iqn_is_finite(float x) {
+    return (__float_as_uint(x) & IQN_F32_EXP_MASK) != IQN_F32_EXP_MASK;
+}
+
+// ---------------------------------------------------------------------------------------------
+// tau[m] = rng_uniform(key, stream, *step, m); cosines[m, k] = (float)cos(pi * ((double)k * tau[m]))
+// for m < rows, k < n_cos. The offset is the trainer's step count, read from device memory (the
+// graph replays the same launch every step). Flat over rows * n_cos; each thread draws its row's
+// fraction (ten Philox rounds: cheaper than a second pass), the k == 0 thread stores it.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void iqn_tau_cos(const long long* __restrict__ step, unsigned int key_lo,
+                                       unsigned int key_hi, unsigned int stream,
+                                       float* __restrict__ tau, float* __restrict__ cosines,
+                                       int rows, int n_cos) {
+    const unsigned long long offset = (unsigned long long)step[0];
+    const long long n = (long long)rows * n_cos;
+    IQN_FLAT_LOOP(idx, n) {
+        const int m = (int)(idx / n_cos);
+        const int k = (int)(idx % n_cos);
+        const float t = rng_uniform(key_lo, key_hi, stream, offset, (unsigned int)m);
+        if (k == 0) {
+            tau[m] = t;
+        }
+        cosines[idx] = (float)cos(IQN_PI * ((double)k * (double)t));
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// e[m, h] = h2[m / n_quantiles, h] * phi[m, h]; e_bf16 (skipped when null) its BF16 bits.
+// Flat over rows * hidden.
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void iqn_modulate(const float* __restrict__ h2, const float* __restrict__ phi,
+                                        float* __restrict__ e, unsigned short* __restrict__ e_bf16,
+                                        int rows, int hidden, int n_quantiles) {
+    const long long n = (long long)rows * hidden;
+    IQN_FLAT_LOOP(idx, n) {
+        const long long m = idx / hidden;
+        const int h = (int)(idx % hidden);
+        const float v = __fmul_rn(h2[(m / n_quantiles) * hidden + h], phi[idx]);
+        e[idx] = v;
+        if (e_bf16 != nullptr) {
+            e_bf16[idx] = f32_to_bf16_bits(v);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Backward of e = h2 * phi and phi = relu(phi_pre), one thread per (b, h):
+//   d_h2[b, h]         = sum over i of de[m, h] * phi[m, h] (m = b N + i, i in order, from +0),
+//                        a non-finite term skipped (the seeds' isfinite guard)
+//   d_phi_pre[m, h]    = phi[m, h] <= 0 ? 0 : de[m, h] * h2[b, h]
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void iqn_modulate_backward(const float* __restrict__ de,
+                                                 const float* __restrict__ h2,
+                                                 const float* __restrict__ phi,
+                                                 float* __restrict__ d_h2,
+                                                 float* __restrict__ d_phi_pre, int batch,
+                                                 int hidden, int n_quantiles) {
+    const long long n = (long long)batch * hidden;
+    IQN_FLAT_LOOP(idx, n) {
+        const long long b = idx / hidden;
+        const int h = (int)(idx % hidden);
+        const float hv = h2[idx];
+        float acc = 0.0f;
+        for (int i = 0; i < n_quantiles; ++i) {
+            const long long at = (b * n_quantiles + i) * hidden + h;
+            const float g = de[at];
+            const float p = phi[at];
+            const float t = __fmul_rn(g, p);
+            if (iqn_is_finite(t)) {
+                acc = __fadd_rn(acc, t);
+            }
+            d_phi_pre[at] = (p <= 0.0f) ? 0.0f : __fmul_rn(g, hv);
+        }
+        d_h2[idx] = acc;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Quantile Huber loss (kappa = 1) and dq, ONE block of IQN_LOSS_THREADS threads; thread t takes
+// the (d, b) pairs p = d * batch + b = t, t + IQN_LOSS_THREADS, ... in turn:
+//   bound = k1 * max(isv[q_abs_ref_index], 1)                                      (Mech 1)
+//   y[d, b, j] = clip(r[b] + (gamma[d] * (1 - done[b])) * q_target[b N + j, off_d + a_star[d, b]])
+//   u = y[d, b, j] - q[b N + i, off_d + actions[d, b]];  w = |tau[b N + i] - (u < 0 ? 1 : 0)|
+//   l += w * huber(u) (i outer, j inner);  g_i = sum_j w * clip(u, -1, 1)
+//   dq[b N + i, off_d + a] = a == actions[d, b] ? -(c_b * g_i) : 0,  c_b = isw[b] * scale,
+//   scale = 1 / (batch * n_branches * N)
+//   *loss = block total of the terms c_b * l (thread partials from -0 in pair order, then
+//           block_sum_halving, then + 0: step.block_total)
+// The clips are comparisons, so NaN stays NaN (sentinel 28 watches dq).
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void iqn_quantile_huber(const float* __restrict__ q,
+                                              const float* __restrict__ q_target,
+                                              const float* __restrict__ tau,
+                                              const int* __restrict__ actions,
+                                              const int* __restrict__ a_star,
+                                              const float* __restrict__ r,
+                                              const float* __restrict__ done,
+                                              const float* __restrict__ gamma,
+                                              const float* __restrict__ isw,
+                                              const float* __restrict__ isv, int q_abs_ref_index,
+                                              float k1, const int* __restrict__ n_actions,
+                                              const int* __restrict__ action_offset,
+                                              float* __restrict__ y, float* __restrict__ dq,
+                                              float* __restrict__ loss, int n_branches, int batch,
+                                              int n_quantiles, int a_total) {
+    const float bound = __fmul_rn(k1, fmaxf(isv[q_abs_ref_index], 1.0f));
+    const float scale = __fdiv_rn(1.0f, (float)(batch * n_branches * n_quantiles));
+    const int pairs = n_branches * batch;
+    float partial = REDUCE_SUM_IDENTITY;
+    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+        const int d = p / batch;
+        const int b = p % batch;
+        const int off = action_offset[d];
+        const int na = n_actions[d];
+        const int taken = actions[p];
+        const int chosen = a_star[p];
+        const float coef = __fmul_rn(isw[b], scale);
+        const float discount = __fmul_rn(gamma[d], __fsub_rn(1.0f, done[b]));
+        float* yd = y + (long long)p * n_quantiles;
+        for (int j = 0; j < n_quantiles; ++j) {
+            const float qt = q_target[((long long)b * n_quantiles + j) * a_total + off + chosen];
+            const float c = __fadd_rn(r[b], __fmul_rn(discount, qt));
+            yd[j] = c > bound ? bound : (c < -bound ? -bound : c);
+        }
+        float lsum = 0.0f;
+        for (int i = 0; i < n_quantiles; ++i) {
+            const long long row = ((long long)b * n_quantiles + i) * a_total;
+            const float qi = q[row + off + taken];
+            const float ti = tau[(long long)b * n_quantiles + i];
+            float g = 0.0f;
+            for (int j = 0; j < n_quantiles; ++j) {
+                const float u = __fsub_rn(yd[j], qi);
+                const float w = fabsf(__fsub_rn(ti, u < 0.0f ? 1.0f : 0.0f));
+                const float au = fabsf(u);
+                const float huber = au <= 1.0f ? __fmul_rn(0.5f, __fmul_rn(u, u))
+                                               : __fsub_rn(au, 0.5f);
+                lsum = __fadd_rn(lsum, __fmul_rn(w, huber));
+                const float clipped = u > 1.0f ? 1.0f : (u < -1.0f ? -1.0f : u);
+                g = __fadd_rn(g, __fmul_rn(w, clipped));
+            }
+            const float grad = -__fmul_rn(coef, g);
+            for (int a = 0; a < na; ++a) {
+                dq[row + off + a] = a == taken ? grad : 0.0f;
+            }
+        }
+        partial = __fadd_rn(partial, __fmul_rn(coef, lsum));
+    }
+    const float total = block_sum_halving(partial);
+    if (threadIdx.x == 0) {
+        *loss = __fadd_rn(total, 0.0f);  // an empty sum reads +0.0
+    }
+}
