@@ -62,6 +62,12 @@ RUN_DONE_STATUSES = ("completed", "halted")
 #: The per-epoch metric that ``--early-stop`` (Tune's ASHA) maximises, a ``metrics.jsonl`` field.
 EARLY_STOP_METRIC = "val_sharpe"
 BACKENDS = ("reference", "fast")
+#: Fast trials sharing one GPU when the sweep does not say: ``benches/bench_sweep.py`` on the
+#: H200 (2026-12-01, 8a63a4f; 3-epoch ``seed`` trials, one process each) gave an aggregate
+#: 70 / 159 / 221 / 264 steps/s at K = 1 / 2 / 4 / 8 (3.76x at 8; each doubling still gains
+#: more than 10%). The trials' loop runs on the host, so K follows the CPU cores as much as the
+#: GPU (16 cores there; one CPU per trial by default). Records: .readme/sweep/.
+DEFAULT_TRIALS_PER_GPU = 8
 
 
 class SweepError(ValueError):
@@ -222,7 +228,7 @@ class SweepSpec:
     args: tuple[str, ...] = ()
     #: BLAS threads and Ray CPUs of one trial.
     threads: int = 1
-    #: Trials sharing one GPU (``--backend fast`` only; ``None``: 1).
+    #: Trials sharing one GPU (``--backend fast`` only; ``None``: ``DEFAULT_TRIALS_PER_GPU``).
     trials_per_gpu: int | None = None
     #: The ``overall`` key the table and plot report (``None``: the command's default).
     metric: str | None = None
@@ -280,7 +286,11 @@ class SweepSpec:
 
     @property
     def gpus_per_trial(self) -> float:
-        return 1.0 / (self.trials_per_gpu or 1) if self.backend == "fast" else 0.0
+        return 1.0 / self.effective_trials_per_gpu if self.backend == "fast" else 0.0
+
+    @property
+    def effective_trials_per_gpu(self) -> int:
+        return self.trials_per_gpu or DEFAULT_TRIALS_PER_GPU
 
     def to_mapping(self) -> dict[str, Any]:
         """The sweep-file form (``from_mapping`` reads it back)."""

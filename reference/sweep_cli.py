@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 from . import jsonio
 from .atomic import open_temporary
-from .sweep import (COMMANDS, EARLY_STOP_METRIC, MAX_ATTEMPTS, POLL_S, RUN_DONE_STATUSES, STOP_GRACE_S,
-                    SweepError, SweepSpec, Trial, expand, is_done, load_results, read_summary,
-                    results_path, run_dir_of, run_trial, trial_record)
+from .sweep import (COMMANDS, DEFAULT_TRIALS_PER_GPU, EARLY_STOP_METRIC, MAX_ATTEMPTS, POLL_S,
+                    RUN_DONE_STATUSES, STOP_GRACE_S, SweepError, SweepSpec, Trial, expand, is_done,
+                    load_results, read_summary, results_path, run_dir_of, run_trial, trial_record)
 
 PLAN_NAME = "sweep.json"
 PLOT_NAME = "results.png"
@@ -287,7 +287,7 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, *, resume: bool = False, address
     todo = [t for t in trials if t.trial_id not in records]
     log(f"foxhunt sweep: {len(trials)} trials ({len(trials) - len(todo)} done before), "
         f"{len(todo)} to run; {spec.threads} CPU{'s' if spec.threads > 1 else ''}"
-        + (f" and 1/{spec.trials_per_gpu or 1} GPU" if spec.backend == "fast" else "")
+        + (f" and 1/{spec.effective_trials_per_gpu} GPU" if spec.backend == "fast" else "")
         + f" per trial; output in {sweep_dir}")
     write_results(sweep_dir, trials, records)
 
@@ -445,7 +445,8 @@ def register(sub) -> None:
                    help="a setting every trial gets (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="BLAS threads and Ray CPUs per trial (default 1)")
     p.add_argument("--trials-per-gpu", type=int, default=None,
-                   help="trials sharing one GPU, --backend fast only (default 1)")
+                   help="trials sharing one GPU, --backend fast only (default "
+                        f"{DEFAULT_TRIALS_PER_GPU}, measured on an H200)")
     p.add_argument("--metric", default=None, help="the overall metric to report (default test_sharpe)")
     p.add_argument("--early-stop", action="store_true", default=None,
                    help=f"stop hopeless trials (Tune's ASHA on the per-epoch {EARLY_STOP_METRIC})")

@@ -510,10 +510,19 @@ def test_fast_trials_share_gpus_by_fractional_requests(ray_local, fake, tmp_path
         assert [seen] == records[t.trial_id]["gpu_ids"] == [records[t.trial_id]["cuda_visible_devices"]]
 
 
+def test_fast_trials_default_to_the_measured_share_of_a_gpu():
+    # The default (set from benches/bench_sweep.py on the H200) applies to fast trials only; an
+    # explicit --trials-per-gpu wins; reference trials ask for no GPU.
+    assert sweep.DEFAULT_TRIALS_PER_GPU == 8
+    assert SweepSpec(backend="fast").gpus_per_trial == 0.125
+    assert SweepSpec(backend="fast", trials_per_gpu=2).gpus_per_trial == 0.5
+    assert SweepSpec(backend="reference").gpus_per_trial == 0.0
+
+
 def test_a_trial_the_cluster_cannot_hold_is_a_usage_error(ray_local, fake, tmp_path, monkeypatch):
     with pytest.raises(SweepError, match=r"^threads=5: a trial asks for 5 CPUs and the Ray cluster has 4;"):
         sweep_cli.run_sweep(SweepSpec(command="fake", threads=5), tmp_path / "a", trial_fn=fake)
-    sweep_cli.check_fits(SweepSpec(command="fake", backend="fast"))  # 1 GPU of 2: fits
+    sweep_cli.check_fits(SweepSpec(command="fake", backend="fast"))  # 1/8 GPU of 2: fits
     monkeypatch.setattr(ray_local, "cluster_resources", lambda: {"CPU": 4.0})  # a cluster without GPUs
     with pytest.raises(SweepError, match=r"^backend=fast: a trial asks for 0.25 GPU and the Ray cluster has 0 "):
         sweep_cli.check_fits(SweepSpec(command="fake", backend="fast", trials_per_gpu=4))
