@@ -6,21 +6,7 @@
 // from the ISV registry (foxhunt.reference.isv) by the launchers, so they are defined once.
 // Reductions are one block with the fixed trees of reduce.cuh: no atomics.
 #include "reduce.cuh"
-
-// The guarded float32 EMA of the reference (_ema): new = (1 - alpha) * old + alpha * x, each
-// product and the sum rounded; a non-finite x keeps old, a non-finite old takes x, an
-// overflowing blend keeps old.
-__device__ __forceinline__ float hb_guarded_ema(float old, float x, float alpha) {
-    const float keep = __fsub_rn(1.0f, alpha);
-    const float blended = __fadd_rn(__fmul_rn(keep, old), __fmul_rn(alpha, x));
-    if (!isfinite(x)) {
-        return old;
-    }
-    if (!isfinite(old)) {
-        return x;
-    }
-    return isfinite(blended) ? blended : old;
-}
+#include "isv_ema.cuh"  // hb_guarded_ema, hb_adaptive_rate (shared with aux.cu)
 
 // isv_signal_update: isv[i] = ema(isv[i], signals[i], alpha) for i < num_signals, with the
 // adaptive rate alpha = alpha_base * (1 + gain * |clamp(sharpe, -clamp, clamp)|), NaN Sharpe
@@ -35,13 +21,7 @@ extern "C" __global__ void isv_signal_update(float* __restrict__ isv,
     if (i >= num_signals) {
         return;
     }
-    float s = *sharpe;
-    if (isnan(s)) {
-        s = 0.0f;
-    }
-    const float clamped = fminf(fmaxf(s, -sharpe_clamp), sharpe_clamp);
-    const float gain = __fadd_rn(1.0f, __fmul_rn(sharpe_gain, fabsf(clamped)));
-    const float alpha = __fmul_rn(alpha_base, gain);
+    const float alpha = hb_adaptive_rate(*sharpe, alpha_base, sharpe_clamp, sharpe_gain);
     isv[i] = hb_guarded_ema(isv[i], signals[i], alpha);
 }
 

@@ -180,11 +180,12 @@ REGISTRY: tuple[ISVSlot, ...] = (
             ("checkpoint load",), SchemaContract, 0.0),
     ISVSlot(116, "LAYOUT_FINGERPRINT_HI", "u32bits", "construct (layout_fingerprint)",
             ("checkpoint load",), SchemaContract, 0.0),
-    ISVSlot(117, "AUX_LABEL_SCALE_EMA", "f32", "aux next-bar head",
-            ("aux next-bar label scale",), FoldReset, 1.0),
+    ISVSlot(117, "AUX_LABEL_SCALE_EMA", "f32", "isv_label_scale_update",
+            ("aux next-bar label scale",), FoldReset, 0.0),
 )
-# AUX_LABEL_SCALE_EMA cold-starts at 1.0 (a neutral scale): the seed's zero cold start makes the
-# epsilon-floored divisor 1e6 at a fold boundary, which its NaN audit flags as a correctness bug.
+# AUX_LABEL_SCALE_EMA cold-starts at 0 as in the seed, but its producer replaces a slot that is
+# not > 0 by the first batch's RMS (kernels.aux.isv_label_scale_update, run before the loss), so
+# the epsilon-floored divisor never sits at 1e6 after a fold boundary (the seed's NaN audit).
 
 
 # --------------------------------------------------------------------------- validation
