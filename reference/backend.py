@@ -46,6 +46,11 @@ class StepScalars:
     step (``read_at == step``). Between readbacks a trainer returns the last values read.
     Norms are L2 norms of each gradient source before and after its budget clip; ``grad_norm`` is
     the norm entering Adam; ``safety_clip_fired`` says whether Adam's global clip scaled it.
+
+    ``loss`` is the main loss ``c51_loss + cql_loss``; ``c51_loss`` is the MSE-blended
+    ``(1 - w) c51 + w mse`` while the warm-up runs (``mse_weight`` w > 0). The second-wave
+    fields (``iqn_*``, ``ens_*``, ``aux_*``, ``mse_*``; unweighted losses, norms before their
+    source weight) are 0 for a source that is off.
     """
 
     step: int
@@ -63,11 +68,23 @@ class StepScalars:
     safety_clip_fired: bool
     mean_q: float
     mean_target_q: float
+    iqn_loss: float
+    iqn_norm_pre: float
+    iqn_norm_post: float
+    ens_loss: float
+    ens_norm_pre: float
+    ens_norm_post: float
+    aux_next_bar_loss: float
+    aux_regime_loss: float
+    mse_loss: float
+    mse_weight: float
     flags: tuple[int, ...] = field(default_factory=tuple)
 
     #: The float fields that must be finite; a non-finite one forces a fresh read next step.
     FINITE_FIELDS: ClassVar[tuple[str, ...]] = (
         "loss", "c51_loss", "cql_loss", "grad_norm", "c51_norm_pre", "cql_norm_pre",
+        "iqn_loss", "iqn_norm_pre", "ens_loss", "ens_norm_pre", "aux_next_bar_loss",
+        "aux_regime_loss", "mse_loss",
     )
 
     def all_finite(self) -> bool:
@@ -94,6 +111,12 @@ class StepScalars:
         read["safety_clip_fired"] = read["safety_clip_fired"] != 0.0
         return cls(step=step, read_at=step, fresh=True, flags=tuple(int(f) for f in flags), **read)
 
+
+#: Each gradient source's loss field (``config.BUDGET_SOURCES`` order; every source also has
+#: ``<source>_norm_pre`` / ``<source>_norm_post``), then the losses without a budget of their
+#: own (the auxiliary heads sit in the C51 budget; the MSE warm-up is blended into C51).
+SOURCE_LOSS_FIELDS: tuple[str, ...] = ("c51_loss", "cql_loss", "iqn_loss", "ens_loss",
+                                       "aux_next_bar_loss", "aux_regime_loss", "mse_loss")
 
 #: The fields a step reads back (every :class:`StepScalars` field but the bookkeeping ``step``,
 #: ``read_at``, ``fresh`` and the ``flags``, read on their own), in declaration order: the

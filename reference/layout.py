@@ -11,6 +11,21 @@ Weights are row-major ``[out, in]``; the second layer of branch ``d`` has ``out 
 offset that is a multiple of 64 (256 bytes of float32); the padding between tensors is always
 zero. The BF16 mirror is a ``uint16`` buffer of the same length indexed by the same element
 offsets. The ``seed`` preset has exactly 289,611 parameters (padding not counted).
+
+Second-wave tensors (SPEC 4; issue 18 contract) follow the core tensors, each present only
+when its source's weight is > 0, in this order (``AXH = aux_hidden``, ``R = n_regimes``,
+``A = sum(branches)``, rows branch-major)::
+
+    aux  (next-bar head)  w_nb1 [AXH, SH2]  b_nb1 [AXH]  w_nb2 [1, AXH]  b_nb2 [1]
+         (regime head)    w_rg1 [AXH, SH2]  b_rg1 [AXH]  w_rg2 [R, AXH]  b_rg2 [R]
+    iqn                   w_phi [SH2, iqn_embed]  b_phi [SH2]  w_iq [A, SH2]  b_iq [A]
+    ens  (k = 1..K-1)     w_e{k}1 [VH, SH2]  b_e{k}1 [VH]  w_e{k}2 [NA, VH]  b_e{k}2 [NA]
+
+Ranges (element offsets, ``[start, end)``): the trunk ``[0, trunk_end)``, trunk and value
+head ``[0, value_end)``, the core ``[0, core_end)``, what the main Adam updates ``[0,
+main_adam_end)`` (core and aux heads), ``iqn_range`` (the IQN head's own Adam) and
+``ens_range`` (the frozen ensemble priors: never updated). With every source off the layout
+is the core layout, offset for offset.
 """
 
 from __future__ import annotations
@@ -28,8 +43,15 @@ ALIGN_ELEMS = ALIGN_BYTES // np.dtype(np.float32).itemsize
 #: Names of the first three branches (the seeds' exposure / order type / urgency).
 BRANCH_NAMES = ("exposure", "order", "urgency")
 
-#: Mech 5 diagnostic groups.
+#: Mech 5 diagnostic groups of the core tensors.
 GROUPS = ("trunk", "value", "branch")
+
+#: The second-wave tensor groups, in layout order.
+HEAD_GROUPS = ("aux", "iqn", "ens")
+
+#: Groups whose weight matrices are trained (Adam and spectral norm): every group but the
+#: ensemble's frozen randomized priors (Osband et al. 2018).
+FROZEN_GROUPS = ("ens",)
 
 
 def branch_name(d: int) -> str:
@@ -57,6 +79,10 @@ class TensorSpec:
     @property
     def end(self) -> int:
         return self.offset + self.size
+
+    @property
+    def is_core(self) -> bool:
+        return self.group in GROUPS
 
 
 def _align(n: int) -> int:
@@ -87,6 +113,7 @@ class ParamLayout:
                 (f"w_{br}2", (n * c.num_atoms, c.adv_h), "branch"),
                 (f"b_{br}2", (n * c.num_atoms,), "branch"),
             ]
+        shapes += second_wave_shapes(c)
         tensors = []
         offset = 0
         for index, (name, shape, group) in enumerate(shapes):
@@ -97,12 +124,37 @@ class ParamLayout:
         self.by_name = {t.name: t for t in self.tensors}
         #: Padded length of the flat buffer (a multiple of ``ALIGN_ELEMS``).
         self.num_elements = offset
-        #: Number of parameters, padding not counted.
+        #: Number of parameters, padding not counted (core and every second-wave head).
         self.total_params = sum(t.size for t in self.tensors)
-        #: The weight matrices (2 + 2 + 2 * n_branches), in GOFF order.
-        self.weight_matrices: tuple[TensorSpec, ...] = tuple(t for t in self.tensors if t.is_weight)
-        #: Element range of the trunk tensors (the trunk is contiguous at the start).
+        #: Parameters of the core tensors (289,611 for ``seed``) and of each head group (0 when
+        #: its source is off).
+        self.core_params = sum(t.size for t in self.tensors if t.is_core)
+        self.head_params = {g: sum(t.size for t in self.tensors if t.group == g)
+                            for g in HEAD_GROUPS}
+        #: The trained weight matrices, in GOFF order: the core's 2 + 2 + 2 * n_branches, then
+        #: the aux and IQN heads' (spectral norm and its u/v vectors cover exactly these; the
+        #: frozen ensemble priors are not among them).
+        self.weight_matrices: tuple[TensorSpec, ...] = tuple(
+            t for t in self.tensors if t.is_weight and t.group not in FROZEN_GROUPS)
+        #: Ends of the trunk, of the trunk + value head, and of the core tensors.
         self.trunk_end = self.by_name["b_s2"].end
+        self.value_end = self.by_name["b_v2"].end
+        self.core_end = max(t.end for t in self.tensors if t.is_core)
+        ranges = {g: self._group_range(g) for g in HEAD_GROUPS}
+        #: The main Adam covers ``[0, main_adam_end)``: the core and the aux heads.
+        self.main_adam_end = ranges["aux"][1] if ranges["aux"] else self.core_end
+        #: ``(start, end)`` of the IQN head's tensors (its own Adam), or ``None``.
+        self.iqn_range: tuple[int, int] | None = ranges["iqn"]
+        #: ``(start, end)`` of the frozen ensemble priors, or ``None``.
+        self.ens_range: tuple[int, int] | None = ranges["ens"]
+
+    def _group_range(self, group: str) -> tuple[int, int] | None:
+        ts = [t for t in self.tensors if t.group == group]
+        return (ts[0].offset, ts[-1].end) if ts else None
+
+    def group_tensors(self, group: str) -> tuple[TensorSpec, ...]:
+        """The tensors of one group (``GROUPS`` or ``HEAD_GROUPS``), in layout order."""
+        return tuple(t for t in self.tensors if t.group == group)
 
     def __repr__(self) -> str:
         return (f"ParamLayout({len(self.tensors)} tensors, total_params={self.total_params}, "
@@ -150,15 +202,43 @@ class ParamLayout:
         )
 
 
+def second_wave_shapes(c: DQNConfig) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, group)`` of the second-wave tensors ``c`` turns on, in layout order (the
+    module docstring's table)."""
+    out: list[tuple[str, tuple[int, ...], str]] = []
+    axh, sh2 = c.aux_hidden, c.shared_h2
+    for on, key, n_out in ((c.aux_next_bar_on, "nb", 1), (c.aux_regime_on, "rg", c.n_regimes)):
+        if on:
+            out += [(f"w_{key}1", (axh, sh2), "aux"), (f"b_{key}1", (axh,), "aux"),
+                    (f"w_{key}2", (n_out, axh), "aux"), (f"b_{key}2", (n_out,), "aux")]
+    if c.iqn_on:
+        a = sum(c.branches)
+        out += [("w_phi", (sh2, c.iqn_embed), "iqn"), ("b_phi", (sh2,), "iqn"),
+                ("w_iq", (a, sh2), "iqn"), ("b_iq", (a,), "iqn")]
+    if c.ens_on:
+        for k in range(1, c.ens_heads):
+            out += [(f"w_e{k}1", (c.value_h, sh2), "ens"), (f"b_e{k}1", (c.value_h,), "ens"),
+                    (f"w_e{k}2", (c.num_atoms, c.value_h), "ens"),
+                    (f"b_e{k}2", (c.num_atoms,), "ens")]
+    return out
+
+
 def init_params(layout: ParamLayout, seed: int) -> np.ndarray:
     """Deterministic initial parameters: ``W ~ U(-1/sqrt(fan_in), 1/sqrt(fan_in))``, biases 0.
 
-    Draws from ``np.random.default_rng(seed)`` in GOFF order, in float64, then rounds to
-    float32 once. Padding is zero.
+    The core weights draw from ``np.random.default_rng(seed)`` in GOFF order (so a config's
+    core parameters do not depend on its second-wave switches); the weights of head group
+    ``HEAD_GROUPS[g]`` draw from their own generator ``np.random.default_rng([seed, g + 1])``
+    in layout order (turning one source on changes no other's init). Every draw is float64,
+    rounded to float32 once. Padding is zero. The ensemble priors are initialised like any
+    head and then never change.
     """
-    rng = np.random.default_rng(seed)
     flat = layout.zeros()
-    for t in layout.weight_matrices:
-        bound = 1.0 / np.sqrt(t.shape[1])
-        flat[t.offset:t.end] = rng.uniform(-bound, bound, size=t.size).astype(np.float32)
+    rngs = {"core": np.random.default_rng(seed)}
+    rngs.update({g: np.random.default_rng([seed, i + 1]) for i, g in enumerate(HEAD_GROUPS)})
+    for t in layout.tensors:
+        if t.is_weight:
+            rng = rngs["core" if t.is_core else t.group]
+            bound = 1.0 / np.sqrt(t.shape[1])
+            flat[t.offset:t.end] = rng.uniform(-bound, bound, size=t.size).astype(np.float32)
     return flat

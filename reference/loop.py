@@ -121,6 +121,16 @@ class EpochRecord:
     cql_norm_pre: float
     cql_norm_post: float
     mean_q: float
+    iqn_loss: float
+    iqn_norm_pre: float
+    iqn_norm_post: float
+    ens_loss: float
+    ens_norm_pre: float
+    ens_norm_post: float
+    aux_next_bar_loss: float
+    aux_regime_loss: float
+    mse_loss: float
+    mse_weight: float
     epsilon: float
     val_sharpe: float
     val_total_return: float

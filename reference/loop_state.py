@@ -36,7 +36,7 @@ from .market import Bars
 
 LOG = logging.getLogger("foxhunt")
 
-FORMAT = "foxhunt-loop-state-1"
+FORMAT = "foxhunt-loop-state-2"  # 2: second-wave scalars, replay labels
 CHECKPOINTS = "checkpoints"
 LAST_TRAINER = "last.safetensors"
 LAST_LOOP = "last.loop.npz"

@@ -21,7 +21,7 @@ import numpy as np
 
 from .backend import BACKWARD_GEMM_MODE, FORWARD_GEMM_MODE
 from .config import DQNConfig
-from .kernels import dense, distributional, safety
+from .kernels import dense, distributional, optim, safety
 from .kernels import step as step_kernels
 from .layout import ParamLayout, branch_name
 
@@ -82,41 +82,67 @@ def forward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, x: np.nd
     return act
 
 
+class _Backprop:
+    """The dense-layer backward of one parameter buffer: weight and bias gradients written into
+    ``grad``'s views, activations and weights rounded once per GEMM mode and reused."""
+
+    def __init__(self, config: DQNConfig, layout: ParamLayout, params: np.ndarray, grad: np.ndarray):
+        self.mode = BACKWARD_GEMM_MODE[config.precision]
+        self.p = layout.views(params)
+        self.g = layout.views(grad)
+        self._rounded: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def rnd(self, x: np.ndarray) -> np.ndarray:
+        key = id(x)  # the pair keeps x alive, so its id is not reused while cached
+        if key not in self._rounded:
+            self._rounded[key] = (x, _rounded(x, self.mode))
+        return self._rounded[key][1]
+
+    def dense(self, dy: np.ndarray, x_in: np.ndarray, w_name: str, b_name: str) -> np.ndarray:
+        """``dW = dy^T x``, ``db = colsum dy`` into ``grad``; returns ``dx = dy W``."""
+        dy_r = _rounded(dy, self.mode)
+        self.g[w_name][...] = dense.gemm(dy_r, self.rnd(x_in), trans_a=True, mode=self.mode,
+                                         rounded=True)
+        self.g[b_name][...] = dense.bias_grad_reduce(dy)
+        return dense.gemm(dy_r, self.rnd(self.p[w_name]), mode=self.mode, rounded=True)
+
+    def trunk(self, dh2_masked: np.ndarray, act: Activations) -> None:
+        """``W_s2``, ``b_s2`` then (through h1's ReLU) ``W_s1``, ``b_s1`` from the masked d h2."""
+        dh1 = dense.relu_mask(self.dense(dh2_masked, act.h1, "w_s2", "b_s2"), act.h1)
+        self.dense(dh1, act.x, "w_s1", "b_s1")
+
+
+def _masked_trunk_grad(parts: np.ndarray, act: Activations, h2_bound: float | None):
+    """``step.h2_grad_sum_mask`` of ``parts`` ``[K, N, SH2]``: ``(dh2 sum, masked)``. Without the
+    clamp (``h2_bound`` None) only the ReLU applies: the kernel's "the clamp left it unchanged"
+    test would also zero the gradient of a NaN h2, which relu_mask passes."""
+    trunk = step_kernels.h2_grad_sum_mask(parts, act.h2, act.h2_pre_clamp)
+    masked = trunk.out if h2_bound is not None else dense.relu_mask(trunk.dh2, act.h2_pre_clamp)
+    return trunk.dh2, masked
+
+
 def backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Activations,
              dlogits: list[np.ndarray], *, h2_bound: float | None = None,
-             trace: dict | None = None) -> np.ndarray:
+             trace: dict | None = None, aux_d_h2: np.ndarray | None = None) -> np.ndarray:
     """Gradient (flat f32, layout order, padding zero) of a loss whose gradient w.r.t. each
     branch's logits is ``dlogits[d] [N, n_d, NA]``.
 
     Chain: dueling backward (``dv`` summed over branches), head GEMMs with ReLU masks and bias
-    reductions, ``dh2`` summed over every branch then the value head and masked by the Mech 10
-    clamp (zero gradient where the clamp changed the value) and the trunk ReLU
-    (``step.h2_grad_sum_mask``), then the trunk.
+    reductions, ``dh2`` summed over every branch then the value head (the trunk-gradient
+    buffer), then, if ``aux_d_h2`` ``[N, SH2]`` is given (the auxiliary heads' weighted d h2),
+    ``dh2 = saxpy(dh2, aux_d_h2, 1)`` (isfinite-guarded: a non-finite element is skipped),
+    then masked by the Mech 10 clamp (zero gradient where the clamp changed the value) and the
+    trunk ReLU (``step.h2_grad_sum_mask``), then the trunk. Only the core tensors of the
+    result are written.
 
     ``trace``, if given, receives the intermediate gradients the sentinels watch:
-    ``d_value_logits`` (``dv``), ``d_adv_logits`` (every branch's ``dadv``, flattened) and
-    ``d_h2`` (after the heads, before the trunk).
+    ``d_value_logits`` (``dv``), ``d_adv_logits`` (every branch's ``dadv``, flattened),
+    ``d_h2`` (after the heads, before the auxiliary SAXPY and the trunk) and, with
+    ``aux_d_h2``, ``d_h2_post_aux`` (after the SAXPY).
     """
-    mode = BACKWARD_GEMM_MODE[config.precision]
-    p = layout.views(params)
     grad = layout.zeros()
-    g = layout.views(grad)
+    bp = _Backprop(config, layout, params, grad)
     n_rows = act.x.shape[0]
-
-    rounded: dict[int, np.ndarray] = {}
-
-    def rnd(x):  # activations and weights are reused by several GEMMs: round each once
-        key = id(x)
-        if key not in rounded:
-            rounded[key] = (x, _rounded(x, mode))
-        return rounded[key][1]
-
-    def dense_backward(dy, x_in, w_name, b_name):
-        dy_r = _rounded(dy, mode)
-        g[w_name][...] = dense.gemm(dy_r, rnd(x_in), trans_a=True, mode=mode, rounded=True)
-        g[b_name][...] = dense.bias_grad_reduce(dy)
-        return dense.gemm(dy_r, rnd(p[w_name]), mode=mode, rounded=True)
-
     dv = np.zeros_like(act.v)
     dh2_parts = []  # each head's part of d h2: the branches in order, then the value head
     dadvs = []
@@ -125,21 +151,33 @@ def backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Ac
         dv_d, dadv = distributional.dueling_combine_backward(dlogits[d])
         dv = dv + dv_d
         dadvs.append(dadv.ravel())
-        dha = dense_backward(dadv.reshape(n_rows, n * config.num_atoms), act.ha[d], f"w_{br}2", f"b_{br}2")
+        dha = bp.dense(dadv.reshape(n_rows, n * config.num_atoms), act.ha[d], f"w_{br}2", f"b_{br}2")
         dha = dense.relu_mask(dha, act.ha[d])
-        dh2_parts.append(dense_backward(dha, act.h2, f"w_{br}1", f"b_{br}1"))
-    dhv = dense.relu_mask(dense_backward(dv, act.hv, "w_v2", "b_v2"), act.hv)
-    dh2_parts.append(dense_backward(dhv, act.h2, "w_v1", "b_v1"))
+        dh2_parts.append(bp.dense(dha, act.h2, f"w_{br}1", f"b_{br}1"))
+    dhv = dense.relu_mask(bp.dense(dv, act.hv, "w_v2", "b_v2"), act.hv)
+    dh2_parts.append(bp.dense(dhv, act.h2, "w_v1", "b_v1"))
     # The sum of the parts, then the backward through Mech 10's clamp (clamp_finite passes a
     # value through unchanged only where it was finite and in range) and the trunk ReLU.
-    trunk = step_kernels.h2_grad_sum_mask(np.stack(dh2_parts), act.h2, act.h2_pre_clamp)
+    dh2, masked = _masked_trunk_grad(np.stack(dh2_parts), act, h2_bound)
     if trace is not None:
-        trace.update(d_value_logits=dv, d_adv_logits=np.concatenate(dadvs), d_h2=trunk.dh2)
-    # Without the clamp only the ReLU applies: the kernel's "the clamp left it unchanged" test
-    # would also zero the gradient of a NaN h2, which relu_mask passes.
-    dh2 = trunk.out if h2_bound is not None else dense.relu_mask(trunk.dh2, act.h2_pre_clamp)
-    dh1 = dense.relu_mask(dense_backward(dh2, act.h1, "w_s2", "b_s2"), act.h1)
-    dense_backward(dh1, act.x, "w_s1", "b_s1")
+        trace.update(d_value_logits=dv, d_adv_logits=np.concatenate(dadvs), d_h2=dh2)
+    if aux_d_h2 is not None:
+        post_aux = optim.saxpy(dh2, aux_d_h2, np.float32(1))
+        if trace is not None:
+            trace["d_h2_post_aux"] = post_aux
+        masked = _masked_trunk_grad(post_aux[None], act, h2_bound)[1]
+    bp.trunk(masked, act)
+    return grad
+
+
+def trunk_backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, act: Activations,
+                   dh2: np.ndarray, *, h2_bound: float | None) -> np.ndarray:
+    """The trunk's gradient (flat f32, layout-sized; only ``w_s1 b_s1 w_s2 b_s2`` non-zero) of a
+    loss whose gradient w.r.t. ``act.h2`` is ``dh2`` ``[N, SH2]``: the Mech 10 clamp mask and
+    the ReLU mask of h2 (as in ``backward``), then ``W_s2``, h1's ReLU, ``W_s1``. The auxiliary
+    sources' trunk backwards (IQN, ensemble) into their own scratch buffers use it."""
+    grad = layout.zeros()
+    _Backprop(config, layout, params, grad).trunk(_masked_trunk_grad(dh2[None], act, h2_bound)[1], act)
     return grad
 
 

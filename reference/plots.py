@@ -1,5 +1,8 @@
 """PNG plots of a run: loss, per-component gradient norms, validation/test Sharpe, test equity.
 
+The loss and gradient-norm plots draw a second-wave source (IQN, ensemble, auxiliary heads,
+MSE warm-up) only when it is on (some value > 0); C51 and CQL are always drawn.
+
 Every plot marks the fold boundaries (dotted vertical lines); the Sharpe and equity plots
 draw the flat and buy-and-hold baselines of each fold's test segment next to the policy.
 """
@@ -9,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from .config import BUDGET_SOURCES
 
 
 def _fold_starts(records) -> list[int]:
@@ -48,16 +53,27 @@ def write_plots(out: Path, result) -> list[Path]:
     ax.plot(x, [r.loss for r in recs], "o-", label="total")
     ax.plot(x, [r.c51_loss for r in recs], "s--", label="C51")
     ax.plot(x, [r.cql_loss for r in recs], "^--", label="CQL")
+    for key, label in (("iqn_loss", "IQN"), ("ens_loss", "ensemble"),
+                       ("aux_next_bar_loss", "aux next bar"), ("aux_regime_loss", "aux regime"),
+                       ("mse_loss", "MSE warm-up")):
+        values = [getattr(r, key) for r in recs]
+        if any(v != 0 for v in values):
+            ax.plot(x, values, ".:", label=label)
     boundaries(ax, epoch_bounds)
     ax.set(xlabel="epoch (all folds)", ylabel="loss (last step of epoch)", title="Loss")
     ax.legend()
     save(fig, "loss.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label, style in (("c51_norm_pre", "C51 before clip", "o-"), ("c51_norm_post", "C51 after clip", "o:"),
-                              ("cql_norm_pre", "CQL before clip", "s-"), ("cql_norm_post", "CQL after clip", "s:"),
-                              ("grad_norm", "into Adam", "k^-")):
-        ax.plot(x, [getattr(r, key) for r in recs], style, label=label)
+    for src, marker in zip(BUDGET_SOURCES, "osDv"):
+        pre = [getattr(r, f"{src}_norm_pre") for r in recs]
+        if src not in ("c51", "cql") and not any(v > 0 for v in pre):
+            continue  # a second-wave source that is off (its norms are 0)
+        name = src.upper() if src != "ens" else "ensemble"
+        ax.plot(x, pre, f"{marker}-", label=f"{name} before clip")
+        ax.plot(x, [getattr(r, f"{src}_norm_post") for r in recs], f"{marker}:",
+                label=f"{name} after clip")
+    ax.plot(x, [r.grad_norm for r in recs], "k^-", label="into Adam")
     boundaries(ax, epoch_bounds)
     ax.set(xlabel="epoch (all folds)", ylabel="L2 norm", title="Per-component gradient norms", yscale="log")
     ax.legend(fontsize=8)

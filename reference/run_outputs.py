@@ -7,7 +7,9 @@ at a readback point) and ``close()``.
 
 - ``PrometheusGauges(port, host)``: an HTTP server on ``host:port`` (``127.0.0.1`` unless the
   user says otherwise: the gauges say how a run is going, not something to publish on every
-  interface) serving per-component gradient norms, losses and the validation / test Sharpe.
+  interface) serving the gradient norms of the four budget sources (C51, CQL, IQN,
+  ensemble) before and after their clips, every component's loss and the validation / test
+  Sharpe.
 - ``TensorBoardScalars(log_dir)``: every numeric field of each epoch record as
   ``epoch/<field>`` at step ``global_epoch``, and every numeric field of the readback-point
   step scalars as ``step/<field>`` at the training step. Written with ``tensorboard.summary``
@@ -20,6 +22,8 @@ import dataclasses
 import errno
 from pathlib import Path
 
+from .backend import SOURCE_LOSS_FIELDS
+from .config import BUDGET_SOURCES
 from .runs import UsageError
 
 DEFAULT_METRICS_HOST = "127.0.0.1"
@@ -66,10 +70,11 @@ class PrometheusGauges:
         return self.server.server_address[:2]
 
     def epoch(self, rec) -> None:
-        for comp in ("c51", "cql"):
+        for comp in BUDGET_SOURCES:  # c51, cql, iqn, ens: 0 for a source that is off
             self.grad_norm.labels(comp, "pre").set(getattr(rec, f"{comp}_norm_pre"))
             self.grad_norm.labels(comp, "post").set(getattr(rec, f"{comp}_norm_post"))
-            self.loss.labels(comp).set(getattr(rec, f"{comp}_loss"))
+        for name in SOURCE_LOSS_FIELDS:
+            self.loss.labels(name.removesuffix("_loss")).set(getattr(rec, name))
         self.grad_norm.labels("total", "adam").set(rec.grad_norm)
         for segment in ("val", "test"):
             value = getattr(rec, f"{segment}_sharpe", None)

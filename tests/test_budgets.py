@@ -131,6 +131,64 @@ def test_budget_pipeline_overflowing_component_is_discarded_and_reported_as_zero
     assert norms.c51_post == 0.0
 
 
+# ------------------------------------------------------------------ the second-wave budgets
+def _layout_sized(layout, rng, scale, end, specials=()):
+    x = layout.zeros()
+    x[:end] = (rng.standard_normal(end) * scale).astype(np.float32)
+    for i in specials:
+        x[i] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("scales", [(10.0, 10.0), (1e-3, 1e-3), (10.0, 1e-3)])
+@pytest.mark.parametrize("weights", [(1.0, 0.5), (0.25, 2.0)])
+def test_second_wave_budgets_match_the_float64_pipeline(scales, weights):
+    """grad + lambda * clipped(iqn[0:trunk_end], 0.10 mgn) + w * clipped(ens[0:value_end], 0.05
+    mgn), guarded, recomputed here in float64."""
+    from foxhunt.reference.budgets import second_wave_budgets
+    from foxhunt.reference.layout import ParamLayout
+
+    config = DQNConfig.preset("tiny", lambda_iqn=weights[0], ens_weight=weights[1])
+    lay = ParamLayout(config)
+    rng = np.random.default_rng(4)
+    grad = (rng.standard_normal(lay.num_elements) * 0.1).astype(np.float32)
+    grad[lay.padding_mask()] = 0
+    iqn = _layout_sized(lay, rng, scales[0], lay.trunk_end, specials=(3,))
+    ens = _layout_sized(lay, rng, scales[1], lay.value_end, specials=(lay.value_end - 1,))
+    grad_in = grad.copy()
+    out, norms = second_wave_budgets(config, lay, grad, iqn_trunk=iqn, ens_trunk=ens)
+    assert np.array_equal(grad, grad_in)  # inputs are not modified
+    expect = grad.astype(np.float64)
+    for buf, end, w, src in ((iqn, lay.trunk_end, weights[0], "iqn"),
+                             (ens, lay.value_end, weights[1], "ens")):
+        n = finite_norm64(buf[:end])
+        s = clip_factor64(n, config.budget(src))
+        x = buf[:end].astype(np.float64)
+        expect[:end] += np.where(np.isfinite(x), w * x * s, 0.0)
+        np.testing.assert_allclose([getattr(norms, f"{src}_pre"), getattr(norms, f"{src}_post")],
+                                   [n, n * s], rtol=1e-5)
+        assert getattr(norms, f"{src}_post") <= config.budget(src) * (1 + BUDGET_RTOL)
+    np.testing.assert_allclose(out, expect, rtol=1e-5, atol=1e-7)
+    assert np.isfinite(out).all()  # the NaNs of both scratches were skipped
+    assert np.array_equal(out[lay.value_end:], grad[lay.value_end:])  # outside the ranges
+
+
+def test_second_wave_budgets_refuse_a_source_that_does_not_match_its_weight():
+    from foxhunt.reference.budgets import SourceNorms, second_wave_budgets
+    from foxhunt.reference.layout import ParamLayout
+
+    config = DQNConfig.preset("tiny", lambda_iqn=1.0)
+    lay = ParamLayout(config)
+    g = lay.zeros()
+    with pytest.raises(ValueError, match=r"iqn trunk gradient missing with lambda_iqn=1.0"):
+        second_wave_budgets(config, lay, g)
+    with pytest.raises(ValueError, match=r"ens trunk gradient given with ens_weight=0.0"):
+        second_wave_budgets(config, lay, g, iqn_trunk=g, ens_trunk=g)
+    core = DQNConfig.preset("tiny")
+    out, norms = second_wave_budgets(core, ParamLayout(core), g[:ParamLayout(core).num_elements])
+    assert norms == SourceNorms() and norms.iqn_pre == 0 and norms.ens_post == 0
+
+
 # ------------------------------------------------------------------ Mech 6
 @pytest.mark.parametrize("mgn, slow_ema, expected", [
     (10.0, 0.0, 10.0),       # cold start: the floor on the signal gives 100 * 1 > mgn

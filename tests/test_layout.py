@@ -79,3 +79,109 @@ def test_view_rejects_wrong_buffer():
         lay.view(np.zeros(10, np.float32), "w_s1")
     with pytest.raises(KeyError, match="w_nope"):
         lay.view(lay.zeros(), "w_nope")
+
+
+# ------------------------------------------------------------------ second wave (issue 18)
+ALL_ON = dict(lambda_iqn=1.0, ens_weight=0.5, aux_next_bar_weight=0.1, aux_regime_weight=0.1)
+
+
+def second_wave(preset="tiny", **over):
+    return DQNConfig.preset(preset, **{**ALL_ON, **over})
+
+
+@pytest.mark.parametrize("preset", ["seed", "tiny"])
+def test_second_wave_tensors_follow_the_core_in_contract_order(preset):
+    c = second_wave(preset, iqn_embed=8, ens_heads=3, aux_hidden=5, n_regimes=4)
+    lay, core = ParamLayout(c), ParamLayout(DQNConfig.preset(preset))
+    n_core = len(core.tensors)
+    assert [(t.name, t.shape, t.offset) for t in lay.tensors[:n_core]] == \
+        [(t.name, t.shape, t.offset) for t in core.tensors]
+    SH2, VH, NA, A = c.shared_h2, c.value_h, c.num_atoms, sum(c.branches)
+    expect = [
+        ("w_nb1", (5, SH2), "aux"), ("b_nb1", (5,), "aux"), ("w_nb2", (1, 5), "aux"), ("b_nb2", (1,), "aux"),
+        ("w_rg1", (5, SH2), "aux"), ("b_rg1", (5,), "aux"), ("w_rg2", (4, 5), "aux"), ("b_rg2", (4,), "aux"),
+        ("w_phi", (SH2, 8), "iqn"), ("b_phi", (SH2,), "iqn"), ("w_iq", (A, SH2), "iqn"), ("b_iq", (A,), "iqn"),
+    ]
+    for k in (1, 2):
+        expect += [(f"w_e{k}1", (VH, SH2), "ens"), (f"b_e{k}1", (VH,), "ens"),
+                   (f"w_e{k}2", (NA, VH), "ens"), (f"b_e{k}2", (NA,), "ens")]
+    assert [(t.name, t.shape, t.group) for t in lay.tensors[n_core:]] == expect
+    assert [t.index for t in lay.tensors] == list(range(n_core + len(expect)))
+    for t in lay.tensors:
+        assert (t.offset * 4) % ALIGN_BYTES == 0
+    # Counts, by hand from the shapes above.
+    aux = (5 * SH2 + 5 + 5 + 1) + (5 * SH2 + 5 + 4 * 5 + 4)
+    iqn = SH2 * 8 + SH2 + A * SH2 + A
+    ens = 2 * (VH * SH2 + VH + NA * VH + NA)
+    assert lay.head_params == {"aux": aux, "iqn": iqn, "ens": ens}
+    assert lay.core_params == core.total_params
+    assert lay.total_params == core.total_params + aux + iqn + ens
+    assert lay.num_elements - lay.padding_mask().sum() == lay.total_params
+    if preset == "seed":
+        assert lay.core_params == 289611
+
+
+def test_second_wave_ranges():
+    c = second_wave()
+    lay = ParamLayout(c)
+    assert lay.trunk_end == lay["b_s2"].end and lay.value_end == lay["b_v2"].end
+    last_core = lay.tensors[8 + 4 * c.n_branches - 1]
+    assert lay.core_end == last_core.end
+    assert lay.main_adam_end == lay["b_rg2"].end
+    assert lay.iqn_range == (lay["w_phi"].offset, lay["b_iq"].end)
+    assert lay.ens_range == (lay["w_e11"].offset, lay["b_e22"].end)
+    # Without aux heads the main Adam ends with the core; without IQN / ensemble no range.
+    only_iqn = ParamLayout(DQNConfig.preset("tiny", lambda_iqn=1.0))
+    assert only_iqn.main_adam_end == only_iqn.core_end and only_iqn.ens_range is None
+    assert only_iqn.iqn_range[0] >= only_iqn.core_end
+    core = ParamLayout(DQNConfig.preset("tiny"))
+    assert (core.iqn_range, core.ens_range) == (None, None)
+    assert core.main_adam_end == core.core_end and core.head_params == {"aux": 0, "iqn": 0, "ens": 0}
+    # Each head alone: only its tensors.
+    nb = ParamLayout(DQNConfig.preset("tiny", aux_next_bar_weight=0.1))
+    assert [t.name for t in nb.group_tensors("aux")] == ["w_nb1", "b_nb1", "w_nb2", "b_nb2"]
+    rg = ParamLayout(DQNConfig.preset("tiny", aux_regime_weight=0.1))
+    assert [t.name for t in rg.group_tensors("aux")] == ["w_rg1", "b_rg1", "w_rg2", "b_rg2"]
+
+
+def test_trained_weight_matrices_exclude_the_frozen_priors():
+    lay = ParamLayout(second_wave(ens_heads=4))
+    names = [t.name for t in lay.weight_matrices]
+    core = [t.name for t in ParamLayout(DQNConfig.preset("tiny")).weight_matrices]
+    assert names == core + ["w_nb1", "w_nb2", "w_rg1", "w_rg2", "w_phi", "w_iq"]
+
+
+def test_canonical_layout_names_every_tensor():
+    core = ParamLayout(DQNConfig.preset("tiny"))
+    # Shape fields of a source that is off change nothing.
+    assert ParamLayout(DQNConfig.preset("tiny", iqn_embed=3, ens_heads=5, aux_hidden=7,
+                                        n_regimes=9)).canonical() == core.canonical()
+    on = ParamLayout(second_wave())
+    lines = on.canonical().split("\n")
+    assert len(lines) == len(on.tensors) and lines[:len(core.tensors)] == core.canonical().split("\n")
+    for t in on.tensors:
+        assert f"{t.index}|{t.name}|{'x'.join(map(str, t.shape))}|{t.offset}" in lines
+    texts = {ParamLayout(second_wave(**{k: v})).canonical()
+             for k, v in (("iqn_embed", 9), ("ens_heads", 2), ("aux_hidden", 6), ("n_regimes", 5))}
+    assert len(texts | {on.canonical()}) == 5
+
+
+def test_second_wave_init_keeps_the_core_and_each_head_independent():
+    core_cfg, on_cfg = DQNConfig.preset("tiny"), second_wave()
+    core, on = ParamLayout(core_cfg), ParamLayout(on_cfg)
+    a, b = init_params(core, 11), init_params(on, 11)
+    assert np.array_equal(a[:core.core_end].view(np.uint32), b[:core.core_end].view(np.uint32))
+    assert not b[on.padding_mask()].any()
+    # The IQN head draws the same values whether or not the other heads exist.
+    only = ParamLayout(DQNConfig.preset("tiny", lambda_iqn=1.0))
+    c = init_params(only, 11)
+    for name in ("w_phi", "w_iq"):
+        assert np.array_equal(only.view(c, name), on.view(b, name))
+    v = on.views(b)
+    for t in on.tensors[len(core.tensors):]:
+        if t.is_weight:
+            bound = 1 / np.sqrt(t.shape[1])
+            assert 0.5 * bound < np.abs(v[t.name]).max() <= bound
+        else:
+            assert not v[t.name].any()
+    assert not np.array_equal(v["w_e11"], v["w_e21"])  # each prior its own draw

@@ -179,7 +179,12 @@ def test_readback_fields_are_the_step_scalars_values_in_declaration_order():
     names = [f.name for f in dataclasses.fields(StepScalars)]
     assert names[:3] == ["step", "read_at", "fresh"] and names[-1] == "flags"
     assert READBACK_FIELDS == tuple(names[3:-1])
-    assert READBACK_FIELDS[0] == "loss" and READBACK_FIELDS[-1] == "mean_target_q"
+    # cuda_src/step.cu writes indices 0..11 (loss .. mean_target_q); the second-wave scalars
+    # follow them, so the core block keeps its layout.
+    assert READBACK_FIELDS[0] == "loss" and READBACK_FIELDS[11] == "mean_target_q"
+    assert READBACK_FIELDS[12:] == ("iqn_loss", "iqn_norm_pre", "iqn_norm_post", "ens_loss",
+                                    "ens_norm_pre", "ens_norm_post", "aux_next_bar_loss",
+                                    "aux_regime_loss", "mse_loss", "mse_weight")
 
 
 def test_from_readback_reads_a_block_in_field_order():
