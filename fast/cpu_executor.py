@@ -35,6 +35,7 @@ from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_host_nbytes, eval_ops
 from foxhunt.fast.graph1_plan import graph1_ops
 from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
 from foxhunt.fast.dataflow import check_dataflow, dependency_graph
+from foxhunt.fast.device import SYNCS
 from foxhunt.fast.records import Buf, Copy, Gemm, Host, Launch, Ops, kernel_params
 from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram, step_constants
@@ -78,6 +79,7 @@ class HostArena:
         return self.block[spec.offset:spec.offset + spec.nbytes].view(spec.dtype).reshape(spec.shape)
 
     def upload(self, name: str, array: np.ndarray) -> None:
+        SYNCS.note()  # the device arena's upload synchronises
         spec = self.layout[name]
         array = np.asarray(array)
         if array.dtype != spec.dtype or array.shape != spec.shape:
@@ -86,6 +88,7 @@ class HostArena:
         self.array(name)[...] = array
 
     def download(self, name: str) -> np.ndarray:
+        SYNCS.note()  # the device arena's download synchronises
         return self.array(name).copy()
 
     def zero(self, name: str | None = None, stream=None) -> None:
@@ -354,10 +357,13 @@ class CpuEngine:
             graph.replay(self._mem)
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.arena.download("readback"), self.arena.download("flags")
+        readback, flags = self.arena.array("readback").copy(), self.arena.array("flags").copy()
+        SYNCS.note()  # the GPU engine's read: one stream synchronisation
+        return readback, flags
 
     def synchronize(self) -> None:
-        """Nothing is in flight on the CPU."""
+        """Nothing is in flight on the CPU (counted as the GPU's synchronisation)."""
+        SYNCS.note()
 
     def forget_uploads(self) -> None:
         """No upload is ever in flight on the CPU."""
@@ -388,6 +394,7 @@ class CpuEval:
     def run(self, states: np.ndarray) -> list[np.ndarray]:
         self.x_host[...] = np.asarray(states, F32).reshape(-1)
         self.graph.replay(self._mem)
+        SYNCS.note()  # the GPU evaluation graph's synchronisation
         return self.evl.split_q(self.q_host)
 
     def close(self) -> None:

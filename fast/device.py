@@ -26,6 +26,22 @@ import numpy as np
 ALIGNMENT = 256  # bytes; cuBLAS(Lt)'s default operand alignment and a full L2 sector group
 
 
+class SyncCounter:
+    """Host synchronisations issued through the device layer (stream and context syncs,
+    synchronous copies; the CPU executor counts the same points): tests count them to show
+    that the training loop synchronises only at its readback points."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def note(self) -> None:
+        self.count += 1
+
+
+#: The process's synchronisation counter (``SYNCS.count``).
+SYNCS = SyncCounter()
+
+
 class NoCudaDeviceError(RuntimeError):
     """No usable CUDA driver or device (or cuda-python is not installed)."""
 
@@ -133,6 +149,7 @@ class Stream:
         return self.ptr
 
     def synchronize(self) -> None:
+        SYNCS.note()
         call(_driver().cuStreamSynchronize, self.handle)
 
     def is_capturing(self) -> bool:
@@ -195,6 +212,7 @@ class Device:
 
     def synchronize(self) -> None:
         """Wait for all work in the context (every stream)."""
+        SYNCS.note()
         call(_driver().cuCtxSynchronize)
 
     def alloc(self, nbytes: int) -> DeviceAllocation:
@@ -212,6 +230,7 @@ class Device:
             call(_driver().cuMemcpyHtoDAsync, int(dst_ptr), host.ctypes.data, host.nbytes,
                  as_stream_handle(stream))
         if wait:
+            SYNCS.note()
             call(_driver().cuStreamSynchronize, as_stream_handle(stream))
 
     def copy_to_host(self, out: np.ndarray, src_ptr: int, stream=None, *, wait: bool = True) -> np.ndarray:
@@ -223,6 +242,7 @@ class Device:
             call(_driver().cuMemcpyDtoHAsync, out.ctypes.data, int(src_ptr), out.nbytes,
                  as_stream_handle(stream))
         if wait:
+            SYNCS.note()
             call(_driver().cuStreamSynchronize, as_stream_handle(stream))
         return out
 

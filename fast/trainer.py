@@ -145,6 +145,13 @@ class Trainer(TrainerBackend):
         self.step_count += 1
         return self._readback.after_step(self.step_count, self._read_scalars)
 
+    def step_enqueued(self) -> StepScalars:
+        """The host side of one step whose graphs the caller enqueued itself, its batch already
+        in the arena's ``batch`` (``foxhunt.fast.collector``: the cycle graph gathers it on the
+        device): the step count and the deferred readback, exactly as ``step``."""
+        self.step_count += 1
+        return self._readback.after_step(self.step_count, self._read_scalars)
+
     def _read_scalars(self) -> StepScalars:
         """Synchronise and read the last step's scalars and flags (a fresh ``StepScalars``)."""
         values, flags = self._engine.read()
