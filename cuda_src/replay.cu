@@ -246,16 +246,16 @@ extern "C" __global__ void replay_add(const float* __restrict__ s, const int* __
 // replay_sample: idx[k] = proportional_search(prefix, m, u_k * prefix[m - 1]) with
 // m = max(size, 1) (the filled rows) and u_k = rng_uniform(key, stream, cycle[0], k), stream
 // the replay_sample id of reference/kernels/rng.py (passed in: the ids live there only).
-// cycle: the collector's counter (u64 on the device, as the env kernels read it).
+// cycle: the collector's counter (a non-negative int64 on the device, the draws' u64 offset).
 // Exact. One thread per sample, any grid.
 extern "C" __global__ void replay_sample(const float* __restrict__ prefix,
                                          const int* __restrict__ ring_pos, unsigned key_lo,
                                          unsigned key_hi, unsigned stream,
-                                         const unsigned long long* __restrict__ cycle,
+                                         const long long* __restrict__ cycle,
                                          int* __restrict__ idx, int n) {
     const int n_items = max(ring_pos[1], 1);
     const float total = prefix[n_items - 1];
-    const unsigned long long offset = cycle[0];
+    const unsigned long long offset = (unsigned long long)cycle[0];
     for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += gridDim.x * blockDim.x) {
         const float u = rng_uniform(key_lo, key_hi, stream, offset, (unsigned)k);
         idx[k] = proportional_search(prefix, n_items, u * total);
@@ -335,7 +335,7 @@ extern "C" __global__ void replay_update_priorities(const float* __restrict__ td
 
 // cycle_advance: cycle[0] += 1, the collector's counter at the end of each collection cycle
 // (every kernel of the cycle read the old value before it). One thread.
-extern "C" __global__ void cycle_advance(unsigned long long* __restrict__ cycle) {
+extern "C" __global__ void cycle_advance(long long* __restrict__ cycle) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         cycle[0] = cycle[0] + 1;
     }

@@ -80,7 +80,7 @@ def _s_ring_sample(d: Dims, rng) -> Kwargs:
     ring = _ring(d, rng)
     return {"prefix": np.cumsum(ring["priority"], dtype=F32), "ring_pos": ring["ring_pos"],
             "key": int(rng.integers(0, 2**63)) * 2 + 1,  # both key words in use
-            "cycle": np.array([int(rng.integers(0, 2**40))], np.uint64), "n": d.batch}
+            "cycle": np.array([int(rng.integers(0, 2**40))], np.int64), "n": d.batch}
 
 
 def _s_gather(d: Dims, rng) -> Kwargs:
@@ -97,7 +97,7 @@ def _s_update(d: Dims, rng) -> Kwargs:
 
 
 def _s_cycle(d: Dims, rng) -> Kwargs:
-    return {"cycle": np.array([int(rng.integers(0, 2**62)) * 4 + 3], np.uint64)}  # high word used
+    return {"cycle": np.array([int(rng.integers(0, 2**62))], np.int64)}
 
 
 def _sc_prefix(kwargs, expected):
@@ -170,7 +170,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
         errors=error_cases(
             _s_ring_sample,
             lambda k: replace(k, ring_pos=np.array([0, k["prefix"].size + 1], I32)),
-            lambda k: replace(k, cycle=k["cycle"].astype(np.int64)),
+            lambda k: replace(k, cycle=k["cycle"].astype(np.uint64)),
             lambda k: replace(k, key=-1),
         ),
     ),
@@ -201,13 +201,13 @@ ENTRIES: tuple[SpecEntry, ...] = (
     ),
     SpecEntry(
         name="cycle_advance",
-        outputs={"out": Output("uint64", EXACT)},
+        outputs={"out": Output("int64", EXACT)},
         sample=_s_cycle,
-        targets=(),  # a u64 counter only: no float to poison
+        targets=(),  # an int64 counter only: no float to poison
         errors=error_cases(
             _s_cycle,
-            lambda k: replace(k, cycle=k["cycle"].astype(np.int64)),
-            lambda k: replace(k, cycle=np.zeros(2, np.uint64)),
+            lambda k: replace(k, cycle=np.array([-1], np.int64)),
+            lambda k: replace(k, cycle=k["cycle"].astype(np.uint64)),
         ),
     ),
 )

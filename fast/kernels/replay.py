@@ -21,7 +21,7 @@ Kernel parameters (C order):
   next_ret, regime)``: grid-stride over the ``n * state_dim`` state elements; ``next_ret`` and
   ``regime`` may be null (not gathered).
 - ``replay_update_priorities(td, idx, n, priority, max_priority, alpha, eps)``: ONE block.
-- ``cycle_advance(cycle)``: one thread (the collector's u64 counter plus one).
+- ``cycle_advance(cycle)``: one thread (the collector's int64 counter plus one).
 
 Numerics: ``sample_proportional``, ``replay_sample``, ``replay_add`` and ``replay_gather`` are
 exact. ``prefix_sum`` associates differently from the

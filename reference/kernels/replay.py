@@ -32,7 +32,7 @@ from foxhunt.reference.kernels.argcheck import (
 
 F32 = np.dtype(np.float32)
 I32 = np.dtype(np.int32)
-U64 = np.dtype(np.uint64)
+I64 = np.dtype(np.int64)
 
 #: The ring's stored fields in kernel-parameter order: (name, dtype, True for a row of
 #: ``state_dim`` / ``n_branches`` values, False for one value per transition).
@@ -311,18 +311,18 @@ def write_transitions(ring: dict, priority: np.ndarray, ring_pos: np.ndarray,
 
 
 def validate_cycle(cycle) -> int:
-    """The collector's cycle counter: uint64 ``[1]`` (the draws' offset, as the env kernels
-    read it); returns it."""
-    _check_items("cycle", cycle, U64, (1,))
+    """The collector's cycle counter: int64 ``[1]``, non-negative (the draws' offset); returns
+    it."""
+    _check_items("cycle", cycle, I64, (1,))
+    if cycle[0] < 0:
+        raise ValueError(f"cycle: {int(cycle[0])} not allowed; the counter is >= 0")
     return int(cycle[0])
 
 
 def cycle_advance(cycle: np.ndarray) -> np.ndarray:
-    """``cycle + 1`` (uint64 ``[1]``, wrapping at 2**64 like the kernel): the collector's
-    counter, advanced at the end of every collection cycle. Exact."""
-    validate_cycle(cycle)
-    with np.errstate(over="ignore"):
-        return (cycle + np.uint64(1)).astype(U64)
+    """``cycle + 1`` (int64 ``[1]``): the collector's counter, advanced at the end of every
+    collection cycle. Exact (the counter never gets near 2**63)."""
+    return np.array([validate_cycle(cycle) + 1], I64)
 
 
 def validate_replay_sample(prefix, ring_pos, key, cycle, n) -> tuple[int, int, int]:
@@ -348,7 +348,7 @@ def replay_sample(prefix: np.ndarray, ring_pos: np.ndarray, key: int, cycle: np.
     whole ring's priorities (zero beyond ``size``, so ``prefix[size - 1]`` is the total).
 
     Shapes: ``prefix`` f32 ``[capacity]``, ``ring_pos`` int32 ``[2]``, ``key`` the run's seed
-    (an integer in ``[0, 2**64)``), ``cycle`` uint64 ``[1]`` (the collector's cycle counter, read
+    (an integer in ``[0, 2**64)``), ``cycle`` int64 ``[1]`` (the collector's cycle counter, read
     on the device; ``validate_cycle``). Returns int32 ``[n]``. Exact (the draws are exact; the search is
     ``sample_proportional``'s). NaN contract: ``sample_proportional``'s.
     """
