@@ -65,7 +65,7 @@ extern "C" __global__ void elu_backward(const float* dy, const float* __restrict
 //   label_b = next_ret_b / denom; valid_b = isfinite(label_b); n = count(valid)
 //   diff_b = pred_b - label_b
 //   *loss = (sum_valid diff_b * diff_b) / n            (0 when n == 0)
-//   d_pred_b = valid_b ? diff_b * (2 / n) : 0
+//   d_pred_b = valid_b ? diff_b * ((2 * weight) / n) : 0       (the weighted loss's gradient)
 // Each thread strides the samples twice (the count first, then the gradient), so d_pred needs
 // no scratch; label and diff are recomputed identically in the second pass.
 // ---------------------------------------------------------------------------------------------
@@ -73,7 +73,7 @@ extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 aux_next_bar_loss_grad(const float* __restrict__ pred, const float* __restrict__ next_ret,
                        const float* __restrict__ isv, float* __restrict__ d_pred,
                        float* __restrict__ loss, int batch, int label_scale_index,
-                       float scale_floor) {
+                       float scale_floor, float weight) {
     __shared__ float scratch[REDUCE_WARP + 1];
     __shared__ long long count_scratch[REDUCE_WARP + 1];
     const float denom = fmaxf(isv[label_scale_index], scale_floor);
@@ -90,7 +90,7 @@ aux_next_bar_loss_grad(const float* __restrict__ pred, const float* __restrict__
     const float total = block_sum(acc, scratch);
     const long long n = block_sum(count, count_scratch);
     const float n_f = __ll2float_rn(n);
-    const float coef = n > 0 ? __fdiv_rn(2.0f, n_f) : 0.0f;
+    const float coef = n > 0 ? __fdiv_rn(__fmul_rn(2.0f, weight), n_f) : 0.0f;
     AUX_SAMPLE_LOOP(b, batch) {
         const float label = __fdiv_rn(next_ret[b], denom);
         d_pred[b] = aux_is_finite(label) ? __fmul_rn(__fsub_rn(pred[b], label), coef) : 0.0f;
@@ -104,16 +104,16 @@ aux_next_bar_loss_grad(const float* __restrict__ pred, const float* __restrict__
 // aux_regime_loss_grad, ONE block, one thread per sample (logits [batch, n_regimes] row-major):
 //   m = fmaxf over the row (from -Inf); s = ((0 + e_0) + e_1) + ..., e_r = expf(l_r - m)
 //   ce_b = logf(s) - (l_y - m), y = regime[b];   *loss = (sum_b ce_b) / batch
-//   d_logits[b, r] = (e_r / s - (r == y ? 1 : 0)) * (1 / batch)
+//   d_logits[b, r] = (e_r / s - (r == y ? 1 : 0)) * (weight / batch)  (the weighted loss's)
 // s >= 1 for a finite row (the max contributes expf(0) = 1): no epsilon. A label outside
 // [0, n_regimes) (the reference rejects it) is never read: its ce is NaN.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 aux_regime_loss_grad(const float* __restrict__ logits, const int* __restrict__ regime,
                      float* __restrict__ d_logits, float* __restrict__ loss, int batch,
-                     int n_regimes) {
+                     int n_regimes, float weight) {
     __shared__ float scratch[REDUCE_WARP + 1];
-    const float inv_b = __fdiv_rn(1.0f, (float)batch);
+    const float coef = __fdiv_rn(weight, (float)batch);
     float acc = REDUCE_SUM_IDENTITY;
     AUX_SAMPLE_LOOP(b, batch) {
         const float* row = logits + (long long)b * n_regimes;
@@ -132,7 +132,7 @@ aux_regime_loss_grad(const float* __restrict__ logits, const int* __restrict__ r
         float* out = d_logits + (long long)b * n_regimes;
         for (int r = 0; r < n_regimes; ++r) {
             const float p = __fdiv_rn(expf(__fsub_rn(row[r], m)), s);
-            out[r] = __fmul_rn(__fsub_rn(p, r == y ? 1.0f : 0.0f), inv_b);
+            out[r] = __fmul_rn(__fsub_rn(p, r == y ? 1.0f : 0.0f), coef);
         }
     }
     const float total = block_sum(acc, scratch);

@@ -92,8 +92,9 @@ def test_next_bar_loss_and_gradient_match_autograd():
     next_ret = (rng.standard_normal(64) * 0.01).astype(F32)
     next_ret[[3, 17, 40]] = [np.nan, np.inf, -np.inf]  # NaN-flagged returns: masked out
     pred[3] = np.nan  # whatever a masked sample predicts does not matter
-    out = aux_next_bar_loss_grad(pred, next_ret, _isv(0.01), SLOT, LABEL_SCALE_FLOOR)
+    out = aux_next_bar_loss_grad(pred, next_ret, _isv(0.01), SLOT, LABEL_SCALE_FLOOR, 0.3)
     loss, grad = _torch_next_bar(pred, next_ret, float(F32(0.01)))
+    grad = grad * float(F32(0.3))  # the gradient of weight * loss; the loss is unweighted
     # label, diff and square: a few roundings per term; the mean of 61 terms
     assert out.loss == pytest.approx(loss, rel=200 * U)
     np.testing.assert_allclose(out.d_pred, grad, rtol=8 * U, atol=0)
@@ -104,7 +105,7 @@ def test_next_bar_label_scale_is_floored():
     pred = np.zeros(4, F32)
     next_ret = np.full(4, 2e-6, F32)
     for slot_value in (0.0, -5.0, np.nan):  # cold start, nonsense, poisoned: the floor 1e-6
-        out = aux_next_bar_loss_grad(pred, next_ret, _isv(slot_value), SLOT, LABEL_SCALE_FLOOR)
+        out = aux_next_bar_loss_grad(pred, next_ret, _isv(slot_value), SLOT, LABEL_SCALE_FLOOR, 1.0)
         label = F32(2e-6) / LABEL_SCALE_FLOOR
         assert out.loss == pytest.approx(float(label) ** 2, rel=4 * U)
         assert np.all(out.d_pred == F32(-label) * (F32(2) / F32(4)))
@@ -112,14 +113,14 @@ def test_next_bar_label_scale_is_floored():
 
 def test_next_bar_all_masked_gives_zero_not_nan():
     out = aux_next_bar_loss_grad(np.ones(5, F32), np.full(5, np.nan, F32), _isv(0.01), SLOT,
-                                 LABEL_SCALE_FLOOR)
+                                 LABEL_SCALE_FLOOR, 1.0)
     assert out.loss == 0 and np.all(out.d_pred == 0)
 
 
 def test_next_bar_overflowing_label_is_masked():
     """A finite return whose label overflows float32 is not finite: masked like a NaN."""
     next_ret = np.array([1e38, 0.01], F32)
-    out = aux_next_bar_loss_grad(np.zeros(2, F32), next_ret, _isv(1e-3), SLOT, LABEL_SCALE_FLOOR)
+    out = aux_next_bar_loss_grad(np.zeros(2, F32), next_ret, _isv(1e-3), SLOT, LABEL_SCALE_FLOOR, 1.0)
     label = F32(0.01) / F32(1e-3)
     assert out.d_pred[0] == 0 and out.d_pred[1] == -label * F32(2.0)  # n = 1 valid sample
     assert out.loss == label * label
@@ -127,18 +128,20 @@ def test_next_bar_overflowing_label_is_masked():
 
 def test_next_bar_nonfinite_prediction_propagates():
     pred = np.array([np.nan, 0.0], F32)
-    out = aux_next_bar_loss_grad(pred, np.zeros(2, F32), _isv(0.01), SLOT, LABEL_SCALE_FLOOR)
+    out = aux_next_bar_loss_grad(pred, np.zeros(2, F32), _isv(0.01), SLOT, LABEL_SCALE_FLOOR, 1.0)
     assert np.isnan(out.d_pred[0]) and out.d_pred[1] == 0 and np.isnan(out.loss)
 
 
 def test_next_bar_rejects_bad_arguments():
     pred = np.zeros(3, F32)
     with pytest.raises(ValueError, match="next_ret"):
-        aux_next_bar_loss_grad(pred, np.zeros(4, F32), _isv(1), SLOT, LABEL_SCALE_FLOOR)
+        aux_next_bar_loss_grad(pred, np.zeros(4, F32), _isv(1), SLOT, LABEL_SCALE_FLOOR, 1.0)
     with pytest.raises(ValueError, match="label_scale_index"):
-        aux_next_bar_loss_grad(pred, pred, _isv(1), isv_mod.ISV_LEN, LABEL_SCALE_FLOOR)
+        aux_next_bar_loss_grad(pred, pred, _isv(1), isv_mod.ISV_LEN, LABEL_SCALE_FLOOR, 1.0)
     with pytest.raises(ValueError, match="scale_floor"):
-        aux_next_bar_loss_grad(pred, pred, _isv(1), SLOT, 0.0)
+        aux_next_bar_loss_grad(pred, pred, _isv(1), SLOT, 0.0, 1.0)
+    with pytest.raises(ValueError, match="weight"):
+        aux_next_bar_loss_grad(pred, pred, _isv(1), SLOT, LABEL_SCALE_FLOOR, -0.5)
 
 
 # ------------------------------------------------------------------------------ regime head
@@ -146,32 +149,35 @@ def test_regime_loss_and_gradient_match_torch_cross_entropy():
     rng = np.random.default_rng(3)
     logits = (rng.standard_normal((50, 4)) * 3).astype(F32)
     regime = rng.integers(0, 4, 50).astype(np.int32)
-    out = aux_regime_loss_grad(logits, regime)
+    out = aux_regime_loss_grad(logits, regime, 0.1)
     t = torch.from_numpy(logits.astype(np.float64)).requires_grad_(True)
     loss = torch.nn.functional.cross_entropy(t, torch.from_numpy(regime.astype(np.int64)))
-    loss.backward()
+    (float(F32(0.1)) * loss).backward()  # the weighted loss's gradient; the loss unweighted
     # exp/log to a few ulp, sums of 4 terms; the loss a mean of 50 such terms
     assert out.loss == pytest.approx(loss.item(), rel=100 * U)
-    np.testing.assert_allclose(out.d_logits, t.grad.numpy(), rtol=0, atol=32 * U / 50)
-    np.testing.assert_allclose(out.d_logits.sum(axis=1), 0, atol=8 * U / 50)
+    np.testing.assert_allclose(out.d_logits, t.grad.numpy(), rtol=0, atol=32 * U * 0.1 / 50)
+    np.testing.assert_allclose(out.d_logits.sum(axis=1), 0, atol=8 * U * 0.1 / 50)
 
 
 def test_regime_nan_row_is_poisoned_alone():
     logits = np.zeros((3, 3), F32)
     logits[1, 2] = np.nan
     logits[2] = [-np.inf, -np.inf, -np.inf]  # no finite logit: NaN too
-    out = aux_regime_loss_grad(logits, np.zeros(3, np.int32))
+    out = aux_regime_loss_grad(logits, np.zeros(3, np.int32), 1.0)
     assert np.all(np.isfinite(out.d_logits[0])) and np.all(np.isnan(out.d_logits[1:]))
     assert np.isnan(out.loss)
-    one_inf = aux_regime_loss_grad(np.array([[0.0, -np.inf, 1.0]], F32), np.zeros(1, np.int32))
+    one_inf = aux_regime_loss_grad(np.array([[0.0, -np.inf, 1.0]], F32), np.zeros(1, np.int32),
+                                   1.0)
     assert one_inf.d_logits[0, 1] == 0 and np.isfinite(one_inf.loss)  # probability 0
 
 
 def test_regime_rejects_labels_outside_the_range():
     with pytest.raises(ValueError, match=r"regime\[1\]=3"):
-        aux_regime_loss_grad(np.zeros((2, 3), F32), np.array([0, 3], np.int32))
+        aux_regime_loss_grad(np.zeros((2, 3), F32), np.array([0, 3], np.int32), 1.0)
     with pytest.raises(ValueError, match="regime"):
-        aux_regime_loss_grad(np.zeros((2, 3), F32), np.array([0, 1], np.int64))
+        aux_regime_loss_grad(np.zeros((2, 3), F32), np.array([0, 1], np.int64), 1.0)
+    with pytest.raises(ValueError, match="weight"):
+        aux_regime_loss_grad(np.zeros((2, 3), F32), np.array([0, 1], np.int32), np.inf)
 
 
 # ------------------------------------------------------------------------------ ISV 117

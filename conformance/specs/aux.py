@@ -72,13 +72,14 @@ def _s_elu_backward(d: Dims, rng) -> Kwargs:
 
 def _s_next_bar(d: Dims, rng) -> Kwargs:
     return {"pred": normal(rng, d.batch, 0.5), "next_ret": _returns(d, rng), "isv": _isv_scaled(d, rng),
-            "label_scale_index": isv_mod.AUX_LABEL_SCALE_EMA_INDEX, "scale_floor": LABEL_SCALE_FLOOR}
+            "label_scale_index": isv_mod.AUX_LABEL_SCALE_EMA_INDEX, "scale_floor": LABEL_SCALE_FLOOR,
+            "weight": F32(0.1)}
 
 
 def _s_regime(d: Dims, rng) -> Kwargs:
     r = _n_regimes(d)
     return {"logits": normal(rng, (d.batch, r), 2.0),
-            "regime": rng.integers(0, r, d.batch).astype(I32)}
+            "regime": rng.integers(0, r, d.batch).astype(I32), "weight": F32(0.1)}
 
 
 def _s_label_scale(d: Dims, rng) -> Kwargs:
@@ -106,11 +107,11 @@ def _sc_next_bar(kwargs, expected):
 
 
 def _sc_regime(kwargs, expected):
-    """``d_logits``: a softmax over the row (R terms) times ``1 / B``; the loss: ``B`` cross
+    """``d_logits``: a softmax over the row (R terms) times ``weight / B``; the loss: ``B`` cross
     entropies (each below ``log R + 2 max|logit|``) over ``B``."""
     b, r = kwargs["logits"].shape
     ce_mag = math.log(r) + 2 * maxabs(kwargs["logits"])
-    return {"d_logits": reduction(r, 1.0 / b), "loss": reduction(b, ce_mag / b)}
+    return {"d_logits": reduction(r, float(kwargs["weight"]) / b), "loss": reduction(b, ce_mag / b)}
 
 
 def _sc_label_scale(kwargs, expected):
@@ -179,6 +180,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: replace(k, next_ret=k["next_ret"][:-1]),
             lambda k: replace(k, label_scale_index=isv_mod.ISV_LEN),
             lambda k: replace(k, scale_floor=F32(0.0)),
+            lambda k: replace(k, weight=F32(-1.0)),
         ),
         scales=_sc_next_bar,
         contract=_masked_samples_zero,
@@ -193,6 +195,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: wrong_dtype(k, "logits"),
             lambda k: replace(k, regime=np.full_like(k["regime"], k["logits"].shape[1])),
             lambda k: replace(k, regime=k["regime"].astype(np.int64)),
+            lambda k: replace(k, weight=F32(np.nan)),
         ),
         scales=_sc_regime,
     ),

@@ -9,7 +9,8 @@ reference returns. The step plan launches the same kernels on arena pointers wit
 - ``add_bias_elu(y, b, out, rows, cols)``: ``add_bias_relu``'s 2-D grid; ``out`` may alias ``y``;
 - ``elu_backward(dy, h, dx, n)``: flat grid-stride; ``dx`` may alias ``dy``;
 - ``aux_next_bar_loss_grad(pred, next_ret, isv, d_pred, loss, batch, label_scale_index,
-  scale_floor)``, ``aux_regime_loss_grad(logits, regime, d_logits, loss, batch, n_regimes)``:
+  scale_floor, weight)``, ``aux_regime_loss_grad(logits, regime, d_logits, loss, batch,
+  n_regimes, weight)``:
   ONE block (the loss is a block reduction); ``loss`` points at one float (the step binds it to
   its readback entry); the label scale is read from the ISV on the device;
 - ``isv_label_scale_update(isv, slot, next_ret, n, sharpe, alpha_base, sharpe_clamp,
@@ -78,23 +79,25 @@ def elu_backward(dy, h) -> np.ndarray:
     return dx
 
 
-def aux_next_bar_loss_grad(pred, next_ret, isv, label_scale_index, scale_floor) -> NextBarLossGrad:
+def aux_next_bar_loss_grad(pred, next_ret, isv, label_scale_index, scale_floor,
+                           weight) -> NextBarLossGrad:
     """Test entry of the CUDA ``aux_next_bar_loss_grad`` (contract as the reference twin)."""
-    index, floor = validate_aux_next_bar_loss_grad(pred, next_ret, isv, label_scale_index,
-                                                   scale_floor)
+    index, floor, w = validate_aux_next_bar_loss_grad(pred, next_ret, isv, label_scale_index,
+                                                      scale_floor, weight)
     batch = pred.shape[0]
     d_pred, loss = launch("aux_next_bar_loss_grad", plan_aux_next_bar_loss_grad(batch), In(pred),
                           In(next_ret), In(isv), Out((batch,), F32), Out((1,), F32), batch, index,
-                          floor)
+                          floor, w)
     return NextBarLossGrad(d_pred, F32(loss[0]))
 
 
-def aux_regime_loss_grad(logits, regime) -> RegimeLossGrad:
+def aux_regime_loss_grad(logits, regime, weight) -> RegimeLossGrad:
     """Test entry of the CUDA ``aux_regime_loss_grad`` (contract as the reference twin)."""
-    validate_aux_regime_loss_grad(logits, regime)
+    w = validate_aux_regime_loss_grad(logits, regime, weight)
     batch, n_regimes = logits.shape
     d_logits, loss = launch("aux_regime_loss_grad", plan_aux_regime_loss_grad(batch), In(logits),
-                            In(regime), Out(logits.shape, F32), Out((1,), F32), batch, n_regimes)
+                            In(regime), Out(logits.shape, F32), Out((1,), F32), batch, n_regimes,
+                            w)
     return RegimeLossGrad(d_logits, F32(loss[0]))
 
 

@@ -12,8 +12,9 @@ between them::
     d_logits, loss_rg = aux_regime_loss_grad(logits, regime)
     d_pre = elu_backward(d_hidden, hidden)               (backward, before W1's GEMMs)
 
-The gradients here are those of the unweighted losses; the heads' weights scale them in the
-guarded SAXPYs that add them to the step's buffers (``foxhunt.reference.aux_heads``).
+The gradient kernels take the head's weight (``aux_next_bar_weight``, ``aux_regime_weight``):
+their output gradients, hence every gradient the backward GEMMs derive from them (the head's
+parameters and its ``d h2``), are those of the weighted loss; the reported losses are unweighted.
 
 All arithmetic is float32 in the order written in each docstring (the CUDA twins round each
 product and sum on its own, ``-fmad=false``). ``expm1``, ``exp`` and ``log`` are NumPy's float32
@@ -66,21 +67,23 @@ def validate_elu_backward(dy, h) -> None:
     require_shape("h", h, dy.shape, "dy.shape [M, N]")
 
 
-def validate_aux_next_bar_loss_grad(pred, next_ret, isv, label_scale_index,
-                                    scale_floor) -> tuple[int, np.float32]:
+def validate_aux_next_bar_loss_grad(pred, next_ret, isv, label_scale_index, scale_floor,
+                                    weight) -> tuple[int, np.float32, np.float32]:
     """The argument checks of ``aux_next_bar_loss_grad``; returns ``(label_scale_index,
-    scale_floor)`` as the kernel receives them."""
+    scale_floor, weight)`` as the kernel receives them."""
     require_array("pred", pred, F32, ndim=1)
     require_array("next_ret", next_ret, F32, ndim=1)
     require_shape("next_ret", next_ret, pred.shape, "[B] with B = pred.shape[0]")
     check_f32_array("isv", isv, ndim=1)
     index = check_int("label_scale_index", label_scale_index, minimum=0, maximum=isv.shape[0] - 1)
-    return index, check_f32_scalar("scale_floor", scale_floor, lo=0.0, lo_open=True)
+    return (index, check_f32_scalar("scale_floor", scale_floor, lo=0.0, lo_open=True),
+            check_f32_scalar("weight", weight, lo=0.0))
 
 
-def validate_aux_regime_loss_grad(logits, regime) -> None:
+def validate_aux_regime_loss_grad(logits, regime, weight) -> np.float32:
     """The argument checks of ``aux_regime_loss_grad``: ``logits [B, R]`` float32 with R >= 1,
-    ``regime [B]`` int32, every label in ``[0, R)``."""
+    ``regime [B]`` int32, every label in ``[0, R)``, ``weight`` finite >= 0; returns ``weight``
+    as float32."""
     require_array("logits", logits, F32, ndim=2)
     if logits.shape[0] < 1 or logits.shape[1] < 1:
         raise ValueError(f"logits: shape {logits.shape}; expected [B, R] with B >= 1, R >= 1")
@@ -91,6 +94,7 @@ def validate_aux_regime_loss_grad(logits, regime) -> None:
         i = int(bad[0])
         raise ValueError(f"regime[{i}]={int(regime[i])}: allowed range is [0, {logits.shape[1] - 1}]"
                          f" (R = {logits.shape[1]} regimes)")
+    return check_f32_scalar("weight", weight, lo=0.0)
 
 
 def validate_isv_label_scale_update(isv, next_ret, sharpe, alpha_base) -> np.float32:
@@ -155,25 +159,27 @@ class NextBarLossGrad(NamedTuple):
 
 @ieee
 def aux_next_bar_loss_grad(pred: np.ndarray, next_ret: np.ndarray, isv: np.ndarray,
-                           label_scale_index: int, scale_floor) -> NextBarLossGrad:
-    """Next-bar return regression, loss and gradient w.r.t. the prediction:
+                           label_scale_index: int, scale_floor, weight) -> NextBarLossGrad:
+    """Next-bar return regression, loss and the weighted loss's gradient w.r.t. the prediction:
 
     - ``label_b = next_ret_b / fmaxf(isv[label_scale_index], scale_floor)`` (ISV 117's label
       scale, floored; a NaN slot gives the floor);
     - ``valid_b = isfinite(label_b)`` (a non-finite label, e.g. a NaN-flagged return, masks
       its sample out); ``n = count(valid)``;
     - ``diff_b = pred_b - label_b``; ``loss = (sum_{valid} diff_b * diff_b) / n``;
-    - ``d_pred_b = valid_b ? diff_b * (2 / n) : +0.0`` (``2 / n`` rounded once).
+    - ``d_pred_b = valid_b ? diff_b * ((2 * weight) / n) : +0.0`` (the gradient of ``weight *
+      loss``; the factor rounded once).
 
     ``n = 0`` gives ``loss = 0`` and ``d_pred = 0``.
-    Shapes: ``pred``, ``next_ret`` float32 [B]; ``isv`` float32 [L]. Returns
+    Shapes: ``pred``, ``next_ret`` float32 [B]; ``isv`` float32 [L]; ``weight`` finite >= 0 (the
+    head's ``aux_next_bar_weight``). Returns
     ``NextBarLossGrad(d_pred [B] float32, loss float32)``. ``d_pred`` is exact (elementwise);
     the loss's sum is a reduction (block tree on the GPU).
     NaN/Inf contract: a masked sample contributes nothing (whatever ``pred_b`` holds); a
     non-finite ``pred_b`` at a valid sample makes ``d_pred_b`` and the loss non-finite.
     """
-    index, floor = validate_aux_next_bar_loss_grad(pred, next_ret, isv, label_scale_index,
-                                                   scale_floor)
+    index, floor, w = validate_aux_next_bar_loss_grad(pred, next_ret, isv, label_scale_index,
+                                                      scale_floor, weight)
     denom = np.fmax(isv[index], floor)
     label = (next_ret / denom).astype(F32)
     valid = np.isfinite(label)
@@ -181,7 +187,7 @@ def aux_next_bar_loss_grad(pred: np.ndarray, next_ret: np.ndarray, isv: np.ndarr
     if n == 0:
         return NextBarLossGrad(np.zeros(pred.shape, F32), np.float32(0))
     diff = (pred - label).astype(F32)
-    coef = np.float32(2) / np.float32(n)
+    coef = (np.float32(2) * w) / np.float32(n)
     d_pred = np.where(valid, diff * coef, np.float32(0)).astype(F32)
     total = np.sum(np.where(valid, diff * diff, np.float32(0)), dtype=F32)
     return NextBarLossGrad(d_pred, np.float32(total / np.float32(n)))
@@ -210,29 +216,30 @@ def softmax_shifted(x: np.ndarray):
 
 
 @ieee
-def aux_regime_loss_grad(logits: np.ndarray, regime: np.ndarray) -> RegimeLossGrad:
-    """Regime classification: mean cross-entropy and its gradient w.r.t. the logits.
+def aux_regime_loss_grad(logits: np.ndarray, regime: np.ndarray, weight) -> RegimeLossGrad:
+    """Regime classification: mean cross-entropy and the weighted loss's gradient w.r.t. the
+    logits.
 
     Per sample (``softmax_shifted``'s max-shifted sums, ``s >= 1`` for a finite row, so no
     epsilon): ``ce_b = log(s_b) - (logits[b, y_b] - m_b)`` with ``y_b = regime[b]``;
-    ``loss = (sum_b ce_b) / B``; ``d_logits[b, r] = (e[b, r] / s_b - 1[r = y_b]) * (1 / B)``
-    (``1 / B`` rounded once).
+    ``loss = (sum_b ce_b) / B``; ``d_logits[b, r] = (e[b, r] / s_b - 1[r = y_b]) * (weight / B)``
+    (the gradient of ``weight * loss``; the factor rounded once).
 
     Shapes: ``logits [B, R]`` float32, ``regime [B]`` int32 in ``[0, R)`` (else ValueError; the
-    CUDA kernel never reads outside a row). Returns ``RegimeLossGrad(d_logits [B, R], loss)``
+    CUDA kernel never reads outside a row), ``weight`` finite >= 0 (``aux_regime_weight``). Returns ``RegimeLossGrad(d_logits [B, R], loss)``
     float32; the loss's sum over samples is a reduction.
     NaN/Inf contract, per row: a NaN or ``+Inf`` logit, or a row of ``-Inf``, makes the row's
     ``d_logits`` and ``ce`` NaN (hence the loss); a ``-Inf`` logit in a finite row has
     probability 0.
     """
-    validate_aux_regime_loss_grad(logits, regime)
+    w = validate_aux_regime_loss_grad(logits, regime, weight)
     batch, n_regimes = logits.shape
     shifted, e, s = softmax_shifted(logits)
     rows = np.arange(batch)
     ce = (np.log(s) - shifted[rows, regime]).astype(F32)
     one_hot = (np.arange(n_regimes)[np.newaxis, :] == regime[:, np.newaxis]).astype(F32)
-    inv_b = np.float32(1) / np.float32(batch)
-    d_logits = ((e / s[:, np.newaxis] - one_hot) * inv_b).astype(F32)
+    coef = w / np.float32(batch)
+    d_logits = ((e / s[:, np.newaxis] - one_hot) * coef).astype(F32)
     return RegimeLossGrad(d_logits, np.float32(np.sum(ce, dtype=F32) / np.float32(batch)))
 
 
