@@ -174,10 +174,11 @@ extern "C" __global__ void sample_proportional(const float* __restrict__ prefix,
 // priorities (NaN ignored; NaN only if all are NaN). ONE block (blockDim.x a multiple of 32):
 // the minimum is exact, so it is order-independent; then one division and one powf per weight
 // (powf is not correctly rounded: a few ULP, within the conformance tolerance). The caller
-// guarantees 0 <= idx[k] < n_valid (the test entry checks, like the reference).
+// guarantees 0 <= idx[k] < n_valid <= n_items (the test entry checks, like the reference);
+// n_items is the length of priorities (what a launch record's region is checked against).
 // ------------------------------------------------------------------------------------------
 
-extern "C" __global__ void importance_weights(const float* __restrict__ priorities,
+extern "C" __global__ void importance_weights(const float* __restrict__ priorities, int n_items,
                                               const int* __restrict__ idx,
                                               float* __restrict__ w, int n, float beta) {
     float p_min = ha_nan();
@@ -244,16 +245,16 @@ extern "C" __global__ void replay_add(const float* __restrict__ s, const int* __
 }
 
 // replay_sample: idx[k] = proportional_search(prefix, m, u_k * prefix[m - 1]) with
-// m = max(size, 1) (the filled rows) and u_k = rng_uniform(key, stream, cycle[0], k), stream
+// m = max(min(size, capacity), 1) (the filled rows; prefix holds capacity sums) and u_k = rng_uniform(key, stream, cycle[0], k), stream
 // the replay_sample id of reference/kernels/rng.py (passed in: the ids live there only).
 // cycle: the collector's counter (a non-negative int64 on the device, the draws' u64 offset).
 // Exact. One thread per sample, any grid.
-extern "C" __global__ void replay_sample(const float* __restrict__ prefix,
+extern "C" __global__ void replay_sample(const float* __restrict__ prefix, int capacity,
                                          const int* __restrict__ ring_pos, unsigned key_lo,
                                          unsigned key_hi, unsigned stream,
                                          const long long* __restrict__ cycle,
                                          int* __restrict__ idx, int n) {
-    const int n_items = max(ring_pos[1], 1);
+    const int n_items = max(min(ring_pos[1], capacity), 1);
     const float total = prefix[n_items - 1];
     const unsigned long long offset = (unsigned long long)cycle[0];
     for (int k = blockIdx.x * blockDim.x + threadIdx.x; k < n; k += gridDim.x * blockDim.x) {
@@ -264,9 +265,11 @@ extern "C" __global__ void replay_sample(const float* __restrict__ prefix,
 
 // replay_gather: the sampled rows in the step's batch layout: x [2n, state_dim] (s rows, then
 // s2 rows), a [n_branches, n] (transposed), r, done [n], and, where not null, next_ret and
-// regime [n]. Exact (copies). Grid-stride over the state elements, any grid.
-extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int state_dim,
-                                         int n_branches, const float* __restrict__ ring_s,
+// regime [n]. The ring has capacity rows and 0 <= idx < capacity (replay_sample's rows; the
+// reference raises otherwise). Exact (copies). Grid-stride over the state elements, any grid.
+extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int capacity,
+                                         int state_dim, int n_branches,
+                                         const float* __restrict__ ring_s,
                                          const int* __restrict__ ring_a,
                                          const float* __restrict__ ring_r,
                                          const float* __restrict__ ring_s2,
@@ -306,10 +309,11 @@ extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int
 // skips k when a later sample names the same row: no race, the reference's order);
 // max_priority = fmaxf-reduce(m0, p_0, ..., p_{n-1}). ONE block (a multiple of 32 threads):
 // every thread reads m0 before the reduction's barriers, thread 0 writes the new maximum after
-// them. powf is not correctly rounded (a few ulp against NumPy's).
+// them. priority has capacity rows and 0 <= idx < capacity (the reference raises otherwise).
+// powf is not correctly rounded (a few ulp against NumPy's).
 extern "C" __global__ void replay_update_priorities(const float* __restrict__ td,
                                                     const int* __restrict__ idx, int n,
-                                                    float* __restrict__ priority,
+                                                    float* __restrict__ priority, int capacity,
                                                     float* __restrict__ max_priority,
                                                     float alpha, float eps) {
     const float m0 = max_priority[0];

@@ -46,7 +46,8 @@ ELEMENT_DTYPES = {"float": F32, "int": I32, "long long": I64, "unsigned short": 
                   "unsigned long long": U64, "unsigned char": U8, "SpectralMatrix": U8}
 #: Scalar parameter types -> (kind, low, high): the values a by-value argument may take.
 SCALAR_TYPES = {"int": ("int", -(1 << 31), 1 << 31), "long long": ("int", -(1 << 63), 1 << 63),
-                "unsigned": ("int", 0, 1 << 32), "float": ("float", None, None)}
+                "unsigned": ("int", 0, 1 << 32), "unsigned int": ("int", 0, 1 << 32),
+                "float": ("float", None, None)}
 #: Buffer roles: what a written parameter may not be bound to.
 READ_ONLY_ROLES = frozenset({"batch", "constant"})
 #: ``Copy`` kinds (the driver call each becomes on the GPU).

@@ -40,10 +40,11 @@ from foxhunt.reference.backend import (
     DeferredReadback,
     StepScalars,
     TrainerBackend,
+    check_epoch,
     validate_state_dict,
 )
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import SECOND_WAVE_SWITCHES, DQNConfig
 from foxhunt.reference.kernels import dense as ref_dense
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
@@ -72,17 +73,28 @@ class Trainer(TrainerBackend):
     def _check_config(config) -> None:
         if not isinstance(config, DQNConfig):
             raise ValueError(f"config: expected a DQNConfig, got {type(config).__name__}")
+        if config.second_wave_on:  # issue 18: the reference has them, the fast path not yet
+            name = config.second_wave_on[0]
+            raise ValueError(f"{name}={getattr(config, name)!r}: the fast backend does not "
+                             f"implement {SECOND_WAVE_SWITCHES[name]} yet (backend "
+                             "'reference' does)")
 
     def _make_engine(self, config: DQNConfig, *, device, gemm_workspace: str):
         from foxhunt.fast.device import _require_cuda
         from foxhunt.fast.gpu_engine import GpuEngine
 
+        self._check_config(config)  # a config error is the user's to fix on any machine
         _require_cuda()  # NoCudaDeviceError with the reason, before any other work
-        self._check_config(config)
         return GpuEngine(config, device=device, gemm_workspace=gemm_workspace,
                          staging_slots=STAGING_RING)
 
     # ------------------------------------------------------------------ diagnostics
+    @property
+    def engine(self):
+        """The device side (``gpu_engine.GpuEngine``, or the CPU executor's ``CpuEngine``): the
+        device collector builds its graphs on its arena, program, stream and pool."""
+        return self._engine
+
     @property
     def layout(self):
         """The step's buffers (``foxhunt.fast.step_layout.StepLayout``)."""
@@ -178,6 +190,15 @@ class Trainer(TrainerBackend):
         bus.from_array(arena.download("isv"))
         bus.fold_reset()
         arena.upload("isv", bus.to_array())
+
+    def set_epoch(self, epoch: int) -> None:
+        """ISV ``EPOCH_IDX`` on the device (an epoch start is a synchronisation point anyway)."""
+        epoch = check_epoch(epoch)
+        arena = self._engine.arena
+        self._engine.synchronize()
+        isv = arena.download("isv")
+        isv[isv_mod.EPOCH_IDX_INDEX] = np.float32(epoch)
+        arena.upload("isv", isv)
 
     def last_td_errors(self) -> np.ndarray:
         if not self._readback.stepped:

@@ -10,17 +10,19 @@ Kernel parameters (C order):
   scanning tiles of ``SCAN_THREADS * 8`` elements in order, chained by a carry.
 - ``sample_proportional(prefix, n_items, u, out, n)``: one thread per uniform, any grid; the
   total is ``prefix[n_items - 1]``, read on the device.
-- ``importance_weights(priorities, idx, w, n, beta)``: ONE block (fminf tree, then a division
-  and a ``powf`` per weight); the caller guarantees ``0 <= idx < n_valid``.
+- ``importance_weights(priorities, n_items, idx, w, n, beta)``: ONE block (fminf tree, then a
+  division and a ``powf`` per weight); the caller guarantees ``0 <= idx < n_valid <= n_items``
+  (``n_items``: the length of ``priorities``).
 - ``replay_add(s, a, r, s2, done, next_ret, regime, n, state_dim, n_branches, ring_s, ring_a,
   ring_r, ring_s2, ring_done, ring_next_ret, ring_regime, priority, ring_pos, max_priority,
   capacity)``: ONE block (its thread 0 advances ``ring_pos`` after the barrier).
-- ``replay_sample(prefix, ring_pos, key_lo, key_hi, stream, cycle, idx, n)``: one thread per
-  sample, any grid; ``stream`` is ``rng.STREAMS["replay_sample"]``.
-- ``replay_gather(idx, n, state_dim, n_branches, ring_s, ..., ring_regime, x, a, r, done,
-  next_ret, regime)``: grid-stride over the ``n * state_dim`` state elements; ``next_ret`` and
-  ``regime`` may be null (not gathered).
-- ``replay_update_priorities(td, idx, n, priority, max_priority, alpha, eps)``: ONE block.
+- ``replay_sample(prefix, capacity, ring_pos, key_lo, key_hi, stream, cycle, idx, n)``: one
+  thread per sample, any grid; ``stream`` is ``rng.STREAMS["replay_sample"]``.
+- ``replay_gather(idx, n, capacity, state_dim, n_branches, ring_s, ..., ring_regime, x, a, r,
+  done, next_ret, regime)``: grid-stride over the ``n * state_dim`` state elements;
+  ``next_ret`` and ``regime`` may be null (not gathered).
+- ``replay_update_priorities(td, idx, n, priority, capacity, max_priority, alpha, eps)``: ONE
+  block.
 - ``cycle_advance(cycle)``: one thread (the collector's int64 counter plus one).
 
 Numerics: ``sample_proportional``, ``replay_sample``, ``replay_add`` and ``replay_gather`` are
@@ -129,7 +131,7 @@ def importance_weights(priorities: np.ndarray, idx: np.ndarray, beta: float,
     """PER importance weights ``(p_min / p_{idx_k}) ** beta`` (float32[n]) on the GPU."""
     beta32, _ = validate_importance_weights(priorities, idx, beta, n_valid)
     (w,) = launch("importance_weights", plan_importance_weights(idx.size), In(priorities),
-                   In(idx), Out(idx.shape, F32), idx.size, beta32)
+                   priorities.size, In(idx), Out(idx.shape, F32), idx.size, beta32)
     return w
 
 
@@ -152,8 +154,8 @@ def replay_sample(prefix, ring_pos, key, cycle, n) -> np.ndarray:
     """Proportional sampling of ``n`` filled ring rows with the Philox draws (int32[n])."""
     n, key, _ = validate_replay_sample(prefix, ring_pos, key, cycle, n)
     key_lo, key_hi = split_u64("key", key)
-    (idx,) = launch("replay_sample", plan_replay_sample(n), In(prefix), In(ring_pos), key_lo,
-                    key_hi, STREAMS["replay_sample"], In(cycle), Out((n,), I32), n)
+    (idx,) = launch("replay_sample", plan_replay_sample(n), In(prefix), prefix.size, In(ring_pos),
+                    key_lo, key_hi, STREAMS["replay_sample"], In(cycle), Out((n,), I32), n)
     return idx
 
 
@@ -163,8 +165,8 @@ def replay_gather(idx, ring_s, ring_a, ring_r, ring_s2, ring_done, ring_next_ret
     ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
                 ring_next_ret=ring_next_ret, ring_regime=ring_regime)
     n, state_dim, n_branches = validate_replay_gather(idx, ring)
-    out = launch("replay_gather", plan_replay_gather(n, state_dim), In(idx), n, state_dim,
-                 n_branches, *(In(x) for x in ring.values()), Out((2 * n, state_dim), F32),
+    out = launch("replay_gather", plan_replay_gather(n, state_dim), In(idx), n,
+                 ring_s.shape[0], state_dim, n_branches, *(In(x) for x in ring.values()), Out((2 * n, state_dim), F32),
                  Out((n_branches, n), I32), Out((n,), F32), Out((n,), F32), Out((n,), F32),
                  Out((n,), I32))
     return Gathered(*out)
@@ -174,7 +176,8 @@ def replay_update_priorities(td, idx, priority, max_priority, alpha, eps) -> Pri
     """The sampled rows' new priorities and the running maximum (``Priorities``), on the GPU."""
     alpha32, eps32 = validate_replay_update_priorities(td, idx, priority, max_priority, alpha, eps)
     out = launch("replay_update_priorities", plan_replay_update_priorities(td.size), In(td),
-                 In(idx), td.size, InOut(priority), InOut(max_priority), alpha32, eps32)
+                 In(idx), td.size, InOut(priority), priority.size, InOut(max_priority), alpha32,
+                 eps32)
     return Priorities(*out)
 
 

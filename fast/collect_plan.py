@@ -1,0 +1,298 @@
+"""The collection cycle as launch records (issue 20): acting, the environment step, the replay
+ring and the batch gathered straight into the trainer's arena.
+
+``CollectLayout(layout, n_envs=, capacity=, n_bars=, n_features=)``: the collector's buffers
+(their own arena): the replay ring (``kernels.replay``'s ring, the ``prefix`` sums, the sampled
+rows ``sample_idx``), the env walks (state, ``obs``, the step's outputs), the market tables of
+the whole run (``mk_*``, role ``constant``, uploaded once), the cycle counter ``cycle`` (int64)
+and the exploration rate ``eps`` (float32, written by the host at epoch start). The greedy
+forward on the ``n_envs`` states runs on an ``EvalLayout(layout, n_envs)`` (its own arena).
+
+The records, in the order of ``reference.collector`` (the cycle's reference twin):
+
+- ``act_ops``: ``obs`` copied into the forward's input, the online forward (``q_e``, packed per
+  branch), ``env_act`` (epsilon-greedy with the Philox streams ``explore``/``explore_action``);
+- ``env_ops``: ``env_step`` with auto-reset (stream ``episode_start``), ``replay_add`` of
+  ``(obs, actions, r, s2, done, next_ret, regime)``, then the post-reset states into ``obs``;
+- ``sample_ops``: ``prefix_sum`` of the priorities, ``replay_sample`` (stream
+  ``replay_sample``), ``importance_weights`` into ``batch.isw``, ``replay_gather`` into
+  ``batch.x``, ``batch.a``, ``batch.r``, ``batch.done`` (and the label fields where the step
+  layout has them): the step's graphs 1 and 2 then read the batch where they always do;
+- ``priority_ops``: ``replay_update_priorities`` from the step's ``td``;
+- ``advance_ops``: ``cycle_advance`` (after every reader of the cycle).
+
+The binder (``collect_binder``) resolves names in the collector's, the evaluation's and the
+step's layouts; the step's ``batch`` is writable here (role ``scratch``: ``check_dataflow``
+then proves that the gather and the weights write every byte graph 1 reads).
+
+``register_twins()`` adds the CPU twins (``foxhunt.fast.cpu_kernels``) of the kernels these
+records launch, so the CPU executor runs the cycle with the reference kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from foxhunt.fast.binder import Binder
+from foxhunt.fast.records import F32, I32, I64, Buf, Ops, Region
+from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
+from foxhunt.fast.step_program import StepProgram
+from foxhunt.reference.kernels import env as env_kernels
+from foxhunt.reference.kernels import replay as replay_kernels
+from foxhunt.reference.kernels.rng import STREAMS, split_u64
+
+#: The ring's stored fields: ``(buffer name, kernel field)``, in ``replay.RING_FIELDS`` order.
+RING_BUFFERS = tuple((f"ring_{name}", name) for name, _, _ in replay_kernels.RING_FIELDS)
+#: The env state's arrays: ``(buffer name, EnvState field, dtype)``.
+ENV_BUFFERS = (("env_t", "t", I32), ("env_steps", "steps", I32),
+               ("env_time", "time_in_position", I32), ("env_position", "position", F32),
+               ("env_entry", "entry_price", F32))
+#: The market tables (``kernels.env.MarketTables`` fields) and their buffers.
+TABLE_BUFFERS = tuple((f"mk_{name}", name) for name in env_kernels.MarketTables._fields)
+#: The env kernels' stream-id parameters and the ``rng.STREAMS`` entry each takes.
+ENV_STREAMS = {"start_stream": STREAMS["episode_start"], "explore_stream": STREAMS["explore"],
+               "action_stream": STREAMS["explore_action"]}
+
+
+class CollectLayout(BufferTable):
+    """The collector's buffers (module docstring)."""
+
+    def __init__(self, layout: StepLayout, *, n_envs: int, capacity: int, n_bars: int,
+                 n_features: int):
+        super().__init__()
+        self.step = layout
+        self.n_envs, self.capacity = int(n_envs), int(capacity)
+        self.n_bars, self.n_features = int(n_bars), int(n_features)
+        N, SD, nb, cap = self.n_envs, layout.SD, layout.nb, self.capacity
+        rows = {"s": (cap, SD), "s2": (cap, SD), "a": (cap, nb)}
+        for (buf, name), (_, dtype, _) in zip(RING_BUFFERS, replay_kernels.RING_FIELDS):
+            self._add(buf, rows.get(name, cap), dtype, "state")
+        self._add("priority", cap, F32, "state")
+        self._add("ring_pos", 2, I32, "state")
+        self._add("max_priority", 1, F32, "state")
+        self._add("prefix", cap, F32)
+        self._add("sample_idx", layout.B, I32)
+        self._add("cycle", 1, I64, "state")
+        self._add("eps", 1, F32, "state")
+        for buf, name in TABLE_BUFFERS:
+            shape = (self.n_bars, self.n_features) if name == "features" else self.n_bars
+            self._add(buf, shape, I32 if name == "regime" else F32, "constant")
+        self._add("env_costs", len(env_kernels.COST_FIELDS), F32, "constant")
+        for buf, _, dtype in ENV_BUFFERS:
+            self._add(buf, N, dtype, "state")
+        self._add("obs", (N, SD), F32, "state")
+        self._add("env_actions", (N, nb), I32)
+        for name in ("env_r", "env_done", "env_next_ret"):
+            self._add(name, N, F32)
+        self._add("env_regime", N, I32)
+        self._add("env_s2", (N, SD), F32)
+        self._add("env_obs", (N, SD), F32)
+        self._add("env_no_record", 0, F32)  # training walks record nothing (record_len 0)
+
+
+def collect_binder(prog: StepProgram, cl: CollectLayout, evl: EvalLayout) -> Binder:
+    """Names of the collector's, the evaluation forward's and the step's layouts; the step's
+    ``batch`` is a scratch buffer here (the gather writes it)."""
+    def region(buf: Buf) -> Region:
+        for table in (cl, evl):
+            if buf.name in table:
+                return table.region(buf)
+        found = prog.lay.region(buf)
+        return dataclasses.replace(found, role="scratch") if found.role == "batch" else found
+    return Binder(region, constants=prog.constants)
+
+
+def collect_role(prog: StepProgram, cl: CollectLayout, evl: EvalLayout):
+    """The roles ``check_dataflow`` sees for a plan of the cycle (the ``batch`` as scratch)."""
+    def role(name: str) -> str:
+        for table in (cl, evl):
+            if name in table:
+                return table.role(name)
+        found = prog.lay.role(name)
+        return "scratch" if found == "batch" else found
+    return role
+
+
+def _key(seed: int) -> dict:
+    key_lo, key_hi = split_u64("seed", seed)
+    return {"key_lo": key_lo, "key_hi": key_hi}
+
+
+def act_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout, seed: int) -> None:
+    """The greedy forward on ``obs`` and ``env_act`` into ``env_actions``."""
+    lay, N = prog.lay, cl.n_envs
+    ops.copy("x_e", "obs", N * lay.SD * 4, "dtod")
+    xb = None
+    if lay.bf16:
+        xb = Buf("xb_e")
+        prog.to_bf16(ops, Buf("x_e"), xb, N * lay.SD)
+    prog.forward(ops, tag="e", rows=N, which=0, x=Buf("x_e"), xb=xb, aux=False,
+                 logits=Buf("logits_e", 0), logp=Buf("logp_e", 0), q=Buf("q_e"))
+    ops.kernel("env_act", prog.kernels("env").plan_env_act(N, lay.nb), q="q_e",
+               n_actions="n_actions", action_offset="action_offset", n_branches=lay.nb,
+               n_envs=N, eps="eps", **_key(seed), explore_stream=ENV_STREAMS["explore_stream"],
+               action_stream=ENV_STREAMS["action_stream"], cycle="cycle", actions="env_actions")
+
+
+def env_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, walks, *, reward_scale: float,
+            seed: int) -> None:
+    """``env_step`` (auto-reset), ``replay_add`` of the transitions, the new states into ``obs``.
+
+    ``walks``: a ``reference.collector.Walks`` (the fold's bar range, start range, episode
+    length; baked into the records: one plan per fold)."""
+    lay, N, SD = prog.lay, cl.n_envs, prog.lay.SD
+    state = {field: buf for buf, field, _ in ENV_BUFFERS}
+    tables = {name: buf for buf, name in TABLE_BUFFERS}
+    ops.kernel("env_step", prog.kernels("env").plan_env_step(N), close=tables["close"],
+               high=tables["high"], low=tables["low"], features=tables["features"],
+               n_features=cl.n_features, regime=tables["regime"], **state, n_envs=N,
+               actions="env_actions", n_branches=lay.nb, rec_reward="env_no_record",
+               rec_held="env_no_record", rec_cost="env_no_record", record_len=0,
+               costs="env_costs", n_bars=walks.n_bars, min_start=walks.min_start,
+               last_start=walks.last_start, episode_len=walks.episode_len, auto_reset=1,
+               reward_scale=np.float32(reward_scale), state_dim=SD, **_key(seed),
+               start_stream=ENV_STREAMS["start_stream"], cycle="cycle", r="env_r",
+               done="env_done", s2="env_s2", obs="env_obs", next_ret="env_next_ret",
+               regime_out="env_regime")
+    replay = prog.kernels("replay")
+    ring = {buf: buf for buf, _ in RING_BUFFERS}
+    ops.kernel("replay_add", replay.plan_replay_add(N, SD), s="obs", a="env_actions", r="env_r",
+               s2="env_s2", done="env_done", next_ret="env_next_ret", regime="env_regime", n=N,
+               state_dim=SD, n_branches=lay.nb, **ring, priority="priority", ring_pos="ring_pos",
+               max_priority="max_priority", capacity=cl.capacity)
+    ops.copy("obs", "env_obs", N * SD * 4, "dtod")
+
+
+def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, seed: int) -> None:
+    """The batch: prefix sums, the Philox-drawn rows, their weights and the gather."""
+    lay, B, cap = prog.lay, prog.lay.B, cl.capacity
+    replay = prog.kernels("replay")
+    ops.kernel("prefix_sum", replay.plan_prefix_sum(cap), p="priority", s="prefix", n=cap)
+    ops.kernel("replay_sample", replay.plan_replay_sample(B), prefix="prefix", capacity=cap,
+               ring_pos="ring_pos", **_key(seed), stream=STREAMS["replay_sample"], cycle="cycle",
+               idx="sample_idx", n=B)
+    ops.kernel("importance_weights", replay.plan_importance_weights(B), priorities="priority",
+               n_items=cap, idx="sample_idx", w="batch.isw", n=B, beta=np.float32(beta))
+    labels = {name: f"batch.{name}" if f"batch.{name}" in lay else None
+              for name in ("next_ret", "regime")}
+    ops.kernel("replay_gather", replay.plan_replay_gather(B, lay.SD), idx="sample_idx", n=B,
+               capacity=cap, state_dim=lay.SD, n_branches=lay.nb,
+               **{buf: buf for buf, _ in RING_BUFFERS}, x="batch.x", a="batch.a", r="batch.r",
+               done="batch.done", **labels)
+
+
+def priority_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, alpha: float,
+                 priority_eps: float) -> None:
+    """The sampled rows' new priorities from the step's TD errors."""
+    B = prog.lay.B
+    ops.kernel("replay_update_priorities", prog.kernels("replay").plan_replay_update_priorities(B),
+               td="td", idx="sample_idx", n=B, priority="priority", capacity=cl.capacity,
+               max_priority="max_priority", alpha=np.float32(alpha), eps=np.float32(priority_eps))
+
+
+def advance_ops(ops: Ops, prog: StepProgram) -> None:
+    ops.kernel("cycle_advance", prog.kernels("replay").plan_cycle_advance(), cycle="cycle")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU twins of the launched kernels (foxhunt.fast.cpu_kernels)
+# --------------------------------------------------------------------------------------------
+
+
+def _seed(a) -> int:
+    return int(a.key_hi) << 32 | int(a.key_lo)
+
+
+def _stream(a, param: str, want: int) -> None:
+    if getattr(a, param) != want:
+        raise ValueError(f"{param} {getattr(a, param)}: the reference draws from stream {want}")
+
+
+def register_twins() -> None:
+    """Add the twins of the cycle's kernels to ``cpu_kernels.TWINS`` (once per process)."""
+    from foxhunt.fast.cpu_kernels import TWINS, branches, twin
+
+    if "replay_add" in TWINS:
+        return
+    ring = {buf: ("capacity", "state_dim") if name in ("s", "s2") else
+            ("capacity", "n_branches") if name == "a" else "capacity" for buf, name in RING_BUFFERS}
+
+    @twin("prefix_sum", p="n", s="n")
+    def _prefix_sum(a):
+        return {"s": replay_kernels.prefix_sum(a.p)}
+
+    @twin("replay_sample", prefix="capacity", ring_pos=2, cycle=1, idx="n")
+    def _replay_sample(a):
+        _stream(a, "stream", STREAMS["replay_sample"])
+        return {"idx": replay_kernels.replay_sample(a.prefix, a.ring_pos, _seed(a), a.cycle, a.n)}
+
+    @twin("importance_weights", priorities="n_items", idx="n", w="n")
+    def _importance_weights(a):
+        return {"w": replay_kernels.importance_weights(a.priorities, a.idx, a.beta, a.n_items)}
+
+    @twin("replay_add", s=("n", "state_dim"), a=("n", "n_branches"), r="n", s2=("n", "state_dim"),
+          done="n", next_ret="n", regime="n", **ring, priority="capacity", ring_pos=2,
+          max_priority=1)
+    def _replay_add(a):
+        out = replay_kernels.replay_add(a.s, a.a, a.r, a.s2, a.done, a.next_ret, a.regime,
+                                        *(getattr(a, buf) for buf, _ in RING_BUFFERS), a.priority,
+                                        a.ring_pos, a.max_priority)
+        return out._asdict()
+
+    @twin("replay_gather", nullable=("next_ret", "regime"), idx="n", **ring,
+          x=lambda a: (2 * a.n, a.state_dim), a=("n_branches", "n"), r="n", done="n",
+          next_ret="n", regime="n")
+    def _replay_gather(a):
+        g = replay_kernels.replay_gather(a.idx, *(getattr(a, buf) for buf, _ in RING_BUFFERS))
+        out = {"x": g.x, "a": g.a, "r": g.r, "done": g.done}
+        out.update({name: getattr(g, name) for name in ("next_ret", "regime")
+                    if a.view(name) is not None})
+        return out
+
+    @twin("replay_update_priorities", td="n", idx="n", priority="capacity", max_priority=1)
+    def _replay_update_priorities(a):
+        return replay_kernels.replay_update_priorities(a.td, a.idx, a.priority, a.max_priority,
+                                                       a.alpha, a.eps)._asdict()
+
+    @twin("cycle_advance", cycle=1)
+    def _cycle_advance(a):
+        return {"cycle": replay_kernels.cycle_advance(a.cycle)}
+
+    def nb_total(a):
+        return a.n_envs * sum(branches(a, a.n_branches))
+
+    @twin("env_act", q=nb_total, n_actions="n_branches", action_offset="n_branches", eps=1,
+          cycle=1, actions=("n_envs", "n_branches"))
+    def _env_act(a):
+        for param in ("explore_stream", "action_stream"):
+            _stream(a, param, ENV_STREAMS[param])
+        return {"actions": env_kernels.env_act(a.q, branches(a, a.n_branches), a.eps[0], _seed(a),
+                                               a.cycle)}
+
+    state = {field: "n_envs" for _, field, _ in ENV_BUFFERS}
+    record = ("record_len", "n_envs")
+
+    @twin("env_step", nullable=("s2",), close="n_bars", high="n_bars", low="n_bars",
+          features=("n_bars", "n_features"), regime="n_bars", **state,
+          actions=("n_envs", "n_branches"), rec_reward=record, rec_held=record, rec_cost=record,
+          costs=len(env_kernels.COST_FIELDS), cycle=1, r="n_envs", done="n_envs",
+          s2=("n_envs", "state_dim"), obs=("n_envs", "state_dim"), next_ret="n_envs",
+          regime_out="n_envs")
+    def _env_step(a):
+        _stream(a, "start_stream", ENV_STREAMS["start_stream"])
+        out = env_kernels.env_step(
+            a.close, a.high, a.low, a.features, a.regime, a.t, a.steps, a.time_in_position,
+            a.position, a.entry_price, a.actions, a.rec_reward, a.rec_held, a.rec_cost, a.costs,
+            a.n_bars, a.min_start, a.last_start, a.episode_len, a.auto_reset, a.reward_scale,
+            a.state_dim, _seed(a), a.cycle)._asdict()
+        out["regime_out"] = out.pop("regime")
+        if a.view("s2") is None:
+            del out["s2"]
+        return out
+
+
+__all__ = ["CollectLayout", "ENV_BUFFERS", "ENV_STREAMS", "RING_BUFFERS", "TABLE_BUFFERS",
+           "act_ops", "advance_ops", "collect_binder", "collect_role", "env_ops",
+           "priority_ops", "register_twins", "sample_ops"]

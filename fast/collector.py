@@ -1,0 +1,286 @@
+"""The device-resident collector: collection, replay and the training step as one captured
+graph per cycle (issue 20), the fast twin of ``foxhunt.reference.collector``.
+
+``FastCollector(trainer, config, tables, walks, *, n_envs, capacity, reward_scale, seed, cycle,
+costs)`` takes a ``foxhunt.fast.Trainer`` (on the GPU, or a ``CpuTrainer``: the same records run
+by the reference kernels) and builds, for the fold's ``walks``, two plans of
+``foxhunt.fast.collect_plan`` records over the trainer's arena, the collector's own arena and
+the forward's:
+
+- ``warmup``: act, env step, replay add, cycle advance;
+- ``train``: act, env step, replay add, the sampled batch gathered into the trainer's
+  ``batch``, then the trainer's graphs 1 and 2 (their own records), the priority update from
+  the step's ``td`` and the cycle advance.
+
+On the GPU each plan is ONE captured CUDA graph on the trainer's stream: a training cycle is
+one graph launch and the trainer's host bookkeeping (``Trainer.step_enqueued``: the step count
+and the deferred readback), with no synchronisation between the readback points. The host
+keeps mirrors of what it can compute without asking the device (the cycle counter, the ring's
+size); the ring, the walks and the counter live on the device and are read back only for a
+resume state (``state()``).
+
+Same interface as ``reference.collector.Collector``: ``begin_epoch(eps)``,
+``warmup(trainer, transitions)``, ``cycle_step(trainer)``, ``size``, ``cycle``, ``state()``,
+``load_state(arrays, meta)``. The walks start (or resume) from host-computed states: the
+reference ``env_reset`` / ``env_observe`` on the host, uploaded once per fold.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from foxhunt.fast.collect_plan import (
+    ENV_BUFFERS,
+    RING_BUFFERS,
+    TABLE_BUFFERS,
+    CollectLayout,
+    act_ops,
+    advance_ops,
+    collect_binder,
+    collect_role,
+    env_ops,
+    priority_ops,
+    register_twins,
+    sample_ops,
+)
+from foxhunt.fast.dataflow import check_dataflow
+from foxhunt.fast.records import Buf, Ops
+from foxhunt.fast.step_layout import EvalLayout
+from foxhunt.reference.collector import ReplayRing, Walks
+from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.env import ExecutionCosts
+from foxhunt.reference.kernels import env as env_kernels
+from foxhunt.reference.replay import ReplayBuffer
+
+F32, I32, I64 = np.float32, np.int32, np.int64
+
+
+class _CpuDevice:
+    """The plans on the CPU executor (``cpu_executor``): host arenas, graphs run in order."""
+
+    def __init__(self, engine, cl: CollectLayout, evl: EvalLayout):
+        from foxhunt.fast.cpu_executor import HostArena, Memory
+
+        self.engine = engine
+        self.arena = HostArena(cl.specs)
+        self._eval_arena = HostArena(evl.specs)
+        self._mem = Memory([(engine.layout, engine.arena), (evl, self._eval_arena),
+                            (cl, self.arena)], {})
+        self._plans: dict[str, list] = {}
+
+    def build(self, name: str, graphs: list[Ops]) -> None:
+        from foxhunt.fast.cpu_executor import CpuGraph
+
+        self._plans[name] = [CpuGraph(ops, self.engine.branch_order) for ops in graphs]
+
+    def run(self, name: str) -> None:
+        for graph in self._plans[name]:
+            graph.replay(self._mem)
+
+    def close(self) -> None:
+        """Nothing to release (host memory)."""
+
+
+class _GpuDevice:
+    """The plans on the GPU: one captured graph each, replayed on the trainer's stream."""
+
+    def __init__(self, engine, cl: CollectLayout, evl: EvalLayout):
+        from foxhunt.fast.arena import Arena
+        from foxhunt.fast.graph_lowering import Lowering
+
+        self.engine = engine
+        self.arena = Arena.from_specs(engine.device, cl.specs)
+        self._eval_arena = Arena.from_specs(engine.device, evl.specs)
+        tables = ((cl, self.arena), (evl, self._eval_arena))
+
+        def address(buf: Buf) -> int:
+            for table, arena in tables:
+                if buf.name in table:
+                    region = table.region(buf)
+                    return arena.ptr(region.buffer) + region.byte_start
+            return engine.address(buf)
+
+        self._lowering = Lowering(engine.module, address, {})
+        self._graphs: dict[str, object] = {}
+
+    def build(self, name: str, graphs: list[Ops]) -> None:
+        from foxhunt.fast.graphs import GraphCapture
+
+        for ops in graphs:
+            self.engine.pool.reserve(ops)
+            self._lowering.prepare(ops)
+        graph = GraphCapture(self.engine.stream, max_branches=0)  # branches come from the pool
+        with graph:
+            for ops in graphs:
+                self._lowering.enqueue(ops, self.engine.stream, self.engine.pool)
+        old = self._graphs.pop(name, None)
+        if old is not None:
+            old.close()
+        self._graphs[name] = graph
+
+    def run(self, name: str) -> None:
+        self._graphs[name].replay()
+
+    def close(self) -> None:
+        """Release the graphs and the arenas (after the trainer's stream is idle)."""
+        self.engine.synchronize()
+        for graph in self._graphs.values():
+            graph.close()
+        self._graphs.clear()
+        self.arena.close()
+        self._eval_arena.close()
+
+
+class FastCollector:
+    """One fold's experience on the device (module docstring)."""
+
+    #: The env-state arrays ``state()`` saves (``kernels.env.EnvState``'s fields).
+    ENV_ARRAYS = env_kernels.EnvState._fields
+
+    def __init__(self, trainer, config: DQNConfig, tables: env_kernels.MarketTables,
+                 walks: Walks, *, n_envs: int, capacity: int, reward_scale: float, seed: int,
+                 cycle: int, costs: ExecutionCosts = ExecutionCosts()):
+        from foxhunt.fast.cpu_executor import CpuEngine
+
+        register_twins()
+        engine = trainer.engine
+        prog, lay = engine.program, engine.layout
+        self.config, self.walks, self.seed = config, walks, int(seed)
+        self.n_envs, self.cycle = int(n_envs), int(cycle)
+        # The ring's checks and constants (alpha, beta, eps), its host mirror of (cursor, size).
+        self._ring = ReplayRing(config, capacity)
+        self.cl = cl = CollectLayout(lay, n_envs=n_envs, capacity=capacity,
+                                     n_bars=tables.close.shape[0], n_features=tables.features.shape[1])
+        self.evl = evl = EvalLayout(lay, n_envs)
+        binder = collect_binder(prog, cl, evl)
+        new = functools.partial(Ops, binder)
+        kw = dict(seed=self.seed)
+        warm, head, tail = new(), new(), new()
+        for ops in (warm, head):
+            act_ops(ops, prog, cl, evl, **kw)
+            env_ops(ops, prog, cl, walks, reward_scale=reward_scale, **kw)
+        advance_ops(warm, prog)
+        sample_ops(head, prog, cl, beta=float(self._ring.beta), **kw)
+        priority_ops(tail, prog, cl, alpha=float(self._ring.alpha),
+                     priority_eps=float(self._ring.priority_eps))
+        advance_ops(tail, prog)
+        train = [head, trainer.plans["graph1"], trainer.plans["graph2"], tail]
+        preset = {**lay.zero_padding(), **evl.zero_padding(), **cl.zero_padding()}
+        role = collect_role(prog, cl, evl)
+        check_dataflow([warm], role, preset)
+        check_dataflow(train, role, preset)
+        self.plans = {"warmup": [warm], "train": train}
+        self._device = (_CpuDevice if isinstance(engine, CpuEngine) else _GpuDevice)(engine, cl, evl)
+        for name, graphs in self.plans.items():
+            self._device.build(name, graphs)
+        # Uploaded once per fold: the tables, the costs, an empty ring, the counter, the walks.
+        up = self._device.arena.upload
+        for buf, name in TABLE_BUFFERS:
+            up(buf, getattr(tables, name))
+        up("env_costs", env_kernels.cost_table(costs))
+        up("max_priority", np.array([self._ring.max_priority], F32))
+        self._upload_cycle()
+        self.begin_epoch(1.0)
+        self._tables = tables
+        self._set_walks(env_kernels.env_reset(None, self.n_envs, walks.min_start, walks.last_start,
+                                              self.seed, np.array([self.cycle], I64)))
+
+    # -- host <-> device
+    def _upload_cycle(self) -> None:
+        self._device.arena.upload("cycle", np.array([self.cycle], I64))
+
+    def _set_walks(self, env: env_kernels.EnvState) -> None:
+        """Upload walk states ``env`` and their states ``obs`` (the reference ``env_observe``)."""
+        obs = env_kernels.env_observe(self._tables.features, self._tables.close, env.t,
+                                      env.position, env.entry_price, env.time_in_position,
+                                      self.config.state_dim)
+        for buf, field, _ in ENV_BUFFERS:
+            self._device.arena.upload(buf, getattr(env, field))
+        self._device.arena.upload("obs", obs)
+
+    @property
+    def size(self) -> int:
+        """Transitions in the ring (a host mirror: every cycle adds ``n_envs``)."""
+        return self._ring.size
+
+    def _added(self) -> None:
+        self._ring.size = min(self._ring.size + self.n_envs, self._ring.capacity)
+        self._ring.cursor = (self._ring.cursor + self.n_envs) % self._ring.capacity
+        self.cycle += 1
+
+    # -- the cycle
+    def begin_epoch(self, eps: float) -> None:
+        """Write the exploration rate of the cycles that follow (one upload, outside a cycle)."""
+        self.eps = F32(eps)
+        self._device.arena.upload("eps", np.array([self.eps], F32))
+
+    def warmup(self, trainer, transitions: int) -> None:
+        """Collection cycles with ``eps = 1`` until the ring holds ``transitions``."""
+        eps = self.eps
+        if self.size < transitions:
+            self.begin_epoch(1.0)
+            while self.size < transitions:
+                self._device.run("warmup")
+                self._added()
+            self.begin_epoch(eps)
+
+    def cycle_step(self, trainer):
+        """One training cycle (one graph launch on the GPU); the step's ``StepScalars``."""
+        if self.size < self.config.batch_size:
+            raise ValueError(f"replay holds {self.size} transitions, fewer than "
+                             f"batch_size={self.config.batch_size}")
+        self._device.run("train")
+        self._added()
+        return trainer.step_enqueued()
+
+    # -- resume (synchronises: only at epoch ends)
+    def ring(self) -> ReplayRing:
+        """The device ring read back into a host ``ReplayRing`` (a copy)."""
+        ring = ReplayRing(self.config, self._ring.capacity)
+        arena = self._device.arena
+        for buf, name in RING_BUFFERS:
+            setattr(ring, name, arena.download(buf))
+        ring.priority = arena.download("priority")
+        ring.cursor, ring.size = (int(v) for v in arena.download("ring_pos"))
+        ring.max_priority = arena.download("max_priority")[0]
+        return ring
+
+    def walk_state(self) -> env_kernels.EnvState:
+        return env_kernels.EnvState(*(self._device.arena.download(buf) for buf, _, _ in ENV_BUFFERS))
+
+    def state(self) -> tuple[dict[str, np.ndarray], dict]:
+        """``reference.collector.Collector.state()``'s format, read from the device."""
+        ring = self.ring().state()
+        arrays = {f"replay.{k}": ring.pop(k) for k in ReplayBuffer.STATE_ARRAYS}
+        env = self.walk_state()
+        arrays.update({f"env.{k}": getattr(env, k) for k in self.ENV_ARRAYS})
+        return arrays, ring
+
+    def load_state(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+        """Restore ``state()`` onto the device (the cycle counter is the constructor's)."""
+        ring = ReplayRing(self.config, self._ring.capacity)
+        ring.load_state({**meta, **{k: arrays[f"replay.{k}"] for k in ReplayBuffer.STATE_ARRAYS}})
+        arena = self._device.arena
+        for buf, name in RING_BUFFERS:
+            arena.upload(buf, getattr(ring, name))
+        arena.upload("priority", ring.priority)
+        arena.upload("ring_pos", ring.ring_pos())
+        arena.upload("max_priority", np.array([ring.max_priority], F32))
+        self._ring.cursor, self._ring.size = ring.cursor, ring.size
+        now = self.walk_state()
+        env = []
+        for name, have in zip(self.ENV_ARRAYS, now):
+            arr = np.asarray(arrays[f"env.{name}"])
+            if arr.shape != have.shape or arr.dtype != have.dtype:
+                raise ValueError(f"env state {name}: {arr.dtype} {arr.shape} is not allowed; "
+                                 f"need {have.dtype} {have.shape}")
+            env.append(arr)
+        self._set_walks(env_kernels.EnvState(*env))
+
+    def close(self) -> None:
+        self._device.close()
+
+
+__all__ = ["FastCollector"]
