@@ -62,7 +62,7 @@ from foxhunt.reference.kernels.distributional import double_dqn_select
 from foxhunt.reference.kernels.fused import branch_offsets, require_branches
 from foxhunt.reference.kernels.replay import validate_cycle
 from foxhunt.reference.kernels.rng import MAX_U64, STREAMS, uniform
-from foxhunt.reference.market import N_POSITION_FEATURES, Bars, state_features
+from foxhunt.reference.market import N_POSITION_FEATURES, Bars, regime_labels, state_features
 
 F32, I32 = np.float32, np.int32
 
@@ -95,17 +95,17 @@ class MarketTables(NamedTuple):
     regime: np.ndarray
 
 
-def market_tables(bars: Bars, features: np.ndarray, regime: np.ndarray) -> MarketTables:
+def market_tables(bars: Bars, features: np.ndarray) -> MarketTables:
     """The device tables of ``bars`` with their ``features`` (``market_features(bars, ...)``)
-    and regime labels (``market.regime_labels(bars)``), in the kernels' dtypes."""
+    and ``market.regime_labels(bars)``, in the kernels' dtypes."""
     features = check_f32_array("features", np.ascontiguousarray(features), ndim=2)
     n = len(bars)
-    if features.shape[0] != n or np.shape(regime) != (n,):
-        raise ValueError(f"features, regime: shapes {features.shape}, {np.shape(regime)} are not "
-                         f"allowed; need [{n}, F] and [{n}] (one row per bar)")
+    if features.shape[0] != n:
+        raise ValueError(f"features: shape {features.shape} is not allowed; need [{n}, F] "
+                         "(one row per bar)")
     return MarketTables(*(np.ascontiguousarray(a, dtype=F32) for a in (bars.close, bars.high,
                                                                          bars.low)),
-                        features, np.asarray(regime).astype(I32))
+                        features, regime_labels(bars).astype(I32))
 
 
 def cost_table(costs: ExecutionCosts) -> np.ndarray:
