@@ -172,7 +172,10 @@ class DeferredReadback:
 
 # ------------------------------------------------------------------------------ state
 def state_spec(config: DQNConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
-    """``{key: (shape, dtype)}`` of the state every trainer exchanges (``state_dict``)."""
+    """``{key: (shape, dtype)}`` of the state every trainer exchanges (``state_dict``): the flat
+    buffers (every tensor of the layout, second-wave heads included), Adam's moments and
+    counter, the ISV, the flags, the step count, the spectral-norm vectors of every trained
+    weight matrix and, with the IQN head on, ``seed`` (its quantile generator's key)."""
     from . import isv as isv_mod
     from . import sentinels
     from .layout import ParamLayout
@@ -188,6 +191,8 @@ def state_spec(config: DQNConfig) -> dict[str, tuple[tuple[int, ...], np.dtype]]
     for t in layout.weight_matrices:
         spec[f"sn_u.{t.name}"] = ((t.shape[0],), f32)
         spec[f"sn_v.{t.name}"] = ((t.shape[1],), f32)
+    if config.iqn_on:  # the quantile fractions' generator key: a resumed run draws the same
+        spec["seed"] = ((1,), i64)
     return spec
 
 
@@ -212,6 +217,15 @@ def validate_state_dict(config: DQNConfig, state: Mapping[str, np.ndarray]) -> N
     isv_mod.ISVBus().from_array(state["isv"])  # FingerprintMismatch, before any field is loaded
 
 
+def check_epoch(epoch) -> int:
+    """``epoch`` as an int, or ``ValueError``: an integer in ``[0, 2**24]`` (ISV slots are
+    float32, exact for integers up to 2**24)."""
+    if isinstance(epoch, (bool, np.bool_)) or not isinstance(epoch, (int, np.integer)) \
+            or not 0 <= epoch <= 2**24:
+        raise ValueError(f"epoch={epoch!r}: must be an integer in [0, {2**24}]")
+    return int(epoch)
+
+
 # ------------------------------------------------------------------------------ the interface
 class TrainerBackend(abc.ABC):
     """A trainer: state on some device, one ``step`` per batch.
@@ -225,6 +239,7 @@ class TrainerBackend(abc.ABC):
     - ``end_epoch()`` returns fresh scalars of the last step.
     - ``fold_boundary()`` does Mech 3 (hard target sync), Mech 4 (Adam m, v, t reset), ISV
       FoldReset/SoftReset, and resets the sentinel flags; it keeps the Mech 6 slow EMA.
+    - ``set_epoch(epoch)`` writes ISV ``EPOCH_IDX`` (the loop, at each epoch start).
     - ``q_values(states)`` is the greedy evaluation: expected Q per branch ``[N, n_d]``.
     - ``last_td_errors()`` gives the last step's per-sample TD errors (for replay priorities);
       ``RuntimeError`` before any step since construction or ``load_state_dict``.
@@ -245,6 +260,12 @@ class TrainerBackend(abc.ABC):
 
     @abc.abstractmethod
     def fold_boundary(self) -> None: ...
+
+    @abc.abstractmethod
+    def set_epoch(self, epoch: int) -> None:
+        """Write ``epoch`` (the epoch within the fold, 0-based; :func:`check_epoch`) into ISV
+        slot ``EPOCH_IDX`` (39), the MSE warm-up's clock; the loop calls it at each epoch
+        start. The slot is FoldReset, so ``fold_boundary`` sets it back to 0."""
 
     @abc.abstractmethod
     def q_values(self, states: np.ndarray) -> list[np.ndarray]: ...

@@ -26,6 +26,15 @@ BUDGET_SOURCES = ("c51", "cql", "iqn", "ens")
 #: where they have any (SPEC 4; issue 18 contract).
 SOURCE_WEIGHTS = ("aux_next_bar_weight", "aux_regime_weight", "lambda_iqn", "ens_weight")
 
+#: Every field that switches a second-wave source on (> 0), with what it switches on.
+SECOND_WAVE_SWITCHES = {
+    "aux_next_bar_weight": "the next-bar auxiliary head",
+    "aux_regime_weight": "the regime auxiliary head",
+    "lambda_iqn": "the IQN head",
+    "ens_weight": "the ensemble diversity source",
+    "c51_warmup_epochs": "the MSE warm-up",
+}
+
 #: Tolerance on ``sum(budgets) == 1``.
 BUDGET_SUM_TOL = 1e-6
 
@@ -238,10 +247,9 @@ class DQNConfig:
 
     @property
     def second_wave_on(self) -> tuple[str, ...]:
-        """The second-wave switches that are on, as ``"field=value"`` strings (empty: the
-        core step)."""
-        names = (*SOURCE_WEIGHTS, "c51_warmup_epochs")
-        return tuple(f"{n}={getattr(self, n)!r}" for n in names if getattr(self, n) > 0)
+        """The names of the ``SECOND_WAVE_SWITCHES`` fields that are > 0 (empty: the core
+        step)."""
+        return tuple(n for n in SECOND_WAVE_SWITCHES if getattr(self, n) > 0)
 
     def budget(self, source: str) -> float:
         """Absolute norm budget of one gradient source: ``fraction * max_grad_norm``."""

@@ -349,6 +349,7 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                     return result(True)
                 if on_epoch_start:
                     on_epoch_start(fold, epoch)
+                trainer.set_epoch(epoch)  # ISV EPOCH_IDX: the MSE warm-up's clock, per fold
                 g = fold * settings.epochs + epoch
                 eps = _epsilon(settings, g)
                 tic = time.perf_counter()

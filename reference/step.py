@@ -19,14 +19,29 @@ Mech 2 (atom growth bound) has nothing to bound here: the support is fixed at ``
 The step kernels' reference twins (``kernels.step``) do the jobs they share with the fast step:
 the double-DQN choice and gathers, the TD errors' branch mean (and, in ``network.backward``, the
 trunk gradient's sum and masks).
+
+Second wave (SPEC 4; issue 18 contract), each source only when its weight is > 0 (weight 0:
+no call, and the result is bitwise the core's):
+
+- MSE warm-up (``c51_warmup_epochs``): ``aux_heads.mse_blend`` blends the C51 logit gradient
+  and the reported C51 loss with the expected-Q MSE by ``w = max(0, 1 - epoch / W)``,
+  ``epoch = ISV[EPOCH_IDX]``, before the C51 backward.
+- Auxiliary heads (``aux_next_bar_weight``, ``aux_regime_weight``):
+  ``aux_heads.aux_loss_and_grads`` on online h2; their weighted d h2 enters the C51 backward's
+  trunk-gradient buffer (guarded SAXPY) before the trunk, their parameter gradients enter
+  ``grad_c51`` at their tensors (the C51 budget).
+- IQN (``lambda_iqn``): ``iqn_head.iqn_loss_and_grads`` (own head gradient, own trunk scratch).
+- Ensemble (``ens_weight``): ``aux_heads.ens_loss_and_grads`` (own trunk + value scratch).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from . import isv as isv_mod
 from .batch import Batch
 from .config import DQNConfig
+from .iqn_head import iqn_loss_and_grads
 from .kernels import distributional, safety
 from .kernels import step as step_kernels
 from .layout import ParamLayout
@@ -39,9 +54,15 @@ def support(config: DQNConfig) -> np.ndarray:
 
 def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndarray, batch: Batch,
                    *, q_abs_ref: float = 0.0, h2_bound: float | None = None,
-                   layout: ParamLayout | None = None) -> dict:
+                   layout: ParamLayout | None = None, isv: np.ndarray | None = None,
+                   step: int = 0, seed: int = 0) -> dict:
     """Losses and per-component gradients of ``batch`` (SPEC 4 steps 1-4). ``batch`` is validated
     first (``ValueError`` naming the field); ``Trainer.step`` relies on that single check.
+
+    Second-wave inputs (read only by sources that are on): ``isv``, the ISV vector at the start
+    of the step (``H_S2_RMS_EMA`` for the guards, ``AUX_LABEL_SCALE_EMA``, ``EPOCH_IDX``; default
+    the config's cold start); ``step``, the trainer's step count before this step, and ``seed``,
+    the run's seed (the IQN quantile fractions' generator offset and key).
 
     Returns a dict with ``c51_loss`` and ``cql_loss`` (f32 scalars), ``td_errors`` ``[B]``,
     ``grad_c51`` and ``grad_cql`` (flat f32, layout order, padding zero), ``target_q``
@@ -49,7 +70,10 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     ``a_star`` ``[B, n_branches]``, the activations of the three passes (``online``,
     ``online_next``, ``target_next``), per-branch ``logp``, ``m``, ``dlogits_c51``,
     ``dlogits_cql``, and each backward's intermediate gradients (``trace_c51``, ``trace_cql``:
-    ``d_value_logits``, ``d_adv_logits``, ``d_h2``).
+    ``d_value_logits``, ``d_adv_logits``, ``d_h2``; ``trace_c51`` also ``d_h2_post_aux`` with
+    the auxiliary heads on). Second wave: ``c51_loss`` is the blended loss and ``mse`` the
+    ``MseOut`` while the warm-up runs (``mse`` None otherwise), ``aux`` (``AuxOut``), ``iqn``
+    (``IqnOut``), ``ens`` (``EnsOut``): None for a source that is off.
     """
     layout = layout or ParamLayout(config)
     batch.validate(config)
@@ -99,14 +123,36 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         out["dlogits_c51"].append(dl_c51)
         out["dlogits_cql"].append(dl_cql)
 
+    if isv is None:
+        isv = isv_mod.bus_for(config).to_array()
+    epoch = float(isv[isv_mod.EPOCH_IDX_INDEX])
+    h2_rms = float(isv[isv_mod.H_S2_RMS_EMA_INDEX])
+    out.update(mse=None, aux=None, iqn=None, ens=None)
+    if config.mse_on or config.aux_on or config.ens_on:
+        from .aux_heads import aux_loss_and_grads, ens_loss_and_grads, mse_blend  # noqa: F401
+    if config.mse_on:
+        mse = mse_blend(config, online, batch, target_q, out["dlogits_c51"], epoch)
+        if mse.w > 0:  # past the warm-up the C51 gradient and loss are untouched
+            out["dlogits_c51"] = mse.dlogits
+            c51_total = np.float32((np.float32(1) - mse.w) * c51_total + mse.w * mse.loss)
+        out["mse"] = mse
+    aux_d_h2 = None
+    if config.aux_on:
+        out["aux"] = aux_loss_and_grads(config, layout, params, online, batch, isv)
+        aux_d_h2 = out["aux"].d_h2
+
     trace_c51: dict = {}
     trace_cql: dict = {}
+    grad_c51 = backward(config, layout, params, online, out["dlogits_c51"], h2_bound=h2_bound,
+                        trace=trace_c51, aux_d_h2=aux_d_h2)
+    if config.aux_on:  # the heads' own parameter gradients sit in the C51 budget
+        aux_range = slice(layout.core_end, layout.main_adam_end)
+        grad_c51[aux_range] = out["aux"].param_grad[aux_range]
     out.update(
         c51_loss=np.float32(c51_total),
         cql_loss=np.float32(cql_total),
         td_errors=step_kernels.branch_mean(ce_parts, nb),
-        grad_c51=backward(config, layout, params, online, out["dlogits_c51"], h2_bound=h2_bound,
-                          trace=trace_c51),
+        grad_c51=grad_c51,
         grad_cql=backward(config, layout, params, online, out["dlogits_cql"], h2_bound=h2_bound,
                           trace=trace_cql),
         trace_c51=trace_c51,
@@ -119,4 +165,10 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         target_next=target_next,
         logp=online.logp,
     )
+    if config.iqn_on:
+        out["iqn"] = iqn_loss_and_grads(config, layout, params, target_params, online, target_next,
+                                        batch, out["a_star"], step, seed, q_abs_ref, h2_rms,
+                                        mode=config.precision)
+    if config.ens_on:
+        out["ens"] = ens_loss_and_grads(config, layout, params, online, isv, mode=config.precision)
     return out

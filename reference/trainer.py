@@ -5,16 +5,26 @@ One ``step(batch)``, in order:
 1. ``loss_and_grads``: three forward passes (Mech 10 clamps ``h2`` to
    ``h2_clamp_mult * max(ISV[H_S2_RMS_EMA], 1)``, its NaN check runs *before* the clamp), C51 and
    CQL losses (Mech 1 clips the scalar target Q), backward of each into its own buffer.
+   Second-wave sources whose weight is > 0 (``step.loss_and_grads``): the MSE warm-up blend,
+   the auxiliary heads (into the C51 gradient), the IQN head and the ensemble diversity (own
+   scratch buffers).
 2. Budget pipeline: ``grad = clip(grad_c51, 0.70 mgn)``; ``grad += clipped(grad_cql, 0.15 mgn)``
-   (guarded, clipped SAXPY). IQN (0.10) and ensemble (0.05) sources are not implemented yet:
-   their budgets stay unused (``lambda_iqn = ens_weight = 0``).
-3. Adam: global safety clip at Mech 6's anchored bound ``min(mgn, 100 * max(slow_ema, 1))``
-   (the slow EMA, alpha 0.001, is updated after the clip and persists across folds), per-element
-   isfinite guard, bias correction, Mech 9 weight clamp ``100 * max(ISV[Q_ABS_REF], 1)``.
-4. Spectral norm on every weight matrix (one batched power iteration).
+   (guarded, clipped SAXPY); then ``grad[0:trunk_end] += lambda_iqn * clipped(iqn, 0.10 mgn)``
+   and ``grad[0:value_end] += ens_weight * clipped(ens, 0.05 mgn)`` (``budgets``).
+3. Adam over ``[0, main_adam_end)`` (the core and the aux heads): global safety clip at Mech 6's
+   anchored bound ``min(mgn, 100 * max(slow_ema, 1))`` (the slow EMA, alpha 0.001, is updated
+   after the clip and persists across folds), per-element isfinite guard, bias correction,
+   Mech 9 weight clamp ``100 * max(ISV[Q_ABS_REF], 1)``. With IQN on, the IQN head's own Adam
+   over ``layout.iqn_range`` (same hyperparameters, clamp and ``adam_t``; its gradient clipped
+   at ``max_grad_norm`` by its own norm). The ensemble priors are never updated.
+4. Spectral norm on every trained weight matrix (one batched power iteration; core, aux, IQN).
 5. BF16 mirror of the params; Polyak target update and its mirror.
-6. ISV producers (Q_ABS_REF from the taken-action Q, H_S2_RMS_EMA from h2); the fused sentinel
-   check (Mech 5 thresholds relative to ``max(ISV[Q_ABS_REF], 1)``); deferred readback.
+6. ISV producers (Q_ABS_REF from the taken-action Q, H_S2_RMS_EMA from h2, AUX_LABEL_SCALE_EMA
+   from the batch's next-bar returns with the next-bar head on); the fused sentinel check
+   (Mech 5 thresholds relative to ``max(ISV[Q_ABS_REF], 1)``); deferred readback.
+
+``set_epoch(epoch)`` writes ISV ``EPOCH_IDX`` (the MSE warm-up's clock); the loop calls it at
+each epoch start.
 
 The step's own bookkeeping is the fast step's kernels' reference twins (``kernels.step``):
 ``step_bounds`` (the ISV-driven bounds, the thresholds, Adam's counter) and ``step_scalars``
@@ -27,10 +37,12 @@ import numpy as np
 
 from . import isv as isv_mod
 from . import sentinels
-from .backend import READBACK_FIELDS, DeferredReadback, StepScalars, TrainerBackend, validate_state_dict
+from .backend import (READBACK_FIELDS, DeferredReadback, StepScalars, TrainerBackend, check_epoch,
+                      validate_state_dict)
 from .batch import Batch
-from .budgets import budget_pipeline
+from .budgets import budget_pipeline, second_wave_budgets
 from .config import DQNConfig
+from .kernels import aux as aux_kernels
 from .kernels import dense, optim, safety, spectral
 from .kernels import isv as isv_kernels
 from .kernels import step as step_kernels
@@ -109,23 +121,34 @@ class Trainer(TrainerBackend):
         # loss_and_grads validates the batch (its only validation in the step), before any
         # state of this trainer changes.
         out = loss_and_grads(c, self.params, self.target, batch, q_abs_ref=q_abs_ref,
-                             h2_bound=h2_bound, layout=self.layout)
+                             h2_bound=h2_bound, layout=self.layout, isv=isv_at_start,
+                             step=self.step_count, seed=self.seed)
         self.step_count += 1
         # Inline checks: Mech 10's h2 check sees the buffer before the clamp sanitises it;
-        # d_h2 is snapshotted right after the main (C51) backward.
+        # d_h2 is snapshotted right after the main (C51) backward, after the auxiliary heads'
+        # SAXPY into it, and after the IQN d h2 copy into it.
         self._inline_check("h2", out["online"].h2_pre_clamp)
         self._inline_check("d_h2_post_main", out["trace_c51"]["d_h2"])
+        if out["aux"] is not None:
+            self._inline_check("d_h2_post_aux", out["trace_c51"]["d_h2_post_aux"])
+        if out["iqn"] is not None:
+            self._inline_check("d_h2_post_iqn", out["iqn"].d_h2_guarded)
 
         # Budget pipeline (SPEC 4 step 5); then the step scalars: the total norm (one partial,
         # the whole buffer), Adam's Mech 6 safety-clip factor, the readback block and the slow
         # EMA; then Adam with that clip and Mech 9's weight clamp.
         grad, norms = budget_pipeline(c, out["grad_c51"], out["grad_cql"])
+        grad, wave = second_wave_budgets(
+            c, self.layout, grad,
+            iqn_trunk=None if out["iqn"] is None else out["iqn"].trunk_grad_clean,
+            ens_trunk=None if out["ens"] is None else out["ens"].trunk_grad_clean)
         # The loss scalars and means (not step_kernels.loss_scalars: its means add in the
         # kernel's block order, NumPy's mean pairwise; the bits differ).
         readback = np.zeros(len(READBACK_FIELDS), np.float32)
         for name, value in (("c51_loss", out["c51_loss"]), ("cql_loss", out["cql_loss"]),
                             ("mean_q", np.mean(out["q_taken"])),
-                            ("mean_target_q", np.mean(out["target_q"]))):
+                            ("mean_target_q", np.mean(out["target_q"])),
+                            *self._second_wave_scalars(out, wave)):
             readback[step_kernels.READBACK_INDEX[name]] = value
         end = step_kernels.step_scalars(
             np.array([optim.grad_norm_sq(grad)]), norms.c51_sq, norms.cql_sq, bounds.clip_bound[0],
@@ -135,11 +158,13 @@ class Trainer(TrainerBackend):
         for name, value in (("c51_norm_post", norms.c51_post), ("cql_norm_post", norms.cql_post)):
             end.readback[step_kernels.READBACK_INDEX[name]] = value
         self.adam_t = int(bounds.adam_t[0])
-        self.params, self.adam_m, self.adam_v = optim.adam_update(
-            self.params, grad, self.adam_m, self.adam_v, step=self.adam_t, lr=np.float32(c.lr),
-            beta1=np.float32(c.beta1), beta2=np.float32(c.beta2), eps=np.float32(c.adam_eps),
-            weight_decay=np.float32(c.weight_decay), grad_scale=end.safety_scale,
-            weight_clamp=bounds.weight_clamp[0])
+        self._adam(slice(0, self.layout.main_adam_end), grad, end.safety_scale,
+                   bounds.weight_clamp[0])
+        if out["iqn"] is not None:  # the IQN head's own Adam: its gradient, its own norm clip
+            r = slice(*self.layout.iqn_range)
+            head = out["iqn"].head_grad[r]
+            self._adam(r, head, optim.clip_scale(optim.grad_norm_sq(head), c.max_grad_norm),
+                       bounds.weight_clamp[0])
         self.isv.set(SLOW_EMA, end.isv[slow])
 
         # Spectral norm on every weight matrix (one batched launch in the fast path).
@@ -157,6 +182,10 @@ class Trainer(TrainerBackend):
         vec = self.isv.to_array()
         vec = isv_kernels.isv_q_abs_ref_update(vec, out["q_taken"], np.float32(ISV_PRODUCER_ALPHA))
         vec = isv_kernels.isv_h2_rms_update(vec, out["online"].h2, np.float32(ISV_PRODUCER_ALPHA))
+        if c.aux_next_bar_on:  # ISV 117, the next-bar head's label scale
+            vec = aux_kernels.isv_label_scale_update(vec, batch.next_ret,
+                                                     vec[isv_mod.SHARPE_EMA_INDEX],
+                                                     isv_mod.ALPHA_BASE_DEFAULT)
         self.isv.from_array(vec)
 
         self._fused_checks(self._sentinel_buffers(batch, out, grad), bounds.thresholds)
@@ -164,18 +193,66 @@ class Trainer(TrainerBackend):
         self._current = StepScalars.from_readback(self.step_count, end.readback, self._flags)
         return self._readback.after_step(self.step_count, lambda: self._current)
 
+    def _adam(self, r: slice, grad: np.ndarray, grad_scale, weight_clamp) -> None:
+        """One Adam (``optim.adam_update``) over the elements ``r`` of params / m / v with the
+        config's hyperparameters and the shared ``adam_t``; ``grad`` holds at least ``r``'s
+        elements (the first ones are used)."""
+        c = self.config
+        n = r.stop - r.start
+        self.params[r], self.adam_m[r], self.adam_v[r] = optim.adam_update(
+            self.params[r], grad[:n], self.adam_m[r], self.adam_v[r], step=self.adam_t,
+            lr=np.float32(c.lr), beta1=np.float32(c.beta1), beta2=np.float32(c.beta2),
+            eps=np.float32(c.adam_eps), weight_decay=np.float32(c.weight_decay),
+            grad_scale=grad_scale, weight_clamp=weight_clamp)
+
+    @staticmethod
+    def _second_wave_scalars(out: dict, wave) -> list[tuple[str, float]]:
+        """The second-wave readback entries of the sources that are on (the rest stay 0)."""
+        values = []
+        if out["iqn"] is not None:
+            values += [("iqn_loss", out["iqn"].loss), ("iqn_norm_pre", wave.iqn_pre),
+                       ("iqn_norm_post", wave.iqn_post)]
+        if out["ens"] is not None:
+            values += [("ens_loss", out["ens"].loss), ("ens_norm_pre", wave.ens_pre),
+                       ("ens_norm_post", wave.ens_post)]
+        if out["aux"] is not None:
+            values += [("aux_next_bar_loss", out["aux"].loss_nb),
+                       ("aux_regime_loss", out["aux"].loss_rg)]
+        if out["mse"] is not None:
+            values += [("mse_loss", out["mse"].loss), ("mse_weight", out["mse"].w)]
+        return values
+
+    def set_epoch(self, epoch: int) -> None:
+        self.isv.set("EPOCH_IDX", check_epoch(epoch))
+
     def _sentinel_buffers(self, batch: Batch, out: dict, grad: np.ndarray) -> dict[str, np.ndarray]:
         """The buffer each fused (non-inline) sentinel slot watches, by slot name.
 
-        Slots whose buffers this step does not have (IQN, ensemble, auxiliary heads, MSE
-        warmup) are absent and never fire.
+        Slots whose buffers this step does not have (the second-wave sources that are off)
+        are absent and never fire.
         """
         lay = self.layout
         group = {g: np.concatenate([np.arange(t.offset, t.end) for t in lay.tensors if t.group == g])
                  for g in ("trunk", "value", "branch")}
         heads = np.concatenate([group["value"], group["branch"]])
         flat = lambda xs: np.concatenate([x.ravel() for x in xs])  # noqa: E731
-        return {
+        wave: dict[str, np.ndarray] = {}
+        if out["mse"] is not None:
+            wave["mse_loss"] = np.atleast_1d(out["mse"].loss)
+        if out["aux"] is not None:
+            if self.config.aux_next_bar_on:
+                wave["aux_next_bar_d_h2"] = out["aux"].d_h2_nb
+            if self.config.aux_regime_on:
+                wave["aux_regime_d_h2"] = out["aux"].d_h2_rg
+        if out["iqn"] is not None:
+            r = slice(*lay.iqn_range)
+            wave.update(iqn_trunk_grad=out["iqn"].trunk_grad, iqn_d_h2=out["iqn"].d_h2,
+                        iqn_d_quantiles=out["iqn"].d_quantiles,
+                        iqn_adam_m_max=self.adam_m[r], iqn_adam_v_max=self.adam_v[r],
+                        iqn_weight_max=self.params[r])
+        if out["ens"] is not None:
+            wave.update(ens_d_logits=out["ens"].d_logits, ens_trunk_grad=out["ens"].trunk_grad)
+        return wave | {
             "states": batch.s, "next_states": batch.s2, "rewards": batch.r,
             "importance_weights": batch.isw,
             "online_value_logits": out["online"].v, "online_adv_logits": flat(out["online"].adv),
@@ -251,6 +328,8 @@ class Trainer(TrainerBackend):
         for t, u, v in zip(self.layout.weight_matrices, self.sn_u, self.sn_v):
             state[f"sn_u.{t.name}"] = u
             state[f"sn_v.{t.name}"] = v
+        if self.config.iqn_on:
+            state["seed"] = np.array([self.seed], np.int64)
         return {k: np.array(v, copy=True) for k, v in state.items()}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
@@ -263,6 +342,8 @@ class Trainer(TrainerBackend):
         self.isv.from_array(state["isv"].copy())
         self._flags = state["flags"].copy()
         self.step_count = int(state["step"][0])
+        if self.config.iqn_on:
+            self.seed = int(state["seed"][0])
         self.sn_u = [state[f"sn_u.{t.name}"].copy() for t in self.layout.weight_matrices]
         self.sn_v = [state[f"sn_v.{t.name}"].copy() for t in self.layout.weight_matrices]
         self._refresh_mirrors()
