@@ -182,6 +182,8 @@ extern "C" __global__ void env_act(const float* __restrict__ q, const int* __res
 //   costs NaN).
 // ---------------------------------------------------------------------------------------------
 
+// op over one value per thread of the block (blockDim.x a multiple of 32, at most EVAL_THREADS):
+// each warp's xor butterfly, then thread 0 over the warps in order. Every thread gets the result.
 template <typename Op>
 static __device__ __forceinline__ double eval_block_reduce(double v, Op op, double* scratch) {
     const int lane = threadIdx.x % 32;
@@ -197,7 +199,7 @@ static __device__ __forceinline__ double eval_block_reduce(double v, Op op, doub
     __syncthreads();
     if (threadIdx.x == 0) {
         double acc = scratch[0];
-        for (int w = 1; w < EVAL_WARPS; ++w) {
+        for (int w = 1; w < (int)(blockDim.x / 32); ++w) {
             acc = op(acc, scratch[w]);
         }
         scratch[EVAL_WARPS] = acc;

@@ -5,7 +5,7 @@ action sequences (every order route, episode ends, walks reaching the last bar, 
 the restart offsets the kernels draw handed to ``BranchingEnv.reset`` (it draws its own
 otherwise): positions, entry prices, time in position, costs, positions held, rewards, done,
 next states, post-reset states, next-bar returns and regime labels must be equal bit for bit.
-Then the kernels' greedy walk (``greedy_walk`` + ``eval_metrics``) against
+Then the kernels' greedy walk (``env_walk.greedy_walk`` + ``eval_metrics``) against
 ``loop.evaluate`` / ``loop.evaluate_segment`` on real fold segments.
 """
 
@@ -27,6 +27,7 @@ from foxhunt.reference.env import (
     ExecutionCosts,
 )
 from foxhunt.reference.kernels import env as K
+from foxhunt.reference.kernels.env_walk import greedy_walk
 from foxhunt.reference.market import Bars, SyntheticMarket, market_features
 from foxhunt.reference.metrics import METRIC_NAMES, bar_seconds, bars_per_year
 
@@ -127,7 +128,7 @@ def test_greedy_walk_reproduces_evaluate_segment(run_setup):
     for seg in segments:
         for name in loop.EVAL_SEGMENTS:
             start, stop = getattr(seg, name)
-            walk = K.greedy_walk(trainer.q_values, tables, ExecutionCosts(), config.branches,
+            walk = greedy_walk(trainer.q_values, tables, ExecutionCosts(), config.branches,
                                  config.state_dim, start, stop)
             want = loop.evaluate(trainer, bars, feats, config.state_dim, config.branches, start,
                                  stop)
@@ -152,7 +153,7 @@ def test_baselines_are_greedy_walks_of_one_hot_q(run_setup, policy):
                 for a, n in zip(fixed, config.branches)]
 
     start, stop = segments[1].test
-    walk = K.greedy_walk(one_hot, K.market_tables(bars, feats), ExecutionCosts(),
+    walk = greedy_walk(one_hot, K.market_tables(bars, feats), ExecutionCosts(),
                          config.branches, config.state_dim, start, stop)
     want = loop.evaluate(None, bars, feats, config.state_dim, config.branches, start, stop,
                          policy)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -516,44 +516,6 @@ def eval_metrics(rewards: np.ndarray, positions: np.ndarray, costs: np.ndarray,
     return np.array([values[name] for name in EVAL_FIELDS], dtype=F32)
 
 
-# --------------------------------------------------------------------------------------------
-# The greedy walk over a segment, in the device loop's order
-# --------------------------------------------------------------------------------------------
-
-
-class Walk(NamedTuple):
-    """A walk's record: per-bar ``rewards`` (unscaled), ``positions`` held and ``costs``,
-    float32 ``[stop - start - 1]`` each."""
-
-    rewards: np.ndarray
-    positions: np.ndarray
-    costs: np.ndarray
-
-
-def greedy_walk(q_values: Callable[[np.ndarray], list], tables: MarketTables, costs: ExecutionCosts,
-                branches, state_dim: int, start: int, stop: int) -> Walk:
-    """The greedy policy of ``q_values`` (``Trainer.q_values``) over bars ``[start, stop)`` in
-    the kernels' loop: ``env_reset`` at ``start``, then per bar ``env_observe`` /
-    ``q_values`` / ``env_act(eps=0)`` / ``env_step`` (one env, no auto-reset, recording every
-    bar). The twin of ``loop.evaluate`` for the greedy policy (``tests/test_env_twin.py``);
-    the fast path runs the same kernels with the network's forward in between."""
-    n_steps = stop - start - 1
-    cost_arr = cost_table(costs)
-    no_cycle = np.zeros(1, np.int64)  # no draws: eps = 0 and no auto-reset
-    state = env_reset(np.array([start], I32), 1, 0, stop - 2, 0, no_cycle)
-    rec = [np.zeros((n_steps, 1), F32) for _ in range(3)]
-    obs = env_observe(tables.features, tables.close, state.t, state.position,
-                      state.entry_price, state.time_in_position, state_dim)
-    for _ in range(n_steps):
-        actions = env_act(pack_q(q_values(obs)), branches, 0.0, 0, no_cycle)
-        out = env_step(*tables, *state, actions, *rec, cost_arr, n_bars=stop, min_start=0,
-                       last_start=stop - 2, episode_len=0, auto_reset=0, reward_scale=1.0,
-                       state_dim=state_dim, key=0, cycle=no_cycle)
-        state, obs, rec = EnvState(*out[:5]), out.obs, [out.rec_reward, out.rec_held,
-                                                         out.rec_cost]
-    return Walk(*(x[:, 0].copy() for x in rec))
-
-
 KERNELS = {
     "env_reset": env_reset,
     "env_observe": env_observe,
@@ -564,8 +526,8 @@ KERNELS = {
 
 __all__ = [
     "BRANCH_DEFAULTS", "COST_FIELDS", "EVAL_FIELDS", "EnvState", "EnvStep", "FULL_BRANCHES",
-    "KERNELS", "MAX_BARS", "MarketTables", "Walk", "cost_table", "env_act", "env_observe",
-    "env_reset", "env_step", "eval_metrics", "greedy_walk", "market_tables", "pack_q",
+    "KERNELS", "MAX_BARS", "MarketTables", "cost_table", "env_act", "env_observe",
+    "env_reset", "env_step", "eval_metrics", "market_tables", "pack_q",
     "validate_env_act", "validate_env_observe", "validate_env_reset", "validate_env_step",
     "validate_eval_metrics",
 ]
