@@ -200,3 +200,49 @@ def test_an_ambiguous_name_needs_its_section(monkeypatch):
         settings_io.resolve("seed")
     assert settings_io.resolve("loop.seed").section == "loop"
     assert settings_io.resolve("lr").key == "config.lr"
+
+
+# ------------------------------------------------------------------ second wave (issue 18)
+def test_second_wave_defaults_are_the_core_step():
+    for name in ("seed", "tiny"):
+        c = DQNConfig.preset(name)
+        assert (c.lambda_iqn, c.ens_weight, c.aux_next_bar_weight, c.aux_regime_weight,
+                c.c51_warmup_epochs) == (0.0, 0.0, 0.0, 0.0, 0)
+        assert c.second_wave_on == () and not (c.iqn_on or c.ens_on or c.aux_on or c.mse_on)
+    c = DQNConfig()
+    # The contract's shape defaults (the seeds' IQN_NUM_QUANTILES = 5).
+    assert (c.iqn_quantiles, c.iqn_embed, c.ens_heads, c.aux_hidden, c.n_regimes) == (5, 64, 3, 32, 3)
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("lambda_iqn", -0.5, r"allowed range is \[0.0, inf\)"),
+    ("ens_weight", float("inf"), r"allowed range is \[0.0, inf\)"),
+    ("aux_next_bar_weight", float("nan"), r"allowed range"),
+    ("aux_regime_weight", -1e-9, r"allowed range"),
+    ("iqn_quantiles", 0, "must be an integer >= 1"),
+    ("iqn_embed", 0, "must be an integer >= 1"),
+    ("ens_heads", 1, "must be an integer >= 2"),
+    ("aux_hidden", -3, "must be an integer >= 1"),
+    ("n_regimes", 1, "must be an integer >= 2"),
+    ("c51_warmup_epochs", -1, "must be an integer >= 0"),
+])
+def test_second_wave_fields_reject_bad_values_in_one_line(field, value, allowed):
+    with pytest.raises(ValueError, match=rf"^{field}={value!r}: {allowed}") as err:
+        DQNConfig.preset("tiny").replace(**{field: value})
+    assert "\n" not in str(err.value)
+
+
+def test_second_wave_switches_and_round_trip():
+    from foxhunt.reference.config import SECOND_WAVE_SWITCHES
+
+    on = DQNConfig.preset("tiny", lambda_iqn=1.0, ens_weight=0.05, aux_next_bar_weight=0.1,
+                          aux_regime_weight=0.2, c51_warmup_epochs=3, iqn_quantiles=7,
+                          iqn_embed=16, ens_heads=4, aux_hidden=8, n_regimes=5)
+    assert on.second_wave_on == tuple(SECOND_WAVE_SWITCHES)
+    assert on.iqn_on and on.ens_on and on.aux_on and on.aux_next_bar_on and on.aux_regime_on
+    assert on.mse_on
+    assert DQNConfig.from_dict(on.to_dict()) == on
+    assert DQNConfig.from_json(on.to_json()) == on
+    only = DQNConfig.preset("tiny", aux_regime_weight=0.1)
+    assert only.second_wave_on == ("aux_regime_weight",)
+    assert only.aux_on and not only.aux_next_bar_on

@@ -204,3 +204,206 @@ def test_loop_refuses_too_few_regime_classes():
     with pytest.raises(ValueError, match=r"n_regimes=2: the market's regime labels reach 2; "
                                          r"need n_regimes >= 3"):
         run(cfg, bars, LoopSettings(folds=1, epochs=1, steps_per_epoch=1))
+
+
+# -------------------------------------------------------------------------------- the step
+from foxhunt.reference import isv as isv_mod  # noqa: E402
+from foxhunt.reference import step as step_mod  # noqa: E402
+from foxhunt.reference import trainer as trainer_mod  # noqa: E402
+from foxhunt.reference.kernels import optim  # noqa: E402
+from foxhunt.reference.layout import ParamLayout  # noqa: E402
+from foxhunt.reference.trainer import Trainer  # noqa: E402
+
+#: The composition functions of the sources (helpers A and B) as the step module sees them.
+SOURCE_FUNCTIONS = ("iqn_loss_and_grads", "aux_loss_and_grads", "ens_loss_and_grads", "mse_blend")
+
+
+def _norm64(x: np.ndarray) -> float:
+    x64 = x.astype(np.float64)
+    return float(np.sqrt(np.sum(np.where(np.isfinite(x64), x64, 0.0) ** 2)))
+
+
+def _clipped64(x: np.ndarray, budget: float) -> np.ndarray:
+    n = _norm64(x)
+    s = budget / n if n > budget and n > 0 else 1.0
+    x64 = x.astype(np.float64)
+    return np.where(np.isfinite(x64), x64 * s, 0.0)
+
+
+def _capture_adam(monkeypatch) -> list[dict]:
+    """Record every ``optim.adam_update`` call of the trainer (its grad and grad_scale)."""
+    calls = []
+    real = optim.adam_update
+
+    def spy(param, grad, m, v, **kw):
+        calls.append({"n": param.shape[0], "grad": grad.copy(), **kw})
+        return real(param, grad, m, v, **kw)
+
+    monkeypatch.setattr(optim, "adam_update", spy)
+    return calls
+
+
+def _state_bits(trainer: Trainer) -> dict[str, bytes]:
+    return {k: v.tobytes() for k, v in trainer.state_dict().items()}
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.3])
+@pytest.mark.parametrize("mgn", [10.0, 1e-3])
+def test_iqn_step_composes_the_budgets_and_its_own_adam(lam, mgn, monkeypatch):
+    """With only IQN on, the main Adam's gradient is clip(c51, .70 mgn) + clipped(cql, .15 mgn)
+    + lambda * clipped(iqn trunk, .10 mgn) over [0, trunk_end), recomputed here in float64 from
+    ``loss_and_grads``' raw parts; the IQN head's Adam gets the head gradient over its range with
+    its own clip at mgn."""
+    config = TINY.replace(lambda_iqn=lam, max_grad_norm=mgn)
+    trainer = Trainer(config, seed=4)
+    rng = np.random.default_rng(9)
+    for _ in range(2):
+        trainer.step(Batch.random(config, rng))
+    batch = Batch.random(config, rng)
+    lay = trainer.layout
+    isv = trainer.isv.to_array()
+    h2_bound = np.float32(config.h2_clamp_mult * max(float(isv[isv_mod.H_S2_RMS_EMA_INDEX]), 1.0))
+    raw = step_mod.loss_and_grads(config, trainer.params.copy(), trainer.target.copy(), batch,
+                                  q_abs_ref=isv[isv_mod.Q_ABS_REF_INDEX], h2_bound=h2_bound,
+                                  layout=lay, isv=isv, step=trainer.step_count, seed=4)
+    calls = _capture_adam(monkeypatch)
+    trainer.step(batch)
+    assert [c["n"] for c in calls] == [lay.main_adam_end, lay.iqn_range[1] - lay.iqn_range[0]]
+    expect = _clipped64(raw["grad_c51"], 0.70 * mgn) + _clipped64(raw["grad_cql"], 0.15 * mgn)
+    T = lay.trunk_end
+    expect[:T] += lam * _clipped64(raw["iqn"].trunk_grad_clean[:T], 0.10 * mgn)
+    np.testing.assert_allclose(calls[0]["grad"], expect[:lay.main_adam_end], rtol=2e-5,
+                               atol=1e-6 * mgn)
+    assert np.abs(raw["iqn"].trunk_grad_clean[:T]).max() > 0  # the IQN part is really there
+    assert not raw["iqn"].trunk_grad_clean[T:].any()
+    head = raw["iqn"].head_grad[slice(*lay.iqn_range)]
+    np.testing.assert_array_equal(calls[1]["grad"], head)
+    n = _norm64(head)
+    np.testing.assert_allclose(calls[1]["grad_scale"], mgn / n if n > mgn else 1.0, rtol=1e-6)
+    assert calls[1]["step"] == calls[0]["step"] == trainer.adam_t  # one shared Adam counter
+    s = trainer._current
+    np.testing.assert_allclose([s.iqn_loss, s.iqn_norm_pre], [raw["iqn"].loss,
+                               _norm64(raw["iqn"].trunk_grad_clean[:T])], rtol=1e-5)
+    assert s.iqn_norm_post <= 0.10 * mgn * (1 + 1e-6)
+    assert (s.ens_loss, s.aux_next_bar_loss, s.mse_weight) == (0.0, 0.0, 0.0)
+
+
+def test_weight_zero_sources_are_not_called_and_the_step_is_the_core_step(monkeypatch):
+    """Every second-wave weight 0, every shape field of the sources changed: no source function
+    is called and the state after three steps is bitwise that of the default config."""
+    for name in SOURCE_FUNCTIONS:
+        def refuse(*args, _name=name, **kwargs):
+            raise AssertionError(f"{_name} called with its source off")
+        monkeypatch.setattr(step_mod, name, refuse, raising=False)
+    shapes = dict(iqn_quantiles=9, iqn_embed=3, ens_heads=6, aux_hidden=5, n_regimes=7)
+    runs = []
+    for config in (TINY, TINY.replace(**shapes)):
+        trainer = Trainer(config, seed=6)
+        rng = np.random.default_rng(6)
+        trainer.set_epoch(0)
+        for _ in range(3):
+            trainer.step(Batch.random(TINY, rng))
+        runs.append(_state_bits(trainer))
+    assert runs[0] == runs[1]
+    assert "seed" not in runs[0]  # no IQN, no generator key in the state
+
+
+def test_the_main_adam_leaves_the_padding_and_the_iqn_adam_only_its_range(monkeypatch):
+    config = TINY.replace(lambda_iqn=1.0)
+    trainer = Trainer(config, seed=1)
+    rng = np.random.default_rng(1)
+    for _ in range(3):
+        trainer.step(Batch.random(config, rng))
+    lay = trainer.layout
+    pad = lay.padding_mask()
+    for buf in (trainer.params, trainer.adam_m, trainer.adam_v, trainer.target):
+        assert not buf[pad].any()
+    r = slice(*lay.iqn_range)
+    assert np.abs(trainer.adam_m[r]).max() > 0 and np.abs(trainer.adam_v[r]).max() > 0
+    fresh = Trainer(config, seed=1)
+    assert not np.array_equal(trainer.params[r], fresh.params[r])  # the IQN head learns
+
+
+def test_set_epoch_writes_isv_39_and_the_fold_boundary_resets_it():
+    trainer = Trainer(TINY, seed=0)
+    assert trainer.isv.get("EPOCH_IDX") == 0
+    trainer.set_epoch(7)
+    assert trainer.isv.to_array()[39] == np.float32(7)
+    assert trainer.state_dict()["isv"][39] == np.float32(7)
+    trainer.fold_boundary()
+    assert trainer.isv.get("EPOCH_IDX") == 0
+    for bad in (-1, 1.5, True, 2**24 + 1, "3"):
+        with pytest.raises(ValueError, match=rf"epoch={bad!r}: must be an integer in \[0, 16777216\]"):
+            trainer.set_epoch(bad)
+
+
+def test_the_loop_sets_the_epoch_at_each_epoch_start(monkeypatch):
+    seen = []
+    real = Trainer.set_epoch
+    monkeypatch.setattr(Trainer, "set_epoch", lambda self, e: (seen.append(e), real(self, e))[1])
+    bars = SyntheticMarket(8, 1600).generate()
+    run(TINY, bars, LoopSettings(folds=2, epochs=3, steps_per_epoch=1, n_envs=2,
+                                 warmup_transitions=32, replay_capacity=128, seed=1,
+                                 val_frac=0.125, test_frac=0.125))
+    assert seen == [0, 1, 2, 0, 1, 2]
+
+
+def test_fast_backend_refuses_a_second_wave_source_in_one_line():
+    import foxhunt.fast
+    from foxhunt.fast.cpu_executor import CpuTrainer
+
+    for cls in (foxhunt.fast.Trainer, CpuTrainer):
+        for field, value, what in (("lambda_iqn", 1.0, "the IQN head"),
+                                   ("ens_weight", 0.5, "the ensemble diversity source"),
+                                   ("aux_next_bar_weight", 0.1, "the next-bar auxiliary head"),
+                                   ("aux_regime_weight", 0.2, "the regime auxiliary head"),
+                                   ("c51_warmup_epochs", 2, "the MSE warm-up")):
+            with pytest.raises(ValueError) as err:
+                cls(TINY.replace(**{field: value}))
+            assert str(err.value) == (f"{field}={value!r}: the fast backend does not implement "
+                                      f"{what} yet (backend 'reference' does)")
+
+
+def test_fast_cpu_executor_set_epoch_writes_the_device_isv():
+    from foxhunt.fast.cpu_executor import CpuTrainer
+
+    trainer = CpuTrainer(TINY, seed=0)
+    trainer.set_epoch(5)
+    assert trainer.state_dict()["isv"][39] == np.float32(5)
+    trainer.fold_boundary()
+    assert trainer.state_dict()["isv"][39] == 0
+
+
+def test_iqn_state_round_trip_resumes_bitwise():
+    config = TINY.replace(lambda_iqn=1.0)
+    rng_a, rng_b = np.random.default_rng(3), np.random.default_rng(3)
+    batches_a = [Batch.random(config, rng_a) for _ in range(4)]
+    batches_b = [Batch.random(config, rng_b) for _ in range(4)]
+    straight = Trainer(config, seed=11)
+    for b in batches_a:
+        straight.step(b)
+    first = Trainer(config, seed=11)
+    for b in batches_b[:2]:
+        first.step(b)
+    state = first.state_dict()
+    assert state["seed"].tolist() == [11]
+    assert {f"sn_u.{n}" for n in ("w_phi", "w_iq")} <= set(state)
+    resumed = Trainer(config, seed=0)  # another seed: the state's key wins
+    resumed.load_state_dict(state)
+    for b in batches_b[2:]:
+        resumed.step(b)
+    assert _state_bits(resumed) == _state_bits(straight)
+
+
+def test_info_prints_each_head_parameter_count():
+    from foxhunt.reference.cli import head_counts
+
+    seed_on = DQNConfig.preset("seed", lambda_iqn=1.0, aux_next_bar_weight=0.1,
+                               aux_regime_weight=0.1)
+    lay = ParamLayout(seed_on)
+    SH2, A = 256, 8
+    aux = 2 * (32 * SH2 + 32) + (32 + 1) + (3 * 32 + 3)
+    iqn = SH2 * 64 + SH2 + A * SH2 + A
+    assert head_counts(lay) == f"core=289,611 aux={aux:,} iqn={iqn:,} ens=off"
+    assert head_counts(ParamLayout(DQNConfig.preset("seed"))) == \
+        "core=289,611 aux=off iqn=off ens=off"
