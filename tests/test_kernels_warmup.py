@@ -53,7 +53,7 @@ def _torch_mse(logits, actions, target_q, isw):
     """``(1/nb) sum_d sum_b isw_b 0.5 (E_d[b] - y)^2 / B`` and its gradient w.r.t. the logits of
     the first B samples, float64."""
     z = torch.from_numpy(support(-10.0, 10.0, NA).astype(np.float64))
-    total, grads = 0.0, []
+    total = 0.0
     leaves = [torch.from_numpy(x[:B]).requires_grad_(True) for x in logits]
     for d, t in enumerate(leaves):
         p = torch.softmax(t, -1)[torch.arange(B), torch.from_numpy(actions[d].astype(np.int64))]

@@ -27,7 +27,6 @@ from foxhunt.conformance.specs.inputs import (
     normal,
     reduction,
     replace,
-    uniform,
     wrong_dtype,
 )
 from foxhunt.conformance.tolerance import EXACT, REDUCTION, Tolerance

@@ -226,8 +226,9 @@ def aux_regime_loss_grad(logits: np.ndarray, regime: np.ndarray, weight) -> Regi
     (the gradient of ``weight * loss``; the factor rounded once).
 
     Shapes: ``logits [B, R]`` float32, ``regime [B]`` int32 in ``[0, R)`` (else ValueError; the
-    CUDA kernel never reads outside a row), ``weight`` finite >= 0 (``aux_regime_weight``). Returns ``RegimeLossGrad(d_logits [B, R], loss)``
-    float32; the loss's sum over samples is a reduction.
+    CUDA kernel never reads outside a row), ``weight`` finite >= 0 (``aux_regime_weight``).
+    Returns ``RegimeLossGrad(d_logits [B, R], loss)`` float32; the loss's sum over samples is a
+    reduction.
     NaN/Inf contract, per row: a NaN or ``+Inf`` logit, or a row of ``-Inf``, makes the row's
     ``d_logits`` and ``ce`` NaN (hence the loss); a ``-Inf`` logit in a finite row has
     probability 0.

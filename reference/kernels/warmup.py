@@ -67,7 +67,8 @@ def warmup_weight(epoch: np.float32, warmup_epochs: int) -> np.float32:
     """The blend weight ``w = fmaxf(0, 1 - epoch / W)`` (float32; the division and the difference
     rounded once each). A NaN epoch gives 0 (``fmaxf`` takes the non-NaN operand): no MSE."""
     with np.errstate(all="ignore"):
-        return np.float32(np.fmax(np.float32(0), np.float32(1) - np.float32(epoch) / np.float32(warmup_epochs)))
+        ratio = np.float32(epoch) / np.float32(warmup_epochs)
+        return np.float32(np.fmax(np.float32(0), np.float32(1) - ratio))
 
 
 @ieee
