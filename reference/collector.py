@@ -203,6 +203,9 @@ class Collector:
         self.cycle += 1
         return scalars
 
+    def close(self) -> None:
+        """Nothing to release (host memory; the fast collector releases its arenas)."""
+
     # -- resume
     def state(self) -> tuple[dict[str, np.ndarray], dict]:
         """``(arrays, meta)``: the ring's ``state()`` arrays as ``replay.<name>``, the walks as
@@ -227,13 +230,20 @@ class Collector:
         self.obs = self._observe()
 
 
-def fold_collector(config: DQNConfig, bars: Bars, feats: np.ndarray, train: tuple[int, int],
-                   settings, cycle: int) -> Collector:
-    """The reference collector of one fold's training segment ``train`` for ``settings``
-    (``loop.LoopSettings``)."""
-    return Collector(config, env_kernels.market_tables(bars, feats), Walks.of_segment(train),
-                     n_envs=settings.n_envs, capacity=settings.replay_capacity,
-                     reward_scale=settings.reward_scale, seed=settings.seed, cycle=cycle)
+def fold_collector(trainer, config: DQNConfig, bars: Bars, feats: np.ndarray,
+                   train: tuple[int, int], settings, cycle: int):
+    """The collector of one fold's training segment ``train`` for ``settings``
+    (``loop.LoopSettings``), starting at cycle ``cycle``: ``foxhunt.fast.collector.
+    FastCollector`` (the cycle as one device graph) for a fast trainer, this module's
+    ``Collector`` for any other."""
+    kwargs = dict(n_envs=settings.n_envs, capacity=settings.replay_capacity,
+                  reward_scale=settings.reward_scale, seed=settings.seed, cycle=cycle)
+    tables, walks = env_kernels.market_tables(bars, feats), Walks.of_segment(train)
+    if getattr(trainer, "backend_name", None) == "fast":
+        from foxhunt.fast.collector import FastCollector  # only when the run asked for it
+
+        return FastCollector(trainer, config, tables, walks, **kwargs)
+    return Collector(config, tables, walks, **kwargs)
 
 
 __all__ = ["Collector", "MAX_EPISODE_LEN", "ReplayRing", "Walks", "fold_collector"]

@@ -10,6 +10,12 @@ segment, a **validation** segment (``val_frac`` of the window: chooses the best 
   ``explore_frac`` of all epochs), into a prioritised replay buffer;
 - each epoch runs ``steps_per_epoch`` training steps (300, the seeds' epoch), one environment
   step of every walk per training step, priorities updated from the step's TD errors;
+- the experience is a collector's (``collector.fold_collector``): the cycle of the device
+  kernels (act, env step, replay add, sample, step, priority update), run by their NumPy twins
+  on the reference backend and as one captured graph per cycle on the fast backend (no host
+  synchronisation between the readback points). Every random draw (exploration, episode
+  starts, replay sampling) is the counter-based generator's at the global cycle counter, so a
+  cycle gives the same actions and samples on both backends;
 - at epoch end the greedy policy is evaluated on the validation and the test segment
   (``metrics.segment_metrics``: Sharpe annualised from the data's own bar spacing, total
   return, max drawdown, turnover, costs); the epoch with the best **validation** Sharpe is
@@ -20,7 +26,8 @@ segment, a **validation** segment (``val_frac`` of the window: chooses the best 
   gradient norm stays below 1e-8 for 5 consecutive epochs; both name the flagged sentinel slots.
 
 At each fold boundary the trainer's ``fold_boundary()`` runs (Mech 3/4, ISV fold reset,
-sentinel flags reset) and the replay buffer is emptied (a new market window).
+sentinel flags reset) and the replay buffer is emptied (a new market window); the cycle
+counter runs on.
 
 Stopping and resuming: ``should_stop()`` is checked before every epoch and after every
 training step; when it returns True the loop stops at once (the epoch in progress is not
@@ -43,13 +50,13 @@ import numpy as np
 
 from . import loop_state, sentinels
 from .backend import READBACK_FIELDS, StepScalars, TrainerBackend, get_backend
+from .collector import fold_collector
 from .config import DQNConfig, require_int, require_positive, require_range
 from .env import BranchingEnv, rollout
 from .market import (DEFAULT_WINDOWS, N_POSITION_FEATURES, Bars, feature_warmup,
                      market_features, n_market_features, regime_labels)
 from .metrics import (METRIC_NAMES, SegmentMetrics, bar_seconds, bars_per_year, equity_curve,
                       segment_metrics)
-from .replay import ReplayBuffer
 
 LOG = logging.getLogger("foxhunt")
 
@@ -225,13 +232,6 @@ def _greedy(trainer: TrainerBackend, states: np.ndarray) -> np.ndarray:
     return np.stack([q.argmax(axis=1) for q in trainer.q_values(states)], axis=1).astype(np.int32)
 
 
-def _act(trainer, states, eps, branches, rng) -> np.ndarray:
-    actions = _greedy(trainer, states)
-    explore = rng.random(actions.shape) < eps
-    random_actions = np.stack([rng.integers(0, n, size=len(states)) for n in branches], axis=1)
-    return np.where(explore, random_actions, actions).astype(np.int32)
-
-
 #: Fixed actions of the baselines per branch (exposure, order type, urgency): a market order
 #: placed now, flat (exposure 1) or long (exposure 2); cut to the config's branches.
 BASELINE_ACTIONS = {"flat": (1, 0, 0), "buy_hold": (2, 0, 0)}
@@ -305,11 +305,9 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
     store = loop_state.CheckpointStore(Path(out_dir)) if out_dir is not None else None
     if store is not None:
         store.remove_stale_temporaries()
-    rng = np.random.default_rng(settings.seed)
     st = loop_state.Progress()
     if resume:
         st = store.load(trainer, config, settings, bars)
-        rng.bit_generator.state = st.rng
     result = lambda interrupted: RunResult(st.records, st.halted, interrupted, st.folds,  # noqa: E731
                                            spacing, per_year)
     if st.done:
@@ -317,32 +315,22 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
     held = st.last_scalars  # what the trainer's stale readback held before an interruption
     resumed_at = trainer.step_count if resume else None
     stop = should_stop or (lambda: False)
+    collector = None
     try:
         for fold in range(st.fold, settings.folds):
             seg = segments[fold]
-            t0, t_val = seg.train
-            env = BranchingEnv(bars.slice(0, t_val), feats[:t_val], state_dim=config.state_dim,
-                               n_envs=settings.n_envs, branches=config.branches, min_start=t0,
-                               episode_len=min(1000, t_val - t0 - 1), seed=settings.seed + fold)
-            replay = ReplayBuffer(config, settings.replay_capacity)
+            if collector is not None:
+                collector.close()
+            collector = fold_collector(trainer, config, bars, feats, seg.train, settings, st.cycle)
             if st.epoch > 0:  # resuming inside a fold: its replay and walks come back as saved
-                replay.load_state(st.replay)
-                env.load_state(st.env)
-                states = env.observe()
+                collector.load_state(st.replay, st.replay_meta)
             else:
                 if stop():
                     return result(True)
                 if fold > 0:
                     trainer.fold_boundary()
                 st.folds.append(_baselines(fold, seg, bars, feats, config, per_year))
-                states = env.reset()
-                while len(replay) < max(settings.warmup_transitions, config.batch_size):
-                    actions = _act(trainer, states, 1.0, config.branches, rng)
-                    s2, r, done, info = env.step(actions)
-                    replay.add(states, actions, r * np.float32(settings.reward_scale), s2,
-                               done.astype(np.float32), next_ret=info["ret"],
-                               regime=info["regime"])
-                    states = env.observe()
+                collector.warmup(trainer, max(settings.warmup_transitions, config.batch_size))
             fold_result = st.folds[fold]
             for epoch in range(st.epoch, settings.epochs):
                 if stop():
@@ -353,16 +341,9 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                 g = fold * settings.epochs + epoch
                 eps = _epsilon(settings, g)
                 tic = time.perf_counter()
+                collector.begin_epoch(eps)
                 for i in range(settings.steps_per_epoch):
-                    actions = _act(trainer, states, eps, config.branches, rng)
-                    s2, r, done, info = env.step(actions)
-                    replay.add(states, actions, r * np.float32(settings.reward_scale), s2,
-                               done.astype(np.float32), next_ret=info["ret"],
-                               regime=info["regime"])
-                    states = env.observe()
-                    batch, idx = replay.sample(rng)
-                    scalars = trainer.step(batch)
-                    replay.update_priorities(idx, trainer.last_td_errors())
+                    scalars = collector.cycle_step(trainer)
                     if held is not None and not scalars.fresh and scalars.read_at < resumed_at:
                         scalars = dataclasses.replace(held, step=scalars.step, fresh=False)
                     if on_step:
@@ -405,12 +386,15 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                                  f"slots {_flags_text(scalars)}")
                 st.advance(fold, epoch, settings)
                 if store is not None:
-                    st.rng, st.last_scalars = rng.bit_generator.state, scalars
-                    store.save_resume(trainer, st, config, settings, bars, replay, env)
+                    st.cycle, st.last_scalars = collector.cycle, scalars
+                    store.save_resume(trainer, st, config, settings, bars, collector)
                 if st.halted:
                     return result(False)
     except KeyboardInterrupt:  # fallback: the CLI's signal handlers normally set should_stop
         return result(True)
+    finally:
+        if collector is not None:
+            collector.close()
     return result(False)
 
 

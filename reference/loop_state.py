@@ -2,8 +2,10 @@
 
 - ``fold{k}_best.safetensors``: the trainer at fold ``k``'s best epoch (chosen on validation).
 - ``last.safetensors`` (the trainer, ``trainer.save``) and ``last.loop.npz`` beside it (the
-  loop: position, RNG state, records, fold results, halt counters, and within a fold the
-  replay buffer and the environments), written at the end of every epoch. The pair is
+  loop: position, the collector's cycle counter (the offset of every random draw: the whole
+  RNG state), records, fold results, halt counters, and within a fold the collector's replay
+  ring and walks, read back from the device on the fast backend), written at the end of every
+  epoch. The pair is
   committed together: both are written to temporary files first, then renamed into place one
   right after the other, and ``last.loop.npz`` names the trainer step it belongs to, so a
   torn pair is detected on resume instead of resuming from a mix.
@@ -36,7 +38,7 @@ from .market import Bars
 
 LOG = logging.getLogger("foxhunt")
 
-FORMAT = "foxhunt-loop-state-2"  # 2: second-wave scalars, replay labels
+FORMAT = "foxhunt-loop-state-3"  # 2: second-wave scalars, replay labels; 3: the cycle counter
 CHECKPOINTS = "checkpoints"
 LAST_TRAINER = "last.safetensors"
 LAST_LOOP = "last.loop.npz"
@@ -61,7 +63,8 @@ def data_hash(bars: Bars) -> str:
 class Progress:
     """Where a run stands: the next epoch to run (``fold``, ``epoch``), whether it is ``done``
     (completed or halted), its records and fold results so far, the grad-collapse counter,
-    and (as saved) the loop RNG state, the last readback, the replay and env states."""
+    and (as saved) the collector's cycle counter, the last readback, and within a fold the
+    collector's state (``replay``: its arrays, ``replay_meta``: the rest)."""
 
     fold: int = 0
     epoch: int = 0
@@ -70,10 +73,10 @@ class Progress:
     records: list = field(default_factory=list)
     folds: list = field(default_factory=list)
     low_grad_epochs: int = 0
-    rng: dict | None = None
+    cycle: int = 0
     last_scalars: StepScalars | None = None
     replay: dict | None = None
-    env: dict | None = None
+    replay_meta: dict | None = None
 
     def advance(self, fold: int, epoch: int, settings) -> None:
         """Epoch ``epoch`` of fold ``fold`` has finished: move to the next one."""
@@ -124,23 +127,20 @@ class CheckpointStore:
         return None
 
     def save_resume(self, trainer, progress: Progress, config: DQNConfig, settings, bars: Bars,
-                    replay, env) -> bool:
+                    collector) -> bool:
         """Write the resume pair for ``progress`` (after ``advance``); False if it failed."""
         meta = {
             "format": FORMAT, "config": config.to_dict(), "settings": dataclasses.asdict(settings),
             "data_sha256": data_hash(bars), "trainer_step": int(trainer.step_count),
             "fold": progress.fold, "epoch": progress.epoch, "done": progress.done,
             "halted": progress.halted, "low_grad_epochs": progress.low_grad_epochs,
-            "rng": progress.rng, "last_scalars": dataclasses.asdict(progress.last_scalars),
+            "cycle": progress.cycle, "last_scalars": dataclasses.asdict(progress.last_scalars),
             "records": [dataclasses.asdict(r) for r in progress.records],
             "folds": [dataclasses.asdict(f) for f in progress.folds],
         }
         arrays = {}
         if not progress.done and progress.epoch > 0:  # the next epoch continues this fold
-            rs, es = replay.state(), env.state()
-            arrays.update({f"replay.{k}": rs.pop(k) for k in replay.STATE_ARRAYS})
-            arrays.update({f"env.{k}": es.pop(k) for k in env.STATE_ARRAYS})
-            meta["replay"], meta["env"] = rs, es
+            arrays, meta["replay"] = collector.state()
         loop_path, trainer_path = self.dir / LAST_LOOP, self.dir / LAST_TRAINER
         pending = self.dir / f".{LAST_TRAINER}.pending{TMP_SUFFIX}"
         temporaries = [pending]
@@ -209,14 +209,11 @@ class CheckpointStore:
         progress = Progress(
             fold=meta["fold"], epoch=meta["epoch"], done=meta["done"], halted=meta["halted"],
             records=records_from_dicts(meta["records"]), folds=folds_from_dicts(meta["folds"]),
-            low_grad_epochs=meta["low_grad_epochs"], rng=meta["rng"],
+            low_grad_epochs=meta["low_grad_epochs"], cycle=meta["cycle"],
             last_scalars=StepScalars(**{**meta["last_scalars"],
                                         "flags": tuple(meta["last_scalars"]["flags"])}))
         if meta.get("replay") is not None:
-            progress.replay = {**meta["replay"], **{k.split(".", 1)[1]: v for k, v in arrays.items()
-                                                    if k.startswith("replay.")}}
-            progress.env = {**meta["env"], **{k.split(".", 1)[1]: v for k, v in arrays.items()
-                                              if k.startswith("env.")}}
+            progress.replay, progress.replay_meta = arrays, meta["replay"]
         return progress
 
 

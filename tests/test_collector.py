@@ -239,3 +239,58 @@ def test_fast_plan_binds_the_batch_it_gathers_and_reads_no_unwritten_buffer(mark
     gather = next(n for n in col.plans["train"][0].nodes() if getattr(n, "kernel", "") == "replay_gather")
     assert {str(gather.args[k]) for k in ("x", "a", "r", "done")} == {"batch.x", "batch.a", "batch.r",
                                                                       "batch.done"}
+
+
+# ------------------------------------------------------------------- the loop's fast path
+
+
+LOOP_CONFIG = DQNConfig.preset("tiny", readback_interval=4)
+LOOP_SETTINGS = loop.LoopSettings(folds=2, epochs=2, steps_per_epoch=9, n_envs=4,
+                                  warmup_transitions=40, replay_capacity=128, seed=5)
+LOOP_BARS = SyntheticMarket.preset("default", seed=3, n_bars=800).generate()
+
+
+def _loop(out_dir=None, *, resume=False, stop_after=None, on_step=None):
+    steps = []
+
+    def step(i, scalars):
+        steps.append(i)
+        if on_step:
+            on_step(i, scalars)
+
+    return loop.run(LOOP_CONFIG, LOOP_BARS, LOOP_SETTINGS, backend=CpuTrainer, out_dir=out_dir,
+                    resume=resume, on_step=step,
+                    should_stop=None if stop_after is None else lambda: len(steps) >= stop_after)
+
+
+def test_loop_fast_path_synchronises_only_at_readback_points():
+    """Within an epoch the loop's fast path (the collector's cycle graph, the trainer's
+    bookkeeping, ``on_step``) synchronises exactly at the deferred readbacks."""
+    seen = []
+    result = _loop(on_step=lambda i, s: seen.append((i, s.fresh, fast_device.SYNCS.count)))
+    assert result.status == "completed"
+    checked = 0
+    for (_, _, before), (i, fresh, after) in zip(seen, seen[1:]):
+        if i == 0:
+            continue  # an epoch boundary (evaluation, checkpoints) lies in between
+        assert after - before == int(fresh), (i, fresh)
+        checked += 1
+    assert checked == LOOP_SETTINGS.folds * LOOP_SETTINGS.epochs * (LOOP_SETTINGS.steps_per_epoch - 1)
+
+
+def test_loop_fast_path_resumes_bitwise(tmp_path):
+    """Interrupted inside fold 0's second epoch (the ring and walks come back from the device
+    state saved at the first epoch's end) and resumed: the same records and final trainer."""
+    from foxhunt.reference.checkpoint import load_checkpoint
+
+    whole = _loop(tmp_path / "whole")
+    part = _loop(tmp_path / "part", stop_after=LOOP_SETTINGS.steps_per_epoch + 4)
+    assert part.status == "interrupted" and len(part.records) == 1
+    resumed = _loop(tmp_path / "part", resume=True)
+    untimed = [{k: v for k, v in vars(r).items() if k not in loop.TIMING_FIELDS}
+               for r in whole.records]
+    assert [{k: v for k, v in vars(r).items() if k not in loop.TIMING_FIELDS}
+            for r in resumed.records] == untimed
+    _, a = load_checkpoint(tmp_path / "whole" / "checkpoints" / "last.safetensors")
+    _, b = load_checkpoint(tmp_path / "part" / "checkpoints" / "last.safetensors")
+    assert all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
