@@ -90,6 +90,9 @@ class CollectLayout(BufferTable):
         self._add("env_s2", (N, SD), F32)
         self._add("env_obs", (N, SD), F32)
         self._add("env_no_record", 0, F32)  # training walks record nothing (record_len 0)
+        clash = sorted(set(self.specs) & set(layout.specs))
+        if clash:
+            raise AssertionError(f"collector buffers {clash} shadow step buffers")
 
 
 def collect_binder(prog: StepProgram, cl: CollectLayout, evl: EvalLayout) -> Binder:
