@@ -294,3 +294,18 @@ def test_loop_fast_path_resumes_bitwise(tmp_path):
     _, a = load_checkpoint(tmp_path / "whole" / "checkpoints" / "last.safetensors")
     _, b = load_checkpoint(tmp_path / "part" / "checkpoints" / "last.safetensors")
     assert all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
+
+
+def test_the_cycle_kernels_twins_declare_every_pointer_parameter():
+    from foxhunt.fast.collect_plan import register_twins
+    from foxhunt.fast.cpu_kernels import TWINS
+    from foxhunt.fast.records import kernel_params
+
+    register_twins()
+    params = kernel_params()
+    for name in ("env_act", "env_step", "replay_add", "prefix_sum", "replay_sample",
+                 "importance_weights", "replay_gather", "replay_update_priorities",
+                 "cycle_advance"):
+        pointers = {p.name for p in params[name] if p.pointer}
+        assert set(TWINS[name].extents) == pointers, name
+        assert TWINS[name].nullable <= pointers, name
