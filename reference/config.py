@@ -53,7 +53,8 @@ class DQNConfig:
 
     Safety multipliers (SPEC 6; each bound is ``multiplier * max(isv_signal, 1)``, the floor is
     on the signal, never on the bound): ``target_q_clip_mult`` (Mech 1), ``atom_growth_mult``
-    (Mech 2), ``adam_m_diag_mult`` / ``adam_v_diag_mult`` / ``weight_diag_mult`` (Mech 5 sentinel
+    (Mech 2; with the fixed support a construction check ``max(|v_min|, |v_max|) <=
+    atom_growth_mult``), ``adam_m_diag_mult`` / ``adam_v_diag_mult`` / ``weight_diag_mult`` (Mech 5 sentinel
     thresholds), ``grad_clip_anchor_mult`` and ``grad_slow_ema_alpha`` (Mech 6),
     ``weight_clamp_mult`` (Mech 9), ``h2_clamp_mult`` / ``h2_diag_mult`` (Mech 10),
     ``aux_guard_mult`` (input range guard around auxiliary trunk backwards).
@@ -198,6 +199,13 @@ class DQNConfig:
                      "weight_clamp_mult", "h2_clamp_mult", "h2_diag_mult", "aux_guard_mult"):
             require_positive(name, getattr(self, name))
         require_range("grad_slow_ema_alpha", self.grad_slow_ema_alpha, 0.0, 1.0, lo_open=True)
+        # Mech 2 bounds the atom positions by atom_growth_mult * max(ISV[Q_ABS_REF], 1). The
+        # support here is fixed, so the bound acts once, at construction, at its smallest value
+        # (the signal's floor 1): every atom must lie within atom_growth_mult.
+        if max(abs(self.v_min), abs(self.v_max)) > self.atom_growth_mult:
+            raise ValueError(
+                f"v_min={self.v_min!r}, v_max={self.v_max!r}: the support must lie within Mech 2's "
+                f"atom bound atom_growth_mult={self.atom_growth_mult!r} (|v| <= atom_growth_mult)")
         for name in SOURCE_WEIGHTS:
             require_range(name, getattr(self, name), 0.0, math.inf)
         for name, minimum in (("iqn_quantiles", 1), ("iqn_embed", 1), ("ens_heads", 2),

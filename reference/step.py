@@ -26,7 +26,8 @@ no call, and the result is bitwise the core's):
 - MSE warm-up (``c51_warmup_epochs``): ``aux_heads.mse_blend`` blends the C51 logit gradient
   and the reported C51 loss with the expected-Q MSE by ``w = max(0, 1 - epoch / W)``,
   ``epoch = ISV[EPOCH_IDX]``, before the C51 backward.
-- Auxiliary heads (``aux_next_bar_weight``, ``aux_regime_weight``):
+- Auxiliary heads (``aux_next_bar_weight``, ``aux_regime_weight``): with the next-bar head,
+  ISV 117 (the label scale) is first updated from the batch's ``next_ret``; then
   ``aux_heads.aux_loss_and_grads`` on online h2; their weighted d h2 enters the C51 backward's
   trunk-gradient buffer (guarded SAXPY) before the trunk, their parameter gradients enter
   ``grad_c51`` at their tensors (the C51 budget).
@@ -39,10 +40,12 @@ from __future__ import annotations
 import numpy as np
 
 from . import isv as isv_mod
+from .aux_heads import aux_loss_and_grads, ens_loss_and_grads, mse_blend
 from .batch import Batch
 from .config import DQNConfig
 from .iqn_head import iqn_loss_and_grads
-from .kernels import distributional, safety
+from .kernels import aux as aux_kernels
+from .kernels import distributional, safety, wave
 from .kernels import step as step_kernels
 from .layout import ParamLayout
 from .network import Activations, backward, forward, q_values
@@ -73,7 +76,9 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     ``d_value_logits``, ``d_adv_logits``, ``d_h2``; ``trace_c51`` also ``d_h2_post_aux`` with
     the auxiliary heads on). Second wave: ``c51_loss`` is the blended loss and ``mse`` the
     ``MseOut`` while the warm-up runs (``mse`` None otherwise), ``aux`` (``AuxOut``), ``iqn``
-    (``IqnOut``), ``ens`` (``EnsOut``): None for a source that is off.
+    (``IqnOut``), ``ens`` (``EnsOut``): None for a source that is off; ``isv``, the ISV vector
+    the sources read (with the next-bar head on, slot 117 updated from this batch's
+    ``next_ret`` by ``isv_label_scale_update`` before the head reads it).
     """
     layout = layout or ParamLayout(config)
     batch.validate(config)
@@ -128,18 +133,22 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     epoch = float(isv[isv_mod.EPOCH_IDX_INDEX])
     h2_rms = float(isv[isv_mod.H_S2_RMS_EMA_INDEX])
     out.update(mse=None, aux=None, iqn=None, ens=None)
-    if config.mse_on or config.aux_on or config.ens_on:
-        from .aux_heads import aux_loss_and_grads, ens_loss_and_grads, mse_blend  # noqa: F401
     if config.mse_on:
         mse = mse_blend(config, online, batch, target_q, out["dlogits_c51"], epoch)
         if mse.w > 0:  # past the warm-up the C51 gradient and loss are untouched
             out["dlogits_c51"] = mse.dlogits
-            c51_total = np.float32((np.float32(1) - mse.w) * c51_total + mse.w * mse.loss)
+            c51_total = wave.mse_loss_blend(np.array([c51_total, mse.loss, mse.w], np.float32),
+                                            0, 1, 2)[0]
         out["mse"] = mse
     aux_d_h2 = None
+    if config.aux_next_bar_on:  # ISV 117, the label scale, from this batch before its use
+        isv = aux_kernels.isv_label_scale_update(isv, batch.next_ret,
+                                                 isv[isv_mod.SHARPE_EMA_INDEX],
+                                                 isv_mod.ALPHA_BASE_DEFAULT)
     if config.aux_on:
         out["aux"] = aux_loss_and_grads(config, layout, params, online, batch, isv)
         aux_d_h2 = out["aux"].d_h2
+    out["isv"] = isv
 
     trace_c51: dict = {}
     trace_cql: dict = {}

@@ -19,8 +19,8 @@ One ``step(batch)``, in order:
    at ``max_grad_norm`` by its own norm). The ensemble priors are never updated.
 4. Spectral norm on every trained weight matrix (one batched power iteration; core, aux, IQN).
 5. BF16 mirror of the params; Polyak target update and its mirror.
-6. ISV producers (Q_ABS_REF from the taken-action Q, H_S2_RMS_EMA from h2, AUX_LABEL_SCALE_EMA
-   from the batch's next-bar returns with the next-bar head on); the fused sentinel check
+6. ISV producers (Q_ABS_REF from the taken-action Q, H_S2_RMS_EMA from h2; AUX_LABEL_SCALE_EMA,
+   with the next-bar head on, as ``loss_and_grads`` updated it from the batch's returns); the fused sentinel check
    (Mech 5 thresholds relative to ``max(ISV[Q_ABS_REF], 1)``); deferred readback.
 
 ``set_epoch(epoch)`` writes ISV ``EPOCH_IDX`` (the MSE warm-up's clock); the loop calls it at
@@ -42,7 +42,6 @@ from .backend import (READBACK_FIELDS, DeferredReadback, StepScalars, TrainerBac
 from .batch import Batch
 from .budgets import budget_pipeline, second_wave_budgets
 from .config import DQNConfig
-from .kernels import aux as aux_kernels
 from .kernels import dense, optim, safety, spectral
 from .kernels import isv as isv_kernels
 from .kernels import step as step_kernels
@@ -182,10 +181,8 @@ class Trainer(TrainerBackend):
         vec = self.isv.to_array()
         vec = isv_kernels.isv_q_abs_ref_update(vec, out["q_taken"], np.float32(ISV_PRODUCER_ALPHA))
         vec = isv_kernels.isv_h2_rms_update(vec, out["online"].h2, np.float32(ISV_PRODUCER_ALPHA))
-        if c.aux_next_bar_on:  # ISV 117, the next-bar head's label scale
-            vec = aux_kernels.isv_label_scale_update(vec, batch.next_ret,
-                                                     vec[isv_mod.SHARPE_EMA_INDEX],
-                                                     isv_mod.ALPHA_BASE_DEFAULT)
+        if c.aux_next_bar_on:  # ISV 117, updated by loss_and_grads before the head read it
+            vec[isv_mod.AUX_LABEL_SCALE_EMA_INDEX] = out["isv"][isv_mod.AUX_LABEL_SCALE_EMA_INDEX]
         self.isv.from_array(vec)
 
         self._fused_checks(self._sentinel_buffers(batch, out, grad), bounds.thresholds)

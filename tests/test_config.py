@@ -246,3 +246,14 @@ def test_second_wave_switches_and_round_trip():
     only = DQNConfig.preset("tiny", aux_regime_weight=0.1)
     assert only.second_wave_on == ("aux_regime_weight",)
     assert only.aux_on and not only.aux_next_bar_on
+
+
+def test_atom_growth_mult_bounds_the_fixed_support():
+    """Mech 2 with a fixed support: the atoms must lie within atom_growth_mult * max(Q, 1) at
+    its floor, i.e. max(|v_min|, |v_max|) <= atom_growth_mult (checked at construction)."""
+    assert DQNConfig(v_min=-10.0, v_max=10.0, atom_growth_mult=10.0).atom_growth_mult == 10.0
+    with pytest.raises(ValueError, match=r"^v_min=-10.0, v_max=10.0: the support must lie within "
+                                         r"Mech 2's atom bound atom_growth_mult=9.5 "):
+        DQNConfig(atom_growth_mult=9.5)
+    with pytest.raises(ValueError, match=r"v_min=-200.0, v_max=1.0: .* atom_growth_mult=100.0"):
+        DQNConfig(v_min=-200.0, v_max=1.0)

@@ -349,15 +349,21 @@ def test_the_loop_sets_the_epoch_at_each_epoch_start(monkeypatch):
 
 
 def test_fast_backend_refuses_a_second_wave_source_in_one_line():
+    """Each switch the fast step does not implement yet (``fast.trainer.FAST_SECOND_WAVE`` lists
+    those it does, as they land) is refused before any CUDA work, in one line."""
     import foxhunt.fast
+    from foxhunt.fast import trainer as fast_trainer
     from foxhunt.fast.cpu_executor import CpuTrainer
 
+    done = getattr(fast_trainer, "FAST_SECOND_WAVE", frozenset())
+    cases = [(field, value, what) for field, value, what in (
+        ("lambda_iqn", 1.0, "the IQN head"),
+        ("ens_weight", 0.5, "the ensemble diversity source"),
+        ("aux_next_bar_weight", 0.1, "the next-bar auxiliary head"),
+        ("aux_regime_weight", 0.2, "the regime auxiliary head"),
+        ("c51_warmup_epochs", 2, "the MSE warm-up")) if field not in done]
     for cls in (foxhunt.fast.Trainer, CpuTrainer):
-        for field, value, what in (("lambda_iqn", 1.0, "the IQN head"),
-                                   ("ens_weight", 0.5, "the ensemble diversity source"),
-                                   ("aux_next_bar_weight", 0.1, "the next-bar auxiliary head"),
-                                   ("aux_regime_weight", 0.2, "the regime auxiliary head"),
-                                   ("c51_warmup_epochs", 2, "the MSE warm-up")):
+        for field, value, what in cases:
             with pytest.raises(ValueError) as err:
                 cls(TINY.replace(**{field: value}))
             assert str(err.value) == (f"{field}={value!r}: the fast backend does not implement "
@@ -407,3 +413,126 @@ def test_info_prints_each_head_parameter_count():
     assert head_counts(lay) == f"core=289,611 aux={aux:,} iqn={iqn:,} ens=off"
     assert head_counts(ParamLayout(DQNConfig.preset("seed"))) == \
         "core=289,611 aux=off iqn=off ens=off"
+
+
+ALL_ON = dict(lambda_iqn=0.7, ens_weight=0.5, aux_next_bar_weight=0.1, aux_regime_weight=0.2,
+              c51_warmup_epochs=4)
+
+
+def _raw_parts(trainer: Trainer, batch: Batch) -> dict:
+    """``loss_and_grads`` with the trainer's own inputs for its next step."""
+    isv = trainer.isv.to_array()
+    c = trainer.config
+    h2_bound = np.float32(c.h2_clamp_mult * max(float(isv[isv_mod.H_S2_RMS_EMA_INDEX]), 1.0))
+    params = trainer.params.copy()
+    out = step_mod.loss_and_grads(c, params, trainer.target.copy(), batch,
+                                  q_abs_ref=isv[isv_mod.Q_ABS_REF_INDEX], h2_bound=h2_bound,
+                                  layout=trainer.layout, isv=isv, step=trainer.step_count,
+                                  seed=trainer.seed)
+    return {**out, "params": params, "h2_bound": h2_bound}
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("mgn", [10.0, 1e-2])
+def test_all_sources_compose_into_the_main_adam_gradient(mgn, precision, monkeypatch):
+    """Every source on: grad = clip(c51 incl. aux heads, .70) + clipped(cql, .15) + lambda *
+    clipped(iqn, .10) on the trunk + w_ens * clipped(ens, .05) on trunk and value head,
+    recomputed in float64 from the raw parts; the C51 part holds the aux heads' own
+    gradients and, by linearity, the trunk backward of (heads' d h2 + aux d h2); the C51 logit
+    gradient is the warm-up blend at w = 1 - 1/4. (In bf16 the backward GEMMs round their
+    inputs to TF32, 2^-11 relative: the linearity holds to that.)"""
+    config = TINY.replace(max_grad_norm=mgn, precision=precision, **ALL_ON)
+    trainer = Trainer(config, seed=5)
+    rng = np.random.default_rng(5)
+    trainer.set_epoch(1)
+    for _ in range(2):
+        trainer.step(Batch.random(config, rng))
+    batch = Batch.random(config, rng)
+    raw = _raw_parts(trainer, batch)
+    lay = trainer.layout
+    calls = _capture_adam(monkeypatch)
+    trainer.step(batch)
+
+    expect = _clipped64(raw["grad_c51"], 0.70 * mgn) + _clipped64(raw["grad_cql"], 0.15 * mgn)
+    T, V = lay.trunk_end, lay.value_end
+    expect[:T] += 0.7 * _clipped64(raw["iqn"].trunk_grad_clean[:T], 0.10 * mgn)
+    expect[:V] += 0.5 * _clipped64(raw["ens"].trunk_grad_clean[:V], 0.05 * mgn)
+    np.testing.assert_allclose(calls[0]["grad"], expect[:lay.main_adam_end], rtol=2e-5,
+                               atol=1e-6 * mgn)
+    for part in (raw["ens"].trunk_grad_clean[:V], raw["iqn"].trunk_grad_clean[:T]):
+        assert np.abs(part).max() > 0
+    assert not raw["ens"].trunk_grad_clean[V:].any()
+
+    # The aux heads' parameter gradients are the C51 part's values at their tensors.
+    aux = slice(lay["w_nb1"].offset, lay.main_adam_end)
+    np.testing.assert_array_equal(raw["grad_c51"][aux], raw["aux"].param_grad[aux])
+    assert np.abs(raw["grad_c51"][aux]).max() > 0
+    # The trunk of the C51 part: the trunk backward of (heads' d h2 + aux d h2), linear.
+    from foxhunt.reference.network import trunk_backward
+
+    parts = [trunk_backward(config, lay, raw["params"], raw["online"], d, h2_bound=raw["h2_bound"])
+             for d in (raw["trace_c51"]["d_h2"], raw["aux"].d_h2)]
+    linear = (parts[0] + parts[1])[:T]
+    tol = dict(rtol=1e-4, atol=1e-7) if precision == "f32" else \
+        dict(rtol=0, atol=4e-3 * np.abs(linear).max())
+    np.testing.assert_allclose(raw["grad_c51"][:T], linear, **tol)
+    # The warm-up blend at epoch 1 of 4.
+    assert raw["mse"].w == np.float32(0.75)
+    for d in range(config.n_branches):
+        np.testing.assert_array_equal(raw["dlogits_c51"][d], raw["mse"].dlogits[d])
+    s = trainer._current
+    assert s.mse_weight == 0.75 and s.mse_loss > 0 and s.aux_regime_loss > 0
+    assert s.aux_next_bar_loss > 0 and s.ens_loss != 0 and s.iqn_loss > 0
+    assert s.ens_norm_post <= 0.05 * mgn * (1 + 1e-6)
+
+
+def test_priors_stay_frozen_and_spectral_norm_runs_on_the_trained_heads():
+    config = TINY.replace(**ALL_ON)
+    runs = {}
+    for sigma_max in (1e-2, 1e3):
+        trainer = Trainer(config.replace(sigma_max=sigma_max), seed=8)
+        init = trainer.params.copy()
+        sn0 = trainer.state_dict()
+        rng = np.random.default_rng(8)
+        for _ in range(3):
+            trainer.step(Batch.random(config, rng))
+        lay = trainer.layout
+        r = slice(*lay.ens_range)
+        assert np.array_equal(trainer.params[r].view(np.uint32), init[r].view(np.uint32))
+        assert not trainer.adam_m[r].any() and not trainer.adam_v[r].any()
+        state = trainer.state_dict()
+        priors = [t.name for t in lay.group_tensors("ens") if t.is_weight]
+        assert priors == ["w_e11", "w_e12", "w_e21", "w_e22"]
+        assert not {f"sn_{x}.{n}" for n in priors for x in "uv"} & set(state)
+        for name in ("w_nb1", "w_nb2", "w_rg1", "w_rg2", "w_phi", "w_iq"):
+            assert not np.array_equal(state[f"sn_v.{name}"], sn0[f"sn_v.{name}"]), name
+        runs[sigma_max] = trainer
+    small, big = runs[1e-2], runs[1e3]
+    for name in ("w_nb1", "w_rg2", "w_phi", "w_iq", "w_s1"):
+        # sigma_max 0.01 shrinks every trained matrix (1e3 never fires on these inits)
+        assert np.linalg.norm(small.layout.view(small.params, name)) < \
+            0.5 * np.linalg.norm(big.layout.view(big.params, name)), name
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_isv_117_is_the_ema_of_the_finite_next_bar_rms(on):
+    """SPEC 7 / the contract: the first batch's RMS of its finite next-bar returns replaces the
+    cold start 0, later batches enter an EMA with alpha = 0.05 (a flat Sharpe); off, the slot
+    keeps its cold start."""
+    config = TINY.replace(aux_next_bar_weight=0.1 if on else 0.0)
+    trainer = Trainer(config, seed=2)
+    rng = np.random.default_rng(2)
+    assert float(trainer.isv.get("AUX_LABEL_SCALE_EMA")) == 0.0
+    assert float(trainer.isv.get("SHARPE_EMA")) == 0.0
+    expect = 0.0
+    for k in range(2):
+        batch = Batch.random(config, rng)
+        next_ret = batch.next_ret.copy()
+        next_ret[4 + k] = np.nan
+        with np.errstate(invalid="ignore"):
+            trainer.step(dataclasses.replace(batch, next_ret=next_ret))
+        finite = next_ret[np.isfinite(next_ret)].astype(np.float64)
+        rms = math.sqrt(np.mean(finite ** 2))
+        if on:
+            expect = rms if k == 0 else 0.95 * expect + 0.05 * rms
+        assert float(trainer.isv.get("AUX_LABEL_SCALE_EMA")) == pytest.approx(expect, rel=1e-6)

@@ -236,3 +236,127 @@ def test_the_shipped_table_with_a_duplicate_raises():
     dup = dataclasses.replace(sentinels.slot_by_name("h2"), name="h2_again")
     with pytest.raises(ValueError, match="share index 12"):
         sentinels.validate_sentinels((*sentinels.SENTINELS, dup))
+
+
+# --------------------------------------------------------------------------- second wave
+# A NaN planted in one second-wave buffer of a reference step raises exactly that buffer's
+# slot (issue 18): the buffer is replaced after ``loss_and_grads`` computed it, so nothing
+# downstream of it sees the NaN except the check. The expected sets are written from the slot
+# table, not read from the trainer.
+from foxhunt.reference import trainer as trainer_mod  # noqa: E402
+from foxhunt.reference.batch import Batch  # noqa: E402
+from foxhunt.reference.config import DQNConfig  # noqa: E402
+from foxhunt.reference.kernels import spectral  # noqa: E402
+
+_WAVE = dict(lambda_iqn=1.0, ens_weight=0.5, aux_next_bar_weight=0.1, aux_regime_weight=0.1,
+             c51_warmup_epochs=4)
+
+
+def _poison(x: np.ndarray) -> np.ndarray:
+    x = np.array(x, copy=True)
+    x.reshape(-1)[min(5, x.size - 1)] = np.nan
+    return x
+
+
+def _plant_out(path: tuple[str, ...]):
+    """An ``edit(out)`` that replaces the buffer at ``path`` (a key, then attributes or trace
+    keys) of ``loss_and_grads``' result with a copy holding one NaN."""
+    def edit(out):
+        holder, key = out, path[0]
+        for name in path[1:]:
+            holder, key = (holder[key] if isinstance(holder, dict) else getattr(holder, key)), name
+        if isinstance(holder, dict):
+            holder[key] = _poison(holder[key])
+        elif dataclasses.is_dataclass(holder) and not holder.__dataclass_params__.frozen:
+            setattr(holder, key, _poison(getattr(holder, key)))
+        else:  # a NamedTuple or a frozen dataclass: rebuilt with the poisoned field
+            rebuilt = (holder._replace(**{key: _poison(getattr(holder, key))})
+                       if hasattr(holder, "_replace")
+                       else dataclasses.replace(holder, **{key: _poison(getattr(holder, key))}))
+            out[path[0]] = rebuilt
+    return edit
+
+
+#: slot name -> where its buffer is in ``loss_and_grads``' result.
+PLANTED = {
+    "mse_loss": ("mse", "loss"),
+    "iqn_trunk_grad": ("iqn", "trunk_grad"),
+    "iqn_d_h2": ("iqn", "d_h2"),
+    "iqn_d_quantiles": ("iqn", "d_quantiles"),
+    "aux_next_bar_d_h2": ("aux", "d_h2_nb"),
+    "ens_d_logits": ("ens", "d_logits"),
+    "d_h2_post_aux": ("trace_c51", "d_h2_post_aux"),
+    "d_h2_post_iqn": ("iqn", "d_h2_guarded"),
+    "ens_trunk_grad": ("ens", "trunk_grad"),
+    "aux_regime_d_h2": ("aux", "d_h2_rg"),
+}
+
+
+def _wave_trainer(monkeypatch, edit=None) -> trainer_mod.Trainer:
+    config = DQNConfig.preset("tiny", readback_interval=1, **_WAVE)
+    trainer = trainer_mod.Trainer(config, seed=2)
+    trainer.set_epoch(1)  # inside the warm-up: the MSE blend runs
+    if edit is not None:
+        real = trainer_mod.loss_and_grads
+
+        def patched(*args, **kwargs):
+            out = real(*args, **kwargs)
+            edit(out)
+            return out
+
+        monkeypatch.setattr(trainer_mod, "loss_and_grads", patched)
+    return trainer
+
+
+def _fired(trainer) -> set[str]:
+    return set(sentinels.flagged_names(trainer.flags))
+
+
+def test_every_second_wave_slot_has_a_planted_case():
+    wave = {26, 27, 28, 30, 31, 34, 35, 51, 52, 3}
+    assert {sentinels.index(n) for n in PLANTED} == wave  # and 39, 43, 48 below
+
+
+@pytest.mark.parametrize("slot", sorted(PLANTED))
+def test_a_planted_nan_raises_exactly_its_slot(slot, monkeypatch):
+    trainer = _wave_trainer(monkeypatch)
+    rng = np.random.default_rng(0)
+    trainer.step(Batch.random(trainer.config, rng))
+    assert _fired(trainer) == set()  # a clean step of every source raises nothing
+    monkeypatch.setattr(trainer_mod, "loss_and_grads", trainer_mod.loss_and_grads)
+    trainer = _wave_trainer(monkeypatch, _plant_out(PLANTED[slot]))
+    with np.errstate(all="ignore"):
+        trainer.step(Batch.random(trainer.config, rng))
+    assert _fired(trainer) == {slot}
+
+
+@pytest.mark.parametrize("slot, moment", [("iqn_adam_m_max", "adam_m"),
+                                          ("iqn_adam_v_max", "adam_v")])
+def test_a_planted_nan_in_the_iqn_adam_moments_raises_exactly_its_slot(slot, moment, monkeypatch):
+    """A NaN moment stays NaN through Adam (``m = b1 m + ...``); that element's parameter
+    update is NaN, which Mech 9's clamp_finite writes as 0: nothing else fires."""
+    trainer = _wave_trainer(monkeypatch)
+    getattr(trainer, moment)[trainer.layout.iqn_range[0] + 3] = np.nan
+    with np.errstate(all="ignore"):
+        trainer.step(Batch.random(trainer.config, np.random.default_rng(1)))
+    assert _fired(trainer) == {slot}
+    assert np.isfinite(trainer.params).all()
+
+
+def test_a_planted_nan_in_the_iqn_weights_after_the_optimizer(monkeypatch):
+    """A NaN written into w_iq after Adam (by the spectral-norm step) is watched by slot 48 and,
+    since it is part of the whole parameter buffer and the Polyak update carries it into the
+    target, by slots 15 (params) and 53 (target_params)."""
+    trainer = _wave_trainer(monkeypatch)
+    position = [t.name for t in trainer.layout.weight_matrices].index("w_iq")
+    real = spectral.batched_spectral_norm
+
+    def planted(ws, us, vs, sigma_max):
+        ws, us, vs, sigmas = real(ws, us, vs, sigma_max)
+        ws[position] = _poison(ws[position])
+        return ws, us, vs, sigmas
+
+    monkeypatch.setattr(spectral, "batched_spectral_norm", planted)
+    with np.errstate(all="ignore"):
+        trainer.step(Batch.random(trainer.config, np.random.default_rng(2)))
+    assert _fired(trainer) == {"iqn_weight_max", "params", "target_params"}
