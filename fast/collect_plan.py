@@ -214,11 +214,13 @@ def _stream(a, param: str, want: int) -> None:
 
 
 def register_twins() -> None:
-    """Add the twins of the cycle's kernels to ``cpu_kernels.TWINS`` (once per process)."""
-    from foxhunt.fast.cpu_kernels import TWINS, branches, twin
+    """Add the twins of the cycle's kernels to ``cpu_kernels.TWINS`` where they are missing
+    (once per process; a twin registered elsewhere, e.g. by the evaluation plan, is kept)."""
+    from foxhunt.fast.cpu_kernels import TWINS, branches
+    from foxhunt.fast.cpu_kernels import twin as add_twin
 
-    if "replay_add" in TWINS:
-        return
+    def twin(name: str, **extents):
+        return (lambda run: run) if name in TWINS else add_twin(name, **extents)
     ring = {buf: ("capacity", "state_dim") if name in ("s", "s2") else
             ("capacity", "n_branches") if name == "a" else "capacity" for buf, name in RING_BUFFERS}
 
