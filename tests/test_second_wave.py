@@ -536,3 +536,61 @@ def test_isv_117_is_the_ema_of_the_finite_next_bar_rms(on):
         if on:
             expect = rms if k == 0 else 0.95 * expect + 0.05 * rms
         assert float(trainer.isv.get("AUX_LABEL_SCALE_EMA")) == pytest.approx(expect, rel=1e-6)
+
+
+# -------------------------------------------------------------------------------- reporting
+def test_a_run_with_every_source_reports_them(tmp_path, monkeypatch):
+    """Epoch records (metrics.jsonl's fields), the Prometheus gauges, the grad-norm plot and
+    TensorBoard's numeric fields carry each source's losses and pre/post-clip norms."""
+    import json
+    import socket
+
+    from foxhunt.reference import plots
+    from foxhunt.reference.run_outputs import PrometheusGauges, numeric_fields
+
+    config = TINY.replace(**ALL_ON)
+    bars = SyntheticMarket(8, 1600).generate()
+    res = run(config, bars, LoopSettings(folds=1, epochs=2, steps_per_epoch=3, n_envs=2,
+                                         warmup_transitions=64, replay_capacity=256, seed=2))
+    rec = res.records[-1]
+    for name in ("iqn_loss", "iqn_norm_pre", "iqn_norm_post", "ens_norm_pre", "ens_norm_post",
+                 "aux_next_bar_loss", "aux_regime_loss", "mse_loss"):
+        assert getattr(rec, name) != 0 and math.isfinite(getattr(rec, name)), name
+        assert name in numeric_fields(rec)  # TensorBoard's epoch/<field> scalars
+    assert [r.mse_weight for r in res.records] == [1.0, 0.75]  # epochs 0 and 1 of 4
+    core = run(TINY, bars, LoopSettings(folds=1, epochs=1, steps_per_epoch=2, n_envs=2,
+                                        warmup_transitions=64, replay_capacity=256, seed=2))
+    assert all(getattr(core.records[0], n) == 0 for n in ("iqn_loss", "ens_norm_pre", "mse_weight"))
+
+    drawn = []  # the labels of the lines the plots draw
+    import matplotlib.axes
+
+    orig = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, *a, **k: (drawn.append(k.get("label")), orig(self, *a, **k))[1])
+    assert plots.write_plots(tmp_path, res)
+    assert {"IQN before clip", "IQN after clip", "ensemble before clip",
+            "ensemble after clip"} <= set(drawn)
+    drawn.clear()
+    plots.write_plots(tmp_path, core)
+    assert not {"IQN before clip", "ensemble before clip"} & set(drawn)
+
+    gauges = PrometheusGauges(0)
+    try:
+        gauges.epoch(rec)
+        host, port = gauges.address
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+            body = b"".join(iter(lambda: conn.recv(65536), b"")).decode()
+    finally:
+        gauges.close()
+    for comp in ("c51", "cql", "iqn", "ens"):
+        for stage in ("pre", "post"):
+            value = getattr(rec, f"{comp}_norm_{stage}")
+            line = f'foxhunt_grad_norm{{component="{comp}",stage="{stage}"}}'
+            assert any(l.startswith(line) and math.isclose(float(l.split()[-1]), value,
+                                                           rel_tol=1e-6)
+                       for l in body.splitlines()), line
+    for comp in ("iqn", "ens", "aux_next_bar", "aux_regime", "mse"):
+        assert f'foxhunt_loss{{component="{comp}"}}' in body
+    json.dumps(dataclasses.asdict(rec))  # a metrics.jsonl line
