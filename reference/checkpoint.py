@@ -222,6 +222,6 @@ def check_compatible(config: DQNConfig, path) -> None:
     if a.canonical() != b.canonical():
         raise CheckpointError(
             f"{_where(path)} has {a.total_params} parameters ({theirs.branches} branches, "
-            f"{theirs.num_atoms} atoms); this config has {b.total_params} ({config.branches}, "
-            f"{config.num_atoms} atoms)"
+            f"{theirs.num_atoms} atoms; {a.counts_text()}); this config has {b.total_params} "
+            f"({config.branches}, {config.num_atoms} atoms; {b.counts_text()})"
         )

@@ -48,15 +48,8 @@ def cmd_info(args: argparse.Namespace) -> int:
               f"B={cfg.batch_size} SD={cfg.state_dim} trunk={cfg.shared_h1}/{cfg.shared_h2} "
               f"heads={cfg.value_h}/{cfg.adv_h} atoms={cfg.num_atoms} branches={cfg.branches} "
               f"weight matrices={len(lay.weight_matrices)}")
-        print(f"         {head_counts(lay)}")
+        print(f"         {lay.counts_text()}")
     return 0
-
-
-def head_counts(layout: ParamLayout) -> str:
-    """``core=289,611 aux=... iqn=... ens=...``: each group's parameter count, ``off`` for a
-    second-wave head whose source is off."""
-    heads = " ".join(f"{g}={n:,}" if n else f"{g}=off" for g, n in layout.head_params.items())
-    return f"core={layout.core_params:,} {heads}"
 
 
 class FoxhuntParser(argparse.ArgumentParser):

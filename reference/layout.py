@@ -152,6 +152,12 @@ class ParamLayout:
         ts = [t for t in self.tensors if t.group == group]
         return (ts[0].offset, ts[-1].end) if ts else None
 
+    def counts_text(self) -> str:
+        """``core=289,611 aux=... iqn=... ens=...``: the core's and each second-wave head's
+        parameter count, ``off`` for a head whose source is off (``foxhunt info``)."""
+        heads = " ".join(f"{g}={n:,}" if n else f"{g}=off" for g, n in self.head_params.items())
+        return f"core={self.core_params:,} {heads}"
+
     def group_tensors(self, group: str) -> tuple[TensorSpec, ...]:
         """The tensors of one group (``GROUPS`` or ``HEAD_GROUPS``), in layout order."""
         return tuple(t for t in self.tensors if t.group == group)

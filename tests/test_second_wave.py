@@ -401,8 +401,8 @@ def test_iqn_state_round_trip_resumes_bitwise():
     assert _state_bits(resumed) == _state_bits(straight)
 
 
-def test_info_prints_each_head_parameter_count():
-    from foxhunt.reference.cli import head_counts
+def test_info_prints_each_head_parameter_count(capsys):
+    from foxhunt.reference import cli
 
     seed_on = DQNConfig.preset("seed", lambda_iqn=1.0, aux_next_bar_weight=0.1,
                                aux_regime_weight=0.1)
@@ -410,9 +410,12 @@ def test_info_prints_each_head_parameter_count():
     SH2, A = 256, 8
     aux = 2 * (32 * SH2 + 32) + (32 + 1) + (3 * 32 + 3)
     iqn = SH2 * 64 + SH2 + A * SH2 + A
-    assert head_counts(lay) == f"core=289,611 aux={aux:,} iqn={iqn:,} ens=off"
-    assert head_counts(ParamLayout(DQNConfig.preset("seed"))) == \
-        "core=289,611 aux=off iqn=off ens=off"
+    assert lay.counts_text() == f"core=289,611 aux={aux:,} iqn={iqn:,} ens=off"
+    assert cli.main(["info"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("seed", "tiny"):
+        line = ParamLayout(DQNConfig.preset(name)).counts_text()
+        assert f"\n         {line}\n" in printed
 
 
 ALL_ON = dict(lambda_iqn=0.7, ens_weight=0.5, aux_next_bar_weight=0.1, aux_regime_weight=0.2,
@@ -594,3 +597,29 @@ def test_a_run_with_every_source_reports_them(tmp_path, monkeypatch):
     for comp in ("iqn", "ens", "aux_next_bar", "aux_regime", "mse"):
         assert f'foxhunt_loss{{component="{comp}"}}' in body
     json.dumps(dataclasses.asdict(rec))  # a metrics.jsonl line
+
+
+def test_checkpoints_carry_the_second_wave_and_name_the_heads_on_a_mismatch(tmp_path):
+    from foxhunt.reference.checkpoint import CheckpointError, check_compatible
+
+    config = TINY.replace(**ALL_ON)
+    trainer = Trainer(config, seed=4)
+    rng = np.random.default_rng(4)
+    trainer.set_epoch(2)
+    for _ in range(2):
+        trainer.step(Batch.random(config, rng))
+    path = tmp_path / "wave.safetensors"
+    trainer.save(path)
+    loaded = Trainer.load(path)
+    assert loaded.config == config and loaded.seed == 4
+    assert _state_bits(loaded) == _state_bits(trainer)
+    batch = Batch.random(config, rng)  # both continue identically
+    a, b = trainer.step(batch), loaded.step(batch)
+    assert a == b and _state_bits(loaded) == _state_bits(trainer)
+    with pytest.raises(CheckpointError) as err:
+        check_compatible(TINY, path)
+    lay = ParamLayout(config)
+    assert f"has {lay.total_params} parameters" in str(err.value)
+    assert lay.counts_text() in str(err.value)
+    assert ParamLayout(TINY).counts_text().endswith("aux=off iqn=off ens=off")
+    assert ParamLayout(TINY).counts_text() in str(err.value)
