@@ -102,6 +102,7 @@ STEP_BOUNDS: Mapping[str, Row] = {
     "flags": Row("exact", "sentinel flags (SPEC 8: flags exactly equal)"),
     "adam_t": Row("exact", "step counter"),
     "step": Row("exact", "step counter"),
+    "seed": Row("exact", "the run's seed: the IQN quantile fractions' generator key"),
     "padding": Row("exact (+0.0)", "the layout's padding is always zero in every flat buffer"),
     "td_errors": Row("|d td_b| <= eps_f (|td_b| + log NA)",
                      "per-sample cross-entropy (forward only): its natural scale is log NA"),
@@ -111,8 +112,20 @@ STEP_BOUNDS: Mapping[str, Row] = {
     "scalars.counters": Row("exact", "step, read_at, fresh, safety_clip_fired, flags"),
     "scalars.norms": Row("|d| <= eps_g |x| + 4u|x|",
                          "| ||g_f|| - ||g_r|| | <= ||g_f - g_r|| <= eps_g ||g_r|| (triangle inequality)"),
-    "scalars.losses": Row("|d| <= eps_f (|x| + log NA)", "forward reductions of cross-entropies"),
-    "scalars.q": Row("|d| <= eps_f (|x| + max|z|)", "forward means of expected Q in [v_min, v_max]"),
+    "scalars.losses": Row("|d| <= eps_f (|x| + log max(NA, n_regimes))",
+                          "forward reductions of cross-entropies (C51 and CQL over NA atoms, the "
+                          "ensemble's KL, the regime head's over n_regimes classes)"),
+    "scalars.q": Row("|d| <= eps_f (|x| + max|z|)",
+                     "forward means of expected Q in [v_min, v_max], and the IQN quantile Huber "
+                     "loss (|d rho| <= |d u|: its quantiles are Q estimates on the same scale)"),
+    "scalars.q_squared": Row("|d| <= eps_f (|x| + max|z|^2)",
+                             "the MSE warm-up's 0.5 (E[Q] - y)^2: |d| <= |E - y| |dE| with E and "
+                             "y on the support's scale"),
+    "scalars.unit": Row("|d| <= eps_f (|x| + 1)",
+                        "the next-bar head's squared error against labels scaled to unit RMS "
+                        "(ISV 117)"),
+    "scalars.exact": Row("exact", "the MSE warm-up's blend weight max(0, 1 - epoch / W): epoch "
+                                  "from the shared ISV"),
     "scalars.clip_bound": Row("rtol 1e-5", "min(mgn, 100 max(slow EMA, 1)) of the shared state"),
 }
 
@@ -124,9 +137,13 @@ ISV_STEP_PRODUCERS: Mapping[str, tuple[Callable[[DQNConfig], float], str]] = {
 }
 
 COUNTER_FIELDS = ("step", "read_at", "fresh", "safety_clip_fired", "flags")
-NORM_FIELDS = ("grad_norm", "c51_norm_pre", "c51_norm_post", "cql_norm_pre", "cql_norm_post")
-LOSS_FIELDS = ("loss", "c51_loss", "cql_loss")
-Q_FIELDS = ("mean_q", "mean_target_q")
+NORM_FIELDS = ("grad_norm", "c51_norm_pre", "c51_norm_post", "cql_norm_pre", "cql_norm_post",
+               "iqn_norm_pre", "iqn_norm_post", "ens_norm_pre", "ens_norm_post")
+LOSS_FIELDS = ("loss", "c51_loss", "cql_loss", "ens_loss", "aux_regime_loss")
+Q_FIELDS = ("mean_q", "mean_target_q", "iqn_loss")
+Q_SQUARED_FIELDS = ("mse_loss",)
+UNIT_FIELDS = ("aux_next_bar_loss",)
+EXACT_SCALAR_FIELDS = ("mse_weight",)
 
 
 def bound_row(key: str) -> Row:

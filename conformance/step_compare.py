@@ -16,6 +16,7 @@ from foxhunt.conformance.step_bounds import (
     ADAM_ROUNDINGS,
     COUNTER_FIELDS,
     EXACT,
+    EXACT_SCALAR_FIELDS,
     F32,
     F64,
     ISV_STEP_PRODUCERS,
@@ -23,8 +24,10 @@ from foxhunt.conformance.step_bounds import (
     NORM_FIELDS,
     POLYAK_TOL,
     Q_FIELDS,
+    Q_SQUARED_FIELDS,
     SPECTRAL_TOL,
     U,
+    UNIT_FIELDS,
     bound_row,
     fwd_eps,
     grad_eps,
@@ -135,6 +138,7 @@ class _Context:
         self.padding = self.layout.padding_mask()
         self.z = support(config)
         self.log_na = math.log(config.num_atoms)
+        self.log_classes = math.log(max(config.num_atoms, config.n_regimes))
         self.zmax = float(np.max(np.abs(self.z)))
 
     def tensors(self):
@@ -301,8 +305,11 @@ def _scalar_comparisons(cx: _Context, label: str, ref: StepScalars, fast: StepSc
         out.append(compare(f"{label}.{name}", np.asarray(getattr(fast, name), np.int64),
                            np.asarray(getattr(ref, name), np.int64), EXACT))
     for fields, rule in ((NORM_FIELDS, lambda x: cx.eps_g * abs(x) + 4 * U * abs(x)),
-                         (LOSS_FIELDS, lambda x: cx.eps_f * (abs(x) + cx.log_na)),
+                         (LOSS_FIELDS, lambda x: cx.eps_f * (abs(x) + cx.log_classes)),
                          (Q_FIELDS, lambda x: cx.eps_f * (abs(x) + cx.zmax)),
+                         (Q_SQUARED_FIELDS, lambda x: cx.eps_f * (abs(x) + cx.zmax ** 2)),
+                         (UNIT_FIELDS, lambda x: cx.eps_f * (abs(x) + 1)),
+                         (EXACT_SCALAR_FIELDS, lambda x: 0.0),
                          (("clip_bound",), lambda x: REDUCTION_RTOL * abs(x))):
         for name in fields:
             r, f = F64(getattr(ref, name)), F64(getattr(fast, name))

@@ -56,12 +56,41 @@ class Case:
         return {k: np.array(v, copy=True) for k, v in self.state.items()}
 
 
+#: The second-wave source cases (SPEC 4; issue 18): the config fields each turns on, with the
+#: seed preset's weights where SPEC 4 gives them (IQN 1.0, auxiliary heads 0.1 each). ``core``
+#: is the core step; ``all`` every source at once.
+SOURCES: Mapping[str, Mapping[str, object]] = {
+    "core": {},
+    "iqn": {"lambda_iqn": 1.0},
+    "aux": {"aux_next_bar_weight": 0.1, "aux_regime_weight": 0.1},
+    "mse": {"c51_warmup_epochs": 4},
+    "ens": {"ens_weight": 1.0},
+}
+SOURCES = {**SOURCES, "all": {k: v for fields in SOURCES.values() for k, v in fields.items()}}
+#: The epoch the ``mse`` cases' states are at (blend weight 1 - 1/4: both terms count).
+MSE_EPOCH = 1
+
+
+def fast_sources() -> tuple[str, ...]:
+    """The second-wave source cases the fast step implements (``fast.trainer.FAST_SECOND_WAVE``;
+    the others are refused in one line until they land)."""
+    from foxhunt.fast.trainer import FAST_SECOND_WAVE
+
+    return tuple(name for name, fields in SOURCES.items()
+                 if name != "core" and set(fields) <= FAST_SECOND_WAVE)
+
+
 @functools.lru_cache(maxsize=None)
-def shared_case(preset: str, precision: str, start: str) -> Case:
-    """The shared state (``fresh`` or ``warm``) and a conditioned batch for one comparison."""
-    config = DQNConfig.preset(preset, precision=precision)
+def shared_case(preset: str, precision: str, start: str, source: str = "core") -> Case:
+    """The shared state (``fresh`` or ``warm``) and a conditioned batch for one comparison, with
+    the second-wave ``source`` (``SOURCES``) on."""
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r}: allowed values are {tuple(SOURCES)}")
+    config = DQNConfig.preset(preset, precision=precision, **SOURCES[source])
     rng = np.random.default_rng([CASE_SEED, PRESETS.index(preset), PRECISIONS.index(precision)])
     trainer = Trainer(config, seed=CASE_SEED)
+    if config.mse_on:
+        trainer.set_epoch(MSE_EPOCH)
     if start == "warm":
         for _ in range(WARMUP_STEPS):
             trainer.step(Batch.random(config, rng))

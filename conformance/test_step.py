@@ -21,7 +21,9 @@ GPU (skipped with the ``cuda_device`` fixture's reason without one; a missing fa
 a failure naming what is missing): one step per preset x precision x start; NaN/Inf injection
 (NaN in ``s``, NaN / +Inf in ``r``, a NaN parameter: identical flags and NaN maps); the
 ``(step, fresh, read_at)`` readback sequence over 250 steps, re-synchronised from the reference
-state every step, and free-running with non-finite readbacks; checkpoint interchange both ways.
+state every step, and free-running with non-finite readbacks; checkpoint interchange both ways;
+each second-wave source the fast step implements, alone and all at once (``step_harness.
+SOURCES``), one step and the injections per preset x precision from the warm state.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from foxhunt.conformance.step_harness import (
     check_injection,
     check_readback_sequence,
     fast_factory,
+    fast_sources,
     injected,
     one_step,
     record_results,
@@ -173,6 +176,32 @@ def test_checkpoint_interchange_harness_on_the_reference(tmp_path) -> None:
 def test_fast_step_matches_reference(case, precision, start, cuda_device, record_property) -> None:
     results, _, _ = one_step(fast_factory(), shared_case(case, precision, start))
     record_results(record_property, f"{case}-{precision}-{start}", results)
+    assert_all(results)
+
+
+#: Each second-wave source alone and all at once (``SOURCES``; those the fast step implements),
+#: per preset x precision, from the warm state.
+WAVE_CASES = [pytest.param(p, q, src, id=f"{p}-{q}-{src}")
+              for src in fast_sources() for p in PRESETS for q in PRECISIONS]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, precision, source", WAVE_CASES)
+def test_fast_second_wave_step_matches_reference(case, precision, source, cuda_device,
+                                                 record_property) -> None:
+    results, _, _ = one_step(fast_factory(), shared_case(case, precision, "warm", source))
+    record_results(record_property, f"{case}-{precision}-{source}", results)
+    assert_all(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, precision, source", WAVE_CASES)
+@pytest.mark.parametrize("kind", INJECTIONS)
+def test_fast_second_wave_step_with_injected_non_finite_values(kind, case, precision, source,
+                                                               cuda_device,
+                                                               record_property) -> None:
+    results = check_injection(fast_factory(), shared_case(case, precision, "warm", source), kind)
+    record_results(record_property, f"{case}-{precision}-{source}-{kind}", results)
     assert_all(results)
 
 

@@ -25,6 +25,7 @@ from foxhunt.conformance.step_harness import (
     PRESETS,
     STARTS,
     assert_all,
+    fast_sources,
     check_checkpoint_interchange,
     check_injection,
     check_readback_sequence,
@@ -44,6 +45,34 @@ FALLBACK_EPILOGUES = ("drelu_bgrad", "bgradb")
 @pytest.mark.parametrize("case, precision, start", CASES)
 def test_cpu_executor_step_matches_reference(case, precision, start) -> None:
     assert_all(one_step(CpuTrainer, shared_case(case, precision, start))[0])
+
+
+def _wave_cases() -> list:
+    """Each second-wave source the fast step implements, alone, at the tiny preset; every
+    source at once (``all``, once it is implemented) at both presets."""
+    sources = fast_sources()
+    return [pytest.param(p, q, src, id=f"{p}-{q}-{src}") for src in sources for q in PRECISIONS
+            for p in PRESETS if p == "tiny" or src == "all"]
+
+
+@pytest.mark.parametrize("case, precision, source", _wave_cases())
+def test_cpu_executor_second_wave_step_matches_reference(case, precision, source) -> None:
+    assert_all(one_step(CpuTrainer, shared_case(case, precision, "warm", source))[0])
+
+
+@pytest.mark.parametrize("source", fast_sources())
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kind", INJECTIONS)
+def test_cpu_executor_second_wave_step_with_injected_non_finite_values(kind, precision,
+                                                                       source) -> None:
+    assert_all(check_injection(CpuTrainer, shared_case("tiny", precision, "warm", source), kind))
+
+
+@pytest.mark.parametrize("source", fast_sources())
+@pytest.mark.parametrize("order", BRANCH_ORDERS)
+def test_cpu_executor_second_wave_step_in_either_branch_order(order, source) -> None:
+    factory = functools.partial(CpuTrainer, branch_order=order, refused_epilogues=FALLBACK_EPILOGUES)
+    assert_all(one_step(factory, shared_case("tiny", "bf16", "warm", source))[0])
 
 
 @pytest.mark.parametrize("order", BRANCH_ORDERS)

@@ -326,7 +326,7 @@ class CpuEngine:
 
     def __init__(self, config: DQNConfig, *, gemm_workspace: str = "none",
                  branch_order: str = "latest_first", refused_epilogues=(),
-                 staging_slots: int = STAGING_RING):
+                 staging_slots: int = STAGING_RING, seed: int = 0):
         self.branch_order = branch_order
         self.layout = lay = StepLayout(config)
         self.arena = HostArena(lay.specs)
@@ -339,7 +339,7 @@ class CpuEngine:
         self.program = prog = StepProgram(
             lay, planner=cpu_planner(refused_epilogues), constants=constants,
             host_nbytes={staging_name(s): lay.batch_nbytes for s in range(staging_slots)},
-            arch=CPU_ARCH, gemm_workspace=gemm_workspace)
+            arch=CPU_ARCH, gemm_workspace=gemm_workspace, seed=seed)
         ops_up = upload_ops(prog, staging_slots)
         ops1, ops2 = graph1_ops(prog), graph2_ops(prog)
         check_dataflow([ops_up[0], ops1, ops2], lay.role, lay.zero_padding())
@@ -413,12 +413,13 @@ class CpuTrainer(Trainer):
         self._cpu_options = dict(branch_order=branch_order, refused_epilogues=tuple(refused_epilogues))
         super().__init__(config, seed, gemm_workspace=gemm_workspace)
 
-    def _make_engine(self, config: DQNConfig, *, device, gemm_workspace: str) -> CpuEngine:
+    def _make_engine(self, config: DQNConfig, *, seed: int, device,
+                     gemm_workspace: str) -> CpuEngine:
         if device is not None:
             raise ValueError(f"device: {device!r}; the CPU executor takes no device")
         self._check_config(config)
         return CpuEngine(config, gemm_workspace=gemm_workspace, staging_slots=STAGING_RING,
-                         **self._cpu_options)
+                         seed=seed, **self._cpu_options)
 
 
 __all__ = ["BRANCH_ORDERS", "CpuEngine", "CpuGemm", "CpuGraph", "CpuTrainer", "HostArena",

@@ -393,4 +393,7 @@ def _merge_piece_flags(a):
     return {"flags": rstep.merge_piece_flags(a.flags, a.piece_slot, a.n_slots)}
 
 
+# The second-wave sources' twins register themselves here (a module of their own: size).
+from foxhunt.fast import cpu_wave_kernels  # noqa: E402,F401
+
 __all__ = ["Args", "TWINS", "Twin", "branches", "shape_of", "twin"]

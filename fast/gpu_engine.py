@@ -1,6 +1,6 @@
 """The fast Trainer's device side: one arena, the step's graphs captured once, replayed per step.
 
-``GpuEngine(config, device=, gemm_workspace=, staging_slots=)`` compiles ``cuda_src`` with NVRTC
+``GpuEngine(config, device=, gemm_workspace=, staging_slots=, seed=)`` compiles ``cuda_src`` with NVRTC
 for the device (disk cache), allocates ONE arena holding every buffer of the step
 (``StepLayout``), uploads the constants, builds the plan (``StepProgram``: every GEMM planned
 once; the records checked, ``dataflow.check_dataflow``) and captures, through
@@ -38,7 +38,7 @@ class GpuEngine:
     """See the module docstring."""
 
     def __init__(self, config: DQNConfig, *, device=None, gemm_workspace: str = "none",
-                 staging_slots: int = 2):
+                 staging_slots: int = 2, seed: int = 0):
         from foxhunt.fast._build import compile_sources
         from foxhunt.fast.device import Arena, Device, _driver, call
         from foxhunt.fast.gemm import GemmPlan
@@ -62,7 +62,7 @@ class GpuEngine:
         self.program = prog = StepProgram(
             lay, planner=functools.partial(GemmPlan, dev), constants=constants,
             host_nbytes={name: buf.nbytes for name, buf in host.items()}, arch=dev.arch,
-            gemm_workspace=gemm_workspace)
+            gemm_workspace=gemm_workspace, seed=seed)
         drv = _driver()
         no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
         # The upload stream and its events: uploaded[slot] (after the upload graph that read

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from foxhunt.fast import wave_plan
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.step_layout import NORM_SEGMENT
 from foxhunt.fast.step_program import StepProgram
+from foxhunt.fast.wave_layout import stage_names
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
 from foxhunt.reference.kernels.distributional import atom_spacing
@@ -62,7 +64,8 @@ def graph1_ops(prog: StepProgram) -> Ops:
                  extra=check_h2)
     prog.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2, aux=False,
                  logits=Buf("logits", ("t", 0)), logp=Buf("logp", ("t", 0)))
-    ops.parallel(target, online)
+    features = [wave_plan.iqn_features(prog)] if c.iqn_on else []
+    ops.parallel(*features, target, online)
     lo, hi = np.float32(c.v_min), np.float32(c.v_max)
 
     # C51 logit gradients: one launch for every branch's double-DQN choice and gathers, then
@@ -126,17 +129,23 @@ def graph1_ops(prog: StepProgram) -> Ops:
     books.kernel("loss_scalars", step.plan_loss_scalars(), c51_total="c51_total", terms="terms",
                  q_taken="q_taken", target_q="target_q", readback="readback", n_branches=nb,
                  batch=B, alpha=np.float32(c.cql_alpha))
-    ops.parallel(cql_side, c51_side, books)
+    # The second-wave sources' chains run beside them (after the C51 chain: they wait on its
+    # events).
+    wave = [wave_plan.iqn_chain(prog)] if c.iqn_on else []
+    ops.parallel(cql_side, c51_side, *wave, books)
     # Budget pipeline, one launch: the per-loss norms from their partials, the clips, the SAXPY
-    # and the total norm's phase-1 partials (phase 2 is in the step scalars).
+    # and the total norm's phase-1 partials (phase 2 is in the step scalars); then one stage
+    # per injected second-wave source (``wave_plan.budget_stages``).
+    out, partials = stage_names(c)[0]
     ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
                base="grad_c51", inject="grad_cql", n=NP, base_max_norm=np.float32(c.budget("c51")),
                base_partials="partials_c51", a=np.float32(1.0),
                inject_max_norm=np.float32(c.budget("cql")), inject_partials="partials_cql",
                count=lay.n_partials,
                final_threads=opt.final_threads_clip_saxpy_norm_partial(lay.n_partials),
-               block_size=NORM_SEGMENT, out="grad", partials="partials_total",
+               block_size=NORM_SEGMENT, out=out, partials=partials,
                base_norm_sq_out="sq_c51", inject_norm_sq_out="sq_cql")
+    wave_plan.budget_stages(prog, ops)
     body = prog.ops()
     body.parallel(prologue, ops)
     # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its

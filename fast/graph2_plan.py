@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from foxhunt.fast import wave_plan
 from foxhunt.fast.records import Buf, Host, Ops
 from foxhunt.fast.sentinel_plan import GRAPH2_WRITTEN
 from foxhunt.fast.step_program import StepProgram
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.kernels.spectral import SPECTRAL_EPS
+from foxhunt.reference.layout import ALIGN_ELEMS
 from foxhunt.reference.trainer import ISV_PRODUCER_ALPHA
 
 #: Host buffer names of the pinned staging ring (``staging_name(slot)``).
@@ -49,13 +51,17 @@ def graph2_ops(prog: StepProgram) -> Ops:
     lay, c = prog.lay, prog.config
     NP = lay.NP
     opt, spec, isvk = prog.kernels("optim"), prog.kernels("spectral"), prog.kernels("isv")
-    body, ops = prog.ops(), prog.ops()
+    body, main = prog.ops(), prog.ops()
     target = Buf("params2", offset=NP)
-    ops.kernel("adam_update", opt.plan_adam_update(NP), param="params2", grad="grad", m="adam_m",
-               v="adam_v", n=NP, step="adam_t", lr=np.float32(c.lr), beta1=np.float32(c.beta1),
-               beta2=np.float32(c.beta2), eps=np.float32(c.adam_eps),
-               weight_decay=np.float32(c.weight_decay), grad_scale="safety_scale",
-               weight_clamp="weight_clamp")
+    # The main Adam covers the core and the auxiliary heads (layout.main_adam_end, rounded up
+    # to the tensor alignment: padding only; NP when no IQN or ensemble tensor follows).
+    n_main = min(NP, -(-lay.param_layout.main_adam_end // ALIGN_ELEMS) * ALIGN_ELEMS)
+    main.kernel("adam_update", opt.plan_adam_update(n_main), param="params2", grad="grad",
+                m="adam_m", v="adam_v", n=n_main, step="adam_t", lr=np.float32(c.lr),
+                beta1=np.float32(c.beta1), beta2=np.float32(c.beta2), eps=np.float32(c.adam_eps),
+                weight_decay=np.float32(c.weight_decay), grad_scale="safety_scale",
+                weight_clamp="weight_clamp")
+    ops = wave_plan.optimizer(prog, main)
     # After Adam, in parallel: the check of the Adam moments (final once Adam is done), and the
     # chain spectral norm, Polyak with the BF16 mirrors of params and target ([params; target]
     # in mirror2, one launch), the check of params and target.
@@ -83,6 +89,7 @@ def graph2_ops(prog: StepProgram) -> Ops:
     producers.kernel("isv_h2_rms_update", isvk.plan_isv_h2_rms_update(nh), isv="isv",
                      slot=isv_mod.H_S2_RMS_EMA_INDEX, h2="h2o", n=nh,
                      alpha=np.float32(ISV_PRODUCER_ALPHA))
+    wave_plan.producers(prog, producers)
     checks_pre = prog.ops()
     prog.fused_check(checks_pre, "desc_lens_pre")
     # The extra pieces' flags are ORed into their slots' flags once every piece has been

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from foxhunt.fast.step_layout import DESC_LENGTH_KEYS, READBACK_INDEX
+from foxhunt.fast.wave_layout import wave_sentinel_pieces
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
 
@@ -119,6 +120,7 @@ def sentinel_pieces(lay) -> dict[str, list[Piece]]:
         "atom_span_max": one("atom_span_max", "z", 0, NA),
         "h2_max_abs": one("h2_max_abs", "h2o", 0, B * lay.H2),
     }
+    out.update(wave_sentinel_pieces(lay, one))
     for name, pieces in out.items():
         slot = sentinels.slot_by_name(name)
         if slot.inline:

@@ -177,6 +177,7 @@ class StepLayout(BufferTable):
 
     def __init__(self, config: DQNConfig):
         from foxhunt.fast.sentinel_plan import sentinel_plan
+        from foxhunt.fast.wave_layout import add_wave_buffers
 
         super().__init__()
         c = config
@@ -198,6 +199,7 @@ class StepLayout(BufferTable):
         self._build_state()
         self.sentinel = sentinel_plan(self)
         self._build_step()
+        add_wave_buffers(self)
 
     def _build_batch(self) -> None:
         B, SD, nb = self.B, self.SD, self.nb
@@ -205,8 +207,14 @@ class StepLayout(BufferTable):
         offset = 0
         # x = [s; s2] (one stacked online pass), actions transposed to [n_branches, B] (one row
         # per branch).
-        for name, shape, dtype in (("x", (2 * B, SD), F32), ("a", (nb, B), I32), ("r", (B,), F32),
-                                   ("done", (B,), F32), ("isw", (B,), F32)):
+        fields = [("x", (2 * B, SD), F32), ("a", (nb, B), I32), ("r", (B,), F32),
+                  ("done", (B,), F32), ("isw", (B,), F32)]
+        # The auxiliary heads' labels, only for a head that is on (the core batch is unchanged).
+        if self.config.aux_next_bar_on:
+            fields.append(("next_ret", (B,), F32))
+        if self.config.aux_regime_on:
+            fields.append(("regime", (B,), I32))
+        for name, shape, dtype in fields:
             offset = -(-offset // BATCH_FIELD_ALIGN) * BATCH_FIELD_ALIGN
             self.batch_fields[name] = (offset, shape, dtype)
             self.views[f"batch.{name}"] = ("batch", offset, shape, dtype)
@@ -335,16 +343,23 @@ class StepLayout(BufferTable):
         """Byte ranges that no record writes, zero since the arena was made (``dataflow.
         check_dataflow``'s ``preset``): the alignment gaps between packed sub-buffers, and in
         the per-loss gradient buffers the padding between the parameter tensors."""
+        from foxhunt.fast.wave_layout import wave_zero_padding
+
         out = BufferTable.zero_padding(self)
-        spans, end = [], 0
-        for t in sorted(self.param_layout.tensors, key=lambda t: t.offset):
-            if t.offset > end:
-                spans.append((end * 4, t.offset * 4))
-            end = max(end, t.end)
-        if self.NP > end:
-            spans.append((end * 4, self.NP * 4))
-        for name in ("grad_c51", "grad_cql"):
+        pl = self.param_layout
+        core = [t for t in pl.tensors if t.is_core]
+        # grad_c51 also holds the auxiliary heads' gradients (the C51 budget); neither holds
+        # the IQN head's or the ensemble priors'.
+        for name, written in (("grad_c51", core + list(pl.group_tensors("aux"))), ("grad_cql", core)):
+            spans, end = [], 0
+            for t in sorted(written, key=lambda t: t.offset):
+                if t.offset > end:
+                    spans.append((end * 4, t.offset * 4))
+                end = max(end, t.end)
+            if self.NP > end:
+                spans.append((end * 4, self.NP * 4))
             out[name] = out.get(name, []) + spans
+        out.update(wave_zero_padding(self))
         return out
 
     # -- parameter ranges

@@ -71,7 +71,8 @@ class StepProgram:
     engine closes them); ``fallbacks``: the epilogues that took the kernel fallback."""
 
     def __init__(self, layout: StepLayout, *, planner: Planner, constants: Mapping[str, np.ndarray],
-                 host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none"):
+                 host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none",
+                 seed: int = 0):
         from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
 
         if gemm_workspace not in GEMM_WORKSPACES:
@@ -79,6 +80,8 @@ class StepProgram:
                              f"{', '.join(map(repr, GEMM_WORKSPACES))}")
         self.lay = layout
         self.config = layout.config
+        #: The run's seed: the IQN quantile fractions' generator key (a launch argument).
+        self.seed = int(seed)
         self.planner = planner
         self.arch = arch
         self.gemm_workspace = gemm_workspace
@@ -106,7 +109,9 @@ class StepProgram:
                    offset=which * self.lay.NP + self.lay.tensor_offset(name))
 
     def grad(self, grad: str, name: str) -> Buf:
-        return Buf(grad, offset=self.lay.tensor_offset(name))
+        """Tensor ``name``'s gradient in buffer ``grad`` (layout-indexed, or one range of the
+        layout: ``layout.grad_base``)."""
+        return Buf(grad, offset=self.lay.tensor_offset(name) - self.lay.grad_base.get(grad, 0))
 
     # -- GEMMs
     def _plan(self, ops: Ops, m: int, n: int, k: int, *, operands, fallback: bool = False, **kw):
@@ -330,20 +335,29 @@ class StepProgram:
                          x=f"dh2_{loss}", n=B * H2,
                          flag=Buf("flags", offset=sentinels.index("d_h2_post_main")))
             checks.append(check)
-        dw2 = ops.branch()
-        dh2m = Buf(f"dh2m_{loss}")
-        self.weight_grad(dw2, dy=dh2m, x=Buf("h1o"), rows=B, n_out=H2, n_in=H1,
-                         dw=self.grad(g, "w_s2"), db=self.grad(g, "b_s2"))
-        rest = ops.branch()
-        dh1 = Buf(f"dh1_{loss}")
-        self.input_grad(rest, dy=dh2m, w=P("w_s2"), dx=dh1, rows=B, n_out=H2, n_in=H1,
-                        relu=(Buf("aux1o"), Buf("h1o"), self.grad(g, "b_s1"),
-                              Buf(f"dpre_{loss}", "trunk")))
-        self.weight_grad(rest, dy=dh1, x=Buf("batch.x"), rows=B, n_out=H1, n_in=lay.SD,
-                         dw=self.grad(g, "w_s1"))
-        trunk.parallel(*checks, dw2, rest)
+        self.trunk_backward(trunk, dh2m=Buf(f"dh2m_{loss}"), grad=g, dh1=Buf(f"dh1_{loss}"),
+                            scratch=Buf(f"dpre_{loss}", "trunk"), beside=checks)
         chains.append(trunk)
         ops.parallel(*chains)
+
+    def trunk_backward(self, ops: Ops, *, dh2m: Buf, grad: str, dh1: Buf, scratch: Buf,
+                       beside=()) -> None:
+        """The trunk's backward from the masked ``dh2m [B, SH2]`` (online(s) activations, f32
+        master weights) into buffer ``grad``: in parallel (with the ``beside`` branches), ``W_s2``
+        and ``b_s2``; and ``dh1`` through W_s2 and h1's ReLU (with ``b_s1``; ``scratch`` for the
+        kernel fallback), then ``W_s1``."""
+        lay = self.lay
+        B, H1, H2 = lay.B, lay.H1, lay.H2
+        dw2 = ops.branch()
+        self.weight_grad(dw2, dy=dh2m, x=Buf("h1o"), rows=B, n_out=H2, n_in=H1,
+                         dw=self.grad(grad, "w_s2"), db=self.grad(grad, "b_s2"))
+        rest = ops.branch()
+        self.input_grad(rest, dy=dh2m, w=self.weight("w_s2", 0, bf16=False), dx=dh1, rows=B,
+                        n_out=H2, n_in=H1,
+                        relu=(Buf("aux1o"), Buf("h1o"), self.grad(grad, "b_s1"), scratch))
+        self.weight_grad(rest, dy=dh1, x=Buf("batch.x"), rows=B, n_out=H1, n_in=lay.SD,
+                         dw=self.grad(grad, "w_s1"))
+        ops.parallel(*beside, dw2, rest)
 
 
 def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[str, np.ndarray]:
@@ -351,6 +365,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     ``address(buf)`` is the arena address of a region (the sentinel and spectral descriptors
     hold pointers)."""
     from foxhunt.fast.kernels.spectral import spectral_descriptors
+    from foxhunt.fast.wave_layout import wave_constants
     from foxhunt.reference.step import support
 
     lay, c = layout, layout.config
@@ -377,6 +392,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
         **{key: np.array(lens[key], np.int64) for key in DESC_LENGTH_KEYS},
         "piece_slot": np.array([p.slot for p in sp.extras] or [0], np.int32),
         "spectral_desc": spectral_descriptors(mats).view(np.uint8).reshape(len(mats), 32),
+        **wave_constants(lay),
     }
 
 

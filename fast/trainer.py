@@ -48,6 +48,9 @@ from foxhunt.reference.config import SECOND_WAVE_SWITCHES, DQNConfig
 from foxhunt.reference.kernels import dense as ref_dense
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
+#: The second-wave switches (``config.SECOND_WAVE_SWITCHES``) the fast step implements; a
+#: config that turns on another is refused in one line (issue 18 lands them source by source).
+FAST_SECOND_WAVE = frozenset({"lambda_iqn"})
 #: Pinned staging buffers (and upload graphs) the host cycles through.
 STAGING_RING = 2
 #: Row counts whose ``q_values`` graph is kept (least recently used evicted beyond it).
@@ -61,10 +64,11 @@ class Trainer(TrainerBackend):
 
     def __init__(self, config: DQNConfig, seed: int = 0, *, device=None, gemm_workspace: str = "none"):
         self._closed = True  # until the engine exists
-        self._engine = self._make_engine(config, device=device, gemm_workspace=gemm_workspace)
+        self.seed = int(seed)
+        self._engine_options = dict(device=device, gemm_workspace=gemm_workspace)
+        self._engine = self._make_engine(config, seed=self.seed, **self._engine_options)
         self._closed = False
         self.config = config
-        self.seed = int(seed)
         self._eval_cache: dict[int, object] = {}
         self._readback = DeferredReadback(config.readback_interval, sentinels.NUM_SENTINEL_SLOTS)
         self.load_state_dict(ReferenceTrainer(config, seed=self.seed).state_dict())
@@ -73,20 +77,36 @@ class Trainer(TrainerBackend):
     def _check_config(config) -> None:
         if not isinstance(config, DQNConfig):
             raise ValueError(f"config: expected a DQNConfig, got {type(config).__name__}")
-        if config.second_wave_on:  # issue 18: the reference has them, the fast path not yet
-            name = config.second_wave_on[0]
+        refused = [n for n in config.second_wave_on if n not in FAST_SECOND_WAVE]
+        if refused:  # issue 18: the reference has them, the fast path not yet
+            name = refused[0]
             raise ValueError(f"{name}={getattr(config, name)!r}: the fast backend does not "
                              f"implement {SECOND_WAVE_SWITCHES[name]} yet (backend "
                              "'reference' does)")
 
-    def _make_engine(self, config: DQNConfig, *, device, gemm_workspace: str):
+    def _make_engine(self, config: DQNConfig, *, seed: int, device, gemm_workspace: str):
         from foxhunt.fast.device import _require_cuda
         from foxhunt.fast.gpu_engine import GpuEngine
 
         self._check_config(config)  # a config error is the user's to fix on any machine
         _require_cuda()  # NoCudaDeviceError with the reason, before any other work
         return GpuEngine(config, device=device, gemm_workspace=gemm_workspace,
-                         staging_slots=STAGING_RING)
+                         staging_slots=STAGING_RING, seed=seed)
+
+    def _reseed(self, seed: int) -> None:
+        """A new run seed with the IQN head on: its quantile fractions' generator key is a
+        launch argument of graph 1, so the engine is rebuilt for it (a rare event: loading the
+        state of another run; the ``engine`` property then returns the new one). The caller
+        loads the whole state afterwards."""
+        self._engine.synchronize()
+        for cached in self._eval_cache.values():
+            cached.close()
+        self._eval_cache.clear()
+        self._engine.close()
+        self._closed = True
+        self._engine = self._make_engine(self.config, seed=seed, **self._engine_options)
+        self._closed = False
+        self.seed = seed
 
     # ------------------------------------------------------------------ diagnostics
     @property
@@ -153,6 +173,9 @@ class Trainer(TrainerBackend):
         views["r"][...] = batch.r
         views["done"][...] = batch.done
         views["isw"][...] = batch.isw
+        for name in ("next_ret", "regime"):  # the auxiliary heads' labels, where a head is on
+            if name in views:
+                views[name][...] = getattr(batch, name)
         self._engine.launch(slot)
         self.step_count += 1
         return self._readback.after_step(self.step_count, self._read_scalars)
@@ -244,6 +267,9 @@ class Trainer(TrainerBackend):
             "flags": arena.download("flags")[:sentinels.NUM_SENTINEL_SLOTS].copy(),
             "step": np.array([self.step_count], np.int64),
         }
+        if self.config.iqn_on:  # the device step counter (the quantile fractions' offset)
+            state["step"] = arena.download("step_count").astype(np.int64)
+            state["seed"] = np.array([self.seed], np.int64)
         sn_u, sn_v = arena.download("sn_u"), arena.download("sn_v")
         pu, pv = lay.packed["sn_u"], lay.packed["sn_v"]
         for t in lay.weights:
@@ -253,6 +279,8 @@ class Trainer(TrainerBackend):
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         validate_state_dict(self.config, state)  # everything checked before anything is loaded
+        if self.config.iqn_on and int(state["seed"][0]) != self.seed:
+            self._reseed(int(state["seed"][0]))
         lay, arena = self.layout, self._engine.arena
         self._engine.synchronize()
         params2 = np.stack([state["params"], state["target"]]).astype(np.float32)
@@ -272,6 +300,8 @@ class Trainer(TrainerBackend):
                 start = packed.offsets[t.name]
                 buf[start:start + packed.counts[t.name]] = state[f"{name}.{t.name}"]
             arena.upload(name, buf)
+        if self.config.iqn_on:
+            arena.upload("step_count", np.ascontiguousarray(state["step"], np.int64))
         self.step_count = int(state["step"][0])
         self._readback.reset()
         self._engine.forget_uploads()
@@ -289,4 +319,4 @@ class Trainer(TrainerBackend):
             self._engine.close()
 
 
-__all__ = ["EVAL_CACHE_SIZE", "STAGING_RING", "Trainer"]
+__all__ = ["EVAL_CACHE_SIZE", "FAST_SECOND_WAVE", "STAGING_RING", "Trainer"]

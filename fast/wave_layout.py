@@ -1,0 +1,163 @@
+"""The second-wave sources' buffers of the fast step (SPEC 4 second wave; issue 18), added to
+the ``StepLayout`` of a config that turns them on (pure: no GPU). A source whose weight is 0
+adds nothing: the layout of the core step is unchanged, buffer for buffer.
+
+- IQN (``lambda_iqn``): the device step counter ``step_count`` (state: the quantile fractions'
+  offset, ``state_dict["step"]``), the head's forward for the online (``o``) and target (``t``)
+  passes (fractions, cosine features, ``phi``, ``e = h2 * phi``, quantiles; packed, each a GEMM
+  operand), the loss's targets and gradient, the head's backward, its own gradient buffer
+  ``iqn_grad`` (the IQN tensors' range: element ``k`` is parameter ``iqn_lo + k``) and norm,
+  and the trunk backward of its ``d h2`` into ``iqn_trunk_grad`` (the trunk range) and its
+  sanitised copy ``iqn_trunk_clean`` (the budget's input; layout-sized, zero past the trunk).
+- The budget stages: with IQN or the ensemble on, the C51 + CQL pipeline writes ``grad_s1``
+  and each injected source a further stage; the last stage writes ``grad`` (``wave_plan``).
+
+``wave_sentinel_pieces(lay)``: the ranges of the sources' fused sentinel slots.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.fast.records import F32, I64, U16
+from foxhunt.reference import sentinels
+
+#: The largest ``max_grad_norm`` the budget stages take: a stage re-reads the budgeted
+#: gradient with the clip bound FLT_MAX, a no-op while that gradient's squared norm (at most
+#: ``(0.85 max_grad_norm)^2``) stays finite in float32.
+MAX_STAGED_GRAD_NORM = 1e18
+
+
+def injected_sources(config) -> tuple[str, ...]:
+    """The budget sources injected after the C51 + CQL pipeline, in the reference's order
+    (``budgets.second_wave_budgets``): ``iqn``, then ``ens``."""
+    return tuple(s for s, on in (("iqn", config.iqn_on), ("ens", config.ens_on)) if on)
+
+
+def stage_names(config) -> list[tuple[str, str]]:
+    """``(gradient buffer, partials buffer)`` written by each budget stage, in order: the C51 +
+    CQL stage, then one per injected source; the last stage writes ``grad`` and
+    ``partials_total`` (what Adam, the total norm and sentinel 6 read)."""
+    n = 1 + len(injected_sources(config))
+    return [("grad", "partials_total") if k == n - 1 else (f"grad_s{k + 1}", f"partials_s{k + 1}")
+            for k in range(n)]
+
+
+def add_wave_buffers(lay) -> None:
+    """Add the buffers of ``lay.config``'s second-wave sources to ``lay`` (a ``StepLayout``
+    whose core buffers exist)."""
+    from foxhunt.fast.step_layout import NORM_SEGMENT, OPERAND_ALIGN, Packed, blocks
+
+    c, pl = lay.config, lay.param_layout
+    lay.grad_base = {}  # gradient buffers holding one range of the layout: {name: first element}
+    sources = injected_sources(c)
+    if sources and c.max_grad_norm > MAX_STAGED_GRAD_NORM:
+        raise ValueError(f"max_grad_norm={c.max_grad_norm!r}: the fast step's budget stages "
+                         f"({', '.join(sources)} on) take at most {MAX_STAGED_GRAD_NORM:g}")
+    for name, partials in stage_names(c)[:-1]:
+        lay._add(name, lay.NP, F32)
+        lay._add(partials, lay.n_partials, F32)
+    for src in sources:
+        lay._add(f"partials_{src}", lay.n_partials, F32)
+        lay._add(f"sq_{src}", 1, F32)
+        lay._add(f"sq_base_{src}", 1, F32)  # the stage's re-read norm of its base (unused)
+    if not c.iqn_on:
+        return
+    B, H, H1, nb = lay.B, lay.H2, lay.H1, lay.nb
+    N, K, A = c.iqn_quantiles, c.iqn_embed, lay.A_total
+    M = B * N
+    lay.iqn_rows = M
+    lay._add("step_count", 1, I64, "state")
+    lay._add("one", 1, F32, "constant")  # the IQN Adam's grad_scale (its gradient is clipped)
+
+    def pair(name, per, dtype=F32):
+        p = Packed(name, dtype, OPERAND_ALIGN)
+        for tag in ("o", "t"):
+            p.add(tag, per)
+        lay._add_packed(p)
+
+    pair("iqn_tau", M)
+    pair("iqn_cos", M * K)
+    pair("iqn_phi", M * H)
+    pair("iqn_e", M * H)
+    pair("iqn_q", M * A)
+    if lay.bf16:
+        pair("iqn_cos_bf16", M * K, U16)
+        pair("iqn_e_bf16", M * H, U16)
+    lay._add("iqn_y", (nb, B, N), F32)
+    lay._add("iqn_dq", (M, A), F32)
+    lay._add("iqn_de", (M, H), F32)
+    lay._add("iqn_d_phi_pre", (M, H), F32)
+    lay._add("iqn_d_h2", (B, H), F32)
+    lo, hi = pl.iqn_range
+    lay.grad_base["iqn_grad"] = lo
+    lay._add("iqn_grad", hi - lo, F32)
+    lay._add("partials_iqn_head", blocks(hi - lo, NORM_SEGMENT), F32)
+    lay._add("sq_iqn_head", 1, F32)
+    # The trunk backward of the guarded d h2: the guard's output, the trunk-gradient buffer it
+    # is copied into (sentinel 35), its masked form, h1's gradient and the fallback scratch.
+    for name in ("dh2g_iqn", "dh2_iqn", "dh2m_iqn"):
+        lay._add(name, (B, H), F32)
+    lay._add("dh1_iqn", (B, H1), F32)
+    lay._add("dpre_iqn", B * H1, F32)
+    lay._add("iqn_trunk_grad", pl.trunk_end, F32)
+    lay._add("iqn_trunk_clean", lay.NP, F32)
+
+
+def wave_constants(lay) -> dict[str, np.ndarray]:
+    """Host values of the second-wave constant buffers (``step_program.step_constants``)."""
+    return {"one": np.ones(1, np.float32)} if "one" in lay.specs else {}
+
+
+def wave_zero_padding(lay) -> dict[str, list[tuple[int, int]]]:
+    """Byte ranges of the second-wave buffers that no record writes (zero since the arena was
+    made): the padding between the tensors of a range gradient, the trunk gradient's, and the
+    sanitised trunk gradient and norm partials past the trunk."""
+    from foxhunt.fast.step_layout import NORM_SEGMENT
+
+    pl, out = lay.param_layout, {}
+
+    def gaps(name, lo, hi, tensors):
+        spans, end = [], lo
+        for t in sorted(tensors, key=lambda t: t.offset):
+            if t.offset > end:
+                spans.append(((end - lo) * 4, (t.offset - lo) * 4))
+            end = max(end, t.end)
+        if hi > end:
+            spans.append(((end - lo) * 4, (hi - lo) * 4))
+        if spans:
+            out[name] = spans
+
+    if lay.config.iqn_on:
+        gaps("iqn_grad", *pl.iqn_range, pl.group_tensors("iqn"))
+        gaps("iqn_trunk_grad", 0, pl.trunk_end, pl.group_tensors("trunk"))
+        out["iqn_trunk_clean"] = [(pl.trunk_end * 4, lay.NP * 4)]
+        used = -(-pl.trunk_end // NORM_SEGMENT)
+        if used < lay.n_partials:
+            out["partials_iqn"] = [(used * 4, lay.n_partials * 4)]
+    return out
+
+
+def wave_sentinel_pieces(lay, one) -> dict[str, list]:
+    """The fused sentinel slots of the second-wave sources that are on, by slot name, as
+    ``one(name, buffer, offset, count)`` pieces (``sentinel_plan.sentinel_pieces``' helper):
+    exactly the buffers of the reference's ``Trainer._sentinel_buffers``."""
+    c, pl = lay.config, lay.param_layout
+    out: dict[str, list] = {}
+    if c.iqn_on:
+        lo, hi = pl.iqn_range
+        M = lay.B * c.iqn_quantiles
+        out.update({
+            "iqn_trunk_grad": one("iqn_trunk_grad", "iqn_trunk_grad", 0, pl.trunk_end),
+            "iqn_d_h2": one("iqn_d_h2", "iqn_d_h2", 0, lay.B * lay.H2),
+            "iqn_d_quantiles": one("iqn_d_quantiles", "iqn_dq", 0, M * lay.A_total),
+            "iqn_adam_m_max": one("iqn_adam_m_max", "adam_m", lo, hi - lo),
+            "iqn_adam_v_max": one("iqn_adam_v_max", "adam_v", lo, hi - lo),
+            "iqn_weight_max": one("iqn_weight_max", "params2", lo, hi - lo),
+        })
+    assert all(not sentinels.slot_by_name(name).inline for name in out)
+    return out
+
+
+__all__ = ["MAX_STAGED_GRAD_NORM", "add_wave_buffers", "injected_sources", "stage_names",
+           "wave_constants", "wave_sentinel_pieces", "wave_zero_padding"]
