@@ -157,10 +157,16 @@ def bound_row(key: str) -> Row:
 
 
 def k_max(config: DQNConfig) -> int:
-    """The longest inner dimension of any GEMM of the step (forward K, backward dX and dW K)."""
+    """The longest inner dimension of any GEMM of the step (forward K, backward dX and dW K),
+    the second-wave heads' included (the IQN head's weight gradients sum over its B N rows)."""
     c = config
-    return max(c.batch_size, c.state_dim, c.shared_h1, c.shared_h2, c.value_h, c.adv_h,
-               max(c.branches) * c.num_atoms)
+    ks = [c.batch_size, c.state_dim, c.shared_h1, c.shared_h2, c.value_h, c.adv_h,
+          max(c.branches) * c.num_atoms]
+    if c.iqn_on:
+        ks += [c.batch_size * c.iqn_quantiles, c.iqn_embed, sum(c.branches)]
+    if c.aux_on:
+        ks += [c.aux_hidden, c.n_regimes]
+    return max(ks)
 
 
 def grad_eps(config: DQNConfig) -> float:

@@ -46,6 +46,7 @@ from foxhunt.conformance.step_harness import (
     INJECTIONS,
     PRECISIONS,
     PRESETS,
+    SOURCES,
     STARTS,
     assert_all,
     check_checkpoint_interchange,
@@ -72,7 +73,7 @@ CASES = [pytest.param(p, q, s, id=f"{p}-{q}-{s}") for p in PRESETS for q in PREC
 
 
 def test_every_state_buffer_has_a_bound() -> None:
-    keys = Trainer(DQNConfig.preset("tiny")).state_dict()
+    keys = Trainer(DQNConfig.preset("tiny", **SOURCES["all"])).state_dict()
     missing = []
     for key in keys:
         try:
@@ -202,6 +203,16 @@ def test_fast_second_wave_step_with_injected_non_finite_values(kind, case, preci
                                                                record_property) -> None:
     results = check_injection(fast_factory(), shared_case(case, precision, "warm", source), kind)
     record_results(record_property, f"{case}-{precision}-{source}-{kind}", results)
+    assert_all(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, precision, source", WAVE_CASES)
+def test_fast_second_wave_checkpoint_interchange(case, precision, source, cuda_device, tmp_path,
+                                                 record_property) -> None:
+    results = check_checkpoint_interchange(fast_factory(), shared_case(case, precision, "warm", source),
+                                           tmp_path)
+    record_results(record_property, f"{case}-{precision}-{source}-checkpoint", results)
     assert_all(results)
 
 

@@ -69,6 +69,13 @@ def test_cpu_executor_second_wave_step_with_injected_non_finite_values(kind, pre
 
 
 @pytest.mark.parametrize("source", fast_sources())
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cpu_executor_second_wave_checkpoint_interchange(precision, source, tmp_path) -> None:
+    case = shared_case("tiny", precision, "warm", source)
+    assert_all(check_checkpoint_interchange(CpuTrainer, case, tmp_path))
+
+
+@pytest.mark.parametrize("source", fast_sources())
 @pytest.mark.parametrize("order", BRANCH_ORDERS)
 def test_cpu_executor_second_wave_step_in_either_branch_order(order, source) -> None:
     factory = functools.partial(CpuTrainer, branch_order=order, refused_epilogues=FALLBACK_EPILOGUES)

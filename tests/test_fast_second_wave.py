@@ -1,0 +1,241 @@
+"""The second-wave sources in the fast step's plan (issue 18), on the CPU executor.
+
+- Weight 0: the plan is the core plan, record for record, whatever the sources' shape fields;
+  no record names a second-wave kernel or buffer. A source that is on adds its records (and
+  only its buffers).
+- Sentinels: a NaN planted in a source's buffer at the moment its slot watches it raises that
+  slot's flag, in the reference ``Trainer`` and in the fast plan alike (the same flags, and
+  every step comparison within the step-conformance bounds).
+- State: the device step counter and the seed are the state's ``step`` and ``seed``; a state
+  of another seed re-keys the quantile fractions.
+
+One-step conformance of each source (alone and together, both precisions, injections,
+checkpoints) is ``conformance/test_step_cpu_executor.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import numpy as np
+import pytest
+
+from foxhunt.conformance.step_compare import compare_step, failures, run_step
+from foxhunt.conformance.step_harness import PRECISIONS, SOURCES, fast_sources, shared_case
+from foxhunt.fast import cpu_executor
+from foxhunt.fast.cpu_executor import CpuEngine, CpuTrainer
+from foxhunt.fast.records import Buf, Gemm, Launch
+from foxhunt.reference import iqn_head, sentinels
+from foxhunt.reference import step as ref_step
+from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.kernels import iqn as iqn_kernels
+from foxhunt.reference.kernels import rng
+from foxhunt.reference.layout import ParamLayout
+from foxhunt.reference.trainer import Trainer
+
+#: Kernel areas only the second-wave sources launch.
+WAVE_AREAS = ("iqn", "aux", "ensemble", "warmup", "wave")
+#: Every second-wave shape field, away from its default (they must change nothing at weight 0).
+SHAPES_CHANGED = dict(iqn_quantiles=3, iqn_embed=7, ens_heads=4, aux_hidden=9, n_regimes=5)
+
+
+def _plans(config: DQNConfig) -> dict:
+    return CpuEngine(config).plans
+
+
+def _described(plans: dict) -> list[str]:
+    return [plans["graph1"].describe(), plans["graph2"].describe(),
+            *(ops.describe() for ops in plans["upload"])]
+
+
+def _wave_kernels() -> set[str]:
+    import importlib
+
+    return {name for area in WAVE_AREAS
+            for name in importlib.import_module(f"foxhunt.reference.kernels.{area}").KERNELS}
+
+
+def _kernels(plans: dict) -> set[str]:
+    return {n.kernel for key in ("graph1", "graph2") for n in plans[key].nodes()
+            if isinstance(n, Launch)}
+
+
+def _buffers(plans: dict) -> set[str]:
+    out = set()
+    for key in ("graph1", "graph2"):
+        for node in plans[key].nodes():
+            out.update(acc.buffer for acc in node.accesses)
+    return out
+
+
+# ------------------------------------------------------------------------------ weight 0
+@pytest.mark.parametrize("preset", ["tiny", "seed"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_weight_zero_is_the_core_plan_record_for_record(preset, precision):
+    core = DQNConfig.preset(preset, precision=precision)
+    shaped = core.replace(**SHAPES_CHANGED)
+    assert not shaped.second_wave_on
+    plans_core, plans_shaped = _plans(core), _plans(shaped)
+    assert _described(plans_shaped) == _described(plans_core)
+    assert not _kernels(plans_core) & _wave_kernels()
+    wave_buffers = set(CpuEngine(core.replace(**SOURCES["iqn"])).layout.specs) - \
+        set(CpuEngine(core).layout.specs)
+    assert wave_buffers and not _buffers(plans_core) & wave_buffers
+
+
+@pytest.mark.parametrize("source", fast_sources())
+def test_a_source_adds_records_and_keeps_every_core_kernel(source):
+    core = DQNConfig.preset("tiny")
+    on = core.replace(**SOURCES[source])
+    plans_core, plans_on = _plans(core), _plans(on)
+    assert _kernels(plans_core) <= _kernels(plans_on)
+    assert _kernels(plans_on) & _wave_kernels()
+    for key in ("graph1", "graph2"):
+        assert plans_on[key].node_count() > plans_core[key].node_count() or key == "graph2" \
+            and not on.iqn_on
+
+
+# ------------------------------------------------------------------------------ planted NaNs
+@contextlib.contextmanager
+def _patched(obj, name, wrap):
+    saved = getattr(obj, name)
+    setattr(obj, name, wrap(saved))
+    try:
+        yield
+    finally:
+        setattr(obj, name, saved)
+
+
+@contextlib.contextmanager
+def _fast_plant(match, buffer: Buf):
+    """After the first record ``match(node)`` accepts runs, element 0 of ``buffer`` is NaN."""
+    planted = []
+
+    def wrap(run_node):
+        def run(mem, node):
+            run_node(mem, node)
+            if not planted and match(node):
+                mem.view(buffer, 1)[0] = np.nan
+                planted.append(node)
+        return run
+
+    with _patched(cpu_executor, "run_node", wrap):
+        yield planted
+
+
+def _launch(kernel: str, **args):
+    def match(node):
+        return isinstance(node, Launch) and node.kernel == kernel and all(
+            node.args.get(k) == Buf(v) if isinstance(v, str) else node.args.get(k) == v
+            for k, v in args.items())
+    return match
+
+
+def _nan_at_first(x: np.ndarray) -> np.ndarray:
+    x = np.array(x, copy=True)
+    x.reshape(-1)[0] = np.nan
+    return x
+
+
+def _iqn_slot_cases(config: DQNConfig):
+    """``{slot: (reference patch context, fast plant context)}``: the IQN sources' buffers, each
+    poisoned at the moment its slot watches it in both implementations."""
+    w_s1 = ParamLayout(config)["w_s1"].offset
+
+    def ref_d_h2(fn):
+        return lambda *a, **k: fn(*a, **k)._replace(d_h2=_nan_at_first(fn(*a, **k).d_h2))
+
+    def ref_dq(fn):
+        return lambda *a, **k: fn(*a, **k)._replace(dq=_nan_at_first(fn(*a, **k).dq))
+
+    def ref_trunk(fn):
+        def run(*a, **k):
+            grad = fn(*a, **k)
+            grad[w_s1] = np.nan
+            return grad
+        return run
+
+    def ref_copy(fn):
+        def run(*a, **k):
+            out = fn(*a, **k)
+            return dataclasses.replace(out, d_h2_guarded=_nan_at_first(out.d_h2_guarded))
+        return run
+
+    def trunk_w_s1(node):
+        return isinstance(node, Gemm) and node.c == Buf("iqn_trunk_grad", offset=w_s1)
+
+    return {
+        "iqn_d_h2": (lambda: _patched(iqn_kernels, "iqn_modulate_backward", ref_d_h2),
+                     lambda: _fast_plant(_launch("iqn_modulate_backward"), Buf("iqn_d_h2"))),
+        "iqn_d_quantiles": (lambda: _patched(iqn_kernels, "iqn_quantile_huber", ref_dq),
+                            lambda: _fast_plant(_launch("iqn_quantile_huber"), Buf("iqn_dq"))),
+        "iqn_trunk_grad": (lambda: _patched(iqn_head, "trunk_backward", ref_trunk),
+                           lambda: _fast_plant(trunk_w_s1, Buf("iqn_trunk_grad", offset=w_s1))),
+        "d_h2_post_iqn": (lambda: _patched(ref_step, "iqn_loss_and_grads", ref_copy),
+                          lambda: _fast_plant(_launch("h2_grad_sum_mask", dh2_out="dh2_iqn"),
+                                              Buf("dh2_iqn"))),
+    }
+
+
+def _run_both(case, state, ref_ctx, fast_ctx):
+    ref = Trainer(case.config)
+    ref.load_state_dict({k: v.copy() for k, v in state.items()})
+    fast = CpuTrainer(case.config)
+    fast.load_state_dict({k: v.copy() for k, v in state.items()})
+    with ref_ctx(), np.errstate(all="ignore"):
+        want = run_step(ref, case.batch)
+    with fast_ctx() as planted:
+        got = run_step(fast, case.batch)
+    assert planted is None or planted, "the fast plan has no record that writes the poisoned buffer"
+    return want, got
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("slot", ["iqn_d_h2", "iqn_d_quantiles", "iqn_trunk_grad", "d_h2_post_iqn"])
+def test_a_nan_planted_in_an_iqn_buffer_raises_exactly_its_flag(slot, precision):
+    case = shared_case("tiny", precision, "warm", "iqn")
+    ref_ctx, fast_ctx = _iqn_slot_cases(case.config)[slot]
+    want, got = _run_both(case, case.state, ref_ctx, fast_ctx)
+    expected = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
+    expected[sentinels.index(slot)] = 1
+    assert np.array_equal(want.state["flags"], expected), np.flatnonzero(want.state["flags"])
+    assert np.array_equal(got.state["flags"], expected), np.flatnonzero(got.state["flags"])
+    bad = failures(compare_step(case.config, case.state, want, got))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("key, slot", [("adam_m", "iqn_adam_m_max"), ("adam_v", "iqn_adam_v_max"),
+                                       ("params", "iqn_weight_max")])
+def test_a_nan_in_the_iqn_state_raises_its_mech5_flag(key, slot, precision):
+    case = shared_case("tiny", precision, "warm", "iqn")
+    state = case.fresh_state()
+    lo, hi = ParamLayout(case.config).iqn_range
+    state[key][lo + 3] = np.nan
+    want, got = _run_both(case, state, contextlib.nullcontext, contextlib.nullcontext)
+    assert want.state["flags"][sentinels.index(slot)] == 1
+    assert np.array_equal(got.state["flags"], want.state["flags"])
+    for name in ("params", "adam_m", "adam_v"):  # the same non-finite maps
+        assert np.array_equal(np.isfinite(got.state[name]), np.isfinite(want.state[name])), name
+    if key == "params":  # (a non-finite moment makes the step bounds' own scales non-finite)
+        bad = failures(compare_step(case.config, state, want, got))
+        assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------ state
+def test_the_device_step_counter_is_the_state_step_and_keys_by_the_seed():
+    config = DQNConfig.preset("tiny", **SOURCES["iqn"])
+    case = shared_case("tiny", "f32", "warm", "iqn")
+    fast = CpuTrainer(config, seed=0)
+    fast.load_state_dict(case.fresh_state())
+    assert int(fast.state_dict()["seed"][0]) == int(case.state["seed"][0]) == fast.seed
+    step0 = int(case.state["step"][0])
+    assert int(fast.debug_buffer("step_count")[0]) == step0
+    fast.step(case.batch)
+    assert int(fast.state_dict()["step"][0]) == step0 + 1 == fast.step_count
+    # The fractions the step drew are the reference generator's at (seed, step0).
+    want = iqn_kernels.iqn_tau_cos(np.array([step0], np.int64), int(case.state["seed"][0]), 0,
+                                   rng.STREAMS["iqn_tau_online"],
+                                   config.batch_size * config.iqn_quantiles, config.iqn_embed)
+    assert np.array_equal(fast.debug_buffer("iqn_tau")[:want.tau.size], want.tau)
