@@ -1,12 +1,16 @@
 """The PyTorch peer computes the reference's step, so timing it against fast is an honest comparison.
 
-On the CPU, float32, ``tiny`` and ``seed`` presets:
+On the CPU, float32, ``tiny`` and ``seed`` presets, the core step and each second-wave source
+(``torch_wave.WAVE_SOURCES``: IQN, auxiliary heads, ensemble, MSE warm-up) alone and all
+together:
 
-- losses, TD errors, double-DQN actions and both per-source gradients equal the reference's
+- losses, TD errors, double-DQN actions and every per-source gradient equal the reference's
   ``loss_and_grads`` on one batch (distinct online and target parameters);
 - two full steps from a shared reference state give the reference ``Trainer``'s parameters,
-  target, Adam moments and spectral-norm vectors, also in a "stressed" configuration where the
-  budget clips and the spectral-norm rescale actually fire;
+  target, Adam moments, spectral-norm vectors and step scalars, also in "stressed"
+  configurations where the budget clips and the spectral-norm rescale actually fire;
+- the IQN quantile fractions are the reference generator's, bit for bit, across the peer's
+  precomputed blocks;
 - the step's GEMM FLOP count (used for TFLOP/s) equals PyTorch's own FLOP counter.
 
 Tolerances are float32 ones: the two implementations sum in different orders, nothing more.
@@ -19,12 +23,18 @@ import os
 import numpy as np
 import pytest
 
+import torch
+
+from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.kernels import rng
 from foxhunt.reference.layout import ParamLayout, init_params
 from foxhunt.reference.step import loss_and_grads
 from foxhunt.reference.trainer import Trainer
-from peers.torch_step import MODES, TorchStep, step_gemm_flops
+from peers.torch_philox import TauTable, uniform
+from peers.torch_step import MODES, SCALARS, TorchStep, step_gemm_flops
+from peers.torch_wave import WAVE_SOURCES
 
 PRESETS = ("tiny", "seed")
 #: Scalars and per-sample values: a few float32 ulps of accumulated rounding.
@@ -37,9 +47,22 @@ GRAD_RTOL, GRAD_FLOOR = 1e-4, 1e-5
 PARAM_ATOL_LR = 1e-2
 UNIT_VECTOR_ATOL = 1e-5
 
-#: Budgets clip (tiny's norms ~0.03 and ~0.15 against budgets 0.007 and 0.0015) and every
-#: weight matrix (sigma ~1) is rescaled to sigma_max.
+#: Budgets clip (tiny's norms ~0.03 and ~0.15 against budgets 0.007 and 0.0015; with the second
+#: wave, IQN ~0.008 and ensemble ~0.005 against 0.001 and 0.0005) and every weight matrix
+#: (sigma ~1) is rescaled to sigma_max.
 STRESSED = {"max_grad_norm": 0.01, "sigma_max": 0.5}
+
+#: Each second-wave source alone and all of them together.
+SOURCES = {**WAVE_SOURCES, "all": {k: v for fields in WAVE_SOURCES.values() for k, v in fields.items()}}
+#: The epoch the warm-up cases run at: blend weight 1 - 1/4, so both terms count.
+MSE_EPOCH = 1
+
+
+def ens_loss_atol(config: DQNConfig) -> float:
+    """The ensemble loss is a KL divergence, the difference of a cross-entropy and an entropy
+    of size up to ``log(NA)`` that nearly cancel: its rounding is relative to those, not to the
+    (small) difference."""
+    return RTOL * float(np.log(config.num_atoms))
 
 
 def assert_close(name: str, actual: np.ndarray, expected: np.ndarray, *, rtol: float, atol: float) -> None:
@@ -85,13 +108,75 @@ def test_losses_and_gradients_match_reference(preset):
     assert np.abs(wrong_target - ref["grad_c51"]).max() > 1e3 * GRAD_FLOOR * np.abs(ref["grad_c51"]).max()
 
 
-@pytest.mark.parametrize("preset,overrides", [("tiny", {}), ("seed", {}), ("tiny", STRESSED)],
-                         ids=["tiny", "seed", "tiny-stressed"])
-def test_steps_match_reference_trainer(preset, overrides):
-    config = DQNConfig.preset(preset, precision="f32", **overrides)
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("preset", PRESETS)
+def test_second_wave_losses_and_gradients_match_reference(preset, source):
+    """Every second-wave loss and gradient of one batch, at a step count and seed that set the
+    IQN fractions, an epoch inside the warm-up and a label scale that has seen a batch."""
+    config = DQNConfig.preset(preset, precision="f32", **SOURCES[source])
+    layout = ParamLayout(config)
+    params, target = init_params(layout, 11), init_params(layout, 12) * np.float32(4)
+    batch = Batch.random(config, np.random.default_rng(13))
+    isv = isv_mod.bus_for(config).to_array()
+    isv[isv_mod.EPOCH_IDX_INDEX] = MSE_EPOCH
+    isv[isv_mod.AUX_LABEL_SCALE_EMA_INDEX] = 0.02  # the EMA blends (a cold 0 would be replaced)
+    step, seed = 5, 7
+    ref = loss_and_grads(config, params, target, batch, isv=isv, step=step, seed=seed)
+    peer = TorchStep(config, device="cpu", seed=seed, state={
+        "params": params, "target": target, "isv": isv, "step": np.array([step], np.int64)})
+    out = peer.loss_and_grads(batch)
+
+    assert_close("c51_loss", out["c51_loss"], ref["c51_loss"], rtol=RTOL, atol=0)
+    assert_grad_close("grad_c51", out["grad_c51"], ref["grad_c51"])
+    assert_grad_close("grad_cql", out["grad_cql"], ref["grad_cql"])
+    expected = set()
+    if ref["iqn"] is not None:
+        expected |= {"iqn_loss", "grad_iqn_head", "grad_iqn_trunk"}
+        assert_close("iqn_loss", out["iqn_loss"], ref["iqn"].loss, rtol=RTOL, atol=0)
+        assert_grad_close("grad_iqn_head", out["grad_iqn_head"], ref["iqn"].head_grad)
+        assert_grad_close("grad_iqn_trunk", out["grad_iqn_trunk"], ref["iqn"].trunk_grad)
+        # Not vacuous: another step's fractions give another loss.
+        other = loss_and_grads(config, params, target, batch, isv=isv, step=step + 1, seed=seed)
+        assert abs(other["iqn"].loss - ref["iqn"].loss) > 1e3 * RTOL * abs(ref["iqn"].loss)
+    if ref["ens"] is not None:
+        expected |= {"ens_loss", "grad_ens"}
+        assert_close("ens_loss", out["ens_loss"], ref["ens"].loss, rtol=RTOL, atol=ens_loss_atol(config))
+        assert_grad_close("grad_ens", out["grad_ens"], ref["ens"].trunk_grad)
+    if ref["aux"] is not None:
+        expected |= {"aux_next_bar_loss", "aux_regime_loss"}
+        assert_close("aux_next_bar_loss", out["aux_next_bar_loss"], ref["aux"].loss_nb, rtol=RTOL, atol=0)
+        assert_close("aux_regime_loss", out["aux_regime_loss"], ref["aux"].loss_rg, rtol=RTOL, atol=0)
+        aux = slice(layout.core_end, layout.main_adam_end)
+        assert np.abs(ref["grad_c51"][aux]).max() > 0  # the heads' gradients are in the C51 source
+        assert_close("label_scale", out["label_scale"], ref["isv"][isv_mod.AUX_LABEL_SCALE_EMA_INDEX],
+                     rtol=RTOL, atol=0)
+    if ref["mse"] is not None:
+        expected |= {"mse_loss", "mse_weight"}
+        assert_close("mse_loss", out["mse_loss"], ref["mse"].loss, rtol=RTOL, atol=0)
+        assert out["mse_weight"] == ref["mse"].w == np.float32(0.75)
+        peer.set_epoch(config.c51_warmup_epochs)  # past the warm-up: the plain C51 loss
+        core = loss_and_grads(config.replace(c51_warmup_epochs=0), params, target, batch)
+        assert_close("c51_loss past the warm-up", peer.loss_and_grads(batch)["c51_loss"],
+                     core["c51_loss"], rtol=RTOL, atol=0)
+    wave_keys = {"iqn_loss", "grad_iqn_head", "grad_iqn_trunk", "ens_loss", "grad_ens",
+                 "aux_next_bar_loss", "aux_regime_loss", "mse_loss", "mse_weight"}
+    assert set(out) & wave_keys == expected  # a source that is off computes nothing
+
+
+STEP_CASES = [("tiny", "core", {}), ("seed", "core", {}), ("tiny", "core", STRESSED)]
+STEP_CASES += [(preset, source, {}) for preset in PRESETS for source in SOURCES]
+STEP_CASES += [("tiny", "all", STRESSED)]
+
+
+@pytest.mark.parametrize("preset,source,overrides", STEP_CASES,
+                         ids=[f"{p}-{s}" + ("-stressed" if o else "") for p, s, o in STEP_CASES])
+def test_steps_match_reference_trainer(preset, source, overrides):
+    config = DQNConfig.preset(preset, precision="f32", **SOURCES.get(source, {}), **overrides)
     rng = np.random.default_rng(21)
     batches = [Batch.random(config, rng) for _ in range(3)]
     trainer = Trainer(config, seed=3)
+    if config.mse_on:
+        trainer.set_epoch(MSE_EPOCH)
     trainer.step(batches[0])  # a shared state with Adam moments and t = 1
     peer = TorchStep(config, device="cpu", seed=3, state=trainer.state_dict())
     for batch in batches[1:]:
@@ -99,13 +184,19 @@ def test_steps_match_reference_trainer(preset, overrides):
         out = peer.step(batch)
     scalars = trainer.end_epoch()
     mine = peer.read_scalars(out)
-    for key in ("loss", "c51_loss", "cql_loss", "c51_norm_pre", "cql_norm_pre", "grad_norm"):
-        assert_close(key, mine[key], getattr(scalars, key), rtol=1e-4, atol=0)
+    for key in SCALARS:
+        atol = ens_loss_atol(config) if key == "ens_loss" else 0
+        assert_close(key, mine[key], getattr(scalars, key), rtol=1e-4, atol=atol)
+    for key, on in (("iqn_loss", config.iqn_on), ("ens_loss", config.ens_on),
+                    ("aux_regime_loss", config.aux_regime_on), ("mse_weight", config.mse_on)):
+        assert (getattr(scalars, key) != 0) == on, key
     if overrides:
-        assert scalars.c51_norm_post < scalars.c51_norm_pre, "the C51 budget clip did not fire"
-        assert scalars.cql_norm_post < scalars.cql_norm_pre, "the CQL budget clip did not fire"
+        for name in ("c51", "cql") + (("iqn", "ens") if source == "all" else ()):
+            post, pre = getattr(scalars, f"{name}_norm_post"), getattr(scalars, f"{name}_norm_pre")
+            assert post < pre, f"the {name} budget clip did not fire"
 
     ref_state, state = trainer.state_dict(), peer.export_state()
+    assert state["step"][0] == ref_state["step"][0] == 3
     atol = PARAM_ATOL_LR * config.lr
     for key in ("params", "target"):
         assert_close(key, state[key], ref_state[key], rtol=0, atol=atol)
@@ -114,22 +205,57 @@ def test_steps_match_reference_trainer(preset, overrides):
     for key in state:
         if key.startswith("sn_"):
             assert_close(key, state[key], ref_state[key], rtol=0, atol=UNIT_VECTOR_ATOL)
+    layout = ParamLayout(config)
+    if config.ens_on:  # the priors are frozen in both
+        r = slice(*layout.ens_range)
+        np.testing.assert_array_equal(state["params"][r], init_params(layout, 3)[r])
     if overrides:  # the rescale fired on every matrix (Adam alone moves each weight by ~lr)
-        layout = ParamLayout(config)
         initial = init_params(layout, 3)
         for t in layout.weight_matrices:
             before = np.linalg.norm(layout.view(initial, t.name))
             assert np.linalg.norm(layout.view(ref_state["params"], t.name)) < 0.9 * before, t.name
 
 
+def test_philox_matches_reference_generator():
+    """The peer's Philox (int64 tensor arithmetic) gives the reference's draws bit for bit,
+    including keys and offsets with high words set."""
+    for key in (0, 7, 2**40 + 12345, 2**64 - 1):
+        offsets = [0, 5, 2**32 - 1, 2**32 + 3, 2**63 - 1]
+        got = uniform(key, torch.tensor([1, 2, 0xFFFFFFFF]), torch.tensor(offsets), 300).numpy()
+        for i, stream in enumerate((1, 2, 0xFFFFFFFF)):
+            for j, offset in enumerate(offsets):
+                want = rng.uniform(key, stream, offset, np.arange(300))
+                np.testing.assert_array_equal(got[i, j].view(np.uint32), want.view(np.uint32))
+
+
+def test_tau_table_rows_follow_the_step_count_across_blocks():
+    """Each executed step reads its own step's fractions, also past a block's end and after a
+    rekey (the device counter and the host's step count stay together)."""
+    streams = (rng.STREAMS["iqn_tau_online"], rng.STREAMS["iqn_tau_target"])
+    table = TauTable(9, streams, 12, 3, torch.device("cpu"))
+    key = 9
+    for step in [*range(10, 17), *range(40, 42)]:
+        if step == 40:
+            key = 2**33 + 1
+            table.rekey(key)
+        table.ensure(step)
+        row = table.row().numpy()
+        for i, stream in enumerate(streams):
+            np.testing.assert_array_equal(row[i], rng.uniform(key, stream, step, np.arange(12)))
+        table.advance()
+    with pytest.raises(ValueError, match="key"):
+        TauTable(-1, streams, 12, 3, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("source", ("core", "all"))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_step_gemm_flops_match_torch_flop_counter(preset):
+def test_step_gemm_flops_match_torch_flop_counter(preset, source):
     """The FLOP count behind the TFLOP/s figures, against ``torch.utils.flop_counter`` on the
     peer's forward + backward passes (which also count the projection's batched matmul:
     ``2 B NA^2`` per branch)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    config = DQNConfig.preset(preset, precision="f32")
+    config = DQNConfig.preset(preset, precision="f32", **SOURCES.get(source, {}))
     peer = TorchStep(config, device="cpu")
     batch = Batch.random(config, np.random.default_rng(0))
     with FlopCounterMode(display=False) as counter:
