@@ -129,11 +129,15 @@ STEP_BOUNDS: Mapping[str, Row] = {
     "scalars.clip_bound": Row("rtol 1e-5", "min(mgn, 100 max(slow EMA, 1)) of the shared state"),
 }
 
-#: ISV slots the step writes: slot name -> (EMA rate, "forward" | "gradient" signal).
-ISV_STEP_PRODUCERS: Mapping[str, tuple[Callable[[DQNConfig], float], str]] = {
+#: ISV slots the step writes: slot name -> (EMA rate, or None where the config's step does not
+#: write the slot; "forward" | "gradient" | "data" signal). A "data" signal is a reduction of the
+#: batch itself (no GEMM upstream): the slot is bounded by the reduction rtol alone.
+ISV_STEP_PRODUCERS: Mapping[str, tuple[Callable[[DQNConfig], float | None], str]] = {
     "Q_ABS_REF": (lambda c: ISV_PRODUCER_ALPHA, "forward"),
     "H_S2_RMS_EMA": (lambda c: ISV_PRODUCER_ALPHA, "forward"),
     SLOW_EMA: (lambda c: c.grad_slow_ema_alpha, "gradient"),
+    # The next-bar head's label scale: an EMA of the batch's next-return RMS (adaptive rate).
+    "AUX_LABEL_SCALE_EMA": (lambda c: 1.0 if c.aux_next_bar_on else None, "data"),
 }
 
 COUNTER_FIELDS = ("step", "read_at", "fresh", "safety_clip_fired", "flags")

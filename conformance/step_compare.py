@@ -281,10 +281,11 @@ def _isv_comparison(cx: _Context, ref: np.ndarray, fast: np.ndarray) -> Comparis
     before = cx.before["isv"]
     written = ~_unchanged(ref, before)
     producers = {isv_mod.slot(name).index: (rate(cx.config), kind)
-                 for name, (rate, kind) in ISV_STEP_PRODUCERS.items()}
+                 for name, (rate, kind) in ISV_STEP_PRODUCERS.items()
+                 if rate(cx.config) is not None}
     bound = np.zeros(ref.shape, F64)
     for index, (alpha, kind) in producers.items():
-        eps = cx.eps_f if kind == "forward" else cx.eps_g
+        eps = {"forward": cx.eps_f, "gradient": cx.eps_g, "data": 0.0}[kind]
         signal = abs(F64(ref[index]) - (1 - alpha) * F64(before[index])) / alpha
         bound[index] = REDUCTION_RTOL * abs(F64(ref[index])) + alpha * eps * signal
     exact = np.ones(ref.shape, bool)

@@ -1,6 +1,6 @@
 """The CPU twins (``foxhunt.fast.cpu_kernels.Twin``) of the kernels the second-wave sources add
 to the fast step, and of the generic kernels only they launch (``clamp_finite``,
-``grad_norm_final``, ``clip_grad_inplace``). Registered in ``cpu_kernels.TWINS`` when
+``grad_norm_final``, ``clip_grad_inplace``, ``saxpy``). Registered in ``cpu_kernels.TWINS`` when
 ``cpu_kernels`` is imported; same rules as there (extents from the launch's scalars, ``run``
 calls the same-name reference kernel on copies of the views).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.cpu_kernels import branches, twin
-from foxhunt.reference.isv import ISV_LEN
-from foxhunt.reference.kernels import iqn, optim, safety, wave
+from foxhunt.reference.isv import AUX_LABEL_SCALE_EMA_INDEX, ISV_LEN, SHARPE_CLAMP, SHARPE_GAIN
+from foxhunt.reference.kernels import aux, ensemble, iqn, optim, safety, warmup, wave
 from foxhunt.reference.kernels import step as rstep
 
 F32 = np.float32
@@ -25,8 +25,11 @@ _READBACK = len(rstep.READBACK_FIELDS)
 
 @twin("clamp_finite", x="n", out="n", signal=1)
 def _clamp_finite(a):
-    # The kernel's bound: multiplier * fmaxf(*signal, 1) (safety.isv_bound's value).
-    return {"out": safety.clamp_finite(a.x, safety.isv_bound(a.multiplier, a.signal[0]))}
+    # The kernel's bound: multiplier * fmaxf(*signal, 1) (safety.isv_bound's value; +Inf is a
+    # bound too: no clamp, non-finite values to 0).
+    with np.errstate(over="ignore"):
+        bound = F32(F32(a.multiplier) * np.fmax(F32(a.signal[0]), F32(1)))
+    return {"out": safety.clamp_finite(a.x, bound)}
 
 
 @twin("grad_norm_final", partials="count", out=1)
@@ -37,6 +40,75 @@ def _grad_norm_final(a):
 @twin("clip_grad_inplace", x="n", norm_sq=1)
 def _clip_grad_inplace(a):
     return {"x": optim.clip_grad_inplace(a.x, a.max_norm, a.norm_sq[0])}
+
+
+@twin("saxpy", y="n", x="n")
+def _saxpy(a):
+    return {"y": optim.saxpy(a.y, a.x, a.a)}
+
+
+# --------------------------------------------------------------------------------------------
+# Auxiliary heads, ensemble diversity, MSE warm-up
+# --------------------------------------------------------------------------------------------
+
+
+@twin("add_bias_elu", y=("rows", "cols"), b="cols", out=("rows", "cols"))
+def _add_bias_elu(a):
+    return {"out": aux.add_bias_elu(a.y, a.b)}
+
+
+@twin("elu_backward", dy="n", h="n", dx="n")
+def _elu_backward(a):
+    # The kernel is flat over n elements; the reference takes the [rows, cols] layer.
+    return {"dx": aux.elu_backward(a.dy.reshape(1, -1), a.h.reshape(1, -1)).reshape(-1)}
+
+
+@twin("aux_next_bar_loss_grad", pred="batch", next_ret="batch", isv=ISV_LEN, d_pred="batch",
+      loss=1)
+def _aux_next_bar_loss_grad(a):
+    r = aux.aux_next_bar_loss_grad(a.pred, a.next_ret, a.isv, a.label_scale_index,
+                                   a.scale_floor, a.weight)
+    return {"d_pred": r.d_pred, "loss": [r.loss]}
+
+
+@twin("aux_regime_loss_grad", logits=("batch", "n_regimes"), regime="batch",
+      d_logits=("batch", "n_regimes"), loss=1)
+def _aux_regime_loss_grad(a):
+    r = aux.aux_regime_loss_grad(a.logits, a.regime, a.weight)
+    return {"d_logits": r.d_logits, "loss": [r.loss]}
+
+
+@twin("isv_label_scale_update", isv=ISV_LEN, next_ret="n", sharpe=1)
+def _isv_label_scale_update(a):
+    if a.slot != AUX_LABEL_SCALE_EMA_INDEX:
+        raise ValueError(f"isv_label_scale_update: slot {a.slot}; the reference writes slot "
+                         f"{AUX_LABEL_SCALE_EMA_INDEX}")
+    if (F32(a.sharpe_clamp), F32(a.sharpe_gain)) != (F32(SHARPE_CLAMP), F32(SHARPE_GAIN)):
+        raise ValueError(f"isv_label_scale_update: sharpe_clamp {a.sharpe_clamp}, sharpe_gain "
+                         f"{a.sharpe_gain} are not the ISV bus's {SHARPE_CLAMP}, {SHARPE_GAIN}")
+    return {"isv": aux.isv_label_scale_update(a.isv, a.next_ret, a.sharpe[0], a.alpha_base)}
+
+
+@twin("ens_kl_grad", v=("batch", "num_atoms"), priors=("n_priors", "batch", "num_atoms"),
+      d_v=("batch", "num_atoms"), kl="batch", loss=1)
+def _ens_kl_grad(a):
+    r = ensemble.ens_kl_grad(a.v, a.priors, a.eps)
+    return {"d_v": r.d_v, "kl": r.kl, "loss": [r.loss]}
+
+
+def _mse_rows(a, rows: str):
+    return getattr(a, rows) * sum(branches(a, a.n_branches))
+
+
+@twin("mse_warmup", logp=(lambda a: _mse_rows(a, "block_rows"), "num_atoms"),
+      actions=("n_branches", "batch"), q_taken=("n_branches", "batch"),
+      target_q=("n_branches", "batch"), isw="batch", z="num_atoms",
+      dlogits=(lambda a: _mse_rows(a, "batch"), "num_atoms"), isv=ISV_LEN,
+      n_actions="n_branches", action_offset="n_branches", loss=1, weight=1)
+def _mse_warmup(a):
+    r = warmup.mse_warmup(a.logp, a.actions, a.q_taken, a.target_q, a.isw, a.z, a.dlogits, a.isv,
+                          a.epoch_index, a.warmup_epochs, branches(a, a.n_branches))
+    return {"dlogits": r.dlogits, "loss": [r.loss], "weight": [r.w]}
 
 
 # --------------------------------------------------------------------------------------------

@@ -15,6 +15,11 @@ Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
 - then the budget pipeline in one launch (both per-loss norms from their partials, ``grad =
   clip(grad_c51, 0.70 mgn) + clipped(grad_cql, 0.15 mgn)``, the total norm's partials) and the
   step scalars (the total norm's phase 2, Mech 6's clip factor, the readback, the slow EMA).
+
+The second-wave sources that are on (``wave_plan``) join it: the IQN fractions beside the
+forward passes; the auxiliary heads' chain beside the C51 chain (whose trunk adds their ``d
+h2``), the MSE warm-up inside it (with the targets moved there), the IQN and ensemble chains
+beside them; one budget stage per injected source after the C51 + CQL stage.
 """
 
 from __future__ import annotations
@@ -68,8 +73,22 @@ def graph1_ops(prog: StepProgram) -> Ops:
     ops.parallel(*features, target, online)
     lo, hi = np.float32(c.v_min), np.float32(c.v_max)
 
+    # The scalar targets and Mech 1 (they need the gathered p_next only).
+    targets = prog.ops()
+    if not c.mse_on:  # else they run in the C51 chain, after the gathers
+        targets.wait("gathered")
+    targets.kernel("scalar_target_q_branches", step.plan_scalar_target_q_branches(nb, B),
+                   p_next="p_next", z="z", r="batch.r", done="batch.done", gamma="gamma",
+                   target_q="target_q", n_branches=nb, batch=B, num_atoms=NA)
+    targets.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), q="target_q",
+                   out="target_q", n=nb * B, k1=np.float32(c.target_q_clip_mult),
+                   q_abs_ref=Buf("isv", offset=isv_mod.Q_ABS_REF_INDEX))
+    if c.mse_on:
+        targets.record("targets")
+
     # C51 logit gradients: one launch for every branch's double-DQN choice and gathers, then
-    # per branch (parallel) the projection with the C51 gradient.
+    # per branch (parallel) the projection with the C51 gradient; with the MSE warm-up on, the
+    # targets beside the projections, then the blend (wave_plan.mse_warmup).
     c51_pre = prog.ops()
     c51_pre.kernel("double_dqn_gather_branches", step.plan_double_dqn_gather_branches(nb, B, NA),
                    logp_target=Buf("logp", ("t", 0)), a_star="a_star", q_online="q_o",
@@ -88,7 +107,12 @@ def graph1_ops(prog: StepProgram) -> Ops:
                     num_actions=n, num_atoms=NA, v_min=lo, v_max=hi, dz=atom_spacing(lo, hi, NA))
         proj.record(f"m{d}")
         projections.append(proj)
-    c51_pre.parallel(*projections)
+    if c.mse_on:
+        c51_pre.parallel(*projections, targets)
+        wave_plan.mse_warmup(prog, c51_pre)
+        c51_pre.record("mse")
+    else:
+        c51_pre.parallel(*projections)
     # CQL logit gradients of every branch in one launch (first B samples of each block).
     cql_pre = prog.ops()
     cql_pre.kernel("cql_logit_grad_branches", fused.plan_cql_logit_grad_branches(B, lay.branches, NA),
@@ -99,20 +123,15 @@ def graph1_ops(prog: StepProgram) -> Ops:
     cql_side = prog.ops()
     prog.backward(cql_side, "cql", cql_pre)
     prog.norm(cql_side, "grad_cql", "cql")
+    # The auxiliary heads (before the C51 chain, whose trunk waits for their d h2).
+    aux_side = [wave_plan.aux_chain(prog)] if c.aux_on else []
     c51_side = prog.ops()
-    prog.backward(c51_side, "c51", c51_pre)
+    prog.backward(c51_side, "c51", c51_pre, aux_dh2=wave_plan.aux_dh2(c))
     prog.norm(c51_side, "grad_c51", "c51")
     # C51 bookkeeping, beside the backward passes, in two parallel chains: the scalar targets
-    # and Mech 1 (they need the gathered p_next only), and the C51 losses and TD errors (after
-    # every branch's projection).
-    targets, losses = prog.ops(), prog.ops()
-    targets.wait("gathered")
-    targets.kernel("scalar_target_q_branches", step.plan_scalar_target_q_branches(nb, B),
-                   p_next="p_next", z="z", r="batch.r", done="batch.done", gamma="gamma",
-                   target_q="target_q", n_branches=nb, batch=B, num_atoms=NA)
-    targets.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), q="target_q",
-                   out="target_q", n=nb * B, k1=np.float32(c.target_q_clip_mult),
-                   q_abs_ref=Buf("isv", offset=isv_mod.Q_ABS_REF_INDEX))
+    # (in the C51 chain with the MSE warm-up on) and the C51 losses and TD errors (after every
+    # branch's projection).
+    losses = prog.ops()
     for d in range(nb):
         losses.wait(f"m{d}")
     losses.kernel("c51_loss_branches", fused.plan_c51_loss_branches(B, lay.branches, NA),
@@ -122,17 +141,25 @@ def graph1_ops(prog: StepProgram) -> Ops:
     losses.kernel("branch_mean", step.plan_branch_mean(B), parts="ce", out="td", n=B, n_branches=nb,
                   part_stride=B, divisor=np.float32(nb))
     books = prog.ops()
-    books.parallel(targets, losses)
+    if c.mse_on:
+        books.extend(losses)
+        books.wait("targets")
+    else:
+        books.parallel(targets, losses)
     # The loss scalars and means of the readback (block reductions), beside the backward
     # passes: they need the C51 totals, the Q's and the CQL terms.
     books.wait("cql_terms")
     books.kernel("loss_scalars", step.plan_loss_scalars(), c51_total="c51_total", terms="terms",
                  q_taken="q_taken", target_q="target_q", readback="readback", n_branches=nb,
                  batch=B, alpha=np.float32(c.cql_alpha))
-    # The second-wave sources' chains run beside them (after the C51 chain: they wait on its
-    # events).
-    wave = [wave_plan.iqn_chain(prog)] if c.iqn_on else []
-    ops.parallel(cql_side, c51_side, *wave, books)
+    if c.mse_on:  # the reported C51 loss blended with the MSE warm-up's
+        books.wait("mse")
+        wave_plan.mse_loss_blend(prog, books)
+    # The second-wave sources' chains run beside them (the IQN chain after the C51 chain: it
+    # waits on its events).
+    wave = ([wave_plan.iqn_chain(prog)] if c.iqn_on else []) + \
+        ([wave_plan.ens_chain(prog)] if c.ens_on else [])
+    ops.parallel(cql_side, *aux_side, c51_side, *wave, books)
     # Budget pipeline, one launch: the per-loss norms from their partials, the clips, the SAXPY
     # and the total norm's phase-1 partials (phase 2 is in the step scalars); then one stage
     # per injected second-wave source (``wave_plan.budget_stages``).

@@ -272,7 +272,7 @@ class StepProgram:
                    num_atoms=lay.NA, with_q=1 if q is not None else 0)
 
     # -- backward of one loss
-    def backward(self, ops: Ops, loss: str, pre: Ops) -> None:
+    def backward(self, ops: Ops, loss: str, pre: Ops, aux_dh2: Buf | None = None) -> None:
         """network.backward for the logit gradients in ``dlogits_<loss>``, into ``grad_<loss>``
         (every tensor written, padding untouched); online(s) activations are rows 0..B.
 
@@ -281,9 +281,13 @@ class StepProgram:
         parallel branches: one per advantage head (its GEMMs), the value head, and the trunk
         (after every head's ``dh2`` part; the parts are summed in the reference's order:
         branches, then value). Each head computes its ``dh2`` part before its weight
-        gradients, so those overlap the trunk."""
+        gradients, so those overlap the trunk.
+
+        ``aux_dh2`` (the C51 pass with the auxiliary heads on: their weighted ``d h2``, ready at
+        event ``aux_dh2``): after the heads' sum (and slot 33's check of it) the guarded
+        ``dh2 += aux_dh2`` (``saxpy``, slot 34's check after it), then the masks of that sum."""
         lay = self.lay
-        B, NA, H1, H2 = lay.B, lay.NA, lay.H1, lay.H2
+        B, NA, H2 = lay.B, lay.NA, lay.H2
         g = f"grad_{loss}"
         P = lambda name: self.weight(name, 0, bf16=False)  # noqa: E731 - f32 master weights
 
@@ -329,12 +333,27 @@ class StepProgram:
         # Slot 33 (C51 pass): the trunk gradient right after the main backward; nothing writes
         # dh2 afterwards, so the check is a branch beside the trunk's GEMMs.
         checks = []
+        safety, n2 = self.kernels("safety"), B * H2
         if loss == "c51":
             check = ops.branch()
-            check.kernel("nan_check", self.kernels("safety").plan_nan_check(B * H2),
-                         x=f"dh2_{loss}", n=B * H2,
+            check.kernel("nan_check", safety.plan_nan_check(n2), x=f"dh2_{loss}", n=n2,
                          flag=Buf("flags", offset=sentinels.index("d_h2_post_main")))
             checks.append(check)
+        if aux_dh2 is not None:
+            # Slot 33's check comes before the SAXPY writes dh2 (in line); slot 34's checks its
+            # result beside the trunk's GEMMs, which take the masks of the new sum.
+            for check in checks:
+                trunk.extend(check)
+            trunk.wait("aux_dh2")
+            trunk.kernel("saxpy", self.kernels("optim").plan_saxpy(n2), y=f"dh2_{loss}", x=aux_dh2,
+                         n=n2, a=np.float32(1))
+            check = ops.branch()
+            check.kernel("nan_check", safety.plan_nan_check(n2), x=f"dh2_{loss}", n=n2,
+                         flag=Buf("flags", offset=sentinels.index("d_h2_post_aux")))
+            checks = [check]
+            trunk.kernel("h2_grad_sum_mask", self.kernels("step").plan_h2_grad_sum_mask(n2),
+                         parts=f"dh2_{loss}", n_parts=1, part_stride=n2, h2="h2o", h2_pre="h2preo",
+                         dh2_out=f"dh2s_{loss}", out=f"dh2m_{loss}", n=n2)
         self.trunk_backward(trunk, dh2m=Buf(f"dh2m_{loss}"), grad=g, dh1=Buf(f"dh1_{loss}"),
                             scratch=Buf(f"dpre_{loss}", "trunk"), beside=checks)
         chains.append(trunk)

@@ -50,7 +50,8 @@ from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
 #: The second-wave switches (``config.SECOND_WAVE_SWITCHES``) the fast step implements; a
 #: config that turns on another is refused in one line (issue 18 lands them source by source).
-FAST_SECOND_WAVE = frozenset({"lambda_iqn"})
+FAST_SECOND_WAVE = frozenset({"lambda_iqn", "aux_next_bar_weight", "aux_regime_weight",
+                              "c51_warmup_epochs", "ens_weight"})
 #: Pinned staging buffers (and upload graphs) the host cycles through.
 STAGING_RING = 2
 #: Row counts whose ``q_values`` graph is kept (least recently used evicted beyond it).

@@ -9,6 +9,14 @@ adds nothing: the layout of the core step is unchanged, buffer for buffer.
   ``iqn_grad`` (the IQN tensors' range: element ``k`` is parameter ``iqn_lo + k``) and norm,
   and the trunk backward of its ``d h2`` into ``iqn_trunk_grad`` (the trunk range) and its
   sanitised copy ``iqn_trunk_clean`` (the budget's input; layout-sized, zero past the trunk).
+- Auxiliary heads (``aux_next_bar_weight``, ``aux_regime_weight``): per head its hidden layer,
+  output, their gradients and its weighted ``d h2`` (sentinels 30, 52); with both, their sum.
+  Their labels ride in the batch (``batch.next_ret``, ``batch.regime``: ``StepLayout``).
+- Ensemble (``ens_weight``): the frozen priors' hidden layers and logits, the KL's outputs, the
+  value head's backward and the guarded trunk backward into ``ens_trunk_grad`` (``[0,
+  value_end)``; sentinel 51) and its sanitised copy ``ens_trunk_clean``.
+- MSE warm-up (``c51_warmup_epochs``): no buffer (it blends ``dlogits_c51`` in place; its
+  loss and weight are readback entries, sentinel 3 the loss's).
 - The budget stages: with IQN or the ensemble on, the C51 + CQL pipeline writes ``grad_s1``
   and each injected source a further stage; the last stage writes ``grad`` (``wave_plan``).
 
@@ -21,6 +29,7 @@ import numpy as np
 
 from foxhunt.fast.records import F32, I64, U16
 from foxhunt.reference import sentinels
+from foxhunt.reference.kernels.step import READBACK_INDEX
 
 #: The largest ``max_grad_norm`` the budget stages take: a stage re-reads the budgeted
 #: gradient with the clip bound FLT_MAX, a no-op while that gradient's squared norm (at most
@@ -61,6 +70,12 @@ def add_wave_buffers(lay) -> None:
         lay._add(f"partials_{src}", lay.n_partials, F32)
         lay._add(f"sq_{src}", 1, F32)
         lay._add(f"sq_base_{src}", 1, F32)  # the stage's re-read norm of its base (unused)
+    if c.second_wave_on:  # the IQN Adam's grad_scale, the aux sum's clamp signal
+        lay._add("one", 1, F32, "constant")
+    if c.aux_on:
+        _aux_buffers(lay)
+    if c.ens_on:
+        _ens_buffers(lay)
     if not c.iqn_on:
         return
     B, H, H1, nb = lay.B, lay.H2, lay.H1, lay.nb
@@ -68,7 +83,6 @@ def add_wave_buffers(lay) -> None:
     M = B * N
     lay.iqn_rows = M
     lay._add("step_count", 1, I64, "state")
-    lay._add("one", 1, F32, "constant")  # the IQN Adam's grad_scale (its gradient is clipped)
 
     def pair(name, per, dtype=F32):
         p = Packed(name, dtype, OPERAND_ALIGN)
@@ -104,6 +118,64 @@ def add_wave_buffers(lay) -> None:
     lay._add("iqn_trunk_clean", lay.NP, F32)
 
 
+def aux_heads(config) -> tuple[tuple[str, int], ...]:
+    """``(layout key, outputs)`` of each auxiliary head that is on: ``nb`` (one prediction),
+    ``rg`` (``n_regimes`` logits)."""
+    return tuple((key, n) for key, on, n in (("nb", config.aux_next_bar_on, 1),
+                                             ("rg", config.aux_regime_on, config.n_regimes))
+                 if on)
+
+
+def _aux_buffers(lay) -> None:
+    """Each head's hidden layer (and its BF16 copy), outputs, their gradients and its weighted
+    ``d h2`` (sentinels 30, 52); with both heads, their guarded sum ``aux_dh2``; the C51 trunk's
+    masked copy of the sum with them."""
+    c = lay.config
+    B, H, AXH = lay.B, lay.H2, c.aux_hidden
+    for key, n_out in aux_heads(c):
+        for name in ("aux_hid", "aux_dhid", "aux_dpre"):
+            lay._add(f"{name}_{key}", (B, AXH), F32)
+        if lay.bf16:
+            lay._add(f"aux_hid_bf16_{key}", (B, AXH), U16)
+        lay._add(f"aux_out_{key}", (B, n_out), F32)
+        lay._add(f"aux_dout_{key}", (B, n_out), F32)
+        lay._add(f"aux_d_h2_{key}", (B, H), F32)
+    if len(aux_heads(c)) > 1:
+        lay._add("aux_dh2", (B, H), F32)
+    lay._add("dh2s_c51", (B, H), F32)
+
+
+def _ens_buffers(lay) -> None:
+    """The prior heads' hidden layers (and BF16 copies) and logits ``[K-1, B, NA]``, the KL's
+    outputs, the value head's backward, the guarded trunk backward into ``ens_trunk_grad``
+    (``[0, value_end)``; sentinel 51) and its sanitised copy ``ens_trunk_clean`` (layout-sized,
+    zero past the value head)."""
+    from foxhunt.fast.step_layout import OPERAND_ALIGN, Packed
+
+    c, pl = lay.config, lay.param_layout
+    B, H, H1, NA, VH = lay.B, lay.H2, lay.H1, lay.NA, c.value_h
+    priors = range(1, c.ens_heads)
+    # The priors' logits contiguous (ens_kl_grad reads [K-1, B, NA]); the hidden layers aligned.
+    for name, per, dtype, align in (("ens_hid", B * VH, F32, OPERAND_ALIGN),
+                                    ("ens_priors", B * NA, F32, 1)) + (
+            (("ens_hid_bf16", B * VH, U16, OPERAND_ALIGN),) if lay.bf16 else ()):
+        p = Packed(name, dtype, align)
+        for k in priors:
+            p.add(k, per)
+        lay._add_packed(p)
+    lay._add("ens_d_v", (B, NA), F32)
+    lay._add("ens_kl", B, F32)
+    lay._add("ens_dhv", (B, VH), F32)
+    lay._add("ens_dpre", B * VH, F32)
+    lay._add("ens_d_h2", (B, H), F32)
+    for name in ("dh2g_ens", "dh2_ens", "dh2m_ens"):
+        lay._add(name, (B, H), F32)
+    lay._add("dh1_ens", (B, H1), F32)
+    lay._add("dpre_ens", B * H1, F32)
+    lay._add("ens_trunk_grad", pl.value_end, F32)
+    lay._add("ens_trunk_clean", lay.NP, F32)
+
+
 def wave_constants(lay) -> dict[str, np.ndarray]:
     """Host values of the second-wave constant buffers (``step_program.step_constants``)."""
     return {"one": np.ones(1, np.float32)} if "one" in lay.specs else {}
@@ -130,11 +202,15 @@ def wave_zero_padding(lay) -> dict[str, list[tuple[int, int]]]:
 
     if lay.config.iqn_on:
         gaps("iqn_grad", *pl.iqn_range, pl.group_tensors("iqn"))
-        gaps("iqn_trunk_grad", 0, pl.trunk_end, pl.group_tensors("trunk"))
-        out["iqn_trunk_clean"] = [(pl.trunk_end * 4, lay.NP * 4)]
-        used = -(-pl.trunk_end // NORM_SEGMENT)
+    for src, end, groups in (("iqn", pl.trunk_end, ("trunk",)),
+                             ("ens", pl.value_end, ("trunk", "value"))):
+        if src not in injected_sources(lay.config):
+            continue
+        gaps(f"{src}_trunk_grad", 0, end, [t for g in groups for t in pl.group_tensors(g)])
+        out[f"{src}_trunk_clean"] = [(end * 4, lay.NP * 4)]
+        used = -(-end // NORM_SEGMENT)
         if used < lay.n_partials:
-            out["partials_iqn"] = [(used * 4, lay.n_partials * 4)]
+            out[f"partials_{src}"] = [(used * 4, lay.n_partials * 4)]
     return out
 
 
@@ -155,9 +231,17 @@ def wave_sentinel_pieces(lay, one) -> dict[str, list]:
             "iqn_adam_v_max": one("iqn_adam_v_max", "adam_v", lo, hi - lo),
             "iqn_weight_max": one("iqn_weight_max", "params2", lo, hi - lo),
         })
+    for key, name in (("nb", "aux_next_bar_d_h2"), ("rg", "aux_regime_d_h2")):
+        if any(k == key for k, _ in aux_heads(c)):
+            out[name] = one(name, f"aux_d_h2_{key}", 0, lay.B * lay.H2)
+    if c.ens_on:
+        out["ens_d_logits"] = one("ens_d_logits", "ens_d_v", 0, lay.B * lay.NA)
+        out["ens_trunk_grad"] = one("ens_trunk_grad", "ens_trunk_grad", 0, pl.value_end)
+    if c.mse_on:
+        out["mse_loss"] = one("mse_loss", "readback", READBACK_INDEX["mse_loss"], 1)
     assert all(not sentinels.slot_by_name(name).inline for name in out)
     return out
 
 
-__all__ = ["MAX_STAGED_GRAD_NORM", "add_wave_buffers", "injected_sources", "stage_names",
+__all__ = ["MAX_STAGED_GRAD_NORM", "add_wave_buffers", "aux_heads", "injected_sources", "stage_names",
            "wave_constants", "wave_sentinel_pieces", "wave_zero_padding"]

@@ -19,6 +19,14 @@ IQN (``lambda_iqn``), as ``reference.iqn_head.iqn_loss_and_grads`` and the refer
 - ``optimizer`` (graph 2, beside the main Adam): the head's Adam over its range, its gradient
   already clipped (``grad_scale`` 1);
 - ``producers`` (graph 2): the step counter advanced.
+
+Auxiliary heads (``aux_chain``, beside the C51 chain; its trunk waits for them): ISV 117 from
+the batch's returns, each head's forward, weighted loss gradient and backward into
+``grad_c51`` (the C51 budget), their ``d h2`` added to the C51 trunk gradient (a guarded SAXPY,
+``StepProgram.backward``). MSE warm-up (``mse_warmup`` in the C51 chain, after the projections
+and the Mech 1 targets; ``mse_loss_blend`` after the loss scalars). Ensemble (``ens_chain``):
+the frozen priors, the KL gradient on head 0's logits, the value head and guarded trunk
+backward, the sanitisation; its budget stage follows IQN's.
 """
 
 from __future__ import annotations
@@ -168,6 +176,193 @@ def iqn_adam(prog: StepProgram) -> Ops:
 
 
 # --------------------------------------------------------------------------------------------
+# Auxiliary heads
+# --------------------------------------------------------------------------------------------
+
+
+def aux_chain(prog: StepProgram) -> Ops:
+    """The auxiliary heads (``reference.aux_heads.aux_loss_and_grads``), beside the C51 chain:
+    with the next-bar head, first ISV 117 from this batch's returns (the value its loss reads);
+    per head ``hidden = elu(h2 W1^T + b1)``, the output layer, the weighted loss's gradient (its
+    loss into the readback), the backward into ``grad_c51`` at the head's tensors (the C51
+    budget) and the head's weighted ``d h2``; with both heads their guarded sum. Records
+    ``aux_dh2`` once all of it is written (the C51 trunk waits for it)."""
+    from foxhunt.fast.wave_layout import aux_heads
+    from foxhunt.reference.kernels.aux import LABEL_SCALE_FLOOR
+
+    lay, c = prog.lay, prog.config
+    auxk, optim = prog.kernels("aux"), prog.kernels("optim")
+    B, H, AXH = lay.B, lay.H2, c.aux_hidden
+    g = "grad_c51"
+    ops = prog.ops()
+    if c.aux_next_bar_on:
+        ops.kernel("isv_label_scale_update", auxk.plan_isv_label_scale_update(B), isv="isv",
+                   slot=isv_mod.AUX_LABEL_SCALE_EMA_INDEX, next_ret="batch.next_ret", n=B,
+                   sharpe=Buf("isv", offset=isv_mod.SHARPE_EMA_INDEX),
+                   alpha_base=F32(isv_mod.ALPHA_BASE_DEFAULT),
+                   sharpe_clamp=F32(isv_mod.SHARPE_CLAMP), sharpe_gain=F32(isv_mod.SHARPE_GAIN))
+    heads = []
+    for key, n_out in aux_heads(c):
+        head = ops.branch()
+        hid, out, dout = Buf(f"aux_hid_{key}"), Buf(f"aux_out_{key}"), Buf(f"aux_dout_{key}")
+        prog.linear(head, rows=B, n=AXH, k=H, x=Buf("h2o_bf16" if lay.bf16 else "h2o"),
+                    w=prog.weight(f"w_{key}1", 0, bf16=lay.bf16), c=hid, bias=None, epilogue=None)
+        head.kernel("add_bias_elu", auxk.plan_add_bias_elu(B, AXH), y=hid,
+                    b=prog.weight(f"b_{key}1", 0, bf16=False), out=hid, rows=B, cols=AXH)
+        hid_in = hid
+        if lay.bf16:
+            hid_in = Buf(f"aux_hid_bf16_{key}")
+            prog.to_bf16(head, hid, hid_in, B * AXH)
+        prog.linear(head, rows=B, n=n_out, k=AXH, x=hid_in,
+                    w=prog.weight(f"w_{key}2", 0, bf16=lay.bf16), c=out,
+                    bias=prog.weight(f"b_{key}2", 0, bf16=False), epilogue="bias")
+        if key == "nb":
+            head.kernel("aux_next_bar_loss_grad", auxk.plan_aux_next_bar_loss_grad(B), pred=out,
+                        next_ret="batch.next_ret", isv="isv", d_pred=dout,
+                        loss=Buf("readback", offset=READBACK_INDEX["aux_next_bar_loss"]), batch=B,
+                        label_scale_index=isv_mod.AUX_LABEL_SCALE_EMA_INDEX,
+                        scale_floor=F32(LABEL_SCALE_FLOOR), weight=F32(c.aux_next_bar_weight))
+        else:
+            head.kernel("aux_regime_loss_grad", auxk.plan_aux_regime_loss_grad(B), logits=out,
+                        regime="batch.regime", d_logits=dout,
+                        loss=Buf("readback", offset=READBACK_INDEX["aux_regime_loss"]), batch=B,
+                        n_regimes=n_out, weight=F32(c.aux_regime_weight))
+        prog.weight_grad(head, dy=dout, x=hid, rows=B, n_out=n_out, n_in=AXH,
+                         dw=prog.grad(g, f"w_{key}2"), db=prog.grad(g, f"b_{key}2"))
+        dhid, dpre = Buf(f"aux_dhid_{key}"), Buf(f"aux_dpre_{key}")
+        prog.input_grad(head, dy=dout, w=prog.weight(f"w_{key}2", 0, bf16=False), dx=dhid, rows=B,
+                        n_out=n_out, n_in=AXH)
+        head.kernel("elu_backward", auxk.plan_elu_backward(B * AXH), dy=dhid, h=hid, dx=dpre,
+                    n=B * AXH)
+        prog.weight_grad(head, dy=dpre, x=Buf("h2o"), rows=B, n_out=AXH, n_in=H,
+                         dw=prog.grad(g, f"w_{key}1"), db=prog.grad(g, f"b_{key}1"))
+        prog.input_grad(head, dy=dpre, w=prog.weight(f"w_{key}1", 0, bf16=False),
+                        dx=Buf(f"aux_d_h2_{key}"), rows=B, n_out=AXH, n_in=H)
+        heads.append(head)
+    if len(heads) > 1:
+        ops.parallel(*heads)
+        # The heads' guarded sum from 0 (aux_heads' saxpy(saxpy(0, nb, 1), rg, 1)): the first
+        # head's finite values (clamp_finite with an infinite bound), then the second's SAXPY.
+        n2 = B * H
+        ops.kernel("clamp_finite", prog.kernels("safety").plan_clamp_finite(n2), x="aux_d_h2_nb",
+                   out="aux_dh2", n=n2, multiplier=F32(np.inf), signal="one")
+        ops.kernel("saxpy", optim.plan_saxpy(n2), y="aux_dh2", x="aux_d_h2_rg", n=n2, a=F32(1))
+    else:
+        ops.extend(heads[0])
+    ops.record("aux_dh2")
+    return ops
+
+
+def aux_dh2(config) -> Buf | None:
+    """The auxiliary heads' weighted ``d h2`` the C51 trunk adds (None with both heads off): a
+    single head's own (the guarded SAXPY skips its non-finite values as the sum would), or the
+    two heads' guarded sum."""
+    from foxhunt.fast.wave_layout import aux_heads
+
+    heads = aux_heads(config)
+    if not heads:
+        return None
+    return Buf("aux_dh2") if len(heads) > 1 else Buf(f"aux_d_h2_{heads[0][0]}")
+
+
+# --------------------------------------------------------------------------------------------
+# MSE warm-up
+# --------------------------------------------------------------------------------------------
+
+
+def mse_warmup(prog: StepProgram, ops: Ops) -> None:
+    """The MSE warm-up's blend into the C51 logit gradients (in place; untouched once ``w``
+    reaches 0), after every branch's projection and the Mech 1 targets; its loss and weight
+    into the readback. The epoch is ISV ``EPOCH_IDX`` on the device."""
+    lay, c = prog.lay, prog.config
+    B, NA, nb = lay.B, lay.NA, lay.nb
+    ops.kernel("mse_warmup", prog.kernels("warmup").plan_mse_warmup(B, lay.branches, NA),
+               logp=Buf("logp", ("o", 0)), actions="batch.a", q_taken="q_taken",
+               target_q="target_q", isw="batch.isw", z="z", dlogits="dlogits_c51", isv="isv",
+               epoch_index=isv_mod.EPOCH_IDX_INDEX, warmup_epochs=c.c51_warmup_epochs,
+               n_actions="n_actions", action_offset="action_offset",
+               loss=Buf("readback", offset=READBACK_INDEX["mse_loss"]),
+               weight=Buf("readback", offset=READBACK_INDEX["mse_weight"]), n_branches=nb,
+               batch=B, block_rows=2 * B, num_atoms=NA)
+
+
+def mse_loss_blend(prog: StepProgram, ops: Ops) -> None:
+    """The reported C51 loss blended with the MSE loss (after ``loss_scalars`` wrote it)."""
+    ops.kernel("mse_loss_blend", prog.kernels("wave").plan_single(), readback="readback",
+               c51_index=READBACK_INDEX["c51_loss"], mse_loss_index=READBACK_INDEX["mse_loss"],
+               mse_weight_index=READBACK_INDEX["mse_weight"])
+
+
+# --------------------------------------------------------------------------------------------
+# Ensemble diversity
+# --------------------------------------------------------------------------------------------
+
+
+def ens_chain(prog: StepProgram) -> Ops:
+    """The ensemble diversity (``reference.aux_heads.ens_loss_and_grads``), beside the C51
+    chain: the frozen prior heads on online(s)'s h2 (parallel), the KL gradient on head 0's
+    logits (its loss into the readback), back through the value head into ``ens_trunk_grad``
+    (``[trunk_end, value_end)``), its ``d h2`` through the guard, masks and trunk backward into
+    the trunk range, then the sanitisation and its norm's partials."""
+    from foxhunt.reference.kernels.ensemble import ENS_SOFTMAX_EPS
+
+    lay, c = prog.lay, prog.config
+    B, H, NA, VH = lay.B, lay.H2, lay.NA, c.value_h
+    n_priors = c.ens_heads - 1
+    ops = prog.ops()
+    priors = []
+    for k in range(1, c.ens_heads):
+        prior = ops.branch()
+        hid = Buf("ens_hid", k)
+        prog.linear(prior, rows=B, n=VH, k=H, x=Buf("h2o_bf16" if lay.bf16 else "h2o"),
+                    w=prog.weight(f"w_e{k}1", 0, bf16=lay.bf16), c=hid,
+                    bias=prog.weight(f"b_e{k}1", 0, bf16=False), epilogue="relu_bias")
+        hid_in = hid
+        if lay.bf16:
+            hid_in = Buf("ens_hid_bf16", k)
+            prog.to_bf16(prior, hid, hid_in, B * VH)
+        prog.linear(prior, rows=B, n=NA, k=VH, x=hid_in,
+                    w=prog.weight(f"w_e{k}2", 0, bf16=lay.bf16), c=Buf("ens_priors", k),
+                    bias=prog.weight(f"b_e{k}2", 0, bf16=False), epilogue="bias")
+        priors.append(prior)
+    if len(priors) > 1:
+        ops.parallel(*priors)
+    else:
+        ops.extend(priors[0])
+    packed = lay.packed["ens_priors"]
+    assert [packed.offsets[k] for k in range(1, c.ens_heads)] == \
+        [(k - 1) * B * NA for k in range(1, c.ens_heads)], "the priors must be contiguous"
+    ops.kernel("ens_kl_grad", prog.kernels("ensemble").plan_ens_kl_grad(B), v="vo",
+               priors="ens_priors", d_v="ens_d_v", kl="ens_kl",
+               loss=Buf("readback", offset=READBACK_INDEX["ens_loss"]), batch=B, num_atoms=NA,
+               n_priors=n_priors, eps=F32(ENS_SOFTMAX_EPS))
+    g = "ens_trunk_grad"
+    P = lambda name: prog.weight(name, 0, bf16=False)  # noqa: E731 - f32 master weights
+    prog.weight_grad(ops, dy=Buf("ens_d_v"), x=Buf("hido", "value"), rows=B, n_out=NA, n_in=VH,
+                     dw=prog.grad(g, "w_v2"), db=prog.grad(g, "b_v2"))
+    prog.input_grad(ops, dy=Buf("ens_d_v"), w=P("w_v2"), dx=Buf("ens_dhv"), rows=B, n_out=NA,
+                    n_in=VH, relu=(Buf("auxho_value"), Buf("hido", "value"), prog.grad(g, "b_v1"),
+                                   Buf("ens_dpre")))
+    value, trunk = ops.branch(), ops.branch()
+    prog.weight_grad(value, dy=Buf("ens_dhv"), x=Buf("h2o"), rows=B, n_out=VH, n_in=H,
+                     dw=prog.grad(g, "w_v1"))
+    prog.input_grad(trunk, dy=Buf("ens_dhv"), w=P("w_v1"), dx=Buf("ens_d_h2"), rows=B, n_out=VH,
+                    n_in=H)
+    n2 = B * H
+    _guard(prog, trunk, Buf("ens_d_h2"), Buf("dh2g_ens"), n2)
+    trunk.kernel("h2_grad_sum_mask", prog.kernels("step").plan_h2_grad_sum_mask(n2),
+                 parts="dh2g_ens", n_parts=1, part_stride=n2, h2="h2o", h2_pre="h2preo",
+                 dh2_out="dh2_ens", out="dh2m_ens", n=n2)
+    prog.trunk_backward(trunk, dh2m=Buf("dh2m_ens"), grad=g, dh1=Buf("dh1_ens"),
+                        scratch=Buf("dpre_ens"))
+    ops.parallel(value, trunk)
+    end = lay.param_layout.value_end
+    _guard(prog, ops, Buf(g), Buf("ens_trunk_clean"), end)
+    _norm_partial(prog, ops, "ens_trunk_clean", end, "partials_ens")
+    return ops
+
+
+# --------------------------------------------------------------------------------------------
 # The budget pipeline's stages and graph 2's second-wave records
 # --------------------------------------------------------------------------------------------
 
@@ -219,5 +414,5 @@ def producers(prog: StepProgram, ops: Ops) -> None:
                    step_count="step_count")
 
 
-__all__ = ["NO_CLIP", "budget_stages", "iqn_adam", "iqn_chain", "iqn_features", "optimizer",
-           "producers"]
+__all__ = ["NO_CLIP", "aux_chain", "aux_dh2", "budget_stages", "ens_chain", "iqn_adam",
+           "iqn_chain", "iqn_features", "mse_loss_blend", "mse_warmup", "optimizer", "producers"]

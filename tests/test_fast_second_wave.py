@@ -26,10 +26,15 @@ from foxhunt.conformance.step_harness import PRECISIONS, SOURCES, fast_sources, 
 from foxhunt.fast import cpu_executor
 from foxhunt.fast.cpu_executor import CpuEngine, CpuTrainer
 from foxhunt.fast.records import Buf, Gemm, Launch
-from foxhunt.reference import iqn_head, sentinels
+from foxhunt.reference import aux_heads, iqn_head, sentinels
 from foxhunt.reference import step as ref_step
+from foxhunt.reference import trainer as ref_trainer
+from foxhunt.reference.kernels.step import READBACK_INDEX
 from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.kernels import aux as aux_kernels
+from foxhunt.reference.kernels import ensemble as ens_kernels
 from foxhunt.reference.kernels import iqn as iqn_kernels
+from foxhunt.reference.kernels import warmup as warmup_kernels
 from foxhunt.reference.kernels import rng
 from foxhunt.reference.layout import ParamLayout
 from foxhunt.reference.trainer import Trainer
@@ -138,44 +143,101 @@ def _nan_at_first(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def _iqn_slot_cases(config: DQNConfig):
-    """``{slot: (reference patch context, fast plant context)}``: the IQN sources' buffers, each
-    poisoned at the moment its slot watches it in both implementations."""
-    w_s1 = ParamLayout(config)["w_s1"].offset
+def _out_replaced(fn, **fields):
+    """``fn`` whose result (a dataclass) has element 0 of each named field set to NaN."""
+    def run(*a, **k):
+        out = fn(*a, **k)
+        return dataclasses.replace(out, **{f: _nan_at_first(getattr(out, f)) for f in fields})
+    return run
 
-    def ref_d_h2(fn):
-        return lambda *a, **k: fn(*a, **k)._replace(d_h2=_nan_at_first(fn(*a, **k).d_h2))
 
-    def ref_dq(fn):
-        return lambda *a, **k: fn(*a, **k)._replace(dq=_nan_at_first(fn(*a, **k).dq))
+def _tuple_replaced(fn, field: str):
+    """``fn`` whose result (a NamedTuple) has element 0 of ``field`` set to NaN."""
+    def run(*a, **k):
+        out = fn(*a, **k)
+        return out._replace(**{field: _nan_at_first(getattr(out, field))})
+    return run
 
-    def ref_trunk(fn):
-        def run(*a, **k):
-            grad = fn(*a, **k)
-            grad[w_s1] = np.nan
+
+def _gemm_into(buffer: Buf):
+    return lambda node: isinstance(node, Gemm) and node.c == buffer
+
+
+def _slot_cases(config: DQNConfig) -> dict:
+    """``{slot: (reference patch context, fast plant context)}``: each second-wave buffer with
+    a sentinel slot, poisoned at the moment its slot watches it (after the records that read it
+    have run) in both implementations."""
+    lay = ParamLayout(config)
+    w_s1 = lay["w_s1"].offset
+
+    def nan_at(offset):
+        def wrap(fn):
+            def run(*a, **k):
+                grad = fn(*a, **k)
+                grad[offset] = np.nan
+                return grad
+            return run
+        return wrap
+
+    def trace_post_aux(fn):
+        def run(*a, trace=None, **k):
+            grad = fn(*a, trace=trace, **k)
+            if trace is not None and "d_h2_post_aux" in trace:
+                trace["d_h2_post_aux"] = _nan_at_first(trace["d_h2_post_aux"])
             return grad
         return run
 
-    def ref_copy(fn):
+    def mse_loss_after_blend(fn):
         def run(*a, **k):
             out = fn(*a, **k)
-            return dataclasses.replace(out, d_h2_guarded=_nan_at_first(out.d_h2_guarded))
+            out["mse"] = dataclasses.replace(out["mse"], loss=np.float32(np.nan))
+            return out
         return run
 
-    def trunk_w_s1(node):
-        return isinstance(node, Gemm) and node.c == Buf("iqn_trunk_grad", offset=w_s1)
+    def rb(name):
+        return Buf("readback", offset=READBACK_INDEX[name])
 
     return {
-        "iqn_d_h2": (lambda: _patched(iqn_kernels, "iqn_modulate_backward", ref_d_h2),
+        "iqn_d_h2": (lambda: _patched(iqn_kernels, "iqn_modulate_backward",
+                                      lambda fn: _tuple_replaced(fn, "d_h2")),
                      lambda: _fast_plant(_launch("iqn_modulate_backward"), Buf("iqn_d_h2"))),
-        "iqn_d_quantiles": (lambda: _patched(iqn_kernels, "iqn_quantile_huber", ref_dq),
+        "iqn_d_quantiles": (lambda: _patched(iqn_kernels, "iqn_quantile_huber",
+                                             lambda fn: _tuple_replaced(fn, "dq")),
                             lambda: _fast_plant(_launch("iqn_quantile_huber"), Buf("iqn_dq"))),
-        "iqn_trunk_grad": (lambda: _patched(iqn_head, "trunk_backward", ref_trunk),
-                           lambda: _fast_plant(trunk_w_s1, Buf("iqn_trunk_grad", offset=w_s1))),
-        "d_h2_post_iqn": (lambda: _patched(ref_step, "iqn_loss_and_grads", ref_copy),
+        "iqn_trunk_grad": (lambda: _patched(iqn_head, "trunk_backward", nan_at(w_s1)),
+                           lambda: _fast_plant(_gemm_into(Buf("iqn_trunk_grad", offset=w_s1)),
+                                               Buf("iqn_trunk_grad", offset=w_s1))),
+        "d_h2_post_iqn": (lambda: _patched(ref_step, "iqn_loss_and_grads",
+                                           lambda fn: _out_replaced(fn, d_h2_guarded=1)),
                           lambda: _fast_plant(_launch("h2_grad_sum_mask", dh2_out="dh2_iqn"),
                                               Buf("dh2_iqn"))),
+        "aux_next_bar_d_h2": (lambda: _patched(ref_step, "aux_loss_and_grads",
+                                               lambda fn: _out_replaced(fn, d_h2_nb=1)),
+                              lambda: _fast_plant(_launch("clamp_finite", x="aux_d_h2_nb"),
+                                                  Buf("aux_d_h2_nb"))),
+        "aux_regime_d_h2": (lambda: _patched(ref_step, "aux_loss_and_grads",
+                                             lambda fn: _out_replaced(fn, d_h2_rg=1)),
+                            lambda: _fast_plant(_launch("saxpy", x="aux_d_h2_rg"),
+                                                Buf("aux_d_h2_rg"))),
+        "d_h2_post_aux": (lambda: _patched(ref_step, "backward", trace_post_aux),
+                          lambda: _fast_plant(_launch("h2_grad_sum_mask", parts="dh2_c51"),
+                                              Buf("dh2_c51"))),
+        "ens_d_logits": (lambda: _patched(ref_step, "ens_loss_and_grads",
+                                          lambda fn: _out_replaced(fn, d_logits=1)),
+                         lambda: _fast_plant(_gemm_into(Buf("ens_dhv")), Buf("ens_d_v"))),
+        "ens_trunk_grad": (lambda: _patched(aux_heads, "trunk_backward", nan_at(w_s1)),
+                           lambda: _fast_plant(_gemm_into(Buf("ens_trunk_grad", offset=w_s1)),
+                                               Buf("ens_trunk_grad", offset=w_s1))),
+        "mse_loss": (lambda: _patched(ref_trainer, "loss_and_grads", mse_loss_after_blend),
+                     lambda: _fast_plant(_launch("mse_loss_blend"), rb("mse_loss"))),
     }
+
+
+#: The planted slots of each source (``SOURCES`` names).
+SLOTS = {"iqn": ("iqn_d_h2", "iqn_d_quantiles", "iqn_trunk_grad", "d_h2_post_iqn"),
+         "aux": ("aux_next_bar_d_h2", "aux_regime_d_h2", "d_h2_post_aux"),
+         "ens": ("ens_d_logits", "ens_trunk_grad"),
+         "mse": ("mse_loss",)}
 
 
 def _run_both(case, state, ref_ctx, fast_ctx):
@@ -192,10 +254,11 @@ def _run_both(case, state, ref_ctx, fast_ctx):
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("slot", ["iqn_d_h2", "iqn_d_quantiles", "iqn_trunk_grad", "d_h2_post_iqn"])
-def test_a_nan_planted_in_an_iqn_buffer_raises_exactly_its_flag(slot, precision):
-    case = shared_case("tiny", precision, "warm", "iqn")
-    ref_ctx, fast_ctx = _iqn_slot_cases(case.config)[slot]
+@pytest.mark.parametrize("source, slot", [(src, slot) for src, slots in SLOTS.items()
+                                          for slot in slots if src in fast_sources()])
+def test_a_nan_planted_in_a_source_buffer_raises_exactly_its_flag(source, slot, precision):
+    case = shared_case("tiny", precision, "warm", source)
+    ref_ctx, fast_ctx = _slot_cases(case.config)[slot]
     want, got = _run_both(case, case.state, ref_ctx, fast_ctx)
     expected = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
     expected[sentinels.index(slot)] = 1
@@ -221,6 +284,35 @@ def test_a_nan_in_the_iqn_state_raises_its_mech5_flag(key, slot, precision):
     if key == "params":  # (a non-finite moment makes the step bounds' own scales non-finite)
         bad = failures(compare_step(case.config, state, want, got))
         assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------------------------ the bounds see it
+def _zero_field(fn, field: str):
+    def run(*a, **k):
+        out = fn(*a, **k)
+        return out._replace(**{field: np.zeros_like(getattr(out, field))})
+    return run
+
+
+#: A fast step that drops one source's gradient (the CPU twins patched while it runs).
+DROPPED = {
+    "iqn": lambda: _patched(iqn_kernels, "iqn_quantile_huber", lambda fn: _zero_field(fn, "dq")),
+    "aux": lambda: _patched(aux_kernels, "aux_regime_loss_grad",
+                            lambda fn: _zero_field(fn, "d_logits")),
+    "ens": lambda: _patched(ens_kernels, "ens_kl_grad", lambda fn: _zero_field(fn, "d_v")),
+    "mse": lambda: _patched(warmup_kernels, "mse_warmup",
+                            lambda fn: lambda *a, **k: fn(*a, **k)._replace(dlogits=a[6].copy())),
+}
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("source", [s for s in DROPPED if s in fast_sources()])
+def test_the_step_bounds_reject_a_step_without_the_source(source, precision):
+    """Each source's contribution is visible to step conformance: a fast step whose source
+    gradient is dropped fails it (and the same step with the source passes: the other tests)."""
+    case = shared_case("tiny", precision, "warm", source)
+    want, got = _run_both(case, case.state, contextlib.nullcontext, DROPPED[source])
+    assert failures(compare_step(case.config, case.state, want, got))
 
 
 # ------------------------------------------------------------------------------ state
