@@ -142,6 +142,19 @@ def test_bounds_accept_a_legitimate_reimplementation(case, precision, start, rec
         "the legitimate variant no longer changes the step (reference internals renamed?)"
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("source", [s for s in SOURCES if s != "core"])
+def test_bounds_accept_a_legitimate_reimplementation_of_the_second_wave(source, precision,
+                                                                      record_property) -> None:
+    """The float64 / TF32-truncating variant with each second-wave source on (the sources'
+    GEMMs, bias gradients and norms re-rounded too) stays within the bounds."""
+    results, ref, other = one_step(variant_factory(lambda c: legitimate_variant()),
+                                   shared_case("tiny", precision, "warm", source))
+    record_results(record_property, f"tiny-{precision}-{source} (variant)", results)
+    assert_all(results)
+    assert not np.array_equal(ref.state["adam_m"], other.state["adam_m"])
+
+
 @pytest.mark.parametrize(("bug", "precision"),
                          [(bug, p) for bug, modes in BUGS.items() for p in modes])
 def test_bounds_reject_a_wrong_step(bug, precision) -> None:
