@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from foxhunt.conformance.step_bounds import fwd_eps
-from foxhunt.conformance.step_harness import shared_case
+from foxhunt.conformance.step_harness import SOURCES, shared_case
 from foxhunt.fast.device import cuda_available
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
@@ -147,10 +147,11 @@ def test_step_layout_covers_every_reference_sentinel_buffer():
                 assert total == buf.size, name
 
 
+@pytest.mark.parametrize("source", ["core", "all"])
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_initial_state_is_the_reference_state(backend, precision):
+def test_initial_state_is_the_reference_state(backend, precision, source):
     name, make = backend
-    config = DQNConfig.preset("tiny", precision=precision)
+    config = DQNConfig.preset("tiny", precision=precision, **SOURCES[source])
     want = RefTrainer(config, seed=5).state_dict()
     got = make(config, seed=5).state_dict()
     assert sorted(got) == sorted(want)
@@ -243,9 +244,10 @@ def test_deferred_readback_sequence_matches_the_reference(backend, precision):
     assert (got.step, got.read_at, got.fresh) == (want.step, want.read_at, want.fresh) == (120, 120, True)
 
 
-def test_checkpoints_interchange_both_ways(backend, tmp_path):
+@pytest.mark.parametrize("source", ["core", "all"])
+def test_checkpoints_interchange_both_ways(backend, tmp_path, source):
     name, make = backend
-    config = DQNConfig.preset("tiny", precision="bf16", readback_interval=1)
+    config = DQNConfig.preset("tiny", precision="bf16", readback_interval=1, **SOURCES[source])
     fast = make(config, seed=4)
     rng = np.random.default_rng(4)
     for _ in range(3):
@@ -269,9 +271,10 @@ def test_checkpoints_interchange_both_ways(backend, tmp_path):
         back.close()
 
 
-def test_fold_boundary_matches_the_reference_exactly(backend):
+@pytest.mark.parametrize("source", ["core", "all"])
+def test_fold_boundary_matches_the_reference_exactly(backend, source):
     name, make = backend
-    config = DQNConfig.preset("tiny", precision="f32", readback_interval=1)
+    config = DQNConfig.preset("tiny", precision="f32", readback_interval=1, **SOURCES[source])
     ref, rng = _warm_reference(config, seed=6)
     state = ref.state_dict()
     isv = state["isv"].copy()

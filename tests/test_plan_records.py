@@ -17,8 +17,8 @@ from foxhunt.reference.config import DQNConfig
 CONFIGS = [("tiny", "f32"), ("tiny", "bf16"), ("seed", "f32"), ("seed", "bf16")]
 
 
-def _engine(preset="tiny", precision="f32", **options) -> CpuEngine:
-    return CpuEngine(DQNConfig.preset(preset, precision=precision), **options)
+def _engine(preset="tiny", precision="f32", fields=None, **options) -> CpuEngine:
+    return CpuEngine(DQNConfig.preset(preset, precision=precision, **(fields or {})), **options)
 
 
 def _launches(ops: Ops, kernel: str) -> list[Launch]:
@@ -46,15 +46,18 @@ def test_every_twin_declares_the_extent_of_each_pointer_parameter():
         assert twin.nullable <= pointers, name
 
 
+@pytest.mark.parametrize("source", ["core", "all"])
 @pytest.mark.parametrize("preset, precision", CONFIGS)
-def test_the_plan_launches_only_kernels_with_a_twin_and_checks_clean(preset, precision):
+def test_the_plan_launches_only_kernels_with_a_twin_and_checks_clean(preset, precision, source):
     """Every launched kernel has its CPU twin, a same-name reference kernel and a same-name
-    fast test entry, and lives in a kernel (not ``_`` infrastructure) file of cuda_src."""
+    fast test entry, and lives in a kernel (not ``_`` infrastructure) file of cuda_src (the
+    core step and the step with every second-wave source on)."""
+    from foxhunt.conformance.step_harness import SOURCES
     from foxhunt.fast.cuda_parse import package_kernels
     from foxhunt.fast.kernels import KERNELS as FAST
     from foxhunt.reference.kernels import KERNELS as REFERENCE
 
-    engine = _engine(preset, precision)
+    engine = _engine(preset, precision, SOURCES[source])
     plans = engine.plans
     kernels = {n.kernel for ops in (*plans["upload"], plans["graph1"], plans["graph2"])
                for n in ops.nodes() if isinstance(n, Launch)}
