@@ -27,6 +27,10 @@ Same interface, state and numerics contract as ``foxhunt.reference.trainer.Train
 - ``q_values``, ``last_td_errors``, ``state_dict``/``load_state_dict``, ``fold_boundary`` and
   the ``flags`` property synchronise (they are not in the hot path). Checkpoints use the
   reference's keys, dtypes and shapes: a checkpoint loads into either backend.
+- Second wave (``FAST_SECOND_WAVE``: every source): with the IQN head on, the state's ``step``
+  is the device step counter the quantile fractions read as their offset (graph 2 advances
+  it), and its ``seed`` the fractions' key, a launch argument of graph 1: loading the state of
+  another seed rebuilds the engine (``_reseed``).
 """
 
 from __future__ import annotations
