@@ -47,7 +47,7 @@ ELEMENT_DTYPES = {"float": F32, "int": I32, "long long": I64, "unsigned short": 
 #: Scalar parameter types -> (kind, low, high): the values a by-value argument may take.
 SCALAR_TYPES = {"int": ("int", -(1 << 31), 1 << 31), "long long": ("int", -(1 << 63), 1 << 63),
                 "unsigned": ("int", 0, 1 << 32), "unsigned int": ("int", 0, 1 << 32),
-                "float": ("float", None, None)}
+                "float": ("float", None, None), "double": ("double", None, None)}
 #: Buffer roles: what a written parameter may not be bound to.
 READ_ONLY_ROLES = frozenset({"batch", "constant"})
 #: ``Copy`` kinds (the driver call each becomes on the GPU).
@@ -228,6 +228,10 @@ def _check_scalar(where: str, p: Param, value):
         if not kind[1] <= int(value) < kind[2]:
             raise PlanError(f"{where}: {value} does not fit")
         return int(value)
+    if kind[0] == "double":  # e.g. eval_metrics' bars_per_year: any float, kept as float64
+        if not isinstance(value, (float, np.floating)):
+            raise PlanError(f"{where}: expected a float, got {value!r}")
+        return np.float64(value)
     if isinstance(value, np.floating) and value.dtype != F32:
         raise PlanError(f"{where}: expected a float32, got a {value.dtype}")
     if not isinstance(value, (float, np.floating)):

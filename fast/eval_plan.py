@@ -1,21 +1,77 @@
-"""The greedy forward of ``Trainer.q_values`` as records: one graph per row count.
+"""Evaluation plans as records: the ``q_values`` forward, and the greedy walk over a segment.
 
-``eval_ops(prog, evl)``: the states are copied in from host buffer ``x_host`` (pinned on the
-GPU) into ``x_e``, the forward runs on the online params with the trainer's ISV (Mech 10
-clamp), log-softmax and expected Q into ``q_e`` (packed per branch), and ``q_e`` is copied out
-to host buffer ``q_host``: the whole evaluation is one captured graph. Its buffers are those of
+**The ``q_values`` forward** (``Trainer.q_values``; one graph per row count). ``eval_ops(prog,
+evl)``: the states are copied in from host buffer ``x_host`` (pinned on the GPU) into ``x_e``,
+the forward runs on the online params with the trainer's ISV (Mech 10 clamp), log-softmax and
+expected Q into ``q_e`` (packed per branch), and ``q_e`` is copied out to host buffer
+``q_host``: the whole evaluation is one captured graph. Its buffers are those of
 ``EvalLayout(layout, rows)`` (their own small arena); the side streams of its branches come
 from the trainer's pool.
+
+**The walk over a segment** (issue 20, SPEC 10: greedy evaluation on the device). The position
+held at a bar depends on the previous action, so a segment is walked bar by bar; the walk stays
+on the device and the host reads back once per segment. ``WalkLayout(layout, n_bars=,
+n_features=, max_steps=)``: the walk's buffers (their own arena; the forward's activations are
+an ``EvalLayout(layout, 1)``): the run's market tables (``walk_close`` ... as
+``kernels.env.MarketTables``, uploaded once), the cost table, the baselines' fixed actions
+(``walk_fixed``: one row per ``BASELINE_POLICIES`` entry), a zero ``eps`` and cycle counter
+(greedy: no draw), one env's state, its state features ``walk_obs`` and the record rows
+``walk_rec_*`` ``[max_steps, 1]``. The records, in order:
+
+- ``begin_ops``: the segment's first bar (host buffer ``walk_start_host``) and its flat state's
+  features (``walk_obs_host``, the reference ``env_observe`` of a flat state: no ``tanh`` of a
+  non-zero value, so exact) copied in, ``env_reset`` at that bar;
+- ``bar_ops(policy)``: ONE bar: for ``"greedy"`` the online forward on ``walk_obs`` (the
+  trainer's live params and ISV) and ``env_act`` with eps 0 (argmax, lowest index on ties); a
+  baseline reads its row of ``walk_fixed``; then ``env_step`` (one env, no auto-reset) writes
+  the bar's reward (unscaled), position held and cost at row ``steps`` and the next state's
+  features into ``walk_obs``. The host (``fast.evaluator``) captures ``K`` of these in one
+  graph and launches it ``ceil(n / K)`` times;
+- ``end_ops(n, bars_per_year, equity)``: ``eval_metrics`` of rows ``[0, n)`` (SPEC 10's
+  metrics, reduced on the device in float64) copied out to ``walk_metrics_host``, and with
+  ``equity`` the ``n`` per-bar rewards to ``walk_rewards_host``: the segment's one readback.
+
+Why one bar graph serves every segment: ``env_step`` walks the whole table (``n_bars = T``), so
+the records name no segment. A walk from ``start`` reads bars ``start .. start + n`` for its
+``n = stop - start - 1`` recorded steps, exactly as the reference environment on
+``bars[:stop]`` does (a step's reward needs bar ``t + 1 <= stop - 1``; ``done`` is never
+used: no auto-reset). The bars a last partial chunk walks past the segment land in rows ``>=
+n`` (never reduced, never read back) or past ``max_steps`` (not written); at the table's last
+bar the env freezes (``kernels.env``: nothing trades, nothing is recorded).
 """
 
 from __future__ import annotations
 
-from foxhunt.fast.records import Buf, Host, Ops
-from foxhunt.fast.step_layout import EvalLayout
-from foxhunt.fast.step_program import StepProgram
+import numpy as np
 
-#: Host buffers of the evaluation graph.
+from foxhunt.fast.binder import Binder
+from foxhunt.fast.records import F32, I32, I64, Buf, Host, Ops, Region
+from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
+from foxhunt.fast.step_program import StepProgram
+from foxhunt.reference.kernels import env as env_kernels
+from foxhunt.reference.kernels.rng import STREAMS
+from foxhunt.reference.loop import BASELINE_ACTIONS
+
+#: Host buffers of the ``q_values`` graph.
 X_HOST, Q_HOST = "x_host", "q_host"
+#: Host buffers of the walk: the first bar and its state in, the metrics and rewards out.
+START_HOST, OBS_HOST = "walk_start_host", "walk_obs_host"
+METRICS_HOST, REWARDS_HOST = "walk_metrics_host", "walk_rewards_host"
+#: The walk's policies: the greedy one, then the baselines (rows of ``walk_fixed``, in order).
+BASELINE_POLICIES = tuple(sorted(BASELINE_ACTIONS))
+POLICIES = ("greedy", *BASELINE_POLICIES)
+#: The walked env's state: ``(buffer, kernels.env.EnvState field, dtype)``.
+WALK_STATE = (("walk_t", "t", I32), ("walk_steps", "steps", I32),
+              ("walk_time", "time_in_position", I32), ("walk_position", "position", F32),
+              ("walk_entry", "entry_price", F32))
+#: The market tables (``kernels.env.MarketTables`` fields) and their buffers.
+WALK_TABLES = tuple((f"walk_{name}", name) for name in env_kernels.MarketTables._fields)
+#: The env kernels' stream-id parameters the walk passes (no draw is made: eps is 0 and there
+#: is no auto-reset; the kernels take the ids all the same).
+WALK_STREAMS = {"start_stream": STREAMS["episode_start"], "explore_stream": STREAMS["explore"],
+                "action_stream": STREAMS["explore_action"]}
+#: No Philox key: the walk draws nothing.
+NO_KEY = {"key_lo": 0, "key_hi": 0}
 
 
 def eval_host_nbytes(evl: EvalLayout) -> dict[str, int]:
@@ -37,4 +93,168 @@ def eval_ops(prog: StepProgram, evl: EvalLayout) -> Ops:
     return ops
 
 
-__all__ = ["Q_HOST", "X_HOST", "eval_host_nbytes", "eval_ops"]
+# --------------------------------------------------------------------------------------------
+# The walk over a segment
+# --------------------------------------------------------------------------------------------
+
+
+class WalkLayout(BufferTable):
+    """The walk's buffers (module docstring) for tables of ``n_bars`` bars and ``n_features``
+    market features, recording at most ``max_steps`` steps."""
+
+    def __init__(self, layout: StepLayout, *, n_bars: int, n_features: int, max_steps: int):
+        super().__init__()
+        self.step = layout
+        self.n_bars, self.n_features, self.max_steps = int(n_bars), int(n_features), int(max_steps)
+        T, SD, nb, R = self.n_bars, layout.SD, layout.nb, self.max_steps
+        for buf, name in WALK_TABLES:
+            shape = (T, self.n_features) if name == "features" else T
+            self._add(buf, shape, I32 if name == "regime" else F32, "constant")
+        self._add("walk_costs", len(env_kernels.COST_FIELDS), F32, "constant")
+        self._add("walk_fixed", (len(BASELINE_POLICIES), nb), I32, "constant")
+        self._add("walk_eps", 1, F32, "constant")
+        self._add("walk_cycle", 1, I64, "constant")
+        self._add("walk_start", 1, I32)
+        for buf, _, dtype in WALK_STATE:
+            self._add(buf, 1, dtype, "state")
+        self._add("walk_obs", (1, SD), F32, "state")
+        self._add("walk_actions", (1, nb), I32)
+        for name in ("walk_r", "walk_done", "walk_next_ret"):
+            self._add(name, 1, F32)
+        self._add("walk_regime_out", 1, I32)
+        for name in ("walk_rec_reward", "walk_rec_held", "walk_rec_cost"):
+            self._add(name, (R, 1), F32, "state")
+        self._add("walk_metrics", len(env_kernels.EVAL_FIELDS), F32)
+        clash = sorted(set(self.specs) & set(layout.specs))
+        if clash:
+            raise AssertionError(f"walk buffers {clash} shadow step buffers")
+
+    def host_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+        """The host buffers: ``{name: (shape, dtype)}``."""
+        return {START_HOST: ((1,), I32), OBS_HOST: ((self.step.SD,), F32),
+                METRICS_HOST: ((len(env_kernels.EVAL_FIELDS),), F32),
+                REWARDS_HOST: ((self.max_steps,), F32)}
+
+    def fixed_actions(self) -> np.ndarray:
+        """``walk_fixed``: each baseline's actions (``loop.BASELINE_ACTIONS``, cut to the
+        config's branches), one row per ``BASELINE_POLICIES`` entry."""
+        nb = self.step.nb
+        return np.array([BASELINE_ACTIONS[p][:nb] for p in BASELINE_POLICIES], I32)
+
+
+def walk_binder(prog: StepProgram, wl: WalkLayout, evl: EvalLayout) -> Binder:
+    """Names of the walk's, the forward's and the step's layouts, and the walk's host buffers."""
+    def region(buf: Buf) -> Region:
+        for table in (wl, evl):
+            if buf.name in table:
+                return table.region(buf)
+        return prog.lay.region(buf)
+    host = {name: int(np.prod(shape)) * np.dtype(dtype).itemsize
+            for name, (shape, dtype) in wl.host_specs().items()}
+    return Binder(region, constants=prog.constants, host_nbytes=host)
+
+
+def walk_role(prog: StepProgram, wl: WalkLayout, evl: EvalLayout):
+    """The roles ``check_dataflow`` sees for the walk's plans."""
+    def role(name: str) -> str:
+        for table in (wl, evl):
+            if name in table:
+                return table.role(name)
+        return prog.lay.role(name)
+    return role
+
+
+def begin_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
+    """The first bar and its state's features in from the host, ``env_reset`` there."""
+    SD = prog.lay.SD
+    ops.copy("walk_start", Host(START_HOST), 4, "htod")
+    ops.copy("walk_obs", Host(OBS_HOST), SD * 4, "htod")
+    ops.kernel("env_reset", prog.kernels("env").plan_env_reset(1), start="walk_start", n_envs=1,
+               min_start=0, last_start=wl.n_bars - 2, **NO_KEY,
+               start_stream=WALK_STREAMS["start_stream"], cycle="walk_cycle",
+               **{field: buf for buf, field, _ in WALK_STATE})
+
+
+def bar_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, policy: str) -> None:
+    """One bar of ``policy`` (``POLICIES``): the action, then ``env_step`` (module docstring)."""
+    lay = prog.lay
+    if policy == "greedy":
+        xb = None
+        if lay.bf16:
+            xb = Buf("xb_e")
+            prog.to_bf16(ops, Buf("walk_obs"), xb, lay.SD)
+        prog.forward(ops, tag="e", rows=1, which=0, x=Buf("walk_obs"), xb=xb, aux=False,
+                     logits=Buf("logits_e", 0), logp=Buf("logp_e", 0), q=Buf("q_e"))
+        ops.kernel("env_act", prog.kernels("env").plan_env_act(1, lay.nb), q="q_e",
+                   n_actions="n_actions", action_offset="action_offset", n_branches=lay.nb,
+                   n_envs=1, eps="walk_eps", **NO_KEY,
+                   explore_stream=WALK_STREAMS["explore_stream"],
+                   action_stream=WALK_STREAMS["action_stream"], cycle="walk_cycle",
+                   actions="walk_actions")
+        actions = Buf("walk_actions")
+    elif policy in BASELINE_POLICIES:
+        actions = Buf("walk_fixed", offset=BASELINE_POLICIES.index(policy) * lay.nb)
+    else:
+        raise ValueError(f"policy={policy!r}: allowed values are {', '.join(map(repr, POLICIES))}")
+    tables = {name: buf for buf, name in WALK_TABLES}
+    ops.kernel("env_step", prog.kernels("env").plan_env_step(1), close=tables["close"],
+               high=tables["high"], low=tables["low"], features=tables["features"],
+               n_features=wl.n_features, regime=tables["regime"],
+               **{field: buf for buf, field, _ in WALK_STATE}, n_envs=1, actions=actions,
+               n_branches=lay.nb, rec_reward="walk_rec_reward", rec_held="walk_rec_held",
+               rec_cost="walk_rec_cost", record_len=wl.max_steps, costs="walk_costs",
+               n_bars=wl.n_bars, min_start=0, last_start=wl.n_bars - 2, episode_len=0,
+               auto_reset=0, reward_scale=np.float32(1.0), state_dim=lay.SD, **NO_KEY,
+               start_stream=WALK_STREAMS["start_stream"], cycle="walk_cycle", r="walk_r",
+               done="walk_done", s2=None, obs="walk_obs", next_ret="walk_next_ret",
+               regime_out="walk_regime_out")
+
+
+def end_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, *, n: int, bars_per_year: float,
+            equity: bool) -> None:
+    """``eval_metrics`` of the first ``n`` rows and the copies out (module docstring)."""
+    ops.kernel("eval_metrics", prog.kernels("env").plan_eval_metrics(), rewards="walk_rec_reward",
+               positions="walk_rec_held", costs="walk_rec_cost", n=n,
+               bars_per_year=np.float64(bars_per_year), out="walk_metrics")
+    ops.copy(Host(METRICS_HOST), "walk_metrics", len(env_kernels.EVAL_FIELDS) * 4, "dtoh")
+    if equity:
+        ops.copy(Host(REWARDS_HOST), "walk_rec_reward", n * 4, "dtoh")
+
+
+# --------------------------------------------------------------------------------------------
+# CPU twins of the launched kernels (foxhunt.fast.cpu_kernels)
+# --------------------------------------------------------------------------------------------
+
+
+def register_twins() -> None:
+    """Add the twins of the walk's kernels to ``cpu_kernels.TWINS`` where they are missing:
+    ``env_act`` and ``env_step`` come with the collection cycle's (``collect_plan``), and
+    ``env_reset`` and ``eval_metrics`` are added here."""
+    from foxhunt.fast.collect_plan import register_twins as register_cycle_twins
+    from foxhunt.fast.cpu_kernels import TWINS, twin
+
+    register_cycle_twins()
+    if "env_reset" not in TWINS:
+        state = {field: "n_envs" for _, field, _ in WALK_STATE}
+
+        @twin("env_reset", nullable=("start",), start="n_envs", cycle=1, **state)
+        def _env_reset(a):
+            if a.start_stream != WALK_STREAMS["start_stream"]:
+                raise ValueError(f"start_stream {a.start_stream}: the reference draws from "
+                                 f"stream {WALK_STREAMS['start_stream']}")
+            key = int(a.key_hi) << 32 | int(a.key_lo)
+            return env_kernels.env_reset(a.start, a.n_envs, a.min_start, a.last_start, key,
+                                         a.cycle)._asdict()
+
+    if "eval_metrics" not in TWINS:
+        @twin("eval_metrics", rewards="n", positions="n", costs="n",
+              out=len(env_kernels.EVAL_FIELDS))
+        def _eval_metrics(a):
+            return {"out": env_kernels.eval_metrics(a.rewards, a.positions, a.costs,
+                                                    a.bars_per_year)}
+
+
+__all__ = ["BASELINE_POLICIES", "METRICS_HOST", "NO_KEY", "OBS_HOST", "POLICIES", "Q_HOST",
+           "REWARDS_HOST", "START_HOST", "WALK_STATE", "WALK_STREAMS", "WALK_TABLES", "WalkLayout",
+           "X_HOST", "begin_ops", "bar_ops", "end_ops", "eval_host_nbytes", "eval_ops",
+           "register_twins", "walk_binder", "walk_role"]

@@ -18,10 +18,15 @@ segment, a **validation** segment (``val_frac`` of the window: chooses the best 
   cycle gives the same actions and samples on both backends;
 - at epoch end the greedy policy is evaluated on the validation and the test segment
   (``metrics.segment_metrics``: Sharpe annualised from the data's own bar spacing, total
-  return, max drawdown, turnover, costs); the epoch with the best **validation** Sharpe is
+  return, max drawdown, turnover, costs): a walk of the host environment with one
+  ``q_values`` call per bar, or for a fast trainer the whole walk on the device with one
+  readback per segment (``evaluator.segment_evaluator``; its metrics are float32); the epoch
+  with the best **validation** Sharpe is
   the fold's best (checkpointed as ``fold{k}_best.safetensors``), and its test metrics are the
   fold's result; the flat and buy-and-hold baselines are evaluated once per fold on the same
   segments;
+- each record times the epoch's collection and training (``train_s``: on the fast backend
+  one graph per cycle does both, so only their sum exists) and its evaluation (``eval_s``);
 - ``halt_nan`` stops the run at a non-finite loss readback, ``halt_grad_collapse`` when the
   gradient norm stays below 1e-8 for 5 consecutive epochs; both name the flagged sentinel slots.
 
@@ -53,6 +58,7 @@ from .backend import READBACK_FIELDS, StepScalars, TrainerBackend, get_backend
 from .collector import fold_collector
 from .config import DQNConfig, require_int, require_positive, require_range
 from .env import BranchingEnv, rollout
+from .evaluator import segment_evaluator
 from .market import (DEFAULT_WINDOWS, N_POSITION_FEATURES, Bars, feature_warmup,
                      market_features, n_market_features, regime_labels)
 from .metrics import (METRIC_NAMES, SegmentMetrics, bar_seconds, bars_per_year, equity_curve,
@@ -107,13 +113,15 @@ class LoopSettings:
 STEP_FIELDS = tuple(name for name in READBACK_FIELDS
                     if name not in ("clip_bound", "safety_clip_fired", "mean_target_q"))
 #: Wall-clock fields of a record: the only ones that differ between identical runs.
-TIMING_FIELDS = ("epoch_time_s", "steps_per_s")
+TIMING_FIELDS = ("train_s", "eval_s", "steps_per_s")
 
 
 @dataclass
 class EpochRecord:
     """One finished epoch: the epoch-end readback, then the greedy policy's metrics on the
-    fold's validation (``val_*``) and test (``test_*``) segments (``metrics.METRIC_NAMES``)."""
+    fold's validation (``val_*``) and test (``test_*``) segments (``metrics.METRIC_NAMES``),
+    then the wall-clock seconds of the epoch's collection and training steps (``train_s``,
+    through the epoch-end readback) and of its evaluation (``eval_s``)."""
 
     fold: int
     epoch: int
@@ -149,7 +157,8 @@ class EpochRecord:
     test_max_drawdown: float
     test_turnover: float
     test_costs: float
-    epoch_time_s: float
+    train_s: float
+    eval_s: float
     steps_per_s: float
     flagged: list[str] = field(default_factory=list)
 
@@ -267,6 +276,15 @@ def evaluate_segment(trainer, bars, feats, config: DQNConfig, segment: tuple[int
             equity_curve(walk["rewards"]))
 
 
+def _evaluate(evaluator, trainer, bars, feats, config, segment, policy, per_year, *,
+              equity: bool):
+    """``evaluate_segment``, or the device walk where the run has one (``evaluator``: the
+    equity curve only where ``equity`` asks for it)."""
+    if evaluator is None:
+        return evaluate_segment(trainer, bars, feats, config, segment, policy, per_year)
+    return evaluator.evaluate(segment, policy, per_year, equity=equity)
+
+
 def _epsilon(settings: LoopSettings, global_epoch: int) -> float:
     total = settings.folds * settings.epochs
     return settings.eps_end + (settings.eps_start - settings.eps_end) * max(
@@ -316,6 +334,8 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
     resumed_at = trainer.step_count if resume else None
     stop = should_stop or (lambda: False)
     collector = None
+    evaluator = segment_evaluator(trainer, bars, feats, [getattr(seg, name) for seg in segments
+                                                          for name in EVAL_SEGMENTS])
     try:
         for fold in range(st.fold, settings.folds):
             seg = segments[fold]
@@ -329,7 +349,7 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                     return result(True)
                 if fold > 0:
                     trainer.fold_boundary()
-                st.folds.append(_baselines(fold, seg, bars, feats, config, per_year))
+                st.folds.append(_baselines(fold, seg, bars, feats, config, per_year, evaluator))
                 collector.warmup(trainer, max(settings.warmup_transitions, config.batch_size))
             fold_result = st.folds[fold]
             for epoch in range(st.epoch, settings.epochs):
@@ -354,17 +374,21 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                         break
                 scalars = trainer.end_epoch()
                 held = None
-                elapsed = time.perf_counter() - tic
+                train_s = time.perf_counter() - tic
+                tic = time.perf_counter()
                 metrics, equity = {}, {}
                 for name in EVAL_SEGMENTS:
-                    metrics[name], equity[name] = evaluate_segment(
-                        trainer, bars, feats, config, getattr(seg, name), "greedy", per_year)
+                    metrics[name], equity[name] = _evaluate(
+                        evaluator, trainer, bars, feats, config, getattr(seg, name), "greedy",
+                        per_year, equity=name == "test")
+                eval_s = time.perf_counter() - tic
                 rec = EpochRecord(
                     fold=fold, epoch=epoch, global_epoch=g, steps=scalars.step,
                     **{name: getattr(scalars, name) for name in STEP_FIELDS}, epsilon=eps,
                     **{f"{s}_{m}": getattr(metrics[s], m) for s in EVAL_SEGMENTS
                        for m in METRIC_NAMES},
-                    epoch_time_s=elapsed, steps_per_s=settings.steps_per_epoch / max(elapsed, 1e-9),
+                    train_s=train_s, eval_s=eval_s,
+                    steps_per_s=settings.steps_per_epoch / max(train_s, 1e-9),
                     flagged=sentinels.flagged_names(np.asarray(scalars.flags, np.int32)),
                 )
                 st.records.append(rec)
@@ -395,17 +419,22 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
     finally:
         if collector is not None:
             collector.close()
+        if evaluator is not None:
+            evaluator.close()
     return result(False)
 
 
-def _baselines(fold: int, seg: FoldSegments, bars, feats, config, per_year) -> FoldResult:
+def _baselines(fold: int, seg: FoldSegments, bars, feats, config, per_year,
+               evaluator) -> FoldResult:
     """The fold's flat and buy-and-hold metrics on its validation and test segments."""
     flat, buy_hold, bh_equity = {}, {}, None
     for name in EVAL_SEGMENTS:
-        flat[name], _ = evaluate_segment(None, bars, feats, config, getattr(seg, name), "flat", per_year)
-        buy_hold[name], eq = evaluate_segment(None, bars, feats, config, getattr(seg, name),
-                                              "buy_hold", per_year)
-        if name == "test":
+        segment, test = getattr(seg, name), name == "test"
+        flat[name], _ = _evaluate(evaluator, None, bars, feats, config, segment, "flat",
+                                  per_year, equity=False)
+        buy_hold[name], eq = _evaluate(evaluator, None, bars, feats, config, segment,
+                                       "buy_hold", per_year, equity=test)
+        if test:
             bh_equity = eq.tolist()
     return FoldResult(fold=fold, segments=seg, flat=flat, buy_hold=buy_hold, buy_hold_equity=bh_equity)
 

@@ -38,7 +38,8 @@ from .market import Bars
 
 LOG = logging.getLogger("foxhunt")
 
-FORMAT = "foxhunt-loop-state-3"  # 2: second-wave scalars, replay labels; 3: the cycle counter
+FORMAT = "foxhunt-loop-state-4"  # 2: second-wave scalars, replay labels; 3: the cycle counter
+# 4: records time training (train_s) and evaluation (eval_s) apart
 CHECKPOINTS = "checkpoints"
 LAST_TRAINER = "last.safetensors"
 LAST_LOOP = "last.loop.npz"

@@ -3,7 +3,10 @@
 Every figure comes from ``loop.RunResult`` (whose metrics are ``metrics.segment_metrics``):
 per fold, the best epoch is the one with the best **validation** Sharpe, and the fold's result
 is that epoch's **test** metrics, next to the flat and buy-and-hold baselines on the same test
-segment. ``overall`` is the mean over the folds that finished at least one epoch.
+segment. ``overall`` is the mean over the folds that finished at least one epoch. The
+per-epoch table shows each epoch's time in two parts: ``train s`` (experience collection and
+training steps: on the fast backend one graph per cycle runs both, so only their sum exists)
+and ``eval s`` (the greedy walks over the validation and test segments).
 """
 
 from __future__ import annotations
@@ -15,15 +18,19 @@ import numpy as np
 
 from .metrics import METRIC_NAMES
 
+#: The per-epoch table's header. ``train s``: the epoch's experience collection and training
+#: steps (``EpochRecord.train_s``; on the fast backend one graph per cycle runs both, so only
+#: their sum is measured); ``eval s``: the greedy walks over the validation and test segments
+#: (``eval_s``).
 TABLE_HEADER = (f"{'fold':>4} {'epoch':>5} {'loss':>9} {'c51|g|':>8} {'cql|g|':>8} {'|g|':>8} "
-                f"{'mean Q':>8} {'val Sh':>8} {'test Sh':>8} {'time s':>7}  flagged")
+                f"{'mean Q':>8} {'val Sh':>8} {'test Sh':>8} {'train s':>8} {'eval s':>7}  flagged")
 
 
 def format_row(r) -> str:
     """One line of the per-epoch table for ``r`` (a ``loop.EpochRecord``), under ``TABLE_HEADER``."""
     return (f"{r.fold:>4} {r.epoch:>5} {r.loss:>9.4f} {r.c51_norm_pre:>8.4f} {r.cql_norm_pre:>8.4f} "
             f"{r.grad_norm:>8.4f} {r.mean_q:>8.3f} {r.val_sharpe:>8.2f} {r.test_sharpe:>8.2f} "
-            f"{r.epoch_time_s:>7.1f}  {', '.join(r.flagged) or '-'}")
+            f"{r.train_s:>8.2f} {r.eval_s:>7.2f}  {', '.join(r.flagged) or '-'}")
 
 
 def _finite(x) -> float | None:

@@ -4,7 +4,9 @@ Trains on the bundled synthetic futures market (or ``--data CSV``), prints a pro
 epoch and a per-epoch table, and writes into a run directory (``runs/<UTC time>-seed<N>`` with
 ``runs/latest`` pointing at it, or ``--out``): ``config.json`` (everything needed to rebuild
 the run), ``metrics.jsonl``, checkpoints (the last epoch's with the loop state, for
-``--resume``, and each fold's best), PNG plots and ``summary.json``.
+``--resume``, and each fold's best), PNG plots and ``summary.json``. The table's ``train s``
+is an epoch's experience collection and training steps together (one graph per cycle on the
+fast backend), ``eval s`` its greedy validation and test walks.
 
 SIGINT (Ctrl-C), SIGTERM and SIGHUP stop the run after the training step in progress: the
 epochs that finished stay, the plots and summary are written, and the exit status is

@@ -22,7 +22,7 @@ from foxhunt.reference.market import Bars, SyntheticMarket
 TINY = ["--preset", "tiny", "--folds", "1", "--epochs", "2", "--steps-per-epoch", "5",
         "--bars", "800", "--set", "warmup_transitions=64", "--set", "n_envs=2", "--no-progress"]
 #: Wall-clock fields: the only ones that differ between identical runs.
-TIMING = ("epoch_time_s", "steps_per_s")
+TIMING = ("train_s", "eval_s", "steps_per_s")
 
 
 def strict_loads(text):
