@@ -172,18 +172,21 @@ def graph1_ops(prog: StepProgram) -> Ops:
                final_threads=opt.final_threads_clip_saxpy_norm_partial(lay.n_partials),
                block_size=NORM_SEGMENT, out=out, partials=partials,
                base_norm_sq_out="sq_c51", inject_norm_sq_out="sq_cql")
-    wave_plan.budget_stages(prog, ops)
+    norms = wave_plan.budget_stages(prog, ops)
     body = prog.ops()
     body.parallel(prologue, ops)
     # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its
-    # summation tree and bits).
-    body.kernel("step_scalars", step.plan_step_scalars(lay.n_partials),
+    # summation tree and bits); the injected sources' norms beside them.
+    scalars = body if norms is None else prog.ops()
+    scalars.kernel("step_scalars", step.plan_step_scalars(lay.n_partials),
                 total_partials="partials_total", n_partials=lay.n_partials, total_sq="sq_total",
                 c51_sq="sq_c51", cql_sq="sq_cql", clip_bound="clip_bound", isv="isv",
                 safety_scale="safety_scale", readback="readback",
                 budget_c51=np.float32(c.budget("c51")), budget_cql=np.float32(c.budget("cql")),
                 slow_ema_index=isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
                 slow_alpha=np.float32(c.grad_slow_ema_alpha))
+    if norms is not None:
+        body.parallel(norms, scalars)
     return body
 
 

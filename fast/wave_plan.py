@@ -370,16 +370,18 @@ def ens_chain(prog: StepProgram) -> Ops:
 _INJECT = {"iqn": ("iqn_trunk_clean", "lambda_iqn"), "ens": ("ens_trunk_clean", "ens_weight")}
 
 
-def budget_stages(prog: StepProgram, ops: Ops) -> None:
+def budget_stages(prog: StepProgram, ops: Ops) -> Ops | None:
     """After the C51 + CQL stage (which wrote ``stage_names()[0]``), one
     ``clip_saxpy_norm_partial`` per injected source: ``out = base + weight * clipped(source,
     budget)`` over the whole layout (the source is zero past its range, so this is the
     reference's SAXPY over the range), with the base read unclipped (bound ``NO_CLIP``) and the
-    new buffer's norm partials; then the source's norms into the readback."""
+    new buffer's norm partials. Returns the sources' norms into the readback (records to run
+    once the stages are done, beside the step scalars), or None without an injected source."""
     lay, c = prog.lay, prog.config
     opt, wave = prog.kernels("optim"), prog.kernels("wave")
     NP = lay.NP
     names = stage_names(c)
+    norms = prog.ops()
     for k, src in enumerate(injected_sources(c)):
         (base, base_partials), (out, partials) = names[k], names[k + 1]
         inject, weight = _INJECT[src]
@@ -392,10 +394,11 @@ def budget_stages(prog: StepProgram, ops: Ops) -> None:
                    final_threads=opt.final_threads_clip_saxpy_norm_partial(lay.n_partials),
                    block_size=NORM_SEGMENT, out=out, partials=partials,
                    base_norm_sq_out=f"sq_base_{src}", inject_norm_sq_out=f"sq_{src}")
-        ops.kernel("source_norm_scalars", wave.plan_single(), norm_sq=f"sq_{src}",
-                   readback="readback", budget=budget,
-                   pre_index=READBACK_INDEX[f"{src}_norm_pre"],
-                   post_index=READBACK_INDEX[f"{src}_norm_post"])
+        norms.kernel("source_norm_scalars", wave.plan_single(), norm_sq=f"sq_{src}",
+                     readback="readback", budget=budget,
+                     pre_index=READBACK_INDEX[f"{src}_norm_pre"],
+                     post_index=READBACK_INDEX[f"{src}_norm_post"])
+    return norms if norms.items else None
 
 
 def optimizer(prog: StepProgram, main_adam: Ops) -> Ops:
