@@ -20,8 +20,8 @@ synchronises ONCE; it returns the metrics (float32, ``kernels.env.EVAL_FIELDS`` 
 with ``equity``, the ``n`` per-bar rewards. No host round trip inside the segment.
 
 On the GPU each plan is one captured CUDA graph (the chunk graph repeats the bar's records
-``chunk`` times: a ``seed`` bar is about 18 nodes; the GEMMs are planned once per bar's
-records, not per copy). A trainer whose engine is rebuilt (``Trainer.load_state_dict`` of
+``chunk`` times: ``chunk`` x the nodes of one forward, ``env_act`` and ``env_step``; the GEMMs
+are planned once for the bar's records, not per copy; ``node_counts()`` says how many). A trainer whose engine is rebuilt (``Trainer.load_state_dict`` of
 another seed with the IQN head on) is followed: the plans are rebuilt on the new engine.
 
 Numerics: the walk's records are those of ``kernels.env_walk.greedy_walk`` (F's twin of
@@ -108,7 +108,7 @@ class _CpuWalk:
     def node_count(self, key) -> int:
         return sum(graph.node_count for graph in self._plans[key])
 
-    def close(self) -> None:
+    def close(self, *, synchronize: bool = True) -> None:
         """Nothing to release (host memory)."""
 
 
@@ -158,9 +158,11 @@ class _GpuWalk:
     def node_count(self, key) -> int:
         return self._graphs[key].node_count
 
-    def close(self) -> None:
-        """Release the graphs and the arenas (after the trainer's stream is idle)."""
-        self.engine.synchronize()
+    def close(self, *, synchronize: bool = True) -> None:
+        """Release the graphs and the arenas, once the trainer's stream is idle (``synchronize``
+        False: the engine is closed already, and synchronised before it closed)."""
+        if synchronize:
+            self.engine.synchronize()
         for graph in self._graphs.values():
             graph.close()
         self._graphs.clear()
@@ -266,7 +268,7 @@ class DeviceEvaluator:
         if not np.isfinite(per_year) or per_year <= 0:
             raise ValueError(f"bars_per_year={bars_per_year!r}: need a finite value > 0")
         if self.trainer.engine is not self._engine:  # rebuilt (reseeded): follow it
-            self._device.close()
+            self._device.close(synchronize=False)
             self._build()
         chunk, end = self._chunk(policy), self._end(n, per_year, bool(equity))
         host, tb = self._device.host, self.tables

@@ -202,3 +202,28 @@ def test_segment_evaluator_is_the_device_one_for_fast_trainers_only():
                                           [(500, 560), (600, 620)])
     assert dev.evaluator.max_steps == 59  # the longest segment's steps
     dev.close()
+
+
+def test_the_walk_follows_an_engine_rebuilt_by_a_reseed():
+    """Loading another seed's state with the IQN head on rebuilds the trainer's engine
+    (``Trainer._reseed``): the next walk builds its plans on the new one and follows the loaded
+    policy."""
+    config = DQNConfig.preset("tiny", lambda_iqn=0.5)
+    trainer = CpuTrainer(config, seed=1)
+    bars = SyntheticMarket(5, 700).generate()
+    feats = market_features(bars, loop.choose_windows(config.state_dim))
+    per_year = bars_per_year(bar_seconds(bars.timestamp))
+    ev = DeviceEvaluator(trainer, env_kernels.market_tables(bars, feats), max_steps=50, chunk=8)
+    ev.walk(600, 650, per_year)
+    other = CpuTrainer(config, seed=2)
+    gen = np.random.default_rng(4)
+    for _ in range(3):
+        other.step(Batch.random(config, gen))
+    engine = trainer.engine
+    trainer.load_state_dict(other.state_dict())
+    assert trainer.engine is not engine
+    got = ev.walk(600, 650, per_year)
+    assert ev._engine is trainer.engine  # the plans were rebuilt on it
+    want, _ = loop.evaluate_segment(trainer, bars, feats, config, (600, 650), "greedy", per_year)
+    assert got.metrics.tolist() == _as_f32(want)
+    ev.close()
