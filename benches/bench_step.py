@@ -6,15 +6,37 @@ Groups (per step times; see ``benches/conftest.py`` for how asynchronous steps a
 - ``step-seed-f32``, ``step-seed-bf16`` (B=256, the production size): the reference on the CPU
   (bf16 = the bit-exact BF16 emulation), PyTorch eager on the CPU (f32), and on the GPU the fast
   trainer and the four PyTorch modes (eager, compile, graph, compile-graph; bf16 = autocast).
+
+Second wave (SPEC 4; issue 18), the ``seed`` step with its sources on (``WAVE_CASES``):
+
+- ``step-seed-{f32,bf16}-wave``: every source on: IQN (1.0) and the auxiliary heads (0.1
+  each) as SPEC 4's seed preset, the ensemble on (weight 1.0, the default K = ``ens_heads``),
+  the MSE warm-up as the seed preset gives it (``c51_warmup_epochs``); the fast trainer and
+  the four PyTorch modes on the GPU;
+- ``step-seed-{f32,bf16}-wave-<source>``: each source alone (``iqn``, ``aux``, ``ens``, ``mse``:
+  the warm-up over 4 epochs, at epoch 0, so the blend weight is 1), so a source's cost is its
+  group's time minus the core group's; the fast trainer and the PyTorch ``eager`` and ``graph``
+  modes (every mode with ``FOXHUNT_BENCH_FULL=1``: each compile mode compiles each case, about
+  a minute apiece);
+- ``step-tiny-f32-wave`` (CPU, runs in CI): the reference and PyTorch eager with every source
+  on, at the tiny size.
+
+A fast case whose source the fast trainer does not implement yet skips with its refusal.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from peers.torch_step import MODES
+from peers.torch_step import COMPILED_MODES, MODES
+from peers.torch_wave import WAVE_SOURCES
 
 PRECISIONS = ("f32", "bf16")
+
+#: Every second-wave source but the MSE warm-up, which stays as the seed preset gives it.
+WAVE_ALL = {k: v for name, fields in WAVE_SOURCES.items() if name != "mse" for k, v in fields.items()}
+#: Group suffix -> config overrides of the second-wave step cases.
+WAVE_CASES = {"wave": WAVE_ALL, **{f"wave-{name}": fields for name, fields in WAVE_SOURCES.items()}}
 
 #: (preset, precision) of the reference step benchmarks: the tiny one is CI's quick check.
 REFERENCE_CASES = (("tiny", "f32"), ("seed", "f32"), ("seed", "bf16"))
@@ -46,3 +68,39 @@ def test_step_fast(benchmark, harness, fast_trainer_cls, precision):
 def test_step_torch(benchmark, harness, torch_cuda, precision, mode):
     config = harness.config("seed", precision)
     harness.steps(benchmark, harness.peer(config, mode, "cuda"), group=f"step-seed-{precision}")
+
+
+# ------------------------------------------------------------------------------ second wave
+def test_wave_reference_tiny(benchmark, harness):
+    config = harness.config("tiny", "f32", **WAVE_ALL)
+    harness.steps(benchmark, harness.reference(config), group="step-tiny-f32-wave")
+
+
+def test_wave_torch_cpu_tiny(benchmark, harness):
+    config = harness.config("tiny", "f32", **WAVE_ALL)
+    harness.steps(benchmark, harness.peer(config, "eager", "cpu"), group="step-tiny-f32-wave")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", WAVE_CASES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_wave_fast(benchmark, harness, fast_trainer_cls, precision, case):
+    config = harness.config("seed", precision, **WAVE_CASES[case])
+    try:
+        runner = harness.fast(fast_trainer_cls, config)
+    except ValueError as exc:
+        if "does not implement" not in str(exc):
+            raise
+        pytest.skip(f"the fast trainer refuses this case: {exc}")
+    harness.steps(benchmark, runner, group=f"step-seed-{precision}-{case}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("case", WAVE_CASES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_wave_torch(benchmark, harness, torch_cuda, precision, case, mode):
+    if case != "wave" and mode in COMPILED_MODES and not harness.full:
+        pytest.skip(f"compiles a one-source case (about a minute): {harness.full_reason}")
+    config = harness.config("seed", precision, **WAVE_CASES[case])
+    harness.steps(benchmark, harness.peer(config, mode, "cuda"), group=f"step-seed-{precision}-{case}")

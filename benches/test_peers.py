@@ -144,8 +144,9 @@ def test_second_wave_losses_and_gradients_match_reference(preset, source):
         assert_grad_close("grad_ens", out["grad_ens"], ref["ens"].trunk_grad)
     if ref["aux"] is not None:
         expected |= {"aux_next_bar_loss", "aux_regime_loss"}
-        assert_close("aux_next_bar_loss", out["aux_next_bar_loss"], ref["aux"].loss_nb, rtol=RTOL, atol=0)
-        assert_close("aux_regime_loss", out["aux_regime_loss"], ref["aux"].loss_rg, rtol=RTOL, atol=0)
+        for key, want in (("aux_next_bar_loss", ref["aux"].loss_nb),
+                          ("aux_regime_loss", ref["aux"].loss_rg)):
+            assert_close(key, out[key], want, rtol=RTOL, atol=0)
         aux = slice(layout.core_end, layout.main_adam_end)
         assert np.abs(ref["grad_c51"][aux]).max() > 0  # the heads' gradients are in the C51 source
         assert_close("label_scale", out["label_scale"], ref["isv"][isv_mod.AUX_LABEL_SCALE_EMA_INDEX],
@@ -275,11 +276,12 @@ def test_modes_and_devices_are_checked():
 
 
 @pytest.mark.slow
-def test_compiled_peer_matches_eager():
+@pytest.mark.parametrize("source", ("core", "all"))
+def test_compiled_peer_matches_eager(source):
     """``torch.compile`` changes the kernels, not the step (CPU inductor; about a minute)."""
     if os.environ.get("FOXHUNT_BENCH_FULL") != "1":
         pytest.skip("compiles the step with inductor (about a minute): set FOXHUNT_BENCH_FULL=1")
-    config = DQNConfig.preset("tiny", precision="f32")
+    config = DQNConfig.preset("tiny", precision="f32", **SOURCES.get(source, {}))
     batches = [Batch.random(config, np.random.default_rng(i)) for i in range(3)]
     eager = TorchStep(config, mode="eager", device="cpu")
     compiled = TorchStep(config, mode="compile", device="cpu")

@@ -70,21 +70,22 @@ from typing import Sequence
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from foxhunt.reference.backend import check_epoch
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import BUDGET_SOURCES, DQNConfig
 from foxhunt.reference.isv import AUX_LABEL_SCALE_EMA_INDEX, EPOCH_IDX_INDEX
 from foxhunt.reference.kernels.distributional import support
 from foxhunt.reference.kernels.rng import STREAMS
 from foxhunt.reference.kernels.spectral import SPECTRAL_EPS, init_spectral_vectors
-from foxhunt.reference.layout import ParamLayout, init_params
+from foxhunt.reference.layout import FROZEN_GROUPS, ParamLayout, init_params
 
+from .torch_net import DuelingC51Net, PeerNet, step_gemm_flops
 from .torch_philox import TauTable
-from .torch_wave import (AuxHeads, EnsemblePriors, IqnHead, WaveConstants, aux_losses, ens_loss,
-                         iqn_loss, label_scale_rate, label_scale_update, mse_loss, mse_weight,
-                         wave_gemm_flops)
+from .torch_runtime import (BATCH_FIELDS, BatchUpload, allow_many_compiled_instances,
+                            batch_fields, count_graph_nodes)
+from .torch_wave import (WaveConstants, aux_losses, ens_loss, iqn_loss, label_scale_rate,
+                         label_scale_update, mse_loss, mse_weight)
 
 MODES = ("eager", "compile", "graph", "compile-graph")
 COMPILED_MODES = frozenset({"compile", "compile-graph"})
@@ -98,80 +99,11 @@ CAPTURE_WARMUP_STEPS = 3
 #: tests' few steps; CUDA: about 10 MB at the seed size, generated a few microseconds per step).
 TAU_BLOCK_STEPS = {"cpu": 4, "cuda": 1024}
 
-BATCH_FIELDS = ("s", "a", "r", "s2", "done", "isw")
-#: The label fields and the weight that makes the step read each.
-LABEL_FIELDS = (("next_ret", "aux_next_bar_weight"), ("regime", "aux_regime_weight"))
-
 #: Scalars ``step`` returns (device tensors; ``read_scalars`` turns them into floats, 0 for a
 #: second-wave source that is off, as the reference's ``StepScalars``).
 SCALARS = ("loss", "c51_loss", "cql_loss", "c51_norm_pre", "cql_norm_pre", "grad_norm",
            "iqn_loss", "iqn_norm_pre", "ens_loss", "ens_norm_pre", "aux_next_bar_loss",
            "aux_regime_loss", "mse_loss", "mse_weight")
-
-
-def batch_fields(config: DQNConfig) -> tuple[str, ...]:
-    """The batch fields the step uploads: the core ones and the labels of the heads that are on."""
-    return BATCH_FIELDS + tuple(name for name, weight in LABEL_FIELDS if getattr(config, weight) > 0)
-
-
-class DuelingC51Net(nn.Module):
-    """The branching dueling C51 network of SPEC 3 (parameters in the layout's GOFF order)."""
-
-    def __init__(self, config: DQNConfig):
-        super().__init__()
-        c = config
-        self.num_atoms = c.num_atoms
-        self.branch_actions = tuple(c.branches)
-        self.trunk = nn.Sequential(nn.Linear(c.state_dim, c.shared_h1), nn.ReLU(),
-                                   nn.Linear(c.shared_h1, c.shared_h2), nn.ReLU())
-        self.value = nn.Sequential(nn.Linear(c.shared_h2, c.value_h), nn.ReLU(),
-                                   nn.Linear(c.value_h, c.num_atoms))
-        self.branches = nn.ModuleList(
-            nn.Sequential(nn.Linear(c.shared_h2, c.adv_h), nn.ReLU(),
-                          nn.Linear(c.adv_h, n * c.num_atoms))
-            for n in c.branches)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
-        """``(h2, v, logp)``: the trunk's output ``[N, SH2]``, the value stream's logits ``[N, NA]``
-        (float32) and, per branch, log-probabilities over the atoms, float32 ``[N, n_d, NA]``."""
-        h2 = self.trunk(x)
-        v = self.value(h2).float()
-        logp = []
-        for head, n in zip(self.branches, self.branch_actions):
-            adv = head(h2).float().unflatten(-1, (n, self.num_atoms))
-            logits = v.unsqueeze(1) + (adv - adv.mean(dim=1, keepdim=True))
-            logp.append(F.log_softmax(logits, dim=-1))
-        return h2, v, logp
-
-
-class PeerNet(nn.Module):
-    """The core network and the second-wave heads that are on; ``parameters()`` yields them in
-    the layout's order (core, aux, IQN, ensemble priors)."""
-
-    def __init__(self, config: DQNConfig):
-        super().__init__()
-        self.core = DuelingC51Net(config)
-        self.aux = AuxHeads(config) if config.aux_on else None
-        self.iqn = IqnHead(config) if config.iqn_on else None
-        self.ens = EnsemblePriors(config) if config.ens_on else None
-
-
-def step_gemm_flops(config: DQNConfig) -> int:
-    """GEMM floating-point operations of one step: three forward passes (online(s), online(s2),
-    target(s2)) and two backward passes (C51, CQL: weight gradients of every layer and input
-    gradients of every layer but the first), plus the second-wave sources that are on
-    (``torch_wave.wave_gemm_flops``). Spectral-norm matrix-vector products (about
-    ``4 * params``) and the elementwise work are not counted."""
-    c = config
-    layers = [(c.state_dim, c.shared_h1), (c.shared_h1, c.shared_h2), (c.shared_h2, c.value_h),
-              (c.value_h, c.num_atoms)]
-    for n in c.branches:
-        layers += [(c.shared_h2, c.adv_h), (c.adv_h, n * c.num_atoms)]
-    macs = sum(i * o for i, o in layers)
-    first = layers[0][0] * layers[0][1]
-    forward = 2 * c.batch_size * macs
-    backward = 2 * c.batch_size * macs + 2 * c.batch_size * (macs - first)
-    return 3 * forward + 2 * backward + wave_gemm_flops(config)
 
 
 def _global_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -210,7 +142,7 @@ class TorchStep:
         self.alpha = float(config.cql_alpha)
         self.sigma_max = float(config.sigma_max)
         self.sn_eps = float(SPECTRAL_EPS)
-        self.budget = {src: float(config.budget(src)) for src in ("c51", "cql", "iqn", "ens")}
+        self.budget = {src: float(config.budget(src)) for src in BUDGET_SOURCES}
         self.wave = WaveConstants(config, device)
 
         self.online = PeerNet(config).to(device)
@@ -219,15 +151,16 @@ class TorchStep:
         expected = [t.shape for t in self.layout.tensors]
         if shapes != expected:
             raise AssertionError(f"parameter order/shapes {shapes} differ from the layout's {expected}")
-        groups = [t.group for t in self.layout.tensors]
-        # The parameter groups of the sources (layout order within each).
-        self.core_params = [p for p, g in zip(self.params, groups) if g in ("trunk", "value", "branch")]
-        self.trunk_params = [p for p, g in zip(self.params, groups) if g == "trunk"]
-        self.value_params = [p for p, g in zip(self.params, groups) if g == "value"]
-        self.main_params = [p for p, g in zip(self.params, groups) if g != "iqn" and g != "ens"]
-        self.iqn_params = [p for p, g in zip(self.params, groups) if g == "iqn"]
-        self.weights = [p for p, t in zip(self.params, self.layout.tensors)
-                        if t in self.layout.weight_matrices]
+        # The parameter groups of the sources, layout order within each: the main Adam's (core
+        # and aux heads), the IQN head's, the trunk and value head (the IQN and ensemble trunk
+        # gradients), the trained weight matrices (spectral norm).
+        pairs = list(zip(self.params, self.layout.tensors))
+        self.core_params = [p for p, t in pairs if t.is_core]
+        self.main_params = [p for p, t in pairs if t.group not in ("iqn", *FROZEN_GROUPS)]
+        self.iqn_params = [p for p, t in pairs if t.group == "iqn"]
+        self.trunk_params = [p for p, t in pairs if t.group == "trunk"]
+        self.value_params = [p for p, t in pairs if t.group == "value"]
+        self.weights = [p for p, t in pairs if t in self.layout.weight_matrices]
         self.target = copy.deepcopy(self.online).requires_grad_(False)
         self.target_params = list(self.target.parameters())
         self.sn_u: list[torch.Tensor] = []
@@ -255,22 +188,11 @@ class TorchStep:
         self.set_epoch(0)
         self.load_state(state if state is not None else self._initial_state(seed))
 
-        B, SD, nb = c.batch_size, c.state_dim, c.n_branches
-        specs = {"s": ((B, SD), torch.float32), "a": ((B, nb), torch.int32),
-                 "r": ((B,), torch.float32), "s2": ((B, SD), torch.float32),
-                 "done": ((B,), torch.float32), "isw": ((B,), torch.float32),
-                 "next_ret": ((B,), torch.float32), "regime": ((B,), torch.int32)}
-        specs = {k: specs[k] for k in batch_fields(c)}
-        self.inputs = {k: torch.zeros(shape, dtype=dt, device=device) for k, (shape, dt) in specs.items()}
-        if cuda:
-            self._staging = [{k: torch.empty(shape, dtype=dt, pin_memory=True)
-                              for k, (shape, dt) in specs.items()} for _ in range(2)]
-            self._staging_np = [{k: t.numpy() for k, t in slot.items()} for slot in self._staging]
-            self._staged = [torch.cuda.Event(), torch.cuda.Event()]
-            self._slot = 0
+        self.uploader = BatchUpload(config, device)
+        self.inputs = self.uploader.inputs
 
         if mode in COMPILED_MODES:
-            _allow_many_instances()
+            allow_many_compiled_instances()
             # Static shapes: each instance's shapes never change; a new instance (another batch
             # size in the scaling benchmark) gets its own specialised graphs.
             self._loss_fn = torch.compile(self._losses, dynamic=False)
@@ -394,7 +316,8 @@ class TorchStep:
                 best = q_next.argmax(dim=1)
                 p_next = torch.take_along_dim(logp_target[d], best[:, None, None], dim=1).squeeze(1).exp()
                 m = self._project(p_next, r, done, gamma)
-                target_q.append(r + gamma * (1.0 - done) * (p_next * self.z).sum(-1))
+                if c.mse_on:  # the scalar target E_{p'}[z] (Mech 1 clip: a no-op in range)
+                    target_q.append(r + gamma * (1.0 - done) * (p_next * self.z).sum(-1))
             taken = a[:, d]
             logp_taken = torch.take_along_dim(logp[d], taken[:, None, None], dim=1).squeeze(1)
             ce = -(m * logp_taken).sum(-1)                                           # [B]
@@ -435,13 +358,15 @@ class TorchStep:
         c, n_core, n_trunk = self.config, len(self.core_params), len(self.trunk_params)
         norms = {"c51": _global_norm(g_main), "cql": _global_norm(g_cql)}
         grads = torch._foreach_mul(g_main, _budget_scale(norms["c51"], self.budget["c51"]))
-        torch._foreach_add_(grads[:n_core], torch._foreach_mul(g_cql, _budget_scale(norms["cql"], self.budget["cql"])))
+        cql_scale = _budget_scale(norms["cql"], self.budget["cql"])
+        torch._foreach_add_(grads[:n_core], torch._foreach_mul(g_cql, cql_scale))
         for name, g, weight in (("iqn", g_iqn, c.lambda_iqn), ("ens", g_ens, c.ens_weight)):
             if g is None:
                 continue
             g = g[:n_trunk] if name == "iqn" else g  # IQN: its trunk part (the rest is its head's)
             norms[name] = _global_norm(g)
-            torch._foreach_add_(grads[:len(g)], torch._foreach_mul(g, weight * _budget_scale(norms[name], self.budget[name])))
+            scale = weight * _budget_scale(norms[name], self.budget[name])
+            torch._foreach_add_(grads[:len(g)], torch._foreach_mul(g, scale))  # trunk (+ value)
         return grads, norms
 
     @torch.no_grad()
@@ -495,8 +420,9 @@ class TorchStep:
             for p, g in zip(self.iqn_params, g_iqn[len(self.trunk_params):]):
                 p.grad = g
         grad_norm = self._optim_fn()
-        with torch.no_grad():
-            self.label_scale.copy_(out["label_scale"])
+        if self.config.aux_next_bar_on:
+            with torch.no_grad():
+                self.label_scale.copy_(out["label_scale"])
         if self._taus is not None:
             self._taus.advance()
         c51, cql = out["c51"].detach(), out["cql"].detach()
@@ -520,21 +446,7 @@ class TorchStep:
             self._taus.ensure(self.step_count)
         self.step_count += 1
 
-    # ------------------------------------------------------------------ upload and capture
-    def _upload(self, batch: Batch) -> None:
-        batch.validate(self.config)
-        if self.device.type != "cuda":
-            for k in self.inputs:
-                self.inputs[k].copy_(torch.from_numpy(getattr(batch, k)))
-            return
-        k_slot = self._slot
-        self._slot = 1 - k_slot
-        self._staged[k_slot].synchronize()  # the copy that last read this staging slot is done
-        for k in self.inputs:
-            np.copyto(self._staging_np[k_slot][k], getattr(batch, k))
-            self.inputs[k].copy_(self._staging[k_slot][k], non_blocking=True)
-        self._staged[k_slot].record()
-
+    # ------------------------------------------------------------------ capture
     def _capture(self) -> None:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -547,8 +459,6 @@ class TorchStep:
             graph = torch.cuda.CUDAGraph(keep_graph=True)
         except TypeError:  # older PyTorch: no keep_graph, no node count
             graph = torch.cuda.CUDAGraph()
-        if self._taus is not None:  # the captured step must not straddle a block's end
-            self._taus.ensure(self.step_count)
         with torch.cuda.graph(graph):
             out = self._train_step()
         if hasattr(graph, "instantiate"):
@@ -556,14 +466,14 @@ class TorchStep:
                 graph.instantiate()
             except RuntimeError:
                 pass  # already instantiated (keep_graph=False)
-        self.graph_nodes = _count_graph_nodes(graph)
+        self.graph_nodes = count_graph_nodes(graph)
         self._graph, self._graph_out = graph, out
 
     # ------------------------------------------------------------------ public interface
     def step(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One training step on ``batch``; returns device tensors (the ``SCALARS`` of the sources
         that are on, and ``td_errors``) without synchronising."""
-        self._upload(batch)
+        self.uploader.upload(batch)
         if self.mode in CAPTURED_MODES:
             if self._graph is None:
                 self._capture()
@@ -591,7 +501,7 @@ class TorchStep:
         ``grad_iqn_head``, ``grad_iqn_trunk``, ``ens_loss``, ``grad_ens`` (trunk and value
         head), ``aux_next_bar_loss``, ``aux_regime_loss``, ``mse_loss``, ``mse_weight`` and
         ``label_scale``. Gradients are flat float32 in layout order."""
-        self._upload(batch)
+        self.uploader.upload(batch)
         if self._taus is not None:
             self._taus.ensure(self.step_count)
         out = self._run_losses()
@@ -614,35 +524,6 @@ class TorchStep:
         if self.config.mse_on:
             res["mse_weight"] = np.float32(self.mse_w.item())
         return res
-
-
-#: Compiled instances per process the benchmarks may create (precisions x modes x scaling points).
-MAX_COMPILED_INSTANCES = 64
-
-
-def _allow_many_instances() -> None:
-    """Dynamo caches compiled code per code object, guarded on ``self``'s identity: every
-    ``TorchStep`` instance adds an entry. Past the recompile limit (default 8) it would silently
-    run eager, so raise the limit."""
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):  # the newer name, then the older one
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name,
-                    max(getattr(torch._dynamo.config, name), MAX_COMPILED_INSTANCES))
-
-
-def _count_graph_nodes(graph) -> int | None:
-    """Nodes of a captured ``torch.cuda.CUDAGraph`` (needs ``keep_graph=True`` and cuda-python);
-    None when either is missing."""
-    try:
-        from cuda.bindings import driver
-
-        from foxhunt.fast.graphs import count_nodes
-
-        return count_nodes(driver.CUgraph(int(graph.raw_cuda_graph())))
-    except Exception:  # noqa: BLE001 - a count is a nicety, never a failure
-        return None
 
 
 __all__ = ["BATCH_FIELDS", "CAPTURE_WARMUP_STEPS", "MODES", "SCALARS", "DuelingC51Net", "PeerNet",

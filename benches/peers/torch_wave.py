@@ -219,6 +219,6 @@ def wave_gemm_flops(config: DQNConfig) -> int:
     return total
 
 
-__all__ = ["AUX_KEYS", "WAVE_SOURCES", "AuxHeads", "EnsemblePriors", "IqnHead", "WaveConstants", "aux_losses",
-           "ens_loss", "iqn_loss", "label_scale_rate", "label_scale_update", "mse_loss",
+__all__ = ["AUX_KEYS", "WAVE_SOURCES", "AuxHeads", "EnsemblePriors", "IqnHead", "WaveConstants",
+           "aux_losses", "ens_loss", "iqn_loss", "label_scale_rate", "label_scale_update", "mse_loss",
            "mse_weight", "wave_gemm_flops"]
