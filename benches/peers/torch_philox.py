@@ -18,10 +18,13 @@ schedule costs no tensor operation.
 generator, on the peer's device, outside the step (and outside any captured CUDA graph); the
 step reads its row through a device-side counter (``TauTable.row``), so a captured step replays
 with fresh fractions and no host work. Why that is fair to both sides: the fractions are exactly
-the reference's (same generator, same counters); the generation runs once per
-``block`` steps (about 60 elementwise launches per block, a few microseconds per step
-amortised), where the fast path spends one fused launch per step on its tau/cosine kernel; so
-the peer pays slightly less per step than the fast path for the same numbers.
+the reference's (same generator, same counters, so the peer does the same learning work); the
+generation is about 220 elementwise operations per block (10 rounds of two split products and
+the xors), amortised over the block's steps (1024 on CUDA: microseconds per step), where the
+fast path draws them per step inside its one fused tau/cosine kernel. Per step the peer then
+gathers its row and computes the cosine features in a few launches. Neither side gets numbers
+the other does not compute, and the generation the peer moves out of the step costs it
+microseconds per step amortised, so timing the peer's step this way favours it, if anything.
 """
 
 from __future__ import annotations
