@@ -49,7 +49,7 @@ import numpy as np
 import pytest
 
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.loop import LoopSettings
 
 FULL = os.environ.get("FOXHUNT_BENCH_FULL") == "1"
@@ -443,7 +443,9 @@ class Harness:
 
     @staticmethod
     def config(preset: str, precision: str, **overrides: Any) -> DQNConfig:
-        return DQNConfig.preset(preset, precision=precision, **overrides)
+        """The preset's sizes with every second-wave source off (the core step), then
+        ``overrides`` (e.g. ``config.source_overrides(...)``'s sources)."""
+        return DQNConfig.preset(preset, precision=precision, **{**CORE_STEP, **overrides})
 
     def _get(self, key: tuple, build: Callable[[], Runner]) -> Runner:
         """The cached runner; a build that skipped (a compile mode that cannot compile here)

@@ -27,7 +27,7 @@ import torch
 
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import CORE_STEP, DQNConfig, source_overrides
 from foxhunt.reference.kernels import rng
 from foxhunt.reference.layout import ParamLayout, init_params
 from foxhunt.reference.step import loss_and_grads
@@ -53,7 +53,7 @@ UNIT_VECTOR_ATOL = 1e-5
 STRESSED = {"max_grad_norm": 0.01, "sigma_max": 0.5}
 
 #: Each second-wave source alone and all of them together.
-SOURCES = {**WAVE_SOURCES, "all": {k: v for fields in WAVE_SOURCES.values() for k, v in fields.items()}}
+SOURCES = {name: source_overrides(name) for name in (*WAVE_SOURCES, "all")}
 #: The epoch the warm-up cases run at: blend weight 1 - 1/4, so both terms count.
 MSE_EPOCH = 1
 
@@ -86,7 +86,7 @@ def assert_grad_close(name: str, actual: np.ndarray, expected: np.ndarray) -> No
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_losses_and_gradients_match_reference(preset):
-    config = DQNConfig.preset(preset, precision="f32")
+    config = DQNConfig.preset(preset, precision="f32", **CORE_STEP)
     layout = ParamLayout(config)
     # A target net far from the online one (x4: sharper distributions), so that p' matters.
     params, target = init_params(layout, 11), init_params(layout, 12) * np.float32(4)
@@ -172,7 +172,7 @@ STEP_CASES += [("tiny", "all", STRESSED)]
 @pytest.mark.parametrize("preset,source,overrides", STEP_CASES,
                          ids=[f"{p}-{s}" + ("-stressed" if o else "") for p, s, o in STEP_CASES])
 def test_steps_match_reference_trainer(preset, source, overrides):
-    config = DQNConfig.preset(preset, precision="f32", **SOURCES.get(source, {}), **overrides)
+    config = DQNConfig.preset(preset, precision="f32", **source_overrides(source), **overrides)
     rng = np.random.default_rng(21)
     batches = [Batch.random(config, rng) for _ in range(3)]
     trainer = Trainer(config, seed=3)
@@ -256,7 +256,7 @@ def test_step_gemm_flops_match_torch_flop_counter(preset, source):
     ``2 B NA^2`` per branch)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    config = DQNConfig.preset(preset, precision="f32", **SOURCES.get(source, {}))
+    config = DQNConfig.preset(preset, precision="f32", **source_overrides(source))
     peer = TorchStep(config, device="cpu")
     batch = Batch.random(config, np.random.default_rng(0))
     with FlopCounterMode(display=False) as counter:
@@ -281,7 +281,7 @@ def test_compiled_peer_matches_eager(source):
     """``torch.compile`` changes the kernels, not the step (CPU inductor; about a minute)."""
     if os.environ.get("FOXHUNT_BENCH_FULL") != "1":
         pytest.skip("compiles the step with inductor (about a minute): set FOXHUNT_BENCH_FULL=1")
-    config = DQNConfig.preset("tiny", precision="f32", **SOURCES.get(source, {}))
+    config = DQNConfig.preset("tiny", precision="f32", **source_overrides(source))
     batches = [Batch.random(config, np.random.default_rng(i)) for i in range(3)]
     eager = TorchStep(config, mode="eager", device="cpu")
     compiled = TorchStep(config, mode="compile", device="cpu")

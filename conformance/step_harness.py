@@ -28,7 +28,7 @@ from foxhunt.conformance.step_conditioning import condition_batch
 from foxhunt.conformance.tolerance import Comparison
 from foxhunt.reference.backend import StepScalars, TrainerBackend, get_backend
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import SECOND_WAVE_SOURCES, DQNConfig, source_overrides
 from foxhunt.reference.layout import ParamLayout
 from foxhunt.reference.trainer import Trainer
 
@@ -56,28 +56,17 @@ class Case:
         return {k: np.array(v, copy=True) for k, v in self.state.items()}
 
 
-#: The second-wave source cases (SPEC 4; issue 18): the config fields each turns on, with the
-#: seed preset's weights where SPEC 4 gives them (IQN 1.0, auxiliary heads 0.1 each). ``core``
-#: is the core step; ``all`` every source at once.
+#: The step variants (SPEC 4; issue 18): ``core`` (every second-wave source off), each source
+#: alone, ``all`` of them; the config overrides of each (``config.source_overrides``).
 SOURCES: Mapping[str, Mapping[str, object]] = {
-    "core": {},
-    "iqn": {"lambda_iqn": 1.0},
-    "aux": {"aux_next_bar_weight": 0.1, "aux_regime_weight": 0.1},
-    "mse": {"c51_warmup_epochs": 4},
-    "ens": {"ens_weight": 1.0},
-}
-SOURCES = {**SOURCES, "all": {k: v for fields in SOURCES.values() for k, v in fields.items()}}
+    name: source_overrides(name) for name in ("core", *SECOND_WAVE_SOURCES, "all")}
 #: The epoch the ``mse`` cases' states are at (blend weight 1 - 1/4: both terms count).
 MSE_EPOCH = 1
 
 
 def fast_sources() -> tuple[str, ...]:
-    """The second-wave source cases the fast step implements (``fast.trainer.FAST_SECOND_WAVE``;
-    the others are refused in one line until they land)."""
-    from foxhunt.fast.trainer import FAST_SECOND_WAVE
-
-    return tuple(name for name, fields in SOURCES.items()
-                 if name != "core" and set(fields) <= FAST_SECOND_WAVE)
+    """The second-wave source cases (every one: the fast step implements them all)."""
+    return tuple(name for name in SOURCES if name != "core")
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,7 +37,7 @@ from foxhunt.conformance import registry
 from foxhunt.conformance.registry import KernelSpec
 from foxhunt.conformance.tolerance import compare
 from foxhunt.reference import isv as isv_mod
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.layout import ParamLayout, init_params
 from foxhunt.reference.kernels import safety as ref_safety
 from foxhunt.reference.kernels import spectral as ref_spectral
@@ -373,7 +373,7 @@ def test_gemm_plan_graph_replay_equals_eager(precision, epilogue, cuda_device, r
 def seed_spectral_problem() -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray]]:
     """The seed network's 10 weight matrices at init (every other one scaled by 8, so its
     sigma exceeds sigma_max and the rescaling path runs) with the trainer's u, v."""
-    layout = ParamLayout(DQNConfig.preset("seed"))
+    layout = ParamLayout(DQNConfig.preset("seed", **CORE_STEP))
     views = layout.views(init_params(layout, 5))
     ws, us, vs = [], [], []
     for i, t in enumerate(layout.weight_matrices):

@@ -27,7 +27,7 @@ Same interface, state and numerics contract as ``foxhunt.reference.trainer.Train
 - ``q_values``, ``last_td_errors``, ``state_dict``/``load_state_dict``, ``fold_boundary`` and
   the ``flags`` property synchronise (they are not in the hot path). Checkpoints use the
   reference's keys, dtypes and shapes: a checkpoint loads into either backend.
-- Second wave (``FAST_SECOND_WAVE``: every source): with the IQN head on, the state's ``step``
+- Second wave (every source of ``config.SECOND_WAVE_SWITCHES``): with the IQN head on, the state's ``step``
   is the device step counter the quantile fractions read as their offset (graph 2 advances
   it), and its ``seed`` the fractions' key, a launch argument of graph 1: loading the state of
   another seed rebuilds the engine (``_reseed``).
@@ -48,14 +48,10 @@ from foxhunt.reference.backend import (
     validate_state_dict,
 )
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import SECOND_WAVE_SWITCHES, DQNConfig
+from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense as ref_dense
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
-#: The second-wave switches (``config.SECOND_WAVE_SWITCHES``) the fast step implements; a
-#: config that turns on another is refused in one line (issue 18 lands them source by source).
-FAST_SECOND_WAVE = frozenset({"lambda_iqn", "aux_next_bar_weight", "aux_regime_weight",
-                              "c51_warmup_epochs", "ens_weight"})
 #: Pinned staging buffers (and upload graphs) the host cycles through.
 STAGING_RING = 2
 #: Row counts whose ``q_values`` graph is kept (least recently used evicted beyond it).
@@ -82,12 +78,6 @@ class Trainer(TrainerBackend):
     def _check_config(config) -> None:
         if not isinstance(config, DQNConfig):
             raise ValueError(f"config: expected a DQNConfig, got {type(config).__name__}")
-        refused = [n for n in config.second_wave_on if n not in FAST_SECOND_WAVE]
-        if refused:  # issue 18: the reference has them, the fast path not yet
-            name = refused[0]
-            raise ValueError(f"{name}={getattr(config, name)!r}: the fast backend does not "
-                             f"implement {SECOND_WAVE_SWITCHES[name]} yet (backend "
-                             "'reference' does)")
 
     def _make_engine(self, config: DQNConfig, *, seed: int, device, gemm_workspace: str):
         from foxhunt.fast.device import _require_cuda
@@ -324,4 +314,4 @@ class Trainer(TrainerBackend):
             self._engine.close()
 
 
-__all__ = ["EVAL_CACHE_SIZE", "FAST_SECOND_WAVE", "STAGING_RING", "Trainer"]
+__all__ = ["EVAL_CACHE_SIZE", "STAGING_RING", "Trainer"]

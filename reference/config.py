@@ -2,7 +2,9 @@
 
 A frozen dataclass validated at construction: each bad value raises ``ValueError`` naming the
 field, the value, and what is allowed. ``DQNConfig.preset("seed")`` is the production size
-(289,611 parameters); ``DQNConfig.preset("tiny")`` is the size the fast tests use.
+(289,611 core parameters, plus the IQN and auxiliary heads it turns on: ``SEED_SECOND_WAVE``);
+``DQNConfig.preset("tiny")`` is the size the fast tests use (core step only). The field defaults
+are the ``seed`` sizes with every second-wave source off.
 
 JSON round trip: ``DQNConfig.from_dict(cfg.to_dict()) == cfg``; unknown keys are rejected by
 name so that a checkpoint written by a different version fails loudly instead of silently
@@ -34,6 +36,33 @@ SECOND_WAVE_SWITCHES = {
     "ens_weight": "the ensemble diversity source",
     "c51_warmup_epochs": "the MSE warm-up",
 }
+
+#: The overrides that turn every second-wave source off: the core step (C51 + CQL).
+CORE_STEP: dict[str, Any] = {name: 0 for name in SECOND_WAVE_SWITCHES}
+
+#: Each second-wave source alone, as the fields that turn it on: SPEC 4's seed weights where it
+#: gives them (IQN 1.0, auxiliary heads 0.1 each), the ensemble at weight 1.0 with its default K
+#: (``ens_heads``), the warm-up over 4 epochs. Tests, conformance and benches use these.
+SECOND_WAVE_SOURCES: dict[str, dict[str, Any]] = {
+    "iqn": {"lambda_iqn": 1.0},
+    "aux": {"aux_next_bar_weight": 0.1, "aux_regime_weight": 0.1},
+    "mse": {"c51_warmup_epochs": 4},
+    "ens": {"ens_weight": 1.0},
+}
+
+
+def source_overrides(source: str) -> dict[str, Any]:
+    """The config overrides of one step variant: ``"core"`` (every source off), one of
+    ``SECOND_WAVE_SOURCES`` alone, or ``"all"`` of them together."""
+    if source == "core":
+        return dict(CORE_STEP)
+    if source == "all":
+        return {**CORE_STEP, **{k: v for f in SECOND_WAVE_SOURCES.values() for k, v in f.items()}}
+    if source not in SECOND_WAVE_SOURCES:
+        raise ValueError(f"source={source!r}: allowed values are "
+                         f"{('core', *SECOND_WAVE_SOURCES, 'all')}")
+    return {**CORE_STEP, **SECOND_WAVE_SOURCES[source]}
+
 
 #: Tolerance on ``sum(budgets) == 1``.
 BUDGET_SUM_TOL = 1e-6
@@ -270,7 +299,8 @@ class DQNConfig:
     # ------------------------------------------------------------------ construction helpers
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> "DQNConfig":
-        """``"seed"`` (production, 289,611 parameters) or ``"tiny"`` (fast tests)."""
+        """``"seed"`` (production: 289,611 core parameters, IQN and auxiliary heads on) or
+        ``"tiny"`` (fast tests, core step)."""
         try:
             base = PRESETS[name]
         except KeyError:
@@ -306,8 +336,15 @@ class DQNConfig:
         return cls.from_dict(json.loads(text))
 
 
+#: The ``seed`` preset's second-wave switches (SPEC 4, from the seeds): the IQN head (its 10%
+#: budget at full weight) and both auxiliary heads on; the ensemble off (its priors are
+#: implemented and conformance-tested, but the seeds run it dormant); MSE warm-up 0 epochs.
+#: The dataclass defaults keep every source off: ``DQNConfig()`` is the core step (C51 + CQL).
+SEED_SECOND_WAVE: dict[str, Any] = dict(lambda_iqn=1.0, aux_next_bar_weight=0.1,
+                                         aux_regime_weight=0.1)
+
 PRESETS: dict[str, dict[str, Any]] = {
-    "seed": {},
+    "seed": SEED_SECOND_WAVE,
     "tiny": dict(
         batch_size=32, state_dim=16, shared_h1=32, shared_h2=32, value_h=16, adv_h=16,
         num_atoms=11, branches=(3, 2),

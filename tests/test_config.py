@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from foxhunt.reference.config import BUDGET_SOURCES, DQNConfig
+from foxhunt.reference.config import BUDGET_SOURCES, CORE_STEP, DQNConfig, source_overrides
 
 
 def test_seed_preset_matches_spec_table():
@@ -203,12 +203,21 @@ def test_an_ambiguous_name_needs_its_section(monkeypatch):
 
 
 # ------------------------------------------------------------------ second wave (issue 18)
-def test_second_wave_defaults_are_the_core_step():
-    for name in ("seed", "tiny"):
-        c = DQNConfig.preset(name)
+def test_second_wave_defaults_are_the_core_step_and_the_seed_preset_follows_spec_4():
+    for c in (DQNConfig(), DQNConfig.preset("tiny"), DQNConfig.preset("seed", **CORE_STEP)):
         assert (c.lambda_iqn, c.ens_weight, c.aux_next_bar_weight, c.aux_regime_weight,
                 c.c51_warmup_epochs) == (0.0, 0.0, 0.0, 0.0, 0)
         assert c.second_wave_on == () and not (c.iqn_on or c.ens_on or c.aux_on or c.mse_on)
+    # SPEC 4: the seed preset runs the IQN head and the auxiliary heads, not the ensemble, no
+    # warm-up; every other field is the dataclass default.
+    seed = DQNConfig.preset("seed")
+    assert (seed.lambda_iqn, seed.aux_next_bar_weight, seed.aux_regime_weight) == (1.0, 0.1, 0.1)
+    assert (seed.ens_weight, seed.c51_warmup_epochs) == (0.0, 0)
+    assert seed.replace(**CORE_STEP) == DQNConfig()
+    assert source_overrides("iqn") == {**CORE_STEP, "lambda_iqn": 1.0}
+    with pytest.raises(ValueError, match=r"^source='x': allowed values are \('core', 'iqn', 'aux', "
+                                         r"'mse', 'ens', 'all'\)$"):
+        source_overrides("x")
     c = DQNConfig()
     # The contract's shape defaults (the seeds' IQN_NUM_QUANTILES = 5).
     assert (c.iqn_quantiles, c.iqn_embed, c.ens_heads, c.aux_hidden, c.n_regimes) == (5, 64, 3, 32, 3)

@@ -36,7 +36,7 @@ from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.budgets import budget_pipeline
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.kernels import distributional as dist
 from foxhunt.reference.step import loss_and_grads
 from foxhunt.reference.trainer import Trainer as RefTrainer
@@ -123,12 +123,13 @@ def test_package_exports_the_trainer():
 
 
 def test_step_layout_covers_every_reference_sentinel_buffer():
-    """The fused check watches exactly the reference's per-step buffers, online(s) rows only."""
+    """The fused check watches exactly the reference's per-step buffers, online(s) rows only
+    (the core step; the second wave's slots: tests/test_fast_second_wave.py)."""
     from foxhunt.fast.sentinel_plan import sentinel_pieces
     from foxhunt.fast.step_layout import StepLayout
 
     for preset in ("tiny", "seed"):
-        config = DQNConfig.preset(preset)
+        config = DQNConfig.preset(preset, **CORE_STEP)
         lay = StepLayout(config)
         ref = RefTrainer(config.replace(readback_interval=1))
         batch = Batch.random(config, np.random.default_rng(0))

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.layout import ALIGN_BYTES, ParamLayout, init_params
 
 SEED_NAMES = [
@@ -17,11 +17,19 @@ SEED_NAMES = [
 
 
 def test_seed_layout_counts_and_order():
-    lay = ParamLayout(DQNConfig.preset("seed"))
-    assert lay.total_params == 289611
-    assert [t.name for t in lay.tensors] == SEED_NAMES
-    assert [t.index for t in lay.tensors] == list(range(20))
-    assert len(lay.weight_matrices) == 10
+    core = ParamLayout(DQNConfig())  # the field defaults: the seed sizes, second wave off
+    assert core.total_params == core.core_params == 289611
+    assert [t.name for t in core.tensors] == SEED_NAMES
+    assert [t.index for t in core.tensors] == list(range(20))
+    assert len(core.weight_matrices) == 10
+    lay = ParamLayout(DQNConfig.preset("seed"))  # the preset adds the IQN and auxiliary heads
+    assert [t.name for t in lay.tensors][:20] == SEED_NAMES and lay.core_params == 289611
+    sh2, axh, ncos, actions = 256, 32, 64, 3 + 3 + 2
+    aux = (axh * sh2 + axh + axh + 1) + (axh * sh2 + axh + 3 * axh + 3)  # next-bar, regime
+    iqn = sh2 * ncos + sh2 + actions * sh2 + actions
+    assert lay.head_params == {"aux": aux, "iqn": iqn, "ens": 0}
+    assert lay.total_params == 289611 + aux + iqn == 324887
+    assert len(lay.weight_matrices) == 10 + 4 + 2
     assert lay["w_order2"].shape == (3 * 51, 128)
     assert lay["w_urgency2"].shape == (2 * 51, 128)
     assert lay["w_s1"].shape == (256, 128)
@@ -92,7 +100,7 @@ def second_wave(preset="tiny", **over):
 @pytest.mark.parametrize("preset", ["seed", "tiny"])
 def test_second_wave_tensors_follow_the_core_in_contract_order(preset):
     c = second_wave(preset, iqn_embed=8, ens_heads=3, aux_hidden=5, n_regimes=4)
-    lay, core = ParamLayout(c), ParamLayout(DQNConfig.preset(preset))
+    lay, core = ParamLayout(c), ParamLayout(DQNConfig.preset(preset, **CORE_STEP))
     n_core = len(core.tensors)
     assert [(t.name, t.shape, t.offset) for t in lay.tensors[:n_core]] == \
         [(t.name, t.shape, t.offset) for t in core.tensors]

@@ -209,7 +209,6 @@ def test_loop_refuses_too_few_regime_classes():
 # -------------------------------------------------------------------------------- the step
 from foxhunt.reference import isv as isv_mod  # noqa: E402
 from foxhunt.reference import step as step_mod  # noqa: E402
-from foxhunt.reference import trainer as trainer_mod  # noqa: E402
 from foxhunt.reference.kernels import optim  # noqa: E402
 from foxhunt.reference.layout import ParamLayout  # noqa: E402
 from foxhunt.reference.trainer import Trainer  # noqa: E402
@@ -346,28 +345,6 @@ def test_the_loop_sets_the_epoch_at_each_epoch_start(monkeypatch):
                                  warmup_transitions=32, replay_capacity=128, seed=1,
                                  val_frac=0.125, test_frac=0.125))
     assert seen == [0, 1, 2, 0, 1, 2]
-
-
-def test_fast_backend_refuses_a_second_wave_source_in_one_line():
-    """Each switch the fast step does not implement yet (``fast.trainer.FAST_SECOND_WAVE`` lists
-    those it does, as they land) is refused before any CUDA work, in one line."""
-    import foxhunt.fast
-    from foxhunt.fast import trainer as fast_trainer
-    from foxhunt.fast.cpu_executor import CpuTrainer
-
-    done = getattr(fast_trainer, "FAST_SECOND_WAVE", frozenset())
-    cases = [(field, value, what) for field, value, what in (
-        ("lambda_iqn", 1.0, "the IQN head"),
-        ("ens_weight", 0.5, "the ensemble diversity source"),
-        ("aux_next_bar_weight", 0.1, "the next-bar auxiliary head"),
-        ("aux_regime_weight", 0.2, "the regime auxiliary head"),
-        ("c51_warmup_epochs", 2, "the MSE warm-up")) if field not in done]
-    for cls in (foxhunt.fast.Trainer, CpuTrainer):
-        for field, value, what in cases:
-            with pytest.raises(ValueError) as err:
-                cls(TINY.replace(**{field: value}))
-            assert str(err.value) == (f"{field}={value!r}: the fast backend does not implement "
-                                      f"{what} yet (backend 'reference' does)")
 
 
 def test_fast_cpu_executor_set_epoch_writes_the_device_isv():

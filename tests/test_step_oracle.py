@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.layout import ParamLayout, branch_name, init_params
 from foxhunt.reference.step import loss_and_grads
 
@@ -94,7 +94,10 @@ def assert_grad_close(layout, ours, ref, what):
 
 @pytest.mark.parametrize("preset", ["tiny", "seed"])
 def test_loss_and_grads_match_torch_autograd(preset):
-    config = DQNConfig.preset(preset, precision="f32", gamma=(0.99, 0.9, 0.5)[: len(DQNConfig.preset(preset).branches)])
+    # The core step (C51 + CQL) at the preset's sizes; the second wave has its own oracles.
+    branches = DQNConfig.preset(preset).branches
+    config = DQNConfig.preset(preset, precision="f32", gamma=(0.99, 0.9, 0.5)[: len(branches)],
+                              **CORE_STEP)
     layout, ours, (c51, cql, td, g_c51, g_cql) = _oracle(config, seed=3)
     assert ours["c51_loss"].dtype == np.float32 and ours["cql_loss"].dtype == np.float32
     np.testing.assert_allclose(ours["c51_loss"], c51, rtol=1e-5)
@@ -135,7 +138,7 @@ def test_batch_validation_names_the_field():
 @pytest.mark.parametrize("branch", [0, 1, 2])
 def test_batch_validation_catches_every_out_of_range_action(branch, value):
     """Negative and too-large actions in any branch, at any row; valid edge values pass."""
-    config = DQNConfig.preset("seed")
+    config = DQNConfig.preset("seed", **CORE_STEP)
     b = Batch.random(config, np.random.default_rng(1))
     edge = b.a.copy()
     edge[:, branch] = config.branches[branch] - 1

@@ -31,22 +31,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import SECOND_WAVE_SOURCES, DQNConfig
 from foxhunt.reference.isv import SHARPE_EMA_INDEX, adaptive_ema_rate
 from foxhunt.reference.kernels.aux import LABEL_SCALE_FLOOR
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.warmup import warmup_weight
 
-#: Each second-wave source alone, as the config fields that turn it on: SPEC 4's seed weights
-#: where it gives them (IQN 1.0, auxiliary heads 0.1 each), the ensemble at weight 1.0 with the
-#: default K (``ens_heads``), the warm-up over 4 epochs. The tests and the step benchmarks use
-#: these, alone and together.
-WAVE_SOURCES = {
-    "iqn": {"lambda_iqn": 1.0},
-    "aux": {"aux_next_bar_weight": 0.1, "aux_regime_weight": 0.1},
-    "ens": {"ens_weight": 1.0},
-    "mse": {"c51_warmup_epochs": 4},
-}
+#: Each second-wave source alone, as the config fields that turn it on (``config``'s single
+#: definition). The tests and the step benchmarks use these, alone and together.
+WAVE_SOURCES = SECOND_WAVE_SOURCES
 
 #: The auxiliary heads in layout order: (key, config weight field).
 AUX_KEYS = (("nb", "aux_next_bar_weight"), ("rg", "aux_regime_weight"))
