@@ -112,6 +112,9 @@ STEP_BOUNDS: Mapping[str, Row] = {
     "scalars.counters": Row("exact", "step, read_at, fresh, safety_clip_fired, flags"),
     "scalars.norms": Row("|d| <= eps_g |x| + 4u|x|",
                          "| ||g_f|| - ||g_r|| | <= ||g_f - g_r|| <= eps_g ||g_r|| (triangle inequality)"),
+    "scalars.ens_norms": Row("|d| <= (eps_g + 4u + 8u / sqrt(2 KL)) |x|, KL = -ens_loss",
+                             "the diversity gradient (p_k - p_0) / (B (K-1)) cancels when the "
+                             "heads agree: rounding u of p is u / sqrt(2 KL) of the difference"),
     "scalars.losses": Row("|d| <= eps_f (|x| + log max(NA, n_regimes))",
                           "forward reductions of cross-entropies (C51 and CQL over NA atoms, the "
                           "ensemble's KL, the regime head's over n_regimes classes)"),
@@ -143,6 +146,9 @@ ISV_STEP_PRODUCERS: Mapping[str, tuple[Callable[[DQNConfig], float | None], str]
 COUNTER_FIELDS = ("step", "read_at", "fresh", "safety_clip_fired", "flags")
 NORM_FIELDS = ("grad_norm", "c51_norm_pre", "c51_norm_post", "cql_norm_pre", "cql_norm_post",
                "iqn_norm_pre", "iqn_norm_post", "ens_norm_pre", "ens_norm_post")
+#: The ensemble's norms (STEP_BOUNDS scalars.ens_norms) and the others (scalars.norms).
+ENS_NORM_FIELDS = ("ens_norm_pre", "ens_norm_post")
+NORM_FIELDS_OTHER = tuple(n for n in NORM_FIELDS if n not in ENS_NORM_FIELDS)
 LOSS_FIELDS = ("loss", "c51_loss", "cql_loss", "ens_loss", "aux_regime_loss")
 Q_FIELDS = ("mean_q", "mean_target_q", "iqn_loss")
 Q_SQUARED_FIELDS = ("mse_loss",)

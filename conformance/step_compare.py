@@ -15,13 +15,14 @@ import numpy as np
 from foxhunt.conformance.step_bounds import (
     ADAM_ROUNDINGS,
     COUNTER_FIELDS,
+    ENS_NORM_FIELDS,
     EXACT,
     EXACT_SCALAR_FIELDS,
     F32,
     F64,
     ISV_STEP_PRODUCERS,
     LOSS_FIELDS,
-    NORM_FIELDS,
+    NORM_FIELDS_OTHER,
     POLYAK_TOL,
     Q_FIELDS,
     Q_SQUARED_FIELDS,
@@ -305,7 +306,14 @@ def _scalar_comparisons(cx: _Context, label: str, ref: StepScalars, fast: StepSc
     for name in COUNTER_FIELDS:  # compared as integers: a bool and a 0/1 int are the same fact
         out.append(compare(f"{label}.{name}", np.asarray(getattr(fast, name), np.int64),
                            np.asarray(getattr(ref, name), np.int64), EXACT))
-    for fields, rule in ((NORM_FIELDS, lambda x: cx.eps_g * abs(x) + 4 * U * abs(x)),
+    # The ensemble's diversity gradient (p_k - p_0) / (B (K-1)) subtracts nearly equal
+    # probabilities when the heads agree: f32 rounding of p (u relative to p) becomes
+    # u / sqrt(2 KL) relative to the difference, KL = -ens_loss (the mean KL per row and prior
+    # head; ||p_k - p_0|| ~ sqrt(2 KL / NA), ||p|| ~ 1 / sqrt(NA)). STEP_BOUNDS scalars.ens_norms.
+    kl = max(-F64(ref.ens_loss), U) if math.isfinite(F64(ref.ens_loss)) else U
+    ens_amp = 8 * U / math.sqrt(2 * kl)
+    for fields, rule in ((ENS_NORM_FIELDS, lambda x: (cx.eps_g + 4 * U + ens_amp) * abs(x)),
+                         (NORM_FIELDS_OTHER, lambda x: cx.eps_g * abs(x) + 4 * U * abs(x)),
                          (LOSS_FIELDS, lambda x: cx.eps_f * (abs(x) + cx.log_classes)),
                          (Q_FIELDS, lambda x: cx.eps_f * (abs(x) + cx.zmax)),
                          (Q_SQUARED_FIELDS, lambda x: cx.eps_f * (abs(x) + cx.zmax ** 2)),

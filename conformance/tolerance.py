@@ -299,10 +299,13 @@ def compare(name: str, actual: Any, expected: Any, tol: Tolerance,
 
 def _compare_exact_region(result: Comparison, actual: np.ndarray, expected: np.ndarray,
                           mask: Any) -> None:
-    """Elements under ``mask`` must be bit-for-bit equal (values a kernel only copies)."""
+    """Elements under ``mask`` must be bit-for-bit equal (values a kernel only copies or scales
+    exactly), two NaNs counting as equal: NaN payloads are no kernel's contract (see
+    ``Tolerance.nan_payload``), NaN positions are."""
     mask = np.broadcast_to(np.asarray(mask, dtype=bool), actual.shape)
     view = np.dtype(f"u{actual.dtype.itemsize}")
-    differ = mask & (np.ascontiguousarray(actual).view(view) != np.ascontiguousarray(expected).view(view))
+    a, e = np.ascontiguousarray(actual), np.ascontiguousarray(expected)
+    differ = mask & (a.view(view) != e.view(view)) & ~(_nan_bits(a) & _nan_bits(e))
     if differ.any():
         idx = _index(int(np.flatnonzero(differ.reshape(-1))[0]), actual.shape)
         result.mismatches += int(differ.sum())

@@ -30,7 +30,7 @@ from foxhunt.reference import aux_heads, iqn_head, sentinels
 from foxhunt.reference import step as ref_step
 from foxhunt.reference import trainer as ref_trainer
 from foxhunt.reference.kernels.step import READBACK_INDEX
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.kernels import aux as aux_kernels
 from foxhunt.reference.kernels import ensemble as ens_kernels
 from foxhunt.reference.kernels import iqn as iqn_kernels
@@ -78,7 +78,7 @@ def _buffers(plans: dict) -> set[str]:
 @pytest.mark.parametrize("preset", ["tiny", "seed"])
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_weight_zero_is_the_core_plan_record_for_record(preset, precision):
-    core = DQNConfig.preset(preset, precision=precision)
+    core = DQNConfig.preset(preset, precision=precision, **CORE_STEP)
     shaped = core.replace(**SHAPES_CHANGED)
     assert not shaped.second_wave_on
     plans_core, plans_shaped = _plans(core), _plans(shaped)
