@@ -216,8 +216,16 @@ class FastCollector:
         self.eps = F32(eps)
         self._device.arena.upload("eps", np.array([self.eps], F32))
 
+    def _check_engine(self, trainer) -> None:
+        """The graphs embed the addresses, GEMM plans and seed key of the engine they were
+        built on: a rebuilt (``Trainer._reseed``) or closed one must not be run through them."""
+        if trainer.engine is not self._device.engine or getattr(trainer.engine, "closed", False):
+            raise RuntimeError("trainer: its engine was rebuilt (a state of another seed loaded) "
+                               "or closed after this collector was built; build a new FastCollector")
+
     def warmup(self, trainer, transitions: int) -> None:
         """Collection cycles with ``eps = 1`` until the ring holds ``transitions``."""
+        self._check_engine(trainer)
         eps = self.eps
         if self.size < transitions:
             self.begin_epoch(1.0)
@@ -231,6 +239,7 @@ class FastCollector:
         if self.size < self.config.batch_size:
             raise ValueError(f"replay holds {self.size} transitions, fewer than "
                              f"batch_size={self.config.batch_size}")
+        self._check_engine(trainer)
         self._device.run("train")
         self._added()
         return trainer.step_enqueued()

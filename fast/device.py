@@ -234,7 +234,9 @@ class Device:
             call(_driver().cuStreamSynchronize, as_stream_handle(stream))
 
     def copy_to_host(self, out: np.ndarray, src_ptr: int, stream=None, *, wait: bool = True) -> np.ndarray:
-        """Copy ``out.nbytes`` bytes from ``src_ptr`` into the C-contiguous host array ``out``."""
+        """Copy ``out.nbytes`` bytes from ``src_ptr`` into the C-contiguous host array ``out``.
+        With ``wait=False`` and a pinned ``out`` the copy lands later: the caller keeps ``out``
+        alive until it has synchronised ``stream``."""
         if not out.flags.c_contiguous or not out.flags.writeable:
             raise ValueError("out: the host array must be C-contiguous and writeable")
         stream = self.stream if stream is None else stream
@@ -342,15 +344,36 @@ class _PinnedHost:
 
     def view(self, offset: int, shape, dtype) -> np.ndarray:
         count = int(np.prod(shape, dtype=np.int64))
+        if offset < 0 or offset + count * dtype.itemsize > self.nbytes:
+            raise ValueError(f"view: {count * dtype.itemsize} bytes at offset {offset} overrun the "
+                             f"{self.nbytes}-byte pinned block")
         raw = (ctypes.c_char * max(count * dtype.itemsize, 1)).from_address(self.host_ptr + offset)
         raw._owner = self  # the array's base keeps this allocation alive
         return np.frombuffer(raw, dtype=dtype, count=count).reshape(shape)
 
+    def contains(self, address: int, nbytes: int) -> bool:
+        """Whether bytes ``[address, address + nbytes)`` lie inside this block."""
+        return self.host_ptr <= address and address + nbytes <= self.host_ptr + self.nbytes
+
     def __del__(self):
+        # Only once no view is left, and a graph that copies to or from the block holds a view
+        # (``GraphCapture.hold``) until it is closed and its last launch has finished.
         try:
             call(_driver().cuMemFreeHost, self.host_ptr)
         except Exception:  # noqa: BLE001
             pass
+
+
+def pinned_block(array) -> _PinnedHost | None:
+    """The page-locked block behind ``array`` (a view, at any depth, of memory from
+    ``Device.pinned_empty`` or ``PinnedScalars``), or None for ordinary pageable memory."""
+    obj = array
+    while obj is not None:
+        owner = getattr(obj, "_owner", None)
+        if isinstance(owner, _PinnedHost):
+            return owner
+        obj = getattr(obj, "base", None)
+    return None
 
 
 class PinnedScalars:
@@ -436,4 +459,5 @@ __all__ = [
     "cuda_available",
     "default_arch",
     "grid_for",
+    "pinned_block",
 ]

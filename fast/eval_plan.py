@@ -74,9 +74,16 @@ WALK_STREAMS = {"start_stream": STREAMS["episode_start"], "explore_stream": STRE
 NO_KEY = {"key_lo": 0, "key_hi": 0}
 
 
+def eval_host_specs(evl: EvalLayout) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """The host buffers ``x_host`` (the states, ``[rows, SD]``) and ``q_host`` (the packed Q
+    values, as ``q_e``): ``{name: (shape, dtype)}``."""
+    return {X_HOST: ((evl.rows, evl.SD), np.dtype(F32)), Q_HOST: (evl.specs["q_e"][0], np.dtype(F32))}
+
+
 def eval_host_nbytes(evl: EvalLayout) -> dict[str, int]:
-    """Bytes of the host buffers ``x_host`` (the states) and ``q_host`` (the Q values)."""
-    return {X_HOST: evl.rows * evl.SD * 4, Q_HOST: evl.specs["q_e"][0][0] * 4}
+    """Bytes of the host buffers of ``eval_host_specs``."""
+    return {name: int(np.prod(shape)) * dtype.itemsize
+            for name, (shape, dtype) in eval_host_specs(evl).items()}
 
 
 def eval_ops(prog: StepProgram, evl: EvalLayout) -> Ops:
@@ -256,5 +263,5 @@ def register_twins() -> None:
 
 __all__ = ["BASELINE_POLICIES", "METRICS_HOST", "NO_KEY", "OBS_HOST", "POLICIES", "Q_HOST",
            "REWARDS_HOST", "START_HOST", "WALK_STATE", "WALK_STREAMS", "WALK_TABLES", "WalkLayout",
-           "X_HOST", "begin_ops", "bar_ops", "end_ops", "eval_host_nbytes", "eval_ops",
+           "X_HOST", "begin_ops", "bar_ops", "end_ops", "eval_host_nbytes", "eval_host_specs", "eval_ops",
            "register_twins", "walk_binder", "walk_role"]

@@ -146,6 +146,7 @@ class _GpuWalk:
         with graph:
             for ops in graphs:
                 self._lowering.enqueue(ops, self.engine.stream, self.engine.pool)
+        graph.hold(*(a for ops in graphs for a in self._lowering.host_arrays(ops)))
         self._graphs[key] = graph
 
     def run(self, key) -> None:
@@ -267,6 +268,8 @@ class DeviceEvaluator:
         per_year = float(bars_per_year)
         if not np.isfinite(per_year) or per_year <= 0:
             raise ValueError(f"bars_per_year={bars_per_year!r}: need a finite value > 0")
+        if getattr(self.trainer.engine, "closed", False):  # its arena is freed
+            raise RuntimeError("walk: the trainer is closed; its graphs can no longer run")
         if self.trainer.engine is not self._engine:  # rebuilt (reseeded): follow it
             self._device.close(synchronize=False)
             self._build()

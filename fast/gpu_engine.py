@@ -18,7 +18,7 @@ import functools
 
 import numpy as np
 
-from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_ops
+from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_host_specs, eval_ops
 from foxhunt.fast.graph1_plan import graph1_ops
 from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
 from foxhunt.fast.graph_lowering import BranchPool, Lowering
@@ -27,6 +27,21 @@ from foxhunt.fast.records import Buf
 from foxhunt.fast.step_layout import READBACK_FIELDS, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram, step_constants
 from foxhunt.reference.config import DQNConfig
+
+
+#: The host mirrors of ``readback`` and ``flags`` (``GpuEngine.read``), and their arena buffers.
+READBACK_HOST, FLAGS_HOST = "readback_host", "flags_host"
+READ_BUFFERS = {READBACK_HOST: "readback", FLAGS_HOST: "flags"}
+
+
+def host_buffer_specs(layout: StepLayout, staging_slots: int) -> dict[str, tuple]:
+    """The engine's pinned host buffers, ``{name: (shape, dtype)}``: the staging ring (byte
+    mirrors of the arena's ``batch``, the upload graphs' sources) and the mirrors of the
+    ``readback`` block and the ``flags`` (``read``'s copies out)."""
+    specs = {staging_name(s): ((layout.batch_nbytes,), np.dtype(np.uint8)) for s in range(staging_slots)}
+    specs[READBACK_HOST] = ((len(READBACK_FIELDS),), np.dtype(np.float32))
+    specs[FLAGS_HOST] = ((layout.sentinel.n_desc,), np.dtype(np.int32))
+    return specs
 
 
 def _address(table, arena, buf: Buf) -> int:
@@ -47,6 +62,9 @@ class GpuEngine:
         dev = Device(0) if device is None else device
         dev.make_current()
         self.device = dev
+        #: Set by ``close()``: graphs built on this engine (a collector's, an evaluator's) must
+        #: not run any more (they read its freed arena).
+        self.closed = False
         self.module = dev.load_module(compile_sources(dev.arch))
         self.layout = lay = StepLayout(config)
         self.arena = Arena.from_specs(dev, lay.specs)
@@ -56,7 +74,9 @@ class GpuEngine:
             self.arena.upload(name, value.reshape(self.arena.spec(name).shape))
         self.stream = dev.stream
         # Pinned staging ring (byte mirrors of the arena's batch buffer) and its views.
-        self._staging = [dev.pinned_empty(lay.batch_nbytes, np.uint8) for _ in range(staging_slots)]
+        pinned = {name: dev.pinned_empty(shape, dtype)
+                  for name, (shape, dtype) in host_buffer_specs(lay, staging_slots).items()}
+        self._staging = [pinned[staging_name(s)] for s in range(staging_slots)]
         self._staging_views = [lay.batch_views(buf) for buf in self._staging]
         host = {staging_name(s): buf for s, buf in enumerate(self._staging)}
         self.program = prog = StepProgram(
@@ -84,6 +104,7 @@ class GpuEngine:
             graph = GraphCapture(self._upload_stream)
             with graph:
                 self.lowering.enqueue(ops, self._upload_stream, self.pool)
+            graph.hold(*self.lowering.host_arrays(ops))  # its staging buffer
             self._upload.append(graph)
         self._graph1 = GraphCapture(self.stream)
         with self._graph1:
@@ -95,8 +116,11 @@ class GpuEngine:
         #: Launches per step as planned (upload, graph 1, graph 2).
         self.planned_launches = (ops_up[0].node_count(), ops1.node_count(), ops2.node_count())
         # Host mirrors of the readback block and the flags (pinned: the async copies are real).
-        self._readback_host = dev.pinned_empty(len(READBACK_FIELDS), np.float32)
-        self._flags_host = dev.pinned_empty(lay.sentinel.n_desc, np.int32)
+        self._readback_host, self._flags_host = pinned[READBACK_HOST], pinned[FLAGS_HOST]
+        for host_name, name in READ_BUFFERS.items():  # read() copies the host mirror's size
+            if pinned[host_name].nbytes > self.arena.spec(name).nbytes:
+                raise AssertionError(f"{host_name}: {pinned[host_name].nbytes} bytes, buffer "
+                                     f"{name!r} holds {self.arena.spec(name).nbytes}")
 
     @property
     def graph_node_counts(self) -> tuple[int, int, int]:
@@ -131,9 +155,9 @@ class GpuEngine:
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """Synchronise, then the readback block and the flags (copies)."""
-        self.device.copy_to_host(self._readback_host, self.arena.ptr("readback"), wait=False)
-        self.device.copy_to_host(self._flags_host, self.arena.ptr("flags"), wait=False)
-        self.stream.synchronize()
+        for out, name in zip((self._readback_host, self._flags_host), READ_BUFFERS.values()):
+            self.device.copy_to_host(out, self.arena.ptr(name), wait=False)
+        self.stream.synchronize()  # the copies land before the mirrors are read
         return self._readback_host.copy(), self._flags_host.copy()
 
     def synchronize(self) -> None:
@@ -150,6 +174,7 @@ class GpuEngine:
         """Release the graphs, GEMM plans, events and device memory (unusable afterwards)."""
         from foxhunt.fast.device import _driver
 
+        self.closed = True
         try:
             self._upload_stream.synchronize()
             self.stream.synchronize()
@@ -177,8 +202,8 @@ class GpuEval:
         self.engine = engine
         self.evl = evl = EvalLayout(engine.layout, rows)
         self.arena = Arena.from_specs(dev, evl.specs)
-        self.x_host = dev.pinned_empty(evl.specs["x_e"][0], np.float32)
-        self.q_host = dev.pinned_empty(evl.specs["q_e"][0], np.float32)
+        host = {name: dev.pinned_empty(shape, dtype) for name, (shape, dtype) in eval_host_specs(evl).items()}
+        self.x_host, self.q_host = host[X_HOST], host[Q_HOST]
 
         def address(buf: Buf) -> int:
             if buf.name in evl:
@@ -188,12 +213,13 @@ class GpuEval:
         ops = eval_ops(engine.program, evl)
         check_dataflow([ops], lambda name: evl.role(name) if name in evl else engine.layout.role(name),
                        evl.zero_padding())
-        lowering = Lowering(engine.module, address, {X_HOST: self.x_host, Q_HOST: self.q_host})
+        lowering = Lowering(engine.module, address, host)
         engine.pool.reserve(ops)
         lowering.prepare(ops)
         self.graph = GraphCapture(engine.stream, max_branches=0)  # branches come from the pool
         with self.graph:
             lowering.enqueue(ops, engine.stream, engine.pool)
+        self.graph.hold(*lowering.host_arrays(ops))  # x_host and q_host
 
     def run(self, states: np.ndarray) -> list[np.ndarray]:
         self.x_host[...] = states  # casts to float32
@@ -207,4 +233,4 @@ class GpuEval:
         self.arena.close()
 
 
-__all__ = ["GpuEngine", "GpuEval"]
+__all__ = ["FLAGS_HOST", "READBACK_HOST", "READ_BUFFERS", "GpuEngine", "GpuEval", "host_buffer_specs"]

@@ -8,6 +8,12 @@ GEMM record runs its plan on the resolved operands, a copy is the matching drive
 ``parallel`` forks side streams from ``pool`` off an event and joins them back, ``record`` /
 ``wait`` become events (edges, in a capture). The CPU executor builds the same edges
 (``dataflow.dependency_graph``).
+
+A copy's host end is a raw address the DMA engine writes (or reads) whenever the graph runs, so
+each one is checked as it is resolved (``host_arrays``): the buffer exists, is C-contiguous
+(writeable when written), is page-locked (``device.pinned_block``) and holds the copy's bytes
+inside its block. The owner of a captured graph passes ``host_arrays(ops)`` to
+``GraphCapture.hold``: the graph keeps them alive as long as it can be launched.
 """
 
 from __future__ import annotations
@@ -99,8 +105,38 @@ class Lowering:
         self.host = host
         self._packed: dict[int, tuple] = {}  # id(Launch) -> (kernel, PackedArgs, record)
 
-    def _end(self, end) -> int:
-        return self.host[end.name].ctypes.data if isinstance(end, Host) else self.address(end)
+    def _end(self, end, nbytes: int, write: bool) -> int:
+        return self._host(end, nbytes, write).ctypes.data if isinstance(end, Host) else self.address(end)
+
+    def _host(self, end: Host, nbytes: int, write: bool) -> np.ndarray:
+        """The host array of copy end ``end``, checked (module docstring)."""
+        from foxhunt.fast.device import pinned_block
+
+        where = f"copy {'to' if write else 'from'} host buffer {end.name!r}"
+        array = self.host.get(end.name)
+        if not isinstance(array, np.ndarray):
+            raise ValueError(f"{where}: no such host array; host buffers: {sorted(self.host)}")
+        if not array.flags.c_contiguous or (write and not array.flags.writeable):
+            raise ValueError(f"{where}: the array must be C-contiguous{' and writeable' if write else ''}")
+        if nbytes > array.nbytes:
+            raise ValueError(f"{where}: {nbytes} bytes do not fit its {array.nbytes} bytes")
+        block = pinned_block(array)
+        if block is None or not block.contains(array.ctypes.data, nbytes):
+            raise ValueError(f"{where}: not page-locked memory (Device.pinned_empty); a graph's copy "
+                             "needs a pinned buffer that it holds")
+        return array
+
+    def host_arrays(self, ops: Ops) -> list[np.ndarray]:
+        """The host arrays the copies of ``ops`` read or write (each checked, each once), for
+        ``GraphCapture.hold``."""
+        arrays: dict[int, np.ndarray] = {}
+        for node in ops.nodes():
+            if isinstance(node, Copy):
+                for end, write in ((node.dst, True), (node.src, False)):
+                    if isinstance(end, Host):
+                        array = self._host(end, node.nbytes, write)
+                        arrays[id(array)] = array
+        return list(arrays.values())
 
     def packed(self, node: Launch):
         """``(kernel, packed arguments)`` of a launch record (packed once)."""
@@ -141,8 +177,8 @@ class Lowering:
                             bias_ptr=None if it.bias is None else self.address(it.bias),
                             aux_ptr=None if it.aux is None else self.address(it.aux), stream=stream)
             elif isinstance(it, Copy):
-                call(getattr(drv, COPY_FUNCTIONS[it.kind]), self._end(it.dst), self._end(it.src),
-                     it.nbytes, handle)
+                call(getattr(drv, COPY_FUNCTIONS[it.kind]), self._end(it.dst, it.nbytes, True),
+                     self._end(it.src, it.nbytes, False), it.nbytes, handle)
             elif isinstance(it, Parallel):
                 if pool is None:
                     raise ValueError("enqueue: a parallel section needs a BranchPool")

@@ -14,6 +14,11 @@ capture. Capture mode is thread-local: a call that is illegal during capture on 
 graph, which is how "no allocation, no sync inside a step" is enforced. If the ``with`` body
 raises, the capture is ended and discarded and the exception propagates; the stream is usable
 again. Pointers and scalars are baked in at capture: replay reads the same buffers every time.
+
+Host memory a graph copies to or from is baked in too, as a raw address: ``graph.hold(*arrays)``
+makes the graph keep those (page-locked) arrays alive until ``close()``, and ``close()`` first
+waits for the graph's last launch, so the DMA of a launch in flight never lands in host memory
+that has been freed (and perhaps reused by the Python heap) in the meantime.
 """
 
 from __future__ import annotations
@@ -70,6 +75,11 @@ class GraphCapture:
                         for _ in range(max_branches)]
         self._free = list(range(max_branches))
         self._capturing = False
+        # Host buffers the graph's copies use (``hold``), and an event recorded after each
+        # launch while there are any: ``close`` waits for it before letting them go.
+        self._held: list = []
+        self._launched = None
+        self._launch_pending = False
 
     def __enter__(self) -> GraphCapture:
         if self.graph is not None:
@@ -115,11 +125,24 @@ class GraphCapture:
         finally:
             self._free.append(index)
 
+    def hold(self, *objects) -> None:
+        """Keep ``objects`` (the host arrays the graph's copies read or write) alive until
+        ``close()``, which waits for the last launch first. Not during a capture."""
+        if self._capturing:
+            raise RuntimeError("hold: call it after the capture (an event is created here)")
+        if objects and self._launched is None:
+            drv = _driver()
+            self._launched = call(drv.cuEventCreate, drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
+        self._held.extend(objects)
+
     def replay(self, stream=None) -> None:
         if self.exec is None:
             raise RuntimeError("nothing to replay: the capture has not completed")
         handle = self.stream.handle if stream is None else as_stream_handle(stream)
         call(_driver().cuGraphLaunch, self.exec, handle)
+        if self._held:  # the launch that close() must see finished before the memory goes
+            call(_driver().cuEventRecord, self._launched, handle)
+            self._launch_pending = True
 
     @property
     def node_count(self) -> int:
@@ -133,8 +156,21 @@ class GraphCapture:
         return node_types(self.graph)
 
     def close(self) -> None:
-        """Destroy the graph, its executable, the branch streams and events."""
+        """Destroy the graph, its executable, the branch streams and events; the host buffers
+        it holds are let go only after its last launch has finished."""
         drv = _driver()
+        if self._launched is not None:
+            if self._launch_pending:
+                from foxhunt.fast.device import SYNCS
+
+                done = drv.cuEventQuery(self._launched)
+                if (done[0] if isinstance(done, tuple) else done) != drv.CUresult.CUDA_SUCCESS:
+                    SYNCS.note()
+                    call(drv.cuEventSynchronize, self._launched)
+                self._launch_pending = False
+            drv.cuEventDestroy(self._launched)
+            self._launched = None
+        self._held = []
         if self.exec is not None:
             drv.cuGraphExecDestroy(self.exec)
             self.exec = None
