@@ -117,8 +117,26 @@ class ISVSlot:
 
 
 def _signal(index: int, name: str) -> ISVSlot:
-    return ISVSlot(index, name, "f32", "isv_signal_update", ("ISV encoder", "health report"),
+    producer = RESERVED_REGIME if name in _REGIME_SIGNALS else "isv_signal_update"
+    return ISVSlot(index, name, "f32", producer, ("ISV encoder", "health report"),
                    FoldReset, 0.0)
+
+
+#: A slot whose producer string starts with this is kept (at its cold start) on purpose; the
+#: rest of the string is the reason.
+RESERVED = "reserved: "
+_REGIME_SIGNALS = ("ADX_EMA", "REGIME_DISAGREE", "REGIME_VEL_EMA", "REGIME_STABILITY")
+RESERVED_REGIME = (RESERVED + "the seed's ADX/CUSUM regime indicators; foxhunt states carry "
+                   "neither, so isv_signal_build emits 0 (slots stay 0)")
+RESERVED_MAG = (RESERVED + "the seed's magnitude branch (Quarter/Half/Full) has no foxhunt "
+                "counterpart (branches are exposure, order type, urgency)")
+RESERVED_HOLD = (RESERVED + "foxhunt's exposure branch has no Hold action (short/flat/long "
+                 "target positions)")
+
+
+def is_reserved(s: "ISVSlot") -> bool:
+    """True for a slot kept at its cold start on purpose (its producer names the reason)."""
+    return s.producer.startswith(RESERVED)
 
 
 #: The seed's signal slots 0-12, blended by ``isv_signal_update`` (the step computes the raw
@@ -150,14 +168,42 @@ _GRAD_TARGET_BASE = 31
 _GRAD_SOFT_RESET_BARS = 500
 #: SPEC 3's default discount; a bus built from a config overrides it per branch.
 GAMMA_COLD_START = 0.99
+#: The seed's per-branch gamma schedule (slots 43-46, seed order DIR, MAG, ORD, URG):
+#: ``per_branch_gamma_update`` moves each from its base to its max over the epochs.
+GAMMA_SCHEDULE_BASE = (0.92, 0.88, 0.85, 0.80)
+GAMMA_SCHEDULE_MAX = (0.99, 0.95, 0.93, 0.90)
+_V_CENTER_BASE = 23
+_V_HALF_BASE = 27
+_Q_P05_BASE = 50
+_Q_P95_BASE = 54
+# Cold starts of the adaptive support and its quantiles: DQNConfig's default [v_min, v_max] =
+# [-10, 10] (the seed bootstraps the quantiles at v_min / v_max); a bus built from a config
+# overrides them with its own support (config_cold_starts).
+QUANTILE_P05_COLD_START = -10.0
+QUANTILE_P95_COLD_START = 10.0
+SUPPORT_CENTER_COLD_START = 0.0
+SUPPORT_HALF_COLD_START = 10.0
 
 REGISTRY: tuple[ISVSlot, ...] = (
     *(_signal(i, n) for i, n in enumerate(SIGNAL_NAMES)),
     ISVSlot(16, "Q_ABS_REF", "f32", "isv_q_abs_ref_update",
             ("Mech 1 target-Q clip", "Mech 2 atom bound", "Mech 5 sentinel thresholds",
              "Mech 9 weight clamp"), FoldReset, 0.0),
+    *(ISVSlot(13 + k, f"Q_MAG_MEAN_{m}", "f32", RESERVED_MAG, (), FoldReset, 0.0)
+      for k, m in enumerate(("QUARTER", "HALF", "FULL"))),
+    *(ISVSlot(17 + k, f"Q_DIR_MEAN_{m}", "f32",
+              RESERVED_HOLD if m == "HOLD" else "q_stats_update", ("isv_signal_build",),
+              FoldReset, 0.0)
+      for k, m in enumerate(("SHORT", "HOLD", "LONG", "FLAT"))),
+    ISVSlot(21, "Q_DIR_ABS_REF", "f32", "q_stats_update", ("diagnostic",), FoldReset, 0.0),
     ISVSlot(22, "SHARPE_EMA", "f32", "training loop (host)", ("isv_signal_update",),
             FoldReset, 0.0),
+    *(ISVSlot(_V_CENTER_BASE + off, f"V_CENTER_{br}", "f32", "adaptive_support_update",
+              ("adaptive atoms",), FoldReset, SUPPORT_CENTER_COLD_START)
+      for br, off in _SEED_BRANCH_OFFSET.items()),
+    *(ISVSlot(_V_HALF_BASE + off, f"V_HALF_{br}", "f32", "adaptive_support_update",
+              ("adaptive atoms",), FoldReset, SUPPORT_HALF_COLD_START)
+      for br, off in _SEED_BRANCH_OFFSET.items()),
     *(ISVSlot(_GRAD_TARGET_BASE + off, f"GRAD_NORM_TARGET_{br}", "f32", "grad_balance_isv_update",
               ("per-component gradient report",), SoftReset(_GRAD_SOFT_RESET_BARS), 0.0)
       for br, off in _SEED_BRANCH_OFFSET.items()),
@@ -169,11 +215,21 @@ REGISTRY: tuple[ISVSlot, ...] = (
             ("adaptive schedules",), FoldReset, 0.0),
     ISVSlot(40, "TOTAL_EPOCHS", "counter", "construct (config)", ("adaptive schedules",),
             SchemaContract, 0.0),
-    *(ISVSlot(_GAMMA_BASE + off, f"GAMMA_{br}_EFF", "f32", "construct (config.gamma)",
+    ISVSlot(41, "EPSILON_EFF", "f32", "epsilon_tau_update", ("epsilon-greedy action select",
+            "cql_alpha_ramp"), FoldReset, 0.0),
+    ISVSlot(42, "TAU_EFF", "f32", "epsilon_tau_update", ("target-net Polyak update",),
+            FoldReset, 0.0),
+    *(ISVSlot(_GAMMA_BASE + off, f"GAMMA_{br}_EFF", "f32", "per_branch_gamma_update",
               ("c51_project",), FoldReset, GAMMA_COLD_START)
       for br, off in _SEED_BRANCH_OFFSET.items()),
-    ISVSlot(48, "CQL_ALPHA", "f32", "construct (config.cql_alpha)", ("cql_logit_grad",),
+    ISVSlot(48, "CQL_ALPHA", "f32", "cql_alpha_ramp", ("cql_logit_grad",),
             FoldReset, 1.0),
+    *(ISVSlot(_Q_P05_BASE + off, f"Q_P05_{br}", "f32", "q_quantile_update",
+              ("adaptive_support_update",), FoldReset, QUANTILE_P05_COLD_START)
+      for br, off in _SEED_BRANCH_OFFSET.items()),
+    *(ISVSlot(_Q_P95_BASE + off, f"Q_P95_{br}", "f32", "q_quantile_update",
+              ("adaptive_support_update",), FoldReset, QUANTILE_P95_COLD_START)
+      for br, off in _SEED_BRANCH_OFFSET.items()),
     ISVSlot(96, "H_S2_RMS_EMA", "f32", "isv_h2_rms_update",
             ("Mech 10 h2 clamp", "sentinel slot 49", "aux trunk guard"), FoldReset, 1.0),
     ISVSlot(115, "LAYOUT_FINGERPRINT_LO", "u32bits", "construct (layout_fingerprint)",
@@ -273,7 +329,9 @@ def branch_slot(family: str, branch: int) -> ISVSlot:
     if isinstance(branch, bool) or not isinstance(branch, int) or not 0 <= branch < MAX_ISV_BRANCHES:
         raise ValueError(f"branch={branch!r}: must be an integer in [0, {MAX_ISV_BRANCHES})")
     member = PER_BRANCH_ORDER[branch]
-    names = {"GAMMA": f"GAMMA_{member}_EFF", "GRAD_NORM_TARGET": f"GRAD_NORM_TARGET_{member}"}
+    names = {"GAMMA": f"GAMMA_{member}_EFF", "GRAD_NORM_TARGET": f"GRAD_NORM_TARGET_{member}",
+             "V_CENTER": f"V_CENTER_{member}", "V_HALF": f"V_HALF_{member}",
+             "Q_P05": f"Q_P05_{member}", "Q_P95": f"Q_P95_{member}"}
     if family not in names:
         raise ValueError(f"family={family!r}: allowed values are {tuple(names)}")
     return slot(names[family])
@@ -292,6 +350,18 @@ H_S2_RMS_EMA_INDEX = slot("H_S2_RMS_EMA").index
 FINGERPRINT_LO_INDEX = slot("LAYOUT_FINGERPRINT_LO").index
 FINGERPRINT_HI_INDEX = slot("LAYOUT_FINGERPRINT_HI").index
 AUX_LABEL_SCALE_EMA_INDEX = slot("AUX_LABEL_SCALE_EMA").index
+Q_DIR_ABS_REF_INDEX = slot("Q_DIR_ABS_REF").index
+#: Exposure action a (0 short, 1 flat, 2 long; reference.env) -> its Q-mean EMA slot (the
+#: seed's direction family: Short 17, Long 19, Flat 20; Hold 18 is reserved).
+Q_DIR_ACTION_SLOTS = tuple(slot(f"Q_DIR_MEAN_{m}").index for m in ("SHORT", "FLAT", "LONG"))
+EPSILON_EFF_INDEX = slot("EPSILON_EFF").index
+TAU_EFF_INDEX = slot("TAU_EFF").index
+#: Seed-order (DIR, MAG, ORD, URG) slot bases of the per-branch families.
+V_CENTER_INDICES = tuple(_V_CENTER_BASE + k for k in range(MAX_ISV_BRANCHES))
+V_HALF_INDICES = tuple(_V_HALF_BASE + k for k in range(MAX_ISV_BRANCHES))
+Q_P05_INDICES = tuple(_Q_P05_BASE + k for k in range(MAX_ISV_BRANCHES))
+Q_P95_INDICES = tuple(_Q_P95_BASE + k for k in range(MAX_ISV_BRANCHES))
+GAMMA_SEED_INDICES = tuple(_GAMMA_BASE + k for k in range(MAX_ISV_BRANCHES))
 
 
 # --------------------------------------------------------------------------- fingerprint
@@ -409,6 +479,14 @@ def config_cold_starts(config) -> dict[str, float]:
     out = {slot_at(GAMMA_INDICES[d]).name: float(np.float32(g))
            for d, g in enumerate(config.gammas[: len(GAMMA_INDICES)])}
     out["CQL_ALPHA"] = float(np.float32(config.cql_alpha))
+    # The adaptive support starts at (and a fold returns to) the configured [v_min, v_max];
+    # the seed bootstraps the quantile EMAs at v_min / v_max.
+    lo, hi = float(np.float32(config.v_min)), float(np.float32(config.v_max))
+    for member in _SEED_BRANCH_OFFSET:
+        out[f"Q_P05_{member}"] = lo
+        out[f"Q_P95_{member}"] = hi
+        out[f"V_CENTER_{member}"] = float(np.float32(0.5 * (config.v_min + config.v_max)))
+        out[f"V_HALF_{member}"] = float(np.float32(0.5 * (config.v_max - config.v_min)))
     return out
 
 
@@ -568,7 +646,10 @@ __all__ = [
     "EPOCH_IDX_INDEX", "FINGERPRINT_HI_INDEX", "FINGERPRINT_LO_INDEX", "FingerprintMismatch",
     "FoldReset", "GAMMA_INDICES", "GRAD_NORM_SLOW_EMA_INDEX", "H_S2_RMS_EMA_INDEX", "ISVBus",
     "ISVSlot", "ISV_LEN", "LAYOUT_FINGERPRINT", "MAX_ISV_BRANCHES", "NUM_SIGNALS",
-    "PER_BRANCH_ORDER", "Q_ABS_REF_INDEX", "REGISTRY", "ResetCategory", "SHARPE_EMA_INDEX",
+    "PER_BRANCH_ORDER", "Q_ABS_REF_INDEX", "Q_DIR_ABS_REF_INDEX", "Q_DIR_ACTION_SLOTS",
+    "Q_P05_INDICES", "Q_P95_INDICES", "V_CENTER_INDICES", "V_HALF_INDICES", "EPSILON_EFF_INDEX",
+    "TAU_EFF_INDEX", "GAMMA_SEED_INDICES", "GAMMA_SCHEDULE_BASE", "GAMMA_SCHEDULE_MAX",
+    "RESERVED", "is_reserved", "REGISTRY", "ResetCategory", "SHARPE_EMA_INDEX",
     "SIGNAL_INDICES", "SIGNAL_NAMES", "SLOT_TYPES", "SchemaContract", "SoftReset",
     "TOTAL_EPOCHS_INDEX", "adaptive_ema_rate", "branch_slot", "bus_for", "canonical_layout",
     "check_fingerprint", "config_cold_starts", "fnv1a_64", "layout_fingerprint", "read_fingerprint", "slot", "slot_at",
