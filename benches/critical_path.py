@@ -1,0 +1,204 @@
+"""The fast step's critical path, read statically from its plan (issue 18's performance work;
+issue 26 item 3 in its static form).
+
+    python benches/critical_path.py [--preset seed] [--precision bf16] [--chain] [SOURCE ...]
+
+The step is launch/latency bound: every node of a CUDA graph costs a launch and a short run,
+and the step takes about as long as its longest chain of dependent nodes, not its node count.
+For each step variant (``core``, each second-wave source alone, ``all``: the config overrides
+of ``reference.config.source_overrides``) this builds the plan the GPU captures (the upload
+graph of staging slot 0, graph 1, graph 2; on the CPU executor's engine, so no GPU is needed),
+takes each graph's dependency graph exactly as stream capture makes it
+(``fast.dataflow.dependency_graph``: records, branch forks and joins, record/wait events) and
+prints, per graph and for the step (the graphs run one after the other):
+
+- ``nodes``: the graph's node count;
+- ``depth``: the longest chain of dependent nodes, counted in nodes;
+- ``est_us``: the longest chain weighted by the cost model below (``node_cost``), in
+  estimated microseconds; with ``--chain``, the records of that chain.
+
+Cost model (``LAUNCH_US``, ``RUN_US``): ESTIMATES read off the H200 runs of the seed step
+(about 1 us to launch a node and 3-6 us to run one), not measurements of these nodes; replace
+them with per-node GPU times once the lead has them (``nsys`` / the benches' event times). The
+estimate is a chain length, not a step time: it ignores the host enqueue, the GPU's limits on
+concurrent kernels and streams, and contention between parallel branches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+#: Estimated cost of launching any graph node, microseconds (an estimate: module docstring).
+LAUNCH_US = 1.0
+#: Estimated run time of a node by kind, microseconds (estimates: module docstring). ``gemm``:
+#: a cuBLASLt GEMM of the seed sizes; ``kernel``: one of our kernels (elementwise, a small
+#: reduction, a two-phase norm over the parameters); ``copy``: an async memory copy.
+RUN_US = {"gemm": 5.0, "kernel": 3.0, "copy": 2.0}
+#: The graphs of one step, in the order they run.
+GRAPHS = ("upload", "graph1", "graph2")
+
+
+def node_kind(node) -> str:
+    """``gemm``, ``kernel`` or ``copy`` (a key of ``RUN_US``)."""
+    from foxhunt.fast.records import Copy, Gemm, Launch
+
+    for cls, kind in ((Gemm, "gemm"), (Launch, "kernel"), (Copy, "copy")):
+        if isinstance(node, cls):
+            return kind
+    raise TypeError(f"node {node!r} is not a kernel, GEMM or copy record")
+
+
+def node_cost(node) -> float:
+    """Estimated microseconds of one node: ``LAUNCH_US + RUN_US[node_kind(node)]``."""
+    return LAUNCH_US + RUN_US[node_kind(node)]
+
+
+def node_label(node) -> str:
+    """A short name of a node: the kernel's name, ``gemm MxNxK epilogue``, ``copy kind``."""
+    kind = node_kind(node)
+    if kind == "kernel":
+        return node.kernel
+    if kind == "gemm":
+        s = node.spec
+        return f"gemm {s.m}x{s.n}x{s.k}" + (f" {s.epilogue}" if s.epilogue else "")
+    return f"copy {node.kind}"
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The longest weighted chain of a dependency graph: its node indices (first to last), the
+    records, and its weight (the sum of the nodes' weights)."""
+
+    indices: tuple[int, ...]
+    nodes: tuple
+    weight: float
+
+    @property
+    def depth(self) -> int:
+        return len(self.indices)
+
+
+def longest_chain(nodes: Sequence, deps: Sequence[frozenset],
+                  weight: Callable[[object], float]) -> Chain:
+    """The heaviest chain of the DAG whose node ``i`` depends directly on ``deps[i]`` (indices
+    below ``i``, as ``dependency_graph`` makes them): ``best[i] = weight(i) + max(best[d] for d
+    in deps[i])``, ties broken towards the lower index. An empty graph has an empty chain."""
+    best: list[float] = []
+    prev: list[int | None] = []
+    for i, node in enumerate(nodes):
+        if any(d >= i for d in deps[i]):
+            raise ValueError(f"node {i} depends on a later node: {sorted(deps[i])}")
+        p = max(sorted(deps[i]), key=lambda d: best[d], default=None)
+        best.append(weight(node) + (best[p] if p is not None else 0.0))
+        prev.append(p)
+    if not nodes:
+        return Chain((), (), 0.0)
+    end = max(range(len(nodes)), key=lambda i: best[i])
+    path = []
+    while end is not None:
+        path.append(end)
+        end = prev[end]
+    path.reverse()
+    return Chain(tuple(path), tuple(nodes[i] for i in path), best[path[-1]])
+
+
+@dataclass(frozen=True)
+class GraphPath:
+    """One graph's node count, longest chain in nodes (``depth``) and in estimated
+    microseconds (``est_us``, with that chain's records in ``chain``)."""
+
+    nodes: int
+    depth: int
+    est_us: float
+    chain: Chain
+
+
+def graph_path(ops) -> GraphPath:
+    """``GraphPath`` of one graph's records (an ``Ops``)."""
+    from foxhunt.fast.dataflow import dependency_graph
+
+    nodes, deps = dependency_graph([ops])
+    by_count = longest_chain(nodes, deps, lambda _: 1.0)
+    by_cost = longest_chain(nodes, deps, node_cost)
+    return GraphPath(len(nodes), by_count.depth, by_cost.weight, by_cost)
+
+
+def step_paths(config) -> dict[str, GraphPath]:
+    """``{graph: GraphPath}`` of the step plan of ``config`` (``GRAPHS``; the upload graph of
+    staging slot 0), built as the CPU executor builds it."""
+    from foxhunt.fast.cpu_executor import CpuEngine
+
+    plans = CpuEngine(config).plans
+    graphs = {"upload": plans["upload"][0], "graph1": plans["graph1"], "graph2": plans["graph2"]}
+    return {name: graph_path(graphs[name]) for name in GRAPHS}
+
+
+def variant_config(preset: str, precision: str, source: str):
+    from foxhunt.reference.config import DQNConfig, source_overrides
+
+    return DQNConfig.preset(preset, precision=precision, **source_overrides(source))
+
+
+def table(preset: str, precision: str, sources: Sequence[str]) -> list[dict]:
+    """One row per source: per graph ``nodes``, ``depth``, ``est_us``, and the step's sums (the
+    graphs run one after the other)."""
+    rows = []
+    for source in sources:
+        paths = step_paths(variant_config(preset, precision, source))
+        row = {"source": source, "paths": paths}
+        for key in ("nodes", "depth", "est_us"):
+            row[key] = sum(getattr(p, key) for p in paths.values())
+        rows.append(row)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'source':8} {'step nodes':>10} {'depth':>6} {'est_us':>7}   " + "   ".join(
+        f"{g + ' nodes/depth/us':>24}" for g in GRAPHS)
+    lines = [head]
+    for row in rows:
+        per = "   ".join(f"{p.nodes:>10d} {p.depth:>4d} {p.est_us:>8.1f}"
+                         for p in (row["paths"][g] for g in GRAPHS))
+        lines.append(f"{row['source']:8} {row['nodes']:>10d} {row['depth']:>6d} "
+                     f"{row['est_us']:>7.1f}   {per}")
+    return "\n".join(lines)
+
+
+def format_chain(path: GraphPath) -> str:
+    out, total = [], 0.0
+    for node in path.chain.nodes:
+        total += node_cost(node)
+        out.append(f"    {total:7.1f}  {node_label(node)}")
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from foxhunt.reference.config import SECOND_WAVE_SOURCES
+
+    choices = ("core", *SECOND_WAVE_SOURCES, "all")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("sources", nargs="*", metavar="SOURCE", help=f"step variants (default: all of {choices})")
+    parser.add_argument("--preset", default="seed")
+    parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
+    parser.add_argument("--chain", action="store_true",
+                        help="print graph 1's critical chain of each variant")
+    args = parser.parse_args(argv)
+    bad = [s for s in args.sources if s not in choices]
+    if bad:
+        parser.error(f"SOURCE {bad[0]!r} is not one of {choices}")
+    rows = table(args.preset, args.precision, args.sources or choices)
+    print(f"critical path, preset {args.preset}, {args.precision} (est_us: LAUNCH_US={LAUNCH_US} "
+          f"+ RUN_US={RUN_US} per node, estimates)")
+    print(format_table(rows))
+    if args.chain:
+        for row in rows:
+            print(f"\n{row['source']}: graph 1's critical chain (cumulative est. us)")
+            print(format_chain(row["paths"]["graph1"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

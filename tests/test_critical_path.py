@@ -1,0 +1,135 @@
+"""benches/critical_path.py: the longest dependent chain of a plan, in nodes and estimated us.
+
+A hand-made plan (records, a fork and join, an event) whose chains are counted by hand; the
+step plans of the seed preset against networkx's longest path of the same dependency graph
+(another method); the chain is a real path of the graph; the command line prints a row per
+variant.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from foxhunt.fast.dataflow import dependency_graph
+from foxhunt.fast.records import Buf, Copy, Host, Launch, LaunchShape, Ops, Parallel, Record, Wait
+
+_PATH = Path(__file__).resolve().parents[1] / "benches" / "critical_path.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("critical_path", _PATH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("critical_path", mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cp = _module()
+SHAPE = LaunchShape((1, 1, 1), (32, 1, 1))
+
+
+def _k(ops: Ops, name: str) -> None:
+    ops.items.append(Launch(name, SHAPE, {}))
+
+
+def _copy(ops: Ops) -> None:
+    ops.items.append(Copy(Buf("x"), Host("h"), 4, "htod"))
+
+
+def _hand_plan() -> Ops:
+    """a; parallel(side1: b c record(e) d, side2: wait(e) f, main: copy g); h.
+
+    Chains (kernel = K, copy = C us): a b c d h (5 kernels), a b c f h (5 kernels: f waits
+    for c through the event), a g h (2 kernels and the copy)."""
+    ops = Ops(None)
+    _k(ops, "a")
+    side1, side2, main = Ops(None), Ops(None), Ops(None)
+    for name in "bc":
+        _k(side1, name)
+    side1.items.append(Record("e"))
+    _k(side1, "d")
+    side2.items.append(Wait("e"))
+    _k(side2, "f")
+    _copy(main)
+    ops.items.append(Parallel((side1, side2), main))
+    _k(ops, "h")
+    return ops
+
+
+def test_hand_plan_chain_in_nodes_and_us():
+    path = cp.graph_path(_hand_plan())
+    k = cp.LAUNCH_US + cp.RUN_US["kernel"]
+    assert path.nodes == 7
+    assert path.depth == 5
+    assert path.est_us == pytest.approx(5 * k)
+    labels = [cp.node_label(n) for n in path.chain.nodes]
+    assert labels in (list("abcdh"), list("abcfh"))
+
+
+def test_a_heavy_copy_takes_the_chain():
+    """With copies far dearer than kernels the three-node chain through the copy wins."""
+    old = dict(cp.RUN_US)
+    try:
+        cp.RUN_US["copy"] = 100.0
+        path = cp.graph_path(_hand_plan())
+        assert [cp.node_label(n) for n in path.chain.nodes] == ["a", "copy htod", "h"]
+        assert path.est_us == pytest.approx(3 * cp.LAUNCH_US + 2 * old["kernel"] + 100.0)
+        assert path.depth == 5  # the node count of the longest chain does not change
+    finally:
+        cp.RUN_US.clear()
+        cp.RUN_US.update(old)
+
+
+def test_a_dependency_on_a_later_node_is_refused():
+    with pytest.raises(ValueError, match="later node"):
+        cp.longest_chain(["x", "y"], [frozenset({1}), frozenset()], lambda _: 1.0)
+
+
+def _nx_longest(ops: Ops) -> float:
+    nodes, deps = dependency_graph([ops])
+    g = nx.DiGraph()
+    # Node weights as edge weights: a source s feeds every node, each edge into i weighs i's cost.
+    g.add_node("s")
+    for i, node in enumerate(nodes):
+        g.add_edge("s", i, w=cp.node_cost(node))
+        for d in deps[i]:
+            g.add_edge(d, i, w=cp.node_cost(node))
+    return nx.dag_longest_path_length(g, weight="w")
+
+
+@pytest.mark.parametrize("source", ["core", "iqn", "all"])
+def test_step_plan_paths_match_networkx(source):
+    from foxhunt.fast.cpu_executor import CpuEngine
+
+    plans = CpuEngine(cp.variant_config("seed", "bf16", source)).plans
+    for ops in (plans["graph1"], plans["graph2"]):
+        path = cp.graph_path(ops)
+        assert path.est_us == pytest.approx(_nx_longest(ops))
+        assert path.nodes == ops.node_count()
+        # The chain is a path of the dependency graph and its weight is its nodes' costs.
+        nodes, deps = dependency_graph([ops])
+        idx = path.chain.indices
+        assert all(a in deps[b] for a, b in zip(idx, idx[1:]))
+        assert not deps[idx[0]]
+        assert path.est_us == pytest.approx(sum(cp.node_cost(nodes[i]) for i in idx))
+        assert 1 <= path.depth <= path.nodes
+
+
+def test_command_line_prints_one_row_per_variant(capsys):
+    assert cp.main(["core", "ens", "--preset", "tiny", "--precision", "f32"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    got = {r[0]: r for r in rows if r and r[0] in ("core", "ens")}
+    assert set(got) == {"core", "ens"}
+    assert int(got["ens"][1]) > int(got["core"][1])  # the ensemble adds nodes
+    assert np.isfinite(float(got["core"][3]))
+
+
+def test_command_line_refuses_an_unknown_source():
+    with pytest.raises(SystemExit):
+        cp.main(["nope"])
