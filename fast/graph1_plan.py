@@ -6,7 +6,9 @@ Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
   of the batch (checked here, not in graph 2, because the next step's upload overwrites the
   batch once this graph is done), alongside everything up to the step scalars;
 - the target pass alongside the online pass over ``[s; s2]`` (one stacked pass; the heads in
-  parallel inside each);
+  parallel inside each), and beside both every later chain, each waiting on the events of the
+  passes it reads (``h2_o`` / ``h2_t`` once a pass's h2 is written, ``fwd_o`` / ``fwd_t`` at
+  its end), so no chain waits for a pass it does not read:
 - after log-softmax and expected Q, in parallel: the CQL chain (every branch's CQL logit
   gradient in one launch, then the heads' backward, value head, trunk, norm), the C51 chain
   (every branch's double-DQN choice and gathers in one launch, per branch the projection with
@@ -16,10 +18,12 @@ Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
   clip(grad_c51, 0.70 mgn) + clipped(grad_cql, 0.15 mgn)``, the total norm's partials) and the
   step scalars (the total norm's phase 2, Mech 6's clip factor, the readback, the slow EMA).
 
-The second-wave sources that are on (``wave_plan``) join it: the IQN fractions beside the
-forward passes; the auxiliary heads' chain beside the C51 chain (whose trunk adds their ``d
-h2``), the MSE warm-up inside it (with the targets moved there), the IQN and ensemble chains
-beside them; one budget stage per injected source after the C51 + CQL stage.
+The second-wave sources that are on (``wave_plan``) join it: the auxiliary heads', IQN and
+ensemble chains start at online (target) h2, beside the passes' heads (the IQN fractions and
+``phi`` at once: they read no activation); the C51 trunk adds the auxiliary heads' ``d h2``,
+the MSE warm-up runs inside the C51 chain (with the targets moved there); one budget stage per
+injected source after the C51 + CQL stage, each source's norms into the readback beside the
+step scalars. ``benches/critical_path.py`` prints the longest chain of each variant.
 """
 
 from __future__ import annotations
@@ -66,11 +70,11 @@ def graph1_ops(prog: StepProgram) -> Ops:
                     flag=Buf("flags", offset=sentinels.index("h2")))
     prog.forward(online, tag="o", rows=2 * B, which=0, x=x, xb=xb, aux=True,
                  logits=Buf("logits", ("o", 0)), logp=Buf("logp", ("o", 0)), q=Buf("q_o"),
-                 extra=check_h2)
+                 extra=check_h2, h2_event="h2_o")
+    online.record("fwd_o")
     prog.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2, aux=False,
-                 logits=Buf("logits", ("t", 0)), logp=Buf("logp", ("t", 0)))
-    features = [wave_plan.iqn_features(prog)] if c.iqn_on else []
-    ops.parallel(*features, target, online)
+                 logits=Buf("logits", ("t", 0)), logp=Buf("logp", ("t", 0)), h2_event="h2_t")
+    target.record("fwd_t")
     lo, hi = np.float32(c.v_min), np.float32(c.v_max)
 
     # The scalar targets and Mech 1 (they need the gathered p_next only).
@@ -90,6 +94,8 @@ def graph1_ops(prog: StepProgram) -> Ops:
     # per branch (parallel) the projection with the C51 gradient; with the MSE warm-up on, the
     # targets beside the projections, then the blend (wave_plan.mse_warmup).
     c51_pre = prog.ops()
+    c51_pre.wait("fwd_o")
+    c51_pre.wait("fwd_t")
     c51_pre.kernel("double_dqn_gather_branches", step.plan_double_dqn_gather_branches(nb, B, NA),
                    logp_target=Buf("logp", ("t", 0)), a_star="a_star", q_online="q_o",
                    actions="batch.a", n_actions="n_actions", action_offset="action_offset",
@@ -115,6 +121,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
         c51_pre.parallel(*projections)
     # CQL logit gradients of every branch in one launch (first B samples of each block).
     cql_pre = prog.ops()
+    cql_pre.wait("fwd_o")
     cql_pre.kernel("cql_logit_grad_branches", fused.plan_cql_logit_grad_branches(B, lay.branches, NA),
                    logp=Buf("logp", ("o", 0)), actions="batch.a", z="z", alpha="alpha",
                    scale="scale", n_actions="n_actions", action_offset="action_offset",
@@ -123,7 +130,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
     cql_side = prog.ops()
     prog.backward(cql_side, "cql", cql_pre)
     prog.norm(cql_side, "grad_cql", "cql")
-    # The auxiliary heads (before the C51 chain, whose trunk waits for their d h2).
+    # The auxiliary heads (walked before the C51 chain, whose trunk waits for their d h2).
     aux_side = [wave_plan.aux_chain(prog)] if c.aux_on else []
     c51_side = prog.ops()
     prog.backward(c51_side, "c51", c51_pre, aux_dh2=wave_plan.aux_dh2(c))
@@ -155,11 +162,13 @@ def graph1_ops(prog: StepProgram) -> Ops:
     if c.mse_on:  # the reported C51 loss blended with the MSE warm-up's
         books.wait("mse")
         wave_plan.mse_loss_blend(prog, books)
-    # The second-wave sources' chains run beside them (the IQN chain after the C51 chain: it
-    # waits on its events).
+    # Every chain forks here, beside both forward passes, and waits on the events of what it
+    # reads: the C51 and CQL chains the passes' ends, the second-wave chains online (target)
+    # h2 first (their heads need only the trunk) and the IQN chain the double-DQN actions
+    # (walked after the C51 chain, which records them).
     wave = ([wave_plan.iqn_chain(prog)] if c.iqn_on else []) + \
         ([wave_plan.ens_chain(prog)] if c.ens_on else [])
-    ops.parallel(cql_side, *aux_side, c51_side, *wave, books)
+    ops.parallel(target, online, *aux_side, cql_side, c51_side, *wave, books)
     # Budget pipeline, one launch: the per-loss norms from their partials, the clips, the SAXPY
     # and the total norm's phase-1 partials (phase 2 is in the step scalars); then one stage
     # per injected second-wave source (``wave_plan.budget_stages``).
@@ -177,7 +186,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
     body.parallel(prologue, ops)
     # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its
     # summation tree and bits); the injected sources' norms beside them.
-    scalars = body if norms is None else prog.ops()
+    scalars = body if not norms else prog.ops()
     scalars.kernel("step_scalars", step.plan_step_scalars(lay.n_partials),
                 total_partials="partials_total", n_partials=lay.n_partials, total_sq="sq_total",
                 c51_sq="sq_c51", cql_sq="sq_cql", clip_bound="clip_bound", isv="isv",
@@ -185,8 +194,8 @@ def graph1_ops(prog: StepProgram) -> Ops:
                 budget_c51=np.float32(c.budget("c51")), budget_cql=np.float32(c.budget("cql")),
                 slow_ema_index=isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
                 slow_alpha=np.float32(c.grad_slow_ema_alpha))
-    if norms is not None:
-        body.parallel(norms, scalars)
+    if norms:
+        body.parallel(*norms, scalars)
     return body
 
 

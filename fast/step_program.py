@@ -216,12 +216,13 @@ class StepProgram:
     # -- forward
     def forward(self, ops: Ops, *, tag: str, rows: int, which: int, x: Buf, xb: Buf | None,
                 aux: bool, logits: Buf, logp: Buf, q: Buf | None = None,
-                extra: Ops | None = None) -> None:
+                extra: Ops | None = None, h2_event: str | None = None) -> None:
         """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
         Mech 10 clamp (bound from ISV[H_S2_RMS_EMA] on the device), heads, then every branch's
         dueling combine, log-softmax into ``logits`` / ``logp`` (branch-packed from there) and,
         with ``q``, expected Q, in one launch. The heads' GEMMs run as parallel branches (first
-        layers, then second layers); ``extra`` runs alongside the first layers."""
+        layers, then second layers); ``extra`` runs alongside the first layers. ``h2_event``:
+        recorded once h2 (and its BF16 copy) is written, for chains that need only the trunk."""
         lay, c = self.lay, self.config
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
@@ -242,6 +243,8 @@ class StepProgram:
         ops.kernel("clamp_finite_isv", self.kernels("step").plan_clamp_finite_isv(n2), x=h2pre,
                    out=h2, out_bf16=h2b, n=n2, isv="isv", index=isv_mod.H_S2_RMS_EMA_INDEX,
                    mult=np.float32(c.h2_clamp_mult))
+        if h2_event is not None:
+            ops.record(h2_event)
         h2_in = h2b if bf16 else h2
         firsts = [] if extra is None else [extra]
         for h in lay.heads:

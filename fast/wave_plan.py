@@ -6,10 +6,12 @@ source whose weight is 0 adds no record, so the core step's plan is unchanged.
 IQN (``lambda_iqn``), as ``reference.iqn_head.iqn_loss_and_grads`` and the reference
 ``Trainer`` compose it:
 
-- ``iqn_features`` (beside the forward passes): the online and target quantile fractions and
-  cosine features (``iqn_tau_cos``, offset: the device step counter; key: the run's seed);
-- ``iqn_chain`` (beside the C51 and CQL chains): each pass's head (``phi = relu(cos W_phi^T +
-  b_phi)``, ``e = h2 * phi``, ``q = e W_iq^T + b_iq``), the quantile Huber loss at the
+- ``iqn_chain`` (beside the forward passes and every other chain): per pass (online,
+  target) the quantile fractions and cosine features (``iqn_tau_cos``, offset: the device
+  step counter; key: the run's seed) and the head (``phi = relu(cos W_phi^T + b_phi)`` at
+  once; ``e = h2 * phi`` once the pass's h2 is written, event ``h2_o`` / ``h2_t``; ``q = e
+  W_iq^T + b_iq``), then, at the double-DQN actions (event ``gathered``), the quantile Huber
+  loss at the
   double-DQN actions (into the readback's ``iqn_loss``), the head's backward into ``iqn_grad``
   with its own norm and clip at ``max_grad_norm``, and ``d h2`` through the guard, the copy into
   its trunk-gradient buffer (sentinel 35), the trunk backward into ``iqn_trunk_grad``, the
@@ -67,23 +69,21 @@ def _norm_partial(prog: StepProgram, ops: Ops, x: str, n: int, partials: str) ->
 # --------------------------------------------------------------------------------------------
 
 
-def iqn_features(prog: StepProgram) -> Ops:
-    """The online and target quantile fractions and cosine features (and their BF16 copies)."""
+def iqn_features(prog: StepProgram, ops: Ops, tag: str, stream: str) -> None:
+    """One pass's quantile fractions and cosine features (and their BF16 copy)."""
     lay, c = prog.lay, prog.config
-    ops = prog.ops()
     M, K = lay.iqn_rows, c.iqn_embed
     key_lo, key_hi = rng.split_u64("seed", prog.seed)
-    for tag, _, _, stream in IQN_PASSES:
-        ops.kernel("iqn_tau_cos", prog.kernels("iqn").plan_iqn_tau_cos(M, K), step="step_count",
-                   key_lo=key_lo, key_hi=key_hi, stream=rng.STREAMS[stream],
-                   tau=Buf("iqn_tau", tag), cosines=Buf("iqn_cos", tag), rows=M, n_cos=K)
-        if lay.bf16:
-            prog.to_bf16(ops, Buf("iqn_cos", tag), Buf("iqn_cos_bf16", tag), M * K)
-    return ops
+    ops.kernel("iqn_tau_cos", prog.kernels("iqn").plan_iqn_tau_cos(M, K), step="step_count",
+               key_lo=key_lo, key_hi=key_hi, stream=rng.STREAMS[stream],
+               tau=Buf("iqn_tau", tag), cosines=Buf("iqn_cos", tag), rows=M, n_cos=K)
+    if lay.bf16:
+        prog.to_bf16(ops, Buf("iqn_cos", tag), Buf("iqn_cos_bf16", tag), M * K)
 
 
 def _iqn_head(prog: StepProgram, ops: Ops, tag: str, which: int, h2: str) -> None:
-    """One pass's head: ``phi``, ``e`` (and its BF16 copy) and the quantiles ``q``."""
+    """One pass's head: ``phi`` (it reads no activation), then, once the pass's h2 is written
+    (event ``h2_<tag>``), ``e`` (and its BF16 copy) and the quantiles ``q``."""
     lay, c = prog.lay, prog.config
     M, K, H, A = lay.iqn_rows, c.iqn_embed, lay.H2, lay.A_total
     bf16 = lay.bf16
@@ -91,6 +91,7 @@ def _iqn_head(prog: StepProgram, ops: Ops, tag: str, which: int, h2: str) -> Non
     phi = Buf("iqn_phi", tag)
     prog.linear(ops, rows=M, n=H, k=K, x=cos, w=prog.weight("w_phi", which, bf16=bf16), c=phi,
                 bias=prog.weight("b_phi", which, bf16=False), epilogue="relu_bias")
+    ops.wait(f"h2_{tag}")
     e_bf16 = Buf("iqn_e_bf16", tag) if bf16 else None
     ops.kernel("iqn_modulate", prog.kernels("iqn").plan_iqn_modulate(M, H), h2=h2, phi=phi,
                e=Buf("iqn_e", tag), e_bf16=e_bf16, rows=M, hidden=H, n_quantiles=c.iqn_quantiles)
@@ -108,8 +109,9 @@ def iqn_chain(prog: StepProgram) -> Ops:
     N, K, A, M = c.iqn_quantiles, c.iqn_embed, lay.A_total, lay.iqn_rows
     ops = prog.ops()
     heads = []
-    for tag, which, h2, _ in IQN_PASSES:
+    for tag, which, h2, stream in IQN_PASSES:
         head = ops.branch()
+        iqn_features(prog, head, tag, stream)
         _iqn_head(prog, head, tag, which, h2)
         heads.append(head)
     ops.parallel(*heads)
@@ -201,6 +203,7 @@ def aux_chain(prog: StepProgram) -> Ops:
                    sharpe=Buf("isv", offset=isv_mod.SHARPE_EMA_INDEX),
                    alpha_base=F32(isv_mod.ALPHA_BASE_DEFAULT),
                    sharpe_clamp=F32(isv_mod.SHARPE_CLAMP), sharpe_gain=F32(isv_mod.SHARPE_GAIN))
+    ops.wait("h2_o")  # the heads read online(s)'s h2 only
     heads = []
     for key, n_out in aux_heads(c):
         head = ops.branch()
@@ -227,17 +230,22 @@ def aux_chain(prog: StepProgram) -> Ops:
                         regime="batch.regime", d_logits=dout,
                         loss=Buf("readback", offset=READBACK_INDEX["aux_regime_loss"]), batch=B,
                         n_regimes=n_out, weight=F32(c.aux_regime_weight))
-        prog.weight_grad(head, dy=dout, x=hid, rows=B, n_out=n_out, n_in=AXH,
+        # The backward to d h2 in line; each layer's weight gradient beside it.
+        w2, rest = head.branch(), head.branch()
+        prog.weight_grad(w2, dy=dout, x=hid, rows=B, n_out=n_out, n_in=AXH,
                          dw=prog.grad(g, f"w_{key}2"), db=prog.grad(g, f"b_{key}2"))
         dhid, dpre = Buf(f"aux_dhid_{key}"), Buf(f"aux_dpre_{key}")
-        prog.input_grad(head, dy=dout, w=prog.weight(f"w_{key}2", 0, bf16=False), dx=dhid, rows=B,
+        prog.input_grad(rest, dy=dout, w=prog.weight(f"w_{key}2", 0, bf16=False), dx=dhid, rows=B,
                         n_out=n_out, n_in=AXH)
-        head.kernel("elu_backward", auxk.plan_elu_backward(B * AXH), dy=dhid, h=hid, dx=dpre,
+        rest.kernel("elu_backward", auxk.plan_elu_backward(B * AXH), dy=dhid, h=hid, dx=dpre,
                     n=B * AXH)
-        prog.weight_grad(head, dy=dpre, x=Buf("h2o"), rows=B, n_out=AXH, n_in=H,
+        w1, dx = rest.branch(), rest.branch()
+        prog.weight_grad(w1, dy=dpre, x=Buf("h2o"), rows=B, n_out=AXH, n_in=H,
                          dw=prog.grad(g, f"w_{key}1"), db=prog.grad(g, f"b_{key}1"))
-        prog.input_grad(head, dy=dpre, w=prog.weight(f"w_{key}1", 0, bf16=False),
+        prog.input_grad(dx, dy=dpre, w=prog.weight(f"w_{key}1", 0, bf16=False),
                         dx=Buf(f"aux_d_h2_{key}"), rows=B, n_out=AXH, n_in=H)
+        rest.parallel(w1, dx)
+        head.parallel(w2, rest)
         heads.append(head)
     if len(heads) > 1:
         ops.parallel(*heads)
@@ -310,6 +318,7 @@ def ens_chain(prog: StepProgram) -> Ops:
     B, H, NA, VH = lay.B, lay.H2, lay.NA, c.value_h
     n_priors = c.ens_heads - 1
     ops = prog.ops()
+    ops.wait("h2_o")  # the priors read online(s)'s h2 only
     priors = []
     for k in range(1, c.ens_heads):
         prior = ops.branch()
@@ -332,12 +341,15 @@ def ens_chain(prog: StepProgram) -> Ops:
     packed = lay.packed["ens_priors"]
     assert [packed.offsets[k] for k in range(1, c.ens_heads)] == \
         [(k - 1) * B * NA for k in range(1, c.ens_heads)], "the priors must be contiguous"
+    ops.wait("fwd_o")  # head 0's logits and the value head's activations
     ops.kernel("ens_kl_grad", prog.kernels("ensemble").plan_ens_kl_grad(B), v="vo",
                priors="ens_priors", d_v="ens_d_v", kl="ens_kl",
                loss=Buf("readback", offset=READBACK_INDEX["ens_loss"]), batch=B, num_atoms=NA,
                n_priors=n_priors, eps=F32(ENS_SOFTMAX_EPS))
     g = "ens_trunk_grad"
     P = lambda name: prog.weight(name, 0, bf16=False)  # noqa: E731 - f32 master weights
+    # W_v2's gradient before the value head's input gradient, the last reader of d v (slot
+    # 31's planted-NaN test poisons d v after that GEMM); the chain is not the step's longest.
     prog.weight_grad(ops, dy=Buf("ens_d_v"), x=Buf("hido", "value"), rows=B, n_out=NA, n_in=VH,
                      dw=prog.grad(g, "w_v2"), db=prog.grad(g, "b_v2"))
     prog.input_grad(ops, dy=Buf("ens_d_v"), w=P("w_v2"), dx=Buf("ens_dhv"), rows=B, n_out=NA,
@@ -370,18 +382,19 @@ def ens_chain(prog: StepProgram) -> Ops:
 _INJECT = {"iqn": ("iqn_trunk_clean", "lambda_iqn"), "ens": ("ens_trunk_clean", "ens_weight")}
 
 
-def budget_stages(prog: StepProgram, ops: Ops) -> Ops | None:
+def budget_stages(prog: StepProgram, ops: Ops) -> list[Ops]:
     """After the C51 + CQL stage (which wrote ``stage_names()[0]``), one
     ``clip_saxpy_norm_partial`` per injected source: ``out = base + weight * clipped(source,
     budget)`` over the whole layout (the source is zero past its range, so this is the
     reference's SAXPY over the range), with the base read unclipped (bound ``NO_CLIP``) and the
-    new buffer's norm partials. Returns the sources' norms into the readback (records to run
-    once the stages are done, beside the step scalars), or None without an injected source."""
+    new buffer's norm partials. Returns each source's norms into the readback (one branch per
+    source, to run once the stages are done, beside the step scalars; empty without an
+    injected source)."""
     lay, c = prog.lay, prog.config
     opt, wave = prog.kernels("optim"), prog.kernels("wave")
     NP = lay.NP
     names = stage_names(c)
-    norms = prog.ops()
+    norms = []
     for k, src in enumerate(injected_sources(c)):
         (base, base_partials), (out, partials) = names[k], names[k + 1]
         inject, weight = _INJECT[src]
@@ -394,11 +407,13 @@ def budget_stages(prog: StepProgram, ops: Ops) -> Ops | None:
                    final_threads=opt.final_threads_clip_saxpy_norm_partial(lay.n_partials),
                    block_size=NORM_SEGMENT, out=out, partials=partials,
                    base_norm_sq_out=f"sq_base_{src}", inject_norm_sq_out=f"sq_{src}")
-        norms.kernel("source_norm_scalars", wave.plan_single(), norm_sq=f"sq_{src}",
-                     readback="readback", budget=budget,
-                     pre_index=READBACK_INDEX[f"{src}_norm_pre"],
-                     post_index=READBACK_INDEX[f"{src}_norm_post"])
-    return norms if norms.items else None
+        norm = prog.ops()
+        norm.kernel("source_norm_scalars", wave.plan_single(), norm_sq=f"sq_{src}",
+                    readback="readback", budget=budget,
+                    pre_index=READBACK_INDEX[f"{src}_norm_pre"],
+                    post_index=READBACK_INDEX[f"{src}_norm_post"])
+        norms.append(norm)
+    return norms
 
 
 def optimizer(prog: StepProgram, main_adam: Ops) -> Ops:
