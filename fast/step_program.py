@@ -343,10 +343,20 @@ class StepProgram:
                          flag=Buf("flags", offset=sentinels.index("d_h2_post_main")))
             checks.append(check)
         if aux_dh2 is not None:
-            # Slot 33's check comes before the SAXPY writes dh2 (in line); slot 34's checks its
-            # result beside the trunk's GEMMs, which take the masks of the new sum.
-            for check in checks:
-                trunk.extend(check)
+            # Slot 33 checks the heads' sum before the SAXPY adds to it: a second, identical
+            # sum into its own buffer, beside the trunk (so the check is off the trunk's
+            # chain); slot 34's checks the SAXPY's result beside the trunk's GEMMs, which take
+            # the masks of the new sum.
+            main = ops.branch()
+            for h in lay.heads:
+                main.wait(f"dh2p_{loss}_{h.key}")
+            main.kernel("h2_grad_sum_mask", self.kernels("step").plan_h2_grad_sum_mask(n2),
+                        parts=f"dh2p_{loss}", n_parts=len(order), part_stride=stride, h2="h2o",
+                        h2_pre="h2preo", dh2_out=f"dh2_main_{loss}", out=f"dh2m_main_{loss}",
+                        n=n2)
+            main.kernel("nan_check", safety.plan_nan_check(n2), x=f"dh2_main_{loss}", n=n2,
+                        flag=Buf("flags", offset=sentinels.index("d_h2_post_main")))
+            chains.append(main)
             trunk.wait("aux_dh2")
             trunk.kernel("saxpy", self.kernels("optim").plan_saxpy(n2), y=f"dh2_{loss}", x=aux_dh2,
                          n=n2, a=np.float32(1))

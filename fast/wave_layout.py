@@ -129,7 +129,7 @@ def aux_heads(config) -> tuple[tuple[str, int], ...]:
 def _aux_buffers(lay) -> None:
     """Each head's hidden layer (and its BF16 copy), outputs, their gradients and its weighted
     ``d h2`` (sentinels 30, 52); with both heads, their guarded sum ``aux_dh2``; the C51 trunk's
-    masked copy of the sum with them."""
+    masked copy of the sum with them, and the C51 heads' own sum (slot 33's, beside the trunk)."""
     c = lay.config
     B, H, AXH = lay.B, lay.H2, c.aux_hidden
     for key, n_out in aux_heads(c):
@@ -143,6 +143,9 @@ def _aux_buffers(lay) -> None:
     if len(aux_heads(c)) > 1:
         lay._add("aux_dh2", (B, H), F32)
     lay._add("dh2s_c51", (B, H), F32)
+    # The C51 heads' d h2 sum before the auxiliary SAXPY (slot 33's copy) and its masks.
+    lay._add("dh2_main_c51", (B, H), F32)
+    lay._add("dh2m_main_c51", (B, H), F32)
 
 
 def _ens_buffers(lay) -> None:
