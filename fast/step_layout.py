@@ -181,6 +181,11 @@ class StepLayout(BufferTable):
 
         super().__init__()
         c = config
+        from foxhunt.reference.isv_step import adaptive_on
+
+        if adaptive_on(c):
+            raise ValueError(f"{', '.join(adaptive_on(c))}=True: the fast step does not run "
+                             "the issue-19 ISV producers yet (reference backend only)")
         self.config = c
         self.param_layout = lay = ParamLayout(c)
         self.B, self.SD, self.H1, self.H2 = c.batch_size, c.state_dim, c.shared_h1, c.shared_h2

@@ -218,6 +218,24 @@ class Trainer(TrainerBackend):
         isv[isv_mod.EPOCH_IDX_INDEX] = np.float32(epoch)
         arena.upload("isv", isv)
 
+    def set_loop_signals(self, *, total_epochs: int | None = None,
+                         sharpe_ema: float | None = None) -> None:
+        """ISV ``TOTAL_EPOCHS`` / ``SHARPE_EMA`` on the device (reference ``Trainer``'s
+        contract; the loop calls it at epoch boundaries, synchronisation points anyway)."""
+        arena = self._engine.arena
+        self._engine.synchronize()
+        isv = arena.download("isv")
+        if total_epochs is not None:
+            isv[isv_mod.TOTAL_EPOCHS_INDEX] = np.float32(check_epoch(total_epochs))
+        if sharpe_ema is not None:
+            isv[isv_mod.SHARPE_EMA_INDEX] = np.float32(sharpe_ema)
+        arena.upload("isv", isv)
+
+    def isv_value(self, name: str) -> float:
+        """The current value of ISV slot ``name`` (synchronises)."""
+        self._engine.synchronize()
+        return float(self._engine.arena.download("isv")[isv_mod.slot(name).index])
+
     def last_td_errors(self) -> np.ndarray:
         if not self._readback.stepped:
             raise RuntimeError("last_td_errors(): no step has run yet")

@@ -103,6 +103,12 @@ class DQNConfig:
 
     The shape fields of a source (``iqn_quantiles``, ``ens_heads``, ``aux_hidden``, ...)
     only act when the source's weight is > 0.
+
+    Adaptive ISV mechanisms (issue 19; bools, off by default; ``reference.isv_step``):
+    ``adaptive_signals`` (signal EMAs 0-12), ``q_stats`` (Q statistics 17-21, per-branch Q
+    quantiles 50-57, adaptive support 23-30; needs an exposure branch of 3 actions),
+    ``gamma_schedule`` (per-branch gamma 43-46, which the C51 targets then read; ``gamma`` is
+    its cold start).
     """
 
     batch_size: int = 256
@@ -151,6 +157,10 @@ class DQNConfig:
     aux_regime_weight: float = 0.0
     aux_hidden: int = 32
     n_regimes: int = 3
+    # Issue-19 ISV producers and consumers (reference.isv_step.ADAPTIVE_SWITCHES); off by default.
+    adaptive_signals: bool = False
+    q_stats: bool = False
+    gamma_schedule: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -237,6 +247,18 @@ class DQNConfig:
                 f"atom bound atom_growth_mult={self.atom_growth_mult!r} (|v| <= atom_growth_mult)")
         for name in SOURCE_WEIGHTS:
             require_range(name, getattr(self, name), 0.0, math.inf)
+        from .isv_step import ADAPTIVE_SWITCHES, Q_STATS_ACTIONS
+
+        for name in ADAPTIVE_SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r}: must be True or False")
+        if (self.q_stats or self.gamma_schedule) and len(self.branches) > 4:
+            raise ValueError(f"branches={self.branches!r}: q_stats and gamma_schedule need at "
+                             "most 4 branches (the ISV's per-branch slots)")
+        if self.q_stats and self.branches[0] != Q_STATS_ACTIONS:
+            raise ValueError(f"q_stats=True: branches[0]={self.branches[0]!r}; the exposure "
+                             f"branch's Q statistics need {Q_STATS_ACTIONS} actions (short, flat, "
+                             "long)")
         for name, minimum in (("iqn_quantiles", 1), ("iqn_embed", 1), ("ens_heads", 2),
                               ("aux_hidden", 1), ("n_regimes", 2)):
             require_int(name, getattr(self, name), minimum=minimum)

@@ -59,6 +59,7 @@ from .collector import fold_collector
 from .config import DQNConfig, require_int, require_positive, require_range
 from .env import BranchingEnv, rollout
 from .evaluator import segment_evaluator
+from .isv_step import adaptive_on, sharpe_ema
 from .market import (DEFAULT_WINDOWS, N_POSITION_FEATURES, Bars, feature_warmup,
                      market_features, n_market_features, regime_labels)
 from .metrics import (METRIC_NAMES, SegmentMetrics, bar_seconds, bars_per_year, equity_curve,
@@ -358,6 +359,8 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                 if on_epoch_start:
                     on_epoch_start(fold, epoch)
                 trainer.set_epoch(epoch)  # ISV EPOCH_IDX: the MSE warm-up's clock, per fold
+                if adaptive_on(config):  # the schedules' horizon (ISV TOTAL_EPOCHS)
+                    trainer.set_loop_signals(total_epochs=settings.epochs)
                 g = fold * settings.epochs + epoch
                 eps = _epsilon(settings, g)
                 tic = time.perf_counter()
@@ -392,6 +395,9 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                     flagged=sentinels.flagged_names(np.asarray(scalars.flags, np.int32)),
                 )
                 st.records.append(rec)
+                if adaptive_on(config):  # ISV SHARPE_EMA, the adaptive EMA rates' input
+                    trainer.set_loop_signals(sharpe_ema=sharpe_ema(
+                        trainer.isv_value("SHARPE_EMA"), rec.val_sharpe))
                 if on_epoch:
                     on_epoch(rec)
                 if fold_result.best_epoch is None or rec.val_sharpe > fold_result.best["val"].sharpe:

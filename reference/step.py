@@ -70,7 +70,8 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     Returns a dict with ``c51_loss`` and ``cql_loss`` (f32 scalars), ``td_errors`` ``[B]``,
     ``grad_c51`` and ``grad_cql`` (flat f32, layout order, padding zero), ``target_q``
     ``[B, n_branches]`` (Mech 1-clipped scalar targets), ``q_taken`` ``[B, n_branches]``,
-    ``a_star`` ``[B, n_branches]``, the activations of the three passes (``online``,
+    ``a_star`` ``[B, n_branches]``, ``q_s`` (online Q(s) per branch, ``[B, n_d]``), ``p_next``
+    ``[n_branches, B, NA]`` (the target distributions at ``a*``), the activations of the three passes (``online``,
     ``online_next``, ``target_next``), per-branch ``logp``, ``m``, ``dlogits_c51``,
     ``dlogits_cql``, and each backward's intermediate gradients (``trace_c51``, ``trace_cql``:
     ``d_value_logits``, ``d_adv_logits``, ``d_h2``; ``trace_c51`` also ``d_h2_post_aux`` with
@@ -168,6 +169,8 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         trace_cql=trace_cql,
         target_q=target_q,
         q_taken=np.ascontiguousarray(gather.q_taken.T),
+        q_s=q_s,
+        p_next=gather.p_next,
         a_star=np.ascontiguousarray(gather.a_star.T),
         online=online,
         online_next=online_next,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import isv as isv_mod
-from . import sentinels
+from . import isv_step, sentinels
 from .backend import (READBACK_FIELDS, DeferredReadback, StepScalars, TrainerBackend, check_epoch,
                       validate_state_dict)
 from .batch import Batch
@@ -119,7 +119,10 @@ class Trainer(TrainerBackend):
         h2_bound = self._bound(c.h2_clamp_mult, "H_S2_RMS_EMA")
         # loss_and_grads validates the batch (its only validation in the step), before any
         # state of this trainer changes.
-        out = loss_and_grads(c, self.params, self.target, batch, q_abs_ref=q_abs_ref,
+        # The gamma schedule's consumer: branch d's discount from the ISV at the start.
+        step_config = c if not c.gamma_schedule else \
+            c.replace(gamma=isv_step.step_gammas(c, isv_at_start))
+        out = loss_and_grads(step_config, self.params, self.target, batch, q_abs_ref=q_abs_ref,
                              h2_bound=h2_bound, layout=self.layout, isv=isv_at_start,
                              step=self.step_count, seed=self.seed)
         self.step_count += 1
@@ -183,6 +186,12 @@ class Trainer(TrainerBackend):
         vec = isv_kernels.isv_h2_rms_update(vec, out["online"].h2, np.float32(ISV_PRODUCER_ALPHA))
         if c.aux_next_bar_on:  # ISV 117, updated by loss_and_grads before the head read it
             vec[isv_mod.AUX_LABEL_SCALE_EMA_INDEX] = out["isv"][isv_mod.AUX_LABEL_SCALE_EMA_INDEX]
+        if isv_step.adaptive_on(c):  # issue 19's switched producers (reference.isv_step)
+            rb = step_kernels.READBACK_INDEX
+            vec = isv_step.run_producers(
+                c, vec, q_taken=out["q_taken"].T, q_s=out["q_s"], td=out["td_errors"],
+                r=batch.r, p_next=out["p_next"], z=self.z,
+                grad_norm=end.readback[rb["grad_norm"]], loss=end.readback[rb["loss"]])
         self.isv.from_array(vec)
 
         self._fused_checks(self._sentinel_buffers(batch, out, grad), bounds.thresholds)
@@ -221,6 +230,19 @@ class Trainer(TrainerBackend):
 
     def set_epoch(self, epoch: int) -> None:
         self.isv.set("EPOCH_IDX", check_epoch(epoch))
+
+    def set_loop_signals(self, *, total_epochs: int | None = None,
+                         sharpe_ema: float | None = None) -> None:
+        """The loop's ISV slots: ``TOTAL_EPOCHS`` (40, the schedules' horizon; at the start of
+        a run) and ``SHARPE_EMA`` (22, the adaptive EMA rate's input; at each epoch end)."""
+        if total_epochs is not None:
+            self.isv.set("TOTAL_EPOCHS", check_epoch(total_epochs))
+        if sharpe_ema is not None:
+            self.isv.set("SHARPE_EMA", sharpe_ema)
+
+    def isv_value(self, name: str) -> float:
+        """The current value of ISV slot ``name`` (a host read)."""
+        return float(self.isv.get(name))
 
     def _sentinel_buffers(self, batch: Batch, out: dict, grad: np.ndarray) -> dict[str, np.ndarray]:
         """The buffer each fused (non-inline) sentinel slot watches, by slot name.

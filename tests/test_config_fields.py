@@ -41,6 +41,8 @@ CHANGED = {
     "lambda_iqn": 0.3, "ens_weight": 0.2, "c51_warmup_epochs": 2, "iqn_quantiles": 3,
     "iqn_embed": 5, "ens_heads": 4, "aux_next_bar_weight": 0.5, "aux_regime_weight": 0.5,
     "aux_hidden": 7, "n_regimes": 4,
+    # Issue 19's switches: each turns on producers whose ISV slots the step then writes.
+    "adaptive_signals": True, "q_stats": True, "gamma_schedule": True,
 }
 
 #: field -> (a valid changed value, why it does not change the step).
