@@ -132,6 +132,26 @@ STEP_BOUNDS: Mapping[str, Row] = {
     "scalars.clip_bound": Row("rtol 1e-5", "min(mgn, 100 max(slow EMA, 1)) of the shared state"),
 }
 
+def _isv_step_producers() -> dict:
+    from foxhunt.reference import isv as reg
+
+    top = reg.ALPHA_BASE_DEFAULT * (1 + reg.SHARPE_GAIN * reg.SHARPE_CLAMP)
+    out = {}
+    for name in reg.SIGNAL_NAMES:
+        if not reg.is_reserved(reg.slot(name)):
+            kind = "gradient" if name in ("GRAD_NORM_EMA", "LOSS_EMA") else "forward"
+            out[name] = (lambda c: top if c.adaptive_signals else None, kind)
+    stats = [s.name for s in reg.REGISTRY if s.producer in ("q_stats_update", "q_quantile_update")]
+    for name in stats:
+        out[name] = (lambda c: top if c.q_stats else None, "forward")
+    for s in reg.REGISTRY:
+        if s.producer == "adaptive_support_update":
+            out[s.name] = (lambda c: 1.0 if c.q_stats else None, "forward")
+        if s.producer == "per_branch_gamma_update":  # epoch counters only: rtol alone
+            out[s.name] = (lambda c: 1.0 if c.gamma_schedule else None, "data")
+    return out
+
+
 #: ISV slots the step writes: slot name -> (EMA rate, or None where the config's step does not
 #: write the slot; "forward" | "gradient" | "data" signal). A "data" signal is a reduction of the
 #: batch itself (no GEMM upstream): the slot is bounded by the reduction rtol alone.
@@ -141,6 +161,10 @@ ISV_STEP_PRODUCERS: Mapping[str, tuple[Callable[[DQNConfig], float | None], str]
     SLOW_EMA: (lambda c: c.grad_slow_ema_alpha, "gradient"),
     # The next-bar head's label scale: an EMA of the batch's next-return RMS (adaptive rate).
     "AUX_LABEL_SCALE_EMA": (lambda c: 1.0 if c.aux_next_bar_on else None, "data"),
+    # Issue 19's switched producers (reference.isv_step): EMAs at the Sharpe-adaptive rate,
+    # bounded at its largest value; the support is written directly (rate 1); the gamma
+    # schedule reads only epoch counters (exact, no entry).
+    **_isv_step_producers(),
 }
 
 COUNTER_FIELDS = ("step", "read_at", "fresh", "safety_clip_fired", "flags")

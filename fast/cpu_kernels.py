@@ -395,5 +395,6 @@ def _merge_piece_flags(a):
 
 # The second-wave sources' twins register themselves here (a module of their own: size).
 from foxhunt.fast import cpu_wave_kernels  # noqa: E402,F401
+from foxhunt.fast import cpu_isv_kernels  # noqa: E402,F401 (issue 19's producers)
 
 __all__ = ["Args", "TWINS", "Twin", "branches", "shape_of", "twin"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast import wave_plan
+from foxhunt.fast import isv_plan, wave_plan
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.step_layout import NORM_SEGMENT
 from foxhunt.fast.step_program import StepProgram
@@ -183,6 +183,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
                base_norm_sq_out="sq_c51", inject_norm_sq_out="sq_cql")
     norms = wave_plan.budget_stages(prog, ops)
     body = prog.ops()
+    isv_plan.gamma_consumer(prog, body)  # before the fork: every target kernel reads gamma
     body.parallel(prologue, ops)
     # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its
     # summation tree and bits); the injected sources' norms beside them.

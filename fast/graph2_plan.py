@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast import wave_plan
+from foxhunt.fast import isv_plan, wave_plan
 from foxhunt.fast.records import Buf, Host, Ops
 from foxhunt.fast.sentinel_plan import GRAPH2_WRITTEN
 from foxhunt.fast.step_program import StepProgram
@@ -90,6 +90,7 @@ def graph2_ops(prog: StepProgram) -> Ops:
                      slot=isv_mod.H_S2_RMS_EMA_INDEX, h2="h2o", n=nh,
                      alpha=np.float32(ISV_PRODUCER_ALPHA))
     wave_plan.producers(prog, producers)
+    isv_plan.producers(prog, producers)  # issue 19's switched producers (reference.isv_step)
     checks_pre = prog.ops()
     prog.fused_check(checks_pre, "desc_lens_pre")
     # The extra pieces' flags are ORed into their slots' flags once every piece has been

@@ -177,15 +177,11 @@ class StepLayout(BufferTable):
 
     def __init__(self, config: DQNConfig):
         from foxhunt.fast.sentinel_plan import sentinel_plan
+        from foxhunt.fast.isv_plan import add_isv_buffers
         from foxhunt.fast.wave_layout import add_wave_buffers
 
         super().__init__()
         c = config
-        from foxhunt.reference.isv_step import adaptive_on
-
-        if adaptive_on(c):
-            raise ValueError(f"{', '.join(adaptive_on(c))}=True: the fast step does not run "
-                             "the issue-19 ISV producers yet (reference backend only)")
         self.config = c
         self.param_layout = lay = ParamLayout(c)
         self.B, self.SD, self.H1, self.H2 = c.batch_size, c.state_dim, c.shared_h1, c.shared_h2
@@ -205,6 +201,7 @@ class StepLayout(BufferTable):
         self.sentinel = sentinel_plan(self)
         self._build_step()
         add_wave_buffers(self)
+        add_isv_buffers(self)
 
     def _build_batch(self) -> None:
         B, SD, nb = self.B, self.SD, self.nb
@@ -258,7 +255,9 @@ class StepLayout(BufferTable):
         if self.bf16:
             self._add("xb", (2 * B, SD), U16)
         # Constants.
-        for name, shape, dtype in (("z", NA, F32), ("gamma", nb, F32), ("alpha", 1, F32),
+        # With the gamma schedule on, graph 1 writes gamma from the ISV (fast.isv_plan).
+        self._add("gamma", nb, F32, "scratch" if self.config.gamma_schedule else "constant")
+        for name, shape, dtype in (("z", NA, F32), ("alpha", 1, F32),
                                    ("scale", 1, F32), ("n_actions", nb, I32),
                                    ("action_offset", nb, I32), ("thr_mult", n_desc, F32),
                                    ("thr_isv_index", n_desc, I32), ("thr_power", n_desc, I32),

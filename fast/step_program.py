@@ -397,6 +397,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     ``address(buf)`` is the arena address of a region (the sentinel and spectral descriptors
     hold pointers)."""
     from foxhunt.fast.kernels.spectral import spectral_descriptors
+    from foxhunt.fast.isv_plan import isv_constants
     from foxhunt.fast.wave_layout import wave_constants
     from foxhunt.reference.step import support
 
@@ -425,6 +426,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
         "piece_slot": np.array([p.slot for p in sp.extras] or [0], np.int32),
         "spectral_desc": spectral_descriptors(mats).view(np.uint8).reshape(len(mats), 32),
         **wave_constants(lay),
+        **isv_constants(lay),
     }
 
 
