@@ -96,7 +96,8 @@ STEP_BOUNDS: Mapping[str, Row] = {
     "sn_v.*": Row("as sn_u.*", "as sn_u.*"),
     "isv": Row(
         "slots the reference step does not write: bitwise (fingerprint bits included); producer "
-        "slots (ISV_STEP_PRODUCERS): rtol 1e-5 + alpha eps |signal|",
+        "slots (ISV_STEP_PRODUCERS): rtol 1e-5 + alpha eps |signal| (Q statistics: alpha eps_f "
+        "(|signal| + max|z|))",
         "an EMA (1-alpha) isv0 + alpha signal from the shared isv0 moves by alpha times the "
         "signal's difference; the signal is a forward (eps_f) or gradient-norm (eps_g) quantity"),
     "flags": Row("exact", "sentinel flags (SPEC 8: flags exactly equal)"),
@@ -132,6 +133,12 @@ STEP_BOUNDS: Mapping[str, Row] = {
     "scalars.clip_bound": Row("rtol 1e-5", "min(mgn, 100 max(slow EMA, 1)) of the shared state"),
 }
 
+#: Velocity signals: slot -> ("velocity", the slot whose signal it differences). A velocity
+#: (signal now minus the slot's old value) cancels: its error is eps_f times the differenced
+#: signal's size, not its own (ENS_VAR_VEL = the batch's distribution variance - ENS_VAR_EMA).
+VELOCITY_OF = {"ENS_VAR_VEL": ("velocity", "ENS_VAR_EMA")}
+
+
 def _isv_step_producers() -> dict:
     from foxhunt.reference import isv as reg
 
@@ -140,21 +147,24 @@ def _isv_step_producers() -> dict:
     for name in reg.SIGNAL_NAMES:
         if not reg.is_reserved(reg.slot(name)):
             kind = "gradient" if name in ("GRAD_NORM_EMA", "LOSS_EMA") else "forward"
+            kind = VELOCITY_OF.get(name, kind)
             out[name] = (lambda c: top if c.adaptive_signals else None, kind)
     stats = [s.name for s in reg.REGISTRY if s.producer in ("q_stats_update", "q_quantile_update")]
-    for name in stats:
-        out[name] = (lambda c: top if c.q_stats else None, "forward")
+    for name in stats:  # Q statistics: a Q estimate's error scales with the support (scalars.q)
+        out[name] = (lambda c: top if c.q_stats else None, "q")
     for s in reg.REGISTRY:
         if s.producer == "adaptive_support_update":
-            out[s.name] = (lambda c: 1.0 if c.q_stats else None, "forward")
+            out[s.name] = (lambda c: 1.0 if c.q_stats else None, "q")
         if s.producer == "per_branch_gamma_update":  # epoch counters only: rtol alone
             out[s.name] = (lambda c: 1.0 if c.gamma_schedule else None, "data")
     return out
 
 
 #: ISV slots the step writes: slot name -> (EMA rate, or None where the config's step does not
-#: write the slot; "forward" | "gradient" | "data" signal). A "data" signal is a reduction of the
-#: batch itself (no GEMM upstream): the slot is bounded by the reduction rtol alone.
+#: write the slot; "forward" | "gradient" | "q" | "data" | ("velocity", slot) signal). A "data"
+#: signal is a reduction of the batch itself (no GEMM upstream): the slot is bounded by the
+#: reduction rtol alone; a "q" signal is a statistic of expected Q values, whose error is
+#: eps_f (|Q| + max|z|) (q_values); a velocity is bounded by its differenced slot's signal.
 ISV_STEP_PRODUCERS: Mapping[str, tuple[Callable[[DQNConfig], float | None], str]] = {
     "Q_ABS_REF": (lambda c: ISV_PRODUCER_ALPHA, "forward"),
     "H_S2_RMS_EMA": (lambda c: ISV_PRODUCER_ALPHA, "forward"),

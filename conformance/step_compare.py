@@ -285,10 +285,18 @@ def _isv_comparison(cx: _Context, ref: np.ndarray, fast: np.ndarray) -> Comparis
                  for name, (rate, kind) in ISV_STEP_PRODUCERS.items()
                  if rate(cx.config) is not None}
     bound = np.zeros(ref.shape, F64)
+    def signal_of(index: int, alpha: float) -> float:  # the EMA's input: (x - (1-a) x0) / a
+        return abs(F64(ref[index]) - (1 - alpha) * F64(before[index])) / alpha
+
     for index, (alpha, kind) in producers.items():
-        eps = {"forward": cx.eps_f, "gradient": cx.eps_g, "data": 0.0}[kind]
-        signal = abs(F64(ref[index]) - (1 - alpha) * F64(before[index])) / alpha
-        bound[index] = REDUCTION_RTOL * abs(F64(ref[index])) + alpha * eps * signal
+        signal = signal_of(index, alpha)
+        if isinstance(kind, tuple):  # ("velocity", slot): bounded by the differenced signal
+            base = isv_mod.slot(kind[1]).index
+            eps, scale = cx.eps_f, signal + signal_of(base, producers[base][0])
+        else:
+            eps = {"forward": cx.eps_f, "gradient": cx.eps_g, "q": cx.eps_f, "data": 0.0}[kind]
+            scale = signal + cx.zmax if kind == "q" else signal
+        bound[index] = REDUCTION_RTOL * abs(F64(ref[index])) + alpha * eps * scale
     exact = np.ones(ref.shape, bool)
     exact[list(producers)] = False
     result = _bounded("isv", fast, ref, np.where(np.isfinite(bound), bound, 0.0),
