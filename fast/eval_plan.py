@@ -31,6 +31,15 @@ an ``EvalLayout(layout, 1)``): the run's market tables (``walk_close`` ... as
   metrics, reduced on the device in float64) copied out to ``walk_metrics_host``, and with
   ``equity`` the ``n`` per-bar rewards to ``walk_rewards_host``: the segment's one readback.
 
+**The fused walk** (``fused_ops``, ``DeviceEvaluator(mode="fused")``): ONE launch of
+``greedy_walk`` (``cuda_src/walk.cu``, twin ``reference.kernels.walk``) walks the greedy policy
+over the whole segment: the first bar (``walk_start_host``) and the step count
+(``walk_n_steps_host``) are copied in, the kernel reads the online copy of ``params2`` (and of
+``mirror2`` in ``bf16``), ``isv`` (Mech 10's bound), ``z``, ``n_actions`` and
+``action_offset`` of the step layout and the walk's ``walk_param_offsets`` (the tensors'
+offsets, ``walk.walk_offsets``), and writes rows ``[0, n)`` of ``walk_rec_*``; ``end_ops``
+follows unchanged. The kernel builds its own state rows: no ``walk_obs``, no ``env_reset``.
+
 Why one bar graph serves every segment: ``env_step`` walks the whole table (``n_bars = T``), so
 the records name no segment. A walk from ``start`` reads bars ``start .. start + n`` for its
 ``n = stop - start - 1`` recorded steps, exactly as the reference environment on
@@ -48,7 +57,9 @@ from foxhunt.fast.binder import Binder
 from foxhunt.fast.records import F32, I32, I64, Buf, Host, Ops, Region
 from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram
+from foxhunt.reference.isv import H_S2_RMS_EMA_INDEX
 from foxhunt.reference.kernels import env as env_kernels
+from foxhunt.reference.kernels import walk as walk_kernels
 from foxhunt.reference.kernels.rng import STREAMS
 from foxhunt.reference.loop import BASELINE_ACTIONS
 
@@ -56,6 +67,8 @@ from foxhunt.reference.loop import BASELINE_ACTIONS
 X_HOST, Q_HOST = "x_host", "q_host"
 #: Host buffers of the walk: the first bar and its state in, the metrics and rewards out.
 START_HOST, OBS_HOST = "walk_start_host", "walk_obs_host"
+#: Host buffer of the fused walk: its step count in.
+N_STEPS_HOST = "walk_n_steps_host"
 METRICS_HOST, REWARDS_HOST = "walk_metrics_host", "walk_rewards_host"
 #: The walk's policies: the greedy one, then the baselines (rows of ``walk_fixed``, in order).
 BASELINE_POLICIES = tuple(sorted(BASELINE_ACTIONS))
@@ -122,6 +135,8 @@ class WalkLayout(BufferTable):
         self._add("walk_eps", 1, F32, "constant")
         self._add("walk_cycle", 1, I64, "constant")
         self._add("walk_start", 1, I32)
+        self._add("walk_n_steps", 1, I32)
+        self._add("walk_param_offsets", len(walk_kernels.walk_tensors(nb)), I32, "constant")
         for buf, _, dtype in WALK_STATE:
             self._add(buf, 1, dtype, "state")
         self._add("walk_obs", (1, SD), F32, "state")
@@ -138,7 +153,8 @@ class WalkLayout(BufferTable):
 
     def host_specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
         """The host buffers: ``{name: (shape, dtype)}``."""
-        return {START_HOST: ((1,), I32), OBS_HOST: ((self.step.SD,), F32),
+        return {START_HOST: ((1,), I32), N_STEPS_HOST: ((1,), I32),
+                OBS_HOST: ((self.step.SD,), F32),
                 METRICS_HOST: ((len(env_kernels.EVAL_FIELDS),), F32),
                 REWARDS_HOST: ((self.max_steps,), F32)}
 
@@ -147,6 +163,12 @@ class WalkLayout(BufferTable):
         config's branches), one row per ``BASELINE_POLICIES`` entry."""
         nb = self.step.nb
         return np.array([BASELINE_ACTIONS[p][:nb] for p in BASELINE_POLICIES], I32)
+
+    def constants(self) -> dict[str, np.ndarray]:
+        """Host values of the walk's own constant tables the binder reads (extents):
+        ``walk_param_offsets`` (online copy: offsets from the start of ``params2``)."""
+        return {"walk_param_offsets": walk_kernels.walk_offsets(self.step.param_layout,
+                                                                self.step.nb)}
 
 
 def walk_binder(prog: StepProgram, wl: WalkLayout, evl: EvalLayout) -> Binder:
@@ -158,7 +180,7 @@ def walk_binder(prog: StepProgram, wl: WalkLayout, evl: EvalLayout) -> Binder:
         return prog.lay.region(buf)
     host = {name: int(np.prod(shape)) * np.dtype(dtype).itemsize
             for name, (shape, dtype) in wl.host_specs().items()}
-    return Binder(region, constants=prog.constants, host_nbytes=host)
+    return Binder(region, constants={**prog.constants, **wl.constants()}, host_nbytes=host)
 
 
 def walk_role(prog: StepProgram, wl: WalkLayout, evl: EvalLayout):
@@ -217,6 +239,26 @@ def bar_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, policy: str) -> None:
                regime_out="walk_regime_out")
 
 
+def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
+    """The fused walk (module docstring): the first bar and the step count in, ``greedy_walk``."""
+    lay, c = prog.lay, prog.config
+    tables = {name: buf for buf, name in WALK_TABLES}
+    dims = walk_kernels.walk_dims(c)
+    ops.copy("walk_start", Host(START_HOST), 4, "htod")
+    ops.copy("walk_n_steps", Host(N_STEPS_HOST), 4, "htod")
+    ops.kernel("greedy_walk", prog.kernels("walk").plan_greedy_walk(dims, lay.branches),
+               params="params2", params_bf16="mirror2" if lay.bf16 else None,
+               param_offsets="walk_param_offsets", bf16=int(lay.bf16),
+               **dict(zip(walk_kernels.DIMS, dims)), n_branches=lay.nb, n_actions="n_actions",
+               action_offset="action_offset", z="z", isv="isv", isv_index=H_S2_RMS_EMA_INDEX,
+               h2_clamp_mult=np.float32(c.h2_clamp_mult), close=tables["close"],
+               high=tables["high"], low=tables["low"], features=tables["features"],
+               n_features=wl.n_features, costs="walk_costs", n_bars=wl.n_bars,
+               start="walk_start", n_steps="walk_n_steps", rec_reward="walk_rec_reward",
+               rec_held="walk_rec_held", rec_cost="walk_rec_cost", rec_margin=None,
+               record_len=wl.max_steps)
+
+
 def end_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, *, n: int, bars_per_year: float,
             equity: bool) -> None:
     """``eval_metrics`` of the first ``n`` rows and the copies out (module docstring)."""
@@ -253,6 +295,9 @@ def register_twins() -> None:
             return env_kernels.env_reset(a.start, a.n_envs, a.min_start, a.last_start, key,
                                          a.cycle)._asdict()
 
+    if "greedy_walk" not in TWINS:
+        _register_greedy_walk(twin)
+
     if "eval_metrics" not in TWINS:
         @twin("eval_metrics", rewards="n", positions="n", costs="n",
               out=len(env_kernels.EVAL_FIELDS))
@@ -261,7 +306,69 @@ def register_twins() -> None:
                                                     a.bars_per_year)}
 
 
-__all__ = ["BASELINE_POLICIES", "METRICS_HOST", "NO_KEY", "OBS_HOST", "POLICIES", "Q_HOST",
-           "REWARDS_HOST", "START_HOST", "WALK_STATE", "WALK_STREAMS", "WALK_TABLES", "WalkLayout",
-           "X_HOST", "begin_ops", "bar_ops", "end_ops", "eval_host_nbytes", "eval_host_specs", "eval_ops",
-           "register_twins", "walk_binder", "walk_role"]
+def walk_tensor_sizes(dims, branches) -> tuple[int, ...]:
+    """Elements of each ``walk.walk_tensors`` entry, in its order (walk.cu's shapes)."""
+    sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
+    trunk = (h1 * sd, h1, h2 * h1, h2, value_h * h2, value_h, na * value_h, na)
+    return trunk + tuple(size for n in branches
+                         for size in (adv_h * h2, adv_h, int(n) * na * adv_h, int(n) * na))
+
+
+def _register_greedy_walk(twin) -> None:
+    """The twin of ``greedy_walk``: ``reference.kernels.walk.greedy_walk`` on the launch's
+    tables, writing rows ``[0, min(n_steps, record_len))`` of the records (the kernel's rule).
+    In ``bf16`` the weights are the mirror's (as the kernel reads them), the biases the f32
+    params'."""
+    from foxhunt.fast.cpu_kernels import branches
+    from foxhunt.reference.isv import ISV_LEN
+    from foxhunt.reference.kernels.dense import bf16_to_f32
+
+    def dims(a):
+        return tuple(getattr(a, name) for name in walk_kernels.DIMS)
+
+    def spans(a):
+        """``(tensor, offset, size)`` of each tensor the kernel reads."""
+        brs = branches(a, a.n_branches)
+        names = walk_kernels.walk_tensors(len(brs))
+        offsets = a.table("param_offsets", len(names))
+        return zip(names, (int(o) for o in offsets), walk_tensor_sizes(dims(a), brs))
+
+    def param_extent(a):
+        return max(offset + size for _, offset, size in spans(a))
+
+    rec = {name: "record_len" for name in ("rec_reward", "rec_held", "rec_cost", "rec_margin")}
+
+    @twin("greedy_walk", nullable=("params_bf16", "rec_margin"), params=param_extent,
+          params_bf16=param_extent, param_offsets=lambda a: len(walk_kernels.walk_tensors(
+              a.n_branches)), n_actions="n_branches", action_offset="n_branches",
+          z="num_atoms", isv=ISV_LEN, close="n_bars", high="n_bars", low="n_bars",
+          features=("n_bars", "n_features"), costs=len(env_kernels.COST_FIELDS), start=1,
+          n_steps=1, **rec)
+    def _greedy_walk(a):
+        params = a.params
+        if a.bf16:
+            mirror = a.params_bf16
+            if mirror is None:
+                raise ValueError("greedy_walk: bf16 is 1 but params_bf16 is null")
+            for name, offset, size in spans(a):
+                if name.startswith("w_"):  # weights from the mirror, biases f32
+                    params[offset:offset + size] = bf16_to_f32(mirror[offset:offset + size])
+        walked = walk_kernels.greedy_walk(
+            params, a.param_offsets, dims(a), branches(a, a.n_branches), bool(a.bf16), a.z,
+            a.isv, a.isv_index, a.h2_clamp_mult, a.close, a.high, a.low, a.features, a.costs,
+            int(a.start[0]), int(a.n_steps[0]))
+        rows = min(int(a.n_steps[0]), a.record_len)
+        out = {}
+        for name, values in zip(rec, (walked.rewards, walked.positions, walked.costs,
+                                      walked.margins)):
+            if a.view(name) is not None:
+                out[name] = getattr(a, name)
+                out[name][:rows] = values[:rows]
+        return out
+
+
+__all__ = ["BASELINE_POLICIES", "METRICS_HOST", "N_STEPS_HOST", "NO_KEY", "OBS_HOST", "POLICIES",
+           "Q_HOST", "REWARDS_HOST", "START_HOST", "WALK_STATE", "WALK_STREAMS", "WALK_TABLES",
+           "WalkLayout", "X_HOST", "begin_ops", "bar_ops", "end_ops", "eval_host_nbytes",
+           "eval_host_specs", "eval_ops", "fused_ops", "register_twins", "walk_binder",
+           "walk_role", "walk_tensor_sizes"]

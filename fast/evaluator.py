@@ -1,7 +1,8 @@
 """Greedy evaluation of a whole segment on the device (issue 20, SPEC 10), the fast twin of
 ``reference.loop.evaluate_segment``.
 
-``DeviceEvaluator(trainer, tables, *, max_steps, chunk=CHUNK_BARS, costs=ExecutionCosts())``
+``DeviceEvaluator(trainer, tables, *, max_steps, chunk=CHUNK_BARS, costs=ExecutionCosts(),
+mode="graph")``
 takes a ``foxhunt.fast.Trainer`` (on the GPU, or a ``CpuTrainer``: the same records run by the
 reference kernels) and the run's market tables (``kernels.env.market_tables``), and builds the
 plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` and one
@@ -10,7 +11,11 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
 - ``begin``: the segment's first bar and flat state in, ``env_reset``;
 - ``chunk`` per policy: ``chunk`` bars (``bar_ops``) in ONE graph, built on first use;
 - ``end`` per ``(n, bars_per_year, equity)``: ``eval_metrics`` and the copies out (the
-  ``END_CACHE_SIZE`` most recent kept).
+  ``END_CACHE_SIZE`` most recent kept);
+- with ``mode="fused"``, ``fused``: the greedy walk of a whole segment in ONE ``greedy_walk``
+  launch (``eval_plan.fused_ops``), built with the evaluator; the greedy policy then takes
+  ``fused`` and ``end`` instead of ``begin``, the chunks and ``end`` (the baselines keep the
+  chunk graphs). ``mode="graph"`` (the default) walks the greedy policy by chunk graphs too.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
@@ -24,10 +29,13 @@ On the GPU each plan is one captured CUDA graph (the chunk graph repeats the bar
 are planned once for the bar's records, not per copy; ``node_counts()`` says how many). A trainer whose engine is rebuilt (``Trainer.load_state_dict`` of
 another seed with the IQN head on) is followed: the plans are rebuilt on the new engine.
 
-Numerics: the walk's records are those of ``kernels.env_walk.greedy_walk`` (F's twin of
-``loop.evaluate``); on the CPU executor the metrics are ``loop.evaluate_segment``'s rounded to
-float32 (bit for bit: ``tests/test_device_eval.py``), on the GPU within ``eval_metrics``'
-float64-reduction bound (``conformance/specs/env.py``).
+Numerics (``mode="fused"``): ``greedy_walk``'s float order differs from the forward's GEMMs
+(``reference.kernels.walk``), so its actions equal the chunk graphs' up to the first near tie
+(``walk.first_near_tie``; ``tests/test_walk_wiring.py``). Numerics (``"graph"``): the walk's
+records are those of ``kernels.env_walk.greedy_walk`` (F's twin of ``loop.evaluate``); on
+the CPU executor the metrics are ``loop.evaluate_segment``'s rounded to float32 (bit for bit:
+``tests/test_device_eval.py``), on the GPU within ``eval_metrics``' float64-reduction bound
+(``conformance/specs/env.py``).
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import numpy as np
 from foxhunt.fast.dataflow import check_dataflow
 from foxhunt.fast.eval_plan import (
     METRICS_HOST,
+    N_STEPS_HOST,
     OBS_HOST,
     POLICIES,
     REWARDS_HOST,
@@ -50,6 +59,7 @@ from foxhunt.fast.eval_plan import (
     bar_ops,
     begin_ops,
     end_ops,
+    fused_ops,
     register_twins,
     walk_binder,
     walk_role,
@@ -67,6 +77,8 @@ F32, I32, I64 = np.float32, np.int32, np.int64
 CHUNK_BARS = 64
 #: ``end`` graphs kept (one per segment length, annualisation and equity choice).
 END_CACHE_SIZE = 8
+#: How the greedy policy walks a segment: chunk graphs of per-bar records, or one kernel.
+MODES = ("graph", "fused")
 
 
 class WalkResult(NamedTuple):
@@ -175,9 +187,13 @@ class DeviceEvaluator:
     """Greedy (and baseline) walks over segments on the device (module docstring)."""
 
     def __init__(self, trainer, tables: env_kernels.MarketTables, *, max_steps: int,
-                 chunk: int = CHUNK_BARS, costs: ExecutionCosts = ExecutionCosts()):
+                 chunk: int = CHUNK_BARS, costs: ExecutionCosts = ExecutionCosts(),
+                 mode: str = "graph"):
         self.max_steps = check_int("max_steps", max_steps, minimum=1)
         self.chunk = check_int("chunk", chunk, minimum=1)
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: allowed values are {', '.join(map(repr, MODES))}")
+        self.mode = mode
         n_bars = tables.close.shape[0]
         if n_bars < 2:
             raise ValueError(f"tables: {n_bars} bars are not allowed; a walk needs at least 2")
@@ -206,12 +222,19 @@ class DeviceEvaluator:
             up(buf, getattr(self.tables, name))
         up("walk_costs", env_kernels.cost_table(self.costs))
         up("walk_fixed", wl.fixed_actions())
+        for name, value in wl.constants().items():
+            up(name, value)
         up("walk_eps", np.zeros(1, F32))  # greedy: never explore
         up("walk_cycle", np.zeros(1, I64))
         self._begin = self._new()
         begin_ops(self._begin, prog, wl)
         self._check([self._begin])
         self._device.build("begin", [self._begin])
+        if self.mode == "fused":
+            fused = self._new()
+            fused_ops(fused, prog, wl)
+            self._check([fused])
+            self._device.build("fused", [fused])
         self._engine = engine
         self._chunks: set[str] = set()
         self._ends: OrderedDict = OrderedDict()
@@ -273,16 +296,21 @@ class DeviceEvaluator:
         if self.trainer.engine is not self._engine:  # rebuilt (reseeded): follow it
             self._device.close(synchronize=False)
             self._build()
-        chunk, end = self._chunk(policy), self._end(n, per_year, bool(equity))
+        end = self._end(n, per_year, bool(equity))
         host, tb = self._device.host, self.tables
-        flat = np.zeros(1, F32)
         host[START_HOST][0] = start
-        host[OBS_HOST][...] = env_kernels.env_observe(
-            tb.features, tb.close, np.array([start], I32), flat, flat, np.zeros(1, I32),
-            self.trainer.config.state_dim)[0]
-        self._device.run("begin")
-        for _ in range(-(-n // self.chunk)):
-            self._device.run(chunk)
+        if self.mode == "fused" and policy == "greedy":
+            host[N_STEPS_HOST][0] = n
+            self._device.run("fused")
+        else:
+            chunk = self._chunk(policy)
+            flat = np.zeros(1, F32)
+            host[OBS_HOST][...] = env_kernels.env_observe(
+                tb.features, tb.close, np.array([start], I32), flat, flat, np.zeros(1, I32),
+                self.trainer.config.state_dim)[0]
+            self._device.run("begin")
+            for _ in range(-(-n // self.chunk)):
+                self._device.run(chunk)
         self._device.run(end)
         self._engine.synchronize()  # the segment's one readback
         rewards = host[REWARDS_HOST][:n].copy() if equity else None
@@ -294,4 +322,4 @@ class DeviceEvaluator:
             self._device = None
 
 
-__all__ = ["CHUNK_BARS", "DeviceEvaluator", "END_CACHE_SIZE", "WalkResult"]
+__all__ = ["CHUNK_BARS", "DeviceEvaluator", "END_CACHE_SIZE", "MODES", "WalkResult"]

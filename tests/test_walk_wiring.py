@@ -1,0 +1,151 @@
+"""``DeviceEvaluator(mode="fused")``: the greedy walk of a segment in one ``greedy_walk`` launch
+(``fast.eval_plan.fused_ops``), run by the CPU executor (the kernel's reference twin), against
+the chunk graphs of ``mode="graph"`` on real fold segments. The two forwards sum in different
+orders (lane-strided dot products against GEMMs), so their actions agree up to the first near
+tie (``walk.first_near_tie`` of the margins, computed here by the reference walk on the
+trainer's live parameters); before it, every per-bar reward is equal."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from foxhunt.fast import device as fast_device
+from foxhunt.fast.cpu_executor import CpuTrainer
+from foxhunt.fast.eval_plan import POLICIES, walk_tensor_sizes
+from foxhunt.fast.evaluator import DeviceEvaluator
+from foxhunt.reference import loop
+from foxhunt.reference.batch import Batch
+from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.env import ExecutionCosts
+from foxhunt.reference.isv import H_S2_RMS_EMA_INDEX
+from foxhunt.reference.kernels import env as env_kernels
+from foxhunt.reference.kernels import walk
+from foxhunt.reference.layout import ParamLayout
+from foxhunt.reference.market import SyntheticMarket, feature_warmup, market_features
+from foxhunt.reference.metrics import bar_seconds, bars_per_year
+from foxhunt.reference.step import support
+
+CHUNK = 16
+
+
+def _setup(precision: str, seed: int):
+    """A tiny trainer stepped a few times (its greedy policy trades), the run's bars and its
+    two folds' validation and test segments, and a graph-mode and a fused-mode evaluator."""
+    config = DQNConfig.preset("tiny", precision=precision)
+    trainer = CpuTrainer(config, seed=seed)
+    gen = np.random.default_rng(seed)
+    for _ in range(3):
+        trainer.step(Batch.random(config, gen))
+    bars = SyntheticMarket(4, 1200).generate()
+    windows = loop.choose_windows(config.state_dim)
+    feats = market_features(bars, windows)
+    folds = loop.fold_segments(len(bars), feature_warmup(windows), 2, 0.125, 0.125)
+    segments = [getattr(seg, name) for seg in folds for name in loop.EVAL_SEGMENTS]
+    tables = env_kernels.market_tables(bars, feats)
+    graph = DeviceEvaluator(trainer, tables, max_steps=120, chunk=CHUNK)
+    fused = DeviceEvaluator(trainer, tables, max_steps=120, chunk=CHUNK, mode="fused")
+    per_year = bars_per_year(bar_seconds(bars.timestamp))
+    return config, trainer, tables, segments, per_year, graph, fused
+
+
+@pytest.fixture(scope="module", params=["f32", "bf16"])
+def run_setup(request):
+    setup = _setup(request.param, seed=3)
+    yield setup
+    for ev in setup[-2:]:
+        ev.close()
+
+
+def _margins(config, trainer, tables, start, stop) -> np.ndarray:
+    """The reference walk's margins on the trainer's live online parameters and ISV."""
+    arena = trainer.engine.arena
+    return walk.greedy_walk(
+        arena.download("params2")[0], walk.walk_offsets(ParamLayout(config), config.n_branches),
+        walk.walk_dims(config), config.branches, config.precision == "bf16", support(config),
+        arena.download("isv"), H_S2_RMS_EMA_INDEX, config.h2_clamp_mult, tables.close,
+        tables.high, tables.low, tables.features, env_kernels.cost_table(ExecutionCosts()),
+        start, stop - start - 1).margins
+
+
+def test_fused_walk_equals_the_graph_walk_up_to_the_first_near_tie(run_setup):
+    config, trainer, tables, segments, per_year, graph, fused = run_setup
+    bf16 = config.precision == "bf16"
+    compared = 0
+    for start, stop in segments:
+        n = stop - start - 1
+        want = graph.walk(start, stop, per_year, equity=True)
+        got = fused.walk(start, stop, per_year, equity=True)
+        cut = walk.first_near_tie(_margins(config, trainer, tables, start, stop),
+                                  support(config), bf16)
+        assert np.array_equal(got.rewards[:cut], want.rewards[:cut])
+        if cut == n:  # the same records: the same metrics, bit for bit
+            assert got.metrics.tolist() == want.metrics.tolist()
+        compared += cut
+        assert np.count_nonzero(want.rewards[:cut]) > 0  # the prefix compared is not flat
+    assert compared >= len(segments) * 20
+
+
+def test_fused_baselines_are_the_graph_baselines(run_setup):
+    """The fused mode walks only the greedy policy in one launch; the baselines keep the chunk
+    graphs (the same numbers as in graph mode)."""
+    *_, segments, per_year, graph, fused = run_setup
+    start, stop = segments[0]
+    for policy in POLICIES[1:]:
+        got = fused.walk(start, stop, per_year, policy=policy, equity=True)
+        want = graph.walk(start, stop, per_year, policy=policy, equity=True)
+        assert got.metrics.tolist() == want.metrics.tolist()
+        assert np.array_equal(got.rewards, want.rewards)
+
+
+def test_fused_greedy_walk_is_one_launch_and_one_synchronisation(run_setup):
+    """The fused plan: the two copies in and ONE kernel, whatever the segment's length; no
+    greedy chunk graph is ever built; one synchronisation per segment."""
+    *_, segments, per_year, _, fused = run_setup
+    for start, stop in segments:
+        before = fast_device.SYNCS.count
+        fused.walk(start, stop, per_year)
+        assert fast_device.SYNCS.count - before == 1
+    (graph,) = fused._device._plans["fused"]
+    assert [getattr(node, "kernel", None) for node in graph.nodes].count("greedy_walk") == 1
+    assert fused._device.node_count("fused") == 3
+    assert ("chunk", "greedy") not in fused._device._plans
+
+
+def test_walk_tensor_sizes_are_the_parameter_layout_s():
+    """The twin's extent of ``params``: each tensor's size as ``ParamLayout`` sizes it."""
+    config = DQNConfig.preset("tiny")
+    lay = ParamLayout(config)
+    names = walk.walk_tensors(config.n_branches)
+    want = tuple(int(np.prod(lay[name].shape)) for name in names)
+    assert walk_tensor_sizes(walk.walk_dims(config), config.branches) == want
+
+
+def test_the_fused_walk_reads_the_trainer_s_live_parameters():
+    """Stepping the trainer between two fused walks changes the policy the next walk follows:
+    it equals the graph walk of the stepped trainer up to the first near tie."""
+    config, trainer, tables, segments, per_year, graph, fused = _setup("f32", seed=5)
+    start, stop = segments[0]
+    gen = np.random.default_rng(1)
+    seen = []
+    for _ in range(3):
+        got = fused.walk(start, stop, per_year, equity=True).rewards
+        want = graph.walk(start, stop, per_year, equity=True).rewards
+        cut = walk.first_near_tie(_margins(config, trainer, tables, start, stop),
+                                  support(config), False)
+        assert cut > 0 and np.array_equal(got[:cut], want[:cut])
+        seen.append(got)
+        for _ in range(4):
+            trainer.step(Batch.random(config, gen))
+    assert not all(np.array_equal(seen[0], s) for s in seen[1:])  # the policy did change
+    graph.close()
+    fused.close()
+
+
+def test_the_evaluator_refuses_an_unknown_mode(run_setup):
+    _, trainer, tables, *_ = run_setup
+    with pytest.raises(ValueError, match=re.escape(
+            "mode='cluster': allowed values are 'graph', 'fused'")):
+        DeviceEvaluator(trainer, tables, max_steps=10, mode="cluster")
