@@ -144,16 +144,18 @@ extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __r
 // launched with grad_norm_partial's block size, the partials are grad_norm_partial(out)'s bit
 // for bit, and out is clip_grad_inplace + clipped_saxpy's. float4 accesses where the three
 // segment starts are 16-byte aligned, element accesses otherwise (the same sums).
+// The element op receives the element's index too (HbWaveBudgetOp's ranges read it).
 struct HbClipSaxpyOp {
     float s_base, a, s_inject;
-    __device__ __forceinline__ float operator()(float base, float inject) const {
+    __device__ __forceinline__ float operator()(long long, float base, float inject) const {
         return hb_clip_saxpy(base, inject, s_base, a, s_inject);
     }
 };
 
+template <class Op>
 __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
         const float* __restrict__ base, const float* __restrict__ inject, float* __restrict__ out,
-        long long begin, long long end, const HbClipSaxpyOp op) {
+        long long begin, long long end, const Op op) {
     const FiniteSquare sq;
     const float* b = base + begin;
     const float* y = inject + begin;
@@ -173,10 +175,11 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
             const float4 qb = b4[c];
             const float4 qy = y4[c];
             float4 r;
-            r.x = op(qb.x, qy.x);
-            r.y = op(qb.y, qy.y);
-            r.z = op(qb.z, qy.z);
-            r.w = op(qb.w, qy.w);
+            const long long i = begin + 4 * c;
+            r.x = op(i, qb.x, qy.x);
+            r.y = op(i + 1, qb.y, qy.y);
+            r.z = op(i + 2, qb.z, qy.z);
+            r.w = op(i + 3, qb.w, qy.w);
             o4[c] = r;
             a0 = __fadd_rn(a0, sq(r.x));
             a1 = __fadd_rn(a1, sq(r.y));
@@ -189,7 +192,9 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
             const long long i = 4 * c;
             const float b0 = b[i], b1 = b[i + 1], b2 = b[i + 2], b3 = b[i + 3];
             const float y0 = y[i], y1 = y[i + 1], y2 = y[i + 2], y3 = y[i + 3];
-            const float r0 = op(b0, y0), r1 = op(b1, y1), r2 = op(b2, y2), r3 = op(b3, y3);
+            const long long g = begin + i;
+            const float r0 = op(g, b0, y0), r1 = op(g + 1, b1, y1), r2 = op(g + 2, b2, y2),
+                        r3 = op(g + 3, b3, y3);
             o[i] = r0;
             o[i + 1] = r1;
             o[i + 2] = r2;
@@ -203,7 +208,7 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
     const long long tail = 4 * chunks;  // 0 to 3 elements left, the next chunk in turn
     if (tail < len && threadIdx.x == chunks % blockDim.x) {
         for (long long i = tail; i < len; ++i) {
-            const float r = op(b[i], y[i]);
+            const float r = op(begin + i, b[i], y[i]);
             o[i] = r;
             const float term = sq(r);
             if (i == tail) {
@@ -257,6 +262,94 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
     const long long end = min(begin + block_size, n);
     const HbClipSaxpyOp op{hb_clip_scale(base_norm_sq, base_max_norm), a,
                            hb_clip_scale(inject_norm_sq, inject_max_norm)};
+    const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
+    const float total = block_sum(partial, scratch);
+    if (threadIdx.x == 0) {
+        partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
+    }
+}
+
+// clip_saxpy_norm_partial_wave (twin: foxhunt.reference.kernels.wave, which states the
+// contract): clip_saxpy_norm_partial with the second-wave sources injected in the same pass,
+// so graph 1 ends with one budget launch, not one per source. Per element, in this order:
+//   r = clip_saxpy_norm_partial's out_i                 (c51 clip, CQL clipped SAXPY)
+//   r = guarded_axpy(r, iqn_i * s_iqn, iqn_a)           for i < iqn_n   (IQN, trunk range)
+//   r = guarded_axpy(r, ens_i * s_ens, ens_a)           for i < ens_n   (ensemble, value range)
+// with s_src = clip_scale(grad_norm_final(src_partials[0:count]), src_max_norm); partials[k]
+// are out's finite-square segment sums (grad_norm_partial). Each norm is grad_norm_final's tree
+// with final_threads threads; block 0 writes them. A source whose partials pointer is null is
+// off: its n must be 0, its norm is neither read nor written (its pointers may be null).
+struct HbWaveBudgetOp {
+    HbClipSaxpyOp core;
+    const float* iqn;
+    long long iqn_n;
+    float iqn_a, s_iqn;
+    const float* ens;
+    long long ens_n;
+    float ens_a, s_ens;
+    __device__ __forceinline__ float operator()(long long i, float base, float inject) const {
+        float r = core(i, base, inject);
+        if (i < iqn_n) {
+            r = hb_guarded_axpy(r, __fmul_rn(iqn[i], s_iqn), iqn_a);
+        }
+        if (i < ens_n) {
+            r = hb_guarded_axpy(r, __fmul_rn(ens[i], s_ens), ens_a);
+        }
+        return r;
+    }
+};
+
+// A source's squared norm (grad_norm_final's tree), 0 for a source that is off (null partials).
+__device__ __forceinline__ float hb_source_norm_sq(const float* partials, long long count,
+                                                   int threads, float* scratch) {
+    if (partials == nullptr) {
+        return 0.0f;  // uniform across the block: no thread enters block_sum_as
+    }
+    return __fadd_rn(block_sum_as(partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
+}
+
+// Launch: clip_saxpy_norm_partial's (plan_clip_saxpy_norm_partial_wave).
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
+clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __restrict__ inject,
+                             long long n, float base_max_norm,
+                             const float* __restrict__ base_partials, float a,
+                             float inject_max_norm, const float* __restrict__ inject_partials,
+                             const float* __restrict__ iqn, long long iqn_n, float iqn_a,
+                             float iqn_max_norm, const float* __restrict__ iqn_partials,
+                             const float* __restrict__ ens, long long ens_n, float ens_a,
+                             float ens_max_norm, const float* __restrict__ ens_partials,
+                             long long count, long long final_threads, long long block_size,
+                             float* __restrict__ out, float* __restrict__ partials,
+                             float* __restrict__ base_norm_sq_out,
+                             float* __restrict__ inject_norm_sq_out,
+                             float* __restrict__ iqn_norm_sq_out,
+                             float* __restrict__ ens_norm_sq_out) {
+    __shared__ float scratch[REDUCE_WARP + 1];
+    const int threads = (int)final_threads;
+    const float base_norm_sq = hb_source_norm_sq(base_partials, count, threads, scratch);
+    const float inject_norm_sq = hb_source_norm_sq(inject_partials, count, threads, scratch);
+    const float iqn_norm_sq = hb_source_norm_sq(iqn_partials, count, threads, scratch);
+    const float ens_norm_sq = hb_source_norm_sq(ens_partials, count, threads, scratch);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        base_norm_sq_out[0] = base_norm_sq;
+        inject_norm_sq_out[0] = inject_norm_sq;
+        if (iqn_partials != nullptr) {
+            iqn_norm_sq_out[0] = iqn_norm_sq;
+        }
+        if (ens_partials != nullptr) {
+            ens_norm_sq_out[0] = ens_norm_sq;
+        }
+    }
+    const long long begin = (long long)blockIdx.x * block_size;
+    if (begin >= n) {
+        return;  // only for n == 0 (grid 1): no segment; uniform across the block
+    }
+    const long long end = min(begin + block_size, n);
+    const HbWaveBudgetOp op{
+        {hb_clip_scale(base_norm_sq, base_max_norm), a,
+         hb_clip_scale(inject_norm_sq, inject_max_norm)},
+        iqn, iqn_partials == nullptr ? 0 : iqn_n, iqn_a, hb_clip_scale(iqn_norm_sq, iqn_max_norm),
+        ens, ens_partials == nullptr ? 0 : ens_n, ens_a, hb_clip_scale(ens_norm_sq, ens_max_norm)};
     const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
     const float total = block_sum(partial, scratch);
     if (threadIdx.x == 0) {

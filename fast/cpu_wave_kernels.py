@@ -177,6 +177,25 @@ def _step_count_advance(a):
     return {"step_count": wave.step_count_advance(a.step_count)}
 
 
+@twin("clip_saxpy_norm_partial_wave", base="n", inject="n", base_partials="count",
+      inject_partials="count", iqn="iqn_n", iqn_partials="count", ens="ens_n",
+      ens_partials="count", out="n", partials=lambda a: -(-a.n // a.block_size),
+      base_norm_sq_out=1, inject_norm_sq_out=1, iqn_norm_sq_out=1, ens_norm_sq_out=1,
+      nullable=("iqn", "iqn_partials", "iqn_norm_sq_out", "ens", "ens_partials",
+                "ens_norm_sq_out"))
+def _clip_saxpy_norm_partial_wave(a):
+    r = wave.clip_saxpy_norm_partial_wave(
+        a.base, a.inject, a.base_max_norm, a.base_partials, a.a, a.inject_max_norm,
+        a.inject_partials, a.iqn, a.iqn_a, a.iqn_max_norm, a.iqn_partials, a.ens, a.ens_a,
+        a.ens_max_norm, a.ens_partials, a.block_size)
+    out = {"out": r.out, "partials": r.partials, "base_norm_sq_out": [r.base_norm_sq],
+           "inject_norm_sq_out": [r.inject_norm_sq]}
+    for src, sq in (("iqn", r.iqn_norm_sq), ("ens", r.ens_norm_sq)):
+        if getattr(a, f"{src}_partials") is not None:  # an off source's norm is not written
+            out[f"{src}_norm_sq_out"] = [sq]
+    return out
+
+
 @twin("source_norm_scalars", norm_sq=1, readback=_READBACK)
 def _source_norm_scalars(a):
     return {"readback": wave.source_norm_scalars(a.norm_sq, a.readback, a.budget, a.pre_index,

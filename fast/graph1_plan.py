@@ -21,9 +21,9 @@ Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
 The second-wave sources that are on (``wave_plan``) join it: the auxiliary heads', IQN and
 ensemble chains start at online (target) h2, beside the passes' heads (the IQN fractions and
 ``phi`` at once: they read no activation); the C51 trunk adds the auxiliary heads' ``d h2``,
-the MSE warm-up runs inside the C51 chain (with the targets moved there); one budget stage per
-injected source after the C51 + CQL stage, each source's norms into the readback beside the
-step scalars. ``benches/critical_path.py`` prints the longest chain of each variant.
+the MSE warm-up runs inside the C51 chain (with the targets moved there); the injected sources
+join the budget launch (``clip_saxpy_norm_partial_wave``), each source's norms into the
+readback beside the step scalars. ``benches/critical_path.py`` prints the longest chain of each variant.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from foxhunt.fast import isv_plan, wave_plan
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.step_layout import NORM_SEGMENT
 from foxhunt.fast.step_program import StepProgram
-from foxhunt.fast.wave_layout import stage_names
+from foxhunt.fast.wave_layout import injected_sources, stage_names
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
 from foxhunt.reference.kernels.distributional import atom_spacing
@@ -170,18 +170,19 @@ def graph1_ops(prog: StepProgram) -> Ops:
         ([wave_plan.ens_chain(prog)] if c.ens_on else [])
     ops.parallel(target, online, *aux_side, cql_side, c51_side, *wave, books)
     # Budget pipeline, one launch: the per-loss norms from their partials, the clips, the SAXPY
-    # and the total norm's phase-1 partials (phase 2 is in the step scalars); then one stage
-    # per injected second-wave source (``wave_plan.budget_stages``).
-    out, partials = stage_names(c)[0]
-    ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
-               base="grad_c51", inject="grad_cql", n=NP, base_max_norm=np.float32(c.budget("c51")),
-               base_partials="partials_c51", a=np.float32(1.0),
-               inject_max_norm=np.float32(c.budget("cql")), inject_partials="partials_cql",
-               count=lay.n_partials,
-               final_threads=opt.final_threads_clip_saxpy_norm_partial(lay.n_partials),
-               block_size=NORM_SEGMENT, out=out, partials=partials,
-               base_norm_sq_out="sq_c51", inject_norm_sq_out="sq_cql")
-    norms = wave_plan.budget_stages(prog, ops)
+    # and the total norm's phase-1 partials (phase 2 is in the step scalars); with an injected
+    # second-wave source on, the same launch injects them (``wave_plan.budget``).
+    norms = wave_plan.budget(prog, ops) if injected_sources(c) else []
+    if not norms:
+        out, partials = stage_names(c)[0]
+        ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
+                   base="grad_c51", inject="grad_cql", n=NP,
+                   base_max_norm=np.float32(c.budget("c51")), base_partials="partials_c51",
+                   a=np.float32(1.0), inject_max_norm=np.float32(c.budget("cql")),
+                   inject_partials="partials_cql", count=lay.n_partials,
+                   final_threads=opt.final_threads_clip_saxpy_norm_partial(lay.n_partials),
+                   block_size=NORM_SEGMENT, out=out, partials=partials,
+                   base_norm_sq_out="sq_c51", inject_norm_sq_out="sq_cql")
     body = prog.ops()
     isv_plan.gamma_consumer(prog, body)  # before the fork: every target kernel reads gamma
     body.parallel(prologue, ops)

@@ -16,8 +16,9 @@ IQN (``lambda_iqn``), as ``reference.iqn_head.iqn_loss_and_grads`` and the refer
   with its own norm and clip at ``max_grad_norm``, and ``d h2`` through the guard, the copy into
   its trunk-gradient buffer (sentinel 35), the trunk backward into ``iqn_trunk_grad``, the
   output sanitisation into ``iqn_trunk_clean`` and its norm's partials;
-- ``budget_stages`` (after the C51 + CQL stage): ``grad[0:trunk_end] += lambda_iqn *
-  clipped(iqn_trunk_clean, 0.10 mgn)`` and the source's norms into the readback;
+- ``budget`` (the budget pipeline in one pass, the C51 clip and CQL SAXPY first):
+  ``grad[0:trunk_end] += lambda_iqn * clipped(iqn_trunk_clean, 0.10 mgn)`` and the source's
+  norms into the readback;
 - ``optimizer`` (graph 2, beside the main Adam): the head's Adam over its range, its gradient
   already clipped (``grad_scale`` 1);
 - ``producers`` (graph 2): the step counter advanced.
@@ -28,7 +29,7 @@ the batch's returns, each head's forward, weighted loss gradient and backward in
 ``StepProgram.backward``). MSE warm-up (``mse_warmup`` in the C51 chain, after the projections
 and the Mech 1 targets; ``mse_loss_blend`` after the loss scalars). Ensemble (``ens_chain``):
 the frozen priors, the KL gradient on head 0's logits, the value head and guarded trunk
-backward, the sanitisation; its budget stage follows IQN's.
+backward, the sanitisation; its injection follows IQN's in ``budget``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,6 @@ from foxhunt.reference import sentinels
 from foxhunt.reference.kernels import rng
 
 F32 = np.float32
-#: A budget stage re-reads the budgeted gradient with this clip bound: never reached
-#: (``wave_layout.MAX_STAGED_GRAD_NORM``).
-NO_CLIP = F32(np.finfo(np.float32).max)
 #: The pass tags of the IQN head: online(s) and target(s2), with their parameter copy.
 IQN_PASSES = (("o", 0, "h2o", "iqn_tau_online"), ("t", 1, "h2t", "iqn_tau_target"))
 
@@ -378,38 +376,48 @@ def ens_chain(prog: StepProgram) -> Ops:
 # The budget pipeline's stages and graph 2's second-wave records
 # --------------------------------------------------------------------------------------------
 
-#: Each injected source's sanitised trunk gradient (the stage's ``inject``) and weight field.
+#: Each injected source's sanitised trunk gradient (its injection) and weight field.
 _INJECT = {"iqn": ("iqn_trunk_clean", "lambda_iqn"), "ens": ("ens_trunk_clean", "ens_weight")}
 
 
-def budget_stages(prog: StepProgram, ops: Ops) -> list[Ops]:
-    """After the C51 + CQL stage (which wrote ``stage_names()[0]``), one
-    ``clip_saxpy_norm_partial`` per injected source: ``out = base + weight * clipped(source,
-    budget)`` over the whole layout (the source is zero past its range, so this is the
-    reference's SAXPY over the range), with the base read unclipped (bound ``NO_CLIP``) and the
-    new buffer's norm partials. Returns each source's norms into the readback (one branch per
-    source, to run once the stages are done, beside the step scalars; empty without an
-    injected source)."""
+def budget(prog: StepProgram, ops: Ops) -> list[Ops]:
+    """The budget pipeline with the injected sources that are on (IQN, the ensemble), in one
+    launch of ``clip_saxpy_norm_partial_wave``: the C51 clip, the CQL clipped SAXPY, then
+    ``grad[0:trunk_end] += lambda_iqn * clipped(iqn_trunk_clean, 0.10 mgn)`` and
+    ``grad[0:value_end] += ens_weight * clipped(ens_trunk_clean, 0.05 mgn)``, each element's
+    operations in that order (``budgets.budget_pipeline`` then ``second_wave_budgets``), writing
+    ``grad``, the total norm's partials and every source's squared norm, with no re-read of the
+    running gradient between the sources. Returns each injected source's norms into the
+    readback (one branch per source, to run beside the step scalars); call it only with an
+    injected source on (the core step launches ``clip_saxpy_norm_partial``)."""
     lay, c = prog.lay, prog.config
-    opt, wave = prog.kernels("optim"), prog.kernels("wave")
-    NP = lay.NP
-    names = stage_names(c)
-    norms = []
-    for k, src in enumerate(injected_sources(c)):
-        (base, base_partials), (out, partials) = names[k], names[k + 1]
+    sources = injected_sources(c)
+    assert sources, "budget: no injected source is on (the core step's pipeline is graph1's)"
+    wave = prog.kernels("wave")
+    ends = {"iqn": lay.param_layout.trunk_end, "ens": lay.param_layout.value_end}
+    args = {}
+    for src in ("iqn", "ens"):
+        on = src in sources
         inject, weight = _INJECT[src]
-        budget = F32(c.budget(src))
-        ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
-                   base=base, inject=inject, n=NP, base_max_norm=NO_CLIP,
-                   base_partials=base_partials, a=F32(getattr(c, weight)),
-                   inject_max_norm=budget, inject_partials=f"partials_{src}",
-                   count=lay.n_partials,
-                   final_threads=opt.final_threads_clip_saxpy_norm_partial(lay.n_partials),
-                   block_size=NORM_SEGMENT, out=out, partials=partials,
-                   base_norm_sq_out=f"sq_base_{src}", inject_norm_sq_out=f"sq_{src}")
+        args.update({src: inject if on else None, f"{src}_n": ends[src] if on else 0,
+                     f"{src}_a": F32(getattr(c, weight)) if on else F32(0),
+                     f"{src}_max_norm": F32(c.budget(src)) if on else F32(0),
+                     f"{src}_partials": f"partials_{src}" if on else None,
+                     f"{src}_norm_sq_out": f"sq_{src}" if on else None})
+    out, partials = stage_names(c)[-1]
+    ops.kernel("clip_saxpy_norm_partial_wave",
+               wave.plan_clip_saxpy_norm_partial_wave(lay.NP, NORM_SEGMENT), base="grad_c51",
+               inject="grad_cql", n=lay.NP, base_max_norm=F32(c.budget("c51")),
+               base_partials="partials_c51", a=F32(1.0), inject_max_norm=F32(c.budget("cql")),
+               inject_partials="partials_cql", count=lay.n_partials,
+               final_threads=wave.final_threads_clip_saxpy_norm_partial_wave(lay.n_partials),
+               block_size=NORM_SEGMENT, out=out, partials=partials, base_norm_sq_out="sq_c51",
+               inject_norm_sq_out="sq_cql", **args)
+    norms = []
+    for src in sources:
         norm = prog.ops()
         norm.kernel("source_norm_scalars", wave.plan_single(), norm_sq=f"sq_{src}",
-                    readback="readback", budget=budget,
+                    readback="readback", budget=F32(c.budget(src)),
                     pre_index=READBACK_INDEX[f"{src}_norm_pre"],
                     post_index=READBACK_INDEX[f"{src}_norm_post"])
         norms.append(norm)
@@ -432,5 +440,5 @@ def producers(prog: StepProgram, ops: Ops) -> None:
                    step_count="step_count")
 
 
-__all__ = ["NO_CLIP", "aux_chain", "aux_dh2", "budget_stages", "ens_chain", "iqn_adam",
+__all__ = ["aux_chain", "aux_dh2", "budget", "ens_chain", "iqn_adam",
            "iqn_chain", "iqn_features", "mse_loss_blend", "mse_warmup", "optimizer", "producers"]

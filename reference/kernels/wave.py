@@ -5,12 +5,17 @@ reference ``Trainer`` computes on the host between its calls (SPEC 4 second wave
 ``step_count_advance``   the trainer's step counter + 1 (the IQN quantile fractions' offset)
 ``source_norm_scalars``  a budget source's norm before and after its clip, into the readback
 ``mse_loss_blend``       the reported C51 loss blended with the MSE warm-up loss
+``clip_saxpy_norm_partial_wave``  the budget pipeline with the IQN and ensemble injections in
+                         one pass (its CUDA kernel lives in ``optim.cu``, beside the core's
+                         ``clip_saxpy_norm_partial`` whose element loop it shares)
 
 Each is the plain-NumPy twin of the CUDA kernel of the same name, in the kernel's float32
 order (``-fmad=false``: every product and sum rounded on its own).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -123,13 +128,124 @@ def mse_loss_blend(readback: np.ndarray, c51_index: int, mse_loss_index: int,
     return out
 
 
+# --------------------------------------------------------------------------------------------
+# The budget pipeline in one pass
+# --------------------------------------------------------------------------------------------
+
+
+class WaveBudget(NamedTuple):
+    """``clip_saxpy_norm_partial_wave`` outputs: the budgeted gradient, its norm partials and
+    each source's squared norm (float32; 0 for a source that is off)."""
+
+    out: np.ndarray
+    partials: np.ndarray
+    base_norm_sq: np.float32
+    inject_norm_sq: np.float32
+    iqn_norm_sq: np.float32
+    ens_norm_sq: np.float32
+
+
+def _check_source(name: str, x, partials, a, max_norm, n: int, count: int):
+    """A second-wave source's checks; returns ``(a, max_norm)`` in float32 (0, 0 when off)."""
+    if x is None or partials is None:
+        if x is not None or partials is not None:
+            raise ValueError(f"{name}, {name}_partials: give both (source on) or neither (off)")
+        return F32(0), F32(0)
+    check_f32_array(name, x, ndim=1)
+    if x.shape[0] > n:
+        raise ValueError(f"{name}: length {x.shape[0]}; expected at most len(base) = {n}")
+    check_f32_array(f"{name}_partials", partials, ndim=1)
+    if partials.shape[0] != count:
+        raise ValueError(f"{name}_partials: length {partials.shape[0]}; expected "
+                         f"len(base_partials) = {count}")
+    return (check_f32_scalar(f"{name}_a", a),
+            check_f32_scalar(f"{name}_max_norm", max_norm, lo=0.0))
+
+
+def validate_clip_saxpy_norm_partial_wave(base, inject, base_max_norm, base_partials, a,
+                                          inject_max_norm, inject_partials, iqn, iqn_a,
+                                          iqn_max_norm, iqn_partials, ens, ens_a, ens_max_norm,
+                                          ens_partials, block_size):
+    """The argument checks of ``clip_saxpy_norm_partial_wave`` (``clip_saxpy_norm_partial``'s,
+    then each source's); returns ``(ClipSaxpyArgs, (iqn_a, iqn_max_norm), (ens_a,
+    ens_max_norm))`` in float32."""
+    core = optim.validate_clip_saxpy_norm_partial(base, inject, base_max_norm, base_partials, a,
+                                                  inject_max_norm, inject_partials, block_size)
+    n, count = base.shape[0], base_partials.shape[0]
+    return (core, _check_source("iqn", iqn, iqn_partials, iqn_a, iqn_max_norm, n, count),
+            _check_source("ens", ens, ens_partials, ens_a, ens_max_norm, n, count))
+
+
+def clip_saxpy_norm_partial_wave(base: np.ndarray, inject: np.ndarray, base_max_norm,
+                                 base_partials: np.ndarray, a, inject_max_norm,
+                                 inject_partials: np.ndarray, iqn: np.ndarray | None, iqn_a,
+                                 iqn_max_norm, iqn_partials: np.ndarray | None,
+                                 ens: np.ndarray | None, ens_a, ens_max_norm,
+                                 ens_partials: np.ndarray | None, block_size: int) -> WaveBudget:
+    """The budget pipeline of SPEC 4 step 5 with the second-wave sources, in one pass (graph 1's
+    last budget launch with IQN or the ensemble on). The composition, in this order::
+
+        core     = optim.clip_saxpy_norm_partial(base, inject, base_max_norm, base_partials, a,
+                                                 inject_max_norm, inject_partials, block_size)
+        out      = core.out
+        out[:len(iqn)] = clipped_saxpy(out[:len(iqn)], iqn, iqn_a, iqn_max_norm,
+                                       grad_norm_final(iqn_partials))          # IQN on
+        out[:len(ens)] = clipped_saxpy(out[:len(ens)], ens, ens_a, ens_max_norm,
+                                       grad_norm_final(ens_partials))          # ensemble on
+        partials = grad_norm_partial(out, block_size)
+
+    In the step: ``base``/``inject`` the C51 and CQL gradients (``budgets.budget_pipeline``),
+    ``iqn`` the sanitised IQN trunk gradient over ``[0, trunk_end)`` (``a = lambda_iqn``,
+    budget ``0.10 mgn``), ``ens`` the ensemble's over ``[0, value_end)`` (``a = ens_weight``,
+    budget ``0.05 mgn``): ``budgets.second_wave_budgets``' SAXPYs, each norm the
+    ``grad_norm_final`` of its phase-1 partials (the fast step's ``grad_norm_partial`` over the
+    source's range, zero-padded to ``count``).
+
+    Per element: ``clip_saxpy_norm_partial``'s ``out_i``, then ``out_i + iqn_a * (iqn_i *
+    s_iqn)`` for ``i < len(iqn)`` where ``iqn_i`` is finite, then the same with ``ens``
+    (``s_src = clip_scale(src_norm_sq, src_max_norm)``; every product and sum rounded to
+    float32 in that order). Elements past a source's range are not touched by it.
+
+    Shapes: ``base``, ``inject`` float32[N]; ``base_partials``, ``inject_partials`` float32[P];
+    a source that is on: its vector float32[N_src] (``N_src <= N``) and its partials
+    float32[P]; a source that is off: both ``None`` (its ``a`` and ``max_norm`` ignored; norm 0).
+    ``a``'s finite, ``max_norm``'s finite >= 0, ``block_size >= 1``. Returns ``WaveBudget(out
+    float32[N], partials float32[ceil(N / block_size)], base_norm_sq, inject_norm_sq,
+    iqn_norm_sq, ens_norm_sq)``; the inputs are not modified.
+
+    NaN contract: ``clip_saxpy_norm_partial``'s, and for each source ``clipped_saxpy``'s: a
+    non-finite source element is skipped; a NaN norm gives scale 1, a +Inf norm scale 0 (the
+    source discarded); ``partials`` skip the non-finite ``out_i``.
+    """
+    _, (iqn_a, iqn_max), (ens_a, ens_max) = validate_clip_saxpy_norm_partial_wave(
+        base, inject, base_max_norm, base_partials, a, inject_max_norm, inject_partials, iqn,
+        iqn_a, iqn_max_norm, iqn_partials, ens, ens_a, ens_max_norm, ens_partials, block_size)
+    core = optim.clip_saxpy_norm_partial(base, inject, base_max_norm, base_partials, a,
+                                         inject_max_norm, inject_partials, block_size)
+    out = core.out
+    sq = {}
+    for name, x, parts, w, mx in (("iqn", iqn, iqn_partials, iqn_a, iqn_max),
+                                  ("ens", ens, ens_partials, ens_a, ens_max)):
+        if x is None:
+            sq[name] = F32(0)
+            continue
+        sq[name] = optim.grad_norm_final(parts)
+        end = x.shape[0]
+        out[:end] = optim.clipped_saxpy(out[:end], x, w, mx, sq[name])
+    return WaveBudget(out=out, partials=optim.grad_norm_partial(out, block_size),
+                      base_norm_sq=core.base_norm_sq, inject_norm_sq=core.inject_norm_sq,
+                      iqn_norm_sq=sq["iqn"], ens_norm_sq=sq["ens"])
+
+
 KERNELS = {
     "step_count_advance": step_count_advance,
     "source_norm_scalars": source_norm_scalars,
     "mse_loss_blend": mse_loss_blend,
+    "clip_saxpy_norm_partial_wave": clip_saxpy_norm_partial_wave,
 }
 
 __all__ = [
-    "KERNELS", "mse_loss_blend", "source_norm_scalars", "step_count_advance",
+    "KERNELS", "WaveBudget", "clip_saxpy_norm_partial_wave", "mse_loss_blend",
+    "source_norm_scalars", "step_count_advance", "validate_clip_saxpy_norm_partial_wave",
     "validate_mse_loss_blend", "validate_source_norm_scalars", "validate_step_count_advance",
 ]
