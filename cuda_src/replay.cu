@@ -139,6 +139,112 @@ prefix_sum(const float* __restrict__ p, float* __restrict__ s, long long n) {
 }
 
 // ------------------------------------------------------------------------------------------
+// The collection cycle's prefix sum over the whole ring (issue 20): two kernels, many blocks,
+// instead of prefix_sum's one block walking every tile in turn.
+//
+// scan_tiles (one block per tile of RING_SCAN_TILE = RING_SCAN_THREADS * RING_SCAN_ITEMS
+// elements; grid = ceil(n / RING_SCAN_TILE)): the tile's own inclusive scan l_i, in
+// prefix_sum's tile order (thread t owns RING_SCAN_ITEMS consecutive elements, summed
+// sequentially: loc_k; thread totals by the warp's Hillis-Steele tree; warp totals by the same
+// tree in warp 0; l = fl( fl(warp_excl + lane_excl) + loc_k ); missing elements read as -0.0),
+// written to s; and the tile's total T_b = l at the tile's last element, written to
+// block_sums[b] by the thread that computed it (so T_b IS that element's l, bit for bit).
+// scan_offsets (same grid): off_b = fl(...fl(fl(-0.0 + T_0) + T_1)... + T_{b-1}), summed
+// sequentially by thread 0 of block b (b adds; every block forms the same sequence), then
+// s_i <- fl(off_b + l_i) in place (block 0: off = -0.0, s unchanged).
+// Why T_b is the tile's last l: the last sum of tile b is then fl(off_b + T_b) = off_{b+1}, so
+// with non-negative priorities no sum decreases across a tile boundary (within a tile, as in
+// prefix_sum, a thread's first sum can round below the previous thread's last by an ulp).
+// Reference twins: foxhunt.reference.kernels.replay.scan_tiles / scan_offsets follow this order
+// float for float (bit-exact, NaN/Inf included; no atomics, no fallback path). A NaN at i makes
+// every s_j, j >= i, NaN; +Inf gives +Inf (NaN together with a -Inf); finite overflow follows
+// this association (it can differ from the sequential prefix_sum's).
+// ------------------------------------------------------------------------------------------
+
+#define RING_SCAN_THREADS 256
+#define RING_SCAN_WARPS (RING_SCAN_THREADS / HA_WARP_SIZE)
+#define RING_SCAN_ITEMS 4
+#define RING_SCAN_TILE (RING_SCAN_THREADS * RING_SCAN_ITEMS)
+
+extern "C" __global__ void __launch_bounds__(RING_SCAN_THREADS)
+scan_tiles(const float* __restrict__ p, float* __restrict__ s, float* __restrict__ block_sums,
+           long long n) {
+    __shared__ float tile[SCAN_PAD(RING_SCAN_TILE)];
+    __shared__ float warp_offsets[HA_WARP_SIZE];
+    const int tid = threadIdx.x;
+    const int lane = tid % HA_WARP_SIZE;
+    const int warp = tid / HA_WARP_SIZE;
+    const long long start = (long long)blockIdx.x * RING_SCAN_TILE;
+#pragma unroll
+    for (int k = 0; k < RING_SCAN_ITEMS; ++k) {  // coalesced loads through shared memory
+        const int j = k * RING_SCAN_THREADS + tid;
+        tile[SCAN_PAD(j)] = (start + j < n) ? p[start + j] : -0.0f;
+    }
+    __syncthreads();
+    float local[RING_SCAN_ITEMS];
+    local[0] = tile[SCAN_PAD(tid * RING_SCAN_ITEMS)];
+#pragma unroll
+    for (int k = 1; k < RING_SCAN_ITEMS; ++k) {
+        local[k] = local[k - 1] + tile[SCAN_PAD(tid * RING_SCAN_ITEMS + k)];
+    }
+    const float incl = warp_inclusive_scan(local[RING_SCAN_ITEMS - 1], lane);
+    const float lane_excl = warp_exclusive_from_inclusive(incl, lane);
+    if (lane == HA_WARP_SIZE - 1) {
+        warp_offsets[warp] = incl;  // the warp's total, for now
+    }
+    __syncthreads();
+    if (warp == 0) {  // lanes past the last warp scan -0.0: the tree of the first lanes is unchanged
+        const float total = (lane < RING_SCAN_WARPS) ? warp_offsets[lane] : -0.0f;
+        const float warp_incl = warp_inclusive_scan(total, lane);
+        const float warp_excl = warp_exclusive_from_inclusive(warp_incl, lane);  // every lane shuffles
+        if (lane < RING_SCAN_WARPS) {
+            warp_offsets[lane] = warp_excl;
+        }
+    }
+    __syncthreads();
+    const float base = warp_offsets[warp] + lane_excl;
+    const long long last = min(start + RING_SCAN_TILE, n) - 1;
+#pragma unroll
+    for (int k = 0; k < RING_SCAN_ITEMS; ++k) {
+        const float v = base + local[k];
+        tile[SCAN_PAD(tid * RING_SCAN_ITEMS + k)] = v;
+        if (start + tid * RING_SCAN_ITEMS + k == last) {
+            block_sums[blockIdx.x] = v;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < RING_SCAN_ITEMS; ++k) {
+        const int j = k * RING_SCAN_THREADS + tid;
+        if (start + j < n) {
+            s[start + j] = tile[SCAN_PAD(j)];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(RING_SCAN_THREADS)
+scan_offsets(float* __restrict__ s, const float* __restrict__ block_sums, long long n) {
+    __shared__ float offset;
+    if (threadIdx.x == 0) {
+        float acc = -0.0f;
+        for (unsigned b = 0; b < blockIdx.x; ++b) {
+            acc = acc + block_sums[b];
+        }
+        offset = acc;
+    }
+    __syncthreads();
+    const float off = offset;
+    const long long start = (long long)blockIdx.x * RING_SCAN_TILE;
+#pragma unroll
+    for (int k = 0; k < RING_SCAN_ITEMS; ++k) {
+        const long long i = start + k * RING_SCAN_THREADS + threadIdx.x;
+        if (i < n) {
+            s[i] = off + s[i];
+        }
+    }
+}
+
+// ------------------------------------------------------------------------------------------
 // sample_proportional: out[k] = the first i with prefix[i] > u[k] * prefix[n_items - 1], by
 // the reference's binary search (n_items - 1 when none exceeds the target: total 0, NaN target,
 // u >= 1). Exact: same float32 target, same comparisons. One thread per uniform, any grid.

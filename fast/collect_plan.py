@@ -4,7 +4,8 @@ ring and the batch gathered straight into the trainer's arena.
 ``CollectLayout(layout, n_envs=, capacity=, n_bars=, n_features=)``: the collector's buffers
 (their own arena): the replay ring (``kernels.replay``'s ring, the ``prefix`` sums, the sampled
 rows ``sample_idx``), the env walks (state, ``obs``, the step's outputs), the market tables of
-the whole run (``mk_*``, role ``constant``, uploaded once), the cycle counter ``cycle`` (int64)
+the whole run (``mk_*``, role ``constant``, uploaded once), the ring scan's per-tile totals
+``prefix_blocks``, the cycle counter ``cycle`` (int64)
 and the exploration rate ``eps`` (float32, written by the host at epoch start). The greedy
 forward on the ``n_envs`` states runs on an ``EvalLayout(layout, n_envs)`` (its own arena).
 
@@ -14,7 +15,8 @@ The records, in the order of ``reference.collector`` (the cycle's reference twin
   branch), ``env_act`` (epsilon-greedy with the Philox streams ``explore``/``explore_action``);
 - ``env_ops``: ``env_step`` with auto-reset (stream ``episode_start``), ``replay_add`` of
   ``(obs, actions, r, s2, done, next_ret, regime)``, then the post-reset states into ``obs``;
-- ``sample_ops``: ``prefix_sum`` of the priorities, ``replay_sample`` (stream
+- ``sample_ops``: the priorities' prefix sums (``scan_tiles`` then ``scan_offsets``: many
+  blocks, bit-exact twins; ``replay.ring_prefix_sum`` is the pair), ``replay_sample`` (stream
   ``replay_sample``), ``importance_weights`` into ``batch.isw``, ``replay_gather`` into
   ``batch.x``, ``batch.a``, ``batch.r``, ``batch.done`` (and the label fields where the step
   layout has them): the step's graphs 1 and 2 then read the batch where they always do;
@@ -73,6 +75,7 @@ class CollectLayout(BufferTable):
         self._add("ring_pos", 2, I32, "state")
         self._add("max_priority", 1, F32, "state")
         self._add("prefix", cap, F32)
+        self._add("prefix_blocks", replay_kernels.scan_blocks(cap), F32)
         self._add("sample_idx", layout.B, I32)
         self._add("cycle", 1, I64, "state")
         self._add("eps", 1, F32, "state")
@@ -172,7 +175,10 @@ def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, s
     """The batch: prefix sums, the Philox-drawn rows, their weights and the gather."""
     lay, B, cap = prog.lay, prog.lay.B, cl.capacity
     replay = prog.kernels("replay")
-    ops.kernel("prefix_sum", replay.plan_prefix_sum(cap), p="priority", s="prefix", n=cap)
+    ops.kernel("scan_tiles", replay.plan_scan_tiles(cap), p="priority", s="prefix",
+               block_sums="prefix_blocks", n=cap)
+    ops.kernel("scan_offsets", replay.plan_scan_offsets(cap), s="prefix",
+               block_sums="prefix_blocks", n=cap)
     ops.kernel("replay_sample", replay.plan_replay_sample(B), prefix="prefix", capacity=cap,
                ring_pos="ring_pos", **_key(seed), stream=STREAMS["replay_sample"], cycle="cycle",
                idx="sample_idx", n=B)
@@ -224,9 +230,13 @@ def register_twins() -> None:
     ring = {buf: ("capacity", "state_dim") if name in ("s", "s2") else
             ("capacity", "n_branches") if name == "a" else "capacity" for buf, name in RING_BUFFERS}
 
-    @twin("prefix_sum", p="n", s="n")
-    def _prefix_sum(a):
-        return {"s": replay_kernels.prefix_sum(a.p)}
+    @twin("scan_tiles", p="n", s="n", block_sums=lambda a: replay_kernels.scan_blocks(a.n))
+    def _scan_tiles(a):
+        return replay_kernels.scan_tiles(a.p)._asdict()
+
+    @twin("scan_offsets", s="n", block_sums=lambda a: replay_kernels.scan_blocks(a.n))
+    def _scan_offsets(a):
+        return {"s": replay_kernels.scan_offsets(a.s, a.block_sums)}
 
     @twin("replay_sample", prefix="capacity", ring_pos=2, cycle=1, idx="n")
     def _replay_sample(a):

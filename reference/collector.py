@@ -23,7 +23,7 @@ start; the warm-up cycles use 1):
    ``reward_scale``, ``done``, the next states ``s2``, the labels ``next_ret`` and ``regime``;
 3. ``replay_add`` of ``(obs, actions, r, s2, done, next_ret, regime)`` at the running maximum
    priority; ``obs`` becomes the post-reset states;
-4. ``prefix_sum`` of the priorities, ``replay_sample`` (stream ``replay_sample``),
+4. ``ring_prefix_sum`` of the priorities, ``replay_sample`` (stream ``replay_sample``),
    ``importance_weights``, ``replay_gather``: the batch;
 5. ``trainer.step(batch)``, then ``replay_update_priorities`` from the step's TD errors.
 """
@@ -49,8 +49,8 @@ MAX_EPISODE_LEN = 1000
 
 class ReplayRing(ReplayBuffer):
     """``ReplayBuffer``'s arrays, state and checks, written and read by the device replay
-    kernels' twins: ``add`` is ``replay_add``; ``sample(key, cycle)`` is ``prefix_sum`` of every
-    priority (zero beyond ``size``), ``replay_sample``, ``importance_weights`` and
+    kernels' twins: ``add`` is ``replay_add``; ``sample(key, cycle)`` is ``ring_prefix_sum`` (the fast
+    cycle's ``scan_tiles`` + ``scan_offsets`` order) of every priority (zero beyond ``size``), ``replay_sample``, ``importance_weights`` and
     ``replay_gather``; ``update_priorities`` is ``replay_update_priorities`` (a non-finite TD
     error takes the running maximum; the last of repeated rows wins)."""
 
@@ -79,7 +79,7 @@ class ReplayRing(ReplayBuffer):
         B = self.config.batch_size
         if self.size < B:
             raise ValueError(f"replay holds {self.size} transitions, fewer than batch_size={B}")
-        prefix = replay_kernels.prefix_sum(self.priority)
+        prefix = replay_kernels.ring_prefix_sum(self.priority)
         idx = replay_kernels.replay_sample(prefix, self.ring_pos(), key, np.array([cycle], I64), B)
         isw = replay_kernels.importance_weights(self.priority, idx, self.beta, self.size)
         g = replay_kernels.replay_gather(idx, **self.ring())

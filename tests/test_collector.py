@@ -232,7 +232,7 @@ def test_fast_plan_binds_the_batch_it_gathers_and_reads_no_unwritten_buffer(mark
     col = FastCollector(trainer, CFG, tables, walks, **KW)
     head = [n.kernel for n in col.plans["train"][0].nodes() if hasattr(n, "kernel")]
     tail = [n.kernel for n in col.plans["train"][-1].nodes()]
-    for name in ("env_act", "env_step", "replay_add", "prefix_sum", "replay_sample",
+    for name in ("env_act", "env_step", "replay_add", "scan_tiles", "scan_offsets", "replay_sample",
                  "importance_weights", "replay_gather"):
         assert head.count(name) == 1, name
     assert tail == ["replay_update_priorities", "cycle_advance"]
@@ -303,7 +303,7 @@ def test_the_cycle_kernels_twins_declare_every_pointer_parameter():
 
     register_twins()
     params = kernel_params()
-    for name in ("env_act", "env_step", "replay_add", "prefix_sum", "replay_sample",
+    for name in ("env_act", "env_step", "replay_add", "scan_tiles", "scan_offsets", "replay_sample",
                  "importance_weights", "replay_gather", "replay_update_priorities",
                  "cycle_advance"):
         pointers = {p.name for p in params[name] if p.pointer}

@@ -5,6 +5,8 @@ sampling with the Philox draws, gathering into the batch layout, priority update
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from foxhunt.conformance.kernel_spec import Dims, Kwargs, Output, SpecEntry
@@ -32,6 +34,63 @@ def _s_prefix(d: Dims, rng) -> Kwargs:
     p = uniform(rng, d.items, 0.0, 1.0)
     p[rng.random(d.items) < 0.1] = 0  # zero priorities are never sampled
     return {"p": p}
+
+
+def _s_scan_tiles(d: Dims, rng) -> Kwargs:
+    """Priorities over ``d.items`` rows, or, where that fits in one tile of the ring scan
+    (``tiny``: 515), 2 tiles and 3 elements: every case crosses a tile boundary with a tail."""
+    from foxhunt.reference.kernels.replay import RING_SCAN_TILE
+
+    items = d.items if d.items > RING_SCAN_TILE else 2 * RING_SCAN_TILE + 3
+    return _s_prefix(dataclasses.replace(d, items=items), rng)
+
+
+def _s_scan_offsets(d: Dims, rng) -> Kwargs:
+    """The tiles' scans and totals of a priority vector, as ``scan_tiles`` leaves them."""
+    from foxhunt.reference.kernels.replay import scan_tiles
+
+    return scan_tiles(_s_scan_tiles(d, rng)["p"])._asdict()
+
+
+def _first_nan(x: np.ndarray) -> int:
+    nan = np.flatnonzero(np.isnan(x))
+    return int(nan[0]) if nan.size else x.size
+
+
+def _c_scan_tiles(kwargs, outputs, poisoned) -> list[str]:
+    """``block_sums[b]`` is bit for bit the scan at tile ``b``'s last element; within a tile, a
+    NaN priority makes every later sum NaN. (Non-negative priorities do NOT always give
+    non-decreasing sums: a thread's first sum, fl(base_{t+1} + p), can round below the previous
+    thread's last, as with ``prefix_sum``'s kernel; the search stays exact against the twin.)"""
+    from foxhunt.reference.kernels.replay import RING_SCAN_TILE, scan_blocks
+
+    p, s, sums = kwargs["p"], outputs["s"], outputs["block_sums"]
+    n, problems = p.size, []
+    ends = np.minimum(np.arange(1, scan_blocks(n) + 1) * RING_SCAN_TILE, n) - 1
+    if not np.array_equal(sums.view(np.uint32), s[ends].view(np.uint32)):
+        problems.append("block_sums: not the scan at each tile's last element")
+    for start in range(0, n, RING_SCAN_TILE):
+        tile_p, tile_s = p[start:start + RING_SCAN_TILE], s[start:start + RING_SCAN_TILE]
+        if not np.all(np.isnan(tile_s[_first_nan(tile_p):])):
+            problems.append(f"s: a NaN priority in the tile at {start} leaves a later sum not NaN")
+    return problems
+
+
+def _c_scan_offsets(kwargs, outputs, poisoned) -> list[str]:
+    """A NaN tile total makes every sum of the later tiles NaN; a NaN tile scan stays NaN;
+    tile 0 is passed through bit for bit (its offset is -0.0)."""
+    from foxhunt.reference.kernels.replay import RING_SCAN_TILE
+
+    s, sums, out, problems = kwargs["s"], kwargs["block_sums"], outputs["out"], []
+    first = _first_nan(sums)
+    if not np.all(np.isnan(out[(first + 1) * RING_SCAN_TILE:])):
+        problems.append(f"out: a NaN block_sums[{first}] leaves a later tile's sum not NaN")
+    if not np.all(np.isnan(out[np.isnan(s)])):
+        problems.append("out: a NaN tile scan gives a sum that is not NaN")
+    head = slice(0, RING_SCAN_TILE)
+    if not np.array_equal(out[head].view(np.uint32), s[head].view(np.uint32)):
+        problems.append("out: tile 0 differs from its own scan")
+    return problems
 
 
 def _s_sample(d: Dims, rng) -> Kwargs:
@@ -121,6 +180,33 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: replace(k, p=k["p"].reshape(5, -1)),
         ),
         scales=_sc_prefix,
+    ),
+    # the collection cycle's scan: bit-exact twins (the kernels' own float order)
+    SpecEntry(
+        name="scan_tiles",
+        outputs={"s": f32(EXACT), "block_sums": f32(EXACT)},
+        sample=_s_scan_tiles,
+        targets=("p",),
+        errors=error_cases(
+            _s_scan_tiles,
+            lambda k: wrong_dtype(k, "p"),
+            lambda k: replace(k, p=k["p"][:-3].reshape(8, -1)),
+            lambda k: replace(k, p=k["p"][:0]),
+        ),
+        contract=_c_scan_tiles,
+    ),
+    SpecEntry(
+        name="scan_offsets",
+        outputs={"out": f32(EXACT)},
+        sample=_s_scan_offsets,
+        targets=("s", "block_sums"),
+        errors=error_cases(
+            _s_scan_offsets,
+            lambda k: wrong_dtype(k, "s"),
+            lambda k: replace(k, block_sums=k["block_sums"][:-1]),
+            lambda k: wrong_dtype(k, "block_sums"),
+        ),
+        contract=_c_scan_offsets,
     ),
     SpecEntry(
         name="sample_proportional",

@@ -8,6 +8,10 @@ Kernel parameters (C order):
 
 - ``prefix_sum(p, s, n)``: ONE block of ``SCAN_THREADS`` threads (the kernel's launch bound)
   scanning tiles of ``SCAN_THREADS * 8`` elements in order, chained by a carry.
+- ``scan_tiles(p, s, block_sums, n)`` then ``scan_offsets(s, block_sums, n)``: the collection
+  cycle's prefix sum, one block of ``RING_SCAN_THREADS`` per tile of ``RING_SCAN_TILE``
+  elements (grid ``scan_blocks(n)``, the same for both); bit-exact against their reference
+  twins (``ring_prefix_sum`` is the pair).
 - ``sample_proportional(prefix, n_items, u, out, n)``: one thread per uniform, any grid; the
   total is ``prefix[n_items - 1]``, read on the device.
 - ``importance_weights(priorities, n_items, idx, w, n, beta)``: ONE block (fminf tree, then a
@@ -42,8 +46,11 @@ from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, launch, plan_f
 from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.replay import (
     Gathered,
+    RING_SCAN_THREADS,
     Priorities,
     RingAdd,
+    ScanTiles,
+    scan_blocks,
     validate_cycle,
     validate_importance_weights,
     validate_replay_add,
@@ -51,6 +58,8 @@ from foxhunt.reference.kernels.replay import (
     validate_replay_sample,
     validate_replay_update_priorities,
     validate_sample_proportional,
+    validate_scan_offsets,
+    validate_scan_tiles,
 )
 from foxhunt.reference.kernels.rng import STREAMS, split_u64
 
@@ -77,6 +86,13 @@ def plan_prefix_sum(n: int) -> Plan:
     del n
     return (1,), (SCAN_THREADS,), 0
 
+
+def plan_scan_tiles(n: int) -> Plan:
+    """One block of ``RING_SCAN_THREADS`` per tile (``scan_blocks(n)``); ``scan_offsets`` too."""
+    return (scan_blocks(n),), (RING_SCAN_THREADS,), 0
+
+
+plan_scan_offsets = plan_scan_tiles
 
 #: One thread per uniform (grid-stride).
 plan_sample_proportional = plan_flat
@@ -116,6 +132,21 @@ def prefix_sum(p: np.ndarray) -> np.ndarray:
     check_f32_array("p", p, ndim=1)
     (s,) = launch("prefix_sum", plan_prefix_sum(p.size), In(p), Out(p.shape, F32), p.size)
     return s
+
+
+def scan_tiles(p: np.ndarray) -> ScanTiles:
+    """Each tile's own inclusive scan and total (``ScanTiles``), on the GPU."""
+    n = validate_scan_tiles(p)
+    out = launch("scan_tiles", plan_scan_tiles(n), In(p), Out((n,), F32),
+                 Out((scan_blocks(n),), F32), n)
+    return ScanTiles(*out)
+
+
+def scan_offsets(s: np.ndarray, block_sums: np.ndarray) -> np.ndarray:
+    """Each tile's scan plus the sequential sum of the tiles before (float32[n]), on the GPU."""
+    n = validate_scan_offsets(s, block_sums)
+    (out,) = launch("scan_offsets", plan_scan_offsets(n), InOut(s), In(block_sums), n)
+    return out
 
 
 def sample_proportional(prefix: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -195,6 +226,8 @@ def cycle_advance(cycle) -> np.ndarray:
 
 KERNELS = {
     "prefix_sum": prefix_sum,
+    "scan_tiles": scan_tiles,
+    "scan_offsets": scan_offsets,
     "sample_proportional": sample_proportional,
     "importance_weights": importance_weights,
     "replay_add": replay_add,

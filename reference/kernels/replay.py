@@ -92,6 +92,126 @@ def prefix_sum(p: np.ndarray) -> np.ndarray:
         return np.cumsum(p, dtype=np.float32)
 
 
+#: The collection cycle's scan (``scan_tiles``/``scan_offsets``; ``cuda_src/replay.cu``'s
+#: ``RING_SCAN_*``): threads per block, elements per thread, elements per block (a tile).
+RING_SCAN_THREADS, RING_SCAN_ITEMS = 256, 4
+RING_SCAN_TILE = RING_SCAN_THREADS * RING_SCAN_ITEMS
+WARP = 32
+
+
+class ScanTiles(NamedTuple):
+    """Outputs of ``scan_tiles``: ``s`` f32 ``[n]`` (each tile's own inclusive scan) and
+    ``block_sums`` f32 ``[ceil(n / RING_SCAN_TILE)]`` (each tile's total)."""
+
+    s: np.ndarray
+    block_sums: np.ndarray
+
+
+def scan_blocks(n: int) -> int:
+    """The tiles (blocks) of the ring scan over ``n`` elements: ``ceil(n / RING_SCAN_TILE)``."""
+    return -(-n // RING_SCAN_TILE)
+
+
+def _warp_tree(v: np.ndarray) -> np.ndarray:
+    """The kernel's inclusive Hillis-Steele scan along the last axis (lanes): at step ``d``,
+    lane ``i >= d`` becomes ``fl(v[i - d] + v[i])``, with the values of the step before."""
+    v = v.copy()
+    d = 1
+    while d < v.shape[-1]:
+        v[..., d:] = v[..., :-d] + v[..., d:]
+        d *= 2
+    return v
+
+
+def _exclusive(incl: np.ndarray) -> np.ndarray:
+    """The exclusive scan by shifting the inclusive one a lane (lane 0: -0.0, the identity)."""
+    out = np.empty_like(incl)
+    out[..., 0] = -0.0
+    out[..., 1:] = incl[..., :-1]
+    return out
+
+
+def validate_scan_tiles(p) -> int:
+    check_f32_array("p", p, ndim=1)
+    if p.shape[0] == 0:
+        raise ValueError("p: shape (0,) is empty; need at least one priority to scan")
+    return p.shape[0]
+
+
+def scan_tiles(p: np.ndarray) -> ScanTiles:
+    """Each tile's own inclusive scan and total: the first of the ring's two scan kernels.
+
+    Tile ``b`` holds ``p[b*T : (b+1)*T]`` (``T = RING_SCAN_TILE = 1024``; missing elements read
+    as ``-0.0``, the additive identity that leaves every sum bit for bit). Within a tile, thread
+    ``t`` owns the ``RING_SCAN_ITEMS`` consecutive elements from ``t * RING_SCAN_ITEMS``:
+    ``loc_k`` their sequential sums; the thread totals of each warp go through the Hillis-Steele
+    tree (``_warp_tree``), the warp totals through the same tree; with the exclusive scans
+    (shifts) ``lane_excl``, ``warp_excl``:
+    ``l = fl( fl(warp_excl + lane_excl) + loc_k )``. ``block_sums[b]`` is ``l`` at the tile's
+    last element (bit for bit the value the kernel wrote there).
+
+    Shapes: ``p`` f32 ``[n]``, ``n >= 1``. Returns ``ScanTiles``. Exact twin of the kernel (the
+    same additions in the same association; NaN/Inf propagate as IEEE additions do).
+    """
+    n = validate_scan_tiles(p)
+    nb = scan_blocks(n)
+    x = np.full(nb * RING_SCAN_TILE, -0.0, F32)
+    x[:n] = p
+    x = x.reshape(nb, RING_SCAN_THREADS // WARP, WARP, RING_SCAN_ITEMS)
+    with np.errstate(over="ignore", invalid="ignore"):
+        loc = np.add.accumulate(x, axis=-1, dtype=F32)
+        lane_incl = _warp_tree(loc[..., -1])
+        warp_excl = _exclusive(_warp_tree(lane_incl[..., -1]))
+        base = warp_excl[..., None] + _exclusive(lane_incl)
+        s = (base[..., None] + loc).reshape(-1)[:n]
+    ends = np.minimum(np.arange(1, nb + 1) * RING_SCAN_TILE, n) - 1
+    return ScanTiles(s=s, block_sums=s[ends].copy())
+
+
+def validate_scan_offsets(s, block_sums) -> int:
+    n = validate_scan_tiles(s)
+    check_f32_array("block_sums", block_sums, ndim=1)
+    if block_sums.shape != (scan_blocks(n),):
+        raise ValueError(f"block_sums: shape {block_sums.shape} not allowed; expected "
+                         f"({scan_blocks(n)},) = ceil(n / {RING_SCAN_TILE}) for n = {n}")
+    return n
+
+
+def scan_offsets(s: np.ndarray, block_sums: np.ndarray) -> np.ndarray:
+    """The second of the ring's scan kernels: each tile's scan plus the sum of the tiles before.
+
+    ``off_b = fl(...fl(fl(-0.0 + T_0) + T_1)... + T_{b-1})`` (sequential over ``block_sums``;
+    ``off_0 = -0.0``) and ``out_i = fl(off_b + s_i)`` for ``i`` in tile ``b``. With non-negative
+    priorities no sum decreases across a tile boundary: the last sum of tile ``b`` is
+    ``fl(off_b + T_b) = off_{b+1}``.
+
+    Shapes: ``s`` f32 ``[n]`` (``scan_tiles``' ``s``), ``block_sums`` f32
+    ``[ceil(n / RING_SCAN_TILE)]``. Returns f32 ``[n]`` (new). Exact twin of the kernel.
+    (Within a tile, a thread's first sum can round an ulp below the previous thread's last, as
+    in ``prefix_sum``'s kernel; ``sample_proportional`` then still returns a row ``i`` with
+    ``prefix[i - 1] <= target < prefix[i]``.)
+    """
+    n = validate_scan_offsets(s, block_sums)
+    off = np.empty(block_sums.shape, F32)
+    off[0] = -0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        off[1:] = np.add.accumulate(block_sums, dtype=F32)[:-1]
+        return np.repeat(off, RING_SCAN_TILE)[:n] + s
+
+
+def ring_prefix_sum(p: np.ndarray) -> np.ndarray:
+    """The collection cycle's prefix sums of the ring's priorities: ``scan_offsets`` of
+    ``scan_tiles(p)`` (the order of both kernels; within ``gamma_n * s_i`` of the exact sum for
+    non-negative priorities, like ``prefix_sum``'s, whose sequential order it does not follow).
+
+    NaN contract: ``s_j`` is a float32 sum of ``p_0 .. p_j``, so a NaN ``p_i`` makes every
+    ``s_j``, ``j >= i``, NaN; a +Inf gives +Inf (NaN with a -Inf or NaN term); a finite overflow
+    follows this association. Shapes: ``p`` f32 ``[n]``, ``n >= 1``; returns f32 ``[n]``.
+    """
+    tiles = scan_tiles(p)
+    return scan_offsets(tiles.s, tiles.block_sums)
+
+
 def sample_proportional(prefix: np.ndarray, u: np.ndarray) -> np.ndarray:
     """Proportional sampling: index ``i`` with probability ``p_i / total``.
 
@@ -450,6 +570,8 @@ def write_priorities(td: np.ndarray, idx: np.ndarray, priority: np.ndarray,
 
 KERNELS = {
     "prefix_sum": prefix_sum,
+    "scan_tiles": scan_tiles,
+    "scan_offsets": scan_offsets,
     "sample_proportional": sample_proportional,
     "importance_weights": importance_weights,
     "replay_add": replay_add,
@@ -462,7 +584,10 @@ KERNELS = {
 __all__ = [
     "Gathered", "KERNELS", "Priorities", "RING_FIELDS", "RingAdd", "cycle_advance",
     "importance_weights",
-    "last_occurrence", "prefix_sum", "replay_add", "replay_gather", "replay_sample",
+    "last_occurrence", "prefix_sum", "replay_add", "ring_prefix_sum", "RING_SCAN_ITEMS",
+    "RING_SCAN_THREADS", "RING_SCAN_TILE",
+    "ScanTiles", "scan_blocks", "scan_offsets", "scan_tiles", "validate_scan_offsets",
+    "validate_scan_tiles", "replay_gather", "replay_sample",
     "replay_update_priorities", "sample_proportional", "validate_importance_weights",
     "validate_cycle", "validate_replay_add", "validate_replay_gather", "validate_replay_sample",
     "validate_replay_update_priorities", "validate_ring", "validate_ring_pos",
