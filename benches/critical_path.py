@@ -2,6 +2,7 @@
 issue 26 item 3 in its static form).
 
     python benches/critical_path.py [--preset seed] [--precision bf16] [--chain] [SOURCE ...]
+    python benches/critical_path.py --collect [--n-envs 16] [--capacity 50000] [--chain]
 
 The step is launch/latency bound: every node of a CUDA graph costs a launch and a short run,
 and the step takes about as long as its longest chain of dependent nodes, not its node count.
@@ -17,7 +18,13 @@ prints, per graph and for the step (the graphs run one after the other):
 - ``est_us``: the longest chain weighted by the cost model below (``node_cost``), in
   estimated microseconds; with ``--chain``, the records of that chain.
 
-Cost model (``LAUNCH_US``, ``RUN_US``): ESTIMATES read off the H200 runs of the seed step
+``--collect`` (issue 20): the collection cycle's plan instead (``fast.collector``: the head
+graph ``collect`` = act, env step, ring add and the batch; the trainer's ``graph1`` and
+``graph2``; ``priorities`` = the priority update and the counter), each graph alone and the
+whole ``cycle`` as captured (one CUDA graph: the four in order); ``--chain`` prints the cycle's
+critical chain.
+
+Cost model (``LAUNCH_US``, ``RUN_US``, ``KERNEL_RUN_US``): ESTIMATES read off the H200 runs of the seed step
 (about 1 us to launch a node and 3-6 us to run one), not measurements of these nodes; replace
 them with per-node GPU times once the lead has them (``nsys`` / the benches' event times). The
 estimate is a chain length, not a step time: it ignores the host enqueue, the GPU's limits on
@@ -37,6 +44,10 @@ LAUNCH_US = 1.0
 #: a cuBLASLt GEMM of the seed sizes; ``kernel``: one of our kernels (elementwise, a small
 #: reduction, a two-phase norm over the parameters); ``copy``: an async memory copy.
 RUN_US = {"gemm": 5.0, "kernel": 3.0, "copy": 2.0}
+#: Kernels whose run time grows with their size, microseconds from the launch record's
+#: arguments (estimates): ``prefix_sum``, ONE block walking ``ceil(n / 8192)`` tiles in turn
+#: (each about 2 us: a load, four barriers, a store), on top of the plain kernel's time.
+KERNEL_RUN_US = {"prefix_sum": lambda args: RUN_US["kernel"] + 2.0 * -(-int(args["n"]) // 8192)}
 #: The graphs of one step, in the order they run.
 GRAPHS = ("upload", "graph1", "graph2")
 
@@ -52,8 +63,12 @@ def node_kind(node) -> str:
 
 
 def node_cost(node) -> float:
-    """Estimated microseconds of one node: ``LAUNCH_US + RUN_US[node_kind(node)]``."""
-    return LAUNCH_US + RUN_US[node_kind(node)]
+    """Estimated microseconds of one node: ``LAUNCH_US + RUN_US[node_kind(node)]``, or the
+    kernel's ``KERNEL_RUN_US`` entry of its arguments in place of ``RUN_US``."""
+    kind = node_kind(node)
+    if kind == "kernel" and node.kernel in KERNEL_RUN_US:
+        return LAUNCH_US + KERNEL_RUN_US[node.kernel](node.args)
+    return LAUNCH_US + RUN_US[kind]
 
 
 def node_label(node) -> str:
@@ -117,10 +132,11 @@ class GraphPath:
 
 
 def graph_path(ops) -> GraphPath:
-    """``GraphPath`` of one graph's records (an ``Ops``)."""
+    """``GraphPath`` of one graph's records (an ``Ops``), or of a list of them run in order as
+    one captured graph."""
     from foxhunt.fast.dataflow import dependency_graph
 
-    nodes, deps = dependency_graph([ops])
+    nodes, deps = dependency_graph(list(ops) if isinstance(ops, (list, tuple)) else [ops])
     by_count = longest_chain(nodes, deps, lambda _: 1.0)
     by_cost = longest_chain(nodes, deps, node_cost)
     return GraphPath(len(nodes), by_count.depth, by_cost.weight, by_cost)
@@ -134,6 +150,51 @@ def step_paths(config) -> dict[str, GraphPath]:
     plans = CpuEngine(config).plans
     graphs = {"upload": plans["upload"][0], "graph1": plans["graph1"], "graph2": plans["graph2"]}
     return {name: graph_path(graphs[name]) for name in GRAPHS}
+
+
+#: The collection cycle's graphs, in the order they run (``FastCollector.plans["train"]``).
+COLLECT_GRAPHS = ("collect", "graph1", "graph2", "priorities")
+
+
+def collect_plans(config, *, n_envs: int, capacity: int, seed: int = 0) -> dict:
+    """``{graph: Ops}`` of the collection cycle of ``config`` (``COLLECT_GRAPHS``), built as the
+    CPU executor builds it (``FastCollector`` on a ``CpuTrainer``) on a synthetic market."""
+    from foxhunt.fast.collector import FastCollector
+    from foxhunt.fast.cpu_executor import CpuTrainer
+    from foxhunt.reference import loop
+    from foxhunt.reference.collector import Walks
+    from foxhunt.reference.kernels import env as env_kernels
+    from foxhunt.reference.market import SyntheticMarket, feature_warmup, market_features
+
+    bars = SyntheticMarket.preset("default", seed=seed, n_bars=1200).generate()
+    windows = loop.choose_windows(config.state_dim)
+    seg = loop.fold_segments(len(bars), feature_warmup(windows), 1, 0.125, 0.125)[0]
+    t0, t_val = seg.train
+    tables = env_kernels.market_tables(bars, market_features(bars, windows))
+    col = FastCollector(CpuTrainer(config, seed=seed), config, tables,
+                        Walks(t_val, t0, t_val - 51, 50), n_envs=n_envs, capacity=capacity,
+                        reward_scale=1.0, seed=seed, cycle=0)
+    try:
+        return dict(zip(COLLECT_GRAPHS, col.plans["train"], strict=True))
+    finally:
+        col.close()
+
+
+def collect_paths(config, *, n_envs: int, capacity: int, seed: int = 0) -> dict[str, GraphPath]:
+    """``{graph: GraphPath}`` of ``collect_plans`` and ``cycle``: the four graphs as the one
+    CUDA graph the GPU captures (every node of a graph after every node of the one before)."""
+    graphs = collect_plans(config, n_envs=n_envs, capacity=capacity, seed=seed)
+    paths = {name: graph_path(ops) for name, ops in graphs.items()}
+    paths["cycle"] = graph_path(list(graphs.values()))
+    return paths
+
+
+def format_collect(paths: dict[str, GraphPath]) -> str:
+    lines = [f"{'graph':10} {'nodes':>6} {'depth':>6} {'est_us':>8}"]
+    for name in (*COLLECT_GRAPHS, "cycle"):
+        p = paths[name]
+        lines.append(f"{name:10} {p.nodes:>6d} {p.depth:>6d} {p.est_us:>8.1f}")
+    return "\n".join(lines)
 
 
 def variant_config(preset: str, precision: str, source: str):
@@ -184,8 +245,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--preset", default="seed")
     parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
     parser.add_argument("--chain", action="store_true",
-                        help="print graph 1's critical chain of each variant")
+                        help="print graph 1's critical chain of each variant (with --collect: "
+                             "the cycle's)")
+    parser.add_argument("--collect", action="store_true",
+                        help="the collection cycle's plan (issue 20) instead of the step variants")
+    parser.add_argument("--n-envs", type=int, default=16, help="--collect: environments")
+    parser.add_argument("--capacity", type=int, default=50_000, help="--collect: ring rows")
     args = parser.parse_args(argv)
+    if args.collect:
+        if args.sources:
+            parser.error("--collect takes no SOURCE (it builds the core step's cycle)")
+        paths = collect_paths(variant_config(args.preset, args.precision, "core"),
+                              n_envs=args.n_envs, capacity=args.capacity)
+        print(f"collection cycle, preset {args.preset}, {args.precision}, {args.n_envs} envs, "
+              f"ring of {args.capacity} (est_us: LAUNCH_US={LAUNCH_US} + RUN_US={RUN_US} per "
+              f"node, KERNEL_RUN_US for {sorted(KERNEL_RUN_US)}; estimates)")
+        print(format_collect(paths))
+        if args.chain:
+            print("\nthe cycle's critical chain (cumulative est. us)")
+            print(format_chain(paths["cycle"]))
+        return 0
     bad = [s for s in args.sources if s not in choices]
     if bad:
         parser.error(f"SOURCE {bad[0]!r} is not one of {choices}")

@@ -17,7 +17,8 @@ The records, in the order of ``reference.collector`` (the cycle's reference twin
   ``(obs, actions, r, s2, done, next_ret, regime)``, then the post-reset states into ``obs``;
 - ``sample_ops``: the priorities' prefix sums (``scan_tiles`` then ``scan_offsets``: many
   blocks, bit-exact twins; ``replay.ring_prefix_sum`` is the pair), ``replay_sample`` (stream
-  ``replay_sample``), ``importance_weights`` into ``batch.isw``, ``replay_gather`` into
+  ``replay_sample``), then on two branches ``importance_weights`` into ``batch.isw`` and
+  ``replay_gather`` into
   ``batch.x``, ``batch.a``, ``batch.r``, ``batch.done`` (and the label fields where the step
   layout has them): the step's graphs 1 and 2 then read the batch where they always do;
 - ``priority_ops``: ``replay_update_priorities`` from the step's ``td``;
@@ -182,14 +183,18 @@ def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, s
     ops.kernel("replay_sample", replay.plan_replay_sample(B), prefix="prefix", capacity=cap,
                ring_pos="ring_pos", **_key(seed), stream=STREAMS["replay_sample"], cycle="cycle",
                idx="sample_idx", n=B)
-    ops.kernel("importance_weights", replay.plan_importance_weights(B), priorities="priority",
-               n_items=cap, idx="sample_idx", w="batch.isw", n=B, beta=np.float32(beta))
+    # The weights and the gather both only read the sampled rows: two branches, one node off
+    # the cycle's chain.
+    weights, gather = ops.branch(), ops.branch()
+    weights.kernel("importance_weights", replay.plan_importance_weights(B), priorities="priority",
+                   n_items=cap, idx="sample_idx", w="batch.isw", n=B, beta=np.float32(beta))
     labels = {name: f"batch.{name}" if f"batch.{name}" in lay else None
               for name in ("next_ret", "regime")}
-    ops.kernel("replay_gather", replay.plan_replay_gather(B, lay.SD), idx="sample_idx", n=B,
-               capacity=cap, state_dim=lay.SD, n_branches=lay.nb,
-               **{buf: buf for buf, _ in RING_BUFFERS}, x="batch.x", a="batch.a", r="batch.r",
-               done="batch.done", **labels)
+    gather.kernel("replay_gather", replay.plan_replay_gather(B, lay.SD), idx="sample_idx", n=B,
+                  capacity=cap, state_dim=lay.SD, n_branches=lay.nb,
+                  **{buf: buf for buf, _ in RING_BUFFERS}, x="batch.x", a="batch.a", r="batch.r",
+                  done="batch.done", **labels)
+    ops.parallel(weights, gather)
 
 
 def priority_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, alpha: float,

@@ -91,8 +91,8 @@ def test_a_dependency_on_a_later_node_is_refused():
         cp.longest_chain(["x", "y"], [frozenset({1}), frozenset()], lambda _: 1.0)
 
 
-def _nx_longest(ops: Ops) -> float:
-    nodes, deps = dependency_graph([ops])
+def _nx_longest(ops: Ops | list) -> float:
+    nodes, deps = dependency_graph(ops if isinstance(ops, list) else [ops])
     g = nx.DiGraph()
     # Node weights as edge weights: a source s feeds every node, each edge into i weighs i's cost.
     g.add_node("s")
@@ -133,3 +133,30 @@ def test_command_line_prints_one_row_per_variant(capsys):
 def test_command_line_refuses_an_unknown_source():
     with pytest.raises(SystemExit):
         cp.main(["nope"])
+
+
+def test_collection_cycle_chain_matches_networkx_and_scans_in_many_blocks(capsys):
+    """The collection cycle (issue 20) as one captured graph: its chain weight against
+    networkx's longest path of the same dependency graph; the ring's scan is two nodes of one
+    block per tile, and the weights and the gather sit on two branches (one of them on the
+    chain); the one-block prefix_sum costs its tiles (1 + 3 + 2 * 7 us for 50,000 rows)."""
+    import foxhunt.fast.records as records
+
+    config = cp.variant_config("tiny", "f32", "core")
+    graphs = list(cp.collect_plans(config, n_envs=4, capacity=3000).values())
+    paths = cp.collect_paths(config, n_envs=4, capacity=3000)
+    assert paths["cycle"].est_us == pytest.approx(_nx_longest(graphs))
+    assert paths["cycle"].nodes == sum(paths[g].nodes for g in cp.COLLECT_GRAPHS)
+    chain = [cp.node_label(n) for n in paths["cycle"].chain.nodes]
+    at = chain.index("scan_tiles")
+    assert chain[at + 1:at + 3] == ["scan_offsets", "replay_sample"]
+    assert ("importance_weights" in chain) != ("replay_gather" in chain)
+    scan = paths["cycle"].chain.nodes[at]
+    assert scan.shape.grid[0] == 3  # ceil(3000 / 1024)
+    assert paths["cycle"].est_us == pytest.approx(sum(paths[g].est_us for g in cp.COLLECT_GRAPHS))
+    heavy = records.Launch("prefix_sum", SHAPE, {"n": 50_000})
+    assert cp.node_cost(heavy) == pytest.approx(1.0 + 3.0 + 2.0 * 7)
+    assert cp.main(["--collect", "--preset", "tiny", "--precision", "f32", "--n-envs", "4",
+                    "--capacity", "3000"]) == 0
+    rows = {r[0]: r for r in (line.split() for line in capsys.readouterr().out.splitlines()) if r}
+    assert float(rows["cycle"][3]) == pytest.approx(paths["cycle"].est_us, abs=0.05)
