@@ -34,7 +34,7 @@ from foxhunt.fast import isv_plan, wave_plan
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.step_layout import NORM_SEGMENT
 from foxhunt.fast.step_program import StepProgram
-from foxhunt.fast.wave_layout import injected_sources, stage_names
+from foxhunt.fast.wave_layout import injected_sources
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
 from foxhunt.reference.kernels.distributional import atom_spacing
@@ -174,7 +174,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
     # second-wave source on, the same launch injects them (``wave_plan.budget``).
     norms = wave_plan.budget(prog, ops) if injected_sources(c) else []
     if not norms:
-        out, partials = stage_names(c)[0]
+        out, partials = "grad", "partials_total"
         ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
                    base="grad_c51", inject="grad_cql", n=NP,
                    base_max_norm=np.float32(c.budget("c51")), base_partials="partials_c51",

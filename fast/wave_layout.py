@@ -17,8 +17,9 @@ adds nothing: the layout of the core step is unchanged, buffer for buffer.
   value_end)``; sentinel 51) and its sanitised copy ``ens_trunk_clean``.
 - MSE warm-up (``c51_warmup_epochs``): no buffer (it blends ``dlogits_c51`` in place; its
   loss and weight are readback entries, sentinel 3 the loss's).
-- The budget stages: with IQN or the ensemble on, the C51 + CQL pipeline writes ``grad_s1``
-  and each injected source a further stage; the last stage writes ``grad`` (``wave_plan``).
+- The budget: with IQN or the ensemble on, one pass applies every clip and SAXPY
+  (``clip_saxpy_norm_partial_wave``) into ``grad``; each injected source has its norm partials
+  and squared norm (``wave_plan.budget``).
 
 ``wave_sentinel_pieces(lay)``: the ranges of the sources' fused sentinel slots.
 """
@@ -31,25 +32,10 @@ from foxhunt.fast.records import F32, I64, U16
 from foxhunt.reference import sentinels
 from foxhunt.reference.kernels.step import READBACK_INDEX
 
-#: The largest ``max_grad_norm`` the budget stages take: a stage re-reads the budgeted
-#: gradient with the clip bound FLT_MAX, a no-op while that gradient's squared norm (at most
-#: ``(0.85 max_grad_norm)^2``) stays finite in float32.
-MAX_STAGED_GRAD_NORM = 1e18
-
-
 def injected_sources(config) -> tuple[str, ...]:
     """The budget sources injected after the C51 + CQL pipeline, in the reference's order
     (``budgets.second_wave_budgets``): ``iqn``, then ``ens``."""
     return tuple(s for s, on in (("iqn", config.iqn_on), ("ens", config.ens_on)) if on)
-
-
-def stage_names(config) -> list[tuple[str, str]]:
-    """``(gradient buffer, partials buffer)`` written by each budget stage, in order: the C51 +
-    CQL stage, then one per injected source; the last stage writes ``grad`` and
-    ``partials_total`` (what Adam, the total norm and sentinel 6 read)."""
-    n = 1 + len(injected_sources(config))
-    return [("grad", "partials_total") if k == n - 1 else (f"grad_s{k + 1}", f"partials_s{k + 1}")
-            for k in range(n)]
 
 
 def add_wave_buffers(lay) -> None:
@@ -59,17 +45,9 @@ def add_wave_buffers(lay) -> None:
 
     c, pl = lay.config, lay.param_layout
     lay.grad_base = {}  # gradient buffers holding one range of the layout: {name: first element}
-    sources = injected_sources(c)
-    if sources and c.max_grad_norm > MAX_STAGED_GRAD_NORM:
-        raise ValueError(f"max_grad_norm={c.max_grad_norm!r}: the fast step's budget stages "
-                         f"({', '.join(sources)} on) take at most {MAX_STAGED_GRAD_NORM:g}")
-    for name, partials in stage_names(c)[:-1]:
-        lay._add(name, lay.NP, F32)
-        lay._add(partials, lay.n_partials, F32)
-    for src in sources:
+    for src in injected_sources(c):
         lay._add(f"partials_{src}", lay.n_partials, F32)
         lay._add(f"sq_{src}", 1, F32)
-        lay._add(f"sq_base_{src}", 1, F32)  # the stage's re-read norm of its base (unused)
     if c.second_wave_on:  # the IQN Adam's grad_scale, the aux sum's clamp signal
         lay._add("one", 1, F32, "constant")
     if c.aux_on:
@@ -246,5 +224,5 @@ def wave_sentinel_pieces(lay, one) -> dict[str, list]:
     return out
 
 
-__all__ = ["MAX_STAGED_GRAD_NORM", "add_wave_buffers", "aux_heads", "injected_sources", "stage_names",
+__all__ = ["add_wave_buffers", "aux_heads", "injected_sources",
            "wave_constants", "wave_sentinel_pieces", "wave_zero_padding"]

@@ -39,7 +39,7 @@ import numpy as np
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.step_layout import NORM_SEGMENT, READBACK_INDEX, blocks
 from foxhunt.fast.step_program import StepProgram
-from foxhunt.fast.wave_layout import injected_sources, stage_names
+from foxhunt.fast.wave_layout import injected_sources
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
 from foxhunt.reference.kernels import rng
@@ -404,7 +404,7 @@ def budget(prog: StepProgram, ops: Ops) -> list[Ops]:
                      f"{src}_max_norm": F32(c.budget(src)) if on else F32(0),
                      f"{src}_partials": f"partials_{src}" if on else None,
                      f"{src}_norm_sq_out": f"sq_{src}" if on else None})
-    out, partials = stage_names(c)[-1]
+    out, partials = "grad", "partials_total"  # what Adam, the total norm and sentinel 6 read
     ops.kernel("clip_saxpy_norm_partial_wave",
                wave.plan_clip_saxpy_norm_partial_wave(lay.NP, NORM_SEGMENT), base="grad_c51",
                inject="grad_cql", n=lay.NP, base_max_norm=F32(c.budget("c51")),
