@@ -117,11 +117,11 @@ class Trainer(TrainerBackend):
             c.grad_clip_anchor_mult)
         q_abs_ref = np.float32(self.isv.get("Q_ABS_REF"))
         h2_bound = self._bound(c.h2_clamp_mult, "H_S2_RMS_EMA")
-        # loss_and_grads validates the batch (its only validation in the step), before any
-        # state of this trainer changes.
         # The gamma schedule's consumer: branch d's discount from the ISV at the start.
         step_config = c if not c.gamma_schedule else \
             c.replace(gamma=isv_step.step_gammas(c, isv_at_start))
+        # loss_and_grads validates the batch (its only validation in the step), before any
+        # state of this trainer changes.
         out = loss_and_grads(step_config, self.params, self.target, batch, q_abs_ref=q_abs_ref,
                              h2_bound=h2_bound, layout=self.layout, isv=isv_at_start,
                              step=self.step_count, seed=self.seed)
