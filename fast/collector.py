@@ -46,7 +46,7 @@ from foxhunt.fast.collect_plan import (
     sample_ops,
 )
 from foxhunt.fast.dataflow import check_dataflow
-from foxhunt.fast.records import Buf, Ops
+from foxhunt.fast.records import Ops
 from foxhunt.fast.step_layout import EvalLayout
 from foxhunt.reference.collector import ReplayRing, Walks
 from foxhunt.reference.config import DQNConfig
@@ -88,20 +88,12 @@ class _GpuDevice:
 
     def __init__(self, engine, cl: CollectLayout, evl: EvalLayout):
         from foxhunt.fast.arena import Arena
-        from foxhunt.fast.graph_lowering import Lowering
+        from foxhunt.fast.graph_lowering import Lowering, layered_address
 
         self.engine = engine
         self.arena = Arena.from_specs(engine.device, cl.specs)
         self._eval_arena = Arena.from_specs(engine.device, evl.specs)
-        tables = ((cl, self.arena), (evl, self._eval_arena))
-
-        def address(buf: Buf) -> int:
-            for table, arena in tables:
-                if buf.name in table:
-                    region = table.region(buf)
-                    return arena.ptr(region.buffer) + region.byte_start
-            return engine.address(buf)
-
+        address = layered_address([(cl, self.arena), (evl, self._eval_arena)], engine.address)
         self._lowering = Lowering(engine.module, address, {})
         self._graphs: dict[str, object] = {}
 

@@ -64,7 +64,7 @@ from foxhunt.fast.eval_plan import (
     walk_binder,
     walk_role,
 )
-from foxhunt.fast.records import Buf, Ops
+from foxhunt.fast.records import Ops
 from foxhunt.fast.step_layout import BufferTable, EvalLayout
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels import env as env_kernels
@@ -130,21 +130,13 @@ class _GpuWalk:
 
     def __init__(self, engine, tables: list[BufferTable], host_specs: dict):
         from foxhunt.fast.arena import Arena
-        from foxhunt.fast.graph_lowering import Lowering
+        from foxhunt.fast.graph_lowering import Lowering, layered_address
 
         self.engine = engine
         self.arenas = [Arena.from_specs(engine.device, table.specs) for table in tables]
         self.host = {name: engine.device.pinned_empty(shape, dtype)
                      for name, (shape, dtype) in host_specs.items()}
-        pairs = list(zip(tables, self.arenas))
-
-        def address(buf: Buf) -> int:
-            for table, arena in pairs:
-                if buf.name in table:
-                    region = table.region(buf)
-                    return arena.ptr(region.buffer) + region.byte_start
-            return engine.address(buf)
-
+        address = layered_address(zip(tables, self.arenas), engine.address)
         self._lowering = Lowering(engine.module, address, self.host)
         self._graphs: dict = {}
 

@@ -21,9 +21,8 @@ import numpy as np
 from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_host_specs, eval_ops
 from foxhunt.fast.graph1_plan import graph1_ops
 from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
-from foxhunt.fast.graph_lowering import BranchPool, Lowering
+from foxhunt.fast.graph_lowering import BranchPool, Lowering, layered_address
 from foxhunt.fast.dataflow import check_dataflow
-from foxhunt.fast.records import Buf
 from foxhunt.fast.step_layout import READBACK_FIELDS, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram, step_constants
 from foxhunt.reference.config import DQNConfig
@@ -42,11 +41,6 @@ def host_buffer_specs(layout: StepLayout, staging_slots: int) -> dict[str, tuple
     specs[READBACK_HOST] = ((len(READBACK_FIELDS),), np.dtype(np.float32))
     specs[FLAGS_HOST] = ((layout.sentinel.n_desc,), np.dtype(np.int32))
     return specs
-
-
-def _address(table, arena, buf: Buf) -> int:
-    region = table.region(buf)
-    return arena.ptr(region.buffer) + region.byte_start
 
 
 class GpuEngine:
@@ -68,7 +62,8 @@ class GpuEngine:
         self.module = dev.load_module(compile_sources(dev.arch))
         self.layout = lay = StepLayout(config)
         self.arena = Arena.from_specs(dev, lay.specs)
-        self.address = functools.partial(_address, lay, self.arena)
+        # A name the step layout does not have raises its own error (StepLayout.region).
+        self.address = layered_address([(lay, self.arena)], lay.region)
         constants = step_constants(lay, self.address)
         for name, value in constants.items():
             self.arena.upload(name, value.reshape(self.arena.spec(name).shape))
@@ -205,11 +200,7 @@ class GpuEval:
         host = {name: dev.pinned_empty(shape, dtype) for name, (shape, dtype) in eval_host_specs(evl).items()}
         self.x_host, self.q_host = host[X_HOST], host[Q_HOST]
 
-        def address(buf: Buf) -> int:
-            if buf.name in evl:
-                return _address(evl, self.arena, buf)
-            return engine.address(buf)
-
+        address = layered_address([(evl, self.arena)], engine.address)
         ops = eval_ops(engine.program, evl)
         check_dataflow([ops], lambda name: evl.role(name) if name in evl else engine.layout.role(name),
                        evl.zero_padding())

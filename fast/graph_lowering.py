@@ -96,6 +96,22 @@ class BranchPool:
         self.streams, self.events = [], []
 
 
+def layered_address(pairs, fallback: Callable[[Buf], int]) -> Callable[[Buf], int]:
+    """The device address of a record's buffer for a plan with its own arenas beside the
+    engine's: the first ``(table, arena)`` of ``pairs`` whose table names the buffer (the arena's
+    pointer to the table's region), else ``fallback`` (the engine's own buffers)."""
+    pairs = tuple(pairs)
+
+    def address(buf: Buf) -> int:
+        for table, arena in pairs:
+            if buf.name in table:
+                region = table.region(buf)
+                return arena.ptr(region.buffer) + region.byte_start
+        return fallback(buf)
+
+    return address
+
+
 class Lowering:
     """Resolves and enqueues records (module docstring)."""
 
@@ -210,4 +226,4 @@ class Lowering:
                 raise AssertionError(type(it))
 
 
-__all__ = ["BranchPool", "COPY_FUNCTIONS", "Lowering"]
+__all__ = ["BranchPool", "COPY_FUNCTIONS", "Lowering", "layered_address"]
