@@ -56,7 +56,7 @@ def add_wave_buffers(lay) -> None:
         _ens_buffers(lay)
     if not c.iqn_on:
         return
-    B, H, H1, nb = lay.B, lay.H2, lay.H1, lay.nb
+    B, H, nb = lay.B, lay.H2, lay.nb
     N, K, A = c.iqn_quantiles, c.iqn_embed, lay.A_total
     M = B * N
     lay.iqn_rows = M
@@ -86,14 +86,8 @@ def add_wave_buffers(lay) -> None:
     lay._add("iqn_grad", hi - lo, F32)
     lay._add("partials_iqn_head", blocks(hi - lo, NORM_SEGMENT), F32)
     lay._add("sq_iqn_head", 1, F32)
-    # The trunk backward of the guarded d h2: the guard's output, the trunk-gradient buffer it
-    # is copied into (sentinel 35), its masked form, h1's gradient and the fallback scratch.
-    for name in ("dh2g_iqn", "dh2_iqn", "dh2m_iqn"):
-        lay._add(name, (B, H), F32)
-    lay._add("dh1_iqn", (B, H1), F32)
-    lay._add("dpre_iqn", B * H1, F32)
-    lay._add("iqn_trunk_grad", pl.trunk_end, F32)
-    lay._add("iqn_trunk_clean", lay.NP, F32)
+    # The trunk backward of the guarded d h2 (its copy into dh2_iqn is sentinel 35's buffer).
+    _guarded_trunk_buffers(lay, "iqn", pl.trunk_end)
 
 
 def aux_heads(config) -> tuple[tuple[str, int], ...]:
@@ -134,7 +128,7 @@ def _ens_buffers(lay) -> None:
     from foxhunt.fast.step_layout import OPERAND_ALIGN, Packed
 
     c, pl = lay.config, lay.param_layout
-    B, H, H1, NA, VH = lay.B, lay.H2, lay.H1, lay.NA, c.value_h
+    B, H, NA, VH = lay.B, lay.H2, lay.NA, c.value_h
     priors = range(1, c.ens_heads)
     # The priors' logits contiguous (ens_kl_grad reads [K-1, B, NA]); the hidden layers aligned.
     for name, per, dtype, align in (("ens_hid", B * VH, F32, OPERAND_ALIGN),
@@ -149,12 +143,21 @@ def _ens_buffers(lay) -> None:
     lay._add("ens_dhv", (B, VH), F32)
     lay._add("ens_dpre", B * VH, F32)
     lay._add("ens_d_h2", (B, H), F32)
-    for name in ("dh2g_ens", "dh2_ens", "dh2m_ens"):
+    _guarded_trunk_buffers(lay, "ens", pl.value_end)
+
+
+def _guarded_trunk_buffers(lay, src: str, grad_len: int) -> None:
+    """The buffers of a source's guarded trunk backward (IQN, ensemble): the guard's output
+    ``dh2g_<src>``, the trunk-gradient buffer it is copied into ``dh2_<src>``, its masked form,
+    h1's gradient, the fallback scratch, the source's gradient over ``[0, grad_len)`` and its
+    sanitised copy over the whole layout."""
+    B, H, H1 = lay.B, lay.H2, lay.H1
+    for name in (f"dh2g_{src}", f"dh2_{src}", f"dh2m_{src}"):
         lay._add(name, (B, H), F32)
-    lay._add("dh1_ens", (B, H1), F32)
-    lay._add("dpre_ens", B * H1, F32)
-    lay._add("ens_trunk_grad", pl.value_end, F32)
-    lay._add("ens_trunk_clean", lay.NP, F32)
+    lay._add(f"dh1_{src}", (B, H1), F32)
+    lay._add(f"dpre_{src}", B * H1, F32)
+    lay._add(f"{src}_trunk_grad", grad_len, F32)
+    lay._add(f"{src}_trunk_clean", lay.NP, F32)
 
 
 def wave_constants(lay) -> dict[str, np.ndarray]:
