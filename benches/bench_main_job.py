@@ -74,6 +74,9 @@ EPOCH_KINDS = ("step-only", "step-upload", "main-job")
 #: Bars of the greedy evaluation bench, and the chunk sizes (bars per graph launch) timed.
 EVAL_BARS = 10_000
 CHUNKS = (32, 64, 128)
+#: The evaluator modes timed: ``graph`` (the chunk graphs above) and ``fused`` (one
+#: ``greedy_walk`` launch per segment; its chunk size is irrelevant and reported as "fused").
+FUSED = "fused"
 #: Exploration rate of the timed main-job epochs (both branches of env_act are taken).
 EPSILON = 0.5
 #: Host batches the ``step-upload`` epoch cycles through.
@@ -170,13 +173,15 @@ class MainJob:
                 "main_job_over_step_only": med["main-job"] / med["step-only"],
                 "main_job_over_step_upload": med["main-job"] / med["step-upload"]}
 
-    def evaluator(self, chunk: int):
-        """A ``DeviceEvaluator`` with ``chunk`` bars per graph, its greedy graphs built."""
+    def evaluator(self, chunk):
+        """A ``DeviceEvaluator`` with ``chunk`` bars per graph (or ``FUSED``: the one-launch
+        ``greedy_walk`` mode), its greedy graphs built."""
         from foxhunt.fast.evaluator import DeviceEvaluator
 
         if chunk not in self._evaluators:
+            kw = {"mode": "fused"} if chunk == FUSED else {"chunk": chunk}
             ev = DeviceEvaluator(self.trainer, market_tables(self.bars, self.feats),
-                                 max_steps=self.eval_steps, chunk=chunk)
+                                 max_steps=self.eval_steps, **kw)
             ev.walk(*self.eval_segment, self.per_year)  # builds begin, chunk and end graphs
             self._evaluators[chunk] = ev
         return self._evaluators[chunk]
@@ -291,7 +296,7 @@ def test_epoch(benchmark, fast_trainer_cls, precision, kind):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("chunk", (*CHUNKS, FUSED))
 def test_greedy_eval(benchmark, fast_trainer_cls, precision, chunk):
     job = _job(fast_trainer_cls, precision)
     ev = job.evaluator(chunk)
@@ -339,8 +344,8 @@ def test_main_job_plumbing_on_the_cpu_executor(tmp_path):
         pair = job.epochs(1)
         assert job.trainer.step_count - before == 2 * len(EPOCH_KINDS) * settings.steps_per_epoch
         assert pair["main_job_over_step_only"] > 0
-        ev = job.greedy_eval((8, 32), 1, peer=True)
-        assert ev["bars"] == 40 and set(ev["chunks"]) == {8, 32}
+        ev = job.greedy_eval((8, 32, FUSED), 1, peer=True)
+        assert ev["bars"] == 40 and set(ev["chunks"]) == {8, 32, FUSED}
         walk = job.evaluator(8).walk(*job.eval_segment, job.per_year)
         assert walk.metrics[0] == np.float32(job.host_walk()[0].sharpe)
         result = {"precisions": {"f32": {"epochs": pair, "greedy_eval": ev}}}
@@ -425,7 +430,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             result["precisions"][precision] = {
                 "epochs": job.epochs(args.rounds),
-                "greedy_eval": job.greedy_eval(CHUNKS, ROUNDS["eval"], peer=not args.no_peer)}
+                "greedy_eval": job.greedy_eval((*CHUNKS, FUSED), ROUNDS["eval"],
+                                               peer=not args.no_peer)}
         finally:
             job.close()
         print(table({"precisions": {precision: result["precisions"][precision]}}), flush=True)
