@@ -311,13 +311,27 @@ def _toolkit_headers_version(include_dir: str) -> str:
     return match.group(1) if match else "unknown"
 
 
+def _out_buffer(size: int) -> bytearray:
+    """A fresh writable buffer for an NVRTC getter. Never ``b" " * size``: NVRTC writes into the
+    buffer, and for ``size == 1`` (an empty log: just its NUL) that expression is CPython's
+    cached one-byte ``b" "``, which NVRTC then overwrote with ``b"\\0"`` process-wide (every
+    later ``b" "`` was a NUL: numpy's header parser then failed with "source code cannot contain
+    null bytes" in whatever test ran next)."""
+    return bytearray(size)
+
+
 def _program_log(nvrtc, prog) -> str:
     err, size = nvrtc.nvrtcGetProgramLogSize(prog)
     _nvrtc_check(nvrtc, err, "nvrtcGetProgramLogSize")
-    buf = b" " * size
-    (err,) = nvrtc.nvrtcGetProgramLog(prog, buf)
-    _nvrtc_check(nvrtc, err, "nvrtcGetProgramLog")
+    buf = _fill(nvrtc.nvrtcGetProgramLog, prog, _out_buffer(size))
     return buf.rstrip(b"\0").decode(errors="replace")
+
+
+def _fill(getter, prog, buf: bytearray) -> bytearray:
+    """``getter(prog, buf)`` (an NVRTC ``nvrtcGet*`` that writes ``buf``), checked; ``buf``."""
+    (err,) = getter(prog, buf)
+    _nvrtc_check(_nvrtc(), err, getter.__name__)
+    return buf
 
 
 def _compile_one(name: str, source: bytes, headers: Mapping[str, bytes], options, kind: str):
@@ -341,15 +355,11 @@ def _compile_one(name: str, source: bytes, headers: Mapping[str, bytes], options
             return None, None, log or text.decode(errors="replace")
         err, ptx_size = nvrtc.nvrtcGetPTXSize(prog)
         _nvrtc_check(nvrtc, err, "nvrtcGetPTXSize")
-        ptx = b" " * ptx_size
-        (err,) = nvrtc.nvrtcGetPTX(prog, ptx)
-        _nvrtc_check(nvrtc, err, "nvrtcGetPTX")
+        ptx = bytes(_fill(nvrtc.nvrtcGetPTX, prog, _out_buffer(ptx_size)))
         if kind == "cubin":
             err, size = nvrtc.nvrtcGetCUBINSize(prog)
             _nvrtc_check(nvrtc, err, "nvrtcGetCUBINSize")
-            image = b" " * size
-            (err,) = nvrtc.nvrtcGetCUBIN(prog, image)
-            _nvrtc_check(nvrtc, err, "nvrtcGetCUBIN")
+            image = bytes(_fill(nvrtc.nvrtcGetCUBIN, prog, _out_buffer(size)))
         else:
             image = ptx if ptx.endswith(b"\0") else ptx + b"\0"
         return image, ptx.rstrip(b"\0").decode(), log

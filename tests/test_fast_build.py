@@ -5,6 +5,7 @@ argument packing, arena layout, the row-major -> column-major GEMM mapping, and 
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import os
@@ -499,3 +500,18 @@ def test_fast_kernel_registry_mirrors_the_reference():
     assert not unknown, f"fast launchers without a reference twin: {sorted(unknown)}"
     missing = set(reference_kernels.KERNELS) - set(fast_kernels.KERNELS)
     assert not missing, f"reference kernels without a fast launcher: {sorted(missing)}"
+
+
+def test_nvrtc_output_buffers_leave_python_constants_alone(tmp_path):
+    """NVRTC writes its log, PTX and cubin into buffers the caller allocates. An empty log has
+    size 1 (its NUL), and ``b" " * 1`` is CPython's cached one-byte ``b" "``: writing the NUL
+    there turned every later ``b" "`` of the process into ``b"\\0"`` (under xdist, numpy's
+    ``np.load`` then failed with "source code cannot contain null bytes" in whatever test came
+    next). A clean compile (empty log) must leave the cached byte a space."""
+    module = compile_sources("sm_80", "ptx", cache_root=tmp_path, sources={"axpy.cu": AXPY})
+    assert module.logs["axpy.cu"] == ""  # the size-1 log this test is about
+    assert bytes([32])[0] == 32 and (b"a b"[1:2])[0] == 32
+    buf = io.BytesIO()
+    np.save(buf, np.arange(3, dtype=np.float32))
+    buf.seek(0)
+    np.testing.assert_array_equal(np.load(buf), np.arange(3, dtype=np.float32))
