@@ -1,5 +1,5 @@
-"""`Batch`: one training batch (s, a, r, s2, done, isw, and the auxiliary heads' labels
-next_ret, regime), validated against a config."""
+"""`Batch`: one training batch (s, a, r, s2, done, isw, the auxiliary heads' labels
+next_ret, regime, and the n-step transitions' effective discount), validated against a config."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from .config import DQNConfig
 
 #: The label fields (optional while their head is off), in ``Batch`` order.
 LABEL_FIELDS = ("next_ret", "regime")
+#: Every field that may be ``None``: the labels and the n-step discount (``None``: 1-step).
+OPTIONAL_FIELDS = LABEL_FIELDS + ("discount",)
 
 
 @dataclass(frozen=True)
@@ -25,7 +27,14 @@ class Batch:
     sample is masked out of the next-bar loss), and ``regime`` int32 ``[B]``, the market's
     regime id of bar t (``market.regime_labels``), in ``[0, n_regimes)``. Both come from the
     environment (``info["ret"]``, ``info["regime"]``) through the replay buffer. ``None``
-    means "not supplied", allowed only while the head that reads the label is off."""
+    means "not supplied", allowed only while the head that reads the label is off.
+
+    ``discount`` f32 ``[B]`` (issue 22, n-step returns): the transition's effective discount
+    ``gamma_ref ** k`` (``k`` the environment steps the transition spans, ``gamma_ref =
+    config.gammas[0]``), finite and in ``(0, 1]``. ``None`` means 1-step transitions (every
+    target uses the branch's gamma as before); present, the targets use the per-sample
+    ``gamma_eff_d = gamma_d ** (log(discount) / log(gamma_ref))``
+    (``kernels.distributional.effective_gamma``)."""
 
     s: np.ndarray
     a: np.ndarray
@@ -35,6 +44,7 @@ class Batch:
     isw: np.ndarray
     next_ret: np.ndarray | None = None
     regime: np.ndarray | None = None
+    discount: np.ndarray | None = None
 
     def validate(self, config: DQNConfig) -> "Batch":
         """Check shapes, dtypes, action ranges, ``done`` in {0, 1} and ``isw`` finite and > 0;
@@ -45,12 +55,17 @@ class Batch:
         Labels: ``next_ret`` / ``regime`` must be present when ``aux_next_bar_weight`` /
         ``aux_regime_weight`` is > 0; when present they are checked for shape and dtype, and
         ``regime`` (when the regime head is on, its only reader) for the range
-        ``[0, n_regimes)``."""
+        ``[0, n_regimes)``.
+
+        ``discount`` (optional): shape ``[B]``, float32, every value finite and in ``(0, 1]``
+        (the reference gamma it is taken against, ``(0, 1)``, is checked where the targets are
+        formed: ``step.loss_and_grads``)."""
         B, SD, nb = config.batch_size, config.state_dim, config.n_branches
         expect = {
             "s": ((B, SD), np.float32), "s2": ((B, SD), np.float32), "a": ((B, nb), np.int32),
             "r": ((B,), np.float32), "done": ((B,), np.float32), "isw": ((B,), np.float32),
             "next_ret": ((B,), np.float32), "regime": ((B,), np.int32),
+            "discount": ((B,), np.float32),
         }
         for label, weight in (("next_ret", "aux_next_bar_weight"), ("regime", "aux_regime_weight")):
             if getattr(self, label) is None and getattr(config, weight) > 0:
@@ -58,7 +73,7 @@ class Batch:
                                  f"needs the {label} labels (allowed: None only when {weight}=0)")
         for name, (shape, dtype) in expect.items():
             arr = getattr(self, name)
-            if arr is None and name in LABEL_FIELDS:
+            if arr is None and name in OPTIONAL_FIELDS:
                 continue
             if not isinstance(arr, np.ndarray):
                 raise ValueError(f"batch.{name}: expected a numpy array, got {type(arr).__name__}")
@@ -92,6 +107,12 @@ class Batch:
             i = int(np.flatnonzero((self.regime < 0) | (self.regime >= config.n_regimes))[0])
             raise ValueError(f"batch.regime[{i}]={int(self.regime[i])}: regime ids must be in "
                              f"[0, {config.n_regimes - 1}] (n_regimes={config.n_regimes})")
+        if self.discount is not None:  # NaN fails both comparisons
+            ok = (self.discount > 0) & (self.discount <= 1)
+            if not ok.all():
+                i = int(np.flatnonzero(~ok)[0])
+                raise ValueError(f"batch.discount[{i}]={float(self.discount[i])!r}: effective "
+                                 "discounts must be finite and in (0, 1]")
         return self
 
     @classmethod
