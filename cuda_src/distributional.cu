@@ -185,7 +185,9 @@ static __device__ __forceinline__ void c51_project_sample(
 
 // --------------------------------------------------------------------------------------------
 // C51 projection, dense triangular form:
-//   g = gamma * (1 - done_b); Tz_j = clip(r_b + g * z_j, v_min, v_max)  (NaN kept);
+//   g = gamma_b * (1 - done_b), gamma_b = effective_gamma(gamma[0], discount, b, gamma_ref,
+//   n_step_on) (n-step transitions; gamma[0] itself when n_step_on == 0: discount not read);
+//   Tz_j = clip(r_b + g * z_j, v_min, v_max)  (NaN kept);
 //   m[b, i] = sum_j p_next[b, j] * clip(1 - |Tz_j - z_i| / dz, 0, 1)    (NaN kept),
 // every operation rounded to float32 in that order (__fmul_rn/__fadd_rn: never fused), the sum
 // over j in source order starting from +0.0 (as NumPy's reduction; bitwise equal to it).
@@ -196,20 +198,23 @@ static __device__ __forceinline__ void c51_project_sample(
 extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
 c51_project(const float* __restrict__ p_next, const float* __restrict__ r,
             const float* __restrict__ done, const float* __restrict__ gamma,
-            const float* __restrict__ z, float* __restrict__ m,
-            int batch, int num_atoms, float v_min, float v_max, float dz) {
+            const float* __restrict__ z, const float* __restrict__ discount,
+            float* __restrict__ m, int batch, int num_atoms, float v_min, float v_max, float dz,
+            float gamma_ref, int n_step_on) {
     __shared__ float tile_target[kProjectMaxThreads];
     __shared__ float tile_p[kProjectMaxThreads];
     for (int b = blockIdx.x; b < batch; b += gridDim.x) {
-        const float discount = __fmul_rn(gamma[0], __fsub_rn(1.0f, done[b]));
-        c51_project_sample(p_next + b * num_atoms, r[b], discount, z, m + b * num_atoms, nullptr,
-                           0.0f, nullptr, num_atoms, v_min, v_max, dz, tile_target, tile_p);
+        const float gamma_b = effective_gamma(gamma[0], discount, b, gamma_ref, n_step_on);
+        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
+        c51_project_sample(p_next + b * num_atoms, r[b], step_discount, z, m + b * num_atoms,
+                           nullptr, 0.0f, nullptr, num_atoms, v_min, v_max, dz, tile_target,
+                           tile_p);
     }
 }
 
 // --------------------------------------------------------------------------------------------
 // c51_project then c51_grad on its m, in one launch:
-//   m[b, :] = c51_project(p_next, r, done, gamma, z)[b, :];
+//   m[b, :] = c51_project(p_next, r, done, gamma, z, discount, gamma_ref, n_step_on)[b, :];
 //   dlogits[b, a_b, j] = (isw[b] * scale) * (exp(logp[b, a_b, j]) - m[b, j]); +0.0 elsewhere.
 // One block per sample (grid-stride over samples), as c51_project (same plan, same body:
 // c51_project_sample). The block first writes the +0.0 rows of the actions not taken (c51_grad
@@ -223,9 +228,10 @@ c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
                  const float* __restrict__ done, const float* __restrict__ gamma,
                  const float* __restrict__ z, const float* __restrict__ logp,
                  const int* __restrict__ actions, const float* __restrict__ isw,
-                 const float* __restrict__ scale, float* __restrict__ m,
-                 float* __restrict__ dlogits, int batch, int num_actions, int num_atoms,
-                 float v_min, float v_max, float dz) {
+                 const float* __restrict__ scale, const float* __restrict__ discount,
+                 float* __restrict__ m, float* __restrict__ dlogits, int batch, int num_actions,
+                 int num_atoms, float v_min, float v_max, float dz, float gamma_ref,
+                 int n_step_on) {
     __shared__ float tile_target[kProjectMaxThreads];
     __shared__ float tile_p[kProjectMaxThreads];
     const int row_len = num_actions * num_atoms;
@@ -240,9 +246,10 @@ c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
                 sample_dlogits[k] = 0.0f;
             }
         }
-        const float discount = __fmul_rn(gamma[0], __fsub_rn(1.0f, done[b]));
+        const float gamma_b = effective_gamma(gamma[0], discount, b, gamma_ref, n_step_on);
+        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
         const float grad_weight = isw[b] * scale[0];
-        c51_project_sample(p_next + b * num_atoms, r[b], discount, z, m + b * num_atoms,
+        c51_project_sample(p_next + b * num_atoms, r[b], step_discount, z, m + b * num_atoms,
                            logp + b * row_len + taken_lo, grad_weight,
                            taken ? sample_dlogits + taken_lo : nullptr, num_atoms, v_min, v_max,
                            dz, tile_target, tile_p);

@@ -10,6 +10,7 @@
 // matters, in the reference's order; the cosine in double, rounded once to float.
 
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (the BF16 operand of the next GEMM)
+#include "distributional.cuh"  // effective_gamma (n-step targets, shared with the C51 kernels)
 #include "reduce.cuh"     // block_sum_halving (the loss total: step.block_total's tree)
 #include "rng.cuh"        // rng_uniform (the quantile fractions)
 
@@ -104,7 +105,9 @@ extern "C" __global__ void iqn_modulate_backward(const float* __restrict__ de,
 // Quantile Huber loss (kappa = 1) and dq, ONE block of IQN_LOSS_THREADS threads; thread t takes
 // the (d, b) pairs p = d * batch + b = t, t + IQN_LOSS_THREADS, ... in turn:
 //   bound = k1 * max(isv[q_abs_ref_index], 1)                                      (Mech 1)
-//   y[d, b, j] = clip(r[b] + (gamma[d] * (1 - done[b])) * q_target[b N + j, off_d + a_star[d, b]])
+//   y[d, b, j] = clip(r[b] + (g * (1 - done[b])) * q_target[b N + j, off_d + a_star[d, b]]),
+//           g = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on) (gamma[d] when
+//           n_step_on == 0: discount not read)
 //   u = y[d, b, j] - q[b N + i, off_d + actions[d, b]];  w = |tau[b N + i] - (u < 0 ? 1 : 0)|
 //   l += w * huber(u) (i outer, j inner);  g_i = sum_j w * clip(u, -1, 1)
 //   dq[b N + i, off_d + a] = a == actions[d, b] ? -(c_b * g_i) : 0,  c_b = isw[b] * scale,
@@ -125,9 +128,11 @@ extern "C" __global__ void iqn_quantile_huber(const float* __restrict__ q,
                                               const float* __restrict__ isv, int q_abs_ref_index,
                                               float k1, const int* __restrict__ n_actions,
                                               const int* __restrict__ action_offset,
+                                              const float* __restrict__ discount,
                                               float* __restrict__ y, float* __restrict__ dq,
                                               float* __restrict__ loss, int n_branches, int batch,
-                                              int n_quantiles, int a_total) {
+                                              int n_quantiles, int a_total, float gamma_ref,
+                                              int n_step_on) {
     const float bound = __fmul_rn(k1, fmaxf(isv[q_abs_ref_index], 1.0f));
     const float scale = __fdiv_rn(1.0f, (float)(batch * n_branches * n_quantiles));
     const int pairs = n_branches * batch;
@@ -140,11 +145,12 @@ extern "C" __global__ void iqn_quantile_huber(const float* __restrict__ q,
         const int taken = actions[p];
         const int chosen = a_star[p];
         const float coef = __fmul_rn(isw[b], scale);
-        const float discount = __fmul_rn(gamma[d], __fsub_rn(1.0f, done[b]));
+        const float gamma_b = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on);
+        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
         float* yd = y + (long long)p * n_quantiles;
         for (int j = 0; j < n_quantiles; ++j) {
             const float qt = q_target[((long long)b * n_quantiles + j) * a_total + off + chosen];
-            const float c = __fadd_rn(r[b], __fmul_rn(discount, qt));
+            const float c = __fadd_rn(r[b], __fmul_rn(step_discount, qt));
             yd[j] = c > bound ? bound : (c < -bound ? -bound : c);
         }
         float lsum = 0.0f;

@@ -167,17 +167,20 @@ extern "C" __global__ void double_dqn_gather_branches(const float* __restrict__ 
 
 // ---------------------------------------------------------------------------------------------
 // Scalar targets of loss_and_grads (before Mech 1, which target_q_clip applies in place next):
-//   target_q[d, b] = r[b] + (gamma[d] * (1 - done[b])) * e,  e = sum_j p_next[d, b, j] * z[j]
+//   target_q[d, b] = r[b] + (g * (1 - done[b])) * e,  e = sum_j p_next[d, b, j] * z[j]
 // (the reference's `r + gamma * (1 - done) * (p_next @ z)`, left to right; the dot in atom
-// order). One thread per (d, b).
+// order), g = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on) (n-step transitions;
+// gamma[d] when n_step_on == 0: discount not read). One thread per (d, b).
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void scalar_target_q_branches(const float* __restrict__ p_next,
                                                const float* __restrict__ z,
                                                const float* __restrict__ r,
                                                const float* __restrict__ done,
                                                const float* __restrict__ gamma,
+                                               const float* __restrict__ discount,
                                                float* __restrict__ target_q, int n_branches,
-                                               int batch, int num_atoms) {
+                                               int batch, int num_atoms, float gamma_ref,
+                                               int n_step_on) {
     const long long n = (long long)n_branches * batch;
     STEP_FLAT_LOOP(i, n) {
         const int b = (int)(i % batch);
@@ -188,8 +191,9 @@ extern "C" __global__ void scalar_target_q_branches(const float* __restrict__ p_
         for (int j = 0; j < num_atoms; ++j) {
             e = __fadd_rn(e, __fmul_rn(p[j], z[j]));
         }
-        const float discount = __fmul_rn(gamma[d], __fsub_rn(1.0f, done[b]));
-        target_q[i] = __fadd_rn(r[b], __fmul_rn(discount, e));
+        const float gamma_b = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on);
+        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
+        target_q[i] = __fadd_rn(r[b], __fmul_rn(step_discount, e));
     }
 }
 

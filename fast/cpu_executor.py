@@ -326,9 +326,9 @@ class CpuEngine:
 
     def __init__(self, config: DQNConfig, *, gemm_workspace: str = "none",
                  branch_order: str = "latest_first", refused_epilogues=(),
-                 staging_slots: int = STAGING_RING, seed: int = 0):
+                 staging_slots: int = STAGING_RING, seed: int = 0, n_step_on: bool = False):
         self.branch_order = branch_order
-        self.layout = lay = StepLayout(config)
+        self.layout = lay = StepLayout(config, n_step_on=n_step_on)
         self.arena = HostArena(lay.specs)
         self._mem = Memory([(lay, self.arena)], {})
         constants = step_constants(lay, self._mem.address)
@@ -409,17 +409,17 @@ class CpuTrainer(Trainer):
     algorithm for them would (the step then takes the kernel fallbacks)."""
 
     def __init__(self, config: DQNConfig, seed: int = 0, *, gemm_workspace: str = "none",
-                 branch_order: str = "latest_first", refused_epilogues=()):
+                 branch_order: str = "latest_first", refused_epilogues=(), n_step: int = 1):
         self._cpu_options = dict(branch_order=branch_order, refused_epilogues=tuple(refused_epilogues))
-        super().__init__(config, seed, gemm_workspace=gemm_workspace)
+        super().__init__(config, seed, gemm_workspace=gemm_workspace, n_step=n_step)
 
     def _make_engine(self, config: DQNConfig, *, seed: int, device,
-                     gemm_workspace: str) -> CpuEngine:
+                     gemm_workspace: str, n_step_on: bool = False) -> CpuEngine:
         if device is not None:
             raise ValueError(f"device: {device!r}; the CPU executor takes no device")
         self._check_config(config)
         return CpuEngine(config, gemm_workspace=gemm_workspace, staging_slots=STAGING_RING,
-                         seed=seed, **self._cpu_options)
+                         seed=seed, n_step_on=n_step_on, **self._cpu_options)
 
 
 __all__ = ["BRANCH_ORDERS", "CpuEngine", "CpuGemm", "CpuGraph", "CpuTrainer", "HostArena",

@@ -190,14 +190,27 @@ def _dueling_combine_backward_sum_branches(a):
     return {"dv": r.dv, "dadv": r.dadv}
 
 
-@twin("c51_project_grad", p_next=("batch", "num_atoms"), r="batch", done="batch", gamma=1,
-      z="num_atoms", logp=("batch", "num_actions", "num_atoms"), actions="batch", isw="batch",
-      scale=1, m=("batch", "num_atoms"), dlogits=("batch", "num_actions", "num_atoms"))
+def n_step_args(a) -> tuple:
+    """A target kernel's n-step arguments as its reference twin takes them: ``(discount,
+    gamma_ref)``, ``(None, None)`` with ``n_step_on = 0`` (the kernel reads neither)."""
+    if a.n_step_on not in (0, 1):
+        raise ValueError(f"n_step_on: {a.n_step_on!r}; allowed 0 or 1")
+    if not a.n_step_on:
+        return None, None
+    if a.discount is None:
+        raise ValueError("discount: a null pointer with n_step_on = 1")
+    return a.discount, a.gamma_ref
+
+
+@twin("c51_project_grad", nullable=("discount",), p_next=("batch", "num_atoms"), r="batch",
+      done="batch", gamma=1, z="num_atoms", logp=("batch", "num_actions", "num_atoms"),
+      actions="batch", isw="batch", scale=1, discount="batch", m=("batch", "num_atoms"),
+      dlogits=("batch", "num_actions", "num_atoms"))
 def _c51_project_grad(a):
     if F32.type(a.dz) != dist.atom_spacing(a.v_min, a.v_max, a.num_atoms):
         raise ValueError(f"c51_project_grad: dz {a.dz} is not the support's spacing")
     r = dist.c51_project_grad(a.p_next, a.r, a.done, a.gamma[0], a.z, a.v_min, a.v_max, a.logp,
-                              a.actions, a.isw, a.scale[0])
+                              a.actions, a.isw, a.scale[0], *n_step_args(a))
     return {"m": r.m, "dlogits": r.dlogits}
 
 
@@ -348,10 +361,12 @@ def _double_dqn_gather_branches(a):
                                             _gather_branches(a), a.batch)._asdict()
 
 
-@twin("scalar_target_q_branches", p_next=("n_branches", "batch", "num_atoms"), z="num_atoms", r="batch",
-      done="batch", gamma="n_branches", target_q=("n_branches", "batch"))
+@twin("scalar_target_q_branches", nullable=("discount",),
+      p_next=("n_branches", "batch", "num_atoms"), z="num_atoms", r="batch", done="batch",
+      gamma="n_branches", discount="batch", target_q=("n_branches", "batch"))
 def _scalar_target_q_branches(a):
-    return {"target_q": rstep.scalar_target_q_branches(a.p_next, a.z, a.r, a.done, a.gamma)}
+    return {"target_q": rstep.scalar_target_q_branches(a.p_next, a.z, a.r, a.done, a.gamma,
+                                                       *n_step_args(a))}
 
 
 @twin("branch_mean", parts=lambda a: (a.n_branches - 1) * a.part_stride + a.n, out="n")

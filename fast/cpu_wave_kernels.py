@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.cpu_kernels import branches, twin
+from foxhunt.fast.cpu_kernels import branches, n_step_args, twin
 from foxhunt.reference.isv import AUX_LABEL_SCALE_EMA_INDEX, ISV_LEN, SHARPE_CLAMP, SHARPE_GAIN
 from foxhunt.reference.kernels import aux, ensemble, iqn, optim, safety, warmup, wave
 from foxhunt.reference.kernels import step as rstep
@@ -152,10 +152,11 @@ def _iqn_modulate_backward(a):
 _Q = (_quantile_rows, "a_total")
 
 
-@twin("iqn_quantile_huber", q=_Q, q_target=_Q, tau=_quantile_rows, actions=("n_branches", "batch"),
-      a_star=("n_branches", "batch"), r="batch", done="batch", gamma="n_branches", isw="batch",
-      isv=ISV_LEN, n_actions="n_branches", action_offset="n_branches",
-      y=("n_branches", "batch", "n_quantiles"), dq=_Q, loss=1)
+@twin("iqn_quantile_huber", nullable=("discount",), q=_Q, q_target=_Q, tau=_quantile_rows,
+      actions=("n_branches", "batch"), a_star=("n_branches", "batch"), r="batch", done="batch",
+      gamma="n_branches", isw="batch", isv=ISV_LEN, n_actions="n_branches",
+      action_offset="n_branches", discount="batch", y=("n_branches", "batch", "n_quantiles"),
+      dq=_Q, loss=1)
 def _iqn_quantile_huber(a):
     table = branches(a, a.n_branches)
     if sum(table) != a.a_total:
@@ -163,7 +164,7 @@ def _iqn_quantile_huber(a):
                          f"{sum(table)} actions")
     r = iqn.iqn_quantile_huber(a.q, a.q_target, a.tau, a.actions, a.a_star, a.r, a.done,
                                a.gamma, a.isw, a.isv, a.q_abs_ref_index, a.k1, table,
-                               a.n_quantiles)
+                               a.n_quantiles, *n_step_args(a))
     return {"y": r.y, "dq": r.dq, "loss": [r.loss]}
 
 

@@ -47,7 +47,7 @@ class GpuEngine:
     """See the module docstring."""
 
     def __init__(self, config: DQNConfig, *, device=None, gemm_workspace: str = "none",
-                 staging_slots: int = 2, seed: int = 0):
+                 staging_slots: int = 2, seed: int = 0, n_step_on: bool = False):
         from foxhunt.fast._build import compile_sources
         from foxhunt.fast.device import Arena, Device, _driver, call
         from foxhunt.fast.gemm import GemmPlan
@@ -60,7 +60,7 @@ class GpuEngine:
         #: not run any more (they read its freed arena).
         self.closed = False
         self.module = dev.load_module(compile_sources(dev.arch))
-        self.layout = lay = StepLayout(config)
+        self.layout = lay = StepLayout(config, n_step_on=n_step_on)
         self.arena = Arena.from_specs(dev, lay.specs)
         # A name the step layout does not have raises its own error (StepLayout.region).
         self.address = layered_address([(lay, self.arena)], lay.region)

@@ -83,7 +83,8 @@ def graph1_ops(prog: StepProgram) -> Ops:
         targets.wait("gathered")
     targets.kernel("scalar_target_q_branches", step.plan_scalar_target_q_branches(nb, B),
                    p_next="p_next", z="z", r="batch.r", done="batch.done", gamma="gamma",
-                   target_q="target_q", n_branches=nb, batch=B, num_atoms=NA)
+                   target_q="target_q", n_branches=nb, batch=B, num_atoms=NA,
+                   **lay.n_step_args())
     targets.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), q="target_q",
                    out="target_q", n=nb * B, k1=np.float32(c.target_q_clip_mult),
                    q_abs_ref=Buf("isv", offset=isv_mod.Q_ABS_REF_INDEX))
@@ -110,7 +111,8 @@ def graph1_ops(prog: StepProgram) -> Ops:
                     gamma=Buf("gamma", offset=d), z="z", logp=Buf("logp", ("o", d)),
                     actions=Buf("batch.a", offset=d * B), isw="batch.isw", scale="scale",
                     m=Buf("m", offset=d * B * NA), dlogits=Buf("dlogits_c51", d), batch=B,
-                    num_actions=n, num_atoms=NA, v_min=lo, v_max=hi, dz=atom_spacing(lo, hi, NA))
+                    num_actions=n, num_atoms=NA, v_min=lo, v_max=hi, dz=atom_spacing(lo, hi, NA),
+                    **lay.n_step_args())
         proj.record(f"m{d}")
         projections.append(proj)
     if c.mse_on:

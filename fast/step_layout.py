@@ -173,9 +173,11 @@ class BufferTable:
 
 
 class StepLayout(BufferTable):
-    """Every buffer of one fast training step for ``config`` (module docstring)."""
+    """Every buffer of one fast training step for ``config`` (module docstring). ``n_step_on``:
+    the step trains on n-step transitions (issue 22): the batch has the ``discount`` field and
+    the target kernels read it (``gamma_ref = config.gammas[0]``)."""
 
-    def __init__(self, config: DQNConfig):
+    def __init__(self, config: DQNConfig, *, n_step_on: bool = False):
         from foxhunt.fast.sentinel_plan import sentinel_plan
         from foxhunt.fast.isv_plan import add_isv_buffers
         from foxhunt.fast.wave_layout import add_wave_buffers
@@ -183,6 +185,7 @@ class StepLayout(BufferTable):
         super().__init__()
         c = config
         self.config = c
+        self.n_step_on = bool(n_step_on)
         self.param_layout = lay = ParamLayout(c)
         self.B, self.SD, self.H1, self.H2 = c.batch_size, c.state_dim, c.shared_h1, c.shared_h2
         self.NA, self.nb, self.branches = c.num_atoms, c.n_branches, tuple(c.branches)
@@ -216,12 +219,22 @@ class StepLayout(BufferTable):
             fields.append(("next_ret", (B,), F32))
         if self.config.aux_regime_on:
             fields.append(("regime", (B,), I32))
+        if self.n_step_on:  # the n-step transitions' effective discount (issue 22)
+            fields.append(("discount", (B,), F32))
         for name, shape, dtype in fields:
             offset = -(-offset // BATCH_FIELD_ALIGN) * BATCH_FIELD_ALIGN
             self.batch_fields[name] = (offset, shape, dtype)
             self.views[f"batch.{name}"] = ("batch", offset, shape, dtype)
             offset += int(np.prod(shape)) * dtype.itemsize
         self.batch_nbytes = offset
+
+    def n_step_args(self) -> dict:
+        """The n-step arguments every target kernel's record binds (issue 22): ``discount``
+        (``batch.discount``, or a null pointer the kernel does not read when the step is
+        1-step), ``gamma_ref`` (``config.gammas[0]``, the configured gamma of branch 0) and the
+        flag ``n_step_on``."""
+        return dict(discount="batch.discount" if self.n_step_on else None,
+                    gamma_ref=np.float32(self.config.gammas[0]), n_step_on=int(self.n_step_on))
 
     def _build_state(self) -> None:
         # Params and target adjacent (one BF16 mirror launch for both), the mirrors likewise;

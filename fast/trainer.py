@@ -50,6 +50,7 @@ from foxhunt.reference.backend import (
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense as ref_dense
+from foxhunt.reference.step import check_n_step
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
 #: Pinned staging buffers (and upload graphs) the host cycles through.
@@ -63,10 +64,12 @@ class Trainer(TrainerBackend):
 
     backend_name = "fast"
 
-    def __init__(self, config: DQNConfig, seed: int = 0, *, device=None, gemm_workspace: str = "none"):
+    def __init__(self, config: DQNConfig, seed: int = 0, *, device=None, gemm_workspace: str = "none",
+                 n_step: int = 1):
         self._closed = True  # until the engine exists
         self.seed = int(seed)
-        self._engine_options = dict(device=device, gemm_workspace=gemm_workspace)
+        self._engine_options = dict(device=device, gemm_workspace=gemm_workspace,
+                                    n_step_on=check_n_step(config, n_step))
         self._engine = self._make_engine(config, seed=self.seed, **self._engine_options)
         self._closed = False
         self.config = config
@@ -79,14 +82,15 @@ class Trainer(TrainerBackend):
         if not isinstance(config, DQNConfig):
             raise ValueError(f"config: expected a DQNConfig, got {type(config).__name__}")
 
-    def _make_engine(self, config: DQNConfig, *, seed: int, device, gemm_workspace: str):
+    def _make_engine(self, config: DQNConfig, *, seed: int, device, gemm_workspace: str,
+                     n_step_on: bool):
         from foxhunt.fast.device import _require_cuda
         from foxhunt.fast.gpu_engine import GpuEngine
 
         self._check_config(config)  # a config error is the user's to fix on any machine
         _require_cuda()  # NoCudaDeviceError with the reason, before any other work
         return GpuEngine(config, device=device, gemm_workspace=gemm_workspace,
-                         staging_slots=STAGING_RING, seed=seed)
+                         staging_slots=STAGING_RING, seed=seed, n_step_on=n_step_on)
 
     def _reseed(self, seed: int) -> None:
         """A new run seed with the IQN head on: its quantile fractions' generator key is a
@@ -161,6 +165,7 @@ class Trainer(TrainerBackend):
         batch.validate(self.config)
         slot = self.step_count % STAGING_RING
         views = self._engine.staging(slot)
+        self._upload_discount(batch, views)  # first: it may refuse the batch
         B = self.config.batch_size
         views["x"][:B] = batch.s
         views["x"][B:] = batch.s2
@@ -174,6 +179,18 @@ class Trainer(TrainerBackend):
         self._engine.launch(slot)
         self.step_count += 1
         return self._readback.after_step(self.step_count, self._read_scalars)
+
+    def _upload_discount(self, batch: Batch, views) -> None:
+        """The n-step batch's ``discount`` into its staging view; a batch whose kind (n-step or
+        1-step) is not the trainer's is refused (its discounts would be ignored, or missing)."""
+        n_step_on = self.layout.n_step_on
+        if (batch.discount is not None) != n_step_on:
+            raise ValueError(
+                "batch.discount: missing; this trainer trains on n-step transitions (n_step > 1)"
+                if n_step_on else "batch.discount: given, but this trainer was built with "
+                "n_step=1 (1-step transitions: discount must be None)")
+        if n_step_on:
+            views["discount"][...] = batch.discount
 
     def step_enqueued(self) -> StepScalars:
         """The host side of one step whose graphs the caller enqueued itself, its batch already

@@ -120,7 +120,7 @@ def iqn_chain(prog: StepProgram) -> Ops:
                isv="isv", q_abs_ref_index=isv_mod.Q_ABS_REF_INDEX,
                k1=F32(c.target_q_clip_mult), n_actions="n_actions", action_offset="action_offset",
                y="iqn_y", dq="iqn_dq", loss=Buf("readback", offset=READBACK_INDEX["iqn_loss"]),
-               n_branches=nb, batch=B, n_quantiles=N, a_total=A)
+               n_branches=nb, batch=B, n_quantiles=N, a_total=A, **lay.n_step_args())
     # The head's backward: W_iq (with b_iq) beside de -> d h2 and d phi_pre.
     g = "iqn_grad"
     w_iq, rest = ops.branch(), ops.branch()

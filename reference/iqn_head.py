@@ -107,7 +107,7 @@ def _check(config: DQNConfig, layout: ParamLayout, online: Activations,
 def iqn_loss_and_grads(config: DQNConfig, layout: ParamLayout, params: np.ndarray,
                        target_params: np.ndarray, online: Activations, target_next: Activations,
                        batch: Batch, a_star: np.ndarray, step: int, seed: int, q_abs_ref: float,
-                       h2_rms: float, *, mode: str) -> IqnOut:
+                       h2_rms: float, *, mode: str, gamma_ref: float | None = None) -> IqnOut:
     """The IQN head's loss and gradients (the module docstring's chain).
 
     ``online`` / ``target_next``: the forward passes of ``loss_and_grads`` (online(s) with
@@ -118,7 +118,8 @@ def iqn_loss_and_grads(config: DQNConfig, layout: ParamLayout, params: np.ndarra
     target_q_clip_mult * max(q_abs_ref, 1)``) and ``H_S2_RMS_EMA`` (the guard bound
     ``aux_guard_mult * max(h2_rms, 1)`` and the Mech 10 bound ``h2_clamp_mult * max(h2_rms,
     1)`` whose mask the trunk backward applies); ``mode``: the precision (``"f32"`` or
-    ``"bf16"``) whose GEMM modes the head and the trunk backward use.
+    ``"bf16"``) whose GEMM modes the head and the trunk backward use; ``gamma_ref``: the
+    reference gamma of ``batch.discount`` (n-step batches; not read when it is None).
 
     Raises ``ValueError`` (one line naming the argument) when the IQN head is off or an
     argument is malformed. NaN contract: the kernels' (``kernels.iqn``); the guard and the
@@ -141,7 +142,7 @@ def iqn_loss_and_grads(config: DQNConfig, layout: ParamLayout, params: np.ndarra
         q, q_target, online_tc.tau, np.ascontiguousarray(batch.a.T, np.int32),
         np.ascontiguousarray(a_star.T, np.int32), batch.r, batch.done,
         np.array(config.gammas, F32), batch.isw, np.array([q_abs_ref], F32), 0,
-        F32(config.target_q_clip_mult), config.branches, n)
+        F32(config.target_q_clip_mult), config.branches, n, batch.discount, gamma_ref)
 
     # Backward of the head (backward GEMM mode), into the IQN tensors of head_grad.
     p = layout.views(params)

@@ -6,12 +6,14 @@ gradient, and what `Trainer.step` builds the budget pipeline on.
 1. Three forward passes: online(s), online(s2) (double-DQN choice ``a*_d = argmax_a Q_d(s2)``,
    lowest index on ties), target(s2).
 2. C51 per branch: ``p'`` = target distribution at ``a*_d``; ``m = c51_project(p', r, done,
-   gamma_d)``; ``ce_b = -sum_j m_j logp_d[b, a_d, j]``; the loss is the mean over branches of
+   gamma_d, discount, gamma_ref)`` (n-step batches, issue 22: ``batch.discount`` present, every
+   target uses the per-sample ``effective_gamma(gamma_d, discount, gamma_ref)``); ``ce_b = -sum_j m_j logp_d[b, a_d, j]``; the loss is the mean over branches of
    ``sum_b isw_b ce_b / B``; ``td_errors[b]`` = mean over branches of ``ce_b``.
 3. CQL per branch: ``alpha * mean_b [logsumexp_a Q_d(s,a) - Q_d(s,a_d)]``, averaged over branches.
 4. Backward of each loss separately into its own flat gradient buffer (layout order).
 
-Mech 1 (target-Q clip): the scalar target ``r + gamma_d (1-done) E_{p'}[z]`` is formed once here,
+Mech 1 (target-Q clip): the scalar target ``r + gamma_d (1-done) E_{p'}[z]`` (``gamma_d`` the
+effective gamma for n-step batches; the MSE warm-up's target too) is formed once here,
 clipped to ``target_q_clip_mult * max(ISV[Q_ABS_REF], 1)``, and reported (``target_q``); the C51
 distributional target itself is bounded by the support clip inside ``c51_project``.
 Mech 2 (atom growth bound) has nothing to bound here: the support is fixed at ``[v_min, v_max]``.
@@ -55,10 +57,37 @@ def support(config: DQNConfig) -> np.ndarray:
     return distributional.support(config.v_min, config.v_max, config.num_atoms)
 
 
+def check_n_step(config: DQNConfig, n_step) -> bool:
+    """A trainer's ``n_step`` (issue 22): an int >= 1 (the collection's upper bound is the loop
+    settings'); with ``n_step > 1`` the configured gamma of branch 0 (``gamma_ref``, the base of
+    the batches' discounts) must lie in ``(0, 1)``. Returns ``n_step > 1`` (the targets read
+    ``batch.discount``); else one-line ``ValueError``."""
+    if isinstance(n_step, bool) or not isinstance(n_step, (int, np.integer)) or n_step < 1:
+        raise ValueError(f"n_step: {n_step!r}; allowed an int >= 1")
+    if n_step > 1:
+        n_step_gamma_ref(config, np.zeros(0, np.float32), None, n_step)
+    return n_step > 1
+
+
+def n_step_gamma_ref(config: DQNConfig, discount: np.ndarray | None,
+                     gamma_ref: float | None = None, n_step=None) -> np.float32 | None:
+    """The reference gamma of an n-step batch's discounts, float32: ``gamma_ref`` (default
+    ``config.gammas[0]``), which must lie in ``(0, 1)``; None for a 1-step batch (``discount``
+    None: nothing reads it)."""
+    if discount is None:
+        return None
+    value = config.gammas[0] if gamma_ref is None else gamma_ref
+    if not 0 < np.float32(value) < 1:
+        what = "n-step batches (a batch.discount)" if n_step is None else f"n_step={n_step!r}"
+        raise ValueError(f"gamma: {value!r} (gamma_ref, the gamma of branch 0); {what} needs it "
+                         "in (0, 1)")
+    return np.float32(value)
+
+
 def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndarray, batch: Batch,
                    *, q_abs_ref: float = 0.0, h2_bound: float | None = None,
                    layout: ParamLayout | None = None, isv: np.ndarray | None = None,
-                   step: int = 0, seed: int = 0) -> dict:
+                   step: int = 0, seed: int = 0, gamma_ref: float | None = None) -> dict:
     """Losses and per-component gradients of ``batch`` (SPEC 4 steps 1-4). ``batch`` is validated
     first (``ValueError`` naming the field); ``Trainer.step`` relies on that single check.
 
@@ -66,6 +95,11 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     of the step (``H_S2_RMS_EMA`` for the guards, ``AUX_LABEL_SCALE_EMA``, ``EPOCH_IDX``; default
     the config's cold start); ``step``, the trainer's step count before this step, and ``seed``,
     the run's seed (the IQN quantile fractions' generator offset and key).
+
+    n-step batches (``batch.discount`` present; None is the 1-step step, bit for bit):
+    ``gamma_ref`` is the configured gamma of branch 0 the discounts were formed with (default
+    ``config.gammas[0]``; a trainer whose ``config`` carries the gamma schedule's live gammas
+    passes the configured one), in ``(0, 1)`` (else ``ValueError``).
 
     Returns a dict with ``c51_loss`` and ``cql_loss`` (f32 scalars), ``td_errors`` ``[B]``,
     ``grad_c51`` and ``grad_cql`` (flat f32, layout order, padding zero), ``target_q``
@@ -108,11 +142,14 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     cql_total = np.float32(0)
     ce_parts = np.zeros((nb, B), np.float32)
     target_q = np.zeros((B, nb), np.float32)
+    discount = batch.discount
+    gamma_ref = n_step_gamma_ref(config, discount, gamma_ref)
     for d, gamma in enumerate(config.gammas):
         actions = batch.a[:, d]
         p_next = gather.p_next[d]
         m = distributional.c51_project(p_next, batch.r, batch.done, np.float32(gamma), z,
-                                       np.float32(config.v_min), np.float32(config.v_max))
+                                       np.float32(config.v_min), np.float32(config.v_max),
+                                       discount, gamma_ref)
         ce_parts[d], total = distributional.c51_loss(online.logp[d], actions, m, batch.isw, scale)
         dl_c51 = distributional.c51_grad(online.logp[d], actions, m, batch.isw, scale)
         dl_cql, terms = distributional.cql_logit_grad(online.logp[d], actions, z, alpha, scale)
@@ -122,7 +159,8 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         cql_total = np.float32(cql_total + alpha * np.mean(terms, dtype=np.float32) / np.float32(nb))
         # Not step_kernels.scalar_target_q_branches: its expectation sums atom by atom, where
         # this one is NumPy's matmul (another f32 order; the bits differ).
-        scalar_target = (batch.r + np.float32(gamma) * (np.float32(1) - batch.done)
+        gamma_eff = distributional.effective_gamma(np.float32(gamma), discount, gamma_ref)
+        scalar_target = (batch.r + gamma_eff * (np.float32(1) - batch.done)
                          * (p_next @ z).astype(np.float32)).astype(np.float32)
         target_q[:, d] = safety.target_q_clip(scalar_target, q_bound_mult, np.float32(q_abs_ref))
         out["m"].append(m)
@@ -180,7 +218,7 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     if config.iqn_on:
         out["iqn"] = iqn_loss_and_grads(config, layout, params, target_params, online, target_next,
                                         batch, out["a_star"], step, seed, q_abs_ref, h2_rms,
-                                        mode=config.precision)
+                                        mode=config.precision, gamma_ref=gamma_ref)
     if config.ens_on:
         out["ens"] = ens_loss_and_grads(config, layout, params, online, isv, mode=config.precision)
     return out

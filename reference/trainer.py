@@ -124,7 +124,7 @@ class Trainer(TrainerBackend):
         # state of this trainer changes.
         out = loss_and_grads(step_config, self.params, self.target, batch, q_abs_ref=q_abs_ref,
                              h2_bound=h2_bound, layout=self.layout, isv=isv_at_start,
-                             step=self.step_count, seed=self.seed)
+                             step=self.step_count, seed=self.seed, gamma_ref=c.gammas[0])
         self.step_count += 1
         # Inline checks: Mech 10's h2 check sees the buffer before the clamp sanitises it;
         # d_h2 is snapshotted right after the main (C51) backward, after the auxiliary heads'

@@ -41,6 +41,7 @@ from foxhunt.reference.kernels.distributional import (
     validate_c51_grad,
     validate_c51_loss,
     validate_c51_project,
+    validate_discount,
     validate_c51_project_grad,
     validate_cql_logit_grad,
     validate_double_dqn_select,
@@ -230,6 +231,16 @@ def double_dqn_select(q: np.ndarray) -> np.ndarray:
     return best
 
 
+def n_step_args(discount, gamma_ref, batch: int) -> tuple:
+    """The n-step launch arguments of a target kernel (``discount``, ``gamma_ref``,
+    ``n_step_on``): ``(In(discount), gamma_ref, 1)``, or ``(0, 0.0, 0)`` (a null pointer the
+    kernel does not read) for ``discount=None``. Checked by ``validate_discount``."""
+    ref = validate_discount(discount, gamma_ref, batch)
+    if ref is None:
+        return 0, np.float32(0), 0
+    return In(discount), ref, 1
+
+
 def c51_project(
     p_next: np.ndarray,
     r: np.ndarray,
@@ -238,16 +249,21 @@ def c51_project(
     z: np.ndarray,
     v_min,
     v_max,
+    discount: np.ndarray | None = None,
+    gamma_ref=None,
 ) -> np.ndarray:
     """Fast ``c51_project`` (dense triangular form): ``m [B, NA]``."""
-    g, lo, hi, dz = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max)
+    g, lo, hi, dz = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max, discount,
+                                         gamma_ref)
     check_elements("p_next", p_next)
     batch, num_atoms = p_next.shape
     if batch == 0:
         return np.zeros((0, num_atoms), dtype=F32)
     grid, block, shared = plan_c51_project(batch, num_atoms)
+    disc, ref, on = n_step_args(discount, gamma_ref, batch)
     (m,) = call("c51_project", grid, block, In(p_next), In(r), In(done), device_scalar(g), In(z),
-                Out((batch, num_atoms), F32), batch, num_atoms, lo, hi, dz, shared_mem=shared)
+                disc, Out((batch, num_atoms), F32), batch, num_atoms, lo, hi, dz, ref, on,
+                shared_mem=shared)
     return m
 
 
@@ -336,11 +352,14 @@ def c51_project_grad(
     actions: np.ndarray,
     isw: np.ndarray,
     scale,
+    discount: np.ndarray | None = None,
+    gamma_ref=None,
 ) -> C51ProjectGrad:
     """Fast ``c51_project_grad``: ``C51ProjectGrad(m [B, NA], dlogits [B, A, NA])`` (bitwise
     equal to ``c51_project`` then ``c51_grad``)."""
     (g, lo, hi, dz), s = validate_c51_project_grad(p_next, r, done, gamma, z, v_min, v_max,
-                                                   logp, actions, isw, scale)
+                                                   logp, actions, isw, scale, discount,
+                                                   gamma_ref)
     check_elements("p_next", p_next)
     check_elements("logp", logp)
     batch, num_actions, num_atoms = logp.shape
@@ -348,10 +367,11 @@ def c51_project_grad(
         return C51ProjectGrad(m=np.zeros((0, num_atoms), dtype=F32),
                               dlogits=np.zeros(logp.shape, dtype=F32))
     grid, block, shared = plan_c51_project_grad(batch, num_actions, num_atoms)
+    disc, ref, on = n_step_args(discount, gamma_ref, batch)
     m, dlogits = call("c51_project_grad", grid, block, In(p_next), In(r), In(done),
                       device_scalar(g), In(z), In(logp), In(actions), In(isw), device_scalar(s),
-                      Out((batch, num_atoms), F32), Out(logp.shape, F32),
-                      batch, num_actions, num_atoms, lo, hi, dz, shared_mem=shared)
+                      disc, Out((batch, num_atoms), F32), Out(logp.shape, F32),
+                      batch, num_actions, num_atoms, lo, hi, dz, ref, on, shared_mem=shared)
     return C51ProjectGrad(m=m, dlogits=dlogits)
 
 

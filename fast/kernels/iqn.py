@@ -105,17 +105,22 @@ def iqn_modulate_backward(de, h2, phi, n_quantiles) -> ModulateGrads:
 
 
 def iqn_quantile_huber(q, q_target, tau, actions, a_star, r, done, gamma, isw, isv,
-                       q_abs_ref_index, k1, branches, n_quantiles) -> QuantileHuber:
+                       q_abs_ref_index, k1, branches, n_quantiles, discount=None,
+                       gamma_ref=None) -> QuantileHuber:
     """Test entry of the CUDA ``iqn_quantile_huber`` (contract as the reference twin)."""
+    from foxhunt.fast.kernels.distributional import n_step_args
+
     branches, n, batch, index, k1 = validate_iqn_quantile_huber(
         q, q_target, tau, actions, a_star, r, done, gamma, isw, isv, q_abs_ref_index, k1,
-        branches, n_quantiles)
+        branches, n_quantiles, discount, gamma_ref)
     nb = len(branches)
+    disc, ref, on = n_step_args(discount, gamma_ref, batch)
     y, dq, loss = launch(
         "iqn_quantile_huber", plan_iqn_quantile_huber(), In(q), In(q_target), In(tau),
         In(actions), In(a_star), In(r), In(done), In(gamma), In(isw), In(isv), index, k1,
-        In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)),
-        Out((nb, batch, n), F32), Out(q.shape, F32), Out((1,), F32), nb, batch, n, q.shape[1])
+        In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)), disc,
+        Out((nb, batch, n), F32), Out(q.shape, F32), Out((1,), F32), nb, batch, n, q.shape[1],
+        ref, on)
     return QuantileHuber(y, dq, F32(loss[0]))
 
 

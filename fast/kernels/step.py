@@ -135,12 +135,17 @@ def double_dqn_gather_branches(logp_target, q_online, actions, branches, batch) 
     return DoubleDqnGather(a_star, p_next, q_taken)
 
 
-def scalar_target_q_branches(p_next, z, r, done, gamma) -> np.ndarray:
+def scalar_target_q_branches(p_next, z, r, done, gamma, discount=None,
+                             gamma_ref=None) -> np.ndarray:
     """Test entry of the CUDA ``scalar_target_q_branches`` (contract as the reference twin)."""
-    validate_scalar_target_q_branches(p_next, z, r, done, gamma)
+    from foxhunt.fast.kernels.distributional import n_step_args
+
+    validate_scalar_target_q_branches(p_next, z, r, done, gamma, discount, gamma_ref)
     nb, b, na = p_next.shape
+    disc, ref, on = n_step_args(discount, gamma_ref, b)
     (out,) = launch("scalar_target_q_branches", plan_scalar_target_q_branches(nb, b), In(p_next),
-                    In(z), In(r), In(done), In(gamma), Out((nb, b), F32), nb, b, na)
+                    In(z), In(r), In(done), In(gamma), disc, Out((nb, b), F32), nb, b, na, ref,
+                    on)
     return out
 
 

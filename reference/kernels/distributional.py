@@ -21,10 +21,22 @@ from typing import NamedTuple
 
 import numpy as np
 
-from foxhunt.reference.kernels.argcheck import f32_scalar, ieee, require_array, require_shape
+from foxhunt.reference.kernels.argcheck import (
+    check_f32_scalar,
+    f32_scalar,
+    ieee,
+    require_array,
+    require_shape,
+)
 from foxhunt.reference.kernels.dense import F32
 
 I32 = np.dtype(np.int32)
+
+#: Floors of the effective discount's bases (seed 000, ``c51_loss_batched``; issue 22): the
+#: transition's discount before its logarithm, the branch gamma before its power. The CUDA twins
+#: are ``kDiscountFloor`` / ``kGammaFloor`` in ``cuda_src/distributional.cuh`` (a test reads them).
+DISCOUNT_FLOOR = np.float32(1e-9)
+GAMMA_FLOOR = np.float32(1e-6)
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,6 +113,47 @@ def _taken(x: np.ndarray, actions: np.ndarray) -> np.ndarray:
     return x[np.arange(x.shape[0]), actions]
 
 
+def validate_discount(discount, gamma_ref, batch: int) -> np.float32 | None:
+    """The checks of the n-step arguments every target kernel takes (issue 22): ``discount``
+    ``None`` (1-step: ``gamma_ref`` is then not read) or float32 ``[B]`` (values are data: any,
+    see ``effective_gamma``); with a discount, ``gamma_ref`` a finite float32 in ``(0, 1)``.
+    Returns ``gamma_ref`` in float32 (None without a discount)."""
+    if discount is None:
+        return None
+    _require_vector("discount", discount, batch, "[B], one effective discount per sample")
+    return check_f32_scalar("gamma_ref", gamma_ref, lo=0.0, hi=1.0, lo_open=True, hi_open=True)
+
+
+@ieee
+def effective_gamma(gamma, discount: np.ndarray | None, gamma_ref) -> np.ndarray:
+    """The per-sample discount of an n-step transition, for a branch whose gamma is ``gamma``.
+
+    ``n_eff = log(fmax(discount, DISCOUNT_FLOOR)) / log(gamma_ref)``;
+    ``gamma_eff = fmax(gamma, GAMMA_FLOOR) ** n_eff``, each operation in float32 (``np.log`` /
+    ``np.power`` here, ``logf`` / ``powf`` in the CUDA twin ``effective_gamma``: conformance
+    bounds cover their ulps). A transition of ``k`` steps has ``discount = gamma_ref ** k``, so
+    ``n_eff ~ k`` and ``gamma_eff ~ gamma ** k``; with ``discount == gamma_ref`` ``n_eff`` is
+    exactly 1 and ``gamma_eff == gamma`` bit for bit (for ``gamma >= GAMMA_FLOOR``).
+    ``discount is None`` (1-step, ``n_step_on = 0`` on the device): returns ``gamma`` unchanged
+    (float32), ``discount`` not read.
+
+    Shapes: ``gamma`` a scalar or ``[D, 1]`` (per branch), ``discount [B]``; returns their
+    broadcast float32 (``[B]`` or ``[D, B]``). ``gamma_ref`` in ``(0, 1)`` (``validate_discount``).
+    NaN/Inf contract: ``fmax`` takes the non-NaN operand, so a NaN ``discount`` or ``gamma``
+    is floored (``discount -> 1e-9``, ``gamma -> 1e-6``) and the result stays finite; the floors
+    also keep it finite for ``discount <= 0`` (including -Inf) and ``gamma <= 0``. ``discount =
+    +Inf`` gives ``n_eff = -Inf`` and ``gamma_eff = +Inf`` (``gamma < 1``), ``gamma = +Inf`` gives
+    ``+Inf`` or 0: either reaches that sample's (that branch's) target only. A valid batch never
+    holds such a discount (``Batch.validate``).
+    """
+    g = np.asarray(gamma, dtype=F32)
+    if discount is None:
+        return g
+    ref = np.float32(gamma_ref)
+    n_eff = np.log(np.fmax(discount, DISCOUNT_FLOOR)) / np.log(ref)
+    return np.power(np.fmax(g, GAMMA_FLOOR), n_eff).astype(F32, copy=False)
+
+
 # --------------------------------------------------------------------------------------------
 # Validation shared with the fast test entries (foxhunt.fast.kernels.distributional).
 # --------------------------------------------------------------------------------------------
@@ -154,12 +207,16 @@ class ProjectArgs(NamedTuple):
     dz: np.float32
 
 
-def validate_c51_project(p_next, r, done, gamma, z, v_min, v_max) -> ProjectArgs:
-    """The argument checks of ``c51_project``; returns its scalars (``ProjectArgs``)."""
+def validate_c51_project(p_next, r, done, gamma, z, v_min, v_max, discount=None,
+                         gamma_ref=None) -> ProjectArgs:
+    """The argument checks of ``c51_project``; returns its scalars (``ProjectArgs``; the n-step
+    arguments are checked by ``validate_discount``, their float32 ``gamma_ref`` is not
+    returned: ``validate_discount`` gives it)."""
     require_array("p_next", p_next, F32, ndim=2)
     batch, num_atoms = p_next.shape
     _require_vector("r", r, batch, "[B] with B = p_next.shape[0]")
     _require_vector("done", done, batch, "[B] with B = p_next.shape[0]")
+    validate_discount(discount, gamma_ref, batch)
     if num_atoms < 2:
         raise ValueError(f"p_next: shape {p_next.shape} is not allowed; expected [B, NA], NA >= 2")
     _require_vector("z", z, num_atoms, "[NA] with NA = p_next.shape[1]")
@@ -200,11 +257,12 @@ def validate_log_softmax_expected_q(logits, z, q_rows) -> int:
 
 
 def validate_c51_project_grad(
-    p_next, r, done, gamma, z, v_min, v_max, logp, actions, isw, scale
+    p_next, r, done, gamma, z, v_min, v_max, logp, actions, isw, scale, discount=None,
+    gamma_ref=None
 ) -> tuple[ProjectArgs, np.float32]:
     """The argument checks of ``c51_project_grad`` (``c51_project``'s, then ``c51_grad``'s with
     ``B``, ``NA`` taken from ``p_next``); returns ``(ProjectArgs, scale)``."""
-    args = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max)
+    args = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max, discount, gamma_ref)
     batch, num_atoms = p_next.shape
     _require_logp(logp)
     require_shape("logp", logp, (batch, logp.shape[1], num_atoms), "[B, A, NA] (p_next is [B, NA])")
@@ -327,10 +385,14 @@ def c51_project(
     z: np.ndarray,
     v_min,
     v_max,
+    discount: np.ndarray | None = None,
+    gamma_ref=None,
 ) -> np.ndarray:
     """C51 Bellman projection, dense triangular form (SPEC section 4).
 
-    ``g_b = gamma * (1 - done_b)``; ``Tz_bj = clip(r_b + g_b * z_j, v_min, v_max)``;
+    ``g_b = gamma_b * (1 - done_b)`` with ``gamma_b = effective_gamma(gamma, discount,
+    gamma_ref)[b]`` (n-step transitions, issue 22; ``gamma`` itself when ``discount`` is None,
+    bit for bit today's projection); ``Tz_bj = clip(r_b + g_b * z_j, v_min, v_max)``;
     ``m_bi = sum_j p_next_bj * clip(1 - |Tz_bj - z_i| / dz, 0, 1)``,
     ``dz = (v_max - v_min) / (NA - 1)`` (float32). Each operation is rounded to float32 in the
     order written (the kernel uses ``__fmul_rn``/``__fadd_rn``, no fused multiply-add); the sum
@@ -347,11 +409,15 @@ def c51_project(
     ``done_b``, ``gamma`` or anywhere in ``p_next[b]`` makes the whole row ``m[b]`` NaN (a NaN
     ``p_j`` times a zero weight is still NaN). ``r_b = +/-Inf`` is clipped to ``v_max``/``v_min``
     (a finite, mass-preserving row); ``gamma = +/-Inf`` with ``done_b = 1`` gives ``Inf * 0 =
-    NaN``.
+    NaN``. With a ``discount`` (``[B]``, ``gamma_ref`` in ``(0, 1)``; ``n_step_on = 1`` on the
+    device), ``gamma`` and ``discount`` enter through ``effective_gamma`` and its floors (a NaN
+    there is floored to a finite value, see it); an infinite ``gamma_b`` reaches row b only.
     """
-    g, lo, hi, dz = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max)
-    discount = g * (np.float32(1) - done)  # [B]
-    target = r[:, np.newaxis] + discount[:, np.newaxis] * z[np.newaxis, :]  # [B, NA_j]
+    g, lo, hi, dz = validate_c51_project(p_next, r, done, gamma, z, v_min, v_max, discount,
+                                         gamma_ref)
+    g_b = effective_gamma(g, discount, gamma_ref)  # scalar (1-step) or [B]
+    step_discount = g_b * (np.float32(1) - done)  # [B]
+    target = r[:, np.newaxis] + step_discount[:, np.newaxis] * z[np.newaxis, :]  # [B, NA_j]
     target = np.minimum(np.maximum(target, lo), hi)  # NaN-propagating clip
     distance = np.abs(target[:, :, np.newaxis] - z[np.newaxis, np.newaxis, :])  # [B, j, i]
     weight = np.minimum(np.maximum(np.float32(1) - distance / dz, np.float32(0)), np.float32(1))
@@ -528,10 +594,12 @@ def c51_project_grad(
     actions: np.ndarray,
     isw: np.ndarray,
     scale,
+    discount: np.ndarray | None = None,
+    gamma_ref=None,
 ) -> C51ProjectGrad:
     """``c51_project`` followed by ``c51_grad`` on the projected target, in one launch.
 
-    ``m = c51_project(p_next, r, done, gamma, z, v_min, v_max)``;
+    ``m = c51_project(p_next, r, done, gamma, z, v_min, v_max, discount, gamma_ref)``;
     ``dlogits = c51_grad(logp, actions, m, isw, scale)``, i.e.
     ``dlogits[b, a_b, j] = (isw_b * scale) * (exp(logp[b, a_b, j]) - m[b, j])`` and ``+0.0``
     at every other action. Formulas and rounding order are the two kernels' (see them).
@@ -548,8 +616,9 @@ def c51_project_grad(
     taken gradient NaN there; the other actions' rows are ``+0.0`` whatever ``logp``, ``m`` or
     the scalars hold.
     """
-    validate_c51_project_grad(p_next, r, done, gamma, z, v_min, v_max, logp, actions, isw, scale)
-    m = c51_project(p_next, r, done, gamma, z, v_min, v_max)
+    validate_c51_project_grad(p_next, r, done, gamma, z, v_min, v_max, logp, actions, isw, scale,
+                              discount, gamma_ref)
+    m = c51_project(p_next, r, done, gamma, z, v_min, v_max, discount, gamma_ref)
     return C51ProjectGrad(m=m, dlogits=c51_grad(logp, actions, m, isw, scale))
 
 

@@ -35,6 +35,7 @@ from foxhunt.reference.kernels.argcheck import (
     ieee,
     require_array,
 )
+from foxhunt.reference.kernels.distributional import effective_gamma, validate_discount
 from foxhunt.reference.kernels.fused import branch_offsets, require_branches
 from foxhunt.reference.kernels.step import block_total
 
@@ -199,7 +200,8 @@ class QuantileHuber(NamedTuple):
 
 
 def validate_iqn_quantile_huber(q, q_target, tau, actions, a_star, r, done, gamma, isw, isv,
-                                q_abs_ref_index, k1, branches, n_quantiles):
+                                q_abs_ref_index, k1, branches, n_quantiles, discount=None,
+                                gamma_ref=None):
     """The argument checks of ``iqn_quantile_huber``; returns ``(branches, n_quantiles, batch,
     q_abs_ref_index, k1)``."""
     branches = require_branches(branches)
@@ -230,6 +232,7 @@ def validate_iqn_quantile_huber(q, q_target, tau, actions, a_star, r, done, gamm
                 raise ValueError(f"{name}: row {d} holds an action outside [0, {count})")
     check_f32_array("isv", isv, ndim=1)
     index = check_int("q_abs_ref_index", q_abs_ref_index, minimum=0, maximum=isv.shape[0] - 1)
+    validate_discount(discount, gamma_ref, batch)
     return branches, n, batch, index, f32_scalar("k1", k1)
 
 
@@ -237,14 +240,17 @@ def validate_iqn_quantile_huber(q, q_target, tau, actions, a_star, r, done, gamm
 def iqn_quantile_huber(q: np.ndarray, q_target: np.ndarray, tau: np.ndarray, actions: np.ndarray,
                        a_star: np.ndarray, r: np.ndarray, done: np.ndarray, gamma: np.ndarray,
                        isw: np.ndarray, isv: np.ndarray, q_abs_ref_index: int, k1,
-                       branches, n_quantiles: int) -> QuantileHuber:
+                       branches, n_quantiles: int, discount: np.ndarray | None = None,
+                       gamma_ref=None) -> QuantileHuber:
     """Quantile Huber loss (kappa = 1) of the online quantiles at the taken actions against the
     target quantiles at the double-DQN actions, per branch ``d`` (columns ``off_d + a``):
 
     - ``y[d, b, j] = clip(r[b] + (gamma[d] * (1 - done[b])) * q_target[b N + j, off_d +
       a_star[d, b]])``, the Mech 1 clip ``c > bd ? bd : (c < -bd ? -bd : c)`` with ``bd = k1 *
       fmaxf(isv[q_abs_ref_index], 1)`` (``safety.target_q_clip`` with the bound read from the
-      ISV, as the scalar C51 target);
+      ISV, as the scalar C51 target); for n-step transitions (``discount [B]``, ``gamma_ref`` in
+      ``(0, 1)``; issue 22) ``gamma[d]`` is ``distributional.effective_gamma(gamma[d],
+      discount[b], gamma_ref)`` (None: ``gamma[d]`` itself, bit for bit the 1-step loss);
     - ``u = y[d, b, j] - q[b N + i, off_d + actions[d, b]]``, ``w = |tau[b N + i] - (u < 0 ? 1 :
       0)|``, ``huber(u) = |u| <= 1 ? 0.5 * (u * u) : |u| - 0.5``, ``rho = w * huber(u)``;
     - ``scale = 1 / (B * D * N)`` (float32 division), ``c_b = isw[b] * scale``;
@@ -265,11 +271,12 @@ def iqn_quantile_huber(q: np.ndarray, q_target: np.ndarray, tau: np.ndarray, act
     target or online quantile gives NaN ``y`` / ``u``, a NaN ``rho`` (the loss is NaN) and a NaN
     ``dq`` at that sample's taken column; ``+/-Inf`` targets are clipped to ``+/-bd``; the clips
     keep NaN. Only the taken / ``a_star`` columns of ``q`` / ``q_target`` are read. A NaN ISV
-    value gives the bound ``k1``.
+    value gives the bound ``k1``. With a discount, ``effective_gamma``'s contract (a NaN gamma or
+    discount is floored; an infinite one reaches that sample's targets only).
     """
     branches, n, batch, index, k1 = validate_iqn_quantile_huber(
         q, q_target, tau, actions, a_star, r, done, gamma, isw, isv, q_abs_ref_index, k1,
-        branches, n_quantiles)
+        branches, n_quantiles, discount, gamma_ref)
     nb = len(branches)
     bound = F32(k1 * np.fmax(isv[index], F32(1)))  # the floor on the signal (SPEC 5)
     scale = F32(F32(1) / F32(batch * nb * n))
@@ -285,8 +292,9 @@ def iqn_quantile_huber(q: np.ndarray, q_target: np.ndarray, tau: np.ndarray, act
     one, zero, half = F32(1), F32(0), F32(0.5)
     for d, off in enumerate(branch_offsets(branches)):
         sel = qt[rows, cols, (off + a_star[d])[:, np.newaxis]]                 # [B, N]
-        discount = (gamma[d] * (one - done)).astype(F32)
-        c = (r[:, np.newaxis] + discount[:, np.newaxis] * sel).astype(F32)
+        g = effective_gamma(gamma[d], discount, gamma_ref)  # scalar (1-step) or [B]
+        step_discount = (g * (one - done)).astype(F32)
+        c = (r[:, np.newaxis] + step_discount[:, np.newaxis] * sel).astype(F32)
         y[d] = np.where(c > bound, bound, np.where(c < -bound, -bound, c))
         taken = qo[rows, cols, (off + actions[d])[:, np.newaxis]]              # [B, N]
         lsum = np.zeros(batch, F32)

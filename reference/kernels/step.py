@@ -220,7 +220,8 @@ def double_dqn_gather_branches(logp_target: np.ndarray, q_online: np.ndarray, ac
     return DoubleDqnGather(a_star, p_next, q_taken)
 
 
-def validate_scalar_target_q_branches(p_next, z, r, done, gamma) -> None:
+def validate_scalar_target_q_branches(p_next, z, r, done, gamma, discount=None,
+                                      gamma_ref=None) -> None:
     """The argument checks of ``scalar_target_q_branches``."""
     require_array("p_next", p_next, F32, ndim=3)
     n_d, b, na = p_next.shape
@@ -228,25 +229,31 @@ def validate_scalar_target_q_branches(p_next, z, r, done, gamma) -> None:
         require_array(name, x, F32, ndim=1)
         if x.shape[0] != n:
             raise ValueError(f"{name}: shape {x.shape}; expected [{n}]")
+    distributional.validate_discount(discount, gamma_ref, b)
 
 
 def scalar_target_q_branches(p_next: np.ndarray, z: np.ndarray, r: np.ndarray, done: np.ndarray,
-                             gamma: np.ndarray) -> np.ndarray:
-    """Scalar targets before Mech 1: ``target_q[d, b] = r[b] + (gamma[d] * (1 - done[b])) * e``,
+                             gamma: np.ndarray, discount: np.ndarray | None = None,
+                             gamma_ref=None) -> np.ndarray:
+    """Scalar targets before Mech 1: ``target_q[d, b] = r[b] + (g[d, b] * (1 - done[b])) * e``,
     ``e = sum_j p_next[d, b, j] * z[j]`` accumulated from 0 in atom order (each product and sum
-    rounded to float32: the kernel's loop).
+    rounded to float32: the kernel's loop); ``g[d, b] = gamma[d]`` for 1-step transitions
+    (``discount`` None), else ``distributional.effective_gamma(gamma[d], discount[b],
+    gamma_ref)`` (n-step, issue 22; the MSE warm-up's target too).
 
-    Shapes: ``p_next`` float32 [D, B, NA]; ``z`` [NA]; ``r``, ``done`` [B]; ``gamma`` [D].
-    Returns float32 [D, B]. NaN contract: IEEE; NaN and Inf propagate through the sum.
+    Shapes: ``p_next`` float32 [D, B, NA]; ``z`` [NA]; ``r``, ``done`` [B]; ``gamma`` [D];
+    ``discount`` [B] or None, ``gamma_ref`` in (0, 1). Returns float32 [D, B]. NaN contract:
+    IEEE; NaN and Inf propagate through the sum (``effective_gamma`` floors NaN bases).
     """
-    validate_scalar_target_q_branches(p_next, z, r, done, gamma)
+    validate_scalar_target_q_branches(p_next, z, r, done, gamma, discount, gamma_ref)
     n_d, b, na = p_next.shape
     with np.errstate(all="ignore"):
         e = np.zeros((n_d, b), F32)
         for j in range(na):
             e = (e + p_next[:, :, j] * z[j]).astype(F32)
-        discount = (gamma[:, None] * (F32(1) - done[None, :])).astype(F32)
-        return (r[None, :] + discount * e).astype(F32)
+        g = distributional.effective_gamma(gamma[:, None], discount, gamma_ref)  # [D, 1 or B]
+        step_discount = (g * (F32(1) - done[None, :])).astype(F32)
+        return (r[None, :] + step_discount * e).astype(F32)
 
 
 def validate_branch_mean(parts, divisor) -> np.float32:
