@@ -1,9 +1,11 @@
-// greedy_walk: the greedy policy over a whole segment in ONE launch (issue 20, SPEC 10), one
-// thread block of WALK_THREADS threads walking bar by bar. Twin and specification:
-// foxhunt.reference.kernels.walk.greedy_walk (its docstring states the float order).
+// greedy_walk, greedy_walk_cluster: the greedy policy over a whole segment in ONE launch (issue
+// 20, SPEC 10). Twin and specification of both: foxhunt.reference.kernels.walk.greedy_walk (its
+// docstring states the float order). The two kernels run the same device functions on the same
+// values (below), so their records are bitwise equal; they differ only in where the weights and
+// activations live and in how many blocks share the work.
 //
 // Per bar k = 0 .. n_steps[0] - 1 (the env starts flat at bar start[0]):
-//   x  = env_write_state (env.cuh: the state row of the env, the observe of env_observe)
+//   x  = the env's state row (env.cuh's env_write_state: the observe of env_observe)
 //   h1 = relu(x W_s1^T + b_s1); h2 = clamp_finite(relu(h1 W_s2^T + b_s2), bound)
 //        bound = h2_clamp_mult * fmaxf(isv[isv_index], 1) (Mech 10, read once: the ISV does not
 //        change during an evaluation)
@@ -14,33 +16,56 @@
 //   rec_cost and (when not null) rec_margin = min_d (best_d - second best_d) (NaN-free second
 //   best; +Inf when a branch has no other non-NaN value or its best is NaN; a NaN gap, Inf - Inf,
 //   counts as 0: an ambiguous bar).
-// Block-wide barriers between the layers; thread 0 holds the env state in registers and does
-// the action choice, the step and the next state row.
+// The four dense layers (s1; s2 with the clamp; the heads' hidden rows: value, then adv_h rows
+// per branch; their outputs: v [NA], then branch d's adv [n_d, NA]) are walk_layer_of(0..3).
+// After the last layer every thread of a block computes the action choice and env_advance
+// itself (the same inputs, the same code: the same state in every thread, no broadcast), one
+// thread writes the record rows, and the next state row is written by the block's threads (the
+// market features one per thread, the position features by the last thread).
 //
-// Dot products (every layer, one warp per output row n, rows n = warp, warp + WARPS, ...): lane
-// l sums its terms k = l, l + 32, ... in order from +0.0f, acc = acc + x_k * w_nk (__fmul_rn /
-// __fadd_rn: no FMA contraction), then warp_sum_halving (xor butterfly 16, 8, 4, 2, 1). In bf16
-// mode both operands are BF16 (x rounded RNE on read, as clamp_finite_isv / add_bias_relu_bf16
-// round it; W read from the BF16 mirror params_bf16, the same offsets as params): their product
-// is exact in f32. f32 mode: params, f32 products. Biases are f32 (params) in both modes.
+// Dot products (every layer, one warp per output row; which warp, or which block, computes a
+// row changes nothing): lane l sums its terms k = l, l + 32, ... in order from +0.0f, acc = acc
+// + x_k * w_nk (__fmul_rn / __fadd_rn: no FMA contraction; the terms' loads are issued in groups
+// of 8 and 4 before their adds, walk_terms, which keeps the order), then warp_sum_halving (xor
+// butterfly 16, 8, 4, 2, 1: every lane ends with the same sum). In bf16 mode both operands are
+// BF16 (x rounded RNE on read, as clamp_finite_isv / add_bias_relu_bf16 round it; W read from
+// the BF16 mirror params_bf16, the same offsets as params): their product is exact in f32. f32
+// mode: params, f32 products. Biases are f32 (params) in both modes.
 //
-// Weights and biases are read from global memory (they stay in L2: the seed network's BF16
-// mirror is 0.6 MB); the activations live in shared memory. The thread-block-cluster version
-// that follows changes only where the weights and activations live: the layers' output rows
-// are split across the cluster's CTAs, each CTA copying its slice of every weight matrix into
-// its shared memory once (before the bar loop; the walk never changes them); a layer's output
-// rows are written to the owning CTA's shared memory and every CTA reads the whole activation
-// vector through distributed shared memory (cluster.map_shared_rank) after a cluster barrier
-// (cluster.sync() replaces __syncthreads between layers); the env step and the action choice
-// stay on CTA 0, which broadcasts the next state row. The dot products keep this file's order
-// (one warp per output row), so the twin and its conformance bounds are unchanged.
+// greedy_walk: ONE block of WALK_THREADS. Weights and biases are read from global memory (they
+// stay in L2: the seed network's BF16 mirror is 0.6 MB); the activations live in the block's
+// shared memory; __syncthreads between the layers.
+//
+// greedy_walk_cluster: ONE thread-block cluster of WALK_CLUSTER blocks (8, portable, on sm_90
+// and newer; compiled in with __cluster_dims__, so cuLaunchKernel and graph capture need no
+// launch attribute) of WALK_CLUSTER_THREADS threads. Block rank c owns rows [c q, min(n, (c + 1)
+// q)), q = ceil(n / C), of every layer of n rows. Before the bar loop each block copies its rows
+// of every weight matrix (the BF16 mirror in bf16 mode, stored as BF16; f32 params else) and
+// their biases into its dynamic shared memory, once (the walk never changes them). A layer's row
+// is computed by one warp of its owner from shared memory, and lanes 0..C-1 store the value into
+// the layer's output vector in the shared memory of every block of the cluster (distributed
+// shared memory: mapa + st.shared::cluster); one cluster barrier (arrive.release / wait.acquire)
+// per layer then makes the whole vector visible in every block, so each bar costs four cluster
+// barriers and every block reads only its own shared memory. The dueling / log-softmax / Q rows,
+// the action and the env step run redundantly in every block (bitwise identical: same code,
+// same inputs), and block 0 alone writes the record rows. Every layer has its own output
+// vector, written only between the barriers before and after its layer and read only in the
+// next phase (or, for the heads' outputs, by the block's own Q rows): a block that races ahead
+// to bar k + 1 writes a layer's vector only after every block has passed the barrier that ends
+// the phase reading it in bar k, so no double buffer is needed. Before sm_90 there are no
+// clusters: C is 1, the "cluster" is the block and its barrier __syncthreads (the same code on
+// one block, weights in its shared memory); the launch plan (fast/kernels/walk.py) picks
+// greedy_walk there, and wherever the slices do not fit a block's shared memory.
 //
 // Parameter tensors are located by param_offsets (int32, reference walk.WALK_TENSORS order:
 // WALK_* below, then WALK_PER_BRANCH entries per branch). Shapes (row-major [out, in]): W_s1
 // [h1, state_dim], W_s2 [h2, h1], W_v1 [value_h, h2], W_v2 [num_atoms, value_h], W_d1 [adv_h,
-// h2], W_d2 [n_d * num_atoms, adv_h]. Dynamic shared memory: walk_shared_floats() floats (the
-// launcher's plan computes the same count). start, n_steps are read through pointers (a captured
-// graph serves every segment). Built with -fmad=false; no atomics: bitwise repeatable.
+// h2], W_d2 [n_d * num_atoms, adv_h]. Dynamic shared memory (the launcher's plan computes the
+// same sizes): walk_acts (x, h1, h2, the heads' hidden rows, their outputs, q, two scratch rows
+// of num_atoms per warp), and for the cluster kernel the block's bias slices (q floats per
+// layer) and weight slices (walk_slice_cap elements per layer, BF16 or f32). start, n_steps are
+// read through pointers (a captured graph serves every segment). Built with -fmad=false; no
+// atomics: bitwise repeatable.
 
 #include "bf16_bits.cuh"       // f32_to_bf16_bits: the activations' BF16 rounding
 #include "distributional.cuh"  // double_dqn_argmax, dueling_mean, log_softmax_row, kWarp
@@ -48,6 +73,20 @@
 
 #define WALK_THREADS 1024
 #define WALK_WARPS (WALK_THREADS / 32)
+// The cluster kernel's blocks: one warp per row of the block's slice, so a layer's rows (the
+// seed network: 32 to 64 per block) take one or two rounds per warp.
+#define WALK_CLUSTER_THREADS 1024
+#define WALK_CLUSTER_WARPS (WALK_CLUSTER_THREADS / 32)
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define WALK_CLUSTER 8
+#else
+#define WALK_CLUSTER 1
+// No clusters before sm_90 (the attribute is an error there): the kernel keeps its
+// __cluster_dims__ spelling (fast/cuda_parse.py reads it) and it expands to nothing.
+#undef __cluster_dims__
+#define __cluster_dims__(...)
+#endif
 
 // param_offsets entries (reference walk.WALK_TENSORS): the trunk and value head, then per
 // branch d at WALK_BRANCH_BASE + WALK_PER_BRANCH * d: W_d1, b_d1, W_d2, b_d2.
@@ -62,12 +101,142 @@
 #define WALK_BRANCH_BASE 8
 #define WALK_PER_BRANCH 4
 
-// The weights a layer multiplies: f32 params, or the BF16 mirror (same offsets).
+// The dense layers: s1, s2 (+ clamp), the heads' hidden rows, their outputs.
+#define WALK_LAYERS 4
+// A layer's epilogue on t = dot + b.
+#define WALK_LINEAR 0
+#define WALK_RELU 1
+#define WALK_RELU_CLAMP 2
+
+// The network's sizes and tables.
+struct WalkNet {
+    const int* off;  // param_offsets
+    const int* n_actions;
+    const int* action_offset;
+    int sd, h1, h2, value_h, adv_h, na, nb;
+    int hid_total;  // value_h + nb adv_h: the heads' hidden rows
+    int out_total;  // na (1 + a_total): v, then every branch's adv
+    int a_total;    // actions over the branches (q's length)
+};
+
+// The activations in shared memory (both kernels; the plan's walk_activation_floats).
+struct WalkActs {
+    float* x;
+    float* h1;
+    float* h2;
+    float* hid;
+    float* out;
+    float* q;
+    float* scratch;  // two rows of na per warp (logits, logp)
+    float* end;      // the first float after them
+};
+
+// One layer: input and output vectors, rows, the fan in of rows [0, split) (k_lo) and of the
+// rest (k_hi), the epilogue.
+struct WalkLayer {
+    const float* in;
+    float* out;
+    int rows;
+    int split;
+    int k_lo;
+    int k_hi;
+    int epilogue;
+};
+
+// Row r of a layer: its weights' and bias's offsets in params, and where its input starts in
+// the layer's input vector.
+struct WalkRow {
+    int w;
+    int b;
+    int in;
+};
+
+// The weights a layer multiplies: f32, or BF16 (same offsets), in global or shared memory.
 struct WalkWeights {
     const float* f32;
     const unsigned short* bf16;
     bool use_bf16;
 };
+
+static __device__ __forceinline__ WalkNet walk_net(const int* param_offsets, int state_dim,
+                                                   int h1, int h2, int value_h, int adv_h,
+                                                   int num_atoms, int n_branches,
+                                                   const int* n_actions,
+                                                   const int* action_offset) {
+    WalkNet n;
+    n.off = param_offsets;
+    n.n_actions = n_actions;
+    n.action_offset = action_offset;
+    n.sd = state_dim;
+    n.h1 = h1;
+    n.h2 = h2;
+    n.value_h = value_h;
+    n.adv_h = adv_h;
+    n.na = num_atoms;
+    n.nb = n_branches;
+    n.a_total = action_offset[n_branches - 1] + n_actions[n_branches - 1];
+    n.hid_total = value_h + n_branches * adv_h;
+    n.out_total = num_atoms * (1 + n.a_total);
+    return n;
+}
+
+static __device__ __forceinline__ WalkActs walk_acts(float* base, const WalkNet& n, int warps) {
+    WalkActs a;
+    a.x = base;
+    a.h1 = a.x + n.sd;
+    a.h2 = a.h1 + n.h1;
+    a.hid = a.h2 + n.h2;
+    a.out = a.hid + n.hid_total;
+    a.q = a.out + n.out_total;
+    a.scratch = a.q + n.a_total;
+    a.end = a.scratch + 2 * warps * n.na;
+    return a;
+}
+
+static __device__ __forceinline__ WalkLayer walk_layer_of(int l, const WalkNet& n,
+                                                          const WalkActs& a) {
+    WalkLayer L;
+    if (l == 0) {
+        L = {a.x, a.h1, n.h1, n.h1, n.sd, n.sd, WALK_RELU};
+    } else if (l == 1) {
+        L = {a.h1, a.h2, n.h2, n.h2, n.h1, n.h1, WALK_RELU_CLAMP};
+    } else if (l == 2) {
+        L = {a.h2, a.hid, n.hid_total, n.hid_total, n.h2, n.h2, WALK_RELU};
+    } else {
+        L = {a.hid, a.out, n.out_total, n.na, n.value_h, n.adv_h, WALK_LINEAR};
+    }
+    return L;
+}
+
+static __device__ __forceinline__ int walk_fan_in(const WalkLayer& L, int r) {
+    return r < L.split ? L.k_lo : L.k_hi;
+}
+
+static __device__ __forceinline__ WalkRow walk_row(int l, int r, const WalkNet& n) {
+    const int* off = n.off;
+    if (l == 0) {
+        return {off[WALK_W_S1] + r * n.sd, off[WALK_B_S1] + r, 0};
+    }
+    if (l == 1) {
+        return {off[WALK_W_S2] + r * n.h1, off[WALK_B_S2] + r, 0};
+    }
+    if (l == 2) {  // rows [0, value_h) value, then adv_h rows per branch
+        const int head = r < n.value_h ? -1 : (r - n.value_h) / n.adv_h;
+        const int local = head < 0 ? r : r - n.value_h - head * n.adv_h;
+        const int wi = head < 0 ? WALK_W_V1 : WALK_BRANCH_BASE + WALK_PER_BRANCH * head;
+        return {off[wi] + local * n.h2, off[wi + 1] + local, 0};
+    }
+    // rows [0, NA) v from hv, then branch d's n_d NA rows from ha_d
+    int head = -1;
+    for (int d = 0; d < n.nb; ++d) {
+        head = (r >= n.na * (1 + n.action_offset[d])) ? d : head;
+    }
+    const int local = head < 0 ? r : r - n.na * (1 + n.action_offset[head]);
+    const int wi = head < 0 ? WALK_W_V2 : WALK_BRANCH_BASE + WALK_PER_BRANCH * head + 2;
+    const int k_in = head < 0 ? n.value_h : n.adv_h;
+    return {off[wi] + local * k_in, off[wi + 1] + local,
+            head < 0 ? 0 : n.value_h + head * n.adv_h};
+}
 
 // The value a GEMM of this precision multiplies for activation x.
 static __device__ __forceinline__ float walk_operand(float x, bool use_bf16) {
@@ -78,13 +247,40 @@ static __device__ __forceinline__ float walk_weight(const WalkWeights& w, int i)
     return w.use_bf16 ? __uint_as_float(((unsigned int)w.bf16[i]) << BF16_SHIFT) : w.f32[i];
 }
 
-// One warp's dot product of x[0..k) (shared memory) with the weight row starting at `row`
-// (header: lane-strided terms in order, then the xor butterfly). Every lane gets the sum.
+// U consecutive terms of one lane (k = j, j + 32, ..., j + 32 (U - 1)): every load first (in
+// flight together), then the adds in k order.
+template <int U>
+static __device__ __forceinline__ float walk_terms(float acc, const float* x,
+                                                   const WalkWeights& w, int row, int j) {
+    float xs[U];
+    float ws[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        xs[u] = x[j + u * kWarp];
+        ws[u] = walk_weight(w, row + j + u * kWarp);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        acc = __fadd_rn(acc, __fmul_rn(walk_operand(xs[u], w.use_bf16), ws[u]));
+    }
+    return acc;
+}
+
+// One warp's dot product of x[0..k) with the weight row starting at `row` (header: lane-strided
+// terms in order, then the xor butterfly). Every lane gets the sum.
 static __device__ __forceinline__ float walk_dot(const float* x, const WalkWeights& w, int row,
                                                  int k, int lane) {
     float acc = 0.0f;
-    for (int j = lane; j < k; j += kWarp) {
-        acc = __fadd_rn(acc, __fmul_rn(walk_operand(x[j], w.use_bf16), walk_weight(w, row + j)));
+    int j = lane;
+    for (; j + 7 * kWarp < k; j += 8 * kWarp) {
+        acc = walk_terms<8>(acc, x, w, row, j);
+    }
+    if (j + 3 * kWarp < k) {
+        acc = walk_terms<4>(acc, x, w, row, j);
+        j += 4 * kWarp;
+    }
+    for (; j < k; j += kWarp) {
+        acc = walk_terms<1>(acc, x, w, row, j);
     }
     return warp_sum_halving(acc);
 }
@@ -102,18 +298,15 @@ static __device__ __forceinline__ float walk_clamp_finite(float v, float bound) 
     return (v > bound) ? bound : ((v < -bound) ? -bound : v);
 }
 
-// One dense layer's rows [0, n) by the block's warps: out[r] = x W^T + b (relu: then the select).
-static __device__ __forceinline__ void walk_layer(const float* x, int k, float* out, int n,
-                                                  const WalkWeights& w, int w_offset,
-                                                  const float* bias, bool relu, int warp,
-                                                  int lane) {
-    for (int r = warp; r < n; r += WALK_WARPS) {
-        const float dot = walk_dot(x, w, w_offset + r * k, k, lane);
-        if (lane == 0) {
-            const float t = __fadd_rn(dot, bias[r]);
-            out[r] = relu ? walk_relu(t) : t;
-        }
+// A layer's output value: t = dot + bias, then the layer's epilogue.
+static __device__ __forceinline__ float walk_epilogue(float dot, float bias, int epilogue,
+                                                      float bound) {
+    const float t = __fadd_rn(dot, bias);
+    if (epilogue == WALK_LINEAR) {
+        return t;
     }
+    const float r = walk_relu(t);
+    return epilogue == WALK_RELU_CLAMP ? walk_clamp_finite(r, bound) : r;
 }
 
 // The greedy choice of one branch's q row and its gap to the second best (header).
@@ -135,7 +328,109 @@ static __device__ __forceinline__ int walk_choose(const float* row, int n_d, flo
     return best_index;
 }
 
-extern "C" __global__ void __launch_bounds__(WALK_THREADS)
+// Dueling combine, log-softmax and expected Q: one warp per packed (branch, action) row, the
+// ops of dueling_log_softmax_q_branches (its lane only reads what it wrote).
+static __device__ __forceinline__ void walk_q_rows(const WalkNet& n, const WalkActs& a,
+                                                   const float* z, int warp, int warps,
+                                                   int lane) {
+    float* logits_s = a.scratch + 2 * warp * n.na;
+    float* logp_s = logits_s + n.na;
+    for (int r = warp; r < n.a_total; r += warps) {
+        int d = 0;
+        for (int e = 1; e < n.nb; ++e) {
+            d = (r >= n.action_offset[e]) ? e : d;
+        }
+        const int n_d = n.n_actions[d];
+        const int act = r - n.action_offset[d];
+        const float* adv_d = a.out + n.na * (1 + n.action_offset[d]);
+        for (int j = lane; j < n.na; j += kWarp) {
+            const float mean = dueling_mean(adv_d, j, n_d, n.na);
+            logits_s[j] = a.out[j] + (adv_d[act * n.na + j] - mean);
+        }
+        const float q = log_softmax_row(logits_s, logp_s, z, true, n.na, lane);
+        if (lane == 0) {
+            a.q[r] = q;
+        }
+        __syncwarp();  // the next row of this warp rewrites the scratch rows
+    }
+}
+
+// The state row of env s (env_write_state's values): the market features of bar s.t one per
+// thread, the position features (env_write_state on the row's tail, no features) by the last.
+static __device__ __forceinline__ void walk_state_row(float* x, const float* features,
+                                                      int n_features, const float* close,
+                                                      const EnvLocal& s, int state_dim,
+                                                      int threads) {
+    const float* f = features + (long long)s.t * n_features;
+    for (int j = threadIdx.x; j < n_features; j += threads) {
+        x[j] = f[j];
+    }
+    if (threadIdx.x == threads - 1) {
+        env_write_state(x + n_features, features, 0, close, s, state_dim - n_features);
+    }
+}
+
+static __device__ __forceinline__ void walk_prefetch_l1(const void* p) {
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
+}
+
+// What the end of bar s.t reads of the next bar (its prices, its feature row) into L1 while
+// the layers run (a hint only: nothing depends on it).
+static __device__ __forceinline__ void walk_prefetch_next(const EnvLocal& s, const float* close,
+                                                          const float* high, const float* low,
+                                                          const float* features,
+                                                          int n_features, int n_bars) {
+    const int t1 = s.t + 1;
+    if (t1 >= n_bars || n_features < 1) {
+        return;
+    }
+    const int i = threadIdx.x;
+    if (i == 0) {
+        walk_prefetch_l1(close + t1);
+    } else if (i == 1) {
+        walk_prefetch_l1(high + t1);
+    } else if (i == 2) {
+        walk_prefetch_l1(low + t1);
+    } else if ((i - 3) * kWarp < n_features + kWarp) {  // every line of the row, and its end
+        walk_prefetch_l1(features + (long long)t1 * n_features + min((i - 3) * kWarp,
+                                                                     n_features - 1));
+    }
+}
+
+// The end of a bar, in every thread of the block (header): the actions, env_advance on s, the
+// record rows (`writer` thread only), the next state row into x.
+static __device__ __forceinline__ void walk_advance(
+    EnvLocal& s, const WalkNet& n, const float* q, bool writer, float* x,
+    const float* __restrict__ close, const float* __restrict__ high,
+    const float* __restrict__ low, const float* __restrict__ features, int n_features,
+    const float* __restrict__ costs, int n_bars, float* __restrict__ rec_reward,
+    float* __restrict__ rec_held, float* __restrict__ rec_cost, float* __restrict__ rec_margin,
+    int record_len, int threads) {
+    int act[3] = {0, ENV_DEFAULT_ORDER, ENV_DEFAULT_URGENCY};  // registers: constant indices
+    float margin = __int_as_float(0x7f800000);
+#pragma unroll
+    for (int d = 0; d < 3; ++d) {
+        if (d < n.nb) {
+            float gap;
+            act[d] = walk_choose(q + n.action_offset[d], n.n_actions[d], &gap);
+            margin = fminf(margin, gap);
+        }
+    }
+    const int steps_before = s.steps;
+    const EnvOutcome o = env_advance(s, act[0], act[1], act[2], close, high, low, costs, n_bars,
+                                     0);
+    if (writer && o.live && steps_before < record_len) {
+        rec_reward[steps_before] = o.reward;
+        rec_held[steps_before] = o.held;
+        rec_cost[steps_before] = o.cost;
+        if (rec_margin != nullptr) {
+            rec_margin[steps_before] = margin;
+        }
+    }
+    walk_state_row(x, features, n_features, close, s, n.sd, threads);
+}
+
+extern "C" __global__ void __launch_bounds__(WALK_THREADS, 1)
 greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__ params_bf16,
             const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
             int value_h, int adv_h, int num_atoms, int n_branches,
@@ -150,113 +445,191 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
     extern __shared__ float walk_shared[];
     const int lane = threadIdx.x % kWarp;
     const int warp = threadIdx.x / kWarp;
-    const int nb = n_branches;
-    const int a_total = action_offset[nb - 1] + n_actions[nb - 1];
-    const int hid_total = value_h + nb * adv_h;
-    const int out_total = num_atoms * (1 + a_total);
-    // Shared layout (walk_shared_floats): x, h1, h2, the heads' hidden rows (value, then
-    // branch d at value_h + d adv_h), their outputs (v [NA], then branch d's adv [n_d, NA] at
-    // NA (1 + action_offset[d])), q (branch-packed [a_total]), two scratch rows per warp.
-    float* x_s = walk_shared;
-    float* h1_s = x_s + state_dim;
-    float* h2_s = h1_s + h1;
-    float* hid_s = h2_s + h2;
-    float* out_s = hid_s + hid_total;
-    float* q_s = out_s + out_total;
-    float* logits_s = q_s + a_total + 2 * warp * num_atoms;
-    float* logp_s = logits_s + num_atoms;
-
+    const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
+                               n_branches, n_actions, action_offset);
+    const WalkActs a = walk_acts(walk_shared, n, WALK_WARPS);
     const WalkWeights w = {params, params_bf16, bf16 != 0};
-    const int* off = param_offsets;
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     const int steps = n_steps[0];
-    EnvLocal s = env_fresh(start[0]);  // live in thread 0 only
-    if (threadIdx.x == 0) {
-        env_write_state(x_s, features, n_features, close, s, state_dim);
-    }
+    EnvLocal s = env_fresh(start[0]);  // the same in every thread
+    walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_THREADS);
     for (int k = 0; k < steps; ++k) {
-        __syncthreads();  // x_s holds bar k's state
-        walk_layer(x_s, state_dim, h1_s, h1, w, off[WALK_W_S1], params + off[WALK_B_S1], true,
-                   warp, lane);
-        __syncthreads();
-        walk_layer(h1_s, h1, h2_s, h2, w, off[WALK_W_S2], params + off[WALK_B_S2], true, warp,
-                   lane);
-        __syncthreads();
-        for (int i = threadIdx.x; i < h2; i += WALK_THREADS) {
-            h2_s[i] = walk_clamp_finite(h2_s[i], bound);
-        }
-        __syncthreads();
-        // The heads' first layers: rows [0, value_h) value, then adv_h rows per branch.
-        for (int r = warp; r < hid_total; r += WALK_WARPS) {
-            const int head = r < value_h ? -1 : (r - value_h) / adv_h;
-            const int local = head < 0 ? r : r - value_h - head * adv_h;
-            const int wi = head < 0 ? WALK_W_V1 : WALK_BRANCH_BASE + WALK_PER_BRANCH * head;
-            const float dot = walk_dot(h2_s, w, off[wi] + local * h2, h2, lane);
-            if (lane == 0) {
-                hid_s[r] = walk_relu(__fadd_rn(dot, params[off[wi + 1] + local]));
-            }
-        }
-        __syncthreads();
-        // Their second layers: rows [0, NA) v from hv, then branch d's n_d NA rows from ha_d.
-        for (int r = warp; r < out_total; r += WALK_WARPS) {
-            int head = -1;
-            for (int d = 0; d < nb; ++d) {
-                head = (r >= num_atoms * (1 + action_offset[d])) ? d : head;
-            }
-            const int local = head < 0 ? r : r - num_atoms * (1 + action_offset[head]);
-            const int wi = head < 0 ? WALK_W_V2 : WALK_BRANCH_BASE + WALK_PER_BRANCH * head + 2;
-            const int k_in = head < 0 ? value_h : adv_h;
-            const float* in = head < 0 ? hid_s : hid_s + value_h + head * adv_h;
-            const float dot = walk_dot(in, w, off[wi] + local * k_in, k_in, lane);
-            if (lane == 0) {
-                out_s[r] = __fadd_rn(dot, params[off[wi + 1] + local]);
-            }
-        }
-        __syncthreads();
-        // Dueling combine, log-softmax and expected Q: one warp per packed (branch, action) row,
-        // the ops of dueling_log_softmax_q_branches (its lane only reads what it wrote).
-        for (int r = warp; r < a_total; r += WALK_WARPS) {
-            int d = 0;
-            for (int e = 1; e < nb; ++e) {
-                d = (r >= action_offset[e]) ? e : d;
-            }
-            const int n_d = n_actions[d];
-            const int a = r - action_offset[d];
-            const float* adv_d = out_s + num_atoms * (1 + action_offset[d]);
-            for (int j = lane; j < num_atoms; j += kWarp) {
-                const float mean = dueling_mean(adv_d, j, n_d, num_atoms);
-                logits_s[j] = out_s[j] + (adv_d[a * num_atoms + j] - mean);
-            }
-            const float q = log_softmax_row(logits_s, logp_s, z, true, num_atoms, lane);
-            if (lane == 0) {
-                q_s[r] = q;
-            }
-            __syncwarp();  // the next row of this warp rewrites the scratch rows
-        }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            int act[3] = {0, ENV_DEFAULT_ORDER, ENV_DEFAULT_URGENCY};
-            float margin = __int_as_float(0x7f800000);
-            for (int d = 0; d < nb; ++d) {
-                float gap;
-                const int choice = walk_choose(q_s + action_offset[d], n_actions[d], &gap);
-                if (d < 3) {
-                    act[d] = choice;
-                }
-                margin = fminf(margin, gap);
-            }
-            const int steps_before = s.steps;
-            const EnvOutcome o = env_advance(s, act[0], act[1], act[2], close, high, low, costs,
-                                             n_bars, 0);
-            if (o.live && steps_before < record_len) {
-                rec_reward[steps_before] = o.reward;
-                rec_held[steps_before] = o.held;
-                rec_cost[steps_before] = o.cost;
-                if (rec_margin != nullptr) {
-                    rec_margin[steps_before] = margin;
+        walk_prefetch_next(s, close, high, low, features, n_features, n_bars);
+        __syncthreads();  // x holds bar k's state
+#pragma unroll
+        for (int l = 0; l < WALK_LAYERS; ++l) {
+            const WalkLayer L = walk_layer_of(l, n, a);
+            for (int r = warp; r < L.rows; r += WALK_WARPS) {
+                const WalkRow row = walk_row(l, r, n);
+                const float dot = walk_dot(L.in + row.in, w, row.w, walk_fan_in(L, r), lane);
+                if (lane == 0) {
+                    L.out[r] = walk_epilogue(dot, params[row.b], L.epilogue, bound);
                 }
             }
-            env_write_state(x_s, features, n_features, close, s, state_dim);
+            __syncthreads();
         }
+        walk_q_rows(n, a, z, warp, WALK_WARPS, lane);
+        __syncthreads();
+        walk_advance(s, n, a.q, threadIdx.x == 0, a.x, close, high, low, features, n_features,
+                     costs, n_bars, rec_reward, rec_held, rec_cost, rec_margin, record_len,
+                     WALK_THREADS);
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// The cluster version (header)
+// ------------------------------------------------------------------------------------------
+
+// The cluster (PTX ISA 7.8, sm_90): this block's rank, the barrier (release/acquire: the shared
+// and global writes before it are visible to every block of the cluster after it), and a store
+// into the shared memory of block `rank` at this block's address `local` (distributed shared
+// memory: the blocks share one layout).
+struct WalkCluster {
+    static __device__ __forceinline__ int rank() {
+#if WALK_CLUSTER > 1
+        unsigned int r;
+        asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+        return (int)r;
+#else
+        return 0;
+#endif
+    }
+    static __device__ __forceinline__ void sync() {
+#if WALK_CLUSTER > 1
+        asm volatile("barrier.cluster.arrive.release.aligned;\n\t"
+                     "barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#else
+        __syncthreads();
+#endif
+    }
+    static __device__ __forceinline__ void store(float* local, float value, int rank) {
+#if WALK_CLUSTER > 1
+        const unsigned int addr = (unsigned int)__cvta_generic_to_shared(local);
+        unsigned int remote;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                     : "=r"(remote) : "r"(addr), "r"(rank));
+        asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(remote), "f"(value) : "memory");
+#else
+        *local = value;
+#endif
+    }
+};
+
+// Rows [r0, r1) of n that block `rank` owns: q = ceil(n / C) rows each, in rank order.
+static __device__ __forceinline__ void walk_owned(int n_rows, int rank, int& r0, int& r1) {
+    const int q = (n_rows + WALK_CLUSTER - 1) / WALK_CLUSTER;
+    r0 = min(n_rows, rank * q);
+    r1 = min(n_rows, r0 + q);
+}
+
+// Weight elements of rows [r0, r) of layer L (row r's offset in its owner's slice).
+static __device__ __forceinline__ int walk_slice_offset(const WalkLayer& L, int r0, int r) {
+    const int lo = min(r, L.split) - min(r0, L.split);
+    return lo * L.k_lo + (r - r0 - lo) * L.k_hi;
+}
+
+// Weight elements every block reserves for layer L: the largest slice of any rank.
+static __device__ __forceinline__ int walk_slice_cap(const WalkLayer& L) {
+    int cap = 0;
+    for (int c = 0; c < WALK_CLUSTER; ++c) {
+        int r0, r1;
+        walk_owned(L.rows, c, r0, r1);
+        cap = max(cap, walk_slice_offset(L, r0, r1));
+    }
+    return cap;
+}
+
+extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
+__launch_bounds__(WALK_CLUSTER_THREADS, 1)
+greedy_walk_cluster(const float* __restrict__ params,
+                    const unsigned short* __restrict__ params_bf16,
+                    const int* __restrict__ param_offsets, int bf16, int state_dim, int h1,
+                    int h2, int value_h, int adv_h, int num_atoms, int n_branches,
+                    const int* __restrict__ n_actions, const int* __restrict__ action_offset,
+                    const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                    float h2_clamp_mult, const float* __restrict__ close,
+                    const float* __restrict__ high, const float* __restrict__ low,
+                    const float* __restrict__ features, int n_features,
+                    const float* __restrict__ costs, int n_bars, const int* __restrict__ start,
+                    const int* __restrict__ n_steps, float* __restrict__ rec_reward,
+                    float* __restrict__ rec_held, float* __restrict__ rec_cost,
+                    float* __restrict__ rec_margin, int record_len) {
+    extern __shared__ float walk_shared[];
+    const int lane = threadIdx.x % kWarp;
+    const int warp = threadIdx.x / kWarp;
+    const int rank = WalkCluster::rank();
+    const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
+                               n_branches, n_actions, action_offset);
+    const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
+    const bool use_bf16 = bf16 != 0;
+    // The block's slices after the activations: biases (q floats per layer), then weights.
+    int r0[WALK_LAYERS], r1[WALK_LAYERS], w_base[WALK_LAYERS], b_base[WALK_LAYERS];
+    int w_total = 0;
+    int b_total = 0;
+#pragma unroll
+    for (int l = 0; l < WALK_LAYERS; ++l) {
+        const WalkLayer L = walk_layer_of(l, n, a);
+        walk_owned(L.rows, rank, r0[l], r1[l]);
+        w_base[l] = w_total;
+        b_base[l] = b_total;
+        w_total += walk_slice_cap(L);
+        b_total += (L.rows + WALK_CLUSTER - 1) / WALK_CLUSTER;
+    }
+    float* bias_s = a.end;
+    float* w_f32 = bias_s + b_total;
+    unsigned short* w_bf16 = reinterpret_cast<unsigned short*>(w_f32);
+    const WalkWeights w = {w_f32, w_bf16, use_bf16};
+
+    // The block's rows of every layer into its shared memory, once.
+#pragma unroll
+    for (int l = 0; l < WALK_LAYERS; ++l) {
+        const WalkLayer L = walk_layer_of(l, n, a);
+        for (int r = r0[l] + warp; r < r1[l]; r += WALK_CLUSTER_WARPS) {
+            const WalkRow row = walk_row(l, r, n);
+            const int dst = w_base[l] + walk_slice_offset(L, r0[l], r);
+            const int k = walk_fan_in(L, r);
+            for (int j = lane; j < k; j += kWarp) {
+                if (use_bf16) {
+                    w_bf16[dst + j] = params_bf16[row.w + j];
+                } else {
+                    w_f32[dst + j] = params[row.w + j];
+                }
+            }
+            if (lane == 0) {
+                bias_s[b_base[l] + r - r0[l]] = params[row.b];
+            }
+        }
+    }
+
+    const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
+    const int steps = n_steps[0];
+    EnvLocal s = env_fresh(start[0]);  // the same in every thread of every block
+    walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_CLUSTER_THREADS);
+    // Every block has started (its shared memory may be written by the others) and holds its
+    // slices and the first state row.
+    WalkCluster::sync();
+    for (int k = 0; k < steps; ++k) {
+        walk_prefetch_next(s, close, high, low, features, n_features, n_bars);
+#pragma unroll
+        for (int l = 0; l < WALK_LAYERS; ++l) {
+            const WalkLayer L = walk_layer_of(l, n, a);
+            for (int r = r0[l] + warp; r < r1[l]; r += WALK_CLUSTER_WARPS) {
+                const float dot = walk_dot(L.in + walk_row(l, r, n).in, w,
+                                           w_base[l] + walk_slice_offset(L, r0[l], r),
+                                           walk_fan_in(L, r), lane);
+                const float value = walk_epilogue(dot, bias_s[b_base[l] + r - r0[l]],
+                                                  L.epilogue, bound);
+                if (lane < WALK_CLUSTER) {  // every lane holds the value: lane c sends it to c
+                    WalkCluster::store(&L.out[r], value, lane);
+                }
+            }
+            WalkCluster::sync();  // the layer's whole output vector is in every block
+        }
+        walk_q_rows(n, a, z, warp, WALK_CLUSTER_WARPS, lane);
+        __syncthreads();
+        walk_advance(s, n, a.q, rank == 0 && threadIdx.x == 0, a.x, close, high, low, features,
+                     n_features, costs, n_bars, rec_reward, rec_held, rec_cost, rec_margin,
+                     record_len, WALK_CLUSTER_THREADS);
+        __syncthreads();  // x holds bar k + 1's state
     }
 }
