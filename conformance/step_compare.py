@@ -119,7 +119,8 @@ def close(*trainers: TrainerBackend) -> None:
 
 
 def copy_batch(batch: Batch) -> Batch:
-    return Batch(**{f.name: np.array(getattr(batch, f.name), copy=True)
+    return Batch(**{f.name: None if getattr(batch, f.name) is None
+                    else np.array(getattr(batch, f.name), copy=True)
                     for f in dataclasses.fields(Batch)})
 
 
