@@ -343,7 +343,7 @@ def _prepare_resume(run_dir: Path) -> int:
 def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> int:
     from threadpoolctl import threadpool_limits
 
-    from .plots import write_plots
+    from .plot_worker import PlotWorkers
 
     rc, settings, config = plan.run, plan.run.settings, plan.run.config
     metrics_path = run_dir / runs.METRICS_NAME
@@ -399,7 +399,9 @@ def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> in
 
     stop = StopRequest()
     tic = time.perf_counter()
-    with stop.installed(), threadpool_limits(limits=args.threads, user_api="blas"):
+    # The plot workers import matplotlib while the run trains (plot_worker's docstring).
+    with stop.installed(), threadpool_limits(limits=args.threads, user_api="blas"), \
+            PlotWorkers() as plotter:
         try:
             result = run(config, plan.bars, settings, backend=rc.backend, out_dir=run_dir,
                          on_step=on_step, on_epoch=on_epoch, on_epoch_start=on_epoch_start,
@@ -413,7 +415,7 @@ def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> in
             return 2
         if progress is not None:
             progress.close()
-        plots = write_plots(run_dir, result)
+        plots = plotter.write(run_dir, result)
         summary = _summary(rc, result, plots, time.perf_counter() - tic, stop.signum)
         jsonio.write_json(run_dir / runs.SUMMARY_NAME, summary)
     print(f"\n{summary_text(result)}")
