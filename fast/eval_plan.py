@@ -32,7 +32,9 @@ an ``EvalLayout(layout, 1)``): the run's market tables (``walk_close`` ... as
   ``equity`` the ``n`` per-bar rewards to ``walk_rewards_host``: the segment's one readback.
 
 **The fused walk** (``fused_ops``, ``DeviceEvaluator(mode="fused")``): ONE launch of
-``greedy_walk`` (``cuda_src/walk.cu``, twin ``reference.kernels.walk``) walks the greedy policy
+``greedy_walk_cluster`` (sm_90 and newer, where the network fits a cluster's shared memory) or
+``greedy_walk`` (``kernels.walk.plan_walk`` picks by the program's architecture; both in
+``cuda_src/walk.cu``, bitwise equal, twin ``reference.kernels.walk``) walks the greedy policy
 over the whole segment: the first bar (``walk_start_host``) and the step count
 (``walk_n_steps_host``) are copied in, the kernel reads the online copy of ``params2`` (and of
 ``mirror2`` in ``bf16``), ``isv`` (Mech 10's bound), ``z``, ``n_actions`` and
@@ -54,6 +56,7 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.binder import Binder
+from foxhunt.fast.kernels.walk import WALK_KERNELS
 from foxhunt.fast.records import F32, I32, I64, Buf, Host, Ops, Region
 from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram
@@ -246,8 +249,8 @@ def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
     dims = walk_kernels.walk_dims(c)
     ops.copy("walk_start", Host(START_HOST), 4, "htod")
     ops.copy("walk_n_steps", Host(N_STEPS_HOST), 4, "htod")
-    ops.kernel("greedy_walk", prog.kernels("walk").plan_greedy_walk(dims, lay.branches),
-               params="params2", params_bf16="mirror2" if lay.bf16 else None,
+    kernel, plan = prog.kernels("walk").plan_walk(dims, lay.branches, lay.bf16, prog.arch)
+    ops.kernel(kernel, plan, params="params2", params_bf16="mirror2" if lay.bf16 else None,
                param_offsets="walk_param_offsets", bf16=int(lay.bf16),
                **dict(zip(walk_kernels.DIMS, dims)), n_branches=lay.nb, n_actions="n_actions",
                action_offset="action_offset", z="z", isv="isv", isv_index=H_S2_RMS_EMA_INDEX,
@@ -296,7 +299,8 @@ def register_twins() -> None:
                                          a.cycle)._asdict()
 
     if "greedy_walk" not in TWINS:
-        _register_greedy_walk(twin)
+        for name in WALK_KERNELS:
+            _register_greedy_walk(twin, name)
 
     if "eval_metrics" not in TWINS:
         @twin("eval_metrics", rewards="n", positions="n", costs="n",
@@ -314,8 +318,9 @@ def walk_tensor_sizes(dims, branches) -> tuple[int, ...]:
                          for size in (adv_h * h2, adv_h, int(n) * na * adv_h, int(n) * na))
 
 
-def _register_greedy_walk(twin) -> None:
-    """The twin of ``greedy_walk``: ``reference.kernels.walk.greedy_walk`` on the launch's
+def _register_greedy_walk(twin, name: str) -> None:
+    """The twin of ``name`` (``greedy_walk`` or ``greedy_walk_cluster``: the same walk):
+    ``reference.kernels.walk.greedy_walk`` on the launch's
     tables, writing rows ``[0, min(n_steps, record_len))`` of the records (the kernel's rule).
     In ``bf16`` the weights are the mirror's (as the kernel reads them), the biases the f32
     params'."""
@@ -338,7 +343,7 @@ def _register_greedy_walk(twin) -> None:
 
     rec = {name: "record_len" for name in ("rec_reward", "rec_held", "rec_cost", "rec_margin")}
 
-    @twin("greedy_walk", nullable=("params_bf16", "rec_margin"), params=param_extent,
+    @twin(name, nullable=("params_bf16", "rec_margin"), params=param_extent,
           params_bf16=param_extent, param_offsets=lambda a: len(walk_kernels.walk_tensors(
               a.n_branches)), n_actions="n_branches", action_offset="n_branches",
           z="num_atoms", isv=ISV_LEN, close="n_bars", high="n_bars", low="n_bars",
@@ -349,7 +354,7 @@ def _register_greedy_walk(twin) -> None:
         if a.bf16:
             mirror = a.params_bf16
             if mirror is None:
-                raise ValueError("greedy_walk: bf16 is 1 but params_bf16 is null")
+                raise ValueError(f"{name}: bf16 is 1 but params_bf16 is null")
             for name, offset, size in spans(a):
                 if name.startswith("w_"):  # weights from the mirror, biases f32
                     params[offset:offset + size] = bf16_to_f32(mirror[offset:offset + size])

@@ -1,5 +1,8 @@
-"""Entry of the fused evaluation walk (``cuda_src/walk.cu``, reference
-``foxhunt.reference.kernels.walk``): ``greedy_walk``, a whole segment in one launch.
+"""Entries of the fused evaluation walk (``cuda_src/walk.cu``, reference
+``foxhunt.reference.kernels.walk``): ``greedy_walk`` (one block) and ``greedy_walk_cluster`` (one
+thread-block cluster), a whole segment in one launch; the same samples, bounds and contract for
+both (one twin). That the two kernels' records are bitwise equal is ``tests/test_walk.py``'s
+GPU case.
 
 Sizes per shape case: the ``tiny`` and ``seed`` presets' networks (bf16, their branches and
 atoms; the extremal cases run the tiny network) on tables of :data:`BARS` bars with up to
@@ -26,6 +29,7 @@ from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels.env import cost_table
+from foxhunt.reference.kernels.walk import KERNELS as WALK_TWINS
 from foxhunt.reference.kernels.walk import (
     first_near_tie,
     q_error_bound,
@@ -106,9 +110,9 @@ def _c_walk(kwargs: Kwargs, outputs, poisoned) -> list[str]:
     return bad
 
 
-ENTRIES = (
+ENTRIES = tuple(
     SpecEntry(
-        name="greedy_walk",
+        name=name,
         outputs={"rewards": f32(WITHIN), "positions": f32(WITHIN), "costs": f32(WITHIN),
                  "margins": f32(WITHIN)},
         sample=_s_walk,
@@ -126,5 +130,6 @@ ENTRIES = (
         scales=_sc_walk,
         contract=_c_walk,
         cases=("tiny", "seed"),
-    ),
+    )
+    for name in WALK_TWINS  # both kernels of walk.cu, one twin
 )

@@ -1,23 +1,36 @@
-"""Fast launcher of ``cuda_src/walk.cu``'s ``greedy_walk`` (twin:
-``foxhunt.reference.kernels.walk``, same name and signature).
+"""Fast launchers of ``cuda_src/walk.cu``'s ``greedy_walk`` and ``greedy_walk_cluster`` (twin of
+both: ``foxhunt.reference.kernels.walk.greedy_walk``, same signature).
 
-``greedy_walk(...)`` is the numpy-in/numpy-out test entry: it validates with the reference's
-``validate_greedy_walk`` (same ``ValueError``), builds the BF16 mirror of ``params`` with the
-``f32_to_bf16`` kernel (the trainer's mirror is made the same way), launches ONE block and
-returns the reference's ``WalkRecord``. The evaluator's fused mode (``fast.eval_plan``)
-launches the same kernel on arena buffers with :func:`plan_greedy_walk` (every parameter by its
-name in walk.cu: ``params, params_bf16, param_offsets, bf16, state_dim, h1, h2, value_h,
-adv_h, num_atoms, n_branches, n_actions, action_offset, z, isv, isv_index, h2_clamp_mult,
-close, high, low, features, n_features, costs, n_bars, start, n_steps, rec_reward, rec_held,
-rec_cost, rec_margin, record_len``; ``rec_margin`` may be null, ``params_bf16`` too when
-``bf16`` is 0).
+``greedy_walk(...)`` and ``greedy_walk_cluster(...)`` are the numpy-in/numpy-out test entries:
+they validate with the reference's ``validate_greedy_walk`` (same ``ValueError``), build the BF16
+mirror of ``params`` with the ``f32_to_bf16`` kernel (the trainer's mirror is made the same
+way), launch ONE block (``greedy_walk``) or ONE thread-block cluster (``greedy_walk_cluster``,
+planned for the test runtime's device: 8 blocks from sm_90, 1 before) and return the
+reference's ``WalkRecord``. The two kernels' records are bitwise equal (walk.cu's header).
+
+The evaluator's fused mode (``fast.eval_plan.fused_ops``) launches the kernel :func:`plan_walk`
+picks on arena buffers, every parameter by its name in walk.cu: ``params, params_bf16,
+param_offsets, bf16, state_dim, h1, h2, value_h, adv_h, num_atoms, n_branches, n_actions,
+action_offset, z, isv, isv_index, h2_clamp_mult, close, high, low, features, n_features, costs,
+n_bars, start, n_steps, rec_reward, rec_held, rec_cost, rec_margin, record_len``
+(``rec_margin`` may be null, ``params_bf16`` too when ``bf16`` is 0).
+
+**Which kernel** (:func:`plan_walk`): the cluster kernel on sm_90 and newer when its block's
+slices fit the architecture's opt-in shared memory (:data:`SHARED_OPTIN`), else the one-block
+kernel (before sm_90 there are no clusters; walk.cu compiles the cluster kernel there as a
+one-block version that holds every weight, which nothing plans). Shared memory per block of
+the cluster kernel, seed preset (:func:`cluster_shared_bytes`, counted by hand in
+``tests/test_walk.py``): 92,468 bytes in bf16, 164,660 bytes in f32 (the f32 weights, 1.15 MB,
+split over 8 blocks: 144 KiB each); both fit sm_90's 227 KiB. More than 48 KiB needs the kernel's opt-in
+attribute: the graph lowering (``fast.graph_lowering``) sets it before capture, the test entry
+here before its launch.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, device_scalar, launch
+from foxhunt.fast.kernels._runtime import In, Out, device_scalar, launch, runtime
 from foxhunt.fast.kernels.dense import f32_to_bf16
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.walk import WalkRecord, validate_greedy_walk
@@ -27,22 +40,90 @@ F32, I32 = np.float32, np.int32
 #: Threads of the one block (WALK_THREADS in walk.cu) and its warps.
 WALK_THREADS = 1024
 WALK_WARPS = WALK_THREADS // 32
+#: Threads of each block of the cluster kernel (WALK_CLUSTER_THREADS) and its warps.
+CLUSTER_THREADS = 1024
+CLUSTER_WARPS = CLUSTER_THREADS // 32
+#: Blocks of the cluster kernel from sm_90 (WALK_CLUSTER; 1 before: no clusters).
+WALK_CLUSTER_SM90 = 8
 #: Dynamic shared memory a launch may ask for without the opt-in attribute.
 SHARED_LIMIT = 48 * 1024
+#: Opt-in dynamic shared memory per block by architecture (CUDA C Programming Guide, "Technical
+#: Specifications per Compute Capability"); an architecture not listed gets the smallest.
+SHARED_OPTIN = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
+                100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
+#: The kernels, in the order :func:`plan_walk` prefers them.
+WALK_KERNELS = ("greedy_walk_cluster", "greedy_walk")
 
 
-def walk_shared_floats(dims, branches) -> int:
-    """walk.cu's shared layout: x, h1, h2, the heads' hidden rows, their outputs (v and every
+def walk_activation_floats(dims, branches, warps: int) -> int:
+    """walk.cu's ``walk_acts``: x, h1, h2, the heads' hidden rows, their outputs (v and every
     branch's adv), q, and two scratch rows of ``num_atoms`` per warp."""
     sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
     nb, a_total = len(branches), sum(int(n) for n in branches)
-    return sd + h1 + h2 + value_h + nb * adv_h + na * (1 + a_total) + a_total + 2 * WALK_WARPS * na
+    return sd + h1 + h2 + value_h + nb * adv_h + na * (1 + a_total) + a_total + 2 * warps * na
+
+
+def walk_shared_floats(dims, branches) -> int:
+    """The one-block kernel's shared memory: :func:`walk_activation_floats` of its warps."""
+    return walk_activation_floats(dims, branches, WALK_WARPS)
+
+
+def walk_layers(dims, branches) -> tuple[tuple[int, int, int, int], ...]:
+    """walk.cu's ``walk_layer_of``: ``(rows, split, k_lo, k_hi)`` of each dense layer, rows
+    ``[0, split)`` with fan in ``k_lo``, the rest ``k_hi``."""
+    sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
+    hid = value_h + len(branches) * adv_h
+    out = na * (1 + sum(int(n) for n in branches))
+    return (h1, h1, sd, sd), (h2, h2, h1, h1), (hid, hid, h2, h2), (out, na, value_h, adv_h)
+
+
+def owned_rows(rows: int, rank: int, cluster: int) -> tuple[int, int]:
+    """walk.cu's ``walk_owned``: rows ``[r0, r1)`` of block ``rank``, ``ceil(rows / C)`` each."""
+    q = -(-rows // cluster)
+    r0 = min(rows, rank * q)
+    return r0, min(rows, r0 + q)
+
+
+def cluster_slices(dims, branches, cluster: int) -> tuple[int, int]:
+    """``(bias floats, weight elements)`` every block of the cluster kernel reserves: per layer
+    ``ceil(rows / C)`` biases and the largest weight slice of any rank (``walk_slice_cap``)."""
+    biases = weights = 0
+    for rows, split, k_lo, k_hi in walk_layers(dims, branches):
+        biases += -(-rows // cluster)
+        sizes = []
+        for rank in range(cluster):
+            r0, r1 = owned_rows(rows, rank, cluster)
+            lo = min(r1, split) - min(r0, split)
+            sizes.append(lo * k_lo + (r1 - r0 - lo) * k_hi)
+        weights += max(sizes)
+    return biases, weights
+
+
+def cluster_shared_bytes(dims, branches, bf16: bool, cluster: int) -> int:
+    """Dynamic shared memory of one block of the cluster kernel: its activations, bias slices
+    (f32) and weight slices (BF16 or f32)."""
+    biases, weights = cluster_slices(dims, branches, cluster)
+    floats = walk_activation_floats(dims, branches, CLUSTER_WARPS) + biases
+    return 4 * floats + (2 if bf16 else 4) * weights
+
+
+def cluster_size(arch) -> int:
+    """Blocks of the cluster kernel that walk.cu compiles for ``arch``: 8 from sm_90, else 1."""
+    from foxhunt.fast._build import normalize_arch
+
+    return WALK_CLUSTER_SM90 if normalize_arch(arch) >= 90 else 1
+
+
+def shared_optin(arch) -> int:
+    """The most dynamic shared memory a block may opt in to on ``arch`` (:data:`SHARED_OPTIN`)."""
+    from foxhunt.fast._build import normalize_arch
+
+    return SHARED_OPTIN.get(normalize_arch(arch), min(SHARED_OPTIN.values()))
 
 
 def plan_greedy_walk(dims, branches) -> tuple:
     """ONE block of ``WALK_THREADS``; dynamic shared memory :func:`walk_shared_floats` floats
-    (``ValueError`` past ``SHARED_LIMIT``: a network that large needs the cluster version).
-    Seed shapes: 19.5 KiB."""
+    (``ValueError`` past ``SHARED_LIMIT``). Seed shapes: 19.5 KiB."""
     nbytes = 4 * walk_shared_floats(dims, branches)
     if nbytes > SHARED_LIMIT:
         raise ValueError(f"dims={tuple(dims)!r}, branches={tuple(branches)!r}: greedy_walk needs "
@@ -50,19 +131,45 @@ def plan_greedy_walk(dims, branches) -> tuple:
     return (1,), (WALK_THREADS,), nbytes
 
 
-def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
-                close, high, low, features, costs, start, n_steps) -> WalkRecord:
-    """Test entry of the CUDA ``greedy_walk`` (contract as the reference twin)."""
+def plan_greedy_walk_cluster(dims, branches, bf16: bool, arch) -> tuple:
+    """ONE cluster of :func:`cluster_size` blocks of ``CLUSTER_THREADS``; dynamic shared memory
+    :func:`cluster_shared_bytes` (``ValueError`` past :func:`shared_optin` of ``arch``)."""
+    cluster = cluster_size(arch)
+    nbytes = cluster_shared_bytes(dims, branches, bf16, cluster)
+    limit = shared_optin(arch)
+    if nbytes > limit:
+        raise ValueError(f"dims={tuple(dims)!r}, branches={tuple(branches)!r}, bf16={bool(bf16)}: "
+                         f"greedy_walk_cluster needs {nbytes} bytes of shared memory per block of "
+                         f"{cluster}; {arch} allows at most {limit}")
+    return (cluster,), (CLUSTER_THREADS,), nbytes
+
+
+def plan_walk(dims, branches, bf16: bool, arch) -> tuple[str, tuple]:
+    """``(kernel, plan)`` of the fused walk on ``arch`` (module docstring): the cluster kernel
+    from sm_90 where it fits, else the one-block kernel."""
+    if cluster_size(arch) > 1:
+        try:
+            return "greedy_walk_cluster", plan_greedy_walk_cluster(dims, branches, bf16, arch)
+        except ValueError:
+            pass  # too large for one cluster's shared memory: the one-block kernel reads L2
+    return "greedy_walk", plan_greedy_walk(dims, branches)
+
+
+def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+          h2_clamp_mult, close, high, low, features, costs, start, n_steps) -> WalkRecord:
+    """Validate, then one launch of ``kernel`` with ``plan(dims, branches, bf16)``."""
     T, start, n_steps = validate_greedy_walk(
         params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
         high, low, features, costs, start, n_steps)
     branches = tuple(int(n) for n in branches)
     sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
+    shape = plan(dims, branches, bool(bf16))
+    if shape[2] > SHARED_LIMIT:
+        runtime().module.kernel(kernel).set_max_dynamic_shared(shape[2])
     mirror = In(f32_to_bf16(params)) if bf16 else 0
     rows = max(n_steps, 1)
-    outs = launch("greedy_walk", plan_greedy_walk(dims, branches), In(params), mirror,
-                  In(param_offsets), int(bool(bf16)), sd, h1, h2, value_h, adv_h, na,
-                  len(branches), In(np.array(branches, I32)),
+    outs = launch(kernel, shape, In(params), mirror, In(param_offsets), int(bool(bf16)), sd, h1,
+                  h2, value_h, adv_h, na, len(branches), In(np.array(branches, I32)),
                   In(np.array(branch_offsets(branches), I32)), In(z), In(isv), int(isv_index),
                   np.float32(h2_clamp_mult), In(close), In(high), In(low), In(features),
                   features.shape[1], In(costs), T, device_scalar(start, I32),
@@ -71,4 +178,23 @@ def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, 
     return WalkRecord(*(o[:n_steps] for o in outs))
 
 
-KERNELS = {"greedy_walk": greedy_walk}
+def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
+                close, high, low, features, costs, start, n_steps) -> WalkRecord:
+    """Test entry of the CUDA ``greedy_walk`` (contract as the reference twin)."""
+    return _walk("greedy_walk", lambda d, b, _: plan_greedy_walk(d, b), params, param_offsets,
+                 dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close, high, low,
+                 features, costs, start, n_steps)
+
+
+def greedy_walk_cluster(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+                        h2_clamp_mult, close, high, low, features, costs, start,
+                        n_steps) -> WalkRecord:
+    """Test entry of the CUDA ``greedy_walk_cluster`` on the test runtime's device (contract as
+    the reference twin; ``ValueError`` where the slices do not fit its shared memory)."""
+    return _walk("greedy_walk_cluster",
+                 lambda d, b, bf: plan_greedy_walk_cluster(d, b, bf, runtime().device.arch), params,
+                 param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
+                 high, low, features, costs, start, n_steps)
+
+
+KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk_cluster}

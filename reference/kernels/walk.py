@@ -1,5 +1,6 @@
 """Reference twin of ``cuda_src/walk.cu``: ``greedy_walk``, the greedy policy over a whole
-segment in one launch (issue 20, SPEC 10's device evaluation).
+segment in one launch (issue 20, SPEC 10's device evaluation); also the twin of
+``greedy_walk_cluster``, the same walk on a thread-block cluster (bitwise the one-block kernel's).
 
 Per bar (the composition of the existing reference functions, one state row at a time): the
 env's state row (``env.env_observe``), the network's forward on it (``network.forward``'s
@@ -239,7 +240,9 @@ def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, 
     return WalkRecord(*(r[:, 0].copy() for r in rec), margins)
 
 
-KERNELS = {"greedy_walk": greedy_walk}
+#: Both CUDA kernels of walk.cu (one block; one thread-block cluster) have this one twin: their
+#: records are bitwise equal (walk.cu's header).
+KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk}
 
 __all__ = ["DIMS", "KERNELS", "LANES", "NEAR_TIE_FACTOR", "Q_ERROR_REL", "WalkRecord",
            "choice_margin", "dot_lanes", "first_near_tie", "forward_row", "greedy_walk",
