@@ -213,9 +213,11 @@ def check_fits(spec: SweepSpec) -> None:
                          "cluster, or use --backend reference")
 
 
-def init_ray(address: str | None, num_cpus: int | None) -> bool:
+def init_ray(address: str | None, num_cpus: int | None, num_gpus: int | None = None) -> bool:
     """Start a local Ray instance (or connect to ``address``) unless this process already has
-    one; returns whether it started one (to shut down after the sweep)."""
+    one; returns whether it started one (to shut down after the sweep). ``num_cpus``,
+    ``num_gpus``: the local instance's size (None: the machine's; ``num_gpus=1`` on a
+    two-GPU machine keeps every trial on GPU 0, as ``benches/bench_sweep_gpus.py`` needs)."""
     import ray
 
     if ray.is_initialized():
@@ -224,7 +226,11 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
         # Kill a trial's run even when the task's worker itself dies (Ray kills only the
         # children of workers that exit normally otherwise).
         os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.WARNING)
+        ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
+                 logging_level=logging.WARNING)
+    elif num_gpus is not None:
+        raise SweepError(f"num_gpus={num_gpus}: sizes the local Ray instance; the cluster at "
+                         f"{address} has its own GPUs")
     else:
         ray.init(address=address, logging_level=logging.WARNING)
     return True
