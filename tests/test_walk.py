@@ -1,5 +1,7 @@
-"""The fused evaluation walk's twin (reference/kernels/walk.py), its launch plan and its
-conformance samples, on the CPU."""
+"""The fused evaluation walk's twin (reference/kernels/walk.py), its launch plans (the one-block
+and the cluster kernel, and which one a device's architecture gets), NVRTC builds of walk.cu
+and its conformance samples, on the CPU; on a GPU, the cluster kernel against the one-block
+kernel, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,6 +10,8 @@ import pytest
 
 from foxhunt.conformance.kernel_spec import case_dims
 from foxhunt.conformance.specs.walk import ENTRIES
+from foxhunt.fast.device import cuda_available
+from foxhunt.fast.kernels import walk as fast_walk
 from foxhunt.fast.kernels.walk import plan_greedy_walk, walk_shared_floats
 from foxhunt.reference import network
 from foxhunt.reference.config import DQNConfig
@@ -114,3 +118,151 @@ def test_plan_is_one_block_with_the_shared_layout_counted_by_hand():
     assert plan_greedy_walk(dims, c.branches) == ((1,), (1024,), 4 * 4883)
     with pytest.raises(ValueError, match="shared memory"):
         plan_greedy_walk((128, 4096, 4096, 128, 128, 51), c.branches)
+
+
+# ------------------------------------------------------------------ the cluster kernel's plan
+
+SEED = DQNConfig.preset("seed")
+SEED_DIMS = walk.walk_dims(SEED)
+
+
+def test_cluster_plan_counts_the_seed_network_s_slices_by_hand():
+    # Per block of 8, rows ceil(n / 8): s1 256 -> 32 rows of 128, s2 256 -> 32 rows of 256,
+    # hidden 128 + 3 * 128 = 512 -> 64 rows of 256, outputs 51 * (1 + 8) = 459 -> 58 rows of
+    # 128 (value and advantage rows alike): biases 32 + 32 + 64 + 58 = 186, weights
+    # 32 * 128 + 32 * 256 + 64 * 256 + 58 * 128 = 36096 elements.
+    assert fast_walk.cluster_slices(SEED_DIMS, SEED.branches, 8) == (186, 36096)
+    # Activations as the one-block kernel's (32 warps each): 4883 floats.
+    floats = 4 * (4883 + 186)
+    assert fast_walk.cluster_shared_bytes(SEED_DIMS, SEED.branches, True, 8) == floats + 2 * 36096
+    assert fast_walk.cluster_shared_bytes(SEED_DIMS, SEED.branches, False, 8) == floats + 4 * 36096
+    for bf16, nbytes in ((True, 92468), (False, 164660)):
+        assert fast_walk.plan_walk(SEED_DIMS, SEED.branches, bf16, "sm_90") == (
+            "greedy_walk_cluster", ((8,), (1024,), nbytes))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "seed"])
+def test_one_block_s_slices_hold_every_weight_and_bias_once(preset):
+    """With C = 1 the slices are the network's weight and bias tensors (ParamLayout's sizes)."""
+    c = DQNConfig.preset(preset)
+    lay = ParamLayout(c)
+    names = walk.walk_tensors(c.n_branches)
+    size = {name: int(np.prod(lay[name].shape)) for name in names}
+    want = (sum(v for k, v in size.items() if k.startswith("b_")),
+            sum(v for k, v in size.items() if k.startswith("w_")))
+    assert fast_walk.cluster_slices(walk.walk_dims(c), c.branches, 1) == want
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 9, 459, 512])
+def test_owned_rows_split_the_layer_in_rank_order(rows):
+    covered = []
+    for rank in range(8):
+        r0, r1 = fast_walk.owned_rows(rows, rank, 8)
+        assert r1 - r0 <= -(-rows // 8)
+        covered.extend(range(r0, r1))
+    assert covered == list(range(rows))
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_86", (8, 9), "sm_89"])
+def test_before_sm90_the_plan_is_the_one_block_kernel(arch):
+    assert fast_walk.plan_walk(SEED_DIMS, SEED.branches, True, arch) == (
+        "greedy_walk", plan_greedy_walk(SEED_DIMS, SEED.branches))
+
+
+@pytest.mark.parametrize("arch", ["sm_90", (9, 0), "sm_100"])
+def test_from_sm90_the_plan_is_the_cluster_kernel(arch):
+    kernel, (grid, block, _) = fast_walk.plan_walk(SEED_DIMS, SEED.branches, False, arch)
+    assert (kernel, grid, block) == ("greedy_walk_cluster", (8,), (1024,))
+
+
+def test_a_network_too_large_for_the_cluster_falls_back_to_the_one_block_kernel():
+    # s2 of 1024 x 1024 f32 weights: 512 KiB per block of 8, past sm_90's 227 KiB; the one-block
+    # kernel reads the weights from global memory and needs only its activations.
+    dims = (128, 1024, 1024, 128, 128, 51)
+    with pytest.raises(ValueError, match="greedy_walk_cluster needs .* sm_90 allows at most"):
+        fast_walk.plan_greedy_walk_cluster(dims, SEED.branches, False, "sm_90")
+    assert fast_walk.plan_walk(dims, SEED.branches, False, "sm_90") == (
+        "greedy_walk", plan_greedy_walk(dims, SEED.branches))
+    with pytest.raises(ValueError, match="greedy_walk needs"):  # fits neither
+        fast_walk.plan_walk((128, 8192, 8192, 128, 128, 51), SEED.branches, False, "sm_90")
+
+
+# ------------------------------------------------------------------------- NVRTC builds
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, tmp_path):
+    """PTX of walk.cu (NVRTC needs no GPU): both kernels, the same parameters, and the cluster
+    kernel's compiled-in cluster (``.reqnctapercluster``) is the plan's grid."""
+    import re
+
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    sources = {n: b for n, b in source_files().items()
+               if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
+    module = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources)
+    assert set(module.kernels) == {"greedy_walk", "greedy_walk_cluster"}
+    assert module.params["greedy_walk"] == module.params["greedy_walk_cluster"]
+    ptx = module.ptx["walk.cu"]
+    head = ptx[ptx.index(".entry greedy_walk_cluster("):]
+    found = re.search(r"\.reqnctapercluster (\d+), 1, 1", head[:head.index("{")])
+    compiled = int(found.group(1)) if found else 1
+    assert compiled == fast_walk.cluster_size(arch) == (8 if arch == "sm_90" else 1)
+    if arch == "sm_90":
+        assert fast_walk.plan_greedy_walk_cluster(SEED_DIMS, SEED.branches, True, arch)[0] == (
+            compiled,)
+
+
+def test_walk_kernels_do_not_spill_on_sm90(tmp_path):
+    """The walk is latency-bound: neither kernel may spill registers to local memory (ptxas
+    chose 32 registers and spilled before ``__launch_bounds__(1024, 1)``)."""
+    import re
+
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    sources = {n: b for n, b in source_files().items()
+               if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
+    module = compile_sources("sm_90", "cubin", cache_root=tmp_path, sources=sources,
+                             extra_options=("--ptxas-options=-v",))
+    log = module.logs["walk.cu"]
+    spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log))
+    assert spills == {"greedy_walk": "0", "greedy_walk_cluster": "0"}
+
+
+# ------------------------------------------------------------- on a GPU: cluster == one block
+
+_GPU, _WHY = cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
+@pytest.mark.parametrize("poison", [False, True])
+@pytest.mark.parametrize("precision", ["bf16", "f32"])
+@pytest.mark.parametrize("case", ["tiny", "seed"])
+def test_gpu_cluster_walk_is_the_one_block_walk_bit_for_bit(case, precision, poison):
+    """walk.cu's claim: the same rows by other warps and blocks, the same bits (records and
+    margins), NaN/Inf features included. Runs where the device's plan fits the network."""
+    from foxhunt.fast.kernels._runtime import runtime
+
+    k = _sample(case, seed=11, bf16=precision == "bf16")
+    if poison:
+        features = k["features"].copy()
+        bars = k["start"] + np.array([0, 4, 9])
+        features[bars[0], 0] = np.nan
+        features[bars[1], 1] = np.inf
+        features[bars[2]] = -3e38
+        k["features"] = features
+    arch = runtime().device.arch
+    try:
+        fast_walk.plan_greedy_walk_cluster(k["dims"], k["branches"], k["bf16"], arch)
+    except ValueError as exc:
+        pytest.skip(f"{arch}: the cluster kernel does not fit this network ({exc})")
+    one = fast_walk.greedy_walk(**k)
+    cluster = fast_walk.greedy_walk_cluster(**k)
+    for name, a, b in zip(walk.WalkRecord._fields, cluster, one):
+        assert a.tobytes() == b.tobytes(), f"{name} differs"
+    tie = walk.first_near_tie(one.margins, k["z"], k["bf16"])
+    assert tie > k["n_steps"] // 2  # and the walk is the twin's up to its first near tie
+    ref = walk.greedy_walk(**k)
+    for a, b in zip(one[:3], ref[:3]):
+        np.testing.assert_array_equal(a[:tie], b[:tie])
