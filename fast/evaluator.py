@@ -12,10 +12,11 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
 - ``chunk`` per policy: ``chunk`` bars (``bar_ops``) in ONE graph, built on first use;
 - ``end`` per ``(n, bars_per_year, equity)``: ``eval_metrics`` and the copies out (the
   ``END_CACHE_SIZE`` most recent kept);
-- with ``mode="fused"``, ``fused``: the greedy walk of a whole segment in ONE ``greedy_walk``
-  launch (``eval_plan.fused_ops``), built with the evaluator; the greedy policy then takes
-  ``fused`` and ``end`` instead of ``begin``, the chunks and ``end`` (the baselines keep the
-  chunk graphs). ``mode="graph"`` (the default) walks the greedy policy by chunk graphs too.
+- with ``mode="fused"``, ``fused``: the greedy walk of a whole segment in ONE launch of
+  ``greedy_walk_cluster`` (sm_90 and newer, one thread-block cluster) or ``greedy_walk`` (one
+  block; ``kernels.walk.plan_walk`` picks, ``eval_plan.fused_ops``), built with the evaluator;
+  the greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and
+  ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` (the default) walks the greedy policy by chunk graphs too.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
