@@ -16,7 +16,8 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
   ``greedy_walk_cluster`` (sm_90 and newer, one thread-block cluster) or ``greedy_walk`` (one
   block; ``kernels.walk.plan_walk`` picks, ``eval_plan.fused_ops``), built with the evaluator;
   the greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and
-  ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` (the default) walks the greedy policy by chunk graphs too.
+  ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` (the default) walks the
+  greedy policy by chunk graphs too.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
