@@ -58,7 +58,8 @@ bias/aux pointers when they change and calls ``cublasLtMatmul``: no allocation, 
 can be captured in a CUDA graph. Operands must be ``min_alignment``-byte aligned (default
 256, what arena buffers are); ``run`` checks.
 
-Requires ``nvmath-python`` (``nvmath.bindings.cublasLt``), imported lazily.
+Requires ``nvmath-python`` (``nvmath.bindings.cublasLt``), imported lazily and alone
+(``import_without_package_init``).
 """
 
 from __future__ import annotations
@@ -244,9 +245,52 @@ def colmajor_problem(spec: GemmSpec) -> ColMajorProblem:
 # --------------------------------------------------------------------------------------------
 
 
+#: The one nvmath module the GEMMs use.
+CUBLASLT_MODULE = "nvmath.bindings.cublasLt"
+
+
+def import_without_package_init(name: str):
+    """Import module ``name`` (``"a.b.c"``) without running the ``__init__`` of the packages
+    above it that are not imported yet; an imported module is returned as it is.
+
+    ``import nvmath.bindings.cublasLt`` runs ``nvmath/__init__.py``, which imports all of
+    nvmath (fft, linalg, sparse, tensor) and every binding (cuFFT, cuSOLVER, cuSPARSE, ...):
+    0.54 s of the fast trainer's start on the H200 (profile), for one binding. Here each
+    missing parent is put in ``sys.modules`` as an empty package (its spec and ``__path__``,
+    no code run) while ``name`` loads, and taken out again afterwards, so a later
+    ``import nvmath`` runs the real ``__init__`` (which finds the loaded submodules in
+    ``sys.modules``). The module's own imports load as usual."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        return sys.modules[name]
+    placeholders = []
+    try:
+        parts = name.split(".")
+        path = None
+        for i in range(1, len(parts)):
+            parent = ".".join(parts[:i])
+            if parent in sys.modules:
+                path = getattr(sys.modules[parent], "__path__", None)
+                continue
+            spec = importlib.util.find_spec(parent) if path is None else \
+                importlib.machinery.PathFinder.find_spec(parent, path)
+            if spec is None or spec.submodule_search_locations is None:
+                raise ModuleNotFoundError(f"No module named {parent!r}", name=parent)
+            sys.modules[parent] = importlib.util.module_from_spec(spec)  # no exec_module
+            placeholders.append(parent)
+            path = spec.submodule_search_locations
+        return importlib.import_module(name)
+    finally:
+        for parent in placeholders:
+            sys.modules.pop(parent, None)
+
+
 def _cublaslt():
     try:
-        from nvmath.bindings import cublasLt
+        cublasLt = import_without_package_init(CUBLASLT_MODULE)
     except Exception as exc:
         raise CublasUnavailableError(
             "GEMMs need nvmath-python (nvmath.bindings.cublasLt) and cuBLAS: "
@@ -432,6 +476,60 @@ class GemmPlan:
             pass
 
 
+class PlanCache:
+    """A planner (``StepProgram``'s ``planner``) that plans each distinct GEMM once per process.
+
+    ``PlanCache(make)`` with ``make(m, n, k, **kw)`` a planner (``functools.partial(GemmPlan,
+    device)``): a call with the same ``GemmSpec`` (shape, transposes, precision, epilogue,
+    strides, alpha, beta), ``min_alignment`` and ``workspace_limit`` as an earlier one returns
+    the plan made then, and a configuration ``make`` refused (``GemmPlanError``) is refused
+    again without asking. The seed step asks for 141 plans of far fewer distinct GEMMs (the
+    same layer shapes in the online, target and evaluation passes; profile on the H200).
+
+    Sharing a plan between GEMM records is sound: a plan's state is its algorithm (fixed per
+    spec) and the bias / aux pointers, which ``GemmPlan.run`` sets on the descriptor before
+    every ``cublasLtMatmul`` whose pointers differ from the last call's; the matmul reads the
+    descriptor when it is enqueued (or captured), so each record gets its own pointers."""
+
+    def __init__(self, make):
+        self._make = make
+        self._plans: dict = {}
+        self.requests = 0  # planner calls, for the tests and the profile
+
+    @staticmethod
+    def key(m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None, lda=None,
+            ldb=None, ldc=None, alpha=1.0, beta=0.0, min_alignment: int = 256,
+            workspace_limit: int = DEFAULT_WORKSPACE_LIMIT) -> tuple:
+        """What decides a plan: the validated spec (defaults filled in), alignment, workspace."""
+        spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc, alpha, beta)
+        return spec, int(min_alignment), int(workspace_limit)
+
+    def __call__(self, m, n, k, **kw):
+        self.requests += 1
+        key = self.key(m, n, k, **kw)
+        hit = self._plans.get(key)
+        if hit is None:
+            try:
+                hit = self._make(m, n, k, **kw)
+            except GemmPlanError as exc:
+                hit = exc
+            self._plans[key] = hit
+        if isinstance(hit, GemmPlanError):
+            raise GemmPlanError(str(hit))  # a new one: re-raising one object grows its traceback
+        return hit
+
+    @property
+    def plans(self) -> list:
+        """The distinct plans made (each once)."""
+        return [p for p in self._plans.values() if not isinstance(p, GemmPlanError)]
+
+    def close(self) -> None:
+        """Close every plan made (they are unusable after)."""
+        for plan in self.plans:
+            plan.close()
+        self._plans.clear()
+
+
 def gemm(a: np.ndarray, b: np.ndarray, *, trans_a: bool = False, trans_b: bool = False,
          mode: str = "f32", rounded: bool = False) -> np.ndarray:
     """Numpy-in/numpy-out test entry of the cuBLASLt GEMM, with the signature of the reference
@@ -479,7 +577,9 @@ __all__ = [
     "GemmPlan",
     "GemmPlanError",
     "GemmSpec",
+    "PlanCache",
     "colmajor_problem",
     "cublaslt_handle",
     "gemm",
+    "import_without_package_init",
 ]

@@ -50,7 +50,7 @@ class GpuEngine:
                  staging_slots: int = 2, seed: int = 0, n_step_on: bool = False):
         from foxhunt.fast._build import compile_sources
         from foxhunt.fast.device import Arena, Device, _driver, call
-        from foxhunt.fast.gemm import GemmPlan
+        from foxhunt.fast.gemm import GemmPlan, PlanCache
         from foxhunt.fast.graphs import GraphCapture
 
         dev = Device(0) if device is None else device
@@ -74,8 +74,10 @@ class GpuEngine:
         self._staging = [pinned[staging_name(s)] for s in range(staging_slots)]
         self._staging_views = [lay.batch_views(buf) for buf in self._staging]
         host = {staging_name(s): buf for s, buf in enumerate(self._staging)}
+        # Each distinct GEMM planned once (the step and evaluation passes repeat shapes).
+        self.gemm_plans = PlanCache(functools.partial(GemmPlan, dev))
         self.program = prog = StepProgram(
-            lay, planner=functools.partial(GemmPlan, dev), constants=constants,
+            lay, planner=self.gemm_plans, constants=constants,
             host_nbytes={name: buf.nbytes for name, buf in host.items()}, arch=dev.arch,
             gemm_workspace=gemm_workspace, seed=seed)
         drv = _driver()
@@ -176,8 +178,7 @@ class GpuEngine:
         finally:
             for g in [*self._upload, self._graph1, self._graph2]:
                 g.close()
-            for plan in self.program.plans:
-                plan.close()
+            self.gemm_plans.close()
             self.pool.close()
             for event in [*self._uploaded, self._graph1_done]:
                 _driver().cuEventDestroy(event)

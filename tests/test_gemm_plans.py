@@ -1,0 +1,114 @@
+"""GEMM planning on the host: the per-process plan cache and the lone cuBLASLt binding import."""
+
+import sys
+
+import pytest
+
+from foxhunt.fast.gemm import GemmPlanError, GemmSpec, PlanCache, import_without_package_init
+
+
+class FakePlan:
+    def __init__(self, m, n, k, **kw):
+        self.args = (m, n, k, kw)
+
+
+def _counting(make):
+    calls = []
+
+    def planner(m, n, k, **kw):
+        calls.append((m, n, k, kw))
+        return make(m, n, k, **kw)
+    return planner, calls
+
+
+def test_equal_requests_share_one_plan_and_others_get_their_own():
+    planner, calls = _counting(FakePlan)
+    cache = PlanCache(planner)
+    a = cache(256, 512, 128, trans_b=True, precision="bf16", epilogue="relu_bias", min_alignment=256,
+              workspace_limit=0)
+    # The same GEMM with the defaults spelled out (dense strides, alpha 1, beta 0): one plan.
+    b = cache(256, 512, 128, trans_a=False, trans_b=True, precision="bf16", epilogue="relu_bias",
+              lda=128, ldb=128, ldc=512, alpha=1.0, beta=0.0, min_alignment=256, workspace_limit=0)
+    assert b is a and len(calls) == 1
+    base = {"trans_b": True, "precision": "bf16", "epilogue": "relu_bias", "min_alignment": 256,
+            "workspace_limit": 0}
+    others = [cache(256, 512, 128, **{**base, **change})
+              for change in ({"beta": 1.0}, {"precision": "tf32"}, {"epilogue": "bias"},
+                             {"trans_b": False}, {"ldc": 640}, {"min_alignment": 16},
+                             {"workspace_limit": 1 << 20})]
+    assert len({id(p) for p in [a, *others]}) == 8 and len(calls) == 8
+    assert cache.requests == 9 and len(cache.plans) == 8
+    assert others[1].args[3]["precision"] == "tf32"  # each plan made from its own request
+
+
+def test_a_refusal_is_remembered_and_raised_again():
+    def refuse(m, n, k, **kw):
+        raise GemmPlanError(f"no algorithm for m={m}")
+    planner, calls = _counting(refuse)
+    cache = PlanCache(planner)
+    for _ in range(3):
+        with pytest.raises(GemmPlanError, match="no algorithm for m=8"):
+            cache(8, 8, 8, epilogue="drelu_bgrad")
+    assert len(calls) == 1 and cache.plans == []
+
+
+def test_the_key_is_the_validated_spec():
+    key = PlanCache.key(4, 6, 8, trans_a=True, epilogue="bgradb")
+    assert key == (GemmSpec(4, 6, 8, trans_a=True, epilogue="bgradb"), 256, 32 << 20)
+    with pytest.raises(ValueError, match="precision"):
+        PlanCache.key(4, 6, 8, precision="f16")
+
+
+def test_the_seed_step_plans_each_distinct_gemm_once(monkeypatch):
+    """The CPU executor builds the same plan as the GPU engine; through the cache, every
+    record's plan has the spec it asked for, and the repeats are served from the cache."""
+    from foxhunt.fast import cpu_executor
+    from foxhunt.fast.records import Gemm
+    from foxhunt.reference.config import DQNConfig
+
+    caches = []
+    real = cpu_executor.cpu_planner
+
+    def cached(*args, **kw):
+        caches.append(PlanCache(real(*args, **kw)))
+        return caches[0]
+    monkeypatch.setattr(cpu_executor, "cpu_planner", cached)
+    engine = cpu_executor.CpuEngine(DQNConfig.preset("seed"))
+    [cache] = caches
+    graphs = [*engine.plans["upload"], engine.plans["graph1"], engine.plans["graph2"]]
+    records = [it for ops in graphs for it in ops.nodes() if isinstance(it, Gemm)]
+    assert cache.requests == len(engine.program.plans) >= len(records) > 0
+    # A record shares its plan only with records of the same spec.
+    by_plan = {}
+    for it in records:
+        by_plan.setdefault(id(it.plan), set()).add(it.plan.spec)
+    assert all(len(specs) == 1 for specs in by_plan.values())
+    # Plans of one spec may still differ in their operands' alignment (an arena offset).
+    assert len({it.plan.spec for it in records}) <= len(by_plan) == len(cache.plans)
+    assert len(cache.plans) < len(records) <= cache.requests
+
+
+def test_import_without_package_init_skips_the_parents_code(tmp_path, monkeypatch):
+    pkg = tmp_path / "fatpkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise RuntimeError('the package __init__ ran')\n")
+    (pkg / "sub" / "__init__.py").write_text("raise RuntimeError('the subpackage __init__ ran')\n")
+    (pkg / "sub" / "helper.py").write_text("VALUE = 7\n")
+    (pkg / "sub" / "leaf.py").write_text("from fatpkg.sub.helper import VALUE\nDOUBLE = 2 * VALUE\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [k for k in sys.modules if k.startswith("fatpkg")]:
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        leaf = import_without_package_init("fatpkg.sub.leaf")
+        assert leaf.DOUBLE == 14
+        assert import_without_package_init("fatpkg.sub.leaf") is leaf  # loaded: as it is
+        # The placeholders are gone: importing the package now runs its real __init__.
+        assert "fatpkg" not in sys.modules and "fatpkg.sub" not in sys.modules
+        assert sys.modules["fatpkg.sub.leaf"] is leaf
+        with pytest.raises(RuntimeError, match="the package __init__ ran"):
+            import fatpkg  # noqa: F401
+        with pytest.raises(ModuleNotFoundError):
+            import_without_package_init("fatpkg.nothing_here.leaf")
+    finally:
+        for name in [k for k in sys.modules if k.startswith("fatpkg")]:
+            del sys.modules[name]
