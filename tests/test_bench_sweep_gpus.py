@@ -186,3 +186,36 @@ def test_init_ray_num_gpus_is_for_the_local_instance_only():
                                          r"ray://head:10001 has its own GPUs$"):
         sweep_cli.init_ray("ray://head:10001", None, num_gpus=1)
     assert not ray.is_initialized()
+
+
+def test_one_gpu_run_alone_has_no_ratio(fake, tmp_path, capsys):
+    spec = SweepSpec(command="gpufake", backend="fast", trials_per_gpu=2, seeds=(0, 1),
+                     common=(("folds", 1), ("epochs", 1), ("steps_per_epoch", 3)))
+    result = bench.measure(spec, tmp_path / "bench", 1, num_cpus=4, trial_fn=fake, warmup=False,
+                           log=lambda s: None)
+    assert [run["gpus"] for run in result["runs"]] == [1] and result["ratio"] is None
+    assert result["runs"][0]["trials_by_gpu"] == {"0": 2} and result["runs"][0]["steps"] == 6
+    assert "warmup_s" not in result and not (tmp_path / "bench" / "warmup").exists()
+    assert bench.finish(result, tmp_path / "b.json") == 0
+    text = capsys.readouterr().out
+    assert "1 GPU(s): 2/2 completed; trials per GPU GPU 0: 2; 6 steps in" in text and "\nratio " not in text
+
+
+def test_allow_one_runs_the_one_gpu_half_of_the_flags_plan(tmp_path, monkeypatch):
+    calls = []
+
+    def measure(spec, root, gpus, *, num_cpus=None):
+        calls.append((spec, gpus, num_cpus))
+        run = {"gpus": gpus, "trials": 3, "completed": 3, "steps": 90, "wall_s": 3.0,
+               "aggregate_steps_per_s": 30.0, "trials_by_gpu": {"0": 3}, "table": "t", "records": []}
+        return {"plan": spec.to_mapping(), "runs": [run], "ratio": None, "target": 1.8}
+
+    monkeypatch.setattr(bench, "gpu_count", lambda: (1, "1 CUDA device(s)"))
+    monkeypatch.setattr(bench, "measure", measure)
+    out = tmp_path / "b.json"
+    assert bench.main(["--allow-one", "--trials", "3", "--epochs", "2", "--steps-per-epoch", "15",
+                       "--trials-per-gpu", "4", "--num-cpus", "6", "--out", str(out)]) == 0
+    [(spec, gpus, num_cpus)] = calls
+    assert (gpus, num_cpus, spec.seeds, spec.trials_per_gpu) == (1, 6, (0, 1, 2), 4)
+    assert dict(spec.common) == {"folds": 1, "epochs": 2, "steps_per_epoch": 15}
+    assert json.loads(out.read_text())["runs"][0]["steps"] == 90
