@@ -30,6 +30,56 @@ from foxhunt.conformance.specs.inputs import (
 )
 from foxhunt.conformance.tolerance import EXACT, REDUCTION
 
+#: The shape cases whose target-kernel samples are n-step (issue 22: a per-sample ``discount``,
+#: ``n_step_on = 1``); ``tiny`` stays 1-step (``discount=None``, ``n_step_on = 0``), where the
+#: kernels' outputs must keep today's bits (the ``exact`` masks of the scales).
+N_STEP_CASES = ("seed", "odd", "extremal")
+#: The reference gamma of the n-step samples' discounts.
+N_STEP_GAMMA_REF = F32(0.99)
+#: Relative error of the effective gamma, in float32 unit roundoffs, the n-step bounds allow:
+#: CUDA's ``logf`` (1 ulp) and ``powf`` (4 ulp) against NumPy's float32 ``log`` / ``power``,
+#: the division and ``n_eff``'s error carried through the power (ulps; see ``effective_gamma``).
+GAMMA_EFF_ROUNDOFFS = 16.0
+
+
+def n_step_inputs(d: Dims, rng) -> Kwargs:
+    """The n-step arguments of a target kernel's sample: ``{}`` (1-step) unless ``d.case`` is
+    in ``N_STEP_CASES``; else ``discount`` = ``gamma_ref ** k`` (float32 products, ``k`` uniform
+    in 1..16) with the extremes ``1e-30`` (below the floor) first, ``1`` second and ``k = 16``
+    last, and ``gamma_ref``. Drawn last, so the 1-step arguments of a case are unchanged."""
+    if d.case not in N_STEP_CASES:
+        return {}
+    ks = rng.integers(1, 17, d.batch)
+    ks[-1] = 16
+    disc = np.empty(d.batch, F32)
+    for b, k in enumerate(ks):
+        value = N_STEP_GAMMA_REF
+        for _ in range(int(k) - 1):
+            value = F32(value * N_STEP_GAMMA_REF)
+        disc[b] = value
+    disc[0] = F32(1e-30)
+    if d.batch > 2:
+        disc[1] = F32(1)
+    return {"discount": disc, "gamma_ref": N_STEP_GAMMA_REF}
+
+
+def n_step_exact(kwargs) -> np.ndarray:
+    """``[B]`` mask of the samples whose targets must keep their bits: every sample of a 1-step
+    sample (``n_step_on = 0``: today's kernel), and the ``done`` samples of an n-step one (their
+    effective gamma is multiplied by 0; a non-finite one gives NaN in both)."""
+    done = kwargs["done"]
+    if kwargs.get("discount") is None:
+        return np.ones(done.shape, bool)
+    return done == 1
+
+
+def gamma_eff_slack(kwargs, scale) -> float:
+    """The absolute error an effective gamma's ``GAMMA_EFF_ROUNDOFFS`` carry into ``g * x`` with
+    ``|x| <= scale``, as a reduction bound's magnitude over one term (0 for 1-step samples)."""
+    if kwargs.get("discount") is None:
+        return 0.0
+    return GAMMA_EFF_ROUNDOFFS / 4.0 * float(scale)  # the bound is 4 roundoffs per term
+
 
 def _s_dueling(d: Dims, rng) -> Kwargs:
     return {"v": normal(rng, (d.batch, d.atoms)), "adv": normal(rng, (d.batch, d.actions, d.atoms))}
@@ -55,7 +105,7 @@ def _s_select(d: Dims, rng) -> Kwargs:
 def _s_project(d: Dims, rng) -> Kwargs:
     return {"p_next": softmax(rng, (d.batch, d.atoms)), "r": normal(rng, d.batch, 3.0),
             "done": (rng.random(d.batch) < 0.2).astype(F32), "gamma": F32(0.99),
-            "z": support(d.atoms), "v_min": V_MIN, "v_max": V_MAX}
+            "z": support(d.atoms), "v_min": V_MIN, "v_max": V_MAX, **n_step_inputs(d, rng)}
 
 
 def _s_c51(d: Dims, rng) -> Kwargs:
@@ -82,7 +132,9 @@ def _s_log_softmax_q(d: Dims, rng) -> Kwargs:
 def _s_project_grad(d: Dims, rng) -> Kwargs:
     c51 = _s_c51(d, rng)
     del c51["m"]  # the fused kernel's output
-    return {**_s_project(d, rng), **c51}
+    project = _s_project(d, rng)
+    n_step = {k: project.pop(k) for k in ("discount", "gamma_ref") if k in project}
+    return {**project, **c51, **n_step}
 
 
 def _sc_dueling(kwargs, expected):
@@ -103,8 +155,19 @@ def _sc_expected_q(kwargs, expected):
     return {"out": reduction(kwargs["logp"].shape[-1], maxabs(kwargs["z"]))}
 
 
+def _project_bound(kwargs) -> dict:
+    """The projection's bound: the reduction over source atoms (weights <= 1), plus for
+    n-step samples the effective gamma's error moving each target position by up to
+    ``roundoffs * max|z|``, i.e. each weight by that over ``dz`` (1-step samples: today's
+    bound)."""
+    z = kwargs["z"]
+    dz = float(z[1] - z[0])
+    mass = max(maxabs(kwargs["p_next"]), 1.0)  # the weights' error times the moved mass
+    return reduction(kwargs["p_next"].shape[-1], 1.0 + gamma_eff_slack(kwargs, mass * maxabs(z) / dz))
+
+
 def _sc_project(kwargs, expected):
-    return {"out": reduction(kwargs["p_next"].shape[-1], 1.0)}
+    return {"out": _project_bound(kwargs)}
 
 
 def _sc_c51_loss(kwargs, expected):
@@ -134,9 +197,10 @@ def _sc_log_softmax_q(kwargs, expected):
 
 def _sc_project_grad(kwargs, expected):
     isw_scale = maxabs(kwargs["isw"]) * maxabs(kwargs["scale"])
-    return {"m": reduction(kwargs["p_next"].shape[-1], 1.0),
+    m_bound = _project_bound(kwargs)
+    return {"m": m_bound,
             "dlogits": {**reduction(kwargs["logp"].shape[-1],
-                               isw_scale * max(maxabs(expected["m"]), 1.0)),
+                               isw_scale * max(maxabs(expected["m"]), 1.0) * m_bound["magnitude"]),
                         "exact": _not_taken(kwargs)}}
 
 
@@ -227,10 +291,12 @@ ENTRIES: tuple[SpecEntry, ...] = (
         name="c51_project",
         outputs={"out": f32(REDUCTION)},
         sample=_s_project,
-        targets=("p_next", "r", "done", "gamma"),
+        targets=("p_next", "r", "done", "gamma", "discount"),
         errors=error_cases(
             _s_project,
             lambda k: replace(k, r=k["r"][:-1]),
+            lambda k: replace(k, discount=k["discount"][:-1]),
+            lambda k: replace(k, gamma_ref=F32(1.0)),
             lambda k: replace(k, v_min=20.0),
             lambda k: replace(k, z=k["z"][:-1]),
             lambda k: wrong_dtype(k, "p_next"),
@@ -267,10 +333,12 @@ ENTRIES: tuple[SpecEntry, ...] = (
         name="c51_project_grad",
         outputs={"m": f32(REDUCTION), "dlogits": f32(REDUCTION)},
         sample=_s_project_grad,
-        targets=("p_next", "r", "done", "gamma", "logp", "isw", "scale"),
+        targets=("p_next", "r", "done", "gamma", "logp", "isw", "scale", "discount"),
         errors=error_cases(
             _s_project_grad,
             lambda k: replace(k, r=k["r"][:-1]),
+            lambda k: replace(k, discount=k["discount"].astype(np.float64)),
+            lambda k: replace(k, gamma_ref=F32(0.0)),
             lambda k: replace(k, v_min=20.0),
             lambda k: wrong_dtype(k, "p_next"),
             lambda k: replace(k, actions=np.full_like(k["actions"], k["logp"].shape[1])),

@@ -31,7 +31,9 @@ from foxhunt.conformance.specs.inputs import (
     uniform,
     wrong_dtype,
 )
-from foxhunt.conformance.tolerance import EXACT, Tolerance
+from foxhunt.conformance.specs.distributional import gamma_eff_slack, n_step_exact, n_step_inputs
+from foxhunt.conformance.specs.inputs import maxabs, reduction
+from foxhunt.conformance.tolerance import EXACT, REDUCTION, Tolerance
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.rng import MAX_INDEX, STREAMS
@@ -103,7 +105,23 @@ def _s_quantile_huber(d: Dims, rng) -> Kwargs:
             "r": normal(rng, b), "done": (rng.random(b) < 0.2).astype(F32),
             "gamma": uniform(rng, len(br), 0.9, 0.999), "isw": uniform(rng, b, 0.2, 1.5),
             "isv": isv_vector(rng), "q_abs_ref_index": isv_mod.Q_ABS_REF_INDEX, "k1": F32(2.0),
-            "branches": br, "n_quantiles": n}
+            "branches": br, "n_quantiles": n, **n_step_inputs(d, rng)}
+
+
+def _sc_quantile_huber(kwargs, expected):
+    """1-step samples bit for bit (every output, as before issue 22; the done samples of n-step
+    ones too). n-step: a target ``y`` moves by at most the effective gamma's error times
+    ``|q_target|``; ``dq`` (``c_b`` times N terms, each of slope <= 1 in ``y``; ``w`` jumps only
+    where ``clip(u)`` is 0) and the loss (``sum c_b`` times ``N^2`` such terms over ``B N D``)
+    by that times ``c_b N`` and ``max(isw) N``."""
+    n, qt = kwargs["n_quantiles"], maxabs(kwargs["q_target"])
+    c_max = maxabs(kwargs["isw"]) / (kwargs["r"].shape[0] * len(kwargs["branches"]) * n)
+    rows = n_step_exact(kwargs)
+    return {"y": {**reduction(1, gamma_eff_slack(kwargs, qt)), "exact": rows[None, :, None]},
+            "dq": {**reduction(n, gamma_eff_slack(kwargs, c_max * qt)),
+                   "exact": np.repeat(rows, n)[:, None]},
+            "loss": {**reduction(1, gamma_eff_slack(kwargs, maxabs(kwargs["isw"]) * n * qt)),
+                     "exact": np.array(rows.all())}}
 
 
 # ------------------------------------------------------------------------------ contracts
@@ -169,9 +187,9 @@ ENTRIES: tuple[SpecEntry, ...] = (
     ),
     SpecEntry(
         name="iqn_quantile_huber",
-        outputs={"y": f32(EXACT), "dq": f32(EXACT), "loss": f32(EXACT)},
+        outputs={"y": f32(REDUCTION), "dq": f32(REDUCTION), "loss": f32(REDUCTION)},
         sample=_s_quantile_huber,
-        targets=("q", "q_target", "tau", "r", "isw"),
+        targets=("q", "q_target", "tau", "r", "isw", "discount"),
         errors=error_cases(
             _s_quantile_huber,
             lambda k: wrong_dtype(k, "q"),
@@ -179,7 +197,9 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: replace(k, actions=np.full_like(k["actions"], 99)),
             lambda k: replace(k, q_abs_ref_index=isv_mod.ISV_LEN),
             lambda k: replace(k, gamma=k["gamma"][:-1]),
+            lambda k: replace(k, discount=k["discount"][:, None]),
         ),
+        scales=_sc_quantile_huber,
         contract=_c_quantile_huber,
     ),
     SpecEntry(

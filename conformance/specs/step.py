@@ -36,6 +36,7 @@ from foxhunt.conformance.specs.inputs import (
     uniform,
     wrong_dtype,
 )
+from foxhunt.conformance.specs.distributional import gamma_eff_slack, n_step_exact, n_step_inputs
 from foxhunt.conformance.tolerance import EXACT, REDUCTION, Tolerance
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.kernels.step import READBACK_FIELDS, READBACK_INDEX
@@ -86,7 +87,14 @@ def _s_scalar_targets(d: Dims, rng) -> Kwargs:
     nb = len(_branches(d))
     return {"p_next": softmax(rng, (nb, d.batch, d.atoms)), "z": support(d.atoms),
             "r": normal(rng, d.batch), "done": (rng.random(d.batch) < 0.2).astype(F32),
-            "gamma": uniform(rng, nb, 0.9, 0.999)}
+            "gamma": uniform(rng, nb, 0.9, 0.999), **n_step_inputs(d, rng)}
+
+
+def _sc_scalar_targets(kwargs, expected):
+    """1-step samples (and the done samples of n-step ones) bit for bit, as before issue 22;
+    n-step samples within the effective gamma's error times ``|e| <= max|z|``."""
+    return {"out": {**reduction(1, gamma_eff_slack(kwargs, maxabs(kwargs["z"]))),
+                    "exact": n_step_exact(kwargs)[None, :]}}
 
 
 def _s_branch_mean(d: Dims, rng) -> Kwargs:
@@ -193,14 +201,17 @@ ENTRIES: tuple[SpecEntry, ...] = (
     ),
     SpecEntry(
         name="scalar_target_q_branches",
-        outputs={"out": f32(EXACT)},
+        outputs={"out": f32(REDUCTION)},
         sample=_s_scalar_targets,
-        targets=("p_next", "r"),
+        targets=("p_next", "r", "discount"),
         errors=error_cases(
             _s_scalar_targets,
             lambda k: wrong_dtype(k, "p_next"),
             lambda k: replace(k, z=k["z"][:-1]),
+            lambda k: replace(k, discount=k["discount"][:-1]),
+            lambda k: replace(k, gamma_ref=float("nan")),
         ),
+        scales=_sc_scalar_targets,
     ),
     SpecEntry(
         name="branch_mean",
