@@ -300,30 +300,35 @@ extern "C" __global__ void importance_weights(const float* __restrict__ prioriti
 // ------------------------------------------------------------------------------------------
 // The device-resident ring. Its arrays: ring_s, ring_s2 [capacity, state_dim], ring_a
 // [capacity, n_branches] (int), ring_r, ring_done, ring_next_ret [capacity], ring_regime
-// [capacity] (int), priority [capacity] (already raised to alpha; zero beyond the filled rows),
+// [capacity] (int), ring_discount [capacity] (the n-step transition's gamma_ref^k), priority [capacity] (already raised to alpha; zero beyond the filled rows),
 // ring_pos [2] = (cursor, size) (int), max_priority [1] (the running maximum).
 // ------------------------------------------------------------------------------------------
 
-// replay_add: transition k (k < n <= capacity) goes to row (cursor + k) % capacity of every
-// ring array with priority max_priority[0]; then cursor <- (cursor + n) % capacity and
-// size <- min(size + n, capacity). ONE block (any multiple of 32 threads): every thread reads
-// (cursor, size) first, and thread 0 writes them back after the barrier that ends the copies.
-// Exact (copies).
+// replay_add: the first m of the n given transitions, m = n or, where n_valid is not null,
+// m = n_valid[0] (0 <= m <= n: nstep_window's count, read on the device): transition k < m goes
+// to row (cursor + k) % capacity of every ring array with priority max_priority[0]; then
+// cursor <- (cursor + m) % capacity and size <- min(size + m, capacity). ONE block (any
+// multiple of 32 threads): every thread reads (cursor, size) first, and thread 0 writes them
+// back after the barrier that ends the copies. Exact (copies).
 extern "C" __global__ void replay_add(const float* __restrict__ s, const int* __restrict__ a,
                                       const float* __restrict__ r, const float* __restrict__ s2,
                                       const float* __restrict__ done,
                                       const float* __restrict__ next_ret,
-                                      const int* __restrict__ regime, int n, int state_dim,
+                                      const int* __restrict__ regime,
+                                      const float* __restrict__ discount,
+                                      const int* __restrict__ n_valid, int n_given, int state_dim,
                                       int n_branches, float* __restrict__ ring_s,
                                       int* __restrict__ ring_a, float* __restrict__ ring_r,
                                       float* __restrict__ ring_s2, float* __restrict__ ring_done,
                                       float* __restrict__ ring_next_ret,
-                                      int* __restrict__ ring_regime, float* __restrict__ priority,
-                                      int* __restrict__ ring_pos,
+                                      int* __restrict__ ring_regime,
+                                      float* __restrict__ ring_discount,
+                                      float* __restrict__ priority, int* __restrict__ ring_pos,
                                       const float* __restrict__ max_priority, int capacity) {
     const int cursor = ring_pos[0];
     const int size = ring_pos[1];
     const float p = max_priority[0];
+    const int n = n_valid != nullptr ? min(max(n_valid[0], 0), n_given) : n_given;
     const long long n_state = (long long)n * state_dim;
     for (long long e = threadIdx.x; e < n_state; e += blockDim.x) {
         const long long k = e / state_dim;
@@ -341,12 +346,145 @@ extern "C" __global__ void replay_add(const float* __restrict__ s, const int* __
         ring_done[row] = done[k];
         ring_next_ret[row] = next_ret[k];
         ring_regime[row] = regime[k];
+        ring_discount[row] = discount[k];
         priority[row] = p;
     }
     __syncthreads();  // every thread has read (cursor, size)
     if (threadIdx.x == 0) {
         ring_pos[0] = (cursor + n) % capacity;
         ring_pos[1] = min(size + n, capacity);
+    }
+}
+
+// nstep_window (issue 22): one environment step of every env into its n-step window and the
+// finished transitions out (reference: kernels/replay.py nstep_window, whose docstring is the
+// contract). Env e's window holds L0 = win_len[e] < n_step pending steps (slot 0 the oldest);
+// this step is entry L0, L = L0 + 1; count_e = L if done[e] != 0, else 1 if L == n_step, else
+// 0. Entry j (k = L - j steps): r = rw_j + g_1 rw_{j+1} + ... + g_{k-1} rw_{j+k-1} summed in
+// that order, discount = g_k (g_1 = gamma_ref, g_{i+1} = g_i * gamma_ref; every product and sum
+// rounded on its own: __fmul_rn/__fadd_rn, no FMA), s2 and done this step's; rows env by env
+// from sum_{e'<e} count_e', n_out[0] the total; later rows untouched.
+// ONE block (any multiple of 32 threads), dynamic shared memory 2 * n_envs ints: the old
+// window lengths and the row offsets are read and scanned first (thread 0, in env order), the
+// outputs written after that barrier, the windows updated after the next (the shift reads the
+// slots the outputs read). Exact (copies; the float sums follow the reference's order).
+__device__ __forceinline__ int nstep_count(int len0, float done, int n_step) {
+    const int L = len0 + 1;
+    return done != 0.0f ? L : (L == n_step ? 1 : 0);
+}
+
+extern "C" __global__ void nstep_window(
+    const float* __restrict__ obs, const int* __restrict__ actions, const float* __restrict__ r,
+    const float* __restrict__ done, const float* __restrict__ s2,
+    const float* __restrict__ next_ret, const int* __restrict__ regime, int n_envs,
+    int state_dim, int n_branches, int n_step, float gamma_ref, float* __restrict__ win_s,
+    int* __restrict__ win_a, float* __restrict__ win_r, float* __restrict__ win_next_ret,
+    int* __restrict__ win_regime, int* __restrict__ win_len, float* __restrict__ out_s,
+    int* __restrict__ out_a, float* __restrict__ out_r, float* __restrict__ out_s2,
+    float* __restrict__ out_done, float* __restrict__ out_next_ret,
+    int* __restrict__ out_regime, float* __restrict__ out_discount, int* __restrict__ n_out) {
+    extern __shared__ int nstep_shared[];
+    int* len0 = nstep_shared;           // [n_envs] the windows' lengths before the step
+    int* row0 = nstep_shared + n_envs;  // [n_envs] each env's first output row
+    for (int e = threadIdx.x; e < n_envs; e += blockDim.x) {
+        len0[e] = win_len[e];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int row = 0;
+        for (int e = 0; e < n_envs; ++e) {
+            row0[e] = row;
+            row += nstep_count(len0[e], done[e], n_step);
+        }
+        n_out[0] = row;
+    }
+    __syncthreads();
+    const int n = n_step;
+    // the outputs
+    for (int x = threadIdx.x; x < n_envs * state_dim; x += blockDim.x) {
+        const int e = x / state_dim, f = x % state_dim, L0 = len0[e];
+        const int count = nstep_count(L0, done[e], n);
+        for (int j = 0; j < count; ++j) {
+            const long long row = row0[e] + j;
+            out_s[row * state_dim + f] =
+                j < L0 ? win_s[((long long)e * n + j) * state_dim + f] : obs[x];
+            out_s2[row * state_dim + f] = s2[x];
+        }
+    }
+    for (int x = threadIdx.x; x < n_envs * n_branches; x += blockDim.x) {
+        const int e = x / n_branches, d = x % n_branches, L0 = len0[e];
+        const int count = nstep_count(L0, done[e], n);
+        for (int j = 0; j < count; ++j) {
+            out_a[(long long)(row0[e] + j) * n_branches + d] =
+                j < L0 ? win_a[((long long)e * n + j) * n_branches + d] : actions[x];
+        }
+    }
+    for (int e = threadIdx.x; e < n_envs; e += blockDim.x) {
+        const int L0 = len0[e];
+        const int count = nstep_count(L0, done[e], n);
+        for (int j = 0; j < count; ++j) {
+            const int row = row0[e] + j, k = L0 + 1 - j;
+            float acc = j < L0 ? win_r[e * n + j] : r[e];
+            float gk = gamma_ref;
+            for (int i = 1; i < k; ++i) {
+                const float rw = j + i < L0 ? win_r[e * n + j + i] : r[e];
+                acc = __fadd_rn(acc, __fmul_rn(gk, rw));
+                gk = __fmul_rn(gk, gamma_ref);
+            }
+            out_r[row] = acc;
+            out_discount[row] = gk;
+            out_done[row] = done[e];
+            out_next_ret[row] = j < L0 ? win_next_ret[e * n + j] : next_ret[e];
+            out_regime[row] = j < L0 ? win_regime[e * n + j] : regime[e];
+        }
+    }
+    __syncthreads();  // every output read its window slots
+    // the windows: emptied (episode ended), shifted a slot (the oldest left) or appended to
+    for (int x = threadIdx.x; x < n_envs * state_dim; x += blockDim.x) {
+        const int e = x / state_dim, f = x % state_dim, L0 = len0[e];
+        if (done[e] != 0.0f) continue;
+        float* w = win_s + (long long)e * n * state_dim + f;
+        if (L0 + 1 == n) {
+            for (int i = 0; i < L0; ++i) {
+                w[(long long)i * state_dim] = i + 1 < L0 ? w[(long long)(i + 1) * state_dim] : obs[x];
+            }
+        } else {
+            w[(long long)L0 * state_dim] = obs[x];
+        }
+    }
+    for (int x = threadIdx.x; x < n_envs * n_branches; x += blockDim.x) {
+        const int e = x / n_branches, d = x % n_branches, L0 = len0[e];
+        if (done[e] != 0.0f) continue;
+        int* w = win_a + (long long)e * n * n_branches + d;
+        if (L0 + 1 == n) {
+            for (int i = 0; i < L0; ++i) {
+                w[i * n_branches] = i + 1 < L0 ? w[(i + 1) * n_branches] : actions[x];
+            }
+        } else {
+            w[L0 * n_branches] = actions[x];
+        }
+    }
+    for (int e = threadIdx.x; e < n_envs; e += blockDim.x) {
+        const int L0 = len0[e];
+        float* wr = win_r + e * n;
+        float* wn = win_next_ret + e * n;
+        int* wg = win_regime + e * n;
+        if (done[e] != 0.0f) {
+            win_len[e] = 0;
+        } else if (L0 + 1 == n) {
+            for (int i = 0; i < L0; ++i) {
+                const bool old = i + 1 < L0;
+                wr[i] = old ? wr[i + 1] : r[e];
+                wn[i] = old ? wn[i + 1] : next_ret[e];
+                wg[i] = old ? wg[i + 1] : regime[e];
+            }
+            win_len[e] = L0;
+        } else {
+            wr[L0] = r[e];
+            wn[L0] = next_ret[e];
+            wg[L0] = regime[e];
+            win_len[e] = L0 + 1;
+        }
     }
 }
 
@@ -370,8 +508,8 @@ extern "C" __global__ void replay_sample(const float* __restrict__ prefix, int c
 }
 
 // replay_gather: the sampled rows in the step's batch layout: x [2n, state_dim] (s rows, then
-// s2 rows), a [n_branches, n] (transposed), r, done [n], and, where not null, next_ret and
-// regime [n]. The ring has capacity rows and 0 <= idx < capacity (replay_sample's rows; the
+// s2 rows), a [n_branches, n] (transposed), r, done [n], and, where not null, next_ret,
+// regime and discount [n]. The ring has capacity rows and 0 <= idx < capacity (replay_sample's rows; the
 // reference raises otherwise). Exact (copies). Grid-stride over the state elements, any grid.
 extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int capacity,
                                          int state_dim, int n_branches,
@@ -382,9 +520,11 @@ extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int
                                          const float* __restrict__ ring_done,
                                          const float* __restrict__ ring_next_ret,
                                          const int* __restrict__ ring_regime,
+                                         const float* __restrict__ ring_discount,
                                          float* __restrict__ x, int* __restrict__ a,
                                          float* __restrict__ r, float* __restrict__ done,
-                                         float* __restrict__ next_ret, int* __restrict__ regime) {
+                                         float* __restrict__ next_ret, int* __restrict__ regime,
+                                         float* __restrict__ discount) {
     const long long n_state = (long long)n * state_dim;
     const long long stride = (long long)gridDim.x * blockDim.x;
     const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
@@ -406,6 +546,9 @@ extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int
         }
         if (regime != nullptr) {
             regime[k] = ring_regime[row];
+        }
+        if (discount != nullptr) {
+            discount[k] = ring_discount[row];
         }
     }
 }

@@ -2,21 +2,23 @@
 graph per cycle (issue 20), the fast twin of ``foxhunt.reference.collector``.
 
 ``FastCollector(trainer, config, tables, walks, *, n_envs, capacity, reward_scale, seed, cycle,
-costs)`` takes a ``foxhunt.fast.Trainer`` (on the GPU, or a ``CpuTrainer``: the same records run
+n_step=1, costs)`` takes a ``foxhunt.fast.Trainer`` (on the GPU, or a ``CpuTrainer``: the same records run
 by the reference kernels) and builds, for the fold's ``walks``, two plans of
 ``foxhunt.fast.collect_plan`` records over the trainer's arena, the collector's own arena and
 the forward's:
 
-- ``warmup``: act, env step, replay add, cycle advance;
-- ``train``: act, env step, replay add, the sampled batch gathered into the trainer's
+- ``warmup``: act, env step, n-step window, replay add, cycle advance;
+- ``train``: act, env step, n-step window, replay add, the sampled batch gathered into the trainer's
   ``batch``, then the trainer's graphs 1 and 2 (their own records), the priority update from
   the step's ``td`` and the cycle advance.
 
 On the GPU each plan is ONE captured CUDA graph on the trainer's stream: a training cycle is
 one graph launch and the trainer's host bookkeeping (``Trainer.step_enqueued``: the step count
 and the deferred readback), with no synchronisation between the readback points. The host
-keeps mirrors of what it can compute without asking the device (the cycle counter, the ring's
-size); the ring, the walks and the counter live on the device and are read back only for a
+keeps mirrors of what it can compute without asking the device (the cycle counter; the ring's
+size where ``n_step = 1``: ``n_envs`` per cycle; above 1 a cycle adds what the episodes' ends
+decide, so the size is read back, outside the epochs' cycles: in ``warmup`` and ``size``); the
+ring, the n-step windows, the walks and the counter live on the device and are read back only for a
 resume state (``state()``).
 
 Same interface as ``reference.collector.Collector``: ``begin_epoch(eps)``,
@@ -35,6 +37,7 @@ from foxhunt.fast.collect_plan import (
     ENV_BUFFERS,
     RING_BUFFERS,
     TABLE_BUFFERS,
+    NSTEP_BUFFERS,
     CollectLayout,
     act_ops,
     advance_ops,
@@ -48,7 +51,8 @@ from foxhunt.fast.collect_plan import (
 from foxhunt.fast.dataflow import check_dataflow
 from foxhunt.fast.records import Ops
 from foxhunt.fast.step_layout import EvalLayout
-from foxhunt.reference.collector import ReplayRing, Walks
+from foxhunt.reference.collector import (WINDOW_ARRAYS, ReplayRing, Walks, load_windows,
+                                        nstep_gamma)
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels import env as env_kernels
@@ -133,18 +137,20 @@ class FastCollector:
 
     def __init__(self, trainer, config: DQNConfig, tables: env_kernels.MarketTables,
                  walks: Walks, *, n_envs: int, capacity: int, reward_scale: float, seed: int,
-                 cycle: int, costs: ExecutionCosts = ExecutionCosts()):
+                 cycle: int, n_step: int = 1, costs: ExecutionCosts = ExecutionCosts()):
         from foxhunt.fast.cpu_executor import CpuEngine
 
         register_twins()
         engine = trainer.engine
         prog, lay = engine.program, engine.layout
         self.config, self.walks, self.seed = config, walks, int(seed)
-        self.n_envs, self.cycle = int(n_envs), int(cycle)
+        self.n_envs, self.cycle, self.n_step = int(n_envs), int(cycle), int(n_step)
+        gamma_ref = nstep_gamma(config, self.n_step)
         # The ring's checks and constants (alpha, beta, eps), its host mirror of (cursor, size).
-        self._ring = ReplayRing(config, capacity)
+        self._ring = ReplayRing(config, capacity, n_step=self.n_step)
         self.cl = cl = CollectLayout(lay, n_envs=n_envs, capacity=capacity,
-                                     n_bars=tables.close.shape[0], n_features=tables.features.shape[1])
+                                     n_bars=tables.close.shape[0], n_features=tables.features.shape[1],
+                                     n_step=self.n_step)
         self.evl = evl = EvalLayout(lay, n_envs)
         binder = collect_binder(prog, cl, evl)
         new = functools.partial(Ops, binder)
@@ -152,7 +158,7 @@ class FastCollector:
         warm, head, tail = new(), new(), new()
         for ops in (warm, head):
             act_ops(ops, prog, cl, evl, **kw)
-            env_ops(ops, prog, cl, walks, reward_scale=reward_scale, **kw)
+            env_ops(ops, prog, cl, walks, reward_scale=reward_scale, gamma_ref=gamma_ref, **kw)
         advance_ops(warm, prog)
         sample_ops(head, prog, cl, beta=float(self._ring.beta), **kw)
         priority_ops(tail, prog, cl, alpha=float(self._ring.alpha),
@@ -194,12 +200,17 @@ class FastCollector:
 
     @property
     def size(self) -> int:
-        """Transitions in the ring (a host mirror: every cycle adds ``n_envs``)."""
+        """Transitions in the ring: a host mirror where ``n_step = 1`` (every cycle adds
+        ``n_envs``), else read back from the device (a synchronisation)."""
+        if self.n_step > 1:
+            self._ring.cursor, self._ring.size = (int(v) for v in
+                                                  self._device.arena.download("ring_pos"))
         return self._ring.size
 
     def _added(self) -> None:
-        self._ring.size = min(self._ring.size + self.n_envs, self._ring.capacity)
-        self._ring.cursor = (self._ring.cursor + self.n_envs) % self._ring.capacity
+        if self.n_step == 1:
+            self._ring.size = min(self._ring.size + self.n_envs, self._ring.capacity)
+            self._ring.cursor = (self._ring.cursor + self.n_envs) % self._ring.capacity
         self.cycle += 1
 
     # -- the cycle
@@ -228,7 +239,8 @@ class FastCollector:
 
     def cycle_step(self, trainer):
         """One training cycle (one graph launch on the GPU); the step's ``StepScalars``."""
-        if self.size < self.config.batch_size:
+        # the mirror (n_step > 1: the last size read back, a lower bound) before a read-back
+        if self._ring.size < self.config.batch_size and self.size < self.config.batch_size:
             raise ValueError(f"replay holds {self.size} transitions, fewer than "
                              f"batch_size={self.config.batch_size}")
         self._check_engine(trainer)
@@ -239,7 +251,7 @@ class FastCollector:
     # -- resume (synchronises: only at epoch ends)
     def ring(self) -> ReplayRing:
         """The device ring read back into a host ``ReplayRing`` (a copy)."""
-        ring = ReplayRing(self.config, self._ring.capacity)
+        ring = ReplayRing(self.config, self._ring.capacity, n_step=self.n_step)
         arena = self._device.arena
         for buf, name in RING_BUFFERS:
             setattr(ring, name, arena.download(buf))
@@ -258,10 +270,16 @@ class FastCollector:
         env = self.walk_state()
         arrays.update({f"env.{k}": getattr(env, k) for k in self.ENV_ARRAYS})
         return arrays, ring
+        arrays.update({f"nstep.{k}": v for k, v in self._windows().items()})
 
     def load_state(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
+    def _windows(self) -> dict[str, np.ndarray]:
+        """The n-step windows read back (``reference.collector.WINDOW_ARRAYS``)."""
+        bufs = {name: buf for buf, name in NSTEP_BUFFERS}
+        return {k: self._device.arena.download(bufs[k]) for k in WINDOW_ARRAYS}
+
         """Restore ``state()`` onto the device (the cycle counter is the constructor's)."""
-        ring = ReplayRing(self.config, self._ring.capacity)
+        ring = ReplayRing(self.config, self._ring.capacity, n_step=self.n_step)
         ring.load_state({**meta, **{k: arrays[f"replay.{k}"] for k in ReplayBuffer.STATE_ARRAYS}})
         arena = self._device.arena
         for buf, name in RING_BUFFERS:
@@ -280,6 +298,9 @@ class FastCollector:
             env.append(arr)
         self._set_walks(env_kernels.EnvState(*env))
 
+        bufs = {name: buf for buf, name in NSTEP_BUFFERS}
+        for name, arr in load_windows(arrays, self._windows()).items():
+            arena.upload(bufs[name], arr)
     def close(self) -> None:
         self._device.close()
 

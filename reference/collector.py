@@ -10,6 +10,9 @@ State (what the device keeps in its arena; ``state()`` / ``load_state()`` for re
   position, entry price) and their current states ``obs`` (``env_observe`` of that state);
 - the replay ring (``ReplayRing``: the arrays of ``kernels.replay``'s ring, the cursor, the
   size and the running maximum priority);
+- the n-step windows (``kernels.replay.nstep_buffers``' ``win_*``: each env's steps not yet
+  emitted; empty at the fold's start, so a fold's first transitions wait for their ``k`` steps
+  and a window still open at the fold's end is dropped with the walks);
 - ``cycle``: the global cycle counter (never reset, across folds and resumes): the offset of
   every random draw of a cycle (``kernels.rng.uniform(seed, stream, cycle, i)``).
 
@@ -21,8 +24,12 @@ start; the warm-up cycles use 1):
    streams ``explore`` and ``explore_action``);
 2. ``env_step`` with auto-reset (offsets from the stream ``episode_start``): rewards times
    ``reward_scale``, ``done``, the next states ``s2``, the labels ``next_ret`` and ``regime``;
-3. ``replay_add`` of ``(obs, actions, r, s2, done, next_ret, regime)`` at the running maximum
-   priority; ``obs`` becomes the post-reset states;
+3. ``nstep_window`` (issue 22): the step joins its env's window of the last ``n_step`` steps,
+   and the finished n-step transitions come out (``kernels.replay.nstep_window``: the
+   discounted reward sum, the state ``k`` steps on, ``done``, the labels of the first step and
+   ``discount = gamma_ref ** k``, ``gamma_ref = config.gammas[0]``, ``k = n_step`` or fewer
+   where the episode ended; ``n_step = 1``: every step as it is); ``replay_add`` of those
+   transitions at the running maximum priority; ``obs`` becomes the post-reset states;
 4. ``ring_prefix_sum`` of the priorities, ``replay_sample`` (stream ``replay_sample``),
    ``importance_weights``, ``replay_gather``: the batch;
 5. ``trainer.step(batch)``, then ``replay_update_priorities`` from the step's TD errors.
@@ -42,6 +49,7 @@ from .kernels import replay as replay_kernels
 from .market import Bars
 from .replay import ReplayBuffer
 
+from .step import check_n_step
 F32, I32, I64 = np.float32, np.int32, np.int64
 #: Longest episode of a training walk, in bars (shorter where the training segment is).
 MAX_EPISODE_LEN = 1000
@@ -52,7 +60,15 @@ class ReplayRing(ReplayBuffer):
     kernels' twins: ``add`` is ``replay_add``; ``sample(key, cycle)`` is ``ring_prefix_sum`` (the fast
     cycle's ``scan_tiles`` + ``scan_offsets`` order) of every priority (zero beyond ``size``), ``replay_sample``, ``importance_weights`` and
     ``replay_gather``; ``update_priorities`` is ``replay_update_priorities`` (a non-finite TD
-    error takes the running maximum; the last of repeated rows wins)."""
+    error takes the running maximum; the last of repeated rows wins).
+
+    ``n_step``: the transitions' window (``LoopSettings.n_step``); above 1 the sampled batches
+    carry the stored ``discount`` (``Batch.discount``), at 1 they leave it ``None`` (1-step
+    targets, today's batches)."""
+
+    def __init__(self, config: DQNConfig, capacity: int, *, n_step: int = 1, **kwargs):
+        super().__init__(config, capacity, **kwargs)
+        self.n_step = int(n_step)
 
     def ring_pos(self) -> np.ndarray:
         """``(cursor, size)`` as the device's int32 ``ring_pos``."""
@@ -62,11 +78,14 @@ class ReplayRing(ReplayBuffer):
         """The stored arrays by ``replay_gather``'s parameter names (live views)."""
         return {f"ring_{name}": getattr(self, name) for name, _, _ in replay_kernels.RING_FIELDS}
 
-    def add(self, s, a, r, s2, done, *, next_ret, regime) -> None:
+    def add(self, s, a, r, s2, done, *, next_ret, regime, discount) -> None:
         """``replay_add`` in place (the arrays converted to the ring's dtypes first)."""
-        values = dict(s=s, a=a, r=r, s2=s2, done=done, next_ret=next_ret, regime=regime)
+        values = dict(s=s, a=a, r=r, s2=s2, done=done, next_ret=next_ret, regime=regime,
+                      discount=discount)
         tr = {name: np.ascontiguousarray(values[name], dtype) for name, dtype, _ in replay_kernels.RING_FIELDS}
         pos, top = self.ring_pos(), np.array([self.max_priority], F32)
+        if tr["r"].shape[0] == 0:  # a cycle where every window is still filling
+            return
         replay_kernels.validate_replay_add(**tr, ring=self.ring(), priority=self.priority,
                                            ring_pos=pos, max_priority=top)
         replay_kernels.write_transitions({name: getattr(self, name) for name, _, _ in
@@ -84,7 +103,8 @@ class ReplayRing(ReplayBuffer):
         isw = replay_kernels.importance_weights(self.priority, idx, self.beta, self.size)
         g = replay_kernels.replay_gather(idx, **self.ring())
         batch = Batch(s=g.x[:B], a=np.ascontiguousarray(g.a.T), r=g.r, s2=g.x[B:], done=g.done,
-                      isw=isw, next_ret=g.next_ret, regime=g.regime)
+        nstep = {"discount": g.discount} if self.n_step > 1 else {}
+                      isw=isw, next_ret=g.next_ret, regime=g.regime, **nstep)
         return batch, idx
 
     def update_priorities(self, idx: np.ndarray, td_errors: np.ndarray) -> None:
@@ -119,12 +139,31 @@ class Walks:
 
 
 class Collector:
+def nstep_gamma(config: DQNConfig, n_step: int) -> np.float32:
+    """``gamma_ref = config.gammas[0]`` (float32): the gamma whose powers are the n-step
+    transitions' discounts. With ``n_step > 1`` it must lie in (0, 1) (the loss takes its
+    logarithm): ``step.check_n_step``'s one-line ``ValueError`` naming gamma and n_step."""
+    check_n_step(config, n_step)
+    return F32(config.gammas[0])
+
+
+def nstep_state(n_envs: int, n_step: int, config: DQNConfig) -> dict[str, np.ndarray]:
+    """Empty n-step windows and output rows (``kernels.replay.nstep_buffers``), zero-filled."""
+    return {name: np.zeros(shape, dtype) for name, (dtype, shape) in replay_kernels.nstep_buffers(
+        n_envs, n_step, config.state_dim, config.n_branches).items()}
+
+
+#: The n-step window arrays a resume state holds (``state()``'s ``nstep.<name>``).
+WINDOW_ARRAYS = ("win_s", "win_a", "win_r", "win_next_ret", "win_regime", "win_len")
+
+
     """One fold's experience on the reference twins (module docstring).
 
     ``Collector(config, tables, walks, *, n_envs, capacity, reward_scale, seed, cycle,
-    costs=ExecutionCosts())``: ``tables`` are ``kernels.env.market_tables`` of the run's bars;
-    the walks start at cycle ``cycle`` (their offsets drawn with it). ``trainer`` is any
-    backend (its ``q_values``, ``step`` and ``last_td_errors``).
+    n_step=1, costs=ExecutionCosts())``: ``tables`` are ``kernels.env.market_tables`` of the
+    run's bars; the walks start at cycle ``cycle`` (their offsets drawn with it); ``n_step`` is
+    the transitions' window (``nstep_gamma`` checks gamma for it). ``trainer`` is any backend
+    (its ``q_values``, ``step`` and ``last_td_errors``).
     """
 
     #: The env-state arrays ``state()`` saves (``kernels.env.EnvState``'s fields).
@@ -132,7 +171,7 @@ class Collector:
 
     def __init__(self, config: DQNConfig, tables: env_kernels.MarketTables, walks: Walks, *,
                  n_envs: int, capacity: int, reward_scale: float, seed: int, cycle: int,
-                 costs: ExecutionCosts = ExecutionCosts()):
+                 n_step: int = 1, costs: ExecutionCosts = ExecutionCosts()):
         self.config = config
         self.tables = tables
         self.walks = walks
@@ -140,7 +179,10 @@ class Collector:
         self.seed = int(seed)
         self.reward_scale = F32(reward_scale)
         self.costs = env_kernels.cost_table(costs)
-        self.ring = ReplayRing(config, capacity)
+        self.n_step = int(n_step)
+        self.gamma_ref = nstep_gamma(config, self.n_step)
+        self.ring = ReplayRing(config, capacity, n_step=self.n_step)
+        self.window = nstep_state(self.n_envs, self.n_step, config)
         self.cycle = int(cycle)
         self.env = env_kernels.env_reset(None, self.n_envs, walks.min_start, walks.last_start,
                                          self.seed, np.array([self.cycle], I64))
@@ -175,8 +217,14 @@ class Collector:
             tb.close, tb.high, tb.low, tb.features, tb.regime, *self.env, actions,
             self._no_record, self._no_record, self._no_record, self.costs, w.n_bars, w.min_start,
             w.last_start, w.episode_len, 1, self.reward_scale, c.state_dim, self.seed, cycle)
-        self.ring.add(self.obs, actions, out.r, out.s2, out.done, next_ret=out.next_ret,
-                      regime=out.regime)
+        self.window = replay_kernels.nstep_window(
+            self.obs, actions, out.r, out.done, out.s2, out.next_ret, out.regime,
+            **self.window, n_step=self.n_step, gamma_ref=self.gamma_ref)._asdict()
+        m = int(self.window.pop("n_out")[0])
+        w = self.window
+        self.ring.add(w["out_s"][:m], w["out_a"][:m], w["out_r"][:m], w["out_s2"][:m],
+                      w["out_done"][:m], next_ret=w["out_next_ret"][:m],
+                      regime=w["out_regime"][:m], discount=w["out_discount"][:m])
         self.env = env_kernels.EnvState(*out[:len(self.ENV_ARRAYS)])
         self.obs = out.obs
 
@@ -209,8 +257,9 @@ class Collector:
     # -- resume
     def state(self) -> tuple[dict[str, np.ndarray], dict]:
         """``(arrays, meta)``: the ring's ``state()`` arrays as ``replay.<name>``, the walks as
-        ``env.<name>``; ``meta`` the ring's size, cursor and maximum priority (JSON-ready).
-        The cycle counter is the caller's to save (it outlives the fold)."""
+        ``env.<name>``, the n-step windows as ``nstep.<name>`` (``WINDOW_ARRAYS``); ``meta``
+        the ring's size, cursor and maximum priority (JSON-ready). The cycle counter is the
+        caller's to save (it outlives the fold)."""
         ring = self.ring.state()
         arrays = {f"replay.{k}": ring.pop(k) for k in ReplayBuffer.STATE_ARRAYS}
         arrays.update({f"env.{k}": getattr(self.env, k).copy() for k in self.ENV_ARRAYS})
@@ -218,6 +267,7 @@ class Collector:
 
     def load_state(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
         """Restore ``state()`` (the cycle counter is set by the constructor)."""
+        arrays.update({f"nstep.{k}": self.window[k].copy() for k in WINDOW_ARRAYS})
         self.ring.load_state({**meta, **{k: arrays[f"replay.{k}"] for k in ReplayBuffer.STATE_ARRAYS}})
         env = []
         for name, now in zip(self.ENV_ARRAYS, self.env):
@@ -232,12 +282,27 @@ class Collector:
 
 def fold_collector(trainer, config: DQNConfig, bars: Bars, feats: np.ndarray,
                    train: tuple[int, int], settings, cycle: int):
+        self.window.update(load_windows(arrays, self.window))
+
+
+def load_windows(arrays: dict[str, np.ndarray], now: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The ``nstep.<name>`` arrays of a resume state, checked against the windows ``now``
+    (dtype and shape: the same n_envs, n_step, state_dim and branches); copies."""
+    out = {}
+    for name in WINDOW_ARRAYS:
+        arr = np.asarray(arrays[f"nstep.{name}"])
+        if arr.shape != now[name].shape or arr.dtype != now[name].dtype:
+            raise ValueError(f"n-step window {name}: {arr.dtype} {arr.shape} is not allowed; "
+                             f"need {now[name].dtype} {now[name].shape}")
+        out[name] = arr.copy()
+    return out
     """The collector of one fold's training segment ``train`` for ``settings``
     (``loop.LoopSettings``), starting at cycle ``cycle``: ``foxhunt.fast.collector.
     FastCollector`` (the cycle as one device graph) for a fast trainer, this module's
     ``Collector`` for any other."""
     kwargs = dict(n_envs=settings.n_envs, capacity=settings.replay_capacity,
-                  reward_scale=settings.reward_scale, seed=settings.seed, cycle=cycle)
+                  reward_scale=settings.reward_scale, seed=settings.seed, cycle=cycle,
+                  n_step=settings.n_step)
     tables, walks = env_kernels.market_tables(bars, feats), Walks.of_segment(train)
     if getattr(trainer, "backend_name", None) == "fast":
         from foxhunt.fast.collector import FastCollector  # only when the run asked for it
@@ -246,4 +311,5 @@ def fold_collector(trainer, config: DQNConfig, bars: Bars, feats: np.ndarray,
     return Collector(config, tables, walks, **kwargs)
 
 
-__all__ = ["Collector", "MAX_EPISODE_LEN", "ReplayRing", "Walks", "fold_collector"]
+__all__ = ["Collector", "MAX_EPISODE_LEN", "ReplayRing", "WINDOW_ARRAYS", "Walks", "fold_collector",
+           "load_windows", "nstep_gamma", "nstep_state"]

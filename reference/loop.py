@@ -7,7 +7,9 @@ segment, a **validation** segment (``val_frac`` of the window: chooses the best 
 
 - ``n_envs`` parallel walks over the training segment collect experience with epsilon-greedy
   exploration, independently per branch (epsilon decays linearly over the first
-  ``explore_frac`` of all epochs), into a prioritised replay buffer;
+  ``explore_frac`` of all epochs), into a prioritised replay buffer of ``n_step``-step
+  transitions (discounted reward sums over up to ``n_step`` steps, shorter at episode ends,
+  each with its effective discount ``gamma_ref ** k``; ``collector`` module);
 - each epoch runs ``steps_per_epoch`` training steps (300, the seeds' epoch), one environment
   step of every walk per training step, priorities updated from the step's TD errors;
 - the experience is a collector's (``collector.fold_collector``): the cycle of the device
@@ -45,6 +47,7 @@ bitwise where the uninterrupted run ends. A failed checkpoint write logs a warni
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,11 +58,12 @@ import numpy as np
 
 from . import loop_state, sentinels
 from .backend import READBACK_FIELDS, StepScalars, TrainerBackend, get_backend
-from .collector import fold_collector
+from .collector import fold_collector, nstep_gamma
 from .config import DQNConfig, require_int, require_positive, require_range
 from .env import BranchingEnv, rollout
 from .evaluator import segment_evaluator
 from .isv_step import adaptive_on, sharpe_ema
+from .kernels.replay import MAX_N_STEP
 from .market import (DEFAULT_WINDOWS, N_POSITION_FEATURES, Bars, feature_warmup,
                      market_features, n_market_features, regime_labels)
 from .metrics import (METRIC_NAMES, SegmentMetrics, bar_seconds, bars_per_year, equity_curve,
@@ -95,6 +99,9 @@ class LoopSettings:
     #: Rewards are per-bar fractional returns (~1e-4); they are scaled into the C51 support.
     reward_scale: float = 1000.0
     seed: int = 0
+    #: Environment steps per transition (issue 22: n-step returns, ``collector`` module); 1 is
+    #: 1-step. ``foxhunt train`` uses 3 for the ``seed`` preset unless ``--n-step`` says.
+    n_step: int = 1
 
     def __post_init__(self) -> None:
         for name in ("folds", "epochs", "steps_per_epoch", "n_envs", "replay_capacity"):
@@ -107,6 +114,9 @@ class LoopSettings:
         require_positive("reward_scale", self.reward_scale)
         for name in ("eps_start", "eps_end", "explore_frac"):
             require_range(name, getattr(self, name), 0.0, 1.0)
+        if (isinstance(self.n_step, bool) or not isinstance(self.n_step, int)
+                or not 1 <= self.n_step <= MAX_N_STEP):
+            raise ValueError(f"n_step={self.n_step!r}: must be an integer in [1, {MAX_N_STEP}]")
 
 
 #: The ``StepScalars`` fields an epoch record carries over (the epoch-end readback): every
@@ -309,12 +319,18 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
     """
     if resume and out_dir is None:
         raise ValueError("resume=True needs out_dir (the run directory holding the resume state)")
+    nstep_gamma(config, settings.n_step)  # n-step transitions need 0 < gamma_ref < 1
     if config.aux_regime_on:  # the regime head's classes must cover the market's labels
         top = int(regime_labels(bars).max(initial=0))
         if top >= config.n_regimes:
             raise ValueError(f"n_regimes={config.n_regimes}: the market's regime labels reach {top}; "
                              f"need n_regimes >= {top + 1} for aux_regime_weight > 0")
-    trainer = get_backend(backend)(config, seed=settings.seed)
+    make = get_backend(backend)
+    # A fast trainer lays its batch out for n-step transitions (``n_step``); the reference
+    # trainer reads ``batch.discount`` as it comes.
+    takes_n_step = "n_step" in inspect.signature(make).parameters
+    trainer = make(config, seed=settings.seed,
+                   **({"n_step": settings.n_step} if takes_n_step else {}))
     windows = choose_windows(config.state_dim)
     feats = market_features(bars, windows)
     segments = fold_segments(len(bars), feature_warmup(windows), settings.folds, settings.val_frac,

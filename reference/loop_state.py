@@ -38,8 +38,9 @@ from .market import Bars
 
 LOG = logging.getLogger("foxhunt")
 
-FORMAT = "foxhunt-loop-state-4"  # 2: second-wave scalars, replay labels; 3: the cycle counter
-# 4: records time training (train_s) and evaluation (eval_s) apart
+FORMAT = "foxhunt-loop-state-5"  # 2: second-wave scalars, replay labels; 3: the cycle counter
+# 4: records time training (train_s) and evaluation (eval_s) apart; 5: the replay's n-step
+# discount and the collector's n-step windows (issue 22)
 CHECKPOINTS = "checkpoints"
 LAST_TRAINER = "last.safetensors"
 LAST_LOOP = "last.loop.npz"

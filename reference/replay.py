@@ -7,7 +7,9 @@ New transitions enter with the current maximum priority so that each is seen at 
 high probability.
 
 Each transition also stores the auxiliary heads' labels (``next_ret`` f32, ``regime`` int32;
-see ``Batch``), so every sampled batch carries them whether or not a head reads them.
+see ``Batch``), so every sampled batch carries them whether or not a head reads them, and its
+effective discount ``discount`` f32 (``gamma_ref ** k`` for a transition of ``k`` environment
+steps, ``gamma_ref = config.gammas[0]``: the n-step transitions of issue 22).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class ReplayBuffer:
         self.done = np.zeros(capacity, np.float32)
         self.next_ret = np.zeros(capacity, np.float32)
         self.regime = np.zeros(capacity, np.int32)
+        self.discount = np.zeros(capacity, np.float32)
         self.priority = np.zeros(capacity, np.float32)
         self.size = 0
         self.cursor = 0
@@ -62,7 +65,7 @@ class ReplayBuffer:
         return self.size
 
     #: The arrays ``state()`` saves (their first ``size`` rows: the rest is never read).
-    STATE_ARRAYS = ("s", "s2", "a", "r", "done", "next_ret", "regime", "priority")
+    STATE_ARRAYS = ("s", "s2", "a", "r", "done", "next_ret", "regime", "discount", "priority")
 
     def state(self) -> dict:
         """The buffer's contents and position: ``STATE_ARRAYS`` cut to ``size`` rows (copies),
@@ -90,14 +93,16 @@ class ReplayBuffer:
         self.size, self.cursor = size, cursor
         self.max_priority = np.float32(state["max_priority"])
 
-    def add(self, s, a, r, s2, done, *, next_ret, regime) -> None:
+    def add(self, s, a, r, s2, done, *, next_ret, regime, discount=None) -> None:
         """Append ``n`` transitions (arrays with a leading batch dimension); ``next_ret`` and
-        ``regime`` are the env's ``info["ret"]`` and ``info["regime"]`` of the same step."""
+        ``regime`` are the env's ``info["ret"]`` and ``info["regime"]`` of the same step;
+        ``discount`` their ``gamma_ref ** k`` (``None``: 1-step transitions, ``gamma_ref``)."""
         n = len(r)
         idx = (self.cursor + np.arange(n)) % self.capacity
         self.s[idx], self.a[idx], self.r[idx] = s, a, r
         self.s2[idx], self.done[idx] = s2, done
         self.next_ret[idx], self.regime[idx] = next_ret, regime
+        self.discount[idx] = np.float32(self.config.gammas[0]) if discount is None else discount
         self.priority[idx] = self.max_priority
         self.cursor = int((self.cursor + n) % self.capacity)
         self.size = int(min(self.size + n, self.capacity))

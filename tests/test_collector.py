@@ -44,7 +44,8 @@ def _transitions(gen, n):
                 r=gen.standard_normal(n).astype(F32), s2=gen.standard_normal((n, sd)).astype(F32),
                 done=(gen.random(n) < 0.2).astype(F32),
                 next_ret=(0.01 * gen.standard_normal(n)).astype(F32),
-                regime=gen.integers(0, 3, n).astype(np.int8))
+                regime=gen.integers(0, 3, n).astype(np.int8),
+                discount=gen.uniform(0.5, 1.0, n).astype(F32))
 
 
 def test_ring_adds_like_the_host_replay_buffer():
@@ -232,8 +233,8 @@ def test_fast_plan_binds_the_batch_it_gathers_and_reads_no_unwritten_buffer(mark
     col = FastCollector(trainer, CFG, tables, walks, **KW)
     head = [n.kernel for n in col.plans["train"][0].nodes() if hasattr(n, "kernel")]
     tail = [n.kernel for n in col.plans["train"][-1].nodes()]
-    for name in ("env_act", "env_step", "replay_add", "scan_tiles", "scan_offsets", "replay_sample",
-                 "importance_weights", "replay_gather"):
+    for name in ("env_act", "env_step", "nstep_window", "replay_add", "scan_tiles", "scan_offsets",
+                 "replay_sample", "importance_weights", "replay_gather"):
         assert head.count(name) == 1, name
     assert tail == ["replay_update_priorities", "cycle_advance"]
     gather = next(n for n in col.plans["train"][0].nodes() if getattr(n, "kernel", "") == "replay_gather")
@@ -305,7 +306,7 @@ def test_the_cycle_kernels_twins_declare_every_pointer_parameter():
     params = kernel_params()
     for name in ("env_act", "env_step", "replay_add", "scan_tiles", "scan_offsets", "replay_sample",
                  "importance_weights", "replay_gather", "replay_update_priorities",
-                 "cycle_advance"):
+                 "cycle_advance", "nstep_window"):
         pointers = {p.name for p in params[name] if p.pointer}
         assert set(TWINS[name].extents) == pointers, name
         assert TWINS[name].nullable <= pointers, name

@@ -16,7 +16,8 @@ def empty_ring(capacity: int, state_dim: int = 3, n_branches: int = 2) -> dict:
     return {"ring_s": np.zeros((capacity, state_dim), F32), "ring_a": np.zeros((capacity, n_branches), I32),
             "ring_r": np.zeros(capacity, F32), "ring_s2": np.zeros((capacity, state_dim), F32),
             "ring_done": np.zeros(capacity, F32), "ring_next_ret": np.zeros(capacity, F32),
-            "ring_regime": np.zeros(capacity, I32), "priority": np.zeros(capacity, F32),
+            "ring_regime": np.zeros(capacity, I32), "ring_discount": np.zeros(capacity, F32),
+            "priority": np.zeros(capacity, F32),
             "ring_pos": np.zeros(2, I32)}
 
 
@@ -26,11 +27,13 @@ def transitions(n: int, start: int, state_dim: int = 3, n_branches: int = 2) -> 
     return {"s": np.repeat(k[:, None], state_dim, 1).astype(F32),
             "a": np.repeat(k[:, None] % 3, n_branches, 1).astype(I32), "r": (k * 0.5).astype(F32),
             "s2": np.repeat(-k[:, None], state_dim, 1).astype(F32), "done": (k % 2).astype(F32),
-            "next_ret": (k * 0.01).astype(F32), "regime": (k % 3).astype(I32)}
+            "next_ret": (k * 0.01).astype(F32), "regime": (k % 3).astype(I32),
+            "discount": (1.0 / (k + 1)).astype(F32)}
 
 
-def add(ring: dict, tr: dict, max_priority: float) -> dict:
-    out = replay.replay_add(**tr, **ring, max_priority=np.array([max_priority], F32))
+def add(ring: dict, tr: dict, max_priority: float, n_valid=None) -> dict:
+    out = replay.replay_add(**tr, **ring, max_priority=np.array([max_priority], F32),
+                            n_valid=n_valid)
     return out._asdict()
 
 
@@ -49,7 +52,24 @@ def test_replay_add_writes_at_the_cursor_and_wraps():
     assert ring["ring_a"][:, 1].tolist() == [2, 0, 2, 0, 1]
     assert ring["ring_regime"].tolist() == [2, 0, 2, 0, 1]
     assert ring["ring_done"].tolist() == [1, 0, 0, 1, 0]
+    assert ring["ring_discount"].tolist() == [F32(1 / 6), F32(1 / 7), F32(1 / 3), F32(1 / 4), F32(1 / 5)]
     assert ring["priority"].tolist() == [2.0, 2.0, 1.0, 2.0, 2.0]
+
+
+def test_replay_add_with_a_device_count_writes_only_the_first_rows():
+    """``n_valid`` (nstep_window's count): rows 0 .. n_valid - 1 of the given rows go in and
+    the cursor moves by n_valid; 0 writes nothing."""
+    ring = add(empty_ring(5), transitions(4, 0), 1.0, n_valid=np.array([2], I32))
+    assert ring["ring_pos"].tolist() == [2, 2]
+    assert ring["ring_s"][:, 0].tolist() == [0, 1, 0, 0, 0]
+    assert ring["priority"].tolist() == [1.0, 1.0, 0, 0, 0]
+    ring = add(ring, transitions(4, 10), 3.0, n_valid=np.array([0], I32))
+    assert ring["ring_pos"].tolist() == [2, 2] and ring["ring_s"][:, 0].tolist() == [0, 1, 0, 0, 0]
+    ring = add(ring, transitions(4, 20), 3.0, n_valid=np.array([4], I32))  # wraps
+    assert ring["ring_pos"].tolist() == [1, 5]
+    assert ring["ring_s"][:, 0].tolist() == [23, 1, 20, 21, 22]
+    with pytest.raises(ValueError, match="n_valid"):
+        add(ring, transitions(4, 0), 1.0, n_valid=np.array([5], I32))
 
 
 def test_replay_add_leaves_its_inputs_alone():
@@ -122,6 +142,7 @@ def test_replay_gather_lays_rows_out_like_the_step_batch():
     assert g.done.tolist() == [0, 0, 0]
     assert g.next_ret.tolist() == [F32(0.14), F32(0.10), F32(0.14)]
     assert g.regime.tolist() == [2, 1, 2]
+    assert g.discount.tolist() == [F32(1 / 15), F32(1 / 11), F32(1 / 15)]
 
 
 def test_replay_gather_rejects_an_index_outside_the_ring():

@@ -31,11 +31,12 @@ from foxhunt.reference.step import support
 CHUNK = 16
 
 
-def _setup(precision: str, seed: int):
-    """A tiny trainer stepped a few times (its greedy policy trades), the run's bars and its
-    two folds' validation and test segments, and a graph-mode and a fused-mode evaluator."""
-    config = DQNConfig.preset("tiny", precision=precision)
-    trainer = CpuTrainer(config, seed=seed)
+def _setup(precision: str, seed: int, preset: str = "tiny", trainer_class=CpuTrainer):
+    """A trainer of ``preset`` (the CPU executor's, or on a GPU ``fast.Trainer``) stepped a few
+    times (its greedy policy trades), the run's bars and its two folds' validation and test
+    segments, and a graph-mode and a fused-mode evaluator."""
+    config = DQNConfig.preset(preset, precision=precision)
+    trainer = trainer_class(config, seed=seed)
     gen = np.random.default_rng(seed)
     for _ in range(3):
         trainer.step(Batch.random(config, gen))
@@ -45,8 +46,9 @@ def _setup(precision: str, seed: int):
     folds = loop.fold_segments(len(bars), feature_warmup(windows), 2, 0.125, 0.125)
     segments = [getattr(seg, name) for seg in folds for name in loop.EVAL_SEGMENTS]
     tables = env_kernels.market_tables(bars, feats)
-    graph = DeviceEvaluator(trainer, tables, max_steps=120, chunk=CHUNK)
-    fused = DeviceEvaluator(trainer, tables, max_steps=120, chunk=CHUNK, mode="fused")
+    steps = max(120, *(stop - start - 1 for start, stop in segments))
+    graph = DeviceEvaluator(trainer, tables, max_steps=steps, chunk=CHUNK)
+    fused = DeviceEvaluator(trainer, tables, max_steps=steps, chunk=CHUNK, mode="fused")
     per_year = bars_per_year(bar_seconds(bars.timestamp))
     return config, trainer, tables, segments, per_year, graph, fused
 
@@ -59,19 +61,30 @@ def run_setup(request):
         ev.close()
 
 
+def _walk_args(config, trainer, tables, start, stop) -> dict:
+    """``greedy_walk``'s arguments: the trainer's live online parameters and ISV, the tables."""
+    arena = trainer.engine.arena
+    return dict(
+        params=arena.download("params2")[0],
+        param_offsets=walk.walk_offsets(ParamLayout(config), config.n_branches),
+        dims=walk.walk_dims(config), branches=config.branches, bf16=config.precision == "bf16",
+        z=support(config), isv=arena.download("isv"), isv_index=H_S2_RMS_EMA_INDEX,
+        h2_clamp_mult=config.h2_clamp_mult, close=tables.close, high=tables.high, low=tables.low,
+        features=tables.features, costs=env_kernels.cost_table(ExecutionCosts()), start=start,
+        n_steps=stop - start - 1)
+
+
 def _margins(config, trainer, tables, start, stop) -> np.ndarray:
     """The reference walk's margins on the trainer's live online parameters and ISV."""
-    arena = trainer.engine.arena
-    return walk.greedy_walk(
-        arena.download("params2")[0], walk.walk_offsets(ParamLayout(config), config.n_branches),
-        walk.walk_dims(config), config.branches, config.precision == "bf16", support(config),
-        arena.download("isv"), H_S2_RMS_EMA_INDEX, config.h2_clamp_mult, tables.close,
-        tables.high, tables.low, tables.features, env_kernels.cost_table(ExecutionCosts()),
-        start, stop - start - 1).margins
+    return walk.greedy_walk(**_walk_args(config, trainer, tables, start, stop)).margins
 
 
 def test_fused_walk_equals_the_graph_walk_up_to_the_first_near_tie(run_setup):
-    config, trainer, tables, segments, per_year, graph, fused = run_setup
+    _fused_equals_graph(run_setup)
+
+
+def _fused_equals_graph(setup) -> None:
+    config, trainer, tables, segments, per_year, graph, fused = setup
     bf16 = config.precision == "bf16"
     compared = 0
     for start, stop in segments:
@@ -152,3 +165,40 @@ def test_the_evaluator_refuses_an_unknown_mode(run_setup):
     with pytest.raises(ValueError, match=re.escape(
             "mode='cluster': allowed values are 'graph', 'fused'")):
         DeviceEvaluator(trainer, tables, max_steps=10, mode="cluster")
+
+
+_GPU, _WHY = fast_device.cuda_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
+@pytest.mark.parametrize("precision", ["bf16", "f32"])
+def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision):
+    """On the GPU, the seed network: the fused plan captures the kernel ``plan_walk`` picks for
+    the device (``greedy_walk_cluster`` from sm_90, over 48 KiB of shared memory per block: the
+    graph lowering's opt-in), and its per-bar rewards are the one-block ``greedy_walk`` test
+    entry's on the trainer's live parameters, bit for bit, on every bar (no near-tie cut: the
+    two kernels sum in the same order; a freshly stepped seed network's margins are too small
+    for a comparison with the chunk graphs to reach past a few bars)."""
+    from foxhunt.fast import Trainer
+    from foxhunt.fast.kernels.walk import WALK_KERNELS
+    from foxhunt.fast.kernels.walk import greedy_walk as one_block
+
+    config, trainer, tables, segments, per_year, graph, fused = _setup(
+        precision, seed=3, preset="seed", trainer_class=Trainer)
+    try:
+        traded = 0
+        for start, stop in segments:
+            got = fused.walk(start, stop, per_year, equity=True).rewards
+            want = one_block(**_walk_args(config, trainer, tables, start, stop)).rewards
+            assert got.tobytes() == want.tobytes()
+            traded += np.count_nonzero(want)
+        assert traded > 0
+        assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
+        packed = {node.kernel for *_, node in fused._device._lowering._packed.values()}
+        new = trainer.engine.device.compute_capability >= (9, 0)
+        assert packed & set(WALK_KERNELS) == {"greedy_walk_cluster" if new else "greedy_walk"}
+    finally:
+        graph.close()
+        fused.close()
+        trainer.close()

@@ -122,7 +122,8 @@ def _ring(d: Dims, rng) -> Kwargs:
     return {"ring_s": normal(rng, (cap, sd)), "ring_a": rng.integers(0, 3, (cap, 3)).astype(I32),
             "ring_r": normal(rng, cap), "ring_s2": normal(rng, (cap, sd)),
             "ring_done": (rng.random(cap) < 0.1).astype(F32), "ring_next_ret": normal(rng, cap, 0.01),
-            "ring_regime": rng.integers(0, 3, cap).astype(I32), "priority": prio,
+            "ring_regime": rng.integers(0, 3, cap).astype(I32),
+            "ring_discount": uniform(rng, cap, 0.9, 1.0), "priority": prio,
             "ring_pos": np.array([cap - min(cap, 3), size], I32)}
 
 
@@ -132,7 +133,29 @@ def _s_add(d: Dims, rng) -> Kwargs:
     return {"s": normal(rng, (n, sd)), "a": rng.integers(0, 3, (n, 3)).astype(I32),
             "r": normal(rng, n), "s2": normal(rng, (n, sd)), "done": (rng.random(n) < 0.1).astype(F32),
             "next_ret": normal(rng, n, 0.01), "regime": rng.integers(0, 3, n).astype(I32),
-            **ring, "max_priority": np.array([2.5], F32)}
+            "discount": uniform(rng, n, 0.9, 1.0), **ring, "max_priority": np.array([2.5], F32),
+            # nstep_window's device count: the first rows only (0 to n)
+            "n_valid": np.array([int(rng.integers(0, n + 1))], I32)}
+
+
+def _s_nstep(d: Dims, rng) -> Kwargs:
+    """Windows of every fill (``win_len`` 0 to n_step - 1), a third of the episodes ending."""
+    n_envs, sd, n_step, nb = min(d.batch, 64), _state_dim(d), 3, 3
+    rows = n_envs * n_step
+    return {"obs": normal(rng, (n_envs, sd)), "actions": rng.integers(0, 3, (n_envs, nb)).astype(I32),
+            "r": normal(rng, n_envs), "done": (rng.random(n_envs) < 0.3).astype(F32),
+            "s2": normal(rng, (n_envs, sd)), "next_ret": normal(rng, n_envs, 0.01),
+            "regime": rng.integers(0, 3, n_envs).astype(I32),
+            "win_s": normal(rng, (n_envs, n_step, sd)),
+            "win_a": rng.integers(0, 3, (n_envs, n_step, nb)).astype(I32),
+            "win_r": normal(rng, (n_envs, n_step)), "win_next_ret": normal(rng, (n_envs, n_step), 0.01),
+            "win_regime": rng.integers(0, 3, (n_envs, n_step)).astype(I32),
+            "win_len": rng.integers(0, n_step, n_envs).astype(I32),
+            "out_s": normal(rng, (rows, sd)), "out_a": rng.integers(0, 3, (rows, nb)).astype(I32),
+            "out_r": normal(rng, rows), "out_s2": normal(rng, (rows, sd)),
+            "out_done": np.zeros(rows, F32), "out_next_ret": normal(rng, rows, 0.01),
+            "out_regime": rng.integers(0, 3, rows).astype(I32), "out_discount": np.ones(rows, F32),
+            "n_step": n_step, "gamma_ref": 0.97}
 
 
 def _s_ring_sample(d: Dims, rng) -> Kwargs:
@@ -237,7 +260,8 @@ ENTRIES: tuple[SpecEntry, ...] = (
         name="replay_add",
         outputs={f"ring_{name}": (f32 if dtype == F32 else i32)(EXACT)
                  for name, dtype in (("s", F32), ("a", I32), ("r", F32), ("s2", F32),
-                                     ("done", F32), ("next_ret", F32), ("regime", I32))}
+                                     ("done", F32), ("next_ret", F32), ("regime", I32),
+                                     ("discount", F32))}
         | {"priority": f32(EXACT), "ring_pos": i32(EXACT)},
         sample=_s_add,
         targets=("s", "r", "max_priority"),
@@ -246,6 +270,25 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: wrong_dtype(k, "s"),
             lambda k: replace(k, ring_pos=np.array([k["priority"].size, 0], I32)),
             lambda k: replace(k, a=k["a"][:, :2]),
+            lambda k: replace(k, n_valid=np.array([k["r"].size + 1], I32)),
+        ),
+    ),
+    # n-step transitions: copies, and sums whose float order the kernel follows (no FMA)
+    SpecEntry(
+        name="nstep_window",
+        outputs={name: (i32 if name in ("win_a", "win_regime", "win_len", "out_a", "out_regime",
+                                        "n_out") else f32)(EXACT)
+                 for name in ("win_s", "win_a", "win_r", "win_next_ret", "win_regime", "win_len",
+                              "out_s", "out_a", "out_r", "out_s2", "out_done", "out_next_ret",
+                              "out_regime", "out_discount", "n_out")},
+        sample=_s_nstep,
+        targets=("r", "win_r", "obs"),
+        errors=error_cases(
+            _s_nstep,
+            lambda k: replace(k, win_len=np.full_like(k["win_len"], k["n_step"])),
+            lambda k: replace(k, n_step=17),
+            lambda k: replace(k, gamma_ref=1.5),
+            lambda k: wrong_dtype(k, "r"),
         ),
     ),
     SpecEntry(
@@ -263,7 +306,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
     SpecEntry(
         name="replay_gather",
         outputs={"x": f32(EXACT), "a": i32(EXACT), "r": f32(EXACT), "done": f32(EXACT),
-                 "next_ret": f32(EXACT), "regime": i32(EXACT)},
+                 "next_ret": f32(EXACT), "regime": i32(EXACT), "discount": f32(EXACT)},
         sample=_s_gather,
         targets=("ring_s", "ring_r"),
         errors=error_cases(

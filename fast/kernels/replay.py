@@ -17,20 +17,25 @@ Kernel parameters (C order):
 - ``importance_weights(priorities, n_items, idx, w, n, beta)``: ONE block (fminf tree, then a
   division and a ``powf`` per weight); the caller guarantees ``0 <= idx < n_valid <= n_items``
   (``n_items``: the length of ``priorities``).
-- ``replay_add(s, a, r, s2, done, next_ret, regime, n, state_dim, n_branches, ring_s, ring_a,
-  ring_r, ring_s2, ring_done, ring_next_ret, ring_regime, priority, ring_pos, max_priority,
-  capacity)``: ONE block (its thread 0 advances ``ring_pos`` after the barrier).
+- ``replay_add(s, a, r, s2, done, next_ret, regime, discount, n_valid, n_given, state_dim,
+  n_branches, ring_s, ring_a, ring_r, ring_s2, ring_done, ring_next_ret, ring_regime,
+  ring_discount, priority, ring_pos, max_priority, capacity)``: ONE block (its thread 0
+  advances ``ring_pos`` after the barrier); ``n_valid`` may be null (all ``n_given`` rows).
+- ``nstep_window(obs, actions, r, done, s2, next_ret, regime, n_envs, state_dim, n_branches,
+  n_step, gamma_ref, win_s, win_a, win_r, win_next_ret, win_regime, win_len, out_s, out_a,
+  out_r, out_s2, out_done, out_next_ret, out_regime, out_discount, n_out)``: ONE block with
+  ``2 * n_envs`` ints of dynamic shared memory (``plan_nstep_window``).
 - ``replay_sample(prefix, capacity, ring_pos, key_lo, key_hi, stream, cycle, idx, n)``: one
   thread per sample, any grid; ``stream`` is ``rng.STREAMS["replay_sample"]``.
-- ``replay_gather(idx, n, capacity, state_dim, n_branches, ring_s, ..., ring_regime, x, a, r,
-  done, next_ret, regime)``: grid-stride over the ``n * state_dim`` state elements;
-  ``next_ret`` and ``regime`` may be null (not gathered).
+- ``replay_gather(idx, n, capacity, state_dim, n_branches, ring_s, ..., ring_discount, x, a,
+  r, done, next_ret, regime, discount)``: grid-stride over the ``n * state_dim`` state
+  elements; ``next_ret``, ``regime`` and ``discount`` may be null (not gathered).
 - ``replay_update_priorities(td, idx, n, priority, capacity, max_priority, alpha, eps)``: ONE
   block.
 - ``cycle_advance(cycle)``: one thread (the collector's int64 counter plus one).
 
-Numerics: ``sample_proportional``, ``replay_sample``, ``replay_add`` and ``replay_gather`` are
-exact. ``prefix_sum`` associates differently from the
+Numerics: ``sample_proportional``, ``replay_sample``, ``replay_add``, ``replay_gather`` and
+``nstep_window`` (its sums in the reference's order, rounded per operation) are exact. ``prefix_sum`` associates differently from the
 reference's sequential sum: results differ by rounding (conformance: reduction tolerance, with
 length ``n`` and magnitude ``max|p|``). ``importance_weights`` uses CUDA ``powf`` (not correctly
 rounded, a few ULP; glibc's ``powf`` on the reference side is within 1 ULP), compared under the
@@ -46,6 +51,7 @@ from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, launch, plan_f
 from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.replay import (
     Gathered,
+    NStepWindow,
     RING_SCAN_THREADS,
     Priorities,
     RingAdd,
@@ -53,6 +59,7 @@ from foxhunt.reference.kernels.replay import (
     scan_blocks,
     validate_cycle,
     validate_importance_weights,
+    validate_nstep_window,
     validate_replay_add,
     validate_replay_gather,
     validate_replay_sample,
@@ -116,6 +123,20 @@ def plan_replay_add(n: int, state_dim: int) -> Plan:
 #: One thread per sample (grid-stride).
 plan_replay_sample = plan_flat
 
+#: nstep_window's dynamic shared memory limit (the default per-block limit, no opt-in).
+SHARED_LIMIT = 48 * 1024
+
+
+def plan_nstep_window(n_envs: int, state_dim: int) -> Plan:
+    """ONE block, one thread per state element up to ``WEIGHTS_MAX_THREADS``, whole warps;
+    ``2 * n_envs`` ints of shared memory (at most ``SHARED_LIMIT`` bytes: 6144 envs)."""
+    shared = 2 * 4 * int(n_envs)
+    if shared > SHARED_LIMIT:
+        raise ValueError(f"n_envs={n_envs}: nstep_window holds 2 ints per env in shared memory; "
+                         f"allowed at most {SHARED_LIMIT // 8} envs")
+    grid, block, _ = plan_importance_weights(n_envs * state_dim)
+    return grid, block, shared
+
 
 def plan_replay_gather(n: int, state_dim: int) -> Plan:
     """Flat over the ``n * state_dim`` gathered state elements (the other fields are fewer)."""
@@ -166,19 +187,40 @@ def importance_weights(priorities: np.ndarray, idx: np.ndarray, beta: float,
     return w
 
 
-def replay_add(s, a, r, s2, done, next_ret, regime, ring_s, ring_a, ring_r, ring_s2, ring_done,
-               ring_next_ret, ring_regime, priority, ring_pos, max_priority) -> RingAdd:
-    """``n`` transitions into the ring at its device cursor (``RingAdd``), on the GPU."""
+def replay_add(s, a, r, s2, done, next_ret, regime, discount, ring_s, ring_a, ring_r, ring_s2,
+               ring_done, ring_next_ret, ring_regime, ring_discount, priority, ring_pos,
+               max_priority, n_valid=None) -> RingAdd:
+    """The first ``n_valid[0]`` (else all ``n``) transitions into the ring at its device cursor
+    (``RingAdd``), on the GPU."""
     ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
-                ring_next_ret=ring_next_ret, ring_regime=ring_regime)
-    n, _ = validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, ring_pos,
-                               max_priority)
+                ring_next_ret=ring_next_ret, ring_regime=ring_regime, ring_discount=ring_discount)
+    n, _ = validate_replay_add(s, a, r, s2, done, next_ret, regime, discount, ring, priority,
+                               ring_pos, max_priority, n_valid)
     capacity, state_dim = ring_s.shape
     out = launch("replay_add", plan_replay_add(n, state_dim), In(s), In(a), In(r), In(s2),
-                 In(done), In(next_ret), In(regime), n, state_dim, ring_a.shape[1],
+                 In(done), In(next_ret), In(regime), In(discount),
+                 0 if n_valid is None else In(n_valid), n, state_dim, ring_a.shape[1],
                  *(InOut(x) for x in ring.values()), InOut(priority), InOut(ring_pos),
                  In(max_priority), capacity)
     return RingAdd(*out)
+
+
+def nstep_window(obs, actions, r, done, s2, next_ret, regime, win_s, win_a, win_r, win_next_ret,
+                 win_regime, win_len, out_s, out_a, out_r, out_s2, out_done, out_next_ret,
+                 out_regime, out_discount, n_step, gamma_ref) -> NStepWindow:
+    """One step into the n-step windows and the finished transitions (``NStepWindow``), on
+    the GPU."""
+    win = dict(win_s=win_s, win_a=win_a, win_r=win_r, win_next_ret=win_next_ret,
+               win_regime=win_regime, win_len=win_len)
+    out = dict(out_s=out_s, out_a=out_a, out_r=out_r, out_s2=out_s2, out_done=out_done,
+               out_next_ret=out_next_ret, out_regime=out_regime, out_discount=out_discount)
+    N, SD, nb, g = validate_nstep_window(obs, actions, r, done, s2, next_ret, regime, win, out,
+                                         n_step, gamma_ref)
+    res = launch("nstep_window", plan_nstep_window(N, SD), In(obs), In(actions), In(r), In(done),
+                 In(s2), In(next_ret), In(regime), N, SD, nb, int(n_step), g,
+                 *(InOut(x) for x in win.values()), *(InOut(x) for x in out.values()),
+                 Out((1,), I32))
+    return NStepWindow(*res)
 
 
 def replay_sample(prefix, ring_pos, key, cycle, n) -> np.ndarray:
@@ -191,15 +233,15 @@ def replay_sample(prefix, ring_pos, key, cycle, n) -> np.ndarray:
 
 
 def replay_gather(idx, ring_s, ring_a, ring_r, ring_s2, ring_done, ring_next_ret,
-                  ring_regime) -> Gathered:
+                  ring_regime, ring_discount) -> Gathered:
     """The sampled ring rows in the step's batch layout (``Gathered``), on the GPU."""
     ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
-                ring_next_ret=ring_next_ret, ring_regime=ring_regime)
+                ring_next_ret=ring_next_ret, ring_regime=ring_regime, ring_discount=ring_discount)
     n, state_dim, n_branches = validate_replay_gather(idx, ring)
     out = launch("replay_gather", plan_replay_gather(n, state_dim), In(idx), n,
                  ring_s.shape[0], state_dim, n_branches, *(In(x) for x in ring.values()), Out((2 * n, state_dim), F32),
                  Out((n_branches, n), I32), Out((n,), F32), Out((n,), F32), Out((n,), F32),
-                 Out((n,), I32))
+                 Out((n,), I32), Out((n,), F32))
     return Gathered(*out)
 
 
@@ -235,4 +277,5 @@ KERNELS = {
     "replay_gather": replay_gather,
     "replay_update_priorities": replay_update_priorities,
     "cycle_advance": cycle_advance,
+    "nstep_window": nstep_window,
 }

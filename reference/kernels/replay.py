@@ -8,10 +8,10 @@ that would read outside the buffer raise ``ValueError``.
 The ring (issue 20: the replay buffer lives on the device, in the trainer's arena): one array
 per stored field (``RING_FIELDS``: ``s``, ``s2`` f32 ``[capacity, state_dim]``, ``a`` int32
 ``[capacity, n_branches]``, ``r``, ``done``, ``next_ret`` f32 ``[capacity]``, ``regime`` int32
-``[capacity]``), ``priority`` f32 ``[capacity]`` (stored already raised to ``alpha``; zero
+``[capacity]``, ``discount`` f32 ``[capacity]``: the n-step transition's ``gamma_ref ** k``), ``priority`` f32 ``[capacity]`` (stored already raised to ``alpha``; zero
 beyond the filled rows), ``ring_pos`` int32 ``[2]`` = ``(cursor, size)`` and ``max_priority``
-f32 ``[1]`` (the running maximum, 1 at the start). ``replay_add`` writes ``N`` transitions at
-the cursor; ``prefix_sum`` + ``replay_sample`` + ``importance_weights`` + ``replay_gather`` make
+f32 ``[1]`` (the running maximum, 1 at the start). ``nstep_window`` turns the environment steps into n-step
+transitions (issue 22); ``replay_add`` writes ``N`` transitions at the cursor; ``prefix_sum`` + ``replay_sample`` + ``importance_weights`` + ``replay_gather`` make
 a batch; ``replay_update_priorities`` writes the step's new priorities. Every position and
 count is read on the device: nothing in a cycle needs the host.
 """
@@ -37,7 +37,10 @@ I64 = np.dtype(np.int64)
 #: The ring's stored fields in kernel-parameter order: (name, dtype, True for a row of
 #: ``state_dim`` / ``n_branches`` values, False for one value per transition).
 RING_FIELDS = (("s", F32, True), ("a", I32, True), ("r", F32, False), ("s2", F32, True),
-               ("done", F32, False), ("next_ret", F32, False), ("regime", I32, False))
+               ("done", F32, False), ("next_ret", F32, False), ("regime", I32, False),
+               ("discount", F32, False))
+#: The longest n-step window (``LoopSettings.n_step``'s upper bound; the kernel's loops).
+MAX_N_STEP = 16
 
 
 # ---------------------------------------------------------------------------------------------
@@ -302,6 +305,7 @@ class RingAdd(NamedTuple):
     ring_done: np.ndarray
     ring_next_ret: np.ndarray
     ring_regime: np.ndarray
+    ring_discount: np.ndarray
     priority: np.ndarray
     ring_pos: np.ndarray
 
@@ -310,7 +314,7 @@ class Gathered(NamedTuple):
     """Outputs of ``replay_gather``, laid out as the step's batch buffers: ``x`` f32
     ``[2n, state_dim]`` (``s`` rows, then ``s2`` rows), ``a`` int32 ``[n_branches, n]``
     (transposed: one row per branch), ``r``, ``done``, ``next_ret`` f32 ``[n]``, ``regime``
-    int32 ``[n]``."""
+    int32 ``[n]``, ``discount`` f32 ``[n]``."""
 
     x: np.ndarray
     a: np.ndarray
@@ -318,6 +322,7 @@ class Gathered(NamedTuple):
     done: np.ndarray
     next_ret: np.ndarray
     regime: np.ndarray
+    discount: np.ndarray
 
 
 class Priorities(NamedTuple):
@@ -367,10 +372,10 @@ def _check_items(name: str, x, dtype, shape: tuple) -> None:
         raise ValueError(f"{name}: shape {x.shape} not allowed; expected {shape}")
 
 
-def validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, ring_pos,
-                        max_priority) -> tuple[int, int]:
+def validate_replay_add(s, a, r, s2, done, next_ret, regime, discount, ring, priority, ring_pos,
+                        max_priority, n_valid=None) -> tuple[int, int]:
     """The argument checks of ``replay_add`` (``ring``: the ring arrays by parameter name);
-    returns ``(n, cursor)``."""
+    returns ``(n, cursor)`` (``n``: the rows given; ``n_valid`` may write fewer)."""
     capacity, state_dim, n_branches = validate_ring(**ring)
     check_f32_array("s", s, ndim=2)
     n = s.shape[0]
@@ -379,39 +384,52 @@ def validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, rin
     for name, x, dtype, shape in (("s", s, F32, (n, state_dim)), ("a", a, I32, (n, n_branches)),
                                   ("r", r, F32, (n,)), ("s2", s2, F32, (n, state_dim)),
                                   ("done", done, F32, (n,)), ("next_ret", next_ret, F32, (n,)),
-                                  ("regime", regime, I32, (n,)), ("priority", priority, F32, (capacity,)),
+                                  ("regime", regime, I32, (n,)), ("discount", discount, F32, (n,)),
+                                  ("priority", priority, F32, (capacity,)),
                                   ("max_priority", max_priority, F32, (1,))):
         _check_items(name, x, dtype, shape)
     cursor, _ = validate_ring_pos(ring_pos, capacity)
+    if n_valid is not None:
+        _check_items("n_valid", n_valid, I32, (1,))
+        if not 0 <= int(n_valid[0]) <= n:
+            raise ValueError(f"n_valid: {int(n_valid[0])} not allowed; need 0 <= n_valid <= n = {n} "
+                             "(the rows given)")
     return n, cursor
 
 
 def replay_add(s: np.ndarray, a: np.ndarray, r: np.ndarray, s2: np.ndarray, done: np.ndarray,
-               next_ret: np.ndarray, regime: np.ndarray, ring_s: np.ndarray, ring_a: np.ndarray,
-               ring_r: np.ndarray, ring_s2: np.ndarray, ring_done: np.ndarray,
-               ring_next_ret: np.ndarray, ring_regime: np.ndarray, priority: np.ndarray,
-               ring_pos: np.ndarray, max_priority: np.ndarray) -> RingAdd:
-    """Write ``n`` transitions into the ring at its cursor.
+               next_ret: np.ndarray, regime: np.ndarray, discount: np.ndarray, ring_s: np.ndarray,
+               ring_a: np.ndarray, ring_r: np.ndarray, ring_s2: np.ndarray,
+               ring_done: np.ndarray, ring_next_ret: np.ndarray, ring_regime: np.ndarray,
+               ring_discount: np.ndarray, priority: np.ndarray, ring_pos: np.ndarray,
+               max_priority: np.ndarray, n_valid: np.ndarray | None = None) -> RingAdd:
+    """Write the first ``m`` of ``n`` transitions into the ring at its cursor: ``m = n``, or
+    ``m = n_valid[0]`` where ``n_valid`` (int32 ``[1]``, read on the device: ``nstep_window``'s
+    count) is given.
 
-    Transition ``k`` goes to row ``(cursor + k) % capacity`` of every ``ring_<field>``, with
+    Transition ``k < m`` goes to row ``(cursor + k) % capacity`` of every ``ring_<field>``, with
     priority ``max_priority[0]`` (the running maximum: a new transition is sampled with high
-    probability before its TD error is known); then ``cursor <- (cursor + n) % capacity``,
-    ``size <- min(size + n, capacity)``. A full ring overwrites its oldest rows.
+    probability before its TD error is known); then ``cursor <- (cursor + m) % capacity``,
+    ``size <- min(size + m, capacity)``. A full ring overwrites its oldest rows.
 
     Shapes: ``s``, ``s2`` f32 ``[n, state_dim]``, ``a`` int32 ``[n, n_branches]``, ``r``,
-    ``done``, ``next_ret`` f32 ``[n]``, ``regime`` int32 ``[n]`` with ``1 <= n <= capacity``;
-    the ring as in the module docstring. Returns ``RingAdd`` (new arrays; inputs unchanged).
+    ``done``, ``next_ret``, ``discount`` f32 ``[n]``, ``regime`` int32 ``[n]`` with
+    ``1 <= n <= capacity``, ``0 <= n_valid[0] <= n``; the ring as in the module docstring.
+    Returns ``RingAdd`` (new arrays; inputs unchanged).
     Exact: copies only. NaN contract: values are stored as given (NaN/Inf states and rewards
     included: the step's sentinels flag them); ``ring_pos`` outside its range raises.
     """
     ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
-                ring_next_ret=ring_next_ret, ring_regime=ring_regime)
-    validate_replay_add(s, a, r, s2, done, next_ret, regime, ring, priority, ring_pos, max_priority)
+                ring_next_ret=ring_next_ret, ring_regime=ring_regime, ring_discount=ring_discount)
+    n, _ = validate_replay_add(s, a, r, s2, done, next_ret, regime, discount, ring, priority,
+                               ring_pos, max_priority, n_valid)
+    m = n if n_valid is None else int(n_valid[0])
     new = {key: arr.copy() for key, arr in ring.items()}
     prio, pos = priority.copy(), ring_pos.copy()
+    given = dict(s=s, a=a, r=r, s2=s2, done=done, next_ret=next_ret, regime=regime,
+                 discount=discount)
     write_transitions({name: new[f"ring_{name}"] for name, _, _ in RING_FIELDS}, prio, pos,
-                      max_priority, dict(s=s, a=a, r=r, s2=s2, done=done, next_ret=next_ret,
-                                         regime=regime))
+                      max_priority, {name: x[:m] for name, x in given.items()})
     return RingAdd(**new, priority=prio, ring_pos=pos)
 
 
@@ -428,6 +446,164 @@ def write_transitions(ring: dict, priority: np.ndarray, ring_pos: np.ndarray,
         ring[name][rows] = transitions[name]
     priority[rows] = max_priority[0]
     ring_pos[:] = (cursor + n) % capacity, min(size + n, capacity)
+
+
+# ---------------------------------------------------------------------------------------------
+# n-step transitions (issue 22)
+# ---------------------------------------------------------------------------------------------
+
+
+class NStepWindow(NamedTuple):
+    """Outputs of ``nstep_window``: the windows after the step (``win_*``, ``win_len``), the
+    emitted transitions in rows ``[0, n_out)`` of ``out_*`` (later rows keep their values) and
+    their count ``n_out`` int32 ``[1]``."""
+
+    win_s: np.ndarray
+    win_a: np.ndarray
+    win_r: np.ndarray
+    win_next_ret: np.ndarray
+    win_regime: np.ndarray
+    win_len: np.ndarray
+    out_s: np.ndarray
+    out_a: np.ndarray
+    out_r: np.ndarray
+    out_s2: np.ndarray
+    out_done: np.ndarray
+    out_next_ret: np.ndarray
+    out_regime: np.ndarray
+    out_discount: np.ndarray
+    n_out: np.ndarray
+
+
+def nstep_buffers(n_envs: int, n_step: int, state_dim: int,
+                  n_branches: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """``nstep_window``'s windows (``win_*``: the state a collector keeps between steps) and
+    outputs (``out_*``: ``n_envs * n_step`` rows, the most one step can emit): name ->
+    ``(dtype, shape)``."""
+    N, n, SD, nb = n_envs, n_step, state_dim, n_branches
+    return {"win_s": (F32, (N, n, SD)), "win_a": (I32, (N, n, nb)), "win_r": (F32, (N, n)),
+            "win_next_ret": (F32, (N, n)), "win_regime": (I32, (N, n)), "win_len": (I32, (N,)),
+            "out_s": (F32, (N * n, SD)), "out_a": (I32, (N * n, nb)), "out_r": (F32, (N * n,)),
+            "out_s2": (F32, (N * n, SD)), "out_done": (F32, (N * n,)),
+            "out_next_ret": (F32, (N * n,)), "out_regime": (I32, (N * n,)),
+            "out_discount": (F32, (N * n,))}
+
+
+def nstep_counts(win_len: np.ndarray, done: np.ndarray, n_step: int) -> np.ndarray:
+    """Transitions each env emits this step (int64 ``[n_envs]``): with ``L = win_len + 1``
+    entries after the step, all ``L`` if the episode ended (``done != 0``), else 1 if
+    ``L == n_step``, else 0."""
+    L = win_len.astype(np.int64) + 1
+    return np.where(done != 0, L, np.where(L == n_step, 1, 0))
+
+
+def validate_nstep_window(obs, actions, r, done, s2, next_ret, regime, win, out, n_step,
+                          gamma_ref) -> tuple[int, int, int, np.float32]:
+    """The argument checks of ``nstep_window`` (``win``/``out``: its window and output arrays
+    by parameter name); returns ``(n_envs, state_dim, n_branches, gamma_ref)``."""
+    check_f32_array("obs", obs, ndim=2)
+    check_array("actions", actions, I32, ndim=2)
+    N, SD = obs.shape
+    nb = actions.shape[1]
+    if N == 0 or SD == 0 or nb == 0:
+        raise ValueError(f"obs, actions: shapes {obs.shape}, {actions.shape} are empty; need "
+                         "n_envs, state_dim and n_branches >= 1")
+    n = check_int("n_step", n_step, minimum=1, maximum=MAX_N_STEP)
+    g = check_f32_scalar("gamma_ref", gamma_ref, lo=0.0, hi=1.0)
+    shapes = {"actions": (I32, (N, nb)), "r": (F32, (N,)), "done": (F32, (N,)),
+              "s2": (F32, (N, SD)), "next_ret": (F32, (N,)), "regime": (I32, (N,)),
+              **nstep_buffers(N, n, SD, nb)}
+    given = dict(actions=actions, r=r, done=done, s2=s2, next_ret=next_ret, regime=regime,
+                 **win, **out)
+    for name, (dtype, shape) in shapes.items():
+        _check_items(name, given[name], dtype, shape)
+    bad = (win["win_len"] < 0) | (win["win_len"] >= n)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"win_len[{i}]={int(win['win_len'][i])} not allowed; a window holds "
+                         f"0 to n_step - 1 = {n - 1} pending steps between steps")
+    return N, SD, nb, g
+
+
+def nstep_window(obs: np.ndarray, actions: np.ndarray, r: np.ndarray, done: np.ndarray,
+                 s2: np.ndarray, next_ret: np.ndarray, regime: np.ndarray, win_s: np.ndarray,
+                 win_a: np.ndarray, win_r: np.ndarray, win_next_ret: np.ndarray,
+                 win_regime: np.ndarray, win_len: np.ndarray, out_s: np.ndarray,
+                 out_a: np.ndarray, out_r: np.ndarray, out_s2: np.ndarray, out_done: np.ndarray,
+                 out_next_ret: np.ndarray, out_regime: np.ndarray, out_discount: np.ndarray,
+                 n_step: int, gamma_ref: float) -> NStepWindow:
+    """One environment step of every env into its n-step window; the finished transitions out.
+
+    Env ``e``'s window holds its last ``win_len[e] < n_step`` steps not yet emitted (slot 0 the
+    oldest: ``win_s`` the state, ``win_a`` the actions, ``win_r`` the scaled reward,
+    ``win_next_ret``/``win_regime`` the auxiliary labels of that step). This step
+    (``obs``: the state it started from, ``actions``, ``r``, ``done``, ``s2``, the labels) joins
+    as entry ``L - 1``, ``L = win_len[e] + 1``. Then ``count_e`` entries are emitted
+    (``nstep_counts``): all ``L`` when the episode ended (``done[e] != 0``; each entry ``j`` with
+    its own ``k = L - j``), else the oldest (``k = n_step``) once ``L = n_step``, else none.
+    Entry ``j`` emitted with ``k`` steps (``rw_i`` the reward of entry ``i``)::
+
+        r        = fl(...fl(fl(rw_j + fl(g_1 rw_{j+1})) + fl(g_2 rw_{j+2}))... + fl(g_{k-1} rw_{j+k-1}))
+        discount = g_k,   g_1 = gamma_ref,  g_{i+1} = fl(g_i * gamma_ref)   (gamma_ref ** k)
+        s2 = s2[e] (the state k steps on: this step's, before any reset), done = done[e],
+        s, a, next_ret, regime = entry j's
+
+    (float32, no fused multiply-add; ``r = rw_j`` exactly when ``k = 1``). Rows: env by env,
+    each env's entries oldest first, from row ``sum_{e' < e} count_e'``; ``n_out[0]`` the total;
+    rows from ``n_out`` on keep their values. The window after the step: empty when the episode
+    ended (its slots keep their stale values), the entries ``1 .. n_step - 1`` moved to slots
+    ``0 .. n_step - 2`` when the oldest left, else the new entry in slot ``L - 1``.
+    ``n_step = 1`` emits every step as it is (``r``, ``done``, ``s2``; ``discount =
+    gamma_ref``), in env order: the 1-step transitions.
+
+    Shapes: ``obs``, ``s2`` f32 ``[N, state_dim]``, ``actions`` int32 ``[N, n_branches]``,
+    ``r``, ``done``, ``next_ret`` f32 ``[N]``, ``regime`` int32 ``[N]``; ``win_s`` f32
+    ``[N, n_step, state_dim]``, ``win_a`` int32 ``[N, n_step, n_branches]``, ``win_r``,
+    ``win_next_ret`` f32 / ``win_regime`` int32 ``[N, n_step]``, ``win_len`` int32 ``[N]`` in
+    ``[0, n_step)``; ``out_*`` ``[N * n_step, ...]`` (the most one step can emit); ``n_step`` in
+    ``[1, MAX_N_STEP]``, ``gamma_ref`` in ``[0, 1]``. Returns ``NStepWindow`` (new arrays).
+    NaN contract: values are moved as given; a NaN or Inf reward makes the ``r`` of every
+    transition whose window holds it NaN/Inf (the step's sentinels flag it), nothing else.
+    """
+    win = dict(win_s=win_s, win_a=win_a, win_r=win_r, win_next_ret=win_next_ret,
+               win_regime=win_regime, win_len=win_len)
+    out = dict(out_s=out_s, out_a=out_a, out_r=out_r, out_s2=out_s2, out_done=out_done,
+               out_next_ret=out_next_ret, out_regime=out_regime, out_discount=out_discount)
+    N, _, _, g = validate_nstep_window(obs, actions, r, done, s2, next_ret, regime, win, out,
+                                       n_step, gamma_ref)
+    win = {k: v.copy() for k, v in win.items()}
+    out = {k: v.copy() for k, v in out.items()}
+    counts = nstep_counts(win_len, done, n_step)
+    step = dict(s=obs, a=actions, r=r, next_ret=next_ret, regime=regime)
+    row = 0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for e in range(N):
+            L0 = int(win_len[e])
+            # the window's L0 pending entries, then this step's: entries 0 .. L0
+            ent = {k: np.concatenate([win[f"win_{k}"][e, :L0], step[k][e][None]])
+                   for k in step}
+            for j in range(int(counts[e])):
+                k = L0 + 1 - j
+                acc, gk = ent["r"][j], g
+                for i in range(1, k):
+                    acc = np.float32(acc + np.float32(gk * ent["r"][j + i]))
+                    gk = np.float32(gk * g)
+                out["out_s"][row], out["out_a"][row] = ent["s"][j], ent["a"][j]
+                out["out_r"][row], out["out_s2"][row], out["out_done"][row] = acc, s2[e], done[e]
+                out["out_next_ret"][row], out["out_regime"][row] = ent["next_ret"][j], ent["regime"][j]
+                out["out_discount"][row] = gk
+                row += 1
+            if done[e] != 0:
+                win["win_len"][e] = 0
+            elif counts[e]:  # the oldest left: entries 1 .. L0 move down a slot
+                for key in step:
+                    win[f"win_{key}"][e, :L0] = ent[key][1:]
+                win["win_len"][e] = L0
+            else:
+                for key in step:
+                    win[f"win_{key}"][e, L0] = ent[key][L0]
+                win["win_len"][e] = L0 + 1
+    return NStepWindow(**win, **out, n_out=np.array([row], I32))
 
 
 def validate_cycle(cycle) -> int:
@@ -489,20 +665,21 @@ def validate_replay_gather(idx, ring) -> tuple[int, int, int]:
 
 def replay_gather(idx: np.ndarray, ring_s: np.ndarray, ring_a: np.ndarray, ring_r: np.ndarray,
                   ring_s2: np.ndarray, ring_done: np.ndarray, ring_next_ret: np.ndarray,
-                  ring_regime: np.ndarray) -> Gathered:
+                  ring_regime: np.ndarray, ring_discount: np.ndarray) -> Gathered:
     """The sampled rows ``idx`` of the ring, in the step's batch layout (``Gathered``):
     ``x = [ring_s[idx]; ring_s2[idx]]``, ``a = ring_a[idx]^T``, ``r``, ``done``, ``next_ret``,
-    ``regime`` gathered.
+    ``regime``, ``discount`` gathered.
 
     Shapes: ``idx`` int32 ``[n]`` in ``[0, capacity)`` (raise otherwise: the kernel would read
     outside the ring). Exact: copies only; values (NaN included) are copied as stored.
     """
     ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2, ring_done=ring_done,
-                ring_next_ret=ring_next_ret, ring_regime=ring_regime)
+                ring_next_ret=ring_next_ret, ring_regime=ring_regime, ring_discount=ring_discount)
     validate_replay_gather(idx, ring)
     return Gathered(x=np.concatenate([ring_s[idx], ring_s2[idx]]),
                     a=np.ascontiguousarray(ring_a[idx].T), r=ring_r[idx], done=ring_done[idx],
-                    next_ret=ring_next_ret[idx], regime=ring_regime[idx])
+                    next_ret=ring_next_ret[idx], regime=ring_regime[idx],
+                    discount=ring_discount[idx])
 
 
 def validate_replay_update_priorities(td, idx, priority, max_priority, alpha,
@@ -579,17 +756,18 @@ KERNELS = {
     "replay_gather": replay_gather,
     "replay_update_priorities": replay_update_priorities,
     "cycle_advance": cycle_advance,
+    "nstep_window": nstep_window,
 }
 
 __all__ = [
-    "Gathered", "KERNELS", "Priorities", "RING_FIELDS", "RingAdd", "cycle_advance",
+    "Gathered", "KERNELS", "MAX_N_STEP", "NStepWindow", "Priorities", "RING_FIELDS", "RingAdd", "cycle_advance",
     "importance_weights",
-    "last_occurrence", "prefix_sum", "replay_add", "ring_prefix_sum", "RING_SCAN_ITEMS",
+    "last_occurrence", "nstep_buffers", "nstep_counts", "nstep_window", "prefix_sum", "replay_add", "ring_prefix_sum", "RING_SCAN_ITEMS",
     "RING_SCAN_THREADS", "RING_SCAN_TILE",
     "ScanTiles", "scan_blocks", "scan_offsets", "scan_tiles", "validate_scan_offsets",
     "validate_scan_tiles", "replay_gather", "replay_sample",
     "replay_update_priorities", "sample_proportional", "validate_importance_weights",
-    "validate_cycle", "validate_replay_add", "validate_replay_gather", "validate_replay_sample",
+    "validate_cycle", "validate_nstep_window", "validate_replay_add", "validate_replay_gather", "validate_replay_sample",
     "validate_replay_update_priorities", "validate_ring", "validate_ring_pos",
     "validate_sample_proportional", "write_priorities", "write_transitions",
 ]
