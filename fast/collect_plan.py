@@ -1,9 +1,12 @@
 """The collection cycle as launch records (issue 20): acting, the environment step, the replay
 ring and the batch gathered straight into the trainer's arena.
 
-``CollectLayout(layout, n_envs=, capacity=, n_bars=, n_features=)``: the collector's buffers
-(their own arena): the replay ring (``kernels.replay``'s ring, the ``prefix`` sums, the sampled
-rows ``sample_idx``), the env walks (state, ``obs``, the step's outputs), the market tables of
+``CollectLayout(layout, n_envs=, capacity=, n_bars=, n_features=, n_step=1)``: the collector's
+buffers (their own arena): the replay ring (``kernels.replay``'s ring, the ``prefix`` sums, the
+sampled rows ``sample_idx``), the env walks (state, ``obs``, the step's outputs), the n-step
+windows and the transitions they emit (``nstep_<param>``: ``kernels.replay.nstep_buffers``;
+role ``state``, so rows the count leaves unwritten are still defined) and the count
+``nstep_n_out``, the market tables of
 the whole run (``mk_*``, role ``constant``, uploaded once), the ring scan's per-tile totals
 ``prefix_blocks``, the cycle counter ``cycle`` (int64)
 and the exploration rate ``eps`` (float32, written by the host at epoch start). The greedy
@@ -13,14 +16,16 @@ The records, in the order of ``reference.collector`` (the cycle's reference twin
 
 - ``act_ops``: ``obs`` copied into the forward's input, the online forward (``q_e``, packed per
   branch), ``env_act`` (epsilon-greedy with the Philox streams ``explore``/``explore_action``);
-- ``env_ops``: ``env_step`` with auto-reset (stream ``episode_start``), ``replay_add`` of
-  ``(obs, actions, r, s2, done, next_ret, regime)``, then the post-reset states into ``obs``;
+- ``env_ops``: ``env_step`` with auto-reset (stream ``episode_start``), ``nstep_window`` (the
+  step into the n-step windows, the finished transitions out: issue 22), ``replay_add`` of the
+  first ``nstep_n_out`` of them (the count read on the device), then the post-reset states
+  into ``obs``;
 - ``sample_ops``: the priorities' prefix sums (``scan_tiles`` then ``scan_offsets``: many
   blocks, bit-exact twins; ``replay.ring_prefix_sum`` is the pair), ``replay_sample`` (stream
   ``replay_sample``), then on two branches ``importance_weights`` into ``batch.isw`` and
   ``replay_gather`` into
-  ``batch.x``, ``batch.a``, ``batch.r``, ``batch.done`` (and the label fields where the step
-  layout has them): the step's graphs 1 and 2 then read the batch where they always do;
+  ``batch.x``, ``batch.a``, ``batch.r``, ``batch.done`` (and the label fields and
+  ``batch.discount`` where the step layout has them): the step's graphs 1 and 2 then read the batch where they always do;
 - ``priority_ops``: ``replay_update_priorities`` from the step's ``td``;
 - ``advance_ops``: ``cycle_advance`` (after every reader of the cycle).
 
@@ -54,6 +59,8 @@ ENV_BUFFERS = (("env_t", "t", I32), ("env_steps", "steps", I32),
                ("env_entry", "entry_price", F32))
 #: The market tables (``kernels.env.MarketTables`` fields) and their buffers.
 TABLE_BUFFERS = tuple((f"mk_{name}", name) for name in env_kernels.MarketTables._fields)
+#: ``nstep_window``'s window and output parameters and their buffers.
+NSTEP_BUFFERS = tuple((f"nstep_{name}", name) for name in replay_kernels.nstep_buffers(1, 1, 1, 1))
 #: The env kernels' stream-id parameters and the ``rng.STREAMS`` entry each takes.
 ENV_STREAMS = {"start_stream": STREAMS["episode_start"], "explore_stream": STREAMS["explore"],
                "action_stream": STREAMS["explore_action"]}
@@ -63,10 +70,10 @@ class CollectLayout(BufferTable):
     """The collector's buffers (module docstring)."""
 
     def __init__(self, layout: StepLayout, *, n_envs: int, capacity: int, n_bars: int,
-                 n_features: int):
+                 n_features: int, n_step: int = 1):
         super().__init__()
         self.step = layout
-        self.n_envs, self.capacity = int(n_envs), int(capacity)
+        self.n_envs, self.capacity, self.n_step = int(n_envs), int(capacity), int(n_step)
         self.n_bars, self.n_features = int(n_bars), int(n_features)
         N, SD, nb, cap = self.n_envs, layout.SD, layout.nb, self.capacity
         rows = {"s": (cap, SD), "s2": (cap, SD), "a": (cap, nb)}
@@ -94,6 +101,11 @@ class CollectLayout(BufferTable):
         self._add("env_s2", (N, SD), F32)
         self._add("env_obs", (N, SD), F32)
         self._add("env_no_record", 0, F32)  # training walks record nothing (record_len 0)
+        shapes = replay_kernels.nstep_buffers(N, self.n_step, SD, nb)
+        for buf, name in NSTEP_BUFFERS:
+            dtype, shape = shapes[name]
+            self._add(buf, shape, F32 if dtype == np.float32 else I32, "state")
+        self._add("nstep_n_out", 1, I32)
         clash = sorted(set(self.specs) & set(layout.specs))
         if clash:
             raise AssertionError(f"collector buffers {clash} shadow step buffers")
@@ -144,11 +156,13 @@ def act_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout, see
 
 
 def env_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, walks, *, reward_scale: float,
-            seed: int) -> None:
-    """``env_step`` (auto-reset), ``replay_add`` of the transitions, the new states into ``obs``.
+            seed: int, gamma_ref: float) -> None:
+    """``env_step`` (auto-reset), ``nstep_window``, ``replay_add`` of the transitions it
+    emitted, the new states into ``obs``.
 
     ``walks``: a ``reference.collector.Walks`` (the fold's bar range, start range, episode
-    length; baked into the records: one plan per fold)."""
+    length; baked into the records: one plan per fold); ``gamma_ref``: the discounts' base
+    (``reference.collector.nstep_gamma``)."""
     lay, N, SD = prog.lay, cl.n_envs, prog.lay.SD
     state = {field: buf for buf, field, _ in ENV_BUFFERS}
     tables = {name: buf for buf, name in TABLE_BUFFERS}
@@ -164,11 +178,18 @@ def env_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, walks, *, reward_sca
                done="env_done", s2="env_s2", obs="env_obs", next_ret="env_next_ret",
                regime_out="env_regime")
     replay = prog.kernels("replay")
+    nstep = {name: buf for buf, name in NSTEP_BUFFERS}
+    ops.kernel("nstep_window", replay.plan_nstep_window(N, SD), obs="obs", actions="env_actions",
+               r="env_r", done="env_done", s2="env_s2", next_ret="env_next_ret",
+               regime="env_regime", n_envs=N, state_dim=SD, n_branches=lay.nb, n_step=cl.n_step,
+               gamma_ref=np.float32(gamma_ref), **nstep, n_out="nstep_n_out")
     ring = {buf: buf for buf, _ in RING_BUFFERS}
-    ops.kernel("replay_add", replay.plan_replay_add(N, SD), s="obs", a="env_actions", r="env_r",
-               s2="env_s2", done="env_done", next_ret="env_next_ret", regime="env_regime", n=N,
-               state_dim=SD, n_branches=lay.nb, **ring, priority="priority", ring_pos="ring_pos",
-               max_priority="max_priority", capacity=cl.capacity)
+    rows = N * cl.n_step
+    ops.kernel("replay_add", replay.plan_replay_add(rows, SD),
+               **{name: nstep[f"out_{name}"] for name, _, _ in replay_kernels.RING_FIELDS},
+               n_valid="nstep_n_out", n_given=rows, state_dim=SD, n_branches=lay.nb, **ring,
+               priority="priority", ring_pos="ring_pos", max_priority="max_priority",
+               capacity=cl.capacity)
     ops.copy("obs", "env_obs", N * SD * 4, "dtod")
 
 
@@ -189,7 +210,7 @@ def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, s
     weights.kernel("importance_weights", replay.plan_importance_weights(B), priorities="priority",
                    n_items=cap, idx="sample_idx", w="batch.isw", n=B, beta=np.float32(beta))
     labels = {name: f"batch.{name}" if f"batch.{name}" in lay else None
-              for name in ("next_ret", "regime")}
+              for name in ("next_ret", "regime", "discount")}
     gather.kernel("replay_gather", replay.plan_replay_gather(B, lay.SD), idx="sample_idx", n=B,
                   capacity=cap, state_dim=lay.SD, n_branches=lay.nb,
                   **{buf: buf for buf, _ in RING_BUFFERS}, x="batch.x", a="batch.a", r="batch.r",
@@ -252,22 +273,41 @@ def register_twins() -> None:
     def _importance_weights(a):
         return {"w": replay_kernels.importance_weights(a.priorities, a.idx, a.beta, a.n_items)}
 
-    @twin("replay_add", s=("n", "state_dim"), a=("n", "n_branches"), r="n", s2=("n", "state_dim"),
-          done="n", next_ret="n", regime="n", **ring, priority="capacity", ring_pos=2,
-          max_priority=1)
+    n = "n_given"
+
+    @twin("replay_add", nullable=("n_valid",), s=(n, "state_dim"), a=(n, "n_branches"), r=n,
+          s2=(n, "state_dim"), done=n, next_ret=n, regime=n, discount=n, n_valid=1, **ring,
+          priority="capacity", ring_pos=2, max_priority=1)
     def _replay_add(a):
         out = replay_kernels.replay_add(a.s, a.a, a.r, a.s2, a.done, a.next_ret, a.regime,
-                                        *(getattr(a, buf) for buf, _ in RING_BUFFERS), a.priority,
-                                        a.ring_pos, a.max_priority)
+                                        a.discount, *(getattr(a, buf) for buf, _ in RING_BUFFERS),
+                                        a.priority, a.ring_pos, a.max_priority,
+                                        a.view("n_valid"))
         return out._asdict()
 
-    @twin("replay_gather", nullable=("next_ret", "regime"), idx="n", **ring,
+    def nstep_extents(a) -> dict:
+        shapes = replay_kernels.nstep_buffers(a.n_envs, a.n_step, a.state_dim, a.n_branches)
+        return {name: shape for name, (_, shape) in shapes.items()}
+
+    @twin("nstep_window", obs=("n_envs", "state_dim"), actions=("n_envs", "n_branches"),
+          r="n_envs", done="n_envs", s2=("n_envs", "state_dim"), next_ret="n_envs",
+          regime="n_envs", n_out=1,
+          **{name: (lambda key: lambda a: nstep_extents(a)[key])(name)
+             for _, name in NSTEP_BUFFERS})
+    def _nstep_window(a):
+        out = replay_kernels.nstep_window(
+            a.obs, a.actions, a.r, a.done, a.s2, a.next_ret, a.regime,
+            **{name: getattr(a, name) for _, name in NSTEP_BUFFERS}, n_step=a.n_step,
+            gamma_ref=a.gamma_ref)
+        return out._asdict()
+
+    @twin("replay_gather", nullable=("next_ret", "regime", "discount"), idx="n", **ring,
           x=lambda a: (2 * a.n, a.state_dim), a=("n_branches", "n"), r="n", done="n",
-          next_ret="n", regime="n")
+          next_ret="n", regime="n", discount="n")
     def _replay_gather(a):
         g = replay_kernels.replay_gather(a.idx, *(getattr(a, buf) for buf, _ in RING_BUFFERS))
         out = {"x": g.x, "a": g.a, "r": g.r, "done": g.done}
-        out.update({name: getattr(g, name) for name in ("next_ret", "regime")
+        out.update({name: getattr(g, name) for name in ("next_ret", "regime", "discount")
                     if a.view(name) is not None})
         return out
 
@@ -313,6 +353,6 @@ def register_twins() -> None:
         return out
 
 
-__all__ = ["CollectLayout", "ENV_BUFFERS", "ENV_STREAMS", "RING_BUFFERS", "TABLE_BUFFERS",
+__all__ = ["CollectLayout", "ENV_BUFFERS", "ENV_STREAMS", "NSTEP_BUFFERS", "RING_BUFFERS", "TABLE_BUFFERS",
            "act_ops", "advance_ops", "collect_binder", "collect_role", "env_ops",
            "priority_ops", "register_twins", "sample_ops"]

@@ -269,15 +269,15 @@ class FastCollector:
         arrays = {f"replay.{k}": ring.pop(k) for k in ReplayBuffer.STATE_ARRAYS}
         env = self.walk_state()
         arrays.update({f"env.{k}": getattr(env, k) for k in self.ENV_ARRAYS})
-        return arrays, ring
         arrays.update({f"nstep.{k}": v for k, v in self._windows().items()})
+        return arrays, ring
 
-    def load_state(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
     def _windows(self) -> dict[str, np.ndarray]:
         """The n-step windows read back (``reference.collector.WINDOW_ARRAYS``)."""
         bufs = {name: buf for buf, name in NSTEP_BUFFERS}
         return {k: self._device.arena.download(bufs[k]) for k in WINDOW_ARRAYS}
 
+    def load_state(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
         """Restore ``state()`` onto the device (the cycle counter is the constructor's)."""
         ring = ReplayRing(self.config, self._ring.capacity, n_step=self.n_step)
         ring.load_state({**meta, **{k: arrays[f"replay.{k}"] for k in ReplayBuffer.STATE_ARRAYS}})
@@ -297,10 +297,10 @@ class FastCollector:
                                  f"need {have.dtype} {have.shape}")
             env.append(arr)
         self._set_walks(env_kernels.EnvState(*env))
-
         bufs = {name: buf for buf, name in NSTEP_BUFFERS}
         for name, arr in load_windows(arrays, self._windows()).items():
             arena.upload(bufs[name], arr)
+
     def close(self) -> None:
         self._device.close()
 

@@ -48,8 +48,8 @@ from .kernels import env as env_kernels
 from .kernels import replay as replay_kernels
 from .market import Bars
 from .replay import ReplayBuffer
-
 from .step import check_n_step
+
 F32, I32, I64 = np.float32, np.int32, np.int64
 #: Longest episode of a training walk, in bars (shorter where the training segment is).
 MAX_EPISODE_LEN = 1000
@@ -83,9 +83,9 @@ class ReplayRing(ReplayBuffer):
         values = dict(s=s, a=a, r=r, s2=s2, done=done, next_ret=next_ret, regime=regime,
                       discount=discount)
         tr = {name: np.ascontiguousarray(values[name], dtype) for name, dtype, _ in replay_kernels.RING_FIELDS}
-        pos, top = self.ring_pos(), np.array([self.max_priority], F32)
         if tr["r"].shape[0] == 0:  # a cycle where every window is still filling
             return
+        pos, top = self.ring_pos(), np.array([self.max_priority], F32)
         replay_kernels.validate_replay_add(**tr, ring=self.ring(), priority=self.priority,
                                            ring_pos=pos, max_priority=top)
         replay_kernels.write_transitions({name: getattr(self, name) for name, _, _ in
@@ -102,8 +102,8 @@ class ReplayRing(ReplayBuffer):
         idx = replay_kernels.replay_sample(prefix, self.ring_pos(), key, np.array([cycle], I64), B)
         isw = replay_kernels.importance_weights(self.priority, idx, self.beta, self.size)
         g = replay_kernels.replay_gather(idx, **self.ring())
-        batch = Batch(s=g.x[:B], a=np.ascontiguousarray(g.a.T), r=g.r, s2=g.x[B:], done=g.done,
         nstep = {"discount": g.discount} if self.n_step > 1 else {}
+        batch = Batch(s=g.x[:B], a=np.ascontiguousarray(g.a.T), r=g.r, s2=g.x[B:], done=g.done,
                       isw=isw, next_ret=g.next_ret, regime=g.regime, **nstep)
         return batch, idx
 
@@ -138,7 +138,6 @@ class Walks:
                    episode_len=episode_len)
 
 
-class Collector:
 def nstep_gamma(config: DQNConfig, n_step: int) -> np.float32:
     """``gamma_ref = config.gammas[0]`` (float32): the gamma whose powers are the n-step
     transitions' discounts. With ``n_step > 1`` it must lie in (0, 1) (the loss takes its
@@ -157,6 +156,7 @@ def nstep_state(n_envs: int, n_step: int, config: DQNConfig) -> dict[str, np.nda
 WINDOW_ARRAYS = ("win_s", "win_a", "win_r", "win_next_ret", "win_regime", "win_len")
 
 
+class Collector:
     """One fold's experience on the reference twins (module docstring).
 
     ``Collector(config, tables, walks, *, n_envs, capacity, reward_scale, seed, cycle,
@@ -263,11 +263,11 @@ WINDOW_ARRAYS = ("win_s", "win_a", "win_r", "win_next_ret", "win_regime", "win_l
         ring = self.ring.state()
         arrays = {f"replay.{k}": ring.pop(k) for k in ReplayBuffer.STATE_ARRAYS}
         arrays.update({f"env.{k}": getattr(self.env, k).copy() for k in self.ENV_ARRAYS})
+        arrays.update({f"nstep.{k}": self.window[k].copy() for k in WINDOW_ARRAYS})
         return arrays, ring
 
     def load_state(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
         """Restore ``state()`` (the cycle counter is set by the constructor)."""
-        arrays.update({f"nstep.{k}": self.window[k].copy() for k in WINDOW_ARRAYS})
         self.ring.load_state({**meta, **{k: arrays[f"replay.{k}"] for k in ReplayBuffer.STATE_ARRAYS}})
         env = []
         for name, now in zip(self.ENV_ARRAYS, self.env):
@@ -278,10 +278,6 @@ WINDOW_ARRAYS = ("win_s", "win_a", "win_r", "win_next_ret", "win_regime", "win_l
             env.append(arr.copy())
         self.env = env_kernels.EnvState(*env)
         self.obs = self._observe()
-
-
-def fold_collector(trainer, config: DQNConfig, bars: Bars, feats: np.ndarray,
-                   train: tuple[int, int], settings, cycle: int):
         self.window.update(load_windows(arrays, self.window))
 
 
@@ -296,6 +292,10 @@ def load_windows(arrays: dict[str, np.ndarray], now: dict[str, np.ndarray]) -> d
                              f"need {now[name].dtype} {now[name].shape}")
         out[name] = arr.copy()
     return out
+
+
+def fold_collector(trainer, config: DQNConfig, bars: Bars, feats: np.ndarray,
+                   train: tuple[int, int], settings, cycle: int):
     """The collector of one fold's training segment ``train`` for ``settings``
     (``loop.LoopSettings``), starting at cycle ``cycle``: ``foxhunt.fast.collector.
     FastCollector`` (the cycle as one device graph) for a fast trainer, this module's

@@ -37,7 +37,10 @@ from .runs import UsageError
 #: Flags that set a setting (flag dest -> setting key); they override --config, --set wins.
 FLAG_SETTINGS = {"epochs": "loop.epochs", "folds": "loop.folds",
                  "steps_per_epoch": "loop.steps_per_epoch", "seed": "loop.seed",
-                 "precision": "config.precision"}
+                 "precision": "config.precision", "n_step": "loop.n_step"}
+#: Loop settings whose default depends on the preset (below the config file, flags and --set):
+#: n-step transitions (issue 22) for the seed preset.
+PRESET_LOOP_DEFAULTS = {"seed": {"loop.n_step": 3}}
 #: Flags that choose the data; with --data only --data applies.
 SYNTHETIC_FLAGS = {"bars": 20_000, "market": "default"}
 #: Flags that make no sense with --resume (the run's config.json decides).
@@ -73,8 +76,9 @@ def _port(text: str) -> int:
 EPILOG = f"""\
 Settings are applied in this order, a later one winning: the preset (--preset), the
 --config file (TOML or JSON), the flags (--epochs, --folds, --steps-per-epoch, --seed,
---precision), then each --set in order. A --set or config-file key is a field name, or
-config.<name> / loop.<name>. Every setting, with its default (the seed preset's):
+--precision, --n-step), then each --set in order. The seed preset sets n_step=3 (n-step
+returns; every other preset keeps the loop default n_step=1). A --set or config-file key is
+a field name, or config.<name> / loop.<name>. Every setting, with its default (the seed preset's):
 {settings_io.settings_help()}
 
 Exit status: 0 done, 1 halted by a safety check, 2 usage error, 128 + signal number when
@@ -107,6 +111,10 @@ def register(sub) -> None:
     g.add_argument("--seed", metavar="N", type=int_at_least(0), default=None,
                    help=f"seed of the network, exploration and synthetic market "
                         f"(default: {loop_defaults.seed})")
+    g.add_argument("--n-step", metavar="N", type=int_at_least(1), default=None,
+                   help="environment steps per transition (n-step returns, at most 16; default: "
+                        f"{PRESET_LOOP_DEFAULTS['seed']['loop.n_step']} for the seed preset, "
+                        f"else {loop_defaults.n_step})")
     g = p.add_argument_group("data")
     g.add_argument("--data", type=Path, default=None, metavar="CSV",
                    help="OHLCV CSV (UTF-8, optionally gzipped) instead of the synthetic market")
@@ -186,6 +194,7 @@ def _plan_new(args) -> Plan:
                    if getattr(args, dest) is not None])
     layers.append(settings_io.parse_set(args.set))
     preset = args.preset or preset or DEFAULT_PRESET
+    layers.insert(0, [(table[key], value) for key, value in PRESET_LOOP_DEFAULTS.get(preset, {}).items()])
     config, settings = settings_io.build(preset, layers)
     if args.data is not None:
         source = runs.csv_source(args.data)

@@ -124,6 +124,21 @@ def test_config_file_flags_and_set_precedence(tmp_path):
     assert plan(base + ["--preset", "seed"]).config.batch_size == 256  # the flag's preset wins
 
 
+def test_n_step_seed_preset_default_flag_and_set(tmp_path):
+    """n-step transitions (issue 22): 3 for the seed preset, 1 for tiny; --n-step and --set
+    beat the preset's default; a config file's n_step beats it too."""
+    base = ["--bars", "800", "--folds", "1"]
+    assert plan(base).settings.n_step == 3  # the seed preset is the default
+    assert plan(base + ["--preset", "tiny"]).settings.n_step == 1
+    assert plan(base + ["--n-step", "5"]).settings.n_step == 5
+    assert plan(base + ["--n-step", "5", "--set", "n_step=1"]).settings.n_step == 1
+    cfg = tmp_path / "c.toml"
+    cfg.write_text("[loop]\nn_step = 2\n")
+    assert plan(base + ["--config", str(cfg)]).settings.n_step == 2
+    with pytest.raises(ValueError, match=r"n_step=17"):
+        plan(base + ["--n-step", "17"])
+
+
 def test_json_config_file(tmp_path):
     cfg = tmp_path / "c.json"
     cfg.write_text(json.dumps({"config": {"tau": 0.01, "budgets": [0.4, 0.3, 0.2, 0.1]},
