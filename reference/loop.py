@@ -443,6 +443,8 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
             collector.close()
         if evaluator is not None:
             evaluator.close()
+        if store is not None:  # the resume pair is written in the background: on disk now
+            store.wait()
     return result(False)
 
 

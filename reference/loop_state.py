@@ -17,6 +17,15 @@ Every file is written to a temporary name (``.<name>.*.tmp``) in the same direct
 ``os.replace``d; ``remove_stale_temporaries`` deletes those an earlier crash left. A failed
 write (``OSError``: disk full, permissions) logs one warning through
 ``logging.getLogger("foxhunt")`` naming the file and the error; the run goes on.
+
+The resume pair is written in the background: ``save_resume`` takes the snapshot at once (the
+trainer's ``state_dict()`` and the collector's ``state()``, both host copies, and the meta as
+JSON text) and hands it to a writer thread (serialising, hashing, writing, fsync and the two
+renames: 0.13 s an epoch with the 52 MB replay ring of a 60,000-bar run, profile on the H200),
+so the next epoch trains meanwhile. ``wait()`` joins that thread: ``save_resume`` waits for
+the previous write first, the loop waits before it returns (also on an error or a stop), and
+so does every read of the store. A writer's ``OSError`` is the warning above, logged when it
+happens; any other exception is raised again by ``wait()``.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -97,6 +107,30 @@ class CheckpointStore:
 
     def __init__(self, out_dir: Path):
         self.dir = Path(out_dir) / CHECKPOINTS
+        self._writer: threading.Thread | None = None
+        self._writer_error: BaseException | None = None
+        self._writer_ok = True
+        self._data_hash: tuple[Bars, str] | None = None  # (the bars, their hash): one run's bars
+
+    def data_hash(self, bars: Bars) -> str:
+        """``data_hash(bars)``, computed once for the run's bars (not once per epoch)."""
+        if self._data_hash is None or self._data_hash[0] is not bars:
+            self._data_hash = (bars, data_hash(bars))
+        return self._data_hash[1]
+
+    def wait(self) -> bool:
+        """Join the background write of the resume pair, if any: True if it was written (or
+        there was none), False if it failed with an ``OSError`` (already warned); any other
+        exception of the writer is raised here."""
+        writer, self._writer = self._writer, None
+        if writer is None:
+            return True
+        writer.join()
+        error, ok = self._writer_error, self._writer_ok
+        self._writer_error, self._writer_ok = None, True
+        if error is not None:
+            raise error
+        return ok
 
     def remove_stale_temporaries(self) -> list[Path]:
         """Delete the temporary files (``.*.tmp``) an interrupted write left; returns them."""
@@ -130,10 +164,13 @@ class CheckpointStore:
 
     def save_resume(self, trainer, progress: Progress, config: DQNConfig, settings, bars: Bars,
                     collector) -> bool:
-        """Write the resume pair for ``progress`` (after ``advance``); False if it failed."""
+        """Snapshot the resume pair for ``progress`` (after ``advance``) and start writing it in
+        the background (module docstring); returns ``wait()``'s answer for the previous write.
+        """
+        previous = self.wait()
         meta = {
             "format": FORMAT, "config": config.to_dict(), "settings": dataclasses.asdict(settings),
-            "data_sha256": data_hash(bars), "trainer_step": int(trainer.step_count),
+            "data_sha256": self.data_hash(bars), "trainer_step": int(trainer.step_count),
             "fold": progress.fold, "epoch": progress.epoch, "done": progress.done,
             "halted": progress.halted, "low_grad_epochs": progress.low_grad_epochs,
             "cycle": progress.cycle, "last_scalars": dataclasses.asdict(progress.last_scalars),
@@ -142,32 +179,48 @@ class CheckpointStore:
         }
         arrays = {}
         if not progress.done and progress.epoch > 0:  # the next epoch continues this fold
-            arrays, meta["replay"] = collector.state()
+            arrays, meta["replay"] = collector.state()  # host copies
+        # The snapshot: everything the writer needs, nothing it reads from live objects.
+        meta_text = json.dumps(meta)
+        state = trainer.state_dict()  # host copies (both backends)
+        trainer_config, backend = trainer.config, trainer.backend_name
         loop_path, trainer_path = self.dir / LAST_LOOP, self.dir / LAST_TRAINER
         pending = self.dir / f".{LAST_TRAINER}.pending{TMP_SUFFIX}"
-        temporaries = [pending]
 
         def write() -> None:
-            fd, tmp = open_temporary(loop_path)
-            temporaries.append(tmp)
-            with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, meta=np.array(json.dumps(meta)), **arrays)
-                fh.flush()
-                os.fsync(fh.fileno())
-            trainer.save(pending)
-            # The commit: two renames, back to back (meta["trainer_step"] detects a tear).
-            os.replace(pending, trainer_path)
-            os.replace(tmp, loop_path)
-            fsync_directory(self.dir)
+            from .checkpoint import save_checkpoint
 
-        try:
-            return self._guarded(f"the resume state {trainer_path} + {loop_path.name}", write)
-        finally:
-            for tmp in temporaries:
-                _remove_quietly(tmp)
+            temporaries = [pending]
+            try:
+                fd, tmp = open_temporary(loop_path)
+                temporaries.append(tmp)
+                with os.fdopen(fd, "wb") as fh:
+                    np.savez(fh, meta=np.array(meta_text), **arrays)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                save_checkpoint(pending, trainer_config, state, backend=backend)
+                # The commit: two renames, back to back (meta["trainer_step"] detects a tear).
+                os.replace(pending, trainer_path)
+                os.replace(tmp, loop_path)
+                fsync_directory(self.dir)
+            finally:
+                for name in temporaries:
+                    _remove_quietly(name)
+
+        def writer() -> None:
+            try:
+                self._writer_ok = self._guarded(f"the resume state {trainer_path} + {loop_path.name}",
+                                                write)
+            except BaseException as exc:  # noqa: BLE001  (raised again by wait())
+                self._writer_ok, self._writer_error = False, exc
+
+        self._writer = threading.Thread(target=writer, name="foxhunt-resume-writer")
+        self._writer.start()
+        return previous
 
     def read(self) -> tuple[dict, dict[str, np.ndarray]]:
         """``(meta, arrays)`` of ``last.loop.npz``; ``ResumeError`` if there is none."""
+        self.wait()
         path = self.dir / LAST_LOOP
         if not path.is_file():
             raise ResumeError(f"{path}: no resume state (the run finished no epoch, or this is "
@@ -198,9 +251,9 @@ class CheckpointStore:
                               f"version ({exc})") from None
         _same("config", saved_config, config, where)
         _same("loop setting", saved_settings, settings, where)
-        if meta["data_sha256"] != data_hash(bars):
+        if meta["data_sha256"] != self.data_hash(bars):
             raise ResumeError(f"{where}: the run was trained on other bars (data SHA-256 "
-                              f"{meta['data_sha256'][:12]}..., these {data_hash(bars)[:12]}...)")
+                              f"{meta['data_sha256'][:12]}..., these {self.data_hash(bars)[:12]}...)")
         trainer_path = self.dir / LAST_TRAINER
         _, state = load_checkpoint(trainer_path)
         trainer.load_state_dict(state)
