@@ -18,6 +18,7 @@ Tolerances are float32 ones: the two implementations sum in different orders, no
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -162,6 +163,42 @@ def test_second_wave_losses_and_gradients_match_reference(preset, source):
     wave_keys = {"iqn_loss", "grad_iqn_head", "grad_iqn_trunk", "ens_loss", "grad_ens",
                  "aux_next_bar_loss", "aux_regime_loss", "mse_loss", "mse_weight"}
     assert set(out) & wave_keys == expected  # a source that is off computes nothing
+
+
+@pytest.mark.parametrize("source", ("core", "iqn", "mse"))
+def test_n_step_losses_and_gradients_match_reference(source):
+    """n-step batches (issue 22): per-sample discounts gamma_ref ** k, k in 1..16 (and the
+    floored 1e-30), per-branch gammas unlike gamma_ref (0.99, 0.9): the peer's targets are the
+    reference's; not vacuous (the 1-step losses differ)."""
+    config = DQNConfig.preset("tiny", precision="f32", gamma=(0.99, 0.9), **source_overrides(source))
+    layout = ParamLayout(config)
+    params, target = init_params(layout, 11), init_params(layout, 12) * np.float32(4)
+    rng = np.random.default_rng(17)
+    batch = Batch.random(config, rng)
+    disc = np.float32(0.99) ** rng.integers(1, 17, config.batch_size).astype(np.float32)
+    disc[0] = 1e-30
+    batch = dataclasses.replace(batch, discount=disc.astype(np.float32))
+    isv = isv_mod.bus_for(config).to_array()
+    isv[isv_mod.EPOCH_IDX_INDEX] = MSE_EPOCH
+    step, seed = 5, 7
+    ref = loss_and_grads(config, params, target, batch, isv=isv, step=step, seed=seed)
+    peer = TorchStep(config, device="cpu", seed=seed, n_step=3, state={
+        "params": params, "target": target, "isv": isv, "step": np.array([step], np.int64)})
+    out = peer.loss_and_grads(batch)
+    assert_close("c51_loss", out["c51_loss"], ref["c51_loss"], rtol=RTOL, atol=0)
+    assert_grad_close("grad_c51", out["grad_c51"], ref["grad_c51"])
+    one = loss_and_grads(config, params, target, dataclasses.replace(batch, discount=None),
+                         isv=isv, step=step, seed=seed)
+    assert abs(one["c51_loss"] - ref["c51_loss"]) > 100 * RTOL * abs(ref["c51_loss"])
+    if config.iqn_on:
+        assert_close("iqn_loss", out["iqn_loss"], ref["iqn"].loss, rtol=RTOL, atol=0)
+        assert_grad_close("grad_iqn_head", out["grad_iqn_head"], ref["iqn"].head_grad)
+        assert abs(one["iqn"].loss - ref["iqn"].loss) > 1e3 * RTOL * abs(ref["iqn"].loss)
+    if config.mse_on:
+        assert_close("mse_loss", out["mse_loss"], ref["mse"].loss, rtol=RTOL, atol=0)
+        assert abs(one["mse"].loss - ref["mse"].loss) > 1e3 * RTOL * abs(ref["mse"].loss)
+    with pytest.raises(ValueError, match=r"^batch\.discount: missing"):
+        peer.loss_and_grads(dataclasses.replace(batch, discount=None))
 
 
 STEP_CASES = [("tiny", "core", {}), ("seed", "core", {}), ("tiny", "core", STRESSED)]

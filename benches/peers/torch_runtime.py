@@ -14,9 +14,11 @@ BATCH_FIELDS = ("s", "a", "r", "s2", "done", "isw")
 LABEL_FIELDS = (("next_ret", "aux_next_bar_weight"), ("regime", "aux_regime_weight"))
 
 
-def batch_fields(config: DQNConfig) -> tuple[str, ...]:
-    """The batch fields the step uploads: the core ones and the labels of the heads that are on."""
-    return BATCH_FIELDS + tuple(name for name, weight in LABEL_FIELDS if getattr(config, weight) > 0)
+def batch_fields(config: DQNConfig, n_step_on: bool = False) -> tuple[str, ...]:
+    """The batch fields the step uploads: the core ones, the labels of the heads that are on and,
+    for n-step steps (issue 22), the effective discount."""
+    labels = tuple(name for name, weight in LABEL_FIELDS if getattr(config, weight) > 0)
+    return BATCH_FIELDS + labels + (("discount",) if n_step_on else ())
 
 
 class BatchUpload:
@@ -27,15 +29,16 @@ class BatchUpload:
     ``non_blocking=True``, as the fast trainer gets its batches; it never synchronises the
     device (it waits only for the copy that last read the same staging buffer)."""
 
-    def __init__(self, config: DQNConfig, device: torch.device):
+    def __init__(self, config: DQNConfig, device: torch.device, n_step_on: bool = False):
         c = config
         self.config, self.device = config, device
         B, SD, nb = c.batch_size, c.state_dim, c.n_branches
         specs = {"s": ((B, SD), torch.float32), "a": ((B, nb), torch.int32),
                  "r": ((B,), torch.float32), "s2": ((B, SD), torch.float32),
                  "done": ((B,), torch.float32), "isw": ((B,), torch.float32),
-                 "next_ret": ((B,), torch.float32), "regime": ((B,), torch.int32)}
-        specs = {k: specs[k] for k in batch_fields(c)}
+                 "next_ret": ((B,), torch.float32), "regime": ((B,), torch.int32),
+                 "discount": ((B,), torch.float32)}
+        specs = {k: specs[k] for k in batch_fields(c, n_step_on)}
         self.inputs = {k: torch.zeros(shape, dtype=dt, device=device)
                        for k, (shape, dt) in specs.items()}
         if device.type == "cuda":
@@ -47,6 +50,9 @@ class BatchUpload:
 
     def upload(self, batch: Batch) -> None:
         batch.validate(self.config)
+        if (batch.discount is not None) != ("discount" in self.inputs):
+            raise ValueError("batch.discount: " + ("missing; this step is n-step" if batch.discount
+                             is None else "given, but this step is 1-step (n_step=1)"))
         if self.device.type != "cuda":
             for k in self.inputs:
                 self.inputs[k].copy_(torch.from_numpy(getattr(batch, k)))

@@ -75,10 +75,11 @@ from foxhunt.reference.backend import check_epoch
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import BUDGET_SOURCES, DQNConfig
 from foxhunt.reference.isv import AUX_LABEL_SCALE_EMA_INDEX, EPOCH_IDX_INDEX
-from foxhunt.reference.kernels.distributional import support
+from foxhunt.reference.kernels.distributional import DISCOUNT_FLOOR, GAMMA_FLOOR, support
 from foxhunt.reference.kernels.rng import STREAMS
 from foxhunt.reference.kernels.spectral import SPECTRAL_EPS, init_spectral_vectors
 from foxhunt.reference.layout import FROZEN_GROUPS, ParamLayout, init_params
+from foxhunt.reference.step import check_n_step
 
 from .torch_net import DuelingC51Net, PeerNet, step_gemm_flops
 from .torch_philox import TauTable
@@ -121,7 +122,7 @@ class TorchStep:
     ``Trainer(config, seed)``, or to a reference ``state_dict`` given as ``state``."""
 
     def __init__(self, config: DQNConfig, *, mode: str = "eager", device: str | torch.device | None = None,
-                 seed: int = 0, state: dict[str, np.ndarray] | None = None):
+                 seed: int = 0, state: dict[str, np.ndarray] | None = None, n_step: int = 1):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: allowed values are {MODES}")
         device = torch.device(device if device is not None else
@@ -135,6 +136,9 @@ class TorchStep:
         self.layout = ParamLayout(config)
         self.autocast = config.precision == "bf16"
         self.gammas = config.gammas
+        # n-step batches (issue 22): the targets use each sample's effective gamma.
+        self.n_step_on = check_n_step(config, n_step)
+        self.log_gamma_ref = float(np.log(np.float32(config.gammas[0])))
         lo, hi = np.float32(config.v_min), np.float32(config.v_max)
         self.v_min, self.v_max = float(lo), float(hi)
         self.dz = float((hi - lo) / np.float32(config.num_atoms - 1))  # float32, as the reference
@@ -188,7 +192,7 @@ class TorchStep:
         self.set_epoch(0)
         self.load_state(state if state is not None else self._initial_state(seed))
 
-        self.uploader = BatchUpload(config, device)
+        self.uploader = BatchUpload(config, device, self.n_step_on)
         self.inputs = self.uploader.inputs
 
         if mode in COMPILED_MODES:
@@ -286,9 +290,20 @@ class TorchStep:
         return out
 
     # ------------------------------------------------------------------ the step's parts
+    def _gamma_eff(self, gamma: float, discount: torch.Tensor | None):
+        """Branch gamma of the targets: ``gamma`` (1-step), or per sample ``fmax(gamma, 1e-6) **
+        (log(fmax(discount, 1e-9)) / log(gamma_ref))`` ``[B]`` (n-step; the reference's
+        ``effective_gamma``)."""
+        if discount is None:
+            return gamma
+        floor = torch.tensor(float(DISCOUNT_FLOOR), dtype=discount.dtype, device=discount.device)
+        n_eff = torch.log(torch.fmax(discount, floor)) / self.log_gamma_ref
+        return torch.pow(max(gamma, float(GAMMA_FLOOR)), n_eff)
+
     def _project(self, p_next: torch.Tensor, r: torch.Tensor, done: torch.Tensor,
-                 gamma: float) -> torch.Tensor:
-        """Dense triangular C51 projection ``[B, NA]`` (SPEC 4 step 2)."""
+                 gamma) -> torch.Tensor:
+        """Dense triangular C51 projection ``[B, NA]`` (SPEC 4 step 2); ``gamma`` a float or the
+        per-sample ``[B]`` effective gammas."""
         discount = gamma * (1.0 - done)
         tz = (r[:, None] + discount[:, None] * self.z).clamp(self.v_min, self.v_max)   # [B, j]
         weight = (1.0 - (tz[:, :, None] - self.z).abs() / self.dz).clamp(0.0, 1.0)     # [B, j, i]
@@ -310,7 +325,9 @@ class TorchStep:
         nb = len(logp)
         c51 = cql = td = 0.0
         a_star, q_taken, target_q = [], [], []
-        for d, gamma in enumerate(self.gammas):
+        discount = x.get("discount")
+        gamma_eff = [self._gamma_eff(g, discount) for g in self.gammas]
+        for d, gamma in enumerate(gamma_eff):
             with torch.no_grad():
                 q_next = (logp_next[d].exp() * self.z).sum(-1)                       # [B, n_d]
                 best = q_next.argmax(dim=1)
@@ -347,7 +364,9 @@ class TorchStep:
                 q = self.online.iqn(h2, tau[0])
                 with torch.no_grad():
                     q_target = self.target.iqn(h2_target, tau[1])
-                out["iqn"] = iqn_loss(self.wave, q, q_target, tau[0], a, a_star, r, done, isw)
+                gammas = None if discount is None else torch.stack(gamma_eff, dim=1)
+                out["iqn"] = iqn_loss(self.wave, q, q_target, tau[0], a, a_star, r, done, isw,
+                                      gammas)
             if c.ens_on:
                 out["ens"] = ens_loss(self.online.ens, h2, v)
         return out

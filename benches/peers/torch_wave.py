@@ -111,14 +111,16 @@ class WaveConstants:
 
 def iqn_loss(k: WaveConstants, q: torch.Tensor, q_target: torch.Tensor, tau: torch.Tensor,
              a: torch.Tensor, a_star: torch.Tensor, r: torch.Tensor, done: torch.Tensor,
-             isw: torch.Tensor) -> torch.Tensor:
+             isw: torch.Tensor, gammas: torch.Tensor | None = None) -> torch.Tensor:
     """The quantile Huber loss (module docstring). ``q``, ``q_target`` ``[B N, A]`` (``q_target``
     without gradient), ``tau [B N]`` the online fractions, ``a``, ``a_star`` int64
-    ``[B, D]``."""
+    ``[B, D]``; ``gammas`` the per-sample effective gammas ``[B, D]`` of n-step batches (None:
+    the branches' gammas)."""
     B, N, D = k.batch, k.n_quantiles, k.n_branches
     taken = q.view(B, N, -1).gather(2, (k.offsets + a)[:, None, :].expand(B, N, D))      # [B, i, D]
     best = q_target.view(B, N, -1).gather(2, (k.offsets + a_star)[:, None, :].expand(B, N, D))
-    y = r[:, None, None] + k.gammas * (1.0 - done)[:, None, None] * best                # [B, j, D]
+    g = k.gammas if gammas is None else gammas[:, None, :]
+    y = r[:, None, None] + g * (1.0 - done)[:, None, None] * best                       # [B, j, D]
     u = y[:, None, :, :] - taken[:, :, None, :]                                         # [B, i, j, D]
     weight = (tau.view(B, N, 1, 1) - (u.detach() < 0).float()).abs()
     rho = weight * F.huber_loss(u, torch.zeros_like(u), reduction="none", delta=1.0)
