@@ -4,6 +4,8 @@ The torch network, the double-DQN choice, the projection and both losses are wri
 SPEC 3-4 without calling foxhunt's kernels; only the flat-buffer slicing uses the layout.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -50,7 +52,12 @@ def torch_losses(config, layout, params, target, batch):
     cql = torch.zeros((), dtype=torch.float64)
     td = torch.zeros(B, dtype=torch.float64)
     rows = torch.arange(B)
+    # n-step batches (issue 22): gamma_d ** n_eff per sample, in float64.
+    n_eff = None if batch.discount is None else (
+        torch.log(torch.tensor(np.maximum(batch.discount, 1e-9), dtype=torch.float64))
+        / np.log(np.float64(np.float32(c.gammas[0]))))
     for d, gamma in enumerate(c.gammas):
+        gamma = gamma if n_eff is None else (gamma ** n_eff)[:, None]
         with torch.no_grad():
             q2 = (logp_s2[d].exp() * z).sum(-1)
             a_star = q2.argmax(dim=1)  # torch returns the first maximal index
@@ -66,12 +73,16 @@ def torch_losses(config, layout, params, target, batch):
     return c51, cql, td
 
 
-def _oracle(config, seed):
+def _oracle(config, seed, n_step=False):
     layout = ParamLayout(config)
     rng = np.random.default_rng(seed)
     params = init_params(layout, seed)
     target = init_params(layout, seed + 1)
     batch = Batch.random(config, rng)
+    if n_step:  # discounts gamma_ref ** k, k in 1..16, and a floored 1e-30
+        disc = np.float32(config.gammas[0]) ** rng.integers(1, 17, config.batch_size)
+        disc[0] = 1e-30
+        batch = dataclasses.replace(batch, discount=disc.astype(np.float32))
     ours = loss_and_grads(config, params, target, batch, layout=layout)
     p64 = torch.tensor(params, dtype=torch.float64, requires_grad=True)
     t64 = torch.tensor(target, dtype=torch.float64)
@@ -92,13 +103,15 @@ def assert_grad_close(layout, ours, ref, what):
         assert err < 2e-4, f"{what}[{t.name}]: max error {err:.3g} relative to max|grad| {scale:.3g}"
 
 
+@pytest.mark.parametrize("n_step", [False, True], ids=["1-step", "n-step"])
 @pytest.mark.parametrize("preset", ["tiny", "seed"])
-def test_loss_and_grads_match_torch_autograd(preset):
+def test_loss_and_grads_match_torch_autograd(preset, n_step):
     # The core step (C51 + CQL) at the preset's sizes; the second wave has its own oracles.
+    # n-step: per-sample discounts, the targets' gamma_d ** n_eff (issue 22).
     branches = DQNConfig.preset(preset).branches
     config = DQNConfig.preset(preset, precision="f32", gamma=(0.99, 0.9, 0.5)[: len(branches)],
                               **CORE_STEP)
-    layout, ours, (c51, cql, td, g_c51, g_cql) = _oracle(config, seed=3)
+    layout, ours, (c51, cql, td, g_c51, g_cql) = _oracle(config, seed=3, n_step=n_step)
     assert ours["c51_loss"].dtype == np.float32 and ours["cql_loss"].dtype == np.float32
     np.testing.assert_allclose(ours["c51_loss"], c51, rtol=1e-5)
     np.testing.assert_allclose(ours["cql_loss"], cql, rtol=1e-5, atol=1e-7)
