@@ -322,3 +322,32 @@ def test_reference_collector_resumes_its_windows_bitwise(market):
     assert any(k.startswith("nstep.") for k in a)
     for k in a:
         assert np.array_equal(a[k], b[k]), k
+
+
+def test_loop_with_n_step_resumes_bitwise(tmp_path):
+    """The reference loop with n_step = 3, interrupted inside its second epoch (the ring's
+    discounts and the windows come back from the resume state) and resumed: the same records
+    and final trainer as the uninterrupted run."""
+    from foxhunt.reference.checkpoint import load_checkpoint
+
+    config = DQNConfig.preset("tiny", readback_interval=4)
+    settings = loop.LoopSettings(folds=1, epochs=2, steps_per_epoch=8, n_envs=4,
+                                 warmup_transitions=40, replay_capacity=128, seed=5, n_step=3)
+    bars = SyntheticMarket.preset("strong_trend", seed=3, n_bars=800).generate()
+    steps = []
+
+    def go(out, **kw):
+        return loop.run(config, bars, settings, out_dir=out, on_step=lambda i, s: steps.append(i),
+                        **kw)
+
+    whole = go(tmp_path / "whole")
+    steps.clear()
+    part = go(tmp_path / "part", should_stop=lambda: len(steps) >= settings.steps_per_epoch + 3)
+    assert part.status == "interrupted" and len(part.records) == 1
+    resumed = go(tmp_path / "part", resume=True)
+    untimed = lambda rs: [{k: v for k, v in vars(r).items() if k not in loop.TIMING_FIELDS}  # noqa: E731
+                          for r in rs]
+    assert untimed(resumed.records) == untimed(whole.records)
+    _, a = load_checkpoint(tmp_path / "whole" / "checkpoints" / "last.safetensors")
+    _, b = load_checkpoint(tmp_path / "part" / "checkpoints" / "last.safetensors")
+    assert all(np.array_equal(a[k], b[k], equal_nan=True) for k in a)
