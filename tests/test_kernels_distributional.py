@@ -777,7 +777,8 @@ def test_kernels_registry():
 #: PTX parameter types in order: pointers (u64), then ints (u32 in PTX), then float configuration.
 FUSED_PTX_PARAMS = {
     "log_softmax_expected_q": ("u64",) * 4 + ("u32",) * 3,
-    "c51_project_grad": ("u64",) * 11 + ("u32",) * 3 + ("f32",) * 3,
+    # ... then the n-step scalars gamma_ref (f32) and n_step_on (u32) after the configuration.
+    "c51_project_grad": ("u64",) * 12 + ("u32",) * 3 + ("f32",) * 4 + ("u32",),
 }
 
 
