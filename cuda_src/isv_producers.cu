@@ -294,25 +294,19 @@ extern "C" __global__ void cql_alpha_ramp(float* __restrict__ isv, float cql_alp
     isv[cql_slot] = hb_guarded_ema(isv[cql_slot], target, alpha);
 }
 
-// epsilon_tau_update: isv[eps_slot] = fminf(sched * (2 - h), fmaxf(eps_start, eps_end)),
-// isv[tau_slot] = tau * (floor + (1 - floor) * h), sched the linear decay over
-// explore_frac * isv[total_slot] epochs, h the clamped health (non-finite: 1).
-// Launch: grid 1, block 1 (or more: thread 0 works).
-extern "C" __global__ void epsilon_tau_update(float* __restrict__ isv, float eps_start,
-                                              float eps_end, float explore_frac, float tau,
+// epsilon_tau_update: isv[eps_slot] = fminf(schedule[0] * (2 - h), schedule[1]) (the loop's
+// epsilon of this epoch and its cap), isv[tau_slot] = tau * (floor + (1 - floor) * h), h the
+// clamped health (non-finite: 1). Launch: grid 1, block 1 (or more: thread 0 works).
+extern "C" __global__ void epsilon_tau_update(float* __restrict__ isv,
+                                              const float* __restrict__ schedule, float tau,
                                               float tau_health_floor, int eps_slot,
-                                              int tau_slot, int epoch_slot, int total_slot,
-                                              int health_slot) {
+                                              int tau_slot, int health_slot) {
     if (threadIdx.x != 0) {
         return;
     }
-    const float horizon = fmaxf(__fmul_rn(explore_frac, isv[total_slot]), 1.0f);
-    const float p = isvp_progress(isv[epoch_slot], horizon);
-    const float sched = __fadd_rn(eps_end, __fmul_rn(__fsub_rn(eps_start, eps_end),
-                                                     __fsub_rn(1.0f, p)));
     const float raw_h = isv[health_slot];
     const float h = isfinite(raw_h) ? fminf(fmaxf(raw_h, 0.0f), 1.0f) : 1.0f;
-    isv[eps_slot] = fminf(__fmul_rn(sched, __fsub_rn(2.0f, h)), fmaxf(eps_start, eps_end));
+    isv[eps_slot] = fminf(__fmul_rn(schedule[0], __fsub_rn(2.0f, h)), schedule[1]);
     isv[tau_slot] = __fmul_rn(tau, __fadd_rn(tau_health_floor,
                                              __fmul_rn(__fsub_rn(1.0f, tau_health_floor), h)));
 }

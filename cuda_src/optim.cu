@@ -478,10 +478,9 @@ extern "C" __global__ void polyak_update(float* __restrict__ target,
 // the online parameters and of the NEW target: target_i = (1 - tau) * target_i + tau *
 // online_i; online_bf16_i = bf16(online_i); target_bf16_i = bf16(target_i). NaN/Inf propagate
 // through the blend; the mirrors keep a NaN's sign and high payload (quiet bit set).
-extern "C" __global__ void polyak_update_mirror(float* __restrict__ target,
-                                                const float* __restrict__ online, long long n,
-                                                float tau, unsigned short* __restrict__ online_bf16,
-                                                unsigned short* __restrict__ target_bf16) {
+__device__ __forceinline__ void polyak_update_mirror_body(
+    float* __restrict__ target, const float* __restrict__ online, long long n, float tau,
+    unsigned short* __restrict__ online_bf16, unsigned short* __restrict__ target_bf16) {
     const float keep = __fsub_rn(1.0f, tau);
     for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
         const float o = online[i];
@@ -490,4 +489,21 @@ extern "C" __global__ void polyak_update_mirror(float* __restrict__ target,
         online_bf16[i] = f32_to_bf16_bits(o);
         target_bf16[i] = f32_to_bf16_bits(t);
     }
+}
+
+extern "C" __global__ void polyak_update_mirror(float* __restrict__ target,
+                                                const float* __restrict__ online, long long n,
+                                                float tau, unsigned short* __restrict__ online_bf16,
+                                                unsigned short* __restrict__ target_bf16) {
+    polyak_update_mirror_body(target, online, n, tau, online_bf16, target_bf16);
+}
+
+// polyak_update_mirror_ptr: polyak_update_mirror with tau read from device memory (*tau, the
+// adaptive tau's ISV slot copied at graph 1's start), so no host value enters the step.
+extern "C" __global__ void polyak_update_mirror_ptr(float* __restrict__ target,
+                                                    const float* __restrict__ online, long long n,
+                                                    const float* __restrict__ tau,
+                                                    unsigned short* __restrict__ online_bf16,
+                                                    unsigned short* __restrict__ target_bf16) {
+    polyak_update_mirror_body(target, online, n, *tau, online_bf16, target_bf16);
 }

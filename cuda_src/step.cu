@@ -261,10 +261,12 @@ extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int
 // does (same code, launched with grad_norm_final's block size, so the same bits), then one
 // thread reads readback[1] and [2] and writes the rest.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(STEP_THREADS)
-loss_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
-                  const float* __restrict__ q_taken, const float* __restrict__ target_q,
-                  float* __restrict__ readback, int n_branches, int batch, float alpha) {
+__device__ __forceinline__ void loss_scalars_body(const float* __restrict__ c51_total,
+                                                  const float* __restrict__ terms,
+                                                  const float* __restrict__ q_taken,
+                                                  const float* __restrict__ target_q,
+                                                  float* __restrict__ readback, int n_branches,
+                                                  int batch, float alpha) {
     float cql = 0.0f;
     for (int d = 0; d < n_branches; ++d) {
         const float sum = step_block_total(terms + (long long)d * batch, batch);
@@ -285,6 +287,23 @@ loss_scalars(const float* __restrict__ c51_total, const float* __restrict__ term
     readback[2] = cql;
     readback[10] = mean_q;
     readback[11] = mean_target_q;
+}
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS)
+loss_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
+                  const float* __restrict__ q_taken, const float* __restrict__ target_q,
+                  float* __restrict__ readback, int n_branches, int batch, float alpha) {
+    loss_scalars_body(c51_total, terms, q_taken, target_q, readback, n_branches, batch, alpha);
+}
+
+// loss_scalars_ptr: loss_scalars with the CQL coefficient read from device memory (*alpha,
+// the CQL-alpha ramp's ISV slot copied at graph 1's start), so no host value enters the step.
+extern "C" __global__ void __launch_bounds__(STEP_THREADS)
+loss_scalars_ptr(const float* __restrict__ c51_total, const float* __restrict__ terms,
+                 const float* __restrict__ q_taken, const float* __restrict__ target_q,
+                 float* __restrict__ readback, int n_branches, int batch,
+                 const float* __restrict__ alpha) {
+    loss_scalars_body(c51_total, terms, q_taken, target_q, readback, n_branches, batch, *alpha);
 }
 
 extern "C" __global__ void step_scalars(const float* __restrict__ total_partials,

@@ -1,7 +1,8 @@
 """CPU twins of the issue-19 ISV producers the fast step launches (``foxhunt.fast.isv_plan``),
 registered into ``foxhunt.fast.cpu_kernels.TWINS``; each calls its reference kernel
 (``foxhunt.reference.kernels.isv_producers``, ``kernels.isv``) after checking that the launch's
-slot arguments are the registry's."""
+slot arguments are the registry's. Also the twins of the consumers' pointer variants
+(``loss_scalars_ptr``, ``polyak_update_mirror_ptr``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import numpy as np
 from foxhunt.fast.cpu_kernels import twin
 from foxhunt.reference import isv as reg
 from foxhunt.reference.kernels import isv as risv
+from foxhunt.reference.kernels import optim
+from foxhunt.reference.kernels import step as rstep
 from foxhunt.reference.kernels import isv_producers as prod
 
 _SIG = {name: i for i, name in enumerate(reg.SIGNAL_NAMES)}
@@ -87,3 +90,38 @@ def _per_branch_gamma_update(a):
            epoch_slot=(a.epoch_slot, reg.EPOCH_IDX_INDEX),
            total_slot=(a.total_slot, reg.TOTAL_EPOCHS_INDEX))
     return {"isv": prod.per_branch_gamma_update(a.isv, a.gamma_base, a.gamma_max)}
+
+
+@twin("epsilon_tau_update", isv=reg.ISV_LEN, schedule=2)
+def _epsilon_tau_update(a):
+    _check("epsilon_tau_update", eps_slot=(a.eps_slot, reg.EPSILON_EFF_INDEX),
+           tau_slot=(a.tau_slot, reg.TAU_EFF_INDEX),
+           health_slot=(a.health_slot, _SIG["LEARNING_HEALTH"]))
+    if np.float32(a.tau_health_floor) != np.float32(prod.TAU_HEALTH_FLOOR):
+        raise ValueError("epsilon_tau_update: tau_health_floor is not the reference's")
+    return {"isv": prod.epsilon_tau_update(a.isv, a.schedule, a.tau)}
+
+
+@twin("cql_alpha_ramp", isv=reg.ISV_LEN)
+def _cql_alpha_ramp(a):
+    _check("cql_alpha_ramp", cql_slot=(a.cql_slot, reg.CQL_ALPHA_INDEX),
+           eps_slot=(a.eps_slot, reg.EPSILON_EFF_INDEX))
+    return {"isv": prod.cql_alpha_ramp(a.isv, a.cql_alpha, _alpha_base(a, "cql_alpha_ramp"))}
+
+# The consumers' pointer variants: the scalar is the one float32 their pointer names.
+@twin("loss_scalars_ptr", c51_total="n_branches", terms=("n_branches", "batch"),
+      q_taken=("n_branches", "batch"), target_q=("n_branches", "batch"),
+      readback=len(rstep.READBACK_FIELDS), alpha=1)
+def _loss_scalars_ptr(a):
+    r = rstep.loss_scalars_ptr(a.c51_total, a.terms, a.q_taken, a.target_q, a.alpha[0])
+    readback = a.readback
+    for name, value in r._asdict().items():
+        readback[rstep.READBACK_INDEX[name]] = value
+    return {"readback": readback}
+
+
+@twin("polyak_update_mirror_ptr", target="n", online="n", tau=1, online_bf16="n",
+      target_bf16="n")
+def _polyak_update_mirror_ptr(a):
+    r = optim.polyak_update_mirror_ptr(a.target, a.online, a.tau[0])
+    return {"target": r.target, "online_bf16": r.online_bf16, "target_bf16": r.target_bf16}

@@ -291,19 +291,26 @@ def test_cql_alpha_ramp(eps, target):
     assert P.cql_alpha_ramp(isv, 1.5, 0.05)[reg.CQL_ALPHA_INDEX] == F32(0.4)
 
 
-@pytest.mark.parametrize("epoch, health", [(0, 1.0), (3, 0.5), (10, 0.0), (3, np.nan), (3, 7.0)])
-def test_epsilon_tau(epoch, health):
+@pytest.mark.parametrize("sched, health", [(1.0, 1.0), (0.4, 0.5), (0.05, 0.0), (0.4, np.nan),
+                                           (0.4, 7.0), (0.7, -1.0)])
+def test_epsilon_tau(sched, health):
     isv = _isv()
-    isv[reg.EPOCH_IDX_INDEX] = F32(epoch)
-    isv[reg.TOTAL_EPOCHS_INDEX] = F32(10)
     isv[SIG["LEARNING_HEALTH"]] = F32(health)
-    out = P.epsilon_tau_update(isv, 1.0, 0.05, 0.6, 0.005)
-    p = min(epoch / 6.0, 1.0)
-    sched = 0.05 + 0.95 * (1 - p)
+    out = P.epsilon_tau_update(isv, np.array([sched, 1.0], F32), 0.005)
     h = 1.0 if math.isnan(health) else min(max(health, 0.0), 1.0)
+    # the schedule is the floor; a poor health explores up to twice it, capped at 1.
     assert out[reg.EPSILON_EFF_INDEX] == pytest.approx(min(sched * (2 - h), 1.0), rel=1e-6)
     assert out[reg.TAU_EFF_INDEX] == pytest.approx(0.005 * (0.5 + 0.5 * h), rel=1e-6)
     assert _changed(isv, out) <= {reg.EPSILON_EFF_INDEX, reg.TAU_EFF_INDEX}
+    capped = P.epsilon_tau_update(isv, np.array([sched, 0.3], F32), 0.005)
+    assert capped[reg.EPSILON_EFF_INDEX] == pytest.approx(min(sched * (2 - h), 0.3), rel=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [np.array([0.5], F32), np.array([0.5, 1.5], F32),
+                                      np.array([np.nan, 1.0], F32), [0.5, 1.0]])
+def test_epsilon_tau_rejects_a_bad_schedule(schedule):
+    with pytest.raises(ValueError, match="schedule"):
+        P.epsilon_tau_update(_isv(), schedule, 0.005)
 
 
 # ------------------------------------------------------------------------- registry facts
@@ -325,7 +332,7 @@ def test_every_producer_writes_exactly_its_registry_slots():
         "adaptive_support_update": P.adaptive_support_update(isv, 100.0, 1.25, 1.0),
         "per_branch_gamma_update": P.per_branch_gamma_update(isv, GB, GM),
         "cql_alpha_ramp": P.cql_alpha_ramp(isv, 2.0, 0.05),
-        "epsilon_tau_update": P.epsilon_tau_update(isv, 1.0, 0.05, 0.6, 0.005),
+        "epsilon_tau_update": P.epsilon_tau_update(isv, np.array([0.5, 1.0], F32), 0.005),
     }
     quant = isv
     for b in range(reg.MAX_ISV_BRANCHES):

@@ -88,8 +88,7 @@ def _s_cql(d: Dims, rng) -> Kwargs:
 
 
 def _s_eps(d: Dims, rng) -> Kwargs:
-    return {"isv": _isv(rng), "eps_start": 1.0, "eps_end": 0.05, "explore_frac": 0.6,
-            "tau": 0.005}
+    return {"isv": _isv(rng), "schedule": np.array([0.4, 1.0], F32), "tau": 0.005}
 
 
 def _isv_finite_where_finite(kwargs, outputs, poisoned):
@@ -153,5 +152,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
     _isv_entry("cql_alpha_ramp", _s_cql, ("isv",),
                lambda k: replace(k, cql_alpha=-1.0), lambda k: replace(k, alpha_base=0.6)),
     _isv_entry("epsilon_tau_update", _s_eps, ("isv",),
-               lambda k: replace(k, eps_start=1.5), lambda k: replace(k, tau=float("inf"))),
+               lambda k: replace(k, schedule=np.array([1.5, 1.0], F32)),
+               lambda k: replace(k, schedule=k["schedule"][:1]),
+               lambda k: replace(k, tau=float("inf"))),
 )

@@ -4,6 +4,8 @@ guarded SAXPYs of the budget pipeline, Adam, and the Polyak update with its BF16
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -284,3 +286,8 @@ ENTRIES: tuple[SpecEntry, ...] = (
         ),
     ),
 )
+
+# The pointer variant (the scalar read from device memory, graph-fed by the ISV): the same
+# kernel body, so the same samples, tolerances and error cases.
+ENTRIES += tuple(dataclasses.replace(e, name="polyak_update_mirror_ptr") for e in ENTRIES
+                 if e.name == "polyak_update_mirror")

@@ -14,6 +14,8 @@ means keep the reduction tolerance although the reference now sums in the kernel
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from foxhunt.conformance.kernel_spec import Dims, Kwargs, Output, SpecEntry
@@ -274,3 +276,8 @@ ENTRIES: tuple[SpecEntry, ...] = (
         ),
     ),
 )
+
+# The pointer variant (the scalar read from device memory, graph-fed by the ISV): the same
+# kernel body, so the same samples, tolerances and error cases.
+ENTRIES += tuple(dataclasses.replace(e, name="loss_scalars_ptr") for e in ENTRIES
+                 if e.name == "loss_scalars")

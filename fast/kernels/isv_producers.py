@@ -122,17 +122,13 @@ def cql_alpha_ramp(isv: np.ndarray, cql_alpha: float, alpha_base: float) -> np.n
     return out
 
 
-def epsilon_tau_update(isv: np.ndarray, eps_start: float, eps_end: float, explore_frac: float,
-                       tau: float) -> np.ndarray:
+def epsilon_tau_update(isv: np.ndarray, schedule: np.ndarray, tau: float) -> np.ndarray:
     """Test entry of the CUDA ``epsilon_tau_update``; contract as the reference."""
     _check_isv(isv)
-    e0 = ref._real("eps_start", eps_start, 0.0, 1.0)
-    e1 = ref._real("eps_end", eps_end, 0.0, 1.0)
-    fr = ref._real("explore_frac", explore_frac, 0.0, 1.0)
+    sched = ref.check_eps_schedule(schedule)
     tu = ref._real("tau", tau, 0.0, 1.0)
-    (out,) = call("epsilon_tau_update", 1, 32, InOut(isv), e0, e1, fr, tu,
+    (out,) = call("epsilon_tau_update", 1, 32, InOut(isv), In(sched), tu,
                   F32(ref.TAU_HEALTH_FLOOR), I32(reg.EPSILON_EFF_INDEX), I32(reg.TAU_EFF_INDEX),
-                  I32(reg.EPOCH_IDX_INDEX), I32(reg.TOTAL_EPOCHS_INDEX),
                   I32(_SIG["LEARNING_HEALTH"]))
     return out
 

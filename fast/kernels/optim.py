@@ -297,6 +297,18 @@ def polyak_update_mirror(target: np.ndarray, online: np.ndarray, tau: float) -> 
     return PolyakMirror(target=new_target, online_bf16=online_bf16, target_bf16=target_bf16)
 
 
+def polyak_update_mirror_ptr(target: np.ndarray, online: np.ndarray, tau: float) -> PolyakMirror:
+    """Test entry of the CUDA ``polyak_update_mirror_ptr`` (``tau`` passed in device memory);
+    contract as the reference twin (bitwise)."""
+    tau32 = validate_polyak_update(target, online, tau)
+    grid, block, smem = plan_polyak_update_mirror(target.size)
+    new_target, online_bf16, target_bf16 = call(
+        "polyak_update_mirror_ptr", grid, block, InOut(target), In(online), target.size,
+        _device_scalar(tau32, F32),
+        Out(target.shape, np.uint16), Out(target.shape, np.uint16), shared_mem=smem)
+    return PolyakMirror(target=new_target, online_bf16=online_bf16, target_bf16=target_bf16)
+
+
 KERNELS = {
     "grad_norm_sq": grad_norm_sq,
     "grad_norm_partial": grad_norm_partial,
@@ -308,6 +320,7 @@ KERNELS = {
     "polyak_update": polyak_update,
     "clip_saxpy_norm_partial": clip_saxpy_norm_partial,
     "polyak_update_mirror": polyak_update_mirror,
+    "polyak_update_mirror_ptr": polyak_update_mirror_ptr,
 }
 
 __all__ = [
@@ -316,5 +329,5 @@ __all__ = [
     "grad_norm_sq", "plan_adam_update", "plan_clip_grad_inplace", "plan_clip_saxpy_norm_partial",
     "plan_clipped_saxpy", "plan_elementwise", "plan_grad_norm_final", "plan_grad_norm_partial",
     "plan_grad_norm_sq", "plan_polyak_update", "plan_polyak_update_mirror", "plan_saxpy",
-    "polyak_update", "polyak_update_mirror",
+    "polyak_update", "polyak_update_mirror", "polyak_update_mirror_ptr",
 ]

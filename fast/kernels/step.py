@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, launch
+from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, device_scalar, launch
 from foxhunt.fast.kernels.optim import plan_grad_norm_final
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.step import (
@@ -176,6 +176,17 @@ def loss_scalars(c51_total, terms, q_taken, target_q, alpha) -> LossScalars:
     return LossScalars(*(F32(readback[READBACK_INDEX[f]]) for f in LossScalars._fields))
 
 
+def loss_scalars_ptr(c51_total, terms, q_taken, target_q, alpha) -> LossScalars:
+    """Test entry of the CUDA ``loss_scalars_ptr`` (``alpha`` passed in device memory;
+    contract as the reference twin)."""
+    a = validate_loss_scalars(c51_total, terms, q_taken, target_q, alpha)
+    nb, b = terms.shape
+    (readback,) = launch("loss_scalars_ptr", plan_loss_scalars(), In(c51_total), In(terms),
+                         In(q_taken), In(target_q), Out((len(READBACK_FIELDS),), F32), nb, b,
+                         device_scalar(a))
+    return LossScalars(*(F32(readback[READBACK_INDEX[f]]) for f in LossScalars._fields))
+
+
 def step_scalars(total_partials, c51_sq, cql_sq, clip_bound, isv, readback, budget_c51, budget_cql,
                  slow_ema_index, slow_alpha) -> StepScalarsOut:
     """Test entry of the CUDA ``step_scalars`` (contract as the reference twin)."""
@@ -206,6 +217,7 @@ KERNELS = {
     "branch_mean": branch_mean,
     "h2_grad_sum_mask": h2_grad_sum_mask,
     "loss_scalars": loss_scalars,
+    "loss_scalars_ptr": loss_scalars_ptr,
     "step_scalars": step_scalars,
     "merge_piece_flags": merge_piece_flags,
 }

@@ -358,31 +358,34 @@ def cql_alpha_ramp(isv: np.ndarray, cql_alpha: float, alpha_base: float) -> np.n
     return out
 
 
-def epsilon_tau_update(isv: np.ndarray, eps_start: float, eps_end: float, explore_frac: float,
-                       tau: float) -> np.ndarray:
+def check_eps_schedule(schedule) -> np.ndarray:
+    """``schedule``: float32 ``[2]``, the loop's epsilon of this epoch and its cap, both finite
+    in ``[0, 1]`` (``LoopSettings``' linear decay and ``max(eps_start, eps_end)``)."""
+    x = _f32("schedule", schedule, 1)
+    if x.shape != (2,) or not np.all(np.isfinite(x)) or not np.all((x >= 0) & (x <= 1)):
+        raise ValueError(f"schedule={x!r}: need float32 [2] (epsilon, cap), finite, in [0, 1]")
+    return x
+
+
+def epsilon_tau_update(isv: np.ndarray, schedule: np.ndarray, tau: float) -> np.ndarray:
     """Adaptive exploration epsilon (slot 41) and Polyak tau (slot 42), written directly.
 
-    ``p = fmin(fmax(ISV[EPOCH_IDX] / fmax(explore_frac * ISV[TOTAL_EPOCHS], 1), 0), 1)`` (the
-    loop's linear decay; NaN counts as 0); ``sched = eps_end + (eps_start - eps_end) * (1 - p)``;
-    ``h = fmin(fmax(ISV[LEARNING_HEALTH], 0), 1)`` (a non-finite health counts as 1, no
-    evidence); ``eps = fmin(sched * (2 - h), fmax(eps_start, eps_end))`` (a poor learning
-    health explores up to twice the schedule); ``tau_eff = tau * (0.5 + 0.5 h)`` (a poor
-    health slows the target net, ``TAU_HEALTH_FLOOR``).
+    ``schedule = (sched, cap)``: the loop's epsilon of this epoch (``LoopSettings``' linear
+    decay over the run's epochs) and its cap ``max(eps_start, eps_end)``, in device memory (the
+    trainer's ``eps_schedule``, written by ``set_loop_signals``). ``h = fmin(fmax(
+    ISV[LEARNING_HEALTH], 0), 1)`` (a non-finite health counts as 1, no evidence); ``eps =
+    fmin(sched * (2 - h), cap)`` (a poor learning health explores up to twice the schedule;
+    the schedule is the floor); ``tau_eff = tau * (0.5 + 0.5 h)`` (a poor health slows the
+    target net, ``TAU_HEALTH_FLOOR``).
     """
     _check_isv(isv)
-    e0 = _real("eps_start", eps_start, 0.0, 1.0)
-    e1 = _real("eps_end", eps_end, 0.0, 1.0)
-    fr = _real("explore_frac", explore_frac, 0.0, 1.0)
+    sched, cap = check_eps_schedule(schedule)
     tu = _real("tau", tau, 0.0, 1.0)
-    with np.errstate(over="ignore", invalid="ignore"):
-        horizon = np.fmax(F32(fr * isv[reg.TOTAL_EPOCHS_INDEX]), F32(1.0))
-    p = _progress(isv[reg.EPOCH_IDX_INDEX], horizon)
-    sched = F32(e1 + F32(F32(e0 - e1) * F32(F32(1.0) - p)))
     h = isv[_SIG["LEARNING_HEALTH"]]
     h = np.fmin(np.fmax(h, F32(0.0)), F32(1.0)) if np.isfinite(h) else F32(1.0)
     floor = F32(TAU_HEALTH_FLOOR)
     out = isv.copy()
-    out[reg.EPSILON_EFF_INDEX] = np.fmin(F32(sched * F32(F32(2.0) - h)), np.fmax(e0, e1))
+    out[reg.EPSILON_EFF_INDEX] = np.fmin(F32(sched * F32(F32(2.0) - h)), cap)
     out[reg.TAU_EFF_INDEX] = F32(tu * F32(floor + F32(F32(F32(1.0) - floor) * h)))
     return out
 
@@ -398,7 +401,7 @@ KERNELS = {
 }
 
 __all__ = [
-    "ATOM_UTIL_FRACTION", "KERNELS", "LANES", "QUANTILE_HI_PCT", "QUANTILE_LO_PCT",
+    "ATOM_UTIL_FRACTION", "KERNELS", "check_eps_schedule", "LANES", "QUANTILE_HI_PCT", "QUANTILE_LO_PCT",
     "Q_DRIFT_FLOOR", "Q_EMA_SLOTS", "TAU_HEALTH_FLOOR", "adaptive_support_update",
     "cql_alpha_ramp", "distribution_variance", "epsilon_tau_update", "finite_mean",
     "isv_signal_build", "lane_sum", "percentile_rank", "per_branch_gamma_update",

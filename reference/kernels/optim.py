@@ -505,6 +505,13 @@ def polyak_update_mirror(target: np.ndarray, online: np.ndarray, tau: float) -> 
                         target_bf16=f32_to_bf16(new_target))
 
 
+def polyak_update_mirror_ptr(target: np.ndarray, online: np.ndarray, tau: float) -> PolyakMirror:
+    """``polyak_update_mirror`` whose CUDA kernel reads ``tau`` through a device pointer (the
+    adaptive tau, ``ISV[TAU_EFF]`` at the step's start, so no host value enters the step).
+    Same contract, bit for bit."""
+    return polyak_update_mirror(target, online, tau)
+
+
 def hard_sync(target: np.ndarray, online: np.ndarray) -> np.ndarray:
     """Hard target sync at a fold boundary (Mech 3): the new target is a copy of ``online``.
 
@@ -526,6 +533,7 @@ KERNELS = {
     "polyak_update": polyak_update,
     "clip_saxpy_norm_partial": clip_saxpy_norm_partial,
     "polyak_update_mirror": polyak_update_mirror,
+    "polyak_update_mirror_ptr": polyak_update_mirror_ptr,
 }
 
 __all__ = [
@@ -533,7 +541,7 @@ __all__ = [
     "adam_update", "clip_grad_inplace", "clip_saxpy_norm_partial", "clip_scale",
     "clipped_saxpy",
     "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "hard_sync", "norm_from_sq",
-    "polyak_update", "polyak_update_mirror", "safety_clip_scale", "saxpy",
+    "polyak_update", "polyak_update_mirror", "polyak_update_mirror_ptr", "safety_clip_scale", "saxpy",
     "validate_adam_update", "validate_clip_grad_inplace", "validate_clip_saxpy_norm_partial",
     "validate_clipped_saxpy", "validate_grad_norm_partial", "validate_polyak_update",
     "validate_saxpy",

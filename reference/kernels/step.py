@@ -398,6 +398,14 @@ def loss_scalars(c51_total: np.ndarray, terms: np.ndarray, q_taken: np.ndarray,
                            F32(block_total(target_q) / count))
 
 
+def loss_scalars_ptr(c51_total: np.ndarray, terms: np.ndarray, q_taken: np.ndarray,
+                     target_q: np.ndarray, alpha) -> LossScalars:
+    """``loss_scalars`` whose CUDA kernel reads ``alpha`` through a device pointer (the CQL-alpha
+    ramp's ``ISV[CQL_ALPHA]`` at the step's start, so no host value enters the step). Same
+    contract, bit for bit."""
+    return loss_scalars(c51_total, terms, q_taken, target_q, alpha)
+
+
 class StepScalarsOut(NamedTuple):
     """Outputs of ``step_scalars``: ``total_sq``, ``safety_scale`` (float32), the ``readback``
     block (float32 [len(READBACK_FIELDS)]) and the ``isv`` with its slow EMA updated."""
@@ -512,6 +520,7 @@ KERNELS = {
     "branch_mean": branch_mean,
     "h2_grad_sum_mask": h2_grad_sum_mask,
     "loss_scalars": loss_scalars,
+    "loss_scalars_ptr": loss_scalars_ptr,
     "step_scalars": step_scalars,
     "merge_piece_flags": merge_piece_flags,
 }
