@@ -77,7 +77,9 @@ def mse_warmup(logp: np.ndarray, actions: np.ndarray, q_taken: np.ndarray, targe
                epoch_index: int, warmup_epochs: int, branches) -> MseWarmup:
     """The MSE warm-up of every branch in one launch. With ``B`` samples, ``nb`` branches,
     ``scale = 1 / (B * nb)`` (rounded once), ``E = q_taken[d, b]`` (the online expected Q of the
-    taken action, ``sum_j p_j z_j``) and ``y = target_q[d, b]`` (the Mech 1 clipped target):
+    taken action, ``sum_j p_j z_j``) and ``y = target_q[d, b]`` (the Mech 1 clipped target; for
+    n-step batches formed with each sample's effective gamma by ``step.scalar_target_q_branches``,
+    issue 22: nothing here reads a gamma):
 
     - ``td = E - y``; ``loss = (sum_{d, b} isw_b * (0.5 * (td * td))) * scale``;
     - ``w = warmup_weight(isv[epoch_index], warmup_epochs)`` (the epoch counter ISV 39);
