@@ -22,6 +22,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -407,6 +408,7 @@ def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> in
             sink.epoch(rec)
 
     stop = StopRequest()
+    git = _in_background(runs.git_commit)  # three git commands: they run while the run trains
     tic = time.perf_counter()
     # The plot workers import matplotlib while the run trains (plot_worker's docstring).
     with stop.installed(), threadpool_limits(limits=args.threads, user_api="blas"), \
@@ -425,7 +427,7 @@ def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> in
         if progress is not None:
             progress.close()
         plots = plotter.write(run_dir, result)
-        summary = _summary(rc, result, plots, time.perf_counter() - tic, stop.signum)
+        summary = _summary(rc, result, plots, time.perf_counter() - tic, stop.signum, git())
         jsonio.write_json(run_dir / runs.SUMMARY_NAME, summary)
     print(f"\n{summary_text(result)}")
     if result.halted:
@@ -439,12 +441,28 @@ def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> in
     return 1 if result.halted else 0
 
 
-def _summary(rc: runs.RunConfig, result, plots, wall_time_s: float, signum: int | None) -> dict:
-    """``summary.json``: the run's provenance and settings, then ``report.run_summary``
-    (status, per-fold and overall metrics at the validation-chosen epochs)."""
+def _in_background(fn):
+    """Start ``fn()`` on a thread now; returns a function that joins it and returns its value
+    (``fn`` must not raise: ``runs.git_commit`` answers None for every failure)."""
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()), name=f"foxhunt-{fn.__name__}",
+                              daemon=True)
+    thread.start()
+
+    def result():
+        thread.join()
+        return out[0] if out else None
+    return result
+
+
+def _summary(rc: runs.RunConfig, result, plots, wall_time_s: float, signum: int | None,
+             git: dict | None) -> dict:
+    """``summary.json``: the run's provenance (``git``: ``runs.git_commit()``) and settings,
+    then ``report.run_summary`` (status, per-fold and overall metrics at the validation-chosen
+    epochs)."""
     return {
         "foxhunt_version": runs.foxhunt_version(),
-        "git": runs.git_commit(),
+        "git": git,
         "backend": rc.backend, "preset": rc.preset, "seed": rc.settings.seed,
         "threads": rc.threads,
         "config": rc.config.to_dict(), "loop": asdict(rc.settings), "data": rc.data,
