@@ -137,6 +137,12 @@ STEP_BOUNDS: Mapping[str, Row] = {
 #: (signal now minus the slot's old value) cancels: its error is eps_f times the differenced
 #: signal's size, not its own (ENS_VAR_VEL = the batch's distribution variance - ENS_VAR_EMA).
 VELOCITY_OF = {"ENS_VAR_VEL": ("velocity", "ENS_VAR_EMA")}
+#: Signals of the Q drift ``(q_mean - q_ema) / fmax(|q_ema|, 0.1)``: ``q_mean`` is a forward Q
+#: mean (error eps_f (|q_mean| + max|z|), scalars.q) over a divisor that may be 0.1, so the
+#: drift's error is that over the divisor, not eps_f times the (cancelled) drift; the learning
+#: health ``util / (1 + |drift|)`` inherits it.
+Q_DRIFT_KIND = "q_drift"
+DRIFT_SIGNALS = ("Q_DRIFT", "LEARNING_HEALTH")
 
 
 def _isv_step_producers() -> dict:
@@ -147,7 +153,7 @@ def _isv_step_producers() -> dict:
     for name in reg.SIGNAL_NAMES:
         if not reg.is_reserved(reg.slot(name)):
             kind = "gradient" if name in ("GRAD_NORM_EMA", "LOSS_EMA") else "forward"
-            kind = VELOCITY_OF.get(name, kind)
+            kind = VELOCITY_OF.get(name, Q_DRIFT_KIND if name in DRIFT_SIGNALS else kind)
             out[name] = (lambda c: top if c.adaptive_signals else None, kind)
     stats = [s.name for s in reg.REGISTRY if s.producer in ("q_stats_update", "q_quantile_update")]
     for name in stats:  # Q statistics: a Q estimate's error scales with the support (scalars.q)
@@ -157,11 +163,16 @@ def _isv_step_producers() -> dict:
             out[s.name] = (lambda c: 1.0 if c.q_stats else None, "q")
         if s.producer == "per_branch_gamma_update":  # epoch counters only: rtol alone
             out[s.name] = (lambda c: 1.0 if c.gamma_schedule else None, "data")
+        if s.producer == "epsilon_tau_update":  # written directly, from the health signal
+            out[s.name] = (lambda c: 1.0 if c.adaptive_epsilon_tau else None, "forward")
+        if s.producer == "cql_alpha_ramp":  # an EMA toward cql_alpha (1 - this step's epsilon)
+            out[s.name] = (lambda c: top if c.cql_alpha_ramp else None, "forward")
     return out
 
 
 #: ISV slots the step writes: slot name -> (EMA rate, or None where the config's step does not
-#: write the slot; "forward" | "gradient" | "q" | "data" | ("velocity", slot) signal). A "data"
+#: write the slot; "forward" | "gradient" | "q" | "data" | "q_drift" | ("velocity", slot)
+#: signal). A "data"
 #: signal is a reduction of the batch itself (no GEMM upstream): the slot is bounded by the
 #: reduction rtol alone; a "q" signal is a statistic of expected Q values, whose error is
 #: eps_f (|Q| + max|z|) (q_values); a velocity is bounded by its differenced slot's signal.
@@ -172,8 +183,8 @@ ISV_STEP_PRODUCERS: Mapping[str, tuple[Callable[[DQNConfig], float | None], str]
     # The next-bar head's label scale: an EMA of the batch's next-return RMS (adaptive rate).
     "AUX_LABEL_SCALE_EMA": (lambda c: 1.0 if c.aux_next_bar_on else None, "data"),
     # Issue 19's switched producers (reference.isv_step): EMAs at the Sharpe-adaptive rate,
-    # bounded at its largest value; the support is written directly (rate 1); the gamma
-    # schedule reads only epoch counters (exact, no entry).
+    # bounded at its largest value; the support, epsilon and tau are written directly (rate
+    # 1); the gamma schedule reads only epoch counters (rtol alone).
     **_isv_step_producers(),
 }
 

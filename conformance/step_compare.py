@@ -21,6 +21,7 @@ from foxhunt.conformance.step_bounds import (
     F32,
     F64,
     ISV_STEP_PRODUCERS,
+    Q_DRIFT_KIND,
     LOSS_FIELDS,
     NORM_FIELDS_OTHER,
     POLYAK_TOL,
@@ -38,7 +39,9 @@ from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.backend import StepScalars, TrainerBackend
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.isv_step import step_tau
 from foxhunt.reference.kernels import optim, safety, spectral
+from foxhunt.reference.kernels.isv_producers import Q_DRIFT_FLOOR, Q_EMA_SLOTS
 from foxhunt.reference.layout import ParamLayout
 from foxhunt.reference.step import support
 
@@ -135,7 +138,8 @@ class _Context:
         self.eps_g = grad_eps(config)
         self.eps_f = fwd_eps(config)
         self.b1, self.b2 = F32(config.beta1), F32(config.beta2)
-        self.lr, self.tau = F32(config.lr), F32(config.tau)
+        self.lr = F32(config.lr)
+        self.tau = step_tau(config, before["isv"])  # the adaptive tau's slot, or the config's
         self.t = int(before["adam_t"][0]) + 1
         self.padding = self.layout.padding_mask()
         self.z = support(config)
@@ -294,6 +298,12 @@ def _isv_comparison(cx: _Context, ref: np.ndarray, fast: np.ndarray) -> Comparis
         if isinstance(kind, tuple):  # ("velocity", slot): bounded by the differenced signal
             base = isv_mod.slot(kind[1]).index
             eps, scale = cx.eps_f, signal + signal_of(base, producers[base][0])
+        elif kind == Q_DRIFT_KIND:  # the Q mean's error over the drift's divisor (step_bounds)
+            drift = isv_mod.slot("Q_DRIFT").index
+            q_ema = np.mean(F64(before[list(Q_EMA_SLOTS)]))
+            divisor = max(abs(q_ema), Q_DRIFT_FLOOR)
+            q_mean = signal_of(drift, producers[drift][0]) * divisor + abs(q_ema)
+            eps, scale = cx.eps_f, signal + (q_mean + cx.zmax) / divisor
         else:
             eps = {"forward": cx.eps_f, "gradient": cx.eps_g, "q": cx.eps_f, "data": 0.0}[kind]
             scale = signal + cx.zmax if kind == "q" else signal

@@ -139,8 +139,10 @@ def _key(seed: int) -> dict:
     return {"key_lo": key_lo, "key_hi": key_hi}
 
 
-def act_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout, seed: int) -> None:
-    """The greedy forward on ``obs`` and ``env_act`` into ``env_actions``."""
+def act_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout, seed: int,
+            eps="eps") -> None:
+    """The greedy forward on ``obs`` and ``env_act`` into ``env_actions``, exploring with
+    ``eps`` (the collector's ``eps``, or ``isv_plan.act_epsilon_buffer``: ISV 41)."""
     lay, N = prog.lay, cl.n_envs
     ops.copy("x_e", "obs", N * lay.SD * 4, "dtod")
     xb = None
@@ -151,7 +153,7 @@ def act_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout, see
                  logits=Buf("logits_e", 0), logp=Buf("logp_e", 0), q=Buf("q_e"))
     ops.kernel("env_act", prog.kernels("env").plan_env_act(N, lay.nb), q="q_e",
                n_actions="n_actions", action_offset="action_offset", n_branches=lay.nb,
-               n_envs=N, eps="eps", **_key(seed), explore_stream=ENV_STREAMS["explore_stream"],
+               n_envs=N, eps=eps, **_key(seed), explore_stream=ENV_STREAMS["explore_stream"],
                action_stream=ENV_STREAMS["action_stream"], cycle="cycle", actions="env_actions")
 
 

@@ -48,6 +48,7 @@ from foxhunt.fast.collect_plan import (
     register_twins,
     sample_ops,
 )
+from foxhunt.fast import isv_plan
 from foxhunt.fast.dataflow import check_dataflow
 from foxhunt.fast.records import Ops
 from foxhunt.fast.step_layout import EvalLayout
@@ -156,8 +157,8 @@ class FastCollector:
         new = functools.partial(Ops, binder)
         kw = dict(seed=self.seed)
         warm, head, tail = new(), new(), new()
-        for ops in (warm, head):
-            act_ops(ops, prog, cl, evl, **kw)
+        for ops, eps in ((warm, "eps"), (head, isv_plan.act_epsilon_buffer(config))):
+            act_ops(ops, prog, cl, evl, eps=eps, **kw)
             env_ops(ops, prog, cl, walks, reward_scale=reward_scale, gamma_ref=gamma_ref, **kw)
         advance_ops(warm, prog)
         sample_ops(head, prog, cl, beta=float(self._ring.beta), **kw)

@@ -125,8 +125,9 @@ def graph1_ops(prog: StepProgram) -> Ops:
     cql_pre = prog.ops()
     cql_pre.wait("fwd_o")
     cql_pre.kernel("cql_logit_grad_branches", fused.plan_cql_logit_grad_branches(B, lay.branches, NA),
-                   logp=Buf("logp", ("o", 0)), actions="batch.a", z="z", alpha="alpha",
-                   scale="scale", n_actions="n_actions", action_offset="action_offset",
+                   logp=Buf("logp", ("o", 0)), actions="batch.a", z="z",
+                   alpha=isv_plan.alpha_buffer(c), scale="scale", n_actions="n_actions",
+                   action_offset="action_offset",
                    dlogits="dlogits_cql", terms="terms", batch=B, block_rows=2 * B, num_atoms=NA)
     cql_pre.record("cql_terms")
     cql_side = prog.ops()
@@ -158,9 +159,10 @@ def graph1_ops(prog: StepProgram) -> Ops:
     # The loss scalars and means of the readback (block reductions), beside the backward
     # passes: they need the C51 totals, the Q's and the CQL terms.
     books.wait("cql_terms")
-    books.kernel("loss_scalars", step.plan_loss_scalars(), c51_total="c51_total", terms="terms",
+    name, alpha = isv_plan.loss_scalars_alpha(c)  # the CQL-alpha ramp's slot, or cql_alpha
+    books.kernel(name, step.plan_loss_scalars(), c51_total="c51_total", terms="terms",
                  q_taken="q_taken", target_q="target_q", readback="readback", n_branches=nb,
-                 batch=B, alpha=np.float32(c.cql_alpha))
+                 batch=B, **alpha)
     if c.mse_on:  # the reported C51 loss blended with the MSE warm-up's
         books.wait("mse")
         wave_plan.mse_loss_blend(prog, books)
@@ -186,7 +188,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
                    block_size=NORM_SEGMENT, out=out, partials=partials,
                    base_norm_sq_out="sq_c51", inject_norm_sq_out="sq_cql")
     body = prog.ops()
-    isv_plan.gamma_consumer(prog, body)  # before the fork: every target kernel reads gamma
+    isv_plan.consumers(prog, body)  # before the fork: the targets read gamma, CQL alpha_step
     body.parallel(prologue, ops)
     # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its
     # summation tree and bits); the injected sources' norms beside them.

@@ -71,9 +71,9 @@ def graph2_ops(prog: StepProgram) -> Ops:
     chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w, prog.arch),
                  mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
                  eps=SPECTRAL_EPS, sigmas="sigmas")
-    chain.kernel("polyak_update_mirror", opt.plan_polyak_update_mirror(NP), target=target,
-                 online="params2", n=NP, tau=np.float32(c.tau), online_bf16="mirror2",
-                 target_bf16=Buf("mirror2", offset=NP))
+    polyak, tau = isv_plan.polyak_tau(c)  # the adaptive tau's slot (graph 1 copied it), or tau
+    chain.kernel(polyak, opt.plan_polyak_update_mirror(NP), target=target, online="params2",
+                 n=NP, **tau, online_bf16="mirror2", target_bf16=Buf("mirror2", offset=NP))
     prog.fused_check(chain, "desc_lens_post")
     if moments.items:
         ops.parallel(moments, chain)

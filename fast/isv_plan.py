@@ -1,15 +1,22 @@
 """The issue-19 ISV producers and the gamma schedule's consumer in the fast step, as records
 (``foxhunt.reference.isv_step`` says which run, in which order; this module only places them).
 
-- Graph 1, first: with the gamma schedule on, branch d's ISV gamma slot is copied into the
-  ``gamma`` buffer (one 4-byte device copy per branch), which every target kernel reads
-  (scalar targets, the C51 projections, the IQN targets): the discount of the step's start.
+- Graph 1, first (``consumers``): with the gamma schedule on, branch d's ISV gamma slot is
+  copied into the ``gamma`` buffer (one 4-byte device copy per branch), which every target
+  kernel reads (scalar targets, the C51 projections, the IQN targets): the discount of the
+  step's start. Likewise the CQL-alpha ramp's slot into ``alpha_step`` (read by
+  ``cql_logit_grad_branches`` and ``loss_scalars_ptr`` instead of the constant ``alpha``) and
+  the adaptive tau's slot into ``tau_step`` (read by graph 2's ``polyak_update_mirror_ptr``):
+  graph 2's producers then rewrite the slots, and the consumers still see the step's start.
 - Graph 2, on the producers' branch after the existing producers: ``isv_signal_build`` (from
   graph 1's ``q_taken``, ``td``, ``p_next``, the readback's ``grad_norm`` and ``loss``) and
   ``isv_signal_update``; ``q_stats_update`` on the first B rows of branch 0's ``q_o`` block,
   ``q_quantile_update`` on each branch's, ``adaptive_support_update``;
-  ``per_branch_gamma_update``. Each writes only its own ISV slots, which nothing else in graph
-  2 reads or writes.
+  ``per_branch_gamma_update``; ``epsilon_tau_update`` (from ``eps_schedule``, a state buffer
+  the trainer's ``set_loop_signals`` uploads); ``cql_alpha_ramp``. Each writes only its own ISV
+  slots, which nothing else in graph 2 reads or writes.
+- The collection cycle's ``env_act`` reads ``act_epsilon_buffer``: ``ISV[EPSILON_EFF]`` with
+  ``adaptive_epsilon_tau`` on (training cycles; warm-up cycles keep the collector's ``eps``).
 """
 
 from __future__ import annotations
@@ -40,6 +47,11 @@ def add_isv_buffers(lay) -> None:
     if c.gamma_schedule:
         lay._add("gamma_sched_base", reg.MAX_ISV_BRANCHES, F32, "constant")
         lay._add("gamma_sched_max", reg.MAX_ISV_BRANCHES, F32, "constant")
+    if c.cql_alpha_ramp:
+        lay._add("alpha_step", 1, F32)
+    if c.adaptive_epsilon_tau:
+        lay._add("tau_step", 1, F32)
+        lay._add("eps_schedule", 2, F32, "state")
 
 
 def isv_constants(lay) -> dict[str, np.ndarray]:
@@ -57,12 +69,45 @@ def isv_constants(lay) -> dict[str, np.ndarray]:
     return out
 
 
-def gamma_consumer(prog, ops: Ops) -> None:
-    """Graph 1's first records with the gamma schedule on: ``gamma[d] = ISV[GAMMA_INDICES[d]]``."""
-    if not prog.config.gamma_schedule:
-        return
-    for d in range(prog.lay.nb):
-        ops.copy(Buf("gamma", offset=d), Buf("isv", offset=reg.GAMMA_INDICES[d]), 4, "dtod")
+def consumers(prog, ops: Ops) -> None:
+    """Graph 1's first records: the consumed slots of the step's start copied out of the ISV
+    (``gamma[d] = ISV[GAMMA_INDICES[d]]``, ``alpha_step = ISV[CQL_ALPHA]``, ``tau_step =
+    ISV[TAU_EFF]``) for the switches that are on; nothing with every switch off."""
+    c = prog.config
+    if c.gamma_schedule:
+        for d in range(prog.lay.nb):
+            ops.copy(Buf("gamma", offset=d), Buf("isv", offset=reg.GAMMA_INDICES[d]), 4, "dtod")
+    if c.cql_alpha_ramp:
+        ops.copy("alpha_step", Buf("isv", offset=reg.CQL_ALPHA_INDEX), 4, "dtod")
+    if c.adaptive_epsilon_tau:
+        ops.copy("tau_step", Buf("isv", offset=reg.TAU_EFF_INDEX), 4, "dtod")
+
+
+def alpha_buffer(config) -> str:
+    """The buffer ``cql_logit_grad_branches`` reads the CQL coefficient from."""
+    return "alpha_step" if config.cql_alpha_ramp else "alpha"
+
+
+def loss_scalars_alpha(config) -> tuple[str, dict]:
+    """``loss_scalars``' kernel and alpha argument: the constant ``cql_alpha``, or with the
+    ramp on ``loss_scalars_ptr`` reading ``alpha_step``."""
+    if config.cql_alpha_ramp:
+        return "loss_scalars_ptr", {"alpha": "alpha_step"}
+    return "loss_scalars", {"alpha": F32(config.cql_alpha)}
+
+
+def polyak_tau(config) -> tuple[str, dict]:
+    """The Polyak update's kernel and tau argument: the constant ``tau``, or with
+    ``adaptive_epsilon_tau`` on ``polyak_update_mirror_ptr`` reading ``tau_step``."""
+    if config.adaptive_epsilon_tau:
+        return "polyak_update_mirror_ptr", {"tau": "tau_step"}
+    return "polyak_update_mirror", {"tau": F32(config.tau)}
+
+
+def act_epsilon_buffer(config):
+    """What a training cycle's ``env_act`` reads its epsilon from (``isv_step.act_epsilon``):
+    ``ISV[EPSILON_EFF]`` with ``adaptive_epsilon_tau`` on, else the collector's ``eps``."""
+    return Buf("isv", offset=reg.EPSILON_EFF_INDEX) if config.adaptive_epsilon_tau else "eps"
 
 
 def _rate(ab: float) -> dict:
@@ -118,6 +163,15 @@ def producers(prog, ops: Ops) -> None:
                    gamma_base="gamma_sched_base", gamma_max="gamma_sched_max",
                    n_members=reg.MAX_ISV_BRANCHES, gamma_slot=reg.GAMMA_SEED_INDICES[0],
                    epoch_slot=reg.EPOCH_IDX_INDEX, total_slot=reg.TOTAL_EPOCHS_INDEX)
+    if c.adaptive_epsilon_tau:
+        ops.kernel("epsilon_tau_update", (1, WARP, 0), isv="isv", schedule="eps_schedule",
+                   tau=F32(c.tau), tau_health_floor=F32(ref.TAU_HEALTH_FLOOR),
+                   eps_slot=reg.EPSILON_EFF_INDEX, tau_slot=reg.TAU_EFF_INDEX,
+                   health_slot=_SIG["LEARNING_HEALTH"])
+    if c.cql_alpha_ramp:
+        ops.kernel("cql_alpha_ramp", (1, WARP, 0), isv="isv", cql_alpha=F32(c.cql_alpha),
+                   cql_slot=reg.CQL_ALPHA_INDEX, eps_slot=reg.EPSILON_EFF_INDEX, **_rate(ab))
 
 
-__all__ = ["add_isv_buffers", "gamma_consumer", "isv_constants", "producers"]
+__all__ = ["act_epsilon_buffer", "add_isv_buffers", "alpha_buffer", "consumers",
+           "isv_constants", "loss_scalars_alpha", "polyak_tau", "producers"]

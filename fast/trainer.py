@@ -40,6 +40,7 @@ import numpy as np
 
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
+from foxhunt.reference.isv_step import eps_schedule
 from foxhunt.reference.backend import (
     DeferredReadback,
     StepScalars,
@@ -236,12 +237,18 @@ class Trainer(TrainerBackend):
         arena.upload("isv", isv)
 
     def set_loop_signals(self, *, total_epochs: int | None = None,
-                         sharpe_ema: float | None = None) -> None:
-        """ISV ``TOTAL_EPOCHS`` / ``SHARPE_EMA`` on the device (reference ``Trainer``'s
-        contract; the loop calls it at epoch boundaries, synchronisation points anyway)."""
+                         sharpe_ema: float | None = None, epsilon=None) -> None:
+        """ISV ``TOTAL_EPOCHS`` / ``SHARPE_EMA`` / ``EPSILON_EFF`` and the ``eps_schedule``
+        buffer on the device (reference ``Trainer``'s contract; the loop calls it at epoch
+        boundaries, synchronisation points anyway)."""
+        pair = None if epsilon is None else eps_schedule(epsilon)
         arena = self._engine.arena
         self._engine.synchronize()
         isv = arena.download("isv")
+        if pair is not None:
+            isv[isv_mod.EPSILON_EFF_INDEX] = pair[0]
+            if "eps_schedule" in self.layout:  # adaptive_epsilon_tau's producer reads it
+                arena.upload("eps_schedule", pair)
         if total_epochs is not None:
             isv[isv_mod.TOTAL_EPOCHS_INDEX] = np.float32(check_epoch(total_epochs))
         if sharpe_ema is not None:

@@ -44,6 +44,7 @@ import numpy as np
 from .batch import Batch
 from .config import DQNConfig
 from .env import ExecutionCosts
+from .isv_step import act_epsilon
 from .kernels import env as env_kernels
 from .kernels import replay as replay_kernels
 from .market import Bars
@@ -204,15 +205,17 @@ class Collector:
         """The exploration rate of the cycles that follow."""
         self.eps = F32(eps)
 
-    def collect(self, trainer) -> None:
-        """Steps 1 to 3 of the cycle (module docstring) at ``self.cycle``."""
+    def collect(self, trainer, eps=None) -> None:
+        """Steps 1 to 3 of the cycle (module docstring) at ``self.cycle``, exploring with
+        ``eps`` (default ``self.eps``)."""
         c, w, tb = self.config, self.walks, self.tables
         cycle = np.array([self.cycle], I64)
-        if self.eps >= 1:  # every action explores: the greedy choice is not needed
+        eps = self.eps if eps is None else F32(eps)
+        if eps >= 1:  # every action explores: the greedy choice is not needed
             q = np.zeros(self.n_envs * sum(c.branches), F32)
         else:
             q = env_kernels.pack_q(trainer.q_values(self.obs))
-        actions = env_kernels.env_act(q, c.branches, self.eps, self.seed, cycle)
+        actions = env_kernels.env_act(q, c.branches, eps, self.seed, cycle)
         out = env_kernels.env_step(
             tb.close, tb.high, tb.low, tb.features, tb.regime, *self.env, actions,
             self._no_record, self._no_record, self._no_record, self.costs, w.n_bars, w.min_start,
@@ -245,8 +248,9 @@ class Collector:
         self.begin_epoch(eps)
 
     def cycle_step(self, trainer):
-        """One training cycle; the step's ``StepScalars``."""
-        self.collect(trainer)
+        """One training cycle; the step's ``StepScalars``. It explores with ``isv_step.
+        act_epsilon`` (the trainer's ISV 41 with ``adaptive_epsilon_tau`` on)."""
+        self.collect(trainer, act_epsilon(self.config, trainer, self.eps))
         scalars = self.train(trainer)
         self.cycle += 1
         return scalars

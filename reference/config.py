@@ -108,7 +108,20 @@ class DQNConfig:
     ``adaptive_signals`` (signal EMAs 0-12), ``q_stats`` (Q statistics 17-21, per-branch Q
     quantiles 50-57, adaptive support 23-30; needs an exposure branch of 3 actions),
     ``gamma_schedule`` (per-branch gamma 43-46, which the C51 targets then read; ``gamma`` is
-    its cold start).
+    its cold start), ``cql_alpha_ramp`` (ISV 48 ramps toward ``cql_alpha * (1 - ISV[41])``:
+    less pessimism while the data is mostly exploration; the CQL loss then reads the slot, and
+    ``cql_alpha`` is its cold start and ceiling), ``adaptive_epsilon_tau`` (ISV 41/42 each
+    step from the learning health: exploration ``min(sched * (2 - h), cap)``, Polyak
+    ``tau * (0.5 + 0.5 h)``; the collectors act with slot 41 and the target update reads slot
+    42, whose cold start is ``tau``).
+
+    The exploration schedule and ``adaptive_epsilon_tau``: ``LoopSettings``' ``eps_start``,
+    ``eps_end`` and ``explore_frac`` keep today's linear decay ``sched`` over the run's epochs.
+    Switch off: the collectors act with ``sched``, as before. Switch on: the loop hands
+    ``(sched, max(eps_start, eps_end))`` to the trainer at each epoch start
+    (``set_loop_signals(epsilon=...)``), which writes ``sched`` into slot 41 (the epoch's cold
+    start) and keeps the pair for ``epsilon_tau_update``: ``sched`` is the floor of the
+    adaptive epsilon and the cap its ceiling. Warm-up cycles act with 1 either way.
     """
 
     batch_size: int = 256
@@ -161,6 +174,8 @@ class DQNConfig:
     adaptive_signals: bool = False
     q_stats: bool = False
     gamma_schedule: bool = False
+    cql_alpha_ramp: bool = False
+    adaptive_epsilon_tau: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:

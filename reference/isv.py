@@ -474,11 +474,14 @@ def adaptive_ema_rate(sharpe: float, alpha_base: float = ALPHA_BASE_DEFAULT) -> 
 
 def config_cold_starts(config) -> dict[str, float]:
     """This run's cold-start values of the slots that describe its ``DQNConfig`` (the per-branch
-    gammas ``GAMMA_*_EFF`` and ``CQL_ALPHA``): the bus starts from them and a fold reset
-    returns to them, not to the registry's defaults (0.99 and 1.0)."""
+    gammas ``GAMMA_*_EFF``, ``CQL_ALPHA``, and ``TAU_EFF`` with ``adaptive_epsilon_tau`` on):
+    the bus starts from them and a fold reset returns to them, not to the registry's defaults
+    (0.99, 1.0 and 0)."""
     out = {slot_at(GAMMA_INDICES[d]).name: float(np.float32(g))
            for d, g in enumerate(config.gammas[: len(GAMMA_INDICES)])}
     out["CQL_ALPHA"] = float(np.float32(config.cql_alpha))
+    if config.adaptive_epsilon_tau:  # the Polyak update reads TAU_EFF: it starts at tau
+        out["TAU_EFF"] = float(np.float32(config.tau))
     # The adaptive support starts at (and a fold returns to) the configured [v_min, v_max];
     # the seed bootstraps the quantile EMAs at v_min / v_max.
     lo, hi = float(np.float32(config.v_min)), float(np.float32(config.v_max))

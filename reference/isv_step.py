@@ -16,9 +16,20 @@ bitwise the step without them):
   1)``); consumer: the C51 projection, the scalar targets and the IQN targets discount
   branch d by ``ISV[GAMMA_INDICES[d]]`` at the start of the step (the config's ``gamma`` is
   then the cold start: the first step after construction or a fold boundary uses it).
+* ``adaptive_epsilon_tau``: ``epsilon_tau_update`` (41/42) from the learning health and the
+  loop's exploration schedule (``eps_schedule``: ``(sched, cap)``, ``set_loop_signals``);
+  consumers: the Polyak update blends with ``ISV[TAU_EFF]`` at the start of the step (cold
+  start ``tau``), and a training cycle's ``env_act`` explores with ``ISV[EPSILON_EFF]``
+  (``act_epsilon``; warm-up cycles with 1).
+* ``cql_alpha_ramp``: ``cql_alpha_ramp`` (48, toward ``cql_alpha * (1 - ISV[EPSILON_EFF])``);
+  consumer: the CQL loss and its gradient read ``ISV[CQL_ALPHA]`` at the start of the step
+  (cold start ``cql_alpha``). Slot 41 is the loop's schedule at each epoch start (written by
+  ``set_loop_signals(epsilon=...)`` with any switch on), so the ramp follows the exploration
+  share with or without ``adaptive_epsilon_tau``.
 
 Order (after the step's existing producers ``Q_ABS_REF`` and ``H_S2_RMS_EMA``): signals, Q
-statistics, quantiles by branch, support, gamma. Every producer runs once per step (the seeds
+statistics, quantiles by branch, support, gamma, epsilon / tau, CQL alpha (which reads this
+step's epsilon). Every producer runs once per step (the seeds
 update the quantiles and support per epoch; per step keeps them inside the captured graph with
 no host round trip, and the EMA rate makes the difference a rate choice).
 
@@ -39,7 +50,12 @@ ADAPTIVE_SWITCHES = {
     "q_stats": "the Q statistics 17-21, the per-branch Q quantiles 50-57 and the adaptive "
                "support 23-30",
     "gamma_schedule": "the per-branch gamma schedule 43-46, read by the C51 targets",
+    "cql_alpha_ramp": "the CQL-alpha ramp 48, read by the CQL loss",
+    "adaptive_epsilon_tau": "the adaptive exploration epsilon 41 (read by the collectors) and "
+                            "Polyak tau 42 (read by the target update)",
 }
+#: The trainer's ``eps_schedule`` (``(sched, cap)``) before the loop first sets it.
+EPS_SCHEDULE_COLD = (0.0, 0.0)
 #: ``adaptive_support_update``'s half-width headroom over the quantile half-range and its floor
 #: (foxhunt's choice: the seed names ATOM_HEADROOM_BASE without a value).
 SUPPORT_HEADROOM = 1.5
@@ -64,6 +80,45 @@ def step_gammas(config, isv: np.ndarray) -> tuple[float, ...]:
     return tuple(float(isv[isv_mod.GAMMA_INDICES[d]]) for d in range(config.n_branches))
 
 
+def step_config(config, isv: np.ndarray):
+    """The config a step starting from ``isv`` computes with: the gamma schedule's and the
+    CQL-alpha ramp's consumers replace ``gamma`` / ``cql_alpha`` by their ISV slots."""
+    changes = {}
+    if config.gamma_schedule:
+        changes["gamma"] = step_gammas(config, isv)
+    if config.cql_alpha_ramp:
+        changes["cql_alpha"] = float(isv[isv_mod.CQL_ALPHA_INDEX])
+    return config.replace(**changes) if changes else config
+
+
+def step_tau(config, isv: np.ndarray) -> np.float32:
+    """The Polyak tau of a step starting from ``isv``: ``ISV[TAU_EFF]`` with
+    ``adaptive_epsilon_tau`` on, else the config's."""
+    return np.float32(isv[isv_mod.TAU_EFF_INDEX] if config.adaptive_epsilon_tau else config.tau)
+
+
+def act_epsilon(config, trainer, scheduled) -> np.float32:
+    """The exploration rate of a training cycle: ``ISV[EPSILON_EFF]`` (the trainer's, after
+    the previous step) with ``adaptive_epsilon_tau`` on, else ``scheduled`` (the loop's)."""
+    if config.adaptive_epsilon_tau:
+        return np.float32(trainer.isv_value("EPSILON_EFF"))
+    return np.float32(scheduled)
+
+
+def eps_schedule(epsilon) -> np.ndarray:
+    """``set_loop_signals``' ``epsilon = (sched, cap)`` as the float32 ``[2]`` that
+    ``epsilon_tau_update`` reads (one-line ``ValueError`` unless both are in ``[0, 1]``)."""
+    try:
+        pair = np.array(epsilon, np.float32)
+    except (TypeError, ValueError):
+        pair = None
+    if pair is None or pair.shape != (2,) or not np.all(np.isfinite(pair)) \
+            or not np.all((pair >= 0) & (pair <= 1)):
+        raise ValueError(f"epsilon={epsilon!r}: need (sched, cap), two numbers in [0, 1] (the "
+                         "loop's epsilon of this epoch and max(eps_start, eps_end))")
+    return pair
+
+
 def gamma_schedule_tables() -> tuple[np.ndarray, np.ndarray]:
     """``per_branch_gamma_update``'s base and max (seed order), float32 [4]."""
     return (np.array(isv_mod.GAMMA_SCHEDULE_BASE, np.float32),
@@ -72,11 +127,12 @@ def gamma_schedule_tables() -> tuple[np.ndarray, np.ndarray]:
 
 def run_producers(config, isv: np.ndarray, *, q_taken: np.ndarray, q_s: list[np.ndarray],
                   td: np.ndarray, r: np.ndarray, p_next: np.ndarray, z: np.ndarray,
-                  grad_norm, loss) -> np.ndarray:
+                  grad_norm, loss, eps_schedule=EPS_SCHEDULE_COLD) -> np.ndarray:
     """The switched producers on ``isv`` (float32 [ISV_LEN]), in the module's order; returns
     the new vector. ``q_taken [nb, B]``, ``q_s`` (per branch ``[B, n_d]``, online Q(s)),
     ``td [B]``, ``r [B]``, ``p_next [nb, B, NA]``, ``z [NA]`` (the support, tiled per branch),
-    ``grad_norm`` / ``loss`` (the step's readback values)."""
+    ``grad_norm`` / ``loss`` (the step's readback values), ``eps_schedule`` (the trainer's
+    ``(sched, cap)``)."""
     ab = isv_mod.ALPHA_BASE_DEFAULT
     if config.adaptive_signals:
         zz = np.ascontiguousarray(np.broadcast_to(z, (config.n_branches, z.shape[0])))
@@ -91,6 +147,10 @@ def run_producers(config, isv: np.ndarray, *, q_taken: np.ndarray, q_s: list[np.
                                            SUPPORT_HALF_FLOOR)
     if config.gamma_schedule:
         isv = prod.per_branch_gamma_update(isv, *gamma_schedule_tables())
+    if config.adaptive_epsilon_tau:
+        isv = prod.epsilon_tau_update(isv, np.asarray(eps_schedule, np.float32), config.tau)
+    if config.cql_alpha_ramp:
+        isv = prod.cql_alpha_ramp(isv, config.cql_alpha, ab)
     return isv
 
 
@@ -101,6 +161,7 @@ def sharpe_ema(previous, sharpe) -> np.float32:
                             np.float32(SHARPE_EMA_RATE))[0]
 
 
-__all__ = ["ADAPTIVE_SWITCHES", "Q_STATS_ACTIONS", "SHARPE_EMA_RATE", "SUPPORT_HALF_FLOOR",
+__all__ = ["ADAPTIVE_SWITCHES", "EPS_SCHEDULE_COLD", "Q_STATS_ACTIONS", "act_epsilon",
+           "eps_schedule", "SHARPE_EMA_RATE", "SUPPORT_HALF_FLOOR",
            "SUPPORT_HEADROOM", "adaptive_on", "gamma_schedule_tables", "run_producers",
-           "sharpe_ema", "step_gammas"]
+           "sharpe_ema", "step_config", "step_gammas", "step_tau"]

@@ -375,10 +375,11 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
                 if on_epoch_start:
                     on_epoch_start(fold, epoch)
                 trainer.set_epoch(epoch)  # ISV EPOCH_IDX: the MSE warm-up's clock, per fold
-                if adaptive_on(config):  # the schedules' horizon (ISV TOTAL_EPOCHS)
-                    trainer.set_loop_signals(total_epochs=settings.epochs)
                 g = fold * settings.epochs + epoch
                 eps = _epsilon(settings, g)
+                if adaptive_on(config):  # the schedules' horizon (ISV TOTAL_EPOCHS), epsilon (41)
+                    trainer.set_loop_signals(total_epochs=settings.epochs, epsilon=(
+                        eps, max(settings.eps_start, settings.eps_end)))
                 tic = time.perf_counter()
                 collector.begin_epoch(eps)
                 for i in range(settings.steps_per_epoch):

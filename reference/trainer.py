@@ -80,6 +80,7 @@ class Trainer(TrainerBackend):
         # The per-branch gamma and CQL alpha slots describe this config (the step reads the
         # config); their cold starts are the config's, so a fold reset keeps them.
         self.isv = isv_mod.bus_for(config)
+        self._eps_schedule = np.array(isv_step.EPS_SCHEDULE_COLD, np.float32)  # the loop's
         self._flags = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
         self._thresholds = sentinels.threshold_table(config)
         self.step_count = 0
@@ -117,9 +118,8 @@ class Trainer(TrainerBackend):
             c.grad_clip_anchor_mult)
         q_abs_ref = np.float32(self.isv.get("Q_ABS_REF"))
         h2_bound = self._bound(c.h2_clamp_mult, "H_S2_RMS_EMA")
-        # The gamma schedule's consumer: branch d's discount from the ISV at the start.
-        step_config = c if not c.gamma_schedule else \
-            c.replace(gamma=isv_step.step_gammas(c, isv_at_start))
+        # The gamma schedule's and the CQL-alpha ramp's consumers: from the ISV at the start.
+        step_config = isv_step.step_config(c, isv_at_start)
         # loss_and_grads validates the batch (its only validation in the step), before any
         # state of this trainer changes.
         out = loss_and_grads(step_config, self.params, self.target, batch, q_abs_ref=q_abs_ref,
@@ -177,7 +177,8 @@ class Trainer(TrainerBackend):
             views[t.name][...] = w
 
         # Mirrors and the Polyak target update.
-        self.target = optim.polyak_update(self.target, self.params, np.float32(c.tau))
+        self.target = optim.polyak_update(self.target, self.params,
+                                          isv_step.step_tau(c, isv_at_start))
         self._refresh_mirrors()
 
         # ISV producers.
@@ -191,7 +192,8 @@ class Trainer(TrainerBackend):
             vec = isv_step.run_producers(
                 c, vec, q_taken=out["q_taken"].T, q_s=out["q_s"], td=out["td_errors"],
                 r=batch.r, p_next=out["p_next"], z=self.z,
-                grad_norm=end.readback[rb["grad_norm"]], loss=end.readback[rb["loss"]])
+                grad_norm=end.readback[rb["grad_norm"]], loss=end.readback[rb["loss"]],
+                eps_schedule=self._eps_schedule)
         self.isv.from_array(vec)
 
         self._fused_checks(self._sentinel_buffers(batch, out, grad), bounds.thresholds)
@@ -232,9 +234,15 @@ class Trainer(TrainerBackend):
         self.isv.set("EPOCH_IDX", check_epoch(epoch))
 
     def set_loop_signals(self, *, total_epochs: int | None = None,
-                         sharpe_ema: float | None = None) -> None:
+                         sharpe_ema: float | None = None, epsilon=None) -> None:
         """The loop's ISV slots: ``TOTAL_EPOCHS`` (40, the schedules' horizon; at the start of
-        a run) and ``SHARPE_EMA`` (22, the adaptive EMA rate's input; at each epoch end)."""
+        a run) and ``SHARPE_EMA`` (22, the adaptive EMA rate's input; at each epoch end);
+        ``epsilon = (sched, cap)`` at each epoch start: the exploration schedule's value, the
+        epoch's cold start of ``EPSILON_EFF`` (41), kept with its cap for
+        ``epsilon_tau_update`` (``reference.isv_step``)."""
+        if epsilon is not None:
+            self._eps_schedule = isv_step.eps_schedule(epsilon)
+            self.isv.set("EPSILON_EFF", self._eps_schedule[0])
         if total_epochs is not None:
             self.isv.set("TOTAL_EPOCHS", check_epoch(total_epochs))
         if sharpe_ema is not None:

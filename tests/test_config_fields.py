@@ -43,6 +43,8 @@ CHANGED = {
     "aux_hidden": 7, "n_regimes": 4,
     # Issue 19's switches: each turns on producers whose ISV slots the step then writes.
     "adaptive_signals": True, "q_stats": True, "gamma_schedule": True,
+    "cql_alpha_ramp": True,           # ISV 48 ramps toward cql_alpha (1 - ISV[41]) (41 = 0.5)
+    "adaptive_epsilon_tau": True,     # ISV 41/42 written; Polyak reads 42 (0 in the state)
 }
 
 #: field -> (a valid changed value, why it does not change the step).
@@ -66,6 +68,7 @@ def _start() -> tuple[dict, Batch]:
     starts) and the batch of the compared step."""
     trainer = Trainer(BASE, seed=3)
     trainer.set_epoch(EPOCH)
+    trainer.set_loop_signals(epsilon=(0.5, 1.0))  # ISV 41, the ramp's exploration share
     rng = np.random.default_rng(3)
     trainer.step(Batch.random(BASE, rng))
     return trainer.state_dict(), Batch.random(BASE, rng)
