@@ -103,6 +103,47 @@
 
 // The dense layers: s1, s2 (+ clamp), the heads' hidden rows, their outputs.
 #define WALK_LAYERS 4
+
+// Opt-in phase profile (benches/walk_profile.py builds with -DWALK_PROFILE; the normal build
+// compiles none of it). Thread 0 of block 0 adds the clock64() cycles of each phase of every
+// bar into walk_profile[kernel * WALK_PROF_SLOTS + slot] (kernel 0 greedy_walk, 1 the cluster
+// kernel): slots 0..3 layer l's rows, 4..7 the barrier after layer l, 8 the Q rows, 9 the
+// barrier after them, 10 the action choice and env step, 11 the barrier after it, 12 the
+// bar's top (prefetch), 13 the bars walked, 14 the setup before the bar loop. Thread 0 is in
+// warp 0, which computes rows of every layer, Q row 0 and the env step: a barrier slot is its
+// wait for the slowest warp (or block).
+#define WALK_PROF_SLOTS 16
+#ifdef WALK_PROFILE
+extern "C" {  // its plain name is what benches/walk_profile.py asks cuModuleGetGlobal for
+__device__ unsigned long long walk_profile[2 * WALK_PROF_SLOTS];
+}
+#define WALK_PROF_DECL long long prof_t = clock64(); unsigned long long prof[WALK_PROF_SLOTS] = {}
+#define WALK_TICK(slot)                                 \
+    do {                                                \
+        const long long prof_now = clock64();           \
+        prof[(slot)] += (unsigned long long)(prof_now - prof_t); \
+        prof_t = prof_now;                              \
+    } while (0)
+#define WALK_PROF_STORE(kernel, on)                                                    \
+    do {                                                                               \
+        if (on) {                                                                      \
+            for (int prof_i = 0; prof_i < WALK_PROF_SLOTS; ++prof_i) {                 \
+                walk_profile[(kernel) * WALK_PROF_SLOTS + prof_i] = prof[prof_i];      \
+            }                                                                          \
+        }                                                                              \
+    } while (0)
+#else
+#define WALK_PROF_DECL
+#define WALK_TICK(slot)
+#define WALK_PROF_STORE(kernel, on)
+#endif
+#define WALK_PROF_TOP 12
+#define WALK_PROF_BARS 13
+#define WALK_PROF_SETUP 14
+#define WALK_PROF_Q 8
+#define WALK_PROF_Q_SYNC 9
+#define WALK_PROF_ADVANCE 10
+#define WALK_PROF_ADVANCE_SYNC 11
 // A layer's epilogue on t = dot + b.
 #define WALK_LINEAR 0
 #define WALK_RELU 1
@@ -451,11 +492,15 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
     const WalkWeights w = {params, params_bf16, bf16 != 0};
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     const int steps = n_steps[0];
+    WALK_PROF_DECL;
     EnvLocal s = env_fresh(start[0]);  // the same in every thread
     walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_THREADS);
+    WALK_TICK(WALK_PROF_SETUP);
     for (int k = 0; k < steps; ++k) {
         walk_prefetch_next(s, close, high, low, features, n_features, n_bars);
+        WALK_TICK(WALK_PROF_TOP);
         __syncthreads();  // x holds bar k's state
+        WALK_TICK(WALK_PROF_ADVANCE_SYNC);
 #pragma unroll
         for (int l = 0; l < WALK_LAYERS; ++l) {
             const WalkLayer L = walk_layer_of(l, n, a);
@@ -466,14 +511,23 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
                     L.out[r] = walk_epilogue(dot, params[row.b], L.epilogue, bound);
                 }
             }
+            WALK_TICK(l);
             __syncthreads();
+            WALK_TICK(WALK_LAYERS + l);
         }
         walk_q_rows(n, a, z, warp, WALK_WARPS, lane);
+        WALK_TICK(WALK_PROF_Q);
         __syncthreads();
+        WALK_TICK(WALK_PROF_Q_SYNC);
         walk_advance(s, n, a.q, threadIdx.x == 0, a.x, close, high, low, features, n_features,
                      costs, n_bars, rec_reward, rec_held, rec_cost, rec_margin, record_len,
                      WALK_THREADS);
+        WALK_TICK(WALK_PROF_ADVANCE);
     }
+#ifdef WALK_PROFILE
+    prof[WALK_PROF_BARS] = (unsigned long long)steps;
+#endif
+    WALK_PROF_STORE(0, threadIdx.x == 0);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -579,6 +633,7 @@ greedy_walk_cluster(const float* __restrict__ params,
     float* w_f32 = bias_s + b_total;
     unsigned short* w_bf16 = reinterpret_cast<unsigned short*>(w_f32);
     const WalkWeights w = {w_f32, w_bf16, use_bf16};
+    WALK_PROF_DECL;
 
     // The block's rows of every layer into its shared memory, once.
 #pragma unroll
@@ -608,8 +663,10 @@ greedy_walk_cluster(const float* __restrict__ params,
     // Every block has started (its shared memory may be written by the others) and holds its
     // slices and the first state row.
     WalkCluster::sync();
+    WALK_TICK(WALK_PROF_SETUP);
     for (int k = 0; k < steps; ++k) {
         walk_prefetch_next(s, close, high, low, features, n_features, n_bars);
+        WALK_TICK(WALK_PROF_TOP);
 #pragma unroll
         for (int l = 0; l < WALK_LAYERS; ++l) {
             const WalkLayer L = walk_layer_of(l, n, a);
@@ -623,13 +680,23 @@ greedy_walk_cluster(const float* __restrict__ params,
                     WalkCluster::store(&L.out[r], value, lane);
                 }
             }
+            WALK_TICK(l);
             WalkCluster::sync();  // the layer's whole output vector is in every block
+            WALK_TICK(WALK_LAYERS + l);
         }
         walk_q_rows(n, a, z, warp, WALK_CLUSTER_WARPS, lane);
+        WALK_TICK(WALK_PROF_Q);
         __syncthreads();
+        WALK_TICK(WALK_PROF_Q_SYNC);
         walk_advance(s, n, a.q, rank == 0 && threadIdx.x == 0, a.x, close, high, low, features,
                      n_features, costs, n_bars, rec_reward, rec_held, rec_cost, rec_margin,
                      record_len, WALK_CLUSTER_THREADS);
+        WALK_TICK(WALK_PROF_ADVANCE);
         __syncthreads();  // x holds bar k + 1's state
+        WALK_TICK(WALK_PROF_ADVANCE_SYNC);
     }
+#ifdef WALK_PROFILE
+    prof[WALK_PROF_BARS] = (unsigned long long)steps;
+#endif
+    WALK_PROF_STORE(1, rank == 0 && threadIdx.x == 0);
 }

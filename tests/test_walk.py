@@ -229,6 +229,25 @@ def test_walk_kernels_do_not_spill_on_sm90(tmp_path):
     assert spills == {"greedy_walk": "0", "greedy_walk_cluster": "0"}
 
 
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_the_phase_profile_is_compiled_only_on_request(arch, tmp_path):
+    """benches/walk_profile.py's build (-DWALK_PROFILE) declares the ``walk_profile`` global
+    that the bench reads back; the normal build has no trace of it (the kernels it launches are
+    unchanged by the profile)."""
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+
+    sources = {n: b for n, b in source_files().items()
+               if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
+    normal = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources)
+    profiled = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources,
+                               extra_options=("-DWALK_PROFILE",))
+    assert "walk_profile" not in normal.ptx["walk.cu"]
+    assert "clock64" not in normal.ptx["walk.cu"] and "%clock64" not in normal.ptx["walk.cu"]
+    assert ".global .align 8 .b8 walk_profile[256]" in profiled.ptx["walk.cu"]
+    assert "%clock64" in profiled.ptx["walk.cu"]
+    assert profiled.params == normal.params
+
+
 # ------------------------------------------------------------- on a GPU: cluster == one block
 
 _GPU, _WHY = cuda_available()
