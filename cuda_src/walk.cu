@@ -18,10 +18,11 @@
 //   counts as 0: an ambiguous bar).
 // The four dense layers (s1; s2 with the clamp; the heads' hidden rows: value, then adv_h rows
 // per branch; their outputs: v [NA], then branch d's adv [n_d, NA]) are walk_layer_of(0..3).
-// After the last layer every thread of a block computes the action choice and env_advance
-// itself (the same inputs, the same code: the same state in every thread, no broadcast), one
-// thread writes the record rows, and the next state row is written by the block's threads (the
-// market features one per thread, the position features by the last thread).
+// After the last layer the first warps compute the Q rows while the block's last threads copy
+// the next bar's market features into x (walk_features_row: every thread follows the bar index,
+// which does not depend on the actions); after a __syncthreads warp 0 alone chooses the actions
+// and runs env_advance (walk_advance), its lane 0 writes the record rows and the next state
+// row's position features (the zeros after them are written once, with the first row).
 //
 // Dot products (every layer, one warp per output row; which warp, or which block, computes a
 // row changes nothing): lane l sums its terms k = l, l + 32, ... in order from +0.0f, acc = acc
@@ -48,7 +49,8 @@
 // per layer then makes the whole vector visible in every block, so each bar costs four cluster
 // barriers and every block reads only its own shared memory. The dueling / log-softmax / Q rows,
 // the action and the env step run redundantly in every block (bitwise identical: same code,
-// same inputs), and block 0 alone writes the record rows. Every layer has its own output
+// same inputs; in each block the env step is its warp 0's), and block 0 alone writes the
+// record rows. Every layer has its own output
 // vector, written only between the barriers before and after its layer and read only in the
 // next phase (or, for the heads' outputs, by the block's own Q rows): a block that races ahead
 // to bar k + 1 writes a layer's vector only after every block has passed the barrier that ends
@@ -396,8 +398,10 @@ static __device__ __forceinline__ void walk_q_rows(const WalkNet& n, const WalkA
     }
 }
 
-// The state row of env s (env_write_state's values): the market features of bar s.t one per
-// thread, the position features (env_write_state on the row's tail, no features) by the last.
+// The first state row of env s (env_write_state's values): the market features of bar s.t one
+// per thread, the position features and the zeros after them (env_write_state on the row's
+// tail, no features) by the last. Later bars rewrite only the features (walk_features_row) and
+// the position features (walk_advance): the zeros stay.
 static __device__ __forceinline__ void walk_state_row(float* x, const float* features,
                                                       int n_features, const float* close,
                                                       const EnvLocal& s, int state_dim,
@@ -411,17 +415,36 @@ static __device__ __forceinline__ void walk_state_row(float* x, const float* fea
     }
 }
 
+// env_advance's next bar (its t1 = live ? t + 1 : t, live = t < n_bars - 1): every thread
+// follows the bar index (the prefetch and the next feature row need it); only warp 0 holds and
+// advances the whole env state.
+static __device__ __forceinline__ int walk_next_bar(int t, int n_bars) {
+    return (t < n_bars - 1) ? t + 1 : t;
+}
+
+// The market features of bar t into x[0, n_features), by the block's LAST threads (thread
+// threads - 1 - j copies feature j): they run while the first warps compute the Q rows, so the
+// row's global loads are off the bar's critical path (walk_advance then writes only the three
+// position features). x is read by layer 0 alone, which a barrier has closed in every warp.
+static __device__ __forceinline__ void walk_features_row(float* x, const float* features,
+                                                         int n_features, int t, int threads) {
+    const float* f = features + (long long)t * n_features;
+    for (int j = threads - 1 - (int)threadIdx.x; j < n_features; j += threads) {
+        x[j] = f[j];
+    }
+}
+
 static __device__ __forceinline__ void walk_prefetch_l1(const void* p) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
 
-// What the end of bar s.t reads of the next bar (its prices, its feature row) into L1 while
+// What the end of bar t reads of the next bar (its prices, its feature row) into L1 while
 // the layers run (a hint only: nothing depends on it).
-static __device__ __forceinline__ void walk_prefetch_next(const EnvLocal& s, const float* close,
+static __device__ __forceinline__ void walk_prefetch_next(int t, const float* close,
                                                           const float* high, const float* low,
                                                           const float* features,
                                                           int n_features, int n_bars) {
-    const int t1 = s.t + 1;
+    const int t1 = t + 1;
     if (t1 >= n_bars || n_features < 1) {
         return;
     }
@@ -438,23 +461,34 @@ static __device__ __forceinline__ void walk_prefetch_next(const EnvLocal& s, con
     }
 }
 
-// The end of a bar, in every thread of the block (header): the actions, env_advance on s, the
-// record rows (`writer` thread only), the next state row into x.
+// The end of a bar, by warp 0 of the block alone (one warp instead of all: the other warps
+// would only repeat it, and on 32 warps the repeats cost the schedulers' issue slots): lane d <
+// nb chooses branch d's action (walk_choose), the lanes exchange them, every lane runs
+// env_advance on its copy of s (the same values), the `writer` (lane 0 of the recording block's
+// warp 0) writes the record rows and lane 0 the position features of the next state row (the
+// market features are walk_features_row's). margin = min over d in branch order, as before.
 static __device__ __forceinline__ void walk_advance(
     EnvLocal& s, const WalkNet& n, const float* q, bool writer, float* x,
     const float* __restrict__ close, const float* __restrict__ high,
     const float* __restrict__ low, const float* __restrict__ features, int n_features,
     const float* __restrict__ costs, int n_bars, float* __restrict__ rec_reward,
     float* __restrict__ rec_held, float* __restrict__ rec_cost, float* __restrict__ rec_margin,
-    int record_len, int threads) {
+    int record_len, int lane) {
+    const float inf = __int_as_float(0x7f800000);
+    int best = 0;
+    float gap = inf;
+    if (lane < n.nb) {
+        best = walk_choose(q + n.action_offset[lane], n.n_actions[lane], &gap);
+    }
     int act[3] = {0, ENV_DEFAULT_ORDER, ENV_DEFAULT_URGENCY};  // registers: constant indices
-    float margin = __int_as_float(0x7f800000);
+    float margin = inf;
 #pragma unroll
     for (int d = 0; d < 3; ++d) {
+        const int best_d = __shfl_sync(kFullMask, best, d);
+        const float gap_d = __shfl_sync(kFullMask, gap, d);
         if (d < n.nb) {
-            float gap;
-            act[d] = walk_choose(q + n.action_offset[d], n.n_actions[d], &gap);
-            margin = fminf(margin, gap);
+            act[d] = best_d;
+            margin = fminf(margin, gap_d);
         }
     }
     const int steps_before = s.steps;
@@ -468,7 +502,9 @@ static __device__ __forceinline__ void walk_advance(
             rec_margin[steps_before] = margin;
         }
     }
-    walk_state_row(x, features, n_features, close, s, n.sd, threads);
+    if (lane == 0) {
+        env_write_state(x + n_features, features, 0, close, s, ENV_N_POSITION_FEATURES);
+    }
 }
 
 extern "C" __global__ void __launch_bounds__(WALK_THREADS, 1)
@@ -493,11 +529,12 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     const int steps = n_steps[0];
     WALK_PROF_DECL;
-    EnvLocal s = env_fresh(start[0]);  // the same in every thread
+    int t = start[0];           // every thread: the bar
+    EnvLocal s = env_fresh(t);  // warp 0: the env (s.t == t)
     walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_THREADS);
     WALK_TICK(WALK_PROF_SETUP);
     for (int k = 0; k < steps; ++k) {
-        walk_prefetch_next(s, close, high, low, features, n_features, n_bars);
+        walk_prefetch_next(t, close, high, low, features, n_features, n_bars);
         WALK_TICK(WALK_PROF_TOP);
         __syncthreads();  // x holds bar k's state
         WALK_TICK(WALK_PROF_ADVANCE_SYNC);
@@ -516,12 +553,16 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
             WALK_TICK(WALK_LAYERS + l);
         }
         walk_q_rows(n, a, z, warp, WALK_WARPS, lane);
+        t = walk_next_bar(t, n_bars);
+        walk_features_row(a.x, features, n_features, t, WALK_THREADS);
         WALK_TICK(WALK_PROF_Q);
         __syncthreads();
         WALK_TICK(WALK_PROF_Q_SYNC);
-        walk_advance(s, n, a.q, threadIdx.x == 0, a.x, close, high, low, features, n_features,
-                     costs, n_bars, rec_reward, rec_held, rec_cost, rec_margin, record_len,
-                     WALK_THREADS);
+        if (warp == 0) {
+            walk_advance(s, n, a.q, threadIdx.x == 0, a.x, close, high, low, features,
+                         n_features, costs, n_bars, rec_reward, rec_held, rec_cost, rec_margin,
+                         record_len, lane);
+        }
         WALK_TICK(WALK_PROF_ADVANCE);
     }
 #ifdef WALK_PROFILE
@@ -658,14 +699,15 @@ greedy_walk_cluster(const float* __restrict__ params,
 
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     const int steps = n_steps[0];
-    EnvLocal s = env_fresh(start[0]);  // the same in every thread of every block
+    int t = start[0];           // every thread of every block: the bar
+    EnvLocal s = env_fresh(t);  // warp 0 of every block: the env (s.t == t)
     walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_CLUSTER_THREADS);
     // Every block has started (its shared memory may be written by the others) and holds its
     // slices and the first state row.
     WalkCluster::sync();
     WALK_TICK(WALK_PROF_SETUP);
     for (int k = 0; k < steps; ++k) {
-        walk_prefetch_next(s, close, high, low, features, n_features, n_bars);
+        walk_prefetch_next(t, close, high, low, features, n_features, n_bars);
         WALK_TICK(WALK_PROF_TOP);
 #pragma unroll
         for (int l = 0; l < WALK_LAYERS; ++l) {
@@ -685,12 +727,16 @@ greedy_walk_cluster(const float* __restrict__ params,
             WALK_TICK(WALK_LAYERS + l);
         }
         walk_q_rows(n, a, z, warp, WALK_CLUSTER_WARPS, lane);
+        t = walk_next_bar(t, n_bars);
+        walk_features_row(a.x, features, n_features, t, WALK_CLUSTER_THREADS);
         WALK_TICK(WALK_PROF_Q);
         __syncthreads();
         WALK_TICK(WALK_PROF_Q_SYNC);
-        walk_advance(s, n, a.q, rank == 0 && threadIdx.x == 0, a.x, close, high, low, features,
-                     n_features, costs, n_bars, rec_reward, rec_held, rec_cost, rec_margin,
-                     record_len, WALK_CLUSTER_THREADS);
+        if (warp == 0) {
+            walk_advance(s, n, a.q, rank == 0 && threadIdx.x == 0, a.x, close, high, low,
+                         features, n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
+                         rec_margin, record_len, lane);
+        }
         WALK_TICK(WALK_PROF_ADVANCE);
         __syncthreads();  // x holds bar k + 1's state
         WALK_TICK(WALK_PROF_ADVANCE_SYNC);
