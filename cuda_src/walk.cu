@@ -28,10 +28,11 @@
 // row changes nothing): lane l sums its terms k = l, l + 32, ... in order from +0.0f, acc = acc
 // + x_k * w_nk (__fmul_rn / __fadd_rn: no FMA contraction; the terms' loads are issued in groups
 // of 8 and 4 before their adds, walk_terms, which keeps the order), then warp_sum_halving (xor
-// butterfly 16, 8, 4, 2, 1: every lane ends with the same sum). In bf16 mode both operands are
-// BF16 (x rounded RNE on read, as clamp_finite_isv / add_bias_relu_bf16 round it; W read from
-// the BF16 mirror params_bf16, the same offsets as params): their product is exact in f32. f32
-// mode: params, f32 products. Biases are f32 (params) in both modes.
+// butterfly 16, 8, 4, 2, 1: every lane ends with the same sum). A warp computes its rows r and
+// r + W (W warps) together (walk_dot2: two independent chains, each that same sum). In bf16
+// mode both operands are BF16 (x rounded RNE on read, as clamp_finite_isv / add_bias_relu_bf16
+// round it; W read from the BF16 mirror params_bf16, the same offsets as params): their product
+// is exact in f32. f32 mode: params, f32 products. Biases are f32 (params) in both modes.
 //
 // greedy_walk: ONE block of WALK_THREADS. Weights and biases are read from global memory (they
 // stay in L2: the seed network's BF16 mirror is 0.6 MB); the activations live in the block's
@@ -328,6 +329,32 @@ static __device__ __forceinline__ float walk_dot(const float* x, const WalkWeigh
     return warp_sum_halving(acc);
 }
 
+// Two rows of one warp at once, each exactly walk_dot's sum (its lane's terms in k order from
+// +0.0f, then the butterfly): the two chains are independent, so their loads, adds and shuffles
+// interleave (one row's latency instead of two). Both rows have fan in k.
+static __device__ __forceinline__ void walk_dot2(const float* x0, int row0, const float* x1,
+                                                 int row1, const WalkWeights& w, int k, int lane,
+                                                 float& dot0, float& dot1) {
+    float acc0 = 0.0f;
+    float acc1 = 0.0f;
+    int j = lane;
+    for (; j + 3 * kWarp < k; j += 4 * kWarp) {
+        acc0 = walk_terms<4>(acc0, x0, w, row0, j);
+        acc1 = walk_terms<4>(acc1, x1, w, row1, j);
+    }
+    for (; j < k; j += kWarp) {
+        acc0 = walk_terms<1>(acc0, x0, w, row0, j);
+        acc1 = walk_terms<1>(acc1, x1, w, row1, j);
+    }
+#pragma unroll
+    for (int offset = kWarp / 2; offset > 0; offset >>= 1) {  // warp_sum_halving, twice
+        acc0 = __fadd_rn(acc0, __shfl_xor_sync(kFullMask, acc0, offset));
+        acc1 = __fadd_rn(acc1, __shfl_xor_sync(kFullMask, acc1, offset));
+    }
+    dot0 = acc0;
+    dot1 = acc1;
+}
+
 // dense.add_bias_relu's select: t <= 0 ? 0 : t (NaN stays NaN).
 static __device__ __forceinline__ float walk_relu(float t) {
     return (t <= 0.0f) ? 0.0f : t;
@@ -541,11 +568,27 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
 #pragma unroll
         for (int l = 0; l < WALK_LAYERS; ++l) {
             const WalkLayer L = walk_layer_of(l, n, a);
-            for (int r = warp; r < L.rows; r += WALK_WARPS) {
+            // The warp's rows two at once where their fan in agrees (as the cluster kernel's).
+            for (int r = warp; r < L.rows; r += 2 * WALK_WARPS) {
+                const int r2 = r + WALK_WARPS;
+                const bool second = r2 < L.rows;
                 const WalkRow row = walk_row(l, r, n);
-                const float dot = walk_dot(L.in + row.in, w, row.w, walk_fan_in(L, r), lane);
+                const WalkRow row2 = walk_row(l, second ? r2 : r, n);
+                const int k_r = walk_fan_in(L, r);
+                const int k_r2 = walk_fan_in(L, second ? r2 : r);
+                float dot, dot2;
+                if (second && k_r2 == k_r) {
+                    walk_dot2(L.in + row.in, row.w, L.in + row2.in, row2.w, w, k_r, lane, dot,
+                              dot2);
+                } else {
+                    dot = walk_dot(L.in + row.in, w, row.w, k_r, lane);
+                    dot2 = second ? walk_dot(L.in + row2.in, w, row2.w, k_r2, lane) : 0.0f;
+                }
                 if (lane == 0) {
                     L.out[r] = walk_epilogue(dot, params[row.b], L.epilogue, bound);
+                    if (second) {
+                        L.out[r2] = walk_epilogue(dot2, params[row2.b], L.epilogue, bound);
+                    }
                 }
             }
             WALK_TICK(l);
@@ -712,14 +755,36 @@ greedy_walk_cluster(const float* __restrict__ params,
 #pragma unroll
         for (int l = 0; l < WALK_LAYERS; ++l) {
             const WalkLayer L = walk_layer_of(l, n, a);
-            for (int r = r0[l] + warp; r < r1[l]; r += WALK_CLUSTER_WARPS) {
-                const float dot = walk_dot(L.in + walk_row(l, r, n).in, w,
-                                           w_base[l] + walk_slice_offset(L, r0[l], r),
-                                           walk_fan_in(L, r), lane);
+            // The warp's rows r, r + W, r + 2W, ... (W warps), two at once where their fan in
+            // agrees (walk_dot2), else one by one (walk_dot): the same sums either way.
+            for (int r = r0[l] + warp; r < r1[l]; r += 2 * WALK_CLUSTER_WARPS) {
+                const int r2 = r + WALK_CLUSTER_WARPS;
+                const bool second = r2 < r1[l];
+                const int rb = second ? r2 : r;  // (r itself when there is no second row)
+                const float* x = L.in + walk_row(l, r, n).in;
+                const float* x2 = L.in + walk_row(l, rb, n).in;
+                const int w_r = w_base[l] + walk_slice_offset(L, r0[l], r);
+                const int w_r2 = w_base[l] + walk_slice_offset(L, r0[l], rb);
+                const int k_r = walk_fan_in(L, r);
+                const int k_r2 = walk_fan_in(L, rb);
+                float dot, dot2;
+                if (second && k_r2 == k_r) {
+                    walk_dot2(x, w_r, x2, w_r2, w, k_r, lane, dot, dot2);
+                } else {
+                    dot = walk_dot(x, w, w_r, k_r, lane);
+                    dot2 = second ? walk_dot(x2, w, w_r2, k_r2, lane) : 0.0f;
+                }
                 const float value = walk_epilogue(dot, bias_s[b_base[l] + r - r0[l]],
                                                   L.epilogue, bound);
                 if (lane < WALK_CLUSTER) {  // every lane holds the value: lane c sends it to c
                     WalkCluster::store(&L.out[r], value, lane);
+                }
+                if (second) {
+                    const float value2 = walk_epilogue(dot2, bias_s[b_base[l] + r2 - r0[l]],
+                                                       L.epilogue, bound);
+                    if (lane < WALK_CLUSTER) {
+                        WalkCluster::store(&L.out[r2], value2, lane);
+                    }
                 }
             }
             WALK_TICK(l);
