@@ -10,8 +10,7 @@
 // launch constants. No atomics; every output is
 // written by one thread, so results are bitwise repeatable.
 
-#include "distributional.cuh"  // double_dqn_argmax: the greedy choice (double_dqn_select's scan)
-#include "env.cuh"
+#include "env.cuh"  // env_step_one, env_choose (and distributional.cuh's double_dqn_argmax)
 
 #define ENV_THREADS 128
 #define EVAL_THREADS 256
@@ -99,36 +98,14 @@ env_step(const float* __restrict__ close, const float* __restrict__ high,
          unsigned int start_stream, const long long* __restrict__ cycle, float* __restrict__ r,
          float* __restrict__ done, float* s2, float* obs, float* __restrict__ next_ret,
          int* __restrict__ regime_out) {
+    const EnvTables m = {close,     high,      low,         features, n_features,
+                         regime,    costs,     n_bars,      min_start, last_start,
+                         episode_len, auto_reset, reward_scale, state_dim};
     ENV_FLAT_LOOP(i, n_envs) {
-        EnvLocal s = env_load(t, steps, time_in_position, position, entry_price, i);
-        const int bar = s.t;
-        const int steps_before = s.steps;
-        const int* a = actions + (long long)i * n_branches;
-        const int order = n_branches > 1 ? a[1] : ENV_DEFAULT_ORDER;
-        const int urgency = n_branches > 2 ? a[2] : ENV_DEFAULT_URGENCY;
-        const EnvOutcome o =
-            env_advance(s, a[0], order, urgency, close, high, low, costs, n_bars, episode_len);
-        if (s2 != nullptr) {
-            env_write_state(s2 + (long long)i * state_dim, features, n_features, close, s,
-                            state_dim);
-        }
-        if (o.live && steps_before < record_len) {
-            const long long k = (long long)steps_before * n_envs + i;
-            rec_reward[k] = o.reward;
-            rec_held[k] = o.held;
-            rec_cost[k] = o.cost;
-        }
-        if (o.done && auto_reset != 0) {
-            s = env_fresh(env_draw_start(key_lo, key_hi, start_stream,
-                                         (unsigned long long)cycle[0], i, min_start, last_start));
-        }
-        env_write_state(obs + (long long)i * state_dim, features, n_features, close, s,
-                        state_dim);
-        env_store(s, t, steps, time_in_position, position, entry_price, i);
-        r[i] = __fmul_rn(o.reward, reward_scale);
-        done[i] = o.done ? 1.0f : 0.0f;
-        next_ret[i] = o.next_ret;
-        regime_out[i] = regime[bar];
+        env_step_one(m, i, n_envs, actions + (long long)i * n_branches, n_branches, t, steps,
+                     time_in_position, position, entry_price, rec_reward, rec_held, rec_cost,
+                     record_len, key_lo, key_hi, start_stream, (unsigned long long)cycle[0], r,
+                     done, s2, obs, next_ret, regime_out);
     }
 }
 
@@ -149,21 +126,9 @@ extern "C" __global__ void env_act(const float* __restrict__ q, const int* __res
                                    int* __restrict__ actions) {
     ENV_FLAT_LOOP(k, n_envs * n_branches) {
         const int i = k / n_branches;
-        const int d = k - i * n_branches;
-        const int n_d = n_actions[d];
-        const float* row = q + (long long)n_envs * action_offset[d] + (long long)i * n_d;
-        const unsigned long long c = (unsigned long long)cycle[0];
-        const unsigned int nb = (unsigned int)n_branches;
-        const float u_explore =
-            rng_uniform(key_lo, key_hi, explore_stream, c, 2u * nb * i + 2u * d);
-        int action;
-        if (u_explore < eps[0]) {
-            const float u = rng_uniform(key_lo, key_hi, action_stream, c, nb * i + d);
-            action = min(__float2int_rz(__fmul_rn(u, __int2float_rn(n_d))), n_d - 1);
-        } else {
-            action = double_dqn_argmax(row, n_d);
-        }
-        actions[k] = action;
+        actions[k] = env_choose(q, n_actions, action_offset, n_branches, n_envs, eps[0], key_lo,
+                                key_hi, explore_stream, action_stream,
+                                (unsigned long long)cycle[0], i, k - i * n_branches);
     }
 }
 

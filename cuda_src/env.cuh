@@ -9,7 +9,8 @@
 // (2 ulp), against NumPy's float32 tanh in the reference: the only inexact values.
 #pragma once
 
-#include "rng.cuh"  // rng_uniform: the drawn restart offsets
+#include "distributional.cuh"  // double_dqn_argmax: env_choose's greedy action
+#include "rng.cuh"             // rng_uniform: the drawn restart offsets
 
 // The cost table's entries (reference COST_FIELDS, the ExecutionCosts fields in order).
 #define ENV_COST_FEE 0
@@ -181,4 +182,85 @@ static __device__ __forceinline__ EnvOutcome env_advance(EnvLocal& s, int exposu
     s.steps = o.live ? s.steps + 1 : s.steps;
     o.done = !o.live || s.t >= n_bars - 1 || (episode_len > 0 && s.steps >= episode_len);
     return o;
+}
+
+// env_act's choice for env i and branch d (env.cu's env_act and the collector's fused
+// collect_transition share it, so both give the same bits). q is branch-packed: branch d's
+// [n_envs, n_actions[d]] block at element n_envs * action_offset[d]. Greedy = double_dqn_argmax
+// of the row (distributional.cuh, included by the caller), unless uniform(key, explore_stream,
+// c, 2 nb i + 2 d) < eps: then min(floor(uniform(key, action_stream, c, nb i + d) * n_d), n_d - 1).
+static __device__ __forceinline__ int env_choose(const float* q, const int* n_actions,
+                                                 const int* action_offset, int n_branches,
+                                                 int n_envs, float eps, unsigned int key_lo,
+                                                 unsigned int key_hi, unsigned int explore_stream,
+                                                 unsigned int action_stream,
+                                                 unsigned long long c, int i, int d) {
+    const int n_d = n_actions[d];
+    const float* row = q + (long long)n_envs * action_offset[d] + (long long)i * n_d;
+    const unsigned int nb = (unsigned int)n_branches;
+    const float u_explore = rng_uniform(key_lo, key_hi, explore_stream, c, 2u * nb * i + 2u * d);
+    if (u_explore < eps) {
+        const float u = rng_uniform(key_lo, key_hi, action_stream, c, nb * i + d);
+        return min(__float2int_rz(__fmul_rn(u, __int2float_rn(n_d))), n_d - 1);
+    }
+    return double_dqn_argmax(row, n_d);
+}
+
+// The market tables and walk constants of env_step (one struct: env.cu's env_step and the
+// collector's collect_transition pass the same values to env_step_one).
+struct EnvTables {
+    const float* close;
+    const float* high;
+    const float* low;
+    const float* features;
+    int n_features;
+    const int* regime;
+    const float* costs;
+    int n_bars;
+    int min_start;
+    int last_start;
+    int episode_len;
+    int auto_reset;
+    float reward_scale;
+    int state_dim;
+};
+
+// One env's step as env_step specifies it (env.cu), for env i with actions a[0..n_branches):
+// the state arrays in place, s2 row (skipped when s2 == nullptr), the records while
+// steps < record_len, the auto-reset draw, the obs row (after any reset; written last, so s2
+// and obs may be one buffer), r (times reward_scale), done, next_ret, regime_out.
+static __device__ __forceinline__ void env_step_one(
+    const EnvTables& m, int i, int n_envs, const int* a, int n_branches, int* t, int* steps,
+    int* time_in_position, float* position, float* entry_price, float* rec_reward,
+    float* rec_held, float* rec_cost, int record_len, unsigned int key_lo, unsigned int key_hi,
+    unsigned int start_stream, unsigned long long c, float* r, float* done, float* s2,
+    float* obs, float* next_ret, int* regime_out) {
+    EnvLocal s = env_load(t, steps, time_in_position, position, entry_price, i);
+    const int bar = s.t;
+    const int steps_before = s.steps;
+    const int order = n_branches > 1 ? a[1] : ENV_DEFAULT_ORDER;
+    const int urgency = n_branches > 2 ? a[2] : ENV_DEFAULT_URGENCY;
+    const EnvOutcome o = env_advance(s, a[0], order, urgency, m.close, m.high, m.low, m.costs,
+                                     m.n_bars, m.episode_len);
+    if (s2 != nullptr) {
+        env_write_state(s2 + (long long)i * m.state_dim, m.features, m.n_features, m.close, s,
+                        m.state_dim);
+    }
+    if (o.live && steps_before < record_len) {
+        const long long k = (long long)steps_before * n_envs + i;
+        rec_reward[k] = o.reward;
+        rec_held[k] = o.held;
+        rec_cost[k] = o.cost;
+    }
+    if (o.done && m.auto_reset != 0) {
+        s = env_fresh(env_draw_start(key_lo, key_hi, start_stream, c, i, m.min_start,
+                                     m.last_start));
+    }
+    env_write_state(obs + (long long)i * m.state_dim, m.features, m.n_features, m.close, s,
+                    m.state_dim);
+    env_store(s, t, steps, time_in_position, position, entry_price, i);
+    r[i] = __fmul_rn(o.reward, m.reward_scale);
+    done[i] = o.done ? 1.0f : 0.0f;
+    next_ret[i] = o.next_ret;
+    regime_out[i] = m.regime[bar];
 }

@@ -8,6 +8,7 @@
 // not from the host).
 #include "ha_common.cuh"
 #include "reduce.cuh"  // block_reduce_down
+#include "replay.cuh"  // proportional_search, importance_weights_block, nstep_emit
 #include "rng.cuh"     // rng_uniform
 
 // ------------------------------------------------------------------------------------------
@@ -250,22 +251,6 @@ scan_offsets(float* __restrict__ s, const float* __restrict__ block_sums, long l
 // u >= 1). Exact: same float32 target, same comparisons. One thread per uniform, any grid.
 // ------------------------------------------------------------------------------------------
 
-// The first i in [0, n_items) with prefix[i] > target; n_items - 1 when there is none.
-static __device__ __forceinline__ int proportional_search(const float* __restrict__ prefix,
-                                                          int n_items, float target) {
-    int lo = 0;
-    int hi = n_items - 1;
-    while (lo < hi) {
-        const int mid = lo + (hi - lo) / 2;  // == (lo + hi) // 2, without int overflow
-        if (prefix[mid] > target) {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    return lo;
-}
-
 extern "C" __global__ void sample_proportional(const float* __restrict__ prefix, int n_items,
                                                const float* __restrict__ u,
                                                int* __restrict__ out, int n) {
@@ -287,14 +272,7 @@ extern "C" __global__ void sample_proportional(const float* __restrict__ prefix,
 extern "C" __global__ void importance_weights(const float* __restrict__ priorities, int n_items,
                                               const int* __restrict__ idx,
                                               float* __restrict__ w, int n, float beta) {
-    float p_min = ha_nan();
-    for (int k = threadIdx.x; k < n; k += blockDim.x) {
-        p_min = fminf(p_min, priorities[idx[k]]);
-    }
-    p_min = block_reduce_down(p_min, HaFmin(), ha_nan());
-    for (int k = threadIdx.x; k < n; k += blockDim.x) {
-        w[k] = powf(p_min / priorities[idx[k]], beta);
-    }
+    importance_weights_block(priorities, idx, w, n, beta);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -368,11 +346,6 @@ extern "C" __global__ void replay_add(const float* __restrict__ s, const int* __
 // window lengths and the row offsets are read and scanned first (thread 0, in env order), the
 // outputs written after that barrier, the windows updated after the next (the shift reads the
 // slots the outputs read). Exact (copies; the float sums follow the reference's order).
-__device__ __forceinline__ int nstep_count(int len0, float done, int n_step) {
-    const int L = len0 + 1;
-    return done != 0.0f ? L : (L == n_step ? 1 : 0);
-}
-
 extern "C" __global__ void nstep_window(
     const float* __restrict__ obs, const int* __restrict__ actions, const float* __restrict__ r,
     const float* __restrict__ done, const float* __restrict__ s2,
@@ -399,93 +372,10 @@ extern "C" __global__ void nstep_window(
         n_out[0] = row;
     }
     __syncthreads();
-    const int n = n_step;
-    // the outputs
-    for (int x = threadIdx.x; x < n_envs * state_dim; x += blockDim.x) {
-        const int e = x / state_dim, f = x % state_dim, L0 = len0[e];
-        const int count = nstep_count(L0, done[e], n);
-        for (int j = 0; j < count; ++j) {
-            const long long row = row0[e] + j;
-            out_s[row * state_dim + f] =
-                j < L0 ? win_s[((long long)e * n + j) * state_dim + f] : obs[x];
-            out_s2[row * state_dim + f] = s2[x];
-        }
-    }
-    for (int x = threadIdx.x; x < n_envs * n_branches; x += blockDim.x) {
-        const int e = x / n_branches, d = x % n_branches, L0 = len0[e];
-        const int count = nstep_count(L0, done[e], n);
-        for (int j = 0; j < count; ++j) {
-            out_a[(long long)(row0[e] + j) * n_branches + d] =
-                j < L0 ? win_a[((long long)e * n + j) * n_branches + d] : actions[x];
-        }
-    }
-    for (int e = threadIdx.x; e < n_envs; e += blockDim.x) {
-        const int L0 = len0[e];
-        const int count = nstep_count(L0, done[e], n);
-        for (int j = 0; j < count; ++j) {
-            const int row = row0[e] + j, k = L0 + 1 - j;
-            float acc = j < L0 ? win_r[e * n + j] : r[e];
-            float gk = gamma_ref;
-            for (int i = 1; i < k; ++i) {
-                const float rw = j + i < L0 ? win_r[e * n + j + i] : r[e];
-                acc = __fadd_rn(acc, __fmul_rn(gk, rw));
-                gk = __fmul_rn(gk, gamma_ref);
-            }
-            out_r[row] = acc;
-            out_discount[row] = gk;
-            out_done[row] = done[e];
-            out_next_ret[row] = j < L0 ? win_next_ret[e * n + j] : next_ret[e];
-            out_regime[row] = j < L0 ? win_regime[e * n + j] : regime[e];
-        }
-    }
-    __syncthreads();  // every output read its window slots
-    // the windows: emptied (episode ended), shifted a slot (the oldest left) or appended to
-    for (int x = threadIdx.x; x < n_envs * state_dim; x += blockDim.x) {
-        const int e = x / state_dim, f = x % state_dim, L0 = len0[e];
-        if (done[e] != 0.0f) continue;
-        float* w = win_s + (long long)e * n * state_dim + f;
-        if (L0 + 1 == n) {
-            for (int i = 0; i < L0; ++i) {
-                w[(long long)i * state_dim] = i + 1 < L0 ? w[(long long)(i + 1) * state_dim] : obs[x];
-            }
-        } else {
-            w[(long long)L0 * state_dim] = obs[x];
-        }
-    }
-    for (int x = threadIdx.x; x < n_envs * n_branches; x += blockDim.x) {
-        const int e = x / n_branches, d = x % n_branches, L0 = len0[e];
-        if (done[e] != 0.0f) continue;
-        int* w = win_a + (long long)e * n * n_branches + d;
-        if (L0 + 1 == n) {
-            for (int i = 0; i < L0; ++i) {
-                w[i * n_branches] = i + 1 < L0 ? w[(i + 1) * n_branches] : actions[x];
-            }
-        } else {
-            w[L0 * n_branches] = actions[x];
-        }
-    }
-    for (int e = threadIdx.x; e < n_envs; e += blockDim.x) {
-        const int L0 = len0[e];
-        float* wr = win_r + e * n;
-        float* wn = win_next_ret + e * n;
-        int* wg = win_regime + e * n;
-        if (done[e] != 0.0f) {
-            win_len[e] = 0;
-        } else if (L0 + 1 == n) {
-            for (int i = 0; i < L0; ++i) {
-                const bool old = i + 1 < L0;
-                wr[i] = old ? wr[i + 1] : r[e];
-                wn[i] = old ? wn[i + 1] : next_ret[e];
-                wg[i] = old ? wg[i + 1] : regime[e];
-            }
-            win_len[e] = L0;
-        } else {
-            wr[L0] = r[e];
-            wn[L0] = next_ret[e];
-            wg[L0] = regime[e];
-            win_len[e] = L0 + 1;
-        }
-    }
+    nstep_emit(obs, actions, r, done, s2, next_ret, regime, n_envs, state_dim, n_branches,
+               n_step, gamma_ref, win_s, win_a, win_r, win_next_ret, win_regime, win_len, len0,
+               row0, NStepRows{0, 0}, out_s, out_a, out_r, out_s2, out_done, out_next_ret,
+               out_regime, out_discount);
 }
 
 // replay_sample: idx[k] = proportional_search(prefix, m, u_k * prefix[m - 1]) with
@@ -559,12 +449,15 @@ extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int
 // max_priority = fmaxf-reduce(m0, p_0, ..., p_{n-1}). ONE block (a multiple of 32 threads):
 // every thread reads m0 before the reduction's barriers, thread 0 writes the new maximum after
 // them. priority has capacity rows and 0 <= idx < capacity (the reference raises otherwise).
-// powf is not correctly rounded (a few ulp against NumPy's).
+// powf is not correctly rounded (a few ulp against NumPy's). Where cycle is not null, thread 0
+// also advances it (cycle_advance fused: the collector's cycle ends with this kernel; null in
+// the test entry).
 extern "C" __global__ void replay_update_priorities(const float* __restrict__ td,
                                                     const int* __restrict__ idx, int n,
                                                     float* __restrict__ priority, int capacity,
                                                     float* __restrict__ max_priority,
-                                                    float alpha, float eps) {
+                                                    float alpha, float eps,
+                                                    long long* __restrict__ cycle) {
     const float m0 = max_priority[0];
     float top = m0;
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
@@ -583,6 +476,9 @@ extern "C" __global__ void replay_update_priorities(const float* __restrict__ td
     top = block_reduce_down(top, HaFmax(), ha_nan());
     if (threadIdx.x == 0) {
         max_priority[0] = top;
+        if (cycle != nullptr) {
+            cycle[0] = cycle[0] + 1;
+        }
     }
 }
 

@@ -47,6 +47,7 @@ from foxhunt.fast.binder import Binder
 from foxhunt.fast.records import F32, I32, I64, Buf, Ops, Region
 from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram
+from foxhunt.reference.kernels import collect as collect_kernels
 from foxhunt.reference.kernels import env as env_kernels
 from foxhunt.reference.kernels import replay as replay_kernels
 from foxhunt.reference.kernels.rng import STREAMS, split_u64
@@ -139,28 +140,23 @@ def _key(seed: int) -> dict:
     return {"key_lo": key_lo, "key_hi": key_hi}
 
 
-def act_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout, seed: int,
-            eps="eps") -> None:
-    """The greedy forward on ``obs`` and ``env_act`` into ``env_actions``, exploring with
-    ``eps`` (the collector's ``eps``, or ``isv_plan.act_epsilon_buffer``: ISV 41)."""
+def act_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout) -> None:
+    """The greedy forward on ``obs`` (read in place: no copy into ``x_e``) into ``q_e``."""
     lay, N = prog.lay, cl.n_envs
-    ops.copy("x_e", "obs", N * lay.SD * 4, "dtod")
     xb = None
     if lay.bf16:
         xb = Buf("xb_e")
-        prog.to_bf16(ops, Buf("x_e"), xb, N * lay.SD)
-    prog.forward(ops, tag="e", rows=N, which=0, x=Buf("x_e"), xb=xb, aux=False,
+        prog.to_bf16(ops, Buf("obs"), xb, N * lay.SD)
+    prog.forward(ops, tag="e", rows=N, which=0, x=Buf("obs"), xb=xb, aux=False,
                  logits=Buf("logits_e", 0), logp=Buf("logp_e", 0), q=Buf("q_e"))
-    ops.kernel("env_act", prog.kernels("env").plan_env_act(N, lay.nb), q="q_e",
-               n_actions="n_actions", action_offset="action_offset", n_branches=lay.nb,
-               n_envs=N, eps=eps, **_key(seed), explore_stream=ENV_STREAMS["explore_stream"],
-               action_stream=ENV_STREAMS["action_stream"], cycle="cycle", actions="env_actions")
 
 
 def env_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, walks, *, reward_scale: float,
-            seed: int, gamma_ref: float) -> None:
-    """``env_step`` (auto-reset), ``nstep_window``, ``replay_add`` of the transitions it
-    emitted, the new states into ``obs``.
+            seed: int, gamma_ref: float, eps="eps") -> None:
+    """``collect_transition``: ``env_act`` on ``q_e`` exploring with ``eps`` (the collector's
+    ``eps``, or ``isv_plan.act_epsilon_buffer``: ISV 41), ``env_step`` (auto-reset),
+    ``nstep_window``, ``replay_add`` of the transitions it emitted and the new states into
+    ``obs``, in one launch (its twin the composition of those kernels).
 
     ``walks``: a ``reference.collector.Walks`` (the fold's bar range, start range, episode
     length; baked into the records: one plan per fold); ``gamma_ref``: the discounts' base
@@ -168,31 +164,19 @@ def env_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, walks, *, reward_sca
     lay, N, SD = prog.lay, cl.n_envs, prog.lay.SD
     state = {field: buf for buf, field, _ in ENV_BUFFERS}
     tables = {name: buf for buf, name in TABLE_BUFFERS}
-    ops.kernel("env_step", prog.kernels("env").plan_env_step(N), close=tables["close"],
+    windows = {name: buf for buf, name in NSTEP_BUFFERS if name.startswith("win_")}
+    ops.kernel("collect_transition", prog.kernels("collect").plan_collect_transition(N, SD),
+               q="q_e", n_actions="n_actions", action_offset="action_offset", n_branches=lay.nb,
+               eps=eps, **_key(seed), **ENV_STREAMS, cycle="cycle", close=tables["close"],
                high=tables["high"], low=tables["low"], features=tables["features"],
-               n_features=cl.n_features, regime=tables["regime"], **state, n_envs=N,
-               actions="env_actions", n_branches=lay.nb, rec_reward="env_no_record",
-               rec_held="env_no_record", rec_cost="env_no_record", record_len=0,
-               costs="env_costs", n_bars=walks.n_bars, min_start=walks.min_start,
-               last_start=walks.last_start, episode_len=walks.episode_len, auto_reset=1,
-               reward_scale=np.float32(reward_scale), state_dim=SD, **_key(seed),
-               start_stream=ENV_STREAMS["start_stream"], cycle="cycle", r="env_r",
-               done="env_done", s2="env_s2", obs="env_obs", next_ret="env_next_ret",
-               regime_out="env_regime")
-    replay = prog.kernels("replay")
-    nstep = {name: buf for buf, name in NSTEP_BUFFERS}
-    ops.kernel("nstep_window", replay.plan_nstep_window(N, SD), obs="obs", actions="env_actions",
-               r="env_r", done="env_done", s2="env_s2", next_ret="env_next_ret",
-               regime="env_regime", n_envs=N, state_dim=SD, n_branches=lay.nb, n_step=cl.n_step,
-               gamma_ref=np.float32(gamma_ref), **nstep, n_out="nstep_n_out")
-    ring = {buf: buf for buf, _ in RING_BUFFERS}
-    rows = N * cl.n_step
-    ops.kernel("replay_add", replay.plan_replay_add(rows, SD),
-               **{name: nstep[f"out_{name}"] for name, _, _ in replay_kernels.RING_FIELDS},
-               n_valid="nstep_n_out", n_given=rows, state_dim=SD, n_branches=lay.nb, **ring,
-               priority="priority", ring_pos="ring_pos", max_priority="max_priority",
-               capacity=cl.capacity)
-    ops.copy("obs", "env_obs", N * SD * 4, "dtod")
+               n_features=cl.n_features, regime=tables["regime"], costs="env_costs",
+               n_bars=walks.n_bars, min_start=walks.min_start, last_start=walks.last_start,
+               episode_len=walks.episode_len, reward_scale=np.float32(reward_scale),
+               state_dim=SD, **state, n_envs=N, obs="obs", actions="env_actions", r="env_r",
+               done="env_done", s2="env_s2", obs_next="env_obs", next_ret="env_next_ret",
+               regime_out="env_regime", n_step=cl.n_step, gamma_ref=np.float32(gamma_ref),
+               **windows, **{buf: buf for buf, _ in RING_BUFFERS}, priority="priority",
+               ring_pos="ring_pos", max_priority="max_priority", capacity=cl.capacity)
 
 
 def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, seed: int) -> None:
@@ -203,30 +187,25 @@ def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, s
                block_sums="prefix_blocks", n=cap)
     ops.kernel("scan_offsets", replay.plan_scan_offsets(cap), s="prefix",
                block_sums="prefix_blocks", n=cap)
-    ops.kernel("replay_sample", replay.plan_replay_sample(B), prefix="prefix", capacity=cap,
-               ring_pos="ring_pos", **_key(seed), stream=STREAMS["replay_sample"], cycle="cycle",
-               idx="sample_idx", n=B)
-    # The weights and the gather both only read the sampled rows: two branches, one node off
-    # the cycle's chain.
-    weights, gather = ops.branch(), ops.branch()
-    weights.kernel("importance_weights", replay.plan_importance_weights(B), priorities="priority",
-                   n_items=cap, idx="sample_idx", w="batch.isw", n=B, beta=np.float32(beta))
     labels = {name: f"batch.{name}" if f"batch.{name}" in lay else None
               for name in ("next_ret", "regime", "discount")}
-    gather.kernel("replay_gather", replay.plan_replay_gather(B, lay.SD), idx="sample_idx", n=B,
-                  capacity=cap, state_dim=lay.SD, n_branches=lay.nb,
-                  **{buf: buf for buf, _ in RING_BUFFERS}, x="batch.x", a="batch.a", r="batch.r",
-                  done="batch.done", **labels)
-    ops.parallel(weights, gather)
+    ops.kernel("replay_batch", prog.kernels("collect").plan_replay_batch(B, lay.SD),
+               prefix="prefix", capacity=cap, ring_pos="ring_pos", **_key(seed),
+               stream=STREAMS["replay_sample"], cycle="cycle", n=B, priority="priority",
+               beta=np.float32(beta), state_dim=lay.SD, n_branches=lay.nb,
+               **{buf: buf for buf, _ in RING_BUFFERS}, idx="sample_idx", w="batch.isw",
+               x="batch.x", a="batch.a", r="batch.r", done="batch.done", **labels)
 
 
 def priority_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, alpha: float,
                  priority_eps: float) -> None:
-    """The sampled rows' new priorities from the step's TD errors."""
+    """The sampled rows' new priorities from the step's TD errors, and the cycle counter
+    advanced by the same launch (``cycle_advance`` fused: the training cycle ends here)."""
     B = prog.lay.B
     ops.kernel("replay_update_priorities", prog.kernels("replay").plan_replay_update_priorities(B),
                td="td", idx="sample_idx", n=B, priority="priority", capacity=cl.capacity,
-               max_priority="max_priority", alpha=np.float32(alpha), eps=np.float32(priority_eps))
+               max_priority="max_priority", alpha=np.float32(alpha), eps=np.float32(priority_eps),
+               cycle="cycle")
 
 
 def advance_ops(ops: Ops, prog: StepProgram) -> None:
@@ -313,10 +292,14 @@ def register_twins() -> None:
                     if a.view(name) is not None})
         return out
 
-    @twin("replay_update_priorities", td="n", idx="n", priority="capacity", max_priority=1)
+    @twin("replay_update_priorities", nullable=("cycle",), td="n", idx="n", priority="capacity",
+          max_priority=1, cycle=1)
     def _replay_update_priorities(a):
-        return replay_kernels.replay_update_priorities(a.td, a.idx, a.priority, a.max_priority,
-                                                       a.alpha, a.eps)._asdict()
+        out = replay_kernels.replay_update_priorities(a.td, a.idx, a.priority, a.max_priority,
+                                                      a.alpha, a.eps)._asdict()
+        if a.view("cycle") is not None:  # cycle_advance fused
+            out["cycle"] = replay_kernels.cycle_advance(a.cycle)
+        return out
 
     @twin("cycle_advance", cycle=1)
     def _cycle_advance(a):
@@ -335,6 +318,46 @@ def register_twins() -> None:
 
     state = {field: "n_envs" for _, field, _ in ENV_BUFFERS}
     record = ("record_len", "n_envs")
+    tables = dict(close="n_bars", high="n_bars", low="n_bars", features=("n_bars", "n_features"),
+                  regime="n_bars", costs=len(env_kernels.COST_FIELDS))
+    per_env = ("n_envs", "state_dim")
+
+    def window_extents(a) -> dict:
+        shapes = replay_kernels.nstep_buffers(a.n_envs, a.n_step, a.state_dim, a.n_branches)
+        return {name: shape for name, (_, shape) in shapes.items()}
+
+    @twin("collect_transition", q=nb_total, n_actions="n_branches", action_offset="n_branches",
+          eps=1, cycle=1, **tables, **state, obs=per_env, actions=("n_envs", "n_branches"),
+          r="n_envs", done="n_envs", s2=per_env, obs_next=per_env, next_ret="n_envs",
+          regime_out="n_envs", **ring, priority="capacity", ring_pos=2, max_priority=1,
+          **{name: (lambda key: lambda a: window_extents(a)[key])(name)
+             for _, name in NSTEP_BUFFERS if name.startswith("win_")})
+    def _collect_transition(a):
+        for param in ENV_STREAMS:
+            _stream(a, param, ENV_STREAMS[param])
+        out = collect_kernels.collect_transition(
+            a.q, branches(a, a.n_branches), a.eps[0], _seed(a), a.cycle, a.close, a.high, a.low,
+            a.features, a.regime, a.t, a.steps, a.time_in_position, a.position, a.entry_price,
+            a.costs, a.n_bars, a.min_start, a.last_start, a.episode_len, a.reward_scale,
+            a.state_dim, a.obs, a.win_s, a.win_a, a.win_r, a.win_next_ret, a.win_regime,
+            a.win_len, a.n_step, a.gamma_ref, *(getattr(a, buf) for buf, _ in RING_BUFFERS),
+            a.priority, a.ring_pos, a.max_priority)._asdict()
+        out["obs_next"] = out["obs"]
+        return out
+
+    @twin("replay_batch", nullable=("next_ret", "regime", "discount"), prefix="capacity",
+          ring_pos=2, cycle=1, priority="capacity", **ring, idx="n", w="n",
+          x=lambda a: (2 * a.n, a.state_dim), a=("n_branches", "n"), r="n", done="n",
+          next_ret="n", regime="n", discount="n")
+    def _replay_batch(a):
+        _stream(a, "stream", STREAMS["replay_sample"])
+        out = collect_kernels.replay_batch(a.prefix, a.ring_pos, _seed(a), a.cycle, a.n,
+                                           a.priority, a.beta,
+                                           *(getattr(a, buf) for buf, _ in RING_BUFFERS))._asdict()
+        for name in ("next_ret", "regime", "discount"):
+            if a.view(name) is None:
+                del out[name]
+        return out
 
     @twin("env_step", nullable=("s2",), close="n_bars", high="n_bars", low="n_bars",
           features=("n_bars", "n_features"), regime="n_bars", **state,

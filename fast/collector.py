@@ -158,13 +158,14 @@ class FastCollector:
         kw = dict(seed=self.seed)
         warm, head, tail = new(), new(), new()
         for ops, eps in ((warm, "eps"), (head, isv_plan.act_epsilon_buffer(config))):
-            act_ops(ops, prog, cl, evl, eps=eps, **kw)
-            env_ops(ops, prog, cl, walks, reward_scale=reward_scale, gamma_ref=gamma_ref, **kw)
+            act_ops(ops, prog, cl, evl)
+            env_ops(ops, prog, cl, walks, reward_scale=reward_scale, gamma_ref=gamma_ref,
+                    eps=eps, **kw)
         advance_ops(warm, prog)
         sample_ops(head, prog, cl, beta=float(self._ring.beta), **kw)
+        # the priority update advances the counter too (cycle_advance fused into it)
         priority_ops(tail, prog, cl, alpha=float(self._ring.alpha),
                      priority_eps=float(self._ring.priority_eps))
-        advance_ops(tail, prog)
         train = [head, trainer.plans["graph1"], trainer.plans["graph2"], tail]
         preset = {**lay.zero_padding(), **evl.zero_padding(), **cl.zero_padding()}
         role = collect_role(prog, cl, evl)

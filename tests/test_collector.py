@@ -225,21 +225,28 @@ def test_fast_collector_resumes_bitwise_from_either_collector_state(market):
 
 
 def test_fast_plan_binds_the_batch_it_gathers_and_reads_no_unwritten_buffer(market):
-    """The training plan's records: the gather and the weights write the trainer's batch
-    (graph 1 reads nothing else of it: ``check_dataflow`` passed at construction), and every
-    kernel of the cycle appears once per cycle."""
+    """The training plan's records: the fused batch kernel writes the trainer's batch and its
+    weights (graph 1 reads nothing else of it: ``check_dataflow`` passed at construction); every
+    kernel of the cycle appears once per cycle, the fused ones in place of the kernels they
+    fuse, and no copy is left (the forward reads ``obs`` in place)."""
     tables, walks = market
     trainer = CpuTrainer(CFG, seed=1)
     col = FastCollector(trainer, CFG, tables, walks, **KW)
-    head = [n.kernel for n in col.plans["train"][0].nodes() if hasattr(n, "kernel")]
+    nodes = col.plans["train"][0].nodes()
+    head = [n.kernel for n in nodes if hasattr(n, "kernel")]
     tail = [n.kernel for n in col.plans["train"][-1].nodes()]
-    for name in ("env_act", "env_step", "nstep_window", "replay_add", "scan_tiles", "scan_offsets",
-                 "replay_sample", "importance_weights", "replay_gather"):
+    for name in ("collect_transition", "scan_tiles", "scan_offsets", "replay_batch"):
         assert head.count(name) == 1, name
-    assert tail == ["replay_update_priorities", "cycle_advance"]
-    gather = next(n for n in col.plans["train"][0].nodes() if getattr(n, "kernel", "") == "replay_gather")
-    assert {str(gather.args[k]) for k in ("x", "a", "r", "done")} == {"batch.x", "batch.a", "batch.r",
-                                                                      "batch.done"}
+    for name in ("env_act", "env_step", "nstep_window", "replay_add", "replay_sample",
+                 "importance_weights", "replay_gather", "cycle_advance"):
+        assert name not in head, name
+    from foxhunt.fast.records import Copy
+    assert not any(isinstance(n, Copy) for n in nodes)
+    assert tail == ["replay_update_priorities"]
+    assert str(col.plans["train"][-1].nodes()[0].args["cycle"]) == "cycle"
+    batch = next(n for n in nodes if getattr(n, "kernel", "") == "replay_batch")
+    assert {str(batch.args[k]) for k in ("x", "a", "r", "done", "w")} == {
+        "batch.x", "batch.a", "batch.r", "batch.done", "batch.isw"}
 
 
 # ------------------------------------------------------------------- the loop's fast path

@@ -30,8 +30,9 @@ Kernel parameters (C order):
 - ``replay_gather(idx, n, capacity, state_dim, n_branches, ring_s, ..., ring_discount, x, a,
   r, done, next_ret, regime, discount)``: grid-stride over the ``n * state_dim`` state
   elements; ``next_ret``, ``regime`` and ``discount`` may be null (not gathered).
-- ``replay_update_priorities(td, idx, n, priority, capacity, max_priority, alpha, eps)``: ONE
-  block.
+- ``replay_update_priorities(td, idx, n, priority, capacity, max_priority, alpha, eps,
+  cycle)``: ONE block; ``cycle`` may be null, else its thread 0 also advances the counter
+  (``cycle_advance`` fused: the collector's cycle ends there).
 - ``cycle_advance(cycle)``: one thread (the collector's int64 counter plus one).
 
 Numerics: ``sample_proportional``, ``replay_sample``, ``replay_add``, ``replay_gather`` and
@@ -250,7 +251,7 @@ def replay_update_priorities(td, idx, priority, max_priority, alpha, eps) -> Pri
     alpha32, eps32 = validate_replay_update_priorities(td, idx, priority, max_priority, alpha, eps)
     out = launch("replay_update_priorities", plan_replay_update_priorities(td.size), In(td),
                  In(idx), td.size, InOut(priority), priority.size, InOut(max_priority), alpha32,
-                 eps32)
+                 eps32, 0)
     return Priorities(*out)
 
 
