@@ -78,7 +78,11 @@
 #define WALK_WARPS (WALK_THREADS / 32)
 // The cluster kernel's blocks: one warp per row of the block's slice, so a layer's rows (the
 // seed network: 32 to 64 per block) take one or two rounds per warp.
+// (benches/walk_profile.py may build it with -DWALK_CLUSTER_THREADS=256 or 512 to time them;
+// the launch plan, fast/kernels/walk.py CLUSTER_THREADS, is 1024.)
+#ifndef WALK_CLUSTER_THREADS
 #define WALK_CLUSTER_THREADS 1024
+#endif
 #define WALK_CLUSTER_WARPS (WALK_CLUSTER_THREADS / 32)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -120,12 +124,13 @@
 extern "C" {  // its plain name is what benches/walk_profile.py asks cuModuleGetGlobal for
 __device__ unsigned long long walk_profile[2 * WALK_PROF_SLOTS];
 }
-#define WALK_PROF_DECL long long prof_t = clock64(); unsigned long long prof[WALK_PROF_SLOTS] = {}
-#define WALK_TICK(slot)                                 \
-    do {                                                \
-        const long long prof_now = clock64();           \
-        prof[(slot)] += (unsigned long long)(prof_now - prof_t); \
-        prof_t = prof_now;                              \
+// 32-bit sums (registers: a bar is far below 2^32 / 10^4 cycles per phase).
+#define WALK_PROF_DECL long long prof_t = clock64(); unsigned int prof[WALK_PROF_SLOTS] = {}
+#define WALK_TICK(slot)                                           \
+    do {                                                          \
+        const long long prof_now = clock64();                     \
+        prof[(slot)] += (unsigned int)(prof_now - prof_t);        \
+        prof_t = prof_now;                                        \
     } while (0)
 #define WALK_PROF_STORE(kernel, on)                                                    \
     do {                                                                               \
@@ -609,7 +614,7 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
         WALK_TICK(WALK_PROF_ADVANCE);
     }
 #ifdef WALK_PROFILE
-    prof[WALK_PROF_BARS] = (unsigned long long)steps;
+    prof[WALK_PROF_BARS] = (unsigned int)steps;
 #endif
     WALK_PROF_STORE(0, threadIdx.x == 0);
 }
@@ -640,6 +645,51 @@ struct WalkCluster {
         __syncthreads();
 #endif
     }
+#if WALK_CLUSTER > 1 && defined(WALK_MBARRIER)
+    // The opt-in exchange (-DWALK_MBARRIER; benches/walk_profile.py times it against the
+    // barrier): a layer's values are sent with st.async, which counts their bytes on the
+    // receiving block's mbarrier of that layer, and each block waits on its own mbarrier only
+    // (no barrier across the cluster). The mbarrier of a layer completes one phase per bar (arrival
+    // count 1: thread 0's arrive.expect_tx of the layer's rows * 4 bytes, made after it saw
+    // the previous phase complete; bytes that come first leave tx-count negative, and the phase
+    // still needs that arrival). Reuse is safe without a barrier: a block sends bar k + 1's
+    // values of layer l only after every block's layer-0 rows of bar k + 1 (every rank owns
+    // some: the kernel falls back to the barrier otherwise), i.e. after every block has
+    // finished bar k (its reads of layer l's vector and its wait for that phase).
+    static __device__ __forceinline__ unsigned int smem(const void* p) {
+        return (unsigned int)__cvta_generic_to_shared(p);
+    }
+    static __device__ __forceinline__ void init(unsigned long long* bar) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem(bar)) : "memory");
+    }
+    static __device__ __forceinline__ void fence_init() {
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    static __device__ __forceinline__ void expect(unsigned long long* bar, int bytes) {
+        asm volatile("{\n\t.reg .b64 state;\n\t"
+                     "mbarrier.arrive.expect_tx.release.cluster.shared::cta.b64 state, [%0], %1;"
+                     "\n\t}" ::"r"(smem(bar)), "r"(bytes) : "memory");
+    }
+    static __device__ __forceinline__ void wait(unsigned long long* bar, int parity) {
+        unsigned int done = 0;
+        while (!done) {
+            asm volatile("{\n\t.reg .pred p;\n\t"
+                         "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], %2;"
+                         "\n\tselp.b32 %0, 1, 0, p;\n\t}"
+                         : "=r"(done) : "r"(smem(bar)), "r"(parity) : "memory");
+        }
+    }
+    static __device__ __forceinline__ void send(float* local, float value, int rank,
+                                                unsigned long long* bar) {
+        unsigned int remote, remote_bar;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                     : "=r"(remote) : "r"(smem(local)), "r"(rank));
+        asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+                     : "=r"(remote_bar) : "r"(smem(bar)), "r"(rank));
+        asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [%0], %1, [%2];"
+                     ::"r"(remote), "r"(__float_as_uint(value)), "r"(remote_bar) : "memory");
+    }
+#endif
     static __device__ __forceinline__ void store(float* local, float value, int rank) {
 #if WALK_CLUSTER > 1
         const unsigned int addr = (unsigned int)__cvta_generic_to_shared(local);
@@ -652,6 +702,39 @@ struct WalkCluster {
 #endif
     }
 };
+
+// The layer exchange of the cluster kernel: `put` a row's value into block `rank`, then
+// `layer_done` once the block's rows of layer l are sent (bar k). The barrier (store + sync)
+// unless the opt-in mbarrier exchange (-DWALK_MBARRIER) is built and `mbar` holds.
+#if WALK_CLUSTER > 1 && defined(WALK_MBARRIER)
+#define WALK_USE_MBARRIER 1
+#else
+#define WALK_USE_MBARRIER 0
+#endif
+static __device__ __forceinline__ void walk_put(float* local, float value, int rank,
+                                                unsigned long long* bar, bool mbar) {
+#if WALK_USE_MBARRIER
+    if (mbar) {
+        WalkCluster::send(local, value, rank, bar);
+        return;
+    }
+#endif
+    WalkCluster::store(local, value, rank);
+}
+
+static __device__ __forceinline__ void walk_layer_done(unsigned long long* bar, int k, int steps,
+                                                       int rows, bool mbar) {
+#if WALK_USE_MBARRIER
+    if (mbar) {
+        WalkCluster::wait(bar, k & 1);
+        if (threadIdx.x == 0 && k + 1 < steps) {
+            WalkCluster::expect(bar, 4 * rows);  // bar k + 1's phase
+        }
+        return;
+    }
+#endif
+    WalkCluster::sync();  // the layer's whole output vector is in every block
+}
 
 // Rows [r0, r1) of n that block `rank` owns: q = ceil(n / C) rows each, in rank order.
 static __device__ __forceinline__ void walk_owned(int n_rows, int rank, int& r0, int& r1) {
@@ -742,6 +825,25 @@ greedy_walk_cluster(const float* __restrict__ params,
 
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     const int steps = n_steps[0];
+    // The exchange's mbarriers (WALK_USE_MBARRIER only; `mbar`: every rank owns layer-0 rows).
+#if WALK_USE_MBARRIER
+    __shared__ unsigned long long walk_full[WALK_LAYERS];
+    int last0, last1;
+    walk_owned(n.h1, WALK_CLUSTER - 1, last0, last1);
+    const bool mbar = last1 > last0;
+    if (mbar && threadIdx.x == 0) {
+        for (int l = 0; l < WALK_LAYERS; ++l) {
+            WalkCluster::init(&walk_full[l]);
+        }
+        WalkCluster::fence_init();
+        for (int l = 0; l < WALK_LAYERS; ++l) {
+            WalkCluster::expect(&walk_full[l], 4 * walk_layer_of(l, n, a).rows);  // bar 0
+        }
+    }
+#else
+    unsigned long long* walk_full = nullptr;
+    const bool mbar = false;
+#endif
     int t = start[0];           // every thread of every block: the bar
     EnvLocal s = env_fresh(t);  // warp 0 of every block: the env (s.t == t)
     walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_CLUSTER_THREADS);
@@ -777,18 +879,18 @@ greedy_walk_cluster(const float* __restrict__ params,
                 const float value = walk_epilogue(dot, bias_s[b_base[l] + r - r0[l]],
                                                   L.epilogue, bound);
                 if (lane < WALK_CLUSTER) {  // every lane holds the value: lane c sends it to c
-                    WalkCluster::store(&L.out[r], value, lane);
+                    walk_put(&L.out[r], value, lane, walk_full + l, mbar);
                 }
                 if (second) {
                     const float value2 = walk_epilogue(dot2, bias_s[b_base[l] + r2 - r0[l]],
                                                        L.epilogue, bound);
                     if (lane < WALK_CLUSTER) {
-                        WalkCluster::store(&L.out[r2], value2, lane);
+                        walk_put(&L.out[r2], value2, lane, walk_full + l, mbar);
                     }
                 }
             }
             WALK_TICK(l);
-            WalkCluster::sync();  // the layer's whole output vector is in every block
+            walk_layer_done(walk_full + l, k, steps, L.rows, mbar);
             WALK_TICK(WALK_LAYERS + l);
         }
         walk_q_rows(n, a, z, warp, WALK_CLUSTER_WARPS, lane);
@@ -806,8 +908,11 @@ greedy_walk_cluster(const float* __restrict__ params,
         __syncthreads();  // x holds bar k + 1's state
         WALK_TICK(WALK_PROF_ADVANCE_SYNC);
     }
+#if WALK_USE_MBARRIER
+    WalkCluster::sync();  // no block leaves while another may still send to it
+#endif
 #ifdef WALK_PROFILE
-    prof[WALK_PROF_BARS] = (unsigned long long)steps;
+    prof[WALK_PROF_BARS] = (unsigned int)steps;
 #endif
     WALK_PROF_STORE(1, rank == 0 && threadIdx.x == 0);
 }
