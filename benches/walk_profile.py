@@ -1,6 +1,7 @@
 """Phase profile of the fused greedy walk (issue 20): where a bar's microseconds go.
 
     python benches/walk_profile.py [--bars 10000] [--precision bf16] [--n-features 125]
+                                   [--variants barrier-1024,mbarrier-1024,...] [--timeout 180]
 
 Builds ``cuda_src/walk.cu`` with ``-DWALK_PROFILE`` (the normal build compiles none of the
 profile: see walk.cu's ``WALK_PROFILE`` comment), walks ``--bars`` bars of the seed network
@@ -9,8 +10,14 @@ profile: see walk.cu's ``WALK_PROFILE`` comment), walks ``--bars`` bars of the s
 ``walk_profile`` global (thread 0 of block 0 adds the ``clock64()`` cycles of each phase of
 every bar) and prints per phase the cycles and microseconds per bar (at the device's clock
 rate; ``--clock-mhz`` overrides it) and its share of the bar. Also checks that the profiled
-build's records equal the normal build's, bit for bit (the profile only reads the clock), and
-prints the test entry's wall time (it includes the tables' copies).
+build's records equal the normal build's one-block kernel's, bit for bit (the profile only
+reads the clock), and prints the test entry's wall time (it includes the tables' copies).
+
+Variants of the cluster kernel (:data:`VARIANTS`), each built and run in its own process with
+a ``--timeout`` (a variant that hangs is reported, not waited for): ``barrier-N`` is the
+cluster barrier exchange (the normal build's) with N threads per block, ``mbarrier-N`` the
+opt-in st.async / mbarrier exchange (``-DWALK_MBARRIER``); N = 1024 is the launch plan's. The
+first variant also profiles the one-block ``greedy_walk``.
 
 Needs a GPU. Phases (walk.cu): ``layer l`` = warp 0's rows of layer l; ``sync after l`` = its
 wait at the barrier after that layer (the cluster barrier in the cluster kernel): the slowest
@@ -26,6 +33,17 @@ import time
 
 import numpy as np
 
+#: Variant name -> (extra NVRTC options, threads per block of the cluster kernel).
+VARIANTS = {
+    "barrier-1024": ((), 1024),
+    "mbarrier-1024": (("-DWALK_MBARRIER",), 1024),
+    "barrier-512": (("-DWALK_CLUSTER_THREADS=512",), 512),
+    "mbarrier-512": (("-DWALK_MBARRIER", "-DWALK_CLUSTER_THREADS=512"), 512),
+    "barrier-256": (("-DWALK_CLUSTER_THREADS=256",), 256),
+    "mbarrier-256": (("-DWALK_MBARRIER", "-DWALK_CLUSTER_THREADS=256"), 256),
+}
+#: The sources a variant's build needs: walk.cu, and dense.cu for the test entry's BF16 mirror.
+UNITS = ("walk.cu", "dense.cu")
 SLOTS = 16
 NAMES = {0: "layer s1", 1: "layer s2", 2: "layer heads' hidden", 3: "layer heads' out",
          4: "sync after s1", 5: "sync after s2", 6: "sync after hidden", 7: "sync after out",
@@ -45,7 +63,16 @@ def parse_args(argv):
     p.add_argument("--clock-mhz", type=float, default=None,
                    help="SM clock for cycles -> us (default: the device's reported clock rate)")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument("--variants", default=",".join(VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (default: all)")
+    p.add_argument("--timeout", type=float, default=180.0,
+                   help="seconds per variant's process (default 180)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a variant's own process
+    args = p.parse_args(argv)
+    for v in args.variants.split(","):
+        if v not in VARIANTS:
+            p.error(f"--variants: {v!r} is not allowed; expected some of {', '.join(VARIANTS)}")
+    return args
 
 
 def walk_inputs(bars: int, precision: str, n_features: int, seed: int) -> dict:
@@ -118,34 +145,64 @@ def report(name: str, row: np.ndarray, mhz: float, wall_s: float) -> None:
           f"{float(row[SETUP_SLOT]) / mhz:8.3f}")
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from foxhunt.fast._build import compile_sources
-    from foxhunt.fast.device import cuda_available, default_arch
+def run_variant(args) -> int:
+    """One variant in this process: the normal build's one-block records, then the variant's
+    profiled build (its kernels' records compared with them, bit for bit, and its profile)."""
+    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+    from foxhunt.fast.device import default_arch
     from foxhunt.fast.kernels import _runtime
     from foxhunt.fast.kernels import walk as fast_walk
 
-    ok, why = cuda_available()
-    if not ok:
-        print(f"walk_profile needs a GPU: {why}", file=sys.stderr)
-        return 2
+    options, threads = VARIANTS[args.one]
     kwargs = walk_inputs(args.bars, args.precision, args.n_features, args.seed)
     arch = default_arch()
-    kernels = ["greedy_walk"]
-    if fast_walk.cluster_size(arch) > 1:
-        kernels.insert(0, "greedy_walk_cluster")
-    normal = {k: fast_walk.KERNELS[k](**kwargs) for k in kernels}  # the normal build's records
-    use_module(compile_sources(arch, extra_options=("-DWALK_PROFILE",)))
+    reference = fast_walk.greedy_walk(**kwargs)  # the normal build's one-block kernel
+    kernels = ["greedy_walk_cluster"] if fast_walk.cluster_size(arch) > 1 else []
+    if args.one == next(iter(VARIANTS)):
+        kernels.append("greedy_walk")
+    sources = {n: b for n, b in source_files().items()
+               if n in UNITS or n.endswith(HEADER_SUFFIXES)}
+    use_module(compile_sources(arch, sources=sources,
+                               extra_options=("-DWALK_PROFILE", *options)))
+    fast_walk.CLUSTER_THREADS = threads  # the plan's block (its shared bytes suit any fewer)
     rt = _runtime.runtime()
     mhz = clock_mhz(rt.device, args.clock_mhz)
     for k in kernels:
         t0 = time.perf_counter()
         rec = fast_walk.KERNELS[k](**kwargs)
         wall = time.perf_counter() - t0
-        same = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(rec, normal[k]))
-        print(f"{k}: profiled records {'==' if same else '!='} normal build's, bit for bit")
-        report(k, read_profile(rt.module)[KERNEL_INDEX[k]], mhz, wall)
+        same = all(a.tobytes() == b.tobytes() for a, b in zip(rec, reference))
+        print(f"{args.one} {k}: records {'==' if same else '!= (WRONG)'} the normal one-block "
+              f"kernel's, bit for bit")
+        report(f"{args.one} {k}", read_profile(rt.module)[KERNEL_INDEX[k]], mhz, wall)
     return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from foxhunt.fast.device import cuda_available
+
+    ok, why = cuda_available()
+    if not ok:
+        print(f"walk_profile needs a GPU: {why}", file=sys.stderr)
+        return 2
+    if args.one is not None:
+        return run_variant(args)
+    import subprocess
+
+    failed = 0
+    for v in args.variants.split(","):
+        cmd = [sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]), "--one", v]
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+            print(done.stdout, end="")
+            if done.returncode != 0:
+                failed += 1
+                print(f"{v}: FAILED (exit {done.returncode})\n{done.stderr[-3000:]}")
+        except subprocess.TimeoutExpired:
+            failed += 1
+            print(f"{v}: TIMED OUT after {args.timeout:.0f} s (a hang: not usable)")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
