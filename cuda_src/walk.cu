@@ -466,6 +466,28 @@ static __device__ __forceinline__ void walk_features_row(float* x, const float* 
     }
 }
 
+// A real load of *p whose value is dropped: it brings the line into this SM's L1 (where
+// prefetch.global.L1 is only a hint).
+static __device__ __forceinline__ void walk_touch(const float* p) {
+    asm volatile("{\n\t.reg .f32 v;\n\tld.global.f32 v, [%0];\n\t}" ::"l"(p));
+}
+
+// The prices of bar t that warp 0's env_advance reads after the Q rows (close, high, low[t]),
+// loaded by the three threads before walk_features_row's (none when the block has too few),
+// so that those reads hit L1 instead of waiting for L2 on the bar's critical path.
+static __device__ __forceinline__ void walk_touch_prices(const float* close, const float* high,
+                                                         const float* low, int n_features,
+                                                         int t, int threads) {
+    const int i = threads - 1 - (int)threadIdx.x - n_features;
+    if (i == 0) {
+        walk_touch(close + t);
+    } else if (i == 1) {
+        walk_touch(high + t);
+    } else if (i == 2) {
+        walk_touch(low + t);
+    }
+}
+
 static __device__ __forceinline__ void walk_prefetch_l1(const void* p) {
     asm volatile("prefetch.global.L1 [%0];" ::"l"(p));
 }
@@ -603,6 +625,7 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
         walk_q_rows(n, a, z, warp, WALK_WARPS, lane);
         t = walk_next_bar(t, n_bars);
         walk_features_row(a.x, features, n_features, t, WALK_THREADS);
+        walk_touch_prices(close, high, low, n_features, t, WALK_THREADS);
         WALK_TICK(WALK_PROF_Q);
         __syncthreads();
         WALK_TICK(WALK_PROF_Q_SYNC);
@@ -896,6 +919,7 @@ greedy_walk_cluster(const float* __restrict__ params,
         walk_q_rows(n, a, z, warp, WALK_CLUSTER_WARPS, lane);
         t = walk_next_bar(t, n_bars);
         walk_features_row(a.x, features, n_features, t, WALK_CLUSTER_THREADS);
+        walk_touch_prices(close, high, low, n_features, t, WALK_CLUSTER_THREADS);
         WALK_TICK(WALK_PROF_Q);
         __syncthreads();
         WALK_TICK(WALK_PROF_Q_SYNC);
