@@ -6,8 +6,9 @@
 //   replay_add of the transitions it emits + the post-reset states copied into obs, in ONE
 //   block (one thread per env for the act and the step; the n-step prefix over the envs by
 //   thread 0, as nstep_window does it);
-// - replay_batch: replay_sample + importance_weights + replay_gather, each block drawing the
-//   whole batch itself (no grid-wide barrier), block 0 writing idx and the weights.
+// - replay_batch: scan_offsets + replay_sample + importance_weights + replay_gather, each block
+//   forming the tile offsets and drawing the whole batch itself (no grid-wide barrier), block 0
+//   writing idx and the weights.
 //
 // Every piece is the device function the unfused kernel runs (env.cuh: env_choose,
 // env_step_one; replay.cuh: proportional_search, importance_weights_block, nstep_emit), so the
@@ -102,33 +103,63 @@ extern "C" __global__ void collect_transition(
 }
 
 // ---------------------------------------------------------------------------------------------
-// replay_batch: the step's batch from the ring. Any grid of blocks of a multiple of 32
-// threads, dynamic shared memory n ints. Every block draws all n rows into shared memory,
-// rows[k] = proportional_search(prefix, m, u_k * prefix[m - 1]) with m = max(min(size,
-// capacity), 1) and u_k = rng_uniform(key, stream, cycle[0], k) (replay_sample); block 0 writes
-// idx[k] = rows[k] and, after the barrier, the weights importance_weights_block(priority, rows,
-// w, n, beta) (importance_weights); then the blocks gather the rows grid-stride into x [2n,
-// state_dim] (s rows, then s2 rows), a [n_branches, n] (transposed), r, done [n] and, where not
-// null, next_ret, regime and discount [n] (replay_gather). Exact but for the weights' powf.
+// replay_batch: the step's batch from the ring, straight from the ring scan's tiles (scan_tiles'
+// s and block_sums: scan_offsets fused in, applied where the search reads). Any grid of blocks of
+// a multiple of 32 threads, dynamic shared memory n ints + ceil(capacity / RING_SCAN_TILE)
+// floats. Every block forms the tile offsets off_b = fl(...fl(fl(-0.0 + T_0) + T_1)... +
+// T_{b-1}) (thread 0, in tile order: scan_offsets' sums) and draws all n rows into shared
+// memory: rows[k] = proportional_search over prefix(i) = fl(off_{i / RING_SCAN_TILE} + s[i]) (the
+// value scan_offsets stores) with m = max(min(size, capacity), 1) and target u_k * prefix(m - 1),
+// u_k = rng_uniform(key, stream, cycle[0], k) (replay_sample); block 0 writes idx[k] = rows[k]
+// and, after the barrier, the weights importance_weights_block(priority, rows, w, n, beta)
+// (importance_weights); then the blocks gather the rows grid-stride into x [2n, state_dim] (s
+// rows, then s2 rows), a [n_branches, n] (transposed), r, done [n] and, where not null,
+// next_ret, regime and discount [n] (replay_gather). Exact but for the weights' powf.
 // ---------------------------------------------------------------------------------------------
+struct TilePrefix {
+    const float* __restrict__ s;
+    const float* offsets;  // shared memory
+    __device__ __forceinline__ float operator()(int i) const {
+        return offsets[i / RING_SCAN_TILE] + s[i];
+    }
+};
+
 extern "C" __global__ void replay_batch(
-    const float* __restrict__ prefix, int capacity, const int* __restrict__ ring_pos,
-    unsigned int key_lo, unsigned int key_hi, unsigned int stream,
-    const long long* __restrict__ cycle, int n, const float* __restrict__ priority, float beta,
-    int state_dim, int n_branches, const float* __restrict__ ring_s,
-    const int* __restrict__ ring_a, const float* __restrict__ ring_r,
-    const float* __restrict__ ring_s2, const float* __restrict__ ring_done,
-    const float* __restrict__ ring_next_ret, const int* __restrict__ ring_regime,
-    const float* __restrict__ ring_discount, int* __restrict__ idx, float* __restrict__ w,
-    float* __restrict__ x, int* __restrict__ a, float* __restrict__ r, float* __restrict__ done,
-    float* __restrict__ next_ret, int* __restrict__ regime, float* __restrict__ discount) {
-    extern __shared__ int batch_rows[];
+    const float* __restrict__ s, const float* __restrict__ block_sums, int capacity,
+    const int* __restrict__ ring_pos, unsigned int key_lo, unsigned int key_hi,
+    unsigned int stream, const long long* __restrict__ cycle, int n,
+    const float* __restrict__ priority, float beta, int state_dim, int n_branches,
+    const float* __restrict__ ring_s, const int* __restrict__ ring_a,
+    const float* __restrict__ ring_r, const float* __restrict__ ring_s2,
+    const float* __restrict__ ring_done, const float* __restrict__ ring_next_ret,
+    const int* __restrict__ ring_regime, const float* __restrict__ ring_discount,
+    int* __restrict__ idx, float* __restrict__ w, float* __restrict__ x, int* __restrict__ a,
+    float* __restrict__ r, float* __restrict__ done, float* __restrict__ next_ret,
+    int* __restrict__ regime, float* __restrict__ discount) {
+    extern __shared__ int batch_shared[];
+    int* batch_rows = batch_shared;                                // [n]
+    float* offsets = reinterpret_cast<float*>(batch_shared + n);  // [n_tiles]
+    const int n_tiles = (capacity + RING_SCAN_TILE - 1) / RING_SCAN_TILE;
+    for (int b = threadIdx.x; b < n_tiles; b += blockDim.x) {
+        offsets[b] = block_sums[b];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float acc = -0.0f;
+        for (int b = 0; b < n_tiles; ++b) {
+            const float total = offsets[b];
+            offsets[b] = acc;
+            acc = acc + total;
+        }
+    }
+    __syncthreads();
+    const TilePrefix prefix{s, offsets};
     const int n_items = max(min(ring_pos[1], capacity), 1);
-    const float total = prefix[n_items - 1];
+    const float total = prefix(n_items - 1);
     const unsigned long long offset = (unsigned long long)cycle[0];
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
         const float u = rng_uniform(key_lo, key_hi, stream, offset, (unsigned)k);
-        const int row = proportional_search(prefix, n_items, u * total);
+        const int row = proportional_search_at(prefix, n_items, u * total);
         batch_rows[k] = row;
         if (blockIdx.x == 0) {
             idx[k] = row;

@@ -162,10 +162,7 @@ prefix_sum(const float* __restrict__ p, float* __restrict__ s, long long n) {
 // this association (it can differ from the sequential prefix_sum's).
 // ------------------------------------------------------------------------------------------
 
-#define RING_SCAN_THREADS 256
-#define RING_SCAN_WARPS (RING_SCAN_THREADS / HA_WARP_SIZE)
-#define RING_SCAN_ITEMS 4
-#define RING_SCAN_TILE (RING_SCAN_THREADS * RING_SCAN_ITEMS)
+// RING_SCAN_THREADS, RING_SCAN_ITEMS, RING_SCAN_TILE: replay.cuh (replay_batch reads the tiles).
 
 extern "C" __global__ void __launch_bounds__(RING_SCAN_THREADS)
 scan_tiles(const float* __restrict__ p, float* __restrict__ s, float* __restrict__ block_sums,

@@ -8,14 +8,16 @@
 #include "ha_common.cuh"
 #include "reduce.cuh"  // block_reduce_down
 
-// The first i in [0, n_items) with prefix[i] > target; n_items - 1 when there is none.
-static __device__ __forceinline__ int proportional_search(const float* __restrict__ prefix,
-                                                          int n_items, float target) {
+// The first i in [0, n_items) with at(i) > target; n_items - 1 when there is none (at(i): the
+// inclusive prefix sum at i, read from memory or formed on the fly: replay_batch).
+template <typename Prefix>
+static __device__ __forceinline__ int proportional_search_at(const Prefix& at, int n_items,
+                                                             float target) {
     int lo = 0;
     int hi = n_items - 1;
     while (lo < hi) {
         const int mid = lo + (hi - lo) / 2;  // == (lo + hi) // 2, without int overflow
-        if (prefix[mid] > target) {
+        if (at(mid) > target) {
             hi = mid;
         } else {
             lo = mid + 1;
@@ -23,6 +25,24 @@ static __device__ __forceinline__ int proportional_search(const float* __restric
     }
     return lo;
 }
+
+struct PrefixArray {
+    const float* __restrict__ prefix;
+    __device__ __forceinline__ float operator()(int i) const { return prefix[i]; }
+};
+
+// The first i in [0, n_items) with prefix[i] > target; n_items - 1 when there is none.
+static __device__ __forceinline__ int proportional_search(const float* __restrict__ prefix,
+                                                          int n_items, float target) {
+    return proportional_search_at(PrefixArray{prefix}, n_items, target);
+}
+
+// The ring scan's tiles (replay.cu: scan_tiles / scan_offsets; replay_batch applies the
+// offsets on the fly).
+#define RING_SCAN_THREADS 256
+#define RING_SCAN_WARPS (RING_SCAN_THREADS / HA_WARP_SIZE)
+#define RING_SCAN_ITEMS 4
+#define RING_SCAN_TILE (RING_SCAN_THREADS * RING_SCAN_ITEMS)
 
 // importance_weights' body (ONE block, every thread calls it): w_k = powf(p_min / p_{idx[k]},
 // beta), p_min = fminf-reduce of the sampled priorities (NaN ignored; NaN only if all are NaN).

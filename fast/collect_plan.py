@@ -2,32 +2,35 @@
 ring and the batch gathered straight into the trainer's arena.
 
 ``CollectLayout(layout, n_envs=, capacity=, n_bars=, n_features=, n_step=1)``: the collector's
-buffers (their own arena): the replay ring (``kernels.replay``'s ring, the ``prefix`` sums, the
-sampled rows ``sample_idx``), the env walks (state, ``obs``, the step's outputs), the n-step
-windows and the transitions they emit (``nstep_<param>``: ``kernels.replay.nstep_buffers``;
-role ``state``, so rows the count leaves unwritten are still defined) and the count
-``nstep_n_out``, the market tables of
+buffers (their own arena): the replay ring (``kernels.replay``'s ring, ``prefix``: the ring
+scan's tiles, the sampled rows ``sample_idx``), the env walks (state, ``obs``: also the
+forward's input, the step's per-env outputs), the n-step windows (``nstep_win_*``:
+``kernels.replay.nstep_buffers``' ``win_*`` entries, role ``state``; the transitions they emit
+go straight into the ring), the market tables of
 the whole run (``mk_*``, role ``constant``, uploaded once), the ring scan's per-tile totals
 ``prefix_blocks``, the cycle counter ``cycle`` (int64)
 and the exploration rate ``eps`` (float32, written by the host at epoch start). The greedy
 forward on the ``n_envs`` states runs on an ``EvalLayout(layout, n_envs)`` (its own arena).
 
-The records, in the order of ``reference.collector`` (the cycle's reference twin):
+The records, in the order of ``reference.collector`` (the cycle's reference twin), with the
+neighbouring kernels fused (``kernels.collect``: each fused kernel's twin is the composition of
+the kernels it replaces, so the results are the unfused cycle's, bit for bit; the cycle is
+launch/latency bound and each fusion takes a node off its chain):
 
-- ``act_ops``: ``obs`` copied into the forward's input, the online forward (``q_e``, packed per
-  branch), ``env_act`` (epsilon-greedy with the Philox streams ``explore``/``explore_action``);
-- ``env_ops``: ``env_step`` with auto-reset (stream ``episode_start``), ``nstep_window`` (the
-  step into the n-step windows, the finished transitions out: issue 22), ``replay_add`` of the
-  first ``nstep_n_out`` of them (the count read on the device), then the post-reset states
-  into ``obs``;
-- ``sample_ops``: the priorities' prefix sums (``scan_tiles`` then ``scan_offsets``: many
-  blocks, bit-exact twins; ``replay.ring_prefix_sum`` is the pair), ``replay_sample`` (stream
-  ``replay_sample``), then on two branches ``importance_weights`` into ``batch.isw`` and
-  ``replay_gather`` into
-  ``batch.x``, ``batch.a``, ``batch.r``, ``batch.done`` (and the label fields and
-  ``batch.discount`` where the step layout has them): the step's graphs 1 and 2 then read the batch where they always do;
-- ``priority_ops``: ``replay_update_priorities`` from the step's ``td``;
-- ``advance_ops``: ``cycle_advance`` (after every reader of the cycle).
+- ``act_ops``: the online forward on ``obs`` in place (``q_e``, packed per branch);
+- ``env_ops``: ``collect_transition`` = ``env_act`` (epsilon-greedy, Philox streams
+  ``explore``/``explore_action``) + ``env_step`` with auto-reset (stream ``episode_start``) +
+  ``nstep_window`` (issue 22; at ``n_step = 1`` it passes every step through) + ``replay_add``
+  of the transitions it emitted + the post-reset states into ``obs``; one block;
+- ``sample_ops``: ``scan_tiles`` (the priorities' per-tile scans, many blocks, bit-exact twin),
+  then ``replay_batch`` = ``scan_offsets`` (applied where the search reads) + ``replay_sample``
+  (stream ``replay_sample``) + ``importance_weights`` into ``batch.isw`` + ``replay_gather``
+  into ``batch.x``, ``batch.a``, ``batch.r``, ``batch.done`` (and the label fields and
+  ``batch.discount`` where the step layout has them): the step's graphs 1 and 2 then read the
+  batch where they always do;
+- ``priority_ops``: ``replay_update_priorities`` from the step's ``td``, advancing ``cycle``
+  in the same launch (the training cycle's last reader of the counter);
+- ``advance_ops``: ``cycle_advance`` (the warmup plan, which has no priority update).
 
 The binder (``collect_binder``) resolves names in the collector's, the evaluation's and the
 step's layouts; the step's ``batch`` is writable here (role ``scratch``: ``check_dataflow``
@@ -60,7 +63,8 @@ ENV_BUFFERS = (("env_t", "t", I32), ("env_steps", "steps", I32),
                ("env_entry", "entry_price", F32))
 #: The market tables (``kernels.env.MarketTables`` fields) and their buffers.
 TABLE_BUFFERS = tuple((f"mk_{name}", name) for name in env_kernels.MarketTables._fields)
-#: ``nstep_window``'s window and output parameters and their buffers.
+#: ``nstep_window``'s window and output parameters and their buffers (the layout holds the
+#: windows only: ``collect_transition`` writes the emitted transitions into the ring).
 NSTEP_BUFFERS = tuple((f"nstep_{name}", name) for name in replay_kernels.nstep_buffers(1, 1, 1, 1))
 #: The env kernels' stream-id parameters and the ``rng.STREAMS`` entry each takes.
 ENV_STREAMS = {"start_stream": STREAMS["episode_start"], "explore_stream": STREAMS["explore"],
@@ -104,9 +108,9 @@ class CollectLayout(BufferTable):
         self._add("env_no_record", 0, F32)  # training walks record nothing (record_len 0)
         shapes = replay_kernels.nstep_buffers(N, self.n_step, SD, nb)
         for buf, name in NSTEP_BUFFERS:
-            dtype, shape = shapes[name]
-            self._add(buf, shape, F32 if dtype == np.float32 else I32, "state")
-        self._add("nstep_n_out", 1, I32)
+            if name.startswith("win_"):  # collect_transition emits into the ring: no out_*
+                dtype, shape = shapes[name]
+                self._add(buf, shape, F32 if dtype == np.float32 else I32, "state")
         clash = sorted(set(self.specs) & set(layout.specs))
         if clash:
             raise AssertionError(f"collector buffers {clash} shadow step buffers")
@@ -185,12 +189,10 @@ def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, s
     replay = prog.kernels("replay")
     ops.kernel("scan_tiles", replay.plan_scan_tiles(cap), p="priority", s="prefix",
                block_sums="prefix_blocks", n=cap)
-    ops.kernel("scan_offsets", replay.plan_scan_offsets(cap), s="prefix",
-               block_sums="prefix_blocks", n=cap)
     labels = {name: f"batch.{name}" if f"batch.{name}" in lay else None
               for name in ("next_ret", "regime", "discount")}
-    ops.kernel("replay_batch", prog.kernels("collect").plan_replay_batch(B, lay.SD),
-               prefix="prefix", capacity=cap, ring_pos="ring_pos", **_key(seed),
+    ops.kernel("replay_batch", prog.kernels("collect").plan_replay_batch(B, lay.SD, cap),
+               s="prefix", block_sums="prefix_blocks", capacity=cap, ring_pos="ring_pos", **_key(seed),
                stream=STREAMS["replay_sample"], cycle="cycle", n=B, priority="priority",
                beta=np.float32(beta), state_dim=lay.SD, n_branches=lay.nb,
                **{buf: buf for buf, _ in RING_BUFFERS}, idx="sample_idx", w="batch.isw",
@@ -345,13 +347,13 @@ def register_twins() -> None:
         out["obs_next"] = out["obs"]
         return out
 
-    @twin("replay_batch", nullable=("next_ret", "regime", "discount"), prefix="capacity",
-          ring_pos=2, cycle=1, priority="capacity", **ring, idx="n", w="n",
+    @twin("replay_batch", nullable=("next_ret", "regime", "discount"), s="capacity",
+          block_sums=lambda a: replay_kernels.scan_blocks(a.capacity), ring_pos=2, cycle=1, priority="capacity", **ring, idx="n", w="n",
           x=lambda a: (2 * a.n, a.state_dim), a=("n_branches", "n"), r="n", done="n",
           next_ret="n", regime="n", discount="n")
     def _replay_batch(a):
         _stream(a, "stream", STREAMS["replay_sample"])
-        out = collect_kernels.replay_batch(a.prefix, a.ring_pos, _seed(a), a.cycle, a.n,
+        out = collect_kernels.replay_batch(a.s, a.block_sums, a.ring_pos, _seed(a), a.cycle, a.n,
                                            a.priority, a.beta,
                                            *(getattr(a, buf) for buf, _ in RING_BUFFERS))._asdict()
         for name in ("next_ret", "regime", "discount"):

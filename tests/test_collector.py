@@ -235,10 +235,10 @@ def test_fast_plan_binds_the_batch_it_gathers_and_reads_no_unwritten_buffer(mark
     nodes = col.plans["train"][0].nodes()
     head = [n.kernel for n in nodes if hasattr(n, "kernel")]
     tail = [n.kernel for n in col.plans["train"][-1].nodes()]
-    for name in ("collect_transition", "scan_tiles", "scan_offsets", "replay_batch"):
+    for name in ("collect_transition", "scan_tiles", "replay_batch"):
         assert head.count(name) == 1, name
-    for name in ("env_act", "env_step", "nstep_window", "replay_add", "replay_sample",
-                 "importance_weights", "replay_gather", "cycle_advance"):
+    for name in ("env_act", "env_step", "nstep_window", "replay_add", "scan_offsets",
+                 "replay_sample", "importance_weights", "replay_gather", "cycle_advance"):
         assert name not in head, name
     from foxhunt.fast.records import Copy
     assert not any(isinstance(n, Copy) for n in nodes)
@@ -313,7 +313,7 @@ def test_the_cycle_kernels_twins_declare_every_pointer_parameter():
     params = kernel_params()
     for name in ("env_act", "env_step", "replay_add", "scan_tiles", "scan_offsets", "replay_sample",
                  "importance_weights", "replay_gather", "replay_update_priorities",
-                 "cycle_advance", "nstep_window"):
+                 "cycle_advance", "nstep_window", "collect_transition", "replay_batch"):
         pointers = {p.name for p in params[name] if p.pointer}
         assert set(TWINS[name].extents) == pointers, name
         assert TWINS[name].nullable <= pointers, name

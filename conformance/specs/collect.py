@@ -7,8 +7,9 @@ windows of every fill with ``n_step = 3``, a ring of at most 2,048 rows with ``s
 hidden`` whose cursor sits three rows before the end (the add wraps). Exact but for the states'
 two ``tanh`` columns (``env.TANH_ULP``; the other columns bit for bit through the ``exact``
 mask), in every state-valued output: ``obs``, ``s2``, the windows' and the ring's states.
-``replay_batch``: the replay entries' ring (``conformance.specs.replay``) and its prefix sums;
-exact but for the weights (``importance_weights``' tolerance).
+``replay_batch``: the replay entries' ring (``conformance.specs.replay``) and the ring scan's
+tiles of its priorities (``scan_tiles``); exact but for the weights (``importance_weights``'
+tolerance).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from foxhunt.conformance.specs.replay import _ring
 from foxhunt.conformance.tolerance import EXACT, REDUCTION
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels.env import cost_table
-from foxhunt.reference.kernels.replay import nstep_counts
+from foxhunt.reference.kernels.replay import nstep_counts, scan_tiles
 from foxhunt.reference.market import N_POSITION_FEATURES
 
 N_STEP = 3
@@ -113,7 +114,8 @@ def _c_transition(kwargs, outputs, poisoned) -> list[str]:
 
 def _s_batch(d: Dims, rng) -> Kwargs:
     ring = _ring(d, rng)
-    return {"prefix": np.cumsum(ring["priority"], dtype=F32), "ring_pos": ring.pop("ring_pos"),
+    tiles = scan_tiles(ring["priority"])
+    return {"s": tiles.s, "block_sums": tiles.block_sums, "ring_pos": ring.pop("ring_pos"),
             "key": KEY, "cycle": _cycle(rng), "n": d.batch, "priority": ring.pop("priority"),
             "beta": 0.4, **ring}
 
@@ -155,7 +157,8 @@ ENTRIES: tuple[SpecEntry, ...] = (
         targets=("priority", "ring_s", "ring_r"),
         errors=error_cases(
             _s_batch,
-            lambda k: replace(k, ring_pos=np.array([0, k["prefix"].size + 1], I32)),
+            lambda k: replace(k, ring_pos=np.array([0, k["s"].size + 1], I32)),
+            lambda k: replace(k, block_sums=k["block_sums"][:-1]),
             lambda k: replace(k, priority=k["priority"][:-1]),
             lambda k: replace(k, beta=1.5),
             lambda k: wrong_dtype(k, "ring_s"),

@@ -13,10 +13,11 @@ its name in ``collect.cu``):
   ring_discount, priority, ring_pos, max_priority, capacity)``: ONE block, ``2 n_envs + 1``
   ints of dynamic shared memory; ``actions`` ... ``regime_out`` and ``obs_next`` are per-env
   scratch it writes and reads back;
-- ``replay_batch(prefix, capacity, ring_pos, key_lo, key_hi, stream, cycle, n, priority, beta,
-  state_dim, n_branches, ring_s, ..., ring_discount, idx, w, x, a, r, done, next_ret, regime,
-  discount)``: any grid, ``n`` ints of dynamic shared memory; ``next_ret``, ``regime`` and
-  ``discount`` may be null.
+- ``replay_batch(s, block_sums, capacity, ring_pos, key_lo, key_hi, stream, cycle, n, priority,
+  beta, state_dim, n_branches, ring_s, ..., ring_discount, idx, w, x, a, r, done, next_ret,
+  regime, discount)``: any grid, ``n`` ints and ``scan_blocks(capacity)`` floats of dynamic
+  shared memory; ``s``, ``block_sums``: ``scan_tiles``' outputs (the offsets are applied where
+  the search reads); ``next_ret``, ``regime`` and ``discount`` may be null.
 
 Numerics: exact but for the states' two ``tanh`` columns (CUDA ``tanhf``) and the weights'
 ``powf``, as the kernels they fuse.
@@ -38,6 +39,7 @@ from foxhunt.reference.kernels.collect import (
 )
 from foxhunt.reference.kernels.env import EnvState
 from foxhunt.reference.kernels.fused import branch_offsets
+from foxhunt.reference.kernels.replay import scan_blocks
 from foxhunt.reference.kernels.rng import STREAMS, split_u64
 
 F32, I32 = np.float32, np.int32
@@ -66,13 +68,15 @@ def plan_collect_transition(n_envs: int, state_dim: int) -> Plan:
     return (1,), (threads,), shared
 
 
-def plan_replay_batch(n: int, state_dim: int) -> Plan:
+def plan_replay_batch(n: int, state_dim: int, capacity: int) -> Plan:
     """Blocks of ``BATCH_THREADS`` over the ``n * state_dim`` gathered state elements, at most
-    ``BATCH_MAX_BLOCKS``; ``n`` ints of shared memory (the drawn rows)."""
-    shared = 4 * int(n)
+    ``BATCH_MAX_BLOCKS``; shared memory: ``n`` ints (the drawn rows) and the ring scan's tile
+    offsets (``scan_blocks(capacity)`` floats)."""
+    shared = 4 * (int(n) + scan_blocks(capacity))
     if shared > SHARED_LIMIT:
-        raise ValueError(f"n={n}: replay_batch holds the batch's rows in shared memory; allowed "
-                         f"at most {SHARED_LIMIT // 4} rows")
+        raise ValueError(f"n={n}, capacity={capacity}: replay_batch holds the batch's rows and "
+                         f"the ring's tile offsets in shared memory, {shared} bytes; allowed "
+                         f"at most {SHARED_LIMIT}")
     grid = min(blocks(int(n) * int(state_dim), BATCH_THREADS), BATCH_MAX_BLOCKS)
     return (grid,), (BATCH_THREADS,), shared
 
@@ -113,19 +117,19 @@ def collect_transition(q, branches, eps, key, cycle, close, high, low, features,
                              *outs[13:])
 
 
-def replay_batch(prefix, ring_pos, key, cycle, n, priority, beta, ring_s, ring_a, ring_r,
+def replay_batch(s, block_sums, ring_pos, key, cycle, n, priority, beta, ring_s, ring_a, ring_r,
                  ring_s2, ring_done, ring_next_ret, ring_regime, ring_discount) -> ReplayBatch:
     """Test entry of the CUDA ``replay_batch`` (contract: the reference twin's)."""
     ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2,
                 ring_done=ring_done, ring_next_ret=ring_next_ret, ring_regime=ring_regime,
                 ring_discount=ring_discount)
-    n = validate_replay_batch(prefix, ring_pos, key, cycle, n, priority, beta, ring)
+    n = validate_replay_batch(s, block_sums, ring_pos, key, cycle, n, priority, beta, ring)
     key_lo, key_hi = split_u64("key", key)
     capacity, sd = ring_s.shape
     nb = ring_a.shape[1]
-    outs = launch("replay_batch", plan_replay_batch(n, sd), In(prefix), capacity, In(ring_pos),
-                  key_lo, key_hi, STREAMS["replay_sample"], In(cycle), n, In(priority),
-                  F32(beta), sd, nb, *(In(ring[name]) for name in RING_PARAMS),
+    outs = launch("replay_batch", plan_replay_batch(n, sd, capacity), In(s), In(block_sums),
+                  capacity, In(ring_pos), key_lo, key_hi, STREAMS["replay_sample"], In(cycle), n,
+                  In(priority), F32(beta), sd, nb, *(In(ring[name]) for name in RING_PARAMS),
                   Out((n,), I32), Out((n,), F32), Out((2 * n, sd), F32), Out((nb, n), I32),
                   Out((n,), F32), Out((n,), F32), Out((n,), F32), Out((n,), I32),
                   Out((n,), F32))

@@ -5,8 +5,9 @@ composition, so the fused cycle gives the unfused cycle's results):
 - ``collect_transition``: ``env.env_act`` -> ``env.env_step`` (auto-reset, no records) ->
   ``replay.nstep_window`` -> ``replay.replay_add`` of the ``n_out`` transitions it emitted ->
   the post-reset states as the next ``obs``;
-- ``replay_batch``: ``replay.replay_sample`` -> ``replay.importance_weights`` (over the whole
-  ``priority`` array) and ``replay.replay_gather`` of the sampled rows.
+- ``replay_batch``: ``replay.scan_offsets`` (the ring scan's second half) ->
+  ``replay.replay_sample`` -> ``replay.importance_weights`` (over the whole ``priority``
+  array) and ``replay.replay_gather`` of the sampled rows.
 
 Both are exact against their kernels but for what the fused kernels' parts are not: the two
 ``tanh`` columns of the states (CUDA ``tanhf``) and the weights' ``powf``.
@@ -166,30 +167,34 @@ class ReplayBatch(NamedTuple):
     discount: np.ndarray
 
 
-def validate_replay_batch(prefix, ring_pos, key, cycle, n, priority, beta, ring) -> int:
+def validate_replay_batch(s, block_sums, ring_pos, key, cycle, n, priority, beta, ring) -> int:
     """The argument checks of ``replay_batch`` (``ring``: the ring arrays by parameter name);
     returns ``n``."""
-    n, _, _ = replay.validate_replay_sample(prefix, ring_pos, key, cycle, n)
     capacity, _, _ = replay.validate_ring(**ring)
-    if priority.shape != (capacity,) or prefix.shape != (capacity,):
-        raise ValueError(f"priority, prefix: shapes {priority.shape}, {prefix.shape} are not "
-                         f"allowed; need [{capacity}] (the ring's capacity)")
+    replay.validate_scan_offsets(s, block_sums)
+    if priority.shape != (capacity,) or s.shape != (capacity,):
+        raise ValueError(f"priority, s: shapes {priority.shape}, {s.shape} are not allowed; "
+                         f"need [{capacity}] (the ring's capacity)")
+    n, _, _ = replay.validate_replay_sample(s, ring_pos, key, cycle, n)
     replay.validate_importance_weights(priority, np.zeros(n, I32), beta, capacity)
     return n
 
 
-def replay_batch(prefix: np.ndarray, ring_pos: np.ndarray, key: int, cycle: np.ndarray, n: int,
-                 priority: np.ndarray, beta, ring_s: np.ndarray, ring_a: np.ndarray,
-                 ring_r: np.ndarray, ring_s2: np.ndarray, ring_done: np.ndarray,
-                 ring_next_ret: np.ndarray, ring_regime: np.ndarray,
+def replay_batch(s: np.ndarray, block_sums: np.ndarray, ring_pos: np.ndarray, key: int,
+                 cycle: np.ndarray, n: int, priority: np.ndarray, beta, ring_s: np.ndarray,
+                 ring_a: np.ndarray, ring_r: np.ndarray, ring_s2: np.ndarray,
+                 ring_done: np.ndarray, ring_next_ret: np.ndarray, ring_regime: np.ndarray,
                  ring_discount: np.ndarray) -> ReplayBatch:
-    """The step's batch from the ring: ``idx = replay_sample(prefix, ring_pos, key, cycle, n)``,
-    ``w = importance_weights(priority, idx, beta, capacity)`` and ``replay_gather(idx, ring)``
-    (contracts and shapes: those kernels'; ``prefix`` and ``priority`` ``[capacity]``)."""
+    """The step's batch from the ring scan's tiles (``s``, ``block_sums``: ``replay.scan_tiles``
+    of the priorities): ``prefix = scan_offsets(s, block_sums)``, ``idx = replay_sample(prefix,
+    ring_pos, key, cycle, n)``, ``w = importance_weights(priority, idx, beta, capacity)`` and
+    ``replay_gather(idx, ring)`` (contracts and shapes: those kernels'; ``s`` and ``priority``
+    ``[capacity]``)."""
     ring = dict(ring_s=ring_s, ring_a=ring_a, ring_r=ring_r, ring_s2=ring_s2,
                 ring_done=ring_done, ring_next_ret=ring_next_ret, ring_regime=ring_regime,
                 ring_discount=ring_discount)
-    validate_replay_batch(prefix, ring_pos, key, cycle, n, priority, beta, ring)
+    validate_replay_batch(s, block_sums, ring_pos, key, cycle, n, priority, beta, ring)
+    prefix = replay.scan_offsets(s, block_sums)
     idx = replay.replay_sample(prefix, ring_pos, key, cycle, n)
     w = replay.importance_weights(priority, idx, beta, priority.shape[0])
     return ReplayBatch(idx, w, *replay.replay_gather(idx, **ring))
