@@ -16,8 +16,9 @@ reads the clock), and prints the test entry's wall time (it includes the tables'
 Variants of the cluster kernel (:data:`VARIANTS`), each built and run in its own process with
 a ``--timeout`` (a variant that hangs is reported, not waited for): ``barrier-N`` is the
 cluster barrier exchange (the normal build's) with N threads per block, ``mbarrier-N`` the
-opt-in st.async / mbarrier exchange (``-DWALK_MBARRIER``); N = 1024 is the launch plan's. The
-first variant also profiles the one-block ``greedy_walk``.
+opt-in st.async / mbarrier exchange (``-DWALK_MBARRIER``); N = 1024 is the launch plan's;
+``-c4``: clusters of 4 blocks instead of 8 (bf16 only: the f32 slices do not fit). The first
+variant also profiles the one-block ``greedy_walk``.
 
 Needs a GPU. Phases (walk.cu): ``layer l`` = warp 0's rows of layer l; ``sync after l`` = its
 wait at the barrier after that layer (the cluster barrier in the cluster kernel): the slowest
@@ -33,14 +34,16 @@ import time
 
 import numpy as np
 
-#: Variant name -> (extra NVRTC options, threads per block of the cluster kernel).
+#: Variant name -> (extra NVRTC options, threads per block, blocks per cluster).
 VARIANTS = {
-    "barrier-1024": ((), 1024),
-    "mbarrier-1024": (("-DWALK_MBARRIER",), 1024),
-    "barrier-512": (("-DWALK_CLUSTER_THREADS=512",), 512),
-    "mbarrier-512": (("-DWALK_MBARRIER", "-DWALK_CLUSTER_THREADS=512"), 512),
-    "barrier-256": (("-DWALK_CLUSTER_THREADS=256",), 256),
-    "mbarrier-256": (("-DWALK_MBARRIER", "-DWALK_CLUSTER_THREADS=256"), 256),
+    "barrier-1024": ((), 1024, 8),
+    "mbarrier-1024": (("-DWALK_MBARRIER",), 1024, 8),
+    "barrier-512": (("-DWALK_CLUSTER_THREADS=512",), 512, 8),
+    "mbarrier-512": (("-DWALK_MBARRIER", "-DWALK_CLUSTER_THREADS=512"), 512, 8),
+    "barrier-256": (("-DWALK_CLUSTER_THREADS=256",), 256, 8),
+    "mbarrier-256": (("-DWALK_MBARRIER", "-DWALK_CLUSTER_THREADS=256"), 256, 8),
+    "barrier-1024-c4": (("-DWALK_CLUSTER_SIZE=4",), 1024, 4),
+    "mbarrier-1024-c4": (("-DWALK_MBARRIER", "-DWALK_CLUSTER_SIZE=4"), 1024, 4),
 }
 #: The sources a variant's build needs: walk.cu, and dense.cu for the test entry's BF16 mirror.
 UNITS = ("walk.cu", "dense.cu")
@@ -153,7 +156,7 @@ def run_variant(args) -> int:
     from foxhunt.fast.kernels import _runtime
     from foxhunt.fast.kernels import walk as fast_walk
 
-    options, threads = VARIANTS[args.one]
+    options, threads, cluster = VARIANTS[args.one]
     kwargs = walk_inputs(args.bars, args.precision, args.n_features, args.seed)
     arch = default_arch()
     reference = fast_walk.greedy_walk(**kwargs)  # the normal build's one-block kernel
@@ -165,11 +168,16 @@ def run_variant(args) -> int:
     use_module(compile_sources(arch, sources=sources,
                                extra_options=("-DWALK_PROFILE", *options)))
     fast_walk.CLUSTER_THREADS = threads  # the plan's block (its shared bytes suit any fewer)
+    fast_walk.WALK_CLUSTER_SM90 = cluster  # the plan's grid and slices
     rt = _runtime.runtime()
     mhz = clock_mhz(rt.device, args.clock_mhz)
     for k in kernels:
         t0 = time.perf_counter()
-        rec = fast_walk.KERNELS[k](**kwargs)
+        try:
+            rec = fast_walk.KERNELS[k](**kwargs)
+        except ValueError as exc:  # the slices do not fit this variant's blocks
+            print(f"{args.one} {k}: not run: {exc}")
+            continue
         wall = time.perf_counter() - t0
         same = all(a.tobytes() == b.tobytes() for a, b in zip(rec, reference))
         print(f"{args.one} {k}: records {'==' if same else '!= (WRONG)'} the normal one-block "

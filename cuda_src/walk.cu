@@ -85,8 +85,13 @@
 #endif
 #define WALK_CLUSTER_WARPS (WALK_CLUSTER_THREADS / 32)
 
+// Blocks per cluster from sm_90: 8 (the portable maximum; fast/kernels/walk.py
+// WALK_CLUSTER_SM90). benches/walk_profile.py may build -DWALK_CLUSTER_SIZE=4 to time it.
+#ifndef WALK_CLUSTER_SIZE
+#define WALK_CLUSTER_SIZE 8
+#endif
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define WALK_CLUSTER 8
+#define WALK_CLUSTER WALK_CLUSTER_SIZE
 #else
 #define WALK_CLUSTER 1
 // No clusters before sm_90 (the attribute is an error there): the kernel keeps its
