@@ -56,15 +56,23 @@ def test_workers_write_the_same_files_as_drawing_in_process(tmp_path):
 
 def test_a_worker_error_is_raised_with_its_traceback(tmp_path):
     # best_epoch 7 is no record's epoch: the Sharpe plot cannot find it (StopIteration).
-    with PlotWorkers(1) as workers, pytest.raises(PlotWorkerError, match="StopIteration"):
+    with PlotWorkers(1) as workers, pytest.raises(PlotWorkerError, match="StopIteration") as err:
         workers.write(tmp_path, _result(best_epoch=7))
+    assert "plots.py" in str(err.value)  # the worker's own traceback, not just the message
+
+
+def _processes(workers):
+    """The pool's worker processes, once every one has started."""
+    for job in workers.started:
+        job.result(timeout=60)
+    return list(workers._pool._processes.values())
 
 
 def test_a_dead_worker_is_replaced_by_drawing_here(tmp_path, caplog):
     workers = PlotWorkers(2)
-    victim = workers._procs[0]
+    victim = _processes(workers)[0]
     victim.kill()
-    victim.wait()
+    victim.join()
     with caplog.at_level(logging.WARNING, logger="foxhunt"):
         paths = workers.write(tmp_path, _result())
     assert [p.name for p in paths] == NAMES
@@ -74,9 +82,10 @@ def test_a_dead_worker_is_replaced_by_drawing_here(tmp_path, caplog):
 
 def test_close_reaps_unused_workers_and_no_records_means_no_plots(tmp_path):
     workers = PlotWorkers(2)
-    procs = list(workers._procs)
+    procs = _processes(workers)
+    assert len(procs) == 2 and len({p.pid for p in procs}) == 2
     assert workers.write(tmp_path, dataclasses.replace(_result(), records=[])) == []
-    assert all(p.returncode is not None for p in procs)
+    assert all(p.exitcode is not None for p in procs)
     assert os.listdir(tmp_path) == []
     workers.close()  # idempotent
 
@@ -97,3 +106,19 @@ def test_a_failed_plot_write_leaves_neither_the_file_nor_a_temporary(tmp_path, m
 def test_unknown_plot_names_are_refused(tmp_path):
     with pytest.raises(ValueError, match="'nope.png'"):
         plots.write_plots(tmp_path, _result(), ("nope.png",))
+
+
+def test_workers_ignore_ctrl_c(tmp_path, caplog):
+    # The terminal's Ctrl-C reaches the whole process group; foxhunt train's stop path decides.
+    import signal
+    import time
+
+    with PlotWorkers(2) as workers, caplog.at_level(logging.WARNING, logger="foxhunt"):
+        procs = _processes(workers)
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGINT)
+        time.sleep(0.5)
+        assert all(p.is_alive() for p in procs)
+        paths = workers.write(tmp_path, _result())
+    assert [p.name for p in paths] == NAMES and all(p.stat().st_size > 0 for p in paths)
+    assert "drawn in this process" not in caplog.text  # the workers drew them
