@@ -159,12 +159,13 @@ def run_variant(args) -> int:
     options, threads, cluster = VARIANTS[args.one]
     kwargs = walk_inputs(args.bars, args.precision, args.n_features, args.seed)
     arch = default_arch()
-    reference = fast_walk.greedy_walk(**kwargs)  # the normal build's one-block kernel
+    sources = {n: b for n, b in source_files().items()
+               if n in UNITS or n.endswith(HEADER_SUFFIXES)}
+    use_module(compile_sources(arch, sources=sources))  # the normal build (of these units)
+    reference = fast_walk.greedy_walk(**kwargs)  # its one-block kernel
     kernels = ["greedy_walk_cluster"] if fast_walk.cluster_size(arch) > 1 else []
     if args.one == next(iter(VARIANTS)):
         kernels.append("greedy_walk")
-    sources = {n: b for n, b in source_files().items()
-               if n in UNITS or n.endswith(HEADER_SUFFIXES)}
     use_module(compile_sources(arch, sources=sources,
                                extra_options=("-DWALK_PROFILE", *options)))
     fast_walk.CLUSTER_THREADS = threads  # the plan's block (its shared bytes suit any fewer)
