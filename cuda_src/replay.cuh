@@ -46,10 +46,9 @@ static __device__ __forceinline__ int proportional_search(const float* __restric
 
 // importance_weights' body (ONE block, every thread calls it): w_k = powf(p_min / p_{idx[k]},
 // beta), p_min = fminf-reduce of the sampled priorities (NaN ignored; NaN only if all are NaN).
-static __device__ __forceinline__ void importance_weights_block(const float* __restrict__ priorities,
-                                                                const int* __restrict__ idx,
-                                                                float* __restrict__ w, int n,
-                                                                float beta) {
+static __device__ __forceinline__ void importance_weights_block(
+    const float* __restrict__ priorities, const int* __restrict__ idx, float* __restrict__ w,
+    int n, float beta) {
     float p_min = ha_nan();
     for (int k = threadIdx.x; k < n; k += blockDim.x) {
         p_min = fminf(p_min, priorities[idx[k]]);

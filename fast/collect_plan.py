@@ -192,8 +192,8 @@ def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, s
     labels = {name: f"batch.{name}" if f"batch.{name}" in lay else None
               for name in ("next_ret", "regime", "discount")}
     ops.kernel("replay_batch", prog.kernels("collect").plan_replay_batch(B, lay.SD, cap),
-               s="prefix", block_sums="prefix_blocks", capacity=cap, ring_pos="ring_pos", **_key(seed),
-               stream=STREAMS["replay_sample"], cycle="cycle", n=B, priority="priority",
+               s="prefix", block_sums="prefix_blocks", capacity=cap, ring_pos="ring_pos",
+               **_key(seed), stream=STREAMS["replay_sample"], cycle="cycle", n=B, priority="priority",
                beta=np.float32(beta), state_dim=lay.SD, n_branches=lay.nb,
                **{buf: buf for buf, _ in RING_BUFFERS}, idx="sample_idx", w="batch.isw",
                x="batch.x", a="batch.a", r="batch.r", done="batch.done", **labels)
@@ -348,7 +348,8 @@ def register_twins() -> None:
         return out
 
     @twin("replay_batch", nullable=("next_ret", "regime", "discount"), s="capacity",
-          block_sums=lambda a: replay_kernels.scan_blocks(a.capacity), ring_pos=2, cycle=1, priority="capacity", **ring, idx="n", w="n",
+          block_sums=lambda a: replay_kernels.scan_blocks(a.capacity), ring_pos=2, cycle=1,
+          priority="capacity", **ring, idx="n", w="n",
           x=lambda a: (2 * a.n, a.state_dim), a=("n_branches", "n"), r="n", done="n",
           next_ret="n", regime="n", discount="n")
     def _replay_batch(a):

@@ -78,7 +78,8 @@ def _s_transition(d: Dims, rng) -> Kwargs:
             "gamma_ref": 0.97, "ring_s": normal(rng, (cap, sd)),
             "ring_a": rng.integers(0, 2, (cap, nb)).astype(I32), "ring_r": normal(rng, cap),
             "ring_s2": normal(rng, (cap, sd)), "ring_done": (rng.random(cap) < 0.1).astype(F32),
-            "ring_next_ret": normal(rng, cap, 0.01), "ring_regime": rng.integers(0, 3, cap).astype(I32),
+            "ring_next_ret": normal(rng, cap, 0.01),
+            "ring_regime": rng.integers(0, 3, cap).astype(I32),
             "ring_discount": uniform(rng, cap, 0.9, 1.0), "priority": prio,
             "ring_pos": np.array([cap - 3, size], I32), "max_priority": np.array([2.5], F32)}
 

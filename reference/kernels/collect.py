@@ -143,8 +143,8 @@ def collect_transition(q: np.ndarray, branches, eps, key: int, cycle: np.ndarray
     window = replay.nstep_window(obs, actions, step.r, step.done, step.s2, step.next_ret,
                                  step.regime, **win, **_nstep_outputs(n, n_step, sd, nb),
                                  n_step=n_step, gamma_ref=gamma_ref)
-    added = replay.replay_add(*(getattr(window, f"out_{name}") for name, _, _ in replay.RING_FIELDS),
-                              **ring, priority=priority, ring_pos=ring_pos,
+    emitted = (getattr(window, f"out_{name}") for name, _, _ in replay.RING_FIELDS)
+    added = replay.replay_add(*emitted, **ring, priority=priority, ring_pos=ring_pos,
                               max_priority=max_priority, n_valid=window.n_out)
     return CollectTransition(step.t, step.steps, step.time_in_position, step.position,
                              step.entry_price, step.obs, actions, step.r, step.done, step.s2,
