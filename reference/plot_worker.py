@@ -19,6 +19,7 @@ stop path, not its workers, decides what happens (it still writes the plots). ``
 
 from __future__ import annotations
 
+import importlib
 import logging
 import multiprocessing
 import os
@@ -51,8 +52,8 @@ def _warm_up() -> None:
     matplotlib.use("Agg")
     from matplotlib.figure import Figure
 
-    import foxhunt.reference.loop  # noqa: F401  (what the job is made of: unpickled here)
-    import foxhunt.reference.plots  # noqa: F401
+    for name in ("loop", "plots"):  # what the jobs are made of (unpickled here), loaded now
+        importlib.import_module(f"foxhunt.reference.{name}")
 
     fig = Figure(figsize=(2, 2))
     ax = fig.add_subplot()
