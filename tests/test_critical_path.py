@@ -137,9 +137,10 @@ def test_command_line_refuses_an_unknown_source():
 
 def test_collection_cycle_chain_matches_networkx_and_scans_in_many_blocks(capsys):
     """The collection cycle (issue 20) as one captured graph: its chain weight against
-    networkx's longest path of the same dependency graph; the ring's scan is two nodes of one
-    block per tile, and the weights and the gather sit on two branches (one of them on the
-    chain); the one-block prefix_sum costs its tiles (1 + 3 + 2 * 7 us for 50,000 rows)."""
+    networkx's longest path of the same dependency graph; the env step, the n-step window and
+    the ring add are one node before the scan, whose tiles are one block each, and the scan's
+    offsets, the draws, the weights and the gather one node after it; the one-block prefix_sum
+    costs its tiles (1 + 3 + 2 * 7 us for 50,000 rows)."""
     import foxhunt.fast.records as records
 
     config = cp.variant_config("tiny", "f32", "core")
@@ -149,8 +150,10 @@ def test_collection_cycle_chain_matches_networkx_and_scans_in_many_blocks(capsys
     assert paths["cycle"].nodes == sum(paths[g].nodes for g in cp.COLLECT_GRAPHS)
     chain = [cp.node_label(n) for n in paths["cycle"].chain.nodes]
     at = chain.index("scan_tiles")
-    assert chain[at + 1:at + 3] == ["scan_offsets", "replay_sample"]
-    assert ("importance_weights" in chain) != ("replay_gather" in chain)
+    assert chain[at - 1:at + 2] == ["collect_transition", "scan_tiles", "replay_batch"]
+    for fused in ("env_act", "env_step", "nstep_window", "replay_add", "scan_offsets",
+                  "replay_sample", "importance_weights", "replay_gather", "cycle_advance"):
+        assert fused not in chain, fused
     scan = paths["cycle"].chain.nodes[at]
     assert scan.shape.grid[0] == 3  # ceil(3000 / 1024)
     assert paths["cycle"].est_us == pytest.approx(sum(paths[g].est_us for g in cp.COLLECT_GRAPHS))

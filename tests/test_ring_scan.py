@@ -63,7 +63,7 @@ def _bits(x: np.ndarray) -> np.ndarray:
 def test_the_constants_are_the_kernels():
     assert (replay.RING_SCAN_THREADS, replay.RING_SCAN_ITEMS, replay.RING_SCAN_TILE) == (
         THREADS, ITEMS, TILE)
-    src = (Path(replay.__file__).parents[2] / "cuda_src" / "replay.cu").read_text()
+    src = (Path(replay.__file__).parents[2] / "cuda_src" / "replay.cuh").read_text()
     assert f"#define RING_SCAN_THREADS {THREADS}" in src and f"#define RING_SCAN_ITEMS {ITEMS}" in src
 
 
