@@ -43,7 +43,7 @@ from foxhunt.reference.isv_step import step_tau
 from foxhunt.reference.kernels import optim, safety, spectral
 from foxhunt.reference.kernels.isv_producers import Q_DRIFT_FLOOR, Q_EMA_SLOTS
 from foxhunt.reference.layout import ParamLayout
-from foxhunt.reference.step import support
+from foxhunt.reference.step import step_supports
 
 
 # ------------------------------------------------------------------------------ custom bounds
@@ -142,7 +142,7 @@ class _Context:
         self.tau = step_tau(config, before["isv"])  # the adaptive tau's slot, or the config's
         self.t = int(before["adam_t"][0]) + 1
         self.padding = self.layout.padding_mask()
-        self.z = support(config)
+        self.z = step_supports(config, before["isv"]).z  # per branch (adaptive_atoms)
         self.log_na = math.log(config.num_atoms)
         self.log_classes = math.log(max(config.num_atoms, config.n_regimes))
         self.zmax = float(np.max(np.abs(self.z)))

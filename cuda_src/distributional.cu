@@ -223,17 +223,17 @@ c51_project(const float* __restrict__ p_next, const float* __restrict__ r,
 // block-wide barrier or re-read of m is needed between the two. Bitwise equal to c51_project
 // followed by c51_grad. blockDim.x must be at most kProjectMaxThreads.
 // --------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
-c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
-                 const float* __restrict__ done, const float* __restrict__ gamma,
-                 const float* __restrict__ z, const float* __restrict__ logp,
-                 const int* __restrict__ actions, const float* __restrict__ isw,
-                 const float* __restrict__ scale, const float* __restrict__ discount,
-                 float* __restrict__ m, float* __restrict__ dlogits, int batch, int num_actions,
-                 int num_atoms, float v_min, float v_max, float dz, float gamma_ref,
-                 int n_step_on) {
-    __shared__ float tile_target[kProjectMaxThreads];
-    __shared__ float tile_p[kProjectMaxThreads];
+// The body of c51_project_grad and c51_project_grad_live (one block's samples), with the
+// support's clip range and spacing given as values.
+static __device__ __forceinline__ void c51_project_grad_body(
+    const float* __restrict__ p_next, const float* __restrict__ r,
+    const float* __restrict__ done, const float* __restrict__ gamma,
+    const float* __restrict__ z, const float* __restrict__ logp,
+    const int* __restrict__ actions, const float* __restrict__ isw,
+    const float* __restrict__ scale, const float* __restrict__ discount,
+    float* __restrict__ m, float* __restrict__ dlogits, int batch, int num_actions,
+    int num_atoms, float v_min, float v_max, float dz, float gamma_ref, int n_step_on,
+    float* tile_target, float* tile_p) {
     const int row_len = num_actions * num_atoms;
     for (int b = blockIdx.x; b < batch; b += gridDim.x) {
         const int action = actions[b];
@@ -253,6 +253,88 @@ c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
                            logp + b * row_len + taken_lo, grad_weight,
                            taken ? sample_dlogits + taken_lo : nullptr, num_atoms, v_min, v_max,
                            dz, tile_target, tile_p);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
+c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
+                 const float* __restrict__ done, const float* __restrict__ gamma,
+                 const float* __restrict__ z, const float* __restrict__ logp,
+                 const int* __restrict__ actions, const float* __restrict__ isw,
+                 const float* __restrict__ scale, const float* __restrict__ discount,
+                 float* __restrict__ m, float* __restrict__ dlogits, int batch, int num_actions,
+                 int num_atoms, float v_min, float v_max, float dz, float gamma_ref,
+                 int n_step_on) {
+    __shared__ float tile_target[kProjectMaxThreads];
+    __shared__ float tile_p[kProjectMaxThreads];
+    c51_project_grad_body(p_next, r, done, gamma, z, logp, actions, isw, scale, discount, m,
+                          dlogits, batch, num_actions, num_atoms, v_min, v_max, dz, gamma_ref,
+                          n_step_on, tile_target, tile_p);
+}
+
+// --------------------------------------------------------------------------------------------
+// c51_project_grad on a live support (DQNConfig.adaptive_atoms): the same body, with the clip
+// range and spacing read from bounds = (v_min, v_max, dz), three device floats (one branch's
+// row of live_support_build's bounds), and z that branch's row of its z. Bitwise equal to
+// c51_project_grad with those values.
+// --------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
+c51_project_grad_live(const float* __restrict__ p_next, const float* __restrict__ r,
+                      const float* __restrict__ done, const float* __restrict__ gamma,
+                      const float* __restrict__ z, const float* __restrict__ bounds,
+                      const float* __restrict__ logp, const int* __restrict__ actions,
+                      const float* __restrict__ isw, const float* __restrict__ scale,
+                      const float* __restrict__ discount, float* __restrict__ m,
+                      float* __restrict__ dlogits, int batch, int num_actions, int num_atoms,
+                      float gamma_ref, int n_step_on) {
+    __shared__ float tile_target[kProjectMaxThreads];
+    __shared__ float tile_p[kProjectMaxThreads];
+    c51_project_grad_body(p_next, r, done, gamma, z, logp, actions, isw, scale, discount, m,
+                          dlogits, batch, num_actions, num_atoms, bounds[0], bounds[1],
+                          bounds[2], gamma_ref, n_step_on, tile_target, tile_p);
+}
+
+// --------------------------------------------------------------------------------------------
+// The live per-branch support (DQNConfig.adaptive_atoms; foxhunt/reference/kernels/
+// live_support.py states the formula, the Mech 2 bound and the floor). Branch d = blockIdx.x
+// reads the seed member members[d] of its centre / half-width slots:
+//   bound = atom_growth_mult * fmaxf(isv[q_abs_ref_slot], 1); floor = bound * 2^-10;
+//   h = fminf(fmaxf(isv[half_base + m], floor), bound); room = bound - h;
+//   c = isv[centre_base + m] (NaN -> 0), fminf(fmaxf(c, -room), room);
+//   z[d, j] = c + h * t_j, t_j = (2 j - (NA - 1)) / (NA - 1);
+//   bounds[d] = (z[d, 0], z[d, NA-1], (z[d, NA-1] - z[d, 0]) / (NA - 1)).
+// Every thread computes the scalars (a few flops); thread i writes atoms i, i + blockDim, ...;
+// thread 0 writes the bounds from the end atoms' own formula (t = -1 and 1 exactly).
+// --------------------------------------------------------------------------------------------
+extern "C" __global__ void live_support_build(const float* __restrict__ isv,
+                                              const int* __restrict__ members,
+                                              float* __restrict__ z, float* __restrict__ bounds,
+                                              int n_branches, int num_atoms, int q_abs_ref_slot,
+                                              int centre_base, int half_base,
+                                              float atom_growth_mult) {
+    const int d = blockIdx.x;
+    if (d >= n_branches) {
+        return;
+    }
+    const int member = members[d];
+    const float bound = __fmul_rn(atom_growth_mult, fmaxf(isv[q_abs_ref_slot], 1.0f));
+    const float floor_h = __fmul_rn(bound, 0.0009765625f);  // 2^-10
+    const float half = fminf(fmaxf(isv[half_base + member], floor_h), bound);
+    const float room = __fsub_rn(bound, half);
+    float centre = isv[centre_base + member];
+    centre = isnan(centre) ? 0.0f : centre;
+    centre = fminf(fmaxf(centre, -room), room);
+    const float span = (float)(num_atoms - 1);
+    for (int j = threadIdx.x; j < num_atoms; j += blockDim.x) {
+        const float t = __fdiv_rn((float)(2 * j - (num_atoms - 1)), span);
+        z[d * num_atoms + j] = __fadd_rn(centre, __fmul_rn(half, t));
+    }
+    if (threadIdx.x == 0) {
+        const float lo = __fadd_rn(centre, __fmul_rn(half, -1.0f));
+        const float hi = __fadd_rn(centre, __fmul_rn(half, 1.0f));
+        bounds[3 * d] = lo;
+        bounds[3 * d + 1] = hi;
+        bounds[3 * d + 2] = __fdiv_rn(__fsub_rn(hi, lo), span);
     }
 }
 

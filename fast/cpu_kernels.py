@@ -214,6 +214,47 @@ def _c51_project_grad(a):
     return {"m": r.m, "dlogits": r.dlogits}
 
 
+@twin("c51_project_grad_live", nullable=("discount",), p_next=("batch", "num_atoms"), r="batch",
+      done="batch", gamma=1, z="num_atoms", bounds=3, logp=("batch", "num_actions", "num_atoms"),
+      actions="batch", isw="batch", scale=1, discount="batch", m=("batch", "num_atoms"),
+      dlogits=("batch", "num_actions", "num_atoms"))
+def _c51_project_grad_live(a):  # adaptive_atoms (foxhunt.fast.support_plan)
+    r = dist.c51_project_grad_live(a.p_next, a.r, a.done, a.gamma[0], a.z, a.bounds, a.logp,
+                                   a.actions, a.isw, a.scale[0], *n_step_args(a))
+    return {"m": r.m, "dlogits": r.dlogits}
+
+
+@twin("live_support_build", isv=ISV_LEN, members="n_branches", z=("n_branches", "num_atoms"),
+      bounds=("n_branches", 3))
+def _live_support_build(a):
+    from foxhunt.fast.records import PlanError
+    from foxhunt.reference import isv as reg
+    from foxhunt.reference.kernels import live_support
+
+    members = tuple(int(x) for x in a.members)
+    slots = (a.q_abs_ref_slot, a.centre_base, a.half_base)
+    if members != live_support.branch_members(a.n_branches) or slots != (
+            Q_ABS_REF_INDEX, reg.V_CENTER_INDICES[0], reg.V_HALF_INDICES[0]):
+        raise PlanError(f"live_support_build: members {members} / slots {slots} are not the "
+                        "registry's (live_support.branch_members, Q_ABS_REF, V_CENTER, V_HALF)")
+    return live_support.live_support_build(a.isv, a.n_branches, a.num_atoms,
+                                           a.atom_growth_mult)._asdict()
+
+
+@twin("expected_q", logp=("rows", "num_atoms"), z="num_atoms", q="rows")
+def _expected_q(a):
+    logp = a.logp.reshape(a.rows, 1, a.num_atoms)
+    return {"q": dist.expected_q(logp, a.z).reshape(a.rows)}
+
+
+@twin("cql_logit_grad", logp=("batch", "num_actions", "num_atoms"), actions="batch",
+      z="num_atoms", alpha=1, scale=1, dlogits=("batch", "num_actions", "num_atoms"),
+      terms="batch")
+def _cql_logit_grad(a):
+    r = dist.cql_logit_grad(a.logp, a.actions, a.z, a.alpha[0], a.scale[0])
+    return {"dlogits": r.dlogits, "terms": r.terms}
+
+
 def _block_logp(a):
     return (_packed_rows(a, "block_rows"), "num_atoms")
 

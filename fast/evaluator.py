@@ -68,6 +68,7 @@ from foxhunt.fast.eval_plan import (
 )
 from foxhunt.fast.records import Ops
 from foxhunt.fast.step_layout import BufferTable, EvalLayout
+from foxhunt.fast.support_plan import require_fixed_support
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels import env as env_kernels
 from foxhunt.reference.kernels.argcheck import check_int
@@ -188,6 +189,8 @@ class DeviceEvaluator:
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: allowed values are {', '.join(map(repr, MODES))}")
         self.mode = mode
+        if mode == "fused":  # greedy_walk reads the fixed support z (support_plan)
+            require_fixed_support(trainer.config, 'DeviceEvaluator(mode="fused") (greedy_walk)')
         n_bars = tables.close.shape[0]
         if n_bars < 2:
             raise ValueError(f"tables: {n_bars} bars are not allowed; a walk needs at least 2")

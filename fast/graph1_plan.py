@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast import isv_plan, wave_plan
+from foxhunt.fast import isv_plan, support_plan, wave_plan
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.step_layout import NORM_SEGMENT
 from foxhunt.fast.step_program import StepProgram
@@ -81,10 +81,13 @@ def graph1_ops(prog: StepProgram) -> Ops:
     targets = prog.ops()
     if not c.mse_on:  # else they run in the C51 chain, after the gathers
         targets.wait("gathered")
-    targets.kernel("scalar_target_q_branches", step.plan_scalar_target_q_branches(nb, B),
-                   p_next="p_next", z="z", r="batch.r", done="batch.done", gamma="gamma",
-                   target_q="target_q", n_branches=nb, batch=B, num_atoms=NA,
-                   **lay.n_step_args())
+    if c.adaptive_atoms:  # per branch on its live support
+        support_plan.scalar_targets(prog, targets)
+    else:
+        targets.kernel("scalar_target_q_branches", step.plan_scalar_target_q_branches(nb, B),
+                       p_next="p_next", z="z", r="batch.r", done="batch.done", gamma="gamma",
+                       target_q="target_q", n_branches=nb, batch=B, num_atoms=NA,
+                       **lay.n_step_args())
     targets.kernel("target_q_clip", safety.plan_target_q_clip(nb * B), q="target_q",
                    out="target_q", n=nb * B, k1=np.float32(c.target_q_clip_mult),
                    q_abs_ref=Buf("isv", offset=isv_mod.Q_ABS_REF_INDEX))
@@ -106,13 +109,17 @@ def graph1_ops(prog: StepProgram) -> Ops:
     projections = []
     for d, n in enumerate(lay.branches):
         proj = prog.ops()
-        proj.kernel("c51_project_grad", dist.plan_c51_project_grad(B, n, NA),
+        # adaptive_atoms: branch d's live support and bounds by pointer (support_plan).
+        name, support = (("c51_project_grad_live", support_plan.projection(d, NA))
+                         if c.adaptive_atoms else
+                         ("c51_project_grad", dict(z="z", v_min=lo, v_max=hi,
+                                                   dz=atom_spacing(lo, hi, NA))))
+        proj.kernel(name, dist.plan_c51_project_grad(B, n, NA),
                     p_next=Buf("p_next", offset=d * B * NA), r="batch.r", done="batch.done",
-                    gamma=Buf("gamma", offset=d), z="z", logp=Buf("logp", ("o", d)),
+                    gamma=Buf("gamma", offset=d), logp=Buf("logp", ("o", d)),
                     actions=Buf("batch.a", offset=d * B), isw="batch.isw", scale="scale",
                     m=Buf("m", offset=d * B * NA), dlogits=Buf("dlogits_c51", d), batch=B,
-                    num_actions=n, num_atoms=NA, v_min=lo, v_max=hi, dz=atom_spacing(lo, hi, NA),
-                    **lay.n_step_args())
+                    num_actions=n, num_atoms=NA, **support, **lay.n_step_args())
         proj.record(f"m{d}")
         projections.append(proj)
     if c.mse_on:
@@ -124,11 +131,15 @@ def graph1_ops(prog: StepProgram) -> Ops:
     # CQL logit gradients of every branch in one launch (first B samples of each block).
     cql_pre = prog.ops()
     cql_pre.wait("fwd_o")
-    cql_pre.kernel("cql_logit_grad_branches", fused.plan_cql_logit_grad_branches(B, lay.branches, NA),
-                   logp=Buf("logp", ("o", 0)), actions="batch.a", z="z",
-                   alpha=isv_plan.alpha_buffer(c), scale="scale", n_actions="n_actions",
-                   action_offset="action_offset",
-                   dlogits="dlogits_cql", terms="terms", batch=B, block_rows=2 * B, num_atoms=NA)
+    if c.adaptive_atoms:  # per branch on its live support
+        support_plan.cql_grads(prog, cql_pre, isv_plan.alpha_buffer(c))
+    else:
+        cql_pre.kernel("cql_logit_grad_branches",
+                       fused.plan_cql_logit_grad_branches(B, lay.branches, NA),
+                       logp=Buf("logp", ("o", 0)), actions="batch.a", z="z",
+                       alpha=isv_plan.alpha_buffer(c), scale="scale", n_actions="n_actions",
+                       action_offset="action_offset", dlogits="dlogits_cql", terms="terms",
+                       batch=B, block_rows=2 * B, num_atoms=NA)
     cql_pre.record("cql_terms")
     cql_side = prog.ops()
     prog.backward(cql_side, "cql", cql_pre)
@@ -189,6 +200,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
                    base_norm_sq_out="sq_c51", inject_norm_sq_out="sq_cql")
     body = prog.ops()
     isv_plan.consumers(prog, body)  # before the fork: the targets read gamma, CQL alpha_step
+    support_plan.live_support(prog, body)  # adaptive_atoms: every consumer reads z_live
     body.parallel(prologue, ops)
     # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its
     # summation tree and bits); the injected sources' norms beside them.

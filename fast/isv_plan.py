@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from foxhunt.fast import support_plan
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.reference import isv as reg
 from foxhunt.reference import isv_step
@@ -52,6 +53,7 @@ def add_isv_buffers(lay) -> None:
     if c.adaptive_epsilon_tau:
         lay._add("tau_step", 1, F32)
         lay._add("eps_schedule", 2, F32, "state")
+    support_plan.add_support_buffers(lay)  # adaptive_atoms
 
 
 def isv_constants(lay) -> dict[str, np.ndarray]:
@@ -66,6 +68,7 @@ def isv_constants(lay) -> dict[str, np.ndarray]:
         out["q_dir_slots"] = np.array(reg.Q_DIR_ACTION_SLOTS, I32)
     if c.gamma_schedule:
         out["gamma_sched_base"], out["gamma_sched_max"] = isv_step.gamma_schedule_tables()
+    out.update(support_plan.support_constants(lay))
     return out
 
 
@@ -128,7 +131,7 @@ def producers(prog, ops: Ops) -> None:
             ("var", "ENS_VAR_EMA"), ("var_vel", "ENS_VAR_VEL"), ("reward", "REWARD_EMA"),
             ("util", "ATOM_UTIL_EMA"), ("loss", "LOSS_EMA"), ("health", "LEARNING_HEALTH"))}
         ops.kernel("isv_signal_build", (1, WARP, 0), isv="isv", q_taken="q_taken", td="td",
-                   r="batch.r", p_next="p_next", z="z_branches",
+                   r="batch.r", p_next="p_next", z=support_plan.signal_support(c),
                    grad_norm=Buf("readback", offset=READBACK_INDEX["grad_norm"]),
                    loss=Buf("readback", offset=READBACK_INDEX["loss"]), signals="signals",
                    num_signals=reg.NUM_SIGNALS, nb=nb, B=B, na=NA, q_ema_slots="q_ema_slots",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from foxhunt.fast import support_plan
 from foxhunt.fast.step_layout import DESC_LENGTH_KEYS, READBACK_INDEX
 from foxhunt.fast.wave_layout import wave_sentinel_pieces
 from foxhunt.reference import isv as isv_mod
@@ -74,6 +75,7 @@ def sentinel_pieces(lay) -> dict[str, list[Piece]]:
     def per_branch(name, make):
         return [Piece(idx(name), *make(d, n)) for d, n in enumerate(lay.branches)]
 
+    span_buffer, span_length = support_plan.span_buffer(lay)  # the live support (Mech 2)
     trunk = lay.group_range("trunk")
     value = lay.group_range("value")
     branch = lay.group_range("branch")
@@ -117,7 +119,7 @@ def sentinel_pieces(lay) -> dict[str, list[Piece]]:
         "trunk_weight_max": one("trunk_weight_max", "params2", trunk[0], trunk[1] - trunk[0]),
         "heads_weight_max": one("heads_weight_max", "params2", heads[0], heads[1] - heads[0]),
         "target_q_post_clip": one("target_q_post_clip", "target_q", 0, nb * B),
-        "atom_span_max": one("atom_span_max", "z", 0, NA),
+        "atom_span_max": one("atom_span_max", span_buffer, 0, span_length),
         "h2_max_abs": one("h2_max_abs", "h2o", 0, B * lay.H2),
     }
     out.update(wave_sentinel_pieces(lay, one))

@@ -396,6 +396,8 @@ class EvalLayout(BufferTable):
     (tag ``e``), ``logits_e`` / ``logp_e`` and ``q_e`` (packed per branch)."""
 
     def __init__(self, layout: StepLayout, rows: int):
+        from foxhunt.fast.support_plan import add_eval_support_buffers
+
         super().__init__()
         for name in ("H1", "H2", "NA", "SD", "branches", "heads", "bf16"):
             setattr(self, name, getattr(layout, name))
@@ -404,6 +406,7 @@ class EvalLayout(BufferTable):
         if self.bf16:
             self._add("xb_e", (rows, self.SD), U16)
         self._pass_buffers("e", rows, aux=False)
+        add_eval_support_buffers(self, layout.config)  # adaptive_atoms: its own live support
         for name in ("logits_e", "logp_e"):
             p = Packed(name, F32)
             for d, n in enumerate(self.branches):

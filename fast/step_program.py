@@ -29,6 +29,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from foxhunt.fast import support_plan
 from foxhunt.fast.binder import Binder
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.sentinel_plan import desc_entries, desc_lengths_split
@@ -272,7 +273,10 @@ class StepProgram:
                    self.kernels("fused").plan_dueling_log_softmax_q_branches(rows, lay.branches, lay.NA),
                    v=f"v{tag}", adv=f"adv{tag}", z="z", n_actions="n_actions",
                    action_offset="action_offset", logits=logits, logp=logp, q=q, batch=rows,
-                   num_atoms=lay.NA, with_q=1 if q is not None else 0)
+                   num_atoms=lay.NA,
+                   with_q=1 if q is not None and not support_plan.live_q(c, q) else 0)
+        if support_plan.live_q(c, q):  # adaptive_atoms: each branch's Q on its live support
+            support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
 
     # -- backward of one loss
     def backward(self, ops: Ops, loss: str, pre: Ops, aux_dh2: Buf | None = None) -> None:

@@ -122,6 +122,14 @@ class DQNConfig:
     (``set_loop_signals(epsilon=...)``), which writes ``sched`` into slot 41 (the epoch's cold
     start) and keeps the pair for ``epsilon_tau_update``: ``sched`` is the floor of the
     adaptive epsilon and the cap its ceiling. Warm-up cycles act with 1 either way.
+
+    ``adaptive_atoms`` (bool, off by default): branch d's C51 support is the live support of
+    ``kernels.live_support`` (centre and half-width from ISV 23-30 under Mech 2's bound
+    ``atom_growth_mult * max(ISV[Q_ABS_REF], 1)``), read at the start of each step by the
+    projection, the expected Q, the CQL gradient, the scalar targets and sentinel 47, and by
+    ``q_values``. It needs ``q_stats=True`` (the producer of 23-30; it does not turn it on) and
+    ``c51_warmup_epochs=0`` (the MSE warm-up's expected Q reads the fixed support). ``v_min`` /
+    ``v_max`` are then the support's cold start (and its value after a fold reset).
     """
 
     batch_size: int = 256
@@ -176,6 +184,7 @@ class DQNConfig:
     gamma_schedule: bool = False
     cql_alpha_ramp: bool = False
     adaptive_epsilon_tau: bool = False
+    adaptive_atoms: bool = False
 
     # ------------------------------------------------------------------ validation
     def __post_init__(self) -> None:
@@ -274,6 +283,14 @@ class DQNConfig:
             raise ValueError(f"q_stats=True: branches[0]={self.branches[0]!r}; the exposure "
                              f"branch's Q statistics need {Q_STATS_ACTIONS} actions (short, flat, "
                              "long)")
+        if not isinstance(self.adaptive_atoms, bool):
+            raise ValueError(f"adaptive_atoms={self.adaptive_atoms!r}: must be True or False")
+        if self.adaptive_atoms and not self.q_stats:
+            raise ValueError("adaptive_atoms=True: needs q_stats=True (the producer of the "
+                             "support slots 23-30)")
+        if self.adaptive_atoms and self.c51_warmup_epochs:
+            raise ValueError(f"adaptive_atoms=True: c51_warmup_epochs={self.c51_warmup_epochs!r}"
+                             "; allowed 0 (the MSE warm-up reads the fixed support)")
         for name, minimum in (("iqn_quantiles", 1), ("iqn_embed", 1), ("ens_heads", 2),
                               ("aux_hidden", 1), ("n_regimes", 2)):
             require_int(name, getattr(self, name), minimum=minimum)

@@ -130,12 +130,12 @@ def run_producers(config, isv: np.ndarray, *, q_taken: np.ndarray, q_s: list[np.
                   grad_norm, loss, eps_schedule=EPS_SCHEDULE_COLD) -> np.ndarray:
     """The switched producers on ``isv`` (float32 [ISV_LEN]), in the module's order; returns
     the new vector. ``q_taken [nb, B]``, ``q_s`` (per branch ``[B, n_d]``, online Q(s)),
-    ``td [B]``, ``r [B]``, ``p_next [nb, B, NA]``, ``z [NA]`` (the support, tiled per branch),
+    ``td [B]``, ``r [B]``, ``p_next [nb, B, NA]``, ``z [NA]`` or ``[nb, NA]`` (the support, tiled per branch),
     ``grad_norm`` / ``loss`` (the step's readback values), ``eps_schedule`` (the trainer's
     ``(sched, cap)``)."""
     ab = isv_mod.ALPHA_BASE_DEFAULT
     if config.adaptive_signals:
-        zz = np.ascontiguousarray(np.broadcast_to(z, (config.n_branches, z.shape[0])))
+        zz = np.ascontiguousarray(np.broadcast_to(z, (config.n_branches, z.shape[-1])))
         signals = prod.isv_signal_build(isv, np.ascontiguousarray(q_taken), td, r, p_next, zz,
                                         grad_norm, loss)
         isv = isv_kernels.isv_signal_update(isv, signals, isv[isv_mod.SHARPE_EMA_INDEX], ab)

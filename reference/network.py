@@ -182,5 +182,7 @@ def trunk_backward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, a
 
 
 def q_values(config: DQNConfig, act: Activations, z: np.ndarray) -> list[np.ndarray]:
-    """Expected Q per branch, ``[N, n_d]`` each."""
-    return [distributional.expected_q(logp, z) for logp in act.logp]
+    """Expected Q per branch, ``[N, n_d]`` each, on the support ``z``: ``[NA]`` shared by every
+    branch, or ``[n_branches, NA]`` (branch d on ``z[d]``, ``DQNConfig.adaptive_atoms``)."""
+    zs = [z] * len(act.logp) if z.ndim == 1 else list(z)
+    return [distributional.expected_q(logp, zd) for logp, zd in zip(act.logp, zs)]

@@ -181,7 +181,8 @@ SENTINELS: tuple[SentinelSlot, ...] = (
         "Mech 1-clipped scalar targets [B, n_branches]"),
     _th(47, "atom_span_max", "support", "loss",
         ThresholdRule(ATOM_SPAN_DIAG_MULT, "Q_ABS_REF", 1, None),
-        "atom positions z (Mech 2; fixed [v_min, v_max] here, so only a mis-sized support fires)"),
+        "the step's per-branch atom positions z [n_branches, NA] (Mech 2: the live support "
+        "of adaptive_atoms, else the fixed [v_min, v_max])"),
     _th(48, "iqn_weight_max", "params[iqn]", "optimizer", _WEIGHT,
         "max |w| of the IQN head parameters (Mech 5)"),
     _th(49, "h2_max_abs", "h2", "forward",

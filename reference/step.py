@@ -16,7 +16,12 @@ Mech 1 (target-Q clip): the scalar target ``r + gamma_d (1-done) E_{p'}[z]`` (``
 effective gamma for n-step batches; the MSE warm-up's target too) is formed once here,
 clipped to ``target_q_clip_mult * max(ISV[Q_ABS_REF], 1)``, and reported (``target_q``); the C51
 distributional target itself is bounded by the support clip inside ``c51_project``.
-Mech 2 (atom growth bound) has nothing to bound here: the support is fixed at ``[v_min, v_max]``.
+Mech 2 (atom growth bound): with ``adaptive_atoms`` off the support is fixed at ``[v_min,
+v_max]`` and there is nothing to bound; with it on, branch d's support is the live support
+``z[d]`` of ``kernels.live_support`` (built from the ISV at the start of the step, Mech 2's
+consumer site), and every per-branch consumer reads it: the projection (targets clipped into
+``[z[d, 0], z[d, -1]]``), the expected Q (``q_values``), the CQL gradient and the scalar
+targets (``step_supports``).
 
 The step kernels' reference twins (``kernels.step``) do the jobs they share with the fast step:
 the double-DQN choice and gathers, the TD errors' branch mean (and, in ``network.backward``, the
@@ -47,7 +52,7 @@ from .batch import Batch
 from .config import DQNConfig
 from .iqn_head import iqn_loss_and_grads
 from .kernels import aux as aux_kernels
-from .kernels import distributional, safety, wave
+from .kernels import distributional, live_support, safety, wave
 from .kernels import step as step_kernels
 from .layout import ParamLayout
 from .network import Activations, backward, forward, q_values
@@ -55,6 +60,21 @@ from .network import Activations, backward, forward, q_values
 
 def support(config: DQNConfig) -> np.ndarray:
     return distributional.support(config.v_min, config.v_max, config.num_atoms)
+
+
+def step_supports(config: DQNConfig, isv: np.ndarray) -> live_support.LiveSupport:
+    """Every branch's support for a step (or a Q read) starting from ``isv``: with
+    ``adaptive_atoms`` the live support (``live_support.live_support_build``), else the fixed
+    ``support(config)`` on every branch with bounds ``(v_min, v_max, dz)`` in float32 (the
+    projection's arguments of the fixed support, bit for bit)."""
+    nb, na = config.n_branches, config.num_atoms
+    if config.adaptive_atoms:
+        return live_support.live_support_build(np.asarray(isv, np.float32), nb, na,
+                                               config.atom_growth_mult)
+    lo, hi = np.float32(config.v_min), np.float32(config.v_max)
+    bounds = np.tile(np.array([lo, hi, distributional.atom_spacing(lo, hi, na)], np.float32),
+                     (nb, 1))
+    return live_support.LiveSupport(z=np.tile(support(config), (nb, 1)), bounds=bounds)
 
 
 def check_n_step(config: DQNConfig, n_step) -> bool:
@@ -106,7 +126,8 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     ``[B, n_branches]`` (Mech 1-clipped scalar targets), ``q_taken`` ``[B, n_branches]``,
     ``a_star`` ``[B, n_branches]``, ``q_s`` (online Q(s) per branch, ``[B, n_d]``), ``p_next``
     ``[n_branches, B, NA]`` (the target distributions at ``a*``), the activations of the three passes (``online``,
-    ``online_next``, ``target_next``), per-branch ``logp``, ``m``, ``dlogits_c51``,
+    ``online_next``, ``target_next``), ``support`` (``step_supports``: the step's per-branch
+    support ``z [n_branches, NA]`` and bounds), per-branch ``logp``, ``m``, ``dlogits_c51``,
     ``dlogits_cql``, and each backward's intermediate gradients (``trace_c51``, ``trace_cql``:
     ``d_value_logits``, ``d_adv_logits``, ``d_h2``; ``trace_c51`` also ``d_h2_post_aux`` with
     the auxiliary heads on). Second wave: ``c51_loss`` is the blended loss and ``mse`` the
@@ -118,7 +139,10 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     layout = layout or ParamLayout(config)
     batch.validate(config)
     B, nb = config.batch_size, config.n_branches
-    z = support(config)
+    if isv is None:
+        isv = isv_mod.bus_for(config).to_array()
+    supports = step_supports(config, isv)
+    zs = supports.z  # [nb, NA]: branch d's support
     scale = np.float32(1.0 / (B * nb))
     alpha = np.float32(config.cql_alpha)
     q_bound_mult = np.float32(config.target_q_clip_mult)
@@ -130,8 +154,8 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     # The double-DQN choice and its gathers for every branch at once (the step kernel's
     # branch-packed layout: branch d's block holds the rows of Q(s) then Q(s2), and the
     # target(s2) log-probabilities of its actions).
-    q_s = q_values(config, online, z)
-    q_s2 = q_values(config, online_next, z)
+    q_s = q_values(config, online, zs)
+    q_s2 = q_values(config, online_next, zs)
     q_online = np.concatenate([np.concatenate([q, q2]).ravel() for q, q2 in zip(q_s, q_s2)])
     logp_target = np.concatenate([lp.reshape(B * lp.shape[1], -1) for lp in target_next.logp])
     gather = step_kernels.double_dqn_gather_branches(
@@ -147,8 +171,9 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
     for d, gamma in enumerate(config.gammas):
         actions = batch.a[:, d]
         p_next = gather.p_next[d]
+        z = zs[d]
         m = distributional.c51_project(p_next, batch.r, batch.done, np.float32(gamma), z,
-                                       np.float32(config.v_min), np.float32(config.v_max),
+                                       supports.bounds[d, 0], supports.bounds[d, 1],
                                        discount, gamma_ref)
         ce_parts[d], total = distributional.c51_loss(online.logp[d], actions, m, batch.isw, scale)
         dl_c51 = distributional.c51_grad(online.logp[d], actions, m, batch.isw, scale)
@@ -167,8 +192,6 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         out["dlogits_c51"].append(dl_c51)
         out["dlogits_cql"].append(dl_cql)
 
-    if isv is None:
-        isv = isv_mod.bus_for(config).to_array()
     epoch = float(isv[isv_mod.EPOCH_IDX_INDEX])
     h2_rms = float(isv[isv_mod.H_S2_RMS_EMA_INDEX])
     out.update(mse=None, aux=None, iqn=None, ens=None)
@@ -214,6 +237,7 @@ def loss_and_grads(config: DQNConfig, params: np.ndarray, target_params: np.ndar
         online_next=online_next,
         target_next=target_next,
         logp=online.logp,
+        support=supports,
     )
     if config.iqn_on:
         out["iqn"] = iqn_loss_and_grads(config, layout, params, target_params, online, target_next,

@@ -47,7 +47,7 @@ from .kernels import isv as isv_kernels
 from .kernels import step as step_kernels
 from .layout import ParamLayout, init_params
 from .network import forward, q_values
-from .step import loss_and_grads, support
+from .step import loss_and_grads, step_supports
 
 #: The Mech 6 slow grad-norm EMA lives in this ISV slot (CrossFold: kept at fold boundaries).
 SLOW_EMA = "GRAD_NORM_SLOW_EMA"
@@ -65,7 +65,6 @@ class Trainer(TrainerBackend):
         self.config = config
         self.seed = int(seed)
         self.layout = ParamLayout(config)
-        self.z = support(config)
         self.params = init_params(self.layout, seed)
         self.target = self.params.copy()
         self.adam_m = self.layout.zeros()
@@ -191,7 +190,7 @@ class Trainer(TrainerBackend):
             rb = step_kernels.READBACK_INDEX
             vec = isv_step.run_producers(
                 c, vec, q_taken=out["q_taken"].T, q_s=out["q_s"], td=out["td_errors"],
-                r=batch.r, p_next=out["p_next"], z=self.z,
+                r=batch.r, p_next=out["p_next"], z=out["support"].z,
                 grad_norm=end.readback[rb["grad_norm"]], loss=end.readback[rb["loss"]],
                 eps_schedule=self._eps_schedule)
         self.isv.from_array(vec)
@@ -304,7 +303,9 @@ class Trainer(TrainerBackend):
             "trunk_weight_max": self.params[group["trunk"]],
             "heads_weight_max": self.params[heads],
             "target_q_post_clip": out["target_q"],
-            "atom_span_max": self.z,
+            # The step's per-branch live support (Mech 2), or the fixed one (one row).
+            "atom_span_max": out["support"].z if self.config.adaptive_atoms
+            else out["support"].z[0],
             "h2_max_abs": out["online"].h2,
         }
 
@@ -341,7 +342,7 @@ class Trainer(TrainerBackend):
         states = np.ascontiguousarray(states, dtype=np.float32)
         h2_bound = self._bound(self.config.h2_clamp_mult, "H_S2_RMS_EMA")
         act = forward(self.config, self.layout, self.params, states, h2_bound=h2_bound)
-        return q_values(self.config, act, self.z)
+        return q_values(self.config, act, step_supports(self.config, self.isv.to_array()).z)
 
     # ------------------------------------------------------------------ state exchange
     def state_dict(self) -> dict[str, np.ndarray]:

@@ -45,6 +45,18 @@ CHANGED = {
     "adaptive_signals": True, "q_stats": True, "gamma_schedule": True,
     "cql_alpha_ramp": True,           # ISV 48 ramps toward cql_alpha (1 - ISV[41]) (41 = 0.5)
     "adaptive_epsilon_tau": True,     # ISV 41/42 written; Polyak reads 42 (0 in the state)
+    "adaptive_atoms": True,           # the live support of ISV 23-30 (its PREREQUISITES on)
+}
+
+#: field -> the fields its changed value needs (a one-line error otherwise): the step with the
+#: changed value is compared with the step of ``BASE`` with these alone.
+PREREQUISITES = {
+    "adaptive_atoms": {"q_stats": True, "c51_warmup_epochs": 0},
+}
+#: field -> ISV slots set in the shared state before both steps: the support slots away from
+#: their cold start (which is the fixed support itself).
+STATE_ISV = {
+    "adaptive_atoms": {"V_CENTER_DIR": 0.5, "V_HALF_DIR": 3.0, "V_HALF_ORD": 20.0},
 }
 
 #: field -> (a valid changed value, why it does not change the step).
@@ -77,10 +89,13 @@ def _start() -> tuple[dict, Batch]:
 STATE, BATCH = _start()
 
 
-def _step(config: DQNConfig, batch: Batch) -> tuple[dict, tuple]:
-    """One step of ``config`` from ``STATE``: the state's bits after it and the read scalars."""
+def _step(config: DQNConfig, batch: Batch, isv: dict | None = None) -> tuple[dict, tuple]:
+    """One step of ``config`` from ``STATE`` (its ISV slots ``isv`` set first): the state's bits
+    after it and the read scalars."""
     trainer = Trainer(config, seed=3)
     trainer.load_state_dict({k: v.copy() for k, v in STATE.items()})
+    for name, value in (isv or {}).items():
+        trainer.isv.set(name, value)
     scalars = trainer.step(batch)
     values = tuple(getattr(scalars, f) for f in READBACK_FIELDS)
     return {k: v.tobytes() for k, v in trainer.state_dict().items()}, (values, scalars.flags,
@@ -97,9 +112,12 @@ BASE_RESULT = _step(BASE, BATCH)
 
 @pytest.mark.parametrize("field", sorted(CHANGED))
 def test_changing_a_field_changes_the_step(field):
-    config = BASE.replace(**{field: CHANGED[field]})
-    assert getattr(config, field) != getattr(BASE, field)
-    if not _same_state_shape(BASE, config):
+    base = BASE.replace(**PREREQUISITES.get(field, {}))
+    isv = STATE_ISV.get(field)
+    base_result = BASE_RESULT if base == BASE and not isv else _step(base, BATCH, isv)
+    config = base.replace(**{field: CHANGED[field]})
+    assert getattr(config, field) != getattr(base, field)
+    if not _same_state_shape(base, config):
         # The field shapes the parameters: the step has other tensors. It still trains.
         assert ParamLayout(config).canonical() != ParamLayout(BASE).canonical()
         trainer = Trainer(config, seed=3)
@@ -111,8 +129,8 @@ def test_changing_a_field_changes_the_step(field):
     if field == "batch_size":  # the same samples, fewer of them
         batch = Batch(*(None if x is None else x[:config.batch_size]
                         for x in dataclasses.astuple(BATCH)))
-    state, scalars = _step(config, batch)
-    assert (state, scalars[:2]) != (BASE_RESULT[0], BASE_RESULT[1][:2]), \
+    state, scalars = _step(config, batch, isv)
+    assert (state, scalars[:2]) != (base_result[0], base_result[1][:2]), \
         f"{field}={CHANGED[field]!r} changed nothing in the step"
 
 

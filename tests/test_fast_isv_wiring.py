@@ -21,6 +21,9 @@ TRAJECTORY_STEPS = 300
 PRODUCER_KERNELS = {"isv_signal_build", "isv_signal_update", "q_stats_update",
                     "q_quantile_update", "adaptive_support_update", "per_branch_gamma_update",
                     "epsilon_tau_update", "cql_alpha_ramp"}
+#: Every issue-19 switch: the producers' and the live per-branch support (``adaptive_atoms``,
+#: a consumer of q_stats' slots 23-30).
+EVERY_SWITCH = {**{name: True for name in ADAPTIVE_SWITCHES}, "adaptive_atoms": True}
 #: The loop's exploration schedule of the compared steps (sched, cap): ``set_loop_signals``.
 EPSILON = (0.4, 1.0)
 
@@ -52,9 +55,8 @@ def _start(config, steps, seed=0):
 @pytest.mark.parametrize("switch", [*ADAPTIVE_SWITCHES, "all"])
 @pytest.mark.parametrize("steps", [0, 2], ids=["fresh", "warm"])
 def test_one_step_with_a_switch_on_matches_the_reference(switch, steps):
-    on = ADAPTIVE_SWITCHES if switch == "all" else (switch,)
-    config = DQNConfig.preset("tiny", precision="f32", readback_interval=1,
-                              **{name: True for name in on})
+    on = EVERY_SWITCH if switch == "all" else {switch: True}
+    config = DQNConfig.preset("tiny", precision="f32", readback_interval=1, **on)
     t, rng = _start(config, steps)
     _compare(config, t.state_dict(), Batch.random(config, rng))
 
@@ -62,8 +64,7 @@ def test_one_step_with_a_switch_on_matches_the_reference(switch, steps):
 def test_a_trajectory_one_step_at_a_time_stays_within_the_bounds():
     """SPEC 8: the reference walks; at every step the fast step from the reference's state is
     compared with the reference's (every switch on, the ISV's producer slots bounded)."""
-    config = DQNConfig.preset("tiny", precision="f32", readback_interval=1,
-                              **{name: True for name in ADAPTIVE_SWITCHES})
+    config = DQNConfig.preset("tiny", precision="f32", readback_interval=1, **EVERY_SWITCH)
     t, rng = _start(config, 0, seed=4)
     for _ in range(TRAJECTORY_STEPS):
         state, batch = t.state_dict(), Batch.random(config, rng)
@@ -114,7 +115,7 @@ def _launches(trainer, build=graph2_ops):
 
 
 # ------------------------------------------------------------------ fold resets, collectors
-ALL_ON = {name: True for name in ADAPTIVE_SWITCHES}
+ALL_ON = EVERY_SWITCH
 
 
 @pytest.mark.parametrize("backend", [Trainer, CpuTrainer], ids=["reference", "fast-cpu"])

@@ -763,7 +763,7 @@ def test_kernels_registry():
     assert set(dist.KERNELS) == {
         "dueling_combine", "dueling_combine_backward", "log_softmax_atoms", "expected_q",
         "double_dqn_select", "c51_project", "c51_loss", "c51_grad", "cql_logit_grad",
-        "log_softmax_expected_q", "c51_project_grad",
+        "log_softmax_expected_q", "c51_project_grad", "c51_project_grad_live",
     }
     for name, fn in dist.KERNELS.items():
         assert fn.__name__ == name and fn is getattr(dist, name)
@@ -779,6 +779,9 @@ FUSED_PTX_PARAMS = {
     "log_softmax_expected_q": ("u64",) * 4 + ("u32",) * 3,
     # ... then the n-step scalars gamma_ref (f32) and n_step_on (u32) after the configuration.
     "c51_project_grad": ("u64",) * 12 + ("u32",) * 3 + ("f32",) * 4 + ("u32",),
+    # adaptive_atoms: the support's bounds through a pointer (no v_min / v_max / dz values).
+    "c51_project_grad_live": ("u64",) * 13 + ("u32",) * 3 + ("f32", "u32"),
+    "live_support_build": ("u64",) * 4 + ("u32",) * 5 + ("f32",),
 }
 
 

@@ -195,6 +195,24 @@ def _sc_log_softmax_q(kwargs, expected):
             "q": reduction(x.shape[-1], maxabs(kwargs["z"]))}
 
 
+def _s_project_grad_live(d: Dims, rng) -> Kwargs:
+    """``_s_project_grad`` on one branch of a live support (off-centre and narrower or wider
+    than the fixed one, so some targets clip at both ends)."""
+    from foxhunt.conformance.specs.live_support import _s_live_support
+    from foxhunt.reference.kernels.live_support import live_support_build
+
+    kwargs = _s_project_grad(d, rng)
+    isv = _s_live_support(d, rng)["isv"]
+    live = live_support_build(isv, 1, d.atoms, 100.0)
+    del kwargs["v_min"], kwargs["v_max"]
+    return {**kwargs, "z": live.z[0].copy(), "bounds": live.bounds[0].copy()}
+
+
+def _sc_project_grad_live(kwargs, expected):
+    lo, hi = kwargs["bounds"][:2]
+    return _sc_project_grad({**kwargs, "v_min": lo, "v_max": hi}, expected)
+
+
 def _sc_project_grad(kwargs, expected):
     isw_scale = maxabs(kwargs["isw"]) * maxabs(kwargs["scale"])
     m_bound = _project_bound(kwargs)
@@ -346,6 +364,22 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: replace(k, isw=k["isw"][:-1]),
         ),
         scales=_sc_project_grad,
+    ),
+    # c51_project_grad on a live support (adaptive_atoms): the bounds through a pointer
+    SpecEntry(
+        name="c51_project_grad_live",
+        outputs={"m": f32(REDUCTION), "dlogits": f32(REDUCTION)},
+        sample=_s_project_grad_live,
+        targets=("p_next", "r", "done", "gamma", "logp", "isw", "scale", "discount"),
+        errors=error_cases(
+            _s_project_grad_live,
+            lambda k: replace(k, bounds=k["bounds"][:2]),
+            lambda k: replace(k, bounds=k["bounds"] * F32(2)),
+            lambda k: replace(k, bounds=k["bounds"][[1, 0, 2]]),
+            lambda k: wrong_dtype(k, "bounds"),
+            lambda k: replace(k, r=k["r"][:-1]),
+        ),
+        scales=_sc_project_grad_live,
     ),
     SpecEntry(
         name="cql_logit_grad",

@@ -43,6 +43,7 @@ from foxhunt.reference.kernels.distributional import (
     validate_c51_project,
     validate_discount,
     validate_c51_project_grad,
+    validate_c51_project_grad_live,
     validate_cql_logit_grad,
     validate_double_dqn_select,
     validate_dueling_combine,
@@ -375,6 +376,44 @@ def c51_project_grad(
     return C51ProjectGrad(m=m, dlogits=dlogits)
 
 
+def plan_c51_project_grad_live(batch: int, num_actions: int, num_atoms: int) -> Plan:
+    """``c51_project_grad``'s plan (the same body)."""
+    return plan_c51_project_grad(batch, num_actions, num_atoms)
+
+
+def c51_project_grad_live(
+    p_next: np.ndarray,
+    r: np.ndarray,
+    done: np.ndarray,
+    gamma,
+    z: np.ndarray,
+    bounds: np.ndarray,
+    logp: np.ndarray,
+    actions: np.ndarray,
+    isw: np.ndarray,
+    scale,
+    discount: np.ndarray | None = None,
+    gamma_ref=None,
+) -> C51ProjectGrad:
+    """Fast ``c51_project_grad_live``: ``C51ProjectGrad(m, dlogits)``, bitwise
+    ``c51_project_grad`` with ``v_min, v_max, dz = bounds`` (read on the device)."""
+    (g, _lo, _hi, _dz), s = validate_c51_project_grad_live(
+        p_next, r, done, gamma, z, bounds, logp, actions, isw, scale, discount, gamma_ref)
+    check_elements("p_next", p_next)
+    check_elements("logp", logp)
+    batch, num_actions, num_atoms = logp.shape
+    if batch == 0:
+        return C51ProjectGrad(m=np.zeros((0, num_atoms), dtype=F32),
+                              dlogits=np.zeros(logp.shape, dtype=F32))
+    grid, block, shared = plan_c51_project_grad_live(batch, num_actions, num_atoms)
+    disc, ref, on = n_step_args(discount, gamma_ref, batch)
+    m, dlogits = call("c51_project_grad_live", grid, block, In(p_next), In(r), In(done),
+                      device_scalar(g), In(z), In(bounds), In(logp), In(actions), In(isw),
+                      device_scalar(s), disc, Out((batch, num_atoms), F32), Out(logp.shape, F32),
+                      batch, num_actions, num_atoms, ref, on, shared_mem=shared)
+    return C51ProjectGrad(m=m, dlogits=dlogits)
+
+
 KERNELS = {
     "dueling_combine": dueling_combine,
     "dueling_combine_backward": dueling_combine_backward,
@@ -387,4 +426,5 @@ KERNELS = {
     "cql_logit_grad": cql_logit_grad,
     "log_softmax_expected_q": log_softmax_expected_q,
     "c51_project_grad": c51_project_grad,
+    "c51_project_grad_live": c51_project_grad_live,
 }

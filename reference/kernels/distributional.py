@@ -622,6 +622,48 @@ def c51_project_grad(
     return C51ProjectGrad(m=m, dlogits=c51_grad(logp, actions, m, isw, scale))
 
 
+def validate_c51_project_grad_live(
+    p_next, r, done, gamma, z, bounds, logp, actions, isw, scale, discount=None, gamma_ref=None
+) -> tuple[ProjectArgs, np.float32]:
+    """The argument checks of ``c51_project_grad_live``: ``bounds`` float32 ``[3]`` holding a
+    live support's ``(v_min, v_max, dz)`` (``live_support_build``: finite, ``v_min < v_max``,
+    ``dz = atom_spacing(v_min, v_max, NA)``, else ValueError), then ``c51_project_grad``'s
+    checks with ``v_min, v_max = bounds[:2]``."""
+    _require_vector("bounds", bounds, 3, "[3], a live support's (v_min, v_max, dz)")
+    out = validate_c51_project_grad(p_next, r, done, gamma, z, bounds[0], bounds[1], logp,
+                                    actions, isw, scale, discount, gamma_ref)
+    if bounds[2] != out[0].dz:
+        raise ValueError(f"bounds: dz {bounds[2]!r} is not the spacing {out[0].dz!r} of "
+                         f"[{bounds[0]!r}, {bounds[1]!r}] (live_support_build writes it)")
+    return out
+
+
+@ieee
+def c51_project_grad_live(
+    p_next: np.ndarray,
+    r: np.ndarray,
+    done: np.ndarray,
+    gamma,
+    z: np.ndarray,
+    bounds: np.ndarray,
+    logp: np.ndarray,
+    actions: np.ndarray,
+    isw: np.ndarray,
+    scale,
+    discount: np.ndarray | None = None,
+    gamma_ref=None,
+) -> C51ProjectGrad:
+    """``c51_project_grad`` on a live support (``DQNConfig.adaptive_atoms``): ``z [NA]`` one
+    branch's row of ``live_support_build``'s ``z`` and ``bounds [3]`` its ``(v_min, v_max,
+    dz)``, which the device reads through a pointer (no host value). Formulas, shapes and the
+    NaN contract are ``c51_project_grad``'s with ``v_min, v_max = bounds[0], bounds[1]`` (the
+    targets clipped into the branch's live range)."""
+    validate_c51_project_grad_live(p_next, r, done, gamma, z, bounds, logp, actions, isw, scale,
+                                   discount, gamma_ref)
+    return c51_project_grad(p_next, r, done, gamma, z, bounds[0], bounds[1], logp, actions, isw,
+                            scale, discount, gamma_ref)
+
+
 KERNELS = {
     "dueling_combine": dueling_combine,
     "dueling_combine_backward": dueling_combine_backward,
@@ -634,4 +676,5 @@ KERNELS = {
     "cql_logit_grad": cql_logit_grad,
     "log_softmax_expected_q": log_softmax_expected_q,
     "c51_project_grad": c51_project_grad,
+    "c51_project_grad_live": c51_project_grad_live,
 }
