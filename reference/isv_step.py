@@ -10,7 +10,8 @@ bitwise the step without them):
   ``isv_signal_update`` (slots 0-12, adaptive rate from ``ISV[SHARPE_EMA]``).
 * ``q_stats``: ``q_stats_update`` on the exposure branch's online Q(s) (slots 17-21),
   ``q_quantile_update`` on each branch's online Q(s) (50-57), then
-  ``adaptive_support_update`` (23-30; not consumed yet: the per-branch support is part three).
+  ``adaptive_support_update`` (23-30; consumed with ``adaptive_atoms`` on: the live
+  per-branch support, ``kernels.live_support``).
 * ``gamma_schedule``: ``per_branch_gamma_update`` (43-46, the seed's schedule
   ``isv.GAMMA_SCHEDULE_BASE`` -> ``GAMMA_SCHEDULE_MAX`` over ``EPOCH_IDX / (TOTAL_EPOCHS -
   1)``); consumer: the C51 projection, the scalar targets and the IQN targets discount

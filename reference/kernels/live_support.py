@@ -20,13 +20,16 @@ z_j   = c + h * t_j                                           j = 0 .. NA-1
 lo, hi = z_0, z_{NA-1};  dz = (hi - lo) / (NA - 1)            (distributional.atom_spacing)
 ```
 
-``t_0 = -1`` and ``t_{NA-1} = 1`` exactly. Mech 2's consumer site: every atom satisfies
-``|z_j| <= bound`` (up to one rounding of ``c + h``) whatever the slots hold, so the producer's
-bound (``isv_producers.adaptive_support_update``, the other site) is re-applied with the
-``Q_ABS_REF`` of this step. The floor keeps the support from degenerating: ``h >= bound/1024``
-and ``|c| <= bound``, so the spacing ``2 h / (NA - 1)`` exceeds 2^-19 ``bound`` (for ``NA <=
-1025``), far above the rounding of ``c + h t`` (about 2^-24 ``bound``): the atoms are strictly
-increasing and ``dz > 0``. With the ISV at its cold start (``isv.config_cold_starts``: centre
+``t_0 = -1`` and ``t_{NA-1} = 1`` exactly. Mech 2: every atom satisfies ``|z_j| <= bound``
+(up to one rounding of ``c + h``) whatever the slots hold; the producer's bound is re-applied
+with the ``Q_ABS_REF`` of this moment. The seeds' three Mech 2 sites map to: the support's
+producer (``atoms_update_kernel`` -> ``isv_producers.adaptive_support_update``), the learner's
+per-sample support (``iql_value_kernel`` -> this kernel at the start of each step) and the
+collector's act (``experience_kernels`` -> this kernel at the start of the greedy forward).
+The floor keeps the support from degenerating: ``h >= bound/1024`` and ``|c| <= bound``, so
+the spacing ``2 h / (NA - 1)`` exceeds 2^-19 ``bound`` (for ``NA <= 1025``), far above the
+rounding of ``c + h t`` (about 2^-24 ``bound``): the atoms are strictly increasing and
+``dz > 0``. With the ISV at its cold start (``isv.config_cold_starts``: centre
 ``(v_min + v_max)/2``, half ``(v_max - v_min)/2``) the support is ``[v_min, v_max]`` up to
 rounding (the config checks ``|v| <= atom_growth_mult``).
 
