@@ -304,3 +304,42 @@ def test_fold_reset_of_the_support_slots_in_both_backends(backend):
     idx = [*isv_mod.V_CENTER_INDICES, *isv_mod.V_HALF_INDICES]
     assert [moved[i] for i in idx] != [2.0] * 4 + [5.0] * 4
     assert [v[i] for i in idx] == [2.0] * 4 + [5.0] * 4
+
+
+def test_graph_mode_walk_acts_on_the_live_support():
+    """The evaluator's graph-mode walk (the greedy forward per bar, its own live support from
+    the ISV) equals the reference walk, whose q_values read the live support, with the cold
+    support and with a planted one. (Branch d's support is affine in t with h > 0, so its
+    argmax, hence the walk, is the same on both: the support reaches the policy through the
+    learning targets; Q itself differs, test_fast_step_on_the_live_support...)"""
+    from foxhunt.fast.cpu_executor import CpuTrainer
+    from foxhunt.fast.evaluator import DeviceEvaluator
+    from foxhunt.reference import loop
+    from foxhunt.reference.kernels import env as env_kernels
+    from foxhunt.reference.market import SyntheticMarket, market_features
+    from foxhunt.reference.metrics import bar_seconds, bars_per_year
+
+    config = DQNConfig.preset("tiny", q_stats=True, adaptive_atoms=True)
+    trainer = CpuTrainer(config, seed=5)
+    gen = np.random.default_rng(1)
+    for _ in range(3):
+        trainer.step(Batch.random(config, gen))
+    bars = SyntheticMarket(7, 700).generate()
+    feats = market_features(bars, loop.choose_windows(config.state_dim))
+    per_year = bars_per_year(bar_seconds(bars.timestamp))
+    segment = (500, 560)
+    ev = DeviceEvaluator(trainer, env_kernels.market_tables(bars, feats), max_steps=60, chunk=8)
+    try:
+        for planted in (False, True):
+            if planted:
+                state = trainer.state_dict()
+                for name, value in (("V_CENTER_DIR", 5.0), ("V_HALF_DIR", 0.5)):
+                    state["isv"][isv_mod.slot(name).index] = value
+                trainer.load_state_dict(state)
+            got = ev.walk(*segment, per_year, equity=True).rewards
+            want = loop.evaluate(trainer, bars, feats, config.state_dim, config.branches,
+                                 *segment)
+            assert np.array_equal(got.astype(np.float64), want["rewards"])
+    finally:
+        ev.close()
+        trainer.close()
