@@ -35,7 +35,10 @@
 // That is env_act, env_step, nstep_window (out_* = the ring rows), replay_add(n_valid = m) and
 // the copy obs <- obs_next, bit for bit. Exact but for env_step's tanh columns (CUDA tanhf).
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void collect_transition(
+// __launch_bounds__(1024, 1): the plan launches up to COLLECT_MAX_THREADS = 1024 threads (one
+// block); without the bound ptxas may use more than 64 registers a thread and the launch fails
+// with CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (seen on the H200).
+extern "C" __global__ void __launch_bounds__(1024, 1) collect_transition(
     const float* __restrict__ q, const int* __restrict__ n_actions,
     const int* __restrict__ action_offset, int n_branches, const float* __restrict__ eps,
     unsigned int key_lo, unsigned int key_hi, unsigned int explore_stream,
