@@ -374,7 +374,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
         errors=error_cases(
             _s_project_grad_live,
             lambda k: replace(k, bounds=k["bounds"][:2]),
-            lambda k: replace(k, bounds=k["bounds"] * F32(2)),
+            lambda k: replace(k, bounds=k["bounds"] * np.array([1, 1, 1.5], F32)),
             lambda k: replace(k, bounds=k["bounds"][[1, 0, 2]]),
             lambda k: wrong_dtype(k, "bounds"),
             lambda k: replace(k, r=k["r"][:-1]),
