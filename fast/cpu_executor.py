@@ -157,9 +157,12 @@ class CpuGemm:
 
     def __init__(self, m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None,
                  lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0, min_alignment=256,
-                 workspace_limit=0):
+                 workspace_limit=0, heuristic=None):
         from foxhunt.fast.gemm import GemmSpec
 
+        #: ``GemmPlan.heuristic``'s place: the CPU chooses no algorithm (``PlanCache`` passes
+        #: back what it got).
+        self.heuristic = heuristic
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc, alpha, beta)
         if min_alignment not in (4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"min_alignment: {min_alignment!r} is not a power of two in [4, 256]")

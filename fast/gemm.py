@@ -326,7 +326,8 @@ class GemmPlan:
 
     def __init__(self, device, m, n, k, *, trans_a=False, trans_b=False, precision="f32",
                  epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
-                 min_alignment: int = 256, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT):
+                 min_alignment: int = 256, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
+                 heuristic: np.ndarray | None = None):
         self._objects: list[tuple] = []  # (destroy function, handle) for close()
         self._workspace = None
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
@@ -340,12 +341,12 @@ class GemmPlan:
         self._lt = lt
         self._handle = cublaslt_handle(device)
         try:
-            self._plan(lt, workspace_limit)
+            self._plan(lt, workspace_limit, heuristic)
         except BaseException:
             self.close()
             raise
 
-    def _plan(self, lt, workspace_limit: int) -> None:
+    def _plan(self, lt, workspace_limit: int, heuristic) -> None:
         spec, prob = self.spec, self.problem
         compute = CUBLAS_COMPUTE_32F_FAST_TF32 if spec.precision == "tf32" else CUBLAS_COMPUTE_32F
         in_type = CUDA_R_16BF if spec.precision == "bf16" else CUDA_R_32F
@@ -390,17 +391,21 @@ class GemmPlan:
                      pref_attr.MIN_ALIGNMENT_C_BYTES, pref_attr.MIN_ALIGNMENT_D_BYTES):
             set_pref(attr, self.min_alignment)
 
-        self._heuristic = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
-        found = np.zeros(1, dtype=np.int32)
-        self.device.make_current()
-        try:
-            lt.matmul_algo_get_heuristic(
-                self._handle, self._desc, self._layout_a, self._layout_b, self._layout_c,
-                self._layout_c, pref, 1, self._heuristic.ctypes.data, found.ctypes.data)
-        except Exception as exc:
-            raise GemmPlanError(f"cuBLASLt has no algorithm for {self.describe()}: {exc}") from exc
-        if found[0] < 1 or int(self._heuristic["state"][0]) != 0:
-            raise GemmPlanError(f"cuBLASLt has no algorithm for {self.describe()}")
+        if heuristic is not None:  # PlanCache: the algorithm cuBLASLt chose for an equal plan
+            self._heuristic = np.array(heuristic, dtype=lt.matmul_heuristic_result_dtype, copy=True)
+        else:
+            self._heuristic = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+            found = np.zeros(1, dtype=np.int32)
+            self.device.make_current()
+            try:
+                lt.matmul_algo_get_heuristic(
+                    self._handle, self._desc, self._layout_a, self._layout_b, self._layout_c,
+                    self._layout_c, pref, 1, self._heuristic.ctypes.data, found.ctypes.data)
+            except Exception as exc:
+                raise GemmPlanError(f"cuBLASLt has no algorithm for {self.describe()}: {exc}") \
+                    from exc
+            if found[0] < 1 or int(self._heuristic["state"][0]) != 0:
+                raise GemmPlanError(f"cuBLASLt has no algorithm for {self.describe()}")
         self._algo_ptr = self._heuristic.ctypes.data + self._heuristic.dtype.fields["algo"][1]
         self.workspace_nbytes = int(self._heuristic["workspace_size"][0])
         if self.workspace_nbytes:
@@ -414,6 +419,11 @@ class GemmPlan:
         return (f"GEMM m={s.m} n={s.n} k={s.k} trans_a={s.trans_a} trans_b={s.trans_b} "
                 f"precision={s.precision} epilogue={s.epilogue} lda={s.lda} ldb={s.ldb} "
                 f"ldc={s.ldc} alignment={self.min_alignment}")
+
+    @property
+    def heuristic(self) -> np.ndarray:
+        """cuBLASLt's chosen algorithm (a copy), to plan an equal GEMM without asking again."""
+        return self._heuristic.copy()
 
     def _check_ptr(self, name: str, ptr, alignment: int) -> int:
         if isinstance(ptr, bool) or not isinstance(ptr, (int, np.integer)) or ptr <= 0:
@@ -477,24 +487,26 @@ class GemmPlan:
 
 
 class PlanCache:
-    """A planner (``StepProgram``'s ``planner``) that plans each distinct GEMM once per process.
+    """A planner (``StepProgram``'s ``planner``) that asks cuBLASLt's heuristic once per
+    distinct GEMM.
 
-    ``PlanCache(make)`` with ``make(m, n, k, **kw)`` a planner (``functools.partial(GemmPlan,
-    device)``): a call with the same ``GemmSpec`` (shape, transposes, precision, epilogue,
-    strides, alpha, beta), ``min_alignment`` and ``workspace_limit`` as an earlier one returns
-    the plan made then, and a configuration ``make`` refused (``GemmPlanError``) is refused
-    again without asking. The seed step asks for 141 plans of far fewer distinct GEMMs (the
-    same layer shapes in the online, target and evaluation passes; profile on the H200).
-
-    Sharing a plan between GEMM records is sound: a plan's state is its algorithm (fixed per
-    spec) and the bias / aux pointers, which ``GemmPlan.run`` sets on the descriptor before
-    every ``cublasLtMatmul`` whose pointers differ from the last call's; the matmul reads the
-    descriptor when it is enqueued (or captured), so each record gets its own pointers."""
+    ``PlanCache(make)`` with ``make(m, n, k, heuristic=None, **kw)`` a planner
+    (``functools.partial(GemmPlan, device)``). Every call returns a NEW plan (its own
+    descriptors and workspace: two records of one shape may run at once on parallel graph
+    branches, and a shared workspace or descriptor would be a race); a call with the same
+    ``GemmSpec`` (shape, transposes, precision, epilogue, strides, alpha, beta),
+    ``min_alignment`` and ``workspace_limit`` as an earlier one passes the algorithm chosen
+    then (``plan.heuristic``) instead of asking again, and a configuration ``make`` refused
+    (``GemmPlanError``) is refused again without asking. The seed step asks for 141 plans of
+    far fewer distinct GEMMs (the same layer shapes in the online, target and evaluation
+    passes)."""
 
     def __init__(self, make):
         self._make = make
-        self._plans: dict = {}
+        self._algos: dict = {}  # key -> heuristic result, or the GemmPlanError
+        self.plans: list = []  # every plan made, for close()
         self.requests = 0  # planner calls, for the tests and the profile
+        self.queries = 0  # of which asked the heuristic
 
     @staticmethod
     def key(m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None, lda=None,
@@ -507,27 +519,27 @@ class PlanCache:
     def __call__(self, m, n, k, **kw):
         self.requests += 1
         key = self.key(m, n, k, **kw)
-        hit = self._plans.get(key)
-        if hit is None:
+        if key not in self._algos:
+            self.queries += 1
             try:
-                hit = self._make(m, n, k, **kw)
+                plan = self._make(m, n, k, **kw)
             except GemmPlanError as exc:
-                hit = exc
-            self._plans[key] = hit
-        if isinstance(hit, GemmPlanError):
-            raise GemmPlanError(str(hit))  # a new one: re-raising one object grows its traceback
-        return hit
-
-    @property
-    def plans(self) -> list:
-        """The distinct plans made (each once)."""
-        return [p for p in self._plans.values() if not isinstance(p, GemmPlanError)]
+                self._algos[key] = exc
+                raise
+            self._algos[key] = plan.heuristic
+        else:
+            known = self._algos[key]
+            if isinstance(known, GemmPlanError):
+                raise GemmPlanError(str(known))  # a new one: re-raising one grows its traceback
+            plan = self._make(m, n, k, heuristic=known, **kw)
+        self.plans.append(plan)
+        return plan
 
     def close(self) -> None:
         """Close every plan made (they are unusable after)."""
         for plan in self.plans:
             plan.close()
-        self._plans.clear()
+        self.plans.clear()
 
 
 def gemm(a: np.ndarray, b: np.ndarray, *, trans_a: bool = False, trans_b: bool = False,

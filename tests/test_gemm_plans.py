@@ -8,8 +8,15 @@ from foxhunt.fast.gemm import GemmPlanError, GemmSpec, PlanCache, import_without
 
 
 class FakePlan:
-    def __init__(self, m, n, k, **kw):
+    """A plan whose "algorithm" is the id of the request that asked for it."""
+    asked = 0
+
+    def __init__(self, m, n, k, heuristic=None, **kw):
         self.args = (m, n, k, kw)
+        if heuristic is None:
+            FakePlan.asked += 1
+            heuristic = ("algo", FakePlan.asked)
+        self.heuristic = heuristic
 
 
 def _counting(make):
@@ -21,23 +28,25 @@ def _counting(make):
     return planner, calls
 
 
-def test_equal_requests_share_one_plan_and_others_get_their_own():
+def test_equal_requests_reuse_the_algorithm_in_plans_of_their_own():
     planner, calls = _counting(FakePlan)
     cache = PlanCache(planner)
     a = cache(256, 512, 128, trans_b=True, precision="bf16", epilogue="relu_bias", min_alignment=256,
               workspace_limit=0)
-    # The same GEMM with the defaults spelled out (dense strides, alpha 1, beta 0): one plan.
+    # The same GEMM with the defaults spelled out (dense strides, alpha 1, beta 0): a new plan
+    # (its own descriptors and workspace) with the first one's algorithm, no second query.
     b = cache(256, 512, 128, trans_a=False, trans_b=True, precision="bf16", epilogue="relu_bias",
               lda=128, ldb=128, ldc=512, alpha=1.0, beta=0.0, min_alignment=256, workspace_limit=0)
-    assert b is a and len(calls) == 1
+    assert b is not a and b.heuristic == a.heuristic and cache.queries == 1
+    assert calls[1][3]["heuristic"] == a.heuristic and "heuristic" not in calls[0][3]
     base = {"trans_b": True, "precision": "bf16", "epilogue": "relu_bias", "min_alignment": 256,
             "workspace_limit": 0}
     others = [cache(256, 512, 128, **{**base, **change})
               for change in ({"beta": 1.0}, {"precision": "tf32"}, {"epilogue": "bias"},
                              {"trans_b": False}, {"ldc": 640}, {"min_alignment": 16},
                              {"workspace_limit": 1 << 20})]
-    assert len({id(p) for p in [a, *others]}) == 8 and len(calls) == 8
-    assert cache.requests == 9 and len(cache.plans) == 8
+    assert len({p.heuristic for p in [a, *others]}) == 8 and cache.queries == 8
+    assert cache.requests == 9 and len(cache.plans) == 9
     assert others[1].args[3]["precision"] == "tf32"  # each plan made from its own request
 
 
@@ -49,7 +58,7 @@ def test_a_refusal_is_remembered_and_raised_again():
     for _ in range(3):
         with pytest.raises(GemmPlanError, match="no algorithm for m=8"):
             cache(8, 8, 8, epilogue="drelu_bgrad")
-    assert len(calls) == 1 and cache.plans == []
+    assert len(calls) == 1 and cache.plans == [] and cache.queries == 1
 
 
 def test_the_key_is_the_validated_spec():
@@ -59,7 +68,7 @@ def test_the_key_is_the_validated_spec():
         PlanCache.key(4, 6, 8, precision="f16")
 
 
-def test_the_seed_step_plans_each_distinct_gemm_once(monkeypatch):
+def test_the_seed_step_asks_the_heuristic_once_per_distinct_gemm(monkeypatch):
     """The CPU executor builds the same plan as the GPU engine; through the cache, every
     record's plan has the spec it asked for, and the repeats are served from the cache."""
     from foxhunt.fast import cpu_executor
@@ -78,14 +87,20 @@ def test_the_seed_step_plans_each_distinct_gemm_once(monkeypatch):
     graphs = [*engine.plans["upload"], engine.plans["graph1"], engine.plans["graph2"]]
     records = [it for ops in graphs for it in ops.nodes() if isinstance(it, Gemm)]
     assert cache.requests == len(engine.program.plans) >= len(records) > 0
-    # A record shares its plan only with records of the same spec.
-    by_plan = {}
-    for it in records:
-        by_plan.setdefault(id(it.plan), set()).add(it.plan.spec)
-    assert all(len(specs) == 1 for specs in by_plan.values())
-    # Plans of one spec may still differ in their operands' alignment (an arena offset).
-    assert len({it.plan.spec for it in records}) <= len(by_plan) == len(cache.plans)
-    assert len(cache.plans) < len(records) <= cache.requests
+    # Every record has a plan of its own (no shared descriptors or workspace), of its spec.
+    assert len({id(it.plan) for it in records}) == len(records)
+    assert len(cache.plans) == cache.requests
+    # The heuristic was asked once per distinct request.
+    distinct = {PlanCache.key(p.spec.m, p.spec.n, p.spec.k, **_kw(p)) for p in cache.plans}
+    assert cache.queries == len(distinct) < cache.requests
+
+
+def _kw(plan) -> dict:
+    s = plan.spec
+    return {"trans_a": s.trans_a, "trans_b": s.trans_b, "precision": s.precision,
+            "epilogue": s.epilogue, "lda": s.lda, "ldb": s.ldb, "ldc": s.ldc, "alpha": s.alpha,
+            "beta": s.beta, "min_alignment": plan.min_alignment,
+            "workspace_limit": plan.workspace_limit}
 
 
 def test_import_without_package_init_skips_the_parents_code(tmp_path, monkeypatch):
