@@ -39,19 +39,22 @@ constexpr float kGammaFloor = 1e-6f;
 // The branch gamma an n-step transition's targets use (issue 22), shared by every target kernel
 // (c51_project, c51_project_grad, scalar_target_q_branches, iqn_quantile_huber):
 //   n_step_on == 0: gamma itself (discount is not read and may be null: today's floats);
-//   else n_eff = logf(fmaxf(discount[b], kDiscountFloor)) / logf(gamma_ref),
+//   else n_eff = logf(fminf(fmaxf(discount[b], kDiscountFloor), 1.0f)) / logf(gamma_ref),
 //        gamma_eff = powf(fmaxf(gamma, kGammaFloor), n_eff),
 // the reference's effective_gamma (np.log / np.power on float32: conformance bounds cover the
 // logf / powf ulps). gamma_ref in (0, 1) (validated on the host). fmaxf takes the non-NaN
 // operand, so a NaN discount or gamma is floored; the floors keep logf / powf finite for
-// discount <= 0 and gamma <= 0; an infinite discount or gamma reaches sample b's target only.
+// discount <= 0 and gamma <= 0; a discount above 1 (+Inf included) is clamped to 1 (n_eff = 0:
+// powf at float32's overflow edge rounds differently from numpy); an infinite gamma reaches
+// sample b's target only.
 static __device__ __forceinline__ float effective_gamma(float gamma,
                                                         const float* __restrict__ discount, int b,
                                                         float gamma_ref, int n_step_on) {
     if (n_step_on == 0) {
         return gamma;
     }
-    const float n_eff = __fdiv_rn(logf(fmaxf(discount[b], kDiscountFloor)), logf(gamma_ref));
+    const float n_eff = __fdiv_rn(logf(fminf(fmaxf(discount[b], kDiscountFloor), 1.0f)),
+                                  logf(gamma_ref));
     return powf(fmaxf(gamma, kGammaFloor), n_eff);
 }
 

@@ -128,9 +128,11 @@ def test_effective_gamma_floors_and_nan_contract():
         assert abs(float(got) - 1e-12) < 1e-17
     # discount = 1 means no discounting at all: n_eff = 0, gamma_eff = 1.
     assert dist.effective_gamma(F32(0.7), np.array([1.0], F32), ref)[0] == F32(1)
-    # +Inf reaches that sample only.
-    got = dist.effective_gamma(F32(0.99), np.array([np.inf, 0.81], F32), ref)
-    assert got[0] == np.inf and got[1] == dist.effective_gamma(F32(0.99), powers(ref, [2]), ref)[0]
+    # Above 1 (an invalid batch), +Inf and f32 max included, the discount counts as 1: n_eff = 0,
+    # gamma_eff = 1, instead of 0.99 ** -8828 at float32's overflow edge; other samples unchanged.
+    got = dist.effective_gamma(F32(0.99), np.array([np.inf, np.finfo(F32).max, 1.5, 0.81], F32), ref)
+    assert list(got[:3]) == [F32(1)] * 3
+    assert got[3] == dist.effective_gamma(F32(0.99), powers(ref, [2]), ref)[0]
     # 1-step: gamma itself, the discount not read.
     assert dist.effective_gamma(F32(0.99), None, None) == F32(0.99)
 

@@ -293,11 +293,12 @@ class TorchStep:
     def _gamma_eff(self, gamma: float, discount: torch.Tensor | None):
         """Branch gamma of the targets: ``gamma`` (1-step), or per sample ``fmax(gamma, 1e-6) **
         (log(fmax(discount, 1e-9)) / log(gamma_ref))`` ``[B]`` (n-step; the reference's
-        ``effective_gamma``)."""
+        ``effective_gamma``, whose discount is also clamped to at most 1)."""
         if discount is None:
             return gamma
         floor = torch.tensor(float(DISCOUNT_FLOOR), dtype=discount.dtype, device=discount.device)
-        n_eff = torch.log(torch.fmax(discount, floor)) / self.log_gamma_ref
+        n_eff = torch.log(torch.fmin(torch.fmax(discount, floor), torch.ones_like(floor))) \
+            / self.log_gamma_ref
         return torch.pow(max(gamma, float(GAMMA_FLOOR)), n_eff)
 
     def _project(self, p_next: torch.Tensor, r: torch.Tensor, done: torch.Tensor,

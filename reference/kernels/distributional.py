@@ -128,7 +128,7 @@ def validate_discount(discount, gamma_ref, batch: int) -> np.float32 | None:
 def effective_gamma(gamma, discount: np.ndarray | None, gamma_ref) -> np.ndarray:
     """The per-sample discount of an n-step transition, for a branch whose gamma is ``gamma``.
 
-    ``n_eff = log(fmax(discount, DISCOUNT_FLOOR)) / log(gamma_ref)``;
+    ``n_eff = log(fmin(fmax(discount, DISCOUNT_FLOOR), 1)) / log(gamma_ref)``;
     ``gamma_eff = fmax(gamma, GAMMA_FLOOR) ** n_eff``, each operation in float32 (``np.log`` /
     ``np.power`` here, ``logf`` / ``powf`` in the CUDA twin ``effective_gamma``: conformance
     bounds cover their ulps). A transition of ``k`` steps has ``discount = gamma_ref ** k``, so
@@ -141,16 +141,18 @@ def effective_gamma(gamma, discount: np.ndarray | None, gamma_ref) -> np.ndarray
     broadcast float32 (``[B]`` or ``[D, B]``). ``gamma_ref`` in ``(0, 1)`` (``validate_discount``).
     NaN/Inf contract: ``fmax`` takes the non-NaN operand, so a NaN ``discount`` or ``gamma``
     is floored (``discount -> 1e-9``, ``gamma -> 1e-6``) and the result stays finite; the floors
-    also keep it finite for ``discount <= 0`` (including -Inf) and ``gamma <= 0``. ``discount =
-    +Inf`` gives ``n_eff = -Inf`` and ``gamma_eff = +Inf`` (``gamma < 1``), ``gamma = +Inf`` gives
-    ``+Inf`` or 0: either reaches that sample's (that branch's) target only. A valid batch never
-    holds such a discount (``Batch.validate``).
+    also keep it finite for ``discount <= 0`` (including -Inf) and ``gamma <= 0``. A discount
+    above 1 (including +Inf) is clamped to 1 (``n_eff = 0``, ``gamma_eff = 1``): without the
+    clamp ``n_eff < 0`` puts ``gamma_eff`` at float32's overflow edge, where ``powf`` and
+    ``np.power`` may round to Inf or not (seen on the H200 with ``discount = f32 max``).
+    ``gamma = +Inf`` gives ``+Inf`` or 0: it reaches that branch's targets only. A valid batch
+    never holds a discount outside ``(0, 1]`` (``Batch.validate``).
     """
     g = np.asarray(gamma, dtype=F32)
     if discount is None:
         return g
     ref = np.float32(gamma_ref)
-    n_eff = np.log(np.fmax(discount, DISCOUNT_FLOOR)) / np.log(ref)
+    n_eff = np.log(np.fmin(np.fmax(discount, DISCOUNT_FLOOR), np.float32(1))) / np.log(ref)
     return np.power(np.fmax(g, GAMMA_FLOOR), n_eff).astype(F32, copy=False)
 
 
