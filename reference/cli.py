@@ -97,7 +97,32 @@ def _load_extra_commands() -> None:
             _EXTRA_COMMANDS.append(module.register)
 
 
+#: Set (to "1") by ``foxhunt sweep`` for the runs it starts: such a run asks the kernel to send it
+#: SIGTERM when the process that started it (the trial's Ray worker) dies, so a worker that is
+#: killed outright leaves no orphaned run on the GPU (Linux; elsewhere nothing happens).
+DIE_WITH_PARENT_ENV = "FOXHUNT_DIE_WITH_PARENT"
+
+
+def die_with_parent() -> None:
+    """``prctl(PR_SET_PDEATHSIG, SIGTERM)`` for this process (Linux only), then exit at once
+    if the parent is already gone (it may have died before the call)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import os
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1 = PR_SET_PDEATHSIG
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def main(argv: list[str] | None = None) -> int:
+    import os
+
+    if os.environ.get(DIE_WITH_PARENT_ENV) == "1":
+        die_with_parent()
     _load_extra_commands()
     args = build_parser().parse_args(argv)
     try:

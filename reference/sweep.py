@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 from . import jsonio
+from .cli import DIE_WITH_PARENT_ENV
 from .runs import METRICS_NAME, SUMMARY_NAME
 
 #: How many times a trial is started before it counts as failed (a failure is retried once).
@@ -476,7 +477,8 @@ def run_trial(trial: Trial, spec: SweepSpec, sweep_dir: Path, *, attempt: int = 
     resume = command.resumable(run_dir)
     (run_dir / SUMMARY_NAME).unlink(missing_ok=True)  # the outcome read below must be this attempt's
     argv = [sys.executable, *command.argv(trial, spec, run_dir, resume)]
-    env = {**os.environ, **dict.fromkeys(BLAS_THREAD_VARS, str(spec.threads))}
+    env = {**os.environ, **dict.fromkeys(BLAS_THREAD_VARS, str(spec.threads)),
+           DIE_WITH_PARENT_ENV: "1"}  # a worker killed outright takes its run with it
     tic = time.perf_counter()
     with open(log, "a", encoding="utf-8") as out:
         out.write(f"# attempt {attempt}{' (resumed)' if resume else ''}: {shlex.join(argv)}\n")

@@ -223,9 +223,10 @@ def init_ray(address: str | None, num_cpus: int | None, num_gpus: int | None = N
     if ray.is_initialized():
         return False
     if address is None:
-        # Kill a trial's run even when the task's worker itself dies (Ray kills only the
-        # children of workers that exit normally otherwise).
-        os.environ.setdefault("RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper", "true")
+        # Not RAY_kill_child_processes_on_worker_exit_with_raylet_subreaper: it makes Ray's
+        # processes, this driver included, ignore SIGCHLD, after which every subprocess's exit
+        # code reads 0 (a crashed trial looked like exit code 0; seen in the tests). A trial's
+        # run dies with its worker through sweep.run_trial's DIE_WITH_PARENT_ENV instead.
         ray.init(num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=False,
                  logging_level=logging.WARNING)
     elif num_gpus is not None:

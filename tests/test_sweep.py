@@ -8,6 +8,8 @@ import json
 import logging
 import os
 import signal
+import subprocess
+import sys
 import threading
 import _thread
 import time
@@ -526,3 +528,62 @@ def test_a_trial_the_cluster_cannot_hold_is_a_usage_error(ray_local, fake, tmp_p
     monkeypatch.setattr(ray_local, "cluster_resources", lambda: {"CPU": 4.0})  # a cluster without GPUs
     with pytest.raises(SweepError, match=r"^backend=fast: a trial asks for 0.25 GPU and the Ray cluster has 0 "):
         sweep_cli.check_fits(SweepSpec(command="fake", backend="fast", trials_per_gpu=4))
+
+
+def test_a_local_ray_instance_leaves_subprocess_exit_codes_alone(tmp_path):
+    # Ray's raylet-subreaper option made the driver (and its workers) ignore SIGCHLD, after
+    # which every subprocess's exit code read 0: a crashed trial, and every later test of this
+    # process that checks an exit code. In a child Python, so this process keeps its own.
+    pytest.importorskip("ray", reason="foxhunt sweep needs the distributed extra (Ray)")
+    code = ("import subprocess, sys\n"
+            "from foxhunt.reference import sweep_cli\n"
+            "assert sweep_cli.init_ray(None, 1)\n"
+            "import ray\n"
+            "ray.shutdown()\n"
+            "print(subprocess.run([sys.executable, '-c', 'raise SystemExit(3)']).returncode)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split()[-1] == "3"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_run_started_by_the_sweep_dies_with_its_parent(tmp_path):
+    # The parent starts a child that calls die_with_parent (as foxhunt's CLI does when
+    # DIE_WITH_PARENT_ENV is 1) and sleeps, prints the child's pid and exits: the child gets
+    # SIGTERM. A child without the call outlives the parent (the control).
+    def orphan(call: str) -> int:
+        child = f"from foxhunt.reference import cli\n{call}\nimport time\ntime.sleep(60)\n"
+        parent = ("import subprocess, sys\n"
+                  f"p = subprocess.Popen([sys.executable, '-c', {child!r}], "
+                  "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
+                  "import time\ntime.sleep(2)\nprint(p.pid)\n")
+        out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
+                             timeout=60)
+        return int(out.stdout.split()[-1])
+
+    def running(pid: int) -> bool:  # a zombie nobody reaped yet counts as gone
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            return False
+        return "\nState:\tZ" not in status
+
+    def alive(pid: int) -> bool:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if not running(pid):
+                return False
+            time.sleep(0.1)
+        return True
+
+    dying = orphan("cli.die_with_parent()")
+    control = orphan("pass")
+    try:
+        assert not alive(dying)
+        assert alive(control)
+    finally:
+        for pid in (dying, control):
+            try:
+                os.kill(pid, 9)
+            except ProcessLookupError:
+                pass
