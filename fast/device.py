@@ -273,6 +273,45 @@ class Device:
         return f"Device({self.ordinal}: {self.name}, {self.arch})"
 
 
+# --------------------------------------------------------------------------------------------
+# Releases from finalizers while a graph is being captured
+# --------------------------------------------------------------------------------------------
+# A stream capture (``graphs.GraphCapture``, CU_STREAM_CAPTURE_MODE_THREAD_LOCAL) is invalidated
+# by any unsafe call of the capturing thread: cuMemFree, cuMemFreeHost, a cuBLASLt descriptor's
+# destroy. The garbage collector runs finalizers (``__del__``) at arbitrary points of that
+# thread, a capture included: a previous trainer's buffer freed in the middle of graph 1's
+# capture made it fail later with CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (seen on the H200,
+# intermittently, in the conformance and GPU test suites). So finalizers go through
+# ``release``, which defers the call while any capture is open and runs it when the last one
+# ends.
+_CAPTURES = [0]  # open captures (a list: mutated in place, no ``global``)
+_DEFERRED: list = []  # (function, args) released when the last capture ends
+
+
+def capture_begins() -> None:
+    _CAPTURES[0] += 1
+
+
+def capture_ends() -> None:
+    """Close one capture; after the last, run the deferred releases (errors ignored, as in the
+    finalizers that asked for them)."""
+    _CAPTURES[0] = max(0, _CAPTURES[0] - 1)
+    while not _CAPTURES[0] and _DEFERRED:
+        fn, args = _DEFERRED.pop()
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - a finalizer's release: nothing to report to
+            pass
+
+
+def release(fn, *args) -> None:
+    """``fn(*args)`` now, or when the last open capture ends (a finalizer's free or destroy)."""
+    if _CAPTURES[0]:
+        _DEFERRED.append((fn, args))
+    else:
+        fn(*args)
+
+
 class DeviceAllocation:
     """One ``cuMemAlloc`` block: ``ptr`` (int) and ``nbytes``; ``free()`` (also on GC)."""
 
@@ -293,7 +332,9 @@ class DeviceAllocation:
 
     def __del__(self):
         try:
-            self.free()
+            if self._handle is not None:
+                release(call, _driver().cuMemFree, self._handle)
+                self._handle = None
         except Exception:  # noqa: BLE001 - interpreter shutdown or a dead context
             pass
 
@@ -359,7 +400,7 @@ class _PinnedHost:
         # Only once no view is left, and a graph that copies to or from the block holds a view
         # (``GraphCapture.hold``) until it is closed and its last launch has finished.
         try:
-            call(_driver().cuMemFreeHost, self.host_ptr)
+            release(call, _driver().cuMemFreeHost, self.host_ptr)
         except Exception:  # noqa: BLE001
             pass
 
@@ -456,8 +497,11 @@ __all__ = [
     "PinnedScalars",
     "Stream",
     "call",
+    "capture_begins",
+    "capture_ends",
     "cuda_available",
     "default_arch",
     "grid_for",
     "pinned_block",
+    "release",
 ]

@@ -481,7 +481,9 @@ class GemmPlan:
 
     def __del__(self):
         try:
-            self.close()
+            from foxhunt.fast.device import release
+
+            release(self.close)  # a capture in progress: closed when the last capture ends
         except Exception:  # noqa: BLE001
             pass
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 
-from foxhunt.fast.device import CudaError, Stream, _driver, _error_text, as_stream_handle, call
+from foxhunt.fast.device import (CudaError, Stream, _driver, _error_text, as_stream_handle, call,
+                                 capture_begins, capture_ends)
 
 
 def graph_nodes(graph) -> list:
@@ -88,12 +89,14 @@ class GraphCapture:
         call(drv.cuStreamBeginCapture, self.stream.handle,
              drv.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
         self._capturing = True
+        capture_begins()  # finalizers' frees wait for the capture's end (device.release)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         drv = _driver()
         self._capturing = False
         result = drv.cuStreamEndCapture(self.stream.handle)
+        capture_ends()
         err, graph = result[0], result[1]
         if exc_type is not None:
             if err == drv.CUresult.CUDA_SUCCESS and graph is not None:

@@ -515,3 +515,26 @@ def test_nvrtc_output_buffers_leave_python_constants_alone(tmp_path):
     np.save(buf, np.arange(3, dtype=np.float32))
     buf.seek(0)
     np.testing.assert_array_equal(np.load(buf), np.arange(3, dtype=np.float32))
+
+
+def test_finalizer_releases_wait_for_the_open_captures():
+    """``device.release`` (what the finalizers of device buffers, pinned blocks and GEMM plans
+    call) defers its call while a capture is open (a cuMemFree in the capturing thread would
+    invalidate the capture) and runs it when the last one ends."""
+    from foxhunt.fast import device
+
+    done = []
+    device.release(done.append, "now")
+    assert done == ["now"]
+    device.capture_begins()
+    device.capture_begins()  # nested: graphs built inside another capture's lifetime
+    device.release(done.append, "a")
+    device.release(done.append, "b")
+    assert done == ["now"]
+    device.capture_ends()
+    assert done == ["now"]  # one capture still open
+    device.capture_ends()
+    assert sorted(done) == ["a", "b", "now"] and device._DEFERRED == []
+    device.capture_ends()  # an unbalanced end neither underflows nor runs anything twice
+    device.release(done.append, "c")
+    assert done[-1] == "c" and device._CAPTURES == [0]
