@@ -242,6 +242,14 @@ def bar_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, policy: str) -> None:
                regime_out="walk_regime_out")
 
 
+def fused_walk_kernel(prog: StepProgram) -> str:
+    """The kernel ``fused_ops`` launches for ``prog`` (``walk.plan_walk``: ``greedy_walk_cluster``
+    from sm_90 where the network fits a cluster's shared memory, else ``greedy_walk``)."""
+    lay = prog.lay
+    dims = walk_kernels.walk_dims(prog.config)
+    return prog.kernels("walk").plan_walk(dims, lay.branches, lay.bf16, prog.arch)[0]
+
+
 def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
     """The fused walk (module docstring): the first bar and the step count in, ``greedy_walk``."""
     lay, c = prog.lay, prog.config

@@ -2,7 +2,7 @@
 ``reference.loop.evaluate_segment``.
 
 ``DeviceEvaluator(trainer, tables, *, max_steps, chunk=CHUNK_BARS, costs=ExecutionCosts(),
-mode="graph")``
+mode="auto")``
 takes a ``foxhunt.fast.Trainer`` (on the GPU, or a ``CpuTrainer``: the same records run by the
 reference kernels) and the run's market tables (``kernels.env.market_tables``), and builds the
 plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` and one
@@ -16,8 +16,9 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
   ``greedy_walk_cluster`` (sm_90 and newer, one thread-block cluster) or ``greedy_walk`` (one
   block; ``kernels.walk.plan_walk`` picks, ``eval_plan.fused_ops``), built with the evaluator;
   the greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and
-  ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` (the default) walks the
-  greedy policy by chunk graphs too.
+  ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by
+  chunk graphs too. ``mode="auto"`` (the default, ``auto_mode``) is ``"fused"`` where the fused
+  walk is the cluster kernel and the support fixed, else ``"graph"``.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
@@ -81,7 +82,7 @@ CHUNK_BARS = 64
 #: ``end`` graphs kept (one per segment length, annualisation and equity choice).
 END_CACHE_SIZE = 8
 #: How the greedy policy walks a segment: chunk graphs of per-bar records, or one kernel.
-MODES = ("graph", "fused")
+MODES = ("graph", "fused", "auto")
 
 
 class WalkResult(NamedTuple):
@@ -178,16 +179,33 @@ class _GpuWalk:
             arena.close()
 
 
+def auto_mode(trainer) -> str:
+    """``mode="auto"``: ``"fused"`` where the fused walk is the thread-block-cluster kernel
+    (sm_90 and newer, the network in a cluster's shared memory: 106 ms for 10,000 seed bars on
+    the H200 against 234 ms for the chunk graphs) and the support is fixed; else ``"graph"``
+    (the one-block ``greedy_walk`` reads its weights from L2 and is slower than the graphs:
+    457 ms). On the CPU executor: ``"graph"`` (its metrics are ``loop.evaluate_segment``'s bit
+    for bit; the fused walk's twin sums in another order and is much slower there)."""
+    from foxhunt.fast.cpu_executor import CpuEngine
+    from foxhunt.fast.eval_plan import fused_walk_kernel
+
+    if trainer.config.adaptive_atoms or isinstance(trainer.engine, CpuEngine):
+        return "graph"
+    return "fused" if fused_walk_kernel(trainer.engine.program) == "greedy_walk_cluster" else "graph"
+
+
 class DeviceEvaluator:
     """Greedy (and baseline) walks over segments on the device (module docstring)."""
 
     def __init__(self, trainer, tables: env_kernels.MarketTables, *, max_steps: int,
                  chunk: int = CHUNK_BARS, costs: ExecutionCosts = ExecutionCosts(),
-                 mode: str = "graph"):
+                 mode: str = "auto"):
         self.max_steps = check_int("max_steps", max_steps, minimum=1)
         self.chunk = check_int("chunk", chunk, minimum=1)
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: allowed values are {', '.join(map(repr, MODES))}")
+        if mode == "auto":
+            mode = auto_mode(trainer)
         self.mode = mode
         if mode == "fused":  # greedy_walk reads the fixed support z (support_plan)
             require_fixed_support(trainer.config, 'DeviceEvaluator(mode="fused") (greedy_walk)')

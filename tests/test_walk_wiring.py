@@ -202,3 +202,25 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
         graph.close()
         fused.close()
         trainer.close()
+
+
+def test_auto_mode_picks_the_cluster_walk_on_a_gpu_engine_only(monkeypatch):
+    """``mode="auto"`` (the default): "fused" where the fused walk is ``greedy_walk_cluster`` and
+    the support is fixed; "graph" on the CPU executor, before sm_90 and with adaptive atoms."""
+    import types
+
+    from foxhunt.fast import evaluator as ev
+    from foxhunt.fast import eval_plan
+    from foxhunt.fast.cpu_executor import CpuTrainer
+    from foxhunt.reference.config import DQNConfig
+
+    cpu = CpuTrainer(DQNConfig.preset("tiny"))
+    assert ev.auto_mode(cpu) == "graph"
+    gpu_like = types.SimpleNamespace(config=cpu.config, engine=types.SimpleNamespace(program=None))
+    for kernel, want in (("greedy_walk_cluster", "fused"), ("greedy_walk", "graph")):
+        monkeypatch.setattr(eval_plan, "fused_walk_kernel", lambda prog, k=kernel: k)
+        assert ev.auto_mode(gpu_like) == want
+    monkeypatch.setattr(eval_plan, "fused_walk_kernel", lambda prog: "greedy_walk_cluster")
+    adaptive = types.SimpleNamespace(config=types.SimpleNamespace(adaptive_atoms=True),
+                                     engine=gpu_like.engine)
+    assert ev.auto_mode(adaptive) == "graph"
