@@ -2,7 +2,7 @@
 ``reference.loop.evaluate_segment``.
 
 ``DeviceEvaluator(trainer, tables, *, max_steps, chunk=CHUNK_BARS, costs=ExecutionCosts(),
-mode="auto")``
+mode="graph")``
 takes a ``foxhunt.fast.Trainer`` (on the GPU, or a ``CpuTrainer``: the same records run by the
 reference kernels) and the run's market tables (``kernels.env.market_tables``), and builds the
 plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` and one
@@ -17,8 +17,9 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
   block; ``kernels.walk.plan_walk`` picks, ``eval_plan.fused_ops``), built with the evaluator;
   the greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and
   ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by
-  chunk graphs too. ``mode="auto"`` (the default, ``auto_mode``) is ``"fused"`` where the fused
-  walk is the cluster kernel and the support fixed, else ``"graph"``.
+  chunk graphs too (the default: the loop's evaluator). ``mode="auto"`` (``auto_mode``) is
+  ``"fused"`` where the fused walk is the cluster kernel and the support fixed, else
+  ``"graph"``; it becomes the default once a device run has checked it inside the loop.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
@@ -199,7 +200,7 @@ class DeviceEvaluator:
 
     def __init__(self, trainer, tables: env_kernels.MarketTables, *, max_steps: int,
                  chunk: int = CHUNK_BARS, costs: ExecutionCosts = ExecutionCosts(),
-                 mode: str = "auto"):
+                 mode: str = "graph"):
         self.max_steps = check_int("max_steps", max_steps, minimum=1)
         self.chunk = check_int("chunk", chunk, minimum=1)
         if mode not in MODES:
