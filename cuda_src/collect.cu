@@ -172,30 +172,7 @@ extern "C" __global__ void replay_batch(
     if (blockIdx.x == 0) {  // block-uniform: the whole block takes part in the reduction
         importance_weights_block(priority, batch_rows, w, n, beta);
     }
-    const long long n_state = (long long)n * state_dim;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (long long e = first; e < n_state; e += stride) {
-        const long long src = (long long)batch_rows[e / state_dim] * state_dim + e % state_dim;
-        x[e] = ring_s[src];
-        x[n_state + e] = ring_s2[src];
-    }
-    for (long long e = first; e < (long long)n * n_branches; e += stride) {
-        const int d = (int)(e / n);
-        a[e] = ring_a[(long long)batch_rows[e % n] * n_branches + d];
-    }
-    for (long long k = first; k < n; k += stride) {
-        const int row = batch_rows[k];
-        r[k] = ring_r[row];
-        done[k] = ring_done[row];
-        if (next_ret != nullptr) {
-            next_ret[k] = ring_next_ret[row];
-        }
-        if (regime != nullptr) {
-            regime[k] = ring_regime[row];
-        }
-        if (discount != nullptr) {
-            discount[k] = ring_discount[row];
-        }
-    }
+    replay_gather_rows(batch_rows, n, state_dim, n_branches, ring_s, ring_a, ring_r, ring_s2,
+                       ring_done, ring_next_ret, ring_regime, ring_discount, x, a, r, done,
+                       next_ret, regime, discount);
 }

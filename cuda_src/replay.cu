@@ -412,32 +412,9 @@ extern "C" __global__ void replay_gather(const int* __restrict__ idx, int n, int
                                          float* __restrict__ r, float* __restrict__ done,
                                          float* __restrict__ next_ret, int* __restrict__ regime,
                                          float* __restrict__ discount) {
-    const long long n_state = (long long)n * state_dim;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    for (long long e = first; e < n_state; e += stride) {
-        const long long src = (long long)idx[e / state_dim] * state_dim + e % state_dim;
-        x[e] = ring_s[src];
-        x[n_state + e] = ring_s2[src];
-    }
-    for (long long e = first; e < (long long)n * n_branches; e += stride) {
-        const int d = (int)(e / n);
-        a[e] = ring_a[(long long)idx[e % n] * n_branches + d];
-    }
-    for (long long k = first; k < n; k += stride) {
-        const int row = idx[k];
-        r[k] = ring_r[row];
-        done[k] = ring_done[row];
-        if (next_ret != nullptr) {
-            next_ret[k] = ring_next_ret[row];
-        }
-        if (regime != nullptr) {
-            regime[k] = ring_regime[row];
-        }
-        if (discount != nullptr) {
-            discount[k] = ring_discount[row];
-        }
-    }
+    replay_gather_rows(idx, n, state_dim, n_branches, ring_s, ring_a, ring_r, ring_s2, ring_done,
+                       ring_next_ret, ring_regime, ring_discount, x, a, r, done, next_ret, regime,
+                       discount);
 }
 
 // replay_update_priorities: p_k = powf(fabsf(td_k) + eps, alpha) for a finite td_k, else m0 =

@@ -59,6 +59,46 @@ static __device__ __forceinline__ void importance_weights_block(
     }
 }
 
+// replay_gather's body (also replay_batch's, collect.cu): the rows idx[0..n) of the ring in the
+// step's batch layout (x [2n, state_dim]: s rows then s2 rows; a [n_branches, n] transposed; r,
+// done [n]; next_ret, regime, discount [n] where not null). Grid-stride over the elements of
+// every grid that runs it; copies only (exact).
+static __device__ __forceinline__ void replay_gather_rows(
+    const int* __restrict__ idx, int n, int state_dim, int n_branches,
+    const float* __restrict__ ring_s, const int* __restrict__ ring_a,
+    const float* __restrict__ ring_r, const float* __restrict__ ring_s2,
+    const float* __restrict__ ring_done, const float* __restrict__ ring_next_ret,
+    const int* __restrict__ ring_regime, const float* __restrict__ ring_discount,
+    float* __restrict__ x, int* __restrict__ a, float* __restrict__ r, float* __restrict__ done,
+    float* __restrict__ next_ret, int* __restrict__ regime, float* __restrict__ discount) {
+    const long long n_state = (long long)n * state_dim;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    for (long long e = first; e < n_state; e += stride) {
+        const long long src = (long long)idx[e / state_dim] * state_dim + e % state_dim;
+        x[e] = ring_s[src];
+        x[n_state + e] = ring_s2[src];
+    }
+    for (long long e = first; e < (long long)n * n_branches; e += stride) {
+        const int d = (int)(e / n);
+        a[e] = ring_a[(long long)idx[e % n] * n_branches + d];
+    }
+    for (long long k = first; k < n; k += stride) {
+        const int row = idx[k];
+        r[k] = ring_r[row];
+        done[k] = ring_done[row];
+        if (next_ret != nullptr) {
+            next_ret[k] = ring_next_ret[row];
+        }
+        if (regime != nullptr) {
+            regime[k] = ring_regime[row];
+        }
+        if (discount != nullptr) {
+            discount[k] = ring_discount[row];
+        }
+    }
+}
+
 // nstep_window's transitions of one env step (replay.cu's comment is the contract).
 __device__ __forceinline__ int nstep_count(int len0, float done, int n_step) {
     const int L = len0 + 1;
