@@ -51,7 +51,7 @@ from foxhunt.reference.backend import (
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense as ref_dense
-from foxhunt.reference.step import check_n_step
+from foxhunt.reference.step import check_batch_kind, check_n_step
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
 #: Pinned staging buffers (and upload graphs) the host cycles through.
@@ -185,11 +185,7 @@ class Trainer(TrainerBackend):
         """The n-step batch's ``discount`` into its staging view; a batch whose kind (n-step or
         1-step) is not the trainer's is refused (its discounts would be ignored, or missing)."""
         n_step_on = self.layout.n_step_on
-        if (batch.discount is not None) != n_step_on:
-            raise ValueError(
-                "batch.discount: missing; this trainer trains on n-step transitions (n_step > 1)"
-                if n_step_on else "batch.discount: given, but this trainer was built with "
-                "n_step=1 (1-step transitions: discount must be None)")
+        check_batch_kind(batch, n_step_on)
         if n_step_on:
             views["discount"][...] = batch.discount
 

@@ -47,7 +47,6 @@ bitwise where the uninterrupted run ends. A failed checkpoint write logs a warni
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import time
 from dataclasses import dataclass, field
@@ -325,12 +324,10 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
         if top >= config.n_regimes:
             raise ValueError(f"n_regimes={config.n_regimes}: the market's regime labels reach {top}; "
                              f"need n_regimes >= {top + 1} for aux_regime_weight > 0")
-    make = get_backend(backend)
-    # A fast trainer lays its batch out for n-step transitions (``n_step``); the reference
-    # trainer reads ``batch.discount`` as it comes.
-    takes_n_step = "n_step" in inspect.signature(make).parameters
-    trainer = make(config, seed=settings.seed,
-                   **({"n_step": settings.n_step} if takes_n_step else {}))
+    # Every trainer is built for its transitions: n-step ones carry ``batch.discount`` (a trainer
+    # factory that cannot take ``n_step`` can still run 1-step loops).
+    n_step = {"n_step": settings.n_step} if settings.n_step > 1 else {}
+    trainer = get_backend(backend)(config, seed=settings.seed, **n_step)
     windows = choose_windows(config.state_dim)
     feats = market_features(bars, windows)
     segments = fold_segments(len(bars), feature_warmup(windows), settings.folds, settings.val_frac,

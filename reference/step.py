@@ -89,6 +89,17 @@ def check_n_step(config: DQNConfig, n_step) -> bool:
     return n_step > 1
 
 
+def check_batch_kind(batch, n_step_on: bool) -> None:
+    """A trainer built for n-step transitions (``n_step_on``) takes only batches with a
+    ``discount``, a 1-step trainer only batches without: otherwise the discounts would be
+    ignored, or missing. One-line ``ValueError``."""
+    if (batch.discount is not None) != bool(n_step_on):
+        raise ValueError(
+            "batch.discount: missing; this trainer trains on n-step transitions (n_step > 1)"
+            if n_step_on else "batch.discount: given, but this trainer was built with "
+            "n_step=1 (1-step transitions: discount must be None)")
+
+
 def n_step_gamma_ref(config: DQNConfig, discount: np.ndarray | None,
                      gamma_ref: float | None = None, n_step=None) -> np.float32 | None:
     """The reference gamma of an n-step batch's discounts, float32: ``gamma_ref`` (default

@@ -47,7 +47,7 @@ from .kernels import isv as isv_kernels
 from .kernels import step as step_kernels
 from .layout import ParamLayout, init_params
 from .network import forward, q_values
-from .step import loss_and_grads, step_supports
+from .step import check_batch_kind, check_n_step, loss_and_grads, step_supports
 
 #: The Mech 6 slow grad-norm EMA lives in this ISV slot (CrossFold: kept at fold boundaries).
 SLOW_EMA = "GRAD_NORM_SLOW_EMA"
@@ -61,9 +61,12 @@ class Trainer(TrainerBackend):
 
     backend_name = "reference"
 
-    def __init__(self, config: DQNConfig, seed: int = 0):
+    def __init__(self, config: DQNConfig, seed: int = 0, n_step: int = 1):
         self.config = config
         self.seed = int(seed)
+        #: Built for n-step transitions (issue 22): its batches carry ``discount`` (and 1-step
+        #: ones must not), as ``fast.Trainer(n_step=)``'s.
+        self.n_step_on = check_n_step(config, n_step)
         self.layout = ParamLayout(config)
         self.params = init_params(self.layout, seed)
         self.target = self.params.copy()
@@ -107,6 +110,7 @@ class Trainer(TrainerBackend):
     # ------------------------------------------------------------------ the step
     def step(self, batch: Batch) -> StepScalars:
         c = self.config
+        check_batch_kind(batch, self.n_step_on)
         isv_at_start = self.isv.to_array()
         slow = isv_mod.GRAD_NORM_SLOW_EMA_INDEX
         # The step's ISV-driven bounds (Mech 9's weight clamp, Mech 6's anchored safety clip, the

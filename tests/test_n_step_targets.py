@@ -309,7 +309,7 @@ def test_cpu_executor_n_step_step_matches_reference(source):
     case = shared_case("tiny", "f32", "warm", source)
     _, disc = _case_batch(case.config)
     batch = with_discount(case.batch, disc)
-    ref = Trainer(case.config)
+    ref = Trainer(case.config, n_step=3)
     ref.load_state_dict({k: np.array(v, copy=True) for k, v in case.state.items()})
     fast = CpuTrainer(case.config, n_step=3)
     fast.load_state_dict({k: np.array(v, copy=True) for k, v in case.state.items()})
@@ -330,3 +330,22 @@ def test_cpu_executor_n_step_with_unit_discounts_is_bitwise_the_one_step():
         outs.append({k: t.debug_buffer(k) for k in ("target_q", "m", "grad", "iqn_y", "td")})
     for key in outs[0]:
         assert np.array_equal(outs[0][key], outs[1][key], equal_nan=True), key
+
+
+def test_reference_trainer_takes_only_batches_of_its_kind():
+    """``Trainer(n_step=)`` as ``fast.Trainer(n_step=)``: an n-step trainer needs
+    ``batch.discount``, a 1-step trainer refuses one (it would be ignored); gamma 1 cannot be
+    the base of n-step discounts. Nothing of the trainer changes on a refused batch."""
+    case = shared_case("tiny", "f32", "warm", "core")
+    _, disc = _case_batch(case.config)
+    one, three = Trainer(case.config), Trainer(case.config, n_step=3)
+    before = one.params.copy()
+    with pytest.raises(ValueError, match=r"^batch\.discount: given, but this trainer was built "
+                                         r"with n_step=1"):
+        one.step(with_discount(case.batch, disc))
+    with pytest.raises(ValueError, match=r"^batch\.discount: missing; this trainer trains on "
+                                         r"n-step transitions"):
+        three.step(case.batch)
+    assert np.array_equal(one.params, before) and one.adam_t == 0
+    with pytest.raises(ValueError, match=r"^gamma: 1\.0 .*n_step=3"):
+        Trainer(case.config.replace(gamma=1.0), n_step=3)
