@@ -36,6 +36,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--n-step", type=int, default=3, help="the n-step run's n (against n = 1)")
     p.add_argument("--n-envs", type=int, default=16)
+    p.add_argument("--v-range", type=float, default=None,
+                   help="C51 support [-R, R] for both runs (default: the preset's v_min/v_max)")
     p.add_argument("--reach", type=float, default=0.95,
                    help="share of the 1-step runs' best mean validation Sharpe that counts as "
                         "reaching it (policies that are both always long differ by rounding)")
@@ -44,7 +46,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 def one_run(args, n_step: int, seed: int):
     """``(val Sharpe per epoch, test Sharpe per epoch, buy-and-hold val/test Sharpe, seconds)``."""
-    config = DQNConfig.preset(args.preset)
+    overrides = {} if args.v_range is None else {"v_min": -args.v_range, "v_max": args.v_range}
+    config = DQNConfig.preset(args.preset, **overrides)
     bars = SyntheticMarket.preset("strong_trend", seed=seed, n_bars=args.bars).generate()
     settings = loop.LoopSettings(folds=1, epochs=args.epochs, steps_per_epoch=args.steps,
                                  n_envs=args.n_envs, warmup_transitions=512,
