@@ -4,6 +4,8 @@ Expectations come from single reference trainers built independently
 (``config.replace(**overrides[i])``, ``seed=seeds[i]``), never from the population itself.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -169,3 +171,25 @@ def test_member_checkpoint_loads_into_a_single_trainer(case, tmp_path):
     # And a member's state loads into another member (same architecture, other scalars).
     pop.load_member_state(0, pop.state_dict(2))
     assert_state_equal(pop.state_dict(0), pop.state_dict(2))
+
+
+def test_epoch_calls_reach_every_member_as_on_singles():
+    """``set_epoch`` and ``end_epoch`` on the population are each member's, in order: the same
+    scalars and states as the singles given the same calls (readback every 2 steps, so the
+    epoch end's scalars are not all the last readback's)."""
+    config = base("core").replace(readback_interval=2)
+    overrides = CASES["core"][1]
+    pop, ones = Population(config, seeds=SEEDS, overrides=overrides), singles(config, overrides)
+    for epoch in (0, 1):
+        pop.set_epoch(epoch)
+        for t in ones:
+            t.set_epoch(epoch)
+        for k in range(3):
+            bs = batches(config, 10 * epoch + k)
+            pop.step(bs)
+            for t, b in zip(ones, bs):
+                t.step(b)
+        got, want = pop.end_epoch(), [t.end_epoch() for t in ones]
+        assert [dataclasses.astuple(g) for g in got] == [dataclasses.astuple(w) for w in want]
+        for i, t in enumerate(ones):
+            assert_state_equal(pop.state_dict(i), t.state_dict())
