@@ -209,6 +209,59 @@ def validate_greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, is
     return T, start, n_steps
 
 
+class _Walk(NamedTuple):
+    """A walk's constants: the validated arguments and Mech 10's bound."""
+
+    params: np.ndarray
+    offsets: np.ndarray
+    dims: tuple[int, ...]
+    branches: tuple[int, ...]
+    bf16: bool
+    z: np.ndarray
+    bound: np.float32
+    close: np.ndarray
+    high: np.ndarray
+    low: np.ndarray
+    features: np.ndarray
+    costs: np.ndarray
+    n_bars: int
+
+
+def _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
+          high, low, features, costs, n_bars) -> _Walk:
+    return _Walk(params, param_offsets, tuple(int(d) for d in dims),
+                 tuple(int(n) for n in branches), bool(bf16), z,
+                 safety.isv_bound(np.float32(h2_clamp_mult), isv[isv_index]), close, high, low,
+                 features, costs, n_bars)
+
+
+def _no_cycle() -> np.ndarray:
+    return np.zeros(1, np.int64)  # no draws: eps = 0 and no auto-reset
+
+
+def _observe(walk: _Walk, state: EnvState) -> np.ndarray:
+    """The state row ``[1, state_dim]`` of ``state`` (``env.env_observe``)."""
+    return env_observe(walk.features, walk.close, state.t, state.position, state.entry_price,
+                       state.time_in_position, walk.dims[0])
+
+
+def _step(walk: _Walk, state: EnvState, obs: np.ndarray, rec: list[np.ndarray]):
+    """ONE bar of the walk (both walks' loop body, the module docstring's per-bar composition):
+    the forward on ``obs``, the margin, the greedy action and ``env_step`` of the one env, which
+    writes row ``state.steps`` of ``rec`` (``[reward, held, cost]``, ``[R, 1]`` each). Returns
+    ``(state', obs', rec', margin)``."""
+    qs = forward_row(walk.params, walk.offsets, walk.dims, walk.branches, walk.bf16, walk.z,
+                     walk.bound, obs[0])
+    actions = env_act(pack_q(qs), walk.branches, 0.0, 0, _no_cycle())
+    T = walk.n_bars
+    out = env_step(walk.close, walk.high, walk.low, walk.features, np.zeros(T, I32), *state,
+                   actions, *rec, walk.costs, n_bars=T, min_start=0, last_start=T - 2,
+                   episode_len=0, auto_reset=0, reward_scale=1.0, state_dim=walk.dims[0], key=0,
+                   cycle=_no_cycle())
+    return (EnvState(*out[:5]), out.obs, [out.rec_reward, out.rec_held, out.rec_cost],
+            choice_margin(qs))
+
+
 def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
                 close, high, low, features, costs, start, n_steps) -> WalkRecord:
     """The walk of the module docstring. ``params`` float32 flat (the f32 master; BF16 rounding
@@ -218,25 +271,14 @@ def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, 
     T, start, n_steps = validate_greedy_walk(
         params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
         high, low, features, costs, start, n_steps)
-    branches = tuple(int(n) for n in branches)
-    bound = safety.isv_bound(np.float32(h2_clamp_mult), isv[isv_index])
-    no_cycle = np.zeros(1, np.int64)  # no draws: eps = 0 and no auto-reset
-    state = env_reset(np.array([start], I32), 1, 0, T - 2, 0, no_cycle)
+    walk = _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
+                 close, high, low, features, costs, T)
+    state = env_reset(np.array([start], I32), 1, 0, T - 2, 0, _no_cycle())
     rec = [np.zeros((n_steps, 1), F32) for _ in range(3)]
     margins = np.zeros(n_steps, F32)
-    sd = int(dims[0])
-    obs = env_observe(features, close, state.t, state.position, state.entry_price,
-                      state.time_in_position, sd)
+    obs = _observe(walk, state)
     for k in range(n_steps):
-        qs = forward_row(params, param_offsets, tuple(int(d) for d in dims), branches, bool(bf16),
-                         z, bound, obs[0])
-        margins[k] = choice_margin(qs)
-        actions = env_act(pack_q(qs), branches, 0.0, 0, no_cycle)
-        out = env_step(close, high, low, features, np.zeros(T, I32), *state, actions, *rec, costs,
-                       n_bars=T, min_start=0, last_start=T - 2, episode_len=0, auto_reset=0,
-                       reward_scale=1.0, state_dim=sd, key=0, cycle=no_cycle)
-        state, obs, rec = EnvState(*out[:5]), out.obs, [out.rec_reward, out.rec_held,
-                                                         out.rec_cost]
+        state, obs, rec, margins[k] = _step(walk, state, obs, rec)
     return WalkRecord(*(r[:, 0].copy() for r in rec), margins)
 
 
