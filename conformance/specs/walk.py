@@ -16,6 +16,16 @@ Mech 10's clamp keeps the walk going).
 Tolerances (the twin's module docstring): the rewards, positions held and costs are compared
 bit for bit on the bars before the reference's first near tie (``walk.first_near_tie``) and not
 after it; the margins within twice ``walk.q_error_bound`` up to and including that bar.
+
+The chunked walk (``walk.greedy_walk_chunked``: ``rounds`` launches of walk.cu's
+``greedy_walk_round``) has its own entry builder, :func:`chunked_entry`: the same samples plus
+``n_chunks`` (:data:`CHUNKS`) and ``rounds`` (:data:`ROUNDS` per case, drawn where there are
+several). After ``rounds`` rounds chunk ``g`` holds the sequential walk that starts flat at chunk
+``h = max(0, g - rounds + 1)`` (``walk.greedy_walk_round``'s docstring), on both paths, whatever
+the merges did; so chunk ``g``'s rows are exact before the first near tie of THAT walk (from
+chunk ``h``'s first step, its earlier chunks' steps included: a tie there changes the state the
+chunk starts from) and free after it (:func:`chunk_ties`). With ``rounds >= n_chunks`` that is
+the whole walk's first near tie, as for ``greedy_walk``.
 """
 
 from __future__ import annotations
@@ -29,9 +39,13 @@ from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels.env import cost_table
+from foxhunt.reference.kernels.walk import CHUNKED
 from foxhunt.reference.kernels.walk import KERNELS as WALK_TWINS
 from foxhunt.reference.kernels.walk import (
+    chunk_steps,
     first_near_tie,
+    greedy_walk,
+    greedy_walk_chunked,
     q_error_bound,
     walk_dims,
     walk_offsets,
@@ -48,6 +62,10 @@ FIRST_BAR = 3
 GAIN = 1.4
 #: Bound comparisons: within ``magnitude`` per element (one term, no relative part).
 WITHIN = Tolerance.reduction(0.0, 1.0)
+#: The chunked walk's chunks, and its rounds per shape case (one drawn from the tuple; the
+#: extremal cases run the tiny network: the tiny rounds).
+CHUNKS = 4
+ROUNDS = {"tiny": (1, 2, 4), "seed": (4,)}
 
 
 def _config(dims: Dims) -> DQNConfig:
@@ -85,18 +103,58 @@ def _s_walk(dims: Dims, rng: np.random.Generator) -> Kwargs:
         costs=cost_table(ExecutionCosts()), start=FIRST_BAR, n_steps=T - 1 - FIRST_BAR)
 
 
-def _sc_walk(kwargs: Kwargs, expected) -> dict:
-    """Exact before the reference's first near tie, unbounded after it (module docstring)."""
-    margins = expected["margins"]
-    n = margins.shape[0]
-    tie = first_near_tie(margins, kwargs["z"], kwargs["bf16"])
-    rows = np.arange(n)
+def _tie_scales(kwargs: Kwargs, tie: np.ndarray) -> dict:
+    """Per row, ``tie`` the step of the first near tie that row depends on: exact before it,
+    unbounded after it; margins within twice the Q bound up to and including it."""
+    rows = np.arange(tie.shape[0])
     free = np.where(rows < tie, 0.0, np.inf)
     bound = 2.0 * q_error_bound(kwargs["z"], kwargs["bf16"])
     out = {name: {**reduction(1, free), "exact": rows < tie}
            for name in ("rewards", "positions", "costs")}
     out["margins"] = reduction(1, np.where(rows <= tie, bound, np.inf))
     return out
+
+
+def _sc_walk(kwargs: Kwargs, expected) -> dict:
+    """Exact before the reference's first near tie, unbounded after it (module docstring)."""
+    margins = expected["margins"]
+    tie = first_near_tie(margins, kwargs["z"], kwargs["bf16"])
+    return _tie_scales(kwargs, np.full(margins.shape[0], tie))
+
+
+def _s_chunked(dims: Dims, rng: np.random.Generator) -> Kwargs:
+    kwargs = _s_walk(dims, rng)
+    rounds = ROUNDS.get(dims.case, ROUNDS["tiny"])
+    return {**kwargs, "n_chunks": CHUNKS, "rounds": int(rng.choice(rounds))}
+
+
+def chunk_ties(kwargs: Kwargs, whole_walk_margins: np.ndarray) -> np.ndarray:
+    """Per row of ``greedy_walk_chunked(**kwargs)``: the step of the first near tie of the
+    sequential walk its chunk ``g`` holds (flat from chunk ``h = max(0, g - rounds + 1)``
+    through chunk ``g``; ``k1(g)`` when it has none). ``whole_walk_margins``: that walk's
+    margins for ``h = 0`` (the chunked walk's own margins serve: its rows ``[0, k1(g))`` are
+    then that walk's); ``h > 0`` walks are run here (``greedy_walk`` from chunk ``h``)."""
+    n_steps, n_chunks, rounds = kwargs["n_steps"], kwargs["n_chunks"], kwargs["rounds"]
+    z, bf16 = kwargs["z"], kwargs["bf16"]
+    walk_args = {k: v for k, v in kwargs.items() if k not in ("n_chunks", "rounds")}
+    tie = np.zeros(n_steps, np.int64)
+    for g in range(n_chunks):
+        k0, k1 = chunk_steps(n_steps, n_chunks, g)
+        if k0 == k1:
+            continue
+        h0 = chunk_steps(n_steps, n_chunks, max(0, g - rounds + 1))[0]
+        if h0 == 0:
+            margins = whole_walk_margins[:k1]
+        else:
+            margins = greedy_walk(**{**walk_args, "start": kwargs["start"] + h0,
+                                     "n_steps": k1 - h0}).margins
+        tie[k0:k1] = h0 + first_near_tie(margins, z, bf16)
+    return tie
+
+
+def _sc_chunked(kwargs: Kwargs, expected) -> dict:
+    """Exact before the first near tie of each chunk's walk (module docstring)."""
+    return _tie_scales(kwargs, chunk_ties(kwargs, expected["margins"]))
 
 
 def _c_walk(kwargs: Kwargs, outputs, poisoned) -> list[str]:
@@ -110,26 +168,43 @@ def _c_walk(kwargs: Kwargs, outputs, poisoned) -> list[str]:
     return bad
 
 
-ENTRIES = tuple(
-    SpecEntry(
-        name=name,
-        outputs={"rewards": f32(WITHIN), "positions": f32(WITHIN), "costs": f32(WITHIN),
-                 "margins": f32(WITHIN)},
-        sample=_s_walk,
-        targets=("features",),
-        errors=error_cases(
-            _s_walk,
-            lambda k: wrong_dtype(k, "params"),
-            lambda k: replace(k, param_offsets=k["param_offsets"][:-1]),
-            lambda k: replace(k, n_steps=k["close"].shape[0]),
-            lambda k: replace(k, start=-1),
-            lambda k: replace(k, features=np.zeros((k["close"].shape[0], k["dims"][0]), F32)),
-            lambda k: replace(k, z=k["z"][:-1]),
-            lambda k: replace(k, branches=(3, 0)),
-        ),
-        scales=_sc_walk,
-        contract=_c_walk,
-        cases=("tiny", "seed"),
-    )
-    for name in WALK_TWINS  # both kernels of walk.cu, one twin
+_WALK_ERRORS = (
+    lambda k: wrong_dtype(k, "params"),
+    lambda k: replace(k, param_offsets=k["param_offsets"][:-1]),
+    lambda k: replace(k, n_steps=k["close"].shape[0]),
+    lambda k: replace(k, start=-1),
+    lambda k: replace(k, features=np.zeros((k["close"].shape[0], k["dims"][0]), F32)),
+    lambda k: replace(k, z=k["z"][:-1]),
+    lambda k: replace(k, branches=(3, 0)),
 )
+_OUTPUTS = {"rewards": f32(WITHIN), "positions": f32(WITHIN), "costs": f32(WITHIN),
+            "margins": f32(WITHIN)}
+
+
+def walk_entry(name: str) -> SpecEntry:
+    """The entry of a kernel whose twin is ``walk.greedy_walk``."""
+    return SpecEntry(name=name, outputs=_OUTPUTS, sample=_s_walk, targets=("features",),
+                     errors=error_cases(_s_walk, *_WALK_ERRORS), scales=_sc_walk,
+                     contract=_c_walk, cases=("tiny", "seed"))
+
+
+def chunked_entry(name: str) -> SpecEntry:
+    """The entry of a kernel whose twin is ``walk.greedy_walk_chunked`` (module docstring)."""
+    return SpecEntry(
+        name=name, outputs=_OUTPUTS, sample=_s_chunked, targets=("features",),
+        errors=error_cases(_s_chunked, *_WALK_ERRORS,
+                           lambda k: replace(k, n_chunks=0),
+                           lambda k: replace(k, rounds=0)),
+        scales=_sc_chunked, contract=_c_walk, cases=("tiny", "seed"))
+
+
+#: The entry builder of each twin; a walk twin without one fails the import (a name that
+#: pairs with nothing).
+ENTRY_OF_TWIN = {greedy_walk: walk_entry, greedy_walk_chunked: chunked_entry}
+
+ENTRIES = tuple(ENTRY_OF_TWIN[twin](name) for name, twin in WALK_TWINS.items())
+#: The chunked walk's entries by ``walk.CHUNKED``'s names. Not in :data:`ENTRIES` (the
+#: registry pairs entries with ``foxhunt.reference.kernels.KERNELS``, CUDA kernels and fast
+#: entries by one name): they join it through ``walk.KERNELS`` (a name whose twin is
+#: ``greedy_walk_chunked``); ``tests/test_walk_chunks.py`` runs them on the CPU until then.
+CHUNKED_ENTRIES = tuple(chunked_entry(name) for name in CHUNKED)
