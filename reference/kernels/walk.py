@@ -323,8 +323,9 @@ def walk_key(state: EnvState) -> np.ndarray:
     fallback, which overwrite it). Flat also implies ``time_in_position == 0`` on every walked
     state: the reset sets 0, and a live step ending flat has ``time' = (target != 0) = 0`` (a
     fill to flat), ``0`` (a fallback) or ``position != 0 ? time + 1 : 0 = 0`` (no trade from
-    flat); the walk never steps a frozen env (``start + n_steps <= T - 1``). So every flat state
-    has the key :data:`FLAT_KEY`."""
+    flat); the walk never steps a frozen env (``start + n_steps <= T - 1``). A flat position is
+    +0.0 (``target = exposure - 1`` is an integer made float32). So every flat state has the
+    key :data:`FLAT_KEY`."""
     position = state.position[0]
     entry = state.entry_price[:1].view(I32)[0] if position != 0 else 0
     return np.array([state.time_in_position[0], state.position[:1].view(I32)[0], entry], I32)
