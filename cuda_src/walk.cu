@@ -129,27 +129,38 @@
 extern "C" {  // its plain name is what benches/walk_profile.py asks cuModuleGetGlobal for
 __device__ unsigned long long walk_profile[2 * WALK_PROF_SLOTS];
 }
-// 32-bit sums (registers: a bar is far below 2^32 / 10^4 cycles per phase).
-#define WALK_PROF_DECL long long prof_t = clock64(); unsigned int prof[WALK_PROF_SLOTS] = {}
-#define WALK_TICK(slot)                                           \
-    do {                                                          \
-        const long long prof_now = clock64();                     \
-        prof[(slot)] += (unsigned int)(prof_now - prof_t);        \
-        prof_t = prof_now;                                        \
-    } while (0)
+// 32-bit sums (registers: a bar is far below 2^32 / 10^4 cycles per phase). A WalkProf is
+// passed by reference into the device functions that tick (walk_cluster_bar).
+struct WalkProf {
+    long long t;
+    unsigned int slot[WALK_PROF_SLOTS];
+};
+static __device__ __forceinline__ WalkProf walk_prof_start() {
+    WalkProf p = {};
+    p.t = clock64();
+    return p;
+}
+static __device__ __forceinline__ void walk_tick(WalkProf& p, int slot) {
+    const long long now = clock64();
+    p.slot[slot] += (unsigned int)(now - p.t);
+    p.t = now;
+}
+#define WALK_PROF_DECL WalkProf prof = walk_prof_start()
 #define WALK_PROF_STORE(kernel, on)                                                    \
     do {                                                                               \
         if (on) {                                                                      \
             for (int prof_i = 0; prof_i < WALK_PROF_SLOTS; ++prof_i) {                 \
-                walk_profile[(kernel) * WALK_PROF_SLOTS + prof_i] = prof[prof_i];      \
+                walk_profile[(kernel) * WALK_PROF_SLOTS + prof_i] = prof.slot[prof_i]; \
             }                                                                          \
         }                                                                              \
     } while (0)
 #else
-#define WALK_PROF_DECL
-#define WALK_TICK(slot)
+struct WalkProf {};
+static __device__ __forceinline__ void walk_tick(WalkProf&, int) {}
+#define WALK_PROF_DECL WalkProf prof
 #define WALK_PROF_STORE(kernel, on)
 #endif
+#define WALK_TICK(slot) walk_tick(prof, (slot))
 #define WALK_PROF_TOP 12
 #define WALK_PROF_BARS 13
 #define WALK_PROF_SETUP 14
@@ -642,7 +653,7 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
         WALK_TICK(WALK_PROF_ADVANCE);
     }
 #ifdef WALK_PROFILE
-    prof[WALK_PROF_BARS] = (unsigned int)steps;
+    prof.slot[WALK_PROF_BARS] = (unsigned int)steps;
 #endif
     WALK_PROF_STORE(0, threadIdx.x == 0);
 }
@@ -788,6 +799,128 @@ static __device__ __forceinline__ int walk_slice_cap(const WalkLayer& L) {
     return cap;
 }
 
+// The block's slices of every layer (rows [r0, r1) of layer l; weights from w_base[l], biases
+// from b_base[l] in bias_s) and the weights' view: walk_cluster_load fills them.
+struct WalkSlices {
+    int r0[WALK_LAYERS];
+    int r1[WALK_LAYERS];
+    int w_base[WALK_LAYERS];
+    int b_base[WALK_LAYERS];
+    const float* bias_s;
+    WalkWeights w;
+};
+
+// The block's rows of every layer (the BF16 mirror's in bf16 mode, stored as BF16; f32 params
+// else) and their biases, copied into its dynamic shared memory after the activations, once.
+static __device__ __forceinline__ WalkSlices walk_cluster_load(
+    const WalkNet& n, const WalkActs& a, int rank, const float* __restrict__ params,
+    const unsigned short* __restrict__ params_bf16, bool use_bf16, int warp, int lane) {
+    WalkSlices sl;
+    int w_total = 0;
+    int b_total = 0;
+#pragma unroll
+    for (int l = 0; l < WALK_LAYERS; ++l) {
+        const WalkLayer L = walk_layer_of(l, n, a);
+        walk_owned(L.rows, rank, sl.r0[l], sl.r1[l]);
+        sl.w_base[l] = w_total;
+        sl.b_base[l] = b_total;
+        w_total += walk_slice_cap(L);
+        b_total += (L.rows + WALK_CLUSTER - 1) / WALK_CLUSTER;
+    }
+    float* bias_s = a.end;
+    float* w_f32 = bias_s + b_total;
+    unsigned short* w_bf16 = reinterpret_cast<unsigned short*>(w_f32);
+    sl.bias_s = bias_s;
+    sl.w = {w_f32, w_bf16, use_bf16};
+#pragma unroll
+    for (int l = 0; l < WALK_LAYERS; ++l) {
+        const WalkLayer L = walk_layer_of(l, n, a);
+        for (int r = sl.r0[l] + warp; r < sl.r1[l]; r += WALK_CLUSTER_WARPS) {
+            const WalkRow row = walk_row(l, r, n);
+            const int dst = sl.w_base[l] + walk_slice_offset(L, sl.r0[l], r);
+            const int k = walk_fan_in(L, r);
+            for (int j = lane; j < k; j += kWarp) {
+                if (use_bf16) {
+                    w_bf16[dst + j] = params_bf16[row.w + j];
+                } else {
+                    w_f32[dst + j] = params[row.w + j];
+                }
+            }
+            if (lane == 0) {
+                bias_s[sl.b_base[l] + r - sl.r0[l]] = params[row.b];
+            }
+        }
+    }
+    return sl;
+}
+
+// One bar of the cluster walk (header): the four layers (each block its rows, sent to every
+// block, one exchange per layer), the Q rows, the next bar's feature row, and warp 0's action
+// choice and env step (walk_advance; `writer` writes the record rows). Bar k of `steps` (the
+// opt-in mbarrier exchange's phase). Returns the next bar index t. The caller's __syncthreads
+// then makes x hold the next state row.
+static __device__ __forceinline__ int walk_cluster_bar(
+    EnvLocal& s, int t, int k, int steps, const WalkNet& n, const WalkActs& a,
+    const WalkSlices& sl, float bound, const float* __restrict__ z, bool writer,
+    const float* __restrict__ close, const float* __restrict__ high,
+    const float* __restrict__ low, const float* __restrict__ features, int n_features,
+    const float* __restrict__ costs, int n_bars, float* __restrict__ rec_reward,
+    float* __restrict__ rec_held, float* __restrict__ rec_cost, float* __restrict__ rec_margin,
+    int record_len, unsigned long long* walk_full, bool mbar, int warp, int lane,
+    WalkProf& prof) {
+#pragma unroll
+    for (int l = 0; l < WALK_LAYERS; ++l) {
+        const WalkLayer L = walk_layer_of(l, n, a);
+        // The warp's rows r, r + W, r + 2W, ... (W warps), two at once where their fan in
+        // agrees (walk_dot2), else one by one (walk_dot): the same sums either way.
+        for (int r = sl.r0[l] + warp; r < sl.r1[l]; r += 2 * WALK_CLUSTER_WARPS) {
+            const int r2 = r + WALK_CLUSTER_WARPS;
+            const bool second = r2 < sl.r1[l];
+            const int rb = second ? r2 : r;  // (r itself when there is no second row)
+            const float* x = L.in + walk_row(l, r, n).in;
+            const float* x2 = L.in + walk_row(l, rb, n).in;
+            const int w_r = sl.w_base[l] + walk_slice_offset(L, sl.r0[l], r);
+            const int w_r2 = sl.w_base[l] + walk_slice_offset(L, sl.r0[l], rb);
+            const int k_r = walk_fan_in(L, r);
+            const int k_r2 = walk_fan_in(L, rb);
+            float dot, dot2;
+            if (second && k_r2 == k_r) {
+                walk_dot2(x, w_r, x2, w_r2, sl.w, k_r, lane, dot, dot2);
+            } else {
+                dot = walk_dot(x, sl.w, w_r, k_r, lane);
+                dot2 = second ? walk_dot(x2, sl.w, w_r2, k_r2, lane) : 0.0f;
+            }
+            const float value = walk_epilogue(dot, sl.bias_s[sl.b_base[l] + r - sl.r0[l]],
+                                              L.epilogue, bound);
+            if (lane < WALK_CLUSTER) {  // every lane holds the value: lane c sends it to c
+                walk_put(&L.out[r], value, lane, walk_full + l, mbar);
+            }
+            if (second) {
+                const float value2 = walk_epilogue(dot2, sl.bias_s[sl.b_base[l] + r2 - sl.r0[l]],
+                                                   L.epilogue, bound);
+                if (lane < WALK_CLUSTER) {
+                    walk_put(&L.out[r2], value2, lane, walk_full + l, mbar);
+                }
+            }
+        }
+        WALK_TICK(l);
+        walk_layer_done(walk_full + l, k, steps, L.rows, mbar);
+        WALK_TICK(WALK_LAYERS + l);
+    }
+    walk_q_rows(n, a, z, warp, WALK_CLUSTER_WARPS, lane);
+    t = walk_next_bar(t, n_bars);
+    walk_features_row(a.x, features, n_features, t, WALK_CLUSTER_THREADS);
+    walk_touch_prices(close, high, low, n_features, t, WALK_CLUSTER_THREADS);
+    WALK_TICK(WALK_PROF_Q);
+    __syncthreads();
+    WALK_TICK(WALK_PROF_Q_SYNC);
+    if (warp == 0) {
+        walk_advance(s, n, a.q, writer, a.x, close, high, low, features, n_features, costs,
+                     n_bars, rec_reward, rec_held, rec_cost, rec_margin, record_len, lane);
+    }
+    return t;
+}
+
 extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
 __launch_bounds__(WALK_CLUSTER_THREADS, 1)
 greedy_walk_cluster(const float* __restrict__ params,
@@ -810,47 +943,9 @@ greedy_walk_cluster(const float* __restrict__ params,
     const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
                                n_branches, n_actions, action_offset);
     const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
-    const bool use_bf16 = bf16 != 0;
-    // The block's slices after the activations: biases (q floats per layer), then weights.
-    int r0[WALK_LAYERS], r1[WALK_LAYERS], w_base[WALK_LAYERS], b_base[WALK_LAYERS];
-    int w_total = 0;
-    int b_total = 0;
-#pragma unroll
-    for (int l = 0; l < WALK_LAYERS; ++l) {
-        const WalkLayer L = walk_layer_of(l, n, a);
-        walk_owned(L.rows, rank, r0[l], r1[l]);
-        w_base[l] = w_total;
-        b_base[l] = b_total;
-        w_total += walk_slice_cap(L);
-        b_total += (L.rows + WALK_CLUSTER - 1) / WALK_CLUSTER;
-    }
-    float* bias_s = a.end;
-    float* w_f32 = bias_s + b_total;
-    unsigned short* w_bf16 = reinterpret_cast<unsigned short*>(w_f32);
-    const WalkWeights w = {w_f32, w_bf16, use_bf16};
     WALK_PROF_DECL;
-
-    // The block's rows of every layer into its shared memory, once.
-#pragma unroll
-    for (int l = 0; l < WALK_LAYERS; ++l) {
-        const WalkLayer L = walk_layer_of(l, n, a);
-        for (int r = r0[l] + warp; r < r1[l]; r += WALK_CLUSTER_WARPS) {
-            const WalkRow row = walk_row(l, r, n);
-            const int dst = w_base[l] + walk_slice_offset(L, r0[l], r);
-            const int k = walk_fan_in(L, r);
-            for (int j = lane; j < k; j += kWarp) {
-                if (use_bf16) {
-                    w_bf16[dst + j] = params_bf16[row.w + j];
-                } else {
-                    w_f32[dst + j] = params[row.w + j];
-                }
-            }
-            if (lane == 0) {
-                bias_s[b_base[l] + r - r0[l]] = params[row.b];
-            }
-        }
-    }
-
+    const WalkSlices sl = walk_cluster_load(n, a, rank, params, params_bf16, bf16 != 0, warp,
+                                            lane);
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     const int steps = n_steps[0];
     // The exchange's mbarriers (WALK_USE_MBARRIER only; `mbar`: every rank owns layer-0 rows).
@@ -882,57 +977,10 @@ greedy_walk_cluster(const float* __restrict__ params,
     for (int k = 0; k < steps; ++k) {
         walk_prefetch_next(t, close, high, low, features, n_features, n_bars);
         WALK_TICK(WALK_PROF_TOP);
-#pragma unroll
-        for (int l = 0; l < WALK_LAYERS; ++l) {
-            const WalkLayer L = walk_layer_of(l, n, a);
-            // The warp's rows r, r + W, r + 2W, ... (W warps), two at once where their fan in
-            // agrees (walk_dot2), else one by one (walk_dot): the same sums either way.
-            for (int r = r0[l] + warp; r < r1[l]; r += 2 * WALK_CLUSTER_WARPS) {
-                const int r2 = r + WALK_CLUSTER_WARPS;
-                const bool second = r2 < r1[l];
-                const int rb = second ? r2 : r;  // (r itself when there is no second row)
-                const float* x = L.in + walk_row(l, r, n).in;
-                const float* x2 = L.in + walk_row(l, rb, n).in;
-                const int w_r = w_base[l] + walk_slice_offset(L, r0[l], r);
-                const int w_r2 = w_base[l] + walk_slice_offset(L, r0[l], rb);
-                const int k_r = walk_fan_in(L, r);
-                const int k_r2 = walk_fan_in(L, rb);
-                float dot, dot2;
-                if (second && k_r2 == k_r) {
-                    walk_dot2(x, w_r, x2, w_r2, w, k_r, lane, dot, dot2);
-                } else {
-                    dot = walk_dot(x, w, w_r, k_r, lane);
-                    dot2 = second ? walk_dot(x2, w, w_r2, k_r2, lane) : 0.0f;
-                }
-                const float value = walk_epilogue(dot, bias_s[b_base[l] + r - r0[l]],
-                                                  L.epilogue, bound);
-                if (lane < WALK_CLUSTER) {  // every lane holds the value: lane c sends it to c
-                    walk_put(&L.out[r], value, lane, walk_full + l, mbar);
-                }
-                if (second) {
-                    const float value2 = walk_epilogue(dot2, bias_s[b_base[l] + r2 - r0[l]],
-                                                       L.epilogue, bound);
-                    if (lane < WALK_CLUSTER) {
-                        walk_put(&L.out[r2], value2, lane, walk_full + l, mbar);
-                    }
-                }
-            }
-            WALK_TICK(l);
-            walk_layer_done(walk_full + l, k, steps, L.rows, mbar);
-            WALK_TICK(WALK_LAYERS + l);
-        }
-        walk_q_rows(n, a, z, warp, WALK_CLUSTER_WARPS, lane);
-        t = walk_next_bar(t, n_bars);
-        walk_features_row(a.x, features, n_features, t, WALK_CLUSTER_THREADS);
-        walk_touch_prices(close, high, low, n_features, t, WALK_CLUSTER_THREADS);
-        WALK_TICK(WALK_PROF_Q);
-        __syncthreads();
-        WALK_TICK(WALK_PROF_Q_SYNC);
-        if (warp == 0) {
-            walk_advance(s, n, a.q, rank == 0 && threadIdx.x == 0, a.x, close, high, low,
-                         features, n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
-                         rec_margin, record_len, lane);
-        }
+        t = walk_cluster_bar(s, t, k, steps, n, a, sl, bound, z, rank == 0 && threadIdx.x == 0,
+                             close, high, low, features, n_features, costs, n_bars, rec_reward,
+                             rec_held, rec_cost, rec_margin, record_len, walk_full, mbar, warp,
+                             lane, prof);
         WALK_TICK(WALK_PROF_ADVANCE);
         __syncthreads();  // x holds bar k + 1's state
         WALK_TICK(WALK_PROF_ADVANCE_SYNC);
@@ -941,7 +989,141 @@ greedy_walk_cluster(const float* __restrict__ params,
     WalkCluster::sync();  // no block leaves while another may still send to it
 #endif
 #ifdef WALK_PROFILE
-    prof[WALK_PROF_BARS] = (unsigned int)steps;
+    prof.slot[WALK_PROF_BARS] = (unsigned int)steps;
 #endif
     WALK_PROF_STORE(1, rank == 0 && threadIdx.x == 0);
+}
+
+// ------------------------------------------------------------------------------------------
+// greedy_walk_round: the walk in parallel chunks (speculation, then repair), ONE round per launch
+// ------------------------------------------------------------------------------------------
+// Twin: foxhunt.reference.kernels.walk.greedy_walk_round (its docstring is the specification).
+// The n_steps steps are split into n_chunks chunks of L = ceil(n_steps / n_chunks) steps; chunk g
+// (steps [g L, min((g + 1) L, n_steps))) is walked by cluster g (blocks [g C, (g + 1) C)) with
+// greedy_walk_cluster's bar (walk_cluster_bar: the same values, so the same bits). An env state
+// is compared by its key (walk_key: time in position, position, and the entry price only when
+// the position is not flat: flat, it changes nothing that follows), as int32 bit patterns.
+// trace [n_steps, 3]: the key at the start of each step of the chunk's last run; ends [2,
+// n_chunks, 3]: the key after each chunk's last step, as of the rounds of parity 0 and 1.
+//   round 0: every chunk from flat (its guess), writing trace, the records and ends[0][g];
+//   round r > 0 (p = r & 1, q = 1 - p): chunk 0 copies ends[q][0] to ends[p][0] (it started
+//   flat: exact since round 0); chunk g > 0 takes in = ends[q][g - 1]; if in equals trace[k0]
+//   its last run stands (ends[p][g] = ends[q][g]); else it walks again from in and stops at
+//   the first later step k whose key equals trace[k] (its last run from there stands: the walk
+//   is deterministic), else ends[p][g] = the key after its last step.
+// The walk stops at record_len steps (trace has record_len rows; greedy_walk_cluster records no
+// row past it either). After round r chunks 0..r are exact, so n_chunks rounds give
+// greedy_walk_cluster's records bit for bit; a round in which no chunk walks changes nothing (the evaluator launches n_chunks).
+// Every block of a cluster reads the same keys and runs the same env (warp 0), so all decide
+// alike (no extra barrier); block 0's thread 0 writes trace and ends. A key of step k + 1 is read
+// at the top of bar k, before block 0 can rewrite it at the top of bar k + 1 (the layer barriers
+// of bar k lie between). NaN positions or prices would make keys that never match: the chunks
+// then just walk to their ends (still exact).
+
+// The key of an env state (header).
+static __device__ __forceinline__ int3 walk_key(const EnvLocal& s) {
+    return make_int3(s.time_in_position, __float_as_int(s.position),
+                     s.position != 0.0f ? __float_as_int(s.entry_price) : 0);
+}
+
+static __device__ __forceinline__ int3 walk_load_key(const int* p) {
+    return make_int3(p[0], p[1], p[2]);
+}
+
+static __device__ __forceinline__ void walk_store_key(int* p, int3 key) {
+    p[0] = key.x;
+    p[1] = key.y;
+    p[2] = key.z;
+}
+
+static __device__ __forceinline__ bool walk_same_key(int3 a, int3 b) {
+    return a.x == b.x && a.y == b.y && a.z == b.z;
+}
+
+extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
+__launch_bounds__(WALK_CLUSTER_THREADS, 1)
+greedy_walk_round(const float* __restrict__ params,
+                  const unsigned short* __restrict__ params_bf16,
+                  const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
+                  int value_h, int adv_h, int num_atoms, int n_branches,
+                  const int* __restrict__ n_actions, const int* __restrict__ action_offset,
+                  const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                  float h2_clamp_mult, const float* __restrict__ close,
+                  const float* __restrict__ high, const float* __restrict__ low,
+                  const float* __restrict__ features, int n_features,
+                  const float* __restrict__ costs, int n_bars, const int* __restrict__ start,
+                  const int* __restrict__ n_steps, int n_chunks, int round,
+                  int* __restrict__ trace, int* __restrict__ ends,
+                  float* __restrict__ rec_reward, float* __restrict__ rec_held,
+                  float* __restrict__ rec_cost, float* __restrict__ rec_margin, int record_len) {
+    extern __shared__ float walk_shared[];
+    __shared__ int walk_merged;
+    const int lane = threadIdx.x % kWarp;
+    const int warp = threadIdx.x / kWarp;
+    const int rank = WalkCluster::rank();
+    const int g = blockIdx.x / WALK_CLUSTER;  // the cluster: its chunk
+    const bool leader = rank == 0 && threadIdx.x == 0;
+    const int steps = min(n_steps[0], record_len);  // trace has record_len rows
+    const int len = (steps + n_chunks - 1) / n_chunks;
+    const int k0 = g * len;
+    const int k1 = min(k0 + len, steps);
+    if (g >= n_chunks || k0 >= k1) {
+        return;  // an empty chunk (every block of the cluster alike)
+    }
+    const int p = round & 1;
+    int* end_now = ends + 3 * (p * n_chunks + g);
+    const int* end_before = ends + 3 * ((1 - p) * n_chunks + g);
+    EnvLocal s = env_fresh(start[0] + k0);
+    s.steps = k0;
+    if (round > 0) {
+        const int3 in = g > 0 ? walk_load_key(end_before - 3) : make_int3(0, 0, 0);
+        if (g == 0 || walk_same_key(in, walk_load_key(trace + 3 * k0))) {
+            if (leader) {  // the chunk's last run stands
+                walk_store_key(end_now, walk_load_key(end_before));
+            }
+            return;
+        }
+        s.time_in_position = in.x;
+        s.position = __int_as_float(in.y);
+        s.entry_price = __int_as_float(in.z);
+    }
+    const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
+                               n_branches, n_actions, action_offset);
+    const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
+    const WalkSlices sl = walk_cluster_load(n, a, rank, params, params_bf16, bf16 != 0, warp,
+                                            lane);
+    const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
+    WALK_PROF_DECL;  // (not stored: walk_profile times the other two kernels)
+    int t = s.t;
+    walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_CLUSTER_THREADS);
+    // Every block has started, holds its slices and the first state row, and has read
+    // trace[k0] (block 0 rewrites it below).
+    WalkCluster::sync();
+    bool merged = false;
+    for (int k = k0; k < k1; ++k) {
+        walk_prefetch_next(t, close, high, low, features, n_features, n_bars);
+        int3 before = make_int3(0, 0, 0);  // trace[k + 1] of the last run (rounds > 0)
+        if (warp == 0) {
+            if (leader) {
+                walk_store_key(trace + 3 * k, walk_key(s));
+            }
+            if (round > 0 && k + 1 < k1) {
+                before = walk_load_key(trace + 3 * (k + 1));
+            }
+        }
+        t = walk_cluster_bar(s, t, k, steps, n, a, sl, bound, z, leader, close, high, low,
+                             features, n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
+                             rec_margin, record_len, nullptr, false, warp, lane, prof);
+        if (threadIdx.x == 0) {
+            walk_merged = round > 0 && k + 1 < k1 && walk_same_key(walk_key(s), before);
+        }
+        __syncthreads();  // x holds bar k + 1's state; walk_merged is the block's decision
+        if (walk_merged) {
+            merged = true;
+            break;
+        }
+    }
+    if (leader) {
+        walk_store_key(end_now, merged ? walk_load_key(end_before) : walk_key(s));
+    }
 }

@@ -2,7 +2,7 @@
 ``reference.loop.evaluate_segment``.
 
 ``DeviceEvaluator(trainer, tables, *, max_steps, chunk=CHUNK_BARS, costs=ExecutionCosts(),
-mode="graph")``
+mode="auto")``
 takes a ``foxhunt.fast.Trainer`` (on the GPU, or a ``CpuTrainer``: the same records run by the
 reference kernels) and the run's market tables (``kernels.env.market_tables``), and builds the
 plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` and one
@@ -12,14 +12,15 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
 - ``chunk`` per policy: ``chunk`` bars (``bar_ops``) in ONE graph, built on first use;
 - ``end`` per ``(n, bars_per_year, equity)``: ``eval_metrics`` and the copies out (the
   ``END_CACHE_SIZE`` most recent kept);
-- with ``mode="fused"``, ``fused``: the greedy walk of a whole segment in ONE launch of
-  ``greedy_walk_cluster`` (sm_90 and newer, one thread-block cluster) or ``greedy_walk`` (one
-  block; ``kernels.walk.plan_walk`` picks, ``eval_plan.fused_ops``), built with the evaluator;
-  the greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and
-  ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by
-  chunk graphs too (the default: the loop's evaluator). ``mode="auto"`` (``auto_mode``) is
-  ``"fused"`` where the fused walk is the cluster kernel and the support fixed, else
-  ``"graph"``; it becomes the default once a device run has checked it inside the loop.
+- with ``mode="fused"``, ``fused``: the greedy walk of a whole segment on the device in ONE
+  graph: from sm_90, ``WALK_CHUNKS`` rounds of ``greedy_walk_round`` (the segment in chunks,
+  one thread-block cluster each, walked in parallel from a guessed flat start and repaired
+  round by round: bitwise the one-cluster ``greedy_walk_cluster``'s records;
+  ``eval_plan.fused_ops``), else one launch of ``greedy_walk`` (one block); built with the
+  evaluator. The greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks
+  and ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by
+  chunk graphs too. ``mode="auto"`` (the default, ``auto_mode``) is ``"fused"`` where the
+  fused walk is the cluster kernel and the support fixed, else ``"graph"``.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
@@ -63,6 +64,7 @@ from foxhunt.fast.eval_plan import (
     bar_ops,
     begin_ops,
     end_ops,
+    fused_chunks,
     fused_ops,
     register_twins,
     walk_binder,
@@ -200,7 +202,7 @@ class DeviceEvaluator:
 
     def __init__(self, trainer, tables: env_kernels.MarketTables, *, max_steps: int,
                  chunk: int = CHUNK_BARS, costs: ExecutionCosts = ExecutionCosts(),
-                 mode: str = "graph"):
+                 mode: str = "auto"):
         self.max_steps = check_int("max_steps", max_steps, minimum=1)
         self.chunk = check_int("chunk", chunk, minimum=1)
         if mode not in MODES:
@@ -226,7 +228,8 @@ class DeviceEvaluator:
         prog, lay = engine.program, engine.layout
         self.wl = wl = WalkLayout(lay, n_bars=self.tables.close.shape[0],
                                   n_features=self.tables.features.shape[1],
-                                  max_steps=self.max_steps)
+                                  max_steps=self.max_steps,
+                                  n_chunks=fused_chunks(prog) if self.mode == "fused" else 0)
         self.evl = evl = EvalLayout(lay, 1)
         self._new = functools.partial(Ops, walk_binder(prog, wl, evl))
         self._check = functools.partial(check_dataflow, role=walk_role(prog, wl, evl), preset={

@@ -201,8 +201,11 @@ def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, tmp_path):
     sources = {n: b for n, b in source_files().items()
                if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
     module = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources)
-    assert set(module.kernels) == {"greedy_walk", "greedy_walk_cluster"}
+    assert set(module.kernels) == {"greedy_walk", "greedy_walk_cluster", "greedy_walk_round"}
     assert module.params["greedy_walk"] == module.params["greedy_walk_cluster"]
+    ptx_round = module.ptx["walk.cu"][module.ptx["walk.cu"].index(".entry greedy_walk_round("):]
+    assert re.search(r"\.reqnctapercluster (\d+), 1, 1", ptx_round[:ptx_round.index("{")]) \
+        or arch != "sm_90"
     ptx = module.ptx["walk.cu"]
     head = ptx[ptx.index(".entry greedy_walk_cluster("):]
     found = re.search(r"\.reqnctapercluster (\d+), 1, 1", head[:head.index("{")])
@@ -214,7 +217,7 @@ def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, tmp_path):
 
 
 def test_walk_kernels_do_not_spill_on_sm90(tmp_path):
-    """The walk is latency-bound: neither kernel may spill registers to local memory (ptxas
+    """The walk is latency-bound: no walk kernel may spill registers to local memory (ptxas
     chose 32 registers and spilled before ``__launch_bounds__(1024, 1)``)."""
     import re
 
@@ -226,7 +229,7 @@ def test_walk_kernels_do_not_spill_on_sm90(tmp_path):
                              extra_options=("--ptxas-options=-v",))
     log = module.logs["walk.cu"]
     spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log))
-    assert spills == {"greedy_walk": "0", "greedy_walk_cluster": "0"}
+    assert spills == {"greedy_walk": "0", "greedy_walk_cluster": "0", "greedy_walk_round": "0"}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -113,20 +113,25 @@ def test_fused_baselines_are_the_graph_baselines(run_setup):
         assert np.array_equal(got.rewards, want.rewards)
 
 
-def test_fused_greedy_walk_is_one_launch_and_one_synchronisation(run_setup):
-    """The fused plan: the two copies in and ONE kernel, whatever the segment's length; no
-    greedy chunk graph is ever built; one synchronisation per segment. The CPU plan is built
-    for sm_90 (``cpu_executor.CPU_ARCH``), where the tiny network fits a cluster: the kernel is
-    ``greedy_walk_cluster``."""
+def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
+    """The fused plan: the two copies in and ``WALK_CHUNKS`` rounds of ``greedy_walk_round``
+    (round r bound as its ``round``), whatever the segment's length; no greedy chunk graph is
+    ever built; one synchronisation per segment. The CPU plan is built for sm_90
+    (``cpu_executor.CPU_ARCH``), where the tiny network fits a cluster: the rounds run the
+    cluster kernel's bar."""
+    from foxhunt.fast.kernels.walk import WALK_CHUNKS
+
     *_, segments, per_year, _, fused = run_setup
     for start, stop in segments:
         before = fast_device.SYNCS.count
         fused.walk(start, stop, per_year)
         assert fast_device.SYNCS.count - before == 1
     (graph,) = fused._device._plans["fused"]
-    kernels = [getattr(node, "kernel", None) for node in graph.nodes]
-    assert kernels.count("greedy_walk_cluster") == 1 and "greedy_walk" not in kernels
-    assert fused._device.node_count("fused") == 3
+    launches = [node for node in graph.nodes if getattr(node, "kernel", None)]
+    assert [node.kernel for node in launches] == ["greedy_walk_round"] * WALK_CHUNKS
+    assert [node.args["round"] for node in launches] == list(range(WALK_CHUNKS))
+    assert fused.wl.n_chunks == WALK_CHUNKS
+    assert fused._device.node_count("fused") == 2 + WALK_CHUNKS
     assert ("chunk", "greedy") not in fused._device._plans
 
 
@@ -181,7 +186,7 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
     two kernels sum in the same order; a freshly stepped seed network's margins are too small
     for a comparison with the chunk graphs to reach past a few bars)."""
     from foxhunt.fast import Trainer
-    from foxhunt.fast.kernels.walk import WALK_KERNELS
+    from foxhunt.fast.kernels.walk import WALK_CHUNKS, WALK_KERNELS
     from foxhunt.fast.kernels.walk import greedy_walk as one_block
 
     config, trainer, tables, segments, per_year, graph, fused = _setup(
@@ -194,10 +199,48 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
             assert got.tobytes() == want.tobytes()
             traded += np.count_nonzero(want)
         assert traded > 0
-        assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
         packed = {node.kernel for *_, node in fused._device._lowering._packed.values()}
-        new = trainer.engine.device.compute_capability >= (9, 0)
-        assert packed & set(WALK_KERNELS) == {"greedy_walk_cluster" if new else "greedy_walk"}
+        if trainer.engine.device.compute_capability >= (9, 0):  # the rounds of the cluster bar
+            assert fused.wl.n_chunks == WALK_CHUNKS
+            assert fused._device.node_count("fused") == 2 + WALK_CHUNKS  # two copies in
+            assert packed & {*WALK_KERNELS, "greedy_walk_round"} == {"greedy_walk_round"}
+        else:
+            assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
+            assert packed & {*WALK_KERNELS, "greedy_walk_round"} == {"greedy_walk"}
+    finally:
+        graph.close()
+        fused.close()
+        trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
+@pytest.mark.parametrize("precision", ["bf16", "f32"])
+def test_gpu_walk_in_chunks_is_the_cluster_walk_bit_for_bit(precision):
+    """``greedy_walk_round``, ``n_chunks`` rounds over ``n_chunks`` chunks (the fast test entry
+    ``greedy_walk_chunked``), records what ONE ``greedy_walk_cluster`` launch records, bit for bit
+    (rewards, positions held, costs, margins), on the seed network's live parameters over real
+    fold segments, for several chunk counts; and one round alone (every chunk from flat) differs
+    from it where a chunk's true start holds a position, which the segments must show at least
+    once (else the rounds after the first would be untested)."""
+    from foxhunt.fast import Trainer
+    from foxhunt.fast.kernels.walk import greedy_walk_chunked, greedy_walk_cluster
+
+    config, trainer, tables, segments, per_year, graph, fused = _setup(
+        precision, seed=3, preset="seed", trainer_class=Trainer)
+    try:
+        repaired = 0
+        for start, stop in segments:
+            args = _walk_args(config, trainer, tables, start, stop)
+            want = greedy_walk_cluster(**args)
+            for n_chunks in (1, 3, 16):
+                got = greedy_walk_chunked(**args, n_chunks=n_chunks, rounds=n_chunks)
+                for name in want._fields:
+                    assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), \
+                        (start, stop, n_chunks, name)
+            first = greedy_walk_chunked(**args, n_chunks=16, rounds=1)
+            repaired += first.positions.tobytes() != want.positions.tobytes()
+        assert repaired > 0
     finally:
         graph.close()
         fused.close()

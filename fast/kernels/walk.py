@@ -30,10 +30,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, device_scalar, launch, runtime
+from foxhunt.fast.kernels._runtime import In, InOut, Out, device_scalar, launch, runtime
 from foxhunt.fast.kernels.dense import f32_to_bf16
+from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.fused import branch_offsets
-from foxhunt.reference.kernels.walk import WalkRecord, validate_greedy_walk
+from foxhunt.reference.kernels.walk import (
+    WalkRecord,
+    WalkRoundState,
+    validate_greedy_walk,
+    validate_greedy_walk_round,
+)
 
 F32, I32 = np.float32, np.int32
 
@@ -53,6 +59,9 @@ SHARED_OPTIN = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90
                 100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
 #: The kernels, in the order :func:`plan_walk` prefers them.
 WALK_KERNELS = ("greedy_walk_cluster", "greedy_walk")
+#: Chunks of the parallel walk (``greedy_walk_round``, one cluster each): as many clusters of 8
+#: blocks as an H200 runs at once (132 SMs: 16 clusters).
+WALK_CHUNKS = 16
 
 
 def walk_activation_floats(dims, branches, warps: int) -> int:
@@ -144,6 +153,17 @@ def plan_greedy_walk_cluster(dims, branches, bf16: bool, arch) -> tuple:
     return (cluster,), (CLUSTER_THREADS,), nbytes
 
 
+def plan_greedy_walk_round(dims, branches, bf16: bool, arch, n_chunks: int) -> tuple:
+    """``n_chunks`` clusters of :func:`plan_greedy_walk_cluster`'s blocks (cluster ``g`` walks
+    chunk ``g``), each block with that plan's shared memory; ``ValueError`` as that plan, and
+    before sm_90 (no clusters: one block would have to hold every weight)."""
+    if cluster_size(arch) < 2:
+        raise ValueError(f"arch={arch!r}: greedy_walk_round needs thread-block clusters (sm_90 "
+                         "and newer)")
+    (cluster,), block, nbytes = plan_greedy_walk_cluster(dims, branches, bf16, arch)
+    return (int(n_chunks) * cluster,), block, nbytes
+
+
 def plan_walk(dims, branches, bf16: bool, arch) -> tuple[str, tuple]:
     """``(kernel, plan)`` of the fused walk on ``arch`` (module docstring): the cluster kernel
     from sm_90 where it fits, else the one-block kernel."""
@@ -197,4 +217,63 @@ def greedy_walk_cluster(params, param_offsets, dims, branches, bf16, z, isv, isv
                  high, low, features, costs, start, n_steps)
 
 
-KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk_cluster}
+def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+                      h2_clamp_mult, close, high, low, features, costs, start, n_steps, n_chunks,
+                      round, trace, ends, rec_reward, rec_held, rec_cost,
+                      rec_margin) -> WalkRoundState:
+    """Test entry of the CUDA ``greedy_walk_round``: ONE launch (one round) on copies of the
+    buffers, returned as the twin's ``WalkRoundState`` (contract and errors as the twin's)."""
+    T, start, n_steps, n_chunks, round = validate_greedy_walk_round(
+        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
+        high, low, features, costs, start, n_steps, n_chunks, round, trace, ends, rec_reward,
+        rec_held, rec_cost, rec_margin)
+    branches = tuple(int(n) for n in branches)
+    sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
+    plan = plan_greedy_walk_round(dims, branches, bool(bf16), runtime().device.arch, n_chunks)
+    if plan[2] > SHARED_LIMIT:
+        runtime().module.kernel("greedy_walk_round").set_max_dynamic_shared(plan[2])
+    mirror = In(f32_to_bf16(params)) if bf16 else 0
+    rows = max(n_steps, 1)  # (no zero-byte buffers)
+
+    def rows_of(x, shape, dtype):
+        out = np.zeros(shape, dtype)
+        out[:n_steps] = x
+        return InOut(out)
+
+    margin = 0 if rec_margin is None else rows_of(rec_margin, rows, F32)
+    outs = launch("greedy_walk_round", plan, In(params), mirror, In(param_offsets),
+                  int(bool(bf16)), sd, h1, h2, value_h, adv_h, na, len(branches),
+                  In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)), In(z),
+                  In(isv), int(isv_index), np.float32(h2_clamp_mult), In(close), In(high),
+                  In(low), In(features), features.shape[1], In(costs), T,
+                  device_scalar(start, I32), device_scalar(n_steps, I32), n_chunks, round,
+                  rows_of(trace, (rows, 3), I32), InOut(np.ascontiguousarray(ends)),
+                  rows_of(rec_reward, rows, F32), rows_of(rec_held, rows, F32),
+                  rows_of(rec_cost, rows, F32), margin, n_steps)
+    trace2, ends2, reward, held, cost = outs[:5]
+    return WalkRoundState(trace2[:n_steps], ends2, reward[:n_steps], held[:n_steps],
+                          cost[:n_steps], None if rec_margin is None else outs[5][:n_steps])
+
+
+def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+                        h2_clamp_mult, close, high, low, features, costs, start, n_steps,
+                        n_chunks, rounds) -> WalkRecord:
+    """``rounds`` launches of ``greedy_walk_round`` (rounds 0 .. rounds - 1) on zeroed state
+    buffers, as the evaluator runs them; the records (twin: the reference's
+    ``greedy_walk_chunked``; with ``rounds >= n_chunks`` bitwise ``greedy_walk_cluster``'s)."""
+    _, _, steps = validate_greedy_walk(
+        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
+        high, low, features, costs, start, n_steps)
+    n_chunks = check_int("n_chunks", n_chunks, minimum=1)
+    rounds = check_int("rounds", rounds, minimum=1)
+    state = WalkRoundState(np.zeros((steps, 3), I32), np.zeros((2, n_chunks, 3), I32),
+                           *(np.zeros(steps, F32) for _ in range(4)))
+    for r in range(rounds):
+        state = greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+                                  h2_clamp_mult, close, high, low, features, costs, start,
+                                  n_steps, n_chunks, r, *state)
+    return WalkRecord(state.rec_reward, state.rec_held, state.rec_cost, state.rec_margin)
+
+
+KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk_cluster,
+           "greedy_walk_round": greedy_walk_chunked}

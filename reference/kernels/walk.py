@@ -485,9 +485,13 @@ def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv
     return WalkRecord(buffers.rec_reward, buffers.rec_held, buffers.rec_cost, buffers.rec_margin)
 
 
-#: Both CUDA kernels of walk.cu (one block; one thread-block cluster) have this one twin: their
-#: records are bitwise equal (walk.cu's header).
-KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk}
+#: Both single-launch CUDA kernels of walk.cu (one block; one thread-block cluster) have this
+#: one twin: their records are bitwise equal (walk.cu's header). ``greedy_walk_round`` (one
+#: round a launch) is conformance-tested as the evaluator runs it, its rounds composed: its
+#: entry's twin is :func:`greedy_walk_chunked` (the CPU executor's per-launch twin is
+#: :func:`greedy_walk_round`, :data:`ROUND_KERNELS`).
+KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk,
+           "greedy_walk_round": greedy_walk_chunked}
 
 #: walk.cu's ``greedy_walk_round``: one round of the chunked walk (its own signature; the
 #: conformance entries run :data:`CHUNKED`, the rounds composed).
