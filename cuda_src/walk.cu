@@ -419,30 +419,38 @@ static __device__ __forceinline__ int walk_choose(const float* row, int n_d, flo
     return best_index;
 }
 
-// Dueling combine, log-softmax and expected Q: one warp per packed (branch, action) row, the
-// ops of dueling_log_softmax_q_branches (its lane only reads what it wrote).
+// Dueling combine, log-softmax and expected Q of packed (branch, action) row r, by one warp
+// (scratch: its two rows of na), the ops of dueling_log_softmax_q_branches (its lane only reads
+// what it wrote); q[r] by lane 0.
+static __device__ __forceinline__ void walk_q_row(const WalkNet& n, const WalkActs& a,
+                                                  const float* z, int r, float* scratch,
+                                                  int lane) {
+    float* logits_s = scratch;
+    float* logp_s = scratch + n.na;
+    int d = 0;
+    for (int e = 1; e < n.nb; ++e) {
+        d = (r >= n.action_offset[e]) ? e : d;
+    }
+    const int n_d = n.n_actions[d];
+    const int act = r - n.action_offset[d];
+    const float* adv_d = a.out + n.na * (1 + n.action_offset[d]);
+    for (int j = lane; j < n.na; j += kWarp) {
+        const float mean = dueling_mean(adv_d, j, n_d, n.na);
+        logits_s[j] = a.out[j] + (adv_d[act * n.na + j] - mean);
+    }
+    const float q = log_softmax_row(logits_s, logp_s, z, true, n.na, lane);
+    if (lane == 0) {
+        a.q[r] = q;
+    }
+    __syncwarp();  // the warp's next row rewrites the scratch rows
+}
+
+// Every Q row of one state: one warp per row (walk_q_row).
 static __device__ __forceinline__ void walk_q_rows(const WalkNet& n, const WalkActs& a,
                                                    const float* z, int warp, int warps,
                                                    int lane) {
-    float* logits_s = a.scratch + 2 * warp * n.na;
-    float* logp_s = logits_s + n.na;
     for (int r = warp; r < n.a_total; r += warps) {
-        int d = 0;
-        for (int e = 1; e < n.nb; ++e) {
-            d = (r >= n.action_offset[e]) ? e : d;
-        }
-        const int n_d = n.n_actions[d];
-        const int act = r - n.action_offset[d];
-        const float* adv_d = a.out + n.na * (1 + n.action_offset[d]);
-        for (int j = lane; j < n.na; j += kWarp) {
-            const float mean = dueling_mean(adv_d, j, n_d, n.na);
-            logits_s[j] = a.out[j] + (adv_d[act * n.na + j] - mean);
-        }
-        const float q = log_softmax_row(logits_s, logp_s, z, true, n.na, lane);
-        if (lane == 0) {
-            a.q[r] = q;
-        }
-        __syncwarp();  // the next row of this warp rewrites the scratch rows
+        walk_q_row(n, a, z, r, a.scratch + 2 * warp * n.na, lane);
     }
 }
 
@@ -572,7 +580,7 @@ static __device__ __forceinline__ void walk_advance(
             rec_margin[steps_before] = margin;
         }
     }
-    if (lane == 0) {
+    if (lane == 0 && x != nullptr) {  // (greedy_walk_hold builds its rows itself: null)
         env_write_state(x + n_features, features, 0, close, s, ENV_N_POSITION_FEATURES);
     }
 }
@@ -811,9 +819,10 @@ struct WalkSlices {
 };
 
 // The block's rows of every layer (the BF16 mirror's in bf16 mode, stored as BF16; f32 params
-// else) and their biases, copied into its dynamic shared memory after the activations, once.
+// else) and their biases, copied into its dynamic shared memory from `base` (after the
+// activations), once.
 static __device__ __forceinline__ WalkSlices walk_cluster_load(
-    const WalkNet& n, const WalkActs& a, int rank, const float* __restrict__ params,
+    const WalkNet& n, const WalkActs& a, float* base, int rank, const float* __restrict__ params,
     const unsigned short* __restrict__ params_bf16, bool use_bf16, int warp, int lane) {
     WalkSlices sl;
     int w_total = 0;
@@ -827,7 +836,7 @@ static __device__ __forceinline__ WalkSlices walk_cluster_load(
         w_total += walk_slice_cap(L);
         b_total += (L.rows + WALK_CLUSTER - 1) / WALK_CLUSTER;
     }
-    float* bias_s = a.end;
+    float* bias_s = base;  // (a: the layers' shapes only)
     float* w_f32 = bias_s + b_total;
     unsigned short* w_bf16 = reinterpret_cast<unsigned short*>(w_f32);
     sl.bias_s = bias_s;
@@ -944,8 +953,8 @@ greedy_walk_cluster(const float* __restrict__ params,
                                n_branches, n_actions, action_offset);
     const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
     WALK_PROF_DECL;
-    const WalkSlices sl = walk_cluster_load(n, a, rank, params, params_bf16, bf16 != 0, warp,
-                                            lane);
+    const WalkSlices sl = walk_cluster_load(n, a, a.end, rank, params, params_bf16, bf16 != 0,
+                                            warp, lane);
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     const int steps = n_steps[0];
     // The exchange's mbarriers (WALK_USE_MBARRIER only; `mbar`: every rank owns layer-0 rows).
@@ -1090,8 +1099,8 @@ greedy_walk_round(const float* __restrict__ params,
     const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
                                n_branches, n_actions, action_offset);
     const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
-    const WalkSlices sl = walk_cluster_load(n, a, rank, params, params_bf16, bf16 != 0, warp,
-                                            lane);
+    const WalkSlices sl = walk_cluster_load(n, a, a.end, rank, params, params_bf16, bf16 != 0,
+                                            warp, lane);
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     WALK_PROF_DECL;  // (not stored: walk_profile times the other two kernels)
     int t = s.t;
@@ -1125,5 +1134,190 @@ greedy_walk_round(const float* __restrict__ params,
     }
     if (leader) {
         walk_store_key(end_now, merged ? walk_load_key(end_before) : walk_key(s));
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// greedy_walk_hold: the cluster walk, W bars at a time where the policy holds its position
+// ------------------------------------------------------------------------------------------
+// Twin: foxhunt.reference.kernels.walk.greedy_walk (bitwise: greedy_walk_cluster's records).
+// While the greedy exposure equals the position held, nothing trades and the env's next state
+// is known without the network: t + 1, the same position and entry price, time in position + 1
+// (0 when flat). So from the state at step k the kernel builds the state rows of the next W
+// steps as if the position were held (walk_hold_row: env_write_state's values), runs the
+// network on all W rows at once (each dense row of each input summed as walk_dot sums it, so
+// each input's Q is greedy_walk_cluster's bit for bit), and finds the first step m whose
+// greedy exposure (double_dqn_argmax of branch 0) is not the hold (exposure = position + 1).
+// Steps k .. k + m - 1 are then the sequential walk's steps (each lane of warp 0 runs
+// env_advance on its own step's state: no trade, the same bits as the one-by-one walk), step
+// k + m takes the full greedy action of its row (walk_advance's choice, margins as there), and
+// the next iteration starts at k + m + 1 (or k + W when every step held). An agent that holds
+// for long stretches then costs one network pass per W steps; one that trades every step
+// costs one per step, each a little dearer than greedy_walk_cluster's bar. The W inputs'
+// activations (walk_acts without scratch, W times) come first in shared memory, then the
+// scratch rows, then the block's weight slices (walk_cluster_load). Every block runs the same
+// iteration on the same values; block 0 writes the records. W <= WALK_HOLD_MAX (the plan,
+// fast/kernels/walk.py plan_greedy_walk_hold, picks the largest that fits shared memory).
+#define WALK_HOLD_MAX 16
+
+// The state row of input j: the env of step k + j if the position were held since step k
+// (bar t + j, time in position + j when not flat), market features then env_write_state's
+// tail; every thread of the block takes a share of the W rows.
+static __device__ __forceinline__ void walk_hold_rows(float* base, int stride, int w,
+                                                      const float* features, int n_features,
+                                                      const float* close, const EnvLocal& s,
+                                                      int state_dim, int n_bars) {
+    for (int i = threadIdx.x; i < w * n_features; i += blockDim.x) {
+        const int j = i / n_features;
+        const int t = min(s.t + j, n_bars - 1);
+        base[j * stride + i % n_features] = features[(long long)t * n_features + i % n_features];
+    }
+    for (int j = threadIdx.x; j < w; j += blockDim.x) {
+        EnvLocal h = s;
+        h.t = min(s.t + j, n_bars - 1);
+        h.steps = s.steps + j;
+        h.time_in_position = s.position != 0.0f ? s.time_in_position + j : 0;
+        env_write_state(base + j * stride + n_features, features, 0, close, h,
+                        state_dim - n_features);
+    }
+}
+
+extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
+__launch_bounds__(WALK_CLUSTER_THREADS, 1)
+greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restrict__ params_bf16,
+                 const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
+                 int value_h, int adv_h, int num_atoms, int n_branches,
+                 const int* __restrict__ n_actions, const int* __restrict__ action_offset,
+                 const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                 float h2_clamp_mult, const float* __restrict__ close,
+                 const float* __restrict__ high, const float* __restrict__ low,
+                 const float* __restrict__ features, int n_features,
+                 const float* __restrict__ costs, int n_bars, const int* __restrict__ start,
+                 const int* __restrict__ n_steps, int hold_rows, float* __restrict__ rec_reward,
+                 float* __restrict__ rec_held, float* __restrict__ rec_cost,
+                 float* __restrict__ rec_margin, int record_len) {
+    extern __shared__ float walk_shared[];
+    __shared__ int walk_next[5];  // t, steps, time in position, position, entry (bits)
+    const int lane = threadIdx.x % kWarp;
+    const int warp = threadIdx.x / kWarp;
+    const int rank = WalkCluster::rank();
+    const int W = max(1, min(hold_rows, WALK_HOLD_MAX));
+    const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
+                               n_branches, n_actions, action_offset);
+    const int stride = (int)(walk_acts(walk_shared, n, 0).end - walk_shared);
+    float* scratch = walk_shared + W * stride;
+    const WalkActs a0 = walk_acts(walk_shared, n, 0);  // input 0 (the layers' shapes)
+    const WalkSlices sl = walk_cluster_load(n, a0, scratch + 2 * WALK_CLUSTER_WARPS * n.na, rank,
+                                            params, params_bf16, bf16 != 0, warp, lane);
+    const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
+    const int steps = n_steps[0];
+    const bool writer = rank == 0;
+    EnvLocal s = env_fresh(start[0]);  // every thread: the state at the iteration's step
+    WalkCluster::sync();  // every block has started and holds its slices
+    while (s.steps < steps) {
+        const int cnt = min(W, steps - s.steps);
+        walk_hold_rows(walk_shared, stride, W, features, n_features, close, s, state_dim,
+                       n_bars);
+        __syncthreads();
+#pragma unroll
+        for (int l = 0; l < WALK_LAYERS; ++l) {
+            const WalkLayer L = walk_layer_of(l, n, a0);
+            const int out_off = (int)(L.out - walk_shared);
+            const int in_off = (int)(L.in - walk_shared);
+            for (int r = sl.r0[l] + warp; r < sl.r1[l]; r += WALK_CLUSTER_WARPS) {
+                const int x_off = in_off + walk_row(l, r, n).in;
+                const int w_r = sl.w_base[l] + walk_slice_offset(L, sl.r0[l], r);
+                const int k_r = walk_fan_in(L, r);
+                const float bias = sl.bias_s[sl.b_base[l] + r - sl.r0[l]];
+                for (int j = 0; j < W; j += 2) {  // inputs j, j + 1: two chains, one row
+                    const int j2 = min(j + 1, W - 1);
+                    float dot, dot2;
+                    walk_dot2(walk_shared + j * stride + x_off, w_r,
+                              walk_shared + j2 * stride + x_off, w_r, sl.w, k_r, lane, dot,
+                              dot2);
+                    const float v = walk_epilogue(dot, bias, L.epilogue, bound);
+                    const float v2 = walk_epilogue(dot2, bias, L.epilogue, bound);
+                    if (lane < WALK_CLUSTER) {
+                        WalkCluster::store(walk_shared + j * stride + out_off + r, v, lane);
+                        if (j2 != j) {
+                            WalkCluster::store(walk_shared + j2 * stride + out_off + r, v2, lane);
+                        }
+                    }
+                }
+            }
+            WalkCluster::sync();
+        }
+        for (int i = warp; i < W * n.a_total; i += WALK_CLUSTER_WARPS) {
+            const int j = i / n.a_total;
+            walk_q_row(n, walk_acts(walk_shared + j * stride, n, 0), z, i % n.a_total,
+                       scratch + 2 * warp * n.na, lane);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            // lane j < cnt: does step k + j hold? (the exposure branch's greedy choice)
+            const int hold = __float2int_rn(s.position) + 1;
+            bool holds = false;
+            if (lane < cnt) {
+                const float* qj = walk_acts(walk_shared + lane * stride, n, 0).q;
+                holds = double_dqn_argmax(qj + n.action_offset[0], n.n_actions[0]) == hold;
+            }
+            const unsigned int breaks = __ballot_sync(kFullMask, lane < cnt && !holds);
+            const int m = breaks ? __ffs(breaks) - 1 : cnt;  // the first step that trades
+            if (lane < m) {  // a held step: its own state, env_advance as the walk runs it
+                EnvLocal h = s;
+                h.t = s.t + lane;
+                h.steps = s.steps + lane;
+                h.time_in_position = s.position != 0.0f ? s.time_in_position + lane : 0;
+                const float* qj = walk_acts(walk_shared + lane * stride, n, 0).q;
+                const float inf = __int_as_float(0x7f800000);
+                int act[3] = {hold, ENV_DEFAULT_ORDER, ENV_DEFAULT_URGENCY};
+                float margin = inf;
+                for (int d = 0; d < n.nb; ++d) {
+                    float gap;
+                    const int best = walk_choose(qj + n.action_offset[d], n.n_actions[d], &gap);
+                    if (d < 3) {
+                        act[d] = best;
+                    }
+                    margin = fminf(margin, gap);
+                }
+                const int k = h.steps;
+                const EnvOutcome o = env_advance(h, act[0], act[1], act[2], close, high, low,
+                                                 costs, n_bars, 0);
+                if (writer && o.live && k < record_len) {
+                    rec_reward[k] = o.reward;
+                    rec_held[k] = o.held;
+                    rec_cost[k] = o.cost;
+                    if (rec_margin != nullptr) {
+                        rec_margin[k] = margin;
+                    }
+                }
+            }
+            EnvLocal next = s;
+            next.t = s.t + m;
+            next.steps = s.steps + m;
+            next.time_in_position = s.position != 0.0f ? s.time_in_position + m : 0;
+            if (m < cnt) {  // step k + m: the full greedy action of its row (walk_advance)
+                const float* qm = walk_acts(walk_shared + m * stride, n, 0).q;
+                walk_advance(next, n, qm, writer && lane == 0, nullptr, close, high, low,
+                             features, n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
+                             rec_margin, record_len, lane);
+            }
+            if (lane == 0) {
+                walk_next[0] = next.t;
+                walk_next[1] = next.steps;
+                walk_next[2] = next.time_in_position;
+                walk_next[3] = __float_as_int(next.position);
+                walk_next[4] = __float_as_int(next.entry_price);
+            }
+        }
+        __syncthreads();
+        s.t = walk_next[0];
+        s.steps = walk_next[1];
+        s.time_in_position = walk_next[2];
+        s.position = __int_as_float(walk_next[3]);
+        s.entry_price = __int_as_float(walk_next[4]);
+        // (walk_next is written again only after the next iteration's barriers; the state
+        // rows are block-local and read by layer 0 alone; a block racing ahead sends only
+        // layer-0 values, into h1, which the others finished reading before their last sync.)
     }
 }

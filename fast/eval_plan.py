@@ -125,12 +125,10 @@ class WalkLayout(BufferTable):
     """The walk's buffers (module docstring) for tables of ``n_bars`` bars and ``n_features``
     market features, recording at most ``max_steps`` steps."""
 
-    def __init__(self, layout: StepLayout, *, n_bars: int, n_features: int, max_steps: int,
-                 n_chunks: int = 0):
+    def __init__(self, layout: StepLayout, *, n_bars: int, n_features: int, max_steps: int):
         super().__init__()
         self.step = layout
         self.n_bars, self.n_features, self.max_steps = int(n_bars), int(n_features), int(max_steps)
-        self.n_chunks = int(n_chunks)
         T, SD, nb, R = self.n_bars, layout.SD, layout.nb, self.max_steps
         for buf, name in WALK_TABLES:
             shape = (T, self.n_features) if name == "features" else T
@@ -152,9 +150,6 @@ class WalkLayout(BufferTable):
         for name in ("walk_rec_reward", "walk_rec_held", "walk_rec_cost"):
             self._add(name, (R, 1), F32, "state")
         self._add("walk_metrics", len(env_kernels.EVAL_FIELDS), F32)
-        if self.n_chunks:  # the parallel walk's keys (greedy_walk_round)
-            self._add("walk_trace", (R, 3), I32, "state")
-            self._add("walk_ends", (2, self.n_chunks, 3), I32, "state")
         clash = sorted(set(self.specs) & set(layout.specs))
         if clash:
             raise AssertionError(f"walk buffers {clash} shadow step buffers")
@@ -255,18 +250,11 @@ def fused_walk_kernel(prog: StepProgram) -> str:
     return prog.kernels("walk").plan_walk(dims, lay.branches, lay.bf16, prog.arch)[0]
 
 
-def fused_chunks(prog: StepProgram) -> int:
-    """Chunks of the parallel walk ``fused_ops`` runs for ``prog``: ``kernels.walk.WALK_CHUNKS``
-    where the fused walk is the cluster kernel (``greedy_walk_round`` runs its bar), else 0 (one
-    launch of ``greedy_walk``)."""
-    walk = prog.kernels("walk")
-    return walk.WALK_CHUNKS if fused_walk_kernel(prog) == "greedy_walk_cluster" else 0
-
-
 def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
-    """The fused walk (module docstring): the first bar and the step count in, then ``n_chunks``
-    rounds of ``greedy_walk_round`` (``wl.n_chunks`` chunks; bitwise ``greedy_walk_cluster``'s
-    records) or, with no chunks, one ``greedy_walk``."""
+    """The fused walk (module docstring): the first bar and the step count in, then ONE launch:
+    ``greedy_walk_hold`` where ``plan_walk`` picks the cluster kernel (its bar, W steps at a
+    time while the policy holds: bitwise ``greedy_walk_cluster``'s records), else
+    ``greedy_walk``."""
     lay, c = prog.lay, prog.config
     tables = {name: buf for buf, name in WALK_TABLES}
     dims = walk_kernels.walk_dims(c)
@@ -274,23 +262,21 @@ def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
     ops.copy("walk_n_steps", Host(N_STEPS_HOST), 4, "htod")
     walk = prog.kernels("walk")
     kernel, plan = walk.plan_walk(dims, lay.branches, lay.bf16, prog.arch)
-    args = dict(params="params2", params_bf16="mirror2" if lay.bf16 else None,
-                param_offsets="walk_param_offsets", bf16=int(lay.bf16),
-                **dict(zip(walk_kernels.DIMS, dims)), n_branches=lay.nb, n_actions="n_actions",
-                action_offset="action_offset", z="z", isv="isv", isv_index=H_S2_RMS_EMA_INDEX,
-                h2_clamp_mult=np.float32(c.h2_clamp_mult), close=tables["close"],
-                high=tables["high"], low=tables["low"], features=tables["features"],
-                n_features=wl.n_features, costs="walk_costs", n_bars=wl.n_bars,
-                start="walk_start", n_steps="walk_n_steps", rec_reward="walk_rec_reward",
-                rec_held="walk_rec_held", rec_cost="walk_rec_cost", rec_margin=None,
-                record_len=wl.max_steps)
-    if not wl.n_chunks:
-        ops.kernel(kernel, plan, **args)
-        return
-    plan = walk.plan_greedy_walk_round(dims, lay.branches, lay.bf16, prog.arch, wl.n_chunks)
-    for r in range(wl.n_chunks):  # rounds past convergence cost a launch and a compare each
-        ops.kernel("greedy_walk_round", plan, **args, n_chunks=wl.n_chunks, round=r,
-                   trace="walk_trace", ends="walk_ends")
+    hold = {}
+    if kernel == "greedy_walk_cluster":
+        kernel = "greedy_walk_hold"
+        plan, rows = walk.plan_greedy_walk_hold(dims, lay.branches, lay.bf16, prog.arch)
+        hold = {"hold_rows": rows}
+    ops.kernel(kernel, plan, params="params2", params_bf16="mirror2" if lay.bf16 else None,
+               param_offsets="walk_param_offsets", bf16=int(lay.bf16),
+               **dict(zip(walk_kernels.DIMS, dims)), n_branches=lay.nb, n_actions="n_actions",
+               action_offset="action_offset", z="z", isv="isv", isv_index=H_S2_RMS_EMA_INDEX,
+               h2_clamp_mult=np.float32(c.h2_clamp_mult), close=tables["close"],
+               high=tables["high"], low=tables["low"], features=tables["features"],
+               n_features=wl.n_features, costs="walk_costs", n_bars=wl.n_bars,
+               start="walk_start", n_steps="walk_n_steps", **hold, rec_reward="walk_rec_reward",
+               rec_held="walk_rec_held", rec_cost="walk_rec_cost", rec_margin=None,
+               record_len=wl.max_steps)
 
 
 def end_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, *, n: int, bars_per_year: float,
@@ -330,7 +316,7 @@ def register_twins() -> None:
                                          a.cycle)._asdict()
 
     if "greedy_walk" not in TWINS:
-        for name in (*WALK_KERNELS, "greedy_walk_round"):
+        for name in (*WALK_KERNELS, "greedy_walk_hold"):
             _register_greedy_walk(twin, name)
 
     if "eval_metrics" not in TWINS:
@@ -350,12 +336,10 @@ def walk_tensor_sizes(dims, branches) -> tuple[int, ...]:
 
 
 def _register_greedy_walk(twin, name: str) -> None:
-    """The twin of ``name``: ``greedy_walk`` or ``greedy_walk_cluster`` (the same walk:
-    ``reference.kernels.walk.greedy_walk`` on the launch's tables, writing rows ``[0,
-    min(n_steps, record_len))`` of the records, the kernel's rule), or ``greedy_walk_round``
-    (``reference.kernels.walk.greedy_walk_round``: one round on the launch's ``trace``, ``ends``
-    and records). In ``bf16`` the weights are the mirror's (as the kernel reads them), the
-    biases the f32 params'."""
+    """The twin of ``name`` (``greedy_walk``, ``greedy_walk_cluster`` or ``greedy_walk_hold``: the
+    same walk): ``reference.kernels.walk.greedy_walk`` on the launch's tables, writing rows
+    ``[0, min(n_steps, record_len))`` of the records (the kernels' rule). In ``bf16`` the
+    weights are the mirror's (as the kernel reads them), the biases the f32 params'."""
     from foxhunt.fast.cpu_kernels import branches
     from foxhunt.reference.isv import ISV_LEN
     from foxhunt.reference.kernels.dense import bf16_to_f32
@@ -395,24 +379,6 @@ def _register_greedy_walk(twin, name: str) -> None:
                    features=("n_bars", "n_features"), costs=len(env_kernels.COST_FIELDS),
                    start=1, n_steps=1, **rec)
 
-    if name == "greedy_walk_round":
-        @twin(name, nullable=("params_bf16", "rec_margin"), trace=("record_len", 3),
-              ends=(2, "n_chunks", 3), **extents)
-        def _greedy_walk_round(a):
-            n = min(int(a.n_steps[0]), a.record_len)  # the kernel's walk stops there too
-            state = walk_kernels.greedy_walk_round(
-                *walk_args(a)[:-1], n, a.n_chunks, a.round, a.trace[:n], a.ends, a.rec_reward[:n],
-                a.rec_held[:n], a.rec_cost[:n],
-                None if a.view("rec_margin") is None else a.rec_margin[:n])
-            out = {"trace": a.trace, "ends": state.ends}
-            out["trace"][:n] = state.trace
-            for field in rec:
-                if a.view(field) is not None:
-                    out[field] = getattr(a, field)
-                    out[field][:n] = getattr(state, field)
-            return out
-        return
-
     @twin(name, nullable=("params_bf16", "rec_margin"), **extents)
     def _greedy_walk(a):
         walked = walk_kernels.greedy_walk(*walk_args(a))
@@ -429,5 +395,5 @@ def _register_greedy_walk(twin, name: str) -> None:
 __all__ = ["BASELINE_POLICIES", "METRICS_HOST", "N_STEPS_HOST", "NO_KEY", "OBS_HOST", "POLICIES",
            "Q_HOST", "REWARDS_HOST", "START_HOST", "WALK_STATE", "WALK_STREAMS", "WALK_TABLES",
            "WalkLayout", "X_HOST", "begin_ops", "bar_ops", "end_ops", "eval_host_nbytes",
-           "eval_host_specs", "eval_ops", "fused_chunks", "fused_ops", "register_twins", "walk_binder",
+           "eval_host_specs", "eval_ops", "fused_ops", "register_twins", "walk_binder",
            "walk_role", "walk_tensor_sizes"]

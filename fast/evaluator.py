@@ -13,14 +13,13 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
 - ``end`` per ``(n, bars_per_year, equity)``: ``eval_metrics`` and the copies out (the
   ``END_CACHE_SIZE`` most recent kept);
 - with ``mode="fused"``, ``fused``: the greedy walk of a whole segment on the device in ONE
-  graph: from sm_90, ``WALK_CHUNKS`` rounds of ``greedy_walk_round`` (the segment in chunks,
-  one thread-block cluster each, walked in parallel from a guessed flat start and repaired
-  round by round: bitwise the one-cluster ``greedy_walk_cluster``'s records;
-  ``eval_plan.fused_ops``), else one launch of ``greedy_walk`` (one block); built with the
-  evaluator. The greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks
-  and ``end`` (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by
-  chunk graphs too. ``mode="auto"`` (the default, ``auto_mode``) is ``"fused"`` where the
-  fused walk is the cluster kernel and the support fixed, else ``"graph"``.
+  launch: from sm_90 ``greedy_walk_hold`` (one thread-block cluster; W steps per pass of the
+  network while the policy holds its position, bitwise ``greedy_walk_cluster``'s records),
+  else ``greedy_walk`` (one block); ``eval_plan.fused_ops``, built with the evaluator. The
+  greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and ``end``
+  (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by chunk
+  graphs too. ``mode="auto"`` (the default, ``auto_mode``) is ``"fused"`` where the fused walk
+  is the cluster kernel and the support fixed, else ``"graph"``.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
@@ -64,7 +63,6 @@ from foxhunt.fast.eval_plan import (
     bar_ops,
     begin_ops,
     end_ops,
-    fused_chunks,
     fused_ops,
     register_twins,
     walk_binder,
@@ -228,8 +226,7 @@ class DeviceEvaluator:
         prog, lay = engine.program, engine.layout
         self.wl = wl = WalkLayout(lay, n_bars=self.tables.close.shape[0],
                                   n_features=self.tables.features.shape[1],
-                                  max_steps=self.max_steps,
-                                  n_chunks=fused_chunks(prog) if self.mode == "fused" else 0)
+                                  max_steps=self.max_steps)
         self.evl = evl = EvalLayout(lay, 1)
         self._new = functools.partial(Ops, walk_binder(prog, wl, evl))
         self._check = functools.partial(check_dataflow, role=walk_role(prog, wl, evl), preset={

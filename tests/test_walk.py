@@ -201,7 +201,8 @@ def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, tmp_path):
     sources = {n: b for n, b in source_files().items()
                if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
     module = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources)
-    assert set(module.kernels) == {"greedy_walk", "greedy_walk_cluster", "greedy_walk_round"}
+    assert set(module.kernels) == {"greedy_walk", "greedy_walk_cluster", "greedy_walk_round",
+                                   "greedy_walk_hold"}
     assert module.params["greedy_walk"] == module.params["greedy_walk_cluster"]
     ptx_round = module.ptx["walk.cu"][module.ptx["walk.cu"].index(".entry greedy_walk_round("):]
     assert re.search(r"\.reqnctapercluster (\d+), 1, 1", ptx_round[:ptx_round.index("{")]) \
@@ -229,7 +230,8 @@ def test_walk_kernels_do_not_spill_on_sm90(tmp_path):
                              extra_options=("--ptxas-options=-v",))
     log = module.logs["walk.cu"]
     spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log))
-    assert spills == {"greedy_walk": "0", "greedy_walk_cluster": "0", "greedy_walk_round": "0"}
+    assert spills == {"greedy_walk": "0", "greedy_walk_cluster": "0", "greedy_walk_round": "0",
+                      "greedy_walk_hold": "0"}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

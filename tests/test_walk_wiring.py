@@ -113,14 +113,11 @@ def test_fused_baselines_are_the_graph_baselines(run_setup):
         assert np.array_equal(got.rewards, want.rewards)
 
 
-def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
-    """The fused plan: the two copies in and ``WALK_CHUNKS`` rounds of ``greedy_walk_round``
-    (round r bound as its ``round``), whatever the segment's length; no greedy chunk graph is
-    ever built; one synchronisation per segment. The CPU plan is built for sm_90
-    (``cpu_executor.CPU_ARCH``), where the tiny network fits a cluster: the rounds run the
-    cluster kernel's bar."""
-    from foxhunt.fast.kernels.walk import WALK_CHUNKS
-
+def test_fused_greedy_walk_is_one_launch_and_one_synchronisation(run_setup):
+    """The fused plan: the two copies in and ONE kernel, whatever the segment's length; no
+    greedy chunk graph is ever built; one synchronisation per segment. The CPU plan is built
+    for sm_90 (``cpu_executor.CPU_ARCH``), where the tiny network fits a cluster: the kernel is
+    ``greedy_walk_hold`` with the most rows its plan allows (16 for the tiny network)."""
     *_, segments, per_year, _, fused = run_setup
     for start, stop in segments:
         before = fast_device.SYNCS.count
@@ -128,10 +125,9 @@ def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
         assert fast_device.SYNCS.count - before == 1
     (graph,) = fused._device._plans["fused"]
     launches = [node for node in graph.nodes if getattr(node, "kernel", None)]
-    assert [node.kernel for node in launches] == ["greedy_walk_round"] * WALK_CHUNKS
-    assert [node.args["round"] for node in launches] == list(range(WALK_CHUNKS))
-    assert fused.wl.n_chunks == WALK_CHUNKS
-    assert fused._device.node_count("fused") == 2 + WALK_CHUNKS
+    assert [node.kernel for node in launches] == ["greedy_walk_hold"]
+    assert launches[0].args["hold_rows"] == 16
+    assert fused._device.node_count("fused") == 3
     assert ("chunk", "greedy") not in fused._device._plans
 
 
@@ -186,7 +182,7 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
     two kernels sum in the same order; a freshly stepped seed network's margins are too small
     for a comparison with the chunk graphs to reach past a few bars)."""
     from foxhunt.fast import Trainer
-    from foxhunt.fast.kernels.walk import WALK_CHUNKS, WALK_KERNELS
+    from foxhunt.fast.kernels.walk import WALK_KERNELS
     from foxhunt.fast.kernels.walk import greedy_walk as one_block
 
     config, trainer, tables, segments, per_year, graph, fused = _setup(
@@ -199,14 +195,11 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
             assert got.tobytes() == want.tobytes()
             traded += np.count_nonzero(want)
         assert traded > 0
+        assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
         packed = {node.kernel for *_, node in fused._device._lowering._packed.values()}
-        if trainer.engine.device.compute_capability >= (9, 0):  # the rounds of the cluster bar
-            assert fused.wl.n_chunks == WALK_CHUNKS
-            assert fused._device.node_count("fused") == 2 + WALK_CHUNKS  # two copies in
-            assert packed & {*WALK_KERNELS, "greedy_walk_round"} == {"greedy_walk_round"}
-        else:
-            assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
-            assert packed & {*WALK_KERNELS, "greedy_walk_round"} == {"greedy_walk"}
+        new = trainer.engine.device.compute_capability >= (9, 0)
+        assert packed & {*WALK_KERNELS, "greedy_walk_hold"} == {
+            "greedy_walk_hold" if new else "greedy_walk"}
     finally:
         graph.close()
         fused.close()
@@ -241,6 +234,44 @@ def test_gpu_walk_in_chunks_is_the_cluster_walk_bit_for_bit(precision):
             first = greedy_walk_chunked(**args, n_chunks=16, rounds=1)
             repaired += first.positions.tobytes() != want.positions.tobytes()
         assert repaired > 0
+    finally:
+        graph.close()
+        fused.close()
+        trainer.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
+@pytest.mark.parametrize("precision", ["bf16", "f32"])
+def test_gpu_hold_walk_is_the_cluster_walk_bit_for_bit(precision):
+    """``greedy_walk_hold`` records what ``greedy_walk_cluster`` records, bit for bit (rewards,
+    positions held, costs, margins), on the seed network's live parameters over real fold
+    segments (a policy that trades: short held stretches) and on the same network made to buy
+    and hold (the top atom of the exposure branch's long action raised: every step after the
+    fill holds, whole passes of W rows)."""
+    from foxhunt.fast import Trainer
+    from foxhunt.fast.kernels.walk import greedy_walk_cluster, greedy_walk_hold
+    from foxhunt.reference.layout import branch_name
+
+    config, trainer, tables, segments, per_year, graph, fused = _setup(
+        precision, seed=3, preset="seed", trainer_class=Trainer)
+    try:
+        lay = ParamLayout(config)
+        top = lay[f"b_{branch_name(0)}2"].offset + 3 * config.num_atoms - 1  # long, top atom
+        trades = holds = 0
+        for start, stop in segments:
+            args = _walk_args(config, trainer, tables, start, stop)
+            hold = dict(args, params=args["params"].copy())
+            hold["params"][top] += 50.0
+            for kwargs in (args, hold):
+                want = greedy_walk_cluster(**kwargs)
+                got = greedy_walk_hold(**kwargs)
+                for name in want._fields:
+                    assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), \
+                        (start, stop, name)
+            trades += np.count_nonzero(np.diff(greedy_walk_cluster(**args).positions))
+            holds += np.mean(greedy_walk_cluster(**hold).positions == 1.0) > 0.9
+        assert trades > 0 and holds == len(segments)
     finally:
         graph.close()
         fused.close()

@@ -164,6 +164,41 @@ def plan_greedy_walk_round(dims, branches, bf16: bool, arch, n_chunks: int) -> t
     return (int(n_chunks) * cluster,), block, nbytes
 
 
+#: Most state rows ``greedy_walk_hold`` runs at once (WALK_HOLD_MAX in walk.cu), and the
+#: counts its plan tries, largest first.
+HOLD_MAX = 16
+HOLD_ROWS = (16, 8, 4, 2, 1)
+
+
+def hold_shared_bytes(dims, branches, bf16: bool, cluster: int, rows: int) -> int:
+    """Dynamic shared memory of one block of ``greedy_walk_hold`` with ``rows`` inputs: their
+    activations (:func:`walk_activation_floats` without scratch, ``rows`` times), the scratch
+    rows (two of ``num_atoms`` per warp), the bias slices (f32) and weight slices."""
+    biases, weights = cluster_slices(dims, branches, cluster)
+    na = int(dims[5])
+    floats = rows * walk_activation_floats(dims, branches, 0) + 2 * CLUSTER_WARPS * na + biases
+    return 4 * floats + (2 if bf16 else 4) * weights
+
+
+def plan_greedy_walk_hold(dims, branches, bf16: bool, arch) -> tuple[tuple, int]:
+    """``(plan, rows)``: ONE cluster as :func:`plan_greedy_walk_cluster`, with the most state
+    rows of :data:`HOLD_ROWS` whose :func:`hold_shared_bytes` fit :func:`shared_optin` of
+    ``arch`` (seed preset: 16 in bf16, 8 in f32); ``ValueError`` before sm_90 or when not even
+    one row fits."""
+    cluster = cluster_size(arch)
+    if cluster < 2:
+        raise ValueError(f"arch={arch!r}: greedy_walk_hold needs thread-block clusters (sm_90 "
+                         "and newer)")
+    limit = shared_optin(arch)
+    for rows in HOLD_ROWS:
+        nbytes = hold_shared_bytes(dims, branches, bf16, cluster, rows)
+        if nbytes <= limit:
+            return ((cluster,), (CLUSTER_THREADS,), nbytes), rows
+    raise ValueError(f"dims={tuple(dims)!r}, branches={tuple(branches)!r}, bf16={bool(bf16)}: "
+                     f"greedy_walk_hold needs {nbytes} bytes of shared memory per block for one "
+                     f"row; {arch} allows at most {limit}")
+
+
 def plan_walk(dims, branches, bf16: bool, arch) -> tuple[str, tuple]:
     """``(kernel, plan)`` of the fused walk on ``arch`` (module docstring): the cluster kernel
     from sm_90 where it fits, else the one-block kernel."""
@@ -184,6 +219,10 @@ def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, isv, isv
     branches = tuple(int(n) for n in branches)
     sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
     shape = plan(dims, branches, bool(bf16))
+    extra = ()
+    if len(shape) == 2:  # greedy_walk_hold: (plan, rows); rows is its hold_rows argument
+        shape, hold_rows = shape
+        extra = (hold_rows,)
     if shape[2] > SHARED_LIMIT:
         runtime().module.kernel(kernel).set_max_dynamic_shared(shape[2])
     mirror = In(f32_to_bf16(params)) if bf16 else 0
@@ -193,7 +232,7 @@ def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, isv, isv
                   In(np.array(branch_offsets(branches), I32)), In(z), In(isv), int(isv_index),
                   np.float32(h2_clamp_mult), In(close), In(high), In(low), In(features),
                   features.shape[1], In(costs), T, device_scalar(start, I32),
-                  device_scalar(n_steps, I32), Out((rows,), F32), Out((rows,), F32),
+                  device_scalar(n_steps, I32), *extra, Out((rows,), F32), Out((rows,), F32),
                   Out((rows,), F32), Out((rows,), F32), n_steps)
     return WalkRecord(*(o[:n_steps] for o in outs))
 
@@ -275,5 +314,16 @@ def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv
     return WalkRecord(state.rec_reward, state.rec_held, state.rec_cost, state.rec_margin)
 
 
+def greedy_walk_hold(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+                     h2_clamp_mult, close, high, low, features, costs, start,
+                     n_steps) -> WalkRecord:
+    """Test entry of the CUDA ``greedy_walk_hold`` on the test runtime's device, its rows from
+    :func:`plan_greedy_walk_hold` (contract as the reference twin; bitwise
+    ``greedy_walk_cluster``'s records)."""
+    return _walk("greedy_walk_hold",
+                 lambda d, b, bf: plan_greedy_walk_hold(d, b, bf, runtime().device.arch), params, param_offsets, dims, branches, bf16, z, isv,
+                 isv_index, h2_clamp_mult, close, high, low, features, costs, start, n_steps)
+
+
 KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk_cluster,
-           "greedy_walk_round": greedy_walk_chunked}
+           "greedy_walk_round": greedy_walk_chunked, "greedy_walk_hold": greedy_walk_hold}

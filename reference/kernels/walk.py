@@ -485,13 +485,14 @@ def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv
     return WalkRecord(buffers.rec_reward, buffers.rec_held, buffers.rec_cost, buffers.rec_margin)
 
 
-#: Both single-launch CUDA kernels of walk.cu (one block; one thread-block cluster) have this
-#: one twin: their records are bitwise equal (walk.cu's header). ``greedy_walk_round`` (one
+#: The single-launch CUDA kernels of walk.cu (one block; one thread-block cluster; the cluster
+#: walk W rows at a time where the policy holds, greedy_walk_hold) have this one twin: their
+#: records are bitwise equal (walk.cu's comments). ``greedy_walk_round`` (one
 #: round a launch) is conformance-tested as the evaluator runs it, its rounds composed: its
 #: entry's twin is :func:`greedy_walk_chunked` (the CPU executor's per-launch twin is
 #: :func:`greedy_walk_round`, :data:`ROUND_KERNELS`).
 KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk,
-           "greedy_walk_round": greedy_walk_chunked}
+           "greedy_walk_round": greedy_walk_chunked, "greedy_walk_hold": greedy_walk}
 
 #: walk.cu's ``greedy_walk_round``: one round of the chunked walk (its own signature; the
 #: conformance entries run :data:`CHUNKED`, the rounds composed).
