@@ -221,6 +221,7 @@ struct WalkWeights {
     const float* f32;
     const unsigned short* bf16;
     bool use_bf16;
+    bool x_rounded;  // the activations are stored BF16-rounded already (greedy_walk_hold)
 };
 
 static __device__ __forceinline__ WalkNet walk_net(const int* param_offsets, int state_dim,
@@ -326,7 +327,7 @@ static __device__ __forceinline__ float walk_terms(float acc, const float* x,
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-        acc = __fadd_rn(acc, __fmul_rn(walk_operand(xs[u], w.use_bf16), ws[u]));
+        acc = __fadd_rn(acc, __fmul_rn(walk_operand(xs[u], w.use_bf16 && !w.x_rounded), ws[u]));
     }
     return acc;
 }
@@ -1138,48 +1139,65 @@ greedy_walk_round(const float* __restrict__ params,
 }
 
 // ------------------------------------------------------------------------------------------
-// greedy_walk_hold: the cluster walk, W bars at a time where the policy holds its position
+// greedy_walk_hold: the cluster walk, many steps a pass where the policy holds its position
 // ------------------------------------------------------------------------------------------
 // Twin: foxhunt.reference.kernels.walk.greedy_walk (bitwise: greedy_walk_cluster's records).
 // While the greedy exposure equals the position held, nothing trades and the env's next state
 // is known without the network: t + 1, the same position and entry price, time in position + 1
-// (0 when flat). So from the state at step k the kernel builds the state rows of the next W
-// steps as if the position were held (walk_hold_row: env_write_state's values), runs the
-// network on all W rows at once (each dense row of each input summed as walk_dot sums it, so
-// each input's Q is greedy_walk_cluster's bit for bit), and finds the first step m whose
-// greedy exposure (double_dqn_argmax of branch 0) is not the hold (exposure = position + 1).
-// Steps k .. k + m - 1 are then the sequential walk's steps (each lane of warp 0 runs
-// env_advance on its own step's state: no trade, the same bits as the one-by-one walk), step
-// k + m takes the full greedy action of its row (walk_advance's choice, margins as there), and
-// the next iteration starts at k + m + 1 (or k + W when every step held). An agent that holds
-// for long stretches then costs one network pass per W steps; one that trades every step
-// costs one per step, each a little dearer than greedy_walk_cluster's bar. The W inputs'
-// activations (walk_acts without scratch, W times) come first in shared memory, then the
-// scratch rows, then the block's weight slices (walk_cluster_load). Every block runs the same
-// iteration on the same values; block 0 writes the records. W <= WALK_HOLD_MAX (the plan,
-// fast/kernels/walk.py plan_greedy_walk_hold, picks the largest that fits shared memory).
+// (0 when flat). So from the state at step k a pass builds the state rows of the next w steps
+// as if the position were held (walk_hold_rows: env_write_state's values), runs the network
+// on all w rows at once (each dense row of each input summed as walk_dot sums it, so each
+// input's Q is greedy_walk_cluster's bit for bit), and finds the first step m whose greedy
+// exposure (double_dqn_argmax of branch 0's Q) is not the hold (exposure = position + 1).
+// Steps k .. k + m - 1 are then the sequential walk's steps (lane j of warp 0 runs
+// env_advance on step k + j's own state: no trade, the same bits as the one-by-one walk),
+// step k + m takes the full greedy action of its row (walk_advance), and the next pass starts
+// at k + m + 1 (k + w when every step held). The pass's rows adapt (the same in every block:
+// they follow m): w doubles after a pass in which every step held, up to hold_rows, and is
+// m + 1 after one that traded at its step m (a pass costs about a fixed part plus a part per
+// row). Q rows: branch 0's for the w inputs first; the other branches' only for step m, and
+// for every held step when rec_margin is recorded (its gaps need them).
+// Shared memory: the hold_rows inputs' activations (walk_acts without scratch), the warps'
+// scratch rows, the block's weight slices (walk_cluster_load). In bf16 the inputs of layers
+// 0..3 are stored BF16-rounded (the state rows, h1, h2 and the heads' hidden rows: what the
+// next layer's dot would round them to; the heads' outputs stay f32 for the Q rows), and the
+// dots skip the rounding (WalkWeights::x_rounded): the same products. Every block runs the
+// same passes on the same values; block 0 writes the records. hold_rows <= WALK_HOLD_MAX (the
+// plan, fast/kernels/walk.py plan_greedy_walk_hold, picks the most that fit).
 #define WALK_HOLD_MAX 16
 
-// The state row of input j: the env of step k + j if the position were held since step k
-// (bar t + j, time in position + j when not flat), market features then env_write_state's
-// tail; every thread of the block takes a share of the W rows.
+// The state row of input j < w: the env of step k + j if the position were held since step
+// k (bar t + j, time in position + j when not flat): market features, then env_write_state's
+// tail; BF16-rounded in bf16 mode. Every thread of the block takes a share.
 static __device__ __forceinline__ void walk_hold_rows(float* base, int stride, int w,
                                                       const float* features, int n_features,
                                                       const float* close, const EnvLocal& s,
-                                                      int state_dim, int n_bars) {
+                                                      int state_dim, int n_bars, bool round) {
     for (int i = threadIdx.x; i < w * n_features; i += blockDim.x) {
         const int j = i / n_features;
+        const int f = i - j * n_features;
         const int t = min(s.t + j, n_bars - 1);
-        base[j * stride + i % n_features] = features[(long long)t * n_features + i % n_features];
+        base[j * stride + f] = walk_operand(features[(long long)t * n_features + f], round);
     }
     for (int j = threadIdx.x; j < w; j += blockDim.x) {
         EnvLocal h = s;
         h.t = min(s.t + j, n_bars - 1);
-        h.steps = s.steps + j;
         h.time_in_position = s.position != 0.0f ? s.time_in_position + j : 0;
-        env_write_state(base + j * stride + n_features, features, 0, close, h,
-                        state_dim - n_features);
+        float* tail = base + j * stride + n_features;
+        env_write_state(tail, features, 0, close, h, state_dim - n_features);
+        for (int c = 0; c < ENV_N_POSITION_FEATURES; ++c) {
+            tail[c] = walk_operand(tail[c], round);
+        }
     }
+}
+
+// Step k + j's env state when the position is held from the pass's state s.
+static __device__ __forceinline__ EnvLocal walk_held(const EnvLocal& s, int j) {
+    EnvLocal h = s;
+    h.t = s.t + j;
+    h.steps = s.steps + j;
+    h.time_in_position = s.position != 0.0f ? s.time_in_position + j : 0;
+    return h;
 }
 
 extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
@@ -1197,46 +1215,53 @@ greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restr
                  float* __restrict__ rec_held, float* __restrict__ rec_cost,
                  float* __restrict__ rec_margin, int record_len) {
     extern __shared__ float walk_shared[];
-    __shared__ int walk_next[5];  // t, steps, time in position, position, entry (bits)
+    __shared__ int walk_next[6];  // t, steps, time in position, position, entry (bits); m
     const int lane = threadIdx.x % kWarp;
     const int warp = threadIdx.x / kWarp;
     const int rank = WalkCluster::rank();
-    const int W = max(1, min(hold_rows, WALK_HOLD_MAX));
+    const int w_max = max(1, min(hold_rows, WALK_HOLD_MAX));
+    const bool use_bf16 = bf16 != 0;
     const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
                                n_branches, n_actions, action_offset);
-    const int stride = (int)(walk_acts(walk_shared, n, 0).end - walk_shared);
-    float* scratch = walk_shared + W * stride;
-    const WalkActs a0 = walk_acts(walk_shared, n, 0);  // input 0 (the layers' shapes)
-    const WalkSlices sl = walk_cluster_load(n, a0, scratch + 2 * WALK_CLUSTER_WARPS * n.na, rank,
-                                            params, params_bf16, bf16 != 0, warp, lane);
+    const WalkActs a0 = walk_acts(walk_shared, n, 0);  // input 0 (and the layers' shapes)
+    const int stride = (int)(a0.end - walk_shared);
+    float* scratch = walk_shared + w_max * stride;
+    WalkSlices sl = walk_cluster_load(n, a0, scratch + 2 * WALK_CLUSTER_WARPS * n.na, rank,
+                                      params, params_bf16, use_bf16, warp, lane);
+    sl.w.x_rounded = true;  // (walk_operand is the identity in f32 mode anyway)
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
     const int steps = n_steps[0];
     const bool writer = rank == 0;
-    EnvLocal s = env_fresh(start[0]);  // every thread: the state at the iteration's step
+    const int n0 = n.n_actions[0];
+    EnvLocal s = env_fresh(start[0]);  // every thread: the state at the pass's first step
+    int w = 1;                         // the pass's rows (adaptive, header)
     WalkCluster::sync();  // every block has started and holds its slices
     while (s.steps < steps) {
-        const int cnt = min(W, steps - s.steps);
-        walk_hold_rows(walk_shared, stride, W, features, n_features, close, s, state_dim,
-                       n_bars);
+        const int cnt = min(w, steps - s.steps);
+        walk_hold_rows(walk_shared, stride, w, features, n_features, close, s, state_dim,
+                       n_bars, use_bf16);
         __syncthreads();
 #pragma unroll
         for (int l = 0; l < WALK_LAYERS; ++l) {
             const WalkLayer L = walk_layer_of(l, n, a0);
             const int out_off = (int)(L.out - walk_shared);
             const int in_off = (int)(L.in - walk_shared);
+            const bool round_out = use_bf16 && l + 1 < WALK_LAYERS;  // the next layer's input
             for (int r = sl.r0[l] + warp; r < sl.r1[l]; r += WALK_CLUSTER_WARPS) {
                 const int x_off = in_off + walk_row(l, r, n).in;
                 const int w_r = sl.w_base[l] + walk_slice_offset(L, sl.r0[l], r);
                 const int k_r = walk_fan_in(L, r);
                 const float bias = sl.bias_s[sl.b_base[l] + r - sl.r0[l]];
-                for (int j = 0; j < W; j += 2) {  // inputs j, j + 1: two chains, one row
-                    const int j2 = min(j + 1, W - 1);
+                for (int j = 0; j < w; j += 2) {  // inputs j, j + 1: two chains, one row
+                    const int j2 = min(j + 1, w - 1);
                     float dot, dot2;
                     walk_dot2(walk_shared + j * stride + x_off, w_r,
                               walk_shared + j2 * stride + x_off, w_r, sl.w, k_r, lane, dot,
                               dot2);
-                    const float v = walk_epilogue(dot, bias, L.epilogue, bound);
-                    const float v2 = walk_epilogue(dot2, bias, L.epilogue, bound);
+                    const float v = walk_operand(walk_epilogue(dot, bias, L.epilogue, bound),
+                                                 round_out);
+                    const float v2 = walk_operand(walk_epilogue(dot2, bias, L.epilogue, bound),
+                                                  round_out);
                     if (lane < WALK_CLUSTER) {
                         WalkCluster::store(walk_shared + j * stride + out_off + r, v, lane);
                         if (j2 != j) {
@@ -1247,38 +1272,53 @@ greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restr
             }
             WalkCluster::sync();
         }
-        for (int i = warp; i < W * n.a_total; i += WALK_CLUSTER_WARPS) {
-            const int j = i / n.a_total;
-            walk_q_row(n, walk_acts(walk_shared + j * stride, n, 0), z, i % n.a_total,
+        // Branch 0's Q rows of every input (the exposure: does the step hold?).
+        for (int i = warp; i < w * n0; i += WALK_CLUSTER_WARPS) {
+            const int j = i / n0;
+            walk_q_row(n, walk_acts(walk_shared + j * stride, n, 0), z, i - j * n0,
+                       scratch + 2 * warp * n.na, lane);
+        }
+        __syncthreads();
+        const int hold = __float2int_rn(s.position) + 1;
+        if (warp == 0) {
+            bool holds = false;
+            if (lane < cnt) {
+                const float* qj = walk_acts(walk_shared + lane * stride, n, 0).q;
+                holds = double_dqn_argmax(qj, n0) == hold;
+            }
+            const unsigned int breaks = __ballot_sync(kFullMask, lane < cnt && !holds);
+            if (lane == 0) {
+                walk_next[5] = breaks ? __ffs(breaks) - 1 : cnt;  // the first step that trades
+            }
+        }
+        __syncthreads();
+        const int m = walk_next[5];
+        // The other branches' Q rows: step m's (its full action), and every held step's when
+        // the margins are recorded.
+        const int first = rec_margin != nullptr ? 0 : m;
+        const int last = m < cnt ? m : m - 1;
+        const int others = n.a_total - n0;
+        for (int i = warp; i < (last - first + 1) * others; i += WALK_CLUSTER_WARPS) {
+            const int j = first + i / others;
+            walk_q_row(n, walk_acts(walk_shared + j * stride, n, 0), z, n0 + i % others,
                        scratch + 2 * warp * n.na, lane);
         }
         __syncthreads();
         if (warp == 0) {
-            // lane j < cnt: does step k + j hold? (the exposure branch's greedy choice)
-            const int hold = __float2int_rn(s.position) + 1;
-            bool holds = false;
-            if (lane < cnt) {
-                const float* qj = walk_acts(walk_shared + lane * stride, n, 0).q;
-                holds = double_dqn_argmax(qj + n.action_offset[0], n.n_actions[0]) == hold;
-            }
-            const unsigned int breaks = __ballot_sync(kFullMask, lane < cnt && !holds);
-            const int m = breaks ? __ffs(breaks) - 1 : cnt;  // the first step that trades
             if (lane < m) {  // a held step: its own state, env_advance as the walk runs it
-                EnvLocal h = s;
-                h.t = s.t + lane;
-                h.steps = s.steps + lane;
-                h.time_in_position = s.position != 0.0f ? s.time_in_position + lane : 0;
+                EnvLocal h = walk_held(s, lane);
                 const float* qj = walk_acts(walk_shared + lane * stride, n, 0).q;
-                const float inf = __int_as_float(0x7f800000);
+                float margin = __int_as_float(0x7f800000);
                 int act[3] = {hold, ENV_DEFAULT_ORDER, ENV_DEFAULT_URGENCY};
-                float margin = inf;
-                for (int d = 0; d < n.nb; ++d) {
-                    float gap;
-                    const int best = walk_choose(qj + n.action_offset[d], n.n_actions[d], &gap);
-                    if (d < 3) {
-                        act[d] = best;
+                if (rec_margin != nullptr) {  // (the other branches' choices change nothing
+#pragma unroll                                     // when nothing trades: only the margin)
+                    for (int d = 0; d < 3; ++d) {
+                        if (d < n.nb) {
+                            float gap;
+                            act[d] = walk_choose(qj + n.action_offset[d], n.n_actions[d], &gap);
+                            margin = fminf(margin, gap);
+                        }
                     }
-                    margin = fminf(margin, gap);
                 }
                 const int k = h.steps;
                 const EnvOutcome o = env_advance(h, act[0], act[1], act[2], close, high, low,
@@ -1292,14 +1332,11 @@ greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restr
                     }
                 }
             }
-            EnvLocal next = s;
-            next.t = s.t + m;
-            next.steps = s.steps + m;
-            next.time_in_position = s.position != 0.0f ? s.time_in_position + m : 0;
+            EnvLocal next = walk_held(s, m);
             if (m < cnt) {  // step k + m: the full greedy action of its row (walk_advance)
-                const float* qm = walk_acts(walk_shared + m * stride, n, 0).q;
-                walk_advance(next, n, qm, writer && lane == 0, nullptr, close, high, low,
-                             features, n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
+                walk_advance(next, n, walk_acts(walk_shared + m * stride, n, 0).q,
+                             writer && lane == 0, nullptr, close, high, low, features,
+                             n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
                              rec_margin, record_len, lane);
             }
             if (lane == 0) {
@@ -1316,8 +1353,9 @@ greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restr
         s.time_in_position = walk_next[2];
         s.position = __int_as_float(walk_next[3]);
         s.entry_price = __int_as_float(walk_next[4]);
-        // (walk_next is written again only after the next iteration's barriers; the state
-        // rows are block-local and read by layer 0 alone; a block racing ahead sends only
-        // layer-0 values, into h1, which the others finished reading before their last sync.)
+        w = m < cnt ? min(w_max, m + 1) : min(w_max, 2 * w);
+        // (walk_next is written again only after the next pass's barriers; the state rows
+        // are block-local and read by layer 0 alone; a block racing ahead sends only layer-0
+        // values, into h1, which the others finished reading before their last sync.)
     }
 }
