@@ -253,21 +253,49 @@ def _observe(walk: _Walk, state: EnvState) -> np.ndarray:
                        state.time_in_position, walk.dims[0])
 
 
-def _step(walk: _Walk, state: EnvState, obs: np.ndarray, rec: list[np.ndarray]):
-    """ONE bar of the walk (both walks' loop body, the module docstring's per-bar composition):
-    the forward on ``obs``, the margin, the greedy action and ``env_step`` of the one env, which
-    writes row ``state.steps`` of ``rec`` (``[reward, held, cost]``, ``[R, 1]`` each). Returns
-    ``(state', obs', rec', margin)``."""
+def _flat_state(start: int, n_bars: int) -> EnvState:
+    """The walk's first state: flat at bar ``start``, step 0 (``env.env_reset``)."""
+    return env_reset(np.array([start], I32), 1, 0, n_bars - 2, 0, _no_cycle())
+
+
+def _choose(walk: _Walk, obs: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """The forward on ``obs`` (``[1, state_dim]``), its greedy action (``env_act`` with eps 0:
+    int32 ``[1, n_branches]``) and the bar's margin (:func:`choice_margin`)."""
     qs = forward_row(walk.params, walk.offsets, walk.dims, walk.branches, walk.bf16, walk.z,
                      walk.bound, obs[0])
-    actions = env_act(pack_q(qs), walk.branches, 0.0, 0, _no_cycle())
+    return env_act(pack_q(qs), walk.branches, 0.0, 0, _no_cycle()), choice_margin(qs)
+
+
+def _advance(walk: _Walk, state: EnvState, actions: np.ndarray, rec: list[np.ndarray]):
+    """``env_step`` of the one env with ``actions`` (``[1, nb]``), writing row ``state.steps``
+    of ``rec``; returns ``(state', obs', rec')``."""
     T = walk.n_bars
     out = env_step(walk.close, walk.high, walk.low, walk.features, np.zeros(T, I32), *state,
                    actions, *rec, walk.costs, n_bars=T, min_start=0, last_start=T - 2,
                    episode_len=0, auto_reset=0, reward_scale=1.0, state_dim=walk.dims[0], key=0,
                    cycle=_no_cycle())
-    return (EnvState(*out[:5]), out.obs, [out.rec_reward, out.rec_held, out.rec_cost],
-            choice_margin(qs))
+    return EnvState(*out[:5]), out.obs, [out.rec_reward, out.rec_held, out.rec_cost]
+
+
+def _step(walk: _Walk, state: EnvState, obs: np.ndarray, rec: list[np.ndarray]):
+    """ONE bar of the walk (every walk's loop body, the module docstring's per-bar composition):
+    the forward on ``obs``, the margin, the greedy action and ``env_step`` of the one env, which
+    writes row ``state.steps`` of ``rec`` (``[reward, held, cost]``, ``[R, 1]`` each). Returns
+    ``(state', obs', rec', margin)``."""
+    actions, margin = _choose(walk, obs)
+    return (*_advance(walk, state, actions, rec), margin)
+
+
+def _walk_from(walk: _Walk, state: EnvState, n_steps: int, rec: list[np.ndarray],
+               margins: np.ndarray | None) -> list[np.ndarray]:
+    """The sequential walk from ``state`` to step ``n_steps`` (rows ``state.steps ..
+    n_steps - 1`` of ``rec`` and ``margins``, which may be None)."""
+    obs = _observe(walk, state)
+    for k in range(int(state.steps[0]), n_steps):
+        state, obs, rec, margin = _step(walk, state, obs, rec)
+        if margins is not None:
+            margins[k] = margin
+    return rec
 
 
 def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
@@ -281,12 +309,9 @@ def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, 
         high, low, features, costs, start, n_steps)
     walk = _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
                  close, high, low, features, costs, T)
-    state = env_reset(np.array([start], I32), 1, 0, T - 2, 0, _no_cycle())
     rec = [np.zeros((n_steps, 1), F32) for _ in range(3)]
     margins = np.zeros(n_steps, F32)
-    obs = _observe(walk, state)
-    for k in range(n_steps):
-        state, obs, rec, margins[k] = _step(walk, state, obs, rec)
+    rec = _walk_from(walk, _flat_state(start, T), n_steps, rec, margins)
     return WalkRecord(*(r[:, 0].copy() for r in rec), margins)
 
 
@@ -492,7 +517,8 @@ def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv
 #: entry's twin is :func:`greedy_walk_chunked` (the CPU executor's per-launch twin is
 #: :func:`greedy_walk_round`, :data:`ROUND_KERNELS`).
 KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk,
-           "greedy_walk_round": greedy_walk_chunked, "greedy_walk_hold": greedy_walk}
+           "greedy_walk_round": greedy_walk_chunked, "greedy_walk_hold": greedy_walk,
+           "greedy_walk_spans": greedy_walk}
 
 #: walk.cu's ``greedy_walk_round``: one round of the chunked walk (its own signature; the
 #: conformance entries run :data:`CHUNKED`, the rounds composed).
