@@ -29,8 +29,21 @@ launch/latency bound and each fusion takes a node off its chain):
   ``batch.discount`` where the step layout has them): the step's graphs 1 and 2 then read the
   batch where they always do;
 - ``priority_ops``: ``replay_update_priorities`` from the step's ``td``, advancing ``cycle``
-  in the same launch (the training cycle's last reader of the counter);
+  in the same launch (``cycle_advance`` fused);
 - ``advance_ops``: ``cycle_advance`` (the warmup plan, which has no priority update).
+
+``train_head_ops`` puts them together: a training cycle is the head (act, env, sample), the
+trainer's graphs 1 and 2, and the priority update. The update is DEFERRED into the next cycle's
+head, as a side branch beside the act forward: ``parallel(side: priority_ops, main: act_ops)
+-> collect_transition -> scan_tiles -> replay_batch``. The order of the reference cycle is
+kept: the update still runs before anything reads what it writes (``collect_transition``
+reads ``cycle``, ``priority`` and ``max_priority``; ``scan_tiles`` the priorities) and after
+what it reads (the previous step's ``td``, the previous batch's ``sample_idx``), and the act
+forward neither reads nor writes any of these. The cycle is one CUDA graph of serial nodes,
+latency bound: the update off the chain saves a node (3-4 us) per cycle (the 1.3x epoch
+target). So ``td`` and ``sample_idx`` carry over from one cycle to the next: role ``state`` in
+the cycle's plans (``CARRIED``, ``collect_role``): ``check_dataflow`` reads them as values
+present before the graph, as it does the ring.
 
 The binder (``collect_binder``) resolves names in the collector's, the evaluation's and the
 step's layouts; the step's ``batch`` is writable here (role ``scratch``: ``check_dataflow``
@@ -89,7 +102,7 @@ class CollectLayout(BufferTable):
         self._add("max_priority", 1, F32, "state")
         self._add("prefix", cap, F32)
         self._add("prefix_blocks", replay_kernels.scan_blocks(cap), F32)
-        self._add("sample_idx", layout.B, I32)
+        self._add("sample_idx", layout.B, I32, "state")  # read by the next cycle's update
         self._add("cycle", 1, I64, "state")
         self._add("eps", 1, F32, "state")
         for buf, name in TABLE_BUFFERS:
@@ -116,26 +129,37 @@ class CollectLayout(BufferTable):
             raise AssertionError(f"collector buffers {clash} shadow step buffers")
 
 
+#: Step buffers a training cycle leaves for the next one: the deferred priority update at the
+#: next cycle's head reads the step's TD errors (role ``state`` in the cycle's plans, module
+#: docstring; the collector's own ``sample_idx`` has that role in its layout).
+CARRIED = ("td",)
+
+
+def _cycle_role(name: str, role: str) -> str:
+    """A step buffer's role in the cycle's plans: the step's ``batch`` is scratch (the gather
+    writes it), the ``CARRIED`` buffers are state."""
+    return "state" if name in CARRIED else "scratch" if role == "batch" else role
+
+
 def collect_binder(prog: StepProgram, cl: CollectLayout, evl: EvalLayout) -> Binder:
     """Names of the collector's, the evaluation forward's and the step's layouts; the step's
-    ``batch`` is a scratch buffer here (the gather writes it)."""
+    ``batch`` is a scratch buffer here (the gather writes it), ``CARRIED`` state."""
     def region(buf: Buf) -> Region:
         for table in (cl, evl):
             if buf.name in table:
                 return table.region(buf)
         found = prog.lay.region(buf)
-        return dataclasses.replace(found, role="scratch") if found.role == "batch" else found
+        return dataclasses.replace(found, role=_cycle_role(found.buffer, found.role))
     return Binder(region, constants=prog.constants)
 
 
 def collect_role(prog: StepProgram, cl: CollectLayout, evl: EvalLayout):
-    """The roles ``check_dataflow`` sees for a plan of the cycle (the ``batch`` as scratch)."""
+    """The roles ``check_dataflow`` sees for a plan of the cycle (``_cycle_role``)."""
     def role(name: str) -> str:
         for table in (cl, evl):
             if name in table:
                 return table.role(name)
-        found = prog.lay.role(name)
-        return "scratch" if found == "batch" else found
+        return _cycle_role(name, prog.lay.role(name))
     return role
 
 
@@ -202,7 +226,8 @@ def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, s
 def priority_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, alpha: float,
                  priority_eps: float) -> None:
     """The sampled rows' new priorities from the step's TD errors, and the cycle counter
-    advanced by the same launch (``cycle_advance`` fused: the training cycle ends here)."""
+    advanced by the same launch (``cycle_advance`` fused: the last reader of a cycle's counter
+    is the cycle's ``replay_batch``)."""
     B = prog.lay.B
     ops.kernel("replay_update_priorities", prog.kernels("replay").plan_replay_update_priorities(B),
                td="td", idx="sample_idx", n=B, priority="priority", capacity=cl.capacity,
@@ -212,6 +237,24 @@ def priority_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, alpha: float
 
 def advance_ops(ops: Ops, prog: StepProgram) -> None:
     ops.kernel("cycle_advance", prog.kernels("replay").plan_cycle_advance(), cycle="cycle")
+
+
+def train_head_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout, walks, *,
+                   update: dict | None, beta: float, seed: int, **env) -> None:
+    """A training cycle's head (module docstring): ``update`` is ``priority_ops``' keyword
+    arguments (``alpha``, ``priority_eps``) for the previous cycle's deferred update, run as a
+    side branch beside the act forward; ``None`` for a cycle with no update pending (the first
+    after the warm-up or a flush). Then ``env_ops`` (``env``: its keyword arguments) and
+    ``sample_ops``."""
+    if update is None:
+        act_ops(ops, prog, cl, evl)
+    else:
+        side, main = ops.branch(), ops.branch()
+        priority_ops(side, prog, cl, **update)
+        act_ops(main, prog, cl, evl)
+        ops.parallel(side, main)
+    env_ops(ops, prog, cl, walks, seed=seed, **env)
+    sample_ops(ops, prog, cl, beta=beta, seed=seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,6 +424,6 @@ def register_twins() -> None:
         return out
 
 
-__all__ = ["CollectLayout", "ENV_BUFFERS", "ENV_STREAMS", "NSTEP_BUFFERS", "RING_BUFFERS", "TABLE_BUFFERS",
-           "act_ops", "advance_ops", "collect_binder", "collect_role", "env_ops",
-           "priority_ops", "register_twins", "sample_ops"]
+__all__ = ["CARRIED", "CollectLayout", "ENV_BUFFERS", "ENV_STREAMS", "NSTEP_BUFFERS", "RING_BUFFERS",
+           "TABLE_BUFFERS", "act_ops", "advance_ops", "collect_binder", "collect_role", "env_ops",
+           "priority_ops", "register_twins", "sample_ops", "train_head_ops"]

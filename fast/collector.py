@@ -3,23 +3,40 @@ graph per cycle (issue 20), the fast twin of ``foxhunt.reference.collector``.
 
 ``FastCollector(trainer, config, tables, walks, *, n_envs, capacity, reward_scale, seed, cycle,
 n_step=1, costs)`` takes a ``foxhunt.fast.Trainer`` (on the GPU, or a ``CpuTrainer``: the same records run
-by the reference kernels) and builds, for the fold's ``walks``, two plans of
+by the reference kernels) and builds, for the fold's ``walks``, four plans of
 ``foxhunt.fast.collect_plan`` records over the trainer's arena, the collector's own arena and
 the forward's:
 
 - ``warmup``: act, env step, n-step window, replay add, cycle advance;
-- ``train``: act, env step, n-step window, replay add, the sampled batch gathered into the trainer's
-  ``batch``, then the trainer's graphs 1 and 2 (their own records), the priority update from
-  the step's ``td`` and the cycle advance.
+- ``train``: the previous cycle's priority update (from its step's ``td`` and ``sample_idx``,
+  advancing ``cycle``) on a side branch beside the act forward, then the env step, n-step
+  window and replay add, the sampled batch gathered into the trainer's ``batch``, then the
+  trainer's graphs 1 and 2 (their own records);
+- ``train_first``: the same with no update (the first cycle after the warm-up or a flush);
+- ``flush``: the pending priority update alone.
+
+The reference cycle ends with its priority update; here that update is deferred into the next
+cycle's head (``collect_plan``'s docstring: why this is the reference order and what it saves):
+after a training cycle an update is pending (a host flag), and ``cycle_step`` runs ``train``
+while one is, else ``train_first``. Whenever the host is about to read or replace what the
+update writes (the priorities, the maximum priority, the counter) or run a plan that reads them
+outside a training cycle, it runs ``flush`` first: ``ring()`` and ``state()`` (resume),
+``load_state``, ``warmup`` and ``close``; ``flush()`` is public for a caller about to step the
+trainer directly (its graph 1 overwrites the ``td`` the update reads: a pending update with the
+trainer stepped elsewhere raises instead of using them). The epochs need no flush:
+``begin_epoch`` writes ``eps`` only, and the update stays pending across the epoch boundary.
+The walks (``walk_state``), the windows and the ring's size (``ring_pos``) are not the
+update's: they are read without one.
 
 On the GPU each plan is ONE captured CUDA graph on the trainer's stream: a training cycle is
 one graph launch and the trainer's host bookkeeping (``Trainer.step_enqueued``: the step count
 and the deferred readback), with no synchronisation between the readback points. The host
-keeps mirrors of what it can compute without asking the device (the cycle counter; the ring's
-size where ``n_step = 1``: ``n_envs`` per cycle; above 1 a cycle adds what the episodes' ends
-decide, so the size is read back, outside the epochs' cycles: in ``warmup`` and ``size``); the
-ring, the n-step windows, the walks and the counter live on the device and are read back only for a
-resume state (``state()``).
+keeps mirrors of what it can compute without asking the device (the cycle counter, which
+counts a cycle whose update is pending: the device's lags it by one until the update runs; the
+ring's size where ``n_step = 1``: ``n_envs`` per cycle; above 1 a cycle adds what the episodes'
+ends decide, so the size is read back, outside the epochs' cycles: in ``warmup`` and ``size``);
+the ring, the n-step windows, the walks and the counter live on the device and are read back
+only for a resume state (``state()``).
 
 Same interface as ``reference.collector.Collector``: ``begin_epoch(eps)``,
 ``warmup(trainer, transitions)``, ``cycle_step(trainer)``, ``size``, ``cycle``, ``state()``,
@@ -46,7 +63,7 @@ from foxhunt.fast.collect_plan import (
     env_ops,
     priority_ops,
     register_twins,
-    sample_ops,
+    train_head_ops,
 )
 from foxhunt.fast import isv_plan
 from foxhunt.fast.dataflow import check_dataflow
@@ -155,23 +172,27 @@ class FastCollector:
         self.evl = evl = EvalLayout(lay, n_envs)
         binder = collect_binder(prog, cl, evl)
         new = functools.partial(Ops, binder)
-        kw = dict(seed=self.seed)
-        warm, head, tail = new(), new(), new()
-        for ops, eps in ((warm, "eps"), (head, isv_plan.act_epsilon_buffer(config))):
-            act_ops(ops, prog, cl, evl)
-            env_ops(ops, prog, cl, walks, reward_scale=reward_scale, gamma_ref=gamma_ref,
-                    eps=eps, **kw)
+        env = dict(reward_scale=reward_scale, gamma_ref=gamma_ref, seed=self.seed)
+        update = dict(alpha=float(self._ring.alpha), priority_eps=float(self._ring.priority_eps))
+        warm, first, head, flush = new(), new(), new(), new()
+        act_ops(warm, prog, cl, evl)
+        env_ops(warm, prog, cl, walks, eps="eps", **env)
         advance_ops(warm, prog)
-        sample_ops(head, prog, cl, beta=float(self._ring.beta), **kw)
-        # the priority update advances the counter too (cycle_advance fused into it)
-        priority_ops(tail, prog, cl, alpha=float(self._ring.alpha),
-                     priority_eps=float(self._ring.priority_eps))
-        train = [head, trainer.plans["graph1"], trainer.plans["graph2"], tail]
+        for ops, pending in ((first, None), (head, update)):
+            train_head_ops(ops, prog, cl, evl, walks, update=pending, beta=float(self._ring.beta),
+                           eps=isv_plan.act_epsilon_buffer(config), **env)
+        priority_ops(flush, prog, cl, **update)
+        step = [trainer.plans["graph1"], trainer.plans["graph2"]]
+        self.plans = {"warmup": [warm], "train_first": [first, *step], "train": [head, *step],
+                      "flush": [flush]}
         preset = {**lay.zero_padding(), **evl.zero_padding(), **cl.zero_padding()}
         role = collect_role(prog, cl, evl)
-        check_dataflow([warm], role, preset)
-        check_dataflow(train, role, preset)
-        self.plans = {"warmup": [warm], "train": train}
+        for graphs in self.plans.values():
+            check_dataflow(graphs, role, preset)
+        # A training cycle's priority update waits for the next cycle's head (or ``flush``):
+        # whether one is pending, and the trainer's step count when its ``td`` was written.
+        self._pending, self._td_step = False, None
+        self._trainer = trainer
         self._device = (_CpuDevice if isinstance(engine, CpuEngine) else _GpuDevice)(engine, cl, evl)
         for name, graphs in self.plans.items():
             self._device.build(name, graphs)
@@ -233,6 +254,7 @@ class FastCollector:
         self._check_engine(trainer)
         eps = self.eps
         if self.size < transitions:
+            self.flush()  # the warm-up cycles read the counter and the priorities
             self.begin_epoch(1.0)
             while self.size < transitions:
                 self._device.run("warmup")
@@ -240,19 +262,43 @@ class FastCollector:
             self.begin_epoch(eps)
 
     def cycle_step(self, trainer):
-        """One training cycle (one graph launch on the GPU); the step's ``StepScalars``."""
+        """One training cycle (one graph launch on the GPU); the step's ``StepScalars``. Its
+        priority update is left pending (module docstring)."""
         # the mirror (n_step > 1: the last size read back, a lower bound) before a read-back
         if self._ring.size < self.config.batch_size and self.size < self.config.batch_size:
             raise ValueError(f"replay holds {self.size} transitions, fewer than "
                              f"batch_size={self.config.batch_size}")
         self._check_engine(trainer)
-        self._device.run("train")
+        self._check_pending(trainer)
+        self._device.run("train" if self._pending else "train_first")
         self._added()
-        return trainer.step_enqueued()
+        scalars = trainer.step_enqueued()
+        self._pending, self._td_step = True, trainer.step_count
+        return scalars
+
+    def _check_pending(self, trainer) -> None:
+        """A pending update reads the ``td`` its cycle's step wrote: a step run since (outside
+        this collector) has overwritten them. (A state loaded into the trainer moves its step
+        count too: refused alike, the host cannot tell the two apart.)"""
+        if self._pending and trainer.step_count != self._td_step:
+            raise RuntimeError(f"trainer: its step count moved from {self._td_step} to "
+                               f"{trainer.step_count} (stepped outside this collector, or a state "
+                               f"loaded) while this collector's priority update is pending; call "
+                               f"flush() before stepping the trainer or loading its state")
+
+    def flush(self) -> None:
+        """Run the pending priority update, if any (one graph launch, no synchronisation)."""
+        if self._pending:
+            self._check_engine(self._trainer)
+            self._check_pending(self._trainer)
+            self._device.run("flush")
+            self._pending = False
 
     # -- resume (synchronises: only at epoch ends)
     def ring(self) -> ReplayRing:
-        """The device ring read back into a host ``ReplayRing`` (a copy)."""
+        """The device ring read back into a host ``ReplayRing`` (a copy; the pending update run
+        first)."""
+        self.flush()
         ring = ReplayRing(self.config, self._ring.capacity, n_step=self.n_step)
         arena = self._device.arena
         for buf, name in RING_BUFFERS:
@@ -280,7 +326,9 @@ class FastCollector:
         return {k: self._device.arena.download(bufs[k]) for k in WINDOW_ARRAYS}
 
     def load_state(self, arrays: dict[str, np.ndarray], meta: dict) -> None:
-        """Restore ``state()`` onto the device (the cycle counter is the constructor's)."""
+        """Restore ``state()`` onto the device (the cycle counter is the constructor's, advanced
+        by the pending update first: the host mirror counts its cycle)."""
+        self.flush()
         ring = ReplayRing(self.config, self._ring.capacity, n_step=self.n_step)
         ring.load_state({**meta, **{k: arrays[f"replay.{k}"] for k in ReplayBuffer.STATE_ARRAYS}})
         arena = self._device.arena
@@ -304,6 +352,12 @@ class FastCollector:
             arena.upload(bufs[name], arr)
 
     def close(self) -> None:
+        """Run the pending update where its trainer still can (else drop it: the collector's
+        state goes with it), then release the graphs and arenas."""
+        engine = self._trainer.engine
+        if (self._pending and engine is self._device.engine and not getattr(engine, "closed", False)
+                and self._trainer.step_count == self._td_step):
+            self.flush()
         self._device.close()
 
 

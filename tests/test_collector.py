@@ -228,13 +228,14 @@ def test_fast_plan_binds_the_batch_it_gathers_and_reads_no_unwritten_buffer(mark
     """The training plan's records: the fused batch kernel writes the trainer's batch and its
     weights (graph 1 reads nothing else of it: ``check_dataflow`` passed at construction); every
     kernel of the cycle appears once per cycle, the fused ones in place of the kernels they
-    fuse, and no copy is left (the forward reads ``obs`` in place)."""
+    fuse, and no copy is left (the forward reads ``obs`` in place). The priority update (the
+    previous cycle's, deferred) is the head's side branch."""
     tables, walks = market
     trainer = CpuTrainer(CFG, seed=1)
     col = FastCollector(trainer, CFG, tables, walks, **KW)
     nodes = col.plans["train"][0].nodes()
     head = [n.kernel for n in nodes if hasattr(n, "kernel")]
-    tail = [n.kernel for n in col.plans["train"][-1].nodes()]
+    tail = [n.kernel for n in col.plans["train"][0].items[0].sides[0].nodes()]
     for name in ("collect_transition", "scan_tiles", "replay_batch"):
         assert head.count(name) == 1, name
     for name in ("env_act", "env_step", "nstep_window", "replay_add", "scan_offsets",
@@ -243,7 +244,7 @@ def test_fast_plan_binds_the_batch_it_gathers_and_reads_no_unwritten_buffer(mark
     from foxhunt.fast.records import Copy
     assert not any(isinstance(n, Copy) for n in nodes)
     assert tail == ["replay_update_priorities"]
-    assert str(col.plans["train"][-1].nodes()[0].args["cycle"]) == "cycle"
+    assert str(col.plans["train"][0].items[0].sides[0].nodes()[0].args["cycle"]) == "cycle"
     batch = next(n for n in nodes if getattr(n, "kernel", "") == "replay_batch")
     assert {str(batch.args[k]) for k in ("x", "a", "r", "done", "w")} == {
         "batch.x", "batch.a", "batch.r", "batch.done", "batch.isw"}
