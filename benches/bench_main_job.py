@@ -141,6 +141,9 @@ class MainJob:
     def epoch(self, kind: str):
         """One epoch of ``kind`` (``EPOCH_KINDS``) as a callable; it ends with ``end_epoch()``."""
         steps, trainer = self.settings.steps_per_epoch, self.trainer
+        # untimed: a priority update the collector left pending reads the td that the step-only
+        # kinds overwrite (``FastCollector.flush``)
+        self.collector.flush()
 
         def step_only():
             for _ in range(steps):

@@ -19,9 +19,9 @@ prints, per graph and for the step (the graphs run one after the other):
   estimated microseconds; with ``--chain``, the records of that chain.
 
 ``--collect`` (issue 20): the collection cycle's plan instead (``fast.collector``: the head
-graph ``collect`` = act, env step, ring add and the batch; the trainer's ``graph1`` and
-``graph2``; ``priorities`` = the priority update and the counter), each graph alone and the
-whole ``cycle`` as captured (one CUDA graph: the four in order); ``--chain`` prints the cycle's
+graph ``collect`` = the previous cycle's priority update beside the act forward, env step, ring
+add and the batch; the trainer's ``graph1`` and ``graph2``), each graph alone and the whole
+``cycle`` as captured (one CUDA graph: the three in order); ``--chain`` prints the cycle's
 critical chain.
 
 Cost model (``LAUNCH_US``, ``RUN_US``, ``KERNEL_RUN_US``): ESTIMATES read off the H200 runs of the seed step
@@ -153,7 +153,7 @@ def step_paths(config) -> dict[str, GraphPath]:
 
 
 #: The collection cycle's graphs, in the order they run (``FastCollector.plans["train"]``).
-COLLECT_GRAPHS = ("collect", "graph1", "graph2", "priorities")
+COLLECT_GRAPHS = ("collect", "graph1", "graph2")
 
 
 def collect_plans(config, *, n_envs: int, capacity: int, seed: int = 0) -> dict:
@@ -181,7 +181,7 @@ def collect_plans(config, *, n_envs: int, capacity: int, seed: int = 0) -> dict:
 
 
 def collect_paths(config, *, n_envs: int, capacity: int, seed: int = 0) -> dict[str, GraphPath]:
-    """``{graph: GraphPath}`` of ``collect_plans`` and ``cycle``: the four graphs as the one
+    """``{graph: GraphPath}`` of ``collect_plans`` and ``cycle``: the graphs as the one
     CUDA graph the GPU captures (every node of a graph after every node of the one before)."""
     graphs = collect_plans(config, n_envs=n_envs, capacity=capacity, seed=seed)
     paths = {name: graph_path(ops) for name, ops in graphs.items()}
