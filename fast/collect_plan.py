@@ -424,6 +424,7 @@ def register_twins() -> None:
         return out
 
 
-__all__ = ["CARRIED", "CollectLayout", "ENV_BUFFERS", "ENV_STREAMS", "NSTEP_BUFFERS", "RING_BUFFERS",
-           "TABLE_BUFFERS", "act_ops", "advance_ops", "collect_binder", "collect_role", "env_ops",
-           "priority_ops", "register_twins", "sample_ops", "train_head_ops"]
+__all__ = ["CARRIED", "CollectLayout", "ENV_BUFFERS", "ENV_STREAMS", "NSTEP_BUFFERS",
+           "RING_BUFFERS", "TABLE_BUFFERS", "act_ops", "advance_ops", "collect_binder",
+           "collect_role", "env_ops", "priority_ops", "register_twins", "sample_ops",
+           "train_head_ops"]

@@ -33,7 +33,8 @@ def market():
     bars = SyntheticMarket.preset("default", seed=3, n_bars=600).generate()
     windows = loop.choose_windows(CFG.state_dim)
     t0, t_val = loop.fold_segments(len(bars), feature_warmup(windows), 1, 0.125, 0.125)[0].train
-    return env_kernels.market_tables(bars, market_features(bars, windows)), Walks(t_val, t0, t_val - 51, 50)
+    tables = env_kernels.market_tables(bars, market_features(bars, windows))
+    return tables, Walks(t_val, t0, t_val - 1 - 50, 50)
 
 
 def _pair(market, order="latest_first"):
