@@ -3,7 +3,10 @@ segment in one launch (issue 20, SPEC 10's device evaluation); also the twin of
 ``greedy_walk_cluster``, the same walk on a thread-block cluster (bitwise the one-block kernel's),
 and of ``greedy_walk_round``, one round of the chunked (speculative) walk whose rounds composed,
 :func:`greedy_walk_chunked`, give the same records with the steps cut into chunks that walk in
-parallel (:func:`greedy_walk_round` states the algorithm and why it is exact).
+parallel (:func:`greedy_walk_round` states the algorithm and why it is exact), and of
+``greedy_walk_spans``, one launch of the span walk (:func:`greedy_walk_spans_pass`: passes
+that check spans of held steps in parallel, then a tail; composed,
+:func:`greedy_walk_spans_walk`, the same records).
 
 Per bar (the composition of the existing reference functions, one state row at a time): the
 env's state row (``env.env_observe``), the network's forward on it (``network.forward``'s
