@@ -1200,6 +1200,228 @@ static __device__ __forceinline__ EnvLocal walk_held(const EnvLocal& s, int j) {
     return h;
 }
 
+// What one pass and the loops around it share: the network, the block's slices, the inputs'
+// layout (stride floats each, w_max of them from `acts`), the scratch rows, the tables.
+struct WalkHold {
+    WalkNet n;
+    WalkActs a0;  // input 0 (and the layers' shapes)
+    float* acts;
+    int stride;
+    int w_max;
+    float* scratch;
+    WalkSlices sl;
+    float bound;
+    const float* z;
+    bool use_bf16;
+    const float* close;
+    const float* high;
+    const float* low;
+    const float* features;
+    int n_features;
+    const float* costs;
+    int n_bars;
+    int state_dim;
+};
+
+// The block's part of a WalkHold: its slices loaded after the inputs and the scratch rows.
+static __device__ __forceinline__ WalkHold walk_hold_setup(
+    const float* __restrict__ params, const unsigned short* __restrict__ params_bf16,
+    const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2, int value_h,
+    int adv_h, int num_atoms, int n_branches, const int* __restrict__ n_actions,
+    const int* __restrict__ action_offset, const float* __restrict__ z,
+    const float* __restrict__ isv, int isv_index, float h2_clamp_mult,
+    const float* __restrict__ close, const float* __restrict__ high,
+    const float* __restrict__ low, const float* __restrict__ features, int n_features,
+    const float* __restrict__ costs, int n_bars, int hold_rows, float* shared, int rank,
+    int warp, int lane) {
+    WalkHold c;
+    c.n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms, n_branches,
+                   n_actions, action_offset);
+    c.a0 = walk_acts(shared, c.n, 0);
+    c.acts = shared;
+    c.stride = (int)(c.a0.end - shared);
+    c.w_max = max(1, min(hold_rows, WALK_HOLD_MAX));
+    c.scratch = shared + c.w_max * c.stride;
+    c.use_bf16 = bf16 != 0;
+    c.sl = walk_cluster_load(c.n, c.a0, c.scratch + 2 * WALK_CLUSTER_WARPS * c.n.na, rank,
+                             params, params_bf16, c.use_bf16, warp, lane);
+    c.sl.w.x_rounded = true;  // (walk_operand is the identity in f32 mode anyway)
+    c.bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
+    c.z = z;
+    c.close = close;
+    c.high = high;
+    c.low = low;
+    c.features = features;
+    c.n_features = n_features;
+    c.costs = costs;
+    c.n_bars = n_bars;
+    c.state_dim = state_dim;
+    return c;
+}
+
+static __device__ __forceinline__ const float* walk_hold_q(const WalkHold& c, int j) {
+    return walk_acts(c.acts + j * c.stride, c.n, 0).q;
+}
+
+// One pass (header): the network on w rows held from s (cnt of them real steps); returns m,
+// the first row whose greedy exposure is not the hold (cnt when all hold), in every thread.
+// Afterwards the Q rows of branch 0 of every input, and of every branch for rows [first, m]
+// (first = 0 with margins, else m; row m only when m < cnt) are in shared memory. `m_slot`: a
+// __shared__ int of the block.
+static __device__ __forceinline__ int walk_hold_pass(const WalkHold& c, const EnvLocal& s, int w,
+                                                     int cnt, bool margins, int* m_slot,
+                                                     int warp, int lane) {
+    const WalkNet& n = c.n;
+    walk_hold_rows(c.acts, c.stride, w, c.features, c.n_features, c.close, s, c.state_dim,
+                   c.n_bars, c.use_bf16);
+    __syncthreads();
+#pragma unroll
+    for (int l = 0; l < WALK_LAYERS; ++l) {
+        const WalkLayer L = walk_layer_of(l, n, c.a0);
+        const int out_off = (int)(L.out - c.acts);
+        const int in_off = (int)(L.in - c.acts);
+        const bool round_out = c.use_bf16 && l + 1 < WALK_LAYERS;  // the next layer's input
+        for (int r = c.sl.r0[l] + warp; r < c.sl.r1[l]; r += WALK_CLUSTER_WARPS) {
+            const int x_off = in_off + walk_row(l, r, n).in;
+            const int w_r = c.sl.w_base[l] + walk_slice_offset(L, c.sl.r0[l], r);
+            const int k_r = walk_fan_in(L, r);
+            const float bias = c.sl.bias_s[c.sl.b_base[l] + r - c.sl.r0[l]];
+            for (int j = 0; j < w; j += 2) {  // inputs j, j + 1: two chains, one row
+                const int j2 = min(j + 1, w - 1);
+                float dot, dot2;
+                walk_dot2(c.acts + j * c.stride + x_off, w_r, c.acts + j2 * c.stride + x_off,
+                          w_r, c.sl.w, k_r, lane, dot, dot2);
+                const float v = walk_operand(walk_epilogue(dot, bias, L.epilogue, c.bound),
+                                             round_out);
+                const float v2 = walk_operand(walk_epilogue(dot2, bias, L.epilogue, c.bound),
+                                              round_out);
+                if (lane < WALK_CLUSTER) {
+                    WalkCluster::store(c.acts + j * c.stride + out_off + r, v, lane);
+                    if (j2 != j) {
+                        WalkCluster::store(c.acts + j2 * c.stride + out_off + r, v2, lane);
+                    }
+                }
+            }
+        }
+        WalkCluster::sync();
+    }
+    const int n0 = n.n_actions[0];
+    for (int i = warp; i < w * n0; i += WALK_CLUSTER_WARPS) {  // branch 0 of every input
+        const int j = i / n0;
+        walk_q_row(n, walk_acts(c.acts + j * c.stride, n, 0), c.z, i - j * n0,
+                   c.scratch + 2 * warp * n.na, lane);
+    }
+    __syncthreads();
+    if (warp == 0) {
+        const int hold = __float2int_rn(s.position) + 1;
+        const bool holds = lane < cnt && double_dqn_argmax(walk_hold_q(c, min(lane, w - 1)),
+                                                           n0) == hold;
+        const unsigned int breaks = __ballot_sync(kFullMask, lane < cnt && !holds);
+        if (lane == 0) {
+            *m_slot = breaks ? __ffs(breaks) - 1 : cnt;
+        }
+    }
+    __syncthreads();
+    const int m = *m_slot;
+    const int first = margins ? 0 : m;
+    const int last = m < cnt ? m : m - 1;
+    const int others = n.a_total - n0;
+    for (int i = warp; i < (last - first + 1) * others; i += WALK_CLUSTER_WARPS) {
+        const int j = first + i / others;
+        walk_q_row(n, walk_acts(c.acts + j * c.stride, n, 0), c.z, n0 + i % others,
+                   c.scratch + 2 * warp * n.na, lane);
+    }
+    __syncthreads();
+    return m;
+}
+
+// The full greedy choice of one Q row (one thread): walk_advance's actions and margin (branch
+// order), defaults for the branches that do not exist.
+static __device__ __forceinline__ void walk_choose_all(const WalkNet& n, const float* q,
+                                                       int* act, float* margin) {
+    act[0] = 0;
+    act[1] = ENV_DEFAULT_ORDER;
+    act[2] = ENV_DEFAULT_URGENCY;
+    float mg = __int_as_float(0x7f800000);
+    for (int d = 0; d < n.nb; ++d) {
+        float gap;
+        act[d] = walk_choose(q + n.action_offset[d], n.n_actions[d], &gap);
+        mg = fminf(mg, gap);
+    }
+    *margin = mg;
+}
+
+// The held steps of a pass (warp 0; lane j < m): step s.steps + j as the walk runs it (its
+// own state, env_advance: nothing trades; the other branches' choices matter only for the
+// margin, computed when recorded). `writer`: this block records.
+static __device__ __forceinline__ void walk_hold_records(
+    const WalkHold& c, const EnvLocal& s, int m, bool writer, float* __restrict__ rec_reward,
+    float* __restrict__ rec_held, float* __restrict__ rec_cost, float* __restrict__ rec_margin,
+    int record_len, int lane) {
+    if (lane >= m) {
+        return;
+    }
+    EnvLocal h = walk_held(s, lane);
+    int act[3] = {__float2int_rn(s.position) + 1, ENV_DEFAULT_ORDER, ENV_DEFAULT_URGENCY};
+    float margin = 0.0f;
+    if (rec_margin != nullptr) {
+        walk_choose_all(c.n, walk_hold_q(c, lane), act, &margin);
+    }
+    const int k = h.steps;
+    const EnvOutcome o = env_advance(h, act[0], act[1], act[2], c.close, c.high, c.low, c.costs,
+                                     c.n_bars, 0);
+    if (writer && o.live && k < record_len) {
+        rec_reward[k] = o.reward;
+        rec_held[k] = o.held;
+        rec_cost[k] = o.cost;
+        if (rec_margin != nullptr) {
+            rec_margin[k] = margin;
+        }
+    }
+}
+
+// The walk from s to step `steps`, one pass after another with adaptive rows (header); every
+// block of the cluster; `writer`: this block records. `next`: 5 __shared__ ints, `m_slot` one.
+static __device__ __forceinline__ void walk_hold_loop(
+    const WalkHold& c, EnvLocal s, int steps, bool writer, float* __restrict__ rec_reward,
+    float* __restrict__ rec_held, float* __restrict__ rec_cost, float* __restrict__ rec_margin,
+    int record_len, int* next_slot, int* m_slot, int warp, int lane) {
+    int w = 1;
+    while (s.steps < steps) {
+        const int cnt = min(w, steps - s.steps);
+        const int m = walk_hold_pass(c, s, w, cnt, rec_margin != nullptr, m_slot, warp, lane);
+        if (warp == 0) {
+            walk_hold_records(c, s, m, writer, rec_reward, rec_held, rec_cost, rec_margin,
+                              record_len, lane);
+            EnvLocal next = walk_held(s, m);
+            if (m < cnt) {  // step s.steps + m: the full greedy action of its row
+                walk_advance(next, c.n, walk_hold_q(c, m), writer && lane == 0, nullptr,
+                             c.close, c.high, c.low, c.features, c.n_features, c.costs,
+                             c.n_bars, rec_reward, rec_held, rec_cost, rec_margin, record_len,
+                             lane);
+            }
+            if (lane == 0) {
+                next_slot[0] = next.t;
+                next_slot[1] = next.steps;
+                next_slot[2] = next.time_in_position;
+                next_slot[3] = __float_as_int(next.position);
+                next_slot[4] = __float_as_int(next.entry_price);
+            }
+        }
+        __syncthreads();
+        s.t = next_slot[0];
+        s.steps = next_slot[1];
+        s.time_in_position = next_slot[2];
+        s.position = __int_as_float(next_slot[3]);
+        s.entry_price = __int_as_float(next_slot[4]);
+        w = m < cnt ? min(c.w_max, m + 1) : min(c.w_max, 2 * w);
+        // (next_slot and m_slot are written again only after the next pass's barriers; the
+        // state rows are block-local and read by layer 0 alone; a block racing ahead sends
+        // only layer-0 values, into h1, which the others finished reading before their last
+        // sync.)
+    }
+}
+
 extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
 __launch_bounds__(WALK_CLUSTER_THREADS, 1)
 greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restrict__ params_bf16,
@@ -1215,147 +1437,179 @@ greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restr
                  float* __restrict__ rec_held, float* __restrict__ rec_cost,
                  float* __restrict__ rec_margin, int record_len) {
     extern __shared__ float walk_shared[];
-    __shared__ int walk_next[6];  // t, steps, time in position, position, entry (bits); m
+    __shared__ int walk_slots[6];  // the next state (5), m
     const int lane = threadIdx.x % kWarp;
     const int warp = threadIdx.x / kWarp;
     const int rank = WalkCluster::rank();
-    const int w_max = max(1, min(hold_rows, WALK_HOLD_MAX));
-    const bool use_bf16 = bf16 != 0;
-    const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
-                               n_branches, n_actions, action_offset);
-    const WalkActs a0 = walk_acts(walk_shared, n, 0);  // input 0 (and the layers' shapes)
-    const int stride = (int)(a0.end - walk_shared);
-    float* scratch = walk_shared + w_max * stride;
-    WalkSlices sl = walk_cluster_load(n, a0, scratch + 2 * WALK_CLUSTER_WARPS * n.na, rank,
-                                      params, params_bf16, use_bf16, warp, lane);
-    sl.w.x_rounded = true;  // (walk_operand is the identity in f32 mode anyway)
-    const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
-    const int steps = n_steps[0];
-    const bool writer = rank == 0;
-    const int n0 = n.n_actions[0];
-    EnvLocal s = env_fresh(start[0]);  // every thread: the state at the pass's first step
-    int w = 1;                         // the pass's rows (adaptive, header)
+    const WalkHold c = walk_hold_setup(params, params_bf16, param_offsets, bf16, state_dim, h1,
+                                       h2, value_h, adv_h, num_atoms, n_branches, n_actions,
+                                       action_offset, z, isv, isv_index, h2_clamp_mult, close,
+                                       high, low, features, n_features, costs, n_bars,
+                                       hold_rows, walk_shared, rank, warp, lane);
     WalkCluster::sync();  // every block has started and holds its slices
-    while (s.steps < steps) {
-        const int cnt = min(w, steps - s.steps);
-        walk_hold_rows(walk_shared, stride, w, features, n_features, close, s, state_dim,
-                       n_bars, use_bf16);
-        __syncthreads();
-#pragma unroll
-        for (int l = 0; l < WALK_LAYERS; ++l) {
-            const WalkLayer L = walk_layer_of(l, n, a0);
-            const int out_off = (int)(L.out - walk_shared);
-            const int in_off = (int)(L.in - walk_shared);
-            const bool round_out = use_bf16 && l + 1 < WALK_LAYERS;  // the next layer's input
-            for (int r = sl.r0[l] + warp; r < sl.r1[l]; r += WALK_CLUSTER_WARPS) {
-                const int x_off = in_off + walk_row(l, r, n).in;
-                const int w_r = sl.w_base[l] + walk_slice_offset(L, sl.r0[l], r);
-                const int k_r = walk_fan_in(L, r);
-                const float bias = sl.bias_s[sl.b_base[l] + r - sl.r0[l]];
-                for (int j = 0; j < w; j += 2) {  // inputs j, j + 1: two chains, one row
-                    const int j2 = min(j + 1, w - 1);
-                    float dot, dot2;
-                    walk_dot2(walk_shared + j * stride + x_off, w_r,
-                              walk_shared + j2 * stride + x_off, w_r, sl.w, k_r, lane, dot,
-                              dot2);
-                    const float v = walk_operand(walk_epilogue(dot, bias, L.epilogue, bound),
-                                                 round_out);
-                    const float v2 = walk_operand(walk_epilogue(dot2, bias, L.epilogue, bound),
-                                                  round_out);
-                    if (lane < WALK_CLUSTER) {
-                        WalkCluster::store(walk_shared + j * stride + out_off + r, v, lane);
-                        if (j2 != j) {
-                            WalkCluster::store(walk_shared + j2 * stride + out_off + r, v2, lane);
-                        }
-                    }
+    walk_hold_loop(c, env_fresh(start[0]), n_steps[0], rank == 0, rec_reward, rec_held, rec_cost,
+                   rec_margin, record_len, walk_slots, walk_slots + 5, warp, lane);
+}
+
+// ------------------------------------------------------------------------------------------
+// greedy_walk_spans: hold passes over the remaining steps on many clusters at once
+// ------------------------------------------------------------------------------------------
+// Twin of one launch: foxhunt.reference.kernels.walk.greedy_walk_spans_pass (its docstring is
+// the specification); launches 0 .. n_passes together: greedy_walk's records (bitwise
+// greedy_walk_cluster's). Launch p (grid n_chunks clusters; the tail, p == n_passes, needs
+// cluster 0 only):
+//   1. the base state S: flat at step 0 (p = 0), else the previous launch committed: from its
+//      base state[prev] and the first break over its clusters (min of brk[prev][g][0]), every
+//      step up to the break held, the break's step walked with the action that cluster stored
+//      (its record written here), S the state after it (every thread computes S alike;
+//      cluster 0's thread 0 writes the record and state[cur]);
+//   2. p < n_passes: cluster g checks its span of the remaining steps (ceil(rem / n_chunks)
+//      each) under "held from S" with hold passes of hold_rows rows (walk_hold_pass), writes
+//      the held steps' records and stops at its first break: brk[cur][g] = (step from S, the
+//      row's full greedy action, its margin's bits), or NONE when its whole span held;
+//   3. p == n_passes: cluster 0 walks from S to the end (walk_hold_loop).
+// Records of a cluster's held steps past the global break are wrong, and rewritten: every
+// step is written last by the launch whose checked prefix holds it (or by a commit or the
+// tail), and no later launch starts before it. One agent that buys and holds: the first launch
+// checks every step, 16 clusters at once. state int32 [2, 5] (t, steps, time in position, the
+// position's and the entry price's bits) and brk int32 [2, n_chunks, 5] by launch parity.
+#define WALK_SPAN_NONE 2147483647
+
+static __device__ __forceinline__ EnvLocal walk_load_state(const int* p) {
+    EnvLocal s;
+    s.t = p[0];
+    s.steps = p[1];
+    s.time_in_position = p[2];
+    s.position = __int_as_float(p[3]);
+    s.entry_price = __int_as_float(p[4]);
+    return s;
+}
+
+extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
+__launch_bounds__(WALK_CLUSTER_THREADS, 1)
+greedy_walk_spans(const float* __restrict__ params,
+                  const unsigned short* __restrict__ params_bf16,
+                  const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
+                  int value_h, int adv_h, int num_atoms, int n_branches,
+                  const int* __restrict__ n_actions, const int* __restrict__ action_offset,
+                  const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                  float h2_clamp_mult, const float* __restrict__ close,
+                  const float* __restrict__ high, const float* __restrict__ low,
+                  const float* __restrict__ features, int n_features,
+                  const float* __restrict__ costs, int n_bars, const int* __restrict__ start,
+                  const int* __restrict__ n_steps, int n_chunks, int n_passes, int pass_index,
+                  int hold_rows, int* __restrict__ state, int* __restrict__ brk,
+                  float* __restrict__ rec_reward, float* __restrict__ rec_held,
+                  float* __restrict__ rec_cost, float* __restrict__ rec_margin, int record_len) {
+    extern __shared__ float walk_shared[];
+    __shared__ int walk_slots[6];  // the next state (5), m
+    const int lane = threadIdx.x % kWarp;
+    const int warp = threadIdx.x / kWarp;
+    const int rank = WalkCluster::rank();
+    const int g = blockIdx.x / WALK_CLUSTER;
+    const int cur = pass_index & 1;
+    const int prev = 1 - cur;
+    const int steps = n_steps[0];
+    const bool leader = g == 0 && rank == 0 && threadIdx.x == 0;
+    // 1. The base state (every thread alike).
+    EnvLocal s = env_fresh(start[0]);
+    if (pass_index > 0) {
+        const EnvLocal sp = walk_load_state(state + 5 * prev);
+        s = sp;
+        if (sp.steps < steps) {
+            const int* b = brk + 5 * prev * n_chunks;
+            int m = WALK_SPAN_NONE;
+            int gs = 0;
+            for (int e = 0; e < n_chunks; ++e) {
+                if (b[5 * e] < m) {
+                    m = b[5 * e];
+                    gs = e;
                 }
             }
-            WalkCluster::sync();
-        }
-        // Branch 0's Q rows of every input (the exposure: does the step hold?).
-        for (int i = warp; i < w * n0; i += WALK_CLUSTER_WARPS) {
-            const int j = i / n0;
-            walk_q_row(n, walk_acts(walk_shared + j * stride, n, 0), z, i - j * n0,
-                       scratch + 2 * warp * n.na, lane);
-        }
-        __syncthreads();
-        const int hold = __float2int_rn(s.position) + 1;
-        if (warp == 0) {
-            bool holds = false;
-            if (lane < cnt) {
-                const float* qj = walk_acts(walk_shared + lane * stride, n, 0).q;
-                holds = double_dqn_argmax(qj, n0) == hold;
-            }
-            const unsigned int breaks = __ballot_sync(kFullMask, lane < cnt && !holds);
-            if (lane == 0) {
-                walk_next[5] = breaks ? __ffs(breaks) - 1 : cnt;  // the first step that trades
-            }
-        }
-        __syncthreads();
-        const int m = walk_next[5];
-        // The other branches' Q rows: step m's (its full action), and every held step's when
-        // the margins are recorded.
-        const int first = rec_margin != nullptr ? 0 : m;
-        const int last = m < cnt ? m : m - 1;
-        const int others = n.a_total - n0;
-        for (int i = warp; i < (last - first + 1) * others; i += WALK_CLUSTER_WARPS) {
-            const int j = first + i / others;
-            walk_q_row(n, walk_acts(walk_shared + j * stride, n, 0), z, n0 + i % others,
-                       scratch + 2 * warp * n.na, lane);
-        }
-        __syncthreads();
-        if (warp == 0) {
-            if (lane < m) {  // a held step: its own state, env_advance as the walk runs it
-                EnvLocal h = walk_held(s, lane);
-                const float* qj = walk_acts(walk_shared + lane * stride, n, 0).q;
-                float margin = __int_as_float(0x7f800000);
-                int act[3] = {hold, ENV_DEFAULT_ORDER, ENV_DEFAULT_URGENCY};
-                if (rec_margin != nullptr) {  // (the other branches' choices change nothing
-#pragma unroll                                     // when nothing trades: only the margin)
-                    for (int d = 0; d < 3; ++d) {
-                        if (d < n.nb) {
-                            float gap;
-                            act[d] = walk_choose(qj + n.action_offset[d], n.n_actions[d], &gap);
-                            margin = fminf(margin, gap);
-                        }
-                    }
-                }
-                const int k = h.steps;
-                const EnvOutcome o = env_advance(h, act[0], act[1], act[2], close, high, low,
-                                                 costs, n_bars, 0);
-                if (writer && o.live && k < record_len) {
+            const int rem = steps - sp.steps;
+            s = walk_held(sp, min(m, rem));
+            if (m < rem) {  // the break's step, with the action its cluster stored
+                const int* a = b + 5 * gs;
+                const int k = s.steps;
+                const EnvOutcome o = env_advance(s, a[1], a[2], a[3], close, high, low, costs,
+                                                 n_bars, 0);
+                if (leader && o.live && k < record_len) {
                     rec_reward[k] = o.reward;
                     rec_held[k] = o.held;
                     rec_cost[k] = o.cost;
                     if (rec_margin != nullptr) {
-                        rec_margin[k] = margin;
+                        rec_margin[k] = __int_as_float(a[4]);
                     }
                 }
             }
-            EnvLocal next = walk_held(s, m);
-            if (m < cnt) {  // step k + m: the full greedy action of its row (walk_advance)
-                walk_advance(next, n, walk_acts(walk_shared + m * stride, n, 0).q,
-                             writer && lane == 0, nullptr, close, high, low, features,
-                             n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
-                             rec_margin, record_len, lane);
-            }
-            if (lane == 0) {
-                walk_next[0] = next.t;
-                walk_next[1] = next.steps;
-                walk_next[2] = next.time_in_position;
-                walk_next[3] = __float_as_int(next.position);
-                walk_next[4] = __float_as_int(next.entry_price);
-            }
         }
-        __syncthreads();
-        s.t = walk_next[0];
-        s.steps = walk_next[1];
-        s.time_in_position = walk_next[2];
-        s.position = __int_as_float(walk_next[3]);
-        s.entry_price = __int_as_float(walk_next[4]);
-        w = m < cnt ? min(w_max, m + 1) : min(w_max, 2 * w);
-        // (walk_next is written again only after the next pass's barriers; the state rows
-        // are block-local and read by layer 0 alone; a block racing ahead sends only layer-0
-        // values, into h1, which the others finished reading before their last sync.)
+    }
+    if (leader) {
+        int* out = state + 5 * cur;
+        out[0] = s.t;
+        out[1] = s.steps;
+        out[2] = s.time_in_position;
+        out[3] = __float_as_int(s.position);
+        out[4] = __float_as_int(s.entry_price);
+    }
+    const int rem = steps - s.steps;
+    int* mine = brk + 5 * (cur * n_chunks + g);
+    int j0 = 0;
+    int len = 0;
+    if (pass_index < n_passes) {
+        const int span = rem > 0 ? (rem + n_chunks - 1) / n_chunks : 0;
+        j0 = g * span;
+        len = min(span, rem - j0);
+        if (len <= 0 || g >= n_chunks) {
+            if (rank == 0 && threadIdx.x == 0 && g < n_chunks) {
+                mine[0] = WALK_SPAN_NONE;
+                mine[1] = mine[2] = mine[3] = mine[4] = 0;
+            }
+            return;  // (every block of the cluster alike)
+        }
+    } else if (g != 0 || rem <= 0) {
+        return;  // the tail: cluster 0 alone
+    }
+    const WalkHold c = walk_hold_setup(params, params_bf16, param_offsets, bf16, state_dim, h1,
+                                       h2, value_h, adv_h, num_atoms, n_branches, n_actions,
+                                       action_offset, z, isv, isv_index, h2_clamp_mult, close,
+                                       high, low, features, n_features, costs, n_bars,
+                                       hold_rows, walk_shared, rank, warp, lane);
+    WalkCluster::sync();  // every block has started and holds its slices
+    if (pass_index == n_passes) {  // 3. the tail
+        walk_hold_loop(c, s, steps, rank == 0, rec_reward, rec_held, rec_cost, rec_margin,
+                       record_len, walk_slots, walk_slots + 5, warp, lane);
+        return;
+    }
+    // 2. The span, held from s: passes of w_max rows until the first break.
+    EnvLocal base = walk_held(s, j0);
+    const bool margins = rec_margin != nullptr;
+    for (int done = 0; done < len;) {
+        const int cnt = min(c.w_max, len - done);
+        const int m = walk_hold_pass(c, base, c.w_max, cnt, margins, walk_slots + 5, warp, lane);
+        if (warp == 0) {
+            walk_hold_records(c, base, m, rank == 0, rec_reward, rec_held, rec_cost, rec_margin,
+                              record_len, lane);
+        }
+        if (m < cnt) {
+            if (rank == 0 && threadIdx.x == 0) {
+                int act[3];
+                float margin;
+                walk_choose_all(c.n, walk_hold_q(c, m), act, &margin);
+                mine[0] = j0 + done + m;
+                mine[1] = act[0];
+                mine[2] = act[1];
+                mine[3] = act[2];
+                mine[4] = __float_as_int(margin);
+            }
+            return;
+        }
+        base = walk_held(base, cnt);
+        done += cnt;
+        __syncthreads();  // (warp 0's records read the Q rows the next pass rewrites)
+    }
+    if (rank == 0 && threadIdx.x == 0) {
+        mine[0] = WALK_SPAN_NONE;
+        mine[1] = mine[2] = mine[3] = mine[4] = 0;
     }
 }

@@ -31,16 +31,22 @@ an ``EvalLayout(layout, 1)``): the run's market tables (``walk_close`` ... as
   metrics, reduced on the device in float64) copied out to ``walk_metrics_host``, and with
   ``equity`` the ``n`` per-bar rewards to ``walk_rewards_host``: the segment's one readback.
 
-**The fused walk** (``fused_ops``, ``DeviceEvaluator(mode="fused")``): ONE launch of
-``greedy_walk_cluster`` (sm_90 and newer, where the network fits a cluster's shared memory) or
-``greedy_walk`` (``kernels.walk.plan_walk`` picks by the program's architecture; both in
-``cuda_src/walk.cu``, bitwise equal, twin ``reference.kernels.walk``) walks the greedy policy
-over the whole segment: the first bar (``walk_start_host``) and the step count
-(``walk_n_steps_host``) are copied in, the kernel reads the online copy of ``params2`` (and of
-``mirror2`` in ``bf16``), ``isv`` (Mech 10's bound), ``z``, ``n_actions`` and
-``action_offset`` of the step layout and the walk's ``walk_param_offsets`` (the tensors'
-offsets, ``walk.walk_offsets``), and writes rows ``[0, n)`` of ``walk_rec_*``; ``end_ops``
-follows unchanged. The kernel builds its own state rows: no ``walk_obs``, no ``env_reset``.
+**The fused walk** (``fused_ops``, ``DeviceEvaluator(mode="fused")``): the first bar
+(``walk_start_host``) and the step count (``walk_n_steps_host``) are copied in, then on sm_90
+and newer (where ``kernels.walk.plan_walk`` picks the cluster kernel: the network fits a
+cluster's shared memory) ``SPAN_PASSES`` launches of ``greedy_walk_spans`` on ``SPAN_CHUNKS``
+thread-block clusters and its tail on one; elsewhere ONE launch of ``greedy_walk`` (one block).
+Both walk the greedy policy over the whole segment with records bitwise the one-cluster
+``greedy_walk_cluster``'s (``cuda_src/walk.cu``, twin ``reference.kernels.walk.greedy_walk``):
+while the policy holds its position the next states need no network, so the span launches
+check the remaining steps in parallel, 16 clusters at once, and commit up to the first trade;
+the tail walks what is left on one cluster, many steps a pass while the policy holds. They
+read the online copy of ``params2`` (and of ``mirror2`` in ``bf16``), ``isv`` (Mech 10's
+bound), ``z``, ``n_actions`` and ``action_offset`` of the step layout and the walk's
+``walk_param_offsets`` (the tensors' offsets, ``walk.walk_offsets``), keep their base states and
+breaks in ``walk_span_state`` / ``walk_span_brk`` and write rows ``[0, n)`` of ``walk_rec_*``;
+``end_ops`` follows unchanged. The kernels build their own state rows: no ``walk_obs``, no
+``env_reset``.
 
 Why one bar graph serves every segment: ``env_step`` walks the whole table (``n_bars = T``), so
 the records name no segment. A walk from ``start`` reads bars ``start .. start + n`` for its
@@ -56,6 +62,7 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.binder import Binder
+from foxhunt.fast.kernels import walk as walk_fast
 from foxhunt.fast.kernels.walk import WALK_KERNELS
 from foxhunt.fast.records import F32, I32, I64, Buf, Host, Ops, Region
 from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
@@ -150,6 +157,9 @@ class WalkLayout(BufferTable):
         for name in ("walk_rec_reward", "walk_rec_held", "walk_rec_cost"):
             self._add(name, (R, 1), F32, "state")
         self._add("walk_metrics", len(env_kernels.EVAL_FIELDS), F32)
+        # greedy_walk_spans' base states and breaks, by launch parity
+        self._add("walk_span_state", (2, 5), I32)
+        self._add("walk_span_brk", (2, walk_fast.SPAN_CHUNKS, 5), I32)
         clash = sorted(set(self.specs) & set(layout.specs))
         if clash:
             raise AssertionError(f"walk buffers {clash} shadow step buffers")
@@ -251,10 +261,10 @@ def fused_walk_kernel(prog: StepProgram) -> str:
 
 
 def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
-    """The fused walk (module docstring): the first bar and the step count in, then ONE launch:
-    ``greedy_walk_hold`` where ``plan_walk`` picks the cluster kernel (its bar, W steps at a
-    time while the policy holds: bitwise ``greedy_walk_cluster``'s records), else
-    ``greedy_walk``."""
+    """The fused walk (module docstring): the first bar and the step count in, then where
+    ``plan_walk`` picks the cluster kernel ``SPAN_PASSES`` launches of ``greedy_walk_spans`` on
+    ``SPAN_CHUNKS`` clusters and its tail on one (bitwise ``greedy_walk_cluster``'s records),
+    else ONE ``greedy_walk``."""
     lay, c = prog.lay, prog.config
     tables = {name: buf for buf, name in WALK_TABLES}
     dims = walk_kernels.walk_dims(c)
@@ -262,21 +272,25 @@ def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
     ops.copy("walk_n_steps", Host(N_STEPS_HOST), 4, "htod")
     walk = prog.kernels("walk")
     kernel, plan = walk.plan_walk(dims, lay.branches, lay.bf16, prog.arch)
-    hold = {}
-    if kernel == "greedy_walk_cluster":
-        kernel = "greedy_walk_hold"
-        plan, rows = walk.plan_greedy_walk_hold(dims, lay.branches, lay.bf16, prog.arch)
-        hold = {"hold_rows": rows}
-    ops.kernel(kernel, plan, params="params2", params_bf16="mirror2" if lay.bf16 else None,
-               param_offsets="walk_param_offsets", bf16=int(lay.bf16),
-               **dict(zip(walk_kernels.DIMS, dims)), n_branches=lay.nb, n_actions="n_actions",
-               action_offset="action_offset", z="z", isv="isv", isv_index=H_S2_RMS_EMA_INDEX,
-               h2_clamp_mult=np.float32(c.h2_clamp_mult), close=tables["close"],
-               high=tables["high"], low=tables["low"], features=tables["features"],
-               n_features=wl.n_features, costs="walk_costs", n_bars=wl.n_bars,
-               start="walk_start", n_steps="walk_n_steps", **hold, rec_reward="walk_rec_reward",
-               rec_held="walk_rec_held", rec_cost="walk_rec_cost", rec_margin=None,
-               record_len=wl.max_steps)
+    args = dict(params="params2", params_bf16="mirror2" if lay.bf16 else None,
+                param_offsets="walk_param_offsets", bf16=int(lay.bf16),
+                **dict(zip(walk_kernels.DIMS, dims)), n_branches=lay.nb, n_actions="n_actions",
+                action_offset="action_offset", z="z", isv="isv", isv_index=H_S2_RMS_EMA_INDEX,
+                h2_clamp_mult=np.float32(c.h2_clamp_mult), close=tables["close"],
+                high=tables["high"], low=tables["low"], features=tables["features"],
+                n_features=wl.n_features, costs="walk_costs", n_bars=wl.n_bars,
+                start="walk_start", n_steps="walk_n_steps")
+    records = dict(rec_reward="walk_rec_reward", rec_held="walk_rec_held",
+                   rec_cost="walk_rec_cost", rec_margin=None, record_len=wl.max_steps)
+    if kernel != "greedy_walk_cluster":
+        ops.kernel(kernel, plan, **args, **records)
+        return
+    span, tail, rows = walk.plan_greedy_walk_spans(dims, lay.branches, lay.bf16, prog.arch,
+                                                   walk.SPAN_CHUNKS)
+    for p in range(walk.SPAN_PASSES + 1):
+        ops.kernel("greedy_walk_spans", span if p < walk.SPAN_PASSES else tail, **args,
+                   n_chunks=walk.SPAN_CHUNKS, n_passes=walk.SPAN_PASSES, pass_index=p,
+                   hold_rows=rows, state="walk_span_state", brk="walk_span_brk", **records)
 
 
 def end_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, *, n: int, bars_per_year: float,
@@ -316,7 +330,7 @@ def register_twins() -> None:
                                          a.cycle)._asdict()
 
     if "greedy_walk" not in TWINS:
-        for name in (*WALK_KERNELS, "greedy_walk_hold"):
+        for name in (*WALK_KERNELS, "greedy_walk_hold", "greedy_walk_spans"):
             _register_greedy_walk(twin, name)
 
     if "eval_metrics" not in TWINS:
@@ -336,10 +350,12 @@ def walk_tensor_sizes(dims, branches) -> tuple[int, ...]:
 
 
 def _register_greedy_walk(twin, name: str) -> None:
-    """The twin of ``name`` (``greedy_walk``, ``greedy_walk_cluster`` or ``greedy_walk_hold``: the
-    same walk): ``reference.kernels.walk.greedy_walk`` on the launch's tables, writing rows
-    ``[0, min(n_steps, record_len))`` of the records (the kernels' rule). In ``bf16`` the
-    weights are the mirror's (as the kernel reads them), the biases the f32 params'."""
+    """The twin of ``name``: ``greedy_walk``, ``greedy_walk_cluster`` or ``greedy_walk_hold`` (the
+    same walk: ``reference.kernels.walk.greedy_walk`` on the launch's tables, writing rows
+    ``[0, min(n_steps, record_len))`` of the records, the kernels' rule), or one launch of
+    ``greedy_walk_spans`` (``reference.kernels.walk.greedy_walk_spans_pass`` on the launch's
+    ``state``, ``brk`` and records). In ``bf16`` the weights are the mirror's (as the kernel
+    reads them), the biases the f32 params'."""
     from foxhunt.fast.cpu_kernels import branches
     from foxhunt.reference.isv import ISV_LEN
     from foxhunt.reference.kernels.dense import bf16_to_f32
@@ -378,6 +394,25 @@ def _register_greedy_walk(twin, name: str) -> None:
                    isv=ISV_LEN, close="n_bars", high="n_bars", low="n_bars",
                    features=("n_bars", "n_features"), costs=len(env_kernels.COST_FIELDS),
                    start=1, n_steps=1, **rec)
+
+    if name == "greedy_walk_spans":  # one launch: reference walk.greedy_walk_spans_pass
+        @twin(name, nullable=("params_bf16", "rec_margin"), state=(2, 5),
+              brk=(2, "n_chunks", 5), **extents)
+        def _greedy_walk_spans(a):
+            n = min(int(a.n_steps[0]), a.record_len)  # (the evaluator's segments fit)
+            if n != int(a.n_steps[0]):
+                raise ValueError(f"{name}: n_steps {int(a.n_steps[0])} > record_len "
+                                 f"{a.record_len}")
+            fields = [f for f in rec if a.view(f) is not None]
+            done = walk_kernels.greedy_walk_spans_pass(
+                *walk_args(a), a.n_chunks, a.n_passes, a.pass_index, a.hold_rows, a.state,
+                a.brk, *(getattr(a, f)[:n] if a.view(f) is not None else None for f in rec))
+            out = {"state": done.state, "brk": done.brk}
+            for f in fields:
+                out[f] = getattr(a, f)
+                out[f][:n] = getattr(done, f)
+            return out
+        return
 
     @twin(name, nullable=("params_bf16", "rec_margin"), **extents)
     def _greedy_walk(a):

@@ -13,13 +13,13 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
 - ``end`` per ``(n, bars_per_year, equity)``: ``eval_metrics`` and the copies out (the
   ``END_CACHE_SIZE`` most recent kept);
 - with ``mode="fused"``, ``fused``: the greedy walk of a whole segment on the device in ONE
-  launch: from sm_90 ``greedy_walk_hold`` (one thread-block cluster; W steps per pass of the
-  network while the policy holds its position, bitwise ``greedy_walk_cluster``'s records),
-  else ``greedy_walk`` (one block); ``eval_plan.fused_ops``, built with the evaluator. The
-  greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and ``end``
-  (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by chunk
-  graphs too. ``mode="auto"`` (the default, ``auto_mode``) is ``"fused"`` where the fused walk
-  is the cluster kernel and the support fixed, else ``"graph"``.
+  graph (``eval_plan.fused_ops``): from sm_90 the span launches of ``greedy_walk_spans`` (the
+  steps the policy holds through checked 16 clusters at once) and its tail, bitwise the
+  one-cluster ``greedy_walk_cluster``'s records; else one launch of ``greedy_walk`` (one
+  block); built with the evaluator. The greedy policy then takes ``fused`` and ``end`` instead
+  of ``begin``, the chunks and ``end`` (the baselines keep the chunk graphs). ``mode="graph"``
+  walks the greedy policy by chunk graphs too. ``mode="auto"`` (the default, ``auto_mode``) is
+  ``"fused"`` where the fused walk runs on clusters and the support is fixed, else ``"graph"``.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
@@ -181,12 +181,12 @@ class _GpuWalk:
 
 
 def auto_mode(trainer) -> str:
-    """``mode="auto"``: ``"fused"`` where the fused walk is the thread-block-cluster kernel
-    (sm_90 and newer, the network in a cluster's shared memory: 106 ms for 10,000 seed bars on
-    the H200 against 234 ms for the chunk graphs) and the support is fixed; else ``"graph"``
-    (the one-block ``greedy_walk`` reads its weights from L2 and is slower than the graphs:
-    457 ms). On the CPU executor: ``"graph"`` (its metrics are ``loop.evaluate_segment``'s bit
-    for bit; the fused walk's twin sums in another order and is much slower there)."""
+    """``mode="auto"``: ``"fused"`` where the fused walk runs on thread-block clusters (sm_90 and
+    newer, the network in a cluster's shared memory; ``eval_plan.fused_walk_kernel`` is
+    ``greedy_walk_cluster``, whose bar the span walk runs) and the support is fixed; else
+    ``"graph"`` (the one-block ``greedy_walk`` reads its weights from L2 and is slower than the
+    chunk graphs). On the CPU executor: ``"graph"`` (its metrics are ``loop.evaluate_segment``'s
+    bit for bit; the fused walk's twin sums in another order and is much slower there)."""
     from foxhunt.fast.cpu_executor import CpuEngine
     from foxhunt.fast.eval_plan import fused_walk_kernel
 

@@ -202,7 +202,7 @@ def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, tmp_path):
                if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
     module = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources)
     assert set(module.kernels) == {"greedy_walk", "greedy_walk_cluster", "greedy_walk_round",
-                                   "greedy_walk_hold"}
+                                   "greedy_walk_hold", "greedy_walk_spans"}
     assert module.params["greedy_walk"] == module.params["greedy_walk_cluster"]
     ptx_round = module.ptx["walk.cu"][module.ptx["walk.cu"].index(".entry greedy_walk_round("):]
     assert re.search(r"\.reqnctapercluster (\d+), 1, 1", ptx_round[:ptx_round.index("{")]) \
@@ -231,7 +231,7 @@ def test_walk_kernels_do_not_spill_on_sm90(tmp_path):
     log = module.logs["walk.cu"]
     spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log))
     assert spills == {"greedy_walk": "0", "greedy_walk_cluster": "0", "greedy_walk_round": "0",
-                      "greedy_walk_hold": "0"}
+                      "greedy_walk_hold": "0", "greedy_walk_spans": "0"}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

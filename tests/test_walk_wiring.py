@@ -113,11 +113,14 @@ def test_fused_baselines_are_the_graph_baselines(run_setup):
         assert np.array_equal(got.rewards, want.rewards)
 
 
-def test_fused_greedy_walk_is_one_launch_and_one_synchronisation(run_setup):
-    """The fused plan: the two copies in and ONE kernel, whatever the segment's length; no
-    greedy chunk graph is ever built; one synchronisation per segment. The CPU plan is built
-    for sm_90 (``cpu_executor.CPU_ARCH``), where the tiny network fits a cluster: the kernel is
-    ``greedy_walk_hold`` with the most rows its plan allows (16 for the tiny network)."""
+def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
+    """The fused plan: the two copies in, ``SPAN_PASSES`` launches of ``greedy_walk_spans`` on
+    ``SPAN_CHUNKS`` clusters and its tail on one (``pass_index`` 0 .. ``SPAN_PASSES``), whatever
+    the segment's length; no greedy chunk graph is ever built; one synchronisation per segment.
+    The CPU plan is built for sm_90 (``cpu_executor.CPU_ARCH``), where the tiny network fits a
+    cluster (16 rows a pass)."""
+    from foxhunt.fast.kernels.walk import SPAN_CHUNKS, SPAN_PASSES
+
     *_, segments, per_year, _, fused = run_setup
     for start, stop in segments:
         before = fast_device.SYNCS.count
@@ -125,9 +128,11 @@ def test_fused_greedy_walk_is_one_launch_and_one_synchronisation(run_setup):
         assert fast_device.SYNCS.count - before == 1
     (graph,) = fused._device._plans["fused"]
     launches = [node for node in graph.nodes if getattr(node, "kernel", None)]
-    assert [node.kernel for node in launches] == ["greedy_walk_hold"]
-    assert launches[0].args["hold_rows"] == 16
-    assert fused._device.node_count("fused") == 3
+    assert [node.kernel for node in launches] == ["greedy_walk_spans"] * (SPAN_PASSES + 1)
+    assert [node.args["pass_index"] for node in launches] == list(range(SPAN_PASSES + 1))
+    assert {node.args["hold_rows"] for node in launches} == {16}
+    assert [node.shape.grid[0] for node in launches] == [8 * SPAN_CHUNKS] * SPAN_PASSES + [8]
+    assert fused._device.node_count("fused") == 2 + SPAN_PASSES + 1
     assert ("chunk", "greedy") not in fused._device._plans
 
 
@@ -182,7 +187,7 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
     two kernels sum in the same order; a freshly stepped seed network's margins are too small
     for a comparison with the chunk graphs to reach past a few bars)."""
     from foxhunt.fast import Trainer
-    from foxhunt.fast.kernels.walk import WALK_KERNELS
+    from foxhunt.fast.kernels.walk import SPAN_PASSES, WALK_KERNELS
     from foxhunt.fast.kernels.walk import greedy_walk as one_block
 
     config, trainer, tables, segments, per_year, graph, fused = _setup(
@@ -195,11 +200,14 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
             assert got.tobytes() == want.tobytes()
             traded += np.count_nonzero(want)
         assert traded > 0
-        assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
         packed = {node.kernel for *_, node in fused._device._lowering._packed.values()}
-        new = trainer.engine.device.compute_capability >= (9, 0)
-        assert packed & {*WALK_KERNELS, "greedy_walk_hold"} == {
-            "greedy_walk_hold" if new else "greedy_walk"}
+        walks = {*WALK_KERNELS, "greedy_walk_hold", "greedy_walk_spans"}
+        if trainer.engine.device.compute_capability >= (9, 0):  # two copies in, the spans
+            assert fused._device.node_count("fused") == 2 + SPAN_PASSES + 1
+            assert packed & walks == {"greedy_walk_spans"}
+        else:
+            assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
+            assert packed & walks == {"greedy_walk"}
     finally:
         graph.close()
         fused.close()
@@ -243,14 +251,16 @@ def test_gpu_walk_in_chunks_is_the_cluster_walk_bit_for_bit(precision):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
 @pytest.mark.parametrize("precision", ["bf16", "f32"])
-def test_gpu_hold_walk_is_the_cluster_walk_bit_for_bit(precision):
-    """``greedy_walk_hold`` records what ``greedy_walk_cluster`` records, bit for bit (rewards,
+def test_gpu_hold_and_span_walks_are_the_cluster_walk_bit_for_bit(precision):
+    """``greedy_walk_hold`` and ``greedy_walk_spans`` (its passes and tail, as the evaluator
+    launches them) record what ``greedy_walk_cluster`` records, bit for bit (rewards,
     positions held, costs, margins), on the seed network's live parameters over real fold
     segments (a policy that trades: short held stretches) and on the same network made to buy
     and hold (the top atom of the exposure branch's long action raised: every step after the
     fill holds, whole passes of W rows)."""
     from foxhunt.fast import Trainer
-    from foxhunt.fast.kernels.walk import greedy_walk_cluster, greedy_walk_hold
+    from foxhunt.fast.kernels.walk import (greedy_walk_cluster, greedy_walk_hold,
+                                           greedy_walk_spans)
     from foxhunt.reference.layout import branch_name
 
     config, trainer, tables, segments, per_year, graph, fused = _setup(
@@ -265,10 +275,11 @@ def test_gpu_hold_walk_is_the_cluster_walk_bit_for_bit(precision):
             hold["params"][top] += 50.0
             for kwargs in (args, hold):
                 want = greedy_walk_cluster(**kwargs)
-                got = greedy_walk_hold(**kwargs)
-                for name in want._fields:
-                    assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), \
-                        (start, stop, name)
+                for kernel in (greedy_walk_hold, greedy_walk_spans):
+                    got = kernel(**kwargs)
+                    for name in want._fields:
+                        assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), \
+                            (kernel.__name__, start, stop, name)
             trades += np.count_nonzero(np.diff(greedy_walk_cluster(**args).positions))
             holds += np.mean(greedy_walk_cluster(**hold).positions == 1.0) > 0.9
         assert trades > 0 and holds == len(segments)

@@ -199,6 +199,21 @@ def plan_greedy_walk_hold(dims, branches, bf16: bool, arch) -> tuple[tuple, int]
                      f"row; {arch} allows at most {limit}")
 
 
+#: ``greedy_walk_spans``: its clusters (as many as an H200 runs at once: 132 SMs, 16 clusters of
+#: 8) and its span launches before the tail.
+SPAN_CHUNKS = 16
+SPAN_PASSES = 8
+#: ``brk``'s "no break" (WALK_SPAN_NONE in walk.cu).
+SPAN_NONE = 2**31 - 1
+
+
+def plan_greedy_walk_spans(dims, branches, bf16: bool, arch, n_chunks: int) -> tuple:
+    """``(span plan, tail plan, rows)``: ``n_chunks`` clusters, and one cluster for the tail,
+    each block with :func:`plan_greedy_walk_hold`'s shared memory and rows."""
+    (grid, block, nbytes), rows = plan_greedy_walk_hold(dims, branches, bf16, arch)
+    return ((int(n_chunks) * grid[0],), block, nbytes), (grid, block, nbytes), rows
+
+
 def plan_walk(dims, branches, bf16: bool, arch) -> tuple[str, tuple]:
     """``(kernel, plan)`` of the fused walk on ``arch`` (module docstring): the cluster kernel
     from sm_90 where it fits, else the one-block kernel."""
@@ -325,5 +340,40 @@ def greedy_walk_hold(params, param_offsets, dims, branches, bf16, z, isv, isv_in
                  isv_index, h2_clamp_mult, close, high, low, features, costs, start, n_steps)
 
 
+def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+                      h2_clamp_mult, close, high, low, features, costs, start,
+                      n_steps) -> WalkRecord:
+    """Test entry of the CUDA ``greedy_walk_spans``: its ``SPAN_PASSES`` span launches on
+    ``SPAN_CHUNKS`` clusters, then the tail on one (as the evaluator runs them), on the test
+    runtime's device; the records (contract as the reference twin ``greedy_walk``; bitwise
+    ``greedy_walk_cluster``'s)."""
+    T, start, n_steps = validate_greedy_walk(
+        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
+        high, low, features, costs, start, n_steps)
+    branches = tuple(int(n) for n in branches)
+    sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
+    span, tail, hold_rows = plan_greedy_walk_spans(dims, branches, bool(bf16),
+                                                   runtime().device.arch, SPAN_CHUNKS)
+    if span[2] > SHARED_LIMIT:
+        runtime().module.kernel("greedy_walk_spans").set_max_dynamic_shared(span[2])
+    mirror = f32_to_bf16(params) if bf16 else None
+    rows = max(n_steps, 1)
+    state = np.zeros((2, 5), I32)
+    brk = np.zeros((2, SPAN_CHUNKS, 5), I32)
+    recs = [np.zeros(rows, F32) for _ in range(4)]
+    for p in range(SPAN_PASSES + 1):
+        plan = span if p < SPAN_PASSES else tail
+        state, brk, *recs = launch(
+            "greedy_walk_spans", plan, In(params), 0 if mirror is None else In(mirror),
+            In(param_offsets), int(bool(bf16)), sd, h1, h2, value_h, adv_h, na, len(branches),
+            In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)), In(z),
+            In(isv), int(isv_index), np.float32(h2_clamp_mult), In(close), In(high), In(low),
+            In(features), features.shape[1], In(costs), T, device_scalar(start, I32),
+            device_scalar(n_steps, I32), SPAN_CHUNKS, SPAN_PASSES, p, hold_rows, InOut(state),
+            InOut(brk), *(InOut(r) for r in recs), n_steps)
+    return WalkRecord(*(r[:n_steps] for r in recs))
+
+
 KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk_cluster,
-           "greedy_walk_round": greedy_walk_chunked, "greedy_walk_hold": greedy_walk_hold}
+           "greedy_walk_round": greedy_walk_chunked, "greedy_walk_hold": greedy_walk_hold,
+           "greedy_walk_spans": greedy_walk_spans}
