@@ -18,9 +18,13 @@ Benches (pytest-benchmark groups; GPU only: without a GPU each skips with the re
     ``extra_info`` carries ``main-job / step-only`` (target: at most 1.3) and ``main-job /
     step-upload``.
 (b) ``greedy-eval-10000-<precision>``: ``DeviceEvaluator.walk`` of the greedy policy over
-    10,000 bars (begin, ``ceil(10,000 / K)`` launches of the K-bar chunk graph, eval_metrics,
-    one readback and synchronisation), for K in ``CHUNKS``, graphs built before timing (target:
-    at most 20 ms). Peer: today's host walk (``loop.evaluate_segment``: the host environment
+    10,000 bars, one readback and synchronisation each, graphs built before timing (target: at
+    most 20 ms): ``mode="graph"`` (begin, ``ceil(10,000 / K)`` launches of the K-bar chunk
+    graph, eval_metrics) for K in ``CHUNKS``, and ``mode="fused"`` (the span walk: its time
+    depends on the policy, how long it holds a position; the table gives each agent's position
+    changes). Two agents: the trainer of (a) (it also stepped on random batches) and one
+    trained by ``TRAINED_EPOCHS`` main-job epochs only (the policy ``foxhunt train`` makes;
+    main entry only). Peer: the host walk (``loop.evaluate_segment``: the host environment
     and one ``q_values`` round trip per bar), one round.
 (c) ``train-cli-defaults``: wall time of the subprocess ``foxhunt train --backend fast`` with
     the defaults (``seed`` bf16, 20,000 bars, 2 folds x 3 epochs of 300 steps), after one
@@ -86,6 +90,8 @@ TARGETS = {"main_job_ratio": 1.3, "greedy_eval_s": 0.020, "train_defaults_s": 3.
            "train_long_s": 6.0}
 #: (d): 20 epochs on 60,000 bars: the default 2 folds x 10 epochs.
 LONG_RUN_ARGS = ("--bars", "60000", "--epochs", "10")
+#: Main-job epochs of the second agent (b) evaluates: the policy `foxhunt train` makes.
+TRAINED_EPOCHS = 2
 #: Timed rounds: epochs per kind, evaluations per chunk size, CLI runs.
 ROUNDS = {"epoch": 5, "eval": 20, "train": 3, "long": 1}
 
@@ -182,7 +188,7 @@ class MainJob:
         from foxhunt.fast.evaluator import DeviceEvaluator
 
         if chunk not in self._evaluators:
-            kw = {"mode": "fused"} if chunk == FUSED else {"chunk": chunk}
+            kw = {"mode": "fused"} if chunk == FUSED else {"chunk": chunk, "mode": "graph"}
             ev = DeviceEvaluator(self.trainer, market_tables(self.bars, self.feats),
                                  max_steps=self.eval_steps, **kw)
             ev.walk(*self.eval_segment, self.per_year)  # builds begin, chunk and end graphs
@@ -205,6 +211,8 @@ class MainJob:
             times = _timed(lambda: ev.walk(*self.eval_segment, self.per_year), rounds)
             out["chunks"][chunk] = {"median_s": _median(times), "all_s": times,
                                     "nodes": ev.node_counts()}
+        held = self.evaluator(chunks[-1])._device.arenas[0].download("walk_rec_held")
+        out["position_changes"] = int(np.count_nonzero(np.diff(held[:self.eval_steps, 0])))
         if peer:
             out["host_walk_s"] = _timed(self.host_walk, 1)[0]
         return out
@@ -384,10 +392,15 @@ def table(result: dict) -> str:
             row(f"main-job / step-only {precision}", ep["main_job_over_step_only"], "x",
                 TARGETS["main_job_ratio"])
             row(f"main-job / step-upload {precision}", ep["main_job_over_step_upload"], "x")
-        if "greedy_eval" in res:
-            ev = res["greedy_eval"]
+        for key, agent in (("greedy_eval", "the epochs' trainer"),
+                           ("greedy_eval_trained", f"{TRAINED_EPOCHS} main-job epochs")):
+            if key not in res:
+                continue
+            ev = res[key]
+            lines.append(f"greedy eval, {agent}: {ev['position_changes']} position changes "
+                         f"in {ev['bars']:,} bars {precision}")
             for chunk, c in ev["chunks"].items():
-                row(f"greedy eval {ev['bars']:,} bars K={chunk} {precision}", c["median_s"], "ms",
+                row(f"  {ev['bars']:,} bars K={chunk} {precision}", c["median_s"], "ms",
                     TARGETS["greedy_eval_s"])
             if "host_walk_s" in ev:
                 row(f"  peer: host walk {ev['bars']:,} bars {precision}", ev["host_walk_s"], "ms")
@@ -435,6 +448,16 @@ def main(argv: list[str] | None = None) -> int:
                 "epochs": job.epochs(args.rounds),
                 "greedy_eval": job.greedy_eval((*CHUNKS, FUSED), ROUNDS["eval"],
                                                peer=not args.no_peer)}
+        finally:
+            job.close()
+        # The agent `foxhunt train` makes (main-job epochs only), whose walk differs: the
+        # epochs' trainer above also stepped on random batches.
+        job = MainJob(Trainer, DQNConfig.preset("seed", precision=precision), loop.LoopSettings())
+        try:
+            for _ in range(TRAINED_EPOCHS):
+                job.epoch("main-job")()
+            result["precisions"][precision]["greedy_eval_trained"] = job.greedy_eval(
+                (FUSED,), ROUNDS["eval"], peer=False)
         finally:
             job.close()
         print(table({"precisions": {precision: result["precisions"][precision]}}), flush=True)
