@@ -71,6 +71,7 @@ from foxhunt.reference.isv import H_S2_RMS_EMA_INDEX
 from foxhunt.reference.kernels import env as env_kernels
 from foxhunt.reference.kernels import walk as walk_kernels
 from foxhunt.reference.kernels.rng import STREAMS
+from foxhunt.reference.kernels.walk_spans import greedy_walk_spans_pass
 from foxhunt.reference.loop import BASELINE_ACTIONS
 
 #: Host buffers of the ``q_values`` graph.
@@ -353,7 +354,7 @@ def _register_greedy_walk(twin, name: str) -> None:
     """The twin of ``name``: ``greedy_walk``, ``greedy_walk_cluster`` or ``greedy_walk_hold`` (the
     same walk: ``reference.kernels.walk.greedy_walk`` on the launch's tables, writing rows
     ``[0, min(n_steps, record_len))`` of the records, the kernels' rule), or one launch of
-    ``greedy_walk_spans`` (``reference.kernels.walk.greedy_walk_spans_pass`` on the launch's
+    ``greedy_walk_spans`` (``reference.kernels.walk_spans.greedy_walk_spans_pass`` on the launch's
     ``state``, ``brk`` and records). In ``bf16`` the weights are the mirror's (as the kernel
     reads them), the biases the f32 params'."""
     from foxhunt.fast.cpu_kernels import branches
@@ -395,7 +396,7 @@ def _register_greedy_walk(twin, name: str) -> None:
                    features=("n_bars", "n_features"), costs=len(env_kernels.COST_FIELDS),
                    start=1, n_steps=1, **rec)
 
-    if name == "greedy_walk_spans":  # one launch: reference walk.greedy_walk_spans_pass
+    if name == "greedy_walk_spans":  # one launch: reference walk_spans.greedy_walk_spans_pass
         @twin(name, nullable=("params_bf16", "rec_margin"), state=(2, 5),
               brk=(2, "n_chunks", 5), **extents)
         def _greedy_walk_spans(a):
@@ -404,7 +405,7 @@ def _register_greedy_walk(twin, name: str) -> None:
                 raise ValueError(f"{name}: n_steps {int(a.n_steps[0])} > record_len "
                                  f"{a.record_len}")
             fields = [f for f in rec if a.view(f) is not None]
-            done = walk_kernels.greedy_walk_spans_pass(
+            done = greedy_walk_spans_pass(
                 *walk_args(a), a.n_chunks, a.n_passes, a.pass_index, a.hold_rows, a.state,
                 a.brk, *(getattr(a, f)[:n] if a.view(f) is not None else None for f in rec))
             out = {"state": done.state, "brk": done.brk}

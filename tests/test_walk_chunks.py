@@ -1,6 +1,7 @@
-"""The chunked (speculative) greedy walk's reference twin (issue 20): ``walk.greedy_walk_round``
-(one round, walk.cu's ``greedy_walk_round``) and ``walk.greedy_walk_chunked`` (the rounds
-composed) against the sequential ``walk.greedy_walk``, on the CPU.
+"""The chunked (speculative) greedy walk's reference twin (issue 20):
+``walk_rounds.greedy_walk_round`` (one round, walk.cu's ``greedy_walk_round``) and
+``walk_rounds.greedy_walk_chunked`` (the rounds composed) against the sequential
+``walk.greedy_walk``, on the CPU.
 
 Two kinds of network. The conformance samples' random tiny network reads every state column
 (position, unrealised PnL, time). And a hand-built one whose action is a function of the bar's
@@ -17,7 +18,7 @@ import pytest
 from foxhunt.conformance.kernel_spec import case_dims
 from foxhunt.conformance.specs.walk import CHUNKED_ENTRIES, ENTRIES, chunk_ties
 from foxhunt.reference.config import DQNConfig
-from foxhunt.reference.kernels import walk
+from foxhunt.reference.kernels import walk, walk_rounds
 from foxhunt.reference.kernels.env import EnvState
 from foxhunt.reference.layout import ParamLayout, branch_name
 
@@ -71,16 +72,17 @@ def _hand_sample(pattern=PATTERN, seed=0):
 
 
 def _buffers(n_steps, n_chunks):
-    return walk.WalkRoundState(np.zeros((n_steps, 3), I32), np.zeros((2, n_chunks, 3), I32),
-                               *(np.zeros(n_steps, F32) for _ in range(4)))
+    return walk_rounds.WalkRoundState(np.zeros((n_steps, 3), I32), np.zeros((2, n_chunks, 3), I32),
+                                      *(np.zeros(n_steps, F32) for _ in range(4)))
 
 
 def _rounds(kwargs, n_chunks, rounds):
     """The buffers after each of ``rounds`` rounds (from zeros)."""
     state, out = _buffers(kwargs["n_steps"], n_chunks), []
     for r in range(rounds):
-        state = walk.greedy_walk_round(**kwargs, n_chunks=n_chunks, round=r,
-                                       **dict(zip(walk.WalkRoundState._fields, state)))
+        state = walk_rounds.greedy_walk_round(
+            **kwargs, n_chunks=n_chunks, round=r,
+            **dict(zip(walk_rounds.WalkRoundState._fields, state)))
         out.append(state)
     return out
 
@@ -92,9 +94,9 @@ SENTINEL = F32(-7.0)
 def _round_on_sentinels(kwargs, n_chunks, r, state):
     """Round ``r`` on ``state``'s trace and ends with every record row set to SENTINEL."""
     rows = np.full(kwargs["n_steps"], SENTINEL)
-    return walk.greedy_walk_round(**kwargs, n_chunks=n_chunks, round=r, trace=state.trace,
-                                  ends=state.ends, rec_reward=rows, rec_held=rows,
-                                  rec_cost=rows, rec_margin=rows)
+    return walk_rounds.greedy_walk_round(**kwargs, n_chunks=n_chunks, round=r, trace=state.trace,
+                                         ends=state.ends, rec_reward=rows, rec_held=rows,
+                                         rec_cost=rows, rec_margin=rows)
 
 
 def _steps_walked(state):
@@ -124,11 +126,11 @@ def test_the_hand_network_holds_the_pattern():
 def test_n_chunks_rounds_are_the_sequential_walk_bit_for_bit(network, n_chunks):
     k = _hand_sample() if network == "hand" else _sample(seed=1)
     ref = walk.greedy_walk(**k)
-    got = walk.greedy_walk_chunked(**k, n_chunks=n_chunks, rounds=n_chunks)
+    got = walk_rounds.greedy_walk_chunked(**k, n_chunks=n_chunks, rounds=n_chunks)
     assert _same(got, ref)
     # not vacuous: some chunk's true start (the state after its predecessor's last step) is
     # not flat, so its round-0 guess was wrong
-    starts = [walk.chunk_steps(k["n_steps"], n_chunks, g)[0] for g in range(1, n_chunks)]
+    starts = [walk_rounds.chunk_steps(k["n_steps"], n_chunks, g)[0] for g in range(1, n_chunks)]
     assert n_chunks == 1 or any(ref.positions[k0 - 1] != 0 for k0 in starts)
 
 
@@ -144,7 +146,7 @@ def test_round_one_reruns_stop_where_the_runs_meet_as_derived_by_hand():
     r1 = _round_on_sentinels(k, n_chunks, 1, r0)
     merged_early = held_start = 0
     for g in range(1, n_chunks):
-        k0, k1 = walk.chunk_steps(k["n_steps"], n_chunks, g)
+        k0, k1 = walk_rounds.chunk_steps(k["n_steps"], n_chunks, g)
         position_in = r0.ends[0, g - 1, 1:2].view(F32)[0]
         changed = _steps_walked(r1)[k0:k1].sum()
         assert (r0.trace[k0:k1] != r1.trace[k0:k1]).any(axis=1).sum() == changed
@@ -194,10 +196,10 @@ def test_two_chunks_trace_and_ends_by_hand():
 @pytest.mark.parametrize("rounds", [1, 2, 3])
 def test_after_r_rounds_chunk_g_is_the_walk_from_flat_at_chunk_g_minus_r_plus_1(seed, rounds):
     k, n_chunks = _sample(seed), 4
-    got = walk.greedy_walk_chunked(**k, n_chunks=n_chunks, rounds=rounds)
+    got = walk_rounds.greedy_walk_chunked(**k, n_chunks=n_chunks, rounds=rounds)
     for g in range(n_chunks):
-        k0, k1 = walk.chunk_steps(k["n_steps"], n_chunks, g)
-        h0 = walk.chunk_steps(k["n_steps"], n_chunks, max(0, g - rounds + 1))[0]
+        k0, k1 = walk_rounds.chunk_steps(k["n_steps"], n_chunks, g)
+        h0 = walk_rounds.chunk_steps(k["n_steps"], n_chunks, max(0, g - rounds + 1))[0]
         ref = walk.greedy_walk(**{**k, "start": k["start"] + h0, "n_steps": k1 - h0})
         for a, b in zip(got, ref):
             assert a[k0:k1].tobytes() == b[k0 - h0:].tobytes(), (g, rounds)
@@ -206,7 +208,7 @@ def test_after_r_rounds_chunk_g_is_the_walk_from_flat_at_chunk_g_minus_r_plus_1(
 def test_fewer_rounds_than_chunks_differ_from_the_sequential_walk():
     k = _hand_sample()
     ref = walk.greedy_walk(**k)
-    assert not _same(walk.greedy_walk_chunked(**k, n_chunks=8, rounds=1), ref)
+    assert not _same(walk_rounds.greedy_walk_chunked(**k, n_chunks=8, rounds=1), ref)
 
 
 def test_a_round_after_convergence_changes_nothing_and_steps_nowhere():
@@ -225,19 +227,20 @@ def test_a_flat_state_s_entry_price_changes_nothing(entry):
     that bar); the random network reads the PnL column, where an entry of a held position
     does change the margins."""
     k, n_chunks, g = _sample(seed=2), 2, 1
-    k0, k1 = walk.chunk_steps(k["n_steps"], n_chunks, g)
+    k0, k1 = walk_rounds.chunk_steps(k["n_steps"], n_chunks, g)
 
     def from_key(key):
         state = _buffers(k["n_steps"], n_chunks)
         ends = state.ends.copy()
         ends[0, 0] = key
         trace = np.full_like(state.trace, -1)  # no key has time -1: no skip, no merge
-        return walk.greedy_walk_round(**k, n_chunks=n_chunks, round=1, trace=trace, ends=ends,
-                                      **dict(zip(walk.WalkRoundState._fields[2:], state[2:])))
+        return walk_rounds.greedy_walk_round(
+            **k, n_chunks=n_chunks, round=1, trace=trace, ends=ends,
+            **dict(zip(walk_rounds.WalkRoundState._fields[2:], state[2:])))
 
     flat = from_key(np.zeros(3, I32))
     got = from_key(_key(0, 0.0, entry))
-    assert walk.key_state(_key(0, 0.0, entry), k["start"], k0).entry_price.tobytes() == \
+    assert walk_rounds.key_state(_key(0, 0.0, entry), k["start"], k0).entry_price.tobytes() == \
         np.float32(entry).tobytes()
     assert _same(got[2:], flat[2:]) and _same(got[:1], flat[:1])  # records, trace
     np.testing.assert_array_equal(got.ends[1, 1], flat.ends[1, 1])  # chunk 1's end
@@ -251,12 +254,12 @@ def test_a_flat_state_s_entry_price_changes_nothing(entry):
 def test_walk_key_and_key_state_are_inverse_and_drop_a_flat_entry():
     state = EnvState(np.array([9], I32), np.array([4], I32), np.array([3], I32),
                      np.array([-1.0], F32), np.array([98.5], F32))
-    key = walk.walk_key(state)
+    key = walk_rounds.walk_key(state)
     np.testing.assert_array_equal(key, _key(3, -1.0, 98.5))
-    back = walk.key_state(key, 5, 4)
+    back = walk_rounds.key_state(key, 5, 4)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(back, state))
     flat = state._replace(position=np.zeros(1, F32), time_in_position=np.zeros(1, I32))
-    np.testing.assert_array_equal(walk.walk_key(flat), walk.FLAT_KEY)
+    np.testing.assert_array_equal(walk_rounds.walk_key(flat), walk_rounds.FLAT_KEY)
 
 
 @pytest.mark.parametrize("n_steps, n_chunks", [(5, 8), (1, 3), (0, 2)])
@@ -264,7 +267,7 @@ def test_more_chunks_than_steps_leave_the_empty_chunks_alone(n_steps, n_chunks):
     k = _sample(seed=3, n_steps=n_steps)
     state = _rounds(k, n_chunks, n_chunks)[-1] if n_steps else None
     ref = walk.greedy_walk(**k)
-    assert _same(walk.greedy_walk_chunked(**k, n_chunks=n_chunks, rounds=n_chunks), ref)
+    assert _same(walk_rounds.greedy_walk_chunked(**k, n_chunks=n_chunks, rounds=n_chunks), ref)
     if state is not None:
         busy = -(-n_steps // (-(-n_steps // n_chunks)))  # chunks with steps
         np.testing.assert_array_equal(state.ends[:, busy:], 0)
@@ -274,11 +277,12 @@ def test_without_a_margin_buffer_the_rest_is_the_same():
     k, n_chunks = _sample(seed=1), 3
     state = _buffers(k["n_steps"], n_chunks)
     for r in range(n_chunks):
-        with_m = walk.greedy_walk_round(**k, n_chunks=n_chunks, round=r,
-                                        **dict(zip(walk.WalkRoundState._fields, state)))
-        without = walk.greedy_walk_round(**k, n_chunks=n_chunks, round=r,
-                                         **dict(zip(walk.WalkRoundState._fields[:-1],
-                                                    state[:-1])), rec_margin=None)
+        with_m = walk_rounds.greedy_walk_round(
+            **k, n_chunks=n_chunks, round=r,
+            **dict(zip(walk_rounds.WalkRoundState._fields, state)))
+        without = walk_rounds.greedy_walk_round(
+            **k, n_chunks=n_chunks, round=r,
+            **dict(zip(walk_rounds.WalkRoundState._fields[:-1], state[:-1])), rec_margin=None)
         assert without.rec_margin is None and _same(without[:-1], with_m[:-1])
         state = with_m
 
@@ -287,8 +291,8 @@ def test_the_round_does_not_modify_its_inputs():
     k, n_chunks = _sample(seed=1), 3
     state = _rounds(k, n_chunks, 1)[0]
     copies = [a.copy() for a in state]
-    walk.greedy_walk_round(**k, n_chunks=n_chunks, round=1,
-                           **dict(zip(walk.WalkRoundState._fields, state)))
+    walk_rounds.greedy_walk_round(**k, n_chunks=n_chunks, round=1,
+                                  **dict(zip(walk_rounds.WalkRoundState._fields, state)))
     assert _same(state, copies)
 
 
@@ -297,7 +301,7 @@ def test_the_round_does_not_modify_its_inputs():
 def _round_kwargs():
     k = _sample(seed=0, n_steps=6)
     return {**k, "n_chunks": 2, "round": 1,
-            **dict(zip(walk.WalkRoundState._fields, _buffers(6, 2)))}
+            **dict(zip(walk_rounds.WalkRoundState._fields, _buffers(6, 2)))}
 
 
 BAD_ROUND = [
@@ -314,7 +318,7 @@ BAD_ROUND = [
                                                          enumerate(BAD_ROUND)])
 def test_round_errors_name_the_argument(name, value):
     with pytest.raises(ValueError, match=name) as err:
-        walk.greedy_walk_round(**{**_round_kwargs(), name: value})
+        walk_rounds.greedy_walk_round(**{**_round_kwargs(), name: value})
     assert "\n" not in str(err.value)
 
 
@@ -322,7 +326,7 @@ def test_round_errors_name_the_argument(name, value):
                                          ("n_steps", -1)])
 def test_chunked_errors_name_the_argument(name, value):
     with pytest.raises(ValueError, match=name):
-        walk.greedy_walk_chunked(**{**_sample(), "n_chunks": 2, "rounds": 2, name: value})
+        walk_rounds.greedy_walk_chunked(**{**_sample(), "n_chunks": 2, "rounds": 2, name: value})
 
 
 # ------------------------------------------------------------- the conformance entry
@@ -332,7 +336,7 @@ def test_the_chunked_entry_s_samples_run_and_keep_its_contract(case):
     k = CHUNKED.sample(case_dims(case), np.random.default_rng(5))
     assert k["n_chunks"] == 4 and k["rounds"] in (1, 2, 4)
     assert case == "tiny" or k["rounds"] == 4
-    out = walk.greedy_walk_chunked(**k)
+    out = walk_rounds.greedy_walk_chunked(**k)
     outputs = dict(zip(CHUNKED.output_names, out))
     assert not CHUNKED.contract(k, outputs, None)
     assert all(np.isfinite(v).all() for v in outputs.values())
@@ -340,7 +344,7 @@ def test_the_chunked_entry_s_samples_run_and_keep_its_contract(case):
     assert scales["positions"]["exact"].mean() > 0.5  # the samples decide most steps
     for bad, exc in CHUNKED.errors(np.random.default_rng(6)):
         with pytest.raises(exc):
-            walk.greedy_walk_chunked(**bad)
+            walk_rounds.greedy_walk_chunked(**bad)
 
 
 def test_chunk_ties_follow_each_chunk_s_walk_from_its_first_chunk():
@@ -354,7 +358,7 @@ def test_chunk_ties_follow_each_chunk_s_walk_from_its_first_chunk():
     k = _hand_sample(pattern)
     for rounds, want in ((2, (15, 20, 20, 60)), (4, (15, 20, 20, 20))):
         kw = {**k, "n_chunks": 4, "rounds": rounds}
-        out = walk.greedy_walk_chunked(**kw)
+        out = walk_rounds.greedy_walk_chunked(**kw)
         assert out.margins[20] == 0
         np.testing.assert_array_equal(chunk_ties(kw, out.margins), np.repeat(want, 15))
         exact = CHUNKED.scales(kw, dict(zip(CHUNKED.output_names, out)))["rewards"]["exact"]

@@ -1,6 +1,6 @@
-"""The span walk's reference twin (issue 20): ``walk.greedy_walk_spans_pass`` (one launch of
-walk.cu's ``greedy_walk_spans``) and ``walk.greedy_walk_spans_walk`` (launches 0..P composed)
-against the sequential ``walk.greedy_walk``, on the CPU.
+"""The span walk's reference twin (issue 20): ``walk_spans.greedy_walk_spans_pass`` (one
+launch of walk.cu's ``greedy_walk_spans``) and ``walk_spans.greedy_walk_spans_walk`` (launches
+0..P composed) against the sequential ``walk.greedy_walk``, on the CPU.
 
 Networks: the conformance samples' random tiny network (it trades), the same with the bias of
 the exposure branch's top "long" atom raised (it buys and holds), and test_walk_chunks' hand
@@ -17,7 +17,7 @@ from foxhunt.conformance.kernel_spec import case_dims
 from foxhunt.conformance.specs.walk import ENTRIES
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.env import ExecutionCosts
-from foxhunt.reference.kernels import walk
+from foxhunt.reference.kernels import walk, walk_spans
 from foxhunt.reference.layout import ParamLayout, branch_name
 
 F32, I32 = np.float32, np.int32
@@ -94,14 +94,14 @@ def _hand_sample(pattern):
 
 
 def _buffers(n_steps, n_chunks, fill=0.0):
-    return walk.WalkSpansState(np.zeros((2, 5), I32), np.zeros((2, n_chunks, 5), I32),
-                               *(np.full(n_steps, fill, F32) for _ in range(4)))
+    return walk_spans.WalkSpansState(np.zeros((2, 5), I32), np.zeros((2, n_chunks, 5), I32),
+                                     *(np.full(n_steps, fill, F32) for _ in range(4)))
 
 
 def _launch(kwargs, G, P, p, buffers, hold_rows=4):
-    return walk.greedy_walk_spans_pass(**kwargs, n_chunks=G, n_passes=P, pass_index=p,
-                                       hold_rows=hold_rows,
-                                       **dict(zip(walk.WalkSpansState._fields, buffers)))
+    return walk_spans.greedy_walk_spans_pass(
+        **kwargs, n_chunks=G, n_passes=P, pass_index=p, hold_rows=hold_rows,
+        **dict(zip(walk_spans.WalkSpansState._fields, buffers)))
 
 
 def _launches(kwargs, G, P, hold_rows=4):
@@ -149,7 +149,7 @@ def test_buy_and_hold_spans_are_the_sequential_walk_bit_for_bit(G, P):
     launches = _launches(k, G, P)
     final = launches[-1]
     assert _same(final[2:], ref)
-    assert _same(walk.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=4), ref)
+    assert _same(walk_spans.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=4), ref)
     if P >= 2:  # not vacuous: pass 0 breaks at step 0 (the buy), pass 1 holds to the end
         assert launches[0].brk[0, 0, 0] == 0
         assert final.state[P & 1, 1] == k["n_steps"]  # the tail has nothing left
@@ -160,7 +160,7 @@ def test_trading_spans_are_the_sequential_walk_bit_for_bit(G, P):
     k = _sample(0)
     ref = walk.greedy_walk(**k)
     assert (np.diff(ref.positions) != 0).sum() > 5
-    assert _same(walk.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=3), ref)
+    assert _same(walk_spans.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=3), ref)
 
 
 @pytest.mark.parametrize("G, P", GP)
@@ -183,7 +183,8 @@ def test_other_branch_sets_and_f32_are_the_sequential_walk(branches, bf16):
     ref = walk.greedy_walk(**k)
     assert (np.diff(ref.positions) != 0).sum() > 5
     for G, P in ((4, 2), (3, 6)):
-        assert _same(walk.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=1), ref)
+        got = walk_spans.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=1)
+        assert _same(got, ref)
 
 
 def test_non_finite_features_walk_as_greedy_walk():
@@ -194,7 +195,7 @@ def test_non_finite_features_walk_as_greedy_walk():
     k = {**k, "features": features}
     ref = walk.greedy_walk(**k)
     assert np.isfinite(ref.margins).all()
-    assert _same(walk.greedy_walk_spans_walk(**k, n_chunks=4, n_passes=3, hold_rows=8), ref)
+    assert _same(walk_spans.greedy_walk_spans_walk(**k, n_chunks=4, n_passes=3, hold_rows=8), ref)
 
 
 @pytest.mark.parametrize("n_steps, G", [(0, 3), (1, 4), (5, 8)])
@@ -202,7 +203,8 @@ def test_short_walks_and_more_clusters_than_steps(n_steps, G):
     k = _sample(0, n_steps=n_steps)
     ref = walk.greedy_walk(**k)
     for P in (0, 1, 4):
-        assert _same(walk.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=2), ref)
+        got = walk_spans.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=2)
+        assert _same(got, ref)
     first = _launch(k, G, 2, 0, _buffers(n_steps, G))
     span = -(-n_steps // G) if n_steps else 0
     busy = -(-n_steps // span) if span else 0  # clusters with rows
@@ -211,7 +213,7 @@ def test_short_walks_and_more_clusters_than_steps(n_steps, G):
 
 def test_hold_rows_changes_nothing():
     k = _buy_and_hold(_sample(1))
-    outs = [_launches(k, 3, 4, hold_rows=h) for h in (1, 7, walk.HOLD_MAX)]
+    outs = [_launches(k, 3, 4, hold_rows=h) for h in (1, 7, walk_spans.HOLD_MAX)]
     for a, b in zip(outs[0], outs[1]):
         assert _same(a, b)
     for a, b in zip(outs[0], outs[2]):
@@ -332,11 +334,13 @@ def test_a_commit_without_a_break_holds_every_remaining_step():
 
 
 def test_held_keeps_the_position_and_counts_time_only_when_not_flat():
-    s = walk.row_state(np.array(_row(9, 4, 3, -1.0, 98.5), I32))
-    np.testing.assert_array_equal(walk.state_row(walk.held(s, 5)), _row(14, 9, 8, -1.0, 98.5))
-    flat = walk.row_state(np.array(_row(9, 4, 0, 0.0, 98.5), I32))
-    np.testing.assert_array_equal(walk.state_row(walk.held(flat, 5)), _row(14, 9, 0, 0.0, 98.5))
-    assert [walk.hold_exposure(walk.row_state(np.array(_row(0, 0, 0, p, 0), I32)))
+    s = walk_spans.row_state(np.array(_row(9, 4, 3, -1.0, 98.5), I32))
+    np.testing.assert_array_equal(walk_spans.state_row(walk_spans.held(s, 5)),
+                                  _row(14, 9, 8, -1.0, 98.5))
+    flat = walk_spans.row_state(np.array(_row(9, 4, 0, 0.0, 98.5), I32))
+    np.testing.assert_array_equal(walk_spans.state_row(walk_spans.held(flat, 5)),
+                                  _row(14, 9, 0, 0.0, 98.5))
+    assert [walk_spans.hold_exposure(walk_spans.row_state(np.array(_row(0, 0, 0, p, 0), I32)))
             for p in (-1.0, 0.0, 1.0)] == [0, 1, 2]
 
 
@@ -350,7 +354,7 @@ def _pass_kwargs(**changes):
     brk = buffers.brk.copy()
     brk[0] = [[3, 2, 1, 0, 0], [NONE, 0, 0, 0, 0]]
     out = {**k, "n_chunks": 2, "n_passes": 3, "pass_index": 1, "hold_rows": 4,
-           **dict(zip(walk.WalkSpansState._fields, buffers._replace(state=state, brk=brk)))}
+           **dict(zip(walk_spans.WalkSpansState._fields, buffers._replace(state=state, brk=brk)))}
     out.update(changes)
     return out
 
@@ -390,12 +394,12 @@ BAD = [
 @pytest.mark.parametrize("name, changes", BAD, ids=[f"{n}-{i}" for i, (n, _) in enumerate(BAD)])
 def test_pass_errors_name_the_argument(name, changes):
     with pytest.raises(ValueError, match=name) as err:
-        walk.greedy_walk_spans_pass(**_pass_kwargs(**changes))
+        walk_spans.greedy_walk_spans_pass(**_pass_kwargs(**changes))
     assert "\n" not in str(err.value)
 
 
 def test_the_valid_pass_kwargs_run():
-    out = walk.greedy_walk_spans_pass(**_pass_kwargs())
+    out = walk_spans.greedy_walk_spans_pass(**_pass_kwargs())
     np.testing.assert_array_equal(out.state[1, :2], [START + 8, 8])  # row 7 committed
 
 
@@ -404,10 +408,10 @@ def test_the_valid_pass_kwargs_run():
 def test_walk_errors_name_the_argument(name, value):
     kwargs = {**_sample(), "n_chunks": 2, "n_passes": 2, "hold_rows": 4, name: value}
     with pytest.raises(ValueError, match=name) as err:
-        walk.greedy_walk_spans_walk(**kwargs)
+        walk_spans.greedy_walk_spans_walk(**kwargs)
     assert "\n" not in str(err.value)
 
 
 def test_the_spans_kernel_mapping_names_the_pass():
-    assert walk.SPANS_KERNELS == {"greedy_walk_spans": walk.greedy_walk_spans_pass}
-    assert walk.NONE == NONE
+    assert walk_spans.SPANS_KERNELS == {"greedy_walk_spans": walk_spans.greedy_walk_spans_pass}
+    assert walk_spans.NONE == NONE

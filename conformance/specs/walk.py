@@ -17,11 +17,11 @@ Tolerances (the twin's module docstring): the rewards, positions held and costs 
 bit for bit on the bars before the reference's first near tie (``walk.first_near_tie``) and not
 after it; the margins within twice ``walk.q_error_bound`` up to and including that bar.
 
-The chunked walk (``walk.greedy_walk_chunked``: ``rounds`` launches of walk.cu's
+The chunked walk (``walk_rounds.greedy_walk_chunked``: ``rounds`` launches of walk.cu's
 ``greedy_walk_round``) has its own entry builder, :func:`chunked_entry`: the same samples plus
 ``n_chunks`` (:data:`CHUNKS`) and ``rounds`` (:data:`ROUNDS` per case, drawn where there are
 several). After ``rounds`` rounds chunk ``g`` holds the sequential walk that starts flat at chunk
-``h = max(0, g - rounds + 1)`` (``walk.greedy_walk_round``'s docstring), on both paths, whatever
+``h = max(0, g - rounds + 1)`` (``walk_rounds.greedy_walk_round``'s doc), on both paths, whatever
 the merges did; so chunk ``g``'s rows are exact before the first near tie of THAT walk (from
 chunk ``h``'s first step, its earlier chunks' steps included: a tie there changes the state the
 chunk starts from) and free after it (:func:`chunk_ties`). With ``rounds >= n_chunks`` that is
@@ -39,17 +39,15 @@ from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels.env import cost_table
-from foxhunt.reference.kernels.walk import CHUNKED
 from foxhunt.reference.kernels.walk import KERNELS as WALK_TWINS
 from foxhunt.reference.kernels.walk import (
-    chunk_steps,
     first_near_tie,
     greedy_walk,
-    greedy_walk_chunked,
     q_error_bound,
     walk_dims,
     walk_offsets,
 )
+from foxhunt.reference.kernels.walk_rounds import CHUNKED, chunk_steps, greedy_walk_chunked
 from foxhunt.reference.layout import ParamLayout
 
 F32, I32 = np.float32, np.int32
@@ -198,13 +196,13 @@ def chunked_entry(name: str) -> SpecEntry:
         scales=_sc_chunked, contract=_c_walk, cases=("tiny", "seed"))
 
 
-#: The entry builder of each twin; a walk twin without one fails the import (a name that
-#: pairs with nothing).
+#: The entry builder of each twin (here and in ``specs/walk_rounds.py``); a walk twin without
+#: one fails the import (a name that pairs with nothing).
 ENTRY_OF_TWIN = {greedy_walk: walk_entry, greedy_walk_chunked: chunked_entry}
 
 ENTRIES = tuple(ENTRY_OF_TWIN[twin](name) for name, twin in WALK_TWINS.items())
 #: The chunked walk's entries by ``walk.CHUNKED``'s names. Not in :data:`ENTRIES` (the
 #: registry pairs entries with ``foxhunt.reference.kernels.KERNELS``, CUDA kernels and fast
-#: entries by one name): they join it through ``walk.KERNELS`` (a name whose twin is
+#: entries by one name): they join it through ``walk_rounds.KERNELS`` (a name whose twin is
 #: ``greedy_walk_chunked``); ``tests/test_walk_chunks.py`` runs them on the CPU until then.
 CHUNKED_ENTRIES = tuple(chunked_entry(name) for name in CHUNKED)

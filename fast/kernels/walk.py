@@ -34,12 +34,8 @@ from foxhunt.fast.kernels._runtime import In, InOut, Out, device_scalar, launch,
 from foxhunt.fast.kernels.dense import f32_to_bf16
 from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.fused import branch_offsets
-from foxhunt.reference.kernels.walk import (
-    WalkRecord,
-    WalkRoundState,
-    validate_greedy_walk,
-    validate_greedy_walk_round,
-)
+from foxhunt.reference.kernels.walk import WalkRecord, validate_greedy_walk
+from foxhunt.reference.kernels.walk_rounds import WalkRoundState, validate_greedy_walk_round
 
 F32, I32 = np.float32, np.int32
 
@@ -375,5 +371,4 @@ def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, isv, isv_i
 
 
 KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk_cluster,
-           "greedy_walk_round": greedy_walk_chunked, "greedy_walk_hold": greedy_walk_hold,
-           "greedy_walk_spans": greedy_walk_spans}
+           "greedy_walk_hold": greedy_walk_hold, "greedy_walk_spans": greedy_walk_spans}
