@@ -19,6 +19,7 @@ from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels import walk, walk_spans
 from foxhunt.reference.layout import ParamLayout, branch_name
+from test_walk_chunks import _hand_network  # the hand network both walks' tests read
 
 F32, I32 = np.float32, np.int32
 WALK = {e.name: e for e in ENTRIES}["greedy_walk"]
@@ -58,26 +59,6 @@ def _buy_and_hold(kwargs):
     params = kwargs["params"].copy()
     params[offset + 2 * na + na - 1] += F32(50.0)
     return {**kwargs, "params": params}
-
-
-def _hand_network(kwargs):
-    """test_walk_chunks' hand network: ``h1 = (relu(f0), relu(-f0))`` copied to ``h2`` and the
-    exposure head; the exposure logits tilt the atoms by ``z relu(f0)`` (long), ``z relu(-f0)``
-    (short), ``z / 2`` (flat); the order head tilts market by ``z / 2``. Q reads ``f0`` only."""
-    config = DQNConfig.preset("tiny")
-    layout = ParamLayout(config)
-    params = layout.zeros()
-    v = layout.views(params)
-    z, na = kwargs["z"], config.num_atoms
-    exposure, order = branch_name(0), branch_name(1)
-    v["w_s1"][0, 0], v["w_s1"][1, 0] = 1.0, -1.0
-    v["w_s2"][0, 0] = v["w_s2"][1, 1] = 1.0
-    v[f"w_{exposure}1"][0, 0] = v[f"w_{exposure}1"][1, 1] = 1.0
-    v[f"w_{exposure}2"][2 * na:3 * na, 0] = z
-    v[f"w_{exposure}2"][0:na, 1] = z
-    v[f"b_{exposure}2"][na:2 * na] = z / 2
-    v[f"b_{order}2"][0:na] = z / 2
-    return params
 
 
 def _hand_sample(pattern):
