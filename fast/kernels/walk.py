@@ -1,29 +1,37 @@
-"""Fast launchers of ``cuda_src/walk.cu``'s ``greedy_walk`` and ``greedy_walk_cluster`` (twin of
-both: ``foxhunt.reference.kernels.walk.greedy_walk``, same signature).
+"""Fast launchers of ``cuda_src/walk.cu``'s greedy walks: ``greedy_walk``, ``greedy_walk_cluster``,
+``greedy_walk_hold`` and ``greedy_walk_spans`` (twin of all four:
+``foxhunt.reference.kernels.walk.greedy_walk``, same signature; bitwise equal records), and
+``greedy_walk_round`` (the chunked repair walk: ``greedy_walk_chunked`` runs its rounds; twin
+``reference.kernels.walk_rounds``).
 
-``greedy_walk(...)`` and ``greedy_walk_cluster(...)`` are the numpy-in/numpy-out test entries:
-they validate with the reference's ``validate_greedy_walk`` (same ``ValueError``), build the BF16
-mirror of ``params`` with the ``f32_to_bf16`` kernel (the trainer's mirror is made the same
-way), launch ONE block (``greedy_walk``) or ONE thread-block cluster (``greedy_walk_cluster``,
-planned for the test runtime's device: 8 blocks from sm_90, 1 before) and return the
-reference's ``WalkRecord``. The two kernels' records are bitwise equal (walk.cu's header).
+The test entries are numpy-in/numpy-out: they validate with the reference's checks (same
+``ValueError``), build the BF16 mirror of ``params`` with the ``f32_to_bf16`` kernel (the
+trainer's mirror is made the same way), launch on the test runtime's device and return the
+reference's ``WalkRecord``: ONE block (``greedy_walk``), ONE thread-block cluster
+(``greedy_walk_cluster``: 8 blocks from sm_90, 1 before; ``greedy_walk_hold``: the cluster walk,
+many steps a pass while the policy holds), or the span walk's launches as the evaluator runs
+them (``greedy_walk_spans``: ``SPAN_PASSES`` launches on ``SPAN_CHUNKS`` clusters, then its tail
+on one).
 
-The evaluator's fused mode (``fast.eval_plan.fused_ops``) launches the kernel :func:`plan_walk`
-picks on arena buffers, every parameter by its name in walk.cu: ``params, params_bf16,
-param_offsets, bf16, state_dim, h1, h2, value_h, adv_h, num_atoms, n_branches, n_actions,
-action_offset, z, isv, isv_index, h2_clamp_mult, close, high, low, features, n_features, costs,
-n_bars, start, n_steps, rec_reward, rec_held, rec_cost, rec_margin, record_len``
-(``rec_margin`` may be null, ``params_bf16`` too when ``bf16`` is 0).
+The evaluator's fused mode (``fast.eval_plan.fused_ops``) launches, on arena buffers and every
+parameter by its name in walk.cu, the span walk where :func:`plan_walk` picks the cluster
+kernel, else ``greedy_walk``. The common parameters: ``params, params_bf16, param_offsets,
+bf16, state_dim, h1, h2, value_h, adv_h, num_atoms, n_branches, n_actions, action_offset, z,
+isv, isv_index, h2_clamp_mult, close, high, low, features, n_features, costs, n_bars, start,
+n_steps``, then the kernel's own (the span walk: ``n_chunks, n_passes, pass_index, hold_rows,
+state, brk``), then ``rec_reward, rec_held, rec_cost, rec_margin, record_len`` (``rec_margin``
+may be null, ``params_bf16`` too when ``bf16`` is 0).
 
 **Which kernel** (:func:`plan_walk`): the cluster kernel on sm_90 and newer when its block's
 slices fit the architecture's opt-in shared memory (:data:`SHARED_OPTIN`), else the one-block
-kernel (before sm_90 there are no clusters; walk.cu compiles the cluster kernel there as a
-one-block version that holds every weight, which nothing plans). Shared memory per block of
+kernel (before sm_90 there are no clusters; walk.cu compiles the cluster kernels there as
+one-block versions that hold every weight, which nothing plans). Shared memory per block of
 the cluster kernel, seed preset (:func:`cluster_shared_bytes`, counted by hand in
 ``tests/test_walk.py``): 92,468 bytes in bf16, 164,660 bytes in f32 (the f32 weights, 1.15 MB,
-split over 8 blocks: 144 KiB each); both fit sm_90's 227 KiB. More than 48 KiB needs the kernel's opt-in
-attribute: the graph lowering (``fast.graph_lowering``) sets it before capture, the test entry
-here before its launch.
+split over 8 blocks: 144 KiB each); both fit sm_90's 227 KiB. The hold and span kernels add
+their rows' activations (:func:`hold_shared_bytes`: 16 rows in bf16, 8 in f32 for the seed
+network). More than 48 KiB needs the kernel's opt-in attribute: the graph lowering
+(``fast.graph_lowering``) sets it before capture, the test entries here before their launch.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.walk import WalkRecord, validate_greedy_walk
 from foxhunt.reference.kernels.walk_rounds import WalkRoundState, validate_greedy_walk_round
+from foxhunt.reference.kernels.walk_spans import HOLD_MAX
 
 F32, I32 = np.float32, np.int32
 
@@ -160,10 +169,9 @@ def plan_greedy_walk_round(dims, branches, bf16: bool, arch, n_chunks: int) -> t
     return (int(n_chunks) * cluster,), block, nbytes
 
 
-#: Most state rows ``greedy_walk_hold`` runs at once (WALK_HOLD_MAX in walk.cu), and the
-#: counts its plan tries, largest first.
-HOLD_MAX = 16
-HOLD_ROWS = (16, 8, 4, 2, 1)
+#: The row counts the hold plans try, largest first (at most ``walk_spans.HOLD_MAX``, walk.cu's
+#: WALK_HOLD_MAX: the most rows a pass runs).
+HOLD_ROWS = tuple(r for r in (16, 8, 4, 2, 1) if r <= HOLD_MAX)
 
 
 def hold_shared_bytes(dims, branches, bf16: bool, cluster: int, rows: int) -> int:
@@ -199,8 +207,6 @@ def plan_greedy_walk_hold(dims, branches, bf16: bool, arch) -> tuple[tuple, int]
 #: 8) and its span launches before the tail.
 SPAN_CHUNKS = 16
 SPAN_PASSES = 8
-#: ``brk``'s "no break" (WALK_SPAN_NONE in walk.cu).
-SPAN_NONE = 2**31 - 1
 
 
 def plan_greedy_walk_spans(dims, branches, bf16: bool, arch, n_chunks: int) -> tuple:
