@@ -64,9 +64,6 @@ SHARED_OPTIN = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90
                 100: 227 * 1024, 103: 227 * 1024, 120: 99 * 1024}
 #: The kernels, in the order :func:`plan_walk` prefers them.
 WALK_KERNELS = ("greedy_walk_cluster", "greedy_walk")
-#: Chunks of the parallel walk (``greedy_walk_round``, one cluster each): as many clusters of 8
-#: blocks as an H200 runs at once (132 SMs: 16 clusters).
-WALK_CHUNKS = 16
 
 
 def walk_activation_floats(dims, branches, warps: int) -> int:
@@ -227,6 +224,23 @@ def plan_walk(dims, branches, bf16: bool, arch) -> tuple[str, tuple]:
     return "greedy_walk", plan_greedy_walk(dims, branches)
 
 
+def _inputs(kernel, shape, params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+            h2_clamp_mult, close, high, low, features, costs, T, start, n_steps) -> tuple:
+    """The launch arguments every walk kernel of walk.cu takes first, ``params`` to ``n_steps``
+    (its parameter order; the BF16 mirror made by the ``f32_to_bf16`` kernel), after the
+    shared-memory opt-in of ``kernel`` for launches of ``shape``."""
+    if shape[2] > SHARED_LIMIT:
+        runtime().module.kernel(kernel).set_max_dynamic_shared(shape[2])
+    branches = tuple(int(n) for n in branches)
+    mirror = In(f32_to_bf16(params)) if bf16 else 0
+    return (In(params), mirror, In(param_offsets), int(bool(bf16)), *(int(d) for d in dims),
+            len(branches), In(np.array(branches, I32)),
+            In(np.array(branch_offsets(branches), I32)), In(z), In(isv), int(isv_index),
+            np.float32(h2_clamp_mult), In(close), In(high), In(low), In(features),
+            features.shape[1], In(costs), T, device_scalar(start, I32),
+            device_scalar(n_steps, I32))
+
+
 def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, isv, isv_index,
           h2_clamp_mult, close, high, low, features, costs, start, n_steps) -> WalkRecord:
     """Validate, then one launch of ``kernel`` with ``plan(dims, branches, bf16)``."""
@@ -234,23 +248,17 @@ def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, isv, isv
         params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
         high, low, features, costs, start, n_steps)
     branches = tuple(int(n) for n in branches)
-    sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
     shape = plan(dims, branches, bool(bf16))
     extra = ()
     if len(shape) == 2:  # greedy_walk_hold: (plan, rows); rows is its hold_rows argument
         shape, hold_rows = shape
         extra = (hold_rows,)
-    if shape[2] > SHARED_LIMIT:
-        runtime().module.kernel(kernel).set_max_dynamic_shared(shape[2])
-    mirror = In(f32_to_bf16(params)) if bf16 else 0
     rows = max(n_steps, 1)
-    outs = launch(kernel, shape, In(params), mirror, In(param_offsets), int(bool(bf16)), sd, h1,
-                  h2, value_h, adv_h, na, len(branches), In(np.array(branches, I32)),
-                  In(np.array(branch_offsets(branches), I32)), In(z), In(isv), int(isv_index),
-                  np.float32(h2_clamp_mult), In(close), In(high), In(low), In(features),
-                  features.shape[1], In(costs), T, device_scalar(start, I32),
-                  device_scalar(n_steps, I32), *extra, Out((rows,), F32), Out((rows,), F32),
-                  Out((rows,), F32), Out((rows,), F32), n_steps)
+    outs = launch(kernel, shape, *_inputs(kernel, shape, params, param_offsets, dims, branches,
+                                          bf16, z, isv, isv_index, h2_clamp_mult, close, high,
+                                          low, features, costs, T, start, n_steps),
+                  *extra, Out((rows,), F32), Out((rows,), F32), Out((rows,), F32),
+                  Out((rows,), F32), n_steps)
     return WalkRecord(*(o[:n_steps] for o in outs))
 
 
@@ -283,12 +291,7 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
         params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
         high, low, features, costs, start, n_steps, n_chunks, round, trace, ends, rec_reward,
         rec_held, rec_cost, rec_margin)
-    branches = tuple(int(n) for n in branches)
-    sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
     plan = plan_greedy_walk_round(dims, branches, bool(bf16), runtime().device.arch, n_chunks)
-    if plan[2] > SHARED_LIMIT:
-        runtime().module.kernel("greedy_walk_round").set_max_dynamic_shared(plan[2])
-    mirror = In(f32_to_bf16(params)) if bf16 else 0
     rows = max(n_steps, 1)  # (no zero-byte buffers)
 
     def rows_of(x, shape, dtype):
@@ -297,12 +300,10 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
         return InOut(out)
 
     margin = 0 if rec_margin is None else rows_of(rec_margin, rows, F32)
-    outs = launch("greedy_walk_round", plan, In(params), mirror, In(param_offsets),
-                  int(bool(bf16)), sd, h1, h2, value_h, adv_h, na, len(branches),
-                  In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)), In(z),
-                  In(isv), int(isv_index), np.float32(h2_clamp_mult), In(close), In(high),
-                  In(low), In(features), features.shape[1], In(costs), T,
-                  device_scalar(start, I32), device_scalar(n_steps, I32), n_chunks, round,
+    outs = launch("greedy_walk_round", plan,
+                  *_inputs("greedy_walk_round", plan, params, param_offsets, dims, branches, bf16,
+                           z, isv, isv_index, h2_clamp_mult, close, high, low, features, costs,
+                           T, start, n_steps), n_chunks, round,
                   rows_of(trace, (rows, 3), I32), InOut(np.ascontiguousarray(ends)),
                   rows_of(rec_reward, rows, F32), rows_of(rec_held, rows, F32),
                   rows_of(rec_cost, rows, F32), margin, n_steps)
@@ -338,8 +339,9 @@ def greedy_walk_hold(params, param_offsets, dims, branches, bf16, z, isv, isv_in
     :func:`plan_greedy_walk_hold` (contract as the reference twin; bitwise
     ``greedy_walk_cluster``'s records)."""
     return _walk("greedy_walk_hold",
-                 lambda d, b, bf: plan_greedy_walk_hold(d, b, bf, runtime().device.arch), params, param_offsets, dims, branches, bf16, z, isv,
-                 isv_index, h2_clamp_mult, close, high, low, features, costs, start, n_steps)
+                 lambda d, b, bf: plan_greedy_walk_hold(d, b, bf, runtime().device.arch), params,
+                 param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
+                 high, low, features, costs, start, n_steps)
 
 
 def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
@@ -352,27 +354,20 @@ def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, isv, isv_i
     T, start, n_steps = validate_greedy_walk(
         params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
         high, low, features, costs, start, n_steps)
-    branches = tuple(int(n) for n in branches)
-    sd, h1, h2, value_h, adv_h, na = (int(d) for d in dims)
     span, tail, hold_rows = plan_greedy_walk_spans(dims, branches, bool(bf16),
                                                    runtime().device.arch, SPAN_CHUNKS)
-    if span[2] > SHARED_LIMIT:
-        runtime().module.kernel("greedy_walk_spans").set_max_dynamic_shared(span[2])
-    mirror = f32_to_bf16(params) if bf16 else None
+    inputs = _inputs("greedy_walk_spans", span, params, param_offsets, dims, branches, bf16, z,
+                     isv, isv_index, h2_clamp_mult, close, high, low, features, costs, T, start,
+                     n_steps)
     rows = max(n_steps, 1)
     state = np.zeros((2, 5), I32)
     brk = np.zeros((2, SPAN_CHUNKS, 5), I32)
     recs = [np.zeros(rows, F32) for _ in range(4)]
     for p in range(SPAN_PASSES + 1):
         plan = span if p < SPAN_PASSES else tail
-        state, brk, *recs = launch(
-            "greedy_walk_spans", plan, In(params), 0 if mirror is None else In(mirror),
-            In(param_offsets), int(bool(bf16)), sd, h1, h2, value_h, adv_h, na, len(branches),
-            In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)), In(z),
-            In(isv), int(isv_index), np.float32(h2_clamp_mult), In(close), In(high), In(low),
-            In(features), features.shape[1], In(costs), T, device_scalar(start, I32),
-            device_scalar(n_steps, I32), SPAN_CHUNKS, SPAN_PASSES, p, hold_rows, InOut(state),
-            InOut(brk), *(InOut(r) for r in recs), n_steps)
+        state, brk, *recs = launch("greedy_walk_spans", plan, *inputs, SPAN_CHUNKS, SPAN_PASSES,
+                                   p, hold_rows, InOut(state), InOut(brk),
+                                   *(InOut(r) for r in recs), n_steps)
     return WalkRecord(*(r[:n_steps] for r in recs))
 
 

@@ -296,6 +296,18 @@ def _walk_from(walk: _Walk, state: EnvState, n_steps: int, rec: list[np.ndarray]
     return rec
 
 
+def _records_in(rec_reward, rec_held, rec_cost, rec_margin):
+    """A per-launch twin's record buffers as ``_step`` writes them: copies of the rewards, held
+    positions and costs as ``[n, 1]`` columns, and of the margins (None stays None)."""
+    rec = [r[:, np.newaxis].copy() for r in (rec_reward, rec_held, rec_cost)]
+    return rec, None if rec_margin is None else rec_margin.copy()
+
+
+def _records_out(rec: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+    """``_records_in``'s columns back as the rows ``[n]`` of rewards, held positions, costs."""
+    return tuple(r[:, 0].copy() for r in rec)
+
+
 def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
                 close, high, low, features, costs, start, n_steps) -> WalkRecord:
     """The walk of the module docstring. ``params`` float32 flat (the f32 master; BF16 rounding
@@ -310,7 +322,7 @@ def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, 
     rec = [np.zeros((n_steps, 1), F32) for _ in range(3)]
     margins = np.zeros(n_steps, F32)
     rec = _walk_from(walk, _flat_state(start, T), n_steps, rec, margins)
-    return WalkRecord(*(r[:, 0].copy() for r in rec), margins)
+    return WalkRecord(*_records_out(rec), margins)
 
 
 #: The single-launch CUDA kernels of walk.cu (one block; one thread-block cluster; the cluster

@@ -25,6 +25,8 @@ from foxhunt.reference.kernels.env import EnvState
 from foxhunt.reference.kernels.walk import (
     WalkRecord,
     _observe,
+    _records_in,
+    _records_out,
     _step,
     _Walk,
     _walk,
@@ -181,8 +183,7 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
     walk = _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
                  close, high, low, features, costs, T)
     trace, ends = trace.copy(), ends.copy()
-    rec = [r[:, np.newaxis].copy() for r in (rec_reward, rec_held, rec_cost)]
-    margins = None if rec_margin is None else rec_margin.copy()
+    rec, margins = _records_in(rec_reward, rec_held, rec_cost, rec_margin)
     p = round & 1
     q = 1 - p
     for g in range(n_chunks):
@@ -201,7 +202,7 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
                 continue
         ends[p, g], rec = _run_chunk(walk, start, key, k0, k1, round > 0, trace, ends[q, g], rec,
                                      margins)
-    return WalkRoundState(trace, ends, *(r[:, 0].copy() for r in rec), margins)
+    return WalkRoundState(trace, ends, *_records_out(rec), margins)
 
 
 def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv_index,

@@ -31,6 +31,8 @@ from foxhunt.reference.kernels.walk import (
     _choose,
     _flat_state,
     _observe,
+    _records_in,
+    _records_out,
     _Walk,
     _walk,
     _walk_from,
@@ -261,8 +263,7 @@ def greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, isv, 
     walk = _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
                  close, high, low, features, costs, T)
     state, brk = state.copy(), brk.copy()
-    rec = [r[:, np.newaxis].copy() for r in (rec_reward, rec_held, rec_cost)]
-    margins = None if rec_margin is None else rec_margin.copy()
+    rec, margins = _records_in(rec_reward, rec_held, rec_cost, rec_margin)
     cur = pass_index & 1
     prev = 1 - cur
     if pass_index == 0:
@@ -281,7 +282,7 @@ def greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, isv, 
             brk[cur, g] = _NO_BREAK
             if length > 0:
                 brk[cur, g], rec = _check_span(walk, base, j0, length, rec, margins)
-    return WalkSpansState(state, brk, *(r[:, 0].copy() for r in rec), margins)
+    return WalkSpansState(state, brk, *_records_out(rec), margins)
 
 
 def greedy_walk_spans_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
