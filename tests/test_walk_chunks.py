@@ -26,6 +26,7 @@ F32, I32 = np.float32, np.int32
 WALK = {e.name: e for e in ENTRIES}["greedy_walk"]
 CHUNKED = {e.name: e for e in CHUNKED_ENTRIES}["greedy_walk_chunked"]
 START = 3
+NO_BASE = walk_rounds.NO_SPAN_BASE  # the rounds from step 0 (no span walk before them)
 #: The hand network's exposure per step: runs of long (1), short (-1) and flat (0), 60 steps.
 RUNS = ((1, 5), (-1, 6), (1, 7), (0, 2), (-1, 9), (1, 5), (-1, 6), (0, 3), (1, 8), (-1, 9))
 PATTERN = np.concatenate([np.full(n, e, F32) for e, n in RUNS])
@@ -81,7 +82,7 @@ def _rounds(kwargs, n_chunks, rounds):
     state, out = _buffers(kwargs["n_steps"], n_chunks), []
     for r in range(rounds):
         state = walk_rounds.greedy_walk_round(
-            **kwargs, n_chunks=n_chunks, round=r,
+            **kwargs, **NO_BASE, n_chunks=n_chunks, round=r,
             **dict(zip(walk_rounds.WalkRoundState._fields, state)))
         out.append(state)
     return out
@@ -94,9 +95,9 @@ SENTINEL = F32(-7.0)
 def _round_on_sentinels(kwargs, n_chunks, r, state):
     """Round ``r`` on ``state``'s trace and ends with every record row set to SENTINEL."""
     rows = np.full(kwargs["n_steps"], SENTINEL)
-    return walk_rounds.greedy_walk_round(**kwargs, n_chunks=n_chunks, round=r, trace=state.trace,
-                                         ends=state.ends, rec_reward=rows, rec_held=rows,
-                                         rec_cost=rows, rec_margin=rows)
+    return walk_rounds.greedy_walk_round(**kwargs, **NO_BASE, n_chunks=n_chunks, round=r,
+                                         trace=state.trace, ends=state.ends, rec_reward=rows,
+                                         rec_held=rows, rec_cost=rows, rec_margin=rows)
 
 
 def _steps_walked(state):
@@ -235,7 +236,7 @@ def test_a_flat_state_s_entry_price_changes_nothing(entry):
         ends[0, 0] = key
         trace = np.full_like(state.trace, -1)  # no key has time -1: no skip, no merge
         return walk_rounds.greedy_walk_round(
-            **k, n_chunks=n_chunks, round=1, trace=trace, ends=ends,
+            **k, **NO_BASE, n_chunks=n_chunks, round=1, trace=trace, ends=ends,
             **dict(zip(walk_rounds.WalkRoundState._fields[2:], state[2:])))
 
     flat = from_key(np.zeros(3, I32))
@@ -278,10 +279,10 @@ def test_without_a_margin_buffer_the_rest_is_the_same():
     state = _buffers(k["n_steps"], n_chunks)
     for r in range(n_chunks):
         with_m = walk_rounds.greedy_walk_round(
-            **k, n_chunks=n_chunks, round=r,
+            **k, **NO_BASE, n_chunks=n_chunks, round=r,
             **dict(zip(walk_rounds.WalkRoundState._fields, state)))
         without = walk_rounds.greedy_walk_round(
-            **k, n_chunks=n_chunks, round=r,
+            **k, **NO_BASE, n_chunks=n_chunks, round=r,
             **dict(zip(walk_rounds.WalkRoundState._fields[:-1], state[:-1])), rec_margin=None)
         assert without.rec_margin is None and _same(without[:-1], with_m[:-1])
         state = with_m
@@ -291,7 +292,7 @@ def test_the_round_does_not_modify_its_inputs():
     k, n_chunks = _sample(seed=1), 3
     state = _rounds(k, n_chunks, 1)[0]
     copies = [a.copy() for a in state]
-    walk_rounds.greedy_walk_round(**k, n_chunks=n_chunks, round=1,
+    walk_rounds.greedy_walk_round(**k, **NO_BASE, n_chunks=n_chunks, round=1,
                                   **dict(zip(walk_rounds.WalkRoundState._fields, state)))
     assert _same(state, copies)
 
@@ -300,7 +301,7 @@ def test_the_round_does_not_modify_its_inputs():
 
 def _round_kwargs():
     k = _sample(seed=0, n_steps=6)
-    return {**k, "n_chunks": 2, "round": 1,
+    return {**k, "n_chunks": 2, "round": 1, **NO_BASE,
             **dict(zip(walk_rounds.WalkRoundState._fields, _buffers(6, 2)))}
 
 

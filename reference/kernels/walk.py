@@ -1,12 +1,14 @@
 """Reference twin of ``cuda_src/walk.cu``: ``greedy_walk``, the greedy policy over a whole
 segment in one launch (issue 20, SPEC 10's device evaluation); also the twin of
 ``greedy_walk_cluster``, the same walk on a thread-block cluster (bitwise the one-block kernel's),
-and the conformance twin of ``greedy_walk_hold`` and ``greedy_walk_spans`` (:data:`KERNELS`).
+and the conformance twin of ``greedy_walk_hold``, ``greedy_walk_spans`` and the evaluator's
+span-then-rounds walk, ``greedy_walk_span_rounds`` (:data:`KERNELS`).
 The walks that cut the steps into pieces walked in parallel have their own modules, built on this
 one's per-step helpers (every walk's loop body is :func:`_step`): the chunked (speculative) walk,
 ``greedy_walk_round``, in :mod:`foxhunt.reference.kernels.walk_rounds`, and the span walk,
 ``greedy_walk_spans``'s launches, in :mod:`foxhunt.reference.kernels.walk_spans`; both give
-:func:`greedy_walk`'s records bit for bit.
+:func:`greedy_walk`'s records bit for bit, and so do the evaluator's span launches followed by
+rounds on their base (``walk_rounds.greedy_walk_spans_and_rounds``).
 
 Per bar (the composition of the existing reference functions, one state row at a time): the
 env's state row (``env.env_observe``), the network's forward on it (``network.forward``'s
@@ -328,11 +330,15 @@ def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, 
 #: The single-launch CUDA kernels of walk.cu (one block; one thread-block cluster; the cluster
 #: walk W rows at a time where the policy holds, greedy_walk_hold) have this one twin: their
 #: records are bitwise equal (walk.cu's comments). ``greedy_walk_spans`` (one launch a pass) is
-#: conformance-tested as the evaluator runs it, its launches composed: the same records (its
-#: per-launch twin is ``walk_spans.SPANS_KERNELS``). ``greedy_walk_round``'s twin is in
-#: ``walk_rounds.KERNELS``.
+#: conformance-tested its launches composed (span passes, then its tail): the same records (its
+#: per-launch twin is ``walk_spans.SPANS_KERNELS``). ``greedy_walk_span_rounds`` is no kernel
+#: but the evaluator's fused walk, a test entry (``conformance.registry.DIVERGENCES``): the
+#: span passes, then ``greedy_walk_round``'s rounds on their base
+#: (``walk_rounds.greedy_walk_spans_and_rounds``); the same records. ``greedy_walk_round``'s
+#: own twin is in ``walk_rounds.KERNELS``.
 KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk,
-           "greedy_walk_hold": greedy_walk, "greedy_walk_spans": greedy_walk}
+           "greedy_walk_hold": greedy_walk, "greedy_walk_spans": greedy_walk,
+           "greedy_walk_span_rounds": greedy_walk}
 
 __all__ = ["DIMS", "KERNELS", "LANES", "NEAR_TIE_FACTOR", "Q_ERROR_REL", "WalkRecord",
            "choice_margin", "dot_lanes", "first_near_tie", "forward_row", "greedy_walk",

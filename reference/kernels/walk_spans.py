@@ -106,34 +106,37 @@ def _full_actions(actions: np.ndarray) -> list[int]:
 
 
 def _check_spans_buffers(n_steps: int, start: int, branches: tuple[int, ...], pass_index: int,
-                         state: np.ndarray, brk: np.ndarray) -> None:
+                         state: np.ndarray, brk: np.ndarray, names=("state", "brk")) -> None:
     """What a pass ``> 0`` reads of the previous pass (``state[prev]``, ``brk[prev]``) is a
-    state of this walk and breaks inside its remaining steps."""
+    state of this walk and breaks inside its remaining steps. ``names``: the two buffers'
+    parameter names in the messages (``greedy_walk_round`` reads them as ``span_state``,
+    ``span_brk``)."""
+    state_name, brk_name = names
     prev = 1 - (pass_index & 1)
     s = row_state(state[prev])
     steps, t = int(s.steps[0]), int(s.t[0])
     positions = {0.0} | {float(e - 1) for e in range(branches[0])}
     if not (0 <= steps <= n_steps and t == start + steps and s.time_in_position[0] >= 0
             and float(s.position[0]) in positions):
-        raise ValueError(f"state[{prev}]={state[prev].tolist()}: not a state of this walk; need "
-                         f"0 <= steps <= n_steps={n_steps}, t = start={start} + steps, time >= 0, "
-                         f"position in {sorted(positions)} (bits)")
+        raise ValueError(f"{state_name}[{prev}]={state[prev].tolist()}: not a state of this walk; "
+                         f"need 0 <= steps <= n_steps={n_steps}, t = start={start} + steps, "
+                         f"time >= 0, position in {sorted(positions)} (bits)")
     if steps >= n_steps:
         return
     rows = brk[prev]
     rem = n_steps - steps
     bad = [g for g, r in enumerate(rows[:, 0]) if r != NONE and not 0 <= r < rem]
     if bad:
-        raise ValueError(f"brk[{prev}][:, 0]={rows[:, 0].tolist()}: need {NONE} (none) or a row "
-                         f"offset in [0, {rem}) (the steps left after state[{prev}])")
+        raise ValueError(f"{brk_name}[{prev}][:, 0]={rows[:, 0].tolist()}: need {NONE} (none) or "
+                         f"a row offset in [0, {rem}) (the steps left after {state_name}[{prev}])")
     g = int(np.argmin(rows[:, 0]))
     if rows[g, 0] == NONE:
         return
     allowed = [range(n) for n in branches] + [range(d, d + 1) for d in
                                               BRANCH_DEFAULTS[len(branches):]]
     if any(int(a) not in ok for a, ok in zip(rows[g, 1:4], allowed)):
-        raise ValueError(f"brk[{prev}][{g}]={rows[g].tolist()}: actions (a0, a1, a2) not allowed; "
-                         f"need a_d < n_d for branches={branches}, the default "
+        raise ValueError(f"{brk_name}[{prev}][{g}]={rows[g].tolist()}: actions (a0, a1, a2) not "
+                         f"allowed; need a_d < n_d for branches={branches}, the default "
                          f"{BRANCH_DEFAULTS} for a missing branch")
 
 
@@ -171,7 +174,9 @@ def _commit(walk: _Walk, n_steps: int, prior: EnvState, breaks: np.ndarray,
             rec: list[np.ndarray], margins: np.ndarray | None):
     """The previous pass's outcome from its base ``prior`` and its ``breaks`` (``brk[prev]``):
     every step before the first break held, the break's step walked with its stored action
-    (its record row written). Returns ``(the next base, rec)``."""
+    (its record row written). Returns ``(the next base, rec)``. Step 1 of
+    :func:`greedy_walk_spans_pass` and the span base of ``walk_rounds.greedy_walk_round`` (one
+    helper, as walk.cu's ``walk_span_commit``)."""
     k = int(prior.steps[0])
     if k >= n_steps:
         return prior, rec
