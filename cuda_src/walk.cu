@@ -1005,140 +1005,6 @@ greedy_walk_cluster(const float* __restrict__ params,
 }
 
 // ------------------------------------------------------------------------------------------
-// greedy_walk_round: the walk in parallel chunks (speculation, then repair), ONE round per launch
-// ------------------------------------------------------------------------------------------
-// Twin: foxhunt.reference.kernels.walk.greedy_walk_round (its docstring is the specification).
-// The n_steps steps are split into n_chunks chunks of L = ceil(n_steps / n_chunks) steps; chunk g
-// (steps [g L, min((g + 1) L, n_steps))) is walked by cluster g (blocks [g C, (g + 1) C)) with
-// greedy_walk_cluster's bar (walk_cluster_bar: the same values, so the same bits). An env state
-// is compared by its key (walk_key: time in position, position, and the entry price only when
-// the position is not flat: flat, it changes nothing that follows), as int32 bit patterns.
-// trace [n_steps, 3]: the key at the start of each step of the chunk's last run; ends [2,
-// n_chunks, 3]: the key after each chunk's last step, as of the rounds of parity 0 and 1.
-//   round 0: every chunk from flat (its guess), writing trace, the records and ends[0][g];
-//   round r > 0 (p = r & 1, q = 1 - p): chunk 0 copies ends[q][0] to ends[p][0] (it started
-//   flat: exact since round 0); chunk g > 0 takes in = ends[q][g - 1]; if in equals trace[k0]
-//   its last run stands (ends[p][g] = ends[q][g]); else it walks again from in and stops at
-//   the first later step k whose key equals trace[k] (its last run from there stands: the walk
-//   is deterministic), else ends[p][g] = the key after its last step.
-// The walk stops at record_len steps (trace has record_len rows; greedy_walk_cluster records no
-// row past it either). After round r chunks 0..r are exact, so n_chunks rounds give
-// greedy_walk_cluster's records bit for bit; a round in which no chunk walks changes nothing (the evaluator launches n_chunks).
-// Every block of a cluster reads the same keys and runs the same env (warp 0), so all decide
-// alike (no extra barrier); block 0's thread 0 writes trace and ends. A key of step k + 1 is read
-// at the top of bar k, before block 0 can rewrite it at the top of bar k + 1 (the layer barriers
-// of bar k lie between). NaN positions or prices would make keys that never match: the chunks
-// then just walk to their ends (still exact).
-
-// The key of an env state (header).
-static __device__ __forceinline__ int3 walk_key(const EnvLocal& s) {
-    return make_int3(s.time_in_position, __float_as_int(s.position),
-                     s.position != 0.0f ? __float_as_int(s.entry_price) : 0);
-}
-
-static __device__ __forceinline__ int3 walk_load_key(const int* p) {
-    return make_int3(p[0], p[1], p[2]);
-}
-
-static __device__ __forceinline__ void walk_store_key(int* p, int3 key) {
-    p[0] = key.x;
-    p[1] = key.y;
-    p[2] = key.z;
-}
-
-static __device__ __forceinline__ bool walk_same_key(int3 a, int3 b) {
-    return a.x == b.x && a.y == b.y && a.z == b.z;
-}
-
-extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
-__launch_bounds__(WALK_CLUSTER_THREADS, 1)
-greedy_walk_round(const float* __restrict__ params,
-                  const unsigned short* __restrict__ params_bf16,
-                  const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
-                  int value_h, int adv_h, int num_atoms, int n_branches,
-                  const int* __restrict__ n_actions, const int* __restrict__ action_offset,
-                  const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
-                  float h2_clamp_mult, const float* __restrict__ close,
-                  const float* __restrict__ high, const float* __restrict__ low,
-                  const float* __restrict__ features, int n_features,
-                  const float* __restrict__ costs, int n_bars, const int* __restrict__ start,
-                  const int* __restrict__ n_steps, int n_chunks, int round,
-                  int* __restrict__ trace, int* __restrict__ ends,
-                  float* __restrict__ rec_reward, float* __restrict__ rec_held,
-                  float* __restrict__ rec_cost, float* __restrict__ rec_margin, int record_len) {
-    extern __shared__ float walk_shared[];
-    __shared__ int walk_merged;
-    const int lane = threadIdx.x % kWarp;
-    const int warp = threadIdx.x / kWarp;
-    const int rank = WalkCluster::rank();
-    const int g = blockIdx.x / WALK_CLUSTER;  // the cluster: its chunk
-    const bool leader = rank == 0 && threadIdx.x == 0;
-    const int steps = min(n_steps[0], record_len);  // trace has record_len rows
-    const int len = (steps + n_chunks - 1) / n_chunks;
-    const int k0 = g * len;
-    const int k1 = min(k0 + len, steps);
-    if (g >= n_chunks || k0 >= k1) {
-        return;  // an empty chunk (every block of the cluster alike)
-    }
-    const int p = round & 1;
-    int* end_now = ends + 3 * (p * n_chunks + g);
-    const int* end_before = ends + 3 * ((1 - p) * n_chunks + g);
-    EnvLocal s = env_fresh(start[0] + k0);
-    s.steps = k0;
-    if (round > 0) {
-        const int3 in = g > 0 ? walk_load_key(end_before - 3) : make_int3(0, 0, 0);
-        if (g == 0 || walk_same_key(in, walk_load_key(trace + 3 * k0))) {
-            if (leader) {  // the chunk's last run stands
-                walk_store_key(end_now, walk_load_key(end_before));
-            }
-            return;
-        }
-        s.time_in_position = in.x;
-        s.position = __int_as_float(in.y);
-        s.entry_price = __int_as_float(in.z);
-    }
-    const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
-                               n_branches, n_actions, action_offset);
-    const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
-    const WalkSlices sl = walk_cluster_load(n, a, a.end, rank, params, params_bf16, bf16 != 0,
-                                            warp, lane);
-    const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
-    WALK_PROF_DECL;  // (not stored: walk_profile times the other two kernels)
-    int t = s.t;
-    walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_CLUSTER_THREADS);
-    // Every block has started, holds its slices and the first state row, and has read
-    // trace[k0] (block 0 rewrites it below).
-    WalkCluster::sync();
-    bool merged = false;
-    for (int k = k0; k < k1; ++k) {
-        walk_prefetch_next(t, close, high, low, features, n_features, n_bars);
-        int3 before = make_int3(0, 0, 0);  // trace[k + 1] of the last run (rounds > 0)
-        if (warp == 0) {
-            if (leader) {
-                walk_store_key(trace + 3 * k, walk_key(s));
-            }
-            if (round > 0 && k + 1 < k1) {
-                before = walk_load_key(trace + 3 * (k + 1));
-            }
-        }
-        t = walk_cluster_bar(s, t, k, steps, n, a, sl, bound, z, leader, close, high, low,
-                             features, n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
-                             rec_margin, record_len, nullptr, false, warp, lane, prof);
-        if (threadIdx.x == 0) {
-            walk_merged = round > 0 && k + 1 < k1 && walk_same_key(walk_key(s), before);
-        }
-        __syncthreads();  // x holds bar k + 1's state; walk_merged is the block's decision
-        if (walk_merged) {
-            merged = true;
-            break;
-        }
-    }
-    if (leader) {
-        walk_store_key(end_now, merged ? walk_load_key(end_before) : walk_key(s));
-    }
-}
-
-// ------------------------------------------------------------------------------------------
 // greedy_walk_hold: the cluster walk, many steps a pass where the policy holds its position
 // ------------------------------------------------------------------------------------------
 // Twin: foxhunt.reference.kernels.walk.greedy_walk (bitwise: greedy_walk_cluster's records).
@@ -1454,20 +1320,24 @@ greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restr
 // ------------------------------------------------------------------------------------------
 // greedy_walk_spans: hold passes over the remaining steps on many clusters at once
 // ------------------------------------------------------------------------------------------
-// Twin of one launch: foxhunt.reference.kernels.walk.greedy_walk_spans_pass (its docstring is
-// the specification); launches 0 .. n_passes together: greedy_walk's records (bitwise
-// greedy_walk_cluster's). Launch p (grid n_chunks clusters; the tail, p == n_passes, needs
-// cluster 0 only):
-//   1. the base state S: flat at step 0 (p = 0), else the previous launch committed: from its
-//      base state[prev] and the first break over its clusters (min of brk[prev][g][0]), every
-//      step up to the break held, the break's step walked with the action that cluster stored
-//      (its record written here), S the state after it (every thread computes S alike;
-//      cluster 0's thread 0 writes the record and state[cur]);
+// Twin of one launch: foxhunt.reference.kernels.walk_spans.greedy_walk_spans_pass (its
+// docstring is the specification); launches 0 .. n_passes together: greedy_walk's records
+// (bitwise greedy_walk_cluster's). Launch p (grid n_chunks clusters; the tail, p == n_passes,
+// needs cluster 0 only):
+//   1. the base state S: flat at step 0 (p = 0), else the previous launch committed
+//      (walk_span_commit): from its base state[prev] and the first break over its clusters
+//      (min of brk[prev][g][0]), every step up to the break held, the break's step walked with
+//      the action that cluster stored (its record written here), S the state after it (every
+//      thread computes S alike; cluster 0's thread 0 writes the record and state[cur]);
 //   2. p < n_passes: cluster g checks its span of the remaining steps (ceil(rem / n_chunks)
 //      each) under "held from S" with hold passes of hold_rows rows (walk_hold_pass), writes
 //      the held steps' records and stops at its first break: brk[cur][g] = (step from S, the
 //      row's full greedy action, its margin's bits), or NONE when its whole span held;
 //   3. p == n_passes: cluster 0 walks from S to the end (walk_hold_loop).
+// The evaluator (fast/eval_plan.py fused_ops) launches passes 0 .. n_passes - 1 only, then
+// greedy_walk_round's rounds with this walk's buffers as their span base in place of the tail
+// (a policy that trades every few bars leaves the tail nearly every step: the rounds walk them
+// in parallel chunks); the tail serves the span walk on its own (its test entry).
 // Records of a cluster's held steps past the global break are wrong, and rewritten: every
 // step is written last by the launch whose checked prefix holds it (or by a commit or the
 // tail), and no later launch starts before it. One agent that buys and holds: the first launch
@@ -1482,6 +1352,50 @@ static __device__ __forceinline__ EnvLocal walk_load_state(const int* p) {
     s.time_in_position = p[2];
     s.position = __int_as_float(p[3]);
     s.entry_price = __int_as_float(p[4]);
+    return s;
+}
+
+// Step 1's commit of a launch's outcome (header; twin: reference walk_spans._commit): from the
+// base state[src] and the first break over brk[src]'s n_chunks clusters (the first cluster with
+// the minimum), every step up to the break held, the break's step walked with the action that
+// cluster stored; returns the state after it (the base held to `steps` without a break; the
+// base itself when it is already there). Every thread computes it alike; `writer` writes the
+// break step's record row. greedy_walk_spans' launches p > 0 commit launch p - 1 (src = prev),
+// greedy_walk_round its span base (src = (span_passes - 1) & 1).
+static __device__ __forceinline__ EnvLocal walk_span_commit(
+    const int* __restrict__ state, const int* __restrict__ brk, int n_chunks, int src, int steps,
+    const float* __restrict__ close, const float* __restrict__ high,
+    const float* __restrict__ low, const float* __restrict__ costs, int n_bars, bool writer,
+    float* __restrict__ rec_reward, float* __restrict__ rec_held, float* __restrict__ rec_cost,
+    float* __restrict__ rec_margin, int record_len) {
+    const EnvLocal sp = walk_load_state(state + 5 * src);
+    if (sp.steps >= steps) {
+        return sp;
+    }
+    const int* b = brk + 5 * src * n_chunks;
+    int m = WALK_SPAN_NONE;
+    int gs = 0;
+    for (int e = 0; e < n_chunks; ++e) {
+        if (b[5 * e] < m) {
+            m = b[5 * e];
+            gs = e;
+        }
+    }
+    const int rem = steps - sp.steps;
+    EnvLocal s = walk_held(sp, min(m, rem));
+    if (m < rem) {  // the break's step, with the action its cluster stored
+        const int* a = b + 5 * gs;
+        const int k = s.steps;
+        const EnvOutcome o = env_advance(s, a[1], a[2], a[3], close, high, low, costs, n_bars, 0);
+        if (writer && o.live && k < record_len) {
+            rec_reward[k] = o.reward;
+            rec_held[k] = o.held;
+            rec_cost[k] = o.cost;
+            if (rec_margin != nullptr) {
+                rec_margin[k] = __int_as_float(a[4]);
+            }
+        }
+    }
     return s;
 }
 
@@ -1512,38 +1426,10 @@ greedy_walk_spans(const float* __restrict__ params,
     const int steps = n_steps[0];
     const bool leader = g == 0 && rank == 0 && threadIdx.x == 0;
     // 1. The base state (every thread alike).
-    EnvLocal s = env_fresh(start[0]);
-    if (pass_index > 0) {
-        const EnvLocal sp = walk_load_state(state + 5 * prev);
-        s = sp;
-        if (sp.steps < steps) {
-            const int* b = brk + 5 * prev * n_chunks;
-            int m = WALK_SPAN_NONE;
-            int gs = 0;
-            for (int e = 0; e < n_chunks; ++e) {
-                if (b[5 * e] < m) {
-                    m = b[5 * e];
-                    gs = e;
-                }
-            }
-            const int rem = steps - sp.steps;
-            s = walk_held(sp, min(m, rem));
-            if (m < rem) {  // the break's step, with the action its cluster stored
-                const int* a = b + 5 * gs;
-                const int k = s.steps;
-                const EnvOutcome o = env_advance(s, a[1], a[2], a[3], close, high, low, costs,
-                                                 n_bars, 0);
-                if (leader && o.live && k < record_len) {
-                    rec_reward[k] = o.reward;
-                    rec_held[k] = o.held;
-                    rec_cost[k] = o.cost;
-                    if (rec_margin != nullptr) {
-                        rec_margin[k] = __int_as_float(a[4]);
-                    }
-                }
-            }
-        }
-    }
+    const EnvLocal s = pass_index > 0
+        ? walk_span_commit(state, brk, n_chunks, prev, steps, close, high, low, costs, n_bars,
+                           leader, rec_reward, rec_held, rec_cost, rec_margin, record_len)
+        : env_fresh(start[0]);
     if (leader) {
         int* out = state + 5 * cur;
         out[0] = s.t;
@@ -1611,5 +1497,163 @@ greedy_walk_spans(const float* __restrict__ params,
     if (rank == 0 && threadIdx.x == 0) {
         mine[0] = WALK_SPAN_NONE;
         mine[1] = mine[2] = mine[3] = mine[4] = 0;
+    }
+}
+
+// ------------------------------------------------------------------------------------------
+// greedy_walk_round: the walk in parallel chunks (speculation, then repair), ONE round per launch
+// ------------------------------------------------------------------------------------------
+// Twin: foxhunt.reference.kernels.walk_rounds.greedy_walk_round (its docstring is the
+// specification). The base S and its step k_S: flat at step 0 when span_state is null; else
+// the span walk's commit of its launch span_passes - 1 (walk_span_commit of span_state[src],
+// span_brk[src] over span_chunks clusters, src = (span_passes - 1) & 1: what greedy_walk_spans'
+// launch pass_index == n_passes computes in its step 1; every thread alike, every round; round
+// 0's cluster 0 thread 0 writes the break step's record row). The steps [k_S, steps) (steps =
+// min(n_steps, record_len)) are split into n_chunks chunks of L = ceil((steps - k_S) /
+// n_chunks) steps; chunk g (steps [k_S + g L, min(k_S + (g + 1) L, steps))) is walked by
+// cluster g (blocks [g C, (g + 1) C)) with greedy_walk_cluster's bar (walk_cluster_bar: the
+// same values, so the same bits). An env state is compared by its key (walk_key: time in
+// position, position, and the entry price only when the position is not flat: flat, it changes
+// nothing that follows), as int32 bit patterns. trace [record_len, 3]: the key at the start of
+// each step of the chunk's last run (rows are the segment's steps); ends [2, n_chunks, 3]: the
+// key after each chunk's last step, as of the rounds of parity 0 and 1.
+//   round 0: chunk 0 from S (exact), every other chunk from flat (its guess), writing trace,
+//   the records and ends[0][g];
+//   round r > 0 (p = r & 1, q = 1 - p): chunk 0 copies ends[q][0] to ends[p][0] (it started
+//   from the true state: exact since round 0); chunk g > 0 takes in = ends[q][g - 1]; if in
+//   equals trace[k0] its last run stands (ends[p][g] = ends[q][g]); else it walks again from
+//   in and stops at the first later step k whose key equals trace[k] (its last run from there
+//   stands: the walk is deterministic), else ends[p][g] = the key after its last step.
+// The walk stops at record_len steps (trace has record_len rows; greedy_walk_cluster records no
+// row past it either). After round r chunks 0..r are exact, so n_chunks rounds give
+// greedy_walk_cluster's records bit for bit (with a span base: greedy_walk_spans' launches 0 ..
+// span_passes - 1, then these rounds); a round in which no chunk walks changes nothing, and
+// when the spans walked every step (k_S == steps) the rounds write only round 0's commit row.
+// The evaluator launches n_chunks rounds after the span launches (fast/eval_plan.py fused_ops):
+// a trading policy converges in two (round 1 reruns each chunk until it merges), the later
+// rounds only compare keys.
+// Every block of a cluster reads the same keys and runs the same env (warp 0), so all decide
+// alike (no extra barrier); block 0's thread 0 writes trace and ends. A key of step k + 1 is read
+// at the top of bar k, before block 0 can rewrite it at the top of bar k + 1 (the layer barriers
+// of bar k lie between). NaN positions or prices would make keys that never match: the chunks
+// then just walk to their ends (still exact).
+
+// The key of an env state (header).
+static __device__ __forceinline__ int3 walk_key(const EnvLocal& s) {
+    return make_int3(s.time_in_position, __float_as_int(s.position),
+                     s.position != 0.0f ? __float_as_int(s.entry_price) : 0);
+}
+
+static __device__ __forceinline__ int3 walk_load_key(const int* p) {
+    return make_int3(p[0], p[1], p[2]);
+}
+
+static __device__ __forceinline__ void walk_store_key(int* p, int3 key) {
+    p[0] = key.x;
+    p[1] = key.y;
+    p[2] = key.z;
+}
+
+static __device__ __forceinline__ bool walk_same_key(int3 a, int3 b) {
+    return a.x == b.x && a.y == b.y && a.z == b.z;
+}
+
+extern "C" __global__ void __cluster_dims__(WALK_CLUSTER, 1, 1)
+__launch_bounds__(WALK_CLUSTER_THREADS, 1)
+greedy_walk_round(const float* __restrict__ params,
+                  const unsigned short* __restrict__ params_bf16,
+                  const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
+                  int value_h, int adv_h, int num_atoms, int n_branches,
+                  const int* __restrict__ n_actions, const int* __restrict__ action_offset,
+                  const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                  float h2_clamp_mult, const float* __restrict__ close,
+                  const float* __restrict__ high, const float* __restrict__ low,
+                  const float* __restrict__ features, int n_features,
+                  const float* __restrict__ costs, int n_bars, const int* __restrict__ start,
+                  const int* __restrict__ n_steps, int n_chunks, int round, int span_chunks,
+                  int span_passes, const int* __restrict__ span_state,
+                  const int* __restrict__ span_brk, int* __restrict__ trace,
+                  int* __restrict__ ends,
+                  float* __restrict__ rec_reward, float* __restrict__ rec_held,
+                  float* __restrict__ rec_cost, float* __restrict__ rec_margin, int record_len) {
+    extern __shared__ float walk_shared[];
+    __shared__ int walk_merged;
+    const int lane = threadIdx.x % kWarp;
+    const int warp = threadIdx.x / kWarp;
+    const int rank = WalkCluster::rank();
+    const int g = blockIdx.x / WALK_CLUSTER;  // the cluster: its chunk
+    const bool leader = rank == 0 && threadIdx.x == 0;
+    // The base (every thread alike; round 0's cluster 0 leader writes the commit's row).
+    const EnvLocal base = span_state != nullptr
+        ? walk_span_commit(span_state, span_brk, span_chunks, (span_passes - 1) & 1, n_steps[0],
+                           close, high, low, costs, n_bars, round == 0 && g == 0 && leader,
+                           rec_reward, rec_held, rec_cost, rec_margin, record_len)
+        : env_fresh(start[0]);
+    const int steps = min(n_steps[0], record_len);  // trace has record_len rows
+    const int rem = steps - base.steps;
+    const int len = (rem + n_chunks - 1) / n_chunks;
+    const int k0 = base.steps + g * len;
+    const int k1 = min(k0 + len, steps);
+    if (g >= n_chunks || rem <= 0 || k0 >= k1) {
+        return;  // an empty chunk (every block of the cluster alike)
+    }
+    const int p = round & 1;
+    int* end_now = ends + 3 * (p * n_chunks + g);
+    const int* end_before = ends + 3 * ((1 - p) * n_chunks + g);
+    EnvLocal s = base;  // chunk 0's start (its steps are k0)
+    if (g > 0) {  // the guess: flat at step k0
+        s = env_fresh(start[0] + k0);
+        s.steps = k0;
+    }
+    if (round > 0) {
+        const int3 in = g > 0 ? walk_load_key(end_before - 3) : make_int3(0, 0, 0);
+        if (g == 0 || walk_same_key(in, walk_load_key(trace + 3 * k0))) {
+            if (leader) {  // the chunk's last run stands
+                walk_store_key(end_now, walk_load_key(end_before));
+            }
+            return;
+        }
+        s.time_in_position = in.x;
+        s.position = __int_as_float(in.y);
+        s.entry_price = __int_as_float(in.z);
+    }
+    const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
+                               n_branches, n_actions, action_offset);
+    const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
+    const WalkSlices sl = walk_cluster_load(n, a, a.end, rank, params, params_bf16, bf16 != 0,
+                                            warp, lane);
+    const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
+    WALK_PROF_DECL;  // (not stored: walk_profile times the other two kernels)
+    int t = s.t;
+    walk_state_row(a.x, features, n_features, close, s, state_dim, WALK_CLUSTER_THREADS);
+    // Every block has started, holds its slices and the first state row, and has read
+    // trace[k0] (block 0 rewrites it below).
+    WalkCluster::sync();
+    bool merged = false;
+    for (int k = k0; k < k1; ++k) {
+        walk_prefetch_next(t, close, high, low, features, n_features, n_bars);
+        int3 before = make_int3(0, 0, 0);  // trace[k + 1] of the last run (rounds > 0)
+        if (warp == 0) {
+            if (leader) {
+                walk_store_key(trace + 3 * k, walk_key(s));
+            }
+            if (round > 0 && k + 1 < k1) {
+                before = walk_load_key(trace + 3 * (k + 1));
+            }
+        }
+        t = walk_cluster_bar(s, t, k, steps, n, a, sl, bound, z, leader, close, high, low,
+                             features, n_features, costs, n_bars, rec_reward, rec_held, rec_cost,
+                             rec_margin, record_len, nullptr, false, warp, lane, prof);
+        if (threadIdx.x == 0) {
+            walk_merged = round > 0 && k + 1 < k1 && walk_same_key(walk_key(s), before);
+        }
+        __syncthreads();  // x holds bar k + 1's state; walk_merged is the block's decision
+        if (walk_merged) {
+            merged = true;
+            break;
+        }
+    }
+    if (leader) {
+        walk_store_key(end_now, merged ? walk_load_key(end_before) : walk_key(s));
     }
 }
