@@ -33,6 +33,8 @@ from foxhunt.conformance.specs.inputs import f32
 from foxhunt.conformance.tolerance import EXACT, REDUCTION, compare
 
 REF = registry.REF_KERNELS
+#: The reference kernels that are CUDA kernels (not the DIVERGENCES): a clean fake cuda_src.
+CUDA_NAMES = sorted(set(REF) - set(registry.DIVERGENCES))
 KERNEL_IDS = [pytest.param(spec, id=name) for name, spec in SPECS.items()]
 
 
@@ -132,16 +134,17 @@ def _write_kernels(cuda_dir: Path, names, file_name: str = "k.cu") -> None:
 
 def test_reference_kernel_without_cuda_kernel_unless_divergence(tmp_path: Path) -> None:
     cuda_dir = tmp_path / "cuda_src"
-    present = sorted(REF)[:-1]
-    missing = sorted(REF)[-1]
+    present = CUDA_NAMES[:-1]
+    missing = CUDA_NAMES[-1]
     _write_kernels(cuda_dir, present)
     fast = dict(REF)
     gap = (f"reference kernel {missing!r} has no CUDA kernel in cuda_src/ "
            "(add it, or list it in DIVERGENCES with a reason)")
     assert check_consistency(cuda_dir, REF, fast, SPECS) == [gap]
-    assert check_consistency(cuda_dir, REF, fast, SPECS, {missing: "a host-side copy"}) == []
+    divergences = {**registry.DIVERGENCES, missing: "a host-side copy"}
+    assert check_consistency(cuda_dir, REF, fast, SPECS, divergences) == []
     del fast[missing]
-    assert check_consistency(cuda_dir, REF, fast, SPECS, {}) == [
+    assert check_consistency(cuda_dir, REF, fast, SPECS, registry.DIVERGENCES) == [
         gap, f"reference kernel {missing!r} has no fast test entry in foxhunt.fast.kernels.KERNELS"]
 
 
@@ -156,7 +159,7 @@ def test_stale_divergences_are_reported(tmp_path: Path) -> None:
 
 def test_infrastructure_sources_are_not_paired(tmp_path: Path) -> None:
     cuda_dir = tmp_path / "cuda_src"
-    _write_kernels(cuda_dir, sorted(REF))
+    _write_kernels(cuda_dir, CUDA_NAMES)
     (cuda_dir / "_selftest.cu").write_text('extern "C" __global__ void selftest_axpy(float* y) {}\n')
     assert registry.infrastructure_sources(cuda_dir) == ("_selftest.cu",)
     assert "selftest_axpy" not in registry.cuda_kernels(cuda_dir)
@@ -165,9 +168,10 @@ def test_infrastructure_sources_are_not_paired(tmp_path: Path) -> None:
 
 def test_a_launched_kernel_of_an_infrastructure_source_needs_its_twins(tmp_path: Path) -> None:
     cuda_dir = tmp_path / "cuda_src"
-    _write_kernels(cuda_dir, sorted(REF))
+    _write_kernels(cuda_dir, CUDA_NAMES)
     _write_kernels(cuda_dir, ["step_helper", "selftest_axpy"], "_glue.cu")
-    assert set(registry.cuda_kernels(cuda_dir, launched={"step_helper"})) == set(REF) | {"step_helper"}
+    assert set(registry.cuda_kernels(cuda_dir, launched={"step_helper"})) == set(CUDA_NAMES) | {
+        "step_helper"}
     assert check_consistency(cuda_dir, REF, REF, SPECS, launched={"step_helper"}) == [
         "CUDA kernel 'step_helper' (_glue.cu:1) has no reference twin in "
         "foxhunt.reference.kernels.KERNELS",
@@ -223,7 +227,7 @@ def test_an_entry_without_a_reference_kernel_raises() -> None:
     with pytest.raises(KeyError, match="name no reference kernel"):
         build_specs(partial, {}, SPEC_TABLE)
     assert check_consistency(None, partial, partial, {**{k: SPEC_TABLE[k] for k in partial},
-                                                      "ghost": None}) == [
+                                                      "ghost": None}, {}) == [
         "conformance entry 'ghost' has no reference kernel"]
 
 

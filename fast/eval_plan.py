@@ -35,16 +35,22 @@ an ``EvalLayout(layout, 1)``): the run's market tables (``walk_close`` ... as
 (``walk_start_host``) and the step count (``walk_n_steps_host``) are copied in, then on sm_90
 and newer (where ``kernels.walk.plan_walk`` picks the cluster kernel: the network fits a
 cluster's shared memory) ``SPAN_PASSES`` launches of ``greedy_walk_spans`` on ``SPAN_CHUNKS``
-thread-block clusters and its tail on one; elsewhere ONE launch of ``greedy_walk`` (one block).
-Both walk the greedy policy over the whole segment with records bitwise the one-cluster
-``greedy_walk_cluster``'s (``cuda_src/walk.cu``, twin ``reference.kernels.walk.greedy_walk``):
-while the policy holds its position the next states need no network, so the span launches
-check the remaining steps in parallel, 16 clusters at once, and commit up to the first trade;
-the tail walks what is left on one cluster, many steps a pass while the policy holds. They
-read the online copy of ``params2`` (and of ``mirror2`` in ``bf16``), ``isv`` (Mech 10's
-bound), ``z``, ``n_actions`` and ``action_offset`` of the step layout and the walk's
-``walk_param_offsets`` (the tensors' offsets, ``walk.walk_offsets``), keep their base states and
-breaks in ``walk_span_state`` / ``walk_span_brk`` and write rows ``[0, n)`` of ``walk_rec_*``;
+thread-block clusters, then ``SPAN_ROUNDS`` launches of ``greedy_walk_round`` on
+``SPAN_CHUNKS`` clusters with the spans' buffers as their base; elsewhere ONE launch of
+``greedy_walk`` (one block). Both walk the greedy policy over the whole segment with records
+bitwise the one-cluster ``greedy_walk_cluster``'s (``cuda_src/walk.cu``, twin
+``reference.kernels.walk.greedy_walk``): while the policy holds its position the next states
+need no network, so the span launches check the remaining steps in parallel, 16 clusters at
+once, and commit up to the first trade; the rounds commit the last span launch's break and cut
+what is left into 16 chunks walked in parallel, chunk 0 from that exact state and the others
+from a flat guess, each later round rerunning a chunk from its predecessor's end until it
+merges with its previous run (a policy that holds: nothing is left, the rounds are no-ops; one
+that trades every few bars: two rounds converge; the later ones only compare keys). They read
+the online copy of ``params2`` (and of ``mirror2`` in ``bf16``), ``isv`` (Mech 10's bound),
+``z``, ``n_actions`` and ``action_offset`` of the step layout and the walk's
+``walk_param_offsets`` (the tensors' offsets, ``walk.walk_offsets``), keep the spans' base
+states and breaks in ``walk_span_state`` / ``walk_span_brk`` and the rounds' keys in
+``walk_round_trace`` / ``walk_round_ends``, and write rows ``[0, n)`` of ``walk_rec_*``;
 ``end_ops`` follows unchanged. The kernels build their own state rows: no ``walk_obs``, no
 ``env_reset``.
 
@@ -71,6 +77,7 @@ from foxhunt.reference.isv import H_S2_RMS_EMA_INDEX
 from foxhunt.reference.kernels import env as env_kernels
 from foxhunt.reference.kernels import walk as walk_kernels
 from foxhunt.reference.kernels.rng import STREAMS
+from foxhunt.reference.kernels.walk_rounds import greedy_walk_round
 from foxhunt.reference.kernels.walk_spans import greedy_walk_spans_pass
 from foxhunt.reference.loop import BASELINE_ACTIONS
 
@@ -161,6 +168,9 @@ class WalkLayout(BufferTable):
         # greedy_walk_spans' base states and breaks, by launch parity
         self._add("walk_span_state", (2, 5), I32)
         self._add("walk_span_brk", (2, walk_fast.SPAN_CHUNKS, 5), I32)
+        # greedy_walk_round's keys: per step, and each chunk's end by round parity
+        self._add("walk_round_trace", (R, 3), I32)
+        self._add("walk_round_ends", (2, walk_fast.SPAN_CHUNKS, 3), I32)
         clash = sorted(set(self.specs) & set(layout.specs))
         if clash:
             raise AssertionError(f"walk buffers {clash} shadow step buffers")
@@ -264,8 +274,8 @@ def fused_walk_kernel(prog: StepProgram) -> str:
 def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
     """The fused walk (module docstring): the first bar and the step count in, then where
     ``plan_walk`` picks the cluster kernel ``SPAN_PASSES`` launches of ``greedy_walk_spans`` on
-    ``SPAN_CHUNKS`` clusters and its tail on one (bitwise ``greedy_walk_cluster``'s records),
-    else ONE ``greedy_walk``."""
+    ``SPAN_CHUNKS`` clusters and ``SPAN_ROUNDS`` launches of ``greedy_walk_round`` on their base
+    (bitwise ``greedy_walk_cluster``'s records), else ONE ``greedy_walk``."""
     lay, c = prog.lay, prog.config
     tables = {name: buf for buf, name in WALK_TABLES}
     dims = walk_kernels.walk_dims(c)
@@ -286,12 +296,19 @@ def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
     if kernel != "greedy_walk_cluster":
         ops.kernel(kernel, plan, **args, **records)
         return
-    span, tail, rows = walk.plan_greedy_walk_spans(dims, lay.branches, lay.bf16, prog.arch,
-                                                   walk.SPAN_CHUNKS)
-    for p in range(walk.SPAN_PASSES + 1):
-        ops.kernel("greedy_walk_spans", span if p < walk.SPAN_PASSES else tail, **args,
-                   n_chunks=walk.SPAN_CHUNKS, n_passes=walk.SPAN_PASSES, pass_index=p,
-                   hold_rows=rows, state="walk_span_state", brk="walk_span_brk", **records)
+    span, _, rows = walk.plan_greedy_walk_spans(dims, lay.branches, lay.bf16, prog.arch,
+                                                walk.SPAN_CHUNKS)
+    for p in range(walk.SPAN_PASSES):  # (not the tail: the rounds walk what is left)
+        ops.kernel("greedy_walk_spans", span, **args, n_chunks=walk.SPAN_CHUNKS,
+                   n_passes=walk.SPAN_PASSES, pass_index=p, hold_rows=rows,
+                   state="walk_span_state", brk="walk_span_brk", **records)
+    chunks = walk.plan_greedy_walk_round(dims, lay.branches, lay.bf16, prog.arch,
+                                         walk.SPAN_CHUNKS)
+    for r in range(walk.SPAN_ROUNDS):
+        ops.kernel("greedy_walk_round", chunks, **args, n_chunks=walk.SPAN_CHUNKS, round=r,
+                   span_chunks=walk.SPAN_CHUNKS, span_passes=walk.SPAN_PASSES,
+                   span_state="walk_span_state", span_brk="walk_span_brk",
+                   trace="walk_round_trace", ends="walk_round_ends", **records)
 
 
 def end_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, *, n: int, bars_per_year: float,
@@ -331,7 +348,7 @@ def register_twins() -> None:
                                          a.cycle)._asdict()
 
     if "greedy_walk" not in TWINS:
-        for name in (*WALK_KERNELS, "greedy_walk_hold", "greedy_walk_spans"):
+        for name in (*WALK_KERNELS, "greedy_walk_hold", "greedy_walk_spans", "greedy_walk_round"):
             _register_greedy_walk(twin, name)
 
     if "eval_metrics" not in TWINS:
@@ -353,10 +370,12 @@ def walk_tensor_sizes(dims, branches) -> tuple[int, ...]:
 def _register_greedy_walk(twin, name: str) -> None:
     """The twin of ``name``: ``greedy_walk``, ``greedy_walk_cluster`` or ``greedy_walk_hold`` (the
     same walk: ``reference.kernels.walk.greedy_walk`` on the launch's tables, writing rows
-    ``[0, min(n_steps, record_len))`` of the records, the kernels' rule), or one launch of
+    ``[0, min(n_steps, record_len))`` of the records, the kernels' rule), one launch of
     ``greedy_walk_spans`` (``reference.kernels.walk_spans.greedy_walk_spans_pass`` on the launch's
-    ``state``, ``brk`` and records). In ``bf16`` the weights are the mirror's (as the kernel
-    reads them), the biases the f32 params'."""
+    ``state``, ``brk`` and records) or one of ``greedy_walk_round``
+    (``reference.kernels.walk_rounds.greedy_walk_round`` on its span base, ``trace``, ``ends``
+    and records). In ``bf16`` the weights are the mirror's (as the kernel reads them), the biases
+    the f32 params'."""
     from foxhunt.fast.cpu_kernels import branches
     from foxhunt.reference.isv import ISV_LEN
     from foxhunt.reference.kernels.dense import bf16_to_f32
@@ -396,23 +415,44 @@ def _register_greedy_walk(twin, name: str) -> None:
                    features=("n_bars", "n_features"), costs=len(env_kernels.COST_FIELDS),
                    start=1, n_steps=1, **rec)
 
+    def rows_in(a) -> tuple[int, list]:
+        """``(n, the records' first n rows or None)`` of a per-launch twin (rows are steps;
+        the evaluator's segments fit ``record_len``)."""
+        n = int(a.n_steps[0])
+        if n > a.record_len:
+            raise ValueError(f"{name}: n_steps {n} > record_len {a.record_len}")
+        return n, [getattr(a, f)[:n] if a.view(f) is not None else None for f in rec]
+
+    def rows_out(a, n: int, done, out: dict) -> dict:
+        """``out`` with the records' first ``n`` rows from ``done`` (the rest as they were)."""
+        for f in rec:
+            if a.view(f) is not None:
+                out[f] = getattr(a, f)
+                out[f][:n] = getattr(done, f)
+        return out
+
     if name == "greedy_walk_spans":  # one launch: reference walk_spans.greedy_walk_spans_pass
         @twin(name, nullable=("params_bf16", "rec_margin"), state=(2, 5),
               brk=(2, "n_chunks", 5), **extents)
         def _greedy_walk_spans(a):
-            n = min(int(a.n_steps[0]), a.record_len)  # (the evaluator's segments fit)
-            if n != int(a.n_steps[0]):
-                raise ValueError(f"{name}: n_steps {int(a.n_steps[0])} > record_len "
-                                 f"{a.record_len}")
-            fields = [f for f in rec if a.view(f) is not None]
-            done = greedy_walk_spans_pass(
-                *walk_args(a), a.n_chunks, a.n_passes, a.pass_index, a.hold_rows, a.state,
-                a.brk, *(getattr(a, f)[:n] if a.view(f) is not None else None for f in rec))
-            out = {"state": done.state, "brk": done.brk}
-            for f in fields:
-                out[f] = getattr(a, f)
-                out[f][:n] = getattr(done, f)
-            return out
+            n, recs = rows_in(a)
+            done = greedy_walk_spans_pass(*walk_args(a), a.n_chunks, a.n_passes, a.pass_index,
+                                          a.hold_rows, a.state, a.brk, *recs)
+            return rows_out(a, n, done, {"state": done.state, "brk": done.brk})
+        return
+
+    if name == "greedy_walk_round":  # one round: reference walk_rounds.greedy_walk_round
+        @twin(name, nullable=("params_bf16", "rec_margin", "span_state", "span_brk"),
+              span_state=(2, 5), span_brk=(2, "span_chunks", 5), trace=("record_len", 3),
+              ends=(2, "n_chunks", 3), **extents)
+        def _greedy_walk_round(a):
+            n, recs = rows_in(a)
+            done = greedy_walk_round(*walk_args(a), a.n_chunks, a.round, a.span_chunks,
+                                     a.span_passes, a.span_state, a.span_brk, a.trace[:n],
+                                     a.ends, *recs)
+            trace = a.trace
+            trace[:n] = done.trace
+            return rows_out(a, n, done, {"trace": trace, "ends": done.ends})
         return
 
     @twin(name, nullable=("params_bf16", "rec_margin"), **extents)

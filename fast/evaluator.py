@@ -14,12 +14,14 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
   ``END_CACHE_SIZE`` most recent kept);
 - with ``mode="fused"``, ``fused``: the greedy walk of a whole segment on the device in ONE
   graph (``eval_plan.fused_ops``): from sm_90 the span launches of ``greedy_walk_spans`` (the
-  steps the policy holds through checked 16 clusters at once) and its tail, bitwise the
-  one-cluster ``greedy_walk_cluster``'s records; else one launch of ``greedy_walk`` (one
-  block); built with the evaluator. The greedy policy then takes ``fused`` and ``end`` instead
-  of ``begin``, the chunks and ``end`` (the baselines keep the chunk graphs). ``mode="graph"``
-  walks the greedy policy by chunk graphs too. ``mode="auto"`` (the default, ``auto_mode``) is
-  ``"fused"`` where the fused walk runs on clusters and the support is fixed, else ``"graph"``.
+  steps the policy holds through checked 16 clusters at once), then the rounds of
+  ``greedy_walk_round`` (what is left in 16 chunks walked in parallel, repaired until each
+  merges with its predecessor's end), bitwise the one-cluster ``greedy_walk_cluster``'s
+  records; else one launch of ``greedy_walk`` (one block); built with the evaluator. The
+  greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and ``end``
+  (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by chunk
+  graphs too. ``mode="auto"`` (the default, ``auto_mode``) is ``"fused"`` where the fused walk
+  runs on clusters and the support is fixed, else ``"graph"``.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the

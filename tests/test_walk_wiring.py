@@ -115,11 +115,12 @@ def test_fused_baselines_are_the_graph_baselines(run_setup):
 
 def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
     """The fused plan: the two copies in, ``SPAN_PASSES`` launches of ``greedy_walk_spans`` on
-    ``SPAN_CHUNKS`` clusters and its tail on one (``pass_index`` 0 .. ``SPAN_PASSES``), whatever
-    the segment's length; no greedy chunk graph is ever built; one synchronisation per segment.
-    The CPU plan is built for sm_90 (``cpu_executor.CPU_ARCH``), where the tiny network fits a
-    cluster (16 rows a pass)."""
-    from foxhunt.fast.kernels.walk import SPAN_CHUNKS, SPAN_PASSES
+    ``SPAN_CHUNKS`` clusters (``pass_index`` 0 .. ``SPAN_PASSES - 1``: no tail), then
+    ``SPAN_ROUNDS`` launches of ``greedy_walk_round`` on ``SPAN_CHUNKS`` clusters (``round`` 0
+    .. ``SPAN_ROUNDS - 1``) on the spans' buffers, whatever the segment's length; no greedy
+    chunk graph is ever built; one synchronisation per segment. The CPU plan is built for sm_90
+    (``cpu_executor.CPU_ARCH``), where the tiny network fits a cluster (16 rows a pass)."""
+    from foxhunt.fast.kernels.walk import SPAN_CHUNKS, SPAN_PASSES, SPAN_ROUNDS
 
     *_, segments, per_year, _, fused = run_setup
     for start, stop in segments:
@@ -128,11 +129,20 @@ def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
         assert fast_device.SYNCS.count - before == 1
     (graph,) = fused._device._plans["fused"]
     launches = [node for node in graph.nodes if getattr(node, "kernel", None)]
-    assert [node.kernel for node in launches] == ["greedy_walk_spans"] * (SPAN_PASSES + 1)
-    assert [node.args["pass_index"] for node in launches] == list(range(SPAN_PASSES + 1))
-    assert {node.args["hold_rows"] for node in launches} == {16}
-    assert [node.shape.grid[0] for node in launches] == [8 * SPAN_CHUNKS] * SPAN_PASSES + [8]
-    assert fused._device.node_count("fused") == 2 + SPAN_PASSES + 1
+    assert SPAN_ROUNDS == SPAN_CHUNKS  # as many rounds as chunks: exact for every policy
+    assert [node.kernel for node in launches] == (["greedy_walk_spans"] * SPAN_PASSES
+                                                  + ["greedy_walk_round"] * SPAN_ROUNDS)
+    spans, rounds = launches[:SPAN_PASSES], launches[SPAN_PASSES:]
+    assert [node.args["pass_index"] for node in spans] == list(range(SPAN_PASSES))
+    assert {node.args["hold_rows"] for node in spans} == {16}
+    assert [node.args["round"] for node in rounds] == list(range(SPAN_ROUNDS))
+    assert {(node.args["n_chunks"], node.args["span_chunks"], node.args["span_passes"],
+             str(node.args["span_state"]), str(node.args["span_brk"])) for node in rounds} == {
+        (SPAN_CHUNKS, SPAN_CHUNKS, SPAN_PASSES, "walk_span_state", "walk_span_brk")}
+    assert {(str(node.args["state"]), str(node.args["brk"])) for node in spans} == {
+        ("walk_span_state", "walk_span_brk")}
+    assert [node.shape.grid[0] for node in launches] == [8 * SPAN_CHUNKS] * len(launches)
+    assert fused._device.node_count("fused") == 2 + SPAN_PASSES + SPAN_ROUNDS
     assert ("chunk", "greedy") not in fused._device._plans
 
 
@@ -187,7 +197,7 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
     two kernels sum in the same order; a freshly stepped seed network's margins are too small
     for a comparison with the chunk graphs to reach past a few bars)."""
     from foxhunt.fast import Trainer
-    from foxhunt.fast.kernels.walk import SPAN_PASSES, WALK_KERNELS
+    from foxhunt.fast.kernels.walk import SPAN_PASSES, SPAN_ROUNDS, WALK_KERNELS
     from foxhunt.fast.kernels.walk import greedy_walk as one_block
 
     config, trainer, tables, segments, per_year, graph, fused = _setup(
@@ -201,10 +211,10 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
             traded += np.count_nonzero(want)
         assert traded > 0
         packed = {node.kernel for *_, node in fused._device._lowering._packed.values()}
-        walks = {*WALK_KERNELS, "greedy_walk_hold", "greedy_walk_spans"}
-        if trainer.engine.device.compute_capability >= (9, 0):  # two copies in, the spans
-            assert fused._device.node_count("fused") == 2 + SPAN_PASSES + 1
-            assert packed & walks == {"greedy_walk_spans"}
+        walks = {*WALK_KERNELS, "greedy_walk_hold", "greedy_walk_spans", "greedy_walk_round"}
+        if trainer.engine.device.compute_capability >= (9, 0):  # copies in, spans, rounds
+            assert fused._device.node_count("fused") == 2 + SPAN_PASSES + SPAN_ROUNDS
+            assert packed & walks == {"greedy_walk_spans", "greedy_walk_round"}
         else:
             assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
             assert packed & walks == {"greedy_walk"}
@@ -252,15 +262,16 @@ def test_gpu_walk_in_chunks_is_the_cluster_walk_bit_for_bit(precision):
 @pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
 @pytest.mark.parametrize("precision", ["bf16", "f32"])
 def test_gpu_hold_and_span_walks_are_the_cluster_walk_bit_for_bit(precision):
-    """``greedy_walk_hold`` and ``greedy_walk_spans`` (its passes and tail, as the evaluator
-    launches them) record what ``greedy_walk_cluster`` records, bit for bit (rewards,
-    positions held, costs, margins), on the seed network's live parameters over real fold
-    segments (a policy that trades: short held stretches) and on the same network made to buy
-    and hold (the top atom of the exposure branch's long action raised: every step after the
-    fill holds, whole passes of W rows)."""
+    """``greedy_walk_hold``, ``greedy_walk_spans`` (its passes and tail) and
+    ``greedy_walk_span_rounds`` (the span passes, then ``greedy_walk_round``'s rounds on their
+    base, as the evaluator launches them) record what ``greedy_walk_cluster`` records, bit for
+    bit (rewards, positions held, costs, margins), on the seed network's live parameters over
+    real fold segments (a policy that trades: short held stretches) and on the same network
+    made to buy and hold (the top atom of the exposure branch's long action raised: every step
+    after the fill holds, whole passes of W rows; the rounds find no step left)."""
     from foxhunt.fast import Trainer
     from foxhunt.fast.kernels.walk import (greedy_walk_cluster, greedy_walk_hold,
-                                           greedy_walk_spans)
+                                           greedy_walk_span_rounds, greedy_walk_spans)
     from foxhunt.reference.layout import branch_name
 
     config, trainer, tables, segments, per_year, graph, fused = _setup(
@@ -275,7 +286,7 @@ def test_gpu_hold_and_span_walks_are_the_cluster_walk_bit_for_bit(precision):
             hold["params"][top] += 50.0
             for kwargs in (args, hold):
                 want = greedy_walk_cluster(**kwargs)
-                for kernel in (greedy_walk_hold, greedy_walk_spans):
+                for kernel in (greedy_walk_hold, greedy_walk_spans, greedy_walk_span_rounds):
                     got = kernel(**kwargs)
                     for name in want._fields:
                         assert getattr(got, name).tobytes() == getattr(want, name).tobytes(), \

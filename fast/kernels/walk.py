@@ -1,26 +1,32 @@
 """Fast launchers of ``cuda_src/walk.cu``'s greedy walks: ``greedy_walk``, ``greedy_walk_cluster``,
 ``greedy_walk_hold`` and ``greedy_walk_spans`` (twin of all four:
 ``foxhunt.reference.kernels.walk.greedy_walk``, same signature; bitwise equal records), and
-``greedy_walk_round`` (the chunked repair walk: ``greedy_walk_chunked`` runs its rounds; twin
-``reference.kernels.walk_rounds``).
+``greedy_walk_round`` (the chunked repair walk: ``greedy_walk_chunked`` runs its rounds from
+flat; twin ``reference.kernels.walk_rounds``); ``greedy_walk_span_rounds``, the evaluator's
+fused walk (span launches, then rounds on their base), is a test entry of its own (twin
+``greedy_walk``).
 
 The test entries are numpy-in/numpy-out: they validate with the reference's checks (same
 ``ValueError``), build the BF16 mirror of ``params`` with the ``f32_to_bf16`` kernel (the
 trainer's mirror is made the same way), launch on the test runtime's device and return the
 reference's ``WalkRecord``: ONE block (``greedy_walk``), ONE thread-block cluster
 (``greedy_walk_cluster``: 8 blocks from sm_90, 1 before; ``greedy_walk_hold``: the cluster walk,
-many steps a pass while the policy holds), or the span walk's launches as the evaluator runs
-them (``greedy_walk_spans``: ``SPAN_PASSES`` launches on ``SPAN_CHUNKS`` clusters, then its tail
-on one).
+many steps a pass while the policy holds), the span walk's launches (``greedy_walk_spans``:
+``SPAN_PASSES`` launches on ``SPAN_CHUNKS`` clusters, then its tail on one), or the fused walk
+as the evaluator runs it (``greedy_walk_span_rounds``: the ``SPAN_PASSES`` span launches, then
+``SPAN_ROUNDS`` launches of ``greedy_walk_round`` on ``SPAN_CHUNKS`` clusters with the spans'
+buffers as their base).
 
 The evaluator's fused mode (``fast.eval_plan.fused_ops``) launches, on arena buffers and every
-parameter by its name in walk.cu, the span walk where :func:`plan_walk` picks the cluster
-kernel, else ``greedy_walk``. The common parameters: ``params, params_bf16, param_offsets,
-bf16, state_dim, h1, h2, value_h, adv_h, num_atoms, n_branches, n_actions, action_offset, z,
-isv, isv_index, h2_clamp_mult, close, high, low, features, n_features, costs, n_bars, start,
-n_steps``, then the kernel's own (the span walk: ``n_chunks, n_passes, pass_index, hold_rows,
-state, brk``), then ``rec_reward, rec_held, rec_cost, rec_margin, record_len`` (``rec_margin``
-may be null, ``params_bf16`` too when ``bf16`` is 0).
+parameter by its name in walk.cu, the span launches and the rounds where :func:`plan_walk`
+picks the cluster kernel, else ``greedy_walk``. The common parameters: ``params, params_bf16,
+param_offsets, bf16, state_dim, h1, h2, value_h, adv_h, num_atoms, n_branches, n_actions,
+action_offset, z, isv, isv_index, h2_clamp_mult, close, high, low, features, n_features, costs,
+n_bars, start, n_steps``, then the kernel's own (the span walk: ``n_chunks, n_passes,
+pass_index, hold_rows, state, brk``; a round: ``n_chunks, round, span_chunks, span_passes,
+span_state, span_brk, trace, ends``), then ``rec_reward, rec_held, rec_cost, rec_margin,
+record_len`` (``rec_margin`` may be null, ``params_bf16`` too when ``bf16`` is 0, ``span_state``
+and ``span_brk`` too: a round without a span base).
 
 **Which kernel** (:func:`plan_walk`): the cluster kernel on sm_90 and newer when its block's
 slices fit the architecture's opt-in shared memory (:data:`SHARED_OPTIN`), else the one-block
@@ -43,8 +49,12 @@ from foxhunt.fast.kernels.dense import f32_to_bf16
 from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.walk import WalkRecord, validate_greedy_walk
-from foxhunt.reference.kernels.walk_rounds import WalkRoundState, validate_greedy_walk_round
-from foxhunt.reference.kernels.walk_spans import HOLD_MAX
+from foxhunt.reference.kernels.walk_rounds import (
+    NO_SPAN_BASE,
+    WalkRoundState,
+    validate_greedy_walk_round,
+)
+from foxhunt.reference.kernels.walk_spans import HOLD_MAX, SPAN_BREAK, SPAN_STATE
 
 F32, I32 = np.float32, np.int32
 
@@ -201,9 +211,12 @@ def plan_greedy_walk_hold(dims, branches, bf16: bool, arch) -> tuple[tuple, int]
 
 
 #: ``greedy_walk_spans``: its clusters (as many as an H200 runs at once: 132 SMs, 16 clusters of
-#: 8) and its span launches before the tail.
+#: 8) and its span launches before the tail (in the evaluator: before the rounds).
 SPAN_CHUNKS = 16
 SPAN_PASSES = 8
+#: The evaluator's ``greedy_walk_round`` launches after the spans, on ``SPAN_CHUNKS`` chunks:
+#: as many rounds as chunks make the walk exact for every policy (walk.cu's header).
+SPAN_ROUNDS = SPAN_CHUNKS
 
 
 def plan_greedy_walk_spans(dims, branches, bf16: bool, arch, n_chunks: int) -> tuple:
@@ -283,14 +296,15 @@ def greedy_walk_cluster(params, param_offsets, dims, branches, bf16, z, isv, isv
 
 def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
                       h2_clamp_mult, close, high, low, features, costs, start, n_steps, n_chunks,
-                      round, trace, ends, rec_reward, rec_held, rec_cost,
-                      rec_margin) -> WalkRoundState:
+                      round, span_chunks, span_passes, span_state, span_brk, trace, ends,
+                      rec_reward, rec_held, rec_cost, rec_margin) -> WalkRoundState:
     """Test entry of the CUDA ``greedy_walk_round``: ONE launch (one round) on copies of the
-    buffers, returned as the twin's ``WalkRoundState`` (contract and errors as the twin's)."""
-    T, start, n_steps, n_chunks, round = validate_greedy_walk_round(
+    buffers, returned as the twin's ``WalkRoundState`` (contract and errors as the twin's; the
+    span base's buffers are read only)."""
+    T, start, n_steps, n_chunks, round, span_chunks, span_passes = validate_greedy_walk_round(
         params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps, n_chunks, round, trace, ends, rec_reward,
-        rec_held, rec_cost, rec_margin)
+        high, low, features, costs, start, n_steps, n_chunks, round, span_chunks, span_passes,
+        span_state, span_brk, trace, ends, rec_reward, rec_held, rec_cost, rec_margin)
     plan = plan_greedy_walk_round(dims, branches, bool(bf16), runtime().device.arch, n_chunks)
     rows = max(n_steps, 1)  # (no zero-byte buffers)
 
@@ -303,7 +317,9 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
     outs = launch("greedy_walk_round", plan,
                   *_inputs("greedy_walk_round", plan, params, param_offsets, dims, branches, bf16,
                            z, isv, isv_index, h2_clamp_mult, close, high, low, features, costs,
-                           T, start, n_steps), n_chunks, round,
+                           T, start, n_steps), n_chunks, round, span_chunks, span_passes,
+                  0 if span_state is None else In(np.ascontiguousarray(span_state)),
+                  0 if span_brk is None else In(np.ascontiguousarray(span_brk)),
                   rows_of(trace, (rows, 3), I32), InOut(np.ascontiguousarray(ends)),
                   rows_of(rec_reward, rows, F32), rows_of(rec_held, rows, F32),
                   rows_of(rec_cost, rows, F32), margin, n_steps)
@@ -328,7 +344,7 @@ def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv
     for r in range(rounds):
         state = greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
                                   h2_clamp_mult, close, high, low, features, costs, start,
-                                  n_steps, n_chunks, r, *state)
+                                  n_steps, n_chunks, r, **NO_SPAN_BASE, **state._asdict())
     return WalkRecord(state.rec_reward, state.rec_held, state.rec_cost, state.rec_margin)
 
 
@@ -348,7 +364,8 @@ def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, isv, isv_i
                       h2_clamp_mult, close, high, low, features, costs, start,
                       n_steps) -> WalkRecord:
     """Test entry of the CUDA ``greedy_walk_spans``: its ``SPAN_PASSES`` span launches on
-    ``SPAN_CHUNKS`` clusters, then the tail on one (as the evaluator runs them), on the test
+    ``SPAN_CHUNKS`` clusters, then the tail on one (the span walk on its own: the evaluator
+    launches rounds in place of the tail, :func:`greedy_walk_span_rounds`), on the test
     runtime's device; the records (contract as the reference twin ``greedy_walk``; bitwise
     ``greedy_walk_cluster``'s)."""
     T, start, n_steps = validate_greedy_walk(
@@ -359,17 +376,57 @@ def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, isv, isv_i
     inputs = _inputs("greedy_walk_spans", span, params, param_offsets, dims, branches, bf16, z,
                      isv, isv_index, h2_clamp_mult, close, high, low, features, costs, T, start,
                      n_steps)
+    recs, _, _ = _span_launches(inputs, span, tail, hold_rows, n_steps, SPAN_PASSES + 1)
+    return WalkRecord(*(r[:n_steps] for r in recs))
+
+
+def _span_launches(inputs, span, tail, hold_rows, n_steps, launches) -> tuple:
+    """Launches ``0 .. launches - 1`` of ``greedy_walk_spans`` (``SPAN_PASSES`` passes on
+    ``SPAN_CHUNKS`` clusters, the tail after them) on zeroed buffers: ``(records, state,
+    brk)``, the records ``max(n_steps, 1)`` rows each."""
     rows = max(n_steps, 1)
-    state = np.zeros((2, 5), I32)
-    brk = np.zeros((2, SPAN_CHUNKS, 5), I32)
+    state = np.zeros((2, len(SPAN_STATE)), I32)
+    brk = np.zeros((2, SPAN_CHUNKS, len(SPAN_BREAK)), I32)
     recs = [np.zeros(rows, F32) for _ in range(4)]
-    for p in range(SPAN_PASSES + 1):
+    for p in range(launches):
         plan = span if p < SPAN_PASSES else tail
         state, brk, *recs = launch("greedy_walk_spans", plan, *inputs, SPAN_CHUNKS, SPAN_PASSES,
                                    p, hold_rows, InOut(state), InOut(brk),
                                    *(InOut(r) for r in recs), n_steps)
-    return WalkRecord(*(r[:n_steps] for r in recs))
+    return recs, state, brk
+
+
+def greedy_walk_span_rounds(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+                            h2_clamp_mult, close, high, low, features, costs, start,
+                            n_steps) -> WalkRecord:
+    """Test entry of the evaluator's fused walk (``eval_plan.fused_ops`` on sm_90): the CUDA
+    ``greedy_walk_spans``' ``SPAN_PASSES`` span launches on ``SPAN_CHUNKS`` clusters (no tail),
+    then ``SPAN_ROUNDS`` launches of ``greedy_walk_round`` on ``SPAN_CHUNKS`` chunks with the
+    spans' buffers as their base (:func:`plan_greedy_walk_round`), on the test runtime's device;
+    the records (contract as the reference twin ``greedy_walk``; bitwise
+    ``greedy_walk_cluster``'s; the reference composition is
+    ``walk_rounds.greedy_walk_spans_and_rounds``)."""
+    T, start, n_steps = validate_greedy_walk(
+        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
+        high, low, features, costs, start, n_steps)
+    arch = runtime().device.arch
+    span, tail, hold_rows = plan_greedy_walk_spans(dims, branches, bool(bf16), arch, SPAN_CHUNKS)
+    common = (params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
+              close, high, low, features, costs, T, start, n_steps)
+    recs, state, brk = _span_launches(_inputs("greedy_walk_spans", span, *common), span, tail,
+                                      hold_rows, n_steps, SPAN_PASSES)
+    plan = plan_greedy_walk_round(dims, branches, bool(bf16), arch, SPAN_CHUNKS)
+    inputs = _inputs("greedy_walk_round", plan, *common)
+    rows = max(n_steps, 1)
+    trace = np.zeros((rows, 3), I32)
+    ends = np.zeros((2, SPAN_CHUNKS, 3), I32)
+    for r in range(SPAN_ROUNDS):
+        trace, ends, *recs = launch("greedy_walk_round", plan, *inputs, SPAN_CHUNKS, r,
+                                    SPAN_CHUNKS, SPAN_PASSES, In(state), In(brk), InOut(trace),
+                                    InOut(ends), *(InOut(x) for x in recs), n_steps)
+    return WalkRecord(*(x[:n_steps] for x in recs))
 
 
 KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk_cluster,
-           "greedy_walk_hold": greedy_walk_hold, "greedy_walk_spans": greedy_walk_spans}
+           "greedy_walk_hold": greedy_walk_hold, "greedy_walk_spans": greedy_walk_spans,
+           "greedy_walk_span_rounds": greedy_walk_span_rounds}
