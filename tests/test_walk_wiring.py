@@ -146,6 +146,24 @@ def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
     assert ("chunk", "greedy") not in fused._device._plans
 
 
+def test_cpu_fused_walk_is_the_reference_walk_bit_for_bit(run_setup):
+    """On the CPU executor the fused plan's launches (the span passes, then the rounds on
+    their base: the per-launch twins) record ``walk.greedy_walk``'s rewards on the trainer's
+    live parameters, bit for bit, on every segment; the policy trades more often than there
+    are span passes on some segment, so the rounds walk steps there (each pass commits one
+    break)."""
+    from foxhunt.fast.kernels.walk import SPAN_PASSES
+
+    config, trainer, tables, segments, per_year, _, fused = run_setup
+    most = 0
+    for start, stop in segments:
+        want = walk.greedy_walk(**_walk_args(config, trainer, tables, start, stop))
+        got = fused.walk(start, stop, per_year, equity=True)
+        assert got.rewards.tobytes() == want.rewards.tobytes()
+        most = max(most, int(np.count_nonzero(np.diff(want.positions))))
+    assert most > SPAN_PASSES
+
+
 def test_walk_tensor_sizes_are_the_parameter_layout_s():
     """The twin's extent of ``params``: each tensor's size as ``ParamLayout`` sizes it."""
     config = DQNConfig.preset("tiny")
