@@ -28,8 +28,11 @@ Benches (pytest-benchmark groups; GPU only: without a GPU each skips with the re
     and one ``q_values`` round trip per bar), one round.
 (c) ``train-cli-defaults``: wall time of the subprocess ``foxhunt train --backend fast`` with
     the defaults (``seed`` bf16, 20,000 bars, 2 folds x 3 epochs of 300 steps), after one
-    untimed run that warms the kernel cache (target: at most 3 s); ``extra_info`` also has the
-    run's own ``summary.json`` wall time and the sums of its epochs' ``train_s`` / ``eval_s``.
+    untimed run that warms the kernel cache and Python's bytecode cache (target: at most 3 s);
+    ``extra_info`` also has the run's own ``summary.json`` wall time and the sums of its
+    epochs' ``train_s`` / ``eval_s``. The one-command entry also times the defaults with
+    ``PYTHONDONTWRITEBYTECODE=1`` (``cli_env``: no ``.pyc`` written or read, as the H200
+    machine's environment sets it), reported without a target.
 (d) ``train-cli-long``: the same for 20 epochs on 60,000 bars (``LONG_RUN_ARGS``: the default
     2 folds x 10 epochs; target: at most 6 s).
 
@@ -53,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -251,12 +255,25 @@ def _step_only(trainer):
 
 
 # ------------------------------------------------------------------------------ (c), (d)
-def train_once(extra_args, out_dir: Path) -> dict:
+def cli_env(bytecode: bool) -> dict:
+    """The CLI subprocess's environment: this one, with Python's bytecode cache allowed
+    (``bytecode``: ``PYTHONDONTWRITEBYTECODE`` removed, as a normal install runs: the warm-up
+    run writes the ``.pyc`` files the timed runs read) or forbidden (set to 1: every process
+    compiles every module it imports, about 0.9 s on the H200 machine, whose environment sets
+    it)."""
+    env = dict(os.environ)
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    if not bytecode:
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def train_once(extra_args, out_dir: Path, bytecode: bool = True) -> dict:
     """One ``foxhunt train --backend fast`` subprocess; its wall time and what it recorded."""
     cmd = [sys.executable, "-m", "foxhunt.reference.cli", "train", "--backend", "fast",
            "--no-progress", *extra_args, "--out", str(out_dir)]
     tic = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cli_env(bytecode))
     wall = time.perf_counter() - tic
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stderr[-3000:]}")
@@ -268,12 +285,13 @@ def train_once(extra_args, out_dir: Path) -> dict:
             "eval_s": sum(r["eval_s"] for r in records)}
 
 
-def train_wall(extra_args, rounds: int) -> dict:
-    """``rounds`` timed runs after one untimed run (the kernel cache warm)."""
+def train_wall(extra_args, rounds: int, bytecode: bool = True) -> dict:
+    """``rounds`` timed runs after one untimed run (the kernel cache warm, and with
+    ``bytecode`` the ``.pyc`` files written: ``cli_env``)."""
     with tempfile.TemporaryDirectory(prefix="bench_main_job_") as tmp:
-        first = train_once(extra_args, Path(tmp) / "warm")
-        timed = [train_once(extra_args, Path(tmp) / f"run{i}") for i in range(rounds)]
-    return {"args": list(extra_args), "first_run": first, "runs": timed,
+        first = train_once(extra_args, Path(tmp) / "warm", bytecode)
+        timed = [train_once(extra_args, Path(tmp) / f"run{i}", bytecode) for i in range(rounds)]
+    return {"args": list(extra_args), "bytecode": bytecode, "first_run": first, "runs": timed,
             "median_wall_s": _median([r["wall_s"] for r in timed])}
 
 
@@ -404,11 +422,13 @@ def table(result: dict) -> str:
                     TARGETS["greedy_eval_s"])
             if "host_walk_s" in ev:
                 row(f"  peer: host walk {ev['bars']:,} bars {precision}", ev["host_walk_s"], "ms")
-    for name, key in (("defaults", "train_defaults_s"), ("long", "train_long_s")):
+    for name, key in (("defaults", "train_defaults_s"), ("defaults_no_bytecode", None),
+                      ("long", "train_long_s")):
         if name in result.get("train", {}):
             t = result["train"][name]
-            row(f"train --backend fast {' '.join(t['args']) or '(defaults)'}", t["median_wall_s"],
-                "s", TARGETS[key])
+            cache = "" if t.get("bytecode", True) else ", PYTHONDONTWRITEBYTECODE=1"
+            row(f"train --backend fast {' '.join(t['args']) or '(defaults)'}{cache}",
+                t["median_wall_s"], "s", TARGETS.get(key))
             last = t["runs"][-1]
             row(f"  in process (summary.json), {last['epochs']} epochs", last["in_process_s"], "s")
             row("  sum of the epochs' train_s", last["train_s"], "s")
@@ -464,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
         write_result(args.out, result)  # what is measured so far survives a later failure
     if not args.no_cli:
         result["train"]["defaults"] = train_wall((), ROUNDS["train"])
+        write_result(args.out, result)
+        result["train"]["defaults_no_bytecode"] = train_wall((), ROUNDS["train"], bytecode=False)
         write_result(args.out, result)
         result["train"]["long"] = train_wall(LONG_RUN_ARGS, ROUNDS["long"])
     print(table(result))
