@@ -46,6 +46,7 @@ import json
 import os
 import re
 import tempfile
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -193,14 +194,21 @@ def cache_key(
     return digest.hexdigest()
 
 
-def cache_dir() -> Path:
-    """Where compiled modules are cached (see the module docstring)."""
+def cache_root() -> Path:
+    """foxhunt's cache folder: ``$FOXHUNT_CACHE_DIR``, else ``$XDG_CACHE_HOME/foxhunt``, else
+    ``~/.cache/foxhunt`` (compiled modules in ``nvrtc/``, cuBLASLt's algorithm choices in
+    ``cublaslt/``: ``fast.gemm_algos``)."""
     explicit = os.environ.get(CACHE_ENV)
     if explicit:
-        return Path(explicit).expanduser() / "nvrtc"
+        return Path(explicit).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "foxhunt" / "nvrtc"
+    return base / "foxhunt"
+
+
+def cache_dir() -> Path:
+    """Where compiled modules are cached (see the module docstring)."""
+    return cache_root() / "nvrtc"
 
 
 # --------------------------------------------------------------------------------------------
@@ -489,6 +497,23 @@ def compile_sources(
     return module
 
 
+_PACKAGE_MODULES: dict[int, Module] = {}  # package_module's answers, by architecture
+_PACKAGE_LOCK = threading.Lock()
+
+
+def package_module(arch) -> Module:
+    """``compile_sources(arch)`` (the package's own ``cuda_src``, the disk cache on) once per
+    process: the trainers, evaluators and collectors of a process share one ``Module``, and a
+    second trainer does not read the cache again. A call while another thread builds it waits
+    for that build (``fast.prewarm`` starts one early)."""
+    arch_num = normalize_arch(arch)
+    with _PACKAGE_LOCK:
+        module = _PACKAGE_MODULES.get(arch_num)
+        if module is None:
+            module = _PACKAGE_MODULES[arch_num] = compile_sources(arch_num)
+    return module
+
+
 __all__ = [
     "COMPILE_OPTIONS",
     "KernelCompileError",
@@ -496,7 +521,9 @@ __all__ = [
     "ParamType",
     "cache_dir",
     "cache_key",
+    "cache_root",
     "compile_sources",
+    "package_module",
     "entry_params",
     "kernel_source_names",
     "normalize_arch",

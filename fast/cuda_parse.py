@@ -41,32 +41,29 @@ class CudaParseError(ValueError):
     """A kernel declaration the scanner cannot read, or a kernel name defined twice."""
 
 
+#: What ``strip_comments`` looks at, leftmost first: a ``//`` comment (to the end of its line),
+#: a ``/* */`` comment, an unterminated ``/*`` (an error), a string or character literal (a
+#: backslash escapes the next character; unterminated, it runs to the end of the text).
+_COMMENT_OR_LITERAL = re.compile(
+    r"//[^\n]*|/\*.*?\*/|/\*|\"(?:\\.|\\\Z|[^\"\\])*(?:\"|\Z)|'(?:\\.|\\\Z|[^'\\])*(?:'|\Z)",
+    re.S)
+
+
+def _strip_one(match: re.Match) -> str:
+    text = match.group()
+    if text.startswith("//"):
+        return ""  # the newline after it stays
+    if text.startswith("/*"):
+        if len(text) < 4 or not text.endswith("*/"):
+            raise CudaParseError("unterminated /* comment")
+        return "\n" * text.count("\n") or " "  # line numbers kept
+    return text  # a literal, as it is
+
+
 def strip_comments(source: str) -> str:
-    """Remove ``//`` and ``/* */`` comments, keeping string/char literals and line numbers."""
-    out: list[str] = []
-    i, n = 0, len(source)
-    while i < n:
-        c = source[i]
-        nxt = source[i + 1] if i + 1 < n else ""
-        if c == "/" and nxt == "/":
-            j = source.find("\n", i)
-            i = n if j < 0 else j  # keep the newline itself
-        elif c == "/" and nxt == "*":
-            j = source.find("*/", i + 2)
-            if j < 0:
-                raise CudaParseError("unterminated /* comment")
-            out.append("\n" * source.count("\n", i, j + 2) or " ")
-            i = j + 2
-        elif c in "\"'":
-            j = i + 1
-            while j < n and source[j] != c:
-                j += 2 if source[j] == "\\" else 1
-            out.append(source[i:j + 1])
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
+    """Remove ``//`` and ``/* */`` comments, keeping string/char literals and line numbers (a
+    ``/* */`` comment becomes its newlines, or one space)."""
+    return _COMMENT_OR_LITERAL.sub(_strip_one, source)
 
 
 def _skip_ws(text: str, i: int) -> int:

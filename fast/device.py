@@ -201,7 +201,6 @@ class Device:
         self.context = call(drv.cuDevicePrimaryCtxRetain, self.handle)
         self.make_current()
         self.stream = self.new_stream()
-        self._extras: dict = {}  # per-device singletons of other modules (cuBLASLt handle)
 
     def make_current(self) -> None:
         call(_driver().cuCtxSetCurrent, self.context)

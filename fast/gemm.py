@@ -64,6 +64,7 @@ Requires ``nvmath-python`` (``nvmath.bindings.cublasLt``), imported lazily and a
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -299,14 +300,19 @@ def _cublaslt():
     return cublasLt
 
 
+_HANDLES: dict[int, int] = {}  # device ordinal -> its cuBLASLt handle (one per process)
+_HANDLES_LOCK = threading.Lock()
+
+
 def cublaslt_handle(device) -> int:
-    """The device's cuBLASLt handle (created once, kept on the device)."""
-    handle = device._extras.get("cublaslt")
-    if handle is None:
-        lt = _cublaslt()
-        device.make_current()
-        handle = lt.create()
-        device._extras["cublaslt"] = handle
+    """The cuBLASLt handle of ``device``'s ordinal: created once per process (about 70 ms on
+    the H200; ``device.prewarm`` may create it on another thread) and kept to the end."""
+    with _HANDLES_LOCK:
+        handle = _HANDLES.get(device.ordinal)
+        if handle is None:
+            lt = _cublaslt()
+            device.make_current()
+            handle = _HANDLES[device.ordinal] = lt.create()
     return handle
 
 
@@ -327,7 +333,7 @@ class GemmPlan:
     def __init__(self, device, m, n, k, *, trans_a=False, trans_b=False, precision="f32",
                  epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
                  min_alignment: int = 256, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
-                 heuristic: np.ndarray | None = None):
+                 heuristic: np.ndarray | bytes | None = None, verify: bool = False):
         self._objects: list[tuple] = []  # (destroy function, handle) for close()
         self._workspace = None
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
@@ -341,12 +347,12 @@ class GemmPlan:
         self._lt = lt
         self._handle = cublaslt_handle(device)
         try:
-            self._plan(lt, workspace_limit, heuristic)
+            self._plan(lt, workspace_limit, heuristic, verify)
         except BaseException:
             self.close()
             raise
 
-    def _plan(self, lt, workspace_limit: int, heuristic) -> None:
+    def _plan(self, lt, workspace_limit: int, heuristic, verify: bool) -> None:
         spec, prob = self.spec, self.problem
         compute = CUBLAS_COMPUTE_32F_FAST_TF32 if spec.precision == "tf32" else CUBLAS_COMPUTE_32F
         in_type = CUDA_R_16BF if spec.precision == "bf16" else CUDA_R_32F
@@ -391,8 +397,16 @@ class GemmPlan:
                      pref_attr.MIN_ALIGNMENT_C_BYTES, pref_attr.MIN_ALIGNMENT_D_BYTES):
             set_pref(attr, self.min_alignment)
 
+        result_dtype = lt.matmul_heuristic_result_dtype
+        if isinstance(heuristic, (bytes, bytearray)):  # gemm_algos.AlgoStore: a stored answer
+            if len(heuristic) != result_dtype.itemsize:
+                raise GemmPlanError(f"a stored cuBLASLt answer of {len(heuristic)} bytes is not "
+                                    f"a heuristic result ({result_dtype.itemsize} bytes)")
+            heuristic = np.frombuffer(heuristic, dtype=result_dtype)
         if heuristic is not None:  # PlanCache: the algorithm cuBLASLt chose for an equal plan
-            self._heuristic = np.array(heuristic, dtype=lt.matmul_heuristic_result_dtype, copy=True)
+            self._heuristic = np.array(heuristic, dtype=result_dtype, copy=True)
+            if verify:
+                self._verify(lt, workspace_limit)
         else:
             self._heuristic = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
             found = np.zeros(1, dtype=np.int32)
@@ -413,6 +427,25 @@ class GemmPlan:
         self._workspace_ptr = self._workspace.ptr if self._workspace is not None else 0
         self._alpha = np.array([self.spec.alpha], dtype=np.float32)
         self._beta = np.array([self.spec.beta], dtype=np.float32)
+
+    def _verify(self, lt, workspace_limit: int) -> None:
+        """``cublasLtMatmulAlgoCheck`` of the given algorithm on this plan's descriptors; its
+        workspace size replaces the stored one. GemmPlanError when cuBLASLt rejects it or it
+        needs more workspace than ``workspace_limit``."""
+        algo = self._heuristic.ctypes.data + self._heuristic.dtype.fields["algo"][1]
+        checked = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+        self.device.make_current()
+        try:
+            lt.matmul_algo_check(self._handle, self._desc, self._layout_a, self._layout_b,
+                                 self._layout_c, self._layout_c, algo, checked.ctypes.data)
+        except Exception as exc:
+            raise GemmPlanError(f"cuBLASLt rejects the stored algorithm for {self.describe()}: "
+                                f"{exc}") from exc
+        workspace = int(checked["workspace_size"][0])
+        if workspace > workspace_limit:
+            raise GemmPlanError(f"the stored algorithm for {self.describe()} needs {workspace} "
+                                f"bytes of workspace; the limit is {workspace_limit}")
+        self._heuristic["workspace_size"][0] = workspace
 
     def describe(self) -> str:
         s = self.spec
@@ -501,14 +534,20 @@ class PlanCache:
     then (``plan.heuristic``) instead of asking again, and a configuration ``make`` refused
     (``GemmPlanError``) is refused again without asking. The seed step asks for 141 plans of
     far fewer distinct GEMMs (the same layer shapes in the online, target and evaluation
-    passes)."""
+    passes).
 
-    def __init__(self, make):
+    ``store`` (a ``gemm_algos.AlgoStore``, optional) keeps the answers between processes: a
+    GEMM new to this cache takes the stored algorithm when cuBLASLt's check accepts it
+    (``verify=True``; ``loaded`` counts them), else asks the heuristic and stores the answer."""
+
+    def __init__(self, make, store=None):
         self._make = make
+        self.store = store
         self._algos: dict = {}  # key -> heuristic result, or the GemmPlanError
         self.plans: list = []  # every plan made, for close()
         self.requests = 0  # planner calls, for the tests and the profile
         self.queries = 0  # of which asked the heuristic
+        self.loaded = 0  # of which took a stored algorithm (checked)
 
     @staticmethod
     def key(m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None, lda=None,
@@ -522,12 +561,16 @@ class PlanCache:
         self.requests += 1
         key = self.key(m, n, k, **kw)
         if key not in self._algos:
-            self.queries += 1
-            try:
-                plan = self._make(m, n, k, **kw)
-            except GemmPlanError as exc:
-                self._algos[key] = exc
-                raise
+            plan = self._from_store(key, m, n, k, **kw)
+            if plan is None:
+                self.queries += 1
+                try:
+                    plan = self._make(m, n, k, **kw)
+                except GemmPlanError as exc:
+                    self._algos[key] = exc
+                    raise
+                if self.store is not None:
+                    self.store.put(key, plan.heuristic.tobytes())
             self._algos[key] = plan.heuristic
         else:
             known = self._algos[key]
@@ -535,6 +578,20 @@ class PlanCache:
                 raise GemmPlanError(str(known))  # a new one: re-raising one grows its traceback
             plan = self._make(m, n, k, heuristic=known, **kw)
         self.plans.append(plan)
+        return plan
+
+    def _from_store(self, key, m, n, k, **kw):
+        """A plan with the stored algorithm of ``key`` if the store has one cuBLASLt accepts
+        (a rejected one is forgotten), else None."""
+        stored = None if self.store is None else self.store.get(key)
+        if stored is None:
+            return None
+        try:
+            plan = self._make(m, n, k, heuristic=stored, verify=True, **kw)
+        except GemmPlanError:
+            self.store.forget(key)
+            return None
+        self.loaded += 1
         return plan
 
     def close(self) -> None:

@@ -48,9 +48,10 @@ class GpuEngine:
 
     def __init__(self, config: DQNConfig, *, device=None, gemm_workspace: str = "none",
                  staging_slots: int = 2, seed: int = 0, n_step_on: bool = False):
-        from foxhunt.fast._build import compile_sources
+        from foxhunt.fast._build import package_module
         from foxhunt.fast.device import Arena, Device, _driver, call
-        from foxhunt.fast.gemm import GemmPlan, PlanCache
+        from foxhunt.fast.gemm import GemmPlan, PlanCache, _cublaslt
+        from foxhunt.fast.gemm_algos import AlgoStore
         from foxhunt.fast.graphs import GraphCapture
 
         dev = Device(0) if device is None else device
@@ -59,7 +60,7 @@ class GpuEngine:
         #: Set by ``close()``: graphs built on this engine (a collector's, an evaluator's) must
         #: not run any more (they read its freed arena).
         self.closed = False
-        self.module = dev.load_module(compile_sources(dev.arch))
+        self.module = dev.load_module(package_module(dev.arch))
         self.layout = lay = StepLayout(config, n_step_on=n_step_on)
         self.arena = Arena.from_specs(dev, lay.specs)
         # A name the step layout does not have raises its own error (StepLayout.region).
@@ -75,7 +76,8 @@ class GpuEngine:
         self._staging_views = [lay.batch_views(buf) for buf in self._staging]
         host = {staging_name(s): buf for s, buf in enumerate(self._staging)}
         # Each distinct GEMM planned once (the step and evaluation passes repeat shapes).
-        self.gemm_plans = PlanCache(functools.partial(GemmPlan, dev))
+        self.gemm_plans = PlanCache(functools.partial(GemmPlan, dev),
+                                    store=AlgoStore.for_device(dev, _cublaslt().get_version()))
         self.program = prog = StepProgram(
             lay, planner=self.gemm_plans, constants=constants,
             host_nbytes={name: buf.nbytes for name, buf in host.items()}, arch=dev.arch,

@@ -7,7 +7,10 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-_ENTRY_RE = re.compile(r"^\s*(?:\.visible\s+|\.weak\s+)?\.entry\s+([A-Za-z_$][\w$]*)\s*\(", re.MULTILINE)
+# ``.entry name(`` found by its literal (fast: a module's PTX is megabytes), then checked to
+# start its line, after optional ``.visible`` / ``.weak`` (_ENTRY_PREFIX).
+_ENTRY_RE = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\(")
+_ENTRY_PREFIX = re.compile(r"[ \t]*(?:\.visible[ \t]+|\.weak[ \t]+)?")
 _PARAM_TYPES = {
     "u8": 1, "s8": 1, "b8": 1,
     "u16": 2, "s16": 2, "b16": 2, "f16": 2,
@@ -38,6 +41,9 @@ def entry_params(ptx: str) -> dict[str, tuple[ParamType, ...]]:
     """Kernel name -> its parameter types, for every ``.entry`` in PTX text."""
     out: dict[str, tuple[ParamType, ...]] = {}
     for match in _ENTRY_RE.finditer(ptx):
+        line_start = ptx.rfind("\n", 0, match.start()) + 1
+        if not _ENTRY_PREFIX.fullmatch(ptx, line_start, match.start()):
+            continue  # not a declaration (".entry" inside a comment or another directive)
         close = ptx.find(")", match.end())
         if close < 0:
             raise ValueError(f"ptx: unterminated parameter list of entry {match.group(1)!r}")

@@ -309,6 +309,10 @@ class StopRequest:
 def cmd_train(args: argparse.Namespace) -> int:
     sinks: list = []
     lock = None
+    if args.backend == "fast":  # the device's set-up overlaps the data (fast.prewarm)
+        from foxhunt.fast.prewarm import start
+
+        start()
     try:
         _check_flags(args)
         plan = _plan_resume(args) if args.resume is not None else _plan_new(args)

@@ -289,6 +289,13 @@ def test_entry_params_reads_names_types_and_aggregates():
     assert params["third"] == ()
 
 
+def test_entry_params_reads_only_declarations_that_start_their_line():
+    ptx = ("// a comment naming .entry ghost(\n"
+           "  .visible  .entry real(\n\t.param .u32 real_param_0\n)\n{ ret; }\n"
+           ".global .u32 note; .entry not_at_line_start(\n)\n")
+    assert entry_params(ptx) == {"real": (ParamType("u32"),)}
+
+
 def _unpacked(packed: PackedArgs, sizes):
     addresses = packed._pointers
     storage = packed._storage

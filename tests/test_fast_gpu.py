@@ -362,6 +362,54 @@ def test_f32_gemm_does_not_use_tf32(device, lt):
     assert rel < 2.0**-14, f"relative error {rel:.2e} looks like TF32 (2^-11 per input)"
 
 
+def test_stored_algorithms_are_checked_and_give_the_same_bits(device, lt, tmp_path):
+    """gemm_algos: a second plan cache reading the first one's store asks cuBLASLt nothing,
+    takes the same algorithm (checked) and computes the same bits; an algorithm stored under a
+    GEMM it does not fit is rejected by the check, forgotten and asked again."""
+    import functools
+
+    from foxhunt.fast.gemm import GemmPlan, PlanCache
+    from foxhunt.fast.gemm_algos import AlgoStore
+
+    make = functools.partial(GemmPlan, device)
+    store = lambda: AlgoStore.for_device(device, lt.get_version(), root=tmp_path)  # noqa: E731
+    m, n, k = SHAPES[1]
+    rng = np.random.default_rng(7)
+    a, b, _, _ = _operands(rng, m, n, k, False, True, "bf16")
+    first, second = PlanCache(make, store=store()), PlanCache(make, store=store())
+    try:
+        plans = [cache(m, n, k, trans_b=True, precision="bf16") for cache in (first, second)]
+        assert (first.queries, first.loaded, second.queries, second.loaded) == (1, 0, 0, 1)
+        assert plans[0].heuristic.tobytes() == plans[1].heuristic.tobytes()
+        outs = []
+        for plan in plans:
+            gemm = _Gemm(device, plan)
+            try:
+                outs.append(gemm.run(a, b)["c"])
+            finally:
+                gemm.arena.close()  # (the plan is the cache's to close)
+        assert np.array_equal(_bits(outs[0]), _bits(outs[1]))
+        # Plant a garbage algorithm (every byte of its algo field 0xFF) under an f32 GEMM's
+        # key: the check must refuse it.
+        dtype = plans[0].heuristic.dtype
+        offset, size = dtype.fields["algo"][1], dtype.fields["algo"][0].itemsize
+        garbage = bytearray(plans[0].heuristic.tobytes())
+        garbage[offset:offset + size] = b"\xff" * size
+        wrong = PlanCache.key(m, n, k, trans_b=True, precision="f32")
+        planted = store()
+        planted.put(wrong, bytes(garbage))
+        third = PlanCache(make, store=planted)
+        try:
+            third(m, n, k, trans_b=True, precision="f32")
+            assert (third.queries, third.loaded) == (1, 0)
+            assert store().get(wrong) != bytes(garbage)
+        finally:
+            third.close()
+    finally:
+        first.close()
+        second.close()
+
+
 def test_gemm_accumulates_into_c_with_beta(device, lt):
     m, n, k = 64, 96, 32
     rng = np.random.default_rng(9)

@@ -57,11 +57,11 @@ class Runtime:
     """Device 0, its stream, and every ``cuda_src`` kernel compiled for its architecture."""
 
     def __init__(self) -> None:
-        from foxhunt.fast._build import compile_sources
+        from foxhunt.fast._build import package_module
         from foxhunt.fast.device import Device
 
         self.device = Device(0)
-        self.module = self.device.load_module(compile_sources(self.device.arch))
+        self.module = self.device.load_module(package_module(self.device.arch))
         self.stream = self.device.stream
 
 
