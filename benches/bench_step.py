@@ -22,6 +22,14 @@ Second wave (SPEC 4; issue 18), the ``seed`` step with its sources on (``WAVE_CA
   on, at the tiny size.
 
 A fast case whose source the fast trainer does not implement yet skips with its refusal.
+
+Adaptive mechanisms (SPEC 7; issue 19), the core ``seed`` step with ISV producers and consumers
+on (``ADAPTIVE_CASES``), fast trainer only (the PyTorch peers have none of them):
+
+- ``step-seed-{f32,bf16}-adaptive``: every switch of ``isv_step.ADAPTIVE_SWITCHES`` and the
+  adaptive atoms on;
+- ``step-seed-{f32,bf16}-adaptive-<switch>``: each switch alone (``adaptive_atoms`` with
+  ``q_stats``, its producer), so a mechanism's cost is its group's time minus the core group's.
 """
 
 from __future__ import annotations
@@ -31,12 +39,20 @@ import pytest
 from peers.torch_step import COMPILED_MODES, MODES
 from peers.torch_wave import WAVE_SOURCES
 
+from foxhunt.reference.isv_step import ADAPTIVE_SWITCHES
+
 PRECISIONS = ("f32", "bf16")
 
 #: Every second-wave source but the MSE warm-up, which stays as the seed preset gives it.
 WAVE_ALL = {k: v for name, fields in WAVE_SOURCES.items() if name != "mse" for k, v in fields.items()}
 #: Group suffix -> config overrides of the second-wave step cases.
 WAVE_CASES = {"wave": WAVE_ALL, **{f"wave-{name}": fields for name, fields in WAVE_SOURCES.items()}}
+
+#: Group suffix -> config overrides of the adaptive-mechanism cases (the adaptive atoms need
+#: their producer, ``q_stats``).
+ADAPTIVE_CASES = {"adaptive": {**dict.fromkeys(ADAPTIVE_SWITCHES, True), "adaptive_atoms": True},
+                  **{f"adaptive-{name}": {name: True} for name in ADAPTIVE_SWITCHES},
+                  "adaptive-adaptive_atoms": {"q_stats": True, "adaptive_atoms": True}}
 
 #: (preset, precision) of the reference step benchmarks: the tiny one is CI's quick check.
 REFERENCE_CASES = (("tiny", "f32"), ("seed", "f32"), ("seed", "bf16"))
@@ -104,3 +120,13 @@ def test_wave_torch(benchmark, harness, torch_cuda, precision, case, mode):
         pytest.skip(f"compiles a one-source case (about a minute): {harness.full_reason}")
     config = harness.config("seed", precision, **WAVE_CASES[case])
     harness.steps(benchmark, harness.peer(config, mode, "cuda"), group=f"step-seed-{precision}-{case}")
+
+
+# ------------------------------------------------------------------------------ adaptive
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ADAPTIVE_CASES)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_adaptive_fast(benchmark, harness, fast_trainer_cls, precision, case):
+    config = harness.config("seed", precision, **ADAPTIVE_CASES[case])
+    harness.steps(benchmark, harness.fast(fast_trainer_cls, config),
+                  group=f"step-seed-{precision}-{case}")
