@@ -11,6 +11,11 @@
 //        change during an evaluation)
 //   hv = relu(h2 W_v1^T + b_v1); v = hv W_v2^T + b_v2; ha_d, adv_d likewise per branch d
 //   logits = dueling combine; logp = log-softmax; q = expected Q (distributional.cuh's bodies)
+//        on branch d's support z + d * z_stride: z_stride 0, one support z [num_atoms] for every
+//        branch (the fixed [v_min, v_max]); z_stride = num_atoms, z [n_branches, num_atoms] row
+//        d (the live per-branch support of adaptive_atoms, built from the ISV before the walk).
+//        z_stride selects only the support a Q row reads: the float order and the bitwise
+//        contracts below hold for either.
 //   a_d = double_dqn_argmax(q_d) (lowest index on ties, NaN never wins: env_act with eps 0)
 //   env_advance (env.cuh) with (a_0, a_1 or market, a_2 or now); row k of rec_reward, rec_held,
 //   rec_cost and (when not null) rec_margin = min_d (best_d - second best_d) (NaN-free second
@@ -179,6 +184,7 @@ struct WalkNet {
     const int* n_actions;
     const int* action_offset;
     int sd, h1, h2, value_h, adv_h, na, nb;
+    int z_stride;   // branch d's support: z + d * z_stride (0: one support for every branch)
     int hid_total;  // value_h + nb adv_h: the heads' hidden rows
     int out_total;  // na (1 + a_total): v, then every branch's adv
     int a_total;    // actions over the branches (q's length)
@@ -228,7 +234,7 @@ static __device__ __forceinline__ WalkNet walk_net(const int* param_offsets, int
                                                    int h1, int h2, int value_h, int adv_h,
                                                    int num_atoms, int n_branches,
                                                    const int* n_actions,
-                                                   const int* action_offset) {
+                                                   const int* action_offset, int z_stride) {
     WalkNet n;
     n.off = param_offsets;
     n.n_actions = n_actions;
@@ -240,6 +246,7 @@ static __device__ __forceinline__ WalkNet walk_net(const int* param_offsets, int
     n.adv_h = adv_h;
     n.na = num_atoms;
     n.nb = n_branches;
+    n.z_stride = z_stride;
     n.a_total = action_offset[n_branches - 1] + n_actions[n_branches - 1];
     n.hid_total = value_h + n_branches * adv_h;
     n.out_total = num_atoms * (1 + n.a_total);
@@ -422,7 +429,7 @@ static __device__ __forceinline__ int walk_choose(const float* row, int n_d, flo
 
 // Dueling combine, log-softmax and expected Q of packed (branch, action) row r, by one warp
 // (scratch: its two rows of na), the ops of dueling_log_softmax_q_branches (its lane only reads
-// what it wrote); q[r] by lane 0.
+// what it wrote), on the row's branch d's support z + d * n.z_stride; q[r] by lane 0.
 static __device__ __forceinline__ void walk_q_row(const WalkNet& n, const WalkActs& a,
                                                   const float* z, int r, float* scratch,
                                                   int lane) {
@@ -439,7 +446,7 @@ static __device__ __forceinline__ void walk_q_row(const WalkNet& n, const WalkAc
         const float mean = dueling_mean(adv_d, j, n_d, n.na);
         logits_s[j] = a.out[j] + (adv_d[act * n.na + j] - mean);
     }
-    const float q = log_softmax_row(logits_s, logp_s, z, true, n.na, lane);
+    const float q = log_softmax_row(logits_s, logp_s, z + d * n.z_stride, true, n.na, lane);
     if (lane == 0) {
         a.q[r] = q;
     }
@@ -591,7 +598,8 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
             const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
             int value_h, int adv_h, int num_atoms, int n_branches,
             const int* __restrict__ n_actions, const int* __restrict__ action_offset,
-            const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+            const float* __restrict__ z, int z_stride,
+            const float* __restrict__ isv, int isv_index,
             float h2_clamp_mult, const float* __restrict__ close,
             const float* __restrict__ high, const float* __restrict__ low,
             const float* __restrict__ features, int n_features, const float* __restrict__ costs,
@@ -602,7 +610,7 @@ greedy_walk(const float* __restrict__ params, const unsigned short* __restrict__
     const int lane = threadIdx.x % kWarp;
     const int warp = threadIdx.x / kWarp;
     const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
-                               n_branches, n_actions, action_offset);
+                               n_branches, n_actions, action_offset, z_stride);
     const WalkActs a = walk_acts(walk_shared, n, WALK_WARPS);
     const WalkWeights w = {params, params_bf16, bf16 != 0};
     const float bound = __fmul_rn(h2_clamp_mult, fmaxf(isv[isv_index], 1.0f));
@@ -938,7 +946,8 @@ greedy_walk_cluster(const float* __restrict__ params,
                     const int* __restrict__ param_offsets, int bf16, int state_dim, int h1,
                     int h2, int value_h, int adv_h, int num_atoms, int n_branches,
                     const int* __restrict__ n_actions, const int* __restrict__ action_offset,
-                    const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                    const float* __restrict__ z, int z_stride,
+                    const float* __restrict__ isv, int isv_index,
                     float h2_clamp_mult, const float* __restrict__ close,
                     const float* __restrict__ high, const float* __restrict__ low,
                     const float* __restrict__ features, int n_features,
@@ -951,7 +960,7 @@ greedy_walk_cluster(const float* __restrict__ params,
     const int warp = threadIdx.x / kWarp;
     const int rank = WalkCluster::rank();
     const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
-                               n_branches, n_actions, action_offset);
+                               n_branches, n_actions, action_offset, z_stride);
     const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
     WALK_PROF_DECL;
     const WalkSlices sl = walk_cluster_load(n, a, a.end, rank, params, params_bf16, bf16 != 0,
@@ -1094,7 +1103,7 @@ static __device__ __forceinline__ WalkHold walk_hold_setup(
     const float* __restrict__ params, const unsigned short* __restrict__ params_bf16,
     const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2, int value_h,
     int adv_h, int num_atoms, int n_branches, const int* __restrict__ n_actions,
-    const int* __restrict__ action_offset, const float* __restrict__ z,
+    const int* __restrict__ action_offset, const float* __restrict__ z, int z_stride,
     const float* __restrict__ isv, int isv_index, float h2_clamp_mult,
     const float* __restrict__ close, const float* __restrict__ high,
     const float* __restrict__ low, const float* __restrict__ features, int n_features,
@@ -1102,7 +1111,7 @@ static __device__ __forceinline__ WalkHold walk_hold_setup(
     int warp, int lane) {
     WalkHold c;
     c.n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms, n_branches,
-                   n_actions, action_offset);
+                   n_actions, action_offset, z_stride);
     c.a0 = walk_acts(shared, c.n, 0);
     c.acts = shared;
     c.stride = (int)(c.a0.end - shared);
@@ -1294,7 +1303,8 @@ greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restr
                  const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
                  int value_h, int adv_h, int num_atoms, int n_branches,
                  const int* __restrict__ n_actions, const int* __restrict__ action_offset,
-                 const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                 const float* __restrict__ z, int z_stride,
+                 const float* __restrict__ isv, int isv_index,
                  float h2_clamp_mult, const float* __restrict__ close,
                  const float* __restrict__ high, const float* __restrict__ low,
                  const float* __restrict__ features, int n_features,
@@ -1309,9 +1319,10 @@ greedy_walk_hold(const float* __restrict__ params, const unsigned short* __restr
     const int rank = WalkCluster::rank();
     const WalkHold c = walk_hold_setup(params, params_bf16, param_offsets, bf16, state_dim, h1,
                                        h2, value_h, adv_h, num_atoms, n_branches, n_actions,
-                                       action_offset, z, isv, isv_index, h2_clamp_mult, close,
-                                       high, low, features, n_features, costs, n_bars,
-                                       hold_rows, walk_shared, rank, warp, lane);
+                                       action_offset, z, z_stride, isv, isv_index,
+                                       h2_clamp_mult, close, high, low, features, n_features,
+                                       costs, n_bars, hold_rows, walk_shared, rank, warp,
+                                       lane);
     WalkCluster::sync();  // every block has started and holds its slices
     walk_hold_loop(c, env_fresh(start[0]), n_steps[0], rank == 0, rec_reward, rec_held, rec_cost,
                    rec_margin, record_len, walk_slots, walk_slots + 5, warp, lane);
@@ -1406,7 +1417,8 @@ greedy_walk_spans(const float* __restrict__ params,
                   const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
                   int value_h, int adv_h, int num_atoms, int n_branches,
                   const int* __restrict__ n_actions, const int* __restrict__ action_offset,
-                  const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                  const float* __restrict__ z, int z_stride,
+                  const float* __restrict__ isv, int isv_index,
                   float h2_clamp_mult, const float* __restrict__ close,
                   const float* __restrict__ high, const float* __restrict__ low,
                   const float* __restrict__ features, int n_features,
@@ -1458,9 +1470,10 @@ greedy_walk_spans(const float* __restrict__ params,
     }
     const WalkHold c = walk_hold_setup(params, params_bf16, param_offsets, bf16, state_dim, h1,
                                        h2, value_h, adv_h, num_atoms, n_branches, n_actions,
-                                       action_offset, z, isv, isv_index, h2_clamp_mult, close,
-                                       high, low, features, n_features, costs, n_bars,
-                                       hold_rows, walk_shared, rank, warp, lane);
+                                       action_offset, z, z_stride, isv, isv_index,
+                                       h2_clamp_mult, close, high, low, features, n_features,
+                                       costs, n_bars, hold_rows, walk_shared, rank, warp,
+                                       lane);
     WalkCluster::sync();  // every block has started and holds its slices
     if (pass_index == n_passes) {  // 3. the tail
         walk_hold_loop(c, s, steps, rank == 0, rec_reward, rec_held, rec_cost, rec_margin,
@@ -1565,7 +1578,8 @@ greedy_walk_round(const float* __restrict__ params,
                   const int* __restrict__ param_offsets, int bf16, int state_dim, int h1, int h2,
                   int value_h, int adv_h, int num_atoms, int n_branches,
                   const int* __restrict__ n_actions, const int* __restrict__ action_offset,
-                  const float* __restrict__ z, const float* __restrict__ isv, int isv_index,
+                  const float* __restrict__ z, int z_stride,
+                  const float* __restrict__ isv, int isv_index,
                   float h2_clamp_mult, const float* __restrict__ close,
                   const float* __restrict__ high, const float* __restrict__ low,
                   const float* __restrict__ features, int n_features,
@@ -1618,7 +1632,7 @@ greedy_walk_round(const float* __restrict__ params,
         s.entry_price = __int_as_float(in.z);
     }
     const WalkNet n = walk_net(param_offsets, state_dim, h1, h2, value_h, adv_h, num_atoms,
-                               n_branches, n_actions, action_offset);
+                               n_branches, n_actions, action_offset, z_stride);
     const WalkActs a = walk_acts(walk_shared, n, WALK_CLUSTER_WARPS);
     const WalkSlices sl = walk_cluster_load(n, a, a.end, rank, params, params_bf16, bf16 != 0,
                                             warp, lane);

@@ -32,7 +32,10 @@ an ``EvalLayout(layout, 1)``): the run's market tables (``walk_close`` ... as
   ``equity`` the ``n`` per-bar rewards to ``walk_rewards_host``: the segment's one readback.
 
 **The fused walk** (``fused_ops``, ``DeviceEvaluator(mode="fused")``): the first bar
-(``walk_start_host``) and the step count (``walk_n_steps_host``) are copied in, then on sm_90
+(``walk_start_host``) and the step count (``walk_n_steps_host``) are copied in, with
+``adaptive_atoms`` the live per-branch support built from the ISV of this moment into ``z_e``
+(``support_plan.eval_support``: ``live_support_build``, as the chunk graphs' forward builds
+it; the step's ``z_live`` is one step behind), then on sm_90
 and newer (where ``kernels.walk.plan_walk`` picks the cluster kernel: the network fits a
 cluster's shared memory) ``SPAN_PASSES`` launches of ``greedy_walk_spans`` on ``SPAN_CHUNKS``
 thread-block clusters, then ``SPAN_ROUNDS`` launches of ``greedy_walk_round`` on
@@ -47,7 +50,8 @@ from a flat guess, each later round rerunning a chunk from its predecessor's end
 merges with its previous run (a policy that holds: nothing is left, the rounds are no-ops; one
 that trades every few bars: two rounds converge; the later ones only compare keys). They read
 the online copy of ``params2`` (and of ``mirror2`` in ``bf16``), ``isv`` (Mech 10's bound),
-``z``, ``n_actions`` and ``action_offset`` of the step layout and the walk's
+the support (``z`` with ``z_stride = 0``, or ``z_e`` with ``z_stride = NA``: branch d's row),
+``n_actions`` and ``action_offset`` of the step layout and the walk's
 ``walk_param_offsets`` (the tensors' offsets, ``walk.walk_offsets``), keep the spans' base
 states and breaks in ``walk_span_state`` / ``walk_span_brk`` and the rounds' keys in
 ``walk_round_trace`` / ``walk_round_ends``, and write rows ``[0, n)`` of ``walk_rec_*``;
@@ -73,6 +77,7 @@ from foxhunt.fast.kernels.walk import WALK_KERNELS
 from foxhunt.fast.records import F32, I32, I64, Buf, Host, Ops, Region
 from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram
+from foxhunt.fast.support_plan import eval_support
 from foxhunt.reference.isv import H_S2_RMS_EMA_INDEX
 from foxhunt.reference.kernels import env as env_kernels
 from foxhunt.reference.kernels import walk as walk_kernels
@@ -272,7 +277,8 @@ def fused_walk_kernel(prog: StepProgram) -> str:
 
 
 def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
-    """The fused walk (module docstring): the first bar and the step count in, then where
+    """The fused walk (module docstring): the first bar and the step count in, the live support
+    with ``adaptive_atoms`` (``eval_support``), then where
     ``plan_walk`` picks the cluster kernel ``SPAN_PASSES`` launches of ``greedy_walk_spans`` on
     ``SPAN_CHUNKS`` clusters and ``SPAN_ROUNDS`` launches of ``greedy_walk_round`` on their base
     (bitwise ``greedy_walk_cluster``'s records), else ONE ``greedy_walk``."""
@@ -281,12 +287,14 @@ def fused_ops(ops: Ops, prog: StepProgram, wl: WalkLayout) -> None:
     dims = walk_kernels.walk_dims(c)
     ops.copy("walk_start", Host(START_HOST), 4, "htod")
     ops.copy("walk_n_steps", Host(N_STEPS_HOST), 4, "htod")
+    z, z_stride = eval_support(prog, ops)  # adaptive atoms: z_e from the ISV of this moment
     walk = prog.kernels("walk")
     kernel, plan = walk.plan_walk(dims, lay.branches, lay.bf16, prog.arch)
     args = dict(params="params2", params_bf16="mirror2" if lay.bf16 else None,
                 param_offsets="walk_param_offsets", bf16=int(lay.bf16),
                 **dict(zip(walk_kernels.DIMS, dims)), n_branches=lay.nb, n_actions="n_actions",
-                action_offset="action_offset", z="z", isv="isv", isv_index=H_S2_RMS_EMA_INDEX,
+                action_offset="action_offset", z=z, z_stride=z_stride, isv="isv",
+                isv_index=H_S2_RMS_EMA_INDEX,
                 h2_clamp_mult=np.float32(c.h2_clamp_mult), close=tables["close"],
                 high=tables["high"], low=tables["low"], features=tables["features"],
                 n_features=wl.n_features, costs="walk_costs", n_bars=wl.n_bars,
@@ -404,13 +412,18 @@ def _register_greedy_walk(twin, name: str) -> None:
                 if tensor.startswith("w_"):  # weights from the mirror, biases f32
                     params[offset:offset + size] = bf16_to_f32(mirror[offset:offset + size])
         return (params, a.param_offsets, dims(a), branches(a, a.n_branches), bool(a.bf16), a.z,
-                a.isv, a.isv_index, a.h2_clamp_mult, a.close, a.high, a.low, a.features,
-                a.costs, int(a.start[0]), int(a.n_steps[0]))
+                a.z_stride, a.isv, a.isv_index, a.h2_clamp_mult, a.close, a.high, a.low,
+                a.features, a.costs, int(a.start[0]), int(a.n_steps[0]))
+
+    def support_extent(a):
+        """``z``: one support ``[NA]`` (``z_stride`` 0) or a row per branch (any other stride:
+        the reference's check names it)."""
+        return a.num_atoms if a.z_stride == 0 else (a.n_branches, a.num_atoms)
 
     rec = {name: "record_len" for name in ("rec_reward", "rec_held", "rec_cost", "rec_margin")}
     extents = dict(params=param_extent, params_bf16=param_extent,
                    param_offsets=lambda a: len(walk_kernels.walk_tensors(a.n_branches)),
-                   n_actions="n_branches", action_offset="n_branches", z="num_atoms",
+                   n_actions="n_branches", action_offset="n_branches", z=support_extent,
                    isv=ISV_LEN, close="n_bars", high="n_bars", low="n_bars",
                    features=("n_bars", "n_features"), costs=len(env_kernels.COST_FIELDS),
                    start=1, n_steps=1, **rec)

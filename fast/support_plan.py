@@ -25,9 +25,10 @@ Cost with the switch on: one launch for the support, and per branch one expected
 target and one CQL launch instead of one branch-packed launch each (``3 nb - 2`` more
 launches in graph 1).
 
-The greedy walk (``cuda_src/walk.cu``), the ``q_values`` graph and the collectors' act read
-the fixed support ``z``: until they read the live one, ``require_fixed_support`` refuses
-``adaptive_atoms=True`` there with a one-line error.
+The greedy forward (tag ``e``: the ``q_values`` graph, the collectors' act, the graph-mode
+walk) and the fused walk (``cuda_src/walk.cu``, ``eval_support``) build their own ``z_e`` from
+the ISV of their start, as the reference's ``q_values`` does: ``z_live`` is the support of the
+step's START, one step behind the ISV the step leaves.
 """
 
 from __future__ import annotations
@@ -43,15 +44,6 @@ F32, I32 = np.float32, np.int32
 Z_LIVE, Z_BOUNDS, MEMBERS = "z_live", "z_bounds", "support_members"
 #: The greedy forward's own live support (``add_eval_support_buffers``).
 EVAL_SUPPORT = ("z_e", "z_e_bounds")
-
-
-def require_fixed_support(config, what: str) -> None:
-    """One-line ``ValueError`` when ``config.adaptive_atoms`` is on: ``what`` (the fused walk,
-    ``cuda_src/walk.cu``) reads the fixed support."""
-    if config.adaptive_atoms:
-        raise ValueError(f"adaptive_atoms=True: {what} reads the fixed support [v_min, v_max] "
-                         "(its live per-branch support is not wired yet); use the reference "
-                         "backend or adaptive_atoms=False")
 
 
 def add_support_buffers(lay) -> None:
@@ -107,16 +99,25 @@ def forward_q(prog, ops: Ops, *, tag: str, rows: int, logp: Buf, q: Buf) -> None
     ``e``: ``q_values``, the collectors' act, the graph-mode walk) first builds its own
     ``z_e`` from the ISV of its start, as the reference's ``q_values`` does."""
     lay = prog.lay
-    z = Z_LIVE
-    if tag == "e":
-        z = EVAL_SUPPORT[0]
-        _build(prog, ops, *EVAL_SUPPORT)
+    z = eval_support(prog, ops)[0] if tag == "e" else Z_LIVE
     dist = prog.kernels("distributional")
     for d, n in enumerate(lay.branches):
         key = (logp.key[0], d) if isinstance(logp.key, tuple) else d
         ops.kernel("expected_q", dist.plan_expected_q(rows, n, lay.NA),
                    logp=Buf(logp.name, key), z=Buf(z, offset=d * lay.NA),
                    q=Buf(q.name, d), rows=rows * n, num_atoms=lay.NA)
+
+
+def eval_support(prog, ops: Ops) -> tuple[str, int]:
+    """The support a greedy read of Q takes (tag ``e``; the fused walk's ``z``, ``z_stride``):
+    with the switch on ``live_support_build`` into ``z_e`` / ``z_e_bounds`` from the ISV of this
+    moment (the trainer's current one: ``z_live`` is the last step's start's), then ``("z_e",
+    NA)``, branch d's support at ``z_e + d NA``; off, the fixed support ``("z", 0)``, shared by
+    every branch, and no record."""
+    if not prog.config.adaptive_atoms:
+        return "z", 0
+    _build(prog, ops, *EVAL_SUPPORT)
+    return EVAL_SUPPORT[0], prog.lay.NA
 
 
 def projection(d: int, num_atoms: int) -> dict:
@@ -163,6 +164,6 @@ def span_buffer(lay) -> tuple[str, int]:
     return (Z_LIVE, lay.nb * lay.NA) if lay.config.adaptive_atoms else ("z", lay.NA)
 
 
-__all__ = ["MEMBERS", "Z_BOUNDS", "Z_LIVE", "add_support_buffers", "cql_grads", "forward_q",
-           "live_q", "live_support", "projection", "require_fixed_support", "scalar_targets",
+__all__ = ["MEMBERS", "Z_BOUNDS", "Z_LIVE", "add_support_buffers", "cql_grads", "eval_support",
+           "forward_q", "live_q", "live_support", "projection", "scalar_targets",
            "signal_support", "span_buffer", "support_constants"]

@@ -1,15 +1,18 @@
 """The fused evaluation walk's twin (reference/kernels/walk.py), its launch plans (the one-block
 and the cluster kernel, and which one a device's architecture gets), NVRTC builds of walk.cu
 and its conformance samples, on the CPU; on a GPU, the cluster kernel against the one-block
-kernel, bit for bit."""
+kernel, bit for bit. The support: one for every branch (``z_stride = 0``) or one per branch
+(``z_stride = NA``: the live per-branch support of ``adaptive_atoms``)."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
 
 from foxhunt.conformance.kernel_spec import case_dims
-from foxhunt.conformance.specs.walk import ENTRIES
+from foxhunt.conformance.specs.walk import ENTRIES, branch_supports
 from foxhunt.fast.device import cuda_available
 from foxhunt.fast.kernels import walk as fast_walk
 from foxhunt.fast.kernels.walk import plan_greedy_walk, walk_shared_floats
@@ -60,24 +63,90 @@ def test_forward_row_is_the_network_forward(precision):
         np.testing.assert_allclose(q, r, rtol=0, atol=walk.q_error_bound(z, precision == "bf16"))
 
 
-def test_the_walk_is_the_kernels_greedy_walk_up_to_the_first_near_tie():
-    c = DQNConfig.preset("tiny", precision="f32")
-    k = _sample(bf16=False)
+def _hand_margins(qs: list[np.ndarray]) -> np.float32:
+    """min over the branches of (best - second best), written out (no NaN in these rows)."""
+    return np.float32(min(np.diff(np.sort(q.reshape(-1)))[-1] for q in qs))
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("per_branch", [False, True], ids=["one-support", "per-branch"])
+def test_the_walk_is_the_kernels_greedy_walk_up_to_the_first_near_tie(per_branch, precision):
+    """The twin against the bar-by-bar composition of the reference functions: the network's
+    forward (``network.forward``), the expected Q of branch d on its support (``network.q_values``
+    with ``z [NA]`` or ``z [n_branches, NA]``: row d), the greedy action and the env
+    (``env_walk.greedy_walk``); the margins (best minus second best, the minimum over the
+    branches) from those Q values."""
+    c = DQNConfig.preset("tiny", precision=precision)
+    bf16 = precision == "bf16"
+    k = _sample(bf16=bf16)
+    if per_branch:  # distinct rows: a branch read on another's row picks other actions
+        k.update(z=branch_supports(c), z_stride=c.num_atoms)
     lay = ParamLayout(c)
     bound = np.float32(k["h2_clamp_mult"] * max(k["isv"][k["isv_index"]], 1.0))
+    margins = []
 
     def q_values(obs):
-        return network.q_values(c, network.forward(c, lay, k["params"], obs, h2_bound=bound), k["z"])
+        act = network.forward(c, lay, k["params"], obs, h2_bound=bound)
+        qs = network.q_values(c, act, k["z"])
+        margins.append(_hand_margins(qs))
+        return qs
 
     T = k["close"].shape[0]
     tables = MarketTables(k["close"], k["high"], k["low"], k["features"], np.zeros(T, np.int32))
     ref = kernels_walk(q_values, tables, ExecutionCosts(), c.branches, c.state_dim, k["start"],
                        k["start"] + k["n_steps"] + 1)
     got = walk.greedy_walk(**k)
-    tie = walk.first_near_tie(got.margins, k["z"], False)
+    tie = walk.first_near_tie(got.margins, k["z"], bf16)
     assert tie > k["n_steps"] // 2  # the sample decides most bars
     for a, b in zip(got[:3], ref):
         np.testing.assert_array_equal(a[:tie], b[:tie])
+    # both paths' Q agree within the bound (two Q values per margin)
+    bound_q = 2 * walk.q_error_bound(k["z"], bf16)
+    np.testing.assert_allclose(got.margins[:tie + 1], np.array(margins, F32)[:tie + 1], rtol=0,
+                               atol=bound_q)
+
+
+def test_a_support_per_branch_changes_the_walk_against_either_shared_row():
+    """Not vacuous: the per-branch sample's records differ from the walk on branch 0's row and
+    on branch 1's row shared by both branches (actions, or at least margins)."""
+    k = _sample("odd")
+    assert k["z_stride"] == k["dims"][5] and k["z"].shape == (2, k["dims"][5])
+    got = walk.greedy_walk(**k)
+    for row in k["z"]:
+        shared = walk.greedy_walk(**{**k, "z": row.copy(), "z_stride": 0})
+        assert got.margins.tobytes() != shared.margins.tobytes()
+    shared = walk.greedy_walk(**{**k, "z": k["z"][1].copy(), "z_stride": 0})
+    assert got.positions.tobytes() != shared.positions.tobytes()
+
+
+@pytest.mark.parametrize("case", ["tiny", "seed"])
+def test_stride_0_is_one_row_per_branch_repeated_bit_for_bit(case):
+    """``z [NA]`` with ``z_stride = 0`` reads what ``z [n_branches, NA]`` of that row repeated
+    reads with ``z_stride = NA``: the same records and margins, bit for bit."""
+    k = _sample(case)
+    nb, na = len(k["branches"]), k["dims"][5]
+    one = walk.greedy_walk(**k)
+    rows = walk.greedy_walk(**{**k, "z": np.tile(k["z"], (nb, 1)), "z_stride": na})
+    for a, b in zip(one, rows):
+        assert a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(z_stride=1), "z_stride=1: allowed 0 (one support z [num_atoms] for every branch) or "
+                       "num_atoms=11"),
+    (dict(z_stride=True), "z_stride=True: allowed 0"),
+    (dict(z_stride=11.0), "z_stride=11.0: allowed 0"),
+    (dict(z_stride=11), "z: shape (11,); need [2, 11] with z_stride=11"),
+    (dict(z=np.zeros((2, 11), F32)), "z: shape (2, 11); need [11] with z_stride=0"),
+    (dict(z=np.zeros((3, 11), F32), z_stride=11), "z: shape (3, 11); need [2, 11]"),
+    (dict(z=np.zeros((2, 11)), z_stride=11), "z: dtype float64 is not allowed"),
+])
+def test_support_errors_are_one_line_naming_the_argument(changes, message):
+    k = _sample()
+    assert (len(k["branches"]), k["dims"][5]) == (2, 11)
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        walk.greedy_walk(**{**k, **changes})
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("case", ["tiny", "seed"])
@@ -268,10 +337,11 @@ _GPU, _WHY = cuda_available()
 @pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
 @pytest.mark.parametrize("poison", [False, True])
 @pytest.mark.parametrize("precision", ["bf16", "f32"])
-@pytest.mark.parametrize("case", ["tiny", "seed"])
+@pytest.mark.parametrize("case", ["tiny", "seed", "odd"])
 def test_gpu_cluster_walk_is_the_one_block_walk_bit_for_bit(case, precision, poison):
     """walk.cu's claim: the same rows by other warps and blocks, the same bits (records and
-    margins), NaN/Inf features included. Runs where the device's plan fits the network."""
+    margins), NaN/Inf features included; ``odd``: a support per branch (``z_stride = NA``).
+    Runs where the device's plan fits the network."""
     from foxhunt.fast.kernels._runtime import runtime
 
     k = _sample(case, seed=11, bf16=precision == "bf16")

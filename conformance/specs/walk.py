@@ -11,7 +11,11 @@ bar. Parameters are normal with a gain that spreads the expected Q of the action
 are decided by a margin far above the Q error bound: ``tests/test_walk.py`` checks the samples
 are not vacuous); prices are a random walk whose bars trade through their neighbours' closes.
 The extremal cases poison the feature table (NaN, Inf, huge values reach the state rows;
-Mech 10's clamp keeps the walk going).
+Mech 10's clamp keeps the walk going). The support: ``tiny`` and ``seed`` one for every branch
+(``z [NA]``, ``z_stride = 0``: the fixed ``[v_min, v_max]``); ``odd``, the tiny network on a
+support per branch (``z [n_branches, NA]``, ``z_stride = NA``, :func:`branch_supports`: distinct
+rows that no affine map relates, so a branch read on another's row picks other actions and
+records other margins).
 
 Tolerances (the twin's module docstring): the rewards, positions held and costs are compared
 bit for bit on the bars before the reference's first near tie (``walk.first_near_tie``) and not
@@ -64,6 +68,8 @@ WITHIN = Tolerance.reduction(0.0, 1.0)
 #: extremal cases run the tiny network: the tiny rounds).
 CHUNKS = 4
 ROUNDS = {"tiny": (1, 2, 4), "seed": (4,)}
+#: The shape cases: the presets' networks on one support, and ``odd`` on a support per branch.
+WALK_CASES = ("tiny", "seed", "odd")
 
 
 def _config(dims: Dims) -> DQNConfig:
@@ -81,6 +87,27 @@ def _params(config: DQNConfig, rng: np.random.Generator) -> np.ndarray:
     return params
 
 
+def branch_supports(config: DQNConfig) -> np.ndarray:
+    """float32 ``[n_branches, NA]``: branch d's support ``c_d + h_d sign(t) |t|^(1.5 + d)``,
+    ``t = linspace(-1, 1, NA)``, ``c_d = (d - 1) h / 4``, ``h_d = h (1 + d/2)`` with ``h`` the
+    config's half-width ``(v_max - v_min) / 2``: increasing rows of distinct centres, widths
+    and shapes (no two related by an affine map, which would leave the greedy actions as
+    they are)."""
+    t = np.linspace(-1.0, 1.0, config.num_atoms)
+    half = (config.v_max - config.v_min) / 2
+    rows = [(d - 1) * half / 4 + half * (1 + d / 2) * np.sign(t) * np.abs(t) ** (1.5 + d)
+            for d in range(config.n_branches)]
+    return np.array(rows, F32)
+
+
+def _support(config: DQNConfig, case: str) -> Kwargs:
+    """``z`` and ``z_stride`` of a shape case (module docstring)."""
+    if case == "odd":
+        return dict(z=branch_supports(config), z_stride=config.num_atoms)
+    return dict(z=np.linspace(config.v_min, config.v_max, config.num_atoms, dtype=F32),
+                z_stride=0)
+
+
 def _s_walk(dims: Dims, rng: np.random.Generator) -> Kwargs:
     config = _config(dims)
     T = BARS.get(dims.case, BARS["tiny"])
@@ -94,7 +121,7 @@ def _s_walk(dims: Dims, rng: np.random.Generator) -> Kwargs:
                                                                  config.n_branches),
         dims=walk_dims(config), branches=tuple(config.branches),
         bf16=config.precision == "bf16",
-        z=np.linspace(config.v_min, config.v_max, config.num_atoms, dtype=F32), isv=isv,
+        **_support(config, dims.case), isv=isv,
         isv_index=isv_mod.H_S2_RMS_EMA_INDEX, h2_clamp_mult=np.float32(config.h2_clamp_mult),
         close=close, high=(close + spread).astype(F32), low=(close - spread).astype(F32),
         features=rng.standard_normal((T, n_features)).astype(F32),
@@ -173,6 +200,8 @@ _WALK_ERRORS = (
     lambda k: replace(k, start=-1),
     lambda k: replace(k, features=np.zeros((k["close"].shape[0], k["dims"][0]), F32)),
     lambda k: replace(k, z=k["z"][:-1]),
+    lambda k: replace(k, z_stride=1),
+    lambda k: replace(k, z_stride=k["dims"][5], z=np.tile(k["z"], (len(k["branches"]) + 1, 1))),
     lambda k: replace(k, branches=(3, 0)),
 )
 _OUTPUTS = {"rewards": f32(WITHIN), "positions": f32(WITHIN), "costs": f32(WITHIN),
@@ -183,7 +212,7 @@ def walk_entry(name: str) -> SpecEntry:
     """The entry of a kernel whose twin is ``walk.greedy_walk``."""
     return SpecEntry(name=name, outputs=_OUTPUTS, sample=_s_walk, targets=("features",),
                      errors=error_cases(_s_walk, *_WALK_ERRORS), scales=_sc_walk,
-                     contract=_c_walk, cases=("tiny", "seed"))
+                     contract=_c_walk, cases=WALK_CASES)
 
 
 def chunked_entry(name: str) -> SpecEntry:
@@ -193,7 +222,7 @@ def chunked_entry(name: str) -> SpecEntry:
         errors=error_cases(_s_chunked, *_WALK_ERRORS,
                            lambda k: replace(k, n_chunks=0),
                            lambda k: replace(k, rounds=0)),
-        scales=_sc_chunked, contract=_c_walk, cases=("tiny", "seed"))
+        scales=_sc_chunked, contract=_c_walk, cases=WALK_CASES)
 
 
 #: The entry builder of each twin (here and in ``specs/walk_rounds.py``); a walk twin without

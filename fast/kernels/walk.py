@@ -21,12 +21,15 @@ The evaluator's fused mode (``fast.eval_plan.fused_ops``) launches, on arena buf
 parameter by its name in walk.cu, the span launches and the rounds where :func:`plan_walk`
 picks the cluster kernel, else ``greedy_walk``. The common parameters: ``params, params_bf16,
 param_offsets, bf16, state_dim, h1, h2, value_h, adv_h, num_atoms, n_branches, n_actions,
-action_offset, z, isv, isv_index, h2_clamp_mult, close, high, low, features, n_features, costs,
-n_bars, start, n_steps``, then the kernel's own (the span walk: ``n_chunks, n_passes,
-pass_index, hold_rows, state, brk``; a round: ``n_chunks, round, span_chunks, span_passes,
-span_state, span_brk, trace, ends``), then ``rec_reward, rec_held, rec_cost, rec_margin,
-record_len`` (``rec_margin`` may be null, ``params_bf16`` too when ``bf16`` is 0, ``span_state``
-and ``span_brk`` too: a round without a span base).
+action_offset, z, z_stride, isv, isv_index, h2_clamp_mult, close, high, low, features,
+n_features, costs, n_bars, start, n_steps``, then the kernel's own (the span walk: ``n_chunks,
+n_passes, pass_index, hold_rows, state, brk``; a round: ``n_chunks, round, span_chunks,
+span_passes, span_state, span_brk, trace, ends``), then ``rec_reward, rec_held, rec_cost,
+rec_margin, record_len`` (``rec_margin`` may be null, ``params_bf16`` too when ``bf16`` is 0,
+``span_state`` and ``span_brk`` too: a round without a span base). Branch d's support is ``z +
+d * z_stride`` (``reference.kernels.walk.check_support``): ``z_stride`` 0 with the fixed support
+``z [NA]``, ``NA`` with the live per-branch support ``[n_branches, NA]`` (the evaluator's
+``z_e``, built from the ISV of the walk's start).
 
 **Which kernel** (:func:`plan_walk`): the cluster kernel on sm_90 and newer when its block's
 slices fit the architecture's opt-in shared memory (:data:`SHARED_OPTIN`), else the one-block
@@ -237,8 +240,9 @@ def plan_walk(dims, branches, bf16: bool, arch) -> tuple[str, tuple]:
     return "greedy_walk", plan_greedy_walk(dims, branches)
 
 
-def _inputs(kernel, shape, params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-            h2_clamp_mult, close, high, low, features, costs, T, start, n_steps) -> tuple:
+def _inputs(kernel, shape, params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+            isv_index, h2_clamp_mult, close, high, low, features, costs, T, start,
+            n_steps) -> tuple:
     """The launch arguments every walk kernel of walk.cu takes first, ``params`` to ``n_steps``
     (its parameter order; the BF16 mirror made by the ``f32_to_bf16`` kernel), after the
     shared-memory opt-in of ``kernel`` for launches of ``shape``."""
@@ -248,18 +252,19 @@ def _inputs(kernel, shape, params, param_offsets, dims, branches, bf16, z, isv, 
     mirror = In(f32_to_bf16(params)) if bf16 else 0
     return (In(params), mirror, In(param_offsets), int(bool(bf16)), *(int(d) for d in dims),
             len(branches), In(np.array(branches, I32)),
-            In(np.array(branch_offsets(branches), I32)), In(z), In(isv), int(isv_index),
-            np.float32(h2_clamp_mult), In(close), In(high), In(low), In(features),
-            features.shape[1], In(costs), T, device_scalar(start, I32),
-            device_scalar(n_steps, I32))
+            In(np.array(branch_offsets(branches), I32)), In(np.ascontiguousarray(z)),
+            int(z_stride), In(isv), int(isv_index), np.float32(h2_clamp_mult), In(close),
+            In(high), In(low), In(features), features.shape[1], In(costs), T,
+            device_scalar(start, I32), device_scalar(n_steps, I32))
 
 
-def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-          h2_clamp_mult, close, high, low, features, costs, start, n_steps) -> WalkRecord:
+def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+          isv_index, h2_clamp_mult, close, high, low, features, costs, start,
+          n_steps) -> WalkRecord:
     """Validate, then one launch of ``kernel`` with ``plan(dims, branches, bf16)``."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     branches = tuple(int(n) for n in branches)
     shape = plan(dims, branches, bool(bf16))
     extra = ()
@@ -268,33 +273,33 @@ def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, isv, isv
         extra = (hold_rows,)
     rows = max(n_steps, 1)
     outs = launch(kernel, shape, *_inputs(kernel, shape, params, param_offsets, dims, branches,
-                                          bf16, z, isv, isv_index, h2_clamp_mult, close, high,
-                                          low, features, costs, T, start, n_steps),
+                                          bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+                                          close, high, low, features, costs, T, start, n_steps),
                   *extra, Out((rows,), F32), Out((rows,), F32), Out((rows,), F32),
                   Out((rows,), F32), n_steps)
     return WalkRecord(*(o[:n_steps] for o in outs))
 
 
-def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
-                close, high, low, features, costs, start, n_steps) -> WalkRecord:
+def greedy_walk(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
+                h2_clamp_mult, close, high, low, features, costs, start, n_steps) -> WalkRecord:
     """Test entry of the CUDA ``greedy_walk`` (contract as the reference twin)."""
     return _walk("greedy_walk", lambda d, b, _: plan_greedy_walk(d, b), params, param_offsets,
-                 dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close, high, low,
-                 features, costs, start, n_steps)
+                 dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult, close, high,
+                 low, features, costs, start, n_steps)
 
 
-def greedy_walk_cluster(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                        h2_clamp_mult, close, high, low, features, costs, start,
+def greedy_walk_cluster(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                        isv_index, h2_clamp_mult, close, high, low, features, costs, start,
                         n_steps) -> WalkRecord:
     """Test entry of the CUDA ``greedy_walk_cluster`` on the test runtime's device (contract as
     the reference twin; ``ValueError`` where the slices do not fit its shared memory)."""
     return _walk("greedy_walk_cluster",
                  lambda d, b, bf: plan_greedy_walk_cluster(d, b, bf, runtime().device.arch), params,
-                 param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-                 high, low, features, costs, start, n_steps)
+                 param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+                 close, high, low, features, costs, start, n_steps)
 
 
-def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
                       h2_clamp_mult, close, high, low, features, costs, start, n_steps, n_chunks,
                       round, span_chunks, span_passes, span_state, span_brk, trace, ends,
                       rec_reward, rec_held, rec_cost, rec_margin) -> WalkRoundState:
@@ -302,9 +307,10 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
     buffers, returned as the twin's ``WalkRoundState`` (contract and errors as the twin's; the
     span base's buffers are read only)."""
     T, start, n_steps, n_chunks, round, span_chunks, span_passes = validate_greedy_walk_round(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps, n_chunks, round, span_chunks, span_passes,
-        span_state, span_brk, trace, ends, rec_reward, rec_held, rec_cost, rec_margin)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps, n_chunks, round, span_chunks,
+        span_passes, span_state, span_brk, trace, ends, rec_reward, rec_held, rec_cost,
+        rec_margin)
     plan = plan_greedy_walk_round(dims, branches, bool(bf16), runtime().device.arch, n_chunks)
     rows = max(n_steps, 1)  # (no zero-byte buffers)
 
@@ -316,8 +322,9 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
     margin = 0 if rec_margin is None else rows_of(rec_margin, rows, F32)
     outs = launch("greedy_walk_round", plan,
                   *_inputs("greedy_walk_round", plan, params, param_offsets, dims, branches, bf16,
-                           z, isv, isv_index, h2_clamp_mult, close, high, low, features, costs,
-                           T, start, n_steps), n_chunks, round, span_chunks, span_passes,
+                           z, z_stride, isv, isv_index, h2_clamp_mult, close, high, low,
+                           features, costs, T, start, n_steps), n_chunks, round, span_chunks,
+                  span_passes,
                   0 if span_state is None else In(np.ascontiguousarray(span_state)),
                   0 if span_brk is None else In(np.ascontiguousarray(span_brk)),
                   rows_of(trace, (rows, 3), I32), InOut(np.ascontiguousarray(ends)),
@@ -328,27 +335,28 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
                           cost[:n_steps], None if rec_margin is None else outs[5][:n_steps])
 
 
-def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                        h2_clamp_mult, close, high, low, features, costs, start, n_steps,
-                        n_chunks, rounds) -> WalkRecord:
+def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                        isv_index, h2_clamp_mult, close, high, low, features, costs, start,
+                        n_steps, n_chunks, rounds) -> WalkRecord:
     """``rounds`` launches of ``greedy_walk_round`` (rounds 0 .. rounds - 1) on zeroed state
     buffers, as the evaluator runs them; the records (twin: the reference's
     ``greedy_walk_chunked``; with ``rounds >= n_chunks`` bitwise ``greedy_walk_cluster``'s)."""
     _, _, steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     n_chunks = check_int("n_chunks", n_chunks, minimum=1)
     rounds = check_int("rounds", rounds, minimum=1)
     state = WalkRoundState(np.zeros((steps, 3), I32), np.zeros((2, n_chunks, 3), I32),
                            *(np.zeros(steps, F32) for _ in range(4)))
     for r in range(rounds):
-        state = greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                                  h2_clamp_mult, close, high, low, features, costs, start,
-                                  n_steps, n_chunks, r, **NO_SPAN_BASE, **state._asdict())
+        state = greedy_walk_round(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                                  isv_index, h2_clamp_mult, close, high, low, features, costs,
+                                  start, n_steps, n_chunks, r, **NO_SPAN_BASE,
+                                  **state._asdict())
     return WalkRecord(state.rec_reward, state.rec_held, state.rec_cost, state.rec_margin)
 
 
-def greedy_walk_hold(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+def greedy_walk_hold(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
                      h2_clamp_mult, close, high, low, features, costs, start,
                      n_steps) -> WalkRecord:
     """Test entry of the CUDA ``greedy_walk_hold`` on the test runtime's device, its rows from
@@ -356,11 +364,11 @@ def greedy_walk_hold(params, param_offsets, dims, branches, bf16, z, isv, isv_in
     ``greedy_walk_cluster``'s records)."""
     return _walk("greedy_walk_hold",
                  lambda d, b, bf: plan_greedy_walk_hold(d, b, bf, runtime().device.arch), params,
-                 param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-                 high, low, features, costs, start, n_steps)
+                 param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+                 close, high, low, features, costs, start, n_steps)
 
 
-def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
                       h2_clamp_mult, close, high, low, features, costs, start,
                       n_steps) -> WalkRecord:
     """Test entry of the CUDA ``greedy_walk_spans``: its ``SPAN_PASSES`` span launches on
@@ -369,13 +377,13 @@ def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, isv, isv_i
     runtime's device; the records (contract as the reference twin ``greedy_walk``; bitwise
     ``greedy_walk_cluster``'s)."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     span, tail, hold_rows = plan_greedy_walk_spans(dims, branches, bool(bf16),
                                                    runtime().device.arch, SPAN_CHUNKS)
     inputs = _inputs("greedy_walk_spans", span, params, param_offsets, dims, branches, bf16, z,
-                     isv, isv_index, h2_clamp_mult, close, high, low, features, costs, T, start,
-                     n_steps)
+                     z_stride, isv, isv_index, h2_clamp_mult, close, high, low, features, costs,
+                     T, start, n_steps)
     recs, _, _ = _span_launches(inputs, span, tail, hold_rows, n_steps, SPAN_PASSES + 1)
     return WalkRecord(*(r[:n_steps] for r in recs))
 
@@ -396,8 +404,8 @@ def _span_launches(inputs, span, tail, hold_rows, n_steps, launches) -> tuple:
     return recs, state, brk
 
 
-def greedy_walk_span_rounds(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                            h2_clamp_mult, close, high, low, features, costs, start,
+def greedy_walk_span_rounds(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                            isv_index, h2_clamp_mult, close, high, low, features, costs, start,
                             n_steps) -> WalkRecord:
     """Test entry of the evaluator's fused walk (``eval_plan.fused_ops`` on sm_90): the CUDA
     ``greedy_walk_spans``' ``SPAN_PASSES`` span launches on ``SPAN_CHUNKS`` clusters (no tail),
@@ -407,12 +415,12 @@ def greedy_walk_span_rounds(params, param_offsets, dims, branches, bf16, z, isv,
     ``greedy_walk_cluster``'s; the reference composition is
     ``walk_rounds.greedy_walk_spans_and_rounds``)."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     arch = runtime().device.arch
     span, tail, hold_rows = plan_greedy_walk_spans(dims, branches, bool(bf16), arch, SPAN_CHUNKS)
-    common = (params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
-              close, high, low, features, costs, T, start, n_steps)
+    common = (params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
+              h2_clamp_mult, close, high, low, features, costs, T, start, n_steps)
     recs, state, brk = _span_launches(_inputs("greedy_walk_spans", span, *common), span, tail,
                                       hold_rows, n_steps, SPAN_PASSES)
     plan = plan_greedy_walk_round(dims, branches, bool(bf16), arch, SPAN_CHUNKS)

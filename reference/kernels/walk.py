@@ -13,11 +13,15 @@ rounds on their base (``walk_rounds.greedy_walk_spans_and_rounds``).
 Per bar (the composition of the existing reference functions, one state row at a time): the
 env's state row (``env.env_observe``), the network's forward on it (``network.forward``'s
 layers, Mech 10's ``safety.clamp_finite`` with ``safety.isv_bound(h2_clamp_mult,
-isv[isv_index])``, ``distributional.dueling_combine``, ``log_softmax_atoms``, ``expected_q``),
-the greedy action (``env.env_act`` with eps 0: lowest index on ties, NaN never wins) and
-``env.env_step`` (one env, no auto-reset) recording bar k's reward (unscaled), position held and
-cost at row k. The walk starts flat at bar ``start`` and takes ``n_steps`` steps (``start +
-n_steps <= T - 1``: every step has its next bar).
+isv[isv_index])``, ``distributional.dueling_combine``, ``log_softmax_atoms``, ``expected_q``
+on branch d's support ``z + d * z_stride``: one support ``[NA]`` for every branch with
+``z_stride = 0``, the live per-branch support ``[n_branches, NA]`` (``DQNConfig.adaptive_atoms``,
+``kernels.live_support``) with ``z_stride = NA``; :func:`check_support`), the greedy action
+(``env.env_act`` with eps 0: lowest index on ties, NaN never wins) and ``env.env_step`` (one
+env, no auto-reset) recording bar k's reward (unscaled), position held and cost at row k. The
+walk starts flat at bar ``start`` and takes ``n_steps`` steps (``start + n_steps <= T - 1``:
+every step has its next bar). The support only selects which atoms' values an expected Q sums:
+``z_stride`` changes no float order.
 
 **Float order of the dot products** (the kernel's, reproduced here): every layer's output
 ``y_n = sum_k x_k w_nk`` is summed by 32 lanes, lane ``l`` adding its terms ``k = l, l + 32, ...``
@@ -107,7 +111,8 @@ def walk_dims(config) -> tuple[int, ...]:
 
 
 def q_error_bound(z: np.ndarray, bf16: bool) -> float:
-    """How far the kernel's expected Q may be from the twin's (module docstring)."""
+    """How far the kernel's expected Q may be from the twin's (module docstring); ``z``: the
+    walk's support, one or per branch (the largest ``|z|`` of any branch bounds them all)."""
     return Q_ERROR_REL["bf16" if bf16 else "f32"] * float(np.max(np.abs(z)))
 
 
@@ -137,7 +142,8 @@ def dot_lanes(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 
 def forward_row(params, offsets, dims, branches, bf16, z, bound, x) -> list[np.ndarray]:
-    """Expected Q per branch (``[1, n_d]`` each) of one state row ``x [SD]``."""
+    """Expected Q per branch (``[1, n_d]`` each) of one state row ``x [SD]``; ``z``: one support
+    ``[NA]`` for every branch, or ``[n_branches, NA]`` (branch d's support is row d)."""
     sd, h1, h2, value_h, adv_h, na = dims
     mode = "bf16" if bf16 else "f32"
     table = dict(zip(walk_tensors(len(branches)), (int(o) for o in offsets)))
@@ -161,7 +167,8 @@ def forward_row(params, offsets, dims, branches, bf16, z, bound, x) -> list[np.n
         ha = layer(h2_v, f"w_{br}1", f"b_{br}1", (adv_h, h2), True)
         adv = layer(ha, f"w_{br}2", f"b_{br}2", (n * na, adv_h), False)
         logits = distributional.dueling_combine(v[np.newaxis], adv.reshape(1, n, na))
-        qs.append(distributional.expected_q(distributional.log_softmax_atoms(logits), z))
+        z_d = z[d] if z.ndim == 2 else z
+        qs.append(distributional.expected_q(distributional.log_softmax_atoms(logits), z_d))
     return qs
 
 
@@ -183,8 +190,29 @@ def choice_margin(qs: list[np.ndarray]) -> np.float32:
     return np.float32(margin)
 
 
-def validate_greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                         h2_clamp_mult, close, high, low, features, costs, start, n_steps):
+def check_support(z, z_stride, n_branches: int, num_atoms: int) -> int:
+    """The walk's support: ``z_stride`` 0 with ``z`` float32 ``[num_atoms]`` (one support for
+    every branch) or ``num_atoms`` with ``z`` float32 ``[n_branches, num_atoms]`` (branch d's at
+    ``z + d * z_stride``: row d, the live per-branch support); one-line ``ValueError`` else.
+    Returns ``z_stride``."""
+    allowed = (0, num_atoms)
+    if isinstance(z_stride, bool) or not isinstance(z_stride, (int, np.integer)) \
+            or int(z_stride) not in allowed:
+        raise ValueError(f"z_stride={z_stride!r}: allowed 0 (one support z [num_atoms] for every "
+                         f"branch) or num_atoms={num_atoms} (z [n_branches, num_atoms], a row per "
+                         "branch)")
+    shape = (num_atoms,) if z_stride == 0 else (n_branches, num_atoms)
+    require_array("z", z, np.dtype(F32))
+    if z.shape != shape:
+        raise ValueError(f"z: shape {tuple(z.shape)}; need {list(shape)} with "
+                         f"z_stride={int(z_stride)} (num_atoms={num_atoms}, "
+                         f"n_branches={n_branches})")
+    return int(z_stride)
+
+
+def validate_greedy_walk(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                         isv_index, h2_clamp_mult, close, high, low, features, costs, start,
+                         n_steps):
     """Argument checks shared with the fast test entry; returns ``(T, start, n_steps)``."""
     require_array("params", params, np.dtype(F32), ndim=1)
     require_array("param_offsets", param_offsets, np.dtype(I32), ndim=1)
@@ -196,9 +224,7 @@ def validate_greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, is
                          f"{len(walk_tensors(len(branches)))} (walk_tensors order)")
     if len(dims) != len(DIMS) or min(int(d) for d in dims) < 1:
         raise ValueError(f"dims={tuple(dims)!r}: need {len(DIMS)} sizes >= 1 ({', '.join(DIMS)})")
-    require_array("z", z, np.dtype(F32), ndim=1)
-    if z.shape[0] != int(dims[5]):
-        raise ValueError(f"z: {z.shape[0]} atoms; need num_atoms={dims[5]}")
+    check_support(z, z_stride, len(branches), int(dims[5]))
     require_array("isv", isv, np.dtype(F32), ndim=1)
     check_int("isv_index", isv_index, minimum=0, maximum=isv.shape[0] - 1)
     require_array("close", close, np.dtype(F32), ndim=1)
@@ -235,8 +261,10 @@ class _Walk(NamedTuple):
     n_bars: int
 
 
-def _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-          high, low, features, costs, n_bars) -> _Walk:
+def _walk(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
+          h2_clamp_mult, close, high, low, features, costs, n_bars) -> _Walk:
+    """(``z`` as validated: ``[NA]`` with ``z_stride`` 0, ``[n_branches, NA]`` with ``NA``; so
+    branch d's support ``z + d * z_stride`` is ``forward_row``'s row d or the one row.)"""
     return _Walk(params, param_offsets, tuple(int(d) for d in dims),
                  tuple(int(n) for n in branches), bool(bf16), z,
                  safety.isv_bound(np.float32(h2_clamp_mult), isv[isv_index]), close, high, low,
@@ -310,17 +338,19 @@ def _records_out(rec: list[np.ndarray]) -> tuple[np.ndarray, ...]:
     return tuple(r[:, 0].copy() for r in rec)
 
 
-def greedy_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
-                close, high, low, features, costs, start, n_steps) -> WalkRecord:
+def greedy_walk(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
+                h2_clamp_mult, close, high, low, features, costs, start, n_steps) -> WalkRecord:
     """The walk of the module docstring. ``params`` float32 flat (the f32 master; BF16 rounding
     per ``bf16``), ``param_offsets`` int32 (:func:`walk_offsets`), ``dims`` (:data:`DIMS`),
-    ``branches`` (actions per branch), ``z [NA]``, ``isv`` float32 with Mech 10's signal at
+    ``branches`` (actions per branch), the support ``z`` and ``z_stride`` (:func:`check_support`:
+    ``[NA]`` with 0, shared by the branches; ``[n_branches, NA]`` with ``NA``, branch d's support
+    row d), ``isv`` float32 with Mech 10's signal at
     ``isv_index``, market tables ``[T]`` / ``features [T, F]``, ``costs`` (``env.cost_table``)."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
-    walk = _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
-                 close, high, low, features, costs, T)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
+    walk = _walk(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
+                 h2_clamp_mult, close, high, low, features, costs, T)
     rec = [np.zeros((n_steps, 1), F32) for _ in range(3)]
     margins = np.zeros(n_steps, F32)
     rec = _walk_from(walk, _flat_state(start, T), n_steps, rec, margins)
@@ -341,5 +371,6 @@ KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk,
            "greedy_walk_span_rounds": greedy_walk}
 
 __all__ = ["DIMS", "KERNELS", "LANES", "NEAR_TIE_FACTOR", "Q_ERROR_REL", "WalkRecord",
-           "choice_margin", "dot_lanes", "first_near_tie", "forward_row", "greedy_walk",
-           "q_error_bound", "validate_greedy_walk", "walk_dims", "walk_offsets", "walk_tensors"]
+           "check_support", "choice_margin", "dot_lanes", "first_near_tie", "forward_row",
+           "greedy_walk", "q_error_bound", "validate_greedy_walk", "walk_dims", "walk_offsets",
+           "walk_tensors"]

@@ -141,16 +141,17 @@ def _validate_span_base(n_steps, start, branches, span_chunks, span_passes, span
     return span_chunks, span_passes
 
 
-def validate_greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                               h2_clamp_mult, close, high, low, features, costs, start, n_steps,
-                               n_chunks, round, span_chunks, span_passes, span_state, span_brk,
-                               trace, ends, rec_reward, rec_held, rec_cost, rec_margin):
+def validate_greedy_walk_round(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                               isv_index, h2_clamp_mult, close, high, low, features, costs,
+                               start, n_steps, n_chunks, round, span_chunks, span_passes,
+                               span_state, span_brk, trace, ends, rec_reward, rec_held, rec_cost,
+                               rec_margin):
     """:func:`validate_greedy_walk`, then the round's own arguments (the span base's by
     :func:`_validate_span_base`); returns ``(T, start, n_steps, n_chunks, round, span_chunks,
     span_passes)``. Shared with the fast test entry."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     n_chunks = check_int("n_chunks", n_chunks, minimum=1)
     round = check_int("round", round, minimum=0)
     span_chunks, span_passes = _validate_span_base(n_steps, start, branches, span_chunks,
@@ -186,7 +187,7 @@ def _run_chunk(walk: _Walk, state: EnvState, k0: int, k1: int, merge: bool, trac
     return walk_key(state), rec
 
 
-def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
+def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
                       h2_clamp_mult, close, high, low, features, costs, start, n_steps, n_chunks,
                       round, span_chunks, span_passes, span_state, span_brk, trace, ends,
                       rec_reward, rec_held, rec_cost, rec_margin) -> WalkRoundState:
@@ -246,11 +247,12 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv, isv_i
     merging is disabled and the chunk just walks to its end, still exact.
     """
     T, start, n_steps, n_chunks, round, span_chunks, span_passes = validate_greedy_walk_round(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps, n_chunks, round, span_chunks, span_passes,
-        span_state, span_brk, trace, ends, rec_reward, rec_held, rec_cost, rec_margin)
-    walk = _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
-                 close, high, low, features, costs, T)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps, n_chunks, round, span_chunks,
+        span_passes, span_state, span_brk, trace, ends, rec_reward, rec_held, rec_cost,
+        rec_margin)
+    walk = _walk(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
+                 h2_clamp_mult, close, high, low, features, costs, T)
     trace, ends = trace.copy(), ends.copy()
     rec, margins = _records_in(rec_reward, rec_held, rec_cost, rec_margin)
     base = _flat_state(start, T)
@@ -291,31 +293,31 @@ def _round_buffers(n_steps: int, n_chunks: int) -> WalkRoundState:
                           *(np.zeros(n_steps, F32) for _ in range(4)))
 
 
-def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                        h2_clamp_mult, close, high, low, features, costs, start, n_steps,
-                        n_chunks, rounds) -> WalkRecord:
+def greedy_walk_chunked(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                        isv_index, h2_clamp_mult, close, high, low, features, costs, start,
+                        n_steps, n_chunks, rounds) -> WalkRecord:
     """:func:`greedy_walk_round` for ``round = 0 .. rounds - 1`` (``rounds >= 1``), without a
     span base, on buffers that start as zeros; returns the records (margins included).
     ``rounds >= n_chunks`` gives :func:`greedy_walk`'s records bit for bit; fewer rounds give,
     per chunk ``g``, the sequential walk from flat at chunk ``max(0, g - rounds + 1)``
     (greedy_walk_round's docstring)."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     n_chunks = check_int("n_chunks", n_chunks, minimum=1)
     rounds = check_int("rounds", rounds, minimum=1)
     buffers = _round_buffers(n_steps, n_chunks)
     for r in range(rounds):
-        buffers = greedy_walk_round(params, param_offsets, dims, branches, bf16, z, isv,
-                                    isv_index, h2_clamp_mult, close, high, low, features, costs,
-                                    start, n_steps, n_chunks, r, **NO_SPAN_BASE,
+        buffers = greedy_walk_round(params, param_offsets, dims, branches, bf16, z, z_stride,
+                                    isv, isv_index, h2_clamp_mult, close, high, low, features,
+                                    costs, start, n_steps, n_chunks, r, **NO_SPAN_BASE,
                                     **buffers._asdict())
     return WalkRecord(buffers.rec_reward, buffers.rec_held, buffers.rec_cost, buffers.rec_margin)
 
 
-def greedy_walk_spans_and_rounds(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                                 h2_clamp_mult, close, high, low, features, costs, start,
-                                 n_steps, span_chunks, span_passes, hold_rows, n_chunks,
+def greedy_walk_spans_and_rounds(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                                 isv_index, h2_clamp_mult, close, high, low, features, costs,
+                                 start, n_steps, span_chunks, span_passes, hold_rows, n_chunks,
                                  rounds) -> WalkRecord:
     """The evaluator's fused walk: ``walk_spans.greedy_walk_spans_pass`` for ``pass_index = 0
     .. span_passes - 1`` (``span_chunks`` clusters, ``span_passes >= 1``, ``hold_rows`` as
@@ -324,14 +326,14 @@ def greedy_walk_spans_and_rounds(params, param_offsets, dims, branches, bf16, z,
     records (margins included). ``rounds >= n_chunks`` gives :func:`greedy_walk`'s records bit
     for bit (both docstrings)."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     span_chunks = check_int("span_chunks", span_chunks, minimum=1)
     span_passes = check_int("span_passes", span_passes, minimum=1)
     n_chunks = check_int("n_chunks", n_chunks, minimum=1)
     rounds = check_int("rounds", rounds, minimum=1)
-    args = (params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-            high, low, features, costs, start, n_steps)
+    args = (params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
+            h2_clamp_mult, close, high, low, features, costs, start, n_steps)
     spans = WalkSpansState(np.zeros((2, len(SPAN_STATE)), I32),
                            np.zeros((2, span_chunks, len(SPAN_BREAK)), I32),
                            *(np.zeros(n_steps, F32) for _ in range(4)))

@@ -140,16 +140,17 @@ def _check_spans_buffers(n_steps: int, start: int, branches: tuple[int, ...], pa
                          f"{BRANCH_DEFAULTS} for a missing branch")
 
 
-def validate_greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, isv,
-                                    isv_index, h2_clamp_mult, close, high, low, features, costs,
-                                    start, n_steps, n_chunks, n_passes, pass_index, hold_rows,
-                                    state, brk, rec_reward, rec_held, rec_cost, rec_margin):
+def validate_greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, z_stride,
+                                    isv, isv_index, h2_clamp_mult, close, high, low, features,
+                                    costs, start, n_steps, n_chunks, n_passes, pass_index,
+                                    hold_rows, state, brk, rec_reward, rec_held, rec_cost,
+                                    rec_margin):
     """:func:`validate_greedy_walk`, then the pass's own arguments (for ``pass_index > 0`` also
     what it reads of the previous pass: :func:`_check_spans_buffers`); returns ``(T, start,
     n_steps, n_chunks, n_passes, pass_index, hold_rows)``. Shared with the fast test entry."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     n_chunks = check_int("n_chunks", n_chunks, minimum=1)
     n_passes = check_int("n_passes", n_passes, minimum=0)
     pass_index = check_int("pass_index", pass_index, minimum=0, maximum=n_passes)
@@ -209,10 +210,10 @@ def _check_span(walk: _Walk, base: EnvState, j0: int, length: int, rec: list[np.
     return np.array(_NO_BREAK, I32), rec
 
 
-def greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                           h2_clamp_mult, close, high, low, features, costs, start, n_steps,
-                           n_chunks, n_passes, pass_index, hold_rows, state, brk, rec_reward,
-                           rec_held, rec_cost, rec_margin) -> WalkSpansState:
+def greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                           isv_index, h2_clamp_mult, close, high, low, features, costs, start,
+                           n_steps, n_chunks, n_passes, pass_index, hold_rows, state, brk,
+                           rec_reward, rec_held, rec_cost, rec_margin) -> WalkSpansState:
     """One launch of walk.cu's ``greedy_walk_spans``: new arrays, the inputs untouched.
     :func:`greedy_walk`'s arguments, then ``n_chunks = G >= 1`` clusters, ``n_passes = P >=
     0``, ``pass_index = p`` in ``[0, P]``, ``hold_rows`` in ``[1, HOLD_MAX]`` (the kernel's rows
@@ -262,11 +263,11 @@ def greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, isv, 
     integers made float32, so ``hold(S)`` is exact; entry prices are carried as bits.
     """
     T, start, n_steps, n_chunks, n_passes, pass_index, _ = validate_greedy_walk_spans_pass(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps, n_chunks, n_passes, pass_index, hold_rows,
-        state, brk, rec_reward, rec_held, rec_cost, rec_margin)
-    walk = _walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult,
-                 close, high, low, features, costs, T)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps, n_chunks, n_passes, pass_index,
+        hold_rows, state, brk, rec_reward, rec_held, rec_cost, rec_margin)
+    walk = _walk(params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
+                 h2_clamp_mult, close, high, low, features, costs, T)
     state, brk = state.copy(), brk.copy()
     rec, margins = _records_in(rec_reward, rec_held, rec_cost, rec_margin)
     cur = pass_index & 1
@@ -290,25 +291,25 @@ def greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, isv, 
     return WalkSpansState(state, brk, *_records_out(rec), margins)
 
 
-def greedy_walk_spans_walk(params, param_offsets, dims, branches, bf16, z, isv, isv_index,
-                           h2_clamp_mult, close, high, low, features, costs, start, n_steps,
-                           n_chunks, n_passes, hold_rows) -> WalkRecord:
+def greedy_walk_spans_walk(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+                           isv_index, h2_clamp_mult, close, high, low, features, costs, start,
+                           n_steps, n_chunks, n_passes, hold_rows) -> WalkRecord:
     """:func:`greedy_walk_spans_pass` for ``pass_index = 0 .. n_passes`` (``n_passes + 1``
     launches) on buffers that start as zeros; returns the records (margins included), equal to
     :func:`greedy_walk`'s bit for bit (the pass's docstring)."""
     T, start, n_steps = validate_greedy_walk(
-        params, param_offsets, dims, branches, bf16, z, isv, isv_index, h2_clamp_mult, close,
-        high, low, features, costs, start, n_steps)
+        params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
+        close, high, low, features, costs, start, n_steps)
     n_chunks = check_int("n_chunks", n_chunks, minimum=1)
     n_passes = check_int("n_passes", n_passes, minimum=0)
     buffers = WalkSpansState(np.zeros((2, len(SPAN_STATE)), I32),
                              np.zeros((2, n_chunks, len(SPAN_BREAK)), I32),
                              *(np.zeros(n_steps, F32) for _ in range(4)))
     for p in range(n_passes + 1):
-        buffers = greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z, isv,
-                                         isv_index, h2_clamp_mult, close, high, low, features,
-                                         costs, start, n_steps, n_chunks, n_passes, p, hold_rows,
-                                         *buffers)
+        buffers = greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16, z,
+                                         z_stride, isv, isv_index, h2_clamp_mult, close, high,
+                                         low, features, costs, start, n_steps, n_chunks,
+                                         n_passes, p, hold_rows, *buffers)
     return WalkRecord(buffers.rec_reward, buffers.rec_held, buffers.rec_cost, buffers.rec_margin)
 
 
