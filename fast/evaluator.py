@@ -21,7 +21,9 @@ plans of ``foxhunt.fast.eval_plan`` on its own arena (the walk's ``WalkLayout`` 
   greedy policy then takes ``fused`` and ``end`` instead of ``begin``, the chunks and ``end``
   (the baselines keep the chunk graphs). ``mode="graph"`` walks the greedy policy by chunk
   graphs too. ``mode="auto"`` (the default, ``auto_mode``) is ``"fused"`` where the fused walk
-  runs on clusters and the support is fixed, else ``"graph"``.
+  runs on clusters, else ``"graph"``. Both modes read Q on the support of the trainer's current
+  ISV: the fixed one, or with ``adaptive_atoms`` the live per-branch support built at the
+  walk's start (``support_plan.eval_support``), as ``q_values`` does.
 
 ``walk(start, stop, bars_per_year, policy=, equity=)`` walks bars ``[start, stop)``
 (``n = stop - start - 1`` steps, starting flat, as ``loop.evaluate``): the host writes the
@@ -72,7 +74,6 @@ from foxhunt.fast.eval_plan import (
 )
 from foxhunt.fast.records import Ops
 from foxhunt.fast.step_layout import BufferTable, EvalLayout
-from foxhunt.fast.support_plan import require_fixed_support
 from foxhunt.reference.env import ExecutionCosts
 from foxhunt.reference.kernels import env as env_kernels
 from foxhunt.reference.kernels.argcheck import check_int
@@ -185,14 +186,15 @@ class _GpuWalk:
 def auto_mode(trainer) -> str:
     """``mode="auto"``: ``"fused"`` where the fused walk runs on thread-block clusters (sm_90 and
     newer, the network in a cluster's shared memory; ``eval_plan.fused_walk_kernel`` is
-    ``greedy_walk_cluster``, whose bar the span walk runs) and the support is fixed; else
-    ``"graph"`` (the one-block ``greedy_walk`` reads its weights from L2 and is slower than the
-    chunk graphs). On the CPU executor: ``"graph"`` (its metrics are ``loop.evaluate_segment``'s
-    bit for bit; the fused walk's twin sums in another order and is much slower there)."""
+    ``greedy_walk_cluster``, whose bar the span walk runs), with the fixed support or the live
+    per-branch one alike; else ``"graph"`` (the one-block ``greedy_walk`` reads its weights from
+    L2 and is slower than the chunk graphs). On the CPU executor: ``"graph"`` (its metrics are
+    ``loop.evaluate_segment``'s bit for bit; the fused walk's twin sums in another order and is
+    much slower there)."""
     from foxhunt.fast.cpu_executor import CpuEngine
     from foxhunt.fast.eval_plan import fused_walk_kernel
 
-    if trainer.config.adaptive_atoms or isinstance(trainer.engine, CpuEngine):
+    if isinstance(trainer.engine, CpuEngine):
         return "graph"
     return "fused" if fused_walk_kernel(trainer.engine.program) == "greedy_walk_cluster" else "graph"
 
@@ -210,8 +212,6 @@ class DeviceEvaluator:
         if mode == "auto":
             mode = auto_mode(trainer)
         self.mode = mode
-        if mode == "fused":  # greedy_walk reads the fixed support z (support_plan)
-            require_fixed_support(trainer.config, 'DeviceEvaluator(mode="fused") (greedy_walk)')
         n_bars = tables.close.shape[0]
         if n_bars < 2:
             raise ValueError(f"tables: {n_bars} bars are not allowed; a walk needs at least 2")
