@@ -3,7 +3,9 @@
 the chunk graphs of ``mode="graph"`` on real fold segments. The two forwards sum in different
 orders (lane-strided dot products against GEMMs), so their actions agree up to the first near
 tie (``walk.first_near_tie`` of the margins, computed here by the reference walk on the
-trainer's live parameters); before it, every per-bar reward is equal."""
+trainer's live parameters); before it, every per-bar reward is equal. With ``adaptive_atoms``
+the walk reads the live per-branch support built from the trainer's current ISV (``z_e``,
+``z_stride = NA``)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import re
 import numpy as np
 import pytest
 
+from foxhunt.conformance.specs.walk import branch_supports
 from foxhunt.fast import device as fast_device
 from foxhunt.fast.cpu_executor import CpuTrainer
 from foxhunt.fast.eval_plan import POLICIES, walk_tensor_sizes
@@ -26,16 +29,19 @@ from foxhunt.reference.kernels import walk
 from foxhunt.reference.layout import ParamLayout
 from foxhunt.reference.market import SyntheticMarket, feature_warmup, market_features
 from foxhunt.reference.metrics import bar_seconds, bars_per_year
-from foxhunt.reference.step import support
+from foxhunt.reference.step import step_supports, support
 
 CHUNK = 16
+#: The config switches of the live per-branch support (``adaptive_atoms`` needs ``q_stats``).
+ADAPTIVE = {"q_stats": True, "adaptive_atoms": True}
 
 
-def _setup(precision: str, seed: int, preset: str = "tiny", trainer_class=CpuTrainer):
-    """A trainer of ``preset`` (the CPU executor's, or on a GPU ``fast.Trainer``) stepped a few
-    times (its greedy policy trades), the run's bars and its two folds' validation and test
-    segments, and a graph-mode and a fused-mode evaluator."""
-    config = DQNConfig.preset(preset, precision=precision)
+def _setup(precision: str, seed: int, preset: str = "tiny", trainer_class=CpuTrainer,
+           **changes):
+    """A trainer of ``preset`` (with ``changes``; the CPU executor's, or on a GPU
+    ``fast.Trainer``) stepped a few times (its greedy policy trades), the run's bars and its
+    two folds' validation and test segments, and a graph-mode and a fused-mode evaluator."""
+    config = DQNConfig.preset(preset, precision=precision, **changes)
     trainer = trainer_class(config, seed=seed)
     gen = np.random.default_rng(seed)
     for _ in range(3):
@@ -53,30 +59,55 @@ def _setup(precision: str, seed: int, preset: str = "tiny", trainer_class=CpuTra
     return config, trainer, tables, segments, per_year, graph, fused
 
 
-@pytest.fixture(scope="module", params=["f32", "bf16"])
+@pytest.fixture(scope="module", params=[("f32", False), ("bf16", False), ("f32", True),
+                                        ("bf16", True)],
+                ids=["f32", "bf16", "f32-live", "bf16-live"])
 def run_setup(request):
-    setup = _setup(request.param, seed=3)
+    """``_setup`` on the fixed support, and on the live per-branch one (``-live``)."""
+    precision, live = request.param
+    setup = _setup(precision, seed=3, **(ADAPTIVE if live else {}))
     yield setup
     for ev in setup[-2:]:
         ev.close()
 
 
+def _support(config, isv) -> dict:
+    """The walk's support on ``isv``: the live per-branch one (``reference.step.step_supports``
+    of ``adaptive_atoms``, ``z [nb, NA]``, ``z_stride = NA``), else the fixed one (stride 0)."""
+    if config.adaptive_atoms:
+        return dict(z=step_supports(config, isv).z, z_stride=config.num_atoms)
+    return dict(z=support(config), z_stride=0)
+
+
 def _walk_args(config, trainer, tables, start, stop) -> dict:
-    """``greedy_walk``'s arguments: the trainer's live online parameters and ISV, the tables."""
+    """``greedy_walk``'s arguments: the trainer's live online parameters and ISV (and the
+    support of that ISV), the tables."""
     arena = trainer.engine.arena
+    isv = arena.download("isv")
     return dict(
         params=arena.download("params2")[0],
         param_offsets=walk.walk_offsets(ParamLayout(config), config.n_branches),
         dims=walk.walk_dims(config), branches=config.branches, bf16=config.precision == "bf16",
-        z=support(config), isv=arena.download("isv"), isv_index=H_S2_RMS_EMA_INDEX,
+        **_support(config, isv), isv=isv, isv_index=H_S2_RMS_EMA_INDEX,
         h2_clamp_mult=config.h2_clamp_mult, close=tables.close, high=tables.high, low=tables.low,
         features=tables.features, costs=env_kernels.cost_table(ExecutionCosts()), start=start,
         n_steps=stop - start - 1)
 
 
-def _margins(config, trainer, tables, start, stop) -> np.ndarray:
-    """The reference walk's margins on the trainer's live online parameters and ISV."""
-    return walk.greedy_walk(**_walk_args(config, trainer, tables, start, stop)).margins
+def _kernel_args(config, trainer, tables, start, stop, per_branch: bool) -> dict:
+    """``_walk_args``; with ``per_branch`` on the distinct supports of the conformance ``odd``
+    case (``branch_supports``, ``z_stride = NA``) in place of the trainer's."""
+    args = _walk_args(config, trainer, tables, start, stop)
+    if per_branch:
+        args.update(z=branch_supports(config), z_stride=config.num_atoms)
+    return args
+
+
+def _cut(config, trainer, tables, start, stop) -> int:
+    """The first near tie of the reference walk on the trainer's live online parameters and
+    ISV (its margins against its support's Q bound)."""
+    args = _walk_args(config, trainer, tables, start, stop)
+    return walk.first_near_tie(walk.greedy_walk(**args).margins, args["z"], args["bf16"])
 
 
 def test_fused_walk_equals_the_graph_walk_up_to_the_first_near_tie(run_setup):
@@ -85,14 +116,12 @@ def test_fused_walk_equals_the_graph_walk_up_to_the_first_near_tie(run_setup):
 
 def _fused_equals_graph(setup) -> None:
     config, trainer, tables, segments, per_year, graph, fused = setup
-    bf16 = config.precision == "bf16"
     compared = 0
     for start, stop in segments:
         n = stop - start - 1
         want = graph.walk(start, stop, per_year, equity=True)
         got = fused.walk(start, stop, per_year, equity=True)
-        cut = walk.first_near_tie(_margins(config, trainer, tables, start, stop),
-                                  support(config), bf16)
+        cut = _cut(config, trainer, tables, start, stop)
         assert np.array_equal(got.rewards[:cut], want.rewards[:cut])
         if cut == n:  # the same records: the same metrics, bit for bit
             assert got.metrics.tolist() == want.metrics.tolist()
@@ -119,10 +148,13 @@ def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
     ``SPAN_ROUNDS`` launches of ``greedy_walk_round`` on ``SPAN_CHUNKS`` clusters (``round`` 0
     .. ``SPAN_ROUNDS - 1``) on the spans' buffers, whatever the segment's length; no greedy
     chunk graph is ever built; one synchronisation per segment. The CPU plan is built for sm_90
-    (``cpu_executor.CPU_ARCH``), where the tiny network fits a cluster (16 rows a pass)."""
+    (``cpu_executor.CPU_ARCH``), where the tiny network fits a cluster (16 rows a pass). With
+    ``adaptive_atoms`` one ``live_support_build`` from the ISV into ``z_e`` comes first, and the
+    walks read ``z_e`` with ``z_stride = NA``; else the fixed ``z`` with 0."""
     from foxhunt.fast.kernels.walk import SPAN_CHUNKS, SPAN_PASSES, SPAN_ROUNDS
 
-    *_, segments, per_year, _, fused = run_setup
+    config, *_, segments, per_year, _, fused = run_setup
+    live = ["live_support_build"] if config.adaptive_atoms else []
     for start, stop in segments:
         before = fast_device.SYNCS.count
         fused.walk(start, stop, per_year)
@@ -130,8 +162,13 @@ def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
     (graph,) = fused._device._plans["fused"]
     launches = [node for node in graph.nodes if getattr(node, "kernel", None)]
     assert SPAN_ROUNDS == SPAN_CHUNKS  # as many rounds as chunks: exact for every policy
-    assert [node.kernel for node in launches] == (["greedy_walk_spans"] * SPAN_PASSES
+    assert [node.kernel for node in launches] == (live + ["greedy_walk_spans"] * SPAN_PASSES
                                                   + ["greedy_walk_round"] * SPAN_ROUNDS)
+    if live:
+        build = launches.pop(0)
+        assert (str(build.args["isv"]), str(build.args["z"])) == ("isv", "z_e")
+    support = ("z_e", config.num_atoms) if live else ("z", 0)
+    assert {(str(node.args["z"]), node.args["z_stride"]) for node in launches} == {support}
     spans, rounds = launches[:SPAN_PASSES], launches[SPAN_PASSES:]
     assert [node.args["pass_index"] for node in spans] == list(range(SPAN_PASSES))
     assert {node.args["hold_rows"] for node in spans} == {16}
@@ -142,7 +179,7 @@ def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
     assert {(str(node.args["state"]), str(node.args["brk"])) for node in spans} == {
         ("walk_span_state", "walk_span_brk")}
     assert [node.shape.grid[0] for node in launches] == [8 * SPAN_CHUNKS] * len(launches)
-    assert fused._device.node_count("fused") == 2 + SPAN_PASSES + SPAN_ROUNDS
+    assert fused._device.node_count("fused") == 2 + len(live) + SPAN_PASSES + SPAN_ROUNDS
     assert ("chunk", "greedy") not in fused._device._plans
 
 
@@ -164,6 +201,25 @@ def test_cpu_fused_walk_is_the_reference_walk_bit_for_bit(run_setup):
     assert most > SPAN_PASSES
 
 
+def test_the_fused_walk_reads_the_live_support_of_the_trainer_s_current_isv():
+    """With ``adaptive_atoms`` the support the fused walk read (``z_e``, built in its graph) is
+    ``live_support_build`` of the trainer's ISV at the walk, bit for bit, after every round of
+    steps; the step's own ``z_live`` (built from the ISV at the last step's start) is not."""
+    config, trainer, tables, segments, per_year, graph, fused = _setup("f32", seed=5, **ADAPTIVE)
+    start, stop = segments[0]
+    gen = np.random.default_rng(2)
+    for _ in range(2):
+        for _ in range(2):
+            trainer.step(Batch.random(config, gen))
+        fused.walk(start, stop, per_year)
+        isv = trainer.engine.arena.download("isv")
+        read = fused._device.arenas[1].download("z_e")
+        assert read.tobytes() == step_supports(config, isv).z.tobytes()
+        assert read.tobytes() != trainer.engine.arena.download("z_live").tobytes()
+    graph.close()
+    fused.close()
+
+
 def test_walk_tensor_sizes_are_the_parameter_layout_s():
     """The twin's extent of ``params``: each tensor's size as ``ParamLayout`` sizes it."""
     config = DQNConfig.preset("tiny")
@@ -183,8 +239,7 @@ def test_the_fused_walk_reads_the_trainer_s_live_parameters():
     for _ in range(3):
         got = fused.walk(start, stop, per_year, equity=True).rewards
         want = graph.walk(start, stop, per_year, equity=True).rewards
-        cut = walk.first_near_tie(_margins(config, trainer, tables, start, stop),
-                                  support(config), False)
+        cut = _cut(config, trainer, tables, start, stop)
         assert cut > 0 and np.array_equal(got[:cut], want[:cut])
         seen.append(got)
         for _ in range(4):
@@ -206,20 +261,23 @@ _GPU, _WHY = fast_device.cuda_available()
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
+@pytest.mark.parametrize("live", [False, True], ids=["fixed", "live"])
 @pytest.mark.parametrize("precision", ["bf16", "f32"])
-def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision):
+def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision, live):
     """On the GPU, the seed network: the fused plan captures the kernel ``plan_walk`` picks for
     the device (``greedy_walk_cluster`` from sm_90, over 48 KiB of shared memory per block: the
     graph lowering's opt-in), and its per-bar rewards are the one-block ``greedy_walk`` test
     entry's on the trainer's live parameters, bit for bit, on every bar (no near-tie cut: the
     two kernels sum in the same order; a freshly stepped seed network's margins are too small
-    for a comparison with the chunk graphs to reach past a few bars)."""
+    for a comparison with the chunk graphs to reach past a few bars). ``live``: with
+    ``adaptive_atoms``, the plan's ``live_support_build`` first, the one-block entry on the live
+    support of the trainer's ISV (``z_stride = NA``)."""
     from foxhunt.fast import Trainer
     from foxhunt.fast.kernels.walk import SPAN_PASSES, SPAN_ROUNDS, WALK_KERNELS
     from foxhunt.fast.kernels.walk import greedy_walk as one_block
 
     config, trainer, tables, segments, per_year, graph, fused = _setup(
-        precision, seed=3, preset="seed", trainer_class=Trainer)
+        precision, seed=3, preset="seed", trainer_class=Trainer, **(ADAPTIVE if live else {}))
     try:
         traded = 0
         for start, stop in segments:
@@ -231,10 +289,10 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
         packed = {node.kernel for *_, node in fused._device._lowering._packed.values()}
         walks = {*WALK_KERNELS, "greedy_walk_hold", "greedy_walk_spans", "greedy_walk_round"}
         if trainer.engine.device.compute_capability >= (9, 0):  # copies in, spans, rounds
-            assert fused._device.node_count("fused") == 2 + SPAN_PASSES + SPAN_ROUNDS
+            assert fused._device.node_count("fused") == 2 + live + SPAN_PASSES + SPAN_ROUNDS
             assert packed & walks == {"greedy_walk_spans", "greedy_walk_round"}
-        else:
-            assert fused._device.node_count("fused") == 3  # two copies in, ONE walk kernel
+        else:  # two copies in, (the live support,) ONE walk kernel
+            assert fused._device.node_count("fused") == 3 + live
             assert packed & walks == {"greedy_walk"}
     finally:
         graph.close()
@@ -244,14 +302,16 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision)
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
+@pytest.mark.parametrize("per_branch", [False, True], ids=["one-support", "per-branch"])
 @pytest.mark.parametrize("precision", ["bf16", "f32"])
-def test_gpu_walk_in_chunks_is_the_cluster_walk_bit_for_bit(precision):
+def test_gpu_walk_in_chunks_is_the_cluster_walk_bit_for_bit(precision, per_branch):
     """``greedy_walk_round``, ``n_chunks`` rounds over ``n_chunks`` chunks (the fast test entry
     ``greedy_walk_chunked``), records what ONE ``greedy_walk_cluster`` launch records, bit for bit
     (rewards, positions held, costs, margins), on the seed network's live parameters over real
     fold segments, for several chunk counts; and one round alone (every chunk from flat) differs
     from it where a chunk's true start holds a position, which the segments must show at least
-    once (else the rounds after the first would be untested)."""
+    once (else the rounds after the first would be untested). ``per-branch``: on
+    ``branch_supports`` (``z_stride = NA``)."""
     from foxhunt.fast import Trainer
     from foxhunt.fast.kernels.walk import greedy_walk_chunked, greedy_walk_cluster
 
@@ -260,7 +320,7 @@ def test_gpu_walk_in_chunks_is_the_cluster_walk_bit_for_bit(precision):
     try:
         repaired = 0
         for start, stop in segments:
-            args = _walk_args(config, trainer, tables, start, stop)
+            args = _kernel_args(config, trainer, tables, start, stop, per_branch)
             want = greedy_walk_cluster(**args)
             for n_chunks in (1, 3, 16):
                 got = greedy_walk_chunked(**args, n_chunks=n_chunks, rounds=n_chunks)
@@ -278,15 +338,17 @@ def test_gpu_walk_in_chunks_is_the_cluster_walk_bit_for_bit(precision):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
+@pytest.mark.parametrize("per_branch", [False, True], ids=["one-support", "per-branch"])
 @pytest.mark.parametrize("precision", ["bf16", "f32"])
-def test_gpu_hold_and_span_walks_are_the_cluster_walk_bit_for_bit(precision):
+def test_gpu_hold_and_span_walks_are_the_cluster_walk_bit_for_bit(precision, per_branch):
     """``greedy_walk_hold``, ``greedy_walk_spans`` (its passes and tail) and
     ``greedy_walk_span_rounds`` (the span passes, then ``greedy_walk_round``'s rounds on their
     base, as the evaluator launches them) record what ``greedy_walk_cluster`` records, bit for
     bit (rewards, positions held, costs, margins), on the seed network's live parameters over
     real fold segments (a policy that trades: short held stretches) and on the same network
     made to buy and hold (the top atom of the exposure branch's long action raised: every step
-    after the fill holds, whole passes of W rows; the rounds find no step left)."""
+    after the fill holds, whole passes of W rows; the rounds find no step left).
+    ``per-branch``: on ``branch_supports`` (``z_stride = NA``)."""
     from foxhunt.fast import Trainer
     from foxhunt.fast.kernels.walk import (greedy_walk_cluster, greedy_walk_hold,
                                            greedy_walk_span_rounds, greedy_walk_spans)
@@ -299,7 +361,7 @@ def test_gpu_hold_and_span_walks_are_the_cluster_walk_bit_for_bit(precision):
         top = lay[f"b_{branch_name(0)}2"].offset + 3 * config.num_atoms - 1  # long, top atom
         trades = holds = 0
         for start, stop in segments:
-            args = _walk_args(config, trainer, tables, start, stop)
+            args = _kernel_args(config, trainer, tables, start, stop, per_branch)
             hold = dict(args, params=args["params"].copy())
             hold["params"][top] += 50.0
             for kwargs in (args, hold):
@@ -319,8 +381,9 @@ def test_gpu_hold_and_span_walks_are_the_cluster_walk_bit_for_bit(precision):
 
 
 def test_auto_mode_picks_the_cluster_walk_on_a_gpu_engine_only(monkeypatch):
-    """``mode="auto"`` (the default): "fused" where the fused walk is ``greedy_walk_cluster`` and
-    the support is fixed; "graph" on the CPU executor, before sm_90 and with adaptive atoms."""
+    """``mode="auto"`` (the default): "fused" where the fused walk is ``greedy_walk_cluster``,
+    with the fixed support or the live per-branch one; "graph" on the CPU executor and before
+    sm_90."""
     import types
 
     from foxhunt.fast import evaluator as ev
@@ -337,4 +400,5 @@ def test_auto_mode_picks_the_cluster_walk_on_a_gpu_engine_only(monkeypatch):
     monkeypatch.setattr(eval_plan, "fused_walk_kernel", lambda prog: "greedy_walk_cluster")
     adaptive = types.SimpleNamespace(config=types.SimpleNamespace(adaptive_atoms=True),
                                      engine=gpu_like.engine)
-    assert ev.auto_mode(adaptive) == "graph"
+    assert ev.auto_mode(adaptive) == "fused"
+    assert ev.auto_mode(CpuTrainer(DQNConfig.preset("tiny", **ADAPTIVE))) == "graph"
