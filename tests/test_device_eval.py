@@ -120,6 +120,42 @@ def test_the_walk_reads_the_trainer_s_live_parameters():
     assert not all(np.array_equal(seen[0], s) for s in seen[1:])  # the policy did change
 
 
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_adaptive_atoms_walk_equals_the_reference_walk(precision):
+    """With ``adaptive_atoms`` (Q on the live per-branch support of the trainer's current ISV)
+    the CPU executor's evaluator (``mode="auto"``: the chunk graphs there) gives the host
+    walk's metrics rounded to float32 and its per-bar rewards, bit for bit, on every segment,
+    after steps that moved the support away from its cold start."""
+    from foxhunt.reference.step import step_supports
+
+    config = DQNConfig.preset("tiny", precision=precision, q_stats=True, adaptive_atoms=True)
+    trainer = CpuTrainer(config, seed=3)
+    cold = step_supports(config, trainer.engine.arena.download("isv")).z
+    gen = np.random.default_rng(0)
+    for _ in range(3):
+        trainer.step(Batch.random(config, gen))
+    assert not np.array_equal(step_supports(config, trainer.engine.arena.download("isv")).z, cold)
+    bars = SyntheticMarket(4, 1200).generate()
+    feats = market_features(bars, loop.choose_windows(config.state_dim))
+    segments = loop.fold_segments(len(bars), feature_warmup(loop.choose_windows(
+        config.state_dim)), 2, 0.125, 0.125)
+    per_year = bars_per_year(bar_seconds(bars.timestamp))
+    ev = DeviceEvaluator(trainer, env_kernels.market_tables(bars, feats), max_steps=120,
+                         chunk=CHUNK)
+    assert ev.mode == "graph"
+    traded = 0
+    for start, stop in _segments(segments):
+        got = ev.walk(start, stop, per_year, equity=True)
+        want, _ = loop.evaluate_segment(trainer, bars, feats, config, (start, stop), "greedy",
+                                        per_year)
+        assert got.metrics.tolist() == _as_f32(want)
+        walk = loop.evaluate(trainer, bars, feats, config.state_dim, config.branches, start, stop)
+        assert np.array_equal(got.rewards.astype(np.float64), walk["rewards"])
+        traded += want.turnover > 0
+    assert traded > 0
+    ev.close()
+
+
 def test_bf16_walk_equals_the_reference_walk():
     """The bf16 forward (the BF16 copy of the state, BF16 GEMM operands) in the walk is the
     ``q_values`` forward's: the same actions as ``loop.evaluate`` with that trainer."""
