@@ -122,10 +122,18 @@ def test_the_hand_network_holds_the_pattern():
     assert walk.first_near_tie(rec.margins, k["z"], k["bf16"]) == k["n_steps"]
 
 
+def _per_branch_sample(seed=0):
+    """The conformance ``odd`` sample: distinct supports per branch, ``z_stride = NA``."""
+    kwargs = WALK.sample(case_dims("odd"), np.random.default_rng(seed))
+    assert kwargs["z_stride"] == kwargs["dims"][5] and kwargs["z"].ndim == 2
+    return kwargs
+
+
 @pytest.mark.parametrize("n_chunks", [1, 2, 3, 5, 8])
-@pytest.mark.parametrize("network", ["hand", "random"])
+@pytest.mark.parametrize("network", ["hand", "random", "per-branch"])
 def test_n_chunks_rounds_are_the_sequential_walk_bit_for_bit(network, n_chunks):
-    k = _hand_sample() if network == "hand" else _sample(seed=1)
+    k = {"hand": _hand_sample, "random": lambda: _sample(seed=1),
+         "per-branch": lambda: _per_branch_sample(seed=4)}[network]()
     ref = walk.greedy_walk(**k)
     got = walk_rounds.greedy_walk_chunked(**k, n_chunks=n_chunks, rounds=n_chunks)
     assert _same(got, ref)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from foxhunt.reference.kernels import walk, walk_rounds, walk_spans
+from test_walk_chunks import _per_branch_sample
 from test_walk_spans import (
     NONE,
     SENTINEL,
@@ -107,6 +108,18 @@ def test_spans_then_rounds_are_the_sequential_walk_bit_for_bit(agent, bf16, G, P
     assert _same(got, ref)
     if agent == "mixed":  # not vacuous: a chunk's flat guess was wrong (a held position)
         assert not _same(rounds[0][2:], ref)
+
+
+@pytest.mark.parametrize("G, P, C", GPC)
+def test_a_support_per_branch_is_the_sequential_walk_bit_for_bit(G, P, C):
+    """The conformance ``odd`` sample (distinct supports, ``z_stride = NA``): spans, then
+    rounds on their base."""
+    k = _per_branch_sample()
+    ref = walk.greedy_walk(**k)
+    assert int((np.diff(ref.positions) != 0).sum()) > 5
+    got = walk_rounds.greedy_walk_spans_and_rounds(**k, span_chunks=G, span_passes=P,
+                                                   hold_rows=4, n_chunks=C, rounds=C)
+    assert _same(got, ref)
 
 
 @pytest.mark.parametrize("agent", ["trading", "mixed"])

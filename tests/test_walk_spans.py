@@ -157,6 +157,16 @@ def test_without_a_margin_buffer_the_rest_is_the_same(G, P):
     assert _same(buffers[2:5], ref[:3])
 
 
+@pytest.mark.parametrize("G, P", [(3, 2), (4, 5)])
+def test_a_support_per_branch_is_the_sequential_walk_bit_for_bit(G, P):
+    """The conformance ``odd`` sample (distinct supports, ``z_stride = NA``)."""
+    k = WALK.sample(case_dims("odd"), np.random.default_rng(0))
+    assert k["z_stride"] == k["dims"][5] and k["z"].ndim == 2
+    ref = walk.greedy_walk(**k)
+    assert (np.diff(ref.positions) != 0).sum() > 5
+    assert _same(walk_spans.greedy_walk_spans_walk(**k, n_chunks=G, n_passes=P, hold_rows=4), ref)
+
+
 @pytest.mark.parametrize("branches, bf16", [((3,), True), ((3, 3, 2), True), ((3, 2), False),
                                             ((2, 3), True)])
 def test_other_branch_sets_and_f32_are_the_sequential_walk(branches, bf16):
