@@ -376,9 +376,12 @@ def test_stored_algorithms_are_checked_and_give_the_same_bits(device, lt, tmp_pa
     m, n, k = SHAPES[1]
     rng = np.random.default_rng(7)
     a, b, _, _ = _operands(rng, m, n, k, False, True, "bf16")
-    first, second = PlanCache(make, store=store()), PlanCache(make, store=store())
+    first = PlanCache(make, store=store())
+    second = None
     try:
-        plans = [cache(m, n, k, trans_b=True, precision="bf16") for cache in (first, second)]
+        plans = [first(m, n, k, trans_b=True, precision="bf16")]
+        second = PlanCache(make, store=store())  # a new process: reads what first wrote
+        plans.append(second(m, n, k, trans_b=True, precision="bf16"))
         assert (first.queries, first.loaded, second.queries, second.loaded) == (1, 0, 0, 1)
         assert plans[0].heuristic.tobytes() == plans[1].heuristic.tobytes()
         outs = []
@@ -407,7 +410,8 @@ def test_stored_algorithms_are_checked_and_give_the_same_bits(device, lt, tmp_pa
             third.close()
     finally:
         first.close()
-        second.close()
+        if second is not None:
+            second.close()
 
 
 def test_gemm_accumulates_into_c_with_beta(device, lt):
