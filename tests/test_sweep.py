@@ -346,10 +346,15 @@ def test_ctrl_c_stops_trials_cleanly_and_resume_finishes_them(ray_local, fake, t
     trials = sweep.expand(spec)
     ok_dir, slow_dirs = sweep.run_dir_of(out, trials[0]), [sweep.run_dir_of(out, t) for t in trials[1:]]
 
+    def recorded() -> bool:  # the sweep wrote the fast trial's results line (not only its run)
+        path = out / "results.jsonl"
+        return path.exists() and bool(path.read_text().strip())
+
     def interrupt_when_started():  # Ctrl-C once the fast trial is done and a slow one runs
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not (
-                (ok_dir / "summary.json").exists() and any((d / "started").exists() for d in slow_dirs)):
+                (ok_dir / "summary.json").exists() and recorded()
+                and any((d / "started").exists() for d in slow_dirs)):
             time.sleep(0.1)
         _thread.interrupt_main()
 
