@@ -14,7 +14,7 @@
 // (reference LANES); a block of another size does nothing.
 #define ISVP_LANES 32
 // Threads of the exact-selection percentile kernel (a multiple of 32, at most this).
-#define ISVP_SELECT_THREADS 256
+#define ISVP_SELECT_THREADS 1024
 
 // The finite mean of n elements get(i), i in [0, n), in the reference's lane order; NaN when
 // none is finite. Every thread of the (ISVP_LANES-thread) block calls it; all get the result.
@@ -162,68 +162,144 @@ q_stats_update(float* __restrict__ isv, const float* __restrict__ q, int B, int 
 
 // q_quantile_update: exact order statistics of ranks (pct * (c - 1)) / 100 (pct = lo_pct,
 // hi_pct) among the c finite q (-0 counted as +0), blended into isv[lo_slot] / isv[hi_slot].
-// Element i is the rank-k value if less(i) <= k < less(i) + equal(i); of the candidates the
-// lowest index is taken (a block min, no atomics). Launch: grid 1, block a multiple of 32
-// (at most ISVP_SELECT_THREADS).
+// The rank-k value is unique whatever the ties, so two exact methods give the same bits:
+//   sorted: with P * 4 bytes of dynamic shared memory (P the power of two >= max(n, 32), the
+//     plan's fast/kernels/isv_producers.plan_q_quantile_update), the n values, each + 0.0f
+//     (-0 -> +0) and every non-finite one as +Inf (after every finite value), padded with +Inf
+//     to P, are bitonic-sorted in shared memory; the rank-k value is sorted[k] (k < c);
+//   counted (no such shared memory: large n): element i is the rank-k value if less(i) <= k <
+//     less(i) + equal(i), the lowest such index taken (a block min, no atomics).
+// Launch: grid 1, block a multiple of 32 (at most ISVP_SELECT_THREADS).
+static __device__ __forceinline__ unsigned int isvp_dynamic_smem_bytes() {
+    unsigned int bytes;
+    asm volatile("mov.u32 %0, %%dynamic_smem_size;" : "=r"(bytes));
+    return bytes;
+}
+
+static __device__ __forceinline__ long long isvp_warp_sum(long long v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        v += __shfl_xor_sync(0xffffffffu, v, o);
+    }
+    return v;
+}
+
+static __device__ __forceinline__ long long isvp_warp_min(long long v) {
+    for (int o = 16; o > 0; o >>= 1) {
+        const long long w = __shfl_xor_sync(0xffffffffu, v, o);
+        v = w < v ? w : v;
+    }
+    return v;
+}
+
+// Ascending bitonic sort of s[0, P) (P a power of two; no NaN) by the whole block.
+static __device__ void isvp_bitonic_sort(float* s, int P) {
+    for (int k = 2; k <= P; k <<= 1) {
+        for (int j = k >> 1; j > 0; j >>= 1) {
+            for (int i = threadIdx.x; i < P; i += blockDim.x) {
+                const int ixj = i ^ j;
+                if (ixj > i) {
+                    const float a = s[i], b = s[ixj];
+                    if ((a > b) == ((i & k) == 0)) {
+                        s[i] = b;
+                        s[ixj] = a;
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ISVP_SELECT_THREADS)
 q_quantile_update(float* __restrict__ isv, const float* __restrict__ q, long long n,
                   int lo_slot, int hi_slot, int lo_pct, int hi_pct, int sharpe_slot,
                   float alpha_base, float sharpe_clamp, float sharpe_gain) {
-    __shared__ long long s_a[ISVP_SELECT_THREADS];
-    __shared__ long long s_b[ISVP_SELECT_THREADS];
-    const int t = threadIdx.x, nt = blockDim.x;
-    long long cnt = 0;
-    for (long long i = t; i < n; i += nt) {
-        cnt += isfinite(q[i]) ? 1 : 0;
+    extern __shared__ float isvp_sorted[];
+    __shared__ long long s_a[ISVP_SELECT_THREADS / 32];
+    __shared__ long long s_b[ISVP_SELECT_THREADS / 32];
+    const int t = threadIdx.x, nt = blockDim.x, lane = t % 32, warp = t / 32, nw = nt / 32;
+    const float inf = __int_as_float(0x7f800000);
+    long long P = 32;
+    while (P < n) {
+        P <<= 1;
     }
-    s_a[t] = cnt;
+    const bool sorted = (unsigned long long)P * sizeof(float) <= isvp_dynamic_smem_bytes();
+    long long cnt = 0;
+    for (long long i = t; i < (sorted ? P : n); i += nt) {
+        const float x = i < n ? q[i] : inf;
+        const bool finite = isfinite(x);
+        cnt += i < n && finite ? 1 : 0;
+        if (sorted) {
+            isvp_sorted[i] = finite ? __fadd_rn(x, 0.0f) : inf;
+        }
+    }
+    cnt = isvp_warp_sum(cnt);
+    if (lane == 0) {
+        s_a[warp] = cnt;
+    }
     __syncthreads();
     long long c = 0;
-    for (int k = 0; k < nt; ++k) {
+    for (int k = 0; k < nw; ++k) {
         c += s_a[k];
     }
-    __syncthreads();
     if (c == 0) {
-        return;  // nothing finite: both slots keep their bits
+        return;  // nothing finite: both slots keep their bits (every thread alike)
     }
     const long long k_lo = ((long long)lo_pct * (c - 1)) / 100;
     const long long k_hi = ((long long)hi_pct * (c - 1)) / 100;
-    long long best_lo = n, best_hi = n;
-    for (long long i = t; i < n; i += nt) {
-        const float xi = q[i];
-        if (!isfinite(xi)) {
-            continue;
+    float v_lo, v_hi;
+    if (sorted) {
+        isvp_bitonic_sort(isvp_sorted, (int)P);  // (its first barrier also ends the reads of s_a)
+        if (t != 0) {
+            return;
         }
-        const float v = __fadd_rn(xi, 0.0f);
-        long long less = 0, equal = 0;
-        for (long long j = 0; j < n; ++j) {
-            const float xj = q[j];
-            if (isfinite(xj)) {
-                less += xj < v ? 1 : 0;
-                equal += xj == v ? 1 : 0;
+        v_lo = isvp_sorted[k_lo];
+        v_hi = isvp_sorted[k_hi];
+    } else {
+        long long best_lo = n, best_hi = n;
+        for (long long i = t; i < n; i += nt) {
+            const float xi = q[i];
+            if (!isfinite(xi)) {
+                continue;
+            }
+            const float v = __fadd_rn(xi, 0.0f);
+            long long less = 0, equal = 0;
+            for (long long j = 0; j < n; ++j) {
+                const float xj = q[j];
+                if (isfinite(xj)) {
+                    less += xj < v ? 1 : 0;
+                    equal += xj == v ? 1 : 0;
+                }
+            }
+            if (less <= k_lo && k_lo < less + equal && i < best_lo) {
+                best_lo = i;
+            }
+            if (less <= k_hi && k_hi < less + equal && i < best_hi) {
+                best_hi = i;
             }
         }
-        if (less <= k_lo && k_lo < less + equal && i < best_lo) {
-            best_lo = i;
+        best_lo = isvp_warp_min(best_lo);
+        best_hi = isvp_warp_min(best_hi);
+        __syncthreads();  // every thread has read the count partials in s_a
+        if (lane == 0) {
+            s_a[warp] = best_lo;
+            s_b[warp] = best_hi;
         }
-        if (less <= k_hi && k_hi < less + equal && i < best_hi) {
-            best_hi = i;
+        __syncthreads();
+        if (t != 0) {
+            return;
         }
-    }
-    s_a[t] = best_lo;
-    s_b[t] = best_hi;
-    __syncthreads();
-    if (t != 0) {
-        return;
-    }
-    for (int k = 1; k < nt; ++k) {
-        best_lo = s_a[k] < best_lo ? s_a[k] : best_lo;
-        best_hi = s_b[k] < best_hi ? s_b[k] : best_hi;
+        for (int k = 1; k < nw; ++k) {
+            best_lo = s_a[k] < best_lo ? s_a[k] : best_lo;
+            best_hi = s_b[k] < best_hi ? s_b[k] : best_hi;
+        }
+        v_lo = __fadd_rn(q[best_lo], 0.0f);
+        v_hi = __fadd_rn(q[best_hi], 0.0f);
     }
     const float alpha = hb_adaptive_rate(isv[sharpe_slot], alpha_base, sharpe_clamp,
                                          sharpe_gain);
-    isv[lo_slot] = hb_guarded_ema(isv[lo_slot], __fadd_rn(q[best_lo], 0.0f), alpha);
-    isv[hi_slot] = hb_guarded_ema(isv[hi_slot], __fadd_rn(q[best_hi], 0.0f), alpha);
+    isv[lo_slot] = hb_guarded_ema(isv[lo_slot], v_lo, alpha);
+    isv[hi_slot] = hb_guarded_ema(isv[hi_slot], v_hi, alpha);
 }
 
 // adaptive_support_update: per member m < n_members, centre / half-width (slots

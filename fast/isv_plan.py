@@ -31,9 +31,8 @@ from foxhunt.reference.kernels import isv_producers as ref
 
 F32, I32 = np.float32, np.int32
 _SIG = {name: i for i, name in enumerate(reg.SIGNAL_NAMES)}
-#: Threads of the one-warp producers and of ``q_quantile_update`` (the CUDA caps).
+#: Threads of the one-warp producers (the CUDA cap).
 WARP = ref.LANES
-SELECT_THREADS = 256
 
 
 def add_isv_buffers(lay) -> None:
@@ -147,12 +146,11 @@ def producers(prog, ops: Ops) -> None:
         ops.kernel("q_stats_update", (1, WARP, 0), isv="isv", q=Buf("q_o", 0), B=B,
                    n_actions=n0, action_slots="q_dir_slots", abs_slot=reg.Q_DIR_ABS_REF_INDEX,
                    **_rate(ab))
+        plan = prog.kernels("isv_producers").plan_q_quantile_update
         for d, n in enumerate(lay.branches):
             m = ref._member(d)
             count = B * n
-            threads = min(SELECT_THREADS, max(WARP, -(-count // WARP) * WARP))
-            ops.kernel("q_quantile_update", (1, threads, 0), isv="isv", q=Buf("q_o", d),
-                       n=count, lo_slot=reg.Q_P05_INDICES[m], hi_slot=reg.Q_P95_INDICES[m],
+            ops.kernel("q_quantile_update", plan(count), isv="isv", q=Buf("q_o", d), n=count, lo_slot=reg.Q_P05_INDICES[m], hi_slot=reg.Q_P95_INDICES[m],
                        lo_pct=ref.QUANTILE_LO_PCT, hi_pct=ref.QUANTILE_HI_PCT, **_rate(ab))
         ops.kernel("adaptive_support_update", (1, WARP, 0), isv="isv",
                    n_members=reg.MAX_ISV_BRANCHES, p05_base=reg.Q_P05_INDICES[0],

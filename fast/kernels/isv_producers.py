@@ -23,7 +23,21 @@ F32 = np.float32
 I32 = np.int32
 
 #: Threads of ``q_quantile_update`` (the CUDA ISVP_SELECT_THREADS cap; a multiple of 32).
-SELECT_THREADS = 256
+SELECT_THREADS = 1024
+#: The most dynamic shared memory a launch gets without opting in (bytes).
+SHARED_DEFAULT = 48 * 1024
+
+
+def plan_q_quantile_update(count: int) -> tuple[int, int, int]:
+    """``(grid, block, shared bytes)`` of ``q_quantile_update`` on ``count`` values: one block of
+    ``min(SELECT_THREADS, P)`` threads, ``P`` the power of two ``>= max(count, 32)``, and ``P``
+    floats of shared memory where they fit ``SHARED_DEFAULT`` (the kernel then sorts them;
+    else it counts ranks: the same values, slower)."""
+    padded = 32
+    while padded < count:
+        padded *= 2
+    shared = padded * 4 if padded * 4 <= SHARED_DEFAULT else 0
+    return 1, min(SELECT_THREADS, padded), shared
 _SIG = {name: i for i, name in enumerate(reg.SIGNAL_NAMES)}
 
 
@@ -79,10 +93,11 @@ def q_quantile_update(isv: np.ndarray, q: np.ndarray, branch: int,
     q = ref._f32("q", q, 2)
     m = ref._member(ref._branch(branch))
     sharpe_slot, ab, clamp, gain = _rate_args(alpha_base)
-    threads = min(SELECT_THREADS, max(32, -(-q.size // 32) * 32))
-    (out,) = call("q_quantile_update", 1, threads, InOut(isv), In(q), np.int64(q.size),
+    grid, threads, shared = plan_q_quantile_update(q.size)
+    (out,) = call("q_quantile_update", grid, threads, InOut(isv), In(q), np.int64(q.size),
                   I32(reg.Q_P05_INDICES[m]), I32(reg.Q_P95_INDICES[m]),
-                  I32(ref.QUANTILE_LO_PCT), I32(ref.QUANTILE_HI_PCT), sharpe_slot, ab, clamp, gain)
+                  I32(ref.QUANTILE_LO_PCT), I32(ref.QUANTILE_HI_PCT), sharpe_slot, ab, clamp, gain,
+                  shared_mem=shared)
     return out
 
 
@@ -143,4 +158,4 @@ KERNELS = {
     "epsilon_tau_update": epsilon_tau_update,
 }
 
-__all__ = ["KERNELS", "SELECT_THREADS", *KERNELS]
+__all__ = ["KERNELS", "SELECT_THREADS", "SHARED_DEFAULT", "plan_q_quantile_update", *KERNELS]
