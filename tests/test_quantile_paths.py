@@ -26,7 +26,8 @@ def test_the_plan_sorts_what_fits_the_default_shared_memory(count, padded):
 def _values(rng, rows: int, cols: int) -> np.ndarray:
     q = np.round(rng.standard_normal((rows, cols)) * 3, 1).astype(F32)  # ties
     flat = q.reshape(-1)
-    flat[:7] = [np.nan, np.inf, -np.inf, -0.0, 0.0, -0.0, np.nan]
+    specials = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, -0.0, np.nan], F32)
+    flat[:min(flat.size, specials.size)] = specials[:flat.size]
     return q
 
 
