@@ -54,7 +54,7 @@ from typing import NamedTuple
 import numpy as np
 
 from foxhunt.reference.kernels import distributional, safety
-from foxhunt.reference.kernels.argcheck import check_int, ieee, require_array
+from foxhunt.reference.kernels.argcheck import check_int, ieee, require_array, require_shape
 from foxhunt.reference.kernels.dense import add_bias_relu, round_for
 from foxhunt.reference.kernels.env import (
     EnvState,
@@ -326,6 +326,17 @@ def _walk_from(walk: _Walk, state: EnvState, n_steps: int, rec: list[np.ndarray]
     return rec
 
 
+def check_records(n_steps: int, rec_reward, rec_held, rec_cost, rec_margin) -> None:
+    """A per-launch twin's record buffers: float32 ``[n_steps]`` each (``rec_margin`` may be
+    None: not written); ``ValueError`` naming the first one that is not."""
+    records = (("rec_reward", rec_reward), ("rec_held", rec_held), ("rec_cost", rec_cost))
+    if rec_margin is not None:
+        records += (("rec_margin", rec_margin),)
+    for name, rec in records:
+        require_array(name, rec, np.dtype(F32), ndim=1)
+        require_shape(name, rec, (n_steps,), "[n_steps]")
+
+
 def _records_in(rec_reward, rec_held, rec_cost, rec_margin):
     """A per-launch twin's record buffers as ``_step`` writes them: copies of the rewards, held
     positions and costs as ``[n, 1]`` columns, and of the margins (None stays None)."""
@@ -371,6 +382,6 @@ KERNELS = {"greedy_walk": greedy_walk, "greedy_walk_cluster": greedy_walk,
            "greedy_walk_span_rounds": greedy_walk}
 
 __all__ = ["DIMS", "KERNELS", "LANES", "NEAR_TIE_FACTOR", "Q_ERROR_REL", "WalkRecord",
-           "check_support", "choice_margin", "dot_lanes", "first_near_tie", "forward_row",
-           "greedy_walk", "q_error_bound", "validate_greedy_walk", "walk_dims", "walk_offsets",
-           "walk_tensors"]
+           "check_records", "check_support", "choice_margin", "dot_lanes", "first_near_tie",
+           "forward_row", "greedy_walk", "q_error_bound", "validate_greedy_walk", "walk_dims",
+           "walk_offsets", "walk_tensors"]

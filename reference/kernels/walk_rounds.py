@@ -34,6 +34,7 @@ from foxhunt.reference.kernels.argcheck import check_int, require_array, require
 from foxhunt.reference.kernels.env import EnvState
 from foxhunt.reference.kernels.walk import (
     WalkRecord,
+    check_records,
     _flat_state,
     _observe,
     _records_in,
@@ -160,12 +161,7 @@ def validate_greedy_walk_round(params, param_offsets, dims, branches, bf16, z, z
     require_shape("trace", trace, (n_steps, 3), "[n_steps, 3]")
     require_array("ends", ends, np.dtype(I32), ndim=3)
     require_shape("ends", ends, (2, n_chunks, 3), "[2, n_chunks, 3]")
-    records = (("rec_reward", rec_reward), ("rec_held", rec_held), ("rec_cost", rec_cost))
-    if rec_margin is not None:
-        records += (("rec_margin", rec_margin),)
-    for name, rec in records:
-        require_array(name, rec, np.dtype(F32), ndim=1)
-        require_shape(name, rec, (n_steps,), "[n_steps]")
+    check_records(n_steps, rec_reward, rec_held, rec_cost, rec_margin)
     return T, start, n_steps, n_chunks, round, span_chunks, span_passes
 
 

@@ -27,6 +27,7 @@ from foxhunt.reference.kernels.argcheck import check_int, require_array, require
 from foxhunt.reference.kernels.env import BRANCH_DEFAULTS, EnvState
 from foxhunt.reference.kernels.walk import (
     WalkRecord,
+    check_records,
     _advance,
     _choose,
     _flat_state,
@@ -159,12 +160,7 @@ def validate_greedy_walk_spans_pass(params, param_offsets, dims, branches, bf16,
     require_shape("state", state, (2, len(SPAN_STATE)), "[2, 5]")
     require_array("brk", brk, np.dtype(I32), ndim=3)
     require_shape("brk", brk, (2, n_chunks, len(SPAN_BREAK)), "[2, n_chunks, 5]")
-    records = (("rec_reward", rec_reward), ("rec_held", rec_held), ("rec_cost", rec_cost))
-    if rec_margin is not None:
-        records += (("rec_margin", rec_margin),)
-    for name, rec in records:
-        require_array(name, rec, np.dtype(F32), ndim=1)
-        require_shape(name, rec, (n_steps,), "[n_steps]")
+    check_records(n_steps, rec_reward, rec_held, rec_cost, rec_margin)
     if pass_index > 0:
         _check_spans_buffers(n_steps, start, tuple(int(n) for n in branches), pass_index, state,
                              brk)
