@@ -3,9 +3,11 @@
 Measured on the H200 (``foxhunt train --backend fast`` with the defaults, session 11): of the
 trainer's construction (0.88 s) the driver's initialisation took about 0.12 s, the device's
 primary context 0.1-0.2 s, the cuBLASLt handle 0.07 s, reading the kernel cache 0.19 s and the
-kernels' parameter table 0.03-0.08 s. None of it depends on the run's data or settings, and the
-driver calls release the GIL, so ``foxhunt train`` starts them on a daemon thread before it
-builds its data. The trainer then finds each one done: ``Device`` retains the primary context
+kernels' parameter table 0.03-0.08 s. None of it depends on the run's data or settings, so
+``foxhunt train`` starts it on a daemon thread before it builds its data: what of it does not
+hold Python's GIL (time inside the driver and cuBLASLt) overlaps that work. (Not measured
+apart: with the stored cuBLASLt answers, ``fast.gemm_algos``, the defaults' run went from
+2.79 s to 2.46 s on the H200.) The trainer then finds each one done: ``Device`` retains the primary context
 this thread retained (and keeps), ``gemm.cublaslt_handle``, ``_build.package_module`` and
 ``cuda_parse.package_kernels`` keep their answers per process (a trainer that asks while this
 thread still builds the module waits for it instead of building it again).
