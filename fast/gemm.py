@@ -300,6 +300,12 @@ def _cublaslt():
     return cublasLt
 
 
+def cublaslt_version() -> int:
+    """The loaded cuBLASLt's version (``cublasLtGetVersion``: part of ``gemm_algos``'
+    fingerprint)."""
+    return int(_cublaslt().get_version())
+
+
 _HANDLES: dict[int, int] = {}  # device ordinal -> its cuBLASLt handle (one per process)
 _HANDLES_LOCK = threading.Lock()
 
@@ -403,12 +409,11 @@ class GemmPlan:
                 raise GemmPlanError(f"a stored cuBLASLt answer of {len(heuristic)} bytes is not "
                                     f"a heuristic result ({result_dtype.itemsize} bytes)")
             heuristic = np.frombuffer(heuristic, dtype=result_dtype)
-        if heuristic is not None:  # PlanCache: the algorithm cuBLASLt chose for an equal plan
+        given = heuristic is not None
+        if given:  # PlanCache: the algorithm cuBLASLt chose for an equal plan
             self._heuristic = np.array(heuristic, dtype=result_dtype, copy=True)
-            if verify:
-                self._verify(lt, workspace_limit)
         else:
-            self._heuristic = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
+            self._heuristic = np.zeros(1, dtype=result_dtype)
             found = np.zeros(1, dtype=np.int32)
             self.device.make_current()
             try:
@@ -421,6 +426,8 @@ class GemmPlan:
             if found[0] < 1 or int(self._heuristic["state"][0]) != 0:
                 raise GemmPlanError(f"cuBLASLt has no algorithm for {self.describe()}")
         self._algo_ptr = self._heuristic.ctypes.data + self._heuristic.dtype.fields["algo"][1]
+        if given and verify:
+            self._verify(lt, workspace_limit)
         self.workspace_nbytes = int(self._heuristic["workspace_size"][0])
         if self.workspace_nbytes:
             self._workspace = self.device.alloc(_round_up(self.workspace_nbytes, 256))
@@ -432,12 +439,12 @@ class GemmPlan:
         """``cublasLtMatmulAlgoCheck`` of the given algorithm on this plan's descriptors; its
         workspace size replaces the stored one. GemmPlanError when cuBLASLt rejects it or it
         needs more workspace than ``workspace_limit``."""
-        algo = self._heuristic.ctypes.data + self._heuristic.dtype.fields["algo"][1]
         checked = np.zeros(1, dtype=lt.matmul_heuristic_result_dtype)
         self.device.make_current()
         try:
             lt.matmul_algo_check(self._handle, self._desc, self._layout_a, self._layout_b,
-                                 self._layout_c, self._layout_c, algo, checked.ctypes.data)
+                                 self._layout_c, self._layout_c, self._algo_ptr,
+                                 checked.ctypes.data)
         except Exception as exc:
             raise GemmPlanError(f"cuBLASLt rejects the stored algorithm for {self.describe()}: "
                                 f"{exc}") from exc
@@ -651,6 +658,7 @@ __all__ = [
     "PlanCache",
     "colmajor_problem",
     "cublaslt_handle",
+    "cublaslt_version",
     "gemm",
     "import_without_package_init",
 ]

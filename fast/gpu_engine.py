@@ -50,7 +50,7 @@ class GpuEngine:
                  staging_slots: int = 2, seed: int = 0, n_step_on: bool = False):
         from foxhunt.fast._build import package_module
         from foxhunt.fast.device import Arena, Device, _driver, call
-        from foxhunt.fast.gemm import GemmPlan, PlanCache, _cublaslt
+        from foxhunt.fast.gemm import GemmPlan, PlanCache, cublaslt_version
         from foxhunt.fast.gemm_algos import AlgoStore
         from foxhunt.fast.graphs import GraphCapture
 
@@ -77,7 +77,7 @@ class GpuEngine:
         host = {staging_name(s): buf for s, buf in enumerate(self._staging)}
         # Each distinct GEMM planned once (the step and evaluation passes repeat shapes).
         self.gemm_plans = PlanCache(functools.partial(GemmPlan, dev),
-                                    store=AlgoStore.for_device(dev, _cublaslt().get_version()))
+                                    store=AlgoStore.for_device(dev, cublaslt_version()))
         self.program = prog = StepProgram(
             lay, planner=self.gemm_plans, constants=constants,
             host_nbytes={name: buf.nbytes for name, buf in host.items()}, arch=dev.arch,

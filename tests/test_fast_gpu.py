@@ -368,11 +368,11 @@ def test_stored_algorithms_are_checked_and_give_the_same_bits(device, lt, tmp_pa
     GEMM it does not fit is rejected by the check, forgotten and asked again."""
     import functools
 
-    from foxhunt.fast.gemm import GemmPlan, PlanCache
+    from foxhunt.fast.gemm import GemmPlan, PlanCache, cublaslt_version
     from foxhunt.fast.gemm_algos import AlgoStore
 
     make = functools.partial(GemmPlan, device)
-    store = lambda: AlgoStore.for_device(device, lt.get_version(), root=tmp_path)  # noqa: E731
+    store = lambda: AlgoStore.for_device(device, cublaslt_version(), root=tmp_path)  # noqa: E731
     m, n, k = SHAPES[1]
     rng = np.random.default_rng(7)
     a, b, _, _ = _operands(rng, m, n, k, False, True, "bf16")

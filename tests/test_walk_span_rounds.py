@@ -19,6 +19,7 @@ from test_walk_spans import (
     NONE,
     SENTINEL,
     START,
+    _bad_brk,
     _bits,
     _buffers,
     _buy_and_hold,
@@ -238,12 +239,6 @@ def _round_kwargs(**changes):
            "span_state": state, "span_brk": brk, **rounds._asdict()}
     out.update(changes)
     return out
-
-
-def _bad_brk(row):
-    brk = np.zeros((2, 2, 5), I32)
-    brk[0] = [row, [NONE, 0, 0, 0, 0]]
-    return brk
 
 
 BAD = [
