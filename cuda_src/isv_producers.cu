@@ -58,11 +58,49 @@ __device__ __forceinline__ float isvp_variance(const float* p, const float* z, l
     return isfinite(v) ? fmaxf(v, 0.0f) : __int_as_float(0x7fc00000);
 }
 
+// The warp's share of a fixed-order finite mean of n elements get(i): lane t adds elements t,
+// t + 32, ... (finite ones) and counts them; then every lane adds the 32 lane partials in lane
+// order (shuffles) into (*sum, *count). The same order as isvp_lane_mean and the reference's
+// lane_sum; called by one whole warp.
+template <typename Get>
+__device__ void isvp_warp_lane_sum(Get get, long long n, float* sum, int* count) {
+    const int lane = threadIdx.x % 32;
+    float acc = 0.0f;
+    int cnt = 0;
+    for (long long i = lane; i < n; i += ISVP_LANES) {
+        const float x = get(i);
+        if (isfinite(x)) {
+            acc = __fadd_rn(acc, x);
+            ++cnt;
+        }
+    }
+    float total = 0.0f;
+    int c = 0;
+    for (int k = 0; k < ISVP_LANES; ++k) {
+        total = __fadd_rn(total, __shfl_sync(0xffffffffu, acc, k));
+        c += __shfl_sync(0xffffffffu, cnt, k);
+    }
+    *sum = total;
+    *count = c;
+}
+
+__device__ __forceinline__ float isvp_mean_of(float sum, int count) {
+    return count > 0 ? __fdiv_rn(sum, (float)count) : __int_as_float(0x7fc00000);
+}
+
 // isv_signal_build: signals[0..num_signals) from the step's buffers (reference docstring).
 // q_taken [nb, B], td [B], r [B], p_next [nb, B, na], z [nb, na]; *grad_norm, *loss device
 // scalars; q_ema_slots[n_q_ema] the exposure Q-mean EMA slots; sig_* the signal indices.
-// Launch: grid 1, block ISVP_LANES.
-extern "C" __global__ void __launch_bounds__(ISVP_LANES)
+// Every sum is in the reference's order; the work is spread over the block:
+//   - the variance mean: in chunks of blockDim samples, thread t computes sample (chunk + t)'s
+//     variance into shared memory, then warp 0's lane l adds the chunk's samples l, l + 32, ...
+//     in turn (blockDim is a multiple of 32, so lane l sees exactly its lane_sum elements, in
+//     order), and finally the 32 lane partials in lane order;
+//   - the atom utilisation: thread k walks (branch, atom) pair k's batch in order;
+//   - the means of q_taken[0], td and r: one warp each (the block's last warps).
+// Launch: grid 1, block a multiple of 32 in [32, ISVP_SELECT_THREADS]
+// (fast/kernels/isv_producers.plan_isv_signal_build); another block does nothing.
+extern "C" __global__ void __launch_bounds__(ISVP_SELECT_THREADS)
 isv_signal_build(const float* __restrict__ isv, const float* __restrict__ q_taken,
                  const float* __restrict__ td, const float* __restrict__ r,
                  const float* __restrict__ p_next, const float* __restrict__ z,
@@ -72,21 +110,46 @@ isv_signal_build(const float* __restrict__ isv, const float* __restrict__ q_take
                  float atom_util_fraction, int sig_q_drift, int sig_grad_norm, int sig_td,
                  int sig_var, int sig_var_vel, int sig_reward, int sig_util, int sig_loss,
                  int sig_health) {
-    if (blockDim.x != ISVP_LANES) {
+    const int nt = blockDim.x, t = threadIdx.x, warp = t / 32, nw = nt / 32;
+    if (nt % 32 != 0 || nt > ISVP_SELECT_THREADS) {
         return;
     }
-    __shared__ float s_sum[ISVP_LANES];
-    __shared__ int s_cnt[ISVP_LANES];
-    const float q_mean = isvp_lane_mean([&](long long i) { return q_taken[i]; }, B, s_sum, s_cnt);
-    const float td_mean = isvp_lane_mean([&](long long i) { return td[i]; }, B, s_sum, s_cnt);
-    const float r_mean = isvp_lane_mean([&](long long i) { return r[i]; }, B, s_sum, s_cnt);
-    const float var = isvp_lane_mean(
-        [&](long long i) { return isvp_variance(p_next, z, i, B, na); },
-        (long long)nb * B, s_sum, s_cnt);
+    __shared__ float s_var[ISVP_SELECT_THREADS];
+    __shared__ float s_mean_sum[3];
+    __shared__ int s_mean_cnt[3];
+    __shared__ int s_used[ISVP_SELECT_THREADS / 32];
+    // Variance: warp 0's lanes carry the lane partials across the chunks.
+    const long long n_var = (long long)nb * B;
+    float var_acc = 0.0f;
+    int var_cnt = 0;
+    for (long long base = 0; base < n_var; base += nt) {
+        if (base + t < n_var) {
+            s_var[t] = isvp_variance(p_next, z, base + t, B, na);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            for (int k = t; k < nt && base + k < n_var; k += ISVP_LANES) {
+                const float x = s_var[k];
+                if (isfinite(x)) {
+                    var_acc = __fadd_rn(var_acc, x);
+                    ++var_cnt;
+                }
+            }
+        }
+        __syncthreads();
+    }
+    float var_sum = 0.0f;
+    int var_count = 0;
+    if (warp == 0) {
+        for (int k = 0; k < ISVP_LANES; ++k) {
+            var_sum = __fadd_rn(var_sum, __shfl_sync(0xffffffffu, var_acc, k));
+            var_count += __shfl_sync(0xffffffffu, var_cnt, k);
+        }
+    }
     // Atom utilisation: each (branch, atom) pair's finite batch mean, added in batch order.
     const float threshold = __fdiv_rn(atom_util_fraction, (float)na);
     int used = 0;
-    for (int k = threadIdx.x; k < nb * na; k += ISVP_LANES) {
+    for (int k = t; k < nb * na; k += nt) {
         const int d = k / na, j = k % na;
         float acc = 0.0f;
         int cnt = 0;
@@ -101,16 +164,38 @@ isv_signal_build(const float* __restrict__ isv, const float* __restrict__ q_take
             ++used;
         }
     }
+    for (int o = 16; o > 0; o >>= 1) {
+        used += __shfl_xor_sync(0xffffffffu, used, o);
+    }
+    if (t % 32 == 0) {
+        s_used[warp] = used;
+    }
+    // The three batch means, one warp each (warps nw-1, nw-2, nw-3; fewer warps take turns).
+    for (int m = 0; m < 3; ++m) {
+        if (warp != (nw - 1 - m % nw + nw) % nw) {
+            continue;
+        }
+        const float* src = m == 0 ? q_taken : (m == 1 ? td : r);
+        float sum;
+        int cnt;
+        isvp_warp_lane_sum([&](long long i) { return src[i]; }, B, &sum, &cnt);
+        if (t % 32 == 0) {
+            s_mean_sum[m] = sum;
+            s_mean_cnt[m] = cnt;
+        }
+    }
     __syncthreads();
-    s_cnt[threadIdx.x] = used;
-    __syncthreads();
-    if (threadIdx.x != 0) {
+    if (t != 0) {
         return;
     }
     int used_total = 0;
-    for (int k = 0; k < ISVP_LANES; ++k) {
-        used_total += s_cnt[k];
+    for (int k = 0; k < nw; ++k) {
+        used_total += s_used[k];
     }
+    const float q_mean = isvp_mean_of(s_mean_sum[0], s_mean_cnt[0]);
+    const float td_mean = isvp_mean_of(s_mean_sum[1], s_mean_cnt[1]);
+    const float r_mean = isvp_mean_of(s_mean_sum[2], s_mean_cnt[2]);
+    const float var = isvp_mean_of(var_sum, var_count);
     float q_ema = 0.0f;
     for (int k = 0; k < n_q_ema; ++k) {
         q_ema = __fadd_rn(q_ema, isv[q_ema_slots[k]]);

@@ -80,17 +80,18 @@ def graph2_ops(prog: StepProgram) -> Ops:
     else:
         ops.extend(chain)
     sp = lay.sentinel
-    producers = prog.ops()
+    producers, first, rest = prog.ops(), prog.ops(), prog.ops()
     nq = lay.nb * lay.B
-    producers.kernel("isv_q_abs_ref_update", isvk.plan_isv_q_abs_ref_update(nq), isv="isv",
-                     slot=isv_mod.Q_ABS_REF_INDEX, q="q_taken", n=nq,
-                     alpha=np.float32(ISV_PRODUCER_ALPHA))
+    first.kernel("isv_q_abs_ref_update", isvk.plan_isv_q_abs_ref_update(nq), isv="isv",
+                 slot=isv_mod.Q_ABS_REF_INDEX, q="q_taken", n=nq,
+                 alpha=np.float32(ISV_PRODUCER_ALPHA))
     nh = lay.B * lay.H2
-    producers.kernel("isv_h2_rms_update", isvk.plan_isv_h2_rms_update(nh), isv="isv",
-                     slot=isv_mod.H_S2_RMS_EMA_INDEX, h2="h2o", n=nh,
-                     alpha=np.float32(ISV_PRODUCER_ALPHA))
-    wave_plan.producers(prog, producers)
-    isv_plan.producers(prog, producers)  # issue 19's switched producers (reference.isv_step)
+    rest.kernel("isv_h2_rms_update", isvk.plan_isv_h2_rms_update(nh), isv="isv",
+                slot=isv_mod.H_S2_RMS_EMA_INDEX, h2="h2o", n=nh,
+                alpha=np.float32(ISV_PRODUCER_ALPHA))
+    wave_plan.producers(prog, rest)
+    # With issue 19's switches on, its producers and these run in parallel branches.
+    isv_plan.producers(prog, producers, first, rest)
     checks_pre = prog.ops()
     prog.fused_check(checks_pre, "desc_lens_pre")
     # The extra pieces' flags are ORed into their slots' flags once every piece has been

@@ -1,6 +1,7 @@
 """``q_quantile_update`` on the GPU: both of its exact methods (the shared-memory sort up to
 ``SHARED_DEFAULT``, the rank count beyond) give the reference's bits, on values with ties,
--0, NaN and Inf; and its launch plan (host, runs in CI)."""
+-0, NaN and Inf; and its launch plan (host, runs in CI). ``isv_signal_build`` gives the
+reference's bits on every block size, and its plan."""
 
 from __future__ import annotations
 
@@ -48,3 +49,40 @@ def test_both_methods_give_the_references_bits(rows, cols):
         want = ref.q_quantile_update(isv, q, branch, 0.05)
         got = fast.q_quantile_update(isv, q, branch, 0.05)
         assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist()
+
+
+# ------------------------------------------------------------------ isv_signal_build's block
+@pytest.mark.parametrize("nb, B, na, threads", [(4, 256, 51, 1024), (1, 32, 51, 96),
+                                                (4, 256, 300, 1024), (3, 37, 7, 128)])
+def test_the_signal_build_plan_covers_samples_and_pairs(nb, B, na, threads):
+    from foxhunt.fast.kernels.isv_producers import plan_isv_signal_build
+
+    assert plan_isv_signal_build(nb, B, na) == (1, threads, 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _OK, reason=f"no CUDA device/driver: {_REASON}")
+@pytest.mark.parametrize("nb, B, na", [(4, 256, 51), (3, 37, 7), (2, 700, 11)])
+def test_signal_build_gives_the_references_bits_on_any_block(nb, B, na):
+    """The work is spread over the block; every block size (and so every chunking of the
+    variances and every share of the pairs) gives the reference's bits, NaN and Inf included."""
+    from foxhunt.fast.kernels.isv_producers import signal_build_block
+    from foxhunt.reference.kernels import isv_producers as ref
+
+    rng = np.random.default_rng(nb * B + na)
+    isv = reg.ISVBus().to_array()
+    isv[list(ref.Q_EMA_SLOTS)] = rng.standard_normal(len(ref.Q_EMA_SLOTS)).astype(F32)
+    isv[3] = F32(0.25)
+    logits = rng.standard_normal((nb, B, na)).astype(F32) * 3
+    p = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    p = p.astype(F32)
+    p[0, 1, 2], p[nb - 1, B - 1, 0] = np.nan, np.inf  # one sample's variance NaN, one pair's sum
+    z = np.sort(rng.standard_normal((nb, na)).astype(F32) * 5, axis=1)
+    q_taken = rng.standard_normal((nb, B)).astype(F32)
+    q_taken[0, 3] = np.nan
+    td, r = rng.standard_normal(B).astype(F32), rng.standard_normal(B).astype(F32)
+    r[5] = -np.inf
+    want = ref.isv_signal_build(isv, q_taken, td, r, p, z, 2.5, 0.75)
+    for threads in (32, 96, 256, 1024, None):
+        got = signal_build_block(threads, isv, q_taken, td, r, p, z, 2.5, 0.75)
+        assert got.view(np.uint32).tolist() == want.view(np.uint32).tolist(), threads

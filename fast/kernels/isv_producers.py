@@ -38,6 +38,16 @@ def plan_q_quantile_update(count: int) -> tuple[int, int, int]:
         padded *= 2
     shared = padded * 4 if padded * 4 <= SHARED_DEFAULT else 0
     return 1, min(SELECT_THREADS, padded), shared
+
+
+def plan_isv_signal_build(nb: int, B: int, na: int) -> tuple[int, int, int]:
+    """``(grid, block, shared bytes)`` of ``isv_signal_build``: one block with a thread per
+    sample (``nb * B``, for the per-sample variances) and per (branch, atom) pair (``nb * na``,
+    for the utilisation), rounded up to whole warps, at least the 3 warps of the batch means,
+    at most ``SELECT_THREADS`` (more samples or pairs: each thread takes several, same bits)."""
+    need = max(int(nb) * int(B), int(nb) * int(na), 3 * ref.LANES)
+    return 1, min(SELECT_THREADS, -(-need // ref.LANES) * ref.LANES), 0
+
 _SIG = {name: i for i, name in enumerate(reg.SIGNAL_NAMES)}
 
 
@@ -49,7 +59,15 @@ def _rate_args(alpha_base) -> tuple:
 def isv_signal_build(isv: np.ndarray, q_taken: np.ndarray, td: np.ndarray, r: np.ndarray,
                      p_next: np.ndarray, z: np.ndarray, grad_norm: float,
                      loss: float) -> np.ndarray:
-    """Test entry of the CUDA ``isv_signal_build`` (one warp); contract as the reference."""
+    """Test entry of the CUDA ``isv_signal_build`` (``plan_isv_signal_build``'s block);
+    contract as the reference."""
+    return signal_build_block(None, isv, q_taken, td, r, p_next, z, grad_norm, loss)
+
+
+def signal_build_block(threads: int | None, isv, q_taken, td, r, p_next, z, grad_norm,
+                       loss) -> np.ndarray:
+    """``isv_signal_build`` on a block of ``threads`` (``None``: the plan's): any multiple of 32
+    up to ``SELECT_THREADS`` gives the same bits (tests/test_quantile_paths.py)."""
     _check_isv(isv)
     q_taken, td, r = ref._f32("q_taken", q_taken, 2), ref._f32("td", td, 1), ref._f32("r", r, 1)
     p_next, z = ref._f32("p_next", p_next, 3), ref._f32("z", z, 2)
@@ -61,7 +79,12 @@ def isv_signal_build(isv: np.ndarray, q_taken: np.ndarray, td: np.ndarray, r: np
                          f"[{nb}, NA] for q_taken {q_taken.shape}")
     gn = ref._real("grad_norm", grad_norm, finite=False)
     ls = ref._real("loss", loss, finite=False)
-    (out,) = call("isv_signal_build", 1, ref.LANES, In(isv), In(q_taken), In(td), In(r),
+    grid, planned, _ = plan_isv_signal_build(nb, B, p_next.shape[2])
+    threads = planned if threads is None else threads
+    if threads % ref.LANES or not ref.LANES <= threads <= SELECT_THREADS:
+        raise ValueError(f"threads={threads}: allowed a multiple of {ref.LANES} in "
+                         f"[{ref.LANES}, {SELECT_THREADS}]")
+    (out,) = call("isv_signal_build", grid, threads, In(isv), In(q_taken), In(td), In(r),
                   In(p_next), In(z), device_scalar(gn), device_scalar(ls),
                   Out((reg.NUM_SIGNALS,), F32), I32(reg.NUM_SIGNALS), I32(nb), I32(B),
                   I32(p_next.shape[2]), In(np.array(ref.Q_EMA_SLOTS, I32)),
@@ -158,4 +181,5 @@ KERNELS = {
     "epsilon_tau_update": epsilon_tau_update,
 }
 
-__all__ = ["KERNELS", "SELECT_THREADS", "SHARED_DEFAULT", "plan_q_quantile_update", *KERNELS]
+__all__ = ["KERNELS", "SELECT_THREADS", "SHARED_DEFAULT", "plan_isv_signal_build",
+           "plan_q_quantile_update", "signal_build_block", *KERNELS]
