@@ -29,7 +29,9 @@ on (``ADAPTIVE_CASES``), fast trainer only (the PyTorch peers have none of them)
 - ``step-seed-{f32,bf16}-adaptive``: every switch of ``isv_step.ADAPTIVE_SWITCHES`` and the
   adaptive atoms on;
 - ``step-seed-{f32,bf16}-adaptive-<switch>``: each switch alone (``adaptive_atoms`` with
-  ``q_stats``, its producer), so a mechanism's cost is its group's time minus the core group's.
+  ``q_stats``, its producer), so a mechanism's cost is its group's time minus the core group's;
+- ``step-seed-{f32,bf16}-adaptive-wave``: every switch and every second-wave source of
+  ``step-seed-*-wave`` on (the whole seeds' step), against that group.
 """
 
 from __future__ import annotations
@@ -50,9 +52,11 @@ WAVE_CASES = {"wave": WAVE_ALL, **{f"wave-{name}": fields for name, fields in WA
 
 #: Group suffix -> config overrides of the adaptive-mechanism cases (the adaptive atoms need
 #: their producer, ``q_stats``).
-ADAPTIVE_CASES = {"adaptive": {**dict.fromkeys(ADAPTIVE_SWITCHES, True), "adaptive_atoms": True},
+ADAPTIVE_ALL = {**dict.fromkeys(ADAPTIVE_SWITCHES, True), "adaptive_atoms": True}
+ADAPTIVE_CASES = {"adaptive": ADAPTIVE_ALL,
                   **{f"adaptive-{name}": {name: True} for name in ADAPTIVE_SWITCHES},
-                  "adaptive-adaptive_atoms": {"q_stats": True, "adaptive_atoms": True}}
+                  "adaptive-adaptive_atoms": {"q_stats": True, "adaptive_atoms": True},
+                  "adaptive-wave": {**WAVE_ALL, **ADAPTIVE_ALL}}
 
 #: (preset, precision) of the reference step benchmarks: the tiny one is CI's quick check.
 REFERENCE_CASES = (("tiny", "f32"), ("seed", "f32"), ("seed", "bf16"))
