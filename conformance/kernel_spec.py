@@ -54,7 +54,7 @@ FLAT_LENGTHS = MappingProxyType({"tiny": 2 * 256 + 3, "seed": 289_611})
 REPLAY_ITEMS = MappingProxyType({"tiny": 2 * 256 + 3, "seed": 100_003})
 
 #: Output dtypes a kernel may return.
-OUTPUT_DTYPES = ("float32", "int32", "int64", "uint16")
+OUTPUT_DTYPES = ("float32", "int32", "int64", "uint16", "uint8")
 
 #: Label prefix of ad-hoc injections (hypothesis) whose finite values are all small.
 OVERFLOW_FREE_INJECTION = "injected-small"

@@ -352,7 +352,8 @@ def test_reference_conforms_to_itself(spec) -> None:
             result = compare(f"{spec.name}[{label}].{out}", value.copy(), value, spec.tolerance_of(out),
                              inputs[out])
             assert result.passed, result.message
-            assert result.worst_ratio == 0.0
+            # A GEMM output is judged against the float64 product: the reference's own roundings show.
+            assert result.worst_ratio == 0.0 or spec.tolerance_of(out).kind == "gemm"
 
 
 def _perturb(value: np.ndarray) -> np.ndarray | None:

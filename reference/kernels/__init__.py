@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from types import MappingProxyType
 
-AREAS = ("dense", "distributional", "optim", "spectral", "safety", "replay", "isv", "fused", "step", "rng", "iqn", "aux", "ensemble", "warmup", "env", "wave", "isv_producers", "walk", "walk_rounds", "collect", "live_support")
+AREAS = ("dense", "distributional", "optim", "spectral", "safety", "replay", "isv", "fused", "step", "rng", "iqn", "aux", "ensemble", "warmup", "env", "wave", "isv_producers", "walk", "walk_rounds", "collect", "live_support", "trunk")
 
 
 def _collect() -> dict:

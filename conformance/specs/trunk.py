@@ -1,0 +1,218 @@
+"""Entry of the fused trunk forward (``cuda_src/trunk.cu``, reference
+``foxhunt.reference.kernels.trunk.trunk_forward_bf16``: the four nodes it replaces, composed).
+
+Sizes ``(rows, SD, H1, H2)`` per shape case (:func:`trunk_dims`): ``tiny`` and ``seed`` the
+presets' online forward (``2 * batch`` rows; seed: 512 x 128 -> 256 -> 256); ``odd`` 257 rows
+(a partial last block) of widths 48 -> 80 -> 272 (legal multiples of 16 that leave a K chunk of
+16, a partial pass of n8 tiles, a second pass and padded bitmask rows); the extremal cases 5
+rows of 16 -> 32 -> 16. ``tiny`` runs without bitmasks (the null-pointer path).
+
+Samples: states and weights bounded (``|x| <= 1``, ``|w| <= GAIN / sqrt(fan in)``), so that an
+injected f32 max (BF16 ``0x7F7F``) overflows no sum in any order (``H1 * max|w1| * max|w2| <=
+GAIN^2 sqrt(H1 / SD) < 1``): the non-finite maps of both paths are then order-independent. The
+bound of Mech 10's clamp, ``mult * max(isv[index], 1)`` with ``mult`` 1/2, clamps part of h2.
+The extremal cases read the bound from ISV slot 256, a boundary position of the poisoned ISV.
+
+Tolerances. Each layer is a GEMM on BF16 operands with FP32 accumulation in the tensor cores'
+order, so it is judged by the GEMM policy (kind "gemm", safety 2) on the layer's own operands
+``A = [a, 1]`` and ``B = [W^T; b]`` (the bias as one more term, so K is the layer's fan in + 1).
+Those operands are the BF16 values themselves, exact in float32, and both paths multiply exactly
+them, so the bound is the policy's without input-rounding slack (its mode "f32": ``2 gamma_K
+|A| |B|``; mode "bf16" would add ``2^-7 |C64|`` for a rounding that does not differ here, and let
+a 0.1% error through). The epilogue enters as ``clip``: ReLU ``(0, inf)``, ReLU plus the clamp
+``(0, bound)`` for h2 (1-Lipschitz, the bound holds unchanged). h2pre and h2 are bounded against
+layer 2 ALONE on the reference's own ``h1_bf16``, plus ``a_slack``: where the reference's h1 lies
+within layer 1's bound ``E1`` of a BF16 rounding midpoint, the fast path may round its h1 to the
+neighbouring BF16 value, and that operand difference (exactly ``|bf16(h1 +- E1) - h1_bf16|``) is
+added times ``|W2|``. That is the stricter of the meaningful choices: a compound bound with K =
+SD + H1 on the float64 chain would be looser for every element, while layer 2's bound without
+the slack fails legitimately (one flipped BF16 operand changes a dot product by 2^-8 of one
+term, more than ``gamma_K |A| |B|`` where the product cancels). The bitmasks and BF16 copies are
+compared bit for bit except the bits the bound cannot decide (``free_bits``): an aux bit whose
+pre-activation interval ``C64 +- E`` straddles 0, a BF16 copy whose value interval straddles a
+rounding midpoint (the reference's own NaN payloads aside). Where a layer's float64 product is
+not finite (a NaN/Inf row or column), the clamped h2 must equal the reference's bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from foxhunt.conformance.kernel_spec import Dims, Kwargs, Output, SpecEntry
+from foxhunt.conformance.specs.inputs import (
+    all_of,
+    error_cases,
+    f32,
+    finite_outputs,
+    isv_vector,
+    replace,
+    u16,
+    wrong_dtype,
+)
+from foxhunt.conformance.tolerance import (
+    GEMM_TOLERANCES,
+    Tolerance,
+    gemm_bound,
+    gemm_reference,
+)
+from foxhunt.reference import isv as isv_mod
+from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.kernels.dense import bf16_to_f32, f32_to_bf16
+from foxhunt.reference.kernels.safety import isv_bound
+from foxhunt.reference.kernels.trunk import relu_aux_bits
+
+F32, F64, U16 = np.float32, np.float64, np.uint16
+
+#: Extremal sizes and the odd case (module docstring); tiny / seed come from the presets.
+EXTREMAL_DIMS = (5, 16, 32, 16)
+ODD_DIMS = (257, 48, 80, 272)
+#: Weights are uniform in ``+- GAIN / sqrt(fan in)`` (GAIN^2 sqrt(2) < 1: no overflow).
+GAIN = 0.5
+#: Biases uniform in ``+- BIAS``; Mech 10's multiplier in the samples.
+BIAS = 1.5
+CLAMP_MULT = F32(0.5)
+#: The extremal cases' ISV slot (a boundary position: the poisoned ISV's specials land there).
+EXTREMAL_ISV_INDEX = 256
+
+#: The GEMM policy's bound without input-rounding slack (module docstring: the operands given
+#: are the BF16 values both paths multiply, exactly).
+GEMM = GEMM_TOLERANCES["f32"]
+BITS = Tolerance.exact(bitwise=True, nan_payload=False)
+MASK = Tolerance.exact()
+ALL_BITS = np.iinfo(U16).max
+
+
+def trunk_dims(case: str) -> tuple[int, int, int, int]:
+    """``(rows, SD, H1, H2)`` of a shape case (module docstring)."""
+    if case == "extremal":
+        return EXTREMAL_DIMS
+    if case == "odd":
+        return ODD_DIMS
+    cfg = DQNConfig.preset(case)
+    return 2 * cfg.batch_size, cfg.state_dim, cfg.shared_h1, cfg.shared_h2
+
+
+def _bf16(rng, shape, scale: float) -> np.ndarray:
+    return f32_to_bf16(rng.uniform(-scale, scale, shape).astype(F32))
+
+
+def _sample(d: Dims, rng) -> Kwargs:
+    rows, sd, h1, h2 = trunk_dims(d.case)
+    isv = isv_vector(rng)
+    index = isv_mod.H_S2_RMS_EMA_INDEX
+    if d.case == "extremal":
+        index = EXTREMAL_ISV_INDEX
+        isv[index] = isv[isv_mod.H_S2_RMS_EMA_INDEX]
+    return {"xb": _bf16(rng, (rows, sd), 1.0), "w1": _bf16(rng, (h1, sd), GAIN / np.sqrt(sd)),
+            "b1": rng.uniform(-BIAS, BIAS, h1).astype(F32),
+            "w2": _bf16(rng, (h2, h1), GAIN / np.sqrt(h1)),
+            "b2": rng.uniform(-BIAS, BIAS, h2).astype(F32), "isv": isv, "index": index,
+            "mult": CLAMP_MULT, "with_aux": d.case != "odd"}
+
+
+# ----------------------------------------------------------------------------- the bounds
+def _operands(a: np.ndarray, w_bf16: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``([a, 1], [W^T; b])`` in float64: the layer's GEMM with the bias as one more term."""
+    ones = np.ones((a.shape[0], 1), F64)
+    return (np.concatenate([a.astype(F64), ones], axis=1),
+            np.concatenate([bf16_to_f32(w_bf16).T.astype(F64), b[None, :].astype(F64)], axis=0))
+
+
+def _outward_f32(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The float32 interval that contains ``[lo, hi]`` (float64)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (np.nextafter(lo.astype(F32), F32(-np.inf)),
+                np.nextafter(hi.astype(F32), F32(np.inf)))
+
+
+def _layer(a, slack, w_bf16, b, clip) -> tuple[dict, np.ndarray, np.ndarray]:
+    """One layer's comparison inputs and the float32 interval ``[lo, hi]`` that holds the fast
+    path's pre-activation wherever it conforms (``C64 +- bound``)."""
+    a64, b64 = _operands(a, w_bf16, b)
+    inputs = {"a": a64, "b": b64, "clip": clip}
+    c64, abs_ab = gemm_reference(a64, b64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        bound = gemm_bound(GEMM, c64, abs_ab, a64.shape[1])
+        if slack is not None:
+            inputs["a_slack"] = np.concatenate([slack, np.zeros((a.shape[0], 1))], axis=1)
+            bound = bound + GEMM.safety * (inputs["a_slack"] @ np.abs(b64))
+        lo, hi = _outward_f32(c64 - bound, c64 + bound)
+    return inputs, lo, hi
+
+
+def _free(lo, hi, finite, f) -> np.ndarray:
+    """Elements whose BF16 copy ``f32_to_bf16(f(v))`` is not the same for every ``v`` in
+    ``[lo, hi]`` (``f`` monotone), where the layer's float64 product is finite."""
+    return finite & (f32_to_bf16(f(lo)) != f32_to_bf16(f(hi)))
+
+
+def _relu(x):
+    return np.where(x <= 0, F32(0), x).astype(F32)
+
+
+def _aux_free(lo, hi, finite, with_aux) -> np.ndarray:
+    """Bits of the ReLU mask that ``[lo, hi]`` leaves undecided (it straddles 0)."""
+    if not with_aux:
+        return np.zeros(0, np.uint8)
+    return relu_aux_bits(np.where(finite & (lo <= 0) & (hi > 0), F32(1), F32(0)))
+
+
+def _scales(kwargs: Kwargs, expected) -> dict:
+    """Per output, the comparison inputs of the module docstring."""
+    with_aux = kwargs.get("with_aux", True)
+    one, lo1, hi1 = _layer(bf16_to_f32(kwargs["xb"]), None, kwargs["w1"], kwargs["b1"],
+                           (0.0, np.inf))
+    fin1 = np.isfinite(lo1) & np.isfinite(hi1)
+    h1b = bf16_to_f32(expected["h1_bf16"]).astype(F64)
+    with np.errstate(invalid="ignore"):
+        ends = [bf16_to_f32(f32_to_bf16(_relu(v))).astype(F64) for v in (lo1, hi1)]
+        slack = np.where(fin1, np.maximum(np.abs(ends[0] - h1b), np.abs(ends[1] - h1b)), 0.0)
+    two, lo2, hi2 = _layer(bf16_to_f32(expected["h1_bf16"]), slack, kwargs["w2"], kwargs["b2"],
+                           (0.0, np.inf))
+    fin2 = np.isfinite(lo2) & np.isfinite(hi2)
+    bound = float(isv_bound(kwargs["mult"], kwargs["isv"][kwargs["index"]]))
+    clamped = dict(two, clip=(0.0, bound), exact=~np.isfinite(gemm_reference(two["a"], two["b"])[0]))
+    clamp = lambda v: np.minimum(_relu(v), F32(bound))  # noqa: E731 - h2's monotone map
+    return {
+        "h1": one,
+        "aux1": {"free_bits": _aux_free(lo1, hi1, fin1, with_aux)},
+        "h1_bf16": {"free_bits": np.where(_free(lo1, hi1, fin1, _relu), ALL_BITS, 0)},
+        "h2pre": two,
+        "aux2": {"free_bits": _aux_free(lo2, hi2, fin2, with_aux)},
+        "h2": clamped,
+        "h2_bf16": {"free_bits": np.where(_free(lo2, hi2, fin2, clamp), ALL_BITS, 0)},
+    }
+
+
+# --------------------------------------------------------------------------- the contract
+def _rows_stay(kwargs, outputs, poisoned) -> list[str]:
+    """A non-finite state reaches only its own row of h1 and h2pre (poisoned ``xb`` only)."""
+    if poisoned is None or poisoned.split(":")[1] != "xb":
+        return []
+    bad_rows = ~np.all(np.isfinite(bf16_to_f32(kwargs["xb"])), axis=1)
+    leaked = [n for n in ("h1", "h2pre")
+              if not np.all(np.isfinite(outputs[n][~bad_rows]))]
+    return [f"{n!r}: a non-finite state leaked into another row" for n in leaked]
+
+
+ENTRIES = (
+    SpecEntry(
+        name="trunk_forward_bf16",
+        outputs={"h1": f32(GEMM), "aux1": Output("uint8", MASK), "h1_bf16": u16(BITS),
+                 "h2pre": f32(GEMM), "aux2": Output("uint8", MASK), "h2": f32(GEMM),
+                 "h2_bf16": u16(BITS)},
+        sample=_sample,
+        targets=("xb", "w1", "b1", "w2", "b2", "isv"),
+        errors=error_cases(
+            _sample,
+            lambda k: wrong_dtype(k, "xb"),
+            lambda k: replace(k, xb=k["xb"][:, :8].copy(), w1=k["w1"][:, :8].copy()),
+            lambda k: replace(k, w2=k["w2"][:8].copy(), b2=k["b2"][:8].copy()),
+            lambda k: replace(k, w1=k["w1"][:, 1:].copy()),
+            lambda k: replace(k, index=k["isv"].shape[0]),
+            lambda k: replace(k, with_aux=1),
+        ),
+        scales=_scales,
+        contract=all_of(finite_outputs("h2"), _rows_stay),
+    ),
+)

@@ -1,0 +1,146 @@
+"""Reference twin of the fused trunk forward (``cuda_src/trunk.cu``): ``trunk_forward_bf16``, the
+composition of the reference functions of the four nodes it replaces in the BF16 step's forward
+(``fast/step_program.py``: ``StepProgram.forward``):
+
+1. the GEMM ``xb @ W1^T`` (``dense.gemm`` in mode ``"bf16"``, what the cuBLASLt plan computes)
+   with the RELU_AUX_BIAS epilogue (``dense.add_bias_relu`` plus the bitmask, ``relu_aux_bits``);
+2. ``dense.f32_to_bf16(h1)``;
+3. the GEMM ``h1_bf16 @ W2^T`` with the same epilogue;
+4. ``step.clamp_finite_isv`` (Mech 10, with its BF16 mirror).
+
+No arithmetic of its own: ``relu_aux_bits`` packs the comparison the epilogue already makes
+(``not pre <= 0``) into cuBLASLt's bitmask layout, as ``fast.cpu_executor.CpuGemm`` does.
+
+Shapes (the kernel's rule, checked by :func:`check_trunk_dims`): ``rows >= 1``; ``SD``, ``H1`` and
+``H2`` positive multiples of :data:`TRUNK_WIDTH_MULTIPLE` (the MMA tile's k and two n8 tiles).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from foxhunt.reference.kernels import dense, step
+from foxhunt.reference.kernels.argcheck import (
+    check_f32_array,
+    check_int,
+    f32_scalar,
+    require_array,
+    require_shape,
+)
+
+F32, U8, U16 = np.dtype(np.float32), np.dtype(np.uint8), np.dtype(np.uint16)
+
+#: SD, H1 and H2 must be multiples of this (mma.m16n8k16's k; an n16 pair of n8 tiles).
+TRUNK_WIDTH_MULTIPLE = 16
+#: cuBLASLt pads each row of a ReLU bitmask to 128 bits (``fast.gemm.AUX_ROW_ALIGN_BYTES``).
+AUX_ROW_ALIGN_BYTES = 16
+
+
+def aux_row_bytes(cols: int) -> int:
+    """Bytes of one row of a ReLU bitmask over ``cols`` columns: ``ceil(cols / 8)`` rounded up to
+    a multiple of :data:`AUX_ROW_ALIGN_BYTES` (``fast.gemm.GemmSpec.aux_ld // 8``)."""
+    data_bytes = -(-cols // 8)
+    return -(-data_bytes // AUX_ROW_ALIGN_BYTES) * AUX_ROW_ALIGN_BYTES
+
+
+def relu_aux_bits(h: np.ndarray) -> np.ndarray:
+    """The RELU_AUX_BIAS bitmask of a ReLU output ``h [M, N]`` (float32): ``uint8 [M,
+    aux_row_bytes(N)]``, bit ``j % 8`` of byte ``j // 8`` of row ``i`` set where ``not h[i, j] <=
+    0`` (a NaN sets it; ``h`` is ``t <= 0 ? 0 : t``, so this is the same test on the
+    pre-activation ``t``); the padding bytes are 0."""
+    rows, cols = h.shape
+    out = np.zeros((rows, aux_row_bytes(cols)), U8)
+    bits = np.packbits(~(h <= 0), axis=1, bitorder="little")
+    out[:, :bits.shape[1]] = bits
+    return out
+
+
+def check_trunk_dims(rows, sd, h1, h2) -> tuple[int, int, int, int]:
+    """The fused kernel's shape rule, one ``ValueError`` naming the field, the value and the rule;
+    returns the four sizes as ints."""
+    rows = check_int("rows", rows, minimum=1)
+    sizes = []
+    for name, value in (("SD", sd), ("H1", h1), ("H2", h2)):
+        ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+        if not ok or value < 1 or value % TRUNK_WIDTH_MULTIPLE:
+            raise ValueError(f"{name}={value!r}: the fused trunk kernel needs a positive multiple "
+                             f"of {TRUNK_WIDTH_MULTIPLE}")
+        sizes.append(int(value))
+    return (rows, *sizes)
+
+
+class TrunkForward(NamedTuple):
+    """Outputs of ``trunk_forward_bf16``: every buffer the four nodes write. ``aux1`` / ``aux2``
+    are empty (``uint8 [0]``) without ``with_aux``."""
+
+    h1: np.ndarray       # float32 [rows, H1]
+    aux1: np.ndarray     # uint8 [rows, aux_row_bytes(H1)]
+    h1_bf16: np.ndarray  # uint16 [rows, H1]
+    h2pre: np.ndarray    # float32 [rows, H2]
+    aux2: np.ndarray     # uint8 [rows, aux_row_bytes(H2)]
+    h2: np.ndarray       # float32 [rows, H2]
+    h2_bf16: np.ndarray  # uint16 [rows, H2]
+
+
+def validate_trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux=True):
+    """The argument checks of ``trunk_forward_bf16``; returns ``(rows, SD, H1, H2, index,
+    mult)`` as the kernel receives them."""
+    require_array("xb", xb, U16, ndim=2)
+    require_array("w1", w1, U16, ndim=2)
+    require_array("w2", w2, U16, ndim=2)
+    rows, sd = xb.shape
+    h1 = w1.shape[0]
+    require_shape("w1", w1, (h1, sd), "[H1, SD] with SD = xb.shape[1]")
+    require_array("b1", b1, F32, ndim=1)
+    require_shape("b1", b1, (h1,), "[H1] with H1 = w1.shape[0]")
+    h2 = w2.shape[0]
+    require_shape("w2", w2, (h2, h1), "[H2, H1] with H1 = w1.shape[0]")
+    require_array("b2", b2, F32, ndim=1)
+    require_shape("b2", b2, (h2,), "[H2] with H2 = w2.shape[0]")
+    dims = check_trunk_dims(rows, sd, h1, h2)
+    check_f32_array("isv", isv, ndim=1)
+    index = check_int("index", index, minimum=0, maximum=isv.shape[0] - 1)
+    if not isinstance(with_aux, (bool, np.bool_)):
+        raise ValueError(f"with_aux={with_aux!r}: must be a bool")
+    return (*dims, index, f32_scalar("mult", mult))
+
+
+def _dense_relu_aux(a_bf16: np.ndarray, w_bf16: np.ndarray, b: np.ndarray, with_aux: bool):
+    """One forward GEMM node: ``relu(a @ w^T + b)`` in mode bf16 and its bitmask."""
+    pre = dense.gemm(dense.bf16_to_f32(a_bf16), dense.bf16_to_f32(w_bf16), trans_b=True,
+                     mode="bf16", rounded=True)
+    h = dense.add_bias_relu(pre, b)
+    return h, relu_aux_bits(h) if with_aux else np.zeros(0, U8)
+
+
+def trunk_forward_bf16(xb: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.ndarray,
+                       b2: np.ndarray, isv: np.ndarray, index: int, mult,
+                       with_aux: bool = True) -> TrunkForward:
+    """The trunk forward of ``rows`` BF16 states, as the four nodes compute it:
+
+    - ``h1 = relu(xb @ W1^T + b1)`` (GEMM on the BF16 values, float32 accumulation; then one f32
+      bias add and the select ``t <= 0 ? 0 : t``), ``aux1 = relu_aux_bits(h1)``;
+    - ``h1_bf16 = f32_to_bf16(h1)``;
+    - ``h2pre = relu(h1_bf16 @ W2^T + b2)``, ``aux2 = relu_aux_bits(h2pre)``;
+    - ``h2, h2_bf16 = clamp_finite_isv(h2pre, isv, index, mult, with_bf16=True)``.
+
+    Shapes: ``xb [rows, SD]``, ``w1 [H1, SD]``, ``w2 [H2, H1]`` uint16 (BF16 bit patterns);
+    ``b1 [H1]``, ``b2 [H2]``, ``isv [L]`` float32; SD, H1, H2 multiples of 16. ``with_aux=False``:
+    no bitmasks (empty ``aux1`` / ``aux2``; the kernel gets null pointers).
+
+    NaN contract: the nodes' (IEEE through the GEMMs: a NaN/Inf in row i of ``xb`` reaches row i of
+    ``h1`` and ``h2pre`` only; in W1 row j or ``b1[j]`` column j of ``h1``, hence all of ``h2pre``;
+    NaN pre-activations stay NaN and set their aux bits; ``f32_to_bf16`` keeps NaN; the clamp
+    maps NaN/Inf to +0.0 and a NaN ISV value gives the bound ``mult``).
+    """
+    *_, index, mult = validate_trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux)
+    h1, aux1 = _dense_relu_aux(xb, w1, b1, bool(with_aux))
+    h1_bf16 = dense.f32_to_bf16(h1)
+    h2pre, aux2 = _dense_relu_aux(h1_bf16, w2, b2, bool(with_aux))
+    h2, h2_bf16 = step.clamp_finite_isv(h2pre, isv, index, mult, with_bf16=True)
+    return TrunkForward(h1, aux1, h1_bf16, h2pre, aux2, h2, h2_bf16)
+
+
+KERNELS = {"trunk_forward_bf16": trunk_forward_bf16}
