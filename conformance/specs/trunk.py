@@ -96,18 +96,22 @@ def _bf16(rng, shape, scale: float) -> np.ndarray:
     return f32_to_bf16(rng.uniform(-scale, scale, shape).astype(F32))
 
 
-def _sample(d: Dims, rng) -> Kwargs:
-    rows, sd, h1, h2 = trunk_dims(d.case)
+def trunk_sample(rng, rows: int, sd: int, h1: int, h2: int, *, with_aux: bool = True,
+                 index: int = isv_mod.H_S2_RMS_EMA_INDEX) -> Kwargs:
+    """Keyword arguments of ``trunk_forward_bf16`` for one shape (module docstring's values);
+    ``index``: the ISV slot of the clamp's bound (given the H_S2_RMS_EMA slot's random value)."""
     isv = isv_vector(rng)
-    index = isv_mod.H_S2_RMS_EMA_INDEX
-    if d.case == "extremal":
-        index = EXTREMAL_ISV_INDEX
-        isv[index] = isv[isv_mod.H_S2_RMS_EMA_INDEX]
+    isv[index] = isv[isv_mod.H_S2_RMS_EMA_INDEX]
     return {"xb": _bf16(rng, (rows, sd), 1.0), "w1": _bf16(rng, (h1, sd), GAIN / np.sqrt(sd)),
             "b1": rng.uniform(-BIAS, BIAS, h1).astype(F32),
             "w2": _bf16(rng, (h2, h1), GAIN / np.sqrt(h1)),
             "b2": rng.uniform(-BIAS, BIAS, h2).astype(F32), "isv": isv, "index": index,
-            "mult": CLAMP_MULT, "with_aux": d.case != "odd"}
+            "mult": CLAMP_MULT, "with_aux": with_aux}
+
+
+def _sample(d: Dims, rng) -> Kwargs:
+    index = EXTREMAL_ISV_INDEX if d.case == "extremal" else isv_mod.H_S2_RMS_EMA_INDEX
+    return trunk_sample(rng, *trunk_dims(d.case), with_aux=d.case != "odd", index=index)
 
 
 # ----------------------------------------------------------------------------- the bounds
