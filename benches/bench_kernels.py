@@ -14,6 +14,10 @@ GEMMs (group ``gemm-<m>x<n>x<k>-<precision>``): a planned cuBLASLt GEMM of the f
 tf32: ``"high"``; bf16: BF16 tensors, so a BF16 result where the fast plan writes f32), and the
 reference's emulated GEMM on the CPU for the step-sized shapes. ``extra_info`` has the device
 time per GEMM and the achieved TFLOP/s.
+
+The fused trunk forward (group ``trunk-forward-<rows>``, rows 256 and 512, seed widths):
+``trunk_forward_bf16`` against the four nodes it replaces (two cuBLASLt RELU_AUX_BIAS GEMMs,
+``f32_to_bf16``, ``clamp_finite_isv``), each as launches and as a CUDA graph (``gpu_us``).
 """
 
 from __future__ import annotations
@@ -285,3 +289,92 @@ def test_gemm_torch(benchmark, harness, torch_cuda, shape, precision):
                                                output_dtype=str(out.dtype)))
     finally:
         torch.set_float32_matmul_precision(previous)
+
+
+# ------------------------------------------------------------------- the fused trunk forward
+#: Rows of the trunk forward benchmarks (the target pass, the stacked online pass), seed widths.
+TRUNK_ROWS = (256, 512)
+
+
+def _fused_trunk(rt, kw):
+    """``(run, close)``: the fused kernel's launch, recorded from its test entry."""
+    from foxhunt.fast.kernels.trunk import trunk_forward_bf16
+
+    with record_launches(rt) as record:
+        trunk_forward_bf16(**kw)
+    return record.replay, record.free
+
+
+def _chain_trunk(rt, kw):
+    """``(run, close)``: the four nodes the fused kernel replaces (fast/step_program.py's
+    forward): cuBLASLt RELU_AUX_BIAS GEMM, f32_to_bf16, the second GEMM, clamp_finite_isv."""
+    from foxhunt.fast.arena import Arena
+    from foxhunt.fast.gemm import GemmPlan
+    from foxhunt.fast.kernels.dense import plan_f32_to_bf16
+    from foxhunt.fast.kernels.step import plan_clamp_finite_isv
+
+    (rows, sd), h1, h2 = kw["xb"].shape, kw["w1"].shape[0], kw["w2"].shape[0]
+    dev = rt.device
+    plans = [GemmPlan(dev, rows, n, k, trans_b=True, precision="bf16", epilogue="relu_aux_bias")
+             for n, k in ((h1, sd), (h2, h1))]
+    u16, f32 = np.uint16, np.float32
+    arena = Arena.from_specs(dev, {
+        "xb": ((rows, sd), u16), "w1": ((h1, sd), u16), "b1": ((h1,), f32),
+        "h1": ((rows, h1), f32), "aux1": ((plans[0].spec.aux_nbytes,), np.uint8),
+        "h1b": ((rows, h1), u16), "w2": ((h2, h1), u16), "b2": ((h2,), f32),
+        "h2pre": ((rows, h2), f32), "aux2": ((plans[1].spec.aux_nbytes,), np.uint8),
+        "h2": ((rows, h2), f32), "h2b": ((rows, h2), u16), "isv": (kw["isv"].shape, f32)})
+    for name in ("xb", "w1", "b1", "w2", "b2", "isv"):
+        arena.upload(name, kw[name])
+    p = arena.ptr
+    to_bf16 = rt.module.kernel("f32_to_bf16")
+    bf16_plan = plan_f32_to_bf16(rows * h1)
+    bf16_args = to_bf16.pack(p("h1"), p("h1b"), rows * h1)
+    clamp = rt.module.kernel("clamp_finite_isv")
+    clamp_plan = plan_clamp_finite_isv(rows * h2)
+    clamp_args = clamp.pack(p("h2pre"), p("h2"), p("h2b"), rows * h2, p("isv"), kw["index"],
+                            kw["mult"])
+
+    def run() -> None:
+        plans[0].run(p("xb"), p("w1"), p("h1"), bias_ptr=p("b1"), aux_ptr=p("aux1"),
+                     stream=rt.stream)
+        to_bf16.launch(*bf16_plan[:2], bf16_args, stream=rt.stream, shared_mem=bf16_plan[2])
+        plans[1].run(p("h1b"), p("w2"), p("h2pre"), bias_ptr=p("b2"), aux_ptr=p("aux2"),
+                     stream=rt.stream)
+        clamp.launch(*clamp_plan[:2], clamp_args, stream=rt.stream, shared_mem=clamp_plan[2])
+
+    def close() -> None:
+        arena.close()
+        for plan in plans:
+            plan.close()
+    return run, close
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", TRUNK_ROWS)
+@pytest.mark.parametrize("impl", ("fused", "chain"))
+def test_trunk_forward(benchmark, harness, fast_runtime, rows, impl):
+    """Group ``trunk-forward-<rows>``: the fused kernel against the four-node chain it replaces,
+    seed widths, BF16, with the ReLU bitmasks (the online pass)."""
+    from foxhunt.conformance.specs.trunk import trunk_sample
+    from foxhunt.reference.config import DQNConfig
+
+    cfg = DQNConfig.preset("seed")
+    dims = (rows, cfg.state_dim, cfg.shared_h1, cfg.shared_h2)
+    kw = trunk_sample(np.random.default_rng(INPUT_SEED), *dims)
+    rt = fast_runtime
+    run, close = (_fused_trunk if impl == "fused" else _chain_trunk)(rt, kw)
+    try:
+        def target() -> None:
+            run()
+            rt.stream.synchronize()
+
+        benchmark.group = f"trunk-forward-{rows}"
+        benchmark.pedantic(target, rounds=harness.gpu_rounds, warmup_rounds=3)
+        seconds, nodes = graph_time(harness, rt.stream, run)
+        benchmark.extra_info.update(
+            impl=impl, device="cuda", precision="bf16", unit="forward",
+            shapes=dict(zip(("rows", "SD", "H1", "H2"), dims)), gpu_us=seconds * 1e6,
+            graph_nodes=nodes // GRAPH_REPEATS)
+    finally:
+        close()
