@@ -41,7 +41,7 @@ import pytest
 from peers.torch_step import COMPILED_MODES, MODES
 from peers.torch_wave import WAVE_SOURCES
 
-from foxhunt.reference.isv_step import ADAPTIVE_SWITCHES
+from foxhunt.reference.config import ADAPTIVE_ON, ADAPTIVE_SWITCHES
 
 PRECISIONS = ("f32", "bf16")
 
@@ -52,11 +52,10 @@ WAVE_CASES = {"wave": WAVE_ALL, **{f"wave-{name}": fields for name, fields in WA
 
 #: Group suffix -> config overrides of the adaptive-mechanism cases (the adaptive atoms need
 #: their producer, ``q_stats``).
-ADAPTIVE_ALL = {**dict.fromkeys(ADAPTIVE_SWITCHES, True), "adaptive_atoms": True}
-ADAPTIVE_CASES = {"adaptive": ADAPTIVE_ALL,
+ADAPTIVE_CASES = {"adaptive": ADAPTIVE_ON,
                   **{f"adaptive-{name}": {name: True} for name in ADAPTIVE_SWITCHES},
                   "adaptive-adaptive_atoms": {"q_stats": True, "adaptive_atoms": True},
-                  "adaptive-wave": {**WAVE_ALL, **ADAPTIVE_ALL}}
+                  "adaptive-wave": {**WAVE_ALL, **ADAPTIVE_ON}}
 
 #: (preset, precision) of the reference step benchmarks: the tiny one is CI's quick check.
 REFERENCE_CASES = (("tiny", "f32"), ("seed", "f32"), ("seed", "bf16"))

@@ -2,9 +2,10 @@
 
 A frozen dataclass validated at construction: each bad value raises ``ValueError`` naming the
 field, the value, and what is allowed. ``DQNConfig.preset("seed")`` is the production size
-(289,611 core parameters, plus the IQN and auxiliary heads it turns on: ``SEED_SECOND_WAVE``);
-``DQNConfig.preset("tiny")`` is the size the fast tests use (core step only). The field defaults
-are the ``seed`` sizes with every second-wave source off.
+(289,611 core parameters, plus the IQN and auxiliary heads it turns on: ``SEED_SECOND_WAVE``,
+and every adaptive ISV mechanism: ``ADAPTIVE_ON``); ``DQNConfig.preset("tiny")`` is the size the
+fast tests use (core step only). The field defaults are the ``seed`` sizes with every
+second-wave source and every adaptive mechanism off (``CORE_STEP``).
 
 JSON round trip: ``DQNConfig.from_dict(cfg.to_dict()) == cfg``; unknown keys are rejected by
 name so that a checkpoint written by a different version fails loudly instead of silently
@@ -37,8 +38,25 @@ SECOND_WAVE_SWITCHES = {
     "c51_warmup_epochs": "the MSE warm-up",
 }
 
-#: The overrides that turn every second-wave source off: the core step (C51 + CQL).
-CORE_STEP: dict[str, Any] = {name: 0 for name in SECOND_WAVE_SWITCHES}
+#: The issue-19 ISV producer switches (``reference.isv_step`` runs them), with what each turns
+#: on; ``adaptive_atoms``, their consumer, is apart (it needs ``q_stats``).
+ADAPTIVE_SWITCHES = {
+    "adaptive_signals": "the signal EMAs 0-12 (isv_signal_build + isv_signal_update)",
+    "q_stats": "the Q statistics 17-21, the per-branch Q quantiles 50-57 and the adaptive "
+               "support 23-30",
+    "gamma_schedule": "the per-branch gamma schedule 43-46, read by the C51 targets",
+    "cql_alpha_ramp": "the CQL-alpha ramp 48, read by the CQL loss",
+    "adaptive_epsilon_tau": "the adaptive exploration epsilon 41 (read by the collectors) and "
+                            "Polyak tau 42 (read by the target update)",
+}
+#: Every adaptive mechanism on: each producer switch and the adaptive atoms (the seeds run
+#: them all; the ``seed`` preset turns them on).
+ADAPTIVE_ON: dict[str, Any] = {**dict.fromkeys(ADAPTIVE_SWITCHES, True), "adaptive_atoms": True}
+
+#: The overrides that turn every second-wave source and every adaptive mechanism off: the core
+#: step (C51 + CQL).
+CORE_STEP: dict[str, Any] = {**{name: 0 for name in SECOND_WAVE_SWITCHES},
+                             **dict.fromkeys(ADAPTIVE_ON, False)}
 
 #: Each second-wave source alone, as the fields that turn it on: SPEC 4's seed weights where it
 #: gives them (IQN 1.0, auxiliary heads 0.1 each), the ensemble at weight 1.0 with its default K
@@ -104,7 +122,8 @@ class DQNConfig:
     The shape fields of a source (``iqn_quantiles``, ``ens_heads``, ``aux_hidden``, ...)
     only act when the source's weight is > 0.
 
-    Adaptive ISV mechanisms (issue 19; bools, off by default; ``reference.isv_step``):
+    Adaptive ISV mechanisms (issue 19; bools, off by default, all on in the ``seed`` preset as
+    in the seeds; ``ADAPTIVE_SWITCHES``, ``reference.isv_step``):
     ``adaptive_signals`` (signal EMAs 0-12), ``q_stats`` (Q statistics 17-21, per-branch Q
     quantiles 50-57, adaptive support 23-30; needs an exposure branch of 3 actions),
     ``gamma_schedule`` (per-branch gamma 43-46, which the C51 targets then read; ``gamma`` is
@@ -123,7 +142,7 @@ class DQNConfig:
     start) and keeps the pair for ``epsilon_tau_update``: ``sched`` is the floor of the
     adaptive epsilon and the cap its ceiling. Warm-up cycles act with 1 either way.
 
-    ``adaptive_atoms`` (bool, off by default): branch d's C51 support is the live support of
+    ``adaptive_atoms`` (bool, off by default, on in the ``seed`` preset): branch d's C51 support is the live support of
     ``kernels.live_support`` (centre and half-width from ISV 23-30 under Mech 2's bound
     ``atom_growth_mult * max(ISV[Q_ABS_REF], 1)``), read at the start of each step by the
     projection, the expected Q, the CQL gradient, the scalar targets and sentinel 47, and by
@@ -290,7 +309,8 @@ class DQNConfig:
                              "support slots 23-30)")
         if self.adaptive_atoms and self.c51_warmup_epochs:
             raise ValueError(f"adaptive_atoms=True: c51_warmup_epochs={self.c51_warmup_epochs!r}"
-                             "; allowed 0 (the MSE warm-up reads the fixed support)")
+                             "; allowed 0 (the MSE warm-up reads the fixed support: to warm up, "
+                             "also set adaptive_atoms=false)")
         for name, minimum in (("iqn_quantiles", 1), ("iqn_embed", 1), ("ens_heads", 2),
                               ("aux_hidden", 1), ("n_regimes", 2)):
             require_int(name, getattr(self, name), minimum=minimum)
@@ -398,7 +418,9 @@ SEED_SECOND_WAVE: dict[str, Any] = dict(lambda_iqn=1.0, aux_next_bar_weight=0.1,
                                          aux_regime_weight=0.1)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "seed": SEED_SECOND_WAVE,
+    # The seeds' step: its second-wave sources and every adaptive mechanism (seed 002's live
+    # ISV bus; the dataclass defaults keep them off).
+    "seed": {**SEED_SECOND_WAVE, **ADAPTIVE_ON},
     "tiny": dict(
         batch_size=32, state_dim=16, shared_h1=32, shared_h2=32, value_h=16, adv_h=16,
         num_atoms=11, branches=(3, 2),

@@ -42,19 +42,10 @@ from __future__ import annotations
 import numpy as np
 
 from . import isv as isv_mod
+from .config import ADAPTIVE_SWITCHES
 from .kernels import isv as isv_kernels
 from .kernels import isv_producers as prod
 
-#: ``DQNConfig`` switch -> what it turns on (module docstring).
-ADAPTIVE_SWITCHES = {
-    "adaptive_signals": "the signal EMAs 0-12 (isv_signal_build + isv_signal_update)",
-    "q_stats": "the Q statistics 17-21, the per-branch Q quantiles 50-57 and the adaptive "
-               "support 23-30",
-    "gamma_schedule": "the per-branch gamma schedule 43-46, read by the C51 targets",
-    "cql_alpha_ramp": "the CQL-alpha ramp 48, read by the CQL loss",
-    "adaptive_epsilon_tau": "the adaptive exploration epsilon 41 (read by the collectors) and "
-                            "Polyak tau 42 (read by the target update)",
-}
 #: The trainer's ``eps_schedule`` (``(sched, cap)``) before the loop first sets it.
 EPS_SCHEDULE_COLD = (0.0, 0.0)
 #: ``adaptive_support_update``'s half-width headroom over the quantile half-range and its floor

@@ -48,7 +48,7 @@ GRAD_TOLERANCE = {"f32": 1e-5, "bf16": 1e-2}
 W_NB, W_RG = 0.3, 0.2
 LABEL_SCALE, H2_RMS, EPOCH, WARMUP = 0.01, 1.3, 1, 4
 SOURCES = dict(aux_next_bar_weight=W_NB, aux_regime_weight=W_RG, ens_weight=1.0,
-               c51_warmup_epochs=WARMUP)
+               c51_warmup_epochs=WARMUP, adaptive_atoms=False)  # the warm-up's fixed support
 
 
 def _setup(preset: str, precision: str, seed: int = 0, **overrides):

@@ -10,7 +10,7 @@ from foxhunt.fast.cpu_executor import CpuTrainer
 from foxhunt.fast.graph1_plan import graph1_ops
 from foxhunt.fast.graph2_plan import graph2_ops
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import ADAPTIVE_ON, DQNConfig
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import isv_step
 from foxhunt.reference.isv_step import ADAPTIVE_SWITCHES
@@ -23,7 +23,7 @@ PRODUCER_KERNELS = {"isv_signal_build", "isv_signal_update", "q_stats_update",
                     "epsilon_tau_update", "cql_alpha_ramp"}
 #: Every issue-19 switch: the producers' and the live per-branch support (``adaptive_atoms``,
 #: a consumer of q_stats' slots 23-30).
-EVERY_SWITCH = {**{name: True for name in ADAPTIVE_SWITCHES}, "adaptive_atoms": True}
+EVERY_SWITCH = ADAPTIVE_ON
 #: The loop's exploration schedule of the compared steps (sched, cap): ``set_loop_signals``.
 EPSILON = (0.4, 1.0)
 

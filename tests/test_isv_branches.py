@@ -11,10 +11,10 @@ from foxhunt.fast.cpu_executor import CpuTrainer
 from foxhunt.fast.graph2_plan import graph2_ops
 from foxhunt.fast.records import Launch
 from foxhunt.reference import isv as reg
-from foxhunt.reference.config import DQNConfig, SEED_SECOND_WAVE
+from foxhunt.reference.config import ADAPTIVE_ON, DQNConfig, SEED_SECOND_WAVE
 from foxhunt.reference.isv_step import ADAPTIVE_SWITCHES
 
-EVERY = {**{name: True for name in ADAPTIVE_SWITCHES}, "adaptive_atoms": True}
+EVERY = ADAPTIVE_ON
 
 
 def _graph2(**fields):

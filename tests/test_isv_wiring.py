@@ -7,7 +7,7 @@ import pytest
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import isv_step
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.trainer import Trainer
 
 ALL_ON = dict(adaptive_signals=True, q_stats=True, gamma_schedule=True)
@@ -33,9 +33,16 @@ def test_switch_errors_are_one_line_naming_the_field(kwargs, needle):
     assert needle in str(err.value) and "\n" not in str(err.value)
 
 
-def test_every_switch_off_by_default_and_none_on_in_the_presets():
-    for config in (DQNConfig(), DQNConfig.preset("seed"), TINY):
-        assert isv_step.adaptive_on(config) == ()
+def test_every_switch_off_by_default_and_in_tiny_all_on_in_the_seed_preset():
+    """The dataclass defaults and ``tiny`` are the core step; ``seed`` is the seeds' step, whose
+    ISV bus is live (every producer switch and the adaptive atoms)."""
+    for config in (DQNConfig(), TINY):
+        assert isv_step.adaptive_on(config) == () and not config.adaptive_atoms
+    seed = DQNConfig.preset("seed")
+    assert isv_step.adaptive_on(seed) == tuple(isv_step.ADAPTIVE_SWITCHES) and seed.adaptive_atoms
+    assert isv_step.adaptive_on(DQNConfig.preset("seed", **CORE_STEP)) == ()
+    with pytest.raises(ValueError, match="c51_warmup_epochs=4; allowed 0 .*adaptive_atoms=false"):
+        DQNConfig.preset("seed", c51_warmup_epochs=4)
 
 
 def test_the_gamma_schedule_discounts_by_the_isv_slots_at_the_start():
