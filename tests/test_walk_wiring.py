@@ -34,6 +34,8 @@ from foxhunt.reference.step import step_supports, support
 CHUNK = 16
 #: The config switches of the live per-branch support (``adaptive_atoms`` needs ``q_stats``).
 ADAPTIVE = {"q_stats": True, "adaptive_atoms": True}
+#: The fixed support (the ``seed`` preset turns the adaptive atoms on).
+FIXED = {"adaptive_atoms": False}
 
 
 def _setup(precision: str, seed: int, preset: str = "tiny", trainer_class=CpuTrainer,
@@ -277,7 +279,7 @@ def test_gpu_fused_walk_of_the_seed_network_is_the_one_block_kernel_s(precision,
     from foxhunt.fast.kernels.walk import greedy_walk as one_block
 
     config, trainer, tables, segments, per_year, graph, fused = _setup(
-        precision, seed=3, preset="seed", trainer_class=Trainer, **(ADAPTIVE if live else {}))
+        precision, seed=3, preset="seed", trainer_class=Trainer, **(ADAPTIVE if live else FIXED))
     try:
         traded = 0
         for start, stop in segments:
