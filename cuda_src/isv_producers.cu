@@ -16,31 +16,48 @@
 // Threads of the exact-selection percentile kernel (a multiple of 32, at most this).
 #define ISVP_SELECT_THREADS 1024
 
-// The finite mean of n elements get(i), i in [0, n), in the reference's lane order; NaN when
-// none is finite. Every thread of the (ISVP_LANES-thread) block calls it; all get the result.
+// Every lane of a warp: the 32 lane partials (acc, cnt) added in lane order (shuffles) into
+// (*sum, *count): the second half of the reference's lane_sum.
+__device__ __forceinline__ void isvp_warp_combine(float acc, int cnt, float* sum, int* count) {
+    float total = 0.0f;
+    int c = 0;
+    for (int k = 0; k < ISVP_LANES; ++k) {
+        total = __fadd_rn(total, __shfl_sync(0xffffffffu, acc, k));
+        c += __shfl_sync(0xffffffffu, cnt, k);
+    }
+    *sum = total;
+    *count = c;
+}
+
+// A fixed-order finite sum of n elements get(i) by one whole warp: lane t adds elements t,
+// t + 32, ... (the finite ones) and counts them, then isvp_warp_combine: the reference's
+// lane_sum order. Every lane gets (*sum, *count).
 template <typename Get>
-__device__ float isvp_lane_mean(Get get, long long n, float* s_sum, int* s_cnt) {
-    const int t = threadIdx.x;
+__device__ void isvp_warp_lane_sum(Get get, long long n, float* sum, int* count) {
     float acc = 0.0f;
     int cnt = 0;
-    for (long long i = t; i < n; i += ISVP_LANES) {
+    for (long long i = threadIdx.x % 32; i < n; i += ISVP_LANES) {
         const float x = get(i);
         if (isfinite(x)) {
             acc = __fadd_rn(acc, x);
             ++cnt;
         }
     }
-    __syncthreads();  // the scratch may still be read by a previous call
-    s_sum[t] = acc;
-    s_cnt[t] = cnt;
-    __syncthreads();
-    float total = 0.0f;
-    int count = 0;
-    for (int k = 0; k < ISVP_LANES; ++k) {
-        total = __fadd_rn(total, s_sum[k]);
-        count += s_cnt[k];
-    }
-    return count > 0 ? __fdiv_rn(total, (float)count) : __int_as_float(0x7fc00000);
+    isvp_warp_combine(acc, cnt, sum, count);
+}
+
+__device__ __forceinline__ float isvp_mean_of(float sum, int count) {
+    return count > 0 ? __fdiv_rn(sum, (float)count) : __int_as_float(0x7fc00000);
+}
+
+// The finite mean of n elements get(i) in the reference's lane order (NaN when none is
+// finite), by one whole warp; every lane gets it.
+template <typename Get>
+__device__ float isvp_lane_mean(Get get, long long n) {
+    float sum;
+    int count;
+    isvp_warp_lane_sum(get, n, &sum, &count);
+    return isvp_mean_of(sum, count);
 }
 
 // Per-sample Var_p[z] of sample i = d * B + b (reference distribution_variance).
@@ -56,36 +73,6 @@ __device__ __forceinline__ float isvp_variance(const float* p, const float* z, l
     }
     const float v = __fsub_rn(ez2, __fmul_rn(mean, mean));
     return isfinite(v) ? fmaxf(v, 0.0f) : __int_as_float(0x7fc00000);
-}
-
-// The warp's share of a fixed-order finite mean of n elements get(i): lane t adds elements t,
-// t + 32, ... (finite ones) and counts them; then every lane adds the 32 lane partials in lane
-// order (shuffles) into (*sum, *count). The same order as isvp_lane_mean and the reference's
-// lane_sum; called by one whole warp.
-template <typename Get>
-__device__ void isvp_warp_lane_sum(Get get, long long n, float* sum, int* count) {
-    const int lane = threadIdx.x % 32;
-    float acc = 0.0f;
-    int cnt = 0;
-    for (long long i = lane; i < n; i += ISVP_LANES) {
-        const float x = get(i);
-        if (isfinite(x)) {
-            acc = __fadd_rn(acc, x);
-            ++cnt;
-        }
-    }
-    float total = 0.0f;
-    int c = 0;
-    for (int k = 0; k < ISVP_LANES; ++k) {
-        total = __fadd_rn(total, __shfl_sync(0xffffffffu, acc, k));
-        c += __shfl_sync(0xffffffffu, cnt, k);
-    }
-    *sum = total;
-    *count = c;
-}
-
-__device__ __forceinline__ float isvp_mean_of(float sum, int count) {
-    return count > 0 ? __fdiv_rn(sum, (float)count) : __int_as_float(0x7fc00000);
 }
 
 // isv_signal_build: signals[0..num_signals) from the step's buffers (reference docstring).
@@ -141,10 +128,7 @@ isv_signal_build(const float* __restrict__ isv, const float* __restrict__ q_take
     float var_sum = 0.0f;
     int var_count = 0;
     if (warp == 0) {
-        for (int k = 0; k < ISVP_LANES; ++k) {
-            var_sum = __fadd_rn(var_sum, __shfl_sync(0xffffffffu, var_acc, k));
-            var_count += __shfl_sync(0xffffffffu, var_cnt, k);
-        }
+        isvp_warp_combine(var_acc, var_cnt, &var_sum, &var_count);
     }
     // Atom utilisation: each (branch, atom) pair's finite batch mean, added in batch order.
     const float threshold = __fdiv_rn(atom_util_fraction, (float)na);
@@ -227,19 +211,16 @@ q_stats_update(float* __restrict__ isv, const float* __restrict__ q, int B, int 
     if (blockDim.x != ISVP_LANES) {
         return;
     }
-    __shared__ float s_sum[ISVP_LANES];
-    __shared__ int s_cnt[ISVP_LANES];
     const float alpha = hb_adaptive_rate(isv[sharpe_slot], alpha_base, sharpe_clamp,
                                          sharpe_gain);
     for (int a = 0; a < n_actions; ++a) {
-        const float mean = isvp_lane_mean([&](long long i) { return q[i * n_actions + a]; },
-                                          B, s_sum, s_cnt);
+        const float mean = isvp_lane_mean([&](long long i) { return q[i * n_actions + a]; }, B);
         if (threadIdx.x == 0) {
             isv[action_slots[a]] = hb_guarded_ema(isv[action_slots[a]], mean, alpha);
         }
     }
     const float mean_abs = isvp_lane_mean([&](long long i) { return fabsf(q[i]); },
-                                          (long long)B * n_actions, s_sum, s_cnt);
+                                          (long long)B * n_actions);
     if (threadIdx.x == 0) {
         isv[abs_slot] = hb_guarded_ema(isv[abs_slot], mean_abs, alpha);
     }
