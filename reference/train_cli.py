@@ -82,8 +82,8 @@ returns; every other preset keeps the loop default n_step=1). A --set or config-
 a field name, or config.<name> / loop.<name>. Every setting, with its default (the seed preset's):
 {settings_io.settings_help()}
 
-Exit status: 0 done, 1 halted by a safety check, 2 usage error, 128 + signal number when
-stopped by SIGINT (130), SIGTERM (143) or SIGHUP (129)."""
+Exit status: 0 done, 1 halted by a safety check (with --seeds: a member halted or failed),
+2 usage error, 128 + signal number when stopped by SIGINT (130), SIGTERM (143) or SIGHUP (129)."""
 
 
 def register(sub) -> None:
@@ -112,6 +112,9 @@ def register(sub) -> None:
     g.add_argument("--seed", metavar="N", type=int_at_least(0), default=None,
                    help=f"seed of the network, exploration and synthetic market "
                         f"(default: {loop_defaults.seed})")
+    from .population_cli import add_seeds_argument  # it imports this module: import it late
+
+    add_seeds_argument(g)
     g.add_argument("--n-step", metavar="N", type=int_at_least(1), default=None,
                    help="environment steps per transition (n-step returns, at most 16; default: "
                         f"{PRESET_LOOP_DEFAULTS['seed']['loop.n_step']} for the seed preset, "
@@ -251,14 +254,16 @@ def _check_backend(name: str) -> None:
                              f"none usable ({reason}); use --backend reference")
 
 
-def _open_run_dir(args, plan: Plan):
-    """(run dir, its lock): created, checked, cleared for --overwrite; UsageError otherwise."""
+def _open_run_dir(args, plan: Plan, name_seed=None):
+    """(run dir, its lock): created, checked, cleared for --overwrite; UsageError otherwise.
+    A new directory is named after ``name_seed`` (``runs.new_run_dir``), default the run's seed."""
     if plan.resume_dir is not None:
         run_dir = plan.resume_dir
         lock = runs.lock_run_dir(run_dir)
         return run_dir, lock
     if args.out is None:
-        run_dir = runs.new_run_dir(runs.RUNS_ROOT, plan.run.settings.seed)
+        run_dir = runs.new_run_dir(runs.RUNS_ROOT, plan.run.settings.seed if name_seed is None
+                                   else name_seed)
         lock = runs.lock_run_dir(run_dir)
         if not runs.point_latest(runs.RUNS_ROOT, run_dir):
             print(f"foxhunt train: note: {runs.RUNS_ROOT / runs.LATEST} is not a symlink "
@@ -313,6 +318,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         from foxhunt.fast.prewarm import start
 
         start()
+    if args.seeds is not None:  # a population: each member a run of this module's _train
+        from .population_cli import cmd_train_population
+
+        return cmd_train_population(args)
     try:
         _check_flags(args)
         plan = _plan_resume(args) if args.resume is not None else _plan_new(args)

@@ -1,0 +1,319 @@
+"""``foxhunt train --seeds SPEC``: a population of main jobs and its spread (SPEC 12, issue 24).
+
+Each member is one ``foxhunt train`` run with the population's settings but its own ``seed``,
+trained by the one-run code path (``train_cli._train``: the loop, the per-epoch table, the
+plots, the report and the writers) into ``RUN_DIR/member<seed>/``, a run directory like any
+other: ``config.json``, ``metrics.jsonl``, checkpoints (loadable by either backend), plots
+and ``summary.json``; ``foxhunt train --resume RUN_DIR/member<seed>`` continues one member.
+Members train one after the other, on either backend; a GPU population engine (all members
+in one graph) can replace this loop without changing the command, its files or its report.
+
+**Same bars.** A single run's synthetic market takes the run's seed; a population's market is
+built once, from the first listed seed, and every member trains on those bars (each member's
+``config.json`` records that source and the bars' SHA-256). A CSV is the CSV.
+
+**population.json** (``RUN_DIR/population.json``, rewritten atomically after every member):
+``status`` ("completed": every member ran; "partial": stopped by a signal, with
+``stopped_by`` and ``not_run``), ``seeds``, ``market_seed`` (None for a CSV), ``data``, and per
+member started: ``seed``, ``dir``, ``status`` (its summary's "completed" / "halted" /
+"interrupted", or "failed" when it raised), ``exit_status``, ``error`` (the one-line reason of
+a failed or halted member) and ``overall`` (its ``summary.json``'s ``overall`` as written there:
+``test_<metric>``, ``val_<metric>`` and the test baselines, ``report.overall``). ``spread``: per
+``overall`` key, over the completed members whose value is finite: ``n``, ``mean``, ``std``
+(sample standard deviation, n - 1 in the denominator; None for n < 2), ``min``, ``median``,
+``max`` (all None for n = 0).
+
+Exit status: 0 every member completed; 1 a member failed (raised) or was halted by a safety
+check (the others still run); 2 a usage error (one line, nothing written); 128 + the signal
+number when SIGINT / SIGTERM / SIGHUP stopped it: the member in progress stops as a single run
+does (its summary and plots written), then population.json is written, marked partial.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import signal
+import statistics
+import sys
+import traceback
+from pathlib import Path
+
+from . import jsonio, runs, train_cli
+from .metrics import METRIC_NAMES
+from .report import _num, format_metrics_row, metrics_header
+from .run_outputs import DEFAULT_METRICS_HOST, PrometheusGauges, TensorBoardScalars
+from .runs import UsageError
+
+POPULATION_NAME = "population.json"
+#: ``population.json`` format version (bumped when a key changes meaning).
+POPULATION_FORMAT = 1
+MIN_MEMBERS, MAX_MEMBERS = 2, 256
+#: The spread's statistics, in the table's row order.
+SPREAD_STATS = ("mean", "std", "min", "median", "max")
+#: The segment of the table's metric columns (all of ``METRIC_NAMES``) and of its last column.
+TABLE_SEGMENT, TABLE_LAST = "test", ("val", "sharpe")
+SEEDS_RULE = (f"allowed: seeds and inclusive ranges separated by commas (0-15, 0,3,7, 0-3,8), "
+              f"each an integer >= 0, no seed twice, {MIN_MEMBERS} to {MAX_MEMBERS} members")
+_SEED_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?", re.ASCII)
+
+
+def add_seeds_argument(group) -> None:
+    group.add_argument(
+        "--seeds", metavar="SPEC", default=None,
+        help="train a population: one run per seed (e.g. 0-15, 0,3,7 or 0-3,8; 2 to "
+             f"{MAX_MEMBERS} seeds), one after the other, into RUN_DIR/member<seed>/, then "
+             f"RUN_DIR/{POPULATION_NAME} and a table of each member and the spread. Every "
+             "member trains on the same bars: the synthetic market is built from the first "
+             "listed seed. Not with --seed or --resume")
+
+
+# ---------------------------------------------------------------------------------- the seeds
+def parse_seed_spec(text: str) -> tuple[int, ...]:
+    """``"0-3,8"`` -> ``(0, 1, 2, 3, 8)``, in the order written; ``UsageError`` (one line naming
+    ``--seeds``, the value and ``SEEDS_RULE``) for anything else. A range is counted before it
+    is expanded, so ``0-999999999`` is refused at once."""
+    def bad(why: str) -> UsageError:
+        return UsageError(f"--seeds {text!r}: {why}; {SEEDS_RULE}")
+
+    seeds: list[int] = []
+    for item in text.split(","):
+        match = _SEED_ITEM.fullmatch(item.strip())
+        if match is None:
+            raise bad(f"{item.strip()!r} is not a seed or a range" if item.strip() else "an empty item")
+        first = int(match[1])
+        last = first if match[2] is None else int(match[2])
+        if last < first:
+            raise bad(f"range {item.strip()!r} runs backwards")
+        if len(seeds) + (last - first + 1) > MAX_MEMBERS:
+            raise bad(f"more than {MAX_MEMBERS} members")
+        seeds.extend(range(first, last + 1))
+    twice = sorted({s for s in seeds if seeds.count(s) > 1})
+    if twice:
+        raise bad(f"seed {twice[0]} is listed twice")
+    if len(seeds) < MIN_MEMBERS:
+        raise bad(f"{len(seeds)} member; a population needs at least {MIN_MEMBERS}")
+    return tuple(seeds)
+
+
+def seeds_label(seeds) -> str:
+    """The seeds as ranges (``0-3,8``): the default population directory's name."""
+    parts, start = [], 0
+    for i in range(1, len(seeds) + 1):
+        if i == len(seeds) or seeds[i] != seeds[i - 1] + 1:
+            parts.append(str(seeds[start]) if i - 1 == start else f"{seeds[start]}-{seeds[i - 1]}")
+            start = i
+    label = ",".join(parts)
+    return label if len(label) <= 40 else f"{seeds[0]}..{seeds[-1]}-n{len(seeds)}"
+
+
+# ---------------------------------------------------------------------------------- the plan
+def _check_population_flags(args) -> None:
+    if args.seed is not None:
+        raise UsageError(f"--seeds {args.seeds} --seed {args.seed}: give one of them "
+                         "(each member's seed is its own)")
+    if args.resume is not None:
+        raise UsageError(f"--seeds --resume {args.resume}: a population is not resumed as a whole; "
+                         f"resume one member with --resume {args.resume}/member<seed>")
+    if any(setting.key == "loop.seed" for setting, _ in train_cli.settings_io.parse_set(args.set)):
+        raise UsageError(f"--seeds {args.seeds}: --set seed=... does not apply "
+                         "(each member's seed is its own)")
+
+
+def member_plans(base: train_cli.Plan, seeds) -> list[train_cli.Plan]:
+    """Each member's plan: ``base`` with ``loop.seed`` = the member's seed, on ``base``'s bars."""
+    return [train_cli.Plan(dataclasses.replace(
+        base.run, settings=dataclasses.replace(base.run.settings, seed=seed)), base.bars, None)
+        for seed in seeds]
+
+
+# ---------------------------------------------------------------------------------- the command
+def cmd_train_population(args: argparse.Namespace) -> int:
+    """``foxhunt train --seeds SPEC``: everything checked before anything is written, as
+    ``train_cli.cmd_train`` does; then the members (``_train_population``)."""
+    shared_sinks: list = []
+    lock = None
+    try:
+        seeds = parse_seed_spec(args.seeds)
+        _check_population_flags(args)
+        train_cli._check_flags(args)
+        # The first seed builds the market (and is member 0's own seed).
+        base = train_cli._plan_new(argparse.Namespace(**{**vars(args), "seed": seeds[0]}))
+        plans = member_plans(base, seeds)
+        train_cli._check_backend(base.run.backend)
+        if args.metrics_port is not None:
+            shared_sinks.append(PrometheusGauges(args.metrics_port,
+                                                 args.metrics_host or DEFAULT_METRICS_HOST))
+        if args.tensorboard:
+            TensorBoardScalars.writer_class()  # missing: say so before a directory exists
+        # "s" + label: new_run_dir names it "<UTC time>-seeds0-15".
+        pop_dir, lock = train_cli._open_run_dir(args, base, name_seed=f"s{seeds_label(seeds)}")
+    except ValueError as exc:  # UsageError, and the settings' own one-line validation errors
+        for sink in shared_sinks:
+            sink.close()
+        if lock is not None:
+            lock.release()
+        print(f"foxhunt train: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _train_population(args, plans, pop_dir, shared_sinks)
+    finally:
+        for sink in shared_sinks:
+            sink.close()
+        lock.release()
+
+
+def train_member(args, plan: train_cli.Plan, member_dir: Path, shared_sinks: list) -> int:
+    """One member: a new run directory, its ``config.json``, then ``train_cli._train`` (the
+    one-run path); returns its exit status. Exceptions propagate to the caller."""
+    member_dir.mkdir()
+    lock = runs.lock_run_dir(member_dir)
+    own: list = []
+    try:
+        runs.write_run_config(member_dir, plan.run)
+        if args.tensorboard:
+            own.append(TensorBoardScalars(member_dir / "tensorboard"))
+        return train_cli._train(args, plan, member_dir, 0, [*shared_sinks, *own])
+    finally:
+        for sink in own:
+            sink.close()
+        lock.release()
+
+
+def _train_population(args, plans: list, pop_dir: Path, shared_sinks: list) -> int:
+    seeds = [p.run.settings.seed for p in plans]
+    data = plans[0].run.data
+    print(f"foxhunt train: a population of {len(seeds)} members (seeds {seeds_label(seeds)}), "
+          f"trained one after the other on the same bars: {runs.describe_source(data)}"
+          f"{' (the first seed builds the market)' if data['kind'] == 'synthetic' else ''}\n"
+          f"  population directory: {pop_dir}")
+    members: list[dict] = []
+    signum = None
+    between = train_cli.StopRequest()  # a signal between members; during one, the member's own
+    with between.installed():
+        for i, plan in enumerate(plans):
+            if between.signum is not None:
+                break
+            seed = seeds[i]
+            print(f"\n=== member {i + 1}/{len(seeds)}: seed {seed} ===", flush=True)
+            member_dir = pop_dir / f"member{seed}"
+            try:
+                code = train_member(args, plan, member_dir, shared_sinks)
+            except Exception as exc:  # a bug or a broken machine: report it, run the others
+                traceback.print_exc()
+                members.append(_failed(seed, member_dir, _one_line(exc)))
+            else:
+                members.append(_member_record(seed, member_dir, code))
+                if code >= 128:
+                    signum = code - 128
+            signum = signum or between.signum
+            _write(pop_dir, plans, members, signum)
+            if signum is not None:
+                break
+        signum = signum or between.signum
+    population = _write(pop_dir, plans, members, signum)
+    print(f"\n{population_table(population)}")
+    if signum is not None:
+        print(f"stopped by {signal.Signals(signum).name}: {len(members)} of {len(seeds)} "
+              "member(s) ran; the population summary is partial")
+    print(f"wrote {pop_dir / POPULATION_NAME}")
+    if signum is not None:
+        return 128 + signum
+    return 0 if all(m["status"] == "completed" for m in members) else 1
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _failed(seed: int, member_dir: Path, error: str) -> dict:
+    return {"seed": seed, "dir": member_dir.name, "status": "failed", "exit_status": None,
+            "error": error, "overall": None, "test_bars": None}
+
+
+def _member_record(seed: int, member_dir: Path, code: int) -> dict:
+    """A member that returned: its summary's status and ``overall`` as written there."""
+    path = member_dir / runs.SUMMARY_NAME
+    if not path.is_file():  # the loop refused the run before it started (exit status 2)
+        return {**_failed(seed, member_dir, f"refused before training (exit status {code}; "
+                                            "its message is above)"), "exit_status": code}
+    summary = json.loads(path.read_text(encoding="utf-8"))
+    return {"seed": seed, "dir": member_dir.name, "status": summary["status"], "exit_status": code,
+            "error": summary["halted"], "overall": summary["overall"],
+            "test_bars": sum(f["test"]["bars"] for f in summary["folds"] if f["test"] is not None)}
+
+
+# ---------------------------------------------------------------------------------- population.json
+def spread(values: list) -> dict:
+    """``n``, ``mean``, sample ``std`` (None for n < 2), ``min``, ``median``, ``max`` of the
+    finite values (None entries, JSON's non-finite, are left out); all None for none."""
+    x = [float(v) for v in values if v is not None and math.isfinite(v)]
+    if not x:
+        return {"n": 0, **{k: None for k in SPREAD_STATS}}
+    return {"n": len(x), "mean": statistics.fmean(x),
+            "std": statistics.stdev(x) if len(x) >= 2 else None,
+            "min": min(x), "median": statistics.median(x), "max": max(x)}
+
+
+def population_summary(plans: list, members: list[dict], signum: int | None) -> dict:
+    """The content of ``population.json`` (module docstring)."""
+    seeds = [p.run.settings.seed for p in plans]
+    rc, data = plans[0].run, plans[0].run.data
+    done = [m for m in members if m["status"] == "completed"]
+    keys = list(done[0]["overall"]) if done else []
+    return {
+        "format": POPULATION_FORMAT, "foxhunt_version": runs.foxhunt_version(),
+        "status": "partial" if signum is not None or len(members) < len(seeds) else "completed",
+        "stopped_by": signal.Signals(signum).name if signum else None,
+        "seeds": seeds,
+        "not_run": seeds[len(members):],
+        "market_seed": data["seed"] if data["kind"] == "synthetic" else None,
+        "data": data, "backend": rc.backend, "preset": rc.preset,
+        "members": members,
+        "spread_over": "completed members",
+        "spread": {k: spread([m["overall"][k] for m in done]) for k in keys},
+    }
+
+
+def _write(pop_dir: Path, plans: list, members: list[dict], signum: int | None) -> dict:
+    population = population_summary(plans, members, signum)
+    jsonio.write_json(pop_dir / POPULATION_NAME, population)
+    return population
+
+
+# ---------------------------------------------------------------------------------- the table
+def _columns(values: dict) -> tuple[dict, object]:
+    """A row's cells from ``overall``-keyed values (``report.overall``'s ``<segment>_<metric>``):
+    the ``TABLE_SEGMENT`` metrics as ``format_metrics_row`` takes them, and the last column."""
+    cells = {m: values.get(f"{TABLE_SEGMENT}_{m}") for m in METRIC_NAMES}
+    return cells, values.get("_".join(TABLE_LAST))
+
+
+def population_table(population: dict) -> str:
+    """One row per member (the single-run report's metrics table, ``format_metrics_row``, of
+    its overall test metrics, then its validation Sharpe and, unless completed, its status),
+    then one row per spread statistic over the completed members."""
+    n_done = sum(m["status"] == "completed" for m in population["members"])
+    lines = [f"population: overall {TABLE_SEGMENT} metrics of each member (means over its folds at "
+             f"the validation-chosen epochs); spread over {n_done} completed member(s)",
+             f"{'seed':<4}{metrics_header()[4:]} {' '.join(TABLE_LAST):>10}"]
+    for m in population["members"]:
+        label = f"{m['seed']}"
+        if m["overall"] is None:
+            lines.append(f"{label:<14} {m['status']}: {m['error']}")
+            continue
+        cells, last = _columns(m["overall"])
+        tail = "" if m["status"] == "completed" else f"  {m['status']}" + (
+            f": {m['error']}" if m["error"] else "")
+        lines.append(format_metrics_row(label, {**cells, "bars": m["test_bars"]})
+                     + f" {_num(last):>10}{tail}")
+    if population["not_run"]:
+        lines.append(f"not run: seeds {seeds_label(population['not_run'])}")
+    for stat in SPREAD_STATS:
+        cells, last = _columns({k: v[stat] for k, v in population["spread"].items()})
+        lines.append(format_metrics_row(stat, {**cells, "bars": ""}) + f" {_num(last):>10}")
+    return "\n".join(line.rstrip() for line in lines)
