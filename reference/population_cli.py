@@ -26,7 +26,8 @@ a failed or halted member) and ``overall`` (its ``summary.json``'s ``overall`` a
 Exit status: 0 every member completed; 1 a member failed (raised) or was halted by a safety
 check (the others still run); 2 a usage error (one line, nothing written); 128 + the signal
 number when SIGINT / SIGTERM / SIGHUP stopped it: the member in progress stops as a single run
-does (its summary and plots written), then population.json is written, marked partial.
+does (its summary and plots written; a signal after its last step lets it complete), no other
+member starts, and population.json is written, marked partial.
 """
 
 from __future__ import annotations
@@ -207,8 +208,8 @@ def _train_population(args, plans: list, pop_dir: Path, shared_sinks: list) -> i
                 members.append(_failed(seed, member_dir, _one_line(exc)))
             else:
                 members.append(_member_record(seed, member_dir, code))
-                if code >= 128:
-                    signum = code - 128
+                if members[-1]["stopped_by"]:  # also a signal after its last step: it completed
+                    signum = signal.Signals[members[-1]["stopped_by"]]
             signum = signum or between.signum
             _write(pop_dir, plans, members, signum)
             if signum is not None:
@@ -216,12 +217,13 @@ def _train_population(args, plans: list, pop_dir: Path, shared_sinks: list) -> i
         signum = signum or between.signum
     population = _write(pop_dir, plans, members, signum)
     print(f"\n{population_table(population)}")
-    if signum is not None:
+    partial = population["status"] == "partial"  # only a signal stops a population early
+    if partial:
         print(f"stopped by {signal.Signals(signum).name}: {len(members)} of {len(seeds)} "
               "member(s) ran; the population summary is partial")
     print(f"wrote {pop_dir / POPULATION_NAME}")
-    if signum is not None:
-        return 128 + signum
+    if partial:
+        return 128 + int(signum)
     return 0 if all(m["status"] == "completed" for m in members) else 1
 
 
@@ -232,7 +234,7 @@ def _one_line(exc: BaseException) -> str:
 
 def _failed(seed: int, member_dir: Path, error: str) -> dict:
     return {"seed": seed, "dir": member_dir.name, "status": "failed", "exit_status": None,
-            "error": error, "overall": None, "test_bars": None}
+            "error": error, "stopped_by": None, "overall": None, "test_bars": None}
 
 
 def _member_record(seed: int, member_dir: Path, code: int) -> dict:
@@ -243,7 +245,8 @@ def _member_record(seed: int, member_dir: Path, code: int) -> dict:
                                             "its message is above)"), "exit_status": code}
     summary = json.loads(path.read_text(encoding="utf-8"))
     return {"seed": seed, "dir": member_dir.name, "status": summary["status"], "exit_status": code,
-            "error": summary["halted"], "overall": summary["overall"],
+            "error": summary["halted"], "stopped_by": summary["stopped_by"],
+            "overall": summary["overall"],
             "test_bars": sum(f["test"]["bars"] for f in summary["folds"] if f["test"] is not None)}
 
 
@@ -267,7 +270,8 @@ def population_summary(plans: list, members: list[dict], signum: int | None) -> 
     keys = list(done[0]["overall"]) if done else []
     return {
         "format": POPULATION_FORMAT, "foxhunt_version": runs.foxhunt_version(),
-        "status": "partial" if signum is not None or len(members) < len(seeds) else "completed",
+        "status": "partial" if len(members) < len(seeds) or any(
+            m["status"] == "interrupted" for m in members) else "completed",
         "stopped_by": signal.Signals(signum).name if signum else None,
         "seeds": seeds,
         "not_run": seeds[len(members):],
