@@ -304,7 +304,8 @@ def population_table(population: dict) -> str:
     n_done = sum(m["status"] == "completed" for m in population["members"])
     lines = [f"population: overall {TABLE_SEGMENT} metrics of each member (means over its folds at "
              f"the validation-chosen epochs); spread over {n_done} completed member(s)",
-             f"{'seed':<4}{metrics_header()[4:]} {' '.join(TABLE_LAST):>10}"]
+             # metrics_header() opens with the blank label column of format_metrics_row
+             "seed" + metrics_header()[len("seed"):] + f" {' '.join(TABLE_LAST):>10}"]
     for m in population["members"]:
         label = f"{m['seed']}"
         if m["overall"] is None:
