@@ -50,6 +50,8 @@ from typing import Callable, Mapping
 
 import numpy as np
 
+from foxhunt.reference.seeds import MAX_SEEDS, seed_ranges
+
 #: The metrics of a run (fields of ``test_longrun.RunSummary``) and how the table names them.
 METRICS = {"final_sharpe": "final held-out Sharpe", "mean_q": "mean Q",
            "grad_norm_mean": "gradient-norm mean", "grad_norm_max": "gradient-norm max"}
@@ -77,18 +79,11 @@ class RunFailed(ValueError):
 # ------------------------------------------------------------------------------ records
 def parse_seeds(text: str) -> list[int]:
     """``"0-7"``, ``"3"`` or ``"0,2,5-6"`` -> the listed seeds in order (non-negative integers)."""
-    seeds: list[int] = []
-    for part in text.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise ValueError(f"--seeds={text!r}: expected integers and ranges like '0-7' or '0,3'") from None
-        if first < 0 or last < first:
-            raise ValueError(f"--seeds={text!r}: range {part.strip()!r} must run from a "
-                             "non-negative integer up to one at least as large")
-        seeds.extend(range(first, last + 1))
-    return seeds
+    try:
+        return list(seed_ranges(text, MAX_SEEDS))
+    except ValueError as exc:
+        raise ValueError(f"--seeds={text!r}: {exc}; expected integers and ranges like '0-7' or "
+                         "'0,3'") from None
 
 
 def variant_fields(variant: str, backend: str = "fast") -> dict[str, str]:

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import json
 import math
-import re
 import signal
 import statistics
 import sys
@@ -44,8 +43,9 @@ import traceback
 from pathlib import Path
 
 from . import jsonio, runs, train_cli
+from .seeds import seed_ranges
 from .metrics import METRIC_NAMES
-from .report import _num, format_metrics_row, metrics_header
+from .report import format_metrics_row, metrics_header, signed_number
 from .run_outputs import DEFAULT_METRICS_HOST, PrometheusGauges, TensorBoardScalars
 from .runs import UsageError
 
@@ -59,7 +59,6 @@ SPREAD_STATS = ("mean", "std", "min", "median", "max")
 TABLE_SEGMENT, TABLE_LAST = "test", ("val", "sharpe")
 SEEDS_RULE = (f"allowed: seeds and inclusive ranges separated by commas (0-15, 0,3,7, 0-3,8), "
               f"each an integer >= 0, no seed twice, {MIN_MEMBERS} to {MAX_MEMBERS} members")
-_SEED_ITEM = re.compile(r"([0-9]+)(?:-([0-9]+))?", re.ASCII)
 
 
 def add_seeds_argument(group) -> None:
@@ -80,18 +79,10 @@ def parse_seed_spec(text: str) -> tuple[int, ...]:
     def bad(why: str) -> UsageError:
         return UsageError(f"--seeds {text!r}: {why}; {SEEDS_RULE}")
 
-    seeds: list[int] = []
-    for item in text.split(","):
-        match = _SEED_ITEM.fullmatch(item.strip())
-        if match is None:
-            raise bad(f"{item.strip()!r} is not a seed or a range" if item.strip() else "an empty item")
-        first = int(match[1])
-        last = first if match[2] is None else int(match[2])
-        if last < first:
-            raise bad(f"range {item.strip()!r} runs backwards")
-        if len(seeds) + (last - first + 1) > MAX_MEMBERS:
-            raise bad(f"more than {MAX_MEMBERS} members")
-        seeds.extend(range(first, last + 1))
+    try:
+        seeds = list(seed_ranges(text, MAX_MEMBERS))
+    except ValueError as exc:
+        raise bad(str(exc)) from None
     twice = sorted({s for s in seeds if seeds.count(s) > 1})
     if twice:
         raise bad(f"seed {twice[0]} is listed twice")
@@ -315,10 +306,10 @@ def population_table(population: dict) -> str:
         tail = "" if m["status"] == "completed" else f"  {m['status']}" + (
             f": {m['error']}" if m["error"] else "")
         lines.append(format_metrics_row(label, {**cells, "bars": m["test_bars"]})
-                     + f" {_num(last):>10}{tail}")
+                     + f" {signed_number(last):>10}{tail}")
     if population["not_run"]:
         lines.append(f"not run: seeds {seeds_label(population['not_run'])}")
     for stat in SPREAD_STATS:
         cells, last = _columns({k: v[stat] for k, v in population["spread"].items()})
-        lines.append(format_metrics_row(stat, {**cells, "bars": ""}) + f" {_num(last):>10}")
+        lines.append(format_metrics_row(stat, {**cells, "bars": ""}) + f" {signed_number(last):>10}")
     return "\n".join(line.rstrip() for line in lines)

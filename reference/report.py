@@ -95,7 +95,8 @@ def _pct(x, sign: str = "+") -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:{sign}.2f}%"
 
 
-def _num(x, fmt: str = "+.2f") -> str:
+def signed_number(x, fmt: str = "+.2f") -> str:
+    """``x`` formatted (signed, 2 decimals by default); ``n/a`` for None or a non-finite value."""
     return "n/a" if x is None or not math.isfinite(x) else format(x, fmt)
 
 
@@ -107,8 +108,8 @@ def metrics_header() -> str:
 
 def format_metrics_row(label: str, m: dict) -> str:
     """One row of a metrics table: ``m`` is a ``SegmentMetrics`` as a dict."""
-    return (f"{label:<14} {_num(m['sharpe']):>8} {_pct(m['total_return']):>9} "
-            f"{_pct(m['max_drawdown'], ''):>8} {_num(m['turnover'], '.1f'):>9} {_pct(m['costs'], ''):>9} "
+    return (f"{label:<14} {signed_number(m['sharpe']):>8} {_pct(m['total_return']):>9} "
+            f"{_pct(m['max_drawdown'], ''):>8} {signed_number(m['turnover'], '.1f'):>9} {_pct(m['costs'], ''):>9} "
             f"{m['bars']:>6}")
 
 
@@ -121,16 +122,16 @@ def summary_text(result) -> str:
         s = f.segments
         head = (f"fold {f.fold} (bars: train {s.train[0]}-{s.train[1]}, validation "
                 f"{s.val[0]}-{s.val[1]}, test {s.test[0]}-{s.test[1]})")
-        base = (f"  baselines on test: flat Sharpe {_num(f.flat['test'].sharpe)}, buy-and-hold "
-                f"Sharpe {_num(f.buy_hold['test'].sharpe)} (return {_pct(f.buy_hold['test'].total_return)})")
+        base = (f"  baselines on test: flat Sharpe {signed_number(f.flat['test'].sharpe)}, buy-and-hold "
+                f"Sharpe {signed_number(f.buy_hold['test'].sharpe)} (return {_pct(f.buy_hold['test'].total_return)})")
         if f.best_epoch is None:
             lines += [f"{head}: no finished epoch", base]
             continue
         val, test = f.best["val"], f.best["test"]
         lines += [
-            f"{head}: best epoch {f.best_epoch} on validation (Sharpe {_num(val.sharpe)})",
-            f"  test: Sharpe {_num(test.sharpe)}, return {_pct(test.total_return)}, max drawdown "
-            f"{_pct(test.max_drawdown, '')}, turnover {_num(test.turnover, '.1f')}, "
+            f"{head}: best epoch {f.best_epoch} on validation (Sharpe {signed_number(val.sharpe)})",
+            f"  test: Sharpe {signed_number(test.sharpe)}, return {_pct(test.total_return)}, max drawdown "
+            f"{_pct(test.max_drawdown, '')}, turnover {signed_number(test.turnover, '.1f')}, "
             f"costs {_pct(test.costs, '')}",
             base,
         ]
@@ -139,10 +140,10 @@ def summary_text(result) -> str:
     if n:
         lines.append(
             f"overall (mean of {n} fold{'s' if n > 1 else ''} at the validation-chosen epoch): test "
-            f"Sharpe {_num(o['test_sharpe'])}, return {_pct(o['test_total_return'])}, max drawdown "
-            f"{_pct(o['test_max_drawdown'], '')}, turnover {_num(o['test_turnover'], '.1f')}, costs "
-            f"{_pct(o['test_costs'], '')}; validation Sharpe {_num(o['val_sharpe'])}; flat "
-            f"{_num(o['flat_test_sharpe'])}, buy-and-hold {_num(o['buy_hold_test_sharpe'])}")
+            f"Sharpe {signed_number(o['test_sharpe'])}, return {_pct(o['test_total_return'])}, max drawdown "
+            f"{_pct(o['test_max_drawdown'], '')}, turnover {signed_number(o['test_turnover'], '.1f')}, costs "
+            f"{_pct(o['test_costs'], '')}; validation Sharpe {signed_number(o['val_sharpe'])}; flat "
+            f"{signed_number(o['flat_test_sharpe'])}, buy-and-hold {signed_number(o['buy_hold_test_sharpe'])}")
     else:
         lines.append("overall: no finished epoch")
     lines.append(f"Sharpe annualised with {result.bars_per_year:,.0f} bars a year (bars "

@@ -55,8 +55,9 @@ class UsageError(ValueError):
 
 
 # ---------------------------------------------------------------------------------- directories
-def new_run_dir(root: Path, seed: int, now: dt.datetime | None = None) -> Path:
-    """Create and return a new, empty ``root/<UTC time>-seed<seed>[-k]`` directory."""
+def new_run_dir(root: Path, seed: int | str, now: dt.datetime | None = None) -> Path:
+    """Create and return a new, empty ``root/<UTC time>-seed<seed>[-k]`` directory (``seed``
+    may be a label: a population's ``s0-15``)."""
     now = now or dt.datetime.now(dt.timezone.utc)
     base = f"{now.strftime('%Y%m%dT%H%M%SZ')}-seed{seed}"
     try:

@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterator, Mapping
 from . import jsonio
 from .cli import DIE_WITH_PARENT_ENV
 from .runs import METRICS_NAME, SUMMARY_NAME
+from .seeds import MAX_SEEDS, seed_ranges
 
 #: How many times a trial is started before it counts as failed (a failure is retried once).
 MAX_ATTEMPTS = 2
@@ -353,19 +354,11 @@ def parse_seeds(value: Any, source: str = "--seeds") -> tuple[int, ...]:
     if not isinstance(value, str):
         raise SweepError(f"{source}: seeds={value!r}: expected a range like '0-3', a list of "
                          "integers or an integer")
-    seeds: list[int] = []
-    for part in value.split(","):
-        lo, sep, hi = part.strip().partition("-")
-        try:
-            first, last = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            raise SweepError(f"{source}: seeds={value!r}: expected integers and ranges like '0-3' "
-                             "or '0,3'") from None
-        if first < 0 or last < first:
-            raise SweepError(f"{source}: seeds={value!r}: range {part.strip()!r} must run from an "
-                             "integer >= 0 up to one at least as large")
-        seeds.extend(range(first, last + 1))
-    return tuple(seeds)
+    try:
+        return seed_ranges(value, MAX_SEEDS)
+    except ValueError as exc:
+        raise SweepError(f"{source}: seeds={value!r}: {exc}; expected integers and ranges like "
+                         "'0-3' or '0,3'") from None
 
 
 def format_value(value: Any) -> str:

@@ -40,9 +40,9 @@ def test_seed_spec_good(spec, seeds):
 @pytest.mark.parametrize("spec, why", [
     ("0", "1 member; a population needs at least 2"),
     ("5-5", "1 member; a population needs at least 2"),
-    ("0-256", "more than 256 members"),
-    ("0-99999999999", "more than 256 members"),  # refused before the range is expanded
-    ("0-200,300-400", "more than 256 members"),
+    ("0-256", "more than 256 seeds"),
+    ("0-99999999999", "more than 256 seeds"),  # refused before the range is expanded
+    ("0-200,300-400", "more than 256 seeds"),
     ("3-1", "range '3-1' runs backwards"),
     ("0,0-2", "seed 0 is listed twice"),
     ("4,1,4", "seed 4 is listed twice"),
