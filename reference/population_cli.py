@@ -311,5 +311,7 @@ def population_table(population: dict) -> str:
         lines.append(f"not run: seeds {seeds_label(population['not_run'])}")
     for stat in SPREAD_STATS:
         cells, last = _columns({k: v[stat] for k, v in population["spread"].items()})
-        lines.append(format_metrics_row(stat, {**cells, "bars": ""}) + f" {signed_number(last):>10}")
+        signed = stat != "std"  # a spread, not a signed value
+        lines.append(format_metrics_row(stat, {**cells, "bars": ""}, signed)
+                     + f" {signed_number(last, '+.2f' if signed else '.2f'):>10}")
     return "\n".join(line.rstrip() for line in lines)

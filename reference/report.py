@@ -106,9 +106,12 @@ def metrics_header() -> str:
             f"{'bars':>6}")
 
 
-def format_metrics_row(label: str, m: dict) -> str:
-    """One row of a metrics table: ``m`` is a ``SegmentMetrics`` as a dict."""
-    return (f"{label:<14} {signed_number(m['sharpe']):>8} {_pct(m['total_return']):>9} "
+def format_metrics_row(label: str, m: dict, signed: bool = True) -> str:
+    """One row of a metrics table: ``m`` is a ``SegmentMetrics`` as a dict; ``signed=False``
+    for a row of magnitudes (a standard deviation): no ``+`` on the Sharpe and the return."""
+    sign = "+" if signed else ""
+    return (f"{label:<14} {signed_number(m['sharpe'], sign + '.2f'):>8} "
+            f"{_pct(m['total_return'], sign):>9} "
             f"{_pct(m['max_drawdown'], ''):>8} {signed_number(m['turnover'], '.1f'):>9} {_pct(m['costs'], ''):>9} "
             f"{m['bars']:>6}")
 

@@ -131,7 +131,7 @@ def _check_population(pop_dir, seeds, out, expected_hash):
         assert cells[2] == f"{100 * o['test_total_return']:+.2f}%"
     sharpes = [summaries[s]["overall"]["test_sharpe"] for s in seeds]
     assert _row(out, "mean")[1] == f"{np.mean(sharpes):+.2f}"
-    assert _row(out, "std")[1] == f"{np.std(sharpes, ddof=1):+.2f}"
+    assert _row(out, "std")[1] == f"{np.std(sharpes, ddof=1):.2f}"
     assert _row(out, "median")[1] == f"{np.median(sharpes):+.2f}"
     return population, summaries
 
