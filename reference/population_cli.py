@@ -144,12 +144,7 @@ def cmd_train_population(args: argparse.Namespace) -> int:
         # "s" + label: new_run_dir names it "<UTC time>-seeds0-15".
         pop_dir, lock = train_cli._open_run_dir(args, base, name_seed=f"s{seeds_label(seeds)}")
     except ValueError as exc:  # UsageError, and the settings' own one-line validation errors
-        for sink in shared_sinks:
-            sink.close()
-        if lock is not None:
-            lock.release()
-        print(f"foxhunt train: {exc}", file=sys.stderr)
-        return 2
+        return train_cli.refuse(exc, shared_sinks, lock)
     try:
         return _train_population(args, plans, pop_dir, shared_sinks)
     finally:

@@ -254,6 +254,17 @@ def _check_backend(name: str) -> None:
                              f"none usable ({reason}); use --backend reference")
 
 
+def refuse(exc: Exception, sinks, lock) -> int:
+    """A usage error before training starts: close ``sinks``, release ``lock`` (if any), print
+    the one line on stderr; exit code 2."""
+    for sink in sinks:
+        sink.close()
+    if lock is not None:
+        lock.release()
+    print(f"foxhunt train: {exc}", file=sys.stderr)
+    return 2
+
+
 def _open_run_dir(args, plan: Plan, name_seed=None):
     """(run dir, its lock): created, checked, cleared for --overwrite; UsageError otherwise.
     A new directory is named after ``name_seed`` (``runs.new_run_dir``), default the run's seed."""
@@ -339,12 +350,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.tensorboard:
             sinks.append(TensorBoardScalars(run_dir / "tensorboard"))
     except ValueError as exc:  # UsageError, and the settings' own one-line validation errors
-        for sink in sinks:
-            sink.close()
-        if lock is not None:
-            lock.release()
-        print(f"foxhunt train: {exc}", file=sys.stderr)
-        return 2
+        return refuse(exc, sinks, lock)
     try:
         return _train(args, plan, run_dir, done_epochs, sinks)
     finally:
