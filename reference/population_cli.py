@@ -38,7 +38,6 @@ import json
 import math
 import signal
 import statistics
-import sys
 import traceback
 from pathlib import Path
 
