@@ -13,7 +13,7 @@ import platform
 import sys
 from importlib import metadata
 
-from .config import PRESETS, DQNConfig
+from .config import ADAPTIVE_ON, PRESETS, DQNConfig
 from .layout import ParamLayout
 
 
@@ -49,7 +49,15 @@ def cmd_info(args: argparse.Namespace) -> int:
               f"heads={cfg.value_h}/{cfg.adv_h} atoms={cfg.num_atoms} branches={cfg.branches} "
               f"weight matrices={len(lay.weight_matrices)}")
         print(f"         {lay.counts_text()}")
+        print(f"         {adaptive_text(cfg)}")
     return 0
+
+
+def adaptive_text(cfg: DQNConfig) -> str:
+    """``adaptive: <the ADAPTIVE_ON fields that are on>`` (or ``off``): the ISV mechanisms of
+    issue 19 a config runs."""
+    on = [name for name in ADAPTIVE_ON if getattr(cfg, name)]
+    return f"adaptive: {', '.join(on) if on else 'off'}"
 
 
 class FoxhuntParser(argparse.ArgumentParser):

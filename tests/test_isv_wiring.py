@@ -45,6 +45,17 @@ def test_every_switch_off_by_default_and_in_tiny_all_on_in_the_seed_preset():
         DQNConfig.preset("seed", c51_warmup_epochs=4)
 
 
+def test_info_says_which_adaptive_mechanisms_each_preset_runs(capsys):
+    from foxhunt.reference import cli
+
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    every = ", ".join([*isv_step.ADAPTIVE_SWITCHES, "adaptive_atoms"])
+    seed, tiny = out.split("\n  seed ")[1], out.split("\n  tiny ")[1]
+    assert seed.split("\n")[2].strip() == f"adaptive: {every}"
+    assert tiny.split("\n")[2].strip() == "adaptive: off"
+
+
 def test_the_gamma_schedule_discounts_by_the_isv_slots_at_the_start():
     """With the schedule on, a step from an ISV holding gammas (0.7, 0.6) trains exactly as a
     step with the switch off and ``gamma=(0.7, 0.6)``; only the producer's slots differ."""
