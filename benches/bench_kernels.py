@@ -146,6 +146,19 @@ def graph_time(harness, stream, run, repeats: int = GRAPH_REPEATS) -> tuple[floa
         graph.close()
 
 
+def time_on_stream(benchmark, harness, stream, run, group: str) -> tuple[float, int]:
+    """Time ``run`` (launches on ``stream``) two ways: pytest-benchmark rounds of ``run`` plus
+    a synchronisation, in ``group``; then ``graph_time`` (seconds per call in a CUDA graph, and
+    its node count)."""
+    def target() -> None:
+        run()
+        stream.synchronize()
+
+    benchmark.group = group
+    benchmark.pedantic(target, rounds=harness.gpu_rounds, warmup_rounds=3)
+    return graph_time(harness, stream, run)
+
+
 @pytest.fixture(scope="module")
 def fast_runtime(fast_cuda):
     from foxhunt.fast.kernels._runtime import runtime
@@ -167,13 +180,8 @@ def test_kernel_fast(benchmark, harness, fast_runtime, name):
         if not record.launches:
             pytest.fail(f"{name}: the fast test entry launched no kernel")
 
-        def target() -> None:
-            record.replay()
-            rt.stream.synchronize()
-
-        benchmark.group = f"kernel-{name}"
-        benchmark.pedantic(target, rounds=harness.gpu_rounds, warmup_rounds=3)
-        seconds, nodes = graph_time(harness, rt.stream, record.replay)
+        seconds, nodes = time_on_stream(benchmark, harness, rt.stream, record.replay,
+                                        f"kernel-{name}")
         benchmark.extra_info.update(
             impl="fast", device="cuda", precision="f32", unit="call", case=case,
             inputs={k: _describe(v) for k, v in kwargs.items()},
@@ -236,13 +244,8 @@ def test_gemm_fast(benchmark, harness, fast_runtime, shape, precision):
         def run() -> None:
             plan.run(buffers[0].ptr, buffers[1].ptr, buffers[2].ptr, stream=rt.stream)
 
-        def target() -> None:
-            run()
-            rt.stream.synchronize()
-
-        benchmark.group = f"gemm-{m}x{n}x{k}-{precision}"
-        benchmark.pedantic(target, rounds=harness.gpu_rounds, warmup_rounds=3)
-        seconds, _ = graph_time(harness, rt.stream, run)
+        seconds, _ = time_on_stream(benchmark, harness, rt.stream, run,
+                                    f"gemm-{m}x{n}x{k}-{precision}")
         benchmark.extra_info.update(_gemm_info(m, n, k, precision, "fast", "cuda", seconds,
                                                algorithm_workspace=plan.workspace_nbytes))
     finally:
@@ -365,13 +368,8 @@ def test_trunk_forward(benchmark, harness, fast_runtime, rows, impl):
     rt = fast_runtime
     run, close = (_fused_trunk if impl == "fused" else _chain_trunk)(rt, kw)
     try:
-        def target() -> None:
-            run()
-            rt.stream.synchronize()
-
-        benchmark.group = f"trunk-forward-{rows}"
-        benchmark.pedantic(target, rounds=harness.gpu_rounds, warmup_rounds=3)
-        seconds, nodes = graph_time(harness, rt.stream, run)
+        seconds, nodes = time_on_stream(benchmark, harness, rt.stream, run,
+                                        f"trunk-forward-{rows}")
         benchmark.extra_info.update(
             impl=impl, device="cuda", precision="bf16", unit="forward",
             shapes=dict(zip(("rows", "SD", "H1", "H2"), dims)), gpu_us=seconds * 1e6,

@@ -56,6 +56,19 @@ def _as_f32(metrics) -> list:
     return [np.float32(getattr(metrics, m)) for m in METRIC_NAMES]
 
 
+def _greedy_walk_matches_the_host(ev, trainer, bars, feats, config, start, stop, per_year):
+    """``ev``'s greedy walk of ``[start, stop)`` against the host's: metrics bit for bit (float32
+    of ``loop.evaluate_segment``'s), per-bar rewards equal to ``loop.evaluate``'s. Returns
+    ``(got, want, curve)``."""
+    got = ev.walk(start, stop, per_year, equity=True)
+    want, curve = loop.evaluate_segment(trainer, bars, feats, config, (start, stop), "greedy",
+                                        per_year)
+    assert got.metrics.tolist() == _as_f32(want)
+    walk = loop.evaluate(trainer, bars, feats, config.state_dim, config.branches, start, stop)
+    assert np.array_equal(got.rewards.astype(np.float64), walk["rewards"])
+    return got, want, curve
+
+
 def test_device_walk_equals_the_reference_walk_on_every_segment(run_setup):
     """Metrics: ``loop.evaluate_segment``'s float64 values rounded to float32, bit for bit
     (the CPU twin of ``eval_metrics`` is the reference's); per-bar rewards: ``loop.evaluate``'s."""
@@ -63,12 +76,8 @@ def test_device_walk_equals_the_reference_walk_on_every_segment(run_setup):
     assert segments[-1].test[1] == len(bars)
     for start, stop in _segments(segments):
         assert (stop - start - 1) % CHUNK != 0
-        got = ev.walk(start, stop, per_year, equity=True)
-        want, curve = loop.evaluate_segment(trainer, bars, feats, config, (start, stop), "greedy",
-                                            per_year)
-        assert got.metrics.tolist() == _as_f32(want)
-        walk = loop.evaluate(trainer, bars, feats, config.state_dim, config.branches, start, stop)
-        assert np.array_equal(got.rewards.astype(np.float64), walk["rewards"])
+        got, want, curve = _greedy_walk_matches_the_host(ev, trainer, bars, feats, config, start,
+                                                         stop, per_year)
         assert np.array_equal(np.cumprod(1.0 + got.rewards.astype(np.float64)), curve)
         assert want.turnover > 0  # the policy trades: the walk is not trivial
 
@@ -145,12 +154,8 @@ def test_adaptive_atoms_walk_equals_the_reference_walk(precision):
     assert ev.mode == "graph"
     traded = 0
     for start, stop in _segments(segments):
-        got = ev.walk(start, stop, per_year, equity=True)
-        want, _ = loop.evaluate_segment(trainer, bars, feats, config, (start, stop), "greedy",
-                                        per_year)
-        assert got.metrics.tolist() == _as_f32(want)
-        walk = loop.evaluate(trainer, bars, feats, config.state_dim, config.branches, start, stop)
-        assert np.array_equal(got.rewards.astype(np.float64), walk["rewards"])
+        _, want, _ = _greedy_walk_matches_the_host(ev, trainer, bars, feats, config, start, stop,
+                                                   per_year)
         traded += want.turnover > 0
     assert traded > 0
     ev.close()
