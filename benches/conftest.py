@@ -48,6 +48,7 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
+from foxhunt.fast.device import driver_event_time
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.loop import LoopSettings
@@ -192,27 +193,6 @@ def _torch_event_time(run: Callable[[], Any], n: int) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end) / 1e3 / n
-
-
-def driver_event_time(stream, run: Callable[[], Any], n: int) -> float:
-    """Seconds per call of ``run`` between two CUDA events recorded on ``stream`` (driver API)."""
-    from cuda.bindings import driver as drv
-
-    from foxhunt.fast.device import as_stream_handle, call
-
-    handle = as_stream_handle(stream)
-    start, end = call(drv.cuEventCreate, 0), call(drv.cuEventCreate, 0)
-    try:
-        call(drv.cuEventRecord, start, handle)
-        for _ in range(n):
-            run()
-        call(drv.cuEventRecord, end, handle)
-        call(drv.cuEventSynchronize, end)
-        ms = call(drv.cuEventElapsedTime, start, end)
-    finally:
-        drv.cuEventDestroy(start)
-        drv.cuEventDestroy(end)
-    return float(ms) / 1e3 / n
 
 
 def _jsonable(value: Any) -> Any:

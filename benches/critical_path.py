@@ -3,6 +3,7 @@ issue 26 item 3 in its static form).
 
     python benches/critical_path.py [--preset seed] [--precision bf16] [--chain] [SOURCE ...]
     python benches/critical_path.py --collect [--n-envs 16] [--capacity 50000] [--chain]
+    python benches/critical_path.py --measure [--repeats 20] [--top 12] [--chain] [SOURCE ...]
 
 The step is launch/latency bound: every node of a CUDA graph costs a launch and a short run,
 and the step takes about as long as its longest chain of dependent nodes, not its node count.
@@ -23,6 +24,18 @@ graph ``collect`` = the previous cycle's priority update beside the act forward,
 add and the batch; the trainer's ``graph1`` and ``graph2``), each graph alone and the whole
 ``cycle`` as captured (one CUDA graph: the three in order); ``--chain`` prints the cycle's
 critical chain.
+
+``--measure`` (GPU; issue 26 item 3): the same step variants on the fast trainer, with each
+node's MEASURED time in place of the cost model: after two warm-up steps, every node of graph 1
+and graph 2 is captured ``--repeats`` times in a row into a CUDA graph of its own and replayed
+between CUDA events (``node_us``: the node's time inside a chain of graph nodes, launch gap
+included). Per graph it prints the replay time of the whole graph (``graph_us``), the longest
+chain weighted by the node times (``chain_us``, the time the graph would take if only its
+dependencies limited it) and the sum of the node times (``serial_us``, the time with no overlap
+at all); ``graph_us`` near ``chain_us`` is a latency-bound graph, near ``serial_us`` one whose
+branches do not overlap. Then the ``--top`` slowest nodes and, with ``--chain``, graph 1's
+measured critical chain. Repeating a node repeats its writes (an Adam update applied twenty
+times): the times are of the kernels, the values they leave are not used.
 
 Cost model (``LAUNCH_US``, ``RUN_US``, ``KERNEL_RUN_US``): ESTIMATES read off the H200 runs of the seed step
 (about 1 us to launch a node and 3-6 us to run one), not measurements of these nodes; replace
@@ -216,6 +229,92 @@ def table(preset: str, precision: str, sources: Sequence[str]) -> list[dict]:
     return rows
 
 
+#: The graphs ``--measure`` times node by node (the upload graph is one copy).
+MEASURED_GRAPHS = ("graph1", "graph2")
+
+
+@dataclass(frozen=True)
+class MeasuredGraph:
+    """One graph's replay time, its critical chain under the measured node times, the sum of
+    those times, and each node's time (``us[i]`` for node ``i`` of ``dependency_graph``)."""
+
+    graph_us: float
+    chain: Chain
+    serial_us: float
+    nodes: tuple
+    us: tuple[float, ...]
+
+
+def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0) -> dict:
+    """``{graph: MeasuredGraph}`` of the fast trainer's step for ``config`` on the GPU
+    (``MEASURED_GRAPHS``; module docstring, ``--measure``)."""
+    from foxhunt.fast.dataflow import dependency_graph
+    from foxhunt.fast.device import driver_event_time
+    from foxhunt.fast.graphs import GraphCapture
+    from foxhunt.fast.trainer import Trainer
+    from foxhunt.reference.batch import Batch
+
+    import numpy as np
+
+    trainer = Trainer(config, seed=seed)
+    try:
+        rng = np.random.default_rng(seed)
+        for _ in range(2):
+            trainer.step(Batch.random(config, rng))
+        engine = trainer.engine
+        engine.synchronize()
+        stream, lowering = engine.stream, engine.lowering
+        captured = {"graph1": engine._graph1, "graph2": engine._graph2}
+        out = {}
+        for name in MEASURED_GRAPHS:
+            graph_us = driver_event_time(stream, captured[name].replay, replays) * 1e6
+            nodes, deps = dependency_graph([engine.plans[name]])
+            us = []
+            for node in nodes:
+                single = _OneNode(node)
+                capture = GraphCapture(stream, max_branches=0)
+                try:
+                    with capture:
+                        for _ in range(repeats):
+                            lowering.enqueue(single, stream)
+                    capture.replay()
+                    us.append(driver_event_time(stream, capture.replay, 3) * 1e6 / repeats)
+                finally:
+                    capture.close()
+            chain = longest_chain(nodes, deps, lambda n, t=dict(zip(map(id, nodes), us)): t[id(n)])
+            out[name] = MeasuredGraph(graph_us, chain, sum(us), tuple(nodes), tuple(us))
+        return out
+    finally:
+        trainer.close()
+
+
+class _OneNode:
+    """The ``Ops`` face ``Lowering.enqueue`` reads (``items``) of one record."""
+
+    def __init__(self, node):
+        self.items = (node,)
+
+
+def format_measured(source: str, graphs: dict, *, top: int, chain: bool) -> str:
+    lines = [f"{source}: {'graph':7} {'nodes':>6} {'graph_us':>9} {'chain_us':>9} {'depth':>6} "
+             f"{'serial_us':>10}"]
+    for name, m in graphs.items():
+        lines.append(f"{'':{len(source) + 1}} {name:7} {len(m.nodes):>6d} {m.graph_us:>9.1f} "
+                     f"{m.chain.weight:>9.1f} {m.chain.depth:>6d} {m.serial_us:>10.1f}")
+    g1 = graphs["graph1"]
+    on_chain = set(g1.chain.indices)
+    lines.append(f"  graph 1's {top} slowest nodes (us; * = on the measured critical chain)")
+    for i in sorted(range(len(g1.nodes)), key=lambda i: -g1.us[i])[:top]:
+        lines.append(f"    {g1.us[i]:7.2f} {'*' if i in on_chain else ' '} {node_label(g1.nodes[i])}")
+    if chain:
+        lines.append("  graph 1's measured critical chain (node us, cumulative us)")
+        total = 0.0
+        for i in g1.chain.indices:
+            total += g1.us[i]
+            lines.append(f"    {g1.us[i]:7.2f} {total:8.1f}  {node_label(g1.nodes[i])}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     head = f"{'source':8} {'step nodes':>10} {'depth':>6} {'est_us':>7}   " + "   ".join(
         f"{g + ' nodes/depth/us':>24}" for g in GRAPHS)
@@ -249,6 +348,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "the cycle's)")
     parser.add_argument("--collect", action="store_true",
                         help="the collection cycle's plan (issue 20) instead of the step variants")
+    parser.add_argument("--measure", action="store_true",
+                        help="GPU: each node's measured time in place of the cost model")
+    parser.add_argument("--repeats", type=int, default=20, help="--measure: node repeats per graph")
+    parser.add_argument("--top", type=int, default=12, help="--measure: slowest nodes listed")
     parser.add_argument("--n-envs", type=int, default=16, help="--collect: environments")
     parser.add_argument("--capacity", type=int, default=50_000, help="--collect: ring rows")
     args = parser.parse_args(argv)
@@ -268,6 +371,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [s for s in args.sources if s not in choices]
     if bad:
         parser.error(f"SOURCE {bad[0]!r} is not one of {choices}")
+    if args.measure:
+        for source in args.sources or choices:
+            graphs = measure_step(variant_config(args.preset, args.precision, source),
+                                  repeats=args.repeats)
+            print(format_measured(source, graphs, top=args.top, chain=args.chain), flush=True)
+        return 0
     rows = table(args.preset, args.precision, args.sources or choices)
     print(f"critical path, preset {args.preset}, {args.precision} (est_us: LAUNCH_US={LAUNCH_US} "
           f"+ RUN_US={RUN_US} per node, estimates)")

@@ -19,7 +19,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -462,6 +463,24 @@ class PinnedScalars:
         ctypes.memset(self._memory.host_ptr, 0, self._memory.nbytes)
 
 
+def driver_event_time(stream, run: Callable[[], Any], n: int) -> float:
+    """Seconds per call of ``run`` between two CUDA events recorded on ``stream`` (driver API)."""
+    drv = _driver()
+    handle = as_stream_handle(stream)
+    start, end = call(drv.cuEventCreate, 0), call(drv.cuEventCreate, 0)
+    try:
+        call(drv.cuEventRecord, start, handle)
+        for _ in range(n):
+            run()
+        call(drv.cuEventRecord, end, handle)
+        call(drv.cuEventSynchronize, end)
+        ms = call(drv.cuEventElapsedTime, start, end)
+    finally:
+        drv.cuEventDestroy(start)
+        drv.cuEventDestroy(end)
+    return float(ms) / 1e3 / n
+
+
 def grid_for(n: int, block: int) -> int:
     """Blocks needed to cover ``n`` items with ``block`` threads each (at least 1)."""
     return max(1, math.ceil(n / block))
@@ -500,6 +519,7 @@ __all__ = [
     "capture_ends",
     "cuda_available",
     "default_arch",
+    "driver_event_time",
     "grid_for",
     "pinned_block",
     "release",

@@ -163,3 +163,28 @@ def test_collection_cycle_chain_matches_networkx_and_scans_in_many_blocks(capsys
                     "--capacity", "3000"]) == 0
     rows = {r[0]: r for r in (line.split() for line in capsys.readouterr().out.splitlines()) if r}
     assert float(rows["cycle"][3]) == pytest.approx(paths["cycle"].est_us, abs=0.05)
+
+
+def _gpu_reason() -> str | None:
+    from foxhunt.fast.device import cuda_available
+
+    ok, reason = cuda_available()
+    return None if ok else reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"no CUDA device/driver: {_gpu_reason()}")
+def test_measured_step_times_every_node_and_bounds_the_chain(capsys):
+    """--measure on the GPU (tiny preset, every source on): a positive time per node of graph 1
+    and graph 2, the measured chain is a path of the graph whose weight is the sum of its
+    nodes' times and lies between the slowest node and the sum of all of them."""
+    config = cp.variant_config("tiny", "f32", "all")
+    graphs = cp.measure_step(config, repeats=3, replays=5)
+    assert set(graphs) == set(cp.MEASURED_GRAPHS)
+    for m in graphs.values():
+        assert len(m.us) == len(m.nodes) > 0 and min(m.us) > 0 and m.graph_us > 0
+        assert m.chain.weight == pytest.approx(sum(m.us[i] for i in m.chain.indices))
+        assert max(m.us) <= m.chain.weight <= m.serial_us * (1 + 1e-9)
+    assert cp.main(["--preset", "tiny", "--measure", "--repeats", "2", "--chain", "core"]) == 0
+    out = capsys.readouterr().out
+    assert "graph1" in out and "measured critical chain" in out
