@@ -245,9 +245,10 @@ class MeasuredGraph:
     us: tuple[float, ...]
 
 
-def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0) -> dict:
+def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
+                 gemm_workspace: str = "none") -> dict:
     """``{graph: MeasuredGraph}`` of the fast trainer's step for ``config`` on the GPU
-    (``MEASURED_GRAPHS``; module docstring, ``--measure``)."""
+    (``MEASURED_GRAPHS``; module docstring, ``--measure``); ``gemm_workspace`` is the trainer's."""
     from foxhunt.fast.dataflow import dependency_graph
     from foxhunt.fast.device import driver_event_time
     from foxhunt.fast.graphs import GraphCapture
@@ -256,7 +257,7 @@ def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0)
 
     import numpy as np
 
-    trainer = Trainer(config, seed=seed)
+    trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace)
     try:
         rng = np.random.default_rng(seed)
         for _ in range(2):
@@ -351,6 +352,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--measure", action="store_true",
                         help="GPU: each node's measured time in place of the cost model")
     parser.add_argument("--repeats", type=int, default=20, help="--measure: node repeats per graph")
+    parser.add_argument("--gemm-workspace", default="none", choices=("none", "default"),
+                        help="--measure: the trainer's cuBLASLt workspace policy")
     parser.add_argument("--top", type=int, default=12, help="--measure: slowest nodes listed")
     parser.add_argument("--n-envs", type=int, default=16, help="--collect: environments")
     parser.add_argument("--capacity", type=int, default=50_000, help="--collect: ring rows")
@@ -374,7 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.measure:
         for source in args.sources or choices:
             graphs = measure_step(variant_config(args.preset, args.precision, source),
-                                  repeats=args.repeats)
+                                  repeats=args.repeats, gemm_workspace=args.gemm_workspace)
             print(format_measured(source, graphs, top=args.top, chain=args.chain), flush=True)
         return 0
     rows = table(args.preset, args.precision, args.sources or choices)

@@ -4,81 +4,122 @@
 // passes and the backward of d_v are the existing GEMMs and dense kernels.
 //
 // Arithmetic: -fmad=false plus __fadd_rn/__fmul_rn/__fdiv_rn in the reference's order; expf/logf
-// against NumPy's float32 functions (a few ulp). ONE block, one thread per sample; the loss is a
-// block_sum of reduce.cuh (a fixed tree, no atomics).
+// against NumPy's float32 functions (a few ulp). Every value is computed by the same operations
+// in the same order whatever the launch (cluster size, tile), so the bits of d_v and kl never
+// depend on it; the loss is a block_sum of reduce.cuh (a fixed tree of the block size).
 
-#include "reduce.cuh"  // block_sum, REDUCE_SUM_IDENTITY
+#include "cluster.cuh"  // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync
+#include "reduce.cuh"   // block_sum, REDUCE_SUM_IDENTITY
 
 #define ENS_NEG_INF __uint_as_float(0xff800000u)  // the identity of the fmaxf row max
-
-// Max-shifted softmax statistics of one row (the reference's softmax_shifted and the divisor
-// floor of _softmax_log): m = fmaxf over the row (from -Inf), s = ((0 + e_0) + e_1) + ...,
-// e_j = expf(x_j - m); returns the divisor sg = s < eps ? eps : s (a NaN sum stays NaN).
-static __device__ __forceinline__ float ens_softmax_divisor(const float* __restrict__ row, int n,
-                                                           float eps, float* m_out) {
-    float m = ENS_NEG_INF;
-    for (int j = 0; j < n; ++j) {
-        m = fmaxf(m, row[j]);
-    }
-    float s = 0.0f;
-    for (int j = 0; j < n; ++j) {
-        s = __fadd_rn(s, expf(__fsub_rn(row[j], m)));
-    }
-    *m_out = m;
-    return s < eps ? eps : s;
-}
+// Shared floats of one block's tile (static: 45 KiB, under the 48 KiB default limit). A tile of
+// S samples holds its R = S * (1 + n_priors) rows twice (p and log p) plus three row statistics:
+// S = floor(ENS_SMEM_FLOATS / ((1 + n_priors) * (2 * num_atoms + 3))) (ensemble.py checks S >= 1).
+#define ENS_SMEM_FLOATS 11520
 
 // ---------------------------------------------------------------------------------------------
 // ens_kl_grad: v [batch, num_atoms] (head 0's logits), priors [n_priors, batch, num_atoms]
 // (the prior heads' logits, head k at k - 1), per sample b, with scale = 1 / (batch * n_priors):
-//   p = expf(x - m) / sg, log p = (x - m) - logf(sg)              (every row of v and priors)
+//   m = fmaxf over the row (from -Inf); s = ((0 + e_0) + e_1) + ..., e_j = expf(x_j - m);
+//   sg = s < eps ? eps : s (a NaN sum stays NaN)                 (every row of v and priors)
+//   p = expf(x - m) / sg, log p = (x - m) - logf(sg)
 //   KL_k = ((0 + p_k[0] * (log p_k[0] - log p_0[0])) + ...)        (atom order)
 //   kl[b] = (0 + KL_1) + KL_2 + ...                                (head order)
 //   d_v[b, j] = scale * ((0 + (p_1[j] - p_0[j])) + (p_2[j] - p_0[j]) + ...)
-//   *loss = -(scale * sum_b kl[b])
-// d_v's row is its own accumulator (written once per head, then scaled); p_0 is recomputed for
-// every head (the same bits each time).
+//   *loss = -(scale * (block_sum(acc) + 0)), thread t's acc = (-0 + kl[t]) + kl[t + T] + ...
+//
+// ONE cluster of FH_CLUSTER blocks (8 on sm_90, else 1) of T threads. Block rank r owns the
+// samples [r Q, (r + 1) Q), Q = ceil(batch / FH_CLUSTER), in tiles of S samples staged in shared
+// memory: the rows are read coalesced, one thread per row makes its statistics, one thread per
+// element its p and log p, one thread per (sample, atom) d_v and the KL terms, one thread per
+// sample kl. After the cluster barrier (kl's global writes visible), block 0 makes the loss.
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
 ens_kl_grad(const float* __restrict__ v, const float* __restrict__ priors,
             float* __restrict__ d_v, float* __restrict__ kl, float* __restrict__ loss, int batch,
             int num_atoms, int n_priors, float eps) {
+    __shared__ float smem[ENS_SMEM_FLOATS];
     __shared__ float scratch[REDUCE_WARP + 1];
     const float scale = __fdiv_rn(1.0f, (float)(batch * n_priors));
+    const int heads = 1 + n_priors;
+    const int tile = ENS_SMEM_FLOATS / (heads * (2 * num_atoms + 3));
+    const int per_block = (batch + FH_CLUSTER - 1) / FH_CLUSTER;
+    const int first = min(batch, fh_cluster_rank() * per_block);
+    const int last = min(batch, first + per_block);
+    for (int b0 = first; b0 < last; b0 += tile) {
+        const int S = min(tile, last - b0);
+        const int R = S * heads;  // row r = h * S + s: head h (0 = v, k = prior k) of sample b0 + s
+        float* P = smem;                    // [R, num_atoms]: p
+        float* L = P + R * num_atoms;       // [R, num_atoms]: the logits, then log p
+        float* row_m = L + R * num_atoms;   // [R]
+        float* row_sg = row_m + R;          // [R]
+        float* row_ls = row_sg + R;         // [R]
+        const int n = R * num_atoms;
+        for (int e = threadIdx.x; e < n; e += blockDim.x) {
+            const int r = e / num_atoms, j = e - r * num_atoms;
+            const int h = r / S, s = r - h * S;
+            const float* src = h == 0 ? v : priors + (long long)(h - 1) * batch * num_atoms;
+            L[e] = src[(long long)(b0 + s) * num_atoms + j];
+        }
+        __syncthreads();
+        for (int r = threadIdx.x; r < R; r += blockDim.x) {
+            const float* row = L + r * num_atoms;
+            float m = ENS_NEG_INF;
+            for (int j = 0; j < num_atoms; ++j) {
+                m = fmaxf(m, row[j]);
+            }
+            float s = 0.0f;
+            for (int j = 0; j < num_atoms; ++j) {
+                s = __fadd_rn(s, expf(__fsub_rn(row[j], m)));
+            }
+            const float sg = s < eps ? eps : s;
+            row_m[r] = m;
+            row_sg[r] = sg;
+            row_ls[r] = logf(sg);
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < n; e += blockDim.x) {
+            const int r = e / num_atoms;
+            const float sh = __fsub_rn(L[e], row_m[r]);
+            P[e] = __fdiv_rn(expf(sh), row_sg[r]);
+            L[e] = __fsub_rn(sh, row_ls[r]);
+        }
+        __syncthreads();
+        // d_v and the KL terms: element (s, j) of head 0 against (k S + s, j); the term
+        // overwrites prior k's log p (read once, here).
+        for (int e = threadIdx.x; e < S * num_atoms; e += blockDim.x) {
+            const float p0 = P[e], lp0 = L[e];
+            float d = 0.0f;
+            for (int k = 1; k < heads; ++k) {
+                const int ek = k * S * num_atoms + e;
+                const float pk = P[ek];
+                L[ek] = __fmul_rn(pk, __fsub_rn(L[ek], lp0));
+                d = __fadd_rn(d, __fsub_rn(pk, p0));
+            }
+            d_v[(long long)b0 * num_atoms + e] = __fmul_rn(scale, d);
+        }
+        __syncthreads();
+        for (int s = threadIdx.x; s < S; s += blockDim.x) {
+            float kl_b = 0.0f;
+            for (int k = 1; k < heads; ++k) {
+                const float* terms = L + (k * S + s) * num_atoms;
+                float kl_k = 0.0f;
+                for (int j = 0; j < num_atoms; ++j) {
+                    kl_k = __fadd_rn(kl_k, terms[j]);
+                }
+                kl_b = __fadd_rn(kl_b, kl_k);
+            }
+            kl[b0 + s] = kl_b;
+        }
+        __syncthreads();  // the next tile reuses smem
+    }
+    fh_cluster_sync();
+    if (fh_cluster_rank() != 0) {
+        return;
+    }
     float acc = REDUCE_SUM_IDENTITY;
     for (int b = threadIdx.x; b < batch; b += blockDim.x) {
-        const float* row0 = v + (long long)b * num_atoms;
-        float* drow = d_v + (long long)b * num_atoms;
-        float m0;
-        const float sg0 = ens_softmax_divisor(row0, num_atoms, eps, &m0);
-        const float ls0 = logf(sg0);
-        for (int j = 0; j < num_atoms; ++j) {
-            drow[j] = 0.0f;
-        }
-        float kl_b = 0.0f;
-        for (int k = 0; k < n_priors; ++k) {
-            const float* rowk = priors + ((long long)k * batch + b) * num_atoms;
-            float mk;
-            const float sgk = ens_softmax_divisor(rowk, num_atoms, eps, &mk);
-            const float lsk = logf(sgk);
-            float kl_k = 0.0f;
-            for (int j = 0; j < num_atoms; ++j) {
-                const float sh0 = __fsub_rn(row0[j], m0);
-                const float p0 = __fdiv_rn(expf(sh0), sg0);
-                const float lp0 = __fsub_rn(sh0, ls0);
-                const float shk = __fsub_rn(rowk[j], mk);
-                const float pk = __fdiv_rn(expf(shk), sgk);
-                const float lpk = __fsub_rn(shk, lsk);
-                kl_k = __fadd_rn(kl_k, __fmul_rn(pk, __fsub_rn(lpk, lp0)));
-                drow[j] = __fadd_rn(drow[j], __fsub_rn(pk, p0));
-            }
-            kl_b = __fadd_rn(kl_b, kl_k);
-        }
-        for (int j = 0; j < num_atoms; ++j) {
-            drow[j] = __fmul_rn(scale, drow[j]);
-        }
-        kl[b] = kl_b;
-        acc = __fadd_rn(acc, kl_b);
+        acc = __fadd_rn(acc, kl[b]);
     }
     const float total = block_sum(acc, scratch);
     if (threadIdx.x == 0) {

@@ -10,12 +10,15 @@
 // matters, in the reference's order; the cosine in double, rounded once to float.
 
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (the BF16 operand of the next GEMM)
+#include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_read
 #include "distributional.cuh"  // effective_gamma (n-step targets, shared with the C51 kernels)
 #include "reduce.cuh"     // block_sum_halving (the loss total: step.block_total's tree)
 #include "rng.cuh"        // rng_uniform (the quantile fractions)
 
-// Threads of iqn_quantile_huber's one block (reference IQN_LOSS_THREADS): the loss total's tree.
+// Threads of iqn_quantile_huber's blocks (reference IQN_LOSS_THREADS): the loss total's tree.
 #define IQN_LOSS_THREADS 256
+// Shared floats of iqn_quantile_huber's rho tile (fast/kernels/iqn.py IQN_RHO_FLOATS).
+#define IQN_RHO_FLOATS 8192
 #define IQN_PI 3.141592653589793  // numpy.pi, a double
 #define IQN_F32_EXP_MASK 0x7f800000u
 
@@ -102,70 +105,84 @@ extern "C" __global__ void iqn_modulate_backward(const float* __restrict__ de,
 }
 
 // ---------------------------------------------------------------------------------------------
-// Quantile Huber loss (kappa = 1) and dq, ONE block of IQN_LOSS_THREADS threads; thread t takes
-// the (d, b) pairs p = d * batch + b = t, t + IQN_LOSS_THREADS, ... in turn:
+// Quantile Huber loss (kappa = 1) and dq over the (d, b) pairs p = d * batch + b:
 //   bound = k1 * max(isv[q_abs_ref_index], 1)                                      (Mech 1)
 //   y[d, b, j] = clip(r[b] + (g * (1 - done[b])) * q_target[b N + j, off_d + a_star[d, b]]),
 //           g = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on) (gamma[d] when
 //           n_step_on == 0: discount not read)
 //   u = y[d, b, j] - q[b N + i, off_d + actions[d, b]];  w = |tau[b N + i] - (u < 0 ? 1 : 0)|
-//   l += w * huber(u) (i outer, j inner);  g_i = sum_j w * clip(u, -1, 1)
+//   rho = w * huber(u);  l = sum of rho (i outer, j inner, from 0);  g_i = sum_j w * clip(u, -1, 1)
 //   dq[b N + i, off_d + a] = a == actions[d, b] ? -(c_b * g_i) : 0,  c_b = isw[b] * scale,
 //   scale = 1 / (batch * n_branches * N)
-//   *loss = block total of the terms c_b * l (thread partials from -0 in pair order, then
-//           block_sum_halving, then + 0: step.block_total)
+//   *loss = block total of the terms c_b * l (thread t of IQN_LOSS_THREADS adds the terms t,
+//           t + IQN_LOSS_THREADS, ... from -0, then block_sum_halving, then + 0: step.block_total)
 // The clips are comparisons, so NaN stays NaN (sentinel 28 watches dq).
+//
+// ONE cluster of FH_CLUSTER blocks (8 on sm_90, else 1) of IQN_LOSS_THREADS threads. Block rank
+// r owns the pairs [r Q, (r + 1) Q), Q = ceil(pairs / FH_CLUSTER), in tiles of T = max(1,
+// IQN_RHO_FLOATS / N^2) pairs: one thread per (pair, i) computes y (each recomputes the pair's
+// N targets; the i = 0 thread stores them), g_i, its row of dq and its N values of rho (shared
+// memory); then one thread per pair adds its rho in (i, j) order into its term (shared memory,
+// kept to the end). After the cluster barrier block 0 reads the terms (distributed shared
+// memory) in the one-block order above; a last barrier keeps every block's terms alive until
+// then. Every value is made by the same operations in the same order on any cluster size.
+// Dynamic shared memory: (Q + T N^2) floats (fast/kernels/iqn.py plan_iqn_quantile_huber).
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void iqn_quantile_huber(const float* __restrict__ q,
-                                              const float* __restrict__ q_target,
-                                              const float* __restrict__ tau,
-                                              const int* __restrict__ actions,
-                                              const int* __restrict__ a_star,
-                                              const float* __restrict__ r,
-                                              const float* __restrict__ done,
-                                              const float* __restrict__ gamma,
-                                              const float* __restrict__ isw,
-                                              const float* __restrict__ isv, int q_abs_ref_index,
-                                              float k1, const int* __restrict__ n_actions,
-                                              const int* __restrict__ action_offset,
-                                              const float* __restrict__ discount,
-                                              float* __restrict__ y, float* __restrict__ dq,
-                                              float* __restrict__ loss, int n_branches, int batch,
-                                              int n_quantiles, int a_total, float gamma_ref,
-                                              int n_step_on) {
+extern "C" __global__ void __launch_bounds__(IQN_LOSS_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
+iqn_quantile_huber(const float* __restrict__ q, const float* __restrict__ q_target,
+                   const float* __restrict__ tau, const int* __restrict__ actions,
+                   const int* __restrict__ a_star, const float* __restrict__ r,
+                   const float* __restrict__ done, const float* __restrict__ gamma,
+                   const float* __restrict__ isw, const float* __restrict__ isv,
+                   int q_abs_ref_index, float k1, const int* __restrict__ n_actions,
+                   const int* __restrict__ action_offset, const float* __restrict__ discount,
+                   float* __restrict__ y, float* __restrict__ dq, float* __restrict__ loss,
+                   int n_branches, int batch, int n_quantiles, int a_total, float gamma_ref,
+                   int n_step_on) {
+    extern __shared__ float iqn_smem[];
+    const int N = n_quantiles;
     const float bound = __fmul_rn(k1, fmaxf(isv[q_abs_ref_index], 1.0f));
-    const float scale = __fdiv_rn(1.0f, (float)(batch * n_branches * n_quantiles));
+    const float scale = __fdiv_rn(1.0f, (float)(batch * n_branches * N));
     const int pairs = n_branches * batch;
-    float partial = REDUCE_SUM_IDENTITY;
-    for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-        const int d = p / batch;
-        const int b = p % batch;
-        const int off = action_offset[d];
-        const int na = n_actions[d];
-        const int taken = actions[p];
-        const int chosen = a_star[p];
-        const float coef = __fmul_rn(isw[b], scale);
-        const float gamma_b = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on);
-        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
-        float* yd = y + (long long)p * n_quantiles;
-        for (int j = 0; j < n_quantiles; ++j) {
-            const float qt = q_target[((long long)b * n_quantiles + j) * a_total + off + chosen];
-            const float c = __fadd_rn(r[b], __fmul_rn(step_discount, qt));
-            yd[j] = c > bound ? bound : (c < -bound ? -bound : c);
-        }
-        float lsum = 0.0f;
-        for (int i = 0; i < n_quantiles; ++i) {
-            const long long row = ((long long)b * n_quantiles + i) * a_total;
+    const int per_block = (pairs + FH_CLUSTER - 1) / FH_CLUSTER;
+    const int rank = fh_cluster_rank();
+    const int first = min(pairs, rank * per_block);
+    const int last = min(pairs, first + per_block);
+    const int tile = max(1, IQN_RHO_FLOATS / (N * N));
+    float* terms = iqn_smem;             // [per_block]: pair first + k at k
+    float* rho = iqn_smem + per_block;   // [tile, N, N]
+    for (int p0 = first; p0 < last; p0 += tile) {
+        const int S = min(tile, last - p0);
+        for (int unit = threadIdx.x; unit < S * N; unit += blockDim.x) {
+            const int pl = unit / N, i = unit - pl * N;
+            const int p = p0 + pl;
+            const int d = p / batch;
+            const int b = p % batch;
+            const int off = action_offset[d];
+            const int na = n_actions[d];
+            const int taken = actions[p];
+            const int chosen = a_star[p];
+            const float coef = __fmul_rn(isw[b], scale);
+            const float gamma_b = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on);
+            const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
+            const long long row = ((long long)b * N + i) * a_total;
             const float qi = q[row + off + taken];
-            const float ti = tau[(long long)b * n_quantiles + i];
+            const float ti = tau[(long long)b * N + i];
+            float* rho_i = rho + ((long long)pl * N + i) * N;
             float g = 0.0f;
-            for (int j = 0; j < n_quantiles; ++j) {
-                const float u = __fsub_rn(yd[j], qi);
+            for (int j = 0; j < N; ++j) {
+                const float qt = q_target[((long long)b * N + j) * a_total + off + chosen];
+                const float c = __fadd_rn(r[b], __fmul_rn(step_discount, qt));
+                const float yj = c > bound ? bound : (c < -bound ? -bound : c);
+                if (i == 0) {
+                    y[(long long)p * N + j] = yj;
+                }
+                const float u = __fsub_rn(yj, qi);
                 const float w = fabsf(__fsub_rn(ti, u < 0.0f ? 1.0f : 0.0f));
                 const float au = fabsf(u);
                 const float huber = au <= 1.0f ? __fmul_rn(0.5f, __fmul_rn(u, u))
                                                : __fsub_rn(au, 0.5f);
-                lsum = __fadd_rn(lsum, __fmul_rn(w, huber));
+                rho_i[j] = __fmul_rn(w, huber);
                 const float clipped = u > 1.0f ? 1.0f : (u < -1.0f ? -1.0f : u);
                 g = __fadd_rn(g, __fmul_rn(w, clipped));
             }
@@ -174,10 +191,29 @@ extern "C" __global__ void iqn_quantile_huber(const float* __restrict__ q,
                 dq[row + off + a] = a == taken ? grad : 0.0f;
             }
         }
-        partial = __fadd_rn(partial, __fmul_rn(coef, lsum));
+        __syncthreads();
+        for (int pl = threadIdx.x; pl < S; pl += blockDim.x) {
+            const int b = (p0 + pl) % batch;
+            const float* rho_p = rho + (long long)pl * N * N;
+            float lsum = 0.0f;
+            for (int k = 0; k < N * N; ++k) {
+                lsum = __fadd_rn(lsum, rho_p[k]);
+            }
+            terms[p0 + pl - first] = __fmul_rn(__fmul_rn(isw[b], scale), lsum);
+        }
+        __syncthreads();  // the next tile reuses rho
     }
-    const float total = block_sum_halving(partial);
-    if (threadIdx.x == 0) {
-        *loss = __fadd_rn(total, 0.0f);  // an empty sum reads +0.0
+    fh_cluster_sync();
+    if (rank == 0) {
+        float partial = REDUCE_SUM_IDENTITY;
+        for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
+            const int owner = p / per_block;
+            partial = __fadd_rn(partial, fh_cluster_read(terms + (p - owner * per_block), owner));
+        }
+        const float total = block_sum_halving(partial);
+        if (threadIdx.x == 0) {
+            *loss = __fadd_rn(total, 0.0f);  // an empty sum reads +0.0
+        }
     }
+    fh_cluster_sync();  // the terms stay alive until block 0 has read them
 }

@@ -47,6 +47,8 @@ from foxhunt.reference.backend import BACKWARD_GEMM_MODE, FORWARD_GEMM_MODE
 
 #: ``gemm_workspace`` values (module docstring).
 GEMM_WORKSPACES = ("none", "default")
+#: EXPERIMENT (session 13): FOXHUNT_BGRADB=0 takes the kernel fallback of every BGRADB GEMM.
+_BGRADB = __import__("os").environ.get("FOXHUNT_BGRADB", "1") != "0"
 #: Epilogues with a kernel fallback (relu_mask_bias_grad, bias_grad_reduce).
 FALLBACK_EPILOGUES = ("drelu_bgrad", "bgradb")
 #: ``planner(m, n, k, *, trans_a, trans_b, precision, epilogue, beta, min_alignment,
@@ -146,7 +148,7 @@ class StepProgram:
         where the planner refuses it), in the backward precision."""
         from foxhunt.fast.gemm import GemmPlanError
 
-        if db is not None:
+        if db is not None and _BGRADB:
             try:
                 plan = self._plan(ops, n_out, n_in, rows, operands=(dy, x, dw), fallback=True,
                                   trans_a=True, precision=self.bwd_mode, epilogue="bgradb")
@@ -154,11 +156,17 @@ class StepProgram:
                 return
             except (GemmPlanError, ValueError) as exc:
                 self.fallbacks.append(f"bgradb {n_out}x{n_in}x{rows}: {exc}")
-            ops.kernel("bias_grad_reduce", self.kernels("dense").plan_bias_grad_reduce(rows, n_out),
-                       dy=dy, db=db, rows=rows, cols=n_out)
         plan = self._plan(ops, n_out, n_in, rows, operands=(dy, x, dw), trans_a=True,
                           precision=self.bwd_mode)
-        ops.gemm(plan, a=dy, b=x, c=dw)
+        if db is None:
+            ops.gemm(plan, a=dy, b=x, c=dw)
+            return
+        # The bias gradient beside the plain GEMM (both read dy only).
+        side, main = ops.branch(), ops.branch()
+        side.kernel("bias_grad_reduce", self.kernels("dense").plan_bias_grad_reduce(rows, n_out),
+                    dy=dy, db=db, rows=rows, cols=n_out)
+        main.gemm(plan, a=dy, b=x, c=dw)
+        ops.parallel(side, main)
 
     def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, relu=None) -> None:
         """``dx [rows, n_in] = dy [rows, n_out] @ W [n_out, n_in]``; with ``relu=(aux, h, db,

@@ -114,7 +114,8 @@ def iqn_chain(prog: StepProgram) -> Ops:
         heads.append(head)
     ops.parallel(*heads)
     ops.wait("gathered")
-    ops.kernel("iqn_quantile_huber", iqn.plan_iqn_quantile_huber(), q=Buf("iqn_q", "o"),
+    ops.kernel("iqn_quantile_huber", iqn.plan_iqn_quantile_huber(nb * B, N, prog.arch),
+               q=Buf("iqn_q", "o"),
                q_target=Buf("iqn_q", "t"), tau=Buf("iqn_tau", "o"), actions="batch.a",
                a_star="a_star", r="batch.r", done="batch.done", gamma="gamma", isw="batch.isw",
                isv="isv", q_abs_ref_index=isv_mod.Q_ABS_REF_INDEX,
@@ -340,8 +341,8 @@ def ens_chain(prog: StepProgram) -> Ops:
     assert [packed.offsets[k] for k in range(1, c.ens_heads)] == \
         [(k - 1) * B * NA for k in range(1, c.ens_heads)], "the priors must be contiguous"
     ops.wait("fwd_o")  # head 0's logits and the value head's activations
-    ops.kernel("ens_kl_grad", prog.kernels("ensemble").plan_ens_kl_grad(B), v="vo",
-               priors="ens_priors", d_v="ens_d_v", kl="ens_kl",
+    plan = prog.kernels("ensemble").plan_ens_kl_grad(B, NA, n_priors, prog.arch)
+    ops.kernel("ens_kl_grad", plan, v="vo", priors="ens_priors", d_v="ens_d_v", kl="ens_kl",
                loss=Buf("readback", offset=READBACK_INDEX["ens_loss"]), batch=B, num_atoms=NA,
                n_priors=n_priors, eps=F32(ENS_SOFTMAX_EPS))
     g = "ens_trunk_grad"

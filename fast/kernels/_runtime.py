@@ -17,7 +17,7 @@ It returns the read-back arrays of the ``Out``/``InOut`` arguments, in argument 
 
 Also here, shared by the area modules: the flat grid-stride launch plan (``plan_flat``), the
 launch of a ``(grid, block, shared_mem)`` plan (``launch``), the 32-bit index limit
-(``check_elements``) and the upload of a scalar a kernel reads through a pointer
+(``check_elements``), the blocks of a thread-block cluster (``cluster_blocks``) and the upload of a scalar a kernel reads through a pointer
 (``device_scalar``).
 """
 
@@ -35,6 +35,9 @@ FLAT_THREADS = 256
 FLAT_MAX_BLOCKS = 4096
 #: The kernels index with 32-bit ints (grid-stride steps included): arrays stay below this.
 MAX_ELEMENTS = 2**30
+#: Blocks of a ``cuda_src/cluster.cuh`` thread-block cluster on sm_90 and newer (its
+#: ``FH_CLUSTER``: the portable size); 1 before sm_90, which has no clusters.
+CLUSTER_SM90 = 8
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,16 @@ def call(name: str, grid, block, *args, shared_mem: int = 0) -> tuple[np.ndarray
         if hasattr(item, "free"):
             item.free()
     return tuple(outputs)
+
+
+def cluster_blocks(arch=None) -> int:
+    """Blocks of a ``cluster.cuh`` cluster for ``arch`` (default: the test runtime's device): the
+    ``FH_CLUSTER`` that the kernels compile in for it (``CLUSTER_SM90`` from sm_90, else 1)."""
+    from foxhunt.fast._build import normalize_arch
+
+    if arch is None:
+        arch = runtime().device.arch
+    return CLUSTER_SM90 if normalize_arch(arch) >= 90 else 1
 
 
 def blocks(n: int, threads: int) -> int:

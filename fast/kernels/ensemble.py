@@ -2,34 +2,55 @@
 ``foxhunt.reference.kernels.ensemble.ens_kl_grad`` under the same name and signature.
 
 Kernel parameters (C order): ``ens_kl_grad(v, priors, d_v, kl, loss, batch, num_atoms,
-n_priors, eps)``: ONE block, one thread per sample (the loss is a block reduction); ``priors``
-is ``[n_priors, batch, num_atoms]`` (the prior heads' logits, stacked); ``loss`` points at one
-float (the step binds it to its readback entry).
+n_priors, eps)``: ONE thread-block cluster (``cluster_blocks``: 8 blocks on sm_90, else 1),
+each block a share of the samples in tiles staged in shared memory (the loss is block 0's
+block reduction after the cluster barrier); ``priors`` is ``[n_priors, batch, num_atoms]`` (the
+prior heads' logits, stacked); ``loss`` points at one float (the step binds it to its readback
+entry).
 
-Numerics: ``expf``/``logf`` against NumPy's float32 ``exp``/``log``, the sums in the
-reference's order; the loss is a block-tree sum (reduction).
+Numerics: ``expf``/``logf`` against NumPy's float32 functions, the sums in the reference's
+order (the same bits on any cluster size); the loss is a block-tree sum (reduction).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, launch
+from foxhunt.fast.kernels._runtime import In, Out, cluster_blocks, launch
 from foxhunt.fast.kernels.aux import plan_one_block
 from foxhunt.reference.kernels.ensemble import EnsKlGrad, validate_ens_kl_grad
 
 F32 = np.float32
 
-plan_ens_kl_grad = plan_one_block
+#: Shared floats of a block's tile (``ENS_SMEM_FLOATS`` in ensemble.cu): a tile of S samples
+#: takes ``(1 + n_priors) * (2 * num_atoms + 3)`` floats each.
+ENS_SMEM_FLOATS = 11520
+
+
+def ens_tile(num_atoms: int, n_priors: int) -> int:
+    """Samples per shared-memory tile (the kernel's ``tile``); raises where one does not fit."""
+    per_sample = (1 + int(n_priors)) * (2 * int(num_atoms) + 3)
+    if per_sample > ENS_SMEM_FLOATS:
+        raise ValueError(f"ens_kl_grad: num_atoms={num_atoms} with n_priors={n_priors} needs "
+                         f"{per_sample} shared floats per sample; at most {ENS_SMEM_FLOATS} fit "
+                         "(allowed: (1 + n_priors) * (2 * num_atoms + 3) <= that)")
+    return ENS_SMEM_FLOATS // per_sample
+
+
+def plan_ens_kl_grad(batch: int, num_atoms: int, n_priors: int, arch=None):
+    """One cluster (``arch`` as ``cluster_blocks``) of the block size of ``plan_one_block(batch)``
+    (the loss's reduction tree depends on ``batch`` only); checks the tile fits."""
+    ens_tile(num_atoms, n_priors)
+    return cluster_blocks(arch), plan_one_block(batch)[1], 0
 
 
 def ens_kl_grad(v, priors, eps) -> EnsKlGrad:
     """Test entry of the CUDA ``ens_kl_grad`` (contract as the reference twin)."""
     eps32 = validate_ens_kl_grad(v, priors, eps)
     n_priors, batch, num_atoms = priors.shape
-    d_v, kl, loss = launch("ens_kl_grad", plan_ens_kl_grad(batch), In(v), In(priors),
-                           Out(v.shape, F32), Out((batch,), F32), Out((1,), F32), batch, num_atoms,
-                           n_priors, eps32)
+    d_v, kl, loss = launch("ens_kl_grad", plan_ens_kl_grad(batch, num_atoms, n_priors), In(v),
+                           In(priors), Out(v.shape, F32), Out((batch,), F32), Out((1,), F32),
+                           batch, num_atoms, n_priors, eps32)
     return EnsKlGrad(d_v, kl, F32(loss[0]))
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, launch
+from foxhunt.fast.kernels._runtime import In, Out, blocks, cluster_blocks, launch
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.iqn import (
     IQN_LOSS_THREADS,
@@ -65,9 +65,19 @@ def plan_iqn_modulate_backward(batch: int, hidden: int) -> Plan:
     return plan_flat(batch * hidden)
 
 
-def plan_iqn_quantile_huber() -> Plan:
-    """ONE block of ``IQN_LOSS_THREADS`` (the loss total is that block's tree)."""
-    return 1, IQN_LOSS_THREADS, 0
+#: Shared floats of ``iqn_quantile_huber``'s rho tile (``IQN_RHO_FLOATS`` in iqn.cu).
+IQN_RHO_FLOATS = 8192
+
+
+def plan_iqn_quantile_huber(pairs: int, n_quantiles: int, arch=None) -> Plan:
+    """ONE thread-block cluster (``cluster_blocks(arch)``) of ``IQN_LOSS_THREADS`` (the loss total
+    is block 0's tree over the ``pairs = n_branches * batch`` terms); dynamic shared memory for
+    a block's terms, ``ceil(pairs / cluster)`` floats, and its rho tile, ``max(1, IQN_RHO_FLOATS
+    // N^2) * N^2`` floats (``N = n_quantiles``)."""
+    c = cluster_blocks(arch)
+    n2 = int(n_quantiles) ** 2
+    floats = -(-int(pairs) // c) + max(1, IQN_RHO_FLOATS // n2) * n2
+    return c, IQN_LOSS_THREADS, 4 * floats
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,7 +126,7 @@ def iqn_quantile_huber(q, q_target, tau, actions, a_star, r, done, gamma, isw, i
     nb = len(branches)
     disc, ref, on = n_step_args(discount, gamma_ref, batch)
     y, dq, loss = launch(
-        "iqn_quantile_huber", plan_iqn_quantile_huber(), In(q), In(q_target), In(tau),
+        "iqn_quantile_huber", plan_iqn_quantile_huber(nb * batch, n), In(q), In(q_target), In(tau),
         In(actions), In(a_star), In(r), In(done), In(gamma), In(isw), In(isv), index, k1,
         In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)), disc,
         Out((nb, batch, n), F32), Out(q.shape, F32), Out((1,), F32), nb, batch, n, q.shape[1],
