@@ -29,7 +29,7 @@ critical chain.
 node's MEASURED time in place of the cost model: after two warm-up steps, every node of graph 1
 and graph 2 is captured ``--repeats`` times in a row into a CUDA graph of its own and replayed
 between CUDA events (``node_us``: the node's time inside a chain of graph nodes, launch gap
-included). Per graph it prints the replay time of the whole graph (``graph_us``), the longest
+included). It prints the time of graph 1 and graph 2 replayed back to back, and per graph the replay time of the whole graph (``graph_us``), the longest
 chain weighted by the node times (``chain_us``, the time the graph would take if only its
 dependencies limited it) and the sum of the node times (``serial_us``, the time with no overlap
 at all); ``graph_us`` near ``chain_us`` is a latency-bound graph, near ``serial_us`` one whose
@@ -245,10 +245,19 @@ class MeasuredGraph:
     us: tuple[float, ...]
 
 
+@dataclass(frozen=True)
+class MeasuredStep:
+    """``graphs``: ``{graph: MeasuredGraph}`` (``MEASURED_GRAPHS``); ``pair_us``: graph 1 then
+    graph 2 replayed back to back, per pair (the step without its upload and host side)."""
+
+    graphs: dict
+    pair_us: float
+
+
 def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
-                 gemm_workspace: str = "none") -> dict:
-    """``{graph: MeasuredGraph}`` of the fast trainer's step for ``config`` on the GPU
-    (``MEASURED_GRAPHS``; module docstring, ``--measure``); ``gemm_workspace`` is the trainer's."""
+                 gemm_workspace: str = "none") -> MeasuredStep:
+    """The fast trainer's step for ``config`` measured on the GPU (module docstring,
+    ``--measure``); ``gemm_workspace`` is the trainer's."""
     from foxhunt.fast.dataflow import dependency_graph
     from foxhunt.fast.device import driver_event_time
     from foxhunt.fast.graphs import GraphCapture
@@ -284,7 +293,12 @@ def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
                     capture.close()
             chain = longest_chain(nodes, deps, lambda n, t=dict(zip(map(id, nodes), us)): t[id(n)])
             out[name] = MeasuredGraph(graph_us, chain, sum(us), tuple(nodes), tuple(us))
-        return out
+
+        def pair() -> None:
+            captured["graph1"].replay()
+            captured["graph2"].replay()
+
+        return MeasuredStep(out, driver_event_time(stream, pair, replays) * 1e6)
     finally:
         trainer.close()
 
@@ -296,12 +310,14 @@ class _OneNode:
         self.items = (node,)
 
 
-def format_measured(source: str, graphs: dict, *, top: int, chain: bool) -> str:
+def format_measured(source: str, step: MeasuredStep, *, top: int, chain: bool) -> str:
+    graphs = step.graphs
     lines = [f"{source}: {'graph':7} {'nodes':>6} {'graph_us':>9} {'chain_us':>9} {'depth':>6} "
              f"{'serial_us':>10}"]
     for name, m in graphs.items():
         lines.append(f"{'':{len(source) + 1}} {name:7} {len(m.nodes):>6d} {m.graph_us:>9.1f} "
                      f"{m.chain.weight:>9.1f} {m.chain.depth:>6d} {m.serial_us:>10.1f}")
+    lines.append(f"{'':{len(source) + 1}} graph 1 then graph 2, back to back: {step.pair_us:.1f} us")
     g1 = graphs["graph1"]
     on_chain = set(g1.chain.indices)
     lines.append(f"  graph 1's {top} slowest nodes (us; * = on the measured critical chain)")
@@ -376,9 +392,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"SOURCE {bad[0]!r} is not one of {choices}")
     if args.measure:
         for source in args.sources or choices:
-            graphs = measure_step(variant_config(args.preset, args.precision, source),
-                                  repeats=args.repeats, gemm_workspace=args.gemm_workspace)
-            print(format_measured(source, graphs, top=args.top, chain=args.chain), flush=True)
+            step = measure_step(variant_config(args.preset, args.precision, source),
+                                repeats=args.repeats, gemm_workspace=args.gemm_workspace)
+            print(format_measured(source, step, top=args.top, chain=args.chain), flush=True)
         return 0
     rows = table(args.preset, args.precision, args.sources or choices)
     print(f"critical path, preset {args.preset}, {args.precision} (est_us: LAUNCH_US={LAUNCH_US} "

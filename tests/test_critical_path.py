@@ -179,12 +179,29 @@ def test_measured_step_times_every_node_and_bounds_the_chain(capsys):
     and graph 2, the measured chain is a path of the graph whose weight is the sum of its
     nodes' times and lies between the slowest node and the sum of all of them."""
     config = cp.variant_config("tiny", "f32", "all")
-    graphs = cp.measure_step(config, repeats=3, replays=5)
-    assert set(graphs) == set(cp.MEASURED_GRAPHS)
-    for m in graphs.values():
+    step = cp.measure_step(config, repeats=3, replays=5)
+    assert set(step.graphs) == set(cp.MEASURED_GRAPHS)
+    assert step.pair_us > max(m.graph_us for m in step.graphs.values()) * 0.5
+    for m in step.graphs.values():
         assert len(m.us) == len(m.nodes) > 0 and min(m.us) > 0 and m.graph_us > 0
         assert m.chain.weight == pytest.approx(sum(m.us[i] for i in m.chain.indices))
         assert max(m.us) <= m.chain.weight <= m.serial_us * (1 + 1e-9)
     assert cp.main(["--preset", "tiny", "--measure", "--repeats", "2", "--chain", "core"]) == 0
     out = capsys.readouterr().out
-    assert "graph1" in out and "measured critical chain" in out
+    assert "graph1" in out and "measured critical chain" in out and "back to back" in out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"no CUDA device/driver: {_gpu_reason()}")
+def test_graph_throughput_rows(capsys):
+    """benches/graph_throughput.py: one row per (members, width), positive times, per-node time
+    = graph time / nodes; a one-chain graph of 8 nodes takes longer than one node's launch."""
+    spec = importlib.util.spec_from_file_location("graph_throughput", _PATH.parent / "graph_throughput.py")
+    gt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gt)
+    rows = gt.run(8, [1, 2], [1, 4], 4096)
+    assert [(r["members"], r["width"]) for r in rows] == [(1, 1), (1, 2), (4, 1), (4, 2)]
+    for r in rows:
+        assert r["graph_us"] > 0 and r["us_per_node"] == pytest.approx(r["graph_us"] / 8)
+    assert gt.main(["--nodes", "4", "--widths", "1,2", "--members", "1", "--elements", "1024"]) == 0
+    assert "us_per_node" in capsys.readouterr().out
