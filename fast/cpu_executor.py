@@ -157,8 +157,8 @@ class CpuGemm:
 
     def __init__(self, m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None,
                  lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0, min_alignment=256,
-                 workspace_limit=0, heuristic=None):
-        from foxhunt.fast.gemm import GemmSpec
+                 workspace_limit=0, heuristic=None, sm_count_target=0):
+        from foxhunt.fast.gemm import GemmSpec, check_sm_count_target
 
         #: ``GemmPlan.heuristic``'s place: the CPU chooses no algorithm (``PlanCache`` passes
         #: back what it got).
@@ -168,6 +168,7 @@ class CpuGemm:
             raise ValueError(f"min_alignment: {min_alignment!r} is not a power of two in [4, 256]")
         self.min_alignment = min_alignment
         self.workspace_limit = workspace_limit
+        self.sm_count_target = check_sm_count_target(sm_count_target)  # checked; no effect here
 
     @staticmethod
     def _stored(mem: Memory, buf: Buf, shape, ld: int, dtype) -> np.ndarray:

@@ -322,6 +322,16 @@ def cublaslt_handle(device) -> int:
     return handle
 
 
+def check_sm_count_target(value) -> int:
+    """``sm_count_target``: 0 (cuBLASLt plans for the whole device) or the number of SMs it
+    should plan for (``CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET``: a GEMM that runs beside other
+    work, as the step's parallel branches do); a non-negative int."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise ValueError(f"sm_count_target: {value!r} is not allowed; expected an int >= 0 "
+                         "(0: the whole device)")
+    return int(value)
+
+
 def _set_attr(setter, dtype_of, obj, attr, value) -> None:
     buf = np.array([value], dtype=dtype_of(attr))
     setter(obj, attr, buf.ctypes.data, buf.itemsize)
@@ -331,7 +341,7 @@ class GemmPlan:
     """A planned cuBLASLt GEMM (see the module docstring for the convention and epilogues).
 
     ``GemmPlan(device, m, n, k, trans_a=, trans_b=, precision=, epilogue=, lda=, ldb=, ldc=,
-    alpha=, beta=, min_alignment=256, workspace_limit=32 MiB)``; then
+    alpha=, beta=, min_alignment=256, workspace_limit=32 MiB, sm_count_target=0)``; then
     ``plan.run(a_ptr, b_ptr, c_ptr, bias_ptr=, aux_ptr=, stream=)`` any number of times.
     Raises ``GemmPlanError`` when cuBLASLt has no algorithm for the configuration.
     """
@@ -339,7 +349,8 @@ class GemmPlan:
     def __init__(self, device, m, n, k, *, trans_a=False, trans_b=False, precision="f32",
                  epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
                  min_alignment: int = 256, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
-                 heuristic: np.ndarray | bytes | None = None, verify: bool = False):
+                 heuristic: np.ndarray | bytes | None = None, verify: bool = False,
+                 sm_count_target: int = 0):
         self._objects: list[tuple] = []  # (destroy function, handle) for close()
         self._workspace = None
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
@@ -347,6 +358,7 @@ class GemmPlan:
         if min_alignment not in (4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"min_alignment: {min_alignment!r} is not a power of two in [4, 256]")
         self.min_alignment = min_alignment
+        self.sm_count_target = check_sm_count_target(sm_count_target)
         self.device = device
         self.problem = colmajor_problem(self.spec)
         lt = _cublaslt()
@@ -373,6 +385,8 @@ class GemmPlan:
         set_desc(desc_attr.TRANSA, 1 if prob.transa else 0)  # CUBLAS_OP_T = 1, CUBLAS_OP_N = 0
         set_desc(desc_attr.TRANSB, 1 if prob.transb else 0)
         set_desc(desc_attr.EPILOGUE, int(lt.Epilogue[prob.epilogue]))
+        if self.sm_count_target:
+            set_desc(desc_attr.SM_COUNT_TARGET, self.sm_count_target)
         # Placeholder (aligned, never dereferenced) pointers so the heuristic sees a complete
         # epilogue; run() sets the real ones.
         self._bias_ptr = self._aux_ptr = None
@@ -559,10 +573,11 @@ class PlanCache:
     @staticmethod
     def key(m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None, lda=None,
             ldb=None, ldc=None, alpha=1.0, beta=0.0, min_alignment: int = 256,
-            workspace_limit: int = DEFAULT_WORKSPACE_LIMIT) -> tuple:
-        """What decides a plan: the validated spec (defaults filled in), alignment, workspace."""
+            workspace_limit: int = DEFAULT_WORKSPACE_LIMIT, sm_count_target: int = 0) -> tuple:
+        """What decides a plan: the validated spec (defaults filled in), alignment, workspace,
+        SM count target."""
         spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc, alpha, beta)
-        return spec, int(min_alignment), int(workspace_limit)
+        return spec, int(min_alignment), int(workspace_limit), int(sm_count_target)
 
     def __call__(self, m, n, k, **kw):
         self.requests += 1

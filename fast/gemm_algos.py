@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 #: The file format (part of the fingerprint: a new format never reads an old file).
-FORMAT = "foxhunt-cublaslt-algos-1"
+FORMAT = "foxhunt-cublaslt-algos-2"
 #: The store's subfolder of the cache root.
 SUBDIR = "cublaslt"
 

@@ -81,7 +81,7 @@ class GpuEngine:
         self.program = prog = StepProgram(
             lay, planner=self.gemm_plans, constants=constants,
             host_nbytes={name: buf.nbytes for name, buf in host.items()}, arch=dev.arch,
-            gemm_workspace=gemm_workspace, seed=seed)
+            gemm_workspace=gemm_workspace, seed=seed, sm_count=dev.multiprocessor_count)
         drv = _driver()
         no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
         # The upload stream and its events: uploaded[slot] (after the upload graph that read

@@ -1,6 +1,7 @@
 """The fast step's plan builder: GEMM plans and the pieces every graph is made of, as records.
 
-``StepProgram(layout, *, planner, constants, host_nbytes, arch, gemm_workspace)`` makes the
+``StepProgram(layout, *, planner, constants, host_nbytes, arch, gemm_workspace, sm_count)``
+makes the
 launch records (``foxhunt.fast.records``) of the step; the graphs themselves are written in
 ``graph1_plan``, ``graph2_plan`` (with the upload graph) and ``eval_plan``. Records name
 buffers of ``layout`` (and, while an evaluation forward is built, of its ``EvalLayout``); the
@@ -21,6 +22,14 @@ on the H200, seed preset: bf16 219 us vs 251 us per step with the default limit)
 none, an epilogue with a kernel fallback (DRELU_BGRAD, BGRADB) takes the fallback and any other
 GEMM the default limit. ``"default"`` plans every GEMM with cuBLASLt's default limit (other
 algorithms, split-K among them: the long-run tool's "F32 with another summation order").
+Under either, a weight gradient with a long reduction (``LONG_K_RATIO``) may take a workspace.
+
+SMs per GEMM (``sm_count``, the device's multiprocessor count; 0: unknown): every GEMM is
+planned for ``sm_count // GEMM_SM_SHARE`` SMs (cuBLASLt's ``SM_COUNT_TARGET``). The graphs run
+many GEMMs at once on parallel branches, and a GEMM planned for the whole device spreads over
+more SMs than it gets there: measured on the H200 (``benches/critical_path.py --measure``, bf16,
+session 13), graph 1 of the core step took 118.8 us planned for 132 SMs, 113.2 for 66, 106.9
+for 33 and 105.8 for 16; with every second-wave source, 186.6, 180.7, 169.3 and 168.1 us.
 """
 
 from __future__ import annotations
@@ -47,6 +56,8 @@ from foxhunt.reference.backend import BACKWARD_GEMM_MODE, FORWARD_GEMM_MODE
 
 #: ``gemm_workspace`` values (module docstring).
 GEMM_WORKSPACES = ("none", "default")
+#: The step's GEMMs are planned for this fraction of the device's SMs (module docstring).
+GEMM_SM_SHARE = 4
 #: A weight-gradient GEMM whose reduction length ``k`` is at least this many times its larger
 #: output dimension may use a cuBLASLt workspace even under ``gemm_workspace="none"``.
 LONG_K_RATIO = 4
@@ -76,7 +87,7 @@ class StepProgram:
 
     def __init__(self, layout: StepLayout, *, planner: Planner, constants: Mapping[str, np.ndarray],
                  host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none",
-                 seed: int = 0):
+                 seed: int = 0, sm_count: int = 0):
         from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
 
         if gemm_workspace not in GEMM_WORKSPACES:
@@ -90,6 +101,8 @@ class StepProgram:
         self.arch = arch
         self.gemm_workspace = gemm_workspace
         self.default_workspace = DEFAULT_WORKSPACE_LIMIT
+        #: cuBLASLt's SM_COUNT_TARGET of every plan (module docstring; 0: the whole device).
+        self.sm_count_target = int(sm_count) // GEMM_SM_SHARE
         self.constants = constants
         self.binder = Binder(layout.region, constants=constants, host_nbytes=host_nbytes)
         self.plans: list = []
@@ -131,13 +144,14 @@ class StepProgram:
         if self.gemm_workspace == "none" and not (k >= LONG_K_RATIO * max(m, n) and
                                                    kw.get("trans_a")):
             try:
-                plan = self.planner(m, n, k, min_alignment=align, workspace_limit=0, **kw)
+                plan = self.planner(m, n, k, min_alignment=align, workspace_limit=0,
+                                    sm_count_target=self.sm_count_target, **kw)
             except GemmPlanError:
                 if fallback:
                     raise
         if plan is None:
-            plan = self.planner(m, n, k, min_alignment=align,
-                                workspace_limit=self.default_workspace, **kw)
+            plan = self.planner(m, n, k, min_alignment=align, workspace_limit=self.default_workspace,
+                                sm_count_target=self.sm_count_target, **kw)
         self.plans.append(plan)
         return plan
 
@@ -447,4 +461,4 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["FALLBACK_EPILOGUES", "GEMM_WORKSPACES", "StepProgram", "alignment", "step_constants"]
+__all__ = ["FALLBACK_EPILOGUES", "GEMM_SM_SHARE", "GEMM_WORKSPACES", "LONG_K_RATIO", "StepProgram", "alignment", "step_constants"]

@@ -44,9 +44,9 @@ def test_equal_requests_reuse_the_algorithm_in_plans_of_their_own():
     others = [cache(256, 512, 128, **{**base, **change})
               for change in ({"beta": 1.0}, {"precision": "tf32"}, {"epilogue": "bias"},
                              {"trans_b": False}, {"ldc": 640}, {"min_alignment": 16},
-                             {"workspace_limit": 1 << 20})]
-    assert len({p.heuristic for p in [a, *others]}) == 8 and cache.queries == 8
-    assert cache.requests == 9 and len(cache.plans) == 9
+                             {"workspace_limit": 1 << 20}, {"sm_count_target": 33})]
+    assert len({p.heuristic for p in [a, *others]}) == 9 and cache.queries == 9
+    assert cache.requests == 10 and len(cache.plans) == 10
     assert others[1].args[3]["precision"] == "tf32"  # each plan made from its own request
 
 
@@ -63,7 +63,8 @@ def test_a_refusal_is_remembered_and_raised_again():
 
 def test_the_key_is_the_validated_spec():
     key = PlanCache.key(4, 6, 8, trans_a=True, epilogue="bgradb")
-    assert key == (GemmSpec(4, 6, 8, trans_a=True, epilogue="bgradb"), 256, 32 << 20)
+    assert key == (GemmSpec(4, 6, 8, trans_a=True, epilogue="bgradb"), 256, 32 << 20, 0)
+    assert PlanCache.key(4, 6, 8, sm_count_target=33)[3] == 33
     with pytest.raises(ValueError, match="precision"):
         PlanCache.key(4, 6, 8, precision="f16")
 
@@ -127,3 +128,45 @@ def test_import_without_package_init_skips_the_parents_code(tmp_path, monkeypatc
     finally:
         for name in [k for k in sys.modules if k.startswith("fatpkg")]:
             del sys.modules[name]
+
+
+def _step_program(sm_count: int, **overrides):
+    """A ``StepProgram`` of the seed preset built as ``CpuEngine`` builds it, with ``sm_count``,
+    and its graph 1 (so every GEMM of the step is planned)."""
+    from foxhunt.fast.cpu_executor import CPU_ARCH, HostArena, Memory, cpu_planner
+    from foxhunt.fast.graph1_plan import graph1_ops
+    from foxhunt.fast.step_layout import StepLayout
+    from foxhunt.fast.step_program import StepProgram, step_constants
+    from foxhunt.reference.config import DQNConfig, source_overrides
+
+    lay = StepLayout(DQNConfig.preset("seed", **{**source_overrides("all"), **overrides}))
+    constants = step_constants(lay, Memory([(lay, HostArena(lay.specs))], {}).address)
+    prog = StepProgram(lay, planner=cpu_planner(), constants=constants, host_nbytes={},
+                       arch=CPU_ARCH, sm_count=sm_count)
+    graph1_ops(prog)
+    return prog
+
+
+def test_the_step_plans_every_gemm_for_a_share_of_the_sms():
+    """``sm_count // GEMM_SM_SHARE`` on every plan of the step (0 without an SM count), and only
+    the long-reduction weight gradients (``k >= LONG_K_RATIO * max(m, n)``, transposed A) take a
+    workspace under the ``"none"`` policy."""
+    from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
+    from foxhunt.fast.step_program import GEMM_SM_SHARE, LONG_K_RATIO
+
+    prog = _step_program(132)
+    assert prog.plans and {p.sm_count_target for p in prog.plans} == {132 // GEMM_SM_SHARE}
+    assert {p.sm_count_target for p in _step_program(0).plans} == {0}
+    long_k = [p for p in prog.plans
+              if p.spec.trans_a and p.spec.k >= LONG_K_RATIO * max(p.spec.m, p.spec.n)]
+    assert long_k, "the IQN head's weight gradients reduce over B * N rows"
+    assert {p.workspace_limit for p in long_k} == {DEFAULT_WORKSPACE_LIMIT}
+    assert {p.workspace_limit for p in prog.plans if p not in long_k} == {0}
+
+
+def test_a_bad_sm_count_target_is_refused_by_name():
+    from foxhunt.fast.cpu_executor import CpuGemm
+
+    for bad in (-1, 2.5, True, "33"):
+        with pytest.raises(ValueError, match=r"sm_count_target: .* expected an int >= 0"):
+            CpuGemm(8, 8, 8, sm_count_target=bad)
