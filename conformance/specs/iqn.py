@@ -94,7 +94,9 @@ def _s_quantile_huber(d: Dims, rng) -> Kwargs:
     errors on both sides of the Huber threshold. In the extremal case the first sample takes
     action 0 in branch 0 and the last sample the last action of the last branch, so the
     poisoned first and last elements of ``q`` / ``q_target`` are read."""
-    br, n, b = _branches(d), _n_quantiles(d), d.batch
+    # The odd case's N = 37: a block's pairs span many rho tiles (max(1, 8192 // N^2) = 5 pairs
+    # each; fast/kernels/iqn.py), the path the seed's N = 8 never takes.
+    br, n, b = _branches(d), (37 if d.case == "odd" else _n_quantiles(d)), d.batch
     actions = np.stack([rng.integers(0, k, b) for k in br]).astype(I32)
     a_star = np.stack([rng.integers(0, k, b) for k in br]).astype(I32)
     if d.case == "extremal":
