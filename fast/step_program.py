@@ -1,8 +1,7 @@
 """The fast step's plan builder: GEMM plans and the pieces every graph is made of, as records.
 
-``StepProgram(layout, *, planner, constants, host_nbytes, arch, gemm_workspace, sm_count)``
-makes the
-launch records (``foxhunt.fast.records``) of the step; the graphs themselves are written in
+``StepProgram(layout, *, planner, constants, host_nbytes, arch, gemm_workspace, seed, sm_count)``
+makes the launch records (``foxhunt.fast.records``) of the step; the graphs are written in
 ``graph1_plan``, ``graph2_plan`` (with the upload graph) and ``eval_plan``. Records name
 buffers of ``layout`` (and, while an evaluation forward is built, of its ``EvalLayout``); the
 GPU engine turns them into graph nodes, the CPU executor into reference-kernel calls.

@@ -43,8 +43,8 @@ F32 = np.float32
 I32 = np.int32
 I64 = np.int64
 
-#: Threads of the one block ``iqn_quantile_huber`` runs on (its loss total is
-#: ``step.block_total``'s tree over that many threads; ``IQN_LOSS_THREADS`` in ``iqn.cu``).
+#: Threads per block of ``iqn_quantile_huber`` (its loss total is ``step.block_total``'s tree
+#: over that many threads, made by the cluster's block 0; ``IQN_LOSS_THREADS`` in ``iqn.cu``).
 IQN_LOSS_THREADS = 256
 
 
