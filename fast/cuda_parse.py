@@ -7,7 +7,8 @@ is recorded with its parameters. ``__launch_bounds__(...)``, ``__maxnreg__(...)`
 ``__cluster_dims__(...)`` (with nested parentheses) may stand before or after ``void``. Parameters are split at top-level commas; each becomes
 ``(type, name)`` with whitespace normalised (``"const float* __restrict__"``, ``"x"``).
 A kernel defined twice (two files, or one file twice) is an error: with C linkage the
-names would clash when the sources are linked into one module.
+names would clash when the sources are linked into one module. ``kernel_spans`` says where each
+kernel's declaration, parameters and body lie (for source transforms: ``fast.member_build``).
 """
 
 from __future__ import annotations
@@ -164,25 +165,69 @@ def _read_kernel(text: str, i: int) -> tuple[str, str, int] | None:
             return None
 
 
-def parse_kernels(source: str, file: str = "<string>") -> dict[str, KernelDecl]:
-    """``{name: KernelDecl}`` for every ``extern "C" __global__`` kernel in ``source``."""
-    text = strip_comments(source)
+@dataclass(frozen=True)
+class KernelSpan:
+    """Where one ``extern "C" __global__`` kernel lies in a comment-free text (offsets into it):
+    ``start`` its declaration's first character (``extern`` of a direct ``extern "C"``; in an
+    ``extern "C" { }`` block its first attribute, else ``__global__``), ``global_start`` that of
+    ``__global__``, ``name_start`` its name's, ``params`` its ``(`` and one past its ``)``,
+    ``body`` its ``{`` and one past the matching ``}`` (braces inside string and character
+    literals, as in inline ``asm``, not counted), or None for a declaration without a body."""
+
+    name: str
+    start: int
+    global_start: int
+    name_start: int
+    params: tuple[int, int]
+    body: tuple[int, int] | None
+
+
+# Attributes and qualifiers that may stand between `extern "C"` and `__global__`.
+_LEAD = r"(?:(?:__launch_bounds__|__maxnreg__|__cluster_dims__)\s*\([^;{}]*?\)\s*|(?:static|inline)\s+)*"
+
+
+def kernel_spans(text: str) -> list[KernelSpan]:
+    """Every ``extern "C" __global__`` kernel of ``text`` (``strip_comments``'s output), in
+    order: the kernels :func:`parse_kernels` reads, with where their parts are."""
     blocks = _extern_c_ranges(text)
-    found: dict[str, KernelDecl] = {}
+    code = None  # text with its literals blanked (same length): where the bodies' braces count
+    spans: list[KernelSpan] = []
     for m in _GLOBAL.finditer(text):
         prefix = text[:m.start()].rstrip()
         # Directly `extern "C"` (possibly with qualifiers such as __launch_bounds__ between).
-        head = re.search(r'extern\s*"C"\s*((?:(?:__launch_bounds__|__maxnreg__|__cluster_dims__)\s*\([^;{}]*?\)\s*|'
-                         r'(?:static|inline)\s+)*)$', prefix)
+        head = re.search(r'extern\s*"C"\s*(' + _LEAD + ')$', prefix)
         inside_block = any(a < m.start() < b for a, b in blocks)
         if not (head or inside_block):
             continue
         parsed = _read_kernel(text, m.end())
         if parsed is None:
             continue
-        name, param_text, _ = parsed
-        line = text.count("\n", 0, m.start()) + 1
-        decl = KernelDecl(name, split_params(param_text), file, line)
+        name, param_text, end = parsed
+        open_paren = end - len(param_text) - 2
+        if head:
+            start = head.start()
+        else:
+            lead = re.search(_LEAD + "$", prefix)
+            start = lead.start() if lead.group() else m.start()
+        body = None
+        j = _skip_ws(text, end)
+        if j < len(text) and text[j] == "{":
+            if code is None:
+                code = _COMMENT_OR_LITERAL.sub(lambda lit: " " * len(lit.group()), text)
+            body = (j, _balanced(code, j, "{", "}"))
+        spans.append(KernelSpan(name, start, m.start(), text.rindex(name, 0, open_paren),
+                                (open_paren, end), body))
+    return spans
+
+
+def parse_kernels(source: str, file: str = "<string>") -> dict[str, KernelDecl]:
+    """``{name: KernelDecl}`` for every ``extern "C" __global__`` kernel in ``source``."""
+    text = strip_comments(source)
+    found: dict[str, KernelDecl] = {}
+    for span in kernel_spans(text):
+        name, (open_paren, end) = span.name, span.params
+        line = text.count("\n", 0, span.global_start) + 1
+        decl = KernelDecl(name, split_params(text[open_paren + 1:end - 1]), file, line)
         if name in found:
             raise CudaParseError(f"kernel {name!r} defined twice: {found[name].where} and {decl.where}")
         found[name] = decl
