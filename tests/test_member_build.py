@@ -1,0 +1,264 @@
+"""``fast.member_build``: the member transform on a hand-written source (the wrapper's text
+written out by hand; NVRTC compiles it for sm_80 and sm_90, and the PTX entries keep the plain
+kernels' directives), its errors, and the whole package (``member_module`` against the plain
+``package_module`` and against the parameter types read from the C source). CPU only: NVRTC
+needs no GPU."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
+
+from foxhunt.fast import member_build
+from foxhunt.fast._build import HEADER_SUFFIXES, ParamType, compile_sources, package_module, source_files
+from foxhunt.fast.cuda_parse import kernel_spans, package_kernels, parse_kernels, strip_comments
+from foxhunt.fast.member_build import (
+    MEMBER_STRIDE_PARAM,
+    MemberBuildError,
+    member_module,
+    member_source,
+    member_source_files,
+)
+
+STRIDE = ("long long", "member_stride")
+
+HAND = r'''#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define CLUSTER 2
+#else
+#define CLUSTER 1
+#undef __cluster_dims__
+#define __cluster_dims__(...)
+#endif
+
+static __device__ float twice(float v) { return v + v; }  // blockIdx.z in a comment is fine
+
+extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(CLUSTER, 1, 1)
+after_void(const float* __restrict__ x, float* __restrict__ y, float** ptrs,
+           const float* const* cptrs, double a, int n) {
+    extern __shared__ float smem[];
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    smem[threadIdx.x] = x[i];
+    y[i] = twice(smem[threadIdx.x]) * (float)a + *cptrs[0];
+    ptrs[0][i] = y[i];
+}
+
+extern "C" __global__ __launch_bounds__(64, 2) void before_void(unsigned short* __restrict__ out,
+                                                                const int* idx, long long count) {
+    if (count == 0) {
+        return;
+    }
+    asm volatile("{ .reg .u32 t; mov.u32 t, 0; }");
+    out[0] = (unsigned short)idx[0];
+}
+
+extern "C" __global__ void __maxnreg__(40) with_maxnreg(float* w) { w[threadIdx.x] += 1.0f; }
+
+extern "C" {
+__global__ void in_block(float* w, float s) { w[threadIdx.x] *= s; }
+}
+
+extern "C" __global__ void no_params(void) {}
+'''
+
+# The wrapper's call, written out by hand (the transform's contract).
+AFTER_VOID_CALL = (
+    "after_void__member_body("
+    "(const float*)((const char*)x + (long long)blockIdx.z * member_stride), "
+    "(float*)((char*)y + (long long)blockIdx.z * member_stride), "
+    "(float**)((char*)ptrs + (long long)blockIdx.z * member_stride), "
+    "(const float* const*)((const char*)cptrs + (long long)blockIdx.z * member_stride), "
+    "a, n);"
+)
+BEFORE_VOID_CALL = (
+    "before_void__member_body("
+    "(unsigned short*)((char*)out + (long long)blockIdx.z * member_stride), "
+    "(const int*)((const char*)idx + (long long)blockIdx.z * member_stride), "
+    "count);"
+)
+
+# PTX directives of each .entry (launch bounds, register limit, cluster shape), by kernel.
+_ENTRY = re.compile(r"\.entry (\w+)\((?:.|\n)*?\)\n((?:\.\w+[^\n]*\n)*)\{")
+
+
+def entry_directives(ptx: str) -> dict[str, str]:
+    return {name: directives for name, directives in _ENTRY.findall(ptx)}
+
+
+# ------------------------------------------------------------------------ hand-written source
+
+
+def test_hand_written_wrappers_offset_every_pointer_by_bytes():
+    out = member_source(HAND, "hand.cu")
+    assert AFTER_VOID_CALL in out
+    assert BEFORE_VOID_CALL in out
+    assert "in_block__member_body((float*)((char*)w + (long long)blockIdx.z * member_stride), s);" in out
+    assert "no_params(long long member_stride) { no_params__member_body(); }" in out
+
+
+def test_hand_written_heads_keep_their_attributes_on_the_wrapper_only():
+    out = member_source(HAND, "hand.cu")
+    assert ('extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(CLUSTER, 1, 1) '
+            "after_void(const float* __restrict__ x, float* __restrict__ y, float** ptrs, "
+            "const float* const* cptrs, double a, int n, long long member_stride) {") in out
+    assert ('extern "C" __global__ __launch_bounds__(64, 2) void before_void(') in out
+    assert 'extern "C" __global__ void __maxnreg__(40) with_maxnreg(float* w, long long member_stride)' in out
+    for name in ("after_void", "before_void", "with_maxnreg", "in_block", "no_params"):
+        head = re.search(r"static __device__ __forceinline__ void\s+" + name + "__member_body", out)
+        assert head, name
+    # The body functions' parameters are the kernels' own (restrict kept).
+    assert re.search(r"after_void__member_body\(const float\* __restrict__ x, float\* __restrict__ y,"
+                     r"\s+float\*\* ptrs,", out)
+    assert out.count("__launch_bounds__") == 2 and out.count("__cluster_dims__(CLUSTER") == 1
+    # The in-block kernel's wrapper stays inside the extern "C" block.
+    block = out[out.index('extern "C" {'):]
+    assert block.index("__global__ void in_block(") < block.index("\n}\n")
+
+
+def test_hand_written_kernels_keep_their_parameters_plus_the_stride():
+    plain = parse_kernels(HAND, "hand.cu")
+    member = parse_kernels(member_source(HAND, "hand.cu"), "hand.cu")
+    assert list(member) == list(plain) == ["after_void", "before_void", "with_maxnreg", "in_block",
+                                           "no_params"]
+    for name, decl in plain.items():
+        assert member[name].params == decl.params + (STRIDE,), name
+    assert STRIDE == ("long long", MEMBER_STRIDE_PARAM)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_hand_written_member_source_compiles_like_the_plain_one(arch, tmp_path):
+    plain = compile_sources(arch, "ptx", cache_root=tmp_path, sources={"hand.cu": HAND.encode()})
+    member = compile_sources(arch, "ptx", cache_root=tmp_path,
+                             sources={"hand.cu": member_source(HAND, "hand.cu").encode()})
+    assert member.logs["hand.cu"] == "", member.logs["hand.cu"]
+    assert set(member.kernels) == set(plain.kernels) == set(parse_kernels(HAND))
+    for name, types in plain.params.items():
+        assert member.params[name] == types + (ParamType("u64"),), name
+    ptx = member.ptx["hand.cu"]
+    assert entry_directives(ptx) == entry_directives(plain.ptx["hand.cu"])
+    directives = entry_directives(ptx)
+    assert ".maxntid 128, 1, 1" in directives["after_void"]
+    assert ".maxnreg 40" in directives["with_maxnreg"]
+    assert (".reqnctapercluster 2, 1, 1" in directives["after_void"]) == (arch == "sm_90")
+    assert "__member_body" not in ptx  # inlined: no function of its own
+    assert "%ctaid.z" in ptx and "%ctaid.z" not in plain.ptx["hand.cu"]
+
+
+def test_line_numbers_are_kept():
+    original = strip_comments(HAND).split("\n")
+    out = member_source(HAND, "hand.cu").split("\n")
+    assert len(out) == len(original)
+    assert out[10] == "static __device__ __forceinline__ void"  # the head's two lines, kept
+    assert out[11] == (" after_void__member_body(const float* __restrict__ x, float* __restrict__ y, "
+                       "float** ptrs,")
+    assert out[19].startswith("}") and AFTER_VOID_CALL in out[19]
+
+
+@pytest.mark.parametrize("bad, message", [
+    ('extern "C" __global__ void k(float* x) { x[blockIdx.z] = 0; }', "z.cu:1: uses 'blockIdx.z'"),
+    ('\nextern "C" __global__ void k(float* x) { x[0] = gridDim . z; }', "z.cu:2: uses 'gridDim . z'"),
+    ('__device__ int z() { int r; asm("mov.u32 %0, %ctaid.z;" : "=r"(r)); return r; }',
+     "z.cu:1: uses '%ctaid.z'"),
+    ('extern "C" __global__ void k(float* x);', "z.cu:1: kernel 'k' is declared without a body"),
+    ('extern "C" __global__ void k(float* x, long long member_stride) {}',
+     "z.cu:1: kernel 'k' already has a parameter named 'member_stride'"),
+])
+def test_member_source_errors_name_the_file_and_line(bad, message):
+    with pytest.raises(MemberBuildError, match=re.escape(message)):
+        member_source(bad, "z.cu")
+
+
+@pytest.mark.parametrize("header, message", [
+    (b'extern "C" __global__ void hk(float* x) { x[0] = 1.0f; }\n',
+     "bad.cuh:1: header defines the extern \"C\" kernel 'hk'"),
+    (b"__device__ int zi() { return blockIdx.z; }\n", "bad.cuh:1: uses 'blockIdx.z'"),
+])
+def test_headers_with_a_kernel_or_a_z_use_are_refused(monkeypatch, header, message):
+    fake = {"a.cu": b'#include "bad.cuh"\nextern "C" __global__ void k(float* x) {}\n', "bad.cuh": header}
+    monkeypatch.setattr(member_build, "source_files", lambda: fake)
+    with pytest.raises(MemberBuildError, match=re.escape(message)):
+        member_source_files()
+
+
+# ------------------------------------------------------------------------------ the package
+
+# PTX parameter types of the C parameter types of cuda_src (pointers are 64-bit addresses).
+PTX_OF_C = {"int": "u32", "unsigned": "u32", "unsigned int": "u32", "float": "f32",
+            "double": "f64", "long long": "u64"}
+
+
+def ptx_type_of(ctype: str) -> str:
+    return "u64" if "*" in ctype else PTX_OF_C[ctype]
+
+
+@pytest.fixture(scope="module", params=[80, 90], ids=["sm_80", "sm_90"])
+def modules(request):
+    """(member module, plain module) of one architecture: one compile each per test session."""
+    return request.param, member_module(request.param), package_module(request.param)
+
+
+def test_member_module_has_every_kernel_with_one_trailing_long_long(modules):
+    arch, member, plain = modules
+    kernels = package_kernels()
+    assert set(member.kernels) == set(plain.kernels) == set(kernels)
+    assert dict(member.kernels) == dict(plain.kernels)  # each kernel in the same file
+    for name, decl in kernels.items():
+        expected = tuple(ParamType(ptx_type_of(ctype)) for ctype, _ in decl.params)
+        assert plain.params[name] == expected, name  # the plain module: no member_stride
+        assert member.params[name] == expected + (ParamType("u64"),), name
+    assert member.logs == {unit: "" for unit in member.images}
+    assert member.key != plain.key and member_module(f"sm_{arch}") is member
+
+
+def test_member_module_entries_keep_the_plain_directives(modules):
+    arch, member, plain = modules
+    for unit in plain.ptx:
+        directives = entry_directives(plain.ptx[unit])
+        assert set(directives) == {k for k, f in plain.kernels.items() if f == unit}, unit
+        assert entry_directives(member.ptx[unit]) == directives, unit
+    ens = entry_directives(member.ptx["ensemble.cu"])["ens_kl_grad"]
+    assert (".reqnctapercluster 8, 1, 1" in ens) == (arch == 90)
+
+
+def test_cluster_kernel_keeps_its_attribute_on_the_wrapper():
+    out = member_source(source_files()["ensemble.cu"].decode(), "ensemble.cu")
+    wrapper = next(line for line in out.split("\n") if "ens_kl_grad(" in line and "__global__" in line)
+    assert ('extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS) '
+            "__cluster_dims__(FH_CLUSTER, 1, 1) ens_kl_grad(") in wrapper
+    head = out[out.index("ens_kl_grad__member_body") - 60:out.index("ens_kl_grad__member_body")]
+    assert head.rstrip().endswith("static __device__ __forceinline__ void")
+    assert out.count("__cluster_dims__") == 1
+
+
+def test_member_source_files_transform_the_units_only():
+    plain, member = source_files(), member_source_files()
+    assert set(member) == set(plain)
+    for name, data in plain.items():
+        if name.endswith(HEADER_SUFFIXES):
+            assert member[name] == data, name
+        elif name.endswith(".cu"):
+            text = member[name].decode()
+            assert text.count("\n") == data.decode().count("\n"), name
+            assert text.count("__member_body(") == 2 * len(parse_kernels(data.decode(), name)), name
+
+
+@pytest.mark.parametrize("name", sorted(n for n in source_files() if n.endswith(".cu")))
+def test_package_lines_are_kept(name):
+    """Every line of the unit is as it was, except a kernel's head lines (now the body
+    function's) and its closing line, which the wrapper follows."""
+    original = strip_comments(source_files()[name].decode())
+    before, after = original.split("\n"), member_source(original, name).split("\n")
+    assert len(after) == len(before)
+    heads, closings = set(), set()
+    for span in kernel_spans(original):
+        first = original.count("\n", 0, span.start)
+        heads.update(range(first, original.count("\n", 0, span.name_start) + 1))
+        closings.add(original.count("\n", 0, span.body[1]))
+    for i, (old, new) in enumerate(zip(before, after)):
+        if i in closings:
+            assert new.startswith(old) and "__member_body(" in new[len(old):], (name, i + 1)
+        elif i not in heads:
+            assert new == old, (name, i + 1)
