@@ -151,14 +151,31 @@ class Memory:
 # --------------------------------------------------------------------------------------------
 
 
+class _Member:
+    """``Memory.view`` of population member ``i``: every region ``offset`` (``i *
+    batch_stride``) bytes past member 0's (``Memory.at``: an address in no arena is an error)."""
+
+    def __init__(self, mem: Memory, offset: int):
+        self.mem, self.offset = mem, offset
+
+    def address(self, buf: Buf) -> int:
+        return self.mem.address(buf) + self.offset
+
+    def view(self, buf: Buf, count: int, dtype=None) -> np.ndarray:
+        dtype = self.mem._find(buf)[0].dtype if dtype is None else np.dtype(dtype)
+        return self.mem.at(self.address(buf), count, dtype)
+
+
 class CpuGemm:
     """A GEMM "plan" on the CPU: ``GemmPlan``'s arguments and checks (``GemmSpec``), run by the
-    reference GEMM with the epilogue in float32 (module docstring)."""
+    reference GEMM with the epilogue in float32 (module docstring). A batched plan (``batch`` >
+    1, ``gemm`` module docstring) runs ``batch`` independent GEMMs, member ``i``'s operands,
+    bias and aux ``i * batch_stride`` bytes past member 0's (the record's buffers)."""
 
     def __init__(self, m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None,
                  lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0, min_alignment=256,
-                 workspace_limit=0, heuristic=None, sm_count_target=0):
-        from foxhunt.fast.gemm import GemmSpec, check_sm_count_target
+                 workspace_limit=0, heuristic=None, sm_count_target=0, batch=1, batch_stride=0):
+        from foxhunt.fast.gemm import GemmSpec, check_batch, check_sm_count_target
 
         #: ``GemmPlan.heuristic``'s place: the CPU chooses no algorithm (``PlanCache`` passes
         #: back what it got).
@@ -169,17 +186,23 @@ class CpuGemm:
         self.min_alignment = min_alignment
         self.workspace_limit = workspace_limit
         self.sm_count_target = check_sm_count_target(sm_count_target)  # checked; no effect here
+        self.batch, self.batch_stride = check_batch(batch, batch_stride, self.spec)
 
     @staticmethod
-    def _stored(mem: Memory, buf: Buf, shape, ld: int, dtype) -> np.ndarray:
+    def _stored(mem: Memory | _Member, buf: Buf, shape, ld: int, dtype) -> np.ndarray:
         full = mem.view(buf, (shape[0] - 1) * ld + shape[1], dtype)
         return np.lib.stride_tricks.as_strided(full, shape=shape, strides=(ld * full.itemsize, full.itemsize))
 
     def run(self, mem: Memory, node: Gemm) -> None:
-        s = self.spec
         for buf in (node.a, node.b, node.c):
             if mem.address(buf) % self.min_alignment:
                 raise ValueError(f"GEMM operand {buf} is not {self.min_alignment}-byte aligned")
+        self._run_one(mem, node)
+        for member in range(1, self.batch):  # (a member stride keeps the alignment: check_batch)
+            self._run_one(_Member(mem, member * self.batch_stride), node)
+
+    def _run_one(self, mem: Memory | _Member, node: Gemm) -> None:
+        s = self.spec
         a = self._stored(mem, node.a, s.a_shape, s.lda, s.input_dtype).copy()
         b = self._stored(mem, node.b, s.b_shape, s.ldb, s.input_dtype).copy()
         mode = s.precision

@@ -58,6 +58,24 @@ bias/aux pointers when they change and calls ``cublasLtMatmul``: no allocation, 
 can be captured in a CUDA graph. Operands must be ``min_alignment``-byte aligned (default
 256, what arena buffers are); ``run`` checks.
 
+Batched plans (a population's members, SPEC 12): ``batch`` > 1 plans one cuBLASLt
+strided-batched GEMM of ``batch`` independent members. Member ``i``'s A, B, C, bias and aux
+lie ``i * batch_stride`` bytes past member 0's (the pointers ``run`` takes); ``batch_stride``
+is a positive multiple of 256 bytes, at least every operand's extent
+(``GemmSpec.operand_nbytes``: members never overlap), and 0 when ``batch`` is 1
+(``check_batch``). The plan sets ``BATCH_COUNT`` and ``STRIDED_BATCH_OFFSET`` on the A, B and
+C/D layouts and, where the epilogue has them, ``BIAS_BATCH_STRIDE`` and
+``EPILOGUE_AUX_BATCH_STRIDE``, each in elements of its operand (``batch_strides``: the ReLU
+bitmask's element is one bit); with ``batch`` 1 it sets none of them. Per the cuBLASLt
+documentation (https://docs.nvidia.com/cuda/cublas/#cublasltmatmuldescattributes-t and
+#cublasltepilogue-t): the bias batch stride serves the bias input (BIAS, RELU_BIAS,
+RELU_AUX_BIAS) and the bias-gradient output (DRELU_BGRAD, BGRADA, BGRADB); the aux batch stride
+serves the ReLU bitmask (RELU_AUX_BIAS writes it, DRELU_BGRAD reads it) and must be a multiple
+of 128 bits; epilogues other than DEFAULT are refused only in the pointer-array and grouped
+batch modes, not in the strided mode used here; every matrix must have the same batch count.
+nvmath-python's matmul (``linalg/_internal/epilog_protocol.py``) batches every one of these
+epilogues (the ReLU-aux ones from the cuBLASLt of CUDA 11.5, the gradients from CUDA 11.8).
+
 Requires ``nvmath-python`` (``nvmath.bindings.cublasLt``), imported lazily and alone
 (``import_without_package_init``).
 """
@@ -190,6 +208,21 @@ class GemmSpec:
     @property
     def aux_nbytes(self) -> int | None:
         return None if self.aux_ld is None else self.aux_ld // 8 * self.m
+
+    @property
+    def operand_nbytes(self) -> dict[str, int]:
+        """Bytes each operand spans from its pointer: ``((rows - 1) * ld + cols) * itemsize``
+        for A, B and C, and the bias and aux vectors when the epilogue has them."""
+        def stored(shape, ld, itemsize):
+            return ((shape[0] - 1) * ld + shape[1]) * itemsize
+        size = self.input_dtype.itemsize
+        out = {"a": stored(self.a_shape, self.lda, size), "b": stored(self.b_shape, self.ldb, size),
+               "c": stored(self.c_shape, self.ldc, 4)}
+        if self.bias_len is not None:
+            out["bias"] = self.bias_len * 4
+        if self.aux_nbytes is not None:
+            out["aux"] = self.aux_nbytes
+        return out
 
 
 @dataclass(frozen=True)
@@ -332,6 +365,51 @@ def check_sm_count_target(value) -> int:
     return int(value)
 
 
+#: A batched plan's member stride is a multiple of this many bytes (the arena's alignment, so
+#: every member's operands are as aligned as member 0's).
+BATCH_STRIDE_ALIGN = 256
+_MAX_BATCH = 2**31 - 1  # CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT is an int32
+
+
+def check_batch(batch, batch_stride, spec: GemmSpec | None = None) -> tuple[int, int]:
+    """Validated ``(batch, batch_stride)`` (module docstring, "Batched plans"): ``batch`` an int
+    in [1, 2^31 - 1]; ``batch_stride`` in bytes, 0 when ``batch`` is 1, else a positive multiple
+    of ``BATCH_STRIDE_ALIGN`` and, given ``spec``, at least its largest operand extent."""
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) \
+            or not 1 <= batch <= _MAX_BATCH:
+        raise ValueError(f"batch: {batch!r} is not allowed; expected an int in [1, {_MAX_BATCH}]")
+    batch = int(batch)
+    if isinstance(batch_stride, bool) or not isinstance(batch_stride, (int, np.integer)):
+        raise ValueError(f"batch_stride: {batch_stride!r} is not allowed; expected an int (bytes)")
+    batch_stride = int(batch_stride)
+    if batch == 1:
+        if batch_stride != 0:
+            raise ValueError(f"batch_stride: {batch_stride} is not allowed with batch=1; expected 0")
+        return batch, batch_stride
+    if batch_stride <= 0 or batch_stride % BATCH_STRIDE_ALIGN:
+        raise ValueError(f"batch_stride: {batch_stride} is not allowed with batch={batch}; expected "
+                         f"a positive multiple of {BATCH_STRIDE_ALIGN} (bytes)")
+    if spec is not None:
+        name, extent = max(spec.operand_nbytes.items(), key=lambda item: item[1])
+        if batch_stride < extent:
+            raise ValueError(f"batch_stride: {batch_stride} is not allowed; operand {name} spans "
+                             f"{extent} bytes, so members would overlap (expected >= {extent})")
+    return batch, batch_stride
+
+
+def batch_strides(spec: GemmSpec, batch_stride: int) -> dict[str, int]:
+    """The member stride ``batch_stride`` (bytes) in elements of each operand, as cuBLASLt
+    takes it: A and B in input elements, C (and D) and the bias vector in f32 elements, the ReLU
+    bitmask in bits (``EPILOGUE_AUX_BATCH_STRIDE``)."""
+    out = {"a": batch_stride // spec.input_dtype.itemsize, "b": batch_stride // spec.input_dtype.itemsize,
+           "c": batch_stride // 4}
+    if spec.bias_len is not None:
+        out["bias"] = batch_stride // 4
+    if spec.aux_ld is not None:
+        out["aux"] = batch_stride * 8
+    return out
+
+
 def _set_attr(setter, dtype_of, obj, attr, value) -> None:
     buf = np.array([value], dtype=dtype_of(attr))
     setter(obj, attr, buf.ctypes.data, buf.itemsize)
@@ -341,8 +419,9 @@ class GemmPlan:
     """A planned cuBLASLt GEMM (see the module docstring for the convention and epilogues).
 
     ``GemmPlan(device, m, n, k, trans_a=, trans_b=, precision=, epilogue=, lda=, ldb=, ldc=,
-    alpha=, beta=, min_alignment=256, workspace_limit=32 MiB, sm_count_target=0)``; then
-    ``plan.run(a_ptr, b_ptr, c_ptr, bias_ptr=, aux_ptr=, stream=)`` any number of times.
+    alpha=, beta=, min_alignment=256, workspace_limit=32 MiB, sm_count_target=0, batch=1,
+    batch_stride=0)``; then ``plan.run(a_ptr, b_ptr, c_ptr, bias_ptr=, aux_ptr=, stream=)`` any
+    number of times (with ``batch`` > 1: member 0's pointers; module docstring, "Batched plans").
     Raises ``GemmPlanError`` when cuBLASLt has no algorithm for the configuration.
     """
 
@@ -350,7 +429,7 @@ class GemmPlan:
                  epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
                  min_alignment: int = 256, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
                  heuristic: np.ndarray | bytes | None = None, verify: bool = False,
-                 sm_count_target: int = 0):
+                 sm_count_target: int = 0, batch: int = 1, batch_stride: int = 0):
         self._objects: list[tuple] = []  # (destroy function, handle) for close()
         self._workspace = None
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
@@ -359,6 +438,7 @@ class GemmPlan:
             raise ValueError(f"min_alignment: {min_alignment!r} is not a power of two in [4, 256]")
         self.min_alignment = min_alignment
         self.sm_count_target = check_sm_count_target(sm_count_target)
+        self.batch, self.batch_stride = check_batch(batch, batch_stride, self.spec)
         self.device = device
         self.problem = colmajor_problem(self.spec)
         lt = _cublaslt()
@@ -395,6 +475,11 @@ class GemmPlan:
         if spec.aux_ld is not None:
             set_desc(desc_attr.EPILOGUE_AUX_LD, spec.aux_ld)
             set_desc(desc_attr.EPILOGUE_AUX_POINTER, 256)
+        strides = batch_strides(spec, self.batch_stride) if self.batch > 1 else {}
+        if "bias" in strides:  # per member: the bias input or the bias-gradient output
+            set_desc(desc_attr.BIAS_BATCH_STRIDE, strides["bias"])
+        if "aux" in strides:
+            set_desc(desc_attr.EPILOGUE_AUX_BATCH_STRIDE, strides["aux"])
 
         def layout(dtype, rows, cols, ld):
             handle = lt.matrix_layout_create(dtype, rows, cols, ld)
@@ -404,6 +489,14 @@ class GemmPlan:
         self._layout_a = layout(in_type, prob.a_rows, prob.a_cols, prob.ld_a)
         self._layout_b = layout(in_type, prob.b_rows, prob.b_cols, prob.ld_b)
         self._layout_c = layout(CUDA_R_32F, prob.d_rows, prob.d_cols, prob.ld_d)
+        if strides:  # cuBLAS's A is our B and its B our A (same element size); C is also D
+            layout_attr = lt.MatrixLayoutAttribute
+            for handle, stride in ((self._layout_a, strides["b"]), (self._layout_b, strides["a"]),
+                                   (self._layout_c, strides["c"])):
+                for attr, value in ((layout_attr.BATCH_COUNT, self.batch),
+                                    (layout_attr.STRIDED_BATCH_OFFSET, stride)):
+                    _set_attr(lt.matrix_layout_set_attribute,
+                              lt.get_matrix_layout_attribute_dtype, handle, attr, value)
 
         pref = lt.matmul_preference_create()
         self._objects.append((lt.matmul_preference_destroy, pref))
@@ -472,7 +565,8 @@ class GemmPlan:
         s = self.spec
         return (f"GEMM m={s.m} n={s.n} k={s.k} trans_a={s.trans_a} trans_b={s.trans_b} "
                 f"precision={s.precision} epilogue={s.epilogue} lda={s.lda} ldb={s.ldb} "
-                f"ldc={s.ldc} alignment={self.min_alignment}")
+                f"ldc={s.ldc} alignment={self.min_alignment}"
+                + (f" batch={self.batch} batch_stride={self.batch_stride}" if self.batch > 1 else ""))
 
     @property
     def heuristic(self) -> np.ndarray:
@@ -573,11 +667,16 @@ class PlanCache:
     @staticmethod
     def key(m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None, lda=None,
             ldb=None, ldc=None, alpha=1.0, beta=0.0, min_alignment: int = 256,
-            workspace_limit: int = DEFAULT_WORKSPACE_LIMIT, sm_count_target: int = 0) -> tuple:
+            workspace_limit: int = DEFAULT_WORKSPACE_LIMIT, sm_count_target: int = 0,
+            batch: int = 1, batch_stride: int = 0) -> tuple:
         """What decides a plan: the validated spec (defaults filled in), alignment, workspace,
-        SM count target."""
+        SM count target, and for a batched plan (``batch`` > 1) the batch and member stride at
+        the end (an unbatched plan's key is as it was before batching existed, so the answers
+        ``gemm_algos`` stored for it stay valid)."""
         spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc, alpha, beta)
-        return spec, int(min_alignment), int(workspace_limit), int(sm_count_target)
+        batch, batch_stride = check_batch(batch, batch_stride, spec)
+        key = spec, int(min_alignment), int(workspace_limit), int(sm_count_target)
+        return key + (batch, batch_stride) if batch > 1 else key
 
     def __call__(self, m, n, k, **kw):
         self.requests += 1
@@ -671,6 +770,8 @@ __all__ = [
     "GemmPlanError",
     "GemmSpec",
     "PlanCache",
+    "batch_strides",
+    "check_batch",
     "colmajor_problem",
     "cublaslt_handle",
     "cublaslt_version",
