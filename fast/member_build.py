@@ -11,14 +11,22 @@ them, ``extern "C" { }`` blocks included) the transform writes
   { <same body> }``: the same text, without the kernel's head (``extern "C" __global__``,
   ``__launch_bounds__``, ``__maxnreg__``, ``__cluster_dims__``), and
 - a kernel under the old name and the old head (the same attributes, where they stood),
-  ``<name>(<same params>, long long member_stride)``, whose body calls ``<name>__member_body``
-  with every pointer parameter moved to its member's copy, by BYTES::
+  ``<name>(<same params>, long long member_stride, const unsigned char* member_scalars)``,
+  whose body calls ``<name>__member_body`` with every pointer parameter moved to its member's
+  copy, by BYTES::
 
       (T*)((char*)p + (long long)blockIdx.z * member_stride)
 
   (``const char*`` where T is const; ``T*`` is the parameter's type without its own qualifiers,
   so ``const float* __restrict__ p`` passes ``(const float*)((const char*)p + ...)`` and the
-  body function's parameter keeps its ``__restrict__``), and every scalar as it is.
+  body function's parameter keeps its ``__restrict__``), and every scalar either as it is
+  (``member_scalars`` null) or, per member, from the launch's scalar block: the j-th scalar
+  parameter (in parameter order) read as its own type from byte ``SCALAR_SLOT_BYTES * j`` of
+  ``member_scalars + blockIdx.z * member_stride`` (the block lies in the arena like every other
+  buffer: member m's copy holds member m's values; ``member_scalar_block`` packs one). This is
+  how members differ in a scalar hyper-parameter (lr, tau, a loss weight, the IQN generator's
+  key) without any kernel taking it through a pointer; a launch whose scalars are the same for
+  every member passes null and reads its scalar arguments.
 
 The body function is inlined, so the kernel's code is the plain kernel's code after that
 pointer arithmetic. ``member_stride = 0`` with ``gridDim.z = 1`` is the plain kernel's
@@ -40,6 +48,8 @@ from __future__ import annotations
 import re
 import threading
 
+import numpy as np
+
 from foxhunt.fast._build import (
     HEADER_SUFFIXES,
     SOURCE_SUFFIX,
@@ -50,12 +60,23 @@ from foxhunt.fast._build import (
 )
 from foxhunt.fast.cuda_parse import kernel_spans, parse_kernels, split_params, strip_comments
 
-#: The wrapper's trailing parameter: bytes between member m's and member m + 1's buffers.
+#: The wrapper's first trailing parameter: bytes between member m's and member m + 1's buffers.
 MEMBER_STRIDE_PARAM = "member_stride"
+#: The wrapper's last parameter: member 0's scalar block of the launch, or null (module docstring).
+MEMBER_SCALARS_PARAM = "member_scalars"
+#: Bytes per scalar slot of a scalar block (every kernel scalar is a C type of at most 8 bytes).
+SCALAR_SLOT_BYTES = 8
+#: The C scalar types a kernel parameter may have, with the little-endian dtype of its slot.
+SCALAR_DTYPES = {"float": "<f4", "double": "<f8", "int": "<i4", "unsigned": "<u4",
+                 "unsigned int": "<u4", "long long": "<i8"}
 #: ``<kernel name> + BODY_SUFFIX`` names the body function of a kernel.
 BODY_SUFFIX = "__member_body"
 
 _BODY_HEAD = "static __device__ __forceinline__ void"
+# The scalar read of a wrapper, defined once per translation unit (before its first wrapper).
+_SCALAR_HELPER = ("template <typename T> static __device__ __forceinline__ T fh_member_scalar("
+                  "const unsigned char* s, int slot, T plain) { return s == nullptr ? plain : "
+                  f"*reinterpret_cast<const T*>(s + {SCALAR_SLOT_BYTES} * slot); }}")
 # Any use of the z dimension, which the member build takes for the member index (inline PTX too).
 _Z_USE = re.compile(r"\b(?:blockIdx|gridDim)\s*\.\s*z\b|%n?ctaid\.z\b")
 # Qualifiers of a pointer itself (after its last '*'), dropped from the cast's type.
@@ -95,12 +116,54 @@ def _pointer_cast(ptype: str, where: str) -> tuple[str, str] | None:
     return ptype[:star + 1].strip(), char
 
 
-def _member_arg(ptype: str, name: str, where: str) -> str:
+def _member_arg(ptype: str, name: str, where: str, slot: int) -> str:
+    """The wrapper's argument for parameter ``name``: a pointer moved to its member's copy, or
+    scalar number ``slot`` of the member's scalar block (the plain argument without one)."""
     cast = _pointer_cast(ptype, where)
     if cast is None:
-        return name
+        if ptype not in SCALAR_DTYPES:
+            raise MemberBuildError(f"{where}: scalar parameter {name!r} has type {ptype!r}; "
+                                   f"allowed: {sorted(SCALAR_DTYPES)}")
+        return f"fh_member_scalar<{ptype}>(fh_ms, {slot}, {name})"
     pointer, char = cast
     return f"({pointer})(({char}){name} + (long long)blockIdx.z * {MEMBER_STRIDE_PARAM})"
+
+
+def scalar_params(params) -> tuple[tuple[str, str], ...]:
+    """The scalar ``(type, name)`` parameters of a kernel (``cuda_parse`` spelling), in order:
+    parameter j of this tuple reads slot j of a scalar block."""
+    return tuple((t, n) for t, n in params if "*" not in t)
+
+
+def member_scalar_block(params, values) -> np.ndarray:
+    """The scalar block (uint8, ``SCALAR_SLOT_BYTES`` per scalar) of one launch of a kernel with
+    ``params`` (``cuda_parse`` ``(type, name)`` pairs) for ONE member: ``values[name]`` for every
+    scalar parameter, each little-endian in its slot, the slot's other bytes zero. A missing or
+    unknown name, or a value its C type cannot hold exactly (an int out of range, a fraction for
+    an int), raises ``ValueError`` naming it."""
+    scalars = scalar_params(params)
+    names = [n for _, n in scalars]
+    extra = sorted(set(values) - set(names))
+    missing = [n for n in names if n not in values]
+    if extra or missing:
+        raise ValueError(f"member scalars: missing {missing}, unknown {extra}; the kernel's "
+                         f"scalar parameters are {names}")
+    block = np.zeros(SCALAR_SLOT_BYTES * len(scalars), np.uint8)
+    for j, (ptype, name) in enumerate(scalars):
+        dtype = np.dtype(SCALAR_DTYPES[ptype])
+        value = values[name]
+        if dtype.kind in "iu":
+            info = np.iinfo(dtype)
+            if isinstance(value, (bool, np.bool_)) or not float(value).is_integer() \
+                    or not info.min <= int(value) <= info.max:
+                raise ValueError(f"member scalars: {name}={value!r} is not an integer in "
+                                 f"[{info.min}, {info.max}] ({ptype})")
+            cast = np.array(int(value), dtype=dtype)
+        else:
+            cast = np.array(value, dtype=np.float64).astype(dtype)
+        block[SCALAR_SLOT_BYTES * j:SCALAR_SLOT_BYTES * j + dtype.itemsize] = \
+            np.frombuffer(cast.tobytes(), np.uint8)
+    return block
 
 
 def member_source(source: str, file: str = "<string>") -> str:
@@ -113,6 +176,7 @@ def member_source(source: str, file: str = "<string>") -> str:
     _check_no_z(text, file)
     out: list[str] = []
     done = 0
+    helper_written = False
     for span in kernel_spans(text):
         line = text.count("\n", 0, span.global_start) + 1
         where = f"{file}:{line}: kernel {span.name!r}"
@@ -122,8 +186,9 @@ def member_source(source: str, file: str = "<string>") -> str:
         (open_paren, close_end), (_, body_end) = span.params, span.body
         param_text = text[open_paren + 1:close_end - 1]
         params = split_params(param_text)
-        if any(name == MEMBER_STRIDE_PARAM for _, name in params):
-            raise MemberBuildError(f"{where} already has a parameter named {MEMBER_STRIDE_PARAM!r}")
+        for reserved in (MEMBER_STRIDE_PARAM, MEMBER_SCALARS_PARAM, "fh_ms"):
+            if any(name == reserved for _, name in params):
+                raise MemberBuildError(f"{where} already has a parameter named {reserved!r}")
         head = text[span.start:span.name_start]
         name_end = span.name_start + len(span.name)
         line_breaks = "\n" * head.count("\n")
@@ -132,11 +197,20 @@ def member_source(source: str, file: str = "<string>") -> str:
         out.append(f"{_BODY_HEAD}{line_breaks} {span.name}{BODY_SUFFIX}")
         out.append(text[name_end:body_end])
         # The kernel, on the closing brace's line (no line break: later lines keep their numbers).
-        stride = f"long long {MEMBER_STRIDE_PARAM}"
-        wrapper_params = f"{' '.join(param_text.split())}, {stride}" if params else stride
-        args = ", ".join(_member_arg(ptype, name, where) for ptype, name in params)
+        trailing = f"long long {MEMBER_STRIDE_PARAM}, const unsigned char* {MEMBER_SCALARS_PARAM}"
+        wrapper_params = f"{' '.join(param_text.split())}, {trailing}" if params else trailing
+        slots = iter(range(len(params)))
+        args = ", ".join(_member_arg(ptype, name, where, next(slots) if "*" not in ptype else -1)
+                         for ptype, name in params)
+        scalars = ""
+        if scalar_params(params):
+            scalars = (f"const unsigned char* fh_ms = {MEMBER_SCALARS_PARAM} == nullptr ? nullptr : "
+                       f"{MEMBER_SCALARS_PARAM} + (long long)blockIdx.z * {MEMBER_STRIDE_PARAM}; ")
+        if not helper_written:
+            out.append(f" {_SCALAR_HELPER}")
+            helper_written = True
         out.append(f" {' '.join(head.split())} {span.name}({wrapper_params}) "
-                   f"{{ {span.name}{BODY_SUFFIX}({args}); }}")
+                   f"{{ {scalars}{span.name}{BODY_SUFFIX}({args}); }}")
         done = body_end
     out.append(text[done:])
     return "".join(out)
@@ -183,9 +257,14 @@ def member_module(arch) -> Module:
 
 __all__ = [
     "BODY_SUFFIX",
+    "MEMBER_SCALARS_PARAM",
     "MEMBER_STRIDE_PARAM",
+    "SCALAR_DTYPES",
+    "SCALAR_SLOT_BYTES",
     "MemberBuildError",
     "member_module",
     "member_source",
+    "member_scalar_block",
     "member_source_files",
+    "scalar_params",
 ]

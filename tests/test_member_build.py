@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+import numpy as np
 import pytest
 
 pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra) is not installed")
@@ -16,6 +17,7 @@ from foxhunt.fast import member_build
 from foxhunt.fast._build import HEADER_SUFFIXES, ParamType, compile_sources, package_module, source_files
 from foxhunt.fast.cuda_parse import kernel_spans, package_kernels, parse_kernels, strip_comments
 from foxhunt.fast.member_build import (
+    MEMBER_SCALARS_PARAM,
     MEMBER_STRIDE_PARAM,
     MemberBuildError,
     member_module,
@@ -24,6 +26,11 @@ from foxhunt.fast.member_build import (
 )
 
 STRIDE = ("long long", "member_stride")
+SCALARS = ("const unsigned char*", "member_scalars")
+TRAILING = (STRIDE, SCALARS)
+# The wrapper's member scalar block pointer (member m's copy), written out by hand.
+FH_MS = ("const unsigned char* fh_ms = member_scalars == nullptr ? nullptr : "
+         "member_scalars + (long long)blockIdx.z * member_stride; ")
 
 HAND = r'''#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define CLUSTER 2
@@ -71,13 +78,13 @@ AFTER_VOID_CALL = (
     "(float*)((char*)y + (long long)blockIdx.z * member_stride), "
     "(float**)((char*)ptrs + (long long)blockIdx.z * member_stride), "
     "(const float* const*)((const char*)cptrs + (long long)blockIdx.z * member_stride), "
-    "a, n);"
+    "fh_member_scalar<double>(fh_ms, 0, a), fh_member_scalar<int>(fh_ms, 1, n));"
 )
 BEFORE_VOID_CALL = (
     "before_void__member_body("
     "(unsigned short*)((char*)out + (long long)blockIdx.z * member_stride), "
     "(const int*)((const char*)idx + (long long)blockIdx.z * member_stride), "
-    "count);"
+    "fh_member_scalar<long long>(fh_ms, 0, count));"
 )
 
 # PTX directives of each .entry (launch bounds, register limit, cluster shape), by kernel.
@@ -93,19 +100,28 @@ def entry_directives(ptx: str) -> dict[str, str]:
 
 def test_hand_written_wrappers_offset_every_pointer_by_bytes():
     out = member_source(HAND, "hand.cu")
-    assert AFTER_VOID_CALL in out
-    assert BEFORE_VOID_CALL in out
-    assert "in_block__member_body((float*)((char*)w + (long long)blockIdx.z * member_stride), s);" in out
-    assert "no_params(long long member_stride) { no_params__member_body(); }" in out
+    assert FH_MS + AFTER_VOID_CALL in out
+    assert FH_MS + BEFORE_VOID_CALL in out
+    assert (FH_MS + "in_block__member_body((float*)((char*)w + (long long)blockIdx.z * "
+            "member_stride), fh_member_scalar<float>(fh_ms, 0, s));") in out
+    # No scalar: no block pointer read.
+    assert ("with_maxnreg(float* w, long long member_stride, const unsigned char* member_scalars) "
+            "{ with_maxnreg__member_body((float*)((char*)w + (long long)blockIdx.z * "
+            "member_stride)); }") in out
+    assert ("no_params(long long member_stride, const unsigned char* member_scalars) "
+            "{ no_params__member_body(); }") in out
+    assert out.count("T fh_member_scalar(") == 1  # the scalar read, defined once per unit
 
 
 def test_hand_written_heads_keep_their_attributes_on_the_wrapper_only():
     out = member_source(HAND, "hand.cu")
     assert ('extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(CLUSTER, 1, 1) '
             "after_void(const float* __restrict__ x, float* __restrict__ y, float** ptrs, "
-            "const float* const* cptrs, double a, int n, long long member_stride) {") in out
+            "const float* const* cptrs, double a, int n, long long member_stride, "
+            "const unsigned char* member_scalars) {") in out
     assert ('extern "C" __global__ __launch_bounds__(64, 2) void before_void(') in out
-    assert 'extern "C" __global__ void __maxnreg__(40) with_maxnreg(float* w, long long member_stride)' in out
+    assert ('extern "C" __global__ void __maxnreg__(40) with_maxnreg(float* w, long long member_stride, '
+            "const unsigned char* member_scalars)") in out
     for name in ("after_void", "before_void", "with_maxnreg", "in_block", "no_params"):
         head = re.search(r"static __device__ __forceinline__ void\s+" + name + "__member_body", out)
         assert head, name
@@ -124,8 +140,8 @@ def test_hand_written_kernels_keep_their_parameters_plus_the_stride():
     assert list(member) == list(plain) == ["after_void", "before_void", "with_maxnreg", "in_block",
                                            "no_params"]
     for name, decl in plain.items():
-        assert member[name].params == decl.params + (STRIDE,), name
-    assert STRIDE == ("long long", MEMBER_STRIDE_PARAM)
+        assert member[name].params == decl.params + TRAILING, name
+    assert TRAILING == (("long long", MEMBER_STRIDE_PARAM), ("const unsigned char*", MEMBER_SCALARS_PARAM))
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
@@ -136,7 +152,7 @@ def test_hand_written_member_source_compiles_like_the_plain_one(arch, tmp_path):
     assert member.logs["hand.cu"] == "", member.logs["hand.cu"]
     assert set(member.kernels) == set(plain.kernels) == set(parse_kernels(HAND))
     for name, types in plain.params.items():
-        assert member.params[name] == types + (ParamType("u64"),), name
+        assert member.params[name] == types + (ParamType("u64"), ParamType("u64")), name
     ptx = member.ptx["hand.cu"]
     assert entry_directives(ptx) == entry_directives(plain.ptx["hand.cu"])
     directives = entry_directives(ptx)
@@ -200,7 +216,7 @@ def modules(request):
     return request.param, member_module(request.param), package_module(request.param)
 
 
-def test_member_module_has_every_kernel_with_one_trailing_long_long(modules):
+def test_member_module_has_every_kernel_with_the_two_trailing_parameters(modules):
     arch, member, plain = modules
     kernels = package_kernels()
     assert set(member.kernels) == set(plain.kernels) == set(kernels)
@@ -208,7 +224,7 @@ def test_member_module_has_every_kernel_with_one_trailing_long_long(modules):
     for name, decl in kernels.items():
         expected = tuple(ParamType(ptx_type_of(ctype)) for ctype, _ in decl.params)
         assert plain.params[name] == expected, name  # the plain module: no member_stride
-        assert member.params[name] == expected + (ParamType("u64"),), name
+        assert member.params[name] == expected + (ParamType("u64"), ParamType("u64")), name
     assert member.logs == {unit: "" for unit in member.images}
     assert member.key != plain.key and member_module(f"sm_{arch}") is member
 
@@ -262,3 +278,82 @@ def test_package_lines_are_kept(name):
             assert new.startswith(old) and "__member_body(" in new[len(old):], (name, i + 1)
         elif i not in heads:
             assert new == old, (name, i + 1)
+
+
+# ------------------------------------------------------------------------ member scalar blocks
+def test_scalar_block_packs_each_scalar_in_its_slot():
+    """Slot j (8 bytes) holds the j-th scalar parameter little-endian, the rest zero; pointers
+    take no slot (struct.pack is the independent encoding)."""
+    import struct
+
+    params = parse_kernels(HAND)["after_void"].params  # x, y, ptrs, cptrs, double a, int n
+    assert member_build.scalar_params(params) == (("double", "a"), ("int", "n"))
+    block = member_build.member_scalar_block(params, {"a": 0.1, "n": -3})
+    assert block.dtype == np.uint8 and block.tobytes() == struct.pack("<d", 0.1) + struct.pack("<iI", -3, 0)
+    kernel = parse_kernels(HAND)["before_void"].params  # long long count
+    assert member_build.member_scalar_block(kernel, {"count": 2**40}).tobytes() == struct.pack("<q", 2**40)
+    axpy = parse_kernels(source_files()["_selftest.cu"].decode())["selftest_axpy"].params
+    assert member_build.member_scalar_block(axpy, {"a": 2.5, "n": 7}).tobytes() == \
+        struct.pack("<fI", 2.5, 0) + struct.pack("<iI", 7, 0)
+    assert member_build.member_scalar_block(parse_kernels(HAND)["no_params"].params, {}).size == 0
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"a": 1.0}, r"missing \['n'\], unknown \[\]"),
+    ({"a": 1.0, "n": 1, "b": 2}, r"missing \[\], unknown \['b'\]"),
+    ({"a": 1.0, "n": 2**31}, r"n=2147483648 is not an integer in \[-2147483648, 2147483647\] \(int\)"),
+    ({"a": 1.0, "n": 1.5}, r"n=1.5 is not an integer"),
+    ({"a": 1.0, "n": True}, r"n=True is not an integer"),
+])
+def test_scalar_block_refuses_a_bad_value_by_name(values, message):
+    with pytest.raises(ValueError, match=message):
+        member_build.member_scalar_block(parse_kernels(HAND)["after_void"].params, values)
+
+
+def _gpu_reason() -> str | None:
+    from foxhunt.fast.device import cuda_available
+
+    ok, reason = cuda_available()
+    return None if ok else reason
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"no CUDA device/driver: {_gpu_reason()}")
+@pytest.mark.parametrize("with_scalars", [False, True], ids=["shared-scalars", "member-scalars"])
+def test_gpu_member_launch_moves_every_pointer_and_reads_each_members_scalars(with_scalars):
+    """``selftest_axpy`` of the member module over 3 members (gridDim.z = 3) of a 256-byte-
+    strided arena: member m computes y_m = a * x_m + y_m on its own copies, with one shared
+    ``a`` and ``n`` (null scalar block), or with member m's own ``a_m`` and ``n_m`` from its
+    block (the blocks at the same stride); the bytes past each member's n stay untouched."""
+    from foxhunt.fast.device import Device
+
+    n, members, stride = 40, 3, 1024  # bytes per member: y [0, 160), x [256, 416), block [512, 528)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((members, n)).astype(np.float32), rng.standard_normal((members, n)).astype(np.float32)
+    a, counts = np.float32([2.0, -0.5, 3.25]), [n, 17, 0]
+    arena = np.zeros((members, stride), np.uint8)
+    params = parse_kernels(source_files()["_selftest.cu"].decode())["selftest_axpy"].params
+    for m in range(members):
+        arena[m, 0:4 * n] = np.frombuffer(y[m].tobytes(), np.uint8)
+        arena[m, 256:256 + 4 * n] = np.frombuffer(x[m].tobytes(), np.uint8)
+        arena[m, 512:528] = member_build.member_scalar_block(params, {"a": a[m], "n": counts[m]})
+    dev = Device(0)
+    module = dev.load_module(member_module(dev.arch))
+    buf = dev.alloc(arena.nbytes)
+    try:
+        dev.copy_to_device(buf.ptr, arena)
+        block_ptr = buf.ptr + 512 if with_scalars else 0
+        module.kernel("selftest_axpy").launch((1, 1, members), 64, buf.ptr, buf.ptr + 256,
+                                              np.float32(a[0]), n, stride, block_ptr,
+                                              stream=dev.stream)
+        out = dev.copy_to_host(np.empty_like(arena), buf.ptr)
+    finally:
+        buf.free()
+        module.close()
+    got = out[:, :4 * n].copy().view(np.float32)
+    for m in range(members):
+        scale, count = (a[m], counts[m]) if with_scalars else (a[0], n)
+        want = y[m].copy()
+        want[:count] = scale * x[m][:count] + y[m][:count]  # two roundings, as the kernel (no FMA)
+        assert np.array_equal(got[m], want), m
+        assert np.array_equal(out[m, 256:], arena[m, 256:])  # x and the block untouched
