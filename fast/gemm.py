@@ -401,8 +401,8 @@ def batch_strides(spec: GemmSpec, batch_stride: int) -> dict[str, int]:
     """The member stride ``batch_stride`` (bytes) in elements of each operand, as cuBLASLt
     takes it: A and B in input elements, C (and D) and the bias vector in f32 elements, the ReLU
     bitmask in bits (``EPILOGUE_AUX_BATCH_STRIDE``)."""
-    out = {"a": batch_stride // spec.input_dtype.itemsize, "b": batch_stride // spec.input_dtype.itemsize,
-           "c": batch_stride // 4}
+    inputs = batch_stride // spec.input_dtype.itemsize
+    out = {"a": inputs, "b": inputs, "c": batch_stride // 4}
     if spec.bias_len is not None:
         out["bias"] = batch_stride // 4
     if spec.aux_ld is not None:
