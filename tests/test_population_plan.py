@@ -1,0 +1,95 @@
+"""``fast.population_plan.align_members``: members' step plans (built by the CPU executor, as a
+single trainer of each member's config and seed would run them) are one plan but for kernel
+scalars; the launches whose scalars differ are found with every member's values, and each packs
+into a member scalar block (``member_build``); a structural difference is refused by name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from foxhunt.reference.kernels import rng as ref_rng
+from foxhunt.fast.cpu_executor import CpuEngine
+from foxhunt.fast.cuda_parse import package_kernels
+from foxhunt.fast.member_build import SCALAR_DTYPES, SCALAR_SLOT_BYTES, member_scalar_block, scalar_params
+from foxhunt.fast.population_plan import PopulationPlanError, align_members
+from foxhunt.reference.config import DQNConfig, source_overrides
+
+F32 = np.float32
+BASE = DQNConfig.preset("tiny", **source_overrides("all"))  # every second-wave source on
+
+
+def _plans(config: DQNConfig, seed: int) -> dict:
+    p = CpuEngine(config, seed=seed).plans
+    return {"upload": p["upload"][0], "graph1": p["graph1"], "graph2": p["graph2"]}
+
+
+def _differing(found) -> set[tuple[str, str, tuple[str, ...]]]:
+    return {(f.graph, f.kernel, f.differ) for f in found}
+
+
+def test_identical_members_have_no_member_scalars():
+    assert align_members([_plans(BASE, 3), _plans(BASE, 3), _plans(BASE, 3)]) == []
+
+
+def test_members_that_differ_in_lr_differ_in_the_adam_launches_only():
+    lrs = (1e-4, 3e-4, 2.5e-5)
+    found = align_members([_plans(BASE.replace(lr=lr), 0) for lr in lrs])
+    assert found and _differing(found) == {("graph2", "adam_update", ("lr",))}
+    for f in found:
+        assert [v["lr"] for v in f.values] == [F32(lr) for lr in lrs]
+        assert all(isinstance(v["lr"], np.float32) for v in f.values)
+
+
+def test_members_that_differ_in_seed_differ_in_the_iqn_key_only():
+    """The seed draws the IQN quantile fractions' key (a launch argument): one launch per pass."""
+    seeds = (0, 1, 2**40 + 5)
+    found = align_members([_plans(BASE, s) for s in seeds])
+    assert {(f.graph, f.kernel) for f in found} == {("graph1", "iqn_tau_cos")} and len(found) == 2
+    for f in found:
+        keys = [ref_rng.split_u64("seed", s) for s in seeds]
+        assert [(v["key_lo"], v["key_hi"]) for v in f.values] == keys
+        assert set(f.differ) == {"key_lo", "key_hi"}  # 2**40 + 5 has high bits
+
+
+def test_members_that_differ_in_tau_and_the_loss_weights():
+    other = BASE.replace(tau=0.01, lambda_iqn=0.5, ens_weight=0.2, aux_next_bar_weight=0.3)
+    found = align_members([_plans(BASE, 0), _plans(other, 0)])
+    by_kernel = {f.kernel: f for f in found}
+    assert by_kernel["polyak_update_mirror"].differ == ("tau",)
+    assert by_kernel["polyak_update_mirror"].values[1]["tau"] == F32(0.01)
+    assert by_kernel["aux_next_bar_loss_grad"].values[1]["weight"] == F32(0.3)
+    assert set(by_kernel["clip_saxpy_norm_partial_wave"].differ) == {"iqn_a", "ens_a"}
+    assert set(by_kernel) == {"polyak_update_mirror", "aux_next_bar_loss_grad",
+                              "clip_saxpy_norm_partial_wave"}
+
+
+def test_every_member_scalar_launch_packs_into_scalar_blocks():
+    """Each member's values fill the launch's scalar block; the slot of a differing parameter
+    reads back that member's value."""
+    configs = [BASE, BASE.replace(lr=3e-4, tau=0.01, lambda_iqn=0.5)]
+    found = align_members([_plans(c, s) for c, s in zip(configs, (0, 7))])
+    assert found
+    kernels = package_kernels()
+    for f in found:
+        params = kernels[f.kernel].params
+        names = [n for _, n in scalar_params(params)]
+        for values in f.values:
+            block = member_scalar_block(params, values)
+            for name in f.differ:
+                j = names.index(name)
+                dtype = np.dtype(SCALAR_DTYPES[dict((n, t) for t, n in params)[name]])
+                got = block[SCALAR_SLOT_BYTES * j:SCALAR_SLOT_BYTES * j + dtype.itemsize].view(dtype)[0]
+                assert got == values[name], (f.kernel, name)
+
+
+def test_a_structural_difference_is_refused_by_name():
+    core = DQNConfig.preset("tiny", **source_overrides("core"))
+    with pytest.raises(PopulationPlanError, match=r"^upload, record 0: the copy differs between "
+                       r"member 0 \(copy htod \d+ bytes host:staging0 -> batch\) and member 1"):
+        align_members([_plans(BASE, 0), _plans(core, 0)])
+    with pytest.raises(PopulationPlanError, match=r"member 1's graphs \['graph1'\] are not member 0's"):
+        align_members([{"graph1": _plans(BASE, 0)["graph1"], "graph2": _plans(BASE, 0)["graph2"]},
+                       {"graph1": _plans(BASE, 0)["graph1"]}])
+    with pytest.raises(ValueError, match="at least one member"):
+        align_members([])
