@@ -45,16 +45,6 @@ def kernels(device, tmp_path_factory):
     return device.load_module(module)
 
 
-@pytest.fixture(scope="module")
-def lt():
-    from foxhunt.fast.gemm import CublasUnavailableError, _cublaslt
-
-    try:
-        return _cublaslt()
-    except CublasUnavailableError as exc:
-        pytest.skip(str(exc))
-
-
 def _bits(x: np.ndarray) -> np.ndarray:
     return x.view(np.uint32) if x.dtype == np.float32 else x
 

@@ -488,16 +488,6 @@ def device():
     return Device()
 
 
-@pytest.fixture(scope="module")
-def lt():
-    from foxhunt.fast.gemm import CublasUnavailableError, _cublaslt
-
-    try:
-        return _cublaslt()
-    except CublasUnavailableError as exc:
-        pytest.skip(str(exc))
-
-
 class _DeviceBlock:
     """A host arena's whole block on the device (the same offsets), to run plans on."""
 
