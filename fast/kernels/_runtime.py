@@ -17,8 +17,8 @@ It returns the read-back arrays of the ``Out``/``InOut`` arguments, in argument 
 
 Also here, shared by the area modules: the flat grid-stride launch plan (``plan_flat``), the
 launch of a ``(grid, block, shared_mem)`` plan (``launch``), the 32-bit index limit
-(``check_elements``), the blocks of a thread-block cluster (``cluster_blocks``) and the upload of a scalar a kernel reads through a pointer
-(``device_scalar``).
+(``check_elements``), the blocks of a thread-block cluster (``cluster_blocks``) and the upload
+of a scalar a kernel reads through a pointer (``device_scalar``).
 """
 
 from __future__ import annotations
