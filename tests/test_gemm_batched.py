@@ -515,6 +515,34 @@ class _DeviceBlock:
         self.buf.free()
 
 
+def gpu_cases(test):
+    """A GPU test over every shape of ``GPU_SHAPES``, precision and epilogue (skipped with the
+    reason where there is no CUDA device)."""
+    for mark in (pytest.mark.parametrize("epilogue", EPILOGUES, ids=str),
+                 pytest.mark.parametrize("precision", PRECISIONS),
+                 pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s))),
+                 pytest.mark.gpu, needs_gpu):
+        test = mark(test)
+    return test
+
+
+def _case(epilogue, precision, shape, seed: int, kind: str):
+    """``(kw, spec, table, arena, stride)`` of one case, the arena filled (``_fill``)."""
+    kw = _kw(epilogue, precision, shape)
+    spec = GemmSpec(**kw)
+    table, arena, stride = _layout(spec, BATCH)
+    _fill(arena, spec, BATCH, np.random.default_rng(seed), kind)
+    return kw, spec, table, arena, stride
+
+
+def _cpu_twin(table, arena, kw, stride):
+    """The CPU twin's batched run on a copy of ``arena`` (the copy, after the run)."""
+    twin, twin_mem = _copy(table, arena)
+    cpu = CpuGemm(**kw, batch=BATCH, batch_stride=stride)
+    cpu.run(twin_mem, _node(cpu))
+    return twin
+
+
 def _gpu_plans(device, kw, stride):
     """The batched plan; skipped (with the reason) where cuBLASLt has no algorithm even for
     one member, a limit of cuBLASLt rather than of batching."""
@@ -525,19 +553,12 @@ def _gpu_plans(device, kw, stride):
     return GemmPlan(device, **kw, batch=BATCH, batch_stride=stride)
 
 
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
+@gpu_cases
 def test_gpu_batched_plan_equals_the_cpu_twin_on_integer_operands(device, lt, epilogue, precision,
                                                                   shape):
     """Integer operands: every product and sum is exact, so any algorithm gives the CPU twin's
     (and NumPy's) values exactly, member by member."""
-    kw = _kw(epilogue, precision, shape)
-    spec = GemmSpec(**kw)
-    table, arena, stride = _layout(spec, BATCH)
-    _fill(arena, spec, BATCH, np.random.default_rng(17), "ints")
+    kw, spec, table, arena, stride = _case(epilogue, precision, shape, 17, "ints")
     plan = _gpu_plans(device, kw, stride)
     block = _DeviceBlock(device, table, arena)
     try:
@@ -545,9 +566,7 @@ def test_gpu_batched_plan_equals_the_cpu_twin_on_integer_operands(device, lt, ep
     finally:
         block.close()
         plan.close()
-    twin, twin_mem = _copy(table, arena)
-    cpu = CpuGemm(**kw, batch=BATCH, batch_stride=stride)
-    cpu.run(twin_mem, _node(cpu))
+    twin = _cpu_twin(table, arena, kw, stride)
     for i in range(BATCH):
         before = _member(arena, spec, i)
         _assert_member_exact(spec, _member(got, spec, i), _numpy(spec, before), before,
@@ -584,21 +603,14 @@ def _bounds(spec, want: dict) -> dict[str, np.ndarray]:
     return out
 
 
-@needs_gpu
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
+@gpu_cases
 def test_gpu_batched_members_equal_single_plans_and_the_cpu_twin(device, lt, epilogue, precision,
                                                                  shape):
     """Random operands the precision holds exactly: member ``i`` of the batched plan equals a
     batch=1 plan run on member ``i``'s operands, bit for bit with the same algorithm (within the
     bound otherwise, with a warning saying so); and both GPU results and the CPU twin lie
     within the GEMM bound of the float64 result, so GPU and CPU twin within twice it."""
-    kw = _kw(epilogue, precision, shape)
-    spec = GemmSpec(**kw)
-    table, arena, stride = _layout(spec, BATCH)
-    _fill(arena, spec, BATCH, np.random.default_rng(19), "random")
+    kw, spec, table, arena, stride = _case(epilogue, precision, shape, 19, "random")
     batched = _gpu_plans(device, kw, stride)
     single, same = _same_algorithm_plan(device, kw, batched)
     block = _DeviceBlock(device, table, arena)
@@ -612,9 +624,7 @@ def test_gpu_batched_members_equal_single_plans_and_the_cpu_twin(device, lt, epi
     if not same:
         warnings.warn(f"{epilogue} {precision} {shape}: cuBLASLt's batched algorithm does not run "
                       "one member; members compared with single plans within the GEMM bound")
-    twin, twin_mem = _copy(table, arena)
-    cpu = CpuGemm(**kw, batch=BATCH, batch_stride=stride)
-    cpu.run(twin_mem, _node(cpu))
+    twin = _cpu_twin(table, arena, kw, stride)
     _assert_pads(got, BATCH, "GPU")
     outputs = ["c", *(["bias"] if epilogue in BIAS_OUT else [])]
     for i in range(BATCH):
