@@ -422,21 +422,34 @@ def test_a_batched_plan_sets_the_batch_attributes_and_an_unbatched_one_none(monk
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded_ld"])
-@pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
-def test_a_batched_cpu_gemm_is_batch_separate_gemms_and_matches_numpy(epilogue, precision, padded):
-    kw = _kw(epilogue, precision, CPU_SHAPE, padded)
+def _case(epilogue, precision, shape, seed: int, kind: str, padded: bool = False):
+    """``(kw, spec, table, arena, stride)`` of one case, the arena filled (``_fill``)."""
+    kw = _kw(epilogue, precision, shape, padded)
     spec = GemmSpec(**kw)
     table, arena, stride = _layout(spec, BATCH)
-    _fill(arena, spec, BATCH, np.random.default_rng(11), "ints")
-    before, _ = _copy(table, arena)
+    _fill(arena, spec, BATCH, np.random.default_rng(seed), kind)
+    return kw, spec, table, arena, stride
+
+
+def _batched_and_separate(kw, table, arena, stride):
+    """Run the batched ``CpuGemm`` on ``arena`` in place and ``BATCH`` batch=1 ``CpuGemm``s, one
+    per member, on a copy of it; the copy (after its runs)."""
     separate, separate_mem = _copy(table, arena)
     plan = CpuGemm(**kw, batch=BATCH, batch_stride=stride)
     plan.run(Memory([(table, arena)], {}), _node(plan))
     single = CpuGemm(**kw)
     for i in range(BATCH):
         single.run(separate_mem, _node(single, i))
+    return separate
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["dense", "padded_ld"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
+def test_a_batched_cpu_gemm_is_batch_separate_gemms_and_matches_numpy(epilogue, precision, padded):
+    kw, spec, table, arena, stride = _case(epilogue, precision, CPU_SHAPE, 11, "ints", padded)
+    before, _ = _copy(table, arena)
+    separate = _batched_and_separate(kw, table, arena, stride)
     assert np.array_equal(arena.block, separate.block), "batched != separate runs, bit for bit"
     for i in range(BATCH):
         want = _numpy(spec, _member(before, spec, i))
@@ -449,16 +462,8 @@ def test_a_batched_cpu_gemm_is_batch_separate_gemms_and_matches_numpy(epilogue, 
 def test_batched_cpu_gemm_on_random_operands_is_separate_gemms_bit_for_bit(precision):
     """TF32 rounding and float32 sums included: each member is computed as a lone GEMM."""
     for epilogue in EPILOGUES:
-        kw = _kw(epilogue, precision, CPU_SHAPE)
-        spec = GemmSpec(**kw)
-        table, arena, stride = _layout(spec, BATCH)
-        _fill(arena, spec, BATCH, np.random.default_rng(13), "random")
-        separate, separate_mem = _copy(table, arena)
-        plan = CpuGemm(**kw, batch=BATCH, batch_stride=stride)
-        plan.run(Memory([(table, arena)], {}), _node(plan))
-        single = CpuGemm(**kw)
-        for i in range(BATCH):
-            single.run(separate_mem, _node(single, i))
+        kw, spec, table, arena, stride = _case(epilogue, precision, CPU_SHAPE, 13, "random")
+        separate = _batched_and_separate(kw, table, arena, stride)
         assert np.array_equal(arena.block, separate.block), f"{epilogue}: batched != separate"
         c = [_c(_member(arena, spec, i), spec) for i in range(BATCH)]
         assert not np.array_equal(c[0], c[1]), "members hold different operands"
@@ -524,15 +529,6 @@ def gpu_cases(test):
                  pytest.mark.gpu, needs_gpu):
         test = mark(test)
     return test
-
-
-def _case(epilogue, precision, shape, seed: int, kind: str):
-    """``(kw, spec, table, arena, stride)`` of one case, the arena filled (``_fill``)."""
-    kw = _kw(epilogue, precision, shape)
-    spec = GemmSpec(**kw)
-    table, arena, stride = _layout(spec, BATCH)
-    _fill(arena, spec, BATCH, np.random.default_rng(seed), kind)
-    return kw, spec, table, arena, stride
 
 
 def _cpu_twin(table, arena, kw, stride):
