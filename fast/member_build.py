@@ -13,9 +13,9 @@ them, ``extern "C" { }`` blocks included) the transform writes
 - a kernel under the old name and the old head (the same attributes, where they stood),
   ``<name>(<same params>, long long member_stride, const unsigned char* member_scalars)``,
   whose body calls ``<name>__member_body`` with every pointer parameter moved to its member's
-  copy, by BYTES::
+  copy, by BYTES (a null pointer stays null: a kernel skips an output it is given none for)::
 
-      (T*)((char*)p + (long long)blockIdx.z * member_stride)
+      (p == nullptr ? (T*)nullptr : (T*)((char*)p + (long long)blockIdx.z * member_stride))
 
   (``const char*`` where T is const; ``T*`` is the parameter's type without its own qualifiers,
   so ``const float* __restrict__ p`` passes ``(const float*)((const char*)p + ...)`` and the
@@ -126,7 +126,8 @@ def _member_arg(ptype: str, name: str, where: str, slot: int) -> str:
                                    f"allowed: {sorted(SCALAR_DTYPES)}")
         return f"fh_member_scalar<{ptype}>(fh_ms, {slot}, {name})"
     pointer, char = cast
-    return f"({pointer})(({char}){name} + (long long)blockIdx.z * {MEMBER_STRIDE_PARAM})"
+    return (f"({name} == nullptr ? ({pointer})nullptr : "
+            f"({pointer})(({char}){name} + (long long)blockIdx.z * {MEMBER_STRIDE_PARAM}))")
 
 
 def scalar_params(params) -> tuple[tuple[str, str], ...]:

@@ -74,16 +74,16 @@ extern "C" __global__ void no_params(void) {}
 # The wrapper's call, written out by hand (the transform's contract).
 AFTER_VOID_CALL = (
     "after_void__member_body("
-    "(const float*)((const char*)x + (long long)blockIdx.z * member_stride), "
-    "(float*)((char*)y + (long long)blockIdx.z * member_stride), "
-    "(float**)((char*)ptrs + (long long)blockIdx.z * member_stride), "
-    "(const float* const*)((const char*)cptrs + (long long)blockIdx.z * member_stride), "
+    "(x == nullptr ? (const float*)nullptr : (const float*)((const char*)x + (long long)blockIdx.z * member_stride)), "
+    "(y == nullptr ? (float*)nullptr : (float*)((char*)y + (long long)blockIdx.z * member_stride)), "
+    "(ptrs == nullptr ? (float**)nullptr : (float**)((char*)ptrs + (long long)blockIdx.z * member_stride)), "
+    "(cptrs == nullptr ? (const float* const*)nullptr : (const float* const*)((const char*)cptrs + (long long)blockIdx.z * member_stride)), "
     "fh_member_scalar<double>(fh_ms, 0, a), fh_member_scalar<int>(fh_ms, 1, n));"
 )
 BEFORE_VOID_CALL = (
     "before_void__member_body("
-    "(unsigned short*)((char*)out + (long long)blockIdx.z * member_stride), "
-    "(const int*)((const char*)idx + (long long)blockIdx.z * member_stride), "
+    "(out == nullptr ? (unsigned short*)nullptr : (unsigned short*)((char*)out + (long long)blockIdx.z * member_stride)), "
+    "(idx == nullptr ? (const int*)nullptr : (const int*)((const char*)idx + (long long)blockIdx.z * member_stride)), "
     "fh_member_scalar<long long>(fh_ms, 0, count));"
 )
 
@@ -102,12 +102,12 @@ def test_hand_written_wrappers_offset_every_pointer_by_bytes():
     out = member_source(HAND, "hand.cu")
     assert FH_MS + AFTER_VOID_CALL in out
     assert FH_MS + BEFORE_VOID_CALL in out
-    assert (FH_MS + "in_block__member_body((float*)((char*)w + (long long)blockIdx.z * "
-            "member_stride), fh_member_scalar<float>(fh_ms, 0, s));") in out
+    assert (FH_MS + "in_block__member_body((w == nullptr ? (float*)nullptr : (float*)((char*)w "
+            "+ (long long)blockIdx.z * member_stride)), fh_member_scalar<float>(fh_ms, 0, s));") in out
     # No scalar: no block pointer read.
     assert ("with_maxnreg(float* w, long long member_stride, const unsigned char* member_scalars) "
-            "{ with_maxnreg__member_body((float*)((char*)w + (long long)blockIdx.z * "
-            "member_stride)); }") in out
+            "{ with_maxnreg__member_body((w == nullptr ? (float*)nullptr : (float*)((char*)w + "
+            "(long long)blockIdx.z * member_stride))); }") in out
     assert ("no_params(long long member_stride, const unsigned char* member_scalars) "
             "{ no_params__member_body(); }") in out
     assert out.count("T fh_member_scalar(") == 1  # the scalar read, defined once per unit
