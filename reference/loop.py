@@ -309,8 +309,12 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
         out_dir: Path | None = None, on_step: Callable[[int, StepScalars], None] | None = None,
         on_epoch: Callable[[EpochRecord], None] | None = None,
         on_epoch_start: Callable[[int, int], None] | None = None,
-        should_stop: Callable[[], bool] | None = None, resume: bool = False) -> RunResult:
+        should_stop: Callable[[], bool] | None = None, resume: bool = False,
+        trainer: TrainerBackend | None = None) -> RunResult:
     """Train ``config`` on ``bars`` with ``settings``; see the module docstring.
+
+    ``trainer``: a ready trainer of ``config`` and ``settings.seed`` (a population member in
+    lockstep, ``population_runner``) used instead of a new one of ``backend``.
 
     ``resume=True`` continues the run whose resume state is in ``out_dir`` (same config,
     settings and bars, else ``loop_state.ResumeError``); its records are in the result, and
@@ -327,7 +331,11 @@ def run(config: DQNConfig, bars: Bars, settings: LoopSettings, *, backend: str =
     # Every trainer is built for its transitions: n-step ones carry ``batch.discount`` (a trainer
     # factory that cannot take ``n_step`` can still run 1-step loops).
     n_step = {"n_step": settings.n_step} if settings.n_step > 1 else {}
-    trainer = get_backend(backend)(config, seed=settings.seed, **n_step)
+    if trainer is None:
+        trainer = get_backend(backend)(config, seed=settings.seed, **n_step)
+    elif trainer.config != config or trainer.seed != settings.seed:
+        raise ValueError(f"trainer: seed {trainer.seed} and its config are not the run's (seed "
+                         f"{settings.seed}); allowed: a trainer of the run's config and seed")
     windows = choose_windows(config.state_dim)
     feats = market_features(bars, windows)
     segments = fold_segments(len(bars), feature_warmup(windows), settings.folds, settings.val_frac,

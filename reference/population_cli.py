@@ -5,14 +5,20 @@ trained by the one-run code path (``train_cli._train``: the loop, the per-epoch 
 plots, the report and the writers) into ``RUN_DIR/member<seed>/``, a run directory like any
 other: ``config.json``, ``metrics.jsonl``, checkpoints (loadable by either backend), plots
 and ``summary.json``; ``foxhunt train --resume RUN_DIR/member<seed>`` continues one member.
-Members train one after the other, on either backend; a GPU population engine (all members
-in one graph) can replace this loop without changing the command, its files or its report.
+
+**How the members train.** ``--backend reference``: one after the other. ``--backend fast``:
+in lockstep on one ``foxhunt.fast.population.Population`` (all members stepped by one graph
+replay per step; ``population_runner``): each member's run goes in a thread of its own, and
+one population step takes one batch of every member still running. The command, its files
+and its report are the same either way. While members run in lockstep, each line they print
+(their tables, messages, tracebacks) starts with ``[seed <seed>]``.
 
 **Same bars.** A single run's synthetic market takes the run's seed; a population's market is
 built once, from the first listed seed, and every member trains on those bars (each member's
 ``config.json`` records that source and the bars' SHA-256). A CSV is the CSV.
 
-**population.json** (``RUN_DIR/population.json``, rewritten atomically after every member):
+**population.json** (``RUN_DIR/population.json``, written atomically after every member, or
+once all have ended when they train in lockstep):
 ``status`` ("completed": every member ran; "partial": stopped by a signal, with
 ``stopped_by`` and ``not_run``), ``seeds``, ``market_seed`` (None for a CSV), ``data``, and per
 member started: ``seed``, ``dir``, ``status`` (its summary's "completed" / "halted" /
@@ -25,15 +31,16 @@ a failed or halted member) and ``overall`` (its ``summary.json``'s ``overall`` a
 
 Exit status: 0 every member completed; 1 a member failed (raised) or was halted by a safety
 check (the others still run); 2 a usage error (one line, nothing written); 128 + the signal
-number when SIGINT / SIGTERM / SIGHUP stopped it: the member in progress stops as a single run
-does (its summary and plots written; a signal after its last step lets it complete), no other
-member starts, and population.json is written, marked partial.
+number when SIGINT / SIGTERM / SIGHUP stopped it: the member in progress (in lockstep: every
+member) stops as a single run does (its summary and plots written; a signal after its last step
+lets it complete), no other member starts, and population.json is written, marked partial.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import signal
@@ -41,7 +48,7 @@ import statistics
 import traceback
 from pathlib import Path
 
-from . import jsonio, runs, train_cli
+from . import jsonio, population_runner, runs, train_cli
 from .seeds import seed_ranges
 from .metrics import METRIC_NAMES
 from .report import format_metrics_row, metrics_header, signed_number
@@ -64,7 +71,8 @@ def add_seeds_argument(group) -> None:
     group.add_argument(
         "--seeds", metavar="SPEC", default=None,
         help="train a population: one run per seed (e.g. 0-15, 0,3,7 or 0-3,8; 2 to "
-             f"{MAX_MEMBERS} seeds), one after the other, into RUN_DIR/member<seed>/, then "
+             f"{MAX_MEMBERS} seeds), one after the other (reference backend) or in lockstep on "
+             "one GPU population (fast backend), into RUN_DIR/member<seed>/, then "
              f"RUN_DIR/{POPULATION_NAME} and a table of each member and the spread. Every "
              "member trains on the same bars: the synthetic market is built from the first "
              "listed seed. Not with --seed or --resume")
@@ -122,9 +130,22 @@ def member_plans(base: train_cli.Plan, seeds) -> list[train_cli.Plan]:
 
 
 # ---------------------------------------------------------------------------------- the command
-def cmd_train_population(args: argparse.Namespace) -> int:
+def fast_population(config, seeds, **kwargs):
+    """``foxhunt.fast.population.Population(config, seeds, **kwargs)``, imported only when a
+    run asks for it (the GPU)."""
+    from foxhunt.fast.population import Population
+
+    return Population(config, seeds, **kwargs)
+
+
+def cmd_train_population(args: argparse.Namespace, population_factory=None) -> int:
     """``foxhunt train --seeds SPEC``: everything checked before anything is written, as
-    ``train_cli.cmd_train`` does; then the members (``_train_population``)."""
+    ``train_cli.cmd_train`` does; then the members: in lockstep on ``fast_population`` with
+    ``--backend fast``, one after the other with ``--backend reference``.
+
+    ``population_factory`` (tests: the lockstep path on the CPU, with the reference twin or
+    ``CpuPopulation``): ``(config, seeds, **n_step) -> population``; given, the members train in
+    lockstep on its population whatever the backend (``_train_lockstep``)."""
     shared_sinks: list = []
     lock = None
     try:
@@ -144,7 +165,11 @@ def cmd_train_population(args: argparse.Namespace) -> int:
         pop_dir, lock = train_cli._open_run_dir(args, base, name_seed=f"s{seeds_label(seeds)}")
     except ValueError as exc:  # UsageError, and the settings' own one-line validation errors
         return train_cli.refuse(exc, shared_sinks, lock)
+    if population_factory is None and base.run.backend == "fast":
+        population_factory = fast_population
     try:
+        if population_factory is not None:
+            return _train_lockstep(args, plans, pop_dir, shared_sinks, population_factory)
         return _train_population(args, plans, pop_dir, shared_sinks)
     finally:
         for sink in shared_sinks:
@@ -152,9 +177,11 @@ def cmd_train_population(args: argparse.Namespace) -> int:
         lock.release()
 
 
-def train_member(args, plan: train_cli.Plan, member_dir: Path, shared_sinks: list) -> int:
+def train_member(args, plan: train_cli.Plan, member_dir: Path, shared_sinks: list,
+                 **hosted) -> int:
     """One member: a new run directory, its ``config.json``, then ``train_cli._train`` (the
-    one-run path); returns its exit status. Exceptions propagate to the caller."""
+    one-run path; ``hosted``: its ``trainer``, ``stop`` and ``plotter`` keywords, for a member
+    in lockstep); returns its exit status. Exceptions propagate to the caller."""
     member_dir.mkdir()
     lock = runs.lock_run_dir(member_dir)
     own: list = []
@@ -162,20 +189,25 @@ def train_member(args, plan: train_cli.Plan, member_dir: Path, shared_sinks: lis
         runs.write_run_config(member_dir, plan.run)
         if args.tensorboard:
             own.append(TensorBoardScalars(member_dir / "tensorboard"))
-        return train_cli._train(args, plan, member_dir, 0, [*shared_sinks, *own])
+        return train_cli._train(args, plan, member_dir, 0, [*shared_sinks, *own], **hosted)
     finally:
         for sink in own:
             sink.close()
         lock.release()
 
 
-def _train_population(args, plans: list, pop_dir: Path, shared_sinks: list) -> int:
-    seeds = [p.run.settings.seed for p in plans]
-    data = plans[0].run.data
+def _announce(plans: list, pop_dir: Path, how: str) -> None:
+    seeds, data = [p.run.settings.seed for p in plans], plans[0].run.data
     print(f"foxhunt train: a population of {len(seeds)} members (seeds {seeds_label(seeds)}), "
-          f"trained one after the other on the same bars: {runs.describe_source(data)}"
+          f"trained {how} on the same bars: {runs.describe_source(data)}"
           f"{' (the first seed builds the market)' if data['kind'] == 'synthetic' else ''}\n"
           f"  population directory: {pop_dir}")
+
+
+def _train_population(args, plans: list, pop_dir: Path, shared_sinks: list) -> int:
+    """The members one after the other, population.json after each (module docstring)."""
+    seeds = [p.run.settings.seed for p in plans]
+    _announce(plans, pop_dir, "one after the other")
     members: list[dict] = []
     signum = None
     between = train_cli.StopRequest()  # a signal between members; during one, the member's own
@@ -200,6 +232,55 @@ def _train_population(args, plans: list, pop_dir: Path, shared_sinks: list) -> i
             if signum is not None:
                 break
         signum = signum or between.signum
+    return _finish(pop_dir, plans, members, signum)
+
+
+def _train_lockstep(args, plans: list, pop_dir: Path, shared_sinks: list,
+                    population_factory) -> int:
+    """Every member at once, in lockstep on ``population_factory``'s population
+    (``population_runner``); population.json once they have all ended."""
+    from threadpoolctl import threadpool_limits
+
+    seeds = [p.run.settings.seed for p in plans]
+    _announce(plans, pop_dir, "in lockstep (one population step: one batch of every member)")
+    dirs = [pop_dir / f"member{seed}" for seed in seeds]
+    settings, config = plans[0].run.settings, plans[0].run.config
+    n_step = {"n_step": settings.n_step} if settings.n_step > 1 else {}  # as loop.run builds one
+    stop = train_cli.StopRequest()  # the main thread's handlers; every member's should_stop
+    # The members' BLAS limit (each _train sets the same) is set here first, so a member's exit
+    # from threadpool_limits restores it, not the process's default, while the others run.
+    with stop.installed(), threadpool_limits(limits=args.threads, user_api="blas"), \
+            population_runner.SharedPlotWorkers() as plots:
+        try:
+            population = population_factory(config, seeds, **n_step)
+        except Exception as exc:  # no member can train: each says why
+            traceback.print_exc()
+            why = f"the population was not built: {_one_line(exc)}"
+            members = [_failed(seed, d, why) for seed, d in zip(seeds, dirs)]
+        else:
+            try:
+                outcomes = population_runner.run_lockstep(
+                    population, [functools.partial(_member_job, args, plan, d, shared_sinks, stop,
+                                                   plots) for plan, d in zip(plans, dirs)],
+                    [f"[seed {seed}] " for seed in seeds])
+            finally:
+                close = getattr(population, "close", None)  # the reference twin holds nothing
+                if close is not None:
+                    close()
+            members = [_failed(seed, d, _one_line(o)) if isinstance(o, BaseException)
+                       else _member_record(seed, d, o) for seed, d, o in zip(seeds, dirs, outcomes)]
+    return _finish(pop_dir, plans, members, stop.signum)
+
+
+def _member_job(args, plan, member_dir, shared_sinks, stop, plots, trainer) -> int:
+    """A member's run in lockstep (``run_lockstep``'s job): ``train_member`` on ``trainer``."""
+    return train_member(args, plan, member_dir, shared_sinks, trainer=trainer, stop=stop,
+                        plotter=plots.share())
+
+
+def _finish(pop_dir: Path, plans: list, members: list[dict], signum: int | None) -> int:
+    """population.json, the table and the exit status (module docstring)."""
+    seeds = [p.run.settings.seed for p in plans]
     population = _write(pop_dir, plans, members, signum)
     print(f"\n{population_table(population)}")
     partial = population["status"] == "partial"  # only a signal stops a population early

@@ -369,7 +369,11 @@ def _prepare_resume(run_dir: Path) -> int:
     return n
 
 
-def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> int:
+def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list, *, trainer=None,
+           stop: StopRequest | None = None, plotter=None) -> int:
+    """The run (``loop.run``), its table, plots and summary. A population member in lockstep
+    (``population_runner``) runs this in a thread of its own with its ``trainer``, the main
+    thread's ``stop`` (signal handlers are the main thread's) and the shared ``plotter``."""
     from threadpoolctl import threadpool_limits
 
     from .plot_worker import PlotWorkers
@@ -426,16 +430,17 @@ def _train(args, plan: Plan, run_dir: Path, done_epochs: int, sinks: list) -> in
         for sink in sinks:
             sink.epoch(rec)
 
-    stop = StopRequest()
+    own_stop, stop = stop is None, StopRequest() if stop is None else stop
     git = _in_background(runs.git_commit)  # three git commands: they run while the run trains
     tic = time.perf_counter()
     # The plot workers import matplotlib while the run trains (plot_worker's docstring).
-    with stop.installed(), threadpool_limits(limits=args.threads, user_api="blas"), \
-            PlotWorkers() as plotter:
+    with stop.installed() if own_stop else contextlib.nullcontext(), \
+            threadpool_limits(limits=args.threads, user_api="blas"), \
+            PlotWorkers() if plotter is None else contextlib.nullcontext(plotter) as plotter:
         try:
             result = run(config, plan.bars, settings, backend=rc.backend, out_dir=run_dir,
                          on_step=on_step, on_epoch=on_epoch, on_epoch_start=on_epoch_start,
-                         should_stop=stop, resume=plan.resume_dir is not None)
+                         should_stop=stop, resume=plan.resume_dir is not None, trainer=trainer)
         except ValueError as exc:
             if started:  # a ValueError once training runs is a bug: keep its traceback
                 raise
