@@ -32,8 +32,8 @@ import numpy as np
 
 from foxhunt.fast.cpu_kernels import TWINS, Args, shape_of
 from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_host_nbytes, eval_ops
-from foxhunt.fast.graph1_plan import graph1_ops
-from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
+from foxhunt.fast.graph2_plan import staging_name
+from foxhunt.fast.gpu_engine import step_plans
 from foxhunt.fast.dataflow import check_dataflow, dependency_graph
 from foxhunt.fast.device import SYNCS
 from foxhunt.fast.records import Buf, Copy, Gemm, Host, Launch, Ops, kernel_params
@@ -55,14 +55,24 @@ class HostArena:
     """The layout ``specs`` in one zero-filled host byte block, carved like the device
     ``Arena`` (``ptr``, ``spec``, ``upload``, ``download``, ``zero``, ``close``)."""
 
-    def __init__(self, specs: Mapping[str, tuple]):
+    def __init__(self, specs: Mapping[str, tuple], nbytes: int | None = None):
         from foxhunt.fast.arena import ArenaLayout
 
         self.layout = ArenaLayout()
         for name, (shape, dtype) in specs.items():
             self.layout.add(name, shape, dtype)
-        self.block = np.zeros(max(self.layout.nbytes, 1), np.uint8)
+        if nbytes is not None and nbytes < self.layout.nbytes:
+            raise ValueError(f"nbytes: {nbytes} is less than the layout's {self.layout.nbytes} bytes")
+        self.block = np.zeros(max(self.layout.nbytes if nbytes is None else nbytes, 1), np.uint8)
         self.base = next(_BASES) << 40  # a fake, 256-byte aligned address space of its own
+
+    def view(self, offset: int, nbytes: int) -> HostArena:
+        """The same layout over bytes ``[offset, offset + nbytes)`` of this block, at its own
+        addresses (a population member's copy: ``foxhunt.fast.population``)."""
+        view = object.__new__(HostArena)
+        view.layout, view.block = self.layout, self.block[offset:offset + nbytes]
+        view.base = self.base + offset
+        return view
 
     def __contains__(self, name: str) -> bool:
         return name in self.layout
@@ -151,7 +161,7 @@ class Memory:
 # --------------------------------------------------------------------------------------------
 
 
-class _Member:
+class MemberMemory:
     """``Memory.view`` of population member ``i``: every region ``offset`` (``i *
     batch_stride``) bytes past member 0's (``Memory.at``: an address in no arena is an error)."""
 
@@ -164,6 +174,9 @@ class _Member:
     def view(self, buf: Buf, count: int, dtype=None) -> np.ndarray:
         dtype = self.mem._find(buf)[0].dtype if dtype is None else np.dtype(dtype)
         return self.mem.at(self.address(buf), count, dtype)
+
+    def at(self, address: int, count: int, dtype: np.dtype) -> np.ndarray:
+        return self.mem.at(address, count, dtype)
 
 
 class CpuGemm:
@@ -189,7 +202,7 @@ class CpuGemm:
         self.batch, self.batch_stride = check_batch(batch, batch_stride, self.spec)
 
     @staticmethod
-    def _stored(mem: Memory | _Member, buf: Buf, shape, ld: int, dtype) -> np.ndarray:
+    def _stored(mem: Memory | MemberMemory, buf: Buf, shape, ld: int, dtype) -> np.ndarray:
         full = mem.view(buf, (shape[0] - 1) * ld + shape[1], dtype)
         return np.lib.stride_tricks.as_strided(full, shape=shape, strides=(ld * full.itemsize, full.itemsize))
 
@@ -199,9 +212,9 @@ class CpuGemm:
                 raise ValueError(f"GEMM operand {buf} is not {self.min_alignment}-byte aligned")
         self._run_one(mem, node)
         for member in range(1, self.batch):  # (a member stride keeps the alignment: check_batch)
-            self._run_one(_Member(mem, member * self.batch_stride), node)
+            self._run_one(MemberMemory(mem, member * self.batch_stride), node)
 
-    def _run_one(self, mem: Memory | _Member, node: Gemm) -> None:
+    def _run_one(self, mem: Memory | MemberMemory, node: Gemm) -> None:
         s = self.spec
         a = self._stored(mem, node.a, s.a_shape, s.lda, s.input_dtype).copy()
         b = self._stored(mem, node.b, s.b_shape, s.ldb, s.input_dtype).copy()
@@ -367,10 +380,8 @@ class CpuEngine:
             lay, planner=cpu_planner(refused_epilogues), constants=constants,
             host_nbytes={staging_name(s): lay.batch_nbytes for s in range(staging_slots)},
             arch=CPU_ARCH, gemm_workspace=gemm_workspace, seed=seed)
-        ops_up = upload_ops(prog, staging_slots)
-        ops1, ops2 = graph1_ops(prog), graph2_ops(prog)
-        check_dataflow([ops_up[0], ops1, ops2], lay.role, lay.zero_padding())
-        self.plans = {"upload": ops_up, "graph1": ops1, "graph2": ops2}
+        self.plans = step_plans(prog, staging_slots)
+        ops_up, ops1, ops2 = self.plans["upload"], self.plans["graph1"], self.plans["graph2"]
         self._upload = [CpuGraph(ops, branch_order) for ops in ops_up]
         self._graph1, self._graph2 = CpuGraph(ops1, branch_order), CpuGraph(ops2, branch_order)
         self.planned_launches = (ops_up[0].node_count(), ops1.node_count(), ops2.node_count())
@@ -450,4 +461,4 @@ class CpuTrainer(Trainer):
 
 
 __all__ = ["BRANCH_ORDERS", "CpuEngine", "CpuGemm", "CpuGraph", "CpuTrainer", "HostArena",
-           "Memory", "cpu_planner", "run_node", "topological_order"]
+           "Memory", "MemberMemory", "cpu_planner", "run_node", "topological_order"]

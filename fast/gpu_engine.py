@@ -43,16 +43,25 @@ def host_buffer_specs(layout: StepLayout, staging_slots: int) -> dict[str, tuple
     return specs
 
 
+def step_plans(program: StepProgram, staging_slots: int) -> dict:
+    """The records of the upload graphs (one per staging slot), graph 1 and graph 2 made by
+    ``program``, their dataflow checked: ``{"upload": [Ops], "graph1": Ops, "graph2": Ops}``."""
+    lay = program.lay
+    ops_up = upload_ops(program, staging_slots)
+    ops1, ops2 = graph1_ops(program), graph2_ops(program)
+    check_dataflow([ops_up[0], ops1, ops2], lay.role, lay.zero_padding())
+    return {"upload": ops_up, "graph1": ops1, "graph2": ops2}
+
+
 class GpuEngine:
     """See the module docstring."""
 
     def __init__(self, config: DQNConfig, *, device=None, gemm_workspace: str = "none",
                  staging_slots: int = 2, seed: int = 0, n_step_on: bool = False):
         from foxhunt.fast._build import package_module
-        from foxhunt.fast.device import Arena, Device, _driver, call
+        from foxhunt.fast.device import Arena, Device
         from foxhunt.fast.gemm import GemmPlan, PlanCache, cublaslt_version
         from foxhunt.fast.gemm_algos import AlgoStore
-        from foxhunt.fast.graphs import GraphCapture
 
         dev = Device(0) if device is None else device
         dev.make_current()
@@ -69,32 +78,40 @@ class GpuEngine:
         for name, value in constants.items():
             self.arena.upload(name, value.reshape(self.arena.spec(name).shape))
         self.stream = dev.stream
-        # Pinned staging ring (byte mirrors of the arena's batch buffer) and its views.
         pinned = {name: dev.pinned_empty(shape, dtype)
                   for name, (shape, dtype) in host_buffer_specs(lay, staging_slots).items()}
-        self._staging = [pinned[staging_name(s)] for s in range(staging_slots)]
-        self._staging_views = [lay.batch_views(buf) for buf in self._staging]
-        host = {staging_name(s): buf for s, buf in enumerate(self._staging)}
         # Each distinct GEMM planned once (the step and evaluation passes repeat shapes).
         self.gemm_plans = PlanCache(functools.partial(GemmPlan, dev),
                                     store=AlgoStore.for_device(dev, cublaslt_version()))
-        self.program = prog = StepProgram(
+        self.program = StepProgram(
             lay, planner=self.gemm_plans, constants=constants,
-            host_nbytes={name: buf.nbytes for name, buf in host.items()}, arch=dev.arch,
-            gemm_workspace=gemm_workspace, seed=seed, sm_count=dev.multiprocessor_count)
+            host_nbytes={staging_name(s): pinned[staging_name(s)].nbytes for s in range(staging_slots)},
+            arch=dev.arch, gemm_workspace=gemm_workspace, seed=seed, sm_count=dev.multiprocessor_count)
+        self._capture(pinned, step_plans(self.program, staging_slots),
+                      Lowering(self.module, self.address, pinned))
+
+    def _capture(self, pinned: dict, plans: dict, lowering: Lowering) -> None:
+        """Capture ``plans`` (``step_plans``') through ``lowering``: the upload graphs on a
+        second stream, graphs 1 and 2 on the step stream; ``pinned``: the host buffers
+        (``host_buffer_specs``' names: the staging ring and the read mirrors)."""
+        from foxhunt.fast.device import _driver, call
+        from foxhunt.fast.graphs import GraphCapture
+
+        ops_up, ops1, ops2 = plans["upload"], plans["graph1"], plans["graph2"]
+        staging_slots = len(ops_up)
+        # Pinned staging ring (byte mirrors of the arena's batch buffer) and its views.
+        self._staging = [pinned[staging_name(s)] for s in range(staging_slots)]
+        self._staging_views = [self.batch_views(buf) for buf in self._staging]
         drv = _driver()
         no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
         # The upload stream and its events: uploaded[slot] (after the upload graph that read
         # staging buffer slot) and graph1_done (after the last graph 1).
-        self._upload_stream = dev.new_stream()
+        self._upload_stream = self.device.new_stream()
         self._uploaded = [call(drv.cuEventCreate, no_timing) for _ in range(staging_slots)]
         self._event_used = [False] * staging_slots
         self._graph1_done = call(drv.cuEventCreate, no_timing)
-        ops_up = upload_ops(prog, staging_slots)
-        ops1, ops2 = graph1_ops(prog), graph2_ops(prog)
-        check_dataflow([ops_up[0], ops1, ops2], lay.role, lay.zero_padding())
         self.pool = BranchPool()  # side streams and events of the parallel sections
-        self.lowering = Lowering(self.module, self.address, host)
+        self.lowering = lowering
         for ops in (*ops_up, ops1, ops2):
             self.pool.reserve(ops)
             self.lowering.prepare(ops)
@@ -111,15 +128,24 @@ class GpuEngine:
         self._graph2 = GraphCapture(self.stream)
         with self._graph2:
             self.lowering.enqueue(ops2, self.stream, self.pool)
-        self.plans = {"upload": ops_up, "graph1": ops1, "graph2": ops2}
+        self.plans = plans
         #: Launches per step as planned (upload, graph 1, graph 2).
         self.planned_launches = (ops_up[0].node_count(), ops1.node_count(), ops2.node_count())
         # Host mirrors of the readback block and the flags (pinned: the async copies are real).
         self._readback_host, self._flags_host = pinned[READBACK_HOST], pinned[FLAGS_HOST]
         for host_name, name in READ_BUFFERS.items():  # read() copies the host mirror's size
-            if pinned[host_name].nbytes > self.arena.spec(name).nbytes:
+            if self.read_nbytes(pinned[host_name]) > self.arena.spec(name).nbytes:
                 raise AssertionError(f"{host_name}: {pinned[host_name].nbytes} bytes, buffer "
                                      f"{name!r} holds {self.arena.spec(name).nbytes}")
+
+    def batch_views(self, staging: np.ndarray):
+        """The named views of one staging buffer (what ``staging(slot)`` returns)."""
+        return self.layout.batch_views(staging)
+
+    @staticmethod
+    def read_nbytes(mirror: np.ndarray) -> int:
+        """Bytes ``read()`` copies into a read mirror (the whole mirror)."""
+        return mirror.nbytes
 
     @property
     def graph_node_counts(self) -> tuple[int, int, int]:
@@ -227,4 +253,5 @@ class GpuEval:
         self.arena.close()
 
 
-__all__ = ["FLAGS_HOST", "READBACK_HOST", "READ_BUFFERS", "GpuEngine", "GpuEval", "host_buffer_specs"]
+__all__ = ["FLAGS_HOST", "READBACK_HOST", "READ_BUFFERS", "GpuEngine", "GpuEval", "host_buffer_specs",
+           "step_plans"]

@@ -165,8 +165,27 @@ class Lowering:
             for p in kernel_params()[node.kernel]:
                 value = node.args[p.name]
                 values.append((0 if value is None else self.address(value)) if p.pointer else value)
-            cached = self._packed[id(node)] = (kernel, kernel.pack(*values), node)
+            cached = self._packed[id(node)] = (kernel, kernel.pack(*values, *self.extra_args(node)),
+                                               node)
         return cached[0], cached[1]
+
+    def extra_args(self, node: Launch) -> tuple:
+        """Arguments after the kernel's own (none here; the population's member build takes
+        two more: ``population.PopulationLowering``)."""
+        return ()
+
+    def launch(self, node: Launch, stream) -> None:
+        """Enqueue one kernel record on ``stream``."""
+        kernel, packed = self.packed(node)
+        kernel.launch(node.shape.grid, node.shape.block, packed, stream=stream,
+                      shared_mem=node.shape.shared_mem)
+
+    def copy(self, node: Copy, handle) -> None:
+        """Enqueue one copy record on the stream ``handle``."""
+        from foxhunt.fast.device import _driver, call
+
+        call(getattr(_driver(), COPY_FUNCTIONS[node.kind]), self._end(node.dst, node.nbytes, True),
+             self._end(node.src, node.nbytes, False), node.nbytes, handle)
 
     def prepare(self, ops: Ops) -> None:
         """Pack every launch of ``ops`` now (kernel lookups and attributes outside a capture)."""
@@ -185,16 +204,13 @@ class Lowering:
         handle = as_stream_handle(stream)
         for it in ops.items:
             if isinstance(it, Launch):
-                kernel, packed = self.packed(it)
-                kernel.launch(it.shape.grid, it.shape.block, packed, stream=stream,
-                              shared_mem=it.shape.shared_mem)
+                self.launch(it, stream)
             elif isinstance(it, Gemm):
                 it.plan.run(self.address(it.a), self.address(it.b), self.address(it.c),
                             bias_ptr=None if it.bias is None else self.address(it.bias),
                             aux_ptr=None if it.aux is None else self.address(it.aux), stream=stream)
             elif isinstance(it, Copy):
-                call(getattr(drv, COPY_FUNCTIONS[it.kind]), self._end(it.dst, it.nbytes, True),
-                     self._end(it.src, it.nbytes, False), it.nbytes, handle)
+                self.copy(it, handle)
             elif isinstance(it, Parallel):
                 if pool is None:
                     raise ValueError("enqueue: a parallel section needs a BranchPool")

@@ -60,6 +60,27 @@ STAGING_RING = 2
 EVAL_CACHE_SIZE = 8
 
 
+def check_step_batch(config: DQNConfig, layout, batch: Batch) -> None:
+    """Refuse a batch the step cannot take (``Batch.validate``), or whose kind (n-step or
+    1-step) is not the layout's (its discounts would be ignored, or missing)."""
+    batch.validate(config)
+    check_batch_kind(batch, layout.n_step_on)
+
+
+def write_batch(config: DQNConfig, batch: Batch, views: dict[str, np.ndarray]) -> None:
+    """A checked batch (``check_step_batch``) into the named views of a staging buffer."""
+    B = config.batch_size
+    views["x"][:B] = batch.s
+    views["x"][B:] = batch.s2
+    views["a"][...] = batch.a.T
+    views["r"][...] = batch.r
+    views["done"][...] = batch.done
+    views["isw"][...] = batch.isw
+    for name in ("discount", "next_ret", "regime"):  # n-step discounts and the auxiliary
+        if name in views:                             # heads' labels, where they are on
+            views[name][...] = getattr(batch, name)
+
+
 class Trainer(TrainerBackend):
     """GPU trainer (CUDA graphs, cuBLASLt, NVRTC kernels); see the module docstring."""
 
@@ -163,31 +184,12 @@ class Trainer(TrainerBackend):
 
     # ------------------------------------------------------------------ the step
     def step(self, batch: Batch) -> StepScalars:
-        batch.validate(self.config)
+        check_step_batch(self.config, self.layout, batch)
         slot = self.step_count % STAGING_RING
-        views = self._engine.staging(slot)
-        self._upload_discount(batch, views)  # first: it may refuse the batch
-        B = self.config.batch_size
-        views["x"][:B] = batch.s
-        views["x"][B:] = batch.s2
-        views["a"][...] = batch.a.T
-        views["r"][...] = batch.r
-        views["done"][...] = batch.done
-        views["isw"][...] = batch.isw
-        for name in ("next_ret", "regime"):  # the auxiliary heads' labels, where a head is on
-            if name in views:
-                views[name][...] = getattr(batch, name)
+        write_batch(self.config, batch, self._engine.staging(slot))
         self._engine.launch(slot)
         self.step_count += 1
         return self._readback.after_step(self.step_count, self._read_scalars)
-
-    def _upload_discount(self, batch: Batch, views) -> None:
-        """The n-step batch's ``discount`` into its staging view; a batch whose kind (n-step or
-        1-step) is not the trainer's is refused (its discounts would be ignored, or missing)."""
-        n_step_on = self.layout.n_step_on
-        check_batch_kind(batch, n_step_on)
-        if n_step_on:
-            views["discount"][...] = batch.discount
 
     def step_enqueued(self) -> StepScalars:
         """The host side of one step whose graphs the caller enqueued itself, its batch already
@@ -352,4 +354,4 @@ class Trainer(TrainerBackend):
             self._engine.close()
 
 
-__all__ = ["EVAL_CACHE_SIZE", "STAGING_RING", "Trainer"]
+__all__ = ["EVAL_CACHE_SIZE", "STAGING_RING", "Trainer", "check_step_batch", "write_batch"]
