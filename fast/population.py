@@ -125,14 +125,21 @@ class PopulationPlan:
         # key (wave_plan, a launch argument) reads it; tests/test_population checks no other
         # launch argument depends on the seed.
         plans: dict[tuple, dict[str, Ops]] = {}
+        layouts: dict[str, StepLayout] = {_config_key(self.configs[0]): self.layout}
         keys = []
+        #: Each member's layout: the same buffers, its own config (``step_constants`` reads its
+        #: gamma and cql_alpha from it).
+        self.member_layouts = []
         for m, (c, seed) in enumerate(zip(self.configs, self.seeds)):
-            key = (_config_key(c), seed if c.iqn_on else None)
-            if key not in plans:
-                specs = StepLayout(c, n_step_on=n_step_on).specs
-                if specs != self.layout.specs:
+            config_key = _config_key(c)
+            if config_key not in layouts:
+                layouts[config_key] = StepLayout(c, n_step_on=n_step_on)
+                if layouts[config_key].specs != self.layout.specs:
                     raise PopulationPlanError(f"member {m}: its step buffers differ from member 0's; "
                                               "members must share one architecture")
+            self.member_layouts.append(layouts[config_key])
+            key = (config_key, seed if c.iqn_on else None)
+            if key not in plans:
                 plans[key] = _record_plan(c, seed, n_step_on)
             keys.append(key)
         found = align_members([plans[key] for key in keys])
@@ -314,7 +321,7 @@ class PopulationEngine(GpuEngine):
         self.member_arenas = [MemberArena(self.arena, m * S, S) for m in range(N)]
         self.constants = []
         for m, arena in enumerate(self.member_arenas):
-            constants = step_constants(lay, plan.member_address(self.address, m))
+            constants = step_constants(plan.member_layouts[m], plan.member_address(self.address, m))
             for name, value in constants.items():
                 arena.upload(name, value.reshape(arena.spec(name).shape))
             arena.upload(MEMBER_SCALARS, plan.scalar_block_bytes(m))
@@ -455,7 +462,8 @@ class CpuPopulationEngine:
                                                  for s, buf in enumerate(self._staging)})
         self.constants = []
         for m, arena in enumerate(self.member_arenas):
-            constants = step_constants(lay, plan.member_address(self._mem.address, m))
+            constants = step_constants(plan.member_layouts[m],
+                                       plan.member_address(self._mem.address, m))
             for name, value in constants.items():
                 arena.upload(name, value.reshape(arena.spec(name).shape))
             arena.upload(MEMBER_SCALARS, plan.scalar_block_bytes(m))

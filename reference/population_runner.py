@@ -15,7 +15,7 @@ member's run goes in a thread of its own with a :class:`MemberProxy` as its trai
   it).
 - A member whose run ends (completed, halted, failed, stopped) leaves the rendezvous when its
   thread ends; the population steps on with the others. A departed member's slot gets its last
-  batch (or, if it never stepped, an active member's batch: the members share one
+  batch (or, if it never stepped, the batch of the lowest active member: the members share one
   architecture, so it is valid there); its results are ignored (its run wrote everything).
 - Every other trainer call (``q_values``, ``end_epoch``, ``fold_boundary``, ``state_dict``,
   ``save``, the properties, ...) is member ``i``'s own (``pop.member(i)``), made under the
@@ -100,7 +100,7 @@ class Lockstep:
         """With the lock held: one ``pop.step`` when every active member has deposited."""
         if not self._deposited or not self.active <= self._deposited.keys():
             return
-        any_batch = next(iter(self._deposited.values()))
+        any_batch = self._deposited[min(self._deposited)]  # for a slot that never stepped
         batches = []
         for j in range(self.n):
             batch = self._deposited.get(j, self._last[j])
