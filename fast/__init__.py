@@ -40,10 +40,13 @@ _EXPORTS = {
     "GraphCapture": "graphs",
     "Trainer": "trainer",
     "CpuTrainer": "cpu_executor",
+    "Population": "population",
+    "CpuPopulation": "population",
 }
 
 __all__ = [
     "Arena",
+    "CpuPopulation",
     "CpuTrainer",
     "CudaError",
     "Device",
@@ -57,6 +60,7 @@ __all__ = [
     "Module",
     "NoCudaDeviceError",
     "PinnedScalars",
+    "Population",
     "Trainer",
     "compile_sources",
     "cuda_available",
