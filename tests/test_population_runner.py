@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 from test_cli import TIMING, TINY, foxhunt, strict_loads
 
-from foxhunt.reference import cli, population_cli, train_cli
+from foxhunt.reference import cli, loop, population_cli, train_cli
+from foxhunt.reference.collector import Collector, fold_collector
+from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.evaluator import segment_evaluator
+from foxhunt.reference.market import SyntheticMarket, feature_warmup, market_features
 from foxhunt.reference.population import Population
 from foxhunt.reference.population_runner import (Lockstep, PopulationStepError, PrefixedLines,
                                                   run_lockstep)
@@ -121,6 +125,20 @@ def test_rendezvous_fills_departed_slots_and_keeps_one_lock():
     # evaluation for a fast population's member).
     proxy = lockstep.member(2)
     assert proxy.backend_name == "fast-member" and proxy.seed == 102
+
+
+def test_a_fast_member_gets_the_host_collector_and_evaluation():
+    """A fast population's member (``backend_name`` "fast-member", through its proxy) is
+    collected and evaluated on the host: the device ones belong to a single fast trainer."""
+    config = DQNConfig.preset("tiny")
+    bars = SyntheticMarket.preset("default", seed=3, n_bars=600).generate()
+    windows = loop.choose_windows(config.state_dim)
+    feats = market_features(bars, windows)
+    seg = loop.fold_segments(len(bars), feature_warmup(windows), 1, 0.125, 0.125)[0]
+    proxy = Lockstep(RecordingPopulation(1)).member(0)
+    made = fold_collector(proxy, config, bars, feats, seg.train, loop.LoopSettings(n_envs=2), 0)
+    assert type(made) is Collector
+    assert segment_evaluator(proxy, bars, feats, [seg.val, seg.test]) is None
 
 
 def test_a_failing_step_raises_in_every_waiting_member():
@@ -266,7 +284,13 @@ def test_lockstep_equals_one_after_another(in_tmp, capsys, monkeypatch, one_afte
     # One population step per training step of the run; every member stepped by those alone.
     assert pop.steps == STEPS and [pop.member(i).step_count for i in range(3)] == [STEPS] * 3
     for seed in SEEDS:
-        assert_same_member(in_tmp / "pop" / f"member{seed}", one_after_another / f"member{seed}")
+        member_dir = in_tmp / "pop" / f"member{seed}"
+        assert_same_member(member_dir, one_after_another / f"member{seed}")
+        # Its plots, drawn by the population's one pool of plot workers.
+        plots = _summary(member_dir)["plots"]
+        assert len(plots) == 4 and [os.path.basename(p) for p in plots] == [
+            os.path.basename(p) for p in _summary(one_after_another / f"member{seed}")["plots"]]
+        assert all((member_dir / os.path.basename(p)).stat().st_size > 0 for p in plots)
     got = strict_loads((in_tmp / "pop" / "population.json").read_text())
     want = strict_loads((one_after_another / "population.json").read_text())
     assert got["status"] == "completed" and got["members"] == want["members"]
@@ -360,10 +384,17 @@ def test_a_failing_population_step_fails_every_member(in_tmp, capsys, monkeypatc
 
 
 def test_a_population_that_cannot_be_built_fails_every_member(in_tmp, capsys, monkeypatch):
+    """(Also: the population is built for n-step transitions where the run has them, as
+    ``loop.run`` builds a single trainer.)"""
+    asked = []
+
     def factory(config, seeds, **kwargs):
+        asked.append((seeds, kwargs))
         raise RuntimeError("no device")
-    rc, out, err = lockstep([*TINY, "--seeds", "3,4", "--out", "pop"], capsys, monkeypatch, factory)
+    rc, out, err = lockstep([*TINY, "--n-step", "2", "--seeds", "3,4", "--out", "pop"], capsys,
+                            monkeypatch, factory)
     assert rc == 1 and "RuntimeError: no device" in err
+    assert asked == [([3, 4], {"n_step": 2})]
     population = strict_loads((in_tmp / "pop" / "population.json").read_text())
     assert [(m["seed"], m["status"], m["error"]) for m in population["members"]] == [
         (s, "failed", "the population was not built: RuntimeError: no device") for s in (3, 4)]
