@@ -35,7 +35,9 @@ dependencies limited it) and the sum of the node times (``serial_us``, the time 
 at all); ``graph_us`` near ``chain_us`` is a latency-bound graph, near ``serial_us`` one whose
 branches do not overlap. Then the ``--top`` slowest nodes and, with ``--chain``, graph 1's
 measured critical chain. Repeating a node repeats its writes (an Adam update applied twenty
-times): the times are of the kernels, the values they leave are not used.
+times): the times are of the kernels, the values they leave are not used. ``--members N``
+measures the step of a ``fast.Population`` of N members instead (issue 24: every node runs for
+all N members).
 
 Cost model (``LAUNCH_US``, ``RUN_US``, ``KERNEL_RUN_US``): ESTIMATES read off the H200 runs of the seed step
 (about 1 us to launch a node and 3-6 us to run one), not measurements of these nodes; replace
@@ -255,9 +257,10 @@ class MeasuredStep:
 
 
 def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
-                 gemm_workspace: str = "none") -> MeasuredStep:
+                 gemm_workspace: str = "none", members: int = 0) -> MeasuredStep:
     """The fast trainer's step for ``config`` measured on the GPU (module docstring,
-    ``--measure``); ``gemm_workspace`` is the trainer's."""
+    ``--measure``); ``gemm_workspace`` is the trainer's; ``members`` > 0: the step of a
+    ``fast.Population`` of that many members (seeds ``seed`` ..) instead."""
     from foxhunt.fast.dataflow import dependency_graph
     from foxhunt.fast.device import driver_event_time
     from foxhunt.fast.graphs import GraphCapture
@@ -266,11 +269,19 @@ def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
 
     import numpy as np
 
-    trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace)
+    rng = np.random.default_rng(seed)
+    if members:
+        from foxhunt.fast.population import Population
+
+        trainer = Population(config, range(seed, seed + members), gemm_workspace=gemm_workspace)
+        batches = [Batch.random(config, rng) for _ in range(members)]
+        step = lambda: trainer.step(batches)  # noqa: E731
+    else:
+        trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace)
+        step = lambda: trainer.step(Batch.random(config, rng))  # noqa: E731
     try:
-        rng = np.random.default_rng(seed)
         for _ in range(2):
-            trainer.step(Batch.random(config, rng))
+            step()
         engine = trainer.engine
         engine.synchronize()
         stream, lowering = engine.stream, engine.lowering
@@ -371,6 +382,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gemm-workspace", default="none", choices=("none", "default"),
                         help="--measure: the trainer's cuBLASLt workspace policy")
     parser.add_argument("--top", type=int, default=12, help="--measure: slowest nodes listed")
+    parser.add_argument("--members", type=int, default=0,
+                        help="--measure: a fast.Population of this many members (0: one trainer)")
     parser.add_argument("--n-envs", type=int, default=16, help="--collect: environments")
     parser.add_argument("--capacity", type=int, default=50_000, help="--collect: ring rows")
     args = parser.parse_args(argv)
@@ -393,7 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.measure:
         for source in args.sources or choices:
             step = measure_step(variant_config(args.preset, args.precision, source),
-                                repeats=args.repeats, gemm_workspace=args.gemm_workspace)
+                                repeats=args.repeats, gemm_workspace=args.gemm_workspace,
+                                members=args.members)
             print(format_measured(source, step, top=args.top, chain=args.chain), flush=True)
         return 0
     rows = table(args.preset, args.precision, args.sources or choices)
