@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 from test_cli import TIMING, TINY, foxhunt, strict_loads
 
+from foxhunt.fast.cpu_executor import CpuTrainer
+from foxhunt.fast.population import CpuPopulation
 from foxhunt.reference import cli, loop, population_cli, train_cli
 from foxhunt.reference.collector import Collector, fold_collector
 from foxhunt.reference.config import DQNConfig
@@ -451,3 +453,30 @@ def test_backend_fast_trains_in_lockstep(in_tmp, capsys, monkeypatch):
     rc, out, err = foxhunt(["train", *pop_args, "--out", "ref"], capsys)
     assert rc == 0, err
     assert len(made) == 1 and "trained one after the other" in out
+
+
+class HostCpuTrainer(CpuTrainer):
+    """A single fast trainer on the CPU executor that the loop collects and evaluates on the
+    host (its ``backend_name`` is not "fast"), as it does a population member."""
+
+    backend_name = "cpu-host"
+
+
+def test_cpu_population_in_lockstep_equals_its_single_trainers(in_tmp, capsys, monkeypatch):
+    """``CpuPopulation`` (the fast population on the CPU executor) in lockstep: each member
+    bit for bit the run of a single fast trainer of its seed (``CpuTrainer``, on the same host
+    collector and evaluation), trained one after the other."""
+    argv = [*TINY, "--epochs", "1", "--steps-per-epoch", "3", "--seeds", "0-1"]
+    rc, _, err = lockstep([*argv, "--out", "lockstep"], capsys, monkeypatch, CpuPopulation)
+    assert rc == 0, err
+    monkeypatch.undo()  # the one-after-another path again, on single CPU-executor trainers
+    monkeypatch.chdir(in_tmp)
+    real_run = train_cli.run
+
+    def run_on_cpu_trainer(config, bars, settings, **kwargs):
+        return real_run(config, bars, settings, **{**kwargs, "backend": HostCpuTrainer})
+    monkeypatch.setattr(train_cli, "run", run_on_cpu_trainer)
+    rc, _, err = foxhunt(["train", *argv, "--out", "single"], capsys)
+    assert rc == 0, err
+    for seed in (0, 1):
+        assert_same_member(in_tmp / "lockstep" / f"member{seed}", in_tmp / "single" / f"member{seed}")
