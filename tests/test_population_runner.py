@@ -478,5 +478,5 @@ def test_cpu_population_in_lockstep_equals_its_single_trainers(in_tmp, capsys, m
     monkeypatch.setattr(train_cli, "run", run_on_cpu_trainer)
     rc, _, err = foxhunt(["train", *argv, "--out", "single"], capsys)
     assert rc == 0, err
-    for seed in (0, 1):
-        assert_same_member(in_tmp / "lockstep" / f"member{seed}", in_tmp / "single" / f"member{seed}")
+    for member in ("member0", "member1"):
+        assert_same_member(in_tmp / "lockstep" / member, in_tmp / "single" / member)
