@@ -2,7 +2,7 @@
 fast ``Trainer``, in one process on one GPU.
 
     python benches/bench_population.py [--preset seed] [--precision bf16] [--members 1 16 64]
-                                       [--steps 200] [--out FILE.json]
+                                       [--steps 200] [--gemm-workspace none] [--out FILE.json]
 
 For the single trainer and for a population of each ``--members`` N (seeds 0 .. N-1), after two
 warm-up steps on random batches:
@@ -42,7 +42,7 @@ def _time_steps(step, sync, steps: int) -> float:
     return (time.perf_counter() - tic) / steps
 
 
-def measure(config, members: int | None, steps: int) -> dict:
+def measure(config, members: int | None, steps: int, gemm_workspace: str = "none") -> dict:
     """One row: the single trainer (``members`` None) or a population of ``members``."""
     from foxhunt.fast import Trainer
     from foxhunt.fast.device import driver_event_time
@@ -53,10 +53,10 @@ def measure(config, members: int | None, steps: int) -> dict:
     n = 1 if members is None else members
     batches = [Batch.random(config, rng) for _ in range(n)]
     if members is None:
-        owner = Trainer(config, seed=0)
+        owner = Trainer(config, seed=0, gemm_workspace=gemm_workspace)
         step = lambda: owner.step(batches[0])  # noqa: E731
     else:
-        owner = Population(config, list(range(members)))
+        owner = Population(config, list(range(members)), gemm_workspace=gemm_workspace)
         step = lambda: owner.step(batches)  # noqa: E731
     try:
         engine = owner.engine
@@ -80,6 +80,8 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
     parser.add_argument("--members", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--gemm-workspace", default="none", choices=("none", "default"),
+                        help="the trainers' cuBLASLt workspace policy (step_program)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -91,10 +93,10 @@ def main(argv=None) -> int:
         print(f"bench_population: no CUDA device ({reason})", file=sys.stderr)
         return 2
     config = DQNConfig.preset(args.preset, precision=args.precision)
-    rows = [measure(config, None, args.steps)] + [measure(config, n, args.steps) for n in args.members]
+    rows = [measure(config, n, args.steps, args.gemm_workspace) for n in (None, *args.members)]
     single = rows[0]["steps_per_s"]
     print(f"population throughput: {Device(0).name}, preset {args.preset}, {args.precision}, "
-          f"{args.steps} steps per row")
+          f"{args.steps} steps per row, GEMM workspace {args.gemm_workspace}")
     print(f"{'impl':<20}{'gpu_us':>10}{'wall_us':>10}{'steps/s':>12}{'x single':>10}{'host x':>8}")
     for r in rows:
         r["x_single"] = r["steps_per_s"] / single

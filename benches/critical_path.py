@@ -329,11 +329,12 @@ def format_measured(source: str, step: MeasuredStep, *, top: int, chain: bool) -
         lines.append(f"{'':{len(source) + 1}} {name:7} {len(m.nodes):>6d} {m.graph_us:>9.1f} "
                      f"{m.chain.weight:>9.1f} {m.chain.depth:>6d} {m.serial_us:>10.1f}")
     lines.append(f"{'':{len(source) + 1}} graph 1 then graph 2, back to back: {step.pair_us:.1f} us")
+    for name, g in graphs.items():
+        on_chain = set(g.chain.indices)
+        lines.append(f"  {name}'s {top} slowest nodes (us; * = on the measured critical chain)")
+        for i in sorted(range(len(g.nodes)), key=lambda i: -g.us[i])[:top]:
+            lines.append(f"    {g.us[i]:7.2f} {'*' if i in on_chain else ' '} {node_label(g.nodes[i])}")
     g1 = graphs["graph1"]
-    on_chain = set(g1.chain.indices)
-    lines.append(f"  graph 1's {top} slowest nodes (us; * = on the measured critical chain)")
-    for i in sorted(range(len(g1.nodes)), key=lambda i: -g1.us[i])[:top]:
-        lines.append(f"    {g1.us[i]:7.2f} {'*' if i in on_chain else ' '} {node_label(g1.nodes[i])}")
     if chain:
         lines.append("  graph 1's measured critical chain (node us, cumulative us)")
         total = 0.0

@@ -238,7 +238,8 @@ def _train_population(args, plans: list, pop_dir: Path, shared_sinks: list) -> i
 def _train_lockstep(args, plans: list, pop_dir: Path, shared_sinks: list,
                     population_factory) -> int:
     """Every member at once, in lockstep on ``population_factory``'s population
-    (``population_runner``); population.json once they have all ended."""
+    (``population_runner``; built, called and closed in one ``PopulationThread``);
+    population.json once they have all ended."""
     from threadpoolctl import threadpool_limits
 
     seeds = [p.run.settings.seed for p in plans]
@@ -250,9 +251,10 @@ def _train_lockstep(args, plans: list, pop_dir: Path, shared_sinks: list,
     # The members' BLAS limit (each _train sets the same) is set here first, so a member's exit
     # from threadpool_limits restores it, not the process's default, while the others run.
     with stop.installed(), threadpool_limits(limits=args.threads, user_api="blas"), \
-            population_runner.SharedPlotWorkers() as plots:
+            population_runner.SharedPlotWorkers() as plots, \
+            population_runner.PopulationThread() as on_population:
         try:
-            population = population_factory(config, seeds, **n_step)
+            population = on_population.call(population_factory, config, seeds, **n_step)
         except Exception as exc:  # no member can train: each says why
             traceback.print_exc()
             why = f"the population was not built: {_one_line(exc)}"
@@ -262,11 +264,11 @@ def _train_lockstep(args, plans: list, pop_dir: Path, shared_sinks: list,
                 outcomes = population_runner.run_lockstep(
                     population, [functools.partial(_member_job, args, plan, d, shared_sinks, stop,
                                                    plots) for plan, d in zip(plans, dirs)],
-                    [f"[seed {seed}] " for seed in seeds])
+                    [f"[seed {seed}] " for seed in seeds], call=on_population.call)
             finally:
                 close = getattr(population, "close", None)  # the reference twin holds nothing
                 if close is not None:
-                    close()
+                    on_population.call(close)
             members = [_failed(seed, d, _one_line(o)) if isinstance(o, BaseException)
                        else _member_record(seed, d, o) for seed, d, o in zip(seeds, dirs, outcomes)]
     return _finish(pop_dir, plans, members, stop.signum)

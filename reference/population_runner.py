@@ -21,6 +21,9 @@ member's run goes in a thread of its own with a :class:`MemberProxy` as its trai
   ``save``, the properties, ...) is member ``i``'s own (``pop.member(i)``), made under the
   same lock as ``pop.step``: ONE lock guards every call into the population (its GPU side is
   not re-entrant). A member's own ``step`` is never called.
+- With a :class:`PopulationThread` (``call=``), every one of those calls runs in that one
+  thread, which also builds and closes the population: a CUDA driver context is current only
+  in the thread that made it current (the fast population's, in the thread that built it).
 
 No deadlock: a member blocked in ``step`` cannot leave, and every other active member either
 reaches ``step`` (deposits) or ends (leaves); the last of these completes the round.
@@ -41,6 +44,7 @@ import io
 import sys
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from .backend import StepScalars
@@ -56,13 +60,40 @@ class PopulationStepError(RuntimeError):
     """``pop.step`` raised while this member waited for it (the cause is that exception)."""
 
 
+def call_here(fn: Callable, /, *args, **kwargs):
+    """``fn(*args, **kwargs)`` in the calling thread (``Lockstep``'s default ``call``)."""
+    return fn(*args, **kwargs)
+
+
+class PopulationThread:
+    """The one thread that builds, calls and closes a population: ``call(fn, *args)`` runs
+    ``fn(*args)`` there and returns its value (or raises its exception) in the caller. A
+    context manager; leaving it ends the thread."""
+
+    def __init__(self):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foxhunt-population")
+
+    def call(self, fn: Callable, /, *args, **kwargs):
+        return self._executor.submit(fn, *args, **kwargs).result()
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+    def __enter__(self) -> PopulationThread:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 class Lockstep:
     """The rendezvous of the members' ``step`` calls and the one lock of every population call
     (module docstring). ``lock`` is a ``threading.Condition``: the population's lock and the
-    rendezvous' wake-up in one."""
+    rendezvous' wake-up in one. ``call(fn, *args)`` makes each population call (default: in
+    the calling thread; ``PopulationThread.call``: in that thread)."""
 
-    def __init__(self, population):
-        self.population = population
+    def __init__(self, population, call: Callable = call_here):
+        self.population, self.call = population, call
         self.lock = threading.Condition()
         self.n = len(population)
         self.active = set(range(self.n))
@@ -106,7 +137,7 @@ class Lockstep:
             batch = self._deposited.get(j, self._last[j])
             batches.append(any_batch if batch is None else batch)
         try:
-            results: Sequence[Any] = self.population.step(batches)
+            results: Sequence[Any] = self.call(self.population.step, batches)
         except BaseException as exc:  # every waiting member raises it (PopulationStepError)
             results = [exc] * self.n
         self._last = batches
@@ -127,7 +158,7 @@ class MemberProxy:
     def __init__(self, lockstep: Lockstep, i: int):
         self._lockstep, self._index = lockstep, i
         with lockstep.lock:
-            self._member = lockstep.population.member(i)
+            self._member = lockstep.call(lockstep.population.member, i)
 
     def step(self, batch: Batch) -> StepScalars:
         return self._lockstep.step(self._index, batch)
@@ -135,16 +166,16 @@ class MemberProxy:
     def __getattr__(self, name: str):
         if name in ("_lockstep", "_index", "_member"):  # before __init__ set them
             raise AttributeError(name)
-        lock = self._lockstep.lock
+        lock, call = self._lockstep.lock, self._lockstep.call
         with lock:
-            value = getattr(self._member, name)
+            value = call(getattr, self._member, name)
         if not callable(value):
             return value
 
         @functools.wraps(value)
         def locked(*args, **kwargs):
             with lock:
-                return value(*args, **kwargs)
+                return call(value, *args, **kwargs)
         return locked
 
 
@@ -220,14 +251,15 @@ class _PlotShare(PlotWorkers):
 
 
 def run_lockstep(population, jobs: Sequence[Callable[[MemberProxy], Any]],
-                 labels: Sequence[str], *, poll_s: float = JOIN_POLL_S) -> list[Any]:
+                 labels: Sequence[str], *, call: Callable = call_here,
+                 poll_s: float = JOIN_POLL_S) -> list[Any]:
     """``jobs[i](trainer)`` for every member ``i`` of ``population``, each in a thread of its
-    own, ``trainer`` its :class:`MemberProxy`, stepping in lockstep (module docstring); the
-    member threads' lines prefixed with ``labels[i]``. The calling thread (the main thread,
+    own, ``trainer`` its :class:`MemberProxy`, stepping in lockstep (module docstring; every
+    population call made by ``call``); the member threads' lines prefixed with ``labels[i]``. The calling thread (the main thread,
     whose signal handlers stop the jobs through their ``should_stop``) waits for all of them.
     Returns, per member, what its job returned or the exception it raised (its traceback
     printed, prefixed)."""
-    lockstep = Lockstep(population)
+    lockstep = Lockstep(population, call)
     if len(jobs) != lockstep.n or len(labels) != lockstep.n:
         raise ValueError(f"jobs: {len(jobs)}, labels: {len(labels)}; allowed: one each per "
                          f"member ({lockstep.n})")
@@ -259,5 +291,5 @@ def run_lockstep(population, jobs: Sequence[Callable[[MemberProxy], Any]],
     return outcomes
 
 
-__all__ = ["JOIN_POLL_S", "Lockstep", "MemberProxy", "PopulationStepError", "PrefixedLines",
-           "SharedPlotWorkers", "run_lockstep"]
+__all__ = ["JOIN_POLL_S", "Lockstep", "MemberProxy", "PopulationStepError", "PopulationThread",
+           "PrefixedLines", "SharedPlotWorkers", "call_here", "run_lockstep"]

@@ -24,8 +24,8 @@ from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.evaluator import segment_evaluator
 from foxhunt.reference.market import SyntheticMarket, feature_warmup, market_features
 from foxhunt.reference.population import Population
-from foxhunt.reference.population_runner import (Lockstep, PopulationStepError, PrefixedLines,
-                                                  run_lockstep)
+from foxhunt.reference.population_runner import (Lockstep, PopulationStepError,
+                                                  PopulationThread, PrefixedLines, run_lockstep)
 from foxhunt.reference.trainer import Trainer
 
 SEEDS = (0, 1, 2)
@@ -43,17 +43,20 @@ def in_tmp(tmp_path, monkeypatch):
 class RecordingPopulation:
     """``n`` members; ``step`` records its batches and returns ``batch * 10 + member`` per
     member; a member's ``q_values(x)`` is ``x * 100 + member``. Any call that starts while
-    another runs (the one lock broken) is recorded in ``overlaps``; ``fail_at``: the round
-    whose step raises."""
+    another runs (the one lock broken) is recorded in ``overlaps``, and the thread of every
+    call (its construction included) in ``threads``; ``fail_at``: the round whose step
+    raises."""
 
     def __init__(self, n, fail_at=None):
         self.n, self.fail_at = n, fail_at
         self.rounds, self.overlaps, self._busy = [], [], False
+        self.threads = {threading.get_ident()}
 
     def __len__(self):
         return self.n
 
     def _call(self, what, fn):
+        self.threads.add(threading.get_ident())
         if self._busy:
             self.overlaps.append(what)
         self._busy = True
@@ -73,6 +76,7 @@ class RecordingPopulation:
 
     def member(self, i):
         population = self
+        self.threads.add(threading.get_ident())
 
         class Member:
             backend_name = "fast-member"
@@ -187,6 +191,25 @@ def test_run_lockstep_returns_results_and_exceptions(capsys):
     assert all(line.startswith("[b] ") for line in lines)
     with pytest.raises(ValueError, match="one each per member"):
         run_lockstep(pop, [steady], ["[a] "])
+
+
+def test_every_population_call_runs_in_the_population_thread():
+    """Built, stepped and asked (``member``, ``q_values``) in one thread, none of the members'
+    (a CUDA context is current in the thread that made it so)."""
+    member_threads = set()
+
+    def job(trainer):
+        member_threads.add(threading.get_ident())
+        return [(trainer.step(b), trainer.q_values(b)) for b in (1, 2)]
+
+    with PopulationThread() as on_population:
+        pop = on_population.call(RecordingPopulation, 2)
+        outcomes = run_lockstep(pop, [job, job], ["[a] ", "[b] "], call=on_population.call,
+                                poll_s=0.01)
+        where = on_population.call(threading.get_ident)
+    assert outcomes == [[(10, 100), (20, 200)], [(11, 101), (21, 201)]]
+    assert pop.threads == {where} and pop.overlaps == []
+    assert len(member_threads) == 2 and where not in member_threads | {threading.get_ident()}
 
 
 def test_prefixed_lines_keep_each_threads_lines_whole():
