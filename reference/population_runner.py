@@ -9,8 +9,8 @@ calls ``trainer.step(batch)`` one batch at a time. :func:`run_lockstep` joins th
 member's run goes in a thread of its own with a :class:`MemberProxy` as its trainer:
 
 - ``proxy.step(batch)`` deposits the batch at the rendezvous (:class:`Lockstep`) and waits;
-  when every *active* member has deposited, the thread that deposited last calls
-  ``pop.step(batches)`` and each waiting member gets its own ``StepScalars``. An exception
+  when every *active* member has deposited, the thread that completes the round (the last to
+  deposit, or a member leaving) calls ``pop.step(batches)`` and each waiting member gets its own ``StepScalars``. An exception
   in ``pop.step`` is raised in every waiting member (:class:`PopulationStepError`, caused by
   it).
 - A member whose run ends (completed, halted, failed, stopped) leaves the rendezvous when its
