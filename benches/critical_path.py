@@ -334,6 +334,13 @@ def format_measured(source: str, step: MeasuredStep, *, top: int, chain: bool) -
         lines.append(f"  {name}'s {top} slowest nodes (us; * = on the measured critical chain)")
         for i in sorted(range(len(g.nodes)), key=lambda i: -g.us[i])[:top]:
             lines.append(f"    {g.us[i]:7.2f} {'*' if i in on_chain else ' '} {node_label(g.nodes[i])}")
+    for name, g in graphs.items():
+        kinds: dict[str, float] = {}
+        for node, us in zip(g.nodes, g.us):
+            kind = node_kind(node)
+            kinds[kind] = kinds.get(kind, 0.0) + us
+        lines.append(f"  {name}'s node times by kind (us): " + ", ".join(
+            f"{kind} {total:.1f}" for kind, total in sorted(kinds.items())))
     g1 = graphs["graph1"]
     if chain:
         lines.append("  graph 1's measured critical chain (node us, cumulative us)")

@@ -16,7 +16,10 @@ How one plan serves N members:
   bytes). Each member's constants are its own (``step_constants`` at its own addresses: the
   sentinel and spectral-norm descriptors hold pointers, ``gamma`` and ``alpha`` its values).
 - **Kernels** come from the member build (``member_build.member_module``: every kernel moves
-  its pointers by ``blockIdx.z * member_stride`` bytes) and launch with ``gridDim.z = N``.
+  its pointers by ``blockIdx.z * member_stride`` bytes) and launch with ``gridDim.z = N``;
+  those of ``GRID_SHARED_KERNELS`` with their blocks shared among the members. A population of
+  one runs the plain kernels (the single trainer's plan exactly): the member build cost 2 % at
+  N = 1 (measured on the H200, seed preset, bf16: 232.1 against 227.8 us per step).
 - **Scalars.** Every member's step plan is built (``StepProgram`` per distinct member config and
   seed, on the CPU planner) and ``population_plan.align_members`` checks they are one plan but
   for kernel scalar arguments. Each launch whose scalars differ gets a scalar block per member
@@ -77,8 +80,13 @@ from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
 #: The arena buffer holding the launches' per-member scalar blocks (after the step's buffers).
 MEMBER_SCALARS = "member_scalars"
-#: The graphs of a step, as ``GpuEngine.plans`` names them (the upload graph: its first slot's).
-STEP_GRAPHS = ("upload", "graph1", "graph2")
+#: Kernels whose results do not depend on ``gridDim.x`` (their blocks stride over all the work,
+#: and what they write is the same for any grid), with where that is said. A population launch
+#: gives each member ``ceil(grid.x / N)`` blocks of them, so the N members take about the blocks
+#: one member did: measured on the H200 (seed preset, bf16, N = 16), ``nan_check_fused`` with
+#: its single-trainer grid per member took 124, 59 and 36 us of graph 2's 370 us (each block
+#: scans the slot table before its one chunk).
+GRID_SHARED_KERNELS = {"nan_check_fused": "fast.kernels.safety.plan_nan_check_fused"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,6 +269,8 @@ class PopulationLowering(Lowering):
         gx, gy, gz = node.shape.grid
         if gz != 1:
             raise AssertionError(f"kernel {node.kernel}: grid.z = {gz}; the member build takes z")
+        if node.kernel in GRID_SHARED_KERNELS:
+            gx = -(-gx // self.members)
         kernel, packed = self.packed(node)
         kernel.launch((gx, gy, self.members), node.shape.block, packed, stream=stream,
                       shared_mem=node.shape.shared_mem)
@@ -302,6 +312,7 @@ class PopulationEngine(GpuEngine):
 
     def __init__(self, plan: PopulationPlan, *, device=None, gemm_workspace: str = "none",
                  staging_slots: int = STAGING_RING):
+        from foxhunt.fast._build import package_module
         from foxhunt.fast.device import Device
         from foxhunt.fast.gemm import GemmPlan, PlanCache, cublaslt_version
         from foxhunt.fast.gemm_algos import AlgoStore
@@ -311,8 +322,9 @@ class PopulationEngine(GpuEngine):
         dev.make_current()
         self.device, self.closed, self.population = dev, False, plan
         N, S = plan.members, plan.stride
-        self.module = dev.load_module(member_module(dev.arch))
-        self._plain_module = None  # the evaluation graphs' (loaded on the first q_values)
+        # A population of one needs no member dimension: the plain kernels (module docstring).
+        self.module = dev.load_module(member_module(dev.arch) if N > 1 else package_module(dev.arch))
+        self._plain_module = None if N > 1 else self.module  # the evaluation graphs' kernels
         self.layout = lay = plan.layout
         self.arena = Arena(dev, N * S)
         for name, (shape, dtype) in plan.specs.items():
@@ -341,10 +353,10 @@ class PopulationEngine(GpuEngine):
         self._eval_program = None
         plans = step_plans(self.program, staging_slots)
         scalars = self.arena.ptr(MEMBER_SCALARS)
-        self._capture(pinned, plans, PopulationLowering(
-            self.module, self.address, pinned, members=N, stride=S,
-            scalar_address={key: scalars + block.offset
-                            for key, block in plan.block_of(plans).items()}))
+        self._capture(pinned, plans, Lowering(self.module, self.address, pinned) if N == 1 else
+                      PopulationLowering(self.module, self.address, pinned, members=N, stride=S,
+                                         scalar_address={key: scalars + block.offset for key, block
+                                                         in plan.block_of(plans).items()}))
 
     def batch_views(self, staging: np.ndarray):
         return [self.layout.batch_views(row) for row in staging]
@@ -387,8 +399,8 @@ class PopulationEngine(GpuEngine):
         try:
             super().close()
         finally:
-            if self._plain_module is not None:  # (the eval program's plans: gemm_plans closed them)
-                self._plain_module.close()
+            if self._plain_module is not None and self._plain_module is not self.module:
+                self._plain_module.close()  # (the eval program's plans: gemm_plans closed them)
 
 
 class MemberEngine:
@@ -698,6 +710,6 @@ class CpuPopulation(Population):
                                    refused_epilogues=tuple(refused_epilogues))
 
 
-__all__ = ["MEMBER_SCALARS", "CpuPopulation", "CpuPopulationEngine", "Member", "MemberArena",
+__all__ = ["GRID_SHARED_KERNELS", "MEMBER_SCALARS", "CpuPopulation", "CpuPopulationEngine", "Member", "MemberArena",
            "MemberEngine", "Population", "PopulationEngine", "PopulationLowering", "PopulationPlan",
            "ScalarBlock", "batched_planner", "memcpy_2d"]
