@@ -26,7 +26,8 @@ How one plan serves N members:
   in ``member_scalars`` (``member_build.member_scalar_block``), found in the real plan by graph,
   kernel and occurrence; every other launch passes null and reads its own arguments.
 - **GEMMs** are cuBLASLt strided-batched plans (``batch = N``, ``batch_stride = stride``);
-  every GEMM is planned for ``min(N, GEMM_SM_SHARE) / GEMM_SM_SHARE`` of the SMs.
+  every GEMM is planned for ``min(N, GEMM_SM_SHARE) / GEMM_SM_SHARE`` of the SMs; the output
+  layers' bias gradients take the kernel fallback (``POPULATION_FALLBACK_EPILOGUES``).
 - **Copies** (the batch upload, the reads) are one 2-D copy each: N rows of the copy's bytes,
   pitch ``stride`` on the device and the per-member size of the host buffer on the host.
 
@@ -217,11 +218,28 @@ def _member_scalar_values(block: ScalarBlock, params, raw: np.ndarray) -> dict[s
     return values
 
 
+#: Epilogues a population of more than one member takes as the plain GEMM plus the kernel
+#: fallback (``step_program.FALLBACK_EPILOGUES``): cuBLASLt's batched BGRADB GEMMs are slow
+#: (measured on the H200, seed preset, bf16: 256x256x256 took 23.8 us for 16 members, 6.4 for
+#: one); refusing them took the population step from 1288.7 to 1240.0 us at N = 16 and from
+#: 4451.2 to 4186.5 us at N = 64 (refusing DRELU_BGRAD too gained nothing more).
+POPULATION_FALLBACK_EPILOGUES = ("bgradb",)
+
+
 def batched_planner(planner, members: int, stride: int):
-    """``planner`` making strided-batched plans over ``members`` (``batch_stride = stride``)."""
+    """``planner`` making strided-batched plans over ``members`` (``batch_stride = stride``)
+    that refuses ``POPULATION_FALLBACK_EPILOGUES`` (``GemmPlanError``: the step takes the
+    kernel fallback); ``planner`` itself for one member."""
     if members == 1:
         return planner
-    return functools.partial(planner, batch=members, batch_stride=stride)
+
+    def plan(m, n, k, *, epilogue=None, **kw):
+        from foxhunt.fast.gemm import GemmPlanError
+
+        if epilogue in POPULATION_FALLBACK_EPILOGUES:
+            raise GemmPlanError(f"a population takes epilogue {epilogue!r} as its kernel fallback")
+        return planner(m, n, k, epilogue=epilogue, batch=members, batch_stride=stride, **kw)
+    return plan
 
 
 # --------------------------------------------------------------------------------------------
@@ -710,6 +728,6 @@ class CpuPopulation(Population):
                                    refused_epilogues=tuple(refused_epilogues))
 
 
-__all__ = ["GRID_SHARED_KERNELS", "MEMBER_SCALARS", "CpuPopulation", "CpuPopulationEngine", "Member", "MemberArena",
+__all__ = ["GRID_SHARED_KERNELS", "MEMBER_SCALARS", "POPULATION_FALLBACK_EPILOGUES", "CpuPopulation", "CpuPopulationEngine", "Member", "MemberArena",
            "MemberEngine", "Population", "PopulationEngine", "PopulationLowering", "PopulationPlan",
            "ScalarBlock", "batched_planner", "memcpy_2d"]

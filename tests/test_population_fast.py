@@ -10,7 +10,12 @@ import numpy as np
 import pytest
 
 from foxhunt.fast.cpu_executor import CpuTrainer
-from foxhunt.fast.population import CpuPopulation, PopulationPlan, _record_plan
+from foxhunt.fast.population import (
+    POPULATION_FALLBACK_EPILOGUES,
+    CpuPopulation,
+    PopulationPlan,
+    _record_plan,
+)
 from foxhunt.fast.population_plan import align_members
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig, source_overrides
@@ -45,7 +50,9 @@ def test_each_member_is_its_single_trainer_bit_for_bit(source):
     config = DQNConfig.preset("tiny", **source_overrides(source))
     overrides = overrides_for(config)
     pop = CpuPopulation(config, SEEDS, overrides)
-    singles = [CpuTrainer(config.replace(**o), seed=s) for s, o in zip(SEEDS, overrides)]
+    # A population of several takes POPULATION_FALLBACK_EPILOGUES as kernel fallbacks.
+    singles = [CpuTrainer(config.replace(**o), seed=s, refused_epilogues=POPULATION_FALLBACK_EPILOGUES)
+               for s, o in zip(SEEDS, overrides)]
     rng = np.random.default_rng(0)
     for step in range(3):
         batches = [Batch.random(config, rng) for _ in SEEDS]
