@@ -77,6 +77,7 @@ from foxhunt.reference import sentinels
 from foxhunt.reference.backend import DeferredReadback, StepScalars
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.population import member_configs
+from foxhunt.reference.step import check_n_step
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
 #: The arena buffer holding the launches' per-member scalar blocks (after the step's buffers).
@@ -594,6 +595,7 @@ class Member(Trainer):
         self._closed = True
         self.index, self.seed, self.config = index, int(seed), config
         self._engine = engine
+        self.n_step_on = engine.layout.n_step_on
         self._eval_cache: dict[int, object] = {}
         self._readback = DeferredReadback(config.readback_interval, sentinels.NUM_SENTINEL_SLOTS)
         self._closed = False
@@ -612,15 +614,18 @@ class Member(Trainer):
 class Population:
     """N fast trainers of one architecture stepped by one graph replay (module docstring).
 
-    ``Population(config, seeds, overrides=None, *, device=None, gemm_workspace="none")``: the
-    members' configs as ``reference.population.member_configs`` checks them; raises
-    ``NoCudaDeviceError`` (with the reason) where no CUDA device/driver is usable."""
+    ``Population(config, seeds, overrides=None, *, device=None, gemm_workspace="none",
+    n_step=1)``: the members' configs as ``reference.population.member_configs`` checks them;
+    ``n_step`` > 1: n-step transitions (every batch carries ``discount``, as a fast
+    ``Trainer(n_step=)``'s); raises ``NoCudaDeviceError`` (with the reason) where no CUDA
+    device/driver is usable."""
 
     def __init__(self, config, seeds: Sequence[int], overrides: Sequence[Mapping[str, Any]] | None = None,
-                 *, device=None, gemm_workspace: str = "none", **engine_options):
+                 *, device=None, gemm_workspace: str = "none", n_step: int = 1, **engine_options):
         self._closed = True
         self.config = config
-        self.plan = plan = PopulationPlan(config, seeds, overrides)
+        self.plan = plan = PopulationPlan(config, seeds, overrides,
+                                          n_step_on=check_n_step(config, n_step))
         self.seeds = plan.seeds
         self._engine = self._make_engine(plan, device=device, gemm_workspace=gemm_workspace,
                                          **engine_options)

@@ -1,9 +1,9 @@
 """The population's reference twin (SPEC 12, issue 24): N reference trainers, one after the other.
 
-``Population(config, seeds=[s0, s1, ...], overrides=[{...}, {...}, ...])`` holds member ``i`` as
-one reference :class:`~foxhunt.reference.trainer.Trainer` built from
-``config.replace(**overrides[i])`` with ``seed=seeds[i]``. A population step is each member's
-own ``Trainer.step`` on its own batch, so a member is bitwise its single trainer: its params,
+``Population(config, seeds=[s0, s1, ...], overrides=[{...}, {...}, ...], n_step=1)`` holds
+member ``i`` as one reference :class:`~foxhunt.reference.trainer.Trainer` built from
+``config.replace(**overrides[i])`` with ``seed=seeds[i]`` and ``n_step``. A population step is
+each member's own ``Trainer.step`` on its own batch, so a member is bitwise its single trainer: its params,
 target, Adam state, spectral-norm vectors, ISV, sentinel flags and deferred readback are its
 own, and a NaN in one member's batch flags that member only.
 
@@ -88,12 +88,12 @@ class Population:
     population's reference twin); see the module docstring."""
 
     def __init__(self, config: DQNConfig, seeds: Sequence[int],
-                 overrides: Sequence[Mapping[str, Any]] | None = None):
+                 overrides: Sequence[Mapping[str, Any]] | None = None, *, n_step: int = 1):
         self.config = config
         seeds = list(seeds)
         configs = member_configs(config, seeds, overrides)  # everything checked first
         self.seeds = [int(s) for s in seeds]
-        self._members = [Trainer(c, seed=s) for c, s in zip(configs, self.seeds)]
+        self._members = [Trainer(c, seed=s, n_step=n_step) for c, s in zip(configs, self.seeds)]
 
     def __len__(self) -> int:
         return len(self._members)

@@ -6,6 +6,8 @@ population is checked against the reference by ``conformance/test_population.py`
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -145,3 +147,23 @@ def test_member_checkpoint_loads_into_single_trainers_of_both_backends(tmp_path)
     single.step(Batch.random(config, rng))
     pop.load_member_state(1, single.state_dict())
     assert_same_state(pop.state_dict(1), single.state_dict(), "loaded member")
+
+
+def test_n_step_members_are_their_n_step_single_trainers():
+    config = DQNConfig.preset("tiny")
+    pop = CpuPopulation(config, [1, 2], n_step=3)
+    singles = [CpuTrainer(config, seed=s, n_step=3, refused_epilogues=POPULATION_FALLBACK_EPILOGUES)
+               for s in (1, 2)]
+    rng = np.random.default_rng(4)
+    batches = []
+    for _ in range(2):
+        discount = rng.uniform(0.5, 0.99, config.batch_size).astype(np.float32)
+        batches.append(dataclasses.replace(Batch.random(config, rng), discount=discount))
+    one_step = Batch.random(config, rng)
+    with pytest.raises(ValueError, match="^member 0: "):
+        pop.step([one_step, batches[1]])  # a 1-step batch: no discount
+    got = pop.step(batches)
+    for m, single in enumerate(singles):
+        assert_same_scalars(got[m], single.step(batches[m]), f"member {m}")
+        assert_same_state(pop.state_dict(m), single.state_dict(), f"member {m}")
+    assert pop.member(0).n_step_on
