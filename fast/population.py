@@ -76,7 +76,7 @@ from foxhunt.fast.trainer import STAGING_RING, Trainer, check_step_batch, write_
 from foxhunt.reference import sentinels
 from foxhunt.reference.backend import DeferredReadback, StepScalars
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.population import member_configs
+from foxhunt.reference.population import MemberAccess, member_configs
 from foxhunt.reference.step import check_n_step
 from foxhunt.reference.trainer import Trainer as ReferenceTrainer
 
@@ -611,7 +611,7 @@ class Member(Trainer):
                          "built (load it into a single trainer instead)")
 
 
-class Population:
+class Population(MemberAccess):
     """N fast trainers of one architecture stepped by one graph replay (module docstring).
 
     ``Population(config, seeds, overrides=None, *, device=None, gemm_workspace="none",
@@ -648,16 +648,6 @@ class Population:
         """The device side (``PopulationEngine``, or the CPU twin's ``CpuPopulationEngine``)."""
         return self._engine
 
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def member(self, i: int) -> Member:
-        """Member ``i`` (a fast ``Trainer`` whose ``step`` raises; its checkpoint:
-        ``member(i).save(path)``)."""
-        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(self):
-            raise ValueError(f"member={i!r}: allowed members are 0 .. {len(self) - 1}")
-        return self._members[int(i)]
-
     def read_member(self, member: int) -> tuple[np.ndarray, np.ndarray]:
         """Member ``member``'s readback and flags: one read (a synchronisation) serves every
         member until the next launch or state change (``forget_read``)."""
@@ -687,27 +677,6 @@ class Population:
         self.forget_read()
         self.steps += 1
         return [member.step_enqueued() for member in self._members]
-
-    def end_epoch(self) -> list[StepScalars]:
-        """Each member's scalars of its last step (fresh where it stepped since its last load)."""
-        return [member.end_epoch() for member in self._members]
-
-    def set_epoch(self, epoch: int) -> None:
-        for member in self._members:
-            member.set_epoch(epoch)
-
-    def fold_boundary(self) -> None:
-        """Each member's ``fold_boundary()`` (Mech 3, Mech 4, ISV fold reset, flags reset)."""
-        for member in self._members:
-            member.fold_boundary()
-
-    def state_dict(self, member: int) -> dict:
-        """Member ``member``'s full state (``Trainer.state_dict``: a single trainer loads it)."""
-        return self.member(member).state_dict()
-
-    def load_member_state(self, member: int, state: dict) -> None:
-        """Load ``state`` into member ``member`` (validated first: ``Trainer.load_state_dict``)."""
-        self.member(member).load_state_dict(state)
 
     def close(self) -> None:
         """Release the graphs, GEMM plans, events and device memory (unusable afterwards)."""

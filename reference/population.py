@@ -83,7 +83,45 @@ def _is_on(value: Any) -> bool:
         return True
 
 
-class Population:
+class MemberAccess:
+    """What every population offers over its members (``self._members``: one trainer each):
+    this reference twin and ``foxhunt.fast.population.Population``."""
+
+    _members: list
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def member(self, i: int):
+        """Member ``i``'s trainer (its checkpoint: ``member(i).save(path)``)."""
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < len(self):
+            raise ValueError(f"member={i!r}: allowed members are 0 .. {len(self) - 1}")
+        return self._members[int(i)]
+
+    def end_epoch(self) -> list[StepScalars]:
+        """Each member's scalars of its last step (fresh where it stepped since its last load)."""
+        return [t.end_epoch() for t in self._members]
+
+    def set_epoch(self, epoch: int) -> None:
+        for t in self._members:
+            t.set_epoch(epoch)
+
+    def fold_boundary(self) -> None:
+        """Each member's ``fold_boundary()`` (Mech 3, Mech 4, ISV fold reset, flags reset)."""
+        for t in self._members:
+            t.fold_boundary()
+
+    def state_dict(self, member: int) -> dict:
+        """Member ``member``'s full state (``Trainer.state_dict``: a single trainer of either
+        backend loads it)."""
+        return self.member(member).state_dict()
+
+    def load_member_state(self, member: int, state: dict) -> None:
+        """Load ``state`` into member ``member`` (validated first: ``Trainer.load_state_dict``)."""
+        self.member(member).load_state_dict(state)
+
+
+class Population(MemberAccess):
     """N reference trainers of one architecture, stepped one after the other (the fast
     population's reference twin); see the module docstring."""
 
@@ -94,15 +132,6 @@ class Population:
         configs = member_configs(config, seeds, overrides)  # everything checked first
         self.seeds = [int(s) for s in seeds]
         self._members = [Trainer(c, seed=s, n_step=n_step) for c, s in zip(configs, self.seeds)]
-
-    def __len__(self) -> int:
-        return len(self._members)
-
-    def member(self, i: int) -> Trainer:
-        """Member ``i``'s trainer (its checkpoint: ``member(i).save(path)``)."""
-        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self._members):
-            raise ValueError(f"member={i!r}: allowed members are 0 .. {len(self._members) - 1}")
-        return self._members[i]
 
     def step(self, batches: Sequence[Batch]) -> list[StepScalars]:
         """One step of every member on its own batch (``batches[i]`` for member ``i``); returns
@@ -119,24 +148,3 @@ class Population:
             except ValueError as exc:
                 raise ValueError(f"member {i}: {exc}") from None
         return [t.step(b) for t, b in zip(self._members, batches)]
-
-    def end_epoch(self) -> list[StepScalars]:
-        """Each member's fresh scalars of its last step."""
-        return [t.end_epoch() for t in self._members]
-
-    def set_epoch(self, epoch: int) -> None:
-        for t in self._members:
-            t.set_epoch(epoch)
-
-    def fold_boundary(self) -> None:
-        """Each member's ``fold_boundary()`` (Mech 3, Mech 4, ISV fold reset, flags reset)."""
-        for t in self._members:
-            t.fold_boundary()
-
-    def state_dict(self, member: int) -> dict:
-        """Member ``member``'s full state (``Trainer.state_dict``)."""
-        return self.member(member).state_dict()
-
-    def load_member_state(self, member: int, state: dict) -> None:
-        """Load ``state`` into member ``member`` (validated first: ``Trainer.load_state_dict``)."""
-        self.member(member).load_state_dict(state)
