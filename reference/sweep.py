@@ -24,6 +24,13 @@ The sweep directory::
 A trial is done when its run directory's ``summary.json`` says ``"completed"`` (or
 ``"halted"``), or its results line says ``"early_stopped"``; ``--resume`` runs the rest.
 
+With ``population`` (``--population``) each configuration's seeds run as ONE trial, a
+``sweep_population.PopulationTrial``: one ``foxhunt train --seeds`` run (a population: in
+lockstep on one GPU with ``--backend fast``, one member after the other with ``reference``) in
+``trials/<id>/``, its members in ``trials/<id>/member<seed>/``. ``results.jsonl`` still has one
+line per configuration and seed (``expand``'s trials), filled from the population's
+``population.json`` (``reference/sweep_population.py``).
+
 This module needs no Ray: the plan, one trial (``run_trial``, what each Ray task runs) and the
 results. ``sweep_cli`` drives Ray (tasks, or Tune trials with ``--early-stop``).
 """
@@ -99,6 +106,9 @@ class Command:
     gather: Callable[[Path, list], list[Path]] | None = None
     #: Whether a run writes ``metrics.jsonl`` epoch by epoch (what ``--early-stop`` reads).
     epoch_metrics: bool = False
+    #: ``(population_trial, spec, run_dir) -> [the arguments after "python"]``: one run training
+    #: all the seeds of one configuration (``--population``); None: the command has no such form.
+    population_argv: Callable[..., list[str]] | None = None
 
 
 def _train_typed(key: str, value: Any, text: bool) -> Any:
@@ -116,15 +126,26 @@ def _train_typed(key: str, value: Any, text: bool) -> Any:
 
 
 def _train_argv(trial: "Trial", spec: "SweepSpec", run_dir: Path, resume: bool) -> list[str]:
-    common = ["--threads", str(spec.threads), "--no-progress"]
     if resume:  # the run's own config.json holds its configuration
-        return ["-m", "foxhunt.reference.cli", "train", "--resume", str(run_dir), *common]
+        return ["-m", "foxhunt.reference.cli", "train", "--resume", str(run_dir), "--threads",
+                str(spec.threads), "--no-progress"]
+    return _train_new_argv(["--seed", str(trial.seed)], trial.overrides, spec, run_dir)
+
+
+def _train_population_argv(population, spec: "SweepSpec", run_dir: Path) -> list[str]:
+    """``foxhunt train --seeds`` of every seed of ``population`` (a ``PopulationTrial``); a
+    population is never resumed: a new attempt starts again from nothing."""
+    return _train_new_argv(["--seeds", ",".join(map(str, population.seeds))], population.overrides,
+                           spec, run_dir)
+
+
+def _train_new_argv(seed_args: list[str], overrides, spec: "SweepSpec", run_dir: Path) -> list[str]:
     out = ["-m", "foxhunt.reference.cli", "train", "--out", str(run_dir), "--backend", spec.backend,
-           "--seed", str(trial.seed), *common]
+           *seed_args, "--threads", str(spec.threads), "--no-progress"]
     if run_dir.is_dir() and any(run_dir.iterdir()):
         out.append("--overwrite")  # a failed attempt's files: start again from nothing
     out += list(spec.args)
-    for key, value in trial.overrides:
+    for key, value in overrides:
         out += ["--set", f"{key}={format_value(value)}"]
     return out
 
@@ -192,7 +213,7 @@ def _longrun_gather(sweep_dir: Path, trials: list["Trial"]) -> list[Path]:
 
 COMMANDS: dict[str, Command] = {
     "train": Command("train", "test_sharpe", _train_argv, _train_typed, resumable=_train_resumable,
-                     epoch_metrics=True),
+                     epoch_metrics=True, population_argv=_train_population_argv),
     "longrun": Command("longrun", "final_sharpe", _longrun_argv, _longrun_typed,
                        finish=_longrun_finish, gather=_longrun_gather),
 }
@@ -211,8 +232,12 @@ class Trial:
 
     @property
     def trial_id(self) -> str:
-        slug = re.sub(r"[^A-Za-z0-9._=+-]+", "_", self.label)[:80]
-        return f"{self.index:03d}-{slug}-seed{self.seed}"
+        return f"{self.index:03d}-{slug(self.label)}-seed{self.seed}"
+
+
+def slug(label: str) -> str:
+    """A configuration's label as part of a directory name."""
+    return re.sub(r"[^A-Za-z0-9._=+-]+", "_", label)[:80]
 
 
 @dataclass(frozen=True)
@@ -235,12 +260,15 @@ class SweepSpec:
     #: The ``overall`` key the table and plot report (``None``: the command's default).
     metric: str | None = None
     early_stop: bool = False
+    #: Each configuration's seeds as one trial: one population run (``Command.population_argv``),
+    #: asking Ray for a whole GPU with ``--backend fast``.
+    population: bool = False
     #: The directory trials run in (relative paths in ``args`` are read from there); ``None``:
     #: the Ray worker's. ``foxhunt sweep`` records the directory it was started in.
     workdir: str | None = None
 
     FIELDS = ("command", "backend", "seeds", "grid", "configs", "set", "args", "threads",
-              "trials_per_gpu", "metric", "early_stop", "workdir")
+              "trials_per_gpu", "metric", "early_stop", "population", "workdir")
 
     def __post_init__(self) -> None:
         if self.command not in COMMANDS:
@@ -262,6 +290,8 @@ class SweepSpec:
         if self.early_stop and not COMMANDS[self.command].epoch_metrics:
             raise SweepError(f"early_stop: not for command {self.command!r} (its runs report no "
                              "per-epoch metrics.jsonl); use it with 'train'")
+        if self.population:
+            self._check_population()
         # Every setting checked and typed by the command (e.g. lr=1 becomes 1.0), once, here.
         typed = lambda key, value: COMMANDS[self.command].typed(key, value, False)  # noqa: E731
         common = tuple((k, typed(k, v)) for k, v in self.common)
@@ -282,13 +312,34 @@ class SweepSpec:
         object.__setattr__(self, "grid", grid)
         object.__setattr__(self, "configs", configs)
 
+    def _check_population(self) -> None:
+        from .population_cli import MAX_MEMBERS, MIN_MEMBERS, seeds_label
+
+        if COMMANDS[self.command].population_argv is None:
+            raise SweepError(f"population: not for command {self.command!r} (its runs train one "
+                             "seed each); use it with 'train'")
+        if not MIN_MEMBERS <= len(self.seeds) <= MAX_MEMBERS:
+            raise SweepError(f"seeds={seeds_label(self.seeds)}: population needs {MIN_MEMBERS} to "
+                             f"{MAX_MEMBERS} seeds (each configuration's seeds train as one "
+                             f"foxhunt train --seeds population), not {len(self.seeds)}")
+        if self.trials_per_gpu is not None:
+            raise SweepError(f"trials_per_gpu={self.trials_per_gpu}: not with population (a "
+                             "population trial asks Ray for one whole GPU); drop one of them")
+        if self.early_stop:
+            raise SweepError("early_stop: not with population (ASHA stops one trial early; a "
+                             "population trains its seeds in one run and cannot stop one member)")
+
     @property
     def metric_name(self) -> str:
         return self.metric or COMMANDS[self.command].default_metric
 
     @property
     def gpus_per_trial(self) -> float:
-        return 1.0 / self.effective_trials_per_gpu if self.backend == "fast" else 0.0
+        """Ray's GPU request of one trial: a population trial's GPU is its own (its members
+        share it in one graph), other fast trials share one ``effective_trials_per_gpu`` ways."""
+        if self.backend != "fast":
+            return 0.0
+        return 1.0 if self.population else 1.0 / self.effective_trials_per_gpu
 
     @property
     def effective_trials_per_gpu(self) -> int:
@@ -300,7 +351,7 @@ class SweepSpec:
                 "grid": {k: list(v) for k, v in self.grid}, "configs": [dict(c) for c in self.configs],
                 "set": dict(self.common), "args": list(self.args), "threads": self.threads,
                 "trials_per_gpu": self.trials_per_gpu, "metric": self.metric, "early_stop": self.early_stop,
-                "workdir": self.workdir}
+                "population": self.population, "workdir": self.workdir}
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any], source: str = "sweep file") -> "SweepSpec":
@@ -328,8 +379,9 @@ class SweepSpec:
         for key in ("threads", "trials_per_gpu"):
             if key in data and data[key] is not None:
                 kw[key] = _expect(data[key], int, key, source)
-        if "early_stop" in data:
-            kw["early_stop"] = _expect(data["early_stop"], bool, "early_stop", source)
+        for key in ("early_stop", "population"):
+            if key in data:
+                kw[key] = _expect(data[key], bool, key, source)
         return cls(**kw)
 
 
@@ -455,40 +507,20 @@ class MetricsTail:
 
 def run_trial(trial: Trial, spec: SweepSpec, sweep_dir: Path, *, attempt: int = 1,
               on_epoch: Callable[[dict], None] | None = None) -> dict:
-    """Run one trial as a subprocess of this Python and return its results line.
-
-    The command's output goes to ``logs/<id>.log``; ``on_epoch`` gets each new line of the run's
-    ``metrics.jsonl`` while it runs. Any exception here (KeyboardInterrupt from a cancelled Ray
-    task among them) stops the subprocess with SIGTERM first. Status: ``completed`` or
-    ``halted`` from the run's ``summary.json`` (written by this attempt), otherwise ``failed``
-    with an ``error`` line (exit code, status, the log's last line).
+    """Run one trial as a subprocess of this Python (``run_command``) and return its results
+    line. ``on_epoch`` gets each new line of the run's ``metrics.jsonl`` while it runs. Status:
+    ``completed`` or ``halted`` from the run's ``summary.json`` (written by this attempt),
+    otherwise ``failed`` with an ``error`` line (exit code, status, the log's last line).
     """
     command = COMMANDS[spec.command]
     run_dir, log = run_dir_of(sweep_dir, trial), log_of(sweep_dir, trial)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log.parent.mkdir(parents=True, exist_ok=True)
     resume = command.resumable(run_dir)
     (run_dir / SUMMARY_NAME).unlink(missing_ok=True)  # the outcome read below must be this attempt's
-    argv = [sys.executable, *command.argv(trial, spec, run_dir, resume)]
-    env = {**os.environ, **dict.fromkeys(BLAS_THREAD_VARS, str(spec.threads)),
-           DIE_WITH_PARENT_ENV: "1"}  # a worker killed outright takes its run with it
     tic = time.perf_counter()
-    with open(log, "a", encoding="utf-8") as out:
-        out.write(f"# attempt {attempt}{' (resumed)' if resume else ''}: {shlex.join(argv)}\n")
-        out.flush()
-        cwd = spec.workdir if spec.workdir and Path(spec.workdir).is_dir() else None
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=env, cwd=cwd)
-        tail = MetricsTail(run_dir / METRICS_NAME) if on_epoch else None
-        try:
-            while (returncode := _wait(proc, POLL_S)) is None:
-                for record in tail.new() if tail else ():
-                    on_epoch(record)
-            for record in tail.new() if tail else ():
-                on_epoch(record)
-        except BaseException:
-            _stop(proc)
-            raise
+    returncode = run_command(command.argv(trial, spec, run_dir, resume), spec, log,
+                             f"attempt {attempt}{' (resumed)' if resume else ''}",
+                             tail=(run_dir / METRICS_NAME, on_epoch) if on_epoch else None)
     if command.finish is not None:
         command.finish(run_dir, returncode)
     summary = read_summary(run_dir) or {}
@@ -499,10 +531,44 @@ def run_trial(trial: Trial, spec: SweepSpec, sweep_dir: Path, *, attempt: int = 
     if status == "completed" and returncode != 0:
         fields["status"] = "failed"
     if fields["status"] == "failed":
-        lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
-        fields["error"] = (f"exit code {returncode}, summary status {status or 'missing'}"
-                           + (f": {lines[-1].strip()[:200]}" if lines else ""))
+        fields["error"] = f"exit code {returncode}, summary status {status or 'missing'}" + last_line(log)
     return trial_record(trial, run_dir, **fields)
+
+
+def run_command(args: list[str], spec: SweepSpec, log: Path, header: str, *,
+                tail: tuple[Path, Callable[[dict], None]] | None = None) -> int:
+    """``python args`` (this Python) with its output appended to ``log`` after a ``# header:``
+    line; returns its exit code. BLAS threads pinned to ``spec.threads``, the working directory
+    ``spec.workdir``; ``tail``: ``(path, on_line)``, each new line of that JSON-lines file while
+    it runs. Any exception here (KeyboardInterrupt from a cancelled Ray task among them) stops
+    the subprocess with SIGTERM first."""
+    argv = [sys.executable, *args]
+    env = {**os.environ, **dict.fromkeys(BLAS_THREAD_VARS, str(spec.threads)),
+           DIE_WITH_PARENT_ENV: "1"}  # a worker killed outright takes its run with it
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as out:
+        out.write(f"# {header}: {shlex.join(argv)}\n")
+        out.flush()
+        cwd = spec.workdir if spec.workdir and Path(spec.workdir).is_dir() else None
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=env, cwd=cwd)
+        lines, on_line = (MetricsTail(tail[0]), tail[1]) if tail else (None, None)
+        try:
+            while (returncode := _wait(proc, POLL_S)) is None:
+                for record in lines.new() if lines else ():
+                    on_line(record)
+            for record in lines.new() if lines else ():
+                on_line(record)
+        except BaseException:
+            _stop(proc)
+            raise
+    return returncode
+
+
+def last_line(log: Path) -> str:
+    """``": <the log's last non-blank line>"`` (200 characters at most), or "" for none."""
+    lines = [line for line in log.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()]
+    return f": {lines[-1].strip()[:200]}" if lines else ""
 
 
 def is_done(sweep_dir: Path, trial: Trial, record: Mapping | None) -> bool:

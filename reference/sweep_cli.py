@@ -13,6 +13,9 @@ Here: the command line, the Ray engines and the results table and plot.
 - ``--early-stop``: the trials are Tune trials instead, each reporting its per-epoch
   validation Sharpe (tailed from ``metrics.jsonl``) to Tune's ASHA scheduler, which stops the
   hopeless ones (status ``early_stopped``).
+- ``--population``: one trial per configuration, a population of all the seeds
+  (``reference/sweep_population.py``), asking Ray for a whole GPU with ``--backend fast``; its
+  task's record holds a results line per seed (``lines_of``).
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ from .atomic import open_temporary
 from .sweep import (COMMANDS, DEFAULT_TRIALS_PER_GPU, EARLY_STOP_METRIC, MAX_ATTEMPTS, POLL_S,
                     RUN_DONE_STATUSES, STOP_GRACE_S, SweepError, SweepSpec, Trial, expand, is_done,
                     load_results, read_summary, results_path, run_dir_of, run_trial, trial_record)
+from .sweep_population import (PopulationTrial, done_lines, lines_of, populations, run_population,
+                               with_fields)
+from .sweep_population import failure as population_failure
 
 PLAN_NAME = "sweep.json"
 PLOT_NAME = "results.png"
 #: ASHA's first rung: a trial runs at least this many epochs before it can be stopped.
 EARLY_STOP_GRACE_EPOCHS = 2
 #: Arguments the sweep gives every trial itself (they may not appear after ``--``).
-OWN_TRAIN_ARGS = ("--out", "--seed", "--backend", "--threads", "--resume", "--overwrite",
+OWN_TRAIN_ARGS = ("--out", "--seed", "--seeds", "--backend", "--threads", "--resume", "--overwrite",
                   "--no-progress", "--set")
 
 
@@ -57,18 +63,21 @@ def placement() -> dict:
             "node_id": ray.get_runtime_context().get_node_id(), "hostname": socket.gethostname()}
 
 
-def _trial_task(trial_fn, trial: Trial, spec: SweepSpec, sweep_dir: str, attempt: int) -> dict:
-    """The body of one trial's Ray task."""
+def _trial_task(trial_fn, trial: Trial | PopulationTrial, spec: SweepSpec, sweep_dir: str,
+                attempt: int) -> dict:
+    """The body of one trial's Ray task: its record, every results line with its placement."""
     # ray.cancel stops a running task through _thread.interrupt_main, which does nothing while
     # SIGINT is ignored, as it is in a sweep started in the background (``nohup ... &``) and so
     # in its Ray workers: let Python handle SIGINT (a KeyboardInterrupt) in the task.
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    return {**trial_fn(trial, spec, Path(sweep_dir), attempt=attempt), **placement()}
+    return with_fields(trial_fn(trial, spec, Path(sweep_dir), attempt=attempt), placement())
 
 
-def _failure(trial: Trial, sweep_dir: Path, attempt: int, error: str) -> dict:
-    """The results line of a trial whose task itself failed (its worker died, ...)."""
+def _failure(trial: Trial | PopulationTrial, sweep_dir: Path, attempt: int, error: str) -> dict:
+    """The record of a trial whose task itself failed (its worker died, ...)."""
+    if isinstance(trial, PopulationTrial):
+        return population_failure(trial, sweep_dir, attempt, error[:300])
     return trial_record(trial, run_dir_of(sweep_dir, trial), status="failed", attempts=attempt,
                         overall=None, error=error[:300])
 
@@ -78,17 +87,17 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {lines[-1].strip() if lines else ''}"
 
 
-def run_tasks(todo: list[Trial], spec: SweepSpec, sweep_dir: Path, trial_fn, on_record, log) -> bool:
-    """Every trial of ``todo`` as a Ray task, a failure retried once; ``on_record`` gets each
-    finished trial's line. Ctrl-C cancels the tasks (each stops its run with SIGTERM and waits
+def run_tasks(todo: list, spec: SweepSpec, sweep_dir: Path, trial_fn, on_record, log) -> bool:
+    """Every trial of ``todo`` (``Trial`` s or ``PopulationTrial`` s) as a Ray task, a failure
+    retried once; ``on_record`` gets each finished trial's record. Ctrl-C cancels the tasks (each stops its run with SIGTERM and waits
     for it) and records what finished meanwhile. Returns whether it was interrupted."""
     import ray
 
     task = ray.remote(_trial_task).options(num_cpus=spec.threads, num_gpus=spec.gpus_per_trial,
                                            max_retries=0, name="foxhunt-trial")
-    pending: dict[Any, tuple[Trial, int]] = {}
+    pending: dict[Any, tuple[Trial | PopulationTrial, int]] = {}
 
-    def submit(trial: Trial, attempt: int) -> None:
+    def submit(trial: Trial | PopulationTrial, attempt: int) -> None:
         pending[task.remote(trial_fn, trial, spec, str(sweep_dir), attempt)] = (trial, attempt)
 
     def collect(ref, retry: bool) -> None:
@@ -265,6 +274,18 @@ def read_plan(sweep_dir: Path) -> SweepSpec:
     return SweepSpec.from_mapping(data, str(path))
 
 
+def _done_before(sweep_dir: Path, unit: Trial | PopulationTrial, earlier: dict[str, dict]) -> list[dict]:
+    """``--resume``: the results lines of a trial an earlier invocation finished, each the
+    earlier line or, lost in a crash, rebuilt from its run; empty when it is to run."""
+    if isinstance(unit, PopulationTrial):
+        return done_lines(sweep_dir, unit, earlier)
+    if not is_done(sweep_dir, unit, earlier.get(unit.trial_id)):
+        return []
+    summary = read_summary(run_dir_of(sweep_dir, unit)) or {}
+    return [earlier.get(unit.trial_id) or trial_record(
+        unit, run_dir_of(sweep_dir, unit), status=summary.get("status"), overall=summary.get("overall"))]
+
+
 def write_results(sweep_dir: Path, trials: list[Trial], records: dict[str, dict]) -> None:
     """``results.jsonl``: one line per finished trial, in trial order, replaced whole."""
     lines = "".join(jsonio.dumps(records[t.trial_id]) + "\n" for t in trials if t.trial_id in records)
@@ -277,31 +298,38 @@ def run_sweep(spec: SweepSpec, sweep_dir: Path, *, resume: bool = False, address
     """Run every trial of ``spec`` not yet done in ``sweep_dir``; returns the trials, the results
     lines by trial id (every finished trial, earlier ones included) and whether it was
     interrupted. A new sweep (not ``resume``) writes its plan, ``sweep.json``, first.
-    ``trial_fn`` (``run_trial``'s signature; default ``run_trial``) is what each task runs."""
-    trial_fn = trial_fn or run_trial
+    ``trial_fn`` (``run_trial``'s signature; default ``run_trial``, or ``run_population`` with
+    ``spec.population``) is what each task runs. With ``spec.population`` a task runs one
+    configuration's seeds, and the trials returned are still one per configuration and seed."""
+    trial_fn = trial_fn or (run_population if spec.population else run_trial)
     sweep_dir = Path(sweep_dir).resolve()
     if not resume:
         sweep_dir.mkdir(parents=True, exist_ok=True)
         write_plan(sweep_dir, spec)
     trials = expand(spec)
+    units = populations(spec) if spec.population else trials
     earlier = load_results(sweep_dir) if resume else {}
     records: dict[str, dict] = {}
-    for t in trials:
-        if is_done(sweep_dir, t, earlier.get(t.trial_id)):
-            summary = read_summary(run_dir_of(sweep_dir, t)) or {}
-            records[t.trial_id] = earlier.get(t.trial_id) or trial_record(  # line lost in a crash
-                t, run_dir_of(sweep_dir, t), status=summary.get("status"), overall=summary.get("overall"))
-    todo = [t for t in trials if t.trial_id not in records]
-    log(f"foxhunt sweep: {len(trials)} trials ({len(trials) - len(todo)} done before), "
+    todo = []
+    for unit in units:
+        lines = _done_before(sweep_dir, unit, earlier)
+        records.update((line["trial"], line) for line in lines)
+        if not lines:
+            todo.append(unit)
+    what = (f"{len(units)} population trials (each configuration's {len(spec.seeds)} seeds; "
+            f"{len(trials)} runs)" if spec.population else f"{len(trials)} trials")
+    gpu = "1" if spec.gpus_per_trial == 1 else f"1/{spec.effective_trials_per_gpu}"
+    log(f"foxhunt sweep: {what} ({len(units) - len(todo)} done before), "
         f"{len(todo)} to run; {spec.threads} CPU{'s' if spec.threads > 1 else ''}"
-        + (f" and 1/{spec.effective_trials_per_gpu} GPU" if spec.backend == "fast" else "")
+        + (f" and {gpu} GPU" if spec.backend == "fast" else "")
         + f" per trial; output in {sweep_dir}")
     write_results(sweep_dir, trials, records)
 
     def on_record(record: dict) -> None:
-        records[record["trial"]] = record
+        for line in lines_of(record):
+            records[line["trial"]] = line
+            log(f"[{len(records)}/{len(trials)}] {trial_line(line, spec.metric_name)}")
         write_results(sweep_dir, trials, records)
-        log(f"[{len(records)}/{len(trials)}] {trial_line(record, spec.metric_name)}")
 
     interrupted = False
     if todo:
@@ -416,6 +444,8 @@ examples:
   foxhunt sweep --file sweep.toml --out sweeps/s1   (a sweep file: TOML or JSON, below)
   foxhunt sweep --resume sweeps/lr                  (runs only what is missing)
   foxhunt sweep --backend fast --trials-per-gpu 4 --seeds 0-15 --out sweeps/seeds
+  foxhunt sweep --backend fast --population --seeds 0-15 --grid lr=1e-3,3e-4 --out sweeps/pop
+                                                    (each configuration's seeds: one population)
   foxhunt sweep --address ray://head:10001 ...      (an existing Ray cluster)
 
 sweep file (every key optional; flags override it, --set/--grid add to it):
@@ -425,6 +455,7 @@ sweep file (every key optional; flags override it, --set/--grid add to it):
   args = ["--preset", "tiny"]  # given to every trial's command as they are
   threads = 1
   metric = "test_sharpe"       # the summary's "overall" key the table and plot report
+  population = false           # true: each configuration's seeds as one foxhunt train --seeds
   [set]                        # every trial
   epochs = 5
   [grid]                       # the cartesian product
@@ -457,6 +488,11 @@ def register(sub) -> None:
     p.add_argument("--metric", default=None, help="the overall metric to report (default test_sharpe)")
     p.add_argument("--early-stop", action="store_true", default=None,
                    help=f"stop hopeless trials (Tune's ASHA on the per-epoch {EARLY_STOP_METRIC})")
+    p.add_argument("--population", action="store_true", default=None,
+                   help="each configuration's seeds as ONE trial: one foxhunt train --seeds run (a "
+                        "population; with --backend fast all members in one graph on a whole GPU); "
+                        "results.jsonl still has a line per seed. Needs 2 to 256 seeds; not with "
+                        "--trials-per-gpu or --early-stop")
     p.add_argument("--address", default=None, help="an existing Ray cluster (default: a local instance)")
     p.add_argument("--num-cpus", type=int, default=None, help="CPUs of the local Ray instance (default all)")
     p.add_argument("trial_args", nargs=argparse.REMAINDER,
@@ -499,7 +535,8 @@ def spec_from_args(args: argparse.Namespace) -> SweepSpec:
     source = f"sweep file {args.sweep_file}" if args.sweep_file else "flags"
     data = dict(data)
     for flag, key in (("command", "command"), ("backend", "backend"), ("threads", "threads"),
-                      ("trials_per_gpu", "trials_per_gpu"), ("metric", "metric"), ("early_stop", "early_stop")):
+                      ("trials_per_gpu", "trials_per_gpu"), ("metric", "metric"), ("early_stop", "early_stop"),
+                      ("population", "population")):
         if getattr(args, flag) is not None:
             data[key] = getattr(args, flag)
     if args.seeds is not None:
@@ -543,7 +580,8 @@ def cmd_sweep(args: argparse.Namespace) -> int:
                              f"--address {args.address} the cluster has its own CPUs")
         if args.resume is not None:
             given = [f"--{k.replace('_', '-')}" for k in ("command", "backend", "seeds", "threads",
-                                                          "trials_per_gpu", "metric", "early_stop", "out")
+                                                          "trials_per_gpu", "metric", "early_stop",
+                                                          "population", "out")
                      if getattr(args, k) is not None] + (["--set"] if args.set else []) + (
                      ["--grid"] if args.grid else []) + (["--file"] if args.sweep_file else []) + (
                      ["trial arguments"] if args.trial_args else [])
