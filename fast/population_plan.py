@@ -1,4 +1,5 @@
-"""One plan for a population: the members' step plans aligned record by record (issue 24, SPEC 12).
+"""One plan for a population: the members' step plans aligned record by record (issue 24, SPEC 12),
+and ``PopulationPlan``, what every backend of a population shares (``fast.population``).
 
 A population steps N members of one architecture with ONE set of launches (``member_build``:
 every kernel with a member dimension; ``gemm``'s batched plans). Each member's own step plan is
@@ -25,12 +26,24 @@ are not compared here.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from foxhunt.fast.arena import ArenaLayout
+from foxhunt.fast.cpu_executor import CPU_ARCH, HostArena, Memory, cpu_planner
+from foxhunt.fast.cuda_parse import package_kernels
+from foxhunt.fast.device import ALIGNMENT, _round_up
+from foxhunt.fast.graph1_plan import graph1_ops
+from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
+from foxhunt.fast.member_build import SCALAR_DTYPES, SCALAR_SLOT_BYTES, member_scalar_block, scalar_params
 from foxhunt.fast.records import Buf, Copy, Gemm, Launch, Ops, Parallel, Record, Wait
+from foxhunt.fast.step_layout import StepLayout
+from foxhunt.fast.step_program import GEMM_SM_SHARE, StepProgram, step_constants
+from foxhunt.reference.population import member_configs
 
 
 class PopulationPlanError(ValueError):
@@ -167,4 +180,167 @@ def align_members(plans: Sequence[Mapping[str, Ops]]) -> list[MemberScalars]:
     return found
 
 
-__all__ = ["MemberScalars", "PopulationPlanError", "align_members"]
+# --------------------------------------------------------------------------------------------
+# The population's plan
+# --------------------------------------------------------------------------------------------
+
+#: The arena buffer holding the launches' per-member scalar blocks (after the step's buffers).
+MEMBER_SCALARS = "member_scalars"
+
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalarBlock:
+    """The scalar blocks of one launch: the ``occurrence``-th launch of ``kernel`` in ``graph``'s
+    walk order; member m's block (``blocks[m]``, uint8) at byte ``offset`` of its copy of
+    ``member_scalars``."""
+
+    graph: str
+    kernel: str
+    occurrence: int
+    offset: int
+    blocks: tuple[np.ndarray, ...]
+
+
+def _record_plan(config, seed: int, n_step_on: bool) -> dict[str, Ops]:
+    """One member's step records (``{graph: Ops}``), planned on the CPU (records do not depend on
+    addresses or on the GEMM planner's choices but for fallbacks, which add launches without
+    per-member scalars: ``ScalarBlock`` finds its launch by kernel and occurrence)."""
+    lay = StepLayout(config, n_step_on=n_step_on)
+    arena = HostArena(lay.specs)
+    constants = step_constants(lay, Memory([(lay, arena)], {}).address)
+    prog = StepProgram(lay, planner=cpu_planner(), constants=constants,
+                       host_nbytes={staging_name(0): lay.batch_nbytes}, arch=CPU_ARCH, seed=seed)
+    return {"upload": upload_ops(prog, 1)[0], "graph1": graph1_ops(prog), "graph2": graph2_ops(prog)}
+
+
+def _config_key(config) -> str:
+    return json.dumps(dataclasses.asdict(config), sort_keys=True, default=repr)
+
+
+class PopulationPlan:
+    """What every backend of a population shares (module docstring): the members' configs and
+    seeds, the step layout, the arena's carving (``specs``, the step's buffers then
+    ``member_scalars``), the member ``stride`` and the ``ScalarBlock``s."""
+
+    def __init__(self, config, seeds: Sequence[int], overrides=None, *, n_step_on: bool = False):
+        self.configs = member_configs(config, seeds, overrides)  # every override checked first
+        self.seeds = [int(s) for s in seeds]
+        self.members = len(self.seeds)
+        self.n_step_on = n_step_on
+        self.layout = StepLayout(self.configs[0], n_step_on=n_step_on)
+        # One plan per distinct member: the config, and the seed where the IQN head's quantile
+        # key (wave_plan, a launch argument) reads it; tests/test_population checks no other
+        # launch argument depends on the seed.
+        plans: dict[tuple, dict[str, Ops]] = {}
+        layouts: dict[str, StepLayout] = {_config_key(self.configs[0]): self.layout}
+        keys = []
+        #: Each member's layout: the same buffers, its own config (``step_constants`` reads its
+        #: gamma and cql_alpha from it).
+        self.member_layouts = []
+        for m, (c, seed) in enumerate(zip(self.configs, self.seeds)):
+            config_key = _config_key(c)
+            if config_key not in layouts:
+                layouts[config_key] = StepLayout(c, n_step_on=n_step_on)
+                if layouts[config_key].specs != self.layout.specs:
+                    raise PopulationPlanError(f"member {m}: its step buffers differ from member 0's; "
+                                              "members must share one architecture")
+            self.member_layouts.append(layouts[config_key])
+            key = (config_key, seed if c.iqn_on else None)
+            if key not in plans:
+                plans[key] = _record_plan(c, seed, n_step_on)
+            keys.append(key)
+        found = align_members([plans[key] for key in keys])
+        first = plans[keys[0]]
+        kernels = package_kernels()
+        blocks, offset = [], 0
+        for item in found:
+            nodes = first[item.graph].nodes()
+            occurrence = sum(1 for node in nodes[:item.index]
+                             if isinstance(node, Launch) and node.kernel == item.kernel)
+            params = kernels[item.kernel].params
+            member_blocks = tuple(member_scalar_block(params, values) for values in item.values)
+            blocks.append(ScalarBlock(item.graph, item.kernel, occurrence, offset, member_blocks))
+            offset += _round_up(max(member_blocks[0].size, SCALAR_SLOT_BYTES), SCALAR_SLOT_BYTES)
+        self.blocks = tuple(blocks)
+        self.specs = {**self.layout.specs, MEMBER_SCALARS: ((max(offset, 1),), np.dtype(np.uint8))}
+        carved = ArenaLayout()
+        for name, (shape, dtype) in self.specs.items():
+            carved.add(name, shape, dtype)
+        self.stride = _round_up(carved.nbytes, ALIGNMENT)
+
+    def scalar_block_bytes(self, member: int) -> np.ndarray:
+        """Member ``member``'s copy of ``member_scalars`` (every launch's block at its offset)."""
+        out = np.zeros(self.specs[MEMBER_SCALARS][0], np.uint8)
+        for block in self.blocks:
+            out[block.offset:block.offset + block.blocks[member].size] = block.blocks[member]
+        return out
+
+    def block_of(self, ops: Mapping[str, Ops]) -> dict[int, ScalarBlock]:
+        """``{id(launch): ScalarBlock}`` for the launches of the real plan ``ops`` (``{graph:
+        Ops}``, every upload slot's Ops under ``"upload"`` as a list) that take scalar blocks."""
+        wanted = {(b.graph, b.kernel, b.occurrence): b for b in self.blocks}
+        out: dict[int, ScalarBlock] = {}
+        for graph, graph_ops in ops.items():
+            for one in (graph_ops if isinstance(graph_ops, list) else [graph_ops]):
+                seen: dict[str, int] = {}
+                for node in one.nodes():
+                    if isinstance(node, Launch):
+                        n = seen.get(node.kernel, 0)
+                        seen[node.kernel] = n + 1
+                        block = wanted.get((graph, node.kernel, n))
+                        if block is not None:
+                            out[id(node)] = block
+        if len({(b.graph, b.kernel, b.occurrence) for b in out.values()}) != len(self.blocks):
+            raise AssertionError("a launch with per-member scalars is missing from the real plan")
+        return out
+
+    def member_address(self, address0, member: int):
+        """The address function of member ``member`` from member 0's."""
+        shift = member * self.stride
+        return lambda buf: address0(buf) + shift
+
+    def sm_count(self, device_sms: int) -> int:
+        """The SM count the population's plans are made for: each batched GEMM serves N members,
+        so it may take ``min(N, GEMM_SM_SHARE)`` shares of the device (``StepProgram`` plans
+        for ``sm_count // GEMM_SM_SHARE``)."""
+        return device_sms * min(self.members, GEMM_SM_SHARE)
+
+
+def member_scalar_values(block: ScalarBlock, params, raw: np.ndarray) -> dict[str, object]:
+    """The scalars a member kernel reads from its block bytes ``raw`` (``fh_member_scalar``)."""
+    values = {}
+    for j, (ptype, name) in enumerate(scalar_params(params)):
+        dtype = np.dtype(SCALAR_DTYPES[ptype])
+        value = raw[SCALAR_SLOT_BYTES * j:SCALAR_SLOT_BYTES * j + dtype.itemsize].view(dtype)[0]
+        values[name] = float(value) if dtype.kind == "f" else int(value)
+    return values
+
+
+#: Epilogues a population of more than one member takes as the plain GEMM plus the kernel
+#: fallback (``step_program.FALLBACK_EPILOGUES``): cuBLASLt's batched BGRADB GEMMs are slow
+#: (measured on the H200, seed preset, bf16: 256x256x256 took 23.8 us for 16 members, 6.4 for
+#: one); refusing them took the population step from 1288.7 to 1240.0 us at N = 16 and from
+#: 4451.2 to 4186.5 us at N = 64 (refusing DRELU_BGRAD too gained nothing more).
+POPULATION_FALLBACK_EPILOGUES = ("bgradb",)
+
+
+def batched_planner(planner, members: int, stride: int):
+    """``planner`` making strided-batched plans over ``members`` (``batch_stride = stride``)
+    that refuses ``POPULATION_FALLBACK_EPILOGUES`` (``GemmPlanError``: the step takes the
+    kernel fallback); ``planner`` itself for one member."""
+    if members == 1:
+        return planner
+
+    def plan(m, n, k, *, epilogue=None, **kw):
+        from foxhunt.fast.gemm import GemmPlanError
+
+        if epilogue in POPULATION_FALLBACK_EPILOGUES:
+            raise GemmPlanError(f"a population takes epilogue {epilogue!r} as its kernel fallback")
+        return planner(m, n, k, epilogue=epilogue, batch=members, batch_stride=stride, **kw)
+    return plan
+
+
+__all__ = ["MEMBER_SCALARS", "POPULATION_FALLBACK_EPILOGUES", "MemberScalars", "PopulationPlan",
+           "PopulationPlanError", "ScalarBlock", "align_members", "batched_planner",
+           "member_scalar_values"]

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from foxhunt.fast.cpu_executor import CpuTrainer
-from foxhunt.fast.population import (
+from foxhunt.fast.population import CpuPopulation
+from foxhunt.fast.population_plan import (
     POPULATION_FALLBACK_EPILOGUES,
-    CpuPopulation,
     PopulationPlan,
     _record_plan,
+    align_members,
 )
-from foxhunt.fast.population_plan import align_members
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig, source_overrides
 from foxhunt.reference.trainer import Trainer
