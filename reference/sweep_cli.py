@@ -89,8 +89,9 @@ def _one_line(exc: BaseException) -> str:
 
 def run_tasks(todo: list, spec: SweepSpec, sweep_dir: Path, trial_fn, on_record, log) -> bool:
     """Every trial of ``todo`` (``Trial`` s or ``PopulationTrial`` s) as a Ray task, a failure
-    retried once; ``on_record`` gets each finished trial's record. Ctrl-C cancels the tasks (each stops its run with SIGTERM and waits
-    for it) and records what finished meanwhile. Returns whether it was interrupted."""
+    retried once; ``on_record`` gets each finished trial's record. Ctrl-C cancels the tasks
+    (each stops its run with SIGTERM and waits for it) and records what finished meanwhile.
+    Returns whether it was interrupted."""
     import ray
 
     task = ray.remote(_trial_task).options(num_cpus=spec.threads, num_gpus=spec.gpus_per_trial,
