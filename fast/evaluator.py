@@ -183,6 +183,12 @@ class _GpuWalk:
             arena.close()
 
 
+def on_cpu(engine) -> bool:
+    """Whether ``engine`` runs on the CPU executor (a ``CpuEngine``, or a CPU population
+    member's ``MemberEngine``: no device)."""
+    return getattr(engine, "device", None) is None
+
+
 def auto_mode(trainer) -> str:
     """``mode="auto"``: ``"fused"`` where the fused walk runs on thread-block clusters (sm_90 and
     newer, the network in a cluster's shared memory; ``eval_plan.fused_walk_kernel`` is
@@ -191,10 +197,9 @@ def auto_mode(trainer) -> str:
     L2 and is slower than the chunk graphs). On the CPU executor: ``"graph"`` (its metrics are
     ``loop.evaluate_segment``'s bit for bit; the fused walk's twin sums in another order and is
     much slower there)."""
-    from foxhunt.fast.cpu_executor import CpuEngine
     from foxhunt.fast.eval_plan import fused_walk_kernel
 
-    if isinstance(trainer.engine, CpuEngine):
+    if on_cpu(trainer.engine):
         return "graph"
     return "fused" if fused_walk_kernel(trainer.engine.program) == "greedy_walk_cluster" else "graph"
 
@@ -222,8 +227,6 @@ class DeviceEvaluator:
 
     # -- plans
     def _build(self) -> None:
-        from foxhunt.fast.cpu_executor import CpuEngine
-
         engine = self.trainer.engine
         prog, lay = engine.program, engine.layout
         self.wl = wl = WalkLayout(lay, n_bars=self.tables.close.shape[0],
@@ -233,7 +236,7 @@ class DeviceEvaluator:
         self._new = functools.partial(Ops, walk_binder(prog, wl, evl))
         self._check = functools.partial(check_dataflow, role=walk_role(prog, wl, evl), preset={
             **lay.zero_padding(), **evl.zero_padding(), **wl.zero_padding()})
-        walker = _CpuWalk if isinstance(engine, CpuEngine) else _GpuWalk
+        walker = _CpuWalk if on_cpu(engine) else _GpuWalk
         self._device = walker(engine, [wl, evl], wl.host_specs())
         up = self._device.arenas[0].upload
         for buf, name in WALK_TABLES:

@@ -89,6 +89,14 @@ class Member(Trainer):
         raise RuntimeError(f"member {self.index} of a population steps with the others: "
                            "Population.step(batches), one batch per member")
 
+    def device_segments(self, bars, feats, segments):
+        """The greedy walk of this member's evaluation segments on the device
+        (``reference.evaluator.device_segments``: a ``DeviceEvaluator`` over its engine view,
+        the plain kernels at its own addresses), as a single fast trainer's run gets."""
+        from foxhunt.reference.evaluator import device_segments
+
+        return device_segments(self, bars, feats, segments)
+
     def _reseed(self, seed: int) -> None:
         raise ValueError(f"state: seed {seed} is not member {self.index}'s seed {self.seed}; a "
                          "population member's IQN quantile key is fixed when the population is "

@@ -4,6 +4,8 @@
   ``CpuTrainer``): ``foxhunt.fast.evaluator.DeviceEvaluator``, the greedy policy and the
   baselines walked on the device over the run's market tables (uploaded once), the metrics
   reduced there, one readback per segment.
+- A fast population's member (``backend_name == "fast-member"``, with its own
+  ``device_segments``): the same device walk over its engine view (issue 24).
 - Any other trainer: ``None``, and the loop walks the host environment bar by bar
   (``loop.evaluate_segment``: one ``q_values`` call per bar), whose records the device walk
   reproduces (``kernels.env_walk.greedy_walk`` is the composition of the kernels' twins that
@@ -50,13 +52,11 @@ class DeviceSegments:
         self.evaluator.close()
 
 
-def segment_evaluator(trainer, bars: Bars, feats: np.ndarray,
-                      segments: list[tuple[int, int]]) -> DeviceSegments | None:
-    """The device evaluator of a run over ``bars`` (with their ``feats``) for walks over
-    ``segments`` (``[start, stop)`` each: they size its record rows), or None where the
-    trainer has no device walk (module docstring)."""
-    if getattr(trainer, "backend_name", None) != "fast":
-        return None
+def device_segments(trainer, bars: Bars, feats: np.ndarray,
+                    segments: list[tuple[int, int]]) -> DeviceSegments:
+    """A ``DeviceEvaluator`` of a fast ``trainer`` (or a fast population's member) over ``bars``
+    (with their ``feats``) for walks over ``segments`` (``[start, stop)`` each: they size its
+    record rows)."""
     from foxhunt.fast.evaluator import DeviceEvaluator  # only when the run asked for it
 
     steps = max(stop - start - 1 for start, stop in segments)
@@ -64,4 +64,19 @@ def segment_evaluator(trainer, bars: Bars, feats: np.ndarray,
                                           max_steps=steps))
 
 
-__all__ = ["DeviceSegments", "segment_evaluator", "segment_metrics_of"]
+def segment_evaluator(trainer, bars: Bars, feats: np.ndarray,
+                      segments: list[tuple[int, int]]) -> DeviceSegments | None:
+    """The device evaluator of a run over ``bars`` for walks over ``segments``
+    (``device_segments``), or None where the trainer has no device walk (module docstring). A
+    trainer with a ``device_segments(bars, feats, segments)`` method of its own (a fast
+    population's member, ``foxhunt.fast.population.Member``; the lockstep runner's proxy of one,
+    which builds and runs it in the population's thread) gives its own."""
+    own = getattr(trainer, "device_segments", None)
+    if callable(own):
+        return own(bars, feats, segments)
+    if getattr(trainer, "backend_name", None) != "fast":
+        return None
+    return device_segments(trainer, bars, feats, segments)
+
+
+__all__ = ["DeviceSegments", "device_segments", "segment_evaluator", "segment_metrics_of"]

@@ -152,8 +152,8 @@ class MemberProxy:
     goes through the rendezvous; every other attribute is ``pop.member(i)``'s, read (and, for
     a method, called) under the population's lock. ``backend_name`` is the member's, so
     ``collector.fold_collector`` and ``evaluator.segment_evaluator`` choose for it as they
-    choose for the member (a fast population's ``"fast-member"``: the host collector and the
-    host evaluation)."""
+    choose for the member (a fast population's ``"fast-member"``: the host collector, and the
+    member's own device walk, ``device_segments``, whose evaluator is ``Marshaled``)."""
 
     def __init__(self, lockstep: Lockstep, i: int):
         self._lockstep, self._index = lockstep, i
@@ -166,17 +166,46 @@ class MemberProxy:
     def __getattr__(self, name: str):
         if name in ("_lockstep", "_index", "_member"):  # before __init__ set them
             raise AttributeError(name)
-        lock, call = self._lockstep.lock, self._lockstep.call
-        with lock:
-            value = call(getattr, self._member, name)
-        if not callable(value):
-            return value
+        # An object the member makes on the population's device (its device walk) is used the
+        # same way: every later call on it in the population's thread, under the lock.
+        wrap = functools.partial(Marshaled, lockstep=self._lockstep) \
+            if name in MARSHALED_RESULTS else None
+        return locked_attribute(self._lockstep, self._member, name, wrap)
 
-        @functools.wraps(value)
-        def locked(*args, **kwargs):
-            with lock:
-                return call(value, *args, **kwargs)
-        return locked
+
+#: Member methods whose result holds the population's device resources (``MemberProxy``).
+MARSHALED_RESULTS = frozenset({"device_segments"})
+
+
+def locked_attribute(lockstep: Lockstep, target, name: str, wrap: Callable | None = None):
+    """``target.name`` read in the population's thread under its lock (``Lockstep.call``); a
+    method comes back as a function calling it there under the lock, its result through
+    ``wrap`` (when given)."""
+    lock, call = lockstep.lock, lockstep.call
+    with lock:
+        value = call(getattr, target, name)
+    if not callable(value):
+        return value
+
+    @functools.wraps(value)
+    def locked(*args, **kwargs):
+        with lock:
+            made = call(value, *args, **kwargs)
+        return made if wrap is None else wrap(made)
+    return locked
+
+
+class Marshaled:
+    """``target`` (made in the population's thread) whose attributes are read, and methods
+    called, in that thread under the population's lock (``locked_attribute``)."""
+
+    def __init__(self, target, lockstep: Lockstep):
+        self._target, self._lockstep = target, lockstep
+
+    def __getattr__(self, name: str):
+        if name in ("_target", "_lockstep"):
+            raise AttributeError(name)
+        return locked_attribute(self._lockstep, self._target, name)
 
 
 class PrefixedLines(io.TextIOBase):
@@ -291,5 +320,6 @@ def run_lockstep(population, jobs: Sequence[Callable[[MemberProxy], Any]],
     return outcomes
 
 
-__all__ = ["JOIN_POLL_S", "Lockstep", "MemberProxy", "PopulationStepError", "PopulationThread",
-           "PrefixedLines", "SharedPlotWorkers", "call_here", "run_lockstep"]
+__all__ = ["JOIN_POLL_S", "MARSHALED_RESULTS", "Lockstep", "Marshaled", "MemberProxy",
+           "PopulationStepError", "PopulationThread", "PrefixedLines", "SharedPlotWorkers",
+           "call_here", "locked_attribute", "run_lockstep"]

@@ -21,10 +21,10 @@ from foxhunt.fast.population import POPULATION_FALLBACK_EPILOGUES, CpuPopulation
 from foxhunt.reference import cli, loop, population_cli, train_cli
 from foxhunt.reference.collector import Collector, fold_collector
 from foxhunt.reference.config import DQNConfig
-from foxhunt.reference.evaluator import segment_evaluator
+from foxhunt.reference.evaluator import device_segments, segment_evaluator
 from foxhunt.reference.market import SyntheticMarket, feature_warmup, market_features
 from foxhunt.reference.population import Population
-from foxhunt.reference.population_runner import (Lockstep, PopulationStepError,
+from foxhunt.reference.population_runner import (Lockstep, Marshaled, PopulationStepError,
                                                   PopulationThread, PrefixedLines, run_lockstep)
 from foxhunt.reference.trainer import Trainer
 
@@ -127,24 +127,36 @@ def test_rendezvous_fills_departed_slots_and_keeps_one_lock():
     # Each member its own result of each round (batch * 10 + member), then its own q_values.
     assert got == [[10, 100, 30, 300, 40, 400], [21, 201], []]
     assert pop.overlaps == [] and lockstep.active == set()
-    # Everything but step is the member's own, backend_name included (the host collector and
-    # evaluation for a fast population's member).
+    # Everything but step is the member's own, backend_name included (the host collector for
+    # a fast population's member).
     proxy = lockstep.member(2)
     assert proxy.backend_name == "fast-member" and proxy.seed == 102
 
 
-def test_a_fast_member_gets_the_host_collector_and_evaluation():
+def test_a_fast_member_gets_the_host_collector_and_its_own_device_walk():
     """A fast population's member (``backend_name`` "fast-member", through its proxy) is
-    collected and evaluated on the host: the device ones belong to a single fast trainer."""
+    collected on the host (the device cycle belongs to a single fast trainer) and evaluated by
+    its own device walk (``Member.device_segments``), built and run in the population's thread
+    (``Marshaled``): the metrics equal a ``DeviceEvaluator`` on the member itself."""
     config = DQNConfig.preset("tiny")
     bars = SyntheticMarket.preset("default", seed=3, n_bars=600).generate()
     windows = loop.choose_windows(config.state_dim)
     feats = market_features(bars, windows)
     seg = loop.fold_segments(len(bars), feature_warmup(windows), 1, 0.125, 0.125)[0]
-    proxy = Lockstep(RecordingPopulation(1)).member(0)
-    made = fold_collector(proxy, config, bars, feats, seg.train, loop.LoopSettings(n_envs=2), 0)
+    recording = Lockstep(RecordingPopulation(1)).member(0)
+    made = fold_collector(recording, config, bars, feats, seg.train, loop.LoopSettings(n_envs=2), 0)
     assert type(made) is Collector
-    assert segment_evaluator(proxy, bars, feats, [seg.val, seg.test]) is None
+    assert segment_evaluator(recording, bars, feats, [seg.val, seg.test]) is None  # no walk
+    pop = CpuPopulation(config, [0, 1])
+    with PopulationThread() as thread:
+        lockstep = Lockstep(pop, call=thread.call)
+        walk = segment_evaluator(lockstep.member(1), bars, feats, [seg.val, seg.test])
+        assert type(walk) is Marshaled
+        got, curve = walk.evaluate(seg.test, "greedy", 252.0, equity=True)
+        walk.close()
+    direct = device_segments(pop.member(1), bars, feats, [seg.val, seg.test])
+    want, want_curve = direct.evaluate(seg.test, "greedy", 252.0, equity=True)
+    assert got == want and np.array_equal(curve, want_curve)
 
 
 def test_a_failing_step_raises_in_every_waiting_member():
@@ -479,14 +491,18 @@ def test_backend_fast_trains_in_lockstep(in_tmp, capsys, monkeypatch):
 
 
 class HostCpuTrainer(CpuTrainer):
-    """A single fast trainer on the CPU executor that the loop collects and evaluates on the
-    host (its ``backend_name`` is not "fast"), as it does a population member, with the GEMM
-    fallbacks a population of several takes (``POPULATION_FALLBACK_EPILOGUES``)."""
+    """A single fast trainer on the CPU executor that the loop collects on the host (its
+    ``backend_name`` is not "fast") and evaluates by its own device walk, as it does a
+    population member, with the GEMM fallbacks a population of several takes
+    (``POPULATION_FALLBACK_EPILOGUES``)."""
 
     backend_name = "cpu-host"
 
     def __init__(self, config, seed=0, **kwargs):
         super().__init__(config, seed, refused_epilogues=POPULATION_FALLBACK_EPILOGUES, **kwargs)
+
+    def device_segments(self, bars, feats, segments):
+        return device_segments(self, bars, feats, segments)
 
 
 def test_cpu_population_in_lockstep_equals_its_single_trainers(in_tmp, capsys, monkeypatch):
