@@ -73,6 +73,17 @@ def append_jsonl(path: str | Path, obj: Any) -> None:
         fh.flush()
 
 
+def read_object(path: str | Path) -> dict | None:
+    """The JSON object in file ``path``, or None when the file is missing, unreadable, not
+    valid JSON or holds something else (a run's ``summary.json`` or a population's
+    ``population.json`` before it is whole)."""
+    try:
+        value = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def read_jsonl(path: str | Path) -> list[Any]:
     """The records of a JSON-lines file (blank lines skipped)."""
     with open(path, encoding="utf-8") as fh:

@@ -453,11 +453,7 @@ def log_of(sweep_dir: Path, trial: Trial) -> Path:
 
 def read_summary(run_dir: Path) -> dict | None:
     """The run's ``summary.json``, or None when it is missing or not valid JSON."""
-    try:
-        summary = json.loads((Path(run_dir) / SUMMARY_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return summary if isinstance(summary, dict) else None
+    return jsonio.read_object(Path(run_dir) / SUMMARY_NAME)
 
 
 def trial_record(trial: Trial, run_dir: Path, **fields: Any) -> dict:

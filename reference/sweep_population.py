@@ -28,12 +28,12 @@ from nothing: a population is never resumed.
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from . import jsonio
 from .population_cli import POPULATION_NAME, seeds_label
 from .sweep import (COMMANDS, RUN_DONE_STATUSES, SweepSpec, Trial, expand, last_line, log_of,
                     read_summary, run_command, run_dir_of, slug, trial_record)
@@ -94,11 +94,7 @@ def run_population(population: PopulationTrial, spec: SweepSpec, sweep_dir: Path
 
 def read_population(run_dir: Path) -> dict | None:
     """The population's ``population.json``, or None when it is missing or not valid JSON."""
-    try:
-        population = json.loads((Path(run_dir) / POPULATION_NAME).read_text())
-    except (OSError, ValueError):
-        return None
-    return population if isinstance(population, dict) else None
+    return jsonio.read_object(Path(run_dir) / POPULATION_NAME)
 
 
 def _members(population: PopulationTrial, written: dict | None) -> dict[int, dict]:
