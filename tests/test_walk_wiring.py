@@ -384,8 +384,8 @@ def test_gpu_hold_and_span_walks_are_the_cluster_walk_bit_for_bit(precision, per
 
 def test_auto_mode_picks_the_cluster_walk_on_a_gpu_engine_only(monkeypatch):
     """``mode="auto"`` (the default): "fused" where the fused walk is ``greedy_walk_cluster``,
-    with the fixed support or the live per-branch one; "graph" on the CPU executor and before
-    sm_90."""
+    with the fixed support or the live per-branch one; "graph" on the CPU executor (a CPU
+    population's members included) and before sm_90."""
     import types
 
     from foxhunt.fast import evaluator as ev
@@ -395,7 +395,12 @@ def test_auto_mode_picks_the_cluster_walk_on_a_gpu_engine_only(monkeypatch):
 
     cpu = CpuTrainer(DQNConfig.preset("tiny"))
     assert ev.auto_mode(cpu) == "graph"
-    gpu_like = types.SimpleNamespace(config=cpu.config, engine=types.SimpleNamespace(program=None))
+    # A GPU engine has a device (``evaluator.on_cpu``); a CPU population member's view has none.
+    gpu_like = types.SimpleNamespace(config=cpu.config,
+                                     engine=types.SimpleNamespace(program=None, device="H200"))
+    from foxhunt.fast.population import CpuPopulation
+
+    assert ev.auto_mode(CpuPopulation(DQNConfig.preset("tiny"), [0, 1]).member(1)) == "graph"
     for kernel, want in (("greedy_walk_cluster", "fused"), ("greedy_walk", "graph")):
         monkeypatch.setattr(eval_plan, "fused_walk_kernel", lambda prog, k=kernel: k)
         assert ev.auto_mode(gpu_like) == want
