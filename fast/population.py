@@ -121,11 +121,15 @@ class Population(MemberAccess):
         self.seeds = plan.seeds
         self._engine = self._make_engine(plan, device=device, gemm_workspace=gemm_workspace,
                                          **engine_options)
-        self._closed = False
         self._read = None  # the population's last read, until the next launch or synchronisation
-        self._members = [Member(m, plan.configs[m], plan.seeds[m],
-                                self._engine.member_engine(m, self))
-                         for m in range(plan.members)]
+        try:
+            self._members = [Member(m, plan.configs[m], plan.seeds[m],
+                                    self._engine.member_engine(m, self))
+                             for m in range(plan.members)]
+        except BaseException:  # nothing held by a population that was never made
+            self._engine.close()
+            raise
+        self._closed = False
         #: Population steps taken (the staging ring's position).
         self.steps = 0
 

@@ -167,3 +167,18 @@ def test_n_step_members_are_their_n_step_single_trainers():
         assert_same_scalars(got[m], single.step(batches[m]), f"member {m}")
         assert_same_state(pop.state_dict(m), single.state_dict(), f"member {m}")
     assert pop.member(0).n_step_on
+
+
+def test_a_population_that_fails_to_load_its_members_releases_its_engine(monkeypatch):
+    from foxhunt.fast import population as population_mod
+    from foxhunt.fast.population_engine import CpuPopulationEngine
+
+    closed = []
+    monkeypatch.setattr(CpuPopulationEngine, "close", lambda self: closed.append(self))
+
+    def broken(config, seed=0):
+        raise MemoryError("injected: no memory for the initial state")
+    monkeypatch.setattr(population_mod, "ReferenceTrainer", broken)
+    with pytest.raises(MemoryError, match="injected"):
+        CpuPopulation(DQNConfig.preset("tiny"), [0, 1])
+    assert len(closed) == 1
