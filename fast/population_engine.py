@@ -47,6 +47,20 @@ from foxhunt.fast.trainer import STAGING_RING
 GRID_SHARED_KERNELS = {"nan_check_fused": "fast.kernels.safety.plan_nan_check_fused"}
 
 
+def upload_member_constants(plan: PopulationPlan, member_arenas, address0) -> list[dict]:
+    """Each member's constant buffers (``step_constants`` of its own layout at its own
+    addresses, ``address0`` being member 0's address function) and its scalar blocks, uploaded
+    into its copy (``member_arenas[m]``); returns the constants per member."""
+    out = []
+    for m, arena in enumerate(member_arenas):
+        constants = step_constants(plan.member_layouts[m], plan.member_address(address0, m))
+        for name, value in constants.items():
+            arena.upload(name, value.reshape(arena.spec(name).shape))
+        arena.upload(MEMBER_SCALARS, plan.scalar_block_bytes(m))
+        out.append(constants)
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # The GPU engine
 # --------------------------------------------------------------------------------------------
@@ -154,13 +168,7 @@ class PopulationEngine(GpuEngine):
             self.arena.add(name, shape, dtype)
         self.address = layered_address([(lay, self.arena)], lay.region)
         self.member_arenas = [MemberArena(self.arena, m * S, S) for m in range(N)]
-        self.constants = []
-        for m, arena in enumerate(self.member_arenas):
-            constants = step_constants(plan.member_layouts[m], plan.member_address(self.address, m))
-            for name, value in constants.items():
-                arena.upload(name, value.reshape(arena.spec(name).shape))
-            arena.upload(MEMBER_SCALARS, plan.scalar_block_bytes(m))
-            self.constants.append(constants)
+        self.constants = upload_member_constants(plan, self.member_arenas, self.address)
         self.stream = dev.stream
         pinned = {name: dev.pinned_empty((N, *shape), dtype)
                   for name, (shape, dtype) in host_buffer_specs(lay, staging_slots).items()}
@@ -296,14 +304,7 @@ class CpuPopulationEngine:
         self._staging = [np.zeros((N, lay.batch_nbytes), np.uint8) for _ in range(staging_slots)]
         self._mem = Memory([(lay, self.arena)], {staging_name(s): buf
                                                  for s, buf in enumerate(self._staging)})
-        self.constants = []
-        for m, arena in enumerate(self.member_arenas):
-            constants = step_constants(plan.member_layouts[m],
-                                       plan.member_address(self._mem.address, m))
-            for name, value in constants.items():
-                arena.upload(name, value.reshape(arena.spec(name).shape))
-            arena.upload(MEMBER_SCALARS, plan.scalar_block_bytes(m))
-            self.constants.append(constants)
+        self.constants = upload_member_constants(plan, self.member_arenas, self._mem.address)
         self._planner = cpu_planner(refused_epilogues)
         self._program_options = dict(
             host_nbytes={staging_name(s): lay.batch_nbytes for s in range(staging_slots)},
