@@ -223,6 +223,56 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
     return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
 }
 
+// Up to HB_NORMS squared norms at once, each with grad_norm_final's bits: norm k is
+// block_sum_as(partials[k][0:count], SumIdentity, threads) + 0.0f (never -0.0), its virtual
+// warps' sums in scratch[k], warp k % warps summing them with block_sum_as's warp-0 butterfly:
+// one pass of loads and three barriers for all of them, where a block_sum_as per norm takes its
+// own (the wave's budget launch reads four). A null partials[k] is a source that is off: its
+// norm is 0 and nothing of it is read (uniform across the block). Every thread gets the norms.
+// Requires what block_sum_as requires; scratch holds HB_NORMS rows of REDUCE_WARP + 1 floats.
+#define HB_NORMS 4
+
+__device__ __forceinline__ void hb_norms_sq(const float* const (&partials)[HB_NORMS],
+                                            long long count, int threads,
+                                            float (*scratch)[REDUCE_WARP + 1],
+                                            float (&norm_sq)[HB_NORMS]) {
+    const int lane = threadIdx.x % REDUCE_WARP;
+    const int warp = threadIdx.x / REDUCE_WARP;
+    const int warps = blockDim.x / REDUCE_WARP;
+    const int virtual_warps = threads / REDUCE_WARP;
+    __syncthreads();  // the previous user of scratch has read its result
+    for (int vw = warp; vw < virtual_warps; vw += warps) {
+        float v[HB_NORMS];
+#pragma unroll
+        for (int k = 0; k < HB_NORMS; ++k) {
+            v[k] = partials[k] == nullptr
+                       ? REDUCE_SUM_IDENTITY
+                       : thread_partial_as(partials[k], 0, count, SumIdentity(),
+                                           (long long)(vw * REDUCE_WARP + lane), threads);
+        }
+#pragma unroll
+        for (int k = 0; k < HB_NORMS; ++k) {
+            v[k] = warp_sum(v[k]);
+            if (lane == 0) {
+                scratch[k][vw] = v[k];
+            }
+        }
+    }
+    __syncthreads();
+    for (int k = warp; k < HB_NORMS; k += warps) {  // warp-uniform
+        float t = lane < virtual_warps ? scratch[k][lane] : REDUCE_SUM_IDENTITY;
+        t = warp_sum(t);
+        if (lane == 0) {
+            scratch[k][REDUCE_WARP] = t;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < HB_NORMS; ++k) {
+        norm_sq[k] = partials[k] == nullptr ? 0.0f : __fadd_rn(scratch[k][REDUCE_WARP], 0.0f);
+    }
+}
+
 // clip_saxpy_norm_partial: the two loss norms' phase 2, the budget tail and phase 1 of the
 // total norm, in one launch:
 //   base_norm_sq   = grad_norm_final(base_partials[0:count])
@@ -244,13 +294,12 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
                         long long final_threads, long long block_size, float* __restrict__ out,
                         float* __restrict__ partials, float* __restrict__ base_norm_sq_out,
                         float* __restrict__ inject_norm_sq_out) {
-    __shared__ float scratch[REDUCE_WARP + 1];
-    const int threads = (int)final_threads;
-    // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms.
-    const float base_norm_sq =
-        __fadd_rn(block_sum_as(base_partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
-    const float inject_norm_sq = __fadd_rn(
-        block_sum_as(inject_partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
+    __shared__ float scratch[HB_NORMS][REDUCE_WARP + 1];
+    // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), for both norms at once.
+    const float* const sources[HB_NORMS] = {base_partials, inject_partials, nullptr, nullptr};
+    float norm_sq[HB_NORMS];
+    hb_norms_sq(sources, count, (int)final_threads, scratch, norm_sq);
+    const float base_norm_sq = norm_sq[0], inject_norm_sq = norm_sq[1];
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         base_norm_sq_out[0] = base_norm_sq;
         inject_norm_sq_out[0] = inject_norm_sq;
@@ -263,7 +312,7 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
     const HbClipSaxpyOp op{hb_clip_scale(base_norm_sq, base_max_norm), a,
                            hb_clip_scale(inject_norm_sq, inject_max_norm)};
     const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
-    const float total = block_sum(partial, scratch);
+    const float total = block_sum(partial, scratch[0]);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
     }
@@ -299,15 +348,6 @@ struct HbWaveBudgetOp {
     }
 };
 
-// A source's squared norm (grad_norm_final's tree), 0 for a source that is off (null partials).
-__device__ __forceinline__ float hb_source_norm_sq(const float* partials, long long count,
-                                                   int threads, float* scratch) {
-    if (partials == nullptr) {
-        return 0.0f;  // uniform across the block: no thread enters block_sum_as
-    }
-    return __fadd_rn(block_sum_as(partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
-}
-
 // Launch: clip_saxpy_norm_partial's (plan_clip_saxpy_norm_partial_wave).
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __restrict__ inject,
@@ -324,12 +364,13 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
                              float* __restrict__ inject_norm_sq_out,
                              float* __restrict__ iqn_norm_sq_out,
                              float* __restrict__ ens_norm_sq_out) {
-    __shared__ float scratch[REDUCE_WARP + 1];
-    const int threads = (int)final_threads;
-    const float base_norm_sq = hb_source_norm_sq(base_partials, count, threads, scratch);
-    const float inject_norm_sq = hb_source_norm_sq(inject_partials, count, threads, scratch);
-    const float iqn_norm_sq = hb_source_norm_sq(iqn_partials, count, threads, scratch);
-    const float ens_norm_sq = hb_source_norm_sq(ens_partials, count, threads, scratch);
+    __shared__ float scratch[HB_NORMS][REDUCE_WARP + 1];
+    const float* const sources[HB_NORMS] = {base_partials, inject_partials, iqn_partials,
+                                            ens_partials};
+    float norm_sq[HB_NORMS];
+    hb_norms_sq(sources, count, (int)final_threads, scratch, norm_sq);
+    const float base_norm_sq = norm_sq[0], inject_norm_sq = norm_sq[1];
+    const float iqn_norm_sq = norm_sq[2], ens_norm_sq = norm_sq[3];
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         base_norm_sq_out[0] = base_norm_sq;
         inject_norm_sq_out[0] = inject_norm_sq;
@@ -351,7 +392,7 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
         iqn, iqn_partials == nullptr ? 0 : iqn_n, iqn_a, hb_clip_scale(iqn_norm_sq, iqn_max_norm),
         ens, ens_partials == nullptr ? 0 : ens_n, ens_a, hb_clip_scale(ens_norm_sq, ens_max_norm)};
     const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
-    const float total = block_sum(partial, scratch);
+    const float total = block_sum(partial, scratch[0]);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
     }

@@ -61,7 +61,8 @@ extern "C" __global__ void nan_check(const float* __restrict__ x, long long n,
 // per block). The blocks read the lengths a tile of blockDim.x slots at a time and number the
 // chunks with a block-wide inclusive scan in shared memory; each thread then issues its
 // NAN_CHECK_PER_THREAD loads of a chunk independently (unrolled), so they are in flight together.
-// blockDim.x must be a power of two, at most NAN_CHECK_MAX_THREADS.
+// blockDim.x must be a power of two from 32 to NAN_CHECK_MAX_THREADS (whole warps: the scan
+// shuffles).
 #define NAN_CHECK_PER_THREAD 8
 #define NAN_CHECK_MAX_THREADS 1024
 
@@ -70,7 +71,9 @@ extern "C" __global__ void nan_check_fused(const unsigned long long* __restrict_
                                            const float* __restrict__ thresholds,
                                            int* __restrict__ flags, int n_slots) {
     __shared__ long long chunk_end[NAN_CHECK_MAX_THREADS];  // inclusive scan of chunk counts
+    __shared__ long long warp_end[NAN_CHECK_MAX_THREADS / 32];  // the warps' inclusive totals
     const long long chunk = (long long)NAN_CHECK_PER_THREAD * blockDim.x;
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
     long long tile_first = 0;  // number of the first chunk of the current tile of slots
     for (int tile = 0; tile < n_slots; tile += blockDim.x) {  // block-uniform loop
         const int own = tile + threadIdx.x;
@@ -78,20 +81,46 @@ extern "C" __global__ void nan_check_fused(const unsigned long long* __restrict_
         if (own < n_slots && buffers[own] != 0ull) {
             count = (lengths[own] + chunk - 1) / chunk;  // lengths >= 0 (validated on the host)
         }
-        chunk_end[threadIdx.x] = count;
-        __syncthreads();
-        for (int offset = 1; offset < blockDim.x; offset <<= 1) {  // Hillis-Steele scan
-            const long long add = threadIdx.x >= offset ? chunk_end[threadIdx.x - offset] : 0;
-            __syncthreads();
-            chunk_end[threadIdx.x] += add;
-            __syncthreads();
+        // Inclusive scan of count over the block: each warp's shuffle scan, then warp 0 scans the
+        // warps' totals (two barriers; the integer sums are exact, so any order gives the same).
+        for (int offset = 1; offset < 32; offset <<= 1) {
+            const long long add = __shfl_up_sync(0xffffffffu, count, offset);
+            count += lane >= offset ? add : 0;
         }
+        if (lane == 31) {
+            warp_end[warp] = count;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            const int warps = blockDim.x / 32;
+            long long total = lane < warps ? warp_end[lane] : 0;
+            for (int offset = 1; offset < 32; offset <<= 1) {
+                const long long add = __shfl_up_sync(0xffffffffu, total, offset);
+                total += lane >= offset ? add : 0;
+            }
+            if (lane < warps) {
+                warp_end[lane] = total;
+            }
+        }
+        __syncthreads();
+        chunk_end[threadIdx.x] = count + (warp ? warp_end[warp - 1] : 0);
+        __syncthreads();
         const int tile_slots = min((int)blockDim.x, n_slots - tile);
         const long long tile_chunks = chunk_end[tile_slots - 1];
         // This block's first chunk number >= tile_first (chunk numbers b mod gridDim.x).
         long long w = tile_first + ((long long)blockIdx.x - tile_first % gridDim.x + gridDim.x) %
                                        gridDim.x;
+        // The slot of the block's first chunk: the first entry with chunk_end > its number (a
+        // binary search; the later chunks' slots by the linear search below, resumed).
         int slot_in_tile = 0;
+        for (int hi = tile_slots - 1; slot_in_tile < hi;) {
+            const int mid = (slot_in_tile + hi) / 2;
+            if (chunk_end[mid] <= w - tile_first) {
+                slot_in_tile = mid + 1;
+            } else {
+                hi = mid;
+            }
+        }
         for (; w < tile_first + tile_chunks; w += gridDim.x) {  // block-uniform loop
             const long long local = w - tile_first;
             while (chunk_end[slot_in_tile] <= local) {  // w only grows: the search resumes

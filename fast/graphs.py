@@ -55,6 +55,80 @@ def node_types(graph) -> Counter:
     return kinds
 
 
+def graph_edges(graph) -> list[tuple]:
+    """The dependency edges ``(from, to)`` of a ``CUgraph``."""
+    drv = _driver()
+    out = call(drv.cuGraphGetEdges, graph, 0)
+    count = out[-1]
+    if not count:
+        return []
+    out = call(drv.cuGraphGetEdges, graph, count)
+    return list(zip(out[0][:count], out[1][:count]))
+
+
+def node_levels(graph) -> dict:
+    """``{node key: (top, bottom)}``: the longest chain of nodes ending at (``top``) and starting
+    at (``bottom``) each node of ``graph``, counted in nodes (the node itself included); the key is
+    ``int(node)``."""
+    nodes = graph_nodes(graph)
+    keys = [int(n) for n in nodes]
+    succ: dict = {k: [] for k in keys}
+    pred: dict = {k: [] for k in keys}
+    for a, b in graph_edges(graph):
+        succ[int(a)].append(int(b))
+        pred[int(b)].append(int(a))
+    order, seen = [], set()
+    indeg = {k: len(pred[k]) for k in keys}
+    ready = [k for k in keys if indeg[k] == 0]
+    while ready:
+        k = ready.pop()
+        order.append(k)
+        seen.add(k)
+        for s in succ[k]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    top = {}
+    for k in order:
+        top[k] = 1 + max((top[p] for p in pred[k]), default=0)
+    bottom = {}
+    for k in reversed(order):
+        bottom[k] = 1 + max((bottom[s] for s in succ[k]), default=0)
+    return {k: (top[k], bottom[k]) for k in order}
+
+
+def set_node_priorities(graph, policy: str) -> int:
+    """EXPERIMENT (issue 18): give each kernel node of ``graph`` a launch priority by
+    ``policy``: ``level`` (the longest chain from the node to the graph's end: the deeper, the
+    higher) or ``slack`` (how far the longest chain through the node falls short of the graph's
+    longest: none, the highest). Returns the kernel nodes set."""
+    drv = _driver()
+    least, greatest = call(drv.cuCtxGetStreamPriorityRange)
+    levels = least - greatest + 1
+    lv = node_levels(graph)
+    if not lv:
+        return 0
+    depth = max(t + b - 1 for t, b in lv.values())
+    kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    attr = drv.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+    count = 0
+    for node in graph_nodes(graph):
+        if call(drv.cuGraphNodeGetType, node) != kernel:
+            continue
+        top, bottom = lv[int(node)]
+        if policy == "level":
+            rank = min(levels - 1, (depth - bottom) * levels // depth)
+        elif policy == "slack":
+            rank = min(levels - 1, depth - (top + bottom - 1))
+        else:
+            raise ValueError(f"node priority policy {policy!r}: one of level, slack")
+        value = drv.CUkernelNodeAttrValue()
+        value.priority = greatest + rank
+        call(drv.cuGraphKernelNodeSetAttribute, node, attr, value)
+        count += 1
+    return count
+
+
 class GraphCapture:
     """Context manager capturing the work enqueued on ``stream`` into a CUDA graph.
 
@@ -106,7 +180,14 @@ class GraphCapture:
             raise CudaError(f"cuStreamEndCapture failed with {_error_text(drv, err)} (an operation "
                             "illegal during capture, e.g. an allocation or a sync, was called)")
         self.graph = graph
-        self.exec = call(drv.cuGraphInstantiate, graph, 0)
+        import os
+
+        policy = os.environ.get("FOXHUNT_NODE_PRIORITY", "")
+        flags = 0
+        if policy:
+            set_node_priorities(graph, policy)
+            flags = drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.value
+        self.exec = call(drv.cuGraphInstantiate, graph, flags)
         call(drv.cuGraphUpload, self.exec, self.stream.handle)
         return False
 
