@@ -144,10 +144,27 @@ extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __r
 // launched with grad_norm_partial's block size, the partials are grad_norm_partial(out)'s bit
 // for bit, and out is clip_grad_inplace + clipped_saxpy's. float4 accesses where the three
 // segment starts are 16-byte aligned, element accesses otherwise (the same sums).
-// The element op receives the element's index too (HbWaveBudgetOp's ranges read it).
+// An element op reads what else it needs for 4 consecutive elements i .. i + 3 with fetch(i)
+// (an Extra; HbWaveBudgetOp's injected sources, within their ranges) and computes element i + k
+// with op(i + k, base, inject, extra, k). The float4 path fetches HB_BUDGET_BATCH chunks, all
+// their loads, before it computes and stores any of them: the stores through `out` would
+// otherwise keep the next chunk's loads behind them (the compiler cannot tell the op's pointers
+// from `out`), one memory latency per chunk.
+#define HB_BUDGET_BATCH 4
+// The budget launches' largest block (fast/kernels/optim.py's PARTIAL_MAX_THREADS: their plan
+// is grad_norm_partial's), as their launch bound: a 1024-thread bound held them to 64
+// registers, and the batched loads spilled (ncu on the H200: 25,819 local-memory requests in
+// one clip_saxpy_norm_partial_wave).
+#define PARTIAL_MAX_THREADS 256
+
+struct HbNoExtra {};
+
 struct HbClipSaxpyOp {
     float s_base, a, s_inject;
-    __device__ __forceinline__ float operator()(long long, float base, float inject) const {
+    using Extra = HbNoExtra;
+    __device__ __forceinline__ Extra fetch(long long) const { return {}; }
+    __device__ __forceinline__ float operator()(long long, float base, float inject, const Extra&,
+                                                int) const {
         return hb_clip_saxpy(base, inject, s_base, a, s_inject);
     }
 };
@@ -170,21 +187,36 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
         const float4* b4 = reinterpret_cast<const float4*>(b);
         const float4* y4 = reinterpret_cast<const float4*>(y);
         float4* o4 = reinterpret_cast<float4*>(o);
-#pragma unroll 4
-        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
-            const float4 qb = b4[c];
-            const float4 qy = y4[c];
-            float4 r;
-            const long long i = begin + 4 * c;
-            r.x = op(i, qb.x, qy.x);
-            r.y = op(i + 1, qb.y, qy.y);
-            r.z = op(i + 2, qb.z, qy.z);
-            r.w = op(i + 3, qb.w, qy.w);
-            o4[c] = r;
-            a0 = __fadd_rn(a0, sq(r.x));
-            a1 = __fadd_rn(a1, sq(r.y));
-            a2 = __fadd_rn(a2, sq(r.z));
-            a3 = __fadd_rn(a3, sq(r.w));
+        const long long step = (long long)blockDim.x;
+        for (long long c0 = threadIdx.x; c0 < chunks; c0 += HB_BUDGET_BATCH * step) {
+            float4 qb[HB_BUDGET_BATCH], qy[HB_BUDGET_BATCH];
+            typename Op::Extra ex[HB_BUDGET_BATCH];
+#pragma unroll
+            for (int k = 0; k < HB_BUDGET_BATCH; ++k) {
+                const long long c = c0 + k * step;
+                if (c < chunks) {
+                    qb[k] = b4[c];
+                    qy[k] = y4[c];
+                    ex[k] = op.fetch(begin + 4 * c);
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < HB_BUDGET_BATCH; ++k) {
+                const long long c = c0 + k * step;
+                if (c < chunks) {  // chunks in increasing order: the accumulators' order
+                    const long long i = begin + 4 * c;
+                    float4 r;
+                    r.x = op(i, qb[k].x, qy[k].x, ex[k], 0);
+                    r.y = op(i + 1, qb[k].y, qy[k].y, ex[k], 1);
+                    r.z = op(i + 2, qb[k].z, qy[k].z, ex[k], 2);
+                    r.w = op(i + 3, qb[k].w, qy[k].w, ex[k], 3);
+                    o4[c] = r;
+                    a0 = __fadd_rn(a0, sq(r.x));
+                    a1 = __fadd_rn(a1, sq(r.y));
+                    a2 = __fadd_rn(a2, sq(r.z));
+                    a3 = __fadd_rn(a3, sq(r.w));
+                }
+            }
         }
     } else {
 #pragma unroll 4
@@ -193,8 +225,9 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
             const float b0 = b[i], b1 = b[i + 1], b2 = b[i + 2], b3 = b[i + 3];
             const float y0 = y[i], y1 = y[i + 1], y2 = y[i + 2], y3 = y[i + 3];
             const long long g = begin + i;
-            const float r0 = op(g, b0, y0), r1 = op(g + 1, b1, y1), r2 = op(g + 2, b2, y2),
-                        r3 = op(g + 3, b3, y3);
+            const typename Op::Extra e = op.fetch(g);
+            const float r0 = op(g, b0, y0, e, 0), r1 = op(g + 1, b1, y1, e, 1),
+                        r2 = op(g + 2, b2, y2, e, 2), r3 = op(g + 3, b3, y3, e, 3);
             o[i] = r0;
             o[i + 1] = r1;
             o[i + 2] = r2;
@@ -207,8 +240,9 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
     }
     const long long tail = 4 * chunks;  // 0 to 3 elements left, the next chunk in turn
     if (tail < len && threadIdx.x == chunks % blockDim.x) {
+        const typename Op::Extra e = op.fetch(begin + tail);
         for (long long i = tail; i < len; ++i) {
-            const float r = op(begin + i, b[i], y[i]);
+            const float r = op(begin + i, b[i], y[i], e, (int)(i - tail));
             o[i] = r;
             const float term = sq(r);
             if (i == tail) {
@@ -286,7 +320,7 @@ __device__ __forceinline__ void hb_norms_sq(const float* const (&partials)[HB_NO
 // inject_norm_sq_out (the step's readback needs them). base, inject and the partials are read
 // only; out is a separate buffer. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial):
 // grid ceil(n / block_size) (at least 1), block a multiple of 32.
-extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(PARTIAL_MAX_THREADS)
 clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict__ inject,
                         long long n, float base_max_norm, const float* __restrict__ base_partials,
                         float a, float inject_max_norm,
@@ -336,20 +370,33 @@ struct HbWaveBudgetOp {
     const float* ens;
     long long ens_n;
     float ens_a, s_ens;
-    __device__ __forceinline__ float operator()(long long i, float base, float inject) const {
-        float r = core(i, base, inject);
+    struct Extra {
+        float iqn[4], ens[4];  // 0 past a source's range (never used there)
+    };
+    __device__ __forceinline__ Extra fetch(long long i) const {
+        Extra e;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            e.iqn[k] = i + k < iqn_n ? iqn[i + k] : 0.0f;
+            e.ens[k] = i + k < ens_n ? ens[i + k] : 0.0f;
+        }
+        return e;
+    }
+    __device__ __forceinline__ float operator()(long long i, float base, float inject,
+                                                const Extra& e, int k) const {
+        float r = core(i, base, inject, HbNoExtra{}, k);
         if (i < iqn_n) {
-            r = hb_guarded_axpy(r, __fmul_rn(iqn[i], s_iqn), iqn_a);
+            r = hb_guarded_axpy(r, __fmul_rn(e.iqn[k], s_iqn), iqn_a);
         }
         if (i < ens_n) {
-            r = hb_guarded_axpy(r, __fmul_rn(ens[i], s_ens), ens_a);
+            r = hb_guarded_axpy(r, __fmul_rn(e.ens[k], s_ens), ens_a);
         }
         return r;
     }
 };
 
 // Launch: clip_saxpy_norm_partial's (plan_clip_saxpy_norm_partial_wave).
-extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(PARTIAL_MAX_THREADS)
 clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __restrict__ inject,
                              long long n, float base_max_norm,
                              const float* __restrict__ base_partials, float a,

@@ -662,6 +662,41 @@ def test_graph_replay_equals_eager_bitwise(device, kernels, lt):
         pipe.close()
 
 
+def test_captured_kernel_nodes_carry_priorities_by_level(device, kernels, lt):
+    """GraphCapture's node priorities: every kernel node gets the priority that
+    ``priority_ranks`` gives it over the context's range (read back from the graph), and the
+    graph, instantiated to use them, still replays the eager results bit for bit (above)."""
+    from foxhunt.fast.device import _driver, call
+    from foxhunt.fast.graphs import GraphCapture, graph_edges, graph_nodes, priority_ranks
+
+    drv = _driver()
+    pipe = _Pipeline(device, kernels)
+    try:
+        graph = GraphCapture(device.stream)
+        with graph:
+            pipe.enqueue(device.stream, branch=graph.branch)
+        least, greatest = call(drv.cuCtxGetStreamPriorityRange)
+        nodes = graph_nodes(graph.graph)
+        ranks = priority_ranks([int(n) for n in nodes],
+                               [(int(a), int(b)) for a, b in graph_edges(graph.graph)],
+                               least - greatest + 1)
+        kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+        attr = drv.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY
+        seen = {int(n): call(drv.cuGraphKernelNodeGetAttribute, n, attr).priority
+                for n in nodes if call(drv.cuGraphNodeGetType, n) == kernel}
+        assert graph.priority_nodes == len(seen) >= 4
+        assert seen == {k: greatest + ranks[k] for k in seen}
+        assert len(set(seen.values())) > 1, "a graph with a chain and a branch has several levels"
+        plain = GraphCapture(device.stream, node_priority=False)
+        with plain:
+            pipe.enqueue(device.stream, branch=plain.branch)
+        assert plain.priority_nodes == 0
+        graph.close()
+        plain.close()
+    finally:
+        pipe.close()
+
+
 def test_capture_failure_is_discarded_and_the_stream_stays_usable(device, kernels, lt):
     from foxhunt.fast.device import Arena, CudaError
     from foxhunt.fast.graphs import GraphCapture
