@@ -317,28 +317,38 @@ extern "C" __global__ void step_scalars(const float* __restrict__ total_partials
                                              float budget_cql, int slow_ema_index,
                                              float slow_alpha) {
     __shared__ float scratch[REDUCE_WARP + 1];
+    // Thread 0 reads its scalars before the reduction, so their loads overlap it (this launch
+    // ends graph 1's longest chain: its time is the step's).
+    float c51 = 0.0f, cql = 0.0f, bound = 0.0f, loss_c51 = 0.0f, loss_cql = 0.0f, slow = 0.0f;
+    const bool writer = blockIdx.x == 0 && threadIdx.x == 0;
+    if (writer) {
+        c51 = *c51_sq;
+        cql = *cql_sq;
+        bound = *clip_bound;
+        loss_c51 = readback[1];
+        loss_cql = readback[2];
+        slow = isv[slow_ema_index];
+    }
     const float partial = thread_partial(total_partials, 0, n_partials, SumIdentity());
     const float sum = block_sum(partial, scratch);
-    if (blockIdx.x != 0 || threadIdx.x != 0) {
+    if (!writer) {
         return;
     }
     const float sq = __fadd_rn(sum, 0.0f);  // NumPy's sums start at +0.0: never -0.0
     *total_sq = sq;
-    const float n_c51 = __fsqrt_rn(fmaxf(*c51_sq, 0.0f));
-    const float n_cql = __fsqrt_rn(fmaxf(*cql_sq, 0.0f));
+    const float n_c51 = __fsqrt_rn(fmaxf(c51, 0.0f));
+    const float n_cql = __fsqrt_rn(fmaxf(cql, 0.0f));
     const float grad_norm = __fsqrt_rn(fmaxf(sq, 0.0f));
-    const float bound = *clip_bound;
     *safety_scale = step_clip_scale(sq, bound);
-    readback[0] = __fadd_rn(readback[1], readback[2]);
+    readback[0] = __fadd_rn(loss_c51, loss_cql);
     readback[3] = grad_norm;
     readback[4] = n_c51;
-    readback[5] = __fmul_rn(n_c51, step_clip_scale(*c51_sq, budget_c51));
+    readback[5] = __fmul_rn(n_c51, step_clip_scale(c51, budget_c51));
     readback[6] = n_cql;
-    readback[7] = __fmul_rn(n_cql, step_clip_scale(*cql_sq, budget_cql));
+    readback[7] = __fmul_rn(n_cql, step_clip_scale(cql, budget_cql));
     readback[8] = bound;
     readback[9] = grad_norm > bound ? 1.0f : 0.0f;
     if (step_is_finite(grad_norm)) {
-        const float slow = isv[slow_ema_index];
         isv[slow_ema_index] = __fadd_rn(__fmul_rn(__fsub_rn(1.0f, slow_alpha), slow),
                                         __fmul_rn(slow_alpha, grad_norm));
     }

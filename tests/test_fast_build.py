@@ -101,16 +101,17 @@ def test_all_files_compile_to_sm90_cubin_with_unique_kernel_names(tmp_path):
 
 
 def test_budget_launches_do_not_spill_on_sm90(tmp_path):
-    """The budget launches (graph 1's last pass over every gradient) hold a batch of chunks in
-    registers: with a 1024-thread launch bound ptxas capped them at 64 registers and they
-    spilled (ncu on the H200: 25,819 local-memory requests per launch). Their bound is the
-    plan's largest block, ``PARTIAL_MAX_THREADS``, the same number in the source and the plan."""
+    """The budget launches (graph 1's last pass over every gradient) are bound by latency: they
+    may not spill registers to local memory (a batched version under a 64-register cap did; ncu
+    on the H200: 25,819 local-memory requests per launch). Their tree and lane counts are the
+    plan's (fast/kernels/optim.py), the same numbers in the source."""
     import re
 
-    from foxhunt.fast.kernels.optim import PARTIAL_MAX_THREADS
+    from foxhunt.fast.kernels.optim import BUDGET_LANES, PARTIAL_MAX_THREADS
 
     sources = {n: b for n, b in SOURCES.items() if n == "optim.cu" or n in HEADERS}
     assert f"#define PARTIAL_MAX_THREADS {PARTIAL_MAX_THREADS}\n".encode() in sources["optim.cu"]
+    assert f"#define HB_BUDGET_LANES {BUDGET_LANES}\n".encode() in sources["optim.cu"]
     module = compile_sources("sm_90", "cubin", cache_root=tmp_path, sources=sources,
                              extra_options=("--ptxas-options=-v",))
     spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores",
