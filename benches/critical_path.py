@@ -371,14 +371,22 @@ def format_chain(path: GraphPath) -> str:
     return "\n".join(out)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def variant_parser(description: str, default: str) -> tuple[argparse.ArgumentParser, tuple]:
+    """The command line the step-variant benches share (SOURCE ..., --preset, --precision) and
+    the variants' names; ``default`` says what no SOURCE means."""
     from foxhunt.reference.config import SECOND_WAVE_SOURCES
 
     choices = ("core", *SECOND_WAVE_SOURCES, "all")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sources", nargs="*", metavar="SOURCE", help=f"step variants (default: all of {choices})")
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("sources", nargs="*", metavar="SOURCE",
+                        help=f"step variants of {choices} (default: {default})")
     parser.add_argument("--preset", default="seed")
     parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
+    return parser, choices
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, choices = variant_parser(__doc__.splitlines()[0], "all of them")
     parser.add_argument("--chain", action="store_true",
                         help="print graph 1's critical chain of each variant (with --collect: "
                              "the cycle's)")

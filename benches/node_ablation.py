@@ -23,13 +23,12 @@ is printed, and a ``saved_us`` inside it is noise. ``--members N``: the step of 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from critical_path import MEASURED_GRAPHS, node_kind, node_label, variant_config
+from critical_path import MEASURED_GRAPHS, node_kind, node_label, variant_config, variant_parser
 
 
 def without(ops, drop: Callable[[object], bool]):
@@ -153,13 +152,7 @@ def format_ablation(source: str, graphs: dict[str, Ablation], *, top: int) -> st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from foxhunt.reference.config import SECOND_WAVE_SOURCES
-
-    choices = ("core", *SECOND_WAVE_SOURCES, "all")
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("sources", nargs="*", metavar="SOURCE", help=f"step variants of {choices} (default: all)")
-    parser.add_argument("--preset", default="seed")
-    parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
+    parser, choices = variant_parser(__doc__.splitlines()[0], "all")
     parser.add_argument("--replays", type=int, default=100, help="replays per timing")
     parser.add_argument("--top", type=int, default=30, help="nodes listed per graph")
     parser.add_argument("--members", type=int, default=0,
