@@ -182,6 +182,7 @@ def test_measured_step_times_every_node_and_bounds_the_chain(capsys):
     step = cp.measure_step(config, repeats=3, replays=5)
     assert set(step.graphs) == set(cp.MEASURED_GRAPHS)
     assert step.pair_us > max(m.graph_us for m in step.graphs.values()) * 0.5
+    assert step.merged_us > max(m.graph_us for m in step.graphs.values()) * 0.5
     for m in step.graphs.values():
         assert len(m.us) == len(m.nodes) > 0 and min(m.us) > 0 and m.graph_us > 0
         assert m.chain.weight == pytest.approx(sum(m.us[i] for i in m.chain.indices))
@@ -189,6 +190,7 @@ def test_measured_step_times_every_node_and_bounds_the_chain(capsys):
     assert cp.main(["--preset", "tiny", "--measure", "--repeats", "2", "--chain", "core"]) == 0
     out = capsys.readouterr().out
     assert "graph1" in out and "measured critical chain" in out and "back to back" in out
+    assert "as one graph" in out
 
 
 @pytest.mark.gpu
