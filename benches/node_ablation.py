@@ -12,12 +12,14 @@ are captured again from their plans with one node left out (``without``: the rec
 that node; every fork, join and event kept, so the node's dependants wait on its own
 dependencies instead) and replayed ``--replays`` times back to back between CUDA events;
 ``saved_us`` is the captured graph's replay time minus that. Groups are left out the same way:
-every GEMM, every kernel launch, every launch of one kernel name. The values the shortened
+every GEMM, every kernel launch, every node of one label (a kernel's name, a GEMM's shape). The values the shortened
 graphs compute are wrong and not used: these are timings only (a kernel's time does not
 depend on its data here; every node's arguments stay valid).
 
 The base time is measured again before every tenth variant; the spread of those base times
-is printed, and a ``saved_us`` inside it is noise. ``--members N``: the step of a
+is printed, and a ``saved_us`` inside it is noise. A removal can also make the graph SLOWER
+(negative ``saved_us``: the block scheduler then serves the branches in another order; seen
+on the H200 for the core step, by up to 3 us). ``--members N``: the step of a
 ``fast.Population`` of N members (issue 24).
 """
 
