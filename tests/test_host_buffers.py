@@ -221,7 +221,8 @@ def test_pinned_block_is_found_through_views_and_bounds_hold():
 
 class FakeDriver:
     """The driver calls ``GraphCapture`` and ``Lowering`` make, logged; a launch stays in flight
-    until its event is waited on."""
+    until its event is waited on. It has no graph to read nodes from: the captures here turn
+    node priorities off (tests/test_fast_gpu.py checks them on a real graph)."""
 
     CUresult = SimpleNamespace(CUDA_SUCCESS=0, CUDA_ERROR_NOT_READY=600)
     CUstream_flags = SimpleNamespace(CU_STREAM_NON_BLOCKING=SimpleNamespace(value=1))
@@ -286,7 +287,8 @@ def test_a_graph_holds_its_host_buffers_until_its_last_launch_is_done(driver):
     block = FakePinned(64)
     array = block.view(0, (16,), np.dtype(np.float32))
     weakref.finalize(block, driver.log.append, ("freed",))
-    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0)
+    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
+                                     node_priority=False)
     with graph:
         pass
     graph.hold(array)
@@ -305,7 +307,8 @@ def test_a_graph_holds_its_host_buffers_until_its_last_launch_is_done(driver):
 def test_closing_an_idle_graph_does_not_wait(driver):
     block = FakePinned(64)
     weakref.finalize(block, driver.log.append, ("freed",))
-    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0)
+    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
+                                     node_priority=False)
     with graph:
         pass
     graph.hold(block.view(0, (16,), np.dtype(np.float32)))
@@ -320,7 +323,8 @@ def test_closing_an_idle_graph_does_not_wait(driver):
 
 
 def test_hold_is_refused_during_a_capture(driver):
-    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0)
+    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
+                                     node_priority=False)
     with graph:
         with pytest.raises(RuntimeError, match="after the capture"):
             graph.hold(fake_pinned(4, np.float32))
