@@ -259,6 +259,34 @@ class MeasuredStep:
     merged_us: float
 
 
+def warmed_trainer(config, *, seed: int = 0, members: int = 0, gemm_workspace: str = "none"):
+    """A fast ``Trainer`` for ``config`` (``members`` > 0: a ``fast.Population`` of that many
+    members, seeds ``seed`` ..) after two steps on random batches, its GPU idle: its graphs
+    are captured and warm. The caller closes it."""
+    import numpy as np
+
+    from foxhunt.fast.trainer import Trainer
+    from foxhunt.reference.batch import Batch
+
+    rng = np.random.default_rng(seed)
+    if members:
+        from foxhunt.fast.population import Population
+
+        trainer = Population(config, range(seed, seed + members), gemm_workspace=gemm_workspace)
+        step = lambda: trainer.step([Batch.random(config, rng) for _ in range(members)])  # noqa: E731
+    else:
+        trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace)
+        step = lambda: trainer.step(Batch.random(config, rng))  # noqa: E731
+    try:
+        for _ in range(2):
+            step()
+        trainer.engine.synchronize()
+    except BaseException:
+        trainer.close()
+        raise
+    return trainer
+
+
 def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
                  gemm_workspace: str = "none", members: int = 0) -> MeasuredStep:
     """The fast trainer's step for ``config`` measured on the GPU (module docstring,
@@ -267,26 +295,10 @@ def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
     from foxhunt.fast.dataflow import dependency_graph
     from foxhunt.fast.device import driver_event_time
     from foxhunt.fast.graphs import GraphCapture
-    from foxhunt.fast.trainer import Trainer
-    from foxhunt.reference.batch import Batch
 
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    if members:
-        from foxhunt.fast.population import Population
-
-        trainer = Population(config, range(seed, seed + members), gemm_workspace=gemm_workspace)
-        batches = [Batch.random(config, rng) for _ in range(members)]
-        step = lambda: trainer.step(batches)  # noqa: E731
-    else:
-        trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace)
-        step = lambda: trainer.step(Batch.random(config, rng))  # noqa: E731
+    trainer = warmed_trainer(config, seed=seed, members=members, gemm_workspace=gemm_workspace)
     try:
-        for _ in range(2):
-            step()
         engine = trainer.engine
-        engine.synchronize()
         stream, lowering = engine.stream, engine.lowering
         captured = {"graph1": engine._graph1, "graph2": engine._graph2}
         out = {}

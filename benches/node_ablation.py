@@ -30,7 +30,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from critical_path import MEASURED_GRAPHS, node_kind, node_label, variant_config, variant_parser
+from critical_path import (MEASURED_GRAPHS, node_kind, node_label, variant_config, variant_parser,
+                           warmed_trainer)
 
 
 def without(ops, drop: Callable[[object], bool]):
@@ -79,28 +80,12 @@ def groups_of(nodes: Sequence) -> list[tuple[str, Callable[[object], bool], int]
 def ablate_step(config, *, replays: int = 100, seed: int = 0, members: int = 0) -> dict[str, Ablation]:
     """Graph 1 and graph 2 of the fast step for ``config``, ablated node by node and by group
     (module docstring)."""
-    import numpy as np
-
     from foxhunt.fast.device import driver_event_time
     from foxhunt.fast.graphs import GraphCapture
-    from foxhunt.fast.trainer import Trainer
-    from foxhunt.reference.batch import Batch
 
-    rng = np.random.default_rng(seed)
-    if members:
-        from foxhunt.fast.population import Population
-
-        trainer = Population(config, range(seed, seed + members))
-        batches = [Batch.random(config, rng) for _ in range(members)]
-        step = lambda: trainer.step(batches)  # noqa: E731
-    else:
-        trainer = Trainer(config, seed=seed)
-        step = lambda: trainer.step(Batch.random(config, rng))  # noqa: E731
+    trainer = warmed_trainer(config, seed=seed, members=members)
     try:
-        for _ in range(2):
-            step()
         engine = trainer.engine
-        engine.synchronize()
         stream, lowering, pool = engine.stream, engine.lowering, engine.pool
         captured = {"graph1": engine._graph1, "graph2": engine._graph2}
 
