@@ -152,10 +152,10 @@ extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __r
 // its loads first, float4 where the three segment starts are 16-byte aligned) and leaves the
 // chunk's four finite squares in shared memory; after the barrier tree thread t adds those of
 // chunks round + j T + t, j = 0 .. HB_BUDGET_LANES - 1, in order: its chunks in increasing
-// order, as above. A missing
-// element of the partial last chunk leaves the identity (-0.0 + x == x: no bit changes). The
-// other threads' partials are the identity, so block_sum over the whole block has the bits of
-// block_sum over T threads (its warp 0 pads with the identity).
+// order, as above. A missing element of the partial last chunk leaves the identity
+// (-0.0 + x == x: no bit changes). The other threads' partials are the identity, so block_sum
+// over the whole block has the bits of block_sum over T threads (its warp 0 pads with the
+// identity).
 //
 // An element op reads what else it needs for 4 consecutive elements i .. i + 3 with fetch(i)
 // (an Extra; HbWaveBudgetOp's injected sources, within their ranges) and computes element i + k
