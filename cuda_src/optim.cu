@@ -137,173 +137,90 @@ extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __r
 // The budget tail (clip_saxpy_norm_partial): out_i = hb_clip_saxpy(base_i, inject_i) and the
 // finite-square partial of each block_size segment of out, in one pass over the segment.
 //
-// The partial reproduces grad_norm_partial's tree for T threads term for term (chunks of 4
+// The per-thread partial reproduces thread_partial's order term for term (chunks of 4
 // consecutive elements; thread t takes chunks t, t + T, ...; accumulator j sums element j of
 // its chunks in order; the last, partial chunk goes to thread chunks % T; the partial is
 // (a0 + a1) + (a2 + a3)), on the values it stores; the block then sums with block_sum. So,
-// with T grad_norm_partial's block size, the partials are grad_norm_partial(out)'s bit for bit,
-// and out is clip_grad_inplace + clipped_saxpy's.
-//
-// The block has HB_BUDGET_LANES threads per tree thread (blockDim.x = HB_BUDGET_LANES * T), so
-// the loads and the element ops of a segment run on four times the warps. (Measured on the H200,
-// every second-wave source, bf16: ncu 9.66 us with T threads, 9.54 us with 4 T; the step did not
-// change. Half of the launch's elapsed cycles its SMs are idle: what bounds it is not its
-// element pass, and is not known yet.) In each round, thread p computes chunk round + p (all
-// its loads first, float4 where the three segment starts are 16-byte aligned) and leaves the
-// chunk's four finite squares in shared memory; after the barrier tree thread t adds those of
-// chunks round + j T + t, j = 0 .. HB_BUDGET_LANES - 1, in order: its chunks in increasing
-// order, as above. A missing element of the partial last chunk leaves the identity
-// (-0.0 + x == x: no bit changes). The other threads' partials are the identity, so block_sum
-// over the whole block has the bits of block_sum over T threads (its warp 0 pads with the
-// identity).
-//
-// An element op reads what else it needs for 4 consecutive elements i .. i + 3 with fetch(i)
-// (an Extra; HbWaveBudgetOp's injected sources, within their ranges) and computes element i + k
-// with op(i + k, base, inject, extra, k).
-#define HB_BUDGET_LANES 4
-// The largest tree (fast/kernels/optim.py's PARTIAL_MAX_THREADS: the budget launches' plan is
-// grad_norm_partial's, HB_BUDGET_LANES threads per tree thread).
-#define PARTIAL_MAX_THREADS 256
-#define HB_BUDGET_MAX_THREADS (HB_BUDGET_LANES * PARTIAL_MAX_THREADS)
-
-struct HbNoExtra {};
-
+// launched with grad_norm_partial's block size, the partials are grad_norm_partial(out)'s bit
+// for bit, and out is clip_grad_inplace + clipped_saxpy's. float4 accesses where the three
+// segment starts are 16-byte aligned, element accesses otherwise (the same sums).
+// The element op receives the element's index too (HbWaveBudgetOp's ranges read it).
 struct HbClipSaxpyOp {
     float s_base, a, s_inject;
-    using Extra = HbNoExtra;
-    __device__ __forceinline__ Extra fetch(long long) const { return {}; }
-    __device__ __forceinline__ float operator()(long long, float base, float inject, const Extra&,
-                                                int) const {
+    __device__ __forceinline__ float operator()(long long, float base, float inject) const {
         return hb_clip_saxpy(base, inject, s_base, a, s_inject);
     }
 };
 
-// The calling tree thread's partial (threadIdx.x < T; the others get the identity); `squares`
-// is shared memory of blockDim.x rows of 4 floats. Every thread of the block must call it.
 template <class Op>
-__device__ __forceinline__ float hb_clip_saxpy_tree_partial(
+__device__ __forceinline__ float hb_clip_saxpy_thread_partial(
         const float* __restrict__ base, const float* __restrict__ inject, float* __restrict__ out,
-        long long begin, long long end, const Op op, float (*squares)[4]) {
+        long long begin, long long end, const Op op) {
     const FiniteSquare sq;
-    const int p = threadIdx.x;
-    const int tree = blockDim.x / HB_BUDGET_LANES;
     const float* b = base + begin;
     const float* y = inject + begin;
     float* o = out + begin;
     const long long len = end - begin;
-    const long long full = len / 4;          // whole chunks
-    const long long chunks = (len + 3) / 4;  // and the partial one, if any
-    const bool aligned = ((reinterpret_cast<unsigned long long>(b) |
-                           reinterpret_cast<unsigned long long>(y) |
-                           reinterpret_cast<unsigned long long>(o)) & 15) == 0;
+    const long long chunks = len / 4;
     float a0 = REDUCE_SUM_IDENTITY, a1 = REDUCE_SUM_IDENTITY, a2 = REDUCE_SUM_IDENTITY, a3 = REDUCE_SUM_IDENTITY;
-    for (long long round = 0; round < chunks; round += blockDim.x) {  // block-uniform
-        const long long c = round + p;
-        float s[4] = {REDUCE_SUM_IDENTITY, REDUCE_SUM_IDENTITY, REDUCE_SUM_IDENTITY, REDUCE_SUM_IDENTITY};
-        if (c < chunks) {
+    const unsigned long long addresses = reinterpret_cast<unsigned long long>(b) |
+                                         reinterpret_cast<unsigned long long>(y) |
+                                         reinterpret_cast<unsigned long long>(o);
+    if ((addresses & 15) == 0) {
+        const float4* b4 = reinterpret_cast<const float4*>(b);
+        const float4* y4 = reinterpret_cast<const float4*>(y);
+        float4* o4 = reinterpret_cast<float4*>(o);
+#pragma unroll 4
+        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
+            const float4 qb = b4[c];
+            const float4 qy = y4[c];
+            float4 r;
+            const long long i = begin + 4 * c;
+            r.x = op(i, qb.x, qy.x);
+            r.y = op(i + 1, qb.y, qy.y);
+            r.z = op(i + 2, qb.z, qy.z);
+            r.w = op(i + 3, qb.w, qy.w);
+            o4[c] = r;
+            a0 = __fadd_rn(a0, sq(r.x));
+            a1 = __fadd_rn(a1, sq(r.y));
+            a2 = __fadd_rn(a2, sq(r.z));
+            a3 = __fadd_rn(a3, sq(r.w));
+        }
+    } else {
+#pragma unroll 4
+        for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
             const long long i = 4 * c;
-            const bool vector = aligned && c < full;
-            float bv[4], yv[4];
-            if (vector) {
-                const float4 qb = reinterpret_cast<const float4*>(b)[c];
-                const float4 qy = reinterpret_cast<const float4*>(y)[c];
-                bv[0] = qb.x, bv[1] = qb.y, bv[2] = qb.z, bv[3] = qb.w;
-                yv[0] = qy.x, yv[1] = qy.y, yv[2] = qy.z, yv[3] = qy.w;
+            const float b0 = b[i], b1 = b[i + 1], b2 = b[i + 2], b3 = b[i + 3];
+            const float y0 = y[i], y1 = y[i + 1], y2 = y[i + 2], y3 = y[i + 3];
+            const long long g = begin + i;
+            const float r0 = op(g, b0, y0), r1 = op(g + 1, b1, y1), r2 = op(g + 2, b2, y2),
+                        r3 = op(g + 3, b3, y3);
+            o[i] = r0;
+            o[i + 1] = r1;
+            o[i + 2] = r2;
+            o[i + 3] = r3;
+            a0 = __fadd_rn(a0, sq(r0));
+            a1 = __fadd_rn(a1, sq(r1));
+            a2 = __fadd_rn(a2, sq(r2));
+            a3 = __fadd_rn(a3, sq(r3));
+        }
+    }
+    const long long tail = 4 * chunks;  // 0 to 3 elements left, the next chunk in turn
+    if (tail < len && threadIdx.x == chunks % blockDim.x) {
+        for (long long i = tail; i < len; ++i) {
+            const float r = op(begin + i, b[i], y[i]);
+            o[i] = r;
+            const float term = sq(r);
+            if (i == tail) {
+                a0 = __fadd_rn(a0, term);
+            } else if (i == tail + 1) {
+                a1 = __fadd_rn(a1, term);
             } else {
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    bv[k] = i + k < len ? b[i + k] : 0.0f;
-                    yv[k] = i + k < len ? y[i + k] : 0.0f;
-                }
-            }
-            const typename Op::Extra e = op.fetch(begin + i);
-            float r[4];
-#pragma unroll
-            for (int k = 0; k < 4; ++k) {
-                r[k] = op(begin + i + k, bv[k], yv[k], e, k);
-                if (i + k < len) {
-                    s[k] = sq(r[k]);
-                }
-            }
-            if (vector) {
-                reinterpret_cast<float4*>(o)[c] = make_float4(r[0], r[1], r[2], r[3]);
-            } else {
-#pragma unroll
-                for (int k = 0; k < 4; ++k) {
-                    if (i + k < len) {
-                        o[i + k] = r[k];
-                    }
-                }
+                a2 = __fadd_rn(a2, term);
             }
         }
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            squares[p][k] = s[k];
-        }
-        __syncthreads();
-        if (p < tree) {
-#pragma unroll
-            for (int j = 0; j < HB_BUDGET_LANES; ++j) {
-                const float* q = squares[j * tree + p];
-                a0 = __fadd_rn(a0, q[0]);
-                a1 = __fadd_rn(a1, q[1]);
-                a2 = __fadd_rn(a2, q[2]);
-                a3 = __fadd_rn(a3, q[3]);
-            }
-        }
-        __syncthreads();  // the next round rewrites squares
     }
     return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
-}
-
-// Up to HB_NORMS squared norms at once, each with grad_norm_final's bits: norm k is
-// block_sum_as(partials[k][0:count], SumIdentity, threads) + 0.0f (never -0.0), its virtual
-// warps' sums in scratch[k], warp k % warps summing them with block_sum_as's warp-0 butterfly:
-// one pass of loads and three barriers for all of them, where a block_sum_as per norm takes its
-// own (the wave's budget launch reads four). A null partials[k] is a source that is off: its
-// norm is 0 and nothing of it is read (uniform across the block). Every thread gets the norms.
-// Requires what block_sum_as requires; scratch holds HB_NORMS rows of REDUCE_WARP + 1 floats.
-#define HB_NORMS 4
-
-__device__ __forceinline__ void hb_norms_sq(const float* const (&partials)[HB_NORMS],
-                                            long long count, int threads,
-                                            float (*scratch)[REDUCE_WARP + 1],
-                                            float (&norm_sq)[HB_NORMS]) {
-    const int lane = threadIdx.x % REDUCE_WARP;
-    const int warp = threadIdx.x / REDUCE_WARP;
-    const int warps = blockDim.x / REDUCE_WARP;
-    const int virtual_warps = threads / REDUCE_WARP;
-    __syncthreads();  // the previous user of scratch has read its result
-    for (int vw = warp; vw < virtual_warps; vw += warps) {
-        float v[HB_NORMS];
-#pragma unroll
-        for (int k = 0; k < HB_NORMS; ++k) {
-            v[k] = partials[k] == nullptr
-                       ? REDUCE_SUM_IDENTITY
-                       : thread_partial_as(partials[k], 0, count, SumIdentity(),
-                                           (long long)(vw * REDUCE_WARP + lane), threads);
-        }
-#pragma unroll
-        for (int k = 0; k < HB_NORMS; ++k) {
-            v[k] = warp_sum(v[k]);
-            if (lane == 0) {
-                scratch[k][vw] = v[k];
-            }
-        }
-    }
-    __syncthreads();
-    for (int k = warp; k < HB_NORMS; k += warps) {  // warp-uniform
-        float t = lane < virtual_warps ? scratch[k][lane] : REDUCE_SUM_IDENTITY;
-        t = warp_sum(t);
-        if (lane == 0) {
-            scratch[k][REDUCE_WARP] = t;
-        }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < HB_NORMS; ++k) {
-        norm_sq[k] = partials[k] == nullptr ? 0.0f : __fadd_rn(scratch[k][REDUCE_WARP], 0.0f);
-    }
 }
 
 // clip_saxpy_norm_partial: the two loss norms' phase 2, the budget tail and phase 1 of the
@@ -317,10 +234,9 @@ __device__ __forceinline__ void hb_norms_sq(const float* const (&partials)[HB_NO
 // final_threads threads (block_sum_as; the launcher passes plan_grad_norm_final(count)'s
 // block), so they are grad_norm_final's bits; block 0 writes them to base_norm_sq_out and
 // inject_norm_sq_out (the step's readback needs them). base, inject and the partials are read
-// only; out is a separate buffer. Launch (plan_clip_saxpy_norm_partial): grad_norm_partial's
-// grid, ceil(n / block_size) (at least 1), and HB_BUDGET_LANES times its block (T, a multiple
-// of 32, at most PARTIAL_MAX_THREADS): the tree above is T's.
-extern "C" __global__ void __launch_bounds__(HB_BUDGET_MAX_THREADS)
+// only; out is a separate buffer. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial):
+// grid ceil(n / block_size) (at least 1), block a multiple of 32.
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict__ inject,
                         long long n, float base_max_norm, const float* __restrict__ base_partials,
                         float a, float inject_max_norm,
@@ -328,13 +244,13 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
                         long long final_threads, long long block_size, float* __restrict__ out,
                         float* __restrict__ partials, float* __restrict__ base_norm_sq_out,
                         float* __restrict__ inject_norm_sq_out) {
-    __shared__ float scratch[HB_NORMS][REDUCE_WARP + 1];
-    __shared__ float squares[HB_BUDGET_MAX_THREADS][4];
-    // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), for both norms at once.
-    const float* const sources[HB_NORMS] = {base_partials, inject_partials, nullptr, nullptr};
-    float norm_sq[HB_NORMS];
-    hb_norms_sq(sources, count, (int)final_threads, scratch, norm_sq);
-    const float base_norm_sq = norm_sq[0], inject_norm_sq = norm_sq[1];
+    __shared__ float scratch[REDUCE_WARP + 1];
+    const int threads = (int)final_threads;
+    // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms.
+    const float base_norm_sq =
+        __fadd_rn(block_sum_as(base_partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
+    const float inject_norm_sq = __fadd_rn(
+        block_sum_as(inject_partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         base_norm_sq_out[0] = base_norm_sq;
         inject_norm_sq_out[0] = inject_norm_sq;
@@ -346,8 +262,8 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
     const long long end = min(begin + block_size, n);
     const HbClipSaxpyOp op{hb_clip_scale(base_norm_sq, base_max_norm), a,
                            hb_clip_scale(inject_norm_sq, inject_max_norm)};
-    const float partial = hb_clip_saxpy_tree_partial(base, inject, out, begin, end, op, squares);
-    const float total = block_sum(partial, scratch[0]);
+    const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
+    const float total = block_sum(partial, scratch);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
     }
@@ -371,33 +287,29 @@ struct HbWaveBudgetOp {
     const float* ens;
     long long ens_n;
     float ens_a, s_ens;
-    struct Extra {
-        float iqn[4], ens[4];  // 0 past a source's range (never used there)
-    };
-    __device__ __forceinline__ Extra fetch(long long i) const {
-        Extra e;
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            e.iqn[k] = i + k < iqn_n ? iqn[i + k] : 0.0f;
-            e.ens[k] = i + k < ens_n ? ens[i + k] : 0.0f;
-        }
-        return e;
-    }
-    __device__ __forceinline__ float operator()(long long i, float base, float inject,
-                                                const Extra& e, int k) const {
-        float r = core(i, base, inject, HbNoExtra{}, k);
+    __device__ __forceinline__ float operator()(long long i, float base, float inject) const {
+        float r = core(i, base, inject);
         if (i < iqn_n) {
-            r = hb_guarded_axpy(r, __fmul_rn(e.iqn[k], s_iqn), iqn_a);
+            r = hb_guarded_axpy(r, __fmul_rn(iqn[i], s_iqn), iqn_a);
         }
         if (i < ens_n) {
-            r = hb_guarded_axpy(r, __fmul_rn(e.ens[k], s_ens), ens_a);
+            r = hb_guarded_axpy(r, __fmul_rn(ens[i], s_ens), ens_a);
         }
         return r;
     }
 };
 
+// A source's squared norm (grad_norm_final's tree), 0 for a source that is off (null partials).
+__device__ __forceinline__ float hb_source_norm_sq(const float* partials, long long count,
+                                                   int threads, float* scratch) {
+    if (partials == nullptr) {
+        return 0.0f;  // uniform across the block: no thread enters block_sum_as
+    }
+    return __fadd_rn(block_sum_as(partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
+}
+
 // Launch: clip_saxpy_norm_partial's (plan_clip_saxpy_norm_partial_wave).
-extern "C" __global__ void __launch_bounds__(HB_BUDGET_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __restrict__ inject,
                              long long n, float base_max_norm,
                              const float* __restrict__ base_partials, float a,
@@ -412,14 +324,12 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
                              float* __restrict__ inject_norm_sq_out,
                              float* __restrict__ iqn_norm_sq_out,
                              float* __restrict__ ens_norm_sq_out) {
-    __shared__ float scratch[HB_NORMS][REDUCE_WARP + 1];
-    __shared__ float squares[HB_BUDGET_MAX_THREADS][4];
-    const float* const sources[HB_NORMS] = {base_partials, inject_partials, iqn_partials,
-                                            ens_partials};
-    float norm_sq[HB_NORMS];
-    hb_norms_sq(sources, count, (int)final_threads, scratch, norm_sq);
-    const float base_norm_sq = norm_sq[0], inject_norm_sq = norm_sq[1];
-    const float iqn_norm_sq = norm_sq[2], ens_norm_sq = norm_sq[3];
+    __shared__ float scratch[REDUCE_WARP + 1];
+    const int threads = (int)final_threads;
+    const float base_norm_sq = hb_source_norm_sq(base_partials, count, threads, scratch);
+    const float inject_norm_sq = hb_source_norm_sq(inject_partials, count, threads, scratch);
+    const float iqn_norm_sq = hb_source_norm_sq(iqn_partials, count, threads, scratch);
+    const float ens_norm_sq = hb_source_norm_sq(ens_partials, count, threads, scratch);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         base_norm_sq_out[0] = base_norm_sq;
         inject_norm_sq_out[0] = inject_norm_sq;
@@ -440,8 +350,8 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
          hb_clip_scale(inject_norm_sq, inject_max_norm)},
         iqn, iqn_partials == nullptr ? 0 : iqn_n, iqn_a, hb_clip_scale(iqn_norm_sq, iqn_max_norm),
         ens, ens_partials == nullptr ? 0 : ens_n, ens_a, hb_clip_scale(ens_norm_sq, ens_max_norm)};
-    const float partial = hb_clip_saxpy_tree_partial(base, inject, out, begin, end, op, squares);
-    const float total = block_sum(partial, scratch[0]);
+    const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
+    const float total = block_sum(partial, scratch);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
     }

@@ -66,8 +66,6 @@ ELEMENTWISE_MAX_BLOCKS = 4096
 REDUCTION_MAX_THREADS = 1024
 #: Threads per block of ``grad_norm_partial``, at most (one block per ``block_size`` segment).
 PARTIAL_MAX_THREADS = 256
-#: Threads of a budget launch per thread of its partials' tree (HB_BUDGET_LANES in optim.cu).
-BUDGET_LANES = 4
 #: Block sizes of the reductions are multiples of a warp (the block trees need whole warps).
 WARP = 32
 
@@ -105,12 +103,9 @@ def plan_grad_norm_final(count: int) -> Plan:
 
 
 def plan_clip_saxpy_norm_partial(n: int, block_size: int) -> Plan:
-    """``grad_norm_partial``'s grid (one block per ``block_size`` segment) with
-    ``BUDGET_LANES`` threads per thread of its block: the kernel's partials follow the tree of
-    grad_norm_partial's block and equal its bits, and the extra threads carry the segment's loads
-    and element ops (optim.cu, hb_clip_saxpy_tree_partial)."""
-    grid, block, smem = plan_grad_norm_partial(n, block_size)
-    return grid, BUDGET_LANES * block, smem
+    """``grad_norm_partial``'s launch (one block per ``block_size`` segment, the same block
+    size): the fused partials then follow grad_norm_partial's tree and equal its bits."""
+    return plan_grad_norm_partial(n, block_size)
 
 
 def final_threads_clip_saxpy_norm_partial(count: int) -> int:
