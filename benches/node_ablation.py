@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -51,8 +52,8 @@ def without(ops, drop: Callable[[object], bool]):
 
 @dataclass(frozen=True)
 class Ablation:
-    """One graph's base replay times (``base_us``, measured along the way) and the replay time
-    without each variant (``label -> us``)."""
+    """One graph's base replay times (``base_us``, measured along the way) and its replay time
+    without each node (``single``) and without each group (``groups``)."""
 
     base_us: tuple[float, ...]
     single: tuple[tuple[str, float], ...]  # (node label, us without it), walk order
@@ -66,12 +67,10 @@ class Ablation:
 def groups_of(nodes: Sequence) -> list[tuple[str, Callable[[object], bool], int]]:
     """``(name, drop, count)``: every GEMM, every kernel launch, and each kernel or GEMM shape
     launched more than once."""
-    labels: dict[str, int] = {}
-    for n in nodes:
-        labels[node_label(n)] = labels.get(node_label(n), 0) + 1
-    out = [("every gemm", lambda n: node_kind(n) == "gemm", sum(node_kind(n) == "gemm" for n in nodes)),
-           ("every kernel", lambda n: node_kind(n) == "kernel",
-            sum(node_kind(n) == "kernel" for n in nodes))]
+    kinds = Counter(node_kind(n) for n in nodes)
+    labels = Counter(node_label(n) for n in nodes)
+    out = [(f"every {kind}", lambda n, k=kind: node_kind(n) == k, kinds[kind])
+           for kind in ("gemm", "kernel")]
     out += [(f"every {label}", lambda n, lab=label: node_label(n) == lab, count)
             for label, count in sorted(labels.items()) if count > 1]
     return out
@@ -104,8 +103,9 @@ def ablate_step(config, *, replays: int = 100, seed: int = 0, members: int = 0) 
             ops = engine.plans[name]
             nodes = ops.nodes()
             base: list[float] = []
+            groups = groups_of(nodes)
             variants = [(node_label(n), lambda x, n=n: x is n) for n in nodes]
-            variants += [(g, drop) for g, drop, _ in groups_of(nodes)]
+            variants += [(g, drop) for g, drop, _ in groups]
             times = []
             for k, (_, drop) in enumerate(variants):
                 if k % 10 == 0:
@@ -113,8 +113,7 @@ def ablate_step(config, *, replays: int = 100, seed: int = 0, members: int = 0) 
                 times.append(time_without(ops, drop))
             base.append(driver_event_time(stream, captured[name].replay, replays) * 1e6)
             single = tuple((label, t) for (label, _), t in zip(variants, times[:len(nodes)]))
-            group_rows = tuple((g, count, t) for (g, _, count), t
-                               in zip(groups_of(nodes), times[len(nodes):]))
+            group_rows = tuple((g, count, t) for (g, _, count), t in zip(groups, times[len(nodes):]))
             out[name] = Ablation(tuple(base), single, group_rows)
         return out
     finally:
