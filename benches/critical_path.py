@@ -297,10 +297,12 @@ def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
     from foxhunt.fast.graphs import GraphCapture
 
     trainer = warmed_trainer(config, seed=seed, members=members, gemm_workspace=gemm_workspace)
+    captured = {}
     try:
         engine = trainer.engine
         stream, lowering = engine.stream, engine.lowering
-        captured = {"graph1": engine._graph1, "graph2": engine._graph2}
+        for name in MEASURED_GRAPHS:
+            captured[name] = engine.capture_plans([name])
         out = {}
         for name in MEASURED_GRAPHS:
             graph_us = driver_event_time(stream, captured[name].replay, replays) * 1e6
@@ -324,17 +326,16 @@ def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
             captured["graph1"].replay()
             captured["graph2"].replay()
 
-        merged = GraphCapture(stream)
+        merged = engine.capture_plans(MEASURED_GRAPHS)
         try:
-            with merged:
-                for name in MEASURED_GRAPHS:
-                    lowering.enqueue(engine.plans[name], stream, engine.pool)
             merged.replay()
             merged_us = driver_event_time(stream, merged.replay, replays) * 1e6
         finally:
             merged.close()
         return MeasuredStep(out, driver_event_time(stream, pair, replays) * 1e6, merged_us)
     finally:
+        for graph in captured.values():
+            graph.close()
         trainer.close()
 
 

@@ -83,10 +83,10 @@ def ablate_step(config, *, replays: int = 100, seed: int = 0, members: int = 0) 
     from foxhunt.fast.graphs import GraphCapture
 
     trainer = warmed_trainer(config, seed=seed, members=members)
+    captured = {}
     try:
         engine = trainer.engine
         stream, lowering, pool = engine.stream, engine.lowering, engine.pool
-        captured = {"graph1": engine._graph1, "graph2": engine._graph2}
 
         def time_without(ops, drop) -> float:
             capture = GraphCapture(stream)
@@ -100,6 +100,7 @@ def ablate_step(config, *, replays: int = 100, seed: int = 0, members: int = 0) 
 
         out = {}
         for name in MEASURED_GRAPHS:
+            captured[name] = engine.capture_plans([name])
             ops = engine.plans[name]
             nodes = ops.nodes()
             base: list[float] = []
@@ -117,6 +118,8 @@ def ablate_step(config, *, replays: int = 100, seed: int = 0, members: int = 0) 
             out[name] = Ablation(tuple(base), single, group_rows)
         return out
     finally:
+        for graph in captured.values():
+            graph.close()
         trainer.close()
 
 

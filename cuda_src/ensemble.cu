@@ -16,6 +16,8 @@
 // S samples holds its R = S * (1 + n_priors) rows twice (p and log p) plus three row statistics:
 // S = floor(ENS_SMEM_FLOATS / ((1 + n_priors) * (2 * num_atoms + 3))) (ensemble.py checks S >= 1).
 #define ENS_SMEM_FLOATS 11520
+// Elements of a tile one thread loads per round (loads in flight together).
+#define ENS_LOAD_UNROLL 8
 
 // ---------------------------------------------------------------------------------------------
 // ens_kl_grad: v [batch, num_atoms] (head 0's logits), priors [n_priors, batch, num_atoms]
@@ -55,11 +57,27 @@ ens_kl_grad(const float* __restrict__ v, const float* __restrict__ priors,
         float* row_sg = row_m + R;          // [R]
         float* row_ls = row_sg + R;         // [R]
         const int n = R * num_atoms;
-        for (int e = threadIdx.x; e < n; e += blockDim.x) {
-            const int r = e / num_atoms, j = e - r * num_atoms;
-            const int h = r / S, s = r - h * S;
-            const float* src = h == 0 ? v : priors + (long long)(h - 1) * batch * num_atoms;
-            L[e] = src[(long long)(b0 + s) * num_atoms + j];
+        // ENS_LOAD_UNROLL global loads in flight per thread before their shared stores (one
+        // load per store would wait out a load's latency per element).
+        for (int e0 = threadIdx.x; e0 < n; e0 += ENS_LOAD_UNROLL * blockDim.x) {
+            float x[ENS_LOAD_UNROLL];
+#pragma unroll
+            for (int u = 0; u < ENS_LOAD_UNROLL; ++u) {
+                const int e = e0 + u * blockDim.x;
+                if (e < n) {
+                    const int r = e / num_atoms, j = e - r * num_atoms;
+                    const int h = r / S, s = r - h * S;
+                    const float* src = h == 0 ? v : priors + (long long)(h - 1) * batch * num_atoms;
+                    x[u] = src[(long long)(b0 + s) * num_atoms + j];
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < ENS_LOAD_UNROLL; ++u) {
+                const int e = e0 + u * blockDim.x;
+                if (e < n) {
+                    L[e] = x[u];
+                }
+            }
         }
         __syncthreads();
         for (int r = threadIdx.x; r < R; r += blockDim.x) {

@@ -5,7 +5,7 @@ for the device (disk cache), allocates ONE arena holding every buffer of the ste
 (``StepLayout``), uploads the constants, builds the plan (``StepProgram``: every GEMM planned
 once; the records checked, ``dataflow.check_dataflow``) and captures, through
 ``graph_lowering.Lowering``: the upload graph once per pinned staging buffer (on a second
-stream), graph 1 and graph 2 (on the step stream). ``launch(slot)`` enqueues one step with
+stream), and graph 1 then graph 2 as one step graph (on the step stream). ``launch(slot)`` enqueues one step with
 device-side event waits only (no host sync, no allocation). ``build_eval(rows)`` captures the
 ``q_values`` graph for ``rows`` states (``eval_plan``) on its own small arena.
 
@@ -105,7 +105,7 @@ class GpuEngine:
         drv = _driver()
         no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
         # The upload stream and its events: uploaded[slot] (after the upload graph that read
-        # staging buffer slot) and graph1_done (after the last graph 1).
+        # staging buffer slot) and graph1_done (recorded by the step graph after graph 1).
         self._upload_stream = self.device.new_stream()
         self._uploaded = [call(drv.cuEventCreate, no_timing) for _ in range(staging_slots)]
         self._event_used = [False] * staging_slots
@@ -122,12 +122,20 @@ class GpuEngine:
                 self.lowering.enqueue(ops, self._upload_stream, self.pool)
             graph.hold(*self.lowering.host_arrays(ops))  # its staging buffer
             self._upload.append(graph)
-        self._graph1 = GraphCapture(self.stream)
-        with self._graph1:
+        # Graphs 1 and 2 are ONE captured graph (a graph boundary costs about 5 us per step on
+        # the H200: the wave step's graph 1 then graph 2 took 198.1 us, as one graph 192.9 us).
+        # graph1_done is an external event record node on a side branch forked after graph 1:
+        # the upload stream waits on it, and graph 2 does not wait for the record.
+        record = drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL.value
+        self._step_graph = GraphCapture(self.stream, max_branches=1)
+        with self._step_graph:
             self.lowering.enqueue(ops1, self.stream, self.pool)
-        self._graph2 = GraphCapture(self.stream)
-        with self._graph2:
-            self.lowering.enqueue(ops2, self.stream, self.pool)
+            with self._step_graph.branch() as side:
+                call(drv.cuEventRecordWithFlags, self._graph1_done, side.handle, record)
+                graph1_nodes = self._step_graph.nodes_so_far()
+                self.lowering.enqueue(ops2, self.stream, self.pool)
+        self._node_counts = (self._upload[0].node_count, graph1_nodes,
+                             self._step_graph.node_count - graph1_nodes)
         self.plans = plans
         #: Launches per step as planned (upload, graph 1, graph 2).
         self.planned_launches = (ops_up[0].node_count(), ops1.node_count(), ops2.node_count())
@@ -149,8 +157,20 @@ class GpuEngine:
 
     @property
     def graph_node_counts(self) -> tuple[int, int, int]:
-        """Nodes of the upload graph, graph 1 and graph 2."""
-        return self._upload[0].node_count, self._graph1.node_count, self._graph2.node_count
+        """Nodes of the upload graph, and of the step graph's two parts: graph 1 (with the
+        ``graph1_done`` record node) and graph 2."""
+        return self._node_counts
+
+    def capture_plans(self, names):
+        """A new ``GraphCapture`` on the step stream of ``plans[name]`` for each of ``names``, in
+        order, as one graph (benches time parts of the step with it; the caller closes it)."""
+        from foxhunt.fast.graphs import GraphCapture
+
+        graph = GraphCapture(self.stream)
+        with graph:
+            for name in names:
+                self.lowering.enqueue(self.plans[name], self.stream, self.pool)
+        return graph
 
     def staging(self, slot: int) -> dict[str, np.ndarray]:
         """Views of staging buffer ``slot``, once the upload that last read it is done (blocks
@@ -163,8 +183,9 @@ class GpuEngine:
 
     def launch(self, slot: int) -> None:
         """Enqueue one step from staging buffer ``slot``: the upload graph on the upload stream
-        (after the previous graph 1, the last reader of the batch), then graph 1 (after the
-        upload) and graph 2 on the step stream. Only device-side event waits: no host sync."""
+        (after the previous step's graph 1, the last reader of the batch: its ``graph1_done``
+        record node), then the step graph (graphs 1 and 2, after the upload) on the step
+        stream. Only device-side event waits: no host sync."""
         from foxhunt.fast.device import _driver, call
 
         drv = _driver()
@@ -174,9 +195,7 @@ class GpuEngine:
         call(drv.cuEventRecord, self._uploaded[slot], up)
         self._event_used[slot] = True
         call(drv.cuStreamWaitEvent, main, self._uploaded[slot], 0)
-        self._graph1.replay()
-        call(drv.cuEventRecord, self._graph1_done, main)
-        self._graph2.replay()
+        self._step_graph.replay()
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """Synchronise, then the readback block and the flags (copies)."""
@@ -204,7 +223,7 @@ class GpuEngine:
             self._upload_stream.synchronize()
             self.stream.synchronize()
         finally:
-            for g in [*self._upload, self._graph1, self._graph2]:
+            for g in [*self._upload, self._step_graph]:
                 g.close()
             self.gemm_plans.close()
             self.pool.close()

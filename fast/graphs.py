@@ -208,6 +208,15 @@ class GraphCapture:
         finally:
             self._free.append(index)
 
+    def nodes_so_far(self) -> int:
+        """Nodes captured so far (inside the ``with`` body: the graph being built)."""
+        if not self._capturing:
+            raise RuntimeError("nodes_so_far: only during the capture")
+        drv = _driver()
+        info = call(drv.cuStreamGetCaptureInfo, self.stream.handle)
+        graph = next(v for v in info if isinstance(v, drv.CUgraph))
+        return count_nodes(graph)
+
     def hold(self, *objects) -> None:
         """Keep ``objects`` (the host arrays the graph's copies read or write) alive until
         ``close()``, which waits for the last launch first. Not during a capture."""

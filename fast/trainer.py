@@ -17,7 +17,8 @@ Same interface, state and numerics contract as ``foxhunt.reference.trainer.Train
   ring of ``STAGING_RING``, so the host never overwrites a buffer a queued upload has not
   copied yet: the engine waits on the event recorded after the upload that read it, which only
   blocks when the GPU is a whole ring behind), then the engine enqueues the upload graph (on a
-  second stream, after the previous step's graph 1), graph 1 and graph 2. Every value that
+  second stream, after the previous step's graph 1), then graph 1 and graph 2 (on the GPU, one
+  captured step graph). Every value that
   changes from step to step (ISV-driven bounds, norms, Adam's step) is read on the device: no
   allocation, no synchronisation, no host round trip.
 - Deferred readback exactly as the reference (SPEC 9): at a step that is a multiple of
@@ -164,7 +165,8 @@ class Trainer(TrainerBackend):
 
     @property
     def graph_node_counts(self) -> tuple[int, int, int]:
-        """Nodes of the upload graph, graph 1 and graph 2."""
+        """Nodes of the upload graph, graph 1 and graph 2 (on the GPU, graphs 1 and 2 are the two
+        parts of one step graph; graph 1's count includes its ``graph1_done`` record node)."""
         return self._engine.graph_node_counts
 
     @property

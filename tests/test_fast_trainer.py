@@ -406,6 +406,42 @@ def test_graph_node_counts_are_reported(backend):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
+def test_step_graph_records_graph1_done_after_graph1_beside_graph2():
+    """Graphs 1 and 2 are one step graph; its one event record node records the engine's
+    ``graph1_done`` (the upload stream's wait) after every node of graph 1, and nothing waits
+    for it (graph 2 starts without it)."""
+    from cuda.bindings import driver as drv
+
+    from foxhunt.fast.device import call
+    from foxhunt.fast.graphs import graph_edges, graph_nodes
+    from foxhunt.fast.trainer import Trainer
+
+    fast = Trainer(DQNConfig.preset("tiny"))
+    try:
+        engine = fast._engine
+        graph = engine._step_graph.graph
+        record = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_EVENT_RECORD
+        records = [n for n in graph_nodes(graph) if call(drv.cuGraphNodeGetType, n) == record]
+        assert len(records) == 1
+        node = int(records[0])
+        assert int(call(drv.cuGraphEventRecordNodeGetEvent, records[0])) == int(engine._graph1_done)
+        edges = [(int(a), int(b)) for a, b in graph_edges(graph)]
+        assert [b for a, b in edges if a == node] == []
+        ancestors, todo = set(), [node]
+        while todo:
+            current = todo.pop()
+            for a, b in edges:
+                if b == current and a not in ancestors:
+                    ancestors.add(a)
+                    todo.append(a)
+        _, g1, g2 = fast.graph_node_counts
+        assert len(ancestors) == g1 - 1 and g2 >= fast.planned_launches[2]
+    finally:
+        fast.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
 @pytest.mark.parametrize("workspace", ["default", "none"], ids=["workspace-default", "workspace-0"])
 def test_graph_replay_timing(workspace):
     """Prints TIMING lines: the seed step's graph replays per step (the upload graph on its
@@ -425,7 +461,7 @@ def test_graph_replay_timing(workspace):
                 fast.step(Batch.random(config, rng))
             engine = fast._engine
             stream = engine.stream
-            up, g1, g2 = engine._upload[0], engine._graph1, engine._graph2
+            up, step = engine._upload[0], engine._step_graph
             start, end = call(drv.cuEventCreate, 0), call(drv.cuEventCreate, 0)
             times = []
             for _ in range(5):
@@ -437,10 +473,10 @@ def test_graph_replay_timing(workspace):
                 times.append(call(drv.cuEventElapsedTime, start, end) * 1e3 / 200)
             drv.cuEventDestroy(start)
             drv.cuEventDestroy(end)
-            kinds = up.node_types() + g1.node_types() + g2.node_types()
+            kinds = up.node_types() + step.node_types()
             print(f"TIMING seed {precision} workspace={workspace}: {np.median(times):.1f} us/step "
                   f"(graph replays, median of 5x200; min {min(times):.1f}), nodes "
-                  f"{up.node_count} + {g1.node_count} + {g2.node_count} = {fast.node_count} "
+                  f"{up.node_count} + {step.node_count} = {fast.node_count} "
                   f"{dict(kinds)}, "
                   f"fallbacks {list(fast.gemm_fallbacks) or 'none'}")
             assert np.isfinite(np.median(times))
@@ -450,10 +486,10 @@ def test_graph_replay_timing(workspace):
 
 def test_step_orders_the_upload_by_device_events(monkeypatch):
     """``GpuEngine.launch`` enqueues, in this order: the upload stream waits for the last
-    graph 1 (the last reader of the batch), the upload graph of the step's staging slot,
-    ``uploaded[slot]`` recorded on the upload stream, the step stream waits for it, graph 1,
-    ``graph1_done`` recorded on the step stream, graph 2: device-side ordering only (no host
-    sync). A staging buffer is handed out again only after its upload's event (a stand-in
+    graph 1 (the last reader of the batch: ``graph1_done``, which the step graph records), the
+    upload graph of the step's staging slot, ``uploaded[slot]`` recorded on the upload stream,
+    the step stream waits for it, the step graph (graphs 1 and 2): device-side ordering only
+    (no host sync). A staging buffer is handed out again only after its upload's event (a stand-in
     driver records the calls; the engine's state is what its constructor makes)."""
     from foxhunt.fast import device as fdev
     from foxhunt.fast.gpu_engine import GpuEngine
@@ -477,7 +513,7 @@ def test_step_orders_the_upload_by_device_events(monkeypatch):
     engine._upload_stream = types.SimpleNamespace(handle="up")
     engine.stream = types.SimpleNamespace(handle="main")
     engine._upload = [Graph("upload0"), Graph("upload1")]
-    engine._graph1, engine._graph2 = Graph("graph1"), Graph("graph2")
+    engine._step_graph = Graph("step")
     engine._uploaded, engine._graph1_done = ["uploaded0", "uploaded1"], "graph1_done"
     engine._event_used = [False, False]
     engine._staging_views = [{"slot": 0}, {"slot": 1}]
@@ -487,7 +523,7 @@ def test_step_orders_the_upload_by_device_events(monkeypatch):
         engine.launch(slot)
         assert log == [("wait", "up", "graph1_done"), (f"upload{slot}", "up"),
                        ("record", f"uploaded{slot}", "up"), ("wait", "main", f"uploaded{slot}"),
-                       ("graph1", None), ("record", "graph1_done", "main"), ("graph2", None)]
+                       ("step", None)]
     log.clear()
     assert engine.staging(0) == {"slot": 0} and log == [("sync", "uploaded0")]
     engine.forget_uploads()
