@@ -32,8 +32,9 @@
 //
 // ONE cluster of FH_CLUSTER blocks (8 on sm_90, else 1) of T threads. Block rank r owns the
 // samples [r Q, (r + 1) Q), Q = ceil(batch / FH_CLUSTER), in tiles of S samples staged in shared
-// memory: the rows are read coalesced, one thread per row makes its statistics, one thread per
-// element its p and log p, one thread per (sample, atom) d_v and the KL terms, one thread per
+// memory: the rows are read coalesced (several loads in flight per thread); one thread per row
+// makes its max, one per element e_j, one per row the sum s (and sg, logf(sg)), one per element
+// p and log p, one per (sample, atom) d_v and the KL terms, one per (prior, sample) KL_k, one per
 // sample kl. After the cluster barrier (kl's global writes visible), block 0 makes the loss.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
@@ -80,27 +81,38 @@ ens_kl_grad(const float* __restrict__ v, const float* __restrict__ priors,
             }
         }
         __syncthreads();
+        // Only the sums run serially (their order is the contract); their terms are made one
+        // thread per element, so no thread waits out an expf or a division per atom.
         for (int r = threadIdx.x; r < R; r += blockDim.x) {
             const float* row = L + r * num_atoms;
             float m = ENS_NEG_INF;
+#pragma unroll 4
             for (int j = 0; j < num_atoms; ++j) {
                 m = fmaxf(m, row[j]);
             }
+            row_m[r] = m;
+        }
+        __syncthreads();
+        for (int e = threadIdx.x; e < n; e += blockDim.x) {
+            P[e] = expf(__fsub_rn(L[e], row_m[e / num_atoms]));  // e_j, then p below
+        }
+        __syncthreads();
+        for (int r = threadIdx.x; r < R; r += blockDim.x) {
+            const float* ex = P + r * num_atoms;
             float s = 0.0f;
+#pragma unroll 4
             for (int j = 0; j < num_atoms; ++j) {
-                s = __fadd_rn(s, expf(__fsub_rn(row[j], m)));
+                s = __fadd_rn(s, ex[j]);
             }
             const float sg = s < eps ? eps : s;
-            row_m[r] = m;
             row_sg[r] = sg;
             row_ls[r] = logf(sg);
         }
         __syncthreads();
         for (int e = threadIdx.x; e < n; e += blockDim.x) {
             const int r = e / num_atoms;
-            const float sh = __fsub_rn(L[e], row_m[r]);
-            P[e] = __fdiv_rn(expf(sh), row_sg[r]);
-            L[e] = __fsub_rn(sh, row_ls[r]);
+            P[e] = __fdiv_rn(P[e], row_sg[r]);
+            L[e] = __fsub_rn(__fsub_rn(L[e], row_m[r]), row_ls[r]);
         }
         __syncthreads();
         // d_v and the KL terms: element (s, j) of head 0 against (k S + s, j); the term
@@ -117,15 +129,22 @@ ens_kl_grad(const float* __restrict__ v, const float* __restrict__ priors,
             d_v[(long long)b0 * num_atoms + e] = __fmul_rn(scale, d);
         }
         __syncthreads();
+        // KL_k, one thread per (prior k, sample s), into row_m[k S + s] (free since the terms),
+        // then kl[b] one thread per sample, in head order.
+        for (int q = threadIdx.x; q < n_priors * S; q += blockDim.x) {
+            const float* terms = L + (S + q) * num_atoms;
+            float kl_k = 0.0f;
+#pragma unroll 4
+            for (int j = 0; j < num_atoms; ++j) {
+                kl_k = __fadd_rn(kl_k, terms[j]);
+            }
+            row_m[S + q] = kl_k;
+        }
+        __syncthreads();
         for (int s = threadIdx.x; s < S; s += blockDim.x) {
             float kl_b = 0.0f;
             for (int k = 1; k < heads; ++k) {
-                const float* terms = L + (k * S + s) * num_atoms;
-                float kl_k = 0.0f;
-                for (int j = 0; j < num_atoms; ++j) {
-                    kl_k = __fadd_rn(kl_k, terms[j]);
-                }
-                kl_b = __fadd_rn(kl_b, kl_k);
+                kl_b = __fadd_rn(kl_b, row_m[k * S + s]);
             }
             kl[b0 + s] = kl_b;
         }

@@ -27,9 +27,7 @@ How one plan serves N members:
   in ``member_scalars`` (``member_build.member_scalar_block``), found in the real plan by graph,
   kernel and occurrence; every other launch passes null and reads its own arguments.
 - **GEMMs** are cuBLASLt strided-batched plans (``batch = N``, ``batch_stride = stride``);
-  every GEMM is planned for ``min(N, GEMM_SM_SHARE) / GEMM_SM_SHARE`` of the SMs; the output
-  layers' bias gradients take the kernel fallback
-  (``population_plan.POPULATION_FALLBACK_EPILOGUES``).
+  every GEMM is planned for ``min(N, GEMM_SM_SHARE) / GEMM_SM_SHARE`` of the SMs.
 - **Copies** (the batch upload, the reads) are one 2-D copy each: N rows of the copy's bytes,
   pitch ``stride`` on the device and the per-member size of the host buffer on the host.
 
@@ -54,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from foxhunt.fast.population_engine import CpuPopulationEngine, MemberEngine, PopulationEngine
-from foxhunt.fast.population_plan import POPULATION_FALLBACK_EPILOGUES, PopulationPlan
+from foxhunt.fast.population_plan import PopulationPlan
 from foxhunt.fast.trainer import STAGING_RING, Trainer, check_step_batch, write_batch
 from foxhunt.reference import sentinels
 from foxhunt.reference.backend import DeferredReadback, StepScalars
@@ -198,4 +196,4 @@ class CpuPopulation(Population):
                                    refused_epilogues=tuple(refused_epilogues))
 
 
-__all__ = ["POPULATION_FALLBACK_EPILOGUES", "CpuPopulation", "Member", "Population"]
+__all__ = ["CpuPopulation", "Member", "Population"]

@@ -317,30 +317,17 @@ def member_scalar_values(block: ScalarBlock, params, raw: np.ndarray) -> dict[st
     return values
 
 
-#: Epilogues a population of more than one member takes as the plain GEMM plus the kernel
-#: fallback (``step_program.FALLBACK_EPILOGUES``): cuBLASLt's batched BGRADB GEMMs are slow
-#: (measured on the H200, seed preset, bf16: 256x256x256 took 23.8 us for 16 members, 6.4 for
-#: one); refusing them took the population step from 1288.7 to 1240.0 us at N = 16 and from
-#: 4451.2 to 4186.5 us at N = 64 (refusing DRELU_BGRAD too gained nothing more).
-POPULATION_FALLBACK_EPILOGUES = ("bgradb",)
-
-
 def batched_planner(planner, members: int, stride: int):
-    """``planner`` making strided-batched plans over ``members`` (``batch_stride = stride``)
-    that refuses ``POPULATION_FALLBACK_EPILOGUES`` (``GemmPlanError``: the step takes the
-    kernel fallback); ``planner`` itself for one member."""
+    """``planner`` making strided-batched plans over ``members`` (``batch_stride = stride``);
+    ``planner`` itself for one member."""
     if members == 1:
         return planner
 
-    def plan(m, n, k, *, epilogue=None, **kw):
-        from foxhunt.fast.gemm import GemmPlanError
-
-        if epilogue in POPULATION_FALLBACK_EPILOGUES:
-            raise GemmPlanError(f"a population takes epilogue {epilogue!r} as its kernel fallback")
-        return planner(m, n, k, epilogue=epilogue, batch=members, batch_stride=stride, **kw)
+    def plan(m, n, k, **kw):
+        return planner(m, n, k, batch=members, batch_stride=stride, **kw)
     return plan
 
 
-__all__ = ["MEMBER_SCALARS", "POPULATION_FALLBACK_EPILOGUES", "MemberScalars", "PopulationPlan",
+__all__ = ["MEMBER_SCALARS", "MemberScalars", "PopulationPlan",
            "PopulationPlanError", "ScalarBlock", "align_members", "batched_planner",
            "member_scalar_values"]

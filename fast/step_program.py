@@ -11,14 +11,18 @@ GEMM precisions follow ``foxhunt.reference.network``: ``f32`` runs every GEMM in
 converted by ``f32_to_bf16`` / the clamp's BF16 output) with f32 accumulation, and the backward
 GEMMs in TF32 on the f32 activations and f32 master weights. Bias adds and ReLUs of the forward
 are cuBLASLt epilogues (RELU_BIAS / RELU_AUX_BIAS / BIAS); the backward fuses the ReLU mask and
-the bias gradient (DRELU_BGRAD) and the output layers' bias gradient (BGRADB); a configuration
-the planner refuses falls back to a plain GEMM plus ``relu_mask_bias_grad`` or
-``bias_grad_reduce`` (the same math in one extra launch).
+the bias gradient (DRELU_BGRAD; where the planner refuses it, a plain GEMM plus
+``relu_mask_bias_grad``: the same math in one extra launch). The output layers' bias gradients
+are ``bias_grad_reduce`` beside a plain weight-gradient GEMM, not cuBLASLt's BGRADB epilogue:
+measured on the H200 (seed preset, bf16, the step graph replayed, two rounds), the step with
+every second-wave source took 196.8 / 199.0 us with BGRADB and 192.1 / 195.1 us without, the
+core step 128.0 / 129.6 against 126.1 / 128.2 us (a BGRADB GEMM of these shapes took about 7 us
+alone, the plain GEMM about 3).
 
 GEMM workspace (``gemm_workspace``): ``"none"`` plans every GEMM without a workspace where
 cuBLASLt has an algorithm for it (no memset or split-K reduction nodes in the graphs; measured
 on the H200, seed preset: bf16 219 us vs 251 us per step with the default limit); where it has
-none, an epilogue with a kernel fallback (DRELU_BGRAD, BGRADB) takes the fallback and any other
+none, an epilogue with a kernel fallback (DRELU_BGRAD) takes the fallback and any other
 GEMM the default limit. ``"default"`` plans every GEMM with cuBLASLt's default limit (other
 algorithms, split-K among them: the long-run tool's "F32 with another summation order").
 Under either, a weight gradient with a long reduction (``LONG_K_RATIO``) may take a workspace.
@@ -60,8 +64,8 @@ GEMM_SM_SHARE = 4
 #: A weight-gradient GEMM whose reduction length ``k`` is at least this many times its larger
 #: output dimension may use a cuBLASLt workspace even under ``gemm_workspace="none"``.
 LONG_K_RATIO = 4
-#: Epilogues with a kernel fallback (relu_mask_bias_grad, bias_grad_reduce).
-FALLBACK_EPILOGUES = ("drelu_bgrad", "bgradb")
+#: Epilogues with a kernel fallback (relu_mask_bias_grad).
+FALLBACK_EPILOGUES = ("drelu_bgrad",)
 #: ``planner(m, n, k, *, trans_a, trans_b, precision, epilogue, beta, min_alignment,
 #: workspace_limit)`` -> a plan with ``.spec``; raises ``GemmPlanError`` where it has none.
 Planner = Callable[..., object]
@@ -162,18 +166,8 @@ class StepProgram:
 
     def weight_grad(self, ops: Ops, *, dy, x, rows, n_out, n_in, dw, db=None) -> None:
         """``dW [n_out, n_in] = dy[rows, n_out]^T @ x[rows, n_in]`` and, with ``db``, ``db =
-        colsum(dy)`` through the BGRADB epilogue (or a plain GEMM plus ``bias_grad_reduce``
-        where the planner refuses it), in the backward precision."""
-        from foxhunt.fast.gemm import GemmPlanError
-
-        if db is not None:
-            try:
-                plan = self._plan(ops, n_out, n_in, rows, operands=(dy, x, dw), fallback=True,
-                                  trans_a=True, precision=self.bwd_mode, epilogue="bgradb")
-                ops.gemm(plan, a=dy, b=x, c=dw, bias=db)
-                return
-            except (GemmPlanError, ValueError) as exc:
-                self.fallbacks.append(f"bgradb {n_out}x{n_in}x{rows}: {exc}")
+        colsum(dy)`` by ``bias_grad_reduce`` beside the GEMM (not the BGRADB epilogue: module
+        docstring), in the backward precision."""
         plan = self._plan(ops, n_out, n_in, rows, operands=(dy, x, dw), trans_a=True,
                           precision=self.bwd_mode)
         if db is None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 
 from foxhunt.fast.kernels._runtime import CLUSTER_SM90, cluster_blocks
-from foxhunt.fast.kernels.aux import plan_one_block
 from foxhunt.fast.kernels.ensemble import ENS_SMEM_FLOATS, ens_tile, plan_ens_kl_grad
 from foxhunt.fast.kernels.iqn import IQN_LOSS_THREADS, IQN_RHO_FLOATS, plan_iqn_quantile_huber
 
@@ -18,12 +17,12 @@ def test_a_cluster_has_eight_blocks_from_sm90_and_one_before(arch, blocks):
     assert cluster_blocks(arch) == blocks
 
 
-def test_ens_kl_grad_plan_keeps_the_one_block_size_and_checks_its_tile():
-    """The block size (the loss's reduction tree) is the one-block kernel's; the tile is
+def test_ens_kl_grad_plan_takes_the_largest_block_and_checks_its_tile():
+    """The block size (the loss's reduction tree) is CUDA's largest, whatever the batch; the tile is
     ``ENS_SMEM_FLOATS // ((1 + P) (2 NA + 3))`` samples (36 for the seed's 51 atoms and 2
     priors), and an atom count whose single sample does not fit is refused by name."""
-    assert plan_ens_kl_grad(256, 51, 2, "sm_90") == (CLUSTER_SM90, plan_one_block(256)[1], 0)
-    assert plan_ens_kl_grad(5, 11, 2, "sm_80") == (1, plan_one_block(5)[1], 0)
+    assert plan_ens_kl_grad(256, 51, 2, "sm_90") == (CLUSTER_SM90, 1024, 0)
+    assert plan_ens_kl_grad(5, 11, 2, "sm_80") == (1, 1024, 0)
     assert ens_tile(51, 2) == ENS_SMEM_FLOATS // (3 * 105) == 36
     too_many = ENS_SMEM_FLOATS // 6  # (1 + 2) * (2 * NA + 3) > ENS_SMEM_FLOATS
     with pytest.raises(ValueError, match=rf"ens_kl_grad: num_atoms={too_many} with n_priors=2"):

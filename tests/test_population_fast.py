@@ -13,12 +13,7 @@ import pytest
 
 from foxhunt.fast.cpu_executor import CpuTrainer
 from foxhunt.fast.population import CpuPopulation
-from foxhunt.fast.population_plan import (
-    POPULATION_FALLBACK_EPILOGUES,
-    PopulationPlan,
-    _record_plan,
-    align_members,
-)
+from foxhunt.fast.population_plan import PopulationPlan, _record_plan, align_members
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig, source_overrides
 from foxhunt.reference.trainer import Trainer
@@ -52,9 +47,7 @@ def test_each_member_is_its_single_trainer_bit_for_bit(source):
     config = DQNConfig.preset("tiny", **source_overrides(source))
     overrides = overrides_for(config)
     pop = CpuPopulation(config, SEEDS, overrides)
-    # A population of several takes POPULATION_FALLBACK_EPILOGUES as kernel fallbacks.
-    singles = [CpuTrainer(config.replace(**o), seed=s, refused_epilogues=POPULATION_FALLBACK_EPILOGUES)
-               for s, o in zip(SEEDS, overrides)]
+    singles = [CpuTrainer(config.replace(**o), seed=s) for s, o in zip(SEEDS, overrides)]
     rng = np.random.default_rng(0)
     for step in range(3):
         batches = [Batch.random(config, rng) for _ in SEEDS]
@@ -152,8 +145,7 @@ def test_member_checkpoint_loads_into_single_trainers_of_both_backends(tmp_path)
 def test_n_step_members_are_their_n_step_single_trainers():
     config = DQNConfig.preset("tiny")
     pop = CpuPopulation(config, [1, 2], n_step=3)
-    singles = [CpuTrainer(config, seed=s, n_step=3, refused_epilogues=POPULATION_FALLBACK_EPILOGUES)
-               for s in (1, 2)]
+    singles = [CpuTrainer(config, seed=s, n_step=3) for s in (1, 2)]
     rng = np.random.default_rng(4)
     batches = []
     for _ in range(2):

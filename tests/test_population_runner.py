@@ -17,7 +17,7 @@ import pytest
 from test_cli import TIMING, TINY, foxhunt, strict_loads
 
 from foxhunt.fast.cpu_executor import CpuTrainer
-from foxhunt.fast.population import POPULATION_FALLBACK_EPILOGUES, CpuPopulation
+from foxhunt.fast.population import CpuPopulation
 from foxhunt.reference import cli, loop, population_cli, train_cli
 from foxhunt.reference.collector import Collector, fold_collector
 from foxhunt.reference.config import DQNConfig
@@ -493,13 +493,9 @@ def test_backend_fast_trains_in_lockstep(in_tmp, capsys, monkeypatch):
 class HostCpuTrainer(CpuTrainer):
     """A single fast trainer on the CPU executor that the loop collects on the host (its
     ``backend_name`` is not "fast") and evaluates by its own device walk, as it does a
-    population member, with the GEMM fallbacks a population of several takes
-    (``POPULATION_FALLBACK_EPILOGUES``)."""
+    population member."""
 
     backend_name = "cpu-host"
-
-    def __init__(self, config, seed=0, **kwargs):
-        super().__init__(config, seed, refused_epilogues=POPULATION_FALLBACK_EPILOGUES, **kwargs)
 
     def device_segments(self, bars, feats, segments):
         return device_segments(self, bars, feats, segments)
