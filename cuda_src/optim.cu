@@ -8,6 +8,7 @@
 // value. Elementwise kernels use grid-stride loops and give the same bits for any launch
 // shape; reductions use the fixed trees of reduce.cuh (their bits depend on blockDim.x, which
 // the launch plans in fast/kernels/optim.py fix).
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (shared with dense.cu)
 
@@ -75,6 +76,8 @@ grad_norm_sq(const float* __restrict__ x, long long n, float* __restrict__ out) 
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 grad_norm_partial(const float* __restrict__ x, long long n, long long block_size,
                   float* __restrict__ partials) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     __shared__ float scratch[REDUCE_WARP + 1];
     const long long begin = (long long)blockIdx.x * block_size;
     if (begin >= n) {
@@ -244,6 +247,8 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
                         long long final_threads, long long block_size, float* __restrict__ out,
                         float* __restrict__ partials, float* __restrict__ base_norm_sq_out,
                         float* __restrict__ inject_norm_sq_out) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     __shared__ float scratch[REDUCE_WARP + 1];
     const int threads = (int)final_threads;
     // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms.
@@ -324,6 +329,8 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
                              float* __restrict__ inject_norm_sq_out,
                              float* __restrict__ iqn_norm_sq_out,
                              float* __restrict__ ens_norm_sq_out) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     __shared__ float scratch[REDUCE_WARP + 1];
     const int threads = (int)final_threads;
     const float base_norm_sq = hb_source_norm_sq(base_partials, count, threads, scratch);
@@ -416,6 +423,8 @@ extern "C" __global__ void adam_update(float* __restrict__ param, const float* _
                                        float beta2, float eps, float weight_decay,
                                        const float* __restrict__ grad_scale,
                                        const float* __restrict__ weight_clamp) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     __shared__ float shared[4];  // bc1, bc2, grad_scale, weight_clamp
     const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
     if (threadIdx.x == 0) {
@@ -495,6 +504,8 @@ extern "C" __global__ void polyak_update_mirror(float* __restrict__ target,
                                                 const float* __restrict__ online, long long n,
                                                 float tau, unsigned short* __restrict__ online_bf16,
                                                 unsigned short* __restrict__ target_bf16) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     polyak_update_mirror_body(target, online, n, tau, online_bf16, target_bf16);
 }
 
@@ -505,5 +516,7 @@ extern "C" __global__ void polyak_update_mirror_ptr(float* __restrict__ target,
                                                     const float* __restrict__ tau,
                                                     unsigned short* __restrict__ online_bf16,
                                                     unsigned short* __restrict__ target_bf16) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     polyak_update_mirror_body(target, online, n, *tau, online_bf16, target_bf16);
 }

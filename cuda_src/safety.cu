@@ -5,6 +5,7 @@
 // blocks may store it concurrently, which is a benign race with a deterministic result (flags
 // are sticky: nothing here writes 0). Kernels whose output may alias their input (the in-place
 // clamps the trainer runs on h2 and on targets) take no __restrict__ on that pair.
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "ha_common.cuh"
 #include "reduce.cuh"  // block_reduce_down
 
@@ -70,6 +71,8 @@ extern "C" __global__ void nan_check_fused(const unsigned long long* __restrict_
                                            const long long* __restrict__ lengths,
                                            const float* __restrict__ thresholds,
                                            int* __restrict__ flags, int n_slots) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     __shared__ long long chunk_end[NAN_CHECK_MAX_THREADS];  // inclusive scan of chunk counts
     __shared__ long long warp_end[NAN_CHECK_MAX_THREADS / 32];  // the warps' inclusive totals
     const long long chunk = (long long)NAN_CHECK_PER_THREAD * blockDim.x;

@@ -25,6 +25,7 @@
 //   block sums in rank order (every block adds them itself: all get the same value).
 // sigma = (W^T u) . v_new, the dot of the unnormalised column sums with the new v:
 // mathematically u . (W v_new), without a third pass over W.
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -252,6 +253,8 @@ spectral_norm(float* w, float* u, float* v, int rows, int cols, float sigma_max,
 extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1) __launch_bounds__(REDUCE_MAX_THREADS)
 batched_spectral_norm(const SpectralMatrix* __restrict__ mats, int count, float sigma_max,
                       float eps, float* __restrict__ sigmas) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     const int k = blockIdx.x / SPECTRAL_CLUSTER;
     if (k >= count) {
         return;  // uniform across the cluster

@@ -15,6 +15,7 @@
 // Arithmetic: -fmad=false (fast/_build.py) plus explicit __fmul_rn/__fadd_rn/__fdiv_rn where
 // the order matters; selects and comparisons exactly as the reference writes them.
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"  // grad_norm_final's summation tree (the total norm), block_sum_halving
 #include "distributional.cuh"  // double_dqn_argmax (the double-DQN choice, shared)
 
@@ -316,6 +317,8 @@ extern "C" __global__ void step_scalars(const float* __restrict__ total_partials
                                              float* __restrict__ readback, float budget_c51,
                                              float budget_cql, int slow_ema_index,
                                              float slow_alpha) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
     __shared__ float scratch[REDUCE_WARP + 1];
     // Thread 0 reads its scalars before the reduction, so their loads overlap it (this launch
     // ends graph 1's longest chain: its time is the step's).

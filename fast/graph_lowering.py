@@ -39,6 +39,15 @@ from foxhunt.fast.records import (
 COPY_FUNCTIONS = {"htod": "cuMemcpyHtoDAsync", "dtod": "cuMemcpyDtoDAsync", "dtoh": "cuMemcpyDtoHAsync"}
 #: Dynamic shared memory above this needs the kernel's opt-in attribute.
 DEFAULT_SHARED_LIMIT = 48 * 1024
+#: Kernels launched early on sm_90 and newer (programmatic dependent launch: ``Kernel.launch``'s
+#: ``early``): scheduled while the kernel before them on the stream still runs, each begins with
+#: ``fh_early_wait()`` (``cuda_src/early_launch.cuh``; tests/test_early_launch.py reads the
+#: sources), so none reads or writes anything before its predecessors are done. The step's tail:
+#: the budget launch, the step scalars and graph 2's chain.
+EARLY_LAUNCH = frozenset({
+    "clip_saxpy_norm_partial", "clip_saxpy_norm_partial_wave", "step_scalars", "adam_update",
+    "batched_spectral_norm", "polyak_update_mirror", "polyak_update_mirror_ptr", "nan_check_fused",
+})
 
 
 class BranchPool:
@@ -116,7 +125,12 @@ class Lowering:
     """Resolves and enqueues records (module docstring)."""
 
     def __init__(self, module, address: Callable[[Buf], int], host: Mapping[str, np.ndarray]):
+        from foxhunt.fast._build import normalize_arch
+
         self.module = module
+        #: Programmatic dependent launches exist from sm_90 (``EARLY_LAUNCH``).
+        device = getattr(module, "device", None)
+        self.early_launch = device is not None and normalize_arch(device.arch) >= 90
         self.address = address
         self.host = host
         self._packed: dict[int, tuple] = {}  # id(Launch) -> (kernel, PackedArgs, record)
@@ -175,10 +189,11 @@ class Lowering:
         return ()
 
     def launch(self, node: Launch, stream) -> None:
-        """Enqueue one kernel record on ``stream``."""
+        """Enqueue one kernel record on ``stream`` (early where ``EARLY_LAUNCH`` says so)."""
         kernel, packed = self.packed(node)
         kernel.launch(node.shape.grid, node.shape.block, packed, stream=stream,
-                      shared_mem=node.shape.shared_mem)
+                      shared_mem=node.shape.shared_mem,
+                      early=self.early_launch and node.kernel in EARLY_LAUNCH)
 
     def copy(self, node: Copy, handle) -> None:
         """Enqueue one copy record on the stream ``handle``."""

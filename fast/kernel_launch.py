@@ -70,16 +70,33 @@ class Kernel:
         return PackedArgs([_pack_arg(self.name, i, p, a)
                            for i, (p, a) in enumerate(zip(self.params, args))])
 
-    def launch(self, grid, block, *args, stream=None, shared_mem: int = 0) -> None:
+    def launch(self, grid, block, *args, stream=None, shared_mem: int = 0, early: bool = False) -> None:
         """Launch on ``stream`` (a ``Stream``, ``CUstream`` or int; required) with ``grid`` and
-        ``block`` (int or up to 3 ints) and ``shared_mem`` bytes of dynamic shared memory."""
+        ``block`` (int or up to 3 ints) and ``shared_mem`` bytes of dynamic shared memory.
+        ``early`` (sm_90+; the kernel must begin with ``fh_early_wait()``,
+        ``cuda_src/early_launch.cuh``): a programmatic dependent launch, which may start while
+        the kernel before it on the stream still runs."""
         packed = args[0] if len(args) == 1 and isinstance(args[0], PackedArgs) else self.pack(*args)
         if stream is None:
             raise ValueError("stream: a kernel launch needs an explicit stream (device.stream)")
         gx, gy, gz = _dim3(grid, "grid")
         bx, by, bz = _dim3(block, "block")
-        call(_driver().cuLaunchKernel, self.function, gx, gy, gz, bx, by, bz, int(shared_mem),
-             as_stream_handle(stream), packed.address, 0)
+        drv = _driver()
+        if not early:
+            call(drv.cuLaunchKernel, self.function, gx, gy, gz, bx, by, bz, int(shared_mem),
+                 as_stream_handle(stream), packed.address, 0)
+            return
+        config = drv.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = gx, gy, gz
+        config.blockDimX, config.blockDimY, config.blockDimZ = bx, by, bz
+        config.sharedMemBytes = int(shared_mem)
+        config.hStream = as_stream_handle(stream)
+        attr = drv.CUlaunchAttribute()
+        attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [attr]
+        config.numAttrs = 1
+        call(drv.cuLaunchKernelEx, config, self.function, packed.address, 0)
 
     def set_max_dynamic_shared(self, nbytes: int) -> None:
         """Allow more than 48 KiB of dynamic shared memory for this kernel."""
