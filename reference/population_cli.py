@@ -157,8 +157,10 @@ def cmd_train_population(args: argparse.Namespace, population_factory=None) -> i
         plans = member_plans(base, seeds)
         train_cli._check_backend(base.run.backend)
         if args.metrics_port is not None:
+            # One server; each member writes under its own seed label (train_member).
             shared_sinks.append(PrometheusGauges(args.metrics_port,
-                                                 args.metrics_host or DEFAULT_METRICS_HOST))
+                                                 args.metrics_host or DEFAULT_METRICS_HOST,
+                                                 seed=seeds[0]))
         if args.tensorboard:
             TensorBoardScalars.writer_class()  # missing: say so before a directory exists
         # "s" + label: new_run_dir names it "<UTC time>-seeds0-15".
@@ -189,7 +191,9 @@ def train_member(args, plan: train_cli.Plan, member_dir: Path, shared_sinks: lis
         runs.write_run_config(member_dir, plan.run)
         if args.tensorboard:
             own.append(TensorBoardScalars(member_dir / "tensorboard"))
-        return train_cli._train(args, plan, member_dir, 0, [*shared_sinks, *own], **hosted)
+        shared = [sink.member(plan.run.settings.seed) if isinstance(sink, PrometheusGauges) else sink
+                  for sink in shared_sinks]
+        return train_cli._train(args, plan, member_dir, 0, [*shared, *own], **hosted)
     finally:
         for sink in own:
             sink.close()

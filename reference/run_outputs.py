@@ -5,11 +5,13 @@ is not installed, or for a port that is busy, raises ``UsageError`` with one lin
 to do. Each sink has ``epoch(record)`` (an ``EpochRecord``), ``step(scalars)`` (``StepScalars``
 at a readback point) and ``close()``.
 
-- ``PrometheusGauges(port, host)``: an HTTP server on ``host:port`` (``127.0.0.1`` unless the
-  user says otherwise: the gauges say how a run is going, not something to publish on every
+- ``PrometheusGauges(port, host, seed=)``: an HTTP server on ``host:port`` (``127.0.0.1`` unless
+  the user says otherwise: the gauges say how a run is going, not something to publish on every
   interface) serving the gradient norms of the four budget sources (C51, CQL, IQN,
   ensemble) before and after their clips, every component's loss and the validation / test
-  Sharpe.
+  Sharpe. Every gauge has a ``seed`` label (the run's seed): the members of ``foxhunt train
+  --seeds`` share one server, each writing under its own seed (``member(seed)``), so no member
+  overwrites another's values.
 - ``TensorBoardScalars(log_dir)``: every numeric field of each epoch record as
   ``epoch/<field>`` at step ``global_epoch``, and every numeric field of the readback-point
   step scalars as ``step/<field>`` at the training step. Written with ``tensorboard.summary``
@@ -18,6 +20,7 @@ at a readback point) and ``close()``.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import errno
 from pathlib import Path
@@ -43,19 +46,22 @@ def numeric_fields(obj) -> dict[str, float]:
 
 
 class PrometheusGauges:
-    def __init__(self, port: int, host: str = DEFAULT_METRICS_HOST):
+    def __init__(self, port: int, host: str = DEFAULT_METRICS_HOST, *, seed: int = 0):
         try:
             import prometheus_client as prom
         except ImportError:
             raise UsageError("--metrics-port needs prometheus-client: "
                              "pip install 'foxhunt[metrics]'") from None
+        #: The ``seed`` label this sink writes under (``member`` makes one per seed).
+        self.seed = int(seed)
+        self._owner = True  # closes the server; a member view does not
         self.registry = prom.CollectorRegistry()
         self.grad_norm = prom.Gauge("foxhunt_grad_norm", "gradient L2 norm by component and stage",
-                                    ["component", "stage"], registry=self.registry)
-        self.loss = prom.Gauge("foxhunt_loss", "training loss by component", ["component"],
+                                    ["component", "stage", "seed"], registry=self.registry)
+        self.loss = prom.Gauge("foxhunt_loss", "training loss by component", ["component", "seed"],
                                registry=self.registry)
         self.sharpe = prom.Gauge("foxhunt_sharpe", "Sharpe of the greedy policy at the last epoch",
-                                 ["segment"], registry=self.registry)
+                                 ["segment", "seed"], registry=self.registry)
         try:
             self.server, self.thread = prom.start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:
@@ -69,24 +75,33 @@ class PrometheusGauges:
     def address(self) -> tuple[str, int]:
         return self.server.server_address[:2]
 
+    def member(self, seed: int) -> PrometheusGauges:
+        """This server's gauges written under ``seed`` (a population member's sink); its
+        ``close`` leaves the server to this sink's own."""
+        view = copy.copy(self)
+        view.seed, view._owner = int(seed), False
+        return view
+
     def epoch(self, rec) -> None:
+        seed = str(self.seed)
         for comp in BUDGET_SOURCES:  # c51, cql, iqn, ens: 0 for a source that is off
-            self.grad_norm.labels(comp, "pre").set(getattr(rec, f"{comp}_norm_pre"))
-            self.grad_norm.labels(comp, "post").set(getattr(rec, f"{comp}_norm_post"))
+            self.grad_norm.labels(comp, "pre", seed).set(getattr(rec, f"{comp}_norm_pre"))
+            self.grad_norm.labels(comp, "post", seed).set(getattr(rec, f"{comp}_norm_post"))
         for name in SOURCE_LOSS_FIELDS:
-            self.loss.labels(name.removesuffix("_loss")).set(getattr(rec, name))
-        self.grad_norm.labels("total", "adam").set(rec.grad_norm)
+            self.loss.labels(name.removesuffix("_loss"), seed).set(getattr(rec, name))
+        self.grad_norm.labels("total", "adam", seed).set(rec.grad_norm)
         for segment in ("val", "test"):
             value = getattr(rec, f"{segment}_sharpe", None)
             if value is not None:
-                self.sharpe.labels(segment).set(value)
+                self.sharpe.labels(segment, seed).set(value)
 
     def step(self, scalars) -> None:
         pass  # the gauges follow epochs; a scrape every few seconds would not see steps anyway
 
     def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        if self._owner:
+            self.server.shutdown()
+            self.server.server_close()
 
 
 class TensorBoardScalars:

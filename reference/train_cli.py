@@ -338,7 +338,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         plan = _plan_resume(args) if args.resume is not None else _plan_new(args)
         _check_backend(plan.run.backend)
         if args.metrics_port is not None:
-            sinks.append(PrometheusGauges(args.metrics_port, args.metrics_host or DEFAULT_METRICS_HOST))
+            sinks.append(PrometheusGauges(args.metrics_port, args.metrics_host or DEFAULT_METRICS_HOST,
+                                          seed=plan.run.settings.seed))
         if args.tensorboard:
             TensorBoardScalars.writer_class()  # missing: say so before a run directory exists
         run_dir, lock = _open_run_dir(args, plan)

@@ -461,6 +461,41 @@ def test_metrics_server_binds_localhost_by_default():
         gauges.close()
 
 
+def _scrape(gauges) -> str:
+    host, port = gauges.address
+    with socket.create_connection((host, port), timeout=10) as conn:
+        conn.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        return b"".join(iter(lambda: conn.recv(65536), b"")).decode()
+
+
+def test_population_members_share_the_gauges_server_under_their_own_seeds():
+    """Members of ``train --seeds`` write one server's gauges under their seed label: neither
+    overwrites the other, and a member's ``close`` leaves the server up for the rest."""
+    import dataclasses
+
+    from foxhunt.reference.loop import EpochRecord
+    from foxhunt.reference.run_outputs import PrometheusGauges
+
+    zero = {f.name: 0 for f in dataclasses.fields(EpochRecord)}
+    recs = {seed: EpochRecord(**{**zero, "grad_norm": 1.5 + seed, "c51_norm_pre": 10.0 + seed,
+                                 "val_sharpe": None, "test_sharpe": None})
+            for seed in (3, 7)}
+    gauges = PrometheusGauges(0, seed=3)
+    try:
+        members = {seed: gauges.member(seed) for seed in (3, 7)}
+        for seed, member in members.items():
+            member.epoch(recs[seed])
+            member.close()
+        lines = _scrape(gauges).splitlines()
+        for seed in (3, 7):
+            for comp, stage, value in (("total", "adam", 1.5 + seed), ("c51", "pre", 10.0 + seed)):
+                # the exposition format sorts the labels by name
+                line = f'foxhunt_grad_norm{{component="{comp}",seed="{seed}",stage="{stage}"}}'
+                assert [float(l.split()[-1]) for l in lines if l.startswith(line)] == [value], line
+    finally:
+        gauges.close()
+
+
 def test_threads_pin_the_blas_pool_inside_the_run(in_tmp, capsys, monkeypatch):
     from threadpoolctl import threadpool_info
 

@@ -567,12 +567,12 @@ def test_a_run_with_every_source_reports_them(tmp_path, monkeypatch):
     for comp in ("c51", "cql", "iqn", "ens"):
         for stage in ("pre", "post"):
             value = getattr(rec, f"{comp}_norm_{stage}")
-            line = f'foxhunt_grad_norm{{component="{comp}",stage="{stage}"}}'
+            line = f'foxhunt_grad_norm{{component="{comp}",seed="0",stage="{stage}"}}'
             assert any(l.startswith(line) and math.isclose(float(l.split()[-1]), value,
                                                            rel_tol=1e-6)
                        for l in body.splitlines()), line
     for comp in ("iqn", "ens", "aux_next_bar", "aux_regime", "mse"):
-        assert f'foxhunt_loss{{component="{comp}"}}' in body
+        assert f'foxhunt_loss{{component="{comp}",seed="0"}}' in body
     json.dumps(dataclasses.asdict(rec))  # a metrics.jsonl line
 
 
