@@ -5,9 +5,10 @@ for the device (disk cache), allocates ONE arena holding every buffer of the ste
 (``StepLayout``), uploads the constants, builds the plan (``StepProgram``: every GEMM planned
 once; the records checked, ``dataflow.check_dataflow``) and captures, through
 ``graph_lowering.Lowering``: the upload graph once per pinned staging buffer (on a second
-stream), and graph 1 then graph 2 as one step graph (on the step stream). ``launch(slot)`` enqueues one step with
-device-side event waits only (no host sync, no allocation). ``build_eval(rows)`` captures the
-``q_values`` graph for ``rows`` states (``eval_plan``) on its own small arena.
+stream), and graph 1 then graph 2 as one step graph (on the step stream). ``launch(slot)``
+enqueues one step with device-side event waits only (no host sync, no allocation).
+``build_eval(rows)`` captures the ``q_values`` graph for ``rows`` states (``eval_plan``) on its
+own small arena.
 
 The CPU executor's ``CpuEngine`` offers the same methods (``foxhunt.fast.cpu_executor``).
 """
