@@ -445,7 +445,7 @@ def test_step_graph_records_graph1_done_after_graph1_beside_graph2():
 @pytest.mark.parametrize("workspace", ["default", "none"], ids=["workspace-default", "workspace-0"])
 def test_graph_replay_timing(workspace):
     """Prints TIMING lines: the seed step's graph replays per step (the upload graph on its
-    stream, graph 1 and graph 2, as ``step`` enqueues them, without the host's batch writes),
+    stream, then the step graph, as ``step`` enqueues them, without the host's batch writes),
     node counts and kinds, for both precisions (a benchmark print; asserts only that it ran)."""
     from cuda.bindings import driver as drv
 
