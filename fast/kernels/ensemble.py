@@ -17,12 +17,13 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, cluster_blocks, launch
+from foxhunt.fast.kernels.aux import AUX_MAX_THREADS
 from foxhunt.reference.kernels.ensemble import EnsKlGrad, validate_ens_kl_grad
 
 F32 = np.float32
 
-#: Threads of each block of ``ens_kl_grad`` (``REDUCE_MAX_THREADS``).
-ENS_THREADS = 1024
+#: Threads of each block of ``ens_kl_grad``: CUDA's largest block (``REDUCE_MAX_THREADS``).
+ENS_THREADS = AUX_MAX_THREADS
 #: Shared floats of a block's tile (``ENS_SMEM_FLOATS`` in ensemble.cu): a tile of S samples
 #: takes ``(1 + n_priors) * (2 * num_atoms + 3)`` floats each.
 ENS_SMEM_FLOATS = 11520
