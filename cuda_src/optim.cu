@@ -234,8 +234,8 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
 //                       inject_max_norm, inject_norm_sq)
 //   partials[k] = the finite-square sum of out's segment k (grad_norm_partial)
 // Every block computes both norms itself with grad_norm_final's tree as launched with
-// final_threads threads (block_sum_as; the launcher passes plan_grad_norm_final(count)'s
-// block), so they are grad_norm_final's bits; block 0 writes them to base_norm_sq_out and
+// final_threads threads (block_sums_as, both at once; the launcher passes
+// plan_grad_norm_final(count)'s block), so they are grad_norm_final's bits; block 0 writes them to base_norm_sq_out and
 // inject_norm_sq_out (the step's readback needs them). base, inject and the partials are read
 // only; out is a separate buffer. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial):
 // grid ceil(n / block_size) (at least 1), block a multiple of 32.
@@ -250,12 +250,14 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
     __shared__ float scratch[REDUCE_WARP + 1];
-    const int threads = (int)final_threads;
-    // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms.
-    const float base_norm_sq =
-        __fadd_rn(block_sum_as(base_partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
-    const float inject_norm_sq = __fadd_rn(
-        block_sum_as(inject_partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
+    __shared__ float norm_scratch[2][REDUCE_WARP + 1];
+    // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms,
+    // summed together (block_sums_as: the trees of two block_sum_as calls).
+    const float* const sources[2] = {base_partials, inject_partials};
+    float sums[2];
+    block_sums_as(sources, 0, count, SumIdentity(), (int)final_threads, norm_scratch, sums);
+    const float base_norm_sq = __fadd_rn(sums[0], 0.0f);
+    const float inject_norm_sq = __fadd_rn(sums[1], 0.0f);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         base_norm_sq_out[0] = base_norm_sq;
         inject_norm_sq_out[0] = inject_norm_sq;
@@ -304,15 +306,6 @@ struct HbWaveBudgetOp {
     }
 };
 
-// A source's squared norm (grad_norm_final's tree), 0 for a source that is off (null partials).
-__device__ __forceinline__ float hb_source_norm_sq(const float* partials, long long count,
-                                                   int threads, float* scratch) {
-    if (partials == nullptr) {
-        return 0.0f;  // uniform across the block: no thread enters block_sum_as
-    }
-    return __fadd_rn(block_sum_as(partials, 0, count, SumIdentity(), threads, scratch), 0.0f);
-}
-
 // Launch: clip_saxpy_norm_partial's (plan_clip_saxpy_norm_partial_wave).
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __restrict__ inject,
@@ -332,11 +325,16 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
     __shared__ float scratch[REDUCE_WARP + 1];
-    const int threads = (int)final_threads;
-    const float base_norm_sq = hb_source_norm_sq(base_partials, count, threads, scratch);
-    const float inject_norm_sq = hb_source_norm_sq(inject_partials, count, threads, scratch);
-    const float iqn_norm_sq = hb_source_norm_sq(iqn_partials, count, threads, scratch);
-    const float ens_norm_sq = hb_source_norm_sq(ens_partials, count, threads, scratch);
+    __shared__ float norm_scratch[4][REDUCE_WARP + 1];
+    // Each source's squared norm, grad_norm_final's tree and + 0.0f, all four summed together
+    // (block_sums_as); 0 for a source that is off (null partials: uniform across the block).
+    const float* const sources[4] = {base_partials, inject_partials, iqn_partials, ens_partials};
+    float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    block_sums_as(sources, 0, count, SumIdentity(), (int)final_threads, norm_scratch, sums);
+    const float base_norm_sq = base_partials == nullptr ? 0.0f : __fadd_rn(sums[0], 0.0f);
+    const float inject_norm_sq = inject_partials == nullptr ? 0.0f : __fadd_rn(sums[1], 0.0f);
+    const float iqn_norm_sq = iqn_partials == nullptr ? 0.0f : __fadd_rn(sums[2], 0.0f);
+    const float ens_norm_sq = ens_partials == nullptr ? 0.0f : __fadd_rn(sums[3], 0.0f);
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         base_norm_sq_out[0] = base_norm_sq;
         inject_norm_sq_out[0] = inject_norm_sq;
@@ -487,16 +485,72 @@ extern "C" __global__ void polyak_update(float* __restrict__ target,
 // the online parameters and of the NEW target: target_i = (1 - tau) * target_i + tau *
 // online_i; online_bf16_i = bf16(online_i); target_bf16_i = bf16(target_i). NaN/Inf propagate
 // through the blend; the mirrors keep a NaN's sign and high payload (quiet bit set).
+//
+// Work per thread (the same operations per element on every path, so the bits depend on neither
+// the path nor the launch shape): where target and online are 16-byte and the two mirrors 8-byte
+// aligned, 0 <= n < 2^31 and the grid has at most 2^21 blocks (grid-uniform tests), thread t
+// updates the 4-element groups t, t + T, ... (T threads in the grid; 32-bit indices, one float4
+// access per float32 array, one 8-byte store of 4 patterns per mirror) and threads
+// 0 .. n % 4 - 1 one tail element each; a misaligned pointer takes a 32-bit scalar grid-stride
+// loop, n >= 2^31 the 64-bit one. plan_polyak_update_mirror launches one thread per 4 elements.
+__device__ __forceinline__ void hb_polyak_mirror_one(float* __restrict__ target,
+                                                     const float* __restrict__ online,
+                                                     unsigned short* __restrict__ online_bf16,
+                                                     unsigned short* __restrict__ target_bf16,
+                                                     float keep, float tau, long long i) {
+    const float o = online[i];
+    const float t = hb_polyak(keep, target[i], tau, o);
+    target[i] = t;
+    online_bf16[i] = f32_to_bf16_bits(o);
+    target_bf16[i] = f32_to_bf16_bits(t);
+}
+
+// Two BF16 patterns in one little-endian word: lo at the lower address.
+__device__ __forceinline__ unsigned int hb_bf16_pair(float lo, float hi) {
+    return (unsigned int)f32_to_bf16_bits(lo) | ((unsigned int)f32_to_bf16_bits(hi) << BF16_SHIFT);
+}
+
 __device__ __forceinline__ void polyak_update_mirror_body(
     float* __restrict__ target, const float* __restrict__ online, long long n, float tau,
     unsigned short* __restrict__ online_bf16, unsigned short* __restrict__ target_bf16) {
     const float keep = __fsub_rn(1.0f, tau);
-    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
-        const float o = online[i];
-        const float t = hb_polyak(keep, target[i], tau, o);
-        target[i] = t;
-        online_bf16[i] = f32_to_bf16_bits(o);
-        target_bf16[i] = f32_to_bf16_bits(t);
+    if ((unsigned long long)n > 0x7fffffffull || gridDim.x > (1u << 21)) {  // 64-bit loop
+        for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
+            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i);
+        }
+        return;
+    }
+    const unsigned int m = (unsigned int)n;
+    const unsigned int first = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int stride = gridDim.x * blockDim.x;
+    const unsigned long long f32_bits = reinterpret_cast<unsigned long long>(target) |
+                                        reinterpret_cast<unsigned long long>(online);
+    const unsigned long long bf16_bits = reinterpret_cast<unsigned long long>(online_bf16) |
+                                         reinterpret_cast<unsigned long long>(target_bf16);
+    if ((f32_bits & 15ull) == 0 && (bf16_bits & 7ull) == 0) {
+        float4* __restrict__ target4 = reinterpret_cast<float4*>(target);
+        const float4* __restrict__ online4 = reinterpret_cast<const float4*>(online);
+        uint2* __restrict__ online_bf4 = reinterpret_cast<uint2*>(online_bf16);
+        uint2* __restrict__ target_bf4 = reinterpret_cast<uint2*>(target_bf16);
+        for (unsigned int g = first; g < m / 4; g += stride) {
+            const float4 o = online4[g];
+            const float4 old = target4[g];
+            const float4 t = make_float4(hb_polyak(keep, old.x, tau, o.x),
+                                         hb_polyak(keep, old.y, tau, o.y),
+                                         hb_polyak(keep, old.z, tau, o.z),
+                                         hb_polyak(keep, old.w, tau, o.w));
+            target4[g] = t;
+            online_bf4[g] = make_uint2(hb_bf16_pair(o.x, o.y), hb_bf16_pair(o.z, o.w));
+            target_bf4[g] = make_uint2(hb_bf16_pair(t.x, t.y), hb_bf16_pair(t.z, t.w));
+        }
+        // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
+        for (unsigned int i = (m & ~3u) + first; i < m; i += stride) {
+            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i);
+        }
+    } else {
+        for (unsigned int i = first; i < m; i += stride) {
+            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i);
+        }
     }
 }
 

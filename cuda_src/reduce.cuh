@@ -192,6 +192,62 @@ __device__ __forceinline__ float block_sum_as(const float* x, long long begin, l
     return scratch[REDUCE_WARP];
 }
 
+// block_sum_as over K ranges x[k][begin, end) at once, with the same f and threads: out[k] gets
+// block_sum_as(x[k], begin, end, f, threads, ...)'s bits for each k whose x[k] is not null (a
+// null x[k], uniform across the block, leaves out[k] unwritten). Each virtual thread makes its
+// K partials back to back (their loads in flight together), the virtual warps store the K warp
+// sums, and after ONE barrier warp k (k < K <= blockDim.x / 32, else warps loop over the k)
+// sums range k's warp sums as block_sum_as's warp 0 does: the same trees as K separate calls,
+// with two barriers instead of 3 K. Requirements as block_sum_as's; `scratch` holds
+// K * (REDUCE_WARP + 1) elements of shared memory.
+template <int K, typename F>
+__device__ __forceinline__ void block_sums_as(const float* const (&x)[K], long long begin,
+                                              long long end, F f, int threads,
+                                              float (*scratch)[REDUCE_WARP + 1],
+                                              float (&out)[K]) {
+    const int lane = threadIdx.x % REDUCE_WARP;
+    const int warp = threadIdx.x / REDUCE_WARP;
+    const int warps = blockDim.x / REDUCE_WARP;
+    const int virtual_warps = threads / REDUCE_WARP;
+    __syncthreads();  // the previous user of scratch has read its result
+    for (int vw = warp; vw < virtual_warps; vw += warps) {
+        float v[K];
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            v[k] = x[k] == nullptr ? REDUCE_SUM_IDENTITY
+                                   : thread_partial_as(x[k], begin, end, f,
+                                                       (long long)(vw * REDUCE_WARP + lane),
+                                                       threads);
+        }
+#pragma unroll
+        for (int k = 0; k < K; ++k) {
+            if (x[k] != nullptr) {
+                v[k] = warp_sum(v[k]);
+                if (lane == 0) {
+                    scratch[k][vw] = v[k];
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int k = warp; k < K; k += warps) {
+        if (x[k] != nullptr) {
+            float s = lane < virtual_warps ? scratch[k][lane] : REDUCE_SUM_IDENTITY;
+            s = warp_sum(s);
+            if (lane == 0) {
+                scratch[k][REDUCE_WARP] = s;
+            }
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+        if (x[k] != nullptr) {
+            out[k] = scratch[k][REDUCE_WARP];
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Variants kept bit for bit by the kernels that use them
 // ---------------------------------------------------------------------------------------------

@@ -28,13 +28,46 @@ static __device__ __forceinline__ float clip_symmetric(float x, float bound) {
 // m = multiplier * fmaxf(*signal, 1) on the device from a pointer to the ISV slot (as
 // target_q_clip does; no host round trip inside a graph). A fixed bound m is multiplier = m with
 // *signal = 1 (then m * 1 == m exactly, +Inf included): that is how the reference's
-// clamp_finite(x, m) is run. m >= 0. out may alias x (in-place clamp).
+// clamp_finite(x, m) is run. m >= 0. out may alias x (in-place clamp: every element, or 4-element
+// group, is read and then written by one thread).
+//
+// Work per thread (the same formula per element on every path, so the bits depend on neither the
+// path nor the launch shape): where x and out are 16-byte aligned and n < 2^31 with at most 2^21
+// blocks (grid-uniform tests), thread t clamps the float4 groups t, t + T, ... (T threads in the
+// grid; 32-bit indices) and threads 0 .. n % 4 - 1 one tail element each; a misaligned pointer
+// takes a 32-bit scalar grid-stride loop; n >= 2^31 the 64-bit one. plan_clamp_finite launches
+// one thread per 4 elements.
+static __device__ __forceinline__ float clamp_finite_one(float v, float m) {
+    return ha_is_finite(v) ? clip_symmetric(v, m) : 0.0f;
+}
+
 extern "C" __global__ void clamp_finite(const float* x, float* out, long long n, float multiplier,
                                         const float* __restrict__ signal) {
     const float m = multiplier * fmaxf(*signal, ISV_FLOOR);
-    SAFETY_FLAT_LOOP(i, n) {
-        const float v = x[i];
-        out[i] = ha_is_finite(v) ? clip_symmetric(v, m) : 0.0f;
+    if ((unsigned long long)n > 0x7fffffffull || gridDim.x > (1u << 21)) {  // 64-bit loop
+        SAFETY_FLAT_LOOP(i, n) { out[i] = clamp_finite_one(x[i], m); }
+        return;
+    }
+    const unsigned int count = (unsigned int)n;
+    const unsigned int first = blockIdx.x * blockDim.x + threadIdx.x;
+    const unsigned int stride = gridDim.x * blockDim.x;
+    if (((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(out)) &
+         15ull) == 0) {
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        float4* out4 = reinterpret_cast<float4*>(out);
+        for (unsigned int g = first; g < count / 4; g += stride) {
+            const float4 v = x4[g];
+            out4[g] = make_float4(clamp_finite_one(v.x, m), clamp_finite_one(v.y, m),
+                                  clamp_finite_one(v.z, m), clamp_finite_one(v.w, m));
+        }
+        // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
+        for (unsigned int i = (count & ~3u) + first; i < count; i += stride) {
+            out[i] = clamp_finite_one(x[i], m);
+        }
+    } else {
+        for (unsigned int i = first; i < count; i += stride) {
+            out[i] = clamp_finite_one(x[i], m);
+        }
     }
 }
 

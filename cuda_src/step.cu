@@ -28,6 +28,30 @@
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
          i += (long long)gridDim.x * blockDim.x)
 
+// 32-bit flat loops with 4 elements per thread (clamp_finite_isv, h2_grad_sum_mask): valid where
+// step_narrow(n) holds, 0 <= n < 2^31 and at most 2^21 blocks (of at most 1024 threads), so an
+// index plus the grid's stride stays below 2^32. Where every pointer is 16-byte aligned (8 bytes
+// for a BF16 output), thread t takes the 4-element groups t, t + T, ... (T threads in the grid:
+// step_first, step_stride; float4 accesses) and threads 0 .. n % 4 - 1 one tail element each
+// (step_tail); else a 32-bit scalar grid-stride loop; for n >= 2^31 STEP_FLAT_LOOP. Every test
+// reads kernel arguments and the launch shape only: grid-uniform, no divergence. Each element
+// gets the same operations on every path, so the bits depend on neither path nor launch shape.
+static __device__ __forceinline__ bool step_narrow(long long n) {
+    return (unsigned long long)n <= 0x7fffffffull && gridDim.x <= (1u << 21);
+}
+static __device__ __forceinline__ unsigned int step_first() {
+    return blockIdx.x * blockDim.x + threadIdx.x;
+}
+static __device__ __forceinline__ unsigned int step_stride() { return gridDim.x * blockDim.x; }
+// This thread's first element of the tail (the n % 4 elements past the last whole group;
+// >= n: none); the tail is strided like the groups, so any grid covers it.
+static __device__ __forceinline__ unsigned int step_tail(unsigned int n, unsigned int first) {
+    return (n & ~3u) + first;
+}
+static __device__ __forceinline__ bool step_aligned(const void* p, unsigned int bytes) {
+    return (reinterpret_cast<unsigned long long>(p) & (bytes - 1)) == 0;
+}
+
 static __device__ __forceinline__ bool step_is_finite(float x) {
     return (__float_as_uint(x) & STEP_F32_EXP_MASK) != STEP_F32_EXP_MASK;
 }
@@ -50,6 +74,11 @@ static __device__ __forceinline__ unsigned short step_bf16_bits(float x) {
         return (unsigned short)((u >> 16) | STEP_BF16_QUIET_BIT);
     }
     return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// Two BF16 patterns in one little-endian word: lo at the lower address.
+static __device__ __forceinline__ unsigned int step_bf16_pair(float lo, float hi) {
+    return (unsigned int)step_bf16_bits(lo) | ((unsigned int)step_bf16_bits(hi) << 16);
 }
 
 // float32 sum of x[0..n) by the whole block (thread-strided partials, then block_sum_halving).
@@ -101,19 +130,59 @@ extern "C" __global__ void step_bounds(const float* __restrict__ isv,
 // ---------------------------------------------------------------------------------------------
 // Mech 10 on the device bound: out = clamp_finite(x, mult * max(isv[index], 1)) (safety.clamp_finite
 // with the bound read from the ISV slot H_S2_RMS_EMA inside the graph), and, when out_bf16 is not
-// null, its BF16 copy (dense.f32_to_bf16) for the next BF16 GEMM. out may alias x. Flat.
+// null, its BF16 copy (dense.f32_to_bf16) for the next BF16 GEMM. out may alias x (each element,
+// or 4-element group, is read, then written, by one thread). Flat, 4 elements per thread where x
+// and out are 16-byte and out_bf16 8-byte aligned (see step_narrow; plan_clamp_finite_isv).
 // ---------------------------------------------------------------------------------------------
+static __device__ __forceinline__ float step_clamp_finite(float v, float bound) {
+    return step_is_finite(v) ? ((v > bound) ? bound : ((v < -bound) ? -bound : v)) : 0.0f;
+}
+
 extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
                                           unsigned short* __restrict__ out_bf16, long long n,
                                           const float* __restrict__ isv, int index, float mult) {
     const float bound = step_isv_bound(mult, isv[index]);
-    STEP_FLAT_LOOP(i, n) {
-        const float v = x[i];
-        const float c = step_is_finite(v) ? ((v > bound) ? bound : ((v < -bound) ? -bound : v))
-                                          : 0.0f;
-        out[i] = c;
-        if (out_bf16 != nullptr) {
-            out_bf16[i] = step_bf16_bits(c);
+    if (!step_narrow(n)) {
+        STEP_FLAT_LOOP(i, n) {
+            const float c = step_clamp_finite(x[i], bound);
+            out[i] = c;
+            if (out_bf16 != nullptr) {
+                out_bf16[i] = step_bf16_bits(c);
+            }
+        }
+        return;
+    }
+    const unsigned int m = (unsigned int)n, first = step_first(), stride = step_stride();
+    // A null out_bf16 passes its test (address 0).
+    if (step_aligned(x, 16) && step_aligned(out, 16) && step_aligned(out_bf16, 8)) {
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        float4* out4 = reinterpret_cast<float4*>(out);
+        uint2* bf4 = reinterpret_cast<uint2*>(out_bf16);
+        for (unsigned int g = first; g < m / 4; g += stride) {
+            const float4 v = x4[g];
+            const float4 c = make_float4(step_clamp_finite(v.x, bound),
+                                         step_clamp_finite(v.y, bound),
+                                         step_clamp_finite(v.z, bound),
+                                         step_clamp_finite(v.w, bound));
+            out4[g] = c;
+            if (out_bf16 != nullptr) {
+                bf4[g] = make_uint2(step_bf16_pair(c.x, c.y), step_bf16_pair(c.z, c.w));
+            }
+        }
+        for (unsigned int i = step_tail(m, first); i < m; i += stride) {  // n % 4 left
+            const float c = step_clamp_finite(x[i], bound);
+            out[i] = c;
+            if (out_bf16 != nullptr) {
+                out_bf16[i] = step_bf16_bits(c);
+            }
+        }
+    } else {
+        for (unsigned int i = first; i < m; i += stride) {
+            const float c = step_clamp_finite(x[i], bound);
+            out[i] = c;
+            if (out_bf16 != nullptr) {
+                out_bf16[i] = step_bf16_bits(c);
+            }
         }
     }
 }
@@ -222,23 +291,78 @@ extern "C" __global__ void branch_mean(const float* __restrict__ parts,
 //   dh2_out[i] = sum                      (the trunk gradient the sentinel slot 33 checks)
 //   passed = (h2 == h2_pre) ? sum : 0     (the clamp passed the value through unchanged)
 //   out = (h2_pre <= 0) ? 0 : passed      (dense.relu_mask with the pre-clamp activation)
-// Flat, [B, SH2].
+// Flat, [B, SH2]; 4 elements per thread (each summed on its own, parts in order k = 0, 1, ...
+// from +0) where parts, h2, h2_pre, dh2_out and out are 16-byte aligned and part_stride is a
+// multiple of 4 (or n_parts <= 1), else one (see step_narrow; plan_h2_grad_sum_mask).
 // ---------------------------------------------------------------------------------------------
+static __device__ __forceinline__ float step_h2_mask(float sum, float h2, float pre) {
+    const float passed = (h2 == pre) ? sum : 0.0f;
+    return (pre <= 0.0f) ? 0.0f : passed;
+}
+
+// One element: parts[k * part_stride + i] summed for k = 0 .. n_parts - 1 (p = parts + i).
+static __device__ __forceinline__ float step_parts_sum(const float* __restrict__ p, int n_parts,
+                                                      long long part_stride) {
+    float sum = 0.0f;
+#pragma unroll 4  // loads in flight together; the sum stays in part order
+    for (int k = 0; k < n_parts; ++k) {
+        sum = __fadd_rn(sum, p[k * part_stride]);
+    }
+    return sum;
+}
+
 extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int n_parts,
                                              long long part_stride,
                                              const float* __restrict__ h2,
                                              const float* __restrict__ h2_pre,
                                              float* __restrict__ dh2_out,
                                              float* __restrict__ out, long long n) {
-    STEP_FLAT_LOOP(i, n) {
-        float sum = 0.0f;
-        for (int k = 0; k < n_parts; ++k) {
-            sum = __fadd_rn(sum, parts[k * part_stride + i]);
+    if (!step_narrow(n)) {
+        STEP_FLAT_LOOP(i, n) {
+            const float sum = step_parts_sum(parts + i, n_parts, part_stride);
+            dh2_out[i] = sum;
+            out[i] = step_h2_mask(sum, h2[i], h2_pre[i]);
         }
-        dh2_out[i] = sum;
-        const float pre = h2_pre[i];
-        const float passed = (h2[i] == pre) ? sum : 0.0f;
-        out[i] = (pre <= 0.0f) ? 0.0f : passed;
+        return;
+    }
+    const unsigned int m = (unsigned int)n, first = step_first(), stride = step_stride();
+    if (step_aligned(parts, 16) && (n_parts <= 1 || (part_stride & 3) == 0) &&
+        step_aligned(h2, 16) && step_aligned(h2_pre, 16) && step_aligned(dh2_out, 16) &&
+        step_aligned(out, 16)) {
+        const float4* __restrict__ parts4 = reinterpret_cast<const float4*>(parts);
+        const long long stride4 = part_stride / 4;  // exact here (or unused: n_parts <= 1)
+        const float4* __restrict__ h2_4 = reinterpret_cast<const float4*>(h2);
+        const float4* __restrict__ pre4 = reinterpret_cast<const float4*>(h2_pre);
+        float4* __restrict__ dh2_4 = reinterpret_cast<float4*>(dh2_out);
+        float4* __restrict__ out4 = reinterpret_cast<float4*>(out);
+        for (unsigned int g = first; g < m / 4; g += stride) {
+            const float4 h = h2_4[g];
+            const float4 pre = pre4[g];
+            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            const float4* p = parts4 + g;
+#pragma unroll 4  // loads in flight together; each element's sum stays in part order
+            for (int k = 0; k < n_parts; ++k) {
+                const float4 v = p[k * stride4];
+                sum.x = __fadd_rn(sum.x, v.x);
+                sum.y = __fadd_rn(sum.y, v.y);
+                sum.z = __fadd_rn(sum.z, v.z);
+                sum.w = __fadd_rn(sum.w, v.w);
+            }
+            dh2_4[g] = sum;
+            out4[g] = make_float4(step_h2_mask(sum.x, h.x, pre.x), step_h2_mask(sum.y, h.y, pre.y),
+                                  step_h2_mask(sum.z, h.z, pre.z), step_h2_mask(sum.w, h.w, pre.w));
+        }
+        for (unsigned int i = step_tail(m, first); i < m; i += stride) {  // n % 4 left
+            const float sum = step_parts_sum(parts + i, n_parts, part_stride);
+            dh2_out[i] = sum;
+            out[i] = step_h2_mask(sum, h2[i], h2_pre[i]);
+        }
+    } else {
+        for (unsigned int i = first; i < m; i += stride) {
+            const float sum = step_parts_sum(parts + i, n_parts, part_stride);
+            dh2_out[i] = sum;
+            out[i] = step_h2_mask(sum, h2[i], h2_pre[i]);
+        }
     }
 }
 

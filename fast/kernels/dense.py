@@ -10,7 +10,10 @@ launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
 - ``add_bias_relu(y, b, out, rows, cols)``; ``add_bias_relu_bf16(y, b, out, out_bf16, rows,
   cols)``: 2-D grid, x over columns, y striding rows; ``out`` may alias ``y``.
 - ``relu_mask(dy, h, dx, n)``, ``f32_to_bf16(x, out, n)``, ``bf16_to_f32(u, out, n)``,
-  ``tf32_round(x, out, n)``: flat grid-stride loops, ``n`` an int64 element count.
+  ``tf32_round(x, out, n)``: flat grid-stride loops, ``n`` an int64 element count; the two
+  BF16 casts take 4 elements per thread where their pointers are aligned for it (16 bytes
+  float32, 8 bytes BF16; a scalar loop otherwise), so their plans launch a quarter of the
+  threads (``plan_flat_vec4``).
 - ``bias_grad_reduce(dy, db, rows, cols)``: blocks of (32 columns x ``BIAS_GRAD_CHUNKS`` row
   chunks); deterministic, no atomics; equal to the reference bit for bit when
   ``rows <= BIAS_GRAD_CHUNKS``, a reassociated sum otherwise (see the kernel's comment).
@@ -53,6 +56,8 @@ BIAS_GRAD_CHUNKS = 16
 #: relu_mask_bias_grad: columns per block (one 32-byte row segment; cols = 128 / 256 give 16 / 32
 #: blocks). Its row chunks are BIAS_GRAD_CHUNKS, so its db has bias_grad_reduce's bits.
 RELU_BIAS_GRAD_COLS = 8
+#: Elements per thread of the vectorised flat kernels (``f32_to_bf16``, ``bf16_to_f32``).
+VEC_WIDTH = 4
 
 Plan = tuple  # (grid, block, shared_mem)
 
@@ -70,9 +75,18 @@ def plan_add_bias_relu(rows: int, cols: int) -> Plan:
 
 plan_add_bias_relu_bf16 = plan_add_bias_relu
 plan_relu_mask = plan_flat
-plan_f32_to_bf16 = plan_flat
-plan_bf16_to_f32 = plan_flat
 plan_tf32_round = plan_flat
+
+
+def plan_flat_vec4(n: int) -> Plan:
+    """``plan_flat`` over the ``ceil(n / 4)`` groups of 4 elements: one thread per group (the
+    kernel's vector path; its scalar fallback strides over the same grid), the same block and
+    grid cap."""
+    return plan_flat(blocks(n, VEC_WIDTH))
+
+
+plan_f32_to_bf16 = plan_flat_vec4
+plan_bf16_to_f32 = plan_flat_vec4
 
 
 def plan_bias_grad_reduce(rows: int, cols: int) -> Plan:

@@ -132,7 +132,16 @@ def plan_adam_update(n: int) -> Plan:
 
 
 plan_polyak_update = plan_elementwise
-plan_polyak_update_mirror = plan_elementwise
+#: Elements per thread of ``polyak_update_mirror(_ptr)``'s vector path (one float4 group).
+POLYAK_MIRROR_VEC_WIDTH = 4
+
+
+def plan_polyak_update_mirror(n: int) -> Plan:
+    """``plan_elementwise`` with one thread per group of ``POLYAK_MIRROR_VEC_WIDTH`` elements
+    (the kernel's float4 path; its scalar fallback strides over the same grid), the same block
+    and grid cap. Also ``polyak_update_mirror_ptr``'s."""
+    grid = min(blocks(n, ELEMENTWISE_THREADS * POLYAK_MIRROR_VEC_WIDTH), ELEMENTWISE_MAX_BLOCKS)
+    return grid, ELEMENTWISE_THREADS, 0
 
 
 def _device_scalar(value, dtype) -> In:

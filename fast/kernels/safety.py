@@ -10,7 +10,8 @@ Kernel parameters (C order):
   device, ``m = multiplier * fmaxf(*signal, 1)`` (``signal`` points at the ISV slot that drives
   it, e.g. ``H_S2_RMS_EMA`` for Mech 10); a fixed bound ``m`` is ``multiplier = m`` with
   ``*signal = 1``, which is how the test entry runs ``clamp_finite(x, m)``. ``out`` may alias
-  ``x`` (Mech 9/10 in place).
+  ``x`` (Mech 9/10 in place). 4 elements per thread where ``x`` and ``out`` are 16-byte
+  aligned (a scalar loop otherwise): :func:`plan_clamp_finite` launches a quarter of the threads.
 - ``nan_check(x, n, flag)``: any grid; stores 1 into ``*flag`` if ``x`` holds a non-finite value.
 - ``nan_check_fused(buffers, lengths, thresholds, flags, n_slots)``: device arrays of
   ``n_slots`` buffer addresses (uint64, 0 = deferred slot), element counts (int64) and
@@ -55,6 +56,9 @@ FUSED_THREADS = 512
 FUSED_PER_THREAD = 8
 FUSED_MAX_BLOCKS = 4096
 
+#: clamp_finite: elements per thread of its vector path (one float4).
+CLAMP_VEC_WIDTH = 4
+
 Plan = tuple  # (grid, block, shared_mem)
 
 
@@ -63,7 +67,13 @@ Plan = tuple  # (grid, block, shared_mem)
 # --------------------------------------------------------------------------------------------
 
 
-plan_clamp_finite = plan_flat
+def plan_clamp_finite(n: int) -> Plan:
+    """``plan_flat`` over the ``ceil(n / 4)`` groups of 4 elements: one thread per float4 group
+    (the kernel's vector path; its scalar fallback strides over the same grid), the same block
+    and grid cap."""
+    return plan_flat(-(-int(n) // CLAMP_VEC_WIDTH))
+
+
 plan_nan_check = plan_flat
 plan_target_q_clip = plan_flat
 

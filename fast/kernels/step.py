@@ -10,9 +10,12 @@ Kernel arguments: arrays as pointers plus their sizes; values that change on the
 step to step (norms, the clip bound, Adam's step, the ISV) are read through pointers (a test
 entry uploads them); branch-packed arrays take the tables ``n_actions`` / ``action_offset``
 (``foxhunt.reference.kernels.fused``); ``clamp_finite_isv``'s BF16 output is skipped when its
-pointer is null. Numerics: each kernel rounds where its reference does (``__fadd_rn`` and
-friends, ``-fmad=false``): exact, but for ``expf`` (a few ulp) and the block-tree means of
-``loss_scalars`` and the total norm of ``step_scalars`` (reductions).
+pointer is null. ``clamp_finite_isv`` and ``h2_grad_sum_mask`` take 4 elements per thread where
+their pointers (and ``part_stride``) are aligned for float4 accesses, a scalar loop otherwise,
+so their plans launch a quarter of the threads. Numerics: each kernel rounds where its
+reference does (``__fadd_rn`` and friends, ``-fmad=false``): exact, but for ``expf`` (a few
+ulp) and the block-tree means of ``loss_scalars`` and the total norm of ``step_scalars``
+(reductions).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ F32, I32, U16 = np.float32, np.int32, np.uint16
 STEP_THREADS = 256
 #: Grid cap of the flat step kernels (grid-stride loops cover the rest).
 STEP_MAX_BLOCKS = 1024
+#: Elements per thread of the vectorised flat kernels (``clamp_finite_isv``,
+#: ``h2_grad_sum_mask``: one float4 group where their pointers are 16-byte aligned).
+STEP_VEC_WIDTH = 4
 
 Plan = tuple[int, int, int]
 
@@ -62,15 +68,22 @@ def plan_flat(n: int) -> Plan:
     return min(blocks(n, STEP_THREADS), STEP_MAX_BLOCKS), STEP_THREADS, 0
 
 
+def plan_flat_vec4(n: int) -> Plan:
+    """``plan_flat`` over the ``ceil(n / 4)`` groups of 4 elements: one thread per group (the
+    kernel's vector path; its scalar fallback strides over the same grid), the same block and
+    grid cap."""
+    return plan_flat(blocks(n, STEP_VEC_WIDTH))
+
+
 def plan_one_block() -> Plan:
     """ONE block of ``STEP_THREADS`` (the kernels' block reductions assume it)."""
     return 1, STEP_THREADS, 0
 
 
 plan_step_bounds = plan_one_block
-plan_clamp_finite_isv = plan_flat
+plan_clamp_finite_isv = plan_flat_vec4
 plan_branch_mean = plan_flat
-plan_h2_grad_sum_mask = plan_flat
+plan_h2_grad_sum_mask = plan_flat_vec4
 plan_loss_scalars = plan_one_block
 plan_merge_piece_flags = plan_one_block
 
