@@ -22,49 +22,143 @@
 #define IQN_PI 3.141592653589793  // numpy.pi, a double
 #define IQN_F32_EXP_MASK 0x7f800000u
 
-#define IQN_FLAT_LOOP(i, n)                                                                \
-    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
-         i += (long long)gridDim.x * blockDim.x)
+// Lanes of a warp (iqn_tau_cos draws one row's fraction per lane and shuffles it).
+#define IQN_WARP 32u
+#define IQN_FULL_MASK 0xffffffffu
+
+// 32-bit indices throughout: every array of these kernels holds fewer than 2^30 elements
+// (fast/kernels/_runtime.py MAX_ELEMENTS), so an index plus a grid stride (at most
+// IQN_MAX_BLOCKS * IQN_THREADS) never wraps.
+#define IQN_GRID_LOOP(i, n)                                                                \
+    for (unsigned int i = blockIdx.x * blockDim.x + threadIdx.x; i < (n);                   \
+         i += gridDim.x * blockDim.x)
 
 static __device__ __forceinline__ bool iqn_is_finite(float x) {
     return (__float_as_uint(x) & IQN_F32_EXP_MASK) != IQN_F32_EXP_MASK;
 }
 
+// Whether p is a multiple of `bytes` (a power of two); null counts as aligned.
+static __device__ __forceinline__ bool iqn_aligned(const void* p, unsigned int bytes) {
+    return ((unsigned long long)p & (unsigned long long)(bytes - 1u)) == 0ull;
+}
+
+// 32-feature chunks of iqn_tau_cos per warp and draw at most (fast/kernels/iqn.py
+// IQN_COS_CHUNKS).
+#define IQN_COS_CHUNKS 2u
+
+// Chunks per warp span of iqn_tau_cos: IQN_COS_CHUNKS where the span's 32 R features lie in at
+// most 32 rows (32 R <= 31 n_cos + 1), else fewer (at least 1). fast/kernels/iqn.py
+// iqn_cos_chunks is the same formula.
+static __device__ __forceinline__ unsigned int iqn_cos_chunks(unsigned int n_cos) {
+    if (n_cos >= IQN_WARP) {
+        return IQN_COS_CHUNKS;
+    }
+    const unsigned int fit = (31u * n_cos + 1u) / IQN_WARP;
+    return fit < 1u ? 1u : (fit < IQN_COS_CHUNKS ? fit : IQN_COS_CHUNKS);
+}
+
 // ---------------------------------------------------------------------------------------------
 // tau[m] = rng_uniform(key, stream, *step, m); cosines[m, k] = (float)cos(pi * ((double)k * tau[m]))
 // for m < rows, k < n_cos. The offset is the trainer's step count, read from device memory (the
-// graph replays the same launch every step). Flat over rows * n_cos; each thread draws its row's
-// fraction (ten Philox rounds: cheaper than a second pass), the k == 0 thread stores it.
+// graph replays the same launch every step). Flat over rows * n_cos in warp spans of 32 R
+// consecutive features (R = iqn_cos_chunks(n_cos)), grid-stride over the spans: the span lies
+// in rows r0 .. r0 + 31 at most (r0 = its first feature's row), lane l draws row r0 + l (ten
+// Philox rounds, once per span instead of once per feature: a warp pays the same issue slots
+// however many lanes draw), then for each chunk c lane l takes feature base + 32 c + l, gets its
+// row's draw by a shuffle (the same bits) and computes the cosine; the thread of feature k == 0
+// stores tau. A block whose size is no multiple of 32 (never planned) draws per feature.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void iqn_tau_cos(const long long* __restrict__ step, unsigned int key_lo,
                                        unsigned int key_hi, unsigned int stream,
                                        float* __restrict__ tau, float* __restrict__ cosines,
                                        int rows, int n_cos) {
     const unsigned long long offset = (unsigned long long)step[0];
-    const long long n = (long long)rows * n_cos;
-    IQN_FLAT_LOOP(idx, n) {
-        const int m = (int)(idx / n_cos);
-        const int k = (int)(idx % n_cos);
-        const float t = rng_uniform(key_lo, key_hi, stream, offset, (unsigned int)m);
-        if (k == 0) {
-            tau[m] = t;
+    const unsigned int nc = (unsigned int)n_cos;
+    const unsigned int n = (unsigned int)rows * nc;
+    if ((blockDim.x & (IQN_WARP - 1u)) != 0u) {
+        IQN_GRID_LOOP(idx, n) {
+            const unsigned int m = idx / nc;
+            const int k = (int)(idx - m * nc);
+            const float t = rng_uniform(key_lo, key_hi, stream, offset, m);
+            if (k == 0) {
+                tau[m] = t;
+            }
+            cosines[idx] = (float)cos(IQN_PI * ((double)k * (double)t));
         }
-        cosines[idx] = (float)cos(IQN_PI * ((double)k * (double)t));
+        return;
+    }
+    const unsigned int lane = threadIdx.x & (IQN_WARP - 1u);
+    const unsigned int chunks = iqn_cos_chunks(nc);
+    const unsigned int span = IQN_WARP * chunks;
+    const unsigned int warp = (blockIdx.x * blockDim.x + threadIdx.x) / IQN_WARP;
+    const unsigned int warps = gridDim.x * blockDim.x / IQN_WARP;
+    // base: the span's first feature (warp-uniform, so the loops and the shuffles see all lanes).
+    for (unsigned int base = warp * span; base < n; base += warps * span) {
+        const unsigned int r0 = base / nc;
+        const float drawn = rng_uniform(key_lo, key_hi, stream, offset, r0 + lane);
+        for (unsigned int c = 0; c < chunks; ++c) {
+            const unsigned int idx = base + c * IQN_WARP + lane;
+            const unsigned int m = (idx < n ? idx : base) / nc;  // r0 <= m <= r0 + 31
+            const float t = __shfl_sync(IQN_FULL_MASK, drawn, (int)(m - r0));
+            if (idx < n) {
+                const int k = (int)(idx - m * nc);
+                if (k == 0) {
+                    tau[m] = t;
+                }
+                cosines[idx] = (float)cos(IQN_PI * ((double)k * (double)t));
+            }
+        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------
 // e[m, h] = h2[m / n_quantiles, h] * phi[m, h]; e_bf16 (skipped when null) its BF16 bits.
-// Flat over rows * hidden.
+// Vector path (hidden % 4 == 0, h2 / phi / e 16-byte and e_bf16 8-byte aligned): flat over the
+// rows * hidden / 4 groups of four units, one float4 load of phi and of h2, one float4 store of
+// e and one 8-byte store of the four BF16 patterns (unit h + c in bits 16c .. 16c + 15, little
+// endian as the u16 array). Otherwise flat over the rows * hidden products. Each product is the
+// same single rounded multiply either way.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void iqn_modulate(const float* __restrict__ h2, const float* __restrict__ phi,
                                         float* __restrict__ e, unsigned short* __restrict__ e_bf16,
                                         int rows, int hidden, int n_quantiles) {
-    const long long n = (long long)rows * hidden;
-    IQN_FLAT_LOOP(idx, n) {
-        const long long m = idx / hidden;
-        const int h = (int)(idx % hidden);
-        const float v = __fmul_rn(h2[(m / n_quantiles) * hidden + h], phi[idx]);
+    const unsigned int nq = (unsigned int)n_quantiles;
+    if ((hidden & 3) == 0 && iqn_aligned(h2, 16u) && iqn_aligned(phi, 16u) &&
+        iqn_aligned(e, 16u) && iqn_aligned(e_bf16, 8u)) {
+        const unsigned int h4 = (unsigned int)hidden >> 2;
+        const unsigned int n4 = (unsigned int)rows * h4;
+        const float4* __restrict__ h2_4 = reinterpret_cast<const float4*>(h2);
+        const float4* __restrict__ phi_4 = reinterpret_cast<const float4*>(phi);
+        float4* __restrict__ e_4 = reinterpret_cast<float4*>(e);
+        uint2* __restrict__ bf_4 = reinterpret_cast<uint2*>(e_bf16);
+        IQN_GRID_LOOP(v, n4) {
+            const unsigned int m = v / h4;
+            const unsigned int c = v - m * h4;
+            const float4 a = h2_4[(m / nq) * h4 + c];
+            const float4 p = phi_4[v];
+            float4 o;
+            o.x = __fmul_rn(a.x, p.x);
+            o.y = __fmul_rn(a.y, p.y);
+            o.z = __fmul_rn(a.z, p.z);
+            o.w = __fmul_rn(a.w, p.w);
+            e_4[v] = o;
+            if (e_bf16 != nullptr) {
+                uint2 bits;
+                bits.x = (unsigned int)f32_to_bf16_bits(o.x) |
+                         ((unsigned int)f32_to_bf16_bits(o.y) << 16);
+                bits.y = (unsigned int)f32_to_bf16_bits(o.z) |
+                         ((unsigned int)f32_to_bf16_bits(o.w) << 16);
+                bf_4[v] = bits;
+            }
+        }
+        return;
+    }
+    const unsigned int hd = (unsigned int)hidden;
+    const unsigned int n = (unsigned int)rows * hd;
+    IQN_GRID_LOOP(idx, n) {
+        const unsigned int m = idx / hd;
+        const unsigned int h = idx - m * hd;
+        const float v = __fmul_rn(h2[(m / nq) * hd + h], phi[idx]);
         e[idx] = v;
         if (e_bf16 != nullptr) {
             e_bf16[idx] = f32_to_bf16_bits(v);
@@ -72,8 +166,20 @@ extern "C" __global__ void iqn_modulate(const float* __restrict__ h2, const floa
     }
 }
 
+// One unit of iqn_modulate_backward's quantile loop: d_h2's term (skipped when non-finite) and
+// d_phi_pre.
+static __device__ __forceinline__ float iqn_modulate_grad(float g, float p, float hv, float* acc) {
+    const float t = __fmul_rn(g, p);
+    if (iqn_is_finite(t)) {
+        *acc = __fadd_rn(*acc, t);
+    }
+    return (p <= 0.0f) ? 0.0f : __fmul_rn(g, hv);
+}
+
 // ---------------------------------------------------------------------------------------------
-// Backward of e = h2 * phi and phi = relu(phi_pre), one thread per (b, h):
+// Backward of e = h2 * phi and phi = relu(phi_pre), one thread per (b, h) (vector path: per
+// (b, four units h .. h + 3), hidden % 4 == 0 and every pointer 16-byte aligned: float4 loads and
+// stores, each unit's own accumulator):
 //   d_h2[b, h]         = sum over i of de[m, h] * phi[m, h] (m = b N + i, i in order, from +0),
 //                        a non-finite term skipped (the seeds' isfinite guard)
 //   d_phi_pre[m, h]    = phi[m, h] <= 0 ? 0 : de[m, h] * h2[b, h]
@@ -84,21 +190,46 @@ extern "C" __global__ void iqn_modulate_backward(const float* __restrict__ de,
                                                  float* __restrict__ d_h2,
                                                  float* __restrict__ d_phi_pre, int batch,
                                                  int hidden, int n_quantiles) {
-    const long long n = (long long)batch * hidden;
-    IQN_FLAT_LOOP(idx, n) {
-        const long long b = idx / hidden;
-        const int h = (int)(idx % hidden);
+    const unsigned int nq = (unsigned int)n_quantiles;
+    if ((hidden & 3) == 0 && iqn_aligned(de, 16u) && iqn_aligned(h2, 16u) &&
+        iqn_aligned(phi, 16u) && iqn_aligned(d_h2, 16u) && iqn_aligned(d_phi_pre, 16u)) {
+        const unsigned int h4 = (unsigned int)hidden >> 2;
+        const unsigned int n4 = (unsigned int)batch * h4;
+        const float4* __restrict__ de_4 = reinterpret_cast<const float4*>(de);
+        const float4* __restrict__ h2_4 = reinterpret_cast<const float4*>(h2);
+        const float4* __restrict__ phi_4 = reinterpret_cast<const float4*>(phi);
+        float4* __restrict__ d_h2_4 = reinterpret_cast<float4*>(d_h2);
+        float4* __restrict__ d_phi_4 = reinterpret_cast<float4*>(d_phi_pre);
+        IQN_GRID_LOOP(v, n4) {
+            const unsigned int b = v / h4;
+            const unsigned int c = v - b * h4;
+            const float4 hv = h2_4[v];
+            float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            unsigned int at = b * nq * h4 + c;
+            for (unsigned int i = 0; i < nq; ++i, at += h4) {
+                const float4 g = de_4[at];
+                const float4 p = phi_4[at];
+                float4 out;
+                out.x = iqn_modulate_grad(g.x, p.x, hv.x, &acc.x);
+                out.y = iqn_modulate_grad(g.y, p.y, hv.y, &acc.y);
+                out.z = iqn_modulate_grad(g.z, p.z, hv.z, &acc.z);
+                out.w = iqn_modulate_grad(g.w, p.w, hv.w, &acc.w);
+                d_phi_4[at] = out;
+            }
+            d_h2_4[v] = acc;
+        }
+        return;
+    }
+    const unsigned int hd = (unsigned int)hidden;
+    const unsigned int n = (unsigned int)batch * hd;
+    IQN_GRID_LOOP(idx, n) {
+        const unsigned int b = idx / hd;
+        const unsigned int h = idx - b * hd;
         const float hv = h2[idx];
         float acc = 0.0f;
-        for (int i = 0; i < n_quantiles; ++i) {
-            const long long at = (b * n_quantiles + i) * hidden + h;
-            const float g = de[at];
-            const float p = phi[at];
-            const float t = __fmul_rn(g, p);
-            if (iqn_is_finite(t)) {
-                acc = __fadd_rn(acc, t);
-            }
-            d_phi_pre[at] = (p <= 0.0f) ? 0.0f : __fmul_rn(g, hv);
+        unsigned int at = b * nq * hd + h;
+        for (unsigned int i = 0; i < nq; ++i, at += hd) {
+            d_phi_pre[at] = iqn_modulate_grad(de[at], phi[at], hv, &acc);
         }
         d_h2[idx] = acc;
     }

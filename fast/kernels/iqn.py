@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, cluster_blocks, launch
+from foxhunt.fast.kernels._runtime import In, Out, blocks, check_elements, cluster_blocks, launch
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.iqn import (
     IQN_LOSS_THREADS,
@@ -33,9 +33,18 @@ from foxhunt.reference.kernels.iqn import (
 F32, I32, I64, U16 = np.float32, np.int32, np.int64, np.uint16
 
 #: Threads per block of the flat IQN kernels, and their grid cap (grid-stride loops cover the
-#: rest).
+#: rest). ``iqn_tau_cos`` needs a multiple of 32 (warp spans, one draw per span and row).
 IQN_THREADS = 256
 IQN_MAX_BLOCKS = 1024
+#: Threads per block of ``iqn_modulate_backward``'s vector path: a quarter of the threads in
+#: smaller blocks, so a single trainer's launch still spreads over the SMs.
+IQN_BACKWARD_VEC_THREADS = 128
+#: Units per thread of the vector paths (``hidden % 4 == 0``, 16-byte aligned pointers).
+IQN_VEC = 4
+#: 32-feature chunks per warp span of ``iqn_tau_cos`` at most (``IQN_COS_CHUNKS`` in iqn.cu):
+#: one fraction draw per span and row serves up to this many features per thread.
+IQN_COS_CHUNKS = 2
+WARP = 32
 
 Plan = tuple[int, int, int]
 
@@ -45,23 +54,45 @@ Plan = tuple[int, int, int]
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_flat(n: int) -> Plan:
-    """A flat grid-stride launch over ``n`` elements."""
-    return min(blocks(n, IQN_THREADS), IQN_MAX_BLOCKS), IQN_THREADS, 0
+def plan_flat(n: int, threads: int = IQN_THREADS) -> Plan:
+    """A flat grid-stride launch over ``n`` items, ``threads`` per block."""
+    return min(blocks(n, threads), IQN_MAX_BLOCKS), threads, 0
+
+
+def iqn_cos_chunks(n_cos: int) -> int:
+    """Chunks of 32 features per warp span of ``iqn_tau_cos`` (the kernel's formula): at most
+    ``IQN_COS_CHUNKS``, fewer where the span's ``32 R`` features would cover more than 32 rows
+    (``32 R <= 31 n_cos + 1``)."""
+    n_cos = int(n_cos)
+    if n_cos >= WARP:
+        return IQN_COS_CHUNKS
+    return max(1, min(IQN_COS_CHUNKS, (31 * n_cos + 1) // WARP))
 
 
 def plan_iqn_tau_cos(rows: int, n_cos: int) -> Plan:
-    """Flat over the ``rows * n_cos`` features."""
-    return plan_flat(rows * n_cos)
+    """Flat over the ``rows * n_cos`` features in warp spans of ``32 * iqn_cos_chunks(n_cos)``
+    (each lane computes ``iqn_cos_chunks`` features; the warp draws its span's fractions once):
+    one warp per span, ``IQN_THREADS`` (a multiple of 32) per block."""
+    spans = -(-int(rows) * int(n_cos) // (WARP * iqn_cos_chunks(n_cos)))
+    return plan_flat(spans * WARP)
 
 
 def plan_iqn_modulate(rows: int, hidden: int) -> Plan:
-    """Flat over the ``rows * hidden`` products."""
+    """Flat over the ``rows * hidden / 4`` groups of four products (the vector path) when
+    ``hidden % 4 == 0``, else over the ``rows * hidden`` products (the scalar path; with
+    misaligned pointers the kernel takes it on the vector plan too: the grid-stride loop covers
+    the rest)."""
+    if hidden % IQN_VEC == 0:
+        return plan_flat(rows * hidden // IQN_VEC)
     return plan_flat(rows * hidden)
 
 
 def plan_iqn_modulate_backward(batch: int, hidden: int) -> Plan:
-    """Flat, one thread per ``(sample, unit)`` (each loops over the quantiles)."""
+    """Flat, one thread per ``(sample, four units)`` in blocks of ``IQN_BACKWARD_VEC_THREADS``
+    when ``hidden % 4 == 0`` (the vector path), else one per ``(sample, unit)``; each thread
+    loops over the quantiles."""
+    if hidden % IQN_VEC == 0:
+        return plan_flat(batch * hidden // IQN_VEC, IQN_BACKWARD_VEC_THREADS)
     return plan_flat(batch * hidden)
 
 
@@ -88,6 +119,7 @@ def plan_iqn_quantile_huber(pairs: int, n_quantiles: int, arch=None) -> Plan:
 def iqn_tau_cos(step, key_lo, key_hi, stream, rows, n_cos) -> TauCos:
     """Test entry of the CUDA ``iqn_tau_cos`` (contract as the reference twin)."""
     _, k_lo, k_hi, s, rows, n_cos = validate_iqn_tau_cos(step, key_lo, key_hi, stream, rows, n_cos)
+    check_elements("cosines", np.broadcast_to(F32(0), (rows, n_cos)))
     tau, cosines = launch("iqn_tau_cos", plan_iqn_tau_cos(rows, n_cos), In(step), k_lo, k_hi, s,
                           Out((rows,), F32), Out((rows, n_cos), F32), rows, n_cos)
     return TauCos(tau, cosines)
@@ -97,6 +129,7 @@ def iqn_modulate(h2, phi, n_quantiles, with_bf16: bool = False) -> Modulated:
     """Test entry of the CUDA ``iqn_modulate`` (contract as the reference twin); without
     ``with_bf16`` the kernel gets a null BF16 pointer."""
     n = validate_iqn_modulate(h2, phi, n_quantiles)
+    check_elements("phi", phi)
     rows, hidden = phi.shape
     mirror = Out(phi.shape, U16) if with_bf16 else 0
     outs = launch("iqn_modulate", plan_iqn_modulate(rows, hidden), In(h2), In(phi),
@@ -107,6 +140,7 @@ def iqn_modulate(h2, phi, n_quantiles, with_bf16: bool = False) -> Modulated:
 def iqn_modulate_backward(de, h2, phi, n_quantiles) -> ModulateGrads:
     """Test entry of the CUDA ``iqn_modulate_backward`` (contract as the reference twin)."""
     n = validate_iqn_modulate_backward(de, h2, phi, n_quantiles)
+    check_elements("phi", phi)
     batch, hidden = h2.shape
     d_h2, d_phi_pre = launch("iqn_modulate_backward", plan_iqn_modulate_backward(batch, hidden),
                              In(de), In(h2), In(phi), Out(h2.shape, F32), Out(phi.shape, F32),
