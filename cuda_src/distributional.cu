@@ -135,6 +135,20 @@ extern "C" __global__ void double_dqn_select(const float* __restrict__ q,
     }
 }
 
+// The projection's target atom Tz_j = clip(r + g * z_j, v_min, v_max) (NaN kept).
+static __device__ __forceinline__ float c51_target_atom(float reward, float discount, float z_j,
+                                                        float v_min, float v_max) {
+    return clip_keep_nan(__fadd_rn(reward, __fmul_rn(discount, z_j)), v_min, v_max);
+}
+
+// m_i's term of source atom k: p_k * clip(1 - |Tz_k - z_i| / dz, 0, 1) (NaN kept).
+static __device__ __forceinline__ float c51_project_term(float target_k, float p_k, float z_i,
+                                                         float dz) {
+    const float distance = fabsf(__fsub_rn(target_k, z_i));
+    const float weight = clip_keep_nan(__fsub_rn(1.0f, __fdiv_rn(distance, dz)), 0.0f, 1.0f);
+    return __fmul_rn(p_k, weight);
+}
+
 // c51_project's work on one sample b (all threads of the block): p = p_next[b], m_row = m[b].
 // Thread i owns target atom i (i = i0 + threadIdx.x for each tile i0 of blockDim atoms); source
 // atoms j are staged through shared memory (tile_target, tile_p: blockDim floats each), one tile
@@ -143,12 +157,72 @@ extern "C" __global__ void double_dqn_select(const float* __restrict__ q,
 // taken row, dlogits_taken[i] = grad_weight * (expf(logp_taken[i]) - m[b, i]), from the value of
 // m[b, i] it has just computed (c51_grad's operations; it reads m[b, i] from memory, the same
 // float); its logp load is issued before the projection's loop so that it overlaps it.
+//
+// One tile (NA <= blockDim, every plan of NA <= 256): the block also checks, with the staging
+// barrier (__syncthreads_or), that the sample is "windowed": dz > 0 finite, every z_j and p_j
+// finite, every Tz_j not NaN and Tz nondecreasing in j. Then s_k = Tz_k - z_i (rounded) is
+// nondecreasing in k, so the k with |s_k| < dz form one run, found by a binary search for the
+// first s_k > -dz; thread i adds the terms of that run only, in source order. Every other term
+// is an exact no-op: |s_k| >= dz gives |s_k| / dz >= 1 after rounding, so the weight is +-0.0
+// and p_k * weight = +-0.0 (p_k finite), and acc + (+-0.0) == acc bit for bit (acc starts at
+// +0.0 and can never become -0.0). So m_i is bitwise the full sum's. A sample that is not
+// windowed (a NaN or infinite input, a decreasing Tz) runs the full sum over every k.
 static __device__ __forceinline__ void c51_project_sample(
     const float* __restrict__ p, float reward, float discount, const float* __restrict__ z,
     float* __restrict__ m_row, const float* __restrict__ logp_taken, float grad_weight,
     float* __restrict__ dlogits_taken, int num_atoms, float v_min, float v_max, float dz,
     float* tile_target, float* tile_p) {
     const int tile = blockDim.x;
+    if (num_atoms <= tile) {
+        const int i = threadIdx.x;
+        const bool own = i < num_atoms;
+        const float z_i = own ? z[i] : 0.0f;
+        const float p_taken = (dlogits_taken != nullptr && own) ? expf(logp_taken[i]) : 0.0f;
+        int bad = 0;
+        if (own) {
+            const float target_i = c51_target_atom(reward, discount, z_i, v_min, v_max);
+            const float p_i = p[i];
+            tile_target[i] = target_i;
+            tile_p[i] = p_i;
+            bad = isnan(target_i) || !isfinite(p_i) || !isfinite(z_i);
+            if (i + 1 < num_atoms) {  // Tz_{i+1} by its own formula (thread i+1 stages it)
+                bad |= !(target_i <= c51_target_atom(reward, discount, z[i + 1], v_min, v_max));
+            }
+        }
+        const bool windowed = !__syncthreads_or(bad) && dz > 0.0f && isfinite(dz);
+        if (own) {
+            float acc = 0.0f;
+            if (windowed) {
+                const float below = -dz;
+                int lo = 0;
+                int hi = num_atoms;
+                while (lo < hi) {  // the first k with s_k > -dz (num_atoms if none)
+                    const int mid = (lo + hi) >> 1;
+                    if (__fsub_rn(tile_target[mid], z_i) > below) {
+                        hi = mid;
+                    } else {
+                        lo = mid + 1;
+                    }
+                }
+                for (int k = lo; k < num_atoms; ++k) {
+                    if (!(fabsf(__fsub_rn(tile_target[k], z_i)) < dz)) {
+                        break;  // s_k >= dz: so is every later s_k
+                    }
+                    acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
+                }
+            } else {
+                for (int k = 0; k < num_atoms; ++k) {
+                    acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
+                }
+            }
+            m_row[i] = acc;
+            if (dlogits_taken != nullptr) {
+                dlogits_taken[i] = grad_weight * (p_taken - acc);
+            }
+        }
+        __syncthreads();  // the tile is overwritten by the next sample
+        return;
+    }
     for (int i0 = 0; i0 < num_atoms; i0 += tile) {
         const int i = i0 + threadIdx.x;
         const float z_i = i < num_atoms ? z[i] : 0.0f;
@@ -158,18 +232,14 @@ static __device__ __forceinline__ void c51_project_sample(
         for (int j0 = 0; j0 < num_atoms; j0 += tile) {
             const int j = j0 + threadIdx.x;
             if (j < num_atoms) {
-                tile_target[threadIdx.x] =
-                    clip_keep_nan(__fadd_rn(reward, __fmul_rn(discount, z[j])), v_min, v_max);
+                tile_target[threadIdx.x] = c51_target_atom(reward, discount, z[j], v_min, v_max);
                 tile_p[threadIdx.x] = p[j];
             }
             __syncthreads();
             const int count = min(tile, num_atoms - j0);
             if (i < num_atoms) {
                 for (int k = 0; k < count; ++k) {
-                    const float distance = fabsf(__fsub_rn(tile_target[k], z_i));
-                    const float weight =
-                        clip_keep_nan(__fsub_rn(1.0f, __fdiv_rn(distance, dz)), 0.0f, 1.0f);
-                    acc = __fadd_rn(acc, __fmul_rn(tile_p[k], weight));
+                    acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
                 }
             }
             __syncthreads();  // the tile is overwritten next
@@ -193,7 +263,10 @@ static __device__ __forceinline__ void c51_project_sample(
 // over j in source order starting from +0.0 (as NumPy's reduction; bitwise equal to it).
 // One block per sample (grid-stride over samples); thread i owns target atom i (looping when
 // NA > blockDim); Tz_j and p_j are staged in shared memory, one tile of blockDim atoms at a time
-// (c51_project_sample). blockDim.x must be at most kProjectMaxThreads.
+// (c51_project_sample). With one tile (NA <= blockDim) and a windowed sample (finite inputs,
+// Tz nondecreasing in j, dz > 0 finite), thread i adds only the terms with |Tz_j - z_i| < dz:
+// every other term is p_j * (+0.0), an exact no-op on the sum, so m is bitwise the full sum.
+// blockDim.x must be at most kProjectMaxThreads.
 // --------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
 c51_project(const float* __restrict__ p_next, const float* __restrict__ r,
@@ -394,11 +467,10 @@ extern "C" __global__ void c51_grad(const float* __restrict__ logp,
 //   order); terms_b = (mQ_b + log s_b) - Q[b, a_b];
 //   dQ[b, a] = (alpha * scale) * (e[b, a] / s_b - 1[a = a_b]);
 //   dlogits[b, a, j] = dQ[b, a] * (exp(logp[b, a, j]) * (z_j - Q[b, a])).
-// Tiles of S = max(1, (blockDim / 32) / A) samples per block (grid-stride over tiles):
-// phase 1, one warp per (sample, action) row computes Q into shared memory; phase 2, one thread
-// per sample does the action-order max/sum and writes terms; phase 3, the tile's dlogits
-// elements, flat and coalesced. Dynamic shared memory: (2 * S * A + 2 * S) floats (the plan's
-// formula; fast/kernels/distributional.py).
+// One warp per sample (grid-stride over the batch; cql_logit_grad_body): the Q of its A rows
+// into the warp's row of shared memory, the action-order max/sum in every lane, terms, then its
+// rows' dlogits (coalesced); no block barrier. Dynamic shared memory: (blockDim / 32) * A
+// floats (the plan's formula; fast/kernels/distributional.py).
 // --------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kCqlMaxWarps * kWarp)
 cql_logit_grad(const float* __restrict__ logp, const int* __restrict__ actions,

@@ -19,7 +19,7 @@ constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 // cql_logit_grad (and its fused form): at most this many warps per block (one warp per
-// (sample, action) row).
+// sample).
 constexpr int kCqlMaxWarps = 8;
 
 // c51_loss (and its fused form): one block per branch of at most kLossMaxThreads threads; each
@@ -203,11 +203,79 @@ static __device__ __forceinline__ void dueling_combine_backward_body(
     }
 }
 
+// cql_logit_grad: the Q of kRows consecutive rows of one sample by one warp (all 32 lanes), each
+// warp_expected_q's (lane l: its atoms j = l + 32 k in j order from +0.0, then the butterfly),
+// the rows' loads and butterflies interleaved; lane 0 writes them to q_out[0..kRows).
+template <int kRows>
+static __device__ __forceinline__ void cql_q_rows(const float* __restrict__ logp_rows,
+                                                  const float* __restrict__ z,
+                                                  float* __restrict__ q_out, int num_atoms,
+                                                  int lane) {
+    float acc[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        acc[r] = 0.0f;
+    }
+#pragma unroll 1
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        const float z_j = z[j];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            acc[r] = acc[r] + expf(logp_rows[r * num_atoms + j]) * z_j;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        acc[r] = warp_sum_halving(acc[r]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            q_out[r] = acc[r];
+        }
+    }
+}
+
+// cql_logit_grad: the gradient rows a0..a0+kRows-1 of one sample by one warp: row a's
+// dQ = dq_scale * (expf(q[a] - q_max) / sum - 1[a = action]) (phase 2's e, recomputed from the
+// same operands), then dlogits_rows[r * NA + j] = dQ * (expf(logp) * (z_j - q[a])), lane l its
+// atoms j = l + 32 k; the rows' loads interleaved.
+template <int kRows>
+static __device__ __forceinline__ void cql_grad_rows(const float* __restrict__ logp_rows,
+                                                     const float* __restrict__ z,
+                                                     const float* __restrict__ q, int a0,
+                                                     int action, float q_max, float sum,
+                                                     float dq_scale,
+                                                     float* __restrict__ dlogits_rows,
+                                                     int num_atoms, int lane) {
+    float q_a[kRows];
+    float dq[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        q_a[r] = q[a0 + r];
+        const float e = expf(q_a[r] - q_max);
+        const float one_hot = (a0 + r == action) ? 1.0f : 0.0f;
+        dq[r] = dq_scale * (e / sum - one_hot);
+    }
+#pragma unroll 1
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        const float z_j = z[j];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const int k = r * num_atoms + j;
+            dlogits_rows[k] = dq[r] * (expf(logp_rows[k]) * (z_j - q_a[r]));
+        }
+    }
+}
+
 // cql_logit_grad on one branch: logp [B, A, NA] (samples 0..batch), actions [B], terms [B],
-// dlogits [B, A, NA]. Tiles of S = max(1, (blockDim / 32) / A) samples (grid-stride over
-// blockIdx.x): phase 1, one warp per (sample, action) row computes Q into shared memory;
-// phase 2, one thread per sample does the action-order max/sum and writes terms; phase 3, the
-// tile's dlogits elements, flat and coalesced. `shared` holds (2 * S * A + 2 * S) floats.
+// dlogits [B, A, NA]. One warp per sample (grid-stride over the batch, blockIdx.x * warps +
+// warp), no block barrier: phase 1, the warp computes the Q of the sample's A rows
+// (warp_expected_q's sums; cql_q_rows, up to 4 rows at once) into its `q` row of shared memory;
+// phase 2, every lane does the action-order max and exp sum (the same operations, so the same
+// values, in every lane) and lane 0 writes terms; phase 3, each row's dQ once (e = exp(Q - mQ)
+// recomputed from the same operands), then the row's elements, lane l its atoms l + 32 k
+// (coalesced; cql_grad_rows, up to 4 rows at once). `shared` holds (blockDim / 32) * A floats.
 static __device__ __forceinline__ void cql_logit_grad_body(
     const float* __restrict__ logp, const int* __restrict__ actions, const float* __restrict__ z,
     const float* __restrict__ alpha, const float* __restrict__ scale,
@@ -216,59 +284,67 @@ static __device__ __forceinline__ void cql_logit_grad_body(
     const int lane = threadIdx.x % kWarp;
     const int warp = threadIdx.x / kWarp;
     const int warps = blockDim.x / kWarp;
-    const int tile_samples = max(1, warps / num_actions);
-    float* q_tile = shared;                                  // [S * A]
-    float* e_tile = q_tile + tile_samples * num_actions;     // [S * A]
-    float* qmax_tile = e_tile + tile_samples * num_actions;  // [S]
-    float* sum_tile = qmax_tile + tile_samples;              // [S]
+    float* q = shared + warp * num_actions;  // the warp's [A]
     const float dq_scale = alpha[0] * scale[0];
     const int row_len = num_actions * num_atoms;
 
-    for (int b0 = blockIdx.x * tile_samples; b0 < batch; b0 += gridDim.x * tile_samples) {
-        const int samples = min(tile_samples, batch - b0);
-        const int rows = samples * num_actions;
-        const float* tile_logp = logp + b0 * row_len;
-
-        for (int row = warp; row < rows; row += warps) {
-            const float q = warp_expected_q(tile_logp + row * num_atoms, z, num_atoms, lane);
-            if (lane == 0) {
-                q_tile[row] = q;
+    for (int b = blockIdx.x * warps + warp; b < batch; b += gridDim.x * warps) {
+        const float* sample_logp = logp + b * row_len;
+        for (int a = 0; a < num_actions;) {
+            const float* rows = sample_logp + a * num_atoms;
+            const int left = num_actions - a;
+            if (left >= 4) {
+                cql_q_rows<4>(rows, z, q + a, num_atoms, lane);
+                a += 4;
+            } else if (left == 3) {
+                cql_q_rows<3>(rows, z, q + a, num_atoms, lane);
+                a += 3;
+            } else if (left == 2) {
+                cql_q_rows<2>(rows, z, q + a, num_atoms, lane);
+                a += 2;
+            } else {
+                cql_q_rows<1>(rows, z, q + a, num_atoms, lane);
+                a += 1;
             }
         }
-        __syncthreads();
+        __syncwarp();  // lane 0's Q are read by every lane
 
-        for (int s = threadIdx.x; s < samples; s += blockDim.x) {
-            const float* q = q_tile + s * num_actions;
-            float* e = e_tile + s * num_actions;
-            float q_max = q[0];
-            for (int a = 1; a < num_actions; ++a) {
-                q_max = max_keep_nan(q_max, q[a]);
-            }
-            e[0] = expf(q[0] - q_max);
-            float sum = e[0];
-            for (int a = 1; a < num_actions; ++a) {
-                e[a] = expf(q[a] - q_max);
-                sum = sum + e[a];
-            }
-            qmax_tile[s] = q_max;
-            sum_tile[s] = sum;
-            terms[b0 + s] = (q_max + logf(sum)) - q[actions[b0 + s]];
+        float q_max = q[0];
+        for (int a = 1; a < num_actions; ++a) {
+            q_max = max_keep_nan(q_max, q[a]);
         }
-        __syncthreads();
+        float sum = expf(q[0] - q_max);
+        for (int a = 1; a < num_actions; ++a) {
+            sum = sum + expf(q[a] - q_max);
+        }
+        const int action = actions[b];
+        if (lane == 0) {
+            terms[b] = (q_max + logf(sum)) - q[action];
+        }
 
-        float* tile_dlogits = dlogits + b0 * row_len;
-        const int elements = rows * num_atoms;
-        for (int k = threadIdx.x; k < elements; k += blockDim.x) {
-            const int row = k / num_atoms;
-            const int j = k - row * num_atoms;
-            const int s = row / num_actions;
-            const int a = row - s * num_actions;
-            const float q = q_tile[row];
-            const float one_hot = (a == actions[b0 + s]) ? 1.0f : 0.0f;
-            const float dq = dq_scale * (e_tile[row] / sum_tile[s] - one_hot);
-            tile_dlogits[k] = dq * (expf(tile_logp[k]) * (z[j] - q));
+        float* sample_dlogits = dlogits + b * row_len;
+        for (int a = 0; a < num_actions;) {
+            const int offset = a * num_atoms;
+            const int left = num_actions - a;
+            if (left >= 4) {
+                cql_grad_rows<4>(sample_logp + offset, z, q, a, action, q_max, sum, dq_scale,
+                                 sample_dlogits + offset, num_atoms, lane);
+                a += 4;
+            } else if (left == 3) {
+                cql_grad_rows<3>(sample_logp + offset, z, q, a, action, q_max, sum, dq_scale,
+                                 sample_dlogits + offset, num_atoms, lane);
+                a += 3;
+            } else if (left == 2) {
+                cql_grad_rows<2>(sample_logp + offset, z, q, a, action, q_max, sum, dq_scale,
+                                 sample_dlogits + offset, num_atoms, lane);
+                a += 2;
+            } else {
+                cql_grad_rows<1>(sample_logp + offset, z, q, a, action, q_max, sum, dq_scale,
+                                 sample_dlogits + offset, num_atoms, lane);
+                a += 1;
+            }
         }
-        __syncthreads();  // the next tile overwrites the shared arrays
+        __syncwarp();  // every lane has read q before the warp's next sample rewrites it
     }
 }
 

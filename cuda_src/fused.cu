@@ -36,15 +36,102 @@ extern "C" __global__ void dueling_combine_branches(const float* __restrict__ v,
 //   logits[r, j] = v[b, j] + (adv[r, j] - mean_a adv_d[b, :, j])   (dueling_combine_body's ops);
 //   logp[r, :] = log_softmax(logits[r, :]); q[r] = sum_j exp(logp[r, j]) * z[j] if with_q,
 // for every packed row r = batch * action_offset[d] + b * n_d + a of branch d (blockIdx.y = d).
-// One warp per row (grid-stride over branch d's batch * n_d rows): lane l computes the logits
-// of atoms j = l + 32 k as dueling_combine does (dueling_mean: the action-order sum / n_d,
-// then v + (adv - mean)), writes them to `logits` and to its warp's row of shared memory, then
-// the warp runs log_softmax_row (log_softmax_expected_q's body) on that shared row: every
+// One warp per sample b of branch d (grid-stride over the batch): lane l first computes the
+// cell means of its atoms j = l + 32 k once (dueling_mean: the action-order sum / n_d, into
+// the warp's `means` row of shared memory), then the warp runs the n_d rows of the sample in
+// groups of up to kDuelingRowGroup rows (dueling_row_group: each row's ops are those of
+// dueling_combine then log_softmax_row, the rows of a group interleaved for latency): every
 // value is bitwise that of dueling_combine_branches followed by log_softmax_expected_q. Lane l
-// reads back only the entries it wrote, so no barrier is needed. with_q (0 or 1) is uniform;
-// with with_q = 0, z and q are not read or written (may be null). Dynamic shared memory:
-// (blockDim.x / 32) * num_atoms floats.
+// reads back only the shared entries it wrote, so no barrier is needed. with_q (0 or 1) is
+// uniform; with with_q = 0, z and q are not read or written (may be null). Dynamic shared
+// memory: (blockDim.x / 32) * (1 + kDuelingRowGroup) * num_atoms floats.
 // --------------------------------------------------------------------------------------------
+namespace {
+// dueling_log_softmax_q_branches: at most this many rows of a sample are staged at once
+// (fast/kernels/fused.py DUELING_ROW_GROUP: the plan's shared memory).
+constexpr int kDuelingRowGroup = 4;
+}  // namespace
+
+// kRows consecutive rows of one sample by one warp (all 32 lanes, warp-uniform arguments):
+// adv_rows, logits_rows, logp_rows are the first row's [NA] (row r at + r * num_atoms), q_rows
+// its q (row r at + r), means the sample's cell means, v_b its value row, rows_s the warp's
+// kRows staged rows (shared). Row r's operations are, in order, those of dueling_combine_body
+// (value = v + (adv - mean)) and of log_softmax_row on the staged row (lane l: its atoms
+// j = l + 32 k in j order, the max from -Inf, the exp sum from +0.0, Q's terms from +0.0, each
+// reduced by the same butterfly), so each row is bitwise that of log_softmax_row: only the
+// independent rows' instructions are interleaved (the max folded into the staging loop reads
+// the value it stages).
+template <int kRows>
+static __device__ __forceinline__ void dueling_row_group(
+    const float* __restrict__ v_b, const float* __restrict__ adv_rows,
+    const float* __restrict__ means, float* __restrict__ rows_s, const float* __restrict__ z,
+    float* __restrict__ logits_rows, float* __restrict__ logp_rows, float* __restrict__ q_rows,
+    bool with_q, int num_atoms, int lane) {
+    float m[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        m[r] = negative_infinity();
+    }
+#pragma unroll 1
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        const float v_j = v_b[j];
+        const float mean = means[j];
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const int k = r * num_atoms + j;
+            const float value = v_j + (adv_rows[k] - mean);
+            rows_s[k] = value;
+            logits_rows[k] = value;
+            m[r] = fmaxf(m[r], value);
+        }
+    }
+    float sum[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        m[r] = warp_max_halving(m[r]);
+        sum[r] = 0.0f;
+    }
+#pragma unroll 1
+    for (int j = lane; j < num_atoms; j += kWarp) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            sum[r] = sum[r] + expf(rows_s[r * num_atoms + j] - m[r]);
+        }
+    }
+    float log_sum[kRows];
+    float q[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        log_sum[r] = logf(warp_sum_halving(sum[r]));
+        q[r] = 0.0f;
+    }
+#pragma unroll 1
+    for (int j = lane; j < num_atoms; j += kWarp) {
+        const float z_j = with_q ? z[j] : 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            const int k = r * num_atoms + j;
+            const float value = (rows_s[k] - m[r]) - log_sum[r];
+            logp_rows[k] = value;
+            if (with_q) {
+                q[r] = q[r] + expf(value) * z_j;
+            }
+        }
+    }
+    if (with_q) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            q[r] = warp_sum_halving(q[r]);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+                q_rows[r] = q[r];
+            }
+        }
+    }
+}
+
 extern "C" __global__ void dueling_log_softmax_q_branches(const float* __restrict__ v,
                                                           const float* __restrict__ adv,
                                                           const float* __restrict__ z,
@@ -54,7 +141,7 @@ extern "C" __global__ void dueling_log_softmax_q_branches(const float* __restric
                                                           float* __restrict__ logp,
                                                           float* __restrict__ q, int batch,
                                                           int num_atoms, int with_q) {
-    extern __shared__ float dueling_rows[];  // [blockDim.x / 32, num_atoms]
+    extern __shared__ float dueling_rows[];  // [blockDim.x / 32, 1 + kDuelingRowGroup, NA]
     const int d = blockIdx.y;
     const int num_actions = n_actions[d];
     const int first_row = batch * action_offset[d];  // branch d's first packed row
@@ -62,25 +149,37 @@ extern "C" __global__ void dueling_log_softmax_q_branches(const float* __restric
     const int warp = threadIdx.x / kWarp;
     const int warps = blockDim.x / kWarp;
     const bool want_q = with_q != 0;
-    float* row_values = dueling_rows + warp * num_atoms;
-    const float* adv_d = adv + first_row * num_atoms;
-    const int rows = batch * num_actions;
-    for (int r = blockIdx.x * warps + warp; r < rows; r += gridDim.x * warps) {
-        const int b = r / num_actions;
-        const int a = r - b * num_actions;
-        const int row = first_row + r;
-        float* logits_row = logits + row * num_atoms;
+    float* means = dueling_rows + warp * (1 + kDuelingRowGroup) * num_atoms;
+    float* rows_s = means + num_atoms;
+    for (int b = blockIdx.x * warps + warp; b < batch; b += gridDim.x * warps) {
+        const int row0 = first_row + b * num_actions;  // the sample's first packed row
+        const float* adv_b = adv + row0 * num_atoms;
+        const float* v_b = v + b * num_atoms;
         for (int j = lane; j < num_atoms; j += kWarp) {
-            const int base = b * num_actions * num_atoms + j;  // cell_base of cell (b, j)
-            const float mean = dueling_mean(adv_d, base, num_actions, num_atoms);
-            const float value = v[b * num_atoms + j] + (adv_d[base + a * num_atoms] - mean);
-            row_values[j] = value;
-            logits_row[j] = value;
+            means[j] = dueling_mean(adv_b, j, num_actions, num_atoms);
         }
-        const float row_q = log_softmax_row(row_values, logp + row * num_atoms, z, want_q,
-                                            num_atoms, lane);
-        if (want_q && lane == 0) {
-            q[row] = row_q;
+        for (int a = 0; a < num_actions;) {
+            const int row = row0 + a;
+            const int left = num_actions - a;
+            const int offset = row * num_atoms;
+            float* q_row = want_q ? q + row : nullptr;  // not dereferenced without want_q
+            if (left >= 4) {
+                dueling_row_group<4>(v_b, adv + offset, means, rows_s, z, logits + offset,
+                                     logp + offset, q_row, want_q, num_atoms, lane);
+                a += 4;
+            } else if (left == 3) {
+                dueling_row_group<3>(v_b, adv + offset, means, rows_s, z, logits + offset,
+                                     logp + offset, q_row, want_q, num_atoms, lane);
+                a += 3;
+            } else if (left == 2) {
+                dueling_row_group<2>(v_b, adv + offset, means, rows_s, z, logits + offset,
+                                     logp + offset, q_row, want_q, num_atoms, lane);
+                a += 2;
+            } else {
+                dueling_row_group<1>(v_b, adv + offset, means, rows_s, z, logits + offset,
+                                     logp + offset, q_row, want_q, num_atoms, lane);
+                a += 1;
+            }
         }
     }
 }
@@ -133,10 +232,9 @@ extern "C" __global__ void dueling_combine_backward_sum_branches(
 // --------------------------------------------------------------------------------------------
 // cql_logit_grad per branch on samples 0..B of branch d's block of logp (R = block_rows >= B
 // samples per block): dlogits (branch-packed, R = B) and terms [D, B]. The body is
-// cql_logit_grad's (cql_logit_grad_body in distributional.cuh: tiles of S_d = max(1, warps / n_d)
-// samples, one warp per (sample, action) row); its results do not depend on blockDim, so one
-// block size serves every branch. Dynamic shared memory: max over branches of
-// (2 * S_d * n_d + 2 * S_d) floats.
+// cql_logit_grad's (cql_logit_grad_body in distributional.cuh: one warp per sample); its
+// results do not depend on blockDim, so one block size serves every branch. Dynamic shared
+// memory: (blockDim / 32) * max_d n_d floats.
 // --------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(kCqlMaxWarps * kWarp)
 cql_logit_grad_branches(const float* __restrict__ logp, const int* __restrict__ actions,

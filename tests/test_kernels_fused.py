@@ -447,13 +447,25 @@ def test_dueling_log_softmax_q_branches_is_listed_and_plans_the_seed_passes():
     assert (inspect.signature(fast_fused.dueling_log_softmax_q_branches)
             == inspect.signature(fused.dueling_log_softmax_q_branches))
     plan = fast_fused.plan_dueling_log_softmax_q_branches
-    # a warp per row: the largest branch's rows / 8 warps per block; one row of NA per warp
-    assert plan(512, (3, 3, 2), 51) == ((192, 3, 1), 256, 8 * 51 * 4)  # online pass
-    assert plan(256, (3, 3, 2), 51) == ((96, 3, 1), 256, 8 * 51 * 4)   # target pass
-    assert plan(5, (1, 4), 7) == ((3, 2, 1), 256, 8 * 7 * 4)
+    # a warp per (sample, branch): the batch / 4 warps per block; per warp the cell means and a
+    # group of 4 rows of NA floats
+    assert plan(512, (3, 3, 2), 51) == ((128, 3, 1), 128, 4 * 5 * 51 * 4)  # online pass
+    assert plan(256, (3, 3, 2), 51) == ((64, 3, 1), 128, 4 * 5 * 51 * 4)   # target pass
+    assert plan(5, (1, 4), 7) == ((2, 2, 1), 128, 4 * 5 * 7 * 4)
     with pytest.raises(ValueError, match="^num_atoms:"):
         plan(4, (3,), 100_000)
 
+
+
+def test_dueling_row_group_is_fused_cu_s():
+    """The plan's shared memory holds fused.cu's row group: the two constants agree."""
+    from importlib import resources
+
+    from foxhunt.fast.kernels import fused as fast_fused
+
+    text = (resources.files("foxhunt.cuda_src") / "fused.cu").read_text()
+    assert fast_fused.DUELING_ROW_GROUP == int(
+        re.search(r"constexpr int kDuelingRowGroup = (\d+);", text).group(1))
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_dueling_log_softmax_q_branches_compiles(arch, tmp_path):

@@ -64,8 +64,11 @@ WARPS_PER_BLOCK = THREADS // WARP
 PROJECT_MAX_THREADS = 256
 #: c51_loss runs as one block of this many threads (``kLossMaxThreads``).
 LOSS_THREADS = 1024
-#: cql_logit_grad: at most this many warps per block (``kCqlMaxWarps``).
+#: cql_logit_grad: at most this many warps per block (``kCqlMaxWarps``, its launch bound).
 CQL_MAX_WARPS = 8
+#: cql_logit_grad: warps per block of its plans (one warp per sample; small blocks so that a
+#: single trainer's 256 samples spread over 64 blocks per branch).
+CQL_WARPS = 4
 #: Dynamic shared memory available without an opt-in.
 SHARED_LIMIT = 48 * 1024
 F32_BYTES = 4
@@ -122,24 +125,25 @@ def plan_c51_loss(batch: int, num_actions: int, num_atoms: int) -> Plan:
     return 1, LOSS_THREADS, 0
 
 
-def cql_tile_samples(num_actions: int, warps: int) -> int:
-    """Samples per block of ``cql_logit_grad`` for a block of ``warps`` warps (the kernel's
-    formula: ``max(1, warps / A)``)."""
-    return max(1, warps // num_actions)
+def cql_warps(num_actions: int) -> int:
+    """Warps per block of ``cql_logit_grad`` (and its fused form) for ``A`` actions: one warp
+    per sample, ``CQL_WARPS``, fewer when their Q rows (``A`` floats of shared memory per warp)
+    would pass ``SHARED_LIMIT``; 0 when one row does not fit (``A > SHARED_LIMIT / 4``)."""
+    return min(CQL_WARPS, SHARED_LIMIT // (int(num_actions) * F32_BYTES))
 
 
 def plan_cql_logit_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
-    """Tiles of samples, one warp per ``(sample, action)`` row (at most 8 warps per block);
-    shared memory holds Q and exp(Q - max) per row and the max and sum per sample."""
-    tile = cql_tile_samples(num_actions, CQL_MAX_WARPS)
-    warps = min(CQL_MAX_WARPS, tile * num_actions)
-    shared = (2 * tile * num_actions + 2 * tile) * F32_BYTES
-    if shared > SHARED_LIMIT:
+    """One warp per sample (its ``A`` rows' Q, the action-order max/sum, then its ``A * NA``
+    gradient elements), ``cql_warps(A)`` warps per block; shared memory holds each warp's ``A``
+    Q values. Seed shapes (``batch = 256``, ``A = 3``): grid 64, 128 threads, 48 bytes."""
+    warps = cql_warps(num_actions)
+    if warps < 1:
         raise ValueError(
-            f"num_actions: {num_actions} needs {shared} bytes of shared memory in cql_logit_grad; "
-            f"expected at most {SHARED_LIMIT} (A <= {SHARED_LIMIT // (2 * F32_BYTES) - 1})"
+            f"num_actions: {num_actions} needs {num_actions * F32_BYTES} bytes of shared memory "
+            f"per warp in cql_logit_grad; expected at most {SHARED_LIMIT} "
+            f"(A <= {SHARED_LIMIT // F32_BYTES})"
         )
-    return blocks(batch, tile), WARP * warps, shared
+    return blocks(batch, warps), WARP * warps, warps * int(num_actions) * F32_BYTES
 
 
 def plan_c51_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:

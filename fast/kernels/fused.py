@@ -14,14 +14,12 @@ import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, call, check_elements, device_scalar
 from foxhunt.fast.kernels.distributional import (
-    CQL_MAX_WARPS,
     F32_BYTES,
     LOSS_THREADS,
     SHARED_LIMIT,
     THREADS,
     WARP,
-    WARPS_PER_BLOCK,
-    cql_tile_samples,
+    cql_warps,
 )
 from foxhunt.reference.kernels.distributional import CqlGrad, DuelingGrads
 from foxhunt.reference.kernels.fused import (
@@ -42,6 +40,12 @@ from foxhunt.reference.kernels.fused import (
 
 Plan = tuple[tuple[int, int, int], int, int]  # ((grid x, D, 1), block, dynamic shared bytes)
 
+#: dueling_log_softmax_q_branches: warps per block (one warp per sample of a branch; small
+#: blocks so that a single trainer's 256-sample target pass spreads over 192 blocks).
+DUELING_WARPS = 4
+#: dueling_log_softmax_q_branches: rows of a sample staged at once (``kDuelingRowGroup``).
+DUELING_ROW_GROUP = 4
+
 #: dueling_combine_backward_sum_branches: threads per block (one thread per (b, j) cell looping
 #: over the branches; small blocks so the seed's B * NA = 13,056 cells spread over 102 blocks).
 SUM_THREADS = 128
@@ -60,19 +64,21 @@ plan_dueling_combine_backward_branches = plan_dueling_combine_branches
 
 
 def plan_dueling_log_softmax_q_branches(batch: int, branches, num_atoms: int) -> Plan:
-    """One warp per packed row (``log_softmax_expected_q``'s warp per row), blocks of
-    ``THREADS``; grid x covers the largest branch's ``batch * n_d`` rows (blocks of smaller
-    branches past their rows exit), ``blockIdx.y`` = branch; dynamic shared memory: one row of
-    ``num_atoms`` floats per warp (``num_atoms <= SHARED_LIMIT / (4 * WARPS_PER_BLOCK)``, 1536).
-    Seed shapes (branches (3, 3, 2)): online ``batch = 512`` -> grid (192, 3), target
-    ``batch = 256`` -> grid (96, 3); 256 threads, 1632 bytes."""
-    shared = WARPS_PER_BLOCK * int(num_atoms) * F32_BYTES
-    if shared > SHARED_LIMIT:
-        raise ValueError(f"num_atoms: {num_atoms} needs {shared} bytes of shared memory in "
-                         f"dueling_log_softmax_q_branches; expected at most "
-                         f"{SHARED_LIMIT // (WARPS_PER_BLOCK * F32_BYTES)} atoms")
-    grid = blocks(int(batch) * max(branches), WARPS_PER_BLOCK)
-    return (grid, len(branches), 1), THREADS, shared
+    """One warp per sample of each branch (``blockIdx.y`` = branch; grid-stride over the
+    batch): the warp computes the sample's ``num_atoms`` cell means once, then runs its ``n_d``
+    rows (``log_softmax_expected_q``'s warp per row, up to ``DUELING_ROW_GROUP`` rows at once).
+    Blocks of ``DUELING_WARPS`` warps (fewer when a warp's shared memory, ``(1 +
+    DUELING_ROW_GROUP) * num_atoms`` floats, would pass ``SHARED_LIMIT`` for the block:
+    ``num_atoms <= SHARED_LIMIT / (4 * (1 + DUELING_ROW_GROUP))``, 2457); grid x covers the
+    batch. Seed shapes (branches (3, 3, 2), 51 atoms): online ``batch = 512`` -> grid (128, 3),
+    target ``batch = 256`` -> grid (64, 3); 128 threads, 4080 bytes."""
+    per_warp = (1 + DUELING_ROW_GROUP) * int(num_atoms) * F32_BYTES
+    warps = min(DUELING_WARPS, SHARED_LIMIT // per_warp)
+    if warps < 1:
+        raise ValueError(f"num_atoms: {num_atoms} needs {per_warp} bytes of shared memory per "
+                         f"warp in dueling_log_softmax_q_branches; expected at most "
+                         f"{SHARED_LIMIT // ((1 + DUELING_ROW_GROUP) * F32_BYTES)} atoms")
+    return (blocks(int(batch), warps), len(branches), 1), WARP * warps, warps * per_warp
 
 
 def plan_dueling_combine_backward_sum_branches(batch: int, branches, num_atoms: int) -> Plan:
@@ -82,15 +88,17 @@ def plan_dueling_combine_backward_sum_branches(batch: int, branches, num_atoms: 
 
 
 def plan_cql_logit_grad_branches(batch: int, branches, num_atoms: int) -> Plan:
-    """``cql_logit_grad``'s tiles per branch with one block size (``CQL_MAX_WARPS`` warps, the
-    results do not depend on it); grid x and shared memory cover the largest need."""
-    tiles = [cql_tile_samples(n, CQL_MAX_WARPS) for n in branches]
-    shared = max((2 * s * n + 2 * s) * F32_BYTES for s, n in zip(tiles, branches))
-    if shared > SHARED_LIMIT:
-        raise ValueError(f"branches: {tuple(branches)} needs {shared} bytes of shared memory in "
-                         f"cql_logit_grad_branches; expected at most {SHARED_LIMIT}")
-    grid = max(blocks(batch, s) for s in tiles)
-    return (grid, len(branches), 1), WARP * CQL_MAX_WARPS, shared
+    """``cql_logit_grad``'s warp per sample on every branch (``blockIdx.y`` = branch) with one
+    block size, ``cql_warps`` of the largest branch (the results do not depend on it); shared
+    memory: each warp's Q row of the largest branch. Seed shapes (``batch = 256``, branches
+    (3, 3, 2)): grid (64, 3), 128 threads, 48 bytes."""
+    widest = max(branches)
+    warps = cql_warps(widest)
+    if warps < 1:
+        raise ValueError(f"branches: {tuple(branches)} needs {widest * F32_BYTES} bytes of shared "
+                         f"memory per warp in cql_logit_grad_branches; expected at most "
+                         f"{SHARED_LIMIT}")
+    return (blocks(batch, warps), len(branches), 1), WARP * warps, warps * widest * F32_BYTES
 
 
 def plan_c51_loss_branches(batch: int, branches, num_atoms: int) -> Plan:
