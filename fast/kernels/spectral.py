@@ -14,6 +14,13 @@ NumPy's, and ``sigma`` is ``(W^T u) . v_new`` (mathematically the reference's
 cases). The cluster size is compiled in (``__cluster_dims__``): a plan for another
 architecture than the module's fails at launch, it never runs with a wrong split.
 
+The bits depend on the matrix and the cluster size only, not on the block size: the norms'
+trees are those of a block of ``SPECTRAL_TREE_THREADS`` (512) threads, which a launched block
+of any power of two from 32 to 512 threads reproduces (``spectral.cu``'s header). The plans
+launch ``SPECTRAL_THREADS`` (512). Measured on the H200 (session 17, seed preset, bf16), the
+single trainer's step took 129.4 us with 512-thread blocks and 134.6 us with 256-thread blocks
+(the same bits).
+
 Kernel arguments:
 
 - ``spectral_norm(w, u, v, rows, cols, sigma_max, eps, sigma_out)``: ``w`` [rows, cols]
@@ -34,7 +41,7 @@ from typing import Sequence
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, InOut, Out, call, runtime
+from foxhunt.fast.kernels._runtime import In, InOut, Out, call, check_elements, runtime
 from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.spectral import (
     SPECTRAL_EPS,
@@ -46,9 +53,14 @@ from foxhunt.reference.kernels.spectral import (
 
 F32 = np.float32
 
-#: Threads of each block of a matrix's cluster (a multiple of 32). Both kernels use it: the
-#: reduction trees, hence the bits, depend on it.
+#: Threads of each block of a matrix's cluster (a power of two from 32 to
+#: ``SPECTRAL_TREE_THREADS``). Both kernels use it; the bits do not depend on it (the module
+#: docstring has the measurement that chose it).
 SPECTRAL_THREADS = 512
+
+#: The block size whose reduction trees the kernels reproduce (SPECTRAL_TREE_THREADS in
+#: spectral.cu): the bits depend on it.
+SPECTRAL_TREE_THREADS = 512
 
 #: Blocks per matrix (thread-block cluster) on sm_90 and newer (SPECTRAL_CLUSTER in
 #: spectral.cu); 1 before sm_90, which has no clusters.
@@ -87,6 +99,7 @@ def plan_batched_spectral_norm(count: int, arch=None) -> Plan:
 
 
 def _dims(name: str, w: np.ndarray) -> tuple[int, int]:
+    check_elements(name, w)  # the kernels' int offsets within a matrix
     rows, cols = w.shape
     if rows > _INT32_MAX or cols > _INT32_MAX:
         raise ValueError(f"{name}: shape {w.shape} has a dimension above {_INT32_MAX} "
@@ -177,6 +190,7 @@ KERNELS = {
 
 __all__ = [
     "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_CLUSTER_SM90", "SPECTRAL_MATRIX_DTYPE",
-    "SPECTRAL_THREADS", "batched_spectral_norm", "plan_batched_spectral_norm",
-    "plan_spectral_norm", "spectral_cluster", "spectral_descriptors", "spectral_norm",
+    "SPECTRAL_THREADS", "SPECTRAL_TREE_THREADS", "batched_spectral_norm",
+    "plan_batched_spectral_norm", "plan_spectral_norm", "spectral_cluster",
+    "spectral_descriptors", "spectral_norm",
 ]
