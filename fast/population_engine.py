@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
@@ -40,11 +41,43 @@ from foxhunt.fast.trainer import STAGING_RING
 
 #: Kernels whose results do not depend on ``gridDim.x`` (their blocks stride over all the work,
 #: and what they write is the same for any grid), with where that is said. A population launch
-#: gives each member ``ceil(grid.x / N)`` blocks of them, so the N members take about the blocks
-#: one member did: measured on the H200 (seed preset, bf16, N = 16), ``nan_check_fused`` with
-#: its single-trainer grid per member took 124, 59 and 36 us of graph 2's 370 us (each block
-#: scans the slot table before its one chunk).
-GRID_SHARED_KERNELS = {"nan_check_fused": "fast.kernels.safety.plan_nan_check_fused"}
+#: gives each member ``shared_grid_x`` blocks of them instead of the plan's ``grid.x``: the N
+#: members together take about the blocks one member did, or one full wave of resident blocks
+#: where that is more. Measured on the H200 (seed preset, bf16): ``nan_check_fused`` with its
+#: single-trainer grid per member took 124, 59 and 36 us of graph 2's 370 us at N = 16 (each
+#: block scans the slot table before its one chunk); sharing the flat kernels' grids too took
+#: the step from 1,203 to 1,072 us at N = 16 and from 4,185 to 3,702 us at N = 64 (session 17,
+#: before those kernels were vectorised).
+GRID_SHARED_KERNELS = {
+    "nan_check_fused": "fast.kernels.safety.plan_nan_check_fused",
+    "f32_to_bf16": "cuda_src/dense.cu, the casts' comment",
+    "bf16_to_f32": "cuda_src/dense.cu, the casts' comment",
+    "relu_mask": "cuda_src/dense.cu (DENSE_FLAT_LOOP, elementwise)",
+    "clamp_finite": "cuda_src/safety.cu, clamp_finite's comment",
+    "clamp_finite_isv": "cuda_src/step.cu, clamp_finite_isv's comment",
+    "h2_grad_sum_mask": "cuda_src/step.cu, h2_grad_sum_mask's comment",
+    "scalar_target_q_branches": "cuda_src/step.cu (STEP_FLAT_LOOP, per sample)",
+    "dueling_combine_backward_sum_branches": "cuda_src/fused.cu (grid-stride over the cells)",
+    "dueling_log_softmax_q_branches": "cuda_src/fused.cu, the kernel's comment (grid-stride)",
+    "adam_update": "cuda_src/optim.cu, adam_update's comment",
+    "polyak_update_mirror": "cuda_src/optim.cu, polyak_update_mirror's comment",
+    "polyak_update_mirror_ptr": "cuda_src/optim.cu, polyak_update_mirror's comment",
+    "iqn_tau_cos": "cuda_src/iqn.cu, iqn_tau_cos's comment",
+    "iqn_modulate": "cuda_src/iqn.cu (IQN_GRID_LOOP, elementwise)",
+    "iqn_modulate_backward": "cuda_src/iqn.cu (IQN_GRID_LOOP, per (b, h))",
+    "mse_warmup": "cuda_src/warmup.cu, mse_warmup's comment",
+}
+#: Threads an SM holds at once (sm_80 and sm_90: 2048), for ``shared_grid_x``'s full wave.
+THREADS_PER_SM = 2048
+
+
+def shared_grid_x(grid_x: int, members: int, block_threads: int, sm_count: int) -> int:
+    """Blocks per member of a ``GRID_SHARED_KERNELS`` launch over ``members`` members: the
+    plan's ``grid_x`` shared among them (``ceil(grid_x / members)``), but not fewer than a
+    member's share of one full wave (``sm_count * (THREADS_PER_SM // block_threads)`` blocks)
+    and never more than ``grid_x``."""
+    wave = max(1, int(sm_count)) * max(1, THREADS_PER_SM // int(block_threads))
+    return min(grid_x, max(-(-grid_x // members), -(-wave // members)))
 
 
 def upload_member_constants(plan: PopulationPlan, member_arenas, address0) -> list[dict]:
@@ -94,9 +127,10 @@ class PopulationLowering(Lowering):
     block (or null) after its own arguments and runs with ``gridDim.z = members``; each copy is
     one 2-D copy over the members (module docstring). GEMM records carry batched plans."""
 
-    def __init__(self, module, address, host, *, members: int, stride: int, scalar_address):
+    def __init__(self, module, address, host, *, members: int, stride: int, scalar_address,
+                 sm_count: int):
         super().__init__(module, address, host)
-        self.members, self.stride = members, stride
+        self.members, self.stride, self.sm_count = members, stride, sm_count
         self.scalar_address = scalar_address  # id(Launch) -> member 0's block address
 
     def extra_args(self, node: Launch) -> tuple:
@@ -107,7 +141,7 @@ class PopulationLowering(Lowering):
         if gz != 1:
             raise AssertionError(f"kernel {node.kernel}: grid.z = {gz}; the member build takes z")
         if node.kernel in GRID_SHARED_KERNELS:
-            gx = -(-gx // self.members)
+            gx = shared_grid_x(gx, self.members, math.prod(node.shape.block), self.sm_count)
         kernel, packed = self.packed(node)
         kernel.launch((gx, gy, self.members), node.shape.block, packed, stream=stream,
                       shared_mem=node.shape.shared_mem)
@@ -186,6 +220,7 @@ class PopulationEngine(GpuEngine):
         scalars = self.arena.ptr(MEMBER_SCALARS)
         self._capture(pinned, plans, Lowering(self.module, self.address, pinned) if N == 1 else
                       PopulationLowering(self.module, self.address, pinned, members=N, stride=S,
+                                         sm_count=dev.multiprocessor_count,
                                          scalar_address={key: scalars + block.offset for key, block
                                                          in plan.block_of(plans).items()}))
 

@@ -93,3 +93,25 @@ def test_a_structural_difference_is_refused_by_name():
                        {"graph1": _plans(BASE, 0)["graph1"]}])
     with pytest.raises(ValueError, match="at least one member"):
         align_members([])
+
+
+@pytest.mark.parametrize("grid_x, members, threads, sms, expected", [
+    (4096, 64, 256, 132, 64),   # the plan's blocks shared: ceil(4096 / 64)
+    (100, 64, 256, 132, 17),    # a member's share of one full wave: ceil(132 * 8 / 64)
+    (10, 64, 256, 132, 10),     # never more than the plan's grid
+    (300, 16, 1024, 132, 19),   # 1024-thread blocks: two per SM, ceil(264 / 16) = 17 < 19
+    (640, 1, 256, 132, 640),    # one member keeps its plan
+])
+def test_shared_grid_x_shares_the_plan_but_keeps_a_full_wave(grid_x, members, threads, sms,
+                                                             expected):
+    from foxhunt.fast.population_engine import shared_grid_x
+
+    assert shared_grid_x(grid_x, members, threads, sms) == expected
+
+
+def test_grid_shared_kernels_are_kernels_of_cuda_src():
+    from foxhunt.fast.population_engine import GRID_SHARED_KERNELS
+
+    kernels = package_kernels()
+    missing = sorted(set(GRID_SHARED_KERNELS) - set(kernels))
+    assert not missing, f"not kernels of cuda_src: {missing}"
