@@ -87,9 +87,9 @@ extern "C" __global__ void relu_mask(const float* dy, const float* h, float* dx,
 // ------------------------------------------------------------------------------------------
 // Bias gradient: db[n] = sum_i dy[i, n], float32, deterministic, no atomics.
 //
-// Block (32, G): threadIdx.x picks one of 32 consecutive columns (a warp reads 128 contiguous
-// bytes of a row), threadIdx.y one of G contiguous row chunks of ceil(M / G) rows. Each thread
-// sums its chunk sequentially, top to bottom; thread y == 0 then adds the G chunk sums in chunk
+// Block (C, G): threadIdx.x picks one of C <= 32 consecutive columns (a warp reads 32 / C row
+// segments of 4 C contiguous bytes), threadIdx.y one of G contiguous row chunks of ceil(M / G)
+// rows. Each thread sums its chunk sequentially, top to bottom; thread y == 0 then adds the G chunk sums in chunk
 // order. So the sum is ((chunk_0 + chunk_1) + chunk_2) + ..., each chunk summed row by row:
 // the reference's own order (rows in sequence) whenever M <= G (one row per chunk), a
 // reassociation otherwise (conformance: reduction tolerance). Empty chunks contribute -0.0,
@@ -131,22 +131,45 @@ static __device__ __forceinline__ float bias_grad_finish(const float* sums, cons
     return (rows > 0) ? total : 0.0f;  // an empty sum is +0.0, as in NumPy
 }
 
-extern "C" __global__ void bias_grad_reduce(const float* __restrict__ dy, float* __restrict__ db,
-                                            int rows, int cols) {
+// bias_grad_reduce's launch: block (C, G), C = blockDim.x <= BIAS_GRAD_COLS columns (the plan
+// narrows it to the columns there are: 8 columns take 8 lanes, not 32) and G = blockDim.y <=
+// BIAS_GRAD_MAX_CHUNKS row chunks; grid x covers the columns. The bits depend on G only.
+// Throughput: each thread loads BIAS_GRAD_BATCH rows of its chunk (independent loads in flight)
+// before it adds them in row order, so a chunk of up to 16 rows (the seed's 256 rows in 16
+// chunks) is one round trip to memory, not one per row; rows are reached by pointer steps.
+// __launch_bounds__(.., 2): at most 32 registers (no spills), 4 blocks of 512 threads per SM.
+#define BIAS_GRAD_BATCH 16
+
+extern "C" __global__ void __launch_bounds__(BIAS_GRAD_COLS * BIAS_GRAD_MAX_CHUNKS, 2)
+bias_grad_reduce(const float* __restrict__ dy, float* __restrict__ db, int rows, int cols) {
     __shared__ float chunk_sums[BIAS_GRAD_MAX_CHUNKS][BIAS_GRAD_COLS + 1];  // +1: no bank conflicts
     __shared__ int chunk_irregular[BIAS_GRAD_MAX_CHUNKS][BIAS_GRAD_COLS + 1];
-    const int col = blockIdx.x * BIAS_GRAD_COLS + threadIdx.x;
+    const int col = blockIdx.x * blockDim.x + threadIdx.x;
     const int chunks = blockDim.y;
     const int chunk_rows = (rows + chunks - 1) / chunks;
     const int first = threadIdx.y * chunk_rows;
     const int last = min(first + chunk_rows, rows);
     float acc = -0.0f;
     bool irregular = false;
-    if (col < cols) {
-        for (int row = first; row < last; ++row) {
-            const float v = dy[(long long)row * cols + col];
-            irregular |= !ha_is_regular_term(v);
-            acc = acc + v;
+    if (col < cols && first < last) {
+        const float* p = dy + (long long)first * cols + col;  // row `base`'s element, stepped
+        for (int base = first; base < last; base += BIAS_GRAD_BATCH) {
+            const int count = min(BIAS_GRAD_BATCH, last - base);
+            float v[BIAS_GRAD_BATCH];
+#pragma unroll
+            for (int k = 0; k < BIAS_GRAD_BATCH; ++k) {
+                if (k < count) {
+                    v[k] = p[(long long)k * cols];
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < BIAS_GRAD_BATCH; ++k) {  // row order: acc + row base, base + 1, ...
+                if (k < count) {
+                    irregular |= !ha_is_regular_term(v[k]);
+                    acc = acc + v[k];
+                }
+            }
+            p += (long long)BIAS_GRAD_BATCH * cols;
         }
     }
     chunk_sums[threadIdx.y][threadIdx.x] = acc;

@@ -209,14 +209,92 @@ extern "C" __global__ void dueling_combine_backward_branches(const float* __rest
 // dv[b, j] = acc. Bitwise dueling_combine_backward_branches followed by branch_mean with
 // divisor 1 (x / 1 is exact). dlogits and dadv branch-packed (R = B), dv [B, NA]. One thread per
 // cell looping over the branches (gridDim.y = 1), grid-stride over blockIdx.x; no atomics.
+// Throughput: with at most DUEL_SUM_MAX_BRANCHES branches of at most DUEL_SUM_MAX_ACTIONS
+// actions (the seed's (3, 3, 2); a grid-uniform test on the tables), the tables are read once
+// per thread and a cell's every dlogits value is loaded (all in flight together) before the
+// same operations run on them in the same order (dueling_sum_cell_regs); otherwise the loop
+// above as written (dueling_backward_cell per branch). __launch_bounds__(1024) holds the
+// register path to 64 registers (80 unbounded): 8 blocks of 128 threads per SM, no spills.
 // --------------------------------------------------------------------------------------------
-extern "C" __global__ void dueling_combine_backward_sum_branches(
+#define DUEL_SUM_MAX_BRANCHES 4
+#define DUEL_SUM_MAX_ACTIONS 4
+
+// One cell (b, j) of the register path: dueling_backward_cell's ops per branch (the action-order
+// sum from x[0], the division by n_d, dadv = x - mean per action) and the branch-order sum of
+// the dv_d from +0.0 (__fadd_rn), on the values loaded up front. start[d] = batch *
+// action_offset[d] * num_atoms; 1 <= nd[d] <= DUEL_SUM_MAX_ACTIONS for d < n_branches.
+static __device__ __forceinline__ float dueling_sum_cell_regs(
+    const float* __restrict__ dlogits, float* __restrict__ dadv,
+    const int (&nd)[DUEL_SUM_MAX_BRANCHES], const int (&start)[DUEL_SUM_MAX_BRANCHES],
+    int n_branches, int b, int j, int num_atoms) {
+    float x[DUEL_SUM_MAX_BRANCHES][DUEL_SUM_MAX_ACTIONS];
+    int k0[DUEL_SUM_MAX_BRANCHES];  // element (b, 0, j) of branch d's block
+#pragma unroll
+    for (int d = 0; d < DUEL_SUM_MAX_BRANCHES; ++d) {
+        k0[d] = start[d] + b * nd[d] * num_atoms + j;
+#pragma unroll
+        for (int a = 0; a < DUEL_SUM_MAX_ACTIONS; ++a) {
+            x[d][a] = 0.0f;
+            if (d < n_branches && a < nd[d]) {
+                x[d][a] = dlogits[k0[d] + a * num_atoms];
+            }
+        }
+    }
+    float acc = 0.0f;
+#pragma unroll
+    for (int d = 0; d < DUEL_SUM_MAX_BRANCHES; ++d) {
+        if (d < n_branches) {
+            float sum = x[d][0];  // action_sum: x[base], then + x[base + a * NA] in order
+#pragma unroll
+            for (int a = 1; a < DUEL_SUM_MAX_ACTIONS; ++a) {
+                if (a < nd[d]) {
+                    sum = sum + x[d][a];
+                }
+            }
+            const float mean = sum / static_cast<float>(nd[d]);
+#pragma unroll
+            for (int a = 0; a < DUEL_SUM_MAX_ACTIONS; ++a) {
+                if (a < nd[d]) {
+                    dadv[k0[d] + a * num_atoms] = x[d][a] - mean;
+                }
+            }
+            acc = __fadd_rn(acc, sum);
+        }
+    }
+    return acc;
+}
+
+extern "C" __global__ void __launch_bounds__(1024)  // at most 64 registers: no spills
+dueling_combine_backward_sum_branches(
     const float* __restrict__ dlogits, const int* __restrict__ n_actions,
     const int* __restrict__ action_offset, float* __restrict__ dv, float* __restrict__ dadv,
     int batch, int num_atoms, int n_branches) {
     const int cells = batch * num_atoms;
     const int stride = gridDim.x * blockDim.x;
-    for (int cell = blockIdx.x * blockDim.x + threadIdx.x; cell < cells; cell += stride) {
+    const int first = blockIdx.x * blockDim.x + threadIdx.x;
+    // The register path's tables (grid-uniform: every thread reads the same entries).
+    int nd[DUEL_SUM_MAX_BRANCHES], start[DUEL_SUM_MAX_BRANCHES];
+    bool small = n_branches <= DUEL_SUM_MAX_BRANCHES;
+#pragma unroll
+    for (int d = 0; d < DUEL_SUM_MAX_BRANCHES; ++d) {
+        nd[d] = 1;
+        start[d] = 0;
+        if (small && d < n_branches) {
+            nd[d] = n_actions[d];
+            start[d] = batch * action_offset[d] * num_atoms;
+            small = small && nd[d] >= 1 && nd[d] <= DUEL_SUM_MAX_ACTIONS;
+        }
+    }
+    if (small) {
+        for (int cell = first; cell < cells; cell += stride) {
+            const int b = cell / num_atoms;
+            const int j = cell - b * num_atoms;
+            dv[cell] = dueling_sum_cell_regs(dlogits, dadv, nd, start, n_branches, b, j,
+                                             num_atoms);
+        }
+        return;
+    }
+    for (int cell = first; cell < cells; cell += stride) {
         float acc = 0.0f;
         for (int d = 0; d < n_branches; ++d) {
             const int num_actions = n_actions[d];

@@ -70,9 +70,101 @@ grad_norm_sq(const float* __restrict__ x, long long n, float* __restrict__ out) 
 }
 
 // grad_norm_partial: partials[k] = sum of finite x_i^2 for i in [k*block_size, (k+1)*block_size)
-// (clipped to n). Block k reduces segment k with a fixed tree. Never NaN; +Inf only if a
-// finite square overflowed.
+// (clipped to n). Block k reduces segment k with the fixed tree of thread_partial + block_sum
+// (reduce.cuh): thread t's partial over the chunks of 4 consecutive elements t, t + T, ...
+// (T = blockDim.x), accumulator j summing element j of its chunks in order, the last partial
+// chunk going to thread chunks % T, the partial (a0 + a1) + (a2 + a3); then each warp's
+// butterfly and warp 0's butterfly over the warp sums in warp order, padded with -0.0. Never
+// NaN; +Inf only if a finite square overflowed.
+// Throughput (populations launch N members' grids at once): a segment shorter than 2^31 (every
+// segment of the plans; the 64-bit thread_partial otherwise) is read with 32-bit indices, four
+// of a thread's chunks loaded before any is summed (gnp_thread_partial: thread_partial's sums in
+// its order), and the block sum takes one barrier (gnp_block_total: block_sum's tree; only thread
+// 0 needs the total).
 // Launch: grid ceil(n / block_size) (at least 1), block a multiple of 32 (plan_grad_norm_partial).
+
+// One chunk's four finite squares into the accumulators (thread_partial_as's step).
+__device__ __forceinline__ void gnp_add_chunk(float& a0, float& a1, float& a2, float& a3,
+                                              float4 q) {
+    const FiniteSquare sq;
+    a0 = __fadd_rn(a0, sq(q.x));
+    a1 = __fadd_rn(a1, sq(q.y));
+    a2 = __fadd_rn(a2, sq(q.z));
+    a3 = __fadd_rn(a3, sq(q.w));
+}
+
+// Chunk c of the range at `base` (4 consecutive floats), as a float4 where `aligned` (base is
+// 16-byte aligned), element by element otherwise: the same four values.
+__device__ __forceinline__ float4 gnp_chunk(const float* __restrict__ base, unsigned c,
+                                            bool aligned) {
+    if (aligned) {
+        return reinterpret_cast<const float4*>(base)[c];
+    }
+    const float* q = base + 4 * c;
+    return make_float4(q[0], q[1], q[2], q[3]);
+}
+
+// thread_partial(x, begin, begin + len, FiniteSquare()) for len < 2^31 with 32-bit indices: the
+// same chunks to the same thread, summed in the same order (chunk c before c + T), the same
+// tail, the same final (a0 + a1) + (a2 + a3). Only the loads move: a thread issues the loads of
+// four of its chunks (c, c + T, c + 2T, c + 3T) before summing them in that order.
+__device__ __forceinline__ float gnp_thread_partial(const float* __restrict__ base,
+                                                    unsigned len) {
+    const unsigned chunks = len / 4;
+    const unsigned t = threadIdx.x, threads = blockDim.x;
+    const bool aligned = (reinterpret_cast<unsigned long long>(base) & 15) == 0;
+    float a0 = REDUCE_SUM_IDENTITY, a1 = REDUCE_SUM_IDENTITY;
+    float a2 = REDUCE_SUM_IDENTITY, a3 = REDUCE_SUM_IDENTITY;
+    unsigned c = t;
+    // c + 3 T < chunks <= 2^29 and T <= 1024: no wrap-around.
+    for (; c + 3 * threads < chunks; c += 4 * threads) {
+        const float4 q0 = gnp_chunk(base, c, aligned);
+        const float4 q1 = gnp_chunk(base, c + threads, aligned);
+        const float4 q2 = gnp_chunk(base, c + 2 * threads, aligned);
+        const float4 q3 = gnp_chunk(base, c + 3 * threads, aligned);
+        gnp_add_chunk(a0, a1, a2, a3, q0);
+        gnp_add_chunk(a0, a1, a2, a3, q1);
+        gnp_add_chunk(a0, a1, a2, a3, q2);
+        gnp_add_chunk(a0, a1, a2, a3, q3);
+    }
+    for (; c < chunks; c += threads) {  // at most three chunks left
+        gnp_add_chunk(a0, a1, a2, a3, gnp_chunk(base, c, aligned));
+    }
+    const unsigned tail = 4 * chunks;  // 0 to 3 elements left, the next chunk in turn
+    if (tail < len && t == chunks % threads) {
+        const FiniteSquare sq;
+        a0 = __fadd_rn(a0, sq(base[tail]));
+        if (tail + 1 < len) {
+            a1 = __fadd_rn(a1, sq(base[tail + 1]));
+        }
+        if (tail + 2 < len) {
+            a2 = __fadd_rn(a2, sq(base[tail + 2]));
+        }
+    }
+    return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
+}
+
+// block_sum(v, scratch)'s value for thread 0 (other threads: unspecified): each warp's warp_sum,
+// then warp 0's warp_sum over the warp sums in warp order padded with REDUCE_SUM_IDENTITY: the
+// same tree, with one barrier (no leading barrier: scratch has no earlier user; no broadcast).
+// Every thread of the block must call it; blockDim.x % 32 == 0.
+__device__ __forceinline__ float gnp_block_total(float v, float* scratch) {
+    const int lane = threadIdx.x % REDUCE_WARP;
+    const int warp = threadIdx.x / REDUCE_WARP;
+    const int warps = blockDim.x / REDUCE_WARP;
+    v = warp_sum(v);
+    if (lane == 0) {
+        scratch[warp] = v;
+    }
+    __syncthreads();
+    float s = REDUCE_SUM_IDENTITY;
+    if (warp == 0) {
+        s = lane < warps ? scratch[lane] : REDUCE_SUM_IDENTITY;
+        s = warp_sum(s);
+    }
+    return s;
+}
+
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 grad_norm_partial(const float* __restrict__ x, long long n, long long block_size,
                   float* __restrict__ partials) {
@@ -84,8 +176,11 @@ grad_norm_partial(const float* __restrict__ x, long long n, long long block_size
         return;  // only for n == 0 (grid 1): no partial to write; uniform across the block
     }
     const long long end = min(begin + block_size, n);
-    const float partial = thread_partial(x, begin, end, FiniteSquare());
-    const float total = block_sum(partial, scratch);
+    // Uniform across the block (kernel arguments and blockIdx only): no divergence.
+    const float partial = (end - begin <= 0x7fffffffLL)
+                              ? gnp_thread_partial(x + begin, (unsigned)(end - begin))
+                              : thread_partial(x, begin, end, FiniteSquare());
+    const float total = gnp_block_total(partial, scratch);
     if (threadIdx.x == 0) {
         partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
     }

@@ -197,8 +197,18 @@ extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
 // q_online[d] is [q_rows, A_d] at offset q_rows * action_offset[d] (rows 0..batch online(s),
 // batch..2 batch online(s2)); a_star and actions are [n_branches, batch]; p_next [n_branches,
 // batch, NA]; q_taken [n_branches, batch]. The choice is double_dqn_select's own scan
-// (double_dqn_argmax), recomputed by every thread of the row (a few compares), written once.
+// (double_dqn_argmax).
+// Mapping: DDQN_ROW_THREADS consecutive threads of the grid per row (d, b) (grid-stride over the
+// rows): each computes the row's indices (one 32-bit division) and its choice (a few compares;
+// the group's loads of the Q row coincide), then gathers its atoms j = sub, sub + 16, ...
+// (loads in flight together); sub 0 writes a_star, the group's last thread q_taken. A grid of
+// fewer than DDQN_ROW_THREADS threads takes whole rows per thread. Every output element gets the
+// same expression as before on any grid (expf of the same element; the same selected index), so
+// the bits depend on neither the launch shape nor the mapping. 32-bit indices: every buffer
+// holds fewer than 2^31 elements (MAX_ELEMENTS).
 // ---------------------------------------------------------------------------------------------
+#define DDQN_ROW_THREADS 16
+
 extern "C" __global__ void double_dqn_gather_branches(const float* __restrict__ logp_target,
                                                     int* __restrict__ a_star,
                                                     const float* __restrict__ q_online,
@@ -209,29 +219,32 @@ extern "C" __global__ void double_dqn_gather_branches(const float* __restrict__ 
                                                     float* __restrict__ q_taken,
                                                     int n_branches, int batch, int num_atoms,
                                                     int q_rows) {
-    const long long n_p = (long long)n_branches * batch * num_atoms;
-    STEP_FLAT_LOOP(i, n_p) {
-        const int j = (int)(i % num_atoms);
-        const long long row = i / num_atoms;
-        const int b = (int)(row % batch);
-        const int d = (int)(row / batch);
+    const unsigned int threads = gridDim.x * blockDim.x;
+    const unsigned int t = blockIdx.x * blockDim.x + threadIdx.x;
+    // Threads per row: grid-uniform (the launch shape only).
+    const unsigned int per_row = threads >= DDQN_ROW_THREADS ? DDQN_ROW_THREADS : 1u;
+    const unsigned int groups = threads / per_row;
+    const unsigned int sub = t % per_row;
+    const unsigned int rows = (unsigned int)n_branches * (unsigned int)batch;
+    for (unsigned int row = t / per_row; row < rows && t < groups * per_row; row += groups) {
+        const int d = (int)(row / (unsigned int)batch);
+        const int b = (int)(row - (unsigned int)d * (unsigned int)batch);
         const int na = n_actions[d];
-        const float* q_next = q_online + (long long)q_rows * action_offset[d] +
-                              (long long)(batch + b) * na;
-        const int a = double_dqn_argmax(q_next, na);
-        if (j == 0) {
+        const int offset = action_offset[d];
+        const float* q_d = q_online + q_rows * offset;
+        const int a = double_dqn_argmax(q_d + (batch + b) * na, na);
+        if (sub == 0 && num_atoms > 0) {
             a_star[row] = a;
         }
-        const long long src = ((long long)batch * action_offset[d] + (long long)b * na + a)
-                              * num_atoms + j;
-        p_next[i] = expf(logp_target[src]);
-    }
-    const long long n_q = (long long)n_branches * batch;
-    STEP_FLAT_LOOP(i, n_q) {
-        const int b = (int)(i % batch);
-        const int d = (int)(i / batch);
-        const int a = actions[i];
-        q_taken[i] = q_online[(long long)q_rows * action_offset[d] + (long long)b * n_actions[d] + a];
+        if (sub == per_row - 1) {
+            q_taken[row] = q_d[b * na + actions[row]];
+        }
+        const float* src = logp_target + (batch * offset + b * na + a) * num_atoms;
+        float* dst = p_next + row * (unsigned int)num_atoms;
+#pragma unroll 4  // the row's loads in flight together; each element on its own
+        for (int j = (int)sub; j < num_atoms; j += (int)per_row) {
+            dst[j] = expf(src[j]);
+        }
     }
 }
 

@@ -14,8 +14,8 @@ launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
   BF16 casts take 4 elements per thread where their pointers are aligned for it (16 bytes
   float32, 8 bytes BF16; a scalar loop otherwise), so their plans launch a quarter of the
   threads (``plan_flat_vec4``).
-- ``bias_grad_reduce(dy, db, rows, cols)``: blocks of (32 columns x ``BIAS_GRAD_CHUNKS`` row
-  chunks); deterministic, no atomics; equal to the reference bit for bit when
+- ``bias_grad_reduce(dy, db, rows, cols)``: blocks of (32 columns, fewer for narrower
+  matrices, x ``BIAS_GRAD_CHUNKS`` row chunks); deterministic, no atomics; equal to the reference bit for bit when
   ``rows <= BIAS_GRAD_CHUNKS``, a reassociated sum otherwise (see the kernel's comment).
 - ``relu_mask_bias_grad(dy, h, dx, db, rows, cols)``: ``relu_mask`` then ``bias_grad_reduce``
   in one launch, blocks of (8 columns x ``BIAS_GRAD_CHUNKS`` row chunks); ``dx`` and ``db`` are
@@ -53,6 +53,8 @@ MAX_GRID_Y = 65535
 #: at most 32, the kernel's shared-memory array).
 BIAS_GRAD_COLS = 32
 BIAS_GRAD_CHUNKS = 16
+#: bias_grad_reduce: the narrowest column block (one 32-byte row segment), for narrow matrices.
+BIAS_GRAD_MIN_COLS = 8
 #: relu_mask_bias_grad: columns per block (one 32-byte row segment; cols = 128 / 256 give 16 / 32
 #: blocks). Its row chunks are BIAS_GRAD_CHUNKS, so its db has bias_grad_reduce's bits.
 RELU_BIAS_GRAD_COLS = 8
@@ -90,9 +92,12 @@ plan_bf16_to_f32 = plan_flat_vec4
 
 
 def plan_bias_grad_reduce(rows: int, cols: int) -> Plan:
-    """One block per 32 columns; ``BIAS_GRAD_CHUNKS`` row chunks per block."""
+    """One block per ``BIAS_GRAD_COLS`` columns (fewer when there are fewer: ``cols`` rounded up
+    to ``BIAS_GRAD_MIN_COLS``, so the IQN head's 8 columns take a block of 8 lanes, not 32);
+    ``BIAS_GRAD_CHUNKS`` row chunks per block (blockDim.y, which alone fixes db's bits)."""
     del rows  # the kernel splits any number of rows into blockDim.y chunks
-    return (blocks(cols, BIAS_GRAD_COLS),), (BIAS_GRAD_COLS, BIAS_GRAD_CHUNKS), 0
+    width = min(BIAS_GRAD_COLS, BIAS_GRAD_MIN_COLS * blocks(cols, BIAS_GRAD_MIN_COLS))
+    return (blocks(cols, width),), (width, BIAS_GRAD_CHUNKS), 0
 
 
 def plan_relu_mask_bias_grad(rows: int, cols: int) -> Plan:

@@ -54,6 +54,9 @@ STEP_MAX_BLOCKS = 1024
 #: Elements per thread of the vectorised flat kernels (``clamp_finite_isv``,
 #: ``h2_grad_sum_mask``: one float4 group where their pointers are 16-byte aligned).
 STEP_VEC_WIDTH = 4
+#: Threads per ``(branch, sample)`` row of ``double_dqn_gather_branches`` (DDQN_ROW_THREADS in
+#: step.cu).
+DDQN_ROW_THREADS = 16
 
 Plan = tuple[int, int, int]
 
@@ -89,8 +92,12 @@ plan_merge_piece_flags = plan_one_block
 
 
 def plan_double_dqn_gather_branches(n_branches: int, batch: int, num_atoms: int) -> Plan:
-    """Flat over the ``n_branches * batch * num_atoms`` gathered probabilities."""
-    return plan_flat(n_branches * batch * num_atoms)
+    """``plan_flat`` over ``DDQN_ROW_THREADS`` threads per ``(branch, sample)`` row (the
+    kernel's threads per row: each computes the row's choice once and gathers every
+    ``DDQN_ROW_THREADS``-th atom; any grid gives the same bits). Seed shapes (3 branches,
+    ``batch = 256``): 48 blocks of 256 threads."""
+    del num_atoms  # a row's threads stride over its atoms
+    return plan_flat(n_branches * batch * DDQN_ROW_THREADS)
 
 
 def plan_scalar_target_q_branches(n_branches: int, batch: int) -> Plan:
