@@ -22,3 +22,12 @@ static __device__ __forceinline__ unsigned short f32_to_bf16_bits(float x) {
     const unsigned int rounded = u + BF16_HALF_ULP_MINUS_ONE + lowest_kept_bit;
     return (unsigned short)(rounded >> BF16_SHIFT);
 }
+
+// Two BF16 patterns in one little-endian word (lo at the lower address), and four in two words
+// (v.x at the lowest): one 4- or 8-byte store of consecutive BF16 elements.
+static __device__ __forceinline__ unsigned int bf16_pair_bits(float lo, float hi) {
+    return (unsigned int)f32_to_bf16_bits(lo) | ((unsigned int)f32_to_bf16_bits(hi) << BF16_SHIFT);
+}
+static __device__ __forceinline__ uint2 bf16_quad_bits(float4 v) {
+    return make_uint2(bf16_pair_bits(v.x, v.y), bf16_pair_bits(v.z, v.w));
+}

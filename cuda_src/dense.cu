@@ -11,7 +11,8 @@
 // backward is the matching select `h <= 0 ? 0 : dy`. Never fmaxf(t, 0), which maps NaN to 0.
 
 #include "ha_common.cuh"
-#include "bf16_bits.cuh"  // f32_to_bf16_bits (shared with optim.cu)
+#include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (shared with optim.cu)
+#include "flat.cuh"       // the vector paths' loop bounds and alignment tests
 
 #define DENSE_F32_QUIET_BIT 0x00400000u
 // TF32 keeps 10 explicit mantissa bits: the low 13 bits are dropped (ties away from zero).
@@ -22,23 +23,6 @@
 #define DENSE_FLAT_LOOP(i, n)                                                              \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
          i += (long long)gridDim.x * blockDim.x)
-
-// 32-bit flat loops (the casts): the thread's first index and the grid's stride, valid where
-// dense_narrow(n) holds: 0 <= n < 2^31 and at most 2^21 blocks (of at most 1024 threads), so an
-// index plus the stride stays below 2^32. Grid-uniform, like every test below (kernel arguments
-// and the launch shape only), so the paths never diverge within a block.
-static __device__ __forceinline__ bool dense_narrow(long long n) {
-    return (unsigned long long)n <= 0x7fffffffull && gridDim.x <= (1u << 21);
-}
-static __device__ __forceinline__ unsigned dense_first() {
-    return blockIdx.x * blockDim.x + threadIdx.x;
-}
-static __device__ __forceinline__ unsigned dense_stride() { return gridDim.x * blockDim.x; }
-
-// Whether p is a multiple of `bytes` (a power of two): 16 for a float4, 8 for 4 BF16 patterns.
-static __device__ __forceinline__ bool dense_aligned(const void* p, unsigned bytes) {
-    return (reinterpret_cast<unsigned long long>(p) & (bytes - 1)) == 0;
-}
 
 static __device__ __forceinline__ float relu_select(float t) { return (t <= 0.0f) ? 0.0f : t; }
 
@@ -247,7 +231,7 @@ extern "C" __global__ void relu_mask_bias_grad(const float* dy, const float* __r
 // Casts (flat, n elements): exact bit manipulations.
 //
 // f32_to_bf16 and bf16_to_f32 move 4 elements per thread where every pointer is aligned for it
-// (the float32 side to 16 bytes, the BF16 side to 8) and dense_narrow(n) holds: thread t takes
+// (the float32 side to 16 bytes, the BF16 side to 8) and fh_flat_narrow(n) holds: thread t takes
 // the 4-element groups t, t + T, ... (T threads in the grid; one 16-byte access of float32 and
 // one 8-byte access of 4 BF16 patterns per group), then threads 0 .. n % 4 - 1 take one tail
 // element each. Otherwise (a misaligned pointer) a 32-bit scalar grid-stride loop, or the 64-bit
@@ -255,28 +239,23 @@ extern "C" __global__ void relu_mask_bias_grad(const float* dy, const float* __r
 // neither on the path nor on the launch shape (plan_f32_to_bf16: one thread per 4 elements).
 // ------------------------------------------------------------------------------------------
 
-// Two BF16 patterns in one little-endian word: lo at the lower address.
-static __device__ __forceinline__ unsigned int dense_bf16_pair(float lo, float hi) {
-    return (unsigned int)f32_to_bf16_bits(lo) | ((unsigned int)f32_to_bf16_bits(hi) << BF16_SHIFT);
-}
-
 // float32 -> BF16 bit patterns, RNE; NaN: (u >> 16) | 0x0040 (sign and high payload kept).
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x,
                                        unsigned short* __restrict__ out, long long n) {
-    if (!dense_narrow(n)) {
+    if (!fh_flat_narrow(n)) {
         DENSE_FLAT_LOOP(i, n) { out[i] = f32_to_bf16_bits(x[i]); }
         return;
     }
-    const unsigned int m = (unsigned int)n, first = dense_first(), stride = dense_stride();
-    if (dense_aligned(x, 16) && dense_aligned(out, 8)) {
+    const unsigned int m = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
+    if (fh_aligned(x, 16) && fh_aligned(out, 8)) {
         const float4* __restrict__ x4 = reinterpret_cast<const float4*>(x);
         uint2* __restrict__ out4 = reinterpret_cast<uint2*>(out);
         for (unsigned int g = first; g < m / 4; g += stride) {
             const float4 v = x4[g];
-            out4[g] = make_uint2(dense_bf16_pair(v.x, v.y), dense_bf16_pair(v.z, v.w));
+            out4[g] = bf16_quad_bits(v);
         }
         // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
-        for (unsigned int i = (m & ~3u) + first; i < m; i += stride) {
+        for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {
             out[i] = f32_to_bf16_bits(x[i]);
         }
     } else {
@@ -293,12 +272,12 @@ static __device__ __forceinline__ float dense_bf16_to_f32(unsigned short u) {
 
 extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ u,
                                        float* __restrict__ out, long long n) {
-    if (!dense_narrow(n)) {
+    if (!fh_flat_narrow(n)) {
         DENSE_FLAT_LOOP(i, n) { out[i] = dense_bf16_to_f32(u[i]); }
         return;
     }
-    const unsigned int m = (unsigned int)n, first = dense_first(), stride = dense_stride();
-    if (dense_aligned(u, 8) && dense_aligned(out, 16)) {
+    const unsigned int m = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
+    if (fh_aligned(u, 8) && fh_aligned(out, 16)) {
         const uint2* __restrict__ u4 = reinterpret_cast<const uint2*>(u);
         float4* __restrict__ out4 = reinterpret_cast<float4*>(out);
         for (unsigned int g = first; g < m / 4; g += stride) {
@@ -310,7 +289,7 @@ extern "C" __global__ void bf16_to_f32(const unsigned short* __restrict__ u,
                 dense_bf16_to_f32((unsigned short)(w.y >> BF16_SHIFT)));
         }
         // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
-        for (unsigned int i = (m & ~3u) + first; i < m; i += stride) {
+        for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {
             out[i] = dense_bf16_to_f32(u[i]);
         }
     } else {

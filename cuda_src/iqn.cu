@@ -9,7 +9,8 @@
 // Arithmetic: -fmad=false (fast/_build.py) plus explicit __fmul_rn/__fadd_rn where the order
 // matters, in the reference's order; the cosine in double, rounded once to float.
 
-#include "bf16_bits.cuh"  // f32_to_bf16_bits (the BF16 operand of the next GEMM)
+#include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (the BF16 operand of the next GEMM)
+#include "flat.cuh"  // fh_aligned
 #include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_read
 #include "distributional.cuh"  // effective_gamma (n-step targets, shared with the C51 kernels)
 #include "reduce.cuh"     // block_sum_halving (the loss total: step.block_total's tree)
@@ -35,11 +36,6 @@
 
 static __device__ __forceinline__ bool iqn_is_finite(float x) {
     return (__float_as_uint(x) & IQN_F32_EXP_MASK) != IQN_F32_EXP_MASK;
-}
-
-// Whether p is a multiple of `bytes` (a power of two); null counts as aligned.
-static __device__ __forceinline__ bool iqn_aligned(const void* p, unsigned int bytes) {
-    return ((unsigned long long)p & (unsigned long long)(bytes - 1u)) == 0ull;
 }
 
 // 32-feature chunks of iqn_tau_cos per warp and draw at most (fast/kernels/iqn.py
@@ -123,8 +119,8 @@ extern "C" __global__ void iqn_modulate(const float* __restrict__ h2, const floa
                                         float* __restrict__ e, unsigned short* __restrict__ e_bf16,
                                         int rows, int hidden, int n_quantiles) {
     const unsigned int nq = (unsigned int)n_quantiles;
-    if ((hidden & 3) == 0 && iqn_aligned(h2, 16u) && iqn_aligned(phi, 16u) &&
-        iqn_aligned(e, 16u) && iqn_aligned(e_bf16, 8u)) {
+    if ((hidden & 3) == 0 && fh_aligned(h2, 16u) && fh_aligned(phi, 16u) &&
+        fh_aligned(e, 16u) && fh_aligned(e_bf16, 8u)) {
         const unsigned int h4 = (unsigned int)hidden >> 2;
         const unsigned int n4 = (unsigned int)rows * h4;
         const float4* __restrict__ h2_4 = reinterpret_cast<const float4*>(h2);
@@ -143,12 +139,7 @@ extern "C" __global__ void iqn_modulate(const float* __restrict__ h2, const floa
             o.w = __fmul_rn(a.w, p.w);
             e_4[v] = o;
             if (e_bf16 != nullptr) {
-                uint2 bits;
-                bits.x = (unsigned int)f32_to_bf16_bits(o.x) |
-                         ((unsigned int)f32_to_bf16_bits(o.y) << 16);
-                bits.y = (unsigned int)f32_to_bf16_bits(o.z) |
-                         ((unsigned int)f32_to_bf16_bits(o.w) << 16);
-                bf_4[v] = bits;
+                bf_4[v] = bf16_quad_bits(o);
             }
         }
         return;
@@ -191,8 +182,8 @@ extern "C" __global__ void iqn_modulate_backward(const float* __restrict__ de,
                                                  float* __restrict__ d_phi_pre, int batch,
                                                  int hidden, int n_quantiles) {
     const unsigned int nq = (unsigned int)n_quantiles;
-    if ((hidden & 3) == 0 && iqn_aligned(de, 16u) && iqn_aligned(h2, 16u) &&
-        iqn_aligned(phi, 16u) && iqn_aligned(d_h2, 16u) && iqn_aligned(d_phi_pre, 16u)) {
+    if ((hidden & 3) == 0 && fh_aligned(de, 16u) && fh_aligned(h2, 16u) &&
+        fh_aligned(phi, 16u) && fh_aligned(d_h2, 16u) && fh_aligned(d_phi_pre, 16u)) {
         const unsigned int h4 = (unsigned int)hidden >> 2;
         const unsigned int n4 = (unsigned int)batch * h4;
         const float4* __restrict__ de_4 = reinterpret_cast<const float4*>(de);

@@ -10,7 +10,8 @@
 // the launch plans in fast/kernels/optim.py fix).
 #include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"
-#include "bf16_bits.cuh"  // f32_to_bf16_bits (shared with dense.cu)
+#include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (shared with dense.cu)
+#include "flat.cuh"  // the Polyak update's vector path
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -347,7 +348,7 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
     __shared__ float scratch[REDUCE_WARP + 1];
     __shared__ float norm_scratch[2][REDUCE_WARP + 1];
     // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms,
-    // summed together (block_sums_as: the trees of two block_sum_as calls).
+    // summed together (block_sums_as: grad_norm_final's tree for each).
     const float* const sources[2] = {base_partials, inject_partials};
     float sums[2];
     block_sums_as(sources, 0, count, SumIdentity(), (int)final_threads, norm_scratch, sums);
@@ -600,29 +601,19 @@ __device__ __forceinline__ void hb_polyak_mirror_one(float* __restrict__ target,
     target_bf16[i] = f32_to_bf16_bits(t);
 }
 
-// Two BF16 patterns in one little-endian word: lo at the lower address.
-__device__ __forceinline__ unsigned int hb_bf16_pair(float lo, float hi) {
-    return (unsigned int)f32_to_bf16_bits(lo) | ((unsigned int)f32_to_bf16_bits(hi) << BF16_SHIFT);
-}
-
 __device__ __forceinline__ void polyak_update_mirror_body(
     float* __restrict__ target, const float* __restrict__ online, long long n, float tau,
     unsigned short* __restrict__ online_bf16, unsigned short* __restrict__ target_bf16) {
     const float keep = __fsub_rn(1.0f, tau);
-    if ((unsigned long long)n > 0x7fffffffull || gridDim.x > (1u << 21)) {  // 64-bit loop
+    if (!fh_flat_narrow(n)) {  // the 64-bit loop
         for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
             hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i);
         }
         return;
     }
-    const unsigned int m = (unsigned int)n;
-    const unsigned int first = blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned int stride = gridDim.x * blockDim.x;
-    const unsigned long long f32_bits = reinterpret_cast<unsigned long long>(target) |
-                                        reinterpret_cast<unsigned long long>(online);
-    const unsigned long long bf16_bits = reinterpret_cast<unsigned long long>(online_bf16) |
-                                         reinterpret_cast<unsigned long long>(target_bf16);
-    if ((f32_bits & 15ull) == 0 && (bf16_bits & 7ull) == 0) {
+    const unsigned int m = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
+    if (fh_aligned(target, 16) && fh_aligned(online, 16) && fh_aligned(online_bf16, 8) &&
+        fh_aligned(target_bf16, 8)) {
         float4* __restrict__ target4 = reinterpret_cast<float4*>(target);
         const float4* __restrict__ online4 = reinterpret_cast<const float4*>(online);
         uint2* __restrict__ online_bf4 = reinterpret_cast<uint2*>(online_bf16);
@@ -635,11 +626,11 @@ __device__ __forceinline__ void polyak_update_mirror_body(
                                          hb_polyak(keep, old.z, tau, o.z),
                                          hb_polyak(keep, old.w, tau, o.w));
             target4[g] = t;
-            online_bf4[g] = make_uint2(hb_bf16_pair(o.x, o.y), hb_bf16_pair(o.z, o.w));
-            target_bf4[g] = make_uint2(hb_bf16_pair(t.x, t.y), hb_bf16_pair(t.z, t.w));
+            online_bf4[g] = bf16_quad_bits(o);
+            target_bf4[g] = bf16_quad_bits(t);
         }
         // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
-        for (unsigned int i = (m & ~3u) + first; i < m; i += stride) {
+        for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {
             hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i);
         }
     } else {

@@ -8,7 +8,7 @@
 //
 // The summation order: warp_sum (an xor butterfly over offsets 1, 2, 4, 8, 16: neighbours
 // first, like NumPy's pairwise sums), block_sum (each warp's butterfly, then warp 0 over the
-// warp sums in warp order), thread_partial / block_sum_as (each thread's share of a long range).
+// warp sums in warp order), thread_partial / block_sums_as (each thread's share of a long range).
 // Kernels written before this header with other trees keep them bit for bit as named variants:
 // warp_sum_halving / block_sum_halving (xor butterfly over offsets 16, 8, 4, 2, 1: the
 // distributional kernels and the step kernels), warp_max_halving (fmaxf, the same butterfly),
@@ -96,7 +96,7 @@ struct FiniteSquare {
 
 // Per-thread partial of sum_{begin <= i < end} f(x[i]) for thread `thread` of a block of
 // `threads` threads striding over [begin, end) (thread_partial's tree for any thread of any
-// block size: block_sum_as uses it to replay a block of another size).
+// block size: block_sums_as uses it to replay a block of another size).
 // The range is cut into chunks of 4 consecutive elements; thread t takes chunks t, t + T, ...
 // (T = threads) and accumulator j sums element j of each of its chunks in order; the last,
 // partial chunk goes to the thread whose turn it is. The partial is (a0 + a1) + (a2 + a3).
@@ -155,51 +155,19 @@ __device__ __forceinline__ float thread_partial(const float* x, long long begin,
                                 (long long)blockDim.x);
 }
 
-// sum_{begin <= i < end} f(x[i]) with the bits a block of `threads` threads gets from
-// thread_partial + block_sum (e.g. grad_norm_final's launch), computed by the calling
-// block, of any size: its warp w plays the virtual warps w, w + W, w + 2W, ... (W = the calling
-// block's warps; a virtual warp's lanes are the real warp's lanes, so the butterflies are the
-// same), writes each virtual warp's sum to scratch, and warp 0 sums the `threads` / 32 of them
-// padded with the identity, as block_sum's warp 0 does. Every thread gets the result.
+// sum_{begin <= i < end} f(x[k][i]) for K ranges at once (k < K), each with the bits a block of
+// `threads` threads gets from thread_partial + block_sum (e.g. grad_norm_final's launch),
+// computed by the calling block, of any size: its warp w plays the virtual warps w, w + W,
+// w + 2W, ... (W = the calling block's warps; a virtual warp's lanes are the real warp's lanes,
+// so the butterflies are the same). Each virtual thread makes its K partials back to back
+// (thread_partial_as; their loads in flight together), each virtual warp stores its K warp sums,
+// and after one barrier warp k (warps loop over the k when K > W) sums range k's `threads` / 32
+// warp sums padded with the identity, as block_sum's warp 0 does; out[k] gets the result in
+// every thread. A null x[k] (uniform across the block) is skipped and leaves out[k] unwritten.
 // Requires threads % 32 == 0, 32 <= threads <= REDUCE_MAX_THREADS, blockDim.x % 32 == 0, every
-// thread of the block to call it (it synchronises; the trip counts are warp-uniform) and f to
-// be stateless (a virtual thread's elements go to one real thread, but several virtual threads
-// may share it). `scratch` holds REDUCE_WARP + 1 elements of shared memory, as block_sum's.
-template <typename F>
-__device__ __forceinline__ float block_sum_as(const float* x, long long begin, long long end,
-                                                 F f, int threads, float* scratch) {
-    const int lane = threadIdx.x % REDUCE_WARP;
-    const int warp = threadIdx.x / REDUCE_WARP;
-    const int warps = blockDim.x / REDUCE_WARP;
-    const int virtual_warps = threads / REDUCE_WARP;
-    __syncthreads();  // the previous user of scratch has read its result
-    for (int vw = warp; vw < virtual_warps; vw += warps) {
-        const float v = warp_sum(
-            thread_partial_as(x, begin, end, f, (long long)(vw * REDUCE_WARP + lane), threads));
-        if (lane == 0) {
-            scratch[vw] = v;
-        }
-    }
-    __syncthreads();
-    if (warp == 0) {
-        float s = lane < virtual_warps ? scratch[lane] : REDUCE_SUM_IDENTITY;
-        s = warp_sum(s);
-        if (lane == 0) {
-            scratch[REDUCE_WARP] = s;
-        }
-    }
-    __syncthreads();
-    return scratch[REDUCE_WARP];
-}
-
-// block_sum_as over K ranges x[k][begin, end) at once, with the same f and threads: out[k] gets
-// block_sum_as(x[k], begin, end, f, threads, ...)'s bits for each k whose x[k] is not null (a
-// null x[k], uniform across the block, leaves out[k] unwritten). Each virtual thread makes its
-// K partials back to back (their loads in flight together), the virtual warps store the K warp
-// sums, and after ONE barrier warp k (k < K <= blockDim.x / 32, else warps loop over the k)
-// sums range k's warp sums as block_sum_as's warp 0 does: the same trees as K separate calls,
-// with two barriers instead of 3 K. Requirements as block_sum_as's; `scratch` holds
-// K * (REDUCE_WARP + 1) elements of shared memory.
+// thread of the block to call it (it synchronises twice; the trip counts are warp-uniform) and
+// f to be stateless (a virtual thread's elements go to one real thread, but several virtual
+// threads may share it). `scratch` holds K * (REDUCE_WARP + 1) elements of shared memory.
 template <int K, typename F>
 __device__ __forceinline__ void block_sums_as(const float* const (&x)[K], long long begin,
                                               long long end, F f, int threads,

@@ -93,12 +93,22 @@ extern "C" __global__ void nan_check(const float* __restrict__ x, long long n,
 // elements, the chunks of all slots are numbered in slot order, and block b takes chunks b,
 // b + gridDim.x, ... (any grid covers everything; plan_nan_check_fused sizes it to one chunk
 // per block). The blocks read the lengths a tile of blockDim.x slots at a time and number the
-// chunks with a block-wide inclusive scan in shared memory; each thread then issues its
-// NAN_CHECK_PER_THREAD loads of a chunk independently (unrolled), so they are in flight together.
+// chunks with a block-wide inclusive scan in shared memory; each thread then issues its loads of
+// a chunk independently (unrolled), so they are in flight together: NAN_CHECK_VEC float4s
+// (float4 t + k * blockDim.x of the chunk) where the buffer is 16-byte aligned and the chunk
+// lies wholly inside it, else NAN_CHECK_PER_THREAD floats (element t + k * blockDim.x). A flag is
+// an OR over the elements, so it does not depend on which thread reads which element.
 // blockDim.x must be a power of two from 32 to NAN_CHECK_MAX_THREADS (whole warps: the scan
 // shuffles).
-#define NAN_CHECK_PER_THREAD 8
+#define NAN_CHECK_PER_THREAD 16
+#define NAN_CHECK_VEC (NAN_CHECK_PER_THREAD / 4)
 #define NAN_CHECK_MAX_THREADS 1024
+
+// Whether x fires slot's test: non-finite, or |x| >= threshold with the magnitude test on.
+static __device__ __forceinline__ bool nan_check_fires(float x, bool magnitude_test,
+                                                       float threshold) {
+    return !ha_is_finite(x) || (magnitude_test && fabsf(x) >= threshold);
+}
 
 extern "C" __global__ void nan_check_fused(const unsigned long long* __restrict__ buffers,
                                            const long long* __restrict__ lengths,
@@ -166,19 +176,37 @@ extern "C" __global__ void nan_check_fused(const unsigned long long* __restrict_
             const long long first_of_slot = slot_in_tile ? chunk_end[slot_in_tile - 1] : 0;
             const float* x = reinterpret_cast<const float*>(buffers[slot]);
             const long long n = lengths[slot];
-            const long long begin = (local - first_of_slot) * chunk + threadIdx.x;
+            const long long first = (local - first_of_slot) * chunk;  // the chunk's first element
             const float threshold = thresholds[slot];
             const bool magnitude_test = threshold > 0.0f;  // false for NaN
-            float v[NAN_CHECK_PER_THREAD];
-#pragma unroll
-            for (int k = 0; k < NAN_CHECK_PER_THREAD; ++k) {
-                const long long i = begin + (long long)k * blockDim.x;
-                v[k] = i < n ? x[i] : 0.0f;
-            }
             bool fires = false;
+            if ((reinterpret_cast<unsigned long long>(x) & 15ull) == 0 && first + chunk <= n) {
+                // block-uniform: a whole chunk of an aligned buffer, as float4s
+                const float4* x4 = reinterpret_cast<const float4*>(x + first);
+                float4 v[NAN_CHECK_VEC];
 #pragma unroll
-            for (int k = 0; k < NAN_CHECK_PER_THREAD; ++k) {
-                fires |= !ha_is_finite(v[k]) || (magnitude_test && fabsf(v[k]) >= threshold);
+                for (int k = 0; k < NAN_CHECK_VEC; ++k) {
+                    v[k] = x4[threadIdx.x + k * blockDim.x];
+                }
+#pragma unroll
+                for (int k = 0; k < NAN_CHECK_VEC; ++k) {
+                    fires |= nan_check_fires(v[k].x, magnitude_test, threshold) ||
+                             nan_check_fires(v[k].y, magnitude_test, threshold) ||
+                             nan_check_fires(v[k].z, magnitude_test, threshold) ||
+                             nan_check_fires(v[k].w, magnitude_test, threshold);
+                }
+            } else {
+                const long long begin = first + threadIdx.x;
+                float v[NAN_CHECK_PER_THREAD];
+#pragma unroll
+                for (int k = 0; k < NAN_CHECK_PER_THREAD; ++k) {
+                    const long long i = begin + (long long)k * blockDim.x;
+                    v[k] = i < n ? x[i] : 0.0f;
+                }
+#pragma unroll
+                for (int k = 0; k < NAN_CHECK_PER_THREAD; ++k) {
+                    fires |= nan_check_fires(v[k], magnitude_test, threshold);
+                }
             }
             if (__syncthreads_or(fires) && threadIdx.x == 0) {
                 flags[slot] = 1;

@@ -18,39 +18,20 @@
 #include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"  // grad_norm_final's summation tree (the total norm), block_sum_halving
 #include "distributional.cuh"  // double_dqn_argmax (the double-DQN choice, shared)
+#include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_pair_bits (dense.f32_to_bf16's bit formula)
+#include "flat.cuh"  // the vector paths' loop bounds and alignment tests
 
 #define STEP_THREADS 256
 #define STEP_F32_EXP_MASK 0x7f800000u
-#define STEP_F32_SIGN_CLEAR 0x7fffffffu
-#define STEP_BF16_QUIET_BIT 0x0040u
 
 #define STEP_FLAT_LOOP(i, n)                                                               \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
          i += (long long)gridDim.x * blockDim.x)
 
-// 32-bit flat loops with 4 elements per thread (clamp_finite_isv, h2_grad_sum_mask): valid where
-// step_narrow(n) holds, 0 <= n < 2^31 and at most 2^21 blocks (of at most 1024 threads), so an
-// index plus the grid's stride stays below 2^32. Where every pointer is 16-byte aligned (8 bytes
-// for a BF16 output), thread t takes the 4-element groups t, t + T, ... (T threads in the grid:
-// step_first, step_stride; float4 accesses) and threads 0 .. n % 4 - 1 one tail element each
-// (step_tail); else a 32-bit scalar grid-stride loop; for n >= 2^31 STEP_FLAT_LOOP. Every test
-// reads kernel arguments and the launch shape only: grid-uniform, no divergence. Each element
-// gets the same operations on every path, so the bits depend on neither path nor launch shape.
-static __device__ __forceinline__ bool step_narrow(long long n) {
-    return (unsigned long long)n <= 0x7fffffffull && gridDim.x <= (1u << 21);
-}
-static __device__ __forceinline__ unsigned int step_first() {
-    return blockIdx.x * blockDim.x + threadIdx.x;
-}
-static __device__ __forceinline__ unsigned int step_stride() { return gridDim.x * blockDim.x; }
-// This thread's first element of the tail (the n % 4 elements past the last whole group;
-// >= n: none); the tail is strided like the groups, so any grid covers it.
-static __device__ __forceinline__ unsigned int step_tail(unsigned int n, unsigned int first) {
-    return (n & ~3u) + first;
-}
-static __device__ __forceinline__ bool step_aligned(const void* p, unsigned int bytes) {
-    return (reinterpret_cast<unsigned long long>(p) & (bytes - 1)) == 0;
-}
+// The vector paths of clamp_finite_isv and h2_grad_sum_mask are flat.cuh's: 4 elements per
+// thread where every pointer is 16-byte aligned (8 bytes for a BF16 output), else a 32-bit
+// scalar grid-stride loop; for n >= 2^31 STEP_FLAT_LOOP. Each element gets the same operations
+// on every path, so the bits depend on neither path nor launch shape.
 
 static __device__ __forceinline__ bool step_is_finite(float x) {
     return (__float_as_uint(x) & STEP_F32_EXP_MASK) != STEP_F32_EXP_MASK;
@@ -65,20 +46,6 @@ static __device__ __forceinline__ float step_isv_bound(float multiplier, float i
 static __device__ __forceinline__ float step_clip_scale(float norm_sq, float max_norm) {
     const float n = __fsqrt_rn(fmaxf(norm_sq, 0.0f));
     return (n > max_norm && n > 0.0f) ? __fdiv_rn(max_norm, n) : 1.0f;
-}
-
-// dense.f32_to_bf16's bit formula (RNE; NaN keeps sign and high payload, quiet bit set).
-static __device__ __forceinline__ unsigned short step_bf16_bits(float x) {
-    const unsigned int u = __float_as_uint(x);
-    if ((u & STEP_F32_SIGN_CLEAR) > STEP_F32_EXP_MASK) {
-        return (unsigned short)((u >> 16) | STEP_BF16_QUIET_BIT);
-    }
-    return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
-// Two BF16 patterns in one little-endian word: lo at the lower address.
-static __device__ __forceinline__ unsigned int step_bf16_pair(float lo, float hi) {
-    return (unsigned int)step_bf16_bits(lo) | ((unsigned int)step_bf16_bits(hi) << 16);
 }
 
 // float32 sum of x[0..n) by the whole block (thread-strided partials, then block_sum_halving).
@@ -132,7 +99,7 @@ extern "C" __global__ void step_bounds(const float* __restrict__ isv,
 // with the bound read from the ISV slot H_S2_RMS_EMA inside the graph), and, when out_bf16 is not
 // null, its BF16 copy (dense.f32_to_bf16) for the next BF16 GEMM. out may alias x (each element,
 // or 4-element group, is read, then written, by one thread). Flat, 4 elements per thread where x
-// and out are 16-byte and out_bf16 8-byte aligned (see step_narrow; plan_clamp_finite_isv).
+// and out are 16-byte and out_bf16 8-byte aligned (flat.cuh; plan_clamp_finite_isv).
 // ---------------------------------------------------------------------------------------------
 static __device__ __forceinline__ float step_clamp_finite(float v, float bound) {
     return step_is_finite(v) ? ((v > bound) ? bound : ((v < -bound) ? -bound : v)) : 0.0f;
@@ -142,19 +109,19 @@ extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
                                           unsigned short* __restrict__ out_bf16, long long n,
                                           const float* __restrict__ isv, int index, float mult) {
     const float bound = step_isv_bound(mult, isv[index]);
-    if (!step_narrow(n)) {
+    if (!fh_flat_narrow(n)) {
         STEP_FLAT_LOOP(i, n) {
             const float c = step_clamp_finite(x[i], bound);
             out[i] = c;
             if (out_bf16 != nullptr) {
-                out_bf16[i] = step_bf16_bits(c);
+                out_bf16[i] = f32_to_bf16_bits(c);
             }
         }
         return;
     }
-    const unsigned int m = (unsigned int)n, first = step_first(), stride = step_stride();
+    const unsigned int m = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
     // A null out_bf16 passes its test (address 0).
-    if (step_aligned(x, 16) && step_aligned(out, 16) && step_aligned(out_bf16, 8)) {
+    if (fh_aligned(x, 16) && fh_aligned(out, 16) && fh_aligned(out_bf16, 8)) {
         const float4* x4 = reinterpret_cast<const float4*>(x);
         float4* out4 = reinterpret_cast<float4*>(out);
         uint2* bf4 = reinterpret_cast<uint2*>(out_bf16);
@@ -166,14 +133,14 @@ extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
                                          step_clamp_finite(v.w, bound));
             out4[g] = c;
             if (out_bf16 != nullptr) {
-                bf4[g] = make_uint2(step_bf16_pair(c.x, c.y), step_bf16_pair(c.z, c.w));
+                bf4[g] = bf16_quad_bits(c);
             }
         }
-        for (unsigned int i = step_tail(m, first); i < m; i += stride) {  // n % 4 left
+        for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {  // n % 4 left
             const float c = step_clamp_finite(x[i], bound);
             out[i] = c;
             if (out_bf16 != nullptr) {
-                out_bf16[i] = step_bf16_bits(c);
+                out_bf16[i] = f32_to_bf16_bits(c);
             }
         }
     } else {
@@ -181,7 +148,7 @@ extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
             const float c = step_clamp_finite(x[i], bound);
             out[i] = c;
             if (out_bf16 != nullptr) {
-                out_bf16[i] = step_bf16_bits(c);
+                out_bf16[i] = f32_to_bf16_bits(c);
             }
         }
     }
@@ -306,7 +273,7 @@ extern "C" __global__ void branch_mean(const float* __restrict__ parts,
 //   out = (h2_pre <= 0) ? 0 : passed      (dense.relu_mask with the pre-clamp activation)
 // Flat, [B, SH2]; 4 elements per thread (each summed on its own, parts in order k = 0, 1, ...
 // from +0) where parts, h2, h2_pre, dh2_out and out are 16-byte aligned and part_stride is a
-// multiple of 4 (or n_parts <= 1), else one (see step_narrow; plan_h2_grad_sum_mask).
+// multiple of 4 (or n_parts <= 1), else one (flat.cuh; plan_h2_grad_sum_mask).
 // ---------------------------------------------------------------------------------------------
 static __device__ __forceinline__ float step_h2_mask(float sum, float h2, float pre) {
     const float passed = (h2 == pre) ? sum : 0.0f;
@@ -330,7 +297,7 @@ extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int
                                              const float* __restrict__ h2_pre,
                                              float* __restrict__ dh2_out,
                                              float* __restrict__ out, long long n) {
-    if (!step_narrow(n)) {
+    if (!fh_flat_narrow(n)) {
         STEP_FLAT_LOOP(i, n) {
             const float sum = step_parts_sum(parts + i, n_parts, part_stride);
             dh2_out[i] = sum;
@@ -338,10 +305,10 @@ extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int
         }
         return;
     }
-    const unsigned int m = (unsigned int)n, first = step_first(), stride = step_stride();
-    if (step_aligned(parts, 16) && (n_parts <= 1 || (part_stride & 3) == 0) &&
-        step_aligned(h2, 16) && step_aligned(h2_pre, 16) && step_aligned(dh2_out, 16) &&
-        step_aligned(out, 16)) {
+    const unsigned int m = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
+    if (fh_aligned(parts, 16) && (n_parts <= 1 || (part_stride & 3) == 0) &&
+        fh_aligned(h2, 16) && fh_aligned(h2_pre, 16) && fh_aligned(dh2_out, 16) &&
+        fh_aligned(out, 16)) {
         const float4* __restrict__ parts4 = reinterpret_cast<const float4*>(parts);
         const long long stride4 = part_stride / 4;  // exact here (or unused: n_parts <= 1)
         const float4* __restrict__ h2_4 = reinterpret_cast<const float4*>(h2);
@@ -365,7 +332,7 @@ extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int
             out4[g] = make_float4(step_h2_mask(sum.x, h.x, pre.x), step_h2_mask(sum.y, h.y, pre.y),
                                   step_h2_mask(sum.z, h.z, pre.z), step_h2_mask(sum.w, h.w, pre.w));
         }
-        for (unsigned int i = step_tail(m, first); i < m; i += stride) {  // n % 4 left
+        for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {  // n % 4 left
             const float sum = step_parts_sum(parts + i, n_parts, part_stride);
             dh2_out[i] = sum;
             out[i] = step_h2_mask(sum, h2[i], h2_pre[i]);

@@ -194,3 +194,16 @@ def test_kernels_registered_under_their_names():
     for name, fn in safety.KERNELS.items():
         assert fn.__name__ == name and KERNELS[name] is fn
     assert "isv_bound" not in safety.KERNELS  # a helper, not a kernel
+
+
+def test_nan_check_fused_chunk_is_safety_cu_s():
+    """plan_nan_check_fused sizes its grid with safety.cu's elements per thread of a chunk."""
+    import re
+    from importlib import resources
+
+    from foxhunt.fast.kernels import safety as fast_safety
+
+    text = (resources.files("foxhunt.cuda_src") / "safety.cu").read_text()
+    per_thread = int(re.search(r"#define NAN_CHECK_PER_THREAD (\d+)", text).group(1))
+    assert fast_safety.FUSED_PER_THREAD == per_thread
+    assert per_thread % 4 == 0  # its vector path loads whole float4s

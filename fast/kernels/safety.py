@@ -53,7 +53,7 @@ REDUCE_THREADS = 1024
 #: nan_check_fused: threads per block (a power of two, at most 1024), the elements each thread
 #: checks per chunk (NAN_CHECK_PER_THREAD in safety.cu), and the most blocks of one launch.
 FUSED_THREADS = 512
-FUSED_PER_THREAD = 8
+FUSED_PER_THREAD = 16
 FUSED_MAX_BLOCKS = 4096
 
 #: clamp_finite: elements per thread of its vector path (one float4).
