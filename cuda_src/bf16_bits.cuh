@@ -1,5 +1,6 @@
-// BF16 rounding on the bit pattern, shared by dense.cu (f32_to_bf16, add_bias_relu_bf16) and
-// optim.cu (the fused Polyak update + BF16 mirror). Reference: foxhunt.reference.kernels.dense
+// BF16 rounding on the bit pattern, and the packing of 2 or 4 patterns for one store, shared by
+// every kernel that writes BF16 (dense.cu's casts, step.cu's clamp, iqn.cu, optim.cu's Polyak
+// update + BF16 mirror, trunk.cu, walk.cu). Reference: foxhunt.reference.kernels.dense
 // .f32_to_bf16 (the formula and the NaN rule are spelled out there).
 #pragma once
 
