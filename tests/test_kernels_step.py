@@ -53,3 +53,15 @@ def test_loss_scalars_means_use_the_block_order():
     q[0, 0], q[1, 0], q[0, 1] = MAX, MAX, -MAX  # flat positions 0 and 256: one thread
     out = loss_scalars(np.ones(2, F32), np.zeros((2, 256), F32), q, np.ones((2, 256), F32), 1.0)
     assert out.mean_q == np.inf and out.mean_target_q == 1.0 and out.c51_loss == 2.0
+
+
+def test_double_dqn_row_threads_is_step_cu_s():
+    """plan_double_dqn_gather_branches sizes its grid with step.cu's threads per row."""
+    import re
+    from importlib import resources
+
+    from foxhunt.fast.kernels import step as fast_step
+
+    text = (resources.files("foxhunt.cuda_src") / "step.cu").read_text()
+    assert fast_step.DDQN_ROW_THREADS == int(
+        re.search(r"#define DDQN_ROW_THREADS (\d+)", text).group(1))

@@ -33,6 +33,9 @@ import numpy as np
 #: idle blocks.
 FLAT_THREADS = 256
 FLAT_MAX_BLOCKS = 4096
+#: Elements per thread of the flat kernels' vector paths (``cuda_src/flat.cuh``: one float4 group
+#: where the pointers are 16-byte aligned); their plans launch one thread per group.
+FLAT_VEC_WIDTH = 4
 #: The kernels index with 32-bit ints (grid-stride steps included): arrays stay below this.
 MAX_ELEMENTS = 2**30
 #: Blocks of a ``cuda_src/cluster.cuh`` thread-block cluster on sm_90 and newer (its

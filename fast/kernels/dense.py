@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, launch, plan_flat
+from foxhunt.fast.kernels._runtime import FLAT_VEC_WIDTH, In, Out, blocks, launch, plan_flat
 from foxhunt.reference.kernels.argcheck import require_array
 from foxhunt.reference.kernels.dense import (
     F32,
@@ -58,8 +58,6 @@ BIAS_GRAD_MIN_COLS = 8
 #: relu_mask_bias_grad: columns per block (one 32-byte row segment; cols = 128 / 256 give 16 / 32
 #: blocks). Its row chunks are BIAS_GRAD_CHUNKS, so its db has bias_grad_reduce's bits.
 RELU_BIAS_GRAD_COLS = 8
-#: Elements per thread of the vectorised flat kernels (``f32_to_bf16``, ``bf16_to_f32``).
-VEC_WIDTH = 4
 
 Plan = tuple  # (grid, block, shared_mem)
 
@@ -84,7 +82,7 @@ def plan_flat_vec4(n: int) -> Plan:
     """``plan_flat`` over the ``ceil(n / 4)`` groups of 4 elements: one thread per group (the
     kernel's vector path; its scalar fallback strides over the same grid), the same block and
     grid cap."""
-    return plan_flat(blocks(n, VEC_WIDTH))
+    return plan_flat(blocks(n, FLAT_VEC_WIDTH))
 
 
 plan_f32_to_bf16 = plan_flat_vec4

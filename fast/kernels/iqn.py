@@ -16,7 +16,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, check_elements, cluster_blocks, launch
+from foxhunt.fast.kernels._runtime import (
+    FLAT_VEC_WIDTH,
+    In,
+    Out,
+    blocks,
+    check_elements,
+    cluster_blocks,
+    launch,
+)
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.iqn import (
     IQN_LOSS_THREADS,
@@ -39,8 +47,6 @@ IQN_MAX_BLOCKS = 1024
 #: Threads per block of ``iqn_modulate_backward``'s vector path: a quarter of the threads in
 #: smaller blocks, so a single trainer's launch still spreads over the SMs.
 IQN_BACKWARD_VEC_THREADS = 128
-#: Units per thread of the vector paths (``hidden % 4 == 0``, 16-byte aligned pointers).
-IQN_VEC = 4
 #: 32-feature chunks per warp span of ``iqn_tau_cos`` at most (``IQN_COS_CHUNKS`` in iqn.cu):
 #: one fraction draw per span and row serves up to this many features per thread.
 IQN_COS_CHUNKS = 2
@@ -82,8 +88,8 @@ def plan_iqn_modulate(rows: int, hidden: int) -> Plan:
     ``hidden % 4 == 0``, else over the ``rows * hidden`` products (the scalar path; with
     misaligned pointers the kernel takes it on the vector plan too: the grid-stride loop covers
     the rest)."""
-    if hidden % IQN_VEC == 0:
-        return plan_flat(rows * hidden // IQN_VEC)
+    if hidden % FLAT_VEC_WIDTH == 0:
+        return plan_flat(rows * hidden // FLAT_VEC_WIDTH)
     return plan_flat(rows * hidden)
 
 
@@ -91,8 +97,8 @@ def plan_iqn_modulate_backward(batch: int, hidden: int) -> Plan:
     """Flat, one thread per ``(sample, four units)`` in blocks of ``IQN_BACKWARD_VEC_THREADS``
     when ``hidden % 4 == 0`` (the vector path), else one per ``(sample, unit)``; each thread
     loops over the quantiles."""
-    if hidden % IQN_VEC == 0:
-        return plan_flat(batch * hidden // IQN_VEC, IQN_BACKWARD_VEC_THREADS)
+    if hidden % FLAT_VEC_WIDTH == 0:
+        return plan_flat(batch * hidden // FLAT_VEC_WIDTH, IQN_BACKWARD_VEC_THREADS)
     return plan_flat(batch * hidden)
 
 

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, call
+from foxhunt.fast.kernels._runtime import FLAT_VEC_WIDTH, In, InOut, Out, blocks, call
 from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.optim import (
     AdamState,
@@ -132,15 +132,13 @@ def plan_adam_update(n: int) -> Plan:
 
 
 plan_polyak_update = plan_elementwise
-#: Elements per thread of ``polyak_update_mirror(_ptr)``'s vector path (one float4 group).
-POLYAK_MIRROR_VEC_WIDTH = 4
 
 
 def plan_polyak_update_mirror(n: int) -> Plan:
-    """``plan_elementwise`` with one thread per group of ``POLYAK_MIRROR_VEC_WIDTH`` elements
+    """``plan_elementwise`` with one thread per group of ``FLAT_VEC_WIDTH`` elements
     (the kernel's float4 path; its scalar fallback strides over the same grid), the same block
     and grid cap. Also ``polyak_update_mirror_ptr``'s."""
-    grid = min(blocks(n, ELEMENTWISE_THREADS * POLYAK_MIRROR_VEC_WIDTH), ELEMENTWISE_MAX_BLOCKS)
+    grid = min(blocks(n, ELEMENTWISE_THREADS * FLAT_VEC_WIDTH), ELEMENTWISE_MAX_BLOCKS)
     return grid, ELEMENTWISE_THREADS, 0
 
 

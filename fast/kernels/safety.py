@@ -35,7 +35,16 @@ from typing import Sequence
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, InOut, Out, launch, plan_flat, runtime
+from foxhunt.fast.kernels._runtime import (
+    FLAT_VEC_WIDTH,
+    In,
+    InOut,
+    Out,
+    blocks,
+    launch,
+    plan_flat,
+    runtime,
+)
 from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.safety import (
     ISV_FLOOR,
@@ -56,9 +65,6 @@ FUSED_THREADS = 512
 FUSED_PER_THREAD = 16
 FUSED_MAX_BLOCKS = 4096
 
-#: clamp_finite: elements per thread of its vector path (one float4).
-CLAMP_VEC_WIDTH = 4
-
 Plan = tuple  # (grid, block, shared_mem)
 
 
@@ -71,7 +77,7 @@ def plan_clamp_finite(n: int) -> Plan:
     """``plan_flat`` over the ``ceil(n / 4)`` groups of 4 elements: one thread per float4 group
     (the kernel's vector path; its scalar fallback strides over the same grid), the same block
     and grid cap."""
-    return plan_flat(-(-int(n) // CLAMP_VEC_WIDTH))
+    return plan_flat(blocks(n, FLAT_VEC_WIDTH))
 
 
 plan_nan_check = plan_flat

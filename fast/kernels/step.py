@@ -22,7 +22,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, InOut, Out, blocks, device_scalar, launch
+from foxhunt.fast.kernels._runtime import (
+    FLAT_VEC_WIDTH,
+    In,
+    InOut,
+    Out,
+    blocks,
+    device_scalar,
+    launch,
+)
 from foxhunt.fast.kernels.optim import plan_grad_norm_final
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.step import (
@@ -51,9 +59,6 @@ F32, I32, U16 = np.float32, np.int32, np.uint16
 STEP_THREADS = 256
 #: Grid cap of the flat step kernels (grid-stride loops cover the rest).
 STEP_MAX_BLOCKS = 1024
-#: Elements per thread of the vectorised flat kernels (``clamp_finite_isv``,
-#: ``h2_grad_sum_mask``: one float4 group where their pointers are 16-byte aligned).
-STEP_VEC_WIDTH = 4
 #: Threads per ``(branch, sample)`` row of ``double_dqn_gather_branches`` (DDQN_ROW_THREADS in
 #: step.cu).
 DDQN_ROW_THREADS = 16
@@ -75,7 +80,7 @@ def plan_flat_vec4(n: int) -> Plan:
     """``plan_flat`` over the ``ceil(n / 4)`` groups of 4 elements: one thread per group (the
     kernel's vector path; its scalar fallback strides over the same grid), the same block and
     grid cap."""
-    return plan_flat(blocks(n, STEP_VEC_WIDTH))
+    return plan_flat(blocks(n, FLAT_VEC_WIDTH))
 
 
 def plan_one_block() -> Plan:
