@@ -67,6 +67,16 @@ GRID_SHARED_KERNELS = {
     "iqn_modulate_backward": "cuda_src/iqn.cu (IQN_GRID_LOOP, per (b, h))",
     "mse_warmup": "cuda_src/warmup.cu, mse_warmup's comment",
 }
+#: Kernels whose outputs do not depend on their block size, launched by a population of more
+#: than one member with these threads per block instead of the plan's (and where that is said).
+#: ``batched_spectral_norm``: its trees are a 512-thread block's, replayed by any power of two
+#: from 32 to 512 (cuda_src/spectral.cu's header); the single trainer keeps 512 (its step took
+#: 129.4 us against 134.6 us with 256, session 17), while 256-thread clusters let a population
+#: run twice the matrices at once: measured on the H200 (seed preset, bf16, one run each, session
+#: 18) the step took 926.6 against 936.7 us at N = 16 and 3,105 against 3,173 us at N = 64.
+POPULATION_BLOCK_THREADS = {
+    "batched_spectral_norm": (256, "cuda_src/spectral.cu's header (SPECTRAL_TREE_THREADS)"),
+}
 #: Threads an SM holds at once (sm_80 and sm_90: 2048), for ``shared_grid_x``'s full wave.
 THREADS_PER_SM = 2048
 
@@ -78,6 +88,14 @@ def shared_grid_x(grid_x: int, members: int, block_threads: int, sm_count: int) 
     and never more than ``grid_x``."""
     wave = max(1, int(sm_count)) * max(1, THREADS_PER_SM // int(block_threads))
     return min(grid_x, max(-(-grid_x // members), -(-wave // members)))
+
+
+def population_block(kernel: str, block: tuple, members: int) -> tuple:
+    """The block of a population launch of ``kernel`` planned with ``block``: the plan's, or for
+    more than one member the ``POPULATION_BLOCK_THREADS`` entry's threads."""
+    if members > 1 and kernel in POPULATION_BLOCK_THREADS:
+        return (POPULATION_BLOCK_THREADS[kernel][0], 1, 1)
+    return tuple(block)
 
 
 def upload_member_constants(plan: PopulationPlan, member_arenas, address0) -> list[dict]:
@@ -140,10 +158,11 @@ class PopulationLowering(Lowering):
         gx, gy, gz = node.shape.grid
         if gz != 1:
             raise AssertionError(f"kernel {node.kernel}: grid.z = {gz}; the member build takes z")
+        block = population_block(node.kernel, node.shape.block, self.members)
         if node.kernel in GRID_SHARED_KERNELS:
-            gx = shared_grid_x(gx, self.members, math.prod(node.shape.block), self.sm_count)
+            gx = shared_grid_x(gx, self.members, math.prod(block), self.sm_count)
         kernel, packed = self.packed(node)
-        kernel.launch((gx, gy, self.members), node.shape.block, packed, stream=stream,
+        kernel.launch((gx, gy, self.members), block, packed, stream=stream,
                       shared_mem=node.shape.shared_mem)
 
     def copy(self, node: Copy, handle) -> None:
@@ -420,5 +439,6 @@ class CpuPopulationEngine:
         self.closed = True
 
 
-__all__ = ["GRID_SHARED_KERNELS", "CpuPopulationEngine", "MemberArena", "MemberEngine",
-           "PopulationEngine", "PopulationLowering", "memcpy_2d"]
+__all__ = ["GRID_SHARED_KERNELS", "POPULATION_BLOCK_THREADS", "CpuPopulationEngine", "MemberArena",
+           "MemberEngine", "PopulationEngine", "PopulationLowering", "memcpy_2d",
+           "population_block"]

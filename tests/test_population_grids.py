@@ -53,3 +53,24 @@ def test_shared_kernels_give_the_same_bits_on_one_block_per_member(monkeypatch, 
         differ = [k for k in want
                   if np.asarray(got[k]).tobytes() != np.asarray(want[k]).tobytes()]
         assert not differ, f"member {m}: {differ} differ with one block per member"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_gpu_reason() is not None, reason=f"no CUDA device/driver: {_gpu_reason()}")
+def test_population_block_threads_give_the_plans_bits(monkeypatch):
+    """``POPULATION_BLOCK_THREADS``: the population's own block sizes end three steps bitwise as
+    the plans' block sizes do."""
+    from foxhunt.fast import population_engine
+
+    config = DQNConfig.preset("tiny", precision="bf16", **source_overrides("all"))
+    seeds = [0, 1, 2]
+    rng = np.random.default_rng(11)
+    steps = [[Batch.random(config, rng) for _ in seeds] for _ in range(3)]
+    with monkeypatch.context() as patch:
+        patch.setattr(population_engine, "POPULATION_BLOCK_THREADS", {})
+        planned = _states_after_steps(config, seeds, steps)
+    own = _states_after_steps(config, seeds, steps)
+    for m, (want, got) in enumerate(zip(planned, own)):
+        differ = [k for k in want
+                  if np.asarray(got[k]).tobytes() != np.asarray(want[k]).tobytes()]
+        assert not differ, f"member {m}: {differ} differ with the population's block sizes"

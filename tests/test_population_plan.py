@@ -115,3 +115,17 @@ def test_grid_shared_kernels_are_kernels_of_cuda_src():
     kernels = package_kernels()
     missing = sorted(set(GRID_SHARED_KERNELS) - set(kernels))
     assert not missing, f"not kernels of cuda_src: {missing}"
+
+
+def test_population_block_threads_name_kernels_and_keep_one_member_on_its_plan():
+    from foxhunt.fast.kernels.spectral import SPECTRAL_TREE_THREADS
+    from foxhunt.fast.population_engine import POPULATION_BLOCK_THREADS, population_block
+
+    kernels = package_kernels()
+    assert set(POPULATION_BLOCK_THREADS) <= set(kernels)
+    threads = POPULATION_BLOCK_THREADS["batched_spectral_norm"][0]
+    # a power of two the spectral kernels' trees replay (cuda_src/spectral.cu's header)
+    assert 32 <= threads <= SPECTRAL_TREE_THREADS and threads & (threads - 1) == 0
+    assert population_block("batched_spectral_norm", (512, 1, 1), 1) == (512, 1, 1)
+    assert population_block("batched_spectral_norm", (512, 1, 1), 16) == (threads, 1, 1)
+    assert population_block("adam_update", (256, 1, 1), 16) == (256, 1, 1)
