@@ -21,6 +21,11 @@ constexpr unsigned kFullMask = 0xffffffffu;
 // cql_logit_grad (and its fused form): at most this many warps per block (one warp per
 // sample).
 constexpr int kCqlMaxWarps = 8;
+// cql_logit_grad's register path: a sample of at most kCqlRegRows actions and at most
+// kWarp * kCqlRegChunks atoms (the seed's 3 or 2 x 51) is held in registers (lane l: atoms
+// l + 32 c, c < kCqlRegChunks).
+constexpr int kCqlRegRows = 4;
+constexpr int kCqlRegChunks = 2;
 
 // c51_loss (and its fused form): one block per branch of at most kLossMaxThreads threads; each
 // warp reduces kLossGroup samples at once, so their loads are in flight together (the loads of
@@ -268,6 +273,82 @@ static __device__ __forceinline__ void cql_grad_rows(const float* __restrict__ l
     }
 }
 
+// cql_logit_grad's register path: one sample of kRows (= A, 1 <= A <= kCqlRegRows) rows by one
+// warp (all 32 lanes), num_atoms <= kWarp * kCqlRegChunks. Every logp value of the sample is
+// loaded at once (lane l: atoms j = l + 32 c of every row; one memory round trip), and
+// e = expf(logp) once per element (the shared path computes the same expf of the same float in
+// phases 1 and 3). Then the shared path's operations in its order: row a's Q is warp_expected_q's
+// (lane l's terms e * z_j in j order from +0.0, then warp_sum_halving, whose result every lane
+// holds: so Q stays in registers, with no shared row and no __syncwarp), the action-order max
+// (max_keep_nan) and exp sum, terms (lane 0), and dlogits = dQ * (e * (z_j - Q[a])) with
+// dQ = dq_scale * (expf(Q[a] - mQ) / sum - 1[a = action]). z_lane: z[j] of the lane's atoms
+// (0.0f past the support), read once per warp. action in [0, A) (the launchers check it).
+template <int kRows>
+static __device__ __forceinline__ void cql_sample_regs(const float* __restrict__ sample_logp,
+                                                       const float (&z_lane)[kCqlRegChunks],
+                                                       int action, float dq_scale,
+                                                       float* __restrict__ sample_dlogits,
+                                                       float* __restrict__ term, int num_atoms,
+                                                       int lane) {
+    constexpr int kC = kCqlRegChunks;
+    float e[kRows][kC];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+        const int j = lane + c * kWarp;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            e[r][c] = j < num_atoms ? sample_logp[r * num_atoms + j] : 0.0f;
+        }
+    }
+    float q[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        q[r] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+            const bool own = lane + c * kWarp < num_atoms;
+            e[r][c] = expf(e[r][c]);
+            const float term_q = e[r][c] * z_lane[c];
+            q[r] = own ? q[r] + term_q : q[r];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        q[r] = warp_sum_halving(q[r]);
+    }
+    float q_max = q[0];
+#pragma unroll
+    for (int a = 1; a < kRows; ++a) {
+        q_max = max_keep_nan(q_max, q[a]);
+    }
+    float sum = expf(q[0] - q_max);
+#pragma unroll
+    for (int a = 1; a < kRows; ++a) {
+        sum = sum + expf(q[a] - q_max);
+    }
+    float q_action = q[0];
+#pragma unroll
+    for (int a = 1; a < kRows; ++a) {
+        q_action = a == action ? q[a] : q_action;
+    }
+    if (lane == 0) {
+        term[0] = (q_max + logf(sum)) - q_action;
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        const float e_q = expf(q[r] - q_max);
+        const float one_hot = (r == action) ? 1.0f : 0.0f;
+        const float dq = dq_scale * (e_q / sum - one_hot);
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+            const int j = lane + c * kWarp;
+            if (j < num_atoms) {
+                sample_dlogits[r * num_atoms + j] = dq * (e[r][c] * (z_lane[c] - q[r]));
+            }
+        }
+    }
+}
+
 // cql_logit_grad on one branch: logp [B, A, NA] (samples 0..batch), actions [B], terms [B],
 // dlogits [B, A, NA]. One warp per sample (grid-stride over the batch, blockIdx.x * warps +
 // warp), no block barrier: phase 1, the warp computes the Q of the sample's A rows
@@ -276,6 +357,10 @@ static __device__ __forceinline__ void cql_grad_rows(const float* __restrict__ l
 // values, in every lane) and lane 0 writes terms; phase 3, each row's dQ once (e = exp(Q - mQ)
 // recomputed from the same operands), then the row's elements, lane l its atoms l + 32 k
 // (coalesced; cql_grad_rows, up to 4 rows at once). `shared` holds (blockDim / 32) * A floats.
+// With 1 <= A <= kCqlRegRows and NA <= 32 * kCqlRegChunks (the seed's shapes), the same
+// operations run on registers instead (cql_sample_regs: one load round trip per sample, no
+// shared row; `shared` unused). What a warp writes depends on neither the grid nor the block's
+// warps: the outputs are the same for any launch of whole warps.
 static __device__ __forceinline__ void cql_logit_grad_body(
     const float* __restrict__ logp, const int* __restrict__ actions, const float* __restrict__ z,
     const float* __restrict__ alpha, const float* __restrict__ scale,
@@ -287,6 +372,40 @@ static __device__ __forceinline__ void cql_logit_grad_body(
     float* q = shared + warp * num_actions;  // the warp's [A]
     const float dq_scale = alpha[0] * scale[0];
     const int row_len = num_actions * num_atoms;
+
+    // The register path (warp-uniform: A and NA are the launch's or the branch's).
+    if (num_actions >= 1 && num_actions <= kCqlRegRows && num_atoms <= kWarp * kCqlRegChunks) {
+        float z_lane[kCqlRegChunks];
+#pragma unroll
+        for (int c = 0; c < kCqlRegChunks; ++c) {
+            const int j = lane + c * kWarp;
+            z_lane[c] = j < num_atoms ? z[j] : 0.0f;
+        }
+        for (int b = blockIdx.x * warps + warp; b < batch; b += gridDim.x * warps) {
+            const float* sample_logp = logp + b * row_len;
+            float* sample_dlogits = dlogits + b * row_len;
+            const int action = actions[b];
+            switch (num_actions) {
+                case 1:
+                    cql_sample_regs<1>(sample_logp, z_lane, action, dq_scale, sample_dlogits,
+                                       terms + b, num_atoms, lane);
+                    break;
+                case 2:
+                    cql_sample_regs<2>(sample_logp, z_lane, action, dq_scale, sample_dlogits,
+                                       terms + b, num_atoms, lane);
+                    break;
+                case 3:
+                    cql_sample_regs<3>(sample_logp, z_lane, action, dq_scale, sample_dlogits,
+                                       terms + b, num_atoms, lane);
+                    break;
+                default:
+                    cql_sample_regs<4>(sample_logp, z_lane, action, dq_scale, sample_dlogits,
+                                       terms + b, num_atoms, lane);
+                    break;
+            }
+        }
+        return;
+    }
 
     for (int b = blockIdx.x * warps + warp; b < batch; b += gridDim.x * warps) {
         const float* sample_logp = logp + b * row_len;
@@ -355,7 +474,9 @@ static __device__ __forceinline__ void cql_logit_grad_body(
 // each sample's atoms as a per-lane sum plus the warp butterfly; lane 0's accumulator sums
 // isw * ce over its samples in that order; the block then sums the per-warp partials with one
 // more butterfly (missing warps count +0.0). The order is fixed by blockDim, so the total is
-// deterministic. `warp_partial` is shared memory of kLossMaxThreads / kWarp floats.
+// deterministic. `warp_partial` is shared memory of kLossMaxThreads / kWarp floats. For
+// NA <= 2 * kWarp (the seed's) a group's loads are issued together (m with the actions, then
+// every taken logp value of both atom chunks): the same operations in the same order.
 static __device__ __forceinline__ void c51_loss_body(
     const float* __restrict__ logp, const int* __restrict__ actions,
     const float* __restrict__ m, const float* __restrict__ isw,
@@ -365,7 +486,75 @@ static __device__ __forceinline__ void c51_loss_body(
     const int warp = threadIdx.x / kWarp;
     const int warps = blockDim.x / kWarp;
     float acc = 0.0f;
-    for (int b0 = warp * kLossGroup; b0 < batch; b0 += warps * kLossGroup) {
+    // num_atoms <= 2 * kWarp (the seed's 51): the group's atoms in two chunks held at once, the
+    // m values loaded with the actions and weights (they do not depend on them), then every
+    // taken logp value: two memory round trips per group instead of one per chunk after the
+    // actions'.
+    // The same operations in the same order as the loop below (lane l: sum = (+0.0 +
+    // m * logp at j = l) + m * logp at j = l + 32, atoms past num_atoms skipped).
+    for (int b0 = warp * kLossGroup; b0 < batch && num_atoms <= 2 * kWarp;
+         b0 += warps * kLossGroup) {
+        // Lane g < kLossGroup loads sample b0 + g's action and weight (one coalesced load
+        // each), handed to every lane by a shuffle (the same bits).
+        const bool lane_valid = lane < kLossGroup && b0 + lane < batch;
+        const int lane_action = lane_valid ? actions[b0 + lane] : 0;
+        const float lane_isw = lane_valid ? isw[b0 + lane] : 0.0f;
+        float weight[kLossGroup];
+        float m_j[kLossGroup][2];
+        float logp_j[kLossGroup][2];
+        int row_offset[kLossGroup];
+#pragma unroll
+        for (int g = 0; g < kLossGroup; ++g) {
+            const int b = b0 + g;
+            const bool valid = b < batch;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int j = lane + c * kWarp;
+                m_j[g][c] = (valid && j < num_atoms) ? m[b * num_atoms + j] : 0.0f;
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < kLossGroup; ++g) {
+            const int b = b0 + g;
+            const bool valid = b < batch;
+            const int action = __shfl_sync(kFullMask, lane_action, g);
+            const float weight_g = __shfl_sync(kFullMask, lane_isw, g);
+            weight[g] = valid ? weight_g : 0.0f;
+            row_offset[g] = valid ? (b * num_actions + action) * num_atoms : 0;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const int j = lane + c * kWarp;
+                logp_j[g][c] = (valid && j < num_atoms) ? logp[row_offset[g] + j] : 0.0f;
+            }
+        }
+        float sum[kLossGroup];
+#pragma unroll
+        for (int g = 0; g < kLossGroup; ++g) {
+            sum[g] = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 2; ++c) {
+                const float term = m_j[g][c] * logp_j[g][c];
+                sum[g] = (lane + c * kWarp < num_atoms) ? sum[g] + term : sum[g];
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < kLossGroup; ++g) {
+            sum[g] = warp_sum_halving(sum[g]);
+        }
+#pragma unroll
+        for (int g = 0; g < kLossGroup; ++g) {
+            const int b = b0 + g;
+            if (b < batch) {
+                const float ce_b = -sum[g];
+                if (lane == 0) {
+                    ce[b] = ce_b;
+                }
+                acc = acc + weight[g] * ce_b;
+            }
+        }
+    }
+    for (int b0 = warp * kLossGroup; b0 < batch && num_atoms > 2 * kWarp;
+         b0 += warps * kLossGroup) {
         int row_offset[kLossGroup];
         float weight[kLossGroup];
         float sum[kLossGroup];

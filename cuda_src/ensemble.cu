@@ -5,19 +5,67 @@
 //
 // Arithmetic: -fmad=false plus __fadd_rn/__fmul_rn/__fdiv_rn in the reference's order; expf/logf
 // against NumPy's float32 functions (a few ulp). Every value is computed by the same operations
-// in the same order whatever the launch (cluster size, tile), so the bits of d_v and kl never
+// in the same order whatever the launch (cluster size, warps per block), so the bits of d_v and kl never
 // depend on it; the loss is a block_sum of reduce.cuh (a fixed tree of the block size).
 
 #include "cluster.cuh"  // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync
 #include "reduce.cuh"   // block_sum, REDUCE_SUM_IDENTITY
 
 #define ENS_NEG_INF __uint_as_float(0xff800000u)  // the identity of the fmaxf row max
-// Shared floats of one block's tile (static: 45 KiB, under the 48 KiB default limit). A tile of
-// S samples holds its R = S * (1 + n_priors) rows twice (p and log p) plus three row statistics:
-// S = floor(ENS_SMEM_FLOATS / ((1 + n_priors) * (2 * num_atoms + 3))) (ensemble.py checks S >= 1).
+// Shared floats of one block (static: 45 KiB, under the 48 KiB default limit), in slots of one
+// sample each: its 1 + n_priors rows twice (p and log p) plus three row statistics, the rows at a
+// stride of num_atoms rounded up to 4 floats and the slot to a multiple of 4 floats where that
+// fits (else unpadded: floor(ENS_SMEM_FLOATS / ((1 + n_priors) * (2 * num_atoms + 3))) slots,
+// which ensemble.py checks is >= 1).
 #define ENS_SMEM_FLOATS 11520
-// Elements of a tile one thread loads per round (loads in flight together).
-#define ENS_LOAD_UNROLL 8
+// Elements of a sample one lane loads per round (loads in flight together).
+#define ENS_LOAD_UNROLL 6
+
+// Element e + 32 of a warp's row-major [heads, na] walk from element e's (h, j): step_h / step_j
+// are 32 / na and 32 % na (no division per element).
+static __device__ __forceinline__ void ens_advance(int* h, int* j, int step_h, int step_j,
+                                                   int na) {
+    *h += step_h;
+    *j += step_j;
+    if (*j >= na) {
+        *j -= na;
+        *h += 1;
+    }
+}
+
+struct EnsMax {
+    __device__ __forceinline__ float operator()(float acc, float x) const { return fmaxf(acc, x); }
+};
+struct EnsAdd {
+    __device__ __forceinline__ float operator()(float acc, float x) const {
+        return __fadd_rn(acc, x);
+    }
+};
+
+// acc = op(...op(op(init, row[0]), row[1])..., row[na - 1]): the serial row reductions in atom
+// order. With `vec` (row 16-byte aligned) four atoms per shared load (the same op order).
+template <typename Op>
+static __device__ __forceinline__ float ens_row_chain(const float* row, int na, bool vec,
+                                                      float init, Op op) {
+    float acc = init;
+    int a = 0;
+    if (vec) {
+        const float4* row4 = reinterpret_cast<const float4*>(row);
+#pragma unroll 4
+        for (; a + 4 <= na; a += 4) {
+            const float4 x = row4[a >> 2];
+            acc = op(acc, x.x);
+            acc = op(acc, x.y);
+            acc = op(acc, x.z);
+            acc = op(acc, x.w);
+        }
+    }
+#pragma unroll 4
+    for (; a < na; ++a) {
+        acc = op(acc, row[a]);
+    }
+    return acc;
+}
 
 // ---------------------------------------------------------------------------------------------
 // ens_kl_grad: v [batch, num_atoms] (head 0's logits), priors [n_priors, batch, num_atoms]
@@ -31,124 +79,184 @@
 //   *loss = -(scale * (block_sum(acc) + 0)), thread t's acc = (-0 + kl[t]) + kl[t + T] + ...
 //
 // ONE cluster of FH_CLUSTER blocks (8 on sm_90, else 1) of T threads. Block rank r owns the
-// samples [r Q, (r + 1) Q), Q = ceil(batch / FH_CLUSTER), in tiles of S samples staged in shared
-// memory: the rows are read coalesced (several loads in flight per thread); one thread per row
-// makes its max, one per element e_j, one per row the sum s (and sg, logf(sg)), one per element
-// p and log p, one per (sample, atom) d_v and the KL terms, one per (prior, sample) KL_k, one per
-// sample kl. After the cluster barrier (kl's global writes visible), block 0 makes the loss.
+// samples [r Q, (r + 1) Q), Q = ceil(batch / FH_CLUSTER), ONE WARP PER SAMPLE: warp w of the
+// first W = min(T / 32, ENS_SMEM_FLOATS / ((1 + n_priors) (2 num_atoms + 3))) takes the
+// samples r Q + w, r Q + w + W, ... in its own shared-memory slot (ENS_SMEM_FLOATS; W counts the
+// slots of the layout used), synchronising with __syncwarp only: the lanes read the rows
+// coalesced (ENS_LOAD_UNROLL loads in flight per lane) and make every elementwise value (e_j, p,
+// log p, the KL terms, d_v) one lane per element; only the reductions in the contract's order run
+// serially, lane h making row h's max and sum, lane k - 1 KL_k (ens_row_chain: float4 shared
+// loads on padded rows), lane 0 kl[b]. After the cluster barrier (kl's global writes visible),
+// block 0 makes the loss.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
 ens_kl_grad(const float* __restrict__ v, const float* __restrict__ priors,
             float* __restrict__ d_v, float* __restrict__ kl, float* __restrict__ loss, int batch,
             int num_atoms, int n_priors, float eps) {
-    __shared__ float smem[ENS_SMEM_FLOATS];
+    __shared__ __align__(16) float smem[ENS_SMEM_FLOATS];
     __shared__ float scratch[REDUCE_WARP + 1];
     const float scale = __fdiv_rn(1.0f, (float)(batch * n_priors));
     const int heads = 1 + n_priors;
-    const int tile = ENS_SMEM_FLOATS / (heads * (2 * num_atoms + 3));
+    const int na = num_atoms;
+    const int n = heads * na;  // a sample's elements: e = h * na + j, head h (0 = v), atom j
+    // Rows at a stride of na rounded up to 4 floats and slots of a multiple of 4 floats (the
+    // serial row reductions then read float4) where that fits, else at stride na.
+    const int na4 = (na + 3) & ~3;
+    const int padded = (heads * (2 * na4 + 3) + 3) & ~3;
+    const bool vec = padded <= ENS_SMEM_FLOATS;
+    const int stride = vec ? na4 : na;  // element (h, j) of a slot's array at h * stride + j
+    const int per_sample = vec ? padded : heads * (2 * na + 3);
+    const int warps = (int)(blockDim.x / REDUCE_WARP);
+    const int fit = ENS_SMEM_FLOATS / per_sample;
+    const int slots = warps < fit ? warps : fit;
     const int per_block = (batch + FH_CLUSTER - 1) / FH_CLUSTER;
     const int first = min(batch, fh_cluster_rank() * per_block);
     const int last = min(batch, first + per_block);
-    for (int b0 = first; b0 < last; b0 += tile) {
-        const int S = min(tile, last - b0);
-        const int R = S * heads;  // row r = h * S + s: head h (0 = v, k = prior k) of sample b0 + s
-        float* P = smem;                    // [R, num_atoms]: p
-        float* L = P + R * num_atoms;       // [R, num_atoms]: the logits, then log p
-        float* row_m = L + R * num_atoms;   // [R]
-        float* row_sg = row_m + R;          // [R]
-        float* row_ls = row_sg + R;         // [R]
-        const int n = R * num_atoms;
-        // ENS_LOAD_UNROLL global loads in flight per thread before their shared stores (one
-        // load per store would wait out a load's latency per element).
-        for (int e0 = threadIdx.x; e0 < n; e0 += ENS_LOAD_UNROLL * blockDim.x) {
-            float x[ENS_LOAD_UNROLL];
+    const int warp = (int)(threadIdx.x / REDUCE_WARP);
+    const int lane = (int)(threadIdx.x % REDUCE_WARP);
+    if (warp < slots) {
+        float* P = smem + warp * per_sample;  // [heads, stride]: e_j, then p
+        float* L = P + heads * stride;        // [heads, stride]: the logits, log p, KL terms
+        float* row_m = L + heads * stride;    // [heads]: the row max, then KL_k at k
+        float* row_sg = row_m + heads;        // [heads]
+        float* row_ls = row_sg + heads;       // [heads]
+        // (h, j) of element `lane`, and the step of 32 elements: no division per element.
+        const int lane_h = lane / na, lane_j = lane - lane_h * na;
+        const int step_h = REDUCE_WARP / na, step_j = REDUCE_WARP - step_h * na;
+        const int prior_stride = batch * na;  // head h >= 1 at (h - 1) * prior_stride
+        // The padded layout's float4 groups (a row's na4 / 4), walked like the elements.
+        const int groups_row = stride >> 2, groups = heads * groups_row;
+        const int lane_gh = vec ? lane / groups_row : 0, lane_gc = lane - lane_gh * groups_row;
+        const int gstep_h = vec ? REDUCE_WARP / groups_row : 0;
+        const int gstep_c = REDUCE_WARP - gstep_h * groups_row;
+        const int pads = stride - na;  // per row: zeroed for each sample, so never NaN or Inf
+        for (int b = first + warp; b < last; b += slots) {
+            const float* v_row = v + b * na;
+            const float* p_row = priors + b * na;
+            int h = lane_h, j = lane_j;
+            for (int e0 = lane; e0 < n; e0 += ENS_LOAD_UNROLL * REDUCE_WARP) {
+                float x[ENS_LOAD_UNROLL];
+                int hh = h, jj = j;
+                int at[ENS_LOAD_UNROLL];  // the elements' places in the slot
 #pragma unroll
-            for (int u = 0; u < ENS_LOAD_UNROLL; ++u) {
-                const int e = e0 + u * blockDim.x;
-                if (e < n) {
-                    const int r = e / num_atoms, j = e - r * num_atoms;
-                    const int h = r / S, s = r - h * S;
-                    const float* src = h == 0 ? v : priors + (long long)(h - 1) * batch * num_atoms;
-                    x[u] = src[(long long)(b0 + s) * num_atoms + j];
+                for (int u = 0; u < ENS_LOAD_UNROLL; ++u) {
+                    if (e0 + u * REDUCE_WARP < n) {
+                        const float* src = hh == 0 ? v_row : p_row + (hh - 1) * prior_stride;
+                        x[u] = src[jj];
+                    }
+                    at[u] = hh * stride + jj;
+                    ens_advance(&hh, &jj, step_h, step_j, na);
+                }
+#pragma unroll
+                for (int u = 0; u < ENS_LOAD_UNROLL; ++u) {
+                    if (e0 + u * REDUCE_WARP < n) {
+                        L[at[u]] = x[u];
+                    }
+                }
+                h = hh;
+                j = jj;
+            }
+            for (int z = lane; z < heads * pads; z += REDUCE_WARP) {
+                const int r = z / pads;
+                L[r * stride + na + (z - r * pads)] = 0.0f;
+            }
+            __syncwarp();
+            for (int r = lane; r < heads; r += REDUCE_WARP) {
+                row_m[r] = ens_row_chain(L + r * stride, na, vec, ENS_NEG_INF, EnsMax());
+            }
+            __syncwarp();
+            if (vec) {  // four atoms of one row per lane and step (the pads too: unread)
+                float4* P4 = reinterpret_cast<float4*>(P);
+                const float4* L4 = reinterpret_cast<const float4*>(L);
+                int gh = lane_gh, gc = lane_gc;
+                for (int g = lane; g < groups; g += REDUCE_WARP) {
+                    const float m = row_m[gh];
+                    const float4 x = L4[g];
+                    float4 ex;
+                    ex.x = expf(__fsub_rn(x.x, m));
+                    ex.y = expf(__fsub_rn(x.y, m));
+                    ex.z = expf(__fsub_rn(x.z, m));
+                    ex.w = expf(__fsub_rn(x.w, m));
+                    P4[g] = ex;
+                    ens_advance(&gh, &gc, gstep_h, gstep_c, groups_row);
+                }
+            } else {
+                h = lane_h;
+                j = lane_j;
+#pragma unroll 1
+                for (int e = lane; e < n; e += REDUCE_WARP) {
+                    const int at = h * stride + j;
+                    P[at] = expf(__fsub_rn(L[at], row_m[h]));  // e_j, then p below
+                    ens_advance(&h, &j, step_h, step_j, na);
                 }
             }
-#pragma unroll
-            for (int u = 0; u < ENS_LOAD_UNROLL; ++u) {
-                const int e = e0 + u * blockDim.x;
-                if (e < n) {
-                    L[e] = x[u];
+            __syncwarp();
+            for (int r = lane; r < heads; r += REDUCE_WARP) {
+                const float s = ens_row_chain(P + r * stride, na, vec, 0.0f, EnsAdd());
+                const float sg = s < eps ? eps : s;
+                row_sg[r] = sg;
+                row_ls[r] = logf(sg);
+            }
+            __syncwarp();
+            if (vec) {
+                float4* P4 = reinterpret_cast<float4*>(P);
+                float4* L4 = reinterpret_cast<float4*>(L);
+                int gh = lane_gh, gc = lane_gc;
+                for (int g = lane; g < groups; g += REDUCE_WARP) {
+                    const float m = row_m[gh], sg = row_sg[gh], ls = row_ls[gh];
+                    float4 p = P4[g], x = L4[g];
+                    p.x = __fdiv_rn(p.x, sg);
+                    p.y = __fdiv_rn(p.y, sg);
+                    p.z = __fdiv_rn(p.z, sg);
+                    p.w = __fdiv_rn(p.w, sg);
+                    x.x = __fsub_rn(__fsub_rn(x.x, m), ls);
+                    x.y = __fsub_rn(__fsub_rn(x.y, m), ls);
+                    x.z = __fsub_rn(__fsub_rn(x.z, m), ls);
+                    x.w = __fsub_rn(__fsub_rn(x.w, m), ls);
+                    P4[g] = p;
+                    L4[g] = x;
+                    ens_advance(&gh, &gc, gstep_h, gstep_c, groups_row);
+                }
+            } else {
+                h = lane_h;
+                j = lane_j;
+#pragma unroll 1
+                for (int e = lane; e < n; e += REDUCE_WARP) {
+                    const int at = h * stride + j;
+                    P[at] = __fdiv_rn(P[at], row_sg[h]);
+                    L[at] = __fsub_rn(__fsub_rn(L[at], row_m[h]), row_ls[h]);
+                    ens_advance(&h, &j, step_h, step_j, na);
                 }
             }
-        }
-        __syncthreads();
-        // Only the sums run serially (their order is the contract); their terms are made one
-        // thread per element, so no thread waits out an expf or a division per atom.
-        for (int r = threadIdx.x; r < R; r += blockDim.x) {
-            const float* row = L + r * num_atoms;
-            float m = ENS_NEG_INF;
-#pragma unroll 4
-            for (int j = 0; j < num_atoms; ++j) {
-                m = fmaxf(m, row[j]);
+            __syncwarp();
+            // d_v and the KL terms: atom a of head 0 against (k, a); the term overwrites prior
+            // k's log p (read once, here).
+            for (int a = lane; a < na; a += REDUCE_WARP) {
+                const float p0 = P[a], lp0 = L[a];
+                float d = 0.0f;
+                for (int k = 1; k < heads; ++k) {
+                    const int ek = k * stride + a;
+                    const float pk = P[ek];
+                    L[ek] = __fmul_rn(pk, __fsub_rn(L[ek], lp0));
+                    d = __fadd_rn(d, __fsub_rn(pk, p0));
+                }
+                d_v[b * na + a] = __fmul_rn(scale, d);
             }
-            row_m[r] = m;
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < n; e += blockDim.x) {
-            P[e] = expf(__fsub_rn(L[e], row_m[e / num_atoms]));  // e_j, then p below
-        }
-        __syncthreads();
-        for (int r = threadIdx.x; r < R; r += blockDim.x) {
-            const float* ex = P + r * num_atoms;
-            float s = 0.0f;
-#pragma unroll 4
-            for (int j = 0; j < num_atoms; ++j) {
-                s = __fadd_rn(s, ex[j]);
+            __syncwarp();
+            // KL_k, lane k - 1 into row_m[k] (free since the terms), then kl[b] in head order.
+            for (int q = lane; q < n_priors; q += REDUCE_WARP) {
+                row_m[1 + q] = ens_row_chain(L + (1 + q) * stride, na, vec, 0.0f, EnsAdd());
             }
-            const float sg = s < eps ? eps : s;
-            row_sg[r] = sg;
-            row_ls[r] = logf(sg);
-        }
-        __syncthreads();
-        for (int e = threadIdx.x; e < n; e += blockDim.x) {
-            const int r = e / num_atoms;
-            P[e] = __fdiv_rn(P[e], row_sg[r]);
-            L[e] = __fsub_rn(__fsub_rn(L[e], row_m[r]), row_ls[r]);
-        }
-        __syncthreads();
-        // d_v and the KL terms: element (s, j) of head 0 against (k S + s, j); the term
-        // overwrites prior k's log p (read once, here).
-        for (int e = threadIdx.x; e < S * num_atoms; e += blockDim.x) {
-            const float p0 = P[e], lp0 = L[e];
-            float d = 0.0f;
-            for (int k = 1; k < heads; ++k) {
-                const int ek = k * S * num_atoms + e;
-                const float pk = P[ek];
-                L[ek] = __fmul_rn(pk, __fsub_rn(L[ek], lp0));
-                d = __fadd_rn(d, __fsub_rn(pk, p0));
+            __syncwarp();
+            if (lane == 0) {
+                float kl_b = 0.0f;
+                for (int k = 1; k < heads; ++k) {
+                    kl_b = __fadd_rn(kl_b, row_m[k]);
+                }
+                kl[b] = kl_b;
             }
-            d_v[(long long)b0 * num_atoms + e] = __fmul_rn(scale, d);
+            __syncwarp();  // the next sample reuses the slot
         }
-        __syncthreads();
-        // KL_k, one thread per (prior k, sample s), into row_m[k S + s] (free since the terms),
-        // then kl[b] one thread per sample, in head order.
-        for (int q = threadIdx.x; q < n_priors * S; q += blockDim.x) {
-            const float* terms = L + (S + q) * num_atoms;
-            float kl_k = 0.0f;
-#pragma unroll 4
-            for (int j = 0; j < num_atoms; ++j) {
-                kl_k = __fadd_rn(kl_k, terms[j]);
-            }
-            row_m[S + q] = kl_k;
-        }
-        __syncthreads();
-        for (int s = threadIdx.x; s < S; s += blockDim.x) {
-            float kl_b = 0.0f;
-            for (int k = 1; k < heads; ++k) {
-                kl_b = __fadd_rn(kl_b, row_m[k * S + s]);
-            }
-            kl[b0 + s] = kl_b;
-        }
-        __syncthreads();  // the next tile reuses smem
     }
     fh_cluster_sync();
     if (fh_cluster_rank() != 0) {

@@ -36,20 +36,41 @@ extern "C" __global__ void dueling_combine_branches(const float* __restrict__ v,
 //   logits[r, j] = v[b, j] + (adv[r, j] - mean_a adv_d[b, :, j])   (dueling_combine_body's ops);
 //   logp[r, :] = log_softmax(logits[r, :]); q[r] = sum_j exp(logp[r, j]) * z[j] if with_q,
 // for every packed row r = batch * action_offset[d] + b * n_d + a of branch d (blockIdx.y = d).
-// One warp per sample b of branch d (grid-stride over the batch): lane l first computes the
-// cell means of its atoms j = l + 32 k once (dueling_mean: the action-order sum / n_d, into
-// the warp's `means` row of shared memory), then the warp runs the n_d rows of the sample in
-// groups of up to kDuelingRowGroup rows (dueling_row_group: each row's ops are those of
-// dueling_combine then log_softmax_row, the rows of a group interleaved for latency): every
-// value is bitwise that of dueling_combine_branches followed by log_softmax_expected_q. Lane l
-// reads back only the shared entries it wrote, so no barrier is needed. with_q (0 or 1) is
+// One warp per sample b of branch d (grid-stride over the batch; what a warp computes does not
+// depend on which warp or block runs the sample, so the outputs are the same for any grid and
+// any block of whole warps up to kDuelingMaxWarps). Two paths, chosen per branch (uniform):
+// - registers (1 <= n_d <= kDuelingRegRows and num_atoms <= 32 * kDuelingRegChunks, the seed's
+//   shapes): the warp loads the sample's every adv and v value at once (one memory round trip
+//   per sample instead of one per phase and atom chunk), then runs the operations below on
+//   registers (dueling_sample_regs);
+// - shared memory (otherwise): lane l first computes the cell means of its atoms j = l + 32 k
+//   once (dueling_mean: the action-order sum / n_d, into the warp's `means` row of shared
+//   memory), then the warp runs the n_d rows of the sample in groups of up to kDuelingRowGroup
+//   rows (dueling_row_group). Lane l reads back only the shared entries it wrote, so no barrier
+//   is needed.
+// In both, each row's ops are those of dueling_combine then log_softmax_row (the rows of a
+// sample interleaved for latency): every value is bitwise that of dueling_combine_branches
+// followed by log_softmax_expected_q. NaN/Inf: those of the two kernels (the max skips NaN via
+// fmaxf; a NaN or +Inf value, or an all -Inf row, makes the row's logp NaN). with_q (0 or 1) is
 // uniform; with with_q = 0, z and q are not read or written (may be null). Dynamic shared
-// memory: (blockDim.x / 32) * (1 + kDuelingRowGroup) * num_atoms floats.
+// memory (the shared path's; the plan always gives it): (blockDim.x / 32) * (1 +
+// kDuelingRowGroup) * num_atoms floats.
 // --------------------------------------------------------------------------------------------
 namespace {
 // dueling_log_softmax_q_branches: at most this many rows of a sample are staged at once
 // (fast/kernels/fused.py DUELING_ROW_GROUP: the plan's shared memory).
 constexpr int kDuelingRowGroup = 4;
+// dueling_log_softmax_q_branches' register path: a branch of at most kDuelingRegRows actions
+// with at most kWarp * kDuelingRegChunks atoms (the seed's (3, 3, 2) x 51) keeps a sample's
+// rows in registers (lane l: atoms l + 32 c, c < kDuelingRegChunks).
+constexpr int kDuelingRegRows = 4;
+constexpr int kDuelingRegChunks = 2;
+// dueling_log_softmax_q_branches' launch bound: at most kDuelingMaxWarps warps per block
+// (fast/kernels/fused.py DUELING_WARPS, the plan's most), and registers for kDuelingMinBlocks
+// such blocks per SM: 48 on sm_80 / sm_90 (72 unbounded: 7 blocks); the member build spills
+// 4-12 bytes there (the sample loop's counters, once per sample).
+constexpr int kDuelingMaxWarps = 4;
+constexpr int kDuelingMinBlocks = 10;
 }  // namespace
 
 // kRows consecutive rows of one sample by one warp (all 32 lanes, warp-uniform arguments):
@@ -132,15 +153,130 @@ static __device__ __forceinline__ void dueling_row_group(
     }
 }
 
-extern "C" __global__ void dueling_log_softmax_q_branches(const float* __restrict__ v,
-                                                          const float* __restrict__ adv,
-                                                          const float* __restrict__ z,
-                                                          const int* __restrict__ n_actions,
-                                                          const int* __restrict__ action_offset,
-                                                          float* __restrict__ logits,
-                                                          float* __restrict__ logp,
-                                                          float* __restrict__ q, int batch,
-                                                          int num_atoms, int with_q) {
+// The register path: all kRows (= n_d, 1 <= kRows <= kDuelingRegRows) rows of one sample by one
+// warp (all 32 lanes), num_atoms <= kWarp * kDuelingRegChunks. Lane l owns atoms j = l + 32 c
+// (c < kDuelingRegChunks, those below num_atoms) of every row. Every adv and v value of the
+// sample is loaded up front (one round trip: the loads are independent), then the operations of
+// the shared-memory path run on the registers in its order: the cell mean of atom j is
+// dueling_mean's (x[0] + x[1] + ... in action order, / n_d as a float), each value
+// v_j + (adv - mean) (written to logits), then per row log_softmax_row's (the max from -Inf over
+// the lane's atoms in j order, warp_max_halving; the exp sum from +0.0, warp_sum_halving, logf;
+// logp = (value - m) - log_sum; Q's terms expf(logp) * z_j from +0.0, warp_sum_halving), the
+// rows' instructions interleaved. The values are those the other path stages in (and reads back
+// from) shared memory, so every output is bitwise the same. z_lane holds z[j] of the lane's atoms
+// (read once per warp; unused without with_q).
+template <int kRows>
+static __device__ __forceinline__ void dueling_sample_regs(
+    const float* __restrict__ v_b, const float* __restrict__ adv_b,
+    const float (&z_lane)[kDuelingRegChunks], float* __restrict__ logits_b,
+    float* __restrict__ logp_b, float* __restrict__ q_b, bool with_q, int num_atoms, int lane) {
+    constexpr int kC = kDuelingRegChunks;
+    float x[kRows][kC];
+    float v_j[kC];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+        const int j = lane + c * kWarp;
+        v_j[c] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            x[r][c] = 0.0f;
+        }
+        if (j < num_atoms) {
+            v_j[c] = v_b[j];
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+                x[r][c] = adv_b[r * num_atoms + j];
+            }
+        }
+    }
+    // dueling_combine: the cell means, then the values (in place), written to logits.
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+        const int j = lane + c * kWarp;
+        if (j < num_atoms) {
+            float sum = x[0][c];
+#pragma unroll
+            for (int r = 1; r < kRows; ++r) {
+                sum = sum + x[r][c];
+            }
+            const float mean = sum / static_cast<float>(kRows);
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+                x[r][c] = v_j[c] + (x[r][c] - mean);
+                logits_b[r * num_atoms + j] = x[r][c];
+            }
+        }
+    }
+    // log_softmax_row per row. An atom past num_atoms (x = 0.0f, finite) leaves the lane's
+    // max and sums as they are (selects, not branches: its terms are computed and dropped).
+    float m[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        m[r] = negative_infinity();
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+            const bool own = lane + c * kWarp < num_atoms;
+            m[r] = own ? fmaxf(m[r], x[r][c]) : m[r];
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        m[r] = warp_max_halving(m[r]);
+    }
+    float log_sum[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        float sum = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+            const bool own = lane + c * kWarp < num_atoms;
+            const float term = expf(x[r][c] - m[r]);
+            sum = own ? sum + term : sum;
+        }
+        log_sum[r] = sum;
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        log_sum[r] = logf(warp_sum_halving(log_sum[r]));
+    }
+    float q[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        q[r] = 0.0f;
+#pragma unroll
+        for (int c = 0; c < kC; ++c) {
+            const int j = lane + c * kWarp;
+            const bool own = j < num_atoms;
+            const float value = (x[r][c] - m[r]) - log_sum[r];
+            if (own) {
+                logp_b[r * num_atoms + j] = value;
+            }
+            if (with_q) {
+                const float term = expf(value) * z_lane[c];
+                q[r] = own ? q[r] + term : q[r];
+            }
+        }
+    }
+    if (with_q) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            q[r] = warp_sum_halving(q[r]);
+        }
+        if (lane == 0) {
+#pragma unroll
+            for (int r = 0; r < kRows; ++r) {
+                q_b[r] = q[r];
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(kDuelingMaxWarps * kWarp, kDuelingMinBlocks)
+dueling_log_softmax_q_branches(const float* __restrict__ v, const float* __restrict__ adv,
+                               const float* __restrict__ z, const int* __restrict__ n_actions,
+                               const int* __restrict__ action_offset, float* __restrict__ logits,
+                               float* __restrict__ logp, float* __restrict__ q, int batch,
+                               int num_atoms, int with_q) {
     extern __shared__ float dueling_rows[];  // [blockDim.x / 32, 1 + kDuelingRowGroup, NA]
     const int d = blockIdx.y;
     const int num_actions = n_actions[d];
@@ -151,10 +287,42 @@ extern "C" __global__ void dueling_log_softmax_q_branches(const float* __restric
     const bool want_q = with_q != 0;
     float* means = dueling_rows + warp * (1 + kDuelingRowGroup) * num_atoms;
     float* rows_s = means + num_atoms;
+    // The register path (block-uniform: the branch's n_d and num_atoms).
+    const bool in_regs = num_actions >= 1 && num_actions <= kDuelingRegRows &&
+                         num_atoms <= kWarp * kDuelingRegChunks;
+    float z_lane[kDuelingRegChunks];
+#pragma unroll
+    for (int c = 0; c < kDuelingRegChunks; ++c) {
+        const int j = lane + c * kWarp;
+        z_lane[c] = (in_regs && want_q && j < num_atoms) ? z[j] : 0.0f;
+    }
     for (int b = blockIdx.x * warps + warp; b < batch; b += gridDim.x * warps) {
         const int row0 = first_row + b * num_actions;  // the sample's first packed row
         const float* adv_b = adv + row0 * num_atoms;
         const float* v_b = v + b * num_atoms;
+        if (in_regs) {
+            const int offset = row0 * num_atoms;
+            float* q_b = want_q ? q + row0 : nullptr;  // not dereferenced without want_q
+            switch (num_actions) {
+                case 1:
+                    dueling_sample_regs<1>(v_b, adv_b, z_lane, logits + offset, logp + offset,
+                                           q_b, want_q, num_atoms, lane);
+                    break;
+                case 2:
+                    dueling_sample_regs<2>(v_b, adv_b, z_lane, logits + offset, logp + offset,
+                                           q_b, want_q, num_atoms, lane);
+                    break;
+                case 3:
+                    dueling_sample_regs<3>(v_b, adv_b, z_lane, logits + offset, logp + offset,
+                                           q_b, want_q, num_atoms, lane);
+                    break;
+                default:
+                    dueling_sample_regs<4>(v_b, adv_b, z_lane, logits + offset, logp + offset,
+                                           q_b, want_q, num_atoms, lane);
+                    break;
+            }
+            continue;
+        }
         for (int j = lane; j < num_atoms; j += kWarp) {
             means[j] = dueling_mean(adv_b, j, num_actions, num_atoms);
         }

@@ -20,12 +20,12 @@
 #define IQN_LOSS_THREADS 256
 // Shared floats of iqn_quantile_huber's rho tile (fast/kernels/iqn.py IQN_RHO_FLOATS).
 #define IQN_RHO_FLOATS 8192
+// Target values iqn_quantile_huber loads together (registers) before their uses, and terms its
+// loss reads together from the cluster's blocks.
+#define IQN_QT_BATCH 8
+#define IQN_DSMEM_BATCH 4
 #define IQN_PI 3.141592653589793  // numpy.pi, a double
 #define IQN_F32_EXP_MASK 0x7f800000u
-
-// Lanes of a warp (iqn_tau_cos draws one row's fraction per lane and shuffles it).
-#define IQN_WARP 32u
-#define IQN_FULL_MASK 0xffffffffu
 
 // 32-bit indices throughout: every array of these kernels holds fewer than 2^30 elements
 // (fast/kernels/_runtime.py MAX_ELEMENTS), so an index plus a grid stride (at most
@@ -38,40 +38,53 @@ static __device__ __forceinline__ bool iqn_is_finite(float x) {
     return (__float_as_uint(x) & IQN_F32_EXP_MASK) != IQN_F32_EXP_MASK;
 }
 
-// 32-feature chunks of iqn_tau_cos per warp and draw at most (fast/kernels/iqn.py
-// IQN_COS_CHUNKS).
+// Features per thread and block iteration of iqn_tau_cos (fast/kernels/iqn.py IQN_COS_CHUNKS;
+// the kernel spells its two features out), and the most features one block iteration may cover
+// (its rows' draws fit the shared buffer).
 #define IQN_COS_CHUNKS 2u
+#define IQN_COS_SPAN 512u
+// 2^52 as a double: (double)k == __hiloint2double(0x43300000, k) - 2^52 exactly for 0 <= k < 2^32
+// (one double add instead of a 32 -> 64-bit conversion, the slowest kind of instruction).
+#define IQN_TWO_52 4503599627370496.0
+#define IQN_TWO_52_HI 0x43300000
 
-// Chunks per warp span of iqn_tau_cos: IQN_COS_CHUNKS where the span's 32 R features lie in at
-// most 32 rows (32 R <= 31 n_cos + 1), else fewer (at least 1). fast/kernels/iqn.py
-// iqn_cos_chunks is the same formula.
-static __device__ __forceinline__ unsigned int iqn_cos_chunks(unsigned int n_cos) {
-    if (n_cos >= IQN_WARP) {
-        return IQN_COS_CHUNKS;
+// (row, column) of a flat index of a [rows, nc] array, advanced by a stride split as
+// (step_q, step_r) = divmod(stride, nc) (no division per step).
+static __device__ __forceinline__ void iqn_advance(unsigned int* m, unsigned int* k,
+                                                   unsigned int step_q, unsigned int step_r,
+                                                   unsigned int nc) {
+    *m += step_q;
+    *k += step_r;
+    if (*k >= nc) {
+        *k -= nc;
+        *m += 1u;
     }
-    const unsigned int fit = (31u * n_cos + 1u) / IQN_WARP;
-    return fit < 1u ? 1u : (fit < IQN_COS_CHUNKS ? fit : IQN_COS_CHUNKS);
 }
 
 // ---------------------------------------------------------------------------------------------
 // tau[m] = rng_uniform(key, stream, *step, m); cosines[m, k] = (float)cos(pi * ((double)k * tau[m]))
 // for m < rows, k < n_cos. The offset is the trainer's step count, read from device memory (the
-// graph replays the same launch every step). Flat over rows * n_cos in warp spans of 32 R
-// consecutive features (R = iqn_cos_chunks(n_cos)), grid-stride over the spans: the span lies
-// in rows r0 .. r0 + 31 at most (r0 = its first feature's row), lane l draws row r0 + l (ten
-// Philox rounds, once per span instead of once per feature: a warp pays the same issue slots
-// however many lanes draw), then for each chunk c lane l takes feature base + 32 c + l, gets its
-// row's draw by a shuffle (the same bits) and computes the cosine; the thread of feature k == 0
-// stores tau. A block whose size is no multiple of 32 (never planned) draws per feature.
+// graph replays the same launch every step). Block-stride over spans of S = IQN_COS_CHUNKS * T
+// consecutive features (T = blockDim.x): first the block draws each row the span touches ONCE
+// (ten Philox rounds per row, not per feature; the thread of a row whose feature k == 0 lies in
+// the span stores tau) into a shared buffer as an exact double (two buffers, alternating, so one
+// barrier per span), then thread t computes features base + t and base + T + t, each feature's
+// (row, k) carried from span to span by additions (no division per feature) and (double)k made
+// exactly by a double add. The same operations per value whatever the grid, so the outputs do
+// not depend on gridDim.x. A block of more than IQN_COS_SPAN / IQN_COS_CHUNKS threads (never
+// planned) draws per feature.
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void iqn_tau_cos(const long long* __restrict__ step, unsigned int key_lo,
                                        unsigned int key_hi, unsigned int stream,
                                        float* __restrict__ tau, float* __restrict__ cosines,
                                        int rows, int n_cos) {
+    __shared__ double drawn[2][IQN_COS_SPAN];
     const unsigned long long offset = (unsigned long long)step[0];
     const unsigned int nc = (unsigned int)n_cos;
-    const unsigned int n = (unsigned int)rows * nc;
-    if ((blockDim.x & (IQN_WARP - 1u)) != 0u) {
+    const unsigned int n_rows = (unsigned int)rows;
+    const unsigned int n = n_rows * nc;
+    const unsigned int span = IQN_COS_CHUNKS * blockDim.x;
+    if (span > IQN_COS_SPAN) {
         IQN_GRID_LOOP(idx, n) {
             const unsigned int m = idx / nc;
             const int k = (int)(idx - m * nc);
@@ -83,32 +96,45 @@ extern "C" __global__ void iqn_tau_cos(const long long* __restrict__ step, unsig
         }
         return;
     }
-    const unsigned int lane = threadIdx.x & (IQN_WARP - 1u);
-    const unsigned int chunks = iqn_cos_chunks(nc);
-    const unsigned int span = IQN_WARP * chunks;
-    const unsigned int warp = (blockIdx.x * blockDim.x + threadIdx.x) / IQN_WARP;
-    const unsigned int warps = gridDim.x * blockDim.x / IQN_WARP;
-    // base: the span's first feature (warp-uniform, so the loops and the shuffles see all lanes).
-    for (unsigned int base = warp * span; base < n; base += warps * span) {
-        const unsigned int r0 = base / nc;
-        const float drawn = rng_uniform(key_lo, key_hi, stream, offset, r0 + lane);
-        for (unsigned int c = 0; c < chunks; ++c) {
-            const unsigned int idx = base + c * IQN_WARP + lane;
-            const unsigned int m = (idx < n ? idx : base) / nc;  // r0 <= m <= r0 + 31
-            const float t = __shfl_sync(IQN_FULL_MASK, drawn, (int)(m - r0));
-            if (idx < n) {
-                const int k = (int)(idx - m * nc);
-                if (k == 0) {
-                    tau[m] = t;
-                }
-                cosines[idx] = (float)cos(IQN_PI * ((double)k * (double)t));
+    // Rows a span of `span` features can touch: floor((span + nc - 2) / nc) + 1 <= span.
+    const unsigned int span_rows = (span + nc - 2u) / nc + 1u;
+    const unsigned int stride = gridDim.x * span;
+    const unsigned int stride_q = stride / nc, stride_r = stride - stride_q * nc;
+    unsigned int base = blockIdx.x * span;
+    unsigned int rb = base / nc, kb = base - rb * nc;  // the span's first feature
+    const unsigned int f0 = base + threadIdx.x, f1 = f0 + blockDim.x;
+    unsigned int m0 = f0 / nc, k0 = f0 - m0 * nc;       // this thread's two features
+    unsigned int m1 = f1 / nc, k1 = f1 - m1 * nc;
+    for (unsigned int it = 0; base < n; ++it) {
+        double* draws = drawn[it & 1u];
+        const unsigned int here = min(span_rows, n_rows - rb);
+        for (unsigned int r = threadIdx.x; r < here; r += blockDim.x) {
+            const float t = rng_uniform(key_lo, key_hi, stream, offset, rb + r);
+            draws[r] = (double)t;
+            const unsigned int start = r * nc;  // row rb + r's first feature is base + start - kb
+            if (start >= kb && start - kb < span) {
+                tau[rb + r] = t;
             }
         }
+        __syncthreads();  // also: every thread is past the span before last (its buffer's reader)
+        if (base + threadIdx.x < n) {
+            const double dk = __hiloint2double(IQN_TWO_52_HI, (int)k0) - IQN_TWO_52;
+            cosines[base + threadIdx.x] = (float)cos(IQN_PI * (dk * draws[m0 - rb]));
+        }
+        if (base + blockDim.x + threadIdx.x < n) {
+            const double dk = __hiloint2double(IQN_TWO_52_HI, (int)k1) - IQN_TWO_52;
+            cosines[base + blockDim.x + threadIdx.x] = (float)cos(IQN_PI * (dk * draws[m1 - rb]));
+        }
+        base += stride;
+        iqn_advance(&rb, &kb, stride_q, stride_r, nc);
+        iqn_advance(&m0, &k0, stride_q, stride_r, nc);
+        iqn_advance(&m1, &k1, stride_q, stride_r, nc);
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// e[m, h] = h2[m / n_quantiles, h] * phi[m, h]; e_bf16 (skipped when null) its BF16 bits.
+// e[m, h] = h2[m / n_quantiles, h] * phi[m, h]; e_bf16 (skipped when null) its BF16 bits. A
+// null e skips the float32 store too (a pass whose only reader is the BF16 GEMM).
 // Vector path (hidden % 4 == 0, h2 / phi / e 16-byte and e_bf16 8-byte aligned): flat over the
 // rows * hidden / 4 groups of four units, one float4 load of phi and of h2, one float4 store of
 // e and one 8-byte store of the four BF16 patterns (unit h + c in bits 16c .. 16c + 15, little
@@ -137,7 +163,9 @@ extern "C" __global__ void iqn_modulate(const float* __restrict__ h2, const floa
             o.y = __fmul_rn(a.y, p.y);
             o.z = __fmul_rn(a.z, p.z);
             o.w = __fmul_rn(a.w, p.w);
-            e_4[v] = o;
+            if (e != nullptr) {
+                e_4[v] = o;
+            }
             if (e_bf16 != nullptr) {
                 bf_4[v] = bf16_quad_bits(o);
             }
@@ -150,7 +178,9 @@ extern "C" __global__ void iqn_modulate(const float* __restrict__ h2, const floa
         const unsigned int m = idx / hd;
         const unsigned int h = idx - m * hd;
         const float v = __fmul_rn(h2[(m / nq) * hd + h], phi[idx]);
-        e[idx] = v;
+        if (e != nullptr) {
+            e[idx] = v;
+        }
         if (e_bf16 != nullptr) {
             e_bf16[idx] = f32_to_bf16_bits(v);
         }
@@ -243,11 +273,13 @@ extern "C" __global__ void iqn_modulate_backward(const float* __restrict__ de,
 // ONE cluster of FH_CLUSTER blocks (8 on sm_90, else 1) of IQN_LOSS_THREADS threads. Block rank
 // r owns the pairs [r Q, (r + 1) Q), Q = ceil(pairs / FH_CLUSTER), in tiles of T = max(1,
 // IQN_RHO_FLOATS / N^2) pairs: one thread per (pair, i) computes y (each recomputes the pair's
-// N targets; the i = 0 thread stores them), g_i, its row of dq and its N values of rho (shared
-// memory); then one thread per pair adds its rho in (i, j) order into its term (shared memory,
-// kept to the end). After the cluster barrier block 0 reads the terms (distributed shared
-// memory) in the one-block order above; a last barrier keeps every block's terms alive until
-// then. Every value is made by the same operations in the same order on any cluster size.
+// N targets, their q_target values loaded IQN_QT_BATCH at a time before their uses; the i = 0
+// thread stores them), g_i, its row of dq and its N values of rho (shared memory); then one
+// thread per pair adds its rho in (i, j) order into its term (shared memory, kept to the end).
+// After the cluster barrier block 0 reads the terms (distributed shared memory, IQN_DSMEM_BATCH
+// reads in flight per thread) in the one-block order above; a last barrier keeps every block's
+// terms alive until then. Every value is made by the same operations in the same order on any
+// cluster size. 32-bit indices (every array holds fewer than 2^30 elements).
 // Dynamic shared memory: (Q + T N^2) floats (fast/kernels/iqn.py plan_iqn_quantile_huber).
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void __launch_bounds__(IQN_LOSS_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
@@ -279,7 +311,7 @@ iqn_quantile_huber(const float* __restrict__ q, const float* __restrict__ q_targ
             const int pl = unit / N, i = unit - pl * N;
             const int p = p0 + pl;
             const int d = p / batch;
-            const int b = p % batch;
+            const int b = p - d * batch;
             const int off = action_offset[d];
             const int na = n_actions[d];
             const int taken = actions[p];
@@ -287,26 +319,41 @@ iqn_quantile_huber(const float* __restrict__ q, const float* __restrict__ q_targ
             const float coef = __fmul_rn(isw[b], scale);
             const float gamma_b = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on);
             const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
-            const long long row = ((long long)b * N + i) * a_total;
+            const float rb = r[b];
+            const int row = (b * N + i) * a_total;
             const float qi = q[row + off + taken];
-            const float ti = tau[(long long)b * N + i];
-            float* rho_i = rho + ((long long)pl * N + i) * N;
+            const float ti = tau[b * N + i];
+            // Target j's value at qt_col[j * a_total]; IQN_QT_BATCH of them loaded together.
+            const float* qt_col = q_target + b * N * a_total + off + chosen;
+            float* rho_i = rho + (pl * N + i) * N;
             float g = 0.0f;
-            for (int j = 0; j < N; ++j) {
-                const float qt = q_target[((long long)b * N + j) * a_total + off + chosen];
-                const float c = __fadd_rn(r[b], __fmul_rn(step_discount, qt));
-                const float yj = c > bound ? bound : (c < -bound ? -bound : c);
-                if (i == 0) {
-                    y[(long long)p * N + j] = yj;
+            for (int j0 = 0; j0 < N; j0 += IQN_QT_BATCH) {
+                float qt[IQN_QT_BATCH];
+#pragma unroll
+                for (int u = 0; u < IQN_QT_BATCH; ++u) {
+                    if (j0 + u < N) {
+                        qt[u] = qt_col[(j0 + u) * a_total];
+                    }
                 }
-                const float u = __fsub_rn(yj, qi);
-                const float w = fabsf(__fsub_rn(ti, u < 0.0f ? 1.0f : 0.0f));
-                const float au = fabsf(u);
-                const float huber = au <= 1.0f ? __fmul_rn(0.5f, __fmul_rn(u, u))
-                                               : __fsub_rn(au, 0.5f);
-                rho_i[j] = __fmul_rn(w, huber);
-                const float clipped = u > 1.0f ? 1.0f : (u < -1.0f ? -1.0f : u);
-                g = __fadd_rn(g, __fmul_rn(w, clipped));
+#pragma unroll
+                for (int u = 0; u < IQN_QT_BATCH; ++u) {
+                    const int j = j0 + u;
+                    if (j < N) {
+                        const float c = __fadd_rn(rb, __fmul_rn(step_discount, qt[u]));
+                        const float yj = c > bound ? bound : (c < -bound ? -bound : c);
+                        if (i == 0) {
+                            y[p * N + j] = yj;
+                        }
+                        const float u_j = __fsub_rn(yj, qi);
+                        const float w = fabsf(__fsub_rn(ti, u_j < 0.0f ? 1.0f : 0.0f));
+                        const float au = fabsf(u_j);
+                        const float huber = au <= 1.0f ? __fmul_rn(0.5f, __fmul_rn(u_j, u_j))
+                                                       : __fsub_rn(au, 0.5f);
+                        rho_i[j] = __fmul_rn(w, huber);
+                        const float clipped = u_j > 1.0f ? 1.0f : (u_j < -1.0f ? -1.0f : u_j);
+                        g = __fadd_rn(g, __fmul_rn(w, clipped));
+                    }
+                }
             }
             const float grad = -__fmul_rn(coef, g);
             for (int a = 0; a < na; ++a) {
@@ -316,21 +363,37 @@ iqn_quantile_huber(const float* __restrict__ q, const float* __restrict__ q_targ
         __syncthreads();
         for (int pl = threadIdx.x; pl < S; pl += blockDim.x) {
             const int b = (p0 + pl) % batch;
-            const float* rho_p = rho + (long long)pl * N * N;
+            const float coef = __fmul_rn(isw[b], scale);  // loaded before the sum's chain
+            const float* rho_p = rho + pl * N * N;
             float lsum = 0.0f;
             for (int k = 0; k < N * N; ++k) {
                 lsum = __fadd_rn(lsum, rho_p[k]);
             }
-            terms[p0 + pl - first] = __fmul_rn(__fmul_rn(isw[b], scale), lsum);
+            terms[p0 + pl - first] = __fmul_rn(coef, lsum);
         }
         __syncthreads();  // the next tile reuses rho
     }
     fh_cluster_sync();
     if (rank == 0) {
+        // Thread t adds the terms t, t + T, ... in order; IQN_DSMEM_BATCH of them are read
+        // (distributed shared memory) before their adds, so the reads overlap.
         float partial = REDUCE_SUM_IDENTITY;
-        for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-            const int owner = p / per_block;
-            partial = __fadd_rn(partial, fh_cluster_read(terms + (p - owner * per_block), owner));
+        for (int p = threadIdx.x; p < pairs; p += IQN_DSMEM_BATCH * blockDim.x) {
+            float t[IQN_DSMEM_BATCH];
+#pragma unroll
+            for (int u = 0; u < IQN_DSMEM_BATCH; ++u) {
+                const int pu = p + u * (int)blockDim.x;
+                if (pu < pairs) {
+                    const int owner = pu / per_block;
+                    t[u] = fh_cluster_read(terms + (pu - owner * per_block), owner);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < IQN_DSMEM_BATCH; ++u) {
+                if (p + u * (int)blockDim.x < pairs) {
+                    partial = __fadd_rn(partial, t[u]);
+                }
+            }
         }
         const float total = block_sum_halving(partial);
         if (threadIdx.x == 0) {

@@ -71,18 +71,37 @@ grad_norm_sq(const float* __restrict__ x, long long n, float* __restrict__ out) 
 }
 
 // grad_norm_partial: partials[k] = sum of finite x_i^2 for i in [k*block_size, (k+1)*block_size)
-// (clipped to n). Block k reduces segment k with the fixed tree of thread_partial + block_sum
+// (clipped to n). Segment k is reduced with the fixed tree of thread_partial + block_sum
 // (reduce.cuh): thread t's partial over the chunks of 4 consecutive elements t, t + T, ...
-// (T = blockDim.x), accumulator j summing element j of its chunks in order, the last partial
-// chunk going to thread chunks % T, the partial (a0 + a1) + (a2 + a3); then each warp's
-// butterfly and warp 0's butterfly over the warp sums in warp order, padded with -0.0. Never
-// NaN; +Inf only if a finite square overflowed.
+// (T = blockDim.x; chunk and element indices relative to the segment's start), accumulator j
+// summing element j of its chunks in order, the last partial chunk going to thread chunks % T,
+// the partial (a0 + a1) + (a2 + a3); then each warp's butterfly and warp 0's butterfly over the
+// warp sums in warp order, padded with -0.0. Never NaN; +Inf only if a finite square overflowed.
+// Grid-independent: block b reduces the segments b, b + gridDim.x, ... one after the other, each
+// with the whole block and the tree above, so any gridDim.x >= 1 gives the same outputs (a
+// population may then launch fewer blocks per member than the plan: fast/population_engine.py's
+// GRID_SHARED_KERNELS).
 // Throughput (populations launch N members' grids at once): a segment shorter than 2^31 (every
 // segment of the plans; the 64-bit thread_partial otherwise) is read with 32-bit indices, four
 // of a thread's chunks loaded before any is summed (gnp_thread_partial: thread_partial's sums in
-// its order), and the block sum takes one barrier (gnp_block_total: block_sum's tree; only thread
-// 0 needs the total).
-// Launch: grid ceil(n / block_size) (at least 1), block a multiple of 32 (plan_grad_norm_partial).
+// its order), and the block sum takes one barrier per segment (gnp_block_total: block_sum's tree;
+// only thread 0 needs the total; two scratch rows used in turn).
+// Launch: grid ceil(n / block_size) (at least 1; any grid >= 1 gives the same partials), block a
+// multiple of 32 (plan_grad_norm_partial).
+
+// Launch bounds of the segment kernels (grad_norm_partial, clip_saxpy_norm_partial[_wave]): their
+// plans launch at most PARTIAL_MAX_THREADS = 256 threads per block (fast/kernels/optim.py), and
+// the bound leaves registers for GNP_MIN_BLOCKS (32 per thread: a full SM) resp.
+// HB_BUDGET_MIN_BLOCKS (48 per thread) such blocks per SM, without spills (sm_80, sm_90; plain
+// and member builds).
+#define HB_PARTIAL_MAX_THREADS 256
+#define GNP_MIN_BLOCKS 8
+#define HB_BUDGET_MIN_BLOCKS 5
+
+// Segments of block_size elements covering n >= 0 elements: ceil(n / block_size), no overflow.
+__device__ __forceinline__ long long hb_segments(long long n, long long block_size) {
+    return n <= 0 ? 0 : (n - 1) / block_size + 1;
+}
 
 // One chunk's four finite squares into the accumulators (thread_partial_as's step).
 __device__ __forceinline__ void gnp_add_chunk(float& a0, float& a1, float& a2, float& a3,
@@ -147,8 +166,10 @@ __device__ __forceinline__ float gnp_thread_partial(const float* __restrict__ ba
 
 // block_sum(v, scratch)'s value for thread 0 (other threads: unspecified): each warp's warp_sum,
 // then warp 0's warp_sum over the warp sums in warp order padded with REDUCE_SUM_IDENTITY: the
-// same tree, with one barrier (no leading barrier: scratch has no earlier user; no broadcast).
-// Every thread of the block must call it; blockDim.x % 32 == 0.
+// same tree, with one barrier (no broadcast). `scratch` holds REDUCE_WARP floats of shared
+// memory. No leading barrier: a loop over segments passes two rows in turn (GNP_ROW), so the
+// row written here was last read by warp 0 two calls ago, before the barrier of the previous
+// call, which every warp has passed. Every thread of the block must call it; blockDim.x % 32 == 0.
 __device__ __forceinline__ float gnp_block_total(float v, float* scratch) {
     const int lane = threadIdx.x % REDUCE_WARP;
     const int warp = threadIdx.x / REDUCE_WARP;
@@ -166,24 +187,28 @@ __device__ __forceinline__ float gnp_block_total(float v, float* scratch) {
     return s;
 }
 
-extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
+// The scratch row of a block's k-th segment (k = 0, 1, ...): the two rows in turn.
+#define GNP_ROW(scratch, k) ((scratch)[(k) & 1])
+
+extern "C" __global__ void __launch_bounds__(HB_PARTIAL_MAX_THREADS, GNP_MIN_BLOCKS)
 grad_norm_partial(const float* __restrict__ x, long long n, long long block_size,
                   float* __restrict__ partials) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
-    __shared__ float scratch[REDUCE_WARP + 1];
-    const long long begin = (long long)blockIdx.x * block_size;
-    if (begin >= n) {
-        return;  // only for n == 0 (grid 1): no partial to write; uniform across the block
-    }
-    const long long end = min(begin + block_size, n);
-    // Uniform across the block (kernel arguments and blockIdx only): no divergence.
-    const float partial = (end - begin <= 0x7fffffffLL)
-                              ? gnp_thread_partial(x + begin, (unsigned)(end - begin))
-                              : thread_partial(x, begin, end, FiniteSquare());
-    const float total = gnp_block_total(partial, scratch);
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
+    __shared__ float scratch[2][REDUCE_WARP];
+    const long long segments = hb_segments(n, block_size);  // 0 for n == 0: nothing written
+    unsigned k = 0;
+    // Trip count and every branch: kernel arguments and blockIdx/gridDim only, uniform.
+    for (long long seg = blockIdx.x; seg < segments; seg += gridDim.x, ++k) {
+        const long long begin = seg * block_size;
+        const long long end = min(begin + block_size, n);
+        const float partial = (end - begin <= 0x7fffffffLL)
+                                  ? gnp_thread_partial(x + begin, (unsigned)(end - begin))
+                                  : thread_partial(x, begin, end, FiniteSquare());
+        const float total = gnp_block_total(partial, GNP_ROW(scratch, k));
+        if (threadIdx.x == 0) {
+            partials[seg] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
+        }
     }
 }
 
@@ -215,10 +240,39 @@ extern "C" __global__ void clip_grad_inplace(float* __restrict__ x, long long n,
 }
 
 // saxpy: y_i = y_i + a * x_i where x_i is finite; y_i kept bit for bit otherwise.
+// Work per thread (the same operation per element on every path, so the bits depend on neither
+// the path nor the launch shape: any gridDim.x >= 1 gives the same y): where y and x are 16-byte
+// aligned and fh_flat_narrow(n) holds (grid-uniform tests), thread t updates the 4-element
+// groups t, t + T, ... (T threads in the grid; 32-bit indices, one float4 load of each array and
+// one float4 store of y per group) and the n % 4 tail elements one per thread (flat.cuh); a
+// misaligned pointer takes a 32-bit scalar grid-stride loop, n >= 2^31 the 64-bit one.
+// plan_saxpy launches one thread per 4 elements.
 extern "C" __global__ void saxpy(float* __restrict__ y, const float* __restrict__ x, long long n,
                                  float a) {
-    for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
-        y[i] = hb_guarded_axpy(y[i], x[i], a);
+    if (!fh_flat_narrow(n)) {  // the 64-bit loop
+        for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
+            y[i] = hb_guarded_axpy(y[i], x[i], a);
+        }
+        return;
+    }
+    const unsigned int m = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
+    if (fh_aligned(y, 16) && fh_aligned(x, 16)) {
+        float4* __restrict__ y4 = reinterpret_cast<float4*>(y);
+        const float4* __restrict__ x4 = reinterpret_cast<const float4*>(x);
+        for (unsigned int g = first; g < m / 4; g += stride) {
+            const float4 xv = x4[g];
+            const float4 yv = y4[g];
+            y4[g] = make_float4(hb_guarded_axpy(yv.x, xv.x, a), hb_guarded_axpy(yv.y, xv.y, a),
+                                hb_guarded_axpy(yv.z, xv.z, a), hb_guarded_axpy(yv.w, xv.w, a));
+        }
+        // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
+        for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {
+            y[i] = hb_guarded_axpy(y[i], x[i], a);
+        }
+    } else {
+        for (unsigned int i = first; i < m; i += stride) {
+            y[i] = hb_guarded_axpy(y[i], x[i], a);
+        }
     }
 }
 
@@ -233,24 +287,62 @@ extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __r
     }
 }
 
-// The budget tail (clip_saxpy_norm_partial): out_i = hb_clip_saxpy(base_i, inject_i) and the
+// The budget tail (clip_saxpy_norm_partial, clip_saxpy_norm_partial_wave): out_i =
+// hb_clip_saxpy(base_i, inject_i) (the wave kernel then injects its sources) and the
 // finite-square partial of each block_size segment of out, in one pass over the segment.
 //
-// The per-thread partial reproduces thread_partial's order term for term (chunks of 4
-// consecutive elements; thread t takes chunks t, t + T, ...; accumulator j sums element j of
-// its chunks in order; the last, partial chunk goes to thread chunks % T; the partial is
-// (a0 + a1) + (a2 + a3)), on the values it stores; the block then sums with block_sum. So,
-// launched with grad_norm_partial's block size, the partials are grad_norm_partial(out)'s bit
-// for bit, and out is clip_grad_inplace + clipped_saxpy's. float4 accesses where the three
-// segment starts are 16-byte aligned, element accesses otherwise (the same sums).
-// The element op receives the element's index too (HbWaveBudgetOp's ranges read it).
+// A segment's partial reproduces grad_norm_partial's tree term for term, on the values it
+// stores: chunks of 4 consecutive elements (indices relative to the segment's start); thread t
+// takes chunks t, t + T, ... (T = blockDim.x); accumulator j sums element j of its chunks in
+// order; the last, partial chunk goes to thread chunks % T; the partial is (a0 + a1) + (a2 +
+// a3); the block then sums with block_sum's tree (gnp_block_total). So, launched with
+// grad_norm_partial's block size, the partials are grad_norm_partial(out)'s bit for bit, and out
+// is clip_grad_inplace + clipped_saxpy's. A chunk is read and stored as float4s where the
+// segment's base, inject and out starts are 16-byte aligned, element by element otherwise (the
+// same values).
+//
+// Grid-independent: every block computes the source norms once (the same tree in every block:
+// the same bits), then handles the segments b, b + gridDim.x, ... (b = blockIdx.x) one after the
+// other, each with the whole block and the order above; so any gridDim.x >= 1 gives the same
+// outputs (a population may launch fewer blocks per member than the plan: GRID_SHARED_KERNELS).
+// Throughput (populations: fewer blocks per member, each with several segments): 32-bit indices;
+// a thread loads Op::BATCH of its chunks (every array an element reads) before it computes any,
+// and loads the first chunks of its next segment before the block sum of the current one, so
+// those loads overlap the barrier; the block sum takes one barrier (gnp_block_total, two scratch
+// rows in turn). Only loads move: every value is computed by the same operations in the same
+// order. n or block_size of 2^31 or more (never planned) takes the 64-bit path
+// (hb_budget_segments_wide: hb_clip_saxpy_thread_partial, the same order).
 struct HbClipSaxpyOp {
     float s_base, a, s_inject;
+    // The 64-bit path's element (its index unused).
     __device__ __forceinline__ float operator()(long long, float base, float inject) const {
         return hb_clip_saxpy(base, inject, s_base, a, s_inject);
     }
+    // The segment path's interface (hb_budget_segments): what the op needs at a segment
+    // (Local: nothing here), what a chunk reads besides base and inject (Extra: nothing), the
+    // chunk of 4 elements at offset j of the segment starting at element `begin`, one element.
+    static constexpr int BATCH = 2;  // chunks in flight per thread (HbBudgetBatch)
+    struct Local {};
+    struct Extra {};
+    __device__ __forceinline__ Local local(unsigned, unsigned) const { return Local{}; }
+    __device__ __forceinline__ Extra load(const Local&, unsigned, unsigned) const {
+        return Extra{};
+    }
+    __device__ __forceinline__ float4 chunk(const Local&, unsigned, float4 b, float4 y,
+                                            const Extra&) const {
+        return make_float4(hb_clip_saxpy(b.x, y.x, s_base, a, s_inject),
+                           hb_clip_saxpy(b.y, y.y, s_base, a, s_inject),
+                           hb_clip_saxpy(b.z, y.z, s_base, a, s_inject),
+                           hb_clip_saxpy(b.w, y.w, s_base, a, s_inject));
+    }
+    __device__ __forceinline__ float element(const Local&, unsigned, unsigned, float b,
+                                             float y) const {
+        return hb_clip_saxpy(b, y, s_base, a, s_inject);
+    }
 };
 
+// The 64-bit path: the partial of segment [begin, end) in the order above, element op op(i,
+// base_i, inject_i) (i: the element's index in the buffer).
 template <class Op>
 __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
         const float* __restrict__ base, const float* __restrict__ inject, float* __restrict__ out,
@@ -269,7 +361,6 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
         const float4* b4 = reinterpret_cast<const float4*>(b);
         const float4* y4 = reinterpret_cast<const float4*>(y);
         float4* o4 = reinterpret_cast<float4*>(o);
-#pragma unroll 4
         for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
             const float4 qb = b4[c];
             const float4 qy = y4[c];
@@ -286,7 +377,6 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
             a3 = __fadd_rn(a3, sq(r.w));
         }
     } else {
-#pragma unroll 4
         for (long long c = threadIdx.x; c < chunks; c += blockDim.x) {
             const long long i = 4 * c;
             const float b0 = b[i], b1 = b[i + 1], b2 = b[i + 2], b3 = b[i + 3];
@@ -322,6 +412,182 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
     return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
 }
 
+// The segment path (n and block_size below 2^31: 32-bit indices). A segment: its start, its
+// length, its whole chunks, whether base, inject and out are 16-byte aligned at its start
+// (uniform across the block).
+struct HbBudgetSeg {
+    unsigned begin, len, chunks;
+    bool aligned;
+};
+
+__device__ __forceinline__ HbBudgetSeg hb_budget_seg(const float* base, const float* inject,
+                                                     const float* out, unsigned begin,
+                                                     unsigned n, unsigned block_size) {
+    HbBudgetSeg s;
+    s.begin = begin;
+    s.len = min(block_size, n - begin);
+    s.chunks = s.len / 4;
+    s.aligned = ((reinterpret_cast<unsigned long long>(base + begin) |
+                  reinterpret_cast<unsigned long long>(inject + begin) |
+                  reinterpret_cast<unsigned long long>(out + begin)) & 15) == 0;
+    return s;
+}
+
+// A thread's chunks in flight: Op::BATCH of them, loaded before the first is computed.
+template <class Op>
+struct HbBudgetBatch {
+    float4 b[Op::BATCH], y[Op::BATCH];
+    typename Op::Extra x[Op::BATCH];
+};
+
+// Loads this thread's chunks c, c + T, ... of segment s (Op::BATCH of them, those below
+// s.chunks).
+template <class Op>
+__device__ __forceinline__ void hb_budget_load(HbBudgetBatch<Op>& q, const float* base,
+                                               const float* inject, const HbBudgetSeg& s,
+                                               const Op& op, const typename Op::Local& l,
+                                               unsigned c) {
+    const unsigned threads = blockDim.x;
+#pragma unroll
+    for (int k = 0; k < Op::BATCH; ++k) {
+        const unsigned ck = c + k * threads;
+        if (ck < s.chunks) {
+            q.b[k] = gnp_chunk(base + s.begin, ck, s.aligned);
+            q.y[k] = gnp_chunk(inject + s.begin, ck, s.aligned);
+            q.x[k] = op.load(l, s.begin, 4 * ck);
+        }
+    }
+}
+
+__device__ __forceinline__ void hb_store_chunk(float* o, unsigned c, bool aligned, float4 r) {
+    if (aligned) {
+        reinterpret_cast<float4*>(o)[c] = r;
+    } else {
+        float* p = o + 4 * c;
+        p[0] = r.x;
+        p[1] = r.y;
+        p[2] = r.z;
+        p[3] = r.w;
+    }
+}
+
+// This thread's partial of segment s (the order above): q holds its first chunks, loaded by
+// hb_budget_load(..., threadIdx.x); the later ones are loaded here.
+template <class Op>
+__device__ __forceinline__ float hb_budget_partial(HbBudgetBatch<Op>& q,
+                                                   const float* __restrict__ base,
+                                                   const float* __restrict__ inject,
+                                                   float* __restrict__ out, const HbBudgetSeg& s,
+                                                   const Op& op, const typename Op::Local& l) {
+    const FiniteSquare sq;
+    const unsigned threads = blockDim.x;
+    float a0 = REDUCE_SUM_IDENTITY, a1 = REDUCE_SUM_IDENTITY;
+    float a2 = REDUCE_SUM_IDENTITY, a3 = REDUCE_SUM_IDENTITY;
+    // c < chunks < 2^29 and T <= 1024: no wrap-around.
+    for (unsigned c = threadIdx.x; c < s.chunks;) {
+#pragma unroll
+        for (int k = 0; k < Op::BATCH; ++k) {
+            const unsigned ck = c + k * threads;
+            if (ck < s.chunks) {
+                const float4 r = op.chunk(l, 4 * ck, q.b[k], q.y[k], q.x[k]);
+                hb_store_chunk(out + s.begin, ck, s.aligned, r);
+                a0 = __fadd_rn(a0, sq(r.x));
+                a1 = __fadd_rn(a1, sq(r.y));
+                a2 = __fadd_rn(a2, sq(r.z));
+                a3 = __fadd_rn(a3, sq(r.w));
+            }
+        }
+        c += Op::BATCH * threads;
+        if (c < s.chunks) {
+            hb_budget_load(q, base, inject, s, op, l, c);
+        }
+    }
+    const unsigned tail = 4 * s.chunks;  // 0 to 3 elements left, the next chunk in turn
+    if (tail < s.len && threadIdx.x == s.chunks % threads) {
+        const float* b = base + s.begin;
+        const float* y = inject + s.begin;
+        float* o = out + s.begin;
+        for (unsigned j = tail; j < s.len; ++j) {
+            const float r = op.element(l, s.begin, j, b[j], y[j]);
+            o[j] = r;
+            const float term = sq(r);
+            if (j == tail) {
+                a0 = __fadd_rn(a0, term);
+            } else if (j == tail + 1) {
+                a1 = __fadd_rn(a1, term);
+            } else {
+                a2 = __fadd_rn(a2, term);
+            }
+        }
+    }
+    return __fadd_rn(__fadd_rn(a0, a1), __fadd_rn(a2, a3));
+}
+
+// The 64-bit path's segments (never inlined: it keeps its registers out of the segment path's
+// count), from this block's first segment `seg` on.
+template <class Op>
+__device__ __noinline__ void hb_budget_segments_wide(const float* __restrict__ base,
+                                                     const float* __restrict__ inject,
+                                                     float* __restrict__ out,
+                                                     float* __restrict__ partials, long long n,
+                                                     long long block_size, long long segments,
+                                                     const Op op, float (*scratch)[REDUCE_WARP]) {
+    unsigned k = 0;
+    for (long long seg = blockIdx.x; seg < segments; seg += gridDim.x, ++k) {
+        const long long begin = seg * block_size;
+        const long long end = min(begin + block_size, n);
+        const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
+        const float total = gnp_block_total(partial, GNP_ROW(scratch, k));
+        if (threadIdx.x == 0) {
+            partials[seg] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
+        }
+    }
+}
+
+// The segments of this block (blockIdx.x, + gridDim.x, ...): out's elements and partials[seg].
+// `scratch`: two rows of REDUCE_WARP floats of shared memory (gnp_block_total, GNP_ROW). Every
+// branch and trip count depends on kernel arguments and blockIdx/gridDim only: uniform.
+template <class Op>
+__device__ __forceinline__ void hb_budget_segments(const float* __restrict__ base,
+                                                   const float* __restrict__ inject,
+                                                   float* __restrict__ out,
+                                                   float* __restrict__ partials, long long n,
+                                                   long long block_size, const Op& op,
+                                                   float (*scratch)[REDUCE_WARP]) {
+    const long long segments = hb_segments(n, block_size);  // 0 for n == 0
+    if (blockIdx.x >= segments) {
+        return;
+    }
+    if (n > 0x7fffffffLL || block_size > 0x7fffffffLL) {
+        hb_budget_segments_wide(base, inject, out, partials, n, block_size, segments, op, scratch);
+        return;
+    }
+    // n < 2^31: segments, their starts and ends (<= n) and seg + gridDim.x fit in 32 bits.
+    const unsigned seg_count = (unsigned)segments, n32 = (unsigned)n, bs32 = (unsigned)block_size;
+    unsigned seg = blockIdx.x;
+    HbBudgetSeg s = hb_budget_seg(base, inject, out, seg * bs32, n32, bs32);
+    typename Op::Local l = op.local(s.begin, s.len);
+    HbBudgetBatch<Op> q;
+    hb_budget_load(q, base, inject, s, op, l, threadIdx.x);
+    for (unsigned k = 0;; ++k) {
+        const float partial = hb_budget_partial(q, base, inject, out, s, op, l);
+        const unsigned next = seg + gridDim.x;
+        if (next < seg_count) {  // the next segment's first chunks, in flight during the barrier
+            s = hb_budget_seg(base, inject, out, next * bs32, n32, bs32);
+            l = op.local(s.begin, s.len);
+            hb_budget_load(q, base, inject, s, op, l, threadIdx.x);
+        }
+        const float total = gnp_block_total(partial, GNP_ROW(scratch, k));
+        if (threadIdx.x == 0) {
+            partials[seg] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
+        }
+        if (next >= seg_count) {
+            break;
+        }
+        seg = next;
+    }
+}
+
 // clip_saxpy_norm_partial: the two loss norms' phase 2, the budget tail and phase 1 of the
 // total norm, in one launch:
 //   base_norm_sq   = grad_norm_final(base_partials[0:count])
@@ -329,13 +595,15 @@ __device__ __forceinline__ float hb_clip_saxpy_thread_partial(
 //   out = clipped_saxpy(clip_grad_inplace(base, base_max_norm, base_norm_sq), inject, a,
 //                       inject_max_norm, inject_norm_sq)
 //   partials[k] = the finite-square sum of out's segment k (grad_norm_partial)
-// Every block computes both norms itself with grad_norm_final's tree as launched with
+// Every block computes both norms itself, once, with grad_norm_final's tree as launched with
 // final_threads threads (block_sums_as, both at once; the launcher passes
-// plan_grad_norm_final(count)'s block), so they are grad_norm_final's bits; block 0 writes them to base_norm_sq_out and
-// inject_norm_sq_out (the step's readback needs them). base, inject and the partials are read
-// only; out is a separate buffer. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial):
-// grid ceil(n / block_size) (at least 1), block a multiple of 32.
-extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
+// plan_grad_norm_final(count)'s block), so they are grad_norm_final's bits; block 0 writes them
+// to base_norm_sq_out and inject_norm_sq_out (the step's readback needs them; also for n == 0,
+// where there is no segment). Then the block's segments (hb_budget_segments). base, inject and
+// the partials are read only; out is a separate buffer. Grid-independent: any gridDim.x >= 1
+// gives the same outputs. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial): grid
+// ceil(n / block_size) (at least 1), block a multiple of 32.
+extern "C" __global__ void __launch_bounds__(HB_PARTIAL_MAX_THREADS, HB_BUDGET_MIN_BLOCKS)
 clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict__ inject,
                         long long n, float base_max_norm, const float* __restrict__ base_partials,
                         float a, float inject_max_norm,
@@ -345,7 +613,7 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
                         float* __restrict__ inject_norm_sq_out) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
-    __shared__ float scratch[REDUCE_WARP + 1];
+    __shared__ float scratch[2][REDUCE_WARP];
     __shared__ float norm_scratch[2][REDUCE_WARP + 1];
     // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms,
     // summed together (block_sums_as: grad_norm_final's tree for each).
@@ -358,18 +626,9 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
         base_norm_sq_out[0] = base_norm_sq;
         inject_norm_sq_out[0] = inject_norm_sq;
     }
-    const long long begin = (long long)blockIdx.x * block_size;
-    if (begin >= n) {
-        return;  // only for n == 0 (grid 1): no segment; uniform across the block
-    }
-    const long long end = min(begin + block_size, n);
     const HbClipSaxpyOp op{hb_clip_scale(base_norm_sq, base_max_norm), a,
                            hb_clip_scale(inject_norm_sq, inject_max_norm)};
-    const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
-    const float total = block_sum(partial, scratch);
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
-    }
+    hb_budget_segments(base, inject, out, partials, n, block_size, op, scratch);
 }
 
 // clip_saxpy_norm_partial_wave (twin: foxhunt.reference.kernels.wave, which states the
@@ -380,8 +639,43 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
 //   r = guarded_axpy(r, ens_i * s_ens, ens_a)           for i < ens_n   (ensemble, value range)
 // with s_src = clip_scale(grad_norm_final(src_partials[0:count]), src_max_norm); partials[k]
 // are out's finite-square segment sums (grad_norm_partial). Each norm is grad_norm_final's tree
-// with final_threads threads; block 0 writes them. A source whose partials pointer is null is
-// off: its n must be 0, its norm is neither read nor written (its pointers may be null).
+// with final_threads threads, computed once per block; block 0 writes them. A source whose
+// partials pointer is null is off: its n must be 0, its norm is neither read nor written (its
+// pointers may be null). Grid-independent as clip_saxpy_norm_partial: any gridDim.x >= 1 gives
+// the same outputs.
+//
+// The sources' reads on the segment path: a chunk's 4 elements j .. j + 3 of a source (p + begin:
+// the segment's start) as one float4 where they all lie in its range (the segment's first len
+// elements) and are 16-byte aligned, element by element otherwise, none past the range (the
+// values are only used inside it; a source that is off has len 0: p is never read).
+__device__ __forceinline__ float4 hb_range_quad(const float* p, unsigned begin, unsigned j,
+                                                unsigned len) {
+    if (j + 4 <= len) {
+        const float* q = p + begin + j;
+        if (fh_aligned(q, 16)) {
+            return *reinterpret_cast<const float4*>(q);
+        }
+        return make_float4(q[0], q[1], q[2], q[3]);
+    }
+    float4 r = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (j < len) {
+        const float* q = p + begin + j;
+        r.x = q[0];
+        if (j + 1 < len) {
+            r.y = q[1];
+        }
+        if (j + 2 < len) {
+            r.z = q[2];
+        }
+    }
+    return r;
+}
+
+// Elements of a source's range [0, src_n) inside the segment [begin, begin + len).
+__device__ __forceinline__ unsigned hb_range_in(long long src_n, unsigned begin, unsigned len) {
+    return src_n <= (long long)begin ? 0u : (unsigned)min(src_n - (long long)begin, (long long)len);
+}
+
 struct HbWaveBudgetOp {
     HbClipSaxpyOp core;
     const float* iqn;
@@ -390,6 +684,7 @@ struct HbWaveBudgetOp {
     const float* ens;
     long long ens_n;
     float ens_a, s_ens;
+    // The 64-bit path's element i.
     __device__ __forceinline__ float operator()(long long i, float base, float inject) const {
         float r = core(i, base, inject);
         if (i < iqn_n) {
@@ -400,10 +695,51 @@ struct HbWaveBudgetOp {
         }
         return r;
     }
+    // The segment path (HbClipSaxpyOp's interface). Local: the sources' ranges in the segment
+    // (offset j is in iqn's range iff j < iqn_len, i.e. begin + j < iqn_n); Extra: a chunk's
+    // 4 elements of each source.
+    static constexpr int BATCH = 1;  // chunks in flight per thread (4 arrays each)
+    struct Local {
+        unsigned iqn_len, ens_len;
+    };
+    struct Extra {
+        float4 q, e;
+    };
+    __device__ __forceinline__ Local local(unsigned begin, unsigned len) const {
+        return Local{hb_range_in(iqn_n, begin, len), hb_range_in(ens_n, begin, len)};
+    }
+    __device__ __forceinline__ Extra load(const Local& l, unsigned begin, unsigned j) const {
+        return Extra{hb_range_quad(iqn, begin, j, l.iqn_len),
+                     hb_range_quad(ens, begin, j, l.ens_len)};
+    }
+    // The two injections of element j after the core's r (operator()'s order).
+    __device__ __forceinline__ float sources(const Local& l, unsigned j, float r, float q,
+                                             float e) const {
+        if (j < l.iqn_len) {
+            r = hb_guarded_axpy(r, __fmul_rn(q, s_iqn), iqn_a);
+        }
+        if (j < l.ens_len) {
+            r = hb_guarded_axpy(r, __fmul_rn(e, s_ens), ens_a);
+        }
+        return r;
+    }
+    __device__ __forceinline__ float4 chunk(const Local& l, unsigned j, float4 b, float4 y,
+                                            const Extra& x) const {
+        const float4 r = core.chunk(HbClipSaxpyOp::Local{}, j, b, y, HbClipSaxpyOp::Extra{});
+        return make_float4(sources(l, j, r.x, x.q.x, x.e.x), sources(l, j + 1, r.y, x.q.y, x.e.y),
+                           sources(l, j + 2, r.z, x.q.z, x.e.z),
+                           sources(l, j + 3, r.w, x.q.w, x.e.w));
+    }
+    __device__ __forceinline__ float element(const Local& l, unsigned begin, unsigned j,
+                                             float b, float y) const {
+        const float r = core.element(HbClipSaxpyOp::Local{}, begin, j, b, y);
+        return sources(l, j, r, j < l.iqn_len ? iqn[begin + j] : 0.0f,
+                       j < l.ens_len ? ens[begin + j] : 0.0f);
+    }
 };
 
 // Launch: clip_saxpy_norm_partial's (plan_clip_saxpy_norm_partial_wave).
-extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(HB_PARTIAL_MAX_THREADS, HB_BUDGET_MIN_BLOCKS)
 clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __restrict__ inject,
                              long long n, float base_max_norm,
                              const float* __restrict__ base_partials, float a,
@@ -420,7 +756,7 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
                              float* __restrict__ ens_norm_sq_out) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
-    __shared__ float scratch[REDUCE_WARP + 1];
+    __shared__ float scratch[2][REDUCE_WARP];
     __shared__ float norm_scratch[4][REDUCE_WARP + 1];
     // Each source's squared norm, grad_norm_final's tree and + 0.0f, all four summed together
     // (block_sums_as); 0 for a source that is off (null partials: uniform across the block).
@@ -441,21 +777,12 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
             ens_norm_sq_out[0] = ens_norm_sq;
         }
     }
-    const long long begin = (long long)blockIdx.x * block_size;
-    if (begin >= n) {
-        return;  // only for n == 0 (grid 1): no segment; uniform across the block
-    }
-    const long long end = min(begin + block_size, n);
     const HbWaveBudgetOp op{
         {hb_clip_scale(base_norm_sq, base_max_norm), a,
          hb_clip_scale(inject_norm_sq, inject_max_norm)},
         iqn, iqn_partials == nullptr ? 0 : iqn_n, iqn_a, hb_clip_scale(iqn_norm_sq, iqn_max_norm),
         ens, ens_partials == nullptr ? 0 : ens_n, ens_a, hb_clip_scale(ens_norm_sq, ens_max_norm)};
-    const float partial = hb_clip_saxpy_thread_partial(base, inject, out, begin, end, op);
-    const float total = block_sum(partial, scratch);
-    if (threadIdx.x == 0) {
-        partials[blockIdx.x] = __fadd_rn(total, 0.0f);  // an all-skipped segment reads +0.0
-    }
+    hb_budget_segments(base, inject, out, partials, n, block_size, op, scratch);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -31,6 +31,23 @@
 //   over its owned columns o0 + t, o0 + t + 512, ... of each tile in order. Then block_sum's
 //   tree of a 512-thread block over the virtual threads, then the C block sums in rank order
 //   (every block adds them itself: all get the same value).
+// Shared memory: besides a few small static arrays, the launch's dynamic shared memory (sized by
+// the plans: spectral_shared_bytes in fast/kernels/spectral.py, which mirrors the layout below)
+// holds, in floats, with q = ceil(min(cols, SPECTRAL_COL_TILE) / C) and per = ceil(rows / C):
+//   [0, C q)                          recv: the W^T u partials (required: a launch with less
+//                                     dynamic shared memory returns at once, writing nothing)
+//   [U, U + per), U = up4(C q)        u of the block's rows between the phases, if it fits
+//                                     (else u stays in global memory)
+//   [V, V + cols), V = up4(U + per)   the old v, and
+//   [X + m, X + m + per cols),        the block's rows of W (m = the slice's float offset from
+//     X = up4(V + cols)               a 16-byte boundary, so that the copy and the rescale can
+//                                     move float4s), if all of it fits: then W and v are read
+//                                     from global memory once, by asynchronous copies (cp.async,
+//                                     sm_80+) at the start, and phases 1, 2 and 4 read them from
+//                                     shared memory; else they read global memory, as before.
+// (up4: rounded up to a multiple of 4.) Cached or not, every value is the same and every sum
+// has the same order: the bits depend neither on the dynamic shared memory's size nor on the
+// block size.
 // sigma = (W^T u) . v_new, the dot of the unnormalised column sums with the new v:
 // mathematically u . (W v_new), without a third pass over W. NaN/Inf in W, u or v propagate
 // through the sums as IEEE arithmetic does; a NaN sigma leaves W unchanged (sigma > sigma_max is
@@ -62,8 +79,6 @@ static_assert(sizeof(SpectralMatrix) == 32, "descriptor layout shared with the P
 // Columns per tile of the W^T u partials. The column ownership (hence the bits of ||W^T u||
 // and sigma) depends on it: keep it.
 #define SPECTRAL_COL_TILE 4096
-// Columns of a tile one block owns at most (q = ceil(width / C) <= this).
-#define SPECTRAL_OWNED_MAX (SPECTRAL_COL_TILE / SPECTRAL_CLUSTER)
 // Threads of the block whose reduction trees the kernels reproduce (module comment): the bits
 // depend on it. A launched block has a power-of-two size from 32 to this (plan:
 // SPECTRAL_THREADS in fast/kernels/spectral.py); any such size gives the same bits.
@@ -71,19 +86,17 @@ static_assert(sizeof(SpectralMatrix) == 32, "descriptor layout shared with the P
 #define SPECTRAL_TREE_WARPS (SPECTRAL_TREE_THREADS / REDUCE_WARP)
 // Blocks of SPECTRAL_TREE_THREADS threads per SM the register budget is set for (launch bounds:
 // at most 32 registers a thread), so that an SM holds 4 blocks of 512 threads (the plans'
-// blocks) or 8 of 256 (a whole cluster): with many matrices (a population) the launch is bound
-// by how many clusters run at once.
+// blocks) or up to 8 of 256 (registers; shared memory allows about 6 with the sm_90 plan's
+// dynamic shared memory): with many matrices (a population) the launch is bound by how many
+// clusters run at once.
 #define SPECTRAL_MIN_BLOCKS 4
-// Rows of a block whose u lives in shared memory between the phases (R = ceil(rows / C) up to
-// this; longer blocks keep u in global memory: the same values).
-#define SPECTRAL_U_CACHE 512
 // Loads in flight together per thread: phase 1 (elements of one row, of two rows), phase 2
 // (rows of a column). Only the loads are batched; every sum keeps its order.
 #define SPECTRAL_ROW_BATCH 8
 #define SPECTRAL_ROW_BATCH2 4
 #define SPECTRAL_COL_BATCH 8
-// float4s of W one thread rescales per round (loads in flight together), and the scalar
-// elements of the unaligned path.
+// float4s of W one thread rescales per round (loads in flight together; from shared memory when
+// W is cached), and the scalar elements of the unaligned path.
 #define SPECTRAL_SCALE_UNROLL4 4
 #define SPECTRAL_SCALE_UNROLL 8
 
@@ -136,6 +149,33 @@ struct SpectralCluster {
 #endif
     }
 };
+
+// The dynamic shared memory of the launch, in bytes.
+__device__ __forceinline__ unsigned int spectral_dynamic_bytes() {
+    unsigned int n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
+
+// n rounded up to a multiple of 4 (floats: 16 bytes).
+__device__ __forceinline__ int spectral_up4(int n) {
+    return (n + 3) & ~3;
+}
+
+// Asynchronous copies from global to shared memory (cp.async, PTX ISA 7.0, sm_80+): 16 bytes
+// (both addresses 16-byte aligned; bypasses L1) or one float. spectral_copy_wait() returns once
+// the calling thread's copies have landed (a __syncthreads after it publishes them to the block).
+__device__ __forceinline__ void spectral_copy16(float* dst, const float* src) {
+    const unsigned int addr = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" :: "r"(addr), "l"(src) : "memory");
+}
+__device__ __forceinline__ void spectral_copy4(float* dst, const float* src) {
+    const unsigned int addr = (unsigned int)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(addr), "l"(src) : "memory");
+}
+__device__ __forceinline__ void spectral_copy_wait() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
 
 // The cluster's sum of the block's virtual-thread values vacc[0 .. SPECTRAL_TREE_THREADS): the
 // block's sum with block_sum's tree for a block of SPECTRAL_TREE_THREADS threads (each virtual
@@ -208,39 +248,85 @@ __device__ __forceinline__ float spectral_column_sum(const float* col, int cols,
 }
 
 // One power iteration and the bound on one matrix, by the calling cluster (every thread of its
-// SPECTRAL_CLUSTER blocks calls it; blockDim.x a power of two from 32 to SPECTRAL_TREE_THREADS,
-// else it returns at once, uniformly, writing nothing). u, v and w are updated in place: the
-// old u is never read (PyTorch's order), the old v only in phase 1. Block rank 0 writes
-// *sigma_out. Not inlined: both kernels call the one compiled body.
+// SPECTRAL_CLUSTER blocks calls it; blockDim.x a power of two from 32 to SPECTRAL_TREE_THREADS
+// and the dynamic shared memory at least the recv buffer (module comment), else it returns at
+// once, uniformly, writing nothing). u, v and w are updated in place: the old u is never read
+// (PyTorch's order), the old v only in phase 1. Block rank 0 writes *sigma_out. Not inlined:
+// both kernels call the one compiled body.
 __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, float* __restrict__ u,
                                                       float* __restrict__ v, int rows, int cols,
                                                       float sigma_max, float eps,
                                                       float* __restrict__ sigma_out) {
     __shared__ float scratch[REDUCE_WARP + 1];
     __shared__ float slots[3][SPECTRAL_CLUSTER];  // the blocks' ||W v||^2, ||W^T u||^2, sigma
-    // recv[r][j - o0]: block r's column sum of owned column j of the current tile (stored there
-    // by block r); once a one-tile matrix's x_j is summed, recv[0][j - o0] holds x_j, then v_j.
-    __shared__ float recv[SPECTRAL_CLUSTER][SPECTRAL_OWNED_MAX];
     __shared__ float vacc[SPECTRAL_TREE_THREADS];  // the virtual threads' partials of a norm
-    __shared__ float ucache[SPECTRAL_U_CACHE];     // u[r0 + k] (when R <= SPECTRAL_U_CACHE)
+    // The module comment's layout. recv[r * qs + j - o0]: block r's column sum of owned column
+    // j of the current tile (stored there by block r); once a one-tile matrix's x_j is summed,
+    // recv[j - o0] holds x_j, then v_j.
+    extern __shared__ __align__(16) float spectral_dyn[];
+    float* const recv = spectral_dyn;
     const int threads = blockDim.x;
-    if (threads < REDUCE_WARP || threads > SPECTRAL_TREE_THREADS || (threads & (threads - 1))) {
-        return;  // not a block size whose virtual warps map onto its warps (uniform)
+    const int per = (rows + SPECTRAL_CLUSTER - 1) / SPECTRAL_CLUSTER;
+    const int qs = (min(cols, SPECTRAL_COL_TILE) + SPECTRAL_CLUSTER - 1) / SPECTRAL_CLUSTER;
+    const int dyn = (int)(spectral_dynamic_bytes() / sizeof(float));
+    if (threads < REDUCE_WARP || threads > SPECTRAL_TREE_THREADS || (threads & (threads - 1)) ||
+        dyn < SPECTRAL_CLUSTER * qs) {
+        return;  // uniform: not a block size whose virtual warps map onto its warps, or no recv
     }
     SpectralCluster::arrive();
     const int rank = SpectralCluster::rank();
     const int lane = threadIdx.x % REDUCE_WARP;
     const int warp = threadIdx.x / REDUCE_WARP;
     const int warps = threads / REDUCE_WARP;  // divides SPECTRAL_TREE_WARPS
-    const int per = (rows + SPECTRAL_CLUSTER - 1) / SPECTRAL_CLUSTER;
     const int r0 = min(rows, rank * per);
     const int r1 = min(rows, r0 + per);
     const int nr = r1 - r0;
-    const bool u_cached = nr <= SPECTRAL_U_CACHE;
+    const int u_at = spectral_up4(SPECTRAL_CLUSTER * qs);
+    const int v_at = spectral_up4(u_at + per);
+    const int w_at = spectral_up4(v_at + cols);
+    // Uniform across the cluster (the same rows, cols and launch).
+    const bool u_cached = u_at + per <= dyn;
+    const bool w_cached = (long long)w_at + 3 + (long long)per * cols <= dyn;
+    float* const ucache = spectral_dyn + u_at;  // u[r0 + k] (when u_cached)
+    // The block's rows of W (row r0 first, rows cols apart) and the old v, from where the phases
+    // read them: shared memory when cached (below), else global memory. int offsets: a matrix
+    // has fewer than 2^30 elements, as every array of the fast kernels.
+    float* const mine = w + (long long)r0 * cols;
+    const float* wsrc = mine;
+    const float* vsrc = v;
+    if (w_cached) {
+        float* const vc = spectral_dyn + v_at;
+        for (int j = threadIdx.x; j < cols; j += threads) {
+            spectral_copy4(vc + j, v + j);
+        }
+        // wc[e] = mine[e]: the h head elements one by one, up to mine's next 16-byte boundary
+        // (wc + h is 16-byte aligned too), then float4s, then the 0 to 3 elements left.
+        const int m = (int)((reinterpret_cast<unsigned long long>(mine) >> 2) & 3);
+        float* const wc = spectral_dyn + w_at + m;
+        const int size = nr * cols;
+        const int h = min(size, (4 - m) & 3);
+        const int n4 = (size - h) >> 2;
+        if ((int)threadIdx.x < h) {
+            spectral_copy4(wc + threadIdx.x, mine + threadIdx.x);
+        }
+        for (int k = threadIdx.x; k < n4; k += threads) {
+            spectral_copy16(wc + h + 4 * k, mine + h + 4 * k);
+        }
+        const int e = h + 4 * n4 + threadIdx.x;
+        if (e < size) {
+            spectral_copy4(wc + e, mine + e);
+        }
+        wsrc = wc;
+        vsrc = vc;
+    }
     // Virtual thread t (of SPECTRAL_TREE_THREADS) is real thread t % threads: thread t
     // initialises (and below only ever updates) the entries t, t + threads, ...
     for (int t = threadIdx.x; t < SPECTRAL_TREE_THREADS; t += threads) {
         vacc[t] = REDUCE_SUM_IDENTITY;
+    }
+    if (w_cached) {
+        spectral_copy_wait();
+        __syncthreads();  // every thread's copies are visible to the block
     }
 
     // Phase 1: s_i = (W v)_i for the block's rows; row i belongs to virtual warp
@@ -251,12 +337,12 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
     for (int i = r0 + warp; i < r1; i += 2 * warps) {
         const int i2 = i + warps;
         const bool two = i2 < r1;  // warp-uniform
-        const float* row = w + (long long)i * cols;
+        const float* row = wsrc + (i - r0) * cols;
         float acc = REDUCE_SUM_IDENTITY;
         float acc2 = REDUCE_SUM_IDENTITY;
         int j = lane;
         if (two) {
-            const float* row2 = row + (long long)warps * cols;
+            const float* row2 = row + warps * cols;
 #pragma unroll 1
             for (; j + (SPECTRAL_ROW_BATCH2 - 1) * REDUCE_WARP < cols;
                  j += SPECTRAL_ROW_BATCH2 * REDUCE_WARP) {
@@ -265,7 +351,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
                 for (int m = 0; m < SPECTRAL_ROW_BATCH2; ++m) {
                     a[m] = row[j + m * REDUCE_WARP];
                     b[m] = row2[j + m * REDUCE_WARP];
-                    x[m] = v[j + m * REDUCE_WARP];
+                    x[m] = vsrc[j + m * REDUCE_WARP];
                 }
 #pragma unroll
                 for (int m = 0; m < SPECTRAL_ROW_BATCH2; ++m) {
@@ -274,7 +360,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
                 }
             }
             for (; j < cols; j += REDUCE_WARP) {
-                const float x = v[j];
+                const float x = vsrc[j];
                 acc = __fadd_rn(acc, __fmul_rn(row[j], x));
                 acc2 = __fadd_rn(acc2, __fmul_rn(row2[j], x));
             }
@@ -286,7 +372,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
 #pragma unroll
                 for (int m = 0; m < SPECTRAL_ROW_BATCH; ++m) {
                     a[m] = row[j + m * REDUCE_WARP];
-                    x[m] = v[j + m * REDUCE_WARP];
+                    x[m] = vsrc[j + m * REDUCE_WARP];
                 }
 #pragma unroll
                 for (int m = 0; m < SPECTRAL_ROW_BATCH; ++m) {
@@ -294,7 +380,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
                 }
             }
             for (; j < cols; j += REDUCE_WARP) {
-                acc = __fadd_rn(acc, __fmul_rn(row[j], v[j]));
+                acc = __fadd_rn(acc, __fmul_rn(row[j], vsrc[j]));
             }
         }
         const float s = warp_sum(acc);
@@ -339,9 +425,9 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
     __syncthreads();
 
     // Phase 2: x = W^T u, one tile of columns at a time: a thread sums a column j of the tile
-    // over the block's rows in order and stores the sum into recv[rank][j - o0] of the block
+    // over the block's rows in order and stores the sum into recv[rank qs + j - o0] of the block
     // that owns j; after the barrier the owner adds the C sums in rank order (x_j: kept in
-    // recv[0][j - o0] for phase 3 when the matrix is one tile, else stored in v[j]); a second
+    // recv[j - o0] for phase 3 when the matrix is one tile, else stored in v[j]); a second
     // barrier (none after the last tile) lets the next tile reuse recv. Virtual thread t sums its
     // owned x_j^2 in order (vacc).
     const bool one_tile = cols <= SPECTRAL_COL_TILE;
@@ -350,24 +436,24 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
         int o0, o1, q;
         spectral_owned(width, rank, o0, o1, q);
         for (int j = threadIdx.x; j < width; j += threads) {
-            const float* col = w + (long long)r0 * cols + c0 + j;
+            const float* col = wsrc + c0 + j;
             // u[r0 + k] from shared memory, else from global memory (the same values).
             const float acc = u_cached ? spectral_column_sum(col, cols, nr, ucache)
                                        : spectral_column_sum(col, cols, nr, u + r0);
             const int owner = j / q;
-            SpectralCluster::write(&recv[rank][j - owner * q], owner, acc);
+            SpectralCluster::write(&recv[rank * qs + j - owner * q], owner, acc);
         }
         SpectralCluster::sync();
         const int nv = min(SPECTRAL_TREE_THREADS, o1 - o0);
         for (int t = threadIdx.x; t < nv; t += threads) {
             float sqx = vacc[t];
             for (int jj = t; jj < o1 - o0; jj += SPECTRAL_TREE_THREADS) {
-                float x = recv[0][jj];
+                float x = recv[jj];
                 for (int r = 1; r < SPECTRAL_CLUSTER; ++r) {
-                    x = __fadd_rn(x, recv[r][jj]);
+                    x = __fadd_rn(x, recv[r * qs + jj]);
                 }
                 if (one_tile) {
-                    recv[0][jj] = x;
+                    recv[jj] = x;
                 } else {
                     v[c0 + o0 + jj] = x;
                 }
@@ -384,7 +470,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
 
     // Phase 3: v = x / ||x|| on the owned columns (the same virtual threads and order as phase
     // 2), and sigma = x . v_new (mathematically u . (W v_new)). A one-tile matrix keeps v_new in
-    // recv[0] until after the last barrier.
+    // recv[0, q) until after the last barrier.
     for (int t = threadIdx.x; t < SPECTRAL_TREE_THREADS; t += threads) {
         vacc[t] = REDUCE_SUM_IDENTITY;
     }
@@ -395,10 +481,10 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
         for (int t = threadIdx.x; t < nv; t += threads) {
             float dot = vacc[t];
             for (int jj = t; jj < o1 - o0; jj += SPECTRAL_TREE_THREADS) {
-                const float x = one_tile ? recv[0][jj] : v[c0 + o0 + jj];
+                const float x = one_tile ? recv[jj] : v[c0 + o0 + jj];
                 const float vn = __fdiv_rn(x, v_denom);
                 if (one_tile) {
-                    recv[0][jj] = vn;
+                    recv[jj] = vn;
                 } else {
                     v[c0 + o0 + jj] = vn;
                 }
@@ -419,26 +505,26 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
         int o0, o1, q;
         spectral_owned(cols, rank, o0, o1, q);
         for (int jj = threadIdx.x; jj < o1 - o0; jj += threads) {
-            v[o0 + jj] = recv[0][jj];
+            v[o0 + jj] = recv[jj];
         }
     }
 
-    // Phase 4: the bound, on the block's rows (elementwise: float4s where they start 16-byte
-    // aligned, the same products; int offsets: a matrix has fewer than 2^30 elements, as every
-    // array of the fast kernels). A NaN sigma compares false: W is left unchanged.
+    // Phase 4: the bound, on the block's rows (elementwise, read from wsrc: the cached copy or
+    // W itself; float4s where the rows start 16-byte aligned, then wsrc is too: the same
+    // products). A NaN sigma compares false: W is left unchanged.
     if (sigma > sigma_max) {
         const float scale = __fdiv_rn(sigma_max, sigma);
-        float* mine = w + (long long)r0 * cols;
         const int size = nr * cols;
         if ((reinterpret_cast<unsigned long long>(mine) & 15) == 0) {
             float4* mine4 = reinterpret_cast<float4*>(mine);
+            const float4* src4 = reinterpret_cast<const float4*>(wsrc);
             const int n4 = size / 4;
             for (int base = threadIdx.x; base < n4; base += SPECTRAL_SCALE_UNROLL4 * threads) {
                 float4 x[SPECTRAL_SCALE_UNROLL4];
 #pragma unroll
                 for (int k = 0; k < SPECTRAL_SCALE_UNROLL4; ++k) {
                     const int e = base + k * threads;
-                    x[k] = e < n4 ? mine4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                    x[k] = e < n4 ? src4[e] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
 #pragma unroll
                 for (int k = 0; k < SPECTRAL_SCALE_UNROLL4; ++k) {
@@ -451,7 +537,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
             }
             const int e = 4 * n4 + threadIdx.x;  // the 0 to 3 elements left
             if (e < size) {
-                mine[e] = __fmul_rn(mine[e], scale);
+                mine[e] = __fmul_rn(wsrc[e], scale);
             }
         } else {
             for (int base = threadIdx.x; base < size; base += SPECTRAL_SCALE_UNROLL * threads) {
@@ -459,7 +545,7 @@ __device__ __noinline__ void hb_spectral_norm_cluster(float* __restrict__ w, flo
 #pragma unroll
                 for (int k = 0; k < SPECTRAL_SCALE_UNROLL; ++k) {
                     const int e = base + k * threads;
-                    x[k] = e < size ? mine[e] : 0.0f;
+                    x[k] = e < size ? wsrc[e] : 0.0f;
                 }
 #pragma unroll
                 for (int k = 0; k < SPECTRAL_SCALE_UNROLL; ++k) {

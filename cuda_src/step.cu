@@ -22,6 +22,9 @@
 #include "flat.cuh"  // the vector paths' loop bounds and alignment tests
 
 #define STEP_THREADS 256
+// Blocks of STEP_THREADS per SM the grid-shared flat kernels keep (__launch_bounds__: at most 32
+// registers): the full wave population_engine.shared_grid_x assumes (2048 threads per SM).
+#define STEP_MIN_BLOCKS 8
 #define STEP_F32_EXP_MASK 0x7f800000u
 
 #define STEP_FLAT_LOOP(i, n)                                                               \
@@ -219,31 +222,94 @@ extern "C" __global__ void double_dqn_gather_branches(const float* __restrict__ 
 // Scalar targets of loss_and_grads (before Mech 1, which target_q_clip applies in place next):
 //   target_q[d, b] = r[b] + (g * (1 - done[b])) * e,  e = sum_j p_next[d, b, j] * z[j]
 // (the reference's `r + gamma * (1 - done) * (p_next @ z)`, left to right; the dot in atom
-// order), g = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on) (n-step transitions;
-// gamma[d] when n_step_on == 0: discount not read). One thread per (d, b).
+// order, from +0), g = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on) (n-step
+// transitions; gamma[d] when n_step_on == 0: discount not read).
+// Mapping: STQ_GROUP = 16 lanes per row (d, b), the 2 groups of a warp on 2 consecutive rows (a
+// warp-uniform grid-stride loop over the rows, 2 per warp per step). Lane sub of a group loads
+// the row's atoms j = sub, sub + 16, ... (STQ_BATCH per lane in flight, with the row's r, done,
+// gamma and discount: 16 lanes read 64 contiguous bytes) and forms p * z; then every lane of
+// the group adds the products in atom order, j = 0, 1, ... (product j from lane j % 16 by a
+// width-16 shuffle): the same products and the same sequential sum as one thread's loop, so the
+// bits depend on neither the mapping nor the grid (grid-independent), but a row's loads are one
+// round trip per 16 * STQ_BATCH atoms (the seed's 51: one), not one per 8 atoms of one thread.
+// Lane 0 of the group writes the target. blockDim.x: a multiple of 32 (a partial last warp
+// does nothing); __launch_bounds__: 32 registers, no spills (plain and member builds).
+// 32-bit indices (MAX_ELEMENTS).
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void scalar_target_q_branches(const float* __restrict__ p_next,
-                                               const float* __restrict__ z,
-                                               const float* __restrict__ r,
-                                               const float* __restrict__ done,
-                                               const float* __restrict__ gamma,
-                                               const float* __restrict__ discount,
-                                               float* __restrict__ target_q, int n_branches,
-                                               int batch, int num_atoms, float gamma_ref,
-                                               int n_step_on) {
-    const long long n = (long long)n_branches * batch;
-    STEP_FLAT_LOOP(i, n) {
-        const int b = (int)(i % batch);
-        const int d = (int)(i / batch);
-        const float* p = p_next + i * num_atoms;
-        float e = 0.0f;
-#pragma unroll 8  // loads in flight together; the sum stays in atom order
-        for (int j = 0; j < num_atoms; ++j) {
-            e = __fadd_rn(e, __fmul_rn(p[j], z[j]));
+#define STQ_GROUP 16
+#define STQ_BATCH 4
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS, STEP_MIN_BLOCKS)
+scalar_target_q_branches(const float* __restrict__ p_next, const float* __restrict__ z,
+                         const float* __restrict__ r, const float* __restrict__ done,
+                         const float* __restrict__ gamma, const float* __restrict__ discount,
+                         float* __restrict__ target_q, int n_branches, int batch, int num_atoms,
+                         float gamma_ref, int n_step_on) {
+    const unsigned int warps = blockDim.x / 32u;
+    const unsigned int warp = threadIdx.x / 32u;
+    if (warp >= warps) {
+        return;  // a partial last warp (never planned)
+    }
+    const unsigned int lane = threadIdx.x & 31u;
+    const unsigned int sub = lane & (STQ_GROUP - 1u);
+    const unsigned int rows_per_warp = 32u / STQ_GROUP;  // 2
+    const unsigned int n = (unsigned int)n_branches * (unsigned int)batch;
+    const unsigned int na = (unsigned int)num_atoms;
+    const unsigned int stride = gridDim.x * warps * rows_per_warp;
+    for (unsigned int first = (blockIdx.x * warps + warp) * rows_per_warp; first < n;
+         first += stride) {  // warp-uniform: the shuffles see every lane
+        const unsigned int i = first + lane / STQ_GROUP;
+        const bool valid = i < n;
+        const unsigned int d = valid ? i / (unsigned int)batch : 0u;
+        const unsigned int b = valid ? i - d * (unsigned int)batch : 0u;
+        // The row's scalars (its group's lanes read the same addresses), in flight with its atoms.
+        float r_b = 0.0f, done_b = 0.0f, gamma_d = 0.0f, discount_b = 0.0f;
+        if (valid) {
+            r_b = r[b];
+            done_b = done[b];
+            gamma_d = gamma[d];
+            if (n_step_on != 0) {
+                discount_b = discount[b];  // effective_gamma's read (null when n_step_on == 0)
+            }
         }
-        const float gamma_b = effective_gamma(gamma[d], discount, b, gamma_ref, n_step_on);
-        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
-        target_q[i] = __fadd_rn(r[b], __fmul_rn(step_discount, e));
+        const float* p = p_next + i * na;
+        float e = 0.0f;
+        for (unsigned int base = 0; base < na; base += STQ_GROUP * STQ_BATCH) {  // warp-uniform
+            const unsigned int left = na - base;
+            float prod[STQ_BATCH], zk[STQ_BATCH];
+#pragma unroll
+            for (int k = 0; k < STQ_BATCH; ++k) {  // every load first, then the products
+                const unsigned int j = k * STQ_GROUP + sub;  // relative to base
+                prod[k] = 0.0f;
+                zk[k] = 0.0f;
+                if (valid && j < left) {
+                    prod[k] = p[base + j];
+                    zk[k] = z[base + j];
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < STQ_BATCH; ++k) {
+                prod[k] = __fmul_rn(prod[k], zk[k]);  // p * z (0 * 0 off the row: never added)
+            }
+#pragma unroll
+            for (int k = 0; k < STQ_BATCH; ++k) {
+                if ((unsigned int)(k * STQ_GROUP) >= left) {
+                    break;  // warp-uniform
+                }
+#pragma unroll
+                for (int q = 0; q < STQ_GROUP; ++q) {
+                    const float v = __shfl_sync(0xffffffffu, prod[k], q, STQ_GROUP);
+                    if ((unsigned int)(k * STQ_GROUP + q) < left) {  // warp-uniform
+                        e = __fadd_rn(e, v);
+                    }
+                }
+            }
+        }
+        if (valid && sub == 0) {
+            const float gamma_b = effective_gamma(gamma_d, &discount_b, 0, gamma_ref, n_step_on);
+            const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done_b));
+            target_q[i] = __fadd_rn(r_b, __fmul_rn(step_discount, e));
+        }
     }
 }
 
@@ -273,7 +339,13 @@ extern "C" __global__ void branch_mean(const float* __restrict__ parts,
 //   out = (h2_pre <= 0) ? 0 : passed      (dense.relu_mask with the pre-clamp activation)
 // Flat, [B, SH2]; 4 elements per thread (each summed on its own, parts in order k = 0, 1, ...
 // from +0) where parts, h2, h2_pre, dh2_out and out are 16-byte aligned and part_stride is a
-// multiple of 4 (or n_parts <= 1), else one (flat.cuh; plan_h2_grad_sum_mask).
+// multiple of 4 (or n_parts <= 1), else one (flat.cuh; plan_h2_grad_sum_mask). A single part
+// (the trunk's IQN and ensemble copies, the sum after the auxiliary SAXPY) has its own loop
+// with its three loads in flight together. Grid-stride, elementwise: the bits depend on no
+// launch dimension.
+// __launch_bounds__(.., STEP_MIN_BLOCKS): 32 registers, so 8 blocks of 256 threads fit an SM
+// (with 40 registers only 6 did, and a population's shared grid of one full wave then ran a
+// second, partial wave).
 // ---------------------------------------------------------------------------------------------
 static __device__ __forceinline__ float step_h2_mask(float sum, float h2, float pre) {
     const float passed = (h2 == pre) ? sum : 0.0f;
@@ -291,8 +363,8 @@ static __device__ __forceinline__ float step_parts_sum(const float* __restrict__
     return sum;
 }
 
-extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int n_parts,
-                                             long long part_stride,
+extern "C" __global__ void __launch_bounds__(STEP_THREADS, STEP_MIN_BLOCKS)
+h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_stride,
                                              const float* __restrict__ h2,
                                              const float* __restrict__ h2_pre,
                                              float* __restrict__ dh2_out,
@@ -310,27 +382,47 @@ extern "C" __global__ void h2_grad_sum_mask(const float* __restrict__ parts, int
         fh_aligned(h2, 16) && fh_aligned(h2_pre, 16) && fh_aligned(dh2_out, 16) &&
         fh_aligned(out, 16)) {
         const float4* __restrict__ parts4 = reinterpret_cast<const float4*>(parts);
-        const long long stride4 = part_stride / 4;  // exact here (or unused: n_parts <= 1)
         const float4* __restrict__ h2_4 = reinterpret_cast<const float4*>(h2);
         const float4* __restrict__ pre4 = reinterpret_cast<const float4*>(h2_pre);
         float4* __restrict__ dh2_4 = reinterpret_cast<float4*>(dh2_out);
         float4* __restrict__ out4 = reinterpret_cast<float4*>(out);
-        for (unsigned int g = first; g < m / 4; g += stride) {
-            const float4 h = h2_4[g];
-            const float4 pre = pre4[g];
-            float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            const float4* p = parts4 + g;
-#pragma unroll 4  // loads in flight together; each element's sum stays in part order
-            for (int k = 0; k < n_parts; ++k) {
-                const float4 v = p[k * stride4];
-                sum.x = __fadd_rn(sum.x, v.x);
-                sum.y = __fadd_rn(sum.y, v.y);
-                sum.z = __fadd_rn(sum.z, v.z);
-                sum.w = __fadd_rn(sum.w, v.w);
+        if (n_parts == 1) {  // the trunk's copies: the part, h2 and h2_pre in flight together
+            for (unsigned int g = first; g < m / 4; g += stride) {
+                const float4 v = parts4[g];
+                const float4 h = h2_4[g];
+                const float4 pre = pre4[g];
+                const float4 sum = make_float4(__fadd_rn(0.0f, v.x), __fadd_rn(0.0f, v.y),
+                                               __fadd_rn(0.0f, v.z), __fadd_rn(0.0f, v.w));
+                dh2_4[g] = sum;
+                out4[g] = make_float4(step_h2_mask(sum.x, h.x, pre.x),
+                                      step_h2_mask(sum.y, h.y, pre.y),
+                                      step_h2_mask(sum.z, h.z, pre.z),
+                                      step_h2_mask(sum.w, h.w, pre.w));
             }
-            dh2_4[g] = sum;
-            out4[g] = make_float4(step_h2_mask(sum.x, h.x, pre.x), step_h2_mask(sum.y, h.y, pre.y),
-                                  step_h2_mask(sum.z, h.z, pre.z), step_h2_mask(sum.w, h.w, pre.w));
+        } else {
+            // The parts first (unrolled: loads in flight together), then h2 and h2_pre: within
+            // 32 registers without spills (the parts' addresses step by a 32-bit stride).
+            const unsigned int stride4 = (unsigned int)(part_stride / 4);  // exact here
+            for (unsigned int g = first; g < m / 4; g += stride) {
+                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                const float4* p = parts4 + g;
+#pragma unroll 4  // each element's sum stays in part order
+                for (int k = 0; k < n_parts; ++k) {
+                    const float4 v = *p;
+                    p += stride4;
+                    sum.x = __fadd_rn(sum.x, v.x);
+                    sum.y = __fadd_rn(sum.y, v.y);
+                    sum.z = __fadd_rn(sum.z, v.z);
+                    sum.w = __fadd_rn(sum.w, v.w);
+                }
+                const float4 h = h2_4[g];
+                const float4 pre = pre4[g];
+                dh2_4[g] = sum;
+                out4[g] = make_float4(step_h2_mask(sum.x, h.x, pre.x),
+                                      step_h2_mask(sum.y, h.y, pre.y),
+                                      step_h2_mask(sum.z, h.z, pre.z),
+                                      step_h2_mask(sum.w, h.w, pre.w));
+            }
         }
         for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {  // n % 4 left
             const float sum = step_parts_sum(parts + i, n_parts, part_stride);

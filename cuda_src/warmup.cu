@@ -9,27 +9,33 @@
 //
 // Arithmetic: -fmad=false plus __fadd_rn/__fmul_rn/__fdiv_rn in the reference's order; expf
 // against NumPy's float32 exp (a few ulp). The blend covers every element of dlogits (in place:
-// the C51 gradient becomes the blended one), row by row: a group of G threads per row of
-// dlogits (G = the smallest power of two >= num_atoms, at most 32; groups of a grid-stride loop
-// over the rows) finds the row's branch, sample and action once and blends the row's atoms
-// j = lane, lane + G, ...; block 0 also sums the loss (a block_sum of reduce.cuh: a fixed tree,
-// no atomics). w == 0: dlogits is not touched. 32-bit indices: every array holds fewer than
-// 2^30 elements (fast/kernels/_runtime.py MAX_ELEMENTS).
+// the C51 gradient becomes the blended one), sample by sample: a warp per sample s = (d, b)
+// (the warps of a grid-stride loop over the n_branches * batch samples), whose n_d rows of
+// dlogits are one contiguous span of n_d * NA elements. The warp reads the sample's action with
+// the span (lanes over the span, WARMUP_SPAN_BATCH elements per lane in flight), blends every
+// element off the taken row, then the taken row's NA atoms (lanes over the atoms; its logp row,
+// z, the row's C51 gradient and the sample's E, y, isw_b in flight together). Each element gets
+// exactly the expression it got before (warmup_blend with the same arguments), so the bits
+// depend on neither the mapping nor gridDim.x (grid-independent: a population may share the
+// grid). Block 0 also sums the loss (a block_sum of reduce.cuh: a fixed tree over blockDim.x
+// threads, no atomics), so its warps take the grid's last share of samples (one fewer where
+// they do not divide evenly). w == 0: dlogits is neither read nor written. 32-bit indices:
+// every array holds fewer than 2^30 elements (fast/kernels/_runtime.py MAX_ELEMENTS).
+// blockDim.x: a multiple of 32, at most WARMUP_THREADS (plan_mse_warmup launches 256 threads;
+// __launch_bounds__ holds the kernel to 32 registers, so 8 such blocks fit an SM: the full
+// wave a shared grid assumes).
 
-#include "reduce.cuh"  // block_sum, REDUCE_SUM_IDENTITY
+#include "reduce.cuh"  // block_sum, REDUCE_SUM_IDENTITY, REDUCE_WARP, REDUCE_FULL_MASK
 
-// Threads per row of the blend at most (a warp): fast/kernels/warmup.py WARMUP_GROUP_MAX.
-#define WARMUP_GROUP_MAX_SHIFT 5
-
-// log2 of the blend's group size G: the smallest power of two >= num_atoms, at most 32
-// (fast/kernels/warmup.py warmup_group).
-static __device__ __forceinline__ unsigned int warmup_group_shift(int num_atoms) {
-    unsigned int shift = 0;
-    while (shift < WARMUP_GROUP_MAX_SHIFT && (1 << shift) < num_atoms) {
-        ++shift;
-    }
-    return shift;
-}
+// Threads per block (fast/kernels/warmup.py WARMUP_THREADS) and the blocks per SM they keep.
+#define WARMUP_THREADS 256
+#define WARMUP_MIN_BLOCKS 8
+// Span elements per lane in flight per pass (a seed sample's 3 x 51 atoms: one pass).
+#define WARMUP_SPAN_BATCH 5
+// Taken-row atoms per lane in flight per pass (51 atoms: one pass).
+#define WARMUP_ROW_BATCH 2
+// Branches whose tables (n_actions, action_offset) the block keeps in shared memory.
+#define WARMUP_TABLE 32
 
 // One element of the blend: g (0 off the taken action) and (1 - w) * c + w * g.
 static __device__ __forceinline__ float warmup_blend(float c, bool taken, float coef, float lp,
@@ -48,10 +54,11 @@ static __device__ __forceinline__ float warmup_blend(float c, bool taken, float 
 //   if w > 0, every element (d, b, a, j):
 //     g = a == actions[d, b] ? ((isw_b * scale) * td) * (expf(logp_d[b, a, j]) * (z_j - E)) : 0
 //     dlogits = (1 - w) * dlogits + w * g
-// Row r = batch * action_offset[d] + b * n_d + a of dlogits; a thread's rows increase, so its
-// branch d only moves forward (action_offset increases).
+// Sample s = d * batch + b owns rows batch * action_offset[d] + b * n_d + a, a < n_d, of
+// dlogits: span elements i = a * NA + j. An action outside [0, n_d) takes no row (every
+// element gets g = 0, as before).
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
+extern "C" __global__ void __launch_bounds__(WARMUP_THREADS, WARMUP_MIN_BLOCKS)
 mse_warmup(const float* __restrict__ logp, const int* __restrict__ actions,
            const float* __restrict__ q_taken, const float* __restrict__ target_q,
            const float* __restrict__ isw, const float* __restrict__ z, float* dlogits,
@@ -59,7 +66,18 @@ mse_warmup(const float* __restrict__ logp, const int* __restrict__ actions,
            const int* __restrict__ n_actions, const int* __restrict__ action_offset,
            float* __restrict__ loss, float* __restrict__ weight, int n_branches, int batch,
            int block_rows, int num_atoms) {
+    // The branch tables in shared memory (n_branches <= WARMUP_TABLE), loaded beside the ISV.
+    __shared__ int table_na[WARMUP_TABLE], table_off[WARMUP_TABLE];
+    __shared__ float shared_scale;  // for the taken rows: read there, not held in a register
+    const bool tables_shared = n_branches <= WARMUP_TABLE;
+    if (tables_shared && (int)threadIdx.x < n_branches) {
+        table_na[threadIdx.x] = n_actions[threadIdx.x];
+        table_off[threadIdx.x] = action_offset[threadIdx.x];
+    }
     const float scale = __fdiv_rn(1.0f, (float)(batch * n_branches));
+    if (threadIdx.x == 0) {
+        shared_scale = scale;
+    }
     const float w = fmaxf(0.0f, __fsub_rn(1.0f, __fdiv_rn(isv[epoch_index], (float)warmup_epochs)));
     if (blockIdx.x == 0) {
         __shared__ float scratch[REDUCE_WARP + 1];
@@ -75,62 +93,87 @@ mse_warmup(const float* __restrict__ logp, const int* __restrict__ actions,
             *weight = w;
         }
     }
+    const unsigned int warps = blockDim.x / REDUCE_WARP;
+    const unsigned int warp = threadIdx.x / REDUCE_WARP;
     if (!(w > 0.0f)) {
         return;
     }
+    __syncthreads();  // the tables and the scale (w is block-uniform: every thread is here)
+    if (warp >= warps) {
+        return;  // a partial last warp (never planned)
+    }
+    const unsigned int lane = threadIdx.x & (REDUCE_WARP - 1);
     const float keep = __fsub_rn(1.0f, w);
-    const int last = n_branches - 1;
     const unsigned int nb = (unsigned int)batch;
     const unsigned int na_all = (unsigned int)num_atoms;
-    const unsigned int rows = nb * (unsigned int)(action_offset[last] + n_actions[last]);
-    const unsigned int shift = warmup_group_shift(num_atoms);
-    const unsigned int group = 1u << shift;
-    const unsigned int tid = blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned int groups = (gridDim.x * blockDim.x) >> shift;
-    if ((tid >> shift) >= groups) {
-        return;  // a partial last group (never planned): its rows are other groups'
-    }
-    const unsigned int lane = tid & (group - 1u);
-    int d = 0;
-    unsigned int d_start = nb * (unsigned int)action_offset[0];
-    unsigned int d_end = last > 0 ? nb * (unsigned int)action_offset[1] : 0xffffffffu;
-    unsigned int na = (unsigned int)n_actions[0];
-    for (unsigned int row = tid >> shift; row < rows; row += groups) {
-        while (row >= d_end) {  // d < last here (d_end is 2^32 - 1 at the last branch)
-            ++d;
-            d_start = nb * (unsigned int)action_offset[d];
-            d_end = d < last ? nb * (unsigned int)action_offset[d + 1] : 0xffffffffu;
+    const unsigned int samples = nb * (unsigned int)n_branches;
+    // Block 0 (which summed the loss) takes the grid's last share of samples.
+    const unsigned int share = blockIdx.x == 0 ? gridDim.x - 1u : blockIdx.x - 1u;
+    const unsigned int stride = gridDim.x * warps;
+    for (unsigned int s = share * warps + warp; s < samples; s += stride) {  // warp-uniform
+        const unsigned int d = s / nb;
+        const unsigned int b = s - d * nb;
+        unsigned int na, off;
+        if (tables_shared) {
+            na = (unsigned int)table_na[d];
+            off = (unsigned int)table_off[d];
+        } else {
             na = (unsigned int)n_actions[d];
+            off = (unsigned int)action_offset[d];
         }
-        const unsigned int local = row - d_start;
-        const unsigned int b = local / na;
-        const unsigned int a = local - b * na;
-        const unsigned int sample = (unsigned int)d * nb + b;
-        const bool taken = (int)a == actions[sample];
-        float e = 0.0f, coef = 0.0f;
-        const float* lp = logp;
-        if (taken) {
-            e = q_taken[sample];
-            const float td = __fsub_rn(e, target_q[sample]);
-            coef = __fmul_rn(__fmul_rn(isw[b], scale), td);
-            lp = logp + ((unsigned int)block_rows * (unsigned int)action_offset[d] + b * na + a)
-                            * na_all;
+        const int t = actions[s];  // in flight with the span's loads
+        float* out = dlogits + (nb * off + b * na) * na_all;
+        const unsigned int span = na * na_all;
+        const bool has_taken = (unsigned int)t < na;
+        const unsigned int t0 = has_taken ? (unsigned int)t * na_all : span;  // taken row's first
+        // Every element off the taken row (i - t0 >= na_all, unsigned): keep * c + w * 0.
+        for (unsigned int base = lane; base < span; base += WARMUP_SPAN_BATCH * REDUCE_WARP) {
+            float* p = out + base;  // element base + 32 k at p[32 k]: one address, immediates
+            const unsigned int left = span - base;      // k * 32 < left: inside the span
+            const unsigned int skip = t0 - base;        // k * 32 - skip < na_all: the taken row
+            float c[WARMUP_SPAN_BATCH];
+#pragma unroll
+            for (int k = 0; k < WARMUP_SPAN_BATCH; ++k) {
+                if (k * REDUCE_WARP < left) {
+                    c[k] = p[k * REDUCE_WARP];
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < WARMUP_SPAN_BATCH; ++k) {
+                if (k * REDUCE_WARP < left && (unsigned int)(k * REDUCE_WARP) - skip >= na_all) {
+                    p[k * REDUCE_WARP] =
+                        warmup_blend(c[k], false, 0.0f, 0.0f, 0.0f, 0.0f, keep, w);
+                }
+            }
         }
-        float* out = dlogits + row * na_all;
-        // Two atoms per pass where there are two: both loads issue before either store.
-        unsigned int j = lane;
-        for (; j + group < na_all; j += 2u * group) {
-            const unsigned int j2 = j + group;
-            const float c0 = out[j];
-            const float c1 = out[j2];
-            const float l0 = taken ? lp[j] : 0.0f;
-            const float l1 = taken ? lp[j2] : 0.0f;
-            out[j] = warmup_blend(c0, taken, coef, l0, taken ? z[j] : 0.0f, e, keep, w);
-            out[j2] = warmup_blend(c1, taken, coef, l1, taken ? z[j2] : 0.0f, e, keep, w);
+        if (!has_taken) {
+            continue;
         }
-        if (j < na_all) {
-            out[j] = warmup_blend(out[j], taken, coef, taken ? lp[j] : 0.0f,
-                                  taken ? z[j] : 0.0f, e, keep, w);
+        // The taken row: atoms j = lane, lane + 32, ... (elements t0 + j of the span). Its
+        // scalars load with its first atoms (one round trip after the action's).
+        const float e = q_taken[s];
+        const float coef = __fmul_rn(__fmul_rn(isw[b], shared_scale), __fsub_rn(e, target_q[s]));
+        const float* lp =
+            logp + ((unsigned int)block_rows * off + b * na + (unsigned int)t) * na_all;
+        float* row = out + t0;
+        for (unsigned int base = lane; base < na_all; base += WARMUP_ROW_BATCH * REDUCE_WARP) {
+            const unsigned int left = na_all - base;
+            float c[WARMUP_ROW_BATCH], l[WARMUP_ROW_BATCH], zj[WARMUP_ROW_BATCH];
+#pragma unroll
+            for (int k = 0; k < WARMUP_ROW_BATCH; ++k) {
+                if (k * REDUCE_WARP < left) {
+                    c[k] = row[base + k * REDUCE_WARP];
+                    l[k] = lp[base + k * REDUCE_WARP];
+                    zj[k] = z[base + k * REDUCE_WARP];
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < WARMUP_ROW_BATCH; ++k) {
+                if (k * REDUCE_WARP < left) {
+                    row[base + k * REDUCE_WARP] = warmup_blend(c[k], true, coef, l[k], zj[k], e,
+                                                               keep, w);
+                }
+            }
         }
     }
 }

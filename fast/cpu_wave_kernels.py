@@ -126,15 +126,20 @@ def _sample_rows(a):
     return a.rows // a.n_quantiles
 
 
-@twin("iqn_modulate", nullable=("e_bf16",), h2=(_sample_rows, "hidden"), phi=("rows", "hidden"),
-      e=("rows", "hidden"), e_bf16=("rows", "hidden"))
+@twin("iqn_modulate", nullable=("e", "e_bf16"), h2=(_sample_rows, "hidden"),
+      phi=("rows", "hidden"), e=("rows", "hidden"), e_bf16=("rows", "hidden"))
 def _iqn_modulate(a):
     if a.rows % a.n_quantiles:
         raise ValueError(f"iqn_modulate: rows {a.rows} is not a multiple of n_quantiles "
                          f"{a.n_quantiles}")
     with_bf16 = a.view("e_bf16") is not None
+    if a.view("e") is None and not with_bf16:
+        raise ValueError("iqn_modulate: e and e_bf16 are both null (nothing to write)")
     r = iqn.iqn_modulate(a.h2, a.phi, a.n_quantiles, with_bf16)
-    return {"e": r.e, "e_bf16": r.e_bf16} if with_bf16 else {"e": r.e}
+    out = {"e_bf16": r.e_bf16} if with_bf16 else {}
+    if a.view("e") is not None:
+        out["e"] = r.e
+    return out
 
 
 def _quantile_rows(a):

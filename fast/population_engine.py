@@ -25,7 +25,7 @@ from foxhunt.fast.cpu_executor import (
     run_launch,
 )
 from foxhunt.fast.cuda_parse import package_kernels
-from foxhunt.fast.device import SYNCS
+from foxhunt.fast.device import SYNCS, _driver, call
 from foxhunt.fast.gpu_engine import READ_BUFFERS, GpuEngine, GpuEval, host_buffer_specs, step_plans
 from foxhunt.fast.graph2_plan import staging_name
 from foxhunt.fast.graph_lowering import Lowering, layered_address
@@ -66,6 +66,15 @@ GRID_SHARED_KERNELS = {
     "iqn_modulate": "cuda_src/iqn.cu (IQN_GRID_LOOP, elementwise)",
     "iqn_modulate_backward": "cuda_src/iqn.cu (IQN_GRID_LOOP, per (b, h))",
     "mse_warmup": "cuda_src/warmup.cu, mse_warmup's comment",
+    "double_dqn_gather_branches": "cuda_src/step.cu, the kernel's comment (grid-stride rows)",
+    "grad_norm_partial": "cuda_src/optim.cu, grad_norm_partial's comment",
+    "clip_saxpy_norm_partial": "cuda_src/optim.cu, clip_saxpy_norm_partial's comment",
+    "clip_saxpy_norm_partial_wave": "cuda_src/optim.cu, clip_saxpy_norm_partial_wave's comment",
+    "saxpy": "cuda_src/optim.cu, saxpy's comment",
+    "c51_project_grad": "cuda_src/distributional.cu, the projection gradients' comment",
+    "c51_project_grad_live": "cuda_src/distributional.cu, the projection gradients' comment",
+    "cql_logit_grad": "cuda_src/distributional.cuh, the CQL gradient's comment (warp per sample)",
+    "cql_logit_grad_branches": "cuda_src/distributional.cuh, the CQL gradient's comment",
 }
 #: Kernels whose outputs do not depend on their block size, launched by a population of more
 #: than one member with these threads per block instead of the plan's (and where that is said).
@@ -77,17 +86,16 @@ GRID_SHARED_KERNELS = {
 POPULATION_BLOCK_THREADS = {
     "batched_spectral_norm": (256, "cuda_src/spectral.cu's header (SPECTRAL_TREE_THREADS)"),
 }
-#: Threads an SM holds at once (sm_80 and sm_90: 2048), for ``shared_grid_x``'s full wave.
-THREADS_PER_SM = 2048
-
-
-def shared_grid_x(grid_x: int, members: int, block_threads: int, sm_count: int) -> int:
-    """Blocks per member of a ``GRID_SHARED_KERNELS`` launch over ``members`` members: the
-    plan's ``grid_x`` shared among them (``ceil(grid_x / members)``), but not fewer than a
-    member's share of one full wave (``sm_count * (THREADS_PER_SM // block_threads)`` blocks)
-    and never more than ``grid_x``."""
-    wave = max(1, int(sm_count)) * max(1, THREADS_PER_SM // int(block_threads))
-    return min(grid_x, max(-(-grid_x // members), -(-wave // members)))
+def shared_grid_x(grid_x: int, members: int, resident_blocks: int, sm_count: int,
+                  grid_y: int = 1) -> int:
+    """``grid.x`` per member of a ``GRID_SHARED_KERNELS`` launch over ``members`` members whose
+    plan is ``(grid_x, grid_y)``: the plan's ``grid_x`` shared among them (``ceil(grid_x /
+    members)``), but not fewer than a member's whole share of one wave (``floor(sm_count *
+    resident_blocks / (members * grid_y))``, at least 1: rounding up would leave a second,
+    nearly empty wave) and never more than ``grid_x``. ``resident_blocks``: the kernel's blocks
+    an SM holds at once (its occupancy)."""
+    wave = max(1, int(sm_count)) * max(1, int(resident_blocks))
+    return min(grid_x, max(-(-grid_x // members), wave // (members * max(1, grid_y)), 1))
 
 
 def population_block(kernel: str, block: tuple, members: int) -> tuple:
@@ -121,8 +129,6 @@ def memcpy_2d(dst: int, dst_host: bool, dst_pitch: int, src: int, src_host: bool
               width: int, rows: int, stream_handle) -> None:
     """``rows`` rows of ``width`` bytes, row r from ``src + r * src_pitch`` to ``dst + r *
     dst_pitch`` (``cuMemcpy2DAsync``; a host end must be page-locked)."""
-    from foxhunt.fast.device import _driver, call
-
     drv = _driver()
     kind = drv.CUmemorytype
     p = drv.CUDA_MEMCPY2D()
@@ -150,18 +156,31 @@ class PopulationLowering(Lowering):
         super().__init__(module, address, host)
         self.members, self.stride, self.sm_count = members, stride, sm_count
         self.scalar_address = scalar_address  # id(Launch) -> member 0's block address
+        self._resident: dict[tuple, int] = {}
 
     def extra_args(self, node: Launch) -> tuple:
         return self.stride, self.scalar_address.get(id(node), 0)
+
+    def resident_blocks(self, kernel, threads: int, shared_mem: int) -> int:
+        """Blocks of ``kernel`` (its member build) an SM holds at once with ``threads`` threads
+        and ``shared_mem`` bytes of dynamic shared memory (the driver's occupancy answer, which
+        counts its registers and shared memory), cached per launch shape."""
+        key = (kernel.name, threads, shared_mem)
+        if key not in self._resident:
+            self._resident[key] = int(call(
+                _driver().cuOccupancyMaxActiveBlocksPerMultiprocessor, kernel.function,
+                threads, shared_mem))
+        return self._resident[key]
 
     def launch(self, node: Launch, stream) -> None:
         gx, gy, gz = node.shape.grid
         if gz != 1:
             raise AssertionError(f"kernel {node.kernel}: grid.z = {gz}; the member build takes z")
         block = population_block(node.kernel, node.shape.block, self.members)
-        if node.kernel in GRID_SHARED_KERNELS:
-            gx = shared_grid_x(gx, self.members, math.prod(block), self.sm_count)
         kernel, packed = self.packed(node)
+        if node.kernel in GRID_SHARED_KERNELS:
+            resident = self.resident_blocks(kernel, math.prod(block), node.shape.shared_mem)
+            gx = shared_grid_x(gx, self.members, resident, self.sm_count, gy)
         kernel.launch((gx, gy, self.members), block, packed, stream=stream,
                       shared_mem=node.shape.shared_mem)
 

@@ -91,8 +91,11 @@ def _iqn_head(prog: StepProgram, ops: Ops, tag: str, which: int, h2: str) -> Non
                 bias=prog.weight("b_phi", which, bf16=False), epilogue="relu_bias")
     ops.wait(f"h2_{tag}")
     e_bf16 = Buf("iqn_e_bf16", tag) if bf16 else None
+    # The float32 e of the target pass has no reader in bf16 (its GEMM reads e_bf16; the weight
+    # gradient reads the online pass's e): the kernel skips that store (null e).
+    e = None if bf16 and tag == "t" else Buf("iqn_e", tag)
     ops.kernel("iqn_modulate", prog.kernels("iqn").plan_iqn_modulate(M, H), h2=h2, phi=phi,
-               e=Buf("iqn_e", tag), e_bf16=e_bf16, rows=M, hidden=H, n_quantiles=c.iqn_quantiles)
+               e=e, e_bf16=e_bf16, rows=M, hidden=H, n_quantiles=c.iqn_quantiles)
     prog.linear(ops, rows=M, n=A, k=H, x=e_bf16 if bf16 else Buf("iqn_e", tag),
                 w=prog.weight("w_iq", which, bf16=bf16), c=Buf("iqn_q", tag),
                 bias=prog.weight("b_iq", which, bf16=False), epilogue="bias")

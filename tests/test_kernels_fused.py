@@ -467,6 +467,22 @@ def test_dueling_row_group_is_fused_cu_s():
     assert fast_fused.DUELING_ROW_GROUP == int(
         re.search(r"constexpr int kDuelingRowGroup = (\d+);", text).group(1))
 
+
+def test_dueling_warps_is_the_kernels_launch_bound():
+    """The plan's warps per block are at most the kernel's __launch_bounds__ (kDuelingMaxWarps):
+    a larger block would not launch."""
+    from importlib import resources
+
+    from foxhunt.fast.kernels import fused as fast_fused
+
+    text = (resources.files("foxhunt.cuda_src") / "fused.cu").read_text()
+    assert fast_fused.DUELING_WARPS == int(
+        re.search(r"constexpr int kDuelingMaxWarps = (\d+);", text).group(1))
+    assert "__launch_bounds__(kDuelingMaxWarps * kWarp" in text
+    for batch, branches, atoms in ((512, (3, 3, 2), 51), (5, (1, 4), 7), (3, (2,), 2457)):
+        _, threads, _ = fast_fused.plan_dueling_log_softmax_q_branches(batch, branches, atoms)
+        assert threads <= 32 * fast_fused.DUELING_WARPS
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_dueling_log_softmax_q_branches_compiles(arch, tmp_path):
     module = _compile_fused_ptx(arch, tmp_path)

@@ -65,3 +65,16 @@ def test_double_dqn_row_threads_is_step_cu_s():
     text = (resources.files("foxhunt.cuda_src") / "step.cu").read_text()
     assert fast_step.DDQN_ROW_THREADS == int(
         re.search(r"#define DDQN_ROW_THREADS (\d+)", text).group(1))
+
+
+def test_scalar_target_group_is_step_cu_s():
+    """plan_scalar_target_q_branches sizes its grid with step.cu's lanes per row."""
+    import re
+    from importlib import resources
+
+    from foxhunt.fast.kernels import step as fast_step
+
+    text = (resources.files("foxhunt.cuda_src") / "step.cu").read_text()
+    assert fast_step.STQ_GROUP == int(re.search(r"#define STQ_GROUP (\d+)", text).group(1))
+    grid, block, _ = fast_step.plan_scalar_target_q_branches(3, 256)
+    assert grid * block >= 3 * 256 * fast_step.STQ_GROUP and block % 32 == 0

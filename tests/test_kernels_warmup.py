@@ -135,3 +135,18 @@ def test_mse_warmup_rejects_bad_arguments():
                        ({"q_taken": q_taken[:, 1:]}, "q_taken")):
         with pytest.raises(ValueError, match=match):
             mse_warmup(**{**args, **bad})
+
+
+def test_warmup_plan_matches_warmup_cu():
+    """plan_mse_warmup launches warmup.cu's WARMUP_THREADS (its __launch_bounds__), a warp per
+    (branch, sample)."""
+    import re
+    from importlib import resources
+
+    from foxhunt.fast.kernels import warmup as fast_warmup
+
+    text = (resources.files("foxhunt.cuda_src") / "warmup.cu").read_text()
+    threads = int(re.search(r"#define WARMUP_THREADS (\d+)", text).group(1))
+    assert fast_warmup.WARMUP_THREADS == threads
+    (grid,), (block,), shared = fast_warmup.plan_mse_warmup(256, BRANCHES, 51)
+    assert block == threads and shared == 0 and grid * block == len(BRANCHES) * 256 * 32

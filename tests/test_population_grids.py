@@ -44,7 +44,7 @@ def test_shared_kernels_give_the_same_bits_on_one_block_per_member(monkeypatch, 
         patch.setattr(population_engine, "GRID_SHARED_KERNELS", {})
         planned = _states_after_steps(config, seeds, steps)
     shared = []
-    patch_grid = lambda grid_x, members, threads, sms: shared.append(grid_x) or 1  # noqa: E731
+    patch_grid = lambda grid_x, *rest: shared.append(grid_x) or 1  # noqa: E731
     monkeypatch.setattr(population_engine, "shared_grid_x", patch_grid)
     one_block = _states_after_steps(config, seeds, steps)
     assert shared, "no GRID_SHARED_KERNELS launch was captured"

@@ -95,18 +95,31 @@ def test_a_structural_difference_is_refused_by_name():
         align_members([])
 
 
-@pytest.mark.parametrize("grid_x, members, threads, sms, expected", [
-    (4096, 64, 256, 132, 64),   # the plan's blocks shared: ceil(4096 / 64)
-    (100, 64, 256, 132, 17),    # a member's share of one full wave: ceil(132 * 8 / 64)
-    (10, 64, 256, 132, 10),     # never more than the plan's grid
-    (300, 16, 1024, 132, 19),   # 1024-thread blocks: two per SM, ceil(264 / 16) = 17 < 19
-    (640, 1, 256, 132, 640),    # one member keeps its plan
+@pytest.mark.parametrize("grid_x, members, resident, sms, expected", [
+    (4096, 64, 8, 132, 64),   # the plan's blocks shared: ceil(4096 / 64)
+    (100, 64, 8, 132, 16),    # a member's whole share of one wave: floor(132 * 8 / 64)
+    (10, 64, 8, 132, 10),     # never more than the plan's grid
+    (300, 16, 2, 132, 19),    # two resident blocks per SM: floor(264 / 16) = 16 < ceil(300 / 16)
+    (100, 16, 5, 132, 41),    # five resident blocks (registers): floor(660 / 16)
+    (640, 1, 8, 132, 640),    # one member keeps its plan
+    (3, 200, 1, 2, 1),        # at least one block per member
 ])
-def test_shared_grid_x_shares_the_plan_but_keeps_a_full_wave(grid_x, members, threads, sms,
+def test_shared_grid_x_shares_the_plan_but_keeps_a_full_wave(grid_x, members, resident, sms,
                                                              expected):
     from foxhunt.fast.population_engine import shared_grid_x
 
-    assert shared_grid_x(grid_x, members, threads, sms) == expected
+    assert shared_grid_x(grid_x, members, resident, sms) == expected
+    # the members' blocks fit one wave whenever the plan's share does
+    if -(-grid_x // members) * members <= sms * resident:
+        assert expected * members <= max(sms * resident, members)
+
+
+def test_shared_grid_x_counts_the_plans_grid_y_in_the_wave():
+    from foxhunt.fast.population_engine import shared_grid_x
+
+    # 3 rows of blocks per member: a member's share of the 1,056-block wave is 1056 // (16 * 3)
+    assert shared_grid_x(100, 16, 8, 132, 3) == 22
+    assert shared_grid_x(100, 16, 8, 132) == 66
 
 
 def test_grid_shared_kernels_are_kernels_of_cuda_src():

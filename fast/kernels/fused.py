@@ -41,7 +41,8 @@ from foxhunt.reference.kernels.fused import (
 Plan = tuple[tuple[int, int, int], int, int]  # ((grid x, D, 1), block, dynamic shared bytes)
 
 #: dueling_log_softmax_q_branches: warps per block (one warp per sample of a branch; small
-#: blocks so that a single trainer's 256-sample target pass spreads over 192 blocks).
+#: blocks so that a single trainer's 256-sample target pass spreads over 192 blocks). Also the
+#: kernel's launch bound (``kDuelingMaxWarps``): a block of more warps would not launch.
 DUELING_WARPS = 4
 #: dueling_log_softmax_q_branches: rows of a sample staged at once (``kDuelingRowGroup``).
 DUELING_ROW_GROUP = 4
@@ -66,8 +67,10 @@ plan_dueling_combine_backward_branches = plan_dueling_combine_branches
 def plan_dueling_log_softmax_q_branches(batch: int, branches, num_atoms: int) -> Plan:
     """One warp per sample of each branch (``blockIdx.y`` = branch; grid-stride over the
     batch): the warp computes the sample's ``num_atoms`` cell means once, then runs its ``n_d``
-    rows (``log_softmax_expected_q``'s warp per row, up to ``DUELING_ROW_GROUP`` rows at once).
-    Blocks of ``DUELING_WARPS`` warps (fewer when a warp's shared memory, ``(1 +
+    rows (``log_softmax_expected_q``'s warp per row; in registers for ``n_d <= 4`` and
+    ``num_atoms <= 64``, else through shared memory, up to ``DUELING_ROW_GROUP`` rows at once).
+    The results do not depend on the grid or on the block's warps. Blocks of ``DUELING_WARPS``
+    warps (fewer when a warp's shared memory, ``(1 +
     DUELING_ROW_GROUP) * num_atoms`` floats, would pass ``SHARED_LIMIT`` for the block:
     ``num_atoms <= SHARED_LIMIT / (4 * (1 + DUELING_ROW_GROUP))``, 2457); grid x covers the
     batch. Seed shapes (branches (3, 3, 2), 51 atoms): online ``batch = 512`` -> grid (128, 3),

@@ -9,7 +9,7 @@ launches the same kernels on arena pointers with the ``plan_*`` launch shapes be
 Kernel arguments: arrays as pointers plus their sizes; the generator's offset (the step count)
 and the ISV are read through pointers (a test entry uploads them); the branch layout goes as
 the tables ``n_actions`` / ``action_offset`` (``foxhunt.reference.kernels.fused``);
-``iqn_modulate``'s BF16 output is skipped when its pointer is null.
+``iqn_modulate``'s BF16 output (and its float32 one) is skipped when its pointer is null.
 """
 
 from __future__ import annotations
@@ -41,16 +41,16 @@ from foxhunt.reference.kernels.iqn import (
 F32, I32, I64, U16 = np.float32, np.int32, np.int64, np.uint16
 
 #: Threads per block of the flat IQN kernels, and their grid cap (grid-stride loops cover the
-#: rest). ``iqn_tau_cos`` needs a multiple of 32 (warp spans, one draw per span and row).
+#: rest). ``iqn_tau_cos`` takes at most ``IQN_COS_SPAN // IQN_COS_CHUNKS`` (its shared draws).
 IQN_THREADS = 256
 IQN_MAX_BLOCKS = 1024
 #: Threads per block of ``iqn_modulate_backward``'s vector path: a quarter of the threads in
 #: smaller blocks, so a single trainer's launch still spreads over the SMs.
 IQN_BACKWARD_VEC_THREADS = 128
-#: 32-feature chunks per warp span of ``iqn_tau_cos`` at most (``IQN_COS_CHUNKS`` in iqn.cu):
-#: one fraction draw per span and row serves up to this many features per thread.
+#: Features per thread and block span of ``iqn_tau_cos`` (``IQN_COS_CHUNKS`` in iqn.cu), and
+#: the most features a span may cover (``IQN_COS_SPAN``): a block draws each row of its span once.
 IQN_COS_CHUNKS = 2
-WARP = 32
+IQN_COS_SPAN = 512
 
 Plan = tuple[int, int, int]
 
@@ -65,22 +65,12 @@ def plan_flat(n: int, threads: int = IQN_THREADS) -> Plan:
     return min(blocks(n, threads), IQN_MAX_BLOCKS), threads, 0
 
 
-def iqn_cos_chunks(n_cos: int) -> int:
-    """Chunks of 32 features per warp span of ``iqn_tau_cos`` (the kernel's formula): at most
-    ``IQN_COS_CHUNKS``, fewer where the span's ``32 R`` features would cover more than 32 rows
-    (``32 R <= 31 n_cos + 1``)."""
-    n_cos = int(n_cos)
-    if n_cos >= WARP:
-        return IQN_COS_CHUNKS
-    return max(1, min(IQN_COS_CHUNKS, (31 * n_cos + 1) // WARP))
-
-
 def plan_iqn_tau_cos(rows: int, n_cos: int) -> Plan:
-    """Flat over the ``rows * n_cos`` features in warp spans of ``32 * iqn_cos_chunks(n_cos)``
-    (each lane computes ``iqn_cos_chunks`` features; the warp draws its span's fractions once):
-    one warp per span, ``IQN_THREADS`` (a multiple of 32) per block."""
-    spans = -(-int(rows) * int(n_cos) // (WARP * iqn_cos_chunks(n_cos)))
-    return plan_flat(spans * WARP)
+    """Block-stride over spans of ``IQN_COS_CHUNKS * IQN_THREADS`` consecutive features (each
+    thread computes ``IQN_COS_CHUNKS`` features per span; the block draws the span's fractions
+    once per row): one block per span, capped like ``plan_flat``. The outputs do not depend on
+    the grid (``GRID_SHARED_KERNELS``)."""
+    return plan_flat(-(-int(rows) * int(n_cos) // IQN_COS_CHUNKS))
 
 
 def plan_iqn_modulate(rows: int, hidden: int) -> Plan:

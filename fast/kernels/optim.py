@@ -64,7 +64,8 @@ ELEMENTWISE_THREADS = 256
 ELEMENTWISE_MAX_BLOCKS = 4096
 #: Threads of the one-block reductions (``grad_norm_sq``, ``grad_norm_final``), at most.
 REDUCTION_MAX_THREADS = 1024
-#: Threads per block of ``grad_norm_partial``, at most (one block per ``block_size`` segment).
+#: Threads per block of ``grad_norm_partial`` and the fused budget tail, at most: the kernels'
+#: launch bound (HB_PARTIAL_MAX_THREADS in optim.cu; a larger block does not launch).
 PARTIAL_MAX_THREADS = 256
 #: Block sizes of the reductions are multiples of a warp (the block trees need whole warps).
 WARP = 32
@@ -93,7 +94,9 @@ def plan_grad_norm_sq(n: int) -> Plan:
 
 
 def plan_grad_norm_partial(n: int, block_size: int) -> Plan:
-    """One block per ``block_size`` segment (at least one block, which writes nothing if n = 0)."""
+    """One block per ``block_size`` segment (at least one block, which writes nothing if n = 0).
+    The kernel's blocks stride over the segments, so any smaller grid (>= 1) gives the same
+    partials; the block size fixes the tree."""
     return blocks(n, block_size), _warp_multiple(block_size, PARTIAL_MAX_THREADS), 0
 
 
@@ -104,7 +107,9 @@ def plan_grad_norm_final(count: int) -> Plan:
 
 def plan_clip_saxpy_norm_partial(n: int, block_size: int) -> Plan:
     """``grad_norm_partial``'s launch (one block per ``block_size`` segment, the same block
-    size): the fused partials then follow grad_norm_partial's tree and equal its bits."""
+    size): the fused partials then follow grad_norm_partial's tree and equal its bits. As
+    there, the blocks stride over the segments: any smaller grid (>= 1) gives the same
+    outputs."""
     return plan_grad_norm_partial(n, block_size)
 
 
@@ -116,7 +121,16 @@ def final_threads_clip_saxpy_norm_partial(count: int) -> int:
 
 
 plan_clip_grad_inplace = plan_elementwise
-plan_saxpy = plan_elementwise
+
+
+def plan_saxpy(n: int) -> Plan:
+    """``plan_elementwise`` with one thread per group of ``FLAT_VEC_WIDTH`` elements (the
+    kernel's float4 path; its scalar fallback strides over the same grid), the same block and
+    grid cap. Any grid gives the same bits."""
+    grid = min(blocks(n, ELEMENTWISE_THREADS * FLAT_VEC_WIDTH), ELEMENTWISE_MAX_BLOCKS)
+    return grid, ELEMENTWISE_THREADS, 0
+
+
 plan_clipped_saxpy = plan_elementwise
 #: Elements per thread and grid-stride round of ``adam_update`` (ADAM_UNROLL in optim.cu).
 #: Measured on the H200 (seed preset, 0.29M elements, a chain of 20 launches in one graph):
@@ -165,7 +179,7 @@ def grad_norm_sq(x: np.ndarray) -> np.float32:
 
 def grad_norm_partial(x: np.ndarray, block_size: int) -> np.ndarray:
     """Test entry of the CUDA ``grad_norm_partial``: float32[ceil(N / block_size)] sums of finite
-    squares, one CUDA block per segment. Contract as the reference twin."""
+    squares, one CUDA block per segment (the plan's grid). Contract as the reference twin."""
     bs = validate_grad_norm_partial(x, block_size)
     n = x.shape[0]
     bs = min(bs, max(n, 1))  # same partials; keeps the kernel's int64 arithmetic in range

@@ -21,6 +21,18 @@ launch ``SPECTRAL_THREADS`` (512). Measured on the H200 (session 17, seed preset
 single trainer's step took 129.4 us with 512-thread blocks and 134.6 us with 256-thread blocks
 (the same bits).
 
+Dynamic shared memory (:func:`spectral_shared_bytes`, the same for both plans and any block
+size): the kernel keeps its W^T u partials there, u of a block's rows, and -- when the whole
+layout of :func:`spectral_shared_floats` fits -- the old ``v`` and the block's rows of ``W``,
+copied from global memory once at the start; the power iteration's two matrix-vector passes and
+the rescale then read shared memory instead of reading ``W`` three times. The plans size it for
+the largest matrix of the seed preset (``SPECTRAL_CACHE_SHAPE``, 256 x 256: 32 rows x 256 of a
+block on sm_90, every seed matrix fits), within the 48 KiB a launch gets without the opt-in
+attribute; before sm_90 (one block per matrix: that matrix would need 256 KiB) only the
+minimum, the size of the shared arrays before the cache (the same occupancy), with which the
+small matrices are still cached. A matrix whose layout does not fit reads ``W`` from global
+memory as before; cached or not, the bits are the same (``spectral.cu``'s header).
+
 Kernel arguments:
 
 - ``spectral_norm(w, u, v, rows, cols, sigma_max, eps, sigma_out)``: ``w`` [rows, cols]
@@ -66,6 +78,21 @@ SPECTRAL_TREE_THREADS = 512
 #: spectral.cu); 1 before sm_90, which has no clusters.
 SPECTRAL_CLUSTER_SM90 = 8
 
+#: Columns per tile of the W^T u partials (SPECTRAL_COL_TILE in spectral.cu).
+SPECTRAL_COL_TILE = 4096
+
+#: Rows of a block whose u the minimum dynamic shared memory keeps in shared memory (the
+#: static cache of the kernel before the dynamic layout: the minimum keeps its behaviour).
+SPECTRAL_U_MIN = 512
+
+#: The matrix the plans' dynamic shared memory is sized for: the seed preset's largest weight
+#: matrix (``w_s2``, shared_h2 x shared_h1).
+SPECTRAL_CACHE_SHAPE = (256, 256)
+
+#: Dynamic shared memory a launch may have without the opt-in attribute (the test entries and
+#: direct launches do not set it).
+SPECTRAL_SHARED_LIMIT = 48 * 1024
+
 #: One descriptor of ``batched_spectral_norm`` (``struct SpectralMatrix`` in spectral.cu).
 SPECTRAL_MATRIX_DTYPE = np.dtype([("w", "<u8"), ("u", "<u8"), ("v", "<u8"),
                                   ("rows", "<i4"), ("cols", "<i4")])
@@ -88,14 +115,45 @@ def spectral_cluster(arch=None) -> int:
     return SPECTRAL_CLUSTER_SM90 if normalize_arch(arch) >= 90 else 1
 
 
+def _up4(n: int) -> int:
+    return -(-n // 4) * 4
+
+
+def spectral_shared_floats(rows: int, cols: int, cluster: int) -> tuple[int, int, int]:
+    """Floats of dynamic shared memory the kernel needs for a ``rows x cols`` matrix on a
+    cluster of ``cluster`` blocks (spectral.cu's layout): ``(recv, with_u, with_w)`` -- the
+    W^T u partials (required), plus u of a block's rows (kept in shared memory from ``with_u``
+    on), plus the old v and the block's rows of W with 3 floats of alignment slack (cached from
+    ``with_w`` on)."""
+    per = -(-rows // cluster)
+    recv = cluster * -(-min(cols, SPECTRAL_COL_TILE) // cluster)
+    u_at = _up4(recv)
+    v_at = _up4(u_at + per)
+    w_at = _up4(v_at + cols)
+    return recv, u_at + per, w_at + 3 + per * cols
+
+
+def spectral_shared_bytes(arch=None) -> int:
+    """Dynamic shared memory of both plans (``arch`` as :func:`spectral_cluster`): the layout of
+    ``SPECTRAL_CACHE_SHAPE`` (W cached) where it fits in ``SPECTRAL_SHARED_LIMIT``, and at least
+    the minimum: the partials of a full column tile and u of ``SPECTRAL_U_MIN`` rows (what the
+    kernel's static arrays held before). Multiples of 16 bytes."""
+    c = spectral_cluster(arch)
+    minimum = 4 * (_up4(c * -(-SPECTRAL_COL_TILE // c)) + SPECTRAL_U_MIN)
+    cached = 4 * _up4(spectral_shared_floats(*SPECTRAL_CACHE_SHAPE, c)[2])
+    return max(minimum, cached) if cached <= SPECTRAL_SHARED_LIMIT else minimum
+
+
 def plan_spectral_norm(arch=None) -> Plan:
-    """One cluster for one matrix (``arch`` as :func:`spectral_cluster`)."""
-    return spectral_cluster(arch), SPECTRAL_THREADS, 0
+    """One cluster for one matrix (``arch`` as :func:`spectral_cluster`), with
+    :func:`spectral_shared_bytes` of dynamic shared memory."""
+    return spectral_cluster(arch), SPECTRAL_THREADS, spectral_shared_bytes(arch)
 
 
 def plan_batched_spectral_norm(count: int, arch=None) -> Plan:
-    """One cluster per matrix, the same blocks as :func:`plan_spectral_norm`."""
-    return check_int("count", count, minimum=1) * spectral_cluster(arch), SPECTRAL_THREADS, 0
+    """One cluster per matrix, the same blocks and shared memory as :func:`plan_spectral_norm`."""
+    return (check_int("count", count, minimum=1) * spectral_cluster(arch), SPECTRAL_THREADS,
+            spectral_shared_bytes(arch))
 
 
 def _dims(name: str, w: np.ndarray) -> tuple[int, int]:
@@ -189,8 +247,9 @@ KERNELS = {
 }
 
 __all__ = [
-    "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_CLUSTER_SM90", "SPECTRAL_MATRIX_DTYPE",
-    "SPECTRAL_THREADS", "SPECTRAL_TREE_THREADS", "batched_spectral_norm",
+    "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_CACHE_SHAPE", "SPECTRAL_CLUSTER_SM90",
+    "SPECTRAL_COL_TILE", "SPECTRAL_MATRIX_DTYPE", "SPECTRAL_SHARED_LIMIT", "SPECTRAL_THREADS",
+    "SPECTRAL_TREE_THREADS", "SPECTRAL_U_MIN", "batched_spectral_norm",
     "plan_batched_spectral_norm", "plan_spectral_norm", "spectral_cluster",
-    "spectral_descriptors", "spectral_norm",
+    "spectral_descriptors", "spectral_norm", "spectral_shared_bytes", "spectral_shared_floats",
 ]

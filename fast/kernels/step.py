@@ -62,6 +62,8 @@ STEP_MAX_BLOCKS = 1024
 #: Threads per ``(branch, sample)`` row of ``double_dqn_gather_branches`` (DDQN_ROW_THREADS in
 #: step.cu).
 DDQN_ROW_THREADS = 16
+#: Lanes per ``(branch, sample)`` row of ``scalar_target_q_branches`` (STQ_GROUP in step.cu).
+STQ_GROUP = 16
 
 Plan = tuple[int, int, int]
 
@@ -106,8 +108,10 @@ def plan_double_dqn_gather_branches(n_branches: int, batch: int, num_atoms: int)
 
 
 def plan_scalar_target_q_branches(n_branches: int, batch: int) -> Plan:
-    """Flat, one thread per ``(branch, sample)``."""
-    return plan_flat(n_branches * batch)
+    """``plan_flat`` over ``STQ_GROUP`` threads per ``(branch, sample)`` row (the kernel's lanes
+    per row: they load the row's atoms together and add their products in atom order; any
+    grid gives the same bits). Seed shapes (3 branches, ``batch = 256``): 48 blocks."""
+    return plan_flat(n_branches * batch * STQ_GROUP)
 
 
 def plan_step_scalars(n_partials: int) -> Plan:

@@ -3,13 +3,14 @@
 
 Kernel parameters (C order): ``mse_warmup(logp, actions, q_taken, target_q, isw, z, dlogits,
 isv, epoch_index, warmup_epochs, n_actions, action_offset, loss, weight, n_branches, batch,
-block_rows, num_atoms)``: a grid-stride launch over the ``batch * A_total`` rows of
-``dlogits``, ``G = warmup_group(num_atoms)`` threads per row (each finds the row's branch,
-sample and action once and blends atoms ``lane, lane + G, ...``); ``dlogits`` holds the C51
-logit gradient on entry and the blended one on exit (in place; untouched when ``w == 0``);
-block 0 also writes the loss and ``w`` (one float each: the step binds them to its readback
-entries). The epoch is read from the ISV on the device (``isv[epoch_index]``, EPOCH_IDX), so
-the captured graph needs no update between epochs.
+block_rows, num_atoms)``: a grid-stride launch over the ``n_branches * batch`` samples, a warp
+per sample (its ``n_d`` rows of ``dlogits`` are one contiguous span: the warp blends the span's
+elements off the taken row, then the taken row's atoms); ``dlogits`` holds the C51 logit
+gradient on entry and the blended one on exit (in place; untouched when ``w == 0``); block 0
+also writes the loss and ``w`` (one float each: the step binds them to its readback entries).
+The bits depend on no launch dimension but ``blockDim.x`` (the loss tree): any ``gridDim.x >=
+1`` gives the same outputs. The epoch is read from the ISV on the device (``isv[epoch_index]``,
+EPOCH_IDX), so the captured graph needs no update between epochs.
 
 Numerics: ``expf`` against NumPy's float32 ``exp`` at the taken actions (every other element is
 the exact ``(1 - w) * c + w * 0``); the loss is a block-tree sum (reduction).
@@ -19,29 +20,35 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, InOut, Out, check_elements, launch, plan_flat
+from foxhunt.fast.kernels._runtime import (
+    FLAT_MAX_BLOCKS,
+    In,
+    InOut,
+    Out,
+    blocks,
+    check_elements,
+    launch,
+)
 from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.warmup import MseWarmup, validate_mse_warmup
 
 F32, I32 = np.float32, np.int32
 
-#: Threads per row of the blend at most (a warp; ``WARMUP_GROUP_MAX_SHIFT`` in warmup.cu).
-WARMUP_GROUP_MAX = 32
-
-
-def warmup_group(num_atoms: int) -> int:
-    """Threads per row of ``dlogits`` in the blend: the smallest power of two ``>= num_atoms``,
-    at most ``WARMUP_GROUP_MAX`` (the kernel's ``warmup_group_shift``)."""
-    g = 1
-    while g < WARMUP_GROUP_MAX and g < num_atoms:
-        g *= 2
-    return g
+#: Threads per block (``WARMUP_THREADS`` in warmup.cu: its ``__launch_bounds__``) and per
+#: sample (a warp).
+WARMUP_THREADS = 256
+WARMUP_SAMPLE_THREADS = 32
 
 
 def plan_mse_warmup(batch: int, branches, num_atoms: int) -> tuple:
-    """Flat over the ``batch * A_total`` rows of ``dlogits``, ``warmup_group(num_atoms)`` threads
-    per row, in blocks of ``FLAT_THREADS`` (256: block 0's loss tree; a multiple of the group)."""
-    return plan_flat(batch * sum(branches) * warmup_group(num_atoms))
+    """A warp per ``(branch, sample)`` of the blend (at most ``FLAT_MAX_BLOCKS`` blocks: the
+    warps stride over the rest), in blocks of ``WARMUP_THREADS`` (256: block 0's loss tree):
+    seed shapes (3 branches, ``batch = 256``) take 96 blocks. ``num_atoms`` does not change the
+    grid (a warp strides over its sample's span)."""
+    del num_atoms  # a warp strides over its sample's span
+    grid = min(blocks(len(branches) * batch * WARMUP_SAMPLE_THREADS, WARMUP_THREADS),
+               FLAT_MAX_BLOCKS)
+    return (grid,), (WARMUP_THREADS,), 0
 
 
 def mse_warmup(logp, actions, q_taken, target_q, isw, z, dlogits_c51, isv, epoch_index,

@@ -8,7 +8,8 @@ launches the same kernels on arena pointers with ``plan_single`` (one thread: a 
 scalars). Exact: each kernel rounds where its reference does.
 
 ``clip_saxpy_norm_partial_wave`` (its CUDA kernel in ``optim.cu``) launches as
-``clip_saxpy_norm_partial`` does (``plan_clip_saxpy_norm_partial_wave``).
+``clip_saxpy_norm_partial`` does (``plan_clip_saxpy_norm_partial_wave``: one block per segment;
+the blocks stride over the segments, so any smaller grid gives the same outputs).
 """
 
 from __future__ import annotations

@@ -1,0 +1,139 @@
+"""The spectral-norm launch plans' dynamic shared memory (fast.kernels.spectral): its size per
+architecture, the seed preset's matrices cached on sm_90, the layout's constants shared with
+cuda_src/spectral.cu; and on a GPU, the same bits whether a block's rows of W are cached in
+shared memory or read from global memory (the paths of spectral.cu's header)."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from foxhunt.fast.device import cuda_available
+from foxhunt.fast.kernels import spectral as fast_spectral
+from foxhunt.reference.kernels import spectral as ref_spectral
+
+CU = Path(__file__).resolve().parents[1] / "cuda_src" / "spectral.cu"
+
+
+def test_plans_dynamic_shared_memory_per_architecture():
+    for arch, cluster in (("sm_80", 1), ("sm_90", 8)):
+        smem = fast_spectral.spectral_shared_bytes(arch)
+        assert fast_spectral.plan_spectral_norm(arch) == (cluster, fast_spectral.SPECTRAL_THREADS, smem)
+        assert fast_spectral.plan_batched_spectral_norm(16, arch) == (
+            16 * cluster, fast_spectral.SPECTRAL_THREADS, smem)
+        assert smem % 16 == 0 and smem <= fast_spectral.SPECTRAL_SHARED_LIMIT
+        # At least the static arrays the kernel had before: the partials of a full tile and u
+        # of 512 rows (the same occupancy where nothing more is planned).
+        assert smem >= 4 * (fast_spectral.SPECTRAL_COL_TILE + fast_spectral.SPECTRAL_U_MIN)
+    # sm_90: the seed preset's largest matrix (256 x 256: 32 rows x 256 per block) cached.
+    assert fast_spectral.spectral_shared_bytes("sm_90") == 4 * 8740
+    # sm_80: one block holds the whole matrix (256 KiB): only the minimum.
+    assert fast_spectral.spectral_shared_bytes("sm_80") == 4 * (4096 + 512)
+
+
+def test_layout():
+    # 256 x 256 on 8 blocks: recv 8 x 32, u 32 rows, v 256, W 32 x 256 (+3 floats of slack).
+    assert fast_spectral.spectral_shared_floats(256, 256, 8) == (256, 288, 544 + 3 + 8192)
+    # Multi-tile: recv holds a full tile's partials whatever the width.
+    assert fast_spectral.spectral_shared_floats(12, 9000, 8)[:2] == (4096, 4098)
+    assert fast_spectral.spectral_shared_floats(1, 1, 8) == (8, 9, 16 + 3 + 1)
+    assert fast_spectral.spectral_shared_floats(7, 5, 1) == (5, 15, 24 + 3 + 35)
+
+
+def test_every_seed_matrix_is_cached_on_sm90():
+    from foxhunt.fast.step_layout import StepLayout
+    from foxhunt.reference.config import DQNConfig
+
+    floats = fast_spectral.spectral_shared_bytes("sm_90") // 4
+    shapes = [t.shape for t in StepLayout(DQNConfig.preset("seed")).weights]
+    assert max(r * c for r, c in shapes) == np.prod(fast_spectral.SPECTRAL_CACHE_SHAPE)
+    for rows, cols in shapes:
+        assert fast_spectral.spectral_shared_floats(rows, cols, 8)[2] <= floats, (rows, cols)
+
+
+def test_layout_constants_match_the_kernel():
+    text = CU.read_text()
+    tile = re.search(r"#define SPECTRAL_COL_TILE (\d+)", text)
+    assert tile and int(tile.group(1)) == fast_spectral.SPECTRAL_COL_TILE
+    cluster = re.search(r"#define SPECTRAL_CLUSTER (\d+)", text)
+    assert cluster and int(cluster.group(1)) == fast_spectral.SPECTRAL_CLUSTER_SM90
+
+
+# ---------------------------------------------------------------------------------- GPU
+_OK, _REASON = cuda_available()
+needs_gpu = pytest.mark.skipif(not _OK, reason=f"no CUDA device/driver: {_REASON}")
+
+#: Shapes crossing the kernel's paths on sm_90 with the plan's shared memory: W cached with
+#: aligned rows (256 x 256, 128 x 262), cached with rows that start off a 16-byte boundary
+#: (odd widths: the copy's and the rescale's scalar heads and tails), blocks without rows
+#: (7 x 5, 3 x 1), uncached W with cached u (257 x 259), one multi-tile matrix (12 x 9000).
+GPU_SHAPES = [(256, 256), (128, 262), (33, 259), (7, 5), (5, 7), (3, 1), (1, 1), (257, 259),
+              (12, 9000)]
+
+
+def _case(shape, seed: int, scale: float):
+    rng = np.random.default_rng(zlib.crc32(f"spectral-plan-{shape}-{seed}".encode()))
+    w = (rng.standard_normal(shape) * scale / np.sqrt(shape[1])).astype(np.float32)
+    u, v = ref_spectral.init_spectral_vectors(shape, seed)
+    return w, u, v
+
+
+def _launch(w, u, v, sigma_max, threads: int, smem: int):
+    from foxhunt.fast.kernels._runtime import InOut, Out, call
+
+    rows, cols = w.shape
+    grid = fast_spectral.plan_spectral_norm()[0]
+    w2, u2, v2, sigma = call("spectral_norm", grid, threads, InOut(w), InOut(u), InOut(v), rows,
+                             cols, np.float32(sigma_max), ref_spectral.SPECTRAL_EPS,
+                             Out((1,), np.float32), shared_mem=smem)
+    return [a.view(np.uint32).copy() for a in (w2, u2, v2, sigma)]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("sigma_max", [0.25, 1e3])  # rescaled / not
+@pytest.mark.parametrize("nonfinite", [False, True])
+def test_cached_and_global_paths_give_the_same_bits(shape, sigma_max, nonfinite):
+    w, u, v = _case(shape, 7, 2.0)
+    if nonfinite:  # sigma NaN (W unchanged) or Inf (scale 0) where the NaN is not met
+        w.flat[(w.size * 2) // 3] = np.inf
+        if w.size > 3:
+            w.flat[w.size // 3] = np.nan
+    cluster = fast_spectral.plan_spectral_norm()[0]
+    recv, with_u, with_w = fast_spectral.spectral_shared_floats(*shape, cluster)
+    planned = fast_spectral.plan_spectral_norm()[2]
+    want = _launch(w, u, v, sigma_max, fast_spectral.SPECTRAL_THREADS, planned)
+    single = fast_spectral.spectral_norm(w, u, v, sigma_max)
+    assert all(np.array_equal(a, b.view(np.uint32)) for a, b in
+               zip(want, (single.w, single.u, single.v, np.atleast_1d(single.sigma))))
+    # Every smaller layout (nothing cached; u only; everything where it fits) and block size.
+    sizes = {4 * recv, 4 * with_u, 4 * with_w, planned}
+    for smem in sorted(s for s in sizes if s <= fast_spectral.SPECTRAL_SHARED_LIMIT):
+        for threads in (512, 256, 32):
+            got = _launch(w, u, v, sigma_max, threads, smem)
+            for name, a, b in zip(("w", "u", "v", "sigma"), got, want):
+                assert np.array_equal(a, b), f"{name}: smem {smem}, {threads} threads"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_batched_mixes_cached_and_global_matrices_bitwise():
+    cases = [_case(s, k, [0.5, 6.0][k % 2]) for k, s in enumerate(GPU_SHAPES)]
+    ws, us, vs = (list(c) for c in zip(*cases))
+    batched = fast_spectral.batched_spectral_norm(ws, us, vs, 3.0)
+    ref = ref_spectral.batched_spectral_norm(ws, us, vs, 3.0)
+    rescaled = 0
+    for k, (w, u, v) in enumerate(cases):
+        single = fast_spectral.spectral_norm(w, u, v, 3.0)
+        for a, b in ((batched.ws[k], single.w), (batched.us[k], single.u), (batched.vs[k], single.v)):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), GPU_SHAPES[k]
+        assert batched.sigmas[k].view(np.uint32) == single.sigma.view(np.uint32)
+        np.testing.assert_allclose(batched.sigmas[k], ref.sigmas[k], rtol=1e-5)
+        rescaled += not np.array_equal(single.w, w)
+    assert 0 < rescaled < len(cases)
+
