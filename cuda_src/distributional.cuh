@@ -467,6 +467,31 @@ static __device__ __forceinline__ void cql_logit_grad_body(
     }
 }
 
+// The end of one c51_loss sample group (both of c51_loss_body's paths): each sample's atom sum
+// by the warp butterfly, ce[b] = -sum written by lane 0, and acc + isw * ce (in sample order)
+// returned; samples past the batch are skipped.
+static __device__ __forceinline__ float c51_loss_group_finish(float (&sum)[kLossGroup],
+                                                             const float (&weight)[kLossGroup],
+                                                             int b0, int batch, int lane,
+                                                             float* __restrict__ ce, float acc) {
+#pragma unroll
+    for (int g = 0; g < kLossGroup; ++g) {
+        sum[g] = warp_sum_halving(sum[g]);
+    }
+#pragma unroll
+    for (int g = 0; g < kLossGroup; ++g) {
+        const int b = b0 + g;
+        if (b < batch) {
+            const float ce_b = -sum[g];
+            if (lane == 0) {
+                ce[b] = ce_b;
+            }
+            acc = acc + weight[g] * ce_b;
+        }
+    }
+    return acc;
+}
+
 // c51_loss on one branch, by the whole (single) block: logp [B, A, NA] (samples 0..batch; the
 // caller points at the branch's block), actions [B], m [B, NA], isw [B], ce [B], total [1]:
 // ce[b] = -sum_j m[b, j] * logp[b, a_b, j]; total = scale * sum_b (isw[b] * ce[b]).
@@ -537,21 +562,7 @@ static __device__ __forceinline__ void c51_loss_body(
                 sum[g] = (lane + c * kWarp < num_atoms) ? sum[g] + term : sum[g];
             }
         }
-#pragma unroll
-        for (int g = 0; g < kLossGroup; ++g) {
-            sum[g] = warp_sum_halving(sum[g]);
-        }
-#pragma unroll
-        for (int g = 0; g < kLossGroup; ++g) {
-            const int b = b0 + g;
-            if (b < batch) {
-                const float ce_b = -sum[g];
-                if (lane == 0) {
-                    ce[b] = ce_b;
-                }
-                acc = acc + weight[g] * ce_b;
-            }
-        }
+        acc = c51_loss_group_finish(sum, weight, b0, batch, lane, ce, acc);
     }
     for (int b0 = warp * kLossGroup; b0 < batch && num_atoms > 2 * kWarp;
          b0 += warps * kLossGroup) {
@@ -575,21 +586,7 @@ static __device__ __forceinline__ void c51_loss_body(
                 }
             }
         }
-#pragma unroll
-        for (int g = 0; g < kLossGroup; ++g) {
-            sum[g] = warp_sum_halving(sum[g]);
-        }
-#pragma unroll
-        for (int g = 0; g < kLossGroup; ++g) {
-            const int b = b0 + g;
-            if (b < batch) {
-                const float ce_b = -sum[g];
-                if (lane == 0) {
-                    ce[b] = ce_b;
-                }
-                acc = acc + weight[g] * ce_b;
-            }
-        }
+        acc = c51_loss_group_finish(sum, weight, b0, batch, lane, ce, acc);
     }
     if (lane == 0) {
         warp_partial[warp] = acc;
