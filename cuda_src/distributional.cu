@@ -30,16 +30,6 @@ namespace {
 // c51_project: source atoms are staged through shared memory in tiles of the block size.
 constexpr int kProjectMaxThreads = 256;
 
-// c51_project_grad(_live): a support of at most kProjectWarpAtoms atoms is projected by one warp
-// per sample (lane l: target atoms l + 32 c, c < kProjectWarpChunks; fast/kernels/
-// distributional.py PROJECT_WARP_ATOMS), a larger one by one block per sample.
-constexpr int kProjectWarpChunks = 2;
-constexpr int kProjectWarpAtoms = kWarp * kProjectWarpChunks;
-// Their launch bound: registers for kProjectGradMinBlocks blocks of kProjectMaxThreads per SM
-// (48 on sm_80 / sm_90, no spills; 56 unbounded): 21 of the plan's 2-warp blocks, 42 samples
-// in flight per SM.
-constexpr int kProjectGradMinBlocks = 5;
-
 }  // namespace
 
 // np.minimum(np.maximum(t, lo), hi): a NaN t stays NaN (a bare fminf(fmaxf()) would map it to lo).
@@ -159,51 +149,6 @@ static __device__ __forceinline__ float c51_project_term(float target_k, float p
     return __fmul_rn(p_k, weight);
 }
 
-// The windowed sum's start for target atom z_i over a staged tile of num_atoms Tz values that
-// is nondecreasing (c51_project_sample's "windowed" case): the first k with
-// Tz_k - z_i > -dz (rounded), num_atoms if none. The predicate is monotone in k, so this is the
-// only such k; any search finds it (this one is a binary search).
-static __device__ __forceinline__ int c51_window_start(const float* tile_target, float z_i,
-                                                       int num_atoms, float dz) {
-    const float below = -dz;
-    int lo = 0;
-    int hi = num_atoms;
-    while (lo < hi) {  // the first k with s_k > -dz (num_atoms if none)
-        const int mid = (lo + hi) >> 1;
-        if (__fsub_rn(tile_target[mid], z_i) > below) {
-            hi = mid;
-        } else {
-            lo = mid + 1;
-        }
-    }
-    return lo;
-}
-
-// m_i's windowed sum from +0.0: the terms of k = lo, lo + 1, ... while |Tz_k - z_i| < dz, in
-// source order (c51_project_sample's comment says why every other term is an exact no-op).
-static __device__ __forceinline__ float c51_window_sum(const float* tile_target,
-                                                       const float* tile_p, float z_i, int lo,
-                                                       int num_atoms, float dz) {
-    float acc = 0.0f;
-    for (int k = lo; k < num_atoms; ++k) {
-        if (!(fabsf(__fsub_rn(tile_target[k], z_i)) < dz)) {
-            break;  // s_k >= dz: so is every later s_k
-        }
-        acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
-    }
-    return acc;
-}
-
-// acc plus every term of a staged tile of `count` source atoms, in source order.
-static __device__ __forceinline__ float c51_full_sum(float acc, const float* tile_target,
-                                                     const float* tile_p, float z_i, int count,
-                                                     float dz) {
-    for (int k = 0; k < count; ++k) {
-        acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
-    }
-    return acc;
-}
-
 // c51_project's work on one sample b (all threads of the block): p = p_next[b], m_row = m[b].
 // Thread i owns target atom i (i = i0 + threadIdx.x for each tile i0 of blockDim atoms); source
 // atoms j are staged through shared memory (tile_target, tile_p: blockDim floats each), one tile
@@ -246,11 +191,30 @@ static __device__ __forceinline__ void c51_project_sample(
         }
         const bool windowed = !__syncthreads_or(bad) && dz > 0.0f && isfinite(dz);
         if (own) {
-            const float acc =
-                windowed ? c51_window_sum(tile_target, tile_p, z_i,
-                                          c51_window_start(tile_target, z_i, num_atoms, dz),
-                                          num_atoms, dz)
-                         : c51_full_sum(0.0f, tile_target, tile_p, z_i, num_atoms, dz);
+            float acc = 0.0f;
+            if (windowed) {
+                const float below = -dz;
+                int lo = 0;
+                int hi = num_atoms;
+                while (lo < hi) {  // the first k with s_k > -dz (num_atoms if none)
+                    const int mid = (lo + hi) >> 1;
+                    if (__fsub_rn(tile_target[mid], z_i) > below) {
+                        hi = mid;
+                    } else {
+                        lo = mid + 1;
+                    }
+                }
+                for (int k = lo; k < num_atoms; ++k) {
+                    if (!(fabsf(__fsub_rn(tile_target[k], z_i)) < dz)) {
+                        break;  // s_k >= dz: so is every later s_k
+                    }
+                    acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
+                }
+            } else {
+                for (int k = 0; k < num_atoms; ++k) {
+                    acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
+                }
+            }
             m_row[i] = acc;
             if (dlogits_taken != nullptr) {
                 dlogits_taken[i] = grad_weight * (p_taken - acc);
@@ -274,7 +238,9 @@ static __device__ __forceinline__ void c51_project_sample(
             __syncthreads();
             const int count = min(tile, num_atoms - j0);
             if (i < num_atoms) {
-                acc = c51_full_sum(acc, tile_target, tile_p, z_i, count, dz);
+                for (int k = 0; k < count; ++k) {
+                    acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
+                }
             }
             __syncthreads();  // the tile is overwritten next
         }
@@ -323,141 +289,15 @@ c51_project(const float* __restrict__ p_next, const float* __restrict__ r,
 // c51_project then c51_grad on its m, in one launch:
 //   m[b, :] = c51_project(p_next, r, done, gamma, z, discount, gamma_ref, n_step_on)[b, :];
 //   dlogits[b, a_b, j] = (isw[b] * scale) * (exp(logp[b, a_b, j]) - m[b, j]); +0.0 elsewhere.
-// c51_grad writes every element of a sample whose action is out of [0, A) as +0.0: so does this.
-// Each sample is written by one unit (grid-stride over the samples), and what a unit writes
-// does not depend on which unit runs the sample, nor on gridDim.x: the outputs are the same for
-// any grid (and any block size the plan's path allows). Two paths, by num_atoms (uniform):
-// - num_atoms <= kProjectWarpAtoms (the seed's 51): one WARP per sample (c51_project_warp_sample;
-//   sample b = blockIdx.x * warps + warp, then + gridDim.x * warps): lane l owns target atoms
-//   l + 32 c; the warp stages the sample's Tz and p in its own tiles of dynamic shared memory
-//   and checks "windowed" with __any_sync (no block barrier). The sample's scalars are loaded
-//   together, z once per warp.
-// - otherwise: one BLOCK per sample (grid-stride over blockIdx.x; c51_project_sample, as
-//   c51_project), tiles of blockDim atoms.
-// In both, target atom i's m is c51_project's sum (the windowed sum, or the full one, over the
-// same staged values in source order) and the taken row's element i is written from the same
-// register, so no re-read of m is needed; bitwise equal to c51_project followed by c51_grad.
-// blockDim.x must be a multiple of 32 and at most kProjectMaxThreads. Dynamic shared memory:
-// warp path (blockDim / 32) * 2 * num_atoms floats, block path 2 * blockDim floats
-// (plan_c51_project_grad's).
+// One block per sample (grid-stride over samples), as c51_project (same plan, same body:
+// c51_project_sample). The block first writes the +0.0 rows of the actions not taken (c51_grad
+// writes every element of a sample whose action is out of [0, A) as +0.0: so does this), then
+// projects; thread i writes m[b, i] and the taken row's element i from its own register, so no
+// block-wide barrier or re-read of m is needed between the two. Bitwise equal to c51_project
+// followed by c51_grad. blockDim.x must be at most kProjectMaxThreads.
 // --------------------------------------------------------------------------------------------
-// The warp path's sample (all 32 lanes, warp-uniform arguments): c51_project_sample's one-tile
-// case with the warp for the block. p_i holds p[i] of the lane's atoms (0.0f past the support),
-// loaded by the caller with the sample's scalars (one round trip). Tz_i and p_i are staged by
-// their owner lanes into tile_target / tile_p (the warp's), bad from the same checks (Tz_{i+1}
-// read back from its owner's staged value: the same formula on the same operands, so the same
-// float), windowed = no lane bad (__any_sync) and dz > 0 finite (dz_ok). Each lane then sums its
-// atoms' m_i (both atoms in lockstep: the start by a search of the same monotone predicate, then
-// the window's terms in source order; or the full sum); m_row[i] = acc and, with dlogits_taken
-// (warp-uniform), dlogits_taken[i] = grad_weight * (expf(logp_taken[i]) - acc). z_own: z[i] of
-// the lane's atoms (0.0f past the support), loaded once per warp.
-static __device__ __forceinline__ void c51_project_warp_sample(
-    const float (&p_i)[kProjectWarpChunks], float reward, float discount,
-    const float (&z_own)[kProjectWarpChunks],
-    float* __restrict__ m_row, const float* __restrict__ logp_taken, float grad_weight,
-    float* __restrict__ dlogits_taken, int num_atoms, float v_min, float v_max, float dz,
-    bool dz_ok, float* tile_target, float* tile_p, int lane) {
-    constexpr int kC = kProjectWarpChunks;
-    float p_taken[kC];
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-        const int i = lane + c * kWarp;
-        p_taken[c] = (dlogits_taken != nullptr && i < num_atoms) ? expf(logp_taken[i]) : 0.0f;
-    }
-    int bad = 0;
-    float target_i[kC];
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-        const int i = lane + c * kWarp;
-        target_i[c] = 0.0f;
-        if (i < num_atoms) {
-            target_i[c] = c51_target_atom(reward, discount, z_own[c], v_min, v_max);
-            tile_target[i] = target_i[c];
-            tile_p[i] = p_i[c];
-            bad |= isnan(target_i[c]) || !isfinite(p_i[c]) || !isfinite(z_own[c]);
-        }
-    }
-    __syncwarp();  // the staged tiles are read by every lane
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-        const int i = lane + c * kWarp;
-        if (i + 1 < num_atoms) {  // Tz_{i+1}: its owner's c51_target_atom(z[i + 1])
-            bad |= !(target_i[c] <= tile_target[i + 1]);
-        }
-    }
-    const bool windowed = !__any_sync(kFullMask, bad) && dz_ok;
-    float acc[kC];
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-        acc[c] = 0.0f;
-    }
-    if (windowed) {
-        // Each atom's start: the first k with Tz_k - z_i > -dz (num_atoms if none; the
-        // predicate is monotone), by a branch-free lower bound (steps 32, 16, ..., 1: sums to
-        // 63 >= num_atoms), both atoms interleaved.
-        const float below = -dz;
-        int k[kC];
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-            k[c] = 0;
-        }
-#pragma unroll
-        for (int step = kProjectWarpAtoms / 2; step > 0; step >>= 1) {
-#pragma unroll
-            for (int c = 0; c < kC; ++c) {
-                const int probe = k[c] + step - 1;
-                if (probe < num_atoms && !(__fsub_rn(tile_target[probe], z_own[c]) > below)) {
-                    k[c] += step;
-                }
-            }
-        }
-        // The window: k = start, start + 1, ... while |Tz_k - z_i| < dz, each atom's terms in
-        // source order from +0.0 (c51_window_sum's, in lockstep over the lane's atoms).
-        bool open[kC];
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-            open[c] = lane + c * kWarp < num_atoms;
-        }
-        bool any_open = true;
-        while (any_open) {
-            any_open = false;
-#pragma unroll
-            for (int c = 0; c < kC; ++c) {
-                if (open[c]) {
-                    open[c] = k[c] < num_atoms &&
-                              fabsf(__fsub_rn(tile_target[k[c]], z_own[c])) < dz;
-                }
-                if (open[c]) {
-                    acc[c] = __fadd_rn(acc[c], c51_project_term(tile_target[k[c]], tile_p[k[c]],
-                                                                z_own[c], dz));
-                    ++k[c];
-                    any_open = true;
-                }
-            }
-        }
-    } else {
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-            if (lane + c * kWarp < num_atoms) {
-                acc[c] = c51_full_sum(0.0f, tile_target, tile_p, z_own[c], num_atoms, dz);
-            }
-        }
-    }
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-        const int i = lane + c * kWarp;
-        if (i < num_atoms) {
-            m_row[i] = acc[c];
-            if (dlogits_taken != nullptr) {
-                dlogits_taken[i] = grad_weight * (p_taken[c] - acc[c]);
-            }
-        }
-    }
-    __syncwarp();  // every lane has read the tiles before the warp's next sample rewrites them
-}
-
-// The body of c51_project_grad and c51_project_grad_live (the kernel's samples), with the
-// support's clip range and spacing given as values; `tiles` is the dynamic shared memory.
+// The body of c51_project_grad and c51_project_grad_live (one block's samples), with the
+// support's clip range and spacing given as values.
 static __device__ __forceinline__ void c51_project_grad_body(
     const float* __restrict__ p_next, const float* __restrict__ r,
     const float* __restrict__ done, const float* __restrict__ gamma,
@@ -466,57 +306,8 @@ static __device__ __forceinline__ void c51_project_grad_body(
     const float* __restrict__ scale, const float* __restrict__ discount,
     float* __restrict__ m, float* __restrict__ dlogits, int batch, int num_actions,
     int num_atoms, float v_min, float v_max, float dz, float gamma_ref, int n_step_on,
-    float* tiles) {
+    float* tile_target, float* tile_p) {
     const int row_len = num_actions * num_atoms;
-    if (num_atoms <= kProjectWarpAtoms) {
-        const int lane = threadIdx.x % kWarp;
-        const int warp = threadIdx.x / kWarp;
-        const int warps = blockDim.x / kWarp;
-        float* tile_target = tiles + warp * 2 * num_atoms;  // the warp's [NA] Tz, then [NA] p
-        float* tile_p = tile_target + num_atoms;
-        float z_own[kProjectWarpChunks];
-#pragma unroll
-        for (int c = 0; c < kProjectWarpChunks; ++c) {
-            const int i = lane + c * kWarp;
-            z_own[c] = i < num_atoms ? z[i] : 0.0f;
-        }
-        const bool dz_ok = dz > 0.0f && isfinite(dz);
-        const float gamma_0 = gamma[0];  // the kernel's inputs: read once per warp
-        const float scale_0 = scale[0];
-        for (int b = blockIdx.x * warps + warp; b < batch; b += gridDim.x * warps) {
-            const int action = actions[b];
-            const float reward = r[b];
-            const float done_b = done[b];
-            const float isw_b = isw[b];
-            float p_i[kProjectWarpChunks];  // loaded with the scalars (one round trip)
-#pragma unroll
-            for (int c = 0; c < kProjectWarpChunks; ++c) {
-                const int i = lane + c * kWarp;
-                p_i[c] = i < num_atoms ? p_next[b * num_atoms + i] : 0.0f;
-            }
-            const bool taken = action >= 0 && action < num_actions;
-            const int taken_lo = taken ? action * num_atoms : row_len;  // the taken row
-            const int taken_hi = taken ? taken_lo + num_atoms : row_len;
-            float* sample_dlogits = dlogits + b * row_len;
-            const float gamma_b = effective_gamma(gamma_0, discount, b, gamma_ref, n_step_on);
-            const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done_b));
-            const float grad_weight = isw_b * scale_0;
-            c51_project_warp_sample(p_i, reward, step_discount, z_own,
-                                    m + b * num_atoms, logp + b * row_len + taken_lo, grad_weight,
-                                    taken ? sample_dlogits + taken_lo : nullptr, num_atoms,
-                                    v_min, v_max, dz, dz_ok, tile_target, tile_p, lane);
-            // The rows not taken (every row when the action is out of [0, A)): +0.0, written
-            // after the projection so that the sample's loads are issued first.
-            for (int k = lane; k < row_len; k += kWarp) {
-                if (k < taken_lo || k >= taken_hi) {
-                    sample_dlogits[k] = 0.0f;
-                }
-            }
-        }
-        return;
-    }
-    float* tile_target = tiles;  // [blockDim] Tz, then [blockDim] p
-    float* tile_p = tiles + blockDim.x;
     for (int b = blockIdx.x; b < batch; b += gridDim.x) {
         const int action = actions[b];
         const bool taken = action >= 0 && action < num_actions;
@@ -538,7 +329,7 @@ static __device__ __forceinline__ void c51_project_grad_body(
     }
 }
 
-extern "C" __global__ void __launch_bounds__(kProjectMaxThreads, kProjectGradMinBlocks)
+extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
 c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
                  const float* __restrict__ done, const float* __restrict__ gamma,
                  const float* __restrict__ z, const float* __restrict__ logp,
@@ -547,10 +338,11 @@ c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
                  float* __restrict__ m, float* __restrict__ dlogits, int batch, int num_actions,
                  int num_atoms, float v_min, float v_max, float dz, float gamma_ref,
                  int n_step_on) {
-    extern __shared__ float project_tiles[];  // plan_c51_project_grad's dynamic shared memory
+    __shared__ float tile_target[kProjectMaxThreads];
+    __shared__ float tile_p[kProjectMaxThreads];
     c51_project_grad_body(p_next, r, done, gamma, z, logp, actions, isw, scale, discount, m,
                           dlogits, batch, num_actions, num_atoms, v_min, v_max, dz, gamma_ref,
-                          n_step_on, project_tiles);
+                          n_step_on, tile_target, tile_p);
 }
 
 // --------------------------------------------------------------------------------------------
@@ -559,7 +351,7 @@ c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
 // row of live_support_build's bounds), and z that branch's row of its z. Bitwise equal to
 // c51_project_grad with those values.
 // --------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(kProjectMaxThreads, kProjectGradMinBlocks)
+extern "C" __global__ void __launch_bounds__(kProjectMaxThreads)
 c51_project_grad_live(const float* __restrict__ p_next, const float* __restrict__ r,
                       const float* __restrict__ done, const float* __restrict__ gamma,
                       const float* __restrict__ z, const float* __restrict__ bounds,
@@ -568,10 +360,11 @@ c51_project_grad_live(const float* __restrict__ p_next, const float* __restrict_
                       const float* __restrict__ discount, float* __restrict__ m,
                       float* __restrict__ dlogits, int batch, int num_actions, int num_atoms,
                       float gamma_ref, int n_step_on) {
-    extern __shared__ float project_tiles[];  // plan_c51_project_grad's dynamic shared memory
+    __shared__ float tile_target[kProjectMaxThreads];
+    __shared__ float tile_p[kProjectMaxThreads];
     c51_project_grad_body(p_next, r, done, gamma, z, logp, actions, isw, scale, discount, m,
                           dlogits, batch, num_actions, num_atoms, bounds[0], bounds[1],
-                          bounds[2], gamma_ref, n_step_on, project_tiles);
+                          bounds[2], gamma_ref, n_step_on, tile_target, tile_p);
 }
 
 // --------------------------------------------------------------------------------------------

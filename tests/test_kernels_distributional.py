@@ -9,7 +9,6 @@ float64, and golden cases from google/dopamine's project_distribution tests.
 from __future__ import annotations
 
 import math
-import re
 
 import numpy as np
 import pytest
@@ -758,28 +757,6 @@ def test_kernels_do_not_mutate_inputs():
     dist.c51_project_grad(p, r, done, 0.99, z, -10.0, 10.0, logp, actions, isw, 0.1)
     for x, x0 in zip(inputs, before):
         assert equal_with_nan(x, x0)
-
-
-def test_c51_project_grad_plan_and_the_warp_path_bound():
-    """PROJECT_WARP_ATOMS is distributional.cu's kProjectWarpAtoms (kWarp * kProjectWarpChunks);
-    the warp path's plan (a warp per sample, 2 * NA floats of shared memory per warp) below it,
-    c51_project's plan with 2 * blockDim floats above it."""
-    from importlib import resources
-
-    from foxhunt.fast.kernels import distributional as fast
-
-    text = (resources.files("foxhunt.cuda_src") / "distributional.cu").read_text()
-    chunks = int(re.search(r"constexpr int kProjectWarpChunks = (\d+);", text).group(1))
-    assert "constexpr int kProjectWarpAtoms = kWarp * kProjectWarpChunks;" in text
-    assert fast.PROJECT_WARP_ATOMS == fast.WARP * chunks
-    assert fast.WARP * fast.PROJECT_WARPS <= fast.PROJECT_MAX_THREADS
-    plan = fast.plan_c51_project_grad
-    assert plan(256, 3, 51) == (128, 64, 2 * 2 * 51 * 4)  # the seed: grid 128, 816 bytes
-    assert plan(5, 2, 64) == (3, 64, 2 * 2 * 64 * 4)
-    assert plan(1, 1, 1) == (1, 64, 2 * 2 * 1 * 4)
-    assert plan(4, 3, 65) == (4, 96, 2 * 96 * 4)  # one block per sample from 65 atoms
-    assert plan(4, 3, 300) == (4, 256, 2 * 256 * 4)
-    assert fast.plan_c51_project_grad_live(256, 3, 51) == plan(256, 3, 51)
 
 
 def test_kernels_registry():

@@ -62,11 +62,6 @@ THREADS = 256
 WARPS_PER_BLOCK = THREADS // WARP
 #: c51_project: at most this many threads per block (its shared tiles; ``kProjectMaxThreads``).
 PROJECT_MAX_THREADS = 256
-#: c51_project_grad(_live): supports of at most this many atoms are projected by one warp per
-#: sample (``kProjectWarpAtoms``), larger ones by one block per sample.
-PROJECT_WARP_ATOMS = 2 * WARP
-#: c51_project_grad(_live)'s warp path: warps (samples at once) per block.
-PROJECT_WARPS = 2
 #: c51_loss runs as one block of this many threads (``kLossMaxThreads``).
 LOSS_THREADS = 1024
 #: cql_logit_grad: at most this many warps per block (``kCqlMaxWarps``, its launch bound).
@@ -163,17 +158,9 @@ def plan_log_softmax_expected_q(rows: int, num_atoms: int) -> Plan:
 
 
 def plan_c51_project_grad(batch: int, num_actions: int, num_atoms: int) -> Plan:
-    """``num_atoms <= PROJECT_WARP_ATOMS``: one warp per sample (it also writes the sample's
-    ``A * NA`` gradient elements), ``PROJECT_WARPS`` warps per block, each with ``2 * NA``
-    floats of dynamic shared memory (its staged Tz and p). Seed shapes (``batch = 256``, 51
-    atoms): grid 128, 64 threads, 816 bytes. Larger supports: ``c51_project``'s plan (one block
-    per sample, one thread per target atom, whole warps, at most 256) with ``2 * blockDim``
-    floats. The kernel strides over the samples, so its results do not depend on the grid."""
-    if num_atoms <= PROJECT_WARP_ATOMS:
-        return (blocks(batch, PROJECT_WARPS), WARP * PROJECT_WARPS,
-                PROJECT_WARPS * 2 * int(num_atoms) * F32_BYTES)
-    grid, threads, _ = plan_c51_project(batch, num_atoms)
-    return grid, threads, 2 * threads * F32_BYTES
+    """``c51_project``'s plan: one block per sample, one thread per target atom (whole warps,
+    at most 256); the block also writes the sample's ``A * NA`` gradient elements."""
+    return plan_c51_project(batch, num_atoms)
 
 
 # --------------------------------------------------------------------------------------------
