@@ -1,6 +1,7 @@
 // The vector paths of the flat (elementwise, grid-stride) kernels, written once: the 32-bit loop
 // bounds, the thread's first index and the grid's stride, the tail of n % 4 elements, and pointer
-// alignment (dense.cu, step.cu, iqn.cu, optim.cu's Polyak update).
+// alignment (dense.cu, step.cu, iqn.cu, optim.cu's Polyak update and saxpy, safety.cu's
+// clamp_finite and nan_check).
 //
 // A flat kernel's vector path: thread t takes the 4-element groups t, t + T, ... (T threads in
 // the grid; float4 accesses) and the n % 4 elements past the last group one per thread

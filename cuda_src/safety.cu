@@ -6,6 +6,7 @@
 // are sticky: nothing here writes 0). Kernels whose output may alias their input (the in-place
 // clamps the trainer runs on h2 and on targets) take no __restrict__ on that pair.
 #include "early_launch.cuh"  // fh_early_wait, fh_early_release
+#include "flat.cuh"  // the vector paths of clamp_finite and nan_check
 #include "ha_common.cuh"
 #include "reduce.cuh"  // block_reduce_down
 
@@ -44,15 +45,13 @@ static __device__ __forceinline__ float clamp_finite_one(float v, float m) {
 extern "C" __global__ void clamp_finite(const float* x, float* out, long long n, float multiplier,
                                         const float* __restrict__ signal) {
     const float m = multiplier * fmaxf(*signal, ISV_FLOOR);
-    if ((unsigned long long)n > 0x7fffffffull || gridDim.x > (1u << 21)) {  // 64-bit loop
+    if (!fh_flat_narrow(n)) {  // 64-bit loop
         SAFETY_FLAT_LOOP(i, n) { out[i] = clamp_finite_one(x[i], m); }
         return;
     }
     const unsigned int count = (unsigned int)n;
-    const unsigned int first = blockIdx.x * blockDim.x + threadIdx.x;
-    const unsigned int stride = gridDim.x * blockDim.x;
-    if (((reinterpret_cast<unsigned long long>(x) | reinterpret_cast<unsigned long long>(out)) &
-         15ull) == 0) {
+    const unsigned int first = fh_flat_first(), stride = fh_flat_stride();
+    if (fh_aligned(x, 16) && fh_aligned(out, 16)) {
         const float4* x4 = reinterpret_cast<const float4*>(x);
         float4* out4 = reinterpret_cast<float4*>(out);
         for (unsigned int g = first; g < count / 4; g += stride) {
@@ -61,7 +60,7 @@ extern "C" __global__ void clamp_finite(const float* x, float* out, long long n,
                                   clamp_finite_one(v.z, m), clamp_finite_one(v.w, m));
         }
         // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
-        for (unsigned int i = (count & ~3u) + first; i < count; i += stride) {
+        for (unsigned int i = fh_flat_tail(count, first); i < count; i += stride) {
             out[i] = clamp_finite_one(x[i], m);
         }
     } else {
@@ -72,11 +71,29 @@ extern "C" __global__ void clamp_finite(const float* x, float* out, long long n,
 }
 
 // Sticky sentinel check of one buffer: *flag = 1 if any element of x is NaN or +/-Inf; a set
-// flag is never cleared. Any grid; each block stores 1 if it found a non-finite element.
+// flag is never cleared. Any grid (an OR over the elements does not depend on which thread
+// reads which); each block stores 1 if it found a non-finite element. Where x is 16-byte aligned
+// and fh_flat_narrow(n) holds, thread t reads the float4 groups t, t + T, ... and one tail
+// element (flat.cuh; 32-bit indices); otherwise the scalar grid-stride loop. plan_nan_check
+// launches one thread per 4 elements.
 extern "C" __global__ void nan_check(const float* __restrict__ x, long long n,
                                      int* __restrict__ flag) {
     bool found = false;
-    SAFETY_FLAT_LOOP(i, n) { found |= !ha_is_finite(x[i]); }
+    if (fh_flat_narrow(n) && fh_aligned(x, 16)) {
+        const unsigned int count = (unsigned int)n;
+        const unsigned int first = fh_flat_first(), stride = fh_flat_stride();
+        const float4* x4 = reinterpret_cast<const float4*>(x);
+        for (unsigned int g = first; g < count / 4; g += stride) {
+            const float4 v = x4[g];
+            found |= !(ha_is_finite(v.x) && ha_is_finite(v.y) && ha_is_finite(v.z) &&
+                       ha_is_finite(v.w));
+        }
+        for (unsigned int i = fh_flat_tail(count, first); i < count; i += stride) {
+            found |= !ha_is_finite(x[i]);
+        }
+    } else {
+        SAFETY_FLAT_LOOP(i, n) { found |= !ha_is_finite(x[i]); }
+    }
     if (__syncthreads_or(found) && threadIdx.x == 0) {
         *flag = 1;
     }

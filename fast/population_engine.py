@@ -50,6 +50,7 @@ from foxhunt.fast.trainer import STAGING_RING
 #: before those kernels were vectorised).
 GRID_SHARED_KERNELS = {
     "nan_check_fused": "fast.kernels.safety.plan_nan_check_fused",
+    "nan_check": "cuda_src/safety.cu, nan_check's comment (any grid)",
     "f32_to_bf16": "cuda_src/dense.cu, the casts' comment",
     "bf16_to_f32": "cuda_src/dense.cu, the casts' comment",
     "relu_mask": "cuda_src/dense.cu (DENSE_FLAT_LOOP, elementwise)",

@@ -107,8 +107,9 @@ def test_gpu_clip_saxpy_norm_partial_any_grid(n, block_size, segment):
     base_parts = fast.grad_norm_partial(base, segment)
     inject_parts = fast.grad_norm_partial(inject, segment)
     count = base_parts.size
-    base_max = 0.7 * float(np.sqrt(fast.grad_norm_final(base_parts)))
-    inject_max = 0.15 * float(np.sqrt(fast.grad_norm_final(inject_parts)))
+    # finite caps (the data's 3e19 entries overflow the squared norms to +Inf): the clip scales
+    # are then 0 where a norm is +Inf and < 1 elsewhere
+    base_max, inject_max = 0.7, 0.15
     bs = min(block_size, max(n, 1))
     grid, block, smem = fast.plan_clip_saxpy_norm_partial(n, bs)
 

@@ -80,7 +80,12 @@ def plan_clamp_finite(n: int) -> Plan:
     return plan_flat(blocks(n, FLAT_VEC_WIDTH))
 
 
-plan_nan_check = plan_flat
+def plan_nan_check(n: int) -> Plan:
+    """``plan_clamp_finite``'s launch: one thread per float4 group (the kernel's vector path;
+    its scalar fallback strides over the same grid)."""
+    return plan_clamp_finite(n)
+
+
 plan_target_q_clip = plan_flat
 
 
