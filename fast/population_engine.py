@@ -72,8 +72,6 @@ GRID_SHARED_KERNELS = {
     "clip_saxpy_norm_partial": "cuda_src/optim.cu, clip_saxpy_norm_partial's comment",
     "clip_saxpy_norm_partial_wave": "cuda_src/optim.cu, clip_saxpy_norm_partial_wave's comment",
     "saxpy": "cuda_src/optim.cu, saxpy's comment",
-    "c51_project_grad": "cuda_src/distributional.cu (a block per sample, grid-stride)",
-    "c51_project_grad_live": "cuda_src/distributional.cu (a block per sample, grid-stride)",
     "cql_logit_grad": "cuda_src/distributional.cuh, the CQL gradient's comment (warp per sample)",
     "cql_logit_grad_branches": "cuda_src/distributional.cuh, the CQL gradient's comment",
 }
