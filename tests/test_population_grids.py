@@ -30,6 +30,21 @@ def _states_after_steps(config, seeds, steps) -> list[dict]:
         pop.close()
 
 
+def _random_steps(config, seeds, seed: int) -> list[list]:
+    """Three steps' batches of every member."""
+    rng = np.random.default_rng(seed)
+    return [[Batch.random(config, rng) for _ in seeds] for _ in range(3)]
+
+
+def _assert_bitwise_equal(planned: list[dict], got: list[dict], what: str) -> None:
+    """Every member's every state entry byte for byte as ``planned``'s."""
+    for m, (want, have) in enumerate(zip(planned, got, strict=True)):
+        assert sorted(have) == sorted(want)
+        differ = [k for k in want
+                  if np.asarray(have[k]).tobytes() != np.asarray(want[k]).tobytes()]
+        assert not differ, f"member {m}: {differ} differ {what}"
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(_gpu_reason() is not None, reason=f"no CUDA device/driver: {_gpu_reason()}")
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
@@ -38,8 +53,7 @@ def test_shared_kernels_give_the_same_bits_on_one_block_per_member(monkeypatch, 
 
     config = DQNConfig.preset("tiny", precision=precision, **source_overrides("all"))
     seeds = [0, 1, 2]
-    rng = np.random.default_rng(7)
-    steps = [[Batch.random(config, rng) for _ in seeds] for _ in range(3)]
+    steps = _random_steps(config, seeds, 7)
     with monkeypatch.context() as patch:
         patch.setattr(population_engine, "GRID_SHARED_KERNELS", {})
         planned = _states_after_steps(config, seeds, steps)
@@ -48,11 +62,7 @@ def test_shared_kernels_give_the_same_bits_on_one_block_per_member(monkeypatch, 
     monkeypatch.setattr(population_engine, "shared_grid_x", patch_grid)
     one_block = _states_after_steps(config, seeds, steps)
     assert shared, "no GRID_SHARED_KERNELS launch was captured"
-    for m, (want, got) in enumerate(zip(planned, one_block)):
-        assert sorted(got) == sorted(want)
-        differ = [k for k in want
-                  if np.asarray(got[k]).tobytes() != np.asarray(want[k]).tobytes()]
-        assert not differ, f"member {m}: {differ} differ with one block per member"
+    _assert_bitwise_equal(planned, one_block, "with one block per member")
 
 
 @pytest.mark.gpu
@@ -64,13 +74,9 @@ def test_population_block_threads_give_the_plans_bits(monkeypatch):
 
     config = DQNConfig.preset("tiny", precision="bf16", **source_overrides("all"))
     seeds = [0, 1, 2]
-    rng = np.random.default_rng(11)
-    steps = [[Batch.random(config, rng) for _ in seeds] for _ in range(3)]
+    steps = _random_steps(config, seeds, 11)
     with monkeypatch.context() as patch:
         patch.setattr(population_engine, "POPULATION_BLOCK_THREADS", {})
         planned = _states_after_steps(config, seeds, steps)
     own = _states_after_steps(config, seeds, steps)
-    for m, (want, got) in enumerate(zip(planned, own)):
-        differ = [k for k in want
-                  if np.asarray(got[k]).tobytes() != np.asarray(want[k]).tobytes()]
-        assert not differ, f"member {m}: {differ} differ with the population's block sizes"
+    _assert_bitwise_equal(planned, own, "with the population's block sizes")
