@@ -47,7 +47,9 @@ from foxhunt.fast.trainer import STAGING_RING
 #: single-trainer grid per member took 124, 59 and 36 us of graph 2's 370 us at N = 16 (each
 #: block scans the slot table before its one chunk); sharing the flat kernels' grids too took
 #: the step from 1,203 to 1,072 us at N = 16 and from 4,185 to 3,702 us at N = 64 (session 17,
-#: before those kernels were vectorised).
+#: before those kernels were vectorised). Not listed although grid-independent: the C51
+#: projection gradient, a block per sample, took 44.9 us per launch at N = 64 grid-shared against
+#: 32.7 us on its plan's grid (session 18).
 GRID_SHARED_KERNELS = {
     "nan_check_fused": "fast.kernels.safety.plan_nan_check_fused",
     "nan_check": "cuda_src/safety.cu, nan_check's comment (any grid)",
@@ -85,6 +87,8 @@ GRID_SHARED_KERNELS = {
 POPULATION_BLOCK_THREADS = {
     "batched_spectral_norm": (256, "cuda_src/spectral.cu's header (SPECTRAL_TREE_THREADS)"),
 }
+
+
 def shared_grid_x(grid_x: int, members: int, resident_blocks: int, sm_count: int,
                   grid_y: int = 1) -> int:
     """``grid.x`` per member of a ``GRID_SHARED_KERNELS`` launch over ``members`` members whose
