@@ -208,6 +208,23 @@ static __device__ __forceinline__ void dueling_combine_backward_body(
     }
 }
 
+// kRows rows' per-lane sums acc[r] reduced by the warp butterfly; lane 0 stores row r's sum to
+// out[r] (the Q rows of cql_q_rows and of both dueling paths in fused.cu).
+template <int kRows>
+static __device__ __forceinline__ void warp_store_row_sums(float (&acc)[kRows],
+                                                           float* __restrict__ out, int lane) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+        acc[r] = warp_sum_halving(acc[r]);
+    }
+    if (lane == 0) {
+#pragma unroll
+        for (int r = 0; r < kRows; ++r) {
+            out[r] = acc[r];
+        }
+    }
+}
+
 // cql_logit_grad: the Q of kRows consecutive rows of one sample by one warp (all 32 lanes), each
 // warp_expected_q's (lane l: its atoms j = l + 32 k in j order from +0.0, then the butterfly),
 // the rows' loads and butterflies interleaved; lane 0 writes them to q_out[0..kRows).
@@ -229,16 +246,7 @@ static __device__ __forceinline__ void cql_q_rows(const float* __restrict__ logp
             acc[r] = acc[r] + expf(logp_rows[r * num_atoms + j]) * z_j;
         }
     }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        acc[r] = warp_sum_halving(acc[r]);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-            q_out[r] = acc[r];
-        }
-    }
+    warp_store_row_sums<kRows>(acc, q_out, lane);
 }
 
 // cql_logit_grad: the gradient rows a0..a0+kRows-1 of one sample by one warp: row a's

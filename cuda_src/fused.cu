@@ -73,23 +73,6 @@ constexpr int kDuelingMaxWarps = 4;
 constexpr int kDuelingMinBlocks = 10;
 }  // namespace
 
-// Both dueling paths' Q: row r's per-lane sums q[r] by the warp butterfly, lane 0 stores
-// them to q_rows[0 .. kRows).
-template <int kRows>
-static __device__ __forceinline__ void dueling_store_q(float (&q)[kRows],
-                                                       float* __restrict__ q_rows, int lane) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        q[r] = warp_sum_halving(q[r]);
-    }
-    if (lane == 0) {
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-            q_rows[r] = q[r];
-        }
-    }
-}
-
 // kRows consecutive rows of one sample by one warp (all 32 lanes, warp-uniform arguments):
 // adv_rows, logits_rows, logp_rows are the first row's [NA] (row r at + r * num_atoms), q_rows
 // its q (row r at + r), means the sample's cell means, v_b its value row, rows_s the warp's
@@ -157,7 +140,7 @@ static __device__ __forceinline__ void dueling_row_group(
         }
     }
     if (with_q) {
-        dueling_store_q<kRows>(q, q_rows, lane);
+        warp_store_row_sums<kRows>(q, q_rows, lane);
     }
 }
 
@@ -266,7 +249,7 @@ static __device__ __forceinline__ void dueling_sample_regs(
         }
     }
     if (with_q) {
-        dueling_store_q<kRows>(q, q_b, lane);
+        warp_store_row_sums<kRows>(q, q_b, lane);
     }
 }
 
