@@ -23,7 +23,9 @@ a failure naming what is missing): one step per preset x precision x start; NaN/
 ``(step, fresh, read_at)`` readback sequence over 250 steps, re-synchronised from the reference
 state every step, and free-running with non-finite readbacks; checkpoint interchange both ways;
 each second-wave source the fast step implements, alone and all at once (``step_harness.
-SOURCES``), one step and the injections per preset x precision from the warm state.
+SOURCES``), one step and the injections per preset x precision from the warm state; the bf16
+step with the fused trunk forward (``fused_trunk=True``), one step per preset x start and the
+injections on the seed preset.
 """
 
 from __future__ import annotations
@@ -237,6 +239,34 @@ def test_fast_step_with_injected_non_finite_values(kind, precision, case, cuda_d
                                                    record_property) -> None:
     results = check_injection(fast_factory(), shared_case(case, precision, "warm"), kind)
     record_results(record_property, f"{case}-{precision}-{kind}", results)
+    assert_all(results)
+
+
+#: The fast trainer with its trunk forward fused (``Trainer(..., fused_trunk=True)``; bf16 only).
+FUSED_TRUNK_CASES = [pytest.param(p, s, id=f"{p}-bf16-{s}") for p in PRESETS for s in STARTS]
+
+
+def _fused_trunk_factory():
+    import functools
+
+    return functools.partial(fast_factory(), fused_trunk=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, start", FUSED_TRUNK_CASES)
+def test_fast_step_with_the_fused_trunk_matches_reference(case, start, cuda_device,
+                                                          record_property) -> None:
+    results, _, _ = one_step(_fused_trunk_factory(), shared_case(case, "bf16", start))
+    record_results(record_property, f"{case}-bf16-{start}-fused-trunk", results)
+    assert_all(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", INJECTIONS)
+def test_fast_step_with_the_fused_trunk_and_injected_non_finite_values(kind, cuda_device,
+                                                                       record_property) -> None:
+    results = check_injection(_fused_trunk_factory(), shared_case("seed", "bf16", "warm"), kind)
+    record_results(record_property, f"seed-bf16-{kind}-fused-trunk", results)
     assert_all(results)
 
 

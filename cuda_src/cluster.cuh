@@ -51,3 +51,18 @@ __device__ __forceinline__ float fh_cluster_read(const float* local, int rank) {
     return *local;
 #endif
 }
+
+// Store the 32-bit `v` at `local` (a __shared__ address of this kernel) in the shared memory of
+// cluster block `rank` (this block's own copy without clusters). Visible to that block after the
+// next fh_cluster_sync.
+__device__ __forceinline__ void fh_cluster_store_u32(unsigned int* local, int rank, unsigned int v) {
+#if FH_CLUSTER > 1
+    const unsigned int addr = (unsigned int)__cvta_generic_to_shared(local);
+    unsigned int remote;
+    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(v) : "memory");
+#else
+    (void)rank;
+    *local = v;
+#endif
+}

@@ -32,26 +32,33 @@
 // payloads are no contract). The clamp's is clamp_finite_isv's: NaN and +/-Inf become +0.0,
 // a NaN ISV value gives the bound `mult`.
 //
-// Layout of the work: a block owns TRUNK_BM rows (one m16 tile) and TRUNK_WARPS warps. Its xb
-// tile and then its h1_bf16 tile stay in shared memory (h1 never round-trips through global
-// memory between the layers; the h1 / h1_bf16 outputs are written for the backward). Each
-// layer runs in passes of up to TRUNK_NCH output columns; warp w owns the n8 tiles
-// w * TRUNK_NT .. w * TRUNK_NT + TRUNK_NT - 1 of a pass. W is streamed through shared memory in
-// chunks of TRUNK_KC k-columns by cp.async, TRUNK_STAGES deep (fast/kernels/trunk.py's
-// plan_trunk_forward_bf16 sizes the dynamic shared memory by the same formula as
-// trunk_smem_layout below). Shared rows are padded by TRUNK_PAD bf16 (16 bytes) so the
-// fragment loads hit 32 distinct banks. Requirements (the launcher checks the shapes): SD, H1,
-// H2 multiples of 16 (the MMA's k and two n8 tiles); xb, W1, W2 16-byte aligned (cp.async), the
-// f32 outputs 8-byte and the BF16 outputs 4-byte aligned (pairs are stored together).
+// Layout of the work: a thread-block cluster (cluster.cuh: FH_CLUSTER blocks on sm_90 and newer,
+// one block before) owns TRUNK_BM rows (TRUNK_MT m16 tiles; grid.y = ceil(rows / TRUNK_BM)); cluster
+// block `rank` computes the output columns of its slice of each layer (trunk_slice: a multiple
+// of 8 columns, ceil(width / (8 FH_CLUSTER)) n8 tiles; the last ranks' slices may be short or
+// empty). Each block holds the rows' xb tile in shared memory and, after layer 1, the WHOLE
+// h1_bf16 tile: every block stores its slice's BF16 pairs into the tile of every block of the
+// cluster (distributed shared memory), then one cluster barrier, so layer 2's A operand never
+// goes through global memory (h1 / h1_bf16 are still written for the backward). A block's W
+// rows (its slice) are streamed through shared memory in chunks of TRUNK_KC k-columns by
+// cp.async, TRUNK_STAGES deep, in passes of up to TRUNK_NCH columns; layer 2's first chunks
+// are issued before the cluster barrier (they do not depend on h1). Warp w owns n8 tiles
+// w * TRUNK_NT .. of a pass. fast/kernels/trunk.py's trunk_shared_bytes mirrors trunk_smem
+// below. Shared rows are padded by TRUNK_PAD bf16 (16 bytes) so the fragment loads hit 32
+// distinct banks. Requirements (the launcher checks the shapes): SD, H1, H2 multiples of 16
+// (the MMA's k, two n8 tiles); xb, W1, W2 16-byte aligned (cp.async), the f32 outputs 8-byte
+// and the BF16 outputs 4-byte aligned (pairs are stored together).
 
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (dense.f32_to_bf16's bit formula)
+#include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_store_u32
 
-#define TRUNK_WARPS 8
+#define TRUNK_WARPS 4
 #define TRUNK_THREADS (TRUNK_WARPS * 32)
-#define TRUNK_BM 16
-#define TRUNK_NT 4
+#define TRUNK_MT 1
+#define TRUNK_BM (16 * TRUNK_MT)
+#define TRUNK_NT 2
 #define TRUNK_NCH (TRUNK_WARPS * 8 * TRUNK_NT)
-#define TRUNK_KC 32
+#define TRUNK_KC 64
 #define TRUNK_STAGES 3
 #define TRUNK_PAD 8
 #define TRUNK_AUX_ALIGN 16
@@ -106,8 +113,14 @@ static __device__ __forceinline__ int trunk_aux_row_bytes(int cols) {
     return ((cols / 8 + TRUNK_AUX_ALIGN - 1) / TRUNK_AUX_ALIGN) * TRUNK_AUX_ALIGN;
 }
 
-// Where a layer's results go. Layer 1: out = h1, bf16 = h1_bf16 (+ the block's h1 tile in
-// shared memory, hs), clamp off. Layer 2: out = h2pre, then the clamp into h2 / h2_bf16.
+// Columns per cluster block of a layer `width` wide: ceil(width / (8 FH_CLUSTER)) n8 tiles.
+static __device__ __forceinline__ int trunk_slice(int width) {
+    return ((width + 8 * FH_CLUSTER - 1) / (8 * FH_CLUSTER)) * 8;
+}
+
+// Where a layer's results go. Layer 1: out = h1, bf16 = h1_bf16, tile = the shared h1_bf16 tile
+// (written into every cluster block's copy), clamp off. Layer 2: out = h2pre, then the clamp
+// into h2 / h2_bf16.
 struct TrunkOut {
     float* out;
     unsigned char* aux;
@@ -119,85 +132,104 @@ struct TrunkOut {
     float bound;
 };
 
-// One dense layer for the block's TRUNK_BM rows starting at row0:
-//   pre = A @ W^T + bias, A the shared tile a_s [TRUNK_BM, k_total] (row stride a_stride),
-//   W [n_total, k_total] global BF16; the epilogue writes relu(pre), its aux bits and BF16 copy
-//   or its clamp (TrunkOut). w_s: TRUNK_STAGES staging buffers of w_rows x (TRUNK_KC + TRUNK_PAD).
-// Called by every thread of the block (it synchronises).
-static __device__ void trunk_layer(const unsigned short* a_s, int a_stride, int k_total,
-                                   const unsigned short* __restrict__ w,
-                                   const float* __restrict__ bias, int n_total,
-                                   unsigned short* w_s, int w_rows, int row0, int rows,
-                                   const TrunkOut& o) {
-    const int tid = threadIdx.x;
-    const int warp = tid >> 5;
-    const int lane = tid & 31;
-    const int g = lane >> 2;  // the fragment's row (and row + 8) / the B fragment's column
-    const int t4 = lane & 3;  // the fragment's k pair / the C fragment's column pair
-    const int w_stride = TRUNK_KC + TRUNK_PAD;
-    const int stage_elems = w_rows * w_stride;
-    const int n_chunks = (k_total + TRUNK_KC - 1) / TRUNK_KC;
-    const int aux_bytes = trunk_aux_row_bytes(n_total);
+// W rows [n0, n0 + ncols) of a layer (a block's pass) and where they are staged.
+struct TrunkW {
+    const unsigned short* __restrict__ w;  // [n_total, k_total] BF16
+    int k_total;
+    int n0;
+    int ncols;
+    unsigned short* w_s;  // streamed: TRUNK_STAGES buffers of TRUNK_NCH x (TRUNK_KC + PAD);
+                          // resident: one buffer of TRUNK_NCH x (k_total + PAD)
+};
 
-    for (int n0 = 0; n0 < n_total; n0 += TRUNK_NCH) {
-        const int ncols = min(TRUNK_NCH, n_total - n0);
-        // Stage chunk c (k in [c * KC, c * KC + klen)) of W's rows n0 .. n0 + ncols.
-        auto stage = [&](int c) {
-            const int k0 = c * TRUNK_KC;
-            const int vecs = min(TRUNK_KC, k_total - k0) / 8;  // 16-byte vectors per row
-            unsigned short* dst = w_s + (c % TRUNK_STAGES) * stage_elems;
-            for (int v = tid; v < ncols * vecs; v += TRUNK_THREADS) {
-                const int r = v / vecs;
-                const int q = v - r * vecs;
-                trunk_cp16(dst + r * w_stride + q * 8,
-                           w + (long long)(n0 + r) * k_total + k0 + q * 8);
-            }
-        };
-        for (int c = 0; c < TRUNK_STAGES - 1; ++c) {
-            if (c < n_chunks) {
-                stage(c);
-            }
-            trunk_cp_commit();
+// Copy k-columns [k0, k0 + klen) of the pass's W rows to dst (row stride dst_stride), async.
+static __device__ __forceinline__ void trunk_copy_w(const TrunkW& p, int k0, int klen,
+                                                    unsigned short* dst, int dst_stride) {
+    const int vecs = klen / 8;  // 16-byte vectors per row
+    for (int v = threadIdx.x; v < p.ncols * vecs; v += TRUNK_THREADS) {
+        const int r = v / vecs;
+        const int q = v - r * vecs;
+        trunk_cp16(dst + r * dst_stride + q * 8, p.w + (long long)(p.n0 + r) * p.k_total + k0 + q * 8);
+    }
+}
+
+// Streamed: chunk c (k in [c * KC, c * KC + klen)) into staging buffer c % STAGES.
+static __device__ __forceinline__ void trunk_stage(const TrunkW& p, int c) {
+    const int k0 = c * TRUNK_KC;
+    trunk_copy_w(p, k0, min(TRUNK_KC, p.k_total - k0),
+                 p.w_s + (c % TRUNK_STAGES) * (TRUNK_NCH * (TRUNK_KC + TRUNK_PAD)),
+                 TRUNK_KC + TRUNK_PAD);
+}
+
+// Streamed: the pipeline's prologue, chunks 0 .. STAGES - 2 of a pass, one commit group each
+// (empty groups past the last chunk keep the wait counts uniform).
+static __device__ __forceinline__ void trunk_prologue(const TrunkW& p) {
+    const int n_chunks = (p.k_total + TRUNK_KC - 1) / TRUNK_KC;
+    for (int c = 0; c < TRUNK_STAGES - 1; ++c) {
+        if (c < n_chunks) {
+            trunk_stage(p, c);
         }
-        float acc[TRUNK_NT][4];
+        trunk_cp_commit();
+    }
+}
+
+// acc[i][j] += A[m16 tile i, k0 .. k0 + 16 ksteps) @ W_s[n8 tile j rows, kw0 ..]^T for the
+// block's m16 tiles i and the warp's n8 tiles j (tile = j * TRUNK_WARPS + warp, those below
+// ncols). A: the shared [TRUNK_BM, *] tile (row stride a_stride).
+static __device__ __forceinline__ void trunk_mma_span(float (*acc)[TRUNK_NT][4],
+                                                      const unsigned short* a_s, int a_stride,
+                                                      int k0, const unsigned short* ws,
+                                                      int w_stride, int kw0, int ksteps,
+                                                      int ncols) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    for (int ks = 0; ks < ksteps; ++ks) {
+        const int k = k0 + ks * 16 + t4 * 2;
+        unsigned int a[TRUNK_MT][4];
+#pragma unroll
+        for (int i = 0; i < TRUNK_MT; ++i) {
+            const unsigned short* ai = a_s + (i * 16 + g) * a_stride + k;
+            a[i][0] = trunk_ld32(ai);
+            a[i][1] = trunk_ld32(ai + 8 * a_stride);
+            a[i][2] = trunk_ld32(ai + 8);
+            a[i][3] = trunk_ld32(ai + 8 * a_stride + 8);
+        }
 #pragma unroll
         for (int j = 0; j < TRUNK_NT; ++j) {
-            acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
-        }
-        for (int c = 0; c < n_chunks; ++c) {
-            trunk_cp_wait_stage();
-            __syncthreads();  // chunk c is in; every warp is done with chunk c - 1's buffer
-            if (c + TRUNK_STAGES - 1 < n_chunks) {
-                stage(c + TRUNK_STAGES - 1);  // into chunk c - 1's buffer
-            }
-            trunk_cp_commit();
-            const unsigned short* ws = w_s + (c % TRUNK_STAGES) * stage_elems;
-            const int k0 = c * TRUNK_KC;
-            const int ksteps = min(TRUNK_KC, k_total - k0) / 16;
-            for (int ks = 0; ks < ksteps; ++ks) {
-                const int k = k0 + ks * 16 + t4 * 2;
-                unsigned int a[4];
-                a[0] = trunk_ld32(a_s + g * a_stride + k);
-                a[1] = trunk_ld32(a_s + (g + 8) * a_stride + k);
-                a[2] = trunk_ld32(a_s + g * a_stride + k + 8);
-                a[3] = trunk_ld32(a_s + (g + 8) * a_stride + k + 8);
+            const int tile = j * TRUNK_WARPS + warp;
+            if (tile * 8 < ncols) {  // warp-uniform
+                const unsigned short* b = ws + (tile * 8 + g) * w_stride + kw0 + ks * 16 + t4 * 2;
+                const unsigned int b0 = trunk_ld32(b);
+                const unsigned int b1 = trunk_ld32(b + 8);
 #pragma unroll
-                for (int j = 0; j < TRUNK_NT; ++j) {
-                    const int tile = warp * TRUNK_NT + j;
-                    if (tile * 8 < ncols) {  // warp-uniform
-                        const unsigned short* b = ws + (tile * 8 + g) * w_stride + ks * 16 + t4 * 2;
-                        trunk_mma(acc[j], a, trunk_ld32(b), trunk_ld32(b + 8));
-                    }
+                for (int i = 0; i < TRUNK_MT; ++i) {
+                    trunk_mma(acc[i][j], a[i], b0, b1);
                 }
             }
         }
-        __syncthreads();  // the staging buffers are free for the next pass / layer
+    }
+}
 
-        // Epilogue: thread (g, t4) holds columns col, col + 1 of rows g (acc[j][0..1]) and
-        // g + 8 (acc[j][2..3]) of tile j.
+// The epilogue of a pass (columns n0 .. n0 + ncols of a layer n_total wide, the block's rows
+// from row0): thread (g, t4) holds columns col, col + 1 of rows 16 i + g (acc[i][j][0..1]) and
+// 16 i + g + 8 (acc[i][j][2..3]) of m16 tile i, n8 tile j. Adds the bias, applies the ReLU,
+// writes the outputs of TrunkOut.
+static __device__ __forceinline__ void trunk_epilogue(const float (*acc)[TRUNK_NT][4],
+                                                      const float* __restrict__ bias, int n_total,
+                                                      int n0, int ncols, int row0, int rows,
+                                                      const TrunkOut& o) {
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int aux_bytes = trunk_aux_row_bytes(n_total);
+#pragma unroll
+    for (int i = 0; i < TRUNK_MT; ++i) {
 #pragma unroll
         for (int j = 0; j < TRUNK_NT; ++j) {
-            const int tile = warp * TRUNK_NT + j;
+            const int tile = j * TRUNK_WARPS + warp;
             if (tile * 8 >= ncols) {  // warp-uniform
                 continue;
             }
@@ -207,17 +239,20 @@ static __device__ void trunk_layer(const unsigned short* a_s, int a_stride, int 
             unsigned int bits[2];
 #pragma unroll
             for (int half = 0; half < 2; ++half) {
-                const int r = g + half * 8;
+                const int r = i * 16 + g + half * 8;
                 const int row = row0 + r;
-                const float p0 = __fadd_rn(acc[j][2 * half], bias0);
-                const float p1 = __fadd_rn(acc[j][2 * half + 1], bias1);
+                const float p0 = __fadd_rn(acc[i][j][2 * half], bias0);
+                const float p1 = __fadd_rn(acc[i][j][2 * half + 1], bias1);
                 const float v0 = (p0 <= 0.0f) ? 0.0f : p0;
                 const float v1 = (p1 <= 0.0f) ? 0.0f : p1;
                 bits[half] = ((p0 <= 0.0f) ? 0u : 1u) | ((p1 <= 0.0f) ? 0u : 2u);
                 const unsigned int pair = (unsigned int)f32_to_bf16_bits(v0)
                                           | ((unsigned int)f32_to_bf16_bits(v1) << 16);
-                if (o.tile != nullptr) {  // layer 1: the next layer's A, every row of the tile
-                    *reinterpret_cast<unsigned int*>(o.tile + r * o.tile_stride + col) = pair;
+                if (o.tile != nullptr) {  // layer 1: the next layer's A, in every cluster block
+                    unsigned int* at = reinterpret_cast<unsigned int*>(o.tile + r * o.tile_stride + col);
+                    for (int peer = 0; peer < FH_CLUSTER; ++peer) {
+                        fh_cluster_store_u32(at, peer, pair);
+                    }
                 }
                 if (row < rows) {
                     const long long at = (long long)row * n_total + col;
@@ -236,39 +271,92 @@ static __device__ void trunk_layer(const unsigned short* a_s, int a_stride, int 
                 }
             }
             if (o.aux != nullptr) {
-                // The 4 lanes of row g hold its 8 columns of this tile: OR their bit pairs into
-                // one byte (bit b = column tile * 8 + b, little bit order).
+                // The 4 lanes of row g hold its 8 columns of this tile: OR their bit pairs into one
+                // byte (bit b = column tile * 8 + b, little bit order).
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
                     unsigned int byte = bits[half] << (t4 * 2);
                     byte |= __shfl_xor_sync(0xffffffffu, byte, 1);
                     byte |= __shfl_xor_sync(0xffffffffu, byte, 2);
-                    const int row = row0 + g + half * 8;
+                    const int row = row0 + i * 16 + g + half * 8;
                     if (t4 == 0 && row < rows) {
-                        o.aux[(long long)row * aux_bytes + (n0 + tile * 8) / 8] =
-                            (unsigned char)byte;
+                        o.aux[(long long)row * aux_bytes + (n0 + tile * 8) / 8] = (unsigned char)byte;
                     }
                 }
             }
         }
     }
-    if (o.aux != nullptr) {  // the rows' padding bytes
-        const int pad = aux_bytes - n_total / 8;
-        for (int v = threadIdx.x; v < TRUNK_BM * pad; v += TRUNK_THREADS) {
-            const int row = row0 + v / pad;
-            if (row < rows) {
-                o.aux[(long long)row * aux_bytes + n_total / 8 + v % pad] = 0;
-            }
+}
+
+// The rows' bitmask padding bytes (written as 0 by cluster block 0, whose slice starts at 0).
+static __device__ __forceinline__ void trunk_aux_padding(unsigned char* aux, int n_total,
+                                                         int row0, int rows) {
+    const int aux_bytes = trunk_aux_row_bytes(n_total);
+    const int pad = aux_bytes - n_total / 8;
+    for (int v = threadIdx.x; v < TRUNK_BM * pad; v += TRUNK_THREADS) {
+        const int row = row0 + v / pad;
+        if (row < rows) {
+            aux[(long long)row * aux_bytes + n_total / 8 + v % pad] = 0;
         }
     }
 }
 
+static __device__ __forceinline__ void trunk_zero(float (*acc)[TRUNK_NT][4]) {
+#pragma unroll
+    for (int i = 0; i < TRUNK_MT; ++i) {
+#pragma unroll
+        for (int j = 0; j < TRUNK_NT; ++j) {
+            acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+        }
+    }
+}
+
+// Streamed: the block's slice [n_begin, n_end) of one dense layer for its TRUNK_BM rows:
+//   pre = A @ W^T + bias, A the shared tile a_s [TRUNK_BM, k_total] (row stride a_stride),
+//   W [n_total, k_total] global BF16, in passes of TRUNK_NCH columns, W through w_s in chunks.
+//   `primed`: the first pass's prologue was already issued (its copy groups are the oldest
+//   pending ones). Called by every thread of the block (it synchronises).
+static __device__ void trunk_layer_streamed(const unsigned short* a_s, int a_stride, int k_total,
+                                            const unsigned short* __restrict__ w,
+                                            const float* __restrict__ bias, int n_total,
+                                            int n_begin, int n_end, unsigned short* w_s,
+                                            bool primed, int row0, int rows, const TrunkOut& o) {
+    const int w_stride = TRUNK_KC + TRUNK_PAD;
+    const int n_chunks = (k_total + TRUNK_KC - 1) / TRUNK_KC;
+    for (int n0 = n_begin; n0 < n_end; n0 += TRUNK_NCH) {
+        const TrunkW p = {w, k_total, n0, min(TRUNK_NCH, n_end - n0), w_s};
+        if (!(primed && n0 == n_begin)) {
+            trunk_prologue(p);
+        }
+        float acc[TRUNK_MT][TRUNK_NT][4];
+        trunk_zero(acc);
+        for (int c = 0; c < n_chunks; ++c) {
+            trunk_cp_wait_stage();
+            __syncthreads();  // chunk c is in; every warp is done with chunk c - 1's buffer
+            if (c + TRUNK_STAGES - 1 < n_chunks) {
+                trunk_stage(p, c + TRUNK_STAGES - 1);  // into chunk c - 1's buffer
+            }
+            trunk_cp_commit();
+            const int k0 = c * TRUNK_KC;
+            trunk_mma_span(acc, a_s, a_stride, k0, w_s + (c % TRUNK_STAGES) * (TRUNK_NCH * w_stride),
+                           w_stride, 0, min(TRUNK_KC, k_total - k0) / 16, p.ncols);
+        }
+        __syncthreads();  // the staging buffers are free for the next pass / layer
+        trunk_epilogue(acc, bias, n_total, n0, p.ncols, row0, rows, o);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
-// trunk_forward_bf16: grid ceil(rows / TRUNK_BM) blocks of TRUNK_THREADS threads; dynamic shared
-// memory (bf16 elements) TRUNK_BM * (sd + PAD) + TRUNK_BM * (h1_width + PAD)
-// + TRUNK_STAGES * min(TRUNK_NCH, max(h1_width, h2_width)) * (TRUNK_KC + PAD), times 2 bytes.
+// trunk_forward_bf16: grid (FH_CLUSTER, ceil(rows / TRUNK_BM)) blocks of TRUNK_THREADS threads,
+// clusters of FH_CLUSTER x 1. Resident when every block's slice of both layers is at most
+// TRUNK_NCH columns (trunk_slice): the slices of W1 and W2 are copied whole at the start
+// (beside the xb tile), dynamic shared memory (bf16 elements) TRUNK_BM * (sd + PAD)
+// + TRUNK_BM * (h1_width + PAD) + s1 * (sd + PAD) + s2 * (h1_width + PAD) (s1, s2 the slices);
+// else streamed: TRUNK_BM * (sd + PAD) + TRUNK_BM * (h1_width + PAD)
+// + TRUNK_STAGES * TRUNK_NCH * (TRUNK_KC + PAD). Times 2 bytes (fast/kernels/trunk.py).
 // ---------------------------------------------------------------------------------------------
-extern "C" __global__ void __launch_bounds__(TRUNK_THREADS) trunk_forward_bf16(
+extern "C" __global__ void __launch_bounds__(TRUNK_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
+trunk_forward_bf16(
     const unsigned short* __restrict__ xb, const unsigned short* __restrict__ w1,
     const float* __restrict__ b1, const unsigned short* __restrict__ w2,
     const float* __restrict__ b2, float* __restrict__ h1, unsigned char* __restrict__ aux1,
@@ -282,8 +370,15 @@ extern "C" __global__ void __launch_bounds__(TRUNK_THREADS) trunk_forward_bf16(
     unsigned short* xs = trunk_smem;
     unsigned short* hs = xs + TRUNK_BM * xs_stride;
     unsigned short* w_s = hs + TRUNK_BM * hs_stride;
-    const int w_rows = min(TRUNK_NCH, max(h1_width, h2_width));
-    const int row0 = blockIdx.x * TRUNK_BM;
+    const int row0 = blockIdx.y * TRUNK_BM;
+    const int rank = fh_cluster_rank();
+    const int s1 = trunk_slice(h1_width);
+    const int s2 = trunk_slice(h2_width);
+    const int n1_begin = min(h1_width, rank * s1);
+    const int n1_end = min(h1_width, n1_begin + s1);
+    const int n2_begin = min(h2_width, rank * s2);
+    const int n2_end = min(h2_width, n2_begin + s2);
+    const bool resident = s1 <= TRUNK_NCH && s2 <= TRUNK_NCH;
 
     // The block's xb tile (rows past `rows` read as +0.0: their results are never stored).
     const int vecs = sd / 8;
@@ -297,13 +392,53 @@ extern "C" __global__ void __launch_bounds__(TRUNK_THREADS) trunk_forward_bf16(
             *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    trunk_cp_commit();  // completes before the first W chunk's group (groups finish in order)
-
     const TrunkOut first = {h1, aux1, h1_bf16, hs, hs_stride, nullptr, nullptr, 0.0f};
-    trunk_layer(xs, xs_stride, sd, w1, b1, h1_width, w_s, w_rows, row0, rows, first);
-    __syncthreads();  // the h1_bf16 tile is complete
-
     const float bound = __fmul_rn(mult, fmaxf(isv[index], 1.0f));  // safety.isv_bound
     const TrunkOut second = {h2pre, aux2, nullptr, nullptr, 0, h2, h2_bf16, bound};
-    trunk_layer(hs, hs_stride, h1_width, w2, b2, h2_width, w_s, w_rows, row0, rows, second);
+
+    if (resident) {
+        // Both slices whole: group 1 = xb tile + W1 slice, group 2 = W2 slice.
+        unsigned short* w1_s = w_s;
+        unsigned short* w2_s = w1_s + s1 * xs_stride;
+        const TrunkW p1 = {w1, sd, n1_begin, n1_end - n1_begin, w1_s};
+        const TrunkW p2 = {w2, h1_width, n2_begin, n2_end - n2_begin, w2_s};
+        trunk_copy_w(p1, 0, sd, w1_s, xs_stride);
+        trunk_cp_commit();
+        trunk_copy_w(p2, 0, h1_width, w2_s, hs_stride);
+        trunk_cp_commit();
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+        float acc[TRUNK_MT][TRUNK_NT][4];
+        trunk_zero(acc);
+        trunk_mma_span(acc, xs, xs_stride, 0, w1_s, xs_stride, 0, sd / 16, p1.ncols);
+        trunk_epilogue(acc, b1, h1_width, n1_begin, p1.ncols, row0, rows, first);
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        fh_cluster_sync();  // every block's h1_bf16 slice is in every tile; W2's slice is in
+        trunk_zero(acc);
+        trunk_mma_span(acc, hs, hs_stride, 0, w2_s, hs_stride, 0, h1_width / 16, p2.ncols);
+        trunk_epilogue(acc, b2, h2_width, n2_begin, p2.ncols, row0, rows, second);
+    } else {
+        trunk_cp_commit();  // the xb tile completes before the first W chunk's group
+        trunk_layer_streamed(xs, xs_stride, sd, w1, b1, h1_width, n1_begin, n1_end, w_s, false,
+                             row0, rows, first);
+        // Layer 2's first W chunks (the staging buffers are free: the layer ends synchronised),
+        // then the cluster barrier: every block's h1_bf16 slice is in every block's tile.
+        const bool primed = n2_begin < n2_end;
+        if (primed) {
+            const TrunkW p2 = {w2, h1_width, n2_begin, min(TRUNK_NCH, n2_end - n2_begin), w_s};
+            trunk_prologue(p2);
+        }
+        fh_cluster_sync();
+        trunk_layer_streamed(hs, hs_stride, h1_width, w2, b2, h2_width, n2_begin, n2_end, w_s,
+                             primed, row0, rows, second);
+        asm volatile("cp.async.wait_all;" ::: "memory");  // a block of empty slices issued xb
+    }
+    if (rank == 0) {
+        if (aux1 != nullptr) {
+            trunk_aux_padding(aux1, h1_width, row0, rows);
+        }
+        if (aux2 != nullptr) {
+            trunk_aux_padding(aux2, h2_width, row0, rows);
+        }
+    }
 }

@@ -29,6 +29,7 @@ from foxhunt.reference.kernels import distributional as dist
 from foxhunt.reference.kernels import fused
 from foxhunt.reference.kernels import isv as risv
 from foxhunt.reference.kernels import step as rstep
+from foxhunt.reference.kernels import trunk as rtrunk
 
 F32, I32, I64, U16, U8, U64 = (np.dtype(t) for t in (np.float32, np.int32, np.int64, np.uint16,
                                                       np.uint8, np.uint64))
@@ -158,6 +159,28 @@ def _bias_grad_reduce(a):
 def _relu_mask_bias_grad(a):
     r = dense.relu_mask_bias_grad(a.dy, a.h)
     return {"dx": r.dx, "db": r.db}
+
+
+def _aux_extent(width: str):
+    return lambda a: (a.rows, rtrunk.aux_row_bytes(getattr(a, width)))
+
+
+@twin("trunk_forward_bf16", nullable=("aux1", "aux2"), xb=("rows", "sd"), w1=("h1_width", "sd"),
+      b1="h1_width", w2=("h2_width", "h1_width"), b2="h2_width", h1=("rows", "h1_width"),
+      aux1=_aux_extent("h1_width"), h1_bf16=("rows", "h1_width"), h2pre=("rows", "h2_width"),
+      aux2=_aux_extent("h2_width"), h2=("rows", "h2_width"), h2_bf16=("rows", "h2_width"),
+      isv=ISV_LEN)
+def _trunk_forward_bf16(a):
+    with_aux = a.view("aux1") is not None
+    if with_aux != (a.view("aux2") is not None):
+        from foxhunt.fast.records import PlanError
+
+        raise PlanError("trunk_forward_bf16: aux1 and aux2 are both bound or both null")
+    r = rtrunk.trunk_forward_bf16(a.xb, a.w1, a.b1, a.w2, a.b2, a.isv, a.index, a.mult, with_aux)
+    out = r._asdict()
+    if not with_aux:
+        del out["aux1"], out["aux2"]
+    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The fast step's plan builder: GEMM plans and the pieces every graph is made of, as records.
 
-``StepProgram(layout, *, planner, constants, host_nbytes, arch, gemm_workspace, seed, sm_count)``
+``StepProgram(layout, *, planner, constants, host_nbytes, arch, gemm_workspace, seed, sm_count,
+fuse_trunk)``
 makes the launch records (``foxhunt.fast.records``) of the step; the graphs are written in
 ``graph1_plan``, ``graph2_plan`` (with the upload graph) and ``eval_plan``. Records name
 buffers of ``layout`` (and, while an evaluation forward is built, of its ``EvalLayout``); the
@@ -92,7 +93,7 @@ class StepProgram:
 
     def __init__(self, layout: StepLayout, *, planner: Planner, constants: Mapping[str, np.ndarray],
                  host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none",
-                 seed: int = 0, sm_count: int = 0):
+                 seed: int = 0, sm_count: int = 0, fuse_trunk: bool = False):
         from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
 
         if gemm_workspace not in GEMM_WORKSPACES:
@@ -104,6 +105,17 @@ class StepProgram:
         self.seed = int(seed)
         self.planner = planner
         self.arch = arch
+        self.fuse_trunk = bool(fuse_trunk)
+        if self.fuse_trunk and not self.trunk_fused:
+            from foxhunt.fast.kernels._runtime import CLUSTER_SM90
+            from foxhunt.fast.kernels.trunk import TRUNK_COLS_PER_PASS
+
+            lay = layout
+            raise ValueError(
+                f"fused_trunk=True: the fused trunk forward runs precision 'bf16' on sm_90 and newer "
+                f"with SD, H1, H2 multiples of 16 and H1, H2 <= {CLUSTER_SM90 * TRUNK_COLS_PER_PASS}"
+                f"; got precision {self.config.precision!r}, {arch}, SD={lay.SD}, H1={lay.H1}, "
+                f"H2={lay.H2}")
         self.gemm_workspace = gemm_workspace
         self.default_workspace = DEFAULT_WORKSPACE_LIMIT
         #: cuBLASLt's SM_COUNT_TARGET of every plan (module docstring; 0: the whole device).
@@ -117,6 +129,16 @@ class StepProgram:
 
     def ops(self) -> Ops:
         return Ops(self.binder)
+
+    @property
+    def trunk_fused(self) -> bool:
+        """Whether the training passes run the trunk as the fused ``trunk_forward_bf16``: asked
+        for (``fuse_trunk``), BF16, an architecture with thread-block clusters, and widths whose
+        W slices the kernel keeps whole (``fast.kernels.trunk.trunk_fusable``)."""
+        from foxhunt.fast.kernels.trunk import trunk_fusable
+
+        lay = self.lay
+        return self.fuse_trunk and lay.bf16 and trunk_fusable(lay.SD, lay.H1, lay.H2, self.arch)
 
     def eval_binder(self, evl: EvalLayout, host_nbytes: Mapping[str, int]) -> Binder:
         """A binder over the step buffers and ``evl``'s (names are disjoint)."""
@@ -239,33 +261,47 @@ class StepProgram:
     # -- forward
     def forward(self, ops: Ops, *, tag: str, rows: int, which: int, x: Buf, xb: Buf | None,
                 aux: bool, logits: Buf, logp: Buf, q: Buf | None = None,
-                extra: Ops | None = None, h2_event: str | None = None) -> None:
+                extra: Ops | None = None, h2_event: str | None = None,
+                fuse_trunk: bool = False) -> None:
         """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
         Mech 10 clamp (bound from ISV[H_S2_RMS_EMA] on the device), heads, then every branch's
         dueling combine, log-softmax into ``logits`` / ``logp`` (branch-packed from there) and,
         with ``q``, expected Q, in one launch. The heads' GEMMs run as parallel branches (first
         layers, then second layers); ``extra`` runs alongside the first layers. ``h2_event``:
-        recorded once h2 (and its BF16 copy) is written, for chains that need only the trunk."""
+        recorded once h2 (and its BF16 copy) is written, for chains that need only the trunk.
+        ``fuse_trunk`` (the training step's passes): where :attr:`trunk_fused`, the trunk and its
+        clamp are ONE ``trunk_forward_bf16`` launch (the same buffers written) instead of the
+        GEMM, ``f32_to_bf16``, GEMM, ``clamp_finite_isv`` nodes."""
         lay, c = self.lay, self.config
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
         wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
         relu_ep = "relu_aux_bias" if aux else "relu_bias"
         h1, h2pre, h2 = Buf(f"h1{tag}"), Buf(f"h2pre{tag}"), Buf(f"h2{tag}")
-        self.linear(ops, rows=rows, n=lay.H1, k=lay.SD, x=xb if bf16 else x, w=wfwd("w_s1"),
-                    c=h1, bias=p32("b_s1"), epilogue=relu_ep,
-                    aux=Buf(f"aux1{tag}") if aux else None)
-        h1_in = h1
-        if bf16:
-            h1_in = Buf(f"h1{tag}_bf16")
-            self.to_bf16(ops, h1, h1_in, rows * lay.H1)
-        self.linear(ops, rows=rows, n=lay.H2, k=lay.H1, x=h1_in, w=wfwd("w_s2"), c=h2pre,
-                    bias=p32("b_s2"), epilogue=relu_ep, aux=Buf(f"aux2{tag}") if aux else None)
         h2b = Buf(f"h2{tag}_bf16") if bf16 else None
-        n2 = rows * lay.H2
-        ops.kernel("clamp_finite_isv", self.kernels("step").plan_clamp_finite_isv(n2), x=h2pre,
-                   out=h2, out_bf16=h2b, n=n2, isv="isv", index=isv_mod.H_S2_RMS_EMA_INDEX,
-                   mult=np.float32(c.h2_clamp_mult))
+        aux1, aux2 = (Buf(f"aux1{tag}"), Buf(f"aux2{tag}")) if aux else (None, None)
+        if fuse_trunk and self.trunk_fused:
+            trunk = self.kernels("trunk")
+            ops.kernel("trunk_forward_bf16",
+                       trunk.plan_trunk_forward_bf16(rows, lay.SD, lay.H1, lay.H2, arch=self.arch),
+                       xb=xb, w1=wfwd("w_s1"), b1=p32("b_s1"), w2=wfwd("w_s2"), b2=p32("b_s2"),
+                       h1=h1, aux1=aux1, h1_bf16=Buf(f"h1{tag}_bf16"), h2pre=h2pre, aux2=aux2,
+                       h2=h2, h2_bf16=h2b, rows=rows, sd=lay.SD, h1_width=lay.H1,
+                       h2_width=lay.H2, isv="isv", index=isv_mod.H_S2_RMS_EMA_INDEX,
+                       mult=np.float32(c.h2_clamp_mult))
+        else:
+            self.linear(ops, rows=rows, n=lay.H1, k=lay.SD, x=xb if bf16 else x, w=wfwd("w_s1"),
+                        c=h1, bias=p32("b_s1"), epilogue=relu_ep, aux=aux1)
+            h1_in = h1
+            if bf16:
+                h1_in = Buf(f"h1{tag}_bf16")
+                self.to_bf16(ops, h1, h1_in, rows * lay.H1)
+            self.linear(ops, rows=rows, n=lay.H2, k=lay.H1, x=h1_in, w=wfwd("w_s2"), c=h2pre,
+                        bias=p32("b_s2"), epilogue=relu_ep, aux=aux2)
+            n2 = rows * lay.H2
+            ops.kernel("clamp_finite_isv", self.kernels("step").plan_clamp_finite_isv(n2),
+                       x=h2pre, out=h2, out_bf16=h2b, n=n2, isv="isv",
+                       index=isv_mod.H_S2_RMS_EMA_INDEX, mult=np.float32(c.h2_clamp_mult))
         if h2_event is not None:
             ops.record(h2_event)
         h2_in = h2b if bf16 else h2

@@ -34,6 +34,9 @@ F32, U8, U16 = np.float32, np.uint8, np.uint16
 SPEC = SPECS["trunk_forward_bf16"]
 SEED_DIMS = ((256, 128, 256, 256), (512, 128, 256, 256))
 ODD_DIMS = (257, 48, 80, 272)
+#: Streamed on sm_90 (H1 = 528 needs 72 columns per cluster block; two passes), K chunks of 64
+#: and 16; H2 = 48 leaves two cluster blocks without columns.
+STREAMED_DIMS = (37, 32, 528, 48)
 _GPU, _WHY = cuda_available()
 gpu = pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
 
@@ -120,7 +123,7 @@ def _cu_define(name: str) -> int:
 
 
 def test_plan_constants_are_trunk_cu_s():
-    assert fast_trunk.TRUNK_ROWS_PER_BLOCK == _cu_define("TRUNK_BM")
+    assert fast_trunk.TRUNK_ROWS_PER_BLOCK == 16 * _cu_define("TRUNK_MT")
     assert fast_trunk.TRUNK_K_CHUNK == _cu_define("TRUNK_KC")
     assert fast_trunk.TRUNK_STAGES == _cu_define("TRUNK_STAGES")
     assert fast_trunk.TRUNK_PAD == _cu_define("TRUNK_PAD")
@@ -130,11 +133,20 @@ def test_plan_constants_are_trunk_cu_s():
 
 
 def test_plan_of_the_seed_shapes():
-    # 16 rows per block; shared: xb tile 16 x 136, h1 tile 16 x 264, 3 W chunks 256 x 40 (bf16).
-    smem = 2 * (16 * 136 + 16 * 264 + 3 * 256 * 40)
-    assert fast_trunk.plan_trunk_forward_bf16(256, 128, 256, 256) == ((16,), (256,), smem)
-    assert fast_trunk.plan_trunk_forward_bf16(512, 128, 256, 256) == ((32,), (256,), smem)
-    assert fast_trunk.plan_trunk_forward_bf16(257, 48, 80, 272)[0] == (17,)
+    # A cluster of 8 blocks (sm_90) per 16 rows, 32 columns of each layer per block (resident);
+    # shared: xb tile 16 x 136, h1 tile 16 x 264, W1 slice 32 x 136, W2 slice 32 x 264 (bf16).
+    smem = 2 * (16 * 136 + 16 * 264 + 32 * 136 + 32 * 264)
+    assert fast_trunk.plan_trunk_forward_bf16(256, 128, 256, 256) == ((8, 16), (128,), smem)
+    assert fast_trunk.plan_trunk_forward_bf16(512, 128, 256, 256) == ((8, 32), (128,), smem)
+    assert fast_trunk.plan_trunk_forward_bf16(257, 48, 80, 272)[0] == (8, 17)
+    # Before sm_90 there are no clusters: one block per 16 rows computes every column, its W
+    # streamed in 3 chunks of 64 rows x 64 (+ 8) k.
+    assert fast_trunk.plan_trunk_forward_bf16(512, 128, 256, 256, arch=80) == (
+        (1, 32), (128,), 2 * (16 * 136 + 16 * 264 + 3 * 64 * 72))
+    # The odd shape's H2 = 272 needs 40 columns per cluster block: resident; the streamed test
+    # shape's H1 = 528 needs 72.
+    assert fast_trunk.trunk_resident(80, 272, 8)
+    assert not fast_trunk.trunk_resident(STREAMED_DIMS[2], STREAMED_DIMS[3], 8)
 
 
 @pytest.mark.parametrize("dims, match", [
@@ -249,8 +261,8 @@ def _fast(kw) -> TrunkForward:
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("dims", SEED_DIMS + (ODD_DIMS, (5, 16, 32, 16)),
-                         ids=["seed256", "seed512", "odd", "extremal"])
+@pytest.mark.parametrize("dims", SEED_DIMS + (ODD_DIMS, (5, 16, 32, 16), STREAMED_DIMS),
+                         ids=["seed256", "seed512", "odd", "extremal", "streamed"])
 def test_fused_kernel_conforms_to_the_twin(dims):
     kw = _kwargs(dims, seed=7)
     assert not _conformance_failures(kw, _fast(kw), trunk_forward_bf16(**kw))
@@ -332,3 +344,68 @@ def test_fused_kernel_is_deterministic_and_null_bitmasks_change_nothing_else():
         assert getattr(first, name).tobytes() == getattr(second, name).tobytes(), name
         if name not in ("aux1", "aux2"):
             assert getattr(without, name).tobytes() == getattr(first, name).tobytes(), name
+
+
+# ------------------------------------------------------------------------- in the step plan
+def _launches(ops, kernel: str) -> int:
+    from foxhunt.fast.records import Launch
+
+    return sum(1 for node in ops.nodes() if isinstance(node, Launch) and node.kernel == kernel)
+
+
+@pytest.mark.parametrize("fuse, fused, clamps", [(True, 2, 0), (False, 0, 2)])
+def test_fused_trunk_puts_one_launch_in_each_training_pass(fuse, fused, clamps):
+    """Graph 1 of the seed bf16 step on sm_90 (the CPU executor's plans): with ``fused_trunk``
+    the online and target passes each run ONE trunk_forward_bf16 instead of GEMM, f32_to_bf16,
+    GEMM, clamp_finite_isv; the evaluation forwards keep the four nodes."""
+    from foxhunt.fast.cpu_executor import CpuEngine
+    from foxhunt.reference.config import DQNConfig
+
+    engine = CpuEngine(DQNConfig.preset("seed", precision="bf16"), fused_trunk=fuse)
+    graph1 = engine.plans["graph1"]
+    assert _launches(graph1, "trunk_forward_bf16") == fused
+    assert _launches(graph1, "clamp_finite_isv") == clamps
+
+
+def test_fused_trunk_refuses_what_the_kernel_cannot_run():
+    from foxhunt.fast.cpu_executor import CpuTrainer
+    from foxhunt.reference.config import DQNConfig
+
+    with pytest.raises(ValueError, match=r"^fused_trunk=True: .* got precision 'f32', sm_90, "
+                                         r"SD=16, H1=32, H2=32$"):
+        CpuTrainer(DQNConfig.preset("tiny", precision="f32"), fused_trunk=True)
+    with pytest.raises(ValueError, match=r"^fused_trunk=1: must be a bool$"):
+        CpuTrainer(DQNConfig.preset("tiny", precision="bf16"), fused_trunk=1)
+
+
+def test_on_the_cpu_executor_the_fused_trunk_steps_bitwise_as_the_four_nodes():
+    """The fused launch's twin is the composition of the four nodes' reference functions, so the
+    CPU executor's steps with and without it end in the same bits (every state buffer, the
+    step scalars, the TD errors and the greedy Q's)."""
+    from foxhunt.fast.cpu_executor import CpuTrainer
+    from foxhunt.reference.batch import Batch
+    from foxhunt.reference.config import DQNConfig
+
+    config = DQNConfig.preset("tiny", precision="bf16")
+    batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
+    runs = []
+    for fuse in (False, True):
+        trainer = CpuTrainer(config, seed=4, fused_trunk=fuse)
+        scalars = [trainer.step(b) for b in batches]
+        runs.append((trainer.state_dict(), scalars, np.array(trainer.last_td_errors()),
+                     [np.array(q) for q in trainer.q_values(batches[0].s)]))
+    (state0, scalars0, td0, q0), (state1, scalars1, td1, q1) = runs
+    assert state0.keys() == state1.keys()
+    differ = [k for k in state0 if np.asarray(state0[k]).tobytes() != np.asarray(state1[k]).tobytes()]
+    assert not differ
+    assert scalars0 == scalars1 and td0.tobytes() == td1.tobytes()
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(q0, q1))
+    assert np.abs(state0["params"] - CpuTrainer(config, seed=4).state_dict()["params"]).max() > 0
+
+
+@pytest.mark.parametrize("arch, widths, fusable", [
+    ("sm_90", (128, 256, 256), True), ("sm_80", (128, 256, 256), False),
+    ("sm_90", (128, 512, 512), True), ("sm_90", (128, 1024, 256), False),
+    ("sm_90", (120, 256, 256), False)])
+def test_trunk_fusable_needs_clusters_and_resident_slices(arch, widths, fusable):
+    assert fast_trunk.trunk_fusable(*widths, arch) == fusable

@@ -2,10 +2,14 @@
 ``foxhunt.reference.kernels.trunk.trunk_forward_bf16``, the four nodes it replaces).
 
 ``plan_trunk_forward_bf16(rows, SD, H1, H2)`` gives the launch ``(grid, block, shared_mem)``:
-``ceil(rows / TRUNK_ROWS_PER_BLOCK)`` blocks of ``TRUNK_THREADS`` threads and the dynamic shared
-memory of :func:`trunk_shared_bytes` (trunk.cu's layout: the block's xb tile, its h1_bf16 tile and
-``TRUNK_STAGES`` W staging buffers, every row padded by ``TRUNK_PAD`` BF16). Above
-``SHARED_LIMIT`` (48 KiB: the seed shapes need 74 KiB) the kernel needs the opt-in attribute
+grid ``(cluster, ceil(rows / TRUNK_ROWS_PER_BLOCK))`` of ``TRUNK_THREADS`` threads, one
+thread-block cluster (``cluster_blocks(arch)``: 8 blocks from sm_90, 1 before) per 16 rows, each
+cluster block computing its slice of every layer's columns, and the dynamic shared memory of
+:func:`trunk_shared_bytes` (trunk.cu's layout: the block's xb tile, the cluster's whole h1_bf16
+tile, then the block's W1 and W2 slices whole where they are at most ``TRUNK_COLS_PER_PASS``
+columns (:func:`trunk_resident`: widths up to 512 on sm_90), else ``TRUNK_STAGES`` W staging
+buffers; every row padded by ``TRUNK_PAD`` BF16). Above
+``SHARED_LIMIT`` (48 KiB; the seed shapes need 37.5 KiB) the kernel needs the opt-in attribute
 (``Kernel.set_max_dynamic_shared``): the graph lowering sets it from a launch record's shape
 (``fast.graph_lowering``), the test entry here before its launch. Shapes the kernel cannot run
 raise one ``ValueError`` naming the field, the value and the rule
@@ -18,19 +22,25 @@ rows, sd, h1_width, h2_width, isv, index, mult``; ``aux1`` / ``aux2`` may be nul
 Numerics: the GEMMs accumulate in the tensor cores' order, so ``h1`` / ``h2pre`` / ``h2`` are
 within the GEMM bound of the twin's, not bitwise (``conformance/specs/trunk.py``).
 
-Not in the step: measured on the H200 (2026-12-02, ``benches/bench_kernels.py`` group
-``trunk-forward-<rows>``, seed widths, inside a CUDA graph) it takes 15.8 us against 8.6 us
-(256 rows) and 9.3 us (512 rows) for the four nodes it would replace: 16-row blocks give 16 or
-32 blocks, each streaming all of W1 and W2 through its shared memory.
+Speed (``benches/bench_kernels.py`` group ``trunk-forward-<rows>``, seed widths, ``gpu_us``
+inside a CUDA graph, 256 / 512 rows): session 15's version, one block per 16 rows streaming all
+of W1 and W2, took 15.9 / 15.9 us against 8.4 / 8.7 us for the four nodes it replaces (H200,
+session 19, call A); split over clusters it takes 6.3 / 7.7 us against 8.4 / 8.8 (H200, call B)
+and 6.5 / 7.8 against 8.5 / 9.0 (H100, call C, where 32 rows per block took 7.0 / 8.6 and 64
+rows 10.2 / 10.3). In the step it is off by default (``Trainer(..., fused_trunk=True)`` turns
+it on; ``fast.step_program``): the core bf16 step measured 124.7 / 125.0 us with it against
+126.8 / 125.7 without on the H200 (call B), 129.2 / 129.6 against 128.7 / 128.6 on the H100
+(call C), and the step with every second-wave source 1-2 us slower on both.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, Out, blocks, launch, runtime
+from foxhunt.fast.kernels._runtime import In, Out, blocks, cluster_blocks, launch, runtime
 from foxhunt.fast.kernels.walk import SHARED_LIMIT, SHARED_OPTIN
 from foxhunt.reference.kernels.trunk import (
+    TRUNK_WIDTH_MULTIPLE,
     TrunkForward,
     aux_row_bytes,
     check_trunk_dims,
@@ -39,13 +49,14 @@ from foxhunt.reference.kernels.trunk import (
 
 F32, U8, U16 = np.float32, np.uint8, np.uint16
 
-#: trunk.cu's TRUNK_BM (rows per block), TRUNK_THREADS, TRUNK_NCH (output columns per pass),
-#: TRUNK_KC (k per staged W chunk), TRUNK_STAGES and TRUNK_PAD (``tests/test_kernels_trunk.py``
-#: reads them back from the source).
-TRUNK_ROWS_PER_BLOCK = 16
-TRUNK_THREADS = 256
-TRUNK_COLS_PER_PASS = 256
-TRUNK_K_CHUNK = 32
+#: trunk.cu's TRUNK_MT (m16 tiles per block; TRUNK_BM = 16 TRUNK_MT rows), TRUNK_THREADS,
+#: TRUNK_NCH (output columns per pass), TRUNK_KC (k per staged W chunk), TRUNK_STAGES and
+#: TRUNK_PAD (``tests/test_kernels_trunk.py`` reads them back from the source).
+TRUNK_M_TILES = 1
+TRUNK_ROWS_PER_BLOCK = 16 * TRUNK_M_TILES
+TRUNK_THREADS = 128
+TRUNK_COLS_PER_PASS = 64
+TRUNK_K_CHUNK = 64
 TRUNK_STAGES = 3
 TRUNK_PAD = 8
 BF16_BYTES = 2
@@ -55,28 +66,55 @@ DEFAULT_ARCH = 90
 Plan = tuple
 
 
-def trunk_shared_bytes(sd: int, h1: int, h2: int) -> int:
+def trunk_slice(width: int, cluster: int) -> int:
+    """Columns of a layer ``width`` wide per cluster block (trunk.cu's ``trunk_slice``): ``ceil(width
+    / (8 cluster))`` n8 tiles."""
+    return -(-width // (8 * cluster)) * 8
+
+
+def trunk_resident(h1: int, h2: int, cluster: int) -> bool:
+    """Whether the kernel copies its W slices whole (both slices at most ``TRUNK_COLS_PER_PASS``
+    columns) instead of streaming them in ``TRUNK_K_CHUNK`` chunks (trunk.cu)."""
+    return max(trunk_slice(h1, cluster), trunk_slice(h2, cluster)) <= TRUNK_COLS_PER_PASS
+
+
+def trunk_fusable(sd: int, h1: int, h2: int, arch) -> bool:
+    """Whether the step runs its trunk as this kernel on ``arch``: thread-block clusters (sm_90
+    and newer), widths the kernel takes (multiples of 16) and W slices it keeps whole
+    (:func:`trunk_resident`); elsewhere the four nodes are faster (module docstring)."""
+    cluster = cluster_blocks(arch)
+    widths_ok = all(w >= TRUNK_WIDTH_MULTIPLE and w % TRUNK_WIDTH_MULTIPLE == 0 for w in (sd, h1, h2))
+    return cluster > 1 and widths_ok and trunk_resident(h1, h2, cluster)
+
+
+def trunk_shared_bytes(sd: int, h1: int, h2: int, cluster: int) -> int:
     """Dynamic shared memory of one block (trunk.cu): the xb tile ``BM x (SD + PAD)``, the
-    h1_bf16 tile ``BM x (H1 + PAD)`` and ``STAGES`` W chunks ``min(NCH, max(H1, H2)) x (KC +
-    PAD)``, all BF16."""
-    w_rows = min(TRUNK_COLS_PER_PASS, max(h1, h2))
-    elems = (TRUNK_ROWS_PER_BLOCK * (sd + TRUNK_PAD) + TRUNK_ROWS_PER_BLOCK * (h1 + TRUNK_PAD)
-             + TRUNK_STAGES * w_rows * (TRUNK_K_CHUNK + TRUNK_PAD))
+    h1_bf16 tile ``BM x (H1 + PAD)``, then resident (:func:`trunk_resident`) the block's W1 and W2
+    slices ``s1 x (SD + PAD)`` and ``s2 x (H1 + PAD)``, else ``STAGES`` W chunks ``NCH x (KC +
+    PAD)``; all BF16."""
+    elems = TRUNK_ROWS_PER_BLOCK * (sd + TRUNK_PAD) + TRUNK_ROWS_PER_BLOCK * (h1 + TRUNK_PAD)
+    if trunk_resident(h1, h2, cluster):
+        elems += (trunk_slice(h1, cluster) * (sd + TRUNK_PAD)
+                  + trunk_slice(h2, cluster) * (h1 + TRUNK_PAD))
+    else:
+        elems += TRUNK_STAGES * TRUNK_COLS_PER_PASS * (TRUNK_K_CHUNK + TRUNK_PAD)
     return elems * BF16_BYTES
 
 
 def plan_trunk_forward_bf16(rows: int, sd: int, h1: int, h2: int, *, arch=DEFAULT_ARCH) -> Plan:
-    """``((ceil(rows / 16),), (256,), trunk_shared_bytes(SD, H1, H2))``; ``ValueError`` for
-    widths that are not multiples of 16 or need more shared memory than ``arch`` offers."""
+    """``((cluster, ceil(rows / 16)), (128,), trunk_shared_bytes(SD, H1, H2, cluster))`` with
+    ``cluster = cluster_blocks(arch)``; ``ValueError`` for widths that are not multiples of 16 or need more
+    shared memory than ``arch`` offers."""
     from foxhunt.fast._build import normalize_arch
 
     rows, sd, h1, h2 = check_trunk_dims(rows, sd, h1, h2)
-    nbytes = trunk_shared_bytes(sd, h1, h2)
+    cluster = cluster_blocks(arch)
+    nbytes = trunk_shared_bytes(sd, h1, h2, cluster)
     limit = SHARED_OPTIN.get(normalize_arch(arch), min(SHARED_OPTIN.values()))
     if nbytes > limit:
         raise ValueError(f"SD + H1={sd + h1}: the fused trunk kernel needs {nbytes} bytes of "
                          f"shared memory per block; sm_{normalize_arch(arch)} allows {limit}")
-    return (blocks(rows, TRUNK_ROWS_PER_BLOCK),), (TRUNK_THREADS,), nbytes
+    return (cluster, blocks(rows, TRUNK_ROWS_PER_BLOCK)), (TRUNK_THREADS,), nbytes
 
 
 def trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux: bool = True) -> TrunkForward:
