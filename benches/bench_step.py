@@ -5,7 +5,8 @@ Groups (per step times; see ``benches/conftest.py`` for how asynchronous steps a
 - ``step-tiny-f32`` (CPU, runs in CI): the reference and PyTorch eager on the CPU;
 - ``step-seed-f32``, ``step-seed-bf16`` (B=256, the production size): the reference on the CPU
   (bf16 = the bit-exact BF16 emulation), PyTorch eager on the CPU (f32), and on the GPU the fast
-  trainer and the four PyTorch modes (eager, compile, graph, compile-graph; bf16 = autocast).
+  trainer and the four PyTorch modes (eager, compile, graph, compile-graph; bf16 = autocast);
+  ``step-seed-bf16`` also the fast trainer with its trunk forward fused (``fused_trunk=True``).
 
 Second wave (SPEC 4; issue 18), the ``seed`` step with its sources on (``WAVE_CASES``):
 
@@ -79,6 +80,15 @@ def test_step_torch_cpu(benchmark, harness, preset):
 def test_step_fast(benchmark, harness, fast_trainer_cls, precision):
     config = harness.config("seed", precision)
     harness.steps(benchmark, harness.fast(fast_trainer_cls, config), group=f"step-seed-{precision}")
+
+
+@pytest.mark.gpu
+def test_step_fast_fused_trunk(benchmark, harness, fast_trainer_cls):
+    """The bf16 step with its trunk forward fused (``Trainer(..., fused_trunk=True)``), in
+    group ``step-seed-bf16`` beside the default step."""
+    config = harness.config("seed", "bf16")
+    runner = harness.fast(fast_trainer_cls, config, "fast-fused-trunk", fused_trunk=True)
+    harness.steps(benchmark, runner, group="step-seed-bf16")
 
 
 @pytest.mark.gpu

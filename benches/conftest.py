@@ -262,11 +262,12 @@ def make_reference(config: DQNConfig) -> Runner:
     return _warm(Runner("reference", config, "cpu", trainer.step, lambda: None, trainer.end_epoch))
 
 
-def make_fast(trainer_cls, config: DQNConfig) -> Runner:
-    trainer = trainer_cls(config, seed=0)
+def make_fast(trainer_cls, config: DQNConfig, impl: str = "fast", **options) -> Runner:
+    """The fast trainer of ``config`` (``options``: its keyword options) as runner ``impl``."""
+    trainer = trainer_cls(config, seed=0, **options)
     stream = _fast_stream(trainer)
     event_time = (lambda run, n: driver_event_time(stream, run, n)) if stream is not None else None
-    runner = Runner("fast", config, "cuda", trainer.step, _fast_sync(trainer), trainer.end_epoch,
+    runner = Runner(impl, config, "cuda", trainer.step, _fast_sync(trainer), trainer.end_epoch,
                     event_time)
     _warm(runner)
     runner.info["graph_nodes"] = fast_graph_nodes(trainer)
@@ -444,8 +445,9 @@ class Harness:
     def reference(self, config: DQNConfig) -> Runner:
         return self._get(("reference", config), lambda: make_reference(config))
 
-    def fast(self, trainer_cls, config: DQNConfig) -> Runner:
-        return self._get(("fast", config), lambda: make_fast(trainer_cls, config))
+    def fast(self, trainer_cls, config: DQNConfig, impl: str = "fast", **options) -> Runner:
+        return self._get(("fast", config, impl, tuple(sorted(options.items()))),
+                         lambda: make_fast(trainer_cls, config, impl, **options))
 
     def peer(self, config: DQNConfig, mode: str, device: str) -> Runner:
         return self._get(("torch", mode, device, config), lambda: make_peer(config, mode, device))
