@@ -52,17 +52,27 @@ __device__ __forceinline__ float fh_cluster_read(const float* local, int rank) {
 #endif
 }
 
-// Store the 32-bit `v` at `local` (a __shared__ address of this kernel) in the shared memory of
-// cluster block `rank` (this block's own copy without clusters). Visible to that block after the
-// next fh_cluster_sync.
-__device__ __forceinline__ void fh_cluster_store_u32(unsigned int* local, int rank, unsigned int v) {
-#if FH_CLUSTER > 1
+// The address of `local` (a __shared__ address of this kernel) in the shared memory of cluster
+// block `rank`, for fh_cluster_st_u32 (this block's own shared address without clusters); byte
+// offsets may be added to it within the same shared array.
+__device__ __forceinline__ unsigned int fh_cluster_map(const void* local, int rank) {
     const unsigned int addr = (unsigned int)__cvta_generic_to_shared(local);
+#if FH_CLUSTER > 1
     unsigned int remote;
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(addr), "r"(rank));
-    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(remote), "r"(v) : "memory");
+    return remote;
 #else
     (void)rank;
-    *local = v;
+    return addr;
+#endif
+}
+
+// Store the 32-bit `v` at `addr` (from fh_cluster_map); visible to the block owning it after the
+// next fh_cluster_sync.
+__device__ __forceinline__ void fh_cluster_st_u32(unsigned int addr, unsigned int v) {
+#if FH_CLUSTER > 1
+    asm volatile("st.shared::cluster.u32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
+#else
+    asm volatile("st.shared.u32 [%0], %1;" :: "r"(addr), "r"(v) : "memory");
 #endif
 }

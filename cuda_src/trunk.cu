@@ -50,7 +50,7 @@
 // and the BF16 outputs 4-byte aligned (pairs are stored together).
 
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (dense.f32_to_bf16's bit formula)
-#include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_store_u32
+#include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_map, ..._st_u32
 
 #define TRUNK_WARPS 4
 #define TRUNK_THREADS (TRUNK_WARPS * 32)
@@ -142,14 +142,32 @@ struct TrunkW {
                           // resident: one buffer of TRUNK_NCH x (k_total + PAD)
 };
 
+// Row r, 16-byte vector q of a tile `vecs` vectors wide, walked by the block's threads in
+// steps of TRUNK_THREADS vectors without a division per step (two once).
+struct TrunkWalk {
+    int r, q, dr, dq, vecs;
+    __device__ __forceinline__ explicit TrunkWalk(int vecs_) : vecs(vecs_) {
+        r = threadIdx.x / vecs;
+        q = threadIdx.x - r * vecs;
+        dr = TRUNK_THREADS / vecs;
+        dq = TRUNK_THREADS - dr * vecs;
+    }
+    __device__ __forceinline__ void next() {
+        r += dr;
+        q += dq;
+        if (q >= vecs) {
+            q -= vecs;
+            ++r;
+        }
+    }
+};
+
 // Copy k-columns [k0, k0 + klen) of the pass's W rows to dst (row stride dst_stride), async.
 static __device__ __forceinline__ void trunk_copy_w(const TrunkW& p, int k0, int klen,
                                                     unsigned short* dst, int dst_stride) {
-    const int vecs = klen / 8;  // 16-byte vectors per row
-    for (int v = threadIdx.x; v < p.ncols * vecs; v += TRUNK_THREADS) {
-        const int r = v / vecs;
-        const int q = v - r * vecs;
-        trunk_cp16(dst + r * dst_stride + q * 8, p.w + (long long)(p.n0 + r) * p.k_total + k0 + q * 8);
+    const unsigned short* src = p.w + (long long)p.n0 * p.k_total + k0;
+    for (TrunkWalk it(klen / 8); it.r < p.ncols; it.next()) {
+        trunk_cp16(dst + it.r * dst_stride + it.q * 8, src + (long long)it.r * p.k_total + it.q * 8);
     }
 }
 
@@ -225,6 +243,13 @@ static __device__ __forceinline__ void trunk_epilogue(const float (*acc)[TRUNK_N
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int aux_bytes = trunk_aux_row_bytes(n_total);
+    unsigned int peer_tile[FH_CLUSTER];  // layer 1: the h1 tile in each cluster block
+    if (o.tile != nullptr) {
+#pragma unroll
+        for (int peer = 0; peer < FH_CLUSTER; ++peer) {
+            peer_tile[peer] = fh_cluster_map(o.tile, peer);
+        }
+    }
 #pragma unroll
     for (int i = 0; i < TRUNK_MT; ++i) {
 #pragma unroll
@@ -249,9 +274,10 @@ static __device__ __forceinline__ void trunk_epilogue(const float (*acc)[TRUNK_N
                 const unsigned int pair = (unsigned int)f32_to_bf16_bits(v0)
                                           | ((unsigned int)f32_to_bf16_bits(v1) << 16);
                 if (o.tile != nullptr) {  // layer 1: the next layer's A, in every cluster block
-                    unsigned int* at = reinterpret_cast<unsigned int*>(o.tile + r * o.tile_stride + col);
+                    const unsigned int at = 2u * (unsigned int)(r * o.tile_stride + col);  // bytes
+#pragma unroll
                     for (int peer = 0; peer < FH_CLUSTER; ++peer) {
-                        fh_cluster_store_u32(at, peer, pair);
+                        fh_cluster_st_u32(peer_tile[peer] + at, pair);
                     }
                 }
                 if (row < rows) {
@@ -381,13 +407,10 @@ trunk_forward_bf16(
     const bool resident = s1 <= TRUNK_NCH && s2 <= TRUNK_NCH;
 
     // The block's xb tile (rows past `rows` read as +0.0: their results are never stored).
-    const int vecs = sd / 8;
-    for (int v = threadIdx.x; v < TRUNK_BM * vecs; v += TRUNK_THREADS) {
-        const int r = v / vecs;
-        const int q = v - r * vecs;
-        unsigned short* dst = xs + r * xs_stride + q * 8;
-        if (row0 + r < rows) {
-            trunk_cp16(dst, xb + (long long)(row0 + r) * sd + q * 8);
+    for (TrunkWalk it(sd / 8); it.r < TRUNK_BM; it.next()) {
+        unsigned short* dst = xs + it.r * xs_stride + it.q * 8;
+        if (row0 + it.r < rows) {
+            trunk_cp16(dst, xb + (long long)(row0 + it.r) * sd + it.q * 8);
         } else {
             *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
         }
