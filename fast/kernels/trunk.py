@@ -27,10 +27,12 @@ inside a CUDA graph, 256 / 512 rows): session 15's version, one block per 16 row
 of W1 and W2, took 15.9 / 15.9 us against 8.4 / 8.7 us for the four nodes it replaces (H200,
 session 19, call A); split over clusters it takes 6.3 / 7.7 us against 8.4 / 8.8 (H200, call B)
 and 6.5 / 7.8 against 8.5 / 9.0 (H100, call C, where 32 rows per block took 7.0 / 8.6 and 64
-rows 10.2 / 10.3). In the step it is off by default (``Trainer(..., fused_trunk=True)`` turns
-it on; ``fast.step_program``): the core bf16 step measured 124.7 / 125.0 us with it against
-126.8 / 125.7 without on the H200 (call B), 129.2 / 129.6 against 128.7 / 128.6 on the H100
-(call C), and the step with every second-wave source 1-2 us slower on both.
+rows 10.2 / 10.3), and 5.9 / 7.3 us once its copy loops lost their divisions (H200, call G).
+In the step it is off by default (``Trainer(..., fused_trunk=True)`` turns it on;
+``fast.step_program``): the core bf16 step measured 124.7 / 125.0 us with it against 126.8 /
+125.7 without on the H200 (call B), 125.7 / 124.9 against 125.7 / 125.6 (call G), 129.2 / 129.6
+against 128.7 / 128.6 on the H100 (call C), and the step with every second-wave source 1-2 us
+slower (calls B, C).
 """
 
 from __future__ import annotations
