@@ -39,7 +39,7 @@ branches do not overlap. Then the ``--top`` slowest nodes and, with ``--chain``,
 measured critical chain. Repeating a node repeats its writes (an Adam update applied twenty
 times): the times are of the kernels, the values they leave are not used. ``--members N``
 measures the step of a ``fast.Population`` of N members instead (issue 24: every node runs for
-all N members).
+all N members). ``--fused-trunk`` (either mode): the step of ``Trainer(..., fused_trunk=True)``.
 
 Cost model (``LAUNCH_US``, ``RUN_US``, ``KERNEL_RUN_US``): ESTIMATES read off the H200 runs of the seed step
 (about 1 us to launch a node and 3-6 us to run one), not measurements of these nodes; replace
@@ -161,12 +161,13 @@ def graph_path(ops) -> GraphPath:
     return GraphPath(len(nodes), by_count.depth, by_cost.weight, by_cost)
 
 
-def step_paths(config) -> dict[str, GraphPath]:
+def step_paths(config, fused_trunk: bool = False) -> dict[str, GraphPath]:
     """``{graph: GraphPath}`` of the step plan of ``config`` (``GRAPHS``; the upload graph of
-    staging slot 0), built as the CPU executor builds it."""
+    staging slot 0), built as the CPU executor builds it (``fused_trunk``: the trainer's
+    option)."""
     from foxhunt.fast.cpu_executor import CpuEngine
 
-    plans = CpuEngine(config).plans
+    plans = CpuEngine(config, fused_trunk=fused_trunk).plans
     graphs = {"upload": plans["upload"][0], "graph1": plans["graph1"], "graph2": plans["graph2"]}
     return {name: graph_path(graphs[name]) for name in GRAPHS}
 
@@ -222,12 +223,13 @@ def variant_config(preset: str, precision: str, source: str):
     return DQNConfig.preset(preset, precision=precision, **source_overrides(source))
 
 
-def table(preset: str, precision: str, sources: Sequence[str]) -> list[dict]:
+def table(preset: str, precision: str, sources: Sequence[str],
+          fused_trunk: bool = False) -> list[dict]:
     """One row per source: per graph ``nodes``, ``depth``, ``est_us``, and the step's sums (the
     graphs run one after the other)."""
     rows = []
     for source in sources:
-        paths = step_paths(variant_config(preset, precision, source))
+        paths = step_paths(variant_config(preset, precision, source), fused_trunk)
         row = {"source": source, "paths": paths}
         for key in ("nodes", "depth", "est_us"):
             row[key] = sum(getattr(p, key) for p in paths.values())
@@ -263,10 +265,12 @@ class MeasuredStep:
     merged_us: float
 
 
-def warmed_trainer(config, *, seed: int = 0, members: int = 0, gemm_workspace: str = "none"):
+def warmed_trainer(config, *, seed: int = 0, members: int = 0, gemm_workspace: str = "none",
+                   fused_trunk: bool = False):
     """A fast ``Trainer`` for ``config`` (``members`` > 0: a ``fast.Population`` of that many
-    members, seeds ``seed`` ..) after two steps on random batches, its GPU idle: its graphs
-    are captured and warm. The caller closes it."""
+    members, seeds ``seed`` ..; ``fused_trunk``: the trainer's option, one trainer only) after
+    two steps on random batches, its GPU idle: its graphs are captured and warm. The caller
+    closes it."""
     import numpy as np
 
     from foxhunt.fast.trainer import Trainer
@@ -279,7 +283,8 @@ def warmed_trainer(config, *, seed: int = 0, members: int = 0, gemm_workspace: s
         trainer = Population(config, range(seed, seed + members), gemm_workspace=gemm_workspace)
         step = lambda: trainer.step([Batch.random(config, rng) for _ in range(members)])  # noqa: E731
     else:
-        trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace)
+        trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace,
+                          fused_trunk=fused_trunk)
         step = lambda: trainer.step(Batch.random(config, rng))  # noqa: E731
     try:
         for _ in range(2):
@@ -292,7 +297,8 @@ def warmed_trainer(config, *, seed: int = 0, members: int = 0, gemm_workspace: s
 
 
 def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
-                 gemm_workspace: str = "none", members: int = 0) -> MeasuredStep:
+                 gemm_workspace: str = "none", members: int = 0,
+                 fused_trunk: bool = False) -> MeasuredStep:
     """The fast trainer's step for ``config`` measured on the GPU (module docstring,
     ``--measure``); ``gemm_workspace`` is the trainer's; ``members`` > 0: the step of a
     ``fast.Population`` of that many members (seeds ``seed`` ..) instead."""
@@ -300,7 +306,8 @@ def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
     from foxhunt.fast.device import driver_event_time
     from foxhunt.fast.graphs import GraphCapture
 
-    trainer = warmed_trainer(config, seed=seed, members=members, gemm_workspace=gemm_workspace)
+    trainer = warmed_trainer(config, seed=seed, members=members, gemm_workspace=gemm_workspace,
+                             fused_trunk=fused_trunk)
     captured = {}
     try:
         engine = trainer.engine
@@ -431,6 +438,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=12, help="--measure: slowest nodes listed")
     parser.add_argument("--members", type=int, default=0,
                         help="--measure: a fast.Population of this many members (0: one trainer)")
+    parser.add_argument("--fused-trunk", action="store_true",
+                        help="the step with Trainer(..., fused_trunk=True): bf16, one trainer")
     parser.add_argument("--n-envs", type=int, default=16, help="--collect: environments")
     parser.add_argument("--capacity", type=int, default=50_000, help="--collect: ring rows")
     args = parser.parse_args(argv)
@@ -450,14 +459,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [s for s in args.sources if s not in choices]
     if bad:
         parser.error(f"SOURCE {bad[0]!r} is not one of {choices}")
+    if args.fused_trunk and args.members:
+        parser.error("--fused-trunk: a population keeps the four trunk nodes (--members 0)")
+    if args.fused_trunk and args.precision != "bf16":
+        parser.error(f"--fused-trunk: the fused trunk kernel is bf16 only (--precision "
+                     f"{args.precision})")
     if args.measure:
         for source in args.sources or choices:
             step = measure_step(variant_config(args.preset, args.precision, source),
                                 repeats=args.repeats, gemm_workspace=args.gemm_workspace,
-                                members=args.members)
+                                members=args.members, fused_trunk=args.fused_trunk)
             print(format_measured(source, step, top=args.top, chain=args.chain), flush=True)
         return 0
-    rows = table(args.preset, args.precision, args.sources or choices)
+    rows = table(args.preset, args.precision, args.sources or choices, args.fused_trunk)
     print(f"critical path, preset {args.preset}, {args.precision} (est_us: LAUNCH_US={LAUNCH_US} "
           f"+ RUN_US={RUN_US} per node, estimates)")
     print(format_table(rows))

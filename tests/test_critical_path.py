@@ -130,6 +130,21 @@ def test_command_line_prints_one_row_per_variant(capsys):
     assert np.isfinite(float(got["core"][3]))
 
 
+def test_fused_trunk_takes_three_nodes_off_each_pass(capsys):
+    """``--fused-trunk``: the online and target passes each run one trunk_forward_bf16 for
+    the GEMM, f32_to_bf16, GEMM, clamp_finite_isv nodes."""
+    plain = cp.table("seed", "bf16", ["core"])[0]["paths"]["graph1"]
+    fused = cp.table("seed", "bf16", ["core"], fused_trunk=True)[0]["paths"]["graph1"]
+    assert plain.nodes - fused.nodes == 6
+    assert plain.depth - fused.depth == 3
+    assert cp.main(["core", "--fused-trunk"]) == 0
+    with pytest.raises(SystemExit):
+        cp.main(["core", "--fused-trunk", "--measure", "--members", "2"])
+    with pytest.raises(SystemExit):
+        cp.main(["core", "--fused-trunk", "--precision", "f32"])
+    assert "--fused-trunk: the fused trunk kernel is bf16 only" in capsys.readouterr().err
+
+
 def test_command_line_refuses_an_unknown_source():
     with pytest.raises(SystemExit):
         cp.main(["nope"])
