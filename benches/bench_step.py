@@ -6,7 +6,9 @@ Groups (per step times; see ``benches/conftest.py`` for how asynchronous steps a
 - ``step-seed-f32``, ``step-seed-bf16`` (B=256, the production size): the reference on the CPU
   (bf16 = the bit-exact BF16 emulation), PyTorch eager on the CPU (f32), and on the GPU the fast
   trainer and the four PyTorch modes (eager, compile, graph, compile-graph; bf16 = autocast);
-  ``step-seed-bf16`` also the fast trainer with its trunk forward fused (``fused_trunk=True``).
+  ``step-seed-bf16`` also the fast trainer with its trunk forward fused (``fused_trunk=True``);
+  both groups, and ``step-seed-{f32,bf16}-wave``, the fast trainer with its C51 and CQL backward
+  stacked (``stacked_backward=True``).
 
 Second wave (SPEC 4; issue 18), the ``seed`` step with its sources on (``WAVE_CASES``):
 
@@ -89,6 +91,19 @@ def test_step_fast_fused_trunk(benchmark, harness, fast_trainer_cls):
     config = harness.config("seed", "bf16")
     runner = harness.fast(fast_trainer_cls, config, "fast-fused-trunk", fused_trunk=True)
     harness.steps(benchmark, runner, group="step-seed-bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ("core", "wave"))
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_step_fast_stacked_backward(benchmark, harness, fast_trainer_cls, precision, case):
+    """The step with its C51 and CQL backward stacked (``Trainer(..., stacked_backward=True)``),
+    beside the default step of its group (the core step's, or every second-wave source's)."""
+    fields = {} if case == "core" else WAVE_CASES[case]
+    config = harness.config("seed", precision, **fields)
+    runner = harness.fast(fast_trainer_cls, config, "fast-stacked-backward", stacked_backward=True)
+    group = f"step-seed-{precision}" + ("" if case == "core" else f"-{case}")
+    harness.steps(benchmark, runner, group=group)
 
 
 @pytest.mark.gpu

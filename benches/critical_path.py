@@ -39,7 +39,8 @@ branches do not overlap. Then the ``--top`` slowest nodes and, with ``--chain``,
 measured critical chain. Repeating a node repeats its writes (an Adam update applied twenty
 times): the times are of the kernels, the values they leave are not used. ``--members N``
 measures the step of a ``fast.Population`` of N members instead (issue 24: every node runs for
-all N members). ``--fused-trunk`` (either mode): the step of ``Trainer(..., fused_trunk=True)``.
+all N members). ``--fused-trunk`` / ``--stacked-backward`` (either mode): the step of
+``Trainer(..., fused_trunk=True)`` / ``Trainer(..., stacked_backward=True)``.
 
 Cost model (``LAUNCH_US``, ``RUN_US``, ``KERNEL_RUN_US``): ESTIMATES read off the H200 runs of the seed step
 (about 1 us to launch a node and 3-6 us to run one), not measurements of these nodes; replace
@@ -52,8 +53,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 #: Estimated cost of launching any graph node, microseconds (an estimate: module docstring).
 LAUNCH_US = 1.0
@@ -161,13 +163,13 @@ def graph_path(ops) -> GraphPath:
     return GraphPath(len(nodes), by_count.depth, by_cost.weight, by_cost)
 
 
-def step_paths(config, fused_trunk: bool = False) -> dict[str, GraphPath]:
+def step_paths(config, options: Mapping = MappingProxyType({})) -> dict[str, GraphPath]:
     """``{graph: GraphPath}`` of the step plan of ``config`` (``GRAPHS``; the upload graph of
-    staging slot 0), built as the CPU executor builds it (``fused_trunk``: the trainer's
-    option)."""
+    staging slot 0), built as the CPU executor builds it (``options``: the trainer's
+    ``fused_trunk`` / ``stacked_backward``)."""
     from foxhunt.fast.cpu_executor import CpuEngine
 
-    plans = CpuEngine(config, fused_trunk=fused_trunk).plans
+    plans = CpuEngine(config, **options).plans
     graphs = {"upload": plans["upload"][0], "graph1": plans["graph1"], "graph2": plans["graph2"]}
     return {name: graph_path(graphs[name]) for name in GRAPHS}
 
@@ -224,12 +226,12 @@ def variant_config(preset: str, precision: str, source: str):
 
 
 def table(preset: str, precision: str, sources: Sequence[str],
-          fused_trunk: bool = False) -> list[dict]:
+          options: Mapping = MappingProxyType({})) -> list[dict]:
     """One row per source: per graph ``nodes``, ``depth``, ``est_us``, and the step's sums (the
     graphs run one after the other)."""
     rows = []
     for source in sources:
-        paths = step_paths(variant_config(preset, precision, source), fused_trunk)
+        paths = step_paths(variant_config(preset, precision, source), options)
         row = {"source": source, "paths": paths}
         for key in ("nodes", "depth", "est_us"):
             row[key] = sum(getattr(p, key) for p in paths.values())
@@ -266,9 +268,9 @@ class MeasuredStep:
 
 
 def warmed_trainer(config, *, seed: int = 0, members: int = 0, gemm_workspace: str = "none",
-                   fused_trunk: bool = False):
+                   options: Mapping = MappingProxyType({})):
     """A fast ``Trainer`` for ``config`` (``members`` > 0: a ``fast.Population`` of that many
-    members, seeds ``seed`` ..; ``fused_trunk``: the trainer's option, one trainer only) after
+    members, seeds ``seed`` ..; ``options``: the trainer's, one trainer only) after
     two steps on random batches, its GPU idle: its graphs are captured and warm. The caller
     closes it."""
     import numpy as np
@@ -283,8 +285,7 @@ def warmed_trainer(config, *, seed: int = 0, members: int = 0, gemm_workspace: s
         trainer = Population(config, range(seed, seed + members), gemm_workspace=gemm_workspace)
         step = lambda: trainer.step([Batch.random(config, rng) for _ in range(members)])  # noqa: E731
     else:
-        trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace,
-                          fused_trunk=fused_trunk)
+        trainer = Trainer(config, seed=seed, gemm_workspace=gemm_workspace, **options)
         step = lambda: trainer.step(Batch.random(config, rng))  # noqa: E731
     try:
         for _ in range(2):
@@ -298,7 +299,7 @@ def warmed_trainer(config, *, seed: int = 0, members: int = 0, gemm_workspace: s
 
 def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
                  gemm_workspace: str = "none", members: int = 0,
-                 fused_trunk: bool = False) -> MeasuredStep:
+                 options: Mapping = MappingProxyType({})) -> MeasuredStep:
     """The fast trainer's step for ``config`` measured on the GPU (module docstring,
     ``--measure``); ``gemm_workspace`` is the trainer's; ``members`` > 0: the step of a
     ``fast.Population`` of that many members (seeds ``seed`` ..) instead."""
@@ -307,7 +308,7 @@ def measure_step(config, *, repeats: int = 20, replays: int = 50, seed: int = 0,
     from foxhunt.fast.graphs import GraphCapture
 
     trainer = warmed_trainer(config, seed=seed, members=members, gemm_workspace=gemm_workspace,
-                             fused_trunk=fused_trunk)
+                             options=options)
     captured = {}
     try:
         engine = trainer.engine
@@ -440,6 +441,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="--measure: a fast.Population of this many members (0: one trainer)")
     parser.add_argument("--fused-trunk", action="store_true",
                         help="the step with Trainer(..., fused_trunk=True): bf16, one trainer")
+    parser.add_argument("--stacked-backward", action="store_true",
+                        help="the step with Trainer(..., stacked_backward=True): one trainer")
     parser.add_argument("--n-envs", type=int, default=16, help="--collect: environments")
     parser.add_argument("--capacity", type=int, default=50_000, help="--collect: ring rows")
     args = parser.parse_args(argv)
@@ -464,14 +467,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.fused_trunk and args.precision != "bf16":
         parser.error(f"--fused-trunk: the fused trunk kernel is bf16 only (--precision "
                      f"{args.precision})")
+    if args.stacked_backward and args.members:
+        parser.error("--stacked-backward: a population keeps a backward pass per loss (--members 0)")
+    options = {"fused_trunk": args.fused_trunk, "stacked_backward": args.stacked_backward}
     if args.measure:
         for source in args.sources or choices:
             step = measure_step(variant_config(args.preset, args.precision, source),
                                 repeats=args.repeats, gemm_workspace=args.gemm_workspace,
-                                members=args.members, fused_trunk=args.fused_trunk)
+                                members=args.members, options=options)
             print(format_measured(source, step, top=args.top, chain=args.chain), flush=True)
         return 0
-    rows = table(args.preset, args.precision, args.sources or choices, args.fused_trunk)
+    rows = table(args.preset, args.precision, args.sources or choices, options)
     print(f"critical path, preset {args.preset}, {args.precision} (est_us: LAUNCH_US={LAUNCH_US} "
           f"+ RUN_US={RUN_US} per node, estimates)")
     print(format_table(rows))

@@ -25,7 +25,9 @@ state every step, and free-running with non-finite readbacks; checkpoint interch
 each second-wave source the fast step implements, alone and all at once (``step_harness.
 SOURCES``), one step and the injections per preset x precision from the warm state; the bf16
 step with the fused trunk forward (``fused_trunk=True``), one step per preset x start and the
-injections on the seed preset.
+injections on the seed preset; the step with the C51 and CQL backward stacked
+(``stacked_backward=True``), one step per preset x precision with the core and with every
+second-wave source, and the injections per precision on the seed preset with every source.
 """
 
 from __future__ import annotations
@@ -267,6 +269,37 @@ def test_fast_step_with_the_fused_trunk_and_injected_non_finite_values(kind, cud
                                                                        record_property) -> None:
     results = check_injection(_fused_trunk_factory(), shared_case("seed", "bf16", "warm"), kind)
     record_results(record_property, f"seed-bf16-{kind}-fused-trunk", results)
+    assert_all(results)
+
+
+#: The fast trainer with its C51 and CQL backward stacked (``Trainer(..., stacked_backward=True)``).
+STACKED_CASES = [pytest.param(p, q, src, id=f"{p}-{q}-{src}") for p in PRESETS for q in PRECISIONS
+                 for src in ("core", "all")]
+
+
+def _stacked_factory():
+    import functools
+
+    return functools.partial(fast_factory(), stacked_backward=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, precision, source", STACKED_CASES)
+def test_fast_step_with_the_stacked_backward_matches_reference(case, precision, source, cuda_device,
+                                                               record_property) -> None:
+    results, _, _ = one_step(_stacked_factory(), shared_case(case, precision, "warm", source))
+    record_results(record_property, f"{case}-{precision}-{source}-stacked", results)
+    assert_all(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kind", INJECTIONS)
+def test_fast_step_with_the_stacked_backward_and_injected_non_finite_values(
+        kind, precision, cuda_device, record_property) -> None:
+    results = check_injection(_stacked_factory(), shared_case("seed", precision, "warm", "all"),
+                              kind)
+    record_results(record_property, f"seed-{precision}-all-{kind}-stacked", results)
     assert_all(results)
 
 

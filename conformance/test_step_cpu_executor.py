@@ -100,6 +100,23 @@ def test_cpu_executor_fallback_step_matches_reference(case, precision) -> None:
     assert_all(one_step(factory, shared_case(case, precision, "warm"))[0])
 
 
+@pytest.mark.parametrize("source", ["core", "all"])
+@pytest.mark.parametrize("case", PRESETS)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cpu_executor_stacked_backward_step_matches_reference(case, precision, source) -> None:
+    """``stacked_backward=True``: each GEMM of the C51 and CQL backward one record of two batches
+    (the per-loss kernels side by side), the same step."""
+    factory = functools.partial(CpuTrainer, stacked_backward=True)
+    assert_all(one_step(factory, shared_case(case, precision, "warm", source))[0])
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("kind", INJECTIONS)
+def test_cpu_executor_stacked_backward_step_with_injected_non_finite_values(kind, precision) -> None:
+    factory = functools.partial(CpuTrainer, stacked_backward=True)
+    assert_all(check_injection(factory, shared_case("tiny", precision, "warm", "all"), kind))
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_cpu_executor_three_steps_resynchronised_each_step(precision) -> None:
     """Three consecutive steps, both trainers loading the reference's state before each: every

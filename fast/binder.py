@@ -150,13 +150,22 @@ class Binder:
         return Launch(kernel, shape, MappingProxyType(bound), tuple(accesses))
 
     # -- GEMMs
-    def gemm(self, plan, *, a, b, c, bias=None, aux=None) -> Gemm:
+    def gemm(self, plan, *, a, b, c, bias=None, aux=None, second=None) -> Gemm:
+        """A GEMM record. ``second``: with a plan of two batches and per-operand strides
+        (``gemm`` module docstring), batch 1's buffer of every operand whose stride is not 0; each
+        must lie in the same buffer as batch 0's, exactly that stride past it."""
         a, b, c, bias, aux = (as_buf(x) for x in (a, b, c, bias, aux))
         spec = plan.spec
         in_dtype = spec.input_dtype
         accesses = []
+        first = {"a": a, "b": b, "c": c, "bias": bias, "aux": aux}
+        second = self._second(plan, first, second)
 
         def operand(name, buf, dtype, count, write):
+            for member, buf in enumerate((buf,) + ((second[name],) if name in second else ())):
+                one(name + (" (batch 1)" if member else ""), buf, dtype, count, write)
+
+        def one(name, buf, dtype, count, write):
             where = f"GEMM {spec.m}x{spec.n}x{spec.k} ({spec.epilogue}) operand {name}"
             if not isinstance(buf, Buf):
                 raise PlanError(f"{where}: expected a buffer, got {buf!r}")
@@ -186,7 +195,32 @@ class Binder:
             operand("aux", aux, U8, spec.aux_nbytes, spec.epilogue == "relu_aux_bias")
         elif aux is not None:
             raise PlanError(f"GEMM epilogue {spec.epilogue!r}: takes no aux bitmask, got {aux}")
-        return Gemm(plan, a, b, c, bias, aux, tuple(accesses))
+        return Gemm(plan, a, b, c, bias, aux, tuple(second.items()), tuple(accesses))
+
+    def _second(self, plan, first: Mapping[str, Buf | None], second) -> dict[str, Buf]:
+        strides = getattr(plan, "batch_stride", 0)
+        spec = plan.spec
+        where = f"GEMM {spec.m}x{spec.n}x{spec.k} ({spec.epilogue})"
+        if not isinstance(strides, tuple):
+            if second:
+                raise PlanError(f"{where}: batch 1's operands given, but the plan has no "
+                                "per-operand strides")
+            return {}
+        if plan.batch != 2:
+            raise PlanError(f"{where}: a plan with per-operand strides binds 2 batches; it has "
+                            f"{plan.batch}")
+        moving = {name: stride for name, stride in strides if stride}
+        second = {name: as_buf(buf) for name, buf in dict(second or {}).items()}
+        if set(second) != set(moving):
+            raise PlanError(f"{where}: batch 1's operands {sorted(second)} given; the plan "
+                            f"strides {sorted(moving)}")
+        for name, stride in moving.items():
+            r0 = self.region(first[name], f"{where} operand {name}")
+            r1 = self.region(second[name], f"{where} operand {name} (batch 1)")
+            if r1.buffer != r0.buffer or r1.byte_start - r0.byte_start != stride:
+                raise PlanError(f"{where} operand {name}: batch 1's {second[name]} is not "
+                                f"{stride} bytes past {first[name]} in one buffer")
+        return second
 
     # -- copies
     def copy(self, dst, src, nbytes: int, kind: str) -> Copy:

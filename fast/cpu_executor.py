@@ -183,7 +183,8 @@ class CpuGemm:
     """A GEMM "plan" on the CPU: ``GemmPlan``'s arguments and checks (``GemmSpec``), run by the
     reference GEMM with the epilogue in float32 (module docstring). A batched plan (``batch`` >
     1, ``gemm`` module docstring) runs ``batch`` independent GEMMs, member ``i``'s operands,
-    bias and aux ``i * batch_stride`` bytes past member 0's (the record's buffers)."""
+    bias and aux ``i * batch_stride`` bytes past member 0's (the record's buffers), or each
+    operand ``i`` times its own stride (per-operand strides)."""
 
     def __init__(self, m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None,
                  lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0, min_alignment=256,
@@ -202,26 +203,34 @@ class CpuGemm:
         self.batch, self.batch_stride = check_batch(batch, batch_stride, self.spec)
 
     @staticmethod
-    def _stored(mem: Memory | MemberMemory, buf: Buf, shape, ld: int, dtype) -> np.ndarray:
-        full = mem.view(buf, (shape[0] - 1) * ld + shape[1], dtype)
+    def _stored(mem: Memory | MemberMemory, address: int, shape, ld: int, dtype) -> np.ndarray:
+        full = mem.at(address, (shape[0] - 1) * ld + shape[1], np.dtype(dtype))
         return np.lib.stride_tricks.as_strided(full, shape=shape, strides=(ld * full.itemsize, full.itemsize))
 
     def run(self, mem: Memory, node: Gemm) -> None:
+        from foxhunt.fast.gemm import operand_offsets
+
         for buf in (node.a, node.b, node.c):
             if mem.address(buf) % self.min_alignment:
                 raise ValueError(f"GEMM operand {buf} is not {self.min_alignment}-byte aligned")
-        self._run_one(mem, node)
-        for member in range(1, self.batch):  # (a member stride keeps the alignment: check_batch)
-            self._run_one(MemberMemory(mem, member * self.batch_stride), node)
+        for member in range(self.batch):  # (a member stride keeps the alignment: check_batch)
+            self._run_one(mem, node, operand_offsets(self.batch_stride, member))
 
-    def _run_one(self, mem: Memory | MemberMemory, node: Gemm) -> None:
+    def _run_one(self, mem: Memory | MemberMemory, node: Gemm, offsets: dict[str, int]) -> None:
         s = self.spec
-        a = self._stored(mem, node.a, s.a_shape, s.lda, s.input_dtype).copy()
-        b = self._stored(mem, node.b, s.b_shape, s.ldb, s.input_dtype).copy()
+
+        def at(name: str) -> int:  # the operand's address in this member
+            return mem.address(getattr(node, name)) + offsets[name]
+
+        def vector(name: str, count: int) -> np.ndarray:
+            return mem.at(at(name), count, np.dtype(np.uint8 if name == "aux" else F32))
+
+        a = self._stored(mem, at("a"), s.a_shape, s.lda, s.input_dtype).copy()
+        b = self._stored(mem, at("b"), s.b_shape, s.ldb, s.input_dtype).copy()
         mode = s.precision
         if mode == "bf16":
             a, b, mode = dense.bf16_to_f32(a), dense.bf16_to_f32(b), "f32"
-        c = self._stored(mem, node.c, s.c_shape, s.ldc, F32)
+        c = self._stored(mem, at("c"), s.c_shape, s.ldc, F32)
         with np.errstate(all="ignore"):
             out = dense.gemm(a, b, trans_a=s.trans_a, trans_b=s.trans_b, mode=mode)
             if s.alpha != 1.0:
@@ -231,30 +240,36 @@ class CpuGemm:
             ep = s.epilogue
             aux_row = (s.aux_ld or 0) // 8
             if ep in ("bias", "relu_bias", "relu_aux_bias"):
-                out = (out + mem.view(node.bias, s.n)[None, :]).astype(F32)
+                out = (out + vector("bias", s.n)[None, :]).astype(F32)
                 if ep != "bias":
                     mask = ~(out <= 0)  # a NaN passes (and sets its bit), as cuBLASLt does
                     out = np.where(mask, out, F32(0)).astype(F32)
                     if ep == "relu_aux_bias":
                         bits = np.packbits(mask, axis=1, bitorder="little")
-                        aux = mem.view(node.aux, s.aux_nbytes).reshape(s.m, aux_row)
+                        aux = vector("aux", s.aux_nbytes).reshape(s.m, aux_row)
                         aux[:, :bits.shape[1]] = bits
             elif ep == "drelu_bgrad":
-                aux = mem.view(node.aux, s.aux_nbytes).reshape(s.m, aux_row)
+                aux = vector("aux", s.aux_nbytes).reshape(s.m, aux_row)
                 mask = np.unpackbits(aux, axis=1, bitorder="little")[:, :s.n].astype(bool)
                 out = np.where(mask, out, F32(0)).astype(F32)
-                mem.view(node.bias, s.n)[:] = dense.bias_grad_reduce(out)
+                vector("bias", s.n)[:] = dense.bias_grad_reduce(out)
             elif ep == "bgradb":  # cuBLASLt's BGRADB: cuBLAS's B is our row-major A
                 op_a = np.ascontiguousarray(a.T if s.trans_a else a)
-                mem.view(node.bias, s.m)[:] = np.sum(op_a, axis=1, dtype=F32)
+                vector("bias", s.m)[:] = np.sum(op_a, axis=1, dtype=F32)
             elif ep == "bgrada":  # cuBLASLt's BGRADA: cuBLAS's A is our row-major B
-                mem.view(node.bias, s.n)[:] = np.sum(b.T if s.trans_b else b, axis=0, dtype=F32)
+                vector("bias", s.n)[:] = np.sum(b.T if s.trans_b else b, axis=0, dtype=F32)
         c[...] = out
+
+
+#: In ``cpu_planner``'s ``refused_epilogues``: refuse every plan with per-operand batch strides
+#: (the stacked backward's GEMMs), whatever its epilogue.
+STACKED = "stacked"
 
 
 def cpu_planner(refused_epilogues=()):
     """A planner for ``StepProgram`` making ``CpuGemm``s; the epilogues in ``refused_epilogues``
-    raise ``GemmPlanError`` as a cuBLASLt without an algorithm for them would."""
+    (and with ``STACKED`` among them, every plan with per-operand batch strides) raise
+    ``GemmPlanError`` as a cuBLASLt without an algorithm for them would."""
     refused = frozenset(refused_epilogues)
 
     def plan(*args, epilogue=None, **kwargs):
@@ -262,6 +277,8 @@ def cpu_planner(refused_epilogues=()):
 
         if epilogue in refused:
             raise GemmPlanError(f"CPU planner: epilogue {epilogue!r} refused on request")
+        if STACKED in refused and isinstance(kwargs.get("batch_stride"), Mapping):
+            raise GemmPlanError("CPU planner: per-operand batch strides refused on request")
         return CpuGemm(*args, epilogue=epilogue, **kwargs)
     return plan
 
@@ -367,7 +384,7 @@ class CpuEngine:
     def __init__(self, config: DQNConfig, *, gemm_workspace: str = "none",
                  branch_order: str = "latest_first", refused_epilogues=(),
                  staging_slots: int = STAGING_RING, seed: int = 0, n_step_on: bool = False,
-                 fused_trunk: bool = False):
+                 fused_trunk: bool = False, stacked_backward: bool = False):
         self.branch_order = branch_order
         self.layout = lay = StepLayout(config, n_step_on=n_step_on)
         self.arena = HostArena(lay.specs)
@@ -380,7 +397,8 @@ class CpuEngine:
         self.program = prog = StepProgram(
             lay, planner=cpu_planner(refused_epilogues), constants=constants,
             host_nbytes={staging_name(s): lay.batch_nbytes for s in range(staging_slots)},
-            arch=CPU_ARCH, gemm_workspace=gemm_workspace, seed=seed, fuse_trunk=fused_trunk)
+            arch=CPU_ARCH, gemm_workspace=gemm_workspace, seed=seed, fuse_trunk=fused_trunk,
+            stacked_backward=stacked_backward)
         self.plans = step_plans(prog, staging_slots)
         ops_up, ops1, ops2 = self.plans["upload"], self.plans["graph1"], self.plans["graph2"]
         self._upload = [CpuGraph(ops, branch_order) for ops in ops_up]
@@ -449,21 +467,21 @@ class CpuTrainer(Trainer):
 
     def __init__(self, config: DQNConfig, seed: int = 0, *, gemm_workspace: str = "none",
                  branch_order: str = "latest_first", refused_epilogues=(), n_step: int = 1,
-                 fused_trunk: bool = False):
+                 fused_trunk: bool = False, stacked_backward: bool = False):
         self._cpu_options = dict(branch_order=branch_order, refused_epilogues=tuple(refused_epilogues))
         super().__init__(config, seed, gemm_workspace=gemm_workspace, n_step=n_step,
-                         fused_trunk=fused_trunk)
+                         fused_trunk=fused_trunk, stacked_backward=stacked_backward)
 
     def _make_engine(self, config: DQNConfig, *, seed: int, device,
                      gemm_workspace: str, n_step_on: bool = False,
-                     fused_trunk: bool = False) -> CpuEngine:
+                     fused_trunk: bool = False, stacked_backward: bool = False) -> CpuEngine:
         if device is not None:
             raise ValueError(f"device: {device!r}; the CPU executor takes no device")
         self._check_config(config)
         return CpuEngine(config, gemm_workspace=gemm_workspace, staging_slots=STAGING_RING,
                          seed=seed, n_step_on=n_step_on, fused_trunk=fused_trunk,
-                         **self._cpu_options)
+                         stacked_backward=stacked_backward, **self._cpu_options)
 
 
-__all__ = ["BRANCH_ORDERS", "CpuEngine", "CpuGemm", "CpuGraph", "CpuTrainer", "HostArena",
+__all__ = ["BRANCH_ORDERS", "STACKED", "CpuEngine", "CpuGemm", "CpuGraph", "CpuTrainer", "HostArena",
            "Memory", "MemberMemory", "cpu_planner", "run_node", "topological_order"]

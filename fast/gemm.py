@@ -76,6 +76,15 @@ batch modes, not in the strided mode used here; every matrix must have the same 
 nvmath-python's matmul (``linalg/_internal/epilog_protocol.py``) batches every one of these
 epilogues (the ReLU-aux ones from the cuBLASLt of CUDA 11.5, the gradients from CUDA 11.8).
 
+Per-operand strides (the step's stacked C51 + CQL backward, SPEC 11): ``batch_stride`` may
+instead map each operand the epilogue has (``"a"``, ``"b"``, ``"c"`` and, where the epilogue has
+them, ``"bias"`` and ``"aux"``) to its own stride in bytes. An operand the plan only reads may
+have stride 0 (every batch reads the same matrix: the shared weights, activations or ReLU
+bitmask of the two losses' backward passes); an operand it writes (C; the bias gradient of
+DRELU_BGRAD, BGRADA and BGRADB; the bitmask RELU_AUX_BIAS writes) needs a stride of at least its
+extent, so batches never write the same bytes. Every stride is a multiple of
+``BATCH_STRIDE_ALIGN`` (``check_batch``).
+
 Requires ``nvmath-python`` (``nvmath.bindings.cublasLt``), imported lazily and alone
 (``import_without_package_init``).
 """
@@ -83,6 +92,7 @@ Requires ``nvmath-python`` (``nvmath.bindings.cublasLt``), imported lazily and a
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -371,17 +381,40 @@ BATCH_STRIDE_ALIGN = 256
 _MAX_BATCH = 2**31 - 1  # CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT is an int32
 
 
-def check_batch(batch, batch_stride, spec: GemmSpec | None = None) -> tuple[int, int]:
+#: The operands a batched plan strides, in the order a per-operand stride is kept.
+BATCH_OPERANDS = ("a", "b", "c", "bias", "aux")
+
+
+def written_operands(spec: GemmSpec) -> frozenset[str]:
+    """The operands a plan of ``spec`` writes: C, the bias vector of a bias-gradient epilogue and
+    the ReLU bitmask of "relu_aux_bias"."""
+    out = {"c"}
+    if spec.epilogue in ("drelu_bgrad", "bgrada", "bgradb"):
+        out.add("bias")
+    if spec.epilogue == "relu_aux_bias":
+        out.add("aux")
+    return frozenset(out)
+
+
+def _stride_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ValueError(f"{what}: {value!r} is not allowed; expected an int (bytes)")
+    return int(value)
+
+
+def check_batch(batch, batch_stride, spec: GemmSpec | None = None):
     """Validated ``(batch, batch_stride)`` (module docstring, "Batched plans"): ``batch`` an int
     in [1, 2^31 - 1]; ``batch_stride`` in bytes, 0 when ``batch`` is 1, else a positive multiple
-    of ``BATCH_STRIDE_ALIGN`` and, given ``spec``, at least its largest operand extent."""
+    of ``BATCH_STRIDE_ALIGN`` and, given ``spec``, at least its largest operand extent. Or, with
+    ``batch`` > 1 and ``spec`` given, a mapping of per-operand strides ("Per-operand strides"),
+    returned as a tuple of ``(operand, bytes)`` pairs in ``BATCH_OPERANDS`` order."""
     if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) \
             or not 1 <= batch <= _MAX_BATCH:
         raise ValueError(f"batch: {batch!r} is not allowed; expected an int in [1, {_MAX_BATCH}]")
     batch = int(batch)
-    if isinstance(batch_stride, bool) or not isinstance(batch_stride, (int, np.integer)):
-        raise ValueError(f"batch_stride: {batch_stride!r} is not allowed; expected an int (bytes)")
-    batch_stride = int(batch_stride)
+    if isinstance(batch_stride, (Mapping, tuple)):
+        return batch, _check_operand_strides(batch, dict(batch_stride), spec)
+    batch_stride = _stride_int(batch_stride, "batch_stride")
     if batch == 1:
         if batch_stride != 0:
             raise ValueError(f"batch_stride: {batch_stride} is not allowed with batch=1; expected 0")
@@ -397,17 +430,55 @@ def check_batch(batch, batch_stride, spec: GemmSpec | None = None) -> tuple[int,
     return batch, batch_stride
 
 
-def batch_strides(spec: GemmSpec, batch_stride: int) -> dict[str, int]:
-    """The member stride ``batch_stride`` (bytes) in elements of each operand, as cuBLASLt
-    takes it: A and B in input elements, C (and D) and the bias vector in f32 elements, the ReLU
-    bitmask in bits (``EPILOGUE_AUX_BATCH_STRIDE``)."""
-    inputs = batch_stride // spec.input_dtype.itemsize
-    out = {"a": inputs, "b": inputs, "c": batch_stride // 4}
-    if spec.bias_len is not None:
-        out["bias"] = batch_stride // 4
-    if spec.aux_ld is not None:
-        out["aux"] = batch_stride * 8
-    return out
+def _check_operand_strides(batch: int, strides: dict, spec: GemmSpec | None) -> tuple:
+    if batch == 1:
+        raise ValueError("batch_stride: per-operand strides are not allowed with batch=1; expected 0")
+    if spec is None:
+        raise ValueError("batch_stride: per-operand strides need the GEMM's spec to be checked")
+    extents = spec.operand_nbytes
+    missing, extra = sorted(set(extents) - set(strides)), sorted(set(strides) - set(extents))
+    if missing or extra:
+        raise ValueError(f"batch_stride: operands {sorted(strides)} are not allowed for epilogue "
+                         f"{spec.epilogue!r}; expected a stride for each of {sorted(extents)}")
+    written = written_operands(spec)
+    out = []
+    for name in BATCH_OPERANDS:
+        if name not in extents:
+            continue
+        value = _stride_int(strides[name], f"batch_stride[{name!r}]")
+        low = extents[name] if name in written else 0
+        if value < 0 or value % BATCH_STRIDE_ALIGN or (name in written and value == 0):
+            raise ValueError(f"batch_stride[{name!r}]: {value} is not allowed; expected a "
+                             f"{'positive' if name in written else 'non-negative'} multiple of "
+                             f"{BATCH_STRIDE_ALIGN} (bytes)")
+        if value < low:
+            raise ValueError(f"batch_stride[{name!r}]: {value} is not allowed; the plan writes "
+                             f"operand {name}, which spans {low} bytes, so batches would overlap "
+                             f"(expected >= {low})")
+        out.append((name, value))
+    return tuple(out)
+
+
+def operand_offsets(batch_stride, index: int) -> dict[str, int]:
+    """Bytes past member 0's pointer of each operand of batch member ``index`` (a checked
+    ``batch_stride``: one int for every operand, or the per-operand pairs)."""
+    if isinstance(batch_stride, tuple):
+        return {name: index * value for name, value in batch_stride}
+    return {name: index * batch_stride for name in BATCH_OPERANDS}
+
+
+def batch_strides(spec: GemmSpec, batch_stride) -> dict[str, int]:
+    """The member stride ``batch_stride`` (bytes; one for every operand or a checked per-operand
+    tuple) in elements of each operand, as cuBLASLt takes it: A and B in input elements, C (and
+    D) and the bias vector in f32 elements, the ReLU bitmask in bits
+    (``EPILOGUE_AUX_BATCH_STRIDE``)."""
+    size = spec.input_dtype.itemsize
+    per = {"a": size, "b": size, "c": 4, "bias": 4}
+    present = ["a", "b", "c"] + (["bias"] if spec.bias_len is not None else []) \
+        + (["aux"] if spec.aux_ld is not None else [])
+    byte = operand_offsets(batch_stride, 1)
+    return {name: (byte[name] * 8 if name == "aux" else byte[name] // per[name])
+            for name in present}
 
 
 def _set_attr(setter, dtype_of, obj, attr, value) -> None:
@@ -429,7 +500,7 @@ class GemmPlan:
                  epilogue=None, lda=None, ldb=None, ldc=None, alpha=1.0, beta=0.0,
                  min_alignment: int = 256, workspace_limit: int = DEFAULT_WORKSPACE_LIMIT,
                  heuristic: np.ndarray | bytes | None = None, verify: bool = False,
-                 sm_count_target: int = 0, batch: int = 1, batch_stride: int = 0):
+                 sm_count_target: int = 0, batch: int = 1, batch_stride: int | Mapping = 0):
         self._objects: list[tuple] = []  # (destroy function, handle) for close()
         self._workspace = None
         self.spec = GemmSpec(m, n, k, trans_a, trans_b, precision, epilogue, lda, ldb, ldc,
@@ -668,7 +739,7 @@ class PlanCache:
     def key(m, n, k, *, trans_a=False, trans_b=False, precision="f32", epilogue=None, lda=None,
             ldb=None, ldc=None, alpha=1.0, beta=0.0, min_alignment: int = 256,
             workspace_limit: int = DEFAULT_WORKSPACE_LIMIT, sm_count_target: int = 0,
-            batch: int = 1, batch_stride: int = 0) -> tuple:
+            batch: int = 1, batch_stride: int | Mapping = 0) -> tuple:
         """What decides a plan: the validated spec (defaults filled in), alignment, workspace,
         SM count target, and for a batched plan (``batch`` > 1) the batch and member stride at
         the end (an unbatched plan's key is as it was before batching existed, so the answers
@@ -770,8 +841,11 @@ __all__ = [
     "GemmPlanError",
     "GemmSpec",
     "PlanCache",
+    "BATCH_OPERANDS",
     "batch_strides",
     "check_batch",
+    "operand_offsets",
+    "written_operands",
     "colmajor_problem",
     "cublaslt_handle",
     "cublaslt_version",

@@ -32,7 +32,7 @@ import numpy as np
 
 from foxhunt.fast import isv_plan, support_plan, wave_plan
 from foxhunt.fast.records import Buf, Ops
-from foxhunt.fast.step_layout import NORM_SEGMENT
+from foxhunt.fast.step_layout import LOSSES, NORM_SEGMENT
 from foxhunt.fast.step_program import StepProgram
 from foxhunt.fast.wave_layout import injected_sources
 from foxhunt.reference import isv as isv_mod
@@ -142,14 +142,27 @@ def graph1_ops(prog: StepProgram) -> Ops:
                        action_offset="action_offset", dlogits="dlogits_cql", terms="terms",
                        batch=B, block_rows=2 * B, num_atoms=NA)
     cql_pre.record("cql_terms")
-    cql_side = prog.ops()
-    prog.backward(cql_side, "cql", cql_pre)
-    prog.norm(cql_side, "grad_cql", "cql")
     # The auxiliary heads (walked before the C51 chain, whose trunk waits for their d h2).
     aux_side = [wave_plan.aux_chain(prog)] if c.aux_on else []
-    c51_side = prog.ops()
-    prog.backward(c51_side, "c51", c51_pre, aux_dh2=wave_plan.aux_dh2(c))
-    prog.norm(c51_side, "grad_c51", "c51")
+    # The backward passes: stacked (each GEMM one launch for both losses), then the two norms
+    # side by side; or (a population's members) a chain per loss.
+    pres = {"c51": c51_pre, "cql": cql_pre}
+    if prog.stacked_backward:
+        back = prog.ops()
+        prog.backward(back, pres, aux_dh2=wave_plan.aux_dh2(c))
+        norms = [back.branch() for _ in LOSSES]
+        for loss, norm in zip(LOSSES, norms):
+            prog.norm(norm, f"grad_{loss}", loss)
+        back.parallel(*norms)
+        loss_sides = [back]
+    else:
+        loss_sides = []
+        for loss in ("cql", "c51"):
+            side = prog.ops()
+            prog.backward(side, {loss: pres[loss]},
+                          aux_dh2=wave_plan.aux_dh2(c) if loss == "c51" else None)
+            prog.norm(side, f"grad_{loss}", loss)
+            loss_sides.append(side)
     # C51 bookkeeping, beside the backward passes, in two parallel chains: the scalar targets
     # (in the C51 chain with the MSE warm-up on) and the C51 losses and TD errors (after every
     # branch's projection).
@@ -184,7 +197,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
     # (walked after the C51 chain, which records them).
     wave = ([wave_plan.iqn_chain(prog)] if c.iqn_on else []) + \
         ([wave_plan.ens_chain(prog)] if c.ens_on else [])
-    ops.parallel(target, online, *aux_side, cql_side, c51_side, *wave, books)
+    ops.parallel(target, online, *aux_side, *loss_sides, *wave, books)
     # Budget pipeline, one launch: the per-loss norms from their partials, the clips, the SAXPY
     # and the total norm's phase-1 partials (phase 2 is in the step scalars); with an injected
     # second-wave source on, the same launch injects them (``wave_plan.budget``).

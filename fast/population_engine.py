@@ -30,6 +30,7 @@ from foxhunt.fast.gpu_engine import READ_BUFFERS, GpuEngine, GpuEval, host_buffe
 from foxhunt.fast.graph2_plan import staging_name
 from foxhunt.fast.graph_lowering import Lowering, layered_address
 from foxhunt.fast.population_plan import (
+    MEMBER_PROGRAM_OPTIONS,
     MEMBER_SCALARS,
     PopulationPlan,
     batched_planner,
@@ -251,7 +252,8 @@ class PopulationEngine(GpuEngine):
                                     store=AlgoStore.for_device(dev, cublaslt_version()))
         self._program_options = dict(
             host_nbytes={staging_name(s): lay.batch_nbytes for s in range(staging_slots)},
-            arch=dev.arch, gemm_workspace=gemm_workspace, seed=plan.seeds[0])
+            arch=dev.arch, gemm_workspace=gemm_workspace, seed=plan.seeds[0],
+            **MEMBER_PROGRAM_OPTIONS)
         self.program = StepProgram(lay, planner=batched_planner(self.gemm_plans, N, S),
                                    constants=self.constants[0],
                                    sm_count=plan.sm_count(dev.multiprocessor_count),
@@ -384,7 +386,8 @@ class CpuPopulationEngine:
         self._planner = cpu_planner(refused_epilogues)
         self._program_options = dict(
             host_nbytes={staging_name(s): lay.batch_nbytes for s in range(staging_slots)},
-            arch=CPU_ARCH, gemm_workspace=gemm_workspace, seed=plan.seeds[0])
+            arch=CPU_ARCH, gemm_workspace=gemm_workspace, seed=plan.seeds[0],
+            **MEMBER_PROGRAM_OPTIONS)
         self.program = StepProgram(lay, planner=batched_planner(self._planner, N, S),
                                    constants=self.constants[0], **self._program_options)
         self._eval_program = None

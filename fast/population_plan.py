@@ -46,6 +46,11 @@ from foxhunt.fast.step_program import GEMM_SM_SHARE, StepProgram, step_constants
 from foxhunt.reference.population import member_configs
 
 
+#: ``StepProgram`` options of every population plan: the members' GEMMs are batched over the
+#: members (one stride for every operand), so the C51 and CQL backward passes are not stacked.
+MEMBER_PROGRAM_OPTIONS = {"stacked_backward": False}
+
+
 class PopulationPlanError(ValueError):
     """Members whose plans differ in more than kernel scalar values."""
 
@@ -210,7 +215,8 @@ def _record_plan(config, seed: int, n_step_on: bool) -> dict[str, Ops]:
     arena = HostArena(lay.specs)
     constants = step_constants(lay, Memory([(lay, arena)], {}).address)
     prog = StepProgram(lay, planner=cpu_planner(), constants=constants,
-                       host_nbytes={staging_name(0): lay.batch_nbytes}, arch=CPU_ARCH, seed=seed)
+                       host_nbytes={staging_name(0): lay.batch_nbytes}, arch=CPU_ARCH, seed=seed,
+                       **MEMBER_PROGRAM_OPTIONS)
     return {"upload": upload_ops(prog, 1)[0], "graph1": graph1_ops(prog), "graph2": graph2_ops(prog)}
 
 
@@ -328,6 +334,6 @@ def batched_planner(planner, members: int, stride: int):
     return plan
 
 
-__all__ = ["MEMBER_SCALARS", "MemberScalars", "PopulationPlan",
+__all__ = ["MEMBER_PROGRAM_OPTIONS", "MEMBER_SCALARS", "MemberScalars", "PopulationPlan",
            "PopulationPlanError", "ScalarBlock", "align_members", "batched_planner",
            "member_scalar_values"]

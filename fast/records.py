@@ -165,6 +165,9 @@ class Gemm:
     c: Buf
     bias: Buf | None = None
     aux: Buf | None = None
+    #: Batch 1's ``(operand, buffer)`` pairs of a plan with per-operand strides
+    #: (``Binder.gemm``), else empty.
+    second: tuple[tuple[str, Buf], ...] = ()
     accesses: tuple[Access, ...] = field(default=(), compare=False, repr=False)
 
     @property
@@ -174,7 +177,9 @@ class Gemm:
     def __str__(self) -> str:
         s = self.spec
         return (f"gemm {s.precision} {s.m}x{s.n}x{s.k} ta={s.trans_a} tb={s.trans_b} "
-                f"epilogue={s.epilogue}: c={self.c} a={self.a} b={self.b} bias={self.bias} aux={self.aux}")
+                f"epilogue={s.epilogue}: c={self.c} a={self.a} b={self.b} bias={self.bias} aux={self.aux}"
+                + (" batch 1: " + " ".join(f"{k}={v}" for k, v in self.second)
+                   if self.second else ""))
 
 
 @dataclass(frozen=True)
@@ -255,8 +260,8 @@ class Ops:
     def kernel(self, name: str, plan, **args) -> None:
         self.items.append(self.binder.launch(name, plan, args))
 
-    def gemm(self, plan, *, a, b, c, bias=None, aux=None) -> None:
-        self.items.append(self.binder.gemm(plan, a=a, b=b, c=c, bias=bias, aux=aux))
+    def gemm(self, plan, *, a, b, c, bias=None, aux=None, second=None) -> None:
+        self.items.append(self.binder.gemm(plan, a=a, b=b, c=c, bias=bias, aux=aux, second=second))
 
     def copy(self, dst, src, nbytes: int, kind: str) -> None:
         self.items.append(self.binder.copy(dst, src, nbytes, kind))

@@ -41,6 +41,11 @@ NORMS = ("c51", "cql", "total")
 LOSSES = ("c51", "cql")
 
 
+def stacked_name(stem: str) -> str:
+    """The buffer holding the losses' blocks ``<stem>_c51``, ``<stem>_cql`` (``LOSSES`` order)."""
+    return f"{stem}_losses"
+
+
 def blocks(n: int, threads: int) -> int:
     return max(1, -(-int(n) // threads))
 
@@ -107,6 +112,41 @@ class BufferTable:
         self._add(packed.buffer, max(packed.total, 1), packed.dtype)
         return packed
 
+    def _add_stacked(self, base: str, names, make, dtype, role: str = "scratch") -> None:
+        """One buffer ``base`` of ``len(names)`` equal blocks, block ``i`` the view ``names[i]``
+        at ``i`` block strides (the block rounded up to ``ALIGNMENT`` bytes, so every block is as
+        aligned as the buffer): ``make(name)`` is a block's ``Packed`` layout or its shape. What
+        the stacked backward's GEMMs read and write as one batched GEMM (``StepProgram``: two
+        blocks of one buffer, one stride apart, per operand)."""
+        from foxhunt.fast.device import ALIGNMENT, _round_up
+
+        dtype = np.dtype(dtype)
+        layouts = [make(name) for name in names]
+        packed = [lay for lay in layouts if isinstance(lay, Packed)]
+        if packed and len(packed) != len(layouts):
+            raise ValueError(f"stacked buffer {base!r}: every block packed or none")
+        shape = None if packed else (
+            (int(layouts[0]),) if isinstance(layouts[0], (int, np.integer)) else tuple(map(int, layouts[0])))
+        count = max(packed[0].total, 1) if packed else int(np.prod(shape))
+        if packed and any((p.offsets, p.counts, p.total) != (packed[0].offsets, packed[0].counts,
+                                                               packed[0].total) for p in packed):
+            raise ValueError(f"stacked buffer {base!r}: the blocks' packed layouts differ")
+        stride = _round_up(count * dtype.itemsize, ALIGNMENT)
+        self._add(base, len(names) * stride // dtype.itemsize, dtype, role)
+        for i, (name, lay) in enumerate(zip(names, layouts)):
+            if name in self.specs or name in self.views:
+                raise ValueError(f"buffer {name!r} defined twice")
+            self.views[name] = (base, i * stride, shape if shape is not None else (count,), dtype)
+            if packed:
+                self.packed[name] = lay
+
+    def locate(self, name: str) -> tuple[str, int, tuple[int, ...], np.dtype]:
+        """``(arena buffer, byte offset, shape, dtype)`` of buffer or view ``name``."""
+        if name in self.views:
+            return self.views[name]
+        shape, dtype = self.specs[name]
+        return name, 0, shape, dtype
+
     def __contains__(self, name: str) -> bool:
         return name in self.specs or name in self.views
 
@@ -118,11 +158,15 @@ class BufferTable:
         name = buf.name
         if name in self.views:
             base, byte_offset, shape, dtype = self.views[name]
+            start = buf.offset
             if buf.key is not None:
-                raise KeyError(f"{buf}: batch field {name!r} has no packed keys")
+                packed = self.packed.get(name)
+                if packed is None or buf.key not in packed.offsets:
+                    raise KeyError(f"{buf}: view {name!r} has no packed key {buf.key!r}")
+                start += packed.offsets[buf.key]
             count = int(np.prod(shape))
-            return Region(base, dtype, byte_offset // dtype.itemsize + buf.offset,
-                          count - buf.offset, self.roles[base])
+            return Region(base, dtype, byte_offset // dtype.itemsize + start,
+                          count - start, self.roles[base])
         if name not in self.specs:
             raise KeyError(f"no buffer {name!r} in the step layout")
         shape, dtype = self.specs[name]
@@ -138,11 +182,13 @@ class BufferTable:
         """The alignment gaps between packed sub-buffers (bytes; never written: zero)."""
         out = {}
         for name, packed in self.packed.items():
+            base, at = self.locate(name)[:2]
             spans = sorted((packed.offsets[k], packed.offsets[k] + packed.counts[k]) for k in packed.offsets)
             size = packed.dtype.itemsize
-            gaps = [(hi * size, lo * size) for (_, hi), (lo, _) in zip(spans, spans[1:]) if lo > hi]
+            gaps = [(at + hi * size, at + lo * size) for (_, hi), (lo, _) in zip(spans, spans[1:])
+                    if lo > hi]
             if gaps:
-                out[name] = gaps
+                out[base] = out.get(base, []) + gaps
         return out
 
     def _pass_buffers(self, tag: str, rows: int, *, aux: bool) -> None:
@@ -259,8 +305,11 @@ class StepLayout(BufferTable):
         n_desc = self.sentinel.n_desc
         self._add("flags", n_desc, I32, "state")
         # Gradients and norms.
-        for name in ("grad_c51", "grad_cql", "grad"):
-            self._add(name, NP, F32)
+        # The losses' gradients are two blocks of one buffer (the stacked backward's GEMMs
+        # write both in one launch).
+        self._add_stacked(stacked_name("grad"), tuple(f"grad_{loss}" for loss in LOSSES),
+                          lambda name: NP, F32)
+        self._add("grad", NP, F32)
         for norm in NORMS:
             self._add(f"partials_{norm}", self.n_partials, F32)
             self._add(f"sq_{norm}", 1, F32)
@@ -317,36 +366,44 @@ class StepLayout(BufferTable):
         self._add("td", B, F32)
         self._add("q_taken", (nb, B), F32)
         self._add("target_q", (nb, B), F32)
-        # Backward scratch, one set per loss (the two run in parallel graph branches).
+        # Backward scratch, one set per loss (the two run in parallel graph branches); what
+        # the stacked backward's GEMMs read or write is one buffer of two blocks per name
+        # (``stacked_name``), the losses' blocks of it views ``<name>_<loss>``.
         for loss in LOSSES:
             p = Packed(f"dlogits_{loss}", F32)
             for d, n in enumerate(self.branches):
                 p.add(d, B * n * NA)
             self._add_packed(p)
-            self._add(f"dv_{loss}", (B, NA), F32)
-            dadv = Packed(f"dadv_{loss}", F32)  # branch-packed (one fused dueling backward)
-            for d, n in enumerate(self.branches):
-                dadv.add(d, B * n * NA)
-            self._add_packed(dadv)
-            dhid = Packed(f"dhid_{loss}", F32, OPERAND_ALIGN)
-            for h in self.heads:
-                dhid.add(h.key, B * h.hidden)
-            self._add_packed(dhid)
-            # Each head's part of dh2 (branches, then value: the order they are summed in).
-            parts = Packed(f"dh2p_{loss}", F32, OPERAND_ALIGN)
-            for h in self.heads[1:] + self.heads[:1]:
-                parts.add(h.key, B * self.H2)
-            self._add_packed(parts)
             self._add(f"dh2_{loss}", (B, self.H2), F32)
-            self._add(f"dh2m_{loss}", (B, self.H2), F32)
-            self._add(f"dh1_{loss}", (B, self.H1), F32)
-            # Unmasked input gradients of the ReLU layers (one per parallel branch), used only
-            # if cuBLASLt refuses DRELU_BGRAD.
-            dpre = Packed(f"dpre_{loss}", F32, OPERAND_ALIGN)
+
+        def dadv(name):  # branch-packed (one fused dueling backward)
+            p = Packed(name, F32)
+            for d, n in enumerate(self.branches):
+                p.add(d, B * n * NA)
+            return p
+
+        def dhid(name):
+            p = Packed(name, F32, OPERAND_ALIGN)
             for h in self.heads:
-                dpre.add(h.key, B * h.hidden)
-            dpre.add("trunk", B * self.H1)
-            self._add_packed(dpre)
+                p.add(h.key, B * h.hidden)
+            return p
+
+        def dh2p(name):  # each head's part of dh2 (branches, then value: the order they are summed in)
+            p = Packed(name, F32, OPERAND_ALIGN)
+            for h in self.heads[1:] + self.heads[:1]:
+                p.add(h.key, B * self.H2)
+            return p
+
+        def dpre(name):  # unmasked input gradients of the ReLU layers, if cuBLASLt refuses DRELU_BGRAD
+            p = dhid(name)
+            p.add("trunk", B * self.H1)
+            return p
+
+        for stem, make in (("dv", lambda name: (B, NA)), ("dadv", dadv), ("dhid", dhid),
+                           ("dh2p", dh2p), ("dh2m", lambda name: (B, self.H2)),
+                           ("dh1", lambda name: (B, self.H1)), ("dpre", dpre)):
+            self._add_stacked(stacked_name(stem), tuple(f"{stem}_{loss}" for loss in LOSSES),
+                              make, F32)
 
     def batch_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Typed views of the batch fields inside a byte buffer that mirrors ``batch``."""
@@ -368,14 +425,15 @@ class StepLayout(BufferTable):
         # grad_c51 also holds the auxiliary heads' gradients (the C51 budget); neither holds
         # the IQN head's or the ensemble priors'.
         for name, written in (("grad_c51", core + list(pl.group_tensors("aux"))), ("grad_cql", core)):
+            base, at = self.locate(name)[:2]
             spans, end = [], 0
             for t in sorted(written, key=lambda t: t.offset):
                 if t.offset > end:
-                    spans.append((end * 4, t.offset * 4))
+                    spans.append((at + end * 4, at + t.offset * 4))
                 end = max(end, t.end)
             if self.NP > end:
-                spans.append((end * 4, self.NP * 4))
-            out[name] = out.get(name, []) + spans
+                spans.append((at + end * 4, at + self.NP * 4))
+            out[base] = out.get(base, []) + spans
         out.update(wave_zero_padding(self))
         return out
 
@@ -429,4 +487,4 @@ class EvalLayout(BufferTable):
 
 __all__ = ["BufferTable", "DESC_LENGTH_KEYS", "EvalLayout", "Head",
            "NORM_SEGMENT", "OPERAND_ALIGN", "Packed", "READBACK_FIELDS", "READBACK_INDEX",
-           "StepLayout", "aux_nbytes", "blocks"]
+           "StepLayout", "aux_nbytes", "blocks", "stacked_name"]

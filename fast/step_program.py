@@ -93,7 +93,8 @@ class StepProgram:
 
     def __init__(self, layout: StepLayout, *, planner: Planner, constants: Mapping[str, np.ndarray],
                  host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none",
-                 seed: int = 0, sm_count: int = 0, fuse_trunk: bool = False):
+                 seed: int = 0, sm_count: int = 0, fuse_trunk: bool = False,
+                 stacked_backward: bool = False):
         from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
 
         if gemm_workspace not in GEMM_WORKSPACES:
@@ -106,6 +107,11 @@ class StepProgram:
         self.planner = planner
         self.arch = arch
         self.fuse_trunk = bool(fuse_trunk)
+        #: Whether graph 1 runs the C51 and CQL backward passes stacked (``backward``): an option
+        #: of a single trainer, off by default (measured no faster on the H200: the README's
+        #: "The C51 and CQL backward passes stacked"); never a population's (its GEMMs are
+        #: already batched over the members, with one stride for every operand).
+        self.stacked_backward = bool(stacked_backward)
         if self.fuse_trunk and not self.trunk_fused:
             from foxhunt.fast.kernels._runtime import CLUSTER_SM90
             from foxhunt.fast.kernels.trunk import TRUNK_COLS_PER_PASS
@@ -158,6 +164,28 @@ class StepProgram:
         return Buf(grad, offset=self.lay.tensor_offset(name) - self.lay.grad_base.get(grad, 0))
 
     # -- GEMMs
+    # An operand is a ``Buf``, or in the stacked backward a pair ``(loss 0's, loss 1's)``: two
+    # blocks of one buffer (``StepLayout._add_stacked``). A GEMM with a pair among its operands
+    # is ONE launch of two batches: each pair strided by its blocks' distance, every other
+    # operand (the shared weights, activations and ReLU bitmasks) by 0 (``gemm`` module
+    # docstring, "Per-operand strides").
+    def _batched(self, ops: Ops, **operands) -> tuple[dict, dict, dict]:
+        """``(batch 0's buffers, batch 1's buffers of the pairs, the plan's batch arguments)``."""
+        first, second, strides = {}, {}, {}
+        for name, value in operands.items():
+            if value is None:
+                continue
+            if isinstance(value, tuple):
+                b0, b1 = value
+                r0, r1 = (ops.binder.region(b, "GEMM operand") for b in value)
+                assert r0.buffer == r1.buffer and r1.byte_start > r0.byte_start, (b0, b1)
+                first[name], second[name] = b0, b1
+                strides[name] = r1.byte_start - r0.byte_start
+            else:
+                first[name], strides[name] = value, 0
+        batch = dict(batch=2, batch_stride=strides) if second else {}
+        return first, second, batch
+
     def _plan(self, ops: Ops, m: int, n: int, k: int, *, operands, fallback: bool = False, **kw):
         """A GEMM plan; ``fallback``: a refusal raises (the caller takes the kernel fallback)
         where the workspace policy is ``"none"``. A weight gradient (``trans_a``) whose reduction
@@ -166,7 +194,8 @@ class StepProgram:
         256x64x1280 gradients took 15.7 and 16.4 us without one)."""
         from foxhunt.fast.gemm import GemmPlanError
 
-        align = alignment([ops.binder.region(b, "GEMM operand").byte_start for b in operands])
+        bufs = [b for op in operands for b in (op if isinstance(op, tuple) else (op,))]
+        align = alignment([ops.binder.region(b, "GEMM operand").byte_start for b in bufs])
         plan = None
         if self.gemm_workspace == "none" and not (k >= LONG_K_RATIO * max(m, n) and
                                                    kw.get("trans_a")):
@@ -182,53 +211,82 @@ class StepProgram:
         self.plans.append(plan)
         return plan
 
+    def _gemm(self, ops: Ops, m: int, n: int, k: int, *, fallback: bool = False, a, b, c,
+              bias=None, aux=None, **kw) -> None:
+        """Plan and record ``c = op(a) @ op(b)`` (operands ``Buf``s or pairs, the comment above);
+        a stacked GEMM the planner refuses becomes one GEMM per batch (noted in ``fallbacks``),
+        unless ``fallback`` (the caller's kernel fallback takes the refusal)."""
+        from foxhunt.fast.gemm import GemmPlanError
+
+        first, second, batch = self._batched(ops, a=a, b=b, c=c, bias=bias, aux=aux)
+        operands = [x for x in (a, b, c, bias, aux) if x is not None]
+        try:
+            plan = self._plan(ops, m, n, k, operands=operands, fallback=fallback, **kw, **batch)
+        except GemmPlanError as exc:
+            if fallback or not second:
+                raise
+            # No algorithm for the stacked GEMM: one GEMM per batch (the same values).
+            self.fallbacks.append(f"stacked {m}x{n}x{k} {kw.get('epilogue')}: {exc}")
+            for a_i, b_i, c_i, bias_i, aux_i in self._each(a, b, c, bias, aux):
+                self._gemm(ops, m, n, k, a=a_i, b=b_i, c=c_i, bias=bias_i, aux=aux_i, **kw)
+            return
+        ops.gemm(plan, **first, second=second or None)
+
+    @staticmethod
+    def _each(*operands) -> list[tuple]:
+        """Per batch, each operand's buffer (a pair's member, a shared ``Buf`` itself)."""
+        n = max((len(op) for op in operands if isinstance(op, tuple)), default=1)
+        return [tuple(op[i] if isinstance(op, tuple) else op for op in operands) for i in range(n)]
+
     def linear(self, ops: Ops, *, rows, n, k, x, w, c, bias, epilogue, aux=None) -> None:
         """``c = epilogue(x [rows, k] @ W[n, k]^T + bias)`` in the forward precision."""
-        plan = self._plan(ops, rows, n, k, operands=(x, w, c), trans_b=True,
-                          precision=self.fwd_mode, epilogue=epilogue)
-        ops.gemm(plan, a=x, b=w, c=c, bias=bias, aux=aux)
+        self._gemm(ops, rows, n, k, a=x, b=w, c=c, bias=bias, aux=aux, trans_b=True,
+                   precision=self.fwd_mode, epilogue=epilogue)
 
     def weight_grad(self, ops: Ops, *, dy, x, rows, n_out, n_in, dw, db=None) -> None:
         """``dW [n_out, n_in] = dy[rows, n_out]^T @ x[rows, n_in]`` and, with ``db``, ``db =
         colsum(dy)`` by ``bias_grad_reduce`` beside the GEMM (not the BGRADB epilogue: module
-        docstring), in the backward precision."""
-        plan = self._plan(ops, n_out, n_in, rows, operands=(dy, x, dw), trans_a=True,
-                          precision=self.bwd_mode)
+        docstring), in the backward precision (pairs: one GEMM, a ``bias_grad_reduce`` per
+        batch)."""
         if db is None:
-            ops.gemm(plan, a=dy, b=x, c=dw)
+            self._gemm(ops, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True, precision=self.bwd_mode)
             return
-        # The bias gradient beside the plain GEMM (both read dy only).
-        side, main = ops.branch(), ops.branch()
-        side.kernel("bias_grad_reduce", self.kernels("dense").plan_bias_grad_reduce(rows, n_out),
-                    dy=dy, db=db, rows=rows, cols=n_out)
-        main.gemm(plan, a=dy, b=x, c=dw)
-        ops.parallel(side, main)
+        # The bias gradients beside the plain GEMM (all read dy only).
+        sides = [ops.branch() for _ in self._each(dy, db)]
+        for side, (dy_i, db_i) in zip(sides, self._each(dy, db)):
+            side.kernel("bias_grad_reduce", self.kernels("dense").plan_bias_grad_reduce(rows, n_out),
+                        dy=dy_i, db=db_i, rows=rows, cols=n_out)
+        main = ops.branch()
+        self._gemm(main, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True, precision=self.bwd_mode)
+        ops.parallel(*sides, main)
 
     def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, relu=None) -> None:
         """``dx [rows, n_in] = dy [rows, n_out] @ W [n_out, n_in]``; with ``relu=(aux, h, db,
         scratch)`` the result is masked by the forward ReLU (``h <= 0 ? 0 : dx``) and ``db =
         colsum(masked dx)`` (DRELU_BGRAD; or, where the planner refuses it, a plain GEMM into
-        ``scratch``, then ``relu_mask_bias_grad``)."""
+        ``scratch``, then ``relu_mask_bias_grad``: one per batch, side by side)."""
         from foxhunt.fast.gemm import GemmPlanError
 
-        if relu is not None:
-            aux, h, db, scratch = relu
-            try:
-                plan = self._plan(ops, rows, n_in, n_out, operands=(dy, w, dx), fallback=True,
-                                  precision=self.bwd_mode, epilogue="drelu_bgrad")
-                ops.gemm(plan, a=dy, b=w, c=dx, bias=db, aux=aux)
-                return
-            except (GemmPlanError, ValueError) as exc:
-                self.fallbacks.append(f"drelu_bgrad {rows}x{n_in}x{n_out}: {exc}")
-            plan = self._plan(ops, rows, n_in, n_out, operands=(dy, w, scratch),
-                              precision=self.bwd_mode)
-            ops.gemm(plan, a=dy, b=w, c=scratch)
-            ops.kernel("relu_mask_bias_grad",
-                       self.kernels("dense").plan_relu_mask_bias_grad(rows, n_in),
-                       dy=scratch, h=h, dx=dx, db=db, rows=rows, cols=n_in)
+        if relu is None:
+            self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx, precision=self.bwd_mode)
             return
-        plan = self._plan(ops, rows, n_in, n_out, operands=(dy, w, dx), precision=self.bwd_mode)
-        ops.gemm(plan, a=dy, b=w, c=dx)
+        aux, h, db, scratch = relu
+        try:
+            self._gemm(ops, rows, n_in, n_out, fallback=True, a=dy, b=w, c=dx, bias=db, aux=aux,
+                       precision=self.bwd_mode, epilogue="drelu_bgrad")
+            return
+        except (GemmPlanError, ValueError) as exc:
+            self.fallbacks.append(f"drelu_bgrad {rows}x{n_in}x{n_out}: {exc}")
+        self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=scratch, precision=self.bwd_mode)
+        masks = [ops.branch() for _ in self._each(scratch, dx, db)]
+        for side, (scratch_i, dx_i, db_i) in zip(masks, self._each(scratch, dx, db)):
+            side.kernel("relu_mask_bias_grad",
+                        self.kernels("dense").plan_relu_mask_bias_grad(rows, n_in),
+                        dy=scratch_i, h=h, dx=dx_i, db=db_i, rows=rows, cols=n_in)
+        if len(masks) > 1:
+            ops.parallel(*masks)
+        else:
+            ops.extend(masks[0])
 
     # -- kernels used in several places
     @staticmethod
@@ -337,69 +395,109 @@ class StepProgram:
             support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
 
     # -- backward of one loss
-    def backward(self, ops: Ops, loss: str, pre: Ops, aux_dh2: Buf | None = None) -> None:
+    def backward(self, ops: Ops, pres: Mapping[str, Ops], aux_dh2: Buf | None = None) -> None:
         """network.backward for the logit gradients in ``dlogits_<loss>``, into ``grad_<loss>``
-        (every tensor written, padding untouched); online(s) activations are rows 0..B.
+        (every tensor written, padding untouched), for one loss or both (``pres``: each loss's
+        records producing its ``dlogits_<loss>``); online(s) activations are rows 0..B.
 
-        ``pre`` produces ``dlogits_<loss>`` of every branch; one fused dueling backward (with
-        the value gradient summed over the branches in the reference's order) follows. Then
-        parallel branches: one per advantage head (its GEMMs), the value head, and the trunk
-        (after every head's ``dh2`` part; the parts are summed in the reference's order:
-        branches, then value). Each head computes its ``dh2`` part before its weight
-        gradients, so those overlap the trunk.
+        With both losses the backward is STACKED (SPEC 11): each GEMM is one launch of two
+        batches, the losses' blocks of the stacked buffers (``StepLayout._add_stacked``) against
+        the shared weights and activations; the per-loss kernels (the dueling backward, the bias
+        and ``dh2`` sums, the checks) stay one launch per loss.
+
+        Each loss's ``pre`` and one fused dueling backward (with the value gradient summed over
+        the branches in the reference's order) run side by side. Then parallel branches: one per
+        advantage head (its GEMMs), the value head, and the trunk (after every head's ``dh2``
+        part; the parts are summed in the reference's order: branches, then value). Each head
+        computes its ``dh2`` part before its weight gradients, so those overlap the trunk.
 
         ``aux_dh2`` (the C51 pass with the auxiliary heads on: their weighted ``d h2``, ready at
         event ``aux_dh2``): after the heads' sum (and slot 33's check of it) the guarded
         ``dh2 += aux_dh2`` (``saxpy``, slot 34's check after it), then the masks of that sum."""
         lay = self.lay
         B, NA, H2 = lay.B, lay.NA, lay.H2
-        g = f"grad_{loss}"
+        losses = tuple(pres)
+        tag = "_".join(losses)
         P = lambda name: self.weight(name, 0, bf16=False)  # noqa: E731 - f32 master weights
 
-        def head(branch: Ops, hi: int, dy: Buf) -> None:
+        def each(stem: str, key=None):  # one loss's buffer, or the losses' pair
+            bufs = tuple(Buf(f"{stem}_{loss}", key) for loss in losses)
+            return bufs if len(bufs) > 1 else bufs[0]
+
+        def grads(tensor: str):
+            bufs = tuple(self.grad(f"grad_{loss}", tensor) for loss in losses)
+            return bufs if len(bufs) > 1 else bufs[0]
+
+        def head(branch: Ops, hi: int, dy) -> None:
             h = lay.heads[hi]
             hid = Buf("hido", h.key)
-            dhid = Buf(f"dhid_{loss}", h.key)
+            dhid = each("dhid", h.key)
             self.input_grad(branch, dy=dy, w=P(h.w2), dx=dhid, rows=B, n_out=h.out, n_in=h.hidden,
-                            relu=(Buf(f"auxho_{h.key}"), hid, self.grad(g, h.b1),
-                                  Buf(f"dpre_{loss}", h.key)))
-            self.input_grad(branch, dy=dhid, w=P(h.w1), dx=Buf(f"dh2p_{loss}", h.key),
+                            relu=(Buf(f"auxho_{h.key}"), hid, grads(h.b1), each("dpre", h.key)))
+            self.input_grad(branch, dy=dhid, w=P(h.w1), dx=each("dh2p", h.key),
                             rows=B, n_out=h.hidden, n_in=H2)
-            branch.record(f"dh2p_{loss}_{h.key}")
+            branch.record(f"dh2p_{tag}_{h.key}")
             self.weight_grad(branch, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
-                             dw=self.grad(g, h.w2), db=self.grad(g, h.b2))
+                             dw=grads(h.w2), db=grads(h.b2))
             self.weight_grad(branch, dy=dhid, x=Buf("h2o"), rows=B, n_out=h.hidden, n_in=H2,
-                             dw=self.grad(g, h.w1))
+                             dw=grads(h.w1))
 
-        ops.extend(pre)
-        ops.kernel("dueling_combine_backward_sum_branches",
-                   self.kernels("fused").plan_dueling_combine_backward_sum_branches(B, lay.branches, NA),
-                   dlogits=f"dlogits_{loss}", n_actions="n_actions", action_offset="action_offset",
-                   dv=f"dv_{loss}", dadv=f"dadv_{loss}", batch=B, num_atoms=NA, n_branches=lay.nb)
+        fronts = []
+        for loss, pre in pres.items():
+            front = ops.branch() if len(pres) > 1 else ops
+            front.extend(pre)
+            front.kernel("dueling_combine_backward_sum_branches",
+                         self.kernels("fused").plan_dueling_combine_backward_sum_branches(
+                             B, lay.branches, NA),
+                         dlogits=f"dlogits_{loss}", n_actions="n_actions",
+                         action_offset="action_offset", dv=f"dv_{loss}", dadv=f"dadv_{loss}",
+                         batch=B, num_atoms=NA, n_branches=lay.nb)
+            fronts.append(front)
+        if len(fronts) > 1:
+            ops.parallel(*fronts)
         chains = []
         for d in range(lay.nb):
             branch = ops.branch()
-            head(branch, d + 1, Buf(f"dadv_{loss}", d))
+            head(branch, d + 1, each("dadv", d))
             chains.append(branch)
         value = ops.branch()
-        head(value, 0, Buf(f"dv_{loss}"))
+        head(value, 0, each("dv"))
         chains.append(value)
         trunk = ops.branch()
         for h in lay.heads:
-            trunk.wait(f"dh2p_{loss}_{h.key}")
+            trunk.wait(f"dh2p_{tag}_{h.key}")
+        sums, checks = [], []
+        for loss in losses:
+            sums.append(trunk.branch() if len(losses) > 1 else trunk)
+            checks += self._dh2_sum(ops, sums[-1], chains, loss, tag,
+                                    aux_dh2 if loss == "c51" else None)
+        if len(sums) > 1:
+            trunk.parallel(*sums)
+        self.trunk_backward(trunk, dh2m=each("dh2m"), grad=grads, dh1=each("dh1"),
+                            scratch=each("dpre", "trunk"), beside=checks)
+        chains.append(trunk)
+        ops.parallel(*chains)
+
+    def _dh2_sum(self, ops: Ops, trunk: Ops, chains: list, loss: str, tag: str,
+                 aux_dh2: Buf | None) -> list[Ops]:
+        """Loss ``loss``'s ``dh2`` from its heads' parts and its masks ``dh2m_<loss>`` on
+        ``trunk``; its NaN checks (slots 33 and 34 of the C51 pass; ``backward``'s docstring) as
+        branches to run beside the trunk's GEMMs (returned), or a branch of ``chains``."""
+        lay = self.lay
+        B, H2 = lay.B, lay.H2
         parts = lay.packed[f"dh2p_{loss}"]
         order = [h.key for h in lay.heads[1:]] + [lay.heads[0].key]
         stride = blocks(B * H2, OPERAND_ALIGN) * OPERAND_ALIGN
         assert [parts.offsets[k] for k in order] == [i * stride for i in range(len(order))]
-        trunk.kernel("h2_grad_sum_mask", self.kernels("step").plan_h2_grad_sum_mask(B * H2),
-                     parts=f"dh2p_{loss}",
+        safety, step, n2 = self.kernels("safety"), self.kernels("step"), B * H2
+        parts_buf = Buf(f"dh2p_{loss}", order[0])
+        trunk.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2), parts=parts_buf,
                      n_parts=len(order), part_stride=stride, h2="h2o", h2_pre="h2preo",
-                     dh2_out=f"dh2_{loss}", out=f"dh2m_{loss}", n=B * H2)
+                     dh2_out=f"dh2_{loss}", out=f"dh2m_{loss}", n=n2)
         # Slot 33 (C51 pass): the trunk gradient right after the main backward; nothing writes
         # dh2 afterwards, so the check is a branch beside the trunk's GEMMs.
         checks = []
-        safety, n2 = self.kernels("safety"), B * H2
-        if loss == "c51":
+        if loss == "c51" and aux_dh2 is None:
             check = ops.branch()
             check.kernel("nan_check", safety.plan_nan_check(n2), x=f"dh2_{loss}", n=n2,
                          flag=Buf("flags", offset=sentinels.index("d_h2_post_main")))
@@ -411,11 +509,10 @@ class StepProgram:
             # the masks of the new sum.
             main = ops.branch()
             for h in lay.heads:
-                main.wait(f"dh2p_{loss}_{h.key}")
-            main.kernel("h2_grad_sum_mask", self.kernels("step").plan_h2_grad_sum_mask(n2),
-                        parts=f"dh2p_{loss}", n_parts=len(order), part_stride=stride, h2="h2o",
-                        h2_pre="h2preo", dh2_out=f"dh2_main_{loss}", out=f"dh2m_main_{loss}",
-                        n=n2)
+                main.wait(f"dh2p_{tag}_{h.key}")
+            main.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2), parts=parts_buf,
+                        n_parts=len(order), part_stride=stride, h2="h2o", h2_pre="h2preo",
+                        dh2_out=f"dh2_main_{loss}", out=f"dh2m_main_{loss}", n=n2)
             main.kernel("nan_check", safety.plan_nan_check(n2), x=f"dh2_main_{loss}", n=n2,
                         flag=Buf("flags", offset=sentinels.index("d_h2_post_main")))
             chains.append(main)
@@ -425,32 +522,32 @@ class StepProgram:
             check = ops.branch()
             check.kernel("nan_check", safety.plan_nan_check(n2), x=f"dh2_{loss}", n=n2,
                          flag=Buf("flags", offset=sentinels.index("d_h2_post_aux")))
-            checks = [check]
-            trunk.kernel("h2_grad_sum_mask", self.kernels("step").plan_h2_grad_sum_mask(n2),
+            checks.append(check)
+            trunk.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2),
                          parts=f"dh2_{loss}", n_parts=1, part_stride=n2, h2="h2o", h2_pre="h2preo",
                          dh2_out=f"dh2s_{loss}", out=f"dh2m_{loss}", n=n2)
-        self.trunk_backward(trunk, dh2m=Buf(f"dh2m_{loss}"), grad=g, dh1=Buf(f"dh1_{loss}"),
-                            scratch=Buf(f"dpre_{loss}", "trunk"), beside=checks)
-        chains.append(trunk)
-        ops.parallel(*chains)
+        return checks
 
-    def trunk_backward(self, ops: Ops, *, dh2m: Buf, grad: str, dh1: Buf, scratch: Buf,
-                       beside=()) -> None:
+    def trunk_backward(self, ops: Ops, *, dh2m, grad, dh1, scratch, beside=()) -> None:
         """The trunk's backward from the masked ``dh2m [B, SH2]`` (online(s) activations, f32
-        master weights) into buffer ``grad``: in parallel (with the ``beside`` branches), ``W_s2``
-        and ``b_s2``; and ``dh1`` through W_s2 and h1's ReLU (with ``b_s1``; ``scratch`` for the
-        kernel fallback), then ``W_s1``."""
+        master weights) into buffer ``grad`` (or the buffers ``grad(tensor)`` names): in parallel
+        (with the ``beside`` branches), ``W_s2`` and ``b_s2``; and ``dh1`` through W_s2 and h1's
+        ReLU (with ``b_s1``; ``scratch`` for the kernel fallback), then ``W_s1`` (pairs: both
+        losses' blocks, ``backward``)."""
+        if isinstance(grad, str):
+            buffer = grad
+            grad = lambda tensor: self.grad(buffer, tensor)  # noqa: E731
         lay = self.lay
         B, H1, H2 = lay.B, lay.H1, lay.H2
         dw2 = ops.branch()
         self.weight_grad(dw2, dy=dh2m, x=Buf("h1o"), rows=B, n_out=H2, n_in=H1,
-                         dw=self.grad(grad, "w_s2"), db=self.grad(grad, "b_s2"))
+                         dw=grad("w_s2"), db=grad("b_s2"))
         rest = ops.branch()
         self.input_grad(rest, dy=dh2m, w=self.weight("w_s2", 0, bf16=False), dx=dh1, rows=B,
                         n_out=H2, n_in=H1,
-                        relu=(Buf("aux1o"), Buf("h1o"), self.grad(grad, "b_s1"), scratch))
+                        relu=(Buf("aux1o"), Buf("h1o"), grad("b_s1"), scratch))
         self.weight_grad(rest, dy=dh1, x=Buf("batch.x"), rows=B, n_out=H1, n_in=lay.SD,
-                         dw=self.grad(grad, "w_s1"))
+                         dw=grad("w_s1"))
         ops.parallel(*beside, dw2, rest)
 
 

@@ -134,7 +134,7 @@ def test_fused_trunk_takes_three_nodes_off_each_pass(capsys):
     """``--fused-trunk``: the online and target passes each run one trunk_forward_bf16 for
     the GEMM, f32_to_bf16, GEMM, clamp_finite_isv nodes."""
     plain = cp.table("seed", "bf16", ["core"])[0]["paths"]["graph1"]
-    fused = cp.table("seed", "bf16", ["core"], fused_trunk=True)[0]["paths"]["graph1"]
+    fused = cp.table("seed", "bf16", ["core"], {"fused_trunk": True})[0]["paths"]["graph1"]
     assert plain.nodes - fused.nodes == 6
     assert plain.depth - fused.depth == 3
     assert cp.main(["core", "--fused-trunk"]) == 0
@@ -143,6 +143,19 @@ def test_fused_trunk_takes_three_nodes_off_each_pass(capsys):
     with pytest.raises(SystemExit):
         cp.main(["core", "--fused-trunk", "--precision", "f32"])
     assert "--fused-trunk: the fused trunk kernel is bf16 only" in capsys.readouterr().err
+
+
+def test_stacked_backward_stacks_the_two_losses_gemms(capsys):
+    """``--stacked-backward``: the C51 and CQL backward passes' 2 x 19 GEMMs are 19 (per head 2
+    input and 2 weight gradients, the trunk's 3), every per-loss kernel kept."""
+    plain = cp.table("seed", "bf16", ["core"])[0]["paths"]["graph1"]
+    stacked = cp.table("seed", "bf16", ["core"], {"stacked_backward": True})[0]["paths"]["graph1"]
+    assert plain.nodes - stacked.nodes == 4 * 4 + 3
+    assert cp.main(["core", "--stacked-backward"]) == 0
+    with pytest.raises(SystemExit):
+        cp.main(["core", "--stacked-backward", "--measure", "--members", "2"])
+    assert "--stacked-backward: a population keeps a backward pass per loss" in \
+        capsys.readouterr().err
 
 
 def test_command_line_refuses_an_unknown_source():

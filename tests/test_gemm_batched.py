@@ -646,3 +646,238 @@ def test_gpu_batched_members_equal_single_plans_and_the_cpu_twin(device, lt, epi
             if same:
                 assert np.array_equal(_aux_bits(mine["aux"], spec.m, spec.n),
                                       _aux_bits(lone["aux"], spec.m, spec.n)), f"member {i} aux bits"
+
+
+# --------------------------------------------------------------------------------------------
+# Per-operand strides (the stacked C51 + CQL backward: two batches sharing the read operands)
+# --------------------------------------------------------------------------------------------
+
+
+def _shared(epilogue) -> set[str]:
+    """The operands the stacked backward shares between its batches (stride 0): B (the weights
+    or activations), a bias the epilogue only reads, the bitmask DRELU_BGRAD reads."""
+    out = {"b"}
+    if epilogue in WITH_BIAS and epilogue not in BIAS_OUT:
+        out.add("bias")
+    if epilogue == "drelu_bgrad":
+        out.add("aux")
+    return out
+
+
+def _stacked_case(epilogue, precision, shape, seed: int, kind: str):
+    """``(kw, spec, table, arena, strides)``: 2 batches, each operand of ``_shared`` once
+    (``<name>0``), every other one per batch (``<name>0``, ``<name>1``, adjacent), then a pad;
+    filled as ``_fill`` fills a member; ``strides``: the per-operand batch strides (bytes)."""
+    kw = _kw(epilogue, precision, shape)
+    spec = GemmSpec(**kw)
+    shared = _shared(epilogue)
+    table = BufferTable()
+    for name, nbytes in spec.operand_nbytes.items():
+        for i in range(1 if name in shared else 2):
+            table._add(f"{name}{i}", nbytes // _dtype(spec, name).itemsize, _dtype(spec, name))
+    table._add("pad0", PAD, U8)
+    arena = HostArena(table.specs)
+    strides = {name: 0 if name in shared else arena.ptr(f"{name}1") - arena.ptr(f"{name}0")
+               for name in spec.operand_nbytes}
+    full = BufferTable()  # the two members' operands as _fill lays them out, then copied over
+    for i in range(2):
+        for name, nbytes in spec.operand_nbytes.items():
+            full._add(f"{name}{i}", nbytes // _dtype(spec, name).itemsize, _dtype(spec, name))
+        full._add(f"pad{i}", PAD, U8)
+    source = HostArena(full.specs)
+    _fill(source, spec, 2, np.random.default_rng(seed), kind)
+    for name in table.specs:
+        arena.array(name)[...] = source.array(name)
+    return kw, spec, table, arena, strides
+
+
+def _stacked_member(arena, spec, i) -> dict[str, np.ndarray]:
+    shared = _shared(spec.epilogue)
+    return {name: arena.array(f"{name}{0 if name in shared else i}") for name in spec.operand_nbytes}
+
+
+def _stacked_node(plan) -> Gemm:
+    s = plan.spec
+    second = tuple((name, Buf(f"{name}1")) for name, stride in plan.batch_stride if stride)
+    return Gemm(plan, Buf("a0"), Buf("b0"), Buf("c0"),
+                Buf("bias0") if s.epilogue in WITH_BIAS else None,
+                Buf("aux0") if s.epilogue in WITH_AUX else None, second)
+
+
+@pytest.mark.parametrize("make", MAKERS.values(), ids=MAKERS.keys())
+def test_per_operand_strides_are_refused_by_name_with_what_is_allowed(make):
+    kw = _kw("drelu_bgrad", "f32", CPU_SHAPE)  # c and bias written, a, b, aux read
+    spec = GemmSpec(**kw)
+    ok = {"a": 4096, "b": 0, "c": 4096, "bias": 256, "aux": 0}
+    with pytest.raises(ValueError, match=r"^batch_stride: per-operand strides are not allowed with "
+                                         r"batch=1; expected 0$"):
+        make(**kw, batch_stride=ok)
+    missing = {k: v for k, v in ok.items() if k != "aux"}
+    with pytest.raises(ValueError, match=r"^batch_stride: operands \['a', 'b', 'bias', 'c'\] are not "
+                                         r"allowed for epilogue 'drelu_bgrad'; expected a stride for "
+                                         r"each of \['a', 'aux', 'b', 'bias', 'c'\]$"):
+        make(**kw, batch=2, batch_stride=missing)
+    with pytest.raises(ValueError, match=r"^batch_stride\['c'\]: 0 is not allowed; expected a "
+                                         r"positive multiple of 256 \(bytes\)$"):
+        make(**kw, batch=2, batch_stride={**ok, "c": 0})
+    with pytest.raises(ValueError, match=r"^batch_stride\['b'\]: 100 is not allowed; expected a "
+                                         r"non-negative multiple of 256 \(bytes\)$"):
+        make(**kw, batch=2, batch_stride={**ok, "b": 100})
+    with pytest.raises(ValueError, match=r"^batch_stride\['a'\]: -256 is not allowed"):
+        make(**kw, batch=2, batch_stride={**ok, "a": -256})
+    extent = spec.operand_nbytes["c"]
+    small = extent // 256 * 256
+    with pytest.raises(ValueError, match=rf"^batch_stride\['c'\]: {small} is not allowed; the plan "
+                                         rf"writes operand c, which spans {extent} bytes, so batches "
+                                         rf"would overlap \(expected >= {extent}\)$"):
+        make(**kw, batch=2, batch_stride={**ok, "c": small})
+    with pytest.raises(ValueError, match=r"^batch_stride\['a'\]: 1.5 is not allowed; expected an "
+                                         r"int \(bytes\)$"):
+        make(**kw, batch=2, batch_stride={**ok, "a": 1.5})
+
+
+def test_per_operand_strides_are_kept_in_operand_order_and_in_the_key():
+    from foxhunt.fast.gemm import batch_strides, check_batch
+
+    spec = GemmSpec(16, 40, 8, epilogue="drelu_bgrad")
+    given = {"aux": 0, "c": 4096, "bias": 256, "b": 0, "a": 2048}
+    batch, strides = check_batch(2, given, spec)
+    assert (batch, strides) == (2, (("a", 2048), ("b", 0), ("c", 4096), ("bias", 256), ("aux", 0)))
+    assert batch_strides(spec, strides) == {"a": 512, "b": 0, "c": 1024, "bias": 64, "aux": 0}
+    bf16 = GemmSpec(16, 40, 8, precision="bf16")
+    assert batch_strides(bf16, check_batch(2, {"a": 512, "b": 0, "c": 2560}, bf16)[1]) == \
+        {"a": 256, "b": 0, "c": 640}
+    key = PlanCache.key(16, 40, 8, epilogue="drelu_bgrad", batch=2, batch_stride=given)
+    assert key[-2:] == (2, strides)
+    assert key != PlanCache.key(16, 40, 8, epilogue="drelu_bgrad", batch=2,
+                                batch_stride={**given, "b": 256})
+    assert CpuGemm(16, 40, 8, epilogue="drelu_bgrad", batch=2, batch_stride=given).batch_stride \
+        == strides
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
+def test_a_plan_with_per_operand_strides_sets_each_operands_own(monkeypatch, epilogue, precision):
+    kw = _kw(epilogue, precision, CPU_SHAPE)
+    spec = GemmSpec(**kw)
+    strides = {name: 0 if name in _shared(epilogue) else 8192 * (i + 1)
+               for i, name in enumerate(spec.operand_nbytes)}
+    single = _recorded_plan(monkeypatch, **kw)
+    stacked = _recorded_plan(monkeypatch, **kw, batch=2, batch_stride=strides)
+    itemsize = {0: 4, 14: 2}
+    # cuBLAS's A layout (layout0) is our B, its B (layout1) our A, layout2 is C.
+    ours = dict(zip(single.layouts, ("b", "a", "c")))
+    want = [(layout, attr, value) for layout, (dtype, *_) in single.layouts.items()
+            for attr, value in (("BATCH_COUNT", 2),
+                                ("STRIDED_BATCH_OFFSET", strides[ours[layout]] // itemsize[dtype]))]
+    if epilogue in WITH_BIAS:
+        want.append(("desc", "BIAS_BATCH_STRIDE", strides["bias"] // 4))
+    if epilogue in WITH_AUX:
+        want.append(("desc", "EPILOGUE_AUX_BATCH_STRIDE", strides["aux"] * 8))
+    added = collections.Counter(stacked.log) - collections.Counter(single.log)
+    assert sorted(added.elements()) == sorted(want)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
+def test_a_stacked_cpu_gemm_is_two_gemms_on_the_shared_operands(epilogue, precision):
+    """Two batches, the read operands of ``_shared`` stored once (stride 0): each batch's
+    results are exactly NumPy's on its operands (integer operands), the shared operands and the
+    pad untouched, and the bytes equal two batch=1 runs."""
+    kw, spec, table, arena, strides = _stacked_case(epilogue, precision, CPU_SHAPE, 23, "ints")
+    before, _ = _copy(table, arena)
+    separate, separate_mem = _copy(table, arena)
+    plan = CpuGemm(**kw, batch=2, batch_stride=strides)
+    plan.run(Memory([(table, arena)], {}), _stacked_node(plan))
+    single = CpuGemm(**kw)
+    for i in range(2):
+        s = spec
+        pick = lambda name: f"{name}{0 if name in _shared(epilogue) else i}"  # noqa: E731
+        single.run(separate_mem, Gemm(single, Buf(pick("a")), Buf(pick("b")), Buf(pick("c")),
+                                      Buf(pick("bias")) if s.epilogue in WITH_BIAS else None,
+                                      Buf(pick("aux")) if s.epilogue in WITH_AUX else None))
+    assert np.array_equal(arena.block, separate.block), "stacked != two runs, bit for bit"
+    for i in range(2):
+        was = _stacked_member(before, spec, i)
+        _assert_member_exact(spec, _stacked_member(arena, spec, i), _numpy(spec, was), was,
+                             f"batch {i}")
+    assert (arena.array("pad0") == SENTINEL).all()
+    c = [_c(_stacked_member(arena, spec, i), spec) for i in range(2)]
+    assert not np.array_equal(c[0], c[1]), "the batches hold different operands"
+
+
+def test_the_binder_takes_batch_ones_operands_one_stride_past_batch_zeros():
+    """Batch 1's operands are blocks of batch 0's buffers (``BufferTable._add_stacked``), each
+    exactly its stride past; the record reads and writes both batches' regions."""
+    from foxhunt.fast.binder import Binder
+    from foxhunt.fast.records import PlanError
+
+    kw = _kw("drelu_bgrad", "f32", CPU_SHAPE)
+    spec = GemmSpec(**kw)
+    table = BufferTable()
+    for name, nbytes in spec.operand_nbytes.items():
+        count, dtype = nbytes // _dtype(spec, name).itemsize, _dtype(spec, name)
+        if name in _shared("drelu_bgrad"):
+            table._add(f"{name}0", count, dtype)
+        else:
+            table._add_stacked(f"{name}s", (f"{name}0", f"{name}1"), lambda _, n=count: n, dtype)
+    strides = {name: 0 if name in _shared("drelu_bgrad") else
+               table.region(Buf(f"{name}1")).byte_start for name in spec.operand_nbytes}
+    assert strides["c"] >= spec.operand_nbytes["c"] and strides["c"] % 256 == 0
+    binder = Binder(table.region, constants={})
+    plan = CpuGemm(**kw, batch=2, batch_stride=strides)
+    first = dict(a="a0", b="b0", c="c0", bias="bias0", aux="aux0")
+    node = binder.gemm(plan, **first, second={"a": "a1", "c": "c1", "bias": "bias1"})
+    assert node.second == (("a", Buf("a1")), ("c", Buf("c1")), ("bias", Buf("bias1")))
+    got = {(a.buffer, a.start, a.write) for a in node.accesses}
+    for name in ("a", "c", "bias"):
+        write = name != "a"
+        assert {(f"{name}s", 0, write), (f"{name}s", strides[name], write)} <= got, name
+    assert {("b0", 0, False), ("aux0", 0, False)} <= got
+    assert "batch 1: a=a1 c=c1 bias=bias1" in str(node)
+    with pytest.raises(PlanError, match=r"batch 1's operands \['a', 'c'\] given; the plan strides "
+                                        r"\['a', 'bias', 'c'\]$"):
+        binder.gemm(plan, **first, second={"a": "a1", "c": "c1"})
+    with pytest.raises(PlanError, match=r"operand c: batch 1's c0 is not \d+ bytes past c0 in one "
+                                        r"buffer$"):
+        binder.gemm(plan, **first, second={"a": "a1", "c": "c0", "bias": "bias1"})
+    with pytest.raises(PlanError, match="batch 1's operands given, but the plan has no per-operand"):
+        binder.gemm(CpuGemm(**kw), **first, second={"a": "a1"})
+    with pytest.raises(PlanError, match="a plan with per-operand strides binds 2 batches; it has 3"):
+        binder.gemm(CpuGemm(**kw, batch=3, batch_stride=strides), **first,
+                    second={"a": "a1", "c": "c1", "bias": "bias1"})
+
+
+# GPU: the cuBLASLt plan with per-operand strides
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("epilogue", EPILOGUES, ids=str)
+def test_gpu_stacked_plan_equals_numpy_and_the_cpu_twin_on_integer_operands(device, lt, epilogue,
+                                                                          precision):
+    """Every epilogue with the read operands shared (stride 0): exact on integer operands, batch
+    by batch, and byte for byte the CPU twin's block."""
+    shape = GPU_SHAPES[0]
+    kw, spec, table, arena, strides = _stacked_case(epilogue, precision, shape, 29, "ints")
+    try:
+        GemmPlan(device, **kw).close()
+    except GemmPlanError as exc:
+        pytest.skip(f"cuBLASLt has no unbatched algorithm for this GEMM: {exc}")
+    plan = GemmPlan(device, **kw, batch=2, batch_stride=strides)
+    block = _DeviceBlock(device, table, arena)
+    try:
+        got = block.run(plan)
+    finally:
+        block.close()
+        plan.close()
+    twin, twin_mem = _copy(table, arena)
+    cpu = CpuGemm(**kw, batch=2, batch_stride=strides)
+    cpu.run(twin_mem, _stacked_node(cpu))
+    for i in range(2):
+        was = _stacked_member(arena, spec, i)
+        _assert_member_exact(spec, _stacked_member(got, spec, i), _numpy(spec, was), was,
+                             f"GPU batch {i}")
+    assert (got.array("pad0") == SENTINEL).all()
+    assert np.array_equal(got.block, twin.block), "GPU != CPU twin, byte for byte"

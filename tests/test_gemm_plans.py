@@ -101,7 +101,8 @@ def _kw(plan) -> dict:
     return {"trans_a": s.trans_a, "trans_b": s.trans_b, "precision": s.precision,
             "epilogue": s.epilogue, "lda": s.lda, "ldb": s.ldb, "ldc": s.ldc, "alpha": s.alpha,
             "beta": s.beta, "min_alignment": plan.min_alignment,
-            "workspace_limit": plan.workspace_limit}
+            "workspace_limit": plan.workspace_limit, "batch": plan.batch,
+            "batch_stride": plan.batch_stride}
 
 
 def test_import_without_package_init_skips_the_parents_code(tmp_path, monkeypatch):

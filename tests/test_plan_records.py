@@ -236,11 +236,17 @@ def test_the_workspace_policy_decides_the_fallbacks():
     planner is asked again with the default workspace (here it refuses again: fallback)."""
     refused = ("drelu_bgrad",)
     for workspace in ("none", "default"):
-        engine = _engine(gemm_workspace=workspace, refused_epilogues=refused)
-        # per backward pass (C51, CQL): the three branch heads' hidden layers and the trunk's h1
-        assert len(engine.program.fallbacks) == 2 * (3 + 1)
-        epilogues = {n.spec.epilogue for n in engine.plans["graph1"].nodes() if hasattr(n, "spec")}
-        assert not epilogues & set(refused)
+        for stacked in (False, True):
+            engine = _engine(gemm_workspace=workspace, refused_epilogues=refused,
+                             stacked_backward=stacked)
+            # per backward pass (C51, CQL; one stacked pass for both): the three branch heads'
+            # hidden layers and the trunk's h1; a relu_mask_bias_grad per layer and loss
+            assert len(engine.program.fallbacks) == (1 if stacked else 2) * (3 + 1)
+            nodes = engine.plans["graph1"].nodes()
+            epilogues = {n.spec.epilogue for n in nodes if hasattr(n, "spec")}
+            assert not epilogues & set(refused)
+            masks = [n for n in nodes if getattr(n, "kernel", None) == "relu_mask_bias_grad"]
+            assert len(masks) == 2 * (3 + 1)
 
 
 def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
@@ -252,3 +258,39 @@ def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
     reduces = [n for n in nodes if getattr(n, "kernel", None) == "bias_grad_reduce"]
     # per backward pass (C51, CQL): the value head's and the three branch heads' output layers
     assert len(reduces) == 2 * (1 + 3)
+
+
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+@pytest.mark.parametrize("source", ["core", "all"])
+def test_the_stacked_backward_steps_bit_for_bit_as_a_gemm_per_loss(precision, source):
+    """The C51 and CQL backward passes stacked (``stacked_backward=True``: each GEMM one record
+    of two batches), not stacked (the default), or stacked where the planner refuses per-operand
+    strides (one GEMM per loss): the CPU executor's steps end in the same bits (state, step
+    scalars, TD errors); with the refusal every stacked GEMM is noted in ``fallbacks`` and none
+    is left."""
+    from foxhunt.reference.config import source_overrides
+    from foxhunt.fast.cpu_executor import STACKED, CpuTrainer
+    from foxhunt.fast.records import Gemm
+    from foxhunt.reference.batch import Batch
+
+    config = DQNConfig.preset("tiny", precision=precision, **source_overrides(source))
+    batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
+    runs = []
+    for stacked, refused in ((True, ()), (True, (STACKED,)), (False, ())):
+        trainer = CpuTrainer(config, seed=5, refused_epilogues=refused, stacked_backward=stacked)
+        program = trainer._engine.program
+        stacked = [n for n in trainer._engine.plans["graph1"].nodes()
+                   if isinstance(n, Gemm) and n.second]
+        scalars = [trainer.step(b) for b in batches]
+        runs.append((trainer.state_dict(), scalars, np.array(trainer.last_td_errors()),
+                     len(stacked), [f for f in program.fallbacks if f.startswith("stacked")]))
+    (state0, scalars0, td0, n0, notes0) = runs[0]
+    # per head 4 GEMMs (2 input, 2 weight gradients), the trunk's 3: all stacked
+    heads = len(config.branches) + 1
+    assert [(n, len(notes)) for *_, n, notes in runs] == [(4 * heads + 3, 0), (0, 4 * heads + 3),
+                                                          (0, 0)]
+    for state1, scalars1, td1, *_ in runs[1:]:
+        differ = [k for k in state0
+                  if np.asarray(state0[k]).tobytes() != np.asarray(state1[k]).tobytes()]
+        assert not differ
+        assert scalars0 == scalars1 and td0.tobytes() == td1.tobytes()
