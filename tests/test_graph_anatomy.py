@@ -1,0 +1,94 @@
+"""benches/graph_anatomy.py on the CPU: the plans it replays with classes of nodes swapped for a
+trivial launch, and its command line where there is no GPU (the timings need one)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from foxhunt.fast.dataflow import dependency_graph
+from foxhunt.fast.records import Gemm, Launch, Parallel, Record, Wait
+
+_BENCHES = Path(__file__).resolve().parents[1] / "benches"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, _BENCHES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(name, mod)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+cp = _load("critical_path")
+ga = _load("graph_anatomy")
+
+
+@pytest.fixture(scope="module")
+def graph1():
+    from foxhunt.fast.cpu_executor import CpuEngine
+
+    return CpuEngine(cp.variant_config("tiny", "bf16", "core")).plans["graph1"]
+
+
+def _shape(ops) -> list:
+    """The plan's structure: parallel sections, records and waits, and a mark per node."""
+    out = []
+    for it in ops.items:
+        if isinstance(it, Parallel):
+            out.append(("parallel", [_shape(b) for b in (*it.sides, it.main)]))
+        elif isinstance(it, (Record, Wait)):
+            out.append(it)
+        else:
+            out.append("node")
+    return out
+
+
+def _is_trivial(node) -> bool:
+    return isinstance(node, Launch) and node.kernel == "saxpy" and node.args["n"] == ga.TRIVIAL_N \
+        and node.args["x"].name == "q_taken"
+
+
+def test_each_variant_swaps_exactly_its_class_and_keeps_the_structure(graph1):
+    nodes, _ = dependency_graph([graph1])
+    chain = [0, 3, len(nodes) - 1]  # any set of node indices stands for the chain here
+    variants = ga.variant_ops(graph1, chain)
+    assert set(variants) == set(ga.VARIANTS)
+    for name, ops in variants.items():
+        assert _shape(ops) == _shape(graph1), name
+        kept = ops.nodes()
+        assert len(kept) == len(nodes), name
+        for i, (old, new) in enumerate(zip(graph1.nodes(), kept)):
+            on_chain, gemm = i in chain, isinstance(old, Gemm)
+            want_swapped = ga.VARIANTS[name](old, on_chain, gemm)
+            assert (new is not old) == want_swapped and (_is_trivial(new) == want_swapped
+                                                         or _is_trivial(old)), (name, i)
+    real, skeleton = variants["real"].nodes(), variants["skeleton"].nodes()
+    assert all(a is b for a, b in zip(real, graph1.nodes()))
+    assert all(_is_trivial(n) for n in skeleton)
+    gemms = [i for i, n in enumerate(graph1.nodes()) if isinstance(n, Gemm)]
+    assert gemms and all(isinstance(variants["gemms"].nodes()[i], Gemm) for i in gemms)
+    assert not any(isinstance(n, Gemm) for n in variants["kernels"].nodes())
+    assert [i for i, n in enumerate(variants["chain"].nodes()) if not _is_trivial(n)] == \
+        [i for i in chain if not _is_trivial(graph1.nodes()[i])]
+
+
+def test_the_trivial_launch_is_one_block():
+    from foxhunt.fast.kernels.optim import plan_saxpy
+
+    grid, block, _ = plan_saxpy(ga.TRIVIAL_N)
+    assert grid == 1 and block >= ga.TRIVIAL_N // 4
+
+
+def test_without_a_gpu_the_command_line_says_so(capsys):
+    from foxhunt.fast.device import cuda_available
+
+    if cuda_available()[0]:
+        pytest.skip("a CUDA device is present (the command would run)")
+    assert ga.main(["core"]) == 2
+    assert "graph_anatomy: no CUDA device" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ga.main(["nope"])
