@@ -424,6 +424,23 @@ def variant_parser(description: str, default: str) -> tuple[argparse.ArgumentPar
     return parser, choices
 
 
+def parse_gpu_variants(parser: argparse.ArgumentParser, choices: Sequence[str],
+                       argv: Sequence[str] | None, tool: str):
+    """``parser``'s arguments for a GPU bench of step variants: an unknown SOURCE is a usage
+    error; None where there is no CUDA device (``tool`` says why on stderr)."""
+    args = parser.parse_args(argv)
+    bad = [s for s in args.sources if s not in choices]
+    if bad:
+        parser.error(f"SOURCE {bad[0]!r} is not one of {tuple(choices)}")
+    from foxhunt.fast.device import cuda_available
+
+    ok, reason = cuda_available()
+    if not ok:
+        print(f"{tool}: no CUDA device ({reason})", file=sys.stderr)
+        return None
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser, choices = variant_parser(__doc__.splitlines()[0], "all of them")
     parser.add_argument("--chain", action="store_true",

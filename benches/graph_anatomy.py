@@ -9,8 +9,7 @@ costs in place. This asks which nodes make up that difference. For each step var
 after two warm-up steps, graph 1 is captured again from its plan with every node of a class
 SWAPPED for one trivial launch (``saxpy`` of 32 floats with ``a = 0``, from ``q_taken`` into the
 scratch buffer ``td``: one block, about 1 us inside a chain), every fork, join and event kept,
-and replayed
-``--replays`` times between CUDA events (the best of 5):
+and replayed ``--replays`` times between CUDA events (the best of 5):
 
 - ``real``: nothing swapped (the captured graph 1);
 - ``skeleton``: every node swapped: the graph's structure alone;
@@ -30,7 +29,8 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from critical_path import measure_step, variant_config, variant_parser, warmed_trainer
+from critical_path import (measure_step, parse_gpu_variants, variant_config, variant_parser,
+                           warmed_trainer)
 
 #: Per variant: is a node SWAPPED for the trivial launch? ``(node, on_chain, is_gemm)``.
 VARIANTS: dict[str, Callable[[object, bool, bool], bool]] = {
@@ -138,15 +138,8 @@ def format_anatomy(source: str, a: Anatomy) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser, choices = variant_parser(__doc__.splitlines()[0], "core")
     parser.add_argument("--replays", type=int, default=100, help="replays per timing")
-    args = parser.parse_args(argv)
-    bad = [s for s in args.sources if s not in choices]
-    if bad:
-        parser.error(f"SOURCE {bad[0]!r} is not one of {choices}")
-    from foxhunt.fast.device import cuda_available
-
-    ok, reason = cuda_available()
-    if not ok:
-        print(f"graph_anatomy: no CUDA device ({reason})", file=sys.stderr)
+    args = parse_gpu_variants(parser, choices, argv, "graph_anatomy")
+    if args is None:
         return 2
     for source in args.sources or ("core",):
         a = anatomy(variant_config(args.preset, args.precision, source), replays=args.replays)

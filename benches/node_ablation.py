@@ -31,8 +31,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from critical_path import (MEASURED_GRAPHS, node_kind, node_label, variant_config, variant_parser,
-                           warmed_trainer)
+from critical_path import (MEASURED_GRAPHS, node_kind, node_label, parse_gpu_variants,
+                           variant_config, variant_parser, warmed_trainer)
 
 
 def without(ops, drop: Callable[[object], bool]):
@@ -146,15 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=30, help="nodes listed per graph")
     parser.add_argument("--members", type=int, default=0,
                         help="a fast.Population of this many members (0: one trainer)")
-    args = parser.parse_args(argv)
-    bad = [s for s in args.sources if s not in choices]
-    if bad:
-        parser.error(f"SOURCE {bad[0]!r} is not one of {choices}")
-    from foxhunt.fast.device import cuda_available
-
-    ok, reason = cuda_available()
-    if not ok:
-        print(f"node_ablation: no CUDA device ({reason})", file=sys.stderr)
+    args = parse_gpu_variants(parser, choices, argv, "node_ablation")
+    if args is None:
         return 2
     for source in args.sources or ("all",):
         graphs = ablate_step(variant_config(args.preset, args.precision, source),

@@ -539,14 +539,25 @@ def _cpu_twin(table, arena, kw, stride):
     return twin
 
 
-def _gpu_plans(device, kw, stride):
-    """The batched plan; skipped (with the reason) where cuBLASLt has no algorithm even for
-    one member, a limit of cuBLASLt rather than of batching."""
+def _gpu_plans(device, kw, stride, batch=BATCH):
+    """The batched plan (``stride``: one or per operand); skipped (with the reason) where
+    cuBLASLt has no algorithm even for one member, a limit of cuBLASLt rather than of batching."""
     try:
         GemmPlan(device, **kw).close()
     except GemmPlanError as exc:
         pytest.skip(f"cuBLASLt has no unbatched algorithm for this GEMM: {exc}")
-    return GemmPlan(device, **kw, batch=BATCH, batch_stride=stride)
+    return GemmPlan(device, **kw, batch=batch, batch_stride=stride)
+
+
+def _run_closed(device, table, arena, plan) -> HostArena:
+    """``plan`` run once on the device copy of ``arena`` (its batch 0's pointers), then closed;
+    the device block after the run."""
+    block = _DeviceBlock(device, table, arena)
+    try:
+        return block.run(plan)
+    finally:
+        block.close()
+        plan.close()
 
 
 @gpu_cases
@@ -555,13 +566,7 @@ def test_gpu_batched_plan_equals_the_cpu_twin_on_integer_operands(device, lt, ep
     """Integer operands: every product and sum is exact, so any algorithm gives the CPU twin's
     (and NumPy's) values exactly, member by member."""
     kw, spec, table, arena, stride = _case(epilogue, precision, shape, 17, "ints")
-    plan = _gpu_plans(device, kw, stride)
-    block = _DeviceBlock(device, table, arena)
-    try:
-        got = block.run(plan)
-    finally:
-        block.close()
-        plan.close()
+    got = _run_closed(device, table, arena, _gpu_plans(device, kw, stride))
     twin = _cpu_twin(table, arena, kw, stride)
     for i in range(BATCH):
         before = _member(arena, spec, i)
@@ -861,17 +866,7 @@ def test_gpu_stacked_plan_equals_numpy_and_the_cpu_twin_on_integer_operands(devi
     by batch, and byte for byte the CPU twin's block."""
     shape = GPU_SHAPES[0]
     kw, spec, table, arena, strides = _stacked_case(epilogue, precision, shape, 29, "ints")
-    try:
-        GemmPlan(device, **kw).close()
-    except GemmPlanError as exc:
-        pytest.skip(f"cuBLASLt has no unbatched algorithm for this GEMM: {exc}")
-    plan = GemmPlan(device, **kw, batch=2, batch_stride=strides)
-    block = _DeviceBlock(device, table, arena)
-    try:
-        got = block.run(plan)
-    finally:
-        block.close()
-        plan.close()
+    got = _run_closed(device, table, arena, _gpu_plans(device, kw, strides, batch=2))
     twin, twin_mem = _copy(table, arena)
     cpu = CpuGemm(**kw, batch=2, batch_stride=strides)
     cpu.run(twin_mem, _stacked_node(cpu))

@@ -3,28 +3,14 @@ trivial launch, and its command line where there is no GPU (the timings need one
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_modules import load_bench
 
 from foxhunt.fast.dataflow import dependency_graph
 from foxhunt.fast.records import Gemm, Launch, Parallel, Record, Wait
 
-_BENCHES = Path(__file__).resolve().parents[1] / "benches"
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, _BENCHES / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(name, mod)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-cp = _load("critical_path")
-ga = _load("graph_anatomy")
+cp = load_bench("critical_path")
+ga = load_bench("graph_anatomy")
 
 
 @pytest.fixture(scope="module")
