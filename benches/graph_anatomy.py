@@ -16,10 +16,13 @@ and replayed ``--replays`` times between CUDA events (the best of 5):
 - ``chain``: the nodes of the measured critical chain real, every other node swapped;
 - ``off-chain``: the reverse;
 - ``gemms`` / ``kernels``: every GEMM (every other kernel launch) real, the rest swapped;
-- ``chain+gemms`` / ``chain+kernels``: the chain and every GEMM (every kernel) real.
+- ``chain+gemms`` / ``chain+kernels``: the chain and every GEMM (every kernel) real;
+- ``chain+kernels+<role>``: the chain, every kernel and the GEMMs of one role (``gemm_role``:
+  the forward passes' layers, the input gradients, the weight gradients) real.
 
-So ``chain`` minus the measured chain is what the structure adds to the chain, and ``real``
-minus ``chain+kernels`` what the GEMMs beside the chain add. The values the swapped graphs
+So ``chain`` minus the measured chain is what the structure adds to the chain, ``real`` minus
+``chain+kernels`` what the GEMMs beside the chain add, and ``chain+kernels+<role>`` minus
+``chain+kernels`` what those of one role add. The values the swapped graphs
 compute are wrong and not used: these are timings only.
 """
 
@@ -32,6 +35,14 @@ from dataclasses import dataclass
 from critical_path import (measure_step, parse_gpu_variants, variant_config, variant_parser,
                            warmed_trainer)
 
+def gemm_role(node) -> str:
+    """A GEMM record's role: ``"forward"`` (a layer of a forward pass: ``x @ W^T``),
+    ``"weight"`` (a weight gradient: ``dy^T @ x``) or ``"input"`` (an input gradient:
+    ``dy @ W``)."""
+    spec = node.spec
+    return "weight" if spec.trans_a else "forward" if spec.trans_b else "input"
+
+
 #: Per variant: is a node SWAPPED for the trivial launch? ``(node, on_chain, is_gemm)``.
 VARIANTS: dict[str, Callable[[object, bool, bool], bool]] = {
     "real": lambda node, chain, gemm: False,
@@ -42,6 +53,10 @@ VARIANTS: dict[str, Callable[[object, bool, bool], bool]] = {
     "kernels": lambda node, chain, gemm: gemm,
     "chain+gemms": lambda node, chain, gemm: not chain and not gemm,
     "chain+kernels": lambda node, chain, gemm: not chain and gemm,
+    # the chain, every kernel and one role of the GEMMs beside the chain real
+    **{f"chain+kernels+{role}": (lambda node, chain, gemm, role=role:
+                                 not chain and gemm and gemm_role(node) != role)
+       for role in ("forward", "input", "weight")},
 }
 #: Elements the trivial launch adds (``saxpy``: one block).
 TRIVIAL_N = 32

@@ -60,6 +60,24 @@ def test_each_variant_swaps_exactly_its_class_and_keeps_the_structure(graph1):
     assert not any(isinstance(n, Gemm) for n in variants["kernels"].nodes())
     assert [i for i, n in enumerate(variants["chain"].nodes()) if not _is_trivial(n)] == \
         [i for i in chain if not _is_trivial(graph1.nodes()[i])]
+    roles = {ga.gemm_role(graph1.nodes()[i]) for i in gemms}
+    assert roles == {"forward", "input", "weight"}
+    for role in roles:
+        kept = [i for i, n in enumerate(variants[f"chain+kernels+{role}"].nodes())
+                if isinstance(n, Gemm)]
+        assert kept == [i for i in gemms if i in chain or ga.gemm_role(graph1.nodes()[i]) == role]
+
+
+def test_gemm_roles_follow_the_transposes():
+    from foxhunt.fast.gemm import GemmSpec
+
+    class Node:
+        def __init__(self, **kw):
+            self.spec = GemmSpec(8, 8, 8, **kw)
+
+    assert ga.gemm_role(Node(trans_b=True, epilogue="relu_aux_bias")) == "forward"
+    assert ga.gemm_role(Node(trans_a=True)) == "weight"
+    assert ga.gemm_role(Node(epilogue="drelu_bgrad")) == "input"
 
 
 def test_the_trivial_launch_is_one_block():
