@@ -261,19 +261,23 @@ def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
 
 
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-@pytest.mark.parametrize("source", ["core", "all"])
+@pytest.mark.parametrize("source", ["core", "all", "adaptive"])
 def test_the_stacked_backward_steps_bit_for_bit_as_a_gemm_per_loss(precision, source):
     """The C51 and CQL backward passes stacked (``stacked_backward=True``: each GEMM one record
     of two batches), not stacked (the default), or stacked where the planner refuses per-operand
     strides (one GEMM per loss): the CPU executor's steps end in the same bits (state, step
     scalars, TD errors); with the refusal every stacked GEMM is noted in ``fallbacks`` and none
     is left."""
-    from foxhunt.reference.config import source_overrides
     from foxhunt.fast.cpu_executor import STACKED, CpuTrainer
     from foxhunt.fast.records import Gemm
     from foxhunt.reference.batch import Batch
+    from foxhunt.reference.config import ADAPTIVE_ON, source_overrides
 
-    config = DQNConfig.preset("tiny", precision=precision, **source_overrides(source))
+    # "adaptive": every source but the MSE warm-up (it reads the fixed support) and every
+    # adaptive mechanism, the adaptive atoms' per-branch CQL gradients among them
+    fields = ({**source_overrides("all"), **ADAPTIVE_ON, "c51_warmup_epochs": 0}
+              if source == "adaptive" else source_overrides(source))
+    config = DQNConfig.preset("tiny", precision=precision, **fields)
     batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
     runs = []
     for stacked, refused in ((True, ()), (True, (STACKED,)), (False, ())):
