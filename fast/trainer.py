@@ -188,8 +188,14 @@ class Trainer(TrainerBackend):
 
     def debug_buffer(self, name: str) -> np.ndarray:
         """A copy of buffer ``name`` of the step layout (e.g. ``grad_c51``, ``td``,
-        ``target_q [n_branches, B]``), for tests and debugging; synchronises."""
-        return self._engine.arena.download(name)
+        ``target_q [n_branches, B]``; a view such as ``grad_c51``, a block of ``grad_losses``,
+        as its own shape), for tests and debugging; synchronises."""
+        base, offset, shape, dtype = self._engine.layout.locate(name)
+        whole = self._engine.arena.download(base)
+        if base == name:
+            return whole
+        nbytes = int(np.prod(shape)) * dtype.itemsize
+        return whole.reshape(-1).view(np.uint8)[offset:offset + nbytes].view(dtype).reshape(shape).copy()
 
     @property
     def gemm_fallbacks(self) -> tuple[str, ...]:

@@ -298,3 +298,24 @@ def test_the_stacked_backward_steps_bit_for_bit_as_a_gemm_per_loss(precision, so
                   if np.asarray(state0[k]).tobytes() != np.asarray(state1[k]).tobytes()]
         assert not differ
         assert scalars0 == scalars1 and td0.tobytes() == td1.tobytes()
+
+
+def test_debug_buffer_reads_a_view_as_its_own_block():
+    """``grad_c51`` and ``grad_cql`` are blocks of ``grad_losses``: ``debug_buffer`` gives each
+    as its own ``[NP]`` array, the bytes of its block."""
+    from foxhunt.fast.cpu_executor import CpuTrainer
+    from foxhunt.reference.batch import Batch
+
+    config = DQNConfig.preset("tiny")
+    trainer = CpuTrainer(config, seed=1)
+    trainer.step(Batch.random(config, np.random.default_rng(0)))
+    lay = trainer._engine.layout
+    whole = trainer.debug_buffer("grad_losses")
+    for loss in ("c51", "cql"):
+        got = trainer.debug_buffer(f"grad_{loss}")
+        base, offset, shape, dtype = lay.locate(f"grad_{loss}")
+        assert base == "grad_losses" and got.shape == (lay.NP,) == shape and got.dtype == dtype
+        assert np.array_equal(got, whole[offset // 4:offset // 4 + lay.NP])
+        assert np.abs(got).max() > 0
+    assert not np.array_equal(trainer.debug_buffer("grad_c51"), trainer.debug_buffer("grad_cql"))
+    assert trainer.debug_buffer("td").shape == (config.batch_size,)
