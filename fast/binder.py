@@ -19,6 +19,7 @@ from types import MappingProxyType
 
 import numpy as np
 
+from foxhunt.fast.gemm import written_operands
 from foxhunt.fast.records import (
     F32,
     I32,
@@ -186,13 +187,13 @@ class Binder:
         if spec.beta != 0.0:
             operand("c", c, F32, stored(spec.c_shape, spec.ldc), False)
         operand("c", c, F32, stored(spec.c_shape, spec.ldc), True)
-        grad_epilogue = spec.epilogue in ("drelu_bgrad", "bgrada", "bgradb")
+        written = written_operands(spec)
         if spec.bias_len is not None:
-            operand("bias", bias, F32, spec.bias_len, grad_epilogue)
+            operand("bias", bias, F32, spec.bias_len, "bias" in written)
         elif bias is not None:
             raise PlanError(f"GEMM epilogue {spec.epilogue!r}: takes no bias, got {bias}")
         if spec.aux_ld is not None:
-            operand("aux", aux, U8, spec.aux_nbytes, spec.epilogue == "relu_aux_bias")
+            operand("aux", aux, U8, spec.aux_nbytes, "aux" in written)
         elif aux is not None:
             raise PlanError(f"GEMM epilogue {spec.epilogue!r}: takes no aux bitmask, got {aux}")
         return Gemm(plan, a, b, c, bias, aux, tuple(second.items()), tuple(accesses))

@@ -17,6 +17,7 @@ both executors resolve to addresses.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,8 +101,12 @@ class BufferTable:
         self.views: dict[str, tuple[str, int, tuple[int, ...], np.dtype]] = {}
         self.roles: dict[str, str] = {}
 
+    @staticmethod
+    def _shape(shape) -> tuple[int, ...]:
+        return (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+
     def _add(self, name: str, shape, dtype, role: str = "scratch") -> None:
-        shape = (int(shape),) if isinstance(shape, (int, np.integer)) else tuple(int(s) for s in shape)
+        shape = self._shape(shape)
         if name in self.specs:
             raise ValueError(f"buffer {name!r} defined twice")
         self.specs[name] = (shape, np.dtype(dtype))
@@ -112,33 +117,24 @@ class BufferTable:
         self._add(packed.buffer, max(packed.total, 1), packed.dtype)
         return packed
 
-    def _add_stacked(self, base: str, names, make, dtype, role: str = "scratch") -> None:
+    def _add_stacked(self, base: str, names, block, dtype, role: str = "scratch") -> None:
         """One buffer ``base`` of ``len(names)`` equal blocks, block ``i`` the view ``names[i]``
         at ``i`` block strides (the block rounded up to ``ALIGNMENT`` bytes, so every block is as
-        aligned as the buffer): ``make(name)`` is a block's ``Packed`` layout or its shape. What
-        the stacked backward's GEMMs read and write as one batched GEMM (``StepProgram``: two
-        blocks of one buffer, one stride apart, per operand)."""
+        aligned as the buffer): ``block`` is a block's ``Packed`` layout (each view gets it under
+        its own name) or its shape. What the stacked backward's GEMMs read and write as one
+        batched GEMM (``StepProgram``: two blocks of one buffer, one stride apart, per operand)."""
         from foxhunt.fast.device import ALIGNMENT, _round_up
 
         dtype = np.dtype(dtype)
-        layouts = [make(name) for name in names]
-        packed = [lay for lay in layouts if isinstance(lay, Packed)]
-        if packed and len(packed) != len(layouts):
-            raise ValueError(f"stacked buffer {base!r}: every block packed or none")
-        shape = None if packed else (
-            (int(layouts[0]),) if isinstance(layouts[0], (int, np.integer)) else tuple(map(int, layouts[0])))
-        count = max(packed[0].total, 1) if packed else int(np.prod(shape))
-        if packed and any((p.offsets, p.counts, p.total) != (packed[0].offsets, packed[0].counts,
-                                                               packed[0].total) for p in packed):
-            raise ValueError(f"stacked buffer {base!r}: the blocks' packed layouts differ")
-        stride = _round_up(count * dtype.itemsize, ALIGNMENT)
+        shape = (max(block.total, 1),) if isinstance(block, Packed) else self._shape(block)
+        stride = _round_up(int(np.prod(shape)) * dtype.itemsize, ALIGNMENT)
         self._add(base, len(names) * stride // dtype.itemsize, dtype, role)
-        for i, (name, lay) in enumerate(zip(names, layouts)):
+        for i, name in enumerate(names):
             if name in self.specs or name in self.views:
                 raise ValueError(f"buffer {name!r} defined twice")
-            self.views[name] = (base, i * stride, shape if shape is not None else (count,), dtype)
-            if packed:
-                self.packed[name] = lay
+            self.views[name] = (base, i * stride, shape, dtype)
+            if isinstance(block, Packed):
+                self.packed[name] = dataclasses.replace(block, buffer=name)
 
     def locate(self, name: str) -> tuple[str, int, tuple[int, ...], np.dtype]:
         """``(arena buffer, byte offset, shape, dtype)`` of buffer or view ``name``."""
@@ -307,8 +303,7 @@ class StepLayout(BufferTable):
         # Gradients and norms.
         # The losses' gradients are two blocks of one buffer (the stacked backward's GEMMs
         # write both in one launch).
-        self._add_stacked(stacked_name("grad"), tuple(f"grad_{loss}" for loss in LOSSES),
-                          lambda name: NP, F32)
+        self._add_stacked(stacked_name("grad"), tuple(f"grad_{loss}" for loss in LOSSES), NP, F32)
         self._add("grad", NP, F32)
         for norm in NORMS:
             self._add(f"partials_{norm}", self.n_partials, F32)
@@ -376,34 +371,29 @@ class StepLayout(BufferTable):
             self._add_packed(p)
             self._add(f"dh2_{loss}", (B, self.H2), F32)
 
-        def dadv(name):  # branch-packed (one fused dueling backward)
-            p = Packed(name, F32)
-            for d, n in enumerate(self.branches):
-                p.add(d, B * n * NA)
+        def packed(stem: str, keys_counts, align: int = 1) -> Packed:
+            p = Packed(stem, F32, align)
+            for key, count in keys_counts:
+                p.add(key, count)
             return p
 
-        def dhid(name):
-            p = Packed(name, F32, OPERAND_ALIGN)
-            for h in self.heads:
-                p.add(h.key, B * h.hidden)
-            return p
-
-        def dh2p(name):  # each head's part of dh2 (branches, then value: the order they are summed in)
-            p = Packed(name, F32, OPERAND_ALIGN)
-            for h in self.heads[1:] + self.heads[:1]:
-                p.add(h.key, B * self.H2)
-            return p
-
-        def dpre(name):  # unmasked input gradients of the ReLU layers, if cuBLASLt refuses DRELU_BGRAD
-            p = dhid(name)
-            p.add("trunk", B * self.H1)
-            return p
-
-        for stem, make in (("dv", lambda name: (B, NA)), ("dadv", dadv), ("dhid", dhid),
-                           ("dh2p", dh2p), ("dh2m", lambda name: (B, self.H2)),
-                           ("dh1", lambda name: (B, self.H1)), ("dpre", dpre)):
+        dhid = [(h.key, B * h.hidden) for h in self.heads]
+        stacked_blocks = {
+            "dv": (B, NA),
+            # branch-packed (one fused dueling backward)
+            "dadv": packed("dadv", [(d, B * n * NA) for d, n in enumerate(self.branches)]),
+            "dhid": packed("dhid", dhid, OPERAND_ALIGN),
+            # each head's part of dh2 (branches, then value: the order they are summed in)
+            "dh2p": packed("dh2p", [(h.key, B * self.H2) for h in self.heads[1:] + self.heads[:1]],
+                           OPERAND_ALIGN),
+            "dh2m": (B, self.H2),
+            "dh1": (B, self.H1),
+            # unmasked input gradients of the ReLU layers, if cuBLASLt refuses DRELU_BGRAD
+            "dpre": packed("dpre", dhid + [("trunk", B * self.H1)], OPERAND_ALIGN),
+        }
+        for stem, block in stacked_blocks.items():
             self._add_stacked(stacked_name(stem), tuple(f"{stem}_{loss}" for loss in LOSSES),
-                              make, F32)
+                              block, F32)
 
     def batch_views(self, buf: np.ndarray) -> dict[str, np.ndarray]:
         """Typed views of the batch fields inside a byte buffer that mirrors ``batch``."""

@@ -825,7 +825,7 @@ def test_the_binder_takes_batch_ones_operands_one_stride_past_batch_zeros():
         if name in _shared("drelu_bgrad"):
             table._add(f"{name}0", count, dtype)
         else:
-            table._add_stacked(f"{name}s", (f"{name}0", f"{name}1"), lambda _, n=count: n, dtype)
+            table._add_stacked(f"{name}s", (f"{name}0", f"{name}1"), count, dtype)
     strides = {name: 0 if name in _shared("drelu_bgrad") else
                table.region(Buf(f"{name}1")).byte_start for name in spec.operand_nbytes}
     assert strides["c"] >= spec.operand_nbytes["c"] and strides["c"] % 256 == 0
