@@ -4,7 +4,7 @@ reference twins, a reference GEMM per GEMM record) against the reference ``Train
 the step-conformance bounds and harnesses of the GPU tests (``step_harness``, ``step_compare``).
 
 What this checks without a GPU: the plan's buffers, argument bindings, GEMM shapes, epilogues
-and their kernel fallbacks, launch order and branch dependencies (branches run "latest ready
+and kernel launches, launch order and branch dependencies (branches run "latest ready
 record first": an edge missing between parallel branches changes the result; and in capture
 order), readback, state exchange and checkpoints. What it cannot check is the CUDA code of the
 kernels and cuBLASLt (the kernel conformance tests and ``test_step``'s GPU cases do).
@@ -38,8 +38,6 @@ from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.trainer import Trainer
 
 CASES = [pytest.param(p, q, s, id=f"{p}-{q}-{s}") for p in PRESETS for q in PRECISIONS for s in STARTS]
-#: The GEMM epilogues a cuBLASLt may refuse, each with a kernel fallback.
-FALLBACK_EPILOGUES = ("drelu_bgrad", "bgradb")
 
 
 @pytest.mark.parametrize("case, precision, start", CASES)
@@ -78,7 +76,7 @@ def test_cpu_executor_second_wave_checkpoint_interchange(precision, source, tmp_
 @pytest.mark.parametrize("source", fast_sources())
 @pytest.mark.parametrize("order", BRANCH_ORDERS)
 def test_cpu_executor_second_wave_step_in_either_branch_order(order, source) -> None:
-    factory = functools.partial(CpuTrainer, branch_order=order, refused_epilogues=FALLBACK_EPILOGUES)
+    factory = functools.partial(CpuTrainer, branch_order=order)
     assert_all(one_step(factory, shared_case("tiny", "bf16", "warm", source))[0])
 
 
@@ -90,14 +88,6 @@ def test_cpu_executor_step_in_either_branch_order(precision, order) -> None:
     factory = functools.partial(CpuTrainer, branch_order=order)
     assert_all(one_step(factory, shared_case("tiny", precision, "warm"))[0])
 
-
-@pytest.mark.parametrize("case", PRESETS)
-@pytest.mark.parametrize("precision", PRECISIONS)
-def test_cpu_executor_fallback_step_matches_reference(case, precision) -> None:
-    """Every DRELU_BGRAD / BGRADB GEMM refused: the plain GEMM + relu_mask_bias_grad /
-    bias_grad_reduce plan gives the same step."""
-    factory = functools.partial(CpuTrainer, refused_epilogues=FALLBACK_EPILOGUES)
-    assert_all(one_step(factory, shared_case(case, precision, "warm"))[0])
 
 
 @pytest.mark.parametrize("source", ["core", "all"])

@@ -175,7 +175,7 @@ def act_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, evl: EvalLayout) -> 
     if lay.bf16:
         xb = Buf("xb_e")
         prog.to_bf16(ops, Buf("obs"), xb, N * lay.SD)
-    prog.forward(ops, tag="e", rows=N, which=0, x=Buf("obs"), xb=xb, aux=False,
+    prog.forward(ops, tag="e", rows=N, which=0, x=Buf("obs"), xb=xb,
                  logits=Buf("logits_e", 0), logp=Buf("logp_e", 0), q=Buf("q_e"))
 
 

@@ -242,7 +242,7 @@ class CpuGemm:
             if ep in ("bias", "relu_bias", "relu_aux_bias"):
                 out = (out + vector("bias", s.n)[None, :]).astype(F32)
                 if ep != "bias":
-                    mask = ~(out <= 0)  # a NaN passes (and sets its bit), as cuBLASLt does
+                    mask = ~(out <= 0)  # a NaN passes and sets its bit (f32 plans: gemm docstring)
                     out = np.where(mask, out, F32(0)).astype(F32)
                     if ep == "relu_aux_bias":
                         bits = np.packbits(mask, axis=1, bitorder="little")

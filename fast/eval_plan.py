@@ -130,7 +130,7 @@ def eval_ops(prog: StepProgram, evl: EvalLayout) -> Ops:
     if lay.bf16:
         xb = Buf("xb_e")
         prog.to_bf16(ops, Buf("x_e"), xb, rows * lay.SD)
-    prog.forward(ops, tag="e", rows=rows, which=0, x=Buf("x_e"), xb=xb, aux=False,
+    prog.forward(ops, tag="e", rows=rows, which=0, x=Buf("x_e"), xb=xb,
                  logits=Buf("logits_e", 0), logp=Buf("logp_e", 0), q=Buf("q_e"))
     ops.copy(Host(Q_HOST), "q_e", eval_host_nbytes(evl)[Q_HOST], "dtoh")
     return ops
@@ -241,7 +241,7 @@ def bar_ops(ops: Ops, prog: StepProgram, wl: WalkLayout, policy: str) -> None:
         if lay.bf16:
             xb = Buf("xb_e")
             prog.to_bf16(ops, Buf("walk_obs"), xb, lay.SD)
-        prog.forward(ops, tag="e", rows=1, which=0, x=Buf("walk_obs"), xb=xb, aux=False,
+        prog.forward(ops, tag="e", rows=1, which=0, x=Buf("walk_obs"), xb=xb,
                      logits=Buf("logits_e", 0), logp=Buf("logp_e", 0), q=Buf("q_e"))
         ops.kernel("env_act", prog.kernels("env").plan_env_act(1, lay.nb), q="q_e",
                    n_actions="n_actions", action_offset="action_offset", n_branches=lay.nb,

@@ -40,9 +40,13 @@ configuration nvmath and TransformerEngine use). The reduced operand must be sto
 on sm_90 supports no other layout; ``GemmSpec`` rejects them).
 
 NaN behaviour of the fused ReLU epilogues (seen on an H200, cuBLAS 13.0): a NaN pre-activation
-stays NaN in C and sets its aux bit; DRELU_BGRAD is a select (a NaN gradient under a clear bit
-gives 0, a set bit passes the gradient). That is the reference's ``add_bias_relu`` /
-``relu_mask`` contract (``t <= 0 ? 0 : t``, ``h <= 0 ? 0 : dy``).
+stays NaN in C (the reference's ``add_bias_relu``, ``t <= 0 ? 0 : t``); its aux bit depends on
+the algorithm: the f32 plans set it, the bf16 plans of the ``seed`` and ``tiny`` steps' forward
+shapes leave it clear (``tests/test_fast_gpu.py``, session 21). Every other output's bit is
+``not C <= 0``. DRELU_BGRAD is a select (a NaN gradient under a clear bit gives 0, a set bit
+passes the gradient), so RELU_AUX_BIAS + DRELU_BGRAD follow the reference's ``relu_mask``
+(``h <= 0 ? 0 : dy``) except at a NaN output whose bit is clear, where the gradient becomes 0:
+the step does not use the pair (``step_program``'s docstring).
 
 Precisions (scale type and C/D are always f32):
 

@@ -68,11 +68,11 @@ def graph1_ops(prog: StepProgram) -> Ops:
     check_h2 = prog.ops()
     check_h2.kernel("nan_check", safety.plan_nan_check(B * lay.H2), x="h2preo", n=B * lay.H2,
                     flag=Buf("flags", offset=sentinels.index("h2")))
-    prog.forward(online, tag="o", rows=2 * B, which=0, x=x, xb=xb, aux=True,
+    prog.forward(online, tag="o", rows=2 * B, which=0, x=x, xb=xb,
                  logits=Buf("logits", ("o", 0)), logp=Buf("logp", ("o", 0)), q=Buf("q_o"),
                  extra=check_h2, h2_event="h2_o", fuse_trunk=True)
     online.record("fwd_o")
-    prog.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2, aux=False,
+    prog.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2,
                  logits=Buf("logits", ("t", 0)), logp=Buf("logp", ("t", 0)), h2_event="h2_t",
                  fuse_trunk=True)
     target.record("fwd_t")

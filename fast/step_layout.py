@@ -51,12 +51,6 @@ def blocks(n: int, threads: int) -> int:
     return max(1, -(-int(n) // threads))
 
 
-def aux_nbytes(rows: int, cols: int) -> int:
-    """Bytes of cuBLASLt's ReLU bitmask for a ``[rows, cols]`` output (``GemmSpec.aux_nbytes``)."""
-    aux_ld_bits = -(-(-(-cols // 8)) // 16) * 16 * 8
-    return aux_ld_bits // 8 * rows
-
-
 @dataclass
 class Packed:
     """Sub-buffers packed into one arena buffer ``buffer`` of ``dtype``: ``offsets[key]`` in
@@ -187,7 +181,7 @@ class BufferTable:
                 out[base] = out.get(base, []) + gaps
         return out
 
-    def _pass_buffers(self, tag: str, rows: int, *, aux: bool) -> None:
+    def _pass_buffers(self, tag: str, rows: int) -> None:
         """Activations of one forward pass of ``rows`` rows (tag ``o`` online, ``t`` target,
         ``e`` evaluation)."""
         self._add(f"h1{tag}", (rows, self.H1), F32)
@@ -207,11 +201,6 @@ class BufferTable:
             self._add(f"h1{tag}_bf16", (rows, self.H1), U16)
             self._add(f"h2{tag}_bf16", (rows, self.H2), U16)
             self._add(f"hid{tag}_bf16", (max(hid.total, 1),), U16)
-        if aux:
-            self._add(f"aux1{tag}", aux_nbytes(rows, self.H1), U8)
-            self._add(f"aux2{tag}", aux_nbytes(rows, self.H2), U8)
-            for h in self.heads:
-                self._add(f"auxh{tag}_{h.key}", aux_nbytes(rows, h.hidden), U8)
 
 
 class StepLayout(BufferTable):
@@ -335,10 +324,9 @@ class StepLayout(BufferTable):
         self._add("c51_total", nb, F32)
         self._add("readback", len(READBACK_FIELDS), F32)
         self._add("sigmas", len(self.weights), F32)
-        # Forward passes: online over 2B rows (with ReLU bitmasks for the backward), target
-        # over B rows.
-        self._pass_buffers("o", 2 * B, aux=True)
-        self._pass_buffers("t", B, aux=False)
+        # Forward passes: online over 2B rows (s and s'), target over B rows.
+        self._pass_buffers("o", 2 * B)
+        self._pass_buffers("t", B)
         # Logits and log-probabilities of every branch of both passes, packed (one
         # log_softmax launch), then expected Q of the online pass, packed (one launch).
         for name in ("logits", "logp"):
@@ -388,7 +376,7 @@ class StepLayout(BufferTable):
                            OPERAND_ALIGN),
             "dh2m": (B, self.H2),
             "dh1": (B, self.H1),
-            # unmasked input gradients of the ReLU layers, if cuBLASLt refuses DRELU_BGRAD
+            # unmasked input gradients of the ReLU layers (then relu_mask_bias_grad)
             "dpre": packed("dpre", dhid + [("trunk", B * self.H1)], OPERAND_ALIGN),
         }
         for stem, block in stacked_blocks.items():
@@ -453,7 +441,7 @@ class EvalLayout(BufferTable):
         self._add("x_e", (rows, self.SD), F32, "batch")
         if self.bf16:
             self._add("xb_e", (rows, self.SD), U16)
-        self._pass_buffers("e", rows, aux=False)
+        self._pass_buffers("e", rows)
         add_eval_support_buffers(self, layout.config)  # adaptive_atoms: its own live support
         for name in ("logits_e", "logp_e"):
             p = Packed(name, F32)
@@ -477,4 +465,4 @@ class EvalLayout(BufferTable):
 
 __all__ = ["BufferTable", "DESC_LENGTH_KEYS", "EvalLayout", "Head",
            "NORM_SEGMENT", "OPERAND_ALIGN", "Packed", "READBACK_FIELDS", "READBACK_INDEX",
-           "StepLayout", "aux_nbytes", "blocks", "stacked_name"]
+           "StepLayout", "blocks", "stacked_name"]

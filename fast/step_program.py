@@ -11,9 +11,15 @@ GEMM precisions follow ``foxhunt.reference.network``: ``f32`` runs every GEMM in
 ``bf16`` runs the forward GEMMs on BF16 operands (weights from the BF16 mirror, activations
 converted by ``f32_to_bf16`` / the clamp's BF16 output) with f32 accumulation, and the backward
 GEMMs in TF32 on the f32 activations and f32 master weights. Bias adds and ReLUs of the forward
-are cuBLASLt epilogues (RELU_BIAS / RELU_AUX_BIAS / BIAS); the backward fuses the ReLU mask and
-the bias gradient (DRELU_BGRAD; where the planner refuses it, a plain GEMM plus
-``relu_mask_bias_grad``: the same math in one extra launch). The output layers' bias gradients
+are cuBLASLt epilogues (RELU_BIAS / BIAS); the backward masks a ReLU layer's input gradient by
+its forward output and sums its bias gradient in ``relu_mask_bias_grad`` after a plain GEMM
+(``h <= 0 ? 0 : dy``, the reference's ``relu_mask``: a NaN output passes its gradient). Not
+cuBLASLt's RELU_AUX_BIAS + DRELU_BGRAD pair: DRELU_BGRAD masks by the forward's bitmask, and
+the bf16 RELU_AUX_BIAS plans of the step's forward GEMMs leave a NaN output's bit clear (so a
+NaN row's gradient became 0; measured on the H200, cuBLAS 13.0, session 21: the ``gemm`` module
+docstring), and cuBLASLt offers DRELU_BGRAD for these TF32 / f32 backward GEMMs only with a
+workspace (no faster either: the README's "The C51 and CQL backward passes stacked"). The
+output layers' bias gradients
 are ``bias_grad_reduce`` beside a plain weight-gradient GEMM, not cuBLASLt's BGRADB epilogue:
 measured on the H200 (seed preset, bf16, the step graph replayed, two rounds), the step with
 every second-wave source took 196.8 / 199.0 us with BGRADB and 192.1 / 195.1 us without, the
@@ -25,8 +31,7 @@ from 1288.7 to 1240.0 us.
 GEMM workspace (``gemm_workspace``): ``"none"`` plans every GEMM without a workspace where
 cuBLASLt has an algorithm for it (no memset or split-K reduction nodes in the graphs; measured
 on the H200, seed preset: bf16 219 us vs 251 us per step with the default limit); where it has
-none, an epilogue with a kernel fallback (DRELU_BGRAD) takes the fallback and any other
-GEMM the default limit. ``"default"`` plans every GEMM with cuBLASLt's default limit (other
+none, the default limit. ``"default"`` plans every GEMM with cuBLASLt's default limit (other
 algorithms, split-K among them: the long-run tool's "F32 with another summation order").
 Under either, a weight gradient with a long reduction (``LONG_K_RATIO``) may take a workspace.
 
@@ -67,8 +72,6 @@ GEMM_SM_SHARE = 4
 #: A weight-gradient GEMM whose reduction length ``k`` is at least this many times its larger
 #: output dimension may use a cuBLASLt workspace even under ``gemm_workspace="none"``.
 LONG_K_RATIO = 4
-#: Epilogues with a kernel fallback (relu_mask_bias_grad).
-FALLBACK_EPILOGUES = ("drelu_bgrad",)
 #: ``planner(m, n, k, *, trans_a, trans_b, precision, epilogue, beta, min_alignment,
 #: workspace_limit)`` -> a plan with ``.spec``; raises ``GemmPlanError`` where it has none.
 Planner = Callable[..., object]
@@ -89,7 +92,8 @@ def alignment(byte_offsets) -> int:
 
 class StepProgram:
     """Records of the fast step (module docstring). ``plans``: every GEMM plan made (the GPU
-    engine closes them); ``fallbacks``: the epilogues that took the kernel fallback."""
+    engine closes them); ``fallbacks``: the stacked GEMMs the planner refused (each became a
+    GEMM per batch)."""
 
     def __init__(self, layout: StepLayout, *, planner: Planner, constants: Mapping[str, np.ndarray],
                  host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none",
@@ -167,7 +171,7 @@ class StepProgram:
     # An operand is a ``Buf``, or in the stacked backward a pair ``(loss 0's, loss 1's)``: two
     # blocks of one buffer (``StepLayout._add_stacked``). A GEMM with a pair among its operands
     # is ONE launch of two batches: each pair strided by its blocks' distance, every other
-    # operand (the shared weights, activations and ReLU bitmasks) by 0 (``gemm`` module
+    # operand (the shared weights and activations) by 0 (``gemm`` module
     # docstring, "Per-operand strides").
     def _batched(self, ops: Ops, **operands) -> tuple[dict, dict, dict]:
         """``(batch 0's buffers, batch 1's buffers of the pairs, the plan's batch arguments)``."""
@@ -186,9 +190,8 @@ class StepProgram:
         batch = dict(batch=2, batch_stride=strides) if second else {}
         return first, second, batch
 
-    def _plan(self, ops: Ops, m: int, n: int, k: int, *, operands, fallback: bool = False, **kw):
-        """A GEMM plan; ``fallback``: a refusal raises (the caller takes the kernel fallback)
-        where the workspace policy is ``"none"``. A weight gradient (``trans_a``) whose reduction
+    def _plan(self, ops: Ops, m: int, n: int, k: int, *, operands, **kw):
+        """A GEMM plan (the workspace policy: module docstring). A weight gradient (``trans_a``) whose reduction
         is long (``k >= LONG_K_RATIO * max(m, n)``) may take a workspace under either policy:
         cuBLASLt then splits the reduction (measured on the H200: the IQN head's 8x256x1280 and
         256x64x1280 gradients took 15.7 and 16.4 us without one)."""
@@ -203,32 +206,29 @@ class StepProgram:
                 plan = self.planner(m, n, k, min_alignment=align, workspace_limit=0,
                                     sm_count_target=self.sm_count_target, **kw)
             except GemmPlanError:
-                if fallback:
-                    raise
+                pass
         if plan is None:
             plan = self.planner(m, n, k, min_alignment=align, workspace_limit=self.default_workspace,
                                 sm_count_target=self.sm_count_target, **kw)
         self.plans.append(plan)
         return plan
 
-    def _gemm(self, ops: Ops, m: int, n: int, k: int, *, fallback: bool = False, a, b, c,
-              bias=None, aux=None, **kw) -> None:
+    def _gemm(self, ops: Ops, m: int, n: int, k: int, *, a, b, c, bias=None, **kw) -> None:
         """Plan and record ``c = op(a) @ op(b)`` (operands ``Buf``s or pairs, the comment above);
-        a stacked GEMM the planner refuses becomes one GEMM per batch (noted in ``fallbacks``),
-        unless ``fallback`` (the caller's kernel fallback takes the refusal)."""
+        a stacked GEMM the planner refuses becomes one GEMM per batch (noted in ``fallbacks``)."""
         from foxhunt.fast.gemm import GemmPlanError
 
-        first, second, batch = self._batched(ops, a=a, b=b, c=c, bias=bias, aux=aux)
-        operands = [x for x in (a, b, c, bias, aux) if x is not None]
+        first, second, batch = self._batched(ops, a=a, b=b, c=c, bias=bias)
+        operands = [x for x in (a, b, c, bias) if x is not None]
         try:
-            plan = self._plan(ops, m, n, k, operands=operands, fallback=fallback, **kw, **batch)
+            plan = self._plan(ops, m, n, k, operands=operands, **kw, **batch)
         except GemmPlanError as exc:
-            if fallback or not second:
+            if not second:
                 raise
             # No algorithm for the stacked GEMM: one GEMM per batch (the same values).
             self.fallbacks.append(f"stacked {m}x{n}x{k} {kw.get('epilogue')}: {exc}")
-            for a_i, b_i, c_i, bias_i, aux_i in self._each(a, b, c, bias, aux):
-                self._gemm(ops, m, n, k, a=a_i, b=b_i, c=c_i, bias=bias_i, aux=aux_i, **kw)
+            for a_i, b_i, c_i, bias_i in self._each(a, b, c, bias):
+                self._gemm(ops, m, n, k, a=a_i, b=b_i, c=c_i, bias=bias_i, **kw)
             return
         ops.gemm(plan, **first, second=second or None)
 
@@ -238,9 +238,9 @@ class StepProgram:
         n = max((len(op) for op in operands if isinstance(op, tuple)), default=1)
         return [tuple(op[i] if isinstance(op, tuple) else op for op in operands) for i in range(n)]
 
-    def linear(self, ops: Ops, *, rows, n, k, x, w, c, bias, epilogue, aux=None) -> None:
+    def linear(self, ops: Ops, *, rows, n, k, x, w, c, bias, epilogue) -> None:
         """``c = epilogue(x [rows, k] @ W[n, k]^T + bias)`` in the forward precision."""
-        self._gemm(ops, rows, n, k, a=x, b=w, c=c, bias=bias, aux=aux, trans_b=True,
+        self._gemm(ops, rows, n, k, a=x, b=w, c=c, bias=bias, trans_b=True,
                    precision=self.fwd_mode, epilogue=epilogue)
 
     def weight_grad(self, ops: Ops, *, dy, x, rows, n_out, n_in, dw, db=None) -> None:
@@ -261,22 +261,14 @@ class StepProgram:
         ops.parallel(*sides, main)
 
     def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, relu=None) -> None:
-        """``dx [rows, n_in] = dy [rows, n_out] @ W [n_out, n_in]``; with ``relu=(aux, h, db,
-        scratch)`` the result is masked by the forward ReLU (``h <= 0 ? 0 : dx``) and ``db =
-        colsum(masked dx)`` (DRELU_BGRAD; or, where the planner refuses it, a plain GEMM into
-        ``scratch``, then ``relu_mask_bias_grad``: one per batch, side by side)."""
-        from foxhunt.fast.gemm import GemmPlanError
-
+        """``dx [rows, n_in] = dy [rows, n_out] @ W [n_out, n_in]``; with ``relu=(h, db,
+        scratch)`` the result is masked by the forward ReLU's output (``h <= 0 ? 0 : dx``) and
+        ``db = colsum(masked dx)``: a plain GEMM into ``scratch``, then ``relu_mask_bias_grad``
+        (one per batch, side by side; why not DRELU_BGRAD: module docstring)."""
         if relu is None:
             self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx, precision=self.bwd_mode)
             return
-        aux, h, db, scratch = relu
-        try:
-            self._gemm(ops, rows, n_in, n_out, fallback=True, a=dy, b=w, c=dx, bias=db, aux=aux,
-                       precision=self.bwd_mode, epilogue="drelu_bgrad")
-            return
-        except (GemmPlanError, ValueError) as exc:
-            self.fallbacks.append(f"drelu_bgrad {rows}x{n_in}x{n_out}: {exc}")
+        h, db, scratch = relu
         self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=scratch, precision=self.bwd_mode)
         masks = [ops.branch() for _ in self._each(scratch, dx, db)]
         for side, (scratch_i, dx_i, db_i) in zip(masks, self._each(scratch, dx, db)):
@@ -318,7 +310,7 @@ class StepProgram:
 
     # -- forward
     def forward(self, ops: Ops, *, tag: str, rows: int, which: int, x: Buf, xb: Buf | None,
-                aux: bool, logits: Buf, logp: Buf, q: Buf | None = None,
+                logits: Buf, logp: Buf, q: Buf | None = None,
                 extra: Ops | None = None, h2_event: str | None = None,
                 fuse_trunk: bool = False) -> None:
         """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
@@ -334,28 +326,26 @@ class StepProgram:
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
         wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
-        relu_ep = "relu_aux_bias" if aux else "relu_bias"
         h1, h2pre, h2 = Buf(f"h1{tag}"), Buf(f"h2pre{tag}"), Buf(f"h2{tag}")
         h2b = Buf(f"h2{tag}_bf16") if bf16 else None
-        aux1, aux2 = (Buf(f"aux1{tag}"), Buf(f"aux2{tag}")) if aux else (None, None)
         if fuse_trunk and self.trunk_fused:
             trunk = self.kernels("trunk")
             ops.kernel("trunk_forward_bf16",
                        trunk.plan_trunk_forward_bf16(rows, lay.SD, lay.H1, lay.H2, arch=self.arch),
                        xb=xb, w1=wfwd("w_s1"), b1=p32("b_s1"), w2=wfwd("w_s2"), b2=p32("b_s2"),
-                       h1=h1, aux1=aux1, h1_bf16=Buf(f"h1{tag}_bf16"), h2pre=h2pre, aux2=aux2,
+                       h1=h1, aux1=None, h1_bf16=Buf(f"h1{tag}_bf16"), h2pre=h2pre, aux2=None,
                        h2=h2, h2_bf16=h2b, rows=rows, sd=lay.SD, h1_width=lay.H1,
                        h2_width=lay.H2, isv="isv", index=isv_mod.H_S2_RMS_EMA_INDEX,
                        mult=np.float32(c.h2_clamp_mult))
         else:
             self.linear(ops, rows=rows, n=lay.H1, k=lay.SD, x=xb if bf16 else x, w=wfwd("w_s1"),
-                        c=h1, bias=p32("b_s1"), epilogue=relu_ep, aux=aux1)
+                        c=h1, bias=p32("b_s1"), epilogue="relu_bias")
             h1_in = h1
             if bf16:
                 h1_in = Buf(f"h1{tag}_bf16")
                 self.to_bf16(ops, h1, h1_in, rows * lay.H1)
             self.linear(ops, rows=rows, n=lay.H2, k=lay.H1, x=h1_in, w=wfwd("w_s2"), c=h2pre,
-                        bias=p32("b_s2"), epilogue=relu_ep, aux=aux2)
+                        bias=p32("b_s2"), epilogue="relu_bias")
             n2 = rows * lay.H2
             ops.kernel("clamp_finite_isv", self.kernels("step").plan_clamp_finite_isv(n2),
                        x=h2pre, out=h2, out_bf16=h2b, n=n2, isv="isv",
@@ -367,8 +357,7 @@ class StepProgram:
         for h in lay.heads:
             branch = ops.branch()
             self.linear(branch, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
-                        c=Buf(f"hid{tag}", h.key), bias=p32(h.b1), epilogue=relu_ep,
-                        aux=Buf(f"auxh{tag}_{h.key}") if aux else None)
+                        c=Buf(f"hid{tag}", h.key), bias=p32(h.b1), epilogue="relu_bias")
             firsts.append(branch)
         ops.parallel(*firsts)
         hid_in = {h.key: Buf(f"hid{tag}", h.key) for h in lay.heads}
@@ -433,7 +422,7 @@ class StepProgram:
             hid = Buf("hido", h.key)
             dhid = each("dhid", h.key)
             self.input_grad(branch, dy=dy, w=P(h.w2), dx=dhid, rows=B, n_out=h.out, n_in=h.hidden,
-                            relu=(Buf(f"auxho_{h.key}"), hid, grads(h.b1), each("dpre", h.key)))
+                            relu=(hid, grads(h.b1), each("dpre", h.key)))
             self.input_grad(branch, dy=dhid, w=P(h.w1), dx=each("dh2p", h.key),
                             rows=B, n_out=h.hidden, n_in=H2)
             branch.record(f"dh2p_{tag}_{h.key}")
@@ -545,7 +534,7 @@ class StepProgram:
         rest = ops.branch()
         self.input_grad(rest, dy=dh2m, w=self.weight("w_s2", 0, bf16=False), dx=dh1, rows=B,
                         n_out=H2, n_in=H1,
-                        relu=(Buf("aux1o"), Buf("h1o"), grad("b_s1"), scratch))
+                        relu=(Buf("h1o"), grad("b_s1"), scratch))
         self.weight_grad(rest, dy=dh1, x=Buf("batch.x"), rows=B, n_out=H1, n_in=lay.SD,
                          dw=grad("w_s1"))
         ops.parallel(*beside, dw2, rest)
@@ -589,4 +578,4 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["FALLBACK_EPILOGUES", "GEMM_SM_SHARE", "GEMM_WORKSPACES", "LONG_K_RATIO", "StepProgram", "alignment", "step_constants"]
+__all__ = ["GEMM_SM_SHARE", "GEMM_WORKSPACES", "LONG_K_RATIO", "StepProgram", "alignment", "step_constants"]

@@ -355,7 +355,7 @@ def ens_chain(prog: StepProgram) -> Ops:
     prog.weight_grad(ops, dy=Buf("ens_d_v"), x=Buf("hido", "value"), rows=B, n_out=NA, n_in=VH,
                      dw=prog.grad(g, "w_v2"), db=prog.grad(g, "b_v2"))
     prog.input_grad(ops, dy=Buf("ens_d_v"), w=P("w_v2"), dx=Buf("ens_dhv"), rows=B, n_out=NA,
-                    n_in=VH, relu=(Buf("auxho_value"), Buf("hido", "value"), prog.grad(g, "b_v1"),
+                    n_in=VH, relu=(Buf("hido", "value"), prog.grad(g, "b_v1"),
                                    Buf("ens_dpre")))
     value, trunk = ops.branch(), ops.branch()
     prog.weight_grad(value, dy=Buf("ens_dhv"), x=Buf("h2o"), rows=B, n_out=VH, n_in=H,

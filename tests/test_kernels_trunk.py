@@ -101,10 +101,9 @@ def test_relu_aux_bits_pack_little_endian_rows_padded_to_16_bytes():
 @pytest.mark.parametrize("cols", [16, 32, 80, 128, 136, 256, 272])
 def test_aux_row_bytes_is_the_gemm_plans_bitmask_row(cols):
     from foxhunt.fast.gemm import GemmSpec
-    from foxhunt.fast.step_layout import aux_nbytes
 
     spec = GemmSpec(7, cols, 16, trans_b=True, precision="bf16", epilogue="relu_aux_bias")
-    assert aux_row_bytes(cols) == spec.aux_ld // 8 == aux_nbytes(7, cols) // 7
+    assert aux_row_bytes(cols) == spec.aux_ld // 8 == spec.aux_nbytes // 7
 
 
 def test_without_aux_the_twin_returns_empty_masks_and_the_same_values():

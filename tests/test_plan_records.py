@@ -231,22 +231,31 @@ def test_gemm_workspace_is_a_parameter_with_two_values():
         CpuTrainer(config, gemm_workspace="some")
 
 
-def test_the_workspace_policy_decides_the_fallbacks():
-    """``"none"``: a refused epilogue with a kernel fallback takes it; ``"default"``: the
-    planner is asked again with the default workspace (here it refuses again: fallback)."""
-    refused = ("drelu_bgrad",)
+@pytest.mark.parametrize("source", ["core", "all"])
+def test_no_step_gemm_writes_or_reads_a_relu_bitmask(source):
+    """Each ReLU layer's input gradient is masked by the layer's forward output in
+    ``relu_mask_bias_grad`` after a plain GEMM, never by cuBLASLt's bitmask (RELU_AUX_BIAS +
+    DRELU_BGRAD: the bf16 plans leave a NaN output's bit clear, ``step_program``'s docstring):
+    under either workspace policy, stacked or not, no GEMM record of any graph has either
+    epilogue or an aux operand, the layout has no bitmask buffer, and nothing is a fallback."""
+    from foxhunt.fast.records import Gemm
+    from foxhunt.reference.config import source_overrides
+
     for workspace in ("none", "default"):
         for stacked in (False, True):
-            engine = _engine(gemm_workspace=workspace, refused_epilogues=refused,
+            engine = _engine(fields=source_overrides(source), gemm_workspace=workspace,
                              stacked_backward=stacked)
-            # per backward pass (C51, CQL; one stacked pass for both): the three branch heads'
-            # hidden layers and the trunk's h1; a relu_mask_bias_grad per layer and loss
-            assert len(engine.program.fallbacks) == (1 if stacked else 2) * (3 + 1)
-            nodes = engine.plans["graph1"].nodes()
-            epilogues = {n.spec.epilogue for n in nodes if hasattr(n, "spec")}
-            assert not epilogues & set(refused)
+            graphs = [*engine.plans["upload"], engine.plans["graph1"], engine.plans["graph2"]]
+            nodes = [n for ops in graphs for n in ops.nodes()]
+            gemms = [n for n in nodes if isinstance(n, Gemm)]
+            assert gemms and all(g.aux is None for g in gemms)
+            assert {g.spec.epilogue for g in gemms} & {"relu_aux_bias", "drelu_bgrad"} == set()
+            assert not [n for n in engine.program.lay.specs if n.startswith(("aux1", "aux2", "auxh"))]
+            assert engine.program.fallbacks == []
             masks = [n for n in nodes if getattr(n, "kernel", None) == "relu_mask_bias_grad"]
-            assert len(masks) == 2 * (3 + 1)
+            # per backward pass (C51, CQL): the three heads' hidden layers, the trunk's h1; with
+            # every source also the IQN pass's h1 and the ensemble pass's value head and h1
+            assert len(masks) == 2 * (3 + 1) + 3 * (source == "all")
 
 
 def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
