@@ -13,7 +13,7 @@
 // ReLU bitmasks in cuBLASLt's RELU_AUX_BIAS format (fast/gemm.py): bit (j % 8) of byte j / 8 of
 // a row is set where NOT (pre <= 0) (a NaN sets it), each row padded to a multiple of
 // TRUNK_AUX_ALIGN bytes; this kernel writes the padding bytes as 0 (no reader looks at them).
-// A null aux1 / aux2 pointer skips that mask (the target network's forward keeps none).
+// A null aux1 / aux2 pointer skips that mask (the training step passes null: nothing reads one).
 //
 // Arithmetic: mma.sync.m16n8k16 BF16 x BF16 products with FP32 accumulation (fragments read
 // from shared memory), the bias added with one f32 add, everything after it exactly as the

@@ -228,7 +228,7 @@ def _slot_cases(config: DQNConfig) -> dict:
                                               Buf("dh2_c51"))),
         "ens_d_logits": (lambda: _patched(ref_step, "ens_loss_and_grads",
                                           lambda fn: _out_replaced(fn, d_logits=1)),
-                         lambda: _fast_plant(_gemm_into(Buf("ens_dhv")), Buf("ens_d_v"))),
+                         lambda: _fast_plant(_gemm_into(Buf("ens_dpre")), Buf("ens_d_v"))),
         "ens_trunk_grad": (lambda: _patched(aux_heads, "trunk_backward", nan_at(w_s1)),
                            lambda: _fast_plant(_gemm_into(Buf("ens_trunk_grad", offset=w_s1)),
                                                Buf("ens_trunk_grad", offset=w_s1))),
