@@ -18,8 +18,10 @@ cuBLASLt's RELU_AUX_BIAS + DRELU_BGRAD pair: DRELU_BGRAD masks by the forward's 
 the bf16 RELU_AUX_BIAS plans of the step's forward GEMMs leave a NaN output's bit clear (so a
 NaN row's gradient became 0; measured on the H200, cuBLAS 13.0, session 21: the ``gemm`` module
 docstring), and cuBLASLt offers DRELU_BGRAD for these TF32 / f32 backward GEMMs only with a
-workspace (no faster either: the README's "The C51 and CQL backward passes stacked"). The
-output layers' bias gradients
+workspace. Without the bitmask the step is faster too (H200, session 21, one device call,
+pytest-benchmark medians, two rounds: core bf16 128.7 / 128.9 -> 124.9 / 125.6 us, f32
+153.1 / 153.4 -> 147.8 / 147.8 us; every second-wave source bf16 183.1 / 184.8 -> 179.8 /
+179.6 us, f32 217.3 / 217.4 -> 206.1 / 205.1 us). The output layers' bias gradients
 are ``bias_grad_reduce`` beside a plain weight-gradient GEMM, not cuBLASLt's BGRADB epilogue:
 measured on the H200 (seed preset, bf16, the step graph replayed, two rounds), the step with
 every second-wave source took 196.8 / 199.0 us with BGRADB and 192.1 / 195.1 us without, the
@@ -191,8 +193,9 @@ class StepProgram:
         return first, second, batch
 
     def _plan(self, ops: Ops, m: int, n: int, k: int, *, operands, **kw):
-        """A GEMM plan (the workspace policy: module docstring). A weight gradient (``trans_a``) whose reduction
-        is long (``k >= LONG_K_RATIO * max(m, n)``) may take a workspace under either policy:
+        """A GEMM plan (the workspace policy: module docstring). A weight gradient
+        (``trans_a``) whose reduction is long (``k >= LONG_K_RATIO * max(m, n)``) may take a
+        workspace under either policy:
         cuBLASLt then splits the reduction (measured on the H200: the IQN head's 8x256x1280 and
         256x64x1280 gradients took 15.7 and 16.4 us without one)."""
         from foxhunt.fast.gemm import GemmPlanError
@@ -578,4 +581,5 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["GEMM_SM_SHARE", "GEMM_WORKSPACES", "LONG_K_RATIO", "StepProgram", "alignment", "step_constants"]
+__all__ = ["GEMM_SM_SHARE", "GEMM_WORKSPACES", "LONG_K_RATIO", "StepProgram", "alignment",
+           "step_constants"]

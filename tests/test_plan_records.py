@@ -250,7 +250,8 @@ def test_no_step_gemm_writes_or_reads_a_relu_bitmask(source):
             gemms = [n for n in nodes if isinstance(n, Gemm)]
             assert gemms and all(g.aux is None for g in gemms)
             assert {g.spec.epilogue for g in gemms} & {"relu_aux_bias", "drelu_bgrad"} == set()
-            assert not [n for n in engine.program.lay.specs if n.startswith(("aux1", "aux2", "auxh"))]
+            bitmasks = ("aux1", "aux2", "auxh")
+            assert not [n for n in engine.program.lay.specs if n.startswith(bitmasks)]
             assert engine.program.fallbacks == []
             masks = [n for n in nodes if getattr(n, "kernel", None) == "relu_mask_bias_grad"]
             # per backward pass (C51, CQL): the three heads' hidden layers, the trunk's h1; with
