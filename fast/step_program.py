@@ -209,7 +209,7 @@ class StepProgram:
                 plan = self.planner(m, n, k, min_alignment=align, workspace_limit=0,
                                     sm_count_target=self.sm_count_target, **kw)
             except GemmPlanError:
-                pass
+                pass  # no algorithm without a workspace: the default limit below
         if plan is None:
             plan = self.planner(m, n, k, min_alignment=align, workspace_limit=self.default_workspace,
                                 sm_count_target=self.sm_count_target, **kw)
