@@ -89,7 +89,6 @@ def test_cpu_executor_step_in_either_branch_order(precision, order) -> None:
     assert_all(one_step(factory, shared_case("tiny", precision, "warm"))[0])
 
 
-
 @pytest.mark.parametrize("source", ["core", "all"])
 @pytest.mark.parametrize("case", PRESETS)
 @pytest.mark.parametrize("precision", PRECISIONS)
