@@ -83,8 +83,8 @@ epilogues (the ReLU-aux ones from the cuBLASLt of CUDA 11.5, the gradients from 
 Per-operand strides (the step's stacked C51 + CQL backward, SPEC 11): ``batch_stride`` may
 instead map each operand the epilogue has (``"a"``, ``"b"``, ``"c"`` and, where the epilogue has
 them, ``"bias"`` and ``"aux"``) to its own stride in bytes. An operand the plan only reads may
-have stride 0 (every batch reads the same matrix: the shared weights, activations or ReLU
-bitmask of the two losses' backward passes); an operand it writes (C; the bias gradient of
+have stride 0 (every batch reads the same matrix: the step's shared weights and activations,
+or a ReLU bitmask that DRELU_BGRAD reads); an operand it writes (C; the bias gradient of
 DRELU_BGRAD, BGRADA and BGRADB; the bitmask RELU_AUX_BIAS writes) needs a stride of at least its
 extent, so batches never write the same bytes. Every stride is a multiple of
 ``BATCH_STRIDE_ALIGN`` (``check_batch``).

@@ -255,8 +255,9 @@ class StepProgram:
             self._gemm(ops, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True, precision=self.bwd_mode)
             return
         # The bias gradients beside the plain GEMM (all read dy only).
-        sides = [ops.branch() for _ in self._each(dy, db)]
-        for side, (dy_i, db_i) in zip(sides, self._each(dy, db)):
+        batches = self._each(dy, db)
+        sides = [ops.branch() for _ in batches]
+        for side, (dy_i, db_i) in zip(sides, batches):
             side.kernel("bias_grad_reduce", self.kernels("dense").plan_bias_grad_reduce(rows, n_out),
                         dy=dy_i, db=db_i, rows=rows, cols=n_out)
         main = ops.branch()
@@ -273,8 +274,9 @@ class StepProgram:
             return
         h, db, scratch = relu
         self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=scratch, precision=self.bwd_mode)
-        masks = [ops.branch() for _ in self._each(scratch, dx, db)]
-        for side, (scratch_i, dx_i, db_i) in zip(masks, self._each(scratch, dx, db)):
+        batches = self._each(scratch, dx, db)
+        masks = [ops.branch() for _ in batches]
+        for side, (scratch_i, dx_i, db_i) in zip(masks, batches):
             side.kernel("relu_mask_bias_grad",
                         self.kernels("dense").plan_relu_mask_bias_grad(rows, n_in),
                         dy=scratch_i, h=h, dx=dx_i, db=db_i, rows=rows, cols=n_in)
