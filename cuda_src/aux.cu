@@ -9,6 +9,7 @@
 // ulp). The loss kernels are ONE block (their loss is a block_sum of reduce.cuh: a fixed tree,
 // no atomics); the elementwise kernels are grid-stride loops.
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"   // block_sum (float and long long), REDUCE_SUM_IDENTITY
 #include "isv_ema.cuh"  // hb_guarded_ema, hb_adaptive_rate
 
@@ -36,6 +37,7 @@ static __device__ __forceinline__ float aux_elu(float t) { return (t > 0.0f) ? t
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void add_bias_elu(const float* y, const float* __restrict__ b, float* out,
                                         int rows, int cols) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
     if (col >= cols) {
         return;
@@ -53,6 +55,7 @@ extern "C" __global__ void add_bias_elu(const float* y, const float* __restrict_
 // ---------------------------------------------------------------------------------------------
 extern "C" __global__ void elu_backward(const float* dy, const float* __restrict__ h, float* dx,
                                         long long n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     AUX_FLAT_LOOP(i, n) {
         const float hv = h[i];
         const float g = dy[i];
@@ -74,6 +77,7 @@ aux_next_bar_loss_grad(const float* __restrict__ pred, const float* __restrict__
                        const float* __restrict__ isv, float* __restrict__ d_pred,
                        float* __restrict__ loss, int batch, int label_scale_index,
                        float scale_floor, float weight) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float scratch[REDUCE_WARP + 1];
     __shared__ long long count_scratch[REDUCE_WARP + 1];
     const float denom = fmaxf(isv[label_scale_index], scale_floor);
@@ -112,6 +116,7 @@ extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 aux_regime_loss_grad(const float* __restrict__ logits, const int* __restrict__ regime,
                      float* __restrict__ d_logits, float* __restrict__ loss, int batch,
                      int n_regimes, float weight) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float scratch[REDUCE_WARP + 1];
     const float coef = __fdiv_rn(weight, (float)batch);
     float acc = REDUCE_SUM_IDENTITY;
@@ -153,6 +158,7 @@ extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 isv_label_scale_update(float* __restrict__ isv, int slot, const float* __restrict__ next_ret,
                        long long n, const float* __restrict__ sharpe, float alpha_base,
                        float sharpe_clamp, float sharpe_gain) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float scratch[REDUCE_WARP + 1];
     __shared__ long long count_scratch[REDUCE_WARP + 1];
     float acc = REDUCE_SUM_IDENTITY;

@@ -10,6 +10,7 @@
 // is the select `t <= 0 ? 0 : t`, so a NaN pre-activation stays NaN for the sentinels; the
 // backward is the matching select `h <= 0 ? 0 : dy`. Never fmaxf(t, 0), which maps NaN to 0.
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "ha_common.cuh"
 #include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (shared with optim.cu)
 #include "flat.cuh"       // the vector paths' loop bounds and alignment tests
@@ -126,6 +127,7 @@ static __device__ __forceinline__ float bias_grad_finish(const float* sums, cons
 
 extern "C" __global__ void __launch_bounds__(BIAS_GRAD_COLS * BIAS_GRAD_MAX_CHUNKS, 2)
 bias_grad_reduce(const float* __restrict__ dy, float* __restrict__ db, int rows, int cols) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float chunk_sums[BIAS_GRAD_MAX_CHUNKS][BIAS_GRAD_COLS + 1];  // +1: no bank conflicts
     __shared__ int chunk_irregular[BIAS_GRAD_MAX_CHUNKS][BIAS_GRAD_COLS + 1];
     const int col = blockIdx.x * blockDim.x + threadIdx.x;
@@ -186,6 +188,7 @@ bias_grad_reduce(const float* __restrict__ dy, float* __restrict__ db, int rows,
 extern "C" __global__ void relu_mask_bias_grad(const float* dy, const float* __restrict__ h,
                                                float* dx, float* __restrict__ db, int rows,
                                                int cols) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float chunk_sums[BIAS_GRAD_MAX_CHUNKS][RMBG_COLS];  // row stride 8: a warp's
     __shared__ int chunk_irregular[BIAS_GRAD_MAX_CHUNKS][RMBG_COLS];  // 32 slots are distinct
     const int col = blockIdx.x * RMBG_COLS + threadIdx.x;
@@ -242,6 +245,7 @@ extern "C" __global__ void relu_mask_bias_grad(const float* dy, const float* __r
 // float32 -> BF16 bit patterns, RNE; NaN: (u >> 16) | 0x0040 (sign and high payload kept).
 extern "C" __global__ void f32_to_bf16(const float* __restrict__ x,
                                        unsigned short* __restrict__ out, long long n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (!fh_flat_narrow(n)) {
         DENSE_FLAT_LOOP(i, n) { out[i] = f32_to_bf16_bits(x[i]); }
         return;

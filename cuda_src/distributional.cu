@@ -21,6 +21,7 @@
 // - Index arithmetic is 32-bit: the launchers (fast/kernels/distributional.py) refuse arrays
 //   of 2^30 elements or more.
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "distributional.cuh"  // kWarp, warp reductions, log_softmax_row, the kernel bodies
 
 namespace {
@@ -88,6 +89,7 @@ extern "C" __global__ void expected_q(const float* __restrict__ logp,
                                       const float* __restrict__ z,
                                       float* __restrict__ q,
                                       int rows, int num_atoms) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const int lane = threadIdx.x % kWarp;
     const int warp_stride = gridDim.x * (blockDim.x / kWarp);
     for (int row = first_warp_row(); row < rows; row += warp_stride) {
@@ -338,6 +340,7 @@ c51_project_grad(const float* __restrict__ p_next, const float* __restrict__ r,
                  float* __restrict__ m, float* __restrict__ dlogits, int batch, int num_actions,
                  int num_atoms, float v_min, float v_max, float dz, float gamma_ref,
                  int n_step_on) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float tile_target[kProjectMaxThreads];
     __shared__ float tile_p[kProjectMaxThreads];
     c51_project_grad_body(p_next, r, done, gamma, z, logp, actions, isw, scale, discount, m,
@@ -360,6 +363,7 @@ c51_project_grad_live(const float* __restrict__ p_next, const float* __restrict_
                       const float* __restrict__ discount, float* __restrict__ m,
                       float* __restrict__ dlogits, int batch, int num_actions, int num_atoms,
                       float gamma_ref, int n_step_on) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float tile_target[kProjectMaxThreads];
     __shared__ float tile_p[kProjectMaxThreads];
     c51_project_grad_body(p_next, r, done, gamma, z, logp, actions, isw, scale, discount, m,
@@ -385,6 +389,7 @@ extern "C" __global__ void live_support_build(const float* __restrict__ isv,
                                               int n_branches, int num_atoms, int q_abs_ref_slot,
                                               int centre_base, int half_base,
                                               float atom_growth_mult) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const int d = blockIdx.x;
     if (d >= n_branches) {
         return;
@@ -477,6 +482,7 @@ cql_logit_grad(const float* __restrict__ logp, const int* __restrict__ actions,
                const float* __restrict__ z, const float* __restrict__ alpha,
                const float* __restrict__ scale, float* __restrict__ dlogits,
                float* __restrict__ terms, int batch, int num_actions, int num_atoms) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     extern __shared__ float cql_shared[];
     cql_logit_grad_body(logp, actions, z, alpha, scale, dlogits, terms, batch, num_actions,
                         num_atoms, cql_shared);

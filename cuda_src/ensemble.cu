@@ -8,6 +8,7 @@
 // in the same order whatever the launch (cluster size, warps per block), so the bits of d_v and kl never
 // depend on it; the loss is a block_sum of reduce.cuh (a fixed tree of the block size).
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "cluster.cuh"  // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync
 #include "reduce.cuh"   // block_sum, REDUCE_SUM_IDENTITY
 
@@ -93,6 +94,7 @@ extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS) __cluster_dims_
 ens_kl_grad(const float* __restrict__ v, const float* __restrict__ priors,
             float* __restrict__ d_v, float* __restrict__ kl, float* __restrict__ loss, int batch,
             int num_atoms, int n_priors, float eps) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ __align__(16) float smem[ENS_SMEM_FLOATS];
     __shared__ float scratch[REDUCE_WARP + 1];
     const float scale = __fdiv_rn(1.0f, (float)(batch * n_priors));

@@ -12,6 +12,7 @@
 // gridDim.y = D. Parameters: inputs (tables among them), outputs, sizes. Built with
 // -fmad=false; no atomics; 32-bit index arithmetic (the launchers bound the sizes).
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "distributional.cuh"  // the per-branch kernels' bodies, run here on branch d's block
 
 // --------------------------------------------------------------------------------------------
@@ -259,6 +260,7 @@ dueling_log_softmax_q_branches(const float* __restrict__ v, const float* __restr
                                const int* __restrict__ action_offset, float* __restrict__ logits,
                                float* __restrict__ logp, float* __restrict__ q, int batch,
                                int num_atoms, int with_q) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     extern __shared__ float dueling_rows[];  // [blockDim.x / 32, 1 + kDuelingRowGroup, NA]
     const int d = blockIdx.y;
     const int num_actions = n_actions[d];
@@ -419,6 +421,7 @@ dueling_combine_backward_sum_branches(
     const float* __restrict__ dlogits, const int* __restrict__ n_actions,
     const int* __restrict__ action_offset, float* __restrict__ dv, float* __restrict__ dadv,
     int batch, int num_atoms, int n_branches) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const int cells = batch * num_atoms;
     const int stride = gridDim.x * blockDim.x;
     const int first = blockIdx.x * blockDim.x + threadIdx.x;
@@ -470,6 +473,7 @@ cql_logit_grad_branches(const float* __restrict__ logp, const int* __restrict__ 
                         const float* __restrict__ scale, const int* __restrict__ n_actions,
                         const int* __restrict__ action_offset, float* __restrict__ dlogits,
                         float* __restrict__ terms, int batch, int block_rows, int num_atoms) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     extern __shared__ float cql_shared[];
     const int d = blockIdx.y;
     const int num_actions = n_actions[d];
@@ -493,6 +497,7 @@ c51_loss_branches(const float* __restrict__ logp, const int* __restrict__ action
                   const float* __restrict__ scale, const int* __restrict__ n_actions,
                   const int* __restrict__ action_offset, float* __restrict__ ce,
                   float* __restrict__ total, int batch, int block_rows, int num_atoms) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float warp_partial[kLossMaxThreads / kWarp];
     if (blockIdx.x != 0) {
         return;  // launched with grid (1, D); another block in x would race on total[d]

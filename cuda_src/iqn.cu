@@ -9,6 +9,7 @@
 // Arithmetic: -fmad=false (fast/_build.py) plus explicit __fmul_rn/__fadd_rn where the order
 // matters, in the reference's order; the cosine in double, rounded once to float.
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (the BF16 operand of the next GEMM)
 #include "flat.cuh"  // fh_aligned
 #include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_read
@@ -78,6 +79,7 @@ extern "C" __global__ void iqn_tau_cos(const long long* __restrict__ step, unsig
                                        unsigned int key_hi, unsigned int stream,
                                        float* __restrict__ tau, float* __restrict__ cosines,
                                        int rows, int n_cos) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ double drawn[2][IQN_COS_SPAN];
     const unsigned long long offset = (unsigned long long)step[0];
     const unsigned int nc = (unsigned int)n_cos;
@@ -144,6 +146,7 @@ extern "C" __global__ void iqn_tau_cos(const long long* __restrict__ step, unsig
 extern "C" __global__ void iqn_modulate(const float* __restrict__ h2, const float* __restrict__ phi,
                                         float* __restrict__ e, unsigned short* __restrict__ e_bf16,
                                         int rows, int hidden, int n_quantiles) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const unsigned int nq = (unsigned int)n_quantiles;
     if ((hidden & 3) == 0 && fh_aligned(h2, 16u) && fh_aligned(phi, 16u) &&
         fh_aligned(e, 16u) && fh_aligned(e_bf16, 8u)) {
@@ -211,6 +214,7 @@ extern "C" __global__ void iqn_modulate_backward(const float* __restrict__ de,
                                                  float* __restrict__ d_h2,
                                                  float* __restrict__ d_phi_pre, int batch,
                                                  int hidden, int n_quantiles) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const unsigned int nq = (unsigned int)n_quantiles;
     if ((hidden & 3) == 0 && fh_aligned(de, 16u) && fh_aligned(h2, 16u) &&
         fh_aligned(phi, 16u) && fh_aligned(d_h2, 16u) && fh_aligned(d_phi_pre, 16u)) {
@@ -293,6 +297,7 @@ iqn_quantile_huber(const float* __restrict__ q, const float* __restrict__ q_targ
                    float* __restrict__ y, float* __restrict__ dq, float* __restrict__ loss,
                    int n_branches, int batch, int n_quantiles, int a_total, float gamma_ref,
                    int n_step_on) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     extern __shared__ float iqn_smem[];
     const int N = n_quantiles;
     const float bound = __fmul_rn(k1, fmaxf(isv[q_abs_ref_index], 1.0f));

@@ -5,6 +5,7 @@
 // Slot indices, the signal count and the adaptive-rate constants are kernel arguments taken
 // from the ISV registry (foxhunt.reference.isv) by the launchers, so they are defined once.
 // Reductions are one block with the fixed trees of reduce.cuh: no atomics.
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"
 #include "isv_ema.cuh"  // hb_guarded_ema, hb_adaptive_rate (shared with aux.cu)
 
@@ -17,6 +18,7 @@ extern "C" __global__ void isv_signal_update(float* __restrict__ isv,
                                              const float* __restrict__ signals, int num_signals,
                                              const float* __restrict__ sharpe, float alpha_base,
                                              float sharpe_clamp, float sharpe_gain) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const int i = threadIdx.x;
     if (i >= num_signals) {
         return;
@@ -72,6 +74,7 @@ struct HbRootMean {
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 isv_q_abs_ref_update(float* __restrict__ isv, int slot, const float* __restrict__ q, long long n,
                      float alpha) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     hb_finite_mean_ema<false>(isv, slot, q, n, alpha, HbMean());
 }
 
@@ -81,5 +84,6 @@ isv_q_abs_ref_update(float* __restrict__ isv, int slot, const float* __restrict_
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 isv_h2_rms_update(float* __restrict__ isv, int slot, const float* __restrict__ h2, long long n,
                   float alpha) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     hb_finite_mean_ema<true>(isv, slot, h2, n, alpha, HbRootMean());
 }

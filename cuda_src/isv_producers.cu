@@ -8,6 +8,7 @@
 // Every reduction has one fixed order shared with the reference (lane_sum: lane t adds
 // elements t, t + lanes, ... in turn, then thread 0 adds the lane partials in lane order), one
 // block, no atomics; products and sums are rounded one at a time (__fmul_rn / __fadd_rn).
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "isv_ema.cuh"  // hb_guarded_ema, hb_adaptive_rate
 
 // Lanes of the fixed-order means: the launchers run exactly this many threads
@@ -97,6 +98,7 @@ isv_signal_build(const float* __restrict__ isv, const float* __restrict__ q_take
                  float atom_util_fraction, int sig_q_drift, int sig_grad_norm, int sig_td,
                  int sig_var, int sig_var_vel, int sig_reward, int sig_util, int sig_loss,
                  int sig_health) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const int nt = blockDim.x, t = threadIdx.x, warp = t / 32, nw = nt / 32;
     if (nt % 32 != 0 || nt > ISVP_SELECT_THREADS) {
         return;
@@ -208,6 +210,7 @@ extern "C" __global__ void __launch_bounds__(ISVP_LANES)
 q_stats_update(float* __restrict__ isv, const float* __restrict__ q, int B, int n_actions,
                const int* __restrict__ action_slots, int abs_slot, int sharpe_slot,
                float alpha_base, float sharpe_clamp, float sharpe_gain) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (blockDim.x != ISVP_LANES) {
         return;
     }
@@ -280,6 +283,7 @@ extern "C" __global__ void __launch_bounds__(ISVP_SELECT_THREADS)
 q_quantile_update(float* __restrict__ isv, const float* __restrict__ q, long long n,
                   int lo_slot, int hi_slot, int lo_pct, int hi_pct, int sharpe_slot,
                   float alpha_base, float sharpe_clamp, float sharpe_gain) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     extern __shared__ float isvp_sorted[];
     __shared__ long long s_a[ISVP_SELECT_THREADS / 32];
     __shared__ long long s_b[ISVP_SELECT_THREADS / 32];
@@ -377,6 +381,7 @@ extern "C" __global__ void adaptive_support_update(float* __restrict__ isv, int 
                                                    int half_base, int q_abs_ref_slot,
                                                    float atom_growth_mult, float headroom,
                                                    float half_floor) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const int m = threadIdx.x;
     if (m >= n_members) {
         return;
@@ -408,6 +413,7 @@ extern "C" __global__ void per_branch_gamma_update(float* __restrict__ isv,
                                                    const float* __restrict__ gamma_max,
                                                    int n_members, int gamma_slot,
                                                    int epoch_slot, int total_slot) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const int k = threadIdx.x;
     if (k >= n_members) {
         return;
@@ -423,6 +429,7 @@ extern "C" __global__ void per_branch_gamma_update(float* __restrict__ isv,
 extern "C" __global__ void cql_alpha_ramp(float* __restrict__ isv, float cql_alpha, int cql_slot,
                                           int eps_slot, int sharpe_slot, float alpha_base,
                                           float sharpe_clamp, float sharpe_gain) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (threadIdx.x != 0) {
         return;
     }
@@ -443,6 +450,7 @@ extern "C" __global__ void epsilon_tau_update(float* __restrict__ isv,
                                               const float* __restrict__ schedule, float tau,
                                               float tau_health_floor, int eps_slot,
                                               int tau_slot, int health_slot) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (threadIdx.x != 0) {
         return;
     }

@@ -217,6 +217,7 @@ grad_norm_partial(const float* __restrict__ x, long long n, long long block_size
 // Launch: grid 1, block a multiple of 32 (plan_grad_norm_final).
 extern "C" __global__ void __launch_bounds__(REDUCE_MAX_THREADS)
 grad_norm_final(const float* __restrict__ partials, long long count, float* __restrict__ out) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     __shared__ float scratch[REDUCE_WARP + 1];
     const float partial = thread_partial(partials, 0, count, SumIdentity());
     const float total = block_sum(partial, scratch);
@@ -233,6 +234,7 @@ grad_norm_final(const float* __restrict__ partials, long long count, float* __re
 // NaN, +/-Inf stays +/-Inf for s > 0 and becomes NaN for s = 0.
 extern "C" __global__ void clip_grad_inplace(float* __restrict__ x, long long n, float max_norm,
                                              const float* __restrict__ norm_sq) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const float s = hb_clip_scale(*norm_sq, max_norm);
     for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
         x[i] = __fmul_rn(x[i], s);
@@ -249,6 +251,7 @@ extern "C" __global__ void clip_grad_inplace(float* __restrict__ x, long long n,
 // plan_saxpy launches one thread per 4 elements.
 extern "C" __global__ void saxpy(float* __restrict__ y, const float* __restrict__ x, long long n,
                                  float a) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (!fh_flat_narrow(n)) {  // the 64-bit loop
         for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
             y[i] = hb_guarded_axpy(y[i], x[i], a);

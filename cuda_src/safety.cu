@@ -44,6 +44,7 @@ static __device__ __forceinline__ float clamp_finite_one(float v, float m) {
 
 extern "C" __global__ void clamp_finite(const float* x, float* out, long long n, float multiplier,
                                         const float* __restrict__ signal) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const float m = multiplier * fmaxf(*signal, ISV_FLOOR);
     if (!fh_flat_narrow(n)) {  // 64-bit loop
         SAFETY_FLAT_LOOP(i, n) { out[i] = clamp_finite_one(x[i], m); }
@@ -78,6 +79,7 @@ extern "C" __global__ void clamp_finite(const float* x, float* out, long long n,
 // launches one thread per 4 elements.
 extern "C" __global__ void nan_check(const float* __restrict__ x, long long n,
                                      int* __restrict__ flag) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     bool found = false;
     if (fh_flat_narrow(n) && fh_aligned(x, 16)) {
         const unsigned int count = (unsigned int)n;
@@ -255,6 +257,7 @@ extern "C" __global__ void max_abs(const float* __restrict__ x, long long n,
 // out may alias q.
 extern "C" __global__ void target_q_clip(const float* q, float* out, long long n, float k1,
                                          const float* __restrict__ q_abs_ref) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const float bound = k1 * fmaxf(*q_abs_ref, ISV_FLOOR);
     SAFETY_FLAT_LOOP(i, n) { out[i] = clip_symmetric(q[i], bound); }
 }

@@ -80,6 +80,7 @@ extern "C" __global__ void step_bounds(const float* __restrict__ isv,
                                               int q_abs_ref_index, int slow_ema_index,
                                               float weight_clamp_mult, float max_grad_norm,
                                               float anchor_mult) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     for (int k = threadIdx.x; k < n_thresholds; k += blockDim.x) {
         const int index = thr_isv_index[k];
         float value = 0.0f;
@@ -111,6 +112,7 @@ static __device__ __forceinline__ float step_clamp_finite(float v, float bound) 
 extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
                                           unsigned short* __restrict__ out_bf16, long long n,
                                           const float* __restrict__ isv, int index, float mult) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const float bound = step_isv_bound(mult, isv[index]);
     if (!fh_flat_narrow(n)) {
         STEP_FLAT_LOOP(i, n) {
@@ -189,6 +191,7 @@ extern "C" __global__ void double_dqn_gather_branches(const float* __restrict__ 
                                                     float* __restrict__ q_taken,
                                                     int n_branches, int batch, int num_atoms,
                                                     int q_rows) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const unsigned int threads = gridDim.x * blockDim.x;
     const unsigned int t = blockIdx.x * blockDim.x + threadIdx.x;
     // Threads per row: grid-uniform (the launch shape only).
@@ -245,6 +248,7 @@ scalar_target_q_branches(const float* __restrict__ p_next, const float* __restri
                          const float* __restrict__ gamma, const float* __restrict__ discount,
                          float* __restrict__ target_q, int n_branches, int batch, int num_atoms,
                          float gamma_ref, int n_step_on) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     const unsigned int warps = blockDim.x / 32u;
     const unsigned int warp = threadIdx.x / 32u;
     if (warp >= warps) {
@@ -321,6 +325,7 @@ scalar_target_q_branches(const float* __restrict__ p_next, const float* __restri
 extern "C" __global__ void branch_mean(const float* __restrict__ parts,
                                            float* __restrict__ out, long long n, int n_branches,
                                            long long part_stride, float divisor) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     STEP_FLAT_LOOP(i, n) {
         float acc = 0.0f;
         for (int d = 0; d < n_branches; ++d) {
@@ -369,6 +374,7 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
                                              const float* __restrict__ h2_pre,
                                              float* __restrict__ dh2_out,
                                              float* __restrict__ out, long long n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (!fh_flat_narrow(n)) {
         STEP_FLAT_LOOP(i, n) {
             const float sum = step_parts_sum(parts + i, n_parts, part_stride);
@@ -490,6 +496,7 @@ extern "C" __global__ void __launch_bounds__(STEP_THREADS)
 loss_scalars(const float* __restrict__ c51_total, const float* __restrict__ terms,
                   const float* __restrict__ q_taken, const float* __restrict__ target_q,
                   float* __restrict__ readback, int n_branches, int batch, float alpha) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     loss_scalars_body(c51_total, terms, q_taken, target_q, readback, n_branches, batch, alpha);
 }
 
@@ -500,6 +507,7 @@ loss_scalars_ptr(const float* __restrict__ c51_total, const float* __restrict__ 
                  const float* __restrict__ q_taken, const float* __restrict__ target_q,
                  float* __restrict__ readback, int n_branches, int batch,
                  const float* __restrict__ alpha) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     loss_scalars_body(c51_total, terms, q_taken, target_q, readback, n_branches, batch, *alpha);
 }
 
@@ -562,6 +570,7 @@ extern "C" __global__ void step_scalars(const float* __restrict__ total_partials
 extern "C" __global__ void merge_piece_flags(int* __restrict__ flags,
                                             const int* __restrict__ piece_slot, int n_slots,
                                             int n_pieces) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     for (int k = threadIdx.x; k < n_pieces; k += blockDim.x) {
         if (flags[n_slots + k] != 0) {
             flags[piece_slot[k]] = 1;

@@ -49,6 +49,7 @@
 // (the MMA's k, two n8 tiles); xb, W1, W2 16-byte aligned (cp.async), the f32 outputs 8-byte
 // and the BF16 outputs 4-byte aligned (pairs are stored together).
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (dense.f32_to_bf16's bit formula)
 #include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_map, ..._st_u32
 
@@ -390,6 +391,7 @@ trunk_forward_bf16(
     unsigned char* __restrict__ aux2, float* __restrict__ h2,
     unsigned short* __restrict__ h2_bf16, int rows, int sd, int h1_width, int h2_width,
     const float* __restrict__ isv, int index, float mult) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     extern __shared__ __align__(16) unsigned short trunk_smem[];
     const int xs_stride = sd + TRUNK_PAD;
     const int hs_stride = h1_width + TRUNK_PAD;

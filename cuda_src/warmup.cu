@@ -25,6 +25,7 @@
 // __launch_bounds__ holds the kernel to 32 registers, so 8 such blocks fit an SM: the full
 // wave a shared grid assumes).
 
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"  // block_sum, REDUCE_SUM_IDENTITY, REDUCE_WARP, REDUCE_FULL_MASK
 
 // Threads per block (fast/kernels/warmup.py WARMUP_THREADS) and the blocks per SM they keep.
@@ -66,6 +67,7 @@ mse_warmup(const float* __restrict__ logp, const int* __restrict__ actions,
            const int* __restrict__ n_actions, const int* __restrict__ action_offset,
            float* __restrict__ loss, float* __restrict__ weight, int n_branches, int batch,
            int block_rows, int num_atoms) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     // The branch tables in shared memory (n_branches <= WARMUP_TABLE), loaded beside the ISV.
     __shared__ int table_na[WARMUP_TABLE], table_off[WARMUP_TABLE];
     __shared__ float shared_scale;  // for the taken rows: read there, not held in a register

@@ -9,6 +9,7 @@
 //
 // Each runs as one thread: a handful of scalars. Arithmetic: -fmad=false (fast/_build.py) plus
 // explicit __fmul_rn/__fadd_rn/__fdiv_rn/__fsqrt_rn in the reference's order.
+#include "early_launch.cuh"  // fh_early_wait, fh_early_release
 
 // optim.clip_scale: n = sqrtf(fmaxf(norm_sq, 0)); max_norm / n if n > max_norm and n > 0, else 1.
 static __device__ __forceinline__ float wave_clip_scale(float norm_sq, float max_norm) {
@@ -18,6 +19,7 @@ static __device__ __forceinline__ float wave_clip_scale(float norm_sq, float max
 
 // step_count[0] += 1 (the count never gets near 2^63).
 extern "C" __global__ void step_count_advance(long long* __restrict__ step_count) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         step_count[0] += 1;
     }
@@ -28,6 +30,7 @@ extern "C" __global__ void step_count_advance(long long* __restrict__ step_count
 extern "C" __global__ void source_norm_scalars(const float* __restrict__ norm_sq,
                                                float* __restrict__ readback, float budget,
                                                int pre_index, int post_index) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (blockIdx.x != 0 || threadIdx.x != 0) {
         return;
     }
@@ -42,6 +45,7 @@ extern "C" __global__ void source_norm_scalars(const float* __restrict__ norm_sq
 // product and the sum rounded); w == 0 (or NaN) leaves the C51 loss untouched.
 extern "C" __global__ void mse_loss_blend(float* __restrict__ readback, int c51_index,
                                           int mse_loss_index, int mse_weight_index) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (blockIdx.x != 0 || threadIdx.x != 0) {
         return;
     }

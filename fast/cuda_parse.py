@@ -26,12 +26,16 @@ _IDENT = re.compile(r"[A-Za-z_]\w*")
 
 @dataclass(frozen=True)
 class KernelDecl:
-    """One ``extern "C" __global__`` kernel: name, parameters, and where it is defined."""
+    """One ``extern "C" __global__`` kernel: name, parameters, and where it is defined;
+    ``early``: its body's first statement is ``fh_early_wait();`` (``cuda_src/early_launch.cuh``:
+    nothing is read or written before the kernels it depends on are done), so the plans may
+    launch it early (``graph_lowering.EARLY_LAUNCH``)."""
 
     name: str
     params: tuple[tuple[str, str], ...]
     file: str
     line: int
+    early: bool = False
 
     @property
     def where(self) -> str:
@@ -182,6 +186,8 @@ class KernelSpan:
     body: tuple[int, int] | None
 
 
+# The first statement of a kernel the plans may launch early (``KernelDecl.early``).
+_EARLY_WAIT = re.compile(r"\s*fh_early_wait\s*\(\s*\)\s*;")
 # Attributes and qualifiers that may stand between `extern "C"` and `__global__`.
 _LEAD = r"(?:(?:__launch_bounds__|__maxnreg__|__cluster_dims__)\s*\([^;{}]*?\)\s*|(?:static|inline)\s+)*"
 
@@ -220,6 +226,12 @@ def kernel_spans(text: str) -> list[KernelSpan]:
     return spans
 
 
+def waits_first(text: str, span: KernelSpan) -> bool:
+    """Whether the body of kernel ``span`` (in ``text``, ``strip_comments``' output) begins
+    with ``fh_early_wait();``: ``KernelDecl.early``."""
+    return span.body is not None and _EARLY_WAIT.match(text, span.body[0] + 1) is not None
+
+
 def parse_kernels(source: str, file: str = "<string>") -> dict[str, KernelDecl]:
     """``{name: KernelDecl}`` for every ``extern "C" __global__`` kernel in ``source``."""
     text = strip_comments(source)
@@ -227,7 +239,8 @@ def parse_kernels(source: str, file: str = "<string>") -> dict[str, KernelDecl]:
     for span in kernel_spans(text):
         name, (open_paren, end) = span.name, span.params
         line = text.count("\n", 0, span.global_start) + 1
-        decl = KernelDecl(name, split_params(text[open_paren + 1:end - 1]), file, line)
+        decl = KernelDecl(name, split_params(text[open_paren + 1:end - 1]), file, line,
+                          waits_first(text, span))
         if name in found:
             raise CudaParseError(f"kernel {name!r} defined twice: {found[name].where} and {decl.where}")
         found[name] = decl

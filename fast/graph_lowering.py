@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from foxhunt.fast.cuda_parse import package_kernels
 from foxhunt.fast.records import (
     Buf,
     Copy,
@@ -40,14 +41,11 @@ COPY_FUNCTIONS = {"htod": "cuMemcpyHtoDAsync", "dtod": "cuMemcpyDtoDAsync", "dto
 #: Dynamic shared memory above this needs the kernel's opt-in attribute.
 DEFAULT_SHARED_LIMIT = 48 * 1024
 #: Kernels launched early on sm_90 and newer (programmatic dependent launch: ``Kernel.launch``'s
-#: ``early``): scheduled while the kernel before them on the stream still runs, each begins with
-#: ``fh_early_wait()`` (``cuda_src/early_launch.cuh``; tests/test_early_launch.py reads the
-#: sources), so none reads or writes anything before its predecessors are done. The step's tail:
-#: the budget launch, the step scalars and graph 2's chain.
-EARLY_LAUNCH = frozenset({
-    "clip_saxpy_norm_partial", "clip_saxpy_norm_partial_wave", "step_scalars", "adam_update",
-    "batched_spectral_norm", "polyak_update_mirror", "polyak_update_mirror_ptr", "nan_check_fused",
-})
+#: ``early``): scheduled while the kernel before them on the stream still runs. They are the
+#: kernels whose first statement is ``fh_early_wait()`` (``cuda_src/early_launch.cuh``;
+#: ``cuda_parse.KernelDecl.early``), so none reads or writes anything before its predecessors
+#: are done: every kernel of the step's graphs (tests/test_early_launch.py).
+EARLY_LAUNCH = frozenset(name for name, decl in package_kernels().items() if decl.early)
 
 
 class BranchPool:

@@ -58,7 +58,8 @@ from foxhunt.fast._build import (
     normalize_arch,
     source_files,
 )
-from foxhunt.fast.cuda_parse import kernel_spans, parse_kernels, split_params, strip_comments
+from foxhunt.fast.cuda_parse import (kernel_spans, parse_kernels, split_params, strip_comments,
+                                     waits_first)
 
 #: The wrapper's first trailing parameter: bytes between member m's and member m + 1's buffers.
 MEMBER_STRIDE_PARAM = "member_stride"
@@ -207,11 +208,13 @@ def member_source(source: str, file: str = "<string>") -> str:
         if scalar_params(params):
             scalars = (f"const unsigned char* fh_ms = {MEMBER_SCALARS_PARAM} == nullptr ? nullptr : "
                        f"{MEMBER_SCALARS_PARAM} + (long long)blockIdx.z * {MEMBER_STRIDE_PARAM}; ")
+        # A kernel the plans launch early waits before its member scalars are read, too.
+        wait = "fh_early_wait(); " if waits_first(text, span) else ""
         if not helper_written:
             out.append(f" {_SCALAR_HELPER}")
             helper_written = True
         out.append(f" {' '.join(head.split())} {span.name}({wrapper_params}) "
-                   f"{{ {scalars}{span.name}{BODY_SUFFIX}({args}); }}")
+                   f"{{ {wait}{scalars}{span.name}{BODY_SUFFIX}({args}); }}")
         done = body_end
     out.append(text[done:])
     return "".join(out)

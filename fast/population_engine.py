@@ -28,7 +28,7 @@ from foxhunt.fast.cuda_parse import package_kernels
 from foxhunt.fast.device import SYNCS, _driver, call
 from foxhunt.fast.gpu_engine import READ_BUFFERS, GpuEngine, GpuEval, host_buffer_specs, step_plans
 from foxhunt.fast.graph2_plan import staging_name
-from foxhunt.fast.graph_lowering import Lowering, layered_address
+from foxhunt.fast.graph_lowering import EARLY_LAUNCH, Lowering, layered_address
 from foxhunt.fast.population_plan import (
     MEMBER_PROGRAM_OPTIONS,
     MEMBER_SCALARS,
@@ -152,8 +152,10 @@ def memcpy_2d(dst: int, dst_host: bool, dst_pitch: int, src: int, src_host: bool
 
 class PopulationLowering(Lowering):
     """``Lowering`` for the member build: each launch takes ``member_stride`` and its scalar
-    block (or null) after its own arguments and runs with ``gridDim.z = members``; each copy is
-    one 2-D copy over the members (module docstring). GEMM records carry batched plans."""
+    block (or null) after its own arguments and runs with ``gridDim.z = members`` (early where
+    ``EARLY_LAUNCH`` says so, as in ``Lowering``: the member build's wrapper of such a kernel
+    waits before it reads its scalar block); each copy is one 2-D copy over the members (module
+    docstring). GEMM records carry batched plans."""
 
     def __init__(self, module, address, host, *, members: int, stride: int, scalar_address,
                  sm_count: int):
@@ -186,7 +188,8 @@ class PopulationLowering(Lowering):
             resident = self.resident_blocks(kernel, math.prod(block), node.shape.shared_mem)
             gx = shared_grid_x(gx, self.members, resident, self.sm_count, gy)
         kernel.launch((gx, gy, self.members), block, packed, stream=stream,
-                      shared_mem=node.shape.shared_mem)
+                      shared_mem=node.shape.shared_mem,
+                      early=self.early_launch and node.kernel in EARLY_LAUNCH)
 
     def copy(self, node: Copy, handle) -> None:
         ends = []

@@ -5,6 +5,7 @@ stand-in kernel; what the GPU computes is the step conformance's."""
 
 from __future__ import annotations
 
+import itertools
 import re
 import types
 
@@ -29,12 +30,42 @@ def _first_statements() -> dict[str, str]:
 
 
 def test_every_early_kernel_waits_for_its_predecessors_first():
+    """``EARLY_LAUNCH`` is exactly the kernels whose first statement is the wait (read here by
+    a parse of its own), and a kernel that does not wait is not launched early."""
     first = _first_statements()
-    assert EARLY_LAUNCH <= set(first), sorted(EARLY_LAUNCH - set(first))
+    assert EARLY_LAUNCH == {k for k, s in first.items() if s == "fh_early_wait();"}
     for kernel in sorted(EARLY_LAUNCH):
         assert first[kernel] == "fh_early_wait();", (kernel, first[kernel])
-    # and a kernel outside the list is not made to wait for nothing
-    assert first["f32_to_bf16"] != "fh_early_wait();"
+    assert first["env_step"] != "fh_early_wait();" and "env_step" not in EARLY_LAUNCH
+
+
+def _step_kernels() -> set[str]:
+    """Every kernel the step's graphs launch, over the plan variants (core and every source,
+    f32 and bf16, stacked or not, the fused trunk, the adaptive mechanisms)."""
+    from foxhunt.fast.cpu_executor import CpuEngine
+    from foxhunt.reference.config import ADAPTIVE_ON, DQNConfig, source_overrides
+
+    kernels = set()
+    for source, precision, stacked, fused, adaptive in itertools.product(
+            ("core", "all"), ("f32", "bf16"), (False, True), (False, True), (False, True)):
+        if fused and precision != "bf16":
+            continue
+        fields = dict(source_overrides(source)) if source != "core" else {}
+        if adaptive:
+            fields.update(ADAPTIVE_ON, c51_warmup_epochs=0)
+        engine = CpuEngine(DQNConfig.preset("tiny", precision=precision, **fields),
+                           stacked_backward=stacked, fused_trunk=fused)
+        for ops in (*engine.plans["upload"], engine.plans["graph1"], engine.plans["graph2"]):
+            kernels |= {n.kernel for n in ops.nodes() if isinstance(n, Launch)}
+    return kernels
+
+
+def test_every_kernel_of_the_step_launches_early():
+    """The whole step launches early (session 22), not only its tail: a kernel added to the
+    step without the wait as its first statement fails here."""
+    kernels = _step_kernels()
+    assert {"f32_to_bf16", "c51_project_grad", "adam_update", "nan_check_fused"} <= kernels
+    assert kernels <= EARLY_LAUNCH, sorted(kernels - EARLY_LAUNCH)
 
 
 def test_only_listed_kernels_launch_early_and_only_from_sm90():
@@ -48,7 +79,7 @@ def test_only_listed_kernels_launch_early_and_only_from_sm90():
         kernel = types.SimpleNamespace(
             launch=lambda grid, block, packed, *, stream, shared_mem, early: log.append(early))
         lowering.packed = lambda node: (kernel, None)
-        for name in ("adam_update", "f32_to_bf16"):
+        for name in ("adam_update", "env_step"):
             lowering.launch(Launch(name, shape, {}), stream=0)
         assert log == [early, False], arch
     assert Lowering(None, lambda buf: 0, {}).early_launch is False

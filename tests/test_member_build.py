@@ -113,6 +113,22 @@ def test_hand_written_wrappers_offset_every_pointer_by_bytes():
     assert out.count("T fh_member_scalar(") == 1  # the scalar read, defined once per unit
 
 
+def test_a_wrapper_of_an_early_kernel_waits_before_it_reads_its_scalars():
+    """A kernel the plans launch early (its first statement ``fh_early_wait();``) gets a wrapper
+    that waits before it reads its member scalar block; the body keeps its own wait."""
+    early = ('extern "C" __global__ void waits(float* w, float s) {\n'
+             "    fh_early_wait();  // a comment\n    w[threadIdx.x] *= s;\n}\n")
+    out = member_source(early, "early.cu")
+    assert ("waits(float* w, float s, long long member_stride, const unsigned char* member_scalars) "
+            "{ fh_early_wait(); " + FH_MS + "waits__member_body(") in out
+    body = out[out.index("waits__member_body("):]
+    assert body.index("fh_early_wait();") < body.index("w[threadIdx.x] *= s;")
+    assert parse_kernels(early, "early.cu")["waits"].early
+    assert parse_kernels(out, "early.cu")["waits"].early
+    assert not any(decl.early for decl in parse_kernels(member_source(HAND, "hand.cu")).values())
+    assert "fh_early_wait" not in member_source(HAND, "hand.cu")
+
+
 def test_hand_written_heads_keep_their_attributes_on_the_wrapper_only():
     out = member_source(HAND, "hand.cu")
     assert ('extern "C" __global__ void __launch_bounds__(128) __cluster_dims__(CLUSTER, 1, 1) '
@@ -259,6 +275,9 @@ def test_member_source_files_transform_the_units_only():
             text = member[name].decode()
             assert text.count("\n") == data.decode().count("\n"), name
             assert text.count("__member_body(") == 2 * len(parse_kernels(data.decode(), name)), name
+            # the early kernels stay early (their wrappers wait first), no other kernel is
+            assert ({k: d.early for k, d in parse_kernels(text, name).items()}
+                    == {k: d.early for k, d in parse_kernels(data.decode(), name).items()}), name
 
 
 @pytest.mark.parametrize("name", sorted(n for n in source_files() if n.endswith(".cu")))
