@@ -394,9 +394,8 @@ def test_plot_and_cli_exit_status(ray_local, fake, tmp_path, capsys, monkeypatch
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-        # reaped between the two calls: gone as well
-        return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
-    except (ProcessLookupError, FileNotFoundError):
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (ProcessLookupError, FileNotFoundError):  # FileNotFoundError: reaped in between
         return False
 
 
