@@ -608,3 +608,150 @@ static __device__ __forceinline__ void c51_loss_body(
         }
     }
 }
+
+// c51_project's shared pieces (the per-sample projection used by c51_project, c51_project_grad
+// and step.cu's c51_gather_project_dueling_branches).
+namespace {
+
+// c51_project: source atoms are staged through shared memory in tiles of the block size.
+constexpr int kProjectMaxThreads = 256;
+
+}  // namespace
+
+// np.minimum(np.maximum(t, lo), hi): a NaN t stays NaN (a bare fminf(fmaxf()) would map it to lo).
+static __device__ __forceinline__ float clip_keep_nan(float t, float lo, float hi) {
+    return isnan(t) ? t : fminf(fmaxf(t, lo), hi);
+}
+
+// The projection's target atom Tz_j = clip(r + g * z_j, v_min, v_max) (NaN kept).
+static __device__ __forceinline__ float c51_target_atom(float reward, float discount, float z_j,
+                                                        float v_min, float v_max) {
+    return clip_keep_nan(__fadd_rn(reward, __fmul_rn(discount, z_j)), v_min, v_max);
+}
+
+// m_i's term of source atom k: p_k * clip(1 - |Tz_k - z_i| / dz, 0, 1) (NaN kept).
+static __device__ __forceinline__ float c51_project_term(float target_k, float p_k, float z_i,
+                                                         float dz) {
+    const float distance = fabsf(__fsub_rn(target_k, z_i));
+    const float weight = clip_keep_nan(__fsub_rn(1.0f, __fdiv_rn(distance, dz)), 0.0f, 1.0f);
+    return __fmul_rn(p_k, weight);
+}
+
+// c51_project_sample's one-tile path (num_atoms <= blockDim.x, every thread of the block):
+// thread i = threadIdx.x owns target atom i and gives p_i = p[i] (any value where i >=
+// num_atoms); returns m_i (+0.0 where i >= num_atoms). Stages Tz_i and p_i, checks "windowed"
+// with the staging barrier (below) and ends with a barrier (the tiles are free again).
+static __device__ __forceinline__ float c51_project_tile(
+    float p_i, float reward, float discount, const float* __restrict__ z, int num_atoms,
+    float v_min, float v_max, float dz, float* tile_target, float* tile_p) {
+    const int i = threadIdx.x;
+    const bool own = i < num_atoms;
+    const float z_i = own ? z[i] : 0.0f;
+    int bad = 0;
+    if (own) {
+        const float target_i = c51_target_atom(reward, discount, z_i, v_min, v_max);
+        tile_target[i] = target_i;
+        tile_p[i] = p_i;
+        bad = isnan(target_i) || !isfinite(p_i) || !isfinite(z_i);
+        if (i + 1 < num_atoms) {  // Tz_{i+1} by its own formula (thread i+1 stages it)
+            bad |= !(target_i <= c51_target_atom(reward, discount, z[i + 1], v_min, v_max));
+        }
+    }
+    const bool windowed = !__syncthreads_or(bad) && dz > 0.0f && isfinite(dz);
+    float acc = 0.0f;
+    if (own) {
+        if (windowed) {
+            const float below = -dz;
+            int lo = 0;
+            int hi = num_atoms;
+            while (lo < hi) {  // the first k with s_k > -dz (num_atoms if none)
+                const int mid = (lo + hi) >> 1;
+                if (__fsub_rn(tile_target[mid], z_i) > below) {
+                    hi = mid;
+                } else {
+                    lo = mid + 1;
+                }
+            }
+            for (int k = lo; k < num_atoms; ++k) {
+                if (!(fabsf(__fsub_rn(tile_target[k], z_i)) < dz)) {
+                    break;  // s_k >= dz: so is every later s_k
+                }
+                acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
+            }
+        } else {
+            for (int k = 0; k < num_atoms; ++k) {
+                acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
+            }
+        }
+    }
+    __syncthreads();  // the tile is overwritten by the next sample
+    return acc;
+}
+
+// c51_project's work on one sample b (all threads of the block): p = p_next[b], m_row = m[b].
+// Thread i owns target atom i (i = i0 + threadIdx.x for each tile i0 of blockDim atoms); source
+// atoms j are staged through shared memory (tile_target, tile_p: blockDim floats each), one tile
+// at a time; the sum over j runs in source order from +0.0.
+// With dlogits_taken != nullptr (block-uniform), thread i also writes c51_grad's element of the
+// taken row, dlogits_taken[i] = grad_weight * (expf(logp_taken[i]) - m[b, i]), from the value of
+// m[b, i] it has just computed (c51_grad's operations; it reads m[b, i] from memory, the same
+// float); its logp load is issued before the projection's loop so that it overlaps it.
+//
+// One tile (NA <= blockDim, every plan of NA <= 256): the block also checks, with the staging
+// barrier (__syncthreads_or), that the sample is "windowed": dz > 0 finite, every z_j and p_j
+// finite, every Tz_j not NaN and Tz nondecreasing in j. Then s_k = Tz_k - z_i (rounded) is
+// nondecreasing in k, so the k with |s_k| < dz form one run, found by a binary search for the
+// first s_k > -dz; thread i adds the terms of that run only, in source order. Every other term
+// is an exact no-op: |s_k| >= dz gives |s_k| / dz >= 1 after rounding, so the weight is +-0.0
+// and p_k * weight = +-0.0 (p_k finite), and acc + (+-0.0) == acc bit for bit (acc starts at
+// +0.0 and can never become -0.0). So m_i is bitwise the full sum's. A sample that is not
+// windowed (a NaN or infinite input, a decreasing Tz) runs the full sum over every k.
+static __device__ __forceinline__ void c51_project_sample(
+    const float* __restrict__ p, float reward, float discount, const float* __restrict__ z,
+    float* __restrict__ m_row, const float* __restrict__ logp_taken, float grad_weight,
+    float* __restrict__ dlogits_taken, int num_atoms, float v_min, float v_max, float dz,
+    float* tile_target, float* tile_p) {
+    const int tile = blockDim.x;
+    if (num_atoms <= tile) {
+        const int i = threadIdx.x;
+        const bool own = i < num_atoms;
+        const float p_taken = (dlogits_taken != nullptr && own) ? expf(logp_taken[i]) : 0.0f;
+        const float acc = c51_project_tile(own ? p[i] : 0.0f, reward, discount, z, num_atoms,
+                                           v_min, v_max, dz, tile_target, tile_p);
+        if (own) {
+            m_row[i] = acc;
+            if (dlogits_taken != nullptr) {
+                dlogits_taken[i] = grad_weight * (p_taken - acc);
+            }
+        }
+        return;
+    }
+    for (int i0 = 0; i0 < num_atoms; i0 += tile) {
+        const int i = i0 + threadIdx.x;
+        const float z_i = i < num_atoms ? z[i] : 0.0f;
+        const float p_taken =
+            (dlogits_taken != nullptr && i < num_atoms) ? expf(logp_taken[i]) : 0.0f;
+        float acc = 0.0f;
+        for (int j0 = 0; j0 < num_atoms; j0 += tile) {
+            const int j = j0 + threadIdx.x;
+            if (j < num_atoms) {
+                tile_target[threadIdx.x] = c51_target_atom(reward, discount, z[j], v_min, v_max);
+                tile_p[threadIdx.x] = p[j];
+            }
+            __syncthreads();
+            const int count = min(tile, num_atoms - j0);
+            if (i < num_atoms) {
+                for (int k = 0; k < count; ++k) {
+                    acc = __fadd_rn(acc, c51_project_term(tile_target[k], tile_p[k], z_i, dz));
+                }
+            }
+            __syncthreads();  // the tile is overwritten next
+        }
+        if (i < num_atoms) {
+            m_row[i] = acc;
+            if (dlogits_taken != nullptr) {
+                dlogits_taken[i] = grad_weight * (p_taken - acc);
+            }
+        }
+    }
+}

@@ -222,6 +222,163 @@ extern "C" __global__ void double_dqn_gather_branches(const float* __restrict__ 
 }
 
 // ---------------------------------------------------------------------------------------------
+// The C51 chain's front in one launch: double_dqn_gather_branches, then per branch d
+// c51_project_grad on its gathered p_next[d], then dueling_combine_backward_sum_branches on the
+// logit gradients (the reference twin, foxhunt.reference.kernels.step, composes exactly these):
+//   a_star[d, b], p_next[d, b, :], q_taken[d, b]   double_dqn_gather_branches' (above);
+//   m[d, b, :], dlogits[d][b, :, :]                c51_project_grad(p_next[d], r, done, gamma[d],
+//                                                  z, logp[d][0..batch], actions[d], isw, scale)
+//                                                  (effective_gamma with the n-step arguments);
+//   dv [batch, NA], dadv[d][b, :, :]               dueling_combine_backward_sum_branches(dlogits).
+// logp[d] is online [s; s2]'s [q_rows, A_d, NA] block at element offset q_rows * NA *
+// action_offset[d] (its rows 0..batch are read), dlogits[d] / dadv[d] the [batch, A_d, NA] block
+// at batch * NA * action_offset[d]; m and p_next are [n_branches, batch, NA]; gamma [n_branches].
+// Mapping: one block per sample b (grid-stride over blockIdx.x), blockDim (T, n_branches): the
+// threads of threadIdx.y = d run branch d as c51_project_grad's block of T threads runs a sample
+// (T whole warps, at most kProjectMaxThreads; thread x owns atoms x, x + T, ...), each group with
+// its own two tiles of T floats of dynamic shared memory, then T floats per branch for the
+// dueling sums (3 * T * n_branches floats in all). The projection's staging barrier is
+// block-wide, so a sample is "windowed" (c51_project_sample) only when every branch's is: either
+// path gives the same bits. Two paths (block-uniform):
+// - one tile (NA <= T, the seed's shapes): thread x of group d keeps p_next[d, b, x] and its
+//   taken gradient in registers (c51_project_tile), writes them, then the dueling backward's
+//   branch-d terms of cell (b, x) from them (every row not taken holds +0.0: dueling_backward_
+//   cell's x values), stages its branch sum in shared memory; after a barrier group 0 adds the
+//   branch sums in branch order from +0.0 into dv[b, x];
+// - several tiles: group d gathers p_next[d, b, :] into memory (each thread reads back only what
+//   it wrote) and runs c51_project_sample; after a barrier (the sample's dlogits are written by
+//   this block) the block's threads run the dueling backward's cells (b, j), j = thread, thread +
+//   T * n_branches, ..., with dueling_backward_cell's ops per branch and the branch sum from
+//   +0.0 (the sum kernel's ops), reading dlogits back.
+// Every output element gets the expression of the kernel it comes from, so the outputs are
+// bitwise those of the three launches. NaN/Inf: theirs. 32-bit indices (MAX_ELEMENTS).
+// ---------------------------------------------------------------------------------------------
+extern "C" __global__ void __launch_bounds__(1024) c51_gather_project_dueling_branches(
+    const float* __restrict__ logp_target, const float* __restrict__ q_online,
+    const int* __restrict__ actions, const int* __restrict__ n_actions,
+    const int* __restrict__ action_offset, const float* __restrict__ logp,
+    const float* __restrict__ r, const float* __restrict__ done, const float* __restrict__ gamma,
+    const float* __restrict__ z, const float* __restrict__ isw, const float* __restrict__ scale,
+    const float* __restrict__ discount, int* __restrict__ a_star, float* __restrict__ p_next,
+    float* __restrict__ q_taken, float* __restrict__ m, float* __restrict__ dlogits,
+    float* __restrict__ dv, float* __restrict__ dadv, int n_branches, int batch, int num_atoms,
+    int q_rows, float v_min, float v_max, float dz, float gamma_ref, int n_step_on) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    extern __shared__ float c51_tiles[];
+    const int d = threadIdx.y;
+    const int tile = blockDim.x;
+    float* tile_target = c51_tiles + 2 * tile * d;
+    float* tile_p = tile_target + tile;
+    const int na = n_actions[d];
+    const int offset = action_offset[d];
+    const int row_len = na * num_atoms;
+    const float* q_d = q_online + q_rows * offset;
+    const float* logp_target_d = logp_target + batch * offset * num_atoms;
+    const float* logp_d = logp + q_rows * offset * num_atoms;
+    float* dlogits_d = dlogits + batch * offset * num_atoms;
+    const float gamma_d = gamma[d];
+    const float grad_scale = scale[0];
+    const int block_threads = tile * blockDim.y;
+    const int flat = threadIdx.y * tile + threadIdx.x;
+    float* sums = c51_tiles + 2 * tile * blockDim.y;  // one-tile path: [n_branches, tile]
+    const bool one_tile = num_atoms <= tile;  // block-uniform
+    for (int b = blockIdx.x; b < batch; b += gridDim.x) {
+        const int row = d * batch + b;
+        // double_dqn_gather_branches' row (d, b)
+        const int a = double_dqn_argmax(q_d + (batch + b) * na, na);
+        const int action = actions[row];
+        if (threadIdx.x == 0) {
+            if (num_atoms > 0) {
+                a_star[row] = a;
+            }
+            q_taken[row] = q_d[b * na + action];
+        }
+        const float* src = logp_target_d + (b * na + a) * num_atoms;
+        float* p_row = p_next + row * num_atoms;
+        // c51_project_grad_body's sample b of branch d
+        const bool taken = action >= 0 && action < na;
+        const int taken_lo = taken ? action * num_atoms : row_len;
+        const int taken_hi = taken ? taken_lo + num_atoms : row_len;
+        float* sample_dlogits = dlogits_d + b * row_len;
+        for (int k = threadIdx.x; k < row_len; k += tile) {
+            if (k < taken_lo || k >= taken_hi) {
+                sample_dlogits[k] = 0.0f;
+            }
+        }
+        const float gamma_b = effective_gamma(gamma_d, discount, b, gamma_ref, n_step_on);
+        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
+        const float grad_weight = isw[b] * grad_scale;
+        if (one_tile) {
+            // c51_project_sample's one-tile path with p_i and the gradient kept in registers;
+            // the dueling backward's branch terms from them (the rows not taken hold +0.0).
+            const int i = threadIdx.x;
+            const bool own = i < num_atoms;
+            const float p_i = own ? expf(src[i]) : 0.0f;
+            const float p_taken = (taken && own) ? expf(logp_d[b * row_len + taken_lo + i]) : 0.0f;
+            const float m_i = c51_project_tile(p_i, r[b], step_discount, z, num_atoms, v_min,
+                                               v_max, dz, tile_target, tile_p);
+            if (own) {
+                p_row[i] = p_i;
+                m[row * num_atoms + i] = m_i;
+                const float grad = grad_weight * (p_taken - m_i);
+                if (taken) {
+                    sample_dlogits[taken_lo + i] = grad;
+                }
+                float sum = (taken && action == 0) ? grad : 0.0f;  // x[a] of dueling_backward_cell
+                for (int k = 1; k < na; ++k) {
+                    sum = sum + ((taken && action == k) ? grad : 0.0f);
+                }
+                const float mean = sum / static_cast<float>(na);
+                float* dadv_cell = dadv + batch * offset * num_atoms + b * row_len + i;
+                for (int k = 0; k < na; ++k) {
+                    dadv_cell[k * num_atoms] = ((taken && action == k) ? grad : 0.0f) - mean;
+                }
+                sums[tile * d + i] = sum;
+            }
+            __syncthreads();  // every branch's sum of sample b is staged
+            if (d == 0 && own) {
+                float acc = 0.0f;
+                for (int e = 0; e < n_branches; ++e) {
+                    acc = __fadd_rn(acc, sums[tile * e + i]);
+                }
+                dv[b * num_atoms + i] = acc;
+            }
+            continue;  // sums is rewritten only after the next sample's staging barriers
+        }
+        for (int j = threadIdx.x; j < num_atoms; j += tile) {
+            p_row[j] = expf(src[j]);  // read back below by this thread only
+        }
+        c51_project_sample(p_row, r[b], step_discount, z, m + row * num_atoms,
+                           logp_d + b * row_len + taken_lo, grad_weight,
+                           taken ? sample_dlogits + taken_lo : nullptr, num_atoms, v_min, v_max,
+                           dz, tile_target, tile_p);
+        __syncthreads();  // sample b's dlogits are written (global memory, this block)
+        // dueling_combine_backward_sum_branches' cells (b, j): per branch e dueling_backward_cell's
+        // ops (the action-order sum from x[0], / n_e, x - mean), the branch sum from +0.0. The
+        // reads go through dlogits itself (written above by this block: coherent plain loads).
+        for (int j = flat; j < num_atoms; j += block_threads) {
+            float acc = 0.0f;
+            for (int e = 0; e < n_branches; ++e) {
+                const int ne = n_actions[e];
+                const int cell = batch * action_offset[e] * num_atoms + b * ne * num_atoms + j;
+                const float* x = dlogits + cell;
+                float* y = dadv + cell;
+                float sum = x[0];
+                for (int k = 1; k < ne; ++k) {
+                    sum = sum + x[k * num_atoms];
+                }
+                const float mean = sum / static_cast<float>(ne);
+                for (int k = 0; k < ne; ++k) {
+                    y[k * num_atoms] = x[k * num_atoms] - mean;
+                }
+                acc = __fadd_rn(acc, sum);
+            }
+            dv[b * num_atoms + j] = acc;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Scalar targets of loss_and_grads (before Mech 1, which target_q_clip applies in place next):
 //   target_q[d, b] = r[b] + (g * (1 - done[b])) * e,  e = sum_j p_next[d, b, j] * z[j]
 // (the reference's `r + gamma * (1 - done) * (p_next @ z)`, left to right; the dot in atom

@@ -225,13 +225,18 @@ def n_step_args(a) -> tuple:
     return a.discount, a.gamma_ref
 
 
+def _require_spacing(a, kernel: str) -> None:
+    """A projection kernel's ``dz`` must be its support's spacing (the reference derives it)."""
+    if F32.type(a.dz) != dist.atom_spacing(a.v_min, a.v_max, a.num_atoms):
+        raise ValueError(f"{kernel}: dz {a.dz} is not the support's spacing")
+
+
 @twin("c51_project_grad", nullable=("discount",), p_next=("batch", "num_atoms"), r="batch",
       done="batch", gamma=1, z="num_atoms", logp=("batch", "num_actions", "num_atoms"),
       actions="batch", isw="batch", scale=1, discount="batch", m=("batch", "num_atoms"),
       dlogits=("batch", "num_actions", "num_atoms"))
 def _c51_project_grad(a):
-    if F32.type(a.dz) != dist.atom_spacing(a.v_min, a.v_max, a.num_atoms):
-        raise ValueError(f"c51_project_grad: dz {a.dz} is not the support's spacing")
+    _require_spacing(a, "c51_project_grad")
     r = dist.c51_project_grad(a.p_next, a.r, a.done, a.gamma[0], a.z, a.v_min, a.v_max, a.logp,
                               a.actions, a.isw, a.scale[0], *n_step_args(a))
     return {"m": r.m, "dlogits": r.dlogits}
@@ -423,6 +428,23 @@ def _gather_branches(a):
 def _double_dqn_gather_branches(a):
     return rstep.double_dqn_gather_branches(a.logp_target, a.q_online, a.actions,
                                             _gather_branches(a), a.batch)._asdict()
+
+
+@twin("c51_gather_project_dueling_branches", nullable=("discount",),
+      logp_target=lambda a: (a.batch * sum(_gather_branches(a)), a.num_atoms),
+      q_online=lambda a: a.q_rows * sum(_gather_branches(a)), actions=("n_branches", "batch"),
+      n_actions="n_branches", action_offset="n_branches",
+      logp=lambda a: (a.q_rows * sum(_gather_branches(a)), a.num_atoms), r="batch",
+      done="batch", gamma="n_branches", z="num_atoms", isw="batch", scale=1, discount="batch",
+      a_star=("n_branches", "batch"), p_next=("n_branches", "batch", "num_atoms"),
+      q_taken=("n_branches", "batch"), m=("n_branches", "batch", "num_atoms"),
+      dlogits=(_sum_rows, "num_atoms"), dv=("batch", "num_atoms"),
+      dadv=(_sum_rows, "num_atoms"))
+def _c51_gather_project_dueling_branches(a):
+    _require_spacing(a, "c51_gather_project_dueling_branches")
+    return rstep.c51_gather_project_dueling_branches(
+        a.logp_target, a.q_online, a.actions, a.logp, a.r, a.done, a.gamma, a.z, a.v_min,
+        a.v_max, a.isw, a.scale[0], _gather_branches(a), a.batch, *n_step_args(a))._asdict()
 
 
 @twin("scalar_target_q_branches", nullable=("discount",),

@@ -40,6 +40,18 @@ from foxhunt.reference import sentinels
 from foxhunt.reference.kernels.distributional import atom_spacing
 
 
+def gather_project_dueling(config) -> bool:
+    """Whether graph 1 runs the C51 chain's front as ONE launch,
+    ``c51_gather_project_dueling_branches`` (gathers, every branch's projection and gradient,
+    the C51 dueling backward): not with the MSE warm-up (it blends the logit gradients before
+    the dueling backward) or a live support (``c51_project_grad_live`` per branch), and only
+    where one block holds every branch's projection (``gather_project_dueling_fits``)."""
+    from foxhunt.fast.kernels.step import gather_project_dueling_fits
+
+    return (not config.mse_on and not config.adaptive_atoms
+            and gather_project_dueling_fits(len(config.branches), config.num_atoms))
+
+
 def graph1_ops(prog: StepProgram) -> Ops:
     lay, c = prog.lay, prog.config
     B, NA, nb, NP = lay.B, lay.NA, lay.nb, lay.NP
@@ -97,18 +109,33 @@ def graph1_ops(prog: StepProgram) -> Ops:
 
     # C51 logit gradients: one launch for every branch's double-DQN choice and gathers, then
     # per branch (parallel) the projection with the C51 gradient; with the MSE warm-up on, the
-    # targets beside the projections, then the blend (wave_plan.mse_warmup).
+    # targets beside the projections, then the blend (wave_plan.mse_warmup). Without the warm-up
+    # or a live support, and where a block holds every branch's projection, ONE launch does the
+    # gathers, every branch's projection and the C51 dueling backward
+    # (c51_gather_project_dueling_branches; the backward then skips that dueling backward).
     c51_pre = prog.ops()
     c51_pre.wait("fwd_o")
     c51_pre.wait("fwd_t")
-    c51_pre.kernel("double_dqn_gather_branches", step.plan_double_dqn_gather_branches(nb, B, NA),
-                   logp_target=Buf("logp", ("t", 0)), a_star="a_star", q_online="q_o",
-                   actions="batch.a", n_actions="n_actions", action_offset="action_offset",
-                   p_next="p_next", q_taken="q_taken", n_branches=nb, batch=B, num_atoms=NA,
-                   q_rows=2 * B)
-    c51_pre.record("gathered")
+    gather = dict(logp_target=Buf("logp", ("t", 0)), q_online="q_o", actions="batch.a",
+                  n_actions="n_actions", action_offset="action_offset", a_star="a_star",
+                  p_next="p_next", q_taken="q_taken", n_branches=nb, batch=B, num_atoms=NA,
+                  q_rows=2 * B)
+    front_done = gather_project_dueling(c)
+    if front_done:
+        c51_pre.kernel("c51_gather_project_dueling_branches",
+                       step.plan_c51_gather_project_dueling_branches(nb, B, NA), **gather,
+                       logp=Buf("logp", ("o", 0)), r="batch.r", done="batch.done", gamma="gamma",
+                       z="z", isw="batch.isw", scale="scale", m="m", dlogits="dlogits_c51",
+                       dv="dv_c51", dadv="dadv_c51", v_min=lo, v_max=hi,
+                       dz=atom_spacing(lo, hi, NA), **lay.n_step_args())
+        c51_pre.record("gathered")
+        c51_pre.record("m")
+    else:
+        c51_pre.kernel("double_dqn_gather_branches",
+                       step.plan_double_dqn_gather_branches(nb, B, NA), **gather)
+        c51_pre.record("gathered")
     projections = []
-    for d, n in enumerate(lay.branches):
+    for d, n in enumerate(lay.branches if not front_done else ()):
         proj = prog.ops()
         # adaptive_atoms: branch d's live support and bounds by pointer (support_plan).
         name, support = (("c51_project_grad_live", support_plan.projection(d, NA))
@@ -127,7 +154,7 @@ def graph1_ops(prog: StepProgram) -> Ops:
         c51_pre.parallel(*projections, targets)
         wave_plan.mse_warmup(prog, c51_pre)
         c51_pre.record("mse")
-    else:
+    elif projections:
         c51_pre.parallel(*projections)
     # CQL logit gradients of every branch in one launch (first B samples of each block).
     cql_pre = prog.ops()
@@ -149,7 +176,8 @@ def graph1_ops(prog: StepProgram) -> Ops:
     pres = {"c51": c51_pre, "cql": cql_pre}
     if prog.stacked_backward:
         back = prog.ops()
-        prog.backward(back, pres, aux_dh2=wave_plan.aux_dh2(c))
+        prog.backward(back, pres, aux_dh2=wave_plan.aux_dh2(c),
+                      dueling_done=("c51",) if front_done else ())
         norms = [back.branch() for _ in LOSSES]
         for loss, norm in zip(LOSSES, norms):
             prog.norm(norm, f"grad_{loss}", loss)
@@ -160,15 +188,16 @@ def graph1_ops(prog: StepProgram) -> Ops:
         for loss in ("cql", "c51"):
             side = prog.ops()
             prog.backward(side, {loss: pres[loss]},
-                          aux_dh2=wave_plan.aux_dh2(c) if loss == "c51" else None)
+                          aux_dh2=wave_plan.aux_dh2(c) if loss == "c51" else None,
+                          dueling_done=("c51",) if front_done and loss == "c51" else ())
             prog.norm(side, f"grad_{loss}", loss)
             loss_sides.append(side)
     # C51 bookkeeping, beside the backward passes, in two parallel chains: the scalar targets
     # (in the C51 chain with the MSE warm-up on) and the C51 losses and TD errors (after every
     # branch's projection).
     losses = prog.ops()
-    for d in range(nb):
-        losses.wait(f"m{d}")
+    for event in ["m"] if front_done else [f"m{d}" for d in range(nb)]:
+        losses.wait(event)
     losses.kernel("c51_loss_branches", fused.plan_c51_loss_branches(B, lay.branches, NA),
                   logp=Buf("logp", ("o", 0)), actions="batch.a", m="m", isw="batch.isw",
                   scale="scale", n_actions="n_actions", action_offset="action_offset", ce="ce",

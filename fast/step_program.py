@@ -389,7 +389,8 @@ class StepProgram:
             support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
 
     # -- backward of one loss
-    def backward(self, ops: Ops, pres: Mapping[str, Ops], aux_dh2: Buf | None = None) -> None:
+    def backward(self, ops: Ops, pres: Mapping[str, Ops], aux_dh2: Buf | None = None,
+                 dueling_done: tuple[str, ...] = ()) -> None:
         """network.backward for the logit gradients in ``dlogits_<loss>``, into ``grad_<loss>``
         (every tensor written, padding untouched), for one loss or both (``pres``: each loss's
         records producing its ``dlogits_<loss>``); online(s) activations are rows 0..B.
@@ -400,7 +401,9 @@ class StepProgram:
         and ``dh2`` sums, the checks) stay one launch per loss.
 
         Each loss's ``pre`` and one fused dueling backward (with the value gradient summed over
-        the branches in the reference's order) run side by side. Then parallel branches: one per
+        the branches in the reference's order) run side by side; a loss in ``dueling_done`` has
+        its ``dv_<loss>`` and ``dadv_<loss>`` written by its ``pre`` already
+        (``c51_gather_project_dueling_branches``), so it gets no dueling backward. Then parallel branches: one per
         advantage head (its GEMMs), the value head, and the trunk (after every head's ``dh2``
         part; the parts are summed in the reference's order: branches, then value). Each head
         computes its ``dh2`` part before its weight gradients, so those overlap the trunk.
@@ -440,12 +443,13 @@ class StepProgram:
         for loss, pre in pres.items():
             front = ops.branch() if len(pres) > 1 else ops
             front.extend(pre)
-            front.kernel("dueling_combine_backward_sum_branches",
-                         self.kernels("fused").plan_dueling_combine_backward_sum_branches(
-                             B, lay.branches, NA),
-                         dlogits=f"dlogits_{loss}", n_actions="n_actions",
-                         action_offset="action_offset", dv=f"dv_{loss}", dadv=f"dadv_{loss}",
-                         batch=B, num_atoms=NA, n_branches=lay.nb)
+            if loss not in dueling_done:
+                front.kernel("dueling_combine_backward_sum_branches",
+                             self.kernels("fused").plan_dueling_combine_backward_sum_branches(
+                                 B, lay.branches, NA),
+                             dlogits=f"dlogits_{loss}", n_actions="n_actions",
+                             action_offset="action_offset", dv=f"dv_{loss}", dadv=f"dadv_{loss}",
+                             batch=B, num_atoms=NA, n_branches=lay.nb)
             fronts.append(front)
         if len(fronts) > 1:
             ops.parallel(*fronts)

@@ -241,7 +241,7 @@ def test_switch_off_adds_no_live_support_record_or_buffer():
     for record identical for tiny/seed x f32/bf16 x {core, q_stats, every issue-19 switch,
     IQN + aux}.)"""
     from foxhunt.fast.cpu_executor import CpuEngine
-    from foxhunt.fast.graph1_plan import graph1_ops
+    from foxhunt.fast.graph1_plan import gather_project_dueling, graph1_ops
     from foxhunt.fast.support_plan import EVAL_SUPPORT, MEMBERS, Z_BOUNDS, Z_LIVE
 
     live_buffers = {Z_LIVE, Z_BOUNDS, MEMBERS, *EVAL_SUPPORT}
@@ -253,8 +253,10 @@ def test_switch_off_adds_no_live_support_record_or_buffer():
                                                   graph1_ops)}
     live = {"live_support_build", "c51_project_grad_live", "expected_q", "cql_logit_grad"}
     assert live <= on and not live & off
-    assert {"c51_project_grad", "cql_logit_grad_branches"} <= off
-    assert not {"c51_project_grad", "cql_logit_grad_branches"} & on
+    fixed = {"c51_gather_project_dueling_branches" if gather_project_dueling(FAST.replace(
+        adaptive_atoms=False)) else "c51_project_grad", "cql_logit_grad_branches"}
+    assert fixed <= off
+    assert not fixed & on and "c51_gather_project_dueling_branches" not in on
 
 
 def test_fast_q_values_read_the_live_support_of_the_current_isv():

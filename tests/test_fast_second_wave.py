@@ -25,6 +25,7 @@ from foxhunt.conformance.step_compare import compare_step, failures, run_step
 from foxhunt.conformance.step_harness import PRECISIONS, SOURCES, fast_sources, shared_case
 from foxhunt.fast import cpu_executor
 from foxhunt.fast.cpu_executor import CpuEngine, CpuTrainer
+from foxhunt.fast.graph1_plan import gather_project_dueling
 from foxhunt.fast.records import Buf, Gemm, Launch
 from foxhunt.fast.wave_layout import injected_sources
 from foxhunt.reference import aux_heads, iqn_head, sentinels
@@ -95,8 +96,12 @@ def test_a_source_adds_records_and_keeps_every_core_kernel(source):
     core = DQNConfig.preset("tiny")
     on = core.replace(**SOURCES[source])
     plans_core, plans_on = _plans(core), _plans(on)
-    # An injected source's budget launch replaces the core's (one pass: wave_plan.budget).
+    # An injected source's budget launch replaces the core's (one pass: wave_plan.budget); the
+    # MSE warm-up runs the C51 front as its three kernels (graph1_plan.gather_project_dueling).
     replaced = {"clip_saxpy_norm_partial"} if injected_sources(on) else set()
+    if gather_project_dueling(core) and not gather_project_dueling(on):
+        replaced.add("c51_gather_project_dueling_branches")
+        assert {"double_dqn_gather_branches", "c51_project_grad"} <= _kernels(plans_on)
     assert _kernels(plans_core) - replaced <= _kernels(plans_on)
     assert not replaced & _kernels(plans_on)
     assert _kernels(plans_on) & _wave_kernels()

@@ -72,14 +72,17 @@ def test_the_plan_launches_only_kernels_with_a_twin_and_checks_clean(preset, pre
 
 
 # ------------------------------------------------------------------------------ one record
+C51_FRONT = "c51_gather_project_dueling_branches"  # the tiny core step's C51 front
+
+
 def _c51_record(engine: CpuEngine) -> Launch:
-    return _launches(engine.plans["graph1"], "c51_project_grad")[0]
+    return _launches(engine.plans["graph1"], C51_FRONT)[0]
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda a: a.pop("isw"), r"kernel c51_project_grad: parameter 'isw' is not bound"),
-    (lambda a: a.update(weights="batch.isw"), r"kernel c51_project_grad: no parameter 'weights'"),
-    (lambda a: a.update(iws=a.pop("isw")), r"kernel c51_project_grad: no parameter 'iws'"),
+    (lambda a: a.pop("isw"), rf"kernel {C51_FRONT}: parameter 'isw' is not bound"),
+    (lambda a: a.update(weights="batch.isw"), rf"kernel {C51_FRONT}: no parameter 'weights'"),
+    (lambda a: a.update(iws=a.pop("isw")), rf"kernel {C51_FRONT}: no parameter 'iws'"),
     (lambda a: a.update(isw=1.0), r"parameter 'isw' \(const float\* __restrict__\): expected a buffer"),
     (lambda a: a.update(batch=Buf("td")), r"parameter 'batch' \(int\): a scalar parameter"),
     (lambda a: a.update(batch=4.0), r"parameter 'batch' \(int\): expected an int"),
@@ -168,11 +171,13 @@ def test_swapped_same_typed_pointers_are_caught_across_the_plan():
 
 # ------------------------------------------------------------------------------ data flow
 def test_a_missing_dependency_between_branches_fails_the_data_flow_check(monkeypatch):
-    """Without the C51 losses' wait for branch 0's projection, ``c51_loss_branches`` would read
-    ``m`` while it may still be written: the data flow check fails when the plan is built."""
+    """Without the C51 losses' wait for the projections (event ``m`` of the tiny step's C51
+    front; ``m0`` .. of per-branch projections), ``c51_loss_branches`` would read
+    ``m`` (and the online ``logp`` the front's end implies) while they may still be written: the
+    data flow check fails when the plan is built."""
     original = Ops.wait
-    monkeypatch.setattr(Ops, "wait", lambda self, event: None if event == "m0" else original(self, event))
-    with pytest.raises(PlanError, match=r"kernel c51_loss_branches parameter 'm' reads bytes .* of 'm'"):
+    monkeypatch.setattr(Ops, "wait", lambda self, event: None if event == "m" else original(self, event))
+    with pytest.raises(PlanError, match=r"kernel c51_loss_branches parameter '(m|logp)' reads bytes .* of '(m|logp)'"):
         _engine()
 
 

@@ -155,7 +155,7 @@ def _sc_expected_q(kwargs, expected):
     return {"out": reduction(kwargs["logp"].shape[-1], maxabs(kwargs["z"]))}
 
 
-def _project_bound(kwargs) -> dict:
+def project_bound(kwargs) -> dict:
     """The projection's bound: the reduction over source atoms (weights <= 1), plus for
     n-step samples the effective gamma's error moving each target position by up to
     ``roundoffs * max|z|``, i.e. each weight by that over ``dz`` (1-step samples: today's
@@ -167,7 +167,7 @@ def _project_bound(kwargs) -> dict:
 
 
 def _sc_project(kwargs, expected):
-    return {"out": _project_bound(kwargs)}
+    return {"out": project_bound(kwargs)}
 
 
 def _sc_c51_loss(kwargs, expected):
@@ -215,7 +215,7 @@ def _sc_project_grad_live(kwargs, expected):
 
 def _sc_project_grad(kwargs, expected):
     isw_scale = maxabs(kwargs["isw"]) * maxabs(kwargs["scale"])
-    m_bound = _project_bound(kwargs)
+    m_bound = project_bound(kwargs)
     return {"m": m_bound,
             "dlogits": {**reduction(kwargs["logp"].shape[-1],
                                isw_scale * max(maxabs(expected["m"]), 1.0) * m_bound["magnitude"]),

@@ -22,6 +22,8 @@ from foxhunt.conformance.kernel_spec import Dims, Kwargs, Output, SpecEntry
 from foxhunt.conformance.specs.inputs import (
     F32,
     I32,
+    V_MAX,
+    V_MIN,
     error_cases,
     f32,
     finite_outputs,
@@ -38,7 +40,12 @@ from foxhunt.conformance.specs.inputs import (
     uniform,
     wrong_dtype,
 )
-from foxhunt.conformance.specs.distributional import gamma_eff_slack, n_step_exact, n_step_inputs
+from foxhunt.conformance.specs.distributional import (
+    gamma_eff_slack,
+    n_step_exact,
+    n_step_inputs,
+    project_bound,
+)
 from foxhunt.conformance.tolerance import EXACT, REDUCTION, Tolerance
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.kernels.step import READBACK_FIELDS, READBACK_INDEX
@@ -83,6 +90,42 @@ def _s_gather(d: Dims, rng) -> Kwargs:
             "q_online": normal(rng, 2 * d.batch * sum(br)),
             "actions": np.stack([rng.integers(0, n, d.batch) for n in br]).astype(I32),
             "branches": br, "batch": d.batch}
+
+
+def _s_front(d: Dims, rng) -> Kwargs:
+    """The C51 front's inputs: the gathers' (``_s_gather``), the online pass's log-probabilities
+    over ``[s; s2]`` (``q_rows = 2 batch`` samples per block) and the projection's targets,
+    per-branch gammas and weights (n-step samples where the case has them)."""
+    kwargs = _s_gather(d, rng)
+    br, rows = kwargs["branches"], kwargs["q_online"].shape[0]
+    nb = len(br)
+    return {**kwargs, "logp": log_softmax(rng, (rows, d.atoms)), "r": normal(rng, d.batch, 3.0),
+            "done": (rng.random(d.batch) < 0.2).astype(F32),
+            "gamma": uniform(rng, nb, 0.9, 0.999), "z": support(d.atoms), "v_min": V_MIN,
+            "v_max": V_MAX, "isw": uniform(rng, d.batch, 0.1, 1.0),
+            "scale": F32(1.0 / (d.batch * 2)), **n_step_inputs(d, rng)}
+
+
+def _not_taken_packed(kwargs) -> np.ndarray:
+    """``[B * A_total, 1]`` mask of the branch-packed rows of actions not taken (written 0)."""
+    rows = []
+    for d, n in enumerate(kwargs["branches"]):
+        rows.append((np.arange(n)[None, :] != kwargs["actions"][d][:, None]).reshape(-1))
+    return np.concatenate(rows)[:, None]
+
+
+def _sc_front(kwargs, expected):
+    """``m``: the projection's bound on the gathered ``p_next`` (its few-ulp ``expf`` difference
+    is far inside it); ``dlogits``: ``c51_project_grad``'s bound, the other actions' rows exact;
+    ``dv`` and ``dadv`` sum (and subtract a mean of) up to ``A_total`` such terms per cell."""
+    m_bound = project_bound({**kwargs, "p_next": expected["p_next"]})
+    isw_scale = maxabs(kwargs["isw"]) * maxabs(kwargs["scale"])
+    grad = isw_scale * max(maxabs(expected["m"]), 1.0) * m_bound["magnitude"]
+    na, a_total = kwargs["z"].shape[0], sum(kwargs["branches"])
+    return {"m": m_bound,
+            "dlogits": {**reduction(na, grad), "exact": _not_taken_packed(kwargs)},
+            "dv": reduction(na * (a_total + 1), grad),
+            "dadv": reduction(2 * na * (a_total + 1), grad)}
 
 
 def _s_scalar_targets(d: Dims, rng) -> Kwargs:
@@ -200,6 +243,27 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: replace(k, actions=np.full_like(k["actions"], 99)),
             lambda k: replace(k, batch=k["batch"] + 1),
         ),
+    ),
+    # double_dqn_gather_branches, c51_project_grad per branch, the C51 dueling backward
+    SpecEntry(
+        name="c51_gather_project_dueling_branches",
+        outputs={"a_star": i32(EXACT), "p_next": f32(EXP_ULP), "q_taken": f32(EXACT),
+                 "m": f32(REDUCTION), "dlogits": f32(REDUCTION), "dv": f32(REDUCTION),
+                 "dadv": f32(REDUCTION)},
+        sample=_s_front,
+        targets=("logp_target", "q_online", "logp", "r", "done", "gamma", "isw", "scale",
+                 "discount"),
+        errors=error_cases(
+            _s_front,
+            lambda k: wrong_dtype(k, "logp_target"),
+            lambda k: replace(k, actions=np.full_like(k["actions"], 99)),
+            lambda k: replace(k, logp=k["logp"][:-1]),
+            lambda k: replace(k, gamma=k["gamma"][:-1]),
+            lambda k: replace(k, v_min=20.0),
+            lambda k: replace(k, isw=k["isw"][:-1]),
+            lambda k: replace(k, batch=k["batch"] + 1),
+        ),
+        scales=_sc_front,
     ),
     SpecEntry(
         name="scalar_target_q_branches",

@@ -28,6 +28,7 @@ from foxhunt.fast.kernels._runtime import (
     InOut,
     Out,
     blocks,
+    check_elements,
     device_scalar,
     launch,
 )
@@ -37,12 +38,14 @@ from foxhunt.reference.kernels.step import (
     READBACK_FIELDS,
     READBACK_INDEX,
     ClampMirror,
+    C51GatherProjectDueling,
     DoubleDqnGather,
     LossScalars,
     StepBounds,
     StepScalarsOut,
     TrunkGrad,
     validate_branch_mean,
+    validate_c51_gather_project_dueling_branches,
     validate_clamp_finite_isv,
     validate_double_dqn_gather_branches,
     validate_h2_grad_sum_mask,
@@ -107,6 +110,35 @@ def plan_double_dqn_gather_branches(n_branches: int, batch: int, num_atoms: int)
     return plan_flat(n_branches * batch * DDQN_ROW_THREADS)
 
 
+#: Threads per block of any launch (CUDA's limit; c51_gather_project_dueling_branches' T * D).
+MAX_BLOCK_THREADS = 1024
+
+
+def gather_project_dueling_fits(n_branches: int, num_atoms: int) -> bool:
+    """Whether ``c51_gather_project_dueling_branches`` can run ``n_branches`` branches of
+    ``num_atoms`` atoms: one projection block's threads per branch in one block (at most
+    ``MAX_BLOCK_THREADS``). Else the step runs its three kernels."""
+    from foxhunt.fast.kernels.distributional import plan_c51_project
+
+    return plan_c51_project(1, num_atoms)[1] * int(n_branches) <= MAX_BLOCK_THREADS
+
+
+def plan_c51_gather_project_dueling_branches(n_branches: int, batch: int, num_atoms: int) -> Plan:
+    """One block per sample, block ``(T, D)``: ``c51_project_grad``'s ``T`` threads (whole warps
+    covering the atoms, at most 256) for each of the ``D`` branches; dynamic shared memory: each
+    branch's two projection tiles and its dueling sums, ``T`` floats each. ``T * D`` at most
+    ``MAX_BLOCK_THREADS`` (else ValueError; ``gather_project_dueling_fits``). Seed shapes (3
+    branches, ``batch = 256``, 51 atoms): 256 blocks of (64, 3) threads, 2,304 bytes."""
+    from foxhunt.fast.kernels.distributional import plan_c51_project
+
+    _, tile, _ = plan_c51_project(batch, num_atoms)
+    if not gather_project_dueling_fits(n_branches, num_atoms):
+        raise ValueError(f"branches: {n_branches} branches of {num_atoms} atoms need "
+                         f"{tile * n_branches} threads per block of "
+                         f"c51_gather_project_dueling_branches; at most {MAX_BLOCK_THREADS}")
+    return (max(1, int(batch)), 1, 1), (tile, int(n_branches), 1), 3 * tile * int(n_branches) * 4
+
+
 def plan_scalar_target_q_branches(n_branches: int, batch: int) -> Plan:
     """``plan_flat`` over ``STQ_GROUP`` threads per ``(branch, sample)`` row (the kernel's lanes
     per row: they load the row's atoms together and add their products in atom order; any
@@ -162,6 +194,31 @@ def double_dqn_gather_branches(logp_target, q_online, actions, branches, batch) 
         In(np.array(branches, I32)), In(np.array(branch_offsets(branches), I32)),
         Out((nb, batch, na), F32), Out((nb, batch), F32), nb, batch, na, q_rows)
     return DoubleDqnGather(a_star, p_next, q_taken)
+
+
+def c51_gather_project_dueling_branches(logp_target, q_online, actions, logp, r, done, gamma, z,
+                                        v_min, v_max, isw, scale, branches, batch, discount=None,
+                                        gamma_ref=None) -> C51GatherProjectDueling:
+    """Test entry of the CUDA ``c51_gather_project_dueling_branches`` (contract as the reference
+    twin)."""
+    from foxhunt.fast.kernels.distributional import n_step_args
+
+    branches, batch, q_rows, (lo, hi, dz), s = validate_c51_gather_project_dueling_branches(
+        logp_target, q_online, actions, logp, r, done, gamma, z, v_min, v_max, isw, scale,
+        branches, batch, discount, gamma_ref)
+    for name, x in (("logp_target", logp_target), ("logp", logp)):
+        check_elements(name, x)
+    nb, na = len(branches), logp_target.shape[1]
+    rows = batch * sum(branches)
+    disc, ref, on = n_step_args(discount, gamma_ref, batch)
+    out = launch(
+        "c51_gather_project_dueling_branches", plan_c51_gather_project_dueling_branches(nb, batch, na),
+        In(logp_target), In(q_online), In(actions), In(np.array(branches, I32)),
+        In(np.array(branch_offsets(branches), I32)), In(logp), In(r), In(done), In(gamma), In(z),
+        In(isw), device_scalar(s), disc, Out((nb, batch), I32), Out((nb, batch, na), F32),
+        Out((nb, batch), F32), Out((nb, batch, na), F32), Out((rows, na), F32),
+        Out((batch, na), F32), Out((rows, na), F32), nb, batch, na, q_rows, lo, hi, dz, ref, on)
+    return C51GatherProjectDueling(*out)
 
 
 def scalar_target_q_branches(p_next, z, r, done, gamma, discount=None,
@@ -242,6 +299,7 @@ KERNELS = {
     "step_bounds": step_bounds,
     "clamp_finite_isv": clamp_finite_isv,
     "double_dqn_gather_branches": double_dqn_gather_branches,
+    "c51_gather_project_dueling_branches": c51_gather_project_dueling_branches,
     "scalar_target_q_branches": scalar_target_q_branches,
     "branch_mean": branch_mean,
     "h2_grad_sum_mask": h2_grad_sum_mask,

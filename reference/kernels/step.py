@@ -23,6 +23,7 @@ import numpy as np
 from foxhunt.reference.backend import READBACK_FIELDS
 from foxhunt.reference.kernels import dense, distributional, optim, safety
 from foxhunt.reference.kernels.argcheck import check_f32_array, check_int, require_array
+from foxhunt.reference.kernels import fused
 from foxhunt.reference.kernels.fused import require_branches, branch_offsets
 
 F32 = np.float32
@@ -218,6 +219,89 @@ def double_dqn_gather_branches(logp_target: np.ndarray, q_online: np.ndarray, ac
             p_next[d] = np.exp(logp[rows, a_star[d]])
         q_taken[d] = q[rows, actions[d]]
     return DoubleDqnGather(a_star, p_next, q_taken)
+
+
+class C51GatherProjectDueling(NamedTuple):
+    """Outputs of ``c51_gather_project_dueling_branches``: ``double_dqn_gather_branches``'
+    ``a_star`` int32 [D, B], ``p_next`` [D, B, NA], ``q_taken`` [D, B]; the projections' ``m``
+    [D, B, NA] and branch-packed logit gradients ``dlogits`` [B * A_total, NA]; the dueling
+    backward's ``dv`` [B, NA] and branch-packed ``dadv`` [B * A_total, NA] (float32)."""
+
+    a_star: np.ndarray
+    p_next: np.ndarray
+    q_taken: np.ndarray
+    m: np.ndarray
+    dlogits: np.ndarray
+    dv: np.ndarray
+    dadv: np.ndarray
+
+
+def validate_c51_gather_project_dueling_branches(logp_target, q_online, actions, logp, r, done,
+                                                 gamma, z, v_min, v_max, isw, scale, branches,
+                                                 batch, discount=None, gamma_ref=None):
+    """The argument checks of ``c51_gather_project_dueling_branches``, all before any work:
+    ``double_dqn_gather_branches``', ``logp`` with ``q_rows`` samples per block and
+    ``logp_target``'s atoms, ``gamma [D]`` float32, then ``c51_project_grad``'s for every branch
+    (on a stand-in ``p_next``). Returns ``(branches, batch, q_rows, (lo, hi, dz), scale)`` (the
+    projection's float32 clip range and spacing, and ``scale``)."""
+    branches, batch, q_rows = validate_double_dqn_gather_branches(logp_target, q_online, actions,
+                                                                  branches, batch)
+    rows = fused.require_packed("logp", logp, branches)
+    na = logp_target.shape[1]
+    if rows != q_rows or logp.shape[1] != na:
+        raise ValueError(f"logp: shape {logp.shape}; expected [q_rows * A_total, NA] = "
+                         f"[{q_rows * sum(branches)}, {na}] (q_online's rows, logp_target's "
+                         "atoms)")
+    require_array("gamma", gamma, F32, ndim=1)
+    if gamma.shape[0] != len(branches):
+        raise ValueError(f"gamma: shape {gamma.shape}; expected [D] = [{len(branches)}]")
+    stand_in = np.zeros((batch, na), F32)
+    for d, logp_d in enumerate(fused.split_branches(logp, branches)):
+        (_, lo, hi, dz), s = distributional.validate_c51_project_grad(
+            stand_in, r, done, gamma[d], z, v_min, v_max, logp_d[:batch], actions[d], isw, scale,
+            discount, gamma_ref)
+    return branches, batch, q_rows, (lo, hi, dz), s
+
+
+def c51_gather_project_dueling_branches(logp_target: np.ndarray, q_online: np.ndarray,
+                                        actions: np.ndarray, logp: np.ndarray, r: np.ndarray,
+                                        done: np.ndarray, gamma: np.ndarray, z: np.ndarray, v_min,
+                                        v_max, isw: np.ndarray, scale, branches, batch: int,
+                                        discount: np.ndarray | None = None,
+                                        gamma_ref=None) -> C51GatherProjectDueling:
+    """The C51 chain's front in one launch, the composition of three kernels:
+
+    - ``g = double_dqn_gather_branches(logp_target, q_online, actions, branches, batch)``;
+    - per branch d: ``c51_project_grad(g.p_next[d], r, done, gamma[d], z, v_min, v_max,
+      logp_d[:batch], actions[d], isw, scale, discount, gamma_ref)`` (``logp_d`` branch d's
+      ``[q_rows, n_d, NA]`` block of the online pass's log-probabilities; its rows ``0..batch``,
+      online(s)), giving ``m[d]`` and branch d's block of ``dlogits``;
+    - ``dueling_combine_backward_sum_branches(dlogits, branches)``: ``dv`` and ``dadv``.
+
+    Shapes: ``logp_target [batch * A_total, NA]``, ``q_online [q_rows * A_total]`` and
+    ``actions [D, batch]`` as ``double_dqn_gather_branches``; ``logp [q_rows * A_total, NA]``
+    branch-packed float32; ``gamma [D]`` float32; ``r``, ``done``, ``z``, ``v_min``, ``v_max``,
+    ``isw``, ``scale``, ``discount``, ``gamma_ref`` as ``c51_project_grad`` (ValueError naming
+    the argument otherwise). NaN/Inf contract: the three kernels' composed (a NaN Q never wins
+    the choice; ``exp`` propagates NaN into ``p_next[d, b]``, hence ``m[d, b]``, the taken row
+    of ``dlogits``, every action's ``dadv`` of that branch at those atoms, and ``dv``).
+    """
+    branches, batch, *_ = validate_c51_gather_project_dueling_branches(
+        logp_target, q_online, actions, logp, r, done, gamma, z, v_min, v_max, isw, scale,
+        branches, batch, discount, gamma_ref)
+    g = double_dqn_gather_branches(logp_target, q_online, actions, branches, batch)
+    na = logp.shape[1]
+    m = np.zeros((len(branches), batch, na), F32)
+    blocks = []
+    for d, logp_d in enumerate(fused.split_branches(logp, branches)):
+        pg = distributional.c51_project_grad(g.p_next[d], r, done, gamma[d], z, v_min, v_max,
+                                             np.ascontiguousarray(logp_d[:batch]), actions[d],
+                                             isw, scale, discount, gamma_ref)
+        m[d] = pg.m
+        blocks.append(pg.dlogits.reshape(-1, na))
+    dlogits = np.concatenate(blocks).astype(F32, copy=False)
+    duel = fused.dueling_combine_backward_sum_branches(dlogits, branches)
+    return C51GatherProjectDueling(g.a_star, g.p_next, g.q_taken, m, dlogits, duel.dv, duel.dadv)
 
 
 def validate_scalar_target_q_branches(p_next, z, r, done, gamma, discount=None,
@@ -516,6 +600,7 @@ KERNELS = {
     "step_bounds": step_bounds,
     "clamp_finite_isv": clamp_finite_isv,
     "double_dqn_gather_branches": double_dqn_gather_branches,
+    "c51_gather_project_dueling_branches": c51_gather_project_dueling_branches,
     "scalar_target_q_branches": scalar_target_q_branches,
     "branch_mean": branch_mean,
     "h2_grad_sum_mask": h2_grad_sum_mask,
