@@ -66,6 +66,7 @@ extern "C" __global__ void add_bias_relu_bf16(const float* y, const float* __res
 
 // ReLU backward from the post-ReLU activation: dx = h <= 0 ? 0 : dy (flat, n elements).
 extern "C" __global__ void relu_mask(const float* dy, const float* h, float* dx, long long n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     DENSE_FLAT_LOOP(i, n) { dx[i] = (h[i] <= 0.0f) ? 0.0f : dy[i]; }
 }
 

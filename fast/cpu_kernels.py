@@ -155,6 +155,11 @@ def _bias_grad_reduce(a):
     return {"db": dense.bias_grad_reduce(a.dy)}
 
 
+@twin("relu_mask", dy="n", h="n", dx="n")
+def _relu_mask(a):
+    return {"dx": dense.relu_mask(a.dy[None, :], a.h[None, :])[0]}
+
+
 @twin("relu_mask_bias_grad", dy=("rows", "cols"), h=("rows", "cols"), dx=("rows", "cols"), db="cols")
 def _relu_mask_bias_grad(a):
     r = dense.relu_mask_bias_grad(a.dy, a.h)

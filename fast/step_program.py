@@ -12,8 +12,10 @@ GEMM precisions follow ``foxhunt.reference.network``: ``f32`` runs every GEMM in
 converted by ``f32_to_bf16`` / the clamp's BF16 output) with f32 accumulation, and the backward
 GEMMs in TF32 on the f32 activations and f32 master weights. Bias adds and ReLUs of the forward
 are cuBLASLt epilogues (RELU_BIAS / BIAS); the backward masks a ReLU layer's input gradient by
-its forward output and sums its bias gradient in ``relu_mask_bias_grad`` after a plain GEMM
-(``h <= 0 ? 0 : dy``, the reference's ``relu_mask``: a NaN output passes its gradient). Not
+its forward output and sums its bias gradient after a plain GEMM (``h <= 0 ? 0 : dy``, the
+reference's ``relu_mask``: a NaN output passes its gradient): in one ``relu_mask_bias_grad``,
+or, on the loss backward's chains (the heads' hidden layers, the trunk's h1), ``relu_mask``
+with the ``bias_grad_reduce`` of its output beside the next GEMM (``input_grad``'s ``then``). Not
 cuBLASLt's RELU_AUX_BIAS + DRELU_BGRAD pair: DRELU_BGRAD masks by the forward's bitmask, and
 the bf16 RELU_AUX_BIAS plans of the step's forward GEMMs leave a NaN output's bit clear (so a
 NaN row's gradient became 0; measured on the H200, cuBLAS 13.0, session 21: the ``gemm`` module
@@ -264,26 +266,44 @@ class StepProgram:
         self._gemm(main, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True, precision=self.bwd_mode)
         ops.parallel(*sides, main)
 
-    def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, relu=None) -> None:
+    def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, relu=None,
+                   then: Callable[[Ops], None] | None = None) -> None:
         """``dx [rows, n_in] = dy [rows, n_out] @ W [n_out, n_in]``; with ``relu=(h, db,
         scratch)`` the result is masked by the forward ReLU's output (``h <= 0 ? 0 : dx``) and
         ``db = colsum(masked dx)``: a plain GEMM into ``scratch``, then ``relu_mask_bias_grad``
-        (one per batch, side by side; why not DRELU_BGRAD: module docstring)."""
+        (one per batch, side by side; why not DRELU_BGRAD: module docstring). With ``then`` (a
+        function adding what follows to an ``Ops``) the mask and the bias sum are two kernels,
+        ``relu_mask`` then ``bias_grad_reduce`` of its output (the same bits: the fused kernel's
+        comment in cuda_src/dense.cu), and only the mask precedes ``then``'s records: the sums
+        run beside them (a chain's next GEMM does not wait for a column sum)."""
         if relu is None:
             self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx, precision=self.bwd_mode)
             return
         h, db, scratch = relu
         self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=scratch, precision=self.bwd_mode)
         batches = self._each(scratch, dx, db)
+        dense = self.kernels("dense")
         masks = [ops.branch() for _ in batches]
         for side, (scratch_i, dx_i, db_i) in zip(masks, batches):
-            side.kernel("relu_mask_bias_grad",
-                        self.kernels("dense").plan_relu_mask_bias_grad(rows, n_in),
-                        dy=scratch_i, h=h, dx=dx_i, db=db_i, rows=rows, cols=n_in)
+            if then is None:
+                side.kernel("relu_mask_bias_grad", dense.plan_relu_mask_bias_grad(rows, n_in),
+                            dy=scratch_i, h=h, dx=dx_i, db=db_i, rows=rows, cols=n_in)
+            else:
+                side.kernel("relu_mask", dense.plan_relu_mask(rows * n_in), dy=scratch_i, h=h,
+                            dx=dx_i, n=rows * n_in)
         if len(masks) > 1:
             ops.parallel(*masks)
         else:
             ops.extend(masks[0])
+        if then is None:
+            return
+        sums = [ops.branch() for _ in batches]
+        for side, (_, dx_i, db_i) in zip(sums, batches):
+            side.kernel("bias_grad_reduce", dense.plan_bias_grad_reduce(rows, n_in), dy=dx_i,
+                        db=db_i, rows=rows, cols=n_in)
+        main = ops.branch()
+        then(main)
+        ops.parallel(*sums, main)
 
     # -- kernels used in several places
     @staticmethod
@@ -429,15 +449,18 @@ class StepProgram:
             h = lay.heads[hi]
             hid = Buf("hido", h.key)
             dhid = each("dhid", h.key)
+
+            def after_mask(rest: Ops) -> None:  # beside the hidden layer's bias sum
+                self.input_grad(rest, dy=dhid, w=P(h.w1), dx=each("dh2p", h.key),
+                                rows=B, n_out=h.hidden, n_in=H2)
+                rest.record(f"dh2p_{tag}_{h.key}")
+                self.weight_grad(rest, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
+                                 dw=grads(h.w2), db=grads(h.b2))
+                self.weight_grad(rest, dy=dhid, x=Buf("h2o"), rows=B, n_out=h.hidden, n_in=H2,
+                                 dw=grads(h.w1))
+
             self.input_grad(branch, dy=dy, w=P(h.w2), dx=dhid, rows=B, n_out=h.out, n_in=h.hidden,
-                            relu=(hid, grads(h.b1), each("dpre", h.key)))
-            self.input_grad(branch, dy=dhid, w=P(h.w1), dx=each("dh2p", h.key),
-                            rows=B, n_out=h.hidden, n_in=H2)
-            branch.record(f"dh2p_{tag}_{h.key}")
-            self.weight_grad(branch, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
-                             dw=grads(h.w2), db=grads(h.b2))
-            self.weight_grad(branch, dy=dhid, x=Buf("h2o"), rows=B, n_out=h.hidden, n_in=H2,
-                             dw=grads(h.w1))
+                            relu=(hid, grads(h.b1), each("dpre", h.key)), then=after_mask)
 
         fronts = []
         for loss, pre in pres.items():
@@ -530,8 +553,8 @@ class StepProgram:
         """The trunk's backward from the masked ``dh2m [B, SH2]`` (online(s) activations, f32
         master weights) into buffer ``grad`` (or the buffers ``grad(tensor)`` names): in parallel
         (with the ``beside`` branches), ``W_s2`` and ``b_s2``; and ``dh1`` through W_s2 and h1's
-        ReLU (with ``b_s1``; ``scratch`` for the kernel fallback), then ``W_s1`` (pairs: both
-        losses' blocks, ``backward``)."""
+        ReLU (``scratch`` the unmasked product), then ``W_s1`` with ``b_s1``'s sum beside it
+        (pairs: both losses' blocks, ``backward``)."""
         if isinstance(grad, str):
             buffer = grad
             grad = lambda tensor: self.grad(buffer, tensor)  # noqa: E731
@@ -542,10 +565,10 @@ class StepProgram:
                          dw=grad("w_s2"), db=grad("b_s2"))
         rest = ops.branch()
         self.input_grad(rest, dy=dh2m, w=self.weight("w_s2", 0, bf16=False), dx=dh1, rows=B,
-                        n_out=H2, n_in=H1,
-                        relu=(Buf("h1o"), grad("b_s1"), scratch))
-        self.weight_grad(rest, dy=dh1, x=Buf("batch.x"), rows=B, n_out=H1, n_in=lay.SD,
-                         dw=grad("w_s1"))
+                        n_out=H2, n_in=H1, relu=(Buf("h1o"), grad("b_s1"), scratch),
+                        then=lambda after: self.weight_grad(
+                            after, dy=dh1, x=Buf("batch.x"), rows=B, n_out=H1, n_in=lay.SD,
+                            dw=grad("w_s1")))
         ops.parallel(*beside, dw2, rest)
 
 

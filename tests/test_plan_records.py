@@ -239,7 +239,7 @@ def test_gemm_workspace_is_a_parameter_with_two_values():
 @pytest.mark.parametrize("source", ["core", "all"])
 def test_no_step_gemm_writes_or_reads_a_relu_bitmask(source):
     """Each ReLU layer's input gradient is masked by the layer's forward output in
-    ``relu_mask_bias_grad`` after a plain GEMM, never by cuBLASLt's bitmask (RELU_AUX_BIAS +
+    ``relu_mask_bias_grad`` (or ``relu_mask``) after a plain GEMM, never by cuBLASLt's bitmask (RELU_AUX_BIAS +
     DRELU_BGRAD: the bf16 plans leave a NaN output's bit clear, ``step_program``'s docstring):
     under either workspace policy, stacked or not, no GEMM record of any graph has either
     epilogue or an aux operand, the layout has no bitmask buffer, and nothing is a fallback."""
@@ -258,10 +258,14 @@ def test_no_step_gemm_writes_or_reads_a_relu_bitmask(source):
             bitmasks = ("aux1", "aux2", "auxh")
             assert not [n for n in engine.program.lay.specs if n.startswith(bitmasks)]
             assert engine.program.fallbacks == []
-            masks = [n for n in nodes if getattr(n, "kernel", None) == "relu_mask_bias_grad"]
+            masks = [n for n in nodes
+                     if getattr(n, "kernel", None) in ("relu_mask_bias_grad", "relu_mask")]
             # per backward pass (C51, CQL): the three heads' hidden layers, the trunk's h1; with
             # every source also the IQN pass's h1 and the ensemble pass's value head and h1
             assert len(masks) == 2 * (3 + 1) + 3 * (source == "all")
+            # a relu_mask's bias sum is a bias_grad_reduce of its output (step_program.input_grad)
+            sums = {n.args["dy"] for n in nodes if getattr(n, "kernel", None) == "bias_grad_reduce"}
+            assert {n.args["dx"] for n in masks if n.kernel == "relu_mask"} <= sums
 
 
 def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
@@ -270,7 +274,9 @@ def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
     engine = _engine(gemm_workspace="none")
     nodes = engine.plans["graph1"].nodes()
     assert "bgradb" not in {n.spec.epilogue for n in nodes if hasattr(n, "spec")}
-    reduces = [n for n in nodes if getattr(n, "kernel", None) == "bias_grad_reduce"]
+    masked = {n.args["dx"] for n in nodes if getattr(n, "kernel", None) == "relu_mask"}
+    reduces = [n for n in nodes if getattr(n, "kernel", None) == "bias_grad_reduce"
+               and n.args["dy"] not in masked]  # not a hidden layer's (relu_mask's output)
     # per backward pass (C51, CQL): the value head's and the three branch heads' output layers
     assert len(reduces) == 2 * (1 + 3)
 
