@@ -35,6 +35,30 @@ def _count(ops, kernel: str) -> int:
     return sum(1 for node in ops.nodes() if isinstance(node, Launch) and node.kernel == kernel)
 
 
+def _both_ways(monkeypatch, make, run) -> list:
+    """``run(trainer)`` for a trainer ``make()`` builds with the front in its plan, then for one
+    built with the three kernels (``graph1_plan.gather_project_dueling`` patched off)."""
+    out = []
+    for front in (True, False):
+        with monkeypatch.context() as patch:
+            if not front:
+                patch.setattr(graph1_plan, "gather_project_dueling", lambda c: False)
+            trainer = make()
+            try:
+                assert _count(trainer.engine.plans["graph1"], FRONT) == int(front)
+                out.append(run(trainer))
+            finally:
+                getattr(trainer, "close", lambda: None)()
+    return out
+
+
+def _differ(state0: dict, state1: dict) -> list[str]:
+    """The state entries whose bytes differ (and any entry only one side has)."""
+    keys = state0.keys() | state1.keys()
+    return sorted(k for k in keys if k not in state0 or k not in state1
+                  or np.asarray(state0[k]).tobytes() != np.asarray(state1[k]).tobytes())
+
+
 # ------------------------------------------------------------------------------ in the plan
 @pytest.mark.parametrize("overrides, front", [
     (source_overrides("core"), True), (source_overrides("iqn"), True),
@@ -67,19 +91,14 @@ def test_on_the_cpu_executor_the_front_steps_bitwise_as_its_three_kernels(
 
     config = DQNConfig.preset("tiny", precision=precision, **source_overrides(source))
     batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
-    runs = []
-    for front in (True, False):
-        with monkeypatch.context() as patch:
-            if not front:
-                patch.setattr(graph1_plan, "gather_project_dueling", lambda c: False)
-            trainer = CpuTrainer(config, seed=5)
-            assert _count(trainer.engine.plans["graph1"], FRONT) == int(front)
-            scalars = [trainer.step(b) for b in batches]
-            runs.append((trainer.state_dict(), scalars, np.array(trainer.last_td_errors())))
-    (state0, scalars0, td0), (state1, scalars1, td1) = runs
-    assert state0.keys() == state1.keys()
-    assert not [k for k in state0
-                if np.asarray(state0[k]).tobytes() != np.asarray(state1[k]).tobytes()]
+
+    def run(trainer):
+        scalars = [trainer.step(b) for b in batches]
+        return trainer.state_dict(), scalars, np.array(trainer.last_td_errors())
+
+    (state0, scalars0, td0), (state1, scalars1, td1) = _both_ways(
+        monkeypatch, lambda: CpuTrainer(config, seed=5), run)
+    assert not _differ(state0, state1)
     assert scalars0 == scalars1 and td0.tobytes() == td1.tobytes()
 
 
@@ -103,21 +122,13 @@ def test_on_the_gpu_the_front_steps_bitwise_as_its_three_kernels(monkeypatch, pr
     config = DQNConfig.preset("seed", precision=precision, **source_overrides(source))
     batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
     batches[2].r[3] = np.nan
-    states = []
-    for front in (True, False):
-        with monkeypatch.context() as patch:
-            if not front:
-                patch.setattr(graph1_plan, "gather_project_dueling", lambda c: False)
-            trainer = Trainer(config, seed=5)
-            try:
-                assert _count(trainer.engine.plans["graph1"], FRONT) == int(front)
-                for b in batches:
-                    trainer.step(b)
-                states.append(trainer.state_dict())
-            finally:
-                trainer.close()
-    assert not [k for k in states[0]
-                if np.asarray(states[0][k]).tobytes() != np.asarray(states[1][k]).tobytes()]
+
+    def run(trainer):
+        for b in batches:
+            trainer.step(b)
+        return trainer.state_dict()
+
+    assert not _differ(*_both_ways(monkeypatch, lambda: Trainer(config, seed=5), run))
 
 
 @pytest.mark.gpu
