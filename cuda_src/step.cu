@@ -241,10 +241,10 @@ extern "C" __global__ void double_dqn_gather_branches(const float* __restrict__ 
 // block-wide, so a sample is "windowed" (c51_project_sample) only when every branch's is: either
 // path gives the same bits. Two paths (block-uniform):
 // - one tile (NA <= T, the seed's shapes): thread x of group d keeps p_next[d, b, x] and its
-//   taken gradient in registers (c51_project_tile), writes them, then the dueling backward's
-//   branch-d terms of cell (b, x) from them (every row not taken holds +0.0: dueling_backward_
-//   cell's x values), stages its branch sum in shared memory; after a barrier group 0 adds the
-//   branch sums in branch order from +0.0 into dv[b, x];
+//   taken gradient in registers (c51_project_tile), writes them, then computes the dueling
+//   backward's branch-d terms of cell (b, x) from them (the values dueling_backward_cell would
+//   load: the taken row's gradient, +0.0 in every other row), stages its branch sum in shared
+//   memory; after a barrier group 0 adds the branch sums in branch order from +0.0 into dv[b, x];
 // - several tiles: group d gathers p_next[d, b, :] into memory (each thread reads back only what
 //   it wrote) and runs c51_project_sample; after a barrier (the sample's dlogits are written by
 //   this block) the block's threads run the dueling backward's cells (b, j), j = thread, thread +

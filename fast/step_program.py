@@ -423,10 +423,12 @@ class StepProgram:
         Each loss's ``pre`` and one fused dueling backward (with the value gradient summed over
         the branches in the reference's order) run side by side; a loss in ``dueling_done`` has
         its ``dv_<loss>`` and ``dadv_<loss>`` written by its ``pre`` already
-        (``c51_gather_project_dueling_branches``), so it gets no dueling backward. Then parallel branches: one per
-        advantage head (its GEMMs), the value head, and the trunk (after every head's ``dh2``
-        part; the parts are summed in the reference's order: branches, then value). Each head
-        computes its ``dh2`` part before its weight gradients, so those overlap the trunk.
+        (``c51_gather_project_dueling_branches``), so it gets no dueling backward. Then
+        parallel branches: one per advantage head (its GEMMs), the value head, and the trunk
+        (after every head's ``dh2`` part; the parts are summed in the reference's order:
+        branches, then value). Each head computes its ``dh2`` part before its weight gradients,
+        so those overlap the trunk; its hidden layer's bias sum runs beside them
+        (``input_grad``'s ``then``).
 
         ``aux_dh2`` (the C51 pass with the auxiliary heads on: their weighted ``d h2``, ready at
         event ``aux_dh2``): after the heads' sum (and slot 33's check of it) the guarded

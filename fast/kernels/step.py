@@ -211,8 +211,9 @@ def c51_gather_project_dueling_branches(logp_target, q_online, actions, logp, r,
     nb, na = len(branches), logp_target.shape[1]
     rows = batch * sum(branches)
     disc, ref, on = n_step_args(discount, gamma_ref, batch)
+    plan = plan_c51_gather_project_dueling_branches(nb, batch, na)
     out = launch(
-        "c51_gather_project_dueling_branches", plan_c51_gather_project_dueling_branches(nb, batch, na),
+        "c51_gather_project_dueling_branches", plan,
         In(logp_target), In(q_online), In(actions), In(np.array(branches, I32)),
         In(np.array(branch_offsets(branches), I32)), In(logp), In(r), In(done), In(gamma), In(z),
         In(isw), device_scalar(s), disc, Out((nb, batch), I32), Out((nb, batch, na), F32),
