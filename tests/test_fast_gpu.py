@@ -917,3 +917,24 @@ def test_spectral_norm_wide_matrix_crosses_column_tiles():
                                                   sigma_max)
     assert np.array_equal(batched.ws[0], got.w) and np.array_equal(batched.us[0], got.u)
     assert np.array_equal(batched.vs[0], got.v) and batched.sigmas[0] == got.sigma
+
+
+@pytest.mark.parametrize("rows, cols", [(256, 256), (256, 128), (257, 259), (5, 3)])
+def test_relu_mask_then_bias_grad_reduce_gives_relu_mask_bias_grads_bits(rows, cols):
+    """The step's loss backward masks its ReLU gradients with ``relu_mask`` and sums the bias
+    gradient with ``bias_grad_reduce`` beside the next GEMM (``StepProgram.input_grad``'s
+    ``then``); elsewhere ``relu_mask_bias_grad`` does both. On the GPU the two give the same
+    bits (``cuda_src/dense.cu``, the fused kernel's comment), NaN, Inf and huge terms included
+    (a column holding one is re-summed row by row by both)."""
+    from foxhunt.fast.kernels import dense as fdense
+
+    rng = np.random.default_rng(rows * 1000 + cols)
+    dy = rng.standard_normal((rows, cols)).astype(np.float32)
+    h = rng.standard_normal((rows, cols)).astype(np.float32)
+    h[0, 0], dy[1, 1], h[1, 1] = np.nan, np.nan, 1.0
+    dy[-1, -1], h[-1, -1] = np.inf, 2.0
+    dy[rows // 2, 0], h[rows // 2, 0] = np.float32(2.0**100), 1.0
+    fused = fdense.relu_mask_bias_grad(dy, h)
+    dx = fdense.relu_mask(dy, h)
+    assert dx.tobytes() == fused.dx.tobytes()
+    assert fdense.bias_grad_reduce(dx).tobytes() == fused.db.tobytes()
