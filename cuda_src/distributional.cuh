@@ -639,8 +639,17 @@ static __device__ __forceinline__ float c51_project_term(float target_k, float p
 
 // c51_project_sample's one-tile path (num_atoms <= blockDim.x, every thread of the block):
 // thread i = threadIdx.x owns target atom i and gives p_i = p[i] (any value where i >=
-// num_atoms); returns m_i (+0.0 where i >= num_atoms). Stages Tz_i and p_i, checks "windowed"
-// with the staging barrier (below) and ends with a barrier (the tiles are free again).
+// num_atoms); returns m_i (+0.0 where i >= num_atoms); ends with a barrier (the tiles are free
+// again). The block checks, with the staging barrier (__syncthreads_or), that the sample is
+// "windowed": dz > 0 finite, every z_j and p_j finite, every Tz_j not NaN and Tz nondecreasing
+// in j. Then s_k = Tz_k - z_i (rounded) is nondecreasing in k, so the k with |s_k| < dz form one
+// run, found by a binary search for the first s_k > -dz; thread i adds the terms of that run
+// only, in source order. Every other term is an exact no-op: |s_k| >= dz gives |s_k| / dz >= 1
+// after rounding, so the weight is +-0.0 and p_k * weight = +-0.0 (p_k finite), and acc +
+// (+-0.0) == acc bit for bit (acc starts at +0.0 and can never become -0.0). So m_i is bitwise
+// the full sum's. A sample that is not windowed (a NaN or infinite input, a decreasing Tz) runs
+// the full sum over every k. (A block running several samples side by side, as step.cu's
+// c51_gather_project_dueling_branches does, ORs their checks: either path gives the same bits.)
 static __device__ __forceinline__ float c51_project_tile(
     float p_i, float reward, float discount, const float* __restrict__ z, int num_atoms,
     float v_min, float v_max, float dz, float* tile_target, float* tile_p) {
@@ -697,15 +706,7 @@ static __device__ __forceinline__ float c51_project_tile(
 // m[b, i] it has just computed (c51_grad's operations; it reads m[b, i] from memory, the same
 // float); its logp load is issued before the projection's loop so that it overlaps it.
 //
-// One tile (NA <= blockDim, every plan of NA <= 256): the block also checks, with the staging
-// barrier (__syncthreads_or), that the sample is "windowed": dz > 0 finite, every z_j and p_j
-// finite, every Tz_j not NaN and Tz nondecreasing in j. Then s_k = Tz_k - z_i (rounded) is
-// nondecreasing in k, so the k with |s_k| < dz form one run, found by a binary search for the
-// first s_k > -dz; thread i adds the terms of that run only, in source order. Every other term
-// is an exact no-op: |s_k| >= dz gives |s_k| / dz >= 1 after rounding, so the weight is +-0.0
-// and p_k * weight = +-0.0 (p_k finite), and acc + (+-0.0) == acc bit for bit (acc starts at
-// +0.0 and can never become -0.0). So m_i is bitwise the full sum's. A sample that is not
-// windowed (a NaN or infinite input, a decreasing Tz) runs the full sum over every k.
+// One tile (NA <= blockDim, every plan of NA <= 256): c51_project_tile.
 static __device__ __forceinline__ void c51_project_sample(
     const float* __restrict__ p, float reward, float discount, const float* __restrict__ z,
     float* __restrict__ m_row, const float* __restrict__ logp_taken, float grad_weight,
