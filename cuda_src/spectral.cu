@@ -54,6 +54,8 @@
 // false).
 #include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"
+#include "adam.cuh"  // adam_spectral_polyak: Adam's and Polyak's elements (shared with optim.cu)
+#include "bf16_bits.cuh"  // f32_to_bf16_bits (the mirrors)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define SPECTRAL_CLUSTER 8
@@ -587,4 +589,182 @@ batched_spectral_norm(const SpectralMatrix* __restrict__ mats, int count, float 
     const SpectralMatrix mat = mats[k];
     hb_spectral_norm_cluster(mat.w, mat.u, mat.v, mat.rows, mat.cols, sigma_max, eps,
                              &sigmas[k]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Graph 2's optimiser chain in one launch
+// ---------------------------------------------------------------------------------------------
+
+// adam_spectral_polyak: adam_update on [0, n_adam), then batched_spectral_norm on the count
+// matrices, then polyak_update_mirror on [0, n) -- the composition, with each element's
+// arithmetic that of the kernel it comes from (adam.cuh; hb_spectral_norm_cluster itself), so
+// the results are bitwise those of the three launches in a row:
+//   param_i, m_i, v_i = adam(param_i, grad_i, m_i, v_i)        i < n_adam
+//   W_k, u_k, v_k, sigmas[k] = spectral_norm(W_k, u_k, v_k)    every matrix k (W_k inside param)
+//   target_i = (1 - tau) target_i + tau param_i;  online_bf16_i = bf16(param_i);
+//   target_bf16_i = bf16(target_i)                             i < n
+// NaN contracts: the three kernels' (a non-finite scaled gradient leaves its element's param,
+// m, v; a NaN/Inf in W propagates through its sums and a NaN sigma leaves W unscaled; the
+// blend and the mirrors propagate NaN/Inf, a mirror keeps a NaN's sign and high payload).
+//
+// Layout (the plan's precondition, fast/kernels/spectral.py: adam_spectral_polyak_fits): the
+// matrices lie inside param in increasing order, matrix 0 at param[0]; matrix k's REGION is
+// [w_k - param, w_{k+1} - param) (the last one's ends at n): its rows, then the elements before
+// the next matrix (biases, padding), which no spectral norm touches. Cluster k owns region k:
+// its block of rank r Adam-updates the rows the spectral norm gives it ([r0, r1): per =
+// ceil(rows / C)) and a 1/C share of the region's tail, blends and mirrors the tail at once
+// (its values are final), then runs the power iteration and the bound (which reads and writes
+// only the block's own rows of W), then blends and mirrors its rows. Each element is thus
+// written by one thread of one block, and the spectral norm reads W after its block's Adam
+// (a fence and a block barrier between them); the blocks of a cluster meet only inside
+// hb_spectral_norm_cluster. Grid count * SPECTRAL_CLUSTER, block and dynamic shared memory as
+// batched_spectral_norm (plan_adam_spectral_polyak). param is not __restrict__: the
+// descriptors' w point into it.
+#define ASP_BATCH 4  // elements one thread loads before it computes any (loads in flight)
+
+// Polyak and the mirrors of element i, whose online value is o.
+__device__ __forceinline__ void asp_blend(float* __restrict__ target,
+                                          unsigned short* __restrict__ online_bf16,
+                                          unsigned short* __restrict__ target_bf16, float keep,
+                                          float tau, long long i, float o, float old) {
+    const float t = hb_polyak(keep, old, tau, o);
+    target[i] = t;
+    online_bf16[i] = f32_to_bf16_bits(o);
+    target_bf16[i] = f32_to_bf16_bits(t);
+}
+
+// Adam on param[lo, min(hi, n_adam)) by the calling block; with `blend`, Polyak and the mirrors
+// of every element of [lo, hi) too (with its final value: Adam's, or param's where Adam leaves
+// it or does not reach).
+__device__ __forceinline__ void asp_adam_range(float* param, const float* __restrict__ grad,
+                                               float* __restrict__ m, float* __restrict__ v,
+                                               long long n_adam, const HbAdam& s, long long lo,
+                                               long long hi, bool blend,
+                                               float* __restrict__ target,
+                                               unsigned short* __restrict__ online_bf16,
+                                               unsigned short* __restrict__ target_bf16,
+                                               float keep, float tau) {
+    const long long threads = blockDim.x;
+    const long long adam_hi = min(hi, n_adam);
+    for (long long base = lo + threadIdx.x; base < hi; base += ASP_BATCH * threads) {
+        float p[ASP_BATCH], g[ASP_BATCH], mk[ASP_BATCH], vk[ASP_BATCH], old[ASP_BATCH];
+#pragma unroll
+        for (int q = 0; q < ASP_BATCH; ++q) {
+            const long long i = base + q * threads;
+            p[q] = i < hi ? param[i] : 0.0f;
+            const bool adam = i < adam_hi;
+            g[q] = adam ? grad[i] : 0.0f;
+            mk[q] = adam ? m[i] : 0.0f;
+            vk[q] = adam ? v[i] : 0.0f;
+            old[q] = blend && i < hi ? target[i] : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < ASP_BATCH; ++q) {
+            const long long i = base + q * threads;
+            if (i < adam_hi && hb_adam_element(s, g[q], p[q], mk[q], vk[q])) {
+                param[i] = p[q];
+                m[i] = mk[q];
+                v[i] = vk[q];
+            }
+            if (blend && i < hi) {
+                asp_blend(target, online_bf16, target_bf16, keep, tau, i, p[q], old[q]);
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ void adam_spectral_polyak_body(
+    float* param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v,
+    long long n_adam, const long long* __restrict__ step, float lr, float beta1, float beta2,
+    float eps, float weight_decay, const float* __restrict__ grad_scale,
+    const float* __restrict__ weight_clamp, const SpectralMatrix* __restrict__ mats, int count,
+    float sigma_max, float spectral_eps, float* __restrict__ sigmas, float* __restrict__ target,
+    long long n, float tau, unsigned short* __restrict__ online_bf16,
+    unsigned short* __restrict__ target_bf16) {
+    const int k = blockIdx.x / SPECTRAL_CLUSTER;
+    if (k >= count) {
+        return;  // uniform across the cluster
+    }
+    __shared__ float adam_shared[4];  // bc1, bc2, grad_scale, weight_clamp
+    hb_adam_publish(adam_shared, step, beta1, beta2, grad_scale, weight_clamp);
+    const SpectralMatrix mat = mats[k];
+    const int rank = SpectralCluster::rank();
+    const long long begin = mat.w - param;
+    const long long end = k + 1 < count ? mats[k + 1].w - param : n;
+    const int per = (mat.rows + SPECTRAL_CLUSTER - 1) / SPECTRAL_CLUSTER;
+    const int r0 = min(mat.rows, rank * per);
+    const int r1 = min(mat.rows, r0 + per);
+    const long long rows_lo = begin + (long long)r0 * mat.cols;
+    const long long rows_hi = begin + (long long)r1 * mat.cols;
+    const long long tail = begin + (long long)mat.rows * mat.cols;
+    const long long share = (end - tail + SPECTRAL_CLUSTER - 1) / SPECTRAL_CLUSTER;
+    const long long tail_lo = min(end, tail + rank * share);
+    const long long tail_hi = min(end, tail_lo + share);
+    __syncthreads();
+    const HbAdam s = hb_adam_scalars(adam_shared, lr, beta1, beta2, eps, weight_decay);
+    const float keep = __fsub_rn(1.0f, tau);
+    asp_adam_range(param, grad, m, v, n_adam, s, tail_lo, tail_hi, true, target, online_bf16,
+                   target_bf16, keep, tau);
+    asp_adam_range(param, grad, m, v, n_adam, s, rows_lo, rows_hi, false, target, online_bf16,
+                   target_bf16, keep, tau);
+    __threadfence();  // the block's Adam writes of its rows, before the power iteration reads them
+    __syncthreads();
+    hb_spectral_norm_cluster(mat.w, mat.u, mat.v, mat.rows, mat.cols, sigma_max, spectral_eps,
+                             &sigmas[k]);
+    __syncthreads();  // the block's rows of W are final (the bound wrote them, or Adam did)
+    const long long threads = blockDim.x;
+    for (long long base = rows_lo + threadIdx.x; base < rows_hi; base += ASP_BATCH * threads) {
+        float o[ASP_BATCH], old[ASP_BATCH];
+#pragma unroll
+        for (int q = 0; q < ASP_BATCH; ++q) {
+            const long long i = base + q * threads;
+            o[q] = i < rows_hi ? param[i] : 0.0f;
+            old[q] = i < rows_hi ? target[i] : 0.0f;
+        }
+#pragma unroll
+        for (int q = 0; q < ASP_BATCH; ++q) {
+            const long long i = base + q * threads;
+            if (i < rows_hi) {
+                asp_blend(target, online_bf16, target_bf16, keep, tau, i, o[q], old[q]);
+            }
+        }
+    }
+}
+
+extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1)
+__launch_bounds__(SPECTRAL_TREE_THREADS, SPECTRAL_MIN_BLOCKS)
+adam_spectral_polyak(float* param, const float* __restrict__ grad, float* __restrict__ m,
+                     float* __restrict__ v, long long n_adam, const long long* __restrict__ step,
+                     float lr, float beta1, float beta2, float eps, float weight_decay,
+                     const float* __restrict__ grad_scale, const float* __restrict__ weight_clamp,
+                     const SpectralMatrix* __restrict__ mats, int count, float sigma_max,
+                     float spectral_eps, float* __restrict__ sigmas, float* __restrict__ target,
+                     long long n, float tau, unsigned short* __restrict__ online_bf16,
+                     unsigned short* __restrict__ target_bf16) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
+    adam_spectral_polyak_body(param, grad, m, v, n_adam, step, lr, beta1, beta2, eps,
+                              weight_decay, grad_scale, weight_clamp, mats, count, sigma_max,
+                              spectral_eps, sigmas, target, n, tau, online_bf16, target_bf16);
+}
+
+// adam_spectral_polyak_ptr: adam_spectral_polyak with tau read from device memory (*tau, the
+// adaptive tau's ISV slot copied at graph 1's start), as polyak_update_mirror_ptr.
+extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1)
+__launch_bounds__(SPECTRAL_TREE_THREADS, SPECTRAL_MIN_BLOCKS)
+adam_spectral_polyak_ptr(float* param, const float* __restrict__ grad, float* __restrict__ m,
+                         float* __restrict__ v, long long n_adam,
+                         const long long* __restrict__ step, float lr, float beta1, float beta2,
+                         float eps, float weight_decay, const float* __restrict__ grad_scale,
+                         const float* __restrict__ weight_clamp,
+                         const SpectralMatrix* __restrict__ mats, int count, float sigma_max,
+                         float spectral_eps, float* __restrict__ sigmas,
+                         float* __restrict__ target, long long n, const float* __restrict__ tau,
+                         unsigned short* __restrict__ online_bf16,
+                         unsigned short* __restrict__ target_bf16) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
+    adam_spectral_polyak_body(param, grad, m, v, n_adam, step, lr, beta1, beta2, eps,
+                              weight_decay, grad_scale, weight_clamp, mats, count, sigma_max,
+                              spectral_eps, sigmas, target, n, *tau, online_bf16, target_bf16);
 }
