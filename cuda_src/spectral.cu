@@ -55,8 +55,7 @@
 #include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "reduce.cuh"
 #include "adam.cuh"  // adam_spectral_polyak: Adam's and Polyak's elements (shared with optim.cu)
-#include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (the mirrors)
-#include "flat.cuh"  // fh_aligned
+#include "bf16_bits.cuh"  // f32_to_bf16_bits (the mirrors)
 
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define SPECTRAL_CLUSTER 8
@@ -622,10 +621,6 @@ batched_spectral_norm(const SpectralMatrix* __restrict__ mats, int count, float 
 // batched_spectral_norm (plan_adam_spectral_polyak). param is not __restrict__: the
 // descriptors' w point into it.
 #define ASP_BATCH 4  // elements one thread loads before it computes any (loads in flight)
-// Blocks per SM the fused kernels' registers are set for: 2 (at most 64 registers a thread, for
-// the vector path's ASP_GROUPS groups of four arrays in flight), not batched_spectral_norm's 4:
-// a step has a cluster per matrix (80 blocks for the seed's 10), one or two per SM.
-#define ASP_MIN_BLOCKS 2
 
 // Polyak and the mirrors of element i, whose online value is o.
 __device__ __forceinline__ void asp_blend(float* __restrict__ target,
@@ -678,111 +673,6 @@ __device__ __forceinline__ void asp_adam_range(float* param, const float* __rest
     }
 }
 
-// The rows' phases with 16-byte accesses (the seed's matrices: rows of a multiple of 4 floats
-// from an aligned start): every group of 4 elements a thread takes, ASP_GROUPS of them, is
-// loaded before any is computed, so a block's share of a matrix is one round trip to memory
-// per phase (the scalar path, asp_adam_range, needs ASP_BATCH-element rounds). The same
-// element arithmetic as the scalar path (hb_adam_element, asp_blend's), so the same bits.
-#define ASP_GROUPS 4
-
-__device__ __forceinline__ float& asp_lane(float4& x, int j) {
-    return j == 0 ? x.x : j == 1 ? x.y : j == 2 ? x.z : x.w;
-}
-
-// Adam on the groups [g0, g1) of 4 elements (element 4 g of param); elements at or past n_adam
-// are neither read nor written through grad, m, v.
-__device__ __forceinline__ void asp_adam_groups(float* param, const float* __restrict__ grad,
-                                                float* __restrict__ m, float* __restrict__ v,
-                                                long long n_adam, const HbAdam& s, long long g0,
-                                                long long g1) {
-    float4* const p4 = reinterpret_cast<float4*>(param);
-    const float4* const g4 = reinterpret_cast<const float4*>(grad);
-    float4* const m4 = reinterpret_cast<float4*>(m);
-    float4* const v4 = reinterpret_cast<float4*>(v);
-    const long long threads = blockDim.x;
-    for (long long base = g0 + threadIdx.x; base < g1; base += ASP_GROUPS * threads) {
-        float4 p[ASP_GROUPS], g[ASP_GROUPS], mk[ASP_GROUPS], vk[ASP_GROUPS];
-#pragma unroll
-        for (int q = 0; q < ASP_GROUPS; ++q) {
-            const long long x = base + q * threads;
-            const bool whole = x < g1 && 4 * x + 4 <= n_adam;
-            p[q] = x < g1 ? p4[x] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            g[q] = whole ? g4[x] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            mk[q] = whole ? m4[x] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            vk[q] = whole ? v4[x] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int q = 0; q < ASP_GROUPS; ++q) {
-            const long long x = base + q * threads;
-            if (x >= g1 || 4 * x >= n_adam) {
-                continue;
-            }
-            if (4 * x + 4 <= n_adam) {
-                bool any = false;
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    any |= hb_adam_element(s, asp_lane(g[q], j), asp_lane(p[q], j),
-                                           asp_lane(mk[q], j), asp_lane(vk[q], j));
-                }
-                if (any) {  // a lane Adam skipped stores its own bits back
-                    p4[x] = p[q];
-                    m4[x] = mk[q];
-                    v4[x] = vk[q];
-                }
-            } else {  // the group n_adam cuts: element by element
-                for (int j = 0; j < 4; ++j) {
-                    const long long i = 4 * x + j;
-                    float pj = asp_lane(p[q], j), mj, vj;
-                    if (i < n_adam) {
-                        mj = m[i];
-                        vj = v[i];
-                        if (hb_adam_element(s, grad[i], pj, mj, vj)) {
-                            param[i] = pj;
-                            m[i] = mj;
-                            v[i] = vj;
-                        }
-                    }
-                }
-            }
-        }
-    }
-}
-
-// Polyak and the mirrors of the groups [g0, g1).
-__device__ __forceinline__ void asp_blend_groups(const float* param, float* __restrict__ target,
-                                                 unsigned short* __restrict__ online_bf16,
-                                                 unsigned short* __restrict__ target_bf16,
-                                                 float keep, float tau, long long g0,
-                                                 long long g1) {
-    const float4* const p4 = reinterpret_cast<const float4*>(param);
-    float4* const t4 = reinterpret_cast<float4*>(target);
-    uint2* const ob4 = reinterpret_cast<uint2*>(online_bf16);
-    uint2* const tb4 = reinterpret_cast<uint2*>(target_bf16);
-    const long long threads = blockDim.x;
-    for (long long base = g0 + threadIdx.x; base < g1; base += ASP_GROUPS * threads) {
-        float4 o[ASP_GROUPS], old[ASP_GROUPS];
-#pragma unroll
-        for (int q = 0; q < ASP_GROUPS; ++q) {
-            const long long x = base + q * threads;
-            o[q] = x < g1 ? p4[x] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            old[q] = x < g1 ? t4[x] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int q = 0; q < ASP_GROUPS; ++q) {
-            const long long x = base + q * threads;
-            if (x < g1) {
-                const float4 t = make_float4(hb_polyak(keep, old[q].x, tau, o[q].x),
-                                             hb_polyak(keep, old[q].y, tau, o[q].y),
-                                             hb_polyak(keep, old[q].z, tau, o[q].z),
-                                             hb_polyak(keep, old[q].w, tau, o[q].w));
-                t4[x] = t;
-                ob4[x] = bf16_quad_bits(o[q]);
-                tb4[x] = bf16_quad_bits(t);
-            }
-        }
-    }
-}
-
 __device__ __forceinline__ void adam_spectral_polyak_body(
     float* param, const float* __restrict__ grad, float* __restrict__ m, float* __restrict__ v,
     long long n_adam, const long long* __restrict__ step, float lr, float beta1, float beta2,
@@ -815,27 +705,13 @@ __device__ __forceinline__ void adam_spectral_polyak_body(
     const float keep = __fsub_rn(1.0f, tau);
     asp_adam_range(param, grad, m, v, n_adam, s, tail_lo, tail_hi, true, target, online_bf16,
                    target_bf16, keep, tau);
-    // The vector path (uniform: the same pointers and shapes for the whole cluster).
-    const bool vec = (begin & 3) == 0 && (mat.cols & 3) == 0 && fh_aligned(param, 16) &&
-                     fh_aligned(grad, 16) && fh_aligned(m, 16) && fh_aligned(v, 16) &&
-                     fh_aligned(target, 16) && fh_aligned(online_bf16, 8) &&
-                     fh_aligned(target_bf16, 8);
-    if (vec) {
-        asp_adam_groups(param, grad, m, v, n_adam, s, rows_lo / 4, rows_hi / 4);
-    } else {
-        asp_adam_range(param, grad, m, v, n_adam, s, rows_lo, rows_hi, false, target,
-                       online_bf16, target_bf16, keep, tau);
-    }
+    asp_adam_range(param, grad, m, v, n_adam, s, rows_lo, rows_hi, false, target, online_bf16,
+                   target_bf16, keep, tau);
     __threadfence();  // the block's Adam writes of its rows, before the power iteration reads them
     __syncthreads();
     hb_spectral_norm_cluster(mat.w, mat.u, mat.v, mat.rows, mat.cols, sigma_max, spectral_eps,
                              &sigmas[k]);
     __syncthreads();  // the block's rows of W are final (the bound wrote them, or Adam did)
-    if (vec) {
-        asp_blend_groups(param, target, online_bf16, target_bf16, keep, tau, rows_lo / 4,
-                         rows_hi / 4);
-        return;
-    }
     const long long threads = blockDim.x;
     for (long long base = rows_lo + threadIdx.x; base < rows_hi; base += ASP_BATCH * threads) {
         float o[ASP_BATCH], old[ASP_BATCH];
@@ -856,7 +732,7 @@ __device__ __forceinline__ void adam_spectral_polyak_body(
 }
 
 extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1)
-__launch_bounds__(SPECTRAL_TREE_THREADS, ASP_MIN_BLOCKS)
+__launch_bounds__(SPECTRAL_TREE_THREADS, SPECTRAL_MIN_BLOCKS)
 adam_spectral_polyak(float* param, const float* __restrict__ grad, float* __restrict__ m,
                      float* __restrict__ v, long long n_adam, const long long* __restrict__ step,
                      float lr, float beta1, float beta2, float eps, float weight_decay,
@@ -875,7 +751,7 @@ adam_spectral_polyak(float* param, const float* __restrict__ grad, float* __rest
 // adam_spectral_polyak_ptr: adam_spectral_polyak with tau read from device memory (*tau, the
 // adaptive tau's ISV slot copied at graph 1's start), as polyak_update_mirror_ptr.
 extern "C" __global__ void __cluster_dims__(SPECTRAL_CLUSTER, 1, 1)
-__launch_bounds__(SPECTRAL_TREE_THREADS, ASP_MIN_BLOCKS)
+__launch_bounds__(SPECTRAL_TREE_THREADS, SPECTRAL_MIN_BLOCKS)
 adam_spectral_polyak_ptr(float* param, const float* __restrict__ grad, float* __restrict__ m,
                          float* __restrict__ v, long long n_adam,
                          const long long* __restrict__ step, float lr, float beta1, float beta2,
