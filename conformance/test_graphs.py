@@ -50,10 +50,6 @@ SPECS = registry.SPECS
 POINTER_KERNELS = {
     "batched_spectral_norm": "test_batched_spectral_norm_on_the_seed_matrices",
     "nan_check_fused": "test_fused_nan_check_graph_replay_equals_eager",
-    # the step graphs replay it: tests/test_fused_optimizer.py
-    "adam_spectral_polyak": "test_on_the_gpu_the_fused_launch_steps_bitwise_as_its_three_kernels",
-    "adam_spectral_polyak_ptr":
-        "test_on_the_gpu_the_fused_launch_steps_bitwise_as_its_three_kernels",
 }
 
 #: Graph replays per captured launch (inputs reset in between): a graph is replayed every step.

@@ -12,7 +12,6 @@
 #include "reduce.cuh"
 #include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (shared with dense.cu)
 #include "flat.cuh"  // the Polyak update's vector path
-#include "adam.cuh"  // hb_adam_element, hb_bias_correction, hb_polyak (shared with spectral.cu)
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -36,6 +35,12 @@ __device__ __forceinline__ float hb_guarded_axpy(float y, float x, float a) {
 __device__ __forceinline__ float hb_clip_saxpy(float base, float inject, float s_base, float a,
                                                float s_inject) {
     return hb_guarded_axpy(__fmul_rn(base, s_base), __fmul_rn(inject, s_inject), a);
+}
+
+// Polyak blend element: keep * target + tau * online (keep = 1 - tau; products rounded, then
+// the sum).
+__device__ __forceinline__ float hb_polyak(float keep, float target, float tau, float online) {
+    return __fadd_rn(__fmul_rn(keep, target), __fmul_rn(tau, online));
 }
 
 // Grid-stride loop bounds: thread's first index and the stride.
@@ -787,6 +792,16 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
 // Adam
 // ---------------------------------------------------------------------------------------------
 
+// 1 - beta^t with t rounded to float32 first (the reference's float(t)). The power is taken in
+// double and rounded once to float32: the correctly rounded float32 power except in cases of
+// probability ~2^-28 (CUDA's pow is within 2 double ulp). See fast/kernels/optim.py on how the
+// reference's own float32 power is computed.
+__device__ __forceinline__ float hb_bias_correction(float beta, long long step) {
+    const float t = __ll2float_rn(step);
+    const float power = __double2float_rn(pow((double)beta, (double)t));
+    return __fsub_rn(1.0f, power);
+}
+
 // adam_update: AdamW with the per-element guard and the Mech 9 clamp, in the reference's order:
 //   g = grad * grad_scale;  if !isfinite(g): param, m, v unchanged
 //   m = beta1*m + (1-beta1)*g;  v = beta2*v + (1-beta2)*(g*g)
@@ -835,24 +850,43 @@ extern "C" __global__ void adam_update(float* __restrict__ param, const float* _
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
     __shared__ float shared[4];  // bc1, bc2, grad_scale, weight_clamp
-    hb_adam_publish(shared, step, beta1, beta2, grad_scale, weight_clamp);
+    const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
+    if (threadIdx.x == 0) {
+        shared[0] = hb_bias_correction(beta1, *step);
+        shared[2] = *grad_scale;
+        shared[3] = *weight_clamp;
+    }
+    if (threadIdx.x == second) {
+        shared[1] = hb_bias_correction(beta2, *step);
+    }
     const long long stride = hb_grid_stride();
     long long first = hb_first_index();
     AdamLoad x;
     hb_adam_load(x, param, grad, m, v, first, stride, n);
     __syncthreads();
-    const HbAdam s = hb_adam_scalars(shared, lr, beta1, beta2, eps, weight_decay);
+    const float bc1 = shared[0], bc2 = shared[1], scale = shared[2], clamp = shared[3];
+    const float keep1 = __fsub_rn(1.0f, beta1);
+    const float keep2 = __fsub_rn(1.0f, beta2);
     while (first < n) {
 #pragma unroll
         for (int k = 0; k < ADAM_UNROLL; ++k) {
             const long long i = first + k * stride;
-            float p = x.p[k], mk = x.m[k], vk = x.v[k];
-            // past the end, or gradient zeroed: param, m, v keep their bits
-            if (i < n && hb_adam_element(s, x.g[k], p, mk, vk)) {
-                param[i] = p;
-                m[i] = mk;
-                v[i] = vk;
+            const float g = __fmul_rn(x.g[k], scale);
+            if (i >= n || !isfinite(g)) {
+                continue;  // past the end; or gradient zeroed: param, m, v keep their bits
             }
+            const float p = x.p[k];
+            const float m_new = __fadd_rn(__fmul_rn(beta1, x.m[k]), __fmul_rn(keep1, g));
+            const float v_new = __fadd_rn(__fmul_rn(beta2, x.v[k]),
+                                          __fmul_rn(keep2, __fmul_rn(g, g)));
+            const float mhat = __fdiv_rn(m_new, bc1);
+            const float vhat = __fdiv_rn(v_new, bc2);
+            const float step_dir = __fdiv_rn(mhat, __fadd_rn(__fsqrt_rn(vhat), eps));
+            const float update = __fadd_rn(step_dir, __fmul_rn(weight_decay, p));
+            const float p_new = __fsub_rn(p, __fmul_rn(lr, update));
+            param[i] = isfinite(p_new) ? fminf(fmaxf(p_new, -clamp), clamp) : 0.0f;
+            m[i] = m_new;
+            v[i] = v_new;
         }
         first += ADAM_UNROLL * stride;
         hb_adam_load(x, param, grad, m, v, first, stride, n);

@@ -350,36 +350,26 @@ def _clip_saxpy_norm_partial(a):
             "inject_norm_sq_out": [r.inject_norm_sq]}
 
 
-def _adam_of(a, param: np.ndarray) -> dict:
-    """``adam_update`` of ``param`` with the launch's gradient, moments and scalars."""
-    r = optim.adam_update(param, a.grad, a.m, a.v, step=int(a.step[0]), lr=a.lr, beta1=a.beta1,
+@twin("adam_update", param="n", grad="n", m="n", v="n", step=1, grad_scale=1, weight_clamp=1)
+def _adam_update(a):
+    r = optim.adam_update(a.param, a.grad, a.m, a.v, step=int(a.step[0]), lr=a.lr, beta1=a.beta1,
                           beta2=a.beta2, eps=a.eps, weight_decay=a.weight_decay,
                           grad_scale=a.grad_scale[0], weight_clamp=a.weight_clamp[0])
     return {"param": r.param, "m": r.m, "v": r.v}
 
 
-@twin("adam_update", param="n", grad="n", m="n", v="n", step=1, grad_scale=1, weight_clamp=1)
-def _adam_update(a):
-    return _adam_of(a, a.param)
-
-
-def _polyak_update_mirror_of(target, online, tau) -> dict:
-    r = optim.polyak_update_mirror(target, online, tau)
+@twin("polyak_update_mirror", target="n", online="n", online_bf16="n", target_bf16="n")
+def _polyak_update_mirror(a):
+    r = optim.polyak_update_mirror(a.target, a.online, a.tau)
     return {"target": r.target, "online_bf16": r.online_bf16, "target_bf16": r.target_bf16}
 
 
-@twin("polyak_update_mirror", target="n", online="n", online_bf16="n", target_bf16="n")
-def _polyak_update_mirror(a):
-    return _polyak_update_mirror_of(a.target, a.online, a.tau)
-
-
-def _spectral_in_place(a, eps) -> np.ndarray:
-    """``spectral_norm`` on every matrix the descriptor table ``mats`` names, written back in
-    place (arena memory); returns the sigmas."""
+@twin("batched_spectral_norm", mats=("count", SPECTRAL_MATRIX_BYTES), sigmas="count")
+def _batched_spectral_norm(a):
     from foxhunt.fast.kernels.spectral import SPECTRAL_MATRIX_DTYPE
 
-    if F32.type(eps) != spectral.SPECTRAL_EPS:
-        raise ValueError(f"spectral norm: eps {eps} is not SPECTRAL_EPS")
+    if F32.type(a.eps) != spectral.SPECTRAL_EPS:
+        raise ValueError(f"batched_spectral_norm: eps {a.eps} is not SPECTRAL_EPS")
     sigmas = np.zeros(a.count, np.float32)
     for k, d in enumerate(np.ascontiguousarray(a.mats).view(SPECTRAL_MATRIX_DTYPE).reshape(-1)):
         rows, cols = int(d["rows"]), int(d["cols"])
@@ -387,34 +377,7 @@ def _spectral_in_place(a, eps) -> np.ndarray:
         r = spectral.spectral_norm(w.reshape(rows, cols).copy(), u.copy(), v.copy(), a.sigma_max)
         w[:], u[:], v[:] = r.w.ravel(), r.u, r.v
         sigmas[k] = r.sigma
-    return sigmas
-
-
-@twin("batched_spectral_norm", mats=("count", SPECTRAL_MATRIX_BYTES), sigmas="count")
-def _batched_spectral_norm(a):
-    return {"sigmas": _spectral_in_place(a, a.eps)}
-
-
-def _adam_spectral_polyak(a, tau) -> dict:
-    """The composition: Adam's new parameters go into the arena first, where the descriptors
-    point, then the spectral norms in place, then Polyak and the mirrors of the result."""
-    out = {}
-    if a.n_adam:
-        r = _adam_of(a, a.param[:a.n_adam])
-        a.view("param")[:a.n_adam] = r["param"]
-        out = {"m": r["m"], "v": r["v"]}
-    sigmas = _spectral_in_place(a, a.spectral_eps)
-    param = a.view("param").copy()
-    blend = _polyak_update_mirror_of(a.target, param, tau)
-    return {**out, "param": param, "sigmas": sigmas, **blend}
-
-
-_ASP_EXTENTS = dict(param="n", grad="n_adam", m="n_adam", v="n_adam", step=1, grad_scale=1,
-                    weight_clamp=1, mats=("count", SPECTRAL_MATRIX_BYTES), sigmas="count",
-                    target="n", online_bf16="n", target_bf16="n")
-twin("adam_spectral_polyak", **_ASP_EXTENTS)(lambda a: _adam_spectral_polyak(a, a.tau))
-twin("adam_spectral_polyak_ptr", **_ASP_EXTENTS, tau=1)(
-    lambda a: _adam_spectral_polyak(a, a.tau[0]))
+    return {"sigmas": sigmas}
 
 
 # --------------------------------------------------------------------------------------------

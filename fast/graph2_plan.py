@@ -47,23 +47,6 @@ def upload_ops(prog: StepProgram, slots: int) -> list[Ops]:
     return out
 
 
-#: The fused optimiser kernel of each Polyak kernel (the constant tau, the adaptive one's pointer).
-FUSED_OPTIMIZER = {"polyak_update_mirror": "adam_spectral_polyak",
-                   "polyak_update_mirror_ptr": "adam_spectral_polyak_ptr"}
-
-
-def fused_optimizer(prog: StepProgram) -> bool:
-    """Whether graph 2 runs Adam, the spectral norms and Polyak with the mirrors as ONE launch,
-    ``adam_spectral_polyak`` (``_ptr`` with the adaptive tau; the same bits as the three
-    launches): where the weight matrices tile the parameters as the kernel's regions need
-    (``adam_spectral_polyak_fits``)."""
-    from foxhunt.fast.kernels.spectral import adam_spectral_polyak_fits
-
-    lay = prog.lay
-    sizes = [int(np.prod(w.shape)) for w in lay.weights]
-    return adam_spectral_polyak_fits([w.offset for w in lay.weights], sizes, lay.NP)
-
-
 def graph2_ops(prog: StepProgram) -> Ops:
     lay, c = prog.lay, prog.config
     NP = lay.NP
@@ -73,36 +56,24 @@ def graph2_ops(prog: StepProgram) -> Ops:
     # The main Adam covers the core and the auxiliary heads (layout.main_adam_end, rounded up
     # to the tensor alignment: padding only; NP when no IQN or ensemble tensor follows).
     n_main = min(NP, -(-lay.param_layout.main_adam_end // ALIGN_ELEMS) * ALIGN_ELEMS)
-    adam = dict(param="params2", grad="grad", m="adam_m", v="adam_v", step="adam_t",
-                lr=np.float32(c.lr), beta1=np.float32(c.beta1), beta2=np.float32(c.beta2),
-                eps=np.float32(c.adam_eps), weight_decay=np.float32(c.weight_decay),
-                grad_scale="safety_scale", weight_clamp="weight_clamp")
-    n_w = len(lay.weights)
-    spectral = dict(mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
-                    sigmas="sigmas")
-    polyak, tau = isv_plan.polyak_tau(c)  # the adaptive tau's slot (graph 1 copied it), or tau
-    blend = dict(target=target, n=NP, **tau, online_bf16="mirror2",
-                 target_bf16=Buf("mirror2", offset=NP))
+    main.kernel("adam_update", opt.plan_adam_update(n_main), param="params2", grad="grad",
+                m="adam_m", v="adam_v", n=n_main, step="adam_t", lr=np.float32(c.lr),
+                beta1=np.float32(c.beta1), beta2=np.float32(c.beta2), eps=np.float32(c.adam_eps),
+                weight_decay=np.float32(c.weight_decay), grad_scale="safety_scale",
+                weight_clamp="weight_clamp")
+    ops = wave_plan.optimizer(prog, main)
+    # After Adam, in parallel: the check of the Adam moments (final once Adam is done), and the
+    # chain spectral norm, Polyak with the BF16 mirrors of params and target ([params; target]
+    # in mirror2, one launch), the check of params and target.
     moments, chain = prog.ops(), prog.ops()
     prog.fused_check(moments, "desc_lens_moments")
-    if fused_optimizer(prog):
-        # One launch for Adam, the spectral norms, Polyak and the mirrors; the IQN head's Adam
-        # (its own range) before it, since its spectral norm and Polyak read that range.
-        ops = prog.ops()
-        if c.iqn_on:
-            ops.extend(wave_plan.iqn_adam(prog))
-        fused = FUSED_OPTIMIZER[polyak]
-        ops.kernel(fused, spec.plan_adam_spectral_polyak(n_w, prog.arch), **adam, n_adam=n_main,
-                   **spectral, spectral_eps=SPECTRAL_EPS, **blend)
-    else:
-        main.kernel("adam_update", opt.plan_adam_update(n_main), **adam, n=n_main)
-        ops = wave_plan.optimizer(prog, main)
-        # After Adam, in parallel: the check of the Adam moments (final once Adam is done),
-        # and the chain batched spectral norm, Polyak with the BF16 mirrors of params and
-        # target ([params; target] in mirror2, one launch), the check of params and target.
-        chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w, prog.arch),
-                     **spectral, eps=SPECTRAL_EPS)
-        chain.kernel(polyak, opt.plan_polyak_update_mirror(NP), online="params2", **blend)
+    n_w = len(lay.weights)
+    chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w, prog.arch),
+                 mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
+                 eps=SPECTRAL_EPS, sigmas="sigmas")
+    polyak, tau = isv_plan.polyak_tau(c)  # the adaptive tau's slot (graph 1 copied it), or tau
+    chain.kernel(polyak, opt.plan_polyak_update_mirror(NP), target=target, online="params2",
+                 n=NP, **tau, online_bf16="mirror2", target_bf16=Buf("mirror2", offset=NP))
     prog.fused_check(chain, "desc_lens_post")
     if moments.items:
         ops.parallel(moments, chain)
@@ -140,4 +111,4 @@ def graph2_ops(prog: StepProgram) -> Ops:
     return body
 
 
-__all__ = ["FUSED_OPTIMIZER", "STAGING_PREFIX", "fused_optimizer", "graph2_ops", "staging_name", "upload_ops"]
+__all__ = ["STAGING_PREFIX", "graph2_ops", "staging_name", "upload_ops"]

@@ -69,16 +69,12 @@ def test_every_kernel_file_compiles_to_ptx(unit, arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_spectral_kernels_compile_with_the_cluster_the_plans_launch(arch, tmp_path):
-    """spectral.cu compiles its cluster size into its four kernels (``.reqnctapercluster``: 8
-    from sm_90, none before); the launch plans of fast.kernels.spectral use the same number, so
-    a launch never splits a matrix differently from the kernel's own arithmetic."""
+    """spectral.cu compiles its cluster size into both kernels (``.reqnctapercluster``: 8 from
+    sm_90, none before); the launch plans of fast.kernels.spectral use the same number, so a
+    launch never splits a matrix differently from the kernel's own arithmetic."""
     import re
 
-    from foxhunt.fast.kernels.spectral import (
-        plan_adam_spectral_polyak,
-        plan_batched_spectral_norm,
-        plan_spectral_norm,
-    )
+    from foxhunt.fast.kernels.spectral import plan_batched_spectral_norm, plan_spectral_norm
 
     unit = "spectral.cu"
     ptx = compile_sources(arch, "ptx", cache_root=tmp_path,
@@ -89,11 +85,9 @@ def test_spectral_kernels_compile_with_the_cluster_the_plans_launch(arch, tmp_pa
         found = re.search(r"\.reqnctapercluster (\d+), 1, 1", directives)
         clusters[name] = int(found.group(1)) if found else 1
     cluster = plan_spectral_norm(arch)[0]
-    assert clusters == {"spectral_norm": cluster, "batched_spectral_norm": cluster,
-                        "adam_spectral_polyak": cluster, "adam_spectral_polyak_ptr": cluster}
+    assert clusters == {"spectral_norm": cluster, "batched_spectral_norm": cluster}
     assert cluster == (8 if arch == "sm_90" else 1)
     assert plan_batched_spectral_norm(10, arch)[0] == 10 * cluster
-    assert plan_adam_spectral_polyak(10, arch) == plan_batched_spectral_norm(10, arch)
 
 
 def test_all_files_compile_to_sm90_cubin_with_unique_kernel_names(tmp_path):

@@ -81,8 +81,8 @@ def test_switches_off_launch_no_issue19_producer():
         plain.close()
     assert not names & PRODUCER_KERNELS and "isv_q_abs_ref_update" in names
     # the consumers' constant paths: the scalar kernels, no pointer variant
-    assert {"loss_scalars", "adam_spectral_polyak"} <= names | set(scalars)
-    assert not {"loss_scalars_ptr", "adam_spectral_polyak_ptr"} & (names | set(scalars))
+    assert {"loss_scalars", "polyak_update_mirror"} <= names | set(scalars)
+    assert not {"loss_scalars_ptr", "polyak_update_mirror_ptr"} & (names | set(scalars))
 
 
 def test_consumers_read_the_slots_of_the_step_start():
@@ -97,7 +97,7 @@ def test_consumers_read_the_slots_of_the_step_start():
     finally:
         t.close()
     assert "loss_scalars_ptr" in g1 and "loss_scalars" not in g1
-    assert "adam_spectral_polyak_ptr" in g2 and "adam_spectral_polyak" not in g2
+    assert "polyak_update_mirror_ptr" in g2 and "polyak_update_mirror" not in g2
     assert {"epsilon_tau_update", "cql_alpha_ramp"} <= set(g2)
 
 

@@ -35,9 +35,7 @@ def test_identical_members_have_no_member_scalars():
 def test_members_that_differ_in_lr_differ_in_the_adam_launches_only():
     lrs = (1e-4, 3e-4, 2.5e-5)
     found = align_members([_plans(BASE.replace(lr=lr), 0) for lr in lrs])
-    # the fused optimiser launch and the IQN head's own Adam
-    assert found and _differing(found) == {("graph2", "adam_spectral_polyak", ("lr",)),
-                                           ("graph2", "adam_update", ("lr",))}
+    assert found and _differing(found) == {("graph2", "adam_update", ("lr",))}
     for f in found:
         assert [v["lr"] for v in f.values] == [F32(lr) for lr in lrs]
         assert all(isinstance(v["lr"], np.float32) for v in f.values)
@@ -58,11 +56,11 @@ def test_members_that_differ_in_tau_and_the_loss_weights():
     other = BASE.replace(tau=0.01, lambda_iqn=0.5, ens_weight=0.2, aux_next_bar_weight=0.3)
     found = align_members([_plans(BASE, 0), _plans(other, 0)])
     by_kernel = {f.kernel: f for f in found}
-    assert by_kernel["adam_spectral_polyak"].differ == ("tau",)
-    assert by_kernel["adam_spectral_polyak"].values[1]["tau"] == F32(0.01)
+    assert by_kernel["polyak_update_mirror"].differ == ("tau",)
+    assert by_kernel["polyak_update_mirror"].values[1]["tau"] == F32(0.01)
     assert by_kernel["aux_next_bar_loss_grad"].values[1]["weight"] == F32(0.3)
     assert set(by_kernel["clip_saxpy_norm_partial_wave"].differ) == {"iqn_a", "ens_a"}
-    assert set(by_kernel) == {"adam_spectral_polyak", "aux_next_bar_loss_grad",
+    assert set(by_kernel) == {"polyak_update_mirror", "aux_next_bar_loss_grad",
                               "clip_saxpy_norm_partial_wave"}
 
 

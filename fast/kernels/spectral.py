@@ -40,14 +40,6 @@ Kernel arguments:
 - ``batched_spectral_norm(mats, count, sigma_max, eps, sigmas)``: ``mats`` a device array of
   ``count`` descriptors laid out as :data:`SPECTRAL_MATRIX_DTYPE` (``w``, ``u``, ``v`` device
   pointers, ``rows``, ``cols``), one cluster per matrix; ``sigmas`` float32[count].
-- ``adam_spectral_polyak(param, grad, m, v, n_adam, step, lr, beta1, beta2, eps, weight_decay,
-  grad_scale, weight_clamp, mats, count, sigma_max, spectral_eps, sigmas, target, n, tau,
-  online_bf16, target_bf16)``: graph 2's optimiser chain in one launch, ``adam_update``'s
-  arguments, then ``batched_spectral_norm``'s (``spectral_eps`` its ``eps``), then
-  ``polyak_update_mirror``'s (``online = param``); the descriptors' ``w`` point into ``param``,
-  the first at ``param[0]``, in increasing order (:func:`adam_spectral_polyak_fits`). The
-  results are bitwise those of the three kernels in a row (spectral.cu's comment).
-  ``adam_spectral_polyak_ptr``: the same with ``const float* tau`` (the adaptive tau).
 
 ``eps`` is the reference's ``SPECTRAL_EPS`` (passed, not redefined in CUDA). The batched test
 entry copies every matrix and vector into one device pool, builds the descriptors pointing
@@ -65,10 +57,8 @@ from foxhunt.fast.kernels._runtime import In, InOut, Out, call, check_elements, 
 from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.spectral import (
     SPECTRAL_EPS,
-    AdamSpectralPolyakResult,
     BatchedSpectralNormResult,
     SpectralNormResult,
-    validate_adam_spectral_polyak,
     validate_batched_spectral_norm,
     validate_spectral_norm,
 )
@@ -166,24 +156,6 @@ def plan_batched_spectral_norm(count: int, arch=None) -> Plan:
             spectral_shared_bytes(arch))
 
 
-def plan_adam_spectral_polyak(count: int, arch=None) -> Plan:
-    """``batched_spectral_norm``'s plan: one cluster per matrix, whose blocks also run Adam
-    before and Polyak after the power iteration on their share of the matrix's region."""
-    return plan_batched_spectral_norm(count, arch)
-
-
-def adam_spectral_polyak_fits(offsets: Sequence[int], sizes: Sequence[int], n: int) -> bool:
-    """Whether matrices at element ``offsets`` of ``sizes`` elements each can be one
-    ``adam_spectral_polyak`` launch over a parameter buffer of ``n`` elements: the first at 0,
-    each after the previous one's end, the last inside the buffer (the kernel's regions)."""
-    end = 0
-    for k, (offset, size) in enumerate(zip(offsets, sizes)):
-        if (offset != 0 if k == 0 else offset < end):
-            return False
-        end = offset + size
-    return bool(offsets) and end <= n
-
-
 def _dims(name: str, w: np.ndarray) -> tuple[int, int]:
     check_elements(name, w)  # the kernels' int offsets within a matrix
     rows, cols = w.shape
@@ -261,86 +233,6 @@ def batched_spectral_norm(ws: Sequence[np.ndarray], us: Sequence[np.ndarray],
     )
 
 
-def _adam_spectral_polyak(kernel: str, tau_arg, param, grad, m, v, target, us, vs, shapes, *,
-                          n_adam, step, lr, beta1, beta2, eps, weight_decay, grad_scale,
-                          weight_clamp, sigma_max, tau) -> AdamSpectralPolyakResult:
-    """Launch ``kernel`` with ``tau_arg(tau)`` as its tau (module docstring)."""
-    validate_adam_spectral_polyak(param, grad, m, v, target, us, vs, shapes, n_adam=n_adam,
-                                  step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                  weight_decay=weight_decay, grad_scale=grad_scale,
-                                  weight_clamp=weight_clamp, sigma_max=sigma_max, tau=tau)
-    n, count = param.shape[0], len(shapes)
-    check_elements("param", param)
-    hosts = [np.ascontiguousarray(a) for a in (param, grad, m, v, target, *us, *vs)]
-    offsets, total = [], 0
-    for host in hosts:
-        offsets.append(total)
-        total += max(-(-host.nbytes // POOL_ALIGNMENT), 1) * POOL_ALIGNMENT
-    rt = runtime()
-    drv, cu = _driver()
-    stream = rt.stream.handle
-    pool = rt.device.alloc(total)
-    try:
-        for host, off in zip(hosts, offsets):
-            cu(drv.cuMemcpyHtoDAsync, pool.ptr + off, host.ctypes.data, host.nbytes, stream)
-        ptr = [pool.ptr + off for off in offsets]
-        desc = spectral_descriptors([(ptr[0] + 4 * o, ptr[5 + k], ptr[5 + count + k], rows, cols)
-                                     for k, (o, rows, cols) in enumerate(shapes)])
-        grid, block, smem = plan_adam_spectral_polyak(count)
-        # call() launches on rt.stream after the copies above and synchronises the stream.
-        sigmas, online_bf16, target_bf16 = call(
-            kernel, grid, block, ptr[0], ptr[1], ptr[2], ptr[3], n_adam,
-            In(np.array([step], np.int64)), F32(lr), F32(beta1), F32(beta2), F32(eps),
-            F32(weight_decay), In(np.array([grad_scale], F32)), In(np.array([weight_clamp], F32)),
-            In(desc), count, F32(sigma_max), SPECTRAL_EPS, Out((count,), F32), ptr[4], n,
-            tau_arg(F32(tau)), Out((n,), np.uint16), Out((n,), np.uint16), shared_mem=smem)
-        outs = [np.empty_like(host) for host in hosts]
-        for out, off in zip(outs, offsets):
-            cu(drv.cuMemcpyDtoHAsync, out.ctypes.data, pool.ptr + off, out.nbytes, stream)
-        rt.stream.synchronize()
-    finally:
-        pool.free()
-    return AdamSpectralPolyakResult(
-        outs[0], outs[2], outs[3], outs[4], online_bf16, target_bf16, outs[5:5 + count],
-        outs[5 + count:], [F32(x) for x in sigmas])
-
-
-def adam_spectral_polyak(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
-                         target: np.ndarray, us: Sequence[np.ndarray], vs: Sequence[np.ndarray],
-                         shapes: Sequence[tuple[int, int, int]], *, n_adam: int, step: int,
-                         lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                         grad_scale: float, weight_clamp: float, sigma_max: float,
-                         tau: float) -> AdamSpectralPolyakResult:
-    """Test entry of the CUDA ``adam_spectral_polyak``: Adam, every matrix's spectral norm and
-    Polyak with the mirrors in one launch.
-
-    Same arguments, validation and result as the reference twin. The parameters, moments,
-    target and vectors go into one device pool (the descriptors point into its parameter copy),
-    one launch, the pool read back.
-    """
-    return _adam_spectral_polyak(
-        "adam_spectral_polyak", lambda t: t, param, grad, m, v, target, us, vs, shapes,
-        n_adam=n_adam, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, weight_clamp=weight_clamp,
-        sigma_max=sigma_max, tau=tau)
-
-
-def adam_spectral_polyak_ptr(param: np.ndarray, grad: np.ndarray, m: np.ndarray,
-                             v: np.ndarray, target: np.ndarray, us: Sequence[np.ndarray],
-                             vs: Sequence[np.ndarray], shapes: Sequence[tuple[int, int, int]], *,
-                             n_adam: int, step: int, lr: float, beta1: float, beta2: float,
-                             eps: float, weight_decay: float, grad_scale: float,
-                             weight_clamp: float, sigma_max: float,
-                             tau: float) -> AdamSpectralPolyakResult:
-    """Test entry of the CUDA ``adam_spectral_polyak_ptr``: :func:`adam_spectral_polyak` with
-    ``tau`` uploaded into device memory and passed by pointer."""
-    return _adam_spectral_polyak(
-        "adam_spectral_polyak_ptr", lambda t: In(np.array([t], F32)), param, grad, m, v, target,
-        us, vs, shapes, n_adam=n_adam, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, grad_scale=grad_scale, weight_clamp=weight_clamp,
-        sigma_max=sigma_max, tau=tau)
-
-
 def _driver():
     from cuda.bindings import driver
 
@@ -352,15 +244,12 @@ def _driver():
 KERNELS = {
     "spectral_norm": spectral_norm,
     "batched_spectral_norm": batched_spectral_norm,
-    "adam_spectral_polyak": adam_spectral_polyak,
-    "adam_spectral_polyak_ptr": adam_spectral_polyak_ptr,
 }
 
 __all__ = [
     "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_CACHE_SHAPE", "SPECTRAL_CLUSTER_SM90",
     "SPECTRAL_COL_TILE", "SPECTRAL_MATRIX_DTYPE", "SPECTRAL_SHARED_LIMIT", "SPECTRAL_THREADS",
-    "SPECTRAL_TREE_THREADS", "SPECTRAL_U_MIN", "adam_spectral_polyak", "adam_spectral_polyak_fits",
-    "adam_spectral_polyak_ptr",
-    "batched_spectral_norm", "plan_adam_spectral_polyak", "plan_batched_spectral_norm", "plan_spectral_norm", "spectral_cluster",
+    "SPECTRAL_TREE_THREADS", "SPECTRAL_U_MIN", "batched_spectral_norm",
+    "plan_batched_spectral_norm", "plan_spectral_norm", "spectral_cluster",
     "spectral_descriptors", "spectral_norm", "spectral_shared_bytes", "spectral_shared_floats",
 ]

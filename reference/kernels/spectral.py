@@ -19,9 +19,6 @@ Arithmetic is float32: products rounded to float32 and summed in float32, in Num
 fast kernel (one block cluster per matrix, tree reductions) matches within ``rtol 1e-5`` (SPEC 8); its
 batched and individual launches must agree bit for bit, as ``batched_spectral_norm`` and
 ``spectral_norm`` do here.
-
-``adam_spectral_polyak`` is graph 2's optimiser chain as one kernel (Adam, this spectral norm,
-Polyak with the BF16 mirrors): its twin is the composition of the three reference kernels.
 """
 
 from __future__ import annotations
@@ -156,119 +153,6 @@ def batched_spectral_norm(ws: Sequence[np.ndarray], us: Sequence[np.ndarray],
     )
 
 
-class AdamSpectralPolyakResult(NamedTuple):
-    """``adam_spectral_polyak`` outputs: the new parameters, Adam moments and target, the BF16
-    mirrors of parameters and target, and per matrix the new ``u``, ``v`` and ``sigma``."""
-
-    param: np.ndarray
-    m: np.ndarray
-    v: np.ndarray
-    target: np.ndarray
-    online_bf16: np.ndarray
-    target_bf16: np.ndarray
-    us: list
-    vs: list
-    sigmas: list
-
-
-def validate_adam_spectral_polyak(param, grad, m, v, target, us, vs, shapes, *, n_adam, step, lr,
-                                  beta1, beta2, eps, weight_decay, grad_scale, weight_clamp,
-                                  sigma_max, tau) -> None:
-    """The argument checks of ``adam_spectral_polyak`` (its docstring has the ranges), every one
-    before any arithmetic."""
-    from foxhunt.reference.kernels.optim import validate_adam_update, validate_polyak_update
-
-    validate_adam_update(param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay, grad_scale=grad_scale,
-                         weight_clamp=weight_clamp)
-    validate_polyak_update(target, param, tau)
-    check_f32_array("param", param, ndim=1)
-    n = param.shape[0]
-    check_int("n_adam", n_adam, minimum=0, maximum=n)
-    count = check_int("len(shapes)", len(shapes), minimum=1)
-    if len(us) != count or len(vs) != count:
-        raise ValueError(f"len(us)={len(us)}, len(vs)={len(vs)}: must equal len(shapes)={count}")
-    end = 0
-    for k, shape in enumerate(shapes):
-        if len(shape) != 3:
-            raise ValueError(f"shapes[{k}]={shape!r}: expected (offset, rows, cols)")
-        offset = check_int(f"shapes[{k}][0]", shape[0], minimum=0 if k == 0 else end,
-                           maximum=0 if k == 0 else n)
-        rows = check_int(f"shapes[{k}][1]", shape[1], minimum=1)
-        cols = check_int(f"shapes[{k}][2]", shape[2], minimum=1)
-        end = offset + rows * cols
-        if end > n:
-            raise ValueError(f"shapes[{k}]={tuple(shape)!r}: the matrix ends at {end}, past "
-                             f"len(param)={n}")
-        check_f32_array(f"us[{k}]", us[k], ndim=1)
-        check_f32_array(f"vs[{k}]", vs[k], ndim=1)
-        if us[k].shape != (rows,) or vs[k].shape != (cols,):
-            raise ValueError(f"us[{k}] shape {us[k].shape} / vs[{k}] shape {vs[k].shape} do not "
-                             f"match shapes[{k}]; expected ({rows},) and ({cols},)")
-    _check_sigma_max(sigma_max)
-
-
-def adam_spectral_polyak(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
-                         target: np.ndarray, us: Sequence[np.ndarray], vs: Sequence[np.ndarray],
-                         shapes: Sequence[tuple[int, int, int]], *, n_adam: int, step: int,
-                         lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                         grad_scale: float, weight_clamp: float, sigma_max: float,
-                         tau: float) -> AdamSpectralPolyakResult:
-    """Graph 2's optimiser chain in one kernel: the composition::
-
-        param[:n_adam], m[:n_adam], v[:n_adam] = adam_update(...)      # optim.adam_update
-        W_k = param[o_k : o_k + rows_k cols_k].reshape(rows_k, cols_k)  # shapes[k] = (o_k, ...)
-        W_k, us[k], vs[k], sigmas[k] = batched_spectral_norm(W, us, vs, sigma_max)
-        target, online_bf16, target_bf16 = polyak_update_mirror(target, param, tau)
-
-    each step with its reference kernel's arithmetic and NaN contract (a non-finite scaled
-    gradient leaves its element; a NaN/Inf in a matrix propagates through its norms and a NaN
-    sigma leaves it unscaled; the blend and the mirrors propagate NaN/Inf).
-
-    Shapes: ``param``, ``grad``, ``m``, ``v``, ``target`` float32 ``[n]``; ``0 <= n_adam <= n``;
-    ``shapes`` the matrices inside ``param`` as ``(offset, rows, cols)`` (rows, cols >= 1),
-    the first at offset 0, each after the previous one's end, all inside ``param``; ``us[k]``
-    float32 ``[rows_k]``, ``vs[k]`` ``[cols_k]``. Scalars as ``adam_update`` (``step >= 1``,
-    ``0 <= beta < 1``, ``eps > 0``, ``lr, weight_decay >= 0``, ``grad_scale`` and
-    ``weight_clamp`` the device-fed values), ``sigma_max > 0``, ``0 <= tau <= 1``. Returns
-    ``AdamSpectralPolyakResult``; the inputs are not modified.
-    """
-    from foxhunt.reference.kernels.optim import adam_update, polyak_update_mirror
-
-    validate_adam_spectral_polyak(param, grad, m, v, target, us, vs, shapes, n_adam=n_adam,
-                                  step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                  weight_decay=weight_decay, grad_scale=grad_scale,
-                                  weight_clamp=weight_clamp, sigma_max=sigma_max, tau=tau)
-    p, m_new, v_new = param.copy(), m.copy(), v.copy()
-    if n_adam:
-        r = adam_update(param[:n_adam], grad[:n_adam], m[:n_adam], v[:n_adam], step=step, lr=lr,
-                        beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                        grad_scale=grad_scale, weight_clamp=weight_clamp)
-        p[:n_adam], m_new[:n_adam], v_new[:n_adam] = r.param, r.m, r.v
-    views = [p[o:o + rows * cols].reshape(rows, cols) for o, rows, cols in shapes]
-    s = batched_spectral_norm([w.copy() for w in views], us, vs, sigma_max)
-    for view, w in zip(views, s.ws):
-        view[...] = w
-    blend = polyak_update_mirror(target, p, tau)
-    return AdamSpectralPolyakResult(p, m_new, v_new, blend.target, blend.online_bf16,
-                                    blend.target_bf16, s.us, s.vs, s.sigmas)
-
-
-def adam_spectral_polyak_ptr(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
-                             target: np.ndarray, us: Sequence[np.ndarray],
-                             vs: Sequence[np.ndarray], shapes: Sequence[tuple[int, int, int]], *,
-                             n_adam: int, step: int, lr: float, beta1: float, beta2: float,
-                             eps: float, weight_decay: float, grad_scale: float,
-                             weight_clamp: float, sigma_max: float,
-                             tau: float) -> AdamSpectralPolyakResult:
-    """``adam_spectral_polyak`` whose CUDA kernel reads ``tau`` through a device pointer (the
-    adaptive tau, as ``polyak_update_mirror_ptr``). Same contract, bit for bit."""
-    return adam_spectral_polyak(param, grad, m, v, target, us, vs, shapes, n_adam=n_adam,
-                                step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                weight_decay=weight_decay, grad_scale=grad_scale,
-                                weight_clamp=weight_clamp, sigma_max=sigma_max, tau=tau)
-
-
 def init_spectral_vectors(shape: tuple[int, int], seed: int) -> tuple[np.ndarray, np.ndarray]:
     """Helper (not a kernel): deterministic initial unit vectors ``(u [out], v [in])``.
 
@@ -292,13 +176,10 @@ def init_spectral_vectors(shape: tuple[int, int], seed: int) -> tuple[np.ndarray
 KERNELS = {
     "spectral_norm": spectral_norm,
     "batched_spectral_norm": batched_spectral_norm,
-    "adam_spectral_polyak": adam_spectral_polyak,
-    "adam_spectral_polyak_ptr": adam_spectral_polyak_ptr,
 }
 
 __all__ = [
-    "AdamSpectralPolyakResult", "BatchedSpectralNormResult", "KERNELS", "SPECTRAL_EPS",
-    "SpectralNormResult",
-    "adam_spectral_polyak", "adam_spectral_polyak_ptr", "batched_spectral_norm", "init_spectral_vectors", "spectral_norm",
-    "validate_adam_spectral_polyak", "validate_batched_spectral_norm", "validate_spectral_norm",
+    "BatchedSpectralNormResult", "KERNELS", "SPECTRAL_EPS", "SpectralNormResult",
+    "batched_spectral_norm", "init_spectral_vectors", "spectral_norm",
+    "validate_batched_spectral_norm", "validate_spectral_norm",
 ]
