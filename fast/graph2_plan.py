@@ -68,7 +68,7 @@ def graph2_ops(prog: StepProgram) -> Ops:
     moments, chain = prog.ops(), prog.ops()
     prog.fused_check(moments, "desc_lens_moments")
     n_w = len(lay.weights)
-    chain.kernel("batched_spectral_norm", spec.plan_batched_spectral_norm(n_w, prog.arch),
+    chain.kernel("batched_spectral_norm", spec.plan_step_spectral_norm(n_w, prog.arch),
                  mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
                  eps=SPECTRAL_EPS, sigmas="sigmas")
     polyak, tau = isv_plan.polyak_tau(c)  # the adaptive tau's slot (graph 1 copied it), or tau

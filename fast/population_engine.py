@@ -29,6 +29,7 @@ from foxhunt.fast.device import SYNCS, _driver, call
 from foxhunt.fast.gpu_engine import READ_BUFFERS, GpuEngine, GpuEval, host_buffer_specs, step_plans
 from foxhunt.fast.graph2_plan import staging_name
 from foxhunt.fast.graph_lowering import EARLY_LAUNCH, Lowering, layered_address
+from foxhunt.fast.kernels.spectral import spectral_shared_bytes
 from foxhunt.fast.population_plan import (
     MEMBER_PROGRAM_OPTIONS,
     MEMBER_SCALARS,
@@ -102,6 +103,22 @@ def shared_grid_x(grid_x: int, members: int, resident_blocks: int, sm_count: int
     return min(grid_x, max(-(-grid_x // members), wave // (members * max(1, grid_y)), 1))
 
 
+#: Kernels a population of more than one member launches with less dynamic shared memory than
+#: the single trainer's plan, as a function of the architecture: ``batched_spectral_norm``'s
+#: step plan spreads a cluster's blocks one an SM (``plan_step_spectral_norm``), which would
+#: halve the clusters a population runs at once; its members take the plain plan's memory.
+POPULATION_SHARED = {"batched_spectral_norm": spectral_shared_bytes}
+
+
+def population_shared(kernel: str, shared_mem: int, members: int, arch) -> int:
+    """The dynamic shared memory of a population launch of ``kernel`` planned with
+    ``shared_mem``: the plan's, or for more than one member the ``POPULATION_SHARED`` entry's
+    (never more than the plan's)."""
+    if members > 1 and kernel in POPULATION_SHARED:
+        return min(shared_mem, POPULATION_SHARED[kernel](arch))
+    return shared_mem
+
+
 def population_block(kernel: str, block: tuple, members: int) -> tuple:
     """The block of a population launch of ``kernel`` planned with ``block``: the plan's, or for
     more than one member the ``POPULATION_BLOCK_THREADS`` entry's threads."""
@@ -158,9 +175,9 @@ class PopulationLowering(Lowering):
     docstring). GEMM records carry batched plans."""
 
     def __init__(self, module, address, host, *, members: int, stride: int, scalar_address,
-                 sm_count: int):
+                 sm_count: int, arch: str):
         super().__init__(module, address, host)
-        self.members, self.stride, self.sm_count = members, stride, sm_count
+        self.members, self.stride, self.sm_count, self.arch = members, stride, sm_count, arch
         self.scalar_address = scalar_address  # id(Launch) -> member 0's block address
         self._resident: dict[tuple, int] = {}
 
@@ -183,12 +200,13 @@ class PopulationLowering(Lowering):
         if gz != 1:
             raise AssertionError(f"kernel {node.kernel}: grid.z = {gz}; the member build takes z")
         block = population_block(node.kernel, node.shape.block, self.members)
+        shared = population_shared(node.kernel, node.shape.shared_mem, self.members, self.arch)
         kernel, packed = self.packed(node)
         if node.kernel in GRID_SHARED_KERNELS:
-            resident = self.resident_blocks(kernel, math.prod(block), node.shape.shared_mem)
+            resident = self.resident_blocks(kernel, math.prod(block), shared)
             gx = shared_grid_x(gx, self.members, resident, self.sm_count, gy)
         kernel.launch((gx, gy, self.members), block, packed, stream=stream,
-                      shared_mem=node.shape.shared_mem,
+                      shared_mem=shared,
                       early=self.early_launch and node.kernel in EARLY_LAUNCH)
 
     def copy(self, node: Copy, handle) -> None:
@@ -266,7 +284,7 @@ class PopulationEngine(GpuEngine):
         scalars = self.arena.ptr(MEMBER_SCALARS)
         self._capture(pinned, plans, Lowering(self.module, self.address, pinned) if N == 1 else
                       PopulationLowering(self.module, self.address, pinned, members=N, stride=S,
-                                         sm_count=dev.multiprocessor_count,
+                                         sm_count=dev.multiprocessor_count, arch=dev.arch,
                                          scalar_address={key: scalars + block.offset for key, block
                                                          in plan.block_of(plans).items()}))
 
@@ -469,4 +487,4 @@ class CpuPopulationEngine:
 
 __all__ = ["GRID_SHARED_KERNELS", "POPULATION_BLOCK_THREADS", "CpuPopulationEngine", "MemberArena",
            "MemberEngine", "PopulationEngine", "PopulationLowering", "memcpy_2d",
-           "population_block"]
+           "population_block", "population_shared"]

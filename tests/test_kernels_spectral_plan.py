@@ -137,3 +137,56 @@ def test_batched_mixes_cached_and_global_matrices_bitwise():
         rescaled += not np.array_equal(single.w, w)
     assert 0 < rescaled < len(cases)
 
+
+
+def test_the_step_plan_spreads_a_cluster_one_block_an_sm_on_sm90():
+    """The training step's launch takes more than half of an SM's 228 KiB of shared memory on
+    sm_90 (one block an SM; the kernel's bits do not depend on it), the plain plan before
+    sm_90; a population of more than one member launches it with the plain plan's memory."""
+    from foxhunt.fast.population_engine import population_shared
+
+    plain = fast_spectral.plan_batched_spectral_norm(10, "sm_90")
+    step = fast_spectral.plan_step_spectral_norm(10, "sm_90")
+    assert step[:2] == plain[:2] and step[2] == fast_spectral.SPECTRAL_SPREAD_SHARED
+    assert 2 * (step[2] + 1024) > 228 * 1024 and step[2] <= 227 * 1024
+    assert fast_spectral.plan_step_spectral_norm(10, "sm_80") == (
+        fast_spectral.plan_batched_spectral_norm(10, "sm_80"))
+    assert population_shared("batched_spectral_norm", step[2], 1, "sm_90") == step[2]
+    assert population_shared("batched_spectral_norm", step[2], 16, "sm_90") == plain[2]
+    assert population_shared("adam_update", 0, 16, "sm_90") == 0
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_step_with_the_spread_plan_steps_bitwise_as_with_the_plain_one(monkeypatch):
+    """Seed preset (bf16, every second-wave source), 3 steps on the GPU: graph 2's spectral norm
+    launched with ``SPECTRAL_SPREAD_SHARED`` and with the plain plan's shared memory ends in
+    the same bits (the larger memory changes which matrices are cached, never a sum)."""
+    from foxhunt.fast.records import Launch
+    from foxhunt.fast.trainer import Trainer
+    from foxhunt.reference.batch import Batch
+    from foxhunt.reference.config import DQNConfig, source_overrides
+
+    config = DQNConfig.preset("seed", precision="bf16", **source_overrides("all"))
+    batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
+    states = []
+    for spread in (True, False):
+        with monkeypatch.context() as patch:
+            if not spread:
+                patch.setattr(fast_spectral, "plan_step_spectral_norm",
+                              fast_spectral.plan_batched_spectral_norm)
+            trainer = Trainer(config, seed=5)
+            try:
+                smem = {n.shape.shared_mem for n in trainer.engine.plans["graph2"].nodes()
+                        if isinstance(n, Launch) and n.kernel == "batched_spectral_norm"}
+                want = (fast_spectral.plan_step_spectral_norm if spread else
+                        fast_spectral.plan_batched_spectral_norm)(1)[2]
+                assert smem == {want}
+                for b in batches:
+                    trainer.step(b)
+                states.append(trainer.state_dict())
+            finally:
+                trainer.close()
+    differ = [k for k in states[0] if np.asarray(states[0][k]).tobytes()
+              != np.asarray(states[1][k]).tobytes()]
+    assert not differ

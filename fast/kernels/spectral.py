@@ -156,6 +156,30 @@ def plan_batched_spectral_norm(count: int, arch=None) -> Plan:
             spectral_shared_bytes(arch))
 
 
+#: Dynamic shared memory of the training step's launch on sm_90 and newer
+#: (:func:`plan_step_spectral_norm`): more than half of an SM's 228 KiB, so that an SM holds
+#: one block of a matrix's cluster and the 80 blocks of the seed's 10 matrices spread over 80
+#: SMs. Measured on the H200 (session 24, critical_path.py --measure core, one call): graph 2
+#: replayed in 25.6 us with the 35 KiB plan, 22.2 us with 76 KiB (two blocks an SM) and 21.2 us
+#: with this (the kernel's node time alone unchanged, 7.3 us); the step as one graph 115.3 ->
+#: 110.7 us. The kernel's bits do not depend on it (spectral.cu's header); larger matrices
+#: (trunk widths from 512) are cached in shared memory with it where they were not.
+SPECTRAL_SPREAD_SHARED = 116 * 1024
+
+
+def plan_step_spectral_norm(count: int, arch=None) -> Plan:
+    """The training step's ``batched_spectral_norm`` launch: :func:`plan_batched_spectral_norm`
+    with ``SPECTRAL_SPREAD_SHARED`` bytes of dynamic shared memory on sm_90 and newer (one
+    block an SM; the graph lowering sets the kernel's opt-in limit for it), the plan's own
+    before. A population of more than one member launches it with
+    :func:`spectral_shared_bytes` (``population_engine.population_shared``): its members'
+    clusters fill the SMs anyway."""
+    grid, block, smem = plan_batched_spectral_norm(count, arch)
+    if spectral_cluster(arch) > 1:
+        smem = max(smem, SPECTRAL_SPREAD_SHARED)
+    return grid, block, smem
+
+
 def _dims(name: str, w: np.ndarray) -> tuple[int, int]:
     check_elements(name, w)  # the kernels' int offsets within a matrix
     rows, cols = w.shape
@@ -249,7 +273,8 @@ KERNELS = {
 __all__ = [
     "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_CACHE_SHAPE", "SPECTRAL_CLUSTER_SM90",
     "SPECTRAL_COL_TILE", "SPECTRAL_MATRIX_DTYPE", "SPECTRAL_SHARED_LIMIT", "SPECTRAL_THREADS",
-    "SPECTRAL_TREE_THREADS", "SPECTRAL_U_MIN", "batched_spectral_norm",
-    "plan_batched_spectral_norm", "plan_spectral_norm", "spectral_cluster",
+    "SPECTRAL_SPREAD_SHARED", "SPECTRAL_TREE_THREADS", "SPECTRAL_U_MIN", "batched_spectral_norm",
+    "plan_batched_spectral_norm", "plan_spectral_norm", "plan_step_spectral_norm",
+    "spectral_cluster",
     "spectral_descriptors", "spectral_norm", "spectral_shared_bytes", "spectral_shared_floats",
 ]
