@@ -138,7 +138,6 @@ def test_batched_mixes_cached_and_global_matrices_bitwise():
     assert 0 < rescaled < len(cases)
 
 
-
 def test_the_step_plan_spreads_a_cluster_one_block_an_sm_on_sm90():
     """The training step's launch takes more than half of an SM's 228 KiB of shared memory on
     sm_90 (one block an SM; the kernel's bits do not depend on it), the plain plan before
@@ -167,6 +166,8 @@ def test_the_step_with_the_spread_plan_steps_bitwise_as_with_the_plain_one(monke
     from foxhunt.reference.batch import Batch
     from foxhunt.reference.config import DQNConfig, source_overrides
 
+    if fast_spectral.spectral_cluster() == 1:
+        pytest.skip("before sm_90 the step's plan is the plain plan: nothing to compare")
     config = DQNConfig.preset("seed", precision="bf16", **source_overrides("all"))
     batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
     states = []
