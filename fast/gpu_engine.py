@@ -118,18 +118,24 @@ class GpuEngine:
         for ops in (*ops_up, ops1, ops2):
             self.pool.reserve(ops)
             self.lowering.prepare(ops)
+        # Each upload graph ends in an external event record node of uploaded[slot]: a launch
+        # records it itself (one driver call where a launch and a record took two; the host
+        # spends about 120 us a step in Trainer.step on the H200's CPU, the GPU 110), and the
+        # graph's hold waits on it before letting the staging buffer go.
+        record = drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL.value
         self._upload = []
-        for ops in ops_up:
+        for slot, ops in enumerate(ops_up):
             graph = GraphCapture(self._upload_stream)
             with graph:
                 self.lowering.enqueue(ops, self._upload_stream, self.pool)
-            graph.hold(*self.lowering.host_arrays(ops))  # its staging buffer
+                call(drv.cuEventRecordWithFlags, self._uploaded[slot], self._upload_stream.handle,
+                     record)
+            graph.hold(*self.lowering.host_arrays(ops), launch_event=self._uploaded[slot])
             self._upload.append(graph)
         # Graphs 1 and 2 are ONE captured graph (a graph boundary costs about 5 us per step on
         # the H200: the wave step's graph 1 then graph 2 took 198.1 us, as one graph 192.9 us).
         # graph1_done is an external event record node on a side branch forked after graph 1:
         # the upload stream waits on it, and graph 2 does not wait for the record.
-        record = drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL.value
         self._step_graph = GraphCapture(self.stream, max_branches=1)
         with self._step_graph:
             self.lowering.enqueue(ops1, self.stream, self.pool)
@@ -160,8 +166,8 @@ class GpuEngine:
 
     @property
     def graph_node_counts(self) -> tuple[int, int, int]:
-        """Nodes of the upload graph, and of the step graph's two parts: graph 1 (with the
-        ``graph1_done`` record node) and graph 2."""
+        """Nodes of the upload graph (the copy and its ``uploaded[slot]`` record node), and of
+        the step graph's two parts: graph 1 (with the ``graph1_done`` record node) and graph 2."""
         return self._node_counts
 
     def capture_plans(self, names):
@@ -187,15 +193,15 @@ class GpuEngine:
     def launch(self, slot: int) -> None:
         """Enqueue one step from staging buffer ``slot``: the upload graph on the upload stream
         (after the previous step's graph 1, the last reader of the batch: its ``graph1_done``
-        record node), then the step graph (graphs 1 and 2, after the upload) on the step
-        stream. Only device-side event waits: no host sync."""
+        record node; the graph records ``uploaded[slot]`` as its last node), then the step
+        graph (graphs 1 and 2, after the upload) on the step stream. Four driver calls, only
+        device-side event waits: no host sync."""
         from foxhunt.fast.device import _driver, call
 
         drv = _driver()
         up, main = self._upload_stream.handle, self.stream.handle
         call(drv.cuStreamWaitEvent, up, self._graph1_done, 0)
         self._upload[slot].replay(up)
-        call(drv.cuEventRecord, self._uploaded[slot], up)
         self._event_used[slot] = True
         call(drv.cuStreamWaitEvent, main, self._uploaded[slot], 0)
         self._step_graph.replay()

@@ -18,7 +18,11 @@ again. Pointers and scalars are baked in at capture: replay reads the same buffe
 Host memory a graph copies to or from is baked in too, as a raw address: ``graph.hold(*arrays)``
 makes the graph keep those (page-locked) arrays alive until ``close()``, and ``close()`` first
 waits for the graph's last launch, so the DMA of a launch in flight never lands in host memory
-that has been freed (and perhaps reused by the Python heap) in the meantime.
+that has been freed (and perhaps reused by the Python heap) in the meantime. To know when a
+launch is done, ``replay`` records an event after it; a graph that records an event itself as
+its last node (an external event record node, ``CU_EVENT_RECORD_EXTERNAL``, captured at the end
+of its body) passes that event, ``graph.hold(*arrays, launch_event=event)``, and ``replay`` then
+makes one driver call, the launch (the step's upload graphs: ``fast.gpu_engine``).
 """
 
 from __future__ import annotations
@@ -153,9 +157,12 @@ class GraphCapture:
         self._free = list(range(max_branches))
         self._capturing = False
         # Host buffers the graph's copies use (``hold``), and an event recorded after each
-        # launch while there are any: ``close`` waits for it before letting them go.
+        # launch while there are any (by ``replay``, or by the graph's own last node: then
+        # ``_records_itself``, and the caller owns the event): ``close`` waits for it before
+        # letting them go.
         self._held: list = []
         self._launched = None
+        self._records_itself = False
         self._launch_pending = False
 
     def __enter__(self) -> GraphCapture:
@@ -217,12 +224,22 @@ class GraphCapture:
         graph = next(v for v in info if isinstance(v, drv.CUgraph))
         return count_nodes(graph)
 
-    def hold(self, *objects) -> None:
+    def hold(self, *objects, launch_event=None) -> None:
         """Keep ``objects`` (the host arrays the graph's copies read or write) alive until
-        ``close()``, which waits for the last launch first. Not during a capture."""
+        ``close()``, which waits for the last launch first. Not during a capture.
+
+        ``launch_event``: an event the graph records itself, every launch, as its last node (an
+        external event record node captured at the end of its body); ``replay`` then records
+        none, and ``close`` waits on this one (the caller's: it destroys it, after ``close``).
+        Given once, before any other ``hold``."""
         if self._capturing:
             raise RuntimeError("hold: call it after the capture (an event is created here)")
-        if objects and self._launched is None:
+        if launch_event is not None:
+            if self._launched is not None:
+                raise RuntimeError("hold: launch_event must come with the first hold (this graph "
+                                   "already has its launch event)")
+            self._launched, self._records_itself = launch_event, True
+        elif objects and self._launched is None:
             drv = _driver()
             self._launched = call(drv.cuEventCreate, drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value)
         self._held.extend(objects)
@@ -233,7 +250,8 @@ class GraphCapture:
         handle = self.stream.handle if stream is None else as_stream_handle(stream)
         call(_driver().cuGraphLaunch, self.exec, handle)
         if self._held:  # the launch that close() must see finished before the memory goes
-            call(_driver().cuEventRecord, self._launched, handle)
+            if not self._records_itself:
+                call(_driver().cuEventRecord, self._launched, handle)
             self._launch_pending = True
 
     @property
@@ -260,7 +278,8 @@ class GraphCapture:
                     SYNCS.note()
                     call(drv.cuEventSynchronize, self._launched)
                 self._launch_pending = False
-            drv.cuEventDestroy(self._launched)
+            if not self._records_itself:
+                drv.cuEventDestroy(self._launched)
             self._launched = None
         self._held = []
         if self.exec is not None:

@@ -395,8 +395,8 @@ def test_graph_node_counts_are_reported(backend):
             fast = make(DQNConfig.preset(preset, precision=precision))
             up, g1, g2 = fast.graph_node_counts
             assert fast.node_count == up + g1 + g2 > 0
-            # the upload graph: the batch copy
-            assert up == 1 == fast.planned_launches[0]
+            # the upload graph: the batch copy, and on the GPU its uploaded[slot] record node
+            assert fast.planned_launches[0] == 1 and up == 1 + (name == "gpu")
             # cuBLASLt may launch more than one kernel per GEMM; never fewer nodes than planned
             assert g1 >= fast.planned_launches[1] and g2 >= fast.planned_launches[2]
             print(f"[{name} {preset} {precision}] graph nodes {up} + {g1} + {g2} = {fast.node_count} "
@@ -487,9 +487,10 @@ def test_graph_replay_timing(workspace):
 def test_step_orders_the_upload_by_device_events(monkeypatch):
     """``GpuEngine.launch`` enqueues, in this order: the upload stream waits for the last
     graph 1 (the last reader of the batch: ``graph1_done``, which the step graph records), the
-    upload graph of the step's staging slot, ``uploaded[slot]`` recorded on the upload stream,
-    the step stream waits for it, the step graph (graphs 1 and 2): device-side ordering only
-    (no host sync). A staging buffer is handed out again only after its upload's event (a stand-in
+    upload graph of the step's staging slot (which records ``uploaded[slot]`` itself, its last
+    node: no record call), the step stream waits for it, the step graph (graphs 1 and 2):
+    device-side ordering only (no host sync; ``tests/test_upload_events.py`` checks the
+    record node's semantics on the GPU). A staging buffer is handed out again only after its upload's event (a stand-in
     driver records the calls; the engine's state is what its constructor makes)."""
     from foxhunt.fast import device as fdev
     from foxhunt.fast.gpu_engine import GpuEngine
@@ -522,8 +523,7 @@ def test_step_orders_the_upload_by_device_events(monkeypatch):
         assert engine.staging(slot) == {"slot": slot} and log == []  # not used yet: no wait
         engine.launch(slot)
         assert log == [("wait", "up", "graph1_done"), (f"upload{slot}", "up"),
-                       ("record", f"uploaded{slot}", "up"), ("wait", "main", f"uploaded{slot}"),
-                       ("step", None)]
+                       ("wait", "main", f"uploaded{slot}"), ("step", None)]
     log.clear()
     assert engine.staging(0) == {"slot": 0} and log == [("sync", "uploaded0")]
     engine.forget_uploads()

@@ -266,7 +266,7 @@ class FakeDriver:
         return (600 if self.in_flight else 0,)
 
     def cuEventSynchronize(self, event):
-        self.log.append(("cuEventSynchronize",))
+        self.log.append(("cuEventSynchronize", event))
         self.in_flight = False
         return (0,)
 
@@ -320,6 +320,39 @@ def test_closing_an_idle_graph_does_not_wait(driver):
     gc.collect()
     assert "cuEventSynchronize" not in _names(driver.log) and ("freed",) in driver.log
     assert fast_device.SYNCS.count == syncs
+
+
+def test_a_graph_that_records_its_own_launch_event_launches_in_one_call(driver):
+    """``hold(..., launch_event=e)``: the graph records ``e`` itself (its last node), so a
+    replay is one driver call, and ``close`` waits on ``e`` (the caller's: not destroyed)
+    before letting the buffers go."""
+    block = FakePinned(64)
+    weakref.finalize(block, driver.log.append, ("freed",))
+    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
+                                     node_priority=False)
+    with graph:
+        pass
+    graph.hold(block.view(0, (16,), np.dtype(np.float32)), launch_event=777)
+    del block
+    driver.log.clear()
+    graph.replay()
+    assert _names(driver.log) == ["cuGraphLaunch"]
+    graph.close()
+    gc.collect()
+    names = _names(driver.log)
+    assert names.index("cuEventSynchronize") < names.index("freed")
+    assert ("cuEventSynchronize", 777) in driver.log
+    assert ("cuEventDestroy", 777) not in driver.log
+
+
+def test_a_launch_event_comes_with_the_first_hold(driver):
+    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
+                                     node_priority=False)
+    with graph:
+        pass
+    graph.hold(fake_pinned(4, np.float32))
+    with pytest.raises(RuntimeError, match="launch_event must come with the first hold"):
+        graph.hold(fake_pinned(4, np.float32), launch_event=777)
 
 
 def test_hold_is_refused_during_a_capture(driver):

@@ -238,3 +238,16 @@ def test_deferred_readback_reads_only_when_due():
     assert reads[-1] == 7 and (again.step, again.fresh, again.read_at) == (7, False, 0)
     with pytest.raises(ValueError, match="readback_interval: 0; expected an int >= 1"):
         DeferredReadback(0, 1)
+
+
+def test_as_stale_is_replace_without_touching_the_read():
+    """``as_stale`` builds what ``dataclasses.replace(step=, fresh=False)`` builds: a new frozen
+    ``StepScalars`` equal to it field for field, the original unchanged."""
+    read = StepScalars.from_readback(6, [float(i) + 0.5 for i in range(len(READBACK_FIELDS))],
+                                     [1, 0, 2])
+    stale = read.as_stale(9)
+    assert stale == dataclasses.replace(read, step=9, fresh=False)
+    assert (stale.step, stale.read_at, stale.fresh, stale.flags) == (9, 6, False, (1, 0, 2))
+    assert (read.step, read.fresh) == (6, True) and stale is not read
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        stale.step = 10

@@ -1,0 +1,79 @@
+"""The step's upload graphs record their staging slot's event themselves (``fast.gpu_engine``:
+an external event record node ends each upload graph; ``Trainer.step`` makes four driver calls
+where it made six). What the staging ring and the step stream rely on: the event counts as
+recorded by the LAUNCH, so a host query or wait, and a stream wait, issued after the launch
+wait for that launch's copy, not for an earlier record.
+
+GPU only (skipped with the reason elsewhere). The upload stream is held shut by a
+``cuStreamWaitValue32`` gate on a device word while the step is launched: the slot's event and
+an event recorded after the step graph must then be pending; once a third stream opens the
+gate, the step completes and the trainer ends in exactly the bits of a twin that stepped the
+same batches through ``Trainer.step``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from foxhunt.fast.device import cuda_available
+
+_OK, _REASON = cuda_available()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no CUDA device/driver: {_REASON}")]
+
+
+def _query(drv, event):
+    result = drv.cuEventQuery(event)
+    return result[0] if isinstance(result, tuple) else result
+
+
+def test_a_gated_upload_keeps_its_event_and_the_step_pending():
+    from foxhunt.fast.device import _driver, call
+    from foxhunt.fast.trainer import STAGING_RING, Trainer, write_batch
+    from foxhunt.reference.batch import Batch
+    from foxhunt.reference.config import CORE_STEP, DQNConfig
+
+    drv = _driver()
+    config = DQNConfig.preset("tiny", precision="f32", **CORE_STEP)
+    rng = np.random.default_rng(5)
+    batches = [Batch.random(config, rng) for _ in range(3)]
+    gated, twin = Trainer(config, seed=2), Trainer(config, seed=2)
+    try:
+        for batch in batches[:2]:
+            gated.step(batch)
+            twin.step(batch)
+        twin.step(batches[2])
+        engine = gated.engine
+        engine.synchronize()
+        engine._upload_stream.synchronize()
+        gate = engine.device.alloc(4)
+        up = engine._upload_stream.handle
+        call(drv.cuMemsetD32Async, gate.ptr, 0, 1, up)  # ordered before the gate on its stream
+        opener = engine.device.new_stream()
+        after = call(drv.cuEventCreate, 0)
+        try:
+            call(drv.cuStreamWaitValue32, up, gate.ptr, 1,
+                 drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ.value)
+            slot = gated.step_count % STAGING_RING
+            write_batch(config, batches[2], engine.staging(slot))
+            engine.launch(slot)
+            call(drv.cuEventRecord, after, engine.stream.handle)
+            not_ready = drv.CUresult.CUDA_ERROR_NOT_READY
+            assert _query(drv, engine._uploaded[slot]) == not_ready
+            assert _query(drv, after) == not_ready
+            call(drv.cuStreamWriteValue32, opener.handle, gate.ptr, 1, 0)
+            call(drv.cuEventSynchronize, after)
+            assert _query(drv, engine._uploaded[slot]) == drv.CUresult.CUDA_SUCCESS
+            gated.step_enqueued()
+        finally:
+            opener.synchronize()
+            opener.close()
+            drv.cuEventDestroy(after)
+            gate.free()
+        got, want = gated.state_dict(), twin.state_dict()
+        assert got.keys() == want.keys()
+        for key in want:
+            assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
+    finally:
+        gated.close()
+        twin.close()
