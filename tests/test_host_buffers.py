@@ -279,6 +279,15 @@ def driver(monkeypatch):
     return fake
 
 
+def empty_graph() -> fast_graphs.GraphCapture:
+    """A captured graph of nothing on a stand-in stream (the fake driver's)."""
+    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
+                                     node_priority=False)
+    with graph:
+        pass
+    return graph
+
+
 def _names(log):
     return [entry[0] for entry in log]
 
@@ -287,10 +296,7 @@ def test_a_graph_holds_its_host_buffers_until_its_last_launch_is_done(driver):
     block = FakePinned(64)
     array = block.view(0, (16,), np.dtype(np.float32))
     weakref.finalize(block, driver.log.append, ("freed",))
-    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
-                                     node_priority=False)
-    with graph:
-        pass
+    graph = empty_graph()
     graph.hold(array)
     del array, block
     gc.collect()
@@ -307,10 +313,7 @@ def test_a_graph_holds_its_host_buffers_until_its_last_launch_is_done(driver):
 def test_closing_an_idle_graph_does_not_wait(driver):
     block = FakePinned(64)
     weakref.finalize(block, driver.log.append, ("freed",))
-    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
-                                     node_priority=False)
-    with graph:
-        pass
+    graph = empty_graph()
     graph.hold(block.view(0, (16,), np.dtype(np.float32)))
     del block
     graph.replay()
@@ -328,10 +331,7 @@ def test_a_graph_that_records_its_own_launch_event_launches_in_one_call(driver):
     before letting the buffers go."""
     block = FakePinned(64)
     weakref.finalize(block, driver.log.append, ("freed",))
-    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
-                                     node_priority=False)
-    with graph:
-        pass
+    graph = empty_graph()
     graph.hold(block.view(0, (16,), np.dtype(np.float32)), launch_event=777)
     del block
     driver.log.clear()
@@ -346,10 +346,7 @@ def test_a_graph_that_records_its_own_launch_event_launches_in_one_call(driver):
 
 
 def test_a_launch_event_comes_with_the_first_hold(driver):
-    graph = fast_graphs.GraphCapture(fast_device.Stream(1, owned=False), max_branches=0,
-                                     node_priority=False)
-    with graph:
-        pass
+    graph = empty_graph()
     graph.hold(fake_pinned(4, np.float32))
     with pytest.raises(RuntimeError, match="launch_event must come with the first hold"):
         graph.hold(fake_pinned(4, np.float32), launch_event=777)
