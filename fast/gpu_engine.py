@@ -126,8 +126,8 @@ class GpuEngine:
         # and a record issued at the launch would), so a step is two driver calls, the two
         # launches (the host paces the core bf16 step on the H200: benches/step_host.py).
         # Each upload graph waits for graph1_done (the last reader of the batch buffer), copies
-        # its staging buffer, then records uploaded[slot] (its hold waits on it before letting
-        # the staging buffer go) and batch_ready.
+        # its staging buffer, then records batch_ready and, last, uploaded[slot] (its hold
+        # waits on it before letting the staging buffer go).
         record = drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL.value
         wait = drv.CUevent_wait_flags.CU_EVENT_WAIT_EXTERNAL.value
         up = self._upload_stream.handle
@@ -137,8 +137,8 @@ class GpuEngine:
             with graph:
                 call(drv.cuStreamWaitEvent, up, self._graph1_done, wait)
                 self.lowering.enqueue(ops, self._upload_stream, self.pool)
-                call(drv.cuEventRecordWithFlags, self._uploaded[slot], up, record)
                 call(drv.cuEventRecordWithFlags, self._batch_ready, up, record)
+                call(drv.cuEventRecordWithFlags, self._uploaded[slot], up, record)  # the last
             graph.hold(*self.lowering.host_arrays(ops), launch_event=self._uploaded[slot])
             self._upload.append(graph)
         # Graphs 1 and 2 are ONE captured graph (a graph boundary costs about 5 us per step on
