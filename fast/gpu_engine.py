@@ -108,47 +108,36 @@ class GpuEngine:
         drv = _driver()
         no_timing = drv.CUevent_flags.CU_EVENT_DISABLE_TIMING.value
         # The upload stream and its events: uploaded[slot] (after the upload graph that read
-        # staging buffer slot), batch_ready (after every upload: what the step graph waits
-        # for) and graph1_done (recorded by the step graph after graph 1: what the upload
-        # graphs wait for).
+        # staging buffer slot) and graph1_done (recorded by the step graph after graph 1).
         self._upload_stream = self.device.new_stream()
         self._uploaded = [call(drv.cuEventCreate, no_timing) for _ in range(staging_slots)]
         self._event_used = [False] * staging_slots
-        self._batch_ready = call(drv.cuEventCreate, no_timing)
         self._graph1_done = call(drv.cuEventCreate, no_timing)
         self.pool = BranchPool()  # side streams and events of the parallel sections
         self.lowering = lowering
         for ops in (*ops_up, ops1, ops2):
             self.pool.reserve(ops)
             self.lowering.prepare(ops)
-        # The events are waited on and recorded by the graphs themselves (external event
-        # wait and record nodes: a launch waits for, and records, the event as a stream wait
-        # and a record issued at the launch would), so a step is two driver calls, the two
-        # launches (the host paces the core bf16 step on the H200: benches/step_host.py).
-        # Each upload graph waits for graph1_done (the last reader of the batch buffer), copies
-        # its staging buffer, then records batch_ready and, last, uploaded[slot] (its hold
-        # waits on it before letting the staging buffer go).
+        # Each upload graph ends in an external event record node of uploaded[slot]: a launch
+        # records it itself (one driver call where a launch and a record took two; the host
+        # spends about 120 us a step in Trainer.step on the H200's CPU, the GPU 110), and the
+        # graph's hold waits on it before letting the staging buffer go.
         record = drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL.value
-        wait = drv.CUevent_wait_flags.CU_EVENT_WAIT_EXTERNAL.value
-        up = self._upload_stream.handle
         self._upload = []
         for slot, ops in enumerate(ops_up):
             graph = GraphCapture(self._upload_stream)
             with graph:
-                call(drv.cuStreamWaitEvent, up, self._graph1_done, wait)
                 self.lowering.enqueue(ops, self._upload_stream, self.pool)
-                call(drv.cuEventRecordWithFlags, self._batch_ready, up, record)
-                call(drv.cuEventRecordWithFlags, self._uploaded[slot], up, record)  # the last
+                call(drv.cuEventRecordWithFlags, self._uploaded[slot], self._upload_stream.handle,
+                     record)
             graph.hold(*self.lowering.host_arrays(ops), launch_event=self._uploaded[slot])
             self._upload.append(graph)
         # Graphs 1 and 2 are ONE captured graph (a graph boundary costs about 5 us per step on
         # the H200: the wave step's graph 1 then graph 2 took 198.1 us, as one graph 192.9 us).
-        # It begins with a wait for batch_ready (the upload launched just before it); graph1_done
-        # is an external event record node on a side branch forked after graph 1: the upload
-        # graphs wait on it, and graph 2 does not wait for the record.
+        # graph1_done is an external event record node on a side branch forked after graph 1:
+        # the upload stream waits on it, and graph 2 does not wait for the record.
         self._step_graph = GraphCapture(self.stream, max_branches=1)
         with self._step_graph:
-            call(drv.cuStreamWaitEvent, self.stream.handle, self._batch_ready, wait)
             self.lowering.enqueue(ops1, self.stream, self.pool)
             with self._step_graph.branch() as side:
                 call(drv.cuEventRecordWithFlags, self._graph1_done, side.handle, record)
@@ -177,9 +166,8 @@ class GpuEngine:
 
     @property
     def graph_node_counts(self) -> tuple[int, int, int]:
-        """Nodes of the upload graph (the copy, its wait for ``graph1_done`` and its two record
-        nodes), and of the step graph's two parts: graph 1 (with the wait for ``batch_ready``
-        and the ``graph1_done`` record node) and graph 2."""
+        """Nodes of the upload graph (the copy and its ``uploaded[slot]`` record node), and of
+        the step graph's two parts: graph 1 (with the ``graph1_done`` record node) and graph 2."""
         return self._node_counts
 
     def capture_plans(self, names):
@@ -204,12 +192,18 @@ class GpuEngine:
 
     def launch(self, slot: int) -> None:
         """Enqueue one step from staging buffer ``slot``: the upload graph on the upload stream
-        (it waits for the previous step's graph 1, the last reader of the batch: its
-        ``graph1_done`` record node, and records ``uploaded[slot]`` and ``batch_ready``), then
-        the step graph (graphs 1 and 2; it waits for ``batch_ready``) on the step stream. Two
-        driver calls, only device-side event waits: no host sync."""
-        self._upload[slot].replay(self._upload_stream.handle)
+        (after the previous step's graph 1, the last reader of the batch: its ``graph1_done``
+        record node; the graph records ``uploaded[slot]`` as its last node), then the step
+        graph (graphs 1 and 2, after the upload) on the step stream. Four driver calls, only
+        device-side event waits: no host sync."""
+        from foxhunt.fast.device import _driver, call
+
+        drv = _driver()
+        up, main = self._upload_stream.handle, self.stream.handle
+        call(drv.cuStreamWaitEvent, up, self._graph1_done, 0)
+        self._upload[slot].replay(up)
         self._event_used[slot] = True
+        call(drv.cuStreamWaitEvent, main, self._uploaded[slot], 0)
         self._step_graph.replay()
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
@@ -242,7 +236,7 @@ class GpuEngine:
                 g.close()
             self.gemm_plans.close()
             self.pool.close()
-            for event in [*self._uploaded, self._batch_ready, self._graph1_done]:
+            for event in [*self._uploaded, self._graph1_done]:
                 _driver().cuEventDestroy(event)
             self._upload_stream.close()
             self.arena.close()

@@ -178,8 +178,8 @@ class Trainer(TrainerBackend):
     @property
     def graph_node_counts(self) -> tuple[int, int, int]:
         """Nodes of the upload graph, graph 1 and graph 2 (on the GPU, graphs 1 and 2 are the two
-        parts of one step graph; graph 1's count includes its event wait and record nodes, the
-        upload graph's its event wait and two record nodes)."""
+        parts of one step graph; graph 1's count includes its ``graph1_done`` record node, the
+        upload graph's its ``uploaded[slot]`` record node)."""
         return self._engine.graph_node_counts
 
     @property

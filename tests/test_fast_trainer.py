@@ -395,9 +395,8 @@ def test_graph_node_counts_are_reported(backend):
             fast = make(DQNConfig.preset(preset, precision=precision))
             up, g1, g2 = fast.graph_node_counts
             assert fast.node_count == up + g1 + g2 > 0
-            # the upload graph: the batch copy, and on the GPU its wait for graph1_done and its
-            # two event record nodes (uploaded[slot], batch_ready)
-            assert fast.planned_launches[0] == 1 and up == 1 + 3 * (name == "gpu")
+            # the upload graph: the batch copy, and on the GPU its uploaded[slot] record node
+            assert fast.planned_launches[0] == 1 and up == 1 + (name == "gpu")
             # cuBLASLt may launch more than one kernel per GEMM; never fewer nodes than planned
             assert g1 >= fast.planned_launches[1] and g2 >= fast.planned_launches[2]
             print(f"[{name} {preset} {precision}] graph nodes {up} + {g1} + {g2} = {fast.node_count} "
@@ -409,9 +408,8 @@ def test_graph_node_counts_are_reported(backend):
 @pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
 def test_step_graph_records_graph1_done_after_graph1_beside_graph2():
     """Graphs 1 and 2 are one step graph; its one event record node records the engine's
-    ``graph1_done`` (the upload graphs' wait) after every node of graph 1, and nothing waits
-    for it (graph 2 starts without it); its one event wait node, a root before graph 1, waits
-    for ``batch_ready`` (the upload graphs' record)."""
+    ``graph1_done`` (the upload stream's wait) after every node of graph 1, and nothing waits
+    for it (graph 2 starts without it)."""
     from cuda.bindings import driver as drv
 
     from foxhunt.fast.device import call
@@ -438,11 +436,6 @@ def test_step_graph_records_graph1_done_after_graph1_beside_graph2():
                     todo.append(a)
         _, g1, g2 = fast.graph_node_counts
         assert len(ancestors) == g1 - 1 and g2 >= fast.planned_launches[2]
-        wait = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_WAIT_EVENT
-        waits = [n for n in graph_nodes(graph) if call(drv.cuGraphNodeGetType, n) == wait]
-        assert len(waits) == 1
-        assert int(call(drv.cuGraphEventWaitNodeGetEvent, waits[0])) == int(engine._batch_ready)
-        assert int(waits[0]) in ancestors and not [a for a, b in edges if b == int(waits[0])]
     finally:
         fast.close()
 
@@ -492,13 +485,12 @@ def test_graph_replay_timing(workspace):
 
 
 def test_step_orders_the_upload_by_device_events(monkeypatch):
-    """``GpuEngine.launch`` enqueues, in this order, the upload graph of the step's staging
-    slot on the upload stream and the step graph (graphs 1 and 2) on the step stream, and
-    nothing else: the graphs wait for and record the events themselves (the upload graph
-    waits for ``graph1_done``, the last reader of the batch, and records ``uploaded[slot]`` and
-    ``batch_ready``; the step graph waits for ``batch_ready``): device-side ordering only (no
-    host sync; ``tests/test_upload_events.py`` checks the nodes' semantics on the GPU). A
-    staging buffer is handed out again only after its upload's event (a stand-in
+    """``GpuEngine.launch`` enqueues, in this order: the upload stream waits for the last
+    graph 1 (the last reader of the batch: ``graph1_done``, which the step graph records), the
+    upload graph of the step's staging slot (which records ``uploaded[slot]`` itself, its last
+    node: no record call), the step stream waits for it, the step graph (graphs 1 and 2):
+    device-side ordering only (no host sync; ``tests/test_upload_events.py`` checks the
+    record node's semantics on the GPU). A staging buffer is handed out again only after its upload's event (a stand-in
     driver records the calls; the engine's state is what its constructor makes)."""
     from foxhunt.fast import device as fdev
     from foxhunt.fast.gpu_engine import GpuEngine
@@ -530,7 +522,8 @@ def test_step_orders_the_upload_by_device_events(monkeypatch):
         log.clear()
         assert engine.staging(slot) == {"slot": slot} and log == []  # not used yet: no wait
         engine.launch(slot)
-        assert log == [(f"upload{slot}", "up"), ("step", None)]
+        assert log == [("wait", "up", "graph1_done"), (f"upload{slot}", "up"),
+                       ("wait", "main", f"uploaded{slot}"), ("step", None)]
     log.clear()
     assert engine.staging(0) == {"slot": 0} and log == [("sync", "uploaded0")]
     engine.forget_uploads()
