@@ -441,6 +441,24 @@ def parse_gpu_variants(parser: argparse.ArgumentParser, choices: Sequence[str],
     return args
 
 
+def variant_main(doc: str, tool: str, default: str, add_options: Callable, report: Callable,
+                 argv: Sequence[str] | None = None) -> int:
+    """The ``main`` of a GPU bench over step variants (``graph_anatomy``, ``node_ablation``,
+    ``step_host``): ``variant_parser``'s command line (``doc``'s first line as its description,
+    ``default`` the variant no SOURCE means) with ``add_options(parser)``'s options, then for
+    each SOURCE ``report(config, args, source)``'s text printed. 2 where there is no CUDA device
+    (``tool`` says why on stderr)."""
+    parser, choices = variant_parser(doc.splitlines()[0], default)
+    add_options(parser)
+    args = parse_gpu_variants(parser, choices, argv, tool)
+    if args is None:
+        return 2
+    for source in args.sources or (default,):
+        print(report(variant_config(args.preset, args.precision, source), args, source),
+              flush=True)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser, choices = variant_parser(__doc__.splitlines()[0], "all of them")
     parser.add_argument("--chain", action="store_true",

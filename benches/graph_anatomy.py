@@ -32,8 +32,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from critical_path import (measure_step, parse_gpu_variants, variant_config, variant_parser,
-                           warmed_trainer)
+from critical_path import measure_step, variant_main, warmed_trainer
 
 def gemm_role(node) -> str:
     """A GEMM record's role: ``"forward"`` (a layer of a forward pass: ``x @ W^T``),
@@ -151,15 +150,12 @@ def format_anatomy(source: str, a: Anatomy) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, choices = variant_parser(__doc__.splitlines()[0], "core")
-    parser.add_argument("--replays", type=int, default=100, help="replays per timing")
-    args = parse_gpu_variants(parser, choices, argv, "graph_anatomy")
-    if args is None:
-        return 2
-    for source in args.sources or ("core",):
-        a = anatomy(variant_config(args.preset, args.precision, source), replays=args.replays)
-        print(format_anatomy(source, a), flush=True)
-    return 0
+    return variant_main(
+        __doc__, "graph_anatomy", "core",
+        lambda parser: parser.add_argument("--replays", type=int, default=100,
+                                           help="replays per timing"),
+        lambda config, args, source: format_anatomy(source, anatomy(config, replays=args.replays)),
+        argv)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from critical_path import (MEASURED_GRAPHS, node_kind, node_label, parse_gpu_variants,
-                           variant_config, variant_parser, warmed_trainer)
+from critical_path import MEASURED_GRAPHS, node_kind, node_label, variant_main, warmed_trainer
 
 
 def without(ops, drop: Callable[[object], bool]):
@@ -140,20 +139,19 @@ def format_ablation(source: str, graphs: dict[str, Ablation], *, top: int) -> st
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser, choices = variant_parser(__doc__.splitlines()[0], "all")
+def _options(parser) -> None:
     parser.add_argument("--replays", type=int, default=100, help="replays per timing")
     parser.add_argument("--top", type=int, default=30, help="nodes listed per graph")
     parser.add_argument("--members", type=int, default=0,
                         help="a fast.Population of this many members (0: one trainer)")
-    args = parse_gpu_variants(parser, choices, argv, "node_ablation")
-    if args is None:
-        return 2
-    for source in args.sources or ("all",):
-        graphs = ablate_step(variant_config(args.preset, args.precision, source),
-                             replays=args.replays, members=args.members)
-        print(format_ablation(source, graphs, top=args.top), flush=True)
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return variant_main(
+        __doc__, "node_ablation", "all", _options,
+        lambda config, args, source: format_ablation(
+            source, ablate_step(config, replays=args.replays, members=args.members), top=args.top),
+        argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ each as GPU microseconds a step and host microseconds a step (the loop's wall ti
 the GPU's when the host is the one waiting). Then ``Trainer.step`` again, ``ROUNDS`` x
 ``--steps`` calls, with its phases timed (``check_step_batch``, ``engine.staging``,
 ``write_batch`` and ``engine.launch`` wrapped with ``time.perf_counter``; ``rest``: the readback
-bookkeeping and the call itself): the mean host microseconds a step in each. The batches' values do not matter: these are timings only.
+bookkeeping and the call itself): the mean host microseconds a step in each. The batches'
+values do not matter: these are timings only.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from critical_path import parse_gpu_variants, variant_config, variant_parser, warmed_trainer
+from critical_path import variant_main, warmed_trainer
 
 #: Loops per timing (their median is reported) and random batches stepped in turn.
 ROUNDS = 5
@@ -164,15 +165,12 @@ def positive_int(text: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser, choices = variant_parser(__doc__.splitlines()[0], "core")
-    parser.add_argument("--steps", type=positive_int, default=400, help="calls per loop")
-    args = parse_gpu_variants(parser, choices, argv, "step_host")
-    if args is None:
-        return 2
-    for source in args.sources or ("core",):
-        report = measure(variant_config(args.preset, args.precision, source), steps=args.steps)
-        print(format_report(source, report), flush=True)
-    return 0
+    return variant_main(
+        __doc__, "step_host", "core",
+        lambda parser: parser.add_argument("--steps", type=positive_int, default=400,
+                                           help="calls per loop"),
+        lambda config, args, source: format_report(source, measure(config, steps=args.steps)),
+        argv)
 
 
 if __name__ == "__main__":

@@ -490,8 +490,9 @@ def test_step_orders_the_upload_by_device_events(monkeypatch):
     upload graph of the step's staging slot (which records ``uploaded[slot]`` itself, its last
     node: no record call), the step stream waits for it, the step graph (graphs 1 and 2):
     device-side ordering only (no host sync; ``tests/test_upload_events.py`` checks the
-    record node's semantics on the GPU). A staging buffer is handed out again only after its upload's event (a stand-in
-    driver records the calls; the engine's state is what its constructor makes)."""
+    record node's semantics on the GPU). A staging buffer is handed out again only after its
+    upload's event (a stand-in driver records the calls; the engine's state is what its
+    constructor makes)."""
     from foxhunt.fast import device as fdev
     from foxhunt.fast.gpu_engine import GpuEngine
 
