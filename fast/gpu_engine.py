@@ -119,9 +119,9 @@ class GpuEngine:
             self.pool.reserve(ops)
             self.lowering.prepare(ops)
         # Each upload graph ends in an external event record node of uploaded[slot]: a launch
-        # records it itself (one driver call where a launch and a record took two; the host
-        # spends about 120 us a step in Trainer.step on the H200's CPU, the GPU 110), and the
-        # graph's hold waits on it before letting the staging buffer go.
+        # records it itself (one driver call where a launch and a record took two: the host's
+        # Trainer.step paces the core bf16 step, benches/step_host.py), and the graph's hold
+        # waits on it before letting the staging buffer go.
         record = drv.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL.value
         self._upload = []
         for slot, ops in enumerate(ops_up):
