@@ -31,6 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
+from foxhunt.reference.config import PRECISIONS
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -77,7 +79,7 @@ def measure(config, members: int | None, steps: int, gemm_workspace: str = "none
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="seed")
-    parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
     parser.add_argument("--members", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--gemm-workspace", default="none", choices=("none", "default"),

@@ -3,9 +3,10 @@
 Groups (per step times; see ``benches/conftest.py`` for how asynchronous steps are timed):
 
 - ``step-tiny-f32`` (CPU, runs in CI): the reference and PyTorch eager on the CPU;
-- ``step-seed-f32``, ``step-seed-bf16`` (B=256, the production size): the reference on the CPU
-  (bf16 = the bit-exact BF16 emulation), PyTorch eager on the CPU (f32), and on the GPU the fast
-  trainer and the four PyTorch modes (eager, compile, graph, compile-graph; bf16 = autocast);
+- ``step-seed-f32``, ``step-seed-bf16``, ``step-seed-tf32`` (B=256, the production size): the
+  reference on the CPU (bf16 = the bit-exact BF16 emulation; f32 and bf16 only), PyTorch eager on
+  the CPU (f32), and on the GPU the fast trainer and the four PyTorch modes (eager, compile,
+  graph, compile-graph; bf16 = autocast, tf32 = f32 with TF32 matmuls);
   ``step-seed-bf16`` also the fast trainer with its trunk forward fused (``fused_trunk=True``);
   both groups, and ``step-seed-{f32,bf16}-wave``, the fast trainer with its C51 and CQL backward
   stacked (``stacked_backward=True``).
@@ -46,7 +47,7 @@ from peers.torch_wave import WAVE_SOURCES
 
 from foxhunt.reference.config import ADAPTIVE_ON, ADAPTIVE_SWITCHES
 
-PRECISIONS = ("f32", "bf16")
+PRECISIONS = ("f32", "bf16", "tf32")
 
 #: Every second-wave source but the MSE warm-up, which stays as the seed preset gives it.
 WAVE_ALL = {k: v for name, fields in WAVE_SOURCES.items() if name != "mse" for k, v in fields.items()}

@@ -57,6 +57,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from foxhunt.reference.config import PRECISIONS
+
 #: Estimated cost of launching any graph node, microseconds (an estimate: module docstring).
 LAUNCH_US = 1.0
 #: Estimated run time of a node by kind, microseconds (estimates: module docstring). ``gemm``:
@@ -420,7 +422,7 @@ def variant_parser(description: str, default: str) -> tuple[argparse.ArgumentPar
     parser.add_argument("sources", nargs="*", metavar="SOURCE",
                         help=f"step variants of {choices} (default: {default})")
     parser.add_argument("--preset", default="seed")
-    parser.add_argument("--precision", default="bf16", choices=("f32", "bf16"))
+    parser.add_argument("--precision", default="bf16", choices=PRECISIONS)
     return parser, choices
 
 

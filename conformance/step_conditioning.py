@@ -5,8 +5,8 @@ legitimately flips one sample's whole contribution, and no tight bound survives 
 is therefore *conditioned* (:func:`condition_batch`): a forward pass that carries the size of
 the legitimate difference between two correct implementations (:func:`deviation_forward`:
 independent accumulation roundings ``2 u sqrt(K) |w x|_2`` added in quadrature through the
-layers, and in ``bf16`` a whole BF16 ulp wherever an activation sits near a rounding midpoint)
-finds the rows of ``s`` whose ReLU pre-activations, and the rows of ``s2`` whose top-two
+layers, and in ``bf16`` and ``tf32`` a whole ulp of the format wherever an activation sits near
+a rounding midpoint) finds the rows of ``s`` whose ReLU pre-activations, and the rows of ``s2`` whose top-two
 expected Q values, lie within ``MARGIN_SAFETY`` such deviations of their switching point, and
 those rows are redrawn. What remains is continuous in the rounding noise.
 """
@@ -39,17 +39,23 @@ MAX_CONDITION_ROUNDS = 200
 FLIP_PROBABILITY_FLOOR = 1e-9
 
 
-def bf16_flips(x: np.ndarray, sigma: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(probability, jump)`` of ``x``'s BF16 rounding differing when the other implementation
-    holds ``x + N(0, sigma)``: ``exp(-d^2 / 2 sigma^2)`` (a bound on the Gaussian tail beyond the
-    distance ``d`` to the nearest rounding midpoint) and one BF16 ulp."""
+#: Low float32 mantissa bits a forward GEMM mode's operand rounding drops (round to nearest).
+DROPPED_BITS = {"bf16": 16, "tf32": 13}
+
+
+def rounding_flips(x: np.ndarray, sigma: np.ndarray, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(probability, jump)`` of ``x``'s rounding to ``mode`` (``DROPPED_BITS``) differing when
+    the other implementation holds ``x + N(0, sigma)``: ``exp(-d^2 / 2 sigma^2)`` (a bound on the
+    Gaussian tail beyond the distance ``d`` to the nearest rounding midpoint) and one ulp of
+    ``mode``."""
+    dropped = DROPPED_BITS[mode]
     bits = np.ascontiguousarray(x, F32).view(np.uint32)
-    low = (bits & np.uint32(0xFFFF)).astype(np.int64)
+    low = (bits & np.uint32((1 << dropped) - 1)).astype(np.int64)
     f32_ulp = np.spacing(np.abs(x).astype(F32)).astype(F64)
-    dist = np.abs(low - 0x8000) * f32_ulp
+    dist = np.abs(low - (1 << (dropped - 1))) * f32_ulp
     with np.errstate(divide="ignore", invalid="ignore"):
         prob = np.where(sigma > 0, np.exp(-0.5 * (dist / sigma) ** 2), (dist == 0).astype(F64))
-    return prob, 65536.0 * f32_ulp
+    return prob, float(1 << dropped) * f32_ulp
 
 
 @dataclass
@@ -85,11 +91,15 @@ def deviation_forward(config: DQNConfig, params: np.ndarray, x: np.ndarray,
     every row). In ``bf16`` an activation's BF16 rounding may flip (probability ``pi`` from its
     distance to the rounding midpoint): flips add ``pi J^2 w^2`` to the variance, and the
     largest single likely flip (``pi > FLIP_PROBABILITY_FLOOR``) is added to the reach in full.
+    ``tf32`` is modelled as ``bf16`` with TF32's ulp (its GEMMs round both operands to nearest,
+    the weights too; ``tests/test_fast_gpu.py`` checks that cuBLASLt's TF32 plans round as the
+    reference's ``tf32_round`` does, where a truncating tensor core would move every product).
     ``reach = MARGIN_SAFETY sigma + largest flip``. ReLU and the Mech 10 clamp are 1-Lipschitz;
     ``dQ = sum_j p_j (z_j - Q) dlogit_j``.
     """
     layout = ParamLayout(config)
-    bf16 = FORWARD_GEMM_MODE[config.precision] == "bf16"
+    mode = FORWARD_GEMM_MODE[config.precision]
+    rounded = mode in DROPPED_BITS
     p = layout.views(params)
     with np.errstate(all="ignore"):
         act = forward(config, layout, params, x, h2_bound=h2_bound)
@@ -98,12 +108,12 @@ def deviation_forward(config: DQNConfig, params: np.ndarray, x: np.ndarray,
         w, b = p[w_name], p[b_name].astype(F64)
         flip_var = np.zeros(inp.shape, F64)
         flip_max = 0.0
-        if bf16:
-            prob, jump = bf16_flips(inp, sigma_in)
+        if rounded:
+            prob, jump = rounding_flips(inp, sigma_in, mode)
             flip_var = prob * jump * jump
-            inp, w = dense.round_for(inp, "bf16"), dense.round_for(w, "bf16")
+            inp, w = dense.round_for(inp, mode), dense.round_for(w, mode)
         x64, w64 = inp.astype(F64), w.astype(F64)
-        if bf16:
+        if rounded:
             flip_max = _max_single_flip(np.where(prob > FLIP_PROBABILITY_FLOOR, jump, 0.0), np.abs(w64))
         t = x64 @ w64.T + b
         # Variances only set the size of a margin: float32 is plenty for them.

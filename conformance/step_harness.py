@@ -28,12 +28,11 @@ from foxhunt.conformance.step_conditioning import condition_batch
 from foxhunt.conformance.tolerance import Comparison
 from foxhunt.reference.backend import StepScalars, TrainerBackend, get_backend
 from foxhunt.reference.batch import Batch
-from foxhunt.reference.config import SECOND_WAVE_SOURCES, DQNConfig, source_overrides
+from foxhunt.reference.config import PRECISIONS, SECOND_WAVE_SOURCES, DQNConfig, source_overrides
 from foxhunt.reference.layout import ParamLayout
 from foxhunt.reference.trainer import Trainer
 
 PRESETS = ("tiny", "seed")
-PRECISIONS = ("f32", "bf16")
 STARTS = ("fresh", "warm")
 
 #: Seed of the shared state and batches; reference steps taken before a ``warm`` state.

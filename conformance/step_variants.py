@@ -13,7 +13,7 @@ import numpy as np
 
 from foxhunt.conformance.step_bounds import F32, F64
 from foxhunt.conformance.step_harness import PRECISIONS, Factory
-from foxhunt.reference.backend import StepScalars
+from foxhunt.reference.backend import FORWARD_GEMM_MODE, StepScalars
 from foxhunt.reference.batch import Batch
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense, optim, spectral
@@ -38,14 +38,27 @@ def _tf32_truncate(x: np.ndarray) -> np.ndarray:
     return keep.astype(np.uint32).view(F32)
 
 
-def legitimate_variant() -> contextlib.AbstractContextManager:
+def _tf32_nearest_even(x: np.ndarray) -> np.ndarray:
+    bits = np.ascontiguousarray(x, F32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x0FFF + ((bits >> 13) & 1)) & 0xFFFFE000
+    keep = np.where(np.isfinite(x), rounded, bits)
+    return keep.astype(np.uint32).view(F32)
+
+
+def legitimate_variant(config: DQNConfig | None = None) -> contextlib.AbstractContextManager:
     """A correct re-implementation that rounds differently from the reference: GEMMs, bias
     gradients, norms and the spectral mat-vecs accumulated in float64 and rounded once, TF32
-    operands truncated (as tensor cores may) instead of rounded to nearest."""
+    operands truncated (as tensor cores may) instead of rounded to nearest (ties away). Where
+    ``config``'s forward GEMMs are TF32 (``precision="tf32"``) its TF32 operands are rounded to
+    nearest, ties to even, as cuBLASLt's TF32 plans do on the H200 (``tests/test_fast_gpu.py``):
+    truncating a forward operand moves every ReLU switching point by up to a TF32 ulp, which no
+    conditioned batch keeps clear of (``step_conditioning``), and the fast path does not do it."""
     ref_round_for, ref_matvec, ref_rmatvec = dense.round_for, spectral._matvec, spectral._rmatvec
+    tf32 = _tf32_nearest_even if config is not None and \
+        FORWARD_GEMM_MODE[config.precision] == "tf32" else _tf32_truncate
 
     def round_for(x, mode):
-        return _tf32_truncate(x) if mode == "tf32" else ref_round_for(x, mode)
+        return tf32(x) if mode == "tf32" else ref_round_for(x, mode)
 
     def gemm(a, b, *, trans_a=False, trans_b=False, mode="f32", rounded=False):
         op_a = np.ascontiguousarray(a.T if trans_a else a)
@@ -151,7 +164,7 @@ class VariantTrainer(Trainer):
     """The reference trainer stepping under a variant (a stand-in for a second implementation)."""
 
     variant: Callable[[DQNConfig], contextlib.AbstractContextManager] = \
-        staticmethod(lambda config: legitimate_variant())
+        staticmethod(legitimate_variant)
 
     def step(self, batch: Batch) -> StepScalars:
         with self.variant(self.config):

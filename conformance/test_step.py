@@ -40,11 +40,11 @@ import pytest
 from foxhunt.conformance.step_bounds import F32, STEP_BOUNDS, bound_row
 from foxhunt.conformance.step_compare import bits, compare_step, failures, run_step
 from foxhunt.conformance.step_conditioning import (
-    bf16_flips,
     deviation_forward,
     h2_clamp_bound,
     near_argmax_tie,
     near_relu_switch,
+    rounding_flips,
 )
 from foxhunt.conformance.step_harness import (
     INJECTIONS,
@@ -127,17 +127,18 @@ def test_conditioned_batch_keeps_every_discontinuity_at_a_distance(case, precisi
     assert not near_relu_switch(config, params, probe, h2_bound)[0]
 
 
-def test_bf16_flip_probability_grows_near_a_rounding_midpoint() -> None:
-    x = np.array([1.0 + 2.0**-8, 1.0, 1.0 + 2.0**-8 + 2.0**-20], F32)  # midpoint, grid, near
-    prob, jump = bf16_flips(x, np.full(3, 2.0**-20))
+@pytest.mark.parametrize("mode, ulp", [("bf16", 2.0**-7), ("tf32", 2.0**-10)])
+def test_flip_probability_grows_near_a_rounding_midpoint(mode, ulp) -> None:
+    x = np.array([1.0 + ulp / 2, 1.0, 1.0 + ulp / 2 + 2.0**-20], F32)  # midpoint, grid, near
+    prob, jump = rounding_flips(x, np.full(3, 2.0**-20), mode)
     assert prob[0] == 1.0 and prob[1] < 1e-300 and 0.5 < prob[2] < 0.7
-    assert np.all(jump == 2.0**-7)  # one BF16 ulp at 1.0
-    assert bf16_flips(x[:1], np.zeros(1))[0][0] == 1.0  # exactly on a midpoint: always at risk
+    assert np.all(jump == ulp)  # one ulp of the format at 1.0
+    assert rounding_flips(x[:1], np.zeros(1), mode)[0][0] == 1.0  # on a midpoint: always at risk
 
 
 @pytest.mark.parametrize("case, precision, start", CASES)
 def test_bounds_accept_a_legitimate_reimplementation(case, precision, start, record_property) -> None:
-    results, ref, other = one_step(variant_factory(lambda c: legitimate_variant()),
+    results, ref, other = one_step(variant_factory(legitimate_variant),
                                    shared_case(case, precision, start))
     record_results(record_property, f"{case}-{precision}-{start} (float64/TF32-truncating variant)", results)
     assert_all(results)
@@ -152,7 +153,7 @@ def test_bounds_accept_a_legitimate_reimplementation_of_the_second_wave(source, 
                                                                       record_property) -> None:
     """The float64 / TF32-truncating variant with each second-wave source on (the sources'
     GEMMs, bias gradients and norms re-rounded too) stays within the bounds."""
-    results, ref, other = one_step(variant_factory(lambda c: legitimate_variant()),
+    results, ref, other = one_step(variant_factory(legitimate_variant),
                                    shared_case("tiny", precision, "warm", source))
     record_results(record_property, f"tiny-{precision}-{source} (variant)", results)
     assert_all(results)
@@ -172,7 +173,7 @@ def test_bounds_reject_a_wrong_step(bug, precision) -> None:
 @pytest.mark.parametrize("kind", INJECTIONS)
 def test_injection_harness_on_the_reference(kind, precision) -> None:
     shared = shared_case("tiny", precision, "warm")
-    assert_all(check_injection(variant_factory(lambda c: legitimate_variant()), shared, kind))
+    assert_all(check_injection(variant_factory(legitimate_variant), shared, kind))
     state, batch = injected(shared, kind)
     out = run_step(reference_from(shared.config, state), batch)
     if kind != "inf_r":  # +Inf rewards are clipped onto the support: no flag needs to fire

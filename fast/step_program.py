@@ -7,7 +7,8 @@ makes the launch records (``foxhunt.fast.records``) of the step; the graphs are 
 buffers of ``layout`` (and, while an evaluation forward is built, of its ``EvalLayout``); the
 GPU engine turns them into graph nodes, the CPU executor into reference-kernel calls.
 
-GEMM precisions follow ``foxhunt.reference.network``: ``f32`` runs every GEMM in f32;
+GEMM precisions follow ``foxhunt.reference.network``: ``f32`` runs every GEMM in f32, ``tf32``
+every GEMM in TF32 on the f32 activations and weights (cuBLASLt's ``COMPUTE_32F_FAST_TF32``);
 ``bf16`` runs the forward GEMMs on BF16 operands (weights from the BF16 mirror, activations
 converted by ``f32_to_bf16`` / the clamp's BF16 output) with f32 accumulation, and the backward
 GEMMs in TF32 on the f32 activations and f32 master weights. Bias adds and ReLUs of the forward

@@ -20,7 +20,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-PRECISIONS = ("f32", "bf16")
+#: ``DQNConfig.precision``: the GEMMs' precision (SPEC 9; the GEMM mode of each:
+#: ``backend.FORWARD_GEMM_MODE`` / ``BACKWARD_GEMM_MODE``). ``f32``: SGEMM-equivalent throughout;
+#: ``bf16``: the forward on BF16 weight mirrors and activations, the backward in TF32; ``tf32``:
+#: F32 storage (no mirrors, as ``f32``) with every GEMM on TF32 tensor cores (inputs rounded to
+#: TF32, F32 accumulation), issue 26's documented TF32 variant of the f32 step.
+PRECISIONS = ("f32", "bf16", "tf32")
 
 #: The four gradient sources of the budget pipeline (SPEC 4 step 5), in pipeline order.
 BUDGET_SOURCES = ("c51", "cql", "iqn", "ens")

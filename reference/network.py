@@ -7,7 +7,8 @@ Forward (SPEC 3), for states ``x [N, SD]`` and weights row-major ``[out, in]``::
     ha_d = relu(h2 W_d1^T + b_d1); adv_d = ha_d W_d2^T + b_d2            [N, n_d, NA]
     logits_d = dueling_combine(v, adv_d); logp_d = log_softmax_atoms(logits_d)
 
-GEMM precision (SPEC 9): ``f32`` runs every GEMM in f32; ``bf16`` runs the forward GEMMs on
+GEMM precision (SPEC 9): ``f32`` runs every GEMM in f32, ``tf32`` every GEMM on TF32-rounded f32
+inputs with f32 accumulation (``dense`` mode ``tf32``); ``bf16`` runs the forward GEMMs on
 BF16-rounded inputs (the BF16 mirror of the weights and the BF16 copy of the activations) with
 f32 accumulation, and the backward GEMMs on TF32-rounded f32 inputs. The bias adds of the layers
 without ReLU (``v``, ``adv_d``) are GEMM epilogues in the fast path; here they are a plain f32 add.

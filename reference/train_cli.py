@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from . import jsonio, runs, settings_io
-from .config import PRESETS
+from .config import PRECISIONS, PRESETS
 from .loop import EpochRecord, LoopSettings, resume_epochs, run
 from .market import Bars
 from .report import TABLE_HEADER, format_row, run_summary, summary_text
@@ -101,7 +101,7 @@ def register(sub) -> None:
                    help="settings from a TOML or JSON file (default: none)")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="set one setting, e.g. --set lr=3e-4 --set branches=3,3,2 (repeatable)")
-    g.add_argument("--precision", choices=("f32", "bf16"), default=None,
+    g.add_argument("--precision", choices=PRECISIONS, default=None,
                    help="GEMM precision (default: the preset's, bf16)")
     g.add_argument("--epochs", metavar="N", type=int_at_least(1), default=None,
                    help=f"epochs per fold (default: {loop_defaults.epochs})")

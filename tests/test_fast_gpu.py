@@ -352,6 +352,44 @@ def test_f32_gemm_does_not_use_tf32(device, lt):
     assert rel < 2.0**-14, f"relative error {rel:.2e} looks like TF32 (2^-11 per input)"
 
 
+#: (m, n, k) of the step's forward GEMMs (trunk, head first and output layers) and a small one.
+TF32_ROUNDING_SHAPES = [(256, 256, 128), (512, 128, 256), (256, 153, 128), (64, 64, 64)]
+
+
+@pytest.mark.parametrize("shape", TF32_ROUNDING_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("operand", ["a", "b"])
+@pytest.mark.parametrize("trans_a, trans_b, epilogue",
+                         [(False, True, None), (False, True, "relu_bias"), (True, False, None)],
+                         ids=["forward", "forward-relu", "weight-grad"])
+def test_tf32_plans_round_operands_to_nearest_even(device, lt, shape, operand, trans_a, trans_b,
+                                                   epilogue):
+    """cuBLASLt's TF32 plans round each f32 operand to nearest, ties to even (not truncated, as
+    a tensor core fed raw f32 bits would): what ``precision="tf32"``'s step conformance relies on
+    (``step_variants.legitimate_variant``, ``step_conditioning``). ``C[i, i] = A[i, 0] B[0, i]``
+    with one factor 1 and the other a value off the TF32 grid (above, on and below a midpoint)."""
+    from foxhunt.conformance.step_variants import _tf32_nearest_even
+
+    m, n, k = shape
+    vals = np.array([1 + 3 * 2.0**-12, 1 + 2.0**-11, 1 + 2.0**-12, -(1 + 3 * 2.0**-12),
+                     1 + 2.0**-11 + 2.0**-20, 1.5 + 2.0**-11], np.float32)
+    a = np.zeros((k, m) if trans_a else (m, k), np.float32)
+    b = np.zeros((n, k) if trans_b else (k, n), np.float32)
+    idx = np.arange(len(vals))
+    a_vals, b_vals = (vals, 1) if operand == "a" else (1, vals)
+    a[(0, idx) if trans_a else (idx, 0)] = a_vals
+    b[(idx, 0) if trans_b else (0, idx)] = b_vals
+    gemm = _Gemm(device, _plan(device, m, n, k, trans_a=trans_a, trans_b=trans_b,
+                               precision="tf32", epilogue=epilogue))
+    try:
+        out = gemm.run(a, b, **({"bias": np.zeros(n, np.float32)} if epilogue else {}))["c"]
+    finally:
+        gemm.close()
+    want = _tf32_nearest_even(vals)
+    if epilogue == "relu_bias":
+        want = np.maximum(want, np.float32(0))
+    assert out[idx, idx].tolist() == want.tolist()
+
+
 def test_stored_algorithms_are_checked_and_give_the_same_bits(device, lt, tmp_path):
     """gemm_algos: a second plan cache reading the first one's store asks cuBLASLt nothing,
     takes the same algorithm (checked) and computes the same bits; an algorithm stored under a

@@ -37,7 +37,8 @@ BF16 weight mirrors and the deferred scalar readback. They cost the fast path wo
 does not do, so the comparison favours the peer slightly.
 
 Precision: ``config.precision == "f32"`` runs everything in float32 (PyTorch's default: no TF32);
-``"bf16"`` runs the network's forward passes (heads included) under
+``"tf32"`` the same with float32 matmuls on TF32 tensor cores (``torch.backends.cuda.matmul
+.allow_tf32`` on for the peer's calls and restored after); ``"bf16"`` runs the network's forward passes (heads included) under
 ``torch.autocast(dtype=torch.bfloat16)`` (the Linear layers, hence their backward GEMMs, in
 BF16); the dueling head, log-softmax, losses, projection and optimisers stay float32.
 
@@ -64,6 +65,7 @@ and from there into static device tensors with ``non_blocking=True``. ``step`` n
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Sequence
 
@@ -135,6 +137,7 @@ class TorchStep:
         self.device = device
         self.layout = ParamLayout(config)
         self.autocast = config.precision == "bf16"
+        self.tf32 = config.precision == "tf32"
         self.gammas = config.gammas
         # n-step batches (issue 22): the targets use each sample's effective gamma.
         self.n_step_on = check_n_step(config, n_step)
@@ -490,18 +493,30 @@ class TorchStep:
         self._graph, self._graph_out = graph, out
 
     # ------------------------------------------------------------------ public interface
+    @contextlib.contextmanager
+    def _matmul_precision(self):
+        """PyTorch's float32 matmuls on TF32 tensor cores for a ``tf32`` peer, exact for the
+        others (a process-wide flag: set for the call, restored after)."""
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = self.tf32
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
+
     def step(self, batch: Batch) -> dict[str, torch.Tensor]:
         """One training step on ``batch``; returns device tensors (the ``SCALARS`` of the sources
         that are on, and ``td_errors``) without synchronising."""
         self.uploader.upload(batch)
-        if self.mode in CAPTURED_MODES:
-            if self._graph is None:
-                self._capture()
+        with self._matmul_precision():
+            if self.mode in CAPTURED_MODES:
+                if self._graph is None:
+                    self._capture()
+                self._executed()
+                self._graph.replay()
+                return self._graph_out
             self._executed()
-            self._graph.replay()
-            return self._graph_out
-        self._executed()
-        return self._train_step()
+            return self._train_step()
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -524,8 +539,9 @@ class TorchStep:
         self.uploader.upload(batch)
         if self._taus is not None:
             self._taus.ensure(self.step_count)
-        out = self._run_losses()
-        g_main, g_cql, g_iqn, g_ens = self._source_grads(out)
+        with self._matmul_precision():
+            out = self._run_losses()
+            g_main, g_cql, g_iqn, g_ens = self._source_grads(out)
         res = {"c51_loss": np.float32(out["c51"].item()), "cql_loss": np.float32(out["cql"].item()),
                "td_errors": out["td"].cpu().numpy(), "a_star": out["a_star"].int().cpu().numpy(),
                "grad_c51": self._flat(g_main, self.main_params),
