@@ -150,6 +150,11 @@ def _f32_to_bf16(a):
     return {"out": dense.f32_to_bf16(a.x)}
 
 
+@twin("add_bias_relu", y=("rows", "cols"), b="cols", out=("rows", "cols"))
+def _add_bias_relu(a):
+    return {"out": dense.add_bias_relu(a.y, a.b)}
+
+
 @twin("bias_grad_reduce", dy=("rows", "cols"), db="cols")
 def _bias_grad_reduce(a):
     return {"db": dense.bias_grad_reduce(a.dy)}

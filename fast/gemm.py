@@ -102,6 +102,11 @@ from dataclasses import dataclass
 import numpy as np
 
 PRECISIONS = ("f32", "bf16", "tf32")
+#: Whether a plan's RELU_BIAS epilogue keeps a NaN pre-activation NaN in C (the reference's
+#: ``add_bias_relu``, ``t <= 0 ? 0 : t``), per precision, as seen on an H200 with cuBLAS 13.0
+#: (``tests/test_fast_gpu.py::test_relu_bias_epilogue_keeps_nan_as_documented``). Where it does
+#: not, the step runs the GEMM plain and ``add_bias_relu`` after it (``StepProgram.linear``).
+RELU_EPILOGUE_KEEPS_NAN = {"f32": True, "bf16": True, "tf32": False}
 EPILOGUES = (None, "bias", "relu_bias", "relu_aux_bias", "drelu_bgrad", "bgrada", "bgradb")
 
 # Epilogue name -> cuBLASLt epilogue name (the same name: see the docstring).

@@ -57,6 +57,7 @@ import numpy as np
 from foxhunt.fast import support_plan
 from foxhunt.fast.binder import Binder
 from foxhunt.fast.records import Buf, Ops
+from foxhunt.fast.gemm import RELU_EPILOGUE_KEEPS_NAN
 from foxhunt.fast.sentinel_plan import desc_entries, desc_lengths_split
 from foxhunt.fast.step_layout import (
     DESC_LENGTH_KEYS,
@@ -245,7 +246,17 @@ class StepProgram:
         return [tuple(op[i] if isinstance(op, tuple) else op for op in operands) for i in range(n)]
 
     def linear(self, ops: Ops, *, rows, n, k, x, w, c, bias, epilogue) -> None:
-        """``c = epilogue(x [rows, k] @ W[n, k]^T + bias)`` in the forward precision."""
+        """``c = epilogue(x [rows, k] @ W[n, k]^T + bias)`` in the forward precision. Where the
+        precision's RELU_BIAS epilogue would map a NaN pre-activation to 0
+        (``gemm.RELU_EPILOGUE_KEEPS_NAN``: the TF32 plans), the GEMM runs plain and
+        ``add_bias_relu`` adds the bias and the ReLU in place after it (the reference's NaN
+        contract: a NaN stays NaN for the sentinels)."""
+        if epilogue == "relu_bias" and not RELU_EPILOGUE_KEEPS_NAN[self.fwd_mode]:
+            self._gemm(ops, rows, n, k, a=x, b=w, c=c, bias=None, trans_b=True,
+                       precision=self.fwd_mode, epilogue=None)
+            ops.kernel("add_bias_relu", self.kernels("dense").plan_add_bias_relu(rows, n),
+                       y=c, b=bias, out=c, rows=rows, cols=n)
+            return
         self._gemm(ops, rows, n, k, a=x, b=w, c=c, bias=bias, trans_b=True,
                    precision=self.fwd_mode, epilogue=epilogue)
 

@@ -589,6 +589,38 @@ def test_bias_gradient_epilogues(device, lt, epilogue, trans_a, trans_b, precisi
     _assert_within(out["bias"], sums, bound, f"{precision} {epilogue} bias gradient")
 
 
+@pytest.mark.parametrize("precision", ["f32", "bf16", "tf32"])
+def test_relu_bias_epilogue_keeps_nan_as_documented(device, lt, precision):
+    """``gemm.RELU_EPILOGUE_KEEPS_NAN``: a NaN pre-activation (a NaN input, a NaN bias) through a
+    forward-shaped RELU_BIAS plan stays NaN in C where the table says so and becomes 0 where it
+    does not (then the step adds the bias and the ReLU itself: ``StepProgram.linear``); every
+    finite element is the reference's either way."""
+    from foxhunt.fast.gemm import RELU_EPILOGUE_KEEPS_NAN
+    from foxhunt.reference.kernels.dense import add_bias_relu
+
+    m, n, k = 256, 128, 256  # a trunk layer of the seed step
+    x = np.ones((m, k), np.float32)
+    x[1, 0] = np.nan
+    x[2, :] = -1.0
+    w = np.ones((n, k), np.float32)
+    bias = np.zeros(n, np.float32)
+    bias[5] = np.nan
+    gemm = _Gemm(device, _plan(device, m, n, k, trans_b=True, precision=precision,
+                               epilogue="relu_bias"))
+    try:
+        c = gemm.run(x, w, bias=bias)["c"]  # 1, -1 and NaN: exact in every precision
+    finally:
+        gemm.close()
+    with np.errstate(invalid="ignore"):
+        want = add_bias_relu((x @ w.T).astype(np.float32), bias)
+    nan = np.isnan(want)
+    assert np.array_equal(c[~nan], want[~nan])
+    if RELU_EPILOGUE_KEEPS_NAN[precision]:
+        assert np.isnan(c[nan]).all()
+    else:
+        assert (c[nan] == 0).all()
+
+
 def test_relu_epilogues_follow_the_reference_nan_contract(device, lt):
     """NaN and Inf through RELU_AUX_BIAS and DRELU_BGRAD as the reference kernels define them:
     ``add_bias_relu`` (NaN stays NaN, -Inf -> 0), ``relu_mask`` (``h <= 0 ? 0 : dy``)."""

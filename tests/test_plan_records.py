@@ -281,6 +281,36 @@ def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
     assert len(reduces) == 2 * (1 + 3)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "tf32"])
+@pytest.mark.parametrize("source", ["core", "all"])
+def test_relu_layers_keep_nan_in_every_precision(precision, source):
+    """Where a precision's RELU_BIAS epilogue keeps a NaN (``gemm.RELU_EPILOGUE_KEEPS_NAN``) the
+    forward's ReLU layers are that epilogue, as in f32; where it does not (tf32) none is, and
+    each of f32's ReLU-epilogue GEMMs is a plain GEMM whose output ``add_bias_relu`` rewrites
+    in place."""
+    from foxhunt.fast.gemm import RELU_EPILOGUE_KEEPS_NAN
+    from foxhunt.reference.config import source_overrides
+
+    def graph1(p):
+        config = DQNConfig.preset("seed", precision=p, **source_overrides(source))
+        return CpuEngine(config).plans["graph1"].nodes()
+
+    def gemms(nodes, epilogue):
+        return [n for n in nodes if getattr(getattr(n, "plan", None), "spec", None) is not None
+                and n.plan.spec.epilogue == epilogue]
+
+    layers = len(gemms(graph1("f32"), "relu_bias"))
+    assert layers >= 2 * (2 + 4)  # online and target passes: the trunk and the core heads
+    nodes = graph1(precision)
+    relus = [n for n in nodes if getattr(n, "kernel", None) == "add_bias_relu"]
+    if RELU_EPILOGUE_KEEPS_NAN[precision]:
+        assert len(gemms(nodes, "relu_bias")) == layers and not relus
+    else:
+        assert not gemms(nodes, "relu_bias") and len(relus) == layers
+        assert all(n.args["y"] == n.args["out"] for n in relus)
+        assert {n.args["y"] for n in relus} <= {n.c for n in gemms(nodes, None)}
+
+
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 @pytest.mark.parametrize("source", ["core", "all", "adaptive"])
 def test_the_stacked_backward_steps_bit_for_bit_as_a_gemm_per_loss(precision, source):
