@@ -6,9 +6,9 @@ is therefore *conditioned* (:func:`condition_batch`): a forward pass that carrie
 the legitimate difference between two correct implementations (:func:`deviation_forward`:
 independent accumulation roundings ``2 u sqrt(K) |w x|_2`` added in quadrature through the
 layers, and in ``bf16`` and ``tf32`` a whole ulp of the format wherever an activation sits near
-a rounding midpoint) finds the rows of ``s`` whose ReLU pre-activations, and the rows of ``s2`` whose top-two
-expected Q values, lie within ``MARGIN_SAFETY`` such deviations of their switching point, and
-those rows are redrawn. What remains is continuous in the rounding noise.
+a rounding midpoint) finds the rows of ``s`` whose ReLU pre-activations, and the rows of ``s2``
+whose top-two expected Q values, lie within ``MARGIN_SAFETY`` such deviations of their
+switching point, and those rows are redrawn. What remains is continuous in the rounding noise.
 """
 
 from __future__ import annotations

@@ -247,7 +247,7 @@ class StepProgram:
 
     def linear(self, ops: Ops, *, rows, n, k, x, w, c, bias, epilogue) -> None:
         """``c = epilogue(x [rows, k] @ W[n, k]^T + bias)`` in the forward precision. Where the
-        precision's RELU_BIAS epilogue would map a NaN pre-activation to 0
+        precision's RELU_BIAS epilogue does not keep a NaN pre-activation NaN
         (``gemm.RELU_EPILOGUE_KEEPS_NAN``: the TF32 plans), the GEMM runs plain and
         ``add_bias_relu`` adds the bias and the ReLU in place after it (the reference's NaN
         contract: a NaN stays NaN for the sentinels)."""

@@ -215,7 +215,7 @@ def ens_loss_and_grads(config: DQNConfig, layout: ParamLayout, params: np.ndarra
 
     ``online``: the forward pass of online(s) (``h2``, ``hv``, ``v``); ``isv``: the ISV vector
     (``H_S2_RMS_EMA`` sets the guard ``aux_guard_mult * max(., 1)`` and the Mech 10 bound whose
-    mask the trunk backward applies); ``mode``: the precision (``"f32"`` or ``"bf16"``) whose
+    mask the trunk backward applies); ``mode``: the precision (``config.PRECISIONS``) whose
     GEMM modes the prior heads and the backward use. The priors are frozen: no gradient reaches
     them.
 

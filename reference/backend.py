@@ -35,8 +35,10 @@ from .config import DQNConfig
 #: ``bf16`` runs the forward on BF16 operands and the backward on TF32-rounded F32 operands
 #: (cuBLAS has no F32 x BF16 GEMM); ``f32`` is F32 throughout; ``tf32`` is TF32 throughout (F32
 #: storage, every GEMM's inputs rounded to TF32 on the tensor cores).
-FORWARD_GEMM_MODE: Mapping[str, str] = MappingProxyType({"f32": "f32", "bf16": "bf16", "tf32": "tf32"})
-BACKWARD_GEMM_MODE: Mapping[str, str] = MappingProxyType({"f32": "f32", "bf16": "tf32", "tf32": "tf32"})
+FORWARD_GEMM_MODE: Mapping[str, str] = MappingProxyType(
+    {"f32": "f32", "bf16": "bf16", "tf32": "tf32"})
+BACKWARD_GEMM_MODE: Mapping[str, str] = MappingProxyType(
+    {"f32": "f32", "bf16": "tf32", "tf32": "tf32"})
 
 
 @dataclass(frozen=True)

@@ -117,9 +117,10 @@ def iqn_loss_and_grads(config: DQNConfig, layout: ParamLayout, params: np.ndarra
     2**64)``); ``q_abs_ref`` and ``h2_rms``: the ISV slots ``Q_ABS_REF`` (Mech 1 bound ``
     target_q_clip_mult * max(q_abs_ref, 1)``) and ``H_S2_RMS_EMA`` (the guard bound
     ``aux_guard_mult * max(h2_rms, 1)`` and the Mech 10 bound ``h2_clamp_mult * max(h2_rms,
-    1)`` whose mask the trunk backward applies); ``mode``: the precision (``"f32"`` or
-    ``"bf16"``) whose GEMM modes the head and the trunk backward use; ``gamma_ref``: the
-    reference gamma of ``batch.discount`` (n-step batches; not read when it is None).
+    1)`` whose mask the trunk backward applies); ``mode``: the precision
+    (``config.PRECISIONS``) whose GEMM modes the head and the trunk backward use;
+    ``gamma_ref``: the reference gamma of ``batch.discount`` (n-step batches; not read when it
+    is None).
 
     Raises ``ValueError`` (one line naming the argument) when the IQN head is off or an
     argument is malformed. NaN contract: the kernels' (``kernels.iqn``); the guard and the

@@ -37,8 +37,9 @@ BF16 weight mirrors and the deferred scalar readback. They cost the fast path wo
 does not do, so the comparison favours the peer slightly.
 
 Precision: ``config.precision == "f32"`` runs everything in float32 (PyTorch's default: no TF32);
-``"tf32"`` the same with float32 matmuls on TF32 tensor cores (``torch.backends.cuda.matmul
-.allow_tf32`` on for the peer's calls and restored after); ``"bf16"`` runs the network's forward passes (heads included) under
+``"tf32"`` the same with float32 matmuls on TF32 tensor cores
+(``torch.backends.cuda.matmul.allow_tf32`` on for the peer's calls and restored after);
+``"bf16"`` runs the network's forward passes (heads included) under
 ``torch.autocast(dtype=torch.bfloat16)`` (the Linear layers, hence their backward GEMMs, in
 BF16); the dueling head, log-softmax, losses, projection and optimisers stay float32.
 
