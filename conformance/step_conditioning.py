@@ -91,9 +91,10 @@ def deviation_forward(config: DQNConfig, params: np.ndarray, x: np.ndarray,
     every row). In ``bf16`` an activation's BF16 rounding may flip (probability ``pi`` from its
     distance to the rounding midpoint): flips add ``pi J^2 w^2`` to the variance, and the
     largest single likely flip (``pi > FLIP_PROBABILITY_FLOOR``) is added to the reach in full.
-    ``tf32`` is modelled as ``bf16`` with TF32's ulp (its GEMMs round both operands to nearest,
-    the weights too; ``tests/test_fast_gpu.py`` checks that cuBLASLt's TF32 plans round as the
-    reference's ``tf32_round`` does, where a truncating tensor core would move every product).
+    ``tf32`` is modelled as ``bf16`` with TF32's ulp: its GEMMs round both operands, the weights
+    too, to nearest (cuBLASLt's TF32 plans ties to even, ``tests/test_fast_gpu.py``; the
+    reference's ``tf32_round`` ties away: they differ on exact ties alone), where a truncating
+    tensor core would move every product.
     ``reach = MARGIN_SAFETY sigma + largest flip``. ReLU and the Mech 10 clamp are 1-Lipschitz;
     ``dQ = sum_j p_j (z_j - Q) dlogit_j``.
     """

@@ -140,7 +140,7 @@ def test_flip_probability_grows_near_a_rounding_midpoint(mode, ulp) -> None:
 def test_bounds_accept_a_legitimate_reimplementation(case, precision, start, record_property) -> None:
     results, ref, other = one_step(variant_factory(legitimate_variant),
                                    shared_case(case, precision, start))
-    record_results(record_property, f"{case}-{precision}-{start} (float64/TF32-truncating variant)", results)
+    record_results(record_property, f"{case}-{precision}-{start} (float64/TF32 variant)", results)
     assert_all(results)
     # The variant must really differ from the reference, or this test proves nothing.
     assert not np.array_equal(ref.state["adam_m"], other.state["adam_m"]), \
@@ -151,8 +151,8 @@ def test_bounds_accept_a_legitimate_reimplementation(case, precision, start, rec
 @pytest.mark.parametrize("source", [s for s in SOURCES if s != "core"])
 def test_bounds_accept_a_legitimate_reimplementation_of_the_second_wave(source, precision,
                                                                       record_property) -> None:
-    """The float64 / TF32-truncating variant with each second-wave source on (the sources'
-    GEMMs, bias gradients and norms re-rounded too) stays within the bounds."""
+    """The float64 / TF32 variant (``legitimate_variant``) with each second-wave source on (the
+    sources' GEMMs, bias gradients and norms re-rounded too) stays within the bounds."""
     results, ref, other = one_step(variant_factory(legitimate_variant),
                                    shared_case("tiny", precision, "warm", source))
     record_results(record_property, f"tiny-{precision}-{source} (variant)", results)

@@ -56,8 +56,8 @@ import numpy as np
 
 from foxhunt.fast import support_plan
 from foxhunt.fast.binder import Binder
-from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.gemm import RELU_EPILOGUE_KEEPS_NAN
+from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.sentinel_plan import desc_entries, desc_lengths_split
 from foxhunt.fast.step_layout import (
     DESC_LENGTH_KEYS,
