@@ -120,16 +120,20 @@ def test_loss_and_grads_match_torch_autograd(preset, n_step):
     assert_grad_close(layout, ours["grad_cql"], g_cql, "grad_cql")
 
 
-def test_bf16_mode_is_close_to_f32():
+@pytest.mark.parametrize("precision, loss_rtol, grad_rel", [("bf16", 2e-2, 5e-2),
+                                                              ("tf32", 2e-3, 1e-3)])
+def test_rounded_modes_are_close_to_f32(precision, loss_rtol, grad_rel):
+    """BF16 (8-bit significands) and TF32 (11-bit) GEMM inputs: different from f32, but only at
+    their rounding level (TF32's about 2^-3 of BF16's)."""
     base = DQNConfig.preset("tiny", precision="f32")
     layout = ParamLayout(base)
     params, target = init_params(layout, 5), init_params(layout, 6)
     batch = Batch.random(base, np.random.default_rng(5))
     f32 = loss_and_grads(base, params, target, batch)
-    bf16 = loss_and_grads(base.replace(precision="bf16"), params, target, batch)
-    np.testing.assert_allclose(bf16["c51_loss"], f32["c51_loss"], rtol=2e-2)
-    rel = np.linalg.norm(bf16["grad_c51"] - f32["grad_c51"]) / np.linalg.norm(f32["grad_c51"])
-    assert 0 < rel < 5e-2  # BF16 inputs: different, but only at the BF16 rounding level
+    other = loss_and_grads(base.replace(precision=precision), params, target, batch)
+    np.testing.assert_allclose(other["c51_loss"], f32["c51_loss"], rtol=loss_rtol)
+    rel = np.linalg.norm(other["grad_c51"] - f32["grad_c51"]) / np.linalg.norm(f32["grad_c51"])
+    assert 0 < rel < grad_rel
 
 
 def test_batch_validation_names_the_field():
