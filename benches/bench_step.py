@@ -45,9 +45,7 @@ import pytest
 from peers.torch_step import COMPILED_MODES, MODES
 from peers.torch_wave import WAVE_SOURCES
 
-from foxhunt.reference.config import ADAPTIVE_ON, ADAPTIVE_SWITCHES
-
-PRECISIONS = ("f32", "bf16", "tf32")
+from foxhunt.reference.config import ADAPTIVE_ON, ADAPTIVE_SWITCHES, PRECISIONS
 
 #: Every second-wave source but the MSE warm-up, which stays as the seed preset gives it.
 WAVE_ALL = {k: v for name, fields in WAVE_SOURCES.items() if name != "mse" for k, v in fields.items()}

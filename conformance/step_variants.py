@@ -38,7 +38,9 @@ def _tf32_truncate(x: np.ndarray) -> np.ndarray:
     return keep.astype(np.uint32).view(F32)
 
 
-def _tf32_nearest_even(x: np.ndarray) -> np.ndarray:
+def tf32_nearest_even(x: np.ndarray) -> np.ndarray:
+    """float32 rounded to TF32 (10 explicit significand bits), to nearest, ties to even, as
+    cuBLASLt's TF32 plans round their operands; NaN and Inf kept."""
     bits = np.ascontiguousarray(x, F32).view(np.uint32).astype(np.uint64)
     rounded = (bits + 0x0FFF + ((bits >> 13) & 1)) & 0xFFFFE000
     keep = np.where(np.isfinite(x), rounded, bits)
@@ -54,7 +56,7 @@ def legitimate_variant(config: DQNConfig | None = None) -> contextlib.AbstractCo
     truncating a forward operand moves every ReLU switching point by up to a TF32 ulp, which no
     conditioned batch keeps clear of (``step_conditioning``), and the fast path does not do it."""
     ref_round_for, ref_matvec, ref_rmatvec = dense.round_for, spectral._matvec, spectral._rmatvec
-    tf32 = _tf32_nearest_even if config is not None and \
+    tf32 = tf32_nearest_even if config is not None and \
         FORWARD_GEMM_MODE[config.precision] == "tf32" else _tf32_truncate
 
     def round_for(x, mode):

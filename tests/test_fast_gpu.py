@@ -367,7 +367,7 @@ def test_tf32_plans_round_operands_to_nearest_even(device, lt, shape, operand, t
     a tensor core fed raw f32 bits would): what ``precision="tf32"``'s step conformance relies on
     (``step_variants.legitimate_variant``, ``step_conditioning``). ``C[i, i] = A[i, 0] B[0, i]``
     with one factor 1 and the other a value off the TF32 grid (above, on and below a midpoint)."""
-    from foxhunt.conformance.step_variants import _tf32_nearest_even
+    from foxhunt.conformance.step_variants import tf32_nearest_even
 
     m, n, k = shape
     vals = np.array([1 + 3 * 2.0**-12, 1 + 2.0**-11, 1 + 2.0**-12, -(1 + 3 * 2.0**-12),
@@ -384,7 +384,7 @@ def test_tf32_plans_round_operands_to_nearest_even(device, lt, shape, operand, t
         out = gemm.run(a, b, **({"bias": np.zeros(n, np.float32)} if epilogue else {}))["c"]
     finally:
         gemm.close()
-    want = _tf32_nearest_even(vals)
+    want = tf32_nearest_even(vals)
     if epilogue == "relu_bias":
         want = np.maximum(want, np.float32(0))
     assert out[idx, idx].tolist() == want.tolist()
