@@ -7,7 +7,8 @@ Groups (per step times; see ``benches/conftest.py`` for how asynchronous steps a
   reference on the CPU (bf16 = the bit-exact BF16 emulation; f32 and bf16 only), PyTorch eager on
   the CPU (f32), and on the GPU the fast trainer and the four PyTorch modes (eager, compile,
   graph, compile-graph; bf16 = autocast, tf32 = f32 with TF32 matmuls);
-  ``step-seed-bf16`` also the fast trainer with its trunk forward fused (``fused_trunk=True``);
+  ``step-seed-bf16`` also the fast trainer with its trunk forward fused (``fused_trunk=True``),
+  its heads' forward fused (``fused_heads=True``) and both;
   both groups, and ``step-seed-{f32,bf16}-wave``, the fast trainer with its C51 and CQL backward
   stacked (``stacked_backward=True``).
 
@@ -89,6 +90,17 @@ def test_step_fast_fused_trunk(benchmark, harness, fast_trainer_cls):
     group ``step-seed-bf16`` beside the default step."""
     config = harness.config("seed", "bf16")
     runner = harness.fast(fast_trainer_cls, config, "fast-fused-trunk", fused_trunk=True)
+    harness.steps(benchmark, runner, group="step-seed-bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", ("heads", "trunk-heads"))
+def test_step_fast_fused_heads(benchmark, harness, fast_trainer_cls, fused):
+    """The bf16 step with its heads' forward fused (``Trainer(..., fused_heads=True)``), alone
+    and with the fused trunk, in group ``step-seed-bf16`` beside the default step."""
+    config = harness.config("seed", "bf16")
+    options = dict(fused_heads=True, fused_trunk=fused == "trunk-heads")
+    runner = harness.fast(fast_trainer_cls, config, f"fast-fused-{fused}", **options)
     harness.steps(benchmark, runner, group="step-seed-bf16")
 
 

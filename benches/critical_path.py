@@ -39,8 +39,8 @@ branches do not overlap. Then the ``--top`` slowest nodes and, with ``--chain``,
 measured critical chain. Repeating a node repeats its writes (an Adam update applied twenty
 times): the times are of the kernels, the values they leave are not used. ``--members N``
 measures the step of a ``fast.Population`` of N members instead (issue 24: every node runs for
-all N members). ``--fused-trunk`` / ``--stacked-backward`` (either mode): the step of
-``Trainer(..., fused_trunk=True)`` / ``Trainer(..., stacked_backward=True)``.
+all N members). ``--fused-trunk`` / ``--fused-heads`` / ``--stacked-backward`` (either mode):
+the step of ``Trainer(..., fused_trunk=True)`` / ``fused_heads=True`` / ``stacked_backward=True``.
 
 Cost model (``LAUNCH_US``, ``RUN_US``, ``KERNEL_RUN_US``): ESTIMATES read off the H200 runs of the seed step
 (about 1 us to launch a node and 3-6 us to run one), not measurements of these nodes; replace
@@ -168,7 +168,7 @@ def graph_path(ops) -> GraphPath:
 def step_paths(config, options: Mapping = MappingProxyType({})) -> dict[str, GraphPath]:
     """``{graph: GraphPath}`` of the step plan of ``config`` (``GRAPHS``; the upload graph of
     staging slot 0), built as the CPU executor builds it (``options``: the trainer's
-    ``fused_trunk`` / ``stacked_backward``)."""
+    ``fused_trunk`` / ``fused_heads`` / ``stacked_backward``)."""
     from foxhunt.fast.cpu_executor import CpuEngine
 
     plans = CpuEngine(config, **options).plans
@@ -478,6 +478,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="--measure: a fast.Population of this many members (0: one trainer)")
     parser.add_argument("--fused-trunk", action="store_true",
                         help="the step with Trainer(..., fused_trunk=True): bf16, one trainer")
+    parser.add_argument("--fused-heads", action="store_true",
+                        help="the step with Trainer(..., fused_heads=True): bf16, one trainer")
     parser.add_argument("--stacked-backward", action="store_true",
                         help="the step with Trainer(..., stacked_backward=True): one trainer")
     parser.add_argument("--n-envs", type=int, default=16, help="--collect: environments")
@@ -499,14 +501,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [s for s in args.sources if s not in choices]
     if bad:
         parser.error(f"SOURCE {bad[0]!r} is not one of {choices}")
-    if args.fused_trunk and args.members:
-        parser.error("--fused-trunk: a population keeps the four trunk nodes (--members 0)")
-    if args.fused_trunk and args.precision != "bf16":
-        parser.error(f"--fused-trunk: the fused trunk kernel is bf16 only (--precision "
-                     f"{args.precision})")
+    for flag, on in (("--fused-trunk", args.fused_trunk), ("--fused-heads", args.fused_heads)):
+        if on and args.members:
+            parser.error(f"{flag}: a population keeps its forward nodes (--members 0)")
+        if on and args.precision != "bf16":
+            parser.error(f"{flag}: the fused kernel is bf16 only (--precision {args.precision})")
     if args.stacked_backward and args.members:
         parser.error("--stacked-backward: a population keeps a backward pass per loss (--members 0)")
-    options = {"fused_trunk": args.fused_trunk, "stacked_backward": args.stacked_backward}
+    options = {"fused_trunk": args.fused_trunk, "fused_heads": args.fused_heads,
+               "stacked_backward": args.stacked_backward}
     if args.measure:
         for source in args.sources or choices:
             step = measure_step(variant_config(args.preset, args.precision, source),

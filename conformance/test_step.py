@@ -24,8 +24,8 @@ a failure naming what is missing): one step per preset x precision x start; NaN/
 state every step, and free-running with non-finite readbacks; checkpoint interchange both ways;
 each second-wave source the fast step implements, alone and all at once (``step_harness.
 SOURCES``), one step and the injections per preset x precision from the warm state; the bf16
-step with the fused trunk forward (``fused_trunk=True``), one step per preset x start and the
-injections on the seed preset; the step with the C51 and CQL backward stacked
+step with the fused trunk and / or heads forward (``fused_trunk=True``, ``fused_heads=True``),
+one step per preset x start and the injections on the seed preset; the step with the C51 and CQL backward stacked
 (``stacked_backward=True``), one step per preset x precision with the core and with every
 second-wave source, and the injections per precision on the seed preset with every source.
 """
@@ -245,31 +245,36 @@ def test_fast_step_with_injected_non_finite_values(kind, precision, case, cuda_d
     assert_all(results)
 
 
-#: The fast trainer with its trunk forward fused (``Trainer(..., fused_trunk=True)``; bf16 only).
-FUSED_TRUNK_CASES = [pytest.param(p, s, id=f"{p}-bf16-{s}") for p in PRESETS for s in STARTS]
+#: The fast trainer with parts of its forward fused (bf16 only): the trunk
+#: (``Trainer(..., fused_trunk=True)``), the heads (``fused_heads=True``), both.
+FUSED_OPTIONS = {"fused-trunk": dict(fused_trunk=True), "fused-heads": dict(fused_heads=True),
+                 "fused-trunk-heads": dict(fused_trunk=True, fused_heads=True)}
+FUSED_CASES = [pytest.param(p, s, f, id=f"{p}-bf16-{s}-{f}") for p in PRESETS for s in STARTS
+               for f in FUSED_OPTIONS]
 
 
-def _fused_trunk_factory():
+def _fused_factory(fused: str):
     import functools
 
-    return functools.partial(fast_factory(), fused_trunk=True)
+    return functools.partial(fast_factory(), **FUSED_OPTIONS[fused])
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case, start", FUSED_TRUNK_CASES)
-def test_fast_step_with_the_fused_trunk_matches_reference(case, start, cuda_device,
+@pytest.mark.parametrize("case, start, fused", FUSED_CASES)
+def test_fast_step_with_a_fused_forward_matches_reference(case, start, fused, cuda_device,
                                                           record_property) -> None:
-    results, _, _ = one_step(_fused_trunk_factory(), shared_case(case, "bf16", start))
-    record_results(record_property, f"{case}-bf16-{start}-fused-trunk", results)
+    results, _, _ = one_step(_fused_factory(fused), shared_case(case, "bf16", start))
+    record_results(record_property, f"{case}-bf16-{start}-{fused}", results)
     assert_all(results)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", FUSED_OPTIONS)
 @pytest.mark.parametrize("kind", INJECTIONS)
-def test_fast_step_with_the_fused_trunk_and_injected_non_finite_values(kind, cuda_device,
+def test_fast_step_with_a_fused_forward_and_injected_non_finite_values(kind, fused, cuda_device,
                                                                        record_property) -> None:
-    results = check_injection(_fused_trunk_factory(), shared_case("seed", "bf16", "warm"), kind)
-    record_results(record_property, f"seed-bf16-{kind}-fused-trunk", results)
+    results = check_injection(_fused_factory(fused), shared_case("seed", "bf16", "warm"), kind)
+    record_results(record_property, f"seed-bf16-{kind}-{fused}", results)
     assert_all(results)
 
 

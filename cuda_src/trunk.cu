@@ -467,3 +467,258 @@ trunk_forward_bf16(
         }
     }
 }
+
+// =============================================================================================
+// The heads' fused forward on tensor cores (issue 26; reference:
+// foxhunt.reference.kernels.trunk.heads_forward_bf16, the composition of the nodes it replaces
+// in the BF16 step's forward: every head's first-layer GEMM h2_bf16 @ W1_h^T + b1_h with its
+// RELU_BIAS epilogue, f32_to_bf16 of the heads' hidden buffer, every head's second-layer GEMM
+// hid_bf16_h @ W2_h^T + b2_h with its BIAS epilogue). For `rows` rows of BF16 h2 [rows, H2] and
+// `n_heads` heads (head 0 the value head, heads 1.. the advantage branches):
+//   hid_h      = relu(h2b @ W1_h^T + b1_h)          [rows, hidden_h] f32
+//   hid_bf16_h = f32_to_bf16(hid_h)                 [rows, hidden_h] BF16
+//   out_h      = hid_bf16_h @ W2_h^T + b2_h         [rows, out_h]    f32 (head 0: v, else adv)
+// relu is the select `t <= 0 ? 0 : t` (a NaN pre-activation stays NaN), the bias adds one f32
+// add after the product, as the cuBLASLt epilogues. Weights come from the BF16 mirror and biases
+// from the f32 parameters at the element offsets of `table` ([n_heads, HEADS_FIELDS] int32: hidden_h,
+// out_h, then the offsets of W1_h, b1_h, W2_h, b2_h in `mirror` / `params`, which point at the
+// parameter set's first element). Outputs in the step's packed layouts: hid / hid_bf16 hold head
+// h's [rows, hidden_h] block at an offset aligned to `hid_align` elements after head h - 1's
+// (fast/step_layout.py's Packed); v is head 0's [rows, out_0]; adv holds head h >= 1's
+// [rows, out_h] right after head h - 1's (unaligned).
+//
+// Arithmetic and NaN contract: trunk_forward_bf16's (mma.sync m16n8k16, FP32 accumulation in
+// the tensor cores' order, so hid and the outputs are within the GEMM bound of the twin's, not
+// bitwise; -fmad=false after the product). A NaN or Inf in row i of h2b reaches row i of every
+// output only; in W1_h row j or b1_h[j] column j of hid_h in every row, hence every output column
+// of head h; in W2_h row o or b2_h[o] column o of out_h.
+//
+// Layout of the work (trunk_forward_bf16's): a cluster of FH_CLUSTER blocks per TRUNK_BM rows.
+// Layer 1 is one layer over the heads' hidden columns side by side (HT = sum hidden_h; every
+// hidden_h a multiple of 16, so an n8 tile lies in one head); cluster block `rank` computes its
+// trunk_slice(HT) columns and stores their BF16 copy into the hid tile of every cluster block.
+// Layer 2's columns are each head's out_h padded to a multiple of 8 ("virtual" columns, VT =
+// sum ceil(out_h / 8) * 8), so an n8 tile again lies in one head; its k runs over that head's
+// hidden columns of the tile only. The block's W1 and W2 rows are copied whole at the start
+// (resident only: trunk_slice(HT) and trunk_slice(VT) at most TRUNK_NCH; a padding row of W2
+// is zero and its column never stored). Dynamic shared memory (bf16 elements): TRUNK_BM * (H2 +
+// PAD) + TRUNK_BM * (HT + PAD) + s1 * (H2 + PAD) + s2 * (Hmax + PAD), Hmax the widest hidden_h
+// (fast/kernels/trunk.py heads_shared_bytes). Requirements (the launcher checks): H2 and every
+// hidden_h multiples of 16, n_heads <= HEADS_MAX, every W1_h / W2_h offset a multiple of 8
+// elements and h2b 16-byte aligned (cp.async), hid_align even.
+// =============================================================================================
+#define HEADS_MAX 8
+#define HEADS_FIELDS 6
+
+struct HeadsTable {
+    int n;
+    int hidden[HEADS_MAX], out[HEADS_MAX], w1[HEADS_MAX], b1[HEADS_MAX], w2[HEADS_MAX],
+        b2[HEADS_MAX];
+    int hcum[HEADS_MAX + 1];   // first hidden column of head h (concatenated)
+    int vcum[HEADS_MAX + 1];   // first virtual output column of head h
+    int hid_off[HEADS_MAX];    // head h's block in hid / hid_bf16
+    int out_off[HEADS_MAX];    // head h's block in v (h = 0) or adv
+    int hmax;
+};
+
+static __device__ __forceinline__ int heads_of(const int* cum, int n, int col) {
+    int h = 0;
+    while (h + 1 < n && col >= cum[h + 1]) {
+        ++h;
+    }
+    return h;
+}
+
+static __device__ void heads_read_table(HeadsTable& t, const int* __restrict__ table, int n_heads,
+                                        int rows, int hid_align) {
+    t.n = n_heads;
+    t.hcum[0] = 0;
+    t.vcum[0] = 0;
+    t.hmax = 0;
+    int hid_end = 0;
+    int adv_end = 0;
+    for (int h = 0; h < n_heads; ++h) {
+        const int* e = table + h * HEADS_FIELDS;
+        t.hidden[h] = e[0];
+        t.out[h] = e[1];
+        t.w1[h] = e[2];
+        t.b1[h] = e[3];
+        t.w2[h] = e[4];
+        t.b2[h] = e[5];
+        t.hcum[h + 1] = t.hcum[h] + t.hidden[h];
+        t.vcum[h + 1] = t.vcum[h] + ((t.out[h] + 7) / 8) * 8;
+        t.hmax = max(t.hmax, t.hidden[h]);
+        t.hid_off[h] = ((hid_end + hid_align - 1) / hid_align) * hid_align;
+        hid_end = t.hid_off[h] + rows * t.hidden[h];
+        t.out_off[h] = h == 0 ? 0 : adv_end;
+        if (h > 0) {
+            adv_end += rows * t.out[h];
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(TRUNK_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
+heads_forward_bf16(const unsigned short* __restrict__ h2b,
+                   const unsigned short* __restrict__ mirror, const float* __restrict__ params,
+                   const int* __restrict__ table, float* __restrict__ hid,
+                   unsigned short* __restrict__ hid_bf16, float* __restrict__ v,
+                   float* __restrict__ adv, int rows, int h2_width, int n_heads, int hid_align) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    extern __shared__ __align__(16) unsigned short trunk_smem[];
+    __shared__ HeadsTable t;  // read once by thread 0 (static shared memory, beside the dynamic)
+    if (threadIdx.x == 0) {
+        heads_read_table(t, table, n_heads, rows, hid_align);
+    }
+    __syncthreads();
+    const int ht = t.hcum[n_heads];
+    const int vt = t.vcum[n_heads];
+    const int xs_stride = h2_width + TRUNK_PAD;
+    const int hs_stride = ht + TRUNK_PAD;
+    const int w2_stride = t.hmax + TRUNK_PAD;
+    const int s1 = trunk_slice(ht);
+    const int s2 = trunk_slice(vt);
+    unsigned short* xs = trunk_smem;
+    unsigned short* hs = xs + TRUNK_BM * xs_stride;
+    unsigned short* w1_s = hs + TRUNK_BM * hs_stride;
+    unsigned short* w2_s = w1_s + s1 * xs_stride;
+    const int row0 = blockIdx.y * TRUNK_BM;
+    const int rank = fh_cluster_rank();
+    const int n1_begin = min(ht, rank * s1);
+    const int n1_cols = min(ht, n1_begin + s1) - n1_begin;
+    const int n2_begin = min(vt, rank * s2);
+    const int n2_cols = min(vt, n2_begin + s2) - n2_begin;
+
+    // Group 1: the h2 tile (rows past `rows` read as +0.0) and the block's W1 rows.
+    for (TrunkWalk it(h2_width / 8); it.r < TRUNK_BM; it.next()) {
+        unsigned short* dst = xs + it.r * xs_stride + it.q * 8;
+        if (row0 + it.r < rows) {
+            trunk_cp16(dst, h2b + (long long)(row0 + it.r) * h2_width + it.q * 8);
+        } else {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+        }
+    }
+    for (TrunkWalk it(h2_width / 8); it.r < n1_cols; it.next()) {
+        const int col = n1_begin + it.r;
+        const int h = heads_of(t.hcum, n_heads, col);
+        trunk_cp16(w1_s + it.r * xs_stride + it.q * 8,
+                   mirror + t.w1[h] + (long long)(col - t.hcum[h]) * h2_width + it.q * 8);
+    }
+    trunk_cp_commit();
+    // Group 2: the block's W2 rows (virtual columns; a padding row is zero).
+    for (TrunkWalk it(t.hmax / 8); it.r < n2_cols; it.next()) {
+        const int vcol = n2_begin + it.r;
+        const int h = heads_of(t.vcum, n_heads, vcol);
+        const int o = vcol - t.vcum[h];
+        unsigned short* dst = w2_s + it.r * w2_stride + it.q * 8;
+        if (it.q * 8 < t.hidden[h]) {
+            if (o < t.out[h]) {
+                trunk_cp16(dst, mirror + t.w2[h] + (long long)o * t.hidden[h] + it.q * 8);
+            } else {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+        }
+    }
+    trunk_cp_commit();
+    asm volatile("cp.async.wait_group 1;" ::: "memory");
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    float acc[TRUNK_MT][TRUNK_NT][4];
+    // Layer 1: the block's hidden columns, then ReLU, hid / hid_bf16 and the cluster's hid tiles.
+    trunk_zero(acc);
+    trunk_mma_span(acc, xs, xs_stride, 0, w1_s, xs_stride, 0, h2_width / 16, n1_cols);
+    {
+        unsigned int peer_tile[FH_CLUSTER];
+#pragma unroll
+        for (int peer = 0; peer < FH_CLUSTER; ++peer) {
+            peer_tile[peer] = fh_cluster_map(hs, peer);
+        }
+#pragma unroll
+        for (int j = 0; j < TRUNK_NT; ++j) {
+            const int tile = j * TRUNK_WARPS + warp;
+            if (tile * 8 >= n1_cols) {  // warp-uniform
+                continue;
+            }
+            const int col = n1_begin + tile * 8 + t4 * 2;  // concatenated hidden column
+            const int h = heads_of(t.hcum, n_heads, col);
+            const int lc = col - t.hcum[h];
+            const float bias0 = params[t.b1[h] + lc];
+            const float bias1 = params[t.b1[h] + lc + 1];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int r = g + half * 8;
+                const int row = row0 + r;
+                const float p0 = __fadd_rn(acc[0][j][2 * half], bias0);
+                const float p1 = __fadd_rn(acc[0][j][2 * half + 1], bias1);
+                const float v0 = (p0 <= 0.0f) ? 0.0f : p0;
+                const float v1 = (p1 <= 0.0f) ? 0.0f : p1;
+                const unsigned int pair = (unsigned int)f32_to_bf16_bits(v0)
+                                          | ((unsigned int)f32_to_bf16_bits(v1) << 16);
+                const unsigned int at = 2u * (unsigned int)(r * hs_stride + col);  // bytes
+#pragma unroll
+                for (int peer = 0; peer < FH_CLUSTER; ++peer) {
+                    fh_cluster_st_u32(peer_tile[peer] + at, pair);
+                }
+                if (row < rows) {
+                    const long long o = t.hid_off[h] + (long long)row * t.hidden[h] + lc;
+                    *reinterpret_cast<float2*>(hid + o) = make_float2(v0, v1);
+                    *reinterpret_cast<unsigned int*>(hid_bf16 + o) = pair;
+                }
+            }
+        }
+    }
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    fh_cluster_sync();  // every block's hid_bf16 columns are in every tile; W2's rows are in
+
+    // Layer 2: each n8 tile of virtual columns over its head's hidden columns of the tile.
+    trunk_zero(acc);
+#pragma unroll
+    for (int j = 0; j < TRUNK_NT; ++j) {
+        const int tile = j * TRUNK_WARPS + warp;
+        if (tile * 8 >= n2_cols) {  // warp-uniform
+            continue;
+        }
+        const int h = heads_of(t.vcum, n_heads, n2_begin + tile * 8);
+        const int k0 = t.hcum[h];
+        const unsigned short* brow = w2_s + (tile * 8 + g) * w2_stride + t4 * 2;
+        for (int ks = 0; ks < t.hidden[h] / 16; ++ks) {
+            const unsigned short* ai = hs + g * hs_stride + k0 + ks * 16 + t4 * 2;
+            unsigned int a[4];
+            a[0] = trunk_ld32(ai);
+            a[1] = trunk_ld32(ai + 8 * hs_stride);
+            a[2] = trunk_ld32(ai + 8);
+            a[3] = trunk_ld32(ai + 8 * hs_stride + 8);
+            trunk_mma(acc[0][j], a, trunk_ld32(brow + ks * 16), trunk_ld32(brow + ks * 16 + 8));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < TRUNK_NT; ++j) {
+        const int tile = j * TRUNK_WARPS + warp;
+        if (tile * 8 >= n2_cols) {  // warp-uniform
+            continue;
+        }
+        const int vcol = n2_begin + tile * 8 + t4 * 2;
+        const int h = heads_of(t.vcum, n_heads, vcol);
+        float* dst = h == 0 ? v : adv;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int o = vcol + e - t.vcum[h];
+            if (o >= t.out[h]) {
+                continue;
+            }
+            const float bias = params[t.b2[h] + o];
+#pragma unroll
+            for (int half = 0; half < 2; ++half) {
+                const int row = row0 + g + half * 8;
+                if (row < rows) {
+                    dst[t.out_off[h] + (long long)row * t.out[h] + o] =
+                        __fadd_rn(acc[0][j][2 * half + e], bias);
+                }
+            }
+        }
+    }
+    fh_cluster_sync();  // no block exits while a peer may still store into its hid tile
+}

@@ -384,7 +384,8 @@ class CpuEngine:
     def __init__(self, config: DQNConfig, *, gemm_workspace: str = "none",
                  branch_order: str = "latest_first", refused_epilogues=(),
                  staging_slots: int = STAGING_RING, seed: int = 0, n_step_on: bool = False,
-                 fused_trunk: bool = False, stacked_backward: bool = False):
+                 fused_trunk: bool = False, fused_heads: bool = False,
+                 stacked_backward: bool = False):
         self.branch_order = branch_order
         self.layout = lay = StepLayout(config, n_step_on=n_step_on)
         self.arena = HostArena(lay.specs)
@@ -398,7 +399,7 @@ class CpuEngine:
             lay, planner=cpu_planner(refused_epilogues), constants=constants,
             host_nbytes={staging_name(s): lay.batch_nbytes for s in range(staging_slots)},
             arch=CPU_ARCH, gemm_workspace=gemm_workspace, seed=seed, fuse_trunk=fused_trunk,
-            stacked_backward=stacked_backward)
+            fuse_heads=fused_heads, stacked_backward=stacked_backward)
         self.plans = step_plans(prog, staging_slots)
         ops_up, ops1, ops2 = self.plans["upload"], self.plans["graph1"], self.plans["graph2"]
         self._upload = [CpuGraph(ops, branch_order) for ops in ops_up]
@@ -467,20 +468,24 @@ class CpuTrainer(Trainer):
 
     def __init__(self, config: DQNConfig, seed: int = 0, *, gemm_workspace: str = "none",
                  branch_order: str = "latest_first", refused_epilogues=(), n_step: int = 1,
-                 fused_trunk: bool = False, stacked_backward: bool = False):
+                 fused_trunk: bool = False, fused_heads: bool = False,
+                 stacked_backward: bool = False):
         self._cpu_options = dict(branch_order=branch_order, refused_epilogues=tuple(refused_epilogues))
         super().__init__(config, seed, gemm_workspace=gemm_workspace, n_step=n_step,
-                         fused_trunk=fused_trunk, stacked_backward=stacked_backward)
+                         fused_trunk=fused_trunk, fused_heads=fused_heads,
+                         stacked_backward=stacked_backward)
 
     def _make_engine(self, config: DQNConfig, *, seed: int, device,
                      gemm_workspace: str, n_step_on: bool = False,
-                     fused_trunk: bool = False, stacked_backward: bool = False) -> CpuEngine:
+                     fused_trunk: bool = False, fused_heads: bool = False,
+                     stacked_backward: bool = False) -> CpuEngine:
         if device is not None:
             raise ValueError(f"device: {device!r}; the CPU executor takes no device")
         self._check_config(config)
         return CpuEngine(config, gemm_workspace=gemm_workspace, staging_slots=STAGING_RING,
                          seed=seed, n_step_on=n_step_on, fused_trunk=fused_trunk,
-                         stacked_backward=stacked_backward, **self._cpu_options)
+                         fused_heads=fused_heads, stacked_backward=stacked_backward,
+                         **self._cpu_options)
 
 
 __all__ = ["BRANCH_ORDERS", "STACKED", "CpuEngine", "CpuGemm", "CpuGraph", "CpuTrainer", "HostArena",

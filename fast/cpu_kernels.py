@@ -193,6 +193,59 @@ def _trunk_forward_bf16(a):
     return out
 
 
+def _heads(a: Args) -> np.ndarray:
+    """``heads_forward_bf16``'s table ``[n_heads, HEADS_FIELDS]``: hidden, out, W1, b1, W2, b2 offsets."""
+    return a.table("table", a.n_heads * rtrunk.HEADS_FIELDS).reshape(a.n_heads, rtrunk.HEADS_FIELDS)
+
+
+def _heads_packed(a: Args):
+    t = _heads(a)
+    return rtrunk.heads_packed_offsets(t[:, 0], t[:, 1], a.rows, a.hid_align)
+
+
+def _heads_param_extent(a: Args) -> int:
+    """Elements of the parameter set the table reaches (its last tensor's end)."""
+    t = _heads(a)
+    return int(max(np.max(t[:, 2] + t[:, 0] * a.h2_width), np.max(t[:, 3] + t[:, 0]),
+                   np.max(t[:, 4] + t[:, 1] * t[:, 0]), np.max(t[:, 5] + t[:, 1])))
+
+
+@twin("heads_forward_bf16", h2b=("rows", "h2_width"), mirror=_heads_param_extent,
+      params=_heads_param_extent, table=lambda a: a.n_heads * rtrunk.HEADS_FIELDS,
+      hid=lambda a: max(_heads_packed(a)[1], 1), hid_bf16=lambda a: max(_heads_packed(a)[1], 1),
+      v=lambda a: (a.rows, int(_heads(a)[0, 1])), adv=lambda a: max(_heads_packed(a)[3], 1))
+def _heads_forward_bf16(a):
+    """The reference twin on the heads gathered side by side from the parameter set, its
+    outputs scattered into the packed buffers (``rtrunk.heads_packed_offsets``)."""
+    t = _heads(a)
+    hidden, out, h2 = t[:, 0], t[:, 1], a.h2_width
+    hmax = int(hidden.max())
+    w2 = np.zeros((int(out.sum()), hmax), U16)
+    o0 = 0
+    for (width, o, _, _, w2o, _) in t:
+        w2[o0:o0 + o, :width] = a.mirror[w2o:w2o + o * width].reshape(o, width)
+        o0 += o
+    r = rtrunk.heads_forward_bf16(
+        a.h2b, np.concatenate([a.mirror[w1o:w1o + w * h2].reshape(w, h2) for w, _, w1o, *_ in t]),
+        np.concatenate([a.params[b1o:b1o + w] for w, _, _, b1o, _, _ in t]), w2,
+        np.concatenate([a.params[b2o:b2o + o] for _, o, _, _, _, b2o in t]),
+        hidden.astype(np.int32), out.astype(np.int32))
+    hid_off, _, adv_off, _ = _heads_packed(a)
+    hid, hid_bf16, v, adv = a.hid, a.hid_bf16, a.v, a.adv
+    h0 = o0 = 0
+    for h, (width, o) in enumerate(zip(hidden, out)):
+        span = slice(hid_off[h], hid_off[h] + a.rows * width)
+        hid[span] = r.hid[:, h0:h0 + width].ravel()
+        hid_bf16[span] = r.hid_bf16[:, h0:h0 + width].ravel()
+        block = r.out[:, o0:o0 + o]
+        if h == 0:
+            v[...] = block
+        else:
+            adv[adv_off[h]:adv_off[h] + a.rows * o] = block.ravel()
+        h0, o0 = h0 + width, o0 + o
+    return {"hid": hid, "hid_bf16": hid_bf16, "v": v, "adv": adv}
+
+
 # --------------------------------------------------------------------------------------------
 # distributional and fused
 # --------------------------------------------------------------------------------------------

@@ -59,7 +59,8 @@ class GpuEngine:
 
     def __init__(self, config: DQNConfig, *, device=None, gemm_workspace: str = "none",
                  staging_slots: int = 2, seed: int = 0, n_step_on: bool = False,
-                 fused_trunk: bool = False, stacked_backward: bool = False):
+                 fused_trunk: bool = False, fused_heads: bool = False,
+                 stacked_backward: bool = False):
         from foxhunt.fast._build import package_module
         from foxhunt.fast.device import Arena, Device
         from foxhunt.fast.gemm import GemmPlan, PlanCache, cublaslt_version
@@ -89,7 +90,7 @@ class GpuEngine:
             lay, planner=self.gemm_plans, constants=constants,
             host_nbytes={staging_name(s): pinned[staging_name(s)].nbytes for s in range(staging_slots)},
             arch=dev.arch, gemm_workspace=gemm_workspace, seed=seed, sm_count=dev.multiprocessor_count,
-            fuse_trunk=fused_trunk, stacked_backward=stacked_backward)
+            fuse_trunk=fused_trunk, fuse_heads=fused_heads, stacked_backward=stacked_backward)
         self._capture(pinned, step_plans(self.program, staging_slots),
                       Lowering(self.module, self.address, pinned))
 

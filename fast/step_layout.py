@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from foxhunt.fast.records import F32, I32, I64, U8, U16, U64, Buf, Region
+from foxhunt.reference.kernels.trunk import HEADS_FIELDS
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.backend import READBACK_FIELDS
@@ -307,7 +308,8 @@ class StepLayout(BufferTable):
                                    ("scale", 1, F32), ("n_actions", nb, I32),
                                    ("action_offset", nb, I32), ("thr_mult", n_desc, F32),
                                    ("thr_isv_index", n_desc, I32), ("thr_power", n_desc, I32),
-                                   ("desc_ptrs", n_desc, U64)):
+                                   ("desc_ptrs", n_desc, U64),
+                                   ("head_table", (len(self.heads), HEADS_FIELDS), I32)):
             self._add(name, shape, dtype, "constant")
         # Lengths of the fused checks' slots (a zero length disables a slot), one array per
         # check: the batch in graph 1; in graph 2 the others beside the optimiser, the Adam

@@ -104,7 +104,7 @@ class StepProgram:
     def __init__(self, layout: StepLayout, *, planner: Planner, constants: Mapping[str, np.ndarray],
                  host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none",
                  seed: int = 0, sm_count: int = 0, fuse_trunk: bool = False,
-                 stacked_backward: bool = False):
+                 fuse_heads: bool = False, stacked_backward: bool = False):
         from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
 
         if gemm_workspace not in GEMM_WORKSPACES:
@@ -117,6 +117,7 @@ class StepProgram:
         self.planner = planner
         self.arch = arch
         self.fuse_trunk = bool(fuse_trunk)
+        self.fuse_heads = bool(fuse_heads)
         #: Whether graph 1 runs the C51 and CQL backward passes stacked (``backward``): an option
         #: of a single trainer, off by default (measured no faster on the H200: the README's
         #: "The C51 and CQL backward passes stacked"); never a population's (its GEMMs are
@@ -132,6 +133,17 @@ class StepProgram:
                 f"with SD, H1, H2 multiples of 16 and H1, H2 <= {CLUSTER_SM90 * TRUNK_COLS_PER_PASS}"
                 f"; got precision {self.config.precision!r}, {arch}, SD={lay.SD}, H1={lay.H1}, "
                 f"H2={lay.H2}")
+        if self.fuse_heads and not self.heads_fused:
+            from foxhunt.fast.kernels._runtime import CLUSTER_SM90
+            from foxhunt.fast.kernels.trunk import TRUNK_COLS_PER_PASS
+
+            lay = layout
+            raise ValueError(
+                f"fused_heads=True: the fused heads forward runs precision 'bf16' on sm_90 and newer "
+                f"with H2 and every head's hidden width multiples of 16 and at most "
+                f"{CLUSTER_SM90 * TRUNK_COLS_PER_PASS} hidden and (each head's padded to 8) output "
+                f"columns; got precision {self.config.precision!r}, {arch}, H2={lay.H2}, hidden "
+                f"{tuple(h.hidden for h in lay.heads)}, outputs {tuple(h.out for h in lay.heads)}")
         self.gemm_workspace = gemm_workspace
         self.default_workspace = DEFAULT_WORKSPACE_LIMIT
         #: cuBLASLt's SM_COUNT_TARGET of every plan (module docstring; 0: the whole device).
@@ -155,6 +167,17 @@ class StepProgram:
 
         lay = self.lay
         return self.fuse_trunk and lay.bf16 and trunk_fusable(lay.SD, lay.H1, lay.H2, self.arch)
+
+    @property
+    def heads_fused(self) -> bool:
+        """Whether the training passes run the heads' forward as the fused ``heads_forward_bf16``
+        (``fast.kernels.trunk.heads_fusable``; as :attr:`trunk_fused`)."""
+        from foxhunt.fast.kernels.trunk import heads_fusable
+
+        lay = self.lay
+        return (self.fuse_heads and lay.bf16
+                and heads_fusable(lay.H2, [h.hidden for h in lay.heads],
+                                  [h.out for h in lay.heads], self.arch))
 
     def eval_binder(self, evl: EvalLayout, host_nbytes: Mapping[str, int]) -> Binder:
         """A binder over the step buffers and ``evl``'s (names are disjoint)."""
@@ -349,7 +372,7 @@ class StepProgram:
     def forward(self, ops: Ops, *, tag: str, rows: int, which: int, x: Buf, xb: Buf | None,
                 logits: Buf, logp: Buf, q: Buf | None = None,
                 extra: Ops | None = None, h2_event: str | None = None,
-                fuse_trunk: bool = False) -> None:
+                fuse_trunk: bool = False, fuse_heads: bool = False) -> None:
         """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
         Mech 10 clamp (bound from ISV[H_S2_RMS_EMA] on the device), heads, then every branch's
         dueling combine, log-softmax into ``logits`` / ``logp`` (branch-packed from there) and,
@@ -358,7 +381,9 @@ class StepProgram:
         recorded once h2 (and its BF16 copy) is written, for chains that need only the trunk.
         ``fuse_trunk`` (the training step's passes): where :attr:`trunk_fused`, the trunk and its
         clamp are ONE ``trunk_forward_bf16`` launch (the same buffers written) instead of the
-        GEMM, ``f32_to_bf16``, GEMM, ``clamp_finite_isv`` nodes."""
+        GEMM, ``f32_to_bf16``, GEMM, ``clamp_finite_isv`` nodes; ``fuse_heads`` likewise: where
+        :attr:`heads_fused`, the heads' first layers, ``f32_to_bf16`` and second layers are ONE
+        ``heads_forward_bf16`` launch (alongside ``extra``)."""
         lay, c = self.lay, self.config
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
@@ -391,6 +416,38 @@ class StepProgram:
             ops.record(h2_event)
         h2_in = h2b if bf16 else h2
         firsts = [] if extra is None else [extra]
+        if fuse_heads and self.heads_fused:
+            fused = ops.branch() if firsts else ops
+            fused.kernel("heads_forward_bf16",
+                         self.kernels("trunk").plan_heads_forward_bf16(
+                             rows, lay.H2, [h.hidden for h in lay.heads],
+                             [h.out for h in lay.heads], arch=self.arch),
+                         h2b=h2b, mirror=Buf("mirror2", offset=which * lay.NP),
+                         params=Buf("params2", offset=which * lay.NP), table="head_table",
+                         hid=Buf(f"hid{tag}"), hid_bf16=Buf(f"hid{tag}_bf16"), v=Buf(f"v{tag}"),
+                         adv=Buf(f"adv{tag}"), rows=rows, h2_width=lay.H2, n_heads=len(lay.heads),
+                         hid_align=OPERAND_ALIGN)
+            if firsts:
+                ops.parallel(*firsts, fused)
+        else:
+            self._heads_unfused(ops, tag=tag, rows=rows, which=which, h2_in=h2_in, firsts=firsts)
+        ops.kernel("dueling_log_softmax_q_branches",
+                   self.kernels("fused").plan_dueling_log_softmax_q_branches(rows, lay.branches, lay.NA),
+                   v=f"v{tag}", adv=f"adv{tag}", z="z", n_actions="n_actions",
+                   action_offset="action_offset", logits=logits, logp=logp, q=q, batch=rows,
+                   num_atoms=lay.NA,
+                   with_q=1 if q is not None and not support_plan.live_q(c, q) else 0)
+        if support_plan.live_q(c, q):  # adaptive_atoms: each branch's Q on its live support
+            support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
+
+    def _heads_unfused(self, ops: Ops, *, tag: str, rows: int, which: int, h2_in: Buf,
+                       firsts: list) -> None:
+        """The heads' forward as nodes: every head's first layer (parallel branches, beside
+        ``firsts``), the hidden values' BF16 copy, every head's second layer."""
+        lay = self.lay
+        bf16 = lay.bf16
+        p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
+        wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
         for h in lay.heads:
             branch = ops.branch()
             self.linear(branch, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
@@ -411,14 +468,6 @@ class StepProgram:
                         c=out, bias=p32(h.b2), epilogue="bias")
             seconds.append(branch)
         ops.parallel(*seconds)
-        ops.kernel("dueling_log_softmax_q_branches",
-                   self.kernels("fused").plan_dueling_log_softmax_q_branches(rows, lay.branches, lay.NA),
-                   v=f"v{tag}", adv=f"adv{tag}", z="z", n_actions="n_actions",
-                   action_offset="action_offset", logits=logits, logp=logp, q=q, batch=rows,
-                   num_atoms=lay.NA,
-                   with_q=1 if q is not None and not support_plan.live_q(c, q) else 0)
-        if support_plan.live_q(c, q):  # adaptive_atoms: each branch's Q on its live support
-            support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
 
     # -- backward of one loss
     def backward(self, ops: Ops, pres: Mapping[str, Ops], aux_dh2: Buf | None = None,
@@ -591,6 +640,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     ``address(buf)`` is the arena address of a region (the sentinel and spectral descriptors
     hold pointers)."""
     from foxhunt.fast.kernels.spectral import spectral_descriptors
+    from foxhunt.fast.kernels.trunk import heads_table
     from foxhunt.fast.isv_plan import isv_constants
     from foxhunt.fast.wave_layout import wave_constants
     from foxhunt.reference.step import support
@@ -615,6 +665,9 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
         "scale": np.array([1.0 / (lay.B * lay.nb)], np.float32),
         "n_actions": np.array(lay.branches, np.int32),
         "action_offset": np.array(lay.action_offset, np.int32),
+        "head_table": heads_table([h.hidden for h in lay.heads], [h.out for h in lay.heads],
+                                  [[lay.tensor_offset(n) for n in (h.w1, h.b1, h.w2, h.b2)]
+                                   for h in lay.heads]),
         "thr_mult": mult, "thr_isv_index": index, "thr_power": power, "desc_ptrs": ptrs,
         **{key: np.array(lens[key], np.int64) for key in DESC_LENGTH_KEYS},
         "piece_slot": np.array([p.slot for p in sp.extras] or [0], np.int32),

@@ -8,7 +8,7 @@ Same interface, state and numerics contract as ``foxhunt.reference.trainer.Train
 (the same plan run on the CPU by the reference kernels).
 
 - Construction: ``Trainer(config, seed=0, *, device=None, gemm_workspace="none",
-  fused_trunk=False, stacked_backward=False)`` raises
+  fused_trunk=False, fused_heads=False, stacked_backward=False)`` raises
   ``NoCudaDeviceError`` (with the reason) where no CUDA device/driver is usable. Otherwise the
   engine compiles, allocates, plans and captures, and the initial state of
   ``reference.Trainer(config, seed)`` is uploaded (params, target, Adam m/v/t, spectral-norm
@@ -16,6 +16,8 @@ Same interface, state and numerics contract as ``foxhunt.reference.trainer.Train
   plans' workspace policy (``step_program``). ``fused_trunk``: the training passes run the trunk
   forward as ONE ``trunk_forward_bf16`` kernel instead of four nodes (``StepProgram``; bf16 on
   sm_90 and newer only, else ``ValueError``); off by default: in the step it measured no faster.
+  ``fused_heads``: the training passes run the heads' first layers, their BF16 copy and second
+  layers as ONE ``heads_forward_bf16`` kernel instead of nine nodes (same conditions).
   ``stacked_backward``: the C51 and CQL backward passes run stacked, each of their GEMMs one
   cuBLASLt launch of two batches (``StepProgram.backward``); off by default: measured no faster.
 - ``step(batch)``: validates the batch on the host, writes it into a pinned staging buffer (a
@@ -93,15 +95,18 @@ class Trainer(TrainerBackend):
     backend_name = "fast"
 
     def __init__(self, config: DQNConfig, seed: int = 0, *, device=None, gemm_workspace: str = "none",
-                 n_step: int = 1, fused_trunk: bool = False, stacked_backward: bool = False):
+                 n_step: int = 1, fused_trunk: bool = False, fused_heads: bool = False,
+                 stacked_backward: bool = False):
         self._closed = True  # until the engine exists
         self.seed = int(seed)
-        for name, value in (("fused_trunk", fused_trunk), ("stacked_backward", stacked_backward)):
+        for name, value in (("fused_trunk", fused_trunk), ("fused_heads", fused_heads),
+                            ("stacked_backward", stacked_backward)):
             if not isinstance(value, (bool, np.bool_)):
                 raise ValueError(f"{name}={value!r}: must be a bool")
         self._engine_options = dict(device=device, gemm_workspace=gemm_workspace,
                                     n_step_on=check_n_step(config, n_step),
                                     fused_trunk=bool(fused_trunk),
+                                    fused_heads=bool(fused_heads),
                                     stacked_backward=bool(stacked_backward))
         self._engine = self._make_engine(config, seed=self.seed, **self._engine_options)
         self._closed = False
@@ -116,7 +121,7 @@ class Trainer(TrainerBackend):
             raise ValueError(f"config: expected a DQNConfig, got {type(config).__name__}")
 
     def _make_engine(self, config: DQNConfig, *, seed: int, device, gemm_workspace: str,
-                     n_step_on: bool, fused_trunk: bool = False,
+                     n_step_on: bool, fused_trunk: bool = False, fused_heads: bool = False,
                      stacked_backward: bool = False):
         from foxhunt.fast.device import _require_cuda
         from foxhunt.fast.gpu_engine import GpuEngine
@@ -125,7 +130,8 @@ class Trainer(TrainerBackend):
         _require_cuda()  # NoCudaDeviceError with the reason, before any other work
         return GpuEngine(config, device=device, gemm_workspace=gemm_workspace,
                          staging_slots=STAGING_RING, seed=seed, n_step_on=n_step_on,
-                         fused_trunk=fused_trunk, stacked_backward=stacked_backward)
+                         fused_trunk=fused_trunk, fused_heads=fused_heads,
+                         stacked_backward=stacked_backward)
 
     def _reseed(self, seed: int) -> None:
         """A new run seed with the IQN head on: its quantile fractions' generator key is a

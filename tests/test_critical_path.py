@@ -142,7 +142,23 @@ def test_fused_trunk_takes_three_nodes_off_each_pass(capsys):
         cp.main(["core", "--fused-trunk", "--measure", "--members", "2"])
     with pytest.raises(SystemExit):
         cp.main(["core", "--fused-trunk", "--precision", "f32"])
-    assert "--fused-trunk: the fused trunk kernel is bf16 only" in capsys.readouterr().err
+    assert "--fused-trunk: the fused kernel is bf16 only" in capsys.readouterr().err
+
+
+def test_fused_heads_run_one_node_for_nine_in_each_pass(capsys):
+    """``--fused-heads``: the online and target passes each run one heads_forward_bf16 for the
+    four first-layer GEMMs, f32_to_bf16 and the four second-layer GEMMs (two on the chain's
+    depth: first layer, f32_to_bf16, second layer)."""
+    plain = cp.table("seed", "bf16", ["core"])[0]["paths"]["graph1"]
+    fused = cp.table("seed", "bf16", ["core"], {"fused_heads": True})[0]["paths"]["graph1"]
+    assert plain.nodes - fused.nodes == 2 * 8
+    assert plain.depth - fused.depth == 2
+    assert cp.main(["core", "--fused-heads", "--fused-trunk"]) == 0
+    with pytest.raises(SystemExit):
+        cp.main(["core", "--fused-heads", "--measure", "--members", "2"])
+    with pytest.raises(SystemExit):
+        cp.main(["core", "--fused-heads", "--precision", "tf32"])
+    assert "--fused-heads: the fused kernel is bf16 only" in capsys.readouterr().err
 
 
 def test_stacked_backward_stacks_the_two_losses_gemms(capsys):

@@ -39,7 +39,7 @@ def test_every_early_kernel_waits_for_its_predecessors_first():
 
 def _step_kernels() -> set[str]:
     """Every kernel the step's graphs launch, over the plan variants (core and every source,
-    f32 and bf16, stacked or not, the fused trunk, the adaptive mechanisms)."""
+    f32 and bf16, stacked or not, the fused trunk and heads, the adaptive mechanisms)."""
     from foxhunt.fast.cpu_executor import CpuEngine
     from foxhunt.reference.config import ADAPTIVE_ON, DQNConfig, source_overrides
 
@@ -52,7 +52,7 @@ def _step_kernels() -> set[str]:
         if adaptive:
             fields.update(ADAPTIVE_ON, c51_warmup_epochs=0)
         engine = CpuEngine(DQNConfig.preset("tiny", precision=precision, **fields),
-                           stacked_backward=stacked, fused_trunk=fused)
+                           stacked_backward=stacked, fused_trunk=fused, fused_heads=fused)
         for ops in (*engine.plans["upload"], engine.plans["graph1"], engine.plans["graph2"]):
             kernels |= {n.kernel for n in ops.nodes() if isinstance(n, Launch)}
     return kernels

@@ -1,5 +1,6 @@
-"""Entry of the fused trunk forward (``cuda_src/trunk.cu``, reference
-``foxhunt.reference.kernels.trunk.trunk_forward_bf16``: the four nodes it replaces, composed).
+"""Entries of the fused MLP forwards (``cuda_src/trunk.cu``): the trunk (reference
+``foxhunt.reference.kernels.trunk.trunk_forward_bf16``: the four nodes it replaces, composed) and
+the heads (``heads_forward_bf16``, at the end of this docstring).
 
 Sizes ``(rows, SD, H1, H2)`` per shape case (:func:`trunk_dims`): ``tiny`` and ``seed`` the
 presets' online forward (``2 * batch`` rows; seed: 512 x 128 -> 256 -> 256); ``odd`` 257 rows
@@ -32,6 +33,17 @@ compared bit for bit except the bits the bound cannot decide (``free_bits``): an
 pre-activation interval ``C64 +- E`` straddles 0, a BF16 copy whose value interval straddles a
 rounding midpoint (the reference's own NaN payloads aside). Where a layer's float64 product is
 not finite (a NaN/Inf row or column), the clamped h2 must equal the reference's bit for bit.
+
+The heads (``heads_forward_bf16``): sizes ``(rows, H2, hidden, out)`` per case
+(:func:`heads_dims`): ``tiny`` and ``seed`` the presets' heads (value head, then each branch's
+``n_d * NA`` advantages) at the online forward's ``2 * batch`` rows; ``odd`` 257 rows of H2 = 48
+into hidden widths (32, 48, 16) and outputs (7, 20, 1) (n8 tiles of two heads side by side, an
+output tile mostly padding); ``extremal`` 5 rows, one head of 16 -> 1. Samples and bounds as the
+trunk's: layer 1 is one GEMM over the heads side by side (``hid``; ``hid_bf16`` bit for bit but
+the undecided bits), layer 2 one GEMM of ``hid_bf16`` against the heads' W2 as a block-diagonal
+``[HT, OT]`` operand (zeros off the blocks add nothing to ``|A| |B|``; K = HT + 1 makes
+``gamma_K`` looser than a head's own K + 1) plus the operand slack of layer 1's undecided BF16
+roundings, no clip (no ReLU on the outputs).
 """
 
 from __future__ import annotations
@@ -199,6 +211,76 @@ def _rows_stay(kwargs, outputs, poisoned) -> list[str]:
     return [f"{n!r}: a non-finite state leaked into another row" for n in leaked]
 
 
+# ------------------------------------------------------------------------------- the heads
+#: The heads' odd and extremal cases (module docstring): ``(rows, H2, hidden, out)``.
+HEADS_ODD = (257, 48, (32, 48, 16), (7, 20, 1))
+HEADS_EXTREMAL = (5, 16, (16,), (1,))
+
+
+def heads_dims(case: str) -> tuple[int, int, tuple[int, ...], tuple[int, ...]]:
+    """``(rows, H2, hidden, out)`` of a shape case (module docstring)."""
+    if case == "extremal":
+        return HEADS_EXTREMAL
+    if case == "odd":
+        return HEADS_ODD
+    cfg = DQNConfig.preset(case)
+    return (2 * cfg.batch_size, cfg.shared_h2, (cfg.value_h,) + (cfg.adv_h,) * cfg.n_branches,
+            (cfg.num_atoms,) + tuple(n * cfg.num_atoms for n in cfg.branches))
+
+
+def heads_sample(rng, rows: int, h2: int, hidden, out) -> Kwargs:
+    """Keyword arguments of ``heads_forward_bf16`` (the trunk's value ranges; a head's W2 rows
+    past its hidden width hold values too: the kernel must not read them)."""
+    ht, ot = sum(hidden), sum(out)
+    w2 = np.concatenate([_bf16(rng, (o, max(hidden)), GAIN / np.sqrt(w))
+                         for w, o in zip(hidden, out)])
+    return {"h2b": _bf16(rng, (rows, h2), 1.0), "w1": _bf16(rng, (ht, h2), GAIN / np.sqrt(h2)),
+            "b1": rng.uniform(-BIAS, BIAS, ht).astype(F32), "w2": w2,
+            "b2": rng.uniform(-BIAS, BIAS, ot).astype(F32),
+            "hidden": np.array(hidden, np.int32), "out": np.array(out, np.int32)}
+
+
+def _heads_sample(d: Dims, rng) -> Kwargs:
+    return heads_sample(rng, *heads_dims(d.case))
+
+
+def block_diagonal_w2(w2: np.ndarray, hidden, out) -> np.ndarray:
+    """The heads' W2 as one ``[OT, HT]`` BF16 operand: head h's ``w2`` rows (their first
+    ``hidden[h]`` columns) at its hidden columns, zeros elsewhere."""
+    full = np.zeros((sum(out), sum(hidden)), U16)
+    h0 = o0 = 0
+    for width, o in zip(hidden, out):
+        full[o0:o0 + o, h0:h0 + width] = w2[o0:o0 + o, :width]
+        h0, o0 = h0 + width, o0 + o
+    return full
+
+
+def _heads_scales(kwargs: Kwargs, expected) -> dict:
+    """Per output, the comparison inputs (module docstring)."""
+    hidden, out = (tuple(int(x) for x in kwargs[k]) for k in ("hidden", "out"))
+    one, lo1, hi1 = _layer(bf16_to_f32(kwargs["h2b"]), None, kwargs["w1"], kwargs["b1"],
+                           (0.0, np.inf))
+    fin1 = np.isfinite(lo1) & np.isfinite(hi1)
+    hb = bf16_to_f32(expected["hid_bf16"]).astype(F64)
+    with np.errstate(invalid="ignore"):
+        ends = [bf16_to_f32(f32_to_bf16(_relu(v))).astype(F64) for v in (lo1, hi1)]
+        slack = np.where(fin1, np.maximum(np.abs(ends[0] - hb), np.abs(ends[1] - hb)), 0.0)
+    two, _, _ = _layer(bf16_to_f32(expected["hid_bf16"]), slack,
+                       block_diagonal_w2(kwargs["w2"], hidden, out), kwargs["b2"],
+                       (-np.inf, np.inf))
+    return {"hid": one, "hid_bf16": {"free_bits": np.where(_free(lo1, hi1, fin1, _relu), ALL_BITS, 0)},
+            "out": two}
+
+
+def _heads_rows_stay(kwargs, outputs, poisoned) -> list[str]:
+    """A non-finite h2 row reaches only its own row of every output (poisoned ``h2b`` only)."""
+    if poisoned is None or poisoned.split(":")[1] != "h2b":
+        return []
+    bad_rows = ~np.all(np.isfinite(bf16_to_f32(kwargs["h2b"])), axis=1)
+    leaked = [n for n in ("hid", "out") if not np.all(np.isfinite(outputs[n][~bad_rows]))]
+    return [f"{n!r}: a non-finite h2 row leaked into another row" for n in leaked]
+
+
 ENTRIES = (
     SpecEntry(
         name="trunk_forward_bf16",
@@ -218,5 +300,22 @@ ENTRIES = (
         ),
         scales=_scales,
         contract=all_of(finite_outputs("h2"), _rows_stay),
+    ),
+    SpecEntry(
+        name="heads_forward_bf16",
+        outputs={"hid": f32(GEMM), "hid_bf16": u16(BITS), "out": f32(GEMM)},
+        sample=_heads_sample,
+        targets=("h2b", "w1", "b1", "w2", "b2"),
+        errors=error_cases(
+            _heads_sample,
+            lambda k: wrong_dtype(k, "h2b"),
+            lambda k: replace(k, h2b=k["h2b"][:, :8].copy(), w1=k["w1"][:, :8].copy()),
+            lambda k: replace(k, w1=k["w1"][1:].copy()),
+            lambda k: replace(k, out=np.concatenate([k["out"], k["out"][:1]])),
+            lambda k: replace(k, hidden=(k["hidden"] + 8).astype(np.int32)),
+            lambda k: replace(k, out=k["out"].astype(np.int64)),
+        ),
+        scales=_heads_scales,
+        contract=_heads_rows_stay,
     ),
 )

@@ -40,12 +40,18 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, cluster_blocks, launch, runtime
+from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.fast.kernels.walk import SHARED_LIMIT, SHARED_OPTIN
 from foxhunt.reference.kernels.trunk import (
+    HEADS_FIELDS,
     TRUNK_WIDTH_MULTIPLE,
+    HeadsForward,
     TrunkForward,
     aux_row_bytes,
+    check_heads_dims,
     check_trunk_dims,
+    heads_packed_offsets,
+    validate_heads_forward_bf16,
     validate_trunk_forward_bf16,
 )
 
@@ -140,4 +146,130 @@ def trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux: bool = Tr
     return TrunkForward(*outs)
 
 
-KERNELS = {"trunk_forward_bf16": trunk_forward_bf16}
+# ---------------------------------------------------------------------------------------------
+# heads_forward_bf16 (trunk.cu): the heads' first layers, f32_to_bf16 and second layers in one
+# launch, resident only.
+# ---------------------------------------------------------------------------------------------
+#: W offsets must be multiples of this many elements (16-byte cp.async of BF16).
+HEADS_W_ALIGN = 8
+
+
+def heads_widths(hidden, out) -> tuple[int, int, int]:
+    """``(HT, VT, Hmax)``: the heads' hidden columns side by side, their output columns each
+    padded to a multiple of 8 (trunk.cu's virtual columns), the widest hidden layer."""
+    return sum(hidden), sum(-(-o // 8) * 8 for o in out), max(hidden)
+
+
+def heads_resident(hidden, out, cluster: int) -> bool:
+    """Whether one cluster block's share of both layers fits one pass (the kernel's only path)."""
+    ht, vt, _ = heads_widths(hidden, out)
+    return max(trunk_slice(ht, cluster), trunk_slice(vt, cluster)) <= TRUNK_COLS_PER_PASS
+
+
+def heads_fusable(h2: int, hidden, out, arch) -> bool:
+    """Whether the step runs its heads' forward as ``heads_forward_bf16`` on ``arch``:
+    thread-block clusters (sm_90 and newer), widths the kernel takes (``check_heads_dims``) and
+    slices it keeps whole (:func:`heads_resident`)."""
+    try:
+        hidden, out = check_heads_dims(h2, hidden, out)
+    except ValueError:
+        return False
+    cluster = cluster_blocks(arch)
+    return cluster > 1 and heads_resident(hidden, out, cluster)
+
+
+def heads_shared_bytes(h2: int, hidden, out, cluster: int) -> int:
+    """Dynamic shared memory of one block (trunk.cu): the h2 tile ``BM x (H2 + PAD)``, the
+    cluster's hid tile ``BM x (HT + PAD)``, the block's W1 rows ``s1 x (H2 + PAD)`` and W2 rows
+    ``s2 x (Hmax + PAD)``; all BF16."""
+    ht, vt, hmax = heads_widths(hidden, out)
+    elems = (TRUNK_ROWS_PER_BLOCK * (h2 + TRUNK_PAD) + TRUNK_ROWS_PER_BLOCK * (ht + TRUNK_PAD)
+             + trunk_slice(ht, cluster) * (h2 + TRUNK_PAD)
+             + trunk_slice(vt, cluster) * (hmax + TRUNK_PAD))
+    return elems * BF16_BYTES
+
+
+def plan_heads_forward_bf16(rows: int, h2: int, hidden, out, *, arch=DEFAULT_ARCH) -> Plan:
+    """``((cluster, ceil(rows / 16)), (128,), heads_shared_bytes(...))``; ``ValueError`` for
+    shapes the kernel cannot run: widths (``check_heads_dims``), a share of either layer wider
+    than one pass (``HT`` or the padded ``VT`` above ``cluster * TRUNK_COLS_PER_PASS``: 512 on
+    sm_90), or more shared memory than ``arch`` offers."""
+    from foxhunt.fast._build import normalize_arch
+
+    rows = check_int("rows", rows, minimum=1)
+    hidden, out = check_heads_dims(h2, hidden, out)
+    cluster = cluster_blocks(arch)
+    if not heads_resident(hidden, out, cluster):
+        ht, vt, _ = heads_widths(hidden, out)
+        raise ValueError(f"hidden={hidden}, out={out}: the fused heads kernel keeps at most "
+                         f"{cluster * TRUNK_COLS_PER_PASS} hidden and padded output columns on "
+                         f"sm_{normalize_arch(arch)} (clusters of {cluster}); got {ht} and {vt}")
+    nbytes = heads_shared_bytes(h2, hidden, out, cluster)
+    limit = SHARED_OPTIN.get(normalize_arch(arch), min(SHARED_OPTIN.values()))
+    if nbytes > limit:
+        raise ValueError(f"H2={h2}: the fused heads kernel needs {nbytes} bytes of shared memory "
+                         f"per block; sm_{normalize_arch(arch)} allows {limit}")
+    return (cluster, blocks(rows, TRUNK_ROWS_PER_BLOCK)), (TRUNK_THREADS,), nbytes
+
+
+def heads_table(hidden, out, offsets) -> np.ndarray:
+    """The kernel's table ``int32 [n_heads, HEADS_FIELDS]`` from the widths and each head's
+    ``(w1, b1, w2, b2)`` element offsets; ``ValueError`` for a W offset the kernel's 16-byte
+    copies cannot read."""
+    rows = []
+    for h, (width, o, offs) in enumerate(zip(hidden, out, offsets)):
+        for name, off in (("w1", offs[0]), ("w2", offs[2])):
+            if off % HEADS_W_ALIGN:
+                raise ValueError(f"head {h}'s {name} offset {off}: the fused heads kernel needs a "
+                                 f"multiple of {HEADS_W_ALIGN} elements")
+        rows.append((width, o, *offs))
+    return np.array(rows, np.int32).reshape(len(rows), HEADS_FIELDS)
+
+
+def heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out) -> HeadsForward:
+    """Test entry of the CUDA ``heads_forward_bf16`` (contract as the reference twin): the heads'
+    tensors are placed one after another in a parameter buffer (BF16 weights, f32 biases), the
+    kernel writes the step's packed layout (``hid_align`` the step's ``OPERAND_ALIGN``) and the
+    outputs are returned side by side."""
+    from foxhunt.fast.step_layout import OPERAND_ALIGN
+
+    rows, h2, hid_w, outs = validate_heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out)
+    offsets, end = [], 0
+    for width, o in zip(hid_w, outs):
+        head = []
+        for size in (width * h2, width, o * width, o):
+            head.append(end)
+            end = -(-(end + size) // HEADS_W_ALIGN) * HEADS_W_ALIGN
+        offsets.append(head)
+    mirror, params = np.zeros(end, U16), np.zeros(end, F32)
+    h0 = o0 = 0
+    for (w1o, b1o, w2o, b2o), width, o in zip(offsets, hid_w, outs):
+        mirror[w1o:w1o + width * h2] = w1[h0:h0 + width].ravel()
+        params[b1o:b1o + width] = b1[h0:h0 + width]
+        mirror[w2o:w2o + o * width] = w2[o0:o0 + o, :width].ravel()
+        params[b2o:b2o + o] = b2[o0:o0 + o]
+        h0, o0 = h0 + width, o0 + o
+    table = heads_table(hid_w, outs, offsets)
+    hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
+    rt = runtime()
+    plan = plan_heads_forward_bf16(rows, h2, hid_w, outs, arch=rt.device.arch)
+    if plan[2] > SHARED_LIMIT:
+        rt.module.kernel("heads_forward_bf16").set_max_dynamic_shared(plan[2])
+    hid, hid_bf16, v, adv = launch(
+        "heads_forward_bf16", plan, In(h2b), In(mirror), In(params), In(table),
+        Out((max(hid_total, 1),), F32), Out((max(hid_total, 1),), U16), Out((rows, outs[0]), F32),
+        Out((max(adv_total, 1),), F32), rows, h2, len(hid_w), OPERAND_ALIGN)
+    return HeadsForward(*unpack_heads(hid_w, outs, rows, hid_off, adv_off, hid, hid_bf16, v, adv))
+
+
+def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
+    """The packed buffers as the side-by-side ``(hid, hid_bf16, out)`` of ``HeadsForward``."""
+    blocks_of = lambda flat, offs, widths: [  # noqa: E731
+        flat[s:s + rows * w].reshape(rows, w) for s, w in zip(offs, widths)]
+    outs = [v.reshape(rows, out[0])] + blocks_of(adv, adv_off[1:], out[1:])
+    return (np.concatenate(blocks_of(hid, hid_off, hidden), axis=1),
+            np.concatenate(blocks_of(hid_bf16, hid_off, hidden), axis=1),
+            np.concatenate(outs, axis=1))
+
+
+KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16}

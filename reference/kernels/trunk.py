@@ -1,4 +1,4 @@
-"""Reference twin of the fused trunk forward (``cuda_src/trunk.cu``): ``trunk_forward_bf16``, the
+"""Reference twins of the fused MLP forwards (``cuda_src/trunk.cu``). ``trunk_forward_bf16``, the
 composition of the reference functions of the four nodes it replaces in the BF16 step's forward
 (``fast/step_program.py``: ``StepProgram.forward``):
 
@@ -13,6 +13,13 @@ No arithmetic of its own: ``relu_aux_bits`` packs the comparison the epilogue al
 
 Shapes (the kernel's rule, checked by :func:`check_trunk_dims`): ``rows >= 1``; ``SD``, ``H1`` and
 ``H2`` positive multiples of :data:`TRUNK_WIDTH_MULTIPLE` (the MMA tile's k and two n8 tiles).
+
+``heads_forward_bf16``, the composition of the nodes the heads' fused forward replaces (the same
+step, after the trunk): every head's first-layer GEMM on ``h2_bf16`` with the RELU_BIAS epilogue,
+``dense.f32_to_bf16`` of the hidden values, every head's second-layer GEMM with the BIAS epilogue
+(``dense.gemm`` mode ``"bf16"``, then one f32 bias add). The heads are given side by side
+(:func:`heads_forward_bf16`); :func:`heads_packed_offsets` is the step's packed layout of the
+outputs (``fast/step_layout.py``), which the fast test entry and the CPU executor's twin use.
 """
 
 from __future__ import annotations
@@ -143,4 +150,110 @@ def trunk_forward_bf16(xb: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.nd
     return TrunkForward(h1, aux1, h1_bf16, h2pre, aux2, h2, h2_bf16)
 
 
-KERNELS = {"trunk_forward_bf16": trunk_forward_bf16}
+#: At most this many heads (cuda_src/trunk.cu HEADS_MAX: the value head and 7 branches).
+HEADS_MAX = 8
+#: Fields of one head in the fused heads kernel's table (trunk.cu HEADS_FIELDS): hidden, out,
+#: then the element offsets of W1, b1, W2, b2 from the parameter set's first element.
+HEADS_FIELDS = 6
+
+
+class HeadsForward(NamedTuple):
+    """Outputs of ``heads_forward_bf16``, the heads side by side: ``hid`` / ``hid_bf16``
+    ``[rows, HT]`` (head h's hidden columns at ``sum(hidden[:h])``), ``out [rows, OT]`` (head h's
+    outputs at ``sum(out[:h])``; head 0 is the value head's ``v``, heads 1.. the branches'
+    advantages)."""
+
+    hid: np.ndarray       # float32 [rows, HT]
+    hid_bf16: np.ndarray  # uint16 [rows, HT]
+    out: np.ndarray       # float32 [rows, OT]
+
+
+def check_heads_dims(h2_width, hidden, out) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The heads kernel's shape rule (H2 and every hidden width positive multiples of
+    :data:`TRUNK_WIDTH_MULTIPLE`, every output width >= 1, 1 to :data:`HEADS_MAX` heads), one
+    ``ValueError`` naming the field, the value and the rule; returns ``(hidden, out)`` as ints."""
+    hidden = tuple(int(h) for h in np.asarray(hidden).ravel())
+    out = tuple(int(o) for o in np.asarray(out).ravel())
+    if not 1 <= len(hidden) <= HEADS_MAX or len(out) != len(hidden):
+        raise ValueError(f"hidden={hidden}, out={out}: the fused heads kernel needs 1 to "
+                         f"{HEADS_MAX} heads, one hidden and one output width each")
+    for name, value in (("H2", h2_width), *((f"hidden[{h}]", w) for h, w in enumerate(hidden))):
+        if value < 1 or value % TRUNK_WIDTH_MULTIPLE:
+            raise ValueError(f"{name}={value!r}: the fused heads kernel needs a positive multiple "
+                             f"of {TRUNK_WIDTH_MULTIPLE}")
+    if min(out) < 1:
+        raise ValueError(f"out={out}: every head needs at least one output")
+    return hidden, out
+
+
+def validate_heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out):
+    """The argument checks of ``heads_forward_bf16``; returns ``(rows, H2, hidden, out)``."""
+    require_array("h2b", h2b, U16, ndim=2)
+    require_array("hidden", hidden, np.dtype(np.int32), ndim=1)
+    require_array("out", out, np.dtype(np.int32), ndim=1)
+    rows, h2 = h2b.shape
+    hid, outs = check_heads_dims(h2, hidden, out)
+    ht, ot, hmax = sum(hid), sum(outs), max(hid)
+    require_array("w1", w1, U16, ndim=2)
+    require_shape("w1", w1, (ht, h2), "[sum(hidden), H2] with H2 = h2b.shape[1]")
+    require_array("b1", b1, F32, ndim=1)
+    require_shape("b1", b1, (ht,), "[sum(hidden)]")
+    require_array("w2", w2, U16, ndim=2)
+    require_shape("w2", w2, (ot, hmax), "[sum(out), max(hidden)]")
+    require_array("b2", b2, F32, ndim=1)
+    require_shape("b2", b2, (ot,), "[sum(out)]")
+    check_int("rows", rows, minimum=1)
+    return rows, h2, hid, outs
+
+
+def heads_forward_bf16(h2b: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.ndarray,
+                       b2: np.ndarray, hidden: np.ndarray, out: np.ndarray) -> HeadsForward:
+    """The heads' forward of ``rows`` BF16 h2 rows, as the nodes it replaces compute it, per head
+    h (hidden columns ``H_h = sum(hidden[:h]) ..``, output columns ``O_h = sum(out[:h]) ..``):
+
+    - ``hid[:, H_h] = relu(h2b @ w1[H_h]^T + b1[H_h])`` (GEMM on the BF16 values, float32
+      accumulation, one f32 bias add, the select ``t <= 0 ? 0 : t``);
+    - ``hid_bf16 = f32_to_bf16(hid)``;
+    - ``out[:, O_h] = hid_bf16[:, H_h] @ w2[O_h, :hidden[h]]^T + b2[O_h]``.
+
+    Shapes: ``h2b [rows, H2]``, ``w1 [HT, H2]``, ``w2 [OT, max(hidden)]`` uint16 (BF16 bits; a
+    head's W2 rows use their first ``hidden[h]`` columns, the rest is not read), ``b1 [HT]``,
+    ``b2 [OT]`` float32, ``hidden`` / ``out`` int32 ``[n_heads]`` (HT, OT their sums).
+
+    NaN contract: the nodes' (IEEE through the GEMMs: a NaN/Inf in row i of ``h2b`` reaches row
+    i of every output only; in ``w1`` row j or ``b1[j]`` column j of ``hid``, hence every output
+    of that head; NaN pre-activations stay NaN; ``f32_to_bf16`` keeps NaN).
+    """
+    rows, _, hid_w, outs = validate_heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out)
+    hid = dense.add_bias_relu(
+        dense.gemm(dense.bf16_to_f32(h2b), dense.bf16_to_f32(w1), trans_b=True, mode="bf16",
+                   rounded=True), b1)
+    hid_bf16 = dense.f32_to_bf16(hid)
+    parts = []
+    for h, (width, o0, o1) in enumerate(zip(hid_w, np.cumsum((0,) + outs[:-1]), np.cumsum(outs))):
+        h0 = sum(hid_w[:h])
+        pre = dense.gemm(dense.bf16_to_f32(hid_bf16[:, h0:h0 + width]),
+                         dense.bf16_to_f32(w2[o0:o1, :width]), trans_b=True, mode="bf16",
+                         rounded=True)
+        parts.append(pre + b2[o0:o1])
+    return HeadsForward(hid, hid_bf16, np.concatenate(parts, axis=1).astype(F32))
+
+
+def heads_packed_offsets(hidden, out, rows: int, hid_align: int):
+    """The step's packed layout of the heads' outputs (``fast/step_layout.py``): ``(hid_off,
+    hid_total, adv_off, adv_total)``: head h's ``[rows, hidden[h]]`` block of ``hid`` /
+    ``hid_bf16`` starts at ``hid_off[h]`` (aligned to ``hid_align`` elements), head h >= 1's
+    ``[rows, out[h]]`` block of ``adv`` at ``adv_off[h]`` (head 0's is ``v``; ``adv_off[0]`` 0)."""
+    hid_off, end = [], 0
+    for width in hidden:
+        start = -(-end // hid_align) * hid_align
+        hid_off.append(start)
+        end = start + rows * int(width)
+    adv_off, end_adv = [0], 0
+    for o in out[1:]:
+        adv_off.append(end_adv)
+        end_adv += rows * int(o)
+    return tuple(hid_off), end, tuple(adv_off), end_adv
+
+
+KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16}
