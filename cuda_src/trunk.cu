@@ -144,14 +144,15 @@ struct TrunkW {
 };
 
 // Row r, 16-byte vector q of a tile `vecs` vectors wide, walked by the block's threads in
-// steps of TRUNK_THREADS vectors without a division per step (two once).
+// steps of `threads` (the block's) vectors without a division per step (two once).
 struct TrunkWalk {
     int r, q, dr, dq, vecs;
-    __device__ __forceinline__ explicit TrunkWalk(int vecs_) : vecs(vecs_) {
+    __device__ __forceinline__ explicit TrunkWalk(int vecs_, int threads = TRUNK_THREADS)
+        : vecs(vecs_) {
         r = threadIdx.x / vecs;
         q = threadIdx.x - r * vecs;
-        dr = TRUNK_THREADS / vecs;
-        dq = TRUNK_THREADS - dr * vecs;
+        dr = threads / vecs;
+        dq = threads - dr * vecs;
     }
     __device__ __forceinline__ void next() {
         r += dr;
@@ -493,22 +494,29 @@ trunk_forward_bf16(
 // output only; in W1_h row j or b1_h[j] column j of hid_h in every row, hence every output column
 // of head h; in W2_h row o or b2_h[o] column o of out_h.
 //
-// Layout of the work (trunk_forward_bf16's): a cluster of FH_CLUSTER blocks per TRUNK_BM rows.
-// Layer 1 is one layer over the heads' hidden columns side by side (HT = sum hidden_h; every
-// hidden_h a multiple of 16, so an n8 tile lies in one head); cluster block `rank` computes its
-// trunk_slice(HT) columns and stores their BF16 copy into the hid tile of every cluster block.
-// Layer 2's columns are each head's out_h padded to a multiple of 8 ("virtual" columns, VT =
-// sum ceil(out_h / 8) * 8), so an n8 tile again lies in one head; its k runs over that head's
-// hidden columns of the tile only. The block's W1 and W2 rows are copied whole at the start
-// (resident only: trunk_slice(HT) and trunk_slice(VT) at most TRUNK_NCH; a padding row of W2
-// is zero and its column never stored). Dynamic shared memory (bf16 elements): TRUNK_BM * (H2 +
-// PAD) + TRUNK_BM * (HT + PAD) + s1 * (H2 + PAD) + s2 * (Hmax + PAD), Hmax the widest hidden_h
-// (fast/kernels/trunk.py heads_shared_bytes). Requirements (the launcher checks): H2 and every
-// hidden_h multiples of 16, n_heads <= HEADS_MAX, every W1_h / W2_h offset a multiple of 8
-// elements and h2b 16-byte aligned (cp.async), hid_align even.
+// Layout of the work: a cluster of FH_CLUSTER blocks of HEADS_WARPS warps per TRUNK_BM rows
+// (cluster.cuh; grid.y = ceil(rows / TRUNK_BM)). Layer 1 is one layer over the heads' hidden
+// columns side by side (HT = sum hidden_h; every hidden_h a multiple of 16, so an n8 tile lies in
+// one head); cluster block `rank` computes its trunk_slice(HT) columns, warp w the n8 tile w of
+// them, and stores their BF16 copy into the hid tile of every cluster block (distributed shared
+// memory). Layer 2's columns are each head's out_h padded to a multiple of 8 ("virtual"
+// columns, VT = sum ceil(out_h / 8) * 8), so an n8 tile again lies in one head; its k runs over
+// that head's hidden columns of the tile only. The block's W1 rows are copied whole at the
+// start, beside the h2 tile; once every warp's layer-1 products are done, the block's W2 rows
+// are copied into their place (in flight during layer 1's epilogue and the cluster barrier; a
+// padding row of W2 is zero and its column never stored). One slice per layer, at most
+// 8 HEADS_WARPS columns: the launcher refuses wider layers (HT or VT above 8 HEADS_WARPS
+// FH_CLUSTER). Dynamic shared memory (bf16 elements): TRUNK_BM * (H2 + PAD) + TRUNK_BM * (HT +
+// PAD) + max(s1 * (H2 + PAD), s2 * (Hmax + PAD)), Hmax the widest hidden_h (fast/kernels/
+// trunk.py heads_shared_bytes). Requirements (the launcher checks): H2 and every hidden_h
+// multiples of 16, n_heads <= HEADS_MAX, every W1_h / W2_h offset a multiple of 8 elements and
+// h2b 16-byte aligned (cp.async), hid_align even. No remote access follows the cluster barrier,
+// so a block may exit without a second one.
 // =============================================================================================
 #define HEADS_MAX 8
 #define HEADS_FIELDS 6
+#define HEADS_WARPS 8
+#define HEADS_THREADS (HEADS_WARPS * 32)
 
 struct HeadsTable {
     int n;
@@ -559,7 +567,7 @@ static __device__ void heads_fill_table(HeadsTable& t, const int* raw, int n_hea
     }
 }
 
-extern "C" __global__ void __launch_bounds__(TRUNK_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
+extern "C" __global__ void __launch_bounds__(HEADS_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
 heads_forward_bf16(const unsigned short* __restrict__ h2b,
                    const unsigned short* __restrict__ mirror, const float* __restrict__ params,
                    const int* __restrict__ table, float* __restrict__ hid,
@@ -570,19 +578,18 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
     __shared__ int raw[HEADS_MAX * HEADS_FIELDS];
     __shared__ HeadsTable t;  // static shared memory, beside the dynamic
     const int row0 = blockIdx.y * TRUNK_BM;
+    const int xs_stride = h2_width + TRUNK_PAD;
+    unsigned short* xs = trunk_smem;
     // The h2 tile first (rows past `rows` read as +0.0; it needs no table), then the table.
-    {
-        const int xs_stride = h2_width + TRUNK_PAD;
-        for (TrunkWalk it(h2_width / 8); it.r < TRUNK_BM; it.next()) {
-            unsigned short* dst = trunk_smem + it.r * xs_stride + it.q * 8;
-            if (row0 + it.r < rows) {
-                trunk_cp16(dst, h2b + (long long)(row0 + it.r) * h2_width + it.q * 8);
-            } else {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-            }
+    for (TrunkWalk it(h2_width / 8, HEADS_THREADS); it.r < TRUNK_BM; it.next()) {
+        unsigned short* dst = xs + it.r * xs_stride + it.q * 8;
+        if (row0 + it.r < rows) {
+            trunk_cp16(dst, h2b + (long long)(row0 + it.r) * h2_width + it.q * 8);
+        } else {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
         }
     }
-    for (int i = threadIdx.x; i < n_heads * HEADS_FIELDS; i += TRUNK_THREADS) {
+    for (int i = threadIdx.x; i < n_heads * HEADS_FIELDS; i += HEADS_THREADS) {
         raw[i] = table[i];
     }
     __syncthreads();
@@ -592,15 +599,12 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
     __syncthreads();
     const int ht = t.hcum[n_heads];
     const int vt = t.vcum[n_heads];
-    const int xs_stride = h2_width + TRUNK_PAD;
     const int hs_stride = ht + TRUNK_PAD;
     const int w2_stride = t.hmax + TRUNK_PAD;
     const int s1 = trunk_slice(ht);
     const int s2 = trunk_slice(vt);
-    unsigned short* xs = trunk_smem;
     unsigned short* hs = xs + TRUNK_BM * xs_stride;
-    unsigned short* w1_s = hs + TRUNK_BM * hs_stride;
-    unsigned short* w2_s = w1_s + s1 * xs_stride;
+    unsigned short* w_s = hs + TRUNK_BM * hs_stride;  // W1's rows, then W2's
     const int rank = fh_cluster_rank();
     const int n1_begin = min(ht, rank * s1);
     const int n1_cols = min(ht, n1_begin + s1) - n1_begin;
@@ -608,19 +612,44 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
     const int n2_cols = min(vt, n2_begin + s2) - n2_begin;
 
     // Group 1: the h2 tile (issued above) and the block's W1 rows.
-    for (TrunkWalk it(h2_width / 8); it.r < n1_cols; it.next()) {
+    for (TrunkWalk it(h2_width / 8, HEADS_THREADS); it.r < n1_cols; it.next()) {
         const int col = n1_begin + it.r;
         const int h = heads_of(t.hcum, n_heads, col);
-        trunk_cp16(w1_s + it.r * xs_stride + it.q * 8,
+        trunk_cp16(w_s + it.r * xs_stride + it.q * 8,
                    mirror + t.w1[h] + (long long)(col - t.hcum[h]) * h2_width + it.q * 8);
     }
     trunk_cp_commit();
-    // Group 2: the block's W2 rows (virtual columns; a padding row is zero).
-    for (TrunkWalk it(t.hmax / 8); it.r < n2_cols; it.next()) {
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncthreads();
+
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;  // warp w owns n8 tile w of each layer's slice
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const bool tile1 = warp * 8 < n1_cols;  // warp-uniform
+    const bool tile2 = warp * 8 < n2_cols;
+    // Layer 1: the warp's hidden tile.
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (tile1) {
+        const unsigned short* brow = w_s + (warp * 8 + g) * xs_stride + t4 * 2;
+        for (int ks = 0; ks < h2_width / 16; ++ks) {
+            const unsigned short* ai = xs + g * xs_stride + ks * 16 + t4 * 2;
+            unsigned int a[4];
+            a[0] = trunk_ld32(ai);
+            a[1] = trunk_ld32(ai + 8 * xs_stride);
+            a[2] = trunk_ld32(ai + 8);
+            a[3] = trunk_ld32(ai + 8 * xs_stride + 8);
+            trunk_mma(acc, a, trunk_ld32(brow + ks * 16), trunk_ld32(brow + ks * 16 + 8));
+        }
+    }
+    __syncthreads();  // every warp is done with W1's rows: W2's go in their place
+    // Group 2: the block's W2 rows (virtual columns; a padding row is zero), in flight during
+    // layer 1's epilogue and the cluster barrier.
+    for (TrunkWalk it(t.hmax / 8, HEADS_THREADS); it.r < n2_cols; it.next()) {
         const int vcol = n2_begin + it.r;
         const int h = heads_of(t.vcum, n_heads, vcol);
         const int o = vcol - t.vcum[h];
-        unsigned short* dst = w2_s + it.r * w2_stride + it.q * 8;
+        unsigned short* dst = w_s + it.r * w2_stride + it.q * 8;
         if (it.q * 8 < t.hidden[h]) {
             if (o < t.out[h]) {
                 trunk_cp16(dst, mirror + t.w2[h] + (long long)o * t.hidden[h] + it.q * 8);
@@ -630,71 +659,45 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
         }
     }
     trunk_cp_commit();
-    asm volatile("cp.async.wait_group 1;" ::: "memory");
-    __syncthreads();
-
-    const int lane = threadIdx.x & 31;
-    const int warp = threadIdx.x >> 5;
-    const int g = lane >> 2;
-    const int t4 = lane & 3;
-    float acc[TRUNK_MT][TRUNK_NT][4];
-    // Layer 1: the block's hidden columns, then ReLU, hid / hid_bf16 and the cluster's hid tiles.
-    trunk_zero(acc);
-    trunk_mma_span(acc, xs, xs_stride, 0, w1_s, xs_stride, 0, h2_width / 16, n1_cols);
-    {
-        unsigned int peer_tile[FH_CLUSTER];
+    // Layer 1's epilogue: ReLU, hid / hid_bf16 and the BF16 pairs into every cluster block's tile.
+    if (tile1) {
+        const int col = n1_begin + warp * 8 + t4 * 2;  // concatenated hidden column
+        const int h = heads_of(t.hcum, n_heads, col);
+        const int lc = col - t.hcum[h];
+        const float bias0 = params[t.b1[h] + lc];
+        const float bias1 = params[t.b1[h] + lc + 1];
 #pragma unroll
-        for (int peer = 0; peer < FH_CLUSTER; ++peer) {
-            peer_tile[peer] = fh_cluster_map(hs, peer);
-        }
+        for (int half = 0; half < 2; ++half) {
+            const int r = g + half * 8;
+            const int row = row0 + r;
+            const float p0 = __fadd_rn(acc[2 * half], bias0);
+            const float p1 = __fadd_rn(acc[2 * half + 1], bias1);
+            const float v0 = (p0 <= 0.0f) ? 0.0f : p0;
+            const float v1 = (p1 <= 0.0f) ? 0.0f : p1;
+            const unsigned int pair = (unsigned int)f32_to_bf16_bits(v0)
+                                      | ((unsigned int)f32_to_bf16_bits(v1) << 16);
+            const unsigned int at = 2u * (unsigned int)(r * hs_stride + col);  // bytes
 #pragma unroll
-        for (int j = 0; j < TRUNK_NT; ++j) {
-            const int tile = j * TRUNK_WARPS + warp;
-            if (tile * 8 >= n1_cols) {  // warp-uniform
-                continue;
+            for (int peer = 0; peer < FH_CLUSTER; ++peer) {
+                fh_cluster_st_u32(fh_cluster_map(hs, peer) + at, pair);
             }
-            const int col = n1_begin + tile * 8 + t4 * 2;  // concatenated hidden column
-            const int h = heads_of(t.hcum, n_heads, col);
-            const int lc = col - t.hcum[h];
-            const float bias0 = params[t.b1[h] + lc];
-            const float bias1 = params[t.b1[h] + lc + 1];
-#pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int r = g + half * 8;
-                const int row = row0 + r;
-                const float p0 = __fadd_rn(acc[0][j][2 * half], bias0);
-                const float p1 = __fadd_rn(acc[0][j][2 * half + 1], bias1);
-                const float v0 = (p0 <= 0.0f) ? 0.0f : p0;
-                const float v1 = (p1 <= 0.0f) ? 0.0f : p1;
-                const unsigned int pair = (unsigned int)f32_to_bf16_bits(v0)
-                                          | ((unsigned int)f32_to_bf16_bits(v1) << 16);
-                const unsigned int at = 2u * (unsigned int)(r * hs_stride + col);  // bytes
-#pragma unroll
-                for (int peer = 0; peer < FH_CLUSTER; ++peer) {
-                    fh_cluster_st_u32(peer_tile[peer] + at, pair);
-                }
-                if (row < rows) {
-                    const long long o = t.hid_off[h] + (long long)row * t.hidden[h] + lc;
-                    *reinterpret_cast<float2*>(hid + o) = make_float2(v0, v1);
-                    *reinterpret_cast<unsigned int*>(hid_bf16 + o) = pair;
-                }
+            if (row < rows) {
+                const long long o = t.hid_off[h] + (long long)row * t.hidden[h] + lc;
+                *reinterpret_cast<float2*>(hid + o) = make_float2(v0, v1);
+                *reinterpret_cast<unsigned int*>(hid_bf16 + o) = pair;
             }
         }
     }
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     fh_cluster_sync();  // every block's hid_bf16 columns are in every tile; W2's rows are in
 
-    // Layer 2: each n8 tile of virtual columns over its head's hidden columns of the tile.
-    trunk_zero(acc);
-#pragma unroll
-    for (int j = 0; j < TRUNK_NT; ++j) {
-        const int tile = j * TRUNK_WARPS + warp;
-        if (tile * 8 >= n2_cols) {  // warp-uniform
-            continue;
-        }
-        const int h = heads_of(t.vcum, n_heads, n2_begin + tile * 8);
+    // Layer 2: the warp's tile of virtual columns over its head's hidden columns of the tile.
+    if (tile2) {
+        const int vcol0 = n2_begin + warp * 8;
+        const int h = heads_of(t.vcum, n_heads, vcol0);
         const int k0 = t.hcum[h];
-        const unsigned short* brow = w2_s + (tile * 8 + g) * w2_stride + t4 * 2;
+        const unsigned short* brow = w_s + (warp * 8 + g) * w2_stride + t4 * 2;
+        acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
         for (int ks = 0; ks < t.hidden[h] / 16; ++ks) {
             const unsigned short* ai = hs + g * hs_stride + k0 + ks * 16 + t4 * 2;
             unsigned int a[4];
@@ -702,34 +705,23 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
             a[1] = trunk_ld32(ai + 8 * hs_stride);
             a[2] = trunk_ld32(ai + 8);
             a[3] = trunk_ld32(ai + 8 * hs_stride + 8);
-            trunk_mma(acc[0][j], a, trunk_ld32(brow + ks * 16), trunk_ld32(brow + ks * 16 + 8));
+            trunk_mma(acc, a, trunk_ld32(brow + ks * 16), trunk_ld32(brow + ks * 16 + 8));
         }
-    }
-#pragma unroll
-    for (int j = 0; j < TRUNK_NT; ++j) {
-        const int tile = j * TRUNK_WARPS + warp;
-        if (tile * 8 >= n2_cols) {  // warp-uniform
-            continue;
-        }
-        const int vcol = n2_begin + tile * 8 + t4 * 2;
-        const int h = heads_of(t.vcum, n_heads, vcol);
         float* dst = h == 0 ? v : adv;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int o = vcol + e - t.vcum[h];
-            if (o >= t.out[h]) {
-                continue;
-            }
-            const float bias = params[t.b2[h] + o];
+            const int o = vcol0 + t4 * 2 + e - t.vcum[h];
+            if (o < t.out[h]) {
+                const float bias = params[t.b2[h] + o];
 #pragma unroll
-            for (int half = 0; half < 2; ++half) {
-                const int row = row0 + g + half * 8;
-                if (row < rows) {
-                    dst[t.out_off[h] + (long long)row * t.out[h] + o] =
-                        __fadd_rn(acc[0][j][2 * half + e], bias);
+                for (int half = 0; half < 2; ++half) {
+                    const int row = row0 + g + half * 8;
+                    if (row < rows) {
+                        dst[t.out_off[h] + (long long)row * t.out[h] + o] =
+                            __fadd_rn(acc[2 * half + e], bias);
+                    }
                 }
             }
         }
     }
-    fh_cluster_sync();  // no block exits while a peer may still store into its hid tile
 }

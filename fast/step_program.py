@@ -135,13 +135,13 @@ class StepProgram:
                 f"H2={lay.H2}")
         if self.fuse_heads and not self.heads_fused:
             from foxhunt.fast.kernels._runtime import CLUSTER_SM90
-            from foxhunt.fast.kernels.trunk import TRUNK_COLS_PER_PASS
+            from foxhunt.fast.kernels.trunk import HEADS_COLS_PER_BLOCK
 
             lay = layout
             raise ValueError(
                 f"fused_heads=True: the fused heads forward runs precision 'bf16' on sm_90 and newer "
                 f"with H2 and every head's hidden width multiples of 16 and at most "
-                f"{CLUSTER_SM90 * TRUNK_COLS_PER_PASS} hidden and (each head's padded to 8) output "
+                f"{CLUSTER_SM90 * HEADS_COLS_PER_BLOCK} hidden and (each head's padded to 8) output "
                 f"columns; got precision {self.config.precision!r}, {arch}, H2={lay.H2}, hidden "
                 f"{tuple(h.hidden for h in lay.heads)}, outputs {tuple(h.out for h in lay.heads)}")
         self.gemm_workspace = gemm_workspace

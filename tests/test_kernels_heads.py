@@ -10,6 +10,9 @@ NVRTC compiles ``cuda_src/trunk.cu`` in ``tests/test_fast_build.py`` (every sour
 
 from __future__ import annotations
 
+import re
+from importlib import resources
+
 import numpy as np
 import pytest
 import torch
@@ -23,6 +26,7 @@ from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import dense
 from foxhunt.reference.kernels.dense import bf16_to_f32, f32_to_bf16
 from foxhunt.reference.kernels.trunk import (
+    HEADS_FIELDS,
     HEADS_MAX,
     HeadsForward,
     heads_forward_bf16,
@@ -104,9 +108,17 @@ def test_packed_offsets_are_the_step_layouts(preset, rows_of):
 def test_plan_of_the_seed_shapes():
     rows, h2, hidden, out = heads_dims("seed")
     grid, block, nbytes = fast_trunk.plan_heads_forward_bf16(rows, h2, hidden, out, arch="sm_90")
-    assert grid == (8, rows // 16) and block == (128,)
-    # h2 tile 16 x 264, hid tile 16 x 520, W1 rows 64 x 264, W2 rows 64 x 136; BF16.
-    assert nbytes == 2 * (16 * 264 + 16 * 520 + 64 * 264 + 64 * 136)
+    assert grid == (8, rows // 16) and block == (256,)
+    # h2 tile 16 x 264, hid tile 16 x 520, W1 rows 64 x 264 (W2's 64 x 136 in their place); BF16.
+    assert nbytes == 2 * (16 * 264 + 16 * 520 + 64 * 264)
+
+
+def test_plan_constants_are_trunk_cu_s():
+    source = (resources.files("foxhunt.cuda_src") / "trunk.cu").read_text()
+    defined = dict(re.findall(r"^#define (HEADS_\w+) (\d+)$", source, re.M))
+    assert int(defined["HEADS_WARPS"]) == fast_trunk.HEADS_WARPS
+    assert int(defined["HEADS_MAX"]) == HEADS_MAX
+    assert int(defined["HEADS_FIELDS"]) == HEADS_FIELDS
 
 
 @pytest.mark.parametrize("args, match", [

@@ -154,6 +154,13 @@ def trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux: bool = Tr
 HEADS_W_ALIGN = 8
 
 
+#: trunk.cu's HEADS_WARPS: one n8 tile of each layer per warp, so a cluster block computes at
+#: most 8 HEADS_WARPS columns of a layer (``tests/test_kernels_heads.py`` reads it back).
+HEADS_WARPS = 8
+HEADS_THREADS = 32 * HEADS_WARPS
+HEADS_COLS_PER_BLOCK = 8 * HEADS_WARPS
+
+
 def heads_widths(hidden, out) -> tuple[int, int, int]:
     """``(HT, VT, Hmax)``: the heads' hidden columns side by side, their output columns each
     padded to a multiple of 8 (trunk.cu's virtual columns), the widest hidden layer."""
@@ -161,9 +168,10 @@ def heads_widths(hidden, out) -> tuple[int, int, int]:
 
 
 def heads_resident(hidden, out, cluster: int) -> bool:
-    """Whether one cluster block's share of both layers fits one pass (the kernel's only path)."""
+    """Whether one cluster block's share of each layer is at most a tile a warp (the kernel's
+    only path)."""
     ht, vt, _ = heads_widths(hidden, out)
-    return max(trunk_slice(ht, cluster), trunk_slice(vt, cluster)) <= TRUNK_COLS_PER_PASS
+    return max(trunk_slice(ht, cluster), trunk_slice(vt, cluster)) <= HEADS_COLS_PER_BLOCK
 
 
 def heads_fusable(h2: int, hidden, out, arch) -> bool:
@@ -180,20 +188,20 @@ def heads_fusable(h2: int, hidden, out, arch) -> bool:
 
 def heads_shared_bytes(h2: int, hidden, out, cluster: int) -> int:
     """Dynamic shared memory of one block (trunk.cu): the h2 tile ``BM x (H2 + PAD)``, the
-    cluster's hid tile ``BM x (HT + PAD)``, the block's W1 rows ``s1 x (H2 + PAD)`` and W2 rows
-    ``s2 x (Hmax + PAD)``; all BF16."""
+    cluster's hid tile ``BM x (HT + PAD)``, then the block's W1 rows ``s1 x (H2 + PAD)`` and, in
+    their place after layer 1, its W2 rows ``s2 x (Hmax + PAD)``; all BF16."""
     ht, vt, hmax = heads_widths(hidden, out)
     elems = (TRUNK_ROWS_PER_BLOCK * (h2 + TRUNK_PAD) + TRUNK_ROWS_PER_BLOCK * (ht + TRUNK_PAD)
-             + trunk_slice(ht, cluster) * (h2 + TRUNK_PAD)
-             + trunk_slice(vt, cluster) * (hmax + TRUNK_PAD))
+             + max(trunk_slice(ht, cluster) * (h2 + TRUNK_PAD),
+                   trunk_slice(vt, cluster) * (hmax + TRUNK_PAD)))
     return elems * BF16_BYTES
 
 
 def plan_heads_forward_bf16(rows: int, h2: int, hidden, out, *, arch=DEFAULT_ARCH) -> Plan:
-    """``((cluster, ceil(rows / 16)), (128,), heads_shared_bytes(...))``; ``ValueError`` for
-    shapes the kernel cannot run: widths (``check_heads_dims``), a share of either layer wider
-    than one pass (``HT`` or the padded ``VT`` above ``cluster * TRUNK_COLS_PER_PASS``: 512 on
-    sm_90), or more shared memory than ``arch`` offers."""
+    """``((cluster, ceil(rows / 16)), (HEADS_THREADS,), heads_shared_bytes(...))``;
+    ``ValueError`` for shapes the kernel cannot run: widths (``check_heads_dims``), a share of
+    either layer wider than a block's warps (``HT`` or the padded ``VT`` above ``cluster *
+    HEADS_COLS_PER_BLOCK``: 512 on sm_90), or more shared memory than ``arch`` offers."""
     from foxhunt.fast._build import normalize_arch
 
     rows = check_int("rows", rows, minimum=1)
@@ -202,14 +210,14 @@ def plan_heads_forward_bf16(rows: int, h2: int, hidden, out, *, arch=DEFAULT_ARC
     if not heads_resident(hidden, out, cluster):
         ht, vt, _ = heads_widths(hidden, out)
         raise ValueError(f"hidden={hidden}, out={out}: the fused heads kernel keeps at most "
-                         f"{cluster * TRUNK_COLS_PER_PASS} hidden and padded output columns on "
+                         f"{cluster * HEADS_COLS_PER_BLOCK} hidden and padded output columns on "
                          f"sm_{normalize_arch(arch)} (clusters of {cluster}); got {ht} and {vt}")
     nbytes = heads_shared_bytes(h2, hidden, out, cluster)
     limit = SHARED_OPTIN.get(normalize_arch(arch), min(SHARED_OPTIN.values()))
     if nbytes > limit:
         raise ValueError(f"H2={h2}: the fused heads kernel needs {nbytes} bytes of shared memory "
                          f"per block; sm_{normalize_arch(arch)} allows {limit}")
-    return (cluster, blocks(rows, TRUNK_ROWS_PER_BLOCK)), (TRUNK_THREADS,), nbytes
+    return (cluster, blocks(rows, TRUNK_ROWS_PER_BLOCK)), (HEADS_THREADS,), nbytes
 
 
 def heads_table(hidden, out, offsets) -> np.ndarray:
