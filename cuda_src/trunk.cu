@@ -489,7 +489,8 @@ trunk_forward_bf16(
 // [rows, out_h] right after head h - 1's (unaligned).
 //
 // Arithmetic and NaN contract: trunk_forward_bf16's (mma.sync m16n8k16, FP32 accumulation in
-// the tensor cores' order, so hid and the outputs are within the GEMM bound of the twin's, not
+// the tensor cores' order, here in four partial sums over interleaved k16 steps added at the
+// end: heads_tile_mma; hid and the outputs are within the GEMM bound of the twin's, not
 // bitwise; -fmad=false after the product). A NaN or Inf in row i of h2b reaches row i of every
 // output only; in W1_h row j or b1_h[j] column j of hid_h in every row, hence every output column
 // of head h; in W2_h row o or b2_h[o] column o of out_h.
@@ -567,6 +568,47 @@ static __device__ void heads_fill_table(HeadsTable& t, const int* raw, int n_hea
     }
 }
 
+// One k16 step of a warp's m16 x n8 tile: c += A[:, 16 ks ..] @ B[16 ks .., :] (the lane's
+// fragment pointers a (row g, k pair t4 of the tile; row stride a_stride) and b (its W row)).
+static __device__ __forceinline__ void heads_kstep(float* c, const unsigned short* a, int a_stride,
+                                                   const unsigned short* b, int ks) {
+    const unsigned short* ai = a + ks * 16;
+    unsigned int f[4];
+    f[0] = trunk_ld32(ai);
+    f[1] = trunk_ld32(ai + 8 * a_stride);
+    f[2] = trunk_ld32(ai + 8);
+    f[3] = trunk_ld32(ai + 8 * a_stride + 8);
+    trunk_mma(c, f, trunk_ld32(b + ks * 16), trunk_ld32(b + ks * 16 + 8));
+}
+
+// acc = the warp's m16 x n8 tile over `ksteps` k16 steps, in four independent accumulations
+// (steps 4i + p into part p; a remainder into part 0) summed as (p0 + p1) + (p2 + p3): four
+// chains of dependent MMAs instead of one (measured on the H200, session 27: one chain took
+// about 250 cycles a step).
+static __device__ __forceinline__ void heads_tile_mma(float* acc, const unsigned short* a,
+                                                      int a_stride, const unsigned short* b,
+                                                      int ksteps) {
+    float part[4][4];
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+        part[p][0] = part[p][1] = part[p][2] = part[p][3] = 0.0f;
+    }
+    int ks = 0;
+    for (; ks + 4 <= ksteps; ks += 4) {
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+            heads_kstep(part[p], a, a_stride, b, ks + p);
+        }
+    }
+    for (; ks < ksteps; ++ks) {
+        heads_kstep(part[0], a, a_stride, b, ks);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+        acc[e] = __fadd_rn(__fadd_rn(part[0][e], part[1][e]), __fadd_rn(part[2][e], part[3][e]));
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(HEADS_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
 heads_forward_bf16(const unsigned short* __restrict__ h2b,
                    const unsigned short* __restrict__ mirror, const float* __restrict__ params,
@@ -629,18 +671,10 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
     const bool tile1 = warp * 8 < n1_cols;  // warp-uniform
     const bool tile2 = warp * 8 < n2_cols;
     // Layer 1: the warp's hidden tile.
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float acc[4];
     if (tile1) {
-        const unsigned short* brow = w_s + (warp * 8 + g) * xs_stride + t4 * 2;
-        for (int ks = 0; ks < h2_width / 16; ++ks) {
-            const unsigned short* ai = xs + g * xs_stride + ks * 16 + t4 * 2;
-            unsigned int a[4];
-            a[0] = trunk_ld32(ai);
-            a[1] = trunk_ld32(ai + 8 * xs_stride);
-            a[2] = trunk_ld32(ai + 8);
-            a[3] = trunk_ld32(ai + 8 * xs_stride + 8);
-            trunk_mma(acc, a, trunk_ld32(brow + ks * 16), trunk_ld32(brow + ks * 16 + 8));
-        }
+        heads_tile_mma(acc, xs + g * xs_stride + t4 * 2, xs_stride,
+                       w_s + (warp * 8 + g) * xs_stride + t4 * 2, h2_width / 16);
     }
     __syncthreads();  // every warp is done with W1's rows: W2's go in their place
     // Group 2: the block's W2 rows (virtual columns; a padding row is zero), in flight during
@@ -696,17 +730,8 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
         const int vcol0 = n2_begin + warp * 8;
         const int h = heads_of(t.vcum, n_heads, vcol0);
         const int k0 = t.hcum[h];
-        const unsigned short* brow = w_s + (warp * 8 + g) * w2_stride + t4 * 2;
-        acc[0] = acc[1] = acc[2] = acc[3] = 0.0f;
-        for (int ks = 0; ks < t.hidden[h] / 16; ++ks) {
-            const unsigned short* ai = hs + g * hs_stride + k0 + ks * 16 + t4 * 2;
-            unsigned int a[4];
-            a[0] = trunk_ld32(ai);
-            a[1] = trunk_ld32(ai + 8 * hs_stride);
-            a[2] = trunk_ld32(ai + 8);
-            a[3] = trunk_ld32(ai + 8 * hs_stride + 8);
-            trunk_mma(acc, a, trunk_ld32(brow + ks * 16), trunk_ld32(brow + ks * 16 + 8));
-        }
+        heads_tile_mma(acc, hs + g * hs_stride + k0 + t4 * 2, hs_stride,
+                       w_s + (warp * 8 + g) * w2_stride + t4 * 2, t.hidden[h] / 16);
         float* dst = h == 0 ? v : adv;
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
