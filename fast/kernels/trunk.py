@@ -1,5 +1,7 @@
-"""Fast launcher of the fused trunk forward (``cuda_src/trunk.cu``; reference twin:
-``foxhunt.reference.kernels.trunk.trunk_forward_bf16``, the four nodes it replaces).
+"""Fast launchers of the fused MLP forwards (``cuda_src/trunk.cu``): the trunk (reference twin
+``foxhunt.reference.kernels.trunk.trunk_forward_bf16``, the four nodes it replaces) and the heads
+(``heads_forward_bf16``, the nine nodes of a pass's heads up to the dueling combine: below
+the trunk's sections).
 
 ``plan_trunk_forward_bf16(rows, SD, H1, H2)`` gives the launch ``(grid, block, shared_mem)``:
 grid ``(cluster, ceil(rows / TRUNK_ROWS_PER_BLOCK))`` of ``TRUNK_THREADS`` threads, one
@@ -33,6 +35,15 @@ In the step it is off by default (``Trainer(..., fused_trunk=True)`` turns it on
 125.7 without on the H200 (call B), 125.7 / 124.9 against 125.7 / 125.6 (call G), 129.2 / 129.6
 against 128.7 / 128.6 on the H100 (call C), and the step with every second-wave source 1-2 us
 slower (calls B, C).
+
+The heads (``plan_heads_forward_bf16(rows, H2, hidden, out)``): grid ``(cluster, ceil(rows /
+16))`` of ``HEADS_THREADS`` (8 warps, one n8 tile of each layer a warp), shared memory of
+:func:`heads_shared_bytes`; the step passes the weights' element offsets in a table
+(:func:`heads_table`, the constant ``head_table``) and the test entry lays the heads out in a
+parameter buffer of its own. Speed (H200, session 27, the README's "The heads' forward in one
+kernel"): 13.3 / 10.4 us a launch in the step's graph (512 / 256 rows) against about 10.7 us for
+the nine nodes' chain; the bf16 step with ``fused_heads=True`` took 118.2 us against 114.7 us
+without, so it is off by default.
 """
 
 from __future__ import annotations
