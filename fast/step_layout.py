@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from foxhunt.fast.records import F32, I32, I64, U8, U16, U64, Buf, Region
-from foxhunt.reference.kernels.trunk import HEADS_FIELDS
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.backend import READBACK_FIELDS
 from foxhunt.reference.kernels.step import READBACK_INDEX
+from foxhunt.reference.kernels.trunk import HEADS_FIELDS
 from foxhunt.reference.layout import ParamLayout, branch_name
 
 #: Elements per block of the two-phase gradient norms (grad_norm_partial's block_size).
@@ -229,6 +229,9 @@ class StepLayout(BufferTable):
             Head(branch_name(d), c.adv_h, f"w_{branch_name(d)}1", f"b_{branch_name(d)}1",
                  f"w_{branch_name(d)}2", f"b_{branch_name(d)}2", n * c.num_atoms)
             for d, n in enumerate(self.branches))
+        #: Each head's hidden and output widths, in ``heads`` order (the fused heads kernel's).
+        self.head_hidden = tuple(h.hidden for h in self.heads)
+        self.head_out = tuple(h.out for h in self.heads)
         self.weights = lay.weight_matrices
         self.n_partials = blocks(self.NP, NORM_SEGMENT)
         self._build_batch()

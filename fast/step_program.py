@@ -143,7 +143,7 @@ class StepProgram:
                 f"with H2 and every head's hidden width multiples of 16 and at most "
                 f"{CLUSTER_SM90 * HEADS_COLS_PER_BLOCK} hidden and (each head's padded to 8) output "
                 f"columns; got precision {self.config.precision!r}, {arch}, H2={lay.H2}, hidden "
-                f"{tuple(h.hidden for h in lay.heads)}, outputs {tuple(h.out for h in lay.heads)}")
+                f"{lay.head_hidden}, outputs {lay.head_out}")
         self.gemm_workspace = gemm_workspace
         self.default_workspace = DEFAULT_WORKSPACE_LIMIT
         #: cuBLASLt's SM_COUNT_TARGET of every plan (module docstring; 0: the whole device).
@@ -176,8 +176,7 @@ class StepProgram:
 
         lay = self.lay
         return (self.fuse_heads and lay.bf16
-                and heads_fusable(lay.H2, [h.hidden for h in lay.heads],
-                                  [h.out for h in lay.heads], self.arch))
+                and heads_fusable(lay.H2, lay.head_hidden, lay.head_out, self.arch))
 
     def eval_binder(self, evl: EvalLayout, host_nbytes: Mapping[str, int]) -> Binder:
         """A binder over the step buffers and ``evl``'s (names are disjoint)."""
@@ -420,8 +419,7 @@ class StepProgram:
             fused = ops.branch() if firsts else ops
             fused.kernel("heads_forward_bf16",
                          self.kernels("trunk").plan_heads_forward_bf16(
-                             rows, lay.H2, [h.hidden for h in lay.heads],
-                             [h.out for h in lay.heads], arch=self.arch),
+                             rows, lay.H2, lay.head_hidden, lay.head_out, arch=self.arch),
                          h2b=h2b, mirror=Buf("mirror2", offset=which * lay.NP),
                          params=Buf("params2", offset=which * lay.NP), table="head_table",
                          hid=Buf(f"hid{tag}"), hid_bf16=Buf(f"hid{tag}_bf16"), v=Buf(f"v{tag}"),
@@ -665,7 +663,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
         "scale": np.array([1.0 / (lay.B * lay.nb)], np.float32),
         "n_actions": np.array(lay.branches, np.int32),
         "action_offset": np.array(lay.action_offset, np.int32),
-        "head_table": heads_table([h.hidden for h in lay.heads], [h.out for h in lay.heads],
+        "head_table": heads_table(lay.head_hidden, lay.head_out,
                                   [[lay.tensor_offset(n) for n in (h.w1, h.b1, h.w2, h.b2)]
                                    for h in lay.heads]),
         "thr_mult": mult, "thr_isv_index": index, "thr_power": power, "desc_ptrs": ptrs,

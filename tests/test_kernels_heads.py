@@ -32,6 +32,7 @@ from foxhunt.reference.kernels.trunk import (
     heads_forward_bf16,
     heads_packed_offsets,
 )
+from cpu_step_runs import assert_steps_bitwise_equal
 
 F32, U16 = np.float32, np.uint16
 SPEC = SPECS["heads_forward_bf16"]
@@ -97,7 +98,7 @@ def test_packed_offsets_are_the_step_layouts(preset, rows_of):
     lay = StepLayout(DQNConfig.preset(preset, precision="bf16"))
     tag, rows = ("o", 2 * lay.B) if rows_of == "online" else ("t", lay.B)
     hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(
-        [h.hidden for h in lay.heads], [h.out for h in lay.heads], rows, OPERAND_ALIGN)
+        lay.head_hidden, lay.head_out, rows, OPERAND_ALIGN)
     hid, adv = lay.packed[f"hid{tag}"], lay.packed[f"adv{tag}"]
     assert hid_off == tuple(hid.offsets[h.key] for h in lay.heads) and hid_total == hid.total
     assert adv_off[1:] == tuple(adv.offsets[d] for d in range(lay.nb))
@@ -215,25 +216,9 @@ def test_on_the_cpu_executor_the_fused_heads_step_bitwise_as_the_nodes(options):
     """The fused launch's twin is the composition of the nodes' reference functions, so the CPU
     executor's steps with and without it end in the same bits (every state buffer, the step
     scalars, the TD errors and the greedy Q's), the second-wave sources on."""
-    from foxhunt.fast.cpu_executor import CpuTrainer
-    from foxhunt.reference.batch import Batch
-
     config = DQNConfig.preset("tiny", precision="bf16", lambda_iqn=1.0,
                               aux_next_bar_weight=0.1, aux_regime_weight=0.1)
-    batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
-    runs = []
-    for opts in ({}, options):
-        trainer = CpuTrainer(config, seed=4, **opts)
-        scalars = [trainer.step(b) for b in batches]
-        runs.append((trainer.state_dict(), scalars, np.array(trainer.last_td_errors()),
-                     [np.array(q) for q in trainer.q_values(batches[0].s)]))
-    (state0, scalars0, td0, q0), (state1, scalars1, td1, q1) = runs
-    assert state0.keys() == state1.keys()
-    differ = [k for k in state0 if np.asarray(state0[k]).tobytes() != np.asarray(state1[k]).tobytes()]
-    assert not differ
-    assert scalars0 == scalars1 and td0.tobytes() == td1.tobytes()
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(q0, q1))
-    assert np.abs(state0["params"] - CpuTrainer(config, seed=4).state_dict()["params"]).max() > 0
+    assert_steps_bitwise_equal(config, options)
 
 
 # --------------------------------------------------------------------------------- GPU

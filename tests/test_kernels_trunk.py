@@ -29,6 +29,7 @@ from foxhunt.reference.kernels.trunk import (
     relu_aux_bits,
     trunk_forward_bf16,
 )
+from cpu_step_runs import assert_steps_bitwise_equal
 
 F32, U8, U16 = np.float32, np.uint8, np.uint16
 SPEC = SPECS["trunk_forward_bf16"]
@@ -381,25 +382,9 @@ def test_on_the_cpu_executor_the_fused_trunk_steps_bitwise_as_the_four_nodes():
     """The fused launch's twin is the composition of the four nodes' reference functions, so the
     CPU executor's steps with and without it end in the same bits (every state buffer, the
     step scalars, the TD errors and the greedy Q's)."""
-    from foxhunt.fast.cpu_executor import CpuTrainer
-    from foxhunt.reference.batch import Batch
     from foxhunt.reference.config import DQNConfig
 
-    config = DQNConfig.preset("tiny", precision="bf16")
-    batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
-    runs = []
-    for fuse in (False, True):
-        trainer = CpuTrainer(config, seed=4, fused_trunk=fuse)
-        scalars = [trainer.step(b) for b in batches]
-        runs.append((trainer.state_dict(), scalars, np.array(trainer.last_td_errors()),
-                     [np.array(q) for q in trainer.q_values(batches[0].s)]))
-    (state0, scalars0, td0, q0), (state1, scalars1, td1, q1) = runs
-    assert state0.keys() == state1.keys()
-    differ = [k for k in state0 if np.asarray(state0[k]).tobytes() != np.asarray(state1[k]).tobytes()]
-    assert not differ
-    assert scalars0 == scalars1 and td0.tobytes() == td1.tobytes()
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(q0, q1))
-    assert np.abs(state0["params"] - CpuTrainer(config, seed=4).state_dict()["params"]).max() > 0
+    assert_steps_bitwise_equal(DQNConfig.preset("tiny", precision="bf16"), dict(fused_trunk=True))
 
 
 @pytest.mark.parametrize("arch, widths, fusable", [

@@ -173,16 +173,24 @@ def _aux_free(lo, hi, finite, with_aux) -> np.ndarray:
     return relu_aux_bits(np.where(finite & (lo <= 0) & (hi > 0), F32(1), F32(0)))
 
 
+def _relu_layer_and_slack(a_bf16, w_bf16, b, out_bf16):
+    """A first ReLU layer's comparison inputs, its interval ``[lo, hi]``, where it is finite, and
+    the operand slack its undecided BF16 roundings give the next layer (module docstring:
+    ``|bf16(relu(h1 +- E1)) - h1_bf16|``, ``out_bf16`` the reference's BF16 copy)."""
+    one, lo, hi = _layer(bf16_to_f32(a_bf16), None, w_bf16, b, (0.0, np.inf))
+    fin = np.isfinite(lo) & np.isfinite(hi)
+    ref = bf16_to_f32(out_bf16).astype(F64)
+    with np.errstate(invalid="ignore"):
+        ends = [bf16_to_f32(f32_to_bf16(_relu(v))).astype(F64) for v in (lo, hi)]
+        slack = np.where(fin, np.maximum(np.abs(ends[0] - ref), np.abs(ends[1] - ref)), 0.0)
+    return one, lo, hi, fin, slack
+
+
 def _scales(kwargs: Kwargs, expected) -> dict:
     """Per output, the comparison inputs of the module docstring."""
     with_aux = kwargs.get("with_aux", True)
-    one, lo1, hi1 = _layer(bf16_to_f32(kwargs["xb"]), None, kwargs["w1"], kwargs["b1"],
-                           (0.0, np.inf))
-    fin1 = np.isfinite(lo1) & np.isfinite(hi1)
-    h1b = bf16_to_f32(expected["h1_bf16"]).astype(F64)
-    with np.errstate(invalid="ignore"):
-        ends = [bf16_to_f32(f32_to_bf16(_relu(v))).astype(F64) for v in (lo1, hi1)]
-        slack = np.where(fin1, np.maximum(np.abs(ends[0] - h1b), np.abs(ends[1] - h1b)), 0.0)
+    one, lo1, hi1, fin1, slack = _relu_layer_and_slack(kwargs["xb"], kwargs["w1"], kwargs["b1"],
+                                                       expected["h1_bf16"])
     two, lo2, hi2 = _layer(bf16_to_f32(expected["h1_bf16"]), slack, kwargs["w2"], kwargs["b2"],
                            (0.0, np.inf))
     fin2 = np.isfinite(lo2) & np.isfinite(hi2)
@@ -258,13 +266,8 @@ def block_diagonal_w2(w2: np.ndarray, hidden, out) -> np.ndarray:
 def _heads_scales(kwargs: Kwargs, expected) -> dict:
     """Per output, the comparison inputs (module docstring)."""
     hidden, out = (tuple(int(x) for x in kwargs[k]) for k in ("hidden", "out"))
-    one, lo1, hi1 = _layer(bf16_to_f32(kwargs["h2b"]), None, kwargs["w1"], kwargs["b1"],
-                           (0.0, np.inf))
-    fin1 = np.isfinite(lo1) & np.isfinite(hi1)
-    hb = bf16_to_f32(expected["hid_bf16"]).astype(F64)
-    with np.errstate(invalid="ignore"):
-        ends = [bf16_to_f32(f32_to_bf16(_relu(v))).astype(F64) for v in (lo1, hi1)]
-        slack = np.where(fin1, np.maximum(np.abs(ends[0] - hb), np.abs(ends[1] - hb)), 0.0)
+    one, lo1, hi1, fin1, slack = _relu_layer_and_slack(kwargs["h2b"], kwargs["w1"], kwargs["b1"],
+                                                       expected["hid_bf16"])
     two, _, _ = _layer(bf16_to_f32(expected["hid_bf16"]), slack,
                        block_diagonal_w2(kwargs["w2"], hidden, out), kwargs["b2"],
                        (-np.inf, np.inf))

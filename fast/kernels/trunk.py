@@ -51,8 +51,8 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, cluster_blocks, launch, runtime
-from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.fast.kernels.walk import SHARED_LIMIT, SHARED_OPTIN
+from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.trunk import (
     HEADS_FIELDS,
     TRUNK_WIDTH_MULTIPLE,
@@ -124,16 +124,29 @@ def plan_trunk_forward_bf16(rows: int, sd: int, h1: int, h2: int, *, arch=DEFAUL
     """``((cluster, ceil(rows / 16)), (128,), trunk_shared_bytes(SD, H1, H2, cluster))`` with
     ``cluster = cluster_blocks(arch)``; ``ValueError`` for widths that are not multiples of 16 or need more
     shared memory than ``arch`` offers."""
-    from foxhunt.fast._build import normalize_arch
-
     rows, sd, h1, h2 = check_trunk_dims(rows, sd, h1, h2)
     cluster = cluster_blocks(arch)
-    nbytes = trunk_shared_bytes(sd, h1, h2, cluster)
+    nbytes = _within_shared_limit(trunk_shared_bytes(sd, h1, h2, cluster), arch,
+                                  f"SD + H1={sd + h1}: the fused trunk kernel")
+    return (cluster, blocks(rows, TRUNK_ROWS_PER_BLOCK)), (TRUNK_THREADS,), nbytes
+
+
+def _within_shared_limit(nbytes: int, arch, what: str) -> int:
+    """``nbytes``, or ``ValueError`` ("<what> needs N bytes ...") where one block of ``arch``
+    cannot have that much dynamic shared memory (:data:`SHARED_OPTIN`)."""
+    from foxhunt.fast._build import normalize_arch
+
     limit = SHARED_OPTIN.get(normalize_arch(arch), min(SHARED_OPTIN.values()))
     if nbytes > limit:
-        raise ValueError(f"SD + H1={sd + h1}: the fused trunk kernel needs {nbytes} bytes of "
-                         f"shared memory per block; sm_{normalize_arch(arch)} allows {limit}")
-    return (cluster, blocks(rows, TRUNK_ROWS_PER_BLOCK)), (TRUNK_THREADS,), nbytes
+        raise ValueError(f"{what} needs {nbytes} bytes of shared memory per block; "
+                         f"sm_{normalize_arch(arch)} allows {limit}")
+    return nbytes
+
+
+def _opt_in(rt, name: str, plan: Plan) -> None:
+    """The test entries' launch of a plan above ``SHARED_LIMIT`` needs the kernel's opt-in."""
+    if plan[2] > SHARED_LIMIT:
+        rt.module.kernel(name).set_max_dynamic_shared(plan[2])
 
 
 def trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux: bool = True) -> TrunkForward:
@@ -143,8 +156,7 @@ def trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux: bool = Tr
                                                                mult, with_aux)
     rt = runtime()
     plan = plan_trunk_forward_bf16(rows, sd, h1, h2, arch=rt.device.arch)
-    if plan[2] > SHARED_LIMIT:
-        rt.module.kernel("trunk_forward_bf16").set_max_dynamic_shared(plan[2])
+    _opt_in(rt, "trunk_forward_bf16", plan)
     aux1 = Out((rows, aux_row_bytes(h1)), U8) if with_aux else 0
     aux2 = Out((rows, aux_row_bytes(h2)), U8) if with_aux else 0
     outs = list(launch("trunk_forward_bf16", plan, In(xb), In(w1), In(b1), In(w2), In(b2),
@@ -163,8 +175,6 @@ def trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux: bool = Tr
 # ---------------------------------------------------------------------------------------------
 #: W offsets must be multiples of this many elements (16-byte cp.async of BF16).
 HEADS_W_ALIGN = 8
-
-
 #: trunk.cu's HEADS_WARPS: one n8 tile of each layer per warp, so a cluster block computes at
 #: most 8 HEADS_WARPS columns of a layer (``tests/test_kernels_heads.py`` reads it back).
 HEADS_WARPS = 8
@@ -223,11 +233,8 @@ def plan_heads_forward_bf16(rows: int, h2: int, hidden, out, *, arch=DEFAULT_ARC
         raise ValueError(f"hidden={hidden}, out={out}: the fused heads kernel keeps at most "
                          f"{cluster * HEADS_COLS_PER_BLOCK} hidden and padded output columns on "
                          f"sm_{normalize_arch(arch)} (clusters of {cluster}); got {ht} and {vt}")
-    nbytes = heads_shared_bytes(h2, hidden, out, cluster)
-    limit = SHARED_OPTIN.get(normalize_arch(arch), min(SHARED_OPTIN.values()))
-    if nbytes > limit:
-        raise ValueError(f"H2={h2}: the fused heads kernel needs {nbytes} bytes of shared memory "
-                         f"per block; sm_{normalize_arch(arch)} allows {limit}")
+    nbytes = _within_shared_limit(heads_shared_bytes(h2, hidden, out, cluster), arch,
+                                  f"H2={h2}: the fused heads kernel")
     return (cluster, blocks(rows, TRUNK_ROWS_PER_BLOCK)), (HEADS_THREADS,), nbytes
 
 
@@ -272,8 +279,7 @@ def heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out) -> HeadsForward:
     hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
     rt = runtime()
     plan = plan_heads_forward_bf16(rows, h2, hid_w, outs, arch=rt.device.arch)
-    if plan[2] > SHARED_LIMIT:
-        rt.module.kernel("heads_forward_bf16").set_max_dynamic_shared(plan[2])
+    _opt_in(rt, "heads_forward_bf16", plan)
     hid, hid_bf16, v, adv = launch(
         "heads_forward_bf16", plan, In(h2b), In(mirror), In(params), In(table),
         Out((max(hid_total, 1),), F32), Out((max(hid_total, 1),), U16), Out((rows, outs[0]), F32),
