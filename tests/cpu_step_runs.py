@@ -28,3 +28,10 @@ def assert_steps_bitwise_equal(config, options: dict, *, steps: int = 3, seed: i
     assert scalars0 == scalars1 and td0.tobytes() == td1.tobytes()
     assert all(a.tobytes() == b.tobytes() for a, b in zip(q0, q1))
     assert np.abs(state0["params"] - CpuTrainer(config, seed=seed).state_dict()["params"]).max() > 0
+
+
+def launch_count(ops, kernel: str) -> int:
+    """Launch records of ``kernel`` in a plan's ``ops``."""
+    from foxhunt.fast.records import Launch
+
+    return sum(1 for node in ops.nodes() if isinstance(node, Launch) and node.kernel == kernel)

@@ -32,7 +32,7 @@ from foxhunt.reference.kernels.trunk import (
     heads_forward_bf16,
     heads_packed_offsets,
 )
-from cpu_step_runs import assert_steps_bitwise_equal
+from cpu_step_runs import assert_steps_bitwise_equal, launch_count
 
 F32, U16 = np.float32, np.uint16
 SPEC = SPECS["heads_forward_bf16"]
@@ -175,12 +175,6 @@ def test_entry_accepts_another_summation_order_and_catches_a_missed_bias():
 
 
 # ------------------------------------------------------------------------ in the step plan
-def _launches(ops, kernel: str) -> int:
-    from foxhunt.fast.records import Launch
-
-    return sum(1 for node in ops.nodes() if isinstance(node, Launch) and node.kernel == kernel)
-
-
 @pytest.mark.parametrize("fuse, fused, gemms_less", [(True, 2, 16), (False, 0, 0)])
 def test_fused_heads_put_one_launch_in_each_training_pass(fuse, fused, gemms_less):
     """Graph 1 of the seed bf16 step on sm_90 (the CPU executor's plans): with ``fused_heads``
@@ -193,7 +187,7 @@ def test_fused_heads_put_one_launch_in_each_training_pass(fuse, fused, gemms_les
     counts = []
     for option in (False, fuse):
         graph1 = CpuEngine(config, fused_heads=option).plans["graph1"]
-        counts.append((_launches(graph1, "heads_forward_bf16"),
+        counts.append((launch_count(graph1, "heads_forward_bf16"),
                        sum(1 for node in graph1.nodes() if isinstance(node, Gemm))))
     assert counts[1][0] == fused
     assert counts[0][1] - counts[1][1] == gemms_less

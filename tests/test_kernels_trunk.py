@@ -29,7 +29,7 @@ from foxhunt.reference.kernels.trunk import (
     relu_aux_bits,
     trunk_forward_bf16,
 )
-from cpu_step_runs import assert_steps_bitwise_equal
+from cpu_step_runs import assert_steps_bitwise_equal, launch_count
 
 F32, U8, U16 = np.float32, np.uint8, np.uint16
 SPEC = SPECS["trunk_forward_bf16"]
@@ -347,12 +347,6 @@ def test_fused_kernel_is_deterministic_and_null_bitmasks_change_nothing_else():
 
 
 # ------------------------------------------------------------------------- in the step plan
-def _launches(ops, kernel: str) -> int:
-    from foxhunt.fast.records import Launch
-
-    return sum(1 for node in ops.nodes() if isinstance(node, Launch) and node.kernel == kernel)
-
-
 @pytest.mark.parametrize("fuse, fused, clamps", [(True, 2, 0), (False, 0, 2)])
 def test_fused_trunk_puts_one_launch_in_each_training_pass(fuse, fused, clamps):
     """Graph 1 of the seed bf16 step on sm_90 (the CPU executor's plans): with ``fused_trunk``
@@ -363,8 +357,8 @@ def test_fused_trunk_puts_one_launch_in_each_training_pass(fuse, fused, clamps):
 
     engine = CpuEngine(DQNConfig.preset("seed", precision="bf16"), fused_trunk=fuse)
     graph1 = engine.plans["graph1"]
-    assert _launches(graph1, "trunk_forward_bf16") == fused
-    assert _launches(graph1, "clamp_finite_isv") == clamps
+    assert launch_count(graph1, "trunk_forward_bf16") == fused
+    assert launch_count(graph1, "clamp_finite_isv") == clamps
 
 
 def test_fused_trunk_refuses_what_the_kernel_cannot_run():
