@@ -41,9 +41,9 @@ The heads (``plan_heads_forward_bf16(rows, H2, hidden, out)``): grid ``(cluster,
 :func:`heads_shared_bytes`; the step passes the weights' element offsets in a table
 (:func:`heads_table`, the constant ``head_table``) and the test entry lays the heads out in a
 parameter buffer of its own. Speed (H200, session 27, the README's "The heads' forward in one
-kernel"): 13.3 / 10.4 us a launch in the step's graph (512 / 256 rows) against about 10.7 us for
-the nine nodes' chain; the bf16 step with ``fused_heads=True`` took 118.2 us against 114.7 us
-without, so it is off by default.
+kernel"): 13.3 / 10.4 us a launch in the step's graph (512 / 256 rows) against 10.4 us for the
+nine nodes' part of the online pass's chain; the bf16 step with ``fused_heads=True`` took 118.2
+us against 114.7 us without, so it is off by default.
 """
 
 from __future__ import annotations
