@@ -538,8 +538,9 @@ static __device__ __forceinline__ int heads_of(const int* cum, int n, int col) {
     return h;
 }
 
-// The derived fields of `t` from the raw table `raw` (already in shared memory: one thread's
-// serial reads of global memory measured about 9 us a launch on the H200).
+// The derived fields of `t` from the raw table `raw` (read into shared memory by the block's
+// threads at once; thread 0 fills `t`: a second fill measured 0.7 us a launch on the H200,
+// session 27).
 static __device__ void heads_fill_table(HeadsTable& t, const int* raw, int n_heads, int rows,
                                         int hid_align) {
     t.n = n_heads;
