@@ -520,7 +520,6 @@ trunk_forward_bf16(
 #define HEADS_THREADS (HEADS_WARPS * 32)
 
 struct HeadsTable {
-    int n;
     int hidden[HEADS_MAX], out[HEADS_MAX], w1[HEADS_MAX], b1[HEADS_MAX], w2[HEADS_MAX],
         b2[HEADS_MAX];
     int hcum[HEADS_MAX + 1];   // first hidden column of head h (concatenated)
@@ -543,7 +542,6 @@ static __device__ __forceinline__ int heads_of(const int* cum, int n, int col) {
 // session 27).
 static __device__ void heads_fill_table(HeadsTable& t, const int* raw, int n_heads, int rows,
                                         int hid_align) {
-    t.n = n_heads;
     t.hcum[0] = 0;
     t.vcum[0] = 0;
     t.hmax = 0;

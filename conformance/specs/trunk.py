@@ -209,14 +209,16 @@ def _scales(kwargs: Kwargs, expected) -> dict:
 
 
 # --------------------------------------------------------------------------- the contract
-def _rows_stay(kwargs, outputs, poisoned) -> list[str]:
-    """A non-finite state reaches only its own row of h1 and h2pre (poisoned ``xb`` only)."""
-    if poisoned is None or poisoned.split(":")[1] != "xb":
-        return []
-    bad_rows = ~np.all(np.isfinite(bf16_to_f32(kwargs["xb"])), axis=1)
-    leaked = [n for n in ("h1", "h2pre")
-              if not np.all(np.isfinite(outputs[n][~bad_rows]))]
-    return [f"{n!r}: a non-finite state leaked into another row" for n in leaked]
+def rows_stay(source: str, outputs: tuple[str, ...], what: str):
+    """The contract that a non-finite row of BF16 input ``source`` reaches only its own row of
+    each of ``outputs`` (checked where ``source`` is the poisoned input)."""
+    def check(kwargs, out, poisoned) -> list[str]:
+        if poisoned is None or poisoned.split(":")[1] != source:
+            return []
+        bad_rows = ~np.all(np.isfinite(bf16_to_f32(kwargs[source])), axis=1)
+        leaked = [n for n in outputs if not np.all(np.isfinite(out[n][~bad_rows]))]
+        return [f"{n!r}: a non-finite {what} leaked into another row" for n in leaked]
+    return check
 
 
 # ------------------------------------------------------------------------------- the heads
@@ -275,15 +277,6 @@ def _heads_scales(kwargs: Kwargs, expected) -> dict:
             "out": two}
 
 
-def _heads_rows_stay(kwargs, outputs, poisoned) -> list[str]:
-    """A non-finite h2 row reaches only its own row of every output (poisoned ``h2b`` only)."""
-    if poisoned is None or poisoned.split(":")[1] != "h2b":
-        return []
-    bad_rows = ~np.all(np.isfinite(bf16_to_f32(kwargs["h2b"])), axis=1)
-    leaked = [n for n in ("hid", "out") if not np.all(np.isfinite(outputs[n][~bad_rows]))]
-    return [f"{n!r}: a non-finite h2 row leaked into another row" for n in leaked]
-
-
 ENTRIES = (
     SpecEntry(
         name="trunk_forward_bf16",
@@ -302,7 +295,7 @@ ENTRIES = (
             lambda k: replace(k, with_aux=1),
         ),
         scales=_scales,
-        contract=all_of(finite_outputs("h2"), _rows_stay),
+        contract=all_of(finite_outputs("h2"), rows_stay("xb", ("h1", "h2pre"), "state")),
     ),
     SpecEntry(
         name="heads_forward_bf16",
@@ -319,6 +312,6 @@ ENTRIES = (
             lambda k: replace(k, out=k["out"].astype(np.int64)),
         ),
         scales=_heads_scales,
-        contract=_heads_rows_stay,
+        contract=rows_stay("h2b", ("hid", "out"), "h2 row"),
     ),
 )
