@@ -1,6 +1,7 @@
 """Shared pytest configuration: the hypothesis profiles (``ci`` derandomised, ``dev`` random),
 defined once in ``foxhunt.conformance.strategies``; the ``lt`` fixture (cuBLASLt's bindings, or
-a skip with the reason) of the GPU GEMM tests."""
+a skip with the reason) of the GPU GEMM tests; the ``nvrtc_cache`` fixture (one NVRTC disk cache
+for the session's builds of the same sources)."""
 
 import pytest
 
@@ -19,3 +20,12 @@ def lt():
         return _cublaslt()
     except CublasUnavailableError as exc:
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def nvrtc_cache(tmp_path_factory):
+    """A ``compile_sources`` cache folder shared by the whole test session: a build of the same
+    sources, options and architecture that another test already made is read back, not compiled
+    again (CI has two cores; walk.cu alone takes about 5 s a build). Tests of the cache itself
+    keep a ``tmp_path`` of their own."""
+    return tmp_path_factory.mktemp("nvrtc-shared")

@@ -56,8 +56,9 @@ def test_cuda_src_has_units():
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("unit", UNITS)
-def test_every_kernel_file_compiles_to_ptx(unit, arch, tmp_path):
-    module = compile_sources(arch, "ptx", cache_root=tmp_path, sources={unit: SOURCES[unit], **HEADERS})
+def test_every_kernel_file_compiles_to_ptx(unit, arch, nvrtc_cache):
+    module = compile_sources(arch, "ptx", cache_root=nvrtc_cache,
+                             sources={unit: SOURCES[unit], **HEADERS})
     assert set(module.images) == {unit}
     assert module.kernels, f"cuda_src/{unit} defines no extern \"C\" __global__ kernel"
     assert set(module.kernels.values()) == {unit}
@@ -90,8 +91,8 @@ def test_spectral_kernels_compile_with_the_cluster_the_plans_launch(arch, tmp_pa
     assert plan_batched_spectral_norm(10, arch)[0] == 10 * cluster
 
 
-def test_all_files_compile_to_sm90_cubin_with_unique_kernel_names(tmp_path):
-    module = compile_sources("sm_90", "cubin", cache_root=tmp_path)
+def test_all_files_compile_to_sm90_cubin_with_unique_kernel_names(nvrtc_cache):
+    module = compile_sources("sm_90", "cubin", cache_root=nvrtc_cache)
     assert set(module.images) == set(UNITS)
     for name, image in module.images.items():
         assert image[:4] == b"\x7fELF", f"cuda_src/{name} did not produce a cubin"

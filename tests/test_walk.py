@@ -260,7 +260,7 @@ def test_a_network_too_large_for_the_cluster_falls_back_to_the_one_block_kernel(
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, tmp_path):
+def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, nvrtc_cache):
     """PTX of walk.cu (NVRTC needs no GPU): both kernels, the same parameters, and the cluster
     kernel's compiled-in cluster (``.reqnctapercluster``) is the plan's grid."""
     import re
@@ -269,7 +269,7 @@ def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, tmp_path):
 
     sources = {n: b for n, b in source_files().items()
                if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
-    module = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources)
+    module = compile_sources(arch, "ptx", cache_root=nvrtc_cache, sources=sources)
     assert set(module.kernels) == {"greedy_walk", "greedy_walk_cluster", "greedy_walk_round",
                                    "greedy_walk_hold", "greedy_walk_spans"}
     assert module.params["greedy_walk"] == module.params["greedy_walk_cluster"]
@@ -309,7 +309,7 @@ def test_walk_kernels_do_not_spill_on_sm90(tmp_path):
     assert max(int(spills[k]) for k in ("greedy_walk_hold", "greedy_walk_spans")) <= 16
 
 
-def test_the_phase_profile_is_compiled_only_on_request(tmp_path):
+def test_the_phase_profile_is_compiled_only_on_request(tmp_path, nvrtc_cache):
     """benches/walk_profile.py's build (-DWALK_PROFILE) declares the ``walk_profile`` global
     that the bench reads back; the normal build has no trace of it (the kernels it launches are
     unchanged by the profile). One architecture (sm_90): the switch is a preprocessor branch,
@@ -319,7 +319,7 @@ def test_the_phase_profile_is_compiled_only_on_request(tmp_path):
 
     sources = {n: b for n, b in source_files().items()
                if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
-    normal = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources)
+    normal = compile_sources(arch, "ptx", cache_root=nvrtc_cache, sources=sources)
     profiled = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources,
                                extra_options=("-DWALK_PROFILE",))
     assert "walk_profile" not in normal.ptx["walk.cu"]
