@@ -841,30 +841,15 @@ __device__ __forceinline__ void hb_adam_load(AdamLoad& x, const float* __restric
     }
 }
 
-extern "C" __global__ void adam_update(float* __restrict__ param, const float* __restrict__ grad,
-                                       float* __restrict__ m, float* __restrict__ v, long long n,
-                                       const long long* __restrict__ step, float lr, float beta1,
-                                       float beta2, float eps, float weight_decay,
-                                       const float* __restrict__ grad_scale,
-                                       const float* __restrict__ weight_clamp) {
-    fh_early_wait();  // early_launch.cuh: before anything is read or written
-    fh_early_release();
-    __shared__ float shared[4];  // bc1, bc2, grad_scale, weight_clamp
-    const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
-    if (threadIdx.x == 0) {
-        shared[0] = hb_bias_correction(beta1, *step);
-        shared[2] = *grad_scale;
-        shared[3] = *weight_clamp;
-    }
-    if (threadIdx.x == second) {
-        shared[1] = hb_bias_correction(beta2, *step);
-    }
-    const long long stride = hb_grid_stride();
-    long long first = hb_first_index();
-    AdamLoad x;
-    hb_adam_load(x, param, grad, m, v, first, stride, n);
-    __syncthreads();
-    const float bc1 = shared[0], bc2 = shared[1], scale = shared[2], clamp = shared[3];
+// Adam's element loop from the first round's loads `x` (hb_adam_load at `first`): every round's
+// elements, then the next round's loads. The arithmetic of adam_update's comment.
+__device__ __forceinline__ void hb_adam_rounds(AdamLoad& x, float* __restrict__ param,
+                                               const float* __restrict__ grad,
+                                               float* __restrict__ m, float* __restrict__ v,
+                                               long long n, long long first, long long stride,
+                                               float lr, float beta1, float beta2, float eps,
+                                               float weight_decay, float bc1, float bc2,
+                                               float scale, float clamp) {
     const float keep1 = __fsub_rn(1.0f, beta1);
     const float keep2 = __fsub_rn(1.0f, beta2);
     while (first < n) {
@@ -891,6 +876,80 @@ extern "C" __global__ void adam_update(float* __restrict__ param, const float* _
         first += ADAM_UNROLL * stride;
         hb_adam_load(x, param, grad, m, v, first, stride, n);
     }
+}
+
+extern "C" __global__ void adam_update(float* __restrict__ param, const float* __restrict__ grad,
+                                       float* __restrict__ m, float* __restrict__ v, long long n,
+                                       const long long* __restrict__ step, float lr, float beta1,
+                                       float beta2, float eps, float weight_decay,
+                                       const float* __restrict__ grad_scale,
+                                       const float* __restrict__ weight_clamp) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
+    __shared__ float shared[4];  // bc1, bc2, grad_scale, weight_clamp
+    const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
+    if (threadIdx.x == 0) {
+        shared[0] = hb_bias_correction(beta1, *step);
+        shared[2] = *grad_scale;
+        shared[3] = *weight_clamp;
+    }
+    if (threadIdx.x == second) {
+        shared[1] = hb_bias_correction(beta2, *step);
+    }
+    const long long stride = hb_grid_stride();
+    const long long first = hb_first_index();
+    AdamLoad x;
+    hb_adam_load(x, param, grad, m, v, first, stride, n);
+    __syncthreads();
+    hb_adam_rounds(x, param, grad, m, v, n, first, stride, lr, beta1, beta2, eps, weight_decay,
+                   shared[0], shared[1], shared[2], shared[3]);
+}
+
+// adam_update_norm: adam_update with its gradient scale computed from the total norm's phase-1
+// partials instead of read from memory (the reference twin composes exactly these):
+//   total_sq = grad_norm_final(total_partials[0:n_partials]) + 0.0   (never -0.0)
+//   grad_scale = clip_scale(total_sq, *clip_bound)                    (Mech 6, step_scalars')
+//   adam_update(param, grad, m, v, ..., grad_scale, weight_clamp)
+// Every block sums the partials itself with grad_norm_final's tree as launched with
+// final_threads threads (block_sums_as; the launcher passes plan_grad_norm_final(n_partials)'s
+// block), so grad_scale is step_scalars' safety_scale bit for bit and Adam need not wait for
+// step_scalars, which then runs beside it (fast/graph2_plan.py). The block's first round of
+// Adam's loads is issued before the sum, so they overlap it. NaN/Inf: a NaN total_sq gives
+// clip_scale 1 (as step_scalars); adam_update's guard otherwise. Grid-independent as adam_update.
+extern "C" __global__ void adam_update_norm(float* __restrict__ param,
+                                            const float* __restrict__ grad,
+                                            float* __restrict__ m, float* __restrict__ v,
+                                            long long n, const long long* __restrict__ step,
+                                            float lr, float beta1, float beta2, float eps,
+                                            float weight_decay,
+                                            const float* __restrict__ total_partials,
+                                            long long n_partials, long long final_threads,
+                                            const float* __restrict__ clip_bound,
+                                            const float* __restrict__ weight_clamp) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
+    __shared__ float shared[4];  // bc1, bc2, clip_bound, weight_clamp
+    __shared__ float norm_scratch[1][REDUCE_WARP + 1];
+    const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
+    if (threadIdx.x == 0) {
+        shared[0] = hb_bias_correction(beta1, *step);
+        shared[2] = *clip_bound;
+        shared[3] = *weight_clamp;
+    }
+    if (threadIdx.x == second) {
+        shared[1] = hb_bias_correction(beta2, *step);
+    }
+    const long long stride = hb_grid_stride();
+    const long long first = hb_first_index();
+    AdamLoad x;
+    hb_adam_load(x, param, grad, m, v, first, stride, n);
+    const float* const sources[1] = {total_partials};
+    float sums[1];
+    // Its barriers also publish the shared scalars above.
+    block_sums_as(sources, 0, n_partials, SumIdentity(), (int)final_threads, norm_scratch, sums);
+    const float scale = hb_clip_scale(__fadd_rn(sums[0], 0.0f), shared[2]);
+    hb_adam_rounds(x, param, grad, m, v, n, first, stride, lr, beta1, beta2, eps, weight_decay,
+                   shared[0], shared[1], scale, shared[3]);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -616,10 +616,11 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
 // clip_bound, fired, mean_q, mean_target_q) in that order (foxhunt.reference.backend.READBACK_FIELDS).
 //
 // loss_scalars (ONE block of STEP_THREADS threads; as soon as the losses, CQL terms and
-// scalar targets exist) writes readback[1], [2], [10], [11]; step_scalars (graph 1's last
-// kernel) first sums the total norm's phase-1 partials into *total_sq exactly as grad_norm_final
-// does (same code, launched with grad_norm_final's block size, so the same bits), then one
-// thread reads readback[1] and [2] and writes the rest.
+// scalar targets exist) writes readback[1], [2], [10], [11]; step_scalars (graph 2's first side
+// branch, beside Adam: adam_update_norm computes safety_scale itself, the same bits) first sums
+// the total norm's phase-1 partials into *total_sq exactly as grad_norm_final does (same code,
+// launched with grad_norm_final's block size, so the same bits), then one thread reads
+// readback[1] and [2] and writes the rest.
 // ---------------------------------------------------------------------------------------------
 __device__ __forceinline__ void loss_scalars_body(const float* __restrict__ c51_total,
                                                   const float* __restrict__ terms,
@@ -681,8 +682,7 @@ extern "C" __global__ void step_scalars(const float* __restrict__ total_partials
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
     __shared__ float scratch[REDUCE_WARP + 1];
-    // Thread 0 reads its scalars before the reduction, so their loads overlap it (this launch
-    // ends graph 1's longest chain: its time is the step's).
+    // Thread 0 reads its scalars before the reduction, so their loads overlap it.
     float c51 = 0.0f, cql = 0.0f, bound = 0.0f, loss_c51 = 0.0f, loss_cql = 0.0f, slow = 0.0f;
     const bool writer = blockIdx.x == 0 && threadIdx.x == 0;
     if (writer) {

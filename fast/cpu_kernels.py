@@ -416,6 +416,16 @@ def _adam_update(a):
     return {"param": r.param, "m": r.m, "v": r.v}
 
 
+@twin("adam_update_norm", param="n", grad="n", m="n", v="n", step=1,
+      total_partials="n_partials", clip_bound=1, weight_clamp=1)
+def _adam_update_norm(a):
+    r = optim.adam_update_norm(a.param, a.grad, a.m, a.v, a.total_partials, a.clip_bound[0],
+                               step=int(a.step[0]), lr=a.lr, beta1=a.beta1, beta2=a.beta2,
+                               eps=a.eps, weight_decay=a.weight_decay,
+                               weight_clamp=a.weight_clamp[0])
+    return {"param": r.param, "m": r.m, "v": r.v}
+
+
 @twin("polyak_update_mirror", target="n", online="n", online_bf16="n", target_bf16="n")
 def _polyak_update_mirror(a):
     r = optim.polyak_update_mirror(a.target, a.online, a.tau)

@@ -4,7 +4,7 @@ Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
 
 - the step prologue (the step's ISV-driven bounds), then the fused check of the sentinel slots
   of the batch (checked here, not in graph 2, because the next step's upload overwrites the
-  batch once this graph is done), alongside everything up to the step scalars;
+  batch once this graph is done), alongside everything up to the budget launch;
 - the target pass alongside the online pass over ``[s; s2]`` (one stacked pass; the heads in
   parallel inside each), and beside both every later chain, each waiting on the events of the
   passes it reads (``h2_o`` / ``h2_t`` once a pass's h2 is written, ``fwd_o`` / ``fwd_t`` at
@@ -15,15 +15,16 @@ Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
   the C51 gradient, then the backward and norm) and the C51 bookkeeping (scalar targets with
   Mech 1; the C51 losses and TD errors; the loss scalars of the readback);
 - then the budget pipeline in one launch (both per-loss norms from their partials, ``grad =
-  clip(grad_c51, 0.70 mgn) + clipped(grad_cql, 0.15 mgn)``, the total norm's partials) and the
-  step scalars (the total norm's phase 2, Mech 6's clip factor, the readback, the slow EMA).
+  clip(grad_c51, 0.70 mgn) + clipped(grad_cql, 0.15 mgn)``, the total norm's partials). The
+  step scalars (the total norm's phase 2, Mech 6's clip factor, the readback, the slow EMA) are
+  graph 2's first side branch, beside Adam, which sums the partials itself.
 
 The second-wave sources that are on (``wave_plan``) join it: the auxiliary heads', IQN and
 ensemble chains start at online (target) h2, beside the passes' heads (the IQN fractions and
 ``phi`` at once: they read no activation); the C51 trunk adds the auxiliary heads' ``d h2``,
 the MSE warm-up runs inside the C51 chain (with the targets moved there); the injected sources
 join the budget launch (``clip_saxpy_norm_partial_wave``), each source's norms into the
-readback beside the step scalars. ``benches/critical_path.py`` prints the longest chain of each variant.
+readback after it. ``benches/critical_path.py`` prints the longest chain of each variant.
 """
 
 from __future__ import annotations
@@ -245,18 +246,12 @@ def graph1_ops(prog: StepProgram) -> Ops:
     isv_plan.consumers(prog, body)  # before the fork: the targets read gamma, CQL alpha_step
     support_plan.live_support(prog, body)  # adaptive_atoms: every consumer reads z_live
     body.parallel(prologue, ops)
-    # The total norm's phase 2 inside the step scalars (grad_norm_final's block size, so its
-    # summation tree and bits); the injected sources' norms beside them.
-    scalars = body if not norms else prog.ops()
-    scalars.kernel("step_scalars", step.plan_step_scalars(lay.n_partials),
-                total_partials="partials_total", n_partials=lay.n_partials, total_sq="sq_total",
-                c51_sq="sq_c51", cql_sq="sq_cql", clip_bound="clip_bound", isv="isv",
-                safety_scale="safety_scale", readback="readback",
-                budget_c51=np.float32(c.budget("c51")), budget_cql=np.float32(c.budget("cql")),
-                slow_ema_index=isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
-                slow_alpha=np.float32(c.grad_slow_ema_alpha))
-    if norms:
-        body.parallel(*norms, scalars)
+    # The total norm's phase 2 and the step's scalars (step_scalars) are graph 2's, beside Adam,
+    # which sums the partials itself (graph2_plan); the injected sources' norms end graph 1.
+    if len(norms) > 1:
+        body.parallel(*norms)
+    elif norms:
+        body.extend(norms[0])
     return body
 
 

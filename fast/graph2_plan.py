@@ -1,12 +1,15 @@
 """Graph 2 of the fast step (the optimiser tail) and the upload graph, as records.
 
-Graph 2: on the step stream the optimiser chain (Adam with Mech 6's clip factor and Mech 9's
-clamp; then, in parallel, the check of the Adam moments and the chain batched spectral norm,
-Polyak with the BF16 mirrors of params and target, the check of params and target); beside the
-whole chain, forked at the graph's start, the ISV producers (they read graph 1's ``q_taken``
-and ``h2`` and write their own ISV slots, which nothing in graph 2 reads: this step's bounds
-were formed in graph 1) and the fused check of the slots whose buffers graph 2 does not write;
-the sentinel pieces' flags are merged once every piece is checked.
+Graph 2: on the step stream the optimiser chain (Adam with Mech 6's clip factor, which each of
+its blocks computes from the total norm's partials, and Mech 9's clamp: ``adam_update_norm``;
+then, in parallel, the check of the Adam moments and the chain batched spectral norm, Polyak
+with the BF16 mirrors of params and target, the check of params and target); beside the whole
+chain, forked at the graph's start, the step scalars (the total norm's phase 2, the readback,
+``safety_scale``, Mech 6's slow EMA), then in parallel the ISV producers (they read graph 1's
+``q_taken`` and ``h2`` and write their own ISV slots, which nothing in graph 2 reads: this
+step's bounds were formed in graph 1; the adaptive signals read the readback) and the fused
+check of the slots whose buffers graph 2 does not write (the readback among them); the
+sentinel pieces' flags are merged once every piece is checked.
 
 The upload graph, once per pinned staging buffer: the batch copy from that buffer into the
 arena's ``batch``. The trainer replays it on its upload stream, after the previous step's
@@ -56,11 +59,15 @@ def graph2_ops(prog: StepProgram) -> Ops:
     # The main Adam covers the core and the auxiliary heads (layout.main_adam_end, rounded up
     # to the tensor alignment: padding only; NP when no IQN or ensemble tensor follows).
     n_main = min(NP, -(-lay.param_layout.main_adam_end // ALIGN_ELEMS) * ALIGN_ELEMS)
-    main.kernel("adam_update", opt.plan_adam_update(n_main), param="params2", grad="grad",
-                m="adam_m", v="adam_v", n=n_main, step="adam_t", lr=np.float32(c.lr),
-                beta1=np.float32(c.beta1), beta2=np.float32(c.beta2), eps=np.float32(c.adam_eps),
-                weight_decay=np.float32(c.weight_decay), grad_scale="safety_scale",
-                weight_clamp="weight_clamp")
+    # Mech 6's clip factor from the total norm's partials in every Adam block (step_scalars'
+    # safety_scale, bit for bit), so Adam heads the chain and step_scalars runs beside it.
+    main.kernel("adam_update_norm", opt.plan_adam_update_norm(n_main), param="params2",
+                grad="grad", m="adam_m", v="adam_v", n=n_main, step="adam_t",
+                lr=np.float32(c.lr), beta1=np.float32(c.beta1), beta2=np.float32(c.beta2),
+                eps=np.float32(c.adam_eps), weight_decay=np.float32(c.weight_decay),
+                total_partials="partials_total", n_partials=lay.n_partials,
+                final_threads=opt.final_threads_adam_update_norm(lay.n_partials),
+                clip_bound="clip_bound", weight_clamp="weight_clamp")
     ops = wave_plan.optimizer(prog, main)
     # After Adam, in parallel: the check of the Adam moments (final once Adam is done), and the
     # chain spectral norm, Polyak with the BF16 mirrors of params and target ([params; target]
@@ -93,6 +100,7 @@ def graph2_ops(prog: StepProgram) -> Ops:
     # With issue 19's switches on, its producers and these run in parallel branches.
     isv_plan.producers(prog, producers, first, rest)
     checks_pre = prog.ops()
+    checks_pre.wait(isv_plan.STEP_SCALARS_DONE)  # it checks the readback (step_scalars, below)
     prog.fused_check(checks_pre, "desc_lens_pre")
     # The extra pieces' flags are ORed into their slots' flags once every piece has been
     # checked: right after the "pre" check when all pieces are there (the seed preset's are:
@@ -102,13 +110,33 @@ def graph2_ops(prog: StepProgram) -> Ops:
         merge.kernel("merge_piece_flags", prog.kernels("step").plan_merge_piece_flags(),
                      flags="flags", piece_slot="piece_slot", n_slots=sp.n_slots,
                      n_pieces=sp.n_pieces)
+    # The step's scalars (the total norm's phase 2, the readback, safety_scale, Mech 6's slow
+    # EMA) on a branch of their own, walked first; their readers wait for its event: the "pre"
+    # check (it checks the readback) and the adaptive signals (isv_plan.producers).
+    scalars = step_scalars_ops(prog)
+    scalars.record(isv_plan.STEP_SCALARS_DONE)
     if all(piece.buffer not in GRAPH2_WRITTEN for piece in sp.extras):
         checks_pre.extend(merge)
-        body.parallel(producers, checks_pre, ops)
+        body.parallel(scalars, producers, checks_pre, ops)
     else:
-        body.parallel(producers, checks_pre, ops)
+        body.parallel(scalars, producers, checks_pre, ops)
         body.extend(merge)
     return body
 
 
-__all__ = ["STAGING_PREFIX", "graph2_ops", "staging_name", "upload_ops"]
+def step_scalars_ops(prog: StepProgram) -> Ops:
+    """``step_scalars``: the total norm's phase 2 (``grad_norm_final``'s block, so its tree and
+    bits), ``safety_scale``, the readback's norms and flags and Mech 6's slow EMA."""
+    lay, c = prog.lay, prog.config
+    ops = prog.ops()
+    ops.kernel("step_scalars", prog.kernels("step").plan_step_scalars(lay.n_partials),
+               total_partials="partials_total", n_partials=lay.n_partials, total_sq="sq_total",
+               c51_sq="sq_c51", cql_sq="sq_cql", clip_bound="clip_bound", isv="isv",
+               safety_scale="safety_scale", readback="readback",
+               budget_c51=np.float32(c.budget("c51")), budget_cql=np.float32(c.budget("cql")),
+               slow_ema_index=isv_mod.GRAD_NORM_SLOW_EMA_INDEX,
+               slow_alpha=np.float32(c.grad_slow_ema_alpha))
+    return ops
+
+
+__all__ = ["STAGING_PREFIX", "graph2_ops", "staging_name", "step_scalars_ops", "upload_ops"]

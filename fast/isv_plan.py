@@ -132,12 +132,17 @@ def _sharpe(a) -> set[int]:
     return {_slot(a["sharpe_slot"])}
 
 
+#: The event graph 2 records once ``step_scalars`` has written the readback, ``safety_scale``
+#: and Mech 6's slow EMA (``graph2_plan``); their graph-2 readers wait on it.
+STEP_SCALARS_DONE = "step_scalars_done"
+
 #: What each graph-2 kernel that binds ``isv`` reads and writes of it, from its launch's
 #: arguments (``Launch.args``): ``kernel -> args -> (read slots, written slots)``, as its CUDA
 #: header comment says. An EMA reads the slot it writes. The parallel branches of
 #: ``producers`` are checked against it (tests/test_isv_branches.py): two kernels that no
 #: dependency orders touch no common slot that either writes.
 ISV_ACCESS = {
+    "step_scalars": lambda a: ({_slot(a["slow_ema_index"])}, {_slot(a["slow_ema_index"])}),
     "isv_q_abs_ref_update": lambda a: ({_slot(a["slot"])}, {_slot(a["slot"])}),
     "isv_h2_rms_update": lambda a: ({_slot(a["slot"])}, {_slot(a["slot"])}),
     "isv_signal_build": lambda a: (set(ref.Q_EMA_SLOTS) | {_slot(a["sig_var"])}, set()),
@@ -206,7 +211,8 @@ def producers(prog, ops: Ops, first: Ops, rest: Ops) -> None:
     ``isv_step.run_producers``, as parallel branches wherever their ISV slots allow
     (``ISV_ACCESS``; ``tests/test_isv_branches.py`` checks every unordered pair of graph 2):
 
-    - signals: ``isv_signal_build``, event ``isv_q_means_read``, ``isv_signal_update``,
+    - signals: (after ``STEP_SCALARS_DONE``: the readback's ``grad_norm`` and ``loss``)
+      ``isv_signal_build``, event ``isv_q_means_read``, ``isv_signal_update``,
       ``epsilon_tau_update`` (reads this step's health), ``cql_alpha_ramp`` (reads this
       step's epsilon);
     - one branch per branch's ``q_quantile_update`` (event ``isv_quantile_<d>``); the gamma
@@ -236,6 +242,7 @@ def producers(prog, ops: Ops, first: Ops, rest: Ops) -> None:
             ("var", "ENS_VAR_EMA"), ("var_vel", "ENS_VAR_VEL"), ("reward", "REWARD_EMA"),
             ("util", "ATOM_UTIL_EMA"), ("loss", "LOSS_EMA"), ("health", "LEARNING_HEALTH"))}
         plan = prog.kernels("isv_producers").plan_isv_signal_build(nb, B, NA)
+        signals.wait(STEP_SCALARS_DONE)  # it reads the readback's grad_norm and loss
         signals.kernel("isv_signal_build", plan, isv="isv", q_taken="q_taken", td="td",
                        r="batch.r", p_next="p_next", z=support_plan.signal_support(c),
                        grad_norm=Buf("readback", offset=READBACK_INDEX["grad_norm"]),

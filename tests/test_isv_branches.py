@@ -52,7 +52,9 @@ def test_every_producer_runs_beside_the_others_with_every_switch_on():
     for q in quantiles:  # straight after the fork: nothing of graph 2 before them
         assert deps[q] == frozenset()
     assert deps[index["per_branch_gamma_update"]] == frozenset()
-    assert deps[index["isv_signal_build"]] == frozenset()
+    # the signal build reads the readback's grad_norm and loss: after step_scalars only
+    assert deps[index["isv_signal_build"]] == frozenset({index["step_scalars"]})
+    assert deps[index["step_scalars"]] == frozenset()
     # support after the quantiles and Q_ABS_REF, q_stats after the build read the Q-mean EMAs
     support = index["adaptive_support_update"]
     assert all(depth[support] > depth[q] for q in quantiles)

@@ -656,15 +656,63 @@ def test_polyak_update_mirror_rejects_bad_input(name, value):
         optim.polyak_update_mirror(**kw)
 
 
+def _step_scalars_scale(partials, bound) -> np.float32:
+    """``step_scalars``' ``safety_scale`` for these partials and bound (the other inputs do not
+    reach it)."""
+    from foxhunt.reference.kernels import step as rstep
+
+    isv = np.zeros(64, np.float32)
+    return rstep.step_scalars(partials, np.float32(1), np.float32(1), bound, isv,
+                              np.zeros(len(rstep.READBACK_INDEX), np.float32), 1.0, 1.0, 0,
+                              0.1).safety_scale
+
+
+@given(data=st.data(),
+       bound=st.sampled_from([0.0, 0.5, 3.0, 1e30, math.inf, math.nan, -1.0]))
+def test_adam_update_norm_is_adam_at_step_scalars_safety_scale_bitwise(data, bound):
+    # The fused kernel's twin: Adam at the safety scale step_scalars computes from the same
+    # partials and bound (NaN and +Inf partials, a NaN, infinite, zero or negative bound).
+    partials = np.abs(data.draw(f32_with_specials(specials=(math.nan, math.inf, 0.0, 1e30),
+                                                  max_size=80)))
+    n = data.draw(st.integers(1, 40))
+    grad = data.draw(f32_with_specials(size=n))
+    rng = np.random.default_rng(n)
+    param, m = (rng.standard_normal((2, n)) * 0.1).astype(np.float32)
+    v = rng.uniform(0, 1e-3, n).astype(np.float32)
+    kw = dict(step=4, weight_decay=0.01, weight_clamp=10.0, **ADAM)
+    got = optim.adam_update_norm(param, grad, m, v, partials, np.float32(bound), **kw)
+    want = optim.adam_update(param, grad, m, v, grad_scale=_step_scalars_scale(partials, bound),
+                             **kw)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+@pytest.mark.parametrize(("name", "value", "match"), [
+    ("total_partials", np.zeros((2, 3), np.float32), r"^total_partials"),
+    ("total_partials", np.zeros(3, np.float64), r"^total_partials"),
+    ("clip_bound", "x", r"^clip_bound"),
+    ("step", 0, r"^step"),
+])
+def test_adam_update_norm_rejects_bad_input(name, value, match):
+    x = np.zeros(4, np.float32)
+    kw = dict(param=x, grad=x, m=x, v=x, total_partials=np.ones(3, np.float32),
+              clip_bound=np.float32(1), step=1, weight_decay=0.0, weight_clamp=1.0, **ADAM)
+    kw[name] = value
+    with pytest.raises((ValueError, TypeError), match=match):
+        optim.adam_update_norm(**kw)
+
+
 # --- the fused CUDA sources: NVRTC builds (CPU) and fused == unfused launches (GPU) --------
 
 
-FUSED = ("clip_saxpy_norm_partial", "polyak_update_mirror")
+FUSED = ("clip_saxpy_norm_partial", "polyak_update_mirror", "adam_update_norm")
 #: PTX parameter types the launchers pack: pointers u64, n / block_size s64, scalars f32.
 FUSED_PARAMS = {
     "clip_saxpy_norm_partial": ("u64", "u64", "s64", "f32", "u64", "f32", "f32", "u64", "s64",
                                 "s64", "s64", "u64", "u64", "u64", "u64"),
     "polyak_update_mirror": ("u64", "u64", "s64", "f32", "u64", "u64"),
+    "adam_update_norm": ("u64", "u64", "u64", "u64", "s64", "u64", "f32", "f32", "f32", "f32",
+                         "f32", "u64", "s64", "s64", "u64", "u64"),
 }
 
 
@@ -772,3 +820,34 @@ def test_gpu_fused_polyak_mirror_equals_unfused_launches_bitwise(n):
     assert np.array_equal(got.target.view(np.uint32), new_target.view(np.uint32))
     assert np.array_equal(got.online_bf16, fast_dense.f32_to_bf16(online))
     assert np.array_equal(got.target_bf16, fast_dense.f32_to_bf16(new_target))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("count", [0, 1, 3, 71, 200, 1500])
+def test_gpu_adam_update_norm_equals_step_scalars_then_adam_bitwise(count):
+    # The step's claim: graph 2's Adam computes step_scalars' safety_scale itself, bit for bit
+    # (partials of mixed magnitudes, so the summation order shows; with the clip acting, not
+    # acting, and a NaN bound), so the step's parameters do not change.
+    _gpu_or_skip()
+    from foxhunt.fast.kernels import optim as fast
+    from foxhunt.fast.kernels import step as fast_step
+    from foxhunt.reference.kernels.step import READBACK_INDEX
+
+    rng = np.random.default_rng(count)
+    parts = (rng.uniform(0, 1, count) * 10.0 ** rng.integers(-6, 6, count)).astype(np.float32)
+    n = 289_611
+    param = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    grad = _with_specials((rng.standard_normal(n) * 0.01).astype(np.float32), rng)
+    m = (rng.standard_normal(n) * 1e-3).astype(np.float32)
+    v = rng.uniform(0, 1e-4, n).astype(np.float32)
+    total = float(np.sum(parts, dtype=np.float64))
+    kw = dict(step=7, weight_decay=0.01, weight_clamp=10.0, **ADAM)
+    for bound in (0.5 * math.sqrt(total), 2.0 * math.sqrt(total) + 1.0, math.nan):
+        scalars = fast_step.step_scalars(parts, np.float32(1), np.float32(1), np.float32(bound),
+                                         np.zeros(64, np.float32),
+                                         np.zeros(len(READBACK_INDEX), np.float32), 1.0, 1.0, 0,
+                                         0.1)
+        want = fast.adam_update(param, grad, m, v, grad_scale=scalars.safety_scale, **kw)
+        got = fast.adam_update_norm(param, grad, m, v, parts, np.float32(bound), **kw)
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (count, bound)

@@ -86,7 +86,7 @@ def test_only_the_iqn_key_reads_the_seed():
 def test_scalar_blocks_cover_exactly_the_differing_launches():
     config = DQNConfig.preset("tiny")
     plan = PopulationPlan(config, [0, 1], [{}, {"lr": 2 * config.lr}])
-    assert {b.kernel for b in plan.blocks} == {"adam_update"}
+    assert {b.kernel for b in plan.blocks} == {"adam_update_norm"}  # graph 2's main Adam
     same = PopulationPlan(config, [0, 1])
     assert same.blocks == () and same.stride % 256 == 0
 

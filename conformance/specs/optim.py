@@ -29,6 +29,7 @@ from foxhunt.conformance.specs.inputs import (
     wrong_dtype,
 )
 from foxhunt.conformance.tolerance import REDUCTION, Tolerance
+from foxhunt.reference.kernels.optim import data_clip_scale, grad_norm_final
 
 
 def _s_vec(d: Dims, rng) -> Kwargs:
@@ -67,6 +68,16 @@ def _s_adam(d: Dims, rng) -> Kwargs:
             "weight_decay": 0.01, "grad_scale": F32(0.8), "weight_clamp": F32(100.0)}
 
 
+def _s_adam_norm(d: Dims, rng) -> Kwargs:
+    """``_s_adam`` with its scale from the total norm's partials: whole numbers (every order of
+    their sum is exact, so the kernel's tree and the twin's pairwise sum agree) whose total puts
+    the gradient over its bound (the clip acts)."""
+    kw = {k: v for k, v in _s_adam(d, rng).items() if k != "grad_scale"}
+    partials = rng.integers(0, 1000, 71 if d.case == "seed" else 5).astype(F32)
+    return {**kw, "total_partials": partials,
+            "clip_bound": F32(0.6 * math.sqrt(float(partials.sum())))}
+
+
 def _s_polyak(d: Dims, rng) -> Kwargs:
     return {"target": normal(rng, d.flat, 0.1), "online": normal(rng, d.flat, 0.1), "tau": F32(0.005)}
 
@@ -99,6 +110,12 @@ def _sc_adam(kwargs, expected):
     with np.errstate(all="ignore"):
         skipped = ~np.isfinite(kwargs["grad"] * F32(kwargs["grad_scale"]))
     return {name: {"exact": skipped} for name in ("param", "m", "v")}
+
+
+def _sc_adam_norm(kwargs, expected):
+    """``_sc_adam`` at the scale the twin computes from the partials."""
+    scale = data_clip_scale(grad_norm_final(kwargs["total_partials"]), kwargs["clip_bound"])
+    return _sc_adam({**kwargs, "grad_scale": scale}, expected)
 
 
 def _sc_norm(kwargs, expected):
@@ -255,6 +272,26 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: wrong_dtype(k, "m"),
         ),
         scales=_sc_adam,
+        contract=all_of(finite_outputs("param"), unchanged_where_nonfinite("param", "grad", "param")),
+    ),
+    # adam_update with grad_norm_final + clip_scale (step_scalars' safety_scale) in front
+    SpecEntry(
+        name="adam_update_norm",
+        outputs={
+            "param": f32(Tolerance.ulp(4)),
+            "m": f32(Tolerance.ulp(2)),
+            "v": f32(Tolerance.ulp(2)),
+        },
+        sample=_s_adam_norm,
+        targets=("param", "grad", "m", "v", "total_partials", "clip_bound"),
+        errors=error_cases(
+            _s_adam_norm,
+            lambda k: replace(k, step=0),
+            lambda k: replace(k, grad=k["grad"][:-1]),
+            lambda k: replace(k, total_partials=k["total_partials"][None, :]),
+            lambda k: wrong_dtype(k, "total_partials"),
+        ),
+        scales=_sc_adam_norm,
         contract=all_of(finite_outputs("param"), unchanged_where_nonfinite("param", "grad", "param")),
     ),
     SpecEntry(

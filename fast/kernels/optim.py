@@ -48,6 +48,7 @@ from foxhunt.reference.kernels.optim import (
     ClipSaxpyPartial,
     PolyakMirror,
     validate_adam_update,
+    validate_adam_update_norm,
     validate_clip_grad_inplace,
     validate_clip_saxpy_norm_partial,
     validate_clipped_saxpy,
@@ -143,6 +144,14 @@ def plan_adam_update(n: int) -> Plan:
     (the kernel's loads then overlap its per-step scalars; see optim.cu)."""
     grid = min(blocks(n, ELEMENTWISE_THREADS * ADAM_UNROLL), ELEMENTWISE_MAX_BLOCKS)
     return grid, ELEMENTWISE_THREADS, 0
+
+
+#: ``adam_update_norm``'s launch is ``adam_update``'s (its extra block reduction replays
+#: ``grad_norm_final``'s tree in any block).
+plan_adam_update_norm = plan_adam_update
+#: ``adam_update_norm``'s ``final_threads`` argument for ``count`` partials: the block of
+#: ``plan_grad_norm_final(count)`` (so its total is ``grad_norm_final``'s / ``step_scalars``' bits).
+final_threads_adam_update_norm = final_threads_clip_saxpy_norm_partial
 
 
 plan_polyak_update = plan_elementwise
@@ -291,6 +300,30 @@ def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarra
     return AdamState(new_param, new_m, new_v)
 
 
+def adam_update_norm(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
+                     total_partials: np.ndarray, clip_bound, *, step: int, lr: float,
+                     beta1: float, beta2: float, eps: float, weight_decay: float,
+                     weight_clamp: float) -> AdamState:
+    """Test entry of the CUDA ``adam_update_norm`` (``adam_update`` with its gradient scale
+    from the total norm's partials; contract as the reference twin). ``step``, ``clip_bound``
+    and ``weight_clamp`` are read from device memory by the kernel. Returns
+    ``AdamState(param, m, v)``."""
+    t, lr32, b1, b2, eps32, wd, _, clamp = validate_adam_update_norm(
+        param, grad, m, v, total_partials, clip_bound, step=step, lr=lr, beta1=beta1,
+        beta2=beta2, eps=eps, weight_decay=weight_decay, weight_clamp=weight_clamp)
+    if t >= 2**63:
+        raise ValueError(f"step={step!r}: must be an integer >= 1 and < 2**63 "
+                         "(int64 on the device)")
+    count = total_partials.size
+    grid, block, smem = plan_adam_update_norm(param.size)
+    new_param, new_m, new_v = call(
+        "adam_update_norm", grid, block, InOut(param), In(grad), InOut(m), InOut(v), param.size,
+        _device_scalar(t, np.int64), lr32, b1, b2, eps32, wd, In(total_partials), count,
+        final_threads_adam_update_norm(count), _device_scalar(np.float32(clip_bound), F32),
+        _device_scalar(clamp, F32), shared_mem=smem)
+    return AdamState(new_param, new_m, new_v)
+
+
 # ---------------------------------------------------------------------------------------------
 # Target network
 # ---------------------------------------------------------------------------------------------
@@ -338,6 +371,7 @@ KERNELS = {
     "saxpy": saxpy,
     "clipped_saxpy": clipped_saxpy,
     "adam_update": adam_update,
+    "adam_update_norm": adam_update_norm,
     "polyak_update": polyak_update,
     "clip_saxpy_norm_partial": clip_saxpy_norm_partial,
     "polyak_update_mirror": polyak_update_mirror,
@@ -345,9 +379,10 @@ KERNELS = {
 }
 
 __all__ = [
-    "KERNELS", "adam_update", "clip_grad_inplace", "clip_saxpy_norm_partial", "clipped_saxpy",
-    "final_threads_clip_saxpy_norm_partial", "grad_norm_final", "grad_norm_partial",
-    "grad_norm_sq", "plan_adam_update", "plan_clip_grad_inplace", "plan_clip_saxpy_norm_partial",
+    "KERNELS", "adam_update", "adam_update_norm", "clip_grad_inplace", "clip_saxpy_norm_partial",
+    "clipped_saxpy", "final_threads_adam_update_norm", "final_threads_clip_saxpy_norm_partial",
+    "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "plan_adam_update",
+    "plan_adam_update_norm", "plan_clip_grad_inplace", "plan_clip_saxpy_norm_partial",
     "plan_clipped_saxpy", "plan_elementwise", "plan_grad_norm_final", "plan_grad_norm_partial",
     "plan_grad_norm_sq", "plan_polyak_update", "plan_polyak_update_mirror", "plan_saxpy",
     "polyak_update", "polyak_update_mirror", "polyak_update_mirror_ptr",

@@ -238,6 +238,15 @@ def clip_scale(norm_sq: float, max_norm: float) -> np.float32:
     return _clip_scale_f32(*_clip_scale_args(norm_sq, max_norm))
 
 
+def data_clip_scale(norm_sq, max_norm) -> np.float32:
+    """``clip_scale`` with ``max_norm`` taken as data, unchecked (a NaN or +Inf bound never
+    clips; a negative one is used as it is): the factors ``step_scalars`` computes from device
+    values (Mech 6's ``safety_scale``, the budgets' post-clip norms) and ``adam_update_norm``'s
+    gradient scale."""
+    with np.errstate(all="ignore"):
+        return _clip_scale_f32(data_f32("max_norm", max_norm), data_f32("norm_sq", norm_sq))
+
+
 #: Adam's global-norm safety clip factor (SPEC 4 step 6): the same rule as the budget clips,
 #: at ``max_grad_norm``. The caller passes it to ``adam_update`` as ``grad_scale``.
 safety_clip_scale = clip_scale
@@ -450,6 +459,44 @@ def adam_update(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarra
     )
 
 
+def validate_adam_update_norm(param, grad, m, v, total_partials, clip_bound, *, step, lr,
+                              beta1, beta2, eps, weight_decay, weight_clamp) -> AdamArgs:
+    """The argument checks of ``adam_update_norm``: ``adam_update``'s (with a placeholder
+    ``grad_scale``), ``total_partials`` float32 [P] and ``clip_bound`` data; returns
+    ``adam_update``'s scalars with ``grad_scale`` 1 (the kernel computes it)."""
+    check_f32_array("total_partials", total_partials, ndim=1)
+    data_f32("clip_bound", clip_bound)
+    return validate_adam_update(param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2,
+                                eps=eps, weight_decay=weight_decay, grad_scale=1.0,
+                                weight_clamp=weight_clamp)
+
+
+def adam_update_norm(param: np.ndarray, grad: np.ndarray, m: np.ndarray, v: np.ndarray,
+                     total_partials: np.ndarray, clip_bound, *, step: int, lr: float,
+                     beta1: float, beta2: float, eps: float, weight_decay: float,
+                     weight_clamp: float) -> AdamState:
+    """``adam_update`` with its ``grad_scale`` computed from the total gradient norm's phase-1
+    partials (graph 2's main Adam, so that it need not wait for ``step_scalars``), exactly::
+
+        total_sq   = grad_norm_final(total_partials)
+        grad_scale = clip_scale(total_sq, clip_bound)   # step_scalars' safety_scale (Mech 6)
+        adam_update(param, grad, m, v, ..., grad_scale=grad_scale, weight_clamp=weight_clamp)
+
+    ``clip_bound`` is data, as ``step_scalars`` takes it (``step_bounds``' Mech 6 bound: a NaN
+    or +Inf bound never clips; no range check). Shapes and the other scalars as
+    ``adam_update``; ``total_partials`` float32 [P] (``grad_norm_partial`` of the total
+    gradient). NaN contract: ``grad_norm_final``'s (an +Inf partial gives +Inf, scale 0: every
+    element's ``g = 0 * grad`` is +-0 or NaN, the NaN ones skipped), ``clip_scale``'s (a NaN
+    total gives scale 1), then ``adam_update``'s. Returns ``AdamState(param, m, v)``.
+    """
+    validate_adam_update_norm(param, grad, m, v, total_partials, clip_bound, step=step, lr=lr,
+                              beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                              weight_clamp=weight_clamp)
+    scale = data_clip_scale(grad_norm_final(total_partials), clip_bound)
+    return adam_update(param, grad, m, v, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, grad_scale=scale, weight_clamp=weight_clamp)
+
+
 # ---------------------------------------------------------------------------------------------
 # Target network
 # ---------------------------------------------------------------------------------------------
@@ -530,6 +577,7 @@ KERNELS = {
     "saxpy": saxpy,
     "clipped_saxpy": clipped_saxpy,
     "adam_update": adam_update,
+    "adam_update_norm": adam_update_norm,
     "polyak_update": polyak_update,
     "clip_saxpy_norm_partial": clip_saxpy_norm_partial,
     "polyak_update_mirror": polyak_update_mirror,
@@ -538,11 +586,11 @@ KERNELS = {
 
 __all__ = [
     "AdamArgs", "AdamState", "ClipSaxpyArgs", "ClipSaxpyPartial", "KERNELS", "PolyakMirror",
-    "adam_update", "clip_grad_inplace", "clip_saxpy_norm_partial", "clip_scale",
-    "clipped_saxpy",
+    "adam_update", "adam_update_norm", "clip_grad_inplace", "clip_saxpy_norm_partial", "clip_scale",
+    "clipped_saxpy", "data_clip_scale",
     "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "hard_sync", "norm_from_sq",
     "polyak_update", "polyak_update_mirror", "polyak_update_mirror_ptr", "safety_clip_scale", "saxpy",
-    "validate_adam_update", "validate_clip_grad_inplace", "validate_clip_saxpy_norm_partial",
+    "validate_adam_update", "validate_adam_update_norm", "validate_clip_grad_inplace", "validate_clip_saxpy_norm_partial",
     "validate_clipped_saxpy", "validate_grad_norm_partial", "validate_polyak_update",
     "validate_saxpy",
 ]

@@ -518,8 +518,8 @@ def validate_step_scalars(total_partials, c51_sq, cql_sq, clip_bound, isv, readb
 def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np.ndarray,
                  readback: np.ndarray, budget_c51, budget_cql, slow_ema_index: int,
                  slow_alpha) -> StepScalarsOut:
-    """The end of graph 1: ``total_sq = grad_norm_final(total_partials)``, then (norms ``n(sq) =
-    sqrtf(fmaxf(sq, 0))``; ``clip_scale`` as ``optim.clip_scale``):
+    """The step's scalars (graph 2, beside Adam): ``total_sq = grad_norm_final(total_partials)``,
+    then (norms ``n(sq) = sqrtf(fmaxf(sq, 0))``; ``clip_scale`` as ``optim.clip_scale``):
 
     - ``safety_scale = clip_scale(total_sq, clip_bound)`` (Adam's Mech 6 clip factor);
     - ``readback`` (``READBACK_FIELDS``): ``loss = c51_loss + cql_loss`` (the two entries
@@ -556,11 +556,8 @@ def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np
     return StepScalarsOut(total_sq, _clip_scale(total_sq, bound), rb, out_isv)
 
 
-def _clip_scale(norm_sq: np.float32, max_norm: np.float32) -> np.float32:
-    """``optim.clip_scale`` without its range check on ``max_norm`` (the kernel takes any)."""
-    n = optim.norm_from_sq(norm_sq)
-    with np.errstate(all="ignore"):
-        return F32(max_norm / n) if (n > max_norm and n > F32(0)) else F32(1)
+#: ``optim.clip_scale`` without its range check on ``max_norm`` (the kernel takes any).
+_clip_scale = optim.data_clip_scale
 
 
 # --------------------------------------------------------------------------------------------
