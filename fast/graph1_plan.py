@@ -17,14 +17,15 @@ Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
 - then the budget pipeline in one launch (both per-loss norms from their partials, ``grad =
   clip(grad_c51, 0.70 mgn) + clipped(grad_cql, 0.15 mgn)``, the total norm's partials). The
   step scalars (the total norm's phase 2, Mech 6's clip factor, the readback, the slow EMA) are
-  graph 2's first side branch, beside Adam, which sums the partials itself.
+  graph 2's first side branch, beside Adam, which sums the partials itself; with an injected
+  second-wave source on they end graph 1, beside its norms (``graph2_plan.scalars_beside_adam``).
 
 The second-wave sources that are on (``wave_plan``) join it: the auxiliary heads', IQN and
 ensemble chains start at online (target) h2, beside the passes' heads (the IQN fractions and
 ``phi`` at once: they read no activation); the C51 trunk adds the auxiliary heads' ``d h2``,
 the MSE warm-up runs inside the C51 chain (with the targets moved there); the injected sources
 join the budget launch (``clip_saxpy_norm_partial_wave``), each source's norms into the
-readback after it. ``benches/critical_path.py`` prints the longest chain of each variant.
+readback beside the step scalars. ``benches/critical_path.py`` prints the longest chain of each variant.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast import isv_plan, support_plan, wave_plan
+from foxhunt.fast.graph2_plan import scalars_beside_adam, step_scalars_ops
 from foxhunt.fast.records import Buf, Ops
 from foxhunt.fast.step_layout import LOSSES, NORM_SEGMENT
 from foxhunt.fast.step_program import StepProgram
@@ -246,12 +248,11 @@ def graph1_ops(prog: StepProgram) -> Ops:
     isv_plan.consumers(prog, body)  # before the fork: the targets read gamma, CQL alpha_step
     support_plan.live_support(prog, body)  # adaptive_atoms: every consumer reads z_live
     body.parallel(prologue, ops)
-    # The total norm's phase 2 and the step's scalars (step_scalars) are graph 2's, beside Adam,
-    # which sums the partials itself (graph2_plan); the injected sources' norms end graph 1.
-    if len(norms) > 1:
-        body.parallel(*norms)
-    elif norms:
-        body.extend(norms[0])
+    # The total norm's phase 2 and the step's scalars (step_scalars): beside graph 2's Adam,
+    # which then sums the partials itself, unless the injected sources' norms end graph 1
+    # (graph2_plan.scalars_beside_adam): then beside those.
+    if not scalars_beside_adam(c):
+        body.parallel(*norms, step_scalars_ops(prog))
     return body
 
 

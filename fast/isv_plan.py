@@ -205,14 +205,15 @@ def isv_races(graph: Ops) -> list[str]:
     return out
 
 
-def producers(prog, ops: Ops, first: Ops, rest: Ops) -> None:
+def producers(prog, ops: Ops, first: Ops, rest: Ops, *, after_scalars: bool) -> None:
     """Graph 2's producers into ``ops``: the step's existing ones (``first``: ``Q_ABS_REF``,
     which ``adaptive_support_update`` reads; ``rest``: the others) and the switched ones of
     ``isv_step.run_producers``, as parallel branches wherever their ISV slots allow
     (``ISV_ACCESS``; ``tests/test_isv_branches.py`` checks every unordered pair of graph 2):
 
-    - signals: (after ``STEP_SCALARS_DONE``: the readback's ``grad_norm`` and ``loss``)
-      ``isv_signal_build``, event ``isv_q_means_read``, ``isv_signal_update``,
+    - signals: (with ``after_scalars``, after ``STEP_SCALARS_DONE``: the readback's
+      ``grad_norm`` and ``loss``) ``isv_signal_build``, event ``isv_q_means_read``,
+      ``isv_signal_update``,
       ``epsilon_tau_update`` (reads this step's health), ``cql_alpha_ramp`` (reads this
       step's epsilon);
     - one branch per branch's ``q_quantile_update`` (event ``isv_quantile_<d>``); the gamma
@@ -242,7 +243,8 @@ def producers(prog, ops: Ops, first: Ops, rest: Ops) -> None:
             ("var", "ENS_VAR_EMA"), ("var_vel", "ENS_VAR_VEL"), ("reward", "REWARD_EMA"),
             ("util", "ATOM_UTIL_EMA"), ("loss", "LOSS_EMA"), ("health", "LEARNING_HEALTH"))}
         plan = prog.kernels("isv_producers").plan_isv_signal_build(nb, B, NA)
-        signals.wait(STEP_SCALARS_DONE)  # it reads the readback's grad_norm and loss
+        if after_scalars:  # step_scalars is in graph 2: the build reads its grad_norm and loss
+            signals.wait(STEP_SCALARS_DONE)
         signals.kernel("isv_signal_build", plan, isv="isv", q_taken="q_taken", td="td",
                        r="batch.r", p_next="p_next", z=support_plan.signal_support(c),
                        grad_norm=Buf("readback", offset=READBACK_INDEX["grad_norm"]),

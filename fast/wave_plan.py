@@ -392,7 +392,7 @@ def budget(prog: StepProgram, ops: Ops) -> list[Ops]:
     operations in that order (``budgets.budget_pipeline`` then ``second_wave_budgets``), writing
     ``grad``, the total norm's partials and every source's squared norm, with no re-read of the
     running gradient between the sources. Returns each injected source's norms into the
-    readback (one branch per source, at graph 1's end); call it only with an
+    readback (one branch per source, to run beside the step scalars); call it only with an
     injected source on (the core step launches ``clip_saxpy_norm_partial``)."""
     lay, c = prog.lay, prog.config
     sources = injected_sources(c)
