@@ -65,6 +65,7 @@ GRID_SHARED_KERNELS = {
     "dueling_combine_backward_sum_branches": "cuda_src/fused.cu (grid-stride over the cells)",
     "dueling_log_softmax_q_branches": "cuda_src/fused.cu, the kernel's comment (grid-stride)",
     "adam_update": "cuda_src/optim.cu, adam_update's comment",
+    "adam_update_norm": "cuda_src/optim.cu, adam_update_norm's comment (as adam_update)",
     "polyak_update_mirror": "cuda_src/optim.cu, polyak_update_mirror's comment",
     "polyak_update_mirror_ptr": "cuda_src/optim.cu, polyak_update_mirror's comment",
     "iqn_tau_cos": "cuda_src/iqn.cu, iqn_tau_cos's comment",
