@@ -878,6 +878,24 @@ __device__ __forceinline__ void hb_adam_rounds(AdamLoad& x, float* __restrict__ 
     }
 }
 
+// A block's per-step scalars into shared[0..3]: the bias corrections bc1, bc2 (thread 0 and the
+// first thread of the second warp: the two double pows in parallel), *third (the gradient scale
+// or the clip bound) and *weight_clamp; the caller's next barrier publishes them.
+__device__ __forceinline__ void hb_adam_scalars(float* shared, float beta1, float beta2,
+                                                const long long* __restrict__ step,
+                                                const float* __restrict__ third,
+                                                const float* __restrict__ weight_clamp) {
+    const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
+    if (threadIdx.x == 0) {
+        shared[0] = hb_bias_correction(beta1, *step);
+        shared[2] = *third;
+        shared[3] = *weight_clamp;
+    }
+    if (threadIdx.x == second) {
+        shared[1] = hb_bias_correction(beta2, *step);
+    }
+}
+
 extern "C" __global__ void adam_update(float* __restrict__ param, const float* __restrict__ grad,
                                        float* __restrict__ m, float* __restrict__ v, long long n,
                                        const long long* __restrict__ step, float lr, float beta1,
@@ -887,15 +905,7 @@ extern "C" __global__ void adam_update(float* __restrict__ param, const float* _
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
     __shared__ float shared[4];  // bc1, bc2, grad_scale, weight_clamp
-    const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
-    if (threadIdx.x == 0) {
-        shared[0] = hb_bias_correction(beta1, *step);
-        shared[2] = *grad_scale;
-        shared[3] = *weight_clamp;
-    }
-    if (threadIdx.x == second) {
-        shared[1] = hb_bias_correction(beta2, *step);
-    }
+    hb_adam_scalars(shared, beta1, beta2, step, grad_scale, weight_clamp);
     const long long stride = hb_grid_stride();
     const long long first = hb_first_index();
     AdamLoad x;
@@ -930,15 +940,7 @@ extern "C" __global__ void adam_update_norm(float* __restrict__ param,
     fh_early_release();
     __shared__ float shared[4];  // bc1, bc2, clip_bound, weight_clamp
     __shared__ float norm_scratch[1][REDUCE_WARP + 1];
-    const int second = blockDim.x > REDUCE_WARP ? REDUCE_WARP : 0;  // thread of bc2 (0: thread 0 too)
-    if (threadIdx.x == 0) {
-        shared[0] = hb_bias_correction(beta1, *step);
-        shared[2] = *clip_bound;
-        shared[3] = *weight_clamp;
-    }
-    if (threadIdx.x == second) {
-        shared[1] = hb_bias_correction(beta2, *step);
-    }
+    hb_adam_scalars(shared, beta1, beta2, step, clip_bound, weight_clamp);
     const long long stride = hb_grid_stride();
     const long long first = hb_first_index();
     AdamLoad x;

@@ -78,6 +78,11 @@ def _s_adam_norm(d: Dims, rng) -> Kwargs:
             "clip_bound": F32(0.6 * math.sqrt(float(partials.sum())))}
 
 
+#: Adam's outputs and bounds (both Adam kernels).
+_ADAM_OUTPUTS = {"param": f32(Tolerance.ulp(4)), "m": f32(Tolerance.ulp(2)),
+                 "v": f32(Tolerance.ulp(2))}
+
+
 def _s_polyak(d: Dims, rng) -> Kwargs:
     return {"target": normal(rng, d.flat, 0.1), "online": normal(rng, d.flat, 0.1), "tau": F32(0.005)}
 
@@ -257,11 +262,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
     ),
     SpecEntry(
         name="adam_update",
-        outputs={
-            "param": f32(Tolerance.ulp(4)),
-            "m": f32(Tolerance.ulp(2)),
-            "v": f32(Tolerance.ulp(2)),
-        },
+        outputs=_ADAM_OUTPUTS,
         sample=_s_adam,
         targets=("param", "grad", "m", "v", "grad_scale"),
         errors=error_cases(
@@ -277,11 +278,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
     # adam_update with grad_norm_final + clip_scale (step_scalars' safety_scale) in front
     SpecEntry(
         name="adam_update_norm",
-        outputs={
-            "param": f32(Tolerance.ulp(4)),
-            "m": f32(Tolerance.ulp(2)),
-            "v": f32(Tolerance.ulp(2)),
-        },
+        outputs=_ADAM_OUTPUTS,
         sample=_s_adam_norm,
         targets=("param", "grad", "m", "v", "total_partials", "clip_bound"),
         errors=error_cases(
