@@ -98,7 +98,9 @@ def test_a_source_adds_records_and_keeps_every_core_kernel(source):
     plans_core, plans_on = _plans(core), _plans(on)
     # An injected source's budget launch replaces the core's (one pass: wave_plan.budget); the
     # MSE warm-up runs the C51 front as its three kernels (graph1_plan.gather_project_dueling).
-    replaced = {"clip_saxpy_norm_partial"} if injected_sources(on) else set()
+    # With an injected source, graph 2's Adam reads step_scalars' safety_scale (adam_update)
+    # instead of summing the partials itself (graph2_plan.scalars_beside_adam).
+    replaced = {"clip_saxpy_norm_partial", "adam_update_norm"} if injected_sources(on) else set()
     if gather_project_dueling(core) and not gather_project_dueling(on):
         replaced.add("c51_gather_project_dueling_branches")
         assert {"double_dqn_gather_branches", "c51_project_grad"} <= _kernels(plans_on)
