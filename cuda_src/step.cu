@@ -616,8 +616,9 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
 // clip_bound, fired, mean_q, mean_target_q) in that order (foxhunt.reference.backend.READBACK_FIELDS).
 //
 // loss_scalars (ONE block of STEP_THREADS threads; as soon as the losses, CQL terms and
-// scalar targets exist) writes readback[1], [2], [10], [11]; step_scalars (graph 2's first side
-// branch, beside Adam: adam_update_norm computes safety_scale itself, the same bits) first sums
+// scalar targets exist) writes readback[1], [2], [10], [11]; step_scalars (beside graph 2's Adam,
+// adam_update_norm, which computes safety_scale itself with the same bits; at graph 1's end where
+// an injected source is on: fast/graph2_plan.py scalars_beside_adam) first sums
 // the total norm's phase-1 partials into *total_sq exactly as grad_norm_final does (same code,
 // launched with grad_norm_final's block size, so the same bits), then one thread reads
 // readback[1] and [2] and writes the rest.

@@ -124,11 +124,11 @@ def graph2_ops(prog: StepProgram) -> Ops:
         scalars = step_scalars_ops(prog)
         scalars.record(isv_plan.STEP_SCALARS_DONE)
         branches.insert(0, scalars)
-    if all(piece.buffer not in GRAPH2_WRITTEN for piece in sp.extras):
+    merge_in_checks = all(piece.buffer not in GRAPH2_WRITTEN for piece in sp.extras)
+    if merge_in_checks:
         checks_pre.extend(merge)
-        body.parallel(*branches)
-    else:
-        body.parallel(*branches)
+    body.parallel(*branches)
+    if not merge_in_checks:
         body.extend(merge)
     return body
 

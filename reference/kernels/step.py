@@ -518,8 +518,9 @@ def validate_step_scalars(total_partials, c51_sq, cql_sq, clip_bound, isv, readb
 def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np.ndarray,
                  readback: np.ndarray, budget_c51, budget_cql, slow_ema_index: int,
                  slow_alpha) -> StepScalarsOut:
-    """The step's scalars (graph 2, beside Adam): ``total_sq = grad_norm_final(total_partials)``,
-    then (norms ``n(sq) = sqrtf(fmaxf(sq, 0))``; ``clip_scale`` as ``optim.clip_scale``):
+    """The step's scalars (beside graph 2's Adam; at graph 1's end where an injected source is
+    on): ``total_sq = grad_norm_final(total_partials)``, then (norms ``n(sq) = sqrtf(fmaxf(sq,
+    0))``; ``clip_scale`` as ``optim.data_clip_scale``: the bound taken as data):
 
     - ``safety_scale = clip_scale(total_sq, clip_bound)`` (Adam's Mech 6 clip factor);
     - ``readback`` (``READBACK_FIELDS``): ``loss = c51_loss + cql_loss`` (the two entries
@@ -545,19 +546,15 @@ def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np
         rb[ix["loss"]] = F32(rb[ix["c51_loss"]] + rb[ix["cql_loss"]])
         rb[ix["grad_norm"]] = norm
         rb[ix["c51_norm_pre"]] = n_c51
-        rb[ix["c51_norm_post"]] = F32(n_c51 * _clip_scale(c51_sq, b_c51))
+        rb[ix["c51_norm_post"]] = F32(n_c51 * optim.data_clip_scale(c51_sq, b_c51))
         rb[ix["cql_norm_pre"]] = n_cql
-        rb[ix["cql_norm_post"]] = F32(n_cql * _clip_scale(cql_sq, b_cql))
+        rb[ix["cql_norm_post"]] = F32(n_cql * optim.data_clip_scale(cql_sq, b_cql))
         rb[ix["clip_bound"]] = bound
         rb[ix["safety_clip_fired"]] = F32(1) if norm > bound else F32(0)
         out_isv = isv.copy()
         if np.isfinite(norm):
             out_isv[slow] = F32(F32(F32(1) - a) * isv[slow] + F32(a * norm))
-    return StepScalarsOut(total_sq, _clip_scale(total_sq, bound), rb, out_isv)
-
-
-#: ``optim.clip_scale`` without its range check on ``max_norm`` (the kernel takes any).
-_clip_scale = optim.data_clip_scale
+    return StepScalarsOut(total_sq, optim.data_clip_scale(total_sq, bound), rb, out_isv)
 
 
 # --------------------------------------------------------------------------------------------
