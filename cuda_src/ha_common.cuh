@@ -1,4 +1,4 @@
-// Shared device helpers of cuda_src/dense.cu, safety.cu and replay.cu.
+// Shared device helpers of cuda_src/dense.cu, safety.cu, replay.cu and optim.cu.
 //
 // No __global__ functions here: kernels live in the .cu files under their reference names.
 // Every helper is `static __device__ __forceinline__` (or a template), so each translation unit
@@ -16,6 +16,13 @@
 // A bit test, so no compiler option can fold it away.
 static __device__ __forceinline__ bool ha_is_finite(float x) {
     return (__float_as_uint(x) & HA_F32_EXP_MASK) != HA_F32_EXP_MASK;
+}
+
+// Whether x fires a sentinel slot's test (nan_check_fused; polyak_update_mirror_check in
+// optim.cu): non-finite, or |x| >= threshold with the magnitude test on.
+static __device__ __forceinline__ bool nan_check_fires(float x, bool magnitude_test,
+                                                       float threshold) {
+    return !ha_is_finite(x) || (magnitude_test && fabsf(x) >= threshold);
 }
 
 // Sums of fewer than 2^31 float32 terms, all of magnitude below 2^90, cannot overflow in any

@@ -12,6 +12,7 @@
 #include "reduce.cuh"
 #include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (shared with dense.cu)
 #include "flat.cuh"  // the Polyak update's vector path
+#include "ha_common.cuh"  // nan_check_fires (polyak_update_mirror_check's sentinel test)
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -817,6 +818,13 @@ __device__ __forceinline__ float hb_bias_correction(float beta, long long step) 
 // of the second warp bc2, in parallel). plan_adam_update sizes the grid to one round where it
 // can. The arithmetic per element is the same whatever the grid: the bits do not depend on it.
 #define ADAM_UNROLL 2
+// adam_update_norm's launch bound: plan_adam_update launches ELEMENTWISE_THREADS = 256 threads
+// a block (fast/kernels/optim.py). Unbounded, ptxas gave it 52 registers (sm_90), so an SM held
+// 4 of its blocks and the seed step's 568 blocks ran in two waves (6.5 us a node against
+// adam_update's 4.4); ADAM_NORM_MIN_BLOCKS = 6 caps it at 40 registers, without spills (sm_80,
+// sm_90; plain and member builds).
+#define ADAM_MAX_THREADS 256
+#define ADAM_NORM_MIN_BLOCKS 5
 
 struct AdamLoad {
     float g[ADAM_UNROLL], p[ADAM_UNROLL], m[ADAM_UNROLL], v[ADAM_UNROLL];
@@ -926,7 +934,8 @@ extern "C" __global__ void adam_update(float* __restrict__ param, const float* _
 // step_scalars, which then runs beside it (fast/graph2_plan.py). The block's first round of
 // Adam's loads is issued before the sum, so they overlap it. NaN/Inf: a NaN total_sq gives
 // clip_scale 1 (as step_scalars); adam_update's guard otherwise. Grid-independent as adam_update.
-extern "C" __global__ void adam_update_norm(float* __restrict__ param,
+extern "C" __global__ void __launch_bounds__(ADAM_MAX_THREADS, ADAM_NORM_MIN_BLOCKS)
+adam_update_norm(float* __restrict__ param,
                                             const float* __restrict__ grad,
                                             float* __restrict__ m, float* __restrict__ v,
                                             long long n, const long long* __restrict__ step,
@@ -980,25 +989,37 @@ extern "C" __global__ void polyak_update(float* __restrict__ target,
 // access per float32 array, one 8-byte store of 4 patterns per mirror) and threads
 // 0 .. n % 4 - 1 one tail element each; a misaligned pointer takes a 32-bit scalar grid-stride
 // loop, n >= 2^31 the 64-bit one. plan_polyak_update_mirror launches one thread per 4 elements.
+// What polyak_update_mirror_check adds to each element: its sentinel test (PolyakNoCheck: none).
+struct PolyakNoCheck {
+    __device__ __forceinline__ void online(const float*, float) {}
+    __device__ __forceinline__ void target(const float*, float) {}
+};
+
+template <class Check>
 __device__ __forceinline__ void hb_polyak_mirror_one(float* __restrict__ target,
                                                      const float* __restrict__ online,
                                                      unsigned short* __restrict__ online_bf16,
                                                      unsigned short* __restrict__ target_bf16,
-                                                     float keep, float tau, long long i) {
+                                                     float keep, float tau, long long i,
+                                                     Check& check) {
     const float o = online[i];
     const float t = hb_polyak(keep, target[i], tau, o);
     target[i] = t;
     online_bf16[i] = f32_to_bf16_bits(o);
     target_bf16[i] = f32_to_bf16_bits(t);
+    check.online(online + i, o);
+    check.target(target + i, t);
 }
 
+template <class Check>
 __device__ __forceinline__ void polyak_update_mirror_body(
     float* __restrict__ target, const float* __restrict__ online, long long n, float tau,
-    unsigned short* __restrict__ online_bf16, unsigned short* __restrict__ target_bf16) {
+    unsigned short* __restrict__ online_bf16, unsigned short* __restrict__ target_bf16,
+    Check& check) {
     const float keep = __fsub_rn(1.0f, tau);
     if (!fh_flat_narrow(n)) {  // the 64-bit loop
         for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
-            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i);
+            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i, check);
         }
         return;
     }
@@ -1019,14 +1040,24 @@ __device__ __forceinline__ void polyak_update_mirror_body(
             target4[g] = t;
             online_bf4[g] = bf16_quad_bits(o);
             target_bf4[g] = bf16_quad_bits(t);
+            const float* const po = online + 4 * (long long)g;
+            const float* const pt = target + 4 * (long long)g;
+            check.online(po, o.x);
+            check.online(po + 1, o.y);
+            check.online(po + 2, o.z);
+            check.online(po + 3, o.w);
+            check.target(pt, t.x);
+            check.target(pt + 1, t.y);
+            check.target(pt + 2, t.z);
+            check.target(pt + 3, t.w);
         }
         // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
         for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {
-            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i);
+            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i, check);
         }
     } else {
         for (unsigned int i = first; i < m; i += stride) {
-            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i);
+            hb_polyak_mirror_one(target, online, online_bf16, target_bf16, keep, tau, i, check);
         }
     }
 }
@@ -1037,7 +1068,92 @@ extern "C" __global__ void polyak_update_mirror(float* __restrict__ target,
                                                 unsigned short* __restrict__ target_bf16) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
-    polyak_update_mirror_body(target, online, n, tau, online_bf16, target_bf16);
+    PolyakNoCheck none;
+    polyak_update_mirror_body(target, online, n, tau, online_bf16, target_bf16, none);
+}
+
+// polyak_update_mirror_check: polyak_update_mirror, then nan_check_fused over the sentinel
+// entries of the (buffers, lengths, thresholds) tables that are active (a non-null address and
+// lengths[k] > 0), in the same pass: entry k fires if one of its elements, as it stands after
+// the update (online unchanged, target NEW), is non-finite, or if thresholds[k] > 0 and |x| >=
+// thresholds[k]; a firing entry's flags[k] becomes 1 (sticky; nothing else is written to flags).
+// Graph 2 checks params and target after Polyak this way (the entries of desc_lens_post), so
+// that check is not a node of its own at the end of the step's longest chain.
+// Contract (checked by the launchers): at most POLYAK_CHECK_MAX active entries, each lying
+// wholly inside [online, online + n) or [target, target + n) (an element elsewhere is not read);
+// blockDim.x a multiple of 32. Every block loads the active entries into shared memory (warp 0,
+// in table order); each thread ORs its elements' results into one bit per entry; a warp OR and
+// a shared atomicOr per warp give the block's, and its first threads store the flags. A flag is
+// an OR over the elements, so it depends on neither the grid nor the path (plan_polyak_update_
+// mirror's launch). NaN/Inf: as polyak_update_mirror for the values; the checks see them.
+#define POLYAK_CHECK_MAX 32
+
+struct PolyakCheck {
+    const unsigned long long* begin;  // shared: the active entries' byte ranges [begin, end)
+    const unsigned long long* end;
+    const float* threshold;
+    int count;
+    unsigned int fired;  // bit e: active entry e fired in one of this thread's elements
+
+    __device__ __forceinline__ void test(const float* p, float x) {
+        const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+        for (int e = 0; e < count; ++e) {
+            const float thr = threshold[e];
+            if (a >= begin[e] && a < end[e] && nan_check_fires(x, thr > 0.0f, thr)) {
+                fired |= 1u << e;
+            }
+        }
+    }
+    __device__ __forceinline__ void online(const float* p, float x) { test(p, x); }
+    __device__ __forceinline__ void target(const float* p, float x) { test(p, x); }
+};
+
+extern "C" __global__ void polyak_update_mirror_check(
+    float* __restrict__ target, const float* __restrict__ online, long long n, float tau,
+    unsigned short* __restrict__ online_bf16, unsigned short* __restrict__ target_bf16,
+    const unsigned long long* __restrict__ buffers, const long long* __restrict__ lengths,
+    const float* __restrict__ thresholds, int* __restrict__ flags, int n_entries) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    fh_early_release();
+    __shared__ unsigned long long begin[POLYAK_CHECK_MAX], end[POLYAK_CHECK_MAX];
+    __shared__ float threshold[POLYAK_CHECK_MAX];
+    __shared__ int entry[POLYAK_CHECK_MAX];
+    __shared__ int count;
+    __shared__ unsigned int block_fired;
+    const int lane = threadIdx.x % 32;
+    if (threadIdx.x < 32) {  // warp 0: the active entries, compacted in table order
+        int found = 0;
+        for (int base = 0; base < n_entries; base += 32) {  // warp-uniform loop
+            const int k = base + lane;
+            const unsigned long long address = k < n_entries ? buffers[k] : 0ull;
+            const long long length = k < n_entries ? lengths[k] : 0;
+            const bool active = address != 0ull && length > 0;
+            const unsigned int ballot = __ballot_sync(HA_FULL_MASK, active);
+            const int e = found + __popc(ballot & ((1u << lane) - 1u));
+            if (active && e < POLYAK_CHECK_MAX) {
+                begin[e] = address;
+                end[e] = address + 4ull * (unsigned long long)length;
+                threshold[e] = thresholds[k];
+                entry[e] = k;
+            }
+            found += __popc(ballot);
+        }
+        if (lane == 0) {
+            count = min(found, POLYAK_CHECK_MAX);
+            block_fired = 0u;
+        }
+    }
+    __syncthreads();
+    PolyakCheck check{begin, end, threshold, count, 0u};
+    polyak_update_mirror_body(target, online, n, tau, online_bf16, target_bf16, check);
+    const unsigned int warp_fired = __reduce_or_sync(HA_FULL_MASK, check.fired);
+    if (lane == 0 && warp_fired != 0u) {
+        atomicOr(&block_fired, warp_fired);
+    }
+    __syncthreads();
+    if (threadIdx.x < count && (block_fired >> threadIdx.x) & 1u) {
+        flags[entry[threadIdx.x]] = 1;
+    }
 }
 
 // polyak_update_mirror_ptr: polyak_update_mirror with tau read from device memory (*tau, the
@@ -1049,5 +1165,6 @@ extern "C" __global__ void polyak_update_mirror_ptr(float* __restrict__ target,
                                                     unsigned short* __restrict__ target_bf16) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     fh_early_release();
-    polyak_update_mirror_body(target, online, n, *tau, online_bf16, target_bf16);
+    PolyakNoCheck none;
+    polyak_update_mirror_body(target, online, n, *tau, online_bf16, target_bf16, none);
 }

@@ -123,12 +123,6 @@ extern "C" __global__ void nan_check(const float* __restrict__ x, long long n,
 #define NAN_CHECK_VEC (NAN_CHECK_PER_THREAD / 4)
 #define NAN_CHECK_MAX_THREADS 1024
 
-// Whether x fires slot's test: non-finite, or |x| >= threshold with the magnitude test on.
-static __device__ __forceinline__ bool nan_check_fires(float x, bool magnitude_test,
-                                                       float threshold) {
-    return !ha_is_finite(x) || (magnitude_test && fabsf(x) >= threshold);
-}
-
 extern "C" __global__ void nan_check_fused(const unsigned long long* __restrict__ buffers,
                                            const long long* __restrict__ lengths,
                                            const float* __restrict__ thresholds,

@@ -432,6 +432,35 @@ def _polyak_update_mirror(a):
     return {"target": r.target, "online_bf16": r.online_bf16, "target_bf16": r.target_bf16}
 
 
+@twin("polyak_update_mirror_check", target="n", online="n", online_bf16="n", target_bf16="n",
+      buffers="n_entries", lengths="n_entries", thresholds="n_entries", flags="n_entries")
+def _polyak_update_mirror_check(a):
+    entries = [_polyak_check_entry(a, int(ptr), int(length))
+               for ptr, length in zip(a.buffers, a.lengths)]
+    r = optim.polyak_update_mirror_check(a.target, a.online, a.tau, entries, a.flags,
+                                         a.thresholds)
+    return {"target": r.target, "online_bf16": r.online_bf16, "target_bf16": r.target_bf16,
+            "flags": r.flags}
+
+
+def _polyak_check_entry(a: Args, ptr: int, length: int) -> tuple[str, int, int] | None:
+    """The reference's ``(source, offset, count)`` of a descriptor entry (address, length) of
+    ``polyak_update_mirror_check``: None where the kernel skips it, else the source whose region
+    holds it (the kernel reads nothing else: an entry outside both is a plan error)."""
+    from foxhunt.fast.records import PlanError
+
+    if ptr == 0 or length <= 0:
+        return None
+    where = a.at(ptr, length, F32).__array_interface__["data"][0]
+    for source in optim.POLYAK_CHECK_SOURCES:
+        view = a.view(source)
+        offset, rest = divmod(where - view.__array_interface__["data"][0], F32.itemsize)
+        if rest == 0 and 0 <= offset and offset + length <= view.size:
+            return source, offset, length
+    raise PlanError(f"polyak_update_mirror_check: entry at {ptr:#x} ({length} floats) lies in "
+                    f"neither online nor target; the kernel checks only those")
+
+
 @twin("batched_spectral_norm", mats=("count", SPECTRAL_MATRIX_BYTES), sigmas="count")
 def _batched_spectral_norm(a):
     from foxhunt.fast.kernels.spectral import SPECTRAL_MATRIX_DTYPE

@@ -3,7 +3,8 @@
 Graph 2: on the step stream the optimiser chain (Adam with Mech 6's clip factor, which each of
 its blocks computes from the total norm's partials, and Mech 9's clamp: ``adam_update_norm``;
 then, in parallel, the check of the Adam moments and the chain batched spectral norm, Polyak
-with the BF16 mirrors of params and target, the check of params and target); beside the whole
+with the BF16 mirrors of params and target and the check of params and target, one launch with
+the constant tau: ``post_check_in_polyak``); beside the whole
 chain, forked at the graph's start, the step scalars (the total norm's phase 2, the readback,
 ``safety_scale``, Mech 6's slow EMA), then in parallel the ISV producers (they read graph 1's
 ``q_taken`` and ``h2`` and write their own ISV slots, which nothing in graph 2 reads: this
@@ -25,10 +26,11 @@ import numpy as np
 
 from foxhunt.fast import isv_plan, wave_plan
 from foxhunt.fast.records import Buf, Host, Ops
-from foxhunt.fast.sentinel_plan import GRAPH2_WRITTEN
+from foxhunt.fast.sentinel_plan import GRAPH2_WRITTEN, desc_entries, desc_lengths_split
 from foxhunt.fast.step_program import StepProgram
 from foxhunt.fast.wave_layout import injected_sources
 from foxhunt.reference import isv as isv_mod
+from foxhunt.reference.kernels.optim import POLYAK_CHECK_MAX
 from foxhunt.reference.kernels.spectral import SPECTRAL_EPS
 from foxhunt.reference.layout import ALIGN_ELEMS
 from foxhunt.reference.trainer import ISV_PRODUCER_ALPHA
@@ -84,9 +86,15 @@ def graph2_ops(prog: StepProgram) -> Ops:
                  mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
                  eps=SPECTRAL_EPS, sigmas="sigmas")
     polyak, tau = isv_plan.polyak_tau(c)  # the adaptive tau's slot (graph 1 copied it), or tau
-    chain.kernel(polyak, opt.plan_polyak_update_mirror(NP), target=target, online="params2",
-                 n=NP, **tau, online_bf16="mirror2", target_bf16=Buf("mirror2", offset=NP))
-    prog.fused_check(chain, "desc_lens_post")
+    mirrors = dict(target=target, online="params2", n=NP, **tau, online_bf16="mirror2",
+                   target_bf16=Buf("mirror2", offset=NP))
+    if post_check_in_polyak(lay, polyak):  # the check of params and target in Polyak's pass
+        chain.kernel("polyak_update_mirror_check", opt.plan_polyak_update_mirror(NP), **mirrors,
+                     buffers="desc_ptrs", lengths="desc_lens_post", thresholds="thresholds",
+                     flags="flags", n_entries=lay.sentinel.n_desc)
+    else:
+        chain.kernel(polyak, opt.plan_polyak_update_mirror(NP), **mirrors)
+        prog.fused_check(chain, "desc_lens_post")
     if moments.items:
         ops.parallel(moments, chain)
     else:
@@ -143,6 +151,23 @@ def scalars_beside_adam(config) -> bool:
     return not injected_sources(config)
 
 
+def post_check_in_polyak(lay, polyak: str) -> bool:
+    """Whether graph 2 checks params and target after Polyak (the entries of
+    ``desc_lens_post``) inside the Polyak launch, ``polyak_update_mirror_check``, instead of a
+    ``nan_check_fused`` node after it: with the constant tau (``polyak`` is
+    ``polyak_update_mirror``; the adaptive tau's ``polyak_update_mirror_ptr`` keeps the node) and
+    1 to ``POLYAK_CHECK_MAX`` entries, each in ``params2`` (the online and target rows the
+    kernel passes over). Those entries are the slots on params and target
+    (``sentinel_plan.desc_lengths_split``)."""
+    if polyak != "polyak_update_mirror":
+        return False
+    post = [piece for k, piece in desc_entries(lay.sentinel)
+            if desc_lengths_split(lay.sentinel)["desc_lens_post"][k]]
+    if any(piece.buffer != "params2" for piece in post):
+        raise AssertionError(f"a post-Polyak sentinel entry outside params2: {post}")
+    return 0 < len(post) <= POLYAK_CHECK_MAX
+
+
 def step_scalars_ops(prog: StepProgram) -> Ops:
     """``step_scalars``: the total norm's phase 2 (``grad_norm_final``'s block, so its tree and
     bits), ``safety_scale``, the readback's norms and flags and Mech 6's slow EMA."""
@@ -158,5 +183,5 @@ def step_scalars_ops(prog: StepProgram) -> Ops:
     return ops
 
 
-__all__ = ["STAGING_PREFIX", "graph2_ops", "scalars_beside_adam", "staging_name", "step_scalars_ops",
-           "upload_ops"]
+__all__ = ["STAGING_PREFIX", "graph2_ops", "post_check_in_polyak", "scalars_beside_adam",
+           "staging_name", "step_scalars_ops", "upload_ops"]

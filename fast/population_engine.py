@@ -68,6 +68,7 @@ GRID_SHARED_KERNELS = {
     "adam_update_norm": "cuda_src/optim.cu, adam_update_norm's comment (as adam_update)",
     "polyak_update_mirror": "cuda_src/optim.cu, polyak_update_mirror's comment",
     "polyak_update_mirror_ptr": "cuda_src/optim.cu, polyak_update_mirror's comment",
+    "polyak_update_mirror_check": "cuda_src/optim.cu, polyak_update_mirror_check's comment",
     "iqn_tau_cos": "cuda_src/iqn.cu, iqn_tau_cos's comment",
     "iqn_modulate": "cuda_src/iqn.cu (IQN_GRID_LOOP, elementwise)",
     "iqn_modulate_backward": "cuda_src/iqn.cu (IQN_GRID_LOOP, per (b, h))",

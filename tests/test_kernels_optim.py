@@ -656,6 +656,105 @@ def test_polyak_update_mirror_rejects_bad_input(name, value):
         optim.polyak_update_mirror(**kw)
 
 
+def _check_flags_by_hand(online, new_target, entries, flags, thresholds) -> list[int]:
+    """The post-Polyak flags written out independently: an entry fires on a non-finite element
+    or, with a positive threshold, on an element of magnitude at least the threshold."""
+    out = [int(f) for f in flags]
+    for k, entry in enumerate(entries):
+        if entry is None:
+            continue
+        source, offset, count = entry
+        values = (online if source == "online" else new_target)[offset:offset + count].tolist()
+        thr = float(thresholds[k])
+        if any(not math.isfinite(x) or (thr > 0 and abs(x) >= thr) for x in values):
+            out[k] = 1
+    return out
+
+
+@st.composite
+def polyak_check_entries(draw, n: int):
+    """A table of post-Polyak entries over buffers of ``n`` elements, with None, empty, online
+    and target entries, flags already set and thresholds that are positive, zero, negative,
+    NaN and infinite."""
+    k = draw(st.integers(1, 6))
+    entries = []
+    for _ in range(k):
+        if draw(st.booleans()) and n:
+            offset = draw(st.integers(0, n - 1))
+            count = draw(st.integers(0, n - offset))
+            entries.append((draw(st.sampled_from(optim.POLYAK_CHECK_SOURCES)), offset, count))
+        else:
+            entries.append(None)
+    flags = np.array(draw(st.lists(st.sampled_from([0, 0, 1]), min_size=k, max_size=k)), np.int32)
+    thresholds = np.array(draw(st.lists(st.sampled_from([0.0, -1.0, 0.05, 1.0, 1e16, math.nan,
+                                                          math.inf]), min_size=k, max_size=k)),
+                          np.float32)
+    return entries, flags, thresholds
+
+
+@given(data=st.data(), tau=st.sampled_from([0.0, 0.005, 0.5, 1.0]))
+def test_polyak_update_mirror_check_is_the_composition_bitwise(data, tau):
+    # The fused kernel's twin: polyak_update_mirror, then nan_check_fused of the entries (online
+    # as given, the target as updated), and the flags against the rule written out by hand.
+    specials = tuple(SPECIALS + HUGE)
+    target = data.draw(f32_with_specials(specials=specials, max_size=60))
+    online = data.draw(f32_with_specials(specials=specials, size=target.size))
+    entries, flags, thresholds = data.draw(polyak_check_entries(target.size))
+    before = (target.copy(), online.copy(), flags.copy())
+    got = optim.polyak_update_mirror_check(target, online, tau, entries, flags, thresholds)
+    for x, y in zip((target, online, flags), before):
+        assert x.tobytes() == y.tobytes()  # inputs untouched
+    plain = optim.polyak_update_mirror(target, online, tau)
+    assert isinstance(got, optim.PolyakMirrorCheck)
+    assert np.array_equal(got.target.view(np.uint32), plain.target.view(np.uint32))
+    assert np.array_equal(got.online_bf16, plain.online_bf16)
+    assert np.array_equal(got.target_bf16, plain.target_bf16)
+    assert got.flags.dtype == np.int32
+    assert got.flags.tolist() == _check_flags_by_hand(online, plain.target, entries, flags,
+                                                      thresholds)
+
+
+def test_polyak_update_mirror_check_sees_the_new_target():
+    # The target entry tests the blended values: an old target over the threshold that the
+    # blend replaces (tau = 1) does not fire, the same kept (tau = 0) does; the online entry
+    # tests online as given; a None entry keeps its flag.
+    target = np.array([5.0, 0.5], np.float32)
+    online = np.array([0.0, 0.5], np.float32)
+    entries = [("target", 0, 2), None, ("online", 0, 1)]
+    thresholds = np.array([1.0, 1.0, 1.0], np.float32)
+    flags = np.array([0, 1, 0], np.int32)
+    replaced = optim.polyak_update_mirror_check(target, online, 1.0, entries, flags, thresholds)
+    assert replaced.target.tolist() == [0.0, 0.5] and replaced.flags.tolist() == [0, 1, 0]
+    kept = optim.polyak_update_mirror_check(target, online, 0.0, entries[:2] + [None], flags,
+                                            thresholds)
+    assert kept.target.tolist() == [5.0, 0.5] and kept.flags.tolist() == [1, 1, 0]
+    low = np.array([0.5, 0.5], np.float32)
+    assert optim.polyak_update_mirror_check(low, np.zeros(2, np.float32), 1.0, entries, flags * 0,
+                                            thresholds).flags.tolist() == [0, 0, 0]
+
+
+@pytest.mark.parametrize(("entries", "match"), [
+    ([("params", 0, 1)], r"^entries\[0\]: source 'params'"),
+    ([("online", 3, 2)], r"^entries\[0\]: offset 3, count 2"),
+    ([("online", -1, 1)], r"^entries\[0\]: offset -1"),
+    ([("online", 0)], r"^entries\[0\]: "),
+    ([("online", 0, 1)] * 33, r"^entries: 33 active entries"),
+])
+def test_polyak_update_mirror_check_rejects_bad_entries(entries, match):
+    x = np.zeros(4, np.float32)
+    k = len(entries)
+    with pytest.raises(ValueError, match=match):
+        optim.polyak_update_mirror_check(x, x, 0.5, entries, np.zeros(k, np.int32),
+                                         np.zeros(k, np.float32))
+
+
+def test_polyak_check_max_is_the_kernels():
+    from foxhunt.fast._build import source_files
+
+    text = source_files()["optim.cu"].decode()
+    assert f"#define POLYAK_CHECK_MAX {optim.POLYAK_CHECK_MAX}\n" in text
+
+
 def _step_scalars_scale(partials, bound) -> np.float32:
     """``step_scalars``' ``safety_scale`` for these partials and bound (the other inputs do not
     reach it)."""
@@ -705,12 +804,15 @@ def test_adam_update_norm_rejects_bad_input(name, value, match):
 # --- the fused CUDA sources: NVRTC builds (CPU) and fused == unfused launches (GPU) --------
 
 
-FUSED = ("clip_saxpy_norm_partial", "polyak_update_mirror", "adam_update_norm")
+FUSED = ("clip_saxpy_norm_partial", "polyak_update_mirror", "adam_update_norm",
+         "polyak_update_mirror_check")
 #: PTX parameter types the launchers pack: pointers u64, n / block_size s64, scalars f32.
 FUSED_PARAMS = {
     "clip_saxpy_norm_partial": ("u64", "u64", "s64", "f32", "u64", "f32", "f32", "u64", "s64",
                                 "s64", "s64", "u64", "u64", "u64", "u64"),
     "polyak_update_mirror": ("u64", "u64", "s64", "f32", "u64", "u64"),
+    "polyak_update_mirror_check": ("u64", "u64", "s64", "f32", "u64", "u64", "u64", "u64", "u64",
+                                   "u64", "u32"),
     "adam_update_norm": ("u64", "u64", "u64", "u64", "s64", "u64", "f32", "f32", "f32", "f32",
                          "f32", "u64", "s64", "s64", "u64", "u64"),
 }
@@ -728,7 +830,7 @@ def test_fused_optim_kernels_compile_with_nvrtc(arch, tmp_path):
     for name in FUSED:
         assert module.kernels[name] == "optim.cu"
         types = tuple(p.ptx_type for p in module.params[name])
-        # PTX spells long long as .u64 or .s64 depending on the NVRTC version
+        # PTX spells long long as .u64 or .s64 depending on the NVRTC version (int: .u32)
         assert len(types) == len(FUSED_PARAMS[name])
         for got, want in zip(types, FUSED_PARAMS[name]):
             assert got == want or {got, want} <= {"u64", "s64"}, (name, types)
@@ -820,6 +922,49 @@ def test_gpu_fused_polyak_mirror_equals_unfused_launches_bitwise(n):
     assert np.array_equal(got.target.view(np.uint32), new_target.view(np.uint32))
     assert np.array_equal(got.online_bf16, fast_dense.f32_to_bf16(online))
     assert np.array_equal(got.target_bf16, fast_dense.f32_to_bf16(new_target))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [289_728, 515, 3])
+def test_gpu_polyak_update_mirror_check_equals_polyak_then_nan_check_bitwise(n):
+    # The step's claim: graph 2's Polyak with the post-Polyak check in its pass writes what
+    # polyak_update_mirror then nan_check_fused write, flags included (the step's entries:
+    # all of online, all of target, two thresholded ranges of online; plus a None entry, and
+    # each entry clean and poisoned).
+    _gpu_or_skip()
+    from foxhunt.fast.kernels import optim as fast
+    from foxhunt.fast.kernels import safety as fast_safety
+
+    rng = np.random.default_rng(n)
+    clean_t = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    clean_o = (rng.standard_normal(n) * 0.1).astype(np.float32)
+    split = n // 3
+    entries = [("online", 0, n), None, ("target", 0, n), ("online", 0, split),
+               ("online", split, n - split)]
+    thresholds = np.array([0.0, 0.0, 0.0, 0.3, 100.0], np.float32)
+    for poison in range(4):
+        target, online = clean_t.copy(), clean_o.copy()
+        if poison == 1:
+            online[n - 1] = np.nan  # online's entries (0 and 4) fire
+        if poison == 2:
+            target[n // 2] = np.inf  # the new target's entry fires
+        if poison == 3:
+            target[0] = 3.0e38  # finite, but the blend of a big target
+            online[0] = 3.0e38
+        for flags in (np.zeros(5, np.int32), np.array([0, 1, 0, 0, 1], np.int32)):
+            got = fast.polyak_update_mirror_check(target, online, 0.005, entries, flags,
+                                                  thresholds)
+            plain = fast.polyak_update_mirror(target, online, 0.005)
+            sources = {"online": online, "target": plain.target}
+            buffers = [None if e is None else sources[e[0]][e[1]:e[1] + e[2]] for e in entries]
+            want = fast_safety.nan_check_fused(buffers, flags, thresholds)
+            assert np.array_equal(got.target.view(np.uint32), plain.target.view(np.uint32))
+            assert np.array_equal(got.online_bf16, plain.online_bf16)
+            assert np.array_equal(got.target_bf16, plain.target_bf16)
+            assert got.flags.tolist() == want.tolist(), (poison, flags)
+            ref = optim.polyak_update_mirror_check(target, online, 0.005, entries, flags,
+                                                   thresholds)
+            assert got.flags.tolist() == ref.flags.tolist()
 
 
 @pytest.mark.gpu

@@ -1,5 +1,6 @@
 """Entries of the optimiser kernels: gradient norms (one pass and two-phase), the clips and
-guarded SAXPYs of the budget pipeline, Adam, and the Polyak update with its BF16 mirrors.
+guarded SAXPYs of the budget pipeline, Adam, and the Polyak update with its BF16 mirrors (and
+with the sentinel check of its result).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from foxhunt.conformance.specs.inputs import (
     error_cases,
     f32,
     finite_outputs,
+    i32,
     maxabs,
     norm_sq,
     normal,
@@ -28,7 +30,7 @@ from foxhunt.conformance.specs.inputs import (
     uniform,
     wrong_dtype,
 )
-from foxhunt.conformance.tolerance import REDUCTION, Tolerance
+from foxhunt.conformance.tolerance import EXACT, REDUCTION, Tolerance
 from foxhunt.reference.kernels.optim import data_clip_scale, grad_norm_final
 
 
@@ -85,6 +87,19 @@ _ADAM_OUTPUTS = {"param": f32(Tolerance.ulp(4)), "m": f32(Tolerance.ulp(2)),
 
 def _s_polyak(d: Dims, rng) -> Kwargs:
     return {"target": normal(rng, d.flat, 0.1), "online": normal(rng, d.flat, 0.1), "tau": F32(0.005)}
+
+
+def _s_polyak_check(d: Dims, rng) -> Kwargs:
+    """Graph 2's post-Polyak check: all of online, all of the new target, two thresholded
+    ranges of online (a low threshold that fires on these samples, a high one that does not),
+    a None entry and a flag already set."""
+    n = d.flat
+    split = n // 3
+    return {**_s_polyak(d, rng),
+            "entries": [("online", 0, n), None, ("target", 0, n), ("online", 0, split),
+                        ("online", split, n - split)],
+            "flags": np.array([0, 1, 0, 0, 0], dtype=np.int32),
+            "thresholds": np.array([0.0, 0.0, 0.0, 0.2, 100.0], dtype=F32)}
 
 
 def _norm_partials(x: np.ndarray, segment: int) -> np.ndarray:
@@ -316,6 +331,25 @@ ENTRIES: tuple[SpecEntry, ...] = (
             _s_polyak,
             lambda k: replace(k, tau=1.5),
             lambda k: replace(k, online=k["online"][:-1]),
+            lambda k: wrong_dtype(k, "target"),
+        ),
+    ),
+)
+
+# Polyak, its mirrors and the check of its result (graph 2's last node): the flags are exact.
+ENTRIES += (
+    SpecEntry(
+        name="polyak_update_mirror_check",
+        outputs={**next(e.outputs for e in ENTRIES if e.name == "polyak_update_mirror"),
+                 "flags": i32(EXACT)},
+        sample=_s_polyak_check,
+        targets=("target", "online"),
+        errors=error_cases(
+            _s_polyak_check,
+            lambda k: replace(k, tau=1.5),
+            lambda k: replace(k, online=k["online"][:-1]),
+            lambda k: replace(k, entries=[("params", 0, 1)] * 5),
+            lambda k: replace(k, flags=k["flags"][:-1]),
             lambda k: wrong_dtype(k, "target"),
         ),
     ),

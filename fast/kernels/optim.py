@@ -14,7 +14,9 @@ Kernel arguments (the trainer passes the same, with arena pointers):
   ``clip_saxpy_norm_partial`` reads ``base``/``inject`` and the two loss norms' phase-1
   partials and writes the separate ``out``, ``partials`` and the two norms (after its inputs);
   ``polyak_update_mirror`` updates ``target`` and writes the
-  two BF16 mirrors (uint16 bit patterns);
+  two BF16 mirrors (uint16 bit patterns); ``polyak_update_mirror_check`` also takes
+  ``nan_check_fused``'s tables (``buffers`` addresses, ``lengths``, ``thresholds``, ``flags``,
+  ``n_entries``) and stores the flags of the entries that fire;
 - **device scalars**: values produced on the device within a step are read through pointers,
   so a captured graph always sees the current value: ``norm_sq`` (float32, from
   ``grad_norm_sq`` / ``grad_norm_final``) of the clips, and Adam's ``step`` (int64),
@@ -41,18 +43,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import FLAT_VEC_WIDTH, In, InOut, Out, blocks, call
+from foxhunt.fast.kernels._runtime import (FLAT_VEC_WIDTH, In, InOut, Out, blocks, call, launch,
+                                           runtime)
 from foxhunt.reference.kernels.argcheck import check_f32_array
 from foxhunt.reference.kernels.optim import (
     AdamState,
     ClipSaxpyPartial,
     PolyakMirror,
+    PolyakMirrorCheck,
     validate_adam_update,
     validate_adam_update_norm,
     validate_clip_grad_inplace,
     validate_clip_saxpy_norm_partial,
     validate_clipped_saxpy,
     validate_grad_norm_partial,
+    validate_polyak_check_entries,
     validate_polyak_update,
     validate_saxpy,
 )
@@ -363,6 +368,43 @@ def polyak_update_mirror_ptr(target: np.ndarray, online: np.ndarray, tau: float)
     return PolyakMirror(target=new_target, online_bf16=online_bf16, target_bf16=target_bf16)
 
 
+def polyak_update_mirror_check(target: np.ndarray, online: np.ndarray, tau: float, entries,
+                               flags: np.ndarray, thresholds: np.ndarray) -> PolyakMirrorCheck:
+    """Test entry of the CUDA ``polyak_update_mirror_check``: ``polyak_update_mirror`` and the
+    sentinel check of its result in one launch; contract as the reference twin (bitwise). The
+    entry uploads ``target`` and ``online`` to allocations of its own and builds the kernel's
+    tables (``nan_check_fused``'s: addresses, 0 for a ``None`` or empty entry, and lengths) with
+    each entry's address inside them."""
+    from foxhunt.reference.kernels.safety import validate_nan_check_fused
+
+    tau32 = validate_polyak_update(target, online, tau)
+    checked = validate_polyak_check_entries(entries, online.size)
+    validate_nan_check_fused([None] * len(checked), flags, thresholds)
+    device = runtime().device
+    hosts = {"target": np.ascontiguousarray(target), "online": np.ascontiguousarray(online)}
+    allocs = {name: device.alloc(max(host.nbytes, 4)) for name, host in hosts.items()}
+    try:
+        for name, host in hosts.items():
+            device.copy_to_device(allocs[name].ptr, host)
+        addresses = np.zeros(len(checked), dtype=np.uint64)
+        lengths = np.zeros(len(checked), dtype=np.int64)
+        for k, entry in enumerate(checked):
+            if entry is not None and entry[2] > 0:
+                source, offset, count = entry
+                addresses[k] = allocs[source].ptr + 4 * int(offset)
+                lengths[k] = count
+        online_bf16, target_bf16, new_flags = launch(
+            "polyak_update_mirror_check", plan_polyak_update_mirror(target.size),
+            allocs["target"].ptr, allocs["online"].ptr, target.size, tau32,
+            Out(target.shape, np.uint16), Out(target.shape, np.uint16), In(addresses),
+            In(lengths), In(thresholds), InOut(flags), len(checked))
+        new_target = device.copy_to_host(np.empty_like(hosts["target"]), allocs["target"].ptr)
+    finally:
+        for alloc in allocs.values():
+            alloc.free()
+    return PolyakMirrorCheck(new_target, online_bf16, target_bf16, new_flags)
+
+
 KERNELS = {
     "grad_norm_sq": grad_norm_sq,
     "grad_norm_partial": grad_norm_partial,
@@ -376,6 +418,7 @@ KERNELS = {
     "clip_saxpy_norm_partial": clip_saxpy_norm_partial,
     "polyak_update_mirror": polyak_update_mirror,
     "polyak_update_mirror_ptr": polyak_update_mirror_ptr,
+    "polyak_update_mirror_check": polyak_update_mirror_check,
 }
 
 __all__ = [
@@ -385,5 +428,6 @@ __all__ = [
     "plan_adam_update_norm", "plan_clip_grad_inplace", "plan_clip_saxpy_norm_partial",
     "plan_clipped_saxpy", "plan_elementwise", "plan_grad_norm_final", "plan_grad_norm_partial",
     "plan_grad_norm_sq", "plan_polyak_update", "plan_polyak_update_mirror", "plan_saxpy",
-    "polyak_update", "polyak_update_mirror", "polyak_update_mirror_ptr",
+    "polyak_update", "polyak_update_mirror", "polyak_update_mirror_check",
+    "polyak_update_mirror_ptr",
 ]

@@ -8,10 +8,11 @@ The budget pipeline of step 5 and the Adam of step 6 are built from these kernel
     scale = safety_clip_scale(grad_norm_sq(grad), mgn)
     param, m, v = adam_update(param, grad, m, v, grad_scale=scale, ...)
 
-Two fused kernels of the fast step are compositions of these, under their own names:
+The fused kernels of the fast step are compositions of these, under their own names:
 ``clip_saxpy_norm_partial`` (phase 2 of both loss norms, the budget clip, the clipped injection
-and phase 1 of the total norm) and ``polyak_update_mirror`` (the Polyak update and the BF16
-mirrors of both networks).
+and phase 1 of the total norm), ``adam_update_norm`` (Adam with Mech 6's clip factor from the
+total norm's partials), ``polyak_update_mirror`` (the Polyak update and the BF16 mirrors of
+both networks) and ``polyak_update_mirror_check`` (that, and the sentinel check of its result).
 
 Norms skip non-finite elements: Adam's per-element guard discards a non-finite gradient, so it
 must not poison the clip scale of the finite ones. Every SAXPY skips non-finite ``x_i``.
@@ -35,7 +36,7 @@ from foxhunt.reference.kernels.argcheck import (
     data_f32,
 )
 from foxhunt.reference.kernels.dense import f32_to_bf16
-from foxhunt.reference.kernels.safety import clamp_finite
+from foxhunt.reference.kernels.safety import clamp_finite, nan_check_fused
 
 _ZERO = np.float32(0.0)
 _ONE = np.float32(1.0)
@@ -559,6 +560,78 @@ def polyak_update_mirror_ptr(target: np.ndarray, online: np.ndarray, tau: float)
     return polyak_update_mirror(target, online, tau)
 
 
+#: Most active entries ``polyak_update_mirror_check`` takes (``POLYAK_CHECK_MAX`` in optim.cu:
+#: one bit of a thread's word each).
+POLYAK_CHECK_MAX = 32
+#: What a ``polyak_update_mirror_check`` entry checks: the online values or the NEW target.
+POLYAK_CHECK_SOURCES = ("online", "target")
+
+
+class PolyakMirrorCheck(NamedTuple):
+    """``polyak_update_mirror_check`` outputs: ``polyak_update_mirror``'s and the new flags."""
+
+    target: np.ndarray
+    online_bf16: np.ndarray
+    target_bf16: np.ndarray
+    flags: np.ndarray
+
+
+def validate_polyak_check_entries(entries, n: int) -> list[tuple[str, int, int] | None]:
+    """The argument checks of ``polyak_update_mirror_check``'s ``entries`` for parameter
+    buffers of ``n`` elements: each ``None`` or ``(source, offset, count)`` with ``source`` in
+    ``POLYAK_CHECK_SOURCES`` and ``0 <= offset``, ``0 <= count``, ``offset + count <= n``; at most
+    ``POLYAK_CHECK_MAX`` with ``count > 0``. Returns them as a list."""
+    out = list(entries)
+    active = 0
+    for k, entry in enumerate(out):
+        if entry is None:
+            continue
+        if not (isinstance(entry, tuple) and len(entry) == 3):
+            raise ValueError(f"entries[{k}]: {entry!r} is not allowed; expected None or "
+                             f"(source, offset, count)")
+        source, offset, count = entry
+        if source not in POLYAK_CHECK_SOURCES:
+            raise ValueError(f"entries[{k}]: source {source!r} is not allowed; expected one of "
+                             f"{POLYAK_CHECK_SOURCES}")
+        if not (0 <= int(offset) and 0 <= int(count) and int(offset) + int(count) <= n):
+            raise ValueError(f"entries[{k}]: offset {offset}, count {count} is not allowed; "
+                             f"expected 0 <= offset, 0 <= count, offset + count <= {n}")
+        active += int(count) > 0
+    if active > POLYAK_CHECK_MAX:
+        raise ValueError(f"entries: {active} active entries is not allowed; expected at most "
+                         f"{POLYAK_CHECK_MAX}")
+    return out
+
+
+def polyak_update_mirror_check(target: np.ndarray, online: np.ndarray, tau: float, entries,
+                               flags: np.ndarray, thresholds: np.ndarray) -> PolyakMirrorCheck:
+    """``polyak_update_mirror`` and the sentinel check of its result in one kernel (graph 2's
+    last node: the check of params and target after Polyak). The composition::
+
+        target, online_bf16, target_bf16 = polyak_update_mirror(target, online, tau)
+        flags = nan_check_fused(buffers, flags, thresholds)
+        # buffers[k] = None                                   for entries[k] None
+        #            = online[offset:offset + count]          for ("online", offset, count)
+        #            = target[offset:offset + count]          for ("target", ...): the NEW target
+
+    Shapes: ``target``, ``online`` float32 ``[n]``; ``tau`` in [0, 1]; ``entries`` one per flag
+    (``validate_polyak_check_entries``: None or ``(source, offset, count)``, at most
+    ``POLYAK_CHECK_MAX`` with ``count > 0``); ``flags`` int32 0/1 and ``thresholds`` float32, one
+    per entry. Returns ``PolyakMirrorCheck``; the inputs are not modified.
+
+    NaN contract: ``polyak_update_mirror``'s for the values; ``nan_check_fused``'s for the flags
+    (an entry fires on a non-finite element, or on ``|x| >= threshold`` where ``threshold > 0``;
+    a NaN, zero or negative threshold disables the magnitude test; flags are sticky)."""
+    validate_polyak_update(target, online, tau)
+    checked = validate_polyak_check_entries(entries, online.size)
+    r = polyak_update_mirror(target, online, tau)
+    sources = {"online": online.reshape(-1), "target": r.target.reshape(-1)}
+    buffers = [None if e is None else sources[e[0]][int(e[1]):int(e[1]) + int(e[2])]
+               for e in checked]
+    new_flags = nan_check_fused(buffers, flags, thresholds)
+    return PolyakMirrorCheck(r.target, r.online_bf16, r.target_bf16, new_flags)
+
+
 def hard_sync(target: np.ndarray, online: np.ndarray) -> np.ndarray:
     """Hard target sync at a fold boundary (Mech 3): the new target is a copy of ``online``.
 
@@ -582,15 +655,19 @@ KERNELS = {
     "clip_saxpy_norm_partial": clip_saxpy_norm_partial,
     "polyak_update_mirror": polyak_update_mirror,
     "polyak_update_mirror_ptr": polyak_update_mirror_ptr,
+    "polyak_update_mirror_check": polyak_update_mirror_check,
 }
 
 __all__ = [
-    "AdamArgs", "AdamState", "ClipSaxpyArgs", "ClipSaxpyPartial", "KERNELS", "PolyakMirror",
+    "AdamArgs", "AdamState", "ClipSaxpyArgs", "ClipSaxpyPartial", "KERNELS", "POLYAK_CHECK_MAX",
+    "POLYAK_CHECK_SOURCES", "PolyakMirror", "PolyakMirrorCheck",
     "adam_update", "adam_update_norm", "clip_grad_inplace", "clip_saxpy_norm_partial", "clip_scale",
     "clipped_saxpy", "data_clip_scale",
     "grad_norm_final", "grad_norm_partial", "grad_norm_sq", "hard_sync", "norm_from_sq",
-    "polyak_update", "polyak_update_mirror", "polyak_update_mirror_ptr", "safety_clip_scale", "saxpy",
+    "polyak_update", "polyak_update_mirror", "polyak_update_mirror_check", "polyak_update_mirror_ptr",
+    "safety_clip_scale", "saxpy",
     "validate_adam_update", "validate_adam_update_norm", "validate_clip_grad_inplace", "validate_clip_saxpy_norm_partial",
-    "validate_clipped_saxpy", "validate_grad_norm_partial", "validate_polyak_update",
+    "validate_clipped_saxpy", "validate_grad_norm_partial", "validate_polyak_check_entries",
+    "validate_polyak_update",
     "validate_saxpy",
 ]
