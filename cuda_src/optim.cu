@@ -989,10 +989,12 @@ extern "C" __global__ void polyak_update(float* __restrict__ target,
 // access per float32 array, one 8-byte store of 4 patterns per mirror) and threads
 // 0 .. n % 4 - 1 one tail element each; a misaligned pointer takes a 32-bit scalar grid-stride
 // loop, n >= 2^31 the 64-bit one. plan_polyak_update_mirror launches one thread per 4 elements.
-// What polyak_update_mirror_check adds to each element: its sentinel test (PolyakNoCheck: none).
+// What polyak_update_mirror_check adds to each element (one(p, x): the element at p) and to
+// each 4-element group (quad(p, v): the elements p[0..3]): its sentinel test. PolyakNoCheck:
+// none (polyak_update_mirror).
 struct PolyakNoCheck {
-    __device__ __forceinline__ void online(const float*, float) {}
-    __device__ __forceinline__ void target(const float*, float) {}
+    __device__ __forceinline__ void one(const float*, float) {}
+    __device__ __forceinline__ void quad(const float*, float4) {}
 };
 
 template <class Check>
@@ -1007,15 +1009,43 @@ __device__ __forceinline__ void hb_polyak_mirror_one(float* __restrict__ target,
     target[i] = t;
     online_bf16[i] = f32_to_bf16_bits(o);
     target_bf16[i] = f32_to_bf16_bits(t);
-    check.online(online + i, o);
-    check.target(target + i, t);
+    check.one(online + i, o);
+    check.one(target + i, t);
 }
 
+// One 4-element group g of the vector path from its loads o (online) and old (target).
+template <class Check>
+__device__ __forceinline__ void hb_polyak_mirror_quad(float* __restrict__ target,
+                                                      const float* __restrict__ online,
+                                                      unsigned short* __restrict__ online_bf16,
+                                                      unsigned short* __restrict__ target_bf16,
+                                                      float keep, float tau, unsigned int g,
+                                                      float4 o, float4 old, Check& check) {
+    const float4 t = make_float4(hb_polyak(keep, old.x, tau, o.x), hb_polyak(keep, old.y, tau, o.y),
+                                 hb_polyak(keep, old.z, tau, o.z), hb_polyak(keep, old.w, tau, o.w));
+    reinterpret_cast<float4*>(target)[g] = t;
+    reinterpret_cast<uint2*>(online_bf16)[g] = bf16_quad_bits(o);
+    reinterpret_cast<uint2*>(target_bf16)[g] = bf16_quad_bits(t);
+    check.quad(online + 4 * (long long)g, o);
+    check.quad(target + 4 * (long long)g, t);
+}
+
+// Whether the vector path applies (grid-uniform): 0 <= n < 2^31, a grid of at most 2^21
+// blocks, target and online 16-byte and the mirrors 8-byte aligned.
+__device__ __forceinline__ bool hb_polyak_vector(const float* target, const float* online,
+                                                 long long n, const unsigned short* online_bf16,
+                                                 const unsigned short* target_bf16) {
+    return fh_flat_narrow(n) && fh_aligned(target, 16) && fh_aligned(online, 16) &&
+           fh_aligned(online_bf16, 8) && fh_aligned(target_bf16, 8);
+}
+
+// The update from the thread's group `first_group` on (its loads o0 / old0 already issued by
+// the caller where that group exists: polyak_update_mirror_check issues them before its table).
 template <class Check>
 __device__ __forceinline__ void polyak_update_mirror_body(
     float* __restrict__ target, const float* __restrict__ online, long long n, float tau,
     unsigned short* __restrict__ online_bf16, unsigned short* __restrict__ target_bf16,
-    Check& check) {
+    Check& check, bool preloaded = false, float4 o0 = float4(), float4 old0 = float4()) {
     const float keep = __fsub_rn(1.0f, tau);
     if (!fh_flat_narrow(n)) {  // the 64-bit loop
         for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
@@ -1024,32 +1054,18 @@ __device__ __forceinline__ void polyak_update_mirror_body(
         return;
     }
     const unsigned int m = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
-    if (fh_aligned(target, 16) && fh_aligned(online, 16) && fh_aligned(online_bf16, 8) &&
-        fh_aligned(target_bf16, 8)) {
-        float4* __restrict__ target4 = reinterpret_cast<float4*>(target);
+    if (hb_polyak_vector(target, online, n, online_bf16, target_bf16)) {
+        const float4* __restrict__ target4 = reinterpret_cast<const float4*>(target);
         const float4* __restrict__ online4 = reinterpret_cast<const float4*>(online);
-        uint2* __restrict__ online_bf4 = reinterpret_cast<uint2*>(online_bf16);
-        uint2* __restrict__ target_bf4 = reinterpret_cast<uint2*>(target_bf16);
-        for (unsigned int g = first; g < m / 4; g += stride) {
-            const float4 o = online4[g];
-            const float4 old = target4[g];
-            const float4 t = make_float4(hb_polyak(keep, old.x, tau, o.x),
-                                         hb_polyak(keep, old.y, tau, o.y),
-                                         hb_polyak(keep, old.z, tau, o.z),
-                                         hb_polyak(keep, old.w, tau, o.w));
-            target4[g] = t;
-            online_bf4[g] = bf16_quad_bits(o);
-            target_bf4[g] = bf16_quad_bits(t);
-            const float* const po = online + 4 * (long long)g;
-            const float* const pt = target + 4 * (long long)g;
-            check.online(po, o.x);
-            check.online(po + 1, o.y);
-            check.online(po + 2, o.z);
-            check.online(po + 3, o.w);
-            check.target(pt, t.x);
-            check.target(pt + 1, t.y);
-            check.target(pt + 2, t.z);
-            check.target(pt + 3, t.w);
+        unsigned int g = first;
+        if (preloaded && g < m / 4) {
+            hb_polyak_mirror_quad(target, online, online_bf16, target_bf16, keep, tau, g, o0,
+                                  old0, check);
+            g += stride;
+        }
+        for (; g < m / 4; g += stride) {
+            hb_polyak_mirror_quad(target, online, online_bf16, target_bf16, keep, tau, g,
+                                  online4[g], target4[g], check);
         }
         // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
         for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {
@@ -1081,11 +1097,13 @@ extern "C" __global__ void polyak_update_mirror(float* __restrict__ target,
 // that check is not a node of its own at the end of the step's longest chain.
 // Contract (checked by the launchers): at most POLYAK_CHECK_MAX active entries, each lying
 // wholly inside [online, online + n) or [target, target + n) (an element elsewhere is not read);
-// blockDim.x a multiple of 32. Every block loads the active entries into shared memory (warp 0,
-// in table order); each thread ORs its elements' results into one bit per entry; a warp OR and
-// a shared atomicOr per warp give the block's, and its first threads store the flags. A flag is
-// an OR over the elements, so it depends on neither the grid nor the path (plan_polyak_update_
-// mirror's launch). NaN/Inf: as polyak_update_mirror for the values; the checks see them.
+// blockDim.x a multiple of 32. Every block loads the tables (a thread an entry) while its
+// threads' first loads of online and target are in flight, and keeps the active entries in
+// shared memory in table order; each thread ORs its elements' results into one bit per entry
+// (a group of 4 inside an entry tested at once); a warp OR and a shared atomicOr per warp give
+// the block's, and its first threads store the flags. A flag is an OR over the elements, so it
+// depends on neither the grid nor the path (plan_polyak_update_mirror's launch). NaN/Inf: as
+// polyak_update_mirror for the values; the checks see them.
 #define POLYAK_CHECK_MAX 32
 
 struct PolyakCheck {
@@ -1095,7 +1113,7 @@ struct PolyakCheck {
     int count;
     unsigned int fired;  // bit e: active entry e fired in one of this thread's elements
 
-    __device__ __forceinline__ void test(const float* p, float x) {
+    __device__ __forceinline__ void one(const float* p, float x) {
         const unsigned long long a = reinterpret_cast<unsigned long long>(p);
         for (int e = 0; e < count; ++e) {
             const float thr = threshold[e];
@@ -1104,8 +1122,34 @@ struct PolyakCheck {
             }
         }
     }
-    __device__ __forceinline__ void online(const float* p, float x) { test(p, x); }
-    __device__ __forceinline__ void target(const float* p, float x) { test(p, x); }
+    __device__ __forceinline__ void quad(const float* p, float4 v) {
+        const unsigned long long a = reinterpret_cast<unsigned long long>(p);
+        for (int e = 0; e < count; ++e) {
+            const unsigned long long b = begin[e], z = end[e];
+            if (a + 16ull <= b || a >= z) {
+                continue;  // the group lies outside entry e
+            }
+            if (a >= b && a + 16ull <= z) {  // wholly inside
+                const float thr = threshold[e];
+                const bool mag = thr > 0.0f;
+                if (nan_check_fires(v.x, mag, thr) || nan_check_fires(v.y, mag, thr) ||
+                    nan_check_fires(v.z, mag, thr) || nan_check_fires(v.w, mag, thr)) {
+                    fired |= 1u << e;
+                }
+            } else {  // an entry's end cuts the group: element by element
+                const float thr = threshold[e];
+                const bool mag = thr > 0.0f;
+                const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+                    const unsigned long long aj = a + 4ull * j;
+                    if (aj >= b && aj < z && nan_check_fires(x[j], mag, thr)) {
+                        fired |= 1u << e;
+                    }
+                }
+            }
+        }
+    }
 };
 
 extern "C" __global__ void polyak_update_mirror_check(
@@ -1118,40 +1162,58 @@ extern "C" __global__ void polyak_update_mirror_check(
     __shared__ unsigned long long begin[POLYAK_CHECK_MAX], end[POLYAK_CHECK_MAX];
     __shared__ float threshold[POLYAK_CHECK_MAX];
     __shared__ int entry[POLYAK_CHECK_MAX];
-    __shared__ int count;
+    __shared__ int warp_active[32];
     __shared__ unsigned int block_fired;
-    const int lane = threadIdx.x % 32;
-    if (threadIdx.x < 32) {  // warp 0: the active entries, compacted in table order
-        int found = 0;
-        for (int base = 0; base < n_entries; base += 32) {  // warp-uniform loop
-            const int k = base + lane;
-            const unsigned long long address = k < n_entries ? buffers[k] : 0ull;
-            const long long length = k < n_entries ? lengths[k] : 0;
-            const bool active = address != 0ull && length > 0;
-            const unsigned int ballot = __ballot_sync(HA_FULL_MASK, active);
-            const int e = found + __popc(ballot & ((1u << lane) - 1u));
-            if (active && e < POLYAK_CHECK_MAX) {
-                begin[e] = address;
-                end[e] = address + 4ull * (unsigned long long)length;
-                threshold[e] = thresholds[k];
-                entry[e] = k;
-            }
-            found += __popc(ballot);
-        }
-        if (lane == 0) {
-            count = min(found, POLYAK_CHECK_MAX);
-            block_fired = 0u;
-        }
+    // The thread's first group's loads (vector path), in flight while the tables are read.
+    const bool vector = hb_polyak_vector(target, online, n, online_bf16, target_bf16);
+    const unsigned int first = fh_flat_first();
+    const bool preloaded = vector && first < (unsigned long long)n / 4;
+    float4 o0 = float4(), old0 = float4();
+    if (preloaded) {
+        o0 = reinterpret_cast<const float4*>(online)[first];
+        old0 = reinterpret_cast<const float4*>(target)[first];
     }
-    __syncthreads();
-    PolyakCheck check{begin, end, threshold, count, 0u};
-    polyak_update_mirror_body(target, online, n, tau, online_bf16, target_bf16, check);
+    // The active entries in table order: a thread an entry, a ballot per warp, the warps'
+    // counts through shared memory.
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+    if (threadIdx.x == 0) {
+        block_fired = 0u;
+    }
+    int found = 0;  // active entries in the tiles before this one
+    for (int base = 0; base < n_entries; base += blockDim.x) {  // block-uniform loop
+        const int k = base + threadIdx.x;
+        const unsigned long long address = k < n_entries ? buffers[k] : 0ull;
+        const long long length = k < n_entries ? lengths[k] : 0;
+        const bool active = address != 0ull && length > 0;
+        const unsigned int ballot = __ballot_sync(HA_FULL_MASK, active);
+        if (lane == 0) {
+            warp_active[warp] = __popc(ballot);
+        }
+        __syncthreads();
+        int before = found, total = 0;
+        for (int w = 0; w < warps; ++w) {
+            before += w < warp ? warp_active[w] : 0;
+            total += warp_active[w];
+        }
+        const int e = before + __popc(ballot & ((1u << lane) - 1u));
+        if (active && e < POLYAK_CHECK_MAX) {
+            begin[e] = address;
+            end[e] = address + 4ull * (unsigned long long)length;
+            threshold[e] = thresholds[k];
+            entry[e] = k;
+        }
+        found += total;
+        __syncthreads();  // warp_active is rewritten by the next tile; the table is complete
+    }
+    PolyakCheck check{begin, end, threshold, min(found, POLYAK_CHECK_MAX), 0u};
+    polyak_update_mirror_body(target, online, n, tau, online_bf16, target_bf16, check, preloaded,
+                              o0, old0);
     const unsigned int warp_fired = __reduce_or_sync(HA_FULL_MASK, check.fired);
     if (lane == 0 && warp_fired != 0u) {
         atomicOr(&block_fired, warp_fired);
     }
     __syncthreads();
-    if (threadIdx.x < count && (block_fired >> threadIdx.x) & 1u) {
+    if (threadIdx.x < check.count && (block_fired >> threadIdx.x) & 1u) {
         flags[entry[threadIdx.x]] = 1;
     }
 }
