@@ -16,6 +16,8 @@ through device round trips and kernel launches.
   above ``sigma_max``, so both paths of the bound run) in one arena, as the trainer holds them:
   one batched launch == 10 ``spectral_norm`` launches bitwise, graph replay == eager, and the
   reference within the conformance tolerance (rtol 1e-5, SPEC 8).
+- ``polyak_update_mirror_check`` on an online/target pair of rows with an entry table into them
+  (graph 2's last node): graph replay == eager bitwise, and the reference's flags and values.
 - The layout fingerprint slots (115/116) hold u32 bit patterns; with real fingerprints and
   NaN/Inf/subnormal/-0 patterns they survive an arena upload/download (synchronous and through
   pinned memory) and every ``isv_*`` kernel launch (eager and replayed) bit for bit.
@@ -39,6 +41,7 @@ from foxhunt.conformance.tolerance import compare
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import CORE_STEP, DQNConfig
 from foxhunt.reference.layout import ParamLayout, init_params
+from foxhunt.reference.kernels import optim as ref_optim
 from foxhunt.reference.kernels import safety as ref_safety
 from foxhunt.reference.kernels import spectral as ref_spectral
 
@@ -50,6 +53,7 @@ SPECS = registry.SPECS
 POINTER_KERNELS = {
     "batched_spectral_norm": "test_batched_spectral_norm_on_the_seed_matrices",
     "nan_check_fused": "test_fused_nan_check_graph_replay_equals_eager",
+    "polyak_update_mirror_check": "test_polyak_check_graph_replay_equals_eager",
 }
 
 #: Graph replays per captured launch (inputs reset in between): a graph is replayed every step.
@@ -563,6 +567,85 @@ def test_fused_nan_check_graph_replay_equals_eager(cuda_device, record_property)
     assert np.array_equal(eager, want), f"eager {eager} vs reference {want}"
     for r, got in enumerate(replays):
         assert np.array_equal(got, eager), f"replay {r}: {got} vs eager {eager}"
+
+
+@pytest.mark.gpu
+def test_polyak_check_graph_replay_equals_eager(cuda_device, record_property) -> None:
+    # Graph 2's last node as the step holds it: online and target the two rows of one buffer,
+    # the entry table pointing into them (all of online, a None entry, all of the new target,
+    # two thresholded ranges of online), a flag already set; eager == every replay, bitwise,
+    # and == the reference twin.
+    from foxhunt.fast.device import Arena
+    from foxhunt.fast.graphs import GraphCapture
+    from foxhunt.fast.kernels.optim import plan_polyak_update_mirror
+
+    record_property("kernel", "polyak_update_mirror_check")
+    record_property("case", "graph replay == eager (entry address table)")
+    rng = _rng("polyak-check")
+    n, tau = 289_611, F32(0.005)
+    split = n // 3
+    both = (rng.standard_normal((2, n)) * 0.1).astype(F32)
+    both[0, 5] = np.nan              # online: its entries 0 and 3 fire, 4 (finite, small) not
+    both[1, 1000] = np.inf           # the new target: entry 2 fires
+    entries = [("online", 0, n), None, ("target", 0, n), ("online", 0, split),
+               ("online", split, n - split)]
+    thresholds = np.array([0, 0, 0, 0.2, 100.0], F32)  # entry 3 fires on magnitude
+    flags0 = np.array([0, 1, 0, 0, 0], np.int32)
+    rt = _runtime()
+    k = len(entries)
+    arena = Arena.from_specs(rt.device, {
+        "params2": ((2, n), F32), "mirror2": ((2, n), np.uint16), "addr": ((k,), np.uint64),
+        "len": ((k,), np.int64), "thr": ((k,), F32), "flags": ((k,), np.int32)})
+    try:
+        rows = {"online": arena.ptr("params2"), "target": arena.ptr("params2") + 4 * n}
+        arena.upload("addr", np.array([0 if e is None else rows[e[0]] + 4 * e[1] for e in entries],
+                                      np.uint64))
+        arena.upload("len", np.array([0 if e is None else e[2] for e in entries], np.int64))
+        arena.upload("thr", thresholds)
+        grid, block, smem = plan_polyak_update_mirror(n)
+        kernel = rt.module.kernel("polyak_update_mirror_check")
+
+        def reset():
+            arena.upload("params2", both)
+            arena.upload("mirror2", np.zeros((2, n), np.uint16))
+            arena.upload("flags", flags0)
+
+        def enqueue():
+            kernel.launch(grid, block, rows["target"], rows["online"], n, tau,
+                          arena.ptr("mirror2"), arena.ptr("mirror2") + 2 * n, arena.ptr("addr"),
+                          arena.ptr("len"), arena.ptr("thr"), arena.ptr("flags"), k,
+                          stream=rt.stream, shared_mem=smem)
+
+        def outputs():
+            return arena.download("params2"), arena.download("mirror2"), arena.download("flags")
+
+        reset()
+        enqueue()
+        eager = outputs()
+        graph = GraphCapture(rt.stream)
+        try:
+            reset()
+            with graph:
+                enqueue()
+            assert np.array_equal(arena.download("flags"), flags0), "capturing ran the kernel"
+            replays = []
+            for _ in range(REPLAYS):
+                reset()
+                graph.replay()
+                replays.append(outputs())
+        finally:
+            graph.close()
+    finally:
+        arena.close()
+    want = ref_optim.polyak_update_mirror_check(both[1], both[0], tau, entries, flags0, thresholds)
+    assert eager[2].tolist() == want.flags.tolist() == [1, 1, 1, 1, 0]
+    assert eager[0][1].tobytes() == want.target.tobytes()
+    assert eager[0][0].tobytes() == both[0].tobytes()  # online untouched
+    assert np.array_equal(eager[1][0], want.online_bf16)
+    assert np.array_equal(eager[1][1], want.target_bf16)
+    for r, got in enumerate(replays):
+        for name, g, e in zip(("params2", "mirror2", "flags"), got, eager):
+            assert g.tobytes() == e.tobytes(), f"replay {r}: {name} differs from eager"
 
 
 # ============================================================================ fingerprint bits
