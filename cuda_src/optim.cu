@@ -819,10 +819,10 @@ __device__ __forceinline__ float hb_bias_correction(float beta, long long step) 
 // can. The arithmetic per element is the same whatever the grid: the bits do not depend on it.
 #define ADAM_UNROLL 2
 // adam_update_norm's launch bound: plan_adam_update launches ELEMENTWISE_THREADS = 256 threads
-// a block (fast/kernels/optim.py). Unbounded, ptxas gave it 52 registers (sm_90), so an SM held
-// 4 of its blocks and the seed step's 568 blocks ran in two waves (6.5 us a node against
-// adam_update's 4.4); ADAM_NORM_MIN_BLOCKS = 6 caps it at 40 registers, without spills (sm_80,
-// sm_90; plain and member builds).
+// a block (fast/kernels/optim.py). Unbounded, ptxas gave it 52 registers (sm_90), 4 blocks an
+// SM: the seed's 568 blocks in two waves, 6.5 us a node (adam_update 4.4). 5 blocks: 48, one
+// wave, 4.7 us (H200, session 29); no spills in the plain builds (sm_80, sm_90), 4 bytes in the
+// member builds (6 blocks, 40 registers, spilled 48 bytes there).
 #define ADAM_MAX_THREADS 256
 #define ADAM_NORM_MIN_BLOCKS 5
 
