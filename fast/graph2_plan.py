@@ -86,14 +86,14 @@ def graph2_ops(prog: StepProgram) -> Ops:
                  mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
                  eps=SPECTRAL_EPS, sigmas="sigmas")
     polyak, tau = isv_plan.polyak_tau(c)  # the adaptive tau's slot (graph 1 copied it), or tau
-    mirrors = dict(target=target, online="params2", n=NP, **tau, online_bf16="mirror2",
-                   target_bf16=Buf("mirror2", offset=NP))
+    polyak_args = dict(target=target, online="params2", n=NP, **tau, online_bf16="mirror2",
+                       target_bf16=Buf("mirror2", offset=NP))
     if post_check_in_polyak(lay, polyak):  # the check of params and target in Polyak's pass
-        chain.kernel("polyak_update_mirror_check", opt.plan_polyak_update_mirror(NP), **mirrors,
+        chain.kernel("polyak_update_mirror_check", opt.plan_polyak_update_mirror(NP), **polyak_args,
                      buffers="desc_ptrs", lengths="desc_lens_post", thresholds="thresholds",
                      flags="flags", n_entries=lay.sentinel.n_desc)
     else:
-        chain.kernel(polyak, opt.plan_polyak_update_mirror(NP), **mirrors)
+        chain.kernel(polyak, opt.plan_polyak_update_mirror(NP), **polyak_args)
         prog.fused_check(chain, "desc_lens_post")
     if moments.items:
         ops.parallel(moments, chain)
@@ -161,8 +161,8 @@ def post_check_in_polyak(lay, polyak: str) -> bool:
     (``sentinel_plan.desc_lengths_split``)."""
     if polyak != "polyak_update_mirror":
         return False
-    post = [piece for k, piece in desc_entries(lay.sentinel)
-            if desc_lengths_split(lay.sentinel)["desc_lens_post"][k]]
+    lengths = desc_lengths_split(lay.sentinel)["desc_lens_post"]
+    post = [piece for k, piece in desc_entries(lay.sentinel) if lengths[k]]
     if any(piece.buffer != "params2" for piece in post):
         raise AssertionError(f"a post-Polyak sentinel entry outside params2: {post}")
     return 0 < len(post) <= POLYAK_CHECK_MAX
