@@ -102,6 +102,12 @@ def _s_polyak_check(d: Dims, rng) -> Kwargs:
             "thresholds": np.array([0.0, 0.0, 0.0, 0.2, 100.0], dtype=F32)}
 
 
+def _polyak_errors(sample, *more):
+    """The Polyak kernels' error cases: a tau outside [0, 1], a short ``online``, then ``more``."""
+    return error_cases(sample, lambda k: replace(k, tau=1.5),
+                       lambda k: replace(k, online=k["online"][:-1]), *more)
+
+
 def _norm_partials(x: np.ndarray, segment: int) -> np.ndarray:
     """Phase-1 norm partials of ``x`` (finite squares per ``segment``, float64 sums)."""
     return np.array([norm_sq(x[k:k + segment]) for k in range(0, x.size, segment)], dtype=F32)
@@ -311,11 +317,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
         outputs={"out": f32(Tolerance.ulp(2))},
         sample=_s_polyak,
         targets=("target", "online"),
-        errors=error_cases(
-            _s_polyak,
-            lambda k: replace(k, tau=1.5),
-            lambda k: replace(k, online=k["online"][:-1]),
-        ),
+        errors=_polyak_errors(_s_polyak),
     ),
     # fused Polyak + BF16 mirrors: the mirror of a NaN blend carries the GPU's canonical NaN
     SpecEntry(
@@ -327,12 +329,7 @@ ENTRIES: tuple[SpecEntry, ...] = (
         },
         sample=_s_polyak,
         targets=("target", "online"),
-        errors=error_cases(
-            _s_polyak,
-            lambda k: replace(k, tau=1.5),
-            lambda k: replace(k, online=k["online"][:-1]),
-            lambda k: wrong_dtype(k, "target"),
-        ),
+        errors=_polyak_errors(_s_polyak, lambda k: wrong_dtype(k, "target")),
     ),
 )
 
@@ -344,13 +341,11 @@ ENTRIES += (
                  "flags": i32(EXACT)},
         sample=_s_polyak_check,
         targets=("target", "online"),
-        errors=error_cases(
+        errors=_polyak_errors(
             _s_polyak_check,
-            lambda k: replace(k, tau=1.5),
-            lambda k: replace(k, online=k["online"][:-1]),
+            lambda k: wrong_dtype(k, "target"),
             lambda k: replace(k, entries=[("params", 0, 1)] * 5),
             lambda k: replace(k, flags=k["flags"][:-1]),
-            lambda k: wrong_dtype(k, "target"),
         ),
     ),
 )
