@@ -1039,8 +1039,8 @@ __device__ __forceinline__ bool hb_polyak_vector(const float* target, const floa
            fh_aligned(online_bf16, 8) && fh_aligned(target_bf16, 8);
 }
 
-// The update from the thread's group `first_group` on (its loads o0 / old0 already issued by
-// the caller where that group exists: polyak_update_mirror_check issues them before its table).
+// The update over the thread's elements; with `preloaded`, its first group's loads o0 / old0
+// were issued by the caller (polyak_update_mirror_check issues them before reading its table).
 template <class Check>
 __device__ __forceinline__ void polyak_update_mirror_body(
     float* __restrict__ target, const float* __restrict__ online, long long n, float tau,

@@ -46,6 +46,7 @@ import numpy as np
 from foxhunt.fast.kernels._runtime import (FLAT_VEC_WIDTH, In, InOut, Out, blocks, call, launch,
                                            runtime)
 from foxhunt.reference.kernels.argcheck import check_f32_array
+from foxhunt.reference.kernels.safety import validate_nan_check_fused
 from foxhunt.reference.kernels.optim import (
     AdamState,
     ClipSaxpyPartial,
@@ -375,8 +376,6 @@ def polyak_update_mirror_check(target: np.ndarray, online: np.ndarray, tau: floa
     entry uploads ``target`` and ``online`` to allocations of its own and builds the kernel's
     tables (``nan_check_fused``'s: addresses, 0 for a ``None`` or empty entry, and lengths) with
     each entry's address inside them."""
-    from foxhunt.reference.kernels.safety import validate_nan_check_fused
-
     tau32 = validate_polyak_update(target, online, tau)
     checked = validate_polyak_check_entries(entries, online.size)
     validate_nan_check_fused([None] * len(checked), flags, thresholds)
