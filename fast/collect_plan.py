@@ -26,9 +26,8 @@ launch/latency bound and each fusion takes a node off its chain):
   then ``replay_batch`` = ``scan_offsets`` (applied where the search reads) + ``replay_sample``
   (stream ``replay_sample``) + ``importance_weights`` into ``batch.isw`` + ``replay_gather``
   into ``batch.x``, ``batch.a``, ``batch.r``, ``batch.done`` (and the label fields and
-  ``batch.discount`` where the step layout has them), then (BF16 steps) the states' BF16 copy
-  ``xb`` (``StepProgram.batch_bf16``, as the upload graph makes it): the step's graphs 1 and 2
-  then read the batch where they always do;
+  ``batch.discount`` where the step layout has them): the step's graphs 1 and 2 then read the
+  batch where they always do;
 - ``priority_ops``: ``replay_update_priorities`` from the step's ``td``, advancing ``cycle``
   in the same launch (``cycle_advance`` fused);
 - ``advance_ops``: ``cycle_advance`` (the warmup plan, which has no priority update).
@@ -222,7 +221,6 @@ def sample_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, beta: float, s
                beta=np.float32(beta), state_dim=lay.SD, n_branches=lay.nb,
                **{buf: buf for buf, _ in RING_BUFFERS}, idx="sample_idx", w="batch.isw",
                x="batch.x", a="batch.a", r="batch.r", done="batch.done", **labels)
-    prog.batch_bf16(ops)
 
 
 def priority_ops(ops: Ops, prog: StepProgram, cl: CollectLayout, *, alpha: float,

@@ -1,7 +1,6 @@
 """Graph 1 of the fast step, as records: forward passes, losses, backward passes, budgets.
 
-Runs after the upload graph (``graph2_plan.upload_ops``: the batch and, BF16 steps, its states'
-BF16 copy ``xb``). Branch structure:
+Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
 
 - the step prologue (the step's ISV-driven bounds), then the fused check of the sentinel slots
   of the batch (checked here, not in graph 2, because the next step's upload overwrites the
@@ -76,8 +75,9 @@ def graph1_ops(prog: StepProgram) -> Ops:
     ops = prog.ops()
     x, x2 = Buf("batch.x"), Buf("batch.x", offset=B * lay.SD)
     xb = xb2 = None
-    if lay.bf16:  # written with the batch (StepProgram.batch_bf16)
+    if lay.bf16:
         xb, xb2 = Buf("xb"), Buf("xb", offset=B * lay.SD)
+        prog.to_bf16(ops, x, xb, 2 * B * lay.SD)
     online, target = prog.ops(), prog.ops()
     # Slot 12: online(s)'s h2 before the Mech 10 clamp (the clamp writes another buffer).
     check_h2 = prog.ops()

@@ -44,13 +44,11 @@ def staging_name(slot: int) -> str:
 
 
 def upload_ops(prog: StepProgram, slots: int) -> list[Ops]:
-    """The upload graph of each staging slot: ``batch`` from host buffer ``staging<slot>``, then
-    (BF16 steps) the states' BF16 copy (``StepProgram.batch_bf16``)."""
+    """The upload graph of each staging slot: ``batch`` from host buffer ``staging<slot>``."""
     out = []
     for slot in range(slots):
         ops = prog.ops()
         ops.copy("batch", Host(staging_name(slot)), prog.lay.batch_nbytes, "htod")
-        prog.batch_bf16(ops)
         out.append(ops)
     return out
 

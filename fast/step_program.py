@@ -350,13 +350,6 @@ class StepProgram:
     def to_bf16(self, ops: Ops, src: Buf, dst: Buf, n: int) -> None:
         ops.kernel("f32_to_bf16", self.kernels("dense").plan_f32_to_bf16(n), x=src, out=dst, n=n)
 
-    def batch_bf16(self, ops: Ops) -> None:
-        """The batch states' BF16 copy ``xb`` (both halves, s and s'; BF16 steps only), made
-        where the batch is written (the upload graph, the collector's gather), not in graph 1:
-        off the step's critical chain, which then starts at the trunk's first GEMM."""
-        if self.lay.bf16:
-            self.to_bf16(ops, Buf("batch.x"), Buf("xb"), 2 * self.lay.B * self.lay.SD)
-
     def norm(self, ops: Ops, src: str, which: str) -> None:
         """Phase 1 of ``grad_norm_sq(src)``: ``partials_<which>`` (fixed trees, no atomics);
         ``clip_saxpy_norm_partial`` sums them (phase 2) for the budget clip."""

@@ -222,8 +222,7 @@ def test_the_update_is_off_the_training_cycles_chain(market):
     act = [str(n) for n in fork.main.nodes()]
     rest = [str(n) for n in train[0].nodes()][len(act) + 1:]
     assert act + rest == [str(n) for n in first[0].nodes()]
-    assert [r.split("<<<")[0] for r in rest] == ["collect_transition", "scan_tiles", "replay_batch",
-                                                 *(["f32_to_bf16"] if CFG.precision == "bf16" else [])]
+    assert [r.split("<<<")[0] for r in rest] == ["collect_transition", "scan_tiles", "replay_batch"]
     assert sum(g.node_count() for g in train) == sum(g.node_count() for g in first) + 1
     assert _chain(train) == _chain(first) == _chain(first + flush) - 1
     for a in update.accesses:
