@@ -14,6 +14,7 @@
 
 #include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "distributional.cuh"  // the per-branch kernels' bodies, run here on branch d's block
+#include "dueling.cuh"  // dueling_sample_regs (the register path), kDuelingRegRows, kDuelingRegChunks
 
 // --------------------------------------------------------------------------------------------
 // dueling_combine per branch: logits_d[b, a, j] = v[b, j] + (adv_d[b, a, j] - mean_a adv_d[b, :, j]).
@@ -61,11 +62,6 @@ namespace {
 // dueling_log_softmax_q_branches: at most this many rows of a sample are staged at once
 // (fast/kernels/fused.py DUELING_ROW_GROUP: the plan's shared memory).
 constexpr int kDuelingRowGroup = 4;
-// dueling_log_softmax_q_branches' register path: a branch of at most kDuelingRegRows actions
-// with at most kWarp * kDuelingRegChunks atoms (the seed's (3, 3, 2) x 51) keeps a sample's
-// rows in registers (lane l: atoms l + 32 c, c < kDuelingRegChunks).
-constexpr int kDuelingRegRows = 4;
-constexpr int kDuelingRegChunks = 2;
 // dueling_log_softmax_q_branches' launch bound: at most kDuelingMaxWarps warps per block
 // (fast/kernels/fused.py DUELING_WARPS, the plan's most), and registers for kDuelingMinBlocks
 // such blocks per SM: 48 on sm_80 / sm_90 (72 unbounded: 7 blocks); the member build spills
@@ -145,114 +141,6 @@ static __device__ __forceinline__ void dueling_row_group(
     }
 }
 
-// The register path: all kRows (= n_d, 1 <= kRows <= kDuelingRegRows) rows of one sample by one
-// warp (all 32 lanes), num_atoms <= kWarp * kDuelingRegChunks. Lane l owns atoms j = l + 32 c
-// (c < kDuelingRegChunks, those below num_atoms) of every row. Every adv and v value of the
-// sample is loaded up front (one round trip: the loads are independent), then the operations of
-// the shared-memory path run on the registers in its order: the cell mean of atom j is
-// dueling_mean's (x[0] + x[1] + ... in action order, / n_d as a float), each value
-// v_j + (adv - mean) (written to logits), then per row log_softmax_row's (the max from -Inf over
-// the lane's atoms in j order, warp_max_halving; the exp sum from +0.0, warp_sum_halving, logf;
-// logp = (value - m) - log_sum; Q's terms expf(logp) * z_j from +0.0, warp_sum_halving), the
-// rows' instructions interleaved. The values are those the other path stages in (and reads back
-// from) shared memory, so every output is bitwise the same. z_lane holds z[j] of the lane's atoms
-// (read once per warp; unused without with_q).
-template <int kRows>
-static __device__ __forceinline__ void dueling_sample_regs(
-    const float* __restrict__ v_b, const float* __restrict__ adv_b,
-    const float (&z_lane)[kDuelingRegChunks], float* __restrict__ logits_b,
-    float* __restrict__ logp_b, float* __restrict__ q_b, bool with_q, int num_atoms, int lane) {
-    constexpr int kC = kDuelingRegChunks;
-    float x[kRows][kC];
-    float v_j[kC];
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-        const int j = lane + c * kWarp;
-        v_j[c] = 0.0f;
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-            x[r][c] = 0.0f;
-        }
-        if (j < num_atoms) {
-            v_j[c] = v_b[j];
-#pragma unroll
-            for (int r = 0; r < kRows; ++r) {
-                x[r][c] = adv_b[r * num_atoms + j];
-            }
-        }
-    }
-    // dueling_combine: the cell means, then the values (in place), written to logits.
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-        const int j = lane + c * kWarp;
-        if (j < num_atoms) {
-            float sum = x[0][c];
-#pragma unroll
-            for (int r = 1; r < kRows; ++r) {
-                sum = sum + x[r][c];
-            }
-            const float mean = sum / static_cast<float>(kRows);
-#pragma unroll
-            for (int r = 0; r < kRows; ++r) {
-                x[r][c] = v_j[c] + (x[r][c] - mean);
-                logits_b[r * num_atoms + j] = x[r][c];
-            }
-        }
-    }
-    // log_softmax_row per row. An atom past num_atoms (x = 0.0f, finite) leaves the lane's
-    // max and sums as they are (selects, not branches: its terms are computed and dropped).
-    float m[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        m[r] = negative_infinity();
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-            const bool own = lane + c * kWarp < num_atoms;
-            m[r] = own ? fmaxf(m[r], x[r][c]) : m[r];
-        }
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        m[r] = warp_max_halving(m[r]);
-    }
-    float log_sum[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        float sum = 0.0f;
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-            const bool own = lane + c * kWarp < num_atoms;
-            const float term = expf(x[r][c] - m[r]);
-            sum = own ? sum + term : sum;
-        }
-        log_sum[r] = sum;
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        log_sum[r] = logf(warp_sum_halving(log_sum[r]));
-    }
-    float q[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-        q[r] = 0.0f;
-#pragma unroll
-        for (int c = 0; c < kC; ++c) {
-            const int j = lane + c * kWarp;
-            const bool own = j < num_atoms;
-            const float value = (x[r][c] - m[r]) - log_sum[r];
-            if (own) {
-                logp_b[r * num_atoms + j] = value;
-            }
-            if (with_q) {
-                const float term = expf(value) * z_lane[c];
-                q[r] = own ? q[r] + term : q[r];
-            }
-        }
-    }
-    if (with_q) {
-        warp_store_row_sums<kRows>(q, q_b, lane);
-    }
-}
 
 extern "C" __global__ void __launch_bounds__(kDuelingMaxWarps * kWarp, kDuelingMinBlocks)
 dueling_log_softmax_q_branches(const float* __restrict__ v, const float* __restrict__ adv,

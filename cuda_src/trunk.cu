@@ -52,6 +52,7 @@
 #include "early_launch.cuh"  // fh_early_wait, fh_early_release
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (dense.f32_to_bf16's bit formula)
 #include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_map, ..._st_u32
+#include "dueling.cuh"    // dueling_sample_regs (heads_out_dueling_bf16's dueling log-softmax)
 
 #define TRUNK_WARPS 4
 #define TRUNK_THREADS (TRUNK_WARPS * 32)
@@ -748,6 +749,253 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
                     }
                 }
             }
+        }
+    }
+}
+
+// =============================================================================================
+// A pass's heads from their hidden values to the dueling log-softmax in ONE launch (issue 26:
+// the heads' forward with the dueling combination and log-softmax; reference:
+// foxhunt.reference.kernels.trunk.heads_out_dueling_bf16, the composition of the nodes it
+// replaces: f32_to_bf16 of the hidden values, every head's second-layer GEMM
+// hid_bf16 @ W2^T + b2 (cuBLASLt, BIAS epilogue) and dueling_log_softmax_q_branches):
+//   hid_bf16 = f32_to_bf16(hid)                                  (every head's block)
+//   out_h    = hid_bf16[h] @ W2_h^T + b2_h       (h = 0: v [rows, NA]; h = d + 1: branch d's
+//                                                 advantages [rows, n_d NA] of adv)
+//   logits, logp, q = dueling_log_softmax_q_branches(v, adv, z, n_actions, with_q)
+// on the step's packed buffers (heads_forward_bf16's table and layout: head h's hid block at
+// hid_off[h], W2_h / b2_h at the table's offsets in mirror / params). Block (x, d) owns rows
+// TRUNK_BM x .. and branch d: it converts the rows' value-head and head-(d + 1) hidden values to
+// BF16 tiles in shared memory (and writes their hid_bf16; the value head's by branch 0's blocks
+// only), computes the value head's and head d + 1's outputs into shared memory (n8 tiles; warp
+// w the tiles w, w + HOD_WARPS, ..., its B fragments read from the mirror HOD_KSTEPS k16 steps
+// at a time for all its tiles), writes v (branch 0's blocks) and adv, and after a barrier runs
+// dueling_log_softmax_q_branches' register path (dueling.cuh) on the shared rows, a warp a
+// sample. Every block recomputes the value head for its rows (the same code on the same data:
+// the same bits). The dueling outputs are therefore bitwise those of
+// dueling_log_softmax_q_branches on this kernel's v and adv; v and adv are GEMMs in the tensor
+// cores' accumulation order (k in chunks of 16, in k order, the bias added last with one f32
+// add): conformance judges them with the GEMM tolerance. NaN contract: the nodes' (IEEE
+// through the products: a NaN or Inf in row i of hid reaches row i of its head's outputs; in
+// W2_h row j or b2_h[j] column j of that head's output in every row; f32_to_bf16 keeps NaN;
+// then dueling_log_softmax_q_branches' contract). Requirements (the launcher checks):
+// n_heads - 1 branches, every hidden width a multiple of 16, out[0] == num_atoms, out[d + 1] ==
+// n_actions[d] num_atoms with 1 <= n_actions[d] <= kDuelingRegRows and num_atoms <= kWarp
+// kDuelingRegChunks, ceil(out[0] / 8) + ceil(out[d + 1] / 8) <= HOD_WARPS HOD_TILES n8 tiles,
+// W2 offsets even, hid_align a multiple of 4 (float4 loads). Dynamic shared memory (bytes):
+// 2 TRUNK_BM (hidden[0] + hidden[h] + 2 TRUNK_PAD) + 4 TRUNK_BM (out[0] + out[h]) for the widest
+// branch head h (fast/kernels/trunk.py hod_shared_bytes).
+// =============================================================================================
+#define HOD_WARPS 16
+#define HOD_THREADS (HOD_WARPS * 32)
+#define HOD_TILES 2
+#define HOD_KSTEPS 8
+#define HOD_LOADS 4
+
+extern "C" __global__ void __launch_bounds__(HOD_THREADS)
+heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __restrict__ mirror,
+                       const float* __restrict__ params, const int* __restrict__ table,
+                       const float* __restrict__ z, const int* __restrict__ n_actions,
+                       const int* __restrict__ action_offset, unsigned short* __restrict__ hid_bf16,
+                       float* __restrict__ v, float* __restrict__ adv, float* __restrict__ logits,
+                       float* __restrict__ logp, float* __restrict__ q, int rows, int n_heads,
+                       int hid_align, int num_atoms, int with_q) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    extern __shared__ __align__(16) unsigned short hod_smem[];
+    __shared__ int raw[HEADS_MAX * HEADS_FIELDS];
+    __shared__ HeadsTable t;
+    for (int i = threadIdx.x; i < n_heads * HEADS_FIELDS; i += HOD_THREADS) {
+        raw[i] = table[i];
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        heads_fill_table(t, raw, n_heads, rows, hid_align);
+    }
+    __syncthreads();
+    const int d = blockIdx.y;  // branch d: head d + 1
+    const int hb = d + 1;
+    const int row0 = blockIdx.x * TRUNK_BM;
+    // Shared memory: the BF16 A tiles of head 0 and head hb, then their f32 output tiles.
+    // (Two sides, s = 0 the value head and s = 1 head hb, chosen by selects: no indexed arrays.)
+    const int a_stride0 = t.hidden[0] + TRUNK_PAD;
+    const int a_stride1 = t.hidden[hb] + TRUNK_PAD;
+    unsigned short* a_tile0 = hod_smem;
+    unsigned short* a_tile1 = a_tile0 + TRUNK_BM * a_stride0;
+    float* o_tile0 = reinterpret_cast<float*>(a_tile1 + TRUNK_BM * a_stride1);
+    float* o_tile1 = o_tile0 + TRUNK_BM * t.out[0];
+
+    // The dueling's branch table and z of the lane's atoms (read now, in flight with the rest).
+    const int na = n_actions[d];
+    const int first_row = rows * action_offset[d];  // branch d's first packed row
+    const int lane = threadIdx.x & 31;
+    const bool want_q = with_q != 0;
+    float z_lane[kDuelingRegChunks];
+#pragma unroll
+    for (int c = 0; c < kDuelingRegChunks; ++c) {
+        const int j = lane + c * kWarp;
+        z_lane[c] = (want_q && j < num_atoms) ? z[j] : 0.0f;
+    }
+    // The hidden values to BF16 (rows past `rows` as +0.0), four at a time: quad i < q0 of the
+    // value head's tile, then head hb's; HOD_LOADS loads in flight a thread.
+    const int quads0 = t.hidden[0] / 4;
+    const int quads1 = t.hidden[hb] / 4;
+    const int n_quads = TRUNK_BM * (quads0 + quads1);
+    for (int i0 = threadIdx.x; i0 < n_quads; i0 += HOD_LOADS * HOD_THREADS) {
+        float4 x[HOD_LOADS];
+        long long at[HOD_LOADS];
+        bool live[HOD_LOADS];
+#pragma unroll
+        for (int u = 0; u < HOD_LOADS; ++u) {
+            const int i = i0 + u * HOD_THREADS;
+            const bool s1 = i >= TRUNK_BM * quads0;
+            const int quads = s1 ? quads1 : quads0;
+            const int local = s1 ? i - TRUNK_BM * quads0 : i;
+            const int r = local / quads;
+            const int h = s1 ? hb : 0;
+            at[u] = t.hid_off[h] + (long long)(row0 + r) * t.hidden[h] + (local - r * quads) * 4;
+            live[u] = i < n_quads && row0 + r < rows;
+            x[u] = live[u] ? *reinterpret_cast<const float4*>(hid + at[u])
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < HOD_LOADS; ++u) {
+            const int i = i0 + u * HOD_THREADS;
+            if (i >= n_quads) {
+                break;
+            }
+            const bool s1 = i >= TRUNK_BM * quads0;
+            const int quads = s1 ? quads1 : quads0;
+            const int local = s1 ? i - TRUNK_BM * quads0 : i;
+            const int r = local / quads;
+            const uint2 pair = make_uint2(
+                (unsigned int)f32_to_bf16_bits(x[u].x) | ((unsigned int)f32_to_bf16_bits(x[u].y) << 16),
+                (unsigned int)f32_to_bf16_bits(x[u].z) | ((unsigned int)f32_to_bf16_bits(x[u].w) << 16));
+            unsigned short* tile = s1 ? a_tile1 + r * a_stride1 : a_tile0 + r * a_stride0;
+            *reinterpret_cast<uint2*>(tile + (local - r * quads) * 4) = pair;
+            if (live[u] && (s1 || d == 0)) {  // head 0's hid_bf16: branch 0's blocks
+                *reinterpret_cast<uint2*>(hid_bf16 + at[u]) = pair;
+            }
+        }
+    }
+    __syncthreads();
+
+    // The second layers: warp w's n8 tiles w + HOD_WARPS i (the value head's first).
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int tiles0 = (t.out[0] + 7) / 8;
+    const int tiles = tiles0 + (t.out[hb] + 7) / 8;
+    float acc[HOD_TILES][4];
+    float bias[HOD_TILES][2];  // b2 of the lane's two output columns (loaded with the B fragments)
+    const unsigned short* a_frag[HOD_TILES];
+    const unsigned short* b_row[HOD_TILES];
+    int stride[HOD_TILES], steps[HOD_TILES], side[HOD_TILES], n0[HOD_TILES];
+    int k_steps = 0;
+#pragma unroll
+    for (int i = 0; i < HOD_TILES; ++i) {
+        const int tile = warp + HOD_WARPS * i;
+        const int s = tile < tiles0 ? 0 : 1;
+        const int h = s == 0 ? 0 : hb;
+        side[i] = s;
+        n0[i] = (s == 0 ? tile : tile - tiles0) * 8;
+        stride[i] = s == 0 ? a_stride0 : a_stride1;
+        steps[i] = tile < tiles ? t.hidden[h] / 16 : 0;
+        k_steps = max(k_steps, steps[i]);
+        a_frag[i] = (s == 0 ? a_tile0 : a_tile1) + g * stride[i] + t4 * 2;
+        // The lane's B column (a W2 row); a padding column past out[h] reads the last row (its
+        // C column is never stored).
+        const int o = min(n0[i] + g, t.out[h] - 1);
+        b_row[i] = mirror + t.w2[h] + (long long)o * t.hidden[h] + t4 * 2;
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int oc = n0[i] + t4 * 2 + e;
+            bias[i][e] = (tile < tiles && oc < t.out[h]) ? params[t.b2[h] + oc] : 0.0f;
+        }
+    }
+    for (int k0 = 0; k0 < k_steps; k0 += HOD_KSTEPS) {
+        unsigned int b[HOD_TILES][HOD_KSTEPS][2];
+#pragma unroll
+        for (int i = 0; i < HOD_TILES; ++i) {
+#pragma unroll
+            for (int j = 0; j < HOD_KSTEPS; ++j) {
+                const int ks = k0 + j;
+                const bool live = ks < steps[i];
+                b[i][j][0] = live ? trunk_ld32(b_row[i] + ks * 16) : 0u;
+                b[i][j][1] = live ? trunk_ld32(b_row[i] + ks * 16 + 8) : 0u;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < HOD_KSTEPS; ++j) {
+#pragma unroll
+            for (int i = 0; i < HOD_TILES; ++i) {
+                const int ks = k0 + j;
+                if (ks < steps[i]) {
+                    const unsigned short* ai = a_frag[i] + ks * 16;
+                    unsigned int f[4];
+                    f[0] = trunk_ld32(ai);
+                    f[1] = trunk_ld32(ai + 8 * stride[i]);
+                    f[2] = trunk_ld32(ai + 8);
+                    f[3] = trunk_ld32(ai + 8 * stride[i] + 8);
+                    trunk_mma(acc[i], f, b[i][j][0], b[i][j][1]);
+                }
+            }
+        }
+    }
+    // Epilogue: + b2, into the shared output tiles, v (branch 0's blocks) and adv.
+#pragma unroll
+    for (int i = 0; i < HOD_TILES; ++i) {
+        if (steps[i] == 0) {
+            continue;
+        }
+        const int s = side[i];
+        const int h = s == 0 ? 0 : hb;
+        const int width = t.out[h];
+        float* dst = s == 0 ? v : adv;
+        float* out_tile = s == 0 ? o_tile0 : o_tile1;
+        const bool store = s == 1 || d == 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int o = n0[i] + t4 * 2 + e;
+            if (o < width) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = g + half * 8;
+                    const float value = __fadd_rn(acc[i][2 * half + e], bias[i][e]);
+                    out_tile[r * width + o] = value;
+                    if (store && row0 + r < rows) {
+                        dst[t.out_off[h] + (long long)(row0 + r) * width + o] = value;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();  // the block's rows of v and branch d's advantages are in shared memory
+
+    // dueling_log_softmax_q_branches' register path on them, a warp a sample.
+    for (int r = warp; r < TRUNK_BM && row0 + r < rows; r += HOD_WARPS) {
+        const int row = first_row + (row0 + r) * na;  // the sample's first packed row
+        const int offset = row * num_atoms;
+        float* q_b = want_q ? q + row : nullptr;  // not dereferenced without want_q
+        const float* v_b = o_tile0 + r * num_atoms;
+        const float* adv_b = o_tile1 + r * t.out[hb];
+        switch (na) {
+            case 1:
+                dueling_sample_regs<1>(v_b, adv_b, z_lane, logits + offset, logp + offset, q_b,
+                                       want_q, num_atoms, lane);
+                break;
+            case 2:
+                dueling_sample_regs<2>(v_b, adv_b, z_lane, logits + offset, logp + offset, q_b,
+                                       want_q, num_atoms, lane);
+                break;
+            case 3:
+                dueling_sample_regs<3>(v_b, adv_b, z_lane, logits + offset, logp + offset, q_b,
+                                       want_q, num_atoms, lane);
+                break;
+            default:
+                dueling_sample_regs<4>(v_b, adv_b, z_lane, logits + offset, logp + offset, q_b,
+                                       want_q, num_atoms, lane);
+                break;
         }
     }
 }

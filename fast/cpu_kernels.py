@@ -246,6 +246,64 @@ def _heads_forward_bf16(a):
     return {"hid": hid, "hid_bf16": hid_bf16, "v": v, "adv": adv}
 
 
+def _hod_param_extent(a: Args) -> int:
+    """Elements of the parameter set ``heads_out_dueling_bf16`` reads (W2 and b2 only)."""
+    t = _heads(a)
+    return int(max(np.max(t[:, 4] + t[:, 1] * t[:, 0]), np.max(t[:, 5] + t[:, 1])))
+
+
+def _hod_rows(a: Args) -> int:
+    """Packed rows of the dueling outputs: ``rows * A_total`` (one head a branch after the value
+    head)."""
+    return a.rows * sum(branches(a, a.n_heads - 1))
+
+
+@twin("heads_out_dueling_bf16", nullable=("q",), hid=lambda a: max(_heads_packed(a)[1], 1),
+      mirror=_hod_param_extent, params=_hod_param_extent,
+      table=lambda a: a.n_heads * rtrunk.HEADS_FIELDS, z="num_atoms",
+      n_actions=lambda a: a.n_heads - 1, action_offset=lambda a: a.n_heads - 1,
+      hid_bf16=lambda a: max(_heads_packed(a)[1], 1), v=("rows", "num_atoms"),
+      adv=lambda a: max(_heads_packed(a)[3], 1), logits=(_hod_rows, "num_atoms"),
+      logp=(_hod_rows, "num_atoms"), q=_hod_rows)
+def _heads_out_dueling_bf16(a):
+    """The reference twin on the packed hidden values and the heads' W2 / b2 gathered from the
+    parameter set, its outputs scattered into the packed buffers (``rtrunk.heads_packed_offsets``)."""
+    from foxhunt.fast.records import PlanError
+
+    if a.hid_align % 4:
+        raise PlanError(f"heads_out_dueling_bf16: hid_align={a.hid_align} is not a multiple of 4 "
+                        "(the kernel's float4 loads)")
+    t = _heads(a)
+    hidden, out = t[:, 0], t[:, 1]
+    hid_off, _, adv_off, _ = _heads_packed(a)
+    rows = a.rows
+    w2 = np.zeros((int(out.sum()), int(hidden.max())), U16)
+    o0 = 0
+    for (width, o, _, _, w2o, _) in t:
+        w2[o0:o0 + o, :width] = a.mirror[w2o:w2o + o * width].reshape(o, width)
+        o0 += o
+    r = rtrunk.heads_out_dueling_bf16(
+        np.concatenate([a.hid[hid_off[h]:hid_off[h] + rows * w].reshape(rows, w)
+                        for h, w in enumerate(hidden)], axis=1), w2,
+        np.concatenate([a.params[b2o:b2o + o] for _, o, _, _, _, b2o in t]), a.z,
+        hidden.astype(np.int32), out.astype(np.int32),
+        np.array(branches(a, a.n_heads - 1), np.int32), bool(a.with_q))
+    hid_bf16, v, adv = a.hid_bf16, a.v, a.adv
+    h0 = o0 = 0
+    for h, (width, o) in enumerate(zip(hidden, out)):
+        hid_bf16[hid_off[h]:hid_off[h] + rows * width] = r.hid_bf16[:, h0:h0 + width].ravel()
+        block = r.out[:, o0:o0 + o]
+        if h == 0:
+            v[...] = block
+        else:
+            adv[adv_off[h]:adv_off[h] + rows * o] = block.ravel()
+        h0, o0 = h0 + width, o0 + o
+    result = {"hid_bf16": hid_bf16, "v": v, "adv": adv, "logits": r.logits, "logp": r.logp}
+    if a.with_q and a.view("q") is not None:
+        result["q"] = r.q
+    return result
+
+
 # --------------------------------------------------------------------------------------------
 # distributional and fused
 # --------------------------------------------------------------------------------------------

@@ -85,11 +85,12 @@ def graph1_ops(prog: StepProgram) -> Ops:
                     flag=Buf("flags", offset=sentinels.index("h2")))
     prog.forward(online, tag="o", rows=2 * B, which=0, x=x, xb=xb,
                  logits=Buf("logits", ("o", 0)), logp=Buf("logp", ("o", 0)), q=Buf("q_o"),
-                 extra=check_h2, h2_event="h2_o", fuse_trunk=True, fuse_heads=True)
+                 extra=check_h2, h2_event="h2_o", fuse_trunk=True, fuse_heads=True,
+                 fuse_outputs=True)
     online.record("fwd_o")
     prog.forward(target, tag="t", rows=B, which=1, x=x2, xb=xb2,
                  logits=Buf("logits", ("t", 0)), logp=Buf("logp", ("t", 0)), h2_event="h2_t",
-                 fuse_trunk=True, fuse_heads=True)
+                 fuse_trunk=True, fuse_heads=True, fuse_outputs=True)
     target.record("fwd_t")
     lo, hi = np.float32(c.v_min), np.float32(c.v_max)
 

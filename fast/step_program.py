@@ -78,6 +78,9 @@ GEMM_SM_SHARE = 4
 #: A weight-gradient GEMM whose reduction length ``k`` is at least this many times its larger
 #: output dimension may use a cuBLASLt workspace even under ``gemm_workspace="none"``.
 LONG_K_RATIO = 4
+#: Whether the BF16 training passes end their heads in ONE ``heads_out_dueling_bf16`` launch
+#: (:attr:`StepProgram.outputs_fused`).
+FUSE_HEAD_OUTPUTS = True
 #: ``planner(m, n, k, *, trans_a, trans_b, precision, epilogue, beta, min_alignment,
 #: workspace_limit)`` -> a plan with ``.spec``; raises ``GemmPlanError`` where it has none.
 Planner = Callable[..., object]
@@ -167,6 +170,19 @@ class StepProgram:
 
         lay = self.lay
         return self.fuse_trunk and lay.bf16 and trunk_fusable(lay.SD, lay.H1, lay.H2, self.arch)
+
+    @property
+    def outputs_fused(self) -> bool:
+        """Whether a training pass ends its heads in ``heads_out_dueling_bf16`` (the hidden values'
+        BF16 copy, every head's second layer and the dueling log-softmax in one launch) instead of
+        ``f32_to_bf16``, a GEMM per head and ``dueling_log_softmax_q_branches``:
+        :data:`FUSE_HEAD_OUTPUTS`, BF16, and shapes the kernel takes
+        (``fast.kernels.trunk.hod_fusable``)."""
+        from foxhunt.fast.kernels.trunk import hod_fusable
+
+        lay = self.lay
+        return (FUSE_HEAD_OUTPUTS and lay.bf16
+                and hod_fusable(lay.head_hidden, lay.head_out, lay.branches, lay.NA))
 
     @property
     def heads_fused(self) -> bool:
@@ -371,7 +387,8 @@ class StepProgram:
     def forward(self, ops: Ops, *, tag: str, rows: int, which: int, x: Buf, xb: Buf | None,
                 logits: Buf, logp: Buf, q: Buf | None = None,
                 extra: Ops | None = None, h2_event: str | None = None,
-                fuse_trunk: bool = False, fuse_heads: bool = False) -> None:
+                fuse_trunk: bool = False, fuse_heads: bool = False,
+                fuse_outputs: bool = False) -> None:
         """One forward pass of ``rows`` rows with params (``which=0``) or target (1): trunk,
         Mech 10 clamp (bound from ISV[H_S2_RMS_EMA] on the device), heads, then every branch's
         dueling combine, log-softmax into ``logits`` / ``logp`` (branch-packed from there) and,
@@ -382,7 +399,10 @@ class StepProgram:
         clamp are ONE ``trunk_forward_bf16`` launch (the same buffers written) instead of the
         GEMM, ``f32_to_bf16``, GEMM, ``clamp_finite_isv`` nodes; ``fuse_heads`` likewise: where
         :attr:`heads_fused`, the heads' first layers, ``f32_to_bf16`` and second layers are ONE
-        ``heads_forward_bf16`` launch (alongside ``extra``)."""
+        ``heads_forward_bf16`` launch (alongside ``extra``); ``fuse_outputs`` (the training
+        step's passes): where :attr:`outputs_fused` (and the heads are not fused), the heads'
+        first layers are followed by ONE ``heads_out_dueling_bf16`` launch (the hidden values'
+        BF16 copy, the second layers and the dueling log-softmax, the same buffers written)."""
         lay, c = self.lay, self.config
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
@@ -415,6 +435,23 @@ class StepProgram:
             ops.record(h2_event)
         h2_in = h2b if bf16 else h2
         firsts = [] if extra is None else [extra]
+        with_q = 1 if q is not None and not support_plan.live_q(c, q) else 0
+        if fuse_outputs and self.outputs_fused and not (fuse_heads and self.heads_fused):
+            self._heads_first_layers(ops, tag=tag, rows=rows, which=which, h2_in=h2_in,
+                                     firsts=firsts)
+            ops.kernel("heads_out_dueling_bf16",
+                       self.kernels("trunk").plan_heads_out_dueling_bf16(
+                           rows, lay.head_hidden, lay.head_out, lay.branches, lay.NA),
+                       hid=Buf(f"hid{tag}"), mirror=Buf("mirror2", offset=which * lay.NP),
+                       params=Buf("params2", offset=which * lay.NP), table="head_table", z="z",
+                       n_actions="n_actions", action_offset="action_offset",
+                       hid_bf16=Buf(f"hid{tag}_bf16"), v=Buf(f"v{tag}"), adv=Buf(f"adv{tag}"),
+                       logits=logits, logp=logp, q=q if with_q else None, rows=rows,
+                       n_heads=len(lay.heads), hid_align=OPERAND_ALIGN, num_atoms=lay.NA,
+                       with_q=with_q)
+            if support_plan.live_q(c, q):  # adaptive_atoms: each branch's Q on its live support
+                support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
+            return
         if fuse_heads and self.heads_fused:
             fused = ops.branch() if firsts else ops
             fused.kernel("heads_forward_bf16",
@@ -433,10 +470,22 @@ class StepProgram:
                    self.kernels("fused").plan_dueling_log_softmax_q_branches(rows, lay.branches, lay.NA),
                    v=f"v{tag}", adv=f"adv{tag}", z="z", n_actions="n_actions",
                    action_offset="action_offset", logits=logits, logp=logp, q=q, batch=rows,
-                   num_atoms=lay.NA,
-                   with_q=1 if q is not None and not support_plan.live_q(c, q) else 0)
+                   num_atoms=lay.NA, with_q=with_q)
         if support_plan.live_q(c, q):  # adaptive_atoms: each branch's Q on its live support
             support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
+
+    def _heads_first_layers(self, ops: Ops, *, tag: str, rows: int, which: int, h2_in: Buf,
+                            firsts: list) -> None:
+        """Every head's first layer ``hid = relu(h2 @ W1^T + b1)`` as parallel branches, beside
+        ``firsts``."""
+        lay = self.lay
+        for h in lay.heads:
+            branch = ops.branch()
+            self.linear(branch, rows=rows, n=h.hidden, k=lay.H2, x=h2_in,
+                        w=self.weight(h.w1, which, bf16=lay.bf16), c=Buf(f"hid{tag}", h.key),
+                        bias=self.weight(h.b1, which, bf16=False), epilogue="relu_bias")
+            firsts.append(branch)
+        ops.parallel(*firsts)
 
     def _heads_unfused(self, ops: Ops, *, tag: str, rows: int, which: int, h2_in: Buf,
                        firsts: list) -> None:
@@ -446,12 +495,7 @@ class StepProgram:
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
         wfwd = lambda name: self.weight(name, which, bf16=bf16)  # noqa: E731 - GEMM weights
-        for h in lay.heads:
-            branch = ops.branch()
-            self.linear(branch, rows=rows, n=h.hidden, k=lay.H2, x=h2_in, w=wfwd(h.w1),
-                        c=Buf(f"hid{tag}", h.key), bias=p32(h.b1), epilogue="relu_bias")
-            firsts.append(branch)
-        ops.parallel(*firsts)
+        self._heads_first_layers(ops, tag=tag, rows=rows, which=which, h2_in=h2_in, firsts=firsts)
         hid_in = {h.key: Buf(f"hid{tag}", h.key) for h in lay.heads}
         if bf16:
             hid_total = ops.binder.region(Buf(f"hid{tag}"), "hid").available
@@ -675,5 +719,5 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["GEMM_SM_SHARE", "GEMM_WORKSPACES", "LONG_K_RATIO", "StepProgram", "alignment",
-           "step_constants"]
+__all__ = ["FUSE_HEAD_OUTPUTS", "GEMM_SM_SHARE", "GEMM_WORKSPACES", "LONG_K_RATIO", "StepProgram",
+           "alignment", "step_constants"]

@@ -175,11 +175,12 @@ def test_entry_accepts_another_summation_order_and_catches_a_missed_bias():
 
 
 # ------------------------------------------------------------------------ in the step plan
-@pytest.mark.parametrize("fuse, fused, gemms_less", [(True, 2, 16), (False, 0, 0)])
+@pytest.mark.parametrize("fuse, fused, gemms_less", [(True, 2, 8), (False, 0, 0)])
 def test_fused_heads_put_one_launch_in_each_training_pass(fuse, fused, gemms_less):
     """Graph 1 of the seed bf16 step on sm_90 (the CPU executor's plans): with ``fused_heads``
-    the online and target passes each run ONE heads_forward_bf16 instead of eight GEMMs and an
-    f32_to_bf16."""
+    the online and target passes each run ONE heads_forward_bf16 instead of their four
+    first-layer GEMMs and ``heads_out_dueling_bf16`` (which replaced the second layers' four
+    GEMMs, their f32_to_bf16 and the dueling log-softmax: ``tests/test_kernels_heads_out.py``)."""
     from foxhunt.fast.cpu_executor import CpuEngine
     from foxhunt.fast.records import Gemm
 

@@ -44,6 +44,21 @@ the undecided bits), layer 2 one GEMM of ``hid_bf16`` against the heads' W2 as a
 ``[HT, OT]`` operand (zeros off the blocks add nothing to ``|A| |B|``; K = HT + 1 makes
 ``gamma_K`` looser than a head's own K + 1) plus the operand slack of layer 1's undecided BF16
 roundings, no clip (no ReLU on the outputs).
+
+The heads' outputs with the dueling log-softmax (``heads_out_dueling_bf16``): sizes ``(rows,
+hidden, branches, NA)`` per case (:func:`hod_dims`): ``tiny`` and ``seed`` the presets' online
+forward; ``odd`` 257 rows of hidden widths (32, 48, 16), branches (4, 1) of 7 atoms (a partial
+n8 tile per head), the target pass's no-Q path; ``extremal`` 5 rows, one branch of 2 actions and
+3 atoms. Samples: non-negative hidden values (a ReLU's) up to 1, W2 and b2 as the heads', the
+support of ``NA`` atoms. ``hid_bf16`` bit for bit (both paths round the same f32 values); ``out``
+by the GEMM policy on ``[hid_bf16, 1]`` against the block-diagonal ``[W2^T; b2]`` (both paths
+multiply exactly these operands; no slack). ``logits`` / ``logp`` / ``q``: the dueling
+log-softmax's own reduction bound (``dueling_log_softmax_q_branches``' entry) plus ``out``'s GEMM
+bound ``E`` carried through it: a logit's error is at most ``E_v + E_adv + mean_a E_adv`` of its
+cell (``L``); a log-probability's at most its ``L`` plus the row's largest finite ``L`` (the
+log-sum-exp is 1-Lipschitz in the max norm; a ``-Inf`` logit adds exactly 0 to it in both
+paths); ``q``'s at most ``2 max|z|`` times the row's largest finite ``L`` (``dq = sum_j p_j (z_j -
+q) dlogit_j``). The carried bound enters as extra magnitude of the reduction tolerance.
 """
 
 from __future__ import annotations
@@ -57,12 +72,17 @@ from foxhunt.conformance.specs.inputs import (
     f32,
     finite_outputs,
     isv_vector,
+    maxabs,
+    reduction,
     replace,
+    support,
     u16,
     wrong_dtype,
 )
 from foxhunt.conformance.tolerance import (
     GEMM_TOLERANCES,
+    REDUCTION,
+    REDUCTION_ATOL_PER_ELEM,
     Tolerance,
     gemm_bound,
     gemm_reference,
@@ -277,6 +297,99 @@ def _heads_scales(kwargs: Kwargs, expected) -> dict:
             "out": two}
 
 
+# ------------------------------------------------------- the heads' outputs and the dueling
+#: ``heads_out_dueling_bf16``'s odd and extremal cases (module docstring): ``(rows, hidden,
+#: branches, NA)``.
+HOD_ODD = (257, (32, 48, 16), (4, 1), 7)
+HOD_EXTREMAL = (5, (16, 16), (2,), 3)
+
+
+def hod_dims(case: str) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
+    """``(rows, hidden, branches, NA)`` of a shape case (module docstring)."""
+    if case == "extremal":
+        return HOD_EXTREMAL
+    if case == "odd":
+        return HOD_ODD
+    cfg = DQNConfig.preset(case)
+    return (2 * cfg.batch_size, (cfg.value_h,) + (cfg.adv_h,) * cfg.n_branches,
+            tuple(cfg.branches), cfg.num_atoms)
+
+
+def hod_sample(rng, rows: int, hidden, branches, na: int, with_q: bool = True) -> Kwargs:
+    """Keyword arguments of ``heads_out_dueling_bf16`` (module docstring's values; a head's W2
+    rows past its hidden width hold values too: the kernel must not read them)."""
+    out = (na,) + tuple(n * na for n in branches)
+    w2 = np.concatenate([_bf16(rng, (o, max(hidden)), GAIN / np.sqrt(w))
+                         for w, o in zip(hidden, out)])
+    return {"hid": rng.uniform(0.0, 1.0, (rows, sum(hidden))).astype(F32), "w2": w2,
+            "b2": rng.uniform(-BIAS, BIAS, sum(out)).astype(F32), "z": support(na),
+            "hidden": np.array(hidden, np.int32), "out": np.array(out, np.int32),
+            "n_actions": np.array(branches, np.int32), "with_q": with_q}
+
+
+def _hod_sample(d: Dims, rng) -> Kwargs:
+    return hod_sample(rng, *hod_dims(d.case), with_q=d.case != "odd")
+
+
+def _finite_or_max(x: np.ndarray) -> np.ndarray:
+    """``x`` with its non-finite entries as the largest float64 (an unbounded allowance)."""
+    return np.where(np.isfinite(x), x, np.finfo(F64).max)
+
+
+def _hod_scales(kwargs: Kwargs, expected) -> dict:
+    """Per output, the comparison inputs (module docstring)."""
+    hidden, out = (tuple(int(x) for x in kwargs[k]) for k in ("hidden", "out"))
+    branches = tuple(int(n) for n in kwargs["n_actions"])
+    na, rows = out[0], kwargs["hid"].shape[0]
+    two, _, _ = _layer(bf16_to_f32(expected["hid_bf16"]), None,
+                       block_diagonal_w2(kwargs["w2"], hidden, out), kwargs["b2"],
+                       (-np.inf, np.inf))
+    with np.errstate(invalid="ignore", over="ignore"):
+        c64, abs_ab = gemm_reference(two["a"], two["b"])
+        e = gemm_bound(GEMM, c64, abs_ab, two["a"].shape[1])
+        e_v, cells, o0 = e[:, :na], [], na
+        for n in branches:
+            e_adv = e[:, o0:o0 + n * na].reshape(rows, n, na)
+            cells.append((e_v[:, None, :] + e_adv + e_adv.mean(axis=1, keepdims=True)).reshape(-1, na))
+            o0 += n * na
+        lmax_of = np.concatenate(cells)
+        row_max = np.max(np.where(np.isfinite(expected["logits"]),
+                                  np.nan_to_num(lmax_of, nan=np.inf), 0.0), axis=1)
+        carried = {"logits": lmax_of, "logp": lmax_of + row_max[:, None],
+                   "q": 2 * maxabs(kwargs["z"]) * row_max}
+    v, adv = expected["out"][:, :na], expected["out"][:, na:]
+    own = {"logits": (max(branches), maxabs(v) + 2 * maxabs(adv)),
+           "logp": (na, 1.0 + 2 * maxabs(expected["logits"])), "q": (na, maxabs(kwargs["z"]))}
+    out_scales = {"hid_bf16": {}, "out": two}
+    for name, (length, magnitude) in own.items():
+        extra = _finite_or_max(carried[name]) / (REDUCTION_ATOL_PER_ELEM * max(int(length), 1))
+        if name == "q" and not kwargs["with_q"]:
+            extra = np.zeros(0)
+        out_scales[name] = reduction(length, magnitude + extra)
+    return out_scales
+
+
+def hod_rows_stay(kwargs, out, poisoned) -> list[str]:
+    """The contract that a row of ``hid`` whose BF16 copy is not finite (f32 max rounds to Inf)
+    reaches only its own sample's rows of ``out``, ``logits``, ``logp`` and ``q`` (where ``hid``
+    is the poisoned input)."""
+    if poisoned is None or poisoned.split(":")[1] != "hid":
+        return []
+    bad = ~np.all(np.isfinite(bf16_to_f32(f32_to_bf16(kwargs["hid"]))), axis=1)
+    rows = bad.shape[0]
+    branches = tuple(int(n) for n in kwargs["n_actions"])
+    packed = np.concatenate([np.repeat(bad, n) for n in branches])  # branch-packed (d, b, a)
+    problems = []
+    if not np.all(np.isfinite(out["out"][~bad])):
+        problems.append("'out': a non-finite hidden row leaked into another row")
+    for name in ("logits", "logp"):
+        if not np.all(np.isfinite(out[name][~packed])):
+            problems.append(f"{name!r}: a non-finite hidden row leaked into another sample")
+    if kwargs["with_q"] and rows and not np.all(np.isfinite(out["q"][~packed])):
+        problems.append("'q': a non-finite hidden row leaked into another sample")
+    return problems
+
+
 ENTRIES = (
     SpecEntry(
         name="trunk_forward_bf16",
@@ -313,5 +426,24 @@ ENTRIES = (
         ),
         scales=_heads_scales,
         contract=rows_stay("h2b", ("hid", "out"), "h2 row"),
+    ),
+    SpecEntry(
+        name="heads_out_dueling_bf16",
+        outputs={"hid_bf16": u16(BITS), "out": f32(GEMM), "logits": f32(REDUCTION),
+                 "logp": f32(REDUCTION), "q": f32(REDUCTION)},
+        sample=_hod_sample,
+        targets=("hid", "w2", "b2", "z"),
+        errors=error_cases(
+            _hod_sample,
+            lambda k: wrong_dtype(k, "hid"),
+            lambda k: replace(k, hid=k["hid"][:, 1:].copy()),
+            lambda k: replace(k, w2=k["w2"][1:].copy()),
+            lambda k: replace(k, z=k["z"][:-1].copy()),
+            lambda k: replace(k, hidden=(k["hidden"] + 8).astype(np.int32)),
+            lambda k: replace(k, n_actions=np.concatenate([k["n_actions"], k["n_actions"][:1]])),
+            lambda k: replace(k, with_q=1),
+        ),
+        scales=_hod_scales,
+        contract=hod_rows_stay,
     ),
 )

@@ -44,6 +44,14 @@ parameter buffer of its own. Speed (H200, session 27, the README's "The heads' f
 kernel"): 13.3 / 10.4 us a launch in the step's graph (512 / 256 rows) against 10.4 us for the
 nine nodes' part of the online pass's chain; the bf16 step with ``fused_heads=True`` took 118.2
 us against 114.7 us without, so it is off by default.
+
+The heads' outputs with the dueling log-softmax (``plan_heads_out_dueling_bf16(rows, hidden, out,
+branches, NA)``): grid ``(ceil(rows / 16), n_branches)`` of ``HOD_THREADS`` (16 warps), shared
+memory of :func:`hod_shared_bytes` (at most ``SHARED_LIMIT``: no opt-in); shapes it cannot run
+(:func:`check_heads_out_dueling`) raise one ``ValueError``, and the step then keeps the nodes
+(:func:`hod_fusable`). The BF16 training passes use it by default (``fast.step_program``'s
+``FUSE_HEAD_OUTPUTS``; the README's "The heads' outputs and the dueling log-softmax in one
+launch" has its figures).
 """
 
 from __future__ import annotations
@@ -57,12 +65,14 @@ from foxhunt.reference.kernels.trunk import (
     HEADS_FIELDS,
     TRUNK_WIDTH_MULTIPLE,
     HeadsForward,
+    HeadsOutDueling,
     TrunkForward,
     aux_row_bytes,
     check_heads_dims,
     check_trunk_dims,
     heads_packed_offsets,
     validate_heads_forward_bf16,
+    validate_heads_out_dueling_bf16,
     validate_trunk_forward_bf16,
 )
 
@@ -287,6 +297,126 @@ def heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out) -> HeadsForward:
     return HeadsForward(*unpack_heads(hid_w, outs, rows, hid_off, adv_off, hid, hid_bf16, v, adv))
 
 
+# ---------------------------------------------------------------------------------------------
+# heads_out_dueling_bf16 (trunk.cu): f32_to_bf16 of the hidden values, the heads' second layers
+# and dueling_log_softmax_q_branches in one launch; a block per 16 rows and branch.
+# ---------------------------------------------------------------------------------------------
+#: trunk.cu's HOD_WARPS and HOD_TILES: a block's value-head and branch-head outputs in n8 tiles,
+#: at most HOD_TILES a warp (``tests/test_kernels_heads.py`` reads them back).
+HOD_WARPS = 16
+HOD_THREADS = 32 * HOD_WARPS
+HOD_TILES = 2
+#: dueling.cuh's register path (kDuelingRegRows, kWarp * kDuelingRegChunks), which the kernel's
+#: dueling log-softmax runs: at most this many actions a branch and atoms.
+HOD_MAX_ACTIONS = 4
+HOD_MAX_ATOMS = 64
+
+
+def hod_shared_bytes(hidden, out) -> int:
+    """Dynamic shared memory of one block (trunk.cu): the value head's and its branch head's BF16
+    hidden tiles ``BM x (hidden + PAD)``, then their f32 output tiles ``BM x out``; the widest
+    branch's."""
+    bm = TRUNK_ROWS_PER_BLOCK
+    return max(BF16_BYTES * bm * (hidden[0] + hidden[h] + 2 * TRUNK_PAD) + 4 * bm * (out[0] + out[h])
+               for h in range(1, len(hidden)))
+
+
+def check_heads_out_dueling(hidden, out, branches, num_atoms) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape rule of ``heads_out_dueling_bf16`` (trunk.cu's header), one ``ValueError`` naming
+    the field, the value and the rule; returns ``(hidden, out)``."""
+    hidden, out = check_heads_dims(TRUNK_WIDTH_MULTIPLE, hidden, out)
+    branches = tuple(int(n) for n in branches)
+    num_atoms = check_int("num_atoms", num_atoms, minimum=1)
+    if not branches:
+        raise ValueError(f"n_actions={branches}: heads_out_dueling_bf16 needs at least one branch")
+    if len(hidden) != len(branches) + 1:
+        raise ValueError(f"hidden={hidden}: heads_out_dueling_bf16 needs the value head and one "
+                         f"head a branch: {len(branches) + 1} heads for n_actions={branches}")
+    if not 1 <= num_atoms <= HOD_MAX_ATOMS:
+        raise ValueError(f"num_atoms={num_atoms}: heads_out_dueling_bf16 runs the dueling "
+                         f"log-softmax's register path (1 to {HOD_MAX_ATOMS} atoms)")
+    for d, n in enumerate(branches):
+        if not 1 <= n <= HOD_MAX_ACTIONS:
+            raise ValueError(f"n_actions[{d}]={n}: heads_out_dueling_bf16 runs the dueling "
+                             f"log-softmax's register path (1 to {HOD_MAX_ACTIONS} actions)")
+    want = (num_atoms,) + tuple(n * num_atoms for n in branches)
+    if out != want:
+        raise ValueError(f"out={out}: heads_out_dueling_bf16 needs (NA, n_0 NA, ...) = {want}")
+    tiles = max(-(-out[0] // 8) + -(-o // 8) for o in out[1:])
+    if tiles > HOD_WARPS * HOD_TILES:
+        raise ValueError(f"out={out}: heads_out_dueling_bf16 computes at most "
+                         f"{HOD_WARPS * HOD_TILES} n8 tiles a block; the value head and a branch "
+                         f"need {tiles}")
+    nbytes = hod_shared_bytes(hidden, out)
+    if nbytes > SHARED_LIMIT:
+        raise ValueError(f"hidden={hidden}: heads_out_dueling_bf16 needs {nbytes} bytes of "
+                         f"shared memory per block; it runs with at most {SHARED_LIMIT}")
+    return hidden, out
+
+
+def hod_fusable(hidden, out, branches, num_atoms) -> bool:
+    """Whether a pass's heads can end in ``heads_out_dueling_bf16`` (:func:`check_heads_out_dueling`;
+    any architecture the step runs on: sm_80 and newer)."""
+    try:
+        check_heads_out_dueling(hidden, out, branches, num_atoms)
+    except ValueError:
+        return False
+    return True
+
+
+def plan_heads_out_dueling_bf16(rows: int, hidden, out, branches, num_atoms: int) -> Plan:
+    """``((ceil(rows / 16), n_branches), (HOD_THREADS,), hod_shared_bytes(...))``; ``ValueError``
+    for shapes the kernel cannot run (:func:`check_heads_out_dueling`)."""
+    rows = check_int("rows", rows, minimum=1)
+    hidden, out = check_heads_out_dueling(hidden, out, branches, num_atoms)
+    return ((blocks(rows, TRUNK_ROWS_PER_BLOCK), len(hidden) - 1), (HOD_THREADS,),
+            hod_shared_bytes(hidden, out))
+
+
+def heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q) -> HeadsOutDueling:
+    """Test entry of the CUDA ``heads_out_dueling_bf16`` (contract as the reference twin): the
+    heads' W2 and b2 placed one after another in a parameter buffer, the hidden values in the
+    step's packed layout (``hid_align`` the step's ``OPERAND_ALIGN``); the outputs side by side
+    as the twin's."""
+    from foxhunt.fast.step_layout import OPERAND_ALIGN
+    from foxhunt.reference.kernels.fused import branch_offsets
+
+    rows, hid_w, outs, branches, with_q = validate_heads_out_dueling_bf16(
+        hid, w2, b2, z, hidden, out, n_actions, with_q)
+    na = int(z.shape[0])
+    plan = plan_heads_out_dueling_bf16(rows, hid_w, outs, branches, na)
+    offsets, end = [], 0
+    for width, o in zip(hid_w, outs):
+        w2o = end
+        b2o = -(-(w2o + o * width) // HEADS_W_ALIGN) * HEADS_W_ALIGN
+        end = -(-(b2o + o) // HEADS_W_ALIGN) * HEADS_W_ALIGN
+        offsets.append((0, 0, w2o, b2o))  # W1 / b1: not read
+    mirror, params = np.zeros(max(end, 1), U16), np.zeros(max(end, 1), F32)
+    o0 = 0
+    for (_, _, w2o, b2o), width, o in zip(offsets, hid_w, outs):
+        mirror[w2o:w2o + o * width] = w2[o0:o0 + o, :width].ravel()
+        params[b2o:b2o + o] = b2[o0:o0 + o]
+        o0 += o
+    hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
+    packed = np.zeros(max(hid_total, 1), F32)
+    h0 = 0
+    for h, width in enumerate(hid_w):
+        packed[hid_off[h]:hid_off[h] + rows * width] = hid[:, h0:h0 + width].ravel()
+        h0 += width
+    total = sum(branches)
+    hid_bf16, v, adv, logits, logp, q = launch(
+        "heads_out_dueling_bf16", plan, In(packed), In(mirror), In(params),
+        In(heads_table(hid_w, outs, offsets)), In(z), In(np.array(branches, np.int32)),
+        In(np.array(branch_offsets(branches), np.int32)), Out((max(hid_total, 1),), U16),
+        Out((rows, na), F32), Out((max(adv_total, 1),), F32), Out((rows * total, na), F32),
+        Out((rows * total, na), F32), Out((rows * total if with_q else 1,), F32), rows,
+        len(hid_w), OPERAND_ALIGN, na, int(with_q))
+    _, hid_bf16, out_cols = unpack_heads(hid_w, outs, rows, hid_off, adv_off, packed, hid_bf16, v,
+                                         adv)
+    return HeadsOutDueling(hid_bf16, out_cols, logits, logp,
+                           q if with_q else np.zeros(0, F32))
+
+
 def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
     """The packed buffers as the side-by-side ``(hid, hid_bf16, out)`` of ``HeadsForward``."""
     blocks_of = lambda flat, offs, widths: [  # noqa: E731
@@ -297,4 +427,5 @@ def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
             np.concatenate(outs, axis=1))
 
 
-KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16}
+KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16,
+           "heads_out_dueling_bf16": heads_out_dueling_bf16}

@@ -20,6 +20,11 @@ step, after the trunk): every head's first-layer GEMM on ``h2_bf16`` with the RE
 (``dense.gemm`` mode ``"bf16"``, then one f32 bias add). The heads are given side by side
 (:func:`heads_forward_bf16`); :func:`heads_packed_offsets` is the step's packed layout of the
 outputs (``fast/step_layout.py``), which the fast test entry and the CPU executor's twin use.
+
+``heads_out_dueling_bf16``, the composition of the nodes that end a BF16 training pass's heads
+(``StepProgram.forward`` with ``FUSE_HEAD_OUTPUTS``): ``dense.f32_to_bf16`` of the hidden
+values, every head's second-layer GEMM with the BIAS epilogue and
+``fused.dueling_log_softmax_q_branches`` (:func:`heads_out_dueling_bf16`).
 """
 
 from __future__ import annotations
@@ -256,4 +261,89 @@ def heads_packed_offsets(hidden, out, rows: int, hid_align: int):
     return tuple(hid_off), end, tuple(adv_off), end_adv
 
 
-KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16}
+class HeadsOutDueling(NamedTuple):
+    """Outputs of ``heads_out_dueling_bf16``: ``hid_bf16 [rows, HT]`` and ``out [rows, OT]`` side
+    by side as :class:`HeadsForward`'s, then ``dueling_log_softmax_q_branches``' ``logits`` /
+    ``logp [rows * A_total, NA]`` (branch-packed) and ``q [rows * A_total]`` (``[0]`` without
+    ``with_q``)."""
+
+    hid_bf16: np.ndarray  # uint16 [rows, HT]
+    out: np.ndarray       # float32 [rows, OT]
+    logits: np.ndarray    # float32 [rows * A_total, NA]
+    logp: np.ndarray      # float32 [rows * A_total, NA]
+    q: np.ndarray         # float32 [rows * A_total] or [0]
+
+
+def validate_heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q):
+    """The argument checks of ``heads_out_dueling_bf16``; returns ``(rows, hidden, out, branches,
+    with_q)``: ``hid [rows, HT]`` float32, ``w2 [OT, max(hidden)]`` uint16, ``b2 [OT]`` float32,
+    ``z [NA]`` float32, ``hidden`` / ``out`` int32 ``[n_heads]`` (2 to HEADS_MAX heads, every
+    hidden width a positive multiple of 16), ``n_actions`` int32 ``[n_heads - 1]`` with ``out[0] ==
+    NA`` and ``out[d + 1] == n_actions[d] * NA``, ``with_q`` a bool."""
+    from foxhunt.reference.kernels.fused import require_branches
+
+    require_array("hid", hid, F32, ndim=2)
+    require_array("hidden", hidden, np.dtype(np.int32), ndim=1)
+    require_array("out", out, np.dtype(np.int32), ndim=1)
+    require_array("n_actions", n_actions, np.dtype(np.int32), ndim=1)
+    rows = hid.shape[0]
+    hid_w, outs = check_heads_dims(TRUNK_WIDTH_MULTIPLE, hidden, out)
+    if len(hid_w) < 2:
+        raise ValueError(f"hidden={hid_w}: heads_out_dueling_bf16 needs the value head and at "
+                         "least one branch head")
+    branches = require_branches(tuple(int(n) for n in n_actions))
+    require_array("z", z, F32, ndim=1)
+    na = z.shape[0]
+    want = (na,) + tuple(n * na for n in branches)
+    if outs != want:
+        raise ValueError(f"out={outs}: heads_out_dueling_bf16 needs (NA, n_0 NA, ...) = {want} "
+                         f"for NA = z.shape[0] = {na} and n_actions = {branches}")
+    require_shape("hid", hid, (rows, sum(hid_w)), "[rows, sum(hidden)]")
+    require_array("w2", w2, U16, ndim=2)
+    require_shape("w2", w2, (sum(outs), max(hid_w)), "[sum(out), max(hidden)]")
+    require_array("b2", b2, F32, ndim=1)
+    require_shape("b2", b2, (sum(outs),), "[sum(out)]")
+    check_int("rows", rows, minimum=1)
+    if not isinstance(with_q, (bool, np.bool_)):
+        raise ValueError(f"with_q: {with_q!r} is not allowed; expected True or False")
+    return rows, hid_w, outs, branches, bool(with_q)
+
+
+def heads_out_dueling_bf16(hid: np.ndarray, w2: np.ndarray, b2: np.ndarray, z: np.ndarray,
+                           hidden: np.ndarray, out: np.ndarray, n_actions: np.ndarray,
+                           with_q) -> HeadsOutDueling:
+    """A pass's heads from their hidden values to the dueling log-softmax, as the nodes it
+    replaces compute it (the heads side by side as in :func:`heads_forward_bf16`):
+
+    - ``hid_bf16 = f32_to_bf16(hid)``;
+    - per head h: ``out[:, O_h] = hid_bf16[:, H_h] @ w2[O_h, :hidden[h]]^T + b2[O_h]`` (GEMM on
+      the BF16 values, float32 accumulation, one f32 bias add); head 0 is the value head ``v
+      [rows, NA]``, head d + 1 branch d's advantages ``[rows, n_d NA]`` (the rows of branch d's
+      block of the packed ``adv``);
+    - ``logits, logp, q = fused.dueling_log_softmax_q_branches(v, adv, z, n_actions, with_q)``.
+
+    NaN contract: the nodes' composed (IEEE through the GEMMs: a NaN or Inf in row i of ``hid``
+    reaches row i of its head's outputs; in ``w2`` row j or ``b2[j]`` that output column in every
+    row; ``f32_to_bf16`` keeps NaN; then ``dueling_log_softmax_q_branches``' contract).
+    """
+    from foxhunt.reference.kernels import fused
+
+    rows, hid_w, outs, branches, with_q = validate_heads_out_dueling_bf16(
+        hid, w2, b2, z, hidden, out, n_actions, with_q)
+    hid_bf16 = dense.f32_to_bf16(hid)
+    parts = []
+    for h, (width, o0, o1) in enumerate(zip(hid_w, np.cumsum((0,) + outs[:-1]), np.cumsum(outs))):
+        h0 = sum(hid_w[:h])
+        pre = dense.gemm(dense.bf16_to_f32(hid_bf16[:, h0:h0 + width]),
+                         dense.bf16_to_f32(w2[o0:o1, :width]), trans_b=True, mode="bf16",
+                         rounded=True)
+        parts.append((pre + b2[o0:o1]).astype(F32))
+    na = int(z.shape[0])
+    adv = np.concatenate([p.reshape(-1, na) for p in parts[1:]], axis=0).astype(F32)
+    r = fused.dueling_log_softmax_q_branches(parts[0], adv, z, branches, with_q)
+    return HeadsOutDueling(hid_bf16, np.concatenate(parts, axis=1).astype(F32), r.logits, r.logp,
+                           r.q)
+
+
+KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16,
+           "heads_out_dueling_bf16": heads_out_dueling_bf16}

@@ -1,0 +1,271 @@
+"""The heads' outputs with the dueling log-softmax in one launch (``heads_out_dueling_bf16``): its
+reference twin against torch in float64, the launch plan and its refusals, the constants the
+plan shares with ``cuda_src``, the conformance entry on another summation order and on a missed
+bias, and the step: one launch a BF16 training pass in place of ``f32_to_bf16``, the heads'
+second-layer GEMMs and ``dueling_log_softmax_q_branches``, the CPU executor's steps bit for bit
+as those nodes'. GPU (skipped without a device, with the reason): the kernel against the twin,
+its dueling outputs bit for bit those of the fast ``dueling_log_softmax_q_branches`` on its own
+``v`` / ``adv``, a NaN row, determinism.
+
+NVRTC compiles ``cuda_src/trunk.cu`` in ``tests/test_fast_build.py`` (every source file).
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import numpy as np
+import pytest
+import torch
+
+import foxhunt.fast.step_program as step_program
+from foxhunt.conformance.registry import SPECS
+from foxhunt.conformance.specs.trunk import hod_dims, hod_sample
+from foxhunt.conformance.tolerance import compare, gamma
+from foxhunt.fast.device import cuda_available
+from foxhunt.fast.kernels import trunk as fast_trunk
+from foxhunt.reference.config import DQNConfig
+from foxhunt.reference.kernels import fused
+from foxhunt.reference.kernels.dense import bf16_to_f32, f32_to_bf16
+from foxhunt.reference.kernels.trunk import HeadsOutDueling, heads_out_dueling_bf16
+from cpu_step_runs import assert_runs_bitwise_equal, launch_count, step_run
+
+F32 = np.float32
+SPEC = SPECS["heads_out_dueling_bf16"]
+_GPU, _WHY = cuda_available()
+gpu = pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
+CASES = ("tiny", "seed", "odd", "extremal")
+
+
+def _kwargs(case: str, seed: int = 0) -> dict:
+    return hod_sample(np.random.default_rng(seed), *hod_dims(case), with_q=case != "odd")
+
+
+def _failures(kwargs, actual: HeadsOutDueling, expected: HeadsOutDueling) -> list[str]:
+    """The entry's comparison of every output (``expected`` plays the reference)."""
+    got, want = SPEC.split_outputs(actual), SPEC.split_outputs(expected)
+    inputs = SPEC.compare_inputs(kwargs, want)
+    results = [compare(f"heads_out.{out}", got[out], want[out], SPEC.tolerance_of(out), inputs[out])
+               for out in want]
+    return [r.message for r in results if not r.passed]
+
+
+def _pack(out: np.ndarray, na: int, branches) -> tuple[np.ndarray, np.ndarray]:
+    """``(v, adv)`` of side-by-side head outputs (adv branch-packed)."""
+    adv, o0 = [], na
+    for n in branches:
+        adv.append(out[:, o0:o0 + n * na].reshape(-1, na))
+        o0 += n * na
+    return np.ascontiguousarray(out[:, :na]), np.concatenate(adv).astype(F32)
+
+
+# ------------------------------------------------------------------- the twin against torch
+@pytest.mark.parametrize("case", ["tiny", "odd", "extremal"])
+def test_twin_is_the_heads_outputs_and_dueling_log_softmax_in_float64(case):
+    kw = _kwargs(case)
+    r = heads_out_dueling_bf16(**kw)
+    assert np.array_equal(r.hid_bf16, f32_to_bf16(kw["hid"]))
+    t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
+    hb, w2, b2 = t(bf16_to_f32(r.hid_bf16)), t(bf16_to_f32(kw["w2"])), t(kw["b2"])
+    hidden, outs = kw["hidden"].tolist(), kw["out"].tolist()
+    cols = []
+    h0 = o0 = 0
+    for width, o in zip(hidden, outs):
+        a, w = hb[:, h0:h0 + width], w2[o0:o0 + o, :width]
+        pre = a @ w.T + b2[o0:o0 + o]
+        bound = (2 * gamma(width + 1) * (a.abs() @ w.abs().T + b2[o0:o0 + o].abs())).numpy()
+        assert np.all(np.abs(r.out[:, o0:o0 + o] - pre.numpy()) <= bound)
+        cols.append(pre)
+        h0, o0 = h0 + width, o0 + o
+    # The dueling log-softmax of the twin's own outputs, in float64 with torch.
+    na, branches = outs[0], kw["n_actions"].tolist()
+    v = t(r.out[:, :na])
+    logits, q, o0 = [], [], na
+    for n in branches:
+        adv = t(r.out[:, o0:o0 + n * na]).reshape(-1, n, na)
+        x = (v[:, None, :] + (adv - adv.mean(dim=1, keepdim=True))).reshape(-1, na)
+        logits.append(x)
+        o0 += n * na
+    x = torch.cat(logits)
+    logp = torch.log_softmax(x, dim=1)
+    assert np.allclose(r.logits, x.numpy(), rtol=1e-5, atol=1e-5)
+    assert np.allclose(r.logp, logp.numpy(), rtol=1e-5, atol=1e-5)
+    if kw["with_q"]:
+        assert np.allclose(r.q, (logp.exp() @ t(kw["z"])).numpy(), rtol=1e-4, atol=1e-4)
+    else:
+        assert r.q.shape == (0,)
+
+
+def test_twin_reads_no_w2_column_past_its_heads_hidden_width():
+    kw = _kwargs("odd")
+    w2 = kw["w2"].copy()
+    o0 = 0
+    for width, o in zip(kw["hidden"].tolist(), kw["out"].tolist()):
+        w2[o0:o0 + o, width:] = np.uint16(0x7FC0)  # a BF16 NaN
+        o0 += o
+    poked, base = heads_out_dueling_bf16(**dict(kw, w2=w2)), heads_out_dueling_bf16(**kw)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(poked, base))
+
+
+def test_twin_is_the_composition_of_the_nodes():
+    """hid_bf16 the f32_to_bf16 of hid; logits / logp / q exactly dueling_log_softmax_q_branches
+    of the twin's own head outputs."""
+    kw = _kwargs("seed")
+    r = heads_out_dueling_bf16(**kw)
+    v, adv = _pack(r.out, int(kw["out"][0]), kw["n_actions"].tolist())
+    d = fused.dueling_log_softmax_q_branches(v, adv, kw["z"], tuple(kw["n_actions"].tolist()), True)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip((r.logits, r.logp, r.q), d))
+
+
+# ------------------------------------------------------------------------------ the plan
+def test_plan_of_the_seed_shapes():
+    rows, hidden, branches, na = hod_dims("seed")
+    out = (na,) + tuple(n * na for n in branches)
+    grid, block, nbytes = fast_trunk.plan_heads_out_dueling_bf16(rows, hidden, out, branches, na)
+    assert grid == (rows // 16, len(branches)) and block == (512,)
+    # Two BF16 hidden tiles 16 x 136, then the value head's and a branch's f32 outputs (16 x 51
+    # and 16 x 153, the widest branch).
+    assert nbytes == 2 * 16 * (136 + 136) + 4 * 16 * (51 + 153)
+
+
+def _cu_define(name: str) -> int:
+    text = (resources.files("foxhunt.cuda_src") / "trunk.cu").read_text()
+    return int(re.search(rf"^#define {name} (\d+)$", text, re.M).group(1))
+
+
+def _cuh_constexpr(name: str) -> int:
+    text = (resources.files("foxhunt.cuda_src") / "dueling.cuh").read_text()
+    return int(re.search(rf"constexpr int {name} = (\d+);", text).group(1))
+
+
+def test_plan_constants_are_the_sources():
+    assert fast_trunk.HOD_WARPS == _cu_define("HOD_WARPS")
+    assert fast_trunk.HOD_TILES == _cu_define("HOD_TILES")
+    assert fast_trunk.HOD_THREADS == 32 * fast_trunk.HOD_WARPS
+    assert fast_trunk.HOD_MAX_ACTIONS == _cuh_constexpr("kDuelingRegRows")
+    assert fast_trunk.HOD_MAX_ATOMS == 32 * _cuh_constexpr("kDuelingRegChunks")
+
+
+@pytest.mark.parametrize("args, match", [
+    (((16, 24), (3, 6), (2,), 3), r"^hidden\[1\]=24: .*multiple of 16$"),
+    (((16,), (3,), (), 3), r"^n_actions=\(\): heads_out_dueling_bf16 needs at least one branch$"),
+    (((16, 16, 16), (3, 6, 6), (2,), 3), r"^hidden=\(16, 16, 16\): heads_out_dueling_bf16 needs "
+                                         r"the value head and one head a branch: 2 heads for "
+                                         r"n_actions=\(2,\)$"),
+    (((16, 16), (3, 15), (5,), 3), r"^n_actions\[0\]=5: .*\(1 to 4 actions\)$"),
+    (((16, 16), (65, 130), (2,), 65), r"^num_atoms=65: .*\(1 to 64 atoms\)$"),
+    (((16, 16), (3, 7), (2,), 3), r"^out=\(3, 7\): heads_out_dueling_bf16 needs \(NA, n_0 NA, "
+                                  r"\.\.\.\) = \(3, 6\)$"),
+    (((16, 16), (64, 256), (4,), 64), r"computes at most 32 n8 tiles a block; the value head and "
+                                      r"a branch need 40$"),
+    (((1024, 1024), (51, 153), (3,), 51), r"^hidden=\(1024, 1024\): heads_out_dueling_bf16 needs "
+                                        r"\d+ bytes of shared memory per block; it runs with at "
+                                        r"most 49152$"),
+])
+def test_plan_refuses_shapes_the_kernel_cannot_run(args, match):
+    hidden, out, branches, na = args
+    with pytest.raises(ValueError, match=match):
+        fast_trunk.plan_heads_out_dueling_bf16(64, hidden, out, branches, na)
+    assert not fast_trunk.hod_fusable(hidden, out, branches, na)
+
+
+def test_entry_accepts_another_summation_order_and_catches_a_missed_bias():
+    """The conformance entry against the twin: float64 GEMMs rounded once (another legitimate
+    order) and the dueling log-softmax of those pass; dropping one output column's bias fails
+    (``out``, and the logits carried through it)."""
+    kw = _kwargs("seed", seed=3)
+    ref = heads_out_dueling_bf16(**kw)
+    hidden, outs = kw["hidden"].tolist(), kw["out"].tolist()
+    hb = bf16_to_f32(ref.hid_bf16).astype(np.float64)
+    cols, h0, o0 = [], 0, 0
+    for width, o in zip(hidden, outs):
+        w = bf16_to_f32(kw["w2"][o0:o0 + o, :width]).astype(np.float64)
+        cols.append((hb[:, h0:h0 + width] @ w.T + kw["b2"][o0:o0 + o]).astype(F32))
+        h0, o0 = h0 + width, o0 + o
+    out = np.concatenate(cols, axis=1)
+
+    def result(out):
+        v, adv = _pack(out, outs[0], kw["n_actions"].tolist())
+        d = fused.dueling_log_softmax_q_branches(v, adv, kw["z"], tuple(kw["n_actions"].tolist()),
+                                                 True)
+        return HeadsOutDueling(ref.hid_bf16, out, *d)
+
+    assert not _failures(kw, result(out), ref)
+    missed = out.copy()
+    missed[:, 60] -= kw["b2"][60]
+    failed = _failures(kw, result(missed), ref)
+    assert any("heads_out.out" in m for m in failed) and any("heads_out.logits" in m for m in failed)
+
+
+# ------------------------------------------------------------------------ in the step plan
+@pytest.mark.parametrize("precision, fused_launches", [("bf16", 2), ("f32", 0), ("tf32", 0)])
+def test_a_bf16_training_pass_ends_its_heads_in_one_launch(precision, fused_launches):
+    """Graph 1 of the seed step (the CPU executor's plans): in BF16 the online and target passes
+    each run ONE heads_out_dueling_bf16 in place of f32_to_bf16, four second-layer GEMMs and
+    dueling_log_softmax_q_branches; f32 and tf32 keep the nodes."""
+    from foxhunt.fast.cpu_executor import CpuEngine
+
+    graph1 = CpuEngine(DQNConfig.preset("seed", precision=precision)).plans["graph1"]
+    assert launch_count(graph1, "heads_out_dueling_bf16") == fused_launches
+    assert launch_count(graph1, "dueling_log_softmax_q_branches") == 2 - fused_launches
+
+
+@pytest.mark.parametrize("options", [{}, dict(fused_trunk=True), dict(fused_heads=True)],
+                         ids=["plain", "fused-trunk", "fused-heads"])
+def test_on_the_cpu_executor_the_step_is_bitwise_the_nodes(options, monkeypatch):
+    """The launch's twin is the composition of the nodes' reference functions, so the CPU
+    executor's steps with and without it end in the same bits (every state buffer, the step
+    scalars, the TD errors and the greedy Q's), the second-wave sources on. With
+    ``fused_heads`` the heads' fused forward runs instead (the launch is not used)."""
+    config = DQNConfig.preset("tiny", precision="bf16", lambda_iqn=1.0,
+                              aux_next_bar_weight=0.1, aux_regime_weight=0.1)
+    with_launch = step_run(config, options)
+    monkeypatch.setattr(step_program, "FUSE_HEAD_OUTPUTS", False)
+    assert_runs_bitwise_equal(config, step_run(config, options), with_launch)
+
+
+# --------------------------------------------------------------------------------- GPU
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_fused_kernel_conforms_to_the_twin(case):
+    kw = _kwargs(case, seed=7)
+    assert not _failures(kw, fast_trunk.heads_out_dueling_bf16(**kw), heads_out_dueling_bf16(**kw))
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["seed", "odd"])
+def test_its_dueling_outputs_are_the_fast_dueling_kernels_on_its_own_outputs(case):
+    """Bit for bit (NaN payloads aside): the kernel runs dueling_log_softmax_q_branches' register
+    path on the v / adv it computed."""
+    from foxhunt.fast.kernels import fused as fast_fused
+
+    kw = _kwargs(case, seed=11)
+    got = fast_trunk.heads_out_dueling_bf16(**kw)
+    v, adv = _pack(got.out, int(kw["out"][0]), kw["n_actions"].tolist())
+    d = fast_fused.dueling_log_softmax_q_branches(v, adv, kw["z"], tuple(kw["n_actions"].tolist()),
+                                                  bool(kw["with_q"]))
+    bits = lambda x: np.where(np.isnan(x), np.float32(np.nan), x).view(np.uint32)  # noqa: E731
+    for mine, theirs in zip((got.logits, got.logp, got.q), d):
+        assert bits(mine).tobytes() == bits(theirs).tobytes()
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_nan_hidden_row_stays_in_its_sample_and_the_kernel_is_deterministic():
+    kw = _kwargs("seed", seed=9)
+    hid = kw["hid"].copy()
+    hid[37, 5] = np.nan  # the value head's hidden values of sample 37
+    first = fast_trunk.heads_out_dueling_bf16(**{**kw, "hid": hid})
+    second = fast_trunk.heads_out_dueling_bf16(**{**kw, "hid": hid})
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(first, second))
+    rows = hid.shape[0]
+    others = np.arange(rows) != 37
+    assert np.isnan(first.out[37, :int(kw["out"][0])]).all()
+    assert np.isfinite(first.out[others]).all()
+    sample = np.concatenate([np.repeat(np.arange(rows) == 37, n) for n in kw["n_actions"]])
+    assert np.isnan(first.logp[sample]).all() and np.isfinite(first.logp[~sample]).all()
+    clean = fast_trunk.heads_out_dueling_bf16(**kw)
+    assert first.logp[~sample].tobytes() == clean.logp[~sample].tobytes()
