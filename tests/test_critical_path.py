@@ -145,14 +145,14 @@ def test_fused_trunk_takes_three_nodes_off_each_pass(capsys):
     assert "--fused-trunk: the fused kernel is bf16 only" in capsys.readouterr().err
 
 
-def test_fused_heads_run_one_node_for_nine_in_each_pass(capsys):
-    """``--fused-heads``: the online and target passes each run one heads_forward_bf16 for the
-    four first-layer GEMMs, f32_to_bf16 and the four second-layer GEMMs (two on the chain's
-    depth: first layer, f32_to_bf16, second layer)."""
+def test_fused_heads_run_two_nodes_for_five_in_each_pass(capsys):
+    """``--fused-heads``: the online and target passes each run heads_forward_bf16 and
+    dueling_log_softmax_q_branches for the four first-layer GEMMs and heads_out_dueling_bf16
+    (the BF16 step's default end of a pass's heads); both are two nodes deep."""
     plain = cp.table("seed", "bf16", ["core"])[0]["paths"]["graph1"]
     fused = cp.table("seed", "bf16", ["core"], {"fused_heads": True})[0]["paths"]["graph1"]
-    assert plain.nodes - fused.nodes == 2 * 8
-    assert plain.depth - fused.depth == 2
+    assert plain.nodes - fused.nodes == 2 * 3
+    assert plain.depth == fused.depth
     assert cp.main(["core", "--fused-heads", "--fused-trunk"]) == 0
     with pytest.raises(SystemExit):
         cp.main(["core", "--fused-heads", "--measure", "--members", "2"])

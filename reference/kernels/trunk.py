@@ -211,6 +211,21 @@ def validate_heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out):
     return rows, h2, hid, outs
 
 
+def second_layers(hid_bf16: np.ndarray, w2: np.ndarray, b2: np.ndarray, hidden, out) -> list:
+    """Every head's second layer ``hid_bf16[:, H_h] @ w2[O_h, :hidden[h]]^T + b2[O_h]`` (the
+    GEMM on the BF16 values, float32 accumulation, one f32 bias add), a ``[rows, out[h]]``
+    float32 array a head (the heads side by side as in :func:`heads_forward_bf16`)."""
+    parts = []
+    for h, (width, o0, o1) in enumerate(zip(hidden, np.cumsum((0,) + tuple(out[:-1])),
+                                            np.cumsum(out))):
+        h0 = sum(hidden[:h])
+        pre = dense.gemm(dense.bf16_to_f32(hid_bf16[:, h0:h0 + width]),
+                         dense.bf16_to_f32(w2[o0:o1, :width]), trans_b=True, mode="bf16",
+                         rounded=True)
+        parts.append((pre + b2[o0:o1]).astype(F32, copy=False))
+    return parts
+
+
 def heads_forward_bf16(h2b: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.ndarray,
                        b2: np.ndarray, hidden: np.ndarray, out: np.ndarray) -> HeadsForward:
     """The heads' forward of ``rows`` BF16 h2 rows, as the nodes it replaces compute it, per head
@@ -234,13 +249,7 @@ def heads_forward_bf16(h2b: np.ndarray, w1: np.ndarray, b1: np.ndarray, w2: np.n
         dense.gemm(dense.bf16_to_f32(h2b), dense.bf16_to_f32(w1), trans_b=True, mode="bf16",
                    rounded=True), b1)
     hid_bf16 = dense.f32_to_bf16(hid)
-    parts = []
-    for h, (width, o0, o1) in enumerate(zip(hid_w, np.cumsum((0,) + outs[:-1]), np.cumsum(outs))):
-        h0 = sum(hid_w[:h])
-        pre = dense.gemm(dense.bf16_to_f32(hid_bf16[:, h0:h0 + width]),
-                         dense.bf16_to_f32(w2[o0:o1, :width]), trans_b=True, mode="bf16",
-                         rounded=True)
-        parts.append(pre + b2[o0:o1])
+    parts = second_layers(hid_bf16, w2, b2, hid_w, outs)
     return HeadsForward(hid, hid_bf16, np.concatenate(parts, axis=1).astype(F32))
 
 
@@ -331,13 +340,7 @@ def heads_out_dueling_bf16(hid: np.ndarray, w2: np.ndarray, b2: np.ndarray, z: n
     rows, hid_w, outs, branches, with_q = validate_heads_out_dueling_bf16(
         hid, w2, b2, z, hidden, out, n_actions, with_q)
     hid_bf16 = dense.f32_to_bf16(hid)
-    parts = []
-    for h, (width, o0, o1) in enumerate(zip(hid_w, np.cumsum((0,) + outs[:-1]), np.cumsum(outs))):
-        h0 = sum(hid_w[:h])
-        pre = dense.gemm(dense.bf16_to_f32(hid_bf16[:, h0:h0 + width]),
-                         dense.bf16_to_f32(w2[o0:o1, :width]), trans_b=True, mode="bf16",
-                         rounded=True)
-        parts.append((pre + b2[o0:o1]).astype(F32))
+    parts = second_layers(hid_bf16, w2, b2, hid_w, outs)
     na = int(z.shape[0])
     adv = np.concatenate([p.reshape(-1, na) for p in parts[1:]], axis=0).astype(F32)
     r = fused.dueling_log_softmax_q_branches(parts[0], adv, z, branches, with_q)
