@@ -449,15 +449,25 @@ class StepProgram:
                        logits=logits, logp=logp, q=q if with_q else None, rows=rows,
                        n_heads=len(lay.heads), hid_align=OPERAND_ALIGN, num_atoms=lay.NA,
                        with_q=with_q)
-            if support_plan.live_q(c, q):  # adaptive_atoms: each branch's Q on its live support
-                support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
-            return
+        else:
+            self._heads_to_dueling(ops, tag=tag, rows=rows, which=which, h2_in=h2_in,
+                                   firsts=firsts, fuse_heads=fuse_heads, logits=logits, logp=logp,
+                                   q=q, with_q=with_q)
+        if support_plan.live_q(c, q):  # adaptive_atoms: each branch's Q on its live support
+            support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
+
+    def _heads_to_dueling(self, ops: Ops, *, tag: str, rows: int, which: int, h2_in: Buf,
+                          firsts: list, fuse_heads: bool, logits: Buf, logp: Buf, q: Buf | None,
+                          with_q: int) -> None:
+        """The heads' forward as ``heads_forward_bf16`` (with ``fuse_heads`` where
+        :attr:`heads_fused`) or as nodes, then ``dueling_log_softmax_q_branches``."""
+        lay = self.lay
         if fuse_heads and self.heads_fused:
             fused = ops.branch() if firsts else ops
             fused.kernel("heads_forward_bf16",
                          self.kernels("trunk").plan_heads_forward_bf16(
                              rows, lay.H2, lay.head_hidden, lay.head_out, arch=self.arch),
-                         h2b=h2b, mirror=Buf("mirror2", offset=which * lay.NP),
+                         h2b=h2_in, mirror=Buf("mirror2", offset=which * lay.NP),
                          params=Buf("params2", offset=which * lay.NP), table="head_table",
                          hid=Buf(f"hid{tag}"), hid_bf16=Buf(f"hid{tag}_bf16"), v=Buf(f"v{tag}"),
                          adv=Buf(f"adv{tag}"), rows=rows, h2_width=lay.H2, n_heads=len(lay.heads),
@@ -471,8 +481,6 @@ class StepProgram:
                    v=f"v{tag}", adv=f"adv{tag}", z="z", n_actions="n_actions",
                    action_offset="action_offset", logits=logits, logp=logp, q=q, batch=rows,
                    num_atoms=lay.NA, with_q=with_q)
-        if support_plan.live_q(c, q):  # adaptive_atoms: each branch's Q on its live support
-            support_plan.forward_q(self, ops, tag=tag, rows=rows, logp=logp, q=q)
 
     def _heads_first_layers(self, ops: Ops, *, tag: str, rows: int, which: int, h2_in: Buf,
                             firsts: list) -> None:
