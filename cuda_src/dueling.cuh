@@ -124,3 +124,41 @@ static __device__ __forceinline__ void dueling_sample_regs(
         warp_store_row_sums<kRows>(q, q_b, lane);
     }
 }
+
+// z[j] of the lane's atoms j = lane + 32 c (c < kDuelingRegChunks) for dueling_sample_regs: 0 past
+// num_atoms or without `want` (then z is not read).
+static __device__ __forceinline__ void dueling_z_lane(float (&z_lane)[kDuelingRegChunks],
+                                                      const float* __restrict__ z, bool want,
+                                                      int num_atoms, int lane) {
+#pragma unroll
+    for (int c = 0; c < kDuelingRegChunks; ++c) {
+        const int j = lane + c * kWarp;
+        z_lane[c] = (want && j < num_atoms) ? z[j] : 0.0f;
+    }
+}
+
+// dueling_sample_regs<n_d> for a branch's runtime n_d (1 <= n_d <= kDuelingRegRows: the callers
+// take this path only then).
+static __device__ __forceinline__ void dueling_sample_regs_n(
+    int num_actions, const float* __restrict__ v_b, const float* __restrict__ adv_b,
+    const float (&z_lane)[kDuelingRegChunks], float* __restrict__ logits_b,
+    float* __restrict__ logp_b, float* __restrict__ q_b, bool with_q, int num_atoms, int lane) {
+    switch (num_actions) {
+        case 1:
+            dueling_sample_regs<1>(v_b, adv_b, z_lane, logits_b, logp_b, q_b, with_q, num_atoms,
+                                   lane);
+            break;
+        case 2:
+            dueling_sample_regs<2>(v_b, adv_b, z_lane, logits_b, logp_b, q_b, with_q, num_atoms,
+                                   lane);
+            break;
+        case 3:
+            dueling_sample_regs<3>(v_b, adv_b, z_lane, logits_b, logp_b, q_b, with_q, num_atoms,
+                                   lane);
+            break;
+        default:
+            dueling_sample_regs<4>(v_b, adv_b, z_lane, logits_b, logp_b, q_b, with_q, num_atoms,
+                                   lane);
+            break;
+    }
+}

@@ -163,11 +163,7 @@ dueling_log_softmax_q_branches(const float* __restrict__ v, const float* __restr
     const bool in_regs = num_actions >= 1 && num_actions <= kDuelingRegRows &&
                          num_atoms <= kWarp * kDuelingRegChunks;
     float z_lane[kDuelingRegChunks];
-#pragma unroll
-    for (int c = 0; c < kDuelingRegChunks; ++c) {
-        const int j = lane + c * kWarp;
-        z_lane[c] = (in_regs && want_q && j < num_atoms) ? z[j] : 0.0f;
-    }
+    dueling_z_lane(z_lane, z, in_regs && want_q, num_atoms, lane);
     for (int b = blockIdx.x * warps + warp; b < batch; b += gridDim.x * warps) {
         const int row0 = first_row + b * num_actions;  // the sample's first packed row
         const float* adv_b = adv + row0 * num_atoms;
@@ -175,24 +171,8 @@ dueling_log_softmax_q_branches(const float* __restrict__ v, const float* __restr
         if (in_regs) {
             const int offset = row0 * num_atoms;
             float* q_b = want_q ? q + row0 : nullptr;  // not dereferenced without want_q
-            switch (num_actions) {
-                case 1:
-                    dueling_sample_regs<1>(v_b, adv_b, z_lane, logits + offset, logp + offset,
-                                           q_b, want_q, num_atoms, lane);
-                    break;
-                case 2:
-                    dueling_sample_regs<2>(v_b, adv_b, z_lane, logits + offset, logp + offset,
-                                           q_b, want_q, num_atoms, lane);
-                    break;
-                case 3:
-                    dueling_sample_regs<3>(v_b, adv_b, z_lane, logits + offset, logp + offset,
-                                           q_b, want_q, num_atoms, lane);
-                    break;
-                default:
-                    dueling_sample_regs<4>(v_b, adv_b, z_lane, logits + offset, logp + offset,
-                                           q_b, want_q, num_atoms, lane);
-                    break;
-            }
+            dueling_sample_regs_n(num_actions, v_b, adv_b, z_lane, logits + offset,
+                                  logp + offset, q_b, want_q, num_atoms, lane);
             continue;
         }
         for (int j = lane; j < num_atoms; j += kWarp) {

@@ -830,11 +830,7 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
     const int lane = threadIdx.x & 31;
     const bool want_q = with_q != 0;
     float z_lane[kDuelingRegChunks];
-#pragma unroll
-    for (int c = 0; c < kDuelingRegChunks; ++c) {
-        const int j = lane + c * kWarp;
-        z_lane[c] = (want_q && j < num_atoms) ? z[j] : 0.0f;
-    }
+    dueling_z_lane(z_lane, z, want_q, num_atoms, lane);
     // The hidden values to BF16 (rows past `rows` as +0.0), four at a time: quad i < q0 of the
     // value head's tile, then head hb's; HOD_LOADS loads in flight a thread.
     const int quads0 = t.hidden[0] / 4;
@@ -979,23 +975,7 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
         float* q_b = want_q ? q + row : nullptr;  // not dereferenced without want_q
         const float* v_b = o_tile0 + r * num_atoms;
         const float* adv_b = o_tile1 + r * t.out[hb];
-        switch (na) {
-            case 1:
-                dueling_sample_regs<1>(v_b, adv_b, z_lane, logits + offset, logp + offset, q_b,
-                                       want_q, num_atoms, lane);
-                break;
-            case 2:
-                dueling_sample_regs<2>(v_b, adv_b, z_lane, logits + offset, logp + offset, q_b,
-                                       want_q, num_atoms, lane);
-                break;
-            case 3:
-                dueling_sample_regs<3>(v_b, adv_b, z_lane, logits + offset, logp + offset, q_b,
-                                       want_q, num_atoms, lane);
-                break;
-            default:
-                dueling_sample_regs<4>(v_b, adv_b, z_lane, logits + offset, logp + offset, q_b,
-                                       want_q, num_atoms, lane);
-                break;
-        }
+        dueling_sample_regs_n(na, v_b, adv_b, z_lane, logits + offset, logp + offset, q_b, want_q,
+                              num_atoms, lane);
     }
 }

@@ -203,11 +203,52 @@ def _heads_packed(a: Args):
     return rtrunk.heads_packed_offsets(t[:, 0], t[:, 1], a.rows, a.hid_align)
 
 
+def _w2_b2_extent(a: Args) -> int:
+    """Elements of the parameter set the table's W2 and b2 reach (``heads_out_dueling_bf16``
+    reads no more)."""
+    t = _heads(a)
+    return int(max(np.max(t[:, 4] + t[:, 1] * t[:, 0]), np.max(t[:, 5] + t[:, 1])))
+
+
 def _heads_param_extent(a: Args) -> int:
     """Elements of the parameter set the table reaches (its last tensor's end)."""
     t = _heads(a)
     return int(max(np.max(t[:, 2] + t[:, 0] * a.h2_width), np.max(t[:, 3] + t[:, 0]),
-                   np.max(t[:, 4] + t[:, 1] * t[:, 0]), np.max(t[:, 5] + t[:, 1])))
+                   _w2_b2_extent(a)))
+
+
+def _heads_w2_b2(a: Args, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The heads' ``w2 [OT, max(hidden)]`` (BF16; a row's columns past its head's width zero) and
+    ``b2 [OT]`` side by side, gathered from the parameter set by the table ``t``."""
+    hidden, out = t[:, 0], t[:, 1]
+    w2 = np.zeros((int(out.sum()), int(hidden.max())), U16)
+    o0 = 0
+    for (width, o, _, _, w2o, _) in t:
+        w2[o0:o0 + o, :width] = a.mirror[w2o:w2o + o * width].reshape(o, width)
+        o0 += o
+    return w2, np.concatenate([a.params[b2o:b2o + o] for _, o, _, _, _, b2o in t])
+
+
+def _scatter_heads(a: Args, t: np.ndarray, r) -> dict:
+    """A twin's side-by-side ``r.hid_bf16`` / ``r.out`` (and ``r.hid`` where it has one) in the
+    packed buffers (``rtrunk.heads_packed_offsets``): ``{name: the whole buffer}``."""
+    hid_off, _, adv_off, _ = _heads_packed(a)
+    out = {"hid_bf16": a.hid_bf16, "v": a.v, "adv": a.adv}
+    if hasattr(r, "hid"):
+        out["hid"] = a.hid
+    h0 = o0 = 0
+    for h, (width, o) in enumerate(zip(t[:, 0], t[:, 1])):
+        span = slice(hid_off[h], hid_off[h] + a.rows * width)
+        if "hid" in out:
+            out["hid"][span] = r.hid[:, h0:h0 + width].ravel()
+        out["hid_bf16"][span] = r.hid_bf16[:, h0:h0 + width].ravel()
+        block = r.out[:, o0:o0 + o]
+        if h == 0:
+            out["v"][...] = block
+        else:
+            out["adv"][adv_off[h]:adv_off[h] + a.rows * o] = block.ravel()
+        h0, o0 = h0 + width, o0 + o
+    return out
 
 
 @twin("heads_forward_bf16", h2b=("rows", "h2_width"), mirror=_heads_param_extent,
@@ -219,37 +260,12 @@ def _heads_forward_bf16(a):
     outputs scattered into the packed buffers (``rtrunk.heads_packed_offsets``)."""
     t = _heads(a)
     hidden, out, h2 = t[:, 0], t[:, 1], a.h2_width
-    hmax = int(hidden.max())
-    w2 = np.zeros((int(out.sum()), hmax), U16)
-    o0 = 0
-    for (width, o, _, _, w2o, _) in t:
-        w2[o0:o0 + o, :width] = a.mirror[w2o:w2o + o * width].reshape(o, width)
-        o0 += o
+    w2, b2 = _heads_w2_b2(a, t)
     r = rtrunk.heads_forward_bf16(
         a.h2b, np.concatenate([a.mirror[w1o:w1o + w * h2].reshape(w, h2) for w, _, w1o, *_ in t]),
-        np.concatenate([a.params[b1o:b1o + w] for w, _, _, b1o, _, _ in t]), w2,
-        np.concatenate([a.params[b2o:b2o + o] for _, o, _, _, _, b2o in t]),
+        np.concatenate([a.params[b1o:b1o + w] for w, _, _, b1o, _, _ in t]), w2, b2,
         hidden.astype(np.int32), out.astype(np.int32))
-    hid_off, _, adv_off, _ = _heads_packed(a)
-    hid, hid_bf16, v, adv = a.hid, a.hid_bf16, a.v, a.adv
-    h0 = o0 = 0
-    for h, (width, o) in enumerate(zip(hidden, out)):
-        span = slice(hid_off[h], hid_off[h] + a.rows * width)
-        hid[span] = r.hid[:, h0:h0 + width].ravel()
-        hid_bf16[span] = r.hid_bf16[:, h0:h0 + width].ravel()
-        block = r.out[:, o0:o0 + o]
-        if h == 0:
-            v[...] = block
-        else:
-            adv[adv_off[h]:adv_off[h] + a.rows * o] = block.ravel()
-        h0, o0 = h0 + width, o0 + o
-    return {"hid": hid, "hid_bf16": hid_bf16, "v": v, "adv": adv}
-
-
-def _hod_param_extent(a: Args) -> int:
-    """Elements of the parameter set ``heads_out_dueling_bf16`` reads (W2 and b2 only)."""
-    t = _heads(a)
-    return int(max(np.max(t[:, 4] + t[:, 1] * t[:, 0]), np.max(t[:, 5] + t[:, 1])))
+    return _scatter_heads(a, t, r)
 
 
 def _hod_rows(a: Args) -> int:
@@ -259,7 +275,7 @@ def _hod_rows(a: Args) -> int:
 
 
 @twin("heads_out_dueling_bf16", nullable=("q",), hid=lambda a: max(_heads_packed(a)[1], 1),
-      mirror=_hod_param_extent, params=_hod_param_extent,
+      mirror=_w2_b2_extent, params=_w2_b2_extent,
       table=lambda a: a.n_heads * rtrunk.HEADS_FIELDS, z="num_atoms",
       n_actions=lambda a: a.n_heads - 1, action_offset=lambda a: a.n_heads - 1,
       hid_bf16=lambda a: max(_heads_packed(a)[1], 1), v=("rows", "num_atoms"),
@@ -275,30 +291,14 @@ def _heads_out_dueling_bf16(a):
                         "(the kernel's float4 loads)")
     t = _heads(a)
     hidden, out = t[:, 0], t[:, 1]
-    hid_off, _, adv_off, _ = _heads_packed(a)
-    rows = a.rows
-    w2 = np.zeros((int(out.sum()), int(hidden.max())), U16)
-    o0 = 0
-    for (width, o, _, _, w2o, _) in t:
-        w2[o0:o0 + o, :width] = a.mirror[w2o:w2o + o * width].reshape(o, width)
-        o0 += o
+    hid_off = _heads_packed(a)[0]
+    w2, b2 = _heads_w2_b2(a, t)
     r = rtrunk.heads_out_dueling_bf16(
-        np.concatenate([a.hid[hid_off[h]:hid_off[h] + rows * w].reshape(rows, w)
-                        for h, w in enumerate(hidden)], axis=1), w2,
-        np.concatenate([a.params[b2o:b2o + o] for _, o, _, _, _, b2o in t]), a.z,
+        np.concatenate([a.hid[hid_off[h]:hid_off[h] + a.rows * w].reshape(a.rows, w)
+                        for h, w in enumerate(hidden)], axis=1), w2, b2, a.z,
         hidden.astype(np.int32), out.astype(np.int32),
         np.array(branches(a, a.n_heads - 1), np.int32), bool(a.with_q))
-    hid_bf16, v, adv = a.hid_bf16, a.v, a.adv
-    h0 = o0 = 0
-    for h, (width, o) in enumerate(zip(hidden, out)):
-        hid_bf16[hid_off[h]:hid_off[h] + rows * width] = r.hid_bf16[:, h0:h0 + width].ravel()
-        block = r.out[:, o0:o0 + o]
-        if h == 0:
-            v[...] = block
-        else:
-            adv[adv_off[h]:adv_off[h] + rows * o] = block.ravel()
-        h0, o0 = h0 + width, o0 + o
-    result = {"hid_bf16": hid_bf16, "v": v, "adv": adv, "logits": r.logits, "logp": r.logp}
+    result = {**_scatter_heads(a, t, r), "logits": r.logits, "logp": r.logp}
     if a.with_q and a.view("q") is not None:
         result["q"] = r.q
     return result

@@ -69,6 +69,7 @@ from foxhunt.reference.kernels.trunk import (
     TrunkForward,
     aux_row_bytes,
     check_heads_dims,
+    check_heads_out_dims,
     check_trunk_dims,
     heads_packed_offsets,
     validate_heads_forward_bf16,
@@ -262,6 +263,33 @@ def heads_table(hidden, out, offsets) -> np.ndarray:
     return np.array(rows, np.int32).reshape(len(rows), HEADS_FIELDS)
 
 
+def place_heads(hidden, out, w2, b2, w1=None, b1=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The test entries' parameter set: the heads' tensors one after another (each start a
+    multiple of ``HEADS_W_ALIGN``), the BF16 weights in a mirror, the f32 biases in a parameter
+    buffer of the same length, given side by side (``w2 [OT, max(hidden)]``, a head's first
+    ``hidden[h]`` columns placed); ``(mirror, params, table)``. Without ``w1`` / ``b1`` (``[HT,
+    H2]`` / ``[HT]``; ``heads_out_dueling_bf16`` reads neither) they take no room."""
+    h2 = 0 if w1 is None else w1.shape[1]
+    offsets, end = [], 0
+    for width, o in zip(hidden, out):
+        head = []
+        for size in (width * h2, 0 if b1 is None else width, o * width, o):
+            head.append(end)
+            end = -(-(end + size) // HEADS_W_ALIGN) * HEADS_W_ALIGN
+        offsets.append(head)
+    mirror, params = np.zeros(max(end, 1), U16), np.zeros(max(end, 1), F32)
+    h0 = o0 = 0
+    for (w1o, b1o, w2o, b2o), width, o in zip(offsets, hidden, out):
+        if w1 is not None:
+            mirror[w1o:w1o + width * h2] = w1[h0:h0 + width].ravel()
+        if b1 is not None:
+            params[b1o:b1o + width] = b1[h0:h0 + width]
+        mirror[w2o:w2o + o * width] = w2[o0:o0 + o, :width].ravel()
+        params[b2o:b2o + o] = b2[o0:o0 + o]
+        h0, o0 = h0 + width, o0 + o
+    return mirror, params, heads_table(hidden, out, offsets)
+
+
 def heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out) -> HeadsForward:
     """Test entry of the CUDA ``heads_forward_bf16`` (contract as the reference twin): the heads'
     tensors are placed one after another in a parameter buffer (BF16 weights, f32 biases), the
@@ -270,22 +298,7 @@ def heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out) -> HeadsForward:
     from foxhunt.fast.step_layout import OPERAND_ALIGN
 
     rows, h2, hid_w, outs = validate_heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out)
-    offsets, end = [], 0
-    for width, o in zip(hid_w, outs):
-        head = []
-        for size in (width * h2, width, o * width, o):
-            head.append(end)
-            end = -(-(end + size) // HEADS_W_ALIGN) * HEADS_W_ALIGN
-        offsets.append(head)
-    mirror, params = np.zeros(end, U16), np.zeros(end, F32)
-    h0 = o0 = 0
-    for (w1o, b1o, w2o, b2o), width, o in zip(offsets, hid_w, outs):
-        mirror[w1o:w1o + width * h2] = w1[h0:h0 + width].ravel()
-        params[b1o:b1o + width] = b1[h0:h0 + width]
-        mirror[w2o:w2o + o * width] = w2[o0:o0 + o, :width].ravel()
-        params[b2o:b2o + o] = b2[o0:o0 + o]
-        h0, o0 = h0 + width, o0 + o
-    table = heads_table(hid_w, outs, offsets)
+    mirror, params, table = place_heads(hid_w, outs, w2, b2, w1, b1)
     hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
     rt = runtime()
     plan = plan_heads_forward_bf16(rows, h2, hid_w, outs, arch=rt.device.arch)
@@ -322,16 +335,11 @@ def hod_shared_bytes(hidden, out) -> int:
 
 
 def check_heads_out_dueling(hidden, out, branches, num_atoms) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shape rule of ``heads_out_dueling_bf16`` (trunk.cu's header), one ``ValueError`` naming
-    the field, the value and the rule; returns ``(hidden, out)``."""
-    hidden, out = check_heads_dims(TRUNK_WIDTH_MULTIPLE, hidden, out)
-    branches = tuple(int(n) for n in branches)
-    num_atoms = check_int("num_atoms", num_atoms, minimum=1)
-    if not branches:
-        raise ValueError(f"n_actions={branches}: heads_out_dueling_bf16 needs at least one branch")
-    if len(hidden) != len(branches) + 1:
-        raise ValueError(f"hidden={hidden}: heads_out_dueling_bf16 needs the value head and one "
-                         f"head a branch: {len(branches) + 1} heads for n_actions={branches}")
+    """The shape rule of ``heads_out_dueling_bf16`` (trunk.cu's header): the reference's
+    (``check_heads_out_dims``), then the kernel's limits (the register path's actions and atoms,
+    n8 tiles a block, shared memory); one ``ValueError`` naming the field, the value and the
+    rule; returns ``(hidden, out)``."""
+    hidden, out, branches = check_heads_out_dims(hidden, out, branches, num_atoms)
     if not 1 <= num_atoms <= HOD_MAX_ATOMS:
         raise ValueError(f"num_atoms={num_atoms}: heads_out_dueling_bf16 runs the dueling "
                          f"log-softmax's register path (1 to {HOD_MAX_ATOMS} atoms)")
@@ -339,9 +347,6 @@ def check_heads_out_dueling(hidden, out, branches, num_atoms) -> tuple[tuple[int
         if not 1 <= n <= HOD_MAX_ACTIONS:
             raise ValueError(f"n_actions[{d}]={n}: heads_out_dueling_bf16 runs the dueling "
                              f"log-softmax's register path (1 to {HOD_MAX_ACTIONS} actions)")
-    want = (num_atoms,) + tuple(n * num_atoms for n in branches)
-    if out != want:
-        raise ValueError(f"out={out}: heads_out_dueling_bf16 needs (NA, n_0 NA, ...) = {want}")
     tiles = max(-(-out[0] // 8) + -(-o // 8) for o in out[1:])
     if tiles > HOD_WARPS * HOD_TILES:
         raise ValueError(f"out={out}: heads_out_dueling_bf16 computes at most "
@@ -385,18 +390,7 @@ def heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q) -> He
         hid, w2, b2, z, hidden, out, n_actions, with_q)
     na = int(z.shape[0])
     plan = plan_heads_out_dueling_bf16(rows, hid_w, outs, branches, na)
-    offsets, end = [], 0
-    for width, o in zip(hid_w, outs):
-        w2o = end
-        b2o = -(-(w2o + o * width) // HEADS_W_ALIGN) * HEADS_W_ALIGN
-        end = -(-(b2o + o) // HEADS_W_ALIGN) * HEADS_W_ALIGN
-        offsets.append((0, 0, w2o, b2o))  # W1 / b1: not read
-    mirror, params = np.zeros(max(end, 1), U16), np.zeros(max(end, 1), F32)
-    o0 = 0
-    for (_, _, w2o, b2o), width, o in zip(offsets, hid_w, outs):
-        mirror[w2o:w2o + o * width] = w2[o0:o0 + o, :width].ravel()
-        params[b2o:b2o + o] = b2[o0:o0 + o]
-        o0 += o
+    mirror, params, table = place_heads(hid_w, outs, w2, b2)
     hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
     packed = np.zeros(max(hid_total, 1), F32)
     h0 = 0
@@ -405,9 +399,8 @@ def heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q) -> He
         h0 += width
     total = sum(branches)
     hid_bf16, v, adv, logits, logp, q = launch(
-        "heads_out_dueling_bf16", plan, In(packed), In(mirror), In(params),
-        In(heads_table(hid_w, outs, offsets)), In(z), In(np.array(branches, np.int32)),
-        In(np.array(branch_offsets(branches), np.int32)), Out((max(hid_total, 1),), U16),
+        "heads_out_dueling_bf16", plan, In(packed), In(mirror), In(params), In(table), In(z),
+        In(np.array(branches, np.int32)), In(np.array(branch_offsets(branches), np.int32)), Out((max(hid_total, 1),), U16),
         Out((rows, na), F32), Out((max(adv_total, 1),), F32), Out((rows * total, na), F32),
         Out((rows * total, na), F32), Out((rows * total if with_q else 1,), F32), rows,
         len(hid_w), OPERAND_ALIGN, na, int(with_q))

@@ -283,30 +283,42 @@ class HeadsOutDueling(NamedTuple):
     q: np.ndarray         # float32 [rows * A_total] or [0]
 
 
+def check_heads_out_dims(hidden, out, n_actions, num_atoms):
+    """The shape rule of ``heads_out_dueling_bf16``'s heads (the fast kernel adds its limits: fast
+    ``kernels.trunk.check_heads_out_dueling``): every hidden width a positive multiple of 16, at
+    least one branch, the value head and one head a branch, ``out == (NA, n_0 NA, ...)``; one
+    ``ValueError`` naming the field, the value and the rule. Returns ``(hidden, out, branches)``
+    as int tuples."""
+    from foxhunt.reference.kernels.fused import require_branches
+
+    hidden, out = check_heads_dims(TRUNK_WIDTH_MULTIPLE, hidden, out)
+    branches = tuple(int(n) for n in n_actions)
+    num_atoms = check_int("num_atoms", num_atoms, minimum=1)
+    if not branches:
+        raise ValueError(f"n_actions={branches}: heads_out_dueling_bf16 needs at least one branch")
+    branches = require_branches(branches)
+    if len(hidden) != len(branches) + 1:
+        raise ValueError(f"hidden={hidden}: heads_out_dueling_bf16 needs the value head and one "
+                         f"head a branch: {len(branches) + 1} heads for n_actions={branches}")
+    want = (num_atoms,) + tuple(n * num_atoms for n in branches)
+    if out != want:
+        raise ValueError(f"out={out}: heads_out_dueling_bf16 needs (NA, n_0 NA, ...) = {want}")
+    return hidden, out, branches
+
+
 def validate_heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q):
     """The argument checks of ``heads_out_dueling_bf16``; returns ``(rows, hidden, out, branches,
     with_q)``: ``hid [rows, HT]`` float32, ``w2 [OT, max(hidden)]`` uint16, ``b2 [OT]`` float32,
     ``z [NA]`` float32, ``hidden`` / ``out`` int32 ``[n_heads]`` (2 to HEADS_MAX heads, every
     hidden width a positive multiple of 16), ``n_actions`` int32 ``[n_heads - 1]`` with ``out[0] ==
     NA`` and ``out[d + 1] == n_actions[d] * NA``, ``with_q`` a bool."""
-    from foxhunt.reference.kernels.fused import require_branches
-
     require_array("hid", hid, F32, ndim=2)
     require_array("hidden", hidden, np.dtype(np.int32), ndim=1)
     require_array("out", out, np.dtype(np.int32), ndim=1)
     require_array("n_actions", n_actions, np.dtype(np.int32), ndim=1)
-    rows = hid.shape[0]
-    hid_w, outs = check_heads_dims(TRUNK_WIDTH_MULTIPLE, hidden, out)
-    if len(hid_w) < 2:
-        raise ValueError(f"hidden={hid_w}: heads_out_dueling_bf16 needs the value head and at "
-                         "least one branch head")
-    branches = require_branches(tuple(int(n) for n in n_actions))
     require_array("z", z, F32, ndim=1)
-    na = z.shape[0]
-    want = (na,) + tuple(n * na for n in branches)
-    if outs != want:
-        raise ValueError(f"out={outs}: heads_out_dueling_bf16 needs (NA, n_0 NA, ...) = {want} "
-                         f"for NA = z.shape[0] = {na} and n_actions = {branches}")
+    rows = hid.shape[0]
+    hid_w, outs, branches = check_heads_out_dims(hidden, out, n_actions, z.shape[0])  # NA: z's
     require_shape("hid", hid, (rows, sum(hid_w)), "[rows, sum(hidden)]")
     require_array("w2", w2, U16, ndim=2)
     require_shape("w2", w2, (sum(outs), max(hid_w)), "[sum(out), max(hidden)]")
