@@ -538,6 +538,29 @@ static __device__ __forceinline__ int heads_of(const int* cum, int n, int col) {
     return h;
 }
 
+// Head h's blocks in the packed buffers: hid_off, its hidden block's offset in hid / hid_bf16
+// (the heads' blocks one after another, each starting at a multiple of hid_align), and out_off,
+// its output block's offset in v (h = 0: 0) or adv (the branch heads' blocks one after another,
+// unpadded). `raw` is the table (HEADS_FIELDS ints a head: hidden, out, w1, b1, w2, b2), in
+// shared or global memory (heads_out_dueling_bf16 reads it from global memory in every thread:
+// the loads of heads before h are independent, so they are in flight together).
+static __device__ __forceinline__ void heads_block_offsets(const int* raw, int h, int rows,
+                                                           int hid_align, int& hid_off,
+                                                           int& out_off) {
+    int hid_end = 0;
+    int adv_end = 0;
+#pragma unroll
+    for (int k = 0; k < HEADS_MAX; ++k) {
+        if (k < h) {
+            hid_end = ((hid_end + hid_align - 1) / hid_align) * hid_align
+                      + rows * raw[k * HEADS_FIELDS];
+            adv_end += k == 0 ? 0 : rows * raw[k * HEADS_FIELDS + 1];
+        }
+    }
+    hid_off = ((hid_end + hid_align - 1) / hid_align) * hid_align;
+    out_off = h == 0 ? 0 : adv_end;
+}
+
 // The derived fields of `t` from the raw table `raw` (read into shared memory by the block's
 // threads at once; thread 0 fills `t`: a second fill measured 0.7 us a launch on the H200,
 // session 27).
@@ -546,8 +569,6 @@ static __device__ void heads_fill_table(HeadsTable& t, const int* raw, int n_hea
     t.hcum[0] = 0;
     t.vcum[0] = 0;
     t.hmax = 0;
-    int hid_end = 0;
-    int adv_end = 0;
     for (int h = 0; h < n_heads; ++h) {
         const int* e = raw + h * HEADS_FIELDS;
         t.hidden[h] = e[0];
@@ -559,12 +580,7 @@ static __device__ void heads_fill_table(HeadsTable& t, const int* raw, int n_hea
         t.hcum[h + 1] = t.hcum[h] + t.hidden[h];
         t.vcum[h + 1] = t.vcum[h] + ((t.out[h] + 7) / 8) * 8;
         t.hmax = max(t.hmax, t.hidden[h]);
-        t.hid_off[h] = ((hid_end + hid_align - 1) / hid_align) * hid_align;
-        hid_end = t.hid_off[h] + rows * t.hidden[h];
-        t.out_off[h] = h == 0 ? 0 : adv_end;
-        if (h > 0) {
-            adv_end += rows * t.out[h];
-        }
+        heads_block_offsets(raw, h, rows, hid_align, t.hid_off[h], t.out_off[h]);
     }
 }
 
@@ -769,7 +785,9 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
 // BF16 tiles in shared memory (and writes their hid_bf16; the value head's by branch 0's blocks
 // only), computes the value head's and head d + 1's outputs into shared memory (n8 tiles; warp
 // w the tiles w, w + HOD_WARPS, ..., its B fragments read from the mirror HOD_KSTEPS k16 steps
-// at a time for all its tiles), writes v (branch 0's blocks) and adv, and after a barrier runs
+// at a time for all its tiles, the first HOD_KSTEPS before the hidden values are read, so both
+// loads are in flight together; every thread reads the two heads' table fields itself, with no
+// shared table and no barrier before the loads), writes v (branch 0's blocks) and adv, and after a barrier runs
 // dueling_log_softmax_q_branches' register path (dueling.cuh) on the shared rows, a warp a
 // sample. Every block recomputes the value head for its rows (the same code on the same data:
 // the same bits). The dueling outputs are therefore bitwise those of
@@ -792,6 +810,23 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
 #define HOD_KSTEPS 8
 #define HOD_LOADS 4
 
+// The lane's B fragments of k16 steps k0 .. k0 + HOD_KSTEPS - 1 of its tiles (0 past a tile's
+// steps).
+static __device__ __forceinline__ void hod_load_b(unsigned int (&b)[HOD_TILES][HOD_KSTEPS][2],
+                                                  const unsigned short* const (&b_row)[HOD_TILES],
+                                                  const int (&steps)[HOD_TILES], int k0) {
+#pragma unroll
+    for (int i = 0; i < HOD_TILES; ++i) {
+#pragma unroll
+        for (int j = 0; j < HOD_KSTEPS; ++j) {
+            const int ks = k0 + j;
+            const bool live = ks < steps[i];
+            b[i][j][0] = live ? trunk_ld32(b_row[i] + ks * 16) : 0u;
+            b[i][j][1] = live ? trunk_ld32(b_row[i] + ks * 16 + 8) : 0u;
+        }
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(HOD_THREADS)
 heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __restrict__ mirror,
                        const float* __restrict__ params, const int* __restrict__ table,
@@ -802,27 +837,26 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
                        int hid_align, int num_atoms, int with_q) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     extern __shared__ __align__(16) unsigned short hod_smem[];
-    __shared__ int raw[HEADS_MAX * HEADS_FIELDS];
-    __shared__ HeadsTable t;
-    for (int i = threadIdx.x; i < n_heads * HEADS_FIELDS; i += HOD_THREADS) {
-        raw[i] = table[i];
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        heads_fill_table(t, raw, n_heads, rows, hid_align);
-    }
-    __syncthreads();
     const int d = blockIdx.y;  // branch d: head d + 1
     const int hb = d + 1;
     const int row0 = blockIdx.x * TRUNK_BM;
+    // The two heads' fields, read by every thread from the table (a plan constant: broadcast
+    // loads, no barrier; side s = 0 the value head, s = 1 head hb, chosen by selects: no indexed
+    // arrays). The value head's blocks start at 0 in hid and v (heads_block_offsets' rule).
+    const int* __restrict__ e1 = table + hb * HEADS_FIELDS;
+    const int hidden0 = table[0], hidden1 = e1[0];
+    const int out0 = table[1], out1 = e1[1];
+    const int w2_0 = table[4], w2_1 = e1[4];
+    const int b2_0 = table[5], b2_1 = e1[5];
+    int hid_off1, out_off1;
+    heads_block_offsets(table, hb, rows, hid_align, hid_off1, out_off1);
     // Shared memory: the BF16 A tiles of head 0 and head hb, then their f32 output tiles.
-    // (Two sides, s = 0 the value head and s = 1 head hb, chosen by selects: no indexed arrays.)
-    const int a_stride0 = t.hidden[0] + TRUNK_PAD;
-    const int a_stride1 = t.hidden[hb] + TRUNK_PAD;
+    const int a_stride0 = hidden0 + TRUNK_PAD;
+    const int a_stride1 = hidden1 + TRUNK_PAD;
     unsigned short* a_tile0 = hod_smem;
     unsigned short* a_tile1 = a_tile0 + TRUNK_BM * a_stride0;
     float* o_tile0 = reinterpret_cast<float*>(a_tile1 + TRUNK_BM * a_stride1);
-    float* o_tile1 = o_tile0 + TRUNK_BM * t.out[0];
+    float* o_tile1 = o_tile0 + TRUNK_BM * out0;
 
     // The dueling's branch table and z of the lane's atoms (read now, in flight with the rest).
     const int na = n_actions[d];
@@ -831,10 +865,51 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
     const bool want_q = with_q != 0;
     float z_lane[kDuelingRegChunks];
     dueling_z_lane(z_lane, z, want_q, num_atoms, lane);
+
+    // The second layers' operands: warp w's n8 tiles w + HOD_WARPS i (the value head's first);
+    // their first HOD_KSTEPS k16 steps of B fragments (W2 rows, from the mirror) and the lane's
+    // b2 values are loaded now, in flight with the hidden values' loads below.
+    const int warp = threadIdx.x >> 5;
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int tiles0 = (out0 + 7) / 8;
+    const int tiles = tiles0 + (out1 + 7) / 8;
+    float acc[HOD_TILES][4];
+    float bias[HOD_TILES][2];  // b2 of the lane's two output columns
+    const unsigned short* a_frag[HOD_TILES];
+    const unsigned short* b_row[HOD_TILES];
+    int stride[HOD_TILES], steps[HOD_TILES], side[HOD_TILES], n0[HOD_TILES];
+    int k_steps = 0;
+#pragma unroll
+    for (int i = 0; i < HOD_TILES; ++i) {
+        const int tile = warp + HOD_WARPS * i;
+        const int s = tile < tiles0 ? 0 : 1;
+        const int hidden = s == 0 ? hidden0 : hidden1;
+        const int width = s == 0 ? out0 : out1;
+        side[i] = s;
+        n0[i] = (s == 0 ? tile : tile - tiles0) * 8;
+        stride[i] = s == 0 ? a_stride0 : a_stride1;
+        steps[i] = tile < tiles ? hidden / 16 : 0;
+        k_steps = max(k_steps, steps[i]);
+        a_frag[i] = (s == 0 ? a_tile0 : a_tile1) + g * stride[i] + t4 * 2;
+        // The lane's B column (a W2 row); a padding column past `width` reads the last row (its
+        // C column is never stored).
+        const int o = min(n0[i] + g, width - 1);
+        b_row[i] = mirror + (s == 0 ? w2_0 : w2_1) + (long long)o * hidden + t4 * 2;
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int oc = n0[i] + t4 * 2 + e;
+            bias[i][e] = (tile < tiles && oc < width) ? params[(s == 0 ? b2_0 : b2_1) + oc] : 0.0f;
+        }
+    }
+    unsigned int b[HOD_TILES][HOD_KSTEPS][2];
+    hod_load_b(b, b_row, steps, 0);
+
     // The hidden values to BF16 (rows past `rows` as +0.0), four at a time: quad i < q0 of the
     // value head's tile, then head hb's; HOD_LOADS loads in flight a thread.
-    const int quads0 = t.hidden[0] / 4;
-    const int quads1 = t.hidden[hb] / 4;
+    const int quads0 = hidden0 / 4;
+    const int quads1 = hidden1 / 4;
     const int n_quads = TRUNK_BM * (quads0 + quads1);
     for (int i0 = threadIdx.x; i0 < n_quads; i0 += HOD_LOADS * HOD_THREADS) {
         float4 x[HOD_LOADS];
@@ -847,8 +922,8 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
             const int quads = s1 ? quads1 : quads0;
             const int local = s1 ? i - TRUNK_BM * quads0 : i;
             const int r = local / quads;
-            const int h = s1 ? hb : 0;
-            at[u] = t.hid_off[h] + (long long)(row0 + r) * t.hidden[h] + (local - r * quads) * 4;
+            at[u] = (s1 ? hid_off1 : 0) + (long long)(row0 + r) * (s1 ? hidden1 : hidden0)
+                    + (local - r * quads) * 4;
             live[u] = i < n_quads && row0 + r < rows;
             x[u] = live[u] ? *reinterpret_cast<const float4*>(hid + at[u])
                            : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -875,51 +950,10 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
     }
     __syncthreads();
 
-    // The second layers: warp w's n8 tiles w + HOD_WARPS i (the value head's first).
-    const int warp = threadIdx.x >> 5;
-    const int g = lane >> 2;
-    const int t4 = lane & 3;
-    const int tiles0 = (t.out[0] + 7) / 8;
-    const int tiles = tiles0 + (t.out[hb] + 7) / 8;
-    float acc[HOD_TILES][4];
-    float bias[HOD_TILES][2];  // b2 of the lane's two output columns (loaded with the B fragments)
-    const unsigned short* a_frag[HOD_TILES];
-    const unsigned short* b_row[HOD_TILES];
-    int stride[HOD_TILES], steps[HOD_TILES], side[HOD_TILES], n0[HOD_TILES];
-    int k_steps = 0;
-#pragma unroll
-    for (int i = 0; i < HOD_TILES; ++i) {
-        const int tile = warp + HOD_WARPS * i;
-        const int s = tile < tiles0 ? 0 : 1;
-        const int h = s == 0 ? 0 : hb;
-        side[i] = s;
-        n0[i] = (s == 0 ? tile : tile - tiles0) * 8;
-        stride[i] = s == 0 ? a_stride0 : a_stride1;
-        steps[i] = tile < tiles ? t.hidden[h] / 16 : 0;
-        k_steps = max(k_steps, steps[i]);
-        a_frag[i] = (s == 0 ? a_tile0 : a_tile1) + g * stride[i] + t4 * 2;
-        // The lane's B column (a W2 row); a padding column past out[h] reads the last row (its
-        // C column is never stored).
-        const int o = min(n0[i] + g, t.out[h] - 1);
-        b_row[i] = mirror + t.w2[h] + (long long)o * t.hidden[h] + t4 * 2;
-        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int oc = n0[i] + t4 * 2 + e;
-            bias[i][e] = (tile < tiles && oc < t.out[h]) ? params[t.b2[h] + oc] : 0.0f;
-        }
-    }
+    // The second layers, HOD_KSTEPS k16 steps of B fragments at a time (the first loaded above).
     for (int k0 = 0; k0 < k_steps; k0 += HOD_KSTEPS) {
-        unsigned int b[HOD_TILES][HOD_KSTEPS][2];
-#pragma unroll
-        for (int i = 0; i < HOD_TILES; ++i) {
-#pragma unroll
-            for (int j = 0; j < HOD_KSTEPS; ++j) {
-                const int ks = k0 + j;
-                const bool live = ks < steps[i];
-                b[i][j][0] = live ? trunk_ld32(b_row[i] + ks * 16) : 0u;
-                b[i][j][1] = live ? trunk_ld32(b_row[i] + ks * 16 + 8) : 0u;
-            }
+        if (k0 > 0) {
+            hod_load_b(b, b_row, steps, k0);
         }
 #pragma unroll
         for (int j = 0; j < HOD_KSTEPS; ++j) {
@@ -945,9 +979,8 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
             continue;
         }
         const int s = side[i];
-        const int h = s == 0 ? 0 : hb;
-        const int width = t.out[h];
-        float* dst = s == 0 ? v : adv;
+        const int width = s == 0 ? out0 : out1;
+        float* dst = s == 0 ? v : adv + out_off1;
         float* out_tile = s == 0 ? o_tile0 : o_tile1;
         const bool store = s == 1 || d == 0;
 #pragma unroll
@@ -960,7 +993,7 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
                     const float value = __fadd_rn(acc[i][2 * half + e], bias[i][e]);
                     out_tile[r * width + o] = value;
                     if (store && row0 + r < rows) {
-                        dst[t.out_off[h] + (long long)(row0 + r) * width + o] = value;
+                        dst[(long long)(row0 + r) * width + o] = value;
                     }
                 }
             }
@@ -974,7 +1007,7 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
         const int offset = row * num_atoms;
         float* q_b = want_q ? q + row : nullptr;  // not dereferenced without want_q
         const float* v_b = o_tile0 + r * num_atoms;
-        const float* adv_b = o_tile1 + r * t.out[hb];
+        const float* adv_b = o_tile1 + r * out1;
         dueling_sample_regs_n(na, v_b, adv_b, z_lane, logits + offset, logp + offset, q_b, want_q,
                               num_atoms, lane);
     }
