@@ -650,12 +650,13 @@ static __device__ __forceinline__ float c51_project_term(float target_k, float p
 // the full sum's. A sample that is not windowed (a NaN or infinite input, a decreasing Tz) runs
 // the full sum over every k. (A block running several samples side by side, as step.cu's
 // c51_gather_project_dueling_branches does, ORs their checks: either path gives the same bits.)
+// The caller gives z_i = z[i] and z_next = z[i + 1] of its atom (c51_z_pair; any value where
+// not read), loaded before the sample's other loads wait.
 static __device__ __forceinline__ float c51_project_tile(
-    float p_i, float reward, float discount, const float* __restrict__ z, int num_atoms,
+    float p_i, float reward, float discount, float z_i, float z_next, int num_atoms,
     float v_min, float v_max, float dz, float* tile_target, float* tile_p) {
     const int i = threadIdx.x;
     const bool own = i < num_atoms;
-    const float z_i = own ? z[i] : 0.0f;
     int bad = 0;
     if (own) {
         const float target_i = c51_target_atom(reward, discount, z_i, v_min, v_max);
@@ -663,7 +664,7 @@ static __device__ __forceinline__ float c51_project_tile(
         tile_p[i] = p_i;
         bad = isnan(target_i) || !isfinite(p_i) || !isfinite(z_i);
         if (i + 1 < num_atoms) {  // Tz_{i+1} by its own formula (thread i+1 stages it)
-            bad |= !(target_i <= c51_target_atom(reward, discount, z[i + 1], v_min, v_max));
+            bad |= !(target_i <= c51_target_atom(reward, discount, z_next, v_min, v_max));
         }
     }
     const bool windowed = !__syncthreads_or(bad) && dz > 0.0f && isfinite(dz);
@@ -697,6 +698,15 @@ static __device__ __forceinline__ float c51_project_tile(
     return acc;
 }
 
+// c51_project_tile's z values of thread i = threadIdx.x: z[i] and z[i + 1] (+0.0 past num_atoms:
+// not read there).
+static __device__ __forceinline__ void c51_z_pair(const float* __restrict__ z, int num_atoms,
+                                                  float& z_i, float& z_next) {
+    const int i = threadIdx.x;
+    z_i = i < num_atoms ? z[i] : 0.0f;
+    z_next = i + 1 < num_atoms ? z[i + 1] : 0.0f;
+}
+
 // c51_project's work on one sample b (all threads of the block): p = p_next[b], m_row = m[b].
 // Thread i owns target atom i (i = i0 + threadIdx.x for each tile i0 of blockDim atoms); source
 // atoms j are staged through shared memory (tile_target, tile_p: blockDim floats each), one tile
@@ -717,8 +727,10 @@ static __device__ __forceinline__ void c51_project_sample(
         const int i = threadIdx.x;
         const bool own = i < num_atoms;
         const float p_taken = (dlogits_taken != nullptr && own) ? expf(logp_taken[i]) : 0.0f;
-        const float acc = c51_project_tile(own ? p[i] : 0.0f, reward, discount, z, num_atoms,
-                                           v_min, v_max, dz, tile_target, tile_p);
+        float z_i, z_next;
+        c51_z_pair(z, num_atoms, z_i, z_next);
+        const float acc = c51_project_tile(own ? p[i] : 0.0f, reward, discount, z_i, z_next,
+                                           num_atoms, v_min, v_max, dz, tile_target, tile_p);
         if (own) {
             m_row[i] = acc;
             if (dlogits_taken != nullptr) {

@@ -282,11 +282,19 @@ extern "C" __global__ void __launch_bounds__(1024) c51_gather_project_dueling_br
     const int flat = threadIdx.y * tile + threadIdx.x;
     float* sums = c51_tiles + 2 * tile * blockDim.y;  // one-tile path: [n_branches, tile]
     const bool one_tile = num_atoms <= tile;  // block-uniform
+    float z_i = 0.0f, z_next = 0.0f;  // the one-tile path's atom (every sample's)
+    if (one_tile) {
+        c51_z_pair(z, num_atoms, z_i, z_next);
+    }
     for (int b = blockIdx.x; b < batch; b += gridDim.x) {
         const int row = d * batch + b;
+        // The sample's loads that do not wait for the double-DQN choice, issued first.
+        const int action = actions[row];
+        const float r_b = r[b];
+        const float done_b = done[b];
+        const float isw_b = isw[b];
         // double_dqn_gather_branches' row (d, b)
         const int a = double_dqn_argmax(q_d + (batch + b) * na, na);
-        const int action = actions[row];
         if (threadIdx.x == 0) {
             if (num_atoms > 0) {
                 a_star[row] = a;
@@ -306,8 +314,8 @@ extern "C" __global__ void __launch_bounds__(1024) c51_gather_project_dueling_br
             }
         }
         const float gamma_b = effective_gamma(gamma_d, discount, b, gamma_ref, n_step_on);
-        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done[b]));
-        const float grad_weight = isw[b] * grad_scale;
+        const float step_discount = __fmul_rn(gamma_b, __fsub_rn(1.0f, done_b));
+        const float grad_weight = isw_b * grad_scale;
         if (one_tile) {
             // c51_project_sample's one-tile path with p_i and the gradient kept in registers;
             // the dueling backward's branch terms from them (the rows not taken hold +0.0).
@@ -315,8 +323,8 @@ extern "C" __global__ void __launch_bounds__(1024) c51_gather_project_dueling_br
             const bool own = i < num_atoms;
             const float p_i = own ? expf(src[i]) : 0.0f;
             const float p_taken = (taken && own) ? expf(logp_d[b * row_len + taken_lo + i]) : 0.0f;
-            const float m_i = c51_project_tile(p_i, r[b], step_discount, z, num_atoms, v_min,
-                                               v_max, dz, tile_target, tile_p);
+            const float m_i = c51_project_tile(p_i, r_b, step_discount, z_i, z_next, num_atoms,
+                                               v_min, v_max, dz, tile_target, tile_p);
             if (own) {
                 p_row[i] = p_i;
                 m[row * num_atoms + i] = m_i;
@@ -348,7 +356,7 @@ extern "C" __global__ void __launch_bounds__(1024) c51_gather_project_dueling_br
         for (int j = threadIdx.x; j < num_atoms; j += tile) {
             p_row[j] = expf(src[j]);  // read back below by this thread only
         }
-        c51_project_sample(p_row, r[b], step_discount, z, m + row * num_atoms,
+        c51_project_sample(p_row, r_b, step_discount, z, m + row * num_atoms,
                            logp_d + b * row_len + taken_lo, grad_weight,
                            taken ? sample_dlogits + taken_lo : nullptr, num_atoms, v_min, v_max,
                            dz, tile_target, tile_p);
