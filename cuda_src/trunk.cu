@@ -787,10 +787,10 @@ heads_forward_bf16(const unsigned short* __restrict__ h2b,
 // w the tiles w, w + HOD_WARPS, ..., its B fragments read from the mirror HOD_KSTEPS k16 steps
 // at a time for all its tiles, the first HOD_KSTEPS before the hidden values are read, so both
 // loads are in flight together; every thread reads the two heads' table fields itself, with no
-// shared table and no barrier before the loads), writes v (branch 0's blocks) and adv, and after a barrier runs
-// dueling_log_softmax_q_branches' register path (dueling.cuh) on the shared rows, a warp a
-// sample. Every block recomputes the value head for its rows (the same code on the same data:
-// the same bits). The dueling outputs are therefore bitwise those of
+// shared table and no barrier before the loads), writes v (branch 0's blocks) and adv, and
+// after a barrier runs dueling_log_softmax_q_branches' register path (dueling.cuh) on the
+// shared rows, a warp a sample. Every block recomputes the value head for its rows (the same
+// code on the same data: the same bits). The dueling outputs are therefore bitwise those of
 // dueling_log_softmax_q_branches on this kernel's v and adv; v and adv are GEMMs in the tensor
 // cores' accumulation order (k in chunks of 16, in k order, the bias added last with one f32
 // add): conformance judges them with the GEMM tolerance. NaN contract: the nodes' (IEEE
