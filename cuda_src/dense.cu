@@ -321,3 +321,158 @@ extern "C" __global__ void tf32_round(const float* x, float* out, long long n) {
         out[i] = __uint_as_float(bits);
     }
 }
+
+// ------------------------------------------------------------------------------------------
+// TF32 GEMM of the backward passes, with the ReLU mask as an optional epilogue:
+//
+//     c = op(a) @ b                       op(a) = a [m, k] or, trans_a, a^T with a [k, m]
+//     c = (h <= 0) ? 0 : c                with h [m, n] (relu_mask's select), when h != null
+//
+// b [k, n], c and h [m, n]; all row-major float32 and contiguous. Operands are rounded as
+// cvt.rna.tf32.f32 does (the reference's tf32_round) and multiplied by mma.sync m16n8k8 .tf32
+// with FP32 accumulation. Reference: foxhunt.reference.kernels.dense.gemm_tf32 (gemm(mode=
+// "tf32") then relu_mask); conformance: the GEMM policy in TF32, the masked elements bit for bit.
+//
+// Built for the step's narrow, short GEMMs (m and n in the hundreds, k <= 256), which the
+// per-SM L2 bandwidth bounds: a block computes a 16 x tile_n tile of c (tile_n 16 or 32) with
+// GEMM_TF32_WARPS warps that split k: warp w stages its own k range of op(a)'s 16 rows and of b's
+// tile_n columns in shared memory (16-byte cp.async where the rows are 16-byte aligned, 4-byte
+// otherwise; zeros past m, n and k) and multiplies it with no barrier before its MMAs; the warps'
+// partial tiles are then added in warp order (a fixed order: the bits depend only on k, not on
+// tile_n or the grid) and the mask and the store follow. Grid (ceil(n / tile_n), ceil(m / 16)),
+// GEMM_TF32_WARPS * 32 threads, gemm_tf32_shared_bytes (fast/kernels/dense.py) of dynamic shared
+// memory: per warp kw (tile_n + 8) floats of b and 16 (kw + 4) (or kw 24, trans_a) of a, kw =
+// 8 ceil(ceil(k / 8) / GEMM_TF32_WARPS), then the partial tiles; the paddings make the fragment
+// reads conflict-free.
+//
+// NaN/Inf contract: IEEE through the products and sums (a NaN or Inf operand reaches its row
+// and column of c; Inf * 0 is NaN); the rounding keeps NaN and Inf; the mask is relu_mask's, so a
+// NaN h passes c and h <= 0 gives +0 whatever c is.
+// ------------------------------------------------------------------------------------------
+
+#define GEMM_TF32_WARPS 8
+#define GEMM_TF32_ROWS 16
+
+static __device__ __forceinline__ unsigned int gemm_tf32_bits(float x) {
+    unsigned int r;
+    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+    return r;
+}
+
+static __device__ __forceinline__ void gemm_tf32_mma(float* c, unsigned a0, unsigned a1,
+                                                     unsigned a2, unsigned a3, unsigned b0,
+                                                     unsigned b1) {
+    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One warp stages rows [r0, r0 + nr) x columns [c0, c0 + nc) (nc a multiple of 4) of the
+// row-major [rows, cols] matrix g into s (row stride ss): zeros outside the matrix.
+static __device__ __forceinline__ void gemm_tf32_stage(float* s, int ss, const float* g, int rows,
+                                                       int cols, int r0, int nr, int c0, int nc,
+                                                       int lane) {
+    const bool vec = ((cols & 3) == 0) && ((reinterpret_cast<size_t>(g) & 15) == 0);
+    const int quads = nc >> 2;
+    for (int i = lane; i < nr * quads; i += 32) {
+        const int r = i / quads, cc = (i - r * quads) * 4;
+        const int gr = r0 + r, gc = c0 + cc;
+        float* d = s + r * ss + cc;
+        const float* src = g + (long long)gr * cols + gc;
+        if (vec && gr < rows && gc + 3 < cols) {
+            const unsigned sa = (unsigned)__cvta_generic_to_shared(d);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src) : "memory");
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (gr < rows && gc + j < cols) {
+                    const unsigned sa = (unsigned)__cvta_generic_to_shared(d + j);
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sa), "l"(src + j)
+                                 : "memory");
+                } else {
+                    d[j] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
+template <int TN>
+static __device__ __forceinline__ void gemm_tf32_tile(const float* a, const float* b, float* c,
+                                                      const float* h, int m, int n, int k,
+                                                      int trans_a) {
+    constexpr int BM = GEMM_TF32_ROWS, W = GEMM_TF32_WARPS, NT = TN / 8;
+    extern __shared__ float4 gemm_tf32_smem4[];
+    float* smem = reinterpret_cast<float*>(gemm_tf32_smem4);
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * TN;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int steps = (k + 7) >> 3;
+    const int per = (steps + W - 1) / W;  // k steps of 8 per warp (the last warps may have fewer)
+    const int kw = per * 8;
+    const int first = min(steps, w * per), kn = (min(steps, first + per) - first) * 8;
+    const int bss = TN + 8, ass = trans_a ? BM + 8 : kw + 4;
+    const int warp_floats = kw * bss + (trans_a ? kw * ass : BM * ass);
+    float* bs = smem + w * warp_floats;
+    float* as = bs + kw * bss;
+    float* partial = smem + W * warp_floats;  // [W][NT * 4][32]
+    if (kn > 0) {
+        gemm_tf32_stage(bs, bss, b, k, n, first * 8, kn, n0, TN, lane);
+        if (trans_a) gemm_tf32_stage(as, ass, a, k, m, first * 8, kn, m0, BM, lane);
+        else gemm_tf32_stage(as, ass, a, m, k, m0, BM, first * 8, kn, lane);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncwarp();
+    float acc[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int kb = 0; kb < kn; kb += 8) {
+        unsigned a0, a1, a2, a3;
+        if (trans_a) {
+            a0 = gemm_tf32_bits(as[(kb + t) * ass + g]);
+            a1 = gemm_tf32_bits(as[(kb + t) * ass + g + 8]);
+            a2 = gemm_tf32_bits(as[(kb + t + 4) * ass + g]);
+            a3 = gemm_tf32_bits(as[(kb + t + 4) * ass + g + 8]);
+        } else {
+            a0 = gemm_tf32_bits(as[g * ass + kb + t]);
+            a1 = gemm_tf32_bits(as[(g + 8) * ass + kb + t]);
+            a2 = gemm_tf32_bits(as[g * ass + kb + t + 4]);
+            a3 = gemm_tf32_bits(as[(g + 8) * ass + kb + t + 4]);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            gemm_tf32_mma(acc[j], a0, a1, a2, a3, gemm_tf32_bits(bs[(kb + t) * bss + 8 * j + g]),
+                          gemm_tf32_bits(bs[(kb + t + 4) * bss + 8 * j + g]));
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) partial[(w * NT * 4 + j * 4 + e) * 32 + lane] = acc[j][e];
+    __syncthreads();
+    // Element (j, e, l) of the tile (fragment j's accumulator e of lane l): the warps' partial
+    // sums added in warp order, then the mask and the store.
+    for (int o = threadIdx.x; o < NT * 128; o += W * 32) {
+        const int j = o >> 7, e = (o >> 5) & 3, l = o & 31;
+        float v = partial[o];
+        for (int q = 1; q < W; ++q) v += partial[q * NT * 128 + o];
+        const int row = m0 + (l >> 2) + (e >> 1) * 8, col = n0 + 8 * j + 2 * (l & 3) + (e & 1);
+        if (row < m && col < n) {
+            const long long i = (long long)row * n + col;
+            if (h != nullptr) v = (h[i] <= 0.0f) ? 0.0f : v;  // relu_mask's select
+            c[i] = v;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
+gemm_tf32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
+          int trans_a, int tile_n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    if (tile_n == 16) {
+        gemm_tf32_tile<16>(a, b, c, h, m, n, k, trans_a);
+    } else {
+        gemm_tf32_tile<32>(a, b, c, h, m, n, k, trans_a);
+    }
+}

@@ -63,6 +63,7 @@ class Kernel:
         self.name = name
         self.function = function
         self.params = tuple(params)
+        self._max_dynamic_shared = 0
 
     def pack(self, *args) -> PackedArgs:
         if len(args) != len(self.params):
@@ -99,10 +100,16 @@ class Kernel:
         call(drv.cuLaunchKernelEx, config, self.function, packed.address, 0)
 
     def set_max_dynamic_shared(self, nbytes: int) -> None:
-        """Allow more than 48 KiB of dynamic shared memory for this kernel."""
+        """Allow more than 48 KiB of dynamic shared memory for this kernel: at least ``nbytes``,
+        never less than an earlier call allowed (the attribute is the function's, shared by every
+        launch of it: one of a smaller launch must not lower it under a larger one's, which a
+        later capture or launch would then fail with CUDA_ERROR_INVALID_VALUE)."""
+        if int(nbytes) <= self._max_dynamic_shared:
+            return
         drv = _driver()
         call(drv.cuFuncSetAttribute, self.function,
              drv.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, int(nbytes))
+        self._max_dynamic_shared = int(nbytes)
 
     def __repr__(self) -> str:
         return f"Kernel({self.name}, {[p.ptx_type for p in self.params]})"

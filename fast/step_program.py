@@ -81,6 +81,10 @@ LONG_K_RATIO = 4
 #: Whether the BF16 training passes end their heads in ONE ``heads_out_dueling_bf16`` launch
 #: (:attr:`StepProgram.outputs_fused`).
 FUSE_HEAD_OUTPUTS = True
+#: Whether the backward's TF32 GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE
+#: ``gemm_tf32`` launch (a ReLU layer's input gradient with its mask), not a cuBLASLt GEMM
+#: (:meth:`StepProgram.bwd_gemm`).
+GEMM_TF32_KERNEL = True
 #: ``planner(m, n, k, *, trans_a, trans_b, precision, epilogue, beta, min_alignment,
 #: workspace_limit)`` -> a plan with ``.spec``; raises ``GemmPlanError`` where it has none.
 Planner = Callable[..., object]
@@ -304,7 +308,7 @@ class StepProgram:
         docstring), in the backward precision (pairs: one GEMM, a ``bias_grad_reduce`` per
         batch)."""
         if db is None:
-            self._gemm(ops, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True, precision=self.bwd_mode)
+            self.bwd_gemm(ops, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True)
             return
         # The bias gradients beside the plain GEMM (all read dy only).
         batches = self._each(dy, db)
@@ -313,8 +317,33 @@ class StepProgram:
             side.kernel("bias_grad_reduce", self.kernels("dense").plan_bias_grad_reduce(rows, n_out),
                         dy=dy_i, db=db_i, rows=rows, cols=n_out)
         main = ops.branch()
-        self._gemm(main, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True, precision=self.bwd_mode)
+        self.bwd_gemm(main, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True)
         ops.parallel(*sides, main)
+
+    def gemm_tf32_fits(self, m: int, n: int, k: int, *operands) -> bool:
+        """Whether the backward GEMM ``m x n x k`` on ``operands`` runs as ``gemm_tf32``:
+        :data:`GEMM_TF32_KERNEL`, the TF32 backward (``bf16`` and ``tf32`` precisions), no
+        stacked pair among the operands and a shape the kernel is for
+        (``fast.kernels.dense.gemm_tf32_fits``)."""
+        from foxhunt.fast.kernels.dense import gemm_tf32_fits
+
+        return (GEMM_TF32_KERNEL and self.bwd_mode == "tf32"
+                and not any(isinstance(op, tuple) for op in operands) and gemm_tf32_fits(m, n, k))
+
+    def bwd_gemm(self, ops: Ops, m: int, n: int, k: int, *, a, b, c, trans_a: bool = False,
+                 h: Buf | None = None) -> None:
+        """``c = op(a) @ b`` in the backward precision (operands as ``_gemm``'s), masked by ``h``
+        (``relu_mask``'s ``h <= 0 ? 0 : c``) when given: ONE ``gemm_tf32`` launch where
+        :meth:`gemm_tf32_fits`, else a cuBLASLt GEMM (``h`` then needs the fused kernel: callers
+        ask :meth:`gemm_tf32_fits` first)."""
+        if not self.gemm_tf32_fits(m, n, k, a, b, c):
+            if h is not None:
+                raise ValueError(f"bwd_gemm: the masked GEMM {m}x{n}x{k} is not a gemm_tf32 shape")
+            self._gemm(ops, m, n, k, a=a, b=b, c=c, trans_a=trans_a, precision=self.bwd_mode)
+            return
+        dense = self.kernels("dense")
+        ops.kernel("gemm_tf32", dense.plan_gemm_tf32(m, n, k, trans_a, arch=self.arch), a=a, b=b,
+                   c=c, h=h, m=m, n=n, k=k, trans_a=int(trans_a), tile_n=dense.gemm_tf32_tile_n(m, n))
 
     def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, relu=None,
                    then: Callable[[Ops], None] | None = None) -> None:
@@ -325,26 +354,31 @@ class StepProgram:
         function adding what follows to an ``Ops``) the mask and the bias sum are two kernels,
         ``relu_mask`` then ``bias_grad_reduce`` of its output (the same bits: the fused kernel's
         comment in cuda_src/dense.cu), and only the mask precedes ``then``'s records: the sums
-        run beside them (a chain's next GEMM does not wait for a column sum)."""
+        run beside them (a chain's next GEMM does not wait for a column sum); where
+        :meth:`gemm_tf32_fits`, the GEMM and the mask are ONE ``gemm_tf32`` launch."""
         if relu is None:
-            self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx, precision=self.bwd_mode)
+            self.bwd_gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx)
             return
         h, db, scratch = relu
-        self._gemm(ops, rows, n_in, n_out, a=dy, b=w, c=scratch, precision=self.bwd_mode)
-        batches = self._each(scratch, dx, db)
         dense = self.kernels("dense")
-        masks = [ops.branch() for _ in batches]
-        for side, (scratch_i, dx_i, db_i) in zip(masks, batches):
-            if then is None:
-                side.kernel("relu_mask_bias_grad", dense.plan_relu_mask_bias_grad(rows, n_in),
-                            dy=scratch_i, h=h, dx=dx_i, db=db_i, rows=rows, cols=n_in)
-            else:
-                side.kernel("relu_mask", dense.plan_relu_mask(rows * n_in), dy=scratch_i, h=h,
-                            dx=dx_i, n=rows * n_in)
-        if len(masks) > 1:
-            ops.parallel(*masks)
+        batches = self._each(scratch, dx, db)
+        if then is not None and self.gemm_tf32_fits(rows, n_in, n_out, dy, w, dx):
+            # The mask in the GEMM's epilogue: ONE gemm_tf32 launch writes dx (no scratch).
+            self.bwd_gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx, h=h)
         else:
-            ops.extend(masks[0])
+            self.bwd_gemm(ops, rows, n_in, n_out, a=dy, b=w, c=scratch)
+            masks = [ops.branch() for _ in batches]
+            for side, (scratch_i, dx_i, db_i) in zip(masks, batches):
+                if then is None:
+                    side.kernel("relu_mask_bias_grad", dense.plan_relu_mask_bias_grad(rows, n_in),
+                                dy=scratch_i, h=h, dx=dx_i, db=db_i, rows=rows, cols=n_in)
+                else:
+                    side.kernel("relu_mask", dense.plan_relu_mask(rows * n_in), dy=scratch_i, h=h,
+                                dx=dx_i, n=rows * n_in)
+            if len(masks) > 1:
+                ops.parallel(*masks)
+            else:
+                ops.extend(masks[0])
         if then is None:
             return
         sums = [ops.branch() for _ in batches]

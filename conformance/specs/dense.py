@@ -1,5 +1,9 @@
 """Entries of the dense kernels: bias + ReLU (and its BF16 copy), the ReLU mask and bias
-gradients of the backward, and the BF16/TF32 casts.
+gradients of the backward, the BF16/TF32 casts, and the backward's TF32 GEMM with its optional
+ReLU mask (``gemm_tf32``: both paths multiply the operands' ``tf32_round`` values exactly, so it is
+judged by the GEMM policy without input-rounding slack, ``GEMM_TOLERANCES["f32"]``, on those
+values, as the BF16 kernels on their BF16 operands; the elements its mask zeroes bit for bit; the shape cases give ``m, k, n = batch, hidden, w_out``, ``trans_a`` in
+the seed and odd cases, no mask in the seed case).
 """
 
 from __future__ import annotations
@@ -19,7 +23,8 @@ from foxhunt.conformance.specs.inputs import (
     uniform,
     wrong_dtype,
 )
-from foxhunt.conformance.tolerance import EXACT, REDUCTION, Tolerance
+from foxhunt.conformance.tolerance import EXACT, GEMM_TOLERANCES, REDUCTION, Tolerance
+from foxhunt.reference.kernels.dense import tf32_round
 
 
 def _s_bias(d: Dims, rng) -> Kwargs:
@@ -41,6 +46,26 @@ def _s_bits(d: Dims, rng) -> Kwargs:
 
 def _s_bf16(d: Dims, rng) -> Kwargs:
     return {"u": rng.integers(0, 2**16, size=(d.batch, d.hidden), dtype=np.uint32).astype(np.uint16)}
+
+
+def _s_gemm_tf32(d: Dims, rng) -> Kwargs:
+    m, k, n = d.batch, d.hidden, d.w_out
+    trans_a = d.case in ("seed", "odd")
+    a = normal(rng, (k, m) if trans_a else (m, k))
+    h = None if d.case == "seed" else np.where(rng.random((m, n)) < 0.5, F32(0),
+                                               uniform(rng, (m, n), 0.01, 2)).astype(F32)
+    return {"a": a, "b": normal(rng, (k, n), 1.0 / np.sqrt(k)), "h": h, "trans_a": trans_a}
+
+
+def _sc_gemm_tf32(kwargs, expected):
+    """The GEMM policy's operands, ``tf32_round(op(a))`` and ``tf32_round(b)`` (what both paths
+    multiply); the mask's zeros (``h <= 0``) exact."""
+    a = kwargs["a"].T if kwargs["trans_a"] else kwargs["a"]
+    h = kwargs["h"]
+    with np.errstate(invalid="ignore"):
+        exact = np.zeros(expected["out"].shape, bool) if h is None else h <= 0
+    return {"out": {"a": tf32_round(np.ascontiguousarray(a)), "b": tf32_round(kwargs["b"]),
+                    "exact": exact}}
 
 
 def _sc_bias_grad(kwargs, expected):
@@ -151,5 +176,23 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: wrong_dtype(k, "x"),
         ),
         finite_sample=False,
+    ),
+    SpecEntry(
+        name="gemm_tf32",
+        outputs={"out": f32(GEMM_TOLERANCES["f32"])},
+        sample=_s_gemm_tf32,
+        targets=("a", "b", "h"),
+        errors=lambda rng: (
+            error_cases(
+                _s_gemm_tf32,
+                lambda k: replace(k, b=k["b"][:-1]),
+                lambda k: replace(k, h=k["h"][:, :-1]),
+                lambda k: wrong_dtype(k, "a"),
+                lambda k: wrong_dtype(k, "h"),
+                lambda k: replace(k, a=k["a"][0]),
+            )(rng)
+            + error_cases(_s_gemm_tf32, lambda k: replace(k, trans_a=1), exc=TypeError)(rng)
+        ),
+        scales=_sc_gemm_tf32,
     ),
 )

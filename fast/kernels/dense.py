@@ -21,16 +21,25 @@ launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
   in one launch, blocks of (8 columns x ``BIAS_GRAD_CHUNKS`` row chunks); ``dx`` and ``db`` are
   bit for bit those of the two separate launches; ``dx`` may be ``dy`` itself (in place), ``h``
   and ``db`` must not overlap ``dx``/``dy``.
+- ``gemm_tf32(a, b, c, h, m, n, k, trans_a, tile_n)``: ``c = op(a) @ b`` in TF32, masked by ``h``
+  (``relu_mask``) when ``h`` is not null; blocks of ``GEMM_TF32_ROWS x tile_n`` outputs and
+  ``GEMM_TF32_WARPS`` warps that split k (cuda_src/dense.cu). The step runs the backward's TF32
+  GEMMs with it where :func:`gemm_tf32_fits` (``fast.step_program``); measured on the H200
+  (session 33, a chain of ``relu_mask`` -> GEMM nodes, us a GEMM node, cuBLASLt's heuristic
+  choice -> this kernel with tiles of 16 x 16 / 16 x 32): 256x128x153 4.63 -> 2.90 / 3.22,
+  256x256x128 3.92 -> 3.06 / 2.85, 256x256x256 4.86 -> 3.88 / 3.57, the weight gradient
+  256x128x256 (``trans_a``) 4.85 -> 2.77 / 3.15.
 
 Numerics: every elementwise kernel is exact (bitwise equal to the reference);
-``bias_grad_reduce`` is a float32 reduction (conformance: reduction tolerance).
+``bias_grad_reduce`` is a float32 reduction (conformance: reduction tolerance); ``gemm_tf32`` is
+a GEMM (conformance: the GEMM policy in TF32; its masked elements bit for bit).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import FLAT_VEC_WIDTH, In, Out, blocks, launch, plan_flat
+from foxhunt.fast.kernels._runtime import FLAT_VEC_WIDTH, In, Out, blocks, launch, plan_flat, runtime
 from foxhunt.reference.kernels.argcheck import require_array
 from foxhunt.reference.kernels.dense import (
     F32,
@@ -39,6 +48,7 @@ from foxhunt.reference.kernels.dense import (
     ReluBiasGrad,
     validate_add_bias_relu,
     validate_add_bias_relu_bf16,
+    validate_gemm_tf32,
     validate_relu_mask,
     validate_relu_mask_bias_grad,
 )
@@ -58,6 +68,22 @@ BIAS_GRAD_MIN_COLS = 8
 #: relu_mask_bias_grad: columns per block (one 32-byte row segment; cols = 128 / 256 give 16 / 32
 #: blocks). Its row chunks are BIAS_GRAD_CHUNKS, so its db has bias_grad_reduce's bits.
 RELU_BIAS_GRAD_COLS = 8
+
+#: gemm_tf32 (cuda_src/dense.cu; ``tests/test_kernels_gemm_tf32.py`` reads them back): the warps
+#: of a block (they split k) and the rows of its tile.
+GEMM_TF32_WARPS = 8
+GEMM_TF32_ROWS = 16
+#: gemm_tf32's tile widths (the kernel's ``tile_n``).
+GEMM_TF32_TILE_NS = (16, 32)
+#: The GEMMs the step runs as ``gemm_tf32`` (:func:`gemm_tf32_fits`): k at most this, and at most
+#: this many blocks. The kernel trades blocks for bytes per SM, but most of the step's backward
+#: GEMMs run beside its critical chain, whose kernels their blocks then crowd out: measured on the
+#: H200 (session 33, seed preset, the step's driver-event time), the core bf16 step took 107.6 us
+#: with cuBLASLt's GEMMs, 108.8 us with every one that fits 128 blocks as this kernel and 101.2 us
+#: with those that fit 64 (every second-wave source: 164.1, 161.1, 157.0 us).
+GEMM_TF32_MAX_K = 256
+GEMM_TF32_MAX_BLOCKS = 64
+F32_BYTES = 4
 
 Plan = tuple  # (grid, block, shared_mem)
 
@@ -103,6 +129,52 @@ def plan_relu_mask_bias_grad(rows: int, cols: int) -> Plan:
     ``plan_bias_grad_reduce``, which the bitwise equality with it relies on)."""
     del rows  # the kernel splits any number of rows into blockDim.y chunks
     return ((blocks(cols, RELU_BIAS_GRAD_COLS),), (RELU_BIAS_GRAD_COLS, BIAS_GRAD_CHUNKS), 0)
+
+
+def _gemm_tf32_blocks(m: int, n: int, tile_n: int) -> int:
+    return blocks(m, GEMM_TF32_ROWS) * blocks(n, tile_n)
+
+
+def gemm_tf32_tile_n(m: int, n: int) -> int:
+    """gemm_tf32's tile width for an ``m x n`` product: 16 where that keeps the grid within
+    ``GEMM_TF32_MAX_BLOCKS``, else 32 (more SMs, fewer bytes each; the bits do not depend on it)."""
+    narrow = GEMM_TF32_TILE_NS[0]
+    return narrow if _gemm_tf32_blocks(m, n, narrow) <= GEMM_TF32_MAX_BLOCKS else GEMM_TF32_TILE_NS[1]
+
+
+def gemm_tf32_shared_bytes(k: int, trans_a: bool, tile_n: int) -> int:
+    """gemm_tf32's dynamic shared memory (cuda_src/dense.cu): per warp ``kw (tile_n + 8)`` floats
+    of b and ``16 (kw + 4)`` (``trans_a``: ``kw 24``) of a, ``kw = 8 ceil(ceil(k / 8) / WARPS)``,
+    then the warps' partial tiles, ``WARPS 16 tile_n`` floats."""
+    kw = 8 * blocks(blocks(k, 8), GEMM_TF32_WARPS)
+    a_floats = kw * (GEMM_TF32_ROWS + 8) if trans_a else GEMM_TF32_ROWS * (kw + 4)
+    per_warp = kw * (tile_n + 8) + a_floats
+    return F32_BYTES * GEMM_TF32_WARPS * (per_warp + GEMM_TF32_ROWS * tile_n)
+
+
+def gemm_tf32_fits(m: int, n: int, k: int) -> bool:
+    """Whether the step runs the TF32 GEMM ``m x n x k`` as ``gemm_tf32``: ``k <=
+    GEMM_TF32_MAX_K`` and a grid of at most ``GEMM_TF32_MAX_BLOCKS`` blocks (module docstring)."""
+    return (1 <= k <= GEMM_TF32_MAX_K and min(m, n) >= 1
+            and _gemm_tf32_blocks(m, n, gemm_tf32_tile_n(m, n)) <= GEMM_TF32_MAX_BLOCKS)
+
+
+def plan_gemm_tf32(m: int, n: int, k: int, trans_a: bool, *, arch=90) -> Plan:
+    """``((ceil(n / tile_n), ceil(m / 16)), (WARPS * 32,), gemm_tf32_shared_bytes(k, trans_a,
+    tile_n))`` with ``tile_n = gemm_tf32_tile_n(m, n)``; ``ValueError`` where one block of
+    ``arch`` cannot have that shared memory."""
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        if int(value) < 1:
+            raise ValueError(f"{name}={value}: gemm_tf32 needs positive sizes")
+    from foxhunt.fast._build import normalize_arch
+    from foxhunt.fast.kernels.walk import shared_optin  # walk imports this module
+
+    tile_n = gemm_tf32_tile_n(m, n)
+    nbytes = gemm_tf32_shared_bytes(k, trans_a, tile_n)
+    if nbytes > shared_optin(arch):
+        raise ValueError(f"k={k}: gemm_tf32 needs {nbytes} bytes of shared memory per block; "
+                         f"sm_{normalize_arch(arch)} allows {shared_optin(arch)}")
+    return (blocks(n, tile_n), blocks(m, GEMM_TF32_ROWS)), (GEMM_TF32_WARPS * 32,), nbytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,6 +249,22 @@ def tf32_round(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def gemm_tf32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
+              trans_a: bool = False) -> np.ndarray:
+    """``op(a) @ b`` in TF32, masked by ``h`` when given, on the GPU: see
+    ``foxhunt.reference.kernels.dense.gemm_tf32``."""
+    from foxhunt.fast.kernels.walk import SHARED_LIMIT  # walk imports this module
+
+    m, n, k = validate_gemm_tf32(a, b, h, trans_a)
+    rt = runtime()
+    plan = plan_gemm_tf32(m, n, k, bool(trans_a), arch=rt.device.arch)
+    if plan[2] > SHARED_LIMIT:
+        rt.module.kernel("gemm_tf32").set_max_dynamic_shared(plan[2])
+    (c,) = launch("gemm_tf32", plan, In(a), In(b), Out((m, n), F32), In(h) if h is not None else 0,
+                  m, n, k, int(bool(trans_a)), gemm_tf32_tile_n(m, n))
+    return c
+
+
 KERNELS = {
     "add_bias_relu": add_bias_relu,
     "add_bias_relu_bf16": add_bias_relu_bf16,
@@ -186,4 +274,5 @@ KERNELS = {
     "f32_to_bf16": f32_to_bf16,
     "bf16_to_f32": bf16_to_f32,
     "tf32_round": tf32_round,
+    "gemm_tf32": gemm_tf32,
 }

@@ -5,7 +5,9 @@ Every kernel here is plain NumPy in float32 (uint16 for BF16 bit patterns), neve
 inputs, and is listed in ``KERNELS`` under the CUDA kernel's name. The GEMMs themselves are
 cuBLAS calls on the fast path, not our kernels: ``round_for`` and ``gemm`` emulate them (inputs
 rounded per precision mode, float32 accumulation) for the reference step and the conformance
-bounds, and are deliberately absent from ``KERNELS``.
+bounds, and are deliberately absent from ``KERNELS``. The exception is ``gemm_tf32``, the
+backward's short TF32 GEMMs (with an optional ReLU mask) that the fast path runs as its own kernel:
+its twin is ``gemm`` then ``relu_mask``.
 
 ReLU NaN contract (shared by ``add_bias_relu``, ``add_bias_relu_bf16`` and ``relu_mask``): the
 activation is the select ``t <= 0 ? 0 : t``, so a NaN pre-activation stays NaN in ``h`` (the
@@ -296,6 +298,39 @@ def gemm(
     return out.astype(F32, copy=False)
 
 
+def validate_gemm_tf32(a, b, h, trans_a) -> tuple[int, int, int]:
+    """The argument checks of ``gemm_tf32``; returns ``(m, n, k)``."""
+    require_array("a", a, F32, ndim=2)
+    require_array("b", b, F32, ndim=2)
+    if not isinstance(trans_a, (bool, np.bool_)):
+        raise TypeError(f"trans_a: expected a bool, got {type(trans_a).__name__}")
+    k, m = a.shape if trans_a else a.shape[::-1]
+    if b.shape[0] != k:
+        raise ValueError(f"b: shape {b.shape} but op(a) is [{m}, {k}]; expected [K, N] with "
+                         f"K = {k}")
+    n = b.shape[1]
+    if h is not None:
+        require_array("h", h, F32, ndim=2)
+        require_shape("h", h, (m, n), "[M, N], op(a) @ b's shape")
+    return m, n, k
+
+
+def gemm_tf32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
+              trans_a: bool = False) -> np.ndarray:
+    """The backward's TF32 GEMM with the ReLU mask as its optional epilogue (the CUDA kernel
+    ``gemm_tf32``): ``c = gemm(a, b, trans_a=trans_a, mode="tf32")``, then with ``h``
+    ``relu_mask(c, h)``. A composition of the two, so a plan that runs it in place of a TF32 GEMM
+    and a ``relu_mask`` computes the same bits on the CPU.
+
+    Shapes: ``a [M, K]`` (``trans_a``: ``[K, M]``), ``b [K, N]``, ``h [M, N]`` float32; returns
+    ``[M, N]`` float32. NaN/Inf contract: ``gemm``'s (IEEE, the TF32 rounding keeps NaN and Inf),
+    then ``relu_mask``'s (``h <= 0`` gives ``+0.0`` whatever the product; a NaN ``h`` passes it).
+    """
+    validate_gemm_tf32(a, b, h, trans_a)
+    c = gemm(a, b, trans_a=bool(trans_a), mode="tf32")
+    return c if h is None else relu_mask(c, h)
+
+
 KERNELS = {
     "add_bias_relu": add_bias_relu,
     "add_bias_relu_bf16": add_bias_relu_bf16,
@@ -305,4 +340,5 @@ KERNELS = {
     "f32_to_bf16": f32_to_bf16,
     "bf16_to_f32": bf16_to_f32,
     "tf32_round": tf32_round,
+    "gemm_tf32": gemm_tf32,
 }
