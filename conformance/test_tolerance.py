@@ -387,3 +387,23 @@ def test_bitwise_nan_payload_insensitive_only_for_nans():
     assert compare("bf16", a, b, Tolerance.exact(bitwise=True)).mismatches == 1
     with pytest.raises(ValueError, match="nan_payload"):
         Tolerance.exact(nan_payload=False)
+
+
+def test_gemm_overflow_positions_free_their_class_and_exact_ones_skip_the_bound() -> None:
+    """``overflow``: a position whose sums may overflow in one order and not another may be Inf
+    in one result and finite in the other; elsewhere a class difference still fails. ``exact``:
+    judged bit for bit, not by the bound (a masked zero against a nonzero product)."""
+    big = np.float32(3.3e38)
+    a = np.array([[1.0, 1.0], [1.0, -0.1]], np.float32)
+    b = np.array([[big, 1.0], [big, 2.0]], np.float32)
+    expected = np.array([[np.inf, 3.0], [np.float32(big * np.float32(0.9)), 0.8]], np.float32)
+    actual = np.array([[np.float32(3.4e38), 3.0], [np.inf, 0.8]], np.float32)
+    tol = Tolerance.gemm("f32")
+    inputs = {"a": a, "b": b}
+    assert not compare("g", actual, expected, tol, inputs).passed
+    free = np.array([[True, False], [True, False]])
+    assert compare("g", actual, expected, tol, {**inputs, "overflow": free}).passed
+    masked = expected.copy()
+    masked[0, 1] = 0.0
+    assert not compare("g", masked, expected, tol, inputs).passed
+    assert compare("g", masked, masked, tol, {**inputs, "exact": np.array([[False, True], [False, False]])}).passed

@@ -227,12 +227,16 @@ def _argmax_index(values: np.ndarray, shape: tuple) -> tuple[float, tuple | None
     return values.reshape(-1)[flat], _index(flat, shape)
 
 
-def _nonfinite_map_problems(actual: np.ndarray, expected: np.ndarray) -> list[str]:
+def _nonfinite_map_problems(actual: np.ndarray, expected: np.ndarray,
+                            free: np.ndarray | None = None) -> list[str]:
+    """Where the NaN / +Inf / -Inf maps differ, outside ``free`` (a boolean mask)."""
     problems = []
     for label, fn in (("NaN", np.isnan),
                       ("+Inf", lambda x: np.isposinf(x)),
                       ("-Inf", lambda x: np.isneginf(x))):
         diff = fn(actual) != fn(expected)
+        if free is not None:
+            diff &= ~free
         if diff.any():
             first = _index(int(np.flatnonzero(diff.reshape(-1))[0]), actual.shape)
             problems.append(
@@ -267,7 +271,11 @@ def compare(name: str, actual: Any, expected: Any, tol: Tolerance,
     to the output), ``{"a": A, "b": B}`` for ``gemm`` (the rounded operands as multiplied,
     ``A [M, K]``, ``B [K, N]``; optional ``"clip"``, ``"a_slack"``), ``{"free_bits": F}`` for
     ``exact`` (optional). Any kind also takes ``"exact"``: a boolean mask (broadcastable
-    to the output) of elements the kernel only copies, which must then be equal bit for bit.
+    to the output) of elements the kernel only copies, which must then be equal bit for bit; a
+    float kind ``"overflow"``: a boolean mask of elements whose sums may overflow in one order of
+    summation and not in another (their finite magnitudes add up past float32's range), whose
+    non-finite class is then the summation order's, not a contract (they still count only where
+    both results are finite).
     """
     if not isinstance(tol, Tolerance):
         raise TypeError(f"{name}: tolerance must be a Tolerance, got {type(tol).__name__}")
@@ -286,14 +294,18 @@ def compare(name: str, actual: Any, expected: Any, tol: Tolerance,
     else:
         if expected.dtype.kind != "f":
             raise ValueError(f"{name}: a {tol.kind} tolerance needs float outputs, got {expected.dtype}")
-        maps = _nonfinite_map_problems(actual, expected)
+        free = None
+        if inputs is not None and "overflow" in inputs:
+            free = np.broadcast_to(np.asarray(inputs["overflow"], dtype=bool), actual.shape)
+        maps = _nonfinite_map_problems(actual, expected, free)
         result.nan_map_equal = not maps
         result.problems.extend(maps)
         usable = np.isfinite(actual) & np.isfinite(expected)
         # Positions whose non-finite class differs count as mismatched elements.
-        result.mismatches += int(np.count_nonzero(
-            (np.isnan(actual) != np.isnan(expected)) | (np.isposinf(actual) != np.isposinf(expected))
-            | (np.isneginf(actual) != np.isneginf(expected))))
+        differ = ((np.isnan(actual) != np.isnan(expected))
+                  | (np.isposinf(actual) != np.isposinf(expected))
+                  | (np.isneginf(actual) != np.isneginf(expected)))
+        result.mismatches += int(np.count_nonzero(differ if free is None else differ & ~free))
         if tol.kind == "ulp":
             _compare_ulp(result, actual, expected, tol, usable)
         elif tol.kind == "reduction":

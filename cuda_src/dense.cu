@@ -334,16 +334,16 @@ extern "C" __global__ void tf32_round(const float* x, float* out, long long n) {
 // "tf32") then relu_mask); conformance: the GEMM policy in TF32, the masked elements bit for bit.
 //
 // Built for the step's narrow, short GEMMs (m and n in the hundreds, k <= 256), which the
-// per-SM L2 bandwidth bounds: a block computes a 16 x tile_n tile of c (tile_n 16 or 32) with
-// GEMM_TF32_WARPS warps that split k: warp w stages its own k range of op(a)'s 16 rows and of b's
-// tile_n columns in shared memory (16-byte cp.async where the rows are 16-byte aligned, 4-byte
-// otherwise; zeros past m, n and k) and multiplies it with no barrier before its MMAs; the warps'
-// partial tiles are then added in warp order (a fixed order: the bits depend only on k, not on
-// tile_n or the grid) and the mask and the store follow. Grid (ceil(n / tile_n), ceil(m / 16)),
-// GEMM_TF32_WARPS * 32 threads, gemm_tf32_shared_bytes (fast/kernels/dense.py) of dynamic shared
-// memory: per warp kw (tile_n + 8) floats of b and 16 (kw + 4) (or kw 24, trans_a) of a, kw =
-// 8 ceil(ceil(k / 8) / GEMM_TF32_WARPS), then the partial tiles; the paddings make the fragment
-// reads conflict-free.
+// per-SM L2 bandwidth bounds: a block computes a tile_m x tile_n tile of c (16 x 16, 16 x 32 or
+// 32 x 32) with GEMM_TF32_WARPS warps that split k: warp w stages its own k range of op(a)'s
+// tile_m rows and of b's tile_n columns in shared memory (16-byte cp.async where the rows are
+// 16-byte aligned, 4-byte otherwise; zeros past m, n and k) and multiplies it with no barrier
+// before its MMAs; the warps' partial tiles are then added in warp order (a fixed order: the bits
+// depend only on k, not on the tile or the grid) and the mask and the store follow. Grid
+// (ceil(n / tile_n), ceil(m / tile_m)), GEMM_TF32_WARPS * 32 threads, gemm_tf32_shared_bytes
+// (fast/kernels/dense.py) of dynamic shared memory: per warp kw (tile_n + 8) floats of b and
+// tile_m (kw + 4) (or kw (tile_m + 8), trans_a) of a, kw = 8 ceil(ceil(k / 8) /
+// GEMM_TF32_WARPS), then the partial tiles; the paddings make the fragment reads conflict-free.
 //
 // NaN/Inf contract: IEEE through the products and sums (a NaN or Inf operand reaches its row
 // and column of c; Inf * 0 is NaN); the rounding keeps NaN and Inf; the mask is relu_mask's, so a
@@ -398,11 +398,11 @@ static __device__ __forceinline__ void gemm_tf32_stage(float* s, int ss, const f
     }
 }
 
-template <int TN>
+template <int MT, int TN>
 static __device__ __forceinline__ void gemm_tf32_tile(const float* a, const float* b, float* c,
                                                       const float* h, int m, int n, int k,
                                                       int trans_a) {
-    constexpr int BM = GEMM_TF32_ROWS, W = GEMM_TF32_WARPS, NT = TN / 8;
+    constexpr int BM = GEMM_TF32_ROWS * MT, W = GEMM_TF32_WARPS, NT = TN / 8;
     extern __shared__ float4 gemm_tf32_smem4[];
     float* smem = reinterpret_cast<float*>(gemm_tf32_smem4);
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * TN;
@@ -415,7 +415,7 @@ static __device__ __forceinline__ void gemm_tf32_tile(const float* a, const floa
     const int warp_floats = kw * bss + (trans_a ? kw * ass : BM * ass);
     float* bs = smem + w * warp_floats;
     float* as = bs + kw * bss;
-    float* partial = smem + W * warp_floats;  // [W][NT * 4][32]
+    float* partial = smem + W * warp_floats;  // [W][MT * NT * 4][32]
     if (kn > 0) {
         gemm_tf32_stage(bs, bss, b, k, n, first * 8, kn, n0, TN, lane);
         if (trans_a) gemm_tf32_stage(as, ass, a, k, m, first * 8, kn, m0, BM, lane);
@@ -424,55 +424,154 @@ static __device__ __forceinline__ void gemm_tf32_tile(const float* a, const floa
     asm volatile("cp.async.commit_group;" ::: "memory");
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncwarp();
-    float acc[NT][4];
+    float acc[MT][NT][4];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
     for (int kb = 0; kb < kn; kb += 8) {
-        unsigned a0, a1, a2, a3;
-        if (trans_a) {
-            a0 = gemm_tf32_bits(as[(kb + t) * ass + g]);
-            a1 = gemm_tf32_bits(as[(kb + t) * ass + g + 8]);
-            a2 = gemm_tf32_bits(as[(kb + t + 4) * ass + g]);
-            a3 = gemm_tf32_bits(as[(kb + t + 4) * ass + g + 8]);
-        } else {
-            a0 = gemm_tf32_bits(as[g * ass + kb + t]);
-            a1 = gemm_tf32_bits(as[(g + 8) * ass + kb + t]);
-            a2 = gemm_tf32_bits(as[g * ass + kb + t + 4]);
-            a3 = gemm_tf32_bits(as[(g + 8) * ass + kb + t + 4]);
+        unsigned fa[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const int r = 16 * i + g;
+            if (trans_a) {
+                fa[i][0] = gemm_tf32_bits(as[(kb + t) * ass + r]);
+                fa[i][1] = gemm_tf32_bits(as[(kb + t) * ass + r + 8]);
+                fa[i][2] = gemm_tf32_bits(as[(kb + t + 4) * ass + r]);
+                fa[i][3] = gemm_tf32_bits(as[(kb + t + 4) * ass + r + 8]);
+            } else {
+                fa[i][0] = gemm_tf32_bits(as[r * ass + kb + t]);
+                fa[i][1] = gemm_tf32_bits(as[(r + 8) * ass + kb + t]);
+                fa[i][2] = gemm_tf32_bits(as[r * ass + kb + t + 4]);
+                fa[i][3] = gemm_tf32_bits(as[(r + 8) * ass + kb + t + 4]);
+            }
         }
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
-            gemm_tf32_mma(acc[j], a0, a1, a2, a3, gemm_tf32_bits(bs[(kb + t) * bss + 8 * j + g]),
-                          gemm_tf32_bits(bs[(kb + t + 4) * bss + 8 * j + g]));
+            const unsigned b0 = gemm_tf32_bits(bs[(kb + t) * bss + 8 * j + g]);
+            const unsigned b1 = gemm_tf32_bits(bs[(kb + t + 4) * bss + 8 * j + g]);
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+                gemm_tf32_mma(acc[i][j], fa[i][0], fa[i][1], fa[i][2], fa[i][3], b0, b1);
         }
     }
+    constexpr int TILE = MT * NT * 128;  // the tile's outputs, 16 * MT * TN
 #pragma unroll
-    for (int j = 0; j < NT; ++j)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) partial[(w * NT * 4 + j * 4 + e) * 32 + lane] = acc[j][e];
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                partial[w * TILE + ((i * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e];
     __syncthreads();
-    // Element (j, e, l) of the tile (fragment j's accumulator e of lane l): the warps' partial
-    // sums added in warp order, then the mask and the store.
-    for (int o = threadIdx.x; o < NT * 128; o += W * 32) {
-        const int j = o >> 7, e = (o >> 5) & 3, l = o & 31;
+    // Element (i, j, e, l) of the tile (fragment (i, j)'s accumulator e of lane l): the warps'
+    // partial sums added in warp order, then the mask and the store.
+    for (int o = threadIdx.x; o < TILE; o += W * 32) {
+        const int f = o >> 7, i = f / NT, j = f - i * NT, e = (o >> 5) & 3, l = o & 31;
         float v = partial[o];
-        for (int q = 1; q < W; ++q) v += partial[q * NT * 128 + o];
-        const int row = m0 + (l >> 2) + (e >> 1) * 8, col = n0 + 8 * j + 2 * (l & 3) + (e & 1);
+        for (int q = 1; q < W; ++q) v += partial[q * TILE + o];
+        const int row = m0 + 16 * i + (l >> 2) + (e >> 1) * 8;
+        const int col = n0 + 8 * j + 2 * (l & 3) + (e & 1);
         if (row < m && col < n) {
-            const long long i = (long long)row * n + col;
-            if (h != nullptr) v = (h[i] <= 0.0f) ? 0.0f : v;  // relu_mask's select
-            c[i] = v;
+            const long long x = (long long)row * n + col;
+            if (h != nullptr) v = (h[x] <= 0.0f) ? 0.0f : v;  // relu_mask's select
+            c[x] = v;
+        }
+    }
+}
+
+// The exact-f32 twin of gemm_tf32_tile (gemm_f32): the same staging, k split and warp-order sum,
+// the products on the CUDA cores: lane l keeps the rows 8 i + l / 4 (i < MT 2) and the columns
+// 4 j + l % 4 (j < TN / 4) of the tile, one fmaf per product in k order (so its reads of a are
+// broadcasts within a row group and its reads of b hit distinct banks).
+template <int MT, int TN>
+static __device__ __forceinline__ void gemm_f32_tile(const float* a, const float* b, float* c,
+                                                     const float* h, int m, int n, int k,
+                                                     int trans_a) {
+    constexpr int BM = GEMM_TF32_ROWS * MT, W = GEMM_TF32_WARPS, RI = BM / 8, CJ = TN / 4;
+    extern __shared__ float4 gemm_tf32_smem4[];
+    float* smem = reinterpret_cast<float*>(gemm_tf32_smem4);
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * TN;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, rg = lane >> 2, cg = lane & 3;
+    const int steps = (k + 7) >> 3;
+    const int per = (steps + W - 1) / W;
+    const int kw = per * 8;
+    const int first = min(steps, w * per), kn = (min(steps, first + per) - first) * 8;
+    const int bss = TN + 8, ass = trans_a ? BM + 8 : kw + 4;
+    const int warp_floats = kw * bss + (trans_a ? kw * ass : BM * ass);
+    float* bs = smem + w * warp_floats;
+    float* as = bs + kw * bss;
+    float* partial = smem + W * warp_floats;  // [W][BM][TN]
+    if (kn > 0) {
+        gemm_tf32_stage(bs, bss, b, k, n, first * 8, kn, n0, TN, lane);
+        if (trans_a) gemm_tf32_stage(as, ass, a, k, m, first * 8, kn, m0, BM, lane);
+        else gemm_tf32_stage(as, ass, a, m, k, m0, BM, first * 8, kn, lane);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncwarp();
+    float acc[RI][CJ];
+#pragma unroll
+    for (int i = 0; i < RI; ++i)
+#pragma unroll
+        for (int j = 0; j < CJ; ++j) acc[i][j] = 0.0f;
+    for (int kk = 0; kk < kn; ++kk) {
+        float av[RI], bv[CJ];
+#pragma unroll
+        for (int i = 0; i < RI; ++i)
+            av[i] = trans_a ? as[kk * ass + 8 * i + rg] : as[(8 * i + rg) * ass + kk];
+#pragma unroll
+        for (int j = 0; j < CJ; ++j) bv[j] = bs[kk * bss + 4 * j + cg];
+#pragma unroll
+        for (int i = 0; i < RI; ++i)
+#pragma unroll
+            for (int j = 0; j < CJ; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+#pragma unroll
+    for (int i = 0; i < RI; ++i)
+#pragma unroll
+        for (int j = 0; j < CJ; ++j) partial[w * BM * TN + (8 * i + rg) * TN + 4 * j + cg] = acc[i][j];
+    __syncthreads();
+    for (int o = threadIdx.x; o < BM * TN; o += W * 32) {
+        float v = partial[o];
+        for (int q = 1; q < W; ++q) v += partial[q * BM * TN + o];
+        const int row = m0 + o / TN, col = n0 + o % TN;
+        if (row < m && col < n) {
+            const long long x = (long long)row * n + col;
+            if (h != nullptr) v = (h[x] <= 0.0f) ? 0.0f : v;  // relu_mask's select
+            c[x] = v;
         }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
 gemm_tf32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
-          int trans_a, int tile_n) {
+          int trans_a, int tile_m, int tile_n) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
-    if (tile_n == 16) {
-        gemm_tf32_tile<16>(a, b, c, h, m, n, k, trans_a);
+    if (tile_m == 16 && tile_n == 16) {
+        gemm_tf32_tile<1, 16>(a, b, c, h, m, n, k, trans_a);
+    } else if (tile_m == 16) {
+        gemm_tf32_tile<1, 32>(a, b, c, h, m, n, k, trans_a);
     } else {
-        gemm_tf32_tile<32>(a, b, c, h, m, n, k, trans_a);
+        gemm_tf32_tile<2, 32>(a, b, c, h, m, n, k, trans_a);
+    }
+}
+
+// gemm_tf32's exact-f32 twin for the f32 precision's backward: c = op(a) @ b with f32 products
+// (fmaf, k in order within a warp's range, the warps' partial sums in warp order), masked by h as
+// gemm_tf32. Same arguments, grid, block and shared memory as gemm_tf32 (gemm_f32_tile's comment).
+// Reference: foxhunt.reference.kernels.dense.gemm_f32 (gemm(mode="f32") then relu_mask);
+// conformance: the GEMM policy in f32, the masked elements bit for bit. NaN/Inf: IEEE (fmaf), then
+// relu_mask's select.
+extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
+gemm_f32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
+         int trans_a, int tile_m, int tile_n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    if (tile_m == 16 && tile_n == 16) {
+        gemm_f32_tile<1, 16>(a, b, c, h, m, n, k, trans_a);
+    } else if (tile_m == 16) {
+        gemm_f32_tile<1, 32>(a, b, c, h, m, n, k, trans_a);
+    } else {
+        gemm_f32_tile<2, 32>(a, b, c, h, m, n, k, trans_a);
     }
 }

@@ -165,16 +165,23 @@ def _relu_mask(a):
     return {"dx": dense.relu_mask(a.dy[None, :], a.h[None, :])[0]}
 
 
-@twin("gemm_tf32", nullable=("h",), a=lambda a: (a.k, a.m) if a.trans_a else (a.m, a.k),
-      b=("k", "n"), c=("m", "n"), h=("m", "n"))
-def _gemm_tf32(a):
-    from foxhunt.fast.kernels.dense import GEMM_TF32_TILE_NS
-    from foxhunt.fast.records import PlanError
+def _backward_gemm_twin(name: str, reference):
+    """The twins of ``gemm_tf32`` / ``gemm_f32`` (one launch contract)."""
+    @twin(name, nullable=("h",), a=lambda a: (a.k, a.m) if a.trans_a else (a.m, a.k),
+          b=("k", "n"), c=("m", "n"), h=("m", "n"))
+    def run(a):
+        from foxhunt.fast.kernels.dense import GEMM_TF32_TILES
+        from foxhunt.fast.records import PlanError
 
-    if a.trans_a not in (0, 1) or a.tile_n not in GEMM_TF32_TILE_NS:
-        raise PlanError(f"gemm_tf32: trans_a={a.trans_a} (0 or 1), tile_n={a.tile_n} (one of "
-                        f"{GEMM_TF32_TILE_NS})")
-    return {"c": dense.gemm_tf32(a.a, a.b, a.h, trans_a=bool(a.trans_a))}
+        if a.trans_a not in (0, 1) or (a.tile_m, a.tile_n) not in GEMM_TF32_TILES:
+            raise PlanError(f"{name}: trans_a={a.trans_a} (0 or 1), (tile_m, tile_n)=({a.tile_m}, "
+                            f"{a.tile_n}) (one of {GEMM_TF32_TILES})")
+        return {"c": reference(a.a, a.b, a.h, trans_a=bool(a.trans_a))}
+    return run
+
+
+_backward_gemm_twin("gemm_tf32", dense.gemm_tf32)
+_backward_gemm_twin("gemm_f32", dense.gemm_f32)
 
 
 @twin("relu_mask_bias_grad", dy=("rows", "cols"), h=("rows", "cols"), dx=("rows", "cols"), db="cols")

@@ -81,10 +81,17 @@ LONG_K_RATIO = 4
 #: Whether the BF16 training passes end their heads in ONE ``heads_out_dueling_bf16`` launch
 #: (:attr:`StepProgram.outputs_fused`).
 FUSE_HEAD_OUTPUTS = True
-#: Whether the backward's TF32 GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE
-#: ``gemm_tf32`` launch (a ReLU layer's input gradient with its mask), not a cuBLASLt GEMM
-#: (:meth:`StepProgram.bwd_gemm`).
-GEMM_TF32_KERNEL = True
+#: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
+#: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
+#: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
+BACKWARD_GEMM_KERNELS = True
+#: The kernel of each backward precision.
+BACKWARD_GEMM_KERNEL = {"tf32": "gemm_tf32", "f32": "gemm_f32"}
+#: Backward precisions whose kernel takes only the masked GEMMs (a ReLU layer's input gradient on a
+#: chain): measured on the H200 (session 33, seed preset, core f32 step, driver-event time), 136.2
+#: us with cuBLASLt's GEMMs, 139.7 us with every one that fits as ``gemm_f32`` (the CUDA cores'
+#: products are slower than cuBLASLt's beside the chain) and 131.0 us with the masked ones only.
+MASKED_ONLY = frozenset({"f32"})
 #: ``planner(m, n, k, *, trans_a, trans_b, precision, epilogue, beta, min_alignment,
 #: workspace_limit)`` -> a plan with ``.spec``; raises ``GemmPlanError`` where it has none.
 Planner = Callable[..., object]
@@ -320,30 +327,33 @@ class StepProgram:
         self.bwd_gemm(main, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True)
         ops.parallel(*sides, main)
 
-    def gemm_tf32_fits(self, m: int, n: int, k: int, *operands) -> bool:
-        """Whether the backward GEMM ``m x n x k`` on ``operands`` runs as ``gemm_tf32``:
-        :data:`GEMM_TF32_KERNEL`, the TF32 backward (``bf16`` and ``tf32`` precisions), no
-        stacked pair among the operands and a shape the kernel is for
-        (``fast.kernels.dense.gemm_tf32_fits``)."""
+    def bwd_kernel_fits(self, m: int, n: int, k: int, *operands, masked: bool = False) -> bool:
+        """Whether the backward GEMM ``m x n x k`` on ``operands`` (``masked``: with a ReLU mask)
+        runs as its precision's kernel (:data:`BACKWARD_GEMM_KERNEL`): :data:`BACKWARD_GEMM_KERNELS`,
+        a masked GEMM where the precision is :data:`MASKED_ONLY`, no stacked pair among the
+        operands and a shape the kernels are for (``fast.kernels.dense.gemm_tf32_fits``)."""
         from foxhunt.fast.kernels.dense import gemm_tf32_fits
 
-        return (GEMM_TF32_KERNEL and self.bwd_mode == "tf32"
+        return (BACKWARD_GEMM_KERNELS and self.bwd_mode in BACKWARD_GEMM_KERNEL
+                and (masked or self.bwd_mode not in MASKED_ONLY)
                 and not any(isinstance(op, tuple) for op in operands) and gemm_tf32_fits(m, n, k))
 
     def bwd_gemm(self, ops: Ops, m: int, n: int, k: int, *, a, b, c, trans_a: bool = False,
                  h: Buf | None = None) -> None:
         """``c = op(a) @ b`` in the backward precision (operands as ``_gemm``'s), masked by ``h``
-        (``relu_mask``'s ``h <= 0 ? 0 : c``) when given: ONE ``gemm_tf32`` launch where
-        :meth:`gemm_tf32_fits`, else a cuBLASLt GEMM (``h`` then needs the fused kernel: callers
-        ask :meth:`gemm_tf32_fits` first)."""
-        if not self.gemm_tf32_fits(m, n, k, a, b, c):
+        (``relu_mask``'s ``h <= 0 ? 0 : c``) when given: ONE ``gemm_tf32`` / ``gemm_f32`` launch
+        where :meth:`bwd_kernel_fits`, else a cuBLASLt GEMM (``h`` then needs the kernel: callers
+        ask :meth:`bwd_kernel_fits` first)."""
+        if not self.bwd_kernel_fits(m, n, k, a, b, c, masked=h is not None):
             if h is not None:
                 raise ValueError(f"bwd_gemm: the masked GEMM {m}x{n}x{k} is not a gemm_tf32 shape")
             self._gemm(ops, m, n, k, a=a, b=b, c=c, trans_a=trans_a, precision=self.bwd_mode)
             return
         dense = self.kernels("dense")
-        ops.kernel("gemm_tf32", dense.plan_gemm_tf32(m, n, k, trans_a, arch=self.arch), a=a, b=b,
-                   c=c, h=h, m=m, n=n, k=k, trans_a=int(trans_a), tile_n=dense.gemm_tf32_tile_n(m, n))
+        tile_m, tile_n = dense.gemm_tf32_tile(m, n)
+        ops.kernel(BACKWARD_GEMM_KERNEL[self.bwd_mode],
+                   dense.plan_gemm_tf32(m, n, k, trans_a, arch=self.arch), a=a, b=b, c=c, h=h,
+                   m=m, n=n, k=k, trans_a=int(trans_a), tile_m=tile_m, tile_n=tile_n)
 
     def input_grad(self, ops: Ops, *, dy, w, dx, rows, n_out, n_in, relu=None,
                    then: Callable[[Ops], None] | None = None) -> None:
@@ -355,15 +365,16 @@ class StepProgram:
         ``relu_mask`` then ``bias_grad_reduce`` of its output (the same bits: the fused kernel's
         comment in cuda_src/dense.cu), and only the mask precedes ``then``'s records: the sums
         run beside them (a chain's next GEMM does not wait for a column sum); where
-        :meth:`gemm_tf32_fits`, the GEMM and the mask are ONE ``gemm_tf32`` launch."""
+        :meth:`bwd_kernel_fits`, the GEMM and the mask are ONE ``gemm_tf32`` / ``gemm_f32``
+        launch."""
         if relu is None:
             self.bwd_gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx)
             return
         h, db, scratch = relu
         dense = self.kernels("dense")
         batches = self._each(scratch, dx, db)
-        if then is not None and self.gemm_tf32_fits(rows, n_in, n_out, dy, w, dx):
-            # The mask in the GEMM's epilogue: ONE gemm_tf32 launch writes dx (no scratch).
+        if then is not None and self.bwd_kernel_fits(rows, n_in, n_out, dy, w, dx, masked=True):
+            # The mask in the GEMM's epilogue: ONE launch writes dx (no scratch).
             self.bwd_gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx, h=h)
         else:
             self.bwd_gemm(ops, rows, n_in, n_out, a=dy, b=w, c=scratch)

@@ -161,9 +161,14 @@ def test_fused_heads_run_two_nodes_for_five_in_each_pass(capsys):
     assert "--fused-heads: the fused kernel is bf16 only" in capsys.readouterr().err
 
 
-def test_stacked_backward_stacks_the_two_losses_gemms(capsys):
+def test_stacked_backward_stacks_the_two_losses_gemms(capsys, monkeypatch):
     """``--stacked-backward``: the C51 and CQL backward passes' 2 x 19 GEMMs are 19 (per head 2
-    input and 2 weight gradients, the trunk's 3), every per-loss kernel kept."""
+    input and 2 weight gradients, the trunk's 3), every per-loss kernel kept. Compared with the
+    backward GEMMs all cuBLASLt's (``step_program.BACKWARD_GEMM_KERNELS`` off: the stacked pairs
+    are batched cuBLASLt plans, which the backward GEMM kernels do not replace)."""
+    import foxhunt.fast.step_program as step_program
+
+    monkeypatch.setattr(step_program, "BACKWARD_GEMM_KERNELS", False)
     plain = cp.table("seed", "bf16", ["core"])[0]["paths"]["graph1"]
     stacked = cp.table("seed", "bf16", ["core"], {"stacked_backward": True})[0]["paths"]["graph1"]
     assert plain.nodes - stacked.nodes == 4 * 4 + 3

@@ -171,7 +171,13 @@ def _tuple_replaced(fn, field: str):
 
 
 def _gemm_into(buffer: Buf):
-    return lambda node: isinstance(node, Gemm) and node.c == buffer
+    """The record of the GEMM that writes ``buffer``: a cuBLASLt GEMM, or a launch of a backward
+    GEMM kernel (``step_program.BACKWARD_GEMM_KERNEL``)."""
+    from foxhunt.fast.step_program import BACKWARD_GEMM_KERNEL
+
+    return lambda node: ((isinstance(node, Gemm) and node.c == buffer)
+                         or (isinstance(node, Launch) and node.kernel in BACKWARD_GEMM_KERNEL.values()
+                             and node.args.get("c") == buffer))
 
 
 def _slot_cases(config: DQNConfig) -> dict:

@@ -15,9 +15,14 @@ ga = load_bench("graph_anatomy")
 
 @pytest.fixture(scope="module")
 def graph1():
+    """Graph 1 of the tiny core bf16 step with every backward GEMM cuBLASLt's (the anatomy's GEMM
+    roles; ``step_program.BACKWARD_GEMM_KERNELS`` off)."""
+    import foxhunt.fast.step_program as step_program
     from foxhunt.fast.cpu_executor import CpuEngine
 
-    return CpuEngine(cp.variant_config("tiny", "bf16", "core")).plans["graph1"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(step_program, "BACKWARD_GEMM_KERNELS", False)
+        return CpuEngine(cp.variant_config("tiny", "bf16", "core")).plans["graph1"]
 
 
 def _shape(ops) -> list:

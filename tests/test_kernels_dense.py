@@ -537,7 +537,7 @@ def test_bad_arguments_raise_value_error_naming_the_argument(call, argument):
 def test_kernels_registry_lists_kernels_but_not_gemm_helpers():
     assert set(dense.KERNELS) == {
         "add_bias_relu", "add_bias_relu_bf16", "relu_mask", "bias_grad_reduce",
-        "relu_mask_bias_grad", "f32_to_bf16", "bf16_to_f32", "tf32_round",
+        "relu_mask_bias_grad", "f32_to_bf16", "bf16_to_f32", "tf32_round", "gemm_tf32", "gemm_f32",
     }
     for name, fn in dense.KERNELS.items():
         assert fn.__name__ == name and fn is getattr(dense, name)

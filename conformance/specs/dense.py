@@ -2,7 +2,8 @@
 gradients of the backward, the BF16/TF32 casts, and the backward's TF32 GEMM with its optional
 ReLU mask (``gemm_tf32``: both paths multiply the operands' ``tf32_round`` values exactly, so it is
 judged by the GEMM policy without input-rounding slack, ``GEMM_TOLERANCES["f32"]``, on those
-values, as the BF16 kernels on their BF16 operands; the elements its mask zeroes bit for bit; the shape cases give ``m, k, n = batch, hidden, w_out``, ``trans_a`` in
+values, as the BF16 kernels on their BF16 operands; ``gemm_f32``, its exact-f32 twin, by the same
+policy on the operands themselves; the elements the mask zeroes bit for bit; the shape cases give ``m, k, n = batch, hidden, w_out``, ``trans_a`` in
 the seed and odd cases, no mask in the seed case).
 """
 
@@ -57,15 +58,44 @@ def _s_gemm_tf32(d: Dims, rng) -> Kwargs:
     return {"a": a, "b": normal(rng, (k, n), 1.0 / np.sqrt(k)), "h": h, "trans_a": trans_a}
 
 
-def _sc_gemm_tf32(kwargs, expected):
-    """The GEMM policy's operands, ``tf32_round(op(a))`` and ``tf32_round(b)`` (what both paths
-    multiply); the mask's zeros (``h <= 0``) exact."""
-    a = kwargs["a"].T if kwargs["trans_a"] else kwargs["a"]
-    h = kwargs["h"]
-    with np.errstate(invalid="ignore"):
-        exact = np.zeros(expected["out"].shape, bool) if h is None else h <= 0
-    return {"out": {"a": tf32_round(np.ascontiguousarray(a)), "b": tf32_round(kwargs["b"]),
-                    "exact": exact}}
+def _backward_gemm_scales(rounding):
+    """The GEMM policy's operands, ``rounding(op(a))`` and ``rounding(b)`` (what both paths
+    multiply: ``tf32_round``'s values for ``gemm_tf32``, the operands themselves for
+    ``gemm_f32``); the mask's zeros (``h <= 0``) exact; ``overflow`` where the finite products'
+    magnitudes add up past float32's range (then whether a partial sum overflows depends on the
+    order: not a contract; ``tf32_round`` takes float32's largest values to +/-Inf, so the TF32
+    products of the extremal cases never get there)."""
+    def scales(kwargs, expected):
+        a = rounding(np.ascontiguousarray(kwargs["a"].T if kwargs["trans_a"] else kwargs["a"]))
+        b = rounding(kwargs["b"])
+        h = kwargs["h"]
+        with np.errstate(invalid="ignore", over="ignore"):
+            exact = np.zeros(expected["out"].shape, bool) if h is None else h <= 0
+            finite = [np.where(np.isfinite(x), np.abs(x), 0).astype(np.float64) for x in (a, b)]
+            overflow = (finite[0] @ finite[1]) > np.finfo(F32).max
+        return {"out": {"a": a, "b": b, "exact": exact, "overflow": overflow & ~exact}}
+    return scales
+
+
+def _backward_gemm_entry(name: str, rounding) -> SpecEntry:
+    return SpecEntry(
+        name=name,
+        outputs={"out": f32(GEMM_TOLERANCES["f32"])},
+        sample=_s_gemm_tf32,
+        targets=("a", "b", "h"),
+        errors=lambda rng: (
+            error_cases(
+                _s_gemm_tf32,
+                lambda k: replace(k, b=k["b"][:-1]),
+                lambda k: replace(k, h=k["h"][:, :-1]),
+                lambda k: wrong_dtype(k, "a"),
+                lambda k: wrong_dtype(k, "h"),
+                lambda k: replace(k, a=k["a"][0]),
+            )(rng)
+            + error_cases(_s_gemm_tf32, lambda k: replace(k, trans_a=1), exc=TypeError)(rng)
+        ),
+        scales=_backward_gemm_scales(rounding),
+    )
 
 
 def _sc_bias_grad(kwargs, expected):
@@ -177,22 +207,6 @@ ENTRIES: tuple[SpecEntry, ...] = (
         ),
         finite_sample=False,
     ),
-    SpecEntry(
-        name="gemm_tf32",
-        outputs={"out": f32(GEMM_TOLERANCES["f32"])},
-        sample=_s_gemm_tf32,
-        targets=("a", "b", "h"),
-        errors=lambda rng: (
-            error_cases(
-                _s_gemm_tf32,
-                lambda k: replace(k, b=k["b"][:-1]),
-                lambda k: replace(k, h=k["h"][:, :-1]),
-                lambda k: wrong_dtype(k, "a"),
-                lambda k: wrong_dtype(k, "h"),
-                lambda k: replace(k, a=k["a"][0]),
-            )(rng)
-            + error_cases(_s_gemm_tf32, lambda k: replace(k, trans_a=1), exc=TypeError)(rng)
-        ),
-        scales=_sc_gemm_tf32,
-    ),
+    _backward_gemm_entry("gemm_tf32", tf32_round),
+    _backward_gemm_entry("gemm_f32", lambda x: np.asarray(x, F32)),
 )

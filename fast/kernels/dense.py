@@ -21,18 +21,22 @@ launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
   in one launch, blocks of (8 columns x ``BIAS_GRAD_CHUNKS`` row chunks); ``dx`` and ``db`` are
   bit for bit those of the two separate launches; ``dx`` may be ``dy`` itself (in place), ``h``
   and ``db`` must not overlap ``dx``/``dy``.
-- ``gemm_tf32(a, b, c, h, m, n, k, trans_a, tile_n)``: ``c = op(a) @ b`` in TF32, masked by ``h``
-  (``relu_mask``) when ``h`` is not null; blocks of ``GEMM_TF32_ROWS x tile_n`` outputs and
-  ``GEMM_TF32_WARPS`` warps that split k (cuda_src/dense.cu). The step runs the backward's TF32
-  GEMMs with it where :func:`gemm_tf32_fits` (``fast.step_program``); measured on the H200
-  (session 33, a chain of ``relu_mask`` -> GEMM nodes, us a GEMM node, cuBLASLt's heuristic
-  choice -> this kernel with tiles of 16 x 16 / 16 x 32): 256x128x153 4.63 -> 2.90 / 3.22,
-  256x256x128 3.92 -> 3.06 / 2.85, 256x256x256 4.86 -> 3.88 / 3.57, the weight gradient
-  256x128x256 (``trans_a``) 4.85 -> 2.77 / 3.15.
+- ``gemm_tf32(a, b, c, h, m, n, k, trans_a, tile_m, tile_n)``: ``c = op(a) @ b`` in TF32, masked
+  by ``h`` (``relu_mask``) when ``h`` is not null; blocks of ``tile_m x tile_n`` outputs (one of
+  ``GEMM_TF32_TILES``) and ``GEMM_TF32_WARPS`` warps that split k (cuda_src/dense.cu).
+  ``gemm_f32`` (same arguments, plan and limits): its exact-f32 twin on the CUDA cores. The step
+  runs the TF32 backward's GEMMs that :func:`gemm_tf32_fits` with ``gemm_tf32`` and the f32
+  backward's masked ones with ``gemm_f32`` (``fast.step_program``). Measured alone on the H200
+  (session 33, a chain of ``relu_mask`` -> GEMM nodes, us a GEMM node, cuBLASLt's heuristic choice
+  -> ``gemm_tf32`` with tiles of 16 x 16 / 16 x 32): 256x128x153 4.63 -> 2.90 / 3.22, 256x256x128
+  3.92 -> 3.06 / 2.85, 256x256x256 4.86 -> 3.88 / 3.57, the weight gradient 256x128x256
+  (``trans_a``) 4.85 -> 2.77 / 3.15; in the step, where most of them run beside the critical
+  chain, fewer blocks measured faster (:data:`GEMM_TF32_MAX_BLOCKS`).
 
 Numerics: every elementwise kernel is exact (bitwise equal to the reference);
-``bias_grad_reduce`` is a float32 reduction (conformance: reduction tolerance); ``gemm_tf32`` is
-a GEMM (conformance: the GEMM policy in TF32; its masked elements bit for bit).
+``bias_grad_reduce`` is a float32 reduction (conformance: reduction tolerance); ``gemm_tf32`` and
+``gemm_f32`` are GEMMs (conformance: the GEMM policy on the values they multiply; their masked
+elements bit for bit).
 """
 
 from __future__ import annotations
@@ -70,19 +74,23 @@ BIAS_GRAD_MIN_COLS = 8
 RELU_BIAS_GRAD_COLS = 8
 
 #: gemm_tf32 (cuda_src/dense.cu; ``tests/test_kernels_gemm_tf32.py`` reads them back): the warps
-#: of a block (they split k) and the rows of its tile.
+#: of a block (they split k) and the rows of an MMA fragment.
 GEMM_TF32_WARPS = 8
 GEMM_TF32_ROWS = 16
-#: gemm_tf32's tile widths (the kernel's ``tile_n``).
-GEMM_TF32_TILE_NS = (16, 32)
+#: gemm_tf32's tiles ``(tile_m, tile_n)``, in the order :func:`gemm_tf32_tile` tries them.
+GEMM_TF32_TILES = ((16, 16), (16, 32), (32, 32))
 #: The GEMMs the step runs as ``gemm_tf32`` (:func:`gemm_tf32_fits`): k at most this, and at most
 #: this many blocks. The kernel trades blocks for bytes per SM, but most of the step's backward
-#: GEMMs run beside its critical chain, whose kernels their blocks then crowd out: measured on the
-#: H200 (session 33, seed preset, the step's driver-event time), the core bf16 step took 107.6 us
-#: with cuBLASLt's GEMMs, 108.8 us with every one that fits 128 blocks as this kernel and 101.2 us
-#: with those that fit 64 (every second-wave source: 164.1, 161.1, 157.0 us).
+#: GEMMs run beside its critical chain, whose kernels their blocks then crowd out. Measured on the
+#: H200 (session 33, seed preset, the core bf16 step's driver-event time): call G, cuBLASLt's GEMMs
+#: 107.6 us, every GEMM that fits 128 blocks of 16 x 16 or 16 x 32 as this kernel 108.8 us, those
+#: that fit 64 blocks 101.2 us; call H, cuBLASLt 108.1 us, 16-row tiles within 64 blocks 101.7 us,
+#: the 32 x 32 tile added (the 256 x 256 products then fit 64 blocks too) 104.0 us, within 32
+#: blocks (every seed GEMM that fits then takes 32 x 32 tiles) 102.0 us, 32 x 32 tiles alone 100.8
+#: us; every second-wave source 162.7, 156.8, 156.9, 155.9 us, the tf32 core step 127.4, 120.0,
+#: 121.3, 119.2 us (call H's first four).
 GEMM_TF32_MAX_K = 256
-GEMM_TF32_MAX_BLOCKS = 64
+GEMM_TF32_MAX_BLOCKS = 32
 F32_BYTES = 4
 
 Plan = tuple  # (grid, block, shared_mem)
@@ -131,50 +139,52 @@ def plan_relu_mask_bias_grad(rows: int, cols: int) -> Plan:
     return ((blocks(cols, RELU_BIAS_GRAD_COLS),), (RELU_BIAS_GRAD_COLS, BIAS_GRAD_CHUNKS), 0)
 
 
-def _gemm_tf32_blocks(m: int, n: int, tile_n: int) -> int:
-    return blocks(m, GEMM_TF32_ROWS) * blocks(n, tile_n)
+def _gemm_tf32_blocks(m: int, n: int, tile: tuple[int, int]) -> int:
+    return blocks(m, tile[0]) * blocks(n, tile[1])
 
 
-def gemm_tf32_tile_n(m: int, n: int) -> int:
-    """gemm_tf32's tile width for an ``m x n`` product: 16 where that keeps the grid within
-    ``GEMM_TF32_MAX_BLOCKS``, else 32 (more SMs, fewer bytes each; the bits do not depend on it)."""
-    narrow = GEMM_TF32_TILE_NS[0]
-    return narrow if _gemm_tf32_blocks(m, n, narrow) <= GEMM_TF32_MAX_BLOCKS else GEMM_TF32_TILE_NS[1]
+def gemm_tf32_tile(m: int, n: int) -> tuple[int, int]:
+    """gemm_tf32's tile ``(tile_m, tile_n)`` for an ``m x n`` product: the first of
+    ``GEMM_TF32_TILES`` whose grid stays within ``GEMM_TF32_MAX_BLOCKS`` (the smallest tiles that
+    do: more SMs, fewer bytes each), else the largest. The bits do not depend on it."""
+    return next((t for t in GEMM_TF32_TILES if _gemm_tf32_blocks(m, n, t) <= GEMM_TF32_MAX_BLOCKS),
+                GEMM_TF32_TILES[-1])
 
 
-def gemm_tf32_shared_bytes(k: int, trans_a: bool, tile_n: int) -> int:
+def gemm_tf32_shared_bytes(k: int, trans_a: bool, tile: tuple[int, int]) -> int:
     """gemm_tf32's dynamic shared memory (cuda_src/dense.cu): per warp ``kw (tile_n + 8)`` floats
-    of b and ``16 (kw + 4)`` (``trans_a``: ``kw 24``) of a, ``kw = 8 ceil(ceil(k / 8) / WARPS)``,
-    then the warps' partial tiles, ``WARPS 16 tile_n`` floats."""
+    of b and ``tile_m (kw + 4)`` (``trans_a``: ``kw (tile_m + 8)``) of a, ``kw = 8 ceil(ceil(k /
+    8) / WARPS)``, then the warps' partial tiles, ``WARPS tile_m tile_n`` floats."""
+    tile_m, tile_n = tile
     kw = 8 * blocks(blocks(k, 8), GEMM_TF32_WARPS)
-    a_floats = kw * (GEMM_TF32_ROWS + 8) if trans_a else GEMM_TF32_ROWS * (kw + 4)
+    a_floats = kw * (tile_m + 8) if trans_a else tile_m * (kw + 4)
     per_warp = kw * (tile_n + 8) + a_floats
-    return F32_BYTES * GEMM_TF32_WARPS * (per_warp + GEMM_TF32_ROWS * tile_n)
+    return F32_BYTES * GEMM_TF32_WARPS * (per_warp + tile_m * tile_n)
 
 
 def gemm_tf32_fits(m: int, n: int, k: int) -> bool:
     """Whether the step runs the TF32 GEMM ``m x n x k`` as ``gemm_tf32``: ``k <=
     GEMM_TF32_MAX_K`` and a grid of at most ``GEMM_TF32_MAX_BLOCKS`` blocks (module docstring)."""
     return (1 <= k <= GEMM_TF32_MAX_K and min(m, n) >= 1
-            and _gemm_tf32_blocks(m, n, gemm_tf32_tile_n(m, n)) <= GEMM_TF32_MAX_BLOCKS)
+            and _gemm_tf32_blocks(m, n, gemm_tf32_tile(m, n)) <= GEMM_TF32_MAX_BLOCKS)
 
 
 def plan_gemm_tf32(m: int, n: int, k: int, trans_a: bool, *, arch=90) -> Plan:
-    """``((ceil(n / tile_n), ceil(m / 16)), (WARPS * 32,), gemm_tf32_shared_bytes(k, trans_a,
-    tile_n))`` with ``tile_n = gemm_tf32_tile_n(m, n)``; ``ValueError`` where one block of
-    ``arch`` cannot have that shared memory."""
-    for name, value in (("m", m), ("n", n), ("k", k)):
-        if int(value) < 1:
-            raise ValueError(f"{name}={value}: gemm_tf32 needs positive sizes")
+    """``((ceil(n / tile_n), ceil(m / tile_m)), (WARPS * 32,), gemm_tf32_shared_bytes(k, trans_a,
+    tile))`` with ``tile = gemm_tf32_tile(m, n)``; ``ValueError`` where one block of ``arch``
+    cannot have that shared memory."""
     from foxhunt.fast._build import normalize_arch
     from foxhunt.fast.kernels.walk import shared_optin  # walk imports this module
 
-    tile_n = gemm_tf32_tile_n(m, n)
-    nbytes = gemm_tf32_shared_bytes(k, trans_a, tile_n)
+    for name, value in (("m", m), ("n", n), ("k", k)):
+        if int(value) < 1:
+            raise ValueError(f"{name}={value}: gemm_tf32 needs positive sizes")
+    tile = gemm_tf32_tile(m, n)
+    nbytes = gemm_tf32_shared_bytes(k, trans_a, tile)
     if nbytes > shared_optin(arch):
         raise ValueError(f"k={k}: gemm_tf32 needs {nbytes} bytes of shared memory per block; "
                          f"sm_{normalize_arch(arch)} allows {shared_optin(arch)}")
-    return (blocks(n, tile_n), blocks(m, GEMM_TF32_ROWS)), (GEMM_TF32_WARPS * 32,), nbytes
+    return (blocks(n, tile[1]), blocks(m, tile[0])), (GEMM_TF32_WARPS * 32,), nbytes
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,20 +259,36 @@ def tf32_round(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def gemm_tf32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
-              trans_a: bool = False) -> np.ndarray:
-    """``op(a) @ b`` in TF32, masked by ``h`` when given, on the GPU: see
-    ``foxhunt.reference.kernels.dense.gemm_tf32``."""
+def _backward_gemm(name: str, a, b, h, trans_a) -> np.ndarray:
+    """The test entries of ``gemm_tf32`` and ``gemm_f32`` (one plan)."""
     from foxhunt.fast.kernels.walk import SHARED_LIMIT  # walk imports this module
 
     m, n, k = validate_gemm_tf32(a, b, h, trans_a)
     rt = runtime()
     plan = plan_gemm_tf32(m, n, k, bool(trans_a), arch=rt.device.arch)
     if plan[2] > SHARED_LIMIT:
-        rt.module.kernel("gemm_tf32").set_max_dynamic_shared(plan[2])
-    (c,) = launch("gemm_tf32", plan, In(a), In(b), Out((m, n), F32), In(h) if h is not None else 0,
-                  m, n, k, int(bool(trans_a)), gemm_tf32_tile_n(m, n))
+        rt.module.kernel(name).set_max_dynamic_shared(plan[2])
+    (c,) = launch(name, plan, In(a), In(b), Out((m, n), F32), In(h) if h is not None else 0,
+                  m, n, k, int(bool(trans_a)), *gemm_tf32_tile(m, n))
     return c
+
+
+def gemm_tf32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
+              trans_a: bool = False) -> np.ndarray:
+    """``op(a) @ b`` in TF32, masked by ``h`` when given, on the GPU: see
+    ``foxhunt.reference.kernels.dense.gemm_tf32``."""
+    return _backward_gemm("gemm_tf32", a, b, h, trans_a)
+
+
+def gemm_f32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
+             trans_a: bool = False) -> np.ndarray:
+    """``op(a) @ b`` in f32, masked by ``h`` when given, on the GPU: see
+    ``foxhunt.reference.kernels.dense.gemm_f32``."""
+    return _backward_gemm("gemm_f32", a, b, h, trans_a)
+
+
+#: gemm_f32 launches as gemm_tf32 (the same staging and grid).
+plan_gemm_f32 = plan_gemm_tf32
 
 
 KERNELS = {
@@ -275,4 +301,5 @@ KERNELS = {
     "bf16_to_f32": bf16_to_f32,
     "tf32_round": tf32_round,
     "gemm_tf32": gemm_tf32,
+    "gemm_f32": gemm_f32,
 }

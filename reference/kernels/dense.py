@@ -5,9 +5,9 @@ Every kernel here is plain NumPy in float32 (uint16 for BF16 bit patterns), neve
 inputs, and is listed in ``KERNELS`` under the CUDA kernel's name. The GEMMs themselves are
 cuBLAS calls on the fast path, not our kernels: ``round_for`` and ``gemm`` emulate them (inputs
 rounded per precision mode, float32 accumulation) for the reference step and the conformance
-bounds, and are deliberately absent from ``KERNELS``. The exception is ``gemm_tf32``, the
-backward's short TF32 GEMMs (with an optional ReLU mask) that the fast path runs as its own kernel:
-its twin is ``gemm`` then ``relu_mask``.
+bounds, and are deliberately absent from ``KERNELS``. The exceptions are ``gemm_tf32`` and
+``gemm_f32``, the backward's short TF32 / f32 GEMMs (with an optional ReLU mask) that the fast path
+runs as its own kernels: their twins are ``gemm`` then ``relu_mask``.
 
 ReLU NaN contract (shared by ``add_bias_relu``, ``add_bias_relu_bf16`` and ``relu_mask``): the
 activation is the select ``t <= 0 ? 0 : t``, so a NaN pre-activation stays NaN in ``h`` (the
@@ -331,6 +331,16 @@ def gemm_tf32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
     return c if h is None else relu_mask(c, h)
 
 
+def gemm_f32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
+             trans_a: bool = False) -> np.ndarray:
+    """``gemm_tf32``'s exact-f32 twin (the CUDA kernel ``gemm_f32``, the f32 precision's
+    backward): ``c = gemm(a, b, trans_a=trans_a, mode="f32")``, then with ``h`` ``relu_mask(c,
+    h)``. Shapes and NaN/Inf contract as ``gemm_tf32`` (no rounding of the operands)."""
+    validate_gemm_tf32(a, b, h, trans_a)
+    c = gemm(a, b, trans_a=bool(trans_a), mode="f32")
+    return c if h is None else relu_mask(c, h)
+
+
 KERNELS = {
     "add_bias_relu": add_bias_relu,
     "add_bias_relu_bf16": add_bias_relu_bf16,
@@ -341,4 +351,5 @@ KERNELS = {
     "bf16_to_f32": bf16_to_f32,
     "tf32_round": tf32_round,
     "gemm_tf32": gemm_tf32,
+    "gemm_f32": gemm_f32,
 }

@@ -1,11 +1,11 @@
-"""The backward's TF32 GEMM with its optional ReLU mask (``gemm_tf32``): its reference twin against
-torch in float64 (the product) and torch's ReLU backward (the mask), its argument checks, the launch
-plan and the shapes the step gives it, the constants the plan shares with ``cuda_src/dense.cu``,
-the conformance entry on a 0.1 % error and on a masked element, and the step: every TF32 backward
-GEMM of the seed step one launch, a ReLU layer's input gradient with its mask (no ``relu_mask``
-node), the CPU executor's steps bit for bit as the cuBLASLt GEMMs' and masks'. GPU (skipped without
-a device, with the reason): the kernel against the twin on every shape case, a NaN row and
-determinism.
+"""The backward's GEMMs with their optional ReLU mask, ``gemm_tf32`` (TF32) and ``gemm_f32`` (its
+exact-f32 twin): the reference twins against torch in float64 (the product) and torch's ReLU
+backward (the mask), their argument checks, the launch plan and the shapes the step gives them, the
+constants the plan shares with ``cuda_src/dense.cu``, the conformance entries on a small error and
+on a masked element, and the step: each backward GEMM of the seed step that fits one launch, a ReLU
+layer's input gradient with its mask (no ``relu_mask`` node), the CPU executor's steps bit for bit
+as the cuBLASLt GEMMs' and masks'. GPU (skipped without a device, with the reason): the kernels
+against their twins on every shape, a NaN row and determinism.
 
 NVRTC compiles ``cuda_src/dense.cu`` in ``tests/test_fast_build.py`` (every source file).
 """
@@ -26,16 +26,19 @@ from foxhunt.fast.device import cuda_available
 from foxhunt.fast.kernels import dense as fast_dense
 from foxhunt.fast.records import Gemm
 from foxhunt.reference.config import DQNConfig
-from foxhunt.reference.kernels.dense import gemm_tf32, tf32_round
+from foxhunt.reference.kernels.dense import gemm_f32, gemm_tf32, tf32_round
 from cpu_step_runs import assert_runs_bitwise_equal, launch_count, step_run
 
 F32 = np.float32
-SPEC = SPECS["gemm_tf32"]
+#: kernel -> (reference twin, the operands' rounding, fast entry)
+KERNELS = {"gemm_tf32": (gemm_tf32, tf32_round, fast_dense.gemm_tf32),
+           "gemm_f32": (gemm_f32, lambda x: x, fast_dense.gemm_f32)}
 _GPU, _WHY = cuda_available()
 gpu = pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
 #: (m, n, k, trans_a, masked): the seed chain's shapes and odd tails past every tile edge.
 SHAPES = [(256, 128, 153, False, True), (256, 256, 256, False, False), (256, 128, 256, True, False),
-          (37, 20, 13, False, True), (5, 7, 259, True, True), (17, 33, 1, False, False)]
+          (37, 20, 13, False, True), (5, 7, 259, True, True), (17, 33, 1, False, False),
+          (256, 256, 200, True, True), (70, 90, 24, False, True)]
 
 
 def _operands(m, n, k, trans_a, masked, seed=0):
@@ -50,16 +53,18 @@ def _operands(m, n, k, trans_a, masked, seed=0):
 
 
 # ------------------------------------------------------------------- the twin against torch
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m, n, k, trans_a, masked", SHAPES)
-def test_twin_is_the_tf32_product_then_torchs_relu_backward(m, n, k, trans_a, masked):
+def test_twin_is_the_product_then_torchs_relu_backward(kernel, m, n, k, trans_a, masked):
+    twin, rounding, _ = KERNELS[kernel]
     a, b, h = _operands(m, n, k, trans_a, masked)
-    got = gemm_tf32(a, b, h, trans_a=trans_a)
+    got = twin(a, b, h, trans_a=trans_a)
     t = lambda x: torch.from_numpy(np.asarray(x, np.float64))  # noqa: E731
-    op_a = t(tf32_round(np.ascontiguousarray(a.T if trans_a else a)))
-    tb = t(tf32_round(b))
+    op_a = t(rounding(np.ascontiguousarray(a.T if trans_a else a)))
+    tb = t(rounding(b))
     product = op_a @ tb
     bound = (2 * gamma(k) * (op_a.abs() @ tb.abs())).numpy()
-    plain = gemm_tf32(a, b, trans_a=trans_a)
+    plain = twin(a, b, trans_a=trans_a)
     assert np.all(np.abs(plain - product.numpy()) <= bound)
     if h is None:
         assert got.tobytes() == plain.tobytes()
@@ -71,10 +76,11 @@ def test_twin_is_the_tf32_product_then_torchs_relu_backward(m, n, k, trans_a, ma
     assert got[0, 0] == plain[0, 0]  # h = NaN passes
 
 
-def test_twin_rounds_its_operands_ties_away_from_zero():
+def test_tf32_twin_rounds_its_operands_ties_away_from_zero_and_f32_does_not_round():
     """1 + 2^-11 is a TF32 tie: rounded up to 1 + 2^-10 (cvt.rna), so the product is that."""
     a = np.array([[1 + 2.0 ** -11]], F32)
     assert gemm_tf32(a, np.ones((1, 1), F32))[0, 0] == F32(1 + 2.0 ** -10)
+    assert gemm_f32(a, np.ones((1, 1), F32))[0, 0] == a[0, 0]
 
 
 @pytest.mark.parametrize("edit, exc, match", [
@@ -86,11 +92,12 @@ def test_twin_rounds_its_operands_ties_away_from_zero():
     (dict(a=np.zeros(5, F32)), ValueError, r"^a: "),
     (dict(h=np.zeros((2, 3), np.float64)), (ValueError, TypeError), r"^h: "),
 ])
-def test_bad_arguments_raise_one_line_naming_the_field(edit, exc, match):
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bad_arguments_raise_one_line_naming_the_field(kernel, edit, exc, match):
     kw = dict(a=np.zeros((2, 5), F32), b=np.zeros((5, 3), F32), h=None, trans_a=False)
     kw.update(edit)
     with pytest.raises(exc, match=match):
-        gemm_tf32(kw["a"], kw["b"], kw["h"], trans_a=kw["trans_a"])
+        KERNELS[kernel][0](kw["a"], kw["b"], kw["h"], trans_a=kw["trans_a"])
 
 
 # ------------------------------------------------------------------------------ the plan
@@ -103,32 +110,38 @@ def test_plan_constants_are_the_sources():
     assert fast_dense.GEMM_TF32_WARPS == _cu_define("GEMM_TF32_WARPS")
     assert fast_dense.GEMM_TF32_ROWS == _cu_define("GEMM_TF32_ROWS")
     text = (resources.files("foxhunt.cuda_src") / "dense.cu").read_text()
-    assert "if (tile_n == 16)" in text and fast_dense.GEMM_TF32_TILE_NS == (16, 32)
+    for tile_m, tile_n in fast_dense.GEMM_TF32_TILES:
+        for kernel in KERNELS:
+            assert f"{kernel}_tile<{tile_m // 16}, {tile_n}>" in text
+    assert fast_dense.plan_gemm_f32 is fast_dense.plan_gemm_tf32
 
 
-@pytest.mark.parametrize("m, n, k, trans_a, tile_n", [
-    (256, 128, 153, False, 32), (256, 256, 256, False, 32), (256, 128, 256, True, 32),
-    (153, 128, 256, True, 32), (128, 256, 256, True, 32), (37, 20, 13, False, 16)])
-def test_plan_tiles_and_shared_memory(m, n, k, trans_a, tile_n):
+@pytest.mark.parametrize("m, n, k, trans_a, tile", [
+    (256, 128, 153, False, (32, 32)), (256, 256, 256, False, (32, 32)),
+    (256, 128, 256, True, (32, 32)), (102, 128, 256, True, (16, 32)),
+    (51, 128, 256, True, (16, 16)), (37, 20, 13, False, (16, 16))])
+def test_plan_tiles_and_shared_memory(m, n, k, trans_a, tile):
     grid, block, nbytes = fast_dense.plan_gemm_tf32(m, n, k, trans_a)
-    assert fast_dense.gemm_tf32_tile_n(m, n) == tile_n
-    assert grid == (-(-n // tile_n), -(-m // 16)) and block == (256,)
-    # 8 warps, each ceil(ceil(k / 8) / 8) steps of 8 of k: b [kw, tile_n + 8] and a [16, kw + 4]
-    # ([kw, 24] transposed) floats, then 8 partial tiles of 16 x tile_n floats.
+    assert fast_dense.gemm_tf32_tile(m, n) == tile
+    tile_m, tile_n = tile
+    assert grid == (-(-n // tile_n), -(-m // tile_m)) and block == (256,)
+    # 8 warps, each ceil(ceil(k / 8) / 8) steps of 8 of k: b [kw, tile_n + 8] and a [tile_m,
+    # kw + 4] ([kw, tile_m + 8] transposed) floats, then 8 partial tiles of tile_m x tile_n.
     kw = 8 * -(-(-(-k // 8)) // 8)
-    a_floats = kw * 24 if trans_a else 16 * (kw + 4)
-    assert nbytes == 4 * 8 * (kw * (tile_n + 8) + a_floats + 16 * tile_n)
+    a_floats = kw * (tile_m + 8) if trans_a else tile_m * (kw + 4)
+    assert nbytes == 4 * 8 * (kw * (tile_n + 8) + a_floats + tile_m * tile_n)
 
 
 def test_the_step_runs_the_narrow_gemms_and_leaves_wide_or_long_ones_to_cublaslt():
-    """At most 64 blocks (GEMM_TF32_MAX_BLOCKS) and k <= 256: the seed heads' and first layer's
-    gradients fit, the 256 x 256 products and the IQN head's long weight gradients do not."""
-    assert fast_dense.GEMM_TF32_MAX_BLOCKS == 64
+    """At most 32 blocks (GEMM_TF32_MAX_BLOCKS) and k <= 256: the seed heads' and first layer's
+    gradients fit (32 x 32 tiles), the 256 x 256 products and the IQN head's long weight gradients
+    do not."""
+    assert fast_dense.GEMM_TF32_MAX_BLOCKS == 32
     for m, n, k in ((256, 128, 153), (256, 128, 256), (153, 128, 256), (128, 256, 256),
                     (256, 128, 51)):
         assert fast_dense.gemm_tf32_fits(m, n, k)
     assert not fast_dense.gemm_tf32_fits(256, 128, 257)  # k past GEMM_TF32_MAX_K
-    assert not fast_dense.gemm_tf32_fits(256, 256, 256)  # 16 x 8 blocks of 16 x 32
+    assert not fast_dense.gemm_tf32_fits(256, 256, 256)  # 8 x 8 blocks of 32 x 32
     assert not fast_dense.gemm_tf32_fits(256, 512, 512)  # the width-512 trunk's input gradient
 
 
@@ -140,21 +153,23 @@ def test_plan_refusals_name_the_field_and_the_limit():
         fast_dense.plan_gemm_tf32(16, 16, 100_000, False)
 
 
-def test_the_entry_catches_a_small_error_and_a_missed_mask():
-    """The GEMM policy on the TF32 values both paths multiply: a 1e-4 relative error fails (the
-    TF32 input slack, 2^-10, would have let it pass), and so does a masked element left set."""
-    kw = SPEC.sample_inputs("tiny", np.random.default_rng(3))
-    want = gemm_tf32(**kw)
-    inputs = SPEC.compare_inputs(kw, {"out": want})["out"]
-    assert compare("gemm_tf32", want.copy(), want, SPEC.tolerance_of("out"), inputs).passed
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_entry_catches_a_small_error_and_a_missed_mask(kernel):
+    """The GEMM policy on the values both paths multiply: a 1e-4 relative error fails (the TF32
+    input slack, 2^-10, would have let it pass), and so does a masked element left set."""
+    spec = SPECS[kernel]
+    kw = spec.sample_inputs("tiny", np.random.default_rng(3))
+    want = KERNELS[kernel][0](**kw)
+    inputs = spec.compare_inputs(kw, {"out": want})["out"]
+    assert compare(kernel, want.copy(), want, spec.tolerance_of("out"), inputs).passed
     off = want.copy()
     i = np.unravel_index(np.argmax(np.abs(want)), want.shape)
     off[i] *= F32(1 + 1e-4)
-    assert not compare("gemm_tf32", off, want, SPEC.tolerance_of("out"), inputs).passed
+    assert not compare(kernel, off, want, spec.tolerance_of("out"), inputs).passed
     masked = np.argwhere(kw["h"] <= 0)[0]
     leak = want.copy()
     leak[tuple(masked)] = F32(1e-30)
-    result = compare("gemm_tf32", leak, want, SPEC.tolerance_of("out"), inputs)
+    result = compare(kernel, leak, want, spec.tolerance_of("out"), inputs)
     assert not result.passed and "bit for bit" in result.message
 
 
@@ -179,75 +194,81 @@ def test_a_smaller_launch_never_lowers_the_kernels_shared_memory_allowance(monke
 
 # ------------------------------------------------------------------------ in the step plan
 def _backward_gemms(ops) -> list:
-    """The TF32 cuBLASLt GEMMs of the backward passes (the forward's are ``x @ W^T``:
+    """The cuBLASLt GEMMs of the backward passes (the forward's are ``x @ W^T``:
     ``StepProgram.linear``'s ``trans_b``)."""
-    return [n for n in ops.nodes()
-            if isinstance(n, Gemm) and n.spec.precision == "tf32" and not n.spec.trans_b]
+    return [n for n in ops.nodes() if isinstance(n, Gemm) and not n.spec.trans_b]
 
 
-@pytest.mark.parametrize("precision, source", [("bf16", "core"), ("tf32", "core"), ("bf16", "all"),
-                                               ("f32", "core")])
-def test_the_tf32_backward_gemms_that_fit_are_one_launch_each(precision, source, monkeypatch):
-    """Graph 1 of the seed step: each TF32 backward GEMM that ``gemm_tf32_fits`` is one gemm_tf32
-    launch (those that do not stay cuBLASLt's), a masked one in place of its relu_mask too; f32
-    keeps its GEMMs."""
+@pytest.mark.parametrize("precision, source, kernel", [
+    ("bf16", "core", "gemm_tf32"), ("tf32", "core", "gemm_tf32"), ("bf16", "all", "gemm_tf32"),
+    ("f32", "core", "gemm_f32"), ("f32", "all", "gemm_f32")])
+def test_the_backward_gemms_that_fit_are_one_launch_each(precision, source, kernel, monkeypatch):
+    """Graph 1 of the seed step: each backward GEMM that ``gemm_tf32_fits`` is one launch of its
+    precision's kernel (those that do not stay cuBLASLt's), a masked one in place of its relu_mask
+    too; in f32 (``MASKED_ONLY``) only the masked ones."""
     from foxhunt.fast.cpu_executor import CpuEngine
     from foxhunt.reference.config import source_overrides
 
     config = DQNConfig.preset("seed", precision=precision, **source_overrides(source))
     graph1 = CpuEngine(config).plans["graph1"]
-    monkeypatch.setattr(step_program, "GEMM_TF32_KERNEL", False)
+    monkeypatch.setattr(step_program, "BACKWARD_GEMM_KERNELS", False)
     before = CpuEngine(config).plans["graph1"]
-    if precision == "f32":
-        assert launch_count(graph1, "gemm_tf32") == 0
-        assert launch_count(graph1, "relu_mask") == launch_count(before, "relu_mask")
-        return
     shapes = lambda ops: [(g.spec.m, g.spec.n, g.spec.k) for g in _backward_gemms(ops)]  # noqa: E731
     fit = [s for s in shapes(before) if fast_dense.gemm_tf32_fits(*s)]
-    assert fit and launch_count(graph1, "gemm_tf32") == len(fit)
+    assert launch_count(graph1, ({"gemm_tf32", "gemm_f32"} - {kernel}).pop()) == 0
+    masks = launch_count(before, "relu_mask") - launch_count(graph1, "relu_mask")
+    assert masks > 0
+    if precision in step_program.MASKED_ONLY:  # only the masked GEMMs: one per relu_mask gone
+        assert launch_count(graph1, kernel) == masks
+        assert len(shapes(graph1)) == len(shapes(before)) - masks
+        return
+    assert fit and launch_count(graph1, kernel) == len(fit)
     assert sorted(shapes(graph1)) == sorted(s for s in shapes(before) if s not in fit)
-    assert launch_count(graph1, "relu_mask") < launch_count(before, "relu_mask")
 
 
 @pytest.mark.parametrize("precision, options", [
     ("bf16", {}), ("bf16", dict(stacked_backward=True)), ("bf16", dict(fused_trunk=True)),
-    ("tf32", {})], ids=["bf16", "bf16-stacked", "bf16-fused-trunk", "tf32"])
+    ("tf32", {}), ("f32", {})], ids=["bf16", "bf16-stacked", "bf16-fused-trunk", "tf32", "f32"])
 def test_on_the_cpu_executor_the_step_is_bitwise_the_cublaslt_gemms(precision, options,
                                                                     monkeypatch):
-    """The launch's twin is gemm(mode="tf32") then relu_mask, so the CPU executor's steps with
+    """The launch's twin is gemm(mode=...) then relu_mask, so the CPU executor's steps with
     and without it end in the same bits (every state buffer, the step scalars, the TD errors and
     the greedy Q's), the second-wave sources on."""
     config = DQNConfig.preset("tiny", precision=precision, lambda_iqn=1.0,
                               aux_next_bar_weight=0.1, aux_regime_weight=0.1)
     with_launch = step_run(config, options)
-    monkeypatch.setattr(step_program, "GEMM_TF32_KERNEL", False)
+    monkeypatch.setattr(step_program, "BACKWARD_GEMM_KERNELS", False)
     assert_runs_bitwise_equal(config, step_run(config, options), with_launch)
 
 
 # --------------------------------------------------------------------------------- GPU
-def _failures(kw, actual) -> list[str]:
-    want = gemm_tf32(**kw)
-    inputs = SPEC.compare_inputs(kw, {"out": want})["out"]
-    result = compare("gemm_tf32", actual, want, SPEC.tolerance_of("out"), inputs)
+def _failures(kernel, kw, actual) -> list[str]:
+    spec = SPECS[kernel]
+    want = KERNELS[kernel][0](**kw)
+    inputs = spec.compare_inputs(kw, {"out": want})["out"]
+    result = compare(kernel, actual, want, spec.tolerance_of("out"), inputs)
     return [] if result.passed else [result.message]
 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("m, n, k, trans_a, masked", SHAPES)
-def test_kernel_conforms_to_the_twin(m, n, k, trans_a, masked):
+def test_kernel_conforms_to_the_twin(kernel, m, n, k, trans_a, masked):
     a, b, h = _operands(m, n, k, trans_a, masked, seed=5)
     kw = dict(a=a, b=b, h=h, trans_a=trans_a)
-    assert not _failures(kw, fast_dense.gemm_tf32(**kw))
+    assert not _failures(kernel, kw, KERNELS[kernel][2](**kw))
 
 
 @gpu
 @pytest.mark.gpu
-def test_a_nan_row_stays_in_its_row_and_the_kernel_is_deterministic():
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_nan_row_stays_in_its_row_and_the_kernel_is_deterministic(kernel):
+    fast = KERNELS[kernel][2]
     a, b, h = _operands(256, 128, 153, False, True, seed=9)
     a[37, 5] = np.nan
-    first = fast_dense.gemm_tf32(a, b, h)
-    second = fast_dense.gemm_tf32(a, b, h)
+    first = fast(a, b, h)
+    second = fast(a, b, h)
     assert first.tobytes() == second.tobytes()
     live = ~(h[37] <= 0)
     assert np.isnan(first[37, live]).all() and (first[37, ~live] == 0).all()
