@@ -236,10 +236,24 @@ def test_gemm_workspace_is_a_parameter_with_two_values():
         CpuTrainer(config, gemm_workspace="some")
 
 
+def _masked_gemm_kernel(node) -> bool:
+    """A launch of a backward GEMM kernel with its ReLU mask (``step_program.bwd_gemm``'s ``h``)."""
+    from foxhunt.fast.step_program import BACKWARD_GEMM_KERNEL
+
+    return (getattr(node, "kernel", None) in BACKWARD_GEMM_KERNEL.values()
+            and node.args.get("h") is not None)
+
+
+def _masked_output(node):
+    """The masked gradient a ``relu_mask`` or masked GEMM kernel launch writes."""
+    return node.args["dx"] if node.kernel == "relu_mask" else node.args["c"]
+
+
 @pytest.mark.parametrize("source", ["core", "all"])
 def test_no_step_gemm_writes_or_reads_a_relu_bitmask(source):
     """Each ReLU layer's input gradient is masked by the layer's forward output in
-    ``relu_mask_bias_grad`` (or ``relu_mask``) after a plain GEMM, never by cuBLASLt's bitmask (RELU_AUX_BIAS +
+    ``relu_mask_bias_grad`` (or ``relu_mask``) after a plain GEMM, or in a backward GEMM kernel's
+    epilogue (``gemm_tf32`` / ``gemm_f32``), never by cuBLASLt's bitmask (RELU_AUX_BIAS +
     DRELU_BGRAD: the bf16 plans leave a NaN output's bit clear, ``step_program``'s docstring):
     under either workspace policy, stacked or not, no GEMM record of any graph has either
     epilogue or an aux operand, the layout has no bitmask buffer, and nothing is a fallback."""
@@ -259,13 +273,15 @@ def test_no_step_gemm_writes_or_reads_a_relu_bitmask(source):
             assert not [n for n in engine.program.lay.specs if n.startswith(bitmasks)]
             assert engine.program.fallbacks == []
             masks = [n for n in nodes
-                     if getattr(n, "kernel", None) in ("relu_mask_bias_grad", "relu_mask")]
+                     if getattr(n, "kernel", None) in ("relu_mask_bias_grad", "relu_mask")
+                     or _masked_gemm_kernel(n)]
             # per backward pass (C51, CQL): the three heads' hidden layers, the trunk's h1; with
             # every source also the IQN pass's h1 and the ensemble pass's value head and h1
             assert len(masks) == 2 * (3 + 1) + 3 * (source == "all")
-            # a relu_mask's bias sum is a bias_grad_reduce of its output (step_program.input_grad)
+            # a relu_mask's bias sum (or a masked GEMM kernel's) is a bias_grad_reduce of its
+            # output (step_program.input_grad)
             sums = {n.args["dy"] for n in nodes if getattr(n, "kernel", None) == "bias_grad_reduce"}
-            assert {n.args["dx"] for n in masks if n.kernel == "relu_mask"} <= sums
+            assert {_masked_output(n) for n in masks if n.kernel != "relu_mask_bias_grad"} <= sums
 
 
 def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
@@ -274,7 +290,8 @@ def test_the_output_layers_bias_gradients_are_a_kernel_beside_a_plain_gemm():
     engine = _engine(gemm_workspace="none")
     nodes = engine.plans["graph1"].nodes()
     assert "bgradb" not in {n.spec.epilogue for n in nodes if hasattr(n, "spec")}
-    masked = {n.args["dx"] for n in nodes if getattr(n, "kernel", None) == "relu_mask"}
+    masked = {_masked_output(n) for n in nodes
+              if getattr(n, "kernel", None) == "relu_mask" or _masked_gemm_kernel(n)}
     reduces = [n for n in nodes if getattr(n, "kernel", None) == "bias_grad_reduce"
                and n.args["dy"] not in masked]  # not a hidden layer's (relu_mask's output)
     # per backward pass (C51, CQL): the value head's and the three branch heads' output layers
