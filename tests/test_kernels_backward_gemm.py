@@ -192,6 +192,31 @@ def test_a_smaller_launch_never_lowers_the_kernels_shared_memory_allowance(monke
     assert calls == [("set", "f", "max_dyn", 75_776), ("set", "f", "max_dyn", 80_000)]
 
 
+def test_a_test_entry_launch_opts_in_to_its_shared_memory_past_48_kib(monkeypatch):
+    """``_runtime.call`` (every test entry's launch) opts a kernel in to a launch's dynamic shared
+    memory above ``SHARED_LIMIT``, as the graph lowering does for a launch record."""
+    import types
+
+    from foxhunt.fast.kernels import _runtime
+
+    asked = []
+
+    class Kernel:
+        def set_max_dynamic_shared(self, nbytes):
+            asked.append(nbytes)
+
+        def launch(self, grid, block, *args, stream=None, shared_mem=0):
+            asked.append(("launch", shared_mem))
+
+    rt = types.SimpleNamespace(module=types.SimpleNamespace(kernel=lambda name: Kernel()),
+                               device=None, stream=None)
+    monkeypatch.setattr(_runtime, "runtime", lambda: rt)
+    for nbytes in (_runtime.SHARED_LIMIT, _runtime.SHARED_LIMIT + 4):
+        _runtime.call("gemm_tf32", (1,), (256,), 3, shared_mem=nbytes)
+    assert asked == [("launch", _runtime.SHARED_LIMIT), _runtime.SHARED_LIMIT + 4,
+                     ("launch", _runtime.SHARED_LIMIT + 4)]
+
+
 # ------------------------------------------------------------------------ in the step plan
 def _backward_gemms(ops) -> list:
     """The cuBLASLt GEMMs of the backward passes (the forward's are ``x @ W^T``:

@@ -1,10 +1,11 @@
 """Entries of the dense kernels: bias + ReLU (and its BF16 copy), the ReLU mask and bias
-gradients of the backward, the BF16/TF32 casts, and the backward's TF32 GEMM with its optional
-ReLU mask (``gemm_tf32``: both paths multiply the operands' ``tf32_round`` values exactly, so it is
+gradients of the backward, the BF16/TF32 casts, and the backward's GEMMs with their optional ReLU
+mask: ``gemm_tf32`` (both paths multiply the operands' ``tf32_round`` values exactly, so it is
 judged by the GEMM policy without input-rounding slack, ``GEMM_TOLERANCES["f32"]``, on those
-values, as the BF16 kernels on their BF16 operands; ``gemm_f32``, its exact-f32 twin, by the same
-policy on the operands themselves; the elements the mask zeroes bit for bit; the shape cases give ``m, k, n = batch, hidden, w_out``, ``trans_a`` in
-the seed and odd cases, no mask in the seed case).
+values, as the BF16 kernels on their BF16 operands) and ``gemm_f32``, its exact-f32 twin (the same
+policy on the operands themselves); the elements the mask zeroes bit for bit. Their shape cases
+give ``m, k, n = batch, hidden, w_out``, ``trans_a`` in the seed and odd cases, no mask in the seed
+case.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def _s_bf16(d: Dims, rng) -> Kwargs:
     return {"u": rng.integers(0, 2**16, size=(d.batch, d.hidden), dtype=np.uint32).astype(np.uint16)}
 
 
-def _s_gemm_tf32(d: Dims, rng) -> Kwargs:
+def _s_backward_gemm(d: Dims, rng) -> Kwargs:
     m, k, n = d.batch, d.hidden, d.w_out
     trans_a = d.case in ("seed", "odd")
     a = normal(rng, (k, m) if trans_a else (m, k))
@@ -81,18 +82,18 @@ def _backward_gemm_entry(name: str, rounding) -> SpecEntry:
     return SpecEntry(
         name=name,
         outputs={"out": f32(GEMM_TOLERANCES["f32"])},
-        sample=_s_gemm_tf32,
+        sample=_s_backward_gemm,
         targets=("a", "b", "h"),
         errors=lambda rng: (
             error_cases(
-                _s_gemm_tf32,
+                _s_backward_gemm,
                 lambda k: replace(k, b=k["b"][:-1]),
                 lambda k: replace(k, h=k["h"][:, :-1]),
                 lambda k: wrong_dtype(k, "a"),
                 lambda k: wrong_dtype(k, "h"),
                 lambda k: replace(k, a=k["a"][0]),
             )(rng)
-            + error_cases(_s_gemm_tf32, lambda k: replace(k, trans_a=1), exc=TypeError)(rng)
+            + error_cases(_s_backward_gemm, lambda k: replace(k, trans_a=1), exc=TypeError)(rng)
         ),
         scales=_backward_gemm_scales(rounding),
     )

@@ -13,7 +13,9 @@ trainer launches kernels on arena pointers inside CUDA graphs and never goes thr
 - ``InOut(array)``: copied in, passed as a pointer, read back after the launch;
 - a Python/NumPy scalar: passed by value (packed by the kernel's PTX parameter type).
 
-It returns the read-back arrays of the ``Out``/``InOut`` arguments, in argument order.
+It returns the read-back arrays of the ``Out``/``InOut`` arguments, in argument order. A launch
+with more than ``SHARED_LIMIT`` bytes of dynamic shared memory first opts the kernel in to them
+(``Kernel.set_max_dynamic_shared``), as the graph lowering does for a launch record.
 
 Also here, shared by the area modules: the flat grid-stride launch plan (``plan_flat``), the
 launch of a ``(grid, block, shared_mem)`` plan (``launch``), the 32-bit index limit
@@ -38,6 +40,8 @@ FLAT_MAX_BLOCKS = 4096
 FLAT_VEC_WIDTH = 4
 #: The kernels index with 32-bit ints (grid-stride steps included): arrays stay below this.
 MAX_ELEMENTS = 2**30
+#: Dynamic shared memory a block gets without the kernel's opt-in attribute.
+SHARED_LIMIT = 48 * 1024
 #: Blocks of a ``cuda_src/cluster.cuh`` thread-block cluster on sm_90 and newer (its
 #: ``FH_CLUSTER``: the portable size); 1 before sm_90, which has no clusters.
 CLUSTER_SM90 = 8
@@ -111,7 +115,10 @@ def call(name: str, grid, block, *args, shared_mem: int = 0) -> tuple[np.ndarray
         else:
             launch_args.append(arg)
     # Copies, poison and launch are all ordered on the runtime's stream; the read-backs wait.
-    rt.module.kernel(name).launch(grid, block, *launch_args, stream=rt.stream, shared_mem=shared_mem)
+    kernel = rt.module.kernel(name)
+    if shared_mem > SHARED_LIMIT:
+        kernel.set_max_dynamic_shared(shared_mem)
+    kernel.launch(grid, block, *launch_args, stream=rt.stream, shared_mem=shared_mem)
     outputs = [dev.copy_to_host(np.empty(shape, dtype), alloc.ptr) for alloc, shape, dtype in reads]
     for item in keep:
         if hasattr(item, "free"):

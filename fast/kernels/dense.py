@@ -261,13 +261,8 @@ def tf32_round(x: np.ndarray) -> np.ndarray:
 
 def _backward_gemm(name: str, a, b, h, trans_a) -> np.ndarray:
     """The test entries of ``gemm_tf32`` and ``gemm_f32`` (one plan)."""
-    from foxhunt.fast.kernels.walk import SHARED_LIMIT  # walk imports this module
-
     m, n, k = validate_gemm_tf32(a, b, h, trans_a)
-    rt = runtime()
-    plan = plan_gemm_tf32(m, n, k, bool(trans_a), arch=rt.device.arch)
-    if plan[2] > SHARED_LIMIT:
-        rt.module.kernel(name).set_max_dynamic_shared(plan[2])
+    plan = plan_gemm_tf32(m, n, k, bool(trans_a), arch=runtime().device.arch)
     (c,) = launch(name, plan, In(a), In(b), Out((m, n), F32), In(h) if h is not None else 0,
                   m, n, k, int(bool(trans_a)), *gemm_tf32_tile(m, n))
     return c

@@ -154,12 +154,6 @@ def _within_shared_limit(nbytes: int, arch, what: str) -> int:
     return nbytes
 
 
-def _opt_in(rt, name: str, plan: Plan) -> None:
-    """The test entries' launch of a plan above ``SHARED_LIMIT`` needs the kernel's opt-in."""
-    if plan[2] > SHARED_LIMIT:
-        rt.module.kernel(name).set_max_dynamic_shared(plan[2])
-
-
 def trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux: bool = True) -> TrunkForward:
     """Test entry of the CUDA ``trunk_forward_bf16`` (contract as the reference twin); without
     ``with_aux`` the kernel gets null bitmask pointers and ``aux1`` / ``aux2`` come back empty."""
@@ -167,7 +161,6 @@ def trunk_forward_bf16(xb, w1, b1, w2, b2, isv, index, mult, with_aux: bool = Tr
                                                                mult, with_aux)
     rt = runtime()
     plan = plan_trunk_forward_bf16(rows, sd, h1, h2, arch=rt.device.arch)
-    _opt_in(rt, "trunk_forward_bf16", plan)
     aux1 = Out((rows, aux_row_bytes(h1)), U8) if with_aux else 0
     aux2 = Out((rows, aux_row_bytes(h2)), U8) if with_aux else 0
     outs = list(launch("trunk_forward_bf16", plan, In(xb), In(w1), In(b1), In(w2), In(b2),
@@ -302,7 +295,6 @@ def heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out) -> HeadsForward:
     hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
     rt = runtime()
     plan = plan_heads_forward_bf16(rows, h2, hid_w, outs, arch=rt.device.arch)
-    _opt_in(rt, "heads_forward_bf16", plan)
     hid, hid_bf16, v, adv = launch(
         "heads_forward_bf16", plan, In(h2b), In(mirror), In(params), In(table),
         Out((max(hid_total, 1),), F32), Out((max(hid_total, 1),), U16), Out((rows, outs[0]), F32),

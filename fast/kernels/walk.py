@@ -47,7 +47,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.kernels._runtime import In, InOut, Out, device_scalar, launch, runtime
+from foxhunt.fast.kernels._runtime import (SHARED_LIMIT, In, InOut, Out, device_scalar, launch,
+                                           runtime)
 from foxhunt.fast.kernels.dense import f32_to_bf16
 from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.fused import branch_offsets
@@ -69,8 +70,6 @@ CLUSTER_THREADS = 1024
 CLUSTER_WARPS = CLUSTER_THREADS // 32
 #: Blocks of the cluster kernel from sm_90 (WALK_CLUSTER; 1 before: no clusters).
 WALK_CLUSTER_SM90 = 8
-#: Dynamic shared memory a launch may ask for without the opt-in attribute.
-SHARED_LIMIT = 48 * 1024
 #: Opt-in dynamic shared memory per block by architecture (CUDA C Programming Guide, "Technical
 #: Specifications per Compute Capability"); an architecture not listed gets the smallest.
 SHARED_OPTIN = {80: 163 * 1024, 86: 99 * 1024, 87: 163 * 1024, 89: 99 * 1024, 90: 227 * 1024,
@@ -240,14 +239,11 @@ def plan_walk(dims, branches, bf16: bool, arch) -> tuple[str, tuple]:
     return "greedy_walk", plan_greedy_walk(dims, branches)
 
 
-def _inputs(kernel, shape, params, param_offsets, dims, branches, bf16, z, z_stride, isv,
+def _inputs(params, param_offsets, dims, branches, bf16, z, z_stride, isv,
             isv_index, h2_clamp_mult, close, high, low, features, costs, T, start,
             n_steps) -> tuple:
     """The launch arguments every walk kernel of walk.cu takes first, ``params`` to ``n_steps``
-    (its parameter order; the BF16 mirror made by the ``f32_to_bf16`` kernel), after the
-    shared-memory opt-in of ``kernel`` for launches of ``shape``."""
-    if shape[2] > SHARED_LIMIT:
-        runtime().module.kernel(kernel).set_max_dynamic_shared(shape[2])
+    (its parameter order; the BF16 mirror made by the ``f32_to_bf16`` kernel)."""
     branches = tuple(int(n) for n in branches)
     mirror = In(f32_to_bf16(params)) if bf16 else 0
     return (In(params), mirror, In(param_offsets), int(bool(bf16)), *(int(d) for d in dims),
@@ -272,7 +268,7 @@ def _walk(kernel, plan, params, param_offsets, dims, branches, bf16, z, z_stride
         shape, hold_rows = shape
         extra = (hold_rows,)
     rows = max(n_steps, 1)
-    outs = launch(kernel, shape, *_inputs(kernel, shape, params, param_offsets, dims, branches,
+    outs = launch(kernel, shape, *_inputs(params, param_offsets, dims, branches,
                                           bf16, z, z_stride, isv, isv_index, h2_clamp_mult,
                                           close, high, low, features, costs, T, start, n_steps),
                   *extra, Out((rows,), F32), Out((rows,), F32), Out((rows,), F32),
@@ -321,7 +317,7 @@ def greedy_walk_round(params, param_offsets, dims, branches, bf16, z, z_stride, 
 
     margin = 0 if rec_margin is None else rows_of(rec_margin, rows, F32)
     outs = launch("greedy_walk_round", plan,
-                  *_inputs("greedy_walk_round", plan, params, param_offsets, dims, branches, bf16,
+                  *_inputs(params, param_offsets, dims, branches, bf16,
                            z, z_stride, isv, isv_index, h2_clamp_mult, close, high, low,
                            features, costs, T, start, n_steps), n_chunks, round, span_chunks,
                   span_passes,
@@ -381,7 +377,7 @@ def greedy_walk_spans(params, param_offsets, dims, branches, bf16, z, z_stride, 
         close, high, low, features, costs, start, n_steps)
     span, tail, hold_rows = plan_greedy_walk_spans(dims, branches, bool(bf16),
                                                    runtime().device.arch, SPAN_CHUNKS)
-    inputs = _inputs("greedy_walk_spans", span, params, param_offsets, dims, branches, bf16, z,
+    inputs = _inputs(params, param_offsets, dims, branches, bf16, z,
                      z_stride, isv, isv_index, h2_clamp_mult, close, high, low, features, costs,
                      T, start, n_steps)
     recs, _, _ = _span_launches(inputs, span, tail, hold_rows, n_steps, SPAN_PASSES + 1)
@@ -421,10 +417,10 @@ def greedy_walk_span_rounds(params, param_offsets, dims, branches, bf16, z, z_st
     span, tail, hold_rows = plan_greedy_walk_spans(dims, branches, bool(bf16), arch, SPAN_CHUNKS)
     common = (params, param_offsets, dims, branches, bf16, z, z_stride, isv, isv_index,
               h2_clamp_mult, close, high, low, features, costs, T, start, n_steps)
-    recs, state, brk = _span_launches(_inputs("greedy_walk_spans", span, *common), span, tail,
+    recs, state, brk = _span_launches(_inputs(*common), span, tail,
                                       hold_rows, n_steps, SPAN_PASSES)
     plan = plan_greedy_walk_round(dims, branches, bool(bf16), arch, SPAN_CHUNKS)
-    inputs = _inputs("greedy_walk_round", plan, *common)
+    inputs = _inputs(*common)
     rows = max(n_steps, 1)
     trace = np.zeros((rows, 3), I32)
     ends = np.zeros((2, SPAN_CHUNKS, 3), I32)

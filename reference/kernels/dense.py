@@ -299,7 +299,7 @@ def gemm(
 
 
 def validate_gemm_tf32(a, b, h, trans_a) -> tuple[int, int, int]:
-    """The argument checks of ``gemm_tf32``; returns ``(m, n, k)``."""
+    """The argument checks of ``gemm_tf32`` and ``gemm_f32``; returns ``(m, n, k)``."""
     require_array("a", a, F32, ndim=2)
     require_array("b", b, F32, ndim=2)
     if not isinstance(trans_a, (bool, np.bool_)):
@@ -326,9 +326,7 @@ def gemm_tf32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
     ``[M, N]`` float32. NaN/Inf contract: ``gemm``'s (IEEE, the TF32 rounding keeps NaN and Inf),
     then ``relu_mask``'s (``h <= 0`` gives ``+0.0`` whatever the product; a NaN ``h`` passes it).
     """
-    validate_gemm_tf32(a, b, h, trans_a)
-    c = gemm(a, b, trans_a=bool(trans_a), mode="tf32")
-    return c if h is None else relu_mask(c, h)
+    return _masked_gemm(a, b, h, trans_a, "tf32")
 
 
 def gemm_f32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
@@ -336,8 +334,14 @@ def gemm_f32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
     """``gemm_tf32``'s exact-f32 twin (the CUDA kernel ``gemm_f32``, the f32 precision's
     backward): ``c = gemm(a, b, trans_a=trans_a, mode="f32")``, then with ``h`` ``relu_mask(c,
     h)``. Shapes and NaN/Inf contract as ``gemm_tf32`` (no rounding of the operands)."""
+    return _masked_gemm(a, b, h, trans_a, "f32")
+
+
+def _masked_gemm(a, b, h, trans_a, mode: str) -> np.ndarray:
+    """``gemm(a, b, trans_a=trans_a, mode=mode)``, then with ``h`` ``relu_mask(c, h)``: the
+    composition ``gemm_tf32`` and ``gemm_f32`` are."""
     validate_gemm_tf32(a, b, h, trans_a)
-    c = gemm(a, b, trans_a=bool(trans_a), mode="f32")
+    c = gemm(a, b, trans_a=bool(trans_a), mode=mode)
     return c if h is None else relu_mask(c, h)
 
 
