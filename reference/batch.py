@@ -3,6 +3,7 @@ next_ret, regime, and the n-step transitions' effective discount), validated aga
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -14,6 +15,24 @@ from .config import DQNConfig
 LABEL_FIELDS = ("next_ret", "regime")
 #: Every field that may be ``None``: the labels and the n-step discount (``None``: 1-step).
 OPTIONAL_FIELDS = LABEL_FIELDS + ("discount",)
+
+
+@functools.lru_cache(maxsize=64)
+def _field_specs(B: int, SD: int, nb: int) -> tuple[tuple[str, tuple[int, ...], np.dtype], ...]:
+    """``(field, shape, dtype)`` of every ``Batch`` field for these sizes, in ``Batch`` order."""
+    f32, i32 = np.dtype(np.float32), np.dtype(np.int32)
+    return (("s", (B, SD), f32), ("a", (B, nb), i32), ("r", (B,), f32), ("s2", (B, SD), f32),
+            ("done", (B,), f32), ("isw", (B,), f32), ("next_ret", (B,), f32),
+            ("regime", (B,), i32), ("discount", (B,), f32))
+
+
+@functools.lru_cache(maxsize=64)
+def _action_bounds(B: int, branches: tuple[int, ...]) -> np.ndarray:
+    """Each action's exclusive upper bound, ``[B, n_branches]`` uint32 (read-only: cached; a
+    comparison against the whole array costs half one that broadcasts a row)."""
+    bounds = np.tile(np.asarray(branches, np.uint32), (B, 1))
+    bounds.flags.writeable = False
+    return bounds
 
 
 @dataclass(frozen=True)
@@ -60,18 +79,11 @@ class Batch:
         ``discount`` (optional): shape ``[B]``, float32, every value finite and in ``(0, 1]``
         (the reference gamma it is taken against, ``(0, 1)``, is checked where the targets are
         formed: ``step.loss_and_grads``)."""
-        B, SD, nb = config.batch_size, config.state_dim, config.n_branches
-        expect = {
-            "s": ((B, SD), np.float32), "s2": ((B, SD), np.float32), "a": ((B, nb), np.int32),
-            "r": ((B,), np.float32), "done": ((B,), np.float32), "isw": ((B,), np.float32),
-            "next_ret": ((B,), np.float32), "regime": ((B,), np.int32),
-            "discount": ((B,), np.float32),
-        }
         for label, weight in (("next_ret", "aux_next_bar_weight"), ("regime", "aux_regime_weight")):
             if getattr(self, label) is None and getattr(config, weight) > 0:
                 raise ValueError(f"batch.{label}: missing; {weight}={getattr(config, weight)!r} "
                                  f"needs the {label} labels (allowed: None only when {weight}=0)")
-        for name, (shape, dtype) in expect.items():
+        for name, shape, dtype in _field_specs(config.batch_size, config.state_dim, config.n_branches):
             arr = getattr(self, name)
             if arr is None and name in OPTIONAL_FIELDS:
                 continue
@@ -80,11 +92,14 @@ class Batch:
             if arr.shape != shape:
                 raise ValueError(f"batch.{name}: shape {arr.shape}, expected {shape} for this config")
             if arr.dtype != dtype:
-                raise ValueError(f"batch.{name}: dtype {arr.dtype}, expected {np.dtype(dtype)}")
-        # One vectorised pass for a valid batch (this runs on the fast trainer's hot path): viewed
-        # as uint32 a negative action is >= 2**31, so one comparison checks both bounds. The
-        # per-branch scan only runs to name the first bad entry.
-        if not (self.a.view(np.uint32) < np.asarray(config.branches, np.uint32)).all():
+                raise ValueError(f"batch.{name}: dtype {arr.dtype}, expected {dtype}")
+        # Few NumPy calls for a valid batch (this runs on the fast trainer's hot path, where each
+        # costs one to three microseconds; ``count_nonzero`` is cheaper than ``all``): viewed as
+        # uint32 a negative action is >= 2**31, so one comparison checks both bounds; isw's range
+        # is checked by its extremes (NaN propagates through them and fails the comparisons). The
+        # per-entry scans only run to name the first bad entry.
+        bounds = _action_bounds(config.batch_size, config.branches)
+        if np.count_nonzero(self.a.view(np.uint32) < bounds) != bounds.size:
             for d, n in enumerate(config.branches):
                 col = self.a[:, d]
                 bad = np.flatnonzero((col < 0) | (col >= n))
@@ -93,15 +108,17 @@ class Batch:
                     raise ValueError(f"batch.a[{i}, {d}]={int(col[i])}: branch {d} has {n} actions, "
                                      f"allowed range [0, {n - 1}]")
         done = self.done
-        if not np.all((done == 0) | (done == 1)):  # NaN fails both comparisons
+        # Every non-zero entry (NaN and Inf included) must be a 1: count both.
+        if np.count_nonzero(done) != np.count_nonzero(done == 1):
             i = int(np.flatnonzero((done != 0) & (done != 1))[0])
             raise ValueError(f"batch.done[{i}]={done[i]!r}: allowed values are 0 and 1")
         # Importance weights scale each sample's loss: a non-finite or non-positive one is a bug
         # upstream (replay gives (0, 1]), not data, so it is refused here rather than flagged.
-        ok = (self.isw > 0) & (self.isw < np.inf)  # NaN fails both comparisons
-        if not ok.all():
+        isw = self.isw
+        if not (np.minimum.reduce(isw) > 0 and np.maximum.reduce(isw) < np.inf):
+            ok = (isw > 0) & (isw < np.inf)  # NaN fails both comparisons
             i = int(np.flatnonzero(~ok)[0])
-            raise ValueError(f"batch.isw[{i}]={float(self.isw[i])!r}: importance weights must be "
+            raise ValueError(f"batch.isw[{i}]={float(isw[i])!r}: importance weights must be "
                              "finite and > 0 (allowed range (0, inf))")
         if config.aux_regime_on and not (self.regime.view(np.uint32) < config.n_regimes).all():
             i = int(np.flatnonzero((self.regime < 0) | (self.regime >= config.n_regimes))[0])

@@ -167,7 +167,9 @@ def test_batch_validation_catches_every_out_of_range_action(branch, value):
         Batch(b.s, bad_a, b.r, b.s2, b.done, b.isw).validate(config)
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf, -1.0, 2.0, 1e-30])
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, -1.0, 2.0, 1e-30, np.float32(1.4e-45),
+                                   np.nextafter(np.float32(1), np.float32(2)),
+                                   np.nextafter(np.float32(1), np.float32(0)), 3e38])
 def test_batch_validation_rejects_done_values_other_than_0_and_1(value):
     config = DQNConfig.preset("tiny")
     b = Batch.random(config, np.random.default_rng(2))
