@@ -120,16 +120,19 @@ class Batch:
             i = int(np.flatnonzero(~ok)[0])
             raise ValueError(f"batch.isw[{i}]={float(isw[i])!r}: importance weights must be "
                              "finite and > 0 (allowed range (0, inf))")
-        if config.aux_regime_on and not (self.regime.view(np.uint32) < config.n_regimes).all():
+        regime = self.regime
+        if config.aux_regime_on and (np.count_nonzero(regime.view(np.uint32) < config.n_regimes)
+                                     != regime.size):
             i = int(np.flatnonzero((self.regime < 0) | (self.regime >= config.n_regimes))[0])
             raise ValueError(f"batch.regime[{i}]={int(self.regime[i])}: regime ids must be in "
                              f"[0, {config.n_regimes - 1}] (n_regimes={config.n_regimes})")
-        if self.discount is not None:  # NaN fails both comparisons
-            ok = (self.discount > 0) & (self.discount <= 1)
-            if not ok.all():
-                i = int(np.flatnonzero(~ok)[0])
-                raise ValueError(f"batch.discount[{i}]={float(self.discount[i])!r}: effective "
-                                 "discounts must be finite and in (0, 1]")
+        discount = self.discount
+        if discount is not None and not (np.minimum.reduce(discount) > 0
+                                         and np.maximum.reduce(discount) <= 1):
+            ok = (discount > 0) & (discount <= 1)  # NaN fails both comparisons
+            i = int(np.flatnonzero(~ok)[0])
+            raise ValueError(f"batch.discount[{i}]={float(discount[i])!r}: effective discounts "
+                             "must be finite and in (0, 1]")
         return self
 
     @classmethod

@@ -1,6 +1,6 @@
-"""`Batch.validate` and importance weights: finite and > 0, else one line naming the first bad
-index and value; a trainer refuses such a batch before changing any state. (Shapes, dtypes,
-actions and ``done`` are tested in test_step_oracle.py.)"""
+"""`Batch.validate`: importance weights finite and > 0 and n-step discounts in (0, 1], else one
+line naming the first bad index and value; a trainer refuses such a batch before changing any
+state. (Shapes, dtypes, actions and ``done`` are tested in test_step_oracle.py.)"""
 
 import dataclasses
 import re
@@ -66,3 +66,19 @@ def test_trainer_refuses_the_batch_before_stepping():
     assert trainer.step_count == 0
     after = trainer.state_dict()
     assert all(before[k].tobytes() == after[k].tobytes() for k in before)
+
+
+@pytest.mark.parametrize("value, spelled", [(np.nan, "nan"), (0.0, "0.0"), (-0.5, "-0.5"),
+                                            (np.nextafter(np.float32(1), np.float32(2)), "1.0000001192092896"),
+                                            (np.inf, "inf")])
+def test_a_bad_n_step_discount_is_refused_naming_index_and_value(value, spelled):
+    """``discount`` (n-step batches) must be finite and in (0, 1]: the first bad entry is named;
+    the bounds' edges (the smallest subnormal, 1) pass."""
+    b = Batch.random(TINY, np.random.default_rng(4))
+    discount = np.full(TINY.batch_size, 0.9, np.float32)
+    discount[[0, 31]] = np.float32(1.4e-45), 1.0
+    assert dataclasses.replace(b, discount=discount).validate(TINY) is not None
+    discount[[11, 20]] = value, np.nan
+    with pytest.raises(ValueError, match=rf"^batch\.discount\[11\]={re.escape(spelled)}: effective "
+                                         r"discounts must be finite and in \(0, 1\]$"):
+        dataclasses.replace(b, discount=discount).validate(TINY)
