@@ -3,11 +3,12 @@
     python benches/step_spread.py [--preset seed] [--precision bf16] [--instances 3]
                                   [--rounds 2] [--steps 400] [--option NAME ...] [SOURCE ...]
 
-Trainers of the same code and config, built one after the other in one process, keep different
-step times: on the H200 (session 34) the core bf16 step's ``Trainer.step`` took 101.8, 100.6 and
-100.3 us a step in three instances, f32 134.5, 132.7 and 132.5 us, and the spread repeats call
-after call. A comparison of one instance per side cannot resolve 2-4 us, which is the size of
-the levers issue 26 has left; this tool is the comparison with several instances per side.
+Trainers of the same code and config, built one after the other in one process, step at
+different speeds, and an instance's speed drifts: on the H200 (session 34) the core bf16 step's
+``Trainer.step`` took 101.8, 100.6 and 100.3 us a step in three instances, f32 134.5, 132.7 and
+132.5 us, and a spread of that size came back call after call. A comparison of one instance per
+side cannot resolve 2-4 us, which is the size of the levers issue 26 has left; this tool is the
+comparison with several instances per side and several rounds per instance.
 
 For each step variant (SOURCE, as ``critical_path.py``'s) it builds ``--instances`` trainers of
 each arm: ``default`` and, per ``--option NAME``, the trainer with that boolean keyword option
