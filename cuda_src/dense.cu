@@ -398,22 +398,11 @@ static __device__ __forceinline__ void gemm_tf32_stage(float* s, int ss, const f
     }
 }
 
-// One tile of c for gemm_tf32 (EXACT false) and gemm_f32 (EXACT true): the staging and k split
-// above, the products by EXACT's rule, then the warps' partial tiles added in warp order, the mask
-// and the store.
-// - TF32: mma.sync m16n8k8 on each warp's staged operands; the partial tile in fragment order.
-// - Exact f32, on the CUDA cores: lane l keeps the rows 8 i + l / 4 (i < MT 2) and the columns
-//   4 j + l % 4 (j < TN / 4) of the tile, one fmaf per product in k order (so its reads of a are
-//   broadcasts within a row group and its reads of b hit distinct banks); the partial tile
-//   row-major.
-// Each branch's statements are in the order of the two kernels' separate tiles before they were
-// folded: the step's GEMM nodes measured 0.15-0.3 us slower a node with the same arithmetic in
-// another order (ptxas schedules it differently; session 35).
-template <bool EXACT, int MT, int TN>
-static __device__ __forceinline__ void gemm_split_tile(const float* a, const float* b, float* c,
-                                                       const float* h, int m, int n, int k,
-                                                       int trans_a) {
-    constexpr int BM = GEMM_TF32_ROWS * MT, W = GEMM_TF32_WARPS;
+template <int MT, int TN>
+static __device__ __forceinline__ void gemm_tf32_tile(const float* a, const float* b, float* c,
+                                                      const float* h, int m, int n, int k,
+                                                      int trans_a) {
+    constexpr int BM = GEMM_TF32_ROWS * MT, W = GEMM_TF32_WARPS, NT = TN / 8;
     extern __shared__ float4 gemm_tf32_smem4[];
     float* smem = reinterpret_cast<float*>(gemm_tf32_smem4);
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * TN;
@@ -426,7 +415,7 @@ static __device__ __forceinline__ void gemm_split_tile(const float* a, const flo
     const int warp_floats = kw * bss + (trans_a ? kw * ass : BM * ass);
     float* bs = smem + w * warp_floats;
     float* as = bs + kw * bss;
-    float* partial = smem + W * warp_floats;  // [W][BM * TN]
+    float* partial = smem + W * warp_floats;  // [W][MT * NT * 4][32]
     if (kn > 0) {
         gemm_tf32_stage(bs, bss, b, k, n, first * 8, kn, n0, TN, lane);
         if (trans_a) gemm_tf32_stage(as, ass, a, k, m, first * 8, kn, m0, BM, lane);
@@ -435,131 +424,160 @@ static __device__ __forceinline__ void gemm_split_tile(const float* a, const flo
     asm volatile("cp.async.commit_group;" ::: "memory");
     asm volatile("cp.async.wait_group 0;" ::: "memory");
     __syncwarp();
-    if constexpr (EXACT) {
-        constexpr int RI = BM / 8, CJ = TN / 4;
-        float acc[RI][CJ];
+    float acc[MT][NT][4];
 #pragma unroll
-        for (int i = 0; i < RI; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int j = 0; j < CJ; ++j) acc[i][j] = 0.0f;
-        for (int kk = 0; kk < kn; ++kk) {
-            float av[RI], bv[CJ];
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    for (int kb = 0; kb < kn; kb += 8) {
+        unsigned fa[MT][4];
 #pragma unroll
-            for (int i = 0; i < RI; ++i)
-                av[i] = trans_a ? as[kk * ass + 8 * i + g] : as[(8 * i + g) * ass + kk];
-#pragma unroll
-            for (int j = 0; j < CJ; ++j) bv[j] = bs[kk * bss + 4 * j + t];
-#pragma unroll
-            for (int i = 0; i < RI; ++i)
-#pragma unroll
-                for (int j = 0; j < CJ; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
-        }
-#pragma unroll
-        for (int i = 0; i < RI; ++i)
-#pragma unroll
-            for (int j = 0; j < CJ; ++j)
-                partial[w * BM * TN + (8 * i + g) * TN + 4 * j + t] = acc[i][j];
-        __syncthreads();
-        for (int o = threadIdx.x; o < BM * TN; o += W * 32) {
-            float v = partial[o];
-            for (int q = 1; q < W; ++q) v += partial[q * BM * TN + o];
-            const int row = m0 + o / TN, col = n0 + o % TN;
-            if (row < m && col < n) {
-                const long long x = (long long)row * n + col;
-                if (h != nullptr) v = (h[x] <= 0.0f) ? 0.0f : v;  // relu_mask's select
-                c[x] = v;
+        for (int i = 0; i < MT; ++i) {
+            const int r = 16 * i + g;
+            if (trans_a) {
+                fa[i][0] = gemm_tf32_bits(as[(kb + t) * ass + r]);
+                fa[i][1] = gemm_tf32_bits(as[(kb + t) * ass + r + 8]);
+                fa[i][2] = gemm_tf32_bits(as[(kb + t + 4) * ass + r]);
+                fa[i][3] = gemm_tf32_bits(as[(kb + t + 4) * ass + r + 8]);
+            } else {
+                fa[i][0] = gemm_tf32_bits(as[r * ass + kb + t]);
+                fa[i][1] = gemm_tf32_bits(as[(r + 8) * ass + kb + t]);
+                fa[i][2] = gemm_tf32_bits(as[r * ass + kb + t + 4]);
+                fa[i][3] = gemm_tf32_bits(as[(r + 8) * ass + kb + t + 4]);
             }
         }
-    } else {
-        constexpr int NT = TN / 8;
-        float acc[MT][NT][4];
 #pragma unroll
-        for (int i = 0; i < MT; ++i)
+        for (int j = 0; j < NT; ++j) {
+            const unsigned b0 = gemm_tf32_bits(bs[(kb + t) * bss + 8 * j + g]);
+            const unsigned b1 = gemm_tf32_bits(bs[(kb + t + 4) * bss + 8 * j + g]);
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
-                acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
-        for (int kb = 0; kb < kn; kb += 8) {
-            unsigned fa[MT][4];
-#pragma unroll
-            for (int i = 0; i < MT; ++i) {
-                const int r = 16 * i + g;
-                if (trans_a) {
-                    fa[i][0] = gemm_tf32_bits(as[(kb + t) * ass + r]);
-                    fa[i][1] = gemm_tf32_bits(as[(kb + t) * ass + r + 8]);
-                    fa[i][2] = gemm_tf32_bits(as[(kb + t + 4) * ass + r]);
-                    fa[i][3] = gemm_tf32_bits(as[(kb + t + 4) * ass + r + 8]);
-                } else {
-                    fa[i][0] = gemm_tf32_bits(as[r * ass + kb + t]);
-                    fa[i][1] = gemm_tf32_bits(as[(r + 8) * ass + kb + t]);
-                    fa[i][2] = gemm_tf32_bits(as[r * ass + kb + t + 4]);
-                    fa[i][3] = gemm_tf32_bits(as[(r + 8) * ass + kb + t + 4]);
-                }
-            }
-#pragma unroll
-            for (int j = 0; j < NT; ++j) {
-                const unsigned b0 = gemm_tf32_bits(bs[(kb + t) * bss + 8 * j + g]);
-                const unsigned b1 = gemm_tf32_bits(bs[(kb + t + 4) * bss + 8 * j + g]);
-#pragma unroll
-                for (int i = 0; i < MT; ++i)
-                    gemm_tf32_mma(acc[i][j], fa[i][0], fa[i][1], fa[i][2], fa[i][3], b0, b1);
-            }
+            for (int i = 0; i < MT; ++i)
+                gemm_tf32_mma(acc[i][j], fa[i][0], fa[i][1], fa[i][2], fa[i][3], b0, b1);
         }
-        constexpr int TILE = MT * NT * 128;  // the tile's outputs, 16 * MT * TN
+    }
+    constexpr int TILE = MT * NT * 128;  // the tile's outputs, 16 * MT * TN
 #pragma unroll
-        for (int i = 0; i < MT; ++i)
+    for (int i = 0; i < MT; ++i)
 #pragma unroll
-            for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e)
-                    partial[w * TILE + ((i * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e];
-        __syncthreads();
-        // Element (i, j, e, l) of the tile (fragment (i, j)'s accumulator e of lane l): the warps'
-        // partial sums added in warp order, then the mask and the store.
-        for (int o = threadIdx.x; o < TILE; o += W * 32) {
-            const int f = o >> 7, i = f / NT, j = f - i * NT, e = (o >> 5) & 3, l = o & 31;
-            float v = partial[o];
-            for (int q = 1; q < W; ++q) v += partial[q * TILE + o];
-            const int row = m0 + 16 * i + (l >> 2) + (e >> 1) * 8;
-            const int col = n0 + 8 * j + 2 * (l & 3) + (e & 1);
-            if (row < m && col < n) {
-                const long long x = (long long)row * n + col;
-                if (h != nullptr) v = (h[x] <= 0.0f) ? 0.0f : v;  // relu_mask's select
-                c[x] = v;
-            }
+            for (int e = 0; e < 4; ++e)
+                partial[w * TILE + ((i * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e];
+    __syncthreads();
+    // Element (i, j, e, l) of the tile (fragment (i, j)'s accumulator e of lane l): the warps'
+    // partial sums added in warp order, then the mask and the store.
+    for (int o = threadIdx.x; o < TILE; o += W * 32) {
+        const int f = o >> 7, i = f / NT, j = f - i * NT, e = (o >> 5) & 3, l = o & 31;
+        float v = partial[o];
+        for (int q = 1; q < W; ++q) v += partial[q * TILE + o];
+        const int row = m0 + 16 * i + (l >> 2) + (e >> 1) * 8;
+        const int col = n0 + 8 * j + 2 * (l & 3) + (e & 1);
+        if (row < m && col < n) {
+            const long long x = (long long)row * n + col;
+            if (h != nullptr) v = (h[x] <= 0.0f) ? 0.0f : v;  // relu_mask's select
+            c[x] = v;
         }
     }
 }
 
-// The kernels' tile dispatch: tile_m x tile_n of 16 x 16, 16 x 32 or 32 x 32 (the plan's).
-template <bool EXACT>
-static __device__ __forceinline__ void gemm_split_dispatch(const float* a, const float* b, float* c,
-                                                           const float* h, int m, int n, int k,
-                                                           int trans_a, int tile_m, int tile_n) {
-    fh_early_wait();  // early_launch.cuh: before anything is read or written
-    if (tile_m == 16 && tile_n == 16) {
-        gemm_split_tile<EXACT, 1, 16>(a, b, c, h, m, n, k, trans_a);
-    } else if (tile_m == 16) {
-        gemm_split_tile<EXACT, 1, 32>(a, b, c, h, m, n, k, trans_a);
-    } else {
-        gemm_split_tile<EXACT, 2, 32>(a, b, c, h, m, n, k, trans_a);
+// The exact-f32 twin of gemm_tf32_tile (gemm_f32): the same staging, k split and warp-order sum,
+// the products on the CUDA cores: lane l keeps the rows 8 i + l / 4 (i < MT 2) and the columns
+// 4 j + l % 4 (j < TN / 4) of the tile, one fmaf per product in k order (so its reads of a are
+// broadcasts within a row group and its reads of b hit distinct banks).
+// Kept apart from gemm_tf32_tile on purpose (session 35, NVIDIA H200, NVRTC 13.0): three folds of
+// the two tiles and their dispatch into one template -- a staging helper returning a struct, and
+// if-constexpr in one tile with and without the statements in these tiles' order (the last gave
+// the same PTX as these under NVRTC 13.5) -- made every gemm_tf32 node of the step 0.2-0.3 us
+// slower (4.90 against 4.66 us, 26 nodes: 109.1 against 102.4 us) and every gemm_f32 node
+// 0.13-0.25 us, reproducibly (critical_path.measure_step's node times, installed and editable).
+template <int MT, int TN>
+static __device__ __forceinline__ void gemm_f32_tile(const float* a, const float* b, float* c,
+                                                     const float* h, int m, int n, int k,
+                                                     int trans_a) {
+    constexpr int BM = GEMM_TF32_ROWS * MT, W = GEMM_TF32_WARPS, RI = BM / 8, CJ = TN / 4;
+    extern __shared__ float4 gemm_tf32_smem4[];
+    float* smem = reinterpret_cast<float*>(gemm_tf32_smem4);
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * TN;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, rg = lane >> 2, cg = lane & 3;
+    const int steps = (k + 7) >> 3;
+    const int per = (steps + W - 1) / W;
+    const int kw = per * 8;
+    const int first = min(steps, w * per), kn = (min(steps, first + per) - first) * 8;
+    const int bss = TN + 8, ass = trans_a ? BM + 8 : kw + 4;
+    const int warp_floats = kw * bss + (trans_a ? kw * ass : BM * ass);
+    float* bs = smem + w * warp_floats;
+    float* as = bs + kw * bss;
+    float* partial = smem + W * warp_floats;  // [W][BM][TN]
+    if (kn > 0) {
+        gemm_tf32_stage(bs, bss, b, k, n, first * 8, kn, n0, TN, lane);
+        if (trans_a) gemm_tf32_stage(as, ass, a, k, m, first * 8, kn, m0, BM, lane);
+        else gemm_tf32_stage(as, ass, a, m, k, m0, BM, first * 8, kn, lane);
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncwarp();
+    float acc[RI][CJ];
+#pragma unroll
+    for (int i = 0; i < RI; ++i)
+#pragma unroll
+        for (int j = 0; j < CJ; ++j) acc[i][j] = 0.0f;
+    for (int kk = 0; kk < kn; ++kk) {
+        float av[RI], bv[CJ];
+#pragma unroll
+        for (int i = 0; i < RI; ++i)
+            av[i] = trans_a ? as[kk * ass + 8 * i + rg] : as[(8 * i + rg) * ass + kk];
+#pragma unroll
+        for (int j = 0; j < CJ; ++j) bv[j] = bs[kk * bss + 4 * j + cg];
+#pragma unroll
+        for (int i = 0; i < RI; ++i)
+#pragma unroll
+            for (int j = 0; j < CJ; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+#pragma unroll
+    for (int i = 0; i < RI; ++i)
+#pragma unroll
+        for (int j = 0; j < CJ; ++j) partial[w * BM * TN + (8 * i + rg) * TN + 4 * j + cg] = acc[i][j];
+    __syncthreads();
+    for (int o = threadIdx.x; o < BM * TN; o += W * 32) {
+        float v = partial[o];
+        for (int q = 1; q < W; ++q) v += partial[q * BM * TN + o];
+        const int row = m0 + o / TN, col = n0 + o % TN;
+        if (row < m && col < n) {
+            const long long x = (long long)row * n + col;
+            if (h != nullptr) v = (h[x] <= 0.0f) ? 0.0f : v;  // relu_mask's select
+            c[x] = v;
+        }
     }
 }
 
 extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
 gemm_tf32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
           int trans_a, int tile_m, int tile_n) {
-    gemm_split_dispatch<false>(a, b, c, h, m, n, k, trans_a, tile_m, tile_n);
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    if (tile_m == 16 && tile_n == 16) {
+        gemm_tf32_tile<1, 16>(a, b, c, h, m, n, k, trans_a);
+    } else if (tile_m == 16) {
+        gemm_tf32_tile<1, 32>(a, b, c, h, m, n, k, trans_a);
+    } else {
+        gemm_tf32_tile<2, 32>(a, b, c, h, m, n, k, trans_a);
+    }
 }
 
 // gemm_tf32's exact-f32 twin for the f32 precision's backward: c = op(a) @ b with f32 products
 // (fmaf, k in order within a warp's range, the warps' partial sums in warp order), masked by h as
-// gemm_tf32. Same arguments, grid, block and shared memory as gemm_tf32 (gemm_split_tile's
-// comment).
+// gemm_tf32. Same arguments, grid, block and shared memory as gemm_tf32 (gemm_f32_tile's comment).
 // Reference: foxhunt.reference.kernels.dense.gemm_f32 (gemm(mode="f32") then relu_mask);
 // conformance: the GEMM policy in f32, the masked elements bit for bit. NaN/Inf: IEEE (fmaf), then
 // relu_mask's select.
 extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
 gemm_f32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
          int trans_a, int tile_m, int tile_n) {
-    gemm_split_dispatch<true>(a, b, c, h, m, n, k, trans_a, tile_m, tile_n);
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    if (tile_m == 16 && tile_n == 16) {
+        gemm_f32_tile<1, 16>(a, b, c, h, m, n, k, trans_a);
+    } else if (tile_m == 16) {
+        gemm_f32_tile<1, 32>(a, b, c, h, m, n, k, trans_a);
+    } else {
+        gemm_f32_tile<2, 32>(a, b, c, h, m, n, k, trans_a);
+    }
 }
