@@ -41,6 +41,12 @@ times): the times are of the kernels, the values they leave are not used. ``--me
 measures the step of a ``fast.Population`` of N members instead (issue 24: every node runs for
 all N members). ``--fused-trunk`` / ``--fused-heads`` / ``--stacked-backward`` (either mode):
 the step of ``Trainer(..., fused_trunk=True)`` / ``fused_heads=True`` / ``stacked_backward=True``.
+``--node LABEL`` (repeatable, with ``--measure``): the measured nodes of graph 1 and graph 2
+labelled LABEL (``node_label``: a kernel's name, ``gemm MxNxK [epilogue]``, ``copy KIND``),
+their count, the sum of their times and each time in plan order. Node times repeat to
+0.01-0.02 us from one process to the next where a step's time varies by 1-4 us from one trainer
+instance to the next (README, session 35), so a kernel's change is compared by its nodes, in
+processes run alternately (``PYTHONPATH`` to the base's installed tree for the base).
 
 Cost model (``LAUNCH_US``, ``RUN_US``, ``KERNEL_RUN_US``): ESTIMATES read off the H200 runs of the seed step
 (about 1 us to launch a node and 3-6 us to run one), not measurements of these nodes; replace
@@ -392,6 +398,21 @@ def format_measured(source: str, step: MeasuredStep, *, top: int, chain: bool) -
     return "\n".join(lines)
 
 
+def format_nodes(step: MeasuredStep, labels: Sequence[str]) -> str:
+    """``--node``: per label, the measured nodes of every graph of ``step`` whose ``node_label``
+    is that label, in plan order: their count, the sum of their times and each time."""
+    lines = []
+    for label in labels:
+        us = [t for g in step.graphs.values() for node, t in zip(g.nodes, g.us)
+              if node_label(node) == label]
+        if us:
+            lines.append(f"  nodes {label!r}: {len(us)}, {sum(us):.2f} us in all: "
+                         + " ".join(f"{t:.2f}" for t in us))
+        else:
+            lines.append(f"  nodes {label!r}: none in this step")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     head = f"{'source':8} {'step nodes':>10} {'depth':>6} {'est_us':>7}   " + "   ".join(
         f"{g + ' nodes/depth/us':>24}" for g in GRAPHS)
@@ -474,6 +495,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--gemm-workspace", default="none", choices=("none", "default"),
                         help="--measure: the trainer's cuBLASLt workspace policy")
     parser.add_argument("--top", type=int, default=12, help="--measure: slowest nodes listed")
+    parser.add_argument("--node", action="append", default=[], metavar="LABEL",
+                        help="--measure: the times of the nodes labelled LABEL (a kernel's name, "
+                             "'gemm MxNxK ...'; repeatable)")
     parser.add_argument("--members", type=int, default=0,
                         help="--measure: a fast.Population of this many members (0: one trainer)")
     parser.add_argument("--fused-trunk", action="store_true",
@@ -506,6 +530,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error(f"{flag}: a population keeps its forward nodes (--members 0)")
         if on and args.precision != "bf16":
             parser.error(f"{flag}: the fused kernel is bf16 only (--precision {args.precision})")
+    if args.node and not args.measure:
+        parser.error(f"--node {args.node[0]!r}: node times need --measure (a GPU)")
     if args.stacked_backward and args.members:
         parser.error("--stacked-backward: a population keeps a backward pass per loss (--members 0)")
     options = {"fused_trunk": args.fused_trunk, "fused_heads": args.fused_heads,
@@ -516,6 +542,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 repeats=args.repeats, gemm_workspace=args.gemm_workspace,
                                 members=args.members, options=options)
             print(format_measured(source, step, top=args.top, chain=args.chain), flush=True)
+            if args.node:
+                print(format_nodes(step, args.node), flush=True)
         return 0
     rows = table(args.preset, args.precision, args.sources or choices, options)
     print(f"critical path, preset {args.preset}, {args.precision} (est_us: LAUNCH_US={LAUNCH_US} "

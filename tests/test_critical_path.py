@@ -72,6 +72,32 @@ def test_hand_plan_chain_in_nodes_and_us():
     assert labels in (list("abcdh"), list("abcfh"))
 
 
+def test_node_times_by_label_sum_in_plan_order():
+    """--node: the nodes labelled LABEL across the graphs, in plan order, summed; a label no
+    node has says so."""
+    g1, g2 = Ops(None), Ops(None)
+    for name in ("gemm_tf32", "a", "gemm_tf32"):
+        _k(g1, name)
+    _k(g2, "gemm_tf32")
+    _copy(g2)
+    graphs = {}
+    for name, ops, us in (("graph1", g1, (1.25, 9.0, 2.5)), ("graph2", g2, (0.75, 3.0))):
+        nodes = tuple(ops.items)
+        graphs[name] = cp.MeasuredGraph(1.0, cp.graph_path(ops).chain, sum(us), nodes, us)
+    step = cp.MeasuredStep(graphs, 1.0, 1.0)
+    lines = cp.format_nodes(step, ["gemm_tf32", "copy htod", "gemm_f32"]).splitlines()
+    assert lines == ["  nodes 'gemm_tf32': 3, 4.50 us in all: 1.25 2.50 0.75",
+                     "  nodes 'copy htod': 1, 3.00 us in all: 3.00",
+                     "  nodes 'gemm_f32': none in this step"]
+
+
+def test_node_needs_measure(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cp.main(["--node", "gemm_tf32", "core"])
+    assert exit_info.value.code == 2
+    assert "--node 'gemm_tf32': node times need --measure" in capsys.readouterr().err
+
+
 def test_a_heavy_copy_takes_the_chain():
     """With copies far dearer than kernels the three-node chain through the copy wins."""
     old = dict(cp.RUN_US)
@@ -236,9 +262,11 @@ def test_measured_step_times_every_node_and_bounds_the_chain(capsys):
         assert len(m.us) == len(m.nodes) > 0 and min(m.us) > 0 and m.graph_us > 0
         assert m.chain.weight == pytest.approx(sum(m.us[i] for i in m.chain.indices))
         assert max(m.us) <= m.chain.weight <= m.serial_us * (1 + 1e-9)
-    assert cp.main(["--preset", "tiny", "--measure", "--repeats", "2", "--chain", "core"]) == 0
+    assert cp.main(["--preset", "tiny", "--measure", "--repeats", "2", "--chain", "--node",
+                    "step_scalars", "core"]) == 0
     out = capsys.readouterr().out
     assert "graph1" in out and "measured critical chain" in out and "back to back" in out
+    assert "nodes 'step_scalars': 1, " in out
     assert "as one graph" in out
 
 
