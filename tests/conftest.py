@@ -3,6 +3,8 @@ defined once in ``foxhunt.conformance.strategies``; the ``lt`` fixture (cuBLASLt
 a skip with the reason) of the GPU GEMM tests; the ``nvrtc_cache`` fixture (one NVRTC disk cache
 for the session's builds of the same sources)."""
 
+import os
+
 import pytest
 
 from foxhunt.conformance.strategies import load_hypothesis_profile
@@ -26,6 +28,13 @@ def lt():
 def nvrtc_cache(tmp_path_factory):
     """A ``compile_sources`` cache folder shared by the whole test session: a build of the same
     sources, options and architecture that another test already made is read back, not compiled
-    again (CI has two cores; walk.cu alone takes about 5 s a build). Tests of the cache itself
-    keep a ``tmp_path`` of their own."""
+    again (CI has two cores; walk.cu alone takes about 5 s a build). Under pytest-xdist
+    (``.ci/run``'s workers) one folder for all the workers of the run, beside their base
+    temporary folders: the cache's writes are atomic (a renamed temporary file), so two workers
+    building the same key at once both succeed. Tests of the cache itself keep a ``tmp_path``
+    of their own."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "nvrtc-shared"
+        shared.mkdir(exist_ok=True)
+        return shared
     return tmp_path_factory.mktemp("nvrtc-shared")
