@@ -484,12 +484,12 @@ static __device__ __forceinline__ void gemm_tf32_tile(const float* a, const floa
 // the products on the CUDA cores: lane l keeps the rows 8 i + l / 4 (i < MT 2) and the columns
 // 4 j + l % 4 (j < TN / 4) of the tile, one fmaf per product in k order (so its reads of a are
 // broadcasts within a row group and its reads of b hit distinct banks).
-// Kept apart from gemm_tf32_tile on purpose (session 35, NVIDIA H200, NVRTC 13.0): three folds of
-// the two tiles and their dispatch into one template -- a staging helper returning a struct, and
-// if-constexpr in one tile with and without the statements in these tiles' order (the last gave
-// the same PTX as these under NVRTC 13.5) -- made every gemm_tf32 node of the step 0.2-0.3 us
-// slower (4.90 against 4.66 us, 26 nodes: 109.1 against 102.4 us) and every gemm_f32 node
-// 0.13-0.25 us, reproducibly (critical_path.measure_step's node times, installed and editable).
+// Kept apart from gemm_tf32_tile on purpose (session 35, NVIDIA H200, NVRTC 13.0): folds of the
+// two tiles and their dispatch into one template measured slower. A staging helper returning a
+// struct: the core bf16 step 2-3 us slower. If-constexpr in one tile, with and without the
+// statements in these tiles' order (the former gave the same PTX as these under NVRTC 13.5):
+// every gemm_tf32 node of the step 0.2-0.3 us slower (26 nodes: 109.1 against 102.4 us) and
+// every gemm_f32 node 0.13-0.25 us, reproducibly (critical_path.py --measure's node times).
 template <int MT, int TN>
 static __device__ __forceinline__ void gemm_f32_tile(const float* a, const float* b, float* c,
                                                      const float* h, int m, int n, int k,
