@@ -544,6 +544,12 @@ static __device__ __forceinline__ int heads_of(const int* cum, int n, int col) {
 // unpadded). `raw` is the table (HEADS_FIELDS ints a head: hidden, out, w1, b1, w2, b2), in
 // shared or global memory (heads_out_dueling_bf16 reads it from global memory in every thread:
 // the loads of heads before h are independent, so they are in flight together).
+// x rounded up to a multiple of a (x >= 0, a >= 1; unsigned division: fewer instructions than
+// a signed one).
+static __device__ __forceinline__ int heads_round_up(int x, int a) {
+    return (int)((((unsigned int)x + (unsigned int)a - 1u) / (unsigned int)a) * (unsigned int)a);
+}
+
 static __device__ __forceinline__ void heads_block_offsets(const int* raw, int h, int rows,
                                                            int hid_align, int& hid_off,
                                                            int& out_off) {
@@ -552,12 +558,11 @@ static __device__ __forceinline__ void heads_block_offsets(const int* raw, int h
 #pragma unroll
     for (int k = 0; k < HEADS_MAX; ++k) {
         if (k < h) {
-            hid_end = ((hid_end + hid_align - 1) / hid_align) * hid_align
-                      + rows * raw[k * HEADS_FIELDS];
+            hid_end = heads_round_up(hid_end, hid_align) + rows * raw[k * HEADS_FIELDS];
             adv_end += k == 0 ? 0 : rows * raw[k * HEADS_FIELDS + 1];
         }
     }
-    hid_off = ((hid_end + hid_align - 1) / hid_align) * hid_align;
+    hid_off = heads_round_up(hid_end, hid_align);
     out_off = h == 0 ? 0 : adv_end;
 }
 
@@ -906,44 +911,40 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
     unsigned int b[HOD_TILES][HOD_KSTEPS][2];
     hod_load_b(b, b_row, steps, 0);
 
-    // The hidden values to BF16 (rows past `rows` as +0.0), four at a time: quad i < q0 of the
-    // value head's tile, then head hb's; HOD_LOADS loads in flight a thread.
+    // The hidden values to BF16 (rows past `rows` as +0.0): warp w the tile's row w (TRUNK_BM
+    // == HOD_WARPS), lane l its quads l, l + 32, ... of the row's quads0 + quads1 (the value
+    // head's, then head hb's), HOD_LOADS loads in flight a lane.
+    static_assert(TRUNK_BM == HOD_WARPS, "heads_out_dueling_bf16: warp w converts tile row w");
     const int quads0 = hidden0 / 4;
-    const int quads1 = hidden1 / 4;
-    const int n_quads = TRUNK_BM * (quads0 + quads1);
-    for (int i0 = threadIdx.x; i0 < n_quads; i0 += HOD_LOADS * HOD_THREADS) {
+    const int n_quads = quads0 + hidden1 / 4;
+    const int row = row0 + warp;
+    const bool row_live = row < rows;
+    for (int c0 = lane; c0 < n_quads; c0 += 32 * HOD_LOADS) {
         float4 x[HOD_LOADS];
         long long at[HOD_LOADS];
-        bool live[HOD_LOADS];
 #pragma unroll
         for (int u = 0; u < HOD_LOADS; ++u) {
-            const int i = i0 + u * HOD_THREADS;
-            const bool s1 = i >= TRUNK_BM * quads0;
-            const int quads = s1 ? quads1 : quads0;
-            const int local = s1 ? i - TRUNK_BM * quads0 : i;
-            const int r = local / quads;
-            at[u] = (s1 ? hid_off1 : 0) + (long long)(row0 + r) * (s1 ? hidden1 : hidden0)
-                    + (local - r * quads) * 4;
-            live[u] = i < n_quads && row0 + r < rows;
-            x[u] = live[u] ? *reinterpret_cast<const float4*>(hid + at[u])
-                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            const int c = c0 + u * 32;
+            const bool s1 = c >= quads0;
+            at[u] = s1 ? hid_off1 + (long long)row * hidden1 + (c - quads0) * 4
+                       : (long long)row * hidden0 + c * 4;
+            x[u] = (row_live && c < n_quads) ? *reinterpret_cast<const float4*>(hid + at[u])
+                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
 #pragma unroll
         for (int u = 0; u < HOD_LOADS; ++u) {
-            const int i = i0 + u * HOD_THREADS;
-            if (i >= n_quads) {
+            const int c = c0 + u * 32;
+            if (c >= n_quads) {
                 break;
             }
-            const bool s1 = i >= TRUNK_BM * quads0;
-            const int quads = s1 ? quads1 : quads0;
-            const int local = s1 ? i - TRUNK_BM * quads0 : i;
-            const int r = local / quads;
+            const bool s1 = c >= quads0;
             const uint2 pair = make_uint2(
                 (unsigned int)f32_to_bf16_bits(x[u].x) | ((unsigned int)f32_to_bf16_bits(x[u].y) << 16),
                 (unsigned int)f32_to_bf16_bits(x[u].z) | ((unsigned int)f32_to_bf16_bits(x[u].w) << 16));
-            unsigned short* tile = s1 ? a_tile1 + r * a_stride1 : a_tile0 + r * a_stride0;
-            *reinterpret_cast<uint2*>(tile + (local - r * quads) * 4) = pair;
-            if (live[u] && (s1 || d == 0)) {  // head 0's hid_bf16: branch 0's blocks
+            unsigned short* tile = s1 ? a_tile1 + warp * a_stride1 + (c - quads0) * 4
+                                      : a_tile0 + warp * a_stride0 + c * 4;
+            *reinterpret_cast<uint2*>(tile) = pair;
+            if (row_live && (s1 || d == 0)) {  // head 0's hid_bf16: branch 0's blocks
                 *reinterpret_cast<uint2*>(hid_bf16 + at[u]) = pair;
             }
         }
