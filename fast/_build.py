@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import hashlib
 import importlib.resources
 import json
@@ -470,13 +471,29 @@ def compile_sources(
     key = cache_key(files, options, version, arch_num, kind, _toolkit_headers_version(include_dir))
     path = Path(cache_root) / f"{key}.json" if cache_root is not None else cache_dir() / f"{key}.json"
 
-    if cache:
+    def cached():
         hit = _cache_read(path, key)
-        if hit is not None and set(hit[0]) == set(units):
-            images, ptx, logs = hit
-            return Module(arch_num, kind, key, options, version, MappingProxyType(images),
-                          MappingProxyType(ptx), MappingProxyType(logs), from_cache=True)
+        if hit is None or set(hit[0]) != set(units):
+            return None
+        images, ptx, logs = hit
+        return Module(arch_num, kind, key, options, version, MappingProxyType(images),
+                      MappingProxyType(ptx), MappingProxyType(logs), from_cache=True)
 
+    if not cache:
+        return _compile_units(units, files, headers, options, kind, arch_num, key, version, None)
+    module = cached()
+    if module is None:
+        # One process builds a key at a time: one waiting here reads the other's build.
+        with _build_lock(path):
+            module = cached() or _compile_units(units, files, headers, options, kind, arch_num,
+                                                key, version, path)
+    return module
+
+
+def _compile_units(units, files, headers, options, kind: str, arch_num: int, key: str, version,
+                   path: Path | None) -> Module:
+    """Compile ``units`` with NVRTC (a thread per unit, up to the CPU count); write the cache
+    file ``path`` unless it is None."""
     images, ptx, logs, errors = {}, {}, {}, {}
     workers = max(1, min(len(units), os.cpu_count() or 1))
     with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
@@ -492,9 +509,29 @@ def compile_sources(
         raise KernelCompileError(f"sm_{arch_num}", errors)
     module = Module(arch_num, kind, key, options, version, MappingProxyType(images),
                     MappingProxyType(ptx), MappingProxyType(logs), from_cache=False)
-    if cache:
+    if path is not None:
         _cache_write(path, key, images, ptx, logs)
     return module
+
+
+@contextlib.contextmanager
+def _build_lock(path: Path):
+    """Hold ``<path>.lock`` (``filelock``) while the build of cache file ``path`` is made and
+    written, so that processes wanting the same build (pytest-xdist workers, two trainers
+    starting together) make it once; without a writable cache folder, no lock (each builds)."""
+    import filelock
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lock = filelock.FileLock(str(path) + ".lock")
+        lock.acquire()
+    except OSError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 _PACKAGE_MODULES: dict[int, Module] = {}  # package_module's answers, by architecture

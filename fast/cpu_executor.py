@@ -24,9 +24,11 @@ compare it with the reference ``Trainer``.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 from collections.abc import Mapping
+from types import MappingProxyType
 
 import numpy as np
 
@@ -37,7 +39,7 @@ from foxhunt.fast.gpu_engine import step_plans
 from foxhunt.fast.dataflow import check_dataflow, dependency_graph
 from foxhunt.fast.device import SYNCS
 from foxhunt.fast.records import Buf, Copy, Gemm, Host, Launch, Ops, kernel_params
-from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout
+from foxhunt.fast.step_layout import BufferTable, EvalLayout, StepLayout, elements
 from foxhunt.fast.step_program import StepProgram, step_constants
 from foxhunt.fast.trainer import STAGING_RING, Trainer
 from foxhunt.reference.config import DQNConfig
@@ -124,8 +126,20 @@ class Memory:
     def __init__(self, tables: list[tuple[BufferTable, HostArena]], host: Mapping[str, np.ndarray]):
         self.tables = tables
         self.host = host
+        self._found: dict[Buf, tuple] = {}
 
     def _find(self, buf: Buf):
+        """``buf``'s region and the arena that holds it (the tables do not change: each
+        buffer's answer is kept; a ``Buf`` with an unhashable key is resolved every time)."""
+        try:
+            found = self._found.get(buf)
+        except TypeError:
+            return self._resolve(buf)
+        if found is None:
+            found = self._found[buf] = self._resolve(buf)
+        return found
+
+    def _resolve(self, buf: Buf):
         for table, arena in self.tables:
             if buf.name in table:
                 return table.region(buf), arena
@@ -288,10 +302,16 @@ def cpu_planner(refused_epilogues=()):
 # --------------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _params_by_name(kernel: str) -> Mapping[str, object]:
+    """Kernel ``kernel``'s parameters (``records.kernel_params``) by name."""
+    return MappingProxyType({p.name: p for p in kernel_params()[kernel]})
+
+
 def run_launch(mem: Memory, node: Launch) -> None:
     """Call the kernel's reference twin on views of its arguments and store what it writes."""
     twin = TWINS[node.kernel]
-    params = {p.name: p for p in kernel_params()[node.kernel]}
+    params = _params_by_name(node.kernel)
     scalars = {k: v for k, v in node.args.items() if not params[k].pointer}
 
     def table(name, count, dtype):
@@ -306,7 +326,7 @@ def run_launch(mem: Memory, node: Launch) -> None:
                 views[name] = None
                 continue
             shape = shape_of(twin.extents[name], sizing)
-            views[name] = mem.view(buf, int(np.prod(shape, dtype=np.int64))).reshape(shape)
+            views[name] = mem.view(buf, elements(shape)).reshape(shape)
     out = twin.run(Args(scalars, node.shape, table=table, views=views, at=mem.at))
     for name, value in out.items():
         if params[name].const or views.get(name) is None:

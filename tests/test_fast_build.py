@@ -54,17 +54,23 @@ def test_cuda_src_has_units():
     assert all(name.endswith(".cu") for name in UNITS)
 
 
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("arch, kind", [("sm_80", "ptx"), ("sm_90", "cubin")])
 @pytest.mark.parametrize("unit", UNITS)
-def test_every_kernel_file_compiles_to_ptx(unit, arch, nvrtc_cache):
-    module = compile_sources(arch, "ptx", cache_root=nvrtc_cache,
-                             sources={unit: SOURCES[unit], **HEADERS})
-    assert set(module.images) == {unit}
-    assert module.kernels, f"cuda_src/{unit} defines no extern \"C\" __global__ kernel"
-    assert set(module.kernels.values()) == {unit}
-    ptx = module.ptx[unit]
-    assert f".target sm_{arch[3:]}" in ptx
-    assert module.images[unit].endswith(b"\0")  # cuModuleLoadData needs NUL-terminated PTX
+def test_every_kernel_file_compiles(unit, arch, kind, nvrtc_cache):
+    """Each file of the package's build for ``arch`` (NVRTC compiles every file on its own, its
+    headers beside it): sm_80 as PTX, sm_90 as cubin (the build the GPU tests load; a cubin
+    build makes the PTX too). The session's shared build: ``test_member_build`` and
+    ``test_all_files_compile_to_sm90_cubin_with_unique_kernel_names`` read the same two."""
+    module = compile_sources(arch, kind, cache_root=nvrtc_cache)
+    assert unit in module.images
+    mine = {k for k, f in module.kernels.items() if f == unit}
+    assert mine, f"cuda_src/{unit} defines no extern \"C\" __global__ kernel"
+    assert mine == set(entry_params(module.ptx[unit]))
+    assert f".target sm_{arch[3:]}" in module.ptx[unit]
+    if kind == "ptx":
+        assert module.images[unit].endswith(b"\0")  # cuModuleLoadData needs NUL-terminated PTX
+    else:
+        assert module.images[unit][:4] == b"\x7fELF", f"cuda_src/{unit} did not produce a cubin"
     assert module.logs[unit] == "", f"NVRTC warnings for cuda_src/{unit}:\n{module.logs[unit]}"
 
 
@@ -141,7 +147,8 @@ def test_compile_error_names_the_file_and_carries_the_log(tmp_path):
     message = str(info.value)
     assert "cuda_src/bad.cu" in message and "undefined_name" in message
     assert "good.cu" not in message
-    assert not list(tmp_path.iterdir()), "a failed build must not write a cache entry"
+    # A failed build writes no cache entry (only the lock its build held may be there).
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".json.lock")] == []
 
 
 def test_duplicate_kernel_names_across_files_are_rejected(tmp_path):
@@ -219,7 +226,40 @@ def test_cache_hit_returns_the_same_module(tmp_path):
     assert not first.from_cache and second.from_cache
     assert first.key == second.key and dict(first.images) == dict(second.images)
     assert dict(second.kernels) == {"k": "k.cu"}
-    assert [p.name for p in tmp_path.iterdir()] == [f"{first.key}.json"]  # no temp files left
+    # No temporary files left: the entry, and the lock its build held (_build_lock).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{first.key}.json",
+                                                          f"{first.key}.json.lock"]
+
+
+def test_two_builds_of_one_key_at_once_compile_it_once(tmp_path, monkeypatch):
+    """Two threads wanting the same build at once (as two pytest-xdist workers or two trainers
+    do): the first compiles it under the key's file lock, the second waits and reads it from
+    the cache; NVRTC runs once."""
+    import threading
+    import time
+
+    calls = []
+    compile_one = _build._compile_one
+
+    def slow(*args):
+        calls.append(args[0])
+        time.sleep(0.5)  # the other thread arrives while this build is under way
+        return compile_one(*args)
+
+    monkeypatch.setattr(_build, "_compile_one", slow)
+    results = [None, None]
+
+    def build(i):
+        results[i] = compile_sources("sm_90", "ptx", cache_root=tmp_path, sources={"k.cu": AXPY})
+
+    threads = [threading.Thread(target=build, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert calls == ["k.cu"]
+    assert sorted(m.from_cache for m in results) == [False, True]
+    assert dict(results[0].images) == dict(results[1].images)
 
 
 def test_changed_source_misses_the_cache(tmp_path):
