@@ -280,6 +280,13 @@ class TrainerBackend(abc.ABC):
     @abc.abstractmethod
     def q_values(self, states: np.ndarray) -> list[np.ndarray]: ...
 
+    def frozen_q_values(self) -> Callable[[np.ndarray], list[np.ndarray]]:
+        """``q_values`` for a walk during which the trainer does not step (``loop.evaluate``:
+        thousands of one-state calls): values equal to ``q_values``' while the parameters and
+        the ISV are unchanged. A backend may form what does not depend on the states once
+        (the reference ``Trainer`` does); by default, ``q_values`` itself."""
+        return self.q_values
+
     @abc.abstractmethod
     def last_td_errors(self) -> np.ndarray:
         """Per-sample TD errors ``[B]`` of the last step (the replay priorities' source)."""

@@ -247,8 +247,8 @@ def fold_segments(n_bars: int, warmup: int, folds: int, val_frac: float,
     return out
 
 
-def _greedy(trainer: TrainerBackend, states: np.ndarray) -> np.ndarray:
-    return np.stack([q.argmax(axis=1) for q in trainer.q_values(states)], axis=1).astype(np.int32)
+def _greedy(q_values: Callable[[np.ndarray], list], states: np.ndarray) -> np.ndarray:
+    return np.stack([q.argmax(axis=1) for q in q_values(states)], axis=1).astype(np.int32)
 
 
 #: Fixed actions of the baselines per branch (exposure, order type, urgency): a market order
@@ -265,7 +265,8 @@ def evaluate(trainer: TrainerBackend | None, bars: Bars, feats: np.ndarray, stat
     env = BranchingEnv(bars.slice(0, stop), feats[:stop], state_dim=state_dim, n_envs=1,
                        branches=branches, auto_reset=False, min_start=0)
     if policy == "greedy":
-        act = lambda states: _greedy(trainer, states)  # noqa: E731
+        q_values = trainer.frozen_q_values()  # the trainer does not step during the walk
+        act = lambda states: _greedy(q_values, states)  # noqa: E731
     elif policy in BASELINE_ACTIONS:
         fixed = np.array([BASELINE_ACTIONS[policy][: len(branches)]], np.int32)
         act = lambda states: fixed  # noqa: E731

@@ -52,16 +52,25 @@ def _linear(x_rounded: np.ndarray, w_rounded: np.ndarray, mode: str) -> np.ndarr
     return dense.gemm(x_rounded, w_rounded, trans_b=True, mode=mode, rounded=True)
 
 
+def forward_weights(config: DQNConfig, layout: ParamLayout, params: np.ndarray) -> dict:
+    """The weight matrices of ``params`` as ``forward``'s GEMMs multiply them (rounded for the
+    precision's forward GEMM mode), by tensor name."""
+    mode = FORWARD_GEMM_MODE[config.precision]
+    p = layout.views(params)
+    return {t.name: _rounded(p[t.name], mode) for t in layout.weight_matrices}
+
+
 def forward(config: DQNConfig, layout: ParamLayout, params: np.ndarray, x: np.ndarray,
-            *, h2_bound: float | None = None) -> Activations:
+            *, h2_bound: float | None = None, weights: dict | None = None) -> Activations:
     """One forward pass of the network with parameters ``params`` (flat f32) on ``x [N, SD]``.
 
     ``h2_bound`` is the Mech 10 bound (``h2_clamp_mult * max(ISV[H_S2_RMS_EMA], 1)``); ``None``
-    skips the clamp (for debugging a pure forward).
+    skips the clamp (for debugging a pure forward). ``weights``: ``forward_weights(config,
+    layout, params)`` when the caller keeps it for many passes on the same parameters.
     """
     mode = FORWARD_GEMM_MODE[config.precision]
     p = layout.views(params)
-    w = {t.name: _rounded(p[t.name], mode) for t in layout.weight_matrices}
+    w = forward_weights(config, layout, params) if weights is None else weights
     h1 = dense.add_bias_relu(_linear(_rounded(x, mode), w["w_s1"], mode), p["b_s1"])
     h2_pre = dense.add_bias_relu(_linear(_rounded(h1, mode), w["w_s2"], mode), p["b_s2"])
     h2 = h2_pre if h2_bound is None else safety.clamp_finite(h2_pre, np.float32(h2_bound))

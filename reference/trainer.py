@@ -33,6 +33,8 @@ The step's own bookkeeping is the fast step's kernels' reference twins (``kernel
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from . import isv as isv_mod
@@ -46,7 +48,7 @@ from .kernels import dense, optim, safety, spectral
 from .kernels import isv as isv_kernels
 from .kernels import step as step_kernels
 from .layout import ParamLayout, init_params
-from .network import forward, q_values
+from .network import forward, forward_weights, q_values
 from .step import check_batch_kind, check_n_step, loss_and_grads, step_supports
 
 #: The Mech 6 slow grad-norm EMA lives in this ISV slot (CrossFold: kept at fold boundaries).
@@ -343,10 +345,24 @@ class Trainer(TrainerBackend):
         return self._td_errors.copy()
 
     def q_values(self, states: np.ndarray) -> list[np.ndarray]:
-        states = np.ascontiguousarray(states, dtype=np.float32)
-        h2_bound = self._bound(self.config.h2_clamp_mult, "H_S2_RMS_EMA")
-        act = forward(self.config, self.layout, self.params, states, h2_bound=h2_bound)
-        return q_values(self.config, act, step_supports(self.config, self.isv.to_array()).z)
+        return self.frozen_q_values(weights=False)(states)
+
+    def frozen_q_values(self, *, weights: bool = True) -> Callable[[np.ndarray], list[np.ndarray]]:
+        """``TrainerBackend.frozen_q_values``: the Mech 10 bound, the supports and
+        (``weights``) the rounded weight matrices of the parameters and the ISV as they are now,
+        formed once (about a quarter of a one-state ``q_values`` call, bf16); the same values
+        as ``q_values`` while neither changes (a step, a load, a write into ``params``)."""
+        config, layout, params = self.config, self.layout, self.params
+        h2_bound = self._bound(config.h2_clamp_mult, "H_S2_RMS_EMA")
+        z = step_supports(config, self.isv.to_array()).z
+        w = forward_weights(config, layout, params) if weights else None
+
+        def run(states: np.ndarray) -> list[np.ndarray]:
+            states = np.ascontiguousarray(states, dtype=np.float32)
+            act = forward(config, layout, params, states, h2_bound=h2_bound, weights=w)
+            return q_values(config, act, z)
+
+        return run
 
     # ------------------------------------------------------------------ state exchange
     def state_dict(self) -> dict[str, np.ndarray]:

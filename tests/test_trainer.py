@@ -474,3 +474,33 @@ def test_get_backend_passes_a_trainer_factory_through():
     trainer = get_backend(factory)(DQNConfig.preset("tiny"))
     reference = Trainer(DQNConfig.preset("tiny"), seed=3)
     assert all(np.array_equal(v, reference.state_dict()[k]) for k, v in trainer.state_dict().items())
+
+
+@pytest.mark.parametrize("precision", ["bf16", "f32", "tf32"])
+@pytest.mark.parametrize("adaptive", [False, True], ids=["shared-support", "adaptive-atoms"])
+def test_frozen_q_values_are_q_values_until_the_next_step(precision, adaptive):
+    """``frozen_q_values()`` (an evaluation walk's one-state calls, its weights rounded once)
+    gives ``q_values``' bits, state by state and for the batch; after a step (which a walk does
+    not make: the frozen function is then stale) a new frozen function follows the step."""
+    on = {"adaptive_atoms": True, "q_stats": True} if adaptive else {}
+    config = DQNConfig.preset("tiny", precision=precision, **on)
+    rng = np.random.default_rng(3)
+    t = Trainer(config, seed=2)
+    for _ in range(3):
+        t.step(Batch.random(config, rng))
+    states = rng.standard_normal((5, config.state_dim)).astype(np.float32)
+    frozen = t.frozen_q_values()
+    before = t.q_values(states)
+    for k in range(len(states)):
+        got = frozen(states[k:k + 1])
+        want = t.q_values(states[k:k + 1])
+        assert len(got) == len(config.branches)
+        for g, w in zip(got, want):
+            assert g.dtype == np.float32 and np.array_equal(g.view(np.uint32), w.view(np.uint32))
+    for b, f in zip(before, frozen(states)):
+        assert np.array_equal(f.view(np.uint32), b.view(np.uint32))
+    t.step(Batch.random(config, rng))
+    after = t.q_values(states)
+    assert any(not np.array_equal(a, b) for a, b in zip(after, before))  # the step moved them
+    for a, f in zip(after, t.frozen_q_values()(states)):
+        assert np.array_equal(f.view(np.uint32), a.view(np.uint32))
