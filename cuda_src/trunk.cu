@@ -538,18 +538,18 @@ static __device__ __forceinline__ int heads_of(const int* cum, int n, int col) {
     return h;
 }
 
-// Head h's blocks in the packed buffers: hid_off, its hidden block's offset in hid / hid_bf16
-// (the heads' blocks one after another, each starting at a multiple of hid_align), and out_off,
-// its output block's offset in v (h = 0: 0) or adv (the branch heads' blocks one after another,
-// unpadded). `raw` is the table (HEADS_FIELDS ints a head: hidden, out, w1, b1, w2, b2), in
-// shared or global memory (heads_out_dueling_bf16 reads it from global memory in every thread:
-// the loads of heads before h are independent, so they are in flight together).
 // x rounded up to a multiple of a (x >= 0, a >= 1; unsigned division: fewer instructions than
 // a signed one).
 static __device__ __forceinline__ int heads_round_up(int x, int a) {
     return (int)((((unsigned int)x + (unsigned int)a - 1u) / (unsigned int)a) * (unsigned int)a);
 }
 
+// Head h's blocks in the packed buffers: hid_off, its hidden block's offset in hid / hid_bf16
+// (the heads' blocks one after another, each starting at a multiple of hid_align), and out_off,
+// its output block's offset in v (h = 0: 0) or adv (the branch heads' blocks one after another,
+// unpadded). `raw` is the table (HEADS_FIELDS ints a head: hidden, out, w1, b1, w2, b2), in
+// shared or global memory (heads_out_dueling_bf16 reads it from global memory in every thread:
+// the loads of heads before h are independent, so they are in flight together).
 static __device__ __forceinline__ void heads_block_offsets(const int* raw, int h, int rows,
                                                            int hid_align, int& hid_off,
                                                            int& out_off) {
