@@ -71,7 +71,7 @@ class TensorSpec:
 
     @property
     def size(self) -> int:
-        return math.prod(self.shape)
+        return int(math.prod(self.shape))
 
     @property
     def is_weight(self) -> bool:
