@@ -30,9 +30,9 @@ def nvrtc_cache(tmp_path_factory):
     sources, options and architecture that another test already made is read back, not compiled
     again (CI has two cores; walk.cu alone takes about 5 s a build). Under pytest-xdist
     (``.ci/run``'s workers) one folder for all the workers of the run, beside their base
-    temporary folders: the cache's writes are atomic (a renamed temporary file), so two workers
-    building the same key at once both succeed. Tests of the cache itself keep a ``tmp_path``
-    of their own."""
+    temporary folders: a build is made under its entry's file lock (``fast._build._build_lock``),
+    so a worker wanting a build another is making waits and reads it back. Tests of the cache
+    itself keep a ``tmp_path`` of their own."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         shared = tmp_path_factory.getbasetemp().parent / "nvrtc-shared"
         shared.mkdir(exist_ok=True)
