@@ -47,6 +47,7 @@ from foxhunt.conformance.step_conditioning import (
     rounding_flips,
 )
 from foxhunt.conformance.step_harness import (
+    CPU_SEQUENCE_INTERVAL,
     INJECTIONS,
     PRECISIONS,
     PRESETS,
@@ -182,7 +183,8 @@ def test_injection_harness_on_the_reference(kind, precision) -> None:
 
 @pytest.mark.parametrize("resync", [True, False], ids=["resync", "free"])
 def test_readback_sequence_harness_on_the_reference(resync) -> None:
-    check_readback_sequence(Trainer, DQNConfig.preset("tiny"), resync)
+    check_readback_sequence(Trainer, DQNConfig.preset("tiny", readback_interval=CPU_SEQUENCE_INTERVAL),
+                            resync)
 
 
 def test_checkpoint_interchange_harness_on_the_reference(tmp_path) -> None:

@@ -20,6 +20,7 @@ import pytest
 from foxhunt.conformance.step_compare import compare_step, run_step
 from foxhunt.conformance.step_conditioning import condition_batch
 from foxhunt.conformance.step_harness import (
+    CPU_SEQUENCE_INTERVAL,
     INJECTIONS,
     PRECISIONS,
     PRESETS,
@@ -134,7 +135,9 @@ def test_cpu_executor_step_with_injected_non_finite_values(kind, precision, case
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("resync", [True, False], ids=["resync", "free"])
 def test_cpu_executor_readback_sequence_matches_reference(resync, precision) -> None:
-    check_readback_sequence(CpuTrainer, DQNConfig.preset("tiny", precision=precision), resync)
+    check_readback_sequence(CpuTrainer, DQNConfig.preset("tiny", precision=precision,
+                                                         readback_interval=CPU_SEQUENCE_INTERVAL),
+                            resync)
 
 
 @pytest.mark.parametrize("case", PRESETS)

@@ -54,14 +54,15 @@ def test_cuda_src_has_units():
     assert all(name.endswith(".cu") for name in UNITS)
 
 
-@pytest.mark.parametrize("arch, kind", [("sm_80", "ptx"), ("sm_90", "cubin")])
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("unit", UNITS)
-def test_every_kernel_file_compiles(unit, arch, kind, nvrtc_cache):
+def test_every_kernel_file_compiles(unit, arch, package_build):
     """Each file of the package's build for ``arch`` (NVRTC compiles every file on its own, its
     headers beside it): sm_80 as PTX, sm_90 as cubin (the build the GPU tests load; a cubin
-    build makes the PTX too). The session's shared build: ``test_member_build`` and
-    ``test_all_files_compile_to_sm90_cubin_with_unique_kernel_names`` read the same two."""
-    module = compile_sources(arch, kind, cache_root=nvrtc_cache)
+    build makes the PTX too): the session's shared build (``conftest.package_build``), which
+    ``test_member_build``, ``test_walk`` and
+    ``test_all_files_compile_to_sm90_cubin_with_unique_kernel_names`` read too."""
+    module, kind = package_build(arch), package_build.kinds[arch]
     assert unit in module.images
     mine = {k for k, f in module.kernels.items() if f == unit}
     assert mine, f"cuda_src/{unit} defines no extern \"C\" __global__ kernel"
@@ -97,8 +98,8 @@ def test_spectral_kernels_compile_with_the_cluster_the_plans_launch(arch, tmp_pa
     assert plan_batched_spectral_norm(10, arch)[0] == 10 * cluster
 
 
-def test_all_files_compile_to_sm90_cubin_with_unique_kernel_names(nvrtc_cache):
-    module = compile_sources("sm_90", "cubin", cache_root=nvrtc_cache)
+def test_all_files_compile_to_sm90_cubin_with_unique_kernel_names(package_build):
+    module = package_build("sm_90")
     assert set(module.images) == set(UNITS)
     for name, image in module.images.items():
         assert image[:4] == b"\x7fELF", f"cuda_src/{name} did not produce a cubin"

@@ -28,15 +28,19 @@ EVERY_SWITCH = ADAPTIVE_ON
 EPSILON = (0.4, 1.0)
 
 
-def _compare(config, state, batch):
-    ref, fast = Trainer(config), CpuTrainer(config)
+def _compare(config, state, batch, trainers=None):
+    """The reference's step and the fast plan's from ``state`` on ``batch``, compared;
+    ``trainers``: a ``(reference, CpuTrainer)`` pair of ``config`` to reuse (each loads the
+    state, which resets everything a step reads but the schedule, set here first), else new."""
+    ref, fast = trainers or (Trainer(config), CpuTrainer(config))
     for t in (ref, fast):  # the schedule (not in the state), then the state (slot 41 with it)
         t.set_loop_signals(epsilon=EPSILON)
         t.load_state_dict({k: v.copy() for k, v in state.items()})
     try:
         ro, fo = run_step(ref, batch), run_step(fast, batch)
     finally:
-        fast.close()
+        if trainers is None:
+            fast.close()
     bad = [r.message for r in compare_step(config, state, ro, fo) if not r.passed]
     assert not bad, "\n".join(bad)
     return ro
@@ -66,10 +70,14 @@ def test_a_trajectory_one_step_at_a_time_stays_within_the_bounds():
     compared with the reference's (every switch on, the ISV's producer slots bounded)."""
     config = DQNConfig.preset("tiny", precision="f32", readback_interval=1, **EVERY_SWITCH)
     t, rng = _start(config, 0, seed=4)
-    for _ in range(TRAJECTORY_STEPS):
-        state, batch = t.state_dict(), Batch.random(config, rng)
-        _compare(config, state, batch)
-        t.step(batch)
+    trainers = (Trainer(config), CpuTrainer(config))  # one pair, loaded from each step's state
+    try:
+        for _ in range(TRAJECTORY_STEPS):
+            state, batch = t.state_dict(), Batch.random(config, rng)
+            _compare(config, state, batch, trainers)
+            t.step(batch)
+    finally:
+        trainers[1].close()
 
 
 def test_switches_off_launch_no_issue19_producer():

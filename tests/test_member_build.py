@@ -226,17 +226,17 @@ def ptx_type_of(ctype: str) -> str:
 
 
 @pytest.fixture(scope="module", params=[80, 90], ids=["sm_80", "sm_90"])
-def modules(request, nvrtc_cache):
-    """(arch, member module, plain module): one compile each per test session. sm_90 builds
-    the population's own ``member_module`` (cubin) beside the plain cubin that
-    ``test_fast_build`` also builds (the session's shared cache: one build); sm_80 both as PTX,
-    as ``test_fast_build`` checks the plain files for sm_80 (no cubin: CI's two cores spent
-    about 27 s on the two sm_80 cubins)."""
+def modules(request, nvrtc_cache, package_build):
+    """(arch, member module, plain module): one compile each per test session. The plain
+    module is the session's package build (``conftest.package_build``: sm_90 cubin, sm_80
+    PTX); sm_90 builds the population's own ``member_module`` (cubin) beside it, sm_80 the
+    member sources as PTX (no cubin: CI's two cores spent about 27 s on the two sm_80
+    cubins)."""
     arch = request.param
+    plain = package_build(f"sm_{arch}")
     if arch == 90:
-        return arch, member_module(arch), compile_sources(arch, "cubin", cache_root=nvrtc_cache)
-    return (arch, compile_sources(arch, "ptx", cache_root=nvrtc_cache, sources=member_source_files()),
-            compile_sources(arch, "ptx", cache_root=nvrtc_cache))
+        return arch, member_module(arch), plain
+    return arch, compile_sources(arch, "ptx", cache_root=nvrtc_cache, sources=member_source_files()), plain
 
 
 def test_member_module_has_every_kernel_with_the_two_trailing_parameters(modules):

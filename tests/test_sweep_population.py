@@ -5,6 +5,8 @@ halts, failed members, a crash, resume, a whole GPU per trial) and real tiny swe
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import shutil
 from pathlib import Path
@@ -284,20 +286,46 @@ UNSTABLE = ("run_dir", "wall_time_s")
 @pytest.fixture(scope="module")
 def tiny_sweeps(request, tmp_path_factory):
     """2 learning rates x seeds 0-1 of the tiny preset (5 steps) on one CSV, with and without
-    --population: (plain sweep dir, population sweep dir)."""
+    --population: (plain sweep dir, population sweep dir, what the plain sweep printed). The
+    plain sweep is also the end-to-end test of ``foxhunt sweep`` of ``foxhunt train`` (CI runs
+    the four tiny runs once for both)."""
     request.getfixturevalue("ray_local")  # the sweeps run on the module's Ray instance
     root = tmp_path_factory.mktemp("tiny_sweeps")
     # A CSV: every member of a population trains on the same bars, and so here does every run.
     csv = write_csv(root / "bars.csv", SyntheticMarket(4, 3000).generate())
+    printed = {}
     for name, extra in (("plain", []), ("population", ["--population"])):
-        code = main(["sweep", "--out", str(root / name), "--seeds", "0-1", *TINY, *extra,
-                     "--", "--preset", "tiny", "--data", str(csv)])
-        assert code == 0, name
-    return root / "plain", root / "population"
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            code = main(["sweep", "--out", str(root / name), "--seeds", "0-1", *TINY, *extra,
+                         "--", "--preset", "tiny", "--data", str(csv)])
+        printed[name] = out.getvalue()
+        assert code == 0, f"{name}: {printed[name]}"
+    return root / "plain", root / "population", printed["plain"]
+
+
+def test_tiny_sweep_of_foxhunt_train_end_to_end(tiny_sweeps):
+    """2 seeds x 2 learning rates of the tiny preset, 5 steps, on the local Ray instance: a line
+    per run, each run's own configuration and checkpoint, the table and the plot."""
+    out, _, text = tiny_sweeps
+    lines = _results(out)
+    common = {"folds": 1, "epochs": 1, "steps_per_epoch": 5}
+    assert [(r["status"], r["seed"], r["overrides"]) for r in lines] == [
+        ("completed", 0, {**common, "lr": 1e-3}), ("completed", 1, {**common, "lr": 1e-3}),
+        ("completed", 0, {**common, "lr": 3e-4}), ("completed", 1, {**common, "lr": 3e-4})]
+    for r in lines:
+        config = json.loads((Path(r["run_dir"]) / "config.json").read_text())
+        assert config["config"]["lr"] == r["overrides"]["lr"] and config["loop"]["seed"] == r["seed"]
+        assert config["loop"]["folds"] == 1 and config["loop"]["steps_per_epoch"] == 5
+        assert config["preset"] == "tiny" and config["threads"] == 1
+        assert set(r["overall"]) >= {"test_sharpe", "val_sharpe"} and r["wall_time_s"] > 0
+        assert sweep.COMMANDS["train"].resumable(Path(r["run_dir"]))  # its checkpoint is there
+    table = text[text.index("configuration"):].splitlines()
+    assert [row.split()[:2] for row in table[1:3]] == [["lr=0.001", "2/2"], ["lr=0.0003", "2/2"]]
+    assert (out / "results.png").is_file() and not sweep.COMMANDS["train"].resumable(out)
 
 
 def test_population_sweep_gives_the_lines_of_the_plain_sweep(tiny_sweeps):
-    plain_dir, pop_dir = tiny_sweeps
+    plain_dir, pop_dir, _ = tiny_sweeps
     plain, pop = _results(plain_dir), _results(pop_dir)
     assert [r["status"] for r in pop] == ["completed"] * 4
     assert [list(r) for r in pop] == [list(r) for r in plain]  # the same keys, in order
@@ -322,7 +350,7 @@ def test_population_sweep_gives_the_lines_of_the_plain_sweep(tiny_sweeps):
 
 
 def test_resume_runs_a_partial_population_again_whole(tiny_sweeps, tmp_path):
-    _, done_dir = tiny_sweeps
+    _, done_dir, _ = tiny_sweeps
     out = tmp_path / "s"
     shutil.copytree(done_dir, out)
     before = _results(out)
