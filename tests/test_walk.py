@@ -259,6 +259,13 @@ def test_a_network_too_large_for_the_cluster_falls_back_to_the_one_block_kernel(
 # ------------------------------------------------------------------------- NVRTC builds
 
 
+def _walk_sources() -> dict[str, bytes]:
+    """walk.cu and the headers beside it: a build of walk.cu alone (with options of its own)."""
+    from foxhunt.fast._build import HEADER_SUFFIXES, source_files
+
+    return {n: b for n, b in source_files().items() if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
+
+
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_walk_cu_compiles_with_the_cluster_the_plan_launches(arch, package_build):
     """PTX of walk.cu in the session's package build (NVRTC needs no GPU): its kernels, the
@@ -289,11 +296,9 @@ def test_walk_kernels_do_not_spill_on_sm90(tmp_path):
     chose 32 registers and spilled before ``__launch_bounds__(1024, 1)``)."""
     import re
 
-    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+    from foxhunt.fast._build import compile_sources
 
-    sources = {n: b for n, b in source_files().items()
-               if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
-    module = compile_sources("sm_90", "cubin", cache_root=tmp_path, sources=sources,
+    module = compile_sources("sm_90", "cubin", cache_root=tmp_path, sources=_walk_sources(),
                              extra_options=("--ptxas-options=-v",))
     log = module.logs["walk.cu"]
     spills = dict(re.findall(r"Function properties for (\w+)\n.*?(\d+) bytes spill stores", log))
@@ -314,12 +319,10 @@ def test_the_phase_profile_is_compiled_only_on_request(tmp_path, package_build):
     switch is a preprocessor branch, the same for every target, and each build of walk.cu
     costs CI about 6 s."""
     arch = "sm_90"
-    from foxhunt.fast._build import HEADER_SUFFIXES, compile_sources, source_files
+    from foxhunt.fast._build import compile_sources
 
-    sources = {n: b for n, b in source_files().items()
-               if n == "walk.cu" or n.endswith(HEADER_SUFFIXES)}
     normal = package_build(arch)
-    profiled = compile_sources(arch, "ptx", cache_root=tmp_path, sources=sources,
+    profiled = compile_sources(arch, "ptx", cache_root=tmp_path, sources=_walk_sources(),
                                extra_options=("-DWALK_PROFILE",))
     assert "walk_profile" not in normal.ptx["walk.cu"]
     assert "clock64" not in normal.ptx["walk.cu"] and "%clock64" not in normal.ptx["walk.cu"]
