@@ -391,20 +391,18 @@ class BranchingEnv:
                 f"actions: {a.dtype} array of shape {a.shape} is not allowed; need integer "
                 f"[{self.n_envs}, {self.n_branches}] (branches {self.branches})"
             )
-        cols = []
-        for d in range(len(FULL_BRANCHES)):
-            if d < self.n_branches:
-                col = a[:, d].astype(np.int64)
-                bad = (col < 0) | (col >= self.branches[d])
-                if bad.any():
-                    i = int(np.argmax(bad))
-                    raise ValueError(
-                        f"actions: {_BRANCH_NAMES[d]} action {int(col[i])} (env {i}) is not "
-                        f"allowed; need 0 <= a < {self.branches[d]}"
-                    )
-            else:
-                col = np.full(self.n_envs, _BRANCH_DEFAULTS[d], dtype=np.int64)
-            cols.append(col)
+        a = a.astype(np.int64)
+        bad = (a < 0) | (a >= np.asarray(self.branches, dtype=np.int64))
+        if bad.any():  # the first branch with a bad action, and its first env
+            d = int(np.argmax(bad.any(axis=0)))
+            i = int(np.argmax(bad[:, d]))
+            raise ValueError(
+                f"actions: {_BRANCH_NAMES[d]} action {int(a[i, d])} (env {i}) is not "
+                f"allowed; need 0 <= a < {self.branches[d]}"
+            )
+        cols = [a[:, d] if d < self.n_branches
+                else np.full(self.n_envs, _BRANCH_DEFAULTS[d], dtype=np.int64)
+                for d in range(len(FULL_BRANCHES))]
         return cols[0], cols[1], cols[2]
 
     def step(self, actions):
@@ -519,7 +517,7 @@ def rollout(
         "dones": np.zeros((n_steps, env.n_envs), dtype=bool),
     }
     for i in range(n_steps):
-        _, reward, done, info = env.step(act(states))
+        next_states, reward, done, info = env.step(act(states))
         out["rewards"][i] = reward
         out["costs"][i] = info["cost"]
         out["positions"][i] = info["held"]
@@ -528,5 +526,6 @@ def rollout(
             for key in out:
                 out[key] = out[key][: i + 1]
             break
-        states = env.observe()
+        # step's next states are the current ones unless an env restarted (auto-reset)
+        states = env.observe() if done.any() else next_states
     return out

@@ -847,7 +847,8 @@ def state_features(
     pnl = np.asarray(unrealised_pnl, dtype=np.float32)
     tip = np.asarray(time_in_position, dtype=np.float32)
     try:
-        pos, pnl, tip = (np.broadcast_to(a, lead) for a in (pos, pnl, tip))
+        pos, pnl, tip = (a if a.shape == lead else np.broadcast_to(a, lead)
+                         for a in (pos, pnl, tip))
     except ValueError:
         raise ValueError(
             f"position/unrealised_pnl/time_in_position: shapes {np.shape(position)}, "
