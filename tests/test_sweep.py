@@ -350,17 +350,22 @@ def test_ctrl_c_stops_trials_cleanly_and_resume_finishes_them(ray_local, fake, t
         path = out / "results.jsonl"
         return path.exists() and bool(path.read_text().strip())
 
+    sent: dict = {}  # what the interrupt saw, for the failure message (a flake seen once)
+
     def interrupt_when_started():  # Ctrl-C once the fast trial is done and a slow one runs
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (
+        tic = time.monotonic()
+        while time.monotonic() < tic + 60 and not (
                 (ok_dir / "summary.json").exists() and recorded()
                 and any((d / "started").exists() for d in slow_dirs)):
             time.sleep(0.1)
+        sent.update(after_s=round(time.monotonic() - tic, 1),
+                    sigint_handler=signal.getsignal(signal.SIGINT))
         _thread.interrupt_main()
 
     threading.Thread(target=interrupt_when_started, daemon=True).start()
-    _, records, interrupted = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=lambda s: None)
-    assert interrupted
+    logs: list[str] = []
+    _, records, interrupted = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=logs.append)
+    assert interrupted, f"the interrupt did not stop the sweep: {sent}; its log: {logs}"
     assert [r["status"] for r in _results(out)] == ["completed"]
     started = [d for d in slow_dirs if (d / "started").exists()]
     assert started
