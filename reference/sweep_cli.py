@@ -90,8 +90,9 @@ def _one_line(exc: BaseException) -> str:
 def run_tasks(todo: list, spec: SweepSpec, sweep_dir: Path, trial_fn, on_record, log) -> bool:
     """Every trial of ``todo`` (``Trial`` s or ``PopulationTrial`` s) as a Ray task, a failure
     retried once; ``on_record`` gets each finished trial's record. Ctrl-C cancels the tasks
-    (each stops its run with SIGTERM and waits for it) and records what finished meanwhile.
-    Returns whether it was interrupted."""
+    (each stops its run with SIGTERM and waits for it) and records what finished meanwhile (a
+    task that raised while being cancelled is not recorded: --resume runs it). Returns whether
+    it was interrupted."""
     import ray
 
     task = ray.remote(_trial_task).options(num_cpus=spec.threads, num_gpus=spec.gpus_per_trial,
@@ -101,15 +102,17 @@ def run_tasks(todo: list, spec: SweepSpec, sweep_dir: Path, trial_fn, on_record,
     def submit(trial: Trial | PopulationTrial, attempt: int) -> None:
         pending[task.remote(trial_fn, trial, spec, str(sweep_dir), attempt)] = (trial, attempt)
 
-    def collect(ref, retry: bool) -> None:
+    def collect(ref, stopping: bool) -> None:
         trial, attempt = pending.pop(ref)
         try:
             record = ray.get(ref)
         except ray.exceptions.TaskCancelledError:
             return  # stopped by Ctrl-C before it finished: --resume runs it
         except ray.exceptions.RayError as exc:
+            if stopping:  # its task raised while being cancelled (Ray's cancellation can reach
+                return  # a task before its run starts, as an error of Ray's): --resume runs it
             record = _failure(trial, sweep_dir, attempt, _one_line(exc))
-        if record["status"] == "failed" and retry and attempt < MAX_ATTEMPTS:
+        if record["status"] == "failed" and not stopping and attempt < MAX_ATTEMPTS:
             log(f"{trial.trial_id}: failed ({record.get('error')}); retrying "
                 f"(attempt {attempt + 1} of {MAX_ATTEMPTS})")
             submit(trial, attempt + 1)
@@ -122,7 +125,7 @@ def run_tasks(todo: list, spec: SweepSpec, sweep_dir: Path, trial_fn, on_record,
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=POLL_S)
             for ref in ready:
-                collect(ref, retry=True)
+                collect(ref, stopping=False)
     except KeyboardInterrupt:
         log(f"interrupted: stopping {len(pending)} trials (they write their summaries; "
             "Ctrl-C again kills them)")
@@ -136,7 +139,7 @@ def run_tasks(todo: list, spec: SweepSpec, sweep_dir: Path, trial_fn, on_record,
             ray.cancel(ref, force=True)
             pending.pop(ref)
         for ref in ready:
-            collect(ref, retry=False)
+            collect(ref, stopping=True)
         return True
     return False
 

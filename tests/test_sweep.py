@@ -339,30 +339,38 @@ def test_resume_runs_only_what_is_missing(ray_local, fake, tmp_path):
     assert _results(out)[0]["overall"] == {"test_sharpe": 0.0}  # rebuilt from its summary.json
 
 
+def _interrupt_when(condition) -> dict:
+    """Ctrl-C (``_thread.interrupt_main``) from a thread once ``condition()`` holds (at most
+    60 s); the returned dict then holds what the interrupt saw, for a failure message."""
+    sent: dict = {}
+
+    def watch():
+        tic = time.monotonic()
+        while time.monotonic() < tic + 60 and not condition():
+            time.sleep(0.1)
+        sent.update(after_s=round(time.monotonic() - tic, 1),
+                    sigint_handler=signal.getsignal(signal.SIGINT))
+        _thread.interrupt_main()
+
+    threading.Thread(target=watch, daemon=True).start()
+    return sent
+
+
+def _recorded(sweep_dir: Path) -> bool:
+    """The sweep wrote a results line (not only a trial's run)."""
+    path = sweep_dir / "results.jsonl"
+    return path.exists() and bool(path.read_text().strip())
+
+
 def test_ctrl_c_stops_trials_cleanly_and_resume_finishes_them(ray_local, fake, tmp_path):
     spec = SweepSpec(command="fake", seeds=(0,), configs=(
         (("mode", "ok"),), (("mode", "slow"), ("x", 1.0)), (("mode", "slow"), ("x", 2.0))))
     out = tmp_path / "s"
     trials = sweep.expand(spec)
     ok_dir, slow_dirs = sweep.run_dir_of(out, trials[0]), [sweep.run_dir_of(out, t) for t in trials[1:]]
-
-    def recorded() -> bool:  # the sweep wrote the fast trial's results line (not only its run)
-        path = out / "results.jsonl"
-        return path.exists() and bool(path.read_text().strip())
-
-    sent: dict = {}  # what the interrupt saw, for the failure message (a flake seen once)
-
-    def interrupt_when_started():  # Ctrl-C once the fast trial is done and a slow one runs
-        tic = time.monotonic()
-        while time.monotonic() < tic + 60 and not (
-                (ok_dir / "summary.json").exists() and recorded()
-                and any((d / "started").exists() for d in slow_dirs)):
-            time.sleep(0.1)
-        sent.update(after_s=round(time.monotonic() - tic, 1),
-                    sigint_handler=signal.getsignal(signal.SIGINT))
-        _thread.interrupt_main()
-
-    threading.Thread(target=interrupt_when_started, daemon=True).start()
+    # Ctrl-C once the fast trial is done and recorded and a slow one runs.
+    sent = _interrupt_when(lambda: (ok_dir / "summary.json").exists() and _recorded(out)
+                           and any((d / "started").exists() for d in slow_dirs))
     logs: list[str] = []
     _, records, interrupted = sweep_cli.run_sweep(spec, out, trial_fn=fake, log=logs.append)
     assert interrupted, f"the interrupt did not stop the sweep: {sent}; its log: {logs}"
@@ -377,6 +385,34 @@ def test_ctrl_c_stops_trials_cleanly_and_resume_finishes_them(ray_local, fake, t
     _, records, interrupted = sweep_cli.run_sweep(spec, out, resume=True, trial_fn=fake, log=lambda s: None)
     assert not interrupted and [r["status"] for r in _results(out)] == ["completed"] * 3
     assert _calls(out).count(trials[0].trial_id) == 1
+
+
+def test_a_task_that_raises_while_the_sweep_stops_is_no_failure(ray_local, fake, tmp_path):
+    """Ray's cancellation can reach a task before its run starts, where the task then fails
+    with an error of Ray's (seen: ``TypeError: 'Handlers' object is not callable``, a worker
+    with SIGINT ignored interrupted inside Ray's argument deserialisation). The sweep stops
+    it as it stops the others: no results line, and --resume runs it."""
+    spec = SweepSpec(command="fake", seeds=(0,), configs=((("mode", "ok"),), (("mode", "slow"), ("x", 1.0))))
+    out = tmp_path / "s"
+
+    def trial_fn(trial, spec, sweep_dir, *, attempt=1, on_epoch=None):
+        if dict(trial.overrides)["mode"] == "slow":  # the error, raised before the run starts
+            (sweep_dir / "waiting").write_text("")
+            try:
+                for _ in range(1200):  # short sleeps: the interrupt is seen between two
+                    time.sleep(0.1)
+            except KeyboardInterrupt:
+                raise TypeError("'Handlers' object is not callable") from None
+        return fake(trial, spec, sweep_dir, attempt=attempt, on_epoch=on_epoch)
+
+    sent = _interrupt_when(lambda: (out / "waiting").exists() and _recorded(out))
+    logs: list[str] = []
+    _, records, interrupted = sweep_cli.run_sweep(spec, out, trial_fn=trial_fn, log=logs.append)
+    assert interrupted, f"the interrupt did not stop the sweep: {sent}; its log: {logs}"
+    assert [r["status"] for r in _results(out)] == ["completed"]
+    (out / "fixed").write_text("")  # the slow trial's run then completes at once
+    _, records, interrupted = sweep_cli.run_sweep(spec, out, resume=True, trial_fn=fake, log=lambda s: None)
+    assert not interrupted and [r["status"] for r in _results(out)] == ["completed"] * 2
 
 
 def test_plot_and_cli_exit_status(ray_local, fake, tmp_path, capsys, monkeypatch):
