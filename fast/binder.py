@@ -40,6 +40,7 @@ from foxhunt.fast.records import (
     as_buf,
     kernel_params,
 )
+from foxhunt.fast.step_layout import elements
 
 #: Element type of a pointer parameter -> the buffer dtype it must point into (a descriptor
 #: struct is read as bytes: its twin declares its extent in bytes).
@@ -142,7 +143,7 @@ class Binder:
             if p.name not in regions:
                 continue
             region = regions[p.name]
-            count = int(np.prod(shape_of(twin.extents[p.name], ns), dtype=np.int64))
+            count = elements(shape_of(twin.extents[p.name], ns))
             if count > region.available:
                 raise PlanError(f"kernel {kernel}: parameter {p.name!r} needs {count} elements; "
                                 f"{bound[p.name]} holds {region.available}")

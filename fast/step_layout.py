@@ -132,7 +132,7 @@ class BufferTable:
 
         dtype = np.dtype(dtype)
         shape = (max(block.total, 1),) if isinstance(block, Packed) else self._shape(block)
-        stride = _round_up(int(np.prod(shape)) * dtype.itemsize, ALIGNMENT)
+        stride = _round_up(elements(shape) * dtype.itemsize, ALIGNMENT)
         self._add(base, len(names) * stride // dtype.itemsize, dtype, role)
         for i, name in enumerate(names):
             if name in self.specs or name in self.views:
@@ -270,7 +270,7 @@ class StepLayout(BufferTable):
             offset = -(-offset // BATCH_FIELD_ALIGN) * BATCH_FIELD_ALIGN
             self.batch_fields[name] = (offset, shape, dtype)
             self.views[f"batch.{name}"] = ("batch", offset, shape, dtype)
-            offset += int(np.prod(shape)) * dtype.itemsize
+            offset += elements(shape) * dtype.itemsize
         self.batch_nbytes = offset
 
     def n_step_args(self) -> dict:
@@ -402,7 +402,7 @@ class StepLayout(BufferTable):
         """Typed views of the batch fields inside a byte buffer that mirrors ``batch``."""
         views = {}
         for name, (offset, shape, dtype) in self.batch_fields.items():
-            nbytes = int(np.prod(shape)) * dtype.itemsize
+            nbytes = elements(shape) * dtype.itemsize
             views[name] = buf[offset:offset + nbytes].view(dtype).reshape(shape)
         return views
 
