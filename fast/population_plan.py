@@ -42,13 +42,20 @@ from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
 from foxhunt.fast.member_build import SCALAR_DTYPES, SCALAR_SLOT_BYTES, member_scalar_block, scalar_params
 from foxhunt.fast.records import Buf, Copy, Gemm, Launch, Ops, Parallel, Record, Wait
 from foxhunt.fast.step_layout import StepLayout
-from foxhunt.fast.step_program import GEMM_SM_SHARE, StepProgram, step_constants
+from foxhunt.fast.step_program import (
+    GEMM_SM_SHARE,
+    UNIFORM_SM_SHARES,
+    StepProgram,
+    step_constants,
+)
 from foxhunt.reference.population import member_configs
 
 
 #: ``StepProgram`` options of every population plan: the members' GEMMs are batched over the
-#: members (one stride for every operand), so the C51 and CQL backward passes are not stacked.
-MEMBER_PROGRAM_OPTIONS = {"stacked_backward": False}
+#: members (one stride for every operand), so the C51 and CQL backward passes are not stacked,
+#: and every GEMM is planned for the same share of the SMs (``sm_count`` below; a single
+#: trainer's shares by role were measured for one trainer's chain, not for batched GEMMs).
+MEMBER_PROGRAM_OPTIONS = {"stacked_backward": False, "sm_shares": UNIFORM_SM_SHARES}
 
 
 class PopulationPlanError(ValueError):

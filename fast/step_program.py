@@ -40,17 +40,21 @@ none, the default limit. ``"default"`` plans every GEMM with cuBLASLt's default 
 algorithms, split-K among them: the long-run tool's "F32 with another summation order").
 Under either, a weight gradient with a long reduction (``LONG_K_RATIO``) may take a workspace.
 
-SMs per GEMM (``sm_count``, the device's multiprocessor count; 0: unknown): every GEMM is
-planned for ``sm_count // GEMM_SM_SHARE`` SMs (cuBLASLt's ``SM_COUNT_TARGET``). The graphs run
-many GEMMs at once on parallel branches, and a GEMM planned for the whole device spreads over
-more SMs than it gets there: measured on the H200 (``benches/critical_path.py --measure``, bf16,
-session 13), graph 1 of the core step took 118.8 us planned for 132 SMs, 113.2 for 66, 106.9
-for 33 and 105.8 for 16; with every second-wave source, 186.6, 180.7, 169.3 and 168.1 us.
+SMs per GEMM (``sm_count``, the device's multiprocessor count; 0: unknown): a GEMM is planned
+for ``sm_count // share`` SMs (cuBLASLt's ``SM_COUNT_TARGET``), its share given by its role
+(forward, input gradient, weight gradient) and the precision (:data:`GEMM_SM_SHARES`; a
+population's every GEMM at :data:`GEMM_SM_SHARE` of its plan's count). The graphs run many GEMMs
+at once on parallel branches, and a GEMM planned for the whole device spreads over more SMs than
+it gets there: measured on the H200 (``benches/critical_path.py --measure``, bf16, session 13),
+graph 1 of the core step took 118.8 us with every GEMM planned for 132 SMs, 113.2 for 66, 106.9
+for 33 and 105.8 for 16; with every second-wave source, 186.6, 180.7, 169.3 and 168.1 us. The
+GEMMs on the loss's chain with little beside them are the exception (the table's comment).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import numpy as np
 
@@ -73,8 +77,27 @@ from foxhunt.reference.backend import BACKWARD_GEMM_MODE, FORWARD_GEMM_MODE
 
 #: ``gemm_workspace`` values (module docstring).
 GEMM_WORKSPACES = ("none", "default")
-#: The step's GEMMs are planned for this fraction of the device's SMs (module docstring).
+#: A population's GEMMs are planned for this fraction of the SMs its plan's ``sm_count`` gives
+#: (module docstring; ``population_plan.MEMBER_PROGRAM_OPTIONS``).
 GEMM_SM_SHARE = 4
+#: The roles of the step's cuBLASLt GEMMs (``StepProgram._gemm``'s ``role``): the forward's
+#: layers, the backward's input gradients, its weight gradients.
+GEMM_ROLES = ("forward", "input_grad", "weight_grad")
+#: A single trainer's SM share per forward precision and GEMM role: the GEMM is planned for
+#: ``sm_count // share`` SMs, 1 meaning the whole device (SM_COUNT_TARGET unset). Measured on the
+#: H200 (session 39, seed preset, core step graph replays, each variant against the uniform
+#: quarter in one process): the input gradients (the C51 loss's chain through the trunk) on the
+#: whole device took bf16 97.5 -> 96.5 us, every second-wave source 152.8 -> 151.6, tf32 118.9
+#: -> 117.8 but f32 129.4 -> 130.5; the forward's layers on the whole device took tf32 118.9 ->
+#: 115.4, f32 with its input gradients there too 129.4 -> 127.6, but bf16 97.5 -> 107.3 (half
+#: the device: 101.3).
+GEMM_SM_SHARES = {
+    "bf16": MappingProxyType({"forward": 4, "input_grad": 1, "weight_grad": 4}),
+    "tf32": MappingProxyType({"forward": 1, "input_grad": 4, "weight_grad": 4}),
+    "f32": MappingProxyType({"forward": 1, "input_grad": 1, "weight_grad": 4}),
+}
+#: Every role at :data:`GEMM_SM_SHARE` (a population's plans).
+UNIFORM_SM_SHARES = MappingProxyType(dict.fromkeys(GEMM_ROLES, GEMM_SM_SHARE))
 #: A weight-gradient GEMM whose reduction length ``k`` is at least this many times its larger
 #: output dimension may use a cuBLASLt workspace even under ``gemm_workspace="none"``.
 LONG_K_RATIO = 4
@@ -97,6 +120,17 @@ MASKED_ONLY = frozenset({"f32"})
 Planner = Callable[..., object]
 
 
+def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:
+    """cuBLASLt's SM_COUNT_TARGET per GEMM role: ``sm_count // share`` (0, the whole device,
+    where the share is 1 or the SM count is unknown, 0). ``shares`` maps every role of
+    :data:`GEMM_ROLES` to an int >= 1."""
+    if set(shares) != set(GEMM_ROLES) or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in shares.values()):
+        raise ValueError(f"sm_shares: {dict(shares)!r} is not allowed; expected an int >= 1 for "
+                         f"each of {', '.join(GEMM_ROLES)}")
+    return {role: 0 if share == 1 else int(sm_count) // share for role, share in shares.items()}
+
+
 def alignment(byte_offsets) -> int:
     """Largest power of two in [4, 256] dividing every byte offset from a 256-byte aligned
     buffer start (cuBLASLt's ``min_alignment``)."""
@@ -117,8 +151,9 @@ class StepProgram:
 
     def __init__(self, layout: StepLayout, *, planner: Planner, constants: Mapping[str, np.ndarray],
                  host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none",
-                 seed: int = 0, sm_count: int = 0, fuse_trunk: bool = False,
-                 fuse_heads: bool = False, stacked_backward: bool = False):
+                 seed: int = 0, sm_count: int = 0, sm_shares: Mapping[str, int] | None = None,
+                 fuse_trunk: bool = False, fuse_heads: bool = False,
+                 stacked_backward: bool = False):
         from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
 
         if gemm_workspace not in GEMM_WORKSPACES:
@@ -160,8 +195,10 @@ class StepProgram:
                 f"{lay.head_hidden}, outputs {lay.head_out}")
         self.gemm_workspace = gemm_workspace
         self.default_workspace = DEFAULT_WORKSPACE_LIMIT
-        #: cuBLASLt's SM_COUNT_TARGET of every plan (module docstring; 0: the whole device).
-        self.sm_count_target = int(sm_count) // GEMM_SM_SHARE
+        #: cuBLASLt's SM_COUNT_TARGET per GEMM role (:data:`GEMM_SM_SHARES`, the precision's
+        #: unless ``sm_shares`` is given; 0: the whole device).
+        self.sm_count_targets = sm_count_targets(
+            sm_count, GEMM_SM_SHARES[layout.config.precision] if sm_shares is None else sm_shares)
         self.constants = constants
         self.binder = Binder(layout.region, constants=constants, host_nbytes=host_nbytes)
         self.plans: list = []
@@ -245,7 +282,7 @@ class StepProgram:
         batch = dict(batch=2, batch_stride=strides) if second else {}
         return first, second, batch
 
-    def _plan(self, ops: Ops, m: int, n: int, k: int, *, operands, **kw):
+    def _plan(self, ops: Ops, m: int, n: int, k: int, *, operands, role: str, **kw):
         """A GEMM plan (the workspace policy: module docstring). A weight gradient
         (``trans_a``) whose reduction is long (``k >= LONG_K_RATIO * max(m, n)``) may take a
         workspace under either policy:
@@ -260,18 +297,19 @@ class StepProgram:
                                                    kw.get("trans_a")):
             try:
                 plan = self.planner(m, n, k, min_alignment=align, workspace_limit=0,
-                                    sm_count_target=self.sm_count_target, **kw)
+                                    sm_count_target=self.sm_count_targets[role], **kw)
             except GemmPlanError:
                 pass  # no algorithm without a workspace: the default limit below
         if plan is None:
             plan = self.planner(m, n, k, min_alignment=align, workspace_limit=self.default_workspace,
-                                sm_count_target=self.sm_count_target, **kw)
+                                sm_count_target=self.sm_count_targets[role], **kw)
         self.plans.append(plan)
         return plan
 
     def _gemm(self, ops: Ops, m: int, n: int, k: int, *, a, b, c, bias=None, **kw) -> None:
-        """Plan and record ``c = op(a) @ op(b)`` (operands ``Buf``s or pairs, the comment above);
-        a stacked GEMM the planner refuses becomes one GEMM per batch (noted in ``fallbacks``)."""
+        """Plan and record ``c = op(a) @ op(b)`` (operands ``Buf``s or pairs, the comment above;
+        ``role`` one of :data:`GEMM_ROLES`); a stacked GEMM the planner refuses becomes one GEMM
+        per batch (noted in ``fallbacks``)."""
         from foxhunt.fast.gemm import GemmPlanError
 
         first, second, batch = self._batched(ops, a=a, b=b, c=c, bias=bias)
@@ -302,12 +340,12 @@ class StepProgram:
         contract: a NaN stays NaN for the sentinels)."""
         if epilogue == "relu_bias" and not RELU_EPILOGUE_KEEPS_NAN[self.fwd_mode]:
             self._gemm(ops, rows, n, k, a=x, b=w, c=c, bias=None, trans_b=True,
-                       precision=self.fwd_mode, epilogue=None)
+                       precision=self.fwd_mode, epilogue=None, role="forward")
             ops.kernel("add_bias_relu", self.kernels("dense").plan_add_bias_relu(rows, n),
                        y=c, b=bias, out=c, rows=rows, cols=n)
             return
         self._gemm(ops, rows, n, k, a=x, b=w, c=c, bias=bias, trans_b=True,
-                   precision=self.fwd_mode, epilogue=epilogue)
+                   precision=self.fwd_mode, epilogue=epilogue, role="forward")
 
     def weight_grad(self, ops: Ops, *, dy, x, rows, n_out, n_in, dw, db=None) -> None:
         """``dW [n_out, n_in] = dy[rows, n_out]^T @ x[rows, n_in]`` and, with ``db``, ``db =
@@ -347,7 +385,8 @@ class StepProgram:
         if not self.bwd_kernel_fits(m, n, k, a, b, c, masked=h is not None):
             if h is not None:
                 raise ValueError(f"bwd_gemm: the masked GEMM {m}x{n}x{k} is not a gemm_tf32 shape")
-            self._gemm(ops, m, n, k, a=a, b=b, c=c, trans_a=trans_a, precision=self.bwd_mode)
+            self._gemm(ops, m, n, k, a=a, b=b, c=c, trans_a=trans_a, precision=self.bwd_mode,
+                       role="weight_grad" if trans_a else "input_grad")
             return
         dense = self.kernels("dense")
         tile_m, tile_n = dense.gemm_tf32_tile(m, n)
@@ -772,5 +811,6 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["FUSE_HEAD_OUTPUTS", "GEMM_SM_SHARE", "GEMM_WORKSPACES", "LONG_K_RATIO", "StepProgram",
-           "alignment", "step_constants"]
+__all__ = ["FUSE_HEAD_OUTPUTS", "GEMM_ROLES", "GEMM_SM_SHARE", "GEMM_SM_SHARES", "GEMM_WORKSPACES",
+           "LONG_K_RATIO", "UNIFORM_SM_SHARES", "StepProgram", "alignment", "sm_count_targets",
+           "step_constants"]

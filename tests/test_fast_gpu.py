@@ -506,7 +506,7 @@ def test_relu_aux_bits_of_a_nan_output_depend_on_the_plans_precision(device, lt,
         plans = {(n.plan.spec.m, n.plan.spec.n, n.plan.spec.k): n.plan
                  for n in trainer.engine.plans["graph1"].nodes()
                  if isinstance(n, Gemm) and n.spec.epilogue == "relu_bias"}
-        sm_count_target = trainer.engine.program.sm_count_target
+        sm_count_target = trainer.engine.program.sm_count_targets["forward"]
     finally:
         trainer.close()
     assert plans

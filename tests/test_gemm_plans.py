@@ -131,9 +131,9 @@ def test_import_without_package_init_skips_the_parents_code(tmp_path, monkeypatc
             del sys.modules[name]
 
 
-def _step_program(sm_count: int, **overrides):
-    """A ``StepProgram`` of the seed preset built as ``CpuEngine`` builds it, with ``sm_count``,
-    and its graph 1 (so every GEMM of the step is planned)."""
+def _step_program(sm_count: int, sm_shares=None, **overrides):
+    """A ``StepProgram`` of the seed preset built as ``CpuEngine`` builds it, with ``sm_count``
+    (and ``sm_shares``), and its graph 1 (so every GEMM of the step is planned)."""
     from foxhunt.fast.cpu_executor import CPU_ARCH, HostArena, Memory, cpu_planner
     from foxhunt.fast.graph1_plan import graph1_ops
     from foxhunt.fast.step_layout import StepLayout
@@ -143,26 +143,54 @@ def _step_program(sm_count: int, **overrides):
     lay = StepLayout(DQNConfig.preset("seed", **{**source_overrides("all"), **overrides}))
     constants = step_constants(lay, Memory([(lay, HostArena(lay.specs))], {}).address)
     prog = StepProgram(lay, planner=cpu_planner(), constants=constants, host_nbytes={},
-                       arch=CPU_ARCH, sm_count=sm_count)
+                       arch=CPU_ARCH, sm_count=sm_count, sm_shares=sm_shares)
     graph1_ops(prog)
     return prog
 
 
-def test_the_step_plans_every_gemm_for_a_share_of_the_sms():
-    """``sm_count // GEMM_SM_SHARE`` on every plan of the step (0 without an SM count), and only
-    the long-reduction weight gradients (``k >= LONG_K_RATIO * max(m, n)``, transposed A) take a
+def _role(spec) -> str:
+    """A step GEMM's role from its operands' layout: the forward's layers multiply by W^T, the
+    weight gradients reduce over the rows (A transposed), the input gradients by W itself."""
+    return "weight_grad" if spec.trans_a else "forward" if spec.trans_b else "input_grad"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "tf32", "f32"])
+def test_the_step_plans_each_gemm_for_its_roles_share_of_the_sms(precision):
+    """A single trainer's plan: ``sm_count // share`` (0 for a share of 1) by the GEMM's role
+    and the precision (``GEMM_SM_SHARES``), 0 without an SM count; a population's (its
+    ``MEMBER_PROGRAM_OPTIONS``): every GEMM at ``sm_count // GEMM_SM_SHARE``. Only the
+    long-reduction weight gradients (``k >= LONG_K_RATIO * max(m, n)``, transposed A) take a
     workspace under the ``"none"`` policy."""
     from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
-    from foxhunt.fast.step_program import GEMM_SM_SHARE, LONG_K_RATIO
+    from foxhunt.fast.population_plan import MEMBER_PROGRAM_OPTIONS
+    from foxhunt.fast.step_program import GEMM_ROLES, GEMM_SM_SHARE, GEMM_SM_SHARES, LONG_K_RATIO
 
-    prog = _step_program(132)
-    assert prog.plans and {p.sm_count_target for p in prog.plans} == {132 // GEMM_SM_SHARE}
-    assert {p.sm_count_target for p in _step_program(0).plans} == {0}
+    prog = _step_program(132, precision=precision)
+    shares = GEMM_SM_SHARES[precision]
+    by_role = {}
+    for p in prog.plans:
+        by_role.setdefault(_role(p.spec), set()).add(p.sm_count_target)
+    assert set(by_role) == set(GEMM_ROLES)
+    assert by_role == {r: {0 if shares[r] == 1 else 132 // shares[r]} for r in GEMM_ROLES}
+    assert {p.sm_count_target for p in _step_program(0, precision=precision).plans} == {0}
+    pop = _step_program(132, MEMBER_PROGRAM_OPTIONS["sm_shares"], precision=precision)
+    assert {p.sm_count_target for p in pop.plans} == {132 // GEMM_SM_SHARE}
     long_k = [p for p in prog.plans
               if p.spec.trans_a and p.spec.k >= LONG_K_RATIO * max(p.spec.m, p.spec.n)]
     assert long_k, "the IQN head's weight gradients reduce over B * N rows"
     assert {p.workspace_limit for p in long_k} == {DEFAULT_WORKSPACE_LIMIT}
     assert {p.workspace_limit for p in prog.plans if p not in long_k} == {0}
+
+
+@pytest.mark.parametrize("bad", [{"forward": 4, "input_grad": 1},
+                                 {"forward": 0, "input_grad": 1, "weight_grad": 4},
+                                 {"forward": 2.0, "input_grad": 1, "weight_grad": 4},
+                                 {"forward": True, "input_grad": 1, "weight_grad": 4},
+                                 {"forward": 4, "input_grad": 1, "weight_grad": 4, "other": 2}])
+def test_bad_sm_shares_are_refused_by_name(bad):
+    with pytest.raises(ValueError, match=r"sm_shares: .* expected an int >= 1 for each of "
+                                         r"forward, input_grad, weight_grad"):
+        _step_program(132, bad, precision="bf16")
 
 
 def test_a_bad_sm_count_target_is_refused_by_name():
