@@ -84,13 +84,17 @@ GEMM_SM_SHARE = 4
 #: layers, the backward's input gradients, its weight gradients.
 GEMM_ROLES = ("forward", "input_grad", "weight_grad")
 #: A single trainer's SM share per forward precision and GEMM role: the GEMM is planned for
-#: ``sm_count // share`` SMs, 1 meaning the whole device (SM_COUNT_TARGET unset). Measured on the
-#: H200 (session 39, seed preset, core step graph replays, each variant against the uniform
-#: quarter in one process): the input gradients (the C51 loss's chain through the trunk) on the
-#: whole device took bf16 97.5 -> 96.5 us, every second-wave source 152.8 -> 151.6, tf32 118.9
-#: -> 117.8 but f32 129.4 -> 130.5; the forward's layers on the whole device took tf32 118.9 ->
-#: 115.4, f32 with its input gradients there too 129.4 -> 127.6, but bf16 97.5 -> 107.3 (half
-#: the device: 101.3).
+#: ``sm_count // share`` SMs, 1 meaning the whole device (SM_COUNT_TARGET unset). The forward's
+#: layers and the C51 loss's input gradients are graph 1's critical chain with little beside
+#: them. Measured on the H200 (session 39; seed preset, one trainer per variant in one process,
+#: step graph replays, us): the input gradients on the whole device took bf16 97.5 -> 96.5,
+#: every second-wave source 152.9 -> 151.7, tf32 118.9 -> 117.8, f32 129.4 -> 130.7; the
+#: forward's layers there took tf32 118.9 -> 115.5 but bf16 97.5 -> 107.2 (half the device:
+#: 101.2); both there, f32 129.4 -> 127.6. ``bench_step.py`` then (pytest-benchmark medians,
+#: the uniform quarter against this table, alternating twice in one call): tf32 120.97 / 119.22
+#: -> 116.62 / 115.83, every second-wave source in bf16 152.25 / 153.19 -> 152.10 / 150.47, core
+#: bf16 101.44 / 100.12 -> 102.03 / 100.59 and f32 133.75 / 134.16 -> 134.81 / 132.81 (no change
+#: beyond the run-to-run spread).
 GEMM_SM_SHARES = {
     "bf16": MappingProxyType({"forward": 4, "input_grad": 1, "weight_grad": 4}),
     "tf32": MappingProxyType({"forward": 1, "input_grad": 4, "weight_grad": 4}),

@@ -15,7 +15,9 @@ Same interface, state and numerics contract as ``foxhunt.reference.trainer.Train
   u/v, ISV, flags; identical bits). ``gemm_workspace`` (``"none"`` or ``"default"``): the GEMM
   plans' workspace policy (``step_program``). ``fused_trunk``: the training passes run the trunk
   forward as ONE ``trunk_forward_bf16`` kernel instead of four nodes (``StepProgram``; bf16 on
-  sm_90 and newer only, else ``ValueError``); off by default: in the step it measured no faster.
+  sm_90 and newer only, else ``ValueError``); off by default (session 39 measured the core bf16
+  step 0.6-1.0 us faster with it: README, "cuBLASLt's SM target by GEMM role; the fused trunk
+  measured again").
   ``fused_heads``: the training passes run the heads' first layers, their BF16 copy and second
   layers as ONE ``heads_forward_bf16`` kernel instead of nine nodes (same conditions).
   ``stacked_backward``: the C51 and CQL backward passes run stacked, each of their GEMMs one
