@@ -73,6 +73,30 @@ def run_setup(request):
         ev.close()
 
 
+@pytest.fixture(scope="module")
+def walks(run_setup):
+    """``walks(kind, start, stop)``: on ``run_setup``'s trainer (never stepped by the tests that
+    share it), the fused walk of the segment with ``equity`` (``kind="fused"``) or the reference
+    walk with its arguments (``kind="reference"``: ``(walk, args)``), each computed once for
+    every test of the setup that compares it (a fused walk of the four segments costs the CPU
+    executor several seconds)."""
+    config, trainer, tables, _, per_year, _, fused = run_setup
+    done = {}
+
+    def get(kind, start, stop):
+        if (kind, start, stop) not in done:
+            if kind == "fused":
+                done[kind, start, stop] = fused.walk(start, stop, per_year, equity=True)
+            elif kind == "reference":
+                args = _walk_args(config, trainer, tables, start, stop)
+                done[kind, start, stop] = walk.greedy_walk(**args), args
+            else:
+                raise ValueError(kind)
+        return done[kind, start, stop]
+
+    return get
+
+
 def _support(config, isv) -> dict:
     """The walk's support on ``isv``: the live per-branch one (``reference.step.step_supports``
     of ``adaptive_atoms``, ``z [nb, NA]``, ``z_stride = NA``), else the fixed one (stride 0)."""
@@ -109,21 +133,26 @@ def _cut(config, trainer, tables, start, stop) -> int:
     """The first near tie of the reference walk on the trainer's live online parameters and
     ISV (its margins against its support's Q bound)."""
     args = _walk_args(config, trainer, tables, start, stop)
-    return walk.first_near_tie(walk.greedy_walk(**args).margins, args["z"], args["bf16"])
+    return _near_tie(walk.greedy_walk(**args), args)
 
 
-def test_fused_walk_equals_the_graph_walk_up_to_the_first_near_tie(run_setup):
-    _fused_equals_graph(run_setup)
+def _near_tie(reference, args) -> int:
+    """The first near tie of the reference walk ``reference`` made with ``args``."""
+    return walk.first_near_tie(reference.margins, args["z"], args["bf16"])
 
 
-def _fused_equals_graph(setup) -> None:
+def test_fused_walk_equals_the_graph_walk_up_to_the_first_near_tie(run_setup, walks):
+    _fused_equals_graph(run_setup, walks)
+
+
+def _fused_equals_graph(setup, walks) -> None:
     config, trainer, tables, segments, per_year, graph, fused = setup
     compared = 0
     for start, stop in segments:
         n = stop - start - 1
         want = graph.walk(start, stop, per_year, equity=True)
-        got = fused.walk(start, stop, per_year, equity=True)
-        cut = _cut(config, trainer, tables, start, stop)
+        got = walks("fused", start, stop)
+        cut = _near_tie(*walks("reference", start, stop))
         assert np.array_equal(got.rewards[:cut], want.rewards[:cut])
         if cut == n:  # the same records: the same metrics, bit for bit
             assert got.metrics.tolist() == want.metrics.tolist()
@@ -185,7 +214,7 @@ def test_fused_greedy_walk_is_one_graph_and_one_synchronisation(run_setup):
     assert ("chunk", "greedy") not in fused._device._plans
 
 
-def test_cpu_fused_walk_is_the_reference_walk_bit_for_bit(run_setup):
+def test_cpu_fused_walk_is_the_reference_walk_bit_for_bit(run_setup, walks):
     """On the CPU executor the fused plan's launches (the span passes, then the rounds on
     their base: the per-launch twins) record ``walk.greedy_walk``'s rewards on the trainer's
     live parameters, bit for bit, on every segment; the policy trades more often than there
@@ -193,11 +222,11 @@ def test_cpu_fused_walk_is_the_reference_walk_bit_for_bit(run_setup):
     break)."""
     from foxhunt.fast.kernels.walk import SPAN_PASSES
 
-    config, trainer, tables, segments, per_year, _, fused = run_setup
+    segments = run_setup[3]
     most = 0
     for start, stop in segments:
-        want = walk.greedy_walk(**_walk_args(config, trainer, tables, start, stop))
-        got = fused.walk(start, stop, per_year, equity=True)
+        want, _ = walks("reference", start, stop)
+        got = walks("fused", start, stop)
         assert got.rewards.tobytes() == want.rewards.tobytes()
         most = max(most, int(np.count_nonzero(np.diff(want.positions))))
     assert most > SPAN_PASSES
