@@ -90,11 +90,9 @@ GEMM_ROLES = ("forward", "input_grad", "weight_grad")
 #: step graph replays, us): the input gradients on the whole device took bf16 97.5 -> 96.5,
 #: every second-wave source 152.9 -> 151.7, tf32 118.9 -> 117.8, f32 129.4 -> 130.7; the
 #: forward's layers there took tf32 118.9 -> 115.5 but bf16 97.5 -> 107.2 (half the device:
-#: 101.2); both there, f32 129.4 -> 127.6. ``bench_step.py`` then (pytest-benchmark medians,
-#: the uniform quarter against this table, alternating twice in one call): tf32 120.97 / 119.22
-#: -> 116.62 / 115.83, every second-wave source in bf16 152.25 / 153.19 -> 152.10 / 150.47, core
-#: bf16 101.44 / 100.12 -> 102.03 / 100.59 and f32 133.75 / 134.16 -> 134.81 / 132.81 (no change
-#: beyond the run-to-run spread).
+#: 101.2); both there, f32 129.4 -> 127.6. The bench of this table against the uniform quarter
+#: (tf32 and every second-wave source faster, core bf16 and f32 unchanged): the README's
+#: "cuBLASLt's SM target by GEMM role".
 GEMM_SM_SHARES = {
     "bf16": MappingProxyType({"forward": 4, "input_grad": 1, "weight_grad": 4}),
     "tf32": MappingProxyType({"forward": 1, "input_grad": 4, "weight_grad": 4}),
