@@ -1013,3 +1013,195 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
                               num_atoms, lane);
     }
 }
+
+// =============================================================================================
+// heads_out_dueling_bf16's f32 twin, for the f32 step (issue 26: the heads' forward with the
+// dueling combination and log-softmax, f32 mode's exact-f32 path; reference:
+// foxhunt.reference.kernels.trunk.heads_out_dueling_f32, the composition of the nodes it
+// replaces: every head's second-layer GEMM hid @ W2^T + b2 (cuBLASLt f32, BIAS epilogue) and
+// dueling_log_softmax_q_branches):
+//   out_h    = hid[h] @ W2_h^T + b2_h        (h = 0: v [rows, NA]; h = d + 1: branch d's
+//                                             advantages [rows, n_d NA] of adv)
+//   logits, logp, q = dueling_log_softmax_q_branches(v, adv, z, n_actions, with_q)
+// Block (x, d) as heads_out_dueling_bf16's: rows TRUNK_BM x .. and branch d; it copies the
+// rows' value-head and head-(d + 1) hidden values to f32 tiles in shared memory (rows padded by
+// HODF_PAD floats: the lanes' float4 reads of 8 rows hit 32 distinct banks), and warp w computes
+// the n8 tiles w, w + HOD_WARPS, .. of the two heads' outputs, lane (g, t4) rows g and g + 8,
+// columns 2 t4 and 2 t4 + 1 of a tile (the mma's C fragment: the epilogue and the dueling are
+// heads_out_dueling_bf16's), each output one chain of fmaf in k order on the CUDA cores (exact
+// f32 products, f32 sums; the W2 rows read from params by float4 loads), the bias added last
+// with one f32 add. The dueling outputs are therefore bitwise those of
+// dueling_log_softmax_q_branches on this kernel's v and adv; v and adv are f32 GEMMs in another
+// summation order than cuBLASLt's: conformance judges them with the GEMM tolerance. NaN
+// contract: the nodes' (IEEE through the products: a NaN or Inf in row i of hid reaches row i of
+// its head's outputs; in W2_h row j or b2_h[j] column j of that head's output in every row; then
+// dueling_log_softmax_q_branches' contract). Requirements (the launcher checks): as
+// heads_out_dueling_bf16's, and the W2 offsets multiples of 4 (float4 loads). Dynamic shared
+// memory (bytes): 4 TRUNK_BM (hidden[0] + hidden[h] + 2 HODF_PAD) + 4 TRUNK_BM (out[0] + out[h])
+// for the widest branch head h (fast/kernels/trunk.py hod_shared_bytes).
+// =============================================================================================
+#define HODF_PAD 4
+#define HODF_UNROLL 4
+
+extern "C" __global__ void __launch_bounds__(HOD_THREADS)
+heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ params,
+                      const int* __restrict__ table, const float* __restrict__ z,
+                      const int* __restrict__ n_actions, const int* __restrict__ action_offset,
+                      float* __restrict__ v, float* __restrict__ adv, float* __restrict__ logits,
+                      float* __restrict__ logp, float* __restrict__ q, int rows, int n_heads,
+                      int hid_align, int num_atoms, int with_q) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    extern __shared__ __align__(16) float hodf_smem[];
+    const int d = blockIdx.y;  // branch d: head d + 1
+    const int hb = d + 1;
+    const int row0 = blockIdx.x * TRUNK_BM;
+    // The two heads' fields (heads_out_dueling_bf16's reads).
+    const int* __restrict__ e1 = table + hb * HEADS_FIELDS;
+    const int hidden0 = table[0], hidden1 = e1[0];
+    const int out0 = table[1], out1 = e1[1];
+    const int w2_0 = table[4], w2_1 = e1[4];
+    const int b2_0 = table[5], b2_1 = e1[5];
+    int hid_off1, out_off1;
+    heads_block_offsets(table, hb, rows, hid_align, hid_off1, out_off1);
+    // Shared memory: the f32 A tiles of head 0 and head hb, then their f32 output tiles.
+    const int a_stride0 = hidden0 + HODF_PAD;
+    const int a_stride1 = hidden1 + HODF_PAD;
+    float* a_tile0 = hodf_smem;
+    float* a_tile1 = a_tile0 + TRUNK_BM * a_stride0;
+    float* o_tile0 = a_tile1 + TRUNK_BM * a_stride1;
+    float* o_tile1 = o_tile0 + TRUNK_BM * out0;
+
+    const int na = n_actions[d];
+    const int first_row = rows * action_offset[d];  // branch d's first packed row
+    const int lane = threadIdx.x & 31;
+    const bool want_q = with_q != 0;
+    float z_lane[kDuelingRegChunks];
+    dueling_z_lane(z_lane, z, want_q, num_atoms, lane);
+
+    // The hidden values into the tiles (rows past `rows` as +0.0): warp w the tile's row w, lane
+    // l its quads l, l + 32, ... of the row's quads0 + quads1, HOD_LOADS loads in flight a lane.
+    const int warp = threadIdx.x >> 5;
+    const int quads0 = hidden0 / 4;
+    const int n_quads = quads0 + hidden1 / 4;
+    const int row = row0 + warp;
+    const bool row_live = row < rows;
+    for (int c0 = lane; c0 < n_quads; c0 += 32 * HOD_LOADS) {
+        float4 x[HOD_LOADS];
+#pragma unroll
+        for (int u = 0; u < HOD_LOADS; ++u) {
+            const int c = c0 + u * 32;
+            const long long at = c >= quads0 ? hid_off1 + (long long)row * hidden1 + (c - quads0) * 4
+                                             : (long long)row * hidden0 + c * 4;
+            x[u] = (row_live && c < n_quads) ? *reinterpret_cast<const float4*>(hid + at)
+                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int u = 0; u < HOD_LOADS; ++u) {
+            const int c = c0 + u * 32;
+            if (c >= n_quads) {
+                break;
+            }
+            float* tile = c >= quads0 ? a_tile1 + warp * a_stride1 + (c - quads0) * 4
+                                      : a_tile0 + warp * a_stride0 + c * 4;
+            *reinterpret_cast<float4*>(tile) = x[u];
+        }
+    }
+
+    // The second layers' operands: warp w's n8 tiles w + HOD_WARPS i (the value head's first).
+    const int g = lane >> 2;
+    const int t4 = lane & 3;
+    const int tiles0 = (out0 + 7) / 8;
+    const int tiles = tiles0 + (out1 + 7) / 8;
+    float acc[HOD_TILES][4];
+    float bias[HOD_TILES][2];  // b2 of the lane's two output columns
+    const float* a_row[HOD_TILES];
+    const float* w_row[HOD_TILES][2];
+    int stride[HOD_TILES], quads[HOD_TILES], side[HOD_TILES], n0[HOD_TILES];
+    int k_quads = 0;
+#pragma unroll
+    for (int i = 0; i < HOD_TILES; ++i) {
+        const int tile = warp + HOD_WARPS * i;
+        const int s = tile < tiles0 ? 0 : 1;
+        const int hidden = s == 0 ? hidden0 : hidden1;
+        const int width = s == 0 ? out0 : out1;
+        side[i] = s;
+        n0[i] = (s == 0 ? tile : tile - tiles0) * 8;
+        stride[i] = s == 0 ? a_stride0 : a_stride1;
+        quads[i] = tile < tiles ? hidden / 4 : 0;
+        k_quads = max(k_quads, quads[i]);
+        a_row[i] = (s == 0 ? a_tile0 : a_tile1) + g * stride[i];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            // A padding column past `width` reads the last row (its output is never stored).
+            const int o = min(n0[i] + t4 * 2 + e, width - 1);
+            w_row[i][e] = params + (s == 0 ? w2_0 : w2_1) + (long long)o * hidden;
+            const int oc = n0[i] + t4 * 2 + e;
+            bias[i][e] = (tile < tiles && oc < width) ? params[(s == 0 ? b2_0 : b2_1) + oc] : 0.0f;
+        }
+        acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    }
+    __syncthreads();
+
+    // acc[2 half + e] += A[g + 8 half][k] W2[n0 + 2 t4 + e][k], k in order, one fmaf each.
+#pragma unroll HODF_UNROLL
+    for (int kq = 0; kq < k_quads; ++kq) {
+#pragma unroll
+        for (int i = 0; i < HOD_TILES; ++i) {
+            if (kq < quads[i]) {
+                const float4 a0 = *reinterpret_cast<const float4*>(a_row[i] + kq * 4);
+                const float4 a1 = *reinterpret_cast<const float4*>(a_row[i] + 8 * stride[i] + kq * 4);
+                const float4 b0 = __ldg(reinterpret_cast<const float4*>(w_row[i][0]) + kq);
+                const float4 b1 = __ldg(reinterpret_cast<const float4*>(w_row[i][1]) + kq);
+                const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+                const float bv[2][4] = {{b0.x, b0.y, b0.z, b0.w}, {b1.x, b1.y, b1.z, b1.w}};
+#pragma unroll
+                for (int j = 0; j < 4; ++j) {
+#pragma unroll
+                    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            acc[i][2 * half + e] = fmaf(av[half][j], bv[e][j], acc[i][2 * half + e]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Epilogue: + b2, into the shared output tiles, v (branch 0's blocks) and adv.
+#pragma unroll
+    for (int i = 0; i < HOD_TILES; ++i) {
+        if (quads[i] == 0) {
+            continue;
+        }
+        const int s = side[i];
+        const int width = s == 0 ? out0 : out1;
+        float* dst = s == 0 ? v : adv + out_off1;
+        float* out_tile = s == 0 ? o_tile0 : o_tile1;
+        const bool store = s == 1 || d == 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int o = n0[i] + t4 * 2 + e;
+            if (o < width) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = g + half * 8;
+                    const float value = __fadd_rn(acc[i][2 * half + e], bias[i][e]);
+                    out_tile[r * width + o] = value;
+                    if (store && row0 + r < rows) {
+                        dst[(long long)(row0 + r) * width + o] = value;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();  // the block's rows of v and branch d's advantages are in shared memory
+
+    // dueling_log_softmax_q_branches' register path on them, a warp a sample.
+    for (int r = warp; r < TRUNK_BM && row0 + r < rows; r += HOD_WARPS) {
+        const int row_p = first_row + (row0 + r) * na;  // the sample's first packed row
+        const int offset = row_p * num_atoms;
+        float* q_b = want_q ? q + row_p : nullptr;  // not dereferenced without want_q
+        dueling_sample_regs_n(na, o_tile0 + r * num_atoms, o_tile1 + r * out1, z_lane,
+                              logits + offset, logp + offset, q_b, want_q, num_atoms, lane);
+    }
+}

@@ -88,7 +88,11 @@ class Binder:
             raise PlanError(f"{what}: its extent reads {buf}, which is not a constant buffer")
         flat = np.ascontiguousarray(self.constants[region.buffer]).reshape(-1).view(np.uint8)
         start = region.byte_start
-        return flat[start:start + count * dtype.itemsize].view(dtype)
+        values = flat[start:start + count * dtype.itemsize].view(dtype)
+        if values.size != count:
+            raise PlanError(f"{what}: its extent reads {count} {dtype} values of {buf}, which holds "
+                            f"{values.size}")
+        return values
 
     # -- kernel launches
     def launch(self, kernel: str, plan, args: Mapping[str, object]) -> Launch:

@@ -236,14 +236,16 @@ def _heads_param_extent(a: Args) -> int:
                    _w2_b2_extent(a)))
 
 
-def _heads_w2_b2(a: Args, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The heads' ``w2 [OT, max(hidden)]`` (BF16; a row's columns past its head's width zero) and
-    ``b2 [OT]`` side by side, gathered from the parameter set by the table ``t``."""
+def _heads_w2_b2(a: Args, t: np.ndarray, bf16: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """The heads' ``w2 [OT, max(hidden)]`` (BF16 from the mirror, or float32 from the parameter
+    set; a row's columns past its head's width zero) and ``b2 [OT]`` side by side, gathered by
+    the table ``t``."""
     hidden, out = t[:, 0], t[:, 1]
-    w2 = np.zeros((int(out.sum()), int(hidden.max())), U16)
+    w2 = np.zeros((int(out.sum()), int(hidden.max())), U16 if bf16 else np.float32)
+    source = a.mirror if bf16 else a.params
     o0 = 0
     for (width, o, _, _, w2o, _) in t:
-        w2[o0:o0 + o, :width] = a.mirror[w2o:w2o + o * width].reshape(o, width)
+        w2[o0:o0 + o, :width] = source[w2o:w2o + o * width].reshape(o, width)
         o0 += o
     return w2, np.concatenate([a.params[b2o:b2o + o] for _, o, _, _, _, b2o in t])
 
@@ -252,15 +254,18 @@ def _scatter_heads(a: Args, t: np.ndarray, r) -> dict:
     """A twin's side-by-side ``r.hid_bf16`` / ``r.out`` (and ``r.hid`` where it has one) in the
     packed buffers (``rtrunk.heads_packed_offsets``): ``{name: the whole buffer}``."""
     hid_off, _, adv_off, _ = _heads_packed(a)
-    out = {"hid_bf16": a.hid_bf16, "v": a.v, "adv": a.adv}
+    out = {"v": a.v, "adv": a.adv}
     if hasattr(r, "hid"):
         out["hid"] = a.hid
+    if hasattr(r, "hid_bf16"):
+        out["hid_bf16"] = a.hid_bf16
     h0 = o0 = 0
     for h, (width, o) in enumerate(zip(t[:, 0], t[:, 1])):
         span = slice(hid_off[h], hid_off[h] + a.rows * width)
         if "hid" in out:
             out["hid"][span] = r.hid[:, h0:h0 + width].ravel()
-        out["hid_bf16"][span] = r.hid_bf16[:, h0:h0 + width].ravel()
+        if "hid_bf16" in out:
+            out["hid_bf16"][span] = r.hid_bf16[:, h0:h0 + width].ravel()
         block = r.out[:, o0:o0 + o]
         if h == 0:
             out["v"][...] = block
@@ -293,26 +298,32 @@ def _hod_rows(a: Args) -> int:
     return a.rows * sum(branches(a, a.n_heads - 1))
 
 
-@twin("heads_out_dueling_bf16", nullable=("q",), hid=lambda a: max(_heads_packed(a)[1], 1),
-      mirror=_w2_b2_extent, params=_w2_b2_extent,
-      table=lambda a: a.n_heads * rtrunk.HEADS_FIELDS, z="num_atoms",
-      n_actions=lambda a: a.n_heads - 1, action_offset=lambda a: a.n_heads - 1,
-      hid_bf16=lambda a: max(_heads_packed(a)[1], 1), v=("rows", "num_atoms"),
-      adv=lambda a: max(_heads_packed(a)[3], 1), logits=(_hod_rows, "num_atoms"),
-      logp=(_hod_rows, "num_atoms"), q=_hod_rows)
-def _heads_out_dueling_bf16(a):
-    """The reference twin on the packed hidden values and the heads' W2 / b2 gathered from the
-    parameter set, its outputs scattered into the packed buffers (``rtrunk.heads_packed_offsets``)."""
+_HOD_EXTENTS = dict(
+    nullable=("q",), hid=lambda a: max(_heads_packed(a)[1], 1), params=_w2_b2_extent,
+    table=lambda a: a.n_heads * rtrunk.HEADS_FIELDS, z="num_atoms",
+    n_actions=lambda a: a.n_heads - 1, action_offset=lambda a: a.n_heads - 1,
+    v=("rows", "num_atoms"), adv=lambda a: max(_heads_packed(a)[3], 1),
+    logits=(_hod_rows, "num_atoms"), logp=(_hod_rows, "num_atoms"), q=_hod_rows)
+
+
+def _heads_out_dueling(a, kernel: str):
+    """The reference twin ``kernel`` on the packed hidden values and the heads' W2 / b2 gathered
+    from the parameter set, its outputs scattered into the packed buffers
+    (``rtrunk.heads_packed_offsets``)."""
     from foxhunt.fast.records import PlanError
 
+    bf16 = kernel == "heads_out_dueling_bf16"
     if a.hid_align % 4:
-        raise PlanError(f"heads_out_dueling_bf16: hid_align={a.hid_align} is not a multiple of 4 "
+        raise PlanError(f"{kernel}: hid_align={a.hid_align} is not a multiple of 4 "
                         "(the kernel's float4 loads)")
     t = _heads(a)
+    if not bf16 and np.any(t[:, 4] % 4):
+        raise PlanError(f"{kernel}: W2 offsets {t[:, 4].tolist()} are not multiples of 4 "
+                        "(the kernel's float4 loads)")
     hidden, out = t[:, 0], t[:, 1]
     hid_off = _heads_packed(a)[0]
-    w2, b2 = _heads_w2_b2(a, t)
-    r = rtrunk.heads_out_dueling_bf16(
+    w2, b2 = _heads_w2_b2(a, t, bf16)
+    r = getattr(rtrunk, kernel)(
         np.concatenate([a.hid[hid_off[h]:hid_off[h] + a.rows * w].reshape(a.rows, w)
                         for h, w in enumerate(hidden)], axis=1), w2, b2, a.z,
         hidden.astype(np.int32), out.astype(np.int32),
@@ -321,6 +332,17 @@ def _heads_out_dueling_bf16(a):
     if a.with_q and a.view("q") is not None:
         result["q"] = r.q
     return result
+
+
+@twin("heads_out_dueling_bf16", mirror=_w2_b2_extent,
+      hid_bf16=lambda a: max(_heads_packed(a)[1], 1), **_HOD_EXTENTS)
+def _heads_out_dueling_bf16(a):
+    return _heads_out_dueling(a, "heads_out_dueling_bf16")
+
+
+@twin("heads_out_dueling_f32", **_HOD_EXTENTS)
+def _heads_out_dueling_f32(a):
+    return _heads_out_dueling(a, "heads_out_dueling_f32")
 
 
 # --------------------------------------------------------------------------------------------

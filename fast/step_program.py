@@ -103,9 +103,11 @@ UNIFORM_SM_SHARES = MappingProxyType(dict.fromkeys(GEMM_ROLES, GEMM_SM_SHARE))
 #: A weight-gradient GEMM whose reduction length ``k`` is at least this many times its larger
 #: output dimension may use a cuBLASLt workspace even under ``gemm_workspace="none"``.
 LONG_K_RATIO = 4
-#: Whether the BF16 training passes end their heads in ONE ``heads_out_dueling_bf16`` launch
-#: (:attr:`StepProgram.outputs_fused`).
-FUSE_HEAD_OUTPUTS = True
+#: The precisions whose training passes end their heads in ONE launch of
+#: ``fast.kernels.trunk.HOD_KERNELS[precision]`` (``heads_out_dueling_bf16`` /
+#: ``heads_out_dueling_f32``; :attr:`StepProgram.outputs_fused`). Not tf32: its forward GEMMs
+#: round their operands to TF32, which the f32 kernel's exact products are not.
+FUSE_HEAD_OUTPUTS = frozenset({"bf16", "f32"})
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -225,14 +227,16 @@ class StepProgram:
     def outputs_fused(self) -> bool:
         """Whether a training pass ends its heads in ``heads_out_dueling_bf16`` (the hidden values'
         BF16 copy, every head's second layer and the dueling log-softmax in one launch) instead of
-        ``f32_to_bf16``, a GEMM per head and ``dueling_log_softmax_q_branches``:
-        :data:`FUSE_HEAD_OUTPUTS`, BF16, and shapes the kernel takes
-        (``fast.kernels.trunk.hod_fusable``)."""
+        ``f32_to_bf16``, a GEMM per head and ``dueling_log_softmax_q_branches``, or in f32 in
+        ``heads_out_dueling_f32`` (the second layers and the dueling log-softmax) instead of a GEMM
+        per head and ``dueling_log_softmax_q_branches``: the precision in
+        :data:`FUSE_HEAD_OUTPUTS` and shapes the kernel takes (``fast.kernels.trunk.hod_fusable``)."""
         from foxhunt.fast.kernels.trunk import hod_fusable
 
         lay = self.lay
-        return (FUSE_HEAD_OUTPUTS and lay.bf16
-                and hod_fusable(lay.head_hidden, lay.head_out, lay.branches, lay.NA))
+        precision = self.config.precision
+        return (precision in FUSE_HEAD_OUTPUTS
+                and hod_fusable(lay.head_hidden, lay.head_out, lay.branches, lay.NA, precision))
 
     @property
     def heads_fused(self) -> bool:
@@ -488,7 +492,8 @@ class StepProgram:
         ``heads_forward_bf16`` launch (alongside ``extra``); ``fuse_outputs`` (the training
         step's passes): where :attr:`outputs_fused` (and the heads are not fused), the heads'
         first layers are followed by ONE ``heads_out_dueling_bf16`` launch (the hidden values'
-        BF16 copy, the second layers and the dueling log-softmax, the same buffers written)."""
+        BF16 copy, the second layers and the dueling log-softmax, the same buffers written; in
+        f32 ``heads_out_dueling_f32``, without the copy)."""
         lay, c = self.lay, self.config
         bf16 = lay.bf16
         p32 = lambda name: self.weight(name, which, bf16=False)  # noqa: E731 - biases
@@ -525,16 +530,18 @@ class StepProgram:
         if fuse_outputs and self.outputs_fused and not (fuse_heads and self.heads_fused):
             self._heads_first_layers(ops, tag=tag, rows=rows, which=which, h2_in=h2_in,
                                      firsts=firsts)
-            ops.kernel("heads_out_dueling_bf16",
-                       self.kernels("trunk").plan_heads_out_dueling_bf16(
+            trunk = self.kernels("trunk")
+            bf16_only = dict(mirror=Buf("mirror2", offset=which * lay.NP),
+                             hid_bf16=Buf(f"hid{tag}_bf16")) if bf16 else {}
+            ops.kernel(trunk.HOD_KERNELS[c.precision],
+                       getattr(trunk, f"plan_{trunk.HOD_KERNELS[c.precision]}")(
                            rows, lay.head_hidden, lay.head_out, lay.branches, lay.NA),
-                       hid=Buf(f"hid{tag}"), mirror=Buf("mirror2", offset=which * lay.NP),
-                       params=Buf("params2", offset=which * lay.NP), table="head_table", z="z",
-                       n_actions="n_actions", action_offset="action_offset",
-                       hid_bf16=Buf(f"hid{tag}_bf16"), v=Buf(f"v{tag}"), adv=Buf(f"adv{tag}"),
+                       hid=Buf(f"hid{tag}"), params=Buf("params2", offset=which * lay.NP),
+                       table="head_table", z="z", n_actions="n_actions",
+                       action_offset="action_offset", v=Buf(f"v{tag}"), adv=Buf(f"adv{tag}"),
                        logits=logits, logp=logp, q=q if with_q else None, rows=rows,
                        n_heads=len(lay.heads), hid_align=OPERAND_ALIGN, num_atoms=lay.NA,
-                       with_q=with_q)
+                       with_q=with_q, **bf16_only)
         else:
             self._heads_to_dueling(ops, tag=tag, rows=rows, which=which, h2_in=h2_in,
                                    firsts=firsts, fuse_heads=fuse_heads, logits=logits, logp=logp,

@@ -1,7 +1,8 @@
-"""The heads' outputs with the dueling log-softmax in one launch (``heads_out_dueling_bf16``): its
-reference twin against torch in float64, the launch plan and its refusals, the constants the
-plan shares with ``cuda_src``, the conformance entry on another summation order and on a missed
-bias, and the step: one launch a BF16 training pass in place of ``f32_to_bf16``, the heads'
+"""The heads' outputs with the dueling log-softmax in one launch (``heads_out_dueling_bf16`` and
+its f32 twin ``heads_out_dueling_f32``, each test for both where it applies): the reference twin
+against torch in float64, the launch plan and its refusals, the constants the plan shares with
+``cuda_src``, the conformance entry on another summation order and on a missed bias, and the
+step: one launch a BF16 / f32 training pass in place of (``f32_to_bf16``,) the heads'
 second-layer GEMMs and ``dueling_log_softmax_q_branches``, the CPU executor's steps bit for bit
 as those nodes'. GPU (skipped without a device, with the reason): the kernel against the twin,
 its dueling outputs bit for bit those of the fast ``dueling_log_softmax_q_branches`` on its own
@@ -28,25 +29,45 @@ from foxhunt.fast.kernels import trunk as fast_trunk
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.kernels import fused
 from foxhunt.reference.kernels.dense import bf16_to_f32, f32_to_bf16
-from foxhunt.reference.kernels.trunk import HeadsOutDueling, heads_out_dueling_bf16
+from foxhunt.reference.kernels import trunk as ref_trunk
+from foxhunt.reference.kernels.trunk import HeadsOutDueling, HeadsOutDuelingF32
 from cpu_step_runs import assert_runs_bitwise_equal, launch_count, step_run
 
 F32 = np.float32
-SPEC = SPECS["heads_out_dueling_bf16"]
 _GPU, _WHY = cuda_available()
 gpu = pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
 CASES = ("tiny", "seed", "odd", "extremal")
+PRECISIONS = tuple(fast_trunk.HOD_KERNELS)
 
 
-def _kwargs(case: str, seed: int = 0) -> dict:
-    return hod_sample(np.random.default_rng(seed), *hod_dims(case), with_q=case != "odd")
+def _name(precision: str) -> str:
+    return fast_trunk.HOD_KERNELS[precision]
 
 
-def _failures(kwargs, actual: HeadsOutDueling, expected: HeadsOutDueling) -> list[str]:
+def _twin(precision: str):
+    return getattr(ref_trunk, _name(precision))
+
+
+def _fast(precision: str):
+    return getattr(fast_trunk, _name(precision))
+
+
+def _kwargs(case: str, seed: int = 0, precision: str = "bf16") -> dict:
+    return hod_sample(np.random.default_rng(seed), *hod_dims(case), with_q=case != "odd",
+                      precision=precision)
+
+
+def _w2_f32(kw) -> np.ndarray:
+    """W2's values as float32 (the BF16 kernel's are bits)."""
+    return bf16_to_f32(kw["w2"]) if kw["w2"].dtype == np.uint16 else kw["w2"]
+
+
+def _failures(kwargs, actual, expected, precision: str = "bf16") -> list[str]:
     """The entry's comparison of every output (``expected`` plays the reference)."""
-    got, want = SPEC.split_outputs(actual), SPEC.split_outputs(expected)
-    inputs = SPEC.compare_inputs(kwargs, want)
-    results = [compare(f"heads_out.{out}", got[out], want[out], SPEC.tolerance_of(out), inputs[out])
+    spec = SPECS[_name(precision)]
+    got, want = spec.split_outputs(actual), spec.split_outputs(expected)
+    inputs = spec.compare_inputs(kwargs, want)
+    results = [compare(f"heads_out.{out}", got[out], want[out], spec.tolerance_of(out), inputs[out])
                for out in want]
     return [r.message for r in results if not r.passed]
 
@@ -61,13 +82,18 @@ def _pack(out: np.ndarray, na: int, branches) -> tuple[np.ndarray, np.ndarray]:
 
 
 # ------------------------------------------------------------------- the twin against torch
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", ["tiny", "odd", "extremal"])
-def test_twin_is_the_heads_outputs_and_dueling_log_softmax_in_float64(case):
-    kw = _kwargs(case)
-    r = heads_out_dueling_bf16(**kw)
-    assert np.array_equal(r.hid_bf16, f32_to_bf16(kw["hid"]))
+def test_twin_is_the_heads_outputs_and_dueling_log_softmax_in_float64(case, precision):
+    kw = _kwargs(case, precision=precision)
+    r = _twin(precision)(**kw)
+    if precision == "bf16":
+        assert np.array_equal(r.hid_bf16, f32_to_bf16(kw["hid"]))
+        multiplied = bf16_to_f32(r.hid_bf16)
+    else:
+        multiplied = kw["hid"]
     t = lambda a: torch.from_numpy(np.asarray(a, np.float64))  # noqa: E731
-    hb, w2, b2 = t(bf16_to_f32(r.hid_bf16)), t(bf16_to_f32(kw["w2"])), t(kw["b2"])
+    hb, w2, b2 = t(multiplied), t(_w2_f32(kw)), t(kw["b2"])
     hidden, outs = kw["hidden"].tolist(), kw["out"].tolist()
     cols = []
     h0 = o0 = 0
@@ -97,22 +123,25 @@ def test_twin_is_the_heads_outputs_and_dueling_log_softmax_in_float64(case):
         assert r.q.shape == (0,)
 
 
-def test_twin_reads_no_w2_column_past_its_heads_hidden_width():
-    kw = _kwargs("odd")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_twin_reads_no_w2_column_past_its_heads_hidden_width(precision):
+    kw = _kwargs("odd", precision=precision)
     w2 = kw["w2"].copy()
+    nan = np.uint16(0x7FC0) if precision == "bf16" else F32(np.nan)  # a BF16 / f32 NaN
     o0 = 0
     for width, o in zip(kw["hidden"].tolist(), kw["out"].tolist()):
-        w2[o0:o0 + o, width:] = np.uint16(0x7FC0)  # a BF16 NaN
+        w2[o0:o0 + o, width:] = nan
         o0 += o
-    poked, base = heads_out_dueling_bf16(**dict(kw, w2=w2)), heads_out_dueling_bf16(**kw)
+    poked, base = _twin(precision)(**dict(kw, w2=w2)), _twin(precision)(**kw)
     assert all(a.tobytes() == b.tobytes() for a, b in zip(poked, base))
 
 
-def test_twin_is_the_composition_of_the_nodes():
-    """hid_bf16 the f32_to_bf16 of hid; logits / logp / q exactly dueling_log_softmax_q_branches
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_twin_is_the_composition_of_the_nodes(precision):
+    """(hid_bf16 the f32_to_bf16 of hid;) logits / logp / q exactly dueling_log_softmax_q_branches
     of the twin's own head outputs."""
-    kw = _kwargs("seed")
-    r = heads_out_dueling_bf16(**kw)
+    kw = _kwargs("seed", precision=precision)
+    r = _twin(precision)(**kw)
     v, adv = _pack(r.out, int(kw["out"][0]), kw["n_actions"].tolist())
     d = fused.dueling_log_softmax_q_branches(v, adv, kw["z"], tuple(kw["n_actions"].tolist()), True)
     assert all(a.tobytes() == b.tobytes() for a, b in zip((r.logits, r.logp, r.q), d))
@@ -127,6 +156,9 @@ def test_plan_of_the_seed_shapes():
     # Two BF16 hidden tiles 16 x 136, then the value head's and a branch's f32 outputs (16 x 51
     # and 16 x 153, the widest branch).
     assert nbytes == 2 * 16 * (136 + 136) + 4 * 16 * (51 + 153)
+    # The f32 kernel: two f32 hidden tiles 16 x 132, the same output tiles.
+    assert fast_trunk.plan_heads_out_dueling_f32(rows, hidden, out, branches, na) == (
+        grid, block, 4 * 16 * (132 + 132) + 4 * 16 * (51 + 153))
 
 
 def _cu_define(name: str) -> int:
@@ -142,45 +174,58 @@ def _cuh_constexpr(name: str) -> int:
 def test_plan_constants_are_the_sources():
     assert fast_trunk.HOD_WARPS == _cu_define("HOD_WARPS")
     assert fast_trunk.HOD_TILES == _cu_define("HOD_TILES")
+    assert fast_trunk.HODF_PAD == _cu_define("HODF_PAD")
     assert fast_trunk.HOD_THREADS == 32 * fast_trunk.HOD_WARPS
     assert fast_trunk.HOD_MAX_ACTIONS == _cuh_constexpr("kDuelingRegRows")
     assert fast_trunk.HOD_MAX_ATOMS == 32 * _cuh_constexpr("kDuelingRegChunks")
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("args, match", [
     (((16, 24), (3, 6), (2,), 3), r"^hidden\[1\]=24: .*multiple of 16$"),
-    (((16,), (3,), (), 3), r"^n_actions=\(\): heads_out_dueling_bf16 needs at least one branch$"),
-    (((16, 16, 16), (3, 6, 6), (2,), 3), r"^hidden=\(16, 16, 16\): heads_out_dueling_bf16 needs "
+    (((16,), (3,), (), 3), r"^n_actions=\(\): {kernel} needs at least one branch$"),
+    (((16, 16, 16), (3, 6, 6), (2,), 3), r"^hidden=\(16, 16, 16\): {kernel} needs "
                                          r"the value head and one head a branch: 2 heads for "
                                          r"n_actions=\(2,\)$"),
-    (((16, 16), (3, 15), (5,), 3), r"^n_actions\[0\]=5: .*\(1 to 4 actions\)$"),
-    (((16, 16), (65, 130), (2,), 65), r"^num_atoms=65: .*\(1 to 64 atoms\)$"),
-    (((16, 16), (3, 7), (2,), 3), r"^out=\(3, 7\): heads_out_dueling_bf16 needs \(NA, n_0 NA, "
+    (((16, 16), (3, 15), (5,), 3), r"^n_actions\[0\]=5: {kernel} .*\(1 to 4 actions\)$"),
+    (((16, 16), (65, 130), (2,), 65), r"^num_atoms=65: {kernel} .*\(1 to 64 atoms\)$"),
+    (((16, 16), (3, 7), (2,), 3), r"^out=\(3, 7\): {kernel} needs \(NA, n_0 NA, "
                                   r"\.\.\.\) = \(3, 6\)$"),
-    (((16, 16), (64, 256), (4,), 64), r"computes at most 32 n8 tiles a block; the value head and "
-                                      r"a branch need 40$"),
-    (((1024, 1024), (51, 153), (3,), 51), r"^hidden=\(1024, 1024\): heads_out_dueling_bf16 needs "
+    (((16, 16), (64, 256), (4,), 64), r"^out=.*: {kernel} computes at most 32 n8 tiles a block; "
+                                      r"the value head and a branch need 40$"),
+    (((1024, 1024), (51, 153), (3,), 51), r"^hidden=\(1024, 1024\): {kernel} needs "
                                         r"\d+ bytes of shared memory per block; it runs with at "
                                         r"most 49152$"),
 ])
-def test_plan_refuses_shapes_the_kernel_cannot_run(args, match):
+def test_plan_refuses_shapes_the_kernel_cannot_run(args, match, precision):
     hidden, out, branches, na = args
-    with pytest.raises(ValueError, match=match):
-        fast_trunk.plan_heads_out_dueling_bf16(64, hidden, out, branches, na)
-    assert not fast_trunk.hod_fusable(hidden, out, branches, na)
+    with pytest.raises(ValueError, match=match.format(kernel=_name(precision))):
+        getattr(fast_trunk, f"plan_{_name(precision)}")(64, hidden, out, branches, na)
+    assert not fast_trunk.hod_fusable(hidden, out, branches, na, precision)
 
 
-def test_entry_accepts_another_summation_order_and_catches_a_missed_bias():
+def test_the_f32_kernels_wider_tiles_reach_the_shared_memory_limit_first():
+    """f32 hidden tiles take twice the BF16 tiles' bytes: hidden widths (320, 320) with the seed's
+    outputs fit the BF16 kernel (34048 bytes) but not the f32 one (54528 > 49152)."""
+    args = ((320, 320), (51, 153), (3,), 51)
+    assert fast_trunk.hod_shared_bytes(*args[:2], "bf16") == 34048
+    assert fast_trunk.hod_shared_bytes(*args[:2], "f32") == 54528
+    assert fast_trunk.hod_fusable(*args, "bf16") and not fast_trunk.hod_fusable(*args, "f32")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_entry_accepts_another_summation_order_and_catches_a_missed_bias(precision):
     """The conformance entry against the twin: float64 GEMMs rounded once (another legitimate
     order) and the dueling log-softmax of those pass; dropping one output column's bias fails
     (``out``, and the logits carried through it)."""
-    kw = _kwargs("seed", seed=3)
-    ref = heads_out_dueling_bf16(**kw)
+    kw = _kwargs("seed", seed=3, precision=precision)
+    ref = _twin(precision)(**kw)
     hidden, outs = kw["hidden"].tolist(), kw["out"].tolist()
-    hb = bf16_to_f32(ref.hid_bf16).astype(np.float64)
+    hb = (bf16_to_f32(ref.hid_bf16) if precision == "bf16" else kw["hid"]).astype(np.float64)
+    w2 = _w2_f32(kw)
     cols, h0, o0 = [], 0, 0
     for width, o in zip(hidden, outs):
-        w = bf16_to_f32(kw["w2"][o0:o0 + o, :width]).astype(np.float64)
+        w = w2[o0:o0 + o, :width].astype(np.float64)
         cols.append((hb[:, h0:h0 + width] @ w.T + kw["b2"][o0:o0 + o]).astype(F32))
         h0, o0 = h0 + width, o0 + o
     out = np.concatenate(cols, axis=1)
@@ -189,61 +234,69 @@ def test_entry_accepts_another_summation_order_and_catches_a_missed_bias():
         v, adv = _pack(out, outs[0], kw["n_actions"].tolist())
         d = fused.dueling_log_softmax_q_branches(v, adv, kw["z"], tuple(kw["n_actions"].tolist()),
                                                  True)
-        return HeadsOutDueling(ref.hid_bf16, out, *d)
+        return (HeadsOutDueling(ref.hid_bf16, out, *d) if precision == "bf16"
+                else HeadsOutDuelingF32(out, *d))
 
-    assert not _failures(kw, result(out), ref)
+    assert not _failures(kw, result(out), ref, precision)
     missed = out.copy()
     missed[:, 60] -= kw["b2"][60]
-    failed = _failures(kw, result(missed), ref)
+    failed = _failures(kw, result(missed), ref, precision)
     assert any("heads_out.out" in m for m in failed) and any("heads_out.logits" in m for m in failed)
 
 
 # ------------------------------------------------------------------------ in the step plan
-@pytest.mark.parametrize("precision, fused_launches", [("bf16", 2), ("f32", 0), ("tf32", 0)])
-def test_a_bf16_training_pass_ends_its_heads_in_one_launch(precision, fused_launches):
+@pytest.mark.parametrize("precision, kernel", [
+    ("bf16", "heads_out_dueling_bf16"), ("f32", "heads_out_dueling_f32"), ("tf32", None)])
+def test_a_training_pass_ends_its_heads_in_one_launch(precision, kernel):
     """Graph 1 of the seed step (the CPU executor's plans): in BF16 the online and target passes
     each run ONE heads_out_dueling_bf16 in place of f32_to_bf16, four second-layer GEMMs and
-    dueling_log_softmax_q_branches; f32 and tf32 keep the nodes."""
+    dueling_log_softmax_q_branches, in f32 ONE heads_out_dueling_f32 in place of the GEMMs and
+    the dueling; tf32 keeps the nodes."""
     from foxhunt.fast.cpu_executor import CpuEngine
 
     graph1 = CpuEngine(DQNConfig.preset("seed", precision=precision)).plans["graph1"]
-    assert launch_count(graph1, "heads_out_dueling_bf16") == fused_launches
+    fused_launches = 0 if kernel is None else 2
+    for name in fast_trunk.HOD_KERNELS.values():
+        assert launch_count(graph1, name) == (fused_launches if name == kernel else 0)
     assert launch_count(graph1, "dueling_log_softmax_q_branches") == 2 - fused_launches
 
 
-@pytest.mark.parametrize("options", [{}, dict(fused_trunk=True), dict(fused_heads=True)],
-                         ids=["plain", "fused-trunk", "fused-heads"])
-def test_on_the_cpu_executor_the_step_is_bitwise_the_nodes(options, monkeypatch):
+@pytest.mark.parametrize("precision, options", [
+    ("bf16", {}), ("bf16", dict(fused_trunk=True)), ("bf16", dict(fused_heads=True)), ("f32", {})],
+    ids=["plain", "fused-trunk", "fused-heads", "f32"])
+def test_on_the_cpu_executor_the_step_is_bitwise_the_nodes(precision, options, monkeypatch):
     """The launch's twin is the composition of the nodes' reference functions, so the CPU
     executor's steps with and without it end in the same bits (every state buffer, the step
     scalars, the TD errors and the greedy Q's), the second-wave sources on. With
     ``fused_heads`` the heads' fused forward runs instead (the launch is not used)."""
-    config = DQNConfig.preset("tiny", precision="bf16", lambda_iqn=1.0,
+    config = DQNConfig.preset("tiny", precision=precision, lambda_iqn=1.0,
                               aux_next_bar_weight=0.1, aux_regime_weight=0.1)
     with_launch = step_run(config, options)
-    monkeypatch.setattr(step_program, "FUSE_HEAD_OUTPUTS", False)
+    monkeypatch.setattr(step_program, "FUSE_HEAD_OUTPUTS", frozenset())
     assert_runs_bitwise_equal(config, step_run(config, options), with_launch)
 
 
 # --------------------------------------------------------------------------------- GPU
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", CASES)
-def test_fused_kernel_conforms_to_the_twin(case):
-    kw = _kwargs(case, seed=7)
-    assert not _failures(kw, fast_trunk.heads_out_dueling_bf16(**kw), heads_out_dueling_bf16(**kw))
+def test_fused_kernel_conforms_to_the_twin(case, precision):
+    kw = _kwargs(case, seed=7, precision=precision)
+    assert not _failures(kw, _fast(precision)(**kw), _twin(precision)(**kw), precision)
 
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", ["seed", "odd"])
-def test_its_dueling_outputs_are_the_fast_dueling_kernels_on_its_own_outputs(case):
+def test_its_dueling_outputs_are_the_fast_dueling_kernels_on_its_own_outputs(case, precision):
     """Bit for bit (NaN payloads aside): the kernel runs dueling_log_softmax_q_branches' register
     path on the v / adv it computed."""
     from foxhunt.fast.kernels import fused as fast_fused
 
-    kw = _kwargs(case, seed=11)
-    got = fast_trunk.heads_out_dueling_bf16(**kw)
+    kw = _kwargs(case, seed=11, precision=precision)
+    got = _fast(precision)(**kw)
     v, adv = _pack(got.out, int(kw["out"][0]), kw["n_actions"].tolist())
     d = fast_fused.dueling_log_softmax_q_branches(v, adv, kw["z"], tuple(kw["n_actions"].tolist()),
                                                   bool(kw["with_q"]))
@@ -254,12 +307,13 @@ def test_its_dueling_outputs_are_the_fast_dueling_kernels_on_its_own_outputs(cas
 
 @gpu
 @pytest.mark.gpu
-def test_a_nan_hidden_row_stays_in_its_sample_and_the_kernel_is_deterministic():
-    kw = _kwargs("seed", seed=9)
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_nan_hidden_row_stays_in_its_sample_and_the_kernel_is_deterministic(precision):
+    kw = _kwargs("seed", seed=9, precision=precision)
     hid = kw["hid"].copy()
     hid[37, 5] = np.nan  # the value head's hidden values of sample 37
-    first = fast_trunk.heads_out_dueling_bf16(**{**kw, "hid": hid})
-    second = fast_trunk.heads_out_dueling_bf16(**{**kw, "hid": hid})
+    first = _fast(precision)(**{**kw, "hid": hid})
+    second = _fast(precision)(**{**kw, "hid": hid})
     assert all(a.tobytes() == b.tobytes() for a, b in zip(first, second))
     rows = hid.shape[0]
     others = np.arange(rows) != 37
@@ -267,5 +321,5 @@ def test_a_nan_hidden_row_stays_in_its_sample_and_the_kernel_is_deterministic():
     assert np.isfinite(first.out[others]).all()
     sample = np.concatenate([np.repeat(np.arange(rows) == 37, n) for n in kw["n_actions"]])
     assert np.isnan(first.logp[sample]).all() and np.isfinite(first.logp[~sample]).all()
-    clean = fast_trunk.heads_out_dueling_bf16(**kw)
+    clean = _fast(precision)(**kw)
     assert first.logp[~sample].tobytes() == clean.logp[~sample].tobytes()

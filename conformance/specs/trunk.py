@@ -59,6 +59,9 @@ cell (``L``); a log-probability's at most its ``L`` plus the row's largest finit
 log-sum-exp is 1-Lipschitz in the max norm; a ``-Inf`` logit adds exactly 0 to it in both
 paths); ``q``'s at most ``2 max|z|`` times the row's largest finite ``L`` (``dq = sum_j p_j (z_j -
 q) dlogit_j``). The carried bound enters as extra magnitude of the reduction tolerance.
+``heads_out_dueling_f32`` (the f32 step's): the same cases and bounds with W2 float32 (uniform,
+not BF16 values) and no ``hid_bf16``: ``out`` by the GEMM policy on ``[hid, 1]`` against the
+block-diagonal ``[W2^T; b2]``.
 """
 
 from __future__ import annotations
@@ -147,11 +150,13 @@ def _sample(d: Dims, rng) -> Kwargs:
 
 
 # ----------------------------------------------------------------------------- the bounds
-def _operands(a: np.ndarray, w_bf16: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``([a, 1], [W^T; b])`` in float64: the layer's GEMM with the bias as one more term."""
+def _operands(a: np.ndarray, w: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``([a, 1], [W^T; b])`` in float64: the layer's GEMM with the bias as one more term (``w``
+    BF16 bits, or float32 values)."""
     ones = np.ones((a.shape[0], 1), F64)
+    w32 = bf16_to_f32(w) if w.dtype == U16 else w
     return (np.concatenate([a.astype(F64), ones], axis=1),
-            np.concatenate([bf16_to_f32(w_bf16).T.astype(F64), b[None, :].astype(F64)], axis=0))
+            np.concatenate([w32.T.astype(F64), b[None, :].astype(F64)], axis=0))
 
 
 def _outward_f32(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -275,9 +280,9 @@ def _heads_sample(d: Dims, rng) -> Kwargs:
 
 
 def block_diagonal_w2(w2: np.ndarray, hidden, out) -> np.ndarray:
-    """The heads' W2 as one ``[OT, HT]`` BF16 operand: head h's ``w2`` rows (their first
-    ``hidden[h]`` columns) at its hidden columns, zeros elsewhere."""
-    full = np.zeros((sum(out), sum(hidden)), U16)
+    """The heads' W2 as one ``[OT, HT]`` operand of ``w2``'s dtype (BF16 bits or float32): head
+    h's ``w2`` rows (their first ``hidden[h]`` columns) at its hidden columns, zeros elsewhere."""
+    full = np.zeros((sum(out), sum(hidden)), w2.dtype)
     h0 = o0 = 0
     for width, o in zip(hidden, out):
         full[o0:o0 + o, h0:h0 + width] = w2[o0:o0 + o, :width]
@@ -315,11 +320,15 @@ def hod_dims(case: str) -> tuple[int, tuple[int, ...], tuple[int, ...], int]:
             tuple(cfg.branches), cfg.num_atoms)
 
 
-def hod_sample(rng, rows: int, hidden, branches, na: int, with_q: bool = True) -> Kwargs:
-    """Keyword arguments of ``heads_out_dueling_bf16`` (module docstring's values; a head's W2
-    rows past its hidden width hold values too: the kernel must not read them)."""
+def hod_sample(rng, rows: int, hidden, branches, na: int, with_q: bool = True,
+               precision: str = "bf16") -> Kwargs:
+    """Keyword arguments of ``heads_out_dueling_bf16`` (``precision`` ``"f32"``:
+    ``heads_out_dueling_f32``'s, W2 float32; module docstring's values; a head's W2 rows past its
+    hidden width hold values too: the kernel must not read them)."""
     out = (na,) + tuple(n * na for n in branches)
-    w2 = np.concatenate([_bf16(rng, (o, max(hidden)), GAIN / np.sqrt(w))
+    draw = _bf16 if precision == "bf16" else (
+        lambda g, shape, scale: g.uniform(-scale, scale, shape).astype(F32))
+    w2 = np.concatenate([draw(rng, (o, max(hidden)), GAIN / np.sqrt(w))
                          for w, o in zip(hidden, out)])
     return {"hid": rng.uniform(0.0, 1.0, (rows, sum(hidden))).astype(F32), "w2": w2,
             "b2": rng.uniform(-BIAS, BIAS, sum(out)).astype(F32), "z": support(na),
@@ -329,6 +338,10 @@ def hod_sample(rng, rows: int, hidden, branches, na: int, with_q: bool = True) -
 
 def _hod_sample(d: Dims, rng) -> Kwargs:
     return hod_sample(rng, *hod_dims(d.case), with_q=d.case != "odd")
+
+
+def _hod_f32_sample(d: Dims, rng) -> Kwargs:
+    return hod_sample(rng, *hod_dims(d.case), with_q=d.case != "odd", precision="f32")
 
 
 def _finite_or_max(x: np.ndarray) -> np.ndarray:
@@ -341,7 +354,8 @@ def _hod_scales(kwargs: Kwargs, expected) -> dict:
     hidden, out = (tuple(int(x) for x in kwargs[k]) for k in ("hidden", "out"))
     branches = tuple(int(n) for n in kwargs["n_actions"])
     na, rows = out[0], kwargs["hid"].shape[0]
-    two, _, _ = _layer(bf16_to_f32(expected["hid_bf16"]), None,
+    bf16 = "hid_bf16" in expected  # heads_out_dueling_bf16's; the f32 kernel multiplies hid
+    two, _, _ = _layer(bf16_to_f32(expected["hid_bf16"]) if bf16 else kwargs["hid"], None,
                        block_diagonal_w2(kwargs["w2"], hidden, out), kwargs["b2"],
                        (-np.inf, np.inf))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -360,7 +374,7 @@ def _hod_scales(kwargs: Kwargs, expected) -> dict:
     v, adv = expected["out"][:, :na], expected["out"][:, na:]
     own = {"logits": (max(branches), maxabs(v) + 2 * maxabs(adv)),
            "logp": (na, 1.0 + 2 * maxabs(expected["logits"])), "q": (na, maxabs(kwargs["z"]))}
-    out_scales = {"hid_bf16": {}, "out": two}
+    out_scales = {"hid_bf16": {}, "out": two} if bf16 else {"out": two}
     for name, (length, magnitude) in own.items():
         with np.errstate(over="ignore"):  # a non-finite carried bound: an infinite allowance
             extra = _finite_or_max(carried[name]) / (REDUCTION_ATOL_PER_ELEM * max(int(length), 1))
@@ -371,12 +385,14 @@ def _hod_scales(kwargs: Kwargs, expected) -> dict:
 
 
 def hod_rows_stay(kwargs, out, poisoned) -> list[str]:
-    """The contract that a row of ``hid`` whose BF16 copy is not finite (f32 max rounds to Inf)
-    reaches only its own sample's rows of ``out``, ``logits``, ``logp`` and ``q`` (where ``hid``
-    is the poisoned input)."""
+    """The contract that a row of ``hid`` whose multiplied copy is not finite (BF16: f32 max
+    rounds to Inf; the f32 kernel multiplies ``hid`` itself) reaches only its own sample's rows of
+    ``out``, ``logits``, ``logp`` and ``q`` (where ``hid`` is the poisoned input)."""
     if poisoned is None or poisoned.split(":")[1] != "hid":
         return []
-    bad = ~np.all(np.isfinite(bf16_to_f32(f32_to_bf16(kwargs["hid"]))), axis=1)
+    hid = kwargs["hid"]
+    multiplied = bf16_to_f32(f32_to_bf16(hid)) if kwargs["w2"].dtype == U16 else hid
+    bad = ~np.all(np.isfinite(multiplied), axis=1)
     rows = bad.shape[0]
     branches = tuple(int(n) for n in kwargs["n_actions"])
     packed = np.concatenate([np.repeat(bad, n) for n in branches])  # branch-packed (d, b, a)
@@ -437,6 +453,26 @@ ENTRIES = (
         errors=error_cases(
             _hod_sample,
             lambda k: wrong_dtype(k, "hid"),
+            lambda k: replace(k, hid=k["hid"][:, 1:].copy()),
+            lambda k: replace(k, w2=k["w2"][1:].copy()),
+            lambda k: replace(k, z=k["z"][:-1].copy()),
+            lambda k: replace(k, hidden=(k["hidden"] + 8).astype(np.int32)),
+            lambda k: replace(k, n_actions=np.concatenate([k["n_actions"], k["n_actions"][:1]])),
+            lambda k: replace(k, with_q=1),
+        ),
+        scales=_hod_scales,
+        contract=hod_rows_stay,
+    ),
+    SpecEntry(
+        name="heads_out_dueling_f32",
+        outputs={"out": f32(GEMM), "logits": f32(REDUCTION), "logp": f32(REDUCTION),
+                 "q": f32(REDUCTION)},
+        sample=_hod_f32_sample,
+        targets=("hid", "w2", "b2", "z"),
+        errors=error_cases(
+            _hod_f32_sample,
+            lambda k: wrong_dtype(k, "hid"),
+            lambda k: wrong_dtype(k, "w2"),
             lambda k: replace(k, hid=k["hid"][:, 1:].copy()),
             lambda k: replace(k, w2=k["w2"][1:].copy()),
             lambda k: replace(k, z=k["z"][:-1].copy()),

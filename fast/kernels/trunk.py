@@ -66,6 +66,7 @@ from foxhunt.reference.kernels.trunk import (
     TRUNK_WIDTH_MULTIPLE,
     HeadsForward,
     HeadsOutDueling,
+    HeadsOutDuelingF32,
     TrunkForward,
     aux_row_bytes,
     check_heads_dims,
@@ -73,7 +74,7 @@ from foxhunt.reference.kernels.trunk import (
     check_trunk_dims,
     heads_packed_offsets,
     validate_heads_forward_bf16,
-    validate_heads_out_dueling_bf16,
+    validate_heads_out_dueling,
     validate_trunk_forward_bf16,
 )
 
@@ -258,9 +259,10 @@ def heads_table(hidden, out, offsets) -> np.ndarray:
 
 def place_heads(hidden, out, w2, b2, w1=None, b1=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The test entries' parameter set: the heads' tensors one after another (each start a
-    multiple of ``HEADS_W_ALIGN``), the BF16 weights in a mirror, the f32 biases in a parameter
-    buffer of the same length, given side by side (``w2 [OT, max(hidden)]``, a head's first
-    ``hidden[h]`` columns placed); ``(mirror, params, table)``. Without ``w1`` / ``b1`` (``[HT,
+    multiple of ``HEADS_W_ALIGN``), the BF16 weights in a mirror, the f32 biases (and a float32
+    ``w2``: ``heads_out_dueling_f32``'s) in a parameter buffer of the same length, given side by
+    side (``w2 [OT, max(hidden)]``, a head's first ``hidden[h]`` columns placed); ``(mirror,
+    params, table)``. Without ``w1`` / ``b1`` (``[HT,
     H2]`` / ``[HT]``; ``heads_out_dueling_bf16`` reads neither) they take no room."""
     h2 = 0 if w1 is None else w1.shape[1]
     offsets, end = [], 0
@@ -277,7 +279,7 @@ def place_heads(hidden, out, w2, b2, w1=None, b1=None) -> tuple[np.ndarray, np.n
             mirror[w1o:w1o + width * h2] = w1[h0:h0 + width].ravel()
         if b1 is not None:
             params[b1o:b1o + width] = b1[h0:h0 + width]
-        mirror[w2o:w2o + o * width] = w2[o0:o0 + o, :width].ravel()
+        (params if w2.dtype == F32 else mirror)[w2o:w2o + o * width] = w2[o0:o0 + o, :width].ravel()
         params[b2o:b2o + o] = b2[o0:o0 + o]
         h0, o0 = h0 + width, o0 + o
     return mirror, params, heads_table(hidden, out, offsets)
@@ -303,8 +305,9 @@ def heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out) -> HeadsForward:
 
 
 # ---------------------------------------------------------------------------------------------
-# heads_out_dueling_bf16 (trunk.cu): f32_to_bf16 of the hidden values, the heads' second layers
-# and dueling_log_softmax_q_branches in one launch; a block per 16 rows and branch.
+# heads_out_dueling_bf16 / heads_out_dueling_f32 (trunk.cu): (f32_to_bf16 of the hidden values,)
+# the heads' second layers and dueling_log_softmax_q_branches in one launch; a block per 16 rows
+# and branch.
 # ---------------------------------------------------------------------------------------------
 #: trunk.cu's HOD_WARPS and HOD_TILES: a block's value-head and branch-head outputs in n8 tiles,
 #: at most HOD_TILES a warp (``tests/test_kernels_heads.py`` reads them back).
@@ -315,73 +318,89 @@ HOD_TILES = 2
 #: dueling log-softmax runs: at most this many actions a branch and atoms.
 HOD_MAX_ACTIONS = 4
 HOD_MAX_ATOMS = 64
+#: trunk.cu's HODF_PAD: floats of padding a row of ``heads_out_dueling_f32``'s hidden tiles.
+HODF_PAD = 4
+#: The kernel of each step precision whose training passes end their heads in one launch.
+HOD_KERNELS = {"bf16": "heads_out_dueling_bf16", "f32": "heads_out_dueling_f32"}
 
 
-def hod_shared_bytes(hidden, out) -> int:
-    """Dynamic shared memory of one block (trunk.cu): the value head's and its branch head's BF16
-    hidden tiles ``BM x (hidden + PAD)``, then their f32 output tiles ``BM x out``; the widest
-    branch's."""
+def hod_shared_bytes(hidden, out, precision: str = "bf16") -> int:
+    """Dynamic shared memory of one block (trunk.cu): the value head's and its branch head's
+    hidden tiles ``BM x (hidden + PAD)`` (BF16, padded by ``TRUNK_PAD``; f32: float32, padded by
+    ``HODF_PAD``), then their f32 output tiles ``BM x out``; the widest branch's."""
     bm = TRUNK_ROWS_PER_BLOCK
-    return max(BF16_BYTES * bm * (hidden[0] + hidden[h] + 2 * TRUNK_PAD) + 4 * bm * (out[0] + out[h])
+    item, pad = (BF16_BYTES, TRUNK_PAD) if precision == "bf16" else (4, HODF_PAD)
+    return max(item * bm * (hidden[0] + hidden[h] + 2 * pad) + 4 * bm * (out[0] + out[h])
                for h in range(1, len(hidden)))
 
 
-def check_heads_out_dueling(hidden, out, branches, num_atoms) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The shape rule of ``heads_out_dueling_bf16`` (trunk.cu's header): the reference's
-    (``check_heads_out_dims``), then the kernel's limits (the register path's actions and atoms,
-    n8 tiles a block, shared memory); one ``ValueError`` naming the field, the value and the
-    rule; returns ``(hidden, out)``."""
-    hidden, out, branches = check_heads_out_dims(hidden, out, branches, num_atoms)
+def check_heads_out_dueling(hidden, out, branches, num_atoms,
+                            precision: str = "bf16") -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shape rule of ``heads_out_dueling_bf16`` / ``heads_out_dueling_f32`` (``precision``;
+    trunk.cu's header): the reference's (``check_heads_out_dims``), then the kernel's limits (the
+    register path's actions and atoms, n8 tiles a block, shared memory); one ``ValueError``
+    naming the field, the value and the rule; returns ``(hidden, out)``."""
+    kernel = HOD_KERNELS[precision]
+    hidden, out, branches = check_heads_out_dims(hidden, out, branches, num_atoms, kernel)
     if not 1 <= num_atoms <= HOD_MAX_ATOMS:
-        raise ValueError(f"num_atoms={num_atoms}: heads_out_dueling_bf16 runs the dueling "
+        raise ValueError(f"num_atoms={num_atoms}: {kernel} runs the dueling "
                          f"log-softmax's register path (1 to {HOD_MAX_ATOMS} atoms)")
     for d, n in enumerate(branches):
         if not 1 <= n <= HOD_MAX_ACTIONS:
-            raise ValueError(f"n_actions[{d}]={n}: heads_out_dueling_bf16 runs the dueling "
+            raise ValueError(f"n_actions[{d}]={n}: {kernel} runs the dueling "
                              f"log-softmax's register path (1 to {HOD_MAX_ACTIONS} actions)")
     tiles = max(-(-out[0] // 8) + -(-o // 8) for o in out[1:])
     if tiles > HOD_WARPS * HOD_TILES:
-        raise ValueError(f"out={out}: heads_out_dueling_bf16 computes at most "
+        raise ValueError(f"out={out}: {kernel} computes at most "
                          f"{HOD_WARPS * HOD_TILES} n8 tiles a block; the value head and a branch "
                          f"need {tiles}")
-    nbytes = hod_shared_bytes(hidden, out)
+    nbytes = hod_shared_bytes(hidden, out, precision)
     if nbytes > SHARED_LIMIT:
-        raise ValueError(f"hidden={hidden}: heads_out_dueling_bf16 needs {nbytes} bytes of "
+        raise ValueError(f"hidden={hidden}: {kernel} needs {nbytes} bytes of "
                          f"shared memory per block; it runs with at most {SHARED_LIMIT}")
     return hidden, out
 
 
-def hod_fusable(hidden, out, branches, num_atoms) -> bool:
-    """Whether a pass's heads can end in ``heads_out_dueling_bf16`` (:func:`check_heads_out_dueling`;
+def hod_fusable(hidden, out, branches, num_atoms, precision: str = "bf16") -> bool:
+    """Whether a pass's heads can end in ``HOD_KERNELS[precision]`` (:func:`check_heads_out_dueling`;
     any architecture the step runs on: sm_80 and newer)."""
     try:
-        check_heads_out_dueling(hidden, out, branches, num_atoms)
+        check_heads_out_dueling(hidden, out, branches, num_atoms, precision)
     except ValueError:
         return False
     return True
 
 
+def _plan_hod(precision: str, rows: int, hidden, out, branches, num_atoms: int) -> Plan:
+    rows = check_int("rows", rows, minimum=1)
+    hidden, out = check_heads_out_dueling(hidden, out, branches, num_atoms, precision)
+    return ((blocks(rows, TRUNK_ROWS_PER_BLOCK), len(hidden) - 1), (HOD_THREADS,),
+            hod_shared_bytes(hidden, out, precision))
+
+
 def plan_heads_out_dueling_bf16(rows: int, hidden, out, branches, num_atoms: int) -> Plan:
     """``((ceil(rows / 16), n_branches), (HOD_THREADS,), hod_shared_bytes(...))``; ``ValueError``
     for shapes the kernel cannot run (:func:`check_heads_out_dueling`)."""
-    rows = check_int("rows", rows, minimum=1)
-    hidden, out = check_heads_out_dueling(hidden, out, branches, num_atoms)
-    return ((blocks(rows, TRUNK_ROWS_PER_BLOCK), len(hidden) - 1), (HOD_THREADS,),
-            hod_shared_bytes(hidden, out))
+    return _plan_hod("bf16", rows, hidden, out, branches, num_atoms)
 
 
-def heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q) -> HeadsOutDueling:
-    """Test entry of the CUDA ``heads_out_dueling_bf16`` (contract as the reference twin): the
-    heads' W2 and b2 placed one after another in a parameter buffer, the hidden values in the
-    step's packed layout (``hid_align`` the step's ``OPERAND_ALIGN``); the outputs side by side
-    as the twin's."""
+def plan_heads_out_dueling_f32(rows: int, hidden, out, branches, num_atoms: int) -> Plan:
+    """As :func:`plan_heads_out_dueling_bf16`, with the f32 kernel's shared memory."""
+    return _plan_hod("f32", rows, hidden, out, branches, num_atoms)
+
+
+def _launch_hod(precision: str, hid, w2, b2, z, hidden, out, n_actions, with_q):
+    """The test entries' launch: the heads' W2 and b2 placed one after another in a parameter
+    buffer (``place_heads``), the hidden values in the step's packed layout (``hid_align`` the
+    step's ``OPERAND_ALIGN``); ``(rows, hidden, out, hid_off, adv_off, packed hid, outputs)``."""
     from foxhunt.fast.step_layout import OPERAND_ALIGN
     from foxhunt.reference.kernels.fused import branch_offsets
 
-    rows, hid_w, outs, branches, with_q = validate_heads_out_dueling_bf16(
-        hid, w2, b2, z, hidden, out, n_actions, with_q)
+    kernel = HOD_KERNELS[precision]
+    rows, hid_w, outs, branches, with_q = validate_heads_out_dueling(
+        hid, w2, b2, z, hidden, out, n_actions, with_q, kernel=kernel)
     na = int(z.shape[0])
-    plan = plan_heads_out_dueling_bf16(rows, hid_w, outs, branches, na)
+    plan = _plan_hod(precision, rows, hid_w, outs, branches, na)
     mirror, params, table = place_heads(hid_w, outs, w2, b2)
     hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
     packed = np.zeros(max(hid_total, 1), F32)
@@ -390,16 +409,39 @@ def heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q) -> He
         packed[hid_off[h]:hid_off[h] + rows * width] = hid[:, h0:h0 + width].ravel()
         h0 += width
     total = sum(branches)
-    hid_bf16, v, adv, logits, logp, q = launch(
-        "heads_out_dueling_bf16", plan, In(packed), In(mirror), In(params), In(table), In(z),
-        In(np.array(branches, np.int32)), In(np.array(branch_offsets(branches), np.int32)), Out((max(hid_total, 1),), U16),
-        Out((rows, na), F32), Out((max(adv_total, 1),), F32), Out((rows * total, na), F32),
-        Out((rows * total, na), F32), Out((rows * total if with_q else 1,), F32), rows,
-        len(hid_w), OPERAND_ALIGN, na, int(with_q))
+    weights = [In(mirror), In(params)] if precision == "bf16" else [In(params)]
+    hid_bf16 = [Out((max(hid_total, 1),), U16)] if precision == "bf16" else []
+    outputs = launch(
+        kernel, plan, In(packed), *weights, In(table), In(z), In(np.array(branches, np.int32)),
+        In(np.array(branch_offsets(branches), np.int32)), *hid_bf16, Out((rows, na), F32),
+        Out((max(adv_total, 1),), F32), Out((rows * total, na), F32), Out((rows * total, na), F32),
+        Out((rows * total if with_q else 1,), F32), rows, len(hid_w), OPERAND_ALIGN, na,
+        int(with_q))
+    return rows, hid_w, outs, hid_off, adv_off, packed, outputs, with_q
+
+
+def heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q) -> HeadsOutDueling:
+    """Test entry of the CUDA ``heads_out_dueling_bf16`` (contract as the reference twin): the
+    heads' W2 and b2 placed one after another in a parameter buffer, the hidden values in the
+    step's packed layout (``hid_align`` the step's ``OPERAND_ALIGN``); the outputs side by side
+    as the twin's."""
+    rows, hid_w, outs, hid_off, adv_off, packed, outputs, with_q = _launch_hod(
+        "bf16", hid, w2, b2, z, hidden, out, n_actions, with_q)
+    hid_bf16, v, adv, logits, logp, q = outputs
     _, hid_bf16, out_cols = unpack_heads(hid_w, outs, rows, hid_off, adv_off, packed, hid_bf16, v,
                                          adv)
     return HeadsOutDueling(hid_bf16, out_cols, logits, logp,
                            q if with_q else np.zeros(0, F32))
+
+
+def heads_out_dueling_f32(hid, w2, b2, z, hidden, out, n_actions, with_q) -> HeadsOutDuelingF32:
+    """Test entry of the CUDA ``heads_out_dueling_f32`` (contract as the reference twin; the
+    placement of :func:`heads_out_dueling_bf16`'s, W2 in the f32 parameter buffer)."""
+    rows, hid_w, outs, hid_off, adv_off, packed, outputs, with_q = _launch_hod(
+        "f32", hid, w2, b2, z, hidden, out, n_actions, with_q)
+    v, adv, logits, logp, q = outputs
+    _, _, out_cols = unpack_heads(hid_w, outs, rows, hid_off, adv_off, packed, packed, v, adv)
+    return HeadsOutDuelingF32(out_cols, logits, logp, q if with_q else np.zeros(0, F32))
 
 
 def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
@@ -413,4 +455,5 @@ def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
 
 
 KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16,
-           "heads_out_dueling_bf16": heads_out_dueling_bf16}
+           "heads_out_dueling_bf16": heads_out_dueling_bf16,
+           "heads_out_dueling_f32": heads_out_dueling_f32}

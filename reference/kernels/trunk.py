@@ -24,7 +24,9 @@ outputs (``fast/step_layout.py``), which the fast test entry and the CPU executo
 ``heads_out_dueling_bf16``, the composition of the nodes that end a BF16 training pass's heads
 (``StepProgram.forward`` with ``FUSE_HEAD_OUTPUTS``): ``dense.f32_to_bf16`` of the hidden
 values, every head's second-layer GEMM with the BIAS epilogue and
-``fused.dueling_log_softmax_q_branches`` (:func:`heads_out_dueling_bf16`).
+``fused.dueling_log_softmax_q_branches`` (:func:`heads_out_dueling_bf16`); ``heads_out_dueling_f32``,
+its twin in the f32 step (every head's f32 second-layer GEMM with the BIAS epilogue and the
+dueling log-softmax: :func:`heads_out_dueling_f32`).
 """
 
 from __future__ import annotations
@@ -211,16 +213,20 @@ def validate_heads_forward_bf16(h2b, w1, b1, w2, b2, hidden, out):
     return rows, h2, hid, outs
 
 
-def second_layers(hid_bf16: np.ndarray, w2: np.ndarray, b2: np.ndarray, hidden, out) -> list:
-    """Every head's second layer ``hid_bf16[:, H_h] @ w2[O_h, :hidden[h]]^T + b2[O_h]`` (the
-    GEMM on the BF16 values, float32 accumulation, one f32 bias add), a ``[rows, out[h]]``
-    float32 array a head (the heads side by side as in :func:`heads_forward_bf16`)."""
+def second_layers(hid: np.ndarray, w2: np.ndarray, b2: np.ndarray, hidden, out, *,
+                  mode: str = "bf16") -> list:
+    """Every head's second layer ``hid[:, H_h] @ w2[O_h, :hidden[h]]^T + b2[O_h]`` (the GEMM
+    ``dense.gemm`` in ``mode``, float32 accumulation, one f32 bias add), a ``[rows, out[h]]``
+    float32 array a head (the heads side by side as in :func:`heads_forward_bf16`). ``mode``
+    ``"bf16"``: ``hid`` and ``w2`` are BF16 bits (uint16); ``"f32"``: float32 values."""
+    if mode == "bf16":
+        hid, w2 = dense.bf16_to_f32(hid), dense.bf16_to_f32(w2)
     parts = []
     for h, (width, o0, o1) in enumerate(zip(hidden, np.cumsum((0,) + tuple(out[:-1])),
                                             np.cumsum(out))):
         h0 = sum(hidden[:h])
-        pre = dense.gemm(dense.bf16_to_f32(hid_bf16[:, h0:h0 + width]),
-                         dense.bf16_to_f32(w2[o0:o1, :width]), trans_b=True, mode="bf16",
+        pre = dense.gemm(np.ascontiguousarray(hid[:, h0:h0 + width]),
+                         np.ascontiguousarray(w2[o0:o1, :width]), trans_b=True, mode=mode,
                          rounded=True)
         parts.append((pre + b2[o0:o1]).astype(F32, copy=False))
     return parts
@@ -283,44 +289,56 @@ class HeadsOutDueling(NamedTuple):
     q: np.ndarray         # float32 [rows * A_total] or [0]
 
 
-def check_heads_out_dims(hidden, out, n_actions, num_atoms):
-    """The shape rule of ``heads_out_dueling_bf16``'s heads (the fast kernel adds its limits: fast
-    ``kernels.trunk.check_heads_out_dueling``): every hidden width a positive multiple of 16, at
-    least one branch, the value head and one head a branch, ``out == (NA, n_0 NA, ...)``; one
-    ``ValueError`` naming the field, the value and the rule. Returns ``(hidden, out, branches)``
-    as int tuples."""
+class HeadsOutDuelingF32(NamedTuple):
+    """Outputs of ``heads_out_dueling_f32``: :class:`HeadsOutDueling`'s without ``hid_bf16``."""
+
+    out: np.ndarray       # float32 [rows, OT]
+    logits: np.ndarray    # float32 [rows * A_total, NA]
+    logp: np.ndarray      # float32 [rows * A_total, NA]
+    q: np.ndarray         # float32 [rows * A_total] or [0]
+
+
+def check_heads_out_dims(hidden, out, n_actions, num_atoms, kernel: str = "heads_out_dueling_bf16"):
+    """The shape rule of ``kernel``'s heads (``heads_out_dueling_bf16`` or ``_f32``; the fast
+    kernels add their limits: fast ``kernels.trunk.check_heads_out_dueling``): every hidden width
+    a positive multiple of 16, at least one branch, the value head and one head a branch, ``out ==
+    (NA, n_0 NA, ...)``; one ``ValueError`` naming the field, the value and the rule. Returns
+    ``(hidden, out, branches)`` as int tuples."""
     from foxhunt.reference.kernels.fused import require_branches
 
     hidden, out = check_heads_dims(TRUNK_WIDTH_MULTIPLE, hidden, out)
     branches = tuple(int(n) for n in n_actions)
     num_atoms = check_int("num_atoms", num_atoms, minimum=1)
     if not branches:
-        raise ValueError(f"n_actions={branches}: heads_out_dueling_bf16 needs at least one branch")
+        raise ValueError(f"n_actions={branches}: {kernel} needs at least one branch")
     branches = require_branches(branches)
     if len(hidden) != len(branches) + 1:
-        raise ValueError(f"hidden={hidden}: heads_out_dueling_bf16 needs the value head and one "
+        raise ValueError(f"hidden={hidden}: {kernel} needs the value head and one "
                          f"head a branch: {len(branches) + 1} heads for n_actions={branches}")
     want = (num_atoms,) + tuple(n * num_atoms for n in branches)
     if out != want:
-        raise ValueError(f"out={out}: heads_out_dueling_bf16 needs (NA, n_0 NA, ...) = {want}")
+        raise ValueError(f"out={out}: {kernel} needs (NA, n_0 NA, ...) = {want}")
     return hidden, out, branches
 
 
-def validate_heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q):
-    """The argument checks of ``heads_out_dueling_bf16``; returns ``(rows, hidden, out, branches,
-    with_q)``: ``hid [rows, HT]`` float32, ``w2 [OT, max(hidden)]`` uint16, ``b2 [OT]`` float32,
-    ``z [NA]`` float32, ``hidden`` / ``out`` int32 ``[n_heads]`` (2 to HEADS_MAX heads, every
-    hidden width a positive multiple of 16), ``n_actions`` int32 ``[n_heads - 1]`` with ``out[0] ==
-    NA`` and ``out[d + 1] == n_actions[d] * NA``, ``with_q`` a bool."""
+def validate_heads_out_dueling(hid, w2, b2, z, hidden, out, n_actions, with_q, *,
+                               kernel: str = "heads_out_dueling_bf16"):
+    """The argument checks of ``kernel`` (``heads_out_dueling_bf16``: ``w2`` uint16 BF16 bits;
+    ``heads_out_dueling_f32``: float32); returns ``(rows, hidden, out, branches, with_q)``: ``hid
+    [rows, HT]`` float32, ``w2 [OT, max(hidden)]``, ``b2 [OT]`` float32, ``z [NA]`` float32,
+    ``hidden`` / ``out`` int32 ``[n_heads]`` (2 to HEADS_MAX heads, every hidden width a positive
+    multiple of 16), ``n_actions`` int32 ``[n_heads - 1]`` with ``out[0] == NA`` and ``out[d + 1]
+    == n_actions[d] * NA``, ``with_q`` a bool."""
     require_array("hid", hid, F32, ndim=2)
     require_array("hidden", hidden, np.dtype(np.int32), ndim=1)
     require_array("out", out, np.dtype(np.int32), ndim=1)
     require_array("n_actions", n_actions, np.dtype(np.int32), ndim=1)
     require_array("z", z, F32, ndim=1)
     rows = hid.shape[0]
-    hid_w, outs, branches = check_heads_out_dims(hidden, out, n_actions, z.shape[0])  # NA: z's
+    hid_w, outs, branches = check_heads_out_dims(hidden, out, n_actions, z.shape[0],  # NA: z's
+                                                 kernel)
     require_shape("hid", hid, (rows, sum(hid_w)), "[rows, sum(hidden)]")
-    require_array("w2", w2, U16, ndim=2)
+    require_array("w2", w2, F32 if kernel.endswith("_f32") else U16, ndim=2)
     require_shape("w2", w2, (sum(outs), max(hid_w)), "[sum(out), max(hidden)]")
     require_array("b2", b2, F32, ndim=1)
     require_shape("b2", b2, (sum(outs),), "[sum(out)]")
@@ -328,6 +346,16 @@ def validate_heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with
     if not isinstance(with_q, (bool, np.bool_)):
         raise ValueError(f"with_q: {with_q!r} is not allowed; expected True or False")
     return rows, hid_w, outs, branches, bool(with_q)
+
+
+def _dueling_of(parts: list, z: np.ndarray, branches, with_q: bool):
+    """``dueling_log_softmax_q_branches`` on the value head's and the branch heads' outputs
+    (``parts``, :func:`second_layers`' list)."""
+    from foxhunt.reference.kernels import fused
+
+    na = int(z.shape[0])
+    adv = np.concatenate([p.reshape(-1, na) for p in parts[1:]], axis=0).astype(F32)
+    return fused.dueling_log_softmax_q_branches(parts[0], adv, z, branches, with_q)
 
 
 def heads_out_dueling_bf16(hid: np.ndarray, w2: np.ndarray, b2: np.ndarray, z: np.ndarray,
@@ -347,18 +375,39 @@ def heads_out_dueling_bf16(hid: np.ndarray, w2: np.ndarray, b2: np.ndarray, z: n
     reaches row i of its head's outputs; in ``w2`` row j or ``b2[j]`` that output column in every
     row; ``f32_to_bf16`` keeps NaN; then ``dueling_log_softmax_q_branches``' contract).
     """
-    from foxhunt.reference.kernels import fused
-
-    rows, hid_w, outs, branches, with_q = validate_heads_out_dueling_bf16(
+    rows, hid_w, outs, branches, with_q = validate_heads_out_dueling(
         hid, w2, b2, z, hidden, out, n_actions, with_q)
     hid_bf16 = dense.f32_to_bf16(hid)
     parts = second_layers(hid_bf16, w2, b2, hid_w, outs)
-    na = int(z.shape[0])
-    adv = np.concatenate([p.reshape(-1, na) for p in parts[1:]], axis=0).astype(F32)
-    r = fused.dueling_log_softmax_q_branches(parts[0], adv, z, branches, with_q)
+    r = _dueling_of(parts, z, branches, with_q)
     return HeadsOutDueling(hid_bf16, np.concatenate(parts, axis=1).astype(F32), r.logits, r.logp,
                            r.q)
 
 
+def heads_out_dueling_f32(hid: np.ndarray, w2: np.ndarray, b2: np.ndarray, z: np.ndarray,
+                          hidden: np.ndarray, out: np.ndarray, n_actions: np.ndarray,
+                          with_q) -> HeadsOutDuelingF32:
+    """The f32 step's twin of :func:`heads_out_dueling_bf16`, the composition of the nodes it
+    replaces there (the heads side by side as in :func:`heads_forward_bf16`):
+
+    - per head h: ``out[:, O_h] = hid[:, H_h] @ w2[O_h, :hidden[h]]^T + b2[O_h]`` (``dense.gemm``
+      mode ``"f32"``: float32 products and sums, then one f32 bias add; cuBLASLt's f32 GEMM with
+      the BIAS epilogue); head 0 the value head ``v [rows, NA]``, head d + 1 branch d's
+      advantages ``[rows, n_d NA]``;
+    - ``logits, logp, q = fused.dueling_log_softmax_q_branches(v, adv, z, n_actions, with_q)``.
+
+    Shapes as :func:`heads_out_dueling_bf16`'s with ``w2`` float32. NaN contract: the nodes'
+    composed (IEEE through the GEMMs: a NaN or Inf in row i of ``hid`` reaches row i of its head's
+    outputs; in ``w2`` row j or ``b2[j]`` that output column in every row; then
+    ``dueling_log_softmax_q_branches``' contract).
+    """
+    rows, hid_w, outs, branches, with_q = validate_heads_out_dueling(
+        hid, w2, b2, z, hidden, out, n_actions, with_q, kernel="heads_out_dueling_f32")
+    parts = second_layers(hid, w2, b2, hid_w, outs, mode="f32")
+    r = _dueling_of(parts, z, branches, with_q)
+    return HeadsOutDuelingF32(np.concatenate(parts, axis=1).astype(F32), r.logits, r.logp, r.q)
+
+
 KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16,
-           "heads_out_dueling_bf16": heads_out_dueling_bf16}
+           "heads_out_dueling_bf16": heads_out_dueling_bf16,
+           "heads_out_dueling_f32": heads_out_dueling_f32}
