@@ -1041,7 +1041,26 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
 // for the widest branch head h (fast/kernels/trunk.py hod_shared_bytes).
 // =============================================================================================
 #define HODF_PAD 4
-#define HODF_UNROLL 4
+#define HODF_CHUNK 4
+
+// The lane's W2 values of quads kq0 .. kq0 + HODF_CHUNK - 1 of its tiles' two columns (0 past a
+// tile's quads: a tile's quads are a multiple of HODF_CHUNK, so a chunk is whole or empty).
+static __device__ __forceinline__ void hodf_load_b(float4 (&b)[HOD_TILES][2][HODF_CHUNK],
+                                                   const float* const (&w_row)[HOD_TILES][2],
+                                                   const int (&quads)[HOD_TILES], int kq0) {
+#pragma unroll
+    for (int i = 0; i < HOD_TILES; ++i) {
+        const bool live = kq0 < quads[i];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+#pragma unroll
+            for (int j = 0; j < HODF_CHUNK; ++j) {
+                b[i][e][j] = live ? __ldg(reinterpret_cast<const float4*>(w_row[i][e]) + kq0 + j)
+                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+        }
+    }
+}
 
 extern "C" __global__ void __launch_bounds__(HOD_THREADS)
 heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ params,
@@ -1078,36 +1097,8 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
     float z_lane[kDuelingRegChunks];
     dueling_z_lane(z_lane, z, want_q, num_atoms, lane);
 
-    // The hidden values into the tiles (rows past `rows` as +0.0): warp w the tile's row w, lane
-    // l its quads l, l + 32, ... of the row's quads0 + quads1, HOD_LOADS loads in flight a lane.
-    const int warp = threadIdx.x >> 5;
-    const int quads0 = hidden0 / 4;
-    const int n_quads = quads0 + hidden1 / 4;
-    const int row = row0 + warp;
-    const bool row_live = row < rows;
-    for (int c0 = lane; c0 < n_quads; c0 += 32 * HOD_LOADS) {
-        float4 x[HOD_LOADS];
-#pragma unroll
-        for (int u = 0; u < HOD_LOADS; ++u) {
-            const int c = c0 + u * 32;
-            const long long at = c >= quads0 ? hid_off1 + (long long)row * hidden1 + (c - quads0) * 4
-                                             : (long long)row * hidden0 + c * 4;
-            x[u] = (row_live && c < n_quads) ? *reinterpret_cast<const float4*>(hid + at)
-                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int u = 0; u < HOD_LOADS; ++u) {
-            const int c = c0 + u * 32;
-            if (c >= n_quads) {
-                break;
-            }
-            float* tile = c >= quads0 ? a_tile1 + warp * a_stride1 + (c - quads0) * 4
-                                      : a_tile0 + warp * a_stride0 + c * 4;
-            *reinterpret_cast<float4*>(tile) = x[u];
-        }
-    }
-
     // The second layers' operands: warp w's n8 tiles w + HOD_WARPS i (the value head's first).
+    const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int tiles0 = (out0 + 7) / 8;
@@ -1140,27 +1131,65 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
         }
         acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     }
-    __syncthreads();
+    // acc[2 half + e] += A[g + 8 half][k] W2[n0 + 2 t4 + e][k], k in order, one fmaf each; the
+    // W2 values HODF_CHUNK quads (4 k each) a tile and column at a time, all of a chunk's loads
+    // in flight together (the first chunk's before the hidden values' loads, in flight with them;
+    // a hidden width is a multiple of 16, so a tile's chunks are whole).
+    float4 b[HOD_TILES][2][HODF_CHUNK];
+    hodf_load_b(b, w_row, quads, 0);
 
-    // acc[2 half + e] += A[g + 8 half][k] W2[n0 + 2 t4 + e][k], k in order, one fmaf each.
-#pragma unroll HODF_UNROLL
-    for (int kq = 0; kq < k_quads; ++kq) {
+    // The hidden values into the tiles (rows past `rows` as +0.0): warp w the tile's row w, lane
+    // l its quads l, l + 32, ... of the row's quads0 + quads1, HOD_LOADS loads in flight a lane.
+    const int quads0 = hidden0 / 4;
+    const int n_quads = quads0 + hidden1 / 4;
+    const int row = row0 + warp;
+    const bool row_live = row < rows;
+    for (int c0 = lane; c0 < n_quads; c0 += 32 * HOD_LOADS) {
+        float4 x[HOD_LOADS];
 #pragma unroll
-        for (int i = 0; i < HOD_TILES; ++i) {
-            if (kq < quads[i]) {
-                const float4 a0 = *reinterpret_cast<const float4*>(a_row[i] + kq * 4);
-                const float4 a1 = *reinterpret_cast<const float4*>(a_row[i] + 8 * stride[i] + kq * 4);
-                const float4 b0 = __ldg(reinterpret_cast<const float4*>(w_row[i][0]) + kq);
-                const float4 b1 = __ldg(reinterpret_cast<const float4*>(w_row[i][1]) + kq);
-                const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
-                const float bv[2][4] = {{b0.x, b0.y, b0.z, b0.w}, {b1.x, b1.y, b1.z, b1.w}};
+        for (int u = 0; u < HOD_LOADS; ++u) {
+            const int c = c0 + u * 32;
+            const long long at = c >= quads0 ? hid_off1 + (long long)row * hidden1 + (c - quads0) * 4
+                                             : (long long)row * hidden0 + c * 4;
+            x[u] = (row_live && c < n_quads) ? *reinterpret_cast<const float4*>(hid + at)
+                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
 #pragma unroll
-                for (int j = 0; j < 4; ++j) {
+        for (int u = 0; u < HOD_LOADS; ++u) {
+            const int c = c0 + u * 32;
+            if (c >= n_quads) {
+                break;
+            }
+            float* tile = c >= quads0 ? a_tile1 + warp * a_stride1 + (c - quads0) * 4
+                                      : a_tile0 + warp * a_stride0 + c * 4;
+            *reinterpret_cast<float4*>(tile) = x[u];
+        }
+    }
+    __syncthreads();
+    for (int kq0 = 0; kq0 < k_quads; kq0 += HODF_CHUNK) {
+        if (kq0 > 0) {
+            hodf_load_b(b, w_row, quads, kq0);
+        }
 #pragma unroll
-                    for (int half = 0; half < 2; ++half) {
+        for (int j = 0; j < HODF_CHUNK; ++j) {
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            acc[i][2 * half + e] = fmaf(av[half][j], bv[e][j], acc[i][2 * half + e]);
+            for (int i = 0; i < HOD_TILES; ++i) {
+                if (kq0 < quads[i]) {
+                    const float4 a0 = *reinterpret_cast<const float4*>(a_row[i] + (kq0 + j) * 4);
+                    const float4 a1 =
+                        *reinterpret_cast<const float4*>(a_row[i] + 8 * stride[i] + (kq0 + j) * 4);
+                    const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+                    const float bv[2][4] = {{b[i][0][j].x, b[i][0][j].y, b[i][0][j].z, b[i][0][j].w},
+                                            {b[i][1][j].x, b[i][1][j].y, b[i][1][j].z, b[i][1][j].w}};
+#pragma unroll
+                    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+                        for (int half = 0; half < 2; ++half) {
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                acc[i][2 * half + e] =
+                                    fmaf(av[half][kk], bv[e][kk], acc[i][2 * half + e]);
+                            }
                         }
                     }
                 }

@@ -51,7 +51,10 @@ memory of :func:`hod_shared_bytes` (at most ``SHARED_LIMIT``: no opt-in); shapes
 (:func:`check_heads_out_dueling`) raise one ``ValueError``, and the step then keeps the nodes
 (:func:`hod_fusable`). The BF16 training passes use it by default (``fast.step_program``'s
 ``FUSE_HEAD_OUTPUTS``; the README's "The heads' outputs and the dueling log-softmax in one
-launch" has its figures).
+launch" has its figures). Its f32 twin ``heads_out_dueling_f32``
+(``plan_heads_out_dueling_f32``, the same grid and block; f32 hidden tiles padded by
+``HODF_PAD``, so wider heads reach ``SHARED_LIMIT`` first) ends the f32 step's training passes
+(``HOD_KERNELS`` names each precision's kernel).
 """
 
 from __future__ import annotations
