@@ -292,7 +292,9 @@ def tiny_sweeps(request, tmp_path_factory):
     request.getfixturevalue("ray_local")  # the sweeps run on the module's Ray instance
     root = tmp_path_factory.mktemp("tiny_sweeps")
     # A CSV: every member of a population trains on the same bars, and so here does every run.
-    csv = write_csv(root / "bars.csv", SyntheticMarket(4, 3000).generate())
+    # 800 bars (test_cli's tiny runs'): one fold's validation and test walks are a quarter of
+    # 3000 bars' (most of a 5-step run's compute), and what is compared does not depend on it.
+    csv = write_csv(root / "bars.csv", SyntheticMarket(4, 800).generate())
     printed = {}
     for name, extra in (("plain", []), ("population", ["--population"])):
         with contextlib.redirect_stdout(io.StringIO()) as out:
