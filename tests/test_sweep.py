@@ -577,15 +577,17 @@ def test_a_run_started_by_the_sweep_dies_with_its_parent(tmp_path):
     # The parent starts a child that calls die_with_parent (as foxhunt's CLI does when
     # DIE_WITH_PARENT_ENV is 1) and sleeps, prints the child's pid and exits: the child gets
     # SIGTERM. A child without the call outlives the parent (the control).
-    def orphan(call: str) -> int:
+    def orphan(call: str) -> subprocess.Popen:
         child = f"from foxhunt.reference import cli\n{call}\nimport time\ntime.sleep(60)\n"
         parent = ("import subprocess, sys\n"
                   f"p = subprocess.Popen([sys.executable, '-c', {child!r}], "
                   "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n"
                   "import time\ntime.sleep(2)\nprint(p.pid)\n")
-        out = subprocess.run([sys.executable, "-c", parent], capture_output=True, text=True,
-                             timeout=60)
-        return int(out.stdout.split()[-1])
+        return subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True)
+
+    def pid_after_exit(parent: subprocess.Popen) -> int:  # the child's pid, once its parent is gone
+        out, _ = parent.communicate(timeout=60)
+        return int(out.split()[-1])
 
     def running(pid: int) -> bool:  # a zombie nobody reaped yet counts as gone
         try:
@@ -602,8 +604,9 @@ def test_a_run_started_by_the_sweep_dies_with_its_parent(tmp_path):
             time.sleep(0.1)
         return True
 
-    dying = orphan("cli.die_with_parent()")
-    control = orphan("pass")
+    # Both parents at once (each sleeps 2 s before it exits).
+    parents = orphan("cli.die_with_parent()"), orphan("pass")
+    dying, control = (pid_after_exit(p) for p in parents)
     try:
         assert not alive(dying)
         assert alive(control)
