@@ -104,10 +104,13 @@ UNIFORM_SM_SHARES = MappingProxyType(dict.fromkeys(GEMM_ROLES, GEMM_SM_SHARE))
 #: output dimension may use a cuBLASLt workspace even under ``gemm_workspace="none"``.
 LONG_K_RATIO = 4
 #: The precisions whose training passes end their heads in ONE launch of
-#: ``fast.kernels.trunk.HOD_KERNELS[precision]`` (``heads_out_dueling_bf16`` /
-#: ``heads_out_dueling_f32``; :attr:`StepProgram.outputs_fused`). Not tf32: its forward GEMMs
-#: round their operands to TF32, which the f32 kernel's exact products are not.
-FUSE_HEAD_OUTPUTS = frozenset({"bf16", "f32"})
+#: ``fast.kernels.trunk.HOD_KERNELS[precision]`` (:attr:`StepProgram.outputs_fused`): bf16
+#: (``heads_out_dueling_bf16``). ``heads_out_dueling_f32`` (add ``"f32"``) is not the default:
+#: its first version took 19.9 us a launch and the core f32 step 154.7 us against 133.3 us with
+#: the nodes (H200, session 40); the second (W2 loaded in chunks) has not run on a GPU yet (the
+#: README's "The f32 heads' outputs in one launch"). Never tf32: its forward GEMMs round their
+#: operands to TF32, which the f32 kernel's exact products do not.
+FUSE_HEAD_OUTPUTS = frozenset({"bf16"})
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).

@@ -16,8 +16,9 @@ Same interface, state and numerics contract as ``foxhunt.reference.trainer.Train
   plans' workspace policy (``step_program``). ``fused_trunk``: the training passes run the trunk
   forward as ONE ``trunk_forward_bf16`` kernel instead of four nodes (``StepProgram``; bf16 on
   sm_90 and newer only, else ``ValueError``); off by default (session 39 measured the core bf16
-  step 0.6-1.0 us faster with it: README, "cuBLASLt's SM target by GEMM role; the fused trunk
-  measured again").
+  step 0.6-1.0 us faster with it, session 40 with the role shares of ``step_program`` no faster
+  and the step with every second-wave source 1.5 us slower: README, "The f32 heads' outputs in
+  one launch; the fused trunk with the role shares").
   ``fused_heads``: the training passes run the heads' first layers, their BF16 copy and second
   layers as ONE ``heads_forward_bf16`` kernel instead of nine nodes (same conditions).
   ``stacked_backward``: the C51 and CQL backward passes run stacked, each of their GEMMs one

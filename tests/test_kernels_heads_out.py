@@ -245,15 +245,20 @@ def test_entry_accepts_another_summation_order_and_catches_a_missed_bias(precisi
 
 
 # ------------------------------------------------------------------------ in the step plan
-@pytest.mark.parametrize("precision, kernel", [
-    ("bf16", "heads_out_dueling_bf16"), ("f32", "heads_out_dueling_f32"), ("tf32", None)])
-def test_a_training_pass_ends_its_heads_in_one_launch(precision, kernel):
+@pytest.mark.parametrize("precision, kernel, enabled", [
+    ("bf16", "heads_out_dueling_bf16", step_program.FUSE_HEAD_OUTPUTS), ("f32", None, None),
+    ("f32", "heads_out_dueling_f32", frozenset({"bf16", "f32"})),
+    ("tf32", None, frozenset({"bf16", "f32", "tf32"}))], ids=["bf16", "f32", "f32-on", "tf32"])
+def test_a_training_pass_ends_its_heads_in_one_launch(precision, kernel, enabled, monkeypatch):
     """Graph 1 of the seed step (the CPU executor's plans): in BF16 the online and target passes
     each run ONE heads_out_dueling_bf16 in place of f32_to_bf16, four second-layer GEMMs and
-    dueling_log_softmax_q_branches, in f32 ONE heads_out_dueling_f32 in place of the GEMMs and
-    the dueling; tf32 keeps the nodes."""
+    dueling_log_softmax_q_branches; f32 keeps the nodes by default and runs ONE
+    heads_out_dueling_f32 in their place where ``FUSE_HEAD_OUTPUTS`` names it; tf32 keeps the
+    nodes even then (no kernel of its own)."""
     from foxhunt.fast.cpu_executor import CpuEngine
 
+    if enabled is not None:
+        monkeypatch.setattr(step_program, "FUSE_HEAD_OUTPUTS", enabled)
     graph1 = CpuEngine(DQNConfig.preset("seed", precision=precision)).plans["graph1"]
     fused_launches = 0 if kernel is None else 2
     for name in fast_trunk.HOD_KERNELS.values():
@@ -268,9 +273,11 @@ def test_on_the_cpu_executor_the_step_is_bitwise_the_nodes(precision, options, m
     """The launch's twin is the composition of the nodes' reference functions, so the CPU
     executor's steps with and without it end in the same bits (every state buffer, the step
     scalars, the TD errors and the greedy Q's), the second-wave sources on. With
-    ``fused_heads`` the heads' fused forward runs instead (the launch is not used)."""
+    ``fused_heads`` the heads' fused forward runs instead (the launch is not used). f32: the
+    launch switched on (``FUSE_HEAD_OUTPUTS``; off by default)."""
     config = DQNConfig.preset("tiny", precision=precision, lambda_iqn=1.0,
                               aux_next_bar_weight=0.1, aux_regime_weight=0.1)
+    monkeypatch.setattr(step_program, "FUSE_HEAD_OUTPUTS", frozenset({precision}))
     with_launch = step_run(config, options)
     monkeypatch.setattr(step_program, "FUSE_HEAD_OUTPUTS", frozenset())
     assert_runs_bitwise_equal(config, step_run(config, options), with_launch)

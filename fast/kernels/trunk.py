@@ -53,8 +53,9 @@ memory of :func:`hod_shared_bytes` (at most ``SHARED_LIMIT``: no opt-in); shapes
 ``FUSE_HEAD_OUTPUTS``; the README's "The heads' outputs and the dueling log-softmax in one
 launch" has its figures). Its f32 twin ``heads_out_dueling_f32``
 (``plan_heads_out_dueling_f32``, the same grid and block; f32 hidden tiles padded by
-``HODF_PAD``, so wider heads reach ``SHARED_LIMIT`` first) ends the f32 step's training passes
-(``HOD_KERNELS`` names each precision's kernel).
+``HODF_PAD``, so wider heads reach ``SHARED_LIMIT`` first) can end the f32 step's training
+passes (``HOD_KERNELS`` names each precision's kernel); off by default (``FUSE_HEAD_OUTPUTS``:
+its first version measured slower than the nodes on the H200).
 """
 
 from __future__ import annotations
@@ -366,7 +367,10 @@ def check_heads_out_dueling(hidden, out, branches, num_atoms,
 
 def hod_fusable(hidden, out, branches, num_atoms, precision: str = "bf16") -> bool:
     """Whether a pass's heads can end in ``HOD_KERNELS[precision]`` (:func:`check_heads_out_dueling`;
-    any architecture the step runs on: sm_80 and newer)."""
+    any architecture the step runs on: sm_80 and newer); False for a precision without a kernel
+    (tf32)."""
+    if precision not in HOD_KERNELS:
+        return False
     try:
         check_heads_out_dueling(hidden, out, branches, num_atoms, precision)
     except ValueError:
