@@ -832,6 +832,58 @@ static __device__ __forceinline__ void hod_load_b(unsigned int (&b)[HOD_TILES][H
     }
 }
 
+// The end of heads_out_dueling_bf16 / _f32: + b2 into the shared output tiles, v (branch 0's
+// blocks: `store`) and adv (`adv_d`: branch d's block), for the warp's tiles with k steps
+// (`steps[i]` > 0; lane (g, t4) holds rows g, g + 8 and columns 2 t4, 2 t4 + 1 of tile i, the
+// mma's C fragment); a barrier; then dueling_log_softmax_q_branches' register path on the
+// block's shared rows, a warp a sample.
+static __device__ __forceinline__ void hod_finish(
+    const float (&acc)[HOD_TILES][4], const float (&bias)[HOD_TILES][2],
+    const int (&steps)[HOD_TILES], const int (&side)[HOD_TILES], const int (&n0)[HOD_TILES], int g,
+    int t4, int warp, int lane, int d, int row0, int rows, int out0, int out1, float* v,
+    float* adv_d, float* o_tile0, float* o_tile1, const float (&z_lane)[kDuelingRegChunks], int na,
+    int first_row, float* logits, float* logp, float* q, bool want_q, int num_atoms) {
+    // Epilogue: + b2, into the shared output tiles, v (branch 0's blocks) and adv.
+#pragma unroll
+    for (int i = 0; i < HOD_TILES; ++i) {
+        if (steps[i] == 0) {
+            continue;
+        }
+        const int s = side[i];
+        const int width = s == 0 ? out0 : out1;
+        float* dst = s == 0 ? v : adv_d;
+        float* out_tile = s == 0 ? o_tile0 : o_tile1;
+        const bool store = s == 1 || d == 0;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int o = n0[i] + t4 * 2 + e;
+            if (o < width) {
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const int r = g + half * 8;
+                    const float value = __fadd_rn(acc[i][2 * half + e], bias[i][e]);
+                    out_tile[r * width + o] = value;
+                    if (store && row0 + r < rows) {
+                        dst[(long long)(row0 + r) * width + o] = value;
+                    }
+                }
+            }
+        }
+    }
+    __syncthreads();  // the block's rows of v and branch d's advantages are in shared memory
+
+    // dueling_log_softmax_q_branches' register path on them, a warp a sample.
+    for (int r = warp; r < TRUNK_BM && row0 + r < rows; r += HOD_WARPS) {
+        const int row = first_row + (row0 + r) * na;  // the sample's first packed row
+        const int offset = row * num_atoms;
+        float* q_b = want_q ? q + row : nullptr;  // not dereferenced without want_q
+        const float* v_b = o_tile0 + r * num_atoms;
+        const float* adv_b = o_tile1 + r * out1;
+        dueling_sample_regs_n(na, v_b, adv_b, z_lane, logits + offset, logp + offset, q_b, want_q,
+                              num_atoms, lane);
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(HOD_THREADS)
 heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __restrict__ mirror,
                        const float* __restrict__ params, const int* __restrict__ table,
@@ -973,45 +1025,9 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
             }
         }
     }
-    // Epilogue: + b2, into the shared output tiles, v (branch 0's blocks) and adv.
-#pragma unroll
-    for (int i = 0; i < HOD_TILES; ++i) {
-        if (steps[i] == 0) {
-            continue;
-        }
-        const int s = side[i];
-        const int width = s == 0 ? out0 : out1;
-        float* dst = s == 0 ? v : adv + out_off1;
-        float* out_tile = s == 0 ? o_tile0 : o_tile1;
-        const bool store = s == 1 || d == 0;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int o = n0[i] + t4 * 2 + e;
-            if (o < width) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int r = g + half * 8;
-                    const float value = __fadd_rn(acc[i][2 * half + e], bias[i][e]);
-                    out_tile[r * width + o] = value;
-                    if (store && row0 + r < rows) {
-                        dst[(long long)(row0 + r) * width + o] = value;
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();  // the block's rows of v and branch d's advantages are in shared memory
-
-    // dueling_log_softmax_q_branches' register path on them, a warp a sample.
-    for (int r = warp; r < TRUNK_BM && row0 + r < rows; r += HOD_WARPS) {
-        const int row = first_row + (row0 + r) * na;  // the sample's first packed row
-        const int offset = row * num_atoms;
-        float* q_b = want_q ? q + row : nullptr;  // not dereferenced without want_q
-        const float* v_b = o_tile0 + r * num_atoms;
-        const float* adv_b = o_tile1 + r * out1;
-        dueling_sample_regs_n(na, v_b, adv_b, z_lane, logits + offset, logp + offset, q_b, want_q,
-                              num_atoms, lane);
-    }
+    hod_finish(acc, bias, steps, side, n0, g, t4, warp, lane, d, row0, rows, out0, out1, v,
+               adv + out_off1, o_tile0, o_tile1, z_lane, na, first_row, logits, logp, q, want_q,
+               num_atoms);
 }
 
 // =============================================================================================
@@ -1196,41 +1212,7 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
             }
         }
     }
-    // Epilogue: + b2, into the shared output tiles, v (branch 0's blocks) and adv.
-#pragma unroll
-    for (int i = 0; i < HOD_TILES; ++i) {
-        if (quads[i] == 0) {
-            continue;
-        }
-        const int s = side[i];
-        const int width = s == 0 ? out0 : out1;
-        float* dst = s == 0 ? v : adv + out_off1;
-        float* out_tile = s == 0 ? o_tile0 : o_tile1;
-        const bool store = s == 1 || d == 0;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int o = n0[i] + t4 * 2 + e;
-            if (o < width) {
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const int r = g + half * 8;
-                    const float value = __fadd_rn(acc[i][2 * half + e], bias[i][e]);
-                    out_tile[r * width + o] = value;
-                    if (store && row0 + r < rows) {
-                        dst[(long long)(row0 + r) * width + o] = value;
-                    }
-                }
-            }
-        }
-    }
-    __syncthreads();  // the block's rows of v and branch d's advantages are in shared memory
-
-    // dueling_log_softmax_q_branches' register path on them, a warp a sample.
-    for (int r = warp; r < TRUNK_BM && row0 + r < rows; r += HOD_WARPS) {
-        const int row_p = first_row + (row0 + r) * na;  // the sample's first packed row
-        const int offset = row_p * num_atoms;
-        float* q_b = want_q ? q + row_p : nullptr;  // not dereferenced without want_q
-        dueling_sample_regs_n(na, o_tile0 + r * num_atoms, o_tile1 + r * out1, z_lane,
-                              logits + offset, logp + offset, q_b, want_q, num_atoms, lane);
-    }
+    hod_finish(acc, bias, quads, side, n0, g, t4, warp, lane, d, row0, rows, out0, out1, v,
+               adv + out_off1, o_tile0, o_tile1, z_lane, na, first_row, logits, logp, q, want_q,
+               num_atoms);
 }

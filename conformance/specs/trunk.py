@@ -407,6 +407,21 @@ def hod_rows_stay(kwargs, out, poisoned) -> list[str]:
     return problems
 
 
+def _hod_errors(sample, *extra):
+    """The error cases of ``heads_out_dueling_bf16`` / ``_f32`` (``extra``: the kernel's own)."""
+    return error_cases(
+        sample,
+        lambda k: wrong_dtype(k, "hid"),
+        *extra,
+        lambda k: replace(k, hid=k["hid"][:, 1:].copy()),
+        lambda k: replace(k, w2=k["w2"][1:].copy()),
+        lambda k: replace(k, z=k["z"][:-1].copy()),
+        lambda k: replace(k, hidden=(k["hidden"] + 8).astype(np.int32)),
+        lambda k: replace(k, n_actions=np.concatenate([k["n_actions"], k["n_actions"][:1]])),
+        lambda k: replace(k, with_q=1),
+    )
+
+
 ENTRIES = (
     SpecEntry(
         name="trunk_forward_bf16",
@@ -450,16 +465,7 @@ ENTRIES = (
                  "logp": f32(REDUCTION), "q": f32(REDUCTION)},
         sample=_hod_sample,
         targets=("hid", "w2", "b2", "z"),
-        errors=error_cases(
-            _hod_sample,
-            lambda k: wrong_dtype(k, "hid"),
-            lambda k: replace(k, hid=k["hid"][:, 1:].copy()),
-            lambda k: replace(k, w2=k["w2"][1:].copy()),
-            lambda k: replace(k, z=k["z"][:-1].copy()),
-            lambda k: replace(k, hidden=(k["hidden"] + 8).astype(np.int32)),
-            lambda k: replace(k, n_actions=np.concatenate([k["n_actions"], k["n_actions"][:1]])),
-            lambda k: replace(k, with_q=1),
-        ),
+        errors=_hod_errors(_hod_sample),
         scales=_hod_scales,
         contract=hod_rows_stay,
     ),
@@ -469,17 +475,7 @@ ENTRIES = (
                  "q": f32(REDUCTION)},
         sample=_hod_f32_sample,
         targets=("hid", "w2", "b2", "z"),
-        errors=error_cases(
-            _hod_f32_sample,
-            lambda k: wrong_dtype(k, "hid"),
-            lambda k: wrong_dtype(k, "w2"),
-            lambda k: replace(k, hid=k["hid"][:, 1:].copy()),
-            lambda k: replace(k, w2=k["w2"][1:].copy()),
-            lambda k: replace(k, z=k["z"][:-1].copy()),
-            lambda k: replace(k, hidden=(k["hidden"] + 8).astype(np.int32)),
-            lambda k: replace(k, n_actions=np.concatenate([k["n_actions"], k["n_actions"][:1]])),
-            lambda k: replace(k, with_q=1),
-        ),
+        errors=_hod_errors(_hod_f32_sample, lambda k: wrong_dtype(k, "w2")),
         scales=_hod_scales,
         contract=hod_rows_stay,
     ),
