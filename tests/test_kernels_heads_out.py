@@ -19,6 +19,8 @@ from importlib import resources
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import foxhunt.fast.step_program as step_program
 from foxhunt.conformance.registry import SPECS
@@ -145,6 +147,31 @@ def test_twin_is_the_composition_of_the_nodes(precision):
     v, adv = _pack(r.out, int(kw["out"][0]), kw["n_actions"].tolist())
     d = fused.dueling_log_softmax_q_branches(v, adv, kw["z"], tuple(kw["n_actions"].tolist()), True)
     assert all(a.tobytes() == b.tobytes() for a, b in zip((r.logits, r.logp, r.q), d))
+
+
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), precision=st.sampled_from(PRECISIONS),
+       value=st.sampled_from([np.nan, np.inf, -np.inf]))
+def test_twin_keeps_a_non_finite_hidden_value_in_its_row_and_head(data, precision, value):
+    """NaN contract: a NaN or Inf at ``hid[i, k]`` makes row i's outputs of k's head non-finite
+    (every W2 entry is non-zero) and leaves every other row's outputs and every other sample's
+    logits / logp / q bit for bit those of the clean input."""
+    kw = _kwargs("tiny", seed=data.draw(st.integers(0, 3)), precision=precision)
+    rows, width = kw["hid"].shape
+    i, k = data.draw(st.integers(0, rows - 1)), data.draw(st.integers(0, width - 1))
+    hid = kw["hid"].copy()
+    hid[i, k] = value
+    clean, poked = _twin(precision)(**kw), _twin(precision)(**dict(kw, hid=hid))
+    hidden, outs = kw["hidden"].tolist(), kw["out"].tolist()
+    head = int(np.searchsorted(np.cumsum(hidden), k, side="right"))
+    o0 = sum(outs[:head])
+    assert not np.isfinite(poked.out[i, o0:o0 + outs[head]]).any()
+    others = np.arange(rows) != i
+    assert poked.out[others].tobytes() == clean.out[others].tobytes()
+    sample = np.concatenate([np.repeat(~others, n) for n in kw["n_actions"].tolist()])
+    for name in ("logits", "logp", "q"):
+        a, b = getattr(poked, name), getattr(clean, name)
+        assert a[~sample].tobytes() == b[~sample].tobytes(), name
 
 
 # ------------------------------------------------------------------------------ the plan
