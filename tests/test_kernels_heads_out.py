@@ -109,7 +109,7 @@ def test_twin_is_the_heads_outputs_and_dueling_log_softmax_in_float64(case, prec
     # The dueling log-softmax of the twin's own outputs, in float64 with torch.
     na, branches = outs[0], kw["n_actions"].tolist()
     v = t(r.out[:, :na])
-    logits, q, o0 = [], [], na
+    logits, o0 = [], na
     for n in branches:
         adv = t(r.out[:, o0:o0 + n * na]).reshape(-1, n, na)
         x = (v[:, None, :] + (adv - adv.mean(dim=1, keepdim=True))).reshape(-1, na)

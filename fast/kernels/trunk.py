@@ -399,7 +399,7 @@ def plan_heads_out_dueling_f32(rows: int, hidden, out, branches, num_atoms: int)
 def _launch_hod(precision: str, hid, w2, b2, z, hidden, out, n_actions, with_q):
     """The test entries' launch: the heads' W2 and b2 placed one after another in a parameter
     buffer (``place_heads``), the hidden values in the step's packed layout (``hid_align`` the
-    step's ``OPERAND_ALIGN``); ``(rows, hidden, out, hid_off, adv_off, packed hid, outputs)``."""
+    step's ``OPERAND_ALIGN``); ``(rows, hidden, out, hid_off, adv_off, outputs, with_q)``."""
     from foxhunt.fast.step_layout import OPERAND_ALIGN
     from foxhunt.reference.kernels.fused import branch_offsets
 
@@ -424,7 +424,7 @@ def _launch_hod(precision: str, hid, w2, b2, z, hidden, out, n_actions, with_q):
         Out((max(adv_total, 1),), F32), Out((rows * total, na), F32), Out((rows * total, na), F32),
         Out((rows * total if with_q else 1,), F32), rows, len(hid_w), OPERAND_ALIGN, na,
         int(with_q))
-    return rows, hid_w, outs, hid_off, adv_off, packed, outputs, with_q
+    return rows, hid_w, outs, hid_off, adv_off, outputs, with_q
 
 
 def heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q) -> HeadsOutDueling:
@@ -432,33 +432,43 @@ def heads_out_dueling_bf16(hid, w2, b2, z, hidden, out, n_actions, with_q) -> He
     heads' W2 and b2 placed one after another in a parameter buffer, the hidden values in the
     step's packed layout (``hid_align`` the step's ``OPERAND_ALIGN``); the outputs side by side
     as the twin's."""
-    rows, hid_w, outs, hid_off, adv_off, packed, outputs, with_q = _launch_hod(
+    rows, hid_w, outs, hid_off, adv_off, outputs, with_q = _launch_hod(
         "bf16", hid, w2, b2, z, hidden, out, n_actions, with_q)
     hid_bf16, v, adv, logits, logp, q = outputs
-    _, hid_bf16, out_cols = unpack_heads(hid_w, outs, rows, hid_off, adv_off, packed, hid_bf16, v,
-                                         adv)
-    return HeadsOutDueling(hid_bf16, out_cols, logits, logp,
+    return HeadsOutDueling(unpack_hidden(hid_w, rows, hid_off, hid_bf16),
+                           unpack_out(outs, rows, adv_off, v, adv), logits, logp,
                            q if with_q else np.zeros(0, F32))
 
 
 def heads_out_dueling_f32(hid, w2, b2, z, hidden, out, n_actions, with_q) -> HeadsOutDuelingF32:
     """Test entry of the CUDA ``heads_out_dueling_f32`` (contract as the reference twin; the
     placement of :func:`heads_out_dueling_bf16`'s, W2 in the f32 parameter buffer)."""
-    rows, hid_w, outs, hid_off, adv_off, packed, outputs, with_q = _launch_hod(
+    rows, hid_w, outs, hid_off, adv_off, outputs, with_q = _launch_hod(
         "f32", hid, w2, b2, z, hidden, out, n_actions, with_q)
     v, adv, logits, logp, q = outputs
-    _, _, out_cols = unpack_heads(hid_w, outs, rows, hid_off, adv_off, packed, packed, v, adv)
-    return HeadsOutDuelingF32(out_cols, logits, logp, q if with_q else np.zeros(0, F32))
+    return HeadsOutDuelingF32(unpack_out(outs, rows, adv_off, v, adv), logits, logp,
+                              q if with_q else np.zeros(0, F32))
+
+
+def _blocks_of(flat, rows, offsets, widths) -> list:
+    return [flat[s:s + rows * w].reshape(rows, w) for s, w in zip(offsets, widths)]
+
+
+def unpack_hidden(hidden, rows, hid_off, flat) -> np.ndarray:
+    """A packed hidden buffer (``hid`` or ``hid_bf16``) as the heads' blocks side by side."""
+    return np.concatenate(_blocks_of(flat, rows, hid_off, hidden), axis=1)
+
+
+def unpack_out(out, rows, adv_off, v, adv) -> np.ndarray:
+    """The packed ``v`` and ``adv`` as the heads' outputs side by side ``[rows, OT]``."""
+    return np.concatenate([v.reshape(rows, out[0])] + _blocks_of(adv, rows, adv_off[1:], out[1:]),
+                          axis=1)
 
 
 def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
     """The packed buffers as the side-by-side ``(hid, hid_bf16, out)`` of ``HeadsForward``."""
-    blocks_of = lambda flat, offs, widths: [  # noqa: E731
-        flat[s:s + rows * w].reshape(rows, w) for s, w in zip(offs, widths)]
-    outs = [v.reshape(rows, out[0])] + blocks_of(adv, adv_off[1:], out[1:])
-    return (np.concatenate(blocks_of(hid, hid_off, hidden), axis=1),
-            np.concatenate(blocks_of(hid_bf16, hid_off, hidden), axis=1),
-            np.concatenate(outs, axis=1))
+    return (unpack_hidden(hidden, rows, hid_off, hid), unpack_hidden(hidden, rows, hid_off, hid_bf16),
+            unpack_out(out, rows, adv_off, v, adv))
 
 
 KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16,
