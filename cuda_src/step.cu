@@ -3,8 +3,9 @@
 // (step_bounds), Mech 10's clamp with its bound read from the ISV and its BF16 mirror
 // (clamp_finite_isv), every branch's double-DQN choice and gathers (double_dqn_gather_branches),
 // the scalar targets (scalar_target_q_branches), the TD errors' branch mean (branch_mean), the
-// trunk gradient's sum and masks (h2_grad_sum_mask), the step scalars (loss_scalars,
-// step_scalars) and the merge of multi-range sentinel slots (merge_piece_flags). They do what the
+// trunk gradient's sum and masks (h2_grad_sum_mask; with the auxiliary heads' d h2 added,
+// h2_grad_sum_aux_mask), the step scalars (loss_scalars, step_scalars) and the merge of
+// multi-range sentinel slots (merge_piece_flags). They do what the
 // reference Trainer / loss_and_grads compute between kernels, in the same float32 order.
 //
 // Why they exist: the two step graphs are captured once, so values that change on the device
@@ -533,6 +534,23 @@ static __device__ __forceinline__ float step_parts_sum(const float* __restrict__
     return sum;
 }
 
+// Four elements' sums at once: p[k * stride4] (float4 groups) summed for k = 0 .. n_parts - 1,
+// each element on its own from +0, parts in order (the vector paths' step_parts_sum).
+static __device__ __forceinline__ float4 step_parts_sum4(const float4* __restrict__ p, int n_parts,
+                                                        unsigned int stride4) {
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 4  // loads in flight together; each element's sum stays in part order
+    for (int k = 0; k < n_parts; ++k) {
+        const float4 v = *p;
+        p += stride4;
+        sum.x = __fadd_rn(sum.x, v.x);
+        sum.y = __fadd_rn(sum.y, v.y);
+        sum.z = __fadd_rn(sum.z, v.z);
+        sum.w = __fadd_rn(sum.w, v.w);
+    }
+    return sum;
+}
+
 extern "C" __global__ void __launch_bounds__(STEP_THREADS, STEP_MIN_BLOCKS)
 h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_stride,
                                              const float* __restrict__ h2,
@@ -575,17 +593,7 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
             // 32 registers without spills (the parts' addresses step by a 32-bit stride).
             const unsigned int stride4 = (unsigned int)(part_stride / 4);  // exact here
             for (unsigned int g = first; g < m / 4; g += stride) {
-                float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-                const float4* p = parts4 + g;
-#pragma unroll 4  // each element's sum stays in part order
-                for (int k = 0; k < n_parts; ++k) {
-                    const float4 v = *p;
-                    p += stride4;
-                    sum.x = __fadd_rn(sum.x, v.x);
-                    sum.y = __fadd_rn(sum.y, v.y);
-                    sum.z = __fadd_rn(sum.z, v.z);
-                    sum.w = __fadd_rn(sum.w, v.w);
-                }
+                const float4 sum = step_parts_sum4(parts4 + g, n_parts, stride4);
                 const float4 h = h2_4[g];
                 const float4 pre = pre4[g];
                 dh2_4[g] = sum;
@@ -605,6 +613,108 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
             const float sum = step_parts_sum(parts + i, n_parts, part_stride);
             dh2_out[i] = sum;
             out[i] = step_h2_mask(sum, h2[i], h2_pre[i]);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The C51 trunk gradient with the auxiliary heads on, in one launch: the four launches the step
+// ran for it fused (h2_grad_sum_mask of the heads' parts; the two auxiliary heads' guarded sum,
+// clamp_finite with a bound of +Inf then saxpy; the saxpy of that sum into the heads' sum;
+// h2_grad_sum_mask of the one part the result is). The reference twin,
+// foxhunt.reference.kernels.step.h2_grad_sum_aux_mask, is their composition:
+//   main = ((0 + parts[0][i]) + parts[1][i]) + ...        dh2_main[i] = main   (slot 33's)
+//   a    = aux_b ? add(isfinite(aux_a[i]) ? aux_a[i] : 0, aux_b[i]) : aux_a[i]
+//   y    = add(main, a)                                   dh2[i] = y           (slot 34's)
+//   out[i] = step_h2_mask(0 + y, h2[i], h2_pre[i])        (the masks of the one part y)
+// add(y, x) = isfinite(x) ? y + x : y is optim.cu's saxpy element with a = 1 (1 * x == x for every
+// finite x under -ftz=false, so the product is left out); clamp_finite with a bound of +Inf is its
+// finite map alone. aux_b null: one auxiliary head (its d h2 is added as it is). NaN contract: the
+// composition's: a NaN part reaches dh2_main, dh2 and (unless masked) out; a non-finite auxiliary
+// value never reaches dh2; a NaN h2_pre masks to 0.
+// Flat, [B, SH2]; 4 elements per thread where every pointer is 16-byte aligned and part_stride a
+// multiple of 4 (or n_parts <= 1), else one (flat.cuh; plan_h2_grad_sum_aux_mask); every path
+// gives each element the same operations, so the bits depend on neither path nor launch shape.
+// No minimum of blocks per SM in __launch_bounds__: ten pointers and a float4 sum do not fit 32
+// registers (a single trainer's kernel, not in population_engine.GRID_SHARED_KERNELS).
+// ---------------------------------------------------------------------------------------------
+static __device__ __forceinline__ float step_guarded_add(float y, float x) {
+    return step_is_finite(x) ? __fadd_rn(y, x) : y;
+}
+
+// y = add(main, a) of one element (b read only with two heads).
+static __device__ __forceinline__ float step_aux_sum(float main, float a, float b, bool two) {
+    const float total = two ? step_guarded_add(step_is_finite(a) ? a : 0.0f, b) : a;
+    return step_guarded_add(main, total);
+}
+
+// One element on the scalar paths (Index: the 64-bit loop's or the 32-bit one's).
+template <typename Index>
+static __device__ __forceinline__ void step_aux_mask_one(
+    Index i, const float* __restrict__ parts, int n_parts, long long part_stride,
+    const float* __restrict__ aux_a, const float* __restrict__ aux_b,
+    const float* __restrict__ h2, const float* __restrict__ h2_pre,
+    float* __restrict__ dh2_main, float* __restrict__ dh2, float* __restrict__ out) {
+    const bool two = aux_b != nullptr;
+    const float main = step_parts_sum(parts + i, n_parts, part_stride);
+    dh2_main[i] = main;
+    const float y = step_aux_sum(main, aux_a[i], two ? aux_b[i] : 0.0f, two);
+    dh2[i] = y;
+    out[i] = step_h2_mask(__fadd_rn(0.0f, y), h2[i], h2_pre[i]);
+}
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS)
+h2_grad_sum_aux_mask(const float* __restrict__ parts, int n_parts, long long part_stride,
+                     const float* __restrict__ aux_a, const float* __restrict__ aux_b,
+                     const float* __restrict__ h2, const float* __restrict__ h2_pre,
+                     float* __restrict__ dh2_main, float* __restrict__ dh2,
+                     float* __restrict__ out, long long n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    if (!fh_flat_narrow(n)) {
+        STEP_FLAT_LOOP(i, n) {
+            step_aux_mask_one(i, parts, n_parts, part_stride, aux_a, aux_b, h2, h2_pre, dh2_main,
+                              dh2, out);
+        }
+        return;
+    }
+    const unsigned int m = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
+    if (fh_aligned(parts, 16) && (n_parts <= 1 || (part_stride & 3) == 0) &&
+        fh_aligned(aux_a, 16) && fh_aligned(aux_b, 16) && fh_aligned(h2, 16) &&
+        fh_aligned(h2_pre, 16) && fh_aligned(dh2_main, 16) && fh_aligned(dh2, 16) &&
+        fh_aligned(out, 16)) {
+        const bool two = aux_b != nullptr;
+        const unsigned int stride4 = (unsigned int)(part_stride / 4);  // exact here
+        const float4* __restrict__ parts4 = reinterpret_cast<const float4*>(parts);
+        const float4* __restrict__ a4 = reinterpret_cast<const float4*>(aux_a);
+        const float4* __restrict__ b4 = reinterpret_cast<const float4*>(aux_b);
+        const float4* __restrict__ h2_4 = reinterpret_cast<const float4*>(h2);
+        const float4* __restrict__ pre4 = reinterpret_cast<const float4*>(h2_pre);
+        for (unsigned int g = first; g < m / 4; g += stride) {
+            const float4 main = step_parts_sum4(parts4 + g, n_parts, stride4);
+            reinterpret_cast<float4*>(dh2_main)[g] = main;
+            const float4 a = a4[g];
+            const float4 b = two ? b4[g] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            const float4 y = make_float4(step_aux_sum(main.x, a.x, b.x, two),
+                                         step_aux_sum(main.y, a.y, b.y, two),
+                                         step_aux_sum(main.z, a.z, b.z, two),
+                                         step_aux_sum(main.w, a.w, b.w, two));
+            reinterpret_cast<float4*>(dh2)[g] = y;
+            const float4 h = h2_4[g];
+            const float4 pre = pre4[g];
+            reinterpret_cast<float4*>(out)[g] =
+                make_float4(step_h2_mask(__fadd_rn(0.0f, y.x), h.x, pre.x),
+                            step_h2_mask(__fadd_rn(0.0f, y.y), h.y, pre.y),
+                            step_h2_mask(__fadd_rn(0.0f, y.z), h.z, pre.z),
+                            step_h2_mask(__fadd_rn(0.0f, y.w), h.w, pre.w));
+        }
+        for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {  // n % 4 left
+            step_aux_mask_one(i, parts, n_parts, part_stride, aux_a, aux_b, h2, h2_pre, dh2_main,
+                              dh2, out);
+        }
+    } else {
+        for (unsigned int i = first; i < m; i += stride) {
+            step_aux_mask_one(i, parts, n_parts, part_stride, aux_a, aux_b, h2, h2_pre, dh2_main,
+                              dh2, out);
         }
     }
 }

@@ -668,6 +668,16 @@ def _h2_grad_sum_mask(a):
     return {"dh2_out": r.dh2, "out": r.out}
 
 
+@twin("h2_grad_sum_aux_mask", nullable=("aux_b",),
+      parts=lambda a: (a.n_parts - 1) * a.part_stride + a.n, aux_a="n", aux_b="n", h2="n",
+      h2_pre="n", dh2_main="n", dh2="n", out="n")
+def _h2_grad_sum_aux_mask(a):
+    aux = np.stack([a.aux_a] if a.aux_b is None else [a.aux_a, a.aux_b])
+    r = rstep.h2_grad_sum_aux_mask(_stacked(a.parts, a.n_parts, a.part_stride, a.n), aux, a.h2,
+                                   a.h2_pre)
+    return r._asdict()
+
+
 _READBACK = len(rstep.READBACK_FIELDS)
 
 

@@ -111,6 +111,14 @@ LONG_K_RATIO = 4
 #: README's "The f32 heads' outputs in one launch"). Never tf32: its forward GEMMs round their
 #: operands to TF32, which the f32 kernel's exact products do not.
 FUSE_HEAD_OUTPUTS = frozenset({"bf16"})
+#: Whether the C51 trunk takes the auxiliary heads' ``d h2`` in ONE launch of
+#: ``h2_grad_sum_aux_mask`` (the heads' sum, the two auxiliary heads' guarded sum, their SAXPY
+#: into it and the masks: six launches of ``h2_grad_sum_mask``, ``clamp_finite`` and ``saxpy``
+#: on two branches, and two of them on graph 1's chain of the step with every second-wave source)
+#: instead of those launches. Off: its CUDA kernel has not run on a GPU yet (written in session
+#: 41, when the device was not lent); the CPU executor's plan with it on matches the reference
+#: step (``conformance/test_step_cpu_executor.py``).
+FUSE_AUX_TRUNK_GRAD = False
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -240,6 +248,12 @@ class StepProgram:
         precision = self.config.precision
         return (precision in FUSE_HEAD_OUTPUTS
                 and hod_fusable(lay.head_hidden, lay.head_out, lay.branches, lay.NA, precision))
+
+    @property
+    def aux_trunk_fused(self) -> bool:
+        """Whether the C51 trunk takes the auxiliary heads' ``d h2`` in one launch of
+        ``h2_grad_sum_aux_mask`` (:data:`FUSE_AUX_TRUNK_GRAD`, with an auxiliary head on)."""
+        return FUSE_AUX_TRUNK_GRAD and self.config.aux_on
 
     @property
     def heads_fused(self) -> bool:
@@ -639,7 +653,8 @@ class StepProgram:
 
         ``aux_dh2`` (the C51 pass with the auxiliary heads on: their weighted ``d h2``, ready at
         event ``aux_dh2``): after the heads' sum (and slot 33's check of it) the guarded
-        ``dh2 += aux_dh2`` (``saxpy``, slot 34's check after it), then the masks of that sum."""
+        ``dh2 += aux_dh2`` (``saxpy``, slot 34's check after it), then the masks of that sum;
+        or all of it in one launch of ``h2_grad_sum_aux_mask`` (:attr:`aux_trunk_fused`)."""
         lay = self.lay
         B, NA, H2 = lay.B, lay.NA, lay.H2
         losses = tuple(pres)
@@ -721,6 +736,27 @@ class StepProgram:
         assert [parts.offsets[k] for k in order] == [i * stride for i in range(len(order))]
         safety, step, n2 = self.kernels("safety"), self.kernels("step"), B * H2
         parts_buf = Buf(f"dh2p_{loss}", order[0])
+        if aux_dh2 is not None and self.aux_trunk_fused:
+            # The heads' sum, the auxiliary heads' d h2 added and the masks in one launch once
+            # both are ready; slot 33's and slot 34's checks (of its two sums) beside the
+            # trunk's GEMMs.
+            from foxhunt.fast.wave_layout import aux_heads
+
+            heads = [Buf(f"aux_d_h2_{key}") for key, _ in aux_heads(self.config)]
+            trunk.wait("aux_dh2")
+            trunk.kernel("h2_grad_sum_aux_mask", step.plan_h2_grad_sum_aux_mask(n2),
+                         parts=parts_buf, n_parts=len(order), part_stride=stride, aux_a=heads[0],
+                         aux_b=heads[1] if len(heads) > 1 else None, h2="h2o", h2_pre="h2preo",
+                         dh2_main=f"dh2_main_{loss}", dh2=f"dh2_{loss}", out=f"dh2m_{loss}",
+                         n=n2)
+            checks = []
+            for x, slot in ((f"dh2_main_{loss}", "d_h2_post_main"),
+                            (f"dh2_{loss}", "d_h2_post_aux")):
+                check = ops.branch()
+                check.kernel("nan_check", safety.plan_nan_check(n2), x=x, n=n2,
+                             flag=Buf("flags", offset=sentinels.index(slot)))
+                checks.append(check)
+            return checks
         trunk.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2), parts=parts_buf,
                      n_parts=len(order), part_stride=stride, h2="h2o", h2_pre="h2preo",
                      dh2_out=f"dh2_{loss}", out=f"dh2m_{loss}", n=n2)
@@ -823,6 +859,6 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["FUSE_HEAD_OUTPUTS", "GEMM_ROLES", "GEMM_SM_SHARE", "GEMM_SM_SHARES", "GEMM_WORKSPACES",
+__all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_HEAD_OUTPUTS", "GEMM_ROLES", "GEMM_SM_SHARE", "GEMM_SM_SHARES", "GEMM_WORKSPACES",
            "LONG_K_RATIO", "UNIFORM_SM_SHARES", "StepProgram", "alignment", "sm_count_targets",
            "step_constants"]

@@ -189,7 +189,8 @@ def aux_chain(prog: StepProgram) -> Ops:
     with the next-bar head, first ISV 117 from this batch's returns (the value its loss reads);
     per head ``hidden = elu(h2 W1^T + b1)``, the output layer, the weighted loss's gradient (its
     loss into the readback), the backward into ``grad_c51`` at the head's tensors (the C51
-    budget) and the head's weighted ``d h2``; with both heads their guarded sum. Records
+    budget) and the head's weighted ``d h2``; with both heads their guarded sum (unless the C51
+    trunk takes the heads' ``d h2`` in one launch: ``StepProgram.aux_trunk_fused``). Records
     ``aux_dh2`` once all of it is written (the C51 trunk waits for it)."""
     from foxhunt.fast.wave_layout import aux_heads
     from foxhunt.reference.kernels.aux import LABEL_SCALE_FLOOR
@@ -249,7 +250,9 @@ def aux_chain(prog: StepProgram) -> Ops:
         rest.parallel(w1, dx)
         head.parallel(w2, rest)
         heads.append(head)
-    if len(heads) > 1:
+    if len(heads) > 1 and prog.aux_trunk_fused:
+        ops.parallel(*heads)  # the C51 trunk's h2_grad_sum_aux_mask sums them
+    elif len(heads) > 1:
         ops.parallel(*heads)
         # The heads' guarded sum from 0 (aux_heads' saxpy(saxpy(0, nb, 1), rg, 1)): the first
         # head's finite values (clamp_finite with an infinite bound), then the second's SAXPY.

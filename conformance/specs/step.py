@@ -154,6 +154,14 @@ def _s_h2_mask(d: Dims, rng) -> Kwargs:
             "h2": np.clip(pre, -1.5, 1.5).astype(F32), "h2_pre": pre}
 
 
+def _s_h2_aux_mask(d: Dims, rng) -> Kwargs:
+    """``_s_h2_mask`` and the auxiliary heads' ``d h2``: both heads (next bar, regime) on the
+    presets' shapes, one head (the kernel's null second pointer) on the odd one."""
+    kw = _s_h2_mask(d, rng)
+    heads = 1 if d.case == "odd" else 2
+    return {**kw, "aux": normal(rng, (heads, d.batch, d.hidden), 1e-2)}
+
+
 def _s_loss_scalars(d: Dims, rng) -> Kwargs:
     nb = len(_branches(d))
     return {"c51_total": uniform(rng, nb, 0.0, 3.0), "terms": normal(rng, (nb, d.batch), 2.0),
@@ -298,6 +306,19 @@ ENTRIES: tuple[SpecEntry, ...] = (
         errors=error_cases(
             _s_h2_mask,
             lambda k: wrong_dtype(k, "parts"),
+            lambda k: replace(k, h2=k["h2"][:-1]),
+        ),
+    ),
+    SpecEntry(
+        name="h2_grad_sum_aux_mask",
+        outputs={"dh2_main": f32(EXACT), "dh2": f32(EXACT), "out": f32(EXACT)},
+        sample=_s_h2_aux_mask,
+        targets=("parts", "aux", "h2_pre"),
+        errors=error_cases(
+            _s_h2_aux_mask,
+            lambda k: wrong_dtype(k, "aux"),
+            lambda k: replace(k, aux=np.concatenate([k["aux"]] * 3)[:3]),
+            lambda k: replace(k, aux=k["aux"][:, :-1]),
             lambda k: replace(k, h2=k["h2"][:-1]),
         ),
     ),

@@ -10,9 +10,10 @@ Kernel arguments: arrays as pointers plus their sizes; values that change on the
 step to step (norms, the clip bound, Adam's step, the ISV) are read through pointers (a test
 entry uploads them); branch-packed arrays take the tables ``n_actions`` / ``action_offset``
 (``foxhunt.reference.kernels.fused``); ``clamp_finite_isv``'s BF16 output is skipped when its
-pointer is null. ``clamp_finite_isv`` and ``h2_grad_sum_mask`` take 4 elements per thread where
-their pointers (and ``part_stride``) are aligned for float4 accesses, a scalar loop otherwise,
-so their plans launch a quarter of the threads. Numerics: each kernel rounds where its
+pointer is null, ``h2_grad_sum_aux_mask``'s second auxiliary head where its pointer is null.
+``clamp_finite_isv``, ``h2_grad_sum_mask`` and ``h2_grad_sum_aux_mask`` take 4 elements per
+thread where their pointers (and ``part_stride``) are aligned for float4 accesses, a scalar
+loop otherwise, so their plans launch a quarter of the threads. Numerics: each kernel rounds where its
 reference does (``__fadd_rn`` and friends, ``-fmad=false``): exact, but for ``expf`` (a few
 ulp) and the block-tree means of ``loss_scalars`` and the total norm of ``step_scalars``
 (reductions).
@@ -43,11 +44,13 @@ from foxhunt.reference.kernels.step import (
     LossScalars,
     StepBounds,
     StepScalarsOut,
+    AuxTrunkGrad,
     TrunkGrad,
     validate_branch_mean,
     validate_c51_gather_project_dueling_branches,
     validate_clamp_finite_isv,
     validate_double_dqn_gather_branches,
+    validate_h2_grad_sum_aux_mask,
     validate_h2_grad_sum_mask,
     validate_loss_scalars,
     validate_merge_piece_flags,
@@ -97,6 +100,7 @@ plan_step_bounds = plan_one_block
 plan_clamp_finite_isv = plan_flat_vec4
 plan_branch_mean = plan_flat
 plan_h2_grad_sum_mask = plan_flat_vec4
+plan_h2_grad_sum_aux_mask = plan_flat_vec4
 plan_loss_scalars = plan_one_block
 plan_merge_piece_flags = plan_one_block
 
@@ -253,6 +257,17 @@ def h2_grad_sum_mask(parts, h2, h2_pre) -> TrunkGrad:
     return TrunkGrad(dh2, out)
 
 
+def h2_grad_sum_aux_mask(parts, aux, h2, h2_pre) -> AuxTrunkGrad:
+    """Test entry of the CUDA ``h2_grad_sum_aux_mask`` (contract as the reference twin); with
+    one auxiliary head the kernel gets a null second pointer."""
+    validate_h2_grad_sum_aux_mask(parts, aux, h2, h2_pre)
+    n = h2.size
+    second = In(aux[1]) if aux.shape[0] == 2 else 0
+    return AuxTrunkGrad(*launch("h2_grad_sum_aux_mask", plan_h2_grad_sum_aux_mask(n), In(parts),
+                                parts.shape[0], n, In(aux[0]), second, In(h2), In(h2_pre),
+                                Out(h2.shape, F32), Out(h2.shape, F32), Out(h2.shape, F32), n))
+
+
 def loss_scalars(c51_total, terms, q_taken, target_q, alpha) -> LossScalars:
     """Test entry of the CUDA ``loss_scalars`` (contract as the reference twin): the four
     entries it writes of the readback block."""
@@ -304,6 +319,7 @@ KERNELS = {
     "scalar_target_q_branches": scalar_target_q_branches,
     "branch_mean": branch_mean,
     "h2_grad_sum_mask": h2_grad_sum_mask,
+    "h2_grad_sum_aux_mask": h2_grad_sum_aux_mask,
     "loss_scalars": loss_scalars,
     "loss_scalars_ptr": loss_scalars_ptr,
     "step_scalars": step_scalars,

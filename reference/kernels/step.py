@@ -399,6 +399,52 @@ def h2_grad_sum_mask(parts: np.ndarray, h2: np.ndarray, h2_pre: np.ndarray) -> T
     return TrunkGrad(total, np.where(h2_pre <= 0, F32(0), passed).astype(F32))
 
 
+class AuxTrunkGrad(NamedTuple):
+    """Outputs of ``h2_grad_sum_aux_mask``, float32 of ``h2``'s shape: ``dh2_main`` (the heads'
+    sum: sentinel slot 33's), ``dh2`` (with the auxiliary heads' ``d h2`` added: slot 34's) and
+    ``out`` (``dh2`` masked by the clamp and the ReLU)."""
+
+    dh2_main: np.ndarray
+    dh2: np.ndarray
+    out: np.ndarray
+
+
+def validate_h2_grad_sum_aux_mask(parts, aux, h2, h2_pre) -> None:
+    """The argument checks of ``h2_grad_sum_aux_mask``."""
+    validate_h2_grad_sum_mask(parts, h2, h2_pre)
+    require_array("aux", aux, F32)
+    if aux.ndim < 1 or aux.shape[0] not in (1, 2) or aux.shape[1:] != h2.shape:
+        raise ValueError(f"aux: shape {aux.shape}; expected [1 or 2, *S] with S = h2's {h2.shape} "
+                         "(one auxiliary head's d h2, or the two heads')")
+
+
+def h2_grad_sum_aux_mask(parts: np.ndarray, aux: np.ndarray, h2: np.ndarray,
+                         h2_pre: np.ndarray) -> AuxTrunkGrad:
+    """The C51 trunk gradient with the auxiliary heads on, in one launch: the composition of
+    the four kernels the step ran for it (``fast.step_program``'s ``_dh2_sum`` and
+    ``fast.wave_plan.aux_chain``'s guarded sum), in their order::
+
+        dh2_main = h2_grad_sum_mask(parts, h2, h2_pre).dh2      # the heads' sum (slot 33)
+        a        = aux[0]                                       # one head, or the two heads'
+                   saxpy(clamp_finite(aux[0], +Inf), aux[1], 1)  #   guarded sum
+        dh2      = saxpy(dh2_main, a, 1)                        # slot 34
+        out      = h2_grad_sum_mask(dh2[None], h2, h2_pre).out  # the masks of that sum
+
+    Shapes: ``parts`` float32 [K, *S]; ``aux`` float32 [1 or 2, *S] (next bar first, then
+    regime, as ``wave_layout.aux_heads``); ``h2``, ``h2_pre`` float32 [*S].
+
+    NaN contract: the composition's. The heads' sum is IEEE (a NaN part reaches ``dh2_main``,
+    ``dh2`` and, unless masked, ``out``); a non-finite auxiliary value never reaches ``dh2``
+    (the guarded SAXPYs skip it; the first of two heads' becomes +0 first); the masks as
+    ``h2_grad_sum_mask`` (a NaN ``h2_pre`` gives 0)."""
+    validate_h2_grad_sum_aux_mask(parts, aux, h2, h2_pre)
+    main = h2_grad_sum_mask(parts, h2, h2_pre).dh2
+    total = aux[0] if aux.shape[0] == 1 else optim.saxpy(
+        safety.clamp_finite(aux[0], F32(np.inf)), aux[1], F32(1))
+    dh2 = optim.saxpy(main, total, F32(1))
+    return AuxTrunkGrad(main, dh2, h2_grad_sum_mask(dh2[None], h2, h2_pre).out)
+
+
 # --------------------------------------------------------------------------------------------
 # Step scalars
 # --------------------------------------------------------------------------------------------
@@ -598,6 +644,7 @@ KERNELS = {
     "scalar_target_q_branches": scalar_target_q_branches,
     "branch_mean": branch_mean,
     "h2_grad_sum_mask": h2_grad_sum_mask,
+    "h2_grad_sum_aux_mask": h2_grad_sum_aux_mask,
     "loss_scalars": loss_scalars,
     "loss_scalars_ptr": loss_scalars_ptr,
     "step_scalars": step_scalars,
