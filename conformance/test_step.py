@@ -27,7 +27,10 @@ SOURCES``), one step and the injections per preset x precision from the warm sta
 step with the fused trunk and / or heads forward (``fused_trunk=True``, ``fused_heads=True``),
 one step per preset x start and the injections on the seed preset; the step with the C51 and CQL backward stacked
 (``stacked_backward=True``), one step per preset x precision with the core and with every
-second-wave source, and the injections per precision on the seed preset with every source.
+second-wave source, and the injections per precision on the seed preset with every source; the
+step with the C51 trunk's auxiliary ``d h2`` in one launch (``h2_grad_sum_aux_mask``:
+``step_program.FUSE_AUX_TRUNK_GRAD``), one step per preset x precision with the auxiliary heads
+and with every source, and the injections on the seed preset with every source.
 """
 
 from __future__ import annotations
@@ -277,6 +280,26 @@ def test_fast_step_with_a_fused_forward_and_injected_non_finite_values(kind, fus
                                                                        record_property) -> None:
     results = check_injection(_fused_factory(fused), shared_case("seed", "bf16", "warm"), kind)
     record_results(record_property, f"seed-bf16-{kind}-{fused}", results)
+    assert_all(results)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case, precision, source", [
+    pytest.param(p, q, s, id=f"{p}-{q}-{s}") for p in PRESETS for q in PRECISIONS
+    for s in ("aux", "all")])
+def test_fast_step_with_the_aux_trunk_grad_in_one_launch_matches_reference(
+        case, precision, source, cuda_device, record_property, monkeypatch) -> None:
+    """``h2_grad_sum_aux_mask`` in place of the six launches (``FUSE_AUX_TRUNK_GRAD``, off by
+    default), the same step; and with every source, the injections."""
+    from foxhunt.fast import step_program
+
+    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", True)
+    results, _, _ = one_step(fast_factory(), shared_case(case, precision, "warm", source))
+    if case == "seed" and source == "all":
+        for kind in INJECTIONS:
+            results += check_injection(fast_factory(), shared_case(case, precision, "warm", source),
+                                       kind)
+    record_results(record_property, f"{case}-{precision}-{source}-aux-fused", results)
     assert_all(results)
 
 

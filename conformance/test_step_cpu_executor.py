@@ -107,6 +107,39 @@ def test_cpu_executor_stacked_backward_step_with_injected_non_finite_values(kind
     assert_all(check_injection(factory, shared_case("tiny", precision, "warm", "all"), kind))
 
 
+@pytest.fixture
+def aux_trunk_fused(monkeypatch):
+    """The C51 trunk takes the auxiliary heads' ``d h2`` in one launch
+    (``step_program.FUSE_AUX_TRUNK_GRAD``, off by default) for the trainers a test builds."""
+    from foxhunt.fast import step_program
+
+    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", True)
+
+
+@pytest.mark.usefixtures("aux_trunk_fused")
+@pytest.mark.parametrize("source", ["aux", "all"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_cpu_executor_fused_aux_trunk_grad_step_matches_reference(precision, source) -> None:
+    """``h2_grad_sum_aux_mask`` in place of the six launches (the plan has it, and no SAXPY into
+    the trunk gradient), the same step; at the seed preset with every source."""
+    case = shared_case("seed" if source == "all" else "tiny", precision, "warm", source)
+    trainer = CpuTrainer(case.config)
+    try:
+        kernels = [getattr(n, "kernel", None) for n in trainer._engine.plans["graph1"].nodes()]
+    finally:
+        trainer.close()
+    assert kernels.count("h2_grad_sum_aux_mask") == 1 and "saxpy" not in kernels
+    assert_all(one_step(CpuTrainer, case)[0])
+
+
+@pytest.mark.usefixtures("aux_trunk_fused")
+@pytest.mark.parametrize("order", BRANCH_ORDERS)
+@pytest.mark.parametrize("kind", INJECTIONS)
+def test_cpu_executor_fused_aux_trunk_grad_step_with_injected_non_finite_values(kind, order) -> None:
+    factory = functools.partial(CpuTrainer, branch_order=order)
+    assert_all(check_injection(factory, shared_case("tiny", "bf16", "warm", "aux"), kind))
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_cpu_executor_three_steps_resynchronised_each_step(precision) -> None:
     """Three consecutive steps, both trainers loading the reference's state before each: every

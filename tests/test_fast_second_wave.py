@@ -286,6 +286,42 @@ def test_a_nan_planted_in_a_source_buffer_raises_exactly_its_flag(source, slot, 
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("slot, fused_plant", [
+    ("aux_next_bar_d_h2", (_launch("h2_grad_sum_aux_mask", aux_a="aux_d_h2_nb"), Buf("aux_d_h2_nb"))),
+    ("aux_regime_d_h2", (_launch("h2_grad_sum_aux_mask", aux_b="aux_d_h2_rg"), Buf("aux_d_h2_rg"))),
+    ("d_h2_post_main", (_launch("h2_grad_sum_aux_mask", dh2_main="dh2_main_c51"),
+                        Buf("dh2_main_c51"))),
+    ("d_h2_post_aux", (_launch("h2_grad_sum_aux_mask", dh2="dh2_c51"), Buf("dh2_c51")))])
+def test_a_nan_planted_beside_the_fused_aux_trunk_grad_raises_exactly_its_flag(
+        slot, fused_plant, precision, monkeypatch):
+    """With the C51 trunk's auxiliary ``d h2`` in one launch (``FUSE_AUX_TRUNK_GRAD``): each
+    buffer it reads or writes that a slot watches, poisoned after it ran, raises that slot
+    alone, as the reference's poisoned value does."""
+    from foxhunt.fast import step_program
+
+    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", True)
+    case = shared_case("tiny", precision, "warm", "aux")
+    if slot == "d_h2_post_main":
+        def trace_post_main(fn):
+            def run(*a, trace=None, **k):
+                grad = fn(*a, trace=trace, **k)
+                if trace is not None and "d_h2_post_aux" in trace:  # the C51 pass's trace
+                    trace["d_h2"] = _nan_at_first(trace["d_h2"])  # slot 33's (trainer.py)
+                return grad
+            return run
+        ref_ctx = lambda: _patched(ref_step, "backward", trace_post_main)  # noqa: E731
+    else:
+        ref_ctx = _slot_cases(case.config)[slot][0]
+    want, got = _run_both(case, case.state, ref_ctx, lambda: _fast_plant(*fused_plant))
+    expected = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
+    expected[sentinels.index(slot)] = 1
+    assert np.array_equal(want.state["flags"], expected), np.flatnonzero(want.state["flags"])
+    assert np.array_equal(got.state["flags"], expected), np.flatnonzero(got.state["flags"])
+    bad = failures(compare_step(case.config, case.state, want, got))
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("key, slot", [("adam_m", "iqn_adam_m_max"), ("adam_v", "iqn_adam_v_max"),
                                        ("params", "iqn_weight_max")])
 def test_a_nan_in_the_iqn_state_raises_its_mech5_flag(key, slot, precision):
