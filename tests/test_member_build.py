@@ -14,6 +14,7 @@ pytest.importorskip("cuda.bindings.nvrtc", reason="cuda-bindings (the test extra
 
 from foxhunt.fast import member_build
 from foxhunt.fast._build import HEADER_SUFFIXES, ParamType, compile_sources, source_files
+from foxhunt.fast.device import cuda_available
 from foxhunt.fast.cuda_parse import kernel_spans, package_kernels, parse_kernels, strip_comments
 from foxhunt.fast.member_build import (
     MEMBER_SCALARS_PARAM,
@@ -225,16 +226,23 @@ def ptx_type_of(ctype: str) -> str:
     return "u64" if "*" in ctype else PTX_OF_C[ctype]
 
 
+#: Whether this machine has a CUDA device (the population then loads ``member_module``'s cubin).
+_GPU = cuda_available()[0]
+
+
 @pytest.fixture(scope="module", params=[80, 90], ids=["sm_80", "sm_90"])
 def modules(request, nvrtc_cache, package_build):
     """(arch, member module, plain module): one compile each per test session. The plain
     module is the session's package build (``conftest.package_build``: sm_90 cubin, sm_80
-    PTX); sm_90 builds the population's own ``member_module`` (cubin) beside it, sm_80 the
-    member sources as PTX (no cubin: CI's two cores spent about 27 s on the two sm_80
-    cubins)."""
+    PTX); on a machine with a GPU, sm_90 builds the population's own ``member_module`` (cubin,
+    the module a population loads) beside it; otherwise (CI) each architecture compiles the
+    member sources as PTX (NVRTC's part of the build: a cubin of them cost CI's two cores
+    about 27 s for sm_80 and 17 s more than the PTX for sm_90; ptxas is exercised by the
+    package's sm_90 cubin, and ``member_module``'s one build per process is tested on its own
+    below)."""
     arch = request.param
     plain = package_build(f"sm_{arch}")
-    if arch == 90:
+    if arch == 90 and _GPU:
         return arch, member_module(arch), plain
     return arch, compile_sources(arch, "ptx", cache_root=nvrtc_cache, sources=member_source_files()), plain
 
@@ -250,8 +258,27 @@ def test_member_module_has_every_kernel_with_the_two_trailing_parameters(modules
         assert member.params[name] == expected + (ParamType("u64"), ParamType("u64")), name
     assert member.logs == {unit: "" for unit in member.images}
     assert member.key != plain.key
-    if arch == 90:  # the population's module, built once per process
+    if arch == 90 and _GPU:  # the population's module, built once per process
         assert member_module(f"sm_{arch}") is member
+
+
+def test_member_module_is_built_once_per_process_and_architecture(monkeypatch):
+    """``member_module``: the member sources compiled (cubin, the disk cache on) on the first
+    call for an architecture, the same module on every later call however it is named."""
+    calls = []
+
+    def build(arch, *args, **kwargs):
+        calls.append((arch, args, kwargs))
+        return object()
+
+    monkeypatch.setattr(member_build, "compile_sources", build)
+    monkeypatch.setattr(member_build, "_MEMBER_MODULES", {})
+    first = member_module("sm_90")
+    assert member_module(90) is first and member_module((9, 0)) is first
+    other = member_module("sm_80")
+    assert other is not first and member_module(80) is other
+    assert [arch for arch, _, _ in calls] == [90, 80]
+    assert all(args == () and kwargs == {"sources": member_source_files()} for _, args, kwargs in calls)
 
 
 def test_member_module_entries_keep_the_plain_directives(modules):
