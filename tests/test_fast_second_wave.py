@@ -270,6 +270,16 @@ def _run_both(case, state, ref_ctx, fast_ctx):
     return want, got
 
 
+def _assert_only_its_flag(case, slot: str, want, got) -> None:
+    """Both steps raised slot ``slot`` alone and agree within the step bounds."""
+    expected = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
+    expected[sentinels.index(slot)] = 1
+    assert np.array_equal(want.state["flags"], expected), np.flatnonzero(want.state["flags"])
+    assert np.array_equal(got.state["flags"], expected), np.flatnonzero(got.state["flags"])
+    bad = failures(compare_step(case.config, case.state, want, got))
+    assert not bad, "\n".join(bad)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("source, slot", [(src, slot) for src, slots in SLOTS.items()
                                           for slot in slots if src in fast_sources()])
@@ -277,12 +287,7 @@ def test_a_nan_planted_in_a_source_buffer_raises_exactly_its_flag(source, slot, 
     case = shared_case("tiny", precision, "warm", source)
     ref_ctx, fast_ctx = _slot_cases(case.config)[slot]
     want, got = _run_both(case, case.state, ref_ctx, fast_ctx)
-    expected = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
-    expected[sentinels.index(slot)] = 1
-    assert np.array_equal(want.state["flags"], expected), np.flatnonzero(want.state["flags"])
-    assert np.array_equal(got.state["flags"], expected), np.flatnonzero(got.state["flags"])
-    bad = failures(compare_step(case.config, case.state, want, got))
-    assert not bad, "\n".join(bad)
+    _assert_only_its_flag(case, slot, want, got)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -313,12 +318,7 @@ def test_a_nan_planted_beside_the_fused_aux_trunk_grad_raises_exactly_its_flag(
     else:
         ref_ctx = _slot_cases(case.config)[slot][0]
     want, got = _run_both(case, case.state, ref_ctx, lambda: _fast_plant(*fused_plant))
-    expected = np.zeros(sentinels.NUM_SENTINEL_SLOTS, np.int32)
-    expected[sentinels.index(slot)] = 1
-    assert np.array_equal(want.state["flags"], expected), np.flatnonzero(want.state["flags"])
-    assert np.array_equal(got.state["flags"], expected), np.flatnonzero(got.state["flags"])
-    bad = failures(compare_step(case.config, case.state, want, got))
-    assert not bad, "\n".join(bad)
+    _assert_only_its_flag(case, slot, want, got)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
