@@ -137,7 +137,8 @@ def test_cpu_executor_fused_aux_trunk_grad_step_matches_reference(case, precisio
 @pytest.mark.usefixtures("aux_trunk_fused")
 @pytest.mark.parametrize("order", BRANCH_ORDERS)
 @pytest.mark.parametrize("kind", INJECTIONS)
-def test_cpu_executor_fused_aux_trunk_grad_step_with_injected_non_finite_values(kind, order) -> None:
+def test_cpu_executor_fused_aux_trunk_grad_step_with_injected_non_finite_values(kind,
+                                                                              order) -> None:
     factory = functools.partial(CpuTrainer, branch_order=order)
     assert_all(check_injection(factory, shared_case("tiny", "bf16", "warm", "aux"), kind))
 

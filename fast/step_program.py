@@ -112,12 +112,11 @@ LONG_K_RATIO = 4
 #: operands to TF32, which the f32 kernel's exact products do not.
 FUSE_HEAD_OUTPUTS = frozenset({"bf16"})
 #: Whether the C51 trunk takes the auxiliary heads' ``d h2`` in ONE launch of
-#: ``h2_grad_sum_aux_mask`` (the heads' sum, the two auxiliary heads' guarded sum, their SAXPY
-#: into it and the masks: six launches of ``h2_grad_sum_mask``, ``clamp_finite`` and ``saxpy``
-#: on two branches, and two of them on graph 1's chain of the step with every second-wave source)
-#: instead of those launches. Off: its CUDA kernel has not run on a GPU yet (written in session
-#: 41, when the device was not lent); the CPU executor's plan with it on matches the reference
-#: step (``conformance/test_step_cpu_executor.py``).
+#: ``h2_grad_sum_aux_mask`` instead of six (``h2_grad_sum_mask`` of the heads' parts on the trunk
+#: and beside it for slot 33, the two auxiliary heads' ``clamp_finite`` and ``saxpy``, the
+#: ``saxpy`` into the trunk's sum and ``h2_grad_sum_mask`` of it). Off: its CUDA kernel has not
+#: run on a GPU yet (written in session 41, when the device was not lent); the CPU executor's
+#: plan with it on matches the reference step (``conformance/test_step_cpu_executor.py``).
 FUSE_AUX_TRUNK_GRAD = False
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
@@ -859,6 +858,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_HEAD_OUTPUTS", "GEMM_ROLES", "GEMM_SM_SHARE", "GEMM_SM_SHARES", "GEMM_WORKSPACES",
+__all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_HEAD_OUTPUTS", "GEMM_ROLES", "GEMM_SM_SHARE",
+           "GEMM_SM_SHARES", "GEMM_WORKSPACES",
            "LONG_K_RATIO", "UNIFORM_SM_SHARES", "StepProgram", "alignment", "sm_count_targets",
            "step_constants"]

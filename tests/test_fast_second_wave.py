@@ -292,8 +292,10 @@ def test_a_nan_planted_in_a_source_buffer_raises_exactly_its_flag(source, slot, 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("slot, fused_plant", [
-    ("aux_next_bar_d_h2", (_launch("h2_grad_sum_aux_mask", aux_a="aux_d_h2_nb"), Buf("aux_d_h2_nb"))),
-    ("aux_regime_d_h2", (_launch("h2_grad_sum_aux_mask", aux_b="aux_d_h2_rg"), Buf("aux_d_h2_rg"))),
+    ("aux_next_bar_d_h2", (_launch("h2_grad_sum_aux_mask", aux_a="aux_d_h2_nb"),
+                           Buf("aux_d_h2_nb"))),
+    ("aux_regime_d_h2", (_launch("h2_grad_sum_aux_mask", aux_b="aux_d_h2_rg"),
+                         Buf("aux_d_h2_rg"))),
     ("d_h2_post_main", (_launch("h2_grad_sum_aux_mask", dh2_main="dh2_main_c51"),
                         Buf("dh2_main_c51"))),
     ("d_h2_post_aux", (_launch("h2_grad_sum_aux_mask", dh2="dh2_c51"), Buf("dh2_c51")))])

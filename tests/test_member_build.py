@@ -278,7 +278,8 @@ def test_member_module_is_built_once_per_process_and_architecture(monkeypatch):
     other = member_module("sm_80")
     assert other is not first and member_module(80) is other
     assert [arch for arch, _, _ in calls] == [90, 80]
-    assert all(args == () and kwargs == {"sources": member_source_files()} for _, args, kwargs in calls)
+    assert all(args == () and kwargs == {"sources": member_source_files()}
+               for _, args, kwargs in calls)
 
 
 def test_member_module_entries_keep_the_plain_directives(modules):

@@ -13,10 +13,10 @@ entry uploads them); branch-packed arrays take the tables ``n_actions`` / ``acti
 pointer is null, ``h2_grad_sum_aux_mask``'s second auxiliary head where its pointer is null.
 ``clamp_finite_isv``, ``h2_grad_sum_mask`` and ``h2_grad_sum_aux_mask`` take 4 elements per
 thread where their pointers (and ``part_stride``) are aligned for float4 accesses, a scalar
-loop otherwise, so their plans launch a quarter of the threads. Numerics: each kernel rounds where its
-reference does (``__fadd_rn`` and friends, ``-fmad=false``): exact, but for ``expf`` (a few
-ulp) and the block-tree means of ``loss_scalars`` and the total norm of ``step_scalars``
-(reductions).
+loop otherwise, so their plans launch a quarter of the threads. Numerics: each kernel rounds
+where its reference does (``__fadd_rn`` and friends, ``-fmad=false``): exact, but for ``expf``
+(a few ulp) and the block-tree means of ``loss_scalars`` and the total norm of
+``step_scalars`` (reductions).
 """
 
 from __future__ import annotations
@@ -38,13 +38,13 @@ from foxhunt.reference.kernels.fused import branch_offsets
 from foxhunt.reference.kernels.step import (
     READBACK_FIELDS,
     READBACK_INDEX,
+    AuxTrunkGrad,
     ClampMirror,
     C51GatherProjectDueling,
     DoubleDqnGather,
     LossScalars,
     StepBounds,
     StepScalarsOut,
-    AuxTrunkGrad,
     TrunkGrad,
     validate_branch_mean,
     validate_c51_gather_project_dueling_branches,
