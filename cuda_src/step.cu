@@ -618,10 +618,11 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
 }
 
 // ---------------------------------------------------------------------------------------------
-// The C51 trunk gradient with the auxiliary heads on, in one launch: the four launches the step
-// ran for it fused (h2_grad_sum_mask of the heads' parts; the two auxiliary heads' guarded sum,
-// clamp_finite with a bound of +Inf then saxpy; the saxpy of that sum into the heads' sum;
-// h2_grad_sum_mask of the one part the result is). The reference twin,
+// The C51 trunk gradient with the auxiliary heads on, in one launch: the six launches the step
+// ran for it fused (h2_grad_sum_mask of the heads' parts, on the trunk and again beside it for
+// slot 33; the two auxiliary heads' guarded sum, clamp_finite with a bound of +Inf then saxpy;
+// the saxpy of that sum into the heads' sum; h2_grad_sum_mask of the one part the result is).
+// The reference twin,
 // foxhunt.reference.kernels.step.h2_grad_sum_aux_mask, is their composition:
 //   main = ((0 + parts[0][i]) + parts[1][i]) + ...        dh2_main[i] = main   (slot 33's)
 //   a    = aux_b ? add(isfinite(aux_a[i]) ? aux_a[i] : 0, aux_b[i]) : aux_a[i]
