@@ -107,40 +107,48 @@ def test_cpu_executor_stacked_backward_step_with_injected_non_finite_values(kind
     assert_all(check_injection(factory, shared_case("tiny", precision, "warm", "all"), kind))
 
 
-@pytest.fixture
-def aux_trunk_fused(monkeypatch):
-    """The C51 trunk takes the auxiliary heads' ``d h2`` in one launch
-    (``step_program.FUSE_AUX_TRUNK_GRAD``, off by default) for the trainers a test builds."""
+#: The switches of the second-wave trunk gradients in fewer launches (``step_program``, off by
+#: default) and a source each concerns.
+TRUNK_GRAD_SWITCHES = {"FUSE_AUX_TRUNK_GRAD": "aux", "FUSE_GUARD_MASK": "iqn"}
+
+
+@pytest.mark.parametrize("case, precision, source", [
+    *(pytest.param("tiny", q, s, id=f"tiny-{q}-{s}") for q in PRECISIONS
+      for s in ("aux", "iqn", "ens", "all")),
+    pytest.param("seed", "bf16", "all", id="seed-bf16-all")])
+def test_cpu_executor_fused_trunk_grads_step_matches_reference(case, precision, source,
+                                                               monkeypatch) -> None:
+    """Both switches on: ``h2_grad_sum_aux_mask`` in place of the C51 trunk's six launches (no
+    SAXPY left) and ``h2_guard_mask`` in place of an auxiliary trunk's guard and masks (no
+    ``clamp_finite`` left before one), the same step (the seed preset in bf16 only: the launches
+    read and write f32 buffers in every precision)."""
     from foxhunt.fast import step_program
 
-    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", True)
-
-
-@pytest.mark.usefixtures("aux_trunk_fused")
-@pytest.mark.parametrize("case, precision, source", [
-    *(pytest.param("tiny", q, s, id=f"tiny-{q}-{s}") for q in PRECISIONS for s in ("aux", "all")),
-    pytest.param("seed", "bf16", "all", id="seed-bf16-all")])
-def test_cpu_executor_fused_aux_trunk_grad_step_matches_reference(case, precision, source) -> None:
-    """``h2_grad_sum_aux_mask`` in place of the six launches (the plan has it, and no SAXPY into
-    the trunk gradient), the same step (the seed preset in bf16 only: the launch reads and
-    writes f32 buffers in every precision)."""
+    for switch in TRUNK_GRAD_SWITCHES:
+        monkeypatch.setattr(step_program, switch, True)
     case = shared_case(case, precision, "warm", source)
     trainer = CpuTrainer(case.config)
     try:
         kernels = [getattr(n, "kernel", None) for n in trainer._engine.plans["graph1"].nodes()]
     finally:
         trainer.close()
-    assert kernels.count("h2_grad_sum_aux_mask") == 1 and "saxpy" not in kernels
+    c = case.config
+    assert kernels.count("h2_grad_sum_aux_mask") == int(c.aux_on) and "saxpy" not in kernels
+    assert kernels.count("h2_guard_mask") == int(c.iqn_on) + int(c.ens_on)
     assert_all(one_step(CpuTrainer, case)[0])
 
 
-@pytest.mark.usefixtures("aux_trunk_fused")
+@pytest.mark.parametrize("switch", TRUNK_GRAD_SWITCHES)
 @pytest.mark.parametrize("order", BRANCH_ORDERS)
 @pytest.mark.parametrize("kind", INJECTIONS)
-def test_cpu_executor_fused_aux_trunk_grad_step_with_injected_non_finite_values(kind,
-                                                                              order) -> None:
+def test_cpu_executor_fused_trunk_grad_step_with_injected_non_finite_values(
+        kind, order, switch, monkeypatch) -> None:
+    from foxhunt.fast import step_program
+
+    monkeypatch.setattr(step_program, switch, True)
     factory = functools.partial(CpuTrainer, branch_order=order)
-    assert_all(check_injection(factory, shared_case("tiny", "bf16", "warm", "aux"), kind))
+    source = TRUNK_GRAD_SWITCHES[switch]
+    assert_all(check_injection(factory, shared_case("tiny", "bf16", "warm", source), kind))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -1,4 +1,4 @@
-// Shared device helpers of cuda_src/dense.cu, safety.cu, replay.cu and optim.cu.
+// Shared device helpers of cuda_src/dense.cu, safety.cu, replay.cu, optim.cu and step.cu.
 //
 // No __global__ functions here: kernels live in the .cu files under their reference names.
 // Every helper is `static __device__ __forceinline__` (or a template), so each translation unit
@@ -16,6 +16,17 @@
 // A bit test, so no compiler option can fold it away.
 static __device__ __forceinline__ bool ha_is_finite(float x) {
     return (__float_as_uint(x) & HA_F32_EXP_MASK) != HA_F32_EXP_MASK;
+}
+
+// np.clip's select order: NaN propagates (every comparison is false), -0.0 stays -0.0, and a
+// bound of +Inf leaves every value unchanged.
+static __device__ __forceinline__ float ha_clip_symmetric(float x, float bound) {
+    return (x > bound) ? bound : ((x < -bound) ? -bound : x);
+}
+
+// safety.cu's clamp_finite element: isfinite(v) ? clip(v, -m, m) : 0 (NaN and +/-Inf become +0.0).
+static __device__ __forceinline__ float ha_clamp_finite(float v, float m) {
+    return ha_is_finite(v) ? ha_clip_symmetric(v, m) : 0.0f;
 }
 
 // Whether x fires a sentinel slot's test (nan_check_fused; polyak_update_mirror_check in

@@ -18,12 +18,6 @@
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
          i += (long long)gridDim.x * blockDim.x)
 
-// np.clip's select order: NaN propagates (every comparison is false), -0.0 stays -0.0, and a
-// bound of +Inf leaves every value unchanged.
-static __device__ __forceinline__ float clip_symmetric(float x, float bound) {
-    return (x > bound) ? bound : ((x < -bound) ? -bound : x);
-}
-
 // out = isfinite(x) ? clip(x, -m, m) : 0  (NaN and +/-Inf become +0.0), the sanitiser of
 // Mech 9/10 and the auxiliary guards. Their bounds are ISV-driven, so the kernel forms
 // m = multiplier * fmaxf(*signal, 1) on the device from a pointer to the ISV slot (as
@@ -38,16 +32,12 @@ static __device__ __forceinline__ float clip_symmetric(float x, float bound) {
 // grid; 32-bit indices) and threads 0 .. n % 4 - 1 one tail element each; a misaligned pointer
 // takes a 32-bit scalar grid-stride loop; n >= 2^31 the 64-bit one. plan_clamp_finite launches
 // one thread per 4 elements.
-static __device__ __forceinline__ float clamp_finite_one(float v, float m) {
-    return ha_is_finite(v) ? clip_symmetric(v, m) : 0.0f;
-}
-
 extern "C" __global__ void clamp_finite(const float* x, float* out, long long n, float multiplier,
                                         const float* __restrict__ signal) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     const float m = multiplier * fmaxf(*signal, ISV_FLOOR);
     if (!fh_flat_narrow(n)) {  // 64-bit loop
-        SAFETY_FLAT_LOOP(i, n) { out[i] = clamp_finite_one(x[i], m); }
+        SAFETY_FLAT_LOOP(i, n) { out[i] = ha_clamp_finite(x[i], m); }
         return;
     }
     const unsigned int count = (unsigned int)n;
@@ -57,16 +47,16 @@ extern "C" __global__ void clamp_finite(const float* x, float* out, long long n,
         float4* out4 = reinterpret_cast<float4*>(out);
         for (unsigned int g = first; g < count / 4; g += stride) {
             const float4 v = x4[g];
-            out4[g] = make_float4(clamp_finite_one(v.x, m), clamp_finite_one(v.y, m),
-                                  clamp_finite_one(v.z, m), clamp_finite_one(v.w, m));
+            out4[g] = make_float4(ha_clamp_finite(v.x, m), ha_clamp_finite(v.y, m),
+                                  ha_clamp_finite(v.z, m), ha_clamp_finite(v.w, m));
         }
         // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
         for (unsigned int i = fh_flat_tail(count, first); i < count; i += stride) {
-            out[i] = clamp_finite_one(x[i], m);
+            out[i] = ha_clamp_finite(x[i], m);
         }
     } else {
         for (unsigned int i = first; i < count; i += stride) {
-            out[i] = clamp_finite_one(x[i], m);
+            out[i] = ha_clamp_finite(x[i], m);
         }
     }
 }
@@ -253,5 +243,5 @@ extern "C" __global__ void target_q_clip(const float* q, float* out, long long n
                                          const float* __restrict__ q_abs_ref) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     const float bound = k1 * fmaxf(*q_abs_ref, ISV_FLOOR);
-    SAFETY_FLAT_LOOP(i, n) { out[i] = clip_symmetric(q[i], bound); }
+    SAFETY_FLAT_LOOP(i, n) { out[i] = ha_clip_symmetric(q[i], bound); }
 }

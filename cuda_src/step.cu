@@ -21,6 +21,7 @@
 #include "distributional.cuh"  // double_dqn_argmax (the double-DQN choice, shared)
 #include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_pair_bits (dense.f32_to_bf16's bit formula)
 #include "flat.cuh"  // the vector paths' loop bounds and alignment tests
+#include "ha_common.cuh"  // ha_clamp_finite (safety.cu's clamp_finite element)
 
 #define STEP_THREADS 256
 // Blocks of STEP_THREADS per SM the grid-shared flat kernels keep (__launch_bounds__: at most 32
@@ -716,6 +717,70 @@ h2_grad_sum_aux_mask(const float* __restrict__ parts, int n_parts, long long par
         for (unsigned int i = first; i < m; i += stride) {
             step_aux_mask_one(i, parts, n_parts, part_stride, aux_a, aux_b, h2, h2_pre, dh2_main,
                               dh2, out);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// An auxiliary trunk's guarded d h2 and its masks in one launch (the IQN and ensemble trunks:
+// fast.wave_plan's _guard, clamp_finite with the ISV-driven guard bound, then h2_grad_sum_mask
+// of the one part it wrote). The reference twin, foxhunt.reference.kernels.step.h2_guard_mask,
+// is their composition:
+//   m = multiplier * fmaxf(*signal, 1)                 (clamp_finite's bound, step_isv_bound)
+//   g = isfinite(x[i]) ? clip(x[i], -m, m) : 0         (safety.cu's clamp_finite element)
+//   dh2_out[i] = 0 + g;  out[i] = step_h2_mask(0 + g, h2[i], h2_pre[i])
+// NaN contract: the composition's: a non-finite x gives 0 in dh2_out (and out); a NaN h2_pre
+// masks to 0; the bound as clamp_finite's (a NaN signal counts as 1, +Inf clamps nothing).
+// Flat, [B, SH2]; 4 elements per thread where every pointer is 16-byte aligned, else one
+// (flat.cuh; plan_h2_guard_mask); the same operations per element on every path.
+// ---------------------------------------------------------------------------------------------
+static __device__ __forceinline__ void step_guard_mask4(float4 x, float4 h, float4 pre, float m,
+                                                        float4* __restrict__ dh2,
+                                                        float4* __restrict__ out) {
+    const float4 s = make_float4(__fadd_rn(0.0f, ha_clamp_finite(x.x, m)),
+                                 __fadd_rn(0.0f, ha_clamp_finite(x.y, m)),
+                                 __fadd_rn(0.0f, ha_clamp_finite(x.z, m)),
+                                 __fadd_rn(0.0f, ha_clamp_finite(x.w, m)));
+    *dh2 = s;
+    *out = make_float4(step_h2_mask(s.x, h.x, pre.x), step_h2_mask(s.y, h.y, pre.y),
+                       step_h2_mask(s.z, h.z, pre.z), step_h2_mask(s.w, h.w, pre.w));
+}
+
+extern "C" __global__ void __launch_bounds__(STEP_THREADS, STEP_MIN_BLOCKS)
+h2_guard_mask(const float* __restrict__ x, const float* __restrict__ h2,
+              const float* __restrict__ h2_pre, float* __restrict__ dh2_out,
+              float* __restrict__ out, long long n, float multiplier,
+              const float* __restrict__ signal) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    const float m = step_isv_bound(multiplier, *signal);
+    if (!fh_flat_narrow(n)) {
+        STEP_FLAT_LOOP(i, n) {
+            const float s = __fadd_rn(0.0f, ha_clamp_finite(x[i], m));
+            dh2_out[i] = s;
+            out[i] = step_h2_mask(s, h2[i], h2_pre[i]);
+        }
+        return;
+    }
+    const unsigned int count = (unsigned int)n, first = fh_flat_first(), stride = fh_flat_stride();
+    if (fh_aligned(x, 16) && fh_aligned(h2, 16) && fh_aligned(h2_pre, 16) &&
+        fh_aligned(dh2_out, 16) && fh_aligned(out, 16)) {
+        const float4* __restrict__ x4 = reinterpret_cast<const float4*>(x);
+        const float4* __restrict__ h2_4 = reinterpret_cast<const float4*>(h2);
+        const float4* __restrict__ pre4 = reinterpret_cast<const float4*>(h2_pre);
+        for (unsigned int g = first; g < count / 4; g += stride) {  // three loads in flight
+            step_guard_mask4(x4[g], h2_4[g], pre4[g], m, reinterpret_cast<float4*>(dh2_out) + g,
+                             reinterpret_cast<float4*>(out) + g);
+        }
+        for (unsigned int i = fh_flat_tail(count, first); i < count; i += stride) {
+            const float s = __fadd_rn(0.0f, ha_clamp_finite(x[i], m));
+            dh2_out[i] = s;
+            out[i] = step_h2_mask(s, h2[i], h2_pre[i]);
+        }
+    } else {
+        for (unsigned int i = first; i < count; i += stride) {
+            const float s = __fadd_rn(0.0f, ha_clamp_finite(x[i], m));
+            dh2_out[i] = s;
+            out[i] = step_h2_mask(s, h2[i], h2_pre[i]);
         }
     }
 }

@@ -678,6 +678,21 @@ def _h2_grad_sum_aux_mask(a):
     return r._asdict()
 
 
+def signal_bound(a: Args) -> np.float32:
+    """The bound ``clamp_finite`` and ``h2_guard_mask`` form on the device from their
+    ``multiplier`` and ``signal`` pointer: ``multiplier * fmaxf(*signal, 1)`` (``safety.
+    isv_bound``'s value; +Inf is a bound too: no clamp, non-finite values to 0)."""
+    f32 = np.float32
+    with np.errstate(over="ignore"):
+        return f32(f32(a.multiplier) * np.fmax(f32(a.signal[0]), f32(1)))
+
+
+@twin("h2_guard_mask", x="n", h2="n", h2_pre="n", dh2_out="n", out="n", signal=1)
+def _h2_guard_mask(a):
+    r = rstep.h2_guard_mask(a.x, signal_bound(a), a.h2, a.h2_pre)
+    return {"dh2_out": r.dh2, "out": r.out}
+
+
 _READBACK = len(rstep.READBACK_FIELDS)
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast.cpu_kernels import branches, n_step_args, twin
+from foxhunt.fast.cpu_kernels import branches, n_step_args, signal_bound, twin
 from foxhunt.reference.isv import AUX_LABEL_SCALE_EMA_INDEX, ISV_LEN, SHARPE_CLAMP, SHARPE_GAIN
 from foxhunt.reference.kernels import aux, ensemble, iqn, optim, safety, warmup, wave
 from foxhunt.reference.kernels import step as rstep
@@ -25,11 +25,7 @@ _READBACK = len(rstep.READBACK_FIELDS)
 
 @twin("clamp_finite", x="n", out="n", signal=1)
 def _clamp_finite(a):
-    # The kernel's bound: multiplier * fmaxf(*signal, 1) (safety.isv_bound's value; +Inf is a
-    # bound too: no clamp, non-finite values to 0).
-    with np.errstate(over="ignore"):
-        bound = F32(F32(a.multiplier) * np.fmax(F32(a.signal[0]), F32(1)))
-    return {"out": safety.clamp_finite(a.x, bound)}
+    return {"out": safety.clamp_finite(a.x, signal_bound(a))}
 
 
 @twin("grad_norm_final", partials="count", out=1)

@@ -118,6 +118,10 @@ FUSE_HEAD_OUTPUTS = frozenset({"bf16"})
 #: run on a GPU yet (written in session 41, when the device was not lent); the CPU executor's
 #: plan with it on matches the reference step (``conformance/test_step_cpu_executor.py``).
 FUSE_AUX_TRUNK_GRAD = False
+#: Whether the IQN and ensemble trunks take their guarded ``d h2`` and its masks in ONE launch of
+#: ``h2_guard_mask`` instead of two (``clamp_finite`` with the guard's bound, ``h2_grad_sum_mask``
+#: of the one part it wrote). Off, for the same reason as :data:`FUSE_AUX_TRUNK_GRAD`.
+FUSE_GUARD_MASK = False
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -858,7 +862,8 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_HEAD_OUTPUTS", "GEMM_ROLES", "GEMM_SM_SHARE",
+__all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK", "FUSE_HEAD_OUTPUTS", "GEMM_ROLES",
+           "GEMM_SM_SHARE",
            "GEMM_SM_SHARES", "GEMM_WORKSPACES",
            "LONG_K_RATIO", "UNIFORM_SM_SHARES", "StepProgram", "alignment", "sm_count_targets",
            "step_constants"]

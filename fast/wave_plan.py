@@ -57,6 +57,27 @@ def _guard(prog: StepProgram, ops: Ops, x: Buf, out: Buf, n: int) -> None:
                signal=Buf("isv", offset=isv_mod.H_S2_RMS_EMA_INDEX))
 
 
+def _guard_mask(prog: StepProgram, ops: Ops, src: str, x: Buf) -> None:
+    """An auxiliary trunk's (``src``: ``iqn``, ``ens``) guarded ``d h2`` (``_guard`` of ``x``
+    into ``dh2g_<src>``), copied into its trunk-gradient buffer ``dh2_<src>`` with the masks
+    ``dh2m_<src>`` (``h2_grad_sum_mask`` of the one part); or both in one launch of
+    ``h2_guard_mask`` (``step_program.FUSE_GUARD_MASK``)."""
+    from foxhunt.fast import step_program
+
+    lay, step = prog.lay, prog.kernels("step")
+    n2 = lay.B * lay.H2
+    if step_program.FUSE_GUARD_MASK:
+        ops.kernel("h2_guard_mask", step.plan_h2_guard_mask(n2), x=x, h2="h2o", h2_pre="h2preo",
+                   dh2_out=f"dh2_{src}", out=f"dh2m_{src}", n=n2,
+                   multiplier=F32(prog.config.aux_guard_mult),
+                   signal=Buf("isv", offset=isv_mod.H_S2_RMS_EMA_INDEX))
+        return
+    _guard(prog, ops, x, Buf(f"dh2g_{src}"), n2)
+    ops.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2), parts=f"dh2g_{src}", n_parts=1,
+               part_stride=n2, h2="h2o", h2_pre="h2preo", dh2_out=f"dh2_{src}",
+               out=f"dh2m_{src}", n=n2)
+
+
 def _norm_partial(prog: StepProgram, ops: Ops, x: str, n: int, partials: str) -> None:
     ops.kernel("grad_norm_partial", prog.kernels("optim").plan_grad_norm_partial(n, NORM_SEGMENT),
                x=x, n=n, block_size=NORM_SEGMENT, partials=partials)
@@ -149,10 +170,7 @@ def iqn_chain(prog: StepProgram) -> Ops:
     head.kernel("clip_grad_inplace", opt.plan_clip_grad_inplace(size), x=g, n=size,
                 max_norm=F32(c.max_grad_norm), norm_sq="sq_iqn_head")
     n2 = B * H
-    _guard(prog, trunk, Buf("iqn_d_h2"), Buf("dh2g_iqn"), n2)
-    trunk.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2), parts="dh2g_iqn", n_parts=1,
-                 part_stride=n2, h2="h2o", h2_pre="h2preo", dh2_out="dh2_iqn", out="dh2m_iqn",
-                 n=n2)
+    _guard_mask(prog, trunk, "iqn", Buf("iqn_d_h2"))
     check = trunk.branch()  # slot 35: the trunk-gradient buffer after the IQN d h2 copy
     check.kernel("nan_check", safety.plan_nan_check(n2), x="dh2_iqn", n=n2,
                  flag=Buf("flags", offset=sentinels.index("d_h2_post_iqn")))
@@ -365,11 +383,7 @@ def ens_chain(prog: StepProgram) -> Ops:
                      dw=prog.grad(g, "w_v1"))
     prog.input_grad(trunk, dy=Buf("ens_dhv"), w=P("w_v1"), dx=Buf("ens_d_h2"), rows=B, n_out=VH,
                     n_in=H)
-    n2 = B * H
-    _guard(prog, trunk, Buf("ens_d_h2"), Buf("dh2g_ens"), n2)
-    trunk.kernel("h2_grad_sum_mask", prog.kernels("step").plan_h2_grad_sum_mask(n2),
-                 parts="dh2g_ens", n_parts=1, part_stride=n2, h2="h2o", h2_pre="h2preo",
-                 dh2_out="dh2_ens", out="dh2m_ens", n=n2)
+    _guard_mask(prog, trunk, "ens", Buf("ens_d_h2"))
     prog.trunk_backward(trunk, dh2m=Buf("dh2m_ens"), grad=g, dh1=Buf("dh1_ens"),
                         scratch=Buf("dpre_ens"))
     ops.parallel(value, trunk)

@@ -290,24 +290,33 @@ def test_a_nan_planted_in_a_source_buffer_raises_exactly_its_flag(source, slot, 
     _assert_only_its_flag(case, slot, want, got)
 
 
+#: The fused trunk-gradient launches (``step_program``'s switch, the source, the slot and where
+#: the fast plan is poisoned: after the fused launch that reads or writes the watched buffer).
+FUSED_PLANTS = [
+    ("FUSE_AUX_TRUNK_GRAD", "aux", "aux_next_bar_d_h2",
+     (_launch("h2_grad_sum_aux_mask", aux_a="aux_d_h2_nb"), Buf("aux_d_h2_nb"))),
+    ("FUSE_AUX_TRUNK_GRAD", "aux", "aux_regime_d_h2",
+     (_launch("h2_grad_sum_aux_mask", aux_b="aux_d_h2_rg"), Buf("aux_d_h2_rg"))),
+    ("FUSE_AUX_TRUNK_GRAD", "aux", "d_h2_post_main",
+     (_launch("h2_grad_sum_aux_mask", dh2_main="dh2_main_c51"), Buf("dh2_main_c51"))),
+    ("FUSE_AUX_TRUNK_GRAD", "aux", "d_h2_post_aux",
+     (_launch("h2_grad_sum_aux_mask", dh2="dh2_c51"), Buf("dh2_c51"))),
+    ("FUSE_GUARD_MASK", "iqn", "d_h2_post_iqn",
+     (_launch("h2_guard_mask", dh2_out="dh2_iqn"), Buf("dh2_iqn"))),
+]
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
-@pytest.mark.parametrize("slot, fused_plant", [
-    ("aux_next_bar_d_h2", (_launch("h2_grad_sum_aux_mask", aux_a="aux_d_h2_nb"),
-                           Buf("aux_d_h2_nb"))),
-    ("aux_regime_d_h2", (_launch("h2_grad_sum_aux_mask", aux_b="aux_d_h2_rg"),
-                         Buf("aux_d_h2_rg"))),
-    ("d_h2_post_main", (_launch("h2_grad_sum_aux_mask", dh2_main="dh2_main_c51"),
-                        Buf("dh2_main_c51"))),
-    ("d_h2_post_aux", (_launch("h2_grad_sum_aux_mask", dh2="dh2_c51"), Buf("dh2_c51")))])
-def test_a_nan_planted_beside_the_fused_aux_trunk_grad_raises_exactly_its_flag(
-        slot, fused_plant, precision, monkeypatch):
-    """With the C51 trunk's auxiliary ``d h2`` in one launch (``FUSE_AUX_TRUNK_GRAD``): each
-    buffer it reads or writes that a slot watches, poisoned after it ran, raises that slot
-    alone, as the reference's poisoned value does."""
+@pytest.mark.parametrize("switch, source, slot, fused_plant", FUSED_PLANTS)
+def test_a_nan_planted_beside_a_fused_trunk_grad_raises_exactly_its_flag(
+        switch, source, slot, fused_plant, precision, monkeypatch):
+    """With a source's trunk gradient in fewer launches (``FUSE_AUX_TRUNK_GRAD``,
+    ``FUSE_GUARD_MASK``): each buffer a fused launch reads or writes that a slot watches,
+    poisoned after it ran, raises that slot alone, as the reference's poisoned value does."""
     from foxhunt.fast import step_program
 
-    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", True)
-    case = shared_case("tiny", precision, "warm", "aux")
+    monkeypatch.setattr(step_program, switch, True)
+    case = shared_case("tiny", precision, "warm", source)
     if slot == "d_h2_post_main":
         def trace_post_main(fn):
             def run(*a, trace=None, **k):

@@ -162,6 +162,14 @@ def _s_h2_aux_mask(d: Dims, rng) -> Kwargs:
     return {**kw, "aux": normal(rng, (heads, d.batch, d.hidden), 1e-2)}
 
 
+def _s_h2_guard_mask(d: Dims, rng) -> Kwargs:
+    """An auxiliary trunk's ``d h2`` (some of it beyond the guard's bound of 0.02, which clips
+    it) and ``_s_h2_mask``'s activations."""
+    kw = _s_h2_mask(d, rng)
+    return {"x": normal(rng, (d.batch, d.hidden), 1e-2), "m": F32(0.02), "h2": kw["h2"],
+            "h2_pre": kw["h2_pre"]}
+
+
 def _s_loss_scalars(d: Dims, rng) -> Kwargs:
     nb = len(_branches(d))
     return {"c51_total": uniform(rng, nb, 0.0, 3.0), "terms": normal(rng, (nb, d.batch), 2.0),
@@ -319,6 +327,18 @@ ENTRIES: tuple[SpecEntry, ...] = (
             lambda k: wrong_dtype(k, "aux"),
             lambda k: replace(k, aux=np.concatenate([k["aux"]] * 3)[:3]),
             lambda k: replace(k, aux=k["aux"][:, :-1]),
+            lambda k: replace(k, h2=k["h2"][:-1]),
+        ),
+    ),
+    SpecEntry(
+        name="h2_guard_mask",
+        outputs={"dh2": f32(EXACT), "out": f32(EXACT)},
+        sample=_s_h2_guard_mask,
+        targets=("x", "h2_pre"),
+        errors=error_cases(
+            _s_h2_guard_mask,
+            lambda k: wrong_dtype(k, "x"),
+            lambda k: replace(k, m=F32(-1.0)),
             lambda k: replace(k, h2=k["h2"][:-1]),
         ),
     ),

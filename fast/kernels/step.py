@@ -11,9 +11,9 @@ step to step (norms, the clip bound, Adam's step, the ISV) are read through poin
 entry uploads them); branch-packed arrays take the tables ``n_actions`` / ``action_offset``
 (``foxhunt.reference.kernels.fused``); ``clamp_finite_isv``'s BF16 output is skipped when its
 pointer is null, ``h2_grad_sum_aux_mask``'s second auxiliary head where its pointer is null.
-``clamp_finite_isv``, ``h2_grad_sum_mask`` and ``h2_grad_sum_aux_mask`` take 4 elements per
-thread where their pointers (and ``part_stride``) are aligned for float4 accesses, a scalar
-loop otherwise, so their plans launch a quarter of the threads. Numerics: each kernel rounds
+``clamp_finite_isv``, ``h2_grad_sum_mask``, ``h2_grad_sum_aux_mask`` and ``h2_guard_mask``
+take 4 elements per thread where their pointers (and ``part_stride``) are aligned for float4
+accesses, a scalar loop otherwise, so their plans launch a quarter of the threads. Numerics: each kernel rounds
 where its reference does (``__fadd_rn`` and friends, ``-fmad=false``): exact, but for ``expf``
 (a few ulp) and the block-tree means of ``loss_scalars`` and the total norm of
 ``step_scalars`` (reductions).
@@ -52,6 +52,7 @@ from foxhunt.reference.kernels.step import (
     validate_double_dqn_gather_branches,
     validate_h2_grad_sum_aux_mask,
     validate_h2_grad_sum_mask,
+    validate_h2_guard_mask,
     validate_loss_scalars,
     validate_merge_piece_flags,
     validate_scalar_target_q_branches,
@@ -101,6 +102,7 @@ plan_clamp_finite_isv = plan_flat_vec4
 plan_branch_mean = plan_flat
 plan_h2_grad_sum_mask = plan_flat_vec4
 plan_h2_grad_sum_aux_mask = plan_flat_vec4
+plan_h2_guard_mask = plan_flat_vec4
 plan_loss_scalars = plan_one_block
 plan_merge_piece_flags = plan_one_block
 
@@ -268,6 +270,16 @@ def h2_grad_sum_aux_mask(parts, aux, h2, h2_pre) -> AuxTrunkGrad:
                                 Out(h2.shape, F32), Out(h2.shape, F32), Out(h2.shape, F32), n))
 
 
+def h2_guard_mask(x, m, h2, h2_pre) -> TrunkGrad:
+    """Test entry of the CUDA ``h2_guard_mask`` (contract as the reference twin): the bound as
+    ``multiplier = m`` with a signal of 1 (``m * fmaxf(1, 1) == m`` exactly, +Inf included)."""
+    bound = validate_h2_guard_mask(x, m, h2, h2_pre)
+    n = x.size
+    return TrunkGrad(*launch("h2_guard_mask", plan_h2_guard_mask(n), In(x), In(h2), In(h2_pre),
+                             Out(x.shape, F32), Out(x.shape, F32), n, bound,
+                             In(np.ones(1, F32))))
+
+
 def loss_scalars(c51_total, terms, q_taken, target_q, alpha) -> LossScalars:
     """Test entry of the CUDA ``loss_scalars`` (contract as the reference twin): the four
     entries it writes of the readback block."""
@@ -320,6 +332,7 @@ KERNELS = {
     "branch_mean": branch_mean,
     "h2_grad_sum_mask": h2_grad_sum_mask,
     "h2_grad_sum_aux_mask": h2_grad_sum_aux_mask,
+    "h2_guard_mask": h2_guard_mask,
     "loss_scalars": loss_scalars,
     "loss_scalars_ptr": loss_scalars_ptr,
     "step_scalars": step_scalars,

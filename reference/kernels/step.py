@@ -399,6 +399,34 @@ def h2_grad_sum_mask(parts: np.ndarray, h2: np.ndarray, h2_pre: np.ndarray) -> T
     return TrunkGrad(total, np.where(h2_pre <= 0, F32(0), passed).astype(F32))
 
 
+def validate_h2_guard_mask(x, m, h2, h2_pre) -> np.float32:
+    """The argument checks of ``h2_guard_mask``; returns the bound ``m`` in float32."""
+    bound = safety.validate_clamp_finite(x, m)
+    check_f32_array("h2", h2)
+    check_f32_array("h2_pre", h2_pre)
+    if h2.shape != x.shape or h2_pre.shape != x.shape:
+        raise ValueError(f"x, h2, h2_pre: shapes {x.shape}, {h2.shape}, {h2_pre.shape}; "
+                         "expected one shape")
+    return bound
+
+
+def h2_guard_mask(x: np.ndarray, m: float, h2: np.ndarray, h2_pre: np.ndarray) -> TrunkGrad:
+    """An auxiliary trunk's guarded ``d h2`` and its masks in one launch (the IQN and ensemble
+    trunks): the composition of the two kernels the step ran for it, ``clamp_finite`` with the
+    guard's bound and ``h2_grad_sum_mask`` of that one part::
+
+        TrunkGrad = h2_grad_sum_mask(clamp_finite(x, m)[None], h2, h2_pre)
+
+    (``dh2`` is ``0 + clamp_finite(x, m)``: a -0.0 becomes +0.0). Shapes: ``x``, ``h2``,
+    ``h2_pre`` float32 of one shape; ``m`` a float32 bound ``>= 0`` (``+Inf`` allowed; the
+    kernel forms it on the device as ``multiplier * fmaxf(*signal, 1)``, as ``clamp_finite``).
+
+    NaN contract: the composition's: a non-finite ``x`` gives +0.0 in both outputs; a NaN
+    ``h2_pre`` masks to 0."""
+    bound = validate_h2_guard_mask(x, m, h2, h2_pre)
+    return h2_grad_sum_mask(safety.clamp_finite(x, bound)[None], h2, h2_pre)
+
+
 class AuxTrunkGrad(NamedTuple):
     """Outputs of ``h2_grad_sum_aux_mask``, float32 of ``h2``'s shape: ``dh2_main`` (the heads'
     sum: sentinel slot 33's), ``dh2`` (with the auxiliary heads' ``d h2`` added: slot 34's) and
@@ -645,6 +673,7 @@ KERNELS = {
     "branch_mean": branch_mean,
     "h2_grad_sum_mask": h2_grad_sum_mask,
     "h2_grad_sum_aux_mask": h2_grad_sum_aux_mask,
+    "h2_guard_mask": h2_guard_mask,
     "loss_scalars": loss_scalars,
     "loss_scalars_ptr": loss_scalars_ptr,
     "step_scalars": step_scalars,

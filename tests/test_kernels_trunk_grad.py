@@ -1,9 +1,11 @@
-"""The C51 trunk gradient with the auxiliary heads' ``d h2`` in one launch
-(``h2_grad_sum_aux_mask``): the reference twin against an element-by-element oracle written from
-the six launches it fuses (each value a Python float rounded to float32 at every operation, as
-IEEE binary32 does), on hypothesis-drawn values with NaN, +/-Inf, signed zeros and subnormals;
-its argument checks; and, on a GPU (skipped without one, with the reason), the CUDA kernel bit
-for bit against the twin on the same draws, on the vector path and the scalar one.
+"""The trunk gradients of the second-wave sources in fewer launches: the C51 trunk's with the
+auxiliary heads' ``d h2`` (``h2_grad_sum_aux_mask``) and an auxiliary trunk's guarded one
+(``h2_guard_mask``, IQN and ensemble). Each reference twin against an element-by-element oracle
+written from the launches it fuses (each value a Python float rounded to float32 at every
+operation, as IEEE binary32 does), on hypothesis-drawn values with NaN, +/-Inf, signed zeros and
+subnormals; their argument checks; and, on a GPU (skipped without one, with the reason), the
+CUDA kernels bit for bit against the twins on the same draws, on the vector path and the scalar
+one.
 
 NVRTC compiles ``cuda_src/step.cu`` in ``tests/test_fast_build.py`` (every source file); the
 step with the kernel switched on runs in ``conformance/test_step_cpu_executor.py`` (CPU
@@ -136,6 +138,54 @@ def test_bad_arguments_are_one_line_errors_naming_the_field(bad, message):
     assert "\n" not in str(info.value)
 
 
+def _guard_oracle(x, m, h2, h2_pre):
+    """``clamp_finite`` with bound ``m``, then ``h2_grad_sum_mask`` of the one part, element by
+    element."""
+    dh2, out = np.empty(x.size, F32), np.empty(x.size, F32)
+    m = float(m)
+    for i, v in enumerate(x.reshape(-1).tolist()):
+        g = (m if v > m else (-m if v < -m else v)) if math.isfinite(v) else 0.0
+        s = _add(0.0, g)
+        h, pre = float(h2.reshape(-1)[i]), float(h2_pre.reshape(-1)[i])
+        dh2[i], out[i] = s, 0.0 if pre <= 0.0 else (s if h == pre else 0.0)
+    return dh2.reshape(x.shape), out.reshape(x.shape)
+
+
+@st.composite
+def _guard_inputs(draw, max_n: int = 9):
+    parts, _, h2, h2_pre = draw(_inputs(max_n))
+    m = draw(st.sampled_from([0.0, 0.5, 1.0, 3.4028235e38, math.inf]))
+    return parts[0], F32(m), h2, h2_pre
+
+
+@settings(max_examples=60, deadline=None)
+@given(_guard_inputs())
+def test_the_guard_twin_is_the_two_launches_element_by_element(args):
+    got = ref_step.h2_guard_mask(*args)
+    for name, want in zip(ref_step.TrunkGrad._fields, _guard_oracle(*args)):
+        assert np.array_equal(_bits(getattr(got, name)), _bits(want)), name
+
+
+def test_the_guard_clips_and_zeroes_what_is_not_finite():
+    x = np.array([0.5, -3.0, 3.0, np.nan, -np.inf, -0.0], F32)
+    r = ref_step.h2_guard_mask(x, F32(2.0), np.ones(6, F32), np.ones(6, F32))
+    assert r.dh2.tolist() == [0.5, -2.0, 2.0, 0.0, 0.0, 0.0] and r.out.tolist() == r.dh2.tolist()
+    assert not np.signbit(r.dh2[5])  # 0 + -0.0
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda k: {**k, "x": k["x"].astype(np.float64)}, "x"),
+    (lambda k: {**k, "m": F32(-1.0)}, "m"),
+    (lambda k: {**k, "h2": k["h2"][:, :-1]}, r"x, h2, h2_pre: shapes \(2, 3\), \(2, 2\)"),
+])
+def test_bad_guard_arguments_are_one_line_errors_naming_the_field(bad, message):
+    ok = {"x": np.zeros((2, 3), F32), "m": F32(1.0), "h2": np.zeros((2, 3), F32),
+          "h2_pre": np.zeros((2, 3), F32)}
+    with pytest.raises((ValueError, TypeError), match=message) as info:
+        ref_step.h2_guard_mask(**bad(ok))
+    assert "\n" not in str(info.value)
+
+
 # -------------------------------------------------------------------------------- on a GPU
 
 
@@ -166,4 +216,15 @@ def test_the_kernel_is_the_twin_on_both_paths(heads, n):
     want = ref_step.h2_grad_sum_aux_mask(parts, aux, h2, h2_pre)
     got = fast_step.h2_grad_sum_aux_mask(parts, aux, h2, h2_pre)
     for name in ref_step.AuxTrunkGrad._fields:
+        assert np.array_equal(_bits(getattr(got, name)), _bits(getattr(want, name))), name
+
+
+@gpu
+@settings(max_examples=60, deadline=None)
+@given(_guard_inputs(max_n=70))
+def test_the_guard_kernel_is_the_twin_bit_for_bit(args):
+    from foxhunt.fast.kernels import step as fast_step
+
+    want, got = ref_step.h2_guard_mask(*args), fast_step.h2_guard_mask(*args)
+    for name in ref_step.TrunkGrad._fields:
         assert np.array_equal(_bits(getattr(got, name)), _bits(getattr(want, name))), name
