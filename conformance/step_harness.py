@@ -84,8 +84,15 @@ def shared_case(preset: str, precision: str, start: str, source: str = "core") -
     the second-wave ``source`` (``SOURCES``) on."""
     if source not in SOURCES:
         raise ValueError(f"source={source!r}: allowed values are {tuple(SOURCES)}")
-    config = DQNConfig.preset(preset, precision=precision, **SOURCES[source])
-    rng = np.random.default_rng([CASE_SEED, PRESETS.index(preset), PRECISIONS.index(precision)])
+    return case_of(preset, DQNConfig.preset(preset, precision=precision, **SOURCES[source]), start)
+
+
+def case_of(preset: str, config: DQNConfig, start: str) -> Case:
+    """``shared_case``'s state and batch for ``config``, preset ``preset``'s with any overrides
+    (not cached): the reference trainer from ``CASE_SEED``, ``WARMUP_STEPS`` steps for
+    ``warm``, a conditioned batch."""
+    rng = np.random.default_rng([CASE_SEED, PRESETS.index(preset),
+                                 PRECISIONS.index(config.precision)])
     trainer = Trainer(config, seed=CASE_SEED)
     if config.mse_on:
         trainer.set_epoch(MSE_EPOCH)

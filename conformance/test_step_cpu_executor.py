@@ -25,7 +25,9 @@ from foxhunt.conformance.step_harness import (
     PRECISIONS,
     PRESETS,
     STARTS,
+    SOURCES,
     assert_all,
+    case_of,
     fast_sources,
     check_checkpoint_interchange,
     check_injection,
@@ -108,47 +110,59 @@ def test_cpu_executor_stacked_backward_step_with_injected_non_finite_values(kind
 
 
 #: The switches of the second-wave trunk gradients in fewer launches (``step_program``, off by
-#: default) and a source each concerns.
-TRUNK_GRAD_SWITCHES = {"FUSE_AUX_TRUNK_GRAD": "aux", "FUSE_GUARD_MASK": "iqn"}
+#: default).
+TRUNK_GRAD_SWITCHES = ("FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK")
 
 
-@pytest.mark.parametrize("case, precision, source", [
-    *(pytest.param("tiny", q, s, id=f"tiny-{q}-{s}") for q in PRECISIONS
-      for s in ("aux", "iqn", "ens", "all")),
-    pytest.param("seed", "bf16", "all", id="seed-bf16-all")])
-def test_cpu_executor_fused_trunk_grads_step_matches_reference(case, precision, source,
-                                                               monkeypatch) -> None:
-    """Both switches on: ``h2_grad_sum_aux_mask`` in place of the C51 trunk's six launches (no
-    SAXPY left) and ``h2_guard_mask`` in place of an auxiliary trunk's guard and masks (no
-    ``clamp_finite`` left before one), the same step (the seed preset in bf16 only: the launches
-    read and write f32 buffers in every precision)."""
+@pytest.fixture
+def trunk_grads_fused(monkeypatch):
+    """Both switches on for the trainers a test builds."""
     from foxhunt.fast import step_program
 
     for switch in TRUNK_GRAD_SWITCHES:
         monkeypatch.setattr(step_program, switch, True)
-    case = shared_case(case, precision, "warm", source)
+
+
+def _one_head_case(head: str):
+    """``shared_case("tiny", "bf16", "warm", "aux")`` with one auxiliary head on (``nb``: next
+    bar, ``rg``: regime): the fused launch's null second head."""
+    off = {"nb": "aux_regime_weight", "rg": "aux_next_bar_weight"}[head]
+    config = DQNConfig.preset("tiny", precision="bf16", **{**SOURCES["aux"], off: 0.0})
+    return case_of("tiny", config, "warm")
+
+
+@pytest.mark.usefixtures("trunk_grads_fused")
+@pytest.mark.parametrize("case, precision, source", [
+    *(pytest.param("tiny", q, "all", id=f"tiny-{q}-all") for q in PRECISIONS),
+    pytest.param("seed", "bf16", "all", id="seed-bf16-all"),
+    pytest.param("tiny", "bf16", "nb", id="tiny-bf16-next-bar-head"),
+    pytest.param("tiny", "bf16", "rg", id="tiny-bf16-regime-head")])
+def test_cpu_executor_fused_trunk_grads_step_matches_reference(case, precision, source) -> None:
+    """Both switches on: ``h2_grad_sum_aux_mask`` in place of the C51 trunk's six launches (no
+    SAXPY left) and ``h2_guard_mask`` in place of each auxiliary trunk's guard and masks, the
+    same step: every source in each precision (the launches read and write f32 buffers in every
+    precision, so the seed preset in bf16 only), and each auxiliary head alone (the kernel's
+    null second head)."""
+    case = _one_head_case(source) if source in ("nb", "rg") else shared_case(
+        case, precision, "warm", source)
     trainer = CpuTrainer(case.config)
     try:
         kernels = [getattr(n, "kernel", None) for n in trainer._engine.plans["graph1"].nodes()]
     finally:
         trainer.close()
     c = case.config
-    assert kernels.count("h2_grad_sum_aux_mask") == int(c.aux_on) and "saxpy" not in kernels
+    assert kernels.count("h2_grad_sum_aux_mask") == 1 and "saxpy" not in kernels
     assert kernels.count("h2_guard_mask") == int(c.iqn_on) + int(c.ens_on)
     assert_all(one_step(CpuTrainer, case)[0])
 
 
-@pytest.mark.parametrize("switch", TRUNK_GRAD_SWITCHES)
+@pytest.mark.usefixtures("trunk_grads_fused")
 @pytest.mark.parametrize("order", BRANCH_ORDERS)
 @pytest.mark.parametrize("kind", INJECTIONS)
-def test_cpu_executor_fused_trunk_grad_step_with_injected_non_finite_values(
-        kind, order, switch, monkeypatch) -> None:
-    from foxhunt.fast import step_program
-
-    monkeypatch.setattr(step_program, switch, True)
+def test_cpu_executor_fused_trunk_grads_step_with_injected_non_finite_values(kind,
+                                                                             order) -> None:
     factory = functools.partial(CpuTrainer, branch_order=order)
-    source = TRUNK_GRAD_SWITCHES[switch]
-    assert_all(check_injection(factory, shared_case("tiny", "bf16", "warm", source), kind))
+    assert_all(check_injection(factory, shared_case("tiny", "bf16", "warm", "all"), kind))
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
