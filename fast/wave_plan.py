@@ -268,17 +268,16 @@ def aux_chain(prog: StepProgram) -> Ops:
         rest.parallel(w1, dx)
         head.parallel(w2, rest)
         heads.append(head)
-    if len(heads) > 1 and prog.aux_trunk_fused:
-        ops.parallel(*heads)  # the C51 trunk's h2_grad_sum_aux_mask sums them
-    elif len(heads) > 1:
+    if len(heads) > 1:
         ops.parallel(*heads)
+    if len(heads) > 1 and not prog.aux_trunk_fused:  # (fused: h2_grad_sum_aux_mask sums them)
         # The heads' guarded sum from 0 (aux_heads' saxpy(saxpy(0, nb, 1), rg, 1)): the first
         # head's finite values (clamp_finite with an infinite bound), then the second's SAXPY.
         n2 = B * H
         ops.kernel("clamp_finite", prog.kernels("safety").plan_clamp_finite(n2), x="aux_d_h2_nb",
                    out="aux_dh2", n=n2, multiplier=F32(np.inf), signal="one")
         ops.kernel("saxpy", optim.plan_saxpy(n2), y="aux_dh2", x="aux_d_h2_rg", n=n2, a=F32(1))
-    else:
+    elif len(heads) == 1:
         ops.extend(heads[0])
     ops.record("aux_dh2")
     return ops
