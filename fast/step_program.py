@@ -115,7 +115,7 @@ FUSE_HEAD_OUTPUTS = frozenset({"bf16"})
 #: ``h2_grad_sum_aux_mask`` instead of six (``h2_grad_sum_mask`` of the heads' parts on the trunk
 #: and beside it for slot 33, the two auxiliary heads' ``clamp_finite`` and ``saxpy``, the
 #: ``saxpy`` into the trunk's sum and ``h2_grad_sum_mask`` of it). Off: its CUDA kernel has not
-#: run on a GPU yet (written in session 41, when the device was not lent); the CPU executor's
+#: run on a GPU yet (written in session 41, when no device machine ran); the CPU executor's
 #: plan with it on matches the reference step (``conformance/test_step_cpu_executor.py``).
 FUSE_AUX_TRUNK_GRAD = False
 #: Whether the IQN and ensemble trunks take their guarded ``d h2`` and its masks in ONE launch of
