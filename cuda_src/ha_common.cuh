@@ -29,6 +29,12 @@ static __device__ __forceinline__ float ha_clamp_finite(float v, float m) {
     return ha_is_finite(v) ? ha_clip_symmetric(v, m) : 0.0f;
 }
 
+// Guarded SAXPY element (optim.cu's saxpy and the budget kernels, step.cu's
+// h2_grad_sum_aux_mask): y + a * x if x is finite, else y (product rounded, then the sum).
+static __device__ __forceinline__ float ha_guarded_axpy(float y, float x, float a) {
+    return isfinite(x) ? __fadd_rn(y, __fmul_rn(a, x)) : y;
+}
+
 // Whether x fires a sentinel slot's test (nan_check_fused; polyak_update_mirror_check in
 // optim.cu): non-finite, or |x| >= threshold with the magnitude test on.
 static __device__ __forceinline__ bool nan_check_fires(float x, bool magnitude_test,

@@ -25,17 +25,12 @@ __device__ __forceinline__ float hb_clip_scale(float norm_sq, float max_norm) {
     return (n > max_norm && n > 0.0f) ? __fdiv_rn(max_norm, n) : 1.0f;
 }
 
-// Guarded SAXPY element: y + a * x if x is finite, else y (product rounded, then the sum).
-__device__ __forceinline__ float hb_guarded_axpy(float y, float x, float a) {
-    return isfinite(x) ? __fadd_rn(y, __fmul_rn(a, x)) : y;
-}
-
 // Budget tail element (clip_grad_inplace, then clipped_saxpy): c = base * s_base, then
 // c + a * (inject * s_inject) where inject * s_inject is finite, else c. The very expressions of
 // the two unfused kernels, so the fused kernel gives their bits.
 __device__ __forceinline__ float hb_clip_saxpy(float base, float inject, float s_base, float a,
                                                float s_inject) {
-    return hb_guarded_axpy(__fmul_rn(base, s_base), __fmul_rn(inject, s_inject), a);
+    return ha_guarded_axpy(__fmul_rn(base, s_base), __fmul_rn(inject, s_inject), a);
 }
 
 // Polyak blend element: keep * target + tau * online (keep = 1 - tau; products rounded, then
@@ -255,7 +250,7 @@ extern "C" __global__ void saxpy(float* __restrict__ y, const float* __restrict_
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (!fh_flat_narrow(n)) {  // the 64-bit loop
         for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
-            y[i] = hb_guarded_axpy(y[i], x[i], a);
+            y[i] = ha_guarded_axpy(y[i], x[i], a);
         }
         return;
     }
@@ -266,16 +261,16 @@ extern "C" __global__ void saxpy(float* __restrict__ y, const float* __restrict_
         for (unsigned int g = first; g < m / 4; g += stride) {
             const float4 xv = x4[g];
             const float4 yv = y4[g];
-            y4[g] = make_float4(hb_guarded_axpy(yv.x, xv.x, a), hb_guarded_axpy(yv.y, xv.y, a),
-                                hb_guarded_axpy(yv.z, xv.z, a), hb_guarded_axpy(yv.w, xv.w, a));
+            y4[g] = make_float4(ha_guarded_axpy(yv.x, xv.x, a), ha_guarded_axpy(yv.y, xv.y, a),
+                                ha_guarded_axpy(yv.z, xv.z, a), ha_guarded_axpy(yv.w, xv.w, a));
         }
         // the tail: n % 4 elements, one per thread (a loop: any grid covers it)
         for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {
-            y[i] = hb_guarded_axpy(y[i], x[i], a);
+            y[i] = ha_guarded_axpy(y[i], x[i], a);
         }
     } else {
         for (unsigned int i = first; i < m; i += stride) {
-            y[i] = hb_guarded_axpy(y[i], x[i], a);
+            y[i] = ha_guarded_axpy(y[i], x[i], a);
         }
     }
 }
@@ -287,7 +282,7 @@ extern "C" __global__ void clipped_saxpy(float* __restrict__ y, const float* __r
                                          const float* __restrict__ norm_sq) {
     const float s = hb_clip_scale(*norm_sq, max_norm);
     for (long long i = hb_first_index(); i < n; i += hb_grid_stride()) {
-        y[i] = hb_guarded_axpy(y[i], __fmul_rn(x[i], s), a);
+        y[i] = ha_guarded_axpy(y[i], __fmul_rn(x[i], s), a);
     }
 }
 
@@ -692,10 +687,10 @@ struct HbWaveBudgetOp {
     __device__ __forceinline__ float operator()(long long i, float base, float inject) const {
         float r = core(i, base, inject);
         if (i < iqn_n) {
-            r = hb_guarded_axpy(r, __fmul_rn(iqn[i], s_iqn), iqn_a);
+            r = ha_guarded_axpy(r, __fmul_rn(iqn[i], s_iqn), iqn_a);
         }
         if (i < ens_n) {
-            r = hb_guarded_axpy(r, __fmul_rn(ens[i], s_ens), ens_a);
+            r = ha_guarded_axpy(r, __fmul_rn(ens[i], s_ens), ens_a);
         }
         return r;
     }
@@ -720,10 +715,10 @@ struct HbWaveBudgetOp {
     __device__ __forceinline__ float sources(const Local& l, unsigned j, float r, float q,
                                              float e) const {
         if (j < l.iqn_len) {
-            r = hb_guarded_axpy(r, __fmul_rn(q, s_iqn), iqn_a);
+            r = ha_guarded_axpy(r, __fmul_rn(q, s_iqn), iqn_a);
         }
         if (j < l.ens_len) {
-            r = hb_guarded_axpy(r, __fmul_rn(e, s_ens), ens_a);
+            r = ha_guarded_axpy(r, __fmul_rn(e, s_ens), ens_a);
         }
         return r;
     }

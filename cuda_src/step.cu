@@ -21,13 +21,12 @@
 #include "distributional.cuh"  // double_dqn_argmax (the double-DQN choice, shared)
 #include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_pair_bits (dense.f32_to_bf16's bit formula)
 #include "flat.cuh"  // the vector paths' loop bounds and alignment tests
-#include "ha_common.cuh"  // ha_clamp_finite (safety.cu's clamp_finite element)
+#include "ha_common.cuh"  // ha_is_finite, ha_clamp_finite, ha_guarded_axpy (shared elements)
 
 #define STEP_THREADS 256
 // Blocks of STEP_THREADS per SM the grid-shared flat kernels keep (__launch_bounds__: at most 32
 // registers): the full wave population_engine.shared_grid_x assumes (2048 threads per SM).
 #define STEP_MIN_BLOCKS 8
-#define STEP_F32_EXP_MASK 0x7f800000u
 
 #define STEP_FLAT_LOOP(i, n)                                                               \
     for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n);          \
@@ -37,10 +36,6 @@
 // thread where every pointer is 16-byte aligned (8 bytes for a BF16 output), else a 32-bit
 // scalar grid-stride loop; for n >= 2^31 STEP_FLAT_LOOP. Each element gets the same operations
 // on every path, so the bits depend on neither path nor launch shape.
-
-static __device__ __forceinline__ bool step_is_finite(float x) {
-    return (__float_as_uint(x) & STEP_F32_EXP_MASK) != STEP_F32_EXP_MASK;
-}
 
 // safety.isv_bound: multiplier * fmaxf(isv, 1) (the floor on the signal; NaN counts as 1).
 static __device__ __forceinline__ float step_isv_bound(float multiplier, float isv_value) {
@@ -107,10 +102,6 @@ extern "C" __global__ void step_bounds(const float* __restrict__ isv,
 // or 4-element group, is read, then written, by one thread). Flat, 4 elements per thread where x
 // and out are 16-byte and out_bf16 8-byte aligned (flat.cuh; plan_clamp_finite_isv).
 // ---------------------------------------------------------------------------------------------
-static __device__ __forceinline__ float step_clamp_finite(float v, float bound) {
-    return step_is_finite(v) ? ((v > bound) ? bound : ((v < -bound) ? -bound : v)) : 0.0f;
-}
-
 extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
                                           unsigned short* __restrict__ out_bf16, long long n,
                                           const float* __restrict__ isv, int index, float mult) {
@@ -118,7 +109,7 @@ extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
     const float bound = step_isv_bound(mult, isv[index]);
     if (!fh_flat_narrow(n)) {
         STEP_FLAT_LOOP(i, n) {
-            const float c = step_clamp_finite(x[i], bound);
+            const float c = ha_clamp_finite(x[i], bound);
             out[i] = c;
             if (out_bf16 != nullptr) {
                 out_bf16[i] = f32_to_bf16_bits(c);
@@ -134,17 +125,17 @@ extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
         uint2* bf4 = reinterpret_cast<uint2*>(out_bf16);
         for (unsigned int g = first; g < m / 4; g += stride) {
             const float4 v = x4[g];
-            const float4 c = make_float4(step_clamp_finite(v.x, bound),
-                                         step_clamp_finite(v.y, bound),
-                                         step_clamp_finite(v.z, bound),
-                                         step_clamp_finite(v.w, bound));
+            const float4 c = make_float4(ha_clamp_finite(v.x, bound),
+                                         ha_clamp_finite(v.y, bound),
+                                         ha_clamp_finite(v.z, bound),
+                                         ha_clamp_finite(v.w, bound));
             out4[g] = c;
             if (out_bf16 != nullptr) {
                 bf4[g] = bf16_quad_bits(c);
             }
         }
         for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {  // n % 4 left
-            const float c = step_clamp_finite(x[i], bound);
+            const float c = ha_clamp_finite(x[i], bound);
             out[i] = c;
             if (out_bf16 != nullptr) {
                 out_bf16[i] = f32_to_bf16_bits(c);
@@ -152,7 +143,7 @@ extern "C" __global__ void clamp_finite_isv(const float* x, float* out,
         }
     } else {
         for (unsigned int i = first; i < m; i += stride) {
-            const float c = step_clamp_finite(x[i], bound);
+            const float c = ha_clamp_finite(x[i], bound);
             out[i] = c;
             if (out_bf16 != nullptr) {
                 out_bf16[i] = f32_to_bf16_bits(c);
@@ -629,25 +620,20 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
 //   a    = aux_b ? add(isfinite(aux_a[i]) ? aux_a[i] : 0, aux_b[i]) : aux_a[i]
 //   y    = add(main, a)                                   dh2[i] = y           (slot 34's)
 //   out[i] = step_h2_mask(0 + y, h2[i], h2_pre[i])        (the masks of the one part y)
-// add(y, x) = isfinite(x) ? y + x : y is optim.cu's saxpy element with a = 1 (1 * x == x for every
-// finite x under -ftz=false, so the product is left out); clamp_finite with a bound of +Inf is its
-// finite map alone. aux_b null: one auxiliary head (its d h2 is added as it is). NaN contract: the
-// composition's: a NaN part reaches dh2_main, dh2 and (unless masked) out; a non-finite auxiliary
-// value never reaches dh2; a NaN h2_pre masks to 0.
+// add(y, x) = ha_guarded_axpy(y, x, 1), optim.cu's saxpy element with a = 1; clamp_finite with a
+// bound of +Inf is its finite map alone. aux_b null: one auxiliary head (its d h2 is added as it
+// is). NaN contract: the composition's: a NaN part reaches dh2_main, dh2 and (unless masked)
+// out; a non-finite auxiliary value never reaches dh2; a NaN h2_pre masks to 0.
 // Flat, [B, SH2]; 4 elements per thread where every pointer is 16-byte aligned and part_stride a
 // multiple of 4 (or n_parts <= 1), else one (flat.cuh; plan_h2_grad_sum_aux_mask); every path
 // gives each element the same operations, so the bits depend on neither path nor launch shape.
 // No minimum of blocks per SM in __launch_bounds__: ten pointers and a float4 sum do not fit 32
 // registers (a single trainer's kernel, not in population_engine.GRID_SHARED_KERNELS).
 // ---------------------------------------------------------------------------------------------
-static __device__ __forceinline__ float step_guarded_add(float y, float x) {
-    return step_is_finite(x) ? __fadd_rn(y, x) : y;
-}
-
 // y = add(main, a) of one element (b read only with two heads).
 static __device__ __forceinline__ float step_aux_sum(float main, float a, float b, bool two) {
-    const float total = two ? step_guarded_add(step_is_finite(a) ? a : 0.0f, b) : a;
-    return step_guarded_add(main, total);
+    const float total = two ? ha_guarded_axpy(ha_is_finite(a) ? a : 0.0f, b, 1.0f) : a;
+    return ha_guarded_axpy(main, total, 1.0f);
 }
 
 // One element on the scalar paths (Index: the 64-bit loop's or the 32-bit one's).
@@ -734,6 +720,17 @@ h2_grad_sum_aux_mask(const float* __restrict__ parts, int n_parts, long long par
 // Flat, [B, SH2]; 4 elements per thread where every pointer is 16-byte aligned, else one
 // (flat.cuh; plan_h2_guard_mask); the same operations per element on every path.
 // ---------------------------------------------------------------------------------------------
+// One element on the scalar paths (Index: the 64-bit loop's or the 32-bit one's).
+template <typename Index>
+static __device__ __forceinline__ void step_guard_mask_one(
+    Index i, const float* __restrict__ x, const float* __restrict__ h2,
+    const float* __restrict__ h2_pre, float m, float* __restrict__ dh2_out,
+    float* __restrict__ out) {
+    const float s = __fadd_rn(0.0f, ha_clamp_finite(x[i], m));
+    dh2_out[i] = s;
+    out[i] = step_h2_mask(s, h2[i], h2_pre[i]);
+}
+
 static __device__ __forceinline__ void step_guard_mask4(float4 x, float4 h, float4 pre, float m,
                                                         float4* __restrict__ dh2,
                                                         float4* __restrict__ out) {
@@ -755,9 +752,7 @@ h2_guard_mask(const float* __restrict__ x, const float* __restrict__ h2,
     const float m = step_isv_bound(multiplier, *signal);
     if (!fh_flat_narrow(n)) {
         STEP_FLAT_LOOP(i, n) {
-            const float s = __fadd_rn(0.0f, ha_clamp_finite(x[i], m));
-            dh2_out[i] = s;
-            out[i] = step_h2_mask(s, h2[i], h2_pre[i]);
+            step_guard_mask_one(i, x, h2, h2_pre, m, dh2_out, out);
         }
         return;
     }
@@ -772,15 +767,11 @@ h2_guard_mask(const float* __restrict__ x, const float* __restrict__ h2,
                              reinterpret_cast<float4*>(out) + g);
         }
         for (unsigned int i = fh_flat_tail(count, first); i < count; i += stride) {
-            const float s = __fadd_rn(0.0f, ha_clamp_finite(x[i], m));
-            dh2_out[i] = s;
-            out[i] = step_h2_mask(s, h2[i], h2_pre[i]);
+            step_guard_mask_one(i, x, h2, h2_pre, m, dh2_out, out);
         }
     } else {
         for (unsigned int i = first; i < count; i += stride) {
-            const float s = __fadd_rn(0.0f, ha_clamp_finite(x[i], m));
-            dh2_out[i] = s;
-            out[i] = step_h2_mask(s, h2[i], h2_pre[i]);
+            step_guard_mask_one(i, x, h2, h2_pre, m, dh2_out, out);
         }
     }
 }
@@ -897,7 +888,7 @@ extern "C" __global__ void step_scalars(const float* __restrict__ total_partials
     readback[7] = __fmul_rn(n_cql, step_clip_scale(cql, budget_cql));
     readback[8] = bound;
     readback[9] = grad_norm > bound ? 1.0f : 0.0f;
-    if (step_is_finite(grad_norm)) {
+    if (ha_is_finite(grad_norm)) {
         isv[slow_ema_index] = __fadd_rn(__fmul_rn(__fsub_rn(1.0f, slow_alpha), slow),
                                         __fmul_rn(slow_alpha, grad_norm));
     }
