@@ -1,7 +1,8 @@
 """How much the fast step's time varies from one trainer instance to the next (GPU).
 
     python benches/step_spread.py [--preset seed] [--precision bf16] [--instances 3]
-                                  [--rounds 2] [--steps 400] [--option NAME ...] [SOURCE ...]
+                                  [--rounds 2] [--steps 400] [--option NAME ...]
+                                  [--switch NAME[,NAME...] ...] [SOURCE ...]
 
 Trainers of the same code and config, built one after the other in one process, step at
 different speeds, and an instance's speed drifts: on the H200 (session 34) the core bf16 step's
@@ -12,8 +13,11 @@ comparison with several instances per side and several rounds per instance.
 
 For each step variant (SOURCE, as ``critical_path.py``'s) it builds ``--instances`` trainers of
 each arm: ``default`` and, per ``--option NAME``, the trainer with that boolean keyword option
-on (``Trainer(config, NAME=True)``: ``fused_trunk``, ...), in interleaved order (default 0,
-option 0, default 1, ...), steps each twice to warm it, then ``--rounds`` times times every
+on (``Trainer(config, NAME=True)``: ``fused_trunk``, ...), and per ``--switch NAME[,NAME...]``
+the trainer built with those plan switches of ``fast.step_program`` on (``plan_switches()``:
+``FUSE_AUX_TRUNK_GRAD``, ...; the arm is named by the names joined with ``+``; the module's
+values are restored after each build), in interleaved order (default 0, option 0, default 1,
+...), steps each twice to warm it, then ``--rounds`` times times every
 instance's ``Trainer.step`` loop in turn (``step_host.time_loop``: GPU microseconds a step, the
 median of its loops of ``--steps`` calls on random batches). It prints each instance's median
 over the rounds and each arm's mean, min and max over its instances.
@@ -22,10 +26,11 @@ over the rounds and each arm's mean, min and max over its instances.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from critical_path import variant_main
@@ -56,6 +61,52 @@ def arms(options: Sequence[str], allowed: Sequence[str]) -> dict[str, dict]:
             raise ValueError(f"--option {name!r}: given twice")
         out[name] = {name: True}
     return out
+
+
+def switch_arms(groups: Sequence[str], allowed: Mapping[str, object]) -> dict[str, dict]:
+    """``{arm: {switch: value when on}}``, one arm per ``--switch`` group (comma-separated names
+    of ``allowed``, turned on together; the arm is named by them joined with ``+``); an unknown,
+    repeated or empty name, or a group given twice, is a one-line ``ValueError``."""
+    out: dict[str, dict] = {}
+    for group in groups:
+        names = group.split(",")
+        for name in names:
+            if name not in allowed:
+                raise ValueError(f"--switch {group!r}: {name!r} is not a plan switch; allowed: "
+                                 f"{', '.join(allowed)}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"--switch {group!r}: a switch named twice")
+        arm = "+".join(names)
+        if arm in out:
+            raise ValueError(f"--switch {group!r}: given twice")
+        out[arm] = {name: allowed[name] for name in names}
+    return out
+
+
+def switch_group(group: str) -> str:
+    """``--switch``'s argument type: ``group`` where ``switch_arms`` takes it alone (so a bad
+    name is a usage error before any GPU work)."""
+    from foxhunt.fast import step_program
+
+    try:
+        switch_arms([group], step_program.plan_switches())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).split(": ", 1)[1]) from None
+    return group
+
+
+@contextlib.contextmanager
+def switched(module, values: Mapping[str, object]):
+    """``module``'s attributes set to ``values`` inside the block, restored after it (also when
+    it raises)."""
+    old = {name: getattr(module, name) for name in values}
+    try:
+        for name, value in values.items():
+            setattr(module, name, value)
+        yield
+    finally:
+        for name, value in old.items():
+            setattr(module, name, value)
 
 
 @dataclass(frozen=True)
@@ -107,6 +158,7 @@ def measure(config, args: argparse.Namespace) -> Spread:
     """``spread`` of ``config``'s fast ``Trainer.step`` over ``args``' arms (GPU)."""
     import numpy as np
 
+    from foxhunt.fast import step_program
     from foxhunt.fast.trainer import Trainer
     from foxhunt.reference.batch import Batch
 
@@ -114,22 +166,27 @@ def measure(config, args: argparse.Namespace) -> Spread:
     batches = [Batch.random(config, rng) for _ in range(BATCHES)]
     turn = iter(range(1 << 62))
 
-    def build(options: dict) -> Trainer:
-        trainer = Trainer(config, seed=0, **options)
-        try:
-            for batch in batches[:2]:
-                trainer.step(batch)
-        except BaseException:
-            trainer.close()
-            raise
+    def build(arm: tuple[dict, dict]) -> Trainer:
+        options, switches = arm
+        with switched(step_program, switches):
+            trainer = Trainer(config, seed=0, **options)
+            try:
+                for batch in batches[:2]:
+                    trainer.step(batch)
+            except BaseException:
+                trainer.close()
+                raise
         return trainer
 
     def time_one(trainer) -> float:
         step = lambda: trainer.step(batches[next(turn) % BATCHES])  # noqa: E731
         return time_loop(trainer.engine.stream, step, args.steps).gpu_us
 
-    return spread(build, arms(args.option, trainer_options()), args.instances, args.rounds,
-                  time_one, close=lambda trainer: trainer.close())
+    plan = {arm: (options, {}) for arm, options in arms(args.option, trainer_options()).items()}
+    for arm, switches in switch_arms(args.switch, step_program.plan_switches()).items():
+        plan[arm] = ({}, switches)
+    return spread(build, plan, args.instances, args.rounds, time_one,
+                  close=lambda trainer: trainer.close())
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -140,6 +197,10 @@ def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=400, help="calls per loop")
     parser.add_argument("--option", action="append", default=[], choices=trainer_options(),
                         help="an arm with this boolean Trainer option on (repeatable)")
+    parser.add_argument("--switch", action="append", default=[], metavar="NAME[,NAME...]",
+                        type=switch_group,
+                        help="an arm built with these plan switches of fast.step_program on "
+                             "(repeatable; fast.step_program.plan_switches() names them)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

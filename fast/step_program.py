@@ -138,6 +138,17 @@ MASKED_ONLY = frozenset({"f32"})
 Planner = Callable[..., object]
 
 
+def plan_switches() -> dict[str, object]:
+    """The module's plan switches a bench may turn on for one arm (``benches/step_spread.py
+    --switch``): name -> its value when on (``FUSE_HEAD_OUTPUTS``: every precision with a heads'
+    output kernel, ``fast.kernels.trunk.HOD_KERNELS``). A trainer reads them while it builds its
+    plans, so it keeps the plans of the values it was built with."""
+    from foxhunt.fast.kernels.trunk import HOD_KERNELS
+
+    return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS), "FUSE_AUX_TRUNK_GRAD": True,
+            "FUSE_GUARD_MASK": True}
+
+
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:
     """cuBLASLt's SM_COUNT_TARGET per GEMM role: ``sm_count // share`` (0, the whole device,
     where the share is 1 or the SM count is unknown, 0). ``shares`` maps every role of
@@ -865,5 +876,6 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
 __all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK", "FUSE_HEAD_OUTPUTS", "GEMM_ROLES",
            "GEMM_SM_SHARE",
            "GEMM_SM_SHARES", "GEMM_WORKSPACES",
-           "LONG_K_RATIO", "UNIFORM_SM_SHARES", "StepProgram", "alignment", "sm_count_targets",
+           "LONG_K_RATIO", "UNIFORM_SM_SHARES", "StepProgram", "alignment", "plan_switches",
+           "sm_count_targets",
            "step_constants"]

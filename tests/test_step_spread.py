@@ -4,12 +4,13 @@ timings need one)."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 
 import pytest
 from bench_modules import load_bench
 
-load_bench("critical_path")  # step_spread imports it (and step_host) by name
+cp = load_bench("critical_path")  # step_spread imports it (and step_host) by name
 load_bench("step_host")
 ss = load_bench("step_spread")
 
@@ -30,6 +31,61 @@ def test_arms_are_the_default_then_one_per_option():
                                          r"option; allowed: fused_trunk, fused_heads, "
                                          r"stacked_backward$"):
         ss.arms(["gemm_workspace"], allowed)
+
+
+def test_switch_arms_are_one_per_group_named_by_its_switches():
+    from foxhunt.fast import step_program
+
+    allowed = step_program.plan_switches()
+    assert allowed == {"FUSE_HEAD_OUTPUTS": frozenset({"bf16", "f32"}),
+                       "FUSE_AUX_TRUNK_GRAD": True, "FUSE_GUARD_MASK": True}
+    assert all(hasattr(step_program, name) for name in allowed)
+    assert ss.switch_arms([], allowed) == {}
+    assert ss.switch_arms(["FUSE_AUX_TRUNK_GRAD", "FUSE_AUX_TRUNK_GRAD,FUSE_GUARD_MASK"],
+                          allowed) == {
+        "FUSE_AUX_TRUNK_GRAD": {"FUSE_AUX_TRUNK_GRAD": True},
+        "FUSE_AUX_TRUNK_GRAD+FUSE_GUARD_MASK": {"FUSE_AUX_TRUNK_GRAD": True,
+                                                "FUSE_GUARD_MASK": True}}
+    for groups, message in (
+            (["FUSE_NOPE"], r"^--switch 'FUSE_NOPE': 'FUSE_NOPE' is not a plan switch; allowed: "
+                            r"FUSE_HEAD_OUTPUTS, FUSE_AUX_TRUNK_GRAD, FUSE_GUARD_MASK$"),
+            (["FUSE_GUARD_MASK,"], r"^--switch 'FUSE_GUARD_MASK,': '' is not a plan switch"),
+            (["FUSE_GUARD_MASK,FUSE_GUARD_MASK"], r"^--switch 'FUSE_GUARD_MASK,FUSE_GUARD_MASK': "
+                                                  r"a switch named twice$"),
+            (["FUSE_GUARD_MASK", "FUSE_GUARD_MASK"], r"^--switch 'FUSE_GUARD_MASK': given twice$")):
+        with pytest.raises(ValueError, match=message):
+            ss.switch_arms(groups, allowed)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_switched_sets_the_values_inside_the_block_and_restores_them(fail):
+    import types
+
+    module = types.SimpleNamespace(A=False, B=frozenset({"bf16"}), C=1)
+    seen = []
+    with pytest.raises(RuntimeError) if fail else contextlib.nullcontext():
+        with ss.switched(module, {"A": True, "B": frozenset({"bf16", "f32"})}):
+            seen.append((module.A, module.B, module.C))
+            if fail:
+                raise RuntimeError("build failed")
+    assert seen == [(True, frozenset({"bf16", "f32"}), 1)]
+    assert (module.A, module.B, module.C) == (False, frozenset({"bf16"}), 1)
+
+
+def test_a_switched_plan_differs_from_the_default_and_restoring_gives_the_default_back():
+    """What an arm's trainer is built with: the CPU executor's graph 1 of the step with every
+    second-wave source has fewer nodes with the trunk-gradient switches on, and the default's
+    plan again after the block."""
+    from foxhunt.fast import step_program
+
+    paths = lambda: cp.step_paths(cp.variant_config("tiny", "bf16", "all"))["graph1"].nodes  # noqa: E731
+    default = paths()
+    with ss.switched(step_program, ss.switch_arms(
+            ["FUSE_AUX_TRUNK_GRAD,FUSE_GUARD_MASK"], step_program.plan_switches())[
+                "FUSE_AUX_TRUNK_GRAD+FUSE_GUARD_MASK"]):
+        fused = paths()
+    assert fused == default - 7
+    assert paths() == default
 
 
 class FakeTrainer:
@@ -103,6 +159,7 @@ def test_without_a_gpu_the_command_line_says_so(capsys):
         pytest.skip("a CUDA device is present (the command would run)")
     assert ss.main(["core"]) == 2
     assert "step_spread: no CUDA device" in capsys.readouterr().err
-    for argv in (["nope"], ["--instances", "0"], ["--option", "gemm_workspace"]):
+    for argv in (["nope"], ["--instances", "0"], ["--option", "gemm_workspace"], ["--switch"],
+                 ["--switch", "FUSE_NOPE"], ["--switch", "FUSE_GUARD_MASK,FUSE_GUARD_MASK"]):
         with pytest.raises(SystemExit):
             ss.main(argv)
