@@ -613,9 +613,8 @@ gemm_f32(const float* a, const float* b, float* c, const float* h, int m, int n,
 //     db[j] = sum_i dy[i, j]              bias_grad_reduce of dy with `chunks` row chunks
 //
 // and gemm_f32_bias_grad, the same with gemm_f32's exact-f32 products for dw.
-// dw has gemm_tf32's (gemm_f32's) bits (the same tile code, grid and shared memory) and db
-// bias_grad_reduce's bits when `chunks` is that launch's blockDim.y (its bits depend on nothing
-// else): the blocks of
+// dw has gemm_tf32's (gemm_f32's) bits (the same tile code, grid and shared memory) and db bias_grad_reduce's
+// bits when `chunks` is that launch's blockDim.y (its bits depend on nothing else): the blocks of
 // the first column tile (blockIdx.x == 0), once their tile of dw is stored, sum db for their
 // tile_m columns of dy with bias_grad_reduce's arithmetic (bias_grad_chunk, bias_grad_finish) in
 // passes of GEMM_TF32_WARPS * 32 / chunks columns, the chunk sums in the dynamic shared memory

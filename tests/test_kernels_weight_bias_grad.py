@@ -214,8 +214,7 @@ gpu = pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
 @gpu
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("k, m, n", [(256, 51, 128), (256, 128, 256), (256, 256, 128),
-                                     (37, 19, 23)])
+@pytest.mark.parametrize("k, m, n", [(256, 51, 128), (256, 128, 256), (256, 256, 128), (37, 19, 23)])
 @pytest.mark.parametrize("poison", [False, True])
 def test_the_kernel_is_the_two_gpu_launches_bit_for_bit(k, m, n, poison, kernel):
     """``dw`` bit for bit ``gemm_tf32``'s / ``gemm_f32``'s (the same tile code), ``db``
