@@ -573,37 +573,11 @@ static __device__ __forceinline__ void gemm_tf32_tiles(const float* a, const flo
     }
 }
 
-// gemm_f32_tile for the plan's (tile_m, tile_n), as gemm_tf32_tiles.
-static __device__ __forceinline__ void gemm_f32_tiles(const float* a, const float* b, float* c,
-                                                      const float* h, int m, int n, int k,
-                                                      int trans_a, int tile_m, int tile_n) {
-    if (tile_m == 16 && tile_n == 16) {
-        gemm_f32_tile<1, 16>(a, b, c, h, m, n, k, trans_a);
-    } else if (tile_m == 16) {
-        gemm_f32_tile<1, 32>(a, b, c, h, m, n, k, trans_a);
-    } else {
-        gemm_f32_tile<2, 32>(a, b, c, h, m, n, k, trans_a);
-    }
-}
-
 extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
 gemm_tf32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
           int trans_a, int tile_m, int tile_n) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
     gemm_tf32_tiles(a, b, c, h, m, n, k, trans_a, tile_m, tile_n);
-}
-
-// gemm_tf32's exact-f32 twin for the f32 precision's backward: c = op(a) @ b with f32 products
-// (fmaf, k in order within a warp's range, the warps' partial sums in warp order), masked by h as
-// gemm_tf32. Same arguments, grid, block and shared memory as gemm_tf32 (gemm_f32_tile's comment).
-// Reference: foxhunt.reference.kernels.dense.gemm_f32 (gemm(mode="f32") then relu_mask);
-// conformance: the GEMM policy in f32, the masked elements bit for bit. NaN/Inf: IEEE (fmaf), then
-// relu_mask's select.
-extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
-gemm_f32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
-         int trans_a, int tile_m, int tile_n) {
-    fh_early_wait();  // early_launch.cuh: before anything is read or written
-    gemm_f32_tiles(a, b, c, h, m, n, k, trans_a, tile_m, tile_n);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -612,17 +586,15 @@ gemm_f32(const float* a, const float* b, float* c, const float* h, int m, int n,
 //     dw = dy^T @ x     in TF32           gemm_tf32 with trans_a = 1, no mask: dy [k, m], x [k, n]
 //     db[j] = sum_i dy[i, j]              bias_grad_reduce of dy with `chunks` row chunks
 //
-// and gemm_f32_bias_grad, the same with gemm_f32's exact-f32 products for dw.
-// dw has gemm_tf32's (gemm_f32's) bits (the same tile code, grid and shared memory) and db bias_grad_reduce's
+// dw has gemm_tf32's bits (the same tile code, grid and shared memory) and db bias_grad_reduce's
 // bits when `chunks` is that launch's blockDim.y (its bits depend on nothing else): the blocks of
 // the first column tile (blockIdx.x == 0), once their tile of dw is stored, sum db for their
 // tile_m columns of dy with bias_grad_reduce's arithmetic (bias_grad_chunk, bias_grad_finish) in
 // passes of GEMM_TF32_WARPS * 32 / chunks columns, the chunk sums in the dynamic shared memory
 // (gemm_tf32_shared_bytes covers them: fast/kernels/dense.py plan_gemm_tf32_bias_grad). No extra
 // blocks: the bias sums ride on blocks the GEMM launches anyway. Reference:
-// foxhunt.reference.kernels.dense.gemm_tf32_bias_grad (gemm_tf32 then bias_grad_reduce) and
-// gemm_f32_bias_grad (gemm_f32 then bias_grad_reduce).
-// NaN/Inf contract: dw as gemm_tf32's / gemm_f32's (IEEE; TF32 rounding keeps NaN and Inf), db as
+// foxhunt.reference.kernels.dense.gemm_tf32_bias_grad (gemm_tf32 then bias_grad_reduce).
+// NaN/Inf contract: dw as gemm_tf32's (IEEE, the TF32 rounding keeps NaN and Inf), db as
 // bias_grad_reduce's (plain IEEE sums; a column holding a NaN, an Inf or a huge term re-summed
 // row by row as the reference does).
 // ------------------------------------------------------------------------------------------
@@ -659,9 +631,11 @@ static __device__ __forceinline__ void gemm_bias_grad_columns(const float* __res
     }
 }
 
-// The bias part of both kernels: the first column tile's blocks, after their tile of dw.
-static __device__ __forceinline__ void gemm_bias_grad_tail(const float* dy, float* db, int m,
-                                                           int k, int tile_m, int chunks) {
+extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
+gemm_tf32_bias_grad(const float* dy, const float* x, float* dw, float* db, int m, int n, int k,
+                    int tile_m, int tile_n, int chunks) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    gemm_tf32_tiles(dy, x, dw, nullptr, m, n, k, 1, tile_m, tile_n);
     if (blockIdx.x == 0) {  // uniform per block: the barriers inside are safe
         extern __shared__ float4 gemm_bias_smem4[];  // the dynamic shared memory's start again
         gemm_bias_grad_columns(dy, db, k, m, blockIdx.y * tile_m, tile_m, chunks,
@@ -669,18 +643,21 @@ static __device__ __forceinline__ void gemm_bias_grad_tail(const float* dy, floa
     }
 }
 
+// gemm_tf32's exact-f32 twin for the f32 precision's backward: c = op(a) @ b with f32 products
+// (fmaf, k in order within a warp's range, the warps' partial sums in warp order), masked by h as
+// gemm_tf32. Same arguments, grid, block and shared memory as gemm_tf32 (gemm_f32_tile's comment).
+// Reference: foxhunt.reference.kernels.dense.gemm_f32 (gemm(mode="f32") then relu_mask);
+// conformance: the GEMM policy in f32, the masked elements bit for bit. NaN/Inf: IEEE (fmaf), then
+// relu_mask's select.
 extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
-gemm_tf32_bias_grad(const float* dy, const float* x, float* dw, float* db, int m, int n, int k,
-                    int tile_m, int tile_n, int chunks) {
+gemm_f32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
+         int trans_a, int tile_m, int tile_n) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
-    gemm_tf32_tiles(dy, x, dw, nullptr, m, n, k, 1, tile_m, tile_n);
-    gemm_bias_grad_tail(dy, db, m, k, tile_m, chunks);
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
-gemm_f32_bias_grad(const float* dy, const float* x, float* dw, float* db, int m, int n, int k,
-                   int tile_m, int tile_n, int chunks) {
-    fh_early_wait();  // early_launch.cuh: before anything is read or written
-    gemm_f32_tiles(dy, x, dw, nullptr, m, n, k, 1, tile_m, tile_n);
-    gemm_bias_grad_tail(dy, db, m, k, tile_m, chunks);
+    if (tile_m == 16 && tile_n == 16) {
+        gemm_f32_tile<1, 16>(a, b, c, h, m, n, k, trans_a);
+    } else if (tile_m == 16) {
+        gemm_f32_tile<1, 32>(a, b, c, h, m, n, k, trans_a);
+    } else {
+        gemm_f32_tile<2, 32>(a, b, c, h, m, n, k, trans_a);
+    }
 }

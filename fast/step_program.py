@@ -122,18 +122,15 @@ FUSE_AUX_TRUNK_GRAD = False
 #: ``h2_guard_mask`` instead of two (``clamp_finite`` with the guard's bound, ``h2_grad_sum_mask``
 #: of the one part it wrote). Off, for the same reason as :data:`FUSE_AUX_TRUNK_GRAD`.
 FUSE_GUARD_MASK = False
-#: The backward precisions whose layer weight gradients with a bias (``weight_grad`` with ``db``:
-#: a weight-gradient GEMM and a ``bias_grad_reduce`` of the same ``dy`` beside it) run as ONE
-#: launch of :data:`WEIGHT_BIAS_KERNEL`'s kernel where the GEMM fits it
+#: Whether a layer's TF32 weight gradient and its bias gradient (``weight_grad`` with ``db``: a
+#: ``gemm_tf32`` with ``trans_a`` and a ``bias_grad_reduce`` of the same ``dy`` beside it) run as
+#: ONE launch of ``gemm_tf32_bias_grad`` where the GEMM fits the kernel
 #: (:meth:`StepProgram.weight_bias_fused`); the hidden layers' bias sums that ran beside the next
-#: input gradient (``input_grad``'s ``then``) then ride on their weight gradient instead. ``tf32``
-#: is the bf16 and tf32 steps' backward (``gemm_tf32`` weight gradients already); ``f32``'s weight
-#: gradients are cuBLASLt's (:data:`MASKED_ONLY`), so there the launch also replaces cuBLASLt.
-#: Empty: the kernels have not run on a GPU yet (written in session 42, when no device machine
-#: ran); the CPU executor's plans with them are bit for bit the default's steps.
-FUSE_WEIGHT_BIAS_GRAD = frozenset()
-#: The kernel of each backward precision for a weight gradient with its bias.
-WEIGHT_BIAS_KERNEL = {"tf32": "gemm_tf32_bias_grad", "f32": "gemm_f32_bias_grad"}
+#: input gradient (``input_grad``'s ``then``) then ride on their weight gradient instead. bf16 and
+#: tf32 (their backward is TF32); f32's weight gradients are cuBLASLt's (:data:`MASKED_ONLY`).
+#: Off: its CUDA kernel has not run on a GPU yet (written in session 42, when no device machine
+#: ran); the CPU executor's plan with it on matches the reference step.
+FUSE_WEIGHT_BIAS_GRAD = False
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -153,13 +150,12 @@ Planner = Callable[..., object]
 def plan_switches() -> dict[str, object]:
     """The module's plan switches a bench may turn on for one arm (``benches/step_spread.py
     --switch``): name -> its value when on (``FUSE_HEAD_OUTPUTS``: every precision with a heads'
-    output kernel, ``fast.kernels.trunk.HOD_KERNELS``; ``FUSE_WEIGHT_BIAS_GRAD``: every backward
-    precision with a kernel). A trainer reads them while it builds its
+    output kernel, ``fast.kernels.trunk.HOD_KERNELS``). A trainer reads them while it builds its
     plans, so it keeps the plans of the values it was built with."""
     from foxhunt.fast.kernels.trunk import HOD_KERNELS
 
     return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS), "FUSE_AUX_TRUNK_GRAD": True,
-            "FUSE_GUARD_MASK": True, "FUSE_WEIGHT_BIAS_GRAD": frozenset(WEIGHT_BIAS_KERNEL)}
+            "FUSE_GUARD_MASK": True, "FUSE_WEIGHT_BIAS_GRAD": True}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:
@@ -401,15 +397,14 @@ class StepProgram:
         """``dW [n_out, n_in] = dy[rows, n_out]^T @ x[rows, n_in]`` and, with ``db``, ``db =
         colsum(dy)`` by ``bias_grad_reduce`` beside the GEMM (not the BGRADB epilogue: module
         docstring), in the backward precision (pairs: one GEMM, a ``bias_grad_reduce`` per
-        batch); both in ONE launch of :data:`WEIGHT_BIAS_KERNEL`'s kernel where
-        :meth:`weight_bias_fused`."""
+        batch); both in ONE ``gemm_tf32_bias_grad`` where :meth:`weight_bias_fused`."""
         if db is None:
             self.bwd_gemm(ops, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True)
             return
         if self.weight_bias_fused(n_out, n_in, rows, dy, x, dw, db):
             dense = self.kernels("dense")
             tile_m, tile_n = dense.gemm_tf32_tile(n_out, n_in)
-            ops.kernel(WEIGHT_BIAS_KERNEL[self.bwd_mode],
+            ops.kernel("gemm_tf32_bias_grad",
                        dense.plan_gemm_tf32_bias_grad(n_out, n_in, rows, arch=self.arch), dy=dy,
                        x=x, dw=dw, db=db, m=n_out, n=n_in, k=rows, tile_m=tile_m, tile_n=tile_n,
                        chunks=dense.BIAS_GRAD_CHUNKS)
@@ -425,30 +420,23 @@ class StepProgram:
         ops.parallel(*sides, main)
 
     def weight_bias_fused(self, n_out: int, n_in: int, rows: int, *operands) -> bool:
-        """Whether ``weight_grad`` of these sizes and operands (a bias among them) is ONE launch of
-        :data:`WEIGHT_BIAS_KERNEL`'s kernel: the backward precision in
-        :data:`FUSE_WEIGHT_BIAS_GRAD`, :data:`BACKWARD_GEMM_KERNELS`, no pair among the operands
-        and a shape the kernels take (``fast.kernels.dense.gemm_tf32_fits``)."""
-        return (self.bwd_mode in FUSE_WEIGHT_BIAS_GRAD and self.bwd_mode in WEIGHT_BIAS_KERNEL
-                and self._kernel_shape_fits(n_out, n_in, rows, *operands))
-
-    @staticmethod
-    def _kernel_shape_fits(m: int, n: int, k: int, *operands) -> bool:
-        """:data:`BACKWARD_GEMM_KERNELS`, no stacked pair among the operands and a shape the
-        backward GEMM kernels take."""
-        from foxhunt.fast.kernels.dense import gemm_tf32_fits
-
-        return (BACKWARD_GEMM_KERNELS and not any(isinstance(op, tuple) for op in operands)
-                and gemm_tf32_fits(m, n, k))
+        """Whether ``weight_grad`` of these sizes and operands (a bias among them) is ONE
+        ``gemm_tf32_bias_grad``: :data:`FUSE_WEIGHT_BIAS_GRAD`, a TF32 backward and a weight
+        gradient that runs as ``gemm_tf32`` (:meth:`bwd_kernel_fits`: no pair, a shape it
+        takes)."""
+        return (FUSE_WEIGHT_BIAS_GRAD and BACKWARD_GEMM_KERNEL.get(self.bwd_mode) == "gemm_tf32"
+                and self.bwd_kernel_fits(n_out, n_in, rows, *operands))
 
     def bwd_kernel_fits(self, m: int, n: int, k: int, *operands, masked: bool = False) -> bool:
         """Whether the backward GEMM ``m x n x k`` on ``operands`` (``masked``: with a ReLU mask)
         runs as its precision's kernel (:data:`BACKWARD_GEMM_KERNEL`): :data:`BACKWARD_GEMM_KERNELS`,
         a masked GEMM where the precision is :data:`MASKED_ONLY`, no stacked pair among the
         operands and a shape the kernels are for (``fast.kernels.dense.gemm_tf32_fits``)."""
-        return (self.bwd_mode in BACKWARD_GEMM_KERNEL
+        from foxhunt.fast.kernels.dense import gemm_tf32_fits
+
+        return (BACKWARD_GEMM_KERNELS and self.bwd_mode in BACKWARD_GEMM_KERNEL
                 and (masked or self.bwd_mode not in MASKED_ONLY)
-                and self._kernel_shape_fits(m, n, k, *operands))
+                and not any(isinstance(op, tuple) for op in operands) and gemm_tf32_fits(m, n, k))
 
     def bwd_gemm(self, ops: Ops, m: int, n: int, k: int, *, a, b, c, trans_a: bool = False,
                  h: Buf | None = None) -> None:
@@ -927,7 +915,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
 
 
 __all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK", "FUSE_HEAD_OUTPUTS",
-           "FUSE_WEIGHT_BIAS_GRAD", "GEMM_ROLES", "WEIGHT_BIAS_KERNEL",
+           "FUSE_WEIGHT_BIAS_GRAD", "GEMM_ROLES",
            "GEMM_SM_SHARE",
            "GEMM_SM_SHARES", "GEMM_WORKSPACES",
            "LONG_K_RATIO", "UNIFORM_SM_SHARES", "StepProgram", "alignment", "plan_switches",

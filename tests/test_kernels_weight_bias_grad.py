@@ -1,13 +1,12 @@
-"""``gemm_tf32_bias_grad`` / ``gemm_f32_bias_grad``: a layer's TF32 / f32 weight gradient ``dw =
-dy^T @ x`` and its bias gradient ``db = colsum(dy)`` in one launch (``cuda_src/dense.cu``), and
-the step's plan with them (``step_program.FUSE_WEIGHT_BIAS_GRAD``, empty by default).
+"""``gemm_tf32_bias_grad``: a layer's TF32 weight gradient ``dw = dy^T @ x`` and its bias gradient
+``db = colsum(dy)`` in one launch (``cuda_src/dense.cu``), and the step's plan with it
+(``step_program.FUSE_WEIGHT_BIAS_GRAD``, off by default).
 
-On the CPU: the reference twins against an independent oracle (float64 products of the operands
-as the kernels multiply them, computed by torch, float64 column sums; the NaN contract with
-hypothesis), their one-line argument errors, the plan's shape, and the CPU executor's steps with
-the switch on bit for bit those with it off (a twin composes ``gemm_tf32`` / ``gemm_f32`` and
-``bias_grad_reduce``, the launches it replaces). On a GPU: each kernel bit for bit the two GPU
-launches it replaces.
+On the CPU: the reference twin against an independent oracle (float64 products of the TF32-rounded
+operands as torch computes them, float64 column sums; the NaN contract with hypothesis), its
+one-line argument errors, the plan's shape, and the CPU executor's steps with the switch on bit for
+bit those with it off (the twin composes ``gemm_tf32`` and ``bias_grad_reduce``, the launches it
+replaces). On a GPU: the kernel bit for bit ``gemm_tf32`` then ``bias_grad_reduce`` on the GPU.
 """
 
 from __future__ import annotations
@@ -32,27 +31,20 @@ def _draw(rng, k: int, m: int, n: int) -> tuple[np.ndarray, np.ndarray]:
             (rng.standard_normal((k, n)) / np.sqrt(k)).astype(F32))
 
 
-#: kernel -> (its reference twin, its GEMM alone, how its operands are rounded)
-KERNELS = {"gemm_tf32_bias_grad": (dense.gemm_tf32_bias_grad, dense.gemm_tf32, dense.tf32_round),
-           "gemm_f32_bias_grad": (dense.gemm_f32_bias_grad, dense.gemm_f32, lambda a: a)}
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("k, m, n", [(256, 51, 128), (256, 128, 256), (7, 3, 5), (1, 1, 1)])
-def test_the_twin_is_the_product_and_the_column_sums(k, m, n, kernel):
-    """Independent of the reference's ``gemm``: torch's float64 product of the operands as the
-    kernel multiplies them (TF32-rounded or not), float64 column sums; ``dw`` within float32
-    accumulation's error of it, ``db`` within the reduction's."""
+def test_the_twin_is_the_tf32_product_and_the_column_sums(k, m, n):
+    """Independent of the reference's ``gemm``: torch's float64 product of the TF32-rounded
+    operands, float64 column sums; ``dw`` within float32 accumulation's error of it, ``db``
+    within the reduction's."""
     import torch
 
-    twin, _, rounding = KERNELS[kernel]
     dy, x = _draw(np.random.default_rng(k + m + n), k, m, n)
-    got = twin(dy, x)
+    got = dense.gemm_tf32_bias_grad(dy, x)
     assert got.dw.shape == (m, n) and got.db.shape == (m,)
     assert got.dw.dtype == F32 and got.db.dtype == F32
-    t = lambda a: torch.from_numpy(rounding(a).astype(np.float64))  # noqa: E731
+    t = lambda a: torch.from_numpy(dense.tf32_round(a).astype(np.float64))  # noqa: E731
     want = (t(dy).T @ t(x)).numpy()
-    scale = np.abs(rounding(dy)).astype(np.float64).T @ np.abs(rounding(x))
+    scale = np.abs(dense.tf32_round(dy)).astype(np.float64).T @ np.abs(dense.tf32_round(x))
     assert np.all(np.abs(got.dw - want) <= 4 * k * np.finfo(F32).eps * scale + 1e-30)
     sums = torch.from_numpy(dy.astype(np.float64)).sum(0).numpy()
     assert np.all(np.abs(got.db - sums) <= 2 * k * np.finfo(F32).eps * np.abs(dy).sum(0))
@@ -63,17 +55,16 @@ _special = st.sampled_from([np.nan, np.inf, -np.inf])
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), row=st.integers(0, 15), col=st.integers(0, 5),
-       special=_special, where=st.sampled_from(["dy", "x"]), kernel=st.sampled_from(list(KERNELS)))
-def test_a_non_finite_value_reaches_its_row_or_column_only(seed, row, col, special, where, kernel):
+       special=_special, where=st.sampled_from(["dy", "x"]))
+def test_a_non_finite_value_reaches_its_row_or_column_only(seed, row, col, special, where):
     """``dy[i, j]`` non-finite: ``db[j]`` and ``dw[j, :]`` non-finite (``+/-Inf * x`` of either
     sign, or NaN), every other column of ``db`` and row of ``dw`` bit for bit the clean run's;
     ``x[i, l]``: ``dw[:, l]`` non-finite, ``db`` and the other columns of ``dw`` unchanged."""
-    twin = KERNELS[kernel][0]
     rng = np.random.default_rng(seed)
     dy, x = _draw(rng, 16, 6, 6)
-    clean = twin(dy, x)
+    clean = dense.gemm_tf32_bias_grad(dy, x)
     (dy if where == "dy" else x)[row, col] = special
-    got = twin(dy, x)
+    got = dense.gemm_tf32_bias_grad(dy, x)
     bits = lambda a: a.view(np.uint32)  # noqa: E731
     if where == "dy":
         assert not np.isfinite(got.db[col]) and not np.isfinite(got.dw[col]).any()
@@ -87,13 +78,11 @@ def test_a_non_finite_value_reaches_its_row_or_column_only(seed, row, col, speci
         assert np.array_equal(bits(got.dw[:, keep]), bits(clean.dw[:, keep]))
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_it_is_the_composition_of_the_two_kernels_it_replaces(kernel):
-    twin, gemm, _ = KERNELS[kernel]
+def test_it_is_the_composition_of_the_two_kernels_it_replaces():
     dy, x = _draw(np.random.default_rng(3), 40, 9, 12)
     dy[5, 2] = np.nan
-    got = twin(dy, x)
-    assert got.dw.tobytes() == gemm(dy, x, trans_a=True).tobytes()
+    got = dense.gemm_tf32_bias_grad(dy, x)
+    assert got.dw.tobytes() == dense.gemm_tf32(dy, x, trans_a=True).tobytes()
     assert got.db.tobytes() == dense.bias_grad_reduce(dy).tobytes()
 
 
@@ -106,11 +95,10 @@ def test_it_is_the_composition_of_the_two_kernels_it_replaces(kernel):
      r"^x: dtype float16 is not allowed; expected float32$"),
     (lambda dy, x: (dy[0], x), ValueError, r"^dy: "),
 ])
-@pytest.mark.parametrize("kernel", KERNELS)
-def test_bad_arguments_are_one_line_errors_naming_the_field(bad, exc, message, kernel):
+def test_bad_arguments_are_one_line_errors_naming_the_field(bad, exc, message):
     dy, x = _draw(np.random.default_rng(0), 8, 3, 5)
     with pytest.raises(exc, match=message) as info:
-        KERNELS[kernel][0](*bad(dy, x))
+        dense.gemm_tf32_bias_grad(*bad(dy, x))
     assert "\n" not in str(info.value)
 
 
@@ -141,58 +129,38 @@ def _graph1(config):
         trainer.close()
 
 
-ON = frozenset(step_program.WEIGHT_BIAS_KERNEL)
-
-
 @pytest.mark.parametrize("precision, source", [
-    ("bf16", "core"), ("bf16", "all"), ("tf32", "core"), ("tf32", "all"), ("f32", "core"),
-    ("f32", "all")])
+    ("bf16", "core"), ("bf16", "all"), ("tf32", "core"), ("tf32", "all"), ("f32", "all")])
 def test_the_switch_moves_each_bias_sum_into_its_weight_gradient(precision, source, monkeypatch):
-    """With the switch on, every ``bias_grad_reduce`` the launch takes is gone, and one launch per
-    layer it fuses replaces a weight-gradient GEMM: a ``gemm_tf32`` (bf16, tf32) or a cuBLASLt
-    GEMM (f32, whose weight gradients are not ``gemm_f32`` launches otherwise)."""
+    """With the switch on, every ``bias_grad_reduce`` the launch takes is gone, one launch per
+    layer it fuses replaces a ``gemm_tf32``; f32's weight gradients are cuBLASLt's: no change."""
     config = _config(precision, source, "seed")
     off = _graph1(config)
-    monkeypatch.setattr(step_program, "FUSE_WEIGHT_BIAS_GRAD", ON)
+    monkeypatch.setattr(step_program, "FUSE_WEIGHT_BIAS_GRAD", True)
     on = _graph1(config)
-    kernel = step_program.WEIGHT_BIAS_KERNEL[step_program.BACKWARD_GEMM_MODE[precision]]
-    fused = launch_count(on, kernel)
-    assert fused >= 8  # the heads' two layers in both passes, at least
-    assert launch_count(on, "bias_grad_reduce") == launch_count(off, "bias_grad_reduce") - fused
+    fused = launch_count(on, "gemm_tf32_bias_grad")
     if precision == "f32":
-        assert launch_count(on, "gemm_f32") == launch_count(off, "gemm_f32")
-    else:
-        assert launch_count(on, "gemm_tf32") == launch_count(off, "gemm_tf32") - fused
+        assert fused == 0 and len(on.nodes()) == len(off.nodes())
+        return
+    assert fused >= 8  # the heads' two layers in both passes, at least
+    for kernel in ("bias_grad_reduce", "gemm_tf32"):
+        assert launch_count(on, kernel) == launch_count(off, kernel) - fused
     assert len(on.nodes()) == len(off.nodes()) - fused
 
 
-@pytest.mark.parametrize("backward", sorted(ON))
-def test_each_backward_precision_is_switched_on_alone(backward, monkeypatch):
-    """``FUSE_WEIGHT_BIAS_GRAD`` names backward precisions: bf16 and tf32 share ``tf32``'s."""
-    monkeypatch.setattr(step_program, "FUSE_WEIGHT_BIAS_GRAD", frozenset({backward}))
-    for precision in ("bf16", "tf32", "f32"):
-        uses = step_program.BACKWARD_GEMM_MODE[precision] == backward
-        graph = _graph1(_config(precision, "core"))
-        assert (launch_count(graph, step_program.WEIGHT_BIAS_KERNEL[backward]) > 0) == uses
-
-
 @pytest.mark.parametrize("precision, source, options", [
-    ("bf16", "core", {}), ("bf16", "all", {}), ("tf32", "all", {}), ("f32", "core", {}),
-    ("f32", "all", {}), ("bf16", "core", {"stacked_backward": True}),
-    ("bf16", "core", {"fused_heads": True})],
-    ids=["bf16-core", "bf16-all", "tf32-all", "f32-core", "f32-all", "bf16-stacked",
-         "bf16-fused-heads"])
+    ("bf16", "core", {}), ("bf16", "all", {}), ("tf32", "all", {}),
+    ("bf16", "core", {"stacked_backward": True}), ("bf16", "core", {"fused_heads": True})],
+    ids=["bf16-core", "bf16-all", "tf32-all", "bf16-stacked", "bf16-fused-heads"])
 def test_on_the_cpu_executor_the_step_is_bitwise_the_two_launches(precision, source, options,
                                                                   monkeypatch):
-    """A twin composes the launches it replaces, so the CPU executor's steps with the switch on
+    """The twin composes the launches it replaces, so the CPU executor's steps with the switch on
     and off end in the same bits (every state buffer, the step scalars, the TD errors and the
-    greedy Q's); with the stacked backward (pairs: the unfused launches stay) too. f32: the
-    switch replaces cuBLASLt's weight gradients, whose CPU twin is the same ``gemm(mode="f32")``
-    as ``gemm_f32``'s."""
+    greedy Q's); with the stacked backward (pairs: the unfused launches stay) too."""
     config = _config(precision, source)
-    monkeypatch.setattr(step_program, "FUSE_WEIGHT_BIAS_GRAD", ON)
+    monkeypatch.setattr(step_program, "FUSE_WEIGHT_BIAS_GRAD", True)
     with_launch = step_run(config, options)
-    monkeypatch.setattr(step_program, "FUSE_WEIGHT_BIAS_GRAD", frozenset())
+    monkeypatch.setattr(step_program, "FUSE_WEIGHT_BIAS_GRAD", False)
     assert_runs_bitwise_equal(config, step_run(config, options), with_launch)
 
 
@@ -213,19 +181,16 @@ gpu = pytest.mark.skipif(not _GPU, reason=f"no CUDA device/driver: {_WHY}")
 
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("k, m, n", [(256, 51, 128), (256, 128, 256), (256, 256, 128), (37, 19, 23)])
 @pytest.mark.parametrize("poison", [False, True])
-def test_the_kernel_is_the_two_gpu_launches_bit_for_bit(k, m, n, poison, kernel):
-    """``dw`` bit for bit ``gemm_tf32``'s / ``gemm_f32``'s (the same tile code), ``db``
-    ``bias_grad_reduce``'s (the same chunks and order), every tile shape the plans pick;
-    ``poison``: a NaN, an Inf and a huge term in three columns (the row-by-row re-sum)."""
-    fast_gemm = {"gemm_tf32_bias_grad": fast_dense.gemm_tf32,
-                 "gemm_f32_bias_grad": fast_dense.gemm_f32}[kernel]
+def test_the_kernel_is_the_two_gpu_launches_bit_for_bit(k, m, n, poison):
+    """``dw`` bit for bit ``gemm_tf32``'s (the same tile code), ``db`` ``bias_grad_reduce``'s (the
+    same chunks and order), every tile shape the plans pick; ``poison``: a NaN, an Inf and a huge
+    term in three columns (the row-by-row re-sum)."""
     dy, x = _draw(np.random.default_rng(k * m + n), k, m, n)
     if poison:
         dy[3, 0], dy[k - 1, m // 2], dy[k // 2, m - 1] = np.nan, np.inf, F32(3e38)
-    got = fast_dense.KERNELS[kernel](dy, x)
+    got = fast_dense.gemm_tf32_bias_grad(dy, x)
     nan_bits = lambda a: np.where(np.isnan(a), F32(np.nan), a).tobytes()  # noqa: E731
-    assert nan_bits(got.dw) == nan_bits(fast_gemm(dy, x, trans_a=True))
+    assert nan_bits(got.dw) == nan_bits(fast_dense.gemm_tf32(dy, x, trans_a=True))
     assert nan_bits(got.db) == nan_bits(fast_dense.bias_grad_reduce(dy))

@@ -5,9 +5,8 @@ judged by the GEMM policy without input-rounding slack, ``GEMM_TOLERANCES["f32"]
 values, as the BF16 kernels on their BF16 operands) and ``gemm_f32``, its exact-f32 twin (the same
 policy on the operands themselves); the elements the mask zeroes bit for bit. Their shape cases
 give ``m, k, n = batch, hidden, w_out``, ``trans_a`` in the seed and odd cases, no mask in the seed
-case. ``gemm_tf32_bias_grad`` / ``gemm_f32_bias_grad`` (a layer's TF32 / f32 weight gradient
-``dy^T @ x`` with its bias gradient ``colsum(dy)``): ``dw`` by ``gemm_tf32``'s / ``gemm_f32``'s
-policy, ``db`` by ``bias_grad_reduce``'s.
+case. ``gemm_tf32_bias_grad`` (a layer's TF32 weight gradient ``dy^T @ x`` with its bias gradient
+``colsum(dy)``): ``dw`` by ``gemm_tf32``'s policy, ``db`` by ``bias_grad_reduce``'s.
 """
 
 from __future__ import annotations
@@ -107,34 +106,13 @@ def _s_weight_bias_grad(d: Dims, rng) -> Kwargs:
             "x": normal(rng, (d.batch, d.hidden), 1.0 / np.sqrt(d.batch))}
 
 
-def _weight_bias_grad_scales(rounding):
-    """``dw``: the backward GEMM's scales on ``dy^T @ x`` (no mask; ``rounding`` as
-    ``_backward_gemm_scales``'); ``db``: ``bias_grad_reduce``'s on ``dy``."""
-    def scales(kwargs, expected):
-        dy = kwargs["dy"]
-        gemm = _backward_gemm_scales(rounding)(
-            {"a": dy, "b": kwargs["x"], "h": None, "trans_a": True}, {"out": expected["dw"]})
-        return {"dw": gemm["out"], "db": _sc_bias_grad({"dy": dy}, None)["out"]}
-    return scales
-
-
-def _weight_bias_grad_entry(name: str, rounding) -> SpecEntry:
-    """A layer's weight and bias gradients in one launch: each output by its own kernel's
-    policy."""
-    return SpecEntry(
-        name=name,
-        outputs={"dw": f32(GEMM_TOLERANCES["f32"]), "db": f32(REDUCTION)},
-        sample=_s_weight_bias_grad,
-        targets=("dy", "x"),
-        errors=error_cases(
-            _s_weight_bias_grad,
-            lambda k: replace(k, x=k["x"][:-1]),
-            lambda k: wrong_dtype(k, "dy"),
-            lambda k: wrong_dtype(k, "x"),
-            lambda k: replace(k, dy=k["dy"][0]),
-        ),
-        scales=_weight_bias_grad_scales(rounding),
-    )
+def _sc_weight_bias_grad(kwargs, expected):
+    """``dw``: the TF32 backward GEMM's scales on ``dy^T @ x`` (no mask); ``db``:
+    ``bias_grad_reduce``'s on ``dy``."""
+    dy = kwargs["dy"]
+    gemm = _backward_gemm_scales(tf32_round)({"a": dy, "b": kwargs["x"], "h": None, "trans_a": True},
+                                             {"out": expected["dw"]})
+    return {"dw": gemm["out"], "db": _sc_bias_grad({"dy": dy}, None)["out"]}
 
 
 def _sc_bias_grad(kwargs, expected):
@@ -248,6 +226,19 @@ ENTRIES: tuple[SpecEntry, ...] = (
     ),
     _backward_gemm_entry("gemm_tf32", tf32_round),
     _backward_gemm_entry("gemm_f32", lambda x: np.asarray(x, F32)),
-    _weight_bias_grad_entry("gemm_tf32_bias_grad", tf32_round),
-    _weight_bias_grad_entry("gemm_f32_bias_grad", lambda x: np.asarray(x, F32)),
+    # a layer's weight and bias gradients in one launch: each output by its own kernel's policy
+    SpecEntry(
+        name="gemm_tf32_bias_grad",
+        outputs={"dw": f32(GEMM_TOLERANCES["f32"]), "db": f32(REDUCTION)},
+        sample=_s_weight_bias_grad,
+        targets=("dy", "x"),
+        errors=error_cases(
+            _s_weight_bias_grad,
+            lambda k: replace(k, x=k["x"][:-1]),
+            lambda k: wrong_dtype(k, "dy"),
+            lambda k: wrong_dtype(k, "x"),
+            lambda k: replace(k, dy=k["dy"][0]),
+        ),
+        scales=_sc_weight_bias_grad,
+    ),
 )

@@ -36,13 +36,12 @@ launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
   (``gemm_tf32`` with ``trans_a``, no mask; its plan and tile) and ``db = colsum(dy)`` (with
   ``chunks = BIAS_GRAD_CHUNKS`` row chunks: ``bias_grad_reduce``'s bits), one launch: the blocks
   of the first column tile sum the bias of their rows of ``dw`` after their tile
-  (``fast.step_program.FUSE_WEIGHT_BIAS_GRAD``); not measured yet. ``gemm_f32_bias_grad`` (same
-  arguments and plan): the same with ``gemm_f32``'s exact-f32 products.
+  (``fast.step_program.FUSE_WEIGHT_BIAS_GRAD``); not measured yet.
 
 Numerics: every elementwise kernel is exact (bitwise equal to the reference);
 ``bias_grad_reduce`` is a float32 reduction (conformance: reduction tolerance); ``gemm_tf32`` and
 ``gemm_f32`` are GEMMs (conformance: the GEMM policy on the values they multiply; their masked
-elements bit for bit); ``gemm_tf32_bias_grad`` and ``gemm_f32_bias_grad`` are both (``dw`` by the GEMM policy, ``db`` by the
+elements bit for bit); ``gemm_tf32_bias_grad`` is both (``dw`` by the GEMM policy, ``db`` by the
 reduction tolerance).
 """
 
@@ -304,29 +303,15 @@ def plan_gemm_tf32_bias_grad(m: int, n: int, k: int, *, arch=90) -> Plan:
     return grid, block, max(nbytes, 2 * BIAS_GRAD_CHUNKS * (width + 1) * F32_BYTES)
 
 
-def _weight_bias_grad(name: str, dy, x) -> WeightBiasGrad:
-    """The test entries of ``gemm_tf32_bias_grad`` and ``gemm_f32_bias_grad`` (one plan)."""
-    m, n, k = validate_gemm_tf32_bias_grad(dy, x)
-    dw, db = launch(name, plan_gemm_tf32_bias_grad(m, n, k, arch=runtime().device.arch), In(dy),
-                    In(x), Out((m, n), F32), Out((m,), F32), m, n, k, *gemm_tf32_tile(m, n),
-                    BIAS_GRAD_CHUNKS)
-    return WeightBiasGrad(dw=dw, db=db)
-
-
 def gemm_tf32_bias_grad(dy: np.ndarray, x: np.ndarray) -> WeightBiasGrad:
     """``dw = dy^T @ x`` in TF32 and ``db = colsum(dy)`` in one launch on the GPU: see
     ``foxhunt.reference.kernels.dense.gemm_tf32_bias_grad``."""
-    return _weight_bias_grad("gemm_tf32_bias_grad", dy, x)
-
-
-def gemm_f32_bias_grad(dy: np.ndarray, x: np.ndarray) -> WeightBiasGrad:
-    """``dw = dy^T @ x`` in f32 and ``db = colsum(dy)`` in one launch on the GPU: see
-    ``foxhunt.reference.kernels.dense.gemm_f32_bias_grad``."""
-    return _weight_bias_grad("gemm_f32_bias_grad", dy, x)
-
-
-#: gemm_f32_bias_grad launches as gemm_tf32_bias_grad.
-plan_gemm_f32_bias_grad = plan_gemm_tf32_bias_grad
+    m, n, k = validate_gemm_tf32_bias_grad(dy, x)
+    dw, db = launch("gemm_tf32_bias_grad",
+                    plan_gemm_tf32_bias_grad(m, n, k, arch=runtime().device.arch), In(dy), In(x),
+                    Out((m, n), F32), Out((m,), F32), m, n, k, *gemm_tf32_tile(m, n),
+                    BIAS_GRAD_CHUNKS)
+    return WeightBiasGrad(dw=dw, db=db)
 
 
 KERNELS = {
@@ -341,5 +326,4 @@ KERNELS = {
     "gemm_tf32": gemm_tf32,
     "gemm_f32": gemm_f32,
     "gemm_tf32_bias_grad": gemm_tf32_bias_grad,
-    "gemm_f32_bias_grad": gemm_f32_bias_grad,
 }

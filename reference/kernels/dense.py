@@ -8,8 +8,8 @@ rounded per precision mode, float32 accumulation) for the reference step and the
 bounds, and are deliberately absent from ``KERNELS``. The exceptions are ``gemm_tf32`` and
 ``gemm_f32``, the backward's short TF32 / f32 GEMMs (with an optional ReLU mask) that the fast path
 runs as its own kernels: their twins are ``gemm`` then ``relu_mask``; and
-``gemm_tf32_bias_grad`` and ``gemm_f32_bias_grad``, a layer's TF32 / f32 weight gradient with
-its bias gradient in one launch (twins: ``gemm_tf32`` / ``gemm_f32`` then ``bias_grad_reduce``).
+``gemm_tf32_bias_grad``, a layer's TF32 weight gradient with its bias gradient in one launch
+(twin: ``gemm_tf32`` then ``bias_grad_reduce``).
 
 ReLU NaN contract (shared by ``add_bias_relu``, ``add_bias_relu_bf16`` and ``relu_mask``): the
 activation is the select ``t <= 0 ? 0 : t``, so a NaN pre-activation stays NaN in ``h`` (the
@@ -355,7 +355,7 @@ class WeightBiasGrad(NamedTuple):
 
 
 def validate_gemm_tf32_bias_grad(dy, x) -> tuple[int, int, int]:
-    """The argument checks of ``gemm_tf32_bias_grad`` and ``gemm_f32_bias_grad``; returns ``(m, n, k)`` of ``dw = dy^T @
+    """The argument checks of ``gemm_tf32_bias_grad``; returns ``(m, n, k)`` of ``dw = dy^T @
     x`` (``dy [k, m]``, ``x [k, n]``)."""
     require_array("dy", dy, F32, ndim=2)
     require_array("x", x, F32, ndim=2)
@@ -379,22 +379,8 @@ def gemm_tf32_bias_grad(dy: np.ndarray, x: np.ndarray) -> WeightBiasGrad:
     (plain IEEE sums: a NaN in a column makes that column's sum NaN; ``+Inf`` and ``-Inf`` in
     one column give NaN). The tolerances: the GEMM policy on ``dw``, the reduction one on ``db``.
     """
-    return _weight_bias_grad(dy, x, gemm_tf32)
-
-
-def gemm_f32_bias_grad(dy: np.ndarray, x: np.ndarray) -> WeightBiasGrad:
-    """``gemm_tf32_bias_grad``'s exact-f32 twin (the CUDA kernel ``gemm_f32_bias_grad``, the f32
-    precision's backward): ``dw = gemm_f32(dy, x, trans_a=True)``, ``db =
-    bias_grad_reduce(dy)``. Shapes and NaN/Inf contract as ``gemm_tf32_bias_grad``'s (no
-    rounding of the operands)."""
-    return _weight_bias_grad(dy, x, gemm_f32)
-
-
-def _weight_bias_grad(dy, x, weight_gemm) -> WeightBiasGrad:
-    """``weight_gemm(dy, x, trans_a=True)`` and ``bias_grad_reduce(dy)``: the composition both
-    kernels are."""
     validate_gemm_tf32_bias_grad(dy, x)
-    return WeightBiasGrad(dw=weight_gemm(dy, x, trans_a=True), db=bias_grad_reduce(dy))
+    return WeightBiasGrad(dw=gemm_tf32(dy, x, trans_a=True), db=bias_grad_reduce(dy))
 
 
 KERNELS = {
@@ -409,5 +395,4 @@ KERNELS = {
     "gemm_tf32": gemm_tf32,
     "gemm_f32": gemm_f32,
     "gemm_tf32_bias_grad": gemm_tf32_bias_grad,
-    "gemm_f32_bias_grad": gemm_f32_bias_grad,
 }
