@@ -31,9 +31,7 @@ second-wave source, and the injections per precision on the seed preset with eve
 step with the sources' trunk gradients in fewer launches (``h2_grad_sum_aux_mask``,
 ``h2_guard_mask``: ``step_program.FUSE_AUX_TRUNK_GRAD``, ``FUSE_GUARD_MASK``), one step per
 preset x precision with the auxiliary heads and with every source, and the injections on the
-seed preset with every source; the step with each TF32 weight gradient and its bias sum in one
-launch (``gemm_tf32_bias_grad``: ``step_program.FUSE_WEIGHT_BIAS_GRAD``), one step per preset x
-backward-TF32 precision with the core and with every source, the injections on the seed preset.
+seed preset with every source.
 """
 
 from __future__ import annotations
@@ -305,27 +303,6 @@ def test_fast_step_with_the_trunk_grads_in_fewer_launches_matches_reference(
             results += check_injection(fast_factory(), shared_case(case, precision, "warm", source),
                                        kind)
     record_results(record_property, f"{case}-{precision}-{source}-trunk-grads-fused", results)
-    assert_all(results)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case, precision, source", [
-    pytest.param(p, q, s, id=f"{p}-{q}-{s}") for p in PRESETS for q in ("bf16", "tf32")
-    for s in ("core", "all")])
-def test_fast_step_with_the_weight_and_bias_grads_in_one_launch_matches_reference(
-        case, precision, source, cuda_device, record_property, monkeypatch) -> None:
-    """``gemm_tf32_bias_grad`` in place of each TF32 weight gradient and the bias sum of its
-    ``dy`` (``FUSE_WEIGHT_BIAS_GRAD``; off by default), the same step; on the seed preset, the
-    injections."""
-    from foxhunt.fast import step_program
-
-    monkeypatch.setattr(step_program, "FUSE_WEIGHT_BIAS_GRAD", True)
-    results, _, _ = one_step(fast_factory(), shared_case(case, precision, "warm", source))
-    if case == "seed":
-        for kind in INJECTIONS:
-            results += check_injection(fast_factory(), shared_case(case, precision, "warm", source),
-                                       kind)
-    record_results(record_property, f"{case}-{precision}-{source}-weight-bias-fused", results)
     assert_all(results)
 
 

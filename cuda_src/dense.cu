@@ -126,34 +126,6 @@ static __device__ __forceinline__ float bias_grad_finish(const float* sums, cons
 // __launch_bounds__(.., 2): at most 32 registers (no spills), 4 blocks of 512 threads per SM.
 #define BIAS_GRAD_BATCH 16
 
-// One chunk's sum: rows [first, last) of column `col` of dy (row stride cols), row by row from
-// -0.0; `irregular` is set where a term is not a regular one (ha_is_regular_term). first < last.
-static __device__ __forceinline__ float bias_grad_chunk(const float* __restrict__ dy, int cols,
-                                                        int col, int first, int last,
-                                                        bool& irregular) {
-    float acc = -0.0f;
-    const float* p = dy + (long long)first * cols + col;  // row `base`'s element, stepped
-    for (int base = first; base < last; base += BIAS_GRAD_BATCH) {
-        const int count = min(BIAS_GRAD_BATCH, last - base);
-        float v[BIAS_GRAD_BATCH];
-#pragma unroll
-        for (int k = 0; k < BIAS_GRAD_BATCH; ++k) {
-            if (k < count) {
-                v[k] = p[(long long)k * cols];
-            }
-        }
-#pragma unroll
-        for (int k = 0; k < BIAS_GRAD_BATCH; ++k) {  // row order: acc + row base, base + 1, ...
-            if (k < count) {
-                irregular |= !ha_is_regular_term(v[k]);
-                acc = acc + v[k];
-            }
-        }
-        p += (long long)BIAS_GRAD_BATCH * cols;
-    }
-    return acc;
-}
-
 extern "C" __global__ void __launch_bounds__(BIAS_GRAD_COLS * BIAS_GRAD_MAX_CHUNKS, 2)
 bias_grad_reduce(const float* __restrict__ dy, float* __restrict__ db, int rows, int cols) {
     fh_early_wait();  // early_launch.cuh: before anything is read or written
@@ -167,7 +139,25 @@ bias_grad_reduce(const float* __restrict__ dy, float* __restrict__ db, int rows,
     float acc = -0.0f;
     bool irregular = false;
     if (col < cols && first < last) {
-        acc = bias_grad_chunk(dy, cols, col, first, last, irregular);
+        const float* p = dy + (long long)first * cols + col;  // row `base`'s element, stepped
+        for (int base = first; base < last; base += BIAS_GRAD_BATCH) {
+            const int count = min(BIAS_GRAD_BATCH, last - base);
+            float v[BIAS_GRAD_BATCH];
+#pragma unroll
+            for (int k = 0; k < BIAS_GRAD_BATCH; ++k) {
+                if (k < count) {
+                    v[k] = p[(long long)k * cols];
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < BIAS_GRAD_BATCH; ++k) {  // row order: acc + row base, base + 1, ...
+                if (k < count) {
+                    irregular |= !ha_is_regular_term(v[k]);
+                    acc = acc + v[k];
+                }
+            }
+            p += (long long)BIAS_GRAD_BATCH * cols;
+        }
     }
     chunk_sums[threadIdx.y][threadIdx.x] = acc;
     chunk_irregular[threadIdx.y][threadIdx.x] = irregular;
@@ -560,86 +550,16 @@ static __device__ __forceinline__ void gemm_f32_tile(const float* a, const float
     }
 }
 
-// gemm_tf32_tile for the plan's (tile_m, tile_n): 16 x 16, 16 x 32, else 32 x 32.
-static __device__ __forceinline__ void gemm_tf32_tiles(const float* a, const float* b, float* c,
-                                                       const float* h, int m, int n, int k,
-                                                       int trans_a, int tile_m, int tile_n) {
+extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
+gemm_tf32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
+          int trans_a, int tile_m, int tile_n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
     if (tile_m == 16 && tile_n == 16) {
         gemm_tf32_tile<1, 16>(a, b, c, h, m, n, k, trans_a);
     } else if (tile_m == 16) {
         gemm_tf32_tile<1, 32>(a, b, c, h, m, n, k, trans_a);
     } else {
         gemm_tf32_tile<2, 32>(a, b, c, h, m, n, k, trans_a);
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
-gemm_tf32(const float* a, const float* b, float* c, const float* h, int m, int n, int k,
-          int trans_a, int tile_m, int tile_n) {
-    fh_early_wait();  // early_launch.cuh: before anything is read or written
-    gemm_tf32_tiles(a, b, c, h, m, n, k, trans_a, tile_m, tile_n);
-}
-
-// ------------------------------------------------------------------------------------------
-// A layer's weight and bias gradients in ONE launch (the step's weight_grad with a bias):
-//
-//     dw = dy^T @ x     in TF32           gemm_tf32 with trans_a = 1, no mask: dy [k, m], x [k, n]
-//     db[j] = sum_i dy[i, j]              bias_grad_reduce of dy with `chunks` row chunks
-//
-// dw has gemm_tf32's bits (the same tile code, grid and shared memory) and db bias_grad_reduce's
-// bits when `chunks` is that launch's blockDim.y (its bits depend on nothing else): the blocks of
-// the first column tile (blockIdx.x == 0), once their tile of dw is stored, sum db for their
-// tile_m columns of dy with bias_grad_reduce's arithmetic (bias_grad_chunk, bias_grad_finish) in
-// passes of GEMM_TF32_WARPS * 32 / chunks columns, the chunk sums in the dynamic shared memory
-// (gemm_tf32_shared_bytes covers them: fast/kernels/dense.py plan_gemm_tf32_bias_grad). No extra
-// blocks: the bias sums ride on blocks the GEMM launches anyway. Reference:
-// foxhunt.reference.kernels.dense.gemm_tf32_bias_grad (gemm_tf32 then bias_grad_reduce).
-// NaN/Inf contract: dw as gemm_tf32's (IEEE, the TF32 rounding keeps NaN and Inf), db as
-// bias_grad_reduce's (plain IEEE sums; a column holding a NaN, an Inf or a huge term re-summed
-// row by row as the reference does).
-// ------------------------------------------------------------------------------------------
-
-static __device__ __forceinline__ void gemm_bias_grad_columns(const float* __restrict__ dy,
-                                                              float* __restrict__ db, int rows,
-                                                              int cols, int c0, int nc,
-                                                              int chunks, float* smem) {
-    const int width = (GEMM_TF32_WARPS * 32) / chunks;  // columns a pass
-    const int stride = width + 1;                       // +1: no bank conflicts
-    float* sums = smem;                                 // [chunks][stride]
-    int* irregular_flags = reinterpret_cast<int*>(smem + chunks * stride);
-    const int cc = threadIdx.x % width, g = threadIdx.x / width;
-    const int chunk_rows = (rows + chunks - 1) / chunks;
-    const int first = g * chunk_rows;
-    const int last = min(first + chunk_rows, rows);
-    for (int p0 = c0; p0 < c0 + nc; p0 += width) {
-        const int col = p0 + cc;
-        float acc = -0.0f;
-        bool irregular = false;
-        if (g < chunks && col < cols && first < last) {
-            acc = bias_grad_chunk(dy, cols, col, first, last, irregular);
-        }
-        __syncthreads();  // the GEMM's epilogue (or the previous pass) is done with smem
-        if (g < chunks) {
-            sums[g * stride + cc] = acc;
-            irregular_flags[g * stride + cc] = irregular;
-        }
-        __syncthreads();
-        if (g == 0 && col < cols) {
-            db[col] = bias_grad_finish(&sums[cc], &irregular_flags[cc], stride, chunks, dy + col,
-                                       rows, cols);
-        }
-    }
-}
-
-extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
-gemm_tf32_bias_grad(const float* dy, const float* x, float* dw, float* db, int m, int n, int k,
-                    int tile_m, int tile_n, int chunks) {
-    fh_early_wait();  // early_launch.cuh: before anything is read or written
-    gemm_tf32_tiles(dy, x, dw, nullptr, m, n, k, 1, tile_m, tile_n);
-    if (blockIdx.x == 0) {  // uniform per block: the barriers inside are safe
-        extern __shared__ float4 gemm_bias_smem4[];  // the dynamic shared memory's start again
-        gemm_bias_grad_columns(dy, db, k, m, blockIdx.y * tile_m, tile_m, chunks,
-                               reinterpret_cast<float*>(gemm_bias_smem4));
     }
 }
 

@@ -184,19 +184,6 @@ _backward_gemm_twin("gemm_tf32", dense.gemm_tf32)
 _backward_gemm_twin("gemm_f32", dense.gemm_f32)
 
 
-@twin("gemm_tf32_bias_grad", dy=("k", "m"), x=("k", "n"), dw=("m", "n"), db="m")
-def _gemm_tf32_bias_grad(a):
-    from foxhunt.fast.kernels.dense import BIAS_GRAD_CHUNKS, GEMM_TF32_TILES
-    from foxhunt.fast.records import PlanError
-
-    if (a.tile_m, a.tile_n) not in GEMM_TF32_TILES or a.chunks != BIAS_GRAD_CHUNKS:
-        raise PlanError(f"gemm_tf32_bias_grad: (tile_m, tile_n)=({a.tile_m}, {a.tile_n}) (one of "
-                        f"{GEMM_TF32_TILES}), chunks={a.chunks} (bias_grad_reduce's "
-                        f"{BIAS_GRAD_CHUNKS})")
-    r = dense.gemm_tf32_bias_grad(a.dy, a.x)
-    return {"dw": r.dw, "db": r.db}
-
-
 @twin("relu_mask_bias_grad", dy=("rows", "cols"), h=("rows", "cols"), dx=("rows", "cols"), db="cols")
 def _relu_mask_bias_grad(a):
     r = dense.relu_mask_bias_grad(a.dy, a.h)

@@ -122,15 +122,6 @@ FUSE_AUX_TRUNK_GRAD = False
 #: ``h2_guard_mask`` instead of two (``clamp_finite`` with the guard's bound, ``h2_grad_sum_mask``
 #: of the one part it wrote). Off, for the same reason as :data:`FUSE_AUX_TRUNK_GRAD`.
 FUSE_GUARD_MASK = False
-#: Whether a layer's TF32 weight gradient and its bias gradient (``weight_grad`` with ``db``: a
-#: ``gemm_tf32`` with ``trans_a`` and a ``bias_grad_reduce`` of the same ``dy`` beside it) run as
-#: ONE launch of ``gemm_tf32_bias_grad`` where the GEMM fits the kernel
-#: (:meth:`StepProgram.weight_bias_fused`); the hidden layers' bias sums that ran beside the next
-#: input gradient (``input_grad``'s ``then``) then ride on their weight gradient instead. bf16 and
-#: tf32 (their backward is TF32); f32's weight gradients are cuBLASLt's (:data:`MASKED_ONLY`).
-#: Off: its CUDA kernel has not run on a GPU yet (written in session 42, when no device machine
-#: ran); the CPU executor's plan with it on matches the reference step.
-FUSE_WEIGHT_BIAS_GRAD = False
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -155,7 +146,7 @@ def plan_switches() -> dict[str, object]:
     from foxhunt.fast.kernels.trunk import HOD_KERNELS
 
     return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS), "FUSE_AUX_TRUNK_GRAD": True,
-            "FUSE_GUARD_MASK": True, "FUSE_WEIGHT_BIAS_GRAD": True}
+            "FUSE_GUARD_MASK": True}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:
@@ -397,17 +388,9 @@ class StepProgram:
         """``dW [n_out, n_in] = dy[rows, n_out]^T @ x[rows, n_in]`` and, with ``db``, ``db =
         colsum(dy)`` by ``bias_grad_reduce`` beside the GEMM (not the BGRADB epilogue: module
         docstring), in the backward precision (pairs: one GEMM, a ``bias_grad_reduce`` per
-        batch); both in ONE ``gemm_tf32_bias_grad`` where :meth:`weight_bias_fused`."""
+        batch)."""
         if db is None:
             self.bwd_gemm(ops, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True)
-            return
-        if self.weight_bias_fused(n_out, n_in, rows, dy, x, dw, db):
-            dense = self.kernels("dense")
-            tile_m, tile_n = dense.gemm_tf32_tile(n_out, n_in)
-            ops.kernel("gemm_tf32_bias_grad",
-                       dense.plan_gemm_tf32_bias_grad(n_out, n_in, rows, arch=self.arch), dy=dy,
-                       x=x, dw=dw, db=db, m=n_out, n=n_in, k=rows, tile_m=tile_m, tile_n=tile_n,
-                       chunks=dense.BIAS_GRAD_CHUNKS)
             return
         # The bias gradients beside the plain GEMM (all read dy only).
         batches = self._each(dy, db)
@@ -418,14 +401,6 @@ class StepProgram:
         main = ops.branch()
         self.bwd_gemm(main, n_out, n_in, rows, a=dy, b=x, c=dw, trans_a=True)
         ops.parallel(*sides, main)
-
-    def weight_bias_fused(self, n_out: int, n_in: int, rows: int, *operands) -> bool:
-        """Whether ``weight_grad`` of these sizes and operands (a bias among them) is ONE
-        ``gemm_tf32_bias_grad``: :data:`FUSE_WEIGHT_BIAS_GRAD`, a TF32 backward and a weight
-        gradient that runs as ``gemm_tf32`` (:meth:`bwd_kernel_fits`: no pair, a shape it
-        takes)."""
-        return (FUSE_WEIGHT_BIAS_GRAD and BACKWARD_GEMM_KERNEL.get(self.bwd_mode) == "gemm_tf32"
-                and self.bwd_kernel_fits(n_out, n_in, rows, *operands))
 
     def bwd_kernel_fits(self, m: int, n: int, k: int, *operands, masked: bool = False) -> bool:
         """Whether the backward GEMM ``m x n x k`` on ``operands`` (``masked``: with a ReLU mask)
@@ -465,18 +440,13 @@ class StepProgram:
         function adding what follows to an ``Ops``) the mask and the bias sum are two kernels,
         ``relu_mask`` then ``bias_grad_reduce`` of its output (the same bits: the fused kernel's
         comment in cuda_src/dense.cu), and only the mask precedes ``then``'s records: the sums
-        run beside them (a chain's next GEMM does not wait for a column sum), or, with ``db``
-        None, not here: ``then``'s weight gradient of ``dx`` takes them (``weight_grad`` with
-        ``db``, :meth:`weight_bias_fused`); where
+        run beside them (a chain's next GEMM does not wait for a column sum); where
         :meth:`bwd_kernel_fits`, the GEMM and the mask are ONE ``gemm_tf32`` / ``gemm_f32``
         launch."""
         if relu is None:
             self.bwd_gemm(ops, rows, n_in, n_out, a=dy, b=w, c=dx)
             return
         h, db, scratch = relu
-        if db is None and then is None:
-            raise ValueError("input_grad: relu=(h, None, scratch) needs then= (whose weight "
-                             "gradient takes the bias sum)")
         dense = self.kernels("dense")
         batches = self._each(scratch, dx, db)
         if then is not None and self.bwd_kernel_fits(rows, n_in, n_out, dy, w, dx, masked=True):
@@ -497,9 +467,6 @@ class StepProgram:
             else:
                 ops.extend(masks[0])
         if then is None:
-            return
-        if db is None:  # the bias sum rides on a weight gradient in ``then``
-            then(ops)
             return
         sums = [ops.branch() for _ in batches]
         for side, (_, dx_i, db_i) in zip(sums, batches):
@@ -720,22 +687,18 @@ class StepProgram:
             h = lay.heads[hi]
             hid = Buf("hido", h.key)
             dhid = each("dhid", h.key)
-            # the hidden layer's bias sum: on W1's weight gradient, or beside what follows
-            fold = self.weight_bias_fused(h.hidden, H2, B, dhid, Buf("h2o"), grads(h.w1),
-                                          grads(h.b1))
 
-            def after_mask(rest: Ops) -> None:
+            def after_mask(rest: Ops) -> None:  # beside the hidden layer's bias sum
                 self.input_grad(rest, dy=dhid, w=P(h.w1), dx=each("dh2p", h.key),
                                 rows=B, n_out=h.hidden, n_in=H2)
                 rest.record(f"dh2p_{tag}_{h.key}")
                 self.weight_grad(rest, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
                                  dw=grads(h.w2), db=grads(h.b2))
                 self.weight_grad(rest, dy=dhid, x=Buf("h2o"), rows=B, n_out=h.hidden, n_in=H2,
-                                 dw=grads(h.w1), db=grads(h.b1) if fold else None)
+                                 dw=grads(h.w1))
 
             self.input_grad(branch, dy=dy, w=P(h.w2), dx=dhid, rows=B, n_out=h.out, n_in=h.hidden,
-                            relu=(hid, None if fold else grads(h.b1), each("dpre", h.key)),
-                            then=after_mask)
+                            relu=(hid, grads(h.b1), each("dpre", h.key)), then=after_mask)
 
         fronts = []
         for loss, pre in pres.items():
@@ -860,15 +823,11 @@ class StepProgram:
         self.weight_grad(dw2, dy=dh2m, x=Buf("h1o"), rows=B, n_out=H2, n_in=H1,
                          dw=grad("w_s2"), db=grad("b_s2"))
         rest = ops.branch()
-        # b_s1's sum: on W_s1's weight gradient, or beside it
-        fold = self.weight_bias_fused(H1, lay.SD, B, dh1, Buf("batch.x"), grad("w_s1"),
-                                      grad("b_s1"))
         self.input_grad(rest, dy=dh2m, w=self.weight("w_s2", 0, bf16=False), dx=dh1, rows=B,
-                        n_out=H2, n_in=H1, relu=(Buf("h1o"), None if fold else grad("b_s1"),
-                                                 scratch),
+                        n_out=H2, n_in=H1, relu=(Buf("h1o"), grad("b_s1"), scratch),
                         then=lambda after: self.weight_grad(
                             after, dy=dh1, x=Buf("batch.x"), rows=B, n_out=H1, n_in=lay.SD,
-                            dw=grad("w_s1"), db=grad("b_s1") if fold else None))
+                            dw=grad("w_s1")))
         ops.parallel(*beside, dw2, rest)
 
 
@@ -914,8 +873,7 @@ def step_constants(layout: StepLayout, address: Callable[[Buf], int]) -> dict[st
     }
 
 
-__all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK", "FUSE_HEAD_OUTPUTS",
-           "FUSE_WEIGHT_BIAS_GRAD", "GEMM_ROLES",
+__all__ = ["FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK", "FUSE_HEAD_OUTPUTS", "GEMM_ROLES",
            "GEMM_SM_SHARE",
            "GEMM_SM_SHARES", "GEMM_WORKSPACES",
            "LONG_K_RATIO", "UNIFORM_SM_SHARES", "StepProgram", "alignment", "plan_switches",

@@ -38,8 +38,7 @@ def test_switch_arms_are_one_per_group_named_by_its_switches():
 
     allowed = step_program.plan_switches()
     assert allowed == {"FUSE_HEAD_OUTPUTS": frozenset({"bf16", "f32"}),
-                       "FUSE_AUX_TRUNK_GRAD": True, "FUSE_GUARD_MASK": True,
-                       "FUSE_WEIGHT_BIAS_GRAD": True}
+                       "FUSE_AUX_TRUNK_GRAD": True, "FUSE_GUARD_MASK": True}
     assert all(hasattr(step_program, name) for name in allowed)
     assert ss.switch_arms([], allowed) == {}
     assert ss.switch_arms(["FUSE_AUX_TRUNK_GRAD", "FUSE_AUX_TRUNK_GRAD,FUSE_GUARD_MASK"],
@@ -49,8 +48,7 @@ def test_switch_arms_are_one_per_group_named_by_its_switches():
                                                 "FUSE_GUARD_MASK": True}}
     for groups, message in (
             (["FUSE_NOPE"], r"^--switch 'FUSE_NOPE': 'FUSE_NOPE' is not a plan switch; allowed: "
-                            r"FUSE_HEAD_OUTPUTS, FUSE_AUX_TRUNK_GRAD, FUSE_GUARD_MASK, "
-                            r"FUSE_WEIGHT_BIAS_GRAD$"),
+                            r"FUSE_HEAD_OUTPUTS, FUSE_AUX_TRUNK_GRAD, FUSE_GUARD_MASK$"),
             (["FUSE_GUARD_MASK,"], r"^--switch 'FUSE_GUARD_MASK,': '' is not a plan switch"),
             (["FUSE_GUARD_MASK,FUSE_GUARD_MASK"], r"^--switch 'FUSE_GUARD_MASK,FUSE_GUARD_MASK': "
                                                   r"a switch named twice$"),

@@ -5,8 +5,7 @@ judged by the GEMM policy without input-rounding slack, ``GEMM_TOLERANCES["f32"]
 values, as the BF16 kernels on their BF16 operands) and ``gemm_f32``, its exact-f32 twin (the same
 policy on the operands themselves); the elements the mask zeroes bit for bit. Their shape cases
 give ``m, k, n = batch, hidden, w_out``, ``trans_a`` in the seed and odd cases, no mask in the seed
-case. ``gemm_tf32_bias_grad`` (a layer's TF32 weight gradient ``dy^T @ x`` with its bias gradient
-``colsum(dy)``): ``dw`` by ``gemm_tf32``'s policy, ``db`` by ``bias_grad_reduce``'s.
+case.
 """
 
 from __future__ import annotations
@@ -98,21 +97,6 @@ def _backward_gemm_entry(name: str, rounding) -> SpecEntry:
         ),
         scales=_backward_gemm_scales(rounding),
     )
-
-
-def _s_weight_bias_grad(d: Dims, rng) -> Kwargs:
-    """A layer's output gradient ``dy [batch, w_out]`` and input ``x [batch, hidden]``."""
-    return {"dy": normal(rng, (d.batch, d.w_out)),
-            "x": normal(rng, (d.batch, d.hidden), 1.0 / np.sqrt(d.batch))}
-
-
-def _sc_weight_bias_grad(kwargs, expected):
-    """``dw``: the TF32 backward GEMM's scales on ``dy^T @ x`` (no mask); ``db``:
-    ``bias_grad_reduce``'s on ``dy``."""
-    dy = kwargs["dy"]
-    gemm = _backward_gemm_scales(tf32_round)({"a": dy, "b": kwargs["x"], "h": None, "trans_a": True},
-                                             {"out": expected["dw"]})
-    return {"dw": gemm["out"], "db": _sc_bias_grad({"dy": dy}, None)["out"]}
 
 
 def _sc_bias_grad(kwargs, expected):
@@ -226,19 +210,4 @@ ENTRIES: tuple[SpecEntry, ...] = (
     ),
     _backward_gemm_entry("gemm_tf32", tf32_round),
     _backward_gemm_entry("gemm_f32", lambda x: np.asarray(x, F32)),
-    # a layer's weight and bias gradients in one launch: each output by its own kernel's policy
-    SpecEntry(
-        name="gemm_tf32_bias_grad",
-        outputs={"dw": f32(GEMM_TOLERANCES["f32"]), "db": f32(REDUCTION)},
-        sample=_s_weight_bias_grad,
-        targets=("dy", "x"),
-        errors=error_cases(
-            _s_weight_bias_grad,
-            lambda k: replace(k, x=k["x"][:-1]),
-            lambda k: wrong_dtype(k, "dy"),
-            lambda k: wrong_dtype(k, "x"),
-            lambda k: replace(k, dy=k["dy"][0]),
-        ),
-        scales=_sc_weight_bias_grad,
-    ),
 )

@@ -32,17 +32,11 @@ launch; the trainer reuses it with arena pointers. Kernel parameters (C order):
   3.92 -> 3.06 / 2.85, 256x256x256 4.86 -> 3.88 / 3.57, the weight gradient 256x128x256
   (``trans_a``) 4.85 -> 2.77 / 3.15; in the step, where most of them run beside the critical
   chain, fewer blocks measured faster (:data:`GEMM_TF32_MAX_BLOCKS`).
-- ``gemm_tf32_bias_grad(dy, x, dw, db, m, n, k, tile_m, tile_n, chunks)``: ``dw = dy^T @ x``
-  (``gemm_tf32`` with ``trans_a``, no mask; its plan and tile) and ``db = colsum(dy)`` (with
-  ``chunks = BIAS_GRAD_CHUNKS`` row chunks: ``bias_grad_reduce``'s bits), one launch: the blocks
-  of the first column tile sum the bias of their rows of ``dw`` after their tile
-  (``fast.step_program.FUSE_WEIGHT_BIAS_GRAD``); not measured yet.
 
 Numerics: every elementwise kernel is exact (bitwise equal to the reference);
 ``bias_grad_reduce`` is a float32 reduction (conformance: reduction tolerance); ``gemm_tf32`` and
 ``gemm_f32`` are GEMMs (conformance: the GEMM policy on the values they multiply; their masked
-elements bit for bit); ``gemm_tf32_bias_grad`` is both (``dw`` by the GEMM policy, ``db`` by the
-reduction tolerance).
+elements bit for bit).
 """
 
 from __future__ import annotations
@@ -56,11 +50,9 @@ from foxhunt.reference.kernels.dense import (
     U16,
     BiasReluBf16,
     ReluBiasGrad,
-    WeightBiasGrad,
     validate_add_bias_relu,
     validate_add_bias_relu_bf16,
     validate_gemm_tf32,
-    validate_gemm_tf32_bias_grad,
     validate_relu_mask,
     validate_relu_mask_bias_grad,
 )
@@ -294,26 +286,6 @@ def gemm_f32(a: np.ndarray, b: np.ndarray, h: np.ndarray | None = None, *,
 plan_gemm_f32 = plan_gemm_tf32
 
 
-def plan_gemm_tf32_bias_grad(m: int, n: int, k: int, *, arch=90) -> Plan:
-    """``plan_gemm_tf32(m, n, k, trans_a=True)``'s grid and block, its shared memory at least the
-    bias sums' (``BIAS_GRAD_CHUNKS`` rows of ``GEMM_TF32_WARPS * 32 / BIAS_GRAD_CHUNKS + 1`` floats
-    and as many ints): the bias gradient rides on the blocks of the first column tile."""
-    grid, block, nbytes = plan_gemm_tf32(m, n, k, True, arch=arch)
-    width = GEMM_TF32_WARPS * 32 // BIAS_GRAD_CHUNKS
-    return grid, block, max(nbytes, 2 * BIAS_GRAD_CHUNKS * (width + 1) * F32_BYTES)
-
-
-def gemm_tf32_bias_grad(dy: np.ndarray, x: np.ndarray) -> WeightBiasGrad:
-    """``dw = dy^T @ x`` in TF32 and ``db = colsum(dy)`` in one launch on the GPU: see
-    ``foxhunt.reference.kernels.dense.gemm_tf32_bias_grad``."""
-    m, n, k = validate_gemm_tf32_bias_grad(dy, x)
-    dw, db = launch("gemm_tf32_bias_grad",
-                    plan_gemm_tf32_bias_grad(m, n, k, arch=runtime().device.arch), In(dy), In(x),
-                    Out((m, n), F32), Out((m,), F32), m, n, k, *gemm_tf32_tile(m, n),
-                    BIAS_GRAD_CHUNKS)
-    return WeightBiasGrad(dw=dw, db=db)
-
-
 KERNELS = {
     "add_bias_relu": add_bias_relu,
     "add_bias_relu_bf16": add_bias_relu_bf16,
@@ -325,5 +297,4 @@ KERNELS = {
     "tf32_round": tf32_round,
     "gemm_tf32": gemm_tf32,
     "gemm_f32": gemm_f32,
-    "gemm_tf32_bias_grad": gemm_tf32_bias_grad,
 }

@@ -7,9 +7,7 @@ cuBLAS calls on the fast path, not our kernels: ``round_for`` and ``gemm`` emula
 rounded per precision mode, float32 accumulation) for the reference step and the conformance
 bounds, and are deliberately absent from ``KERNELS``. The exceptions are ``gemm_tf32`` and
 ``gemm_f32``, the backward's short TF32 / f32 GEMMs (with an optional ReLU mask) that the fast path
-runs as its own kernels: their twins are ``gemm`` then ``relu_mask``; and
-``gemm_tf32_bias_grad``, a layer's TF32 weight gradient with its bias gradient in one launch
-(twin: ``gemm_tf32`` then ``bias_grad_reduce``).
+runs as its own kernels: their twins are ``gemm`` then ``relu_mask``.
 
 ReLU NaN contract (shared by ``add_bias_relu``, ``add_bias_relu_bf16`` and ``relu_mask``): the
 activation is the select ``t <= 0 ? 0 : t``, so a NaN pre-activation stays NaN in ``h`` (the
@@ -347,42 +345,6 @@ def _masked_gemm(a, b, h, trans_a, mode: str) -> np.ndarray:
     return c if h is None else relu_mask(c, h)
 
 
-class WeightBiasGrad(NamedTuple):
-    """Outputs of ``gemm_tf32_bias_grad``: a layer's weight and bias gradients."""
-
-    dw: np.ndarray
-    db: np.ndarray
-
-
-def validate_gemm_tf32_bias_grad(dy, x) -> tuple[int, int, int]:
-    """The argument checks of ``gemm_tf32_bias_grad``; returns ``(m, n, k)`` of ``dw = dy^T @
-    x`` (``dy [k, m]``, ``x [k, n]``)."""
-    require_array("dy", dy, F32, ndim=2)
-    require_array("x", x, F32, ndim=2)
-    k, m = dy.shape
-    if x.shape[0] != k:
-        raise ValueError(f"x: shape {x.shape} but dy is [{k}, {m}]; expected [K, N] with K = {k} "
-                         f"(the rows of dy)")
-    return m, x.shape[1], k
-
-
-def gemm_tf32_bias_grad(dy: np.ndarray, x: np.ndarray) -> WeightBiasGrad:
-    """A layer's weight and bias gradients in one launch (the CUDA kernel
-    ``gemm_tf32_bias_grad``): ``dw = gemm_tf32(dy, x, trans_a=True)`` (``dy^T @ x`` on TF32
-    operands, float32 accumulation) and ``db = bias_grad_reduce(dy)`` (``db[j] = sum_i dy[i,
-    j]``). The composition of the two, so a plan that runs it in place of a ``gemm_tf32`` and a
-    ``bias_grad_reduce`` computes the same bits on the CPU.
-
-    Shapes: ``dy [K, M]``, ``x [K, N]`` float32; returns ``dw [M, N]`` and ``db [M]`` float32.
-    NaN/Inf contract: ``dw`` as ``gemm_tf32``'s (IEEE; a NaN or Inf in ``dy[i, j]`` or ``x[i,
-    l]`` reaches ``dw[j, :]`` or ``dw[:, l]``; Inf * 0 is NaN), ``db`` as ``bias_grad_reduce``'s
-    (plain IEEE sums: a NaN in a column makes that column's sum NaN; ``+Inf`` and ``-Inf`` in
-    one column give NaN). The tolerances: the GEMM policy on ``dw``, the reduction one on ``db``.
-    """
-    validate_gemm_tf32_bias_grad(dy, x)
-    return WeightBiasGrad(dw=gemm_tf32(dy, x, trans_a=True), db=bias_grad_reduce(dy))
-
-
 KERNELS = {
     "add_bias_relu": add_bias_relu,
     "add_bias_relu_bf16": add_bias_relu_bf16,
@@ -394,5 +356,4 @@ KERNELS = {
     "tf32_round": tf32_round,
     "gemm_tf32": gemm_tf32,
     "gemm_f32": gemm_f32,
-    "gemm_tf32_bias_grad": gemm_tf32_bias_grad,
 }
