@@ -14,10 +14,10 @@ comparison with several instances per side and several rounds per instance.
 For each step variant (SOURCE, as ``critical_path.py``'s) it builds ``--instances`` trainers of
 each arm: ``default`` and, per ``--option NAME``, the trainer with that boolean keyword option
 on (``Trainer(config, NAME=True)``: ``fused_trunk``, ...), and per ``--switch NAME[,NAME...]``
-the trainer built with those plan switches of ``fast.step_program`` on (``plan_switches()``:
-``FUSE_AUX_TRUNK_GRAD``, ...; the arm is named by the names joined with ``+``; the module's
-values are restored after each build), in interleaved order (default 0, option 0, default 1,
-...), steps each twice to warm it, then ``--rounds`` times times every
+the trainer built with those plan switches of ``fast.step_program`` on the other side of their
+default (``plan_switches()``: ``FUSE_AUX_TRUNK_GRAD`` off, ``FUSE_HEAD_OUTPUTS`` with f32, ...;
+the arm is named by ``NAME=value`` joined with ``+``; the module's values are restored after
+each build), in interleaved order (default 0, option 0, default 1, ...), steps each twice to warm it, then ``--rounds`` times times every
 instance's ``Trainer.step`` loop in turn (``step_host.time_loop``: GPU microseconds a step, the
 median of its loops of ``--steps`` calls on random batches). It prints each instance's median
 over the rounds and each arm's mean, min and max over its instances.
@@ -63,10 +63,18 @@ def arms(options: Sequence[str], allowed: Sequence[str]) -> dict[str, dict]:
     return out
 
 
+def show_switch(value) -> str:
+    """A switch value in an arm's name: ``on`` / ``off``, or a set as ``{a,b}``."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "{" + ",".join(sorted(value)) + "}"
+
+
 def switch_arms(groups: Sequence[str], allowed: Mapping[str, object]) -> dict[str, dict]:
-    """``{arm: {switch: value when on}}``, one arm per ``--switch`` group (comma-separated names
-    of ``allowed``, turned on together; the arm is named by them joined with ``+``); an unknown,
-    repeated or empty name, or a group given twice, is a one-line ``ValueError``."""
+    """``{arm: {switch: its arm value}}``, one arm per ``--switch`` group (comma-separated names
+    of ``allowed``, set together to ``allowed``'s values; the arm is named by ``NAME=value``
+    joined with ``+``); an unknown, repeated or empty name, or a group given twice, is a
+    one-line ``ValueError``."""
     out: dict[str, dict] = {}
     for group in groups:
         names = group.split(",")
@@ -76,7 +84,7 @@ def switch_arms(groups: Sequence[str], allowed: Mapping[str, object]) -> dict[st
                                  f"{', '.join(allowed)}")
         if len(set(names)) != len(names):
             raise ValueError(f"--switch {group!r}: a switch named twice")
-        arm = "+".join(names)
+        arm = "+".join(f"{name}={show_switch(allowed[name])}" for name in names)
         if arm in out:
             raise ValueError(f"--switch {group!r}: given twice")
         out[arm] = {name: allowed[name] for name in names}
@@ -199,8 +207,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
                         help="an arm with this boolean Trainer option on (repeatable)")
     parser.add_argument("--switch", action="append", default=[], metavar="NAME[,NAME...]",
                         type=switch_group,
-                        help="an arm built with these plan switches of fast.step_program on "
-                             "(repeatable; fast.step_program.plan_switches() names them)")
+                        help="an arm built with these plan switches of fast.step_program on the "
+                             "other side of their default (repeatable; "
+                             "fast.step_program.plan_switches() names them)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

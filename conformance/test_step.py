@@ -28,10 +28,10 @@ step with the fused trunk and / or heads forward (``fused_trunk=True``, ``fused_
 one step per preset x start and the injections on the seed preset; the step with the C51 and CQL backward stacked
 (``stacked_backward=True``), one step per preset x precision with the core and with every
 second-wave source, and the injections per precision on the seed preset with every source; the
-step with the sources' trunk gradients in fewer launches (``h2_grad_sum_aux_mask``,
-``h2_guard_mask``: ``step_program.FUSE_AUX_TRUNK_GRAD``, ``FUSE_GUARD_MASK``), one step per
-preset x precision with the auxiliary heads and with every source, and the injections on the
-seed preset with every source.
+step with the sources' trunk gradients in the launches the default fuses into
+``h2_grad_sum_aux_mask`` and ``h2_guard_mask`` (``step_program.FUSE_AUX_TRUNK_GRAD``,
+``FUSE_GUARD_MASK`` off), one step per preset x precision with the auxiliary heads and with
+every source, and the injections on the seed preset with every source.
 """
 
 from __future__ import annotations
@@ -288,21 +288,21 @@ def test_fast_step_with_a_fused_forward_and_injected_non_finite_values(kind, fus
 @pytest.mark.parametrize("case, precision, source", [
     pytest.param(p, q, s, id=f"{p}-{q}-{s}") for p in PRESETS for q in PRECISIONS
     for s in ("aux", "all")])
-def test_fast_step_with_the_trunk_grads_in_fewer_launches_matches_reference(
+def test_fast_step_with_the_trunk_grads_unfused_matches_reference(
         case, precision, source, cuda_device, record_property, monkeypatch) -> None:
-    """``h2_grad_sum_aux_mask`` and ``h2_guard_mask`` in place of the launches they fuse
-    (``FUSE_AUX_TRUNK_GRAD``, ``FUSE_GUARD_MASK``; off by default), the same step; and with
-    every source, the injections."""
+    """The launches ``h2_grad_sum_aux_mask`` and ``h2_guard_mask`` fuse (``FUSE_AUX_TRUNK_GRAD``,
+    ``FUSE_GUARD_MASK`` off; on by default, which every other step test runs), the same step; and
+    with every source, the injections."""
     from foxhunt.fast import step_program
 
-    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", True)
-    monkeypatch.setattr(step_program, "FUSE_GUARD_MASK", True)
+    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", False)
+    monkeypatch.setattr(step_program, "FUSE_GUARD_MASK", False)
     results, _, _ = one_step(fast_factory(), shared_case(case, precision, "warm", source))
     if case == "seed" and source == "all":
         for kind in INJECTIONS:
             results += check_injection(fast_factory(), shared_case(case, precision, "warm", source),
                                        kind)
-    record_results(record_property, f"{case}-{precision}-{source}-trunk-grads-fused", results)
+    record_results(record_property, f"{case}-{precision}-{source}-trunk-grads-unfused", results)
     assert_all(results)
 
 

@@ -109,18 +109,17 @@ def test_cpu_executor_stacked_backward_step_with_injected_non_finite_values(kind
     assert_all(check_injection(factory, shared_case("tiny", precision, "warm", "all"), kind))
 
 
-#: The switches of the second-wave trunk gradients in fewer launches (``step_program``, off by
-#: default).
+#: The switches of the second-wave trunk gradients in fewer launches (``step_program``, on by
+#: default since session 42).
 TRUNK_GRAD_SWITCHES = ("FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK")
 
 
-@pytest.fixture
-def trunk_grads_fused(monkeypatch):
-    """Both switches on for the trainers a test builds."""
+def _set_trunk_grads(monkeypatch, fused: bool) -> None:
+    """Both switches ``fused`` for the trainers a test builds."""
     from foxhunt.fast import step_program
 
     for switch in TRUNK_GRAD_SWITCHES:
-        monkeypatch.setattr(step_program, switch, True)
+        monkeypatch.setattr(step_program, switch, fused)
 
 
 def _one_head_case(head: str):
@@ -131,18 +130,20 @@ def _one_head_case(head: str):
     return case_of("tiny", config, "warm")
 
 
-@pytest.mark.usefixtures("trunk_grads_fused")
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "unfused"])
 @pytest.mark.parametrize("case, precision, source", [
     *(pytest.param("tiny", q, "all", id=f"tiny-{q}-all") for q in PRECISIONS),
     pytest.param("seed", "bf16", "all", id="seed-bf16-all"),
     pytest.param("tiny", "bf16", "nb", id="tiny-bf16-next-bar-head"),
     pytest.param("tiny", "bf16", "rg", id="tiny-bf16-regime-head")])
-def test_cpu_executor_fused_trunk_grads_step_matches_reference(case, precision, source) -> None:
-    """Both switches on: ``h2_grad_sum_aux_mask`` in place of the C51 trunk's six launches (no
-    SAXPY left) and ``h2_guard_mask`` in place of each auxiliary trunk's guard and masks, the
-    same step: every source in each precision (the launches read and write f32 buffers in every
-    precision, so the seed preset in bf16 only), and each auxiliary head alone (the kernel's
-    null second head)."""
+def test_cpu_executor_fused_trunk_grads_step_matches_reference(case, precision, source, fused,
+                                                               monkeypatch) -> None:
+    """Both switches on (the default): ``h2_grad_sum_aux_mask`` in place of the C51 trunk's six
+    launches (no SAXPY left) and ``h2_guard_mask`` in place of each auxiliary trunk's guard and
+    masks, the same step; and both off (the launches they fuse), the same step: every source in
+    each precision (the launches read and write f32 buffers in every precision, so the seed
+    preset in bf16 only), and each auxiliary head alone (the kernel's null second head)."""
+    _set_trunk_grads(monkeypatch, fused)
     case = _one_head_case(source) if source in ("nb", "rg") else shared_case(
         case, precision, "warm", source)
     trainer = CpuTrainer(case.config)
@@ -151,16 +152,22 @@ def test_cpu_executor_fused_trunk_grads_step_matches_reference(case, precision, 
     finally:
         trainer.close()
     c = case.config
-    assert kernels.count("h2_grad_sum_aux_mask") == 1 and "saxpy" not in kernels
-    assert kernels.count("h2_guard_mask") == int(c.iqn_on) + int(c.ens_on)
+    if fused:
+        assert kernels.count("h2_grad_sum_aux_mask") == 1 and "saxpy" not in kernels
+        assert kernels.count("h2_guard_mask") == int(c.iqn_on) + int(c.ens_on)
+    else:
+        assert "h2_grad_sum_aux_mask" not in kernels and "h2_guard_mask" not in kernels
+        assert "saxpy" in kernels
     assert_all(one_step(CpuTrainer, case)[0])
 
 
-@pytest.mark.usefixtures("trunk_grads_fused")
 @pytest.mark.parametrize("order", BRANCH_ORDERS)
 @pytest.mark.parametrize("kind", INJECTIONS)
-def test_cpu_executor_fused_trunk_grads_step_with_injected_non_finite_values(kind,
-                                                                             order) -> None:
+def test_cpu_executor_unfused_trunk_grads_step_with_injected_non_finite_values(
+        kind, order, monkeypatch) -> None:
+    """The launches the default fuses (both switches off), injected: the default's injections
+    run in every other test of the step."""
+    _set_trunk_grads(monkeypatch, False)
     factory = functools.partial(CpuTrainer, branch_order=order)
     assert_all(check_injection(factory, shared_case("tiny", "bf16", "warm", "all"), kind))
 

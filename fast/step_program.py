@@ -107,21 +107,22 @@ LONG_K_RATIO = 4
 #: ``fast.kernels.trunk.HOD_KERNELS[precision]`` (:attr:`StepProgram.outputs_fused`): bf16
 #: (``heads_out_dueling_bf16``). ``heads_out_dueling_f32`` (add ``"f32"``) is not the default:
 #: its first version took 19.9 us a launch and the core f32 step 154.7 us against 133.3 us with
-#: the nodes (H200, session 40); the second (W2 loaded in chunks) has not run on a GPU yet (the
-#: README's "The f32 heads' outputs in one launch"). Never tf32: its forward GEMMs round their
+#: the nodes (H200, session 40); the second (W2 loaded in chunks) 153.4 us against 133.0 us
+#: (session 42; the README's "The f32 heads' outputs in one launch" and "Weight and bias
+#: gradients in one launch"). Never tf32: its forward GEMMs round their
 #: operands to TF32, which the f32 kernel's exact products do not.
 FUSE_HEAD_OUTPUTS = frozenset({"bf16"})
 #: Whether the C51 trunk takes the auxiliary heads' ``d h2`` in ONE launch of
 #: ``h2_grad_sum_aux_mask`` instead of six (``h2_grad_sum_mask`` of the heads' parts on the trunk
 #: and beside it for slot 33, the two auxiliary heads' ``clamp_finite`` and ``saxpy``, the
-#: ``saxpy`` into the trunk's sum and ``h2_grad_sum_mask`` of it). Off: its CUDA kernel has not
-#: run on a GPU yet (written in session 41, when no device machine ran); the CPU executor's
-#: plan with it on matches the reference step (``conformance/test_step_cpu_executor.py``).
-FUSE_AUX_TRUNK_GRAD = False
+#: ``saxpy`` into the trunk's sum and ``h2_grad_sum_mask`` of it). Measured on the H200 with
+#: :data:`FUSE_GUARD_MASK` (session 42, ``benches/step_spread.py --switch``, the bf16 step with
+#: every second-wave source, two instances each, ``Trainer.step``): 156.4 us off, 155.0 us on.
+FUSE_AUX_TRUNK_GRAD = True
 #: Whether the IQN and ensemble trunks take their guarded ``d h2`` and its masks in ONE launch of
 #: ``h2_guard_mask`` instead of two (``clamp_finite`` with the guard's bound, ``h2_grad_sum_mask``
-#: of the one part it wrote). Off, for the same reason as :data:`FUSE_AUX_TRUNK_GRAD`.
-FUSE_GUARD_MASK = False
+#: of the one part it wrote). On with :data:`FUSE_AUX_TRUNK_GRAD` (its measurement).
+FUSE_GUARD_MASK = True
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -139,14 +140,15 @@ Planner = Callable[..., object]
 
 
 def plan_switches() -> dict[str, object]:
-    """The module's plan switches a bench may turn on for one arm (``benches/step_spread.py
-    --switch``): name -> its value when on (``FUSE_HEAD_OUTPUTS``: every precision with a heads'
-    output kernel, ``fast.kernels.trunk.HOD_KERNELS``). A trainer reads them while it builds its
-    plans, so it keeps the plans of the values it was built with."""
+    """The module's plan switches a bench may set for one arm (``benches/step_spread.py
+    --switch``): name -> the value such an arm gives it, the other side of its default (the
+    boolean switches flipped; ``FUSE_HEAD_OUTPUTS``: every precision with a heads' output kernel,
+    ``fast.kernels.trunk.HOD_KERNELS``). A trainer reads them while it builds its plans, so it
+    keeps the plans of the values it was built with."""
     from foxhunt.fast.kernels.trunk import HOD_KERNELS
 
-    return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS), "FUSE_AUX_TRUNK_GRAD": True,
-            "FUSE_GUARD_MASK": True}
+    return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS),
+            "FUSE_AUX_TRUNK_GRAD": not FUSE_AUX_TRUNK_GRAD, "FUSE_GUARD_MASK": not FUSE_GUARD_MASK}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

@@ -283,7 +283,14 @@ def _assert_only_its_flag(case, slot: str, want, got) -> None:
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("source, slot", [(src, slot) for src, slots in SLOTS.items()
                                           for slot in slots if src in fast_sources()])
-def test_a_nan_planted_in_a_source_buffer_raises_exactly_its_flag(source, slot, precision):
+def test_a_nan_planted_in_a_source_buffer_raises_exactly_its_flag(source, slot, precision,
+                                                                 monkeypatch):
+    """The trunk gradients' launches unfused (``FUSE_AUX_TRUNK_GRAD``, ``FUSE_GUARD_MASK`` off:
+    the plants name the unfused launches; the fused ones' plants: the next test)."""
+    from foxhunt.fast import step_program
+
+    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", False)
+    monkeypatch.setattr(step_program, "FUSE_GUARD_MASK", False)
     case = shared_case("tiny", precision, "warm", source)
     ref_ctx, fast_ctx = _slot_cases(case.config)[slot]
     want, got = _run_both(case, case.state, ref_ctx, fast_ctx)
@@ -311,8 +318,9 @@ FUSED_PLANTS = [
 def test_a_nan_planted_beside_a_fused_trunk_grad_raises_exactly_its_flag(
         switch, source, slot, fused_plant, precision, monkeypatch):
     """With a source's trunk gradient in fewer launches (``FUSE_AUX_TRUNK_GRAD``,
-    ``FUSE_GUARD_MASK``): each buffer a fused launch reads or writes that a slot watches,
-    poisoned after it ran, raises that slot alone, as the reference's poisoned value does."""
+    ``FUSE_GUARD_MASK``, the default): each buffer a fused launch reads or writes that a slot
+    watches, poisoned after it ran, raises that slot alone, as the reference's poisoned value
+    does."""
     from foxhunt.fast import step_program
 
     monkeypatch.setattr(step_program, switch, True)

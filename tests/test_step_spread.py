@@ -33,19 +33,22 @@ def test_arms_are_the_default_then_one_per_option():
         ss.arms(["gemm_workspace"], allowed)
 
 
-def test_switch_arms_are_one_per_group_named_by_its_switches():
+def test_switch_arms_are_one_per_group_named_by_its_switches(monkeypatch):
     from foxhunt.fast import step_program
 
     allowed = step_program.plan_switches()
     assert allowed == {"FUSE_HEAD_OUTPUTS": frozenset({"bf16", "f32"}),
-                       "FUSE_AUX_TRUNK_GRAD": True, "FUSE_GUARD_MASK": True}
+                       "FUSE_AUX_TRUNK_GRAD": False, "FUSE_GUARD_MASK": False}
+    monkeypatch.setattr(step_program, "FUSE_GUARD_MASK", False)  # the other side of the default
+    assert step_program.plan_switches()["FUSE_GUARD_MASK"] is True
     assert all(hasattr(step_program, name) for name in allowed)
     assert ss.switch_arms([], allowed) == {}
-    assert ss.switch_arms(["FUSE_AUX_TRUNK_GRAD", "FUSE_AUX_TRUNK_GRAD,FUSE_GUARD_MASK"],
+    assert ss.switch_arms(["FUSE_AUX_TRUNK_GRAD", "FUSE_AUX_TRUNK_GRAD,FUSE_HEAD_OUTPUTS"],
                           allowed) == {
-        "FUSE_AUX_TRUNK_GRAD": {"FUSE_AUX_TRUNK_GRAD": True},
-        "FUSE_AUX_TRUNK_GRAD+FUSE_GUARD_MASK": {"FUSE_AUX_TRUNK_GRAD": True,
-                                                "FUSE_GUARD_MASK": True}}
+        "FUSE_AUX_TRUNK_GRAD=off": {"FUSE_AUX_TRUNK_GRAD": False},
+        "FUSE_AUX_TRUNK_GRAD=off+FUSE_HEAD_OUTPUTS={bf16,f32}": {
+            "FUSE_AUX_TRUNK_GRAD": False, "FUSE_HEAD_OUTPUTS": frozenset({"bf16", "f32"})}}
+    assert ss.show_switch(True) == "on"
     for groups, message in (
             (["FUSE_NOPE"], r"^--switch 'FUSE_NOPE': 'FUSE_NOPE' is not a plan switch; allowed: "
                             r"FUSE_HEAD_OUTPUTS, FUSE_AUX_TRUNK_GRAD, FUSE_GUARD_MASK$"),
@@ -74,17 +77,16 @@ def test_switched_sets_the_values_inside_the_block_and_restores_them(fail):
 
 def test_a_switched_plan_differs_from_the_default_and_restoring_gives_the_default_back():
     """What an arm's trainer is built with: the CPU executor's graph 1 of the step with every
-    second-wave source has fewer nodes with the trunk-gradient switches on, and the default's
-    plan again after the block."""
+    second-wave source has more nodes with the trunk-gradient switches off (their default is
+    on: the launches fused), and the default's plan again after the block."""
     from foxhunt.fast import step_program
 
     paths = lambda: cp.step_paths(cp.variant_config("tiny", "bf16", "all"))["graph1"].nodes  # noqa: E731
     default = paths()
-    with ss.switched(step_program, ss.switch_arms(
-            ["FUSE_AUX_TRUNK_GRAD,FUSE_GUARD_MASK"], step_program.plan_switches())[
-                "FUSE_AUX_TRUNK_GRAD+FUSE_GUARD_MASK"]):
-        fused = paths()
-    assert fused == default - 7
+    arms = ss.switch_arms(["FUSE_AUX_TRUNK_GRAD,FUSE_GUARD_MASK"], step_program.plan_switches())
+    with ss.switched(step_program, arms["FUSE_AUX_TRUNK_GRAD=off+FUSE_GUARD_MASK=off"]):
+        unfused = paths()
+    assert unfused == default + 7
     assert paths() == default
 
 
