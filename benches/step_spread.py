@@ -17,10 +17,11 @@ on (``Trainer(config, NAME=True)``: ``fused_trunk``, ...), and per ``--switch NA
 the trainer built with those plan switches of ``fast.step_program`` on the other side of their
 default (``plan_switches()``: ``FUSE_AUX_TRUNK_GRAD`` off, ``FUSE_HEAD_OUTPUTS`` with f32, ...;
 the arm is named by ``NAME=value`` joined with ``+``; the module's values are restored after
-each build), in interleaved order (default 0, option 0, default 1, ...), steps each twice to warm it, then ``--rounds`` times times every
-instance's ``Trainer.step`` loop in turn (``step_host.time_loop``: GPU microseconds a step, the
-median of its loops of ``--steps`` calls on random batches). It prints each instance's median
-over the rounds and each arm's mean, min and max over its instances.
+each build), in interleaved order (default 0, option 0, default 1, ...), steps each twice to
+warm it, then ``--rounds`` times times every instance's ``Trainer.step`` loop in turn
+(``step_host.time_loop``: GPU microseconds a step, the median of its loops of ``--steps`` calls
+on random batches). It prints each instance's median over the rounds and each arm's mean, min
+and max over its instances.
 """
 
 from __future__ import annotations

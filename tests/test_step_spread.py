@@ -81,7 +81,9 @@ def test_a_switched_plan_differs_from_the_default_and_restoring_gives_the_defaul
     on: the launches fused), and the default's plan again after the block."""
     from foxhunt.fast import step_program
 
-    paths = lambda: cp.step_paths(cp.variant_config("tiny", "bf16", "all"))["graph1"].nodes  # noqa: E731
+    def paths():
+        return cp.step_paths(cp.variant_config("tiny", "bf16", "all"))["graph1"].nodes
+
     default = paths()
     arms = ss.switch_arms(["FUSE_AUX_TRUNK_GRAD,FUSE_GUARD_MASK"], step_program.plan_switches())
     with ss.switched(step_program, arms["FUSE_AUX_TRUNK_GRAD=off+FUSE_GUARD_MASK=off"]):
