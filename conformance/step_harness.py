@@ -78,6 +78,19 @@ def fast_sources() -> tuple[str, ...]:
     return tuple(name for name in SOURCES if name != "core")
 
 
+#: The plan switches of the second-wave trunk gradients in fewer launches (``fast.step_program``;
+#: on by default since session 42): the tests of the launches they fuse turn both off.
+TRUNK_GRAD_SWITCHES = ("FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK")
+
+
+def set_trunk_grads(monkeypatch, fused: bool) -> None:
+    """Both :data:`TRUNK_GRAD_SWITCHES` set to ``fused`` for the trainers a test then builds."""
+    from foxhunt.fast import step_program
+
+    for switch in TRUNK_GRAD_SWITCHES:
+        monkeypatch.setattr(step_program, switch, fused)
+
+
 @functools.lru_cache(maxsize=None)
 def shared_case(preset: str, precision: str, start: str, source: str = "core") -> Case:
     """The shared state (``fresh`` or ``warm``) and a conditioned batch for one comparison, with

@@ -67,6 +67,7 @@ from foxhunt.conformance.step_harness import (
     one_step,
     record_results,
     reference_from,
+    set_trunk_grads,
     shared_case,
     state_round_trip_problems,
 )
@@ -293,10 +294,7 @@ def test_fast_step_with_the_trunk_grads_unfused_matches_reference(
     """The launches ``h2_grad_sum_aux_mask`` and ``h2_guard_mask`` fuse (``FUSE_AUX_TRUNK_GRAD``,
     ``FUSE_GUARD_MASK`` off; on by default, which every other step test runs), the same step; and
     with every source, the injections."""
-    from foxhunt.fast import step_program
-
-    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", False)
-    monkeypatch.setattr(step_program, "FUSE_GUARD_MASK", False)
+    set_trunk_grads(monkeypatch, False)
     results, _, _ = one_step(fast_factory(), shared_case(case, precision, "warm", source))
     if case == "seed" and source == "all":
         for kind in INJECTIONS:

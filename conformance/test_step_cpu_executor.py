@@ -33,6 +33,7 @@ from foxhunt.conformance.step_harness import (
     check_injection,
     check_readback_sequence,
     one_step,
+    set_trunk_grads,
     shared_case,
 )
 from foxhunt.fast.cpu_executor import BRANCH_ORDERS, CpuTrainer
@@ -109,19 +110,6 @@ def test_cpu_executor_stacked_backward_step_with_injected_non_finite_values(kind
     assert_all(check_injection(factory, shared_case("tiny", precision, "warm", "all"), kind))
 
 
-#: The switches of the second-wave trunk gradients in fewer launches (``step_program``, on by
-#: default since session 42).
-TRUNK_GRAD_SWITCHES = ("FUSE_AUX_TRUNK_GRAD", "FUSE_GUARD_MASK")
-
-
-def _set_trunk_grads(monkeypatch, fused: bool) -> None:
-    """Both switches ``fused`` for the trainers a test builds."""
-    from foxhunt.fast import step_program
-
-    for switch in TRUNK_GRAD_SWITCHES:
-        monkeypatch.setattr(step_program, switch, fused)
-
-
 def _one_head_case(head: str):
     """``shared_case("tiny", "bf16", "warm", "aux")`` with one auxiliary head on (``nb``: next
     bar, ``rg``: regime): the fused launch's null second head."""
@@ -143,7 +131,7 @@ def test_cpu_executor_fused_trunk_grads_step_matches_reference(case, precision, 
     masks, the same step; and both off (the launches they fuse), the same step: every source in
     each precision (the launches read and write f32 buffers in every precision, so the seed
     preset in bf16 only), and each auxiliary head alone (the kernel's null second head)."""
-    _set_trunk_grads(monkeypatch, fused)
+    set_trunk_grads(monkeypatch, fused)
     case = _one_head_case(source) if source in ("nb", "rg") else shared_case(
         case, precision, "warm", source)
     trainer = CpuTrainer(case.config)
@@ -167,7 +155,7 @@ def test_cpu_executor_unfused_trunk_grads_step_with_injected_non_finite_values(
         kind, order, monkeypatch) -> None:
     """The launches the default fuses (both switches off), injected: the default's injections
     run in every other test of the step."""
-    _set_trunk_grads(monkeypatch, False)
+    set_trunk_grads(monkeypatch, False)
     factory = functools.partial(CpuTrainer, branch_order=order)
     assert_all(check_injection(factory, shared_case("tiny", "bf16", "warm", "all"), kind))
 

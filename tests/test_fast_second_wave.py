@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 
 from foxhunt.conformance.step_compare import compare_step, failures, run_step
-from foxhunt.conformance.step_harness import PRECISIONS, SOURCES, fast_sources, shared_case
+from foxhunt.conformance.step_harness import (PRECISIONS, SOURCES, fast_sources, set_trunk_grads,
+                                              shared_case)
 from foxhunt.fast import cpu_executor
 from foxhunt.fast.cpu_executor import CpuEngine, CpuTrainer
 from foxhunt.fast.graph1_plan import gather_project_dueling
@@ -287,10 +288,7 @@ def test_a_nan_planted_in_a_source_buffer_raises_exactly_its_flag(source, slot, 
                                                                  monkeypatch):
     """The trunk gradients' launches unfused (``FUSE_AUX_TRUNK_GRAD``, ``FUSE_GUARD_MASK`` off:
     the plants name the unfused launches; the fused ones' plants: the next test)."""
-    from foxhunt.fast import step_program
-
-    monkeypatch.setattr(step_program, "FUSE_AUX_TRUNK_GRAD", False)
-    monkeypatch.setattr(step_program, "FUSE_GUARD_MASK", False)
+    set_trunk_grads(monkeypatch, False)
     case = shared_case("tiny", precision, "warm", source)
     ref_ctx, fast_ctx = _slot_cases(case.config)[slot]
     want, got = _run_both(case, case.state, ref_ctx, fast_ctx)
