@@ -1039,41 +1039,43 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
 //   out_h    = hid[h] @ W2_h^T + b2_h        (h = 0: v [rows, NA]; h = d + 1: branch d's
 //                                             advantages [rows, n_d NA] of adv)
 //   logits, logp, q = dueling_log_softmax_q_branches(v, adv, z, n_actions, with_q)
-// Block (x, d) as heads_out_dueling_bf16's: rows TRUNK_BM x .. and branch d; it copies the
-// rows' value-head and head-(d + 1) hidden values to f32 tiles in shared memory (rows padded by
-// HODF_PAD floats: the lanes' float4 reads of 8 rows hit 32 distinct banks), and warp w computes
-// the n8 tiles w, w + HOD_WARPS, .. of the two heads' outputs, lane (g, t4) rows g and g + 8,
-// columns 2 t4 and 2 t4 + 1 of a tile (the mma's C fragment: the epilogue and the dueling are
-// heads_out_dueling_bf16's), each output one chain of fmaf in k order on the CUDA cores (exact
-// f32 products, f32 sums; the W2 rows read from params by float4 loads), the bias added last
-// with one f32 add. The dueling outputs are therefore bitwise those of
-// dueling_log_softmax_q_branches on this kernel's v and adv; v and adv are f32 GEMMs in another
-// summation order than cuBLASLt's: conformance judges them with the GEMM tolerance. NaN
+// Block (x, d) as heads_out_dueling_bf16's: rows TRUNK_BM x .. and branch d. It copies the rows'
+// value-head and head-(d + 1) hidden values and both heads' whole W2 into f32 tiles in shared
+// memory with asynchronous 16-byte copies (cp.async, all in flight at once: one round trip to
+// L2; rows past `rows` as +0.0), every tile row padded by HODF_PAD floats (a row stride of 16 m +
+// 4 floats: the lanes' float4 reads of 8 hidden rows, or of the 4 W2 rows of a quad's columns,
+// hit distinct banks). Warp w then computes the n8 tiles w, w + HOD_WARPS, .. of the two heads'
+// outputs, lane (g, t4) rows g and g + 8, columns 2 t4 and 2 t4 + 1 of a tile (the mma's C
+// fragment: the epilogue and the dueling are heads_out_dueling_bf16's), each output one chain of
+// fmaf in k order on the CUDA cores (exact f32 products, f32 sums; both operands from shared
+// memory), the bias added last with one f32 add. The dueling outputs are therefore bitwise those
+// of dueling_log_softmax_q_branches on this kernel's v and adv; v and adv are f32 GEMMs in
+// another summation order than cuBLASLt's: conformance judges them with the GEMM tolerance. NaN
 // contract: the nodes' (IEEE through the products: a NaN or Inf in row i of hid reaches row i of
 // its head's outputs; in W2_h row j or b2_h[j] column j of that head's output in every row; then
 // dueling_log_softmax_q_branches' contract). Requirements (the launcher checks): as
-// heads_out_dueling_bf16's, and the W2 offsets multiples of 4 (float4 loads). Dynamic shared
-// memory (bytes): 4 TRUNK_BM (hidden[0] + hidden[h] + 2 HODF_PAD) + 4 TRUNK_BM (out[0] + out[h])
-// for the widest branch head h (fast/kernels/trunk.py hod_shared_bytes).
+// heads_out_dueling_bf16's, and the W2 offsets multiples of 4 (16-byte copies). Dynamic shared
+// memory (bytes): 4 (TRUNK_BM + out[0]) (hidden[0] + HODF_PAD) + 4 (TRUNK_BM + out[h]) (hidden[h]
+// + HODF_PAD) + 4 TRUNK_BM (out[0] + out[h]) for the branch head h that needs the most, opted in
+// above 48 KiB (fast/kernels/trunk.py hod_shared_bytes; 137,664 bytes at the seed shapes).
 // =============================================================================================
 #define HODF_PAD 4
-#define HODF_CHUNK 4
 
-// The lane's W2 values of quads kq0 .. kq0 + HODF_CHUNK - 1 of its tiles' two columns (0 past a
-// tile's quads: a tile's quads are a multiple of HODF_CHUNK, so a chunk is whole or empty).
-static __device__ __forceinline__ void hodf_load_b(float4 (&b)[HOD_TILES][2][HODF_CHUNK],
-                                                   const float* const (&w_row)[HOD_TILES][2],
-                                                   const int (&quads)[HOD_TILES], int kq0) {
-#pragma unroll
-    for (int i = 0; i < HOD_TILES; ++i) {
-        const bool live = kq0 < quads[i];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-#pragma unroll
-            for (int j = 0; j < HODF_CHUNK; ++j) {
-                b[i][e][j] = live ? __ldg(reinterpret_cast<const float4*>(w_row[i][e]) + kq0 + j)
-                                  : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
+// Rows [0, n) of a [n, width] f32 matrix at src (rows `width` floats apart) into a shared tile
+// of row stride width + HODF_PAD, 16 bytes a copy, thread t the copies t, t + HOD_THREADS, ..;
+// rows live_rows .. n - 1 of the tile become +0.0 (plain stores) instead of copies.
+static __device__ __forceinline__ void hodf_copy_rows(float* tile, const float* src, int n,
+                                                      int live_rows, int width) {
+    const int quads = width / 4;
+    const int stride = width + HODF_PAD;
+    for (int c = threadIdx.x; c < n * quads; c += HOD_THREADS) {
+        const int r = c / quads;
+        const int q = c - r * quads;
+        float* dst = tile + r * stride + q * 4;
+        if (r < live_rows) {
+            trunk_cp16(dst, src + (long long)r * width + q * 4);
+        } else {
+            *reinterpret_cast<float4*>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
     }
 }
@@ -1098,14 +1100,27 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
     const int b2_0 = table[5], b2_1 = e1[5];
     int hid_off1, out_off1;
     heads_block_offsets(table, hb, rows, hid_align, hid_off1, out_off1);
-    // Shared memory: the f32 A tiles of head 0 and head hb, then their f32 output tiles.
-    const int a_stride0 = hidden0 + HODF_PAD;
-    const int a_stride1 = hidden1 + HODF_PAD;
+    // Shared memory: the hidden tiles of head 0 and head hb, their W2 tiles, then their f32
+    // output tiles; head s's rows hidden_s + HODF_PAD floats apart.
+    const int stride0 = hidden0 + HODF_PAD;
+    const int stride1 = hidden1 + HODF_PAD;
     float* a_tile0 = hodf_smem;
-    float* a_tile1 = a_tile0 + TRUNK_BM * a_stride0;
-    float* o_tile0 = a_tile1 + TRUNK_BM * a_stride1;
+    float* a_tile1 = a_tile0 + TRUNK_BM * stride0;
+    float* w_tile0 = a_tile1 + TRUNK_BM * stride1;
+    float* w_tile1 = w_tile0 + out0 * stride0;
+    float* o_tile0 = w_tile1 + out1 * stride1;
     float* o_tile1 = o_tile0 + TRUNK_BM * out0;
 
+    // Every operand into shared memory, all copies in flight together.
+    const int live = min(TRUNK_BM, rows - row0);
+    hodf_copy_rows(w_tile0, params + w2_0, out0, out0, hidden0);
+    hodf_copy_rows(w_tile1, params + w2_1, out1, out1, hidden1);
+    hodf_copy_rows(a_tile0, hid + (long long)row0 * hidden0, TRUNK_BM, live, hidden0);
+    hodf_copy_rows(a_tile1, hid + hid_off1 + (long long)row0 * hidden1, TRUNK_BM, live, hidden1);
+    trunk_cp_commit();
+
+    // In flight with the copies: the dueling's branch table and z of the lane's atoms, the
+    // warp's tiles and the lane's b2 values.
     const int na = n_actions[d];
     const int first_row = rows * action_offset[d];  // branch d's first packed row
     const int lane = threadIdx.x & 31;
@@ -1133,7 +1148,7 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
         const int width = s == 0 ? out0 : out1;
         side[i] = s;
         n0[i] = (s == 0 ? tile : tile - tiles0) * 8;
-        stride[i] = s == 0 ? a_stride0 : a_stride1;
+        stride[i] = s == 0 ? stride0 : stride1;
         quads[i] = tile < tiles ? hidden / 4 : 0;
         k_quads = max(k_quads, quads[i]);
         a_row[i] = (s == 0 ? a_tile0 : a_tile1) + g * stride[i];
@@ -1141,71 +1156,37 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
         for (int e = 0; e < 2; ++e) {
             // A padding column past `width` reads the last row (its output is never stored).
             const int o = min(n0[i] + t4 * 2 + e, width - 1);
-            w_row[i][e] = params + (s == 0 ? w2_0 : w2_1) + (long long)o * hidden;
+            w_row[i][e] = (s == 0 ? w_tile0 : w_tile1) + o * stride[i];
             const int oc = n0[i] + t4 * 2 + e;
             bias[i][e] = (tile < tiles && oc < width) ? params[(s == 0 ? b2_0 : b2_1) + oc] : 0.0f;
         }
         acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     }
-    // acc[2 half + e] += A[g + 8 half][k] W2[n0 + 2 t4 + e][k], k in order, one fmaf each; the
-    // W2 values HODF_CHUNK quads (4 k each) a tile and column at a time, all of a chunk's loads
-    // in flight together (the first chunk's before the hidden values' loads, in flight with them;
-    // a hidden width is a multiple of 16, so a tile's chunks are whole).
-    float4 b[HOD_TILES][2][HODF_CHUNK];
-    hodf_load_b(b, w_row, quads, 0);
-
-    // The hidden values into the tiles (rows past `rows` as +0.0): warp w the tile's row w, lane
-    // l its quads l, l + 32, ... of the row's quads0 + quads1, HOD_LOADS loads in flight a lane.
-    const int quads0 = hidden0 / 4;
-    const int n_quads = quads0 + hidden1 / 4;
-    const int row = row0 + warp;
-    const bool row_live = row < rows;
-    for (int c0 = lane; c0 < n_quads; c0 += 32 * HOD_LOADS) {
-        float4 x[HOD_LOADS];
-#pragma unroll
-        for (int u = 0; u < HOD_LOADS; ++u) {
-            const int c = c0 + u * 32;
-            const long long at = c >= quads0 ? hid_off1 + (long long)row * hidden1 + (c - quads0) * 4
-                                             : (long long)row * hidden0 + c * 4;
-            x[u] = (row_live && c < n_quads) ? *reinterpret_cast<const float4*>(hid + at)
-                                             : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        }
-#pragma unroll
-        for (int u = 0; u < HOD_LOADS; ++u) {
-            const int c = c0 + u * 32;
-            if (c >= n_quads) {
-                break;
-            }
-            float* tile = c >= quads0 ? a_tile1 + warp * a_stride1 + (c - quads0) * 4
-                                      : a_tile0 + warp * a_stride0 + c * 4;
-            *reinterpret_cast<float4*>(tile) = x[u];
-        }
-    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
     __syncthreads();
-    for (int kq0 = 0; kq0 < k_quads; kq0 += HODF_CHUNK) {
-        if (kq0 > 0) {
-            hodf_load_b(b, w_row, quads, kq0);
-        }
+
+    // acc[2 half + e] += A[g + 8 half][k] W2[n0 + 2 t4 + e][k], k in order, one fmaf each, a
+    // quad (4 k) of both operands a float4 read.
+#pragma unroll 2
+    for (int kq = 0; kq < k_quads; ++kq) {
 #pragma unroll
-        for (int j = 0; j < HODF_CHUNK; ++j) {
+        for (int i = 0; i < HOD_TILES; ++i) {
+            if (kq < quads[i]) {
+                const float4 a0 = *reinterpret_cast<const float4*>(a_row[i] + kq * 4);
+                const float* a8 = a_row[i] + 8 * stride[i];  // row g + 8
+                const float4 a1 = *reinterpret_cast<const float4*>(a8 + kq * 4);
+                const float4 b0 = *reinterpret_cast<const float4*>(w_row[i][0] + kq * 4);
+                const float4 b1 = *reinterpret_cast<const float4*>(w_row[i][1] + kq * 4);
+                const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
+                const float bv[2][4] = {{b0.x, b0.y, b0.z, b0.w}, {b1.x, b1.y, b1.z, b1.w}};
 #pragma unroll
-            for (int i = 0; i < HOD_TILES; ++i) {
-                if (kq0 < quads[i]) {
-                    const float4 a0 = *reinterpret_cast<const float4*>(a_row[i] + (kq0 + j) * 4);
-                    const float4 a1 =
-                        *reinterpret_cast<const float4*>(a_row[i] + 8 * stride[i] + (kq0 + j) * 4);
-                    const float av[2][4] = {{a0.x, a0.y, a0.z, a0.w}, {a1.x, a1.y, a1.z, a1.w}};
-                    const float bv[2][4] = {{b[i][0][j].x, b[i][0][j].y, b[i][0][j].z, b[i][0][j].w},
-                                            {b[i][1][j].x, b[i][1][j].y, b[i][1][j].z, b[i][1][j].w}};
+                for (int kk = 0; kk < 4; ++kk) {
 #pragma unroll
-                    for (int kk = 0; kk < 4; ++kk) {
+                    for (int half = 0; half < 2; ++half) {
 #pragma unroll
-                        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-                            for (int e = 0; e < 2; ++e) {
-                                acc[i][2 * half + e] =
-                                    fmaf(av[half][kk], bv[e][kk], acc[i][2 * half + e]);
-                            }
+                        for (int e = 0; e < 2; ++e) {
+                            float& c = acc[i][2 * half + e];
+                            c = fmaf(av[half][kk], bv[e][kk], c);
                         }
                     }
                 }

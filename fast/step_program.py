@@ -109,7 +109,8 @@ LONG_K_RATIO = 4
 #: its first version took 19.9 us a launch and the core f32 step 154.7 us against 133.3 us with
 #: the nodes (H200, session 40); the second (W2 loaded in chunks) 153.4 us against 133.0 us
 #: (session 42; the README's "The f32 heads' outputs in one launch" and "Weight and bias
-#: gradients in one launch"). Never tf32: its forward GEMMs round their
+#: gradients in one launch"); the third (session 43) stages the hidden values and both heads' W2
+#: in shared memory (opted in: sm_80, sm_90 and newer at the seed shapes). Never tf32: its forward GEMMs round their
 #: operands to TF32, which the f32 kernel's exact products do not.
 FUSE_HEAD_OUTPUTS = frozenset({"bf16"})
 #: Whether the C51 trunk takes the auxiliary heads' ``d h2`` in ONE launch of
@@ -263,7 +264,8 @@ class StepProgram:
         lay = self.lay
         precision = self.config.precision
         return (precision in FUSE_HEAD_OUTPUTS
-                and hod_fusable(lay.head_hidden, lay.head_out, lay.branches, lay.NA, precision))
+                and hod_fusable(lay.head_hidden, lay.head_out, lay.branches, lay.NA, precision,
+                                self.arch))
 
     @property
     def aux_trunk_fused(self) -> bool:
@@ -568,7 +570,8 @@ class StepProgram:
                              hid_bf16=Buf(f"hid{tag}_bf16")) if bf16 else {}
             ops.kernel(trunk.HOD_KERNELS[c.precision],
                        getattr(trunk, f"plan_{trunk.HOD_KERNELS[c.precision]}")(
-                           rows, lay.head_hidden, lay.head_out, lay.branches, lay.NA),
+                           rows, lay.head_hidden, lay.head_out, lay.branches, lay.NA,
+                           arch=self.arch),
                        hid=Buf(f"hid{tag}"), params=Buf("params2", offset=which * lay.NP),
                        table="head_table", z="z", n_actions="n_actions",
                        action_offset="action_offset", v=Buf(f"v{tag}"), adv=Buf(f"adv{tag}"),

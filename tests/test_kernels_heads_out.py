@@ -183,9 +183,15 @@ def test_plan_of_the_seed_shapes():
     # Two BF16 hidden tiles 16 x 136, then the value head's and a branch's f32 outputs (16 x 51
     # and 16 x 153, the widest branch).
     assert nbytes == 2 * 16 * (136 + 136) + 4 * 16 * (51 + 153)
-    # The f32 kernel: two f32 hidden tiles 16 x 132, the same output tiles.
-    assert fast_trunk.plan_heads_out_dueling_f32(rows, hidden, out, branches, na) == (
-        grid, block, 4 * 16 * (132 + 132) + 4 * 16 * (51 + 153))
+    # The f32 kernel: two f32 hidden tiles 16 x 132, the two heads' W2 tiles 51 x 132 and 153 x
+    # 132, the same output tiles (137,664 bytes: opted in on sm_90, too much for sm_89).
+    f32_bytes = 4 * 16 * (132 + 132) + 4 * (51 + 153) * 132 + 4 * 16 * (51 + 153)
+    assert f32_bytes == 137664
+    assert fast_trunk.plan_heads_out_dueling_f32(rows, hidden, out, branches, na,
+                                                 arch="sm_90") == (grid, block, f32_bytes)
+    with pytest.raises(ValueError, match=r"needs 137664 bytes of shared memory per block; it runs "
+                                         r"with at most 101376$"):
+        fast_trunk.plan_heads_out_dueling_f32(rows, hidden, out, branches, na, arch="sm_89")
 
 
 def _cu_define(name: str) -> int:
@@ -222,22 +228,35 @@ def test_plan_constants_are_the_sources():
                                       r"the value head and a branch need 40$"),
     (((1024, 1024), (51, 153), (3,), 51), r"^hidden=\(1024, 1024\): {kernel} needs "
                                         r"\d+ bytes of shared memory per block; it runs with at "
-                                        r"most 49152$"),
+                                        r"most {limit}$"),
 ])
 def test_plan_refuses_shapes_the_kernel_cannot_run(args, match, precision):
+    """Every refusal on sm_90 (the f32 kernel opts in to 227 KiB there; BF16 stays within 48)."""
     hidden, out, branches, na = args
-    with pytest.raises(ValueError, match=match.format(kernel=_name(precision))):
-        getattr(fast_trunk, f"plan_{_name(precision)}")(64, hidden, out, branches, na)
-    assert not fast_trunk.hod_fusable(hidden, out, branches, na, precision)
+    limit = {"bf16": 49152, "f32": 232448}[precision]
+    with pytest.raises(ValueError, match=match.format(kernel=_name(precision), limit=limit)):
+        getattr(fast_trunk, f"plan_{_name(precision)}")(64, hidden, out, branches, na,
+                                                       arch="sm_90")
+    assert not fast_trunk.hod_fusable(hidden, out, branches, na, precision, "sm_90")
 
 
-def test_the_f32_kernels_wider_tiles_reach_the_shared_memory_limit_first():
-    """f32 hidden tiles take twice the BF16 tiles' bytes: hidden widths (320, 320) with the seed's
-    outputs fit the BF16 kernel (34048 bytes) but not the f32 one (54528 > 49152)."""
-    args = ((320, 320), (51, 153), (3,), 51)
-    assert fast_trunk.hod_shared_bytes(*args[:2], "bf16") == 34048
-    assert fast_trunk.hod_shared_bytes(*args[:2], "f32") == 54528
-    assert fast_trunk.hod_fusable(*args, "bf16") and not fast_trunk.hod_fusable(*args, "f32")
+def test_the_f32_kernel_is_fusable_where_its_architecture_opts_in_to_enough_shared_memory():
+    """The f32 kernel keeps both heads' W2 in shared memory: the seed shapes need 137,664 bytes,
+    which sm_80 (163 KiB) and sm_90 (227 KiB) give and sm_86 / sm_89 (99 KiB) do not, nor "any
+    architecture" (``arch=None``, the smallest); the BF16 kernel needs 34,048 bytes everywhere.
+    Hidden widths (320, 320) need 318,912 f32 bytes: no architecture."""
+    seed = ((128, 128, 128, 128), (51, 153, 153, 102), (3, 3, 2), 51)
+    assert fast_trunk.hod_shared_bytes(*seed[:2], "f32") == 137664
+    assert fast_trunk.hod_shared_bytes(*seed[:2], "bf16") == 2 * 16 * 272 + 4 * 16 * 204
+    fusable = {arch: fast_trunk.hod_fusable(*seed, "f32", arch)
+               for arch in ("sm_80", "sm_86", "sm_89", "sm_90", None)}
+    assert fusable == {"sm_80": True, "sm_86": False, "sm_89": False, "sm_90": True, None: False}
+    assert all(fast_trunk.hod_fusable(*seed, "bf16", arch) for arch in fusable)
+    wide = ((320, 320), (51, 153), (3,), 51)
+    assert fast_trunk.hod_shared_bytes(*wide[:2], "bf16") == 34048
+    assert fast_trunk.hod_shared_bytes(*wide[:2], "f32") == 318912
+    assert fast_trunk.hod_fusable(*wide, "bf16") and not fast_trunk.hod_fusable(*wide, "f32",
+                                                                              "sm_90")
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -52,10 +52,12 @@ memory of :func:`hod_shared_bytes` (at most ``SHARED_LIMIT``: no opt-in); shapes
 (:func:`hod_fusable`). The BF16 training passes use it by default (``fast.step_program``'s
 ``FUSE_HEAD_OUTPUTS``; the README's "The heads' outputs and the dueling log-softmax in one
 launch" has its figures). Its f32 twin ``heads_out_dueling_f32``
-(``plan_heads_out_dueling_f32``, the same grid and block; f32 hidden tiles padded by
-``HODF_PAD``, so wider heads reach ``SHARED_LIMIT`` first) can end the f32 step's training
-passes (``HOD_KERNELS`` names each precision's kernel); off by default (``FUSE_HEAD_OUTPUTS``:
-its first version measured slower than the nodes on the H200).
+(``plan_heads_out_dueling_f32``, the same grid and block) keeps the f32 hidden tiles and both
+heads' whole W2 in shared memory (rows padded by ``HODF_PAD``; 137,664 bytes at the seed shapes,
+opted in up to the architecture's limit: :func:`hod_shared_limit`) and can end the f32 step's
+training passes (``HOD_KERNELS`` names each precision's kernel); off by default
+(``FUSE_HEAD_OUTPUTS``: its first two versions, which read W2 from global memory, measured
+slower than the nodes on the H200).
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ from __future__ import annotations
 import numpy as np
 
 from foxhunt.fast.kernels._runtime import In, Out, blocks, cluster_blocks, launch, runtime
-from foxhunt.fast.kernels.walk import SHARED_LIMIT, SHARED_OPTIN
+from foxhunt.fast.kernels.walk import SHARED_LIMIT, SHARED_OPTIN, shared_optin
 from foxhunt.reference.kernels.argcheck import check_int
 from foxhunt.reference.kernels.trunk import (
     HEADS_FIELDS,
@@ -322,28 +324,42 @@ HOD_TILES = 2
 #: dueling log-softmax runs: at most this many actions a branch and atoms.
 HOD_MAX_ACTIONS = 4
 HOD_MAX_ATOMS = 64
-#: trunk.cu's HODF_PAD: floats of padding a row of ``heads_out_dueling_f32``'s hidden tiles.
+#: trunk.cu's HODF_PAD: floats of padding a row of ``heads_out_dueling_f32``'s hidden and W2 tiles.
 HODF_PAD = 4
 #: The kernel of each step precision whose training passes end their heads in one launch.
 HOD_KERNELS = {"bf16": "heads_out_dueling_bf16", "f32": "heads_out_dueling_f32"}
 
 
 def hod_shared_bytes(hidden, out, precision: str = "bf16") -> int:
-    """Dynamic shared memory of one block (trunk.cu): the value head's and its branch head's
-    hidden tiles ``BM x (hidden + PAD)`` (BF16, padded by ``TRUNK_PAD``; f32: float32, padded by
-    ``HODF_PAD``), then their f32 output tiles ``BM x out``; the widest branch's."""
+    """Dynamic shared memory of one block (trunk.cu), the branch head ``h`` that needs the most:
+    BF16, the value head's and head ``h``'s hidden tiles ``BM x (hidden + TRUNK_PAD)`` then
+    their f32 output tiles ``BM x out``; f32, the two hidden tiles ``BM x (hidden + HODF_PAD)``,
+    the two heads' W2 tiles ``out x (hidden + HODF_PAD)`` (float32), then the output tiles."""
     bm = TRUNK_ROWS_PER_BLOCK
-    item, pad = (BF16_BYTES, TRUNK_PAD) if precision == "bf16" else (4, HODF_PAD)
-    return max(item * bm * (hidden[0] + hidden[h] + 2 * pad) + 4 * bm * (out[0] + out[h])
-               for h in range(1, len(hidden)))
+    if precision == "bf16":
+        return max(BF16_BYTES * bm * (hidden[0] + hidden[h] + 2 * TRUNK_PAD)
+                   + 4 * bm * (out[0] + out[h]) for h in range(1, len(hidden)))
+    return max(4 * ((bm + out[0]) * (hidden[0] + HODF_PAD) + (bm + out[h]) * (hidden[h] + HODF_PAD)
+                    + bm * (out[0] + out[h])) for h in range(1, len(hidden)))
 
 
-def check_heads_out_dueling(hidden, out, branches, num_atoms,
-                            precision: str = "bf16") -> tuple[tuple[int, ...], tuple[int, ...]]:
+def hod_shared_limit(precision: str, arch=None) -> int:
+    """The most dynamic shared memory a block of ``HOD_KERNELS[precision]`` may use: BF16, 48
+    KiB (``SHARED_LIMIT``, no opt-in); f32, the opt-in of ``arch``
+    (:data:`foxhunt.fast.kernels.walk.SHARED_OPTIN`; ``None``: any architecture the step runs
+    on, the smallest of them)."""
+    if precision == "bf16":
+        return SHARED_LIMIT
+    return shared_optin(arch) if arch is not None else min(SHARED_OPTIN.values())
+
+
+def check_heads_out_dueling(hidden, out, branches, num_atoms, precision: str = "bf16",
+                            arch=None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The shape rule of ``heads_out_dueling_bf16`` / ``heads_out_dueling_f32`` (``precision``;
-    trunk.cu's header): the reference's (``check_heads_out_dims``), then the kernel's limits (the
-    register path's actions and atoms, n8 tiles a block, shared memory); one ``ValueError``
-    naming the field, the value and the rule; returns ``(hidden, out)``."""
+    trunk.cu's header) on ``arch``: the reference's (``check_heads_out_dims``), then the kernel's
+    limits (the register path's actions and atoms, n8 tiles a block, shared memory:
+    :func:`hod_shared_limit`); one ``ValueError`` naming the field, the value and the rule;
+    returns ``(hidden, out)``."""
     kernel = HOD_KERNELS[precision]
     hidden, out, branches = check_heads_out_dims(hidden, out, branches, num_atoms, kernel)
     if not 1 <= num_atoms <= HOD_MAX_ATOMS:
@@ -359,41 +375,45 @@ def check_heads_out_dueling(hidden, out, branches, num_atoms,
                          f"{HOD_WARPS * HOD_TILES} n8 tiles a block; the value head and a branch "
                          f"need {tiles}")
     nbytes = hod_shared_bytes(hidden, out, precision)
-    if nbytes > SHARED_LIMIT:
+    limit = hod_shared_limit(precision, arch)
+    if nbytes > limit:
         raise ValueError(f"hidden={hidden}: {kernel} needs {nbytes} bytes of "
-                         f"shared memory per block; it runs with at most {SHARED_LIMIT}")
+                         f"shared memory per block; it runs with at most {limit}")
     return hidden, out
 
 
-def hod_fusable(hidden, out, branches, num_atoms, precision: str = "bf16") -> bool:
-    """Whether a pass's heads can end in ``HOD_KERNELS[precision]`` (:func:`check_heads_out_dueling`;
-    any architecture the step runs on: sm_80 and newer); False for a precision without a kernel
-    (tf32)."""
+def hod_fusable(hidden, out, branches, num_atoms, precision: str = "bf16", arch=None) -> bool:
+    """Whether a pass's heads can end in ``HOD_KERNELS[precision]`` on ``arch``
+    (:func:`check_heads_out_dueling`; ``None``: any architecture the step runs on, sm_80 and
+    newer); False for a precision without a kernel (tf32)."""
     if precision not in HOD_KERNELS:
         return False
     try:
-        check_heads_out_dueling(hidden, out, branches, num_atoms, precision)
+        check_heads_out_dueling(hidden, out, branches, num_atoms, precision, arch)
     except ValueError:
         return False
     return True
 
 
-def _plan_hod(precision: str, rows: int, hidden, out, branches, num_atoms: int) -> Plan:
+def _plan_hod(precision: str, rows: int, hidden, out, branches, num_atoms: int, arch) -> Plan:
     rows = check_int("rows", rows, minimum=1)
-    hidden, out = check_heads_out_dueling(hidden, out, branches, num_atoms, precision)
+    hidden, out = check_heads_out_dueling(hidden, out, branches, num_atoms, precision, arch)
     return ((blocks(rows, TRUNK_ROWS_PER_BLOCK), len(hidden) - 1), (HOD_THREADS,),
             hod_shared_bytes(hidden, out, precision))
 
 
-def plan_heads_out_dueling_bf16(rows: int, hidden, out, branches, num_atoms: int) -> Plan:
+def plan_heads_out_dueling_bf16(rows: int, hidden, out, branches, num_atoms: int,
+                                arch=None) -> Plan:
     """``((ceil(rows / 16), n_branches), (HOD_THREADS,), hod_shared_bytes(...))``; ``ValueError``
-    for shapes the kernel cannot run (:func:`check_heads_out_dueling`)."""
-    return _plan_hod("bf16", rows, hidden, out, branches, num_atoms)
+    for shapes the kernel cannot run on ``arch`` (:func:`check_heads_out_dueling`)."""
+    return _plan_hod("bf16", rows, hidden, out, branches, num_atoms, arch)
 
 
-def plan_heads_out_dueling_f32(rows: int, hidden, out, branches, num_atoms: int) -> Plan:
-    """As :func:`plan_heads_out_dueling_bf16`, with the f32 kernel's shared memory."""
-    return _plan_hod("f32", rows, hidden, out, branches, num_atoms)
+def plan_heads_out_dueling_f32(rows: int, hidden, out, branches, num_atoms: int,
+                               arch=None) -> Plan:
+    """As :func:`plan_heads_out_dueling_bf16`, with the f32 kernel's shared memory (opted in
+    above 48 KiB: the graph lowering sets the attribute from the record's shape)."""
+    return _plan_hod("f32", rows, hidden, out, branches, num_atoms, arch)
 
 
 def _launch_hod(precision: str, hid, w2, b2, z, hidden, out, n_actions, with_q):
@@ -407,7 +427,7 @@ def _launch_hod(precision: str, hid, w2, b2, z, hidden, out, n_actions, with_q):
     rows, hid_w, outs, branches, with_q = validate_heads_out_dueling(
         hid, w2, b2, z, hidden, out, n_actions, with_q, kernel=kernel)
     na = int(z.shape[0])
-    plan = _plan_hod(precision, rows, hid_w, outs, branches, na)
+    plan = _plan_hod(precision, rows, hid_w, outs, branches, na, runtime().device.arch)
     mirror, params, table = place_heads(hid_w, outs, w2, b2)
     hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
     packed = np.zeros(max(hid_total, 1), F32)
