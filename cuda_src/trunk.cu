@@ -1062,20 +1062,22 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
 #define HODF_PAD 4
 
 // Rows [0, n) of a [n, width] f32 matrix at src (rows `width` floats apart) into a shared tile
-// of row stride width + HODF_PAD, 16 bytes a copy, thread t the copies t, t + HOD_THREADS, ..;
-// rows live_rows .. n - 1 of the tile become +0.0 (plain stores) instead of copies.
+// of row stride width + HODF_PAD, 16 bytes a copy: warp w the rows w, w + HOD_WARPS, .., lane l
+// the row's quads l, l + 32, .. (no division); rows live_rows .. n - 1 of the tile become +0.0
+// (plain stores) instead of copies.
 static __device__ __forceinline__ void hodf_copy_rows(float* tile, const float* src, int n,
                                                       int live_rows, int width) {
     const int quads = width / 4;
     const int stride = width + HODF_PAD;
-    for (int c = threadIdx.x; c < n * quads; c += HOD_THREADS) {
-        const int r = c / quads;
-        const int q = c - r * quads;
-        float* dst = tile + r * stride + q * 4;
-        if (r < live_rows) {
-            trunk_cp16(dst, src + (long long)r * width + q * 4);
-        } else {
-            *reinterpret_cast<float4*>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const int lane = threadIdx.x & 31;
+    for (int r = threadIdx.x >> 5; r < n; r += HOD_WARPS) {
+        for (int q = lane; q < quads; q += 32) {
+            float* dst = tile + r * stride + q * 4;
+            if (r < live_rows) {
+                trunk_cp16(dst, src + (long long)r * width + q * 4);
+            } else {
+                *reinterpret_cast<float4*>(dst) = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
         }
     }
 }
