@@ -835,17 +835,18 @@ static __device__ __forceinline__ void hod_load_b(unsigned int (&b)[HOD_TILES][H
 // The end of heads_out_dueling_bf16 / _f32: + b2 into the shared output tiles, v (branch 0's
 // blocks: `store`) and adv (`adv_d`: branch d's block), for the warp's tiles with k steps
 // (`steps[i]` > 0; lane (g, t4) holds rows g, g + 8 and columns 2 t4, 2 t4 + 1 of tile i, the
-// mma's C fragment); a barrier; then dueling_log_softmax_q_branches' register path on the
-// block's shared rows, a warp a sample.
+// mma's C fragment; TILES tiles a warp, WARPS warps a block); a barrier; then
+// dueling_log_softmax_q_branches' register path on the block's shared rows, a warp a sample.
+template <int TILES, int WARPS>
 static __device__ __forceinline__ void hod_finish(
-    const float (&acc)[HOD_TILES][4], const float (&bias)[HOD_TILES][2],
-    const int (&steps)[HOD_TILES], const int (&side)[HOD_TILES], const int (&n0)[HOD_TILES], int g,
+    const float (&acc)[TILES][4], const float (&bias)[TILES][2],
+    const int (&steps)[TILES], const int (&side)[TILES], const int (&n0)[TILES], int g,
     int t4, int warp, int lane, int d, int row0, int rows, int out0, int out1, float* v,
     float* adv_d, float* o_tile0, float* o_tile1, const float (&z_lane)[kDuelingRegChunks], int na,
     int first_row, float* logits, float* logp, float* q, bool want_q, int num_atoms) {
     // Epilogue: + b2, into the shared output tiles, v (branch 0's blocks) and adv.
 #pragma unroll
-    for (int i = 0; i < HOD_TILES; ++i) {
+    for (int i = 0; i < TILES; ++i) {
         if (steps[i] == 0) {
             continue;
         }
@@ -873,7 +874,7 @@ static __device__ __forceinline__ void hod_finish(
     __syncthreads();  // the block's rows of v and branch d's advantages are in shared memory
 
     // dueling_log_softmax_q_branches' register path on them, a warp a sample.
-    for (int r = warp; r < TRUNK_BM && row0 + r < rows; r += HOD_WARPS) {
+    for (int r = warp; r < TRUNK_BM && row0 + r < rows; r += WARPS) {
         const int row = first_row + (row0 + r) * na;  // the sample's first packed row
         const int offset = row * num_atoms;
         float* q_b = want_q ? q + row : nullptr;  // not dereferenced without want_q
@@ -1025,7 +1026,8 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
             }
         }
     }
-    hod_finish(acc, bias, steps, side, n0, g, t4, warp, lane, d, row0, rows, out0, out1, v,
+    hod_finish<HOD_TILES, HOD_WARPS>(
+        acc, bias, steps, side, n0, g, t4, warp, lane, d, row0, rows, out0, out1, v,
                adv + out_off1, o_tile0, o_tile1, z_lane, na, first_row, logits, logp, q, want_q,
                num_atoms);
 }
@@ -1039,30 +1041,37 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
 //   out_h    = hid[h] @ W2_h^T + b2_h        (h = 0: v [rows, NA]; h = d + 1: branch d's
 //                                             advantages [rows, n_d NA] of adv)
 //   logits, logp, q = dueling_log_softmax_q_branches(v, adv, z, n_actions, with_q)
-// Block (x, d) as heads_out_dueling_bf16's: rows TRUNK_BM x .. and branch d. It copies the rows'
+// Block (x, d) owns rows TRUNK_BM x .. and branch d as heads_out_dueling_bf16's, with HODF_WARPS
+// warps of HODF_TILES n8 tiles each (one: twice the bf16 kernel's warps to hide the shared
+// loads' latency, and no warp with two tiles while others have one). It copies the rows'
 // value-head and head-(d + 1) hidden values and both heads' whole W2 into f32 tiles in shared
 // memory with asynchronous 16-byte copies (cp.async, all in flight at once: one round trip to
-// L2; rows past `rows` as +0.0), every tile row padded by HODF_PAD floats (a row stride of 16 m +
-// 4 floats: the lanes' float4 reads of 8 hidden rows, or of the 4 W2 rows of a quad's columns,
-// hit distinct banks). Warp w then computes the n8 tiles w, w + HOD_WARPS, .. of the two heads'
-// outputs, lane (g, t4) rows g and g + 8, columns 2 t4 and 2 t4 + 1 of a tile (the mma's C
-// fragment: the epilogue and the dueling are heads_out_dueling_bf16's), each output one chain of
-// fmaf in k order on the CUDA cores (exact f32 products, f32 sums; both operands from shared
-// memory), the bias added last with one f32 add. The dueling outputs are therefore bitwise those
-// of dueling_log_softmax_q_branches on this kernel's v and adv; v and adv are f32 GEMMs in
-// another summation order than cuBLASLt's: conformance judges them with the GEMM tolerance. NaN
-// contract: the nodes' (IEEE through the products: a NaN or Inf in row i of hid reaches row i of
-// its head's outputs; in W2_h row j or b2_h[j] column j of that head's output in every row; then
-// dueling_log_softmax_q_branches' contract). Requirements (the launcher checks): as
-// heads_out_dueling_bf16's, and the W2 offsets multiples of 4 (16-byte copies). Dynamic shared
-// memory (bytes): 4 (TRUNK_BM + out[0]) (hidden[0] + HODF_PAD) + 4 (TRUNK_BM + out[h]) (hidden[h]
-// + HODF_PAD) + 4 TRUNK_BM (out[0] + out[h]) for the branch head h that needs the most, opted in
-// above 48 KiB (fast/kernels/trunk.py hod_shared_bytes; 137,664 bytes at the seed shapes).
+// L2; rows past `rows` as +0.0), every tile row padded by HODF_PAD floats (a row stride of 16 m
+// + 4 floats: the lanes' float4 reads of 8 hidden rows, or of the 4 W2 rows of a quad's
+// columns, hit distinct banks). Warp w then computes n8 tile w of the two heads' outputs (the
+// value head's tiles first), lane (g, t4) rows g and g + 8, columns 2 t4 and 2 t4 + 1 of the
+// tile (the mma's C fragment: the epilogue and the dueling are heads_out_dueling_bf16's), each
+// output one chain of fmaf in k order on the CUDA cores (exact f32 products, f32 sums; both
+// operands from shared memory), the bias added last with one f32 add. The dueling outputs are
+// therefore bitwise those of dueling_log_softmax_q_branches on this kernel's v and adv; v and
+// adv are f32 GEMMs in another summation order than cuBLASLt's: conformance judges them with the
+// GEMM tolerance. NaN contract: the nodes' (IEEE through the products: a NaN or Inf in row i of
+// hid reaches row i of its head's outputs; in W2_h row j or b2_h[j] column j of that head's
+// output in every row; then dueling_log_softmax_q_branches' contract). Requirements (the
+// launcher checks): heads_out_dueling_bf16's, with ceil(out[0] / 8) + ceil(out[d + 1] / 8) <=
+// HODF_WARPS HODF_TILES, and the W2 offsets multiples of 4 (16-byte copies). Dynamic shared
+// memory (bytes): 4 (TRUNK_BM + out[0]) (hidden[0] + HODF_PAD) + 4 (TRUNK_BM + out[h])
+// (hidden[h] + HODF_PAD) + 4 TRUNK_BM (out[0] + out[h]) for the branch head h that needs the
+// most, opted in above 48 KiB (fast/kernels/trunk.py hod_shared_bytes; 137,664 bytes at the
+// seed shapes).
 // =============================================================================================
 #define HODF_PAD 4
+#define HODF_WARPS 32
+#define HODF_THREADS (HODF_WARPS * 32)
+#define HODF_TILES 1
 
 // Rows [0, n) of a [n, width] f32 matrix at src (rows `width` floats apart) into a shared tile
-// of row stride width + HODF_PAD, 16 bytes a copy: warp w the rows w, w + HOD_WARPS, .., lane l
+// of row stride width + HODF_PAD, 16 bytes a copy: warp w the rows w, w + HODF_WARPS, .., lane l
 // the row's quads l, l + 32, .. (no division); rows live_rows .. n - 1 of the tile become +0.0
 // (plain stores) instead of copies.
 static __device__ __forceinline__ void hodf_copy_rows(float* tile, const float* src, int n,
@@ -1070,7 +1079,7 @@ static __device__ __forceinline__ void hodf_copy_rows(float* tile, const float* 
     const int quads = width / 4;
     const int stride = width + HODF_PAD;
     const int lane = threadIdx.x & 31;
-    for (int r = threadIdx.x >> 5; r < n; r += HOD_WARPS) {
+    for (int r = threadIdx.x >> 5; r < n; r += HODF_WARPS) {
         for (int q = lane; q < quads; q += 32) {
             float* dst = tile + r * stride + q * 4;
             if (r < live_rows) {
@@ -1082,7 +1091,7 @@ static __device__ __forceinline__ void hodf_copy_rows(float* tile, const float* 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(HOD_THREADS)
+extern "C" __global__ void __launch_bounds__(HODF_THREADS)
 heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ params,
                       const int* __restrict__ table, const float* __restrict__ z,
                       const int* __restrict__ n_actions, const int* __restrict__ action_offset,
@@ -1130,21 +1139,21 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
     float z_lane[kDuelingRegChunks];
     dueling_z_lane(z_lane, z, want_q, num_atoms, lane);
 
-    // The second layers' operands: warp w's n8 tiles w + HOD_WARPS i (the value head's first).
+    // The second layers' operands: warp w's n8 tiles w + HODF_WARPS i (the value head's first).
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t4 = lane & 3;
     const int tiles0 = (out0 + 7) / 8;
     const int tiles = tiles0 + (out1 + 7) / 8;
-    float acc[HOD_TILES][4];
-    float bias[HOD_TILES][2];  // b2 of the lane's two output columns
-    const float* a_row[HOD_TILES];
-    const float* w_row[HOD_TILES][2];
-    int stride[HOD_TILES], quads[HOD_TILES], side[HOD_TILES], n0[HOD_TILES];
+    float acc[HODF_TILES][4];
+    float bias[HODF_TILES][2];  // b2 of the lane's two output columns
+    const float* a_row[HODF_TILES];
+    const float* w_row[HODF_TILES][2];
+    int stride[HODF_TILES], quads[HODF_TILES], side[HODF_TILES], n0[HODF_TILES];
     int k_quads = 0;
 #pragma unroll
-    for (int i = 0; i < HOD_TILES; ++i) {
-        const int tile = warp + HOD_WARPS * i;
+    for (int i = 0; i < HODF_TILES; ++i) {
+        const int tile = warp + HODF_WARPS * i;
         const int s = tile < tiles0 ? 0 : 1;
         const int hidden = s == 0 ? hidden0 : hidden1;
         const int width = s == 0 ? out0 : out1;
@@ -1172,7 +1181,7 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
 #pragma unroll 2
     for (int kq = 0; kq < k_quads; ++kq) {
 #pragma unroll
-        for (int i = 0; i < HOD_TILES; ++i) {
+        for (int i = 0; i < HODF_TILES; ++i) {
             if (kq < quads[i]) {
                 const float4 a0 = *reinterpret_cast<const float4*>(a_row[i] + kq * 4);
                 const float* a8 = a_row[i] + 8 * stride[i];  // row g + 8
@@ -1195,7 +1204,8 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
             }
         }
     }
-    hod_finish(acc, bias, quads, side, n0, g, t4, warp, lane, d, row0, rows, out0, out1, v,
+    hod_finish<HODF_TILES, HODF_WARPS>(
+        acc, bias, quads, side, n0, g, t4, warp, lane, d, row0, rows, out0, out1, v,
                adv + out_off1, o_tile0, o_tile1, z_lane, na, first_row, logits, logp, q, want_q,
                num_atoms);
 }

@@ -188,7 +188,7 @@ def test_plan_of_the_seed_shapes():
     f32_bytes = 4 * 16 * (132 + 132) + 4 * (51 + 153) * 132 + 4 * 16 * (51 + 153)
     assert f32_bytes == 137664
     assert fast_trunk.plan_heads_out_dueling_f32(rows, hidden, out, branches, na,
-                                                 arch="sm_90") == (grid, block, f32_bytes)
+                                                 arch="sm_90") == (grid, (1024,), f32_bytes)
     with pytest.raises(ValueError, match=r"needs 137664 bytes of shared memory per block; it runs "
                                          r"with at most 101376$"):
         fast_trunk.plan_heads_out_dueling_f32(rows, hidden, out, branches, na, arch="sm_89")
@@ -208,6 +208,9 @@ def test_plan_constants_are_the_sources():
     assert fast_trunk.HOD_WARPS == _cu_define("HOD_WARPS")
     assert fast_trunk.HOD_TILES == _cu_define("HOD_TILES")
     assert fast_trunk.HODF_PAD == _cu_define("HODF_PAD")
+    assert fast_trunk.HODF_WARPS == _cu_define("HODF_WARPS")
+    assert fast_trunk.HODF_TILES == _cu_define("HODF_TILES")
+    assert fast_trunk.HODF_THREADS == 32 * fast_trunk.HODF_WARPS
     assert fast_trunk.HOD_THREADS == 32 * fast_trunk.HOD_WARPS
     assert fast_trunk.HOD_MAX_ACTIONS == _cuh_constexpr("kDuelingRegRows")
     assert fast_trunk.HOD_MAX_ATOMS == 32 * _cuh_constexpr("kDuelingRegChunks")

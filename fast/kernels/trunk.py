@@ -52,12 +52,12 @@ memory of :func:`hod_shared_bytes` (at most ``SHARED_LIMIT``: no opt-in); shapes
 (:func:`hod_fusable`). The BF16 training passes use it by default (``fast.step_program``'s
 ``FUSE_HEAD_OUTPUTS``; the README's "The heads' outputs and the dueling log-softmax in one
 launch" has its figures). Its f32 twin ``heads_out_dueling_f32``
-(``plan_heads_out_dueling_f32``, the same grid and block) keeps the f32 hidden tiles and both
-heads' whole W2 in shared memory (rows padded by ``HODF_PAD``; 137,664 bytes at the seed shapes,
-opted in up to the architecture's limit: :func:`hod_shared_limit`) and can end the f32 step's
-training passes (``HOD_KERNELS`` names each precision's kernel); off by default
-(``FUSE_HEAD_OUTPUTS``: its first two versions, which read W2 from global memory, measured
-slower than the nodes on the H200).
+(``plan_heads_out_dueling_f32``, the same grid, blocks of ``HODF_THREADS``: 32 warps of one n8
+tile each) keeps the f32 hidden tiles and both heads' whole W2 in shared memory (rows padded by
+``HODF_PAD``; 137,664 bytes at the seed shapes, opted in up to the architecture's limit:
+:func:`hod_shared_limit`) and can end the f32 step's training passes (``HOD_KERNELS`` names each
+precision's kernel); off by default (``FUSE_HEAD_OUTPUTS``: every version so far measured slower
+than the nodes; the README's "The f32 heads' outputs from shared memory").
 """
 
 from __future__ import annotations
@@ -326,6 +326,11 @@ HOD_MAX_ACTIONS = 4
 HOD_MAX_ATOMS = 64
 #: trunk.cu's HODF_PAD: floats of padding a row of ``heads_out_dueling_f32``'s hidden and W2 tiles.
 HODF_PAD = 4
+#: trunk.cu's HODF_WARPS and HODF_TILES: ``heads_out_dueling_f32``'s warps a block, n8 tiles a
+#: warp.
+HODF_WARPS = 32
+HODF_THREADS = 32 * HODF_WARPS
+HODF_TILES = 1
 #: The kernel of each step precision whose training passes end their heads in one launch.
 HOD_KERNELS = {"bf16": "heads_out_dueling_bf16", "f32": "heads_out_dueling_f32"}
 
@@ -370,10 +375,10 @@ def check_heads_out_dueling(hidden, out, branches, num_atoms, precision: str = "
             raise ValueError(f"n_actions[{d}]={n}: {kernel} runs the dueling "
                              f"log-softmax's register path (1 to {HOD_MAX_ACTIONS} actions)")
     tiles = max(-(-out[0] // 8) + -(-o // 8) for o in out[1:])
-    if tiles > HOD_WARPS * HOD_TILES:
+    most = HOD_WARPS * HOD_TILES if precision == "bf16" else HODF_WARPS * HODF_TILES
+    if tiles > most:
         raise ValueError(f"out={out}: {kernel} computes at most "
-                         f"{HOD_WARPS * HOD_TILES} n8 tiles a block; the value head and a branch "
-                         f"need {tiles}")
+                         f"{most} n8 tiles a block; the value head and a branch need {tiles}")
     nbytes = hod_shared_bytes(hidden, out, precision)
     limit = hod_shared_limit(precision, arch)
     if nbytes > limit:
@@ -398,7 +403,8 @@ def hod_fusable(hidden, out, branches, num_atoms, precision: str = "bf16", arch=
 def _plan_hod(precision: str, rows: int, hidden, out, branches, num_atoms: int, arch) -> Plan:
     rows = check_int("rows", rows, minimum=1)
     hidden, out = check_heads_out_dueling(hidden, out, branches, num_atoms, precision, arch)
-    return ((blocks(rows, TRUNK_ROWS_PER_BLOCK), len(hidden) - 1), (HOD_THREADS,),
+    threads = HOD_THREADS if precision == "bf16" else HODF_THREADS
+    return ((blocks(rows, TRUNK_ROWS_PER_BLOCK), len(hidden) - 1), (threads,),
             hod_shared_bytes(hidden, out, precision))
 
 
@@ -411,8 +417,9 @@ def plan_heads_out_dueling_bf16(rows: int, hidden, out, branches, num_atoms: int
 
 def plan_heads_out_dueling_f32(rows: int, hidden, out, branches, num_atoms: int,
                                arch=None) -> Plan:
-    """As :func:`plan_heads_out_dueling_bf16`, with the f32 kernel's shared memory (opted in
-    above 48 KiB: the graph lowering sets the attribute from the record's shape)."""
+    """As :func:`plan_heads_out_dueling_bf16`, with the f32 kernel's block (``HODF_THREADS``)
+    and shared memory (opted in above 48 KiB: the graph lowering sets the attribute from the
+    record's shape)."""
     return _plan_hod("f32", rows, hidden, out, branches, num_atoms, arch)
 
 
