@@ -333,6 +333,8 @@ HODF_THREADS = 32 * HODF_WARPS
 HODF_TILES = 1
 #: The kernel of each step precision whose training passes end their heads in one launch.
 HOD_KERNELS = {"bf16": "heads_out_dueling_bf16", "f32": "heads_out_dueling_f32"}
+#: Each precision's kernel block: (warps, n8 tiles a warp).
+HOD_BLOCKS = {"bf16": (HOD_WARPS, HOD_TILES), "f32": (HODF_WARPS, HODF_TILES)}
 
 
 def hod_shared_bytes(hidden, out, precision: str = "bf16") -> int:
@@ -375,7 +377,8 @@ def check_heads_out_dueling(hidden, out, branches, num_atoms, precision: str = "
             raise ValueError(f"n_actions[{d}]={n}: {kernel} runs the dueling "
                              f"log-softmax's register path (1 to {HOD_MAX_ACTIONS} actions)")
     tiles = max(-(-out[0] // 8) + -(-o // 8) for o in out[1:])
-    most = HOD_WARPS * HOD_TILES if precision == "bf16" else HODF_WARPS * HODF_TILES
+    warps, per_warp = HOD_BLOCKS[precision]
+    most = warps * per_warp
     if tiles > most:
         raise ValueError(f"out={out}: {kernel} computes at most "
                          f"{most} n8 tiles a block; the value head and a branch need {tiles}")
@@ -403,8 +406,7 @@ def hod_fusable(hidden, out, branches, num_atoms, precision: str = "bf16", arch=
 def _plan_hod(precision: str, rows: int, hidden, out, branches, num_atoms: int, arch) -> Plan:
     rows = check_int("rows", rows, minimum=1)
     hidden, out = check_heads_out_dueling(hidden, out, branches, num_atoms, precision, arch)
-    threads = HOD_THREADS if precision == "bf16" else HODF_THREADS
-    return ((blocks(rows, TRUNK_ROWS_PER_BLOCK), len(hidden) - 1), (threads,),
+    return ((blocks(rows, TRUNK_ROWS_PER_BLOCK), len(hidden) - 1), (32 * HOD_BLOCKS[precision][0],),
             hod_shared_bytes(hidden, out, precision))
 
 
