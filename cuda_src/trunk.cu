@@ -82,6 +82,11 @@ static __device__ __forceinline__ void trunk_cp_commit() {
     asm volatile("cp.async.commit_group;" ::: "memory");
 }
 
+// Wait until every copy this thread issued has landed.
+static __device__ __forceinline__ void trunk_cp_wait_all() {
+    asm volatile("cp.async.wait_all;" ::: "memory");
+}
+
 // Wait until at most TRUNK_STAGES - 2 of this thread's copy groups are pending.
 static __device__ __forceinline__ void trunk_cp_wait_stage() {
     asm volatile("cp.async.wait_group %0;" :: "n"(TRUNK_STAGES - 2) : "memory");
@@ -458,7 +463,7 @@ trunk_forward_bf16(
         fh_cluster_sync();
         trunk_layer_streamed(hs, hs_stride, h1_width, w2, b2, h2_width, n2_begin, n2_end, w_s,
                              primed, row0, rows, second);
-        asm volatile("cp.async.wait_all;" ::: "memory");  // a block of empty slices issued xb
+        trunk_cp_wait_all();  // a block of empty slices issued xb
     }
     if (rank == 0) {
         if (aux1 != nullptr) {
@@ -1026,10 +1031,9 @@ heads_out_dueling_bf16(const float* __restrict__ hid, const unsigned short* __re
             }
         }
     }
-    hod_finish<HOD_TILES, HOD_WARPS>(
-        acc, bias, steps, side, n0, g, t4, warp, lane, d, row0, rows, out0, out1, v,
-               adv + out_off1, o_tile0, o_tile1, z_lane, na, first_row, logits, logp, q, want_q,
-               num_atoms);
+    hod_finish<HOD_TILES, HOD_WARPS>(acc, bias, steps, side, n0, g, t4, warp, lane, d, row0, rows,
+                                     out0, out1, v, adv + out_off1, o_tile0, o_tile1, z_lane, na,
+                                     first_row, logits, logp, q, want_q, num_atoms);
 }
 
 // =============================================================================================
@@ -1173,7 +1177,7 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
         }
         acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     }
-    asm volatile("cp.async.wait_all;" ::: "memory");
+    trunk_cp_wait_all();
     __syncthreads();
 
     // acc[2 half + e] += A[g + 8 half][k] W2[n0 + 2 t4 + e][k], k in order, one fmaf each, a
@@ -1204,8 +1208,7 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
             }
         }
     }
-    hod_finish<HODF_TILES, HODF_WARPS>(
-        acc, bias, quads, side, n0, g, t4, warp, lane, d, row0, rows, out0, out1, v,
-               adv + out_off1, o_tile0, o_tile1, z_lane, na, first_row, logits, logp, q, want_q,
-               num_atoms);
+    hod_finish<HODF_TILES, HODF_WARPS>(acc, bias, quads, side, n0, g, t4, warp, lane, d, row0, rows,
+                                       out0, out1, v, adv + out_off1, o_tile0, o_tile1, z_lane, na,
+                                       first_row, logits, logp, q, want_q, num_atoms);
 }
