@@ -111,9 +111,10 @@ LONG_K_RATIO = 4
 #: (session 42; the README's "The f32 heads' outputs in one launch" and "Weight and bias
 #: gradients in one launch"); the third (session 43, b662b6a) stages the hidden values and both
 #: heads' W2 in shared memory (opted in: sm_80, sm_90 and newer at the seed shapes): 143.7 us
-#: against 138.7 (H100); the fourth (7ebfb37: 32 warps of one tile) has not run on a GPU (the
-#: README's "The f32 heads' outputs from shared memory"). Never tf32: its forward GEMMs round their
-#: operands to TF32, which the f32 kernel's exact products do not.
+#: against 138.7 (H100); the fourth (7ebfb37: 32 warps of one tile) 144.0 us against 139.1
+#: (H100, session 44; the README's "The f32 heads' outputs from shared memory" and "Issue 26's
+#: tables on the H200"). Never tf32: its forward GEMMs round their operands to TF32, which the
+#: f32 kernel's exact products do not.
 FUSE_HEAD_OUTPUTS = frozenset({"bf16"})
 #: Whether the C51 trunk takes the auxiliary heads' ``d h2`` in ONE launch of
 #: ``h2_grad_sum_aux_mask`` instead of six (``h2_grad_sum_mask`` of the heads' parts on the trunk
