@@ -262,11 +262,16 @@ class Device:
 
         return LoadedModule(self, module)
 
-    def pinned_empty(self, shape, dtype) -> np.ndarray:
-        """An uninitialised page-locked host array (for asynchronous copies)."""
+    def pinned_empty(self, shape, dtype, *, write_combined: bool = False) -> np.ndarray:
+        """A page-locked host array (for asynchronous copies), zero-filled. ``write_combined``:
+        allocated write-combined (``CU_MEMHOSTALLOC_WRITECOMBINED``): the host's writes bypass
+        its caches, so a device copy from it does not wait on them, but the host's reads of it
+        are uncached and slow: for buffers the host only writes (the step's staging ring)."""
         shape, dtype = _check_shape_dtype("shape", shape, dtype)
+        if not isinstance(write_combined, (bool, np.bool_)):
+            raise ValueError(f"write_combined={write_combined!r}: must be a bool")
         nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
-        host = _PinnedHost(self, nbytes, mapped=False)
+        host = _PinnedHost(self, nbytes, mapped=False, write_combined=bool(write_combined))
         return host.view(0, shape, dtype)
 
     def __repr__(self) -> str:
@@ -374,10 +379,12 @@ def _check_shape_dtype(what: str, shape, dtype):
 class _PinnedHost:
     """One ``cuMemHostAlloc`` block; freed when the last NumPy view of it is gone."""
 
-    def __init__(self, device: Device, nbytes: int, mapped: bool):
+    def __init__(self, device: Device, nbytes: int, mapped: bool, write_combined: bool = False):
         drv = _driver()
         device.make_current()
-        flags = drv.CU_MEMHOSTALLOC_PORTABLE | (drv.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0)
+        flags = (drv.CU_MEMHOSTALLOC_PORTABLE | (drv.CU_MEMHOSTALLOC_DEVICEMAP if mapped else 0)
+                 | (drv.CU_MEMHOSTALLOC_WRITECOMBINED if write_combined else 0))
+        self.write_combined = write_combined
         self.nbytes = nbytes
         self.host_ptr = int(call(drv.cuMemHostAlloc, nbytes, flags))
         ctypes.memset(self.host_ptr, 0, nbytes)

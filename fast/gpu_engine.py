@@ -34,6 +34,13 @@ READBACK_HOST, FLAGS_HOST = "readback_host", "flags_host"
 READ_BUFFERS = {READBACK_HOST: "readback", FLAGS_HOST: "flags"}
 
 
+#: Whether the staging ring (the upload graphs' sources, which the host only writes) is
+#: allocated write-combined (``Device.pinned_empty``'s ``write_combined``): the host's batch
+#: writes then bypass its caches, so the upload's copy does not wait on them. Off until measured
+#: faster on the H200's host (the effect differs from one platform to the next).
+WRITE_COMBINED_STAGING = False
+
+
 def host_buffer_specs(layout: StepLayout, staging_slots: int) -> dict[str, tuple]:
     """The engine's pinned host buffers, ``{name: (shape, dtype)}``: the staging ring (byte
     mirrors of the arena's ``batch``, the upload graphs' sources) and the mirrors of the
@@ -42,6 +49,18 @@ def host_buffer_specs(layout: StepLayout, staging_slots: int) -> dict[str, tuple
     specs[READBACK_HOST] = ((len(READBACK_FIELDS),), np.dtype(np.float32))
     specs[FLAGS_HOST] = ((layout.sentinel.n_desc,), np.dtype(np.int32))
     return specs
+
+
+def pinned_host_buffers(device, layout: StepLayout, staging_slots: int,
+                        members: int | None = None) -> dict[str, np.ndarray]:
+    """The buffers of ``host_buffer_specs`` on ``device``, page-locked and zero-filled, each of
+    ``members`` rows where ``members`` is given (a population's); the staging ring
+    write-combined where :data:`WRITE_COMBINED_STAGING`."""
+    lead = () if members is None else (members,)
+    staging = {staging_name(s) for s in range(staging_slots)}
+    return {name: device.pinned_empty((*lead, *shape), dtype,
+                                      write_combined=WRITE_COMBINED_STAGING and name in staging)
+            for name, (shape, dtype) in host_buffer_specs(layout, staging_slots).items()}
 
 
 def step_plans(program: StepProgram, staging_slots: int) -> dict:
@@ -81,8 +100,7 @@ class GpuEngine:
         for name, value in constants.items():
             self.arena.upload(name, value.reshape(self.arena.spec(name).shape))
         self.stream = dev.stream
-        pinned = {name: dev.pinned_empty(shape, dtype)
-                  for name, (shape, dtype) in host_buffer_specs(lay, staging_slots).items()}
+        pinned = pinned_host_buffers(dev, lay, staging_slots)
         # Each distinct GEMM planned once (the step and evaluation passes repeat shapes).
         self.gemm_plans = PlanCache(functools.partial(GemmPlan, dev),
                                     store=AlgoStore.for_device(dev, cublaslt_version()))
@@ -283,4 +301,4 @@ class GpuEval:
 
 
 __all__ = ["FLAGS_HOST", "READBACK_HOST", "READ_BUFFERS", "GpuEngine", "GpuEval", "host_buffer_specs",
-           "step_plans"]
+           "pinned_host_buffers", "step_plans"]

@@ -26,7 +26,7 @@ from foxhunt.fast.cpu_executor import (
 )
 from foxhunt.fast.cuda_parse import package_kernels
 from foxhunt.fast.device import SYNCS, _driver, call
-from foxhunt.fast.gpu_engine import READ_BUFFERS, GpuEngine, GpuEval, host_buffer_specs, step_plans
+from foxhunt.fast.gpu_engine import READ_BUFFERS, GpuEngine, GpuEval, pinned_host_buffers, step_plans
 from foxhunt.fast.graph2_plan import staging_name
 from foxhunt.fast.graph_lowering import EARLY_LAUNCH, Lowering, layered_address
 from foxhunt.fast.kernels.spectral import spectral_shared_bytes
@@ -269,8 +269,7 @@ class PopulationEngine(GpuEngine):
         self.member_arenas = [MemberArena(self.arena, m * S, S) for m in range(N)]
         self.constants = upload_member_constants(plan, self.member_arenas, self.address)
         self.stream = dev.stream
-        pinned = {name: dev.pinned_empty((N, *shape), dtype)
-                  for name, (shape, dtype) in host_buffer_specs(lay, staging_slots).items()}
+        pinned = pinned_host_buffers(dev, lay, staging_slots, members=N)
         self.gemm_plans = PlanCache(functools.partial(GemmPlan, dev),
                                     store=AlgoStore.for_device(dev, cublaslt_version()))
         self._program_options = dict(

@@ -216,6 +216,41 @@ def test_pinned_block_is_found_through_views_and_bounds_hold():
         block.view(128, (33,), np.dtype(np.float32))
 
 
+@pytest.mark.parametrize("members", [None, 3])
+@pytest.mark.parametrize("write_combined", [False, True])
+def test_pinned_host_buffers_write_combine_the_staging_ring_only(monkeypatch, tiny, members,
+                                                                 write_combined):
+    """``pinned_host_buffers``: every ``host_buffer_specs`` buffer (``members`` rows of it for a
+    population), zero-filled; only the staging ring's asked for write-combined, and only where
+    ``WRITE_COMBINED_STAGING`` says so (the read mirrors are read by the host)."""
+    from foxhunt.fast import gpu_engine
+
+    monkeypatch.setattr(gpu_engine, "WRITE_COMBINED_STAGING", write_combined)
+    asked = {}
+
+    def pinned_empty(shape, dtype, *, write_combined=False):
+        array = fake_pinned(shape, dtype)
+        asked[id(array)] = write_combined
+        return array
+
+    specs = host_buffer_specs(tiny.layout, STAGING_RING)
+    got = gpu_engine.pinned_host_buffers(SimpleNamespace(pinned_empty=pinned_empty), tiny.layout,
+                                         STAGING_RING, members=members)
+    assert list(got) == list(specs)
+    staging = {staging_name(s) for s in range(STAGING_RING)}
+    assert len(staging) == STAGING_RING >= 2 and staging < set(got) and set(READ_BUFFERS) < set(got)
+    for name, (shape, dtype) in specs.items():
+        lead = () if members is None else (members,)
+        assert got[name].shape == (*lead, *shape) and got[name].dtype == dtype
+        assert not got[name].any()
+        assert asked[id(got[name])] is (write_combined and name in staging), name
+
+
+def test_pinned_empty_refuses_a_write_combined_that_is_not_a_bool():
+    with pytest.raises(ValueError, match=r"^write_combined=1: must be a bool$"):
+        fast_device.Device.pinned_empty(object(), (4,), np.float32, write_combined=1)
+
+
 # ------------------------------------------------------------------ lifetimes, with a fake driver
 
 

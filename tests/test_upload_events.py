@@ -77,3 +77,35 @@ def test_a_gated_upload_keeps_its_event_and_the_step_pending():
     finally:
         gated.close()
         twin.close()
+
+
+def test_a_write_combined_staging_ring_steps_to_the_same_bits(monkeypatch):
+    """``gpu_engine.WRITE_COMBINED_STAGING`` on: the staging ring's blocks are write-combined
+    (the read mirrors are not) and the trainer steps to exactly the bits of a twin built with the
+    switch off."""
+    from foxhunt.fast import gpu_engine
+    from foxhunt.fast.device import pinned_block
+    from foxhunt.fast.trainer import STAGING_RING, Trainer
+    from foxhunt.reference.batch import Batch
+    from foxhunt.reference.config import CORE_STEP, DQNConfig
+
+    config = DQNConfig.preset("tiny", precision="bf16", **CORE_STEP)
+    rng = np.random.default_rng(7)
+    batches = [Batch.random(config, rng) for _ in range(2 * STAGING_RING + 1)]
+    trainers = {}
+    try:
+        for combined in (True, False):
+            monkeypatch.setattr(gpu_engine, "WRITE_COMBINED_STAGING", combined)
+            trainers[combined] = Trainer(config, seed=3)
+            engine = trainers[combined].engine
+            assert [pinned_block(b).write_combined for b in engine._staging] == [combined] * STAGING_RING
+            assert not pinned_block(engine._readback_host).write_combined
+            for batch in batches:
+                trainers[combined].step(batch)
+        got, want = trainers[True].state_dict(), trainers[False].state_dict()
+        assert got.keys() == want.keys()
+        for key in want:
+            assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
