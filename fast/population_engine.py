@@ -26,7 +26,8 @@ from foxhunt.fast.cpu_executor import (
 )
 from foxhunt.fast.cuda_parse import package_kernels
 from foxhunt.fast.device import SYNCS, _driver, call
-from foxhunt.fast.gpu_engine import READ_BUFFERS, GpuEngine, GpuEval, pinned_host_buffers, step_plans
+from foxhunt.fast.gpu_engine import (READ_BUFFERS, GpuEngine, GpuEval, pinned_host_buffers,
+                                      step_plans)
 from foxhunt.fast.graph2_plan import staging_name
 from foxhunt.fast.graph_lowering import EARLY_LAUNCH, Lowering, layered_address
 from foxhunt.fast.kernels.spectral import spectral_shared_bytes

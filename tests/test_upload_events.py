@@ -8,7 +8,8 @@ GPU only (skipped with the reason elsewhere). The upload stream is held shut by 
 ``cuStreamWaitValue32`` gate on a device word while the step is launched: the slot's event and
 an event recorded after the step graph must then be pending; once a third stream opens the
 gate, the step completes and the trainer ends in exactly the bits of a twin that stepped the
-same batches through ``Trainer.step``.
+same batches through ``Trainer.step``. The staging ring allocated write-combined
+(``gpu_engine.WRITE_COMBINED_STAGING``) steps to the same bits as the default one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _OK, reason=f"no CUDA devi
 def _query(drv, event):
     result = drv.cuEventQuery(event)
     return result[0] if isinstance(result, tuple) else result
+
+
+def _assert_same_state(got_trainer, want_trainer) -> None:
+    """The two trainers' states are bit for bit equal, entry by entry."""
+    got, want = got_trainer.state_dict(), want_trainer.state_dict()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
 
 
 def test_a_gated_upload_keeps_its_event_and_the_step_pending():
@@ -70,10 +79,7 @@ def test_a_gated_upload_keeps_its_event_and_the_step_pending():
             opener.close()
             drv.cuEventDestroy(after)
             gate.free()
-        got, want = gated.state_dict(), twin.state_dict()
-        assert got.keys() == want.keys()
-        for key in want:
-            assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
+        _assert_same_state(gated, twin)
     finally:
         gated.close()
         twin.close()
@@ -98,14 +104,12 @@ def test_a_write_combined_staging_ring_steps_to_the_same_bits(monkeypatch):
             monkeypatch.setattr(gpu_engine, "WRITE_COMBINED_STAGING", combined)
             trainers[combined] = Trainer(config, seed=3)
             engine = trainers[combined].engine
-            assert [pinned_block(b).write_combined for b in engine._staging] == [combined] * STAGING_RING
+            staging = [pinned_block(b).write_combined for b in engine._staging]
+            assert staging == [combined] * STAGING_RING
             assert not pinned_block(engine._readback_host).write_combined
             for batch in batches:
                 trainers[combined].step(batch)
-        got, want = trainers[True].state_dict(), trainers[False].state_dict()
-        assert got.keys() == want.keys()
-        for key in want:
-            assert np.array_equal(np.asarray(got[key]), np.asarray(want[key])), key
+        _assert_same_state(trainers[True], trainers[False])
     finally:
         for trainer in trainers.values():
             trainer.close()
