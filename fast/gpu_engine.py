@@ -36,10 +36,11 @@ READ_BUFFERS = {READBACK_HOST: "readback", FLAGS_HOST: "flags"}
 
 #: Whether the staging ring (the upload graphs' sources, which the host only writes) is
 #: allocated write-combined (``Device.pinned_empty``'s ``write_combined``): the host's batch
-#: writes then bypass its caches, so the upload's copy does not wait on them. Off: on an H100's
-#: host (session 44, ``Trainer.step``, two trainers an arm, two calls) it changed nothing beyond
-#: the spread (core bf16 103.4 / 103.0 us against 102.6 / 103.0 cached, every second-wave source
-#: 152.9 / 152.6 against 152.8 / 152.6, core f32 138.0 against 137.4); not measured on an H200's.
+#: writes then bypass its caches, so the upload's copy does not wait on them. Off: on H100s
+#: (session 44, ``Trainer.step``, two trainers an arm, three calls) it was no faster (core bf16
+#: 103.4 / 103.0 / 104.6 us against 102.6 / 103.0 / 102.9 cached, every second-wave source 152.9
+#: / 152.6 / 153.5 against 152.8 / 152.6 / 153.1, core f32 138.0 against 137.4); not measured on
+#: an H200's host.
 WRITE_COMBINED_STAGING = False
 
 
