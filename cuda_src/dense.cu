@@ -14,6 +14,7 @@
 #include "ha_common.cuh"
 #include "bf16_bits.cuh"  // f32_to_bf16_bits, bf16_quad_bits (shared with optim.cu)
 #include "flat.cuh"       // the vector paths' loop bounds and alignment tests
+#include "tf32_mma.cuh"   // GEMM_TF32_WARPS, gemm_tf32_bits, gemm_tf32_mma, gemm_tf32_stage
 
 #define DENSE_F32_QUIET_BIT 0x00400000u
 // TF32 keeps 10 explicit mantissa bits: the low 13 bits are dropped (ties away from zero).
@@ -349,54 +350,6 @@ extern "C" __global__ void tf32_round(const float* x, float* out, long long n) {
 // and column of c; Inf * 0 is NaN); the rounding keeps NaN and Inf; the mask is relu_mask's, so a
 // NaN h passes c and h <= 0 gives +0 whatever c is.
 // ------------------------------------------------------------------------------------------
-
-#define GEMM_TF32_WARPS 8
-#define GEMM_TF32_ROWS 16
-
-static __device__ __forceinline__ unsigned int gemm_tf32_bits(float x) {
-    unsigned int r;
-    asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-    return r;
-}
-
-static __device__ __forceinline__ void gemm_tf32_mma(float* c, unsigned a0, unsigned a1,
-                                                     unsigned a2, unsigned a3, unsigned b0,
-                                                     unsigned b1) {
-    asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                 : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// One warp stages rows [r0, r0 + nr) x columns [c0, c0 + nc) (nc a multiple of 4) of the
-// row-major [rows, cols] matrix g into s (row stride ss): zeros outside the matrix.
-static __device__ __forceinline__ void gemm_tf32_stage(float* s, int ss, const float* g, int rows,
-                                                       int cols, int r0, int nr, int c0, int nc,
-                                                       int lane) {
-    const bool vec = ((cols & 3) == 0) && ((reinterpret_cast<size_t>(g) & 15) == 0);
-    const int quads = nc >> 2;
-    for (int i = lane; i < nr * quads; i += 32) {
-        const int r = i / quads, cc = (i - r * quads) * 4;
-        const int gr = r0 + r, gc = c0 + cc;
-        float* d = s + r * ss + cc;
-        const float* src = g + (long long)gr * cols + gc;
-        if (vec && gr < rows && gc + 3 < cols) {
-            const unsigned sa = (unsigned)__cvta_generic_to_shared(d);
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src) : "memory");
-        } else {
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                if (gr < rows && gc + j < cols) {
-                    const unsigned sa = (unsigned)__cvta_generic_to_shared(d + j);
-                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sa), "l"(src + j)
-                                 : "memory");
-                } else {
-                    d[j] = 0.0f;
-                }
-            }
-        }
-    }
-}
 
 template <int MT, int TN>
 static __device__ __forceinline__ void gemm_tf32_tile(const float* a, const float* b, float* c,

@@ -1,4 +1,4 @@
-// Shared device helpers of cuda_src/dense.cu, safety.cu, replay.cu, optim.cu and step.cu.
+// Shared device helpers of cuda_src/dense.cu, safety.cu, replay.cu, optim.cu, step.cu and trunk.cu.
 //
 // No __global__ functions here: kernels live in the .cu files under their reference names.
 // Every helper is `static __device__ __forceinline__` (or a template), so each translation unit
@@ -27,6 +27,14 @@ static __device__ __forceinline__ float ha_clip_symmetric(float x, float bound) 
 // safety.cu's clamp_finite element: isfinite(v) ? clip(v, -m, m) : 0 (NaN and +/-Inf become +0.0).
 static __device__ __forceinline__ float ha_clamp_finite(float v, float m) {
     return ha_is_finite(v) ? ha_clip_symmetric(v, m) : 0.0f;
+}
+
+// The backward through Mech 10's clamp and the trunk ReLU of one element of d h2 (step.cu's
+// h2_grad_sum_mask family, trunk.cu's heads_dh2_tf32): the clamp passed the value through
+// unchanged (h2 == pre) and the ReLU's pre-clamp activation is not <= 0; a NaN pre gives 0.
+static __device__ __forceinline__ float ha_h2_mask(float sum, float h2, float pre) {
+    const float passed = (h2 == pre) ? sum : 0.0f;
+    return (pre <= 0.0f) ? 0.0f : passed;
 }
 
 // Guarded SAXPY element (optim.cu's saxpy and the budget kernels, step.cu's

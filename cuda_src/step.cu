@@ -510,11 +510,6 @@ extern "C" __global__ void branch_mean(const float* __restrict__ parts,
 // (with 40 registers only 6 did, and a population's shared grid of one full wave then ran a
 // second, partial wave).
 // ---------------------------------------------------------------------------------------------
-static __device__ __forceinline__ float step_h2_mask(float sum, float h2, float pre) {
-    const float passed = (h2 == pre) ? sum : 0.0f;
-    return (pre <= 0.0f) ? 0.0f : passed;
-}
-
 // One element: parts[k * part_stride + i] summed for k = 0 .. n_parts - 1 (p = parts + i).
 static __device__ __forceinline__ float step_parts_sum(const float* __restrict__ p, int n_parts,
                                                       long long part_stride) {
@@ -554,7 +549,7 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
         STEP_FLAT_LOOP(i, n) {
             const float sum = step_parts_sum(parts + i, n_parts, part_stride);
             dh2_out[i] = sum;
-            out[i] = step_h2_mask(sum, h2[i], h2_pre[i]);
+            out[i] = ha_h2_mask(sum, h2[i], h2_pre[i]);
         }
         return;
     }
@@ -575,10 +570,10 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
                 const float4 sum = make_float4(__fadd_rn(0.0f, v.x), __fadd_rn(0.0f, v.y),
                                                __fadd_rn(0.0f, v.z), __fadd_rn(0.0f, v.w));
                 dh2_4[g] = sum;
-                out4[g] = make_float4(step_h2_mask(sum.x, h.x, pre.x),
-                                      step_h2_mask(sum.y, h.y, pre.y),
-                                      step_h2_mask(sum.z, h.z, pre.z),
-                                      step_h2_mask(sum.w, h.w, pre.w));
+                out4[g] = make_float4(ha_h2_mask(sum.x, h.x, pre.x),
+                                      ha_h2_mask(sum.y, h.y, pre.y),
+                                      ha_h2_mask(sum.z, h.z, pre.z),
+                                      ha_h2_mask(sum.w, h.w, pre.w));
             }
         } else {
             // The parts first (unrolled: loads in flight together), then h2 and h2_pre: within
@@ -589,22 +584,22 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
                 const float4 h = h2_4[g];
                 const float4 pre = pre4[g];
                 dh2_4[g] = sum;
-                out4[g] = make_float4(step_h2_mask(sum.x, h.x, pre.x),
-                                      step_h2_mask(sum.y, h.y, pre.y),
-                                      step_h2_mask(sum.z, h.z, pre.z),
-                                      step_h2_mask(sum.w, h.w, pre.w));
+                out4[g] = make_float4(ha_h2_mask(sum.x, h.x, pre.x),
+                                      ha_h2_mask(sum.y, h.y, pre.y),
+                                      ha_h2_mask(sum.z, h.z, pre.z),
+                                      ha_h2_mask(sum.w, h.w, pre.w));
             }
         }
         for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {  // n % 4 left
             const float sum = step_parts_sum(parts + i, n_parts, part_stride);
             dh2_out[i] = sum;
-            out[i] = step_h2_mask(sum, h2[i], h2_pre[i]);
+            out[i] = ha_h2_mask(sum, h2[i], h2_pre[i]);
         }
     } else {
         for (unsigned int i = first; i < m; i += stride) {
             const float sum = step_parts_sum(parts + i, n_parts, part_stride);
             dh2_out[i] = sum;
-            out[i] = step_h2_mask(sum, h2[i], h2_pre[i]);
+            out[i] = ha_h2_mask(sum, h2[i], h2_pre[i]);
         }
     }
 }
@@ -619,7 +614,7 @@ h2_grad_sum_mask(const float* __restrict__ parts, int n_parts, long long part_st
 //   main = ((0 + parts[0][i]) + parts[1][i]) + ...        dh2_main[i] = main   (slot 33's)
 //   a    = aux_b ? add(isfinite(aux_a[i]) ? aux_a[i] : 0, aux_b[i]) : aux_a[i]
 //   y    = add(main, a)                                   dh2[i] = y           (slot 34's)
-//   out[i] = step_h2_mask(0 + y, h2[i], h2_pre[i])        (the masks of the one part y)
+//   out[i] = ha_h2_mask(0 + y, h2[i], h2_pre[i])        (the masks of the one part y)
 // add(y, x) = ha_guarded_axpy(y, x, 1), optim.cu's saxpy element with a = 1; clamp_finite with a
 // bound of +Inf is its finite map alone. aux_b null: one auxiliary head (its d h2 is added as it
 // is). NaN contract: the composition's: a NaN part reaches dh2_main, dh2 and (unless masked)
@@ -648,7 +643,7 @@ static __device__ __forceinline__ void step_aux_mask_one(
     dh2_main[i] = main;
     const float y = step_aux_sum(main, aux_a[i], two ? aux_b[i] : 0.0f, two);
     dh2[i] = y;
-    out[i] = step_h2_mask(__fadd_rn(0.0f, y), h2[i], h2_pre[i]);
+    out[i] = ha_h2_mask(__fadd_rn(0.0f, y), h2[i], h2_pre[i]);
 }
 
 extern "C" __global__ void __launch_bounds__(STEP_THREADS)
@@ -690,10 +685,10 @@ h2_grad_sum_aux_mask(const float* __restrict__ parts, int n_parts, long long par
             const float4 h = h2_4[g];
             const float4 pre = pre4[g];
             reinterpret_cast<float4*>(out)[g] =
-                make_float4(step_h2_mask(__fadd_rn(0.0f, y.x), h.x, pre.x),
-                            step_h2_mask(__fadd_rn(0.0f, y.y), h.y, pre.y),
-                            step_h2_mask(__fadd_rn(0.0f, y.z), h.z, pre.z),
-                            step_h2_mask(__fadd_rn(0.0f, y.w), h.w, pre.w));
+                make_float4(ha_h2_mask(__fadd_rn(0.0f, y.x), h.x, pre.x),
+                            ha_h2_mask(__fadd_rn(0.0f, y.y), h.y, pre.y),
+                            ha_h2_mask(__fadd_rn(0.0f, y.z), h.z, pre.z),
+                            ha_h2_mask(__fadd_rn(0.0f, y.w), h.w, pre.w));
         }
         for (unsigned int i = fh_flat_tail(m, first); i < m; i += stride) {  // n % 4 left
             step_aux_mask_one(i, parts, n_parts, part_stride, aux_a, aux_b, h2, h2_pre, dh2_main,
@@ -714,7 +709,7 @@ h2_grad_sum_aux_mask(const float* __restrict__ parts, int n_parts, long long par
 // is their composition:
 //   m = multiplier * fmaxf(*signal, 1)                 (clamp_finite's bound, step_isv_bound)
 //   g = isfinite(x[i]) ? clip(x[i], -m, m) : 0         (safety.cu's clamp_finite element)
-//   dh2_out[i] = 0 + g;  out[i] = step_h2_mask(0 + g, h2[i], h2_pre[i])
+//   dh2_out[i] = 0 + g;  out[i] = ha_h2_mask(0 + g, h2[i], h2_pre[i])
 // NaN contract: the composition's: a non-finite x gives 0 in dh2_out (and out); a NaN h2_pre
 // masks to 0; the bound as clamp_finite's (a NaN signal counts as 1, +Inf clamps nothing).
 // Flat, [B, SH2]; 4 elements per thread where every pointer is 16-byte aligned, else one
@@ -728,7 +723,7 @@ static __device__ __forceinline__ void step_guard_mask_one(
     float* __restrict__ out) {
     const float s = __fadd_rn(0.0f, ha_clamp_finite(x[i], m));
     dh2_out[i] = s;
-    out[i] = step_h2_mask(s, h2[i], h2_pre[i]);
+    out[i] = ha_h2_mask(s, h2[i], h2_pre[i]);
 }
 
 static __device__ __forceinline__ void step_guard_mask4(float4 x, float4 h, float4 pre, float m,
@@ -739,8 +734,8 @@ static __device__ __forceinline__ void step_guard_mask4(float4 x, float4 h, floa
                                  __fadd_rn(0.0f, ha_clamp_finite(x.z, m)),
                                  __fadd_rn(0.0f, ha_clamp_finite(x.w, m)));
     *dh2 = s;
-    *out = make_float4(step_h2_mask(s.x, h.x, pre.x), step_h2_mask(s.y, h.y, pre.y),
-                       step_h2_mask(s.z, h.z, pre.z), step_h2_mask(s.w, h.w, pre.w));
+    *out = make_float4(ha_h2_mask(s.x, h.x, pre.x), ha_h2_mask(s.y, h.y, pre.y),
+                       ha_h2_mask(s.z, h.z, pre.z), ha_h2_mask(s.w, h.w, pre.w));
 }
 
 extern "C" __global__ void __launch_bounds__(STEP_THREADS, STEP_MIN_BLOCKS)

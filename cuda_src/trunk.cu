@@ -53,6 +53,8 @@
 #include "bf16_bits.cuh"  // f32_to_bf16_bits (dense.f32_to_bf16's bit formula)
 #include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_map, ..._st_u32
 #include "dueling.cuh"    // dueling_sample_regs (heads_out_dueling_bf16's dueling log-softmax)
+#include "ha_common.cuh"  // ha_h2_mask (heads_dh2_tf32's masks: step.cu h2_grad_sum_mask's)
+#include "tf32_mma.cuh"   // gemm_tf32_bits, gemm_tf32_mma, gemm_tf32_stage (heads_dh2_tf32)
 
 #define TRUNK_WARPS 4
 #define TRUNK_THREADS (TRUNK_WARPS * 32)
@@ -1211,4 +1213,154 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
     hod_finish<HODF_TILES, HODF_WARPS>(acc, bias, quads, side, n0, g, t4, warp, lane, d, row0, rows,
                                        out0, out1, v, adv + out_off1, o_tile0, o_tile1, z_lane, na,
                                        first_row, logits, logp, q, want_q, num_atoms);
+}
+
+// =============================================================================================
+// heads_dh2_tf32: the heads' input gradients into the trunk, summed, and the trunk's masks, in
+// ONE launch (issue 26; SPEC 11's concatenated head first layers in the backward: one product of
+// k = sum(hidden) with every head's W1 read where it lies). Reference:
+// foxhunt.reference.kernels.trunk.heads_dh2_tf32, the composition of the nodes it replaces:
+//   part_h  = dhid_h @ W1_h                       per head h ([rows, hidden_h] @ [hidden_h, H2];
+//                                                  gemm(mode="tf32"), the step's TF32 GEMM)
+//   dh2_out = ((0 + part_1) + part_2) + ... + part_0   the reference's order: the branch heads
+//                                                  1 .. n_heads - 1, then the value head 0
+//   out     = ha_h2_mask(dh2_out, h2, h2_pre)      (step.h2_grad_sum_mask: Mech 10's clamp and
+//                                                  the trunk ReLU)
+// dhid: the heads' [rows, hidden_h] blocks packed as hid (heads_block_offsets with hid_align);
+// W1_h [hidden_h, H2] float32 at params + table[h].w1; h2, h2_pre, dh2_out and out [rows, H2].
+//
+// Work: a block computes a tile_m x tile_n tile of both outputs with GEMM_TF32_WARPS warps. Each
+// head gets wph = GEMM_TF32_WARPS / n_heads of them (warps past n_heads wph idle), which split
+// the head's k range as gemm_tf32's warps split k: each stages its slices of dhid_h's rows and
+// W1_h's columns in shared memory (tf32_mma.cuh's cp.async staging; zeros past the matrices) and
+// multiplies them (mma.sync m16n8k8, cvt.rna TF32 operands = tf32_round, f32 accumulation) with
+// no barrier. After one barrier a head's part of an element is its warps' partial sums added in
+// warp order, and the parts are added in the reference's order from +0, then the mask and both
+// stores. The bits depend on the heads' widths and n_heads only, not on the tile or the grid.
+// Grid (ceil(H2 / tile_n), ceil(rows / tile_m)), GEMM_TF32_WARPS * 32 threads; dynamic shared
+// memory (floats): per warp kw (tile_n + 8) + tile_m (kw + 4), kw = 8 ceil(ceil(max hidden_h / 8)
+// / wph), then GEMM_TF32_WARPS tile_m tile_n for the partial tiles (fast/kernels/trunk.py
+// heads_dh2_shared_bytes).
+//
+// NaN/Inf contract (the nodes'): IEEE through the products and sums: a NaN or Inf in row i of
+// dhid_h reaches row i of dh2_out, one in row k of W1_h (a column c) column c of every row (Inf *
+// 0 is NaN); the TF32 rounding keeps NaN and Inf; the mask is h2_grad_sum_mask's (a NaN h2_pre
+// or h2_pre <= 0 gives +0 whatever the sum; h2 != h2_pre gives +0). Requirements (the launcher
+// checks): 1 <= n_heads <= GEMM_TF32_WARPS, positive widths.
+// =============================================================================================
+template <int MT, int TN>
+static __device__ __forceinline__ void heads_dh2_tile(const float* __restrict__ dhid,
+                                                      const float* __restrict__ params,
+                                                      const int* __restrict__ table,
+                                                      const float* __restrict__ h2,
+                                                      const float* __restrict__ h2_pre,
+                                                      float* __restrict__ dh2_out,
+                                                      float* __restrict__ out, int rows, int n,
+                                                      int n_heads, int hid_align) {
+    constexpr int BM = GEMM_TF32_ROWS * MT, W = GEMM_TF32_WARPS, NT = TN / 8;
+    constexpr int TILE = MT * NT * 128;  // the tile's outputs, 16 * MT * TN
+    extern __shared__ float4 heads_dh2_smem4[];
+    float* smem = reinterpret_cast<float*>(heads_dh2_smem4);
+    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * TN;
+    const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int wph = W / n_heads;
+    const int head = w / wph, slice = w - head * wph;
+    int hmax = 0;
+    for (int h = 0; h < n_heads; ++h) {
+        hmax = max(hmax, table[h * HEADS_FIELDS]);
+    }
+    const int kw = 8 * ((((hmax + 7) >> 3) + wph - 1) / wph);
+    const int bss = TN + 8, ass = kw + 4;
+    const int warp_floats = kw * bss + BM * ass;
+    float* bs = smem + w * warp_floats;
+    float* as = bs + kw * bss;
+    float* partial = smem + W * warp_floats;  // [W][MT * NT * 4][32]
+    int kn = 0;
+    if (head < n_heads) {
+        const int k = table[head * HEADS_FIELDS];
+        int hid_off, out_off;
+        heads_block_offsets(table, head, rows, hid_align, hid_off, out_off);
+        const int steps = (k + 7) >> 3;
+        const int per = (steps + wph - 1) / wph;
+        const int first = min(steps, slice * per);
+        kn = (min(steps, first + per) - first) * 8;
+        if (kn > 0) {
+            gemm_tf32_stage(bs, bss, params + table[head * HEADS_FIELDS + 2], k, n, first * 8, kn,
+                            n0, TN, lane);
+            gemm_tf32_stage(as, ass, dhid + hid_off, rows, k, m0, BM, first * 8, kn, lane);
+        }
+    }
+    asm volatile("cp.async.commit_group;" ::: "memory");
+    asm volatile("cp.async.wait_group 0;" ::: "memory");
+    __syncwarp();
+    float acc[MT][NT][4];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
+    for (int kb = 0; kb < kn; kb += 8) {
+        unsigned fa[MT][4];
+#pragma unroll
+        for (int i = 0; i < MT; ++i) {
+            const int r = 16 * i + g;
+            fa[i][0] = gemm_tf32_bits(as[r * ass + kb + t]);
+            fa[i][1] = gemm_tf32_bits(as[(r + 8) * ass + kb + t]);
+            fa[i][2] = gemm_tf32_bits(as[r * ass + kb + t + 4]);
+            fa[i][3] = gemm_tf32_bits(as[(r + 8) * ass + kb + t + 4]);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+            const unsigned b0 = gemm_tf32_bits(bs[(kb + t) * bss + 8 * j + g]);
+            const unsigned b1 = gemm_tf32_bits(bs[(kb + t + 4) * bss + 8 * j + g]);
+#pragma unroll
+            for (int i = 0; i < MT; ++i)
+                gemm_tf32_mma(acc[i][j], fa[i][0], fa[i][1], fa[i][2], fa[i][3], b0, b1);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                partial[w * TILE + ((i * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e];
+    __syncthreads();
+    // Element (i, j, e, l) of the tile (fragment (i, j)'s accumulator e of lane l): each head's
+    // part its warps' partial sums in warp order, the parts in the reference's order from +0.
+    for (int o = threadIdx.x; o < TILE; o += W * 32) {
+        const int f = o >> 7, i = f / NT, j = f - i * NT, e = (o >> 5) & 3, l = o & 31;
+        float sum = 0.0f;
+        for (int s = 1; s <= n_heads; ++s) {
+            const float* p = partial + (s == n_heads ? 0 : s) * wph * TILE + o;
+            float part = p[0];
+            for (int q = 1; q < wph; ++q) part += p[q * TILE];
+            sum = sum + part;
+        }
+        const int row = m0 + 16 * i + (l >> 2) + (e >> 1) * 8;
+        const int col = n0 + 8 * j + 2 * (l & 3) + (e & 1);
+        if (row < rows && col < n) {
+            const long long x = (long long)row * n + col;
+            dh2_out[x] = sum;
+            out[x] = ha_h2_mask(sum, h2[x], h2_pre[x]);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
+heads_dh2_tf32(const float* __restrict__ dhid, const float* __restrict__ params,
+               const int* __restrict__ table, const float* __restrict__ h2,
+               const float* __restrict__ h2_pre, float* __restrict__ dh2_out,
+               float* __restrict__ out, int rows, int h2_width, int n_heads, int hid_align,
+               int tile_m, int tile_n) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    if (tile_m == 16 && tile_n == 16) {
+        heads_dh2_tile<1, 16>(dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
+                              n_heads, hid_align);
+    } else if (tile_m == 16) {
+        heads_dh2_tile<1, 32>(dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
+                              n_heads, hid_align);
+    } else {
+        heads_dh2_tile<2, 32>(dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
+                              n_heads, hid_align);
+    }
 }

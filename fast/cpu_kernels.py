@@ -345,6 +345,30 @@ def _heads_out_dueling_f32(a):
     return _heads_out_dueling(a, "heads_out_dueling_f32")
 
 
+def _w1_extent(a: Args) -> int:
+    """Elements of the parameter set the table's W1 blocks reach (``heads_dh2_tf32`` reads no
+    more)."""
+    t = _heads(a)
+    return int(np.max(t[:, 2] + t[:, 0] * a.h2_width))
+
+
+@twin("heads_dh2_tf32", dhid=lambda a: max(_heads_packed(a)[1], 1), params=_w1_extent,
+      table=lambda a: a.n_heads * rtrunk.HEADS_FIELDS, h2=("rows", "h2_width"),
+      h2_pre=("rows", "h2_width"), dh2_out=("rows", "h2_width"), out=("rows", "h2_width"))
+def _heads_dh2_tf32(a):
+    """The reference twin on the packed hidden gradients and the heads' W1 gathered from the
+    parameter set (side by side)."""
+    t = _heads(a)
+    hid_off = _heads_packed(a)[0]
+    hidden, h2 = t[:, 0], a.h2_width
+    r = rtrunk.heads_dh2_tf32(
+        np.concatenate([a.dhid[hid_off[h]:hid_off[h] + a.rows * w].reshape(a.rows, w)
+                        for h, w in enumerate(hidden)], axis=1),
+        np.concatenate([a.params[w1o:w1o + w * h2].reshape(w, h2) for w, _, w1o, *_ in t]),
+        hidden.astype(np.int32), a.h2, a.h2_pre)
+    return {"dh2_out": r.dh2, "out": r.out}
+
+
 # --------------------------------------------------------------------------------------------
 # distributional and fused
 # --------------------------------------------------------------------------------------------

@@ -54,8 +54,11 @@ from foxhunt.reference.population import member_configs
 #: ``StepProgram`` options of every population plan: the members' GEMMs are batched over the
 #: members (one stride for every operand), so the C51 and CQL backward passes are not stacked,
 #: and every GEMM is planned for the same share of the SMs (``sm_count`` below; a single
-#: trainer's shares by role were measured for one trainer's chain, not for batched GEMMs).
-MEMBER_PROGRAM_OPTIONS = {"stacked_backward": False, "sm_shares": UNIFORM_SM_SHARES}
+#: trainer's shares by role were measured for one trainer's chain, not for batched GEMMs); the
+#: heads' parts of ``d h2`` stay GEMMs batched over the members, not ``heads_dh2_tf32`` (measured
+#: for one trainer's chain only).
+MEMBER_PROGRAM_OPTIONS = {"stacked_backward": False, "sm_shares": UNIFORM_SM_SHARES,
+                          "heads_dh2": False}
 
 
 class PopulationPlanError(ValueError):

@@ -127,6 +127,11 @@ FUSE_AUX_TRUNK_GRAD = True
 #: ``h2_guard_mask`` instead of two (``clamp_finite`` with the guard's bound, ``h2_grad_sum_mask``
 #: of the one part it wrote). On with :data:`FUSE_AUX_TRUNK_GRAD` (its measurement).
 FUSE_GUARD_MASK = True
+#: The backward precisions whose loss passes take the heads' hidden gradients into the trunk in ONE
+#: launch of ``heads_dh2_tf32`` (every head's part of ``d h2``, their sum and the trunk's masks:
+#: :attr:`StepProgram.dh2_fused`) instead of a GEMM per head and ``h2_grad_sum_mask``: the TF32
+#: backward (the bf16 and tf32 steps).
+FUSE_HEADS_DH2 = frozenset({"tf32"})
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -147,12 +152,13 @@ def plan_switches() -> dict[str, object]:
     """The module's plan switches a bench may set for one arm (``benches/step_spread.py
     --switch``): name -> the value such an arm gives it, the other side of its default (the
     boolean switches flipped; ``FUSE_HEAD_OUTPUTS``: every precision with a heads' output kernel,
-    ``fast.kernels.trunk.HOD_KERNELS``). A trainer reads them while it builds its plans, so it
+    ``fast.kernels.trunk.HOD_KERNELS``; ``FUSE_HEADS_DH2``: none if on, else the TF32 backward). A trainer reads them while it builds its plans, so it
     keeps the plans of the values it was built with."""
     from foxhunt.fast.kernels.trunk import HOD_KERNELS
 
     return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS),
-            "FUSE_AUX_TRUNK_GRAD": not FUSE_AUX_TRUNK_GRAD, "FUSE_GUARD_MASK": not FUSE_GUARD_MASK}
+            "FUSE_AUX_TRUNK_GRAD": not FUSE_AUX_TRUNK_GRAD, "FUSE_GUARD_MASK": not FUSE_GUARD_MASK,
+            "FUSE_HEADS_DH2": frozenset() if FUSE_HEADS_DH2 else frozenset({"tf32"})}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:
@@ -188,7 +194,7 @@ class StepProgram:
                  host_nbytes: Mapping[str, int], arch: str, gemm_workspace: str = "none",
                  seed: int = 0, sm_count: int = 0, sm_shares: Mapping[str, int] | None = None,
                  fuse_trunk: bool = False, fuse_heads: bool = False,
-                 stacked_backward: bool = False):
+                 stacked_backward: bool = False, heads_dh2: bool = True):
         from foxhunt.fast.gemm import DEFAULT_WORKSPACE_LIMIT
 
         if gemm_workspace not in GEMM_WORKSPACES:
@@ -207,6 +213,10 @@ class StepProgram:
         #: "The C51 and CQL backward passes stacked"); never a population's (its GEMMs are
         #: already batched over the members, with one stride for every operand).
         self.stacked_backward = bool(stacked_backward)
+        #: Whether the loss passes may take the heads' ``d h2`` in one ``heads_dh2_tf32``
+        #: (:attr:`dh2_fused`); a population's members do not (their per-head GEMMs are batched
+        #: over the members: ``population_plan.MEMBER_PROGRAM_OPTIONS``).
+        self.heads_dh2 = bool(heads_dh2)
         if self.fuse_trunk and not self.trunk_fused:
             from foxhunt.fast.kernels._runtime import CLUSTER_SM90
             from foxhunt.fast.kernels.trunk import TRUNK_COLS_PER_PASS
@@ -269,6 +279,17 @@ class StepProgram:
         return (precision in FUSE_HEAD_OUTPUTS
                 and hod_fusable(lay.head_hidden, lay.head_out, lay.branches, lay.NA, precision,
                                 self.arch))
+
+    @property
+    def dh2_fused(self) -> bool:
+        """Whether a loss pass's backward (unstacked, without the auxiliary heads' ``d h2``) takes
+        every head's part of ``d h2``, their sum and the trunk's masks in one ``heads_dh2_tf32``:
+        allowed (``heads_dh2``), the backward precision in :data:`FUSE_HEADS_DH2` and shapes the
+        kernel takes (``fast.kernels.trunk.heads_dh2_fits``)."""
+        from foxhunt.fast.kernels.trunk import heads_dh2_fits
+
+        return (self.heads_dh2 and not self.stacked_backward and self.bwd_mode in FUSE_HEADS_DH2
+                and heads_dh2_fits(self.lay.head_hidden, self.arch))
 
     @property
     def aux_trunk_fused(self) -> bool:
@@ -681,6 +702,7 @@ class StepProgram:
         B, NA, H2 = lay.B, lay.NA, lay.H2
         losses = tuple(pres)
         tag = "_".join(losses)
+        fused = self.dh2_fused and len(losses) == 1 and aux_dh2 is None
         P = lambda name: self.weight(name, 0, bf16=False)  # noqa: E731 - f32 master weights
 
         def each(stem: str, key=None):  # one loss's buffer, or the losses' pair
@@ -697,9 +719,10 @@ class StepProgram:
             dhid = each("dhid", h.key)
 
             def after_mask(rest: Ops) -> None:  # beside the hidden layer's bias sum
-                self.input_grad(rest, dy=dhid, w=P(h.w1), dx=each("dh2p", h.key),
-                                rows=B, n_out=h.hidden, n_in=H2)
-                rest.record(f"dh2p_{tag}_{h.key}")
+                if not fused:
+                    self.input_grad(rest, dy=dhid, w=P(h.w1), dx=each("dh2p", h.key),
+                                    rows=B, n_out=h.hidden, n_in=H2)
+                rest.record(f"dh2p_{tag}_{h.key}")  # fused: dhid ready for heads_dh2_tf32
                 self.weight_grad(rest, dy=dy, x=hid, rows=B, n_out=h.out, n_in=h.hidden,
                                  dw=grads(h.w2), db=grads(h.b2))
                 self.weight_grad(rest, dy=dhid, x=Buf("h2o"), rows=B, n_out=h.hidden, n_in=H2,
@@ -737,7 +760,7 @@ class StepProgram:
         for loss in losses:
             sums.append(trunk.branch() if len(losses) > 1 else trunk)
             checks += self._dh2_sum(ops, sums[-1], chains, loss, tag,
-                                    aux_dh2 if loss == "c51" else None)
+                                    aux_dh2 if loss == "c51" else None, fused)
         if len(sums) > 1:
             trunk.parallel(*sums)
         self.trunk_backward(trunk, dh2m=each("dh2m"), grad=grads, dh1=each("dh1"),
@@ -746,14 +769,18 @@ class StepProgram:
         ops.parallel(*chains)
 
     def _dh2_sum(self, ops: Ops, trunk: Ops, chains: list, loss: str, tag: str,
-                 aux_dh2: Buf | None) -> list[Ops]:
+                 aux_dh2: Buf | None, fused: bool = False) -> list[Ops]:
         """Loss ``loss``'s ``dh2`` from its heads' parts and its masks ``dh2m_<loss>`` on
-        ``trunk``; its NaN checks (slots 33 and 34 of the C51 pass; ``backward``'s docstring) as
-        branches to run beside the trunk's GEMMs (returned), or a branch of ``chains``."""
+        ``trunk`` (``fused``: the parts, the sum and the masks in one ``heads_dh2_tf32`` from the
+        heads' hidden gradients ``dhid_<loss>``); its NaN checks (slots 33 and 34 of the C51
+        pass; ``backward``'s docstring) as branches to run beside the trunk's GEMMs (returned),
+        or a branch of ``chains``."""
+        from foxhunt.reference.kernels.trunk import heads_dh2_order
+
         lay = self.lay
         B, H2 = lay.B, lay.H2
         parts = lay.packed[f"dh2p_{loss}"]
-        order = [h.key for h in lay.heads[1:]] + [lay.heads[0].key]
+        order = [lay.heads[h].key for h in heads_dh2_order(len(lay.heads))]
         stride = blocks(B * H2, OPERAND_ALIGN) * OPERAND_ALIGN
         assert [parts.offsets[k] for k in order] == [i * stride for i in range(len(order))]
         safety, step, n2 = self.kernels("safety"), self.kernels("step"), B * H2
@@ -779,9 +806,23 @@ class StepProgram:
                              flag=Buf("flags", offset=sentinels.index(slot)))
                 checks.append(check)
             return checks
-        trunk.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2), parts=parts_buf,
-                     n_parts=len(order), part_stride=stride, h2="h2o", h2_pre="h2preo",
-                     dh2_out=f"dh2_{loss}", out=f"dh2m_{loss}", n=n2)
+        if fused:
+            trunk_k = self.kernels("trunk")
+            dhid = lay.packed[f"dhid_{loss}"]
+            offsets = [dhid.offsets[h.key] for h in lay.heads]
+            assert offsets == list(trunk_k.heads_packed_offsets(
+                lay.head_hidden, lay.head_out, B, OPERAND_ALIGN)[0]), offsets
+            trunk.kernel("heads_dh2_tf32",
+                         trunk_k.plan_heads_dh2_tf32(B, H2, lay.head_hidden, arch=self.arch),
+                         dhid=Buf(f"dhid_{loss}", lay.heads[0].key), params=Buf("params2"),
+                         table="head_table", h2="h2o", h2_pre="h2preo", dh2_out=f"dh2_{loss}",
+                         out=f"dh2m_{loss}", rows=B, h2_width=H2, n_heads=len(lay.heads),
+                         hid_align=OPERAND_ALIGN, tile_m=trunk_k.HEADS_DH2_TILE[0],
+                         tile_n=trunk_k.HEADS_DH2_TILE[1])
+        else:
+            trunk.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2), parts=parts_buf,
+                         n_parts=len(order), part_stride=stride, h2="h2o", h2_pre="h2preo",
+                         dh2_out=f"dh2_{loss}", out=f"dh2m_{loss}", n=n2)
         # Slot 33 (C51 pass): the trunk gradient right after the main backward; nothing writes
         # dh2 afterwards, so the check is a branch beside the trunk's GEMMs.
         checks = []

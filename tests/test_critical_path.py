@@ -191,10 +191,12 @@ def test_stacked_backward_stacks_the_two_losses_gemms(capsys, monkeypatch):
     """``--stacked-backward``: the C51 and CQL backward passes' 2 x 19 GEMMs are 19 (per head 2
     input and 2 weight gradients, the trunk's 3), every per-loss kernel kept. Compared with the
     backward GEMMs all cuBLASLt's (``step_program.BACKWARD_GEMM_KERNELS`` off: the stacked pairs
-    are batched cuBLASLt plans, which the backward GEMM kernels do not replace)."""
+    are batched cuBLASLt plans, which the backward GEMM kernels do not replace; nor the heads'
+    ``d h2`` kernel, ``FUSE_HEADS_DH2``)."""
     import foxhunt.fast.step_program as step_program
 
     monkeypatch.setattr(step_program, "BACKWARD_GEMM_KERNELS", False)
+    monkeypatch.setattr(step_program, "FUSE_HEADS_DH2", frozenset())
     plain = cp.table("seed", "bf16", ["core"])[0]["paths"]["graph1"]
     stacked = cp.table("seed", "bf16", ["core"], {"stacked_backward": True})[0]["paths"]["graph1"]
     assert plain.nodes - stacked.nodes == 4 * 4 + 3

@@ -102,7 +102,7 @@ def test_bad_arguments_raise_one_line_naming_the_field(kernel, edit, exc, match)
 
 # ------------------------------------------------------------------------------ the plan
 def _cu_define(name: str) -> int:
-    text = (resources.files("foxhunt.cuda_src") / "dense.cu").read_text()
+    text = (resources.files("foxhunt.cuda_src") / "tf32_mma.cuh").read_text()
     return int(re.search(rf"^#define {name} (\d+)$", text, re.M).group(1))
 
 

@@ -62,6 +62,16 @@ q) dlogit_j``). The carried bound enters as extra magnitude of the reduction tol
 ``heads_out_dueling_f32`` (the f32 step's): the same cases and bounds with W2 float32 (uniform,
 not BF16 values) and no ``hid_bf16``: ``out`` by the GEMM policy on ``[hid, 1]`` against the
 block-diagonal ``[W2^T; b2]``.
+
+The heads' input gradients into the trunk (``heads_dh2_tf32``): sizes ``(rows, hidden, H2)`` per
+case (:func:`dh2_dims`): ``tiny`` and ``seed`` the presets' loss backward (``batch_size`` rows,
+the value head and a head a branch, ``shared_h2``); ``odd`` 257 rows, hidden widths (21, 44, 12)
+(a width that is no multiple of 4 takes the kernel's 4-byte staging; k tails within a warp's
+range) and H2 = 40 (a partial column tile); ``extremal`` 5 rows, widths (16, 8), H2 = 16.
+Samples: hidden gradients with the ReLU's zeros, W1 as the heads', a pre-activation clamped at
+1.5 (so the clamp's mask is exercised). Both outputs by the GEMM policy on the concatenated
+``tf32_round`` operands ``[dhid] @ [W1]`` (k = sum(hidden): the parts' sum is that product); the
+elements the masks zero in ``out`` bit for bit.
 """
 
 from __future__ import annotations
@@ -92,7 +102,7 @@ from foxhunt.conformance.tolerance import (
 )
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import DQNConfig
-from foxhunt.reference.kernels.dense import bf16_to_f32, f32_to_bf16
+from foxhunt.reference.kernels.dense import bf16_to_f32, f32_to_bf16, tf32_round
 from foxhunt.reference.kernels.safety import isv_bound
 from foxhunt.reference.kernels.trunk import relu_aux_bits
 
@@ -422,6 +432,48 @@ def _hod_errors(sample, *extra):
     )
 
 
+# ------------------------------------------------ the heads' input gradients into the trunk
+#: ``heads_dh2_tf32``'s odd and extremal cases (module docstring): ``(rows, hidden, H2)``.
+DH2_ODD = (257, (21, 44, 12), 40)
+DH2_EXTREMAL = (5, (16, 8), 16)
+
+
+def dh2_dims(case: str) -> tuple[int, tuple[int, ...], int]:
+    """``(rows, hidden, H2)`` of a shape case (module docstring)."""
+    if case == "extremal":
+        return DH2_EXTREMAL
+    if case == "odd":
+        return DH2_ODD
+    cfg = DQNConfig.preset(case)
+    return cfg.batch_size, (cfg.value_h,) + (cfg.adv_h,) * cfg.n_branches, cfg.shared_h2
+
+
+def _dh2_sample(d: Dims, rng) -> Kwargs:
+    rows, hidden, h2 = dh2_dims(d.case)
+    dhid = rng.standard_normal((rows, sum(hidden))) * 1e-2
+    dhid[rng.random(dhid.shape) < 0.5] = 0.0  # the hidden ReLU's zeros
+    pre = rng.standard_normal((rows, h2)).astype(F32)
+    return {"dhid": dhid.astype(F32),
+            "w1": np.concatenate([rng.uniform(-1, 1, (w, h2)) * GAIN / np.sqrt(h2)
+                                  for w in hidden]).astype(F32),
+            "hidden": np.array(hidden, np.int32), "h2": np.clip(pre, -1.5, 1.5).astype(F32),
+            "h2_pre": pre}
+
+
+def _dh2_scales(kwargs: Kwargs, expected) -> dict:
+    """The GEMM policy's operands of both outputs (module docstring); ``out``'s masked
+    elements exact; ``overflow`` where the finite products' magnitudes add up past float32's
+    range (the order then decides: no contract)."""
+    a, b = tf32_round(kwargs["dhid"]), tf32_round(kwargs["w1"])
+    pre, h2 = kwargs["h2_pre"], kwargs["h2"]
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = [np.where(np.isfinite(x), np.abs(x), 0).astype(F64) for x in (a, b)]
+        overflow = (finite[0] @ finite[1]) > np.finfo(F32).max
+        masked = ~(pre > 0) | (h2 != pre)  # h2_grad_sum_mask's zeros (a NaN pre among them)
+    return {"dh2": {"a": a, "b": b, "overflow": overflow},
+            "out": {"a": a, "b": b, "exact": masked, "overflow": overflow & ~masked}}
+
+
 ENTRIES = (
     SpecEntry(
         name="trunk_forward_bf16",
@@ -478,5 +530,22 @@ ENTRIES = (
         errors=_hod_errors(_hod_f32_sample, lambda k: wrong_dtype(k, "w2")),
         scales=_hod_scales,
         contract=hod_rows_stay,
+    ),
+    SpecEntry(
+        name="heads_dh2_tf32",
+        outputs={"dh2": f32(GEMM), "out": f32(GEMM)},
+        sample=_dh2_sample,
+        targets=("dhid", "w1", "h2_pre"),
+        errors=error_cases(
+            _dh2_sample,
+            lambda k: wrong_dtype(k, "dhid"),
+            lambda k: wrong_dtype(k, "w1"),
+            lambda k: replace(k, dhid=k["dhid"][:, 1:].copy()),
+            lambda k: replace(k, w1=k["w1"][:, 1:].copy()),
+            lambda k: replace(k, h2=k["h2"][:-1].copy()),
+            lambda k: replace(k, hidden=np.zeros(0, np.int32)),
+            lambda k: replace(k, hidden=np.array([16, 0], np.int32)),
+        ),
+        scales=_dh2_scales,
     ),
 )

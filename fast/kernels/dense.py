@@ -73,7 +73,7 @@ BIAS_GRAD_MIN_COLS = 8
 #: blocks). Its row chunks are BIAS_GRAD_CHUNKS, so its db has bias_grad_reduce's bits.
 RELU_BIAS_GRAD_COLS = 8
 
-#: gemm_tf32 (cuda_src/dense.cu; ``tests/test_kernels_gemm_tf32.py`` reads them back): the warps
+#: gemm_tf32 (cuda_src/tf32_mma.cuh; ``tests/test_kernels_backward_gemm.py`` reads them back): the warps
 #: of a block (they split k) and the rows of an MMA fragment.
 GEMM_TF32_WARPS = 8
 GEMM_TF32_ROWS = 16

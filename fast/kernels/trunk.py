@@ -58,6 +58,17 @@ tile each) keeps the f32 hidden tiles and both heads' whole W2 in shared memory 
 :func:`hod_shared_limit`) and can end the f32 step's training passes (``HOD_KERNELS`` names each
 precision's kernel); off by default (``FUSE_HEAD_OUTPUTS``: every version so far measured slower
 than the nodes; the README's "The f32 heads' outputs from shared memory").
+
+The heads' input gradients into the trunk (``plan_heads_dh2_tf32(rows, H2, hidden)``,
+``heads_dh2_tf32``, the TF32 backward's part GEMMs and ``h2_grad_sum_mask`` in one launch): grid
+``(ceil(H2 / tile_n), ceil(rows / tile_m))`` of ``GEMM_TF32_WARPS * 32`` threads (the heads share
+the warps, which split each head's k as ``gemm_tf32``'s do), the tile :data:`HEADS_DH2_TILE`, shared
+memory of :func:`heads_dh2_shared_bytes`. The step reads the heads' W1 through the table and the
+hidden gradients from its packed ``dhid`` (``hid_align`` the step's ``OPERAND_ALIGN``); the test
+entry lays them out the same way (:func:`place_w1`).
+
+Kernel parameters (C order): ``dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
+n_heads, hid_align, tile_m, tile_n``.
 """
 
 from __future__ import annotations
@@ -67,6 +78,7 @@ import numpy as np
 from foxhunt.fast.kernels._runtime import In, Out, blocks, cluster_blocks, launch, runtime
 from foxhunt.fast.kernels.walk import SHARED_LIMIT, SHARED_OPTIN, shared_optin
 from foxhunt.reference.kernels.argcheck import check_int
+from foxhunt.reference.kernels.step import TrunkGrad
 from foxhunt.reference.kernels.trunk import (
     HEADS_FIELDS,
     TRUNK_WIDTH_MULTIPLE,
@@ -77,8 +89,10 @@ from foxhunt.reference.kernels.trunk import (
     aux_row_bytes,
     check_heads_dims,
     check_heads_out_dims,
+    check_heads_dh2_dims,
     check_trunk_dims,
     heads_packed_offsets,
+    validate_heads_dh2_tf32,
     validate_heads_forward_bf16,
     validate_heads_out_dueling,
     validate_trunk_forward_bf16,
@@ -500,6 +514,94 @@ def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
             unpack_out(out, rows, adv_off, v, adv))
 
 
+# -------------------------------------------------- the heads' input gradients into the trunk
+#: heads_dh2_tf32's tile ``(tile_m, tile_n)`` (one of ``dense.GEMM_TF32_TILES``, the kernel's
+#: instantiations).
+HEADS_DH2_TILE = (16, 32)
+
+
+def heads_dh2_shared_bytes(hidden, tile=HEADS_DH2_TILE) -> int:
+    """heads_dh2_tf32's dynamic shared memory (cuda_src/trunk.cu): per warp ``kw (tile_n + 8) +
+    tile_m (kw + 4)`` floats, ``kw = 8 ceil(ceil(max(hidden) / 8) / wph)`` with ``wph =
+    GEMM_TF32_WARPS // n_heads`` warps a head, then ``GEMM_TF32_WARPS tile_m tile_n`` floats of
+    partial tiles."""
+    from foxhunt.fast.kernels.dense import F32_BYTES, GEMM_TF32_WARPS
+
+    hidden = check_heads_dh2_dims(hidden)
+    tile_m, tile_n = tile
+    kw = 8 * blocks(blocks(max(hidden), 8), GEMM_TF32_WARPS // len(hidden))
+    return F32_BYTES * GEMM_TF32_WARPS * (kw * (tile_n + 8) + tile_m * (kw + 4) + tile_m * tile_n)
+
+
+def plan_heads_dh2_tf32(rows: int, h2_width: int, hidden, *, arch=DEFAULT_ARCH,
+                        tile=HEADS_DH2_TILE) -> Plan:
+    """``((ceil(H2 / tile_n), ceil(rows / tile_m)), (GEMM_TF32_WARPS * 32,),
+    heads_dh2_shared_bytes(hidden, tile))``; one ``ValueError`` naming the field for sizes the
+    kernel cannot run (:func:`~foxhunt.reference.kernels.trunk.check_heads_dh2_dims`, more heads
+    than warps, more shared memory than a block of ``arch`` may have)."""
+    from foxhunt.fast.kernels.dense import GEMM_TF32_TILES, GEMM_TF32_WARPS
+
+    check_int("rows", rows, minimum=1)
+    check_int("H2", h2_width, minimum=1)
+    hidden = check_heads_dh2_dims(hidden)
+    if len(hidden) > GEMM_TF32_WARPS:
+        raise ValueError(f"hidden={hidden}: heads_dh2_tf32 needs at most {GEMM_TF32_WARPS} heads "
+                         "(a warp each at least)")
+    if tuple(tile) not in GEMM_TF32_TILES:
+        raise ValueError(f"tile={tuple(tile)}: heads_dh2_tf32 has the tiles {GEMM_TF32_TILES}")
+    nbytes = _within_shared_limit(heads_dh2_shared_bytes(hidden, tile), arch,
+                                  f"hidden={hidden}: heads_dh2_tf32")
+    return (blocks(h2_width, tile[1]), blocks(rows, tile[0])), (GEMM_TF32_WARPS * 32,), nbytes
+
+
+def heads_dh2_fits(hidden, arch=DEFAULT_ARCH) -> bool:
+    """Whether ``heads_dh2_tf32`` runs heads of these hidden widths on ``arch`` (any rows and
+    H2): :func:`plan_heads_dh2_tf32` accepts them."""
+    try:
+        plan_heads_dh2_tf32(1, 1, hidden, arch=arch)
+    except ValueError:
+        return False
+    return True
+
+
+def place_w1(hidden, w1) -> tuple[np.ndarray, np.ndarray]:
+    """The test entry's parameter set for ``heads_dh2_tf32``: the heads' float32 W1 blocks ``[hidden[h],
+    H2]`` of ``w1 [HT, H2]`` one after another (each start a multiple of ``HEADS_W_ALIGN``);
+    ``(params, table)`` (the table's other fields 0: the kernel reads ``hidden`` and ``w1``)."""
+    h2 = w1.shape[1]
+    offsets, end = [], 0
+    for width in hidden:
+        offsets.append((end, 0, 0, 0))
+        end = -(-(end + width * h2) // HEADS_W_ALIGN) * HEADS_W_ALIGN
+    params = np.zeros(max(end, 1), F32)
+    h0 = 0
+    for (w1o, *_), width in zip(offsets, hidden):
+        params[w1o:w1o + width * h2] = w1[h0:h0 + width].ravel()
+        h0 += width
+    return params, heads_table(hidden, [0] * len(hidden), offsets)
+
+
+def heads_dh2_tf32(dhid, w1, hidden, h2, h2_pre) -> TrunkGrad:
+    """Test entry of the CUDA ``heads_dh2_tf32`` (contract as the reference twin): the heads' W1
+    placed one after another in a parameter buffer (:func:`place_w1`), the hidden gradients in the
+    step's packed layout (``hid_align`` the step's ``OPERAND_ALIGN``)."""
+    from foxhunt.fast.step_layout import OPERAND_ALIGN
+
+    rows, hid_w, h2_width = validate_heads_dh2_tf32(dhid, w1, hidden, h2, h2_pre)
+    params, table = place_w1(hid_w, w1)
+    hid_off, hid_total, _, _ = heads_packed_offsets(hid_w, [0] * len(hid_w), rows, OPERAND_ALIGN)
+    packed = np.zeros(max(hid_total, 1), F32)
+    h0 = 0
+    for h, width in enumerate(hid_w):
+        packed[hid_off[h]:hid_off[h] + rows * width] = dhid[:, h0:h0 + width].ravel()
+        h0 += width
+    plan = plan_heads_dh2_tf32(rows, h2_width, hid_w, arch=runtime().device.arch)
+    dh2, out = launch("heads_dh2_tf32", plan, In(packed), In(params), In(table), In(h2), In(h2_pre),
+                      Out((rows, h2_width), F32), Out((rows, h2_width), F32), rows, h2_width,
+                      len(hid_w), OPERAND_ALIGN, *HEADS_DH2_TILE)
+    return TrunkGrad(dh2, out)
+
+
 KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16,
            "heads_out_dueling_bf16": heads_out_dueling_bf16,
-           "heads_out_dueling_f32": heads_out_dueling_f32}
+           "heads_out_dueling_f32": heads_out_dueling_f32, "heads_dh2_tf32": heads_dh2_tf32}

@@ -27,6 +27,12 @@ values, every head's second-layer GEMM with the BIAS epilogue and
 ``fused.dueling_log_softmax_q_branches`` (:func:`heads_out_dueling_bf16`); ``heads_out_dueling_f32``,
 its twin in the f32 step (every head's f32 second-layer GEMM with the BIAS epilogue and the
 dueling log-softmax: :func:`heads_out_dueling_f32`).
+
+``heads_dh2_tf32``, the composition of the nodes that take a TF32 backward pass from the heads'
+hidden gradients into the trunk (``StepProgram.backward`` with ``FUSE_HEADS_DH2``): every head's
+input gradient ``dhid_h @ W1_h`` (``dense.gemm`` mode ``"tf32"``, what the cuBLASLt TF32 plan
+computes) and ``step.h2_grad_sum_mask`` of those parts in the reference's order (the branch heads,
+then the value head): :func:`heads_dh2_tf32`.
 """
 
 from __future__ import annotations
@@ -408,6 +414,66 @@ def heads_out_dueling_f32(hid: np.ndarray, w2: np.ndarray, b2: np.ndarray, z: np
     return HeadsOutDuelingF32(np.concatenate(parts, axis=1).astype(F32), r.logits, r.logp, r.q)
 
 
+def check_heads_dh2_dims(hidden) -> tuple[int, ...]:
+    """``heads_dh2_tf32``'s rule on the heads (1 to :data:`HEADS_MAX` of them, every hidden width
+    >= 1), one ``ValueError`` naming the field, the value and the rule; the widths as ints."""
+    hidden = tuple(int(h) for h in np.asarray(hidden).ravel())
+    if not 1 <= len(hidden) <= HEADS_MAX:
+        raise ValueError(f"hidden={hidden}: heads_dh2_tf32 needs 1 to {HEADS_MAX} heads")
+    for h, width in enumerate(hidden):
+        if width < 1:
+            raise ValueError(f"hidden[{h}]={width}: heads_dh2_tf32 needs a width >= 1")
+    return hidden
+
+
+def validate_heads_dh2_tf32(dhid, w1, hidden, h2, h2_pre) -> tuple[int, tuple[int, ...], int]:
+    """The argument checks of ``heads_dh2_tf32``; returns ``(rows, hidden, H2)``: ``dhid [rows,
+    HT]``, ``w1 [HT, H2]``, ``h2`` and ``h2_pre [rows, H2]`` float32 (``HT = sum(hidden)``),
+    ``hidden`` int32 ``[n_heads]`` (:func:`check_heads_dh2_dims`)."""
+    require_array("dhid", dhid, F32, ndim=2)
+    require_array("w1", w1, F32, ndim=2)
+    require_array("hidden", hidden, np.dtype(np.int32), ndim=1)
+    hid_w = check_heads_dh2_dims(hidden)
+    rows, h2_width = dhid.shape[0], w1.shape[1]
+    check_int("rows", rows, minimum=1)
+    check_int("H2", h2_width, minimum=1)
+    require_shape("dhid", dhid, (rows, sum(hid_w)), "[rows, sum(hidden)]")
+    require_shape("w1", w1, (sum(hid_w), h2_width), "[sum(hidden), H2]")
+    for name, x in (("h2", h2), ("h2_pre", h2_pre)):
+        require_array(name, x, F32, ndim=2)
+        require_shape(name, x, (rows, h2_width), "[rows, H2]")
+    return rows, hid_w, h2_width
+
+
+def heads_dh2_order(n_heads: int) -> tuple[int, ...]:
+    """The order the heads' parts of ``d h2`` are summed in (the reference network's,
+    ``fast/step_layout.py``'s ``dh2p``): the branch heads ``1 .. n_heads - 1``, then the value
+    head 0."""
+    return tuple(range(1, n_heads)) + (0,)
+
+
+def heads_dh2_tf32(dhid: np.ndarray, w1: np.ndarray, hidden: np.ndarray, h2: np.ndarray,
+                   h2_pre: np.ndarray) -> step.TrunkGrad:
+    """A TF32 backward pass from the heads' hidden gradients into the trunk, as the nodes it
+    replaces compute it (the heads side by side as in :func:`heads_forward_bf16`):
+
+    - per head h: ``part_h = dense.gemm(dhid[:, H_h], w1[H_h, :], mode="tf32")`` (``dhid_h [rows,
+      hidden[h]] @ W1_h [hidden[h], H2]``, TF32 operands, float32 accumulation);
+    - ``dh2, out = step.h2_grad_sum_mask(parts, h2, h2_pre)`` with the parts in
+      :func:`heads_dh2_order` (the sum from zeros, then Mech 10's clamp and the trunk ReLU).
+
+    NaN contract: the nodes' composed (IEEE through the GEMMs: a NaN or Inf in row i of ``dhid``
+    reaches row i of ``dh2``, one in row k of ``w1`` a column of every row; then
+    ``h2_grad_sum_mask``'s masks: a NaN ``h2_pre`` or ``h2_pre <= 0`` gives +0 in ``out``).
+    """
+    _, hid_w, _ = validate_heads_dh2_tf32(dhid, w1, hidden, h2, h2_pre)
+    starts = np.cumsum((0,) + hid_w)
+    parts = [dense.gemm(np.ascontiguousarray(dhid[:, starts[h]:starts[h + 1]]),
+                        np.ascontiguousarray(w1[starts[h]:starts[h + 1]]), mode="tf32")
+             for h in heads_dh2_order(len(hid_w))]
+    return step.h2_grad_sum_mask(np.stack(parts), h2, h2_pre)
+
+
 KERNELS = {"trunk_forward_bf16": trunk_forward_bf16, "heads_forward_bf16": heads_forward_bf16,
            "heads_out_dueling_bf16": heads_out_dueling_bf16,
-           "heads_out_dueling_f32": heads_out_dueling_f32}
+           "heads_out_dueling_f32": heads_out_dueling_f32, "heads_dh2_tf32": heads_dh2_tf32}
