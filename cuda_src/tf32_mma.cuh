@@ -1,6 +1,6 @@
-// TF32 tensor-core helpers of the backward GEMMs (cuda_src/dense.cu: gemm_tf32, gemm_f32) and of
-// the heads' input gradient into the trunk (cuda_src/trunk.cu: heads_dh2_tf32): the TF32
-// rounding, one m16n8k8 MMA, and one warp's cp.async staging of a tile of a row-major matrix.
+// TF32 tensor-core helpers of the backward GEMMs (cuda_src/dense.cu: gemm_tf32, gemm_f32; the
+// rounding and the MMA also of cuda_src/trunk.cu's heads_dh2_tf32): the TF32 rounding, one
+// m16n8k8 MMA, and one warp's cp.async staging of a tile of a row-major matrix.
 //
 // Every helper is `static __device__ __forceinline__`, so each translation unit gets its own
 // copy and nothing clashes when several files include this header.

@@ -54,7 +54,7 @@
 #include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_map, ..._st_u32
 #include "dueling.cuh"    // dueling_sample_regs (heads_out_dueling_bf16's dueling log-softmax)
 #include "ha_common.cuh"  // ha_h2_mask (heads_dh2_tf32's masks: step.cu h2_grad_sum_mask's)
-#include "tf32_mma.cuh"   // gemm_tf32_bits, gemm_tf32_mma, gemm_tf32_stage (heads_dh2_tf32)
+#include "tf32_mma.cuh"   // GEMM_TF32_ROWS, gemm_tf32_bits, gemm_tf32_mma (heads_dh2_tf32)
 
 #define TRUNK_WARPS 4
 #define TRUNK_THREADS (TRUNK_WARPS * 32)
@@ -1229,25 +1229,61 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
 // dhid: the heads' [rows, hidden_h] blocks packed as hid (heads_block_offsets with hid_align);
 // W1_h [hidden_h, H2] float32 at params + table[h].w1; h2, h2_pre, dh2_out and out [rows, H2].
 //
-// Work: a block computes a tile_m x tile_n tile of both outputs with GEMM_TF32_WARPS warps. Each
-// head gets wph = GEMM_TF32_WARPS / n_heads of them (warps past n_heads wph idle), which split
-// the head's k range as gemm_tf32's warps split k: each stages its slices of dhid_h's rows and
-// W1_h's columns in shared memory (tf32_mma.cuh's cp.async staging; zeros past the matrices) and
-// multiplies them (mma.sync m16n8k8, cvt.rna TF32 operands = tf32_round, f32 accumulation) with
-// no barrier. After one barrier a head's part of an element is its warps' partial sums added in
-// warp order, and the parts are added in the reference's order from +0, then the mask and both
-// stores. The bits depend on the heads' widths and n_heads only, not on the tile or the grid.
-// Grid (ceil(H2 / tile_n), ceil(rows / tile_m)), GEMM_TF32_WARPS * 32 threads; dynamic shared
-// memory (floats): per warp kw (tile_n + 8) + tile_m (kw + 4), kw = 8 ceil(ceil(max hidden_h / 8)
-// / wph), then GEMM_TF32_WARPS tile_m tile_n for the partial tiles (fast/kernels/trunk.py
-// heads_dh2_shared_bytes).
+// Work: a block computes a tile_m x tile_n tile of both outputs with HDH_WARPS warps. Each head
+// gets wph = HDH_WARPS / n_heads of them (warps past n_heads wph idle), which split the head's k
+// range in multiples of 8 as gemm_tf32's warps split k. A warp walks its range in chunks of
+// HDH_KC: it stages the chunk's tile_m rows of dhid_h and its rows of W1_h's tile_n columns in
+// its own shared memory (cp.async, 16 bytes where aligned; zeros past the matrices and past the
+// warp's range; compile-time quads a row, so no division) and multiplies them (mma.sync m16n8k8,
+// cvt.rna TF32 operands = tf32_round, f32 accumulation) with no block barrier. After a barrier the
+// warps' partial tiles go to shared memory (over the staging buffers, after a second barrier); a
+// head's part of an element is its warps' partial sums added in warp order, the parts are added
+// in the reference's order from +0, then the mask and both stores. The bits depend on the heads'
+// widths and n_heads only, not on the tile or the grid. Grid (ceil(H2 / tile_n), ceil(rows /
+// tile_m)), HDH_WARPS * 32 threads; dynamic shared memory (floats): max(HDH_WARPS (HDH_KC (tile_n
+// + 8) + tile_m (HDH_KC + 4)), HDH_WARPS tile_m tile_n) (fast/kernels/trunk.py
+// heads_dh2_shared_bytes; the paddings make the fragment reads conflict-free).
 //
 // NaN/Inf contract (the nodes'): IEEE through the products and sums: a NaN or Inf in row i of
 // dhid_h reaches row i of dh2_out, one in row k of W1_h (a column c) column c of every row (Inf *
 // 0 is NaN); the TF32 rounding keeps NaN and Inf; the mask is h2_grad_sum_mask's (a NaN h2_pre
 // or h2_pre <= 0 gives +0 whatever the sum; h2 != h2_pre gives +0). Requirements (the launcher
-// checks): 1 <= n_heads <= GEMM_TF32_WARPS, positive widths.
+// checks): 1 <= n_heads <= HEADS_MAX (so wph >= 2), positive widths.
 // =============================================================================================
+#define HDH_WARPS 16
+#define HDH_KC 32
+
+// One warp stages rows [r0, r0 + NR) x columns [c0, c0 + 4 Q) of the row-major matrix g (row
+// stride ld) into s (row stride ss): element (r, c) is copied where r < r_end and c < c_end, else
+// +0.0 is stored. Lane l takes the flattened quads l, l + 32, .. (a row's Q quads consecutive).
+template <int NR, int Q>
+static __device__ __forceinline__ void hdh_stage(float* s, int ss, const float* g, long long ld,
+                                                 int r0, int r_end, int c0, int c_end, bool vec,
+                                                 int lane) {
+#pragma unroll
+    for (int i = lane; i < NR * Q; i += 32) {
+        const int r = i / Q, cc = (i - r * Q) * 4;  // Q a compile-time power of two: shifts
+        const int gr = r0 + r, gc = c0 + cc;
+        float* d = s + r * ss + cc;
+        const float* src = g + (long long)gr * ld + gc;
+        if (vec && gr < r_end && gc + 3 < c_end) {
+            const unsigned sa = (unsigned)__cvta_generic_to_shared(d);
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(sa), "l"(src) : "memory");
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                if (gr < r_end && gc + j < c_end) {
+                    const unsigned sa = (unsigned)__cvta_generic_to_shared(d + j);
+                    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(sa), "l"(src + j)
+                                 : "memory");
+                } else {
+                    d[j] = 0.0f;
+                }
+            }
+        }
+    }
+}
+
 template <int MT, int TN>
 static __device__ __forceinline__ void heads_dh2_tile(const float* __restrict__ dhid,
                                                       const float* __restrict__ params,
@@ -1257,66 +1293,67 @@ static __device__ __forceinline__ void heads_dh2_tile(const float* __restrict__ 
                                                       float* __restrict__ dh2_out,
                                                       float* __restrict__ out, int rows, int n,
                                                       int n_heads, int hid_align) {
-    constexpr int BM = GEMM_TF32_ROWS * MT, W = GEMM_TF32_WARPS, NT = TN / 8;
+    constexpr int BM = GEMM_TF32_ROWS * MT, W = HDH_WARPS, NT = TN / 8, KC = HDH_KC;
     constexpr int TILE = MT * NT * 128;  // the tile's outputs, 16 * MT * TN
+    constexpr int BSS = TN + 8, ASS = KC + 4;
+    constexpr int WARP_FLOATS = KC * BSS + BM * ASS;
     extern __shared__ float4 heads_dh2_smem4[];
     float* smem = reinterpret_cast<float*>(heads_dh2_smem4);
     const int m0 = blockIdx.y * BM, n0 = blockIdx.x * TN;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wph = W / n_heads;
     const int head = w / wph, slice = w - head * wph;
-    int hmax = 0;
-    for (int h = 0; h < n_heads; ++h) {
-        hmax = max(hmax, table[h * HEADS_FIELDS]);
-    }
-    const int kw = 8 * ((((hmax + 7) >> 3) + wph - 1) / wph);
-    const int bss = TN + 8, ass = kw + 4;
-    const int warp_floats = kw * bss + BM * ass;
-    float* bs = smem + w * warp_floats;
-    float* as = bs + kw * bss;
-    float* partial = smem + W * warp_floats;  // [W][MT * NT * 4][32]
-    int kn = 0;
-    if (head < n_heads) {
-        const int k = table[head * HEADS_FIELDS];
-        int hid_off, out_off;
-        heads_block_offsets(table, head, rows, hid_align, hid_off, out_off);
-        const int steps = (k + 7) >> 3;
-        const int per = (steps + wph - 1) / wph;
-        const int first = min(steps, slice * per);
-        kn = (min(steps, first + per) - first) * 8;
-        if (kn > 0) {
-            gemm_tf32_stage(bs, bss, params + table[head * HEADS_FIELDS + 2], k, n, first * 8, kn,
-                            n0, TN, lane);
-            gemm_tf32_stage(as, ass, dhid + hid_off, rows, k, m0, BM, first * 8, kn, lane);
-        }
-    }
-    asm volatile("cp.async.commit_group;" ::: "memory");
-    asm volatile("cp.async.wait_group 0;" ::: "memory");
-    __syncwarp();
+    float* bs = smem + w * WARP_FLOATS;
+    float* as = bs + KC * BSS;
     float acc[MT][NT][4];
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
         for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
-    for (int kb = 0; kb < kn; kb += 8) {
-        unsigned fa[MT][4];
+    if (head < n_heads) {
+        const int k = table[head * HEADS_FIELDS];
+        const float* w1 = params + table[head * HEADS_FIELDS + 2];
+        int hid_off, out_off;
+        heads_block_offsets(table, head, rows, hid_align, hid_off, out_off);
+        const float* a = dhid + hid_off;
+        const int steps = (k + 7) >> 3;
+        const int per = (steps + wph - 1) / wph;
+        const int first = min(steps, slice * per) * 8;
+        const int last = min(steps * 8, first + per * 8);  // the warp's k range [first, last)
+        const int k_end = min(k, last);
+        const bool a_vec = ((k & 3) == 0) && ((reinterpret_cast<size_t>(a) & 15) == 0);
+        const bool b_vec = ((n & 3) == 0) && ((reinterpret_cast<size_t>(w1) & 15) == 0);
+        for (int kc = first; kc < last; kc += KC) {
+            if (kc != first) __syncwarp();  // the previous chunk's fragments are read
+            hdh_stage<KC, TN / 4>(bs, BSS, w1, n, kc, k_end, n0, n, b_vec, lane);
+            hdh_stage<BM, KC / 4>(as, ASS, a, k, m0, rows, kc, k_end, a_vec, lane);
+            asm volatile("cp.async.commit_group;" ::: "memory");
+            asm volatile("cp.async.wait_group 0;" ::: "memory");
+            __syncwarp();
+            const int kn = min(KC, last - kc);
+            for (int kb = 0; kb < kn; kb += 8) {
+                unsigned fa[MT][4];
 #pragma unroll
-        for (int i = 0; i < MT; ++i) {
-            const int r = 16 * i + g;
-            fa[i][0] = gemm_tf32_bits(as[r * ass + kb + t]);
-            fa[i][1] = gemm_tf32_bits(as[(r + 8) * ass + kb + t]);
-            fa[i][2] = gemm_tf32_bits(as[r * ass + kb + t + 4]);
-            fa[i][3] = gemm_tf32_bits(as[(r + 8) * ass + kb + t + 4]);
-        }
+                for (int i = 0; i < MT; ++i) {
+                    const int r = 16 * i + g;
+                    fa[i][0] = gemm_tf32_bits(as[r * ASS + kb + t]);
+                    fa[i][1] = gemm_tf32_bits(as[(r + 8) * ASS + kb + t]);
+                    fa[i][2] = gemm_tf32_bits(as[r * ASS + kb + t + 4]);
+                    fa[i][3] = gemm_tf32_bits(as[(r + 8) * ASS + kb + t + 4]);
+                }
 #pragma unroll
-        for (int j = 0; j < NT; ++j) {
-            const unsigned b0 = gemm_tf32_bits(bs[(kb + t) * bss + 8 * j + g]);
-            const unsigned b1 = gemm_tf32_bits(bs[(kb + t + 4) * bss + 8 * j + g]);
+                for (int j = 0; j < NT; ++j) {
+                    const unsigned b0 = gemm_tf32_bits(bs[(kb + t) * BSS + 8 * j + g]);
+                    const unsigned b1 = gemm_tf32_bits(bs[(kb + t + 4) * BSS + 8 * j + g]);
 #pragma unroll
-            for (int i = 0; i < MT; ++i)
-                gemm_tf32_mma(acc[i][j], fa[i][0], fa[i][1], fa[i][2], fa[i][3], b0, b1);
+                    for (int i = 0; i < MT; ++i)
+                        gemm_tf32_mma(acc[i][j], fa[i][0], fa[i][1], fa[i][2], fa[i][3], b0, b1);
+                }
+            }
         }
     }
+    __syncthreads();  // every warp's staging read: the partial tiles go over it
+    float* partial = smem;  // [W][MT * NT * 4][32]
 #pragma unroll
     for (int i = 0; i < MT; ++i)
 #pragma unroll
@@ -1346,7 +1383,7 @@ static __device__ __forceinline__ void heads_dh2_tile(const float* __restrict__ 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(GEMM_TF32_WARPS * 32)
+extern "C" __global__ void __launch_bounds__(HDH_WARPS * 32)
 heads_dh2_tf32(const float* __restrict__ dhid, const float* __restrict__ params,
                const int* __restrict__ table, const float* __restrict__ h2,
                const float* __restrict__ h2_pre, float* __restrict__ dh2_out,

@@ -123,34 +123,48 @@ def test_plan_of_the_seed_shapes():
     rows, hidden, h2 = dh2_dims("seed")
     grid, block, nbytes = fast_trunk.plan_heads_dh2_tf32(rows, h2, hidden)
     tile_m, tile_n = fast_trunk.HEADS_DH2_TILE
-    assert grid == (-(-h2 // tile_n), -(-rows // tile_m)) and block == (256,)
-    # 4 heads of 128: 2 warps a head, 64 k each: per warp 64 (tile_n + 8) + tile_m 68 floats.
-    assert nbytes == 4 * 8 * (64 * (tile_n + 8) + tile_m * 68 + tile_m * tile_n)
+    assert grid == (-(-h2 // tile_n), -(-rows // tile_m)) and block == (16 * 32,)
+    # 16 warps, each staging a chunk of 32 k: 32 (tile_n + 8) floats of W1, tile_m (32 + 4) of
+    # dhid (the partial tiles, 16 tile_m tile_n floats, reuse them).
+    assert nbytes == 4 * 16 * (32 * (tile_n + 8) + tile_m * 36)
     assert fast_trunk.heads_dh2_fits(hidden)
+    assert fast_trunk.heads_dh2_shared_bytes((16, 16)) == 4 * 16 * (32 * 24 + 16 * 36)
+
+
+def _cu_define(text: str, name: str) -> int:
+    return int(re.search(rf"^#define {name} (\d+)$", text, re.M).group(1))
 
 
 def test_plan_constants_are_the_sources():
-    """The tile is one of gemm_tf32's, instantiated in trunk.cu; the warps are tf32_mma.cuh's."""
+    """The tile is one of gemm_tf32's, instantiated in trunk.cu; the warps and the chunk are
+    trunk.cu's HDH_WARPS and HDH_KC."""
     text = (resources.files("foxhunt.cuda_src") / "trunk.cu").read_text()
     assert fast_trunk.HEADS_DH2_TILE in fast_dense.GEMM_TF32_TILES
     for tile_m, tile_n in fast_dense.GEMM_TF32_TILES:
         assert f"heads_dh2_tile<{tile_m // 16}, {tile_n}>" in text
-    header = (resources.files("foxhunt.cuda_src") / "tf32_mma.cuh").read_text()
-    assert int(re.search(r"^#define GEMM_TF32_WARPS (\d+)$", header, re.M).group(1)) == \
-        fast_dense.GEMM_TF32_WARPS
+    assert fast_trunk.HEADS_DH2_WARPS == _cu_define(text, "HDH_WARPS")
+    assert fast_trunk.HEADS_DH2_KC == _cu_define(text, "HDH_KC")
+    # Every head gets two warps at least (HEADS_MAX heads).
+    assert fast_trunk.HEADS_DH2_WARPS // ref_trunk.HEADS_MAX >= 2
 
 
 @pytest.mark.parametrize("args, kw, match", [
     ((0, 16, (16,)), {}, r"^rows=0"),
     ((4, 16, (16,) * 9), {}, r"^hidden=\(16(, 16){8}\): heads_dh2_tf32 needs 1 to 8 heads$"),
     ((4, 16, (16,)), dict(tile=(32, 16)), r"^tile=\(32, 16\): heads_dh2_tf32 has the tiles "),
-    ((4, 16, (4096,)), {}, r"^hidden=\(4096,\): heads_dh2_tf32 needs \d+ bytes of shared memory "
-                           r"per block; sm_90 allows \d+$"),
+    ((4, 16, (16,)), dict(tile=(32, 32), arch=86),
+     r"^tile=\(32, 32\): heads_dh2_tf32 needs 155648 bytes of shared memory per block; sm_86 "
+     r"allows 101376$"),
 ])
 def test_plan_refuses_shapes_the_kernel_cannot_run(args, kw, match):
     with pytest.raises(ValueError, match=match):
         fast_trunk.plan_heads_dh2_tf32(*args, **kw)
-    assert not fast_trunk.heads_dh2_fits(args[2]) or "tile" in kw or args[0] == 0
+
+
+def test_heads_it_runs():
+    assert fast_trunk.heads_dh2_fits((128,) * 4) and fast_trunk.heads_dh2_fits((1,) * 8)
+    assert fast_trunk.heads_dh2_fits((4096, 3))  # long k: chunks of 32
+    assert not fast_trunk.heads_dh2_fits((16,) * 9) and not fast_trunk.heads_dh2_fits(())
 
 
 def test_entry_accepts_another_summation_order_and_catches_a_missed_mask():

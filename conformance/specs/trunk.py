@@ -65,9 +65,10 @@ block-diagonal ``[W2^T; b2]``.
 
 The heads' input gradients into the trunk (``heads_dh2_tf32``): sizes ``(rows, hidden, H2)`` per
 case (:func:`dh2_dims`): ``tiny`` and ``seed`` the presets' loss backward (``batch_size`` rows,
-the value head and a head a branch, ``shared_h2``); ``odd`` 257 rows, hidden widths (21, 44, 12)
-(a width that is no multiple of 4 takes the kernel's 4-byte staging; k tails within a warp's
-range) and H2 = 40 (a partial column tile); ``extremal`` 5 rows, widths (16, 8), H2 = 16.
+the value head and a head a branch, ``shared_h2``); ``odd`` 257 rows, hidden widths (21, 300,
+12) (a width that is no multiple of 4 takes the kernel's 4-byte staging; 300 gives a warp two
+chunks of k; k tails within a warp's range) and H2 = 40 (a partial column tile); ``extremal`` 5
+rows, widths (16, 8), H2 = 16.
 Samples: hidden gradients with the ReLU's zeros, W1 as the heads', a pre-activation clamped at
 1.5 (so the clamp's mask is exercised). Both outputs by the GEMM policy on the concatenated
 ``tf32_round`` operands ``[dhid] @ [W1]`` (k = sum(hidden): the parts' sum is that product); the
@@ -434,7 +435,7 @@ def _hod_errors(sample, *extra):
 
 # ------------------------------------------------ the heads' input gradients into the trunk
 #: ``heads_dh2_tf32``'s odd and extremal cases (module docstring): ``(rows, hidden, H2)``.
-DH2_ODD = (257, (21, 44, 12), 40)
+DH2_ODD = (257, (21, 300, 12), 40)
 DH2_EXTREMAL = (5, (16, 8), 16)
 
 

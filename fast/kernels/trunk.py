@@ -61,7 +61,7 @@ than the nodes; the README's "The f32 heads' outputs from shared memory").
 
 The heads' input gradients into the trunk (``plan_heads_dh2_tf32(rows, H2, hidden)``,
 ``heads_dh2_tf32``, the TF32 backward's part GEMMs and ``h2_grad_sum_mask`` in one launch): grid
-``(ceil(H2 / tile_n), ceil(rows / tile_m))`` of ``GEMM_TF32_WARPS * 32`` threads (the heads share
+``(ceil(H2 / tile_n), ceil(rows / tile_m))`` of ``HEADS_DH2_WARPS * 32`` threads (the heads share
 the warps, which split each head's k as ``gemm_tf32``'s do), the tile :data:`HEADS_DH2_TILE`, shared
 memory of :func:`heads_dh2_shared_bytes`. The step reads the heads' W1 through the table and the
 hidden gradients from its packed ``dhid`` (``hid_align`` the step's ``OPERAND_ALIGN``); the test
@@ -518,40 +518,37 @@ def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
 #: heads_dh2_tf32's tile ``(tile_m, tile_n)`` (one of ``dense.GEMM_TF32_TILES``, the kernel's
 #: instantiations).
 HEADS_DH2_TILE = (16, 32)
+#: trunk.cu's HDH_WARPS (the warps of a block: each head gets ``HDH_WARPS // n_heads``) and
+#: HDH_KC (the k of a warp's staged chunk) (``tests/test_kernels_heads_dh2.py`` reads them back).
+HEADS_DH2_WARPS = 16
+HEADS_DH2_KC = 32
 
 
-def heads_dh2_shared_bytes(hidden, tile=HEADS_DH2_TILE) -> int:
-    """heads_dh2_tf32's dynamic shared memory (cuda_src/trunk.cu): per warp ``kw (tile_n + 8) +
-    tile_m (kw + 4)`` floats, ``kw = 8 ceil(ceil(max(hidden) / 8) / wph)`` with ``wph =
-    GEMM_TF32_WARPS // n_heads`` warps a head, then ``GEMM_TF32_WARPS tile_m tile_n`` floats of
-    partial tiles."""
-    from foxhunt.fast.kernels.dense import F32_BYTES, GEMM_TF32_WARPS
-
-    hidden = check_heads_dh2_dims(hidden)
-    tile_m, tile_n = tile
-    kw = 8 * blocks(blocks(max(hidden), 8), GEMM_TF32_WARPS // len(hidden))
-    return F32_BYTES * GEMM_TF32_WARPS * (kw * (tile_n + 8) + tile_m * (kw + 4) + tile_m * tile_n)
+def heads_dh2_shared_bytes(tile=None) -> int:
+    """heads_dh2_tf32's dynamic shared memory (cuda_src/trunk.cu) for ``tile`` (default
+    :data:`HEADS_DH2_TILE`): per warp ``HDH_KC (tile_n + 8) + tile_m (HDH_KC + 4)`` floats of
+    staging, which the ``HDH_WARPS tile_m tile_n`` floats of partial tiles reuse."""
+    tile_m, tile_n = HEADS_DH2_TILE if tile is None else tile
+    kc = HEADS_DH2_KC
+    return 4 * HEADS_DH2_WARPS * max(kc * (tile_n + 8) + tile_m * (kc + 4), tile_m * tile_n)
 
 
-def plan_heads_dh2_tf32(rows: int, h2_width: int, hidden, *, arch=DEFAULT_ARCH,
-                        tile=HEADS_DH2_TILE) -> Plan:
-    """``((ceil(H2 / tile_n), ceil(rows / tile_m)), (GEMM_TF32_WARPS * 32,),
-    heads_dh2_shared_bytes(hidden, tile))``; one ``ValueError`` naming the field for sizes the
-    kernel cannot run (:func:`~foxhunt.reference.kernels.trunk.check_heads_dh2_dims`, more heads
-    than warps, more shared memory than a block of ``arch`` may have)."""
-    from foxhunt.fast.kernels.dense import GEMM_TF32_TILES, GEMM_TF32_WARPS
+def plan_heads_dh2_tf32(rows: int, h2_width: int, hidden, *, arch=DEFAULT_ARCH, tile=None) -> Plan:
+    """``((ceil(H2 / tile_n), ceil(rows / tile_m)), (HDH_WARPS * 32,),
+    heads_dh2_shared_bytes(tile))`` (``tile`` default :data:`HEADS_DH2_TILE`); one ``ValueError``
+    naming the field for sizes the kernel cannot run (:func:`~foxhunt.reference.kernels.trunk.
+    check_heads_dh2_dims`, a tile it has no instance of, more shared memory than a block of
+    ``arch`` may have)."""
+    from foxhunt.fast.kernels.dense import GEMM_TF32_TILES
 
     check_int("rows", rows, minimum=1)
     check_int("H2", h2_width, minimum=1)
-    hidden = check_heads_dh2_dims(hidden)
-    if len(hidden) > GEMM_TF32_WARPS:
-        raise ValueError(f"hidden={hidden}: heads_dh2_tf32 needs at most {GEMM_TF32_WARPS} heads "
-                         "(a warp each at least)")
-    if tuple(tile) not in GEMM_TF32_TILES:
-        raise ValueError(f"tile={tuple(tile)}: heads_dh2_tf32 has the tiles {GEMM_TF32_TILES}")
-    nbytes = _within_shared_limit(heads_dh2_shared_bytes(hidden, tile), arch,
-                                  f"hidden={hidden}: heads_dh2_tf32")
-    return (blocks(h2_width, tile[1]), blocks(rows, tile[0])), (GEMM_TF32_WARPS * 32,), nbytes
+    check_heads_dh2_dims(hidden)
+    tile = HEADS_DH2_TILE if tile is None else tuple(tile)
+    if tile not in GEMM_TF32_TILES:
+        raise ValueError(f"tile={tile}: heads_dh2_tf32 has the tiles {GEMM_TF32_TILES}")
+    nbytes = _within_shared_limit(heads_dh2_shared_bytes(tile), arch, f"tile={tile}: heads_dh2_tf32")
+    return (blocks(h2_width, tile[1]), blocks(rows, tile[0])), (HEADS_DH2_WARPS * 32,), nbytes
 
 
 def heads_dh2_fits(hidden, arch=DEFAULT_ARCH) -> bool:
