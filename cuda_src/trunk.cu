@@ -54,7 +54,7 @@
 #include "cluster.cuh"    // FH_CLUSTER, fh_cluster_rank, fh_cluster_sync, fh_cluster_map, ..._st_u32
 #include "dueling.cuh"    // dueling_sample_regs (heads_out_dueling_bf16's dueling log-softmax)
 #include "ha_common.cuh"  // ha_h2_mask (heads_dh2_tf32's masks: step.cu h2_grad_sum_mask's)
-#include "tf32_mma.cuh"   // GEMM_TF32_ROWS, gemm_tf32_bits, gemm_tf32_mma (heads_dh2_tf32)
+#include "tf32_mma.cuh"   // gemm_tf32_bits, gemm_tf32_mma (heads_dh2_tf32)
 
 #define TRUNK_WARPS 4
 #define TRUNK_THREADS (TRUNK_WARPS * 32)
@@ -1229,40 +1229,49 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
 // dhid: the heads' [rows, hidden_h] blocks packed as hid (heads_block_offsets with hid_align);
 // W1_h [hidden_h, H2] float32 at params + table[h].w1; h2, h2_pre, dh2_out and out [rows, H2].
 //
-// Work: a block computes a tile_m x tile_n tile of both outputs with HDH_WARPS warps. Each head
-// gets wph = HDH_WARPS / n_heads of them (warps past n_heads wph idle), which split the head's k
-// range in multiples of 8 as gemm_tf32's warps split k. A warp walks its range in chunks of
-// HDH_KC: it stages the chunk's tile_m rows of dhid_h and its rows of W1_h's tile_n columns in
-// its own shared memory (cp.async, 16 bytes where aligned; zeros past the matrices and past the
-// warp's range; compile-time quads a row, so no division) and multiplies them (mma.sync m16n8k8,
-// cvt.rna TF32 operands = tf32_round, f32 accumulation) with no block barrier. After a barrier the
-// warps' partial tiles go to shared memory (over the staging buffers, after a second barrier); a
-// head's part of an element is its warps' partial sums added in warp order, the parts are added
-// in the reference's order from +0, then the mask and both stores. The bits depend on the heads'
-// widths and n_heads only, not on the tile or the grid. Grid (ceil(H2 / tile_n), ceil(rows /
-// tile_m)), HDH_WARPS * 32 threads; dynamic shared memory (floats): max(HDH_WARPS (HDH_KC (tile_n
-// + 8) + tile_m (HDH_KC + 4)), HDH_WARPS tile_m tile_n) (fast/kernels/trunk.py
-// heads_dh2_shared_bytes; the paddings make the fragment reads conflict-free).
+// Work: a thread-block cluster (cluster.cuh: FH_CLUSTER blocks) owns a HDH_BM x HDH_BN tile of
+// both outputs; grid (ceil(H2 / HDH_BN) FH_CLUSTER, ceil(rows / HDH_BM)), HDH_THREADS threads.
+// With clusters each head gets bph = FH_CLUSTER / n_heads blocks (cluster rank r: head r / bph,
+// slice r % bph; ranks past n_heads bph idle), which split the head's k range in multiples of 8.
+// A block walks its range in chunks of HDH_KC: its threads stage the chunk's HDH_BM rows of dhid_h
+// and its rows of W1_h's HDH_BN columns in shared memory (cp.async, 16 bytes where aligned; zeros
+// past the matrices and past the block's range), then its 8 warps (4 x 2: 16 rows x 32 columns
+// each) multiply them (mma.sync m16n8k8, cvt.rna TF32 operands = tf32_round, f32 accumulation).
+// Its partial tile goes to its shared memory (over the staging buffers); after a cluster
+// barrier, block r reduces rows r, r + FH_CLUSTER, .. of the cluster's tile: a head's part is its
+// blocks' partial sums added in slice order (distributed shared memory), the parts are added in
+// the reference's order from +0, then the mask and both stores; a second cluster barrier keeps
+// every block's partials alive until they are read. Without clusters (before sm_90) the one block
+// takes the heads in the reference's order, each head's part in registers added to the running
+// sum. The bits depend on the heads' widths, n_heads and FH_CLUSTER only, not on the grid.
+// Dynamic shared memory (floats): HDH_KC (HDH_BM + 4) + HDH_KC (HDH_BN + 8), at least HDH_BM
+// HDH_BN (fast/kernels/trunk.py heads_dh2_shared_bytes; the paddings make the fragment reads
+// conflict-free).
 //
 // NaN/Inf contract (the nodes'): IEEE through the products and sums: a NaN or Inf in row i of
 // dhid_h reaches row i of dh2_out, one in row k of W1_h (a column c) column c of every row (Inf *
 // 0 is NaN); the TF32 rounding keeps NaN and Inf; the mask is h2_grad_sum_mask's (a NaN h2_pre
 // or h2_pre <= 0 gives +0 whatever the sum; h2 != h2_pre gives +0). Requirements (the launcher
-// checks): 1 <= n_heads <= HEADS_MAX (so wph >= 2), positive widths.
+// checks): 1 <= n_heads <= HEADS_MAX (= FH_CLUSTER on sm_90), positive widths.
 // =============================================================================================
-#define HDH_WARPS 16
-#define HDH_KC 32
+#define HDH_BM 64
+#define HDH_BN 64
+#define HDH_KC 64
+#define HDH_WARPS 8
+#define HDH_THREADS (HDH_WARPS * 32)
+#define HDH_ASS (HDH_KC + 4)
+#define HDH_BSS (HDH_BN + 8)
 
-// One warp stages rows [r0, r0 + NR) x columns [c0, c0 + 4 Q) of the row-major matrix g (row
+// The block stages rows [r0, r0 + NR) x columns [c0, c0 + 4 Q) of the row-major matrix g (row
 // stride ld) into s (row stride ss): element (r, c) is copied where r < r_end and c < c_end, else
-// +0.0 is stored. Lane l takes the flattened quads l, l + 32, .. (a row's Q quads consecutive).
+// +0.0 is stored. Thread i takes the flattened quads i, i + HDH_THREADS, .. (a row's Q quads
+// consecutive; Q a compile-time power of two, so no division).
 template <int NR, int Q>
 static __device__ __forceinline__ void hdh_stage(float* s, int ss, const float* g, long long ld,
-                                                 int r0, int r_end, int c0, int c_end, bool vec,
-                                                 int lane) {
+                                                 int r0, int r_end, int c0, int c_end, bool vec) {
 #pragma unroll
-    for (int i = lane; i < NR * Q; i += 32) {
-        const int r = i / Q, cc = (i - r * Q) * 4;  // Q a compile-time power of two: shifts
+    for (int i = threadIdx.x; i < NR * Q; i += HDH_THREADS) {
+        const int r = i / Q, cc = (i - r * Q) * 4;
         const int gr = r0 + r, gc = c0 + cc;
         float* d = s + r * ss + cc;
         const float* src = g + (long long)gr * ld + gc;
@@ -1284,120 +1293,139 @@ static __device__ __forceinline__ void hdh_stage(float* s, int ss, const float* 
     }
 }
 
-template <int MT, int TN>
-static __device__ __forceinline__ void heads_dh2_tile(const float* __restrict__ dhid,
-                                                      const float* __restrict__ params,
-                                                      const int* __restrict__ table,
-                                                      const float* __restrict__ h2,
-                                                      const float* __restrict__ h2_pre,
-                                                      float* __restrict__ dh2_out,
-                                                      float* __restrict__ out, int rows, int n,
-                                                      int n_heads, int hid_align) {
-    constexpr int BM = GEMM_TF32_ROWS * MT, W = HDH_WARPS, NT = TN / 8, KC = HDH_KC;
-    constexpr int TILE = MT * NT * 128;  // the tile's outputs, 16 * MT * TN
-    constexpr int BSS = TN + 8, ASS = KC + 4;
-    constexpr int WARP_FLOATS = KC * BSS + BM * ASS;
-    extern __shared__ float4 heads_dh2_smem4[];
-    float* smem = reinterpret_cast<float*>(heads_dh2_smem4);
-    const int m0 = blockIdx.y * BM, n0 = blockIdx.x * TN;
+// acc += this block's share of head `head`: k range [first, last) of dhid_h [rows, k] @ W1_h
+// [k, n] for the tile at (m0, n0), in chunks of HDH_KC (a block barrier around each chunk).
+static __device__ __forceinline__ void hdh_accumulate(float (&acc)[4][4], float* smem,
+                                                      const float* a, const float* w1, int k,
+                                                      int first, int last, int rows, int n,
+                                                      int m0, int n0) {
+    float* as = smem;
+    float* bs = smem + HDH_BM * HDH_ASS;
     const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int wph = W / n_heads;
-    const int head = w / wph, slice = w - head * wph;
-    float* bs = smem + w * WARP_FLOATS;
-    float* as = bs + KC * BSS;
-    float acc[MT][NT][4];
+    const int wr = (w >> 1) * 16, wc = (w & 1) * 32;  // the warp's 16 rows x 32 columns
+    const int k_end = min(k, last);
+    const bool a_vec = ((k & 3) == 0) && ((reinterpret_cast<size_t>(a) & 15) == 0);
+    const bool b_vec = ((n & 3) == 0) && ((reinterpret_cast<size_t>(w1) & 15) == 0);
+    for (int kc = first; kc < last; kc += HDH_KC) {
+        __syncthreads();  // the previous chunk's (or the previous head's) fragments are read
+        hdh_stage<HDH_BM, HDH_KC / 4>(as, HDH_ASS, a, k, m0, rows, kc, k_end, a_vec);
+        hdh_stage<HDH_KC, HDH_BN / 4>(bs, HDH_BSS, w1, n, kc, k_end, n0, n, b_vec);
+        asm volatile("cp.async.commit_group;" ::: "memory");
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+        __syncthreads();
+        const int kn = min(HDH_KC, last - kc);
+        for (int kb = 0; kb < kn; kb += 8) {
+            const int r = wr + g;
+            const unsigned a0 = gemm_tf32_bits(as[r * HDH_ASS + kb + t]);
+            const unsigned a1 = gemm_tf32_bits(as[(r + 8) * HDH_ASS + kb + t]);
+            const unsigned a2 = gemm_tf32_bits(as[r * HDH_ASS + kb + t + 4]);
+            const unsigned a3 = gemm_tf32_bits(as[(r + 8) * HDH_ASS + kb + t + 4]);
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
-#pragma unroll
-        for (int j = 0; j < NT; ++j) acc[i][j][0] = acc[i][j][1] = acc[i][j][2] = acc[i][j][3] = 0.0f;
-    if (head < n_heads) {
-        const int k = table[head * HEADS_FIELDS];
-        const float* w1 = params + table[head * HEADS_FIELDS + 2];
-        int hid_off, out_off;
-        heads_block_offsets(table, head, rows, hid_align, hid_off, out_off);
-        const float* a = dhid + hid_off;
-        const int steps = (k + 7) >> 3;
-        const int per = (steps + wph - 1) / wph;
-        const int first = min(steps, slice * per) * 8;
-        const int last = min(steps * 8, first + per * 8);  // the warp's k range [first, last)
-        const int k_end = min(k, last);
-        const bool a_vec = ((k & 3) == 0) && ((reinterpret_cast<size_t>(a) & 15) == 0);
-        const bool b_vec = ((n & 3) == 0) && ((reinterpret_cast<size_t>(w1) & 15) == 0);
-        for (int kc = first; kc < last; kc += KC) {
-            if (kc != first) __syncwarp();  // the previous chunk's fragments are read
-            hdh_stage<KC, TN / 4>(bs, BSS, w1, n, kc, k_end, n0, n, b_vec, lane);
-            hdh_stage<BM, KC / 4>(as, ASS, a, k, m0, rows, kc, k_end, a_vec, lane);
-            asm volatile("cp.async.commit_group;" ::: "memory");
-            asm volatile("cp.async.wait_group 0;" ::: "memory");
-            __syncwarp();
-            const int kn = min(KC, last - kc);
-            for (int kb = 0; kb < kn; kb += 8) {
-                unsigned fa[MT][4];
-#pragma unroll
-                for (int i = 0; i < MT; ++i) {
-                    const int r = 16 * i + g;
-                    fa[i][0] = gemm_tf32_bits(as[r * ASS + kb + t]);
-                    fa[i][1] = gemm_tf32_bits(as[(r + 8) * ASS + kb + t]);
-                    fa[i][2] = gemm_tf32_bits(as[r * ASS + kb + t + 4]);
-                    fa[i][3] = gemm_tf32_bits(as[(r + 8) * ASS + kb + t + 4]);
-                }
-#pragma unroll
-                for (int j = 0; j < NT; ++j) {
-                    const unsigned b0 = gemm_tf32_bits(bs[(kb + t) * BSS + 8 * j + g]);
-                    const unsigned b1 = gemm_tf32_bits(bs[(kb + t + 4) * BSS + 8 * j + g]);
-#pragma unroll
-                    for (int i = 0; i < MT; ++i)
-                        gemm_tf32_mma(acc[i][j], fa[i][0], fa[i][1], fa[i][2], fa[i][3], b0, b1);
-                }
+            for (int j = 0; j < 4; ++j) {
+                const unsigned b0 = gemm_tf32_bits(bs[(kb + t) * HDH_BSS + wc + 8 * j + g]);
+                const unsigned b1 = gemm_tf32_bits(bs[(kb + t + 4) * HDH_BSS + wc + 8 * j + g]);
+                gemm_tf32_mma(acc[j], a0, a1, a2, a3, b0, b1);
             }
         }
     }
-    __syncthreads();  // every warp's staging read: the partial tiles go over it
-    float* partial = smem;  // [W][MT * NT * 4][32]
+}
+
+// Head h's k range [first, last) for slice `slice` of `slices` (multiples of 8, as gemm_tf32's
+// warps split k) and its operands.
+static __device__ __forceinline__ void hdh_head(const int* table, const float* dhid,
+                                                const float* params, int h, int slice, int slices,
+                                                int rows, int hid_align, const float*& a,
+                                                const float*& w1, int& k, int& first, int& last) {
+    k = table[h * HEADS_FIELDS];
+    w1 = params + table[h * HEADS_FIELDS + 2];
+    int hid_off, out_off;
+    heads_block_offsets(table, h, rows, hid_align, hid_off, out_off);
+    a = dhid + hid_off;
+    const int steps = (k + 7) >> 3;
+    const int per = (steps + slices - 1) / slices;
+    first = min(steps, slice * per) * 8;
+    last = min(steps * 8, first + per * 8);
+}
+
+extern "C" __global__ void __launch_bounds__(HDH_THREADS) __cluster_dims__(FH_CLUSTER, 1, 1)
+heads_dh2_tf32(const float* __restrict__ dhid, const float* __restrict__ params,
+               const int* __restrict__ table, const float* __restrict__ h2,
+               const float* __restrict__ h2_pre, float* __restrict__ dh2_out,
+               float* __restrict__ out, int rows, int h2_width, int n_heads, int hid_align) {
+    fh_early_wait();  // early_launch.cuh: before anything is read or written
+    extern __shared__ float4 heads_dh2_smem4[];
+    float* smem = reinterpret_cast<float*>(heads_dh2_smem4);
+    const int rank = fh_cluster_rank();
+    const int m0 = blockIdx.y * HDH_BM, n0 = (blockIdx.x / FH_CLUSTER) * HDH_BN;
+    const int n = h2_width;
+    float acc[4][4];
 #pragma unroll
-    for (int i = 0; i < MT; ++i)
+    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+    int bph = FH_CLUSTER / n_heads;  // blocks a head (0 without clusters: one block, every head)
+    if (bph > 0) {
+        const int head = rank / bph;
+        if (head < n_heads) {
+            const float *a, *w1;
+            int k, first, last;
+            hdh_head(table, dhid, params, head, rank - head * bph, bph, rows, hid_align, a, w1, k,
+                     first, last);
+            hdh_accumulate(acc, smem, a, w1, k, first, last, rows, n, m0, n0);
+        }
+    } else {  // one block: the heads in the reference's order, the parts summed in registers
+        bph = 1;
+        float total[4][4];
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+        for (int j = 0; j < 4; ++j) total[j][0] = total[j][1] = total[j][2] = total[j][3] = 0.0f;
+        for (int s = 1; s <= n_heads; ++s) {
+            const float *a, *w1;
+            int k, first, last;
+            hdh_head(table, dhid, params, s == n_heads ? 0 : s, 0, 1, rows, hid_align, a, w1, k,
+                     first, last);
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
-                partial[w * TILE + ((i * NT + j) * 4 + e) * 32 + lane] = acc[i][j][e];
-    __syncthreads();
-    // Element (i, j, e, l) of the tile (fragment (i, j)'s accumulator e of lane l): each head's
-    // part its warps' partial sums in warp order, the parts in the reference's order from +0.
-    for (int o = threadIdx.x; o < TILE; o += W * 32) {
-        const int f = o >> 7, i = f / NT, j = f - i * NT, e = (o >> 5) & 3, l = o & 31;
+            for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+            hdh_accumulate(acc, smem, a, w1, k, first, last, rows, n, m0, n0);
+#pragma unroll
+            for (int j = 0; j < 4; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) total[j][e] = total[j][e] + acc[j][e];
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = total[j][e];
+        n_heads = 1;  // the one partial tile is the sum
+    }
+    __syncthreads();  // every staged fragment read: the partial tile goes over the staging
+    {
+        const int w = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+        const int wr = (w >> 1) * 16, wc = (w & 1) * 32;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+            float* p = smem + (wr + g) * HDH_BN + wc + 8 * j + 2 * t;
+            p[0] = acc[j][0];
+            p[1] = acc[j][1];
+            p[8 * HDH_BN] = acc[j][2];
+            p[8 * HDH_BN + 1] = acc[j][3];
+        }
+    }
+    fh_cluster_sync();  // every block's partial tile written
+    // Block `rank` reduces the tile's rows rank, rank + FH_CLUSTER, ...
+    for (int o = threadIdx.x; o < (HDH_BM / FH_CLUSTER) * HDH_BN; o += HDH_THREADS) {
+        const int tr = (o / HDH_BN) * FH_CLUSTER + rank, tc = o % HDH_BN;
+        const float* local = smem + tr * HDH_BN + tc;
         float sum = 0.0f;
         for (int s = 1; s <= n_heads; ++s) {
-            const float* p = partial + (s == n_heads ? 0 : s) * wph * TILE + o;
-            float part = p[0];
-            for (int q = 1; q < wph; ++q) part += p[q * TILE];
+            const int first_block = (s == n_heads ? 0 : s) * bph;
+            float part = fh_cluster_read(local, first_block);
+            for (int q = 1; q < bph; ++q) part += fh_cluster_read(local, first_block + q);
             sum = sum + part;
         }
-        const int row = m0 + 16 * i + (l >> 2) + (e >> 1) * 8;
-        const int col = n0 + 8 * j + 2 * (l & 3) + (e & 1);
+        const int row = m0 + tr, col = n0 + tc;
         if (row < rows && col < n) {
             const long long x = (long long)row * n + col;
             dh2_out[x] = sum;
             out[x] = ha_h2_mask(sum, h2[x], h2_pre[x]);
         }
     }
-}
-
-extern "C" __global__ void __launch_bounds__(HDH_WARPS * 32)
-heads_dh2_tf32(const float* __restrict__ dhid, const float* __restrict__ params,
-               const int* __restrict__ table, const float* __restrict__ h2,
-               const float* __restrict__ h2_pre, float* __restrict__ dh2_out,
-               float* __restrict__ out, int rows, int h2_width, int n_heads, int hid_align,
-               int tile_m, int tile_n) {
-    fh_early_wait();  // early_launch.cuh: before anything is read or written
-    if (tile_m == 16 && tile_n == 16) {
-        heads_dh2_tile<1, 16>(dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
-                              n_heads, hid_align);
-    } else if (tile_m == 16) {
-        heads_dh2_tile<1, 32>(dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
-                              n_heads, hid_align);
-    } else {
-        heads_dh2_tile<2, 32>(dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
-                              n_heads, hid_align);
-    }
+    fh_cluster_sync();  // no block exits while another may still read its partial tile
 }

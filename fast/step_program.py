@@ -813,13 +813,11 @@ class StepProgram:
             assert offsets == list(trunk_k.heads_packed_offsets(
                 lay.head_hidden, lay.head_out, B, OPERAND_ALIGN)[0]), offsets
             trunk.kernel("heads_dh2_tf32",
-                         trunk_k.plan_heads_dh2_tf32(B, H2, lay.head_hidden, arch=self.arch,
-                                                     tile=trunk_k.HEADS_DH2_TILE),
+                         trunk_k.plan_heads_dh2_tf32(B, H2, lay.head_hidden, arch=self.arch),
                          dhid=Buf(f"dhid_{loss}", lay.heads[0].key), params=Buf("params2"),
                          table="head_table", h2="h2o", h2_pre="h2preo", dh2_out=f"dh2_{loss}",
                          out=f"dh2m_{loss}", rows=B, h2_width=H2, n_heads=len(lay.heads),
-                         hid_align=OPERAND_ALIGN, tile_m=trunk_k.HEADS_DH2_TILE[0],
-                         tile_n=trunk_k.HEADS_DH2_TILE[1])
+                         hid_align=OPERAND_ALIGN)
         else:
             trunk.kernel("h2_grad_sum_mask", step.plan_h2_grad_sum_mask(n2), parts=parts_buf,
                          n_parts=len(order), part_stride=stride, h2="h2o", h2_pre="h2preo",

@@ -4,8 +4,8 @@ reference twin against torch autograd in float64, its sum order, the launch plan
 refusals, the constants the plan shares with ``cuda_src``, the conformance entry on another
 summation order and on a missed mask, and the step: one launch a TF32 loss pass in place of the
 heads' part GEMMs and ``h2_grad_sum_mask``, the CPU executor's steps bit for bit as those
-nodes'. GPU (skipped without a device, with the reason): the kernel against the twin, bits that
-do not depend on the tile, a NaN row, determinism.
+nodes'. GPU (skipped without a device, with the reason): the kernel against the twin, a row's bits
+independent of the other rows and the grid, a NaN row, determinism.
 
 NVRTC compiles ``cuda_src/trunk.cu`` in ``tests/test_fast_build.py`` (every source file).
 """
@@ -25,7 +25,6 @@ from foxhunt.conformance.specs.trunk import _dh2_sample, dh2_dims
 from foxhunt.conformance.kernel_spec import case_dims
 from foxhunt.conformance.tolerance import compare, gamma
 from foxhunt.fast.device import cuda_available
-from foxhunt.fast.kernels import dense as fast_dense
 from foxhunt.fast.kernels import trunk as fast_trunk
 from foxhunt.reference.config import DQNConfig, source_overrides
 from foxhunt.reference.kernels import dense, step
@@ -120,15 +119,14 @@ def test_bad_arguments_raise_one_line_naming_the_field(edit, match):
 
 # ------------------------------------------------------------------------------ the plan
 def test_plan_of_the_seed_shapes():
+    """A cluster of 8 blocks (sm_90) a 64 x 64 tile of the 256 x 256 outputs; one block a tile
+    before sm_90. Shared memory: a chunk of 64 k of the tile's dhid rows (rows of 64 + 4 floats)
+    and W1 columns (64 + 8), which the partial tile (64 x 64 floats) reuses."""
     rows, hidden, h2 = dh2_dims("seed")
-    grid, block, nbytes = fast_trunk.plan_heads_dh2_tf32(rows, h2, hidden)
-    tile_m, tile_n = fast_trunk.HEADS_DH2_TILE
-    assert grid == (-(-h2 // tile_n), -(-rows // tile_m)) and block == (16 * 32,)
-    # 16 warps, each staging a chunk of 32 k: 32 (tile_n + 8) floats of W1, tile_m (32 + 4) of
-    # dhid (the partial tiles, 16 tile_m tile_n floats, reuse them).
-    assert nbytes == 4 * 16 * (32 * (tile_n + 8) + tile_m * 36)
-    assert fast_trunk.heads_dh2_fits(hidden)
-    assert fast_trunk.heads_dh2_shared_bytes((16, 16)) == 4 * 16 * (32 * 24 + 16 * 36)
+    assert fast_trunk.plan_heads_dh2_tf32(rows, h2, hidden) == ((4 * 8, 4), (256,), 35840)
+    assert fast_trunk.plan_heads_dh2_tf32(rows, h2, hidden, arch=80) == ((4, 4), (256,), 35840)
+    assert fast_trunk.heads_dh2_shared_bytes() == 4 * (64 * 68 + 64 * 72)
+    assert fast_trunk.plan_heads_dh2_tf32(257, 40, (21, 300, 12)) == ((8, 5), (256,), 35840)
 
 
 def _cu_define(text: str, name: str) -> int:
@@ -136,35 +134,32 @@ def _cu_define(text: str, name: str) -> int:
 
 
 def test_plan_constants_are_the_sources():
-    """The tile is one of gemm_tf32's, instantiated in trunk.cu; the warps and the chunk are
-    trunk.cu's HDH_WARPS and HDH_KC."""
     text = (resources.files("foxhunt.cuda_src") / "trunk.cu").read_text()
-    assert fast_trunk.HEADS_DH2_TILE in fast_dense.GEMM_TF32_TILES
-    for tile_m, tile_n in fast_dense.GEMM_TF32_TILES:
-        assert f"heads_dh2_tile<{tile_m // 16}, {tile_n}>" in text
-    assert fast_trunk.HEADS_DH2_WARPS == _cu_define(text, "HDH_WARPS")
+    assert fast_trunk.HEADS_DH2_TILE == (_cu_define(text, "HDH_BM"), _cu_define(text, "HDH_BN"))
     assert fast_trunk.HEADS_DH2_KC == _cu_define(text, "HDH_KC")
-    # Every head gets two warps at least (HEADS_MAX heads).
-    assert fast_trunk.HEADS_DH2_WARPS // ref_trunk.HEADS_MAX >= 2
+    assert fast_trunk.HEADS_DH2_THREADS == 32 * _cu_define(text, "HDH_WARPS")
+    # A head a cluster block at least (HEADS_MAX heads on sm_90's 8-block clusters).
+    from foxhunt.fast.kernels._runtime import CLUSTER_SM90
+    assert ref_trunk.HEADS_MAX <= CLUSTER_SM90
 
 
-@pytest.mark.parametrize("args, kw, match", [
-    ((0, 16, (16,)), {}, r"^rows=0"),
-    ((4, 16, (16,) * 9), {}, r"^hidden=\(16(, 16){8}\): heads_dh2_tf32 needs 1 to 8 heads$"),
-    ((4, 16, (16,)), dict(tile=(32, 16)), r"^tile=\(32, 16\): heads_dh2_tf32 has the tiles "),
-    ((4, 16, (16,)), dict(tile=(32, 32), arch=86),
-     r"^tile=\(32, 32\): heads_dh2_tf32 needs 155648 bytes of shared memory per block; sm_86 "
-     r"allows 101376$"),
+@pytest.mark.parametrize("args, match", [
+    ((0, 16, (16,)), r"^rows=0"),
+    ((4, 0, (16,)), r"^H2=0"),
+    ((4, 16, (16,) * 9), r"^hidden=\(16(, 16){8}\): heads_dh2_tf32 needs 1 to 8 heads$"),
+    ((4, 16, (16, 0)), r"^hidden\[1\]=0: heads_dh2_tf32 needs a width >= 1$"),
 ])
-def test_plan_refuses_shapes_the_kernel_cannot_run(args, kw, match):
+def test_plan_refuses_shapes_the_kernel_cannot_run(args, match):
     with pytest.raises(ValueError, match=match):
-        fast_trunk.plan_heads_dh2_tf32(*args, **kw)
+        fast_trunk.plan_heads_dh2_tf32(*args)
 
 
 def test_heads_it_runs():
+    """Any 1 to 8 heads of any widths (long k: chunks of 64), on an architecture with clusters."""
     assert fast_trunk.heads_dh2_fits((128,) * 4) and fast_trunk.heads_dh2_fits((1,) * 8)
-    assert fast_trunk.heads_dh2_fits((4096, 3))  # long k: chunks of 32
+    assert fast_trunk.heads_dh2_fits((4096, 3))
     assert not fast_trunk.heads_dh2_fits((16,) * 9) and not fast_trunk.heads_dh2_fits(())
+    assert not fast_trunk.heads_dh2_fits((128,) * 4, arch=80)
 
 
 def test_entry_accepts_another_summation_order_and_catches_a_missed_mask():
@@ -237,34 +232,17 @@ def test_fused_kernel_conforms_to_the_twin(case):
     assert not _failures(kw, fast_trunk.heads_dh2_tf32(**kw), ref_trunk.heads_dh2_tf32(**kw))
 
 
-def _launch_with_tile(kw, tile) -> tuple[np.ndarray, np.ndarray]:
-    """The kernel with tile ``tile`` (the test entry's placement)."""
-    from foxhunt.fast.kernels._runtime import In, Out, launch, runtime
-    from foxhunt.fast.step_layout import OPERAND_ALIGN
-
-    rows, hidden, h2 = kw["dhid"].shape[0], tuple(kw["hidden"].tolist()), kw["w1"].shape[1]
-    params, table = fast_trunk.place_w1(hidden, kw["w1"])
-    hid_off, total, _, _ = ref_trunk.heads_packed_offsets(hidden, [0] * len(hidden), rows,
-                                                          OPERAND_ALIGN)
-    packed = np.zeros(total, F32)
-    h0 = 0
-    for h, width in enumerate(hidden):
-        packed[hid_off[h]:hid_off[h] + rows * width] = kw["dhid"][:, h0:h0 + width].ravel()
-        h0 += width
-    plan = fast_trunk.plan_heads_dh2_tf32(rows, h2, hidden, arch=runtime().device.arch, tile=tile)
-    return launch(KERNEL, plan, In(packed), In(params), In(table), In(kw["h2"]), In(kw["h2_pre"]),
-                  Out((rows, h2), F32), Out((rows, h2), F32), rows, h2, len(hidden), OPERAND_ALIGN,
-                  *tile)
-
-
 @gpu
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["seed", "odd"])
-def test_its_bits_do_not_depend_on_the_tile(case):
-    kw = _kwargs(case, seed=13)
-    first = _launch_with_tile(kw, fast_dense.GEMM_TF32_TILES[0])
-    for tile in fast_dense.GEMM_TF32_TILES[1:]:
-        assert all(a.tobytes() == b.tobytes() for a, b in zip(first, _launch_with_tile(kw, tile)))
+def test_a_rows_bits_do_not_depend_on_the_other_rows_or_the_grid():
+    """The first 70 rows alone (a grid of 2 row tiles, the second partial) give the bits of
+    those rows of the whole 257 (5 row tiles)."""
+    kw = _kwargs("odd", seed=13)
+    whole = fast_trunk.heads_dh2_tf32(**kw)
+    part = fast_trunk.heads_dh2_tf32(**{**kw, "dhid": kw["dhid"][:70].copy(),
+                                        "h2": kw["h2"][:70].copy(),
+                                        "h2_pre": kw["h2_pre"][:70].copy()})
+    assert all(a[:70].tobytes() == b.tobytes() for a, b in zip(whole, part))
 
 
 @gpu

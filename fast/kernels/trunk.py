@@ -60,15 +60,15 @@ precision's kernel); off by default (``FUSE_HEAD_OUTPUTS``: every version so far
 than the nodes; the README's "The f32 heads' outputs from shared memory").
 
 The heads' input gradients into the trunk (``plan_heads_dh2_tf32(rows, H2, hidden)``,
-``heads_dh2_tf32``, the TF32 backward's part GEMMs and ``h2_grad_sum_mask`` in one launch): grid
-``(ceil(H2 / tile_n), ceil(rows / tile_m))`` of ``HEADS_DH2_WARPS * 32`` threads (the heads share
-the warps, which split each head's k as ``gemm_tf32``'s do), the tile :data:`HEADS_DH2_TILE`, shared
-memory of :func:`heads_dh2_shared_bytes`. The step reads the heads' W1 through the table and the
+``heads_dh2_tf32``, the TF32 backward's part GEMMs and ``h2_grad_sum_mask`` in one launch): a
+thread-block cluster a 64 x 64 output tile (its blocks share the heads and split each head's k;
+the partial tiles are summed through distributed shared memory), blocks of
+``HEADS_DH2_THREADS``, shared memory of :func:`heads_dh2_shared_bytes`. The step reads the heads' W1 through the table and the
 hidden gradients from its packed ``dhid`` (``hid_align`` the step's ``OPERAND_ALIGN``); the test
 entry lays them out the same way (:func:`place_w1`).
 
 Kernel parameters (C order): ``dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
-n_heads, hid_align, tile_m, tile_n``.
+n_heads, hid_align``.
 """
 
 from __future__ import annotations
@@ -515,50 +515,43 @@ def unpack_heads(hidden, out, rows, hid_off, adv_off, hid, hid_bf16, v, adv):
 
 
 # -------------------------------------------------- the heads' input gradients into the trunk
-#: heads_dh2_tf32's tile ``(tile_m, tile_n)`` (one of ``dense.GEMM_TF32_TILES``, the kernel's
-#: instantiations).
-HEADS_DH2_TILE = (16, 32)
-#: trunk.cu's HDH_WARPS (the warps of a block: each head gets ``HDH_WARPS // n_heads``) and
-#: HDH_KC (the k of a warp's staged chunk) (``tests/test_kernels_heads_dh2.py`` reads them back).
-HEADS_DH2_WARPS = 16
-HEADS_DH2_KC = 32
+#: trunk.cu's HDH_BM x HDH_BN (the output tile of a cluster), HDH_KC (the k of a staged chunk)
+#: and HDH_THREADS (``tests/test_kernels_heads_dh2.py`` reads them back).
+HEADS_DH2_TILE = (64, 64)
+HEADS_DH2_KC = 64
+HEADS_DH2_THREADS = 256
 
 
-def heads_dh2_shared_bytes(tile=None) -> int:
-    """heads_dh2_tf32's dynamic shared memory (cuda_src/trunk.cu) for ``tile`` (default
-    :data:`HEADS_DH2_TILE`): per warp ``HDH_KC (tile_n + 8) + tile_m (HDH_KC + 4)`` floats of
-    staging, which the ``HDH_WARPS tile_m tile_n`` floats of partial tiles reuse."""
-    tile_m, tile_n = HEADS_DH2_TILE if tile is None else tile
-    kc = HEADS_DH2_KC
-    return 4 * HEADS_DH2_WARPS * max(kc * (tile_n + 8) + tile_m * (kc + 4), tile_m * tile_n)
+def heads_dh2_shared_bytes() -> int:
+    """heads_dh2_tf32's dynamic shared memory (cuda_src/trunk.cu): a chunk of ``HDH_KC`` k of the
+    tile's dhid rows and W1 columns (rows padded by 4 and 8 floats), which the block's partial
+    tile (``HDH_BM HDH_BN`` floats) reuses: 35,840 bytes, no opt-in."""
+    (bm, bn), kc = HEADS_DH2_TILE, HEADS_DH2_KC
+    return 4 * max(kc * (bm + 4) + kc * (bn + 8), bm * bn)
 
 
-def plan_heads_dh2_tf32(rows: int, h2_width: int, hidden, *, arch=DEFAULT_ARCH, tile=None) -> Plan:
-    """``((ceil(H2 / tile_n), ceil(rows / tile_m)), (HDH_WARPS * 32,),
-    heads_dh2_shared_bytes(tile))`` (``tile`` default :data:`HEADS_DH2_TILE`); one ``ValueError``
+def plan_heads_dh2_tf32(rows: int, h2_width: int, hidden, *, arch=DEFAULT_ARCH) -> Plan:
+    """``((ceil(H2 / 64) cluster, ceil(rows / 64)), (HDH_THREADS,), heads_dh2_shared_bytes())``
+    with ``cluster = cluster_blocks(arch)`` (a cluster a 64 x 64 output tile); one ``ValueError``
     naming the field for sizes the kernel cannot run (:func:`~foxhunt.reference.kernels.trunk.
-    check_heads_dh2_dims`, a tile it has no instance of, more shared memory than a block of
-    ``arch`` may have)."""
-    from foxhunt.fast.kernels.dense import GEMM_TF32_TILES
-
+    check_heads_dh2_dims`)."""
     check_int("rows", rows, minimum=1)
     check_int("H2", h2_width, minimum=1)
     check_heads_dh2_dims(hidden)
-    tile = HEADS_DH2_TILE if tile is None else tuple(tile)
-    if tile not in GEMM_TF32_TILES:
-        raise ValueError(f"tile={tile}: heads_dh2_tf32 has the tiles {GEMM_TF32_TILES}")
-    nbytes = _within_shared_limit(heads_dh2_shared_bytes(tile), arch, f"tile={tile}: heads_dh2_tf32")
-    return (blocks(h2_width, tile[1]), blocks(rows, tile[0])), (HEADS_DH2_WARPS * 32,), nbytes
+    bm, bn = HEADS_DH2_TILE
+    return ((blocks(h2_width, bn) * cluster_blocks(arch), blocks(rows, bm)), (HEADS_DH2_THREADS,),
+            heads_dh2_shared_bytes())
 
 
 def heads_dh2_fits(hidden, arch=DEFAULT_ARCH) -> bool:
-    """Whether ``heads_dh2_tf32`` runs heads of these hidden widths on ``arch`` (any rows and
-    H2): :func:`plan_heads_dh2_tf32` accepts them."""
+    """Whether the step runs heads of these hidden widths as ``heads_dh2_tf32`` on ``arch``: sizes
+    :func:`plan_heads_dh2_tf32` accepts, on an architecture with clusters (before sm_90 the one
+    block would take the heads one after another)."""
     try:
         plan_heads_dh2_tf32(1, 1, hidden, arch=arch)
     except ValueError:
         return False
-    return True
+    return cluster_blocks(arch) > 1
 
 
 def place_w1(hidden, w1) -> tuple[np.ndarray, np.ndarray]:
@@ -595,7 +588,7 @@ def heads_dh2_tf32(dhid, w1, hidden, h2, h2_pre) -> TrunkGrad:
     plan = plan_heads_dh2_tf32(rows, h2_width, hid_w, arch=runtime().device.arch)
     dh2, out = launch("heads_dh2_tf32", plan, In(packed), In(params), In(table), In(h2), In(h2_pre),
                       Out((rows, h2_width), F32), Out((rows, h2_width), F32), rows, h2_width,
-                      len(hid_w), OPERAND_ALIGN, *HEADS_DH2_TILE)
+                      len(hid_w), OPERAND_ALIGN)
     return TrunkGrad(dh2, out)
 
 
