@@ -129,9 +129,14 @@ FUSE_AUX_TRUNK_GRAD = True
 FUSE_GUARD_MASK = True
 #: The backward precisions whose loss passes take the heads' hidden gradients into the trunk in ONE
 #: launch of ``heads_dh2_tf32`` (every head's part of ``d h2``, their sum and the trunk's masks:
-#: :attr:`StepProgram.dh2_fused`) instead of a GEMM per head and ``h2_grad_sum_mask``: the TF32
-#: backward (the bf16 and tf32 steps).
-FUSE_HEADS_DH2 = frozenset({"tf32"})
+#: :attr:`StepProgram.dh2_fused`) instead of a GEMM per head and ``h2_grad_sum_mask``; ``"tf32"``
+#: (the bf16 and tf32 steps' backward) switches it on. Off: no version was faster than the four
+#: part GEMMs side by side and the sum (H100, session 45, ``benches/step_spread.py --switch
+#: FUSE_HEADS_DH2``, ``Trainer.step`` us, on / off): the third (a thread-block cluster a 64 x 64
+#: tile) core bf16 106.5 / 105.5, core tf32 119.6 / 119.5, every second-wave source 154.8 /
+#: 154.5, its node 8.1 us on graph 1's chain where the part GEMM and the sum took 3.8 + 1.5 us;
+#: the README's "The heads' d h2 in one launch".
+FUSE_HEADS_DH2: frozenset = frozenset()
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -152,8 +157,9 @@ def plan_switches() -> dict[str, object]:
     """The module's plan switches a bench may set for one arm (``benches/step_spread.py
     --switch``): name -> the value such an arm gives it, the other side of its default (the
     boolean switches flipped; ``FUSE_HEAD_OUTPUTS``: every precision with a heads' output kernel,
-    ``fast.kernels.trunk.HOD_KERNELS``; ``FUSE_HEADS_DH2``: none if on, else the TF32 backward). A trainer reads them while it builds its plans, so it
-    keeps the plans of the values it was built with."""
+    ``fast.kernels.trunk.HOD_KERNELS``; ``FUSE_HEADS_DH2``: none if on, else the TF32 backward).
+    A trainer reads them while it builds its plans, so it keeps the plans of the values it was
+    built with."""
     from foxhunt.fast.kernels.trunk import HOD_KERNELS
 
     return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS),

@@ -182,17 +182,19 @@ def test_entry_accepts_another_summation_order_and_catches_a_missed_mask():
 ], ids=["bf16", "tf32", "f32", "stacked", "aux", "every-source"])
 def test_a_tf32_loss_pass_takes_its_heads_dh2_in_one_launch(precision, source, options,
                                                             launches, monkeypatch):
-    """Graph 1 of the seed step (the CPU executor's plans): each unstacked TF32 loss pass (C51 and
-    CQL) runs ONE heads_dh2_tf32 in place of four part GEMMs and h2_grad_sum_mask; f32 and the
-    stacked backward keep the nodes; with an auxiliary head the C51 pass keeps them (its sum
-    takes the auxiliary heads' d h2: h2_grad_sum_aux_mask) and the CQL pass fuses."""
+    """Graph 1 of the seed step (the CPU executor's plans) with ``FUSE_HEADS_DH2`` on: each
+    unstacked TF32 loss pass (C51 and CQL) runs ONE heads_dh2_tf32 in place of four part GEMMs and
+    h2_grad_sum_mask; f32 and the stacked backward keep the nodes; with an auxiliary head the C51
+    pass keeps them (its sum takes the auxiliary heads' d h2: h2_grad_sum_aux_mask) and the CQL
+    pass fuses. Off (the default) every pass keeps the nodes."""
     from foxhunt.fast.cpu_executor import CpuEngine
 
     config = DQNConfig.preset("seed", precision=precision, **source_overrides(source))
+    assert step_program.FUSE_HEADS_DH2 == frozenset()
+    base = CpuEngine(config, **options).plans["graph1"]
+    monkeypatch.setattr(step_program, "FUSE_HEADS_DH2", frozenset({"tf32"}))
     graph1 = CpuEngine(config, **options).plans["graph1"]
     assert launch_count(graph1, KERNEL) == launches
-    monkeypatch.setattr(step_program, "FUSE_HEADS_DH2", frozenset())
-    base = CpuEngine(config, **options).plans["graph1"]
     assert launch_count(base, KERNEL) == 0
     assert (launch_count(base, "h2_grad_sum_mask") - launch_count(graph1, "h2_grad_sum_mask")
             == launches)
@@ -218,6 +220,7 @@ def test_on_the_cpu_executor_the_step_is_bitwise_the_nodes(precision, config_kw,
     executor's steps with and without it end in the same bits (every state buffer, the step
     scalars, the TD errors and the greedy Q's)."""
     config = DQNConfig.preset("tiny", precision=precision, **config_kw)
+    monkeypatch.setattr(step_program, "FUSE_HEADS_DH2", frozenset({"tf32"}))
     with_launch = step_run(config, {})
     monkeypatch.setattr(step_program, "FUSE_HEADS_DH2", frozenset())
     assert_runs_bitwise_equal(config, step_run(config, {}), with_launch)
