@@ -1265,7 +1265,10 @@ heads_out_dueling_f32(const float* __restrict__ hid, const float* __restrict__ p
 // The block stages rows [r0, r0 + NR) x columns [c0, c0 + 4 Q) of the row-major matrix g (row
 // stride ld) into s (row stride ss): element (r, c) is copied where r < r_end and c < c_end, else
 // +0.0 is stored. Thread i takes the flattened quads i, i + HDH_THREADS, .. (a row's Q quads
-// consecutive; Q a compile-time power of two, so no division).
+// consecutive; Q a compile-time power of two, so no division). A quad's copy is
+// tf32_mma.cuh's gemm_tf32_stage's, written out again: a helper shared with it changed
+// gemm_tf32's code under NVRTC 13.0 (session 45), and such folds of the backward GEMM kernels
+// measured slower (session 35).
 template <int NR, int Q>
 static __device__ __forceinline__ void hdh_stage(float* s, int ss, const float* g, long long ld,
                                                  int r0, int r_end, int c0, int c_end, bool vec) {

@@ -22,6 +22,19 @@ I32 = np.int32
 V_MIN, V_MAX = -10.0, 10.0
 
 
+# ------------------------------------------------------------------------ GEMM operands
+
+
+def product_overflow(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Where the magnitudes of the finite products of ``a [M, K] @ b [K, N]`` add up past
+    float32's range (float64; a non-finite operand counts 0): whether a partial sum then overflows
+    depends on the summation order, which is no GEMM kernel's contract (``compare``'s
+    ``overflow``)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = [np.where(np.isfinite(x), np.abs(x), 0).astype(np.float64) for x in (a, b)]
+        return (finite[0] @ finite[1]) > np.finfo(F32).max
+
+
 # ----------------------------------------------------------------------------- outputs
 def f32(tolerance: Tolerance) -> Output:
     """A float32 output judged by ``tolerance``."""

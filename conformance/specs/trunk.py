@@ -87,6 +87,7 @@ from foxhunt.conformance.specs.inputs import (
     finite_outputs,
     isv_vector,
     maxabs,
+    product_overflow,
     reduction,
     replace,
     support,
@@ -467,9 +468,8 @@ def _dh2_scales(kwargs: Kwargs, expected) -> dict:
     range (the order then decides: no contract)."""
     a, b = tf32_round(kwargs["dhid"]), tf32_round(kwargs["w1"])
     pre, h2 = kwargs["h2_pre"], kwargs["h2"]
-    with np.errstate(invalid="ignore", over="ignore"):
-        finite = [np.where(np.isfinite(x), np.abs(x), 0).astype(F64) for x in (a, b)]
-        overflow = (finite[0] @ finite[1]) > np.finfo(F32).max
+    overflow = product_overflow(a, b)
+    with np.errstate(invalid="ignore"):
         masked = ~(pre > 0) | (h2 != pre)  # h2_grad_sum_mask's zeros (a NaN pre among them)
     return {"dh2": {"a": a, "b": b, "overflow": overflow},
             "out": {"a": a, "b": b, "exact": masked, "overflow": overflow & ~masked}}
