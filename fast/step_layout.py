@@ -28,7 +28,7 @@ from foxhunt.reference import isv as isv_mod
 from foxhunt.reference.config import DQNConfig
 from foxhunt.reference.backend import READBACK_FIELDS
 from foxhunt.reference.kernels.step import READBACK_INDEX
-from foxhunt.reference.kernels.trunk import HEADS_FIELDS
+from foxhunt.reference.kernels.trunk import HEADS_FIELDS, heads_dh2_order
 from foxhunt.reference.layout import ParamLayout, branch_name
 
 #: Elements per block of the two-phase gradient norms (grad_norm_partial's block_size).
@@ -387,8 +387,8 @@ class StepLayout(BufferTable):
             "dadv": packed("dadv", [(d, B * n * NA) for d, n in enumerate(self.branches)]),
             "dhid": packed("dhid", dhid, OPERAND_ALIGN),
             # each head's part of dh2 (branches, then value: the order they are summed in)
-            "dh2p": packed("dh2p", [(h.key, B * self.H2) for h in self.heads[1:] + self.heads[:1]],
-                           OPERAND_ALIGN),
+            "dh2p": packed("dh2p", [(self.heads[h].key, B * self.H2)
+                                    for h in heads_dh2_order(len(self.heads))], OPERAND_ALIGN),
             "dh2m": (B, self.H2),
             "dh1": (B, self.H1),
             # unmasked input gradients of the ReLU layers (then relu_mask_bias_grad)
