@@ -81,8 +81,9 @@ def test_twin_sums_the_parts_branch_heads_first_then_the_value_head():
     kw = _kwargs("seed", seed=3)
     assert ref_trunk.heads_dh2_order(4) == (1, 2, 3, 0)
     starts = np.cumsum([0] + kw["hidden"].tolist())
-    parts = [dense.gemm(np.ascontiguousarray(kw["dhid"][:, s:e]), np.ascontiguousarray(kw["w1"][s:e]),
-                        mode="tf32") for s, e in zip(starts[:-1], starts[1:])]
+    parts = [dense.gemm(np.ascontiguousarray(kw["dhid"][:, s:e]),
+                        np.ascontiguousarray(kw["w1"][s:e]), mode="tf32")
+             for s, e in zip(starts[:-1], starts[1:])]
     total = np.zeros_like(parts[0])
     for h in (1, 2, 3, 0):
         total = (total + parts[h]).astype(F32)
@@ -106,7 +107,8 @@ def test_twin_keeps_a_non_finite_hidden_gradient_in_its_row():
 
 @pytest.mark.parametrize("edit, match", [
     (dict(hidden=np.array([], np.int32)), r"^hidden=\(\): heads_dh2_tf32 needs 1 to 8 heads$"),
-    (dict(hidden=np.array([16, 0], np.int32)), r"^hidden\[1\]=0: heads_dh2_tf32 needs a width >= 1$"),
+    (dict(hidden=np.array([16, 0], np.int32)),
+     r"^hidden\[1\]=0: heads_dh2_tf32 needs a width >= 1$"),
     (dict(w1=np.zeros((23, 16), F32)), r"^w1: .*\[sum\(hidden\), H2\]"),
     (dict(h2_pre=np.zeros((5, 15), F32)), r"^h2_pre: .*\[rows, H2\]"),
 ])
@@ -162,6 +164,22 @@ def test_heads_it_runs():
     assert not fast_trunk.heads_dh2_fits((128,) * 4, arch=80)
 
 
+def test_the_test_entries_packing_is_the_steps_layout():
+    """``pack_hidden`` (both heads' test entries) puts head h's block at the step's packed offset
+    (``heads_packed_offsets``, the step's ``OPERAND_ALIGN``), zeros between; ``unpack_hidden``
+    inverts it."""
+    from foxhunt.fast.step_layout import OPERAND_ALIGN
+
+    rows, hidden = 5, (21, 300, 12)
+    x = np.arange(rows * sum(hidden), dtype=F32).reshape(rows, sum(hidden)) + 1
+    hid_off, total, _, _ = ref_trunk.heads_packed_offsets(hidden, [0, 0, 0], rows, OPERAND_ALIGN)
+    packed = fast_trunk.pack_hidden(hidden, x, hid_off)
+    assert packed.shape == (total,) and hid_off[1] % OPERAND_ALIGN == 0 and hid_off[1] > rows * 21
+    assert np.count_nonzero(packed) == x.size
+    assert np.array_equal(packed[hid_off[1]:hid_off[1] + 3], x[0, 21:24])
+    assert np.array_equal(fast_trunk.unpack_hidden(hidden, rows, hid_off, packed), x)
+
+
 def test_entry_accepts_another_summation_order_and_catches_a_missed_mask():
     kw = _kwargs("seed", seed=2)
     r = ref_trunk.heads_dh2_tf32(**kw)
@@ -178,7 +196,8 @@ def test_entry_accepts_another_summation_order_and_catches_a_missed_mask():
 # ------------------------------------------------------------------------ in the step plan
 @pytest.mark.parametrize("precision, source, options, launches", [
     ("bf16", "core", {}, 2), ("tf32", "core", {}, 2), ("f32", "core", {}, 0),
-    ("bf16", "core", dict(stacked_backward=True), 0), ("bf16", "aux", {}, 1), ("bf16", "all", {}, 1),
+    ("bf16", "core", dict(stacked_backward=True), 0), ("bf16", "aux", {}, 1),
+    ("bf16", "all", {}, 1),
 ], ids=["bf16", "tf32", "f32", "stacked", "aux", "every-source"])
 def test_a_tf32_loss_pass_takes_its_heads_dh2_in_one_launch(precision, source, options,
                                                             launches, monkeypatch):

@@ -63,9 +63,10 @@ The heads' input gradients into the trunk (``plan_heads_dh2_tf32(rows, H2, hidde
 ``heads_dh2_tf32``, the TF32 backward's part GEMMs and ``h2_grad_sum_mask`` in one launch): a
 thread-block cluster a 64 x 64 output tile (its blocks share the heads and split each head's k;
 the partial tiles are summed through distributed shared memory), blocks of
-``HEADS_DH2_THREADS``, shared memory of :func:`heads_dh2_shared_bytes`. The step reads the heads' W1 through the table and the
-hidden gradients from its packed ``dhid`` (``hid_align`` the step's ``OPERAND_ALIGN``); the test
-entry lays them out the same way (:func:`place_w1`).
+``HEADS_DH2_THREADS``, shared memory of :func:`heads_dh2_shared_bytes`. The step reads the heads'
+W1 through the table and the hidden gradients from its packed ``dhid`` (``hid_align`` the step's
+``OPERAND_ALIGN``); the test entry lays them out the same way (:func:`place_w1`,
+:func:`pack_hidden`).
 
 Kernel parameters (C order): ``dhid, params, table, h2, h2_pre, dh2_out, out, rows, h2_width,
 n_heads, hid_align``.
@@ -453,11 +454,7 @@ def _launch_hod(precision: str, hid, w2, b2, z, hidden, out, n_actions, with_q):
     plan = _plan_hod(precision, rows, hid_w, outs, branches, na, runtime().device.arch)
     mirror, params, table = place_heads(hid_w, outs, w2, b2)
     hid_off, hid_total, adv_off, adv_total = heads_packed_offsets(hid_w, outs, rows, OPERAND_ALIGN)
-    packed = np.zeros(max(hid_total, 1), F32)
-    h0 = 0
-    for h, width in enumerate(hid_w):
-        packed[hid_off[h]:hid_off[h] + rows * width] = hid[:, h0:h0 + width].ravel()
-        h0 += width
+    packed = pack_hidden(hid_w, hid, hid_off)
     total = sum(branches)
     weights = [In(mirror), In(params)] if precision == "bf16" else [In(params)]
     hid_bf16 = [Out((max(hid_total, 1),), U16)] if precision == "bf16" else []
@@ -495,6 +492,19 @@ def heads_out_dueling_f32(hid, w2, b2, z, hidden, out, n_actions, with_q) -> Hea
 
 def _blocks_of(flat, rows, offsets, widths) -> list:
     return [flat[s:s + rows * w].reshape(rows, w) for s, w in zip(offsets, widths)]
+
+
+def pack_hidden(hidden, side_by_side: np.ndarray, hid_off) -> np.ndarray:
+    """The heads' blocks of ``side_by_side [rows, sum(hidden)]`` (float32) in a packed buffer,
+    head h's at ``hid_off[h]`` (``heads_packed_offsets``; zeros between): the inverse of
+    :func:`unpack_hidden`."""
+    rows = side_by_side.shape[0]
+    packed = np.zeros(max(max(o + rows * w for o, w in zip(hid_off, hidden)), 1), F32)
+    h0 = 0
+    for off, width in zip(hid_off, hidden):
+        packed[off:off + rows * width] = side_by_side[:, h0:h0 + width].ravel()
+        h0 += width
+    return packed
 
 
 def unpack_hidden(hidden, rows, hid_off, flat) -> np.ndarray:
@@ -555,9 +565,10 @@ def heads_dh2_fits(hidden, arch=DEFAULT_ARCH) -> bool:
 
 
 def place_w1(hidden, w1) -> tuple[np.ndarray, np.ndarray]:
-    """The test entry's parameter set for ``heads_dh2_tf32``: the heads' float32 W1 blocks ``[hidden[h],
-    H2]`` of ``w1 [HT, H2]`` one after another (each start a multiple of ``HEADS_W_ALIGN``);
-    ``(params, table)`` (the table's other fields 0: the kernel reads ``hidden`` and ``w1``)."""
+    """The test entry's parameter set for ``heads_dh2_tf32``: the heads' float32 W1 blocks
+    ``[hidden[h], H2]`` of ``w1 [HT, H2]`` one after another (each start a multiple of
+    ``HEADS_W_ALIGN``); ``(params, table)`` (the table's other fields 0: the kernel reads
+    ``hidden`` and ``w1``)."""
     h2 = w1.shape[1]
     offsets, end = [], 0
     for width in hidden:
@@ -579,12 +590,8 @@ def heads_dh2_tf32(dhid, w1, hidden, h2, h2_pre) -> TrunkGrad:
 
     rows, hid_w, h2_width = validate_heads_dh2_tf32(dhid, w1, hidden, h2, h2_pre)
     params, table = place_w1(hid_w, w1)
-    hid_off, hid_total, _, _ = heads_packed_offsets(hid_w, [0] * len(hid_w), rows, OPERAND_ALIGN)
-    packed = np.zeros(max(hid_total, 1), F32)
-    h0 = 0
-    for h, width in enumerate(hid_w):
-        packed[hid_off[h]:hid_off[h] + rows * width] = dhid[:, h0:h0 + width].ravel()
-        h0 += width
+    hid_off = heads_packed_offsets(hid_w, [0] * len(hid_w), rows, OPERAND_ALIGN)[0]
+    packed = pack_hidden(hid_w, dhid, hid_off)
     plan = plan_heads_dh2_tf32(rows, h2_width, hid_w, arch=runtime().device.arch)
     dh2, out = launch("heads_dh2_tf32", plan, In(packed), In(params), In(table), In(h2), In(h2_pre),
                       Out((rows, h2_width), F32), Out((rows, h2_width), F32), rows, h2_width,
