@@ -21,7 +21,7 @@ import torch
 
 import foxhunt.fast.step_program as step_program
 from foxhunt.conformance.registry import SPECS
-from foxhunt.conformance.specs.trunk import _dh2_sample, dh2_dims
+from foxhunt.conformance.specs.trunk import dh2_sample, dh2_dims
 from foxhunt.conformance.kernel_spec import case_dims
 from foxhunt.conformance.tolerance import compare, gamma
 from foxhunt.fast.device import cuda_available
@@ -39,7 +39,7 @@ KERNEL = "heads_dh2_tf32"
 
 
 def _kwargs(case: str, seed: int = 0) -> dict:
-    return _dh2_sample(case_dims(case), np.random.default_rng(seed))
+    return dh2_sample(case_dims(case), np.random.default_rng(seed))
 
 
 def _failures(kwargs, actual, expected) -> list[str]:

@@ -450,7 +450,8 @@ def dh2_dims(case: str) -> tuple[int, tuple[int, ...], int]:
     return cfg.batch_size, (cfg.value_h,) + (cfg.adv_h,) * cfg.n_branches, cfg.shared_h2
 
 
-def _dh2_sample(d: Dims, rng) -> Kwargs:
+def dh2_sample(d: Dims, rng) -> Kwargs:
+    """Keyword arguments of ``heads_dh2_tf32`` for shape case ``d.case`` (module docstring)."""
     rows, hidden, h2 = dh2_dims(d.case)
     dhid = rng.standard_normal((rows, sum(hidden))) * 1e-2
     dhid[rng.random(dhid.shape) < 0.5] = 0.0  # the hidden ReLU's zeros
@@ -535,10 +536,10 @@ ENTRIES = (
     SpecEntry(
         name="heads_dh2_tf32",
         outputs={"dh2": f32(GEMM), "out": f32(GEMM)},
-        sample=_dh2_sample,
+        sample=dh2_sample,
         targets=("dhid", "w1", "h2_pre"),
         errors=error_cases(
-            _dh2_sample,
+            dh2_sample,
             lambda k: wrong_dtype(k, "dhid"),
             lambda k: wrong_dtype(k, "w1"),
             lambda k: replace(k, dhid=k["dhid"][:, 1:].copy()),
