@@ -1313,7 +1313,7 @@ static __device__ __forceinline__ void hdh_accumulate(float (&acc)[4][4], float*
         __syncthreads();  // the previous chunk's (or the previous head's) fragments are read
         hdh_stage<HDH_BM, HDH_KC / 4>(as, HDH_ASS, a, k, m0, rows, kc, k_end, a_vec);
         hdh_stage<HDH_KC, HDH_BN / 4>(bs, HDH_BSS, w1, n, kc, k_end, n0, n, b_vec);
-        asm volatile("cp.async.commit_group;" ::: "memory");
+        trunk_cp_commit();
         asm volatile("cp.async.wait_group 0;" ::: "memory");
         __syncthreads();
         const int kn = min(HDH_KC, last - kc);

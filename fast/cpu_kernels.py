@@ -229,11 +229,17 @@ def _w2_b2_extent(a: Args) -> int:
     return int(max(np.max(t[:, 4] + t[:, 1] * t[:, 0]), np.max(t[:, 5] + t[:, 1])))
 
 
+def _w1_extent(a: Args) -> int:
+    """Elements of the parameter set the table's W1 blocks reach (``heads_dh2_tf32`` reads no
+    more)."""
+    t = _heads(a)
+    return int(np.max(t[:, 2] + t[:, 0] * a.h2_width))
+
+
 def _heads_param_extent(a: Args) -> int:
     """Elements of the parameter set the table reaches (its last tensor's end)."""
     t = _heads(a)
-    return int(max(np.max(t[:, 2] + t[:, 0] * a.h2_width), np.max(t[:, 3] + t[:, 0]),
-                   _w2_b2_extent(a)))
+    return int(max(_w1_extent(a), np.max(t[:, 3] + t[:, 0]), _w2_b2_extent(a)))
 
 
 def _heads_w2_b2(a: Args, t: np.ndarray, bf16: bool = True) -> tuple[np.ndarray, np.ndarray]:
@@ -343,13 +349,6 @@ def _heads_out_dueling_bf16(a):
 @twin("heads_out_dueling_f32", **_HOD_EXTENTS)
 def _heads_out_dueling_f32(a):
     return _heads_out_dueling(a, "heads_out_dueling_f32")
-
-
-def _w1_extent(a: Args) -> int:
-    """Elements of the parameter set the table's W1 blocks reach (``heads_dh2_tf32`` reads no
-    more)."""
-    t = _heads(a)
-    return int(np.max(t[:, 2] + t[:, 0] * a.h2_width))
 
 
 @twin("heads_dh2_tf32", dhid=lambda a: max(_heads_packed(a)[1], 1), params=_w1_extent,

@@ -136,7 +136,7 @@ FUSE_GUARD_MASK = True
 #: tile) core bf16 106.5 / 105.5, core tf32 119.6 / 119.5, every second-wave source 154.8 /
 #: 154.5, its node 8.1 us on graph 1's chain where the part GEMM and the sum took 3.8 + 1.5 us;
 #: the README's "The heads' d h2 in one launch".
-FUSE_HEADS_DH2: frozenset = frozenset()
+FUSE_HEADS_DH2 = frozenset()
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -288,13 +288,14 @@ class StepProgram:
 
     @property
     def dh2_fused(self) -> bool:
-        """Whether a loss pass's backward (unstacked, without the auxiliary heads' ``d h2``) takes
-        every head's part of ``d h2``, their sum and the trunk's masks in one ``heads_dh2_tf32``:
-        allowed (``heads_dh2``), the backward precision in :data:`FUSE_HEADS_DH2` and shapes the
-        kernel takes (``fast.kernels.trunk.heads_dh2_fits``)."""
+        """Whether a loss pass's backward may take every head's part of ``d h2``, their sum and
+        the trunk's masks in one ``heads_dh2_tf32`` (``backward`` then does where the pass is
+        one loss's, not stacked, without the auxiliary heads' ``d h2``): allowed
+        (``heads_dh2``), the backward precision in :data:`FUSE_HEADS_DH2` and shapes the kernel
+        takes (``fast.kernels.trunk.heads_dh2_fits``)."""
         from foxhunt.fast.kernels.trunk import heads_dh2_fits
 
-        return (self.heads_dh2 and not self.stacked_backward and self.bwd_mode in FUSE_HEADS_DH2
+        return (self.heads_dh2 and self.bwd_mode in FUSE_HEADS_DH2
                 and heads_dh2_fits(self.lay.head_hidden, self.arch))
 
     @property
@@ -708,7 +709,7 @@ class StepProgram:
         B, NA, H2 = lay.B, lay.NA, lay.H2
         losses = tuple(pres)
         tag = "_".join(losses)
-        fused = self.dh2_fused and len(losses) == 1 and aux_dh2 is None
+        fused = self.dh2_fused and len(losses) == 1 and aux_dh2 is None  # (stacked: 2 losses)
         P = lambda name: self.weight(name, 0, bf16=False)  # noqa: E731 - f32 master weights
 
         def each(stem: str, key=None):  # one loss's buffer, or the losses' pair
