@@ -72,13 +72,10 @@ def check_dataflow(graphs: list[Ops], role: Callable[[str], str],
     naming the record that reads what none of its dependencies wrote: an input bound to the
     wrong buffer, or a missing dependency between parallel branches."""
     nodes, deps = dependency_graph(graphs)
-    ancestors: list[int] = []
+    ancestors = _ancestors(deps)
     writes: dict[str, list[tuple[int, int, int]]] = {}
     for i, node in enumerate(nodes):
-        anc = 0
-        for d in deps[i]:
-            anc |= ancestors[d] | (1 << d)
-        ancestors.append(anc)
+        anc = ancestors[i]
         for acc in node.accesses:
             if acc.write or acc.nbytes == 0 or role(acc.buffer) != "scratch":
                 continue
@@ -92,4 +89,43 @@ def check_dataflow(graphs: list[Ops], role: Callable[[str], str],
                 writes.setdefault(acc.buffer, []).append((i, acc.start, acc.start + acc.nbytes))
 
 
-__all__ = ["check_dataflow", "dependency_graph"]
+def _ancestors(deps: list[frozenset]) -> list[int]:
+    """Each node's ancestors (every node it depends on, directly or not) as a bit set."""
+    out: list[int] = []
+    for direct in deps:
+        anc = 0
+        for d in direct:
+            anc |= out[d] | (1 << d)
+        out.append(anc)
+    return out
+
+
+def _overlaps(acc, spans: list[tuple[str, int, int]]) -> bool:
+    return any(acc.buffer == name and acc.start < hi and lo < acc.start + acc.nbytes
+               for name, lo, hi in spans)
+
+
+def release_points(writer: Ops, graphs: list[Ops]) -> list[int] | None:
+    """Where ``graphs`` (run in order, as one captured graph) are done with what ``writer``
+    overwrites: the indices (``dependency_graph(graphs[:1])``'s walk order) of the nodes of
+    ``graphs[0]`` that read or write a byte ``writer`` writes, less those another such node
+    depends on. Once those nodes are done, no node of the graphs touches those bytes again, so
+    the next ``writer`` may run (the step's upload: ``gpu_engine``'s ``graph1_done``, recorded
+    after these nodes instead of after graph 1). ``None`` where a later graph touches them (the
+    point is then the end of ``graphs[0]``); ``[]`` where no node does."""
+    spans = [(acc.buffer, acc.start, acc.start + acc.nbytes)
+             for node in writer.nodes() for acc in node.accesses if acc.write and acc.nbytes]
+    if any(_overlaps(acc, spans) for ops in graphs[1:] for node in ops.nodes()
+           for acc in node.accesses if acc.nbytes):
+        return None
+    nodes, deps = dependency_graph(graphs[:1])
+    users = [i for i, node in enumerate(nodes)
+             if any(acc.nbytes and _overlaps(acc, spans) for acc in node.accesses)]
+    ancestors = _ancestors(deps)
+    covered = 0
+    for i in users:
+        covered |= ancestors[i]
+    return [i for i in users if not covered >> i & 1]
+
+
+__all__ = ["check_dataflow", "dependency_graph", "release_points"]

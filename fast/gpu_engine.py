@@ -23,7 +23,8 @@ from foxhunt.fast.eval_plan import Q_HOST, X_HOST, eval_host_specs, eval_ops
 from foxhunt.fast.graph1_plan import graph1_ops
 from foxhunt.fast.graph2_plan import graph2_ops, staging_name, upload_ops
 from foxhunt.fast.graph_lowering import BranchPool, Lowering, layered_address
-from foxhunt.fast.dataflow import check_dataflow
+from foxhunt.fast import step_program
+from foxhunt.fast.dataflow import check_dataflow, release_points
 from foxhunt.fast.step_layout import READBACK_FIELDS, EvalLayout, StepLayout
 from foxhunt.fast.step_program import StepProgram, step_constants
 from foxhunt.reference.config import DQNConfig
@@ -120,7 +121,7 @@ class GpuEngine:
         second stream, graphs 1 and 2 on the step stream; ``pinned``: the host buffers
         (``host_buffer_specs``' names: the staging ring and the read mirrors)."""
         from foxhunt.fast.device import _driver, call
-        from foxhunt.fast.graphs import GraphCapture
+        from foxhunt.fast.graphs import GraphCapture, set_capture_frontier
 
         ops_up, ops1, ops2 = plans["upload"], plans["graph1"], plans["graph2"]
         staging_slots = len(ops_up)
@@ -156,12 +157,23 @@ class GpuEngine:
             self._upload.append(graph)
         # Graphs 1 and 2 are ONE captured graph (a graph boundary costs about 5 us per step on
         # the H200: the wave step's graph 1 then graph 2 took 198.1 us, as one graph 192.9 us).
-        # graph1_done is an external event record node on a side branch forked after graph 1:
-        # the upload stream waits on it, and graph 2 does not wait for the record.
+        # graph1_done is an external event record node on a side branch forked after graph 1
+        # (the upload stream waits on it); with step_program.EARLY_UPLOAD_RELEASE, the branch
+        # depends only on graph 1's last users of the batch (dataflow.release_points), so the
+        # next upload may start before graph 1 ends. Graph 2 does not wait for the record.
+        release = (release_points(ops_up[0], [ops1, ops2])
+                   if step_program.EARLY_UPLOAD_RELEASE else None)
+        captured = [] if release else None
         self._step_graph = GraphCapture(self.stream, max_branches=1)
         with self._step_graph:
-            self.lowering.enqueue(ops1, self.stream, self.pool)
+            self.lowering.enqueue(ops1, self.stream, self.pool, captured=captured)
             with self._step_graph.branch() as side:
+                if release:
+                    if len(captured) != ops1.node_count():  # pragma: no cover - enqueue's contract
+                        raise AssertionError(f"{len(captured)} nodes captured, graph 1 has "
+                                             f"{ops1.node_count()}")
+                    set_capture_frontier(side.handle,
+                                         [node for i in release for node in captured[i]])
                 call(drv.cuEventRecordWithFlags, self._graph1_done, side.handle, record)
                 graph1_nodes = self._step_graph.nodes_so_far()
                 self.lowering.enqueue(ops2, self.stream, self.pool)
@@ -214,8 +226,9 @@ class GpuEngine:
 
     def launch(self, slot: int) -> None:
         """Enqueue one step from staging buffer ``slot``: the upload graph on the upload stream
-        (after the previous step's graph 1, the last reader of the batch: its ``graph1_done``
-        record node; the graph records ``uploaded[slot]`` as its last node), then the step
+        (after the previous step's last users of the batch: its ``graph1_done`` record node,
+        after graph 1 or, with ``step_program.EARLY_UPLOAD_RELEASE``, after graph 1's last
+        readers of the batch; the graph records ``uploaded[slot]`` as its last node), then the step
         graph (graphs 1 and 2, after the upload) on the step stream. Four driver calls, only
         device-side event waits: no host sync."""
         from foxhunt.fast.device import _driver, call

@@ -206,8 +206,14 @@ class Lowering:
             if isinstance(node, Launch):
                 self.packed(node)
 
-    def enqueue(self, ops: Ops, stream, pool: BranchPool | None = None, _events: dict | None = None) -> None:
+    def enqueue(self, ops: Ops, stream, pool: BranchPool | None = None, _events: dict | None = None,
+                *, captured: list | None = None) -> None:
+        """Issue ``ops`` on ``stream`` (module docstring). ``captured`` (inside a capture): a
+        list that gets, per kernel, GEMM and copy record in walk order (``Ops.nodes()``'s), the
+        graph nodes its stream's next node would depend on right after it (``capture_frontier``:
+        the record's last node)."""
         from foxhunt.fast.device import _driver, as_stream_handle, call
+        from foxhunt.fast.graphs import capture_frontier
 
         drv = _driver()
         if _events is None:
@@ -216,14 +222,18 @@ class Lowering:
                 pool.reset()
         handle = as_stream_handle(stream)
         for it in ops.items:
-            if isinstance(it, Launch):
-                self.launch(it, stream)
-            elif isinstance(it, Gemm):
-                it.plan.run(self.address(it.a), self.address(it.b), self.address(it.c),
-                            bias_ptr=None if it.bias is None else self.address(it.bias),
-                            aux_ptr=None if it.aux is None else self.address(it.aux), stream=stream)
-            elif isinstance(it, Copy):
-                self.copy(it, handle)
+            if isinstance(it, (Launch, Gemm, Copy)):
+                if isinstance(it, Launch):
+                    self.launch(it, stream)
+                elif isinstance(it, Gemm):
+                    it.plan.run(self.address(it.a), self.address(it.b), self.address(it.c),
+                                bias_ptr=None if it.bias is None else self.address(it.bias),
+                                aux_ptr=None if it.aux is None else self.address(it.aux),
+                                stream=stream)
+                else:
+                    self.copy(it, handle)
+                if captured is not None:
+                    captured.append(capture_frontier(handle))
             elif isinstance(it, Parallel):
                 if pool is None:
                     raise ValueError("enqueue: a parallel section needs a BranchPool")
@@ -233,11 +243,11 @@ class Lowering:
                 for side in it.sides:
                     side_stream = pool.stream()
                     call(drv.cuStreamWaitEvent, side_stream.handle, fork, 0)
-                    self.enqueue(side, side_stream, pool, _events)
+                    self.enqueue(side, side_stream, pool, _events, captured=captured)
                     join = pool.event()
                     call(drv.cuEventRecord, join, side_stream.handle)
                     joins.append(join)
-                self.enqueue(it.main, stream, pool, _events)
+                self.enqueue(it.main, stream, pool, _events, captured=captured)
                 for join in joins:
                     call(drv.cuStreamWaitEvent, handle, join, 0)
             elif isinstance(it, Record):

@@ -70,6 +70,28 @@ def graph_edges(graph) -> list[tuple]:
     return list(zip(out[0][:count], out[1][:count]))
 
 
+def capture_frontier(handle) -> tuple:
+    """The graph nodes that the next node captured on the capturing stream ``handle`` will
+    depend on (``cuStreamGetCaptureInfo``'s dependency set)."""
+    drv = _driver()
+    info = call(drv.cuStreamGetCaptureInfo, handle)
+    nodes = next(v for v in info if isinstance(v, (list, tuple)))
+    return tuple(nodes[:info[-1]])
+
+
+def set_capture_frontier(handle, nodes) -> None:
+    """Make ``nodes`` (graph nodes of the capture) the whole dependency set of the capturing
+    stream ``handle``: its next captured node depends on them and nothing else
+    (``cuStreamUpdateCaptureDependencies`` with ``CU_STREAM_SET_CAPTURE_DEPENDENCIES``; plain
+    edges)."""
+    drv = _driver()
+    nodes = list(nodes)
+    if not nodes:
+        raise ValueError("set_capture_frontier: no nodes (a captured node needs a dependency)")
+    flag = drv.CUstreamUpdateCaptureDependencies_flags.CU_STREAM_SET_CAPTURE_DEPENDENCIES.value
+    call(drv.cuStreamUpdateCaptureDependencies, handle, nodes, None, len(nodes), flag)
+
+
 def priority_ranks(keys, edges, levels: int) -> dict:
     """``{key: rank}`` for a DAG of nodes ``keys`` with dependency edges ``(from, to)``: rank 0
     (the highest priority) to ``levels - 1``, by the longest chain of nodes from the node to

@@ -137,6 +137,12 @@ FUSE_GUARD_MASK = True
 #: 154.5, its node 8.1 us on graph 1's chain where the part GEMM and the sum took 3.8 + 1.5 us;
 #: the README's "The heads' d h2 in one launch".
 FUSE_HEADS_DH2 = frozenset()
+#: Whether the step graph records the upload's event (``gpu_engine``'s ``graph1_done``: the next
+#: step's batch upload waits on it) right after graph 1's last readers of the batch
+#: (``dataflow.release_points``: in the seed step the input layer's weight gradients and the
+#: loss's scalar kernels) instead of after the whole of graph 1, so the next upload overlaps the
+#: end of graph 1 as well as graph 2. Where graph 2 reads the batch, after graph 1 either way.
+EARLY_UPLOAD_RELEASE = True
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -164,7 +170,8 @@ def plan_switches() -> dict[str, object]:
 
     return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS),
             "FUSE_AUX_TRUNK_GRAD": not FUSE_AUX_TRUNK_GRAD, "FUSE_GUARD_MASK": not FUSE_GUARD_MASK,
-            "FUSE_HEADS_DH2": frozenset() if FUSE_HEADS_DH2 else frozenset({"tf32"})}
+            "FUSE_HEADS_DH2": frozenset() if FUSE_HEADS_DH2 else frozenset({"tf32"}),
+            "EARLY_UPLOAD_RELEASE": not EARLY_UPLOAD_RELEASE}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

@@ -10,8 +10,9 @@ import pytest
 
 from foxhunt.fast.cpu_executor import CpuEngine, topological_order
 from foxhunt.fast.cpu_kernels import TWINS
-from foxhunt.fast.dataflow import check_dataflow, dependency_graph
-from foxhunt.fast.records import Buf, Launch, Ops, Parallel, PlanError, kernel_params
+from foxhunt.fast.dataflow import check_dataflow, dependency_graph, release_points
+from foxhunt.fast.records import (Access, Buf, Copy, Launch, Ops, Parallel, PlanError,
+                                  kernel_params)
 from foxhunt.reference.config import DQNConfig
 
 CONFIGS = [("tiny", "f32"), ("tiny", "bf16"), ("seed", "f32"), ("seed", "bf16")]
@@ -223,6 +224,61 @@ def test_dependency_graph_events():
     twice.record("e")
     with pytest.raises(PlanError, match="event 'e' recorded twice"):
         dependency_graph([twice])
+
+
+def _user(name: str, buffer: str, start: int, nbytes: int, write: bool = False) -> Copy:
+    """A toy node touching ``nbytes`` bytes of ``buffer`` from ``start``."""
+    return Copy(Buf(buffer), Buf(buffer), nbytes, name,
+                accesses=(Access(buffer, start, nbytes, write, name),))
+
+
+def test_release_points_are_the_last_users_of_what_the_writer_writes():
+    writer = _toy(_user("up", "batch", 0, 100, write=True))
+    a, c, d = _user("a", "batch", 0, 10), _user("c", "batch", 50, 10), _user("d", "batch", 95, 8)
+    outside, other = _user("outside", "batch", 100, 8), _user("other", "scratch", 0, 4)
+    side, main = _toy(a, _user("b", "scratch", 0, 4)), _toy(c, other, d, outside)
+    graph1 = _toy()
+    graph1.parallel(side, main)
+    graph1.items.append(_user("e", "scratch", 0, 4))
+    nodes, _ = dependency_graph([graph1])
+    assert [n.kind for n in nodes] == ["a", "b", "c", "other", "d", "outside", "e"]
+    # c is an ancestor of d; "outside" reads bytes the writer does not write.
+    assert release_points(writer, [graph1, _toy(_user("g2", "scratch", 0, 4))]) == [0, 4]
+    assert release_points(writer, [graph1]) == [0, 4]
+    # A later graph's user (a write counts too) leaves the point at graph 1's end.
+    assert release_points(writer, [graph1, _toy(_user("g2", "batch", 99, 1, write=True))]) is None
+    assert release_points(writer, [_toy(other)]) == []
+
+
+@pytest.mark.parametrize("precision, source", [("bf16", "core"), ("f32", "core"),
+                                               ("tf32", "core"), ("bf16", "all")])
+def test_the_step_releases_its_batch_before_graph_1_ends(precision, source):
+    """In the seed step every reader of the batch is one of the release points or one of their
+    ancestors, the points read it and none depends on another; graph 2 never reads it, and
+    graph 1's last node (the budget launch) comes after the points."""
+    from foxhunt.reference.config import source_overrides
+
+    engine = _engine("seed", precision, source_overrides(source))
+    up, g1, g2 = engine.plans["upload"][0], engine.plans["graph1"], engine.plans["graph2"]
+    points = release_points(up, [g1, g2])
+    nodes, deps = dependency_graph([g1])
+    readers = {i for i, n in enumerate(nodes) if any(a.buffer == "batch" for a in n.accesses)}
+    assert points and set(points) <= readers
+
+    def ancestors(i: int) -> set[int]:
+        out, todo = set(), list(deps[i])
+        while todo:
+            j = todo.pop()
+            if j not in out:
+                out.add(j)
+                todo.extend(deps[j])
+        return out
+
+    covered = set(points).union(*(ancestors(p) for p in points))
+    assert readers <= covered
+    assert not any(p in ancestors(q) for p in points for q in points)
+    assert not any(a.buffer == "batch" for n in g2.nodes() for a in n.accesses)
+    assert set(points).isdisjoint({len(nodes) - 1}) and set(points) <= ancestors(len(nodes) - 1)
 
 
 # ------------------------------------------------------------------------------ switches

@@ -113,3 +113,57 @@ def test_a_write_combined_staging_ring_steps_to_the_same_bits(monkeypatch):
     finally:
         for trainer in trainers.values():
             trainer.close()
+
+
+def _record_node_sources(engine) -> list:
+    """The graph nodes the step graph's ``graph1_done`` record node depends on."""
+    from foxhunt.fast.device import _driver, call
+    from foxhunt.fast.graphs import graph_edges, graph_nodes
+
+    drv = _driver()
+    graph = engine._step_graph.graph
+    record = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_EVENT_RECORD
+    want = int(engine._graph1_done)
+    nodes = [n for n in graph_nodes(graph) if call(drv.cuGraphNodeGetType, n) == record
+             and int(call(drv.cuGraphEventRecordNodeGetEvent, n)) == want]
+    assert len(nodes) == 1
+    return [src for src, dst in graph_edges(graph) if int(dst) == int(nodes[0])]
+
+
+@pytest.mark.parametrize("precision, source", [("bf16", "core"), ("f32", "all")])
+def test_an_early_upload_release_steps_to_the_same_bits(monkeypatch, precision, source):
+    """``step_program.EARLY_UPLOAD_RELEASE`` on (the default): the step graph records
+    ``graph1_done`` after graph 1's last readers of the batch (``dataflow.release_points``: one
+    kernel or GEMM node each), so the next upload may overwrite the batch while graph 1's tail
+    still runs; a trainer stepping distinct batches back to back (no synchronisation between
+    steps) ends in exactly the bits of a twin built with the switch off."""
+    from foxhunt.fast import step_program
+    from foxhunt.fast.dataflow import release_points
+    from foxhunt.fast.device import _driver, call
+    from foxhunt.fast.trainer import Trainer
+    from foxhunt.reference.batch import Batch
+    from foxhunt.reference.config import DQNConfig, source_overrides
+
+    drv = _driver()
+    config = DQNConfig.preset("seed", precision=precision, **source_overrides(source))
+    rng = np.random.default_rng(11)
+    batches = [Batch.random(config, rng) for _ in range(8)]
+    trainers = {}
+    try:
+        for early in (True, False):
+            monkeypatch.setattr(step_program, "EARLY_UPLOAD_RELEASE", early)
+            trainers[early] = trainer = Trainer(config, seed=4)
+            engine = trainer.engine
+            plans = engine.plans
+            points = release_points(plans["upload"][0], [plans["graph1"], plans["graph2"]])
+            sources = _record_node_sources(engine)
+            kinds = {call(drv.cuGraphNodeGetType, n) for n in sources}
+            if early:
+                assert len(sources) == len(points) >= 2
+                assert kinds == {drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL}
+            for batch in batches:
+                trainer.step(batch)
+        _assert_same_state(trainers[True], trainers[False])
+    finally:
+        for trainer in trainers.values():
+            trainer.close()
