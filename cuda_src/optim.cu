@@ -87,19 +87,12 @@ grad_norm_sq(const float* __restrict__ x, long long n, float* __restrict__ out) 
 
 // Launch bounds of the segment kernels (grad_norm_partial, clip_saxpy_norm_partial[_wave]): their
 // plans launch at most PARTIAL_MAX_THREADS = 256 threads per block (fast/kernels/optim.py), and
-// the bound leaves registers for GNP_MIN_BLOCKS (32 per thread: a full SM), HB_BUDGET_MIN_BLOCKS
-// (64 per thread) resp. HB_WAVE_MIN_BLOCKS (80 per thread) such blocks per SM. The budget
-// kernels hold their first chunks (every array a chunk reads) through the source norms' tree
-// (hb_budget_segments); with 48 registers (5 blocks) that spilled 172 / 268 bytes. ptxas (NVRTC
-// 13, sm_90): grad_norm_partial and clip_saxpy_norm_partial's plain build spill nothing, the
-// member build of clip_saxpy_norm_partial 4 bytes, clip_saxpy_norm_partial_wave 4 (plain) and
-// 32 bytes (member). The step launches one block per 4096 elements (71 blocks at the seed
-// preset: one an SM); populations size their grids by the kernels' occupancy
-// (population_engine.shared_grid_x).
+// the bound leaves registers for GNP_MIN_BLOCKS (32 per thread: a full SM) resp.
+// HB_BUDGET_MIN_BLOCKS (48 per thread) such blocks per SM, without spills (sm_80, sm_90; plain
+// and member builds).
 #define HB_PARTIAL_MAX_THREADS 256
 #define GNP_MIN_BLOCKS 8
-#define HB_BUDGET_MIN_BLOCKS 4
-#define HB_WAVE_MIN_BLOCKS 3
+#define HB_BUDGET_MIN_BLOCKS 5
 
 // Segments of block_size elements covering n >= 0 elements: ceil(n / block_size), no overflow.
 __device__ __forceinline__ long long hb_segments(long long n, long long block_size) {
@@ -551,27 +544,20 @@ __device__ __noinline__ void hb_budget_segments_wide(const float* __restrict__ b
 }
 
 // The segments of this block (blockIdx.x, + gridDim.x, ...): out's elements and partials[seg].
-// `scales(op)` sets the op's clip scales from the source norms (its block-wide reductions: every
-// block calls it once, every thread of the block); on the segment path the block's first chunks
-// are loaded before it (they do not depend on the scales), so their loads are in flight during
-// the norms' tree. `scratch`: two rows of REDUCE_WARP floats of shared memory (gnp_block_total,
-// GNP_ROW). Every branch and trip count depends on kernel arguments and blockIdx/gridDim only:
-// uniform.
-template <class Op, class Scales>
+// `scratch`: two rows of REDUCE_WARP floats of shared memory (gnp_block_total, GNP_ROW). Every
+// branch and trip count depends on kernel arguments and blockIdx/gridDim only: uniform.
+template <class Op>
 __device__ __forceinline__ void hb_budget_segments(const float* __restrict__ base,
                                                    const float* __restrict__ inject,
                                                    float* __restrict__ out,
                                                    float* __restrict__ partials, long long n,
-                                                   long long block_size, Op op,
-                                                   const Scales& scales,
+                                                   long long block_size, const Op& op,
                                                    float (*scratch)[REDUCE_WARP]) {
     const long long segments = hb_segments(n, block_size);  // 0 for n == 0
     if (blockIdx.x >= segments) {
-        scales(op);  // block 0 writes the norms also where there is no segment
         return;
     }
     if (n > 0x7fffffffLL || block_size > 0x7fffffffLL) {
-        scales(op);
         hb_budget_segments_wide(base, inject, out, partials, n, block_size, segments, op, scratch);
         return;
     }
@@ -582,7 +568,6 @@ __device__ __forceinline__ void hb_budget_segments(const float* __restrict__ bas
     typename Op::Local l = op.local(s.begin, s.len);
     HbBudgetBatch<Op> q;
     hb_budget_load(q, base, inject, s, op, l, threadIdx.x);
-    scales(op);
     for (unsigned k = 0;; ++k) {
         const float partial = hb_budget_partial(q, base, inject, out, s, op, l);
         const unsigned next = seg + gridDim.x;
@@ -613,8 +598,7 @@ __device__ __forceinline__ void hb_budget_segments(const float* __restrict__ bas
 // final_threads threads (block_sums_as, both at once; the launcher passes
 // plan_grad_norm_final(count)'s block), so they are grad_norm_final's bits; block 0 writes them
 // to base_norm_sq_out and inject_norm_sq_out (the step's readback needs them; also for n == 0,
-// where there is no segment). Then the block's segments (hb_budget_segments, which issues the
-// block's first chunk loads before the norms' tree: they do not depend on the scales). base, inject and
+// where there is no segment). Then the block's segments (hb_budget_segments). base, inject and
 // the partials are read only; out is a separate buffer. Grid-independent: any gridDim.x >= 1
 // gives the same outputs. Launch: grad_norm_partial's (plan_clip_saxpy_norm_partial): grid
 // ceil(n / block_size) (at least 1), block a multiple of 32.
@@ -632,21 +616,18 @@ clip_saxpy_norm_partial(const float* __restrict__ base, const float* __restrict_
     __shared__ float norm_scratch[2][REDUCE_WARP + 1];
     // grad_norm_final's out[0] = __fadd_rn(total, 0.0f) (never -0.0), here for both norms,
     // summed together (block_sums_as: grad_norm_final's tree for each).
-    const auto scales = [&](HbClipSaxpyOp& op) {
-        const float* const sources[2] = {base_partials, inject_partials};
-        float sums[2];
-        block_sums_as(sources, 0, count, SumIdentity(), (int)final_threads, norm_scratch, sums);
-        const float base_norm_sq = __fadd_rn(sums[0], 0.0f);
-        const float inject_norm_sq = __fadd_rn(sums[1], 0.0f);
-        if (blockIdx.x == 0 && threadIdx.x == 0) {
-            base_norm_sq_out[0] = base_norm_sq;
-            inject_norm_sq_out[0] = inject_norm_sq;
-        }
-        op.s_base = hb_clip_scale(base_norm_sq, base_max_norm);
-        op.s_inject = hb_clip_scale(inject_norm_sq, inject_max_norm);
-    };
-    hb_budget_segments(base, inject, out, partials, n, block_size, HbClipSaxpyOp{0.0f, a, 0.0f},
-                       scales, scratch);
+    const float* const sources[2] = {base_partials, inject_partials};
+    float sums[2];
+    block_sums_as(sources, 0, count, SumIdentity(), (int)final_threads, norm_scratch, sums);
+    const float base_norm_sq = __fadd_rn(sums[0], 0.0f);
+    const float inject_norm_sq = __fadd_rn(sums[1], 0.0f);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        base_norm_sq_out[0] = base_norm_sq;
+        inject_norm_sq_out[0] = inject_norm_sq;
+    }
+    const HbClipSaxpyOp op{hb_clip_scale(base_norm_sq, base_max_norm), a,
+                           hb_clip_scale(inject_norm_sq, inject_max_norm)};
+    hb_budget_segments(base, inject, out, partials, n, block_size, op, scratch);
 }
 
 // clip_saxpy_norm_partial_wave (twin: foxhunt.reference.kernels.wave, which states the
@@ -757,7 +738,7 @@ struct HbWaveBudgetOp {
 };
 
 // Launch: clip_saxpy_norm_partial's (plan_clip_saxpy_norm_partial_wave).
-extern "C" __global__ void __launch_bounds__(HB_PARTIAL_MAX_THREADS, HB_WAVE_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(HB_PARTIAL_MAX_THREADS, HB_BUDGET_MIN_BLOCKS)
 clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __restrict__ inject,
                              long long n, float base_max_norm,
                              const float* __restrict__ base_partials, float a,
@@ -778,34 +759,29 @@ clip_saxpy_norm_partial_wave(const float* __restrict__ base, const float* __rest
     __shared__ float norm_scratch[4][REDUCE_WARP + 1];
     // Each source's squared norm, grad_norm_final's tree and + 0.0f, all four summed together
     // (block_sums_as); 0 for a source that is off (null partials: uniform across the block).
-    const auto scales = [&](HbWaveBudgetOp& op) {
-        const float* const sources[4] = {base_partials, inject_partials, iqn_partials,
-                                         ens_partials};
-        float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        block_sums_as(sources, 0, count, SumIdentity(), (int)final_threads, norm_scratch, sums);
-        const float base_norm_sq = base_partials == nullptr ? 0.0f : __fadd_rn(sums[0], 0.0f);
-        const float inject_norm_sq = inject_partials == nullptr ? 0.0f : __fadd_rn(sums[1], 0.0f);
-        const float iqn_norm_sq = iqn_partials == nullptr ? 0.0f : __fadd_rn(sums[2], 0.0f);
-        const float ens_norm_sq = ens_partials == nullptr ? 0.0f : __fadd_rn(sums[3], 0.0f);
-        if (blockIdx.x == 0 && threadIdx.x == 0) {
-            base_norm_sq_out[0] = base_norm_sq;
-            inject_norm_sq_out[0] = inject_norm_sq;
-            if (iqn_partials != nullptr) {
-                iqn_norm_sq_out[0] = iqn_norm_sq;
-            }
-            if (ens_partials != nullptr) {
-                ens_norm_sq_out[0] = ens_norm_sq;
-            }
+    const float* const sources[4] = {base_partials, inject_partials, iqn_partials, ens_partials};
+    float sums[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    block_sums_as(sources, 0, count, SumIdentity(), (int)final_threads, norm_scratch, sums);
+    const float base_norm_sq = base_partials == nullptr ? 0.0f : __fadd_rn(sums[0], 0.0f);
+    const float inject_norm_sq = inject_partials == nullptr ? 0.0f : __fadd_rn(sums[1], 0.0f);
+    const float iqn_norm_sq = iqn_partials == nullptr ? 0.0f : __fadd_rn(sums[2], 0.0f);
+    const float ens_norm_sq = ens_partials == nullptr ? 0.0f : __fadd_rn(sums[3], 0.0f);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        base_norm_sq_out[0] = base_norm_sq;
+        inject_norm_sq_out[0] = inject_norm_sq;
+        if (iqn_partials != nullptr) {
+            iqn_norm_sq_out[0] = iqn_norm_sq;
         }
-        op.core.s_base = hb_clip_scale(base_norm_sq, base_max_norm);
-        op.core.s_inject = hb_clip_scale(inject_norm_sq, inject_max_norm);
-        op.s_iqn = hb_clip_scale(iqn_norm_sq, iqn_max_norm);
-        op.s_ens = hb_clip_scale(ens_norm_sq, ens_max_norm);
-    };
-    const HbWaveBudgetOp op{{0.0f, a, 0.0f},
-                            iqn, iqn_partials == nullptr ? 0 : iqn_n, iqn_a, 0.0f,
-                            ens, ens_partials == nullptr ? 0 : ens_n, ens_a, 0.0f};
-    hb_budget_segments(base, inject, out, partials, n, block_size, op, scales, scratch);
+        if (ens_partials != nullptr) {
+            ens_norm_sq_out[0] = ens_norm_sq;
+        }
+    }
+    const HbWaveBudgetOp op{
+        {hb_clip_scale(base_norm_sq, base_max_norm), a,
+         hb_clip_scale(inject_norm_sq, inject_max_norm)},
+        iqn, iqn_partials == nullptr ? 0 : iqn_n, iqn_a, hb_clip_scale(iqn_norm_sq, iqn_max_norm),
+        ens, ens_partials == nullptr ? 0 : ens_n, ens_a, hb_clip_scale(ens_norm_sq, ens_max_norm)};
+    hb_budget_segments(base, inject, out, partials, n, block_size, op, scratch);
 }
 
 // ---------------------------------------------------------------------------------------------
