@@ -160,7 +160,8 @@ class GpuEngine:
         # graph1_done is an external event record node on a side branch forked after graph 1
         # (the upload stream waits on it); with step_program.EARLY_UPLOAD_RELEASE, the branch
         # depends only on graph 1's last users of the batch (dataflow.release_points), so the
-        # next upload may start before graph 1 ends. Graph 2 does not wait for the record.
+        # next upload may start before graph 1 ends (where graph 2 uses the batch, or no node
+        # does, the record stays after graph 1). Graph 2 does not wait for the record.
         release = (release_points(ops_up[0], [ops1, ops2])
                    if step_program.EARLY_UPLOAD_RELEASE else None)
         captured = [] if release else None
