@@ -234,8 +234,9 @@ def graph1_ops(prog: StepProgram) -> Ops:
     # Budget pipeline, one launch: the per-loss norms from their partials, the clips, the SAXPY
     # and the total norm's phase-1 partials (phase 2 is in the step scalars); with an injected
     # second-wave source on, the same launch injects them (``wave_plan.budget``).
-    norms = wave_plan.budget(prog, ops) if injected_sources(c) else []
-    if not norms:
+    if injected_sources(c):
+        wave_plan.budget(prog, ops)
+    else:
         out, partials = "grad", "partials_total"
         ops.kernel("clip_saxpy_norm_partial", opt.plan_clip_saxpy_norm_partial(NP, NORM_SEGMENT),
                    base="grad_c51", inject="grad_cql", n=NP,
@@ -249,11 +250,11 @@ def graph1_ops(prog: StepProgram) -> Ops:
     isv_plan.consumers(prog, body)  # before the fork: the targets read gamma, CQL alpha_step
     support_plan.live_support(prog, body)  # adaptive_atoms: every consumer reads z_live
     body.parallel(prologue, ops)
-    # The total norm's phase 2 and the step's scalars (step_scalars): beside graph 2's Adam,
-    # which then sums the partials itself, unless the injected sources' norms end graph 1
-    # (graph2_plan.scalars_beside_adam): then beside those.
+    # The total norm's phase 2 and the step's scalars (step_scalars), with the injected sources'
+    # norms: beside graph 2's Adam, which then sums the partials itself, or at graph 1's end
+    # (graph2_plan.scalars_beside_adam).
     if not scalars_beside_adam(c):
-        body.parallel(*norms, step_scalars_ops(prog))
+        body.parallel(*wave_plan.source_norms(prog), step_scalars_ops(prog))
     return body
 
 

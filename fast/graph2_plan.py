@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from foxhunt.fast import isv_plan, wave_plan
+from foxhunt.fast import isv_plan, step_program, wave_plan
 from foxhunt.fast.records import Buf, Host, Ops
 from foxhunt.fast.sentinel_plan import GRAPH2_WRITTEN, desc_entries, desc_lengths_split
 from foxhunt.fast.step_program import StepProgram
@@ -82,7 +82,9 @@ def graph2_ops(prog: StepProgram) -> Ops:
     moments, chain = prog.ops(), prog.ops()
     prog.fused_check(moments, "desc_lens_moments")
     n_w = len(lay.weights)
-    chain.kernel("batched_spectral_norm", spec.plan_step_spectral_norm(n_w, prog.arch),
+    chain.kernel("batched_spectral_norm",
+                 spec.plan_step_spectral_norm(
+                     n_w, prog.arch, fit_clusters=c.precision in step_program.SPECTRAL_FIT_CLUSTERS),
                  mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
                  eps=SPECTRAL_EPS, sigmas="sigmas")
     polyak, tau = isv_plan.polyak_tau(c)  # the adaptive tau's slot (graph 1 copied it), or tau
@@ -129,7 +131,12 @@ def graph2_ops(prog: StepProgram) -> Ops:
         # The step's scalars (the total norm's phase 2, the readback, safety_scale, Mech 6's
         # slow EMA) on a branch of their own, walked first; their readers wait for its event:
         # the "pre" check (it checks the readback) and the adaptive signals (isv_plan).
-        scalars = step_scalars_ops(prog)
+        norms = wave_plan.source_norms(prog)
+        if norms:  # the injected sources' norms into the readback, beside step_scalars
+            scalars = prog.ops()
+            scalars.parallel(*norms, step_scalars_ops(prog))
+        else:
+            scalars = step_scalars_ops(prog)
         scalars.record(isv_plan.STEP_SCALARS_DONE)
         branches.insert(0, scalars)
     merge_in_checks = all(piece.buffer not in GRAPH2_WRITTEN for piece in sp.extras)
@@ -142,13 +149,15 @@ def graph2_ops(prog: StepProgram) -> Ops:
 
 
 def scalars_beside_adam(config) -> bool:
-    """Where ``step_scalars`` runs: beside graph 2's Adam (``adam_update_norm``, which sums the
-    total norm's partials itself) unless an injected second-wave source is on. Then graph 1
-    ends with that source's norm launch (``wave_plan.budget``) anyway, so ``step_scalars`` runs
-    beside it there and Adam reads ``safety_scale`` (``adam_update``): measured on the H200
-    (session 28), the core bf16 step 114.7 -> 112.0 us with ``step_scalars`` beside Adam, the
-    step with every second-wave source 162.7 -> 166.7 us."""
-    return not injected_sources(config)
+    """Where ``step_scalars`` runs, with the injected second-wave sources' norm launches
+    (``wave_plan.source_norms``): beside graph 2's Adam (``adam_update_norm``, which sums the
+    total norm's partials itself), or at graph 1's end, after the budget launch, with Adam
+    reading ``safety_scale`` (``adam_update``). Beside Adam in the core step; with an injected
+    source (IQN, the ensemble) only where ``step_program.WAVE_SCALARS_BESIDE_ADAM``. Measured on
+    the H200 (session 28, the sources' norms then at graph 1's end either way), the core bf16
+    step 114.7 -> 112.0 us with ``step_scalars`` beside Adam, the step with every second-wave
+    source 162.7 -> 166.7 us."""
+    return not injected_sources(config) or step_program.WAVE_SCALARS_BESIDE_ADAM
 
 
 def post_check_in_polyak(lay, polyak: str) -> bool:

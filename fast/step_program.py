@@ -74,6 +74,7 @@ from foxhunt.fast.step_layout import (
 from foxhunt.reference import isv as isv_mod
 from foxhunt.reference import sentinels
 from foxhunt.reference.backend import BACKWARD_GEMM_MODE, FORWARD_GEMM_MODE
+from foxhunt.reference.config import PRECISIONS
 
 #: ``gemm_workspace`` values (module docstring).
 GEMM_WORKSPACES = ("none", "default")
@@ -143,6 +144,21 @@ FUSE_HEADS_DH2 = frozenset()
 #: loss's scalar kernels) instead of after the whole of graph 1, so the next upload overlaps the
 #: end of graph 1 as well as graph 2. Where graph 2 reads the batch, after graph 1 either way.
 EARLY_UPLOAD_RELEASE = True
+#: Whether, with an injected second-wave source on (IQN, the ensemble), ``step_scalars`` and the
+#: sources' norm launches run beside graph 2's Adam (``adam_update_norm`` sums the total norm's
+#: partials itself), as in the core step, instead of ending graph 1 after the budget launch
+#: with Adam reading ``safety_scale`` (``graph2_plan.scalars_beside_adam``).
+WAVE_SCALARS_BESIDE_ADAM = True
+#: The step precisions whose graph 2 spectral norm, with more weight matrices than an sm_90 GPU
+#: holds clusters of one block an SM (``fast.kernels.spectral.SPECTRAL_SPREAD_CLUSTERS``: 16
+#: with every second-wave source), takes the shared memory of two blocks an SM
+#: (``plan_step_spectral_norm(fit_clusters=True)``), so that every matrix's cluster runs at once,
+#: instead of one block an SM with the last cluster waiting for another to finish. The same bits
+#: either way. Measured on the H200 (session 47, ``benches/step_spread.py --switch``, the step
+#: with every second-wave source, three instances a side, two calls): bf16 150.0 us with it
+#: against 152.6 without; f32 196.4 / 196.5 against 195.5 / 195.8, tf32 179.7 / 178.8 against
+#: 178.8 / 177.7, so not in those.
+SPECTRAL_FIT_CLUSTERS = frozenset({"bf16"})
 #: Whether the backward's GEMMs that ``fast.kernels.dense.gemm_tf32_fits`` run as ONE launch of
 #: ``gemm_tf32`` (TF32 backward) or ``gemm_f32`` (f32), a ReLU layer's input gradient with its mask,
 #: not a cuBLASLt GEMM (:meth:`StepProgram.bwd_gemm`).
@@ -163,7 +179,8 @@ def plan_switches() -> dict[str, object]:
     """The module's plan switches a bench may set for one arm (``benches/step_spread.py
     --switch``): name -> the value such an arm gives it, the other side of its default (the
     boolean switches flipped; ``FUSE_HEAD_OUTPUTS``: every precision with a heads' output kernel,
-    ``fast.kernels.trunk.HOD_KERNELS``; ``FUSE_HEADS_DH2``: none if on, else the TF32 backward).
+    ``fast.kernels.trunk.HOD_KERNELS``; ``FUSE_HEADS_DH2``: none if on, else the TF32 backward;
+    ``SPECTRAL_FIT_CLUSTERS``: the other precisions).
     A trainer reads them while it builds its plans, so it keeps the plans of the values it was
     built with."""
     from foxhunt.fast.kernels.trunk import HOD_KERNELS
@@ -171,7 +188,9 @@ def plan_switches() -> dict[str, object]:
     return {"FUSE_HEAD_OUTPUTS": frozenset(HOD_KERNELS),
             "FUSE_AUX_TRUNK_GRAD": not FUSE_AUX_TRUNK_GRAD, "FUSE_GUARD_MASK": not FUSE_GUARD_MASK,
             "FUSE_HEADS_DH2": frozenset() if FUSE_HEADS_DH2 else frozenset({"tf32"}),
-            "EARLY_UPLOAD_RELEASE": not EARLY_UPLOAD_RELEASE}
+            "EARLY_UPLOAD_RELEASE": not EARLY_UPLOAD_RELEASE,
+            "WAVE_SCALARS_BESIDE_ADAM": not WAVE_SCALARS_BESIDE_ADAM,
+            "SPECTRAL_FIT_CLUSTERS": frozenset(PRECISIONS) - SPECTRAL_FIT_CLUSTERS}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

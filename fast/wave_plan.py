@@ -400,16 +400,15 @@ def ens_chain(prog: StepProgram) -> Ops:
 _INJECT = {"iqn": ("iqn_trunk_clean", "lambda_iqn"), "ens": ("ens_trunk_clean", "ens_weight")}
 
 
-def budget(prog: StepProgram, ops: Ops) -> list[Ops]:
+def budget(prog: StepProgram, ops: Ops) -> None:
     """The budget pipeline with the injected sources that are on (IQN, the ensemble), in one
     launch of ``clip_saxpy_norm_partial_wave``: the C51 clip, the CQL clipped SAXPY, then
     ``grad[0:trunk_end] += lambda_iqn * clipped(iqn_trunk_clean, 0.10 mgn)`` and
     ``grad[0:value_end] += ens_weight * clipped(ens_trunk_clean, 0.05 mgn)``, each element's
     operations in that order (``budgets.budget_pipeline`` then ``second_wave_budgets``), writing
     ``grad``, the total norm's partials and every source's squared norm, with no re-read of the
-    running gradient between the sources. Returns each injected source's norms into the
-    readback (one branch per source, to run beside the step scalars); call it only with an
-    injected source on (the core step launches ``clip_saxpy_norm_partial``)."""
+    running gradient between the sources. Call it only with an injected source on (the core
+    step launches ``clip_saxpy_norm_partial``); :func:`source_norms` reads what it writes."""
     lay, c = prog.lay, prog.config
     sources = injected_sources(c)
     assert sources, "budget: no injected source is on (the core step's pipeline is graph1's)"
@@ -433,8 +432,16 @@ def budget(prog: StepProgram, ops: Ops) -> list[Ops]:
                final_threads=wave.final_threads_clip_saxpy_norm_partial_wave(lay.n_partials),
                block_size=NORM_SEGMENT, out=out, partials=partials, base_norm_sq_out="sq_c51",
                inject_norm_sq_out="sq_cql", **args)
+
+
+def source_norms(prog: StepProgram) -> list[Ops]:
+    """Each injected source's norms into the readback (``source_norm_scalars`` of the squared
+    norm :func:`budget` wrote), one branch per source, to run beside ``step_scalars``; none in
+    the core step."""
+    c = prog.config
+    wave = prog.kernels("wave")
     norms = []
-    for src in sources:
+    for src in injected_sources(c):
         norm = prog.ops()
         norm.kernel("source_norm_scalars", wave.plan_single(), norm_sq=f"sq_{src}",
                     readback="readback", budget=F32(c.budget(src)),
@@ -461,4 +468,5 @@ def producers(prog: StepProgram, ops: Ops) -> None:
 
 
 __all__ = ["aux_chain", "aux_dh2", "budget", "ens_chain", "iqn_adam",
-           "iqn_chain", "iqn_features", "mse_loss_blend", "mse_warmup", "optimizer", "producers"]
+           "iqn_chain", "iqn_features", "mse_loss_blend", "mse_warmup", "optimizer", "producers",
+           "source_norms"]

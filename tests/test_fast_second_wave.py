@@ -27,6 +27,7 @@ from foxhunt.conformance.step_harness import (PRECISIONS, SOURCES, fast_sources,
 from foxhunt.fast import cpu_executor
 from foxhunt.fast.cpu_executor import CpuEngine, CpuTrainer
 from foxhunt.fast.graph1_plan import gather_project_dueling
+from foxhunt.fast.graph2_plan import scalars_beside_adam
 from foxhunt.fast.records import Buf, Gemm, Launch
 from foxhunt.fast.wave_layout import injected_sources
 from foxhunt.reference import aux_heads, iqn_head, sentinels
@@ -100,8 +101,11 @@ def test_a_source_adds_records_and_keeps_every_core_kernel(source):
     # An injected source's budget launch replaces the core's (one pass: wave_plan.budget); the
     # MSE warm-up runs the C51 front as its three kernels (graph1_plan.gather_project_dueling).
     # With an injected source, graph 2's Adam reads step_scalars' safety_scale (adam_update)
-    # instead of summing the partials itself (graph2_plan.scalars_beside_adam).
-    replaced = {"clip_saxpy_norm_partial", "adam_update_norm"} if injected_sources(on) else set()
+    # instead of summing the partials itself, unless step_scalars runs beside it
+    # (graph2_plan.scalars_beside_adam).
+    replaced = {"clip_saxpy_norm_partial"} if injected_sources(on) else set()
+    if not scalars_beside_adam(on):
+        replaced.add("adam_update_norm")
     if gather_project_dueling(core) and not gather_project_dueling(on):
         replaced.add("c51_gather_project_dueling_branches")
         assert {"double_dqn_gather_branches", "c51_project_grad"} <= _kernels(plans_on)

@@ -161,6 +161,7 @@ def test_the_step_with_the_spread_plan_steps_bitwise_as_with_the_plain_one(monke
     """Seed preset (bf16, every second-wave source), 3 steps on the GPU: graph 2's spectral norm
     launched with ``SPECTRAL_SPREAD_SHARED`` and with the plain plan's shared memory ends in
     the same bits (the larger memory changes which matrices are cached, never a sum)."""
+    from foxhunt.fast import step_program
     from foxhunt.fast.records import Launch
     from foxhunt.fast.trainer import Trainer
     from foxhunt.reference.batch import Batch
@@ -175,19 +176,119 @@ def test_the_step_with_the_spread_plan_steps_bitwise_as_with_the_plain_one(monke
         with monkeypatch.context() as patch:
             if not spread:
                 patch.setattr(fast_spectral, "plan_step_spectral_norm",
-                              fast_spectral.plan_batched_spectral_norm)
+                              lambda count, arch=None, **_: (
+                                  fast_spectral.plan_batched_spectral_norm(count, arch)))
             trainer = Trainer(config, seed=5)
             try:
                 smem = {n.shape.shared_mem for n in trainer.engine.plans["graph2"].nodes()
                         if isinstance(n, Launch) and n.kernel == "batched_spectral_norm"}
-                want = (fast_spectral.plan_step_spectral_norm if spread else
-                        fast_spectral.plan_batched_spectral_norm)(1)[2]
+                n_w = len(trainer.engine.layout.weights)
+                want = (fast_spectral.plan_step_spectral_norm(
+                    n_w, fit_clusters="bf16" in step_program.SPECTRAL_FIT_CLUSTERS) if spread else
+                    fast_spectral.plan_batched_spectral_norm(n_w))[2]
                 assert smem == {want}
                 for b in batches:
                     trainer.step(b)
                 states.append(trainer.state_dict())
             finally:
                 trainer.close()
+    differ = [k for k in states[0] if np.asarray(states[0][k]).tobytes()
+              != np.asarray(states[1][k]).tobytes()]
+    assert not differ
+
+
+# ------------------------------------------------------------ every matrix's cluster at once
+def test_the_step_plan_fits_more_clusters_than_one_block_an_sm_holds_where_asked():
+    """``fit_clusters``: one block an SM up to ``SPECTRAL_SPREAD_CLUSTERS`` matrices, two beyond
+    (the memory of two blocks fits an SM's 228 KiB); the plain plan before sm_90."""
+    cap = fast_spectral.SPECTRAL_SPREAD_CLUSTERS
+    pair = fast_spectral.SPECTRAL_PAIR_SHARED
+    assert 2 * (pair + 1024) <= 228 * 1024 < 2 * (fast_spectral.SPECTRAL_SPREAD_SHARED + 1024)
+    for count in (1, 10, cap, cap + 1, 16, 40):
+        spread = fast_spectral.plan_step_spectral_norm(count, "sm_90")
+        fit = fast_spectral.plan_step_spectral_norm(count, "sm_90", fit_clusters=True)
+        assert spread[2] == fast_spectral.SPECTRAL_SPREAD_SHARED
+        assert fit[:2] == spread[:2] == (8 * count, fast_spectral.SPECTRAL_THREADS)
+        assert fit[2] == (pair if count > cap else spread[2])
+        assert fast_spectral.plan_step_spectral_norm(count, "sm_80", fit_clusters=True) == (
+            fast_spectral.plan_batched_spectral_norm(count, "sm_80"))
+
+
+def _max_active_clusters(count: int, smem: int) -> int:
+    """The driver's answer for ``count`` clusters of batched_spectral_norm with ``smem``."""
+    from cuda.bindings import driver as drv
+
+    from foxhunt.fast.device import call as cu
+    from foxhunt.fast.kernels._runtime import runtime
+
+    kernel = runtime().module.kernel("batched_spectral_norm")
+    kernel.set_max_dynamic_shared(smem)
+    grid, block, _ = fast_spectral.plan_batched_spectral_norm(count)
+    config = drv.CUlaunchConfig()
+    config.gridDimX, config.gridDimY, config.gridDimZ = grid, 1, 1
+    config.blockDimX, config.blockDimY, config.blockDimZ = block, 1, 1
+    config.sharedMemBytes = smem
+    attr = drv.CUlaunchAttribute()
+    attr.id = drv.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    attr.value.clusterDim.x = fast_spectral.spectral_cluster()
+    attr.value.clusterDim.y = attr.value.clusterDim.z = 1
+    config.attrs, config.numAttrs = [attr], 1
+    return int(cu(drv.cuOccupancyMaxActiveClusters, kernel.function, config))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_the_step_plans_run_the_seed_matrices_clusters_at_once():
+    """On this GPU the step's plan with ``fit_clusters`` runs the seed step's 10 (core) and 16
+    (every second-wave source) clusters at once; on a 132-SM part one block an SM holds exactly
+    ``SPECTRAL_SPREAD_CLUSTERS`` of them (the constant is that answer)."""
+    from cuda.bindings import driver as drv
+
+    from foxhunt.fast.device import call as cu
+
+    if fast_spectral.spectral_cluster() == 1:
+        pytest.skip("before sm_90 a matrix is one block: no clusters to fit")
+    for count in (10, 16):
+        smem = fast_spectral.plan_step_spectral_norm(count, fit_clusters=True)[2]
+        assert _max_active_clusters(count, smem) >= count, (count, smem)
+    sms = cu(drv.cuDeviceGetAttribute,
+             drv.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 0)
+    if sms == 132:
+        assert _max_active_clusters(16, fast_spectral.SPECTRAL_SPREAD_SHARED) == (
+            fast_spectral.SPECTRAL_SPREAD_CLUSTERS)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("precision", ["bf16", "f32"])
+def test_the_step_with_fitted_clusters_steps_bitwise_as_without(precision, monkeypatch):
+    """Seed preset, every second-wave source (16 matrices), 3 steps on the GPU: graph 2's
+    spectral norm with two blocks an SM (``SPECTRAL_FIT_CLUSTERS``) and with one end in the
+    same bits."""
+    from foxhunt.fast import step_program
+    from foxhunt.fast.records import Launch
+    from foxhunt.fast.trainer import Trainer
+    from foxhunt.reference.batch import Batch
+    from foxhunt.reference.config import DQNConfig, source_overrides
+
+    if fast_spectral.spectral_cluster() == 1:
+        pytest.skip("before sm_90 the step's plan is the plain plan: nothing to compare")
+    config = DQNConfig.preset("seed", precision=precision, **source_overrides("all"))
+    batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
+    states, smems = [], []
+    for fit in (True, False):
+        monkeypatch.setattr(step_program, "SPECTRAL_FIT_CLUSTERS",
+                            frozenset({precision} if fit else ()))
+        trainer = Trainer(config, seed=5)
+        try:
+            smems.append({n.shape.shared_mem for n in trainer.engine.plans["graph2"].nodes()
+                          if isinstance(n, Launch) and n.kernel == "batched_spectral_norm"})
+            for b in batches:
+                trainer.step(b)
+            states.append(trainer.state_dict())
+        finally:
+            trainer.close()
+    assert smems == [{fast_spectral.SPECTRAL_PAIR_SHARED}, {fast_spectral.SPECTRAL_SPREAD_SHARED}]
     differ = [k for k in states[0] if np.asarray(states[0][k]).tobytes()
               != np.asarray(states[1][k]).tobytes()]
     assert not differ

@@ -11,6 +11,7 @@ import pytest
 from foxhunt.reference.kernels import rng as ref_rng
 from foxhunt.fast.cpu_executor import CpuEngine
 from foxhunt.fast.cuda_parse import package_kernels
+from foxhunt.fast.graph2_plan import scalars_beside_adam
 from foxhunt.fast.member_build import SCALAR_DTYPES, SCALAR_SLOT_BYTES, member_scalar_block, scalar_params
 from foxhunt.fast.population_plan import PopulationPlanError, align_members
 from foxhunt.reference.config import DQNConfig, source_overrides
@@ -35,8 +36,10 @@ def test_identical_members_have_no_member_scalars():
 def test_members_that_differ_in_lr_differ_in_the_adam_launches_only():
     lrs = (1e-4, 3e-4, 2.5e-5)
     found = align_members([_plans(BASE.replace(lr=lr), 0) for lr in lrs])
-    # every source on (IQN injected): step_scalars ends graph 1, both Adams are adam_update
-    assert found and _differing(found) == {("graph2", "adam_update", ("lr",))}
+    # every source on (IQN injected): both Adams are adam_update where step_scalars ends graph 1;
+    # the main one is adam_update_norm where it runs beside them (scalars_beside_adam)
+    adams = {"adam_update"} | ({"adam_update_norm"} if scalars_beside_adam(BASE) else set())
+    assert found and _differing(found) == {("graph2", a, ("lr",)) for a in adams}
     for f in found:
         assert [v["lr"] for v in f.values] == [F32(lr) for lr in lrs]
         assert all(isinstance(v["lr"], np.float32) for v in f.values)

@@ -167,16 +167,36 @@ def plan_batched_spectral_norm(count: int, arch=None) -> Plan:
 SPECTRAL_SPREAD_SHARED = 116 * 1024
 
 
-def plan_step_spectral_norm(count: int, arch=None) -> Plan:
+#: The matrices' clusters an H100 or H200 (132 SMs) runs at once with one block an SM
+#: (``SPECTRAL_SPREAD_SHARED``): the driver's ``cuOccupancyMaxActiveClusters`` for
+#: ``batched_spectral_norm``'s 8-block clusters answered 15 on both (sessions 35 and 47; 30 with
+#: ``SPECTRAL_PAIR_SHARED``, 45 with 56 KiB). The step with every second-wave source has 16
+#: weight matrices: with one block an SM its last cluster waited for another to finish.
+SPECTRAL_SPREAD_CLUSTERS = 15
+
+#: Dynamic shared memory of the training step's launch with more matrices than
+#: ``SPECTRAL_SPREAD_CLUSTERS`` (:func:`plan_step_spectral_norm` with ``fit_clusters``): at most
+#: half of an SM's 228 KiB (two blocks an SM), so that every matrix's cluster runs at once.
+#: Measured on an H100 (session 47, ``critical_path.py --measure``, the seed step with every
+#: second-wave source, bf16): the node took 13.2 us with ``SPECTRAL_SPREAD_SHARED``, 9.1 us
+#: with this (and with 76 KiB), 8.7 us with 56 KiB; graph 2 replayed in 31.5, 28.3, 28.0 and
+#: 29.1 us. The core step's 10 matrices: 8.4 us either way, graph 2 22.7 us with one block an
+#: SM and 23.4-23.8 us with this.
+SPECTRAL_PAIR_SHARED = 100 * 1024
+
+
+def plan_step_spectral_norm(count: int, arch=None, *, fit_clusters: bool = False) -> Plan:
     """The training step's ``batched_spectral_norm`` launch: :func:`plan_batched_spectral_norm`
     with ``SPECTRAL_SPREAD_SHARED`` bytes of dynamic shared memory on sm_90 and newer (one
     block an SM; the graph lowering sets the kernel's opt-in limit for it), the plan's own
-    before. A population of more than one member launches it with
-    :func:`spectral_shared_bytes` (``population_engine.population_shared``): its members'
-    clusters fill the SMs anyway."""
+    before; with ``fit_clusters`` and more than ``SPECTRAL_SPREAD_CLUSTERS`` matrices,
+    ``SPECTRAL_PAIR_SHARED`` (two blocks an SM). The bits do not depend on it. A population of
+    more than one member launches it with :func:`spectral_shared_bytes`
+    (``population_engine.population_shared``): its members' clusters fill the SMs anyway."""
     grid, block, smem = plan_batched_spectral_norm(count, arch)
     if spectral_cluster(arch) > 1:
-        smem = max(smem, SPECTRAL_SPREAD_SHARED)
+        pair = fit_clusters and count > SPECTRAL_SPREAD_CLUSTERS
+        smem = max(smem, SPECTRAL_PAIR_SHARED if pair else SPECTRAL_SPREAD_SHARED)
     return grid, block, smem
 
 
@@ -272,8 +292,9 @@ KERNELS = {
 
 __all__ = [
     "KERNELS", "POOL_ALIGNMENT", "SPECTRAL_CACHE_SHAPE", "SPECTRAL_CLUSTER_SM90",
-    "SPECTRAL_COL_TILE", "SPECTRAL_MATRIX_DTYPE", "SPECTRAL_SHARED_LIMIT", "SPECTRAL_THREADS",
-    "SPECTRAL_SPREAD_SHARED", "SPECTRAL_TREE_THREADS", "SPECTRAL_U_MIN", "batched_spectral_norm",
+    "SPECTRAL_COL_TILE", "SPECTRAL_MATRIX_DTYPE", "SPECTRAL_PAIR_SHARED", "SPECTRAL_SHARED_LIMIT",
+    "SPECTRAL_SPREAD_CLUSTERS", "SPECTRAL_SPREAD_SHARED", "SPECTRAL_THREADS",
+    "SPECTRAL_TREE_THREADS", "SPECTRAL_U_MIN", "batched_spectral_norm",
     "plan_batched_spectral_norm", "plan_spectral_norm", "plan_step_spectral_norm",
     "spectral_cluster",
     "spectral_descriptors", "spectral_norm", "spectral_shared_bytes", "spectral_shared_floats",
