@@ -17,8 +17,9 @@ Runs after the upload graph (``graph2_plan.upload_ops``). Branch structure:
 - then the budget pipeline in one launch (both per-loss norms from their partials, ``grad =
   clip(grad_c51, 0.70 mgn) + clipped(grad_cql, 0.15 mgn)``, the total norm's partials). The
   step scalars (the total norm's phase 2, Mech 6's clip factor, the readback, the slow EMA) are
-  graph 2's first side branch, beside Adam, which sums the partials itself; with an injected
-  second-wave source on they end graph 1, beside its norms (``graph2_plan.scalars_beside_adam``).
+  graph 2's first side branch, beside Adam, which sums the partials itself, with the injected
+  second-wave sources' norms (``graph2_plan.scalars_beside_adam``: at graph 1's end instead
+  where ``step_program.WAVE_SCALARS_BESIDE_ADAM`` is off).
 
 The second-wave sources that are on (``wave_plan``) join it: the auxiliary heads', IQN and
 ensemble chains start at online (target) h2, beside the passes' heads (the IQN fractions and

@@ -1,9 +1,9 @@
-"""Where the step's scalars run (``graph2_plan.scalars_beside_adam``): beside graph 2's Adam,
-which then computes Mech 6's clip factor from the total norm's partials itself
-(``adam_update_norm``), unless an injected second-wave source is on, whose norm launches end
-graph 1 anyway (then ``step_scalars`` ends graph 1 beside them and Adam reads
-``safety_scale``); and what reads ``step_scalars``' outputs in graph 2 (the "pre" NaN check,
-which checks the readback) comes after it. CPU only: the plans of ``CpuEngine``."""
+"""Where the step's scalars run (``graph2_plan.scalars_beside_adam``), with the injected
+second-wave sources' norm launches: beside graph 2's Adam, which then computes Mech 6's clip
+factor from the total norm's partials itself (``adam_update_norm``), unless an injected source
+is on and ``step_program.WAVE_SCALARS_BESIDE_ADAM`` is off (then they end graph 1 and Adam reads
+``safety_scale``); and what reads their outputs in graph 2 (the "pre" NaN check, which checks
+the readback) comes after them. CPU only: the plans of ``CpuEngine``."""
 
 import pytest
 

@@ -592,9 +592,10 @@ def validate_step_scalars(total_partials, c51_sq, cql_sq, clip_bound, isv, readb
 def step_scalars(total_partials: np.ndarray, c51_sq, cql_sq, clip_bound, isv: np.ndarray,
                  readback: np.ndarray, budget_c51, budget_cql, slow_ema_index: int,
                  slow_alpha) -> StepScalarsOut:
-    """The step's scalars (beside graph 2's Adam; at graph 1's end where an injected source is
-    on): ``total_sq = grad_norm_final(total_partials)``, then (norms ``n(sq) = sqrtf(fmaxf(sq,
-    0))``; ``clip_scale`` as ``optim.data_clip_scale``: the bound taken as data):
+    """The step's scalars (beside graph 2's Adam, or at graph 1's end: the fast plan's
+    ``graph2_plan.scalars_beside_adam``): ``total_sq = grad_norm_final(total_partials)``, then
+    (norms ``n(sq) = sqrtf(fmaxf(sq, 0))``; ``clip_scale`` as ``optim.data_clip_scale``: the
+    bound taken as data):
 
     - ``safety_scale = clip_scale(total_sq, clip_bound)`` (Adam's Mech 6 clip factor);
     - ``readback`` (``READBACK_FIELDS``): ``loss = c51_loss + cql_loss`` (the two entries
