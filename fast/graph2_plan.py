@@ -82,9 +82,9 @@ def graph2_ops(prog: StepProgram) -> Ops:
     moments, chain = prog.ops(), prog.ops()
     prog.fused_check(moments, "desc_lens_moments")
     n_w = len(lay.weights)
+    fit = c.precision in step_program.SPECTRAL_FIT_CLUSTERS
     chain.kernel("batched_spectral_norm",
-                 spec.plan_step_spectral_norm(
-                     n_w, prog.arch, fit_clusters=c.precision in step_program.SPECTRAL_FIT_CLUSTERS),
+                 spec.plan_step_spectral_norm(n_w, prog.arch, fit_clusters=fit),
                  mats="spectral_desc", count=n_w, sigma_max=np.float32(c.sigma_max),
                  eps=SPECTRAL_EPS, sigmas="sigmas")
     polyak, tau = isv_plan.polyak_tau(c)  # the adaptive tau's slot (graph 1 copied it), or tau

@@ -147,7 +147,10 @@ EARLY_UPLOAD_RELEASE = True
 #: Whether, with an injected second-wave source on (IQN, the ensemble), ``step_scalars`` and the
 #: sources' norm launches run beside graph 2's Adam (``adam_update_norm`` sums the total norm's
 #: partials itself), as in the core step, instead of ending graph 1 after the budget launch
-#: with Adam reading ``safety_scale`` (``graph2_plan.scalars_beside_adam``).
+#: with Adam reading ``safety_scale`` (``graph2_plan.scalars_beside_adam``). Measured (session 47,
+#: ``benches/step_spread.py --switch``, the bf16 step with every second-wave source): H200 149.4
+#: us on against 151.0 off; H100 150.3 / 150.9 / 150.5 against 151.7 / 152.5 / 152.0; f32 and
+#: tf32 within 0.4 us (H100).
 WAVE_SCALARS_BESIDE_ADAM = True
 #: The step precisions whose graph 2 spectral norm, with more weight matrices than an sm_90 GPU
 #: holds clusters of one block an SM (``fast.kernels.spectral.SPECTRAL_SPREAD_CLUSTERS``: 16
