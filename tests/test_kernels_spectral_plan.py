@@ -155,6 +155,32 @@ def test_the_step_plan_spreads_a_cluster_one_block_an_sm_on_sm90():
     assert population_shared("adam_update", 0, 16, "sm_90") == 0
 
 
+def _every_source_three_steps(precision: str) -> tuple[set, int, dict]:
+    """The seed preset's step with every second-wave source in ``precision``, on a ``Trainer``
+    built now (call it inside the arm's patches): the dynamic shared memory of graph 2's
+    spectral-norm launches, the number of weight matrices and the state after three steps (the
+    same batches and seed for every arm)."""
+    from foxhunt.fast.records import Launch
+    from foxhunt.fast.trainer import Trainer
+    from foxhunt.reference.batch import Batch
+    from foxhunt.reference.config import DQNConfig, source_overrides
+
+    config = DQNConfig.preset("seed", precision=precision, **source_overrides("all"))
+    trainer = Trainer(config, seed=5)
+    try:
+        smem = {n.shape.shared_mem for n in trainer.engine.plans["graph2"].nodes()
+                if isinstance(n, Launch) and n.kernel == "batched_spectral_norm"}
+        for s in range(3):
+            trainer.step(Batch.random(config, np.random.default_rng(s)))
+        return smem, len(trainer.engine.layout.weights), trainer.state_dict()
+    finally:
+        trainer.close()
+
+
+def _differing_keys(a: dict, b: dict) -> list[str]:
+    return [k for k in a if np.asarray(a[k]).tobytes() != np.asarray(b[k]).tobytes()]
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_the_step_with_the_spread_plan_steps_bitwise_as_with_the_plain_one(monkeypatch):
@@ -162,39 +188,19 @@ def test_the_step_with_the_spread_plan_steps_bitwise_as_with_the_plain_one(monke
     launched with ``SPECTRAL_SPREAD_SHARED`` and with the plain plan's shared memory ends in
     the same bits (the larger memory changes which matrices are cached, never a sum)."""
     from foxhunt.fast import step_program
-    from foxhunt.fast.records import Launch
-    from foxhunt.fast.trainer import Trainer
-    from foxhunt.reference.batch import Batch
-    from foxhunt.reference.config import DQNConfig, source_overrides
 
     if fast_spectral.spectral_cluster() == 1:
         pytest.skip("before sm_90 the step's plan is the plain plan: nothing to compare")
-    config = DQNConfig.preset("seed", precision="bf16", **source_overrides("all"))
-    batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
-    states = []
-    for spread in (True, False):
-        with monkeypatch.context() as patch:
-            if not spread:
-                patch.setattr(fast_spectral, "plan_step_spectral_norm",
-                              lambda count, arch=None, **_: (
-                                  fast_spectral.plan_batched_spectral_norm(count, arch)))
-            trainer = Trainer(config, seed=5)
-            try:
-                smem = {n.shape.shared_mem for n in trainer.engine.plans["graph2"].nodes()
-                        if isinstance(n, Launch) and n.kernel == "batched_spectral_norm"}
-                n_w = len(trainer.engine.layout.weights)
-                want = (fast_spectral.plan_step_spectral_norm(
-                    n_w, fit_clusters="bf16" in step_program.SPECTRAL_FIT_CLUSTERS) if spread else
-                    fast_spectral.plan_batched_spectral_norm(n_w))[2]
-                assert smem == {want}
-                for b in batches:
-                    trainer.step(b)
-                states.append(trainer.state_dict())
-            finally:
-                trainer.close()
-    differ = [k for k in states[0] if np.asarray(states[0][k]).tobytes()
-              != np.asarray(states[1][k]).tobytes()]
-    assert not differ
+    spread_smem, n_w, spread = _every_source_three_steps("bf16")
+    with monkeypatch.context() as patch:
+        patch.setattr(fast_spectral, "plan_step_spectral_norm",
+                      lambda count, arch=None, **_: (
+                          fast_spectral.plan_batched_spectral_norm(count, arch)))
+        plain_smem, _, plain = _every_source_three_steps("bf16")
+    assert spread_smem == {fast_spectral.plan_step_spectral_norm(
+        n_w, fit_clusters="bf16" in step_program.SPECTRAL_FIT_CLUSTERS)[2]}
+    assert plain_smem == {fast_spectral.plan_batched_spectral_norm(n_w)[2]}
+    assert not _differing_keys(spread, plain)
 
 
 # ------------------------------------------------------------ every matrix's cluster at once
@@ -266,29 +272,14 @@ def test_the_step_with_fitted_clusters_steps_bitwise_as_without(precision, monke
     spectral norm with two blocks an SM (``SPECTRAL_FIT_CLUSTERS``) and with one end in the
     same bits."""
     from foxhunt.fast import step_program
-    from foxhunt.fast.records import Launch
-    from foxhunt.fast.trainer import Trainer
-    from foxhunt.reference.batch import Batch
-    from foxhunt.reference.config import DQNConfig, source_overrides
 
     if fast_spectral.spectral_cluster() == 1:
         pytest.skip("before sm_90 the step's plan is the plain plan: nothing to compare")
-    config = DQNConfig.preset("seed", precision=precision, **source_overrides("all"))
-    batches = [Batch.random(config, np.random.default_rng(s)) for s in range(3)]
-    states, smems = [], []
+    arms = []
     for fit in (True, False):
         monkeypatch.setattr(step_program, "SPECTRAL_FIT_CLUSTERS",
                             frozenset({precision} if fit else ()))
-        trainer = Trainer(config, seed=5)
-        try:
-            smems.append({n.shape.shared_mem for n in trainer.engine.plans["graph2"].nodes()
-                          if isinstance(n, Launch) and n.kernel == "batched_spectral_norm"})
-            for b in batches:
-                trainer.step(b)
-            states.append(trainer.state_dict())
-        finally:
-            trainer.close()
-    assert smems == [{fast_spectral.SPECTRAL_PAIR_SHARED}, {fast_spectral.SPECTRAL_SPREAD_SHARED}]
-    differ = [k for k in states[0] if np.asarray(states[0][k]).tobytes()
-              != np.asarray(states[1][k]).tobytes()]
-    assert not differ
+        arms.append(_every_source_three_steps(precision))
+    assert [smem for smem, _, _ in arms] == [{fast_spectral.SPECTRAL_PAIR_SHARED},
+                                             {fast_spectral.SPECTRAL_SPREAD_SHARED}]
+    assert not _differing_keys(arms[0][2], arms[1][2])
