@@ -124,7 +124,7 @@ def measure(config, *, steps: int = 400, seed: int = 0) -> HostReport:
         loops = {
             "Trainer.step": lambda: trainer.step(batches[next(turn) % BATCHES]),
             "engine.launch": lambda: engine.launch(next(turn) % STAGING_RING),
-            "step graph": engine._step_graph.replay,
+            "step graph": engine.replay_step_graphs,
         }
         timed = {name: time_loop(stream, run, steps) for name, run in loops.items()}
         return HostReport(timed, step_phases(trainer, loops["Trainer.step"], ROUNDS * steps))

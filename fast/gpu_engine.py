@@ -114,12 +114,15 @@ class GpuEngine:
             arch=dev.arch, gemm_workspace=gemm_workspace, seed=seed, sm_count=dev.multiprocessor_count,
             fuse_trunk=fused_trunk, fuse_heads=fused_heads, stacked_backward=stacked_backward)
         self._capture(pinned, step_plans(self.program, staging_slots),
-                      Lowering(self.module, self.address, pinned))
+                      Lowering(self.module, self.address, pinned),
+                      split=config.precision in step_program.SPLIT_STEP_GRAPH)
 
-    def _capture(self, pinned: dict, plans: dict, lowering: Lowering) -> None:
+    def _capture(self, pinned: dict, plans: dict, lowering: Lowering, *,
+                 split: bool = False) -> None:
         """Capture ``plans`` (``step_plans``') through ``lowering``: the upload graphs on a
-        second stream, graphs 1 and 2 on the step stream; ``pinned``: the host buffers
-        (``host_buffer_specs``' names: the staging ring and the read mirrors)."""
+        second stream, graphs 1 and 2 on the step stream, as ONE step graph or, with ``split``
+        (``step_program.SPLIT_STEP_GRAPH``), as two launched one after the other; ``pinned``:
+        the host buffers (``host_buffer_specs``' names: the staging ring and the read mirrors)."""
         from foxhunt.fast.device import _driver, call
         from foxhunt.fast.graphs import GraphCapture, set_capture_frontier
 
@@ -156,7 +159,8 @@ class GpuEngine:
             graph.hold(*self.lowering.host_arrays(ops), launch_event=self._uploaded[slot])
             self._upload.append(graph)
         # Graphs 1 and 2 are ONE captured graph (a graph boundary costs about 5 us per step on
-        # the H200: the wave step's graph 1 then graph 2 took 198.1 us, as one graph 192.9 us).
+        # the H200: the wave step's graph 1 then graph 2 took 198.1 us, as one graph 192.9 us),
+        # unless split (step_program.SPLIT_STEP_GRAPH: then graph 2 is a graph of its own).
         # graph1_done is an external event record node on a side branch forked after graph 1
         # (the upload stream waits on it); with step_program.EARLY_UPLOAD_RELEASE, the branch
         # depends only on graph 1's last users of the batch (dataflow.release_points), so the
@@ -177,9 +181,17 @@ class GpuEngine:
                                          [node for i in release for node in captured[i]])
                 call(drv.cuEventRecordWithFlags, self._graph1_done, side.handle, record)
                 graph1_nodes = self._step_graph.nodes_so_far()
+                if not split:
+                    self.lowering.enqueue(ops2, self.stream, self.pool)
+        #: Graph 2 as a graph of its own (``split``), else None (it is in ``_step_graph``).
+        self._graph2 = None
+        if split:
+            self._graph2 = GraphCapture(self.stream)
+            with self._graph2:
                 self.lowering.enqueue(ops2, self.stream, self.pool)
-        self._node_counts = (self._upload[0].node_count, graph1_nodes,
-                             self._step_graph.node_count - graph1_nodes)
+        graph2_nodes = (self._graph2.node_count if split
+                        else self._step_graph.node_count - graph1_nodes)
+        self._node_counts = (self._upload[0].node_count, graph1_nodes, graph2_nodes)
         self.plans = plans
         #: Launches per step as planned (upload, graph 1, graph 2).
         self.planned_launches = (ops_up[0].node_count(), ops1.node_count(), ops2.node_count())
@@ -230,8 +242,8 @@ class GpuEngine:
         (after the previous step's last users of the batch: its ``graph1_done`` record node,
         after graph 1 or, with ``step_program.EARLY_UPLOAD_RELEASE``, after graph 1's last
         readers of the batch; the graph records ``uploaded[slot]`` as its last node), then the step
-        graph (graphs 1 and 2, after the upload) on the step stream. Four driver calls, only
-        device-side event waits: no host sync."""
+        graph (graphs 1 and 2, after the upload) on the step stream. Four driver calls (five with
+        a split step graph), only device-side event waits: no host sync."""
         from foxhunt.fast.device import _driver, call
 
         drv = _driver()
@@ -240,7 +252,14 @@ class GpuEngine:
         self._upload[slot].replay(up)
         self._event_used[slot] = True
         call(drv.cuStreamWaitEvent, main, self._uploaded[slot], 0)
+        self.replay_step_graphs()
+
+    def replay_step_graphs(self) -> None:
+        """Replay the step graph (graphs 1 and 2; with a split capture, graph 1's then graph
+        2's) on the step stream."""
         self._step_graph.replay()
+        if self._graph2 is not None:
+            self._graph2.replay()
 
     def read(self) -> tuple[np.ndarray, np.ndarray]:
         """Synchronise, then the readback block and the flags (copies)."""
@@ -268,8 +287,9 @@ class GpuEngine:
             self._upload_stream.synchronize()
             self.stream.synchronize()
         finally:
-            for g in [*self._upload, self._step_graph]:
-                g.close()
+            for g in [*self._upload, self._step_graph, self._graph2]:
+                if g is not None:
+                    g.close()
             self.gemm_plans.close()
             self.pool.close()
             for event in [*self._uploaded, self._graph1_done]:

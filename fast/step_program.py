@@ -168,6 +168,10 @@ SPECTRAL_FIT_CLUSTERS = frozenset({"bf16"})
 BACKWARD_GEMM_KERNELS = True
 #: The kernel of each backward precision.
 BACKWARD_GEMM_KERNEL = {"tf32": "gemm_tf32", "f32": "gemm_f32"}
+#: The precisions whose single trainer captures graph 1 and graph 2 as TWO graphs launched one
+#: after the other (``gpu_engine.GpuEngine._capture``) instead of one step graph (a population's
+#: stays one graph).
+SPLIT_STEP_GRAPH = frozenset()
 #: Backward precisions whose kernel takes only the masked GEMMs (a ReLU layer's input gradient on a
 #: chain): measured on the H200 (session 33, seed preset, core f32 step, driver-event time), 136.2
 #: us with cuBLASLt's GEMMs, 139.7 us with every one that fits as ``gemm_f32`` (the CUDA cores'
@@ -193,7 +197,8 @@ def plan_switches() -> dict[str, object]:
             "FUSE_HEADS_DH2": frozenset() if FUSE_HEADS_DH2 else frozenset({"tf32"}),
             "EARLY_UPLOAD_RELEASE": not EARLY_UPLOAD_RELEASE,
             "WAVE_SCALARS_BESIDE_ADAM": not WAVE_SCALARS_BESIDE_ADAM,
-            "SPECTRAL_FIT_CLUSTERS": frozenset(PRECISIONS) - SPECTRAL_FIT_CLUSTERS}
+            "SPECTRAL_FIT_CLUSTERS": frozenset(PRECISIONS) - SPECTRAL_FIT_CLUSTERS,
+            "SPLIT_STEP_GRAPH": frozenset(PRECISIONS) - SPLIT_STEP_GRAPH}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

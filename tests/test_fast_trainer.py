@@ -442,6 +442,40 @@ def test_step_graph_records_graph1_done_after_graph1_beside_graph2():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_a_split_step_graph_steps_bitwise_as_one_step_graph(monkeypatch, precision):
+    """``step_program.SPLIT_STEP_GRAPH`` with the precision in it captures graph 2 as a graph of
+    its own (graph 1's graph keeps the ``graph1_done`` record and nothing of graph 2), with the
+    same node counts; three steps end in the same bits as with one step graph."""
+    from foxhunt.fast import step_program
+    from foxhunt.fast.trainer import Trainer
+
+    config = DQNConfig.preset("tiny", precision=precision)
+    states, counts, graph2 = {}, {}, {}
+    for split in (False, True):
+        monkeypatch.setattr(step_program, "SPLIT_STEP_GRAPH",
+                            frozenset({precision}) if split else frozenset())
+        fast = Trainer(config, seed=3)
+        try:
+            counts[split] = fast.graph_node_counts
+            graph2[split] = fast._engine._graph2
+            if split:
+                assert graph2[split].node_count == counts[split][2]
+                assert fast._engine._step_graph.node_count == counts[split][1]
+            for s in range(3):
+                fast.step(Batch.random(config, np.random.default_rng(s)))
+            states[split] = fast.state_dict()
+        finally:
+            fast.close()
+    assert graph2[False] is None and graph2[True] is not None
+    assert counts[True] == counts[False]
+    differing = [k for k in states[False]
+                 if np.asarray(states[False][k]).tobytes() != np.asarray(states[True][k]).tobytes()]
+    assert differing == []
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
 @pytest.mark.parametrize("workspace", ["default", "none"], ids=["workspace-default", "workspace-0"])
 def test_graph_replay_timing(workspace):
     """Prints TIMING lines: the seed step's graph replays per step (the upload graph on its
@@ -484,11 +518,13 @@ def test_graph_replay_timing(workspace):
             fast.close()
 
 
-def test_step_orders_the_upload_by_device_events(monkeypatch):
+@pytest.mark.parametrize("split", [False, True], ids=["one-step-graph", "split"])
+def test_step_orders_the_upload_by_device_events(monkeypatch, split):
     """``GpuEngine.launch`` enqueues, in this order: the upload stream waits for the last
     graph 1 (the last reader of the batch: ``graph1_done``, which the step graph records), the
     upload graph of the step's staging slot (which records ``uploaded[slot]`` itself, its last
-    node: no record call), the step stream waits for it, the step graph (graphs 1 and 2):
+    node: no record call), the step stream waits for it, the step graph (graphs 1 and 2; split:
+    graph 1's graph, then graph 2's):
     device-side ordering only (no host sync; ``tests/test_upload_events.py`` checks the
     record node's semantics on the GPU). A staging buffer is handed out again only after its
     upload's event (a stand-in driver records the calls; the engine's state is what its
@@ -516,6 +552,7 @@ def test_step_orders_the_upload_by_device_events(monkeypatch):
     engine.stream = types.SimpleNamespace(handle="main")
     engine._upload = [Graph("upload0"), Graph("upload1")]
     engine._step_graph = Graph("step")
+    engine._graph2 = Graph("graph2") if split else None
     engine._uploaded, engine._graph1_done = ["uploaded0", "uploaded1"], "graph1_done"
     engine._event_used = [False, False]
     engine._staging_views = [{"slot": 0}, {"slot": 1}]
@@ -524,7 +561,8 @@ def test_step_orders_the_upload_by_device_events(monkeypatch):
         assert engine.staging(slot) == {"slot": slot} and log == []  # not used yet: no wait
         engine.launch(slot)
         assert log == [("wait", "up", "graph1_done"), (f"upload{slot}", "up"),
-                       ("wait", "main", f"uploaded{slot}"), ("step", None)]
+                       ("wait", "main", f"uploaded{slot}"), ("step", None)] + (
+                           [("graph2", None)] if split else [])
     log.clear()
     assert engine.staging(0) == {"slot": 0} and log == [("sync", "uploaded0")]
     engine.forget_uploads()
