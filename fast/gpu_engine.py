@@ -127,6 +127,8 @@ class GpuEngine:
         from foxhunt.fast.graphs import GraphCapture, set_capture_frontier
 
         ops_up, ops1, ops2 = plans["upload"], plans["graph1"], plans["graph2"]
+        #: Graph 2 as a graph of its own (``split``), else None (it is in ``_step_graph``).
+        self._graph2 = None
         staging_slots = len(ops_up)
         # Pinned staging ring (byte mirrors of the arena's batch buffer) and its views.
         self._staging = [pinned[staging_name(s)] for s in range(staging_slots)]
@@ -183,8 +185,6 @@ class GpuEngine:
                 graph1_nodes = self._step_graph.nodes_so_far()
                 if not split:
                     self.lowering.enqueue(ops2, self.stream, self.pool)
-        #: Graph 2 as a graph of its own (``split``), else None (it is in ``_step_graph``).
-        self._graph2 = None
         if split:
             self._graph2 = GraphCapture(self.stream)
             with self._graph2:
