@@ -186,7 +186,7 @@ class GpuEngine:
                 if not split:
                     self.lowering.enqueue(ops2, self.stream, self.pool)
         if split:
-            self._graph2 = GraphCapture(self.stream)
+            self._graph2 = GraphCapture(self.stream, max_branches=0)  # the pool's branches only
             with self._graph2:
                 self.lowering.enqueue(ops2, self.stream, self.pool)
         graph2_nodes = (self._graph2.node_count if split
