@@ -115,14 +115,18 @@ class GpuEngine:
             fuse_trunk=fused_trunk, fuse_heads=fused_heads, stacked_backward=stacked_backward)
         self._capture(pinned, step_plans(self.program, staging_slots),
                       Lowering(self.module, self.address, pinned),
-                      split=config.precision in step_program.SPLIT_STEP_GRAPH)
+                      split=config.precision in step_program.SPLIT_STEP_GRAPH,
+                      priority_by_graph=config.precision in step_program.PRIORITY_BY_GRAPH)
 
     def _capture(self, pinned: dict, plans: dict, lowering: Lowering, *,
-                 split: bool = False) -> None:
+                 split: bool = False, priority_by_graph: bool = False) -> None:
         """Capture ``plans`` (``step_plans``') through ``lowering``: the upload graphs on a
         second stream, graphs 1 and 2 on the step stream, as ONE step graph or, with ``split``
         (``step_program.SPLIT_STEP_GRAPH``), as two launched one after the other; ``pinned``:
-        the host buffers (``host_buffer_specs``' names: the staging ring and the read mirrors)."""
+        the host buffers (``host_buffer_specs``' names: the staging ring and the read mirrors).
+        ``priority_by_graph`` (``step_program.PRIORITY_BY_GRAPH``): one step graph's launch
+        priorities ranked over graph 1's nodes and graph 2's apart (``GraphCapture.priority_group``),
+        as a split's two graphs are."""
         from foxhunt.fast.device import _driver, call
         from foxhunt.fast.graphs import GraphCapture, set_capture_frontier
 
@@ -183,6 +187,8 @@ class GpuEngine:
                                          [node for i in release for node in captured[i]])
                 call(drv.cuEventRecordWithFlags, self._graph1_done, side.handle, record)
                 graph1_nodes = self._step_graph.nodes_so_far()
+                if priority_by_graph and not split:
+                    self._step_graph.priority_group()
                 if not split:
                     self.lowering.enqueue(ops2, self.stream, self.pool)
         if split:

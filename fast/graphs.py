@@ -92,14 +92,31 @@ def set_capture_frontier(handle, nodes) -> None:
     call(drv.cuStreamUpdateCaptureDependencies, handle, nodes, None, len(nodes), flag)
 
 
-def priority_ranks(keys, edges, levels: int) -> dict:
+def priority_ranks(keys, edges, levels: int, groups=None) -> dict:
     """``{key: rank}`` for a DAG of nodes ``keys`` with dependency edges ``(from, to)``: rank 0
     (the highest priority) to ``levels - 1``, by the longest chain of nodes from the node to
     the graph's end (its ``bottom`` level, the node included) against the graph's depth D:
     ``rank = (D - bottom) * levels // D``, capped at ``levels - 1``. The nodes that start the
     longest chains get the highest priority; a node near the end of every chain the lowest
-    (list scheduling's highest-level-first rule)."""
+    (list scheduling's highest-level-first rule).
+
+    ``groups`` (optional): collections of keys that partition ``keys``; each group is then
+    ranked on its own, as a graph of its nodes and the edges between them (its own depth), so
+    the parts of one graph get the ranks they would have as graphs of their own."""
     keys = list(keys)
+    if groups is not None:
+        groups = [list(g) for g in groups]
+        grouped = [k for g in groups for k in g]
+        if len(grouped) != len(set(grouped)) or set(grouped) != set(keys):
+            raise ValueError(f"priority_ranks: groups must partition the {len(keys)} keys "
+                             f"(got {len(grouped)} keys in {len(groups)} groups, "
+                             f"{len(set(grouped))} distinct)")
+        group_of = {k: i for i, g in enumerate(groups) for k in g}
+        ranks: dict = {}
+        for i, g in enumerate(groups):
+            ranks.update(priority_ranks(g, [(a, b) for a, b in edges
+                                            if group_of[a] == i and group_of[b] == i], levels))
+        return ranks
     succ: dict = {k: [] for k in keys}
     indeg = dict.fromkeys(keys, 0)
     for a, b in edges:
@@ -122,11 +139,12 @@ def priority_ranks(keys, edges, levels: int) -> dict:
     return {k: min(levels - 1, (depth - bottom[k]) * levels // depth) for k in keys}
 
 
-def set_node_priorities(graph) -> int:
+def set_node_priorities(graph, groups=None) -> int:
     """Give every kernel node of ``graph`` a launch priority (``CU_LAUNCH_ATTRIBUTE_PRIORITY``)
     from ``priority_ranks`` over the context's priority range (greatest = rank 0); the graph
     must then be instantiated with ``CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY``. Returns
-    the number of kernel nodes set (cuBLASLt's kernels included).
+    the number of kernel nodes set (cuBLASLt's kernels included). ``groups``: ``priority_ranks``'
+    groups, as collections of ``int(node)`` that partition the graph's nodes.
 
     Why: a step graph's branches contend for the SMs, and the block scheduler otherwise serves
     ready kernels in no particular order, so a side branch can hold the SMs while the longest
@@ -137,7 +155,8 @@ def set_node_priorities(graph) -> int:
     least, greatest = call(drv.cuCtxGetStreamPriorityRange)
     nodes = graph_nodes(graph)
     ranks = priority_ranks([int(n) for n in nodes],
-                           [(int(a), int(b)) for a, b in graph_edges(graph)], least - greatest + 1)
+                           [(int(a), int(b)) for a, b in graph_edges(graph)], least - greatest + 1,
+                           groups)
     kernel = drv.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
     attr = drv.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_PRIORITY
     count = 0
@@ -160,7 +179,8 @@ class GraphCapture:
     back, making parallel graph branches; ``max_branches`` side streams are created up front.
     ``node_priority`` (default on): before instantiation every kernel node gets a launch
     priority by how long a chain of nodes still follows it (``set_node_priorities``), so the
-    GPU serves the longest chains first when branches compete for the SMs.
+    GPU serves the longest chains first when branches compete for the SMs;
+    ``priority_group()`` inside the body ends a group of nodes ranked on its own.
     """
 
     def __init__(self, stream, *, max_branches: int = 4, node_priority: bool = True):
@@ -168,6 +188,8 @@ class GraphCapture:
         #: Kernel nodes get launch priorities by their graph level (``set_node_priorities``).
         self.node_priority = bool(node_priority)
         self.priority_nodes = 0
+        #: ``priority_group()``'s groups of ``int(node)`` (the last one: the nodes after them).
+        self.priority_groups: list[frozenset] = []
         self.stream = stream if isinstance(stream, Stream) else Stream(as_stream_handle(stream), owned=False)
         self.graph = None
         self.exec = None
@@ -212,8 +234,11 @@ class GraphCapture:
                             "illegal during capture, e.g. an allocation or a sync, was called)")
         self.graph = graph
         flags = 0
+        if self.priority_groups:
+            rest = frozenset(int(n) for n in graph_nodes(graph)).difference(*self.priority_groups)
+            self.priority_groups.append(rest)
         if self.node_priority:
-            self.priority_nodes = set_node_priorities(graph)
+            self.priority_nodes = set_node_priorities(graph, self.priority_groups or None)
             flags = drv.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.value
         self.exec = call(drv.cuGraphInstantiate, graph, flags)
         call(drv.cuGraphUpload, self.exec, self.stream.handle)
@@ -237,14 +262,24 @@ class GraphCapture:
         finally:
             self._free.append(index)
 
-    def nodes_so_far(self) -> int:
-        """Nodes captured so far (inside the ``with`` body: the graph being built)."""
+    def _graph_so_far(self, caller: str):
+        """The ``CUgraph`` being captured (only inside the ``with`` body)."""
         if not self._capturing:
-            raise RuntimeError("nodes_so_far: only during the capture")
+            raise RuntimeError(f"{caller}: only during the capture")
         drv = _driver()
         info = call(drv.cuStreamGetCaptureInfo, self.stream.handle)
-        graph = next(v for v in info if isinstance(v, drv.CUgraph))
-        return count_nodes(graph)
+        return next(v for v in info if isinstance(v, drv.CUgraph))
+
+    def nodes_so_far(self) -> int:
+        """Nodes captured so far (inside the ``with`` body: the graph being built)."""
+        return count_nodes(self._graph_so_far("nodes_so_far"))
+
+    def priority_group(self) -> None:
+        """Inside the body: the nodes captured so far and in no earlier group form a group that
+        ``set_node_priorities`` ranks on its own (``priority_ranks``' groups), as would a graph
+        of its own; the nodes captured after the last call form the last group."""
+        nodes = graph_nodes(self._graph_so_far("priority_group"))
+        self.priority_groups.append(frozenset(int(n) for n in nodes).difference(*self.priority_groups))
 
     def hold(self, *objects, launch_event=None) -> None:
         """Keep ``objects`` (the host arrays the graph's copies read or write) alive until

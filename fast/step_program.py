@@ -172,6 +172,11 @@ BACKWARD_GEMM_KERNEL = {"tf32": "gemm_tf32", "f32": "gemm_f32"}
 #: after the other (``gpu_engine.GpuEngine._capture``) instead of one step graph (a population's
 #: stays one graph).
 SPLIT_STEP_GRAPH = frozenset()
+#: The precisions whose single trainer's ONE step graph (a precision not in
+#: :data:`SPLIT_STEP_GRAPH`) ranks its nodes' launch priorities over graph 1's nodes and graph 2's
+#: apart (``fast.graphs.priority_ranks``' groups), as a split step graph's two graphs are ranked,
+#: instead of over the whole step graph, where graph 2's chain lowers every rank of graph 1's.
+PRIORITY_BY_GRAPH = frozenset()
 #: Backward precisions whose kernel takes only the masked GEMMs (a ReLU layer's input gradient on a
 #: chain): measured on the H200 (session 33, seed preset, core f32 step, driver-event time), 136.2
 #: us with cuBLASLt's GEMMs, 139.7 us with every one that fits as ``gemm_f32`` (the CUDA cores'
@@ -198,7 +203,8 @@ def plan_switches() -> dict[str, object]:
             "EARLY_UPLOAD_RELEASE": not EARLY_UPLOAD_RELEASE,
             "WAVE_SCALARS_BESIDE_ADAM": not WAVE_SCALARS_BESIDE_ADAM,
             "SPECTRAL_FIT_CLUSTERS": frozenset(PRECISIONS) - SPECTRAL_FIT_CLUSTERS,
-            "SPLIT_STEP_GRAPH": frozenset(PRECISIONS) - SPLIT_STEP_GRAPH}
+            "SPLIT_STEP_GRAPH": frozenset(PRECISIONS) - SPLIT_STEP_GRAPH,
+            "PRIORITY_BY_GRAPH": frozenset(PRECISIONS) - PRIORITY_BY_GRAPH}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

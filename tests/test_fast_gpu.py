@@ -805,6 +805,27 @@ def test_captured_kernel_nodes_carry_priorities_by_level(device, kernels, lt):
         assert graph.priority_nodes == len(seen) >= 4
         assert seen == {k: greatest + ranks[k] for k in seen}
         assert len(set(seen.values())) > 1, "a graph with a chain and a branch has several levels"
+        # priority_group(): the pipeline twice in one graph, each part ranked on its own, so
+        # each gets the priorities the pipeline's graph alone has (not those of one graph twice
+        # as deep).
+        grouped = GraphCapture(device.stream)
+        with grouped:
+            pipe.enqueue(device.stream, branch=grouped.branch)
+            grouped.priority_group()
+            pipe.enqueue(device.stream, branch=grouped.branch)
+        first, second = grouped.priority_groups
+        both = graph_nodes(grouped.graph)
+        assert first.isdisjoint(second) and first | second == {int(n) for n in both}
+        assert len(first) == len(second) == len(nodes)
+        ranks = priority_ranks([int(n) for n in both],
+                               [(int(a), int(b)) for a, b in graph_edges(grouped.graph)],
+                               least - greatest + 1, groups=[first, second])
+        seen2 = {int(n): call(drv.cuGraphKernelNodeGetAttribute, n, attr).priority
+                 for n in both if call(drv.cuGraphNodeGetType, n) == kernel}
+        assert seen2 == {k: greatest + ranks[k] for k in seen2}
+        for part in (first, second):
+            assert sorted(v for k, v in seen2.items() if k in part) == sorted(seen.values())
+        grouped.close()
         plain = GraphCapture(device.stream, node_priority=False)
         with plain:
             pipe.enqueue(device.stream, branch=plain.branch)

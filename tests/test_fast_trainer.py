@@ -443,31 +443,37 @@ def test_step_graph_records_graph1_done_after_graph1_beside_graph2():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-def test_a_split_step_graph_steps_bitwise_as_one_step_graph(monkeypatch, precision):
+@pytest.mark.parametrize("switch", ["SPLIT_STEP_GRAPH", "PRIORITY_BY_GRAPH"])
+def test_a_split_step_graph_steps_bitwise_as_one_step_graph(monkeypatch, switch, precision):
     """``step_program.SPLIT_STEP_GRAPH`` with the precision in it captures graph 2 as a graph of
     its own (graph 1's graph keeps the ``graph1_done`` record and nothing of graph 2), with the
-    same node counts; three steps end in the same bits as with one step graph."""
+    same node counts; ``PRIORITY_BY_GRAPH`` keeps one step graph whose launch priorities are
+    ranked in two groups, graph 1's nodes (with the record) and graph 2's. Either way three
+    steps end in the same bits as with one step graph ranked as a whole."""
     from foxhunt.fast import step_program
     from foxhunt.fast.trainer import Trainer
 
     config = DQNConfig.preset("tiny", precision=precision)
-    states, counts, graph2 = {}, {}, {}
-    for split in (False, True):
-        monkeypatch.setattr(step_program, "SPLIT_STEP_GRAPH",
-                            frozenset({precision}) if split else frozenset())
+    states, counts = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(step_program, switch, frozenset({precision}) if on else frozenset())
         fast = Trainer(config, seed=3)
         try:
-            counts[split] = fast.graph_node_counts
-            graph2[split] = fast._engine._graph2
-            if split:
-                assert graph2[split].node_count == counts[split][2]
-                assert fast._engine._step_graph.node_count == counts[split][1]
+            counts[on] = fast.graph_node_counts
+            engine = fast._engine
+            groups = [len(g) for g in engine._step_graph.priority_groups]
+            if not on:
+                assert engine._graph2 is None and groups == []
+            elif switch == "SPLIT_STEP_GRAPH":
+                assert engine._graph2.node_count == counts[on][2]
+                assert engine._step_graph.node_count == counts[on][1] and groups == []
+            else:
+                assert engine._graph2 is None and groups == list(counts[on][1:])
             for s in range(3):
                 fast.step(Batch.random(config, np.random.default_rng(s)))
-            states[split] = fast.state_dict()
+            states[on] = fast.state_dict()
         finally:
             fast.close()
-    assert graph2[False] is None and graph2[True] is not None
     assert counts[True] == counts[False]
     differing = [k for k in states[False]
                  if np.asarray(states[False][k]).tobytes() != np.asarray(states[True][k]).tobytes()]

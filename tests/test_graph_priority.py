@@ -30,6 +30,27 @@ def test_one_level_and_lone_nodes():
     assert priority_ranks([], [], 6) == {}
 
 
+def test_groups_are_ranked_as_graphs_of_their_own():
+    # One graph: a -> b -> c (graph 1) then c -> x -> y (graph 2), and a side node s after a.
+    # As one graph: depth 5, bottom a 5, b 4, c 3, s 1; rank = (5 - bottom) * 6 // 5.
+    edges = [("a", "b"), ("b", "c"), ("a", "s"), ("c", "x"), ("x", "y")]
+    keys = ["a", "b", "c", "s", "x", "y"]
+    assert priority_ranks(keys, edges, 6) == {"a": 0, "b": 1, "c": 2, "s": 4, "x": 3, "y": 4}
+    # In groups {a, b, c, s} and {x, y}, the edge c -> x between them is dropped: graph 1's depth
+    # 3 (bottom a 3, b 2, c 1, s 1), graph 2's depth 2 (x 2, y 1), as each graph by itself.
+    grouped = priority_ranks(keys, edges, 6, groups=[["a", "b", "c", "s"], ["x", "y"]])
+    assert grouped == {"a": 0, "b": 2, "c": 4, "s": 4, "x": 0, "y": 3}
+    assert grouped == {**priority_ranks("abcs", edges[:3], 6), **priority_ranks("xy", edges[4:], 6)}
+    assert priority_ranks(keys, edges, 6, groups=[keys]) == priority_ranks(keys, edges, 6)
+
+
+@pytest.mark.parametrize("groups", [[["a"]], [["a", "b"], ["b"]], [["a", "b", "z"]]],
+                         ids=["missing", "twice", "foreign"])
+def test_groups_that_do_not_partition_the_keys_are_refused(groups):
+    with pytest.raises(ValueError, match=r"^priority_ranks: groups must partition the 2 keys"):
+        priority_ranks("ab", [("a", "b")], 6, groups=groups)
+
+
 def test_a_cycle_is_refused():
     with pytest.raises(ValueError, match="cycle"):
         priority_ranks("ab", [("a", "b"), ("b", "a")], 6)
