@@ -18,6 +18,7 @@ inside its block. The owner of a captured graph passes ``host_arrays(ops)`` to
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -132,6 +133,17 @@ class Lowering:
         self.address = address
         self.host = host
         self._packed: dict[int, tuple] = {}  # id(Launch) -> (kernel, PackedArgs, record)
+
+    @contextlib.contextmanager
+    def early_launches(self, on: bool):
+        """Inside the block, kernels are launched early (``EARLY_LAUNCH``) only if ``on`` and the
+        device has programmatic dependent launches; after it, as before."""
+        before = self.early_launch
+        self.early_launch = before and bool(on)
+        try:
+            yield
+        finally:
+            self.early_launch = before
 
     def _end(self, end, nbytes: int, write: bool) -> int:
         return self._host(end, nbytes, write).ctypes.data if isinstance(end, Host) else self.address(end)

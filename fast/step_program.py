@@ -177,6 +177,14 @@ SPLIT_STEP_GRAPH = frozenset()
 #: apart (``fast.graphs.priority_ranks``' groups), as a split step graph's two graphs are ranked,
 #: instead of over the whole step graph, where graph 2's chain lowers every rank of graph 1's.
 PRIORITY_BY_GRAPH = frozenset()
+#: The precisions whose single trainer launches graph 2's kernels early (programmatic dependent
+#: launch, ``graph_lowering.EARLY_LAUNCH``: scheduled while their predecessors still run); in the
+#: others each of graph 2's kernels starts after its predecessors end, and so does not take SMs
+#: from graph 1's last nodes. Measured on an H100 (session 49, ``.dev/s49_boundary.py``: trainers
+#: of each arm built interleaved in one process, ``Trainer.step`` us, the mean of the instances):
+#: core f32 140.03 early against 135.23 not (four instances each), tf32 116.75 against 111.23,
+#: bf16 101.88 against 106.04 (two each).
+GRAPH2_EARLY_LAUNCH = frozenset({"bf16"})
 #: Backward precisions whose kernel takes only the masked GEMMs (a ReLU layer's input gradient on a
 #: chain): measured on the H200 (session 33, seed preset, core f32 step, driver-event time), 136.2
 #: us with cuBLASLt's GEMMs, 139.7 us with every one that fits as ``gemm_f32`` (the CUDA cores'
@@ -204,7 +212,8 @@ def plan_switches() -> dict[str, object]:
             "WAVE_SCALARS_BESIDE_ADAM": not WAVE_SCALARS_BESIDE_ADAM,
             "SPECTRAL_FIT_CLUSTERS": frozenset(PRECISIONS) - SPECTRAL_FIT_CLUSTERS,
             "SPLIT_STEP_GRAPH": frozenset(PRECISIONS) - SPLIT_STEP_GRAPH,
-            "PRIORITY_BY_GRAPH": frozenset(PRECISIONS) - PRIORITY_BY_GRAPH}
+            "PRIORITY_BY_GRAPH": frozenset(PRECISIONS) - PRIORITY_BY_GRAPH,
+            "GRAPH2_EARLY_LAUNCH": frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

@@ -9,6 +9,8 @@ import itertools
 import re
 import types
 
+import pytest
+
 from foxhunt.fast._build import source_files
 from foxhunt.fast.cuda_parse import kernel_spans, strip_comments
 from foxhunt.fast.graph_lowering import EARLY_LAUNCH, Lowering
@@ -81,3 +83,28 @@ def test_only_listed_kernels_launch_early_and_only_from_sm90():
             lowering.launch(Launch(name, shape, {}), stream=0)
         assert log == [early, False], arch
     assert Lowering(None, lambda buf: 0, {}).early_launch is False
+
+
+@pytest.mark.parametrize("arch, early", [("sm_90", True), ("sm_80", False)])
+def test_early_launches_turns_them_off_inside_its_block_only(arch, early):
+    """``Lowering.early_launches(False)`` (graph 2 of the precisions outside
+    ``step_program.GRAPH2_EARLY_LAUNCH``): a listed kernel launches plainly inside the block
+    and early again after it, also when the block raises; ``early_launches(True)`` never turns
+    them on where the device has none."""
+    shape = LaunchShape((1, 1, 1), (32, 1, 1))
+    lowering = Lowering(types.SimpleNamespace(device=types.SimpleNamespace(arch=arch)),
+                        lambda buf: 0, {})
+    log = []
+    kernel = types.SimpleNamespace(
+        launch=lambda grid, block, packed, *, stream, shared_mem, early: log.append(early))
+    lowering.packed = lambda node: (kernel, None)
+    node = Launch("adam_update", shape, {})
+    lowering.launch(node, stream=0)
+    with lowering.early_launches(False):
+        lowering.launch(node, stream=0)
+    with lowering.early_launches(True):
+        lowering.launch(node, stream=0)
+    with pytest.raises(RuntimeError, match="boom"), lowering.early_launches(False):
+        raise RuntimeError("boom")
+    lowering.launch(node, stream=0)
+    assert log == [early, False, early, early]
