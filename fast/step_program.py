@@ -183,7 +183,9 @@ PRIORITY_BY_GRAPH = frozenset()
 #: from graph 1's last nodes. Measured on an H100 (session 49, ``.dev/s49_boundary.py``: trainers
 #: of each arm built interleaved in one process, ``Trainer.step`` us, the mean of the instances):
 #: core f32 140.03 early against 135.23 not (four instances each), tf32 116.75 against 111.23,
-#: bf16 101.88 against 106.04 (two each).
+#: bf16 101.88 against 106.04 (two each); again with this default (``step_spread.py --switch``):
+#: core f32 138.49 against 131.20, tf32 116.15 against 112.08, every second-wave source in f32
+#: 197.87 against 197.45.
 GRAPH2_EARLY_LAUNCH = frozenset({"bf16"})
 #: Backward precisions whose kernel takes only the masked GEMMs (a ReLU layer's input gradient on a
 #: chain): measured on the H200 (session 33, seed preset, core f32 step, driver-event time), 136.2
