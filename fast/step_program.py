@@ -170,12 +170,17 @@ BACKWARD_GEMM_KERNELS = True
 BACKWARD_GEMM_KERNEL = {"tf32": "gemm_tf32", "f32": "gemm_f32"}
 #: The precisions whose single trainer captures graph 1 and graph 2 as TWO graphs launched one
 #: after the other (``gpu_engine.GpuEngine._capture``) instead of one step graph (a population's
-#: stays one graph).
+#: stays one graph). None: measured slower in every precision (session 49, H100, ``Trainer.step``
+#: us, one graph against split): core f32 140.03 / 141.91, tf32 116.75 / 124.90, bf16 101.88 /
+#: 112.25, every second-wave source in f32 201.10 / 210.90.
 SPLIT_STEP_GRAPH = frozenset()
 #: The precisions whose single trainer's ONE step graph (a precision not in
 #: :data:`SPLIT_STEP_GRAPH`) ranks its nodes' launch priorities over graph 1's nodes and graph 2's
 #: apart (``fast.graphs.priority_ranks``' groups), as a split step graph's two graphs are ranked,
 #: instead of over the whole step graph, where graph 2's chain lowers every rank of graph 1's.
+#: None (session 49, H100, ``Trainer.step`` us, with graph 2 still launched early everywhere; as a
+#: whole against apart): core f32 140.03 / 137.53, tf32 116.75 / 115.85, bf16 101.88 / 103.21,
+#: every second-wave source in f32 199.97 / 199.06; :data:`GRAPH2_EARLY_LAUNCH` took more off.
 PRIORITY_BY_GRAPH = frozenset()
 #: The precisions whose single trainer launches graph 2's kernels early (programmatic dependent
 #: launch, ``graph_lowering.EARLY_LAUNCH``: scheduled while their predecessors still run); in the
