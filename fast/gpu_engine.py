@@ -191,9 +191,9 @@ class GpuEngine:
                                          [node for i in release for node in captured[i]])
                 call(drv.cuEventRecordWithFlags, self._graph1_done, side.handle, record)
                 graph1_nodes = self._step_graph.nodes_so_far()
-                if priority_by_graph and not split:
-                    self._step_graph.priority_group()
                 if not split:
+                    if priority_by_graph:
+                        self._step_graph.priority_group()
                     with self.lowering.early_launches(graph2_early):
                         self.lowering.enqueue(ops2, self.stream, self.pool)
         if split:
