@@ -444,7 +444,7 @@ def test_step_graph_records_graph1_done_after_graph1_beside_graph2():
 @pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
 @pytest.mark.parametrize("switch", ["SPLIT_STEP_GRAPH", "PRIORITY_BY_GRAPH", "GRAPH2_EARLY_LAUNCH"])
-def test_a_split_step_graph_steps_bitwise_as_one_step_graph(monkeypatch, switch, precision):
+def test_each_step_graph_switch_steps_bitwise_as_without_it(monkeypatch, switch, precision):
     """``step_program.SPLIT_STEP_GRAPH`` with the precision in it captures graph 2 as a graph of
     its own (graph 1's graph keeps the ``graph1_done`` record and nothing of graph 2), with the
     same node counts; ``PRIORITY_BY_GRAPH`` keeps one step graph whose launch priorities are
