@@ -181,6 +181,9 @@ SPLIT_STEP_GRAPH = frozenset()
 #: None (session 49, H100, ``Trainer.step`` us, with graph 2 still launched early everywhere; as a
 #: whole against apart): core f32 140.03 / 137.53, tf32 116.75 / 115.85, bf16 101.88 / 103.21,
 #: every second-wave source in f32 199.97 / 199.06; :data:`GRAPH2_EARLY_LAUNCH` took more off.
+#: With graph 2 launched plainly in f32 and tf32 (session 52, H100, ``benches/step_spread.py
+#: --switch PRIORITY_BY_GRAPH``, four instances a side, whole against apart): core f32 132.46 /
+#: 133.91, tf32 112.95 / 113.30, so still none.
 PRIORITY_BY_GRAPH = frozenset()
 #: The precisions whose single trainer launches graph 2's kernels early (programmatic dependent
 #: launch, ``graph_lowering.EARLY_LAUNCH``: scheduled while their predecessors still run); in the
