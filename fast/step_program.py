@@ -195,6 +195,12 @@ PRIORITY_BY_GRAPH = frozenset()
 #: core f32 138.49 against 131.20, tf32 116.15 against 112.08, every second-wave source in f32
 #: 197.87 against 197.45.
 GRAPH2_EARLY_LAUNCH = frozenset({"bf16"})
+#: The precisions outside :data:`GRAPH2_EARLY_LAUNCH` whose graph 2 still launches early the
+#: kernels that follow only graph 2's own nodes on their stream (``Lowering.early_launches``'
+#: ``chained_only``: Polyak after the spectral norm after Adam, the checks after Adam), while
+#: each stream's first kernel after graph 1 (Adam, the step's scalars, the ISV updates) starts
+#: after graph 1's nodes end, so none takes SMs from graph 1's last nodes.
+GRAPH2_CHAINED_EARLY = frozenset()
 #: Backward precisions whose kernel takes only the masked GEMMs (a ReLU layer's input gradient on a
 #: chain): measured on the H200 (session 33, seed preset, core f32 step, driver-event time), 136.2
 #: us with cuBLASLt's GEMMs, 139.7 us with every one that fits as ``gemm_f32`` (the CUDA cores'
@@ -223,7 +229,9 @@ def plan_switches() -> dict[str, object]:
             "SPECTRAL_FIT_CLUSTERS": frozenset(PRECISIONS) - SPECTRAL_FIT_CLUSTERS,
             "SPLIT_STEP_GRAPH": frozenset(PRECISIONS) - SPLIT_STEP_GRAPH,
             "PRIORITY_BY_GRAPH": frozenset(PRECISIONS) - PRIORITY_BY_GRAPH,
-            "GRAPH2_EARLY_LAUNCH": frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH}
+            "GRAPH2_EARLY_LAUNCH": frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH,
+            "GRAPH2_CHAINED_EARLY": (frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH
+                                     - GRAPH2_CHAINED_EARLY)}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

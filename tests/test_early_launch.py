@@ -14,7 +14,7 @@ import pytest
 from foxhunt.fast._build import source_files
 from foxhunt.fast.cuda_parse import kernel_spans, strip_comments
 from foxhunt.fast.graph_lowering import EARLY_LAUNCH, Lowering
-from foxhunt.fast.records import Launch, LaunchShape
+from foxhunt.fast.records import Launch, LaunchShape, Ops, Parallel, Record, Wait
 
 
 def _first_statements() -> dict[str, str]:
@@ -108,3 +108,64 @@ def test_early_launches_turns_them_off_inside_its_block_only(arch, early):
         raise RuntimeError("boom")
     lowering.launch(node, stream=0)
     assert log == [early, False, early, early]
+
+
+def _graph2_like() -> tuple[Ops, list[tuple[str, bool]]]:
+    """Records shaped as the core step's graph 2 (``graph2_plan``: three sides beside Adam, one
+    waiting on another's event; the checks forked after Adam), then one kernel after the join;
+    and each launch's expected ``chained`` (every node its stream depends on issued by the
+    same ``enqueue``), in enqueue order."""
+    shape = LaunchShape((1, 1, 1), (32, 1, 1))
+
+    def ops(*items) -> Ops:
+        out = Ops(None)
+        out.items.extend(Launch(it, shape, {}) if isinstance(it, str) else it for it in items)
+        return out
+
+    checks = Parallel(sides=(ops("nan_check_fused"),),
+                      main=ops("batched_spectral_norm", "polyak_update_mirror_check"))
+    top = Parallel(sides=(ops("step_scalars", Record("scalars")),
+                          ops("isv_q_abs_ref_update", "isv_h2_rms_update"),
+                          ops(Wait("scalars"), "nan_check_fused", "merge_piece_flags")),
+                   main=ops("adam_update_norm", checks))
+    expected = [("step_scalars", False), ("isv_q_abs_ref_update", False),
+                ("isv_h2_rms_update", True), ("nan_check_fused", False),
+                ("merge_piece_flags", True), ("adam_update_norm", False),
+                ("nan_check_fused", True), ("batched_spectral_norm", True),
+                ("polyak_update_mirror_check", True), ("adam_update", True)]
+    return ops(top, "adam_update"), expected
+
+
+@pytest.mark.parametrize("arch, early", [("sm_90", True), ("sm_80", False)])
+def test_chained_only_launches_early_only_after_the_enqueues_own_nodes(monkeypatch, arch, early):
+    """``early_launches(True, chained_only=True)`` (graph 2 of ``step_program.GRAPH2_CHAINED_EARLY``):
+    a kernel is early only where its stream depends on nothing but nodes the same ``enqueue``
+    issued: each stream's first kernel (a side's after its fork, a side whose wait joins it to
+    an event recorded after a kernel) is plain, a kernel after a kernel, a fork after a kernel
+    and a join of such streams early. Without ``chained_only`` every listed kernel is early,
+    inside ``early_launches(False)`` none."""
+    from foxhunt.fast import device as fast_device
+
+    fake = types.SimpleNamespace(CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
+                                 CUstream=lambda handle: handle,
+                                 cuEventRecord=lambda *args: (0,),
+                                 cuStreamWaitEvent=lambda *args: (0,))
+    monkeypatch.setattr(fast_device, "_driver", lambda: fake)
+    pool = types.SimpleNamespace(reset=lambda: None, event=object,
+                                 stream=lambda: types.SimpleNamespace(handle=1))
+    lowering = Lowering(types.SimpleNamespace(device=types.SimpleNamespace(arch=arch)),
+                        lambda buf: 0, {})
+    log = []
+    lowering.packed = lambda node: (types.SimpleNamespace(
+        launch=lambda grid, block, packed, *, stream, shared_mem, early: log.append(
+            (node.kernel, early))), None)
+    ops, expected = _graph2_like()
+    assert set(name for name, _ in expected) <= EARLY_LAUNCH
+    for on, chained_only, want in ((True, True, [(k, c and early) for k, c in expected]),
+                                   (True, False, [(k, early) for k, _ in expected]),
+                                   (False, True, [(k, False) for k, _ in expected])):
+        log.clear()
+        with lowering.early_launches(on, chained_only=chained_only):
+            assert lowering.enqueue(ops, 0, pool) is True
+        assert log == want, (on, chained_only)
+    assert lowering.chained_only is False  # restored after the block
