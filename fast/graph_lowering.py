@@ -47,6 +47,8 @@ DEFAULT_SHARED_LIMIT = 48 * 1024
 #: ``cuda_parse.KernelDecl.early``), so none reads or writes anything before its predecessors
 #: are done: every kernel of the step's graphs (tests/test_early_launch.py).
 EARLY_LAUNCH = frozenset(name for name, decl in package_kernels().items() if decl.early)
+#: ``Lowering.early_launches``' choices of which ``EARLY_LAUNCH`` kernels launch early.
+EARLY_WHICH = ("all", "chained", "first")
 
 
 class BranchPool:
@@ -130,34 +132,37 @@ class Lowering:
         #: Programmatic dependent launches exist from sm_90 (``EARLY_LAUNCH``).
         device = getattr(module, "device", None)
         self.early_launch = device is not None and normalize_arch(device.arch) >= 90
-        #: Early only after the current ``enqueue``'s own nodes (``early_launches``).
-        self.chained_only = False
+        #: Which early kernels launch early (``EARLY_WHICH``; ``early_launches``).
+        self.early_which = "all"
         self.address = address
         self.host = host
         self._packed: dict[int, tuple] = {}  # id(Launch) -> (kernel, PackedArgs, record)
 
     @contextlib.contextmanager
-    def early_launches(self, on: bool, *, chained_only: bool = False):
+    def early_launches(self, on: bool, *, which: str = "all"):
         """Inside the block, kernels are launched early (``EARLY_LAUNCH``) only if ``on`` and the
-        device has programmatic dependent launches, and with ``chained_only`` only those
-        whose stream depends on nothing but nodes that a ``enqueue`` call made inside the
-        block has issued (``enqueue``'s ``chained``): the first kernel of each stream of such
-        a call, which follows the work before it, starts after that work ends. After the
-        block, as before."""
-        before = self.early_launch, self.chained_only
+        device has programmatic dependent launches, and then by ``which`` (``EARLY_WHICH``):
+        ``"all"``; ``"chained"``: only those whose stream depends on nothing but nodes that the
+        same ``enqueue`` call issued (``enqueue``'s ``chained``); ``"first"``: only the others,
+        each stream's first kernels after the work before the call. After the block, as
+        before."""
+        if which not in EARLY_WHICH:
+            raise ValueError(f"which: {which!r} is not allowed; expected one of "
+                             f"{', '.join(EARLY_WHICH)}")
+        before = self.early_launch, self.early_which
         self.early_launch = before[0] and bool(on)
-        self.chained_only = bool(chained_only)
+        self.early_which = which
         try:
             yield
         finally:
-            self.early_launch, self.chained_only = before
+            self.early_launch, self.early_which = before
 
     def early(self, node: Launch, chained: bool) -> bool:
         """Whether the launch of ``node`` is early: a kernel of ``EARLY_LAUNCH`` where early
-        launches are on, and ``chained`` (every node its stream depends on is one the current
-        ``enqueue`` issued) where :attr:`chained_only`."""
+        launches are on, as :attr:`early_which` selects by ``chained`` (every node its stream
+        depends on is one the current ``enqueue`` issued)."""
         return (self.early_launch and node.kernel in EARLY_LAUNCH
-                and (chained or not self.chained_only))
+                and (self.early_which == "all" or (self.early_which == "chained") == chained))
 
     def _end(self, end, nbytes: int, write: bool) -> int:
         return self._host(end, nbytes, write).ctypes.data if isinstance(end, Host) else self.address(end)
@@ -303,4 +308,4 @@ class Lowering:
                 raise AssertionError(type(it))
         return chained
 
-__all__ = ["BranchPool", "COPY_FUNCTIONS", "Lowering", "layered_address"]
+__all__ = ["BranchPool", "COPY_FUNCTIONS", "EARLY_WHICH", "Lowering", "layered_address"]

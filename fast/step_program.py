@@ -197,10 +197,26 @@ PRIORITY_BY_GRAPH = frozenset()
 GRAPH2_EARLY_LAUNCH = frozenset({"bf16"})
 #: The precisions outside :data:`GRAPH2_EARLY_LAUNCH` whose graph 2 still launches early the
 #: kernels that follow only graph 2's own nodes on their stream (``Lowering.early_launches``'
-#: ``chained_only``: Polyak after the spectral norm after Adam, the checks after Adam), while
-#: each stream's first kernel after graph 1 (Adam, the step's scalars, the ISV updates) starts
-#: after graph 1's nodes end, so none takes SMs from graph 1's last nodes.
+#: ``"chained"``: Polyak after the spectral norm after Adam, the checks after Adam), while each
+#: stream's first kernel after graph 1 (Adam, the step's scalars, the ISV updates) starts after
+#: graph 1's nodes end, so none takes SMs from graph 1's last nodes. None: slower (session 53,
+#: H100, ``benches/step_spread.py --switch GRAPH2_CHAINED_EARLY``, four instances a side,
+#: ``Trainer.step`` us, off / on): core f32 131.03 / 138.92, tf32 112.82 / 117.64.
 GRAPH2_CHAINED_EARLY = frozenset()
+#: The precisions outside :data:`GRAPH2_EARLY_LAUNCH` whose graph 2 launches early only each
+#: stream's first kernels after graph 1 (``"first"``: Adam, the step's scalars, the ISV updates),
+#: the kernels after them plainly: the other half of :data:`GRAPH2_CHAINED_EARLY`.
+GRAPH2_FIRST_EARLY = frozenset()
+
+
+def graph2_early(precision: str) -> str | None:
+    """Which of graph 2's kernels a single trainer of ``precision`` launches early
+    (``graph_lowering.EARLY_WHICH``), or None: :data:`GRAPH2_EARLY_LAUNCH` all,
+    :data:`GRAPH2_CHAINED_EARLY` and :data:`GRAPH2_FIRST_EARLY` their halves (both: all)."""
+    chained, first = precision in GRAPH2_CHAINED_EARLY, precision in GRAPH2_FIRST_EARLY
+    if precision in GRAPH2_EARLY_LAUNCH or (chained and first):
+        return "all"
+    return "chained" if chained else "first" if first else None
 #: Backward precisions whose kernel takes only the masked GEMMs (a ReLU layer's input gradient on a
 #: chain): measured on the H200 (session 33, seed preset, core f32 step, driver-event time), 136.2
 #: us with cuBLASLt's GEMMs, 139.7 us with every one that fits as ``gemm_f32`` (the CUDA cores'
@@ -231,7 +247,8 @@ def plan_switches() -> dict[str, object]:
             "PRIORITY_BY_GRAPH": frozenset(PRECISIONS) - PRIORITY_BY_GRAPH,
             "GRAPH2_EARLY_LAUNCH": frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH,
             "GRAPH2_CHAINED_EARLY": (frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH
-                                     - GRAPH2_CHAINED_EARLY)}
+                                     - GRAPH2_CHAINED_EARLY),
+            "GRAPH2_FIRST_EARLY": frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH - GRAPH2_FIRST_EARLY}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

@@ -137,13 +137,13 @@ def _graph2_like() -> tuple[Ops, list[tuple[str, bool]]]:
 
 
 @pytest.mark.parametrize("arch, early", [("sm_90", True), ("sm_80", False)])
-def test_chained_only_launches_early_only_after_the_enqueues_own_nodes(monkeypatch, arch, early):
-    """``early_launches(True, chained_only=True)`` (graph 2 of ``step_program.GRAPH2_CHAINED_EARLY``):
-    a kernel is early only where its stream depends on nothing but nodes the same ``enqueue``
-    issued: each stream's first kernel (a side's after its fork, a side whose wait joins it to
-    an event recorded after a kernel) is plain, a kernel after a kernel, a fork after a kernel
-    and a join of such streams early. Without ``chained_only`` every listed kernel is early,
-    inside ``early_launches(False)`` none."""
+def test_which_launches_early_by_the_enqueues_own_nodes(monkeypatch, arch, early):
+    """``early_launches(True, which=...)`` (graph 2 of ``step_program.graph2_early``):
+    ``"chained"`` launches a kernel early only where its stream depends on nothing but nodes the
+    same ``enqueue`` issued: not each stream's first kernel (a side's after its fork, a side whose
+    wait joins it to an event recorded after a kernel), but a kernel after a kernel, a fork after
+    a kernel and a join of such streams; ``"first"`` exactly the others; ``"all"`` every listed
+    kernel; inside ``early_launches(False)`` none. Anything else for ``which`` is refused."""
     from foxhunt.fast import device as fast_device
 
     fake = types.SimpleNamespace(CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
@@ -161,11 +161,28 @@ def test_chained_only_launches_early_only_after_the_enqueues_own_nodes(monkeypat
             (node.kernel, early))), None)
     ops, expected = _graph2_like()
     assert set(name for name, _ in expected) <= EARLY_LAUNCH
-    for on, chained_only, want in ((True, True, [(k, c and early) for k, c in expected]),
-                                   (True, False, [(k, early) for k, _ in expected]),
-                                   (False, True, [(k, False) for k, _ in expected])):
+    for on, which, want in ((True, "chained", [(k, c and early) for k, c in expected]),
+                            (True, "first", [(k, not c and early) for k, c in expected]),
+                            (True, "all", [(k, early) for k, _ in expected]),
+                            (False, "chained", [(k, False) for k, _ in expected])):
         log.clear()
-        with lowering.early_launches(on, chained_only=chained_only):
+        with lowering.early_launches(on, which=which):
             assert lowering.enqueue(ops, 0, pool) is True
-        assert log == want, (on, chained_only)
-    assert lowering.chained_only is False  # restored after the block
+        assert log == want, (on, which)
+    assert lowering.early_which == "all"  # restored after the block
+    refused = r"^which: 'some' is not allowed; expected one of all, chained, first$"
+    with pytest.raises(ValueError, match=refused), lowering.early_launches(True, which="some"):
+        pass
+
+
+def test_graph2_early_names_each_precisions_choice(monkeypatch):
+    """``step_program.graph2_early``: ``GRAPH2_EARLY_LAUNCH`` all, ``GRAPH2_CHAINED_EARLY`` and
+    ``GRAPH2_FIRST_EARLY`` their halves, both halves all, none of them None."""
+    from foxhunt.fast import step_program as sp
+
+    monkeypatch.setattr(sp, "GRAPH2_EARLY_LAUNCH", frozenset({"bf16"}))
+    monkeypatch.setattr(sp, "GRAPH2_CHAINED_EARLY", frozenset({"bf16", "f32", "tf32"}))
+    monkeypatch.setattr(sp, "GRAPH2_FIRST_EARLY", frozenset({"tf32"}))
+    assert [sp.graph2_early(p) for p in ("bf16", "f32", "tf32")] == ["all", "chained", "all"]
+    monkeypatch.setattr(sp, "GRAPH2_CHAINED_EARLY", frozenset())
+    assert [sp.graph2_early(p) for p in ("bf16", "f32", "tf32")] == ["all", None, "first"]
