@@ -199,13 +199,18 @@ GRAPH2_EARLY_LAUNCH = frozenset({"bf16"})
 #: kernels that follow only graph 2's own nodes on their stream (``Lowering.early_launches``'
 #: ``"chained"``: Polyak after the spectral norm after Adam, the checks after Adam), while each
 #: stream's first kernel after graph 1 (Adam, the step's scalars, the ISV updates) starts after
-#: graph 1's nodes end, so none takes SMs from graph 1's last nodes. None: slower (session 53,
-#: H100, ``benches/step_spread.py --switch GRAPH2_CHAINED_EARLY``, four instances a side,
-#: ``Trainer.step`` us, off / on): core f32 131.03 / 138.92, tf32 112.82 / 117.64.
+#: graph 1's nodes end, so none takes SMs from graph 1's last nodes. None: no faster (session 53,
+#: H100, ``benches/step_spread.py --switch``, four instances an arm, ``Trainer.step`` us, off /
+#: on): core f32 131.03 / 138.92, tf32 112.82 / 117.64; on another H100 with
+#: :data:`GRAPH2_FIRST_EARLY` and every kernel early beside them, below.
 GRAPH2_CHAINED_EARLY = frozenset()
 #: The precisions outside :data:`GRAPH2_EARLY_LAUNCH` whose graph 2 launches early only each
 #: stream's first kernels after graph 1 (``"first"``: Adam, the step's scalars, the ISV updates),
-#: the kernels after them plainly: the other half of :data:`GRAPH2_CHAINED_EARLY`.
+#: the kernels after them plainly: the other half of :data:`GRAPH2_CHAINED_EARLY`. None: no
+#: faster in f32 (session 53, H100, ``step_spread.py`` with four arms of four instances, us a step,
+#: none early (the default) / first / chained / all): core f32 136.50 / 136.98 / 139.30 / 140.03,
+#: tf32 118.70 / 115.59 / 116.95 / 118.91 (inside one arm's spread of 2-5 us, and tf32 has no
+#: target of its own).
 GRAPH2_FIRST_EARLY = frozenset()
 
 
