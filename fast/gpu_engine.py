@@ -117,20 +117,20 @@ class GpuEngine:
                       Lowering(self.module, self.address, pinned),
                       split=config.precision in step_program.SPLIT_STEP_GRAPH,
                       priority_by_graph=config.precision in step_program.PRIORITY_BY_GRAPH,
-                      graph2_early=step_program.graph2_early(config.precision))
+                      graph2_early=config.precision in step_program.GRAPH2_EARLY_LAUNCH)
 
     def _capture(self, pinned: dict, plans: dict, lowering: Lowering, *,
                  split: bool = False, priority_by_graph: bool = False,
-                 graph2_early: str | None = "all") -> None:
+                 graph2_early: bool = True) -> None:
         """Capture ``plans`` (``step_plans``') through ``lowering``: the upload graphs on a
         second stream, graphs 1 and 2 on the step stream, as ONE step graph or, with ``split``
         (``step_program.SPLIT_STEP_GRAPH``), as two launched one after the other; ``pinned``:
         the host buffers (``host_buffer_specs``' names: the staging ring and the read mirrors).
         ``priority_by_graph`` (``step_program.PRIORITY_BY_GRAPH``): one step graph's launch
         priorities ranked over graph 1's nodes and graph 2's apart (``GraphCapture.priority_group``),
-        as a split's two graphs are. ``graph2_early`` (``step_program.graph2_early``): which of
-        graph 2's kernels are launched early (``Lowering.early_launches``' ``which``); with None
-        each starts after its predecessors end."""
+        as a split's two graphs are. ``graph2_early`` (``step_program.GRAPH2_EARLY_LAUNCH``):
+        graph 2's kernels launched early (``Lowering.early_launches``), else each starts after
+        its predecessors end."""
         from foxhunt.fast.device import _driver, call
         from foxhunt.fast.graphs import GraphCapture, set_capture_frontier
 
@@ -194,13 +194,11 @@ class GpuEngine:
                 if not split:
                     if priority_by_graph:
                         self._step_graph.priority_group()
-                    with self.lowering.early_launches(graph2_early is not None,
-                                                      which=graph2_early or "all"):
+                    with self.lowering.early_launches(graph2_early):
                         self.lowering.enqueue(ops2, self.stream, self.pool)
         if split:
             self._graph2 = GraphCapture(self.stream, max_branches=0)  # the pool's branches only
-            with self._graph2, self.lowering.early_launches(graph2_early is not None,
-                                                          which=graph2_early or "all"):
+            with self._graph2, self.lowering.early_launches(graph2_early):
                 self.lowering.enqueue(ops2, self.stream, self.pool)
         graph2_nodes = (self._graph2.node_count if split
                         else self._step_graph.node_count - graph1_nodes)

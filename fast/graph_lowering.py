@@ -47,8 +47,6 @@ DEFAULT_SHARED_LIMIT = 48 * 1024
 #: ``cuda_parse.KernelDecl.early``), so none reads or writes anything before its predecessors
 #: are done: every kernel of the step's graphs (tests/test_early_launch.py).
 EARLY_LAUNCH = frozenset(name for name, decl in package_kernels().items() if decl.early)
-#: ``Lowering.early_launches``' choices of which ``EARLY_LAUNCH`` kernels launch early.
-EARLY_WHICH = ("all", "chained", "first")
 
 
 class BranchPool:
@@ -132,37 +130,20 @@ class Lowering:
         #: Programmatic dependent launches exist from sm_90 (``EARLY_LAUNCH``).
         device = getattr(module, "device", None)
         self.early_launch = device is not None and normalize_arch(device.arch) >= 90
-        #: Which early kernels launch early (``EARLY_WHICH``; ``early_launches``).
-        self.early_which = "all"
         self.address = address
         self.host = host
         self._packed: dict[int, tuple] = {}  # id(Launch) -> (kernel, PackedArgs, record)
 
     @contextlib.contextmanager
-    def early_launches(self, on: bool, *, which: str = "all"):
+    def early_launches(self, on: bool):
         """Inside the block, kernels are launched early (``EARLY_LAUNCH``) only if ``on`` and the
-        device has programmatic dependent launches, and then by ``which`` (``EARLY_WHICH``):
-        ``"all"``; ``"chained"``: only those whose stream depends on nothing but nodes that the
-        same ``enqueue`` call issued (``enqueue``'s ``chained``); ``"first"``: only the others,
-        each stream's first kernels after the work before the call. After the block, as
-        before."""
-        if which not in EARLY_WHICH:
-            raise ValueError(f"which: {which!r} is not allowed; expected one of "
-                             f"{', '.join(EARLY_WHICH)}")
-        before = self.early_launch, self.early_which
-        self.early_launch = before[0] and bool(on)
-        self.early_which = which
+        device has programmatic dependent launches; after it, as before."""
+        before = self.early_launch
+        self.early_launch = before and bool(on)
         try:
             yield
         finally:
-            self.early_launch, self.early_which = before
-
-    def early(self, node: Launch, chained: bool) -> bool:
-        """Whether the launch of ``node`` is early: a kernel of ``EARLY_LAUNCH`` where early
-        launches are on, as :attr:`early_which` selects by ``chained`` (every node its stream
-        depends on is one the current ``enqueue`` issued)."""
-        return (self.early_launch and node.kernel in EARLY_LAUNCH
-                and (self.early_which == "all" or (self.early_which == "chained") == chained))
+            self.early_launch = before
 
     def _end(self, end, nbytes: int, write: bool) -> int:
         return self._host(end, nbytes, write).ctypes.data if isinstance(end, Host) else self.address(end)
@@ -217,11 +198,12 @@ class Lowering:
         two more: ``population.PopulationLowering``)."""
         return ()
 
-    def launch(self, node: Launch, stream, chained: bool = True) -> None:
-        """Enqueue one kernel record on ``stream`` (early where :meth:`early` says so)."""
+    def launch(self, node: Launch, stream) -> None:
+        """Enqueue one kernel record on ``stream`` (early where ``EARLY_LAUNCH`` says so)."""
         kernel, packed = self.packed(node)
         kernel.launch(node.shape.grid, node.shape.block, packed, stream=stream,
-                      shared_mem=node.shape.shared_mem, early=self.early(node, chained))
+                      shared_mem=node.shape.shared_mem,
+                      early=self.early_launch and node.kernel in EARLY_LAUNCH)
 
     def copy(self, node: Copy, handle) -> None:
         """Enqueue one copy record on the stream ``handle``."""
@@ -237,31 +219,24 @@ class Lowering:
                 self.packed(node)
 
     def enqueue(self, ops: Ops, stream, pool: BranchPool | None = None, _events: dict | None = None,
-                *, captured: list | None = None, _chained: bool = False) -> bool:
+                *, captured: list | None = None) -> None:
         """Issue ``ops`` on ``stream`` (module docstring). ``captured`` (inside a capture): a
         list that gets, per kernel, GEMM and copy record in walk order (``Ops.nodes()``'s), the
         graph nodes its stream's next node would depend on right after it (``capture_frontier``:
-        the record's last node).
-
-        Each record is issued knowing whether its stream is ``chained``: whether every node the
-        stream depends on there is one this call issued (none at the start; after a kernel,
-        GEMM or copy, yes; a forked side starts as its fork, a join or a wait keeps it only if
-        the joined side or the recorded event had it). :meth:`early` reads it. Returns the
-        stream's state at the end (the recursion's)."""
+        the record's last node)."""
         from foxhunt.fast.device import _driver, as_stream_handle, call
         from foxhunt.fast.graphs import capture_frontier
 
         drv = _driver()
         if _events is None:
-            _events = {}  # name -> (event, chained where it was recorded)
+            _events = {}
             if pool is not None:
                 pool.reset()
         handle = as_stream_handle(stream)
-        chained = _chained
         for it in ops.items:
             if isinstance(it, (Launch, Gemm, Copy)):
                 if isinstance(it, Launch):
-                    self.launch(it, stream, chained)
+                    self.launch(it, stream)
                 elif isinstance(it, Gemm):
                     it.plan.run(self.address(it.a), self.address(it.b), self.address(it.c),
                                 bias_ptr=None if it.bias is None else self.address(it.bias),
@@ -269,7 +244,6 @@ class Lowering:
                                 stream=stream)
                 else:
                     self.copy(it, handle)
-                chained = True
                 if captured is not None:
                     captured.append(capture_frontier(handle))
             elif isinstance(it, Parallel):
@@ -277,17 +251,15 @@ class Lowering:
                     raise ValueError("enqueue: a parallel section needs a BranchPool")
                 fork = pool.event()
                 call(drv.cuEventRecord, fork, handle)
-                joins, ends = [], []
+                joins = []
                 for side in it.sides:
                     side_stream = pool.stream()
                     call(drv.cuStreamWaitEvent, side_stream.handle, fork, 0)
-                    ends.append(self.enqueue(side, side_stream, pool, _events, captured=captured,
-                                             _chained=chained))
+                    self.enqueue(side, side_stream, pool, _events, captured=captured)
                     join = pool.event()
                     call(drv.cuEventRecord, join, side_stream.handle)
                     joins.append(join)
-                chained = self.enqueue(it.main, stream, pool, _events, captured=captured,
-                                       _chained=chained) and all(ends)
+                self.enqueue(it.main, stream, pool, _events, captured=captured)
                 for join in joins:
                     call(drv.cuStreamWaitEvent, handle, join, 0)
             elif isinstance(it, Record):
@@ -295,17 +267,14 @@ class Lowering:
                     raise ValueError(f"event {it.event!r} recorded twice")
                 if pool is None:
                     raise ValueError("enqueue: events need a BranchPool")
-                ev = pool.event()
-                _events[it.event] = (ev, chained)
+                _events[it.event] = ev = pool.event()
                 call(drv.cuEventRecord, ev, handle)
             elif isinstance(it, Wait):
                 if it.event not in _events:
                     raise ValueError(f"wait on event {it.event!r} before it is recorded")
-                ev, recorded_chained = _events[it.event]
-                call(drv.cuStreamWaitEvent, handle, ev, 0)
-                chained = chained and recorded_chained
+                call(drv.cuStreamWaitEvent, handle, _events[it.event], 0)
             else:  # pragma: no cover - records.Ops holds only the kinds above
                 raise AssertionError(type(it))
-        return chained
 
-__all__ = ["BranchPool", "COPY_FUNCTIONS", "EARLY_WHICH", "Lowering", "layered_address"]
+
+__all__ = ["BranchPool", "COPY_FUNCTIONS", "Lowering", "layered_address"]

@@ -29,7 +29,7 @@ from foxhunt.fast.device import SYNCS, _driver, call
 from foxhunt.fast.gpu_engine import (READ_BUFFERS, GpuEngine, GpuEval, pinned_host_buffers,
                                       step_plans)
 from foxhunt.fast.graph2_plan import staging_name
-from foxhunt.fast.graph_lowering import Lowering, layered_address
+from foxhunt.fast.graph_lowering import EARLY_LAUNCH, Lowering, layered_address
 from foxhunt.fast.kernels.spectral import spectral_shared_bytes
 from foxhunt.fast.population_plan import (
     MEMBER_PROGRAM_OPTIONS,
@@ -173,7 +173,7 @@ def memcpy_2d(dst: int, dst_host: bool, dst_pitch: int, src: int, src_host: bool
 class PopulationLowering(Lowering):
     """``Lowering`` for the member build: each launch takes ``member_stride`` and its scalar
     block (or null) after its own arguments and runs with ``gridDim.z = members`` (early where
-    ``Lowering.early`` says so, as in ``Lowering``: the member build's wrapper of such a kernel
+    ``EARLY_LAUNCH`` says so, as in ``Lowering``: the member build's wrapper of such a kernel
     waits before it reads its scalar block); each copy is one 2-D copy over the members (module
     docstring). GEMM records carry batched plans."""
 
@@ -198,7 +198,7 @@ class PopulationLowering(Lowering):
                 threads, shared_mem))
         return self._resident[key]
 
-    def launch(self, node: Launch, stream, chained: bool = True) -> None:
+    def launch(self, node: Launch, stream) -> None:
         gx, gy, gz = node.shape.grid
         if gz != 1:
             raise AssertionError(f"kernel {node.kernel}: grid.z = {gz}; the member build takes z")
@@ -209,7 +209,8 @@ class PopulationLowering(Lowering):
             resident = self.resident_blocks(kernel, math.prod(block), shared)
             gx = shared_grid_x(gx, self.members, resident, self.sm_count, gy)
         kernel.launch((gx, gy, self.members), block, packed, stream=stream,
-                      shared_mem=shared, early=self.early(node, chained))
+                      shared_mem=shared,
+                      early=self.early_launch and node.kernel in EARLY_LAUNCH)
 
     def copy(self, node: Copy, handle) -> None:
         ends = []

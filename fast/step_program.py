@@ -195,33 +195,6 @@ PRIORITY_BY_GRAPH = frozenset()
 #: core f32 138.49 against 131.20, tf32 116.15 against 112.08, every second-wave source in f32
 #: 197.87 against 197.45.
 GRAPH2_EARLY_LAUNCH = frozenset({"bf16"})
-#: The precisions outside :data:`GRAPH2_EARLY_LAUNCH` whose graph 2 still launches early the
-#: kernels that follow only graph 2's own nodes on their stream (``Lowering.early_launches``'
-#: ``"chained"``: Polyak after the spectral norm after Adam, the checks after Adam), while each
-#: stream's first kernel after graph 1 (Adam, the step's scalars, the ISV updates) starts after
-#: graph 1's nodes end, so none takes SMs from graph 1's last nodes. None: no faster (session 53,
-#: H100, ``benches/step_spread.py --switch``, four instances an arm, ``Trainer.step`` us, off /
-#: on): core f32 131.03 / 138.92, tf32 112.82 / 117.64; on another H100 with
-#: :data:`GRAPH2_FIRST_EARLY` and every kernel early beside them, below.
-GRAPH2_CHAINED_EARLY = frozenset()
-#: The precisions outside :data:`GRAPH2_EARLY_LAUNCH` whose graph 2 launches early only each
-#: stream's first kernels after graph 1 (``"first"``: Adam, the step's scalars, the ISV updates),
-#: the kernels after them plainly: the other half of :data:`GRAPH2_CHAINED_EARLY`. None: no
-#: faster in f32 (session 53, H100, ``step_spread.py`` with four arms of four instances, us a step,
-#: none early (the default) / first / chained / all): core f32 136.50 / 136.98 / 139.30 / 140.03,
-#: tf32 118.70 / 115.59 / 116.95 / 118.91 (inside one arm's spread of 2-5 us, and tf32 has no
-#: target of its own).
-GRAPH2_FIRST_EARLY = frozenset()
-
-
-def graph2_early(precision: str) -> str | None:
-    """Which of graph 2's kernels a single trainer of ``precision`` launches early
-    (``graph_lowering.EARLY_WHICH``), or None: :data:`GRAPH2_EARLY_LAUNCH` all,
-    :data:`GRAPH2_CHAINED_EARLY` and :data:`GRAPH2_FIRST_EARLY` their halves (both: all)."""
-    chained, first = precision in GRAPH2_CHAINED_EARLY, precision in GRAPH2_FIRST_EARLY
-    if precision in GRAPH2_EARLY_LAUNCH or (chained and first):
-        return "all"
-    return "chained" if chained else "first" if first else None
 #: Backward precisions whose kernel takes only the masked GEMMs (a ReLU layer's input gradient on a
 #: chain): measured on the H200 (session 33, seed preset, core f32 step, driver-event time), 136.2
 #: us with cuBLASLt's GEMMs, 139.7 us with every one that fits as ``gemm_f32`` (the CUDA cores'
@@ -250,10 +223,7 @@ def plan_switches() -> dict[str, object]:
             "SPECTRAL_FIT_CLUSTERS": frozenset(PRECISIONS) - SPECTRAL_FIT_CLUSTERS,
             "SPLIT_STEP_GRAPH": frozenset(PRECISIONS) - SPLIT_STEP_GRAPH,
             "PRIORITY_BY_GRAPH": frozenset(PRECISIONS) - PRIORITY_BY_GRAPH,
-            "GRAPH2_EARLY_LAUNCH": frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH,
-            "GRAPH2_CHAINED_EARLY": (frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH
-                                     - GRAPH2_CHAINED_EARLY),
-            "GRAPH2_FIRST_EARLY": frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH - GRAPH2_FIRST_EARLY}
+            "GRAPH2_EARLY_LAUNCH": frozenset(PRECISIONS) - GRAPH2_EARLY_LAUNCH}
 
 
 def sm_count_targets(sm_count: int, shares: Mapping[str, int]) -> dict[str, int]:

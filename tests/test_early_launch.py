@@ -14,7 +14,7 @@ import pytest
 from foxhunt.fast._build import source_files
 from foxhunt.fast.cuda_parse import kernel_spans, strip_comments
 from foxhunt.fast.graph_lowering import EARLY_LAUNCH, Lowering
-from foxhunt.fast.records import Launch, LaunchShape, Ops, Parallel, Record, Wait
+from foxhunt.fast.records import Launch, LaunchShape
 
 
 def _first_statements() -> dict[str, str]:
@@ -108,81 +108,3 @@ def test_early_launches_turns_them_off_inside_its_block_only(arch, early):
         raise RuntimeError("boom")
     lowering.launch(node, stream=0)
     assert log == [early, False, early, early]
-
-
-def _graph2_like() -> tuple[Ops, list[tuple[str, bool]]]:
-    """Records shaped as the core step's graph 2 (``graph2_plan``: three sides beside Adam, one
-    waiting on another's event; the checks forked after Adam), then one kernel after the join;
-    and each launch's expected ``chained`` (every node its stream depends on issued by the
-    same ``enqueue``), in enqueue order."""
-    shape = LaunchShape((1, 1, 1), (32, 1, 1))
-
-    def ops(*items) -> Ops:
-        out = Ops(None)
-        out.items.extend(Launch(it, shape, {}) if isinstance(it, str) else it for it in items)
-        return out
-
-    checks = Parallel(sides=(ops("nan_check_fused"),),
-                      main=ops("batched_spectral_norm", "polyak_update_mirror_check"))
-    top = Parallel(sides=(ops("step_scalars", Record("scalars")),
-                          ops("isv_q_abs_ref_update", "isv_h2_rms_update"),
-                          ops(Wait("scalars"), "nan_check_fused", "merge_piece_flags")),
-                   main=ops("adam_update_norm", checks))
-    expected = [("step_scalars", False), ("isv_q_abs_ref_update", False),
-                ("isv_h2_rms_update", True), ("nan_check_fused", False),
-                ("merge_piece_flags", True), ("adam_update_norm", False),
-                ("nan_check_fused", True), ("batched_spectral_norm", True),
-                ("polyak_update_mirror_check", True), ("adam_update", True)]
-    return ops(top, "adam_update"), expected
-
-
-@pytest.mark.parametrize("arch, early", [("sm_90", True), ("sm_80", False)])
-def test_which_launches_early_by_the_enqueues_own_nodes(monkeypatch, arch, early):
-    """``early_launches(True, which=...)`` (graph 2 of ``step_program.graph2_early``):
-    ``"chained"`` launches a kernel early only where its stream depends on nothing but nodes the
-    same ``enqueue`` issued: not each stream's first kernel (a side's after its fork, a side whose
-    wait joins it to an event recorded after a kernel), but a kernel after a kernel, a fork after
-    a kernel and a join of such streams; ``"first"`` exactly the others; ``"all"`` every listed
-    kernel; inside ``early_launches(False)`` none. Anything else for ``which`` is refused."""
-    from foxhunt.fast import device as fast_device
-
-    fake = types.SimpleNamespace(CUresult=types.SimpleNamespace(CUDA_SUCCESS=0),
-                                 CUstream=lambda handle: handle,
-                                 cuEventRecord=lambda *args: (0,),
-                                 cuStreamWaitEvent=lambda *args: (0,))
-    monkeypatch.setattr(fast_device, "_driver", lambda: fake)
-    pool = types.SimpleNamespace(reset=lambda: None, event=object,
-                                 stream=lambda: types.SimpleNamespace(handle=1))
-    lowering = Lowering(types.SimpleNamespace(device=types.SimpleNamespace(arch=arch)),
-                        lambda buf: 0, {})
-    log = []
-    lowering.packed = lambda node: (types.SimpleNamespace(
-        launch=lambda grid, block, packed, *, stream, shared_mem, early: log.append(
-            (node.kernel, early))), None)
-    ops, expected = _graph2_like()
-    assert set(name for name, _ in expected) <= EARLY_LAUNCH
-    for on, which, want in ((True, "chained", [(k, c and early) for k, c in expected]),
-                            (True, "first", [(k, not c and early) for k, c in expected]),
-                            (True, "all", [(k, early) for k, _ in expected]),
-                            (False, "chained", [(k, False) for k, _ in expected])):
-        log.clear()
-        with lowering.early_launches(on, which=which):
-            assert lowering.enqueue(ops, 0, pool) is True
-        assert log == want, (on, which)
-    assert lowering.early_which == "all"  # restored after the block
-    refused = r"^which: 'some' is not allowed; expected one of all, chained, first$"
-    with pytest.raises(ValueError, match=refused), lowering.early_launches(True, which="some"):
-        pass
-
-
-def test_graph2_early_names_each_precisions_choice(monkeypatch):
-    """``step_program.graph2_early``: ``GRAPH2_EARLY_LAUNCH`` all, ``GRAPH2_CHAINED_EARLY`` and
-    ``GRAPH2_FIRST_EARLY`` their halves, both halves all, none of them None."""
-    from foxhunt.fast import step_program as sp
-
-    monkeypatch.setattr(sp, "GRAPH2_EARLY_LAUNCH", frozenset({"bf16"}))
-    monkeypatch.setattr(sp, "GRAPH2_CHAINED_EARLY", frozenset({"bf16", "f32", "tf32"}))
-    monkeypatch.setattr(sp, "GRAPH2_FIRST_EARLY", frozenset({"tf32"}))
-    assert [sp.graph2_early(p) for p in ("bf16", "f32", "tf32")] == ["all", "chained", "all"]
-    monkeypatch.setattr(sp, "GRAPH2_CHAINED_EARLY", frozenset())
-    assert [sp.graph2_early(p) for p in ("bf16", "f32", "tf32")] == ["all", None, "first"]

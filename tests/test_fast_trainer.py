@@ -443,17 +443,14 @@ def test_step_graph_records_graph1_done_after_graph1_beside_graph2():
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU_OK, reason=f"no CUDA device/driver: {_GPU_REASON}")
 @pytest.mark.parametrize("precision", ["f32", "bf16"])
-@pytest.mark.parametrize("switch", ["SPLIT_STEP_GRAPH", "PRIORITY_BY_GRAPH", "GRAPH2_EARLY_LAUNCH",
-                                    "GRAPH2_CHAINED_EARLY", "GRAPH2_FIRST_EARLY"])
+@pytest.mark.parametrize("switch", ["SPLIT_STEP_GRAPH", "PRIORITY_BY_GRAPH", "GRAPH2_EARLY_LAUNCH"])
 def test_each_step_graph_switch_steps_bitwise_as_without_it(monkeypatch, switch, precision):
     """``step_program.SPLIT_STEP_GRAPH`` with the precision in it captures graph 2 as a graph of
     its own (graph 1's graph keeps the ``graph1_done`` record and nothing of graph 2), with the
     same node counts; ``PRIORITY_BY_GRAPH`` keeps one step graph whose launch priorities are
     ranked in two groups, graph 1's nodes (with the record) and graph 2's;
-    ``GRAPH2_EARLY_LAUNCH`` launches graph 2's kernels early or not, ``GRAPH2_CHAINED_EARLY``
-    (with the precision outside ``GRAPH2_EARLY_LAUNCH``) only those after graph 2's own nodes,
-    ``GRAPH2_FIRST_EARLY`` only the others.
-    Each way three steps end in the same bits as with the switch's precision set empty."""
+    ``GRAPH2_EARLY_LAUNCH`` launches graph 2's kernels early or not. Each way three steps end in
+    the same bits as with the switch's precision set empty."""
     from foxhunt.fast import step_program
     from foxhunt.fast.trainer import Trainer
 
@@ -461,14 +458,12 @@ def test_each_step_graph_switch_steps_bitwise_as_without_it(monkeypatch, switch,
     states, counts = {}, {}
     for on in (False, True):
         monkeypatch.setattr(step_program, switch, frozenset({precision}) if on else frozenset())
-        if switch in ("GRAPH2_CHAINED_EARLY", "GRAPH2_FIRST_EARLY"):
-            monkeypatch.setattr(step_program, "GRAPH2_EARLY_LAUNCH", frozenset())
         fast = Trainer(config, seed=3)
         try:
             counts[on] = fast.graph_node_counts
             engine = fast._engine
             groups = [len(g) for g in engine._step_graph.priority_groups]
-            if not on or switch.startswith("GRAPH2_"):
+            if not on or switch == "GRAPH2_EARLY_LAUNCH":
                 assert engine._graph2 is None and groups == []
             elif switch == "SPLIT_STEP_GRAPH":
                 assert engine._graph2.node_count == counts[on][2]

@@ -44,9 +44,7 @@ def test_switch_arms_are_one_per_group_named_by_its_switches(monkeypatch):
                        "SPECTRAL_FIT_CLUSTERS": frozenset({"f32", "tf32"}),
                        "SPLIT_STEP_GRAPH": frozenset({"bf16", "f32", "tf32"}),
                        "PRIORITY_BY_GRAPH": frozenset({"bf16", "f32", "tf32"}),
-                       "GRAPH2_EARLY_LAUNCH": frozenset({"f32", "tf32"}),
-                       "GRAPH2_CHAINED_EARLY": frozenset({"f32", "tf32"}),
-                       "GRAPH2_FIRST_EARLY": frozenset({"f32", "tf32"})}
+                       "GRAPH2_EARLY_LAUNCH": frozenset({"f32", "tf32"})}
     monkeypatch.setattr(step_program, "FUSE_GUARD_MASK", False)  # the other side of the default
     assert step_program.plan_switches()["FUSE_GUARD_MASK"] is True
     assert all(hasattr(step_program, name) for name in allowed)
@@ -62,8 +60,7 @@ def test_switch_arms_are_one_per_group_named_by_its_switches(monkeypatch):
                             r"FUSE_HEAD_OUTPUTS, FUSE_AUX_TRUNK_GRAD, FUSE_GUARD_MASK, "
                             r"FUSE_HEADS_DH2, EARLY_UPLOAD_RELEASE, "
                             r"WAVE_SCALARS_BESIDE_ADAM, SPECTRAL_FIT_CLUSTERS, "
-                            r"SPLIT_STEP_GRAPH, PRIORITY_BY_GRAPH, GRAPH2_EARLY_LAUNCH, "
-                            r"GRAPH2_CHAINED_EARLY, GRAPH2_FIRST_EARLY$"),
+                            r"SPLIT_STEP_GRAPH, PRIORITY_BY_GRAPH, GRAPH2_EARLY_LAUNCH$"),
             (["FUSE_GUARD_MASK,"], r"^--switch 'FUSE_GUARD_MASK,': '' is not a plan switch"),
             (["FUSE_GUARD_MASK,FUSE_GUARD_MASK"], r"^--switch 'FUSE_GUARD_MASK,FUSE_GUARD_MASK': "
                                                   r"a switch named twice$"),
